@@ -1,0 +1,141 @@
+"""The manifest of kernel variants (`templates/manifest.toml`) and template rendering."""
+
+from __future__ import annotations
+
+import itertools
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+
+TEMPLATES_DIR = Path(__file__).resolve().parents[2] / "templates"
+MANIFEST_PATH = TEMPLATES_DIR / "manifest.toml"
+
+DTYPE_CPP = {"bf16": "__nv_bfloat16", "fp16": "__half"}
+# Parameters a manifest entry may list, in the order they appear in a variant's name.
+_PARAM_ORDER = ("dtype", "head_dim", "block_size")
+_NAME_PREFIX = {"dtype": "", "head_dim": "d", "block_size": "b"}
+# Template constants that are not part of the variant's name.
+DEFAULT_CONSTANTS = {"min_partition": 128}
+
+
+class ManifestError(ValueError):
+    pass
+
+
+class TemplateRenderError(RuntimeError):
+    pass
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One kernel variant: a template rendered with one set of parameters."""
+
+    name: str
+    kind: str
+    template: str
+    params: tuple[tuple[str, object], ...] = field(default=())
+
+    @property
+    def param_dict(self) -> dict:
+        return dict(self.params)
+
+    def render_context(self) -> dict:
+        ctx = dict(DEFAULT_CONSTANTS)
+        ctx.update(self.param_dict)
+        ctx["name"] = self.name
+        ctx["kind"] = self.kind
+        if "dtype" in ctx:
+            ctx["dtype_cpp"] = DTYPE_CPP[ctx["dtype"]]
+        return ctx
+
+
+def variant_name(kind: str, params: dict) -> str:
+    parts = [kind]
+    for key in _PARAM_ORDER:
+        if key in params:
+            parts.append(f"{_NAME_PREFIX[key]}{params[key]}")
+    return "_".join(parts)
+
+
+def load_manifest(path: Path | None = None) -> dict[str, Variant]:
+    """Expand the manifest into {variant name: Variant}, in manifest order."""
+    path = Path(path) if path is not None else MANIFEST_PATH
+    with open(path, "rb") as f:
+        data = tomllib.load(f)
+    variants: dict[str, Variant] = {}
+    for entry in data.get("kernel", []):
+        try:
+            kind = entry["kind"]
+            template = entry["template"]
+        except KeyError as e:
+            raise ManifestError(f"{path}: kernel entry {entry!r} lacks {e}") from None
+        unknown = set(entry) - {"kind", "template", *_PARAM_ORDER}
+        if unknown:
+            raise ManifestError(f"{path}: kernel {kind!r}: unknown keys {sorted(unknown)}")
+        keys = [k for k in _PARAM_ORDER if k in entry]
+        lists = [entry[k] if isinstance(entry[k], list) else [entry[k]] for k in keys]
+        for combo in itertools.product(*lists):
+            params = dict(zip(keys, combo))
+            if "dtype" in params and params["dtype"] not in DTYPE_CPP:
+                raise ManifestError(f"{path}: kernel {kind!r}: unknown dtype {params['dtype']!r}")
+            name = variant_name(kind, params)
+            if name in variants:
+                raise ManifestError(f"{path}: duplicate variant {name!r}")
+            variants[name] = Variant(name, kind, template, tuple(params.items()))
+    return variants
+
+
+def select_variants(names, manifest: dict[str, Variant] | None = None) -> list[Variant]:
+    """Variants by name (None: all). Unknown names raise with the list of known ones."""
+    manifest = manifest if manifest is not None else load_manifest()
+    if names is None:
+        return list(manifest.values())
+    out = []
+    for n in names:
+        if n not in manifest:
+            raise ManifestError(f"unknown kernel variant {n!r}; known: {', '.join(manifest)}")
+        out.append(manifest[n])
+    return out
+
+
+def render(variant: Variant, templates_dir: Path | None = None) -> str:
+    """Render a variant's template with jinja2.
+
+    `{{ include_raw("x.cuh") }}` inlines a shared header verbatim (not parsed by jinja, so
+    inline PTX braces are safe), which makes the header part of the content hash.
+    Raises TemplateRenderError naming the variant.
+    """
+    import jinja2
+
+    tdir = Path(templates_dir or TEMPLATES_DIR)
+    env = jinja2.Environment(
+        loader=jinja2.FileSystemLoader(str(tdir)),
+        undefined=jinja2.StrictUndefined,
+        keep_trailing_newline=True,
+    )
+    env.globals["include_raw"] = lambda name: (tdir / name).read_text()
+    try:
+        return env.get_template(variant.template).render(**variant.render_context())
+    except (jinja2.TemplateError, OSError) as e:
+        raise TemplateRenderError(f"kernel variant {variant.name!r}: template {variant.template!r}: {e}") from e
+
+
+# --- names the runtime needs for a given model shape ---------------------------------
+
+def dtype_tag(dtype) -> str:
+    s = str(dtype)
+    if s.endswith("bfloat16"):
+        return "bf16"
+    if s.endswith("float16") or s.endswith("half"):
+        return "fp16"
+    raise ValueError(f"kiln kernels support bf16 and fp16, not {dtype}")
+
+
+def attention_variant_names(dtype, head_dim: int, block_size: int) -> dict[str, str]:
+    """{kind: variant name} of the three kernels one model shape needs."""
+    t = dtype_tag(dtype)
+    return {
+        "write_kv": variant_name("write_kv", {"dtype": t}),
+        "paged_decode": variant_name("paged_decode", {"dtype": t, "head_dim": head_dim, "block_size": block_size}),
+        "flash_prefill": variant_name("flash_prefill", {"dtype": t, "head_dim": head_dim, "block_size": block_size}),
+    }
