@@ -1,0 +1,56 @@
+"""kiln's attention ops as opaque `torch.library` custom ops.
+
+Dynamo never traces into them: under `torch.compile` they appear as single nodes
+(their fake implementations give shapes only), and under CUDA-graph capture their
+launches are recorded like any other kernel. The default implementations here are
+the pure-torch reference (CPU and CUDA); the CUTLASS backend registers its own ops
+(`kiln::*_cutlass`) with the same signatures.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from compiler.reference_attention import paged_attention_reference, write_kv_reference
+
+
+@torch.library.custom_op("kiln::write_kv", mutates_args=("k_cache", "v_cache"))
+def write_kv(
+    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    write_kv_reference(k, v, k_cache, v_cache, slot_mapping)
+
+
+@write_kv.register_fake
+def _(k, v, k_cache, v_cache, slot_mapping) -> None:
+    return None
+
+
+@torch.library.custom_op("kiln::paged_attention", mutates_args=("out",))
+def paged_attention(
+    out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+    query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor,
+    scale: float, max_query_len: int, max_seq_len: int,
+) -> None:
+    out.copy_(paged_attention_reference(
+        q, k_cache, v_cache, query_start_loc, seq_lens, block_tables,
+        scale, max_query_len, max_seq_len,
+    ))
+
+
+@paged_attention.register_fake
+def _(out, q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale,
+      max_query_len, max_seq_len) -> None:
+    return None
+
+
+@torch.library.custom_op("kiln::copy_blocks", mutates_args=("cache",))
+def copy_blocks(cache: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
+    """Copy whole blocks within one cache tensor laid out [layers, 2, num_blocks, ...]."""
+    cache[:, :, dst.long()] = cache[:, :, src.long()]
+
+
+@copy_blocks.register_fake
+def _(cache, src, dst) -> None:
+    return None

@@ -1,0 +1,92 @@
+"""Pure-torch paged attention: the reference every kernel is checked against.
+
+Layouts (shared by every backend):
+  q            [num_tokens, num_heads, head_dim]
+  k/v cache    [num_blocks, block_size, num_kv_heads, head_dim]
+  query_start_loc int32 [num_seqs + 1]   token offsets of each sequence's query chunk
+  seq_lens     int32 [num_seqs]          context length *including* the chunk
+  block_tables int32 [num_seqs, max_blocks_per_seq]
+The causal mask is aligned bottom-right: query i of a chunk of length L in a sequence
+of length S sits at position S - L + i and sees keys 0 ..= S - L + i.
+Sequences with seq_len 0 (graph padding) produce zeros.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def write_kv_reference(
+    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Scatter k/v rows [T, Hkv, D] into their slots.
+
+    Slot -1 means "skip". Block 0 is the engine's null block (never handed to a
+    sequence), so skipped rows are routed to slot 0 instead of filtering them out:
+    that keeps the op free of host syncs and safe inside a CUDA graph.
+    """
+    num_blocks, block_size = k_cache.shape[0], k_cache.shape[1]
+    flat_k = k_cache.view(num_blocks * block_size, *k_cache.shape[2:])
+    flat_v = v_cache.view(num_blocks * block_size, *v_cache.shape[2:])
+    slots = slot_mapping.long().clamp_min(0)
+    flat_k.index_copy_(0, slots, k.to(flat_k.dtype))
+    flat_v.index_copy_(0, slots, v.to(flat_v.dtype))
+
+
+def paged_attention_reference(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+    query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor,
+    scale: float, max_query_len: int, max_seq_len: int,
+) -> torch.Tensor:
+    """Batched gather + SDPA over the paged cache; returns [num_tokens, num_heads, head_dim].
+
+    max_query_len / max_seq_len are host-side upper bounds (they size the padding);
+    nothing here syncs with the device.
+    """
+    num_tokens, num_heads, head_dim = q.shape
+    num_seqs = seq_lens.shape[0]
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    if num_tokens == 0 or num_seqs == 0:
+        return torch.zeros_like(q)
+    device = q.device
+    max_blocks = min(block_tables.shape[1], -(-max(max_seq_len, 1) // block_size))
+    ctx = max_blocks * block_size
+    tables = block_tables[:, :max_blocks].long().clamp_min(0)
+    # [S, ctx, Hkv, D] -> [S, Hkv, ctx, D]
+    keys = k_cache[tables].reshape(num_seqs, ctx, num_kv_heads, head_dim).transpose(1, 2)
+    values = v_cache[tables].reshape(num_seqs, ctx, num_kv_heads, head_dim).transpose(1, 2)
+
+    starts = query_start_loc[:-1].long()
+    q_lens = (query_start_loc[1:] - query_start_loc[:-1]).long()
+    lens = seq_lens.long()
+    max_q = max(max_query_len, 1)
+    rows = torch.arange(max_q, device=device)
+    # Token index for each padded query row; padded rows read token 0 and are dropped.
+    row_valid = rows[None, :] < q_lens[:, None]  # [S, max_q]
+    tok_idx = torch.where(row_valid, starts[:, None] + rows[None, :], torch.zeros_like(rows)[None, :])
+    qp = q[tok_idx.reshape(-1)].reshape(num_seqs, max_q, num_heads, head_dim).transpose(1, 2)
+
+    q_pos = (lens - q_lens)[:, None] + rows[None, :]  # absolute position of each query row
+    key_pos = torch.arange(ctx, device=device)
+    mask = (key_pos[None, None, :] <= q_pos[:, :, None]) & (key_pos[None, None, :] < lens[:, None, None])
+    mask = mask & row_valid[:, :, None]
+    # A row with nothing to see (padding) attends to key 0 and is zeroed afterwards.
+    empty = ~mask.any(dim=-1, keepdim=True)
+    mask = mask | (empty & (key_pos[None, None, :] == 0))
+
+    # Half precision on the CPU is slow and loose: compute there in float32.
+    compute = torch.float32 if device.type == "cpu" else q.dtype
+    out = F.scaled_dot_product_attention(
+        qp.to(compute), keys.to(compute), values.to(compute),
+        attn_mask=mask[:, None, :, :], scale=scale, enable_gqa=num_heads != num_kv_heads,
+    )
+    out = out.to(q.dtype).masked_fill(empty[:, None, :, :], 0.0)
+    out = out.transpose(1, 2)  # [S, max_q, H, D]
+    result = torch.zeros_like(q)
+    flat_valid = row_valid.reshape(-1)
+    dest = torch.where(flat_valid, tok_idx.reshape(-1), torch.full_like(tok_idx.reshape(-1), num_tokens))
+    padded = torch.cat([result, result.new_zeros(1, num_heads, head_dim)], dim=0)
+    padded.index_copy_(0, dest, out.reshape(-1, num_heads, head_dim))
+    return padded[:num_tokens]

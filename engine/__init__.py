@@ -1,0 +1,18 @@
+"""kiln's runtime: the engine, its scheduler and KV cache, the offline API and the server."""
+
+from engine.request import RequestOutput, SamplingParams
+
+__all__ = ["LLM", "SamplingParams", "RequestOutput", "EngineSettings"]
+
+
+def __getattr__(name: str):
+    # Heavy imports (torch, transformers) only when these are used.
+    if name == "LLM":
+        from engine.llm import LLM
+
+        return LLM
+    if name == "EngineSettings":
+        from engine.config import EngineSettings
+
+        return EngineSettings
+    raise AttributeError(name)

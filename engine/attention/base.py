@@ -1,0 +1,42 @@
+"""The attention backend protocol and the metadata every backend reads.
+
+Metadata is passed explicitly, as an argument, through the model's forward: no
+module-level state.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+
+@dataclass
+class AttentionMetadata:
+    """Per-step attention inputs, flattened over a mixed batch of prefill chunks and decodes.
+
+    slot_mapping     int64 [num_tokens]       cache slot (block * block_size + offset) per token; -1 = skip
+    query_start_loc  int32 [num_seqs + 1]     offsets of each sequence's tokens in the batch
+    seq_lens         int32 [num_seqs]         context length including this step's tokens (0 = padding)
+    block_tables     int32 [num_seqs, max_blocks_per_seq]
+    max_query_len / max_seq_len: host-side bounds for this step (size padding, pick kernels).
+    """
+
+    slot_mapping: torch.Tensor
+    query_start_loc: torch.Tensor
+    seq_lens: torch.Tensor
+    block_tables: torch.Tensor
+    max_query_len: int
+    max_seq_len: int
+
+
+class AttentionBackend(Protocol):
+    name: str
+
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+        k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+    ) -> torch.Tensor:
+        """Write k/v [T, Hkv, D] into the cache, then attend q [T, Hq, D]; returns [T, Hq, D]."""
+        ...

@@ -1,0 +1,141 @@
+"""EngineSettings: the one place where kiln's settings are defined.
+
+Sources, lowest to highest priority: defaults, `kiln.toml` (or the file named by
+KILN_CONFIG), `KILN_*` environment variables, then keyword arguments / CLI flags.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import Field, field_validator, model_validator
+from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict, TomlConfigSettingsSource
+
+
+def default_cache_dir() -> Path:
+    """kiln's cache directory (default model, kernels, compile artefacts)."""
+    base = os.environ.get("KILN_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "kiln")
+    return Path(base)
+
+
+def config_file_path() -> Path:
+    return Path(os.environ.get("KILN_CONFIG", "kiln.toml"))
+
+
+def env_flag(name: str) -> str | None:
+    """Read one process-level knob that is not an engine setting (e.g. test soak length)."""
+    return os.environ.get(name)
+
+
+class EngineSettings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="KILN_", extra="forbid", validate_default=True)
+
+    # --- model ---
+    model: str | None = Field(None, description="HF checkpoint directory (default: kiln's embedded tiny model)")
+    tokenizer: str | None = Field(None, description="tokenizer directory (default: the model's)")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    seed: int = 0
+    load_format: Literal["auto", "dummy"] = Field("auto", description="dummy: random weights from config.json")
+    max_model_len: int | None = Field(None, ge=1, description="default: the model's max_position_embeddings")
+
+    # --- KV cache ---
+    block_size: int = Field(16, description="tokens per KV block (8, 16, 32, 64 or 128)")
+    num_gpu_blocks: int | None = Field(None, ge=2, description="KV blocks; default: sized from memory settings")
+    gpu_memory_utilization: float = Field(0.9, gt=0.0, le=1.0)
+    kv_cache_memory_gb: float = Field(0.25, gt=0.0, description="KV cache size on the CPU device")
+    swap_space_gb: float = Field(1.0, ge=0.0, description="pinned CPU memory for swapped-out KV blocks")
+    enable_prefix_caching: bool = True
+
+    # --- scheduling ---
+    max_num_seqs: int = Field(64, ge=1)
+    max_num_batched_tokens: int = Field(2048, ge=1)
+    enable_chunked_prefill: bool = True
+    preemption_mode: Literal["auto", "swap", "recompute"] = "recompute"
+    reserved_blocks_fraction: float = Field(0.0, ge=0.0, lt=1.0,
+                                            description="pool share kept for priority <= reserved_priority")
+    reserved_priority: int = 0
+    max_waiting_requests: int = Field(4096, ge=1, description="beyond this the server answers 503")
+
+    # --- compiler / kernels ---
+    enforce_eager: bool = Field(False, description="no torch.compile, no CUDA graphs")
+    attention_backend: Literal["auto", "torch", "cutlass"] = "auto"
+    cuda_graph_sizes: list[int] | None = Field(None, description="decode batch buckets (default 1,2,4,8,16,...)")
+    compile_cache_dir: Path | None = Field(None, description="default: <cache_dir>/compile")
+    kernel_cache_dir: Path | None = Field(None, description="default: <cache_dir>/kernels")
+    cache_dir: Path = Field(default_factory=default_cache_dir)
+
+    # --- logging ---
+    log_stats_interval: float = Field(10.0, ge=0.0, description="seconds between stats log lines (0 = off)")
+
+    @field_validator("block_size")
+    @classmethod
+    def _check_block_size(cls, v: int) -> int:
+        if v not in (8, 16, 32, 64, 128):
+            raise ValueError("block_size must be one of 8, 16, 32, 64, 128")
+        return v
+
+    @field_validator("cuda_graph_sizes", mode="before")
+    @classmethod
+    def _parse_sizes(cls, v: Any) -> Any:
+        if isinstance(v, str):
+            v = [int(x) for x in v.replace(" ", "").split(",") if x]
+        return v
+
+    @model_validator(mode="after")
+    def _check_combinations(self) -> "EngineSettings":
+        if self.max_model_len is not None and not self.enable_chunked_prefill \
+                and self.max_num_batched_tokens < self.max_model_len:
+            raise ValueError(
+                f"max_num_batched_tokens ({self.max_num_batched_tokens}) is smaller than max_model_len "
+                f"({self.max_model_len}) with enable_chunked_prefill off: long prompts could never be scheduled")
+        if self.cuda_graph_sizes is not None and any(s < 1 for s in self.cuda_graph_sizes):
+            raise ValueError("cuda_graph_sizes must be positive batch sizes")
+        return self
+
+    @classmethod
+    def settings_customise_sources(
+        cls, settings_cls: type[BaseSettings], init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource, dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        sources: list[PydanticBaseSettingsSource] = [init_settings, env_settings]
+        path = config_file_path()
+        if path.is_file():
+            sources.append(TomlConfigSettingsSource(settings_cls, toml_file=path))
+        return tuple(sources)
+
+    # Derived paths: one rule each.
+    def resolved_compile_cache_dir(self) -> Path:
+        return self.compile_cache_dir or self.cache_dir / "compile"
+
+    def resolved_kernel_cache_dir(self) -> Path:
+        return self.kernel_cache_dir or self.cache_dir / "kernels"
+
+    def capture_sizes(self) -> list[int]:
+        """Decode batch buckets: configured, or 1, 2, 4, 8 and multiples of 8 up to max_num_seqs."""
+        if self.cuda_graph_sizes:
+            sizes = self.cuda_graph_sizes
+        else:
+            sizes = [1, 2, 4] + list(range(8, self.max_num_seqs + 8, 8))
+        return sorted({min(s, self.max_num_seqs) for s in sizes})
+
+
+class ServerSettings(BaseSettings):
+    """HTTP server settings (`kiln serve`)."""
+
+    model_config = SettingsConfigDict(env_prefix="KILN_", extra="ignore")
+
+    host: str = "127.0.0.1"
+    port: int = Field(8000, ge=0, le=65535)
+    api_key: str | None = None
+    served_model_name: str | None = None
+    warm_prefixes: Path | None = None
+    request_timeout: float | None = Field(None, gt=0, description="seconds before a request is aborted")
+    log_level: str = "info"
+
+
+ENGINE_FIELDS = tuple(EngineSettings.model_fields)

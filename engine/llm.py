@@ -1,0 +1,89 @@
+"""The offline API: `LLM(model=..., **settings).generate(prompts, params)` and `.chat(...)`."""
+
+from __future__ import annotations
+
+from typing import Any, Sequence as Seq
+
+from engine.config import EngineSettings
+from engine.llm_engine import LLMEngine
+from engine.request import RequestOutput, SamplingParams
+
+
+class LLM:
+    def __init__(self, model: str | None = None, **settings: Any) -> None:
+        if model is not None:
+            settings["model"] = model
+        self.settings = EngineSettings(**settings)
+        self.engine = LLMEngine(self.settings)
+        self._counter = 0
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: str | list[int] | Seq[str | list[int]],
+        sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        priority: Seq[int] | None = None,
+    ) -> list[RequestOutput]:
+        """Run prompts (strings or token-id lists) to completion; outputs in input order."""
+        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]  # one prompt
+        prompts = list(prompts)
+        if sampling_params is None:
+            params_list = [SamplingParams() for _ in prompts]
+        elif isinstance(sampling_params, SamplingParams):
+            params_list = [_copy(sampling_params) for _ in prompts]
+        else:
+            params_list = [_copy(p) for p in sampling_params]
+            if len(params_list) != len(prompts):
+                raise ValueError("sampling_params must be one SamplingParams or one per prompt")
+        ids = []
+        try:
+            for i, (prompt, params) in enumerate(zip(prompts, params_list)):
+                request_id = f"offline-{self._counter}"
+                self._counter += 1
+                self.engine.add_request(prompt, params, request_id, priority[i] if priority else 0)
+                ids.append(request_id)
+        except Exception:
+            for request_id in ids:
+                self.engine.abort_request(request_id)
+            raise
+        return self._run(ids, use_tqdm)
+
+    def chat(self, messages: list[dict[str, str]] | list[list[dict[str, str]]],
+             sampling_params: SamplingParams | None = None, use_tqdm: bool = True,
+             add_generation_prompt: bool = True) -> list[RequestOutput]:
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = [self.tokenizer.apply_chat_template(conv, tokenize=False,
+                                                      add_generation_prompt=add_generation_prompt)
+                   for conv in conversations]
+        # The template already carries the special tokens: don't let the tokenizer add a second BOS.
+        token_ids = [self.tokenizer.encode(p, add_special_tokens=False) for p in prompts]
+        return self.generate(token_ids, sampling_params, use_tqdm=use_tqdm)
+
+    def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        from tqdm import tqdm
+
+        results: dict[str, RequestOutput] = {}
+        bar = tqdm(total=len(ids), desc="generating", disable=not use_tqdm, unit="req")
+        try:
+            while self.engine.has_unfinished_requests():
+                for out in self.engine.step():
+                    if out.finished:
+                        results[out.request_id] = out
+                        bar.update(1)
+        finally:
+            bar.close()
+            for request_id in ids:
+                if request_id not in results:
+                    self.engine.abort_request(request_id)
+        return [results[i] for i in ids]
+
+
+def _copy(params: SamplingParams) -> SamplingParams:
+    from dataclasses import replace
+
+    return replace(params, stop=list(params.stop), stop_token_ids=list(params.stop_token_ids))

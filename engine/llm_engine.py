@@ -1,0 +1,319 @@
+"""LLMEngine: one model, its KV cache, scheduler, runner and sampler, driven step by step.
+
+Both the offline `LLM` and the server's `AsyncEngine` drive this class.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from engine.attention import BackendSpec, get_attention_backend
+from engine.config import EngineSettings
+from engine.detokenizer import check_stop, init_offsets, visible_text
+from engine.kv.block_pool import BlockPool
+from engine.kv.cache import KVCache
+from engine.models.config import ModelConfig
+from engine.models.loader import load_model
+from engine.request import (CompletionOutput, FinishReason, InvalidRequestError, Request, RequestOutput,
+                            SamplingParams, Sequence)
+from engine.runner import ModelRunner
+from engine.sampler import Sampler
+from engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class StepStats:
+    num_prompt_tokens: int = 0
+    num_generation_tokens: int = 0
+    duration: float = 0.0
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device='cuda' but no CUDA GPU is available")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, model_config: ModelConfig, device: torch.device) -> torch.dtype:
+    if name != "auto":
+        return _DTYPES[name]
+    if device.type == "cpu":
+        return torch.float32
+    native = model_config.torch_dtype
+    if native in ("bfloat16", "float16"):
+        return _DTYPES[native]
+    return torch.bfloat16
+
+
+def resolve_model_dir(settings: EngineSettings) -> Path:
+    if settings.model is None:
+        from engine.tiny_model import default_model_dir
+
+        return default_model_dir(settings.cache_dir)
+    path = Path(settings.model).expanduser()
+    if not path.is_dir():
+        raise ValueError(f"model: {settings.model!r} is not a directory (kiln loads HF checkpoint "
+                         "directories from disk; no model hub is used)")
+    return path
+
+
+class LLMEngine:
+    def __init__(self, settings: EngineSettings) -> None:
+        t0 = time.perf_counter()
+        self.settings = settings
+        self.model_dir = resolve_model_dir(settings)
+        self.model_config = ModelConfig.from_dir(self.model_dir)
+        self.device = resolve_device(settings.device)
+        self.dtype = resolve_dtype(settings.dtype, self.model_config, self.device)
+        self.max_model_len = self._resolve_max_model_len()
+        from transformers import AutoTokenizer
+
+        self.tokenizer = AutoTokenizer.from_pretrained(str(settings.tokenizer or self.model_dir))
+        eos = set(self.model_config.eos_token_ids)
+        if self.tokenizer.eos_token_id is not None:
+            eos.add(self.tokenizer.eos_token_id)
+        self.eos_token_ids = tuple(sorted(eos))
+
+        torch.manual_seed(settings.seed)
+        self.model = load_model(self.model_dir, self.model_config, self.dtype, self.device,
+                                self.max_model_len, settings.load_format, settings.seed)
+        self.backend = get_attention_backend(settings.attention_backend, BackendSpec(
+            device=self.device, dtype=self.dtype, head_dim=self.model_config.head_dim,
+            block_size=settings.block_size, kernel_cache_dir=settings.resolved_kernel_cache_dir()))
+        self.model.set_backend(self.backend)
+        num_blocks = self._num_kv_blocks()
+        cfg = self.model_config
+        self.kv_cache = KVCache(cfg.num_layers, num_blocks, settings.block_size, cfg.num_kv_heads,
+                                cfg.head_dim, self.dtype, self.device)
+        self.pool = BlockPool(num_blocks, settings.block_size, settings.enable_prefix_caching)
+        max_tokens_per_seq = self.pool.num_usable * settings.block_size
+        if self.max_model_len > max_tokens_per_seq:
+            raise ValueError(
+                f"max_model_len ({self.max_model_len}) is larger than the KV cache can hold "
+                f"({max_tokens_per_seq} tokens in {self.pool.num_usable} blocks of {settings.block_size}); "
+                "lower max_model_len or give the cache more memory (num_gpu_blocks, "
+                "gpu_memory_utilization, kv_cache_memory_gb)")
+        self.scheduler = Scheduler(SchedulerConfig(
+            max_num_seqs=settings.max_num_seqs,
+            max_num_batched_tokens=self._token_budget(),
+            max_model_len=self.max_model_len,
+            block_size=settings.block_size,
+            enable_chunked_prefill=settings.enable_chunked_prefill,
+            preemption_mode=settings.preemption_mode,
+            reserved_blocks_fraction=settings.reserved_blocks_fraction,
+            reserved_priority=settings.reserved_priority,
+        ), self.pool)
+        self.sampler = Sampler(self.device, self.eos_token_ids, settings.seed)
+        self.runner = ModelRunner(self.model, self.kv_cache, self.sampler, self.device, settings.block_size,
+                                  settings.max_num_seqs, self._token_budget(), self.max_model_len)
+        self.last_step = StepStats()
+        self.num_generation_tokens_total = 0
+        self.num_prompt_tokens_total = 0
+        self.startup_seconds = time.perf_counter() - t0
+        logger.info("engine ready: %s (%s, %s) on %s, %d KV blocks of %d, max_model_len %d, backend %s, %.1fs",
+                    self.model_dir, cfg.model_type, str(self.dtype).removeprefix("torch."), self.device,
+                    num_blocks - 1, settings.block_size, self.max_model_len, self.backend.name,
+                    self.startup_seconds)
+
+    # ---- start-up sizing ----
+    def _resolve_max_model_len(self) -> int:
+        cfg = self.model_config
+        limit = cfg.max_position_embeddings
+        if cfg.sliding_window is not None and cfg.sliding_window < limit:
+            logger.warning("model uses sliding-window attention (%d); kiln attends fully, so max_model_len "
+                           "is capped at the window", cfg.sliding_window)
+            limit = cfg.sliding_window
+        want = self.settings.max_model_len
+        if want is None:
+            return limit
+        if want > limit:
+            raise ValueError(f"max_model_len ({want}) exceeds the model's limit of {limit} positions")
+        return want
+
+    def _token_budget(self) -> int:
+        s = self.settings
+        if not s.enable_chunked_prefill:
+            return max(s.max_num_batched_tokens, self.max_model_len)
+        return s.max_num_batched_tokens
+
+    def _num_kv_blocks(self) -> int:
+        s = self.settings
+        cfg = self.model_config
+        per_block = KVCache.bytes_per_block(cfg.num_layers, s.block_size, cfg.num_kv_heads, cfg.head_dim,
+                                            self.dtype)
+        if s.num_gpu_blocks is not None:
+            return s.num_gpu_blocks + 1  # plus the null block
+        if self.device.type == "cpu":
+            budget = s.kv_cache_memory_gb * (1 << 30)
+        else:
+            budget = self._free_gpu_bytes_after_profile()
+        blocks = int(budget // per_block)
+        if blocks < 2:
+            raise ValueError(f"the KV cache gets {budget / (1 << 20):.0f} MiB, not enough for 2 blocks of "
+                             f"{per_block} bytes: raise gpu_memory_utilization or kv_cache_memory_gb")
+        return blocks
+
+    def _free_gpu_bytes_after_profile(self) -> float:
+        """Memory left for KV under gpu_memory_utilization, after a forward at the largest batch."""
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        n = self._token_budget()
+        cfg = self.model_config
+        dummy = KVCache(cfg.num_layers, 2, self.settings.block_size, cfg.num_kv_heads, cfg.head_dim,
+                        self.dtype, self.device)
+        from engine.attention.base import AttentionMetadata
+
+        ids = torch.zeros(n, dtype=torch.int64, device=self.device)
+        meta = AttentionMetadata(
+            slot_mapping=torch.full((n,), -1, dtype=torch.int64, device=self.device),
+            query_start_loc=torch.arange(n + 1, dtype=torch.int32, device=self.device),
+            seq_lens=torch.zeros(n, dtype=torch.int32, device=self.device),
+            block_tables=torch.zeros(n, 1, dtype=torch.int32, device=self.device),
+            max_query_len=1, max_seq_len=1)
+        with torch.inference_mode():
+            hidden = self.model(ids, ids, dummy.layers, meta)
+            self.model.compute_logits(hidden[: self.settings.max_num_seqs])
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated()
+        del dummy, hidden
+        torch.cuda.empty_cache()
+        free, total = torch.cuda.mem_get_info()
+        used_by_others = total - free - torch.cuda.memory_reserved()
+        return total * self.settings.gpu_memory_utilization - used_by_others - peak
+
+    # ---- requests ----
+    def encode_prompt(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            return prompt, self.tokenizer.encode(prompt)
+        ids = list(prompt)
+        vocab = self.model_config.vocab_size
+        bad = [t for t in ids if not isinstance(t, int) or not 0 <= t < vocab]
+        if bad:
+            raise InvalidRequestError(f"prompt token ids must be integers in [0, {vocab}); got {bad[:3]}",
+                                      "prompt")
+        return None, ids
+
+    def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
+                    request_id: str | None = None, priority: int = 0) -> Request:
+        params = params or SamplingParams()
+        params.validate()
+        text, ids = self.encode_prompt(prompt)
+        request = Request(request_id=request_id or uuid.uuid4().hex, prompt=text, prompt_token_ids=ids,
+                          params=params, priority=priority)
+        self.scheduler.add_request(request)
+        for seq in request.seqs:
+            init_offsets(seq)
+        return request
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        request = self.scheduler.abort_request(request_id)
+        if request is None:
+            return None
+        self.scheduler.pop_finished_request(request_id)
+        return self._output(request)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # ---- the step ----
+    def step(self) -> list[RequestOutput]:
+        t0 = time.perf_counter()
+        sched = self.scheduler.schedule()
+        if sched.is_empty:
+            return []
+        sampled = self.runner.execute(sched)
+        tokens = self.runner.split_sampled(sched, sampled)
+        logprobs = self._split_logprobs(sched, sampled.logprobs)
+        touched = self.scheduler.update(sched, tokens)
+        now = time.monotonic()
+        outputs: dict[str, Request] = {}
+        for seq in touched:
+            self._record_logprob(seq, logprobs)
+            check_stop(self.tokenizer, seq, self.eos_token_ids, self.max_model_len)
+            request = seq.request
+            if request.first_token_time is None:
+                request.first_token_time = now
+            if seq.finish_reason is not None:
+                self.scheduler.finish_seq(seq, seq.finish_reason, seq.stop_reason)
+            outputs[request.request_id] = request
+        results = []
+        for request in outputs.values():
+            if request.is_finished:
+                request.finished_time = now
+                self.scheduler.pop_finished_request(request.request_id)
+            results.append(self._output(request))
+        self.last_step = StepStats(sched.num_prefill_tokens, len(touched), time.perf_counter() - t0)
+        self.num_prompt_tokens_total += sched.num_prefill_tokens
+        self.num_generation_tokens_total += len(touched)
+        return results
+
+    def _split_logprobs(self, sched: SchedulerOutput, flat: list) -> dict[int, list]:
+        """seq id -> logprob entries it sampled this step (n entries at a fork)."""
+        by_seq: dict[int, list] = {}
+        k = 0
+        for s in sched.seqs:
+            if s.do_sample:
+                by_seq[s.seq_id] = flat[k:k + s.num_samples]
+                k += s.num_samples
+        return by_seq
+
+    def _record_logprob(self, seq: Sequence, logprobs: dict[int, list]) -> None:
+        # A forked child has no entry of its own: it took entry `sample_index` of its parent's list.
+        entries = logprobs.get(seq.seq_id)
+        if entries is None:
+            parent = seq.request.seqs[0]
+            entries = logprobs.get(parent.seq_id)
+            entry = entries[seq.sample_index] if entries and len(entries) > seq.sample_index else None
+        else:
+            entry = entries[0] if entries else None
+        if entry is None:
+            return
+        chosen, top = entry
+        seq.cumulative_logprob += chosen
+        top = dict(top)
+        top[seq.token_ids[-1]] = chosen
+        seq.logprobs.append(top)
+
+    def _output(self, request: Request) -> RequestOutput:
+        params = request.params
+        outs = [
+            CompletionOutput(
+                index=seq.sample_index,
+                text=visible_text(seq),
+                token_ids=list(seq.output_token_ids),
+                cumulative_logprob=seq.cumulative_logprob if params.logprobs is not None else None,
+                logprobs=list(seq.logprobs) if params.logprobs is not None else None,
+                finish_reason=seq.finish_reason.value if seq.finish_reason else None,
+                stop_reason=seq.stop_reason,
+                num_preemptions=seq.num_preemptions,
+            )
+            for seq in sorted(request.seqs, key=lambda s: s.sample_index)
+        ]
+        metrics = {
+            "arrival_time": request.arrival_time,
+            "first_scheduled_time": request.first_scheduled_time,
+            "first_token_time": request.first_token_time,
+            "finished_time": request.finished_time,
+        }
+        return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids, outs,
+                             request.is_finished, request.seqs[0].num_cached_tokens if request.seqs else 0,
+                             request.error, metrics)
+
+    # ---- invariants ----
+    def check_integrity(self) -> None:
+        self.scheduler.check_integrity()
+
+    def is_idle_and_free(self) -> bool:
+        return not self.scheduler.has_unfinished() and self.pool.is_fully_free()

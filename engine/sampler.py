@@ -1,0 +1,165 @@
+"""Token sampling on the device: penalties, temperature, top-k/top-p/min-p, seeds, logprobs.
+
+One batched pass over all rows; the only host transfer is the final copy of the chosen
+tokens (and their logprobs when asked for). Random rows use the exponential-race trick
+(argmax of p / E with E ~ Exp(1)), which needs no sorting or cumsum over the vocabulary.
+A row with a seed draws its noise from a generator seeded by (seed, sample index,
+output position): its tokens depend on nothing else in the batch.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+
+import torch
+
+from engine.request import SamplingParams
+
+
+@dataclass
+class SampleRow:
+    params: SamplingParams
+    all_token_ids: list[int]
+    num_prompt_tokens: int
+    sample_index: int
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.all_token_ids) - self.num_prompt_tokens
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: list[int]
+    # Per row: (chosen token's logprob, {token: logprob} for the top N) or None.
+    logprobs: list[tuple[float, dict[int, float]] | None]
+
+
+def _row_seed(seed: int, sample_index: int, position: int) -> int:
+    digest = hashlib.blake2b(f"{seed}:{sample_index}:{position}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & ((1 << 63) - 1)
+
+
+class Sampler:
+    def __init__(self, device: torch.device, eos_token_ids: tuple[int, ...], seed: int = 0) -> None:
+        self.device = device
+        self.eos_token_ids = eos_token_ids
+        self.generator = torch.Generator(device=device).manual_seed(seed)
+
+    def __call__(self, logits: torch.Tensor, rows: list[SampleRow]) -> SamplerOutput:
+        """logits: float32 [len(rows), vocab]."""
+        if not rows:
+            return SamplerOutput([], [])
+        raw_logits = logits
+        logits = self._apply_min_tokens(logits, rows)
+        if any(r.params.needs_penalties for r in rows):
+            logits = self._apply_penalties(logits, rows)
+        greedy = [r.params.greedy for r in rows]
+        if all(greedy):
+            tokens = logits.argmax(dim=-1)
+        else:
+            tokens = self._sample_random(logits, rows, greedy)
+        want_logprobs = [r.params.logprobs is not None for r in rows]
+        if not any(want_logprobs):
+            return SamplerOutput(tokens.tolist(), [None] * len(rows))
+        return self._with_logprobs(raw_logits, tokens, rows, want_logprobs)
+
+    def _apply_min_tokens(self, logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
+        banned_rows: list[int] = []
+        banned_ids: list[int] = []
+        for i, r in enumerate(rows):
+            if r.num_output_tokens < r.params.min_tokens:
+                for t in (*self.eos_token_ids, *r.params.stop_token_ids):
+                    banned_rows.append(i)
+                    banned_ids.append(t)
+        if not banned_rows:
+            return logits
+        logits = logits.clone()
+        logits[torch.tensor(banned_rows, device=self.device), torch.tensor(banned_ids, device=self.device)] = -float("inf")
+        return logits
+
+    def _apply_penalties(self, logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
+        vocab = logits.shape[1]
+        n = len(rows)
+        max_out = max(1, max(r.num_output_tokens for r in rows))
+        max_prompt = max(1, max(r.num_prompt_tokens for r in rows))
+        out_ids = torch.full((n, max_out), vocab, dtype=torch.int64)
+        prompt_ids = torch.full((n, max_prompt), vocab, dtype=torch.int64)
+        for i, r in enumerate(rows):
+            outs = r.all_token_ids[r.num_prompt_tokens:]
+            if outs:
+                out_ids[i, :len(outs)] = torch.tensor(outs)
+            prompt_ids[i, :r.num_prompt_tokens] = torch.tensor(r.all_token_ids[:r.num_prompt_tokens])
+        out_ids = out_ids.to(self.device, non_blocking=True)
+        prompt_ids = prompt_ids.to(self.device, non_blocking=True)
+        counts = torch.zeros((n, vocab + 1), dtype=torch.float32, device=self.device)
+        counts.scatter_add_(1, out_ids, torch.ones_like(out_ids, dtype=torch.float32))
+        counts = counts[:, :vocab]
+        in_prompt = torch.zeros((n, vocab + 1), dtype=torch.bool, device=self.device)
+        in_prompt.scatter_(1, prompt_ids, True)
+        in_prompt = in_prompt[:, :vocab]
+        rep = torch.tensor([r.params.repetition_penalty for r in rows], device=self.device)[:, None]
+        freq = torch.tensor([r.params.frequency_penalty for r in rows], device=self.device)[:, None]
+        pres = torch.tensor([r.params.presence_penalty for r in rows], device=self.device)[:, None]
+        seen = in_prompt | (counts > 0)
+        logits = torch.where(seen, torch.where(logits > 0, logits / rep, logits * rep), logits)
+        return logits - freq * counts - pres * (counts > 0).float()
+
+    def _sample_random(self, logits: torch.Tensor, rows: list[SampleRow], greedy: list[bool]) -> torch.Tensor:
+        n, vocab = logits.shape
+        temp = torch.tensor([1.0 if g else r.params.temperature for r, g in zip(rows, greedy)],
+                            device=self.device)[:, None]
+        scaled = logits / temp
+        top_k = [r.params.top_k if r.params.top_k > 0 else vocab for r in rows]
+        if any(k < vocab for k in top_k):
+            k_tensor = torch.tensor(top_k, device=self.device)[:, None].clamp(max=vocab)
+            sorted_desc = scaled.sort(dim=-1, descending=True).values
+            kth = sorted_desc.gather(1, k_tensor - 1)
+            scaled = scaled.masked_fill(scaled < kth, -float("inf"))
+        probs = scaled.softmax(dim=-1)
+        top_p = [r.params.top_p for r in rows]
+        if any(p < 1.0 for p in top_p):
+            p_tensor = torch.tensor(top_p, device=self.device)[:, None]
+            sorted_probs, order = probs.sort(dim=-1, descending=True)
+            cum = sorted_probs.cumsum(dim=-1)
+            # Drop a token when the mass before it already reaches top_p (the top token always stays).
+            drop_sorted = (cum - sorted_probs) >= p_tensor
+            drop = torch.zeros_like(drop_sorted).scatter(1, order, drop_sorted)
+            probs = probs.masked_fill(drop, 0.0)
+        min_p = [r.params.min_p for r in rows]
+        if any(m > 0 for m in min_p):
+            m_tensor = torch.tensor(min_p, device=self.device)[:, None]
+            probs = probs.masked_fill(probs < m_tensor * probs.max(dim=-1, keepdim=True).values, 0.0)
+        noise = torch.empty_like(probs)
+        noise.exponential_(generator=self.generator)
+        for i, r in enumerate(rows):
+            if r.params.seed is not None and not greedy[i]:
+                gen = torch.Generator(device=self.device).manual_seed(
+                    _row_seed(r.params.seed, r.sample_index, r.num_output_tokens))
+                noise[i].exponential_(generator=gen)
+        sampled = (probs / noise).argmax(dim=-1)
+        if any(greedy):
+            g = torch.tensor(greedy, device=self.device)
+            sampled = torch.where(g, logits.argmax(dim=-1), sampled)
+        return sampled
+
+    def _with_logprobs(self, raw_logits: torch.Tensor, tokens: torch.Tensor, rows: list[SampleRow],
+                       want: list[bool]) -> SamplerOutput:
+        logprobs = raw_logits.log_softmax(dim=-1)
+        chosen = logprobs.gather(1, tokens[:, None])[:, 0]
+        top_n = max(r.params.logprobs or 0 for r in rows)
+        top_vals, top_ids = (logprobs.topk(top_n, dim=-1) if top_n > 0 else
+                             (torch.empty(len(rows), 0), torch.empty(len(rows), 0, dtype=torch.int64)))
+        token_list = tokens.tolist()
+        chosen_list = chosen.tolist()
+        vals, ids = top_vals.tolist(), top_ids.tolist()
+        out: list[tuple[float, dict[int, float]] | None] = []
+        for i, r in enumerate(rows):
+            if not want[i]:
+                out.append(None)
+                continue
+            n = r.params.logprobs or 0
+            top = {ids[i][j]: vals[i][j] for j in range(n)}
+            out.append((chosen_list[i], top))
+        return SamplerOutput(token_list, out)

@@ -1,0 +1,477 @@
+"""Continuous batching: decide, each step, which tokens of which sequences run.
+
+Pure CPU over ints and lists (no torch). Each step:
+  1. running sequences first (decodes, and prefills already under way), in priority order;
+     when KV blocks run out, the lowest-priority / most recent running sequence is preempted;
+  2. then swapped-out sequences come back, then waiting ones are admitted (priority, then
+     arrival order), their prompts chunked to fit the token budget; prefix-cache hits skip
+     the blocks already computed.
+The step's work is a SchedulerOutput of plain values that the runner turns into tensors.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Literal
+
+from engine.kv.block_pool import BlockPool, NoFreeBlocksError
+from engine.request import FinishReason, InvalidRequestError, Request, SamplingParams, Sequence, SeqStatus
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_model_len: int
+    block_size: int
+    enable_chunked_prefill: bool = True
+    preemption_mode: Literal["auto", "swap", "recompute"] = "recompute"
+    reserved_blocks_fraction: float = 0.0
+    reserved_priority: int = 0
+    watermark_fraction: float = 0.01
+
+
+@dataclass
+class ScheduledSeq:
+    """One sequence's share of a step: `token_ids` at positions start_pos.. are computed."""
+
+    seq_id: int
+    token_ids: list[int]
+    start_pos: int
+    block_ids: list[int]  # the whole block table (shared list; read it, don't keep it)
+    do_sample: bool  # the chunk reaches the end of the sequence: sample the next token
+    num_samples: int  # n > 1 at a request's fork point, else 1
+    params: SamplingParams
+    all_token_ids: list[int]  # prompt + output so far (for penalties)
+    num_prompt_tokens: int
+    sample_index: int
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+
+@dataclass
+class SchedulerOutput:
+    seqs: list[ScheduledSeq] = field(default_factory=list)
+    blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write
+    blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)  # gpu -> cpu
+    blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)  # cpu -> gpu
+    preempted: list[int] = field(default_factory=list)  # seq ids
+    num_prefill_tokens: int = 0
+    num_decode_tokens: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return self.num_prefill_tokens + self.num_decode_tokens
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.seqs and not self.blocks_to_copy and not self.blocks_to_swap_out
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, pool: BlockPool,
+                 swapper: "SwapSpace | None" = None) -> None:
+        self.config = config
+        self.pool = pool
+        self.swapper = swapper
+        self.waiting: list[Sequence] = []
+        self.running: list[Sequence] = []
+        self.swapped: list[Sequence] = []
+        self.requests: dict[str, Request] = {}
+        self._seq_ids = itertools.count()
+        self._arrival = itertools.count()
+        self._order: dict[int, int] = {}  # seq id -> admission order (FCFS tie-break)
+        self._digests: dict[int, list[bytes]] = {}  # seq id -> digests of its cached full blocks
+        self.num_preemptions = 0
+        self.preemptions_by_mode: dict[str, int] = {"recompute": 0, "swap": 0}
+        self.on_preempt: Callable[[Sequence, str, str], None] | None = None
+
+    # ---- requests in and out ----
+    def add_request(self, request: Request) -> None:
+        """Validate against the model length and the pool, then queue the request."""
+        prompt_len = len(request.prompt_token_ids)
+        limit = self.config.max_model_len
+        if prompt_len == 0:
+            raise InvalidRequestError("the prompt is empty", "prompt")
+        if request.request_id in self.requests:
+            raise InvalidRequestError(f"request id {request.request_id!r} is already in use", "request_id")
+        params = request.params
+        if prompt_len >= limit:
+            raise InvalidRequestError(
+                f"the prompt has {prompt_len} tokens, which leaves no room to generate within "
+                f"max_model_len={limit}", "prompt")
+        if params.max_tokens is None:
+            params.max_tokens = limit - prompt_len
+        if prompt_len + params.max_tokens > limit:
+            raise InvalidRequestError(
+                f"prompt ({prompt_len} tokens) + max_tokens ({params.max_tokens}) = "
+                f"{prompt_len + params.max_tokens} exceeds max_model_len={limit}", "max_tokens")
+        needed = -(-(prompt_len + params.max_tokens) // self.config.block_size)
+        if needed > self.pool.num_usable:
+            raise InvalidRequestError(
+                f"the request needs up to {needed} KV blocks but the cache holds only "
+                f"{self.pool.num_usable}", "max_tokens")
+        seq = self._new_seq(request, 0, list(request.prompt_token_ids))
+        request.seqs = [seq]
+        self.requests[request.request_id] = request
+        self._insert_waiting(seq)
+
+    def _new_seq(self, request: Request, index: int, tokens: list[int]) -> Sequence:
+        seq = Sequence(seq_id=next(self._seq_ids), request=request, sample_index=index,
+                       token_ids=tokens, num_prompt_tokens=len(request.prompt_token_ids))
+        self._order[seq.seq_id] = next(self._arrival)
+        return seq
+
+    def abort_request(self, request_id: str) -> Request | None:
+        request = self.requests.get(request_id)
+        if request is None:
+            return None
+        for seq in request.seqs:
+            if not seq.is_finished:
+                self.finish_seq(seq, FinishReason.ABORT)
+        return request
+
+    def finish_seq(self, seq: Sequence, reason: FinishReason, stop_reason: int | str | None = None) -> None:
+        """Mark a sequence done and release everything it holds, at once."""
+        if seq.is_finished:
+            return
+        self._remove_from_queues(seq)
+        if seq.status is SeqStatus.SWAPPED and self.swapper is not None:
+            self.swapper.discard(seq)
+        else:
+            self._release_blocks(seq)
+        seq.status = SeqStatus.FINISHED
+        seq.finish_reason = reason
+        seq.stop_reason = stop_reason
+
+    def pop_finished_request(self, request_id: str) -> Request | None:
+        request = self.requests.get(request_id)
+        if request is not None and request.is_finished:
+            del self.requests[request_id]
+            for seq in request.seqs:
+                self._order.pop(seq.seq_id, None)
+            return request
+        return None
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running or self.swapped)
+
+    # ---- the step ----
+    def _priority_key(self, seq: Sequence) -> tuple[int, int]:
+        return (seq.request.priority, self._order[seq.seq_id])
+
+    def _insert_waiting(self, seq: Sequence) -> None:
+        seq.status = SeqStatus.WAITING
+        self.waiting.append(seq)
+        self.waiting.sort(key=self._priority_key)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        scheduled: set[int] = set()
+
+        # 1. Running sequences, highest priority first; preempt from the back when short of blocks.
+        self.running.sort(key=self._priority_key)
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            if num_new <= 0:
+                i += 1
+                continue
+            while not self._can_grow(seq, num_new):
+                victim = self.running[-1]
+                self._preempt(victim, out, reason="out of KV blocks")
+                if victim is seq:
+                    break
+            if seq.status is not SeqStatus.RUNNING:
+                break  # it preempted itself: everything after it is gone too
+            self._grow(seq, num_new, out)
+            self._emit(seq, num_new, out)
+            scheduled.add(seq.seq_id)
+            budget -= num_new
+            i += 1
+
+        # 2. Swapped sequences come back before anything new is admitted.
+        if not out.preempted and self.swapper is not None:
+            budget = self._swap_in(out, budget, scheduled)
+
+        # 3. Waiting sequences, while seats, budget and blocks last.
+        if not out.preempted and not self.swapped:
+            budget = self._admit_waiting(out, budget)
+        return out
+
+    def _admit_waiting(self, out: SchedulerOutput, budget: int) -> int:
+        admitted: list[Sequence] = []
+        for seq in list(self.waiting):
+            # A request that will fork into n samples takes its n seats now.
+            seats = seq.request.params.n if not seq.request.forked else 1
+            if budget <= 0 or len(self.running) + seats > self.config.max_num_seqs:
+                break
+            hit_tokens = 0
+            if seq.num_computed_tokens == 0 and not seq.block_ids:
+                hit_tokens = self._take_prefix_hits(seq)
+            remaining = seq.num_tokens - seq.num_computed_tokens
+            if not self.config.enable_chunked_prefill and remaining > budget:
+                if out.seqs:
+                    break  # wait for a step with room for the whole prompt
+                if remaining > self.config.max_num_batched_tokens:
+                    raise AssertionError("unchunkable prompt beyond the token budget passed validation")
+            num_new = min(remaining, budget)
+            if not self._can_admit(seq, num_new):
+                self._drop_prefix_hits(seq)
+                break
+            if seq.num_output_tokens == 0 and seq.num_preemptions == 0:
+                self.pool.record_prefix_query(seq.num_prompt_tokens, hit_tokens)
+            self._grow(seq, num_new, out)
+            self.waiting.remove(seq)
+            seq.status = SeqStatus.RUNNING
+            self.running.append(seq)
+            admitted.append(seq)
+            self._emit(seq, num_new, out)
+            budget -= num_new
+        return budget
+
+    def _take_prefix_hits(self, seq: Sequence) -> int:
+        """Reuse cached full blocks; always leave one token to compute for logits.
+
+        Returns how many prompt tokens were found in the cache.
+        """
+        if not self.pool.enable_prefix_caching:
+            return 0
+        max_blocks = (seq.num_tokens - 1) // self.config.block_size
+        blocks, digests = self.pool.match_prefix(seq.token_ids, max_blocks)
+        for block in blocks:
+            self.pool.incref(block)
+        seq.block_ids = list(blocks)
+        seq.num_computed_tokens = len(blocks) * self.config.block_size
+        seq.num_cached_tokens = min(seq.num_computed_tokens, seq.num_prompt_tokens)
+        self._digests[seq.seq_id] = list(digests)
+        return seq.num_cached_tokens
+
+    def _drop_prefix_hits(self, seq: Sequence) -> None:
+        self._release_blocks(seq)
+        seq.num_computed_tokens = 0
+        seq.num_cached_tokens = 0
+
+    def _blocks_needed(self, seq: Sequence, num_new: int) -> int:
+        total = -(-(seq.num_computed_tokens + num_new) // self.config.block_size)
+        need = max(0, total - len(seq.block_ids))
+        # Copy-on-write: the first write into a shared partial block needs a private copy.
+        if seq.num_computed_tokens % self.config.block_size and seq.block_ids:
+            last = seq.block_ids[(seq.num_computed_tokens - 1) // self.config.block_size]
+            if self.pool.ref_count(last) > 1:
+                need += 1
+        return need
+
+    def _can_grow(self, seq: Sequence, num_new: int) -> bool:
+        return self._blocks_needed(seq, num_new) <= self._available_for(seq)
+
+    def _can_admit(self, seq: Sequence, num_new: int) -> bool:
+        watermark = int(self.config.watermark_fraction * self.pool.num_usable)
+        return self._blocks_needed(seq, num_new) <= self._available_for(seq) - watermark
+
+    def _available_for(self, seq: Sequence) -> int:
+        """Blocks this sequence may take: the reserve is only for high-priority requests."""
+        available = self.pool.num_available
+        if seq.request.priority > self.config.reserved_priority:
+            available -= int(self.config.reserved_blocks_fraction * self.pool.num_usable)
+        return available
+
+    def _grow(self, seq: Sequence, num_new: int, out: SchedulerOutput) -> None:
+        bs = self.config.block_size
+        if seq.num_computed_tokens % bs and seq.block_ids:
+            idx = (seq.num_computed_tokens - 1) // bs
+            last = seq.block_ids[idx]
+            if self.pool.ref_count(last) > 1:
+                fresh = self.pool.allocate()
+                out.blocks_to_copy.append((last, fresh))
+                self.pool.free(last)
+                seq.block_ids[idx] = fresh
+        total = -(-(seq.num_computed_tokens + num_new) // bs)
+        if total > len(seq.block_ids):
+            seq.block_ids.extend(self.pool.allocate_many(total - len(seq.block_ids)))
+
+    def _emit(self, seq: Sequence, num_new: int, out: SchedulerOutput) -> None:
+        request = seq.request
+        start = seq.num_computed_tokens
+        do_sample = start + num_new == seq.num_tokens
+        fork = do_sample and request.params.n > 1 and not request.forked
+        out.seqs.append(ScheduledSeq(
+            seq_id=seq.seq_id, token_ids=seq.token_ids[start:start + num_new], start_pos=start,
+            block_ids=seq.block_ids, do_sample=do_sample,
+            num_samples=request.params.n if fork else 1, params=request.params,
+            all_token_ids=seq.token_ids, num_prompt_tokens=seq.num_prompt_tokens,
+            sample_index=seq.sample_index,
+        ))
+        if num_new == 1 and start + 1 == seq.num_tokens and start >= seq.num_prompt_tokens:
+            out.num_decode_tokens += 1
+        else:
+            out.num_prefill_tokens += num_new
+        if request.first_scheduled_time is None:
+            request.first_scheduled_time = time.monotonic()
+
+    # ---- preemption ----
+    def _preempt(self, seq: Sequence, out: SchedulerOutput, reason: str) -> None:
+        mode = self._preemption_mode_for(seq)
+        self.running.remove(seq)
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.preemptions_by_mode[mode] += 1
+        out.preempted.append(seq.seq_id)
+        if mode == "swap":
+            assert self.swapper is not None
+            out.blocks_to_swap_out.extend(self.swapper.swap_out(seq))
+            seq.status = SeqStatus.SWAPPED
+            self.swapped.append(seq)
+        else:
+            self._release_blocks(seq)
+            seq.num_computed_tokens = 0
+            self._insert_waiting(seq)
+        logger.info("preempted seq %d of request %s by %s (%s)", seq.seq_id, seq.request.request_id,
+                    mode, reason)
+        if self.on_preempt is not None:
+            self.on_preempt(seq, mode, reason)
+
+    def _preemption_mode_for(self, seq: Sequence) -> str:
+        if self.swapper is None or self.config.preemption_mode == "recompute":
+            return "recompute"
+        if self.swapper.can_swap_out(seq, self.config.preemption_mode):
+            return "swap"
+        return "recompute"
+
+    def _swap_in(self, out: SchedulerOutput, budget: int, scheduled: set[int]) -> int:
+        assert self.swapper is not None
+        self.swapped.sort(key=self._priority_key)
+        for seq in list(self.swapped):
+            if budget <= 0 or len(self.running) >= self.config.max_num_seqs:
+                break
+            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            blocks = self.swapper.blocks_needed(seq)
+            if blocks + self._blocks_needed_after_swap(seq, num_new) > self._available_for(seq):
+                break
+            out.blocks_to_swap_in.extend(self.swapper.swap_in(seq))
+            self.swapped.remove(seq)
+            seq.status = SeqStatus.RUNNING
+            self.running.append(seq)
+            if num_new > 0:
+                self._grow(seq, num_new, out)
+                self._emit(seq, num_new, out)
+                budget -= num_new
+        return budget
+
+    def _blocks_needed_after_swap(self, seq: Sequence, num_new: int) -> int:
+        total = -(-(seq.num_computed_tokens + num_new) // self.config.block_size)
+        return max(0, total - -(-seq.num_computed_tokens // self.config.block_size))
+
+    # ---- after the step ----
+    def update(self, out: SchedulerOutput, sampled: list[list[int]]) -> list[Sequence]:
+        """Advance computed counts and append sampled tokens; returns sequences that got tokens.
+
+        sampled[i] holds the tokens for out.seqs[i]: [] when it did not sample, one token,
+        or n tokens at a fork point (the first continues the parent, the rest start children).
+        """
+        touched: list[Sequence] = []
+        running = {s.seq_id: s for s in self.running}
+        for sched, tokens in zip(out.seqs, sampled):
+            seq = running.get(sched.seq_id)
+            if seq is None:
+                continue  # finished or aborted meanwhile
+            seq.num_computed_tokens += sched.num_tokens
+            self._cache_full_blocks(seq)
+            if not sched.do_sample:
+                continue
+            if sched.num_samples > 1:
+                touched.extend(self._fork(seq, tokens))
+            else:
+                seq.token_ids.append(tokens[0])
+                touched.append(seq)
+        return touched
+
+    def _fork(self, parent: Sequence, tokens: list[int]) -> list[Sequence]:
+        request = parent.request
+        request.forked = True
+        children = []
+        for index, token in enumerate(tokens[1:], start=1):
+            child = self._new_seq(request, index, list(parent.token_ids))
+            child.num_computed_tokens = parent.num_computed_tokens
+            child.num_cached_tokens = parent.num_cached_tokens
+            for block in parent.block_ids:
+                self.pool.incref(block)
+            child.block_ids = list(parent.block_ids)
+            self._digests[child.seq_id] = list(self._digests.get(parent.seq_id, []))
+            child.status = SeqStatus.RUNNING
+            child.token_ids.append(token)
+            request.seqs.append(child)
+            self.running.append(child)
+            children.append(child)
+        parent.token_ids.append(tokens[0])
+        return [parent, *children]
+
+    def _cache_full_blocks(self, seq: Sequence) -> None:
+        if not self.pool.enable_prefix_caching:
+            return
+        bs = self.config.block_size
+        digests = self._digests.setdefault(seq.seq_id, [])
+        full = seq.num_computed_tokens // bs
+        while len(digests) < full:
+            i = len(digests)
+            parent = digests[-1] if digests else None
+            digests.append(self.pool.cache_block(seq.block_ids[i], parent, seq.token_ids[i * bs:(i + 1) * bs]))
+
+    # ---- bookkeeping ----
+    def _remove_from_queues(self, seq: Sequence) -> None:
+        for queue in (self.waiting, self.running, self.swapped):
+            if seq in queue:
+                queue.remove(seq)
+
+    def _release_blocks(self, seq: Sequence) -> None:
+        self.pool.free_all(seq.block_ids)
+        seq.block_ids = []
+        self._digests.pop(seq.seq_id, None)
+
+    def block_references(self) -> dict[int, int]:
+        refs: dict[int, int] = {}
+        for seq in itertools.chain(self.running, self.waiting):
+            for block in seq.block_ids:
+                refs[block] = refs.get(block, 0) + 1
+        return refs
+
+    def check_integrity(self) -> None:
+        """The pool's own invariants plus: every reference is held by a live sequence."""
+        self.pool.check_integrity(self.block_references())
+        if self.swapper is not None:
+            self.swapper.check_integrity(self.swapped)
+        ids = [s.seq_id for s in itertools.chain(self.waiting, self.running, self.swapped)]
+        assert len(ids) == len(set(ids)), "a sequence is queued twice"
+        for seq in self.running:
+            assert seq.status is SeqStatus.RUNNING
+            assert len(seq.block_ids) * self.config.block_size >= seq.num_computed_tokens
+        for seq in self.waiting:
+            assert seq.status is SeqStatus.WAITING
+        assert len(self.running) <= self.config.max_num_seqs, "more running sequences than max_num_seqs"
+
+    def fragmentation(self) -> float:
+        """Allocated slots not holding a computed token / allocated slots."""
+        slots = 0
+        used = 0
+        for seq in self.running:
+            slots += len(seq.block_ids) * self.config.block_size
+            used += seq.num_computed_tokens
+        return (slots - used) / slots if slots else 0.0
+
+
+class SwapSpace:  # pragma: no cover - the protocol the swap issue implements
+    def can_swap_out(self, seq: Sequence, mode: str) -> bool: ...
+    def swap_out(self, seq: Sequence) -> list[tuple[int, int]]: ...
+    def swap_in(self, seq: Sequence) -> list[tuple[int, int]]: ...
+    def blocks_needed(self, seq: Sequence) -> int: ...
+    def discard(self, seq: Sequence) -> None: ...
+    def check_integrity(self, swapped: list[Sequence]) -> None: ...

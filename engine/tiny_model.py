@@ -1,0 +1,141 @@
+"""Make small random checkpoints in HF format, with a tokenizer trained here.
+
+`kiln make-tiny-model DIR --arch llama|qwen2|qwen3|mistral` writes config.json,
+model.safetensors and a byte-level BPE tokenizer (bos/eos, chat template). With
+`--preset` and `--config-only` it writes a real-size config (and the tokenizer) for
+`load_format=dummy` benchmarks. No model hub is needed anywhere.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+CHAT_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+SPECIAL_TOKENS = ["<|pad|>", "<|bos|>", "<|eos|>", "<|im_start|>", "<|im_end|>"]
+
+_CORPUS = """\
+The quick brown fox jumps over the lazy dog. A kiln is a thermally insulated chamber, a type of oven,
+that produces temperatures sufficient to complete some process, such as hardening, drying, or chemical
+changes. Kilns have been used for millennia to turn objects made from clay into pottery, tiles and bricks.
+Large language models generate text one token at a time; each step reads the weights once from memory.
+Paged attention stores the keys and values of every sequence in fixed-size blocks, like pages of memory.
+Continuous batching lets new requests join a running batch at every step instead of waiting for it to end.
+Hello, world! How are you today? I am fine, thank you. What is the capital of France? Paris is.
+Numbers: 0 1 2 3 4 5 6 7 8 9 10 100 1000 3.14159 2.71828 42. Code: def f(x): return x * 2 + 1
+Ünïcödé text: café, naïve, façade, smörgåsbord, Straße, Ελληνικά, русский, 日本語のテキスト, 中文, 한국어, emoji 🙂🚀🔥.
+The user asked a question and the assistant answered it clearly, briefly and politely.
+"""
+
+ARCH_DEFAULTS = {
+    "llama": dict(model_type="llama", architectures=["LlamaForCausalLM"], attention_bias=False,
+                  rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                "high_freq_factor": 4.0, "original_max_position_embeddings": 256}),
+    "mistral": dict(model_type="mistral", architectures=["MistralForCausalLM"], sliding_window=None),
+    "qwen2": dict(model_type="qwen2", architectures=["Qwen2ForCausalLM"], tie_word_embeddings=True),
+    "qwen3": dict(model_type="qwen3", architectures=["Qwen3ForCausalLM"], attention_bias=False,
+                  tie_word_embeddings=True),
+}
+
+PRESETS = {
+    "llama-3.2-1b": dict(model_type="llama", architectures=["LlamaForCausalLM"], vocab_size=128256,
+                         hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+                         num_attention_heads=32, num_key_value_heads=8, head_dim=64,
+                         max_position_embeddings=131072, rms_norm_eps=1e-5, rope_theta=500000.0,
+                         rope_scaling={"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
+                                       "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
+                         tie_word_embeddings=True, torch_dtype="bfloat16"),
+    "llama-3.1-8b": dict(model_type="llama", architectures=["LlamaForCausalLM"], vocab_size=128256,
+                         hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                         num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+                         max_position_embeddings=131072, rms_norm_eps=1e-5, rope_theta=500000.0,
+                         rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                       "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
+                         tie_word_embeddings=False, torch_dtype="bfloat16"),
+    "qwen2.5-7b": dict(model_type="qwen2", architectures=["Qwen2ForCausalLM"], vocab_size=152064,
+                       hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
+                       num_attention_heads=28, num_key_value_heads=4, max_position_embeddings=32768,
+                       rms_norm_eps=1e-6, rope_theta=1000000.0, tie_word_embeddings=False,
+                       torch_dtype="bfloat16"),
+}
+
+
+def train_tokenizer(vocab_size: int = 512):
+    """A byte-level BPE tokenizer trained on a small built-in corpus (any text encodes)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator([_CORPUS] * 4, trainer=trainer)
+    bos = tok.token_to_id("<|bos|>")
+    tok.post_processor = processors.TemplateProcessing(single="<|bos|> $A", pair="<|bos|> $A <|bos|> $B",
+                                                       special_tokens=[("<|bos|>", bos)])
+    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|bos|>", eos_token="<|eos|>",
+                                   pad_token="<|pad|>", chat_template=CHAT_TEMPLATE,
+                                   model_max_length=1 << 20)
+
+
+def tiny_config(arch: str, vocab_size: int, bos: int, eos: int, pad: int) -> dict:
+    if arch not in ARCH_DEFAULTS:
+        raise ValueError(f"--arch must be one of {', '.join(ARCH_DEFAULTS)}")
+    cfg = dict(vocab_size=vocab_size, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+               num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=1024,
+               rms_norm_eps=1e-6, rope_theta=10000.0, tie_word_embeddings=False, initializer_range=0.2,
+               hidden_act="silu", bos_token_id=bos, eos_token_id=eos, pad_token_id=pad,
+               torch_dtype="float32")
+    cfg.update(ARCH_DEFAULTS[arch])
+    return cfg
+
+
+def make_tiny_model(out_dir: str | Path, arch: str = "llama", seed: int = 0,
+                    preset: str | None = None, config_only: bool = False) -> Path:
+    import torch
+    import transformers
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer = train_tokenizer()
+    tokenizer.save_pretrained(out)
+    ids = dict(bos=tokenizer.bos_token_id, eos=tokenizer.eos_token_id, pad=tokenizer.pad_token_id)
+    if preset is not None:
+        if preset not in PRESETS:
+            raise ValueError(f"--preset must be one of {', '.join(PRESETS)}")
+        raw = dict(PRESETS[preset], hidden_act="silu", bos_token_id=ids["bos"], eos_token_id=ids["eos"],
+                   pad_token_id=ids["pad"])
+    else:
+        raw = tiny_config(arch, len(tokenizer), ids["bos"], ids["eos"], ids["pad"])
+    if config_only:
+        (out / "config.json").write_text(json.dumps(raw, indent=2))
+        return out
+    config = transformers.AutoConfig.for_model(**raw)
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        # Non-trivial biases and norm weights, so that loading them wrongly shows.
+        for name, p in model.named_parameters():
+            if name.endswith("bias") or "norm" in name:
+                p.add_(torch.randn_like(p) * 0.1)
+    model.save_pretrained(out, safe_serialization=True)
+    config.save_pretrained(out)
+    return out
+
+
+def default_model_dir(cache_dir: Path) -> Path:
+    """The embedded default model: made once into kiln's cache directory."""
+    path = cache_dir / "default-model-llama"
+    if not (path / "config.json").is_file() or not any(path.glob("*.safetensors")):
+        tmp = path.with_name(path.name + ".tmp")
+        make_tiny_model(tmp, arch="llama", seed=0)
+        if path.exists():
+            import shutil
+
+            shutil.rmtree(path)
+        tmp.rename(path)
+    return path
