@@ -18,6 +18,16 @@ _NAME_PREFIX = {"dtype": "", "head_dim": "d", "block_size": "b"}
 DEFAULT_CONSTANTS = {"min_partition": 128}
 
 
+def prefill_tile(head_dim: int) -> dict:
+    """Tile shape of the prefill kernel (shared by the template and the launcher)."""
+    return {"block_m": 64, "block_n": 64}
+
+
+def prefill_smem_bytes(head_dim: int, elem_bytes: int = 2) -> int:
+    t = prefill_tile(head_dim)
+    return (t["block_m"] + 4 * t["block_n"]) * head_dim * elem_bytes
+
+
 class ManifestError(ValueError):
     pass
 
@@ -42,6 +52,8 @@ class Variant:
     def render_context(self) -> dict:
         ctx = dict(DEFAULT_CONSTANTS)
         ctx.update(self.param_dict)
+        if self.kind == "flash_prefill":
+            ctx.update(prefill_tile(int(ctx["head_dim"])))
         ctx["name"] = self.name
         ctx["kind"] = self.kind
         if "dtype" in ctx:
