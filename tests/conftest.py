@@ -1,0 +1,68 @@
+"""Shared fixtures: tiny checkpoints made once per session, and engines checked after use."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+ARCHS = ("llama", "qwen2", "qwen3", "mistral")
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory) -> dict[str, Path]:
+    """arch -> directory of a tiny random HF checkpoint (float32) with a locally trained tokenizer."""
+    from engine.tiny_model import make_tiny_model
+
+    root = tmp_path_factory.mktemp("tiny-models")
+    return {arch: make_tiny_model(root / arch, arch=arch, seed=1 + i) for i, arch in enumerate(ARCHS)}
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tiny_models) -> Path:
+    return tiny_models["llama"]
+
+
+@pytest.fixture(autouse=True)
+def _isolated_cache_dir(tmp_path_factory, monkeypatch):
+    """Keep tests out of the user's ~/.cache/kiln (the default model is made once per session)."""
+    cache = tmp_path_factory.getbasetemp() / "kiln-cache"
+    monkeypatch.setenv("KILN_CACHE_DIR", str(cache))
+    yield
+
+
+def assert_engine_clean(engine) -> None:
+    """Block accounting holds and nothing is left referenced: call after every engine test."""
+    engine.check_integrity()
+    assert not engine.has_unfinished_requests(), "requests left unfinished"
+    assert engine.pool.is_fully_free(), (
+        f"KV blocks leaked: {engine.pool.num_in_use} in use after all requests finished")
+
+
+@pytest.fixture
+def make_llm(tiny_llama):
+    """Build LLMs (default: tiny llama, float32 CPU, eager) and check each one's pool at teardown."""
+    from engine.llm import LLM
+
+    made = []
+
+    def _make(model: Path | str | None = None, **settings):
+        settings.setdefault("enforce_eager", True)
+        settings.setdefault("device", "cpu")
+        llm = LLM(str(model or tiny_llama), **settings)
+        made.append(llm)
+        return llm
+
+    yield _make
+    for llm in made:
+        assert_engine_clean(llm.engine)
