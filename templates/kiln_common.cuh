@@ -54,4 +54,17 @@ __device__ __forceinline__ uint4 ld_stream16(const void* p) {
   return r;
 }
 
+// Zero output rows [begin, end) (tokens no sequence claims: query_start_loc[S] < T).
+template <typename T>
+__device__ __forceinline__ void zero_rows(T* out, int begin, int end, int num_heads, int head_dim,
+                                          int64_t o_stride_t, int64_t o_stride_h, int tid, int nthreads) {
+  const int per_row = num_heads * head_dim;
+  for (int64_t i = tid; i < (int64_t)(end - begin) * per_row; i += nthreads) {
+    const int r = (int)(i / per_row);
+    const int rem = (int)(i - (int64_t)r * per_row);
+    const int hh = rem / head_dim;
+    out[(int64_t)(begin + r) * o_stride_t + (int64_t)hh * o_stride_h + (rem - hh * head_dim)] = from_float<T>(0.f);
+  }
+}
+
 }  // namespace kiln
