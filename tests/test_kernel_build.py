@@ -1,0 +1,198 @@
+"""Kernel build system: manifest, rendering, nvcc build + cache, ptxas report, loader errors.
+
+The nvcc-dependent tests skip cleanly where nvcc is absent. No GPU needed.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+
+from compiler.kernels import build as kbuild
+from compiler.kernels.build import (
+    KernelBuildError, build_kernels, parse_ptxas_report, read_index, source_hash,
+)
+from compiler.kernels.loader import KernelLibrary, MissingKernelError
+from compiler.kernels.manifest import (
+    TEMPLATES_DIR, Variant, attention_variant_names, load_manifest, render,
+)
+
+needs_nvcc = pytest.mark.skipif(kbuild.find_nvcc() is None, reason="nvcc not on PATH")
+
+
+def test_manifest_covers_every_supported_shape():
+    m = load_manifest()
+    assert len(m) == len(set(m))
+    for dt in ("bfloat16", "float16"):
+        for d in (64, 128):
+            for bs in (16, 32):
+                names = attention_variant_names(f"torch.{dt}", d, bs)
+                for n in names.values():
+                    assert n in m, f"{n} missing from templates/manifest.toml"
+
+
+def test_render_substitutes_parameters():
+    v = load_manifest()["paged_decode_fp16_d64_b32"]
+    text = render(v)
+    assert "constexpr int D = 64;" in text
+    assert "constexpr int BS = 32;" in text
+    assert "using elem_t = __half;" in text
+    assert "kiln_paged_decode_fp16_d64_b32_combine" in text
+    assert "namespace kiln" in text  # the shared header is inlined (so it is hashed)
+    assert "{{" not in text and "include_raw" not in text
+
+
+def test_hash_changes_with_text_and_parameters():
+    m = load_manifest()
+    v = m["write_kv_bf16"]
+    text = render(v)
+    h = source_hash(v, text)
+    assert h == source_hash(v, render(v))  # deterministic
+    assert source_hash(v, text + "\n// changed\n") != h
+    other = Variant(v.name, v.kind, v.template, (("dtype", "fp16"),))
+    assert source_hash(other, text) != h
+    assert source_hash(v, text, flags=kbuild.NVCC_FLAGS + ("-G",)) != h
+    assert kbuild.build_key(h, "nvcc 13.0") != kbuild.build_key(h, "nvcc 12.8")
+
+
+PTXAS_SAMPLE = """\
+ptxas info    : 0 bytes gmem
+ptxas info    : Compiling entry function 'kiln_a' for 'sm_90a'
+ptxas info    : Function properties for kiln_a
+    16 bytes stack frame, 8 bytes spill stores, 4 bytes spill loads
+ptxas info    : Used 168 registers, used 1 barriers, 8320 bytes smem, 512 bytes cmem[0]
+ptxas info    : Compiling entry function 'kiln_b' for 'sm_90a'
+ptxas info    : Function properties for kiln_b
+    0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads
+ptxas info    : Used 31 registers, used 0 barriers, 400 bytes cmem[0]
+"""
+
+
+def test_parse_ptxas_report():
+    r = parse_ptxas_report(PTXAS_SAMPLE)
+    assert set(r) == {"kiln_a", "kiln_b"}
+    a, b = r["kiln_a"], r["kiln_b"]
+    assert (a.registers, a.shared_bytes, a.stack_bytes, a.spill_stores, a.spill_loads, a.barriers) == (168, 8320, 16, 8, 4, 1)
+    assert (b.registers, b.shared_bytes, b.spill_stores, b.barriers) == (31, 0, 0, 0)
+
+
+def test_loader_names_the_build_command_for_a_missing_variant(tmp_path):
+    with pytest.raises(MissingKernelError) as ei:
+        KernelLibrary(tmp_path, ["paged_decode_bf16_d128_b16"])
+    msg = str(ei.value)
+    assert "kiln build-kernels --variants paged_decode_bf16_d128_b16" in msg
+    assert str(tmp_path) in msg
+
+
+def test_cli_rejects_unknown_variant(capsys):
+    from compiler.kernels.cli import build_main
+
+    assert build_main(["--variants", "no_such_variant", "--cache-dir", "/nonexistent", "--quiet"]) == 2
+    assert "no_such_variant" in capsys.readouterr().err
+
+
+@pytest.fixture(scope="module")
+def full_build(tmp_path_factory):
+    """Every manifest variant, built once for this module (~30 s on 2 cores)."""
+    if kbuild.find_nvcc() is None:
+        pytest.skip("nvcc not on PATH")
+    cache = tmp_path_factory.mktemp("kernel-cache")
+    results = build_kernels(cache, None, jobs=None, progress=False)
+    return cache, results
+
+
+@needs_nvcc
+def test_every_variant_compiles_without_spills(full_build):
+    cache, results = full_build
+    manifest = load_manifest()
+    assert {r.name for r in results} == set(manifest)
+    index = read_index(cache)
+    for r in results:
+        assert r.cubin.exists() and r.cubin.stat().st_size > 0
+        assert (r.cubin.parent / "ptxas.txt").exists()
+        assert r.name in index and index[r.name]["functions"]
+        assert r.resources, f"{r.name}: no ptxas resource report parsed"
+        for fn, res in r.resources.items():
+            assert res.registers > 0, f"{fn}: register count not parsed"
+            assert res.spill_stores == 0 and res.spill_loads == 0, f"{fn} spills: {res}"
+            assert res.stack_bytes == 0, f"{fn} has a local-memory stack frame: {res}"
+        kind = manifest[r.name].kind
+        fns = set(r.resources)
+        if kind == "paged_decode":
+            assert fns == {f"kiln_{r.name}_{e}" for e in ("g1", "g2", "g4", "g8", "combine")}
+        else:
+            assert fns == {f"kiln_{r.name}"}
+
+
+@needs_nvcc
+def test_second_build_is_a_cache_hit(full_build, monkeypatch):
+    cache, _ = full_build
+
+    def no_nvcc(cmd):
+        raise AssertionError(f"nvcc was called on a cache hit: {cmd}")
+
+    monkeypatch.setattr(kbuild, "_run_nvcc", no_nvcc)
+    again = build_kernels(cache, ["write_kv_bf16", "flash_prefill_bf16_d128_b16"], progress=False)
+    assert all(r.cached for r in again)
+    # and the loader finds them without nvcc
+    lib = KernelLibrary(cache, ["write_kv_bf16", "flash_prefill_bf16_d128_b16"])
+    assert lib.cubin_path("write_kv_bf16").exists()
+    assert lib.resources("flash_prefill_bf16_d128_b16")["kiln_flash_prefill_bf16_d128_b16"].registers > 0
+
+
+@needs_nvcc
+def test_template_change_rebuilds_and_loader_detects_stale(full_build, tmp_path):
+    cache, results = full_build
+    before = {r.name: r.key for r in results}["write_kv_bf16"]
+    tdir = tmp_path / "templates"
+    shutil.copytree(TEMPLATES_DIR, tdir)
+    with open(tdir / "write_kv.cu.j2", "a") as f:
+        f.write("\n// a harmless change\n")
+    # the cache built from the original templates is stale for the changed ones
+    with pytest.raises(MissingKernelError, match="stale"):
+        KernelLibrary(cache, ["write_kv_bf16"], templates_dir=tdir)
+    calls = []
+    real = kbuild._run_nvcc
+
+    def counting(cmd):
+        calls.append(cmd)
+        return real(cmd)
+
+    kbuild._run_nvcc = counting
+    try:
+        (r,) = build_kernels(cache, ["write_kv_bf16"], templates_dir=tdir, progress=False,
+                             manifest=load_manifest(tdir / "manifest.toml"))
+    finally:
+        kbuild._run_nvcc = real
+    assert not r.cached and len(calls) == 1 and r.key != before
+    KernelLibrary(cache, ["write_kv_bf16"], templates_dir=tdir)  # fresh again
+
+
+@needs_nvcc
+def test_broken_template_reports_nvcc_error_and_variant(tmp_path):
+    tdir = tmp_path / "templates"
+    tdir.mkdir()
+    (tdir / "broken.cu.j2").write_text(
+        'extern "C" __global__ void kiln_{{ name }}(int* p) { p[0] = undeclared_identifier_xyz; }\n')
+    v = Variant("broken_bf16", "broken", "broken.cu.j2", (("dtype", "bf16"),))
+    with pytest.raises(KernelBuildError) as ei:
+        build_kernels(tmp_path / "cache", [v], templates_dir=tdir, progress=False)
+    e = ei.value
+    assert e.variant == "broken_bf16"
+    assert "broken_bf16" in str(e)
+    assert "undeclared_identifier_xyz" in str(e) and "error" in str(e).lower()
+    assert not read_index(tmp_path / "cache").get("broken_bf16")
+
+
+@needs_nvcc
+def test_cli_build_and_list(tmp_path, capsys):
+    from compiler.kernels.cli import build_main
+
+    assert build_main(["--variants", "write_kv_fp16", "--cache-dir", str(tmp_path), "--quiet"]) == 0
+    assert "kiln_write_kv_fp16" in capsys.readouterr().out
+    assert build_main(["--variants", "write_kv_fp16,write_kv_bf16", "--cache-dir", str(tmp_path), "--list"]) == 0
+    out = capsys.readouterr().out
+    assert "write_kv_fp16" in out and "built" in out
+    assert "write_kv_bf16" in out and "missing" in out
