@@ -212,8 +212,7 @@ class Scheduler:
         admitted: list[Sequence] = []
         for seq in list(self.waiting):
             # A request that will fork into n samples takes its n seats now.
-            seats = seq.request.params.n if not seq.request.forked else 1
-            if budget <= 0 or len(self.running) + seats > self.config.max_num_seqs:
+            if budget <= 0 or self._seats_used() + self._seats(seq) > self.config.max_num_seqs:
                 break
             hit_tokens = 0
             if seq.num_computed_tokens == 0 and not seq.block_ids:
@@ -238,6 +237,14 @@ class Scheduler:
             self._emit(seq, num_new, out)
             budget -= num_new
         return budget
+
+    @staticmethod
+    def _seats(seq: Sequence) -> int:
+        """Running slots a sequence stands for: a request that will fork holds all n."""
+        return seq.request.params.n if not seq.request.forked else 1
+
+    def _seats_used(self) -> int:
+        return sum(self._seats(s) for s in self.running)
 
     def _take_prefix_hits(self, seq: Sequence) -> int:
         """Reuse cached full blocks; always leave one token to compute for logits.

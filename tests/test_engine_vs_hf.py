@@ -1,0 +1,143 @@
+"""Greedy output equals transformers `generate` token for token (float32, CPU)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from engine import SamplingParams
+from tests.conftest import ARCHS
+
+NUM_PROMPTS = 16
+MAX_TOKENS = 12
+
+
+def _prompts(vocab: int, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    lengths = [1, 2, 15, 16, 17, 31, 32, 33, 64, 100, 127, 128, 150, 199, 200, 7]
+    assert len(lengths) == NUM_PROMPTS
+    return [[rng.randrange(5, vocab) for _ in range(n)] for n in lengths]
+
+
+_hf_cache: dict[str, list[list[int]]] = {}
+
+
+def hf_greedy(model_dir, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+    """transformers' greedy continuation of each prompt (one at a time: no padding effects)."""
+    key = f"{model_dir}:{max_tokens}:{hash(tuple(map(tuple, prompts)))}"
+    if key not in _hf_cache:
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+        outs = []
+        with torch.no_grad():
+            for p in prompts:
+                ids = torch.tensor([p])
+                gen = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens,
+                                     min_new_tokens=max_tokens, do_sample=False, eos_token_id=None,
+                                     pad_token_id=0)
+                outs.append(gen[0, len(p):].tolist())
+        _hf_cache[key] = outs
+    return _hf_cache[key]
+
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_greedy_matches_transformers(arch, tiny_models, make_llm):
+    model = tiny_models[arch]
+    llm = make_llm(model, max_num_seqs=16)
+    prompts = _prompts(llm.engine.model_config.vocab_size)
+    outs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    expected = hf_greedy(str(model), prompts, MAX_TOKENS)
+    for i, (out, want) in enumerate(zip(outs, expected)):
+        assert out.prompt_token_ids == prompts[i]
+        assert out.outputs[0].token_ids == want, f"{arch} prompt {i} (len {len(prompts[i])}) diverged"
+        assert out.outputs[0].finish_reason == "length"
+
+
+@pytest.mark.parametrize("variant", [
+    dict(enable_prefix_caching=False),
+    dict(max_num_batched_tokens=32),  # long prompts are chunked across steps
+    dict(num_gpu_blocks=24, max_num_seqs=16, max_model_len=256),  # preemption by recompute
+    dict(block_size=8, max_num_seqs=3),
+    dict(block_size=32),
+])
+def test_greedy_matches_under_constraints(variant, tiny_llama, make_llm):
+    llm = make_llm(tiny_llama, **variant)
+    prompts = _prompts(llm.engine.model_config.vocab_size)
+    outs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    expected = hf_greedy(str(tiny_llama), prompts, MAX_TOKENS)
+    assert [o.outputs[0].token_ids for o in outs] == expected
+    if "num_gpu_blocks" in variant:
+        assert llm.engine.scheduler.num_preemptions > 0, "the pool was meant to be too small to avoid preemption"
+
+
+def test_prefix_cache_hits_give_same_tokens(tiny_llama, make_llm):
+    llm = make_llm(tiny_llama)
+    rng = random.Random(3)
+    shared = [rng.randrange(5, 500) for _ in range(70)]
+    prompts = [shared + [rng.randrange(5, 500) for _ in range(k)] for k in (1, 5, 20)]
+    first = llm.generate(prompts, GREEDY, use_tqdm=False)
+    queries_before = llm.engine.pool.counters.prefix_hits
+    second = llm.generate(prompts, GREEDY, use_tqdm=False)
+    assert llm.engine.pool.counters.prefix_hits > queries_before
+    assert [o.outputs[0].token_ids for o in first] == [o.outputs[0].token_ids for o in second]
+    assert all(o.num_cached_tokens >= 64 for o in second)
+    assert second[0].outputs[0].token_ids == hf_greedy(str(tiny_llama), prompts, MAX_TOKENS)[0]
+
+
+def test_parallel_samples_share_prompt_blocks(tiny_llama, make_llm):
+    llm = make_llm(tiny_llama, enable_prefix_caching=False)
+    prompt = list(range(10, 50))  # 40 tokens: 2 full blocks + a shared partial block
+    params = SamplingParams(n=4, temperature=1.0, seed=7, max_tokens=6, ignore_eos=True)
+    engine = llm.engine
+    request = engine.add_request(prompt, params, "fork")
+    allocations_at_fork = None
+    while engine.has_unfinished_requests():
+        engine.step()
+        engine.check_integrity()
+        if request.forked and allocations_at_fork is None:
+            allocations_at_fork = engine.pool.counters.allocations
+            # 3 prompt blocks shared by all four samples.
+            assert all(engine.pool.ref_count(b) == 4 for b in request.seqs[0].block_ids[:2])
+    # After the fork, each sample copied the partial block at most once (copy-on-write).
+    assert engine.pool.counters.allocations - allocations_at_fork <= 3
+    out = engine._output(request)
+    assert len(out.outputs) == 4 and all(len(c.token_ids) == 6 for c in out.outputs)
+    assert len({tuple(c.token_ids) for c in out.outputs}) > 1, "four samples at temperature 1 all equal"
+    # Greedy n=2 gives two identical continuations equal to n=1.
+    outs = llm.generate([prompt], SamplingParams(n=2, temperature=0, max_tokens=6, ignore_eos=True),
+                        use_tqdm=False)
+    single = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True), use_tqdm=False)
+    assert outs[0].outputs[0].token_ids == outs[0].outputs[1].token_ids == single[0].outputs[0].token_ids
+
+
+def test_mixed_prefill_and_decode_in_one_step(tiny_llama, make_llm):
+    llm = make_llm(tiny_llama, max_num_batched_tokens=40)
+    engine = llm.engine
+    engine.add_request(list(range(5, 25)), GREEDY, "a")
+    engine.step()  # a's prefill
+    engine.add_request(list(range(5, 105)), GREEDY, "b")  # 100 tokens: chunked
+    sched = engine.scheduler.schedule()
+    kinds = [(s.seq_id, s.num_tokens) for s in sched.seqs]
+    assert kinds[0][1] == 1 and kinds[1][1] == 39, kinds  # the decode first, then a prefill chunk
+    sampled = engine.runner.execute(sched)
+    engine.scheduler.update(sched, engine.runner.split_sampled(sched, sampled))
+    for rid in ("a", "b"):
+        engine.abort_request(rid)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_half_precision_runs_close_to_float32(dtype, tiny_llama, make_llm):
+    llm32 = make_llm(tiny_llama)
+    llm16 = make_llm(tiny_llama, dtype=dtype)
+    prompts = _prompts(512)[:6]
+    a = llm32.generate(prompts, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
+    b = llm16.generate(prompts, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
+    assert llm16.engine.kv_cache.tensor.dtype == getattr(torch, dtype)
+    same_first = sum(x.outputs[0].token_ids[0] == y.outputs[0].token_ids[0] for x, y in zip(a, b))
+    assert same_first >= 4, "half precision diverged from float32 on most first tokens"

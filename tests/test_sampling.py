@@ -1,0 +1,183 @@
+"""Sampling parameters, seeds, stops, logprobs and incremental detokenisation."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from engine import SamplingParams
+from engine.request import InvalidRequestError
+from engine.sampler import Sampler, SampleRow
+
+
+def rows_for(params_list, prompt=(1, 2, 3), outputs=()):
+    return [SampleRow(p, list(prompt) + list(outputs), len(prompt), 0) for p in params_list]
+
+
+def test_invalid_params_are_rejected_with_the_field_named():
+    for kwargs, field in [(dict(temperature=-1), "temperature"), (dict(n=0), "n"), (dict(top_p=0), "top_p"),
+                          (dict(top_k=-5), "top_k"), (dict(max_tokens=0), "max_tokens"),
+                          (dict(min_tokens=5, max_tokens=2), "min_tokens"), (dict(logprobs=99), "logprobs"),
+                          (dict(stop=[""]), "stop"), (dict(repetition_penalty=0), "repetition_penalty")]:
+        with pytest.raises(InvalidRequestError) as info:
+            SamplingParams(**kwargs)
+        assert info.value.param == field
+
+
+def test_top_k_and_top_p_and_min_p_restrict_the_support():
+    sampler = Sampler(torch.device("cpu"), eos_token_ids=(0,), seed=0)
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]])).repeat(400, 1)
+    for params, allowed in [(SamplingParams(top_k=2), {0, 1}), (SamplingParams(top_p=0.7), {0, 1}),
+                            (SamplingParams(top_p=0.5), {0}), (SamplingParams(min_p=0.5), {0, 1}),
+                            (SamplingParams(top_k=3, top_p=0.99), {0, 1, 2})]:
+        out = sampler(logits, rows_for([params] * 400))
+        assert set(out.token_ids) == allowed, params
+
+
+def test_temperature_sampling_follows_the_distribution():
+    sampler = Sampler(torch.device("cpu"), eos_token_ids=(9,), seed=1)
+    probs = torch.tensor([0.6, 0.3, 0.1])
+    logits = torch.log(probs)[None].repeat(6000, 1)
+    out = sampler(logits, rows_for([SamplingParams(temperature=1.0)] * 6000))
+    freq = torch.bincount(torch.tensor(out.token_ids), minlength=3).float() / 6000
+    assert torch.allclose(freq, probs, atol=0.03), freq
+
+
+def test_seeded_rows_do_not_depend_on_the_batch():
+    sampler = Sampler(torch.device("cpu"), eos_token_ids=(0,), seed=0)
+    torch.manual_seed(0)
+    logits = torch.randn(5, 50)
+    seeded = SamplingParams(temperature=1.0, seed=1234)
+    alone = sampler(logits[2:3], rows_for([seeded])).token_ids[0]
+    mixed = sampler(logits, rows_for([SamplingParams(temperature=0.7)] * 2 + [seeded] +
+                                     [SamplingParams(temperature=0)] * 2)).token_ids[2]
+    assert alone == mixed
+
+
+def test_penalties_push_down_seen_tokens():
+    sampler = Sampler(torch.device("cpu"), eos_token_ids=(0,), seed=0)
+    logits = torch.tensor([[1.0, 2.0, 1.9, 0.5]])
+    greedy = SamplingParams(temperature=0)
+    assert sampler(logits, rows_for([greedy], prompt=(3,), outputs=(1,))).token_ids == [1]
+    for p in (SamplingParams(temperature=0, presence_penalty=0.5),
+              SamplingParams(temperature=0, frequency_penalty=0.5),
+              SamplingParams(temperature=0, repetition_penalty=1.2)):
+        assert sampler(logits, rows_for([p], prompt=(3,), outputs=(1,))).token_ids == [2], p
+    # repetition penalty also covers prompt tokens
+    p = SamplingParams(temperature=0, repetition_penalty=1.2)
+    assert sampler(logits, rows_for([p], prompt=(1,))).token_ids == [2]
+
+
+def test_min_tokens_blocks_eos_and_stop_ids():
+    sampler = Sampler(torch.device("cpu"), eos_token_ids=(0,), seed=0)
+    logits = torch.tensor([[5.0, 4.0, 1.0]])
+    p = SamplingParams(temperature=0, min_tokens=2, stop_token_ids=[1])
+    assert sampler(logits, rows_for([p], outputs=(2,))).token_ids == [2]
+    assert sampler(logits, rows_for([p], outputs=(2, 2))).token_ids == [0]
+
+
+def test_logprobs_are_normalised_and_include_the_chosen_token():
+    sampler = Sampler(torch.device("cpu"), eos_token_ids=(0,), seed=0)
+    logits = torch.tensor([[1.0, 3.0, 2.0, 0.0]])
+    out = sampler(logits, rows_for([SamplingParams(temperature=0, logprobs=2)]))
+    chosen, top = out.logprobs[0]
+    assert out.token_ids == [1]
+    assert list(top) == [1, 2]
+    assert chosen == pytest.approx(math.log(math.exp(3) / sum(math.exp(x) for x in (1, 3, 2, 0))), rel=1e-5)
+
+
+# ---- end to end through the engine ----
+
+def test_same_seed_same_output_whatever_the_batch(make_llm):
+    llm = make_llm()
+    p = SamplingParams(temperature=0.9, top_p=0.95, seed=42, max_tokens=10, ignore_eos=True)
+    alone = llm.generate(["A kiln is"], p, use_tqdm=False)[0].outputs[0].token_ids
+    noise = SamplingParams(temperature=1.0, max_tokens=10, ignore_eos=True)
+    batch = llm.generate(["Hello", "A kiln is", "The quick"], [noise, p, noise], use_tqdm=False)
+    assert batch[1].outputs[0].token_ids == alone
+    other = llm.generate(["A kiln is"], SamplingParams(temperature=0.9, top_p=0.95, seed=43, max_tokens=10,
+                                                       ignore_eos=True), use_tqdm=False)
+    assert other[0].outputs[0].token_ids != alone
+
+
+def test_stop_strings_and_stop_token_ids(make_llm):
+    llm = make_llm()
+    base = llm.generate(["Hello"], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True),
+                        use_tqdm=False)[0].outputs[0]
+    text = base.text
+    stop = text[5:8]
+    assert stop and stop in text
+    out = llm.generate(["Hello"], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, stop=[stop]),
+                       use_tqdm=False)[0].outputs[0]
+    assert out.finish_reason == "stop" and out.stop_reason == stop
+    assert out.text == text[:text.index(stop)]
+    kept = llm.generate(["Hello"], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, stop=[stop],
+                                                  include_stop_str_in_output=True), use_tqdm=False)[0].outputs[0]
+    assert kept.text == text[:text.index(stop) + len(stop)]
+    stop_id = base.token_ids[3]
+    out = llm.generate(["Hello"], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True,
+                                                 stop_token_ids=[stop_id]), use_tqdm=False)[0].outputs[0]
+    assert out.token_ids == base.token_ids[:base.token_ids.index(stop_id) + 1]
+    assert out.finish_reason == "stop" and out.stop_reason == stop_id
+
+
+def test_eos_stops_unless_ignored(make_llm):
+    from engine.detokenizer import check_stop, init_offsets
+    from engine.request import Request, Sequence
+
+    llm = make_llm()
+    tok, eos = llm.tokenizer, llm.engine.eos_token_ids
+    prompt = tok.encode("Hello")
+    for ignore, want in ((False, "stop"), (True, None)):
+        req = Request("e", "Hello", prompt, SamplingParams(max_tokens=10, ignore_eos=ignore))
+        seq = Sequence(0, req, 0, list(prompt), len(prompt))
+        init_offsets(seq)
+        seq.token_ids += tok.encode(" world", add_special_tokens=False)
+        check_stop(tok, seq, eos, 1024)
+        seq.token_ids.append(eos[0])
+        check_stop(tok, seq, eos, 1024)
+        assert (seq.finish_reason.value if seq.finish_reason else None) == want
+        assert "<|eos|>" not in seq.text and seq.text.strip() == "world"
+
+
+def test_incremental_detokenisation_of_split_multibyte_characters(make_llm):
+    llm = make_llm()
+    tok = llm.tokenizer
+    text = "日本語のテキスト 🙂🚀 café"
+    ids = tok.encode(text, add_special_tokens=False)
+    assert len(ids) > len(text.split()), "expected byte-level pieces"
+    from engine.detokenizer import detokenize_step, init_offsets
+    from engine.request import Request, Sequence
+
+    prompt = tok.encode("Hello", add_special_tokens=False)
+    req = Request("d", "Hello", prompt, SamplingParams())
+    seq = Sequence(0, req, 0, list(prompt), len(prompt))
+    init_offsets(seq)
+    deltas = []
+    for t in ids:
+        seq.token_ids.append(t)
+        deltas.append(detokenize_step(tok, seq))
+    assert "".join(deltas) == text == seq.text
+    assert all("\ufffd" not in d for d in deltas)
+
+
+def test_logprobs_and_n_through_generate(make_llm):
+    llm = make_llm()
+    out = llm.generate(["Hello"], SamplingParams(n=3, temperature=0.8, seed=1, max_tokens=4, logprobs=3,
+                                                 ignore_eos=True), use_tqdm=False)[0]
+    assert [c.index for c in out.outputs] == [0, 1, 2]
+    for c in out.outputs:
+        assert len(c.logprobs) == 4
+        for tok, entry in zip(c.token_ids, c.logprobs):
+            assert tok in entry and all(v <= 0 for v in entry.values())
+        assert c.cumulative_logprob == pytest.approx(sum(e[t] for t, e in zip(c.token_ids, c.logprobs)))
+
+
+def test_chat_uses_the_template(make_llm):
+    llm = make_llm()
+    out = llm.chat([{"role": "user", "content": "hi"}], SamplingParams(temperature=0, max_tokens=3),
+                   use_tqdm=False)[0]
+    text = llm.tokenizer.decode(out.prompt_token_ids)
+    assert text.startswith("<|im_start|>user\nhi<|im_end|>") and text.endswith("<|im_start|>assistant\n")
