@@ -53,14 +53,28 @@ def paged_attention_reference(
     device = q.device
     max_blocks = min(block_tables.shape[1], -(-max(max_seq_len, 1) // block_size))
     ctx = max_blocks * block_size
-    tables = block_tables[:, :max_blocks].long().clamp_min(0)
+    tables = block_tables[:, :max_blocks].reshape(-1).long().clamp_min(0)
     # [S, ctx, Hkv, D] -> [S, Hkv, ctx, D]
-    keys = k_cache[tables].reshape(num_seqs, ctx, num_kv_heads, head_dim).transpose(1, 2)
-    values = v_cache[tables].reshape(num_seqs, ctx, num_kv_heads, head_dim).transpose(1, 2)
+    keys = k_cache.index_select(0, tables).view(num_seqs, ctx, num_kv_heads, head_dim).transpose(1, 2)
+    values = v_cache.index_select(0, tables).view(num_seqs, ctx, num_kv_heads, head_dim).transpose(1, 2)
+    lens = seq_lens.long()
+    key_pos = torch.arange(ctx, device=device)
+    # Half precision on the CPU is slow and loose: compute there in float32.
+    compute = torch.float32 if device.type == "cpu" else q.dtype
+    gqa = num_heads != num_kv_heads
+
+    if max_query_len == 1 and num_tokens == num_seqs:
+        # Pure decode: one query per sequence, no padding of queries needed.
+        mask = key_pos[None, :] < lens[:, None]
+        empty = lens == 0
+        mask = mask | (empty[:, None] & (key_pos[None, :] == 0))
+        out = F.scaled_dot_product_attention(
+            q[:, :, None, :].to(compute), keys.to(compute), values.to(compute),
+            attn_mask=mask[:, None, None, :], scale=scale, enable_gqa=gqa)
+        return out[:, :, 0, :].to(q.dtype).masked_fill(empty[:, None, None], 0.0)
 
     starts = query_start_loc[:-1].long()
     q_lens = (query_start_loc[1:] - query_start_loc[:-1]).long()
-    lens = seq_lens.long()
     max_q = max(max_query_len, 1)
     rows = torch.arange(max_q, device=device)
     # Token index for each padded query row; padded rows read token 0 and are dropped.
@@ -69,18 +83,15 @@ def paged_attention_reference(
     qp = q[tok_idx.reshape(-1)].reshape(num_seqs, max_q, num_heads, head_dim).transpose(1, 2)
 
     q_pos = (lens - q_lens)[:, None] + rows[None, :]  # absolute position of each query row
-    key_pos = torch.arange(ctx, device=device)
     mask = (key_pos[None, None, :] <= q_pos[:, :, None]) & (key_pos[None, None, :] < lens[:, None, None])
     mask = mask & row_valid[:, :, None]
     # A row with nothing to see (padding) attends to key 0 and is zeroed afterwards.
     empty = ~mask.any(dim=-1, keepdim=True)
     mask = mask | (empty & (key_pos[None, None, :] == 0))
 
-    # Half precision on the CPU is slow and loose: compute there in float32.
-    compute = torch.float32 if device.type == "cpu" else q.dtype
     out = F.scaled_dot_product_attention(
         qp.to(compute), keys.to(compute), values.to(compute),
-        attn_mask=mask[:, None, :, :], scale=scale, enable_gqa=num_heads != num_kv_heads,
+        attn_mask=mask[:, None, :, :], scale=scale, enable_gqa=gqa,
     )
     out = out.to(q.dtype).masked_fill(empty[:, None, :, :], 0.0)
     out = out.transpose(1, 2)  # [S, max_q, H, D]

@@ -11,6 +11,7 @@ The step's work is a SchedulerOutput of plain values that the runner turns into 
 
 from __future__ import annotations
 
+import bisect
 import itertools
 import logging
 import time
@@ -169,8 +170,7 @@ class Scheduler:
 
     def _insert_waiting(self, seq: Sequence) -> None:
         seq.status = SeqStatus.WAITING
-        self.waiting.append(seq)
-        self.waiting.sort(key=self._priority_key)
+        bisect.insort(self.waiting, seq, key=self._priority_key)
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()

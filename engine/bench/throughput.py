@@ -1,0 +1,110 @@
+"""`kiln bench throughput`: the same offline workload through kiln and through transformers.
+
+N requests with prompt and output lengths drawn from a fixed seed. kiln runs them with
+continuous batching; the baseline is transformers `generate` with static, left-padded
+batches (each batch runs until its longest output). Both count only the output tokens
+each request asked for, and the ratio is printed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import tempfile
+import time
+from pathlib import Path
+
+
+def workload(n: int, prompt_range: tuple[int, int], output_range: tuple[int, int], vocab: int,
+             seed: int) -> list[tuple[list[int], int]]:
+    rng = random.Random(seed)
+    reqs = []
+    for _ in range(n):
+        plen = rng.randint(*prompt_range)
+        reqs.append(([rng.randrange(5, vocab) for _ in range(plen)], rng.randint(*output_range)))
+    return reqs
+
+
+def run_kiln(llm, reqs) -> tuple[float, int]:
+    from engine import SamplingParams
+
+    params = [SamplingParams(temperature=0, max_tokens=out, ignore_eos=True, detokenize=False)
+              for _, out in reqs]
+    t0 = time.perf_counter()
+    outs = llm.generate([p for p, _ in reqs], params, use_tqdm=False)
+    elapsed = time.perf_counter() - t0
+    return elapsed, sum(len(o.outputs[0].token_ids) for o in outs)
+
+
+def run_transformers(model_dir: str, reqs, batch_size: int, device: str, dtype) -> tuple[float, int]:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, attn_implementation="sdpa")
+    model = model.to(device).eval()
+    useful = 0
+    t0 = time.perf_counter()
+    with torch.inference_mode():
+        for i in range(0, len(reqs), batch_size):
+            batch = reqs[i:i + batch_size]
+            longest = max(len(p) for p, _ in batch)
+            ids = torch.zeros(len(batch), longest, dtype=torch.long)
+            mask = torch.zeros_like(ids)
+            for row, (p, _) in enumerate(batch):
+                ids[row, longest - len(p):] = torch.tensor(p)
+                mask[row, longest - len(p):] = 1
+            new = max(out for _, out in batch)
+            model.generate(ids.to(device), attention_mask=mask.to(device), max_new_tokens=new,
+                           min_new_tokens=new, do_sample=False, pad_token_id=0, eos_token_id=None)
+            useful += sum(out for _, out in batch)
+    if device == "cuda":
+        torch.cuda.synchronize()
+    return time.perf_counter() - t0, useful
+
+
+def main(argv: list[str]) -> int:
+    from engine.cli import add_settings_flags, settings_from_args
+
+    parser = argparse.ArgumentParser(prog="kiln bench throughput", description=__doc__)
+    parser.add_argument("--num-requests", type=int, default=64)
+    parser.add_argument("--prompt-len", default="16,256", help="min,max prompt tokens")
+    parser.add_argument("--output-len", default="16,128", help="min,max output tokens")
+    parser.add_argument("--workload-seed", type=int, default=0)
+    parser.add_argument("--baseline-batch-size", type=int, default=None, help="default: max_num_seqs")
+    parser.add_argument("--no-baseline", action="store_true")
+    parser.add_argument("--json", default=None, help="write results here")
+    add_settings_flags(parser)
+    args = parser.parse_args(argv)
+    settings = settings_from_args(args)
+    if settings.model is None:
+        from engine.tiny_model import default_model_dir
+
+        settings = settings.model_copy(update={"model": str(default_model_dir(settings.cache_dir))})
+    from engine.llm import LLM
+
+    llm = LLM(**settings.model_dump(exclude_unset=True) | {"model": settings.model})
+    lo, hi = (int(x) for x in args.prompt_len.split(","))
+    olo, ohi = (int(x) for x in args.output_len.split(","))
+    vocab = min(llm.engine.model_config.vocab_size, len(llm.tokenizer))
+    reqs = workload(args.num_requests, (lo, hi), (olo, ohi), vocab, args.workload_seed)
+    run_kiln(llm, reqs[: max(1, len(reqs) // 8)])  # warm-up (compilation, allocator)
+    kiln_s, kiln_tokens = run_kiln(llm, reqs)
+    result = {
+        "model": settings.model, "device": str(llm.engine.device), "dtype": str(llm.engine.dtype),
+        "num_requests": len(reqs), "prompt_len": [lo, hi], "output_len": [olo, ohi],
+        "kiln_seconds": kiln_s, "kiln_output_tokens": kiln_tokens, "kiln_tok_per_s": kiln_tokens / kiln_s,
+    }
+    print(f"kiln:         {kiln_tokens} output tokens in {kiln_s:.2f}s = {kiln_tokens / kiln_s:.1f} tok/s")
+    if not args.no_baseline:
+        batch = args.baseline_batch_size or settings.max_num_seqs
+        hf_s, hf_tokens = run_transformers(settings.model, reqs, batch, llm.engine.device.type, llm.engine.dtype)
+        result.update(hf_seconds=hf_s, hf_output_tokens=hf_tokens, hf_tok_per_s=hf_tokens / hf_s,
+                      hf_batch_size=batch, ratio=(kiln_tokens / kiln_s) / (hf_tokens / hf_s))
+        print(f"transformers: {hf_tokens} output tokens in {hf_s:.2f}s = {hf_tokens / hf_s:.1f} tok/s "
+              f"(static batches of {batch}, left-padded)")
+        print(f"ratio kiln / transformers: {result['ratio']:.2f}x")
+    llm.engine.check_integrity()
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=2))
+    return 0
