@@ -1,0 +1,415 @@
+"""AsyncEngine: the step loop behind the server.
+
+One background thread owns the LLMEngine and runs `step()` back to back while there is
+work (model steps are blocking torch calls, so they must not run on the event loop).
+Everything else talks to that thread through a thread-safe inbox (add / abort), which
+the thread drains at the top of every iteration; when idle it sleeps on an event.
+
+Each request gets a `RequestStream` bound to the asyncio loop that created it. The step
+thread hands it the newest cumulative `RequestOutput` with `loop.call_soon_threadsafe`;
+the stream keeps only the newest snapshot, so a slow reader never makes the step loop wait
+and never piles up memory: it reads the coalesced difference (a delta) when it gets to it.
+
+If the step thread dies, the engine is marked dead and every pending stream fails with
+`EngineDeadError`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator, Callable, Protocol
+
+from engine.llm_engine import LLMEngine
+from engine.request import CompletionOutput, InvalidRequestError, RequestOutput, SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class EngineDeadError(RuntimeError):
+    """The step loop has stopped (crashed or shut down); no request can be served."""
+
+
+class QueueFullError(RuntimeError):
+    """The waiting queue is at its limit (max_waiting_requests)."""
+
+
+class StepListener(Protocol):
+    """Called from the step thread: metrics and stats logging hook in here."""
+
+    def on_step(self, engine: LLMEngine, outputs: list[RequestOutput], now: float) -> None:
+        """After every loop iteration (also idle ones, about once a second): `outputs` are the
+        requests that advanced or were aborted in it."""
+
+
+@dataclass
+class _Add:
+    prompt: str | list[int]
+    params: SamplingParams
+    request_id: str
+    priority: int
+    arrival_time: float
+    stream: "RequestStream"
+
+
+@dataclass
+class _Abort:
+    request_id: str
+
+
+@dataclass
+class _ChoiceCursor:
+    text: int = 0
+    tokens: int = 0
+    finished: bool = False
+
+
+class RequestStream:
+    """Async iterator of output deltas for one request (lives on one asyncio loop).
+
+    Each item is a RequestOutput whose `outputs` hold, per choice that advanced, only what
+    is new since the previous item: the new text, token ids and logprob entries, and the
+    finish reason on the item where the choice ends. New tokens whose text is still held
+    back (a split UTF-8 character, a possible stop string) wait for their text.
+    """
+
+    def __init__(self, request_id: str, loop: asyncio.AbstractEventLoop, detokenize: bool = True,
+                 on_close: Callable[[str], None] | None = None) -> None:
+        self.request_id = request_id
+        self.loop = loop
+        self._detokenize = detokenize
+        self._on_close = on_close
+        self._latest: RequestOutput | None = None
+        self._consumed: RequestOutput | None = None
+        self._error: BaseException | None = None
+        self._event = asyncio.Event()
+        self._cursors: dict[int, _ChoiceCursor] = collections.defaultdict(_ChoiceCursor)
+        self.accepted: asyncio.Future = loop.create_future()
+        self.finished = False  # the engine reported the request finished
+        self.done = False  # the reader has seen the end
+        self.closed = False
+
+    # ---- called on the stream's loop (scheduled from the step thread) ----
+    def _push(self, output: RequestOutput) -> None:
+        self._latest = output
+        if output.finished:
+            self.finished = True
+        self._event.set()
+
+    def _fail(self, exc: BaseException) -> None:
+        if not self.accepted.done():
+            self.accepted.set_exception(exc)
+            self.accepted.exception()  # mark retrieved: the add path re-raises it itself
+        self._error = exc
+        self._event.set()
+
+    def _accept(self, exc: BaseException | None) -> None:
+        if self.accepted.done():
+            return
+        if exc is None:
+            self.accepted.set_result(None)
+        else:
+            self.accepted.set_exception(exc)
+
+    # ---- reader side ----
+    @property
+    def final_output(self) -> RequestOutput | None:
+        """The newest cumulative output seen by the reader."""
+        return self._consumed
+
+    def __aiter__(self) -> "RequestStream":
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        while True:
+            if self.done:
+                raise StopAsyncIteration
+            latest = self._latest
+            if latest is not None and latest is not self._consumed:
+                self._consumed = latest
+                delta = self._delta(latest)
+                if latest.finished:
+                    self.done = True
+                if delta is not None:
+                    return delta
+                continue
+            if self._error is not None:
+                self.done = True
+                raise self._error
+            self._event.clear()
+            await self._event.wait()
+
+    def _delta(self, out: RequestOutput) -> RequestOutput | None:
+        choices = []
+        for c in out.outputs:
+            cur = self._cursors[c.index]
+            if cur.finished:
+                continue
+            finished = c.finish_reason is not None
+            new_text = c.text[cur.text:]
+            new_tokens = len(c.token_ids) > cur.tokens
+            if not (new_text or finished or (new_tokens and not self._detokenize)):
+                continue
+            choices.append(CompletionOutput(
+                index=c.index, text=new_text, token_ids=c.token_ids[cur.tokens:],
+                cumulative_logprob=c.cumulative_logprob,
+                logprobs=c.logprobs[cur.tokens:] if c.logprobs is not None else None,
+                finish_reason=c.finish_reason, stop_reason=c.stop_reason, num_preemptions=c.num_preemptions))
+            cur.text, cur.tokens, cur.finished = len(c.text), len(c.token_ids), finished
+        if not choices and not out.finished:
+            return None
+        return RequestOutput(out.request_id, out.prompt, out.prompt_token_ids, choices, out.finished,
+                             out.num_cached_tokens, out.error, out.metrics)
+
+    def close(self) -> None:
+        """Stop reading: aborts the request in the engine unless it already finished."""
+        if self.closed:
+            return
+        self.closed = True
+        if not self.finished and self._on_close is not None:
+            self._on_close(self.request_id)
+
+
+@dataclass
+class EngineStatus:
+    alive: bool
+    error: str | None
+    num_running: int
+    num_waiting: int
+    num_swapped: int
+    num_blocks_in_use: int
+    kv_usage: float
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+class AsyncEngine:
+    """Runs an LLMEngine in a background step thread; see the module docstring."""
+
+    def __init__(self, engine: LLMEngine, listener: StepListener | None = None,
+                 max_waiting_requests: int | None = None, idle_poll_s: float = 1.0) -> None:
+        self.engine = engine
+        self.listener = listener
+        self.max_waiting_requests = (max_waiting_requests if max_waiting_requests is not None
+                                     else engine.settings.max_waiting_requests)
+        self._idle_poll_s = idle_poll_s
+        self._inbox: collections.deque[_Add | _Abort] = collections.deque()
+        self._wake = threading.Event()
+        self._streams: dict[str, RequestStream] = {}  # owned by the step thread
+        self._lock = threading.Lock()  # guards _pending_adds and dead-state transitions
+        self._pending_adds = 0
+        self._stop = False
+        self._dead: BaseException | None = None
+        self.crashed = False  # the loop died of an error (not a shutdown)
+        self._thread: threading.Thread | None = None
+
+    @classmethod
+    def from_settings(cls, settings, **kwargs: Any) -> "AsyncEngine":
+        return cls(LLMEngine(settings), **kwargs)
+
+    # ---- lifecycle ----
+    def start(self) -> "AsyncEngine":
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="kiln-step-loop", daemon=True)
+            self._thread.start()
+        return self
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        self._stop = True
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    @property
+    def is_alive(self) -> bool:
+        return self._dead is None and self._thread is not None and self._thread.is_alive() and not self._stop
+
+    @property
+    def dead_error(self) -> BaseException | None:
+        return self._dead
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
+    def num_waiting(self) -> int:
+        """Requests queued but not yet running (including those still in the inbox)."""
+        return len(self.engine.scheduler.waiting) + self._pending_adds
+
+    # ---- requests ----
+    async def add_request(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None,
+                          priority: int = 0, arrival_time: float | None = None) -> RequestStream:
+        """Queue a request; returns its stream once the step loop accepted it.
+
+        Raises InvalidRequestError (bad parameters, prompt too long), QueueFullError, EngineDeadError.
+        """
+        params.validate()
+        self._raise_if_dead()
+        if self.num_waiting() >= self.max_waiting_requests:
+            raise QueueFullError(f"the server is at capacity: {self.num_waiting()} requests waiting "
+                                 f"(max_waiting_requests={self.max_waiting_requests}); retry later")
+        loop = asyncio.get_running_loop()
+        request_id = request_id or uuid.uuid4().hex
+        stream = RequestStream(request_id, loop, params.detokenize, on_close=self.abort)
+        with self._lock:
+            self._pending_adds += 1
+        self._inbox.append(_Add(prompt, params, request_id, priority,
+                                arrival_time if arrival_time is not None else time.monotonic(), stream))
+        self._wake.set()
+        if self._dead is not None:  # died between the check and the append: nobody will answer
+            self._fail_inbox()
+        try:
+            await asyncio.shield(stream.accepted)
+        except asyncio.CancelledError:
+            stream.close()
+            raise
+        return stream
+
+    async def generate(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None,
+                       priority: int = 0) -> AsyncIterator[RequestOutput]:
+        """Add a request and yield its deltas; closing the generator early aborts the request."""
+        stream = await self.add_request(prompt, params, request_id, priority)
+        try:
+            async for delta in stream:
+                yield delta
+        finally:
+            stream.close()
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request; its blocks are freed at the top of the next step. Thread-safe."""
+        if self._dead is not None:
+            return
+        self._inbox.append(_Abort(request_id))
+        self._wake.set()
+
+    def status(self) -> EngineStatus:
+        e = self.engine
+        sched = e.scheduler
+        return EngineStatus(alive=self.is_alive, error=repr(self._dead) if self._dead else None,
+                            num_running=len(sched.running), num_waiting=len(sched.waiting) + self._pending_adds,
+                            num_swapped=len(getattr(sched, "swapped", ()) or ()),
+                            num_blocks_in_use=e.pool.num_in_use, kv_usage=e.pool.usage())
+
+    def _raise_if_dead(self) -> None:
+        if self._dead is not None:
+            raise EngineDeadError(f"the engine loop has stopped: {self._dead!r}")
+        if self._stop:
+            raise EngineDeadError("the engine is shutting down")
+        if self._thread is None:
+            raise EngineDeadError("the engine loop was never started")
+
+    # ---- the step thread ----
+    def _run(self) -> None:
+        engine = self.engine
+        try:
+            while not self._stop:
+                self._wake.clear()
+                outputs = self._drain_inbox()
+                busy = engine.has_unfinished_requests()
+                if busy:
+                    stepped = engine.step()
+                    self._dispatch(stepped)
+                    outputs.extend(stepped)
+                if self.listener is not None:
+                    self.listener.on_step(engine, outputs, time.monotonic())
+                if not busy and not self._inbox:
+                    self._wake.wait(self._idle_poll_s)
+        except BaseException as exc:  # noqa: BLE001 - anything that stops the loop kills the engine
+            logger.exception("engine step loop died")
+            self.crashed = True
+            self._die(exc)
+            return
+        self._die(EngineDeadError("the engine was shut down"), log=False)
+
+    def _drain_inbox(self) -> list[RequestOutput]:
+        """Apply queued adds and aborts; returns the final outputs of aborted requests."""
+        engine = self.engine
+        aborted: list[RequestOutput] = []
+        while self._inbox:
+            item = self._inbox.popleft()
+            if isinstance(item, _Abort):
+                stream = self._streams.pop(item.request_id, None)
+                out = engine.abort_request(item.request_id)
+                if out is not None:
+                    aborted.append(out)
+                    if stream is not None:
+                        self._post(stream, stream._push, out)
+                continue
+            with self._lock:
+                self._pending_adds -= 1
+            stream = item.stream
+            if stream.closed:  # the reader gave up before we got here
+                self._post(stream, stream._accept, EngineDeadError("request cancelled"))
+                continue
+            try:
+                request = engine.add_request(item.prompt, item.params, item.request_id, item.priority)
+            except InvalidRequestError as exc:
+                self._post(stream, stream._accept, exc)
+                continue
+            except Exception as exc:  # noqa: BLE001 - one bad request must not stop the loop
+                logger.exception("add_request failed for %s", item.request_id)
+                self._post(stream, stream._accept, InvalidRequestError(f"could not add the request: {exc}"))
+                continue
+            request.arrival_time = min(request.arrival_time, item.arrival_time)
+            self._streams[item.request_id] = stream
+            self._post(stream, stream._accept, None)
+        return aborted
+
+    def _dispatch(self, outputs: list[RequestOutput]) -> None:
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[RequestStream, RequestOutput]]] = {}
+        for out in outputs:
+            stream = self._streams.get(out.request_id)
+            if stream is None:
+                continue
+            if out.finished:
+                del self._streams[out.request_id]
+            by_loop.setdefault(stream.loop, []).append((stream, out))
+        for loop, items in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(_push_all, items)
+            except RuntimeError:  # that loop is closed: its readers are gone
+                for stream, _ in items:
+                    self._inbox.append(_Abort(stream.request_id))
+
+    @staticmethod
+    def _post(stream: RequestStream, fn: Callable, arg: Any) -> None:
+        try:
+            stream.loop.call_soon_threadsafe(fn, arg)
+        except RuntimeError:
+            pass  # loop closed
+
+    def _die(self, exc: BaseException, log: bool = True) -> None:
+        with self._lock:
+            if self._dead is None:
+                self._dead = exc if isinstance(exc, EngineDeadError) else EngineDeadError(
+                    f"the engine loop died: {exc!r}")
+        err = self._dead
+        for stream in list(self._streams.values()):
+            self._post(stream, stream._fail, err)
+        self._streams.clear()
+        self._fail_inbox()
+
+    def _fail_inbox(self) -> None:
+        err = self._dead
+        while True:
+            try:
+                item = self._inbox.popleft()
+            except IndexError:
+                break
+            if isinstance(item, _Add):
+                with self._lock:
+                    self._pending_adds -= 1
+                self._post(item.stream, item.stream._fail, err)
+
+
+def _push_all(items: list[tuple[RequestStream, RequestOutput]]) -> None:
+    for stream, out in items:
+        stream._push(out)

@@ -1,0 +1,591 @@
+"""The FastAPI app: OpenAI-compatible completions and chat, plus health, metrics, tokenize.
+
+`build_app(state)` wires routes to one `ServerState` (the AsyncEngine, its metrics, the
+settings); `create_state(engine_settings, server_settings)` builds that state. Nothing
+here is module-level state: two apps in one process do not share anything.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import json
+import logging
+import secrets
+import time
+import uuid
+from dataclasses import dataclass
+from importlib import metadata
+from typing import Any, AsyncIterator
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from engine.async_engine import AsyncEngine, EngineDeadError, QueueFullError, RequestStream
+from engine.config import EngineSettings, ServerSettings
+from engine.request import InvalidRequestError, RequestOutput, SamplingParams
+from engine.server.metrics import CONTENT_TYPE, EngineMetrics
+from engine.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, ErrorResponse,
+                                    TokenizeRequest)
+
+logger = logging.getLogger("engine.server")
+access_logger = logging.getLogger("engine.server.access")
+
+PROTECTED_PREFIXES = ("/v1/", "/tokenize", "/detokenize")
+_ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
+    code: {"model": ErrorResponse} for code in (400, 401, 404, 503)}
+
+
+def kiln_version() -> str:
+    try:
+        return metadata.version("kiln-serve")
+    except metadata.PackageNotFoundError:  # pragma: no cover - running from a bare checkout
+        return "0.0.0+unknown"
+
+
+# ---------------------------------------------------------------- errors
+class APIError(Exception):
+    def __init__(self, status: int, message: str, type_: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
+
+
+def error_body(message: str, type_: str, param: str | None = None, code: str | int | None = None) -> dict:
+    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+
+
+def error_response(status: int, message: str, type_: str, param: str | None = None,
+                   code: str | int | None = None) -> JSONResponse:
+    return JSONResponse(error_body(message, type_, param, code), status_code=status)
+
+
+def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
+    parts, first = [], None
+    for err in exc.errors()[:5]:
+        loc = [str(x) for x in err.get("loc", ()) if x != "body"]
+        # Drop pydantic's union-branch tags ("str", "list[int]") from the location.
+        loc = [x for x in loc if not any(ch in x for ch in "[]") and x not in ("str", "int", "float", "bool")]
+        field = ".".join(loc) or "body"
+        first = first or field
+        msg = err.get("msg", "invalid value")
+        if err.get("type") == "json_invalid":
+            parts.append("the request body is not valid JSON")
+        else:
+            parts.append(f"{field}: {msg}")
+    return "invalid request: " + "; ".join(dict.fromkeys(parts)), first
+
+
+# ---------------------------------------------------------------- state
+@dataclass
+class ServerState:
+    engine: AsyncEngine
+    metrics: EngineMetrics
+    settings: ServerSettings
+    model_name: str
+    model_root: str
+    created: int = dataclasses.field(default_factory=lambda: int(time.time()))
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+
+def default_model_name(engine_settings: EngineSettings, model_dir) -> str:
+    return engine_settings.model or str(model_dir)
+
+
+def create_state(engine_settings: EngineSettings, server_settings: ServerSettings | None = None) -> ServerState:
+    """Build the engine (slow: loads the model) and everything the app needs; the loop is not started."""
+    from engine.llm_engine import LLMEngine
+
+    server_settings = server_settings or ServerSettings()
+    llm_engine = LLMEngine(engine_settings)
+    name = server_settings.served_model_name or default_model_name(engine_settings, llm_engine.model_dir)
+    metrics = EngineMetrics(name, engine_settings.log_stats_interval)
+    engine = AsyncEngine(llm_engine, listener=metrics)
+    return ServerState(engine, metrics, server_settings, name, str(llm_engine.model_dir))
+
+
+# ---------------------------------------------------------------- middleware
+class RequestContextMiddleware:
+    """X-Request-Id (echoed or generated), the API key check, and one access-log line per request."""
+
+    def __init__(self, app, api_key: str | None) -> None:
+        self.app = app
+        self.api_key = api_key
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        t0 = time.perf_counter()
+        headers = {k.lower(): v for k, v in scope.get("headers", [])}
+        rid = _clean_request_id(headers.get(b"x-request-id")) or uuid.uuid4().hex
+        scope.setdefault("state", {})["request_id"] = rid
+        status = [0]
+
+        async def send_with_id(message) -> None:
+            if message["type"] == "http.response.start":
+                status[0] = message["status"]
+                message = dict(message)
+                message["headers"] = [*message.get("headers", []), (b"x-request-id", rid.encode())]
+            await send(message)
+
+        path = scope.get("path", "")
+        try:
+            if self.api_key is not None and path.startswith(PROTECTED_PREFIXES) \
+                    and not self._authorized(headers):
+                resp = error_response(401, "invalid or missing API key (send 'Authorization: Bearer <key>')",
+                                      "authentication_error", None, "invalid_api_key")
+                await resp(scope, receive, send_with_id)
+                return
+            await self.app(scope, receive, send_with_id)
+        finally:
+            client = scope.get("client") or ("-", 0)
+            access_logger.info('%s "%s %s" %d %.1fms request_id=%s', client[0], scope.get("method"), path,
+                               status[0] or 499, 1000 * (time.perf_counter() - t0), rid)
+
+    def _authorized(self, headers: dict[bytes, bytes]) -> bool:
+        auth = headers.get(b"authorization", b"").decode("latin-1")
+        token = auth[7:].strip() if auth[:7].lower() == "bearer " else headers.get(b"x-api-key", b"").decode(
+            "latin-1")
+        return secrets.compare_digest(token.encode("latin-1"), self.api_key.encode("utf-8"))
+
+
+def _clean_request_id(raw: bytes | None) -> str | None:
+    if not raw:
+        return None
+    text = raw.decode("latin-1")[:128]
+    return text if text.isprintable() and text.isascii() and text.strip() else None
+
+
+# ---------------------------------------------------------------- the app
+def build_app(state: ServerState) -> FastAPI:
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        state.engine.start()
+        try:
+            yield
+        finally:
+            state.engine.shutdown()
+
+    app = FastAPI(title="kiln", version=kiln_version(), lifespan=lifespan,
+                  description="OpenAI-compatible completions and chat served by kiln")
+    app.state.kiln = state
+    app.add_middleware(RequestContextMiddleware, api_key=state.settings.api_key)
+    _install_error_handlers(app)
+    handlers = _Handlers(state)
+
+    @app.post("/v1/completions", responses=_ERROR_RESPONSES)
+    async def create_completion(body: CompletionRequest, request: Request):
+        return await handlers.completion(body, request)
+
+    @app.post("/v1/chat/completions", responses=_ERROR_RESPONSES)
+    async def create_chat_completion(body: ChatCompletionRequest, request: Request):
+        return await handlers.chat(body, request)
+
+    @app.get("/v1/models")
+    async def list_models():
+        return {"object": "list", "data": [{
+            "id": state.model_name, "object": "model", "created": state.created, "owned_by": "kiln",
+            "root": state.model_root, "parent": None, "max_model_len": state.engine.max_model_len}]}
+
+    @app.get("/health", responses={503: {"model": ErrorResponse}})
+    async def health():
+        if not state.engine.is_alive:
+            err = state.engine.dead_error
+            return error_response(503, f"the engine loop is not running: {err}" if err else
+                                  "the engine loop is not running", "service_unavailable", None, "engine_dead")
+        return Response(status_code=200)
+
+    @app.get("/metrics")
+    async def metrics():
+        return Response(state.metrics.render(), media_type=CONTENT_TYPE)
+
+    @app.get("/version")
+    async def version():
+        return {"version": kiln_version()}
+
+    @app.post("/tokenize", responses=_ERROR_RESPONSES)
+    async def tokenize(body: TokenizeRequest):
+        handlers.check_model(body.model)
+        tok = state.tokenizer
+        if (body.prompt is None) == (body.messages is None):
+            raise InvalidRequestError("give exactly one of prompt or messages", "prompt")
+        if body.messages is not None:
+            conv = ChatCompletionRequest(messages=body.messages).conversation()
+            ids = handlers.chat_prompt_ids(conv, body.add_generation_prompt)
+        else:
+            ids = tok.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+        return {"tokens": ids, "count": len(ids), "max_model_len": state.engine.max_model_len}
+
+    @app.post("/detokenize", responses=_ERROR_RESPONSES)
+    async def detokenize(body: DetokenizeRequest):
+        handlers.check_model(body.model)
+        handlers.check_token_ids(body.tokens, "tokens")
+        return {"prompt": state.tokenizer.decode(body.tokens)}
+
+    return app
+
+
+def _install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, exc: APIError):
+        return error_response(exc.status, exc.message, exc.type, exc.param, exc.code)
+
+    @app.exception_handler(InvalidRequestError)
+    async def _invalid(request: Request, exc: InvalidRequestError):
+        return error_response(400, str(exc), "invalid_request_error", exc.param)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(request: Request, exc: RequestValidationError):
+        message, param = _validation_message(exc)
+        return error_response(400, message, "invalid_request_error", param)
+
+    @app.exception_handler(QueueFullError)
+    async def _full(request: Request, exc: QueueFullError):
+        return error_response(503, str(exc), "service_unavailable", None, "overloaded")
+
+    @app.exception_handler(EngineDeadError)
+    async def _dead(request: Request, exc: EngineDeadError):
+        return error_response(503, str(exc), "service_unavailable", None, "engine_dead")
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, exc: StarletteHTTPException):
+        type_ = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        return error_response(exc.status_code, str(exc.detail), type_)
+
+    @app.exception_handler(Exception)
+    async def _internal(request: Request, exc: Exception):
+        logger.exception("internal error")
+        return error_response(500, f"internal server error: {type(exc).__name__}", "server_error")
+
+
+# ---------------------------------------------------------------- completions and chat
+@dataclass
+class _Choice:
+    text: str = ""
+    token_ids: list[int] = dataclasses.field(default_factory=list)
+    logprobs: list[dict[int, float]] = dataclasses.field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    text_offset: int = 0  # completions logprobs: where the next token's text starts
+
+
+@dataclass
+class _Job:
+    """One HTTP request: its engine streams (one per prompt) and what they produced so far."""
+
+    id: str
+    kind: str  # "completion" | "chat"
+    streams: list[RequestStream]
+    n: int
+    prompt_texts: list[str | None]
+    params: SamplingParams
+    echo: bool = False
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+    num_completion_tokens: int = 0
+
+    def close(self) -> None:
+        for s in self.streams:
+            s.close()
+
+
+class _Handlers:
+    def __init__(self, state: ServerState) -> None:
+        self.state = state
+        self.engine = state.engine
+
+    # ---- checks ----
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model != self.state.model_name:
+            raise APIError(404, f"the model {model!r} does not exist; this server serves {self.state.model_name!r}",
+                           "invalid_request_error", "model", "model_not_found")
+
+    def check_token_ids(self, ids: list[int], param: str) -> None:
+        vocab = self.engine.engine.model_config.vocab_size
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise InvalidRequestError(f"{param}: token ids must be in [0, {vocab}); got {bad[:3]}", param)
+
+    def _check_params(self, body, params: SamplingParams, num_prompts: int) -> None:
+        unknown = body.unknown_fields()
+        if unknown:
+            logger.info("ignoring unknown request fields: %s", ", ".join(unknown))
+        max_seqs = self.engine.engine.settings.max_num_seqs
+        if params.n > max_seqs:
+            raise InvalidRequestError(f"n ({params.n}) exceeds this server's max_num_seqs ({max_seqs})", "n")
+        if num_prompts * params.n > max(max_seqs, 1) * 16:
+            raise InvalidRequestError(f"too many prompts in one request ({num_prompts} x n={params.n})", "prompt")
+        self.check_token_ids(params.stop_token_ids, "stop_token_ids")
+
+    def chat_prompt_ids(self, conversation: list[dict[str, Any]], add_generation_prompt: bool = True) -> list[int]:
+        tok = self.state.tokenizer
+        try:
+            text = tok.apply_chat_template(conversation, tokenize=False, add_generation_prompt=add_generation_prompt)
+        except Exception as exc:  # noqa: BLE001 - template errors are the request's fault
+            raise InvalidRequestError(f"messages: the chat template failed: {exc}", "messages") from exc
+        return tok.encode(text, add_special_tokens=False)
+
+    # ---- endpoints ----
+    async def completion(self, body: CompletionRequest, request: Request):
+        self.check_model(body.model)
+        prompts = body.prompts()
+        params = body.sampling_params()
+        self._check_params(body, params, len(prompts))
+        texts = [p if isinstance(p, str) else None for p in prompts]
+        job = await self._start("cmpl", "completion", prompts, texts, params, body.priority, request)
+        job.echo = body.echo
+        return await self._respond(job, body.stream, body.include_usage, request)
+
+    async def chat(self, body: ChatCompletionRequest, request: Request):
+        self.check_model(body.model)
+        params = body.sampling_params()
+        ids = self.chat_prompt_ids(body.conversation(), body.add_generation_prompt)
+        self._check_params(body, params, 1)
+        job = await self._start("chatcmpl", "chat", [ids], [None], params, body.priority, request)
+        return await self._respond(job, body.stream, body.include_usage, request)
+
+    async def _start(self, prefix: str, kind: str, prompts: list, texts: list, params: SamplingParams,
+                     priority: int, request: Request) -> _Job:
+        arrival = time.monotonic()
+        job_id = f"{prefix}-{uuid.uuid4().hex}"
+        streams: list[RequestStream] = []
+        try:
+            for i, prompt in enumerate(prompts):
+                p = dataclasses.replace(params, stop=list(params.stop), stop_token_ids=list(params.stop_token_ids))
+                streams.append(await self.engine.add_request(prompt, p, f"{job_id}-{i}", priority, arrival))
+        except BaseException:
+            for s in streams:
+                s.close()
+            raise
+        return _Job(job_id, kind, streams, params.n, texts, params)
+
+    async def _respond(self, job: _Job, stream: bool | None, include_usage: bool, request: Request):
+        timeout = self.state.settings.request_timeout
+        if stream:
+            return StreamingResponse(self._sse(job, include_usage, timeout), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache"})
+        collect = asyncio.ensure_future(self._collect(job))
+        watch = asyncio.ensure_future(_wait_disconnect(request))
+        try:
+            done, _ = await asyncio.wait({collect, watch}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+            if collect in done:
+                return self._final_body(job, collect.result())
+            if watch in done:
+                logger.info("%s: client disconnected; aborting", job.id)
+                return Response(status_code=499)
+            raise APIError(504, f"the request did not finish within request_timeout={timeout}s and was aborted",
+                           "timeout", None, "timeout")
+        finally:
+            for t in (collect, watch):
+                t.cancel()
+            job.close()
+
+    # ---- engine output plumbing ----
+    async def _deltas(self, job: _Job) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """(prompt index, delta) from all of the job's streams as they come."""
+        if len(job.streams) == 1:
+            async for delta in job.streams[0]:
+                yield 0, delta
+            return
+        queue: asyncio.Queue = asyncio.Queue()
+
+        async def pump(i: int, s: RequestStream) -> None:
+            try:
+                async for d in s:
+                    queue.put_nowait((i, d, None))
+            except BaseException as exc:  # noqa: BLE001 - handed to the reader
+                queue.put_nowait((i, None, exc))
+            finally:
+                queue.put_nowait((i, None, None))
+
+        tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(job.streams)]
+        try:
+            remaining = len(tasks)
+            while remaining:
+                i, d, exc = await queue.get()
+                if exc is not None:
+                    raise exc
+                if d is None:
+                    remaining -= 1
+                    continue
+                yield i, d
+        finally:
+            for t in tasks:
+                t.cancel()
+
+    def _account(self, job: _Job, pidx: int, delta: RequestOutput, seen_prompts: set[int]) -> None:
+        if pidx not in seen_prompts:
+            seen_prompts.add(pidx)
+            job.num_prompt_tokens += len(delta.prompt_token_ids)
+        job.num_completion_tokens += sum(len(c.token_ids) for c in delta.outputs)
+
+    def _cached(self, job: _Job) -> int:
+        return sum((s.final_output.num_cached_tokens if s.final_output else 0) for s in job.streams)
+
+    async def _collect(self, job: _Job) -> list[tuple[_Choice, RequestOutput]]:
+        choices: dict[int, _Choice] = {}
+        last: dict[int, RequestOutput] = {}
+        seen: set[int] = set()
+        async for pidx, delta in self._deltas(job):
+            self._account(job, pidx, delta, seen)
+            last[pidx] = delta
+            for c in delta.outputs:
+                ch = choices.setdefault(pidx * job.n + c.index, _Choice())
+                ch.text += c.text
+                ch.token_ids += c.token_ids
+                ch.logprobs += c.logprobs or []
+                if c.finish_reason:
+                    ch.finish_reason, ch.stop_reason = c.finish_reason, c.stop_reason
+        return [(choices.get(i, _Choice(finish_reason="abort")), last.get(i // job.n))
+                for i in range(len(job.streams) * job.n)]
+
+    def _usage(self, job: _Job) -> dict[str, Any]:
+        return {"prompt_tokens": job.num_prompt_tokens, "completion_tokens": job.num_completion_tokens,
+                "total_tokens": job.num_prompt_tokens + job.num_completion_tokens,
+                "prompt_tokens_details": {"cached_tokens": self._cached(job)}}
+
+    def _final_body(self, job: _Job, results: list[tuple[_Choice, RequestOutput | None]]) -> dict[str, Any]:
+        created = int(time.time())
+        out_choices = []
+        for i, (ch, out) in enumerate(results):
+            if job.kind == "completion":
+                text = ch.text
+                lp = None
+                if job.params.logprobs is not None:
+                    lp = self._completion_logprobs(ch, ch.token_ids, ch.logprobs)
+                if job.echo and out is not None:
+                    prefix = self._prompt_text(job, i // job.n, out)
+                    text = prefix + text
+                    if lp is not None:
+                        lp = self._echo_logprobs(out.prompt_token_ids, prefix, lp)
+                out_choices.append({"index": i, "text": text, "logprobs": lp, "finish_reason": ch.finish_reason,
+                                    "stop_reason": ch.stop_reason})
+            else:
+                lp = ({"content": self._chat_logprobs(ch.token_ids, ch.logprobs, job.params.logprobs)}
+                      if job.params.logprobs is not None else None)
+                out_choices.append({"index": i, "message": {"role": "assistant", "content": ch.text},
+                                    "logprobs": lp, "finish_reason": ch.finish_reason,
+                                    "stop_reason": ch.stop_reason})
+        return {"id": job.id, "object": "text_completion" if job.kind == "completion" else "chat.completion",
+                "created": created, "model": self.state.model_name, "choices": out_choices,
+                "usage": self._usage(job), "system_fingerprint": None}
+
+    async def _sse(self, job: _Job, include_usage: bool, timeout: float | None) -> AsyncIterator[str]:
+        created = int(time.time())
+        obj = "text_completion" if job.kind == "completion" else "chat.completion.chunk"
+        base = {"id": job.id, "object": obj, "created": created, "model": self.state.model_name}
+        usage_field = {"usage": None} if include_usage else {}
+
+        def chunk(choices: list[dict]) -> str:
+            return f"data: {json.dumps({**base, 'choices': choices, **usage_field})}\n\n"
+
+        choices: dict[int, _Choice] = {}
+        seen: set[int] = set()
+        try:
+            if job.kind == "chat":
+                for i in range(len(job.streams) * job.n):
+                    yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                                  "finish_reason": None}])
+            async with _maybe_timeout(timeout):
+                async for pidx, delta in self._deltas(job):
+                    self._account(job, pidx, delta, seen)
+                    for c in delta.outputs:
+                        idx = pidx * job.n + c.index
+                        first = idx not in choices
+                        ch = choices.setdefault(idx, _Choice())
+                        yield chunk([self._stream_choice(job, ch, idx, pidx, c, delta, first)])
+            if include_usage:
+                yield f"data: {json.dumps({**base, 'choices': [], 'usage': self._usage(job)})}\n\n"
+        except (EngineDeadError, TimeoutError) as exc:
+            if isinstance(exc, TimeoutError):
+                body = error_body(f"the request did not finish within request_timeout={timeout}s and was aborted",
+                                  "timeout", None, "timeout")
+            else:
+                body = error_body(str(exc), "service_unavailable", None, "engine_dead")
+            yield f"data: {json.dumps(body)}\n\n"
+        finally:
+            job.close()
+        yield "data: [DONE]\n\n"
+
+    def _stream_choice(self, job: _Job, ch: _Choice, idx: int, pidx: int, c, delta: RequestOutput,
+                       first: bool) -> dict[str, Any]:
+        lp = None
+        if job.kind == "completion":
+            text = c.text
+            if job.params.logprobs is not None:
+                lp = self._completion_logprobs(ch, c.token_ids, c.logprobs or [])
+            if first and job.echo:
+                prefix = self._prompt_text(job, pidx, delta)
+                text = prefix + text
+                if lp is not None:
+                    lp = self._echo_logprobs(delta.prompt_token_ids, prefix, lp)
+            return {"index": idx, "text": text, "logprobs": lp, "finish_reason": c.finish_reason,
+                    "stop_reason": c.stop_reason}
+        if job.params.logprobs is not None:
+            lp = {"content": self._chat_logprobs(c.token_ids, c.logprobs or [], job.params.logprobs)}
+        msg = {"content": c.text} if c.text or not c.finish_reason else {}
+        return {"index": idx, "delta": msg, "logprobs": lp, "finish_reason": c.finish_reason,
+                "stop_reason": c.stop_reason}
+
+    # ---- logprobs formats ----
+    def _token_text(self, token_id: int) -> str:
+        return self.state.tokenizer.decode([token_id])
+
+    def _prompt_text(self, job: _Job, pidx: int, out: RequestOutput) -> str:
+        text = job.prompt_texts[pidx]
+        return text if text is not None else self.state.tokenizer.decode(out.prompt_token_ids)
+
+    def _completion_logprobs(self, ch: _Choice, token_ids: list[int], entries: list[dict[int, float]]) -> dict:
+        tokens, token_lps, tops, offsets = [], [], [], []
+        for tid, entry in zip(token_ids, entries):
+            s = self._token_text(tid)
+            tokens.append(s)
+            token_lps.append(entry.get(tid))
+            tops.append({self._token_text(t): v for t, v in entry.items()})
+            offsets.append(ch.text_offset)
+            ch.text_offset += len(s)
+        return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
+
+    def _echo_logprobs(self, prompt_ids: list[int], prefix: str, lp: dict) -> dict:
+        """Echoed prompt tokens come first, without logprobs (kiln computes no prompt logprobs)."""
+        toks = [self._token_text(t) for t in prompt_ids]
+        offsets, pos = [], 0
+        for s in toks:
+            offsets.append(pos)
+            pos += len(s)
+        return {"tokens": toks + lp["tokens"], "token_logprobs": [None] * len(toks) + lp["token_logprobs"],
+                "top_logprobs": [None] * len(toks) + lp["top_logprobs"],
+                "text_offset": offsets + [o + len(prefix) for o in lp["text_offset"]]}
+
+    def _chat_logprobs(self, token_ids: list[int], entries: list[dict[int, float]], top_n: int) -> list[dict]:
+        out = []
+        for tid, entry in zip(token_ids, entries):
+            s = self._token_text(tid)
+            top = sorted(entry.items(), key=lambda kv: -kv[1])[:top_n]
+            out.append({"token": s, "logprob": entry.get(tid), "bytes": list(s.encode("utf-8")),
+                        "top_logprobs": [{"token": (t_s := self._token_text(t)), "logprob": v,
+                                          "bytes": list(t_s.encode("utf-8"))} for t, v in top]})
+        return out
+
+
+async def _wait_disconnect(request: Request) -> None:
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+@contextlib.asynccontextmanager
+async def _maybe_timeout(seconds: float | None):
+    if seconds is None:
+        yield
+    else:
+        async with asyncio.timeout(seconds):
+            yield

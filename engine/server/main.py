@@ -1,0 +1,74 @@
+"""`kiln serve`: build the engine and the app, bind (loopback by default), print the URL, serve."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+import sys
+
+from engine.config import EngineSettings, ServerSettings
+from engine.server.app import ServerState, build_app, create_state
+
+logger = logging.getLogger("engine.server")
+
+__all__ = ["serve", "create_app", "build_app", "create_state", "ServerState"]
+
+
+def create_app(engine_settings: EngineSettings, server_settings: ServerSettings | None = None):
+    """A ready FastAPI app (the engine loop starts with the app's lifespan)."""
+    return build_app(create_state(engine_settings, server_settings))
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    family, _, _, _, addr = infos[0]
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(addr)
+    sock.listen(2048)
+    sock.setblocking(False)
+    return sock
+
+
+def _url(host: str, port: int) -> str:
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
+def serve(engine_settings: EngineSettings, server_settings: ServerSettings) -> int:
+    import uvicorn
+
+    logging.getLogger("engine").setLevel(server_settings.log_level.upper())
+    # Bind first: a taken port fails fast, before the model loads.
+    try:
+        sock = _bind(server_settings.host, server_settings.port)
+    except OSError as exc:
+        print(f"kiln: error: cannot listen on {server_settings.host}:{server_settings.port}: {exc}",
+              file=sys.stderr)
+        return 1
+    port = sock.getsockname()[1]
+    if server_settings.host not in ("127.0.0.1", "::1", "localhost"):
+        logger.warning("listening on %s: the API is reachable from other machines%s", server_settings.host,
+                       "" if server_settings.api_key else " and no --api-key is set")
+    state = create_state(engine_settings, server_settings)
+    app = build_app(state)
+    config = uvicorn.Config(app, log_level=server_settings.log_level.lower(), access_log=False,
+                            timeout_graceful_shutdown=5, log_config=None)
+    server = uvicorn.Server(config)
+
+    async def run() -> None:
+        task = asyncio.create_task(server.serve(sockets=[sock]))
+        while not server.started and not task.done():
+            await asyncio.sleep(0.02)
+        if server.started:
+            print(f"kiln: serving {state.model_name!r} at {_url(server_settings.host, port)}/v1 "
+                  f"(health: {_url(server_settings.host, port)}/health)", flush=True)
+        await task
+
+    try:
+        asyncio.run(run())
+    except KeyboardInterrupt:
+        pass
+    finally:
+        sock.close()
+    return 1 if state.engine.crashed else 0

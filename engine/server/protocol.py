@@ -1,0 +1,181 @@
+"""The OpenAI-compatible request models (pydantic) and their mapping to SamplingParams.
+
+Unknown fields are kept (extra="allow") so the handler can log and ignore them. Ranges
+that the engine checks itself (temperature >= 0, n >= 1, ...) are left to
+SamplingParams.validate so there is one rule and one message for each; the models only
+pin types, and bounds that keep values sane before they reach the engine.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from engine.request import InvalidRequestError, SamplingParams
+
+_INT64 = 2 ** 63 - 1
+
+
+class _Lenient(BaseModel):
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
+
+    def unknown_fields(self) -> list[str]:
+        return sorted((self.model_extra or {}).keys())
+
+
+class StreamOptions(_Lenient):
+    include_usage: bool = False
+
+
+class _SamplingFields(_Lenient):
+    model: str | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    n: int = Field(1, le=_INT64, ge=-_INT64)
+    stop: str | list[str] | None = None
+    seed: int | None = Field(None, le=_INT64, ge=-_INT64)
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    # Extensions (vLLM users rely on these).
+    top_k: int | None = Field(None, le=_INT64, ge=-_INT64)
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    min_tokens: int = Field(0, le=_INT64, ge=-_INT64)
+    ignore_eos: bool = False
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    priority: int = Field(0, le=_INT64, ge=-_INT64)
+    request_id: str | None = Field(None, max_length=256)
+
+    def _params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+        return SamplingParams(
+            n=self.n,
+            temperature=1.0 if self.temperature is None else self.temperature,
+            top_p=1.0 if self.top_p is None else self.top_p,
+            top_k=-1 if self.top_k in (None, 0) else self.top_k,
+            min_p=self.min_p or 0.0,
+            presence_penalty=self.presence_penalty or 0.0,
+            frequency_penalty=self.frequency_penalty or 0.0,
+            repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
+            seed=self.seed,
+            max_tokens=max_tokens,
+            min_tokens=self.min_tokens,
+            stop=self.stop,
+            stop_token_ids=self.stop_token_ids,
+            include_stop_str_in_output=self.include_stop_str_in_output,
+            ignore_eos=self.ignore_eos,
+            logprobs=logprobs,
+            skip_special_tokens=self.skip_special_tokens,
+        )
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream and self.stream_options and self.stream_options.include_usage)
+
+
+class CompletionRequest(_SamplingFields):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = Field(16, le=_INT64, ge=-_INT64)
+    logprobs: int | None = Field(None, le=_INT64, ge=-_INT64)
+    echo: bool = False
+
+    def prompts(self) -> list[str | list[int]]:
+        p = self.prompt
+        if isinstance(p, str):
+            return [p]
+        if not p:
+            raise InvalidRequestError("prompt must not be empty", "prompt")
+        if all(isinstance(x, int) for x in p):
+            return [list(p)]  # one prompt of token ids
+        return list(p)
+
+    def sampling_params(self) -> SamplingParams:
+        return self._params(self.max_tokens, self.logprobs)
+
+
+class ContentPart(_Lenient):
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(_Lenient):
+    role: str
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+
+
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
+
+
+class ChatCompletionRequest(_SamplingFields):
+    messages: list[ChatMessage]
+    max_tokens: int | None = Field(None, le=_INT64, ge=-_INT64)
+    max_completion_tokens: int | None = Field(None, le=_INT64, ge=-_INT64)
+    logprobs: bool | None = False
+    top_logprobs: int | None = Field(None, le=_INT64, ge=-_INT64)
+    add_generation_prompt: bool = True
+
+    def conversation(self) -> list[dict[str, Any]]:
+        if not self.messages:
+            raise InvalidRequestError("messages must not be empty", "messages")
+        out = []
+        for i, m in enumerate(self.messages):
+            if m.role not in CHAT_ROLES:
+                raise InvalidRequestError(
+                    f"messages[{i}].role: unknown role {m.role!r} (expected one of {', '.join(CHAT_ROLES)})",
+                    f"messages[{i}].role")
+            if isinstance(m.content, list):
+                texts = []
+                for part in m.content:
+                    if part.type != "text" or part.text is None:
+                        raise InvalidRequestError(
+                            f"messages[{i}].content: only text parts are supported, got {part.type!r}",
+                            f"messages[{i}].content")
+                    texts.append(part.text)
+                content = "".join(texts)
+            else:
+                content = m.content or ""
+            out.append({"role": m.role, "content": content})
+        return out
+
+    def sampling_params(self) -> SamplingParams:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise InvalidRequestError("top_logprobs requires logprobs=true", "top_logprobs")
+        if self.top_logprobs is not None and not 0 <= self.top_logprobs <= 20:
+            raise InvalidRequestError(f"top_logprobs must be in [0, 20], got {self.top_logprobs}", "top_logprobs")
+        logprobs = (self.top_logprobs or 0) if self.logprobs else None
+        max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+        return self._params(max_tokens, logprobs)
+
+
+class TokenizeRequest(_Lenient):
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+
+
+class DetokenizeRequest(_Lenient):
+    model: str | None = None
+    tokens: list[int]
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | int | None = None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorDetail
+
+
+ErrorType = Literal["invalid_request_error", "authentication_error", "not_found_error", "server_error",
+                    "service_unavailable", "timeout"]
