@@ -241,6 +241,8 @@ class LLMEngine:
         outputs: dict[str, Request] = {}
         for seq in touched:
             self._record_logprob(seq, logprobs)
+            if seq.read_offset == 0:  # a sample forked by the scheduler: its text starts after the prompt
+                init_offsets(seq)
             check_stop(self.tokenizer, seq, self.eos_token_ids, self.max_model_len)
             request = seq.request
             if request.first_token_time is None:
