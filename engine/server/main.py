@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import signal
 import socket
 import sys
 
@@ -65,10 +66,14 @@ def serve(engine_settings: EngineSettings, server_settings: ServerSettings) -> i
                   f"(health: {_url(server_settings.host, port)}/health)", flush=True)
         await task
 
+    # uvicorn re-raises the signal that stopped it once it has shut down gracefully; with this
+    # handler in place (restored by uvicorn) a SIGTERM ends `kiln serve` with exit status 0.
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: None)
     try:
         asyncio.run(run())
     except KeyboardInterrupt:
         pass
     finally:
+        signal.signal(signal.SIGTERM, previous)
         sock.close()
     return 1 if state.engine.crashed else 0

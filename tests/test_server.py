@@ -1,0 +1,400 @@
+"""The real server in a subprocess (`python -m engine.cli serve ...`), driven with the official openai client.
+
+One server per module. After every test the server must be back to zero running, zero
+waiting and zero KV blocks in use (read from /metrics).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+API_KEY = "sk-kiln-test"
+MODEL = "tiny"
+MAX_MODEL_LEN = 256
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def launch_server(model_dir: Path, log_path: Path, *extra: str) -> tuple[subprocess.Popen, str]:
+    """Start `kiln serve` on a free loopback port (port 0; the URL is read from its stdout)."""
+    cmd = [sys.executable, "-m", "engine.cli", "serve", "--model", str(model_dir), "--port", "0",
+           "--device", "cpu", "--enforce-eager", *extra]
+    log = open(log_path, "w")
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=log, text=True,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    url = None
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if not line:
+            break
+        if line.startswith("kiln: serving"):
+            url = line.split(" at ", 1)[1].split("/v1", 1)[0]
+            break
+    if url is None:
+        proc.kill()
+        raise RuntimeError(f"server did not start: {log_path.read_text()[-3000:]}")
+    for _ in range(100):
+        if httpx.get(f"{url}/health").status_code == 200:
+            return proc, url
+        time.sleep(0.1)
+    proc.kill()
+    raise RuntimeError("server never became healthy")
+
+
+def stop_server(proc: subprocess.Popen, log_path: Path) -> None:
+    proc.terminate()
+    try:
+        rc = proc.wait(30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        raise
+    log = log_path.read_text()
+    assert rc == 0, log[-3000:]
+    assert "Traceback" not in log, log[-5000:]
+
+
+def metrics(url: str) -> dict[str, float]:
+    """Samples of kiln:* metrics: 'name{label=value,...}' (model_name left out) -> value."""
+    text = httpx.get(f"{url}/metrics").text
+    out = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            if not s.name.startswith("kiln:"):
+                continue
+            labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()) if k != "model_name")
+            out[f"{s.name}{{{labels}}}" if labels else s.name] = s.value
+    return out
+
+
+def wait_clean(url: str, timeout: float = 20.0) -> dict[str, float]:
+    """Poll /metrics until nothing runs, waits or holds KV blocks."""
+    deadline = time.monotonic() + timeout
+    while True:
+        m = metrics(url)
+        if (m["kiln:num_requests_running"], m["kiln:num_requests_waiting"], m["kiln:num_kv_blocks_in_use"]) \
+                == (0, 0, 0):
+            return m
+        if time.monotonic() > deadline:
+            raise AssertionError(f"server not clean: running={m['kiln:num_requests_running']} "
+                                 f"waiting={m['kiln:num_requests_waiting']} blocks={m['kiln:num_kv_blocks_in_use']}")
+        time.sleep(0.05)
+
+
+@pytest.fixture(scope="module")
+def server(tiny_llama, tmp_path_factory):
+    log_path = tmp_path_factory.mktemp("server") / "server.log"
+    proc, url = launch_server(tiny_llama, log_path, "--api-key", API_KEY, "--served-model-name", MODEL,
+                              "--max-model-len", str(MAX_MODEL_LEN), "--num-gpu-blocks", "1024",
+                              "--max-num-seqs", "64", "--log-stats-interval", "1")
+    yield url
+    stop_server(proc, log_path)
+    log = log_path.read_text()
+    assert "request_id=" in log  # access log lines
+    assert "prefix hit rate" in log  # the periodic stats line
+
+
+@pytest.fixture
+def url(server):
+    yield server
+    wait_clean(server)
+
+
+@pytest.fixture
+def client(url):
+    with openai.OpenAI(base_url=f"{url}/v1", api_key=API_KEY, max_retries=0, timeout=60) as c:
+        yield c
+
+
+def post(url: str, path: str, body, key: str | None = API_KEY, **kw) -> httpx.Response:
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    headers.update(kw.pop("headers", {}))
+    if isinstance(body, (bytes, str)):
+        return httpx.post(f"{url}{path}", content=body, headers={**headers, "content-type": "application/json"},
+                          timeout=60)
+    return httpx.post(f"{url}{path}", json=body, headers=headers, timeout=60)
+
+
+def sse_events(resp: httpx.Response) -> list:
+    """Parse a raw SSE body strictly: every event is one `data: ...` line and a blank line."""
+    events = []
+    for block in resp.text.split("\n\n"):
+        if not block:
+            continue
+        assert block.startswith("data: "), block
+        payload = block[len("data: "):]
+        events.append(payload if payload == "[DONE]" else json.loads(payload))
+    return events
+
+
+# ------------------------------------------------------------------ basics
+def test_models_health_version_tokenize(url):
+    models = httpx.get(f"{url}/v1/models", headers={"Authorization": f"Bearer {API_KEY}"}).json()
+    assert [m["id"] for m in models["data"]] == [MODEL]
+    assert models["data"][0]["max_model_len"] == MAX_MODEL_LEN
+    assert httpx.get(f"{url}/health").status_code == 200
+    assert httpx.get(f"{url}/version").json()["version"]
+    tok = post(url, "/tokenize", {"prompt": "Hello, world!"}).json()
+    assert tok["count"] == len(tok["tokens"]) > 2
+    detok = post(url, "/detokenize", {"tokens": tok["tokens"][1:]}).json()  # drop BOS
+    assert detok["prompt"] == "Hello, world!"
+
+
+def test_completion_non_streaming(client, url):
+    n_prompt = post(url, "/tokenize", {"prompt": "The quick brown fox"}).json()["count"]
+    r = client.completions.create(model=MODEL, prompt="The quick brown fox", max_tokens=7, temperature=0,
+                                  extra_body={"ignore_eos": True})
+    assert r.object == "text_completion" and r.model == MODEL and len(r.choices) == 1
+    assert r.choices[0].finish_reason == "length" and r.choices[0].text
+    assert r.usage.completion_tokens == 7
+    assert r.usage.prompt_tokens == n_prompt
+    assert r.usage.total_tokens == n_prompt + 7
+
+
+def test_greedy_matches_offline_llm(client, make_llm):
+    prompts = ["The quick brown fox", "Paged attention stores", "Hello"]
+    llm = make_llm(max_model_len=MAX_MODEL_LEN, num_gpu_blocks=64)
+    from engine.request import SamplingParams
+
+    offline = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=0),
+                           use_tqdm=False)
+    for prompt, ref in zip(prompts, offline):
+        r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0, logprobs=0,
+                                      extra_body={"ignore_eos": True})
+        choice = r.choices[0]
+        assert choice.text == ref.outputs[0].text
+        expected = [lp[t] for t, lp in zip(ref.outputs[0].token_ids, ref.outputs[0].logprobs)]
+        assert choice.logprobs.token_logprobs == pytest.approx(expected, abs=1e-4)
+    # token-id prompts give the same thing as the text they encode
+    ids = llm.tokenizer.encode(prompts[0])
+    r = client.completions.create(model=MODEL, prompt=ids, max_tokens=12, temperature=0,
+                                  extra_body={"ignore_eos": True})
+    assert r.choices[0].text == offline[0].outputs[0].text
+
+
+def test_streaming_completion_matches_non_streaming(client, url):
+    args = dict(model=MODEL, prompt="A kiln is", max_tokens=10, temperature=0, extra_body={"ignore_eos": True})
+    full = client.completions.create(**args)
+    chunks = list(client.completions.create(stream=True, stream_options={"include_usage": True}, **args))
+    content = [c for c in chunks if c.choices]
+    assert "".join(c.choices[0].text for c in content) == full.choices[0].text
+    assert [c.choices[0].finish_reason for c in content][-1] == "length"
+    assert all(c.choices[0].finish_reason is None for c in content[:-1])
+    assert not chunks[-1].choices and chunks[-1].usage.completion_tokens == 10
+    assert chunks[-1].usage.prompt_tokens == full.usage.prompt_tokens
+    # The raw wire format: data lines, usage chunk, then [DONE]
+    raw = post(url, "/v1/completions", {**{k: v for k, v in args.items() if k != "extra_body"}, "ignore_eos": True,
+                                        "stream": True, "stream_options": {"include_usage": True}})
+    assert raw.headers["content-type"].startswith("text/event-stream")
+    events = sse_events(raw)
+    assert events[-1] == "[DONE]" and events[-2]["choices"] == [] and events[-2]["usage"]["total_tokens"] > 10
+    no_usage = sse_events(post(url, "/v1/completions", {"prompt": "A kiln is", "max_tokens": 3, "stream": True}))
+    assert no_usage[-1] == "[DONE]" and all("usage" not in e for e in no_usage[:-1])
+
+
+def test_chat_non_streaming_and_streaming(client):
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello, world!"}]
+    r = client.chat.completions.create(model=MODEL, messages=messages, max_completion_tokens=6, temperature=0,
+                                       extra_body={"ignore_eos": True})
+    assert r.object == "chat.completion"
+    assert r.choices[0].message.role == "assistant" and r.choices[0].finish_reason == "length"
+    assert r.usage.completion_tokens == 6
+    chunks = list(client.chat.completions.create(model=MODEL, messages=messages, max_tokens=6, temperature=0,
+                                                 stream=True, stream_options={"include_usage": True},
+                                                 extra_body={"ignore_eos": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    content = [c for c in chunks if c.choices]
+    assert "".join(c.choices[0].delta.content or "" for c in content) == r.choices[0].message.content
+    assert content[-1].choices[0].finish_reason == "length"
+    assert chunks[-1].usage.completion_tokens == 6 and chunks[-1].usage.prompt_tokens == r.usage.prompt_tokens
+
+
+def test_n2_seed_and_chat_logprobs(client):
+    args = dict(model=MODEL, prompt="Hello", max_tokens=8, temperature=1.0, n=2, seed=7,
+                extra_body={"ignore_eos": True})
+    a = client.completions.create(**args)
+    b = client.completions.create(**args)
+    assert sorted(c.index for c in a.choices) == [0, 1]
+    assert [c.text for c in a.choices] == [c.text for c in b.choices]  # seeded: reproducible
+    assert a.usage.completion_tokens == 16
+    streamed = list(client.completions.create(stream=True, **args))
+    by_index: dict[int, str] = {}
+    for chunk in streamed:
+        for c in chunk.choices:
+            by_index[c.index] = by_index.get(c.index, "") + c.text
+    assert [by_index[0], by_index[1]] == [c.text for c in a.choices]
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=4,
+                                          logprobs=True, top_logprobs=3, n=2, temperature=0.8, seed=1)
+    assert len(chat.choices) == 2
+    for choice in chat.choices:
+        assert 1 <= len(choice.logprobs.content) <= 4
+        for entry in choice.logprobs.content:
+            assert entry.logprob <= 0 and len(entry.top_logprobs) == 3
+
+
+def test_stop_strings_and_max_tokens(client):
+    args = dict(model=MODEL, prompt="The quick brown fox", temperature=0, extra_body={"ignore_eos": True})
+    base = client.completions.create(max_tokens=30, **args).choices[0].text
+    stop = base[8:10]
+    assert stop.strip(), base
+    cut = base[:base.index(stop)]
+    r = client.completions.create(max_tokens=30, stop=[stop, "never-there"], **args)
+    assert r.choices[0].text == cut and r.choices[0].finish_reason == "stop"
+    chunks = list(client.completions.create(max_tokens=30, stop=stop, stream=True, **args))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == cut
+    assert chunks[-1].choices[0].finish_reason == "stop"
+    short = client.completions.create(max_tokens=2, **args)
+    assert short.usage.completion_tokens == 2 and short.choices[0].finish_reason == "length"
+
+
+def test_echo_and_prompt_lists(client):
+    r = client.completions.create(model=MODEL, prompt=["Hello", "A kiln"], max_tokens=3, temperature=0, echo=True,
+                                  n=2, extra_body={"ignore_eos": True})
+    assert [c.index for c in r.choices] == [0, 1, 2, 3]
+    assert r.choices[0].text.startswith("Hello") and r.choices[2].text.startswith("A kiln")
+    assert r.choices[0].text == r.choices[1].text  # greedy: both samples agree
+    assert r.usage.completion_tokens == 12
+
+
+def test_prefix_cache_reports_cached_tokens(client):
+    prompt = "Continuous batching lets new requests join a running batch at every step instead of waiting. " * 2
+    client.completions.create(model=MODEL, prompt=prompt, max_tokens=2)
+    r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=2)
+    assert r.usage.prompt_tokens_details.cached_tokens >= 16
+
+
+# ------------------------------------------------------------------ errors
+def _error(resp: httpx.Response, status: int) -> dict:
+    assert resp.status_code == status, resp.text
+    body = resp.json()
+    assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "param", "code"}, body
+    assert body["error"]["message"]
+    return body["error"]
+
+
+@pytest.mark.parametrize("path,body,param", [
+    ("/v1/completions", {"prompt": "hi", "temperature": -0.5}, "temperature"),
+    ("/v1/completions", {"prompt": "hi", "n": 0}, "n"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 0}, "max_tokens"),
+    ("/v1/completions", {"prompt": "hi", "top_p": 1.5}, "top_p"),
+    ("/v1/completions", {"prompt": "hi", "stop_token_ids": [10 ** 9]}, "stop_token_ids"),
+    ("/v1/completions", {"prompt": [10 ** 9]}, "prompt"),
+    ("/v1/completions", {"prompt": []}, "prompt"),
+    ("/v1/completions", {"prompt": "word " * 400}, "prompt"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": MAX_MODEL_LEN}, "max_tokens"),
+    ("/v1/completions", {"prompt": "hi", "temperature": "hot"}, "temperature"),
+    ("/v1/completions", {"temperature": 0.5}, "prompt"),
+    ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "hi"}]}, "messages[0].role"),
+    ("/v1/chat/completions", {"messages": []}, "messages"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 3}, "top_logprobs"),
+    ("/v1/chat/completions", {"messages": "hello"}, "messages"),
+])
+def test_invalid_parameters_400(url, path, body, param):
+    err = _error(post(url, path, body), 400)
+    assert err["type"] == "invalid_request_error" and err["param"] == param
+    assert "pydantic" not in err["message"] and "errors.pydantic" not in err["message"]
+
+
+def test_error_statuses(url, client):
+    assert _error(post(url, "/v1/completions", b'{"prompt": "hi",'), 400)["message"].endswith("not valid JSON")
+    err = _error(post(url, "/v1/completions", {"prompt": "hi"}, key=None), 401)
+    assert err["type"] == "authentication_error"
+    _error(post(url, "/v1/completions", {"prompt": "hi"}, key="wrong"), 401)
+    _error(httpx.get(f"{url}/v1/models"), 401)
+    err = _error(post(url, "/v1/completions", {"model": "gpt-9", "prompt": "hi"}), 404)
+    assert err["code"] == "model_not_found" and err["param"] == "model"
+    _error(httpx.get(f"{url}/no/such/route"), 404)
+    # The openai client maps them to its exception types
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model=MODEL, prompt="hi", temperature=-1)
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="nope", prompt="hi")
+    # Unknown fields are ignored; the server keeps serving.
+    ok = post(url, "/v1/completions", {"prompt": "hi", "max_tokens": 2, "frobnicate": True, "logit_bias": {}})
+    assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] >= 1
+
+
+def test_request_id_echoed_or_generated(url):
+    r = post(url, "/v1/completions", {"prompt": "hi", "max_tokens": 1}, headers={"X-Request-Id": "abc-123"})
+    assert r.headers["x-request-id"] == "abc-123"
+    r2 = httpx.get(f"{url}/health")
+    assert len(r2.headers["x-request-id"]) >= 16
+
+
+# ------------------------------------------------------------------ load, disconnects, metrics
+def test_client_disconnect_mid_stream_frees_blocks(url):
+    before = metrics(url)
+    body = {"prompt": "The quick brown fox", "max_tokens": 200, "ignore_eos": True, "stream": True}
+    with httpx.Client(timeout=60) as http:
+        with http.stream("POST", f"{url}/v1/completions", json=body,
+                         headers={"Authorization": f"Bearer {API_KEY}"}) as resp:
+            lines = resp.iter_lines()
+            got = 0
+            for line in lines:
+                if line.startswith("data: {"):
+                    got += 1
+                if got == 3:
+                    break
+            during = metrics(url)
+            assert during["kiln:num_kv_blocks_in_use"] >= 2 and during["kiln:num_requests_running"] == 1
+        # leaving the block closes the connection mid-stream
+    after = wait_clean(url, timeout=10)
+    assert after['kiln:request_success_total{finished_reason=abort}'] == \
+        before['kiln:request_success_total{finished_reason=abort}'] + 1
+    assert after["kiln:generation_tokens_total"] - before["kiln:generation_tokens_total"] < 200
+
+
+def test_200_concurrent_streams_all_complete(url):
+    before = metrics(url)
+
+    async def one(client: openai.AsyncOpenAI, i: int) -> tuple[str, int]:
+        stream = await client.completions.create(model=MODEL, prompt=f"Request number {i}:", max_tokens=8,
+                                                 temperature=0, stream=True, stream_options={"include_usage": True},
+                                                 extra_body={"ignore_eos": True})
+        text, usage = "", None
+        async for chunk in stream:
+            if chunk.choices:
+                text += chunk.choices[0].text
+            if chunk.usage:
+                usage = chunk.usage
+        return text, usage.completion_tokens
+
+    async def run_all():
+        async with openai.AsyncOpenAI(base_url=f"{url}/v1", api_key=API_KEY, max_retries=0, timeout=120) as client:
+            return await asyncio.gather(*(one(client, i) for i in range(200)))
+
+    results = asyncio.run(run_all())
+    assert len(results) == 200 and all(n == 8 for _, n in results)
+    after = wait_clean(url)
+    assert after["kiln:request_success_total{finished_reason=length}"] - \
+        before["kiln:request_success_total{finished_reason=length}"] == 200
+    assert after["kiln:generation_tokens_total"] - before["kiln:generation_tokens_total"] == 1600
+    assert after["kiln:time_to_first_token_seconds_count"] - before["kiln:time_to_first_token_seconds_count"] == 200
+    assert after["kiln:e2e_request_latency_seconds_count"] - before["kiln:e2e_request_latency_seconds_count"] == 200
+    assert after["kiln:inter_token_latency_seconds_count"] > before["kiln:inter_token_latency_seconds_count"]
+    assert after["kiln:prompt_tokens_total"] > before["kiln:prompt_tokens_total"]
+
+
+def test_metrics_exposition(url):
+    text = httpx.get(f"{url}/metrics").text
+    for name in ("num_requests_running", "num_requests_waiting", "num_requests_swapped", "kv_cache_usage_perc",
+                 "cpu_cache_usage_perc", "kv_cache_fragmentation_ratio", "num_preemptions_total",
+                 "prompt_tokens_total", "generation_tokens_total", "prefix_cache_queries_total",
+                 "prefix_cache_hits_total", "request_success_total", "time_to_first_token_seconds_bucket",
+                 "inter_token_latency_seconds_bucket", "e2e_request_latency_seconds_bucket",
+                 "request_queue_time_seconds_bucket", "num_kv_blocks_in_use"):
+        assert f'kiln:{name}{{' in text, name
+    assert f'model_name="{MODEL}"' in text
+    m = metrics(url)
+    assert m["kiln:prefix_cache_queries_total"] >= m["kiln:prefix_cache_hits_total"] >= 0
+    assert m["kiln:num_kv_blocks_total"] == 1024

@@ -1,0 +1,101 @@
+"""The app in-process (httpx ASGI transport) on a tiny engine: 503s for a full queue and a dead loop."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import httpx
+import pytest
+
+from conftest import assert_engine_clean
+from engine.config import EngineSettings, ServerSettings
+from engine.server.app import build_app, create_state
+
+
+@pytest.fixture
+def app_state(tiny_llama):
+    states = []
+
+    def _make(**overrides):
+        settings = dict(model=str(tiny_llama), device="cpu", enforce_eager=True, max_model_len=128,
+                        num_gpu_blocks=64, max_num_seqs=1, max_waiting_requests=1, log_stats_interval=0)
+        settings.update(overrides)
+        state = create_state(EngineSettings(**settings), ServerSettings(served_model_name="m"))
+        state.engine._idle_poll_s = 0.05
+        state.engine.start()
+        states.append(state)
+        return state, build_app(state)
+
+    yield _make
+    for state in states:
+        crashed = state.engine.crashed
+        state.engine.shutdown()
+        if not crashed:
+            assert_engine_clean(state.engine.engine)
+
+
+async def _wait_until(pred, timeout=10.0):
+    deadline = time.monotonic() + timeout
+    while not pred():
+        assert time.monotonic() < deadline, "timed out"
+        await asyncio.sleep(0.01)
+
+
+def _assert_error(resp: httpx.Response, status: int, code: str) -> None:
+    assert resp.status_code == status, resp.text
+    err = resp.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["code"] == code
+
+
+def test_503_when_waiting_queue_is_full(app_state):
+    state, app = app_state()
+    sched = state.engine.engine.scheduler
+    body = {"prompt": "Hello", "max_tokens": 100, "ignore_eos": True}
+
+    async def main():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as http:
+            first = asyncio.ensure_future(http.post("/v1/completions", json=body))
+            await _wait_until(lambda: len(sched.running) == 1)
+            second = asyncio.ensure_future(http.post("/v1/completions", json=body))
+            await _wait_until(lambda: len(sched.waiting) == 1)
+            _assert_error(await http.post("/v1/completions", json=body), 503, "overloaded")
+            _assert_error(await http.post("/v1/chat/completions",
+                                          json={"messages": [{"role": "user", "content": "x"}]}), 503, "overloaded")
+            # the queued requests are unaffected
+            for task in (first, second):
+                resp = await task
+                assert resp.status_code == 200 and resp.json()["usage"]["completion_tokens"] == 100
+
+    asyncio.run(main())
+
+
+def test_dead_engine_loop_gives_503_and_fails_streams(app_state):
+    state, app = app_state(max_num_seqs=4, max_waiting_requests=8)
+    boom = threading.Event()
+    real_step = state.engine.engine.step
+
+    def step():
+        if boom.is_set():
+            raise RuntimeError("injected failure")
+        return real_step()
+
+    state.engine.engine.step = step
+
+    async def main():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as http:
+            assert (await http.get("/health")).status_code == 200
+            pending = asyncio.ensure_future(http.post("/v1/completions", json={
+                "prompt": "Hello", "max_tokens": 100, "ignore_eos": True, "stream": True}))
+            await _wait_until(lambda: state.engine.engine.pool.num_in_use > 0)
+            boom.set()
+            streamed = await pending
+            assert streamed.status_code == 200  # headers were sent before the failure
+            events = [e for e in streamed.text.split("\n\n") if e]
+            assert events[-1] == "data: [DONE]" and '"engine_dead"' in events[-2]
+            _assert_error(await http.get("/health"), 503, "engine_dead")
+            _assert_error(await http.post("/v1/completions", json={"prompt": "hi"}), 503, "engine_dead")
+
+    asyncio.run(main())
+    assert state.engine.crashed
