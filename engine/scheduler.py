@@ -2,10 +2,15 @@
 
 Pure CPU over ints and lists (no torch). Each step:
   1. running sequences first (decodes, and prefills already under way), in priority order;
-     when KV blocks run out, the lowest-priority / most recent running sequence is preempted;
-  2. then swapped-out sequences come back, then waiting ones are admitted (priority, then
-     arrival order), their prompts chunked to fit the token budget; prefix-cache hits skip
-     the blocks already computed.
+     when KV blocks run out, the lowest-priority / most recent running sequence is preempted
+     (by swap to CPU or by recompute, see `_preemption_mode_for`);
+  2. then swapped-out and waiting sequences, most urgent first (priority, swapped before
+     waiting at equal priority, then arrival order): swapped ones come back, waiting ones are
+     admitted, their prompts chunked to fit the token budget; prefix-cache hits skip the
+     blocks already computed.
+Before 1., a waiting or swapped sequence more urgent than some running ones may preempt
+them to make room (lower `priority` value = more urgent). A step that preempted admits only
+sequences strictly more urgent than everything it preempted (no thrash).
 The step's work is a SchedulerOutput of plain values that the runner turns into tensors.
 """
 
@@ -73,7 +78,8 @@ class SchedulerOutput:
 
     @property
     def is_empty(self) -> bool:
-        return not self.seqs and not self.blocks_to_copy and not self.blocks_to_swap_out
+        return (not self.seqs and not self.blocks_to_copy and not self.blocks_to_swap_out
+                and not self.blocks_to_swap_in)
 
 
 class Scheduler:
@@ -92,7 +98,9 @@ class Scheduler:
         self._digests: dict[int, list[bytes]] = {}  # seq id -> digests of its cached full blocks
         self.num_preemptions = 0
         self.preemptions_by_mode: dict[str, int] = {"recompute": 0, "swap": 0}
+        self.num_swap_fallbacks = 0  # swapped sequences turned into recompute to unblock the queue
         self.on_preempt: Callable[[Sequence, str, str], None] | None = None
+        self._preempted_floor: int | None = None  # most urgent priority preempted this step
 
     # ---- requests in and out ----
     def add_request(self, request: Request) -> None:
@@ -104,6 +112,9 @@ class Scheduler:
         if request.request_id in self.requests:
             raise InvalidRequestError(f"request id {request.request_id!r} is already in use", "request_id")
         params = request.params
+        if params.n > self.config.max_num_seqs:
+            raise InvalidRequestError(
+                f"n={params.n} samples exceed max_num_seqs={self.config.max_num_seqs}", "n")
         if prompt_len >= limit:
             raise InvalidRequestError(
                 f"the prompt has {prompt_len} tokens, which leaves no room to generate within "
@@ -115,10 +126,14 @@ class Scheduler:
                 f"prompt ({prompt_len} tokens) + max_tokens ({params.max_tokens}) = "
                 f"{prompt_len + params.max_tokens} exceeds max_model_len={limit}", "max_tokens")
         needed = -(-(prompt_len + params.max_tokens) // self.config.block_size)
-        if needed > self.pool.num_usable:
+        # Pinned (warm-up) blocks are never freed; the reserve is out of reach of less urgent requests.
+        usable = self.pool.num_usable - self.pool.num_pinned
+        if request.priority > self.config.reserved_priority:
+            usable -= self._reserved_blocks()
+        if needed > usable:
             raise InvalidRequestError(
                 f"the request needs up to {needed} KV blocks but the cache holds only "
-                f"{self.pool.num_usable}", "max_tokens")
+                f"{usable} for priority {request.priority}", "max_tokens")
         seq = self._new_seq(request, 0, list(request.prompt_token_ids))
         request.seqs = [seq]
         self.requests[request.request_id] = request
@@ -146,6 +161,7 @@ class Scheduler:
         self._remove_from_queues(seq)
         if seq.status is SeqStatus.SWAPPED and self.swapper is not None:
             self.swapper.discard(seq)
+            self._digests.pop(seq.seq_id, None)
         else:
             self._release_blocks(seq)
         seq.status = SeqStatus.FINISHED
@@ -164,6 +180,11 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running or self.swapped)
 
+    @property
+    def num_requests_swapped(self) -> int:
+        """Requests with at least one sequence swapped out (metric num_requests_swapped)."""
+        return len({s.request.request_id for s in self.swapped})
+
     # ---- the step ----
     def _priority_key(self, seq: Sequence) -> tuple[int, int]:
         return (seq.request.priority, self._order[seq.seq_id])
@@ -172,13 +193,23 @@ class Scheduler:
         seq.status = SeqStatus.WAITING
         bisect.insort(self.waiting, seq, key=self._priority_key)
 
+    def _admit_key(self, seq: Sequence) -> tuple[int, int, int]:
+        """Queue order for room: priority, swapped before waiting at equal priority, arrival."""
+        return (seq.request.priority, 0 if seq.status is SeqStatus.SWAPPED else 1, self._order[seq.seq_id])
+
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
         scheduled: set[int] = set()
+        self._preempted_floor = None
+        if self.swapper is not None:
+            self.swapper.begin_step()
+
+        # 0. A more urgent waiting or swapped sequence may preempt less urgent running ones.
+        self.running.sort(key=self._priority_key)
+        self._preempt_for_priority(out, budget)
 
         # 1. Running sequences, highest priority first; preempt from the back when short of blocks.
-        self.running.sort(key=self._priority_key)
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
@@ -199,44 +230,53 @@ class Scheduler:
             budget -= num_new
             i += 1
 
-        # 2. Swapped sequences come back before anything new is admitted.
-        if not out.preempted and self.swapper is not None:
-            budget = self._swap_in(out, budget, scheduled)
-
-        # 3. Waiting sequences, while seats, budget and blocks last.
-        if not out.preempted and not self.swapped:
-            budget = self._admit_waiting(out, budget)
+        # 2. Swapped and waiting sequences, most urgent first, while seats, budget and blocks last.
+        budget = self._admit(out, budget)
+        if not out.seqs and not self.running and self.swapped:
+            # Nothing can run: the GPU blocks that swapped sequences kept may be what is missing.
+            if self._demote_swapped():
+                budget = self._admit(out, budget)
         return out
 
-    def _admit_waiting(self, out: SchedulerOutput, budget: int) -> int:
-        admitted: list[Sequence] = []
-        for seq in list(self.waiting):
-            # A request that will fork into n samples takes its n seats now.
+    def _admit(self, out: SchedulerOutput, budget: int) -> int:
+        for seq in sorted(itertools.chain(self.swapped, self.waiting), key=self._admit_key):
+            if self._preempted_floor is not None and seq.request.priority >= self._preempted_floor:
+                break  # this step preempted something at least as urgent: don't take its room
             if budget <= 0 or self._seats_used() + self._seats(seq) > self.config.max_num_seqs:
                 break
-            hit_tokens = 0
-            if seq.num_computed_tokens == 0 and not seq.block_ids:
-                hit_tokens = self._take_prefix_hits(seq)
-            remaining = seq.num_tokens - seq.num_computed_tokens
-            if not self.config.enable_chunked_prefill and remaining > budget:
-                if out.seqs:
-                    break  # wait for a step with room for the whole prompt
-                if remaining > self.config.max_num_batched_tokens:
-                    raise AssertionError("unchunkable prompt beyond the token budget passed validation")
-            num_new = min(remaining, budget)
-            if not self._can_admit(seq, num_new):
-                self._drop_prefix_hits(seq)
-                break
-            if seq.num_output_tokens == 0 and seq.num_preemptions == 0:
-                self.pool.record_prefix_query(seq.num_prompt_tokens, hit_tokens)
-            self._grow(seq, num_new, out)
-            self.waiting.remove(seq)
-            seq.status = SeqStatus.RUNNING
-            self.running.append(seq)
-            admitted.append(seq)
-            self._emit(seq, num_new, out)
-            budget -= num_new
+            if seq.status is SeqStatus.SWAPPED:
+                left = self._try_swap_in(seq, out, budget)
+            else:
+                left = self._try_admit(seq, out, budget)
+            if left is None:
+                break  # head of line: nothing less urgent jumps the queue
+            budget = left
         return budget
+
+    def _try_admit(self, seq: Sequence, out: SchedulerOutput, budget: int) -> int | None:
+        """Admit one waiting sequence (its first chunk); the budget left, or None if it can't."""
+        hit_tokens = 0
+        if seq.num_computed_tokens == 0 and not seq.block_ids:
+            hit_tokens = self._take_prefix_hits(seq)
+        remaining = seq.num_tokens - seq.num_computed_tokens
+        if not self.config.enable_chunked_prefill and remaining > budget:
+            if out.seqs:
+                self._drop_prefix_hits(seq)
+                return None  # wait for a step with room for the whole prompt
+            if remaining > self.config.max_num_batched_tokens:
+                raise AssertionError("unchunkable prompt beyond the token budget passed validation")
+        num_new = min(remaining, budget)
+        if not self._can_admit(seq, num_new):
+            self._drop_prefix_hits(seq)
+            return None
+        if seq.num_output_tokens == 0 and seq.num_preemptions == 0:
+            self.pool.record_prefix_query(seq.num_prompt_tokens, hit_tokens)
+        self._grow(seq, num_new, out)
+        self.waiting.remove(seq)
+        seq.status = SeqStatus.RUNNING
+        self.running.append(seq)
+        self._emit(seq, num_new, out)
+        return budget - num_new
 
     @staticmethod
     def _seats(seq: Sequence) -> int:
@@ -282,14 +322,21 @@ class Scheduler:
         return self._blocks_needed(seq, num_new) <= self._available_for(seq)
 
     def _can_admit(self, seq: Sequence, num_new: int) -> bool:
-        watermark = int(self.config.watermark_fraction * self.pool.num_usable)
-        return self._blocks_needed(seq, num_new) <= self._available_for(seq) - watermark
+        return self._blocks_needed(seq, num_new) <= self._available_for(seq) - self._watermark()
+
+    def _watermark(self) -> int:
+        # Room kept for running sequences to grow; with none running it would only lock out a
+        # sequence that needs the whole cache.
+        return int(self.config.watermark_fraction * self.pool.num_usable) if self.running else 0
+
+    def _reserved_blocks(self) -> int:
+        return int(self.config.reserved_blocks_fraction * self.pool.num_usable)
 
     def _available_for(self, seq: Sequence) -> int:
         """Blocks this sequence may take: the reserve is only for high-priority requests."""
         available = self.pool.num_available
         if seq.request.priority > self.config.reserved_priority:
-            available -= int(self.config.reserved_blocks_fraction * self.pool.num_usable)
+            available -= self._reserved_blocks()
         return available
 
     def _grow(self, seq: Sequence, num_new: int, out: SchedulerOutput) -> None:
@@ -333,6 +380,10 @@ class Scheduler:
         self.num_preemptions += 1
         self.preemptions_by_mode[mode] += 1
         out.preempted.append(seq.seq_id)
+        prio = seq.request.priority
+        if self._preempted_floor is None or prio < self._preempted_floor:
+            self._preempted_floor = prio
+        computed = seq.num_computed_tokens
         if mode == "swap":
             assert self.swapper is not None
             out.blocks_to_swap_out.extend(self.swapper.swap_out(seq))
@@ -342,41 +393,89 @@ class Scheduler:
             self._release_blocks(seq)
             seq.num_computed_tokens = 0
             self._insert_waiting(seq)
-        logger.info("preempted seq %d of request %s by %s (%s)", seq.seq_id, seq.request.request_id,
-                    mode, reason)
+            if self.config.preemption_mode != "recompute" and self.swapper is not None:
+                reason += (f"; not swapped ({self.swapper.num_free} CPU blocks free, "
+                           f"{self.config.preemption_mode} mode)")
+        logger.info("preempted request %s (seq %d, priority %d, %d tokens of KV) by %s: %s",
+                    seq.request.request_id, seq.seq_id, prio, computed, mode, reason)
         if self.on_preempt is not None:
             self.on_preempt(seq, mode, reason)
 
     def _preemption_mode_for(self, seq: Sequence) -> str:
-        if self.swapper is None or self.config.preemption_mode == "recompute":
+        """swap: to the CPU whenever it has room; auto: also only if the KV is worth keeping
+        (SwapSpace.can_swap_out); otherwise, and in recompute mode, recompute."""
+        mode = self.config.preemption_mode
+        if self.swapper is None or mode == "recompute":
             return "recompute"
-        if self.swapper.can_swap_out(seq, self.config.preemption_mode):
-            return "swap"
-        return "recompute"
+        return "swap" if self.swapper.can_swap_out(seq, mode) else "recompute"
 
-    def _swap_in(self, out: SchedulerOutput, budget: int, scheduled: set[int]) -> int:
+    def _fits(self, seq: Sequence, budget: int) -> bool:
+        """Could this waiting or swapped sequence start now (seats and blocks; prefix hits ignored)?"""
+        if self._seats_used() + self._seats(seq) > self.config.max_num_seqs:
+            return False
+        num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+        if seq.status is SeqStatus.SWAPPED:
+            assert self.swapper is not None
+            return self.swapper.blocks_to_resume(seq, num_new) <= self._available_for(seq)
+        return self._blocks_needed(seq, num_new) <= self._available_for(seq) - self._watermark()
+
+    def _preempt_for_priority(self, out: SchedulerOutput, budget: int) -> None:
+        """Preempt less urgent running sequences so that the most urgent queued one can start."""
+        if not self.running or not (self.waiting or self.swapped):
+            return
+        head = min(itertools.chain(self.swapped, self.waiting), key=self._admit_key)
+        prio = head.request.priority
+        victims = [s for s in self.running if s.request.priority > prio]
+        if not victims or self._fits(head, budget):
+            return
+        # Only if the victims' seats and blocks can make room at all: never preempt for nothing.
+        seats = self._seats_used() - sum(self._seats(v) for v in victims) + self._seats(head)
+        blocks = self._available_for(head) + sum(len(v.block_ids) for v in victims)
+        num_new = min(head.num_tokens - head.num_computed_tokens, budget)
+        need = (self.swapper.blocks_to_resume(head, num_new) if head.status is SeqStatus.SWAPPED
+                and self.swapper is not None else self._blocks_needed(head, num_new))
+        if seats > self.config.max_num_seqs or need > blocks:
+            return
+        reason = f"request {head.request.request_id} of priority {prio} needs room"
+        while self.running and self.running[-1].request.priority > prio and not self._fits(head, budget):
+            self._preempt(self.running[-1], out, reason=reason)
+
+    def _try_swap_in(self, seq: Sequence, out: SchedulerOutput, budget: int) -> int | None:
+        """Bring one swapped sequence back (and schedule its next tokens); None if it can't."""
         assert self.swapper is not None
-        self.swapped.sort(key=self._priority_key)
-        for seq in list(self.swapped):
-            if budget <= 0 or len(self.running) >= self.config.max_num_seqs:
-                break
-            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            blocks = self.swapper.blocks_needed(seq)
-            if blocks + self._blocks_needed_after_swap(seq, num_new) > self._available_for(seq):
-                break
-            out.blocks_to_swap_in.extend(self.swapper.swap_in(seq))
-            self.swapped.remove(seq)
-            seq.status = SeqStatus.RUNNING
-            self.running.append(seq)
-            if num_new > 0:
-                self._grow(seq, num_new, out)
-                self._emit(seq, num_new, out)
-                budget -= num_new
-        return budget
+        num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+        if self.swapper.blocks_to_resume(seq, num_new) > self._available_for(seq):
+            return None
+        out.blocks_to_swap_in.extend(self.swapper.swap_in(seq))
+        self.swapped.remove(seq)
+        seq.status = SeqStatus.RUNNING
+        self.running.append(seq)
+        if num_new > 0:
+            self._grow(seq, num_new, out)
+            self._emit(seq, num_new, out)
+        return budget - num_new
 
-    def _blocks_needed_after_swap(self, seq: Sequence, num_new: int) -> int:
-        total = -(-(seq.num_computed_tokens + num_new) // self.config.block_size)
-        return max(0, total - -(-seq.num_computed_tokens // self.config.block_size))
+    def _demote_swapped(self) -> bool:
+        """Swapped sequences that kept shared GPU blocks give them up and will be recomputed.
+
+        Only when nothing at all could be scheduled: those kept blocks may be exactly what the
+        queue head is missing. Returns whether any sequence was demoted.
+        """
+        assert self.swapper is not None
+        demoted = False
+        for seq in sorted(self.swapped, key=self._admit_key, reverse=True):
+            if not self.swapper.holds_gpu_blocks(seq):
+                continue
+            self.swapper.discard(seq)
+            self._digests.pop(seq.seq_id, None)
+            self.swapped.remove(seq)
+            seq.num_computed_tokens = 0
+            self._insert_waiting(seq)
+            self.num_swap_fallbacks += 1
+            demoted = True
+            logger.info("swapped request %s (seq %d) falls back to recompute: its shared GPU blocks "
+                        "are needed to make progress", seq.request.request_id, seq.seq_id)
+        return demoted
 
     # ---- after the step ----
     def update(self, out: SchedulerOutput, sampled: list[list[int]]) -> list[Sequence]:
@@ -395,6 +494,8 @@ class Scheduler:
             self._cache_full_blocks(seq)
             if not sched.do_sample:
                 continue
+            if not tokens:
+                continue  # the sampler failed this row: the engine fails its request
             if sched.num_samples > 1:
                 touched.extend(self._fork(seq, tokens))
             else:
@@ -449,6 +550,9 @@ class Scheduler:
         for seq in itertools.chain(self.running, self.waiting):
             for block in seq.block_ids:
                 refs[block] = refs.get(block, 0) + 1
+        if self.swapper is not None:  # shared blocks that swapped sequences kept on the GPU
+            for block, count in self.swapper.gpu_references().items():
+                refs[block] = refs.get(block, 0) + count
         return refs
 
     def check_integrity(self) -> None:
@@ -463,6 +567,8 @@ class Scheduler:
             assert len(seq.block_ids) * self.config.block_size >= seq.num_computed_tokens
         for seq in self.waiting:
             assert seq.status is SeqStatus.WAITING
+        for seq in self.swapped:
+            assert seq.status is SeqStatus.SWAPPED
         assert len(self.running) <= self.config.max_num_seqs, "more running sequences than max_num_seqs"
 
     def fragmentation(self) -> float:
@@ -475,10 +581,15 @@ class Scheduler:
         return (slots - used) / slots if slots else 0.0
 
 
-class SwapSpace:  # pragma: no cover - the protocol the swap issue implements
+class SwapSpace:  # pragma: no cover - the protocol; engine/kv/swap.py implements it
+    def begin_step(self) -> None: ...
     def can_swap_out(self, seq: Sequence, mode: str) -> bool: ...
     def swap_out(self, seq: Sequence) -> list[tuple[int, int]]: ...
     def swap_in(self, seq: Sequence) -> list[tuple[int, int]]: ...
     def blocks_needed(self, seq: Sequence) -> int: ...
+    def blocks_to_resume(self, seq: Sequence, num_new: int) -> int: ...
+    def holds_gpu_blocks(self, seq: Sequence) -> bool: ...
+    def gpu_references(self) -> dict[int, int]: ...
     def discard(self, seq: Sequence) -> None: ...
     def check_integrity(self, swapped: list[Sequence]) -> None: ...
+    num_free: int

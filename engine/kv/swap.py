@@ -1,0 +1,236 @@
+"""SwapSpace: the CPU side of preemption by swap, as plain Python over ints.
+
+A swapped-out sequence's KV lives in a pool of CPU blocks (sized by `swap_space_gb`; the
+tensors and the copies are compiler/swap.py's `BlockSwapper`). This module only decides
+which block goes where and keeps the books; the scheduler turns its answers into
+`SchedulerOutput.blocks_to_swap_out / blocks_to_swap_in`.
+
+Rules
+  * Only the blocks that hold computed tokens are kept (ceil(num_computed / block_size));
+    anything allocated beyond them is simply freed.
+  * A GPU block with ref count > 1 (a prefix-cache block shared with another sequence, a
+    fork's shared prompt, a pinned warm-up prefix) is *not* moved: the swapped sequence
+    keeps its reference to it, and the scheduler reports that reference to the pool's
+    integrity check (`gpu_references`). A block with ref count 1 is moved: copied to a CPU
+    block, then its GPU reference is dropped (a hashed block then stays in the prefix cache
+    as cached-idle until it is evicted, its content unchanged).
+  * CPU blocks freed by a swap-in are held back until the next step begins
+    (`begin_step`), so a swap-out scheduled in the same step can never be handed a CPU
+    block whose copy to the GPU is still queued behind it.
+Accounting: free + deferred + used == num_blocks on the CPU side, every used CPU block
+belongs to exactly one swapped sequence, and every swapped sequence has exactly one entry.
+"""
+
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass
+
+from engine.kv.block_pool import BlockPool
+from engine.request import Sequence
+
+
+class NoSwapSpaceError(RuntimeError):
+    pass
+
+
+@dataclass
+class _Swapped:
+    """Where a swapped sequence's blocks are: one entry per block of its table, in order."""
+
+    on_gpu: list[bool]  # True: a GPU block the sequence still references; False: a CPU block
+    ids: list[int]
+
+    @property
+    def num_cpu(self) -> int:
+        return self.on_gpu.count(False)
+
+
+class SwapSpace:
+    """CPU block accounting for swapped-out sequences (no tensors here)."""
+
+    def __init__(self, gpu_pool: BlockPool, num_cpu_blocks: int, bytes_per_block: int = 0,
+                 auto_min_tokens: int | None = None) -> None:
+        if num_cpu_blocks < 1:
+            raise ValueError("a swap space needs at least one CPU block")
+        self.gpu_pool = gpu_pool
+        self.block_size = gpu_pool.block_size
+        self.num_blocks = num_cpu_blocks
+        self.bytes_per_block = bytes_per_block
+        # auto mode swaps only a sequence with at least this many tokens of KV to move:
+        # shorter ones are cheaper to recompute (one small prefill chunk) than to copy twice.
+        self.auto_min_tokens = self.block_size if auto_min_tokens is None else auto_min_tokens
+        self._free: list[int] = list(range(num_cpu_blocks))  # a min-heap: low ids first, long runs
+        self._deferred: list[int] = []
+        self._entries: dict[int, _Swapped] = {}  # seq id -> its blocks
+        # Counters (metrics): bytes scheduled to move each way, blocks kept on the GPU.
+        self.bytes_out = 0
+        self.bytes_in = 0
+        self.blocks_out = 0
+        self.blocks_in = 0
+        self.blocks_kept = 0
+
+    # ---- capacity ----
+    @property
+    def num_free(self) -> int:
+        """CPU blocks a swap-out may take now."""
+        return len(self._free)
+
+    @property
+    def num_used(self) -> int:
+        return self.num_blocks - len(self._free) - len(self._deferred)
+
+    def usage(self) -> float:
+        """Fraction of the CPU blocks holding swapped KV (metric cpu_cache_usage_perc)."""
+        return self.num_used / self.num_blocks
+
+    def is_fully_free(self) -> bool:
+        return self.num_used == 0 and not self._entries
+
+    def begin_step(self) -> None:
+        """A new step: CPU blocks released by the previous step's swap-ins may be reused."""
+        for block in self._deferred:
+            heapq.heappush(self._free, block)
+        self._deferred.clear()
+
+    # ---- decisions ----
+    def _kept_prefix(self, seq: Sequence) -> int:
+        return -(-seq.num_computed_tokens // self.block_size)
+
+    def can_swap_out(self, seq: Sequence, mode: str) -> bool:
+        """swap: whenever the CPU has room. auto: also only when the KV is worth keeping.
+
+        Worth keeping (auto): at least `auto_min_tokens` computed tokens in the blocks that would
+        move. Swapping costs two copies of those blocks over PCIe, overlapped with compute;
+        recomputing costs a prefill of every computed token inside the token budget. A few
+        tokens, or KV that mostly sits in shared blocks that stay on the GPU anyway (and come
+        back as prefix hits), are cheaper to recompute.
+        """
+        bs = self.block_size
+        computed = seq.num_computed_tokens
+        movable = movable_tokens = 0
+        for i, block in enumerate(seq.block_ids[:self._kept_prefix(seq)]):
+            if self.gpu_pool.ref_count(block) == 1:
+                movable += 1
+                movable_tokens += min(bs, computed - i * bs)
+        if movable > self.num_free:
+            return False
+        if mode == "auto":
+            return movable > 0 and movable_tokens >= self.auto_min_tokens
+        return True
+
+    def blocks_needed(self, seq: Sequence) -> int:
+        """GPU blocks a swap-in must allocate (shared blocks it kept need none)."""
+        return self._entries[seq.seq_id].num_cpu
+
+    def blocks_to_resume(self, seq: Sequence, num_new: int) -> int:
+        """GPU blocks to bring `seq` back and compute `num_new` more tokens (incl. copy-on-write)."""
+        entry = self._entries[seq.seq_id]
+        need = entry.num_cpu
+        total = -(-(seq.num_computed_tokens + num_new) // self.block_size)
+        need += max(0, total - len(entry.ids))
+        if seq.num_computed_tokens % self.block_size and entry.ids and entry.on_gpu[-1] \
+                and self.gpu_pool.ref_count(entry.ids[-1]) > 1:
+            need += 1  # its partial last block is shared: the first write copies it
+        return need
+
+    def holds_gpu_blocks(self, seq: Sequence) -> bool:
+        return any(self._entries[seq.seq_id].on_gpu)
+
+    # ---- moves ----
+    def swap_out(self, seq: Sequence) -> list[tuple[int, int]]:
+        """Move `seq`'s private blocks to the CPU; returns (gpu block, cpu block) pairs to copy.
+
+        Its GPU table is emptied (seq.block_ids = []): the entry here is now the table.
+        """
+        keep = self._kept_prefix(seq)
+        blocks = seq.block_ids
+        movable = sum(1 for b in blocks[:keep] if self.gpu_pool.ref_count(b) == 1)
+        if movable > len(self._free):
+            raise NoSwapSpaceError(f"need {movable} CPU blocks, {len(self._free)} free")
+        entry = _Swapped([], [])
+        pairs: list[tuple[int, int]] = []
+        for block in blocks[:keep]:
+            if self.gpu_pool.ref_count(block) == 1:
+                cpu = heapq.heappop(self._free)
+                pairs.append((block, cpu))
+                entry.on_gpu.append(False)
+                entry.ids.append(cpu)
+            else:
+                entry.on_gpu.append(True)
+                entry.ids.append(block)
+                self.blocks_kept += 1
+        # Drop the GPU references of the moved blocks (tail first, like BlockPool.free_all) and of
+        # any block beyond the computed tokens. The copies are queued before any later write.
+        for block in reversed(blocks[keep:]):
+            self.gpu_pool.free(block)
+        for block, _ in reversed(pairs):
+            self.gpu_pool.free(block)
+        seq.block_ids = []
+        self._entries[seq.seq_id] = entry
+        self.blocks_out += len(pairs)
+        self.bytes_out += len(pairs) * self.bytes_per_block
+        return pairs
+
+    def swap_in(self, seq: Sequence) -> list[tuple[int, int]]:
+        """Bring `seq` back: allocate GPU blocks; returns (cpu block, gpu block) pairs to copy."""
+        entry = self._entries[seq.seq_id]
+        fresh = self.gpu_pool.allocate_many(entry.num_cpu)
+        pairs: list[tuple[int, int]] = []
+        table: list[int] = []
+        it = iter(fresh)
+        for on_gpu, block in zip(entry.on_gpu, entry.ids):
+            if on_gpu:
+                table.append(block)
+            else:
+                gpu = next(it)
+                pairs.append((block, gpu))
+                table.append(gpu)
+                self._deferred.append(block)
+        del self._entries[seq.seq_id]
+        seq.block_ids = table
+        self.blocks_in += len(pairs)
+        self.bytes_in += len(pairs) * self.bytes_per_block
+        return pairs
+
+    def discard(self, seq: Sequence) -> None:
+        """Forget a swapped sequence (finished, aborted, or falling back to recompute)."""
+        entry = self._entries.pop(seq.seq_id, None)
+        if entry is None:
+            return
+        for on_gpu, block in zip(reversed(entry.on_gpu), reversed(entry.ids)):
+            if on_gpu:
+                self.gpu_pool.free(block)
+            else:
+                # Nothing of it is read any more, but a swap-out into it may still be queued
+                # this step: hold it back like a swapped-in block.
+                self._deferred.append(block)
+        seq.block_ids = []
+
+    # ---- integrity ----
+    def gpu_references(self) -> dict[int, int]:
+        """GPU block -> references that swapped sequences still hold on it."""
+        refs: dict[int, int] = {}
+        for entry in self._entries.values():
+            for on_gpu, block in zip(entry.on_gpu, entry.ids):
+                if on_gpu:
+                    refs[block] = refs.get(block, 0) + 1
+        return refs
+
+    def check_integrity(self, swapped: list[Sequence]) -> None:
+        ids = {s.seq_id for s in swapped}
+        assert ids == set(self._entries), (
+            f"swapped sequences {sorted(ids)} != swap entries {sorted(self._entries)}")
+        for seq in swapped:
+            assert not seq.block_ids, f"swapped seq {seq.seq_id} still has a GPU block table"
+            entry = self._entries[seq.seq_id]
+            assert len(entry.ids) == len(entry.on_gpu) == self._kept_prefix(seq), (
+                f"swapped seq {seq.seq_id}: {len(entry.ids)} blocks for {seq.num_computed_tokens} tokens")
+        used = [b for e in self._entries.values() for g, b in zip(e.on_gpu, e.ids) if not g]
+        free = list(self._free)
+        everything = used + free + self._deferred
+        assert len(everything) == len(set(everything)), "a CPU block is in two places"
+        assert len(everything) == self.num_blocks, (
+            f"CPU block accounting broken: used {len(used)} + free {len(free)} + deferred "
+            f"{len(self._deferred)} != {self.num_blocks}")
+        assert all(0 <= b < self.num_blocks for b in everything), "CPU block id out of range"
