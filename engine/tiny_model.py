@@ -95,7 +95,8 @@ def tiny_config(arch: str, vocab_size: int, bos: int, eos: int, pad: int) -> dic
 
 
 def make_tiny_model(out_dir: str | Path, arch: str = "llama", seed: int = 0,
-                    preset: str | None = None, config_only: bool = False) -> Path:
+                    preset: str | None = None, config_only: bool = False,
+                    overrides: dict | None = None) -> Path:
     import torch
     import transformers
 
@@ -111,6 +112,7 @@ def make_tiny_model(out_dir: str | Path, arch: str = "llama", seed: int = 0,
                    pad_token_id=ids["pad"])
     else:
         raw = tiny_config(arch, len(tokenizer), ids["bos"], ids["eos"], ids["pad"])
+    raw.update(overrides or {})
     if config_only:
         (out / "config.json").write_text(json.dumps(raw, indent=2))
         return out
