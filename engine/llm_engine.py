@@ -118,6 +118,7 @@ class LLMEngine:
         self.sampler = Sampler(self.device, self.eos_token_ids, settings.seed)
         self.runner = ModelRunner(self.model, self.kv_cache, self.sampler, self.device, settings.block_size,
                                   settings.max_num_seqs, self._token_budget(), self.max_model_len)
+        self.compile_seconds, self.capture_seconds = self._compile_and_capture()
         self.last_step = StepStats()
         self.num_generation_tokens_total = 0
         self.num_prompt_tokens_total = 0
@@ -126,6 +127,26 @@ class LLMEngine:
                     self.model_dir, cfg.model_type, str(self.dtype).removeprefix("torch."), self.device,
                     num_blocks - 1, settings.block_size, self.max_model_len, self.backend.name,
                     self.startup_seconds)
+
+    def _compile_and_capture(self) -> tuple[float, float]:
+        """torch.compile the forward (persistent Inductor cache) and, on a GPU, capture the decode
+        CUDA graphs. Off with enforce_eager. Returns (compile seconds, capture seconds)."""
+        s = self.settings
+        if s.enforce_eager:
+            return 0.0, 0.0
+        from compiler.capture import compile_count, configure_compile_cache
+
+        cache = configure_compile_cache(s.resolved_compile_cache_dir())
+        graphs_before = compile_count()
+        compile_s = self.runner.compile_model()
+        logger.info("compiled the forward in %.1fs (%d graphs, Inductor cache %s)", compile_s,
+                    compile_count() - graphs_before, cache)
+        capture_s = 0.0
+        if self.device.type == "cuda":
+            capture_s = self.runner.capture_graphs(s.capture_sizes(),
+                                                   device_reads_lengths=self.backend.name == "cutlass")
+            logger.info("captured %d decode CUDA graphs in %.1fs", len(s.capture_sizes()), capture_s)
+        return compile_s, capture_s
 
     # ---- start-up sizing ----
     def _resolve_max_model_len(self) -> int:

@@ -4,19 +4,31 @@ All per-step inputs are written into persistent buffers (`InputBuffers`): host s
 arrays and device tensors allocated once at their largest size. A step fills the host
 side, copies the used prefix to the device, and runs the model on views of those
 tensors, so captured CUDA graphs (compiler/capture.py) can replay over the same storage.
+
+Unless `enforce_eager`, the forward is compiled (Inductor) and, on a GPU, decode steps
+replay CUDA graphs (`DecodeGraphRunner`): the smallest captured bucket >= the batch,
+with unused rows padded so they write nothing (slot -1) and read nothing (length 0).
+Prefill/mixed steps and batches above the largest bucket run compiled without graphs.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import logging
+import time
+
 import numpy as np
 import torch
 
+from compiler.capture import (MIN_COMPILED_ROWS, CudaGraphSet, bucket_for, compile_forward, graph_ctx,
+                              mark_static_dims)
 from engine.attention.base import AttentionMetadata
 from engine.kv.cache import KVCache
 from engine.sampler import Sampler, SampleRow, SamplerOutput
 from engine.scheduler import SchedulerOutput
+
+logger = logging.getLogger(__name__)
 
 
 class InputBuffers:
@@ -47,6 +59,24 @@ class InputBuffers:
         self.np_query_start_loc = self.query_start_loc_host.numpy()
         self.np_seq_lens = self.seq_lens_host.numpy()
         self.np_block_tables = self.block_tables_host.numpy()
+        # Host staging may be refilled only once the previous step's async copies have read it.
+        self._copied = torch.cuda.Event() if device.type == "cuda" else None
+        self._pending = False
+
+    def wait_staging(self) -> None:
+        if self._pending:
+            self._copied.synchronize()
+            self._pending = False
+
+    def fill_padding(self, t: int, n: int, count: int) -> None:
+        """Host rows [t, t+count) / sequences [n, n+count): one token each, slot -1, length 0."""
+        if count <= 0:
+            return
+        self.np_input_ids[t:t + count] = 0
+        self.np_positions[t:t + count] = 0
+        self.np_slot_mapping[t:t + count] = -1
+        self.np_seq_lens[n:n + count] = 0
+        self.np_query_start_loc[n + 1:n + count + 1] = np.arange(t + 1, t + count + 1)
 
     def upload(self, num_tokens: int, num_seqs: int, num_block_cols: int) -> None:
         """Copy the filled host prefix to the device (no-op on the CPU)."""
@@ -60,6 +90,8 @@ class InputBuffers:
             dev[:n].copy_(host[:n], non_blocking=True)
         self.block_tables[:num_seqs, :num_block_cols].copy_(
             self.block_tables_host[:num_seqs, :num_block_cols], non_blocking=True)
+        self._copied.record()
+        self._pending = True
 
 
 @dataclass
@@ -69,6 +101,7 @@ class StepInputs:
     meta: AttentionMetadata
     sample_indices: list[int]  # rows of the hidden states to sample from (repeated for forks)
     rows: list[SampleRow]
+    graph_key: tuple[int, int] | None = None  # (rows, ctx) of the decode graph to replay
 
 
 class ModelRunner:
@@ -80,15 +113,23 @@ class ModelRunner:
         self.sampler = sampler
         self.device = device
         self.block_size = block_size
+        self.max_model_len = max_model_len
         self.max_blocks_per_seq = -(-max_model_len // block_size)
-        self.buffers = InputBuffers(max(max_num_batched_tokens, max_num_seqs), max_num_seqs,
+        # Room for the padding rows of compiled steps (>= MIN_COMPILED_ROWS tokens and sequences).
+        max_seqs = max(max_num_seqs, MIN_COMPILED_ROWS + 2) + 1
+        self.buffers = InputBuffers(max(max_num_batched_tokens, max_seqs) + MIN_COMPILED_ROWS + 2, max_seqs,
                                     self.max_blocks_per_seq, device)
         self.forward_fn = model.forward  # replaced by the compiled forward (compiler/capture.py)
-        self.graph_runner = None  # set when decode CUDA graphs are captured
+        self.compiled = False  # forward_fn is torch.compile'd: pad steps, full-width block tables
+        self.graph_runner: DecodeGraphRunner | None = None  # set when decode CUDA graphs are captured
 
     # ---- inputs ----
     def prepare(self, sched: SchedulerOutput) -> StepInputs:
         buf = self.buffers
+        buf.wait_staging()
+        seqs = sched.seqs
+        if all(s.num_tokens == 1 and s.do_sample and s.num_samples == 1 for s in seqs):
+            return self._prepare_decode(seqs)
         bs = self.block_size
         t = 0
         max_q = 0
@@ -97,7 +138,7 @@ class ModelRunner:
         sample_indices: list[int] = []
         rows: list[SampleRow] = []
         buf.np_query_start_loc[0] = 0
-        for i, s in enumerate(sched.seqs):
+        for i, s in enumerate(seqs):
             n = s.num_tokens
             start = s.start_pos
             end = start + n
@@ -118,17 +159,121 @@ class ModelRunner:
                 for k in range(s.num_samples):
                     sample_indices.append(t - 1)
                     rows.append(SampleRow(s.params, s.all_token_ids, s.num_prompt_tokens, s.sample_index + k))
-        num_seqs = len(sched.seqs)
-        buf.upload(t, num_seqs, max_cols)
-        meta = AttentionMetadata(
-            slot_mapping=buf.slot_mapping[:t],
+        return self._finish_prepare(t, len(seqs), max_q, max_len, max_cols, sample_indices, rows, None)
+
+    def _prepare_decode(self, seqs) -> StepInputs:
+        """One token per sequence, each sampled once: the CUDA-graph shape. One pass, no numpy temporaries."""
+        buf = self.buffers
+        bs = self.block_size
+        ids, positions, slots, lens, tables = (buf.np_input_ids, buf.np_positions, buf.np_slot_mapping,
+                                               buf.np_seq_lens, buf.np_block_tables)
+        max_cols = 1
+        max_len = 0
+        rows: list[SampleRow] = []
+        for i, s in enumerate(seqs):
+            p = s.start_pos
+            blocks = s.block_ids
+            ids[i] = s.token_ids[0]
+            positions[i] = p
+            slots[i] = blocks[p // bs] * bs + p % bs
+            lens[i] = p + 1
+            cols = len(blocks)
+            tables[i, :cols] = blocks
+            if cols > max_cols:
+                max_cols = cols
+            if p >= max_len:
+                max_len = p + 1
+            rows.append(SampleRow(s.params, s.all_token_ids, s.num_prompt_tokens, s.sample_index))
+        n = len(seqs)
+        buf.np_query_start_loc[:n + 1] = np.arange(n + 1)
+        key = self.graph_runner.key_for(n, max_len) if self.graph_runner is not None else None
+        return self._finish_prepare(n, n, 1, max_len, max_cols, list(range(n)), rows, key)
+
+    def _finish_prepare(self, t: int, num_seqs: int, max_q: int, max_len: int, max_cols: int,
+                        sample_indices: list[int], rows: list[SampleRow],
+                        graph_key: tuple[int, int] | None) -> StepInputs:
+        buf = self.buffers
+        padded_seqs = num_seqs
+        if graph_key is not None:
+            padded_seqs = graph_key[0]
+        elif self.compiled:
+            padded_seqs = max(num_seqs, MIN_COMPILED_ROWS)
+        if t + padded_seqs - num_seqs < MIN_COMPILED_ROWS and self.compiled:
+            padded_seqs += MIN_COMPILED_ROWS - (t + padded_seqs - num_seqs)
+        extra = padded_seqs - num_seqs
+        buf.fill_padding(t, num_seqs, extra)
+        t_padded = t + extra
+        buf.upload(t_padded, padded_seqs, max_cols)
+        if graph_key is not None:
+            meta = None  # the graph replays over the static buffers
+        elif self.compiled:
+            meta = self._compiled_meta(t_padded, padded_seqs, max_q, max_len)
+        else:
+            meta = AttentionMetadata(
+                slot_mapping=buf.slot_mapping[:t],
+                query_start_loc=buf.query_start_loc[:num_seqs + 1],
+                seq_lens=buf.seq_lens[:num_seqs],
+                block_tables=buf.block_tables[:num_seqs, :max_cols],
+                max_query_len=max_q,
+                max_seq_len=max_len,
+            )
+        return StepInputs(t_padded, padded_seqs, meta, sample_indices, rows, graph_key)
+
+    def _compiled_meta(self, num_tokens: int, num_seqs: int, max_q: int, max_len: int) -> AttentionMetadata:
+        """Metadata for the compiled forward: full-width (static) block tables, max_seq_len >= 2."""
+        buf = self.buffers
+        tables = buf.block_tables[:num_seqs]
+        mark_static_dims((tables,), (1,))
+        return AttentionMetadata(
+            slot_mapping=buf.slot_mapping[:num_tokens],
             query_start_loc=buf.query_start_loc[:num_seqs + 1],
             seq_lens=buf.seq_lens[:num_seqs],
-            block_tables=buf.block_tables[:num_seqs, :max_cols],
+            block_tables=tables,
             max_query_len=max_q,
-            max_seq_len=max_len,
+            max_seq_len=max(max_len, MIN_COMPILED_ROWS),
         )
-        return StepInputs(t, num_seqs, meta, sample_indices, rows)
+
+    # ---- compile / capture (start-up) ----
+    @torch.inference_mode()
+    def compile_model(self) -> float:
+        """torch.compile the forward and compile its two graphs now (decode-shaped and general).
+
+        Returns seconds. The warm-up steps are all padding (slot -1, length 0): they write only
+        the null block. Their sizes avoid coincidences that would make Dynamo duck-size one
+        symbol for two dimensions (tokens vs sequences + 1).
+        """
+        t0 = time.perf_counter()
+        mark_static_dims(self.kv_layers)
+        self.forward_fn = compile_forward(self.model.forward)
+        self.compiled = True
+        buf = self.buffers
+        for num_tokens, num_seqs, max_q in ((3, 3, 1), (5, 2, 4)):
+            buf.np_query_start_loc[0] = 0
+            buf.fill_padding(0, 0, num_seqs)
+            buf.np_query_start_loc[num_seqs] = num_tokens  # the last sequence takes the extra tokens
+            buf.np_input_ids[:num_tokens] = 0
+            buf.np_positions[:num_tokens] = 0
+            buf.np_slot_mapping[:num_tokens] = -1
+            buf.upload(num_tokens, num_seqs, 1)
+            meta = self._compiled_meta(num_tokens, num_seqs, max_q, max_q)
+            self.forward_fn(buf.input_ids[:num_tokens], buf.positions[:num_tokens], self.kv_layers, meta)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter() - t0
+
+    def capture_graphs(self, sizes: list[int], device_reads_lengths: bool) -> float:
+        """Capture one decode graph per batch bucket (CUDA only); returns seconds."""
+        if not self.compiled:
+            raise RuntimeError("capture_graphs needs the compiled forward: call compile_model first")
+        if self.device.type != "cuda":
+            raise RuntimeError("CUDA graphs need device='cuda'")
+        sizes = sorted({s for s in sizes if s >= 1})
+        if not sizes:
+            return 0.0
+        if sizes[-1] > self.buffers.max_seqs - 1:
+            raise ValueError(f"cuda_graph_sizes: {sizes[-1]} is larger than max_num_seqs")
+        self.graph_runner = DecodeGraphRunner(self, sizes, device_reads_lengths)
+        return self.graph_runner.capture_startup()
 
     # ---- the step ----
     @torch.inference_mode()
@@ -140,6 +285,12 @@ class ModelRunner:
         if not sched.seqs:
             return SamplerOutput([], [])
         step = self.prepare(sched)
+        if self.graph_runner is not None and self.graph_runner.can_replay(step):
+            logits, tokens = self.graph_runner.replay(step)
+            n = len(step.rows)
+            if all(_plain_greedy(r) for r in step.rows):
+                return SamplerOutput(tokens[:n].tolist(), [None] * n)  # the step's one device-to-host copy
+            return self.sampler(logits[:n], step.rows)
         hidden = self.run_model(step)
         if not step.rows:
             return SamplerOutput([], [])
@@ -149,8 +300,6 @@ class ModelRunner:
 
     def run_model(self, step: StepInputs) -> torch.Tensor:
         buf = self.buffers
-        if self.graph_runner is not None and self.graph_runner.can_replay(step):
-            return self.graph_runner.replay(step)
         return self.forward_fn(buf.input_ids[:step.num_tokens], buf.positions[:step.num_tokens],
                                self.kv_layers, step.meta)
 
@@ -165,3 +314,84 @@ class ModelRunner:
             else:
                 result.append([])
         return result
+
+
+def _plain_greedy(r: SampleRow) -> bool:
+    """The sampler would return argmax(logits) for this row (what a decode graph computes)."""
+    p = r.params
+    return p.greedy and p.logprobs is None and not p.needs_penalties and r.num_output_tokens >= p.min_tokens
+
+
+class DecodeGraphRunner:
+    """CUDA graphs of decode steps: compiled forward + logits + greedy argmax, per batch bucket.
+
+    Each graph runs `rows` = max(bucket, MIN_COMPILED_ROWS) rows of the runner's InputBuffers
+    (block tables at full width [rows, max_blocks_per_seq]) and writes its logits and argmax
+    tokens into two shared output buffers, so the number of graphs does not multiply output
+    memory. Keys are (rows, ctx) where ctx is the `max_seq_len` the graph was captured with
+    (compiler.capture.graph_ctx): max_model_len for a backend that reads lengths on the
+    device, else a power-of-two bucket captured on first use.
+    """
+
+    def __init__(self, runner: ModelRunner, sizes: list[int], device_reads_lengths: bool) -> None:
+        self.runner = runner
+        self.sizes = sizes
+        self.max_batch = sizes[-1]
+        self.device_reads_lengths = device_reads_lengths
+        max_rows = max(self.max_batch, MIN_COMPILED_ROWS)
+        vocab = runner.model.config.vocab_size
+        self.logits = torch.empty(max_rows, vocab, dtype=torch.float32, device=runner.device)
+        self.tokens = torch.zeros(max_rows, dtype=torch.int64, device=runner.device)
+        self.graphs = CudaGraphSet(self._body, runner.device)
+        self.num_replays = 0
+        self.replayed: dict[tuple[int, int], int] = {}
+
+    def rows_for(self, bucket: int) -> int:
+        return max(bucket, MIN_COMPILED_ROWS)
+
+    def key_for(self, num_seqs: int, max_seq_len: int) -> tuple[int, int] | None:
+        bucket = bucket_for(num_seqs, self.sizes)
+        if bucket is None:
+            return None
+        return (self.rows_for(bucket),
+                graph_ctx(max_seq_len, self.runner.max_model_len, self.device_reads_lengths))
+
+    def _body(self, rows: int, ctx: int) -> tuple[torch.Tensor, torch.Tensor]:
+        r = self.runner
+        buf = r.buffers
+        meta = r._compiled_meta(rows, rows, 1, ctx)
+        hidden = r.forward_fn(buf.input_ids[:rows], buf.positions[:rows], r.kv_layers, meta)
+        logits = r.model.compute_logits(hidden)
+        out = self.logits[:rows]
+        out.copy_(logits)
+        tokens = self.tokens[:rows]
+        torch.argmax(logits, dim=-1, out=tokens)
+        return out, tokens
+
+    @torch.inference_mode()
+    def capture_startup(self) -> float:
+        """Capture every bucket at the first context bucket, largest first; returns seconds."""
+        buf = self.runner.buffers
+        max_rows = self.rows_for(self.max_batch)
+        buf.wait_staging()
+        buf.np_query_start_loc[0] = 0
+        buf.fill_padding(0, 0, max_rows)
+        buf.upload(max_rows, max_rows, 1)
+        ctx = graph_ctx(1, self.runner.max_model_len, self.device_reads_lengths)
+        seconds = self.graphs.capture_all((self.rows_for(b), ctx) for b in self.sizes)
+        logger.debug("captured %d decode CUDA graphs (batch %s, max_seq_len %d) in %.1fs",
+                    len(self.graphs), ",".join(map(str, self.sizes)), ctx, seconds)
+        return seconds
+
+    def can_replay(self, step: StepInputs) -> bool:
+        return step.graph_key is not None
+
+    def replay(self, step: StepInputs) -> tuple[torch.Tensor, torch.Tensor]:
+        key = step.graph_key
+        if key not in self.graphs:
+            captured = self.graphs.capture(key)  # reference attention, a longer context bucket
+            logger.info("captured decode CUDA graph rows=%d max_seq_len=%d in %.2fs", key[0], key[1],
+                        captured.seconds)
+        self.num_replays += 1
+        self.replayed[key] = self.replayed.get(key, 0) + 1
+        return self.graphs.replay(key)
