@@ -164,14 +164,18 @@ def _clean_request_id(raw: bytes | None) -> str | None:
 
 
 # ---------------------------------------------------------------- the app
-def build_app(state: ServerState) -> FastAPI:
+def build_app(state: ServerState, manage_engine: bool = True) -> FastAPI:
+    """The app over `state`. With manage_engine, the app's lifespan starts and stops the engine loop."""
+
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
-        state.engine.start()
+        if manage_engine:
+            state.engine.start()
         try:
             yield
         finally:
-            state.engine.shutdown()
+            if manage_engine:
+                state.engine.shutdown()
 
     app = FastAPI(title="kiln", version=kiln_version(), lifespan=lifespan,
                   description="OpenAI-compatible completions and chat served by kiln")
