@@ -18,6 +18,7 @@ from engine.config import EngineSettings
 from engine.detokenizer import check_stop, init_offsets, visible_text
 from engine.kv.block_pool import BlockPool
 from engine.kv.cache import KVCache
+from engine.kv.swap import SwapSpace
 from engine.models.config import ModelConfig
 from engine.models.loader import load_model
 from engine.request import (CompletionOutput, FinishReason, InvalidRequestError, Request, RequestOutput,
@@ -114,7 +115,7 @@ class LLMEngine:
             preemption_mode=settings.preemption_mode,
             reserved_blocks_fraction=settings.reserved_blocks_fraction,
             reserved_priority=settings.reserved_priority,
-        ), self.pool)
+        ), self.pool, self._make_swap_space())
         self.sampler = Sampler(self.device, self.eos_token_ids, settings.seed)
         self.runner = ModelRunner(self.model, self.kv_cache, self.sampler, self.device, settings.block_size,
                                   settings.max_num_seqs, self._token_budget(), self.max_model_len)
@@ -147,6 +148,31 @@ class LLMEngine:
                                                    device_reads_lengths=self.backend.name == "cutlass")
             logger.info("captured %d decode CUDA graphs in %.1fs", len(s.capture_sizes()), capture_s)
         return compile_s, capture_s
+
+    def _make_swap_space(self) -> SwapSpace | None:
+        """The CPU block pool for preemption by swap (none in recompute mode or with no swap space)."""
+        s = self.settings
+        self.swap_space: SwapSpace | None = None
+        self.block_swapper = None
+        self._pinned_blocks: set[int] = set()  # warm-prefix blocks (each pinned once)
+        if s.preemption_mode == "recompute" or s.swap_space_gb <= 0:
+            return None
+        cfg = self.model_config
+        per_block = KVCache.bytes_per_block(cfg.num_layers, s.block_size, cfg.num_kv_heads, cfg.head_dim,
+                                            self.dtype)
+        num_cpu = int(s.swap_space_gb * (1 << 30) // per_block)
+        if num_cpu < 1:
+            logger.warning("swap_space_gb=%s holds no KV block of %d bytes: preempting by recompute only",
+                           s.swap_space_gb, per_block)
+            return None
+        from compiler.swap import BlockSwapper
+
+        self.block_swapper = BlockSwapper(self.kv_cache.tensor, num_cpu)
+        self.swap_space = SwapSpace(self.pool, num_cpu, bytes_per_block=per_block)
+        logger.info("swap space: %d CPU blocks (%.2f GiB%s), preemption mode %s", num_cpu,
+                    num_cpu * per_block / (1 << 30), ", pinned" if self.device.type == "cuda" else "",
+                    s.preemption_mode)
+        return self.swap_space
 
     # ---- start-up sizing ----
     def _resolve_max_model_len(self) -> int:
@@ -254,23 +280,44 @@ class LLMEngine:
         sched = self.scheduler.schedule()
         if sched.is_empty:
             return []
+        if sched.blocks_to_swap_out or sched.blocks_to_swap_in:
+            # Queued on the swap stream; the compute stream waits for them before this step's
+            # copy-on-write copies and forward (no host sync: the runner's input prep overlaps).
+            self.block_swapper.launch(sched.blocks_to_swap_out, sched.blocks_to_swap_in)
+            self.block_swapper.wait()
         sampled = self.runner.execute(sched)
         tokens = self.runner.split_sampled(sched, sampled)
+        failed = self._failed_rows(sched, sampled.errors)
+        for i, s in enumerate(sched.seqs):
+            if s.seq_id in failed:
+                tokens[i] = []  # no token for a failed row: its request is failed below
         logprobs = self._split_logprobs(sched, sampled.logprobs)
         touched = self.scheduler.update(sched, tokens)
         now = time.monotonic()
         outputs: dict[str, Request] = {}
         for seq in touched:
-            self._record_logprob(seq, logprobs)
-            if seq.read_offset == 0:  # a sample forked by the scheduler: its text starts after the prompt
-                init_offsets(seq)
-            check_stop(self.tokenizer, seq, self.eos_token_ids, self.max_model_len)
+            try:
+                self._record_logprob(seq, logprobs)
+                if seq.read_offset == 0:  # a sample forked by the scheduler: its text starts after the prompt
+                    init_offsets(seq)
+                check_stop(self.tokenizer, seq, self.eos_token_ids, self.max_model_len)
+            except Exception as exc:  # noqa: BLE001 - e.g. the tokenizer fails on this output: fail only it
+                logger.exception("request %s: processing its output failed", seq.request.request_id)
+                failed[seq.seq_id] = f"processing the output failed: {type(exc).__name__}: {exc}"
+                continue
             request = seq.request
             if request.first_token_time is None:
                 request.first_token_time = now
             if seq.finish_reason is not None:
                 self.scheduler.finish_seq(seq, seq.finish_reason, seq.stop_reason)
             outputs[request.request_id] = request
+        if failed:
+            by_id = {s.seq_id: s for s in self.scheduler.running}
+            for seq_id, message in failed.items():
+                seq = by_id.get(seq_id)
+                if seq is not None and not seq.request.is_finished:
+                    self._fail_request(seq.request, message)
+                    outputs[seq.request.request_id] = seq.request
         results = []
         for request in outputs.values():
             if request.is_finished:
@@ -281,6 +328,90 @@ class LLMEngine:
         self.num_prompt_tokens_total += sched.num_prefill_tokens
         self.num_generation_tokens_total += len(touched)
         return results
+
+    @staticmethod
+    def _failed_rows(sched: SchedulerOutput, errors: dict[int, str]) -> dict[int, str]:
+        """seq id -> error, for the scheduled sequences whose sampler rows failed."""
+        if not errors:
+            return {}
+        failed: dict[int, str] = {}
+        k = 0
+        for s in sched.seqs:
+            if s.do_sample:
+                for row in range(k, k + s.num_samples):
+                    if row in errors:
+                        failed[s.seq_id] = errors[row]
+                k += s.num_samples
+        return failed
+
+    def _fail_request(self, request: Request, message: str) -> None:
+        """Finish every sequence of one request with FinishReason.ERROR; the others go on."""
+        logger.warning("request %s failed: %s", request.request_id, message)
+        request.error = message
+        for seq in request.seqs:
+            if not seq.is_finished:
+                self.scheduler.finish_seq(seq, FinishReason.ERROR)
+
+    def fail_all_requests(self, message: str) -> list[RequestOutput]:
+        """Fail every unfinished request with an error (after an engine-loop crash): no one hangs.
+
+        Returns their final outputs; the pools are left fully free.
+        """
+        results = []
+        now = time.monotonic()
+        for request in list(self.scheduler.requests.values()):
+            if not request.is_finished:
+                self._fail_request(request, message)
+            request.finished_time = request.finished_time or now
+            self.scheduler.pop_finished_request(request.request_id)
+            results.append(self._output(request))
+        return results
+
+    # ---- prefix warm-up ----
+    def warm_prefixes(self, token_id_lists: list[list[int]]) -> int:
+        """Compute these prefixes' KV and pin their full blocks in the prefix cache for good.
+
+        Call before serving, on an idle engine. Each prefix is run as a one-token request; its
+        full blocks are then pinned (never evicted, shared by every request that starts with
+        them). Returns the number of pinned blocks in the pool (metric: pool.num_pinned).
+        """
+        if not token_id_lists:
+            return self.pool.num_pinned
+        if not self.settings.enable_prefix_caching:
+            logger.warning("warm prefixes ignored: prefix caching is off")
+            return self.pool.num_pinned
+        if self.has_unfinished_requests():
+            raise RuntimeError("warm_prefixes() needs an idle engine (call it before serving)")
+        bs = self.settings.block_size
+        ids: dict[str, list[int]] = {}
+        for i, prefix in enumerate(token_id_lists):
+            prefix = list(prefix)
+            if len(prefix) < bs:
+                logger.warning("warm prefix %d has %d tokens, less than one block of %d: skipped",
+                               i, len(prefix), bs)
+                continue
+            rid = f"warm-prefix-{i}-{uuid.uuid4().hex[:8]}"
+            try:
+                self.add_request(prefix, SamplingParams(max_tokens=1, temperature=0.0, detokenize=False,
+                                                        ignore_eos=True), rid)
+            except InvalidRequestError as exc:
+                for other in ids:
+                    self.abort_request(other)
+                raise ValueError(f"warm prefix {i}: {exc}") from exc
+            ids[rid] = prefix
+        while self.has_unfinished_requests():
+            self.step()
+        newly = 0
+        for prefix in ids.values():
+            blocks, _ = self.pool.match_prefix(prefix, len(prefix) // bs)
+            for block in blocks:
+                if block not in self._pinned_blocks:
+                    self.pool.pin(block)
+                    self._pinned_blocks.add(block)
+                    newly += 1
+        logger.info("warm prefixes: %d prefixes, %d blocks pinned (%d in all, %.0f%% of the KV cache)",
+                    len(ids), newly, self.pool.num_pinned, 100 * self.pool.num_pinned / self.pool.num_usable)
+        return self.pool.num_pinned
 
     def _split_logprobs(self, sched: SchedulerOutput, flat: list) -> dict[int, list]:
         """seq id -> logprob entries it sampled this step (n entries at a fork)."""
@@ -339,4 +470,5 @@ class LLMEngine:
         self.scheduler.check_integrity()
 
     def is_idle_and_free(self) -> bool:
-        return not self.scheduler.has_unfinished() and self.pool.is_fully_free()
+        swap_free = self.swap_space is None or self.swap_space.is_fully_free()
+        return not self.scheduler.has_unfinished() and self.pool.is_fully_free() and swap_free

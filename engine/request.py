@@ -10,7 +10,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 
 class FinishReason(str, enum.Enum):
@@ -49,12 +49,16 @@ class SamplingParams:
     prompt_logprobs: None = None
     skip_special_tokens: bool = True
     detokenize: bool = True
+    # Callables (output_token_ids, logits_row) -> logits_row, applied in order to this request's
+    # rows before sampling. One that raises (or yields NaN / +inf) fails only this request.
+    logits_processors: list[Callable[[list[int], Any], Any]] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
+        self.logits_processors = list(self.logits_processors or [])
         self.validate()
 
     def validate(self) -> None:
@@ -87,6 +91,9 @@ class SamplingParams:
             bad(f"logprobs must be in [0, 20], got {self.logprobs}", "logprobs")
         if any(not s for s in self.stop):
             bad("stop strings must be non-empty", "stop")
+        if any(not callable(p) for p in self.logits_processors or []):
+            bad("logits_processors must be callables (output_token_ids, logits_row) -> logits_row",
+                "logits_processors")
 
     @property
     def greedy(self) -> bool:

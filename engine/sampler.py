@@ -10,7 +10,7 @@ output position): its tokens depend on nothing else in the batch.
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -34,6 +34,9 @@ class SamplerOutput:
     token_ids: list[int]
     # Per row: (chosen token's logprob, {token: logprob} for the top N) or None.
     logprobs: list[tuple[float, dict[int, float]] | None]
+    # Rows that failed (a logits processor raised, or the logits were NaN / +inf / all -inf):
+    # row -> message. Their token is -1; the engine fails their requests, the rest go on.
+    errors: dict[int, str] = field(default_factory=dict)
 
 
 def _row_seed(seed: int, sample_index: int, position: int) -> int:
@@ -51,6 +54,9 @@ class Sampler:
         """logits: float32 [len(rows), vocab]."""
         if not rows:
             return SamplerOutput([], [])
+        errors: dict[int, str] = {}
+        if any(r.params.logits_processors for r in rows):
+            logits = self._apply_processors(logits, rows, errors)
         raw_logits = logits
         logits = self._apply_min_tokens(logits, rows)
         if any(r.params.needs_penalties for r in rows):
@@ -60,10 +66,42 @@ class Sampler:
             tokens = logits.argmax(dim=-1)
         else:
             tokens = self._sample_random(logits, rows, greedy)
+        # A row whose logits are NaN, +inf or all -inf has no meaningful token: -1 marks it, in the
+        # same device-to-host copy as the tokens (no extra sync).
+        top = logits.amax(dim=-1)
+        tokens = torch.where(torch.isfinite(top), tokens, torch.full_like(tokens, -1))
         want_logprobs = [r.params.logprobs is not None for r in rows]
         if not any(want_logprobs):
-            return SamplerOutput(tokens.tolist(), [None] * len(rows))
-        return self._with_logprobs(raw_logits, tokens, rows, want_logprobs)
+            out = SamplerOutput(tokens.tolist(), [None] * len(rows))
+        else:
+            out = self._with_logprobs(raw_logits, tokens, rows, want_logprobs)
+        for i, token in enumerate(out.token_ids):
+            if token < 0 and i not in errors:
+                errors[i] = "the model produced non-finite logits (NaN or inf) for this request"
+        for i in errors:
+            out.token_ids[i] = -1
+        out.errors = errors
+        return out
+
+    def _apply_processors(self, logits: torch.Tensor, rows: list[SampleRow], errors: dict[int, str]) -> torch.Tensor:
+        """Run each row's logits processors on that row; an exception fails only that row."""
+        logits = logits.clone()
+        for i, r in enumerate(rows):
+            if not r.params.logits_processors:
+                continue
+            row = logits[i]
+            try:
+                out_ids = list(r.all_token_ids[r.num_prompt_tokens:])
+                for proc in r.params.logits_processors:
+                    row = proc(out_ids, row)
+                    if not isinstance(row, torch.Tensor) or row.shape != logits[i].shape:
+                        raise TypeError(f"a logits processor returned {type(row).__name__} "
+                                        f"{getattr(row, 'shape', '')}, expected a tensor of shape "
+                                        f"{tuple(logits[i].shape)}")
+                logits[i] = row
+            except Exception as exc:  # noqa: BLE001 - user code: isolate it to its request
+                errors[i] = f"logits processor failed: {type(exc).__name__}: {exc}"
+        return logits
 
     def _apply_min_tokens(self, logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
         banned_rows: list[int] = []
@@ -147,7 +185,7 @@ class Sampler:
     def _with_logprobs(self, raw_logits: torch.Tensor, tokens: torch.Tensor, rows: list[SampleRow],
                        want: list[bool]) -> SamplerOutput:
         logprobs = raw_logits.log_softmax(dim=-1)
-        chosen = logprobs.gather(1, tokens[:, None])[:, 0]
+        chosen = logprobs.gather(1, tokens.clamp(min=0)[:, None])[:, 0]
         top_n = max(r.params.logprobs or 0 for r in rows)
         top_vals, top_ids = (logprobs.topk(top_n, dim=-1) if top_n > 0 else
                              (torch.empty(len(rows), 0), torch.empty(len(rows), 0, dtype=torch.int64)))
