@@ -1,0 +1,77 @@
+"""`kiln bench serve`: metric definitions, arrivals, and a real run against the app under uvicorn."""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+
+import pytest
+
+from conftest import assert_engine_clean
+from engine.bench.serve import RequestResult, arrival_gaps, main, percentile, summarize
+from engine.config import EngineSettings, ServerSettings
+from engine.server.app import build_app, create_state
+
+
+def test_metric_definitions_match_vllm():
+    a = RequestResult(ok=True, prompt_len=10, output_tokens=5, ttft=0.1, latency=0.5, itl=[0.1, 0.1, 0.1, 0.1])
+    b = RequestResult(ok=True, prompt_len=10, output_tokens=1, ttft=0.2, latency=0.2, itl=[])
+    c = RequestResult(ok=False, error="HTTP 503")
+    s = summarize([a, b, c], duration=2.0)
+    assert s["completed"] == 2 and s["failed"] == 1 and s["errors"] == {"HTTP 503": 1}
+    assert s["tpot_ms"]["mean"] == pytest.approx(100.0)  # (0.5 - 0.1) / (5 - 1); b has one token: no TPOT
+    assert s["ttft_ms"]["mean"] == pytest.approx(150.0)
+    assert s["itl_ms"]["median"] == pytest.approx(100.0)
+    assert s["output_throughput"] == pytest.approx(3.0) and s["request_throughput"] == pytest.approx(1.0)
+    assert s["total_token_throughput"] == pytest.approx(13.0)
+    assert percentile([1, 2, 3, 4], 50) == 2.5 and percentile([5], 99) == 5
+
+
+def test_poisson_arrivals_are_seeded_with_the_right_mean():
+    gaps = arrival_gaps(4000, rate=10.0, seed=3)
+    assert gaps == arrival_gaps(4000, rate=10.0, seed=3) != arrival_gaps(4000, rate=10.0, seed=4)
+    assert sum(gaps) / len(gaps) == pytest.approx(0.1, rel=0.1)
+    assert arrival_gaps(3, rate=float("inf"), seed=0) == [0.0, 0.0, 0.0]
+
+
+@pytest.fixture
+def live_server(tiny_llama):
+    import uvicorn
+
+    state = create_state(EngineSettings(model=str(tiny_llama), device="cpu", enforce_eager=True, max_model_len=128,
+                                        num_gpu_blocks=128, max_num_seqs=16, log_stats_interval=0),
+                         ServerSettings(served_model_name="bench", api_key="k"))
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(build_app(state), log_level="warning", access_log=False))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        assert time.monotonic() < deadline and thread.is_alive(), "uvicorn did not start"
+        time.sleep(0.02)
+    yield f"http://127.0.0.1:{port}", state
+    server.should_exit = True
+    thread.join(15)
+    sock.close()
+    assert_engine_clean(state.engine.engine)
+
+
+def test_bench_against_live_server(live_server, tmp_path, capsys):
+    url, state = live_server
+    out = tmp_path / "bench.json"
+    rc = main(["--url", url, "--api-key", "k", "--num-prompts", "12", "--request-rate", "50", "--input-len", "8",
+               "--output-len", "6", "--max-concurrency", "8", "--json", str(out)])
+    assert rc == 0
+    result = json.loads(out.read_text())
+    assert result["completed"] == 12 and result["failed"] == 0 and result["model"] == "bench"
+    assert result["total_output_tokens"] == 72 and result["total_input_tokens"] == 96
+    assert 0 < result["ttft_ms"]["median"] <= result["e2el_ms"]["median"]
+    assert result["tpot_ms"]["mean"] > 0 and result["itl_ms"]["mean"] > 0
+    assert "Mean TTFT (ms):" in capsys.readouterr().out
+    # failures are counted, not hidden: a wrong key makes every request fail
+    rc = main(["--url", url, "--model", "bench", "--api-key", "wrong", "--num-prompts", "2", "--output-len", "2"])
+    assert rc == 1 and "HTTP 401" in capsys.readouterr().out
