@@ -1,0 +1,132 @@
+"""Fault isolation: one request's failure (logits processor, NaN logits, tokenizer) fails only it."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from engine.request import FinishReason, InvalidRequestError, SamplingParams
+from engine.sampler import Sampler, SampleRow
+
+PROMPTS = [[11, 12, 13, 14, 15], [21, 22, 23], [31, 32, 33, 34, 35, 36, 37], [41, 42, 43, 44]]
+
+
+def greedy(max_tokens=8, **kw):
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, **kw)
+
+
+def raise_on_third(out_ids, row):
+    if len(out_ids) == 2:
+        raise RuntimeError("boom")
+    return row
+
+
+def nan_row(out_ids, row):
+    return torch.full_like(row, math.nan) if len(out_ids) == 1 else row
+
+
+def wrong_shape(out_ids, row):
+    return row[:3]
+
+
+@pytest.fixture(scope="module")
+def baseline(tiny_llama):
+    from engine.llm import LLM
+
+    llm = LLM(str(tiny_llama), device="cpu", enforce_eager=True, max_model_len=64)
+    return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, greedy(), use_tqdm=False)]
+
+
+@pytest.mark.parametrize("processor, message", [
+    (raise_on_third, "logits processor failed: RuntimeError: boom"),
+    (nan_row, "non-finite logits"),
+    (wrong_shape, "logits processor failed: TypeError"),
+])
+def test_a_failing_row_fails_only_its_request(make_llm, baseline, processor, message):
+    llm = make_llm(max_model_len=64)
+    params = [greedy() for _ in PROMPTS]
+    params[1] = greedy(logits_processors=[processor])
+    outs = llm.generate(PROMPTS, params, use_tqdm=False)
+    bad = outs[1]
+    assert bad.finished and bad.outputs[0].finish_reason == FinishReason.ERROR.value
+    assert message in bad.error
+    assert -1 not in bad.outputs[0].token_ids
+    for i in (0, 2, 3):
+        assert outs[i].error is None and outs[i].outputs[0].token_ids == baseline[i]
+
+
+def test_failing_sample_of_n_fails_its_whole_request(make_llm, baseline):
+    llm = make_llm(max_model_len=64)
+    params = [greedy() for _ in PROMPTS]
+    params[2] = SamplingParams(n=3, temperature=0.0, max_tokens=8, ignore_eos=True,
+                               logits_processors=[raise_on_third])
+    outs = llm.generate(PROMPTS, params, use_tqdm=False)
+    assert all(c.finish_reason == "error" for c in outs[2].outputs) and "boom" in outs[2].error
+    assert [outs[i].outputs[0].token_ids for i in (0, 1, 3)] == [baseline[i] for i in (0, 1, 3)]
+
+
+def test_a_processor_that_changes_tokens_is_applied(make_llm):
+    llm = make_llm(max_model_len=64)
+
+    def force_7(out_ids, row):
+        row = row.clone()
+        row[7] = row.max() + 1.0
+        return row
+
+    out = llm.generate([PROMPTS[0]], greedy(4, logits_processors=[force_7]), use_tqdm=False)[0]
+    assert out.outputs[0].token_ids == [7, 7, 7, 7]
+
+
+def test_processors_must_be_callable():
+    with pytest.raises(InvalidRequestError, match="logits_processors"):
+        SamplingParams(logits_processors=["not callable"])
+
+
+def test_tokenizer_failure_fails_only_that_request(make_llm, baseline):
+    llm = make_llm(max_model_len=64)
+    tok = llm.engine.tokenizer
+    real_decode = tok.decode
+    marker = PROMPTS[3][-1]
+
+    class Broken:
+        def __getattr__(self, name):
+            return getattr(tok, name)
+
+        def decode(self, ids, **kw):
+            if marker in ids:
+                raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "invalid start byte")
+            return real_decode(ids, **kw)
+
+    llm.engine.tokenizer = Broken()
+    outs = llm.generate(PROMPTS, greedy(), use_tqdm=False)
+    assert outs[3].outputs[0].finish_reason == "error" and "UnicodeDecodeError" in outs[3].error
+    assert [outs[i].outputs[0].token_ids for i in range(3)] == baseline[:3]
+
+
+def test_fail_all_requests_after_a_crash_leaves_nothing_hanging(make_llm):
+    llm = make_llm(max_model_len=64, preemption_mode="swap", num_gpu_blocks=8, swap_space_gb=0.001)
+    eng = llm.engine
+    for i, p in enumerate(PROMPTS):
+        eng.add_request(p, greedy(30), f"req-{i}")
+    for _ in range(12):
+        eng.step()
+    outs = eng.fail_all_requests("engine loop crashed: RuntimeError('CUDA error')")
+    assert sorted(o.request_id for o in outs) == [f"req-{i}" for i in range(4)]
+    assert all(o.finished and o.error and o.outputs[0].finish_reason == "error" for o in outs)
+    assert eng.is_idle_and_free()
+    # The engine keeps serving afterwards.
+    assert llm.generate([PROMPTS[0]], greedy(3), use_tqdm=False)[0].outputs[0].finish_reason == "length"
+
+
+def test_sampler_marks_non_finite_rows_without_touching_the_others():
+    sampler = Sampler(torch.device("cpu"), eos_token_ids=(0,))
+    logits = torch.randn(4, 16)
+    logits[1, 3] = math.nan
+    logits[2] = -math.inf
+    rows = [SampleRow(greedy(logprobs=2 if i == 3 else None), [1, 2], 2, 0) for i in range(4)]
+    out = sampler(logits, rows)
+    assert out.token_ids[1] == out.token_ids[2] == -1 and set(out.errors) == {1, 2}
+    assert out.token_ids[0] == int(logits[0].argmax()) and out.token_ids[3] == int(logits[3].argmax())
+    assert out.logprobs[3] is not None
