@@ -7,11 +7,12 @@ What is compiled
     per layer stack and never traces into them. The token and sequence dimensions,
     and the host ints `max_query_len` / `max_seq_len`, are symbolic; the KV cache
     and the block-table width are marked static (`mark_static_dims`). Dynamo
-    specialises sizes 0 and 1, so the runner pads every compiled step to at least
-    two tokens and two sequences (a padding row has slot -1 and length 0) and passes
-    `max_seq_len >= 2`. That leaves exactly two compiled graphs: decode-shaped steps
-    (`max_query_len == 1`) and everything else; `compile_count()` lets tests check
-    that nothing recompiles per step.
+    specialises sizes 0 and 1, so the runner pads every compiled step of two or more
+    tokens to at least two sequences (a padding row has slot -1 and length 0) and passes
+    `max_seq_len >= 2`. That leaves exactly three compiled graphs: one token (batch-1
+    decode, fully static shapes), decode-shaped steps (`max_query_len == 1`, batch
+    symbolic) and everything else; `compile_count()` lets tests check that nothing
+    recompiles per step.
 
 What is captured (CUDA only)
     `CudaGraphSet` holds one graph per key (rows, ctx) of a caller-supplied body that
@@ -38,7 +39,7 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-# Graph padding / specialisation floor: sizes 0 and 1 make Dynamo specialise (and recompile).
+# Multi-token compiled steps have >= this many sequences: size 1 makes Dynamo specialise (recompile).
 MIN_COMPILED_ROWS = 2
 # Reference-attention graphs: context buckets are powers of two from here up.
 MIN_GRAPH_CTX = 256
@@ -191,3 +192,21 @@ class CudaGraphSet:
         captured = self.graphs[key]
         captured.graph.replay()
         return captured.outputs
+
+
+@dataclass
+class SimulatedGraphSet(CudaGraphSet):
+    """CudaGraphSet's interface without CUDA graphs: replay runs the body again (CPU tests)."""
+
+    def __post_init__(self) -> None:
+        self.pool = None
+        self.stream = None
+
+    def capture(self, key: tuple[int, int]) -> CapturedGraph:
+        if key not in self.graphs:
+            self.graphs[key] = CapturedGraph(key, None, ())
+        return self.graphs[key]
+
+    def replay(self, key: tuple[int, int]) -> tuple[torch.Tensor, ...]:
+        self.graphs[key]  # KeyError when never captured, like the real thing
+        return tuple(self.body(*key))

@@ -13,16 +13,15 @@ Prefill/mixed steps and batches above the largest bucket run compiled without gr
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import logging
 import time
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from compiler.capture import (MIN_COMPILED_ROWS, CudaGraphSet, bucket_for, compile_forward, graph_ctx,
-                              mark_static_dims)
+from compiler.capture import (MIN_COMPILED_ROWS, CudaGraphSet, SimulatedGraphSet, bucket_for, compile_forward,
+                              graph_ctx, mark_static_dims)
 from engine.attention.base import AttentionMetadata
 from engine.kv.cache import KVCache
 from engine.sampler import Sampler, SampleRow, SamplerOutput
@@ -196,10 +195,10 @@ class ModelRunner:
         padded_seqs = num_seqs
         if graph_key is not None:
             padded_seqs = graph_key[0]
-        elif self.compiled:
+        elif self.compiled and t > 1:
+            # A one-sequence step of several tokens gets a padding sequence: Dynamo would
+            # otherwise specialise (and compile) a graph for exactly one sequence.
             padded_seqs = max(num_seqs, MIN_COMPILED_ROWS)
-        if t + padded_seqs - num_seqs < MIN_COMPILED_ROWS and self.compiled:
-            padded_seqs += MIN_COMPILED_ROWS - (t + padded_seqs - num_seqs)
         extra = padded_seqs - num_seqs
         buf.fill_padding(t, num_seqs, extra)
         t_padded = t + extra
@@ -236,7 +235,8 @@ class ModelRunner:
     # ---- compile / capture (start-up) ----
     @torch.inference_mode()
     def compile_model(self) -> float:
-        """torch.compile the forward and compile its two graphs now (decode-shaped and general).
+        """torch.compile the forward and compile its three graphs now: one token (batch-1 decode,
+        static shapes), decode-shaped (one token per sequence, batch size symbolic) and general.
 
         Returns seconds. The warm-up steps are all padding (slot -1, length 0): they write only
         the null block. Their sizes avoid coincidences that would make Dynamo duck-size one
@@ -247,7 +247,7 @@ class ModelRunner:
         self.forward_fn = compile_forward(self.model.forward)
         self.compiled = True
         buf = self.buffers
-        for num_tokens, num_seqs, max_q in ((3, 3, 1), (5, 2, 4)):
+        for num_tokens, num_seqs, max_q in ((1, 1, 1), (3, 3, 1), (5, 2, 4)):
             buf.np_query_start_loc[0] = 0
             buf.fill_padding(0, 0, num_seqs)
             buf.np_query_start_loc[num_seqs] = num_tokens  # the last sequence takes the extra tokens
@@ -261,18 +261,22 @@ class ModelRunner:
             torch.cuda.synchronize(self.device)
         return time.perf_counter() - t0
 
-    def capture_graphs(self, sizes: list[int], device_reads_lengths: bool) -> float:
-        """Capture one decode graph per batch bucket (CUDA only); returns seconds."""
+    def capture_graphs(self, sizes: list[int], device_reads_lengths: bool, simulate: bool = False) -> float:
+        """Capture one decode graph per batch bucket (CUDA only); returns seconds.
+
+        simulate=True (tests on the CPU): no CUDA graphs, each "replay" runs the graph body
+        eagerly over the same static buffers, so bucketing and padding are exercised anyway.
+        """
         if not self.compiled:
             raise RuntimeError("capture_graphs needs the compiled forward: call compile_model first")
-        if self.device.type != "cuda":
+        if self.device.type != "cuda" and not simulate:
             raise RuntimeError("CUDA graphs need device='cuda'")
         sizes = sorted({s for s in sizes if s >= 1})
         if not sizes:
             return 0.0
         if sizes[-1] > self.buffers.max_seqs - 1:
             raise ValueError(f"cuda_graph_sizes: {sizes[-1]} is larger than max_num_seqs")
-        self.graph_runner = DecodeGraphRunner(self, sizes, device_reads_lengths)
+        self.graph_runner = DecodeGraphRunner(self, sizes, device_reads_lengths, simulate)
         return self.graph_runner.capture_startup()
 
     # ---- the step ----
@@ -325,29 +329,30 @@ def _plain_greedy(r: SampleRow) -> bool:
 class DecodeGraphRunner:
     """CUDA graphs of decode steps: compiled forward + logits + greedy argmax, per batch bucket.
 
-    Each graph runs `rows` = max(bucket, MIN_COMPILED_ROWS) rows of the runner's InputBuffers
-    (block tables at full width [rows, max_blocks_per_seq]) and writes its logits and argmax
+    Each graph runs `bucket` rows of the runner's InputBuffers (block tables at full width
+    [bucket, max_blocks_per_seq]) and writes its logits and argmax
     tokens into two shared output buffers, so the number of graphs does not multiply output
     memory. Keys are (rows, ctx) where ctx is the `max_seq_len` the graph was captured with
     (compiler.capture.graph_ctx): max_model_len for a backend that reads lengths on the
     device, else a power-of-two bucket captured on first use.
     """
 
-    def __init__(self, runner: ModelRunner, sizes: list[int], device_reads_lengths: bool) -> None:
+    def __init__(self, runner: ModelRunner, sizes: list[int], device_reads_lengths: bool,
+                 simulate: bool = False) -> None:
         self.runner = runner
         self.sizes = sizes
         self.max_batch = sizes[-1]
         self.device_reads_lengths = device_reads_lengths
-        max_rows = max(self.max_batch, MIN_COMPILED_ROWS)
+        max_rows = self.max_batch
         vocab = runner.model.config.vocab_size
         self.logits = torch.empty(max_rows, vocab, dtype=torch.float32, device=runner.device)
         self.tokens = torch.zeros(max_rows, dtype=torch.int64, device=runner.device)
-        self.graphs = CudaGraphSet(self._body, runner.device)
+        self.graphs = (SimulatedGraphSet if simulate else CudaGraphSet)(self._body, runner.device)
         self.num_replays = 0
         self.replayed: dict[tuple[int, int], int] = {}
 
     def rows_for(self, bucket: int) -> int:
-        return max(bucket, MIN_COMPILED_ROWS)
+        return bucket
 
     def key_for(self, num_seqs: int, max_seq_len: int) -> tuple[int, int] | None:
         bucket = bucket_for(num_seqs, self.sizes)
