@@ -12,6 +12,9 @@ CUDA-graph capture records them. Split-KV scratch is allocated once at load time
 captured graph sees stable pointers. Inputs the kernels cannot take (unaligned or odd
 strides, mismatched dtypes, head counts that do not divide) fall back to the reference.
 
+Switches: USE_DECODE_V2 (below) picks the decode kernel; each AttentionKernels instance can
+override it (`use_decode_v2`), which is how the GPU tests run both paths.
+
 Decode (max_query_len <= 1): grid = (max_splits, kv heads x head slices, sequences);
 max_splits depends only on the batch size, head counts and the block-table width (all
 fixed for a captured graph); the live split count of each sequence is derived on the
@@ -31,6 +34,16 @@ from compiler.kernels.manifest import (
 from compiler.reference_attention import paged_attention_reference, write_kv_reference
 
 LOG2E = 1.4426950408889634
+
+# ---- switches (the lead flips these to fall back to the previous kernels) ----------------
+# Decode: True = paged_decode_v2 (warp-contiguous block streaming, prefetched block table,
+# tunable split policy, in-kernel last-split merge, no combine launch); False = paged_decode (v1).
+USE_DECODE_V2 = True
+# v2 split policy (host side, graph-stable): aim for DECODE_CTAS_PER_SM * num_SMs CTAs and
+# never give a split fewer than DECODE_MIN_TOKENS_PER_SPLIT tokens (also passed to the kernel,
+# which derives the live split count of each sequence from its seq_len with it).
+DECODE_MIN_TOKENS_PER_SPLIT = 256
+DECODE_CTAS_PER_SM = 4
 DECODE_GROUPS = (1, 2, 4, 8)
 DECODE_THREADS = 128
 MIN_PARTITION = DEFAULT_CONSTANTS["min_partition"]
@@ -38,6 +51,8 @@ MAX_SPLITS = 64
 _WRITE_KV_TYPES = (PTR, PTR, PTR, PTR, PTR, I32, I32, I32, I32, I64, I64, I64, I64, I64)
 _DECODE_TYPES = (PTR, PTR, PTR, PTR, PTR, PTR, PTR, PTR, PTR, I32, I32, I32, I32,
                  I64, I64, I64, I64, I64, F32, I32)
+_DECODE_V2_TYPES = (PTR, PTR, PTR, PTR, PTR, PTR, PTR, PTR, PTR, PTR, I32, I32, I32, I32,
+                    I64, I64, I64, I64, I64, F32, I32, I32)
 _COMBINE_TYPES = (PTR, PTR, PTR, PTR, PTR, I32, I32, I32, I64, I64)
 _PREFILL_TYPES = (PTR, PTR, PTR, PTR, PTR, PTR, PTR, I32, I32, I32, I64, I64, I64, I64, I64, F32, I32)
 
@@ -86,6 +101,11 @@ class AttentionKernels:
                         f"{n['paged_decode']}_g{g}", ctx)
             for g in DECODE_GROUPS
         }
+        self.decode_v2_l = {
+            g: Launcher(self.lib.function(n["paged_decode_v2"], f"g{g}"), DECODE_THREADS, 0, _DECODE_V2_TYPES,
+                        f"{n['paged_decode_v2']}_g{g}", ctx)
+            for g in DECODE_GROUPS
+        }
         self.combine_l = Launcher(self.lib.function(n["paged_decode"], "combine"), head_dim, 0, _COMBINE_TYPES,
                                   f"{n['paged_decode']}_combine", ctx)
         tile = prefill_tile(head_dim)
@@ -100,6 +120,12 @@ class AttentionKernels:
         self.part_out = torch.empty(scratch_floats, dtype=torch.float32, device=self.device)
         self.part_lse = torch.empty(max(scratch_floats // 64, 1), dtype=torch.float32, device=self.device)
         self._split_cache: dict[tuple, tuple] = {}
+        # v2: per-(sequence, kv head slice) tickets of the last-split merge; all zero between launches.
+        self.counters = torch.zeros(max(scratch_floats // 64, 1), dtype=torch.int32, device=self.device)
+        # None: follow the module-level switches at each call (tests/bench may set these per instance).
+        self.use_decode_v2: bool | None = None
+        self.decode_min_tokens: int | None = None
+        self.decode_ctas_per_sm: int | None = None
 
     # ---- write_kv ---------------------------------------------------------------------
     def write_kv(self, k, v, k_cache, v_cache, slot_mapping) -> None:
@@ -143,6 +169,32 @@ class AttentionKernels:
             self._split_cache[key] = plan
         return plan
 
+    def decode_v2_plan(self, num_seqs: int, num_heads: int, num_kv_heads: int,
+                       max_blocks: int) -> tuple[int, int, int, int]:
+        """(G, head slices, max_splits, min tokens per split) for a v2 decode launch; host-only,
+        graph-stable (batch, heads, table width and the policy constants only)."""
+        min_tok = int(self.decode_min_tokens or DECODE_MIN_TOKENS_PER_SPLIT)
+        cps = int(self.decode_ctas_per_sm or DECODE_CTAS_PER_SM)
+        key = ("v2", num_seqs, num_heads, num_kv_heads, max_blocks, min_tok, cps)
+        plan = self._split_cache.get(key)
+        if plan is None:
+            group = num_heads // num_kv_heads
+            g = next((x for x in DECODE_GROUPS if x >= group), DECODE_GROUPS[-1])
+            slices = -(-group // g)
+            ctas = num_seqs * num_kv_heads * slices
+            splits = max(1, -(-(self.num_sms * cps) // ctas))
+            splits = min(splits, MAX_SPLITS, max(1, -(-max_blocks * self.block_size // min_tok)))
+            rows = num_seqs * num_heads
+            splits = max(1, min(splits, self.scratch_floats // (rows * self.head_dim), self.part_lse.numel() // rows))
+            if ctas > self.counters.numel():
+                splits = 1
+            plan = (g, slices, splits, min_tok)
+            self._split_cache[key] = plan
+        return plan
+
+    def decode_v2_enabled(self) -> bool:
+        return USE_DECODE_V2 if self.use_decode_v2 is None else bool(self.use_decode_v2)
+
     def supports(self, out, q, k_cache, v_cache) -> bool:
         D = self.head_dim
         return (q.dim() == 3 and q.shape[2] == D and out.shape == q.shape
@@ -171,7 +223,16 @@ class AttentionKernels:
         max_blocks = bt.shape[1]
         stream = torch.cuda.current_stream(q.device).cuda_stream
         scale_log2 = float(scale) * LOG2E
-        if max_query_len <= 1:
+        if max_query_len <= 1 and self.decode_v2_enabled():
+            g, slices, splits, min_tok = self.decode_v2_plan(B, Hq, hkv, max_blocks)
+            self.decode_v2_l[g](
+                (splits, hkv * slices, B), stream,
+                (out.data_ptr(), q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), qsl.data_ptr(),
+                 lens.data_ptr(), bt.data_ptr(), self.part_out.data_ptr(), self.part_lse.data_ptr(),
+                 self.counters.data_ptr(), Hq, hkv, Hq // hkv, max_blocks, q.stride(0), q.stride(1),
+                 out.stride(0), out.stride(1), k_cache.stride(0), scale_log2, T, min_tok),
+            )
+        elif max_query_len <= 1:
             g, slices, splits = self.decode_plan(B, Hq, hkv, max_blocks)
             self.decode_l[g](
                 (splits, hkv * slices, B), stream,

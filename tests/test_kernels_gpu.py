@@ -45,8 +45,16 @@ def kernel_cache():
     return CACHE
 
 
-def kernels(dtype, d, bs):
-    return cutlass_ops.load_attention_kernels(CACHE, DEV, dtype, d, bs)
+def kernels(dtype, d, bs, decode=None, min_tokens=None, ctas_per_sm=None):
+    """The loaded kernels; decode="v1"/"v2" forces that decode path (None: USE_DECODE_V2)."""
+    k = cutlass_ops.load_attention_kernels(CACHE, DEV, dtype, d, bs)
+    k.use_decode_v2 = None if decode is None else decode == "v2"
+    k.decode_min_tokens = min_tokens
+    k.decode_ctas_per_sm = ctas_per_sm
+    return k
+
+
+DECODE_PATHS = ["v1", "v2"]
 
 
 # ---- inputs -----------------------------------------------------------------------------
@@ -147,31 +155,52 @@ def test_write_kv_exact(dt, d, bs):
 DECODE_LENS = [1, 15, 16, 17, 31, 32, 33, 127, 128, 129, 300, 511, 512, 513, 1000, 2048, 4097, 0]
 
 
+@pytest.mark.parametrize("path", DECODE_PATHS)
 @pytest.mark.parametrize("dt", ["bf16", "fp16"])
 @pytest.mark.parametrize("d,bs", [(128, 16), (64, 32), (128, 32), (64, 16)])
 @pytest.mark.parametrize("hq,hkv", [(32, 8), (8, 8), (16, 2), (12, 2), (32, 2)])
-def test_decode_matches_reference(dt, d, bs, hq, hkv):
+def test_decode_matches_reference(dt, d, bs, hq, hkv, path):
     dtype = DTYPES[dt]
-    kernels(dtype, d, bs)
+    kernels(dtype, d, bs, decode=path)
     c = make_case([(1, s) for s in DECODE_LENS], hq, hkv, d, bs, dtype, seed=hq + d + bs)
-    check(run_kernel(c), reference(c), c, f"decode {dt} D{d} bs{bs} {hq}/{hkv}")
+    check(run_kernel(c), reference(c), c, f"decode[{path}] {dt} D{d} bs{bs} {hq}/{hkv}")
 
 
+@pytest.mark.parametrize("path", DECODE_PATHS)
 @pytest.mark.parametrize("batch,ctx", [(1, 32768), (3, 32000), (64, 2048), (256, 300)])
-def test_decode_split_regimes(batch, ctx):
+def test_decode_split_regimes(batch, ctx, path):
     dtype, d, bs = torch.bfloat16, 128, 16
-    kernels(dtype, d, bs)
+    kernels(dtype, d, bs, decode=path)
     g = torch.Generator().manual_seed(batch)
     lens = [max(1, ctx - int(x)) for x in torch.randint(0, max(ctx // 3, 1), (batch,), generator=g)]
     c = make_case([(1, s) for s in lens], 32, 8, d, bs, dtype, seed=batch)
-    check(run_kernel(c), reference(c), c, f"decode B{batch} ctx{ctx}")
+    check(run_kernel(c), reference(c), c, f"decode[{path}] B{batch} ctx{ctx}")
 
 
-def test_decode_padding_and_unclaimed_tokens():
+# v2's split policy is a run-time parameter: every setting the bench sweeps must be correct,
+# including extreme ones (many tiny splits -> the in-kernel last-split merge does all the work).
+@pytest.mark.parametrize("min_tokens,ctas_per_sm", [(16, 64), (64, 16), (128, 12), (256, 4), (512, 2), (1024, 1),
+                                                    (4096, 8)])
+@pytest.mark.parametrize("d,bs,hq,hkv", [(128, 16, 32, 8), (64, 32, 16, 2), (128, 32, 8, 8), (64, 16, 32, 2)])
+def test_decode_v2_split_policies(min_tokens, ctas_per_sm, d, bs, hq, hkv):
+    dtype = torch.bfloat16
+    kernels(dtype, d, bs, decode="v2", min_tokens=min_tokens, ctas_per_sm=ctas_per_sm)
+    try:
+        c = make_case([(1, s) for s in DECODE_LENS + [3000, 8191]], hq, hkv, d, bs, dtype, seed=min_tokens + d)
+        ref = reference(c)
+        for rep in range(2):  # the second launch relies on the merge tickets having been reset to 0
+            check(run_kernel(c), ref, c, f"decode[v2 min_tok={min_tokens} cps={ctas_per_sm}] rep {rep}")
+        assert int(cutlass_ops.loaded_kernels(DEV, dtype, d, bs).counters.abs().sum()) == 0, "merge tickets not reset"
+    finally:
+        kernels(dtype, d, bs)
+
+
+@pytest.mark.parametrize("path", DECODE_PATHS)
+def test_decode_padding_and_unclaimed_tokens(path):
     dtype, d, bs = torch.float16, 128, 16
-    kernels(dtype, d, bs)
+    kernels(dtype, d, bs, decode=path)
     c = make_case([(1, 40), (1, 0), (0, 0), (1, 700), (1, 0)], 8, 2, d, bs, dtype, tail_tokens=3, seed=5)
-    check(run_kernel(c), reference(c), c, "decode padding")
+    check(run_kernel(c), reference(c), c, f"decode[{path}] padding")
 
 
 # ---- prefill ----------------------------------------------------------------------------
@@ -206,9 +235,10 @@ def test_dispatch_mixed_batch_uses_prefill_and_matches():
 
 # ---- CUDA graph + torch.compile ------------------------------------------------------------
 
-def test_cuda_graph_replay_after_in_place_updates():
+@pytest.mark.parametrize("path", DECODE_PATHS)
+def test_cuda_graph_replay_after_in_place_updates(path):
     dtype, d, bs, hq, hkv, B = torch.bfloat16, 128, 16, 8, 2, 6
-    kernels(dtype, d, bs)
+    kernels(dtype, d, bs, decode=path)
     width, nblocks = 256, 1600
     g = torch.Generator().manual_seed(7)
     kc = torch.randn(nblocks, bs, hkv, d, generator=g).to(dtype).to(DEV)
@@ -269,12 +299,13 @@ def test_cuda_graph_replay_after_in_place_updates():
         set_inputs(new, seed=10 + n)
         out.fill_(float("nan"))
         graph.replay()
-        verify(f"graph replay {n} lens={new}")
+        verify(f"graph replay [{path}] {n} lens={new}")
 
 
-def test_ops_inside_torch_compile_fullgraph():
+@pytest.mark.parametrize("path", DECODE_PATHS)
+def test_ops_inside_torch_compile_fullgraph(path):
     dtype, d, bs = torch.float16, 64, 16
-    kernels(dtype, d, bs)
+    kernels(dtype, d, bs, decode=path)
     c = make_case([(1, 70), (1, 300), (1, 5)], 8, 2, d, bs, dtype, seed=4)
     T = c["q"].shape[0]
     k = torch.randn(T, 2, d, device=DEV).to(dtype)

@@ -139,9 +139,16 @@ def bench_decode(kernels, batches, ctxs, copy_bw, baselines_max_bytes=4 << 30, m
             scale = 1 / math.sqrt(D)
             fns = [lambda kc=kc, vc=vc, bt=bt: torch.ops.kiln.paged_attention_cutlass(
                 out, q, kc, vc, qsl, lens, bt, scale, 1, ctx) for kc, vc, bt in sets]
-            t = _time_graph(fns, calls_per_graph=max(len(fns), 20 if kv_bytes < 1e9 else 4))
+            cpg = max(len(fns), 20 if kv_bytes < 1e9 else 4)
+            times = {}
+            for path in ("v1", "v2"):
+                kernels.use_decode_v2 = path == "v2"
+                times[path] = _time_graph(fns, calls_per_graph=cpg)
+            kernels.use_decode_v2 = None
+            t = times["v2" if kernels.decode_v2_enabled() else "v1"]
             row = {"kind": "decode", "batch": B, "ctx": ctx, "kiln_us": t * 1e6, "kiln_GBps": kv_bytes / t / 1e9,
-                   "kiln_copy_share": kv_bytes / t / copy_bw}
+                   "kiln_copy_share": kv_bytes / t / copy_bw, "v1_us": times["v1"] * 1e6,
+                   "v2_us": times["v2"] * 1e6, "path": "v2" if kernels.decode_v2_enabled() else "v1"}
             if kv_bytes <= baselines_max_bytes:
                 kc, vc, bt = sets[0]
                 tr = _time([lambda: paged_attention_reference(q, kc, vc, qsl, lens, bt, scale, 1, ctx)],
@@ -156,6 +163,41 @@ def bench_decode(kernels, batches, ctxs, copy_bw, baselines_max_bytes=4 << 30, m
             rows.append(row)
             del sets
             torch.cuda.empty_cache()
+    return rows
+
+
+def bench_decode_sweep(kernels, copy_bw, batches=(16, 64), ctx=2048,
+                       min_tokens=(128, 256, 512, 1024), ctas_per_sm=(2, 3, 4, 8, 12)):
+    """v2 decode time per (tokens-per-split, CTAs-per-SM) policy setting."""
+    import torch
+
+    rows = []
+    dtype = torch.bfloat16
+    for B in batches:
+        kv_bytes = B * ctx * HKV * D * 2 * 2
+        copies = max(1, min(8, -(-L2_ROTATE_BYTES // kv_bytes)))
+        sets = _paged(B, ctx, dtype, copies)
+        q = torch.randn(B, HQ, D, dtype=dtype, device="cuda")
+        out = torch.empty_like(q)
+        qsl = torch.arange(B + 1, dtype=torch.int32, device="cuda")
+        lens = torch.full((B,), ctx, dtype=torch.int32, device="cuda")
+        scale = 1 / math.sqrt(D)
+        fns = [lambda kc=kc, vc=vc, bt=bt: torch.ops.kiln.paged_attention_cutlass(
+            out, q, kc, vc, qsl, lens, bt, scale, 1, ctx) for kc, vc, bt in sets]
+        kernels.use_decode_v2 = True
+        try:
+            for mt in min_tokens:
+                for cps in ctas_per_sm:
+                    kernels.decode_min_tokens, kernels.decode_ctas_per_sm = mt, cps
+                    splits = kernels.decode_v2_plan(B, HQ, HKV, sets[0][2].shape[1])[2]
+                    t = _time_graph(fns, calls_per_graph=max(len(fns), 20))
+                    rows.append({"kind": "decode_sweep", "batch": B, "ctx": ctx, "min_tokens": mt,
+                                 "ctas_per_sm": cps, "splits": splits, "us": t * 1e6,
+                                 "GBps": kv_bytes / t / 1e9, "copy_share": kv_bytes / t / copy_bw})
+        finally:
+            kernels.use_decode_v2 = kernels.decode_min_tokens = kernels.decode_ctas_per_sm = None
+        del sets
+        torch.cuda.empty_cache()
     return rows
 
 
@@ -200,6 +242,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true", help="fewer shapes (skips the 32k-context large batches)")
     p.add_argument("--json", type=Path, default=None, help="also write the results as JSON here")
     p.add_argument("--cache-dir", type=Path, default=DEFAULT_CACHE_DIR)
+    p.add_argument("--sweep", action="store_true",
+                   help="also sweep the v2 decode split policy (tokens per split x CTAs per SM), B 16/64, ctx 2048")
     args = p.parse_args(argv if argv is not None else sys.argv[1:])
 
     import torch
@@ -214,15 +258,16 @@ def main(argv: list[str] | None = None) -> int:
     names = cutlass_ops.required_variants(torch.bfloat16, D, BS)
     if find_nvcc() is not None:
         build_kernels(cache, names, progress=False)
-    cutlass_ops.load_attention_kernels(cache, "cuda", torch.bfloat16, D, BS)
+    kernels = cutlass_ops.load_attention_kernels(cache, "cuda", torch.bfloat16, D, BS)
     t0 = time.perf_counter()
     bw = copy_bandwidth()
     print(f"device: {torch.cuda.get_device_name()}  copy bandwidth {bw / 1e9:.0f} GB/s (read+write)")
     batches = [1, 16, 64, 256]
     ctxs = [128, 2048, 32768]
-    dec = bench_decode(None, batches, ctxs, bw, max_kv_bytes=(5e9 if args.quick else 40e9))
+    dec = bench_decode(kernels, batches, ctxs, bw, max_kv_bytes=(5e9 if args.quick else 40e9))
     print("\ndecode (32q/8kv, D128, block 16, bf16)")
-    print(f"{'B':>4} {'ctx':>6} | {'kiln us':>9} {'GB/s':>7} {'%copy':>6} | {'gather+sdpa':>11} {'GB/s':>6} | {'contig sdpa':>11} {'GB/s':>6} | {'x ref':>6} {'x sdpa':>6}")
+    print(f"kiln = decode {'v2' if kernels.decode_v2_enabled() else 'v1'} (USE_DECODE_V2); v1/v2 columns: both paths")
+    print(f"{'B':>4} {'ctx':>6} | {'kiln us':>9} {'GB/s':>7} {'%copy':>6} | {'v1 us':>7} {'v2 us':>7} | {'gather+sdpa':>11} {'GB/s':>6} | {'contig sdpa':>11} {'GB/s':>6} | {'x ref':>6} {'x sdpa':>6}")
     for r in dec:
         extra = ""
         if "ref_us" in r:
@@ -230,7 +275,22 @@ def main(argv: list[str] | None = None) -> int:
                      f"{r['ref_us'] / r['kiln_us']:6.2f} {r['sdpa_us'] / r['kiln_us']:6.2f}")
         else:
             extra = f"{'(skipped: KV too big for baselines)':>40}"
-        print(f"{r['batch']:>4} {r['ctx']:>6} | {r['kiln_us']:9.1f} {r['kiln_GBps']:7.0f} {100 * r['kiln_copy_share']:5.1f}% | {extra}")
+        print(f"{r['batch']:>4} {r['ctx']:>6} | {r['kiln_us']:9.1f} {r['kiln_GBps']:7.0f} {100 * r['kiln_copy_share']:5.1f}% | "
+              f"{r['v1_us']:7.1f} {r['v2_us']:7.1f} | {extra}")
+    sweep = []
+    if args.sweep:
+        sweep = bench_decode_sweep(kernels, bw)
+        print("\ndecode v2 split-policy sweep (32q/8kv, D128, block 16, bf16, ctx 2048)")
+        print(f"{'B':>4} {'min_tok':>7} {'ctas/SM':>7} {'splits':>6} | {'us':>8} {'GB/s':>7} {'%copy':>6}")
+        best = {}
+        for r in sweep:
+            print(f"{r['batch']:>4} {r['min_tokens']:>7} {r['ctas_per_sm']:>7} {r['splits']:>6} | {r['us']:8.1f} "
+                  f"{r['GBps']:7.0f} {100 * r['copy_share']:5.1f}%")
+            if r["batch"] not in best or r["us"] < best[r["batch"]]["us"]:
+                best[r["batch"]] = r
+        for b, r in best.items():
+            print(f"best B={b}: DECODE_MIN_TOKENS_PER_SPLIT={r['min_tokens']} DECODE_CTAS_PER_SM={r['ctas_per_sm']} "
+                  f"({r['us']:.1f} us, {r['GBps']:.0f} GB/s)")
     pre = bench_prefill(None, [512, 4096] if args.quick else [512, 4096, 16384], [(32, 32), (32, 8)])
     print("\nprefill (causal, D128, bf16)")
     print(f"{'heads':>6} {'B':>3} {'S':>6} | {'kiln ms':>8} {'TFLOP/s':>8} | {'sdpa ms':>8} {'TFLOP/s':>8} | {'kiln/sdpa':>9}")
@@ -239,7 +299,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{r['sdpa_ms']:8.3f} {r['sdpa_TFLOPs']:8.1f} | {r['kiln_TFLOPs'] / r['sdpa_TFLOPs']:9.2f}")
     print(f"\n(bench took {time.perf_counter() - t0:.1f} s)")
     if args.json:
-        args.json.write_text(json.dumps({"copy_GBps": bw / 1e9, "decode": dec, "prefill": pre}, indent=1))
+        args.json.write_text(json.dumps({"copy_GBps": bw / 1e9, "decode": dec, "decode_sweep": sweep, "prefill": pre}, indent=1))
     return 0
 
 

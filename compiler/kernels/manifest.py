@@ -16,6 +16,8 @@ _PARAM_ORDER = ("dtype", "head_dim", "block_size")
 _NAME_PREFIX = {"dtype": "", "head_dim": "d", "block_size": "b"}
 # Template constants that are not part of the variant's name.
 DEFAULT_CONSTANTS = {"min_partition": 128}
+# paged_decode_v2: minimum resident CTAs per SM (__launch_bounds__ hint) per packed group width.
+DECODE_V2_MIN_BLOCKS = {"minb_g1": 4, "minb_g2": 4, "minb_g4": 3, "minb_g8": 2}
 
 
 def prefill_tile(head_dim: int) -> dict:
@@ -52,6 +54,8 @@ class Variant:
     def render_context(self) -> dict:
         ctx = dict(DEFAULT_CONSTANTS)
         ctx.update(self.param_dict)
+        if self.kind == "paged_decode_v2":
+            ctx.update(DECODE_V2_MIN_BLOCKS)
         if self.kind == "flash_prefill":
             ctx.update(prefill_tile(int(ctx["head_dim"])))
         ctx["name"] = self.name
@@ -144,10 +148,11 @@ def dtype_tag(dtype) -> str:
 
 
 def attention_variant_names(dtype, head_dim: int, block_size: int) -> dict[str, str]:
-    """{kind: variant name} of the three kernels one model shape needs."""
+    """{kind: variant name} of the kernels one model shape needs (old and new paths both)."""
     t = dtype_tag(dtype)
     return {
         "write_kv": variant_name("write_kv", {"dtype": t}),
         "paged_decode": variant_name("paged_decode", {"dtype": t, "head_dim": head_dim, "block_size": block_size}),
+        "paged_decode_v2": variant_name("paged_decode_v2", {"dtype": t, "head_dim": head_dim, "block_size": block_size}),
         "flash_prefill": variant_name("flash_prefill", {"dtype": t, "head_dim": head_dim, "block_size": block_size}),
     }
