@@ -392,6 +392,12 @@ class AsyncEngine:
                 self._dead = exc if isinstance(exc, EngineDeadError) else EngineDeadError(
                     f"the engine loop died: {exc!r}")
         err = self._dead
+        try:  # release every request's blocks so the pool's accounting stays whole
+            fail_all = getattr(self.engine, "fail_all_requests", None)
+            if fail_all is not None:
+                fail_all(str(err))
+        except Exception:  # noqa: BLE001 - the engine is already broken; streams must still fail
+            logger.exception("could not fail the engine's requests cleanly")
         for stream in list(self._streams.values()):
             self._post(stream, stream._fail, err)
         self._streams.clear()

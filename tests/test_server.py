@@ -21,7 +21,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 API_KEY = "sk-kiln-test"
 MODEL = "tiny"
-MAX_MODEL_LEN = 256
+MAX_MODEL_LEN = 1024  # long enough that a 1000-token request is surely still running when we look
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -290,7 +290,7 @@ def _error(resp: httpx.Response, status: int) -> dict:
     ("/v1/completions", {"prompt": "hi", "stop_token_ids": [10 ** 9]}, "stop_token_ids"),
     ("/v1/completions", {"prompt": [10 ** 9]}, "prompt"),
     ("/v1/completions", {"prompt": []}, "prompt"),
-    ("/v1/completions", {"prompt": "word " * 400}, "prompt"),
+    ("/v1/completions", {"prompt": "word " * (MAX_MODEL_LEN + 10)}, "prompt"),
     ("/v1/completions", {"prompt": "hi", "max_tokens": MAX_MODEL_LEN}, "max_tokens"),
     ("/v1/completions", {"prompt": "hi", "temperature": "hot"}, "temperature"),
     ("/v1/completions", {"temperature": 0.5}, "prompt"),
@@ -334,7 +334,7 @@ def test_request_id_echoed_or_generated(url):
 # ------------------------------------------------------------------ load, disconnects, metrics
 def test_client_disconnect_mid_stream_frees_blocks(url):
     before = metrics(url)
-    body = {"prompt": "The quick brown fox", "max_tokens": 200, "ignore_eos": True, "stream": True}
+    body = {"prompt": "The quick brown fox", "max_tokens": 1000, "ignore_eos": True, "stream": True}
     with httpx.Client(timeout=60) as http:
         with http.stream("POST", f"{url}/v1/completions", json=body,
                          headers={"Authorization": f"Bearer {API_KEY}"}) as resp:
@@ -343,6 +343,7 @@ def test_client_disconnect_mid_stream_frees_blocks(url):
             for line in lines:
                 if line.startswith("data: {"):
                     got += 1
+                    assert json.loads(line[6:])["choices"][0]["finish_reason"] is None
                 if got == 3:
                     break
             during = metrics(url)
@@ -351,7 +352,18 @@ def test_client_disconnect_mid_stream_frees_blocks(url):
     after = wait_clean(url, timeout=10)
     assert after['kiln:request_success_total{finished_reason=abort}'] == \
         before['kiln:request_success_total{finished_reason=abort}'] + 1
-    assert after["kiln:generation_tokens_total"] - before["kiln:generation_tokens_total"] < 200
+    assert after["kiln:generation_tokens_total"] - before["kiln:generation_tokens_total"] < 1000
+
+
+def test_client_gone_during_non_streaming_request_aborts_it(url):
+    before = metrics(url)
+    with pytest.raises(httpx.ReadTimeout):  # the client gives up long before 1000 tokens are done
+        httpx.post(f"{url}/v1/completions", json={"prompt": "Hi", "max_tokens": 1000, "ignore_eos": True},
+                   headers={"Authorization": f"Bearer {API_KEY}"}, timeout=httpx.Timeout(0.1, connect=10, write=10))
+    after = wait_clean(url, timeout=10)
+    assert after['kiln:request_success_total{finished_reason=abort}'] == \
+        before['kiln:request_success_total{finished_reason=abort}'] + 1
+    assert after["kiln:generation_tokens_total"] - before["kiln:generation_tokens_total"] < 1000
 
 
 def test_200_concurrent_streams_all_complete(url):

@@ -18,11 +18,11 @@ from engine.server.app import build_app, create_state
 def app_state(tiny_llama):
     states = []
 
-    def _make(**overrides):
+    def _make(server: dict | None = None, **overrides):
         settings = dict(model=str(tiny_llama), device="cpu", enforce_eager=True, max_model_len=128,
                         num_gpu_blocks=64, max_num_seqs=1, max_waiting_requests=1, log_stats_interval=0)
         settings.update(overrides)
-        state = create_state(EngineSettings(**settings), ServerSettings(served_model_name="m"))
+        state = create_state(EngineSettings(**settings), ServerSettings(served_model_name="m", **(server or {})))
         state.engine._idle_poll_s = 0.05
         state.engine.start()
         states.append(state)
@@ -30,10 +30,8 @@ def app_state(tiny_llama):
 
     yield _make
     for state in states:
-        crashed = state.engine.crashed
         state.engine.shutdown()
-        if not crashed:
-            assert_engine_clean(state.engine.engine)
+        assert_engine_clean(state.engine.engine)
 
 
 async def _wait_until(pred, timeout=10.0):
@@ -99,3 +97,28 @@ def test_dead_engine_loop_gives_503_and_fails_streams(app_state):
 
     asyncio.run(main())
     assert state.engine.crashed
+
+
+def test_request_timeout_aborts_and_frees(app_state):
+    state, app = app_state(server={"request_timeout": 0.3}, max_num_seqs=4, max_waiting_requests=8)
+    real_step = state.engine.engine.step
+
+    def slow_step():
+        time.sleep(0.01)
+        return real_step()
+
+    state.engine.engine.step = slow_step
+    body = {"prompt": "Hello", "max_tokens": 100, "ignore_eos": True}
+
+    async def main():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as http:
+            _assert_error(await http.post("/v1/completions", json=body), 504, "timeout")
+            streamed = await http.post("/v1/completions", json={**body, "stream": True})
+            events = [e for e in streamed.text.split("\n\n") if e]
+            assert events[-1] == "data: [DONE]" and '"code": "timeout"' in events[-2]
+            assert len(events) > 3  # some tokens streamed before the deadline
+            fast = await http.post("/v1/completions", json={"prompt": "Hello", "max_tokens": 3})
+            assert fast.status_code == 200
+        await _wait_until(lambda: state.engine.engine.is_idle_and_free())
+
+    asyncio.run(main())

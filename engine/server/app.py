@@ -104,6 +104,11 @@ def create_state(engine_settings: EngineSettings, server_settings: ServerSetting
 
     server_settings = server_settings or ServerSettings()
     llm_engine = LLMEngine(engine_settings)
+    if server_settings.warm_prefixes is not None:
+        from engine.warm_prefixes import warm_up_from_file
+
+        pinned = warm_up_from_file(llm_engine, server_settings.warm_prefixes)
+        logger.info("warm prefixes from %s: %d KV blocks pinned", server_settings.warm_prefixes, pinned)
     name = server_settings.served_model_name or default_model_name(engine_settings, llm_engine.model_dir)
     metrics = EngineMetrics(name, engine_settings.log_stats_interval)
     engine = AsyncEngine(llm_engine, listener=metrics)
@@ -270,6 +275,10 @@ def _install_error_handlers(app: FastAPI) -> None:
 
 
 # ---------------------------------------------------------------- completions and chat
+class _RequestFailed(Exception):
+    """The engine finished a request with an error (FinishReason.ERROR)."""
+
+
 @dataclass
 class _Choice:
     text: str = ""
@@ -441,6 +450,9 @@ class _Handlers:
             self._account(job, pidx, delta, seen)
             last[pidx] = delta
             for c in delta.outputs:
+                if c.finish_reason == "error":
+                    raise APIError(500, f"the request failed in the engine: {delta.error or 'unknown error'}",
+                                   "server_error", None, "engine_error")
                 ch = choices.setdefault(pidx * job.n + c.index, _Choice())
                 ch.text += c.text
                 ch.token_ids += c.token_ids
@@ -501,14 +513,18 @@ class _Handlers:
                 async for pidx, delta in self._deltas(job):
                     self._account(job, pidx, delta, seen)
                     for c in delta.outputs:
+                        if c.finish_reason == "error":
+                            raise _RequestFailed(delta.error or "unknown error")
                         idx = pidx * job.n + c.index
                         first = idx not in choices
                         ch = choices.setdefault(idx, _Choice())
                         yield chunk([self._stream_choice(job, ch, idx, pidx, c, delta, first)])
             if include_usage:
                 yield f"data: {json.dumps({**base, 'choices': [], 'usage': self._usage(job)})}\n\n"
-        except (EngineDeadError, TimeoutError) as exc:
-            if isinstance(exc, TimeoutError):
+        except (EngineDeadError, TimeoutError, _RequestFailed) as exc:
+            if isinstance(exc, _RequestFailed):
+                body = error_body(f"the request failed in the engine: {exc}", "server_error", None, "engine_error")
+            elif isinstance(exc, TimeoutError):
                 body = error_body(f"the request did not finish within request_timeout={timeout}s and was aborted",
                                   "timeout", None, "timeout")
             else:
