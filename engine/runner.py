@@ -388,6 +388,19 @@ class DecodeGraphRunner:
                     len(self.graphs), ",".join(map(str, self.sizes)), ctx, seconds)
         return seconds
 
+    @torch.inference_mode()
+    def ensure(self, num_seqs: int, max_seq_len: int) -> tuple[int, int] | None:
+        """Capture now (over padding) the graph a decode of this shape would use; returns its key."""
+        key = self.key_for(num_seqs, max_seq_len)
+        if key is not None and key not in self.graphs:
+            buf = self.runner.buffers
+            buf.wait_staging()
+            buf.np_query_start_loc[0] = 0
+            buf.fill_padding(0, 0, key[0])
+            buf.upload(key[0], key[0], 1)
+            self.graphs.capture(key)
+        return key
+
     def can_replay(self, step: StepInputs) -> bool:
         return step.graph_key is not None
 

@@ -1,0 +1,323 @@
+"""`kiln bench latency`: milliseconds per decode step for one batch, against transformers.
+
+    kiln bench latency --preset llama-3.1-8b --batch-size 1,64 --input-len 128 --output-len 128 --baseline
+    kiln bench latency --model DIR --batch-size 8 --input-len 32 --output-len 16 --json out.json
+
+B requests of I random prompt tokens each generate exactly O tokens (greedy, ignore_eos,
+no detokenisation), driven step by step through LLMEngine; every step after the prefill
+is timed on the host (device synchronised before and after), so a step's time includes
+the scheduler, input preparation, the graph replay and the sampler's one device-to-host
+copy. Reported: median and p99 ms per decode step, decode tokens/s, the weight bytes read
+per step (all parameters once, the DESIGN.md convention) over the median step time as
+GB/s, and that as a share of a device-to-device copy bandwidth measured in the same run
+(bytes read + written). `--preset` writes a config-only model directory to a temporary
+directory and loads random weights (load_format=dummy) directly on the device.
+
+`--baseline` runs transformers `generate` (eager, sdpa attention) on the same weights in
+the same process: its model is built from the same config.json with random init on the
+device and kiln's weights are copied into it (q/k/v and gate/up un-fused), so both
+compare one model. Same batch, prompts and output length (min_new_tokens = max_new_tokens),
+total generate time divided by the output length gives its ms per step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+PRESETS = ("llama-3.2-1b", "llama-3.1-8b", "qwen2.5-7b")
+
+
+# ---- helpers --------------------------------------------------------------------------------
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes of all (unique) parameters: what one decode step streams from memory."""
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+def copy_bandwidth(device: torch.device, nbytes: int | None = None, iters: int = 10) -> float:
+    """Device-to-device copy bandwidth in GB/s, counting bytes read + written (eager copies)."""
+    if nbytes is None:
+        nbytes = (1 << 30) if device.type == "cuda" else (64 << 20)
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    src.fill_(1)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    _sync(device)
+    if device.type == "cuda":
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(iters):
+            dst.copy_(src)
+        end.record()
+        end.synchronize()
+        seconds = start.elapsed_time(end) / 1e3
+    else:
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            dst.copy_(src)
+        seconds = time.perf_counter() - t0
+    del src, dst
+    return 2 * nbytes * iters / seconds / 1e9
+
+
+def random_prompts(batch: int, length: int, vocab: int, seed: int) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    return rng.integers(5, vocab, size=(batch, length)).tolist()
+
+
+def hf_state_dict_from_kiln(model) -> dict[str, torch.Tensor]:
+    """kiln's parameters under transformers' names (views; fused q/k/v and gate/up split)."""
+    cfg = model.config
+    q = cfg.num_heads * cfg.head_dim
+    kv = cfg.num_kv_heads * cfg.head_dim
+    f = cfg.intermediate_size
+    sd: dict[str, torch.Tensor] = {"model.embed_tokens.weight": model.embed_tokens.weight,
+                                   "model.norm.weight": model.norm.weight}
+    if model.lm_head is not None:
+        sd["lm_head.weight"] = model.lm_head.weight
+    for i, layer in enumerate(model.layers):
+        pre = f"model.layers.{i}."
+        attn, mlp = layer.self_attn, layer.mlp
+        for kind in ("weight", "bias"):
+            t = getattr(attn.qkv_proj, kind)
+            if t is not None:
+                sd[pre + f"self_attn.q_proj.{kind}"] = t[:q]
+                sd[pre + f"self_attn.k_proj.{kind}"] = t[q:q + kv]
+                sd[pre + f"self_attn.v_proj.{kind}"] = t[q + kv:]
+            t = getattr(attn.o_proj, kind)
+            if t is not None:
+                sd[pre + f"self_attn.o_proj.{kind}"] = t
+            t = getattr(mlp.gate_up_proj, kind)
+            if t is not None:
+                sd[pre + f"mlp.gate_proj.{kind}"] = t[:f]
+                sd[pre + f"mlp.up_proj.{kind}"] = t[f:]
+            t = getattr(mlp.down_proj, kind)
+            if t is not None:
+                sd[pre + f"mlp.down_proj.{kind}"] = t
+        if attn.q_norm is not None:
+            sd[pre + "self_attn.q_norm.weight"] = attn.q_norm.weight
+            sd[pre + "self_attn.k_norm.weight"] = attn.k_norm.weight
+        sd[pre + "input_layernorm.weight"] = layer.input_layernorm.weight
+        sd[pre + "post_attention_layernorm.weight"] = layer.post_attention_layernorm.weight
+    return sd
+
+
+def build_hf_model(engine) -> torch.nn.Module:
+    """transformers' model for the engine's config.json, on the engine's device, with kiln's weights."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(str(engine.model_dir))
+    with torch.device(engine.device):
+        hf = AutoModelForCausalLM.from_config(config, dtype=engine.dtype, attn_implementation="sdpa")
+    hf.eval().requires_grad_(False)
+    missing, unexpected = hf.load_state_dict(hf_state_dict_from_kiln(engine.model), strict=False)
+    tied = getattr(config, "tie_word_embeddings", False)
+    missing = [m for m in missing if not (tied and m == "lm_head.weight")]
+    if missing or unexpected:
+        raise RuntimeError(f"baseline: weights do not map onto transformers' model: missing {missing[:4]}, "
+                           f"unexpected {unexpected[:4]}")
+    return hf
+
+
+def run_hf(hf, prompts: list[list[int]], output_len: int, device: torch.device) -> tuple[float, list[list[int]]]:
+    ids = torch.tensor(prompts, dtype=torch.long, device=device)
+    mask = torch.ones_like(ids)
+
+    def generate(n: int):
+        return hf.generate(ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                           pad_token_id=0, eos_token_id=None)
+
+    with torch.inference_mode():
+        generate(min(4, output_len))  # warm-up (cuBLAS handles, allocator)
+        _sync(device)
+        t0 = time.perf_counter()
+        out = generate(output_len)
+        _sync(device)
+        seconds = time.perf_counter() - t0
+    return seconds, out[:, ids.shape[1]:].tolist()
+
+
+# ---- kiln ------------------------------------------------------------------------------------
+def run_kiln(engine, prompts: list[list[int]], output_len: int, tag: str) -> dict[str, Any]:
+    from engine.request import SamplingParams
+
+    device = engine.device
+    params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True, detokenize=False)
+    for i, p in enumerate(prompts):
+        engine.add_request(p, params, request_id=f"{tag}-{i}")
+    decode_s: list[float] = []
+    tokens: dict[str, list[int]] = {}
+    _sync(device)
+    t_start = time.perf_counter()
+    while engine.has_unfinished_requests():
+        _sync(device)
+        t0 = time.perf_counter()
+        outs = engine.step()
+        _sync(device)
+        dt = time.perf_counter() - t0
+        if engine.last_step.num_prompt_tokens == 0 and engine.last_step.num_generation_tokens > 0:
+            decode_s.append(dt)
+        for o in outs:
+            if o.finished:
+                tokens[o.request_id] = o.outputs[0].token_ids
+    total = time.perf_counter() - t_start
+    engine.check_integrity()
+    return {"decode_s": decode_s, "total_s": total,
+            "tokens": [tokens[f"{tag}-{i}"] for i in range(len(prompts))]}
+
+
+def bench_one(engine, batch: int, input_len: int, output_len: int, args, copy_gbps: float,
+              hf=None) -> dict[str, Any]:
+    vocab = engine.model_config.vocab_size
+    prompts = random_prompts(batch, input_len, vocab, args.prompt_seed + batch)
+    graphs = engine.runner.graph_runner
+    if graphs is not None:  # capture now any context bucket the run will need (not mid-measurement)
+        graphs.ensure(batch, input_len + output_len)
+    run_kiln(engine, random_prompts(batch, input_len, vocab, args.prompt_seed + 7919), args.warmup_steps, "warm")
+    res = run_kiln(engine, prompts, output_len, "lat")
+    steps = np.array(res["decode_s"]) * 1e3
+    if len(steps) == 0:
+        raise RuntimeError("no decode steps were timed (output_len must be at least 2)")
+    median = float(np.median(steps))
+    wbytes = weight_bytes(engine.model)
+    gbps = wbytes / (median / 1e3) / 1e9
+    row: dict[str, Any] = {
+        "batch_size": batch, "input_len": input_len, "output_len": output_len,
+        "ms_per_step_median": median, "ms_per_step_p99": float(np.percentile(steps, 99)),
+        "decode_tok_per_s": batch / (median / 1e3),
+        "e2e_tok_per_s": batch * output_len / res["total_s"],
+        "weight_GBps": gbps, "copy_GBps": copy_gbps, "bandwidth_share": gbps / copy_gbps,
+        "ms_per_step_mean": float(steps.mean()), "decode_steps": int(len(steps)),
+        "weight_GB": wbytes / 1e9,
+    }
+    print(f"  batch {batch}: decode step median {median:.3f} ms, p99 {row['ms_per_step_p99']:.3f} ms "
+          f"over {len(steps)} steps; {row['decode_tok_per_s']:.1f} tok/s decoding, "
+          f"{row['e2e_tok_per_s']:.1f} tok/s end to end (with prefill)")
+    print(f"           weights {wbytes / 1e9:.3f} GB per step -> {gbps:.1f} GB/s = "
+          f"{100 * gbps / copy_gbps:.1f}% of the copy bandwidth ({copy_gbps:.0f} GB/s measured)")
+    if hf is not None:
+        out_len = min(output_len, args.baseline_max_output_len)
+        hf_s, hf_tokens = run_hf(hf, prompts, out_len, engine.device)
+        hf_ms = hf_s / out_len * 1e3
+        hf_tps = batch * out_len / hf_s
+        same_first = sum(a[:1] == b[:1] for a, b in zip(res["tokens"], hf_tokens)) / batch
+        row.update(hf_ms_per_step=hf_ms, hf_tok_per_s=hf_tps, hf_output_len=out_len,
+                   speedup_per_step=hf_ms / median, speedup_tok_per_s=row["e2e_tok_per_s"] / hf_tps,
+                   first_token_agreement=same_first)
+        print(f"           transformers generate (eager, sdpa), output {out_len}: {hf_ms:.3f} ms/step, "
+              f"{hf_tps:.1f} tok/s -> kiln {row['speedup_per_step']:.2f}x per decode step, "
+              f"{row['speedup_tok_per_s']:.2f}x tokens/s end to end; first tokens equal in "
+              f"{100 * same_first:.0f}% of rows")
+    return row
+
+
+# ---- entry point ---------------------------------------------------------------------------
+def build_parser() -> argparse.ArgumentParser:
+    from engine.cli import add_settings_flags
+
+    parser = argparse.ArgumentParser(prog="kiln bench latency", description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--batch-size", default="1", help="B, or B1,B2,... (one engine, run in turn)")
+    parser.add_argument("--input-len", type=int, default=128)
+    parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--preset", choices=PRESETS, default=None,
+                        help="a real-size config with random weights (instead of --model DIR)")
+    parser.add_argument("--warmup-steps", type=int, default=8, help="output tokens of the warm-up run")
+    parser.add_argument("--baseline", action="store_true", help="also run transformers generate")
+    parser.add_argument("--baseline-max-output-len", type=int, default=128,
+                        help="cap on the baseline's output length (eager transformers is slow)")
+    parser.add_argument("--prompt-seed", type=int, default=0, help="seed of the random prompts")
+    parser.add_argument("--json", default=None, help="write the results here")
+    add_settings_flags(parser)
+    return parser
+
+
+def main(argv: list[str]) -> int:
+    from engine.cli import settings_from_args
+    from engine.llm_engine import LLMEngine
+
+    args = build_parser().parse_args(argv)
+    batches = sorted({int(b) for b in str(args.batch_size).split(",") if b.strip()})
+    if not batches or batches[0] < 1 or args.input_len < 1 or args.output_len < 2:
+        print("kiln bench latency: need batch sizes >= 1, --input-len >= 1, --output-len >= 2", file=sys.stderr)
+        return 2
+    explicit = {k.removeprefix("setting__") for k in vars(args) if k.startswith("setting__")}
+    tmp = None
+    extra: dict[str, Any] = {}
+    if args.preset is not None:
+        if "model" in explicit:
+            print("kiln bench latency: give --preset or --model, not both", file=sys.stderr)
+            return 2
+        from engine.tiny_model import make_tiny_model
+
+        tmp = tempfile.TemporaryDirectory(prefix="kiln-latency-")
+        extra["model"] = str(make_tiny_model(Path(tmp.name) / args.preset, preset=args.preset, config_only=True))
+        if "load_format" not in explicit:
+            extra["load_format"] = "dummy"
+    settings = settings_from_args(args, **extra)
+    # Size the engine for this benchmark unless told otherwise: KV for the largest batch only
+    # (leaves the GPU memory to the baseline), max_model_len = input + output.
+    need_len = args.input_len + args.output_len
+    defaults: dict[str, Any] = {}
+    if "max_model_len" not in explicit:
+        defaults["max_model_len"] = need_len
+    if "max_num_seqs" not in explicit and settings.max_num_seqs < batches[-1]:
+        defaults["max_num_seqs"] = batches[-1]
+    if "num_gpu_blocks" not in explicit:
+        bs = settings.block_size
+        defaults["num_gpu_blocks"] = batches[-1] * (-(-need_len // bs) + 1) + 16
+    if defaults:
+        settings = settings.model_copy(update=defaults)
+        settings = type(settings)(**settings.model_dump(exclude_unset=False))  # re-validate
+    if settings.max_num_seqs < batches[-1]:
+        print(f"kiln bench latency: max_num_seqs ({settings.max_num_seqs}) < batch size {batches[-1]}",
+              file=sys.stderr)
+        return 2
+
+    t0 = time.perf_counter()
+    engine = LLMEngine(settings)
+    startup = time.perf_counter() - t0
+    name = args.preset or str(engine.model_dir)
+    print(f"kiln bench latency: {name} ({str(engine.dtype).removeprefix('torch.')}, {engine.device}, "
+          f"attention {engine.backend.name}, {'eager' if settings.enforce_eager else 'compiled'}"
+          f"{', CUDA graphs' if engine.runner.graph_runner is not None else ''}), input {args.input_len}, "
+          f"output {args.output_len}")
+    print(f"  start-up {startup:.1f}s (compile {engine.compile_seconds:.1f}s, "
+          f"capture {engine.capture_seconds:.1f}s)")
+    copy_gbps = copy_bandwidth(engine.device)
+    hf = build_hf_model(engine) if args.baseline else None
+    rows = []
+    for b in batches:
+        row = {"model": name, "device": str(engine.device), "dtype": str(engine.dtype).removeprefix("torch."),
+               "backend": engine.backend.name}
+        row.update(bench_one(engine, b, args.input_len, args.output_len, args, copy_gbps, hf))
+        row.update(startup_s=startup, compile_s=engine.compile_seconds, capture_s=engine.capture_seconds,
+                   enforce_eager=settings.enforce_eager, cuda_graphs=engine.runner.graph_runner is not None)
+        rows.append(row)
+    if args.json:
+        # summary keys first (tools/gpu_summary.py prints the first ones)
+        order = ["batch_size", "ms_per_step_median", "ms_per_step_p99", "decode_tok_per_s", "e2e_tok_per_s",
+                 "weight_GBps", "bandwidth_share", "hf_ms_per_step", "hf_tok_per_s", "speedup_per_step",
+                 "speedup_tok_per_s", "startup_s", "compile_s", "capture_s"]
+        rows = [{**{k: r[k] for k in order if k in r}, **r} for r in rows]
+        Path(args.json).write_text(json.dumps(rows[0] if len(rows) == 1 else rows, indent=2))
+    if tmp is not None:
+        tmp.cleanup()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
