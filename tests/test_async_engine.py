@@ -111,7 +111,7 @@ def test_slow_reader_never_blocks_the_loop(make_engine):
     async def main():
         slow = await engine.add_request("Hello", greedy(30))
         fast = await collect(engine, "A kiln is", greedy(30))
-        wait_until(lambda: slow.finished, 10)  # finished in the engine while nobody read it
+        await asyncio.to_thread(wait_until, lambda: slow.finished)  # finished while nobody read it
         deltas = [d async for d in slow]
         assert len(deltas) == 1 and len(deltas[0].outputs[0].token_ids) == 30  # one coalesced delta
         return fast
@@ -133,8 +133,8 @@ def test_queue_limit_and_dead_loop(make_engine):
 
     async def main():
         running = await engine.add_request("Hello", greedy(100))
-        waiting = await engine.add_request("Hello again", greedy(100))
         await asyncio.to_thread(wait_until, lambda: len(engine.engine.scheduler.running) == 1)
+        waiting = await engine.add_request("Hello again", greedy(100))  # max_num_seqs=1: it waits
         with pytest.raises(QueueFullError):
             await engine.add_request("one too many", greedy(4))
         boom.set()

@@ -50,7 +50,6 @@ class _SamplingFields(_Lenient):
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     priority: int = Field(0, le=_INT64, ge=-_INT64)
-    request_id: str | None = Field(None, max_length=256)
 
     def _params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         return SamplingParams(
