@@ -12,8 +12,10 @@ CUDA-graph capture records them. Split-KV scratch is allocated once at load time
 captured graph sees stable pointers. Inputs the kernels cannot take (unaligned or odd
 strides, mismatched dtypes, head counts that do not divide) fall back to the reference.
 
-Switches: USE_DECODE_V2 (below) picks the decode kernel; each AttentionKernels instance can
-override it (`use_decode_v2`), which is how the GPU tests run both paths.
+Switches: USE_DECODE_V2 / USE_WGMMA_PREFILL (below) pick the decode / prefill kernels; each
+AttentionKernels instance can override them (`use_decode_v2`, `use_wgmma_prefill`), which is
+how the GPU tests run both paths. Env overrides (no edit needed): KILN_USE_DECODE_V2=0,
+KILN_USE_WGMMA_PREFILL=0 select the previous kernels.
 
 Decode (max_query_len <= 1): grid = (max_splits, kv heads x head slices, sequences);
 max_splits depends only on the batch size, head counts and the block-table width (all
@@ -23,6 +25,7 @@ device from its seq_len, and the combine kernel re-derives it.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import torch
@@ -30,6 +33,7 @@ import torch
 from compiler.kernels.loader import F32, I32, I64, PTR, KernelLibrary, Launcher
 from compiler.kernels.manifest import (
     DEFAULT_CONSTANTS, attention_variant_names, dtype_tag, prefill_smem_bytes, prefill_tile,
+    prefill_wgmma_smem_bytes, prefill_wgmma_tile,
 )
 from compiler.reference_attention import paged_attention_reference, write_kv_reference
 
@@ -38,12 +42,15 @@ LOG2E = 1.4426950408889634
 # ---- switches (the lead flips these to fall back to the previous kernels) ----------------
 # Decode: True = paged_decode_v2 (warp-contiguous block streaming, prefetched block table,
 # tunable split policy, in-kernel last-split merge, no combine launch); False = paged_decode (v1).
-USE_DECODE_V2 = True
+USE_DECODE_V2 = os.environ.get("KILN_USE_DECODE_V2", "1") != "0"
 # v2 split policy (host side, graph-stable): aim for DECODE_CTAS_PER_SM * num_SMs CTAs and
 # never give a split fewer than DECODE_MIN_TOKENS_PER_SPLIT tokens (also passed to the kernel,
 # which derives the live split count of each sequence from its seq_len with it).
 DECODE_MIN_TOKENS_PER_SPLIT = 256
 DECODE_CTAS_PER_SM = 4
+# Prefill: True = flash_prefill_wgmma (sm_90a warpgroup MMA, 128-row tiles, 2 warpgroups);
+# False = flash_prefill (mma.sync, 64-row tiles).
+USE_WGMMA_PREFILL = os.environ.get("KILN_USE_WGMMA_PREFILL", "1") != "0"
 DECODE_GROUPS = (1, 2, 4, 8)
 DECODE_THREADS = 128
 MIN_PARTITION = DEFAULT_CONSTANTS["min_partition"]
@@ -113,6 +120,19 @@ class AttentionKernels:
         smem = prefill_smem_bytes(head_dim)
         self.prefill_l = Launcher(self.lib.function(n["flash_prefill"], None, smem), self.block_m // 16 * 32, smem,
                                   _PREFILL_TYPES, n["flash_prefill"], ctx)
+        wt = prefill_wgmma_tile(head_dim)
+        self.block_m_wgmma = 64 * wt["wg_warpgroups"]
+        smem = prefill_wgmma_smem_bytes(head_dim)
+        try:
+            self.prefill_wgmma_l = Launcher(self.lib.function(n["flash_prefill_wgmma"], None, smem),
+                                            128 * wt["wg_warpgroups"], smem, _PREFILL_TYPES,
+                                            n["flash_prefill_wgmma"], ctx)
+        except Exception as e:  # noqa: BLE001 - keep the mma.sync prefill usable
+            import warnings
+
+            warnings.warn(f"kiln: wgmma prefill unavailable ({e}); using the mma.sync prefill")
+            self.prefill_wgmma_l = None
+        self.use_wgmma_prefill: bool | None = None  # None: follow USE_WGMMA_PREFILL
         props = torch.cuda.get_device_properties(self.device)
         self.num_sms = props.multi_processor_count
         self.target_ctas = self.num_sms * 12
@@ -248,8 +268,11 @@ class AttentionKernels:
                      self.part_lse.data_ptr(), Hq, max_blocks, splits, out.stride(0), out.stride(1)),
                 )
         else:
-            mtiles = -(-max_query_len // self.block_m)
-            self.prefill_l(
+            wg = USE_WGMMA_PREFILL if self.use_wgmma_prefill is None else bool(self.use_wgmma_prefill)
+            wg = wg and self.prefill_wgmma_l is not None
+            launcher, bm = (self.prefill_wgmma_l, self.block_m_wgmma) if wg else (self.prefill_l, self.block_m)
+            mtiles = -(-max_query_len // bm)
+            launcher(
                 (mtiles, Hq, B), stream,
                 (out.data_ptr(), q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), qsl.data_ptr(),
                  lens.data_ptr(), bt.data_ptr(), Hq, hkv, max_blocks, q.stride(0), q.stride(1),

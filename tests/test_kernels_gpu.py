@@ -45,16 +45,21 @@ def kernel_cache():
     return CACHE
 
 
-def kernels(dtype, d, bs, decode=None, min_tokens=None, ctas_per_sm=None):
-    """The loaded kernels; decode="v1"/"v2" forces that decode path (None: USE_DECODE_V2)."""
+def kernels(dtype, d, bs, decode=None, min_tokens=None, ctas_per_sm=None, prefill=None):
+    """The loaded kernels; decode="v1"/"v2" forces that decode path (None: USE_DECODE_V2),
+    prefill="mma"/"wgmma" that prefill path (None: USE_WGMMA_PREFILL)."""
     k = cutlass_ops.load_attention_kernels(CACHE, DEV, dtype, d, bs)
     k.use_decode_v2 = None if decode is None else decode == "v2"
+    k.use_wgmma_prefill = None if prefill is None else prefill == "wgmma"
+    if prefill == "wgmma":
+        assert k.prefill_wgmma_l is not None, "wgmma prefill kernel failed to load (see the warning)"
     k.decode_min_tokens = min_tokens
     k.decode_ctas_per_sm = ctas_per_sm
     return k
 
 
 DECODE_PATHS = ["v1", "v2"]
+PREFILL_PATHS = ["mma", "wgmma"]
 
 
 # ---- inputs -----------------------------------------------------------------------------
@@ -209,28 +214,41 @@ PREFILL_SEQS = [(1, 1), (5, 5), (16, 16), (17, 17), (64, 64), (65, 65), (127, 12
                 (37, 100), (64, 1000), (1, 50), (130, 163), (1, 17), (0, 0), (1, 0), (3, 33)]
 
 
+@pytest.mark.parametrize("path", PREFILL_PATHS)
 @pytest.mark.parametrize("dt", ["bf16", "fp16"])
 @pytest.mark.parametrize("d,bs", [(128, 16), (64, 32), (128, 32), (64, 16)])
 @pytest.mark.parametrize("hq,hkv", [(8, 8), (16, 4), (16, 2)])
-def test_prefill_matches_reference(dt, d, bs, hq, hkv):
+def test_prefill_matches_reference(dt, d, bs, hq, hkv, path):
     dtype = DTYPES[dt]
-    kernels(dtype, d, bs)
+    kernels(dtype, d, bs, prefill=path)
     c = make_case(PREFILL_SEQS, hq, hkv, d, bs, dtype, tail_tokens=2, seed=hq * 7 + d + bs)
-    check(run_kernel(c), reference(c), c, f"prefill {dt} D{d} bs{bs} {hq}/{hkv}")
+    check(run_kernel(c), reference(c), c, f"prefill[{path}] {dt} D{d} bs{bs} {hq}/{hkv}")
 
 
-def test_prefill_long_context_chunk():
+@pytest.mark.parametrize("path", PREFILL_PATHS)
+def test_prefill_long_context_chunk(path):
     dtype, d, bs = torch.bfloat16, 128, 16
-    kernels(dtype, d, bs)
+    kernels(dtype, d, bs, prefill=path)
     c = make_case([(256, 32768), (300, 300), (1, 5000)], 8, 2, d, bs, dtype, seed=11)
-    check(run_kernel(c), reference(c), c, "prefill 32k")
+    check(run_kernel(c), reference(c), c, f"prefill[{path}] 32k")
 
 
-def test_dispatch_mixed_batch_uses_prefill_and_matches():
+@pytest.mark.parametrize("path", PREFILL_PATHS)
+def test_prefill_full_tiles_and_gqa(path):
+    """Whole 128-row tiles, several key tiles, 4:1 GQA, fp16 and bf16."""
+    for dt, d in (("bf16", 128), ("fp16", 64)):
+        dtype = DTYPES[dt]
+        kernels(dtype, d, 16, prefill=path)
+        c = make_case([(512, 512), (256, 1024), (129, 129), (384, 700)], 16, 4, d, 16, dtype, seed=21)
+        check(run_kernel(c), reference(c), c, f"prefill[{path}] tiles {dt} D{d}")
+
+
+@pytest.mark.parametrize("path", PREFILL_PATHS)
+def test_dispatch_mixed_batch_uses_prefill_and_matches(path):
     dtype, d, bs = torch.bfloat16, 64, 16
-    kernels(dtype, d, bs)
+    kernels(dtype, d, bs, prefill=path)
     c = make_case([(1, 90), (40, 40), (1, 1), (1, 2000)], 8, 4, d, bs, dtype, seed=3)
-    check(run_kernel(c), reference(c), c, "mixed")
+    check(run_kernel(c), reference(c), c, f"mixed[{path}]")
 
 
 # ---- CUDA graph + torch.compile ------------------------------------------------------------

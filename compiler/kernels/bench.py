@@ -201,7 +201,7 @@ def bench_decode_sweep(kernels, copy_bw, batches=(16, 64), ctx=2048,
     return rows
 
 
-def bench_prefill(kernels_by_shape, seq_lens, head_cfgs, tokens=16384):
+def bench_prefill(kernels, seq_lens, head_cfgs, tokens=16384):
     import torch
     import torch.nn.functional as F
 
@@ -222,8 +222,18 @@ def bench_prefill(kernels_by_shape, seq_lens, head_cfgs, tokens=16384):
             qsl = (torch.arange(B + 1, dtype=torch.int32, device="cuda") * S)
             lens = torch.full((B,), S, dtype=torch.int32, device="cuda")
             scale = 1 / math.sqrt(D)
-            t = _time_graph([lambda: torch.ops.kiln.paged_attention_cutlass(
-                out, q, kc, vc, qsl, lens, bt, scale, S, S)], calls_per_graph=3)
+            fn = [lambda: torch.ops.kiln.paged_attention_cutlass(out, q, kc, vc, qsl, lens, bt, scale, S, S)]
+            kernels.use_wgmma_prefill = False
+            t_mma = _time_graph(fn, calls_per_graph=3)
+            kernels.use_wgmma_prefill = True
+            try:
+                t_wg = _time_graph(fn, calls_per_graph=3)
+            except Exception as e:  # noqa: BLE001 - report, keep benchmarking the rest
+                print(f"wgmma prefill failed: {e}", file=sys.stderr)
+                t_wg = float("nan")
+            kernels.use_wgmma_prefill = None
+            from compiler import cutlass_ops
+            t = t_wg if cutlass_ops.USE_WGMMA_PREFILL else t_mma
             qd = q.view(B, S, hq, D).transpose(1, 2).contiguous()
             # dense K/V with the kv heads expanded to hq (same FLOPs; SDPA's flash path takes it)
             kd = torch.randn(B, hkv, S, D, dtype=dtype, device="cuda").repeat_interleave(hq // hkv, dim=1)
@@ -231,7 +241,8 @@ def bench_prefill(kernels_by_shape, seq_lens, head_cfgs, tokens=16384):
             ts = _time([lambda: F.scaled_dot_product_attention(qd, kd, vd, is_causal=True, scale=scale)],
                        calls_per_graph=3)
             rows.append({"kind": "prefill", "heads": f"{hq}/{hkv}", "batch": B, "seq": S, "kiln_ms": t * 1e3,
-                         "kiln_TFLOPs": flops / t / 1e12, "sdpa_ms": ts * 1e3, "sdpa_TFLOPs": flops / ts / 1e12})
+                         "kiln_TFLOPs": flops / t / 1e12,
+                         "mma_TFLOPs": flops / t_mma / 1e12, "wgmma_TFLOPs": flops / t_wg / 1e12, "sdpa_ms": ts * 1e3, "sdpa_TFLOPs": flops / ts / 1e12})
             del kc, vc, q, out, qd, kd, vd
             torch.cuda.empty_cache()
     return rows
@@ -291,11 +302,14 @@ def main(argv: list[str] | None = None) -> int:
         for b, r in best.items():
             print(f"best B={b}: DECODE_MIN_TOKENS_PER_SPLIT={r['min_tokens']} DECODE_CTAS_PER_SM={r['ctas_per_sm']} "
                   f"({r['us']:.1f} us, {r['GBps']:.0f} GB/s)")
-    pre = bench_prefill(None, [512, 4096] if args.quick else [512, 4096, 16384], [(32, 32), (32, 8)])
+    pre = bench_prefill(kernels, [512, 4096] if args.quick else [512, 4096, 16384], [(32, 32), (32, 8)])
     print("\nprefill (causal, D128, bf16)")
-    print(f"{'heads':>6} {'B':>3} {'S':>6} | {'kiln ms':>8} {'TFLOP/s':>8} | {'sdpa ms':>8} {'TFLOP/s':>8} | {'kiln/sdpa':>9}")
+    print(f"kiln = prefill {'wgmma' if cutlass_ops.USE_WGMMA_PREFILL else 'mma.sync'} (USE_WGMMA_PREFILL); "
+          "mma/wgmma columns: TFLOP/s of both paths")
+    print(f"{'heads':>6} {'B':>3} {'S':>6} | {'kiln ms':>8} {'TFLOP/s':>8} | {'mma':>6} {'wgmma':>6} | {'sdpa ms':>8} {'TFLOP/s':>8} | {'kiln/sdpa':>9}")
     for r in pre:
         print(f"{r['heads']:>6} {r['batch']:>3} {r['seq']:>6} | {r['kiln_ms']:8.3f} {r['kiln_TFLOPs']:8.1f} | "
+              f"{r['mma_TFLOPs']:6.1f} {r['wgmma_TFLOPs']:6.1f} | "
               f"{r['sdpa_ms']:8.3f} {r['sdpa_TFLOPs']:8.1f} | {r['kiln_TFLOPs'] / r['sdpa_TFLOPs']:9.2f}")
     print(f"\n(bench took {time.perf_counter() - t0:.1f} s)")
     if args.json:

@@ -25,6 +25,16 @@ def prefill_tile(head_dim: int) -> dict:
     return {"block_m": 64, "block_n": 64}
 
 
+def prefill_wgmma_tile(head_dim: int) -> dict:
+    """Tile of the wgmma prefill kernel: 64 query rows per warpgroup, BN keys per K/V tile."""
+    return {"wg_warpgroups": 2, "wg_block_n": 128}
+
+
+def prefill_wgmma_smem_bytes(head_dim: int, elem_bytes: int = 2) -> int:
+    t = prefill_wgmma_tile(head_dim)
+    return (t["wg_warpgroups"] * 64 + 4 * t["wg_block_n"]) * head_dim * elem_bytes
+
+
 def prefill_smem_bytes(head_dim: int, elem_bytes: int = 2) -> int:
     t = prefill_tile(head_dim)
     return (t["block_m"] + 4 * t["block_n"]) * head_dim * elem_bytes
@@ -58,6 +68,8 @@ class Variant:
             ctx.update(DECODE_V2_MIN_BLOCKS)
         if self.kind == "flash_prefill":
             ctx.update(prefill_tile(int(ctx["head_dim"])))
+        if self.kind == "flash_prefill_wgmma":
+            ctx.update(prefill_wgmma_tile(int(ctx["head_dim"])))
         ctx["name"] = self.name
         ctx["kind"] = self.kind
         if "dtype" in ctx:
@@ -155,4 +167,6 @@ def attention_variant_names(dtype, head_dim: int, block_size: int) -> dict[str, 
         "paged_decode": variant_name("paged_decode", {"dtype": t, "head_dim": head_dim, "block_size": block_size}),
         "paged_decode_v2": variant_name("paged_decode_v2", {"dtype": t, "head_dim": head_dim, "block_size": block_size}),
         "flash_prefill": variant_name("flash_prefill", {"dtype": t, "head_dim": head_dim, "block_size": block_size}),
+        "flash_prefill_wgmma": variant_name("flash_prefill_wgmma",
+                                            {"dtype": t, "head_dim": head_dim, "block_size": block_size}),
     }
