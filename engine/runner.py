@@ -293,7 +293,10 @@ class ModelRunner:
             logits, tokens = self.graph_runner.replay(step)
             n = len(step.rows)
             if all(_plain_greedy(r) for r in step.rows):
-                return SamplerOutput(tokens[:n].tolist(), [None] * n)  # the step's one device-to-host copy
+                ids = tokens[:n].tolist()  # the step's one device-to-host copy
+                if min(ids) >= 0:
+                    return SamplerOutput(ids, [None] * n)
+                # -1: a row with non-finite logits; the sampler reports it (fails that request only)
             return self.sampler(logits[:n], step.rows)
         hidden = self.run_model(step)
         if not step.rows:
@@ -323,7 +326,8 @@ class ModelRunner:
 def _plain_greedy(r: SampleRow) -> bool:
     """The sampler would return argmax(logits) for this row (what a decode graph computes)."""
     p = r.params
-    return p.greedy and p.logprobs is None and not p.needs_penalties and r.num_output_tokens >= p.min_tokens
+    return (p.greedy and p.logprobs is None and not p.needs_penalties and not p.logits_processors
+            and r.num_output_tokens >= p.min_tokens)
 
 
 class DecodeGraphRunner:
@@ -371,6 +375,7 @@ class DecodeGraphRunner:
         out.copy_(logits)
         tokens = self.tokens[:rows]
         torch.argmax(logits, dim=-1, out=tokens)
+        tokens.masked_fill_(~torch.isfinite(logits.amax(dim=-1)), -1)  # as the sampler marks such rows
         return out, tokens
 
     @torch.inference_mode()

@@ -191,3 +191,29 @@ def test_graph_ctx_and_buckets():
     assert graph_ctx(5000, 4096, device_reads_lengths=False) == 4096
     s = EngineSettings(max_num_seqs=64)
     assert s.capture_sizes() == [1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64]
+
+
+def test_graph_path_defers_to_the_sampler(engines):
+    """Rows the graph's argmax cannot serve (logits processors, logprobs) go through the Sampler."""
+    _, compiled = engines
+    replays = compiled.runner.graph_runner.num_replays
+
+    def force_42(_ids, row):
+        out = torch.full_like(row, -float("inf"))
+        out[42] = 0.0
+        return out
+
+    prompt = _prompts(compiled, 1, seed=8)[0]
+    compiled.add_request(prompt, SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True, detokenize=False,
+                                                logits_processors=[force_42]), request_id="proc")
+    compiled.add_request(prompt, SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True, detokenize=False,
+                                                logprobs=2), request_id="lp")
+    outs = {}
+    while compiled.has_unfinished_requests():
+        for o in compiled.step():
+            if o.finished:
+                outs[o.request_id] = o.outputs[0]
+    assert outs["proc"].token_ids == [42] * 5
+    assert len(outs["lp"].logprobs) == 5 and all(len(e) >= 2 for e in outs["lp"].logprobs)
+    assert compiled.runner.graph_runner.num_replays > replays
+    assert_engine_clean(compiled)
