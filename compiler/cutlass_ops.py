@@ -14,8 +14,7 @@ strides, mismatched dtypes, head counts that do not divide) fall back to the ref
 
 Switches: USE_DECODE_V2 / USE_WGMMA_PREFILL (below) pick the decode / prefill kernels; each
 AttentionKernels instance can override them (`use_decode_v2`, `use_wgmma_prefill`), which is
-how the GPU tests run both paths. Env overrides (no edit needed): KILN_USE_DECODE_V2=0,
-KILN_USE_WGMMA_PREFILL=0 select the previous kernels.
+how the GPU tests run both paths. Setting a switch to False selects the previous kernel.
 
 Decode (max_query_len <= 1): grid = (max_splits, kv heads x head slices, sequences);
 max_splits depends only on the batch size, head counts and the block-table width (all
@@ -25,7 +24,6 @@ device from its seq_len, and the combine kernel re-derives it.
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import torch
@@ -42,7 +40,7 @@ LOG2E = 1.4426950408889634
 # ---- switches (the lead flips these to fall back to the previous kernels) ----------------
 # Decode: True = paged_decode_v2 (warp-contiguous block streaming, prefetched block table,
 # tunable split policy, in-kernel last-split merge, no combine launch); False = paged_decode (v1).
-USE_DECODE_V2 = os.environ.get("KILN_USE_DECODE_V2", "1") != "0"
+USE_DECODE_V2 = True
 # v2 split policy (host side, graph-stable): aim for DECODE_CTAS_PER_SM * num_SMs CTAs and
 # never give a split fewer than DECODE_MIN_TOKENS_PER_SPLIT tokens (also passed to the kernel,
 # which derives the live split count of each sequence from its seq_len with it).
@@ -50,7 +48,7 @@ DECODE_MIN_TOKENS_PER_SPLIT = 256
 DECODE_CTAS_PER_SM = 4
 # Prefill: True = flash_prefill_wgmma (sm_90a warpgroup MMA, 128-row tiles, 2 warpgroups);
 # False = flash_prefill (mma.sync, 64-row tiles).
-USE_WGMMA_PREFILL = os.environ.get("KILN_USE_WGMMA_PREFILL", "1") != "0"
+USE_WGMMA_PREFILL = True
 DECODE_GROUPS = (1, 2, 4, 8)
 DECODE_THREADS = 128
 MIN_PARTITION = DEFAULT_CONSTANTS["min_partition"]

@@ -256,6 +256,10 @@ class LLMEngine:
                     request_id: str | None = None, priority: int = 0) -> Request:
         params = params or SamplingParams()
         params.validate()
+        vocab = self.model_config.vocab_size
+        bad = [t for t in params.stop_token_ids if not isinstance(t, int) or not 0 <= t < vocab]
+        if bad:
+            raise InvalidRequestError(f"stop_token_ids must be in [0, {vocab}); got {bad[:3]}", "stop_token_ids")
         text, ids = self.encode_prompt(prompt)
         request = Request(request_id=request_id or uuid.uuid4().hex, prompt=text, prompt_token_ids=ids,
                           params=params, priority=priority)

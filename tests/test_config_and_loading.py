@@ -140,3 +140,14 @@ def test_cli_generate_and_flags(tiny_llama):
     bad = subprocess.run(cmd[:4] + ["--block-size", "7", "--model", str(tiny_llama)], capture_output=True,
                          text=True, timeout=120)
     assert bad.returncode == 2 and "block_size" in bad.stderr
+
+
+def test_out_of_vocab_stop_token_ids_are_rejected(make_llm):
+    from engine import SamplingParams
+    from engine.request import InvalidRequestError
+
+    llm = make_llm()
+    with pytest.raises(InvalidRequestError) as info:
+        llm.generate(["Hi"], SamplingParams(max_tokens=3, min_tokens=1, stop_token_ids=[10**6]), use_tqdm=False)
+    assert info.value.param == "stop_token_ids"
+    assert llm.generate(["Hi"], SamplingParams(max_tokens=2), use_tqdm=False)[0].finished
