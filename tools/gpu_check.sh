@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The one command a session with a lent H200 runs (see README "GPU check").
 #   tools/gpu_check.sh [STAGE ...]     default: all stages, in this order:
-#     env kernels gpu-tests kernel-bench latency swap throughput
+#     env kernels new-kernels gpu-tests kernel-bench latency swap throughput
 # Installs what the device lacks from carried wheels (.whl/), builds the kernels into
 # build/kernels (a cache hit when the carried cubins match), runs the `gpu`-marked tests
 # and the GPU benchmarks, writes full logs and JSON under $OUT, and prints a short table last.
@@ -14,7 +14,7 @@ PY=${PYTHON:-python3}
 KCACHE=$PWD/build/kernels
 export KILN_KERNEL_CACHE_DIR=$KCACHE KILN_CACHE_DIR=/tmp/kiln-cache
 STAGES=("$@")
-[ ${#STAGES[@]} -eq 0 ] && STAGES=(env kernels gpu-tests kernel-bench latency swap throughput)
+[ ${#STAGES[@]} -eq 0 ] && STAGES=(env kernels new-kernels gpu-tests kernel-bench latency swap throughput)
 
 if ls .whl/*.whl >/dev/null 2>&1; then
   $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
@@ -30,6 +30,7 @@ run_stage() {  # name timeout_s command...
   local t0=$(date +%s)
   timeout "$limit" "$@" >"$OUT/$name.log" 2>&1
   local rc=$?
+  LAST_RC=$rc
   local dt=$(( $(date +%s) - t0 ))
   SUMMARY+=("$(printf '%-14s rc=%-4s %4ss  %s' "$name" "$rc" "$dt" "$(grep -E 'passed|failed|error' "$OUT/$name.log" | tail -1 | cut -c1-90)")")
   echo "== $name rc=$rc (${dt}s)"; tail -n 25 "$OUT/$name.log"
@@ -39,14 +40,22 @@ for stage in "${STAGES[@]}"; do
   case $stage in
     env) run_stage env 60 bash -c "nvidia-smi; nvcc --version; $PY -c 'import torch, transformers; print(torch.__version__, transformers.__version__, torch.cuda.get_device_name())'" ;;
     kernels) run_stage kernels 240 $PY -m compiler.kernels.cli --cache-dir "$KCACHE" --quiet ;;
-    gpu-tests) run_stage gpu-tests 300 $PY -m pytest -m gpu -q -x -p no:cacheprovider --timeout 240 tests ;;
+    new-kernels)
+      # The newest kernels run first, each in its own process (an illegal access poisons the
+      # CUDA context); a failing one is switched off in this checkout for the later stages.
+      run_stage wgmma-tests 150 $PY -m pytest -m gpu -q -p no:cacheprovider tests/test_kernels_gpu.py -k wgmma
+      [ "$LAST_RC" = 0 ] || { echo "!! wgmma prefill failed: USE_WGMMA_PREFILL=False for this run";
+        sed -i 's/^USE_WGMMA_PREFILL = True/USE_WGMMA_PREFILL = False/' compiler/cutlass_ops.py; }
+      run_stage decode-v2-tests 150 $PY -m pytest -m gpu -q -p no:cacheprovider tests/test_kernels_gpu.py -k "v2 and not wgmma"
+      [ "$LAST_RC" = 0 ] || { echo "!! decode v2 failed: USE_DECODE_V2=False for this run";
+        sed -i 's/^USE_DECODE_V2 = True/USE_DECODE_V2 = False/' compiler/cutlass_ops.py; } ;;
+    gpu-tests) run_stage gpu-tests 300 $PY -m pytest -m gpu -q -p no:cacheprovider --timeout 200 tests -k "not wgmma" ;;
     kernel-tests) run_stage kernel-tests 200 $PY -m pytest -q -p no:cacheprovider tests/test_kernels_gpu.py ;;
     kernel-bench) run_stage kernel-bench 150 $PY -m compiler.kernels.bench --cache-dir "$KCACHE" --json "$OUT/kernel_bench.json" ${KERNEL_BENCH_ARGS:-} ;;
     latency)
-      for spec in "llama-3.2-1b 1" "llama-3.2-1b 64" "llama-3.1-8b 1" "llama-3.1-8b 64"; do
-        set -- $spec
-        run_stage "latency-$1-b$2" 150 $PY -m engine.bench.latency --preset "$1" --batch-size "$2" \
-          --input-len 128 --output-len 64 --baseline --json "$OUT/latency-$1-b$2.json"
+      for preset in llama-3.2-1b llama-3.1-8b; do
+        run_stage "latency-$preset" 240 $PY -m engine.bench.latency --preset "$preset" --batch-size 1,64 \
+          --input-len 128 --output-len 64 --baseline --json "$OUT/latency-$preset.json"
       done ;;
     swap) run_stage swap 60 $PY -m engine.bench.swap --json "$OUT/swap.json" ;;
     throughput) run_stage throughput 120 $PY -c "import sys; from engine.bench.throughput import main; sys.exit(main(['--device','cuda','--dtype','bfloat16','--num-requests','256','--json','$OUT/throughput.json']))" ;;
