@@ -115,7 +115,7 @@ class ModelRunner:
         self.max_model_len = max_model_len
         self.max_blocks_per_seq = -(-max_model_len // block_size)
         # Room for the padding rows of compiled steps (>= MIN_COMPILED_ROWS tokens and sequences).
-        max_seqs = max(max_num_seqs, MIN_COMPILED_ROWS + 2) + 1
+        max_seqs = max(max_num_seqs, MIN_COMPILED_ROWS + 4) + 1
         self.buffers = InputBuffers(max(max_num_batched_tokens, max_seqs) + MIN_COMPILED_ROWS + 2, max_seqs,
                                     self.max_blocks_per_seq, device)
         self.forward_fn = model.forward  # replaced by the compiled forward (compiler/capture.py)
@@ -241,6 +241,10 @@ class ModelRunner:
         Returns seconds. The warm-up steps are all padding (slot -1, length 0): they write only
         the null block. Their sizes avoid coincidences that would make Dynamo duck-size one
         symbol for two dimensions (tokens vs sequences + 1).
+
+        The KV cache is static (all dimensions): so the Inductor cache is hit again only with the
+        same number of KV blocks. (A symbolic block count gave wrong results on the CPU with
+        torch 2.13: the custom ops' in-place KV writes through views of the layer tensor.)
         """
         t0 = time.perf_counter()
         mark_static_dims(self.kv_layers)
