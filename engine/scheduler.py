@@ -17,6 +17,7 @@ The step's work is a SchedulerOutput of plain values that the runner turns into 
 from __future__ import annotations
 
 import bisect
+import heapq
 import itertools
 import logging
 import time
@@ -238,8 +239,12 @@ class Scheduler:
                 budget = self._admit(out, budget)
         return out
 
+    def _queue(self):
+        """Swapped and waiting sequences in admission order (waiting is kept sorted already)."""
+        return heapq.merge(sorted(self.swapped, key=self._admit_key), list(self.waiting), key=self._admit_key)
+
     def _admit(self, out: SchedulerOutput, budget: int) -> int:
-        for seq in sorted(itertools.chain(self.swapped, self.waiting), key=self._admit_key):
+        for seq in self._queue():
             if self._preempted_floor is not None and seq.request.priority >= self._preempted_floor:
                 break  # this step preempted something at least as urgent: don't take its room
             if budget <= 0 or self._seats_used() + self._seats(seq) > self.config.max_num_seqs:
@@ -423,7 +428,7 @@ class Scheduler:
         """Preempt less urgent running sequences so that the most urgent queued one can start."""
         if not self.running or not (self.waiting or self.swapped):
             return
-        head = min(itertools.chain(self.swapped, self.waiting), key=self._admit_key)
+        head = next(self._queue())
         prio = head.request.priority
         victims = [s for s in self.running if s.request.priority > prio]
         if not victims or self._fits(head, budget):

@@ -102,7 +102,9 @@ def test_engine_swap_matches_unconstrained_greedy(make_llm, mode, caplog):
     by_mode = eng.scheduler.preemptions_by_mode
     assert by_mode["swap"] > 0
     assert sum(o.outputs[0].num_preemptions for o in outs) == eng.scheduler.num_preemptions
-    assert eng.swap_space.bytes_out == eng.swap_space.bytes_in == eng.block_swapper.bytes_out > 0
+    space = eng.swap_space
+    assert space.bytes_out == eng.block_swapper.bytes_out > 0 and space.bytes_in == eng.block_swapper.bytes_in
+    assert space.bytes_out == space.bytes_in + space.blocks_reused * space.bytes_per_block
     assert eng.swap_space.is_fully_free() and eng.is_idle_and_free()
     logged = [r.getMessage() for r in caplog.records if "preempted request" in r.getMessage()]
     assert len(logged) == eng.scheduler.num_preemptions

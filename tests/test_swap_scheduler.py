@@ -174,6 +174,25 @@ def test_shared_prefix_blocks_stay_on_the_gpu_with_the_swapped_sequence():
     assert d.done["b"] == d.expected["b"]
 
 
+def test_swap_in_takes_blocks_still_in_the_prefix_cache_instead_of_copying():
+    from engine.scheduler import SchedulerOutput
+
+    s = make(num_blocks=20, block_size=4, budget=64, max_model_len=48, cpu_blocks=16)
+    d = Driver(s)
+    seq = d.add("a", prompt(0, 13), max_tokens=6).seqs[0]
+    d.step()
+    out = SchedulerOutput()
+    s._preempt(seq, out, reason="test")  # 4 blocks of KV: 3 full (hashed) + 1 partial
+    assert len(out.blocks_to_swap_out) == 4 and seq.status is SeqStatus.SWAPPED
+    d.kv.step(out)
+    s.check_integrity()
+    assert s.swapper.blocks_needed(seq) == 4  # the 3 cached ones are idle: taking them still costs room
+    back = d.step()
+    assert len(back.blocks_to_swap_in) == 1 and s.swapper.blocks_reused == 3  # only the partial block copied
+    d.drain()
+    assert d.done["a"] == d.expected["a"]
+
+
 def test_auto_recomputes_short_sequences_and_swaps_long_ones():
     s = make(num_blocks=20, block_size=4, cpu_blocks=8, mode="auto")
     d = Driver(s)

@@ -14,6 +14,8 @@ Rules
     integrity check (`gpu_references`). A block with ref count 1 is moved: copied to a CPU
     block, then its GPU reference is dropped (a hashed block then stays in the prefix cache
     as cached-idle until it is evicted, its content unchanged).
+  * On swap-in, a moved block whose KV is still in the GPU prefix cache (same chained digest;
+    nobody evicted it meanwhile) is taken from there by reference instead of copied back.
   * CPU blocks freed by a swap-in are held back until the next step begins
     (`begin_step`), so a swap-out scheduled in the same step can never be handed a CPU
     block whose copy to the GPU is still queued behind it.
@@ -69,6 +71,7 @@ class SwapSpace:
         self.blocks_out = 0
         self.blocks_in = 0
         self.blocks_kept = 0
+        self.blocks_reused = 0  # swapped-out blocks found still cached on the GPU at swap-in: no copy
 
     # ---- capacity ----
     @property
@@ -120,13 +123,24 @@ class SwapSpace:
         return True
 
     def blocks_needed(self, seq: Sequence) -> int:
-        """GPU blocks a swap-in must allocate (shared blocks it kept need none)."""
-        return self._entries[seq.seq_id].num_cpu
+        """GPU blocks a swap-in takes from the available ones (kept or still-shared blocks need none)."""
+        entry = self._entries[seq.seq_id]
+        cached = self._still_cached(seq, entry)
+        return sum(1 for i, on_gpu in enumerate(entry.on_gpu)
+                   if not on_gpu and not (i < len(cached) and self.gpu_pool.ref_count(cached[i]) > 0))
+
+    def _still_cached(self, seq: Sequence, entry: _Swapped) -> list[int]:
+        """GPU blocks that still hold this sequence's leading full blocks in the prefix cache."""
+        if not self.gpu_pool.enable_prefix_caching or entry.on_gpu.count(False) == 0:
+            return []
+        full = min(seq.num_computed_tokens // self.block_size, len(entry.ids))
+        blocks, _ = self.gpu_pool.match_prefix(seq.token_ids, full)
+        return blocks
 
     def blocks_to_resume(self, seq: Sequence, num_new: int) -> int:
         """GPU blocks to bring `seq` back and compute `num_new` more tokens (incl. copy-on-write)."""
         entry = self._entries[seq.seq_id]
-        need = entry.num_cpu
+        need = self.blocks_needed(seq)
         total = -(-(seq.num_computed_tokens + num_new) // self.block_size)
         need += max(0, total - len(entry.ids))
         if seq.num_computed_tokens % self.block_size and entry.ids and entry.on_gpu[-1] \
@@ -175,18 +189,26 @@ class SwapSpace:
     def swap_in(self, seq: Sequence) -> list[tuple[int, int]]:
         """Bring `seq` back: allocate GPU blocks; returns (cpu block, gpu block) pairs to copy."""
         entry = self._entries[seq.seq_id]
-        fresh = self.gpu_pool.allocate_many(entry.num_cpu)
-        pairs: list[tuple[int, int]] = []
-        table: list[int] = []
-        it = iter(fresh)
-        for on_gpu, block in zip(entry.on_gpu, entry.ids):
+        cached = self._still_cached(seq, entry)
+        table: list[int | None] = []
+        for i, (on_gpu, block) in enumerate(zip(entry.on_gpu, entry.ids)):
             if on_gpu:
                 table.append(block)
-            else:
-                gpu = next(it)
-                pairs.append((block, gpu))
-                table.append(gpu)
+            elif i < len(cached):
+                self.gpu_pool.incref(cached[i])  # before allocating: it must not be evicted for us
+                table.append(cached[i])
                 self._deferred.append(block)
+                self.blocks_reused += 1
+            else:
+                table.append(None)
+        fresh = iter(self.gpu_pool.allocate_many(table.count(None)))
+        pairs: list[tuple[int, int]] = []
+        for i, block in enumerate(table):
+            if block is None:
+                gpu = next(fresh)
+                pairs.append((entry.ids[i], gpu))
+                table[i] = gpu
+                self._deferred.append(entry.ids[i])
         del self._entries[seq.seq_id]
         seq.block_ids = table
         self.blocks_in += len(pairs)
