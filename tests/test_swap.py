@@ -159,3 +159,12 @@ def test_warm_prefixes_are_pinned_and_survive_pressure(make_llm):
     assert ref.generate([prefix + [7, 8, 9]], _greedy(4), use_tqdm=False)[0].outputs[0].token_ids == \
         out.outputs[0].token_ids
     eng.check_integrity()
+
+
+def test_swap_bench_runs_on_cpu(capsys):
+    from engine.bench.swap import main
+
+    assert main(["--device", "cpu", "--blocks", "1,6", "--iters", "2", "--json"]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["correct"] and [r["blocks"] for r in summary["results"]] == [1, 6, 6]
+    assert all(r["swap_out_gbps"] > 0 and r["pinned_h2d_gbps"] > 0 for r in summary["results"])

@@ -1,8 +1,8 @@
 """`kiln bench swap`: GB/s of swap_blocks (GPU <-> pinned CPU KV blocks) vs a plain pinned copy.
 
 For each block count (default 1 and 512) it times, on the side stream with events exactly as
-the engine runs it (BlockSwapper.launch + wait), moving that many randomly placed blocks
-out to the CPU pool and back in, and a plain `copy_` of the same number of bytes between one
+the engine runs it (BlockSwapper.launch + wait), moving that many randomly placed GPU blocks
+out to the CPU pool and back in (into consecutive CPU slots, and into scattered ones), and a plain `copy_` of the same number of bytes between one
 contiguous device buffer and one pinned host buffer, in the same run. Before timing, it
 checks that the moved blocks arrive bit-exact, and that a write queued on the compute stream
 right after a swap-out (what the next step's forward does to a freed block) does not reach
@@ -110,9 +110,13 @@ def main(argv: list[str] | None = None) -> int:
     host = torch.empty(most * per_block // cache.element_size(), dtype=dtype, pin_memory=cuda)
     dev = torch.empty_like(host, device=device)
     results = []
-    for n in counts:
+    for n, layout in [(n, layout) for n in counts for layout in ("runs", "scattered")]:
+        if n == 1 and layout == "scattered":
+            continue
         gpu_ids = rng.sample(range(num_gpu_blocks), n)
-        cpu_ids = rng.sample(range(most), n)  # random slots: no coalesced runs (the worst case)
+        # runs: consecutive CPU slots, as SwapSpace hands out from a fresh pool (one DMA per run);
+        # scattered: random CPU slots, one DMA per block (a fragmented pool, the worst case).
+        cpu_ids = list(range(n)) if layout == "runs" else rng.sample(range(most), n)
         out_map = list(zip(gpu_ids, cpu_ids))
         in_map = list(zip(cpu_ids, gpu_ids))
 
@@ -135,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
         for fn in (swap_out, swap_in, plain_d2h, plain_h2d):  # warm-up
             fn()
         nbytes = n * per_block
-        row = {"blocks": n, "bytes": nbytes}
+        row = {"blocks": n, "cpu_slots": layout, "bytes": nbytes}
         for name, fn in (("swap_out", swap_out), ("swap_in", swap_in), ("pinned_d2h", plain_d2h),
                          ("pinned_h2d", plain_h2d)):
             seconds = timer(fn, args.iters)
@@ -159,10 +163,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"swap_blocks on {summary['device']}: {s['layers']} layers x {s['kv_heads']} kv heads x D{s['head_dim']}, "
               f"block {s['block_size']}, {s['dtype']} = {per_block / 2**20:.3f} MiB/block; staging "
               f"{summary['staging_blocks']} blocks; round trip {'exact' if ok else 'WRONG'}")
-        print(f"{'blocks':>6} {'MiB':>8} {'out GB/s':>9} {'pinned':>8} {'ratio':>6} {'in GB/s':>9} {'pinned':>8} "
+        print(f"{'blocks':>6} {'cpu slots':>9} {'MiB':>8} {'out GB/s':>9} {'pinned':>8} {'ratio':>6} {'in GB/s':>9} {'pinned':>8} "
               f"{'ratio':>6}")
         for r in results:
-            print(f"{r['blocks']:>6} {r['bytes'] / 2**20:>8.2f} {r['swap_out_gbps']:>9.2f} {r['pinned_d2h_gbps']:>8.2f} "
+            print(f"{r['blocks']:>6} {r['cpu_slots']:>9} {r['bytes'] / 2**20:>8.2f} {r['swap_out_gbps']:>9.2f} {r['pinned_d2h_gbps']:>8.2f} "
                   f"{r['out_vs_pinned']:>6.2f} {r['swap_in_gbps']:>9.2f} {r['pinned_h2d_gbps']:>8.2f} "
                   f"{r['in_vs_pinned']:>6.2f}")
         print(f"({summary['seconds']} s)")
