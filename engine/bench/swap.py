@@ -39,7 +39,8 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--blocks", default="1,512", help="comma-separated block counts per swap")
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--staging-mb", type=int, default=128, help="device staging buffer (MiB)")
-    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--json", nargs="?", const="-", default=None, metavar="PATH",
+                   help="write the results as one JSON object to PATH (no PATH: print it instead of the table)")
     return p.parse_args(argv)
 
 
@@ -156,7 +157,10 @@ def main(argv: list[str] | None = None) -> int:
         "staging_blocks": swapper.staging.shape[0], "pinned": swapper.cpu.is_pinned(),
         "correct": ok, "results": results, "seconds": round(time.perf_counter() - t_start, 2),
     }
-    if args.json:
+    if args.json and args.json != "-":
+        with open(args.json, "w") as f:
+            json.dump(summary, f, indent=1)
+    if args.json == "-":
         print(json.dumps(summary))
     else:
         s = summary["shape"]
