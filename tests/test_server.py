@@ -404,7 +404,8 @@ def test_metrics_exposition(url):
                  "prompt_tokens_total", "generation_tokens_total", "prefix_cache_queries_total",
                  "prefix_cache_hits_total", "request_success_total", "time_to_first_token_seconds_bucket",
                  "inter_token_latency_seconds_bucket", "e2e_request_latency_seconds_bucket",
-                 "request_queue_time_seconds_bucket", "num_kv_blocks_in_use"):
+                 "request_queue_time_seconds_bucket", "num_kv_blocks_in_use", "swap_out_bytes_total",
+                 "swap_in_bytes_total", "num_pinned_prefix_blocks"):
         assert f'kiln:{name}{{' in text, name
     assert f'model_name="{MODEL}"' in text
     m = metrics(url)

@@ -60,7 +60,13 @@ class EngineMetrics:
                                    "Allocated KV slots not holding a computed token / allocated slots")
         self.blocks_in_use = gauge("num_kv_blocks_in_use", "KV blocks referenced by requests")
         self.blocks_total = gauge("num_kv_blocks_total", "Usable KV blocks")
-        self.preemptions = counter("num_preemptions", "Preemptions (swap or recompute)")
+        self._preemptions = Counter("kiln:num_preemptions", "Preemptions by mode (swap or recompute)",
+                                    ["model_name", "mode"], registry=r)
+        for mode in ("swap", "recompute"):
+            self._preemptions.labels(model_name, mode)
+        self.swap_bytes_out = counter("swap_out_bytes", "KV bytes copied from the GPU to CPU swap space")
+        self.swap_bytes_in = counter("swap_in_bytes", "KV bytes copied back from CPU swap space")
+        self.pinned_blocks = gauge("num_pinned_prefix_blocks", "KV blocks pinned by prefix warm-up")
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens computed (prefill)")
         self.generation_tokens = counter("generation_tokens", "Tokens generated")
         self.prefix_queries = counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache")
@@ -78,7 +84,8 @@ class EngineMetrics:
                                     _LATENCY_BUCKETS)
         # Step-thread state.
         self._tracks: dict[str, _Track] = {}
-        self._prev = {"preempt": 0, "prompt": 0, "gen": 0, "pq": 0, "ph": 0}
+        self._prev = {"prompt": 0, "gen": 0, "pq": 0, "ph": 0, "swap_out": 0, "swap_in": 0,
+                      "preempt:swap": 0, "preempt:recompute": 0}
         self._log_prev = {"t": time.monotonic(), "prompt": 0, "gen": 0, "pq": 0, "ph": 0}
 
     def render(self) -> bytes:
@@ -89,7 +96,8 @@ class EngineMetrics:
         sched, pool = engine.scheduler, engine.pool
         self.running.set(len(sched.running))
         self.waiting.set(len(sched.waiting))
-        self.swapped.set(len(getattr(sched, "swapped", None) or ()))
+        self.swapped.set(sched.num_requests_swapped)
+        self.pinned_blocks.set(pool.num_pinned)
         self.kv_usage.set(pool.usage())
         self.blocks_in_use.set(pool.num_in_use)
         self.blocks_total.set(pool.num_usable)
@@ -100,13 +108,20 @@ class EngineMetrics:
         self.fragmentation.set(frag() if callable(frag) else 0.0)
 
         counters = pool.counters
-        totals = {"preempt": sched.num_preemptions, "prompt": engine.num_prompt_tokens_total,
+        swapper = engine.block_swapper
+        totals = {"prompt": engine.num_prompt_tokens_total,
                   "gen": engine.num_generation_tokens_total, "pq": counters.prefix_queries,
-                  "ph": counters.prefix_hits}
-        for key, metric in (("preempt", self.preemptions), ("prompt", self.prompt_tokens),
-                            ("gen", self.generation_tokens), ("pq", self.prefix_queries),
-                            ("ph", self.prefix_hits)):
-            delta = totals[key] - self._prev[key]
+                  "ph": counters.prefix_hits,
+                  "swap_out": swapper.bytes_out if swapper is not None else 0,
+                  "swap_in": swapper.bytes_in if swapper is not None else 0}
+        for mode, count in sched.preemptions_by_mode.items():
+            totals[f"preempt:{mode}"] = count
+        tracked = [("prompt", self.prompt_tokens), ("gen", self.generation_tokens), ("pq", self.prefix_queries),
+                   ("ph", self.prefix_hits), ("swap_out", self.swap_bytes_out), ("swap_in", self.swap_bytes_in)]
+        tracked += [(f"preempt:{mode}", self._preemptions.labels(self.model_name, mode))
+                    for mode in sched.preemptions_by_mode]
+        for key, metric in tracked:
+            delta = totals[key] - self._prev.get(key, 0)
             if delta > 0:
                 metric.inc(delta)
         self._prev = totals
@@ -149,7 +164,7 @@ class EngineMetrics:
         logger.info(
             "running: %d, waiting: %d, swapped: %d, KV usage: %.1f%%, prompt: %.1f tok/s, generation: %.1f tok/s, "
             "prefix hit rate: %.1f%%", len(sched.running), len(sched.waiting),
-            len(getattr(sched, "swapped", None) or ()), 100 * engine.pool.usage(),
+            sched.num_requests_swapped, 100 * engine.pool.usage(),
             (totals["prompt"] - prev["prompt"]) / dt, (totals["gen"] - prev["gen"]) / dt,
             100 * hits / queries if queries else 0.0)
         self._log_prev = {"t": now, "prompt": totals["prompt"], "gen": totals["gen"], "pq": totals["pq"],
