@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from compiler.cpu_attention import compiled_decode_attention
 from compiler.reference_attention import paged_attention_reference, write_kv_reference
 
 
@@ -31,17 +32,46 @@ def _(k, v, k_cache, v_cache, slot_mapping) -> None:
 def paged_attention(
     out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor,
-    scale: float, max_query_len: int, max_seq_len: int,
+    scale: float, max_query_len: int, max_seq_len: int, num_decodes: int = 0,
 ) -> None:
     out.copy_(paged_attention_reference(
         q, k_cache, v_cache, query_start_loc, seq_lens, block_tables,
-        scale, max_query_len, max_seq_len,
+        scale, max_query_len, max_seq_len, num_decodes,
     ))
 
 
 @paged_attention.register_fake
 def _(out, q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale,
-      max_query_len, max_seq_len) -> None:
+      max_query_len, max_seq_len, num_decodes=0) -> None:
+    return None
+
+
+@torch.library.custom_op("kiln::paged_attention_cpu", mutates_args=("out",), device_types="cpu")
+def paged_attention_cpu(
+    out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+    query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor,
+    scale: float, max_query_len: int, max_seq_len: int, num_decodes: int = 0,
+) -> None:
+    """kiln::paged_attention for the CPU with compilation on: the decodes (the leading
+    one-token sequences) go through the compiled fused kernel (compiler/cpu_attention.py),
+    prefill chunks through the reference. Only the block-table columns that max_seq_len can
+    reach are read (the runner's table is as wide as max_model_len allows).
+    """
+    num_tokens, num_seqs = q.shape[0], seq_lens.shape[0]
+    nd = num_seqs if max_query_len == 1 else min(num_decodes, num_seqs)
+    if nd > 0:
+        columns = max(1, min(block_tables.shape[1], -(-max_seq_len // k_cache.shape[1])))
+        out[:nd] = compiled_decode_attention()(q[:nd], k_cache, v_cache, block_tables[:nd, :columns],
+                                               seq_lens[:nd], scale)
+    if num_tokens > nd:
+        out[nd:] = paged_attention_reference(
+            q[nd:], k_cache, v_cache, query_start_loc[nd:] - nd, seq_lens[nd:], block_tables[nd:],
+            scale, max_query_len, max_seq_len)
+
+
+@paged_attention_cpu.register_fake
+def _(out, q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale,
+      max_query_len, max_seq_len, num_decodes=0) -> None:
     return None
 
 

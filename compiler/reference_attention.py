@@ -38,18 +38,28 @@ def write_kv_reference(
 def paged_attention_reference(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor,
-    scale: float, max_query_len: int, max_seq_len: int,
+    scale: float, max_query_len: int, max_seq_len: int, num_decodes: int = 0,
 ) -> torch.Tensor:
     """Batched gather + SDPA over the paged cache; returns [num_tokens, num_heads, head_dim].
 
     max_query_len / max_seq_len are host-side upper bounds (they size the padding);
-    nothing here syncs with the device.
+    num_decodes: how many leading sequences have exactly one query token (0 = unknown).
+    Nothing here syncs with the device.
     """
     num_tokens, num_heads, head_dim = q.shape
     num_seqs = seq_lens.shape[0]
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     if num_tokens == 0 or num_seqs == 0:
         return torch.zeros_like(q)
+    if 0 < num_decodes < num_seqs:
+        # A mixed step: padding every decode to the longest prefill chunk would multiply the
+        # work, so the decodes and the chunks are attended separately.
+        nd = num_decodes
+        decodes = paged_attention_reference(q[:nd], k_cache, v_cache, query_start_loc[:nd + 1], seq_lens[:nd],
+                                            block_tables[:nd], scale, 1, max_seq_len)
+        chunks = paged_attention_reference(q[nd:], k_cache, v_cache, query_start_loc[nd:] - nd, seq_lens[nd:],
+                                           block_tables[nd:], scale, max_query_len, max_seq_len)
+        return torch.cat([decodes, chunks])
     device = q.device
     max_blocks = min(block_tables.shape[1], -(-max(max_seq_len, 1) // block_size))
     ctx = max_blocks * block_size

@@ -92,7 +92,8 @@ class LLMEngine:
                                 self.max_model_len, settings.load_format, settings.seed)
         self.backend = get_attention_backend(settings.attention_backend, BackendSpec(
             device=self.device, dtype=self.dtype, head_dim=self.model_config.head_dim,
-            block_size=settings.block_size, kernel_cache_dir=settings.resolved_kernel_cache_dir()))
+            block_size=settings.block_size, kernel_cache_dir=settings.resolved_kernel_cache_dir(),
+            compile=not settings.enforce_eager))
         self.model.set_backend(self.backend)
         num_blocks = self._num_kv_blocks()
         cfg = self.model_config

@@ -137,8 +137,11 @@ class ModelRunner:
         sample_indices: list[int] = []
         rows: list[SampleRow] = []
         buf.np_query_start_loc[0] = 0
+        num_decodes = 0  # leading one-token sequences (the scheduler puts decodes first)
         for i, s in enumerate(seqs):
             n = s.num_tokens
+            if n == 1 and num_decodes == i:
+                num_decodes += 1
             start = s.start_pos
             end = start + n
             buf.np_input_ids[t:t + n] = s.token_ids
@@ -158,7 +161,8 @@ class ModelRunner:
                 for k in range(s.num_samples):
                     sample_indices.append(t - 1)
                     rows.append(SampleRow(s.params, s.all_token_ids, s.num_prompt_tokens, s.sample_index + k))
-        return self._finish_prepare(t, len(seqs), max_q, max_len, max_cols, sample_indices, rows, None)
+        return self._finish_prepare(t, len(seqs), max_q, max_len, max_cols, sample_indices, rows, None,
+                                    num_decodes)
 
     def _prepare_decode(self, seqs) -> StepInputs:
         """One token per sequence, each sampled once: the CUDA-graph shape. One pass, no numpy temporaries."""
@@ -186,11 +190,11 @@ class ModelRunner:
         n = len(seqs)
         buf.np_query_start_loc[:n + 1] = np.arange(n + 1)
         key = self.graph_runner.key_for(n, max_len) if self.graph_runner is not None else None
-        return self._finish_prepare(n, n, 1, max_len, max_cols, list(range(n)), rows, key)
+        return self._finish_prepare(n, n, 1, max_len, max_cols, list(range(n)), rows, key, n)
 
     def _finish_prepare(self, t: int, num_seqs: int, max_q: int, max_len: int, max_cols: int,
                         sample_indices: list[int], rows: list[SampleRow],
-                        graph_key: tuple[int, int] | None) -> StepInputs:
+                        graph_key: tuple[int, int] | None, num_decodes: int) -> StepInputs:
         buf = self.buffers
         padded_seqs = num_seqs
         if graph_key is not None:
@@ -206,7 +210,7 @@ class ModelRunner:
         if graph_key is not None:
             meta = None  # the graph replays over the static buffers
         elif self.compiled:
-            meta = self._compiled_meta(t_padded, padded_seqs, max_q, max_len)
+            meta = self._compiled_meta(t_padded, padded_seqs, max_q, max_len, num_decodes)
         else:
             meta = AttentionMetadata(
                 slot_mapping=buf.slot_mapping[:t],
@@ -215,10 +219,12 @@ class ModelRunner:
                 block_tables=buf.block_tables[:num_seqs, :max_cols],
                 max_query_len=max_q,
                 max_seq_len=max_len,
+                num_decodes=num_decodes,
             )
         return StepInputs(t_padded, padded_seqs, meta, sample_indices, rows, graph_key)
 
-    def _compiled_meta(self, num_tokens: int, num_seqs: int, max_q: int, max_len: int) -> AttentionMetadata:
+    def _compiled_meta(self, num_tokens: int, num_seqs: int, max_q: int, max_len: int,
+                       num_decodes: int = 0) -> AttentionMetadata:
         """Metadata for the compiled forward: full-width (static) block tables, max_seq_len >= 2."""
         buf = self.buffers
         tables = buf.block_tables[:num_seqs]
@@ -230,6 +236,7 @@ class ModelRunner:
             block_tables=tables,
             max_query_len=max_q,
             max_seq_len=max(max_len, MIN_COMPILED_ROWS),
+            num_decodes=num_decodes,
         )
 
     # ---- compile / capture (start-up) ----

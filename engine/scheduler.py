@@ -237,6 +237,8 @@ class Scheduler:
             # Nothing can run: the GPU blocks that swapped sequences kept may be what is missing.
             if self._demote_swapped():
                 budget = self._admit(out, budget)
+        # One-token sequences first: backends attend decodes and prefill chunks separately.
+        out.seqs.sort(key=lambda s: s.num_tokens != 1)
         return out
 
     def _queue(self):

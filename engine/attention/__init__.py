@@ -21,6 +21,7 @@ class BackendSpec:
     head_dim: int
     block_size: int
     kernel_cache_dir: Path
+    compile: bool = False  # compilation allowed (not enforce_eager)
 
 
 def get_attention_backend(name: str, spec: BackendSpec) -> AttentionBackend:
@@ -35,7 +36,7 @@ def get_attention_backend(name: str, spec: BackendSpec) -> AttentionBackend:
     if name == "torch":
         from engine.attention.torch_backend import TorchAttentionBackend
 
-        return TorchAttentionBackend()
+        return TorchAttentionBackend(compiled_cpu_decode=spec.compile and spec.device.type == "cpu")
     if name == "cutlass":
         if spec.device.type != "cuda":
             raise ValueError("attention_backend='cutlass' needs device='cuda' (a CUDA GPU)")

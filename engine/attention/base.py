@@ -21,6 +21,8 @@ class AttentionMetadata:
     seq_lens         int32 [num_seqs]         context length including this step's tokens (0 = padding)
     block_tables     int32 [num_seqs, max_blocks_per_seq]
     max_query_len / max_seq_len: host-side bounds for this step (size padding, pick kernels).
+    num_decodes: how many leading sequences have exactly one query token (the scheduler puts
+    decodes first); 0 when unknown.
     """
 
     slot_mapping: torch.Tensor
@@ -29,6 +31,7 @@ class AttentionMetadata:
     block_tables: torch.Tensor
     max_query_len: int
     max_seq_len: int
+    num_decodes: int = 0
 
 
 class AttentionBackend(Protocol):

@@ -9,13 +9,18 @@ from engine.attention.base import AttentionMetadata
 
 
 class TorchAttentionBackend:
+    """compiled_cpu_decode (CPU with compilation on): decodes go through the compiled fused
+    kernel of compiler/cpu_attention.py instead of the gather + SDPA reference."""
+
     name = "torch"
+
+    def __init__(self, compiled_cpu_decode: bool = False) -> None:
+        self.compiled_cpu_decode = compiled_cpu_decode
 
     def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         torch.ops.kiln.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         out = torch.empty_like(q)
-        torch.ops.kiln.paged_attention(
-            out, q, k_cache, v_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables,
-            scale, meta.max_query_len, meta.max_seq_len,
-        )
+        op = torch.ops.kiln.paged_attention_cpu if self.compiled_cpu_decode else torch.ops.kiln.paged_attention
+        op(out, q, k_cache, v_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables,
+           scale, meta.max_query_len, meta.max_seq_len, meta.num_decodes)
         return out

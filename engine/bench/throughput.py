@@ -1,6 +1,7 @@
 """`kiln bench throughput`: the same offline workload through kiln and through transformers.
 
-N requests with prompt and output lengths drawn from a fixed seed. kiln runs them with
+N requests (default 256: more than the 64 seats) with prompt and output lengths drawn
+from a fixed seed. kiln runs them with
 continuous batching; the baseline is transformers `generate` with static, left-padded
 batches (each batch runs until its longest output). Both count only the output tokens
 each request asked for, and the ratio is printed.
@@ -67,7 +68,7 @@ def main(argv: list[str]) -> int:
     from engine.cli import add_settings_flags, settings_from_args
 
     parser = argparse.ArgumentParser(prog="kiln bench throughput", description=__doc__)
-    parser.add_argument("--num-requests", type=int, default=64)
+    parser.add_argument("--num-requests", type=int, default=256)
     parser.add_argument("--prompt-len", default="16,256", help="min,max prompt tokens")
     parser.add_argument("--output-len", default="16,128", help="min,max output tokens")
     parser.add_argument("--workload-seed", type=int, default=0)

@@ -1,0 +1,44 @@
+"""A compiled decode attention for the CPU: the gather through the block table fused into
+the two reductions, so no padded copy of the context is ever materialised.
+
+The reference (compiler/reference_attention.py) gathers every sequence's blocks into a
+padded [S, ctx, Hkv, D] tensor and runs SDPA over it: three passes over the context. Under
+Inductor, the expression below becomes loops that read each K and V row once, straight from
+the cache. It is used by the torch backend on the CPU when compilation is on; the reference
+stays the definition every implementation is tested against.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+
+def decode_attention_math(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                          block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
+    """One query per sequence: q [S, Hq, D] over its paged context -> [S, Hq, D]."""
+    num_seqs, num_heads, head_dim = q.shape
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    group = num_heads // num_kv_heads
+    ctx = block_tables.shape[1] * block_size
+    pos = torch.arange(ctx, device=q.device)
+    blocks = block_tables.long()[:, pos // block_size].clamp_min(0)  # [S, ctx]
+    offsets = pos % block_size
+    keys = k_cache[blocks, offsets].float()  # [S, ctx, Hkv, D] (fused away under Inductor)
+    values = v_cache[blocks, offsets].float()
+    qg = q.float().view(num_seqs, 1, num_kv_heads, group, head_dim)
+    scores = (qg * keys[:, :, :, None, :]).sum(-1) * scale  # [S, ctx, Hkv, G]
+    lens = seq_lens.long()
+    valid = pos[None, :] < lens[:, None]
+    scores = scores.masked_fill(~valid[:, :, None, None], float("-inf"))
+    probs = torch.softmax(scores, dim=1)
+    out = (probs[..., None] * values[:, :, :, None, :]).sum(1)  # [S, Hkv, G, D]
+    out = torch.where((lens == 0)[:, None, None, None], torch.zeros_like(out), out)  # padding rows
+    return out.reshape(num_seqs, num_heads, head_dim).to(q.dtype)
+
+
+@functools.cache
+def compiled_decode_attention():
+    """The math above under Inductor, dynamic in batch and context (compiled once per process)."""
+    return torch.compile(decode_attention_math, backend="inductor", fullgraph=True, dynamic=True)
