@@ -1,10 +1,10 @@
 """`kiln bench throughput`: the same offline workload through kiln and through transformers.
 
 N requests (default 256: more than the 64 seats) with prompt and output lengths drawn
-from a fixed seed. kiln runs them with
-continuous batching; the baseline is transformers `generate` with static, left-padded
-batches (each batch runs until its longest output). Both count only the output tokens
-each request asked for, and the ratio is printed.
+from a fixed seed. kiln runs them with continuous batching; the baseline is transformers
+`generate` with static, left-padded batches of the same size as kiln's max_num_seqs (each
+batch runs until its longest output). Both count only the output tokens each request
+asked for, and the ratio is printed.
 """
 
 from __future__ import annotations
