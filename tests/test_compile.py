@@ -88,9 +88,10 @@ def _first_divergence(a: list[int], b: list[int]) -> int | None:
 
 def test_compiles_three_graphs_at_startup(engines):
     _, compiled = engines
-    # one token (static), decode-shaped (batch symbolic), general; fewer if another engine
-    # in this process already compiled the same code with the same guards
-    assert compiled.start_graphs <= 3
+    # one token (static), decode-shaped (batch symbolic), general, plus the CPU decode
+    # attention kernel (compiler/cpu_attention.py); fewer if another engine in this process
+    # already compiled the same code with the same guards
+    assert compiled.start_graphs <= 4
     assert compiled.compile_seconds > 0
     assert compiled.capture_seconds == 0.0  # no CUDA graphs on the CPU
 

@@ -72,6 +72,7 @@ class SwapSpace:
         self.blocks_in = 0
         self.blocks_kept = 0
         self.blocks_reused = 0  # swapped-out blocks found still cached on the GPU at swap-in: no copy
+        self.blocks_discarded = 0  # swapped-out blocks dropped unread (request aborted or demoted)
 
     # ---- capacity ----
     @property
@@ -227,6 +228,7 @@ class SwapSpace:
                 # Nothing of it is read any more, but a swap-out into it may still be queued
                 # this step: hold it back like a swapped-in block.
                 self._deferred.append(block)
+                self.blocks_discarded += 1
         seq.block_ids = []
 
     # ---- integrity ----
