@@ -39,6 +39,32 @@ def decode_attention_math(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
 
 
 @functools.cache
-def compiled_decode_attention():
-    """The math above under Inductor, dynamic in batch and context (compiled once per process)."""
+def _compiled():
     return torch.compile(decode_attention_math, backend="inductor", fullgraph=True, dynamic=True)
+
+
+def compiled_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                              block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
+    """decode_attention_math under Inductor, compiled once per process for every batch and
+    context size: the cache's own dimensions are static, batch and block columns symbolic and
+    never tied to each other or to a cache dimension by a coincidence of sizes at trace time
+    (no duck sizing), and neither is ever 1 (decode_inputs pads). The model's start-up warm-up
+    reaches this through the same path as serving, so serving never compiles it again."""
+    torch._dynamo.mark_static(k_cache)
+    torch._dynamo.mark_static(v_cache)
+    with torch.fx.experimental._config.patch(use_duck_shape=False):
+        return _compiled()(q, k_cache, v_cache, block_tables, seq_lens, scale)
+
+
+def decode_inputs(q: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor,
+                  max_seq_len: int, block_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The kernel's inputs for decode rows: at least two rows and two block columns (Dynamo
+    specialises size 1), only the columns max_seq_len can reach, int64 indices."""
+    columns = min(block_tables.shape[1], max(2, -(-max_seq_len // block_size)))
+    lens = seq_lens.to(torch.int64)
+    tables = block_tables[:, :columns].to(torch.int64)
+    if q.shape[0] == 1:  # a padding row: length 0, output 0
+        q = torch.cat([q, torch.zeros_like(q)])
+        lens = torch.cat([lens, torch.zeros_like(lens)])
+        tables = torch.cat([tables, tables])
+    return q, lens, tables

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from compiler.cpu_attention import compiled_decode_attention
+from compiler.cpu_attention import compiled_decode_attention, decode_inputs
 from compiler.reference_attention import paged_attention_reference, write_kv_reference
 
 
@@ -60,14 +60,8 @@ def paged_attention_cpu(
     num_tokens, num_seqs = q.shape[0], seq_lens.shape[0]
     nd = num_seqs if max_query_len == 1 else min(num_decodes, num_seqs)
     if nd > 0:
-        # At least two rows and two block columns: Dynamo would specialise (recompile) size 1.
-        columns = min(block_tables.shape[1], max(2, -(-max_seq_len // k_cache.shape[1])))
-        dq, lens, tables = q[:nd], seq_lens[:nd], block_tables[:nd, :columns]
-        if nd == 1:
-            dq = torch.cat([dq, torch.zeros_like(dq)])
-            lens = torch.cat([lens, torch.zeros_like(lens)])  # a padding row: length 0, output 0
-            tables = torch.cat([tables, tables])
-        out[:nd] = compiled_decode_attention()(dq, k_cache, v_cache, tables, lens, scale)[:nd]
+        dq, lens, tables = decode_inputs(q[:nd], seq_lens[:nd], block_tables[:nd], max_seq_len, k_cache.shape[1])
+        out[:nd] = compiled_decode_attention(dq, k_cache, v_cache, tables, lens, scale)[:nd]
     if num_tokens > nd:
         out[nd:] = paged_attention_reference(
             q[nd:], k_cache, v_cache, query_start_loc[nd:] - nd, seq_lens[nd:], block_tables[nd:],
