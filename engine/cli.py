@@ -7,7 +7,6 @@ import json
 import logging
 import sys
 import typing
-from pathlib import Path
 from typing import Any
 
 from engine.config import EngineSettings, ServerSettings

@@ -24,7 +24,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Literal
 
-from engine.kv.block_pool import BlockPool, NoFreeBlocksError
+from engine.kv.block_pool import BlockPool
 from engine.request import FinishReason, InvalidRequestError, Request, SamplingParams, Sequence, SeqStatus
 
 logger = logging.getLogger(__name__)
@@ -201,7 +201,6 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
-        scheduled: set[int] = set()
         self._preempted_floor = None
         if self.swapper is not None:
             self.swapper.begin_step()
@@ -227,7 +226,6 @@ class Scheduler:
                 break  # it preempted itself: everything after it is gone too
             self._grow(seq, num_new, out)
             self._emit(seq, num_new, out)
-            scheduled.add(seq.seq_id)
             budget -= num_new
             i += 1
 
