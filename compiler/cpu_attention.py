@@ -25,12 +25,14 @@ def decode_attention_math(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
     pos = torch.arange(ctx, device=q.device)
     blocks = block_tables.long()[:, pos // block_size].clamp_min(0)  # [S, ctx]
     offsets = pos % block_size
-    keys = k_cache[blocks, offsets].float()  # [S, ctx, Hkv, D] (fused away under Inductor)
-    values = v_cache[blocks, offsets].float()
-    qg = q.float().view(num_seqs, 1, num_kv_heads, group, head_dim)
-    scores = (qg * keys[:, :, :, None, :]).sum(-1) * scale  # [S, ctx, Hkv, G]
     lens = seq_lens.long()
     valid = pos[None, :] < lens[:, None]
+    # Stale slots past a sequence's length may hold anything (NaN included): read them as 0.
+    keep = valid[:, :, None, None]
+    keys = torch.where(keep, k_cache[blocks, offsets].float(), 0.0)  # [S, ctx, Hkv, D], fused away
+    values = torch.where(keep, v_cache[blocks, offsets].float(), 0.0)
+    qg = q.float().view(num_seqs, 1, num_kv_heads, group, head_dim)
+    scores = (qg * keys[:, :, :, None, :]).sum(-1) * scale  # [S, ctx, Hkv, G]
     scores = scores.masked_fill(~valid[:, :, None, None], float("-inf"))
     probs = torch.softmax(scores, dim=1)
     out = (probs[..., None] * values[:, :, :, None, :]).sum(1)  # [S, Hkv, G, D]

@@ -69,6 +69,11 @@ def paged_attention_reference(
     values = v_cache.index_select(0, tables).view(num_seqs, ctx, num_kv_heads, head_dim).transpose(1, 2)
     lens = seq_lens.long()
     key_pos = torch.arange(ctx, device=device)
+    # Slots past a sequence's length hold whatever an earlier owner left, NaN included, and a
+    # zero weight times NaN is NaN: clear them rather than trust the mask alone.
+    stale = (key_pos[None, :] >= lens[:, None])[:, None, :, None]
+    keys = keys.masked_fill(stale, 0.0)
+    values = values.masked_fill(stale, 0.0)
     # Half precision on the CPU is slow and loose: compute there in float32.
     compute = torch.float32 if device.type == "cpu" else q.dtype
     gqa = num_heads != num_kv_heads

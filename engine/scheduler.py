@@ -17,6 +17,7 @@ The step's work is a SchedulerOutput of plain values that the runner turns into 
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import heapq
 import itertools
 import logging
@@ -120,13 +121,12 @@ class Scheduler:
             raise InvalidRequestError(
                 f"the prompt has {prompt_len} tokens, which leaves no room to generate within "
                 f"max_model_len={limit}", "prompt")
-        if params.max_tokens is None:
-            params.max_tokens = limit - prompt_len
-        if prompt_len + params.max_tokens > limit:
+        max_tokens = params.max_tokens if params.max_tokens is not None else limit - prompt_len
+        if prompt_len + max_tokens > limit:
             raise InvalidRequestError(
-                f"prompt ({prompt_len} tokens) + max_tokens ({params.max_tokens}) = "
-                f"{prompt_len + params.max_tokens} exceeds max_model_len={limit}", "max_tokens")
-        needed = -(-(prompt_len + params.max_tokens) // self.config.block_size)
+                f"prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) = "
+                f"{prompt_len + max_tokens} exceeds max_model_len={limit}", "max_tokens")
+        needed = -(-(prompt_len + max_tokens) // self.config.block_size)
         # Pinned (warm-up) blocks are never freed; the reserve is out of reach of less urgent requests.
         usable = self.pool.num_usable - self.pool.num_pinned
         if request.priority > self.config.reserved_priority:
@@ -135,6 +135,10 @@ class Scheduler:
             raise InvalidRequestError(
                 f"the request needs up to {needed} KV blocks but the cache holds only "
                 f"{usable} for priority {request.priority}", "max_tokens")
+        if params.max_tokens is None:
+            # The request keeps its own copy: the caller's SamplingParams may serve other prompts.
+            request.params = dataclasses.replace(params, max_tokens=max_tokens, stop=list(params.stop),
+                                                 stop_token_ids=list(params.stop_token_ids))
         seq = self._new_seq(request, 0, list(request.prompt_token_ids))
         request.seqs = [seq]
         self.requests[request.request_id] = request
@@ -424,6 +428,14 @@ class Scheduler:
             return self.swapper.blocks_to_resume(seq, num_new) <= self._available_for(seq)
         return self._blocks_needed(seq, num_new) <= self._available_for(seq) - self._watermark()
 
+    def _blocks_freed_by(self, victims: list[Sequence]) -> int:
+        """GPU blocks preempting all of `victims` would free: those no one else references."""
+        held: dict[int, int] = {}
+        for v in victims:
+            for b in v.block_ids:
+                held[b] = held.get(b, 0) + 1
+        return sum(1 for b, n in held.items() if self.pool.ref_count(b) == n)
+
     def _preempt_for_priority(self, out: SchedulerOutput, budget: int) -> None:
         """Preempt less urgent running sequences so that the most urgent queued one can start."""
         if not self.running or not (self.waiting or self.swapped):
@@ -435,7 +447,7 @@ class Scheduler:
             return
         # Only if the victims' seats and blocks can make room at all: never preempt for nothing.
         seats = self._seats_used() - sum(self._seats(v) for v in victims) + self._seats(head)
-        blocks = self._available_for(head) + sum(len(v.block_ids) for v in victims)
+        blocks = self._available_for(head) + self._blocks_freed_by(victims)
         num_new = min(head.num_tokens - head.num_computed_tokens, budget)
         need = (self.swapper.blocks_to_resume(head, num_new) if head.status is SeqStatus.SWAPPED
                 and self.swapper is not None else self._blocks_needed(head, num_new))

@@ -130,3 +130,16 @@ def test_sampler_marks_non_finite_rows_without_touching_the_others():
     assert out.token_ids[1] == out.token_ids[2] == -1 and set(out.errors) == {1, 2}
     assert out.token_ids[0] == int(logits[0].argmax()) and out.token_ids[3] == int(logits[3].argmax())
     assert out.logprobs[3] is not None
+
+
+@pytest.mark.parametrize("eager", [True, False])
+def test_stale_nan_in_reused_blocks_does_not_poison_new_requests(make_llm, eager):
+    """A failed request can leave non-finite K/V in blocks it returns; the next owner of such a
+    block reads only its own slots of it (attention must not multiply stale NaN by 0)."""
+    llm = make_llm(enforce_eager=eager, enable_prefix_caching=False)
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    prompt = list(range(20, 30))
+    before = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids
+    llm.engine.kv_cache.tensor[:, :, 1:].fill_(float("nan"))  # every usable block holds NaN
+    after = llm.generate([prompt], params, use_tqdm=False)[0]
+    assert after.error is None and after.outputs[0].token_ids == before

@@ -312,3 +312,33 @@ def test_swap_and_priority_invariants_under_random_workloads(ops, num_blocks, bl
                 d.step()
     d.drain()
     assert set(d.done) | d.aborted == set(ids)
+
+
+def test_priority_preemption_never_preempts_for_blocks_it_cannot_free():
+    """L shares six of its seven blocks with H: preempting L frees one block, not seven, so an
+    urgent W that needs six must wait for room instead of throwing L's progress away."""
+    s = make(num_blocks=13, block_size=4, max_num_seqs=4, budget=64, max_model_len=48, cpu_blocks=0,
+             mode="recompute", watermark_fraction=0.0)
+    d = Driver(s)
+    shared = list(range(1, 25))  # 6 full blocks
+    d.add("H", shared + [90], max_tokens=20, priority=0)
+    d.step()
+    d.add("L", shared + [91], max_tokens=20, priority=1)
+    d.step()
+    d.step()
+    d.add("W", [200 + i for i in range(21)], max_tokens=4, priority=0)
+    out = d.step()
+    assert not out.preempted, "L was preempted although that could not make room for W"
+    assert s.requests["L"].seqs[0].status is SeqStatus.RUNNING
+
+
+def test_add_request_leaves_the_callers_params_alone():
+    from engine.request import Request, SamplingParams
+
+    s = make(num_blocks=40, block_size=4, max_num_seqs=4, budget=64, max_model_len=64, cpu_blocks=0,
+             mode="recompute")
+    params = SamplingParams(temperature=0, max_tokens=None)
+    s.add_request(Request("a", None, list(range(1, 11)), params))
+    assert params.max_tokens is None and s.requests["a"].params.max_tokens == 54
+    s.add_request(Request("b", None, list(range(1, 21)), params))  # rejected before the fix
+    assert s.requests["b"].params.max_tokens == 44

@@ -368,15 +368,18 @@ class _Handlers:
                      priority: int, request: Request) -> _Job:
         arrival = time.monotonic()
         job_id = f"{prefix}-{uuid.uuid4().hex}"
-        streams: list[RequestStream] = []
-        try:
-            for i, prompt in enumerate(prompts):
-                p = dataclasses.replace(params, stop=list(params.stop), stop_token_ids=list(params.stop_token_ids))
-                streams.append(await self.engine.add_request(prompt, p, f"{job_id}-{i}", priority, arrival))
-        except BaseException:
+        # All prompts go into the engine's inbox together, so they are admitted in the same step.
+        results = await asyncio.gather(*(
+            self.engine.add_request(
+                prompt, dataclasses.replace(params, stop=list(params.stop), stop_token_ids=list(params.stop_token_ids)),
+                f"{job_id}-{i}", priority, arrival)
+            for i, prompt in enumerate(prompts)), return_exceptions=True)
+        streams = [r for r in results if isinstance(r, RequestStream)]
+        errors = [r for r in results if isinstance(r, BaseException)]
+        if errors:
             for s in streams:
                 s.close()
-            raise
+            raise errors[0]
         return _Job(job_id, kind, streams, params.n, texts, params)
 
     async def _respond(self, job: _Job, stream: bool | None, include_usage: bool, request: Request):
