@@ -25,7 +25,7 @@ from engine.request import (CompletionOutput, FinishReason, InvalidRequestError,
                             SamplingParams, Sequence)
 from engine.runner import ModelRunner
 from engine.sampler import Sampler
-from engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput, sample_row_ranges
 
 logger = logging.getLogger(__name__)
 
@@ -337,17 +337,7 @@ class LLMEngine:
     @staticmethod
     def _failed_rows(sched: SchedulerOutput, errors: dict[int, str]) -> dict[int, str]:
         """seq id -> error, for the scheduled sequences whose sampler rows failed."""
-        if not errors:
-            return {}
-        failed: dict[int, str] = {}
-        k = 0
-        for s in sched.seqs:
-            if s.do_sample:
-                for row in range(k, k + s.num_samples):
-                    if row in errors:
-                        failed[s.seq_id] = errors[row]
-                k += s.num_samples
-        return failed
+        return {s.seq_id: errors[r] for s, rows in sample_row_ranges(sched.seqs) for r in rows if r in errors}
 
     def _fail_request(self, request: Request, message: str) -> None:
         """Finish every sequence of one request with FinishReason.ERROR; the others go on."""
@@ -420,13 +410,7 @@ class LLMEngine:
 
     def _split_logprobs(self, sched: SchedulerOutput, flat: list) -> dict[int, list]:
         """seq id -> logprob entries it sampled this step (n entries at a fork)."""
-        by_seq: dict[int, list] = {}
-        k = 0
-        for s in sched.seqs:
-            if s.do_sample:
-                by_seq[s.seq_id] = flat[k:k + s.num_samples]
-                k += s.num_samples
-        return by_seq
+        return {s.seq_id: flat[rows.start:rows.stop] for s, rows in sample_row_ranges(sched.seqs) if rows}
 
     def _record_logprob(self, seq: Sequence, logprobs: dict[int, list]) -> None:
         # A forked child has no entry of its own: it took entry `sample_index` of its parent's list.

@@ -25,7 +25,7 @@ from compiler.capture import (MIN_COMPILED_ROWS, CudaGraphSet, SimulatedGraphSet
 from engine.attention.base import AttentionMetadata
 from engine.kv.cache import KVCache
 from engine.sampler import Sampler, SampleRow, SamplerOutput
-from engine.scheduler import SchedulerOutput
+from engine.scheduler import SchedulerOutput, sample_row_ranges
 
 logger = logging.getLogger(__name__)
 
@@ -321,17 +321,10 @@ class ModelRunner:
         return self.forward_fn(buf.input_ids[:step.num_tokens], buf.positions[:step.num_tokens],
                                self.kv_layers, step.meta)
 
-    def split_sampled(self, sched: SchedulerOutput, out: SamplerOutput) -> list[list[int]]:
+    @staticmethod
+    def split_sampled(sched: SchedulerOutput, out: SamplerOutput) -> list[list[int]]:
         """Regroup the flat sampled tokens per scheduled sequence (n at fork points)."""
-        result: list[list[int]] = []
-        k = 0
-        for s in sched.seqs:
-            if s.do_sample:
-                result.append(out.token_ids[k:k + s.num_samples])
-                k += s.num_samples
-            else:
-                result.append([])
-        return result
+        return [[out.token_ids[r] for r in rows] for _, rows in sample_row_ranges(sched.seqs)]
 
 
 def _plain_greedy(r: SampleRow) -> bool:

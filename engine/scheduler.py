@@ -64,6 +64,16 @@ class ScheduledSeq:
         return len(self.token_ids)
 
 
+def sample_row_ranges(seqs: list[ScheduledSeq]):
+    """(scheduled seq, range of its rows in the step's flat sampler output): one row per
+    sampling sequence, n at a fork point, none for a prefill chunk that does not end the prompt."""
+    k = 0
+    for s in seqs:
+        n = s.num_samples if s.do_sample else 0
+        yield s, range(k, k + n)
+        k += n
+
+
 @dataclass
 class SchedulerOutput:
     seqs: list[ScheduledSeq] = field(default_factory=list)
