@@ -29,7 +29,6 @@ Nothing here imports `engine`: the body is a plain callable.
 from __future__ import annotations
 
 import logging
-import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -46,23 +45,22 @@ MIN_GRAPH_CTX = 256
 
 
 # ---- compile ---------------------------------------------------------------------------
-def configure_compile_cache(path: Path | str) -> Path:
-    """Point Inductor's persistent caches (FX graphs, AOTAutograd, Triton kernels) at `path`.
+def configure_compile_cache(path: Path, changed: bool) -> Path:
+    """Turn on Inductor's persistent caches (FX graphs, AOTAutograd, Triton kernels) under `path`.
 
-    Inductor reads its cache root from TORCHINDUCTOR_CACHE_DIR on every use (there is no
-    config attribute for it), so this sets that process variable from kiln's setting and
-    drops the in-memory caches that were keyed to the previous directory. A second start
-    with the same directory and model reuses the compiled artefacts (Dynamo still traces).
+    Inductor reads its cache root only from the TORCHINDUCTOR_CACHE_DIR process variable; the
+    engine sets it from its `compile_cache_dir` setting (engine/config.py) before calling this,
+    and says whether it changed, in which case the in-memory caches keyed to the previous root
+    are dropped. A second start with the same directory and model reuses the compiled
+    artefacts (Dynamo still traces).
     """
     import torch._functorch.config as functorch_config
     import torch._inductor.config as inductor_config
 
-    path = Path(path).expanduser().resolve()
     path.mkdir(parents=True, exist_ok=True)
     inductor_config.fx_graph_cache = True
     functorch_config.enable_autograd_cache = True
-    if os.environ.get("TORCHINDUCTOR_CACHE_DIR") != str(path):
-        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(path)
+    if changed:
         from torch._inductor.utils import clear_caches
 
         clear_caches()

@@ -25,6 +25,17 @@ def config_file_path() -> Path:
     return Path(os.environ.get("KILN_CONFIG", "kiln.toml"))
 
 
+def export_compile_cache_dir(path: Path) -> tuple[Path, bool]:
+    """Point Inductor's cache root (read only from the process environment) at `path`.
+
+    The one place kiln writes the environment. Returns the resolved path and whether it changed.
+    """
+    resolved = Path(path).expanduser().resolve()
+    changed = os.environ.get("TORCHINDUCTOR_CACHE_DIR") != str(resolved)
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(resolved)
+    return resolved, changed
+
+
 def env_flag(name: str) -> str | None:
     """Read one process-level knob that is not an engine setting (e.g. test soak length)."""
     return os.environ.get(name)

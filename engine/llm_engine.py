@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from engine.attention import BackendSpec, get_attention_backend
-from engine.config import EngineSettings
+from engine.config import EngineSettings, export_compile_cache_dir
 from engine.detokenizer import check_stop, init_offsets, visible_text
 from engine.kv.block_pool import BlockPool
 from engine.kv.cache import KVCache
@@ -138,7 +138,7 @@ class LLMEngine:
             return 0.0, 0.0
         from compiler.capture import compile_count, configure_compile_cache
 
-        cache = configure_compile_cache(s.resolved_compile_cache_dir())
+        cache = configure_compile_cache(*export_compile_cache_dir(s.resolved_compile_cache_dir()))
         graphs_before = compile_count()
         compile_s = self.runner.compile_model()
         logger.info("compiled the forward in %.1fs (%d graphs, Inductor cache %s)", compile_s,
