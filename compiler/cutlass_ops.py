@@ -174,42 +174,42 @@ class AttentionKernels:
         )
 
     # ---- attention --------------------------------------------------------------------
+    def _split_plan(self, num_seqs: int, num_heads: int, num_kv_heads: int, max_blocks: int,
+                    target_ctas: int, min_tokens: int) -> tuple[int, int, int]:
+        """(G, head slices, max_splits): aim for `target_ctas` CTAs, never a split of fewer than
+        `min_tokens` tokens, and no more splits than the scratch holds. Host-only and
+        graph-stable: batch, heads, table width and constants only."""
+        group = num_heads // num_kv_heads
+        g = next((x for x in DECODE_GROUPS if x >= group), DECODE_GROUPS[-1])
+        slices = -(-group // g)
+        ctas = num_seqs * num_kv_heads * slices
+        splits = max(1, -(-target_ctas // ctas))
+        splits = min(splits, MAX_SPLITS, max(1, -(-max_blocks * self.block_size // min_tokens)))
+        rows = num_seqs * num_heads
+        splits = max(1, min(splits, self.scratch_floats // (rows * self.head_dim), self.part_lse.numel() // rows))
+        return g, slices, splits
+
     def decode_plan(self, num_seqs: int, num_heads: int, num_kv_heads: int, max_blocks: int) -> tuple[int, int, int]:
-        """(G, head slices, max_splits) for a decode launch; host-only, graph-stable."""
+        """(G, head slices, max_splits) for a v1 decode launch."""
         key = (num_seqs, num_heads, num_kv_heads, max_blocks)
         plan = self._split_cache.get(key)
         if plan is None:
-            group = num_heads // num_kv_heads
-            g = next((x for x in DECODE_GROUPS if x >= group), DECODE_GROUPS[-1])
-            slices = -(-group // g)
-            ctas = num_seqs * num_kv_heads * slices
-            splits = max(1, -(-self.target_ctas // ctas))
-            splits = min(splits, MAX_SPLITS, max(1, -(-max_blocks * self.block_size // MIN_PARTITION)))
-            rows = num_seqs * num_heads
-            splits = max(1, min(splits, self.scratch_floats // (rows * self.head_dim), self.part_lse.numel() // rows))
-            plan = (g, slices, splits)
+            plan = self._split_plan(num_seqs, num_heads, num_kv_heads, max_blocks, self.target_ctas, MIN_PARTITION)
             self._split_cache[key] = plan
         return plan
 
     def decode_v2_plan(self, num_seqs: int, num_heads: int, num_kv_heads: int,
                        max_blocks: int) -> tuple[int, int, int, int]:
-        """(G, head slices, max_splits, min tokens per split) for a v2 decode launch; host-only,
-        graph-stable (batch, heads, table width and the policy constants only)."""
+        """(G, head slices, max_splits, min tokens per split) for a v2 decode launch."""
         min_tok = int(self.decode_min_tokens or DECODE_MIN_TOKENS_PER_SPLIT)
         cps = int(self.decode_ctas_per_sm or DECODE_CTAS_PER_SM)
         key = ("v2", num_seqs, num_heads, num_kv_heads, max_blocks, min_tok, cps)
         plan = self._split_cache.get(key)
         if plan is None:
-            group = num_heads // num_kv_heads
-            g = next((x for x in DECODE_GROUPS if x >= group), DECODE_GROUPS[-1])
-            slices = -(-group // g)
-            ctas = num_seqs * num_kv_heads * slices
-            splits = max(1, -(-(self.num_sms * cps) // ctas))
-            splits = min(splits, MAX_SPLITS, max(1, -(-max_blocks * self.block_size // min_tok)))
-            rows = num_seqs * num_heads
-            splits = max(1, min(splits, self.scratch_floats // (rows * self.head_dim), self.part_lse.numel() // rows))
-            if ctas > self.counters.numel():
-                splits = 1
+            g, slices, splits = self._split_plan(num_seqs, num_heads, num_kv_heads, max_blocks,
+                                                 self.num_sms * cps, min_tok)
+            if num_seqs * num_kv_heads * slices > self.counters.numel():
+                splits = 1  # more (sequence, head slice) pairs than merge counters
             plan = (g, slices, splits, min_tok)
             self._split_cache[key] = plan
         return plan
