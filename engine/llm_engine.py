@@ -435,7 +435,7 @@ class LLMEngine:
             CompletionOutput(
                 index=seq.sample_index,
                 text=visible_text(seq),
-                token_ids=list(seq.output_token_ids),
+                token_ids=seq.output_token_ids,  # a fresh slice
                 cumulative_logprob=seq.cumulative_logprob if params.logprobs is not None else None,
                 logprobs=list(seq.logprobs) if params.logprobs is not None else None,
                 finish_reason=seq.finish_reason.value if seq.finish_reason else None,
