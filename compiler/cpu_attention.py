@@ -26,16 +26,23 @@ def decode_attention_math(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
     blocks = block_tables.long()[:, pos // block_size].clamp_min(0)  # [S, ctx]
     offsets = pos % block_size
     lens = seq_lens.long()
-    valid = pos[None, :] < lens[:, None]
+    valid = pos[None, :] < lens[:, None]  # [S, ctx]
+    # Scores laid out [S, Hkv, G, ctx] so max, exp and sum run along a contiguous ctx (full
+    # vectors, not a 4-lane masked tail over the heads); scale folded into q; the normalisation
+    # applied once per output row instead of per position inside the P@V reduction.
     # Stale slots past a sequence's length may hold anything (NaN included): read them as 0.
-    keep = valid[:, :, None, None]
-    keys = torch.where(keep, k_cache[blocks, offsets].float(), 0.0)  # [S, ctx, Hkv, D], fused away
-    values = torch.where(keep, v_cache[blocks, offsets].float(), 0.0)
-    qg = q.float().view(num_seqs, 1, num_kv_heads, group, head_dim)
-    scores = (qg * keys[:, :, :, None, :]).sum(-1) * scale  # [S, ctx, Hkv, G]
-    scores = scores.masked_fill(~valid[:, :, None, None], float("-inf"))
-    probs = torch.softmax(scores, dim=1)
-    out = (probs[..., None] * values[:, :, :, None, :]).sum(1)  # [S, Hkv, G, D]
+    keep = valid[:, None, None, :, None]
+    # [S, Hkv, 1, ctx, D] views of the cache, gathered lazily (fused into the reductions)
+    keys = torch.where(keep, k_cache[blocks, offsets].float().permute(0, 2, 1, 3)[:, :, None], 0.0)
+    values = torch.where(keep, v_cache[blocks, offsets].float().permute(0, 2, 1, 3)[:, :, None], 0.0)
+    qg = (q.float() * scale).view(num_seqs, num_kv_heads, group, 1, head_dim)
+    scores = (qg * keys).sum(-1)  # [S, Hkv, G, ctx]
+    scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
+    m = scores.amax(-1, keepdim=True).clamp_min(torch.finfo(torch.float32).min)
+    e = torch.exp(scores - m)  # [S, Hkv, G, ctx]
+    denom = e.sum(-1)  # [S, Hkv, G]
+    acc = (e[..., None] * values).sum(-2)  # [S, Hkv, G, D]
+    out = acc / denom.clamp_min(torch.finfo(torch.float32).tiny)[..., None]
     out = torch.where((lens == 0)[:, None, None, None], torch.zeros_like(out), out)  # padding rows
     return out.reshape(num_seqs, num_heads, head_dim).to(q.dtype)
 
