@@ -117,6 +117,23 @@ def _paged(batch: int, ctx: int, dtype, copies: int, seed: int = 0):
     return sets
 
 
+def _decode_case(B: int, ctx: int, dtype, kv_bytes: int):
+    """One decode shape: rotated paged K/V copies (L2 defeated), a query batch, and the kiln
+    decode call over each copy. Returns (sets, q, query_start_loc, seq_lens, scale, calls)."""
+    import torch
+
+    copies = max(1, min(8, -(-L2_ROTATE_BYTES // kv_bytes)))
+    sets = _paged(B, ctx, dtype, copies)
+    q = torch.randn(B, HQ, D, dtype=dtype, device="cuda")
+    out = torch.empty_like(q)
+    qsl = torch.arange(B + 1, dtype=torch.int32, device="cuda")
+    lens = torch.full((B,), ctx, dtype=torch.int32, device="cuda")
+    scale = 1 / math.sqrt(D)
+    fns = [lambda kc=kc, vc=vc, bt=bt: torch.ops.kiln.paged_attention_cutlass(
+        out, q, kc, vc, qsl, lens, bt, scale, 1, ctx) for kc, vc, bt in sets]
+    return sets, q, qsl, lens, scale, fns
+
+
 def bench_decode(kernels, batches, ctxs, copy_bw, baselines_max_bytes=4 << 30, max_kv_bytes=40e9):
     import torch
     import torch.nn.functional as F
@@ -130,15 +147,7 @@ def bench_decode(kernels, batches, ctxs, copy_bw, baselines_max_bytes=4 << 30, m
             kv_bytes = B * ctx * HKV * D * 2 * 2
             if kv_bytes > max_kv_bytes:
                 continue
-            copies = max(1, min(8, -(-L2_ROTATE_BYTES // kv_bytes)))
-            sets = _paged(B, ctx, dtype, copies)
-            q = torch.randn(B, HQ, D, dtype=dtype, device="cuda")
-            out = torch.empty_like(q)
-            qsl = torch.arange(B + 1, dtype=torch.int32, device="cuda")
-            lens = torch.full((B,), ctx, dtype=torch.int32, device="cuda")
-            scale = 1 / math.sqrt(D)
-            fns = [lambda kc=kc, vc=vc, bt=bt: torch.ops.kiln.paged_attention_cutlass(
-                out, q, kc, vc, qsl, lens, bt, scale, 1, ctx) for kc, vc, bt in sets]
+            sets, q, qsl, lens, scale, fns = _decode_case(B, ctx, dtype, kv_bytes)
             cpg = max(len(fns), 20 if kv_bytes < 1e9 else 4)
             times = {}
             for path in ("v1", "v2"):
@@ -175,15 +184,7 @@ def bench_decode_sweep(kernels, copy_bw, batches=(16, 64), ctx=2048,
     dtype = torch.bfloat16
     for B in batches:
         kv_bytes = B * ctx * HKV * D * 2 * 2
-        copies = max(1, min(8, -(-L2_ROTATE_BYTES // kv_bytes)))
-        sets = _paged(B, ctx, dtype, copies)
-        q = torch.randn(B, HQ, D, dtype=dtype, device="cuda")
-        out = torch.empty_like(q)
-        qsl = torch.arange(B + 1, dtype=torch.int32, device="cuda")
-        lens = torch.full((B,), ctx, dtype=torch.int32, device="cuda")
-        scale = 1 / math.sqrt(D)
-        fns = [lambda kc=kc, vc=vc, bt=bt: torch.ops.kiln.paged_attention_cutlass(
-            out, q, kc, vc, qsl, lens, bt, scale, 1, ctx) for kc, vc, bt in sets]
+        sets, q, qsl, lens, scale, fns = _decode_case(B, ctx, dtype, kv_bytes)
         kernels.use_decode_v2 = True
         try:
             for mt in min_tokens:
