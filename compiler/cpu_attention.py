@@ -55,12 +55,14 @@ def _compiled():
 def compiled_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                               block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
     """decode_attention_math under Inductor, compiled once per process for every batch and
-    context size: the cache's own dimensions are static, batch and block columns symbolic and
-    never tied to each other or to a cache dimension by a coincidence of sizes at trace time
-    (no duck sizing), and neither is ever 1 (decode_inputs pads). The model's start-up warm-up
+    context size: the cache's block shape is static; its block count (so a persistent compile
+    cache is hit whatever the pool size), the batch and the block columns are symbolic and
+    never tied to each other by a coincidence of sizes at trace time (no duck sizing), and
+    neither batch nor columns is ever 1 (decode_inputs pads). The model's start-up warm-up
     reaches this through the same path as serving, so serving never compiles it again."""
-    torch._dynamo.mark_static(k_cache)
-    torch._dynamo.mark_static(v_cache)
+    for cache in (k_cache, v_cache):
+        for dim in (1, 2, 3):
+            torch._dynamo.mark_static(cache, dim)
     with torch.fx.experimental._config.patch(use_duck_shape=False):
         return _compiled()(q, k_cache, v_cache, block_tables, seq_lens, scale)
 

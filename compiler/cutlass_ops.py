@@ -1,8 +1,8 @@
 """kiln's CUTLASS/CuTe attention kernels as opaque torch custom ops (CUDA only).
 
     kernels = load_attention_kernels(cache_dir, device, dtype, head_dim, block_size)
-    torch.ops.kiln.write_kv_cutlass(k, v, k_cache, v_cache, slot_mapping)
-    torch.ops.kiln.paged_attention_cutlass(out, q, k_cache, v_cache, query_start_loc,
+    torch.ops.kiln.write_kv_cutlass(k, v, kv_cache, layer, slot_mapping)
+    torch.ops.kiln.paged_attention_cutlass(out, q, kv_cache, layer, query_start_loc,
                                            seq_lens, block_tables, scale, max_query_len, max_seq_len)
 
 The ops have the reference ops' signatures (compiler/ops.py). Kernels are loaded once
@@ -304,32 +304,35 @@ def loaded_kernels(device: torch.device, dtype: torch.dtype, head_dim: int, bloc
     return k
 
 
-@torch.library.custom_op("kiln::write_kv_cutlass", mutates_args=("k_cache", "v_cache"), device_types="cuda")
+def _kernels_for(kv_cache: torch.Tensor) -> AttentionKernels:
+    """kv_cache: [layers, 2, blocks, block_size, kv_heads, head_dim]."""
+    return loaded_kernels(kv_cache.device, kv_cache.dtype, kv_cache.shape[5], kv_cache.shape[3])
+
+
+@torch.library.custom_op("kiln::write_kv_cutlass", mutates_args=("kv_cache",), device_types="cuda")
 def write_kv_cutlass(
-    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
+    k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, layer: int, slot_mapping: torch.Tensor,
 ) -> None:
-    loaded_kernels(k_cache.device, k_cache.dtype, k_cache.shape[3], k_cache.shape[1]).write_kv(
-        k, v, k_cache, v_cache, slot_mapping)
+    _kernels_for(kv_cache).write_kv(k, v, kv_cache[layer, 0], kv_cache[layer, 1], slot_mapping)
 
 
 @write_kv_cutlass.register_fake
-def _(k, v, k_cache, v_cache, slot_mapping) -> None:
+def _(k, v, kv_cache, layer, slot_mapping) -> None:
     return None
 
 
 @torch.library.custom_op("kiln::paged_attention_cutlass", mutates_args=("out",), device_types="cuda")
 def paged_attention_cutlass(
-    out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+    out: torch.Tensor, q: torch.Tensor, kv_cache: torch.Tensor, layer: int,
     query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor,
     scale: float, max_query_len: int, max_seq_len: int,
 ) -> None:
-    loaded_kernels(k_cache.device, k_cache.dtype, k_cache.shape[3], k_cache.shape[1]).attention(
-        out, q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale, max_query_len, max_seq_len)
+    _kernels_for(kv_cache).attention(out, q, kv_cache[layer, 0], kv_cache[layer, 1], query_start_loc, seq_lens,
+                                     block_tables, scale, max_query_len, max_seq_len)
 
 
 @paged_attention_cutlass.register_fake
-def _(out, q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale, max_query_len, max_seq_len) -> None:
+def _(out, q, kv_cache, layer, query_start_loc, seq_lens, block_tables, scale, max_query_len, max_seq_len) -> None:
     return None
 
 

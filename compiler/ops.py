@@ -5,6 +5,12 @@ Dynamo never traces into them: under `torch.compile` they appear as single nodes
 launches are recorded like any other kernel. The default implementations here are
 the pure-torch reference (CPU and CUDA); the CUTLASS backend registers its own ops
 (`kiln::*_cutlass`) with the same signatures.
+
+Every op takes the whole KV cache [layers, 2, blocks, block_size, kv_heads, head_dim]
+and a layer index, never per-layer views: per-layer views are separate graph inputs
+aliasing one storage, and AOTAutograd's handling of mutated aliased inputs
+("synthetic bases") rebuilds them with wrong sizes on torch 2.11 (and costs Python
+work per call on every version). One cache input has no aliases.
 """
 
 from __future__ import annotations
@@ -15,40 +21,39 @@ from compiler.cpu_attention import compiled_decode_attention, decode_inputs
 from compiler.reference_attention import paged_attention_reference, write_kv_reference
 
 
-@torch.library.custom_op("kiln::write_kv", mutates_args=("k_cache", "v_cache"))
+@torch.library.custom_op("kiln::write_kv", mutates_args=("kv_cache",))
 def write_kv(
-    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
+    k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, layer: int, slot_mapping: torch.Tensor,
 ) -> None:
-    write_kv_reference(k, v, k_cache, v_cache, slot_mapping)
+    write_kv_reference(k, v, kv_cache[layer, 0], kv_cache[layer, 1], slot_mapping)
 
 
 @write_kv.register_fake
-def _(k, v, k_cache, v_cache, slot_mapping) -> None:
+def _(k, v, kv_cache, layer, slot_mapping) -> None:
     return None
 
 
 @torch.library.custom_op("kiln::paged_attention", mutates_args=("out",))
 def paged_attention(
-    out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+    out: torch.Tensor, q: torch.Tensor, kv_cache: torch.Tensor, layer: int,
     query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor,
     scale: float, max_query_len: int, max_seq_len: int, num_decodes: int = 0,
 ) -> None:
     out.copy_(paged_attention_reference(
-        q, k_cache, v_cache, query_start_loc, seq_lens, block_tables,
+        q, kv_cache[layer, 0], kv_cache[layer, 1], query_start_loc, seq_lens, block_tables,
         scale, max_query_len, max_seq_len, num_decodes,
     ))
 
 
 @paged_attention.register_fake
-def _(out, q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale,
+def _(out, q, kv_cache, layer, query_start_loc, seq_lens, block_tables, scale,
       max_query_len, max_seq_len, num_decodes=0) -> None:
     return None
 
 
 @torch.library.custom_op("kiln::paged_attention_cpu", mutates_args=("out",), device_types="cpu")
 def paged_attention_cpu(
-    out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+    out: torch.Tensor, q: torch.Tensor, kv_cache: torch.Tensor, layer: int,
     query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor,
     scale: float, max_query_len: int, max_seq_len: int, num_decodes: int = 0,
 ) -> None:
@@ -57,6 +62,7 @@ def paged_attention_cpu(
     prefill chunks through the reference. Only the block-table columns that max_seq_len can
     reach are read (the runner's table is as wide as max_model_len allows).
     """
+    k_cache, v_cache = kv_cache[layer, 0], kv_cache[layer, 1]
     num_tokens, num_seqs = q.shape[0], seq_lens.shape[0]
     nd = num_seqs if max_query_len == 1 else min(num_decodes, num_seqs)
     if nd > 0:
@@ -69,7 +75,7 @@ def paged_attention_cpu(
 
 
 @paged_attention_cpu.register_fake
-def _(out, q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale,
+def _(out, q, kv_cache, layer, query_start_loc, seq_lens, block_tables, scale,
       max_query_len, max_seq_len, num_decodes=0) -> None:
     return None
 

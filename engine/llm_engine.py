@@ -231,7 +231,7 @@ class LLMEngine:
             block_tables=torch.zeros(n, 1, dtype=torch.int32, device=self.device),
             max_query_len=1, max_seq_len=1)
         with torch.inference_mode():
-            hidden = self.model(ids, ids, dummy.layers, meta)
+            hidden = self.model(ids, ids, dummy.tensor, meta)
             self.model.compute_logits(hidden[: self.settings.max_num_seqs])
         torch.cuda.synchronize()
         peak = torch.cuda.max_memory_allocated()

@@ -108,7 +108,6 @@ class ModelRunner:
                  block_size: int, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int) -> None:
         self.model = model
         self.kv_cache = kv_cache
-        self.kv_layers = kv_cache.layers
         self.sampler = sampler
         self.device = device
         self.block_size = block_size
@@ -246,17 +245,24 @@ class ModelRunner:
         static shapes), decode-shaped (one token per sequence, batch size symbolic) and general.
 
         Returns seconds. The warm-up steps are all padding (slot -1, length 0): they write only
-        the null block. Their sizes avoid coincidences that would make Dynamo duck-size one
-        symbol for two dimensions (tokens vs sequences + 1).
+        the null block. They are traced without duck sizing, so no coincidence of sizes (tokens,
+        sequences + 1, KV blocks) ties two dimensions to one symbol.
 
-        The KV cache is static (all dimensions): so the Inductor cache is hit again only with the
-        same number of KV blocks. (A symbolic block count gave wrong results on the CPU with
-        torch 2.13: the custom ops' in-place KV writes through views of the layer tensor.)
+        The KV cache's block count is symbolic (its other dimensions static), so a persistent
+        compile cache is hit again whatever the profiled pool size of the next start.
         """
         t0 = time.perf_counter()
-        mark_static_dims(self.kv_layers)
+        mark_static_dims([self.kv_cache.tensor], dims=(0, 1, 3, 4, 5))
+        torch._dynamo.mark_dynamic(self.kv_cache.tensor, 2)
         self.forward_fn = compile_forward(self.model.forward)
         self.compiled = True
+        with torch.fx.experimental._config.patch(use_duck_shape=False):
+            self._compile_warmup_steps()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter() - t0
+
+    def _compile_warmup_steps(self) -> None:
         buf = self.buffers
         for num_tokens, num_seqs, max_q in ((1, 1, 1), (3, 3, 1), (5, 2, 4)):
             buf.np_query_start_loc[0] = 0
@@ -267,10 +273,7 @@ class ModelRunner:
             buf.np_slot_mapping[:num_tokens] = -1
             buf.upload(num_tokens, num_seqs, 1)
             meta = self._compiled_meta(num_tokens, num_seqs, max_q, max_q)
-            self.forward_fn(buf.input_ids[:num_tokens], buf.positions[:num_tokens], self.kv_layers, meta)
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        return time.perf_counter() - t0
+            self.forward_fn(buf.input_ids[:num_tokens], buf.positions[:num_tokens], self.kv_cache.tensor, meta)
 
     def capture_graphs(self, sizes: list[int], device_reads_lengths: bool, simulate: bool = False) -> float:
         """Capture one decode graph per batch bucket (CUDA only); returns seconds.
@@ -319,7 +322,7 @@ class ModelRunner:
     def run_model(self, step: StepInputs) -> torch.Tensor:
         buf = self.buffers
         return self.forward_fn(buf.input_ids[:step.num_tokens], buf.positions[:step.num_tokens],
-                               self.kv_layers, step.meta)
+                               self.kv_cache.tensor, step.meta)
 
     @staticmethod
     def split_sampled(sched: SchedulerOutput, out: SamplerOutput) -> list[list[int]]:
@@ -373,7 +376,7 @@ class DecodeGraphRunner:
         r = self.runner
         buf = r.buffers
         meta = r._compiled_meta(rows, rows, 1, ctx)
-        hidden = r.forward_fn(buf.input_ids[:rows], buf.positions[:rows], r.kv_layers, meta)
+        hidden = r.forward_fn(buf.input_ids[:rows], buf.positions[:rows], r.kv_cache.tensor, meta)
         logits = r.model.compute_logits(hidden)
         out = self.logits[:rows]
         out.copy_(logits)

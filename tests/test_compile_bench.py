@@ -47,7 +47,7 @@ def test_hf_state_dict_covers_transformers_model(tiny_models):
                                  seq_lens=torch.tensor([5], dtype=torch.int32),
                                  block_tables=torch.tensor([[1]], dtype=torch.int32), max_query_len=5, max_seq_len=5)
         with torch.inference_mode():
-            ours = engine.model.compute_logits(engine.model(ids[0], torch.arange(5), engine.kv_cache.layers, meta))
+            ours = engine.model.compute_logits(engine.model(ids[0], torch.arange(5), engine.kv_cache.tensor, meta))
             theirs = hf(ids).logits[0].float()
         torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-4)
 

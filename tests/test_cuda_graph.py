@@ -117,7 +117,7 @@ def checked_decode_step(engine, expect_n: int) -> dict:
         meta = AttentionMetadata(slot_mapping=buf.slot_mapping[:n], query_start_loc=buf.query_start_loc[:n + 1],
                                  seq_lens=buf.seq_lens[:n], block_tables=buf.block_tables[:n],
                                  max_query_len=1, max_seq_len=max_len)
-        hidden = engine.model.forward(buf.input_ids[:n], buf.positions[:n], runner.kv_layers, meta)  # eager
+        hidden = engine.model.forward(buf.input_ids[:n], buf.positions[:n], runner.kv_cache.tensor, meta)  # eager
         ref = engine.model.compute_logits(hidden)
     assert torch.isfinite(logits).all(), f"non-finite logits from the bucket-{bucket} graph"
     diff = (logits - ref).abs().max().item()

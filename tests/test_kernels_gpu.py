@@ -83,8 +83,9 @@ def make_case(seqs, hq, hkv, d, bs, dtype, *, extra_cols=3, tail_tokens=0, seed=
     vc = torch.randn(total_blocks, bs, hkv, d, generator=g).to(dtype)
     q = torch.randn(T, hq, d, generator=g).to(dtype)
     lens = torch.tensor([s for _, s in seqs], dtype=torch.int32)
-    c = dict(q=q, k_cache=kc, v_cache=vc, query_start_loc=qsl, seq_lens=lens, block_tables=bt)
+    c = dict(q=q, kv_cache=torch.stack([kc, vc])[None], query_start_loc=qsl, seq_lens=lens, block_tables=bt)
     c = {k: v.to(DEV) for k, v in c.items()}
+    c["k_cache"], c["v_cache"] = c["kv_cache"][0, 0], c["kv_cache"][0, 1]  # views of the one-layer cache
     c["max_query_len"] = max(q_lens, default=1)
     c["max_seq_len"] = max((s for _, s in seqs), default=1)
     c["scale"] = 1.0 / math.sqrt(d)
@@ -100,7 +101,7 @@ def reference(c):
 def run_kernel(c, max_query_len=None):
     out = torch.full_like(c["q"], float("nan"))
     torch.ops.kiln.paged_attention_cutlass(
-        out, c["q"], c["k_cache"], c["v_cache"], c["query_start_loc"], c["seq_lens"], c["block_tables"],
+        out, c["q"], c["kv_cache"], 0, c["query_start_loc"], c["seq_lens"], c["block_tables"],
         c["scale"], c["max_query_len"] if max_query_len is None else max_query_len, c["max_seq_len"])
     torch.cuda.synchronize()
     return out
@@ -148,7 +149,7 @@ def test_write_kv_exact(dt, d, bs):
     exp_k[slots[keep]] = k[keep]
     exp_v[slots[keep]] = v[keep]
     other = big[0].clone()
-    torch.ops.kiln.write_kv_cutlass(k, v, kc, vc, slots)
+    torch.ops.kiln.write_kv_cutlass(k, v, big, 1, slots)
     torch.cuda.synchronize()
     assert torch.equal(kc.reshape(-1, hkv, d), exp_k), "K cache differs from the expected scatter"
     assert torch.equal(vc.reshape(-1, hkv, d), exp_v), "V cache differs from the expected scatter"
@@ -259,8 +260,8 @@ def test_cuda_graph_replay_after_in_place_updates(path):
     kernels(dtype, d, bs, decode=path)
     width, nblocks = 256, 1600
     g = torch.Generator().manual_seed(7)
-    kc = torch.randn(nblocks, bs, hkv, d, generator=g).to(dtype).to(DEV)
-    vc = torch.randn(nblocks, bs, hkv, d, generator=g).to(dtype).to(DEV)
+    kv = torch.randn(1, 2, nblocks, bs, hkv, d, generator=g).to(dtype).to(DEV)
+    kc, vc = kv[0, 0], kv[0, 1]
     q = torch.zeros(B, hq, d, dtype=dtype, device=DEV)
     k = torch.zeros(B, hkv, d, dtype=dtype, device=DEV)
     v = torch.zeros(B, hkv, d, dtype=dtype, device=DEV)
@@ -272,8 +273,8 @@ def test_cuda_graph_replay_after_in_place_updates(path):
     scale = 1.0 / math.sqrt(d)
 
     def step():
-        torch.ops.kiln.write_kv_cutlass(k, v, kc, vc, slots)
-        torch.ops.kiln.paged_attention_cutlass(out, q, kc, vc, qsl, lens, bt, scale, 1, 64)
+        torch.ops.kiln.write_kv_cutlass(k, v, kv, 0, slots)
+        torch.ops.kiln.paged_attention_cutlass(out, q, kv, 0, qsl, lens, bt, scale, 1, 64)
 
     def set_inputs(new_lens, seed):
         gg = torch.Generator().manual_seed(seed)
@@ -332,15 +333,15 @@ def test_ops_inside_torch_compile_fullgraph(path):
     slots = torch.tensor([int(bt[i, (L - 1) // bs]) * bs + (L - 1) % bs for i, L in enumerate([70, 300, 5])],
                          device=DEV)
 
-    def f(q, k, v, kc, vc, slots, qsl, lens, bt):
-        torch.ops.kiln.write_kv_cutlass(k, v, kc, vc, slots)
+    def f(q, k, v, kv, slots, qsl, lens, bt):
+        torch.ops.kiln.write_kv_cutlass(k, v, kv, 0, slots)
         out = torch.empty_like(q)
-        torch.ops.kiln.paged_attention_cutlass(out, q, kc, vc, qsl, lens, bt, c["scale"], 1, 300)
+        torch.ops.kiln.paged_attention_cutlass(out, q, kv, 0, qsl, lens, bt, c["scale"], 1, 300)
         return out * 2.0
 
     kc_ref, vc_ref = c["k_cache"].clone(), c["v_cache"].clone()
     compiled = torch.compile(f, fullgraph=True)
-    got = compiled(c["q"], k, v, c["k_cache"], c["v_cache"], slots, c["query_start_loc"], c["seq_lens"], bt)
+    got = compiled(c["q"], k, v, c["kv_cache"], slots, c["query_start_loc"], c["seq_lens"], bt)
     torch.cuda.synchronize()
     kc_ref.view(-1, 2, d)[slots] = k
     vc_ref.view(-1, 2, d)[slots] = v
@@ -362,6 +363,6 @@ def test_backend_forward():
     seq = [0] * 20 + [1]
     slots = torch.tensor([int(bt[s, p // bs]) * bs + p % bs for s, p in zip(seq, pos)], device=DEV)
     meta = AttentionMetadata(slots, c["query_start_loc"], c["seq_lens"], bt, 20, 33)
-    out = backend.forward(c["q"], k, v, c["k_cache"], c["v_cache"], meta, c["scale"])
+    out = backend.forward(c["q"], k, v, c["kv_cache"], 0, meta, c["scale"])
     torch.cuda.synchronize()
     check(out, reference(c), c, "backend forward")

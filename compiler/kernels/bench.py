@@ -109,11 +109,10 @@ def _paged(batch: int, ctx: int, dtype, copies: int, seed: int = 0):
     total = batch * nblk + 1
     sets = []
     for _ in range(copies):
-        kc = torch.empty(total, BS, HKV, D, dtype=dtype, device="cuda").normal_(generator=g)
-        vc = torch.empty_like(kc).normal_(generator=g)
+        kv = torch.empty(1, 2, total, BS, HKV, D, dtype=dtype, device="cuda").normal_(generator=g)
         perm = torch.randperm(total - 1, device="cuda", generator=g).to(torch.int32) + 1
         bt = perm[: batch * nblk].view(batch, nblk).contiguous()
-        sets.append((kc, vc, bt))
+        sets.append((kv, bt))  # kv: a one-layer cache [1, 2, blocks, BS, HKV, D]
     return sets
 
 
@@ -129,8 +128,8 @@ def _decode_case(B: int, ctx: int, dtype, kv_bytes: int):
     qsl = torch.arange(B + 1, dtype=torch.int32, device="cuda")
     lens = torch.full((B,), ctx, dtype=torch.int32, device="cuda")
     scale = 1 / math.sqrt(D)
-    fns = [lambda kc=kc, vc=vc, bt=bt: torch.ops.kiln.paged_attention_cutlass(
-        out, q, kc, vc, qsl, lens, bt, scale, 1, ctx) for kc, vc, bt in sets]
+    fns = [lambda kv=kv, bt=bt: torch.ops.kiln.paged_attention_cutlass(
+        out, q, kv, 0, qsl, lens, bt, scale, 1, ctx) for kv, bt in sets]
     return sets, q, qsl, lens, scale, fns
 
 
@@ -159,7 +158,8 @@ def bench_decode(kernels, batches, ctxs, copy_bw, baselines_max_bytes=4 << 30, m
                    "kiln_copy_share": kv_bytes / t / copy_bw, "v1_us": times["v1"] * 1e6,
                    "v2_us": times["v2"] * 1e6, "path": "v2" if kernels.decode_v2_enabled() else "v1"}
             if kv_bytes <= baselines_max_bytes:
-                kc, vc, bt = sets[0]
+                kv, bt = sets[0]
+                kc, vc = kv[0, 0], kv[0, 1]
                 tr = _time([lambda: paged_attention_reference(q, kc, vc, qsl, lens, bt, scale, 1, ctx)],
                                  calls_per_graph=3)
                 kd = torch.randn(B, HKV, ctx, D, dtype=dtype, device="cuda")
@@ -190,7 +190,7 @@ def bench_decode_sweep(kernels, copy_bw, batches=(16, 64), ctx=2048,
             for mt in min_tokens:
                 for cps in ctas_per_sm:
                     kernels.decode_min_tokens, kernels.decode_ctas_per_sm = mt, cps
-                    splits = kernels.decode_v2_plan(B, HQ, HKV, sets[0][2].shape[1])[2]
+                    splits = kernels.decode_v2_plan(B, HQ, HKV, sets[0][1].shape[1])[2]
                     t = _time_graph(fns, calls_per_graph=max(len(fns), 20))
                     rows.append({"kind": "decode_sweep", "batch": B, "ctx": ctx, "min_tokens": mt,
                                  "ctas_per_sm": cps, "splits": splits, "us": t * 1e6,
@@ -215,15 +215,15 @@ def bench_prefill(kernels, seq_lens, head_cfgs, tokens=16384):
             g = torch.Generator(device="cuda").manual_seed(S)
             nblk = -(-S // BS)
             total = B * nblk + 1
-            kc = torch.empty(total, BS, hkv, D, dtype=dtype, device="cuda").normal_(generator=g)
-            vc = torch.empty_like(kc).normal_(generator=g)
+            kv = torch.empty(1, 2, total, BS, hkv, D, dtype=dtype, device="cuda").normal_(generator=g)
+            kc, vc = kv[0, 0], kv[0, 1]
             bt = (torch.randperm(total - 1, device="cuda", generator=g).to(torch.int32) + 1)[: B * nblk].view(B, nblk).contiguous()
             q = torch.randn(B * S, hq, D, dtype=dtype, device="cuda")
             out = torch.empty_like(q)
             qsl = (torch.arange(B + 1, dtype=torch.int32, device="cuda") * S)
             lens = torch.full((B,), S, dtype=torch.int32, device="cuda")
             scale = 1 / math.sqrt(D)
-            fn = [lambda: torch.ops.kiln.paged_attention_cutlass(out, q, kc, vc, qsl, lens, bt, scale, S, S)]
+            fn = [lambda: torch.ops.kiln.paged_attention_cutlass(out, q, kv, 0, qsl, lens, bt, scale, S, S)]
             kernels.use_wgmma_prefill = False
             t_mma = _time_graph(fn, calls_per_graph=3)
             kernels.use_wgmma_prefill = True
@@ -244,7 +244,7 @@ def bench_prefill(kernels, seq_lens, head_cfgs, tokens=16384):
             rows.append({"kind": "prefill", "heads": f"{hq}/{hkv}", "batch": B, "seq": S, "kiln_ms": t * 1e3,
                          "kiln_TFLOPs": flops / t / 1e12,
                          "mma_TFLOPs": flops / t_mma / 1e12, "wgmma_TFLOPs": flops / t_wg / 1e12, "sdpa_ms": ts * 1e3, "sdpa_TFLOPs": flops / ts / 1e12})
-            del kc, vc, q, out, qd, kd, vd
+            del kv, kc, vc, q, out, qd, kd, vd
             torch.cuda.empty_cache()
     return rows
 

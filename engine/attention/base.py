@@ -39,7 +39,8 @@ class AttentionBackend(Protocol):
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-        k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+        kv_cache: torch.Tensor, layer: int, meta: AttentionMetadata, scale: float,
     ) -> torch.Tensor:
-        """Write k/v [T, Hkv, D] into the cache, then attend q [T, Hq, D]; returns [T, Hq, D]."""
+        """Write k/v [T, Hkv, D] into layer `layer` of the whole cache
+        [layers, 2, blocks, block_size, Hkv, D], then attend q [T, Hq, D]; returns [T, Hq, D]."""
         ...

@@ -45,11 +45,11 @@ class CutlassAttentionBackend:
         self.kernels = cutlass_ops.load_attention_kernels(
             spec.kernel_cache_dir, spec.device, spec.dtype, spec.head_dim, spec.block_size)
 
-    def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        torch.ops.kiln.write_kv_cutlass(k, v, k_cache, v_cache, meta.slot_mapping)
+    def forward(self, q, k, v, kv_cache, layer: int, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        torch.ops.kiln.write_kv_cutlass(k, v, kv_cache, layer, meta.slot_mapping)
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         torch.ops.kiln.paged_attention_cutlass(
-            out, q, k_cache, v_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables,
+            out, q, kv_cache, layer, meta.query_start_loc, meta.seq_lens, meta.block_tables,
             scale, meta.max_query_len, meta.max_seq_len,
         )
         return out

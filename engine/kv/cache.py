@@ -16,11 +16,6 @@ class KVCache:
         self.num_blocks = num_blocks
         self.block_size = block_size
 
-    @property
-    def layers(self) -> list[torch.Tensor]:
-        """Per-layer views [2, num_blocks, block_size, kv_heads, head_dim]: [0] is K, [1] is V."""
-        return list(self.tensor.unbind(0))
-
     @staticmethod
     def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int,
                         dtype: torch.dtype) -> int:

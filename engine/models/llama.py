@@ -56,8 +56,9 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, layer_index: int) -> None:
         super().__init__()
+        self.layer_index = layer_index  # which layer of the whole KV cache this attention owns
         self.num_heads = config.num_heads
         self.num_kv_heads = config.num_kv_heads
         self.head_dim = config.head_dim
@@ -71,6 +72,7 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: torch.Tensor,
                 meta: AttentionMetadata, backend: AttentionBackend) -> torch.Tensor:
+        """kv_cache: the whole cache [layers, 2, blocks, block_size, Hkv, D] (see compiler/ops.py)."""
         n = x.shape[0]
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(n, self.num_heads, self.head_dim)
@@ -81,7 +83,7 @@ class Attention(nn.Module):
             k = self.k_norm(k)
         q = apply_rope(q, cos, sin)
         k = apply_rope(k, cos, sin)
-        out = backend.forward(q.contiguous(), k.contiguous(), v.contiguous(), kv_cache[0], kv_cache[1],
+        out = backend.forward(q.contiguous(), k.contiguous(), v.contiguous(), kv_cache, self.layer_index,
                               meta, self.scale)
         return self.o_proj(out.view(n, self.q_size))
 
@@ -99,10 +101,10 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, layer_index: int) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = Attention(config)
+        self.self_attn = Attention(config, layer_index)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config)
 
@@ -116,7 +118,7 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary = RotaryEmbedding(config, max_positions)
         self.lm_head = None if config.tie_word_embeddings else nn.Linear(
@@ -126,13 +128,13 @@ class LlamaForCausalLM(nn.Module):
     def set_backend(self, backend: AttentionBackend) -> None:
         self.backend = backend
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
-        """ids, positions [T] -> final hidden states [T, hidden]. kv_caches[i]: [2, blocks, bs, Hkv, D]."""
+        """ids, positions [T] -> final hidden states [T, hidden]. kv_cache: [layers, 2, blocks, bs, Hkv, D]."""
         x = self.embed_tokens(input_ids)
         cos, sin = self.rotary(positions, x.dtype)
-        for layer, kv in zip(self.layers, kv_caches):
-            x = layer(x, cos, sin, kv, meta, self.backend)
+        for layer in self.layers:
+            x = layer(x, cos, sin, kv_cache, meta, self.backend)
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
