@@ -22,11 +22,14 @@ event. Ordering (all on the side stream, so swaps are ordered among themselves):
              forward (which may write into blocks a swap-out is still reading, and read blocks
              a swap-in is still writing) run only after every queued copy is done.
 The runner calls launch() first and wait() after preparing the step's inputs, so the
-copies overlap the host-side preparation.
+copies overlap the host-side preparation. `measurement()` reports how long a finished
+launch took (CUDA events, read without blocking; host time on the CPU), for the engine's
+swap-or-recompute cost model.
 """
 
 from __future__ import annotations
 
+import time
 from typing import Sequence
 
 import torch
@@ -112,8 +115,10 @@ class BlockSwapper:
         self.staging = torch.empty((cap, *block_shape), dtype=cache.dtype, device=self.device)
         self.is_cuda = self.device.type == "cuda"
         self.stream = torch.cuda.Stream(device=self.device) if self.is_cuda else None
-        self.done = torch.cuda.Event() if self.is_cuda else None
+        self.started = torch.cuda.Event(enable_timing=True) if self.is_cuda else None
+        self.done = torch.cuda.Event(enable_timing=True) if self.is_cuda else None
         self._in_flight = False
+        self._unmeasured: tuple[int, float] | None = None  # (bytes, seconds; -1 until read off events)
         self.bytes_out = 0
         self.bytes_in = 0
 
@@ -122,16 +127,38 @@ class BlockSwapper:
         if not swap_out and not swap_in:
             return
         if not self.is_cuda:
-            self.bytes_out += swap_blocks(self.gpu, self.cpu, swap_out, self.staging)
-            self.bytes_in += swap_blocks(self.cpu, self.gpu, swap_in, self.staging)
+            t0 = time.perf_counter()
+            moved = self._copy(swap_out, swap_in)
+            self._unmeasured = (moved, time.perf_counter() - t0)
             return
+        # (a launch not yet measured when the next one starts goes unmeasured)
         compute = torch.cuda.current_stream(self.device)
         self.stream.wait_stream(compute)
         with torch.cuda.stream(self.stream):
-            self.bytes_out += swap_blocks(self.gpu, self.cpu, swap_out, self.staging)
-            self.bytes_in += swap_blocks(self.cpu, self.gpu, swap_in, self.staging)
+            self.started.record(self.stream)
+            moved = self._copy(swap_out, swap_in)
             self.done.record(self.stream)
         self._in_flight = True
+        self._unmeasured = (moved, -1.0)
+
+    def _copy(self, swap_out: Mapping, swap_in: Mapping) -> int:
+        out = swap_blocks(self.gpu, self.cpu, swap_out, self.staging)
+        into = swap_blocks(self.cpu, self.gpu, swap_in, self.staging)
+        self.bytes_out += out
+        self.bytes_in += into
+        return out + into
+
+    def measurement(self) -> tuple[int, float] | None:
+        """(bytes, seconds) of the last launch, once, if it has finished; never blocks."""
+        if self._unmeasured is None:
+            return None
+        moved, seconds = self._unmeasured
+        if seconds < 0:
+            if not self.done.query():
+                return None
+            seconds = self.started.elapsed_time(self.done) / 1e3
+        self._unmeasured = None
+        return moved, seconds
 
     def wait(self) -> None:
         """Order the compute stream after every queued copy (no host sync)."""

@@ -29,6 +29,8 @@ from engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput, sample
 
 logger = logging.getLogger(__name__)
 
+# Steps with at least this many prefill tokens (and more prefill than decode) time recomputation.
+MIN_PREFILL_SAMPLE = 16
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -285,6 +287,10 @@ class LLMEngine:
         sched = self.scheduler.schedule()
         if sched.is_empty:
             return []
+        if self.block_swapper is not None:
+            measured = self.block_swapper.measurement()  # an earlier step's copies, if done
+            if measured is not None:
+                self.swap_space.observe_swap(*measured)
         if sched.blocks_to_swap_out or sched.blocks_to_swap_in:
             # Queued on the swap stream; the compute stream waits for them before this step's
             # copy-on-write copies and forward (no host sync: the runner's input prep overlaps).
@@ -330,6 +336,10 @@ class LLMEngine:
                 self.scheduler.pop_finished_request(request.request_id)
             results.append(self._output(request))
         self.last_step = StepStats(sched.num_prefill_tokens, len(touched), time.perf_counter() - t0)
+        if self.swap_space is not None and sched.num_prefill_tokens >= max(MIN_PREFILL_SAMPLE,
+                                                                           sched.num_decode_tokens):
+            # A prefill-dominated step prices recomputation for auto preemption (SwapSpace).
+            self.swap_space.observe_prefill(sched.num_tokens, self.last_step.duration)
         self.num_prompt_tokens_total += sched.num_prefill_tokens
         self.num_generation_tokens_total += len(touched)
         return results

@@ -394,6 +394,10 @@ class Scheduler:
     # ---- preemption ----
     def _preempt(self, seq: Sequence, out: SchedulerOutput, reason: str) -> None:
         mode = self._preemption_mode_for(seq)
+        if self.config.preemption_mode == "auto" and self.swapper is not None:
+            estimate = self.swapper.auto_estimate(seq)
+            if estimate is not None:
+                reason += f"; estimated swap {estimate[0] * 1e3:.2f} ms vs recompute {estimate[1] * 1e3:.2f} ms"
         self.running.remove(seq)
         seq.num_preemptions += 1
         self.num_preemptions += 1
@@ -421,8 +425,9 @@ class Scheduler:
             self.on_preempt(seq, mode, reason)
 
     def _preemption_mode_for(self, seq: Sequence) -> str:
-        """swap: to the CPU whenever it has room; auto: also only if the KV is worth keeping
-        (SwapSpace.can_swap_out); otherwise, and in recompute mode, recompute."""
+        """swap: to the CPU whenever it has room; auto: also only if copying the KV out and back
+        is estimated to cost less than recomputing it (SwapSpace.can_swap_out); otherwise, and
+        in recompute mode, recompute."""
         mode = self.config.preemption_mode
         if self.swapper is None or mode == "recompute":
             return "recompute"

@@ -50,8 +50,11 @@ def test_block_swapper_on_cpu_counts_bytes():
     orig = cache.clone()
     swapper = BlockSwapper(cache, num_cpu_blocks=6, staging_bytes=1)
     assert swapper.staging.shape[0] == 1 and not swapper.cpu.is_pinned()
+    assert swapper.measurement() is None
     swapper.launch([(3, 0), (4, 1)], [])
     swapper.wait()
+    moved, seconds = swapper.measurement()  # for auto preemption's cost model, read once
+    assert moved == 2 * swapper.bytes_per_block and seconds > 0 and swapper.measurement() is None
     cache[:, :, 3:5] = 0
     swapper.launch([], [(0, 7), (1, 8)])
     swapper.wait()
@@ -75,6 +78,8 @@ def test_block_swapper_orders_copies_against_the_compute_stream():
     swapper.wait()
     torch.cuda.synchronize()
     assert torch.equal(cache[:, :, src], orig[:, :, src])
+    moved, seconds = swapper.measurement()  # the swap-in, timed by CUDA events
+    assert moved == 512 * swapper.bytes_per_block and seconds > 0 and swapper.measurement() is None
 
 
 # ---- the engine preempting by swap ----

@@ -204,6 +204,31 @@ def test_auto_recomputes_short_sequences_and_swaps_long_ones():
     assert s.swapper.can_swap_out(short, "swap")
 
 
+def test_auto_cost_model_uses_measured_rates():
+    """Once both rates are measured, auto compares copy time out and back with recompute time."""
+    s = make(num_blocks=20, block_size=4, cpu_blocks=8, mode="auto")
+    sw = s.swapper
+    sw.bytes_per_block = 1000
+    d = Driver(s)
+    short = d.add("short", prompt(1, 2), max_tokens=4).seqs[0]
+    long = d.add("long", prompt(2, 10), max_tokens=4).seqs[0]
+    d.step()
+    assert sw.auto_estimate(long) is None  # nothing measured yet: the token threshold decides
+    sw.observe_prefill(100, 0.1)  # 1 ms per token
+    sw.observe_swap(1000, 1e-4)  # a block each way: 0.2 ms for one block
+    swap_s, recompute_s = sw.auto_estimate(long)  # 10 tokens in 3 blocks
+    assert swap_s == pytest.approx(6e-4) and recompute_s == pytest.approx(1e-2)
+    assert sw.can_swap_out(long, "auto") and sw.can_swap_out(short, "auto")  # 2 tokens: 0.2 ms < 2 ms
+    sw.observe_swap(1000, 0.1)  # a very slow link: the moving average climbs
+    assert sw.swap_seconds_per_byte == pytest.approx(0.8 * 1e-7 + 0.2 * 1e-4)
+    assert not sw.can_swap_out(short, "auto") and not sw.can_swap_out(long, "auto")
+    assert sw.can_swap_out(long, "swap")  # swap mode ignores the costs
+    sw.observe_prefill(10, 10.0)  # and when recomputation is slower still, swapping wins again
+    assert sw.can_swap_out(long, "auto")
+    d.drain()
+    assert d.done["long"] == d.expected["long"]
+
+
 def test_full_swap_space_falls_back_to_recompute():
     d = Driver(make(num_blocks=9, block_size=4, budget=32, max_model_len=32, cpu_blocks=1, prefix=False))
     for i in range(3):

@@ -59,9 +59,12 @@ class SwapSpace:
         self.block_size = gpu_pool.block_size
         self.num_blocks = num_cpu_blocks
         self.bytes_per_block = bytes_per_block
-        # auto mode swaps only a sequence with at least this many tokens of KV to move:
-        # shorter ones are cheaper to recompute (one small prefill chunk) than to copy twice.
+        # auto mode's cost model (`auto_estimate`): both rates are measured while serving
+        # (`observe_swap`, `observe_prefill`). Until both are known, auto swaps only a sequence
+        # with at least auto_min_tokens tokens of KV to move.
         self.auto_min_tokens = self.block_size if auto_min_tokens is None else auto_min_tokens
+        self.swap_seconds_per_byte: float | None = None
+        self.recompute_seconds_per_token: float | None = None
         self._free: list[int] = list(range(num_cpu_blocks))  # a min-heap: low ids first, long runs
         self._deferred: list[int] = []
         self._entries: dict[int, _Swapped] = {}  # seq id -> its blocks
@@ -101,27 +104,60 @@ class SwapSpace:
     def _kept_prefix(self, seq: Sequence) -> int:
         return -(-seq.num_computed_tokens // self.block_size)
 
+    def _movable(self, seq: Sequence) -> tuple[int, int]:
+        """(blocks, computed tokens in them) that a swap-out would copy: the kept blocks that
+        only this sequence references (shared ones stay on the GPU)."""
+        bs = self.block_size
+        computed = seq.num_computed_tokens
+        blocks = tokens = 0
+        for i, block in enumerate(seq.block_ids[:self._kept_prefix(seq)]):
+            if self.gpu_pool.ref_count(block) == 1:
+                blocks += 1
+                tokens += min(bs, computed - i * bs)
+        return blocks, tokens
+
     def can_swap_out(self, seq: Sequence, mode: str) -> bool:
         """swap: whenever the CPU has room. auto: also only when the KV is worth keeping.
 
-        Worth keeping (auto): at least `auto_min_tokens` computed tokens in the blocks that would
-        move. Swapping costs two copies of those blocks over PCIe, overlapped with compute;
-        recomputing costs a prefill of every computed token inside the token budget. A few
-        tokens, or KV that mostly sits in shared blocks that stay on the GPU anyway (and come
-        back as prefix hits), are cheaper to recompute.
+        Worth keeping (auto): copying the movable blocks out and back in is estimated to take
+        less time than recomputing their tokens (`auto_estimate`); before both rates have been
+        measured, when at least `auto_min_tokens` tokens would move. KV that sits in shared
+        blocks stays on the GPU either way (and comes back as prefix hits), so it counts for
+        neither side; with nothing movable, recompute.
         """
-        bs = self.block_size
-        computed = seq.num_computed_tokens
-        movable = movable_tokens = 0
-        for i, block in enumerate(seq.block_ids[:self._kept_prefix(seq)]):
-            if self.gpu_pool.ref_count(block) == 1:
-                movable += 1
-                movable_tokens += min(bs, computed - i * bs)
+        movable, movable_tokens = self._movable(seq)
         if movable > self.num_free:
             return False
-        if mode == "auto":
-            return movable > 0 and movable_tokens >= self.auto_min_tokens
-        return True
+        if mode != "auto":
+            return True
+        if movable == 0:
+            return False
+        estimate = self.auto_estimate(seq)
+        if estimate is None:
+            return movable_tokens >= self.auto_min_tokens
+        swap_seconds, recompute_seconds = estimate
+        return swap_seconds < recompute_seconds
+
+    def auto_estimate(self, seq: Sequence) -> tuple[float, float] | None:
+        """(seconds to swap the movable blocks out and back in, seconds to recompute their
+        tokens) at the measured rates; None until both rates are known."""
+        if self.swap_seconds_per_byte is None or self.recompute_seconds_per_token is None:
+            return None
+        movable, movable_tokens = self._movable(seq)
+        return (2 * movable * self.bytes_per_block * self.swap_seconds_per_byte,
+                movable_tokens * self.recompute_seconds_per_token)
+
+    # ---- measured rates (auto mode's cost model) ----
+    def observe_swap(self, num_bytes: int, seconds: float) -> None:
+        """One batch of copies took `seconds` for `num_bytes` (both directions together)."""
+        if num_bytes > 0 and seconds > 0:
+            self.swap_seconds_per_byte = _moving_average(self.swap_seconds_per_byte, seconds / num_bytes)
+
+    def observe_prefill(self, num_tokens: int, seconds: float) -> None:
+        """A step that computed `num_tokens` tokens, mostly prefill, took `seconds`."""
+        if num_tokens > 0 and seconds > 0:
+            self.recompute_seconds_per_token = _moving_average(self.recompute_seconds_per_token,
+                                                               seconds / num_tokens)
 
     def blocks_needed(self, seq: Sequence) -> int:
         """GPU blocks a swap-in takes from the available ones (kept or still-shared blocks need none)."""
@@ -160,7 +196,7 @@ class SwapSpace:
         """
         keep = self._kept_prefix(seq)
         blocks = seq.block_ids
-        movable = sum(1 for b in blocks[:keep] if self.gpu_pool.ref_count(b) == 1)
+        movable, _ = self._movable(seq)
         if movable > len(self._free):
             raise NoSwapSpaceError(f"need {movable} CPU blocks, {len(self._free)} free")
         entry = _Swapped([], [])
@@ -258,3 +294,8 @@ class SwapSpace:
             f"CPU block accounting broken: used {len(used)} + free {len(free)} + deferred "
             f"{len(self._deferred)} != {self.num_blocks}")
         assert all(0 <= b < self.num_blocks for b in everything), "CPU block id out of range"
+
+
+def _moving_average(old: float | None, new: float, weight: float = 0.2) -> float:
+    """Exponential moving average; the first observation is taken as is."""
+    return new if old is None else (1 - weight) * old + weight * new
