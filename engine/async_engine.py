@@ -164,7 +164,7 @@ class RequestStream:
         if not choices and not out.finished:
             return None
         return RequestOutput(out.request_id, out.prompt, out.prompt_token_ids, choices, out.finished,
-                             out.num_cached_tokens, out.error, out.metrics)
+                             out.num_cached_tokens, out.error, out.metrics, out.prompt_logprobs)
 
     def close(self) -> None:
         """Stop reading: aborts the request in the engine unless it already finished."""

@@ -297,6 +297,8 @@ class LLMEngine:
             self.block_swapper.launch(sched.blocks_to_swap_out, sched.blocks_to_swap_in)
             self.block_swapper.wait()
         sampled = self.runner.execute(sched)
+        if sampled.prompt_logprobs:
+            self._record_prompt_logprobs(sampled.prompt_logprobs)
         tokens = self.runner.split_sampled(sched, sampled)
         failed = self._failed_rows(sched, sampled.errors)
         for i, s in enumerate(sched.seqs):
@@ -439,6 +441,13 @@ class LLMEngine:
         top[seq.token_ids[-1]] = chosen
         seq.logprobs.append(top)
 
+    def _record_prompt_logprobs(self, scored: dict[int, tuple[int, list[dict[int, float]]]]) -> None:
+        by_id = {s.seq_id: s for s in self.scheduler.running}
+        for seq_id, (first, entries) in scored.items():
+            seq = by_id.get(seq_id)
+            if seq is not None:  # (a recomputed prompt scores its tokens again: same entries)
+                seq.request.prompt_logprobs[first:first + len(entries)] = entries
+
     def _output(self, request: Request) -> RequestOutput:
         params = request.params
         outs = [
@@ -460,9 +469,10 @@ class LLMEngine:
             "first_token_time": request.first_token_time,
             "finished_time": request.finished_time,
         }
+        # prompt_logprobs: the request's own list (complete once the first token exists; not copied per step)
         return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids, outs,
                              request.is_finished, request.seqs[0].num_cached_tokens if request.seqs else 0,
-                             request.error, metrics)
+                             request.error, metrics, request.prompt_logprobs)
 
     # ---- invariants ----
     def check_integrity(self) -> None:

@@ -46,7 +46,9 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     ignore_eos: bool = False
     logprobs: int | None = None  # top-N logprobs per generated token (0: only the chosen token)
-    prompt_logprobs: None = None
+    # top-N logprobs of each prompt token given the tokens before it (0: only the prompt token's own);
+    # such a request is computed whole, without prefix-cache hits.
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     detokenize: bool = True
     # Callables (output_token_ids, logits_row) -> logits_row, applied in order to this request's
@@ -89,6 +91,8 @@ class SamplingParams:
             bad(f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})", "min_tokens")
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
             bad(f"logprobs must be in [0, 20], got {self.logprobs}", "logprobs")
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= 20:
+            bad(f"prompt_logprobs must be in [0, 20], got {self.prompt_logprobs}", "prompt_logprobs")
         if any(not s for s in self.stop):
             bad("stop strings must be non-empty", "stop")
         if any(not callable(p) for p in self.logits_processors or []):
@@ -166,6 +170,13 @@ class Request:
     first_token_time: float | None = None
     finished_time: float | None = None
     error: str | None = None
+    # With params.prompt_logprobs: one entry per prompt token, the first None (nothing before it),
+    # filled as the prompt's chunks are computed.
+    prompt_logprobs: list[dict[int, float] | None] | None = None
+
+    def __post_init__(self) -> None:
+        if self.params.prompt_logprobs is not None and self.prompt_logprobs is None:
+            self.prompt_logprobs = [None] * len(self.prompt_token_ids)
 
     @property
     def is_finished(self) -> bool:
@@ -201,3 +212,4 @@ class RequestOutput:
     num_cached_tokens: int = 0
     error: str | None = None
     metrics: dict[str, Any] = field(default_factory=dict)
+    prompt_logprobs: list[dict[int, float] | None] | None = None

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -24,10 +24,14 @@ from compiler.capture import (MIN_COMPILED_ROWS, CudaGraphSet, SimulatedGraphSet
                               graph_ctx, mark_static_dims)
 from engine.attention.base import AttentionMetadata
 from engine.kv.cache import KVCache
-from engine.sampler import Sampler, SampleRow, SamplerOutput
+from engine.sampler import Sampler, SampleRow, SamplerOutput, prompt_token_logprobs
 from engine.scheduler import SchedulerOutput, sample_row_ranges
 
 logger = logging.getLogger(__name__)
+
+# Prompt logprobs: logits are computed for at most this many prompt rows at a time (each row is
+# a vocabulary of float32; a whole chunk's at once could take gigabytes).
+PROMPT_LOGPROB_ROWS = 256
 
 
 class InputBuffers:
@@ -101,6 +105,19 @@ class StepInputs:
     sample_indices: list[int]  # rows of the hidden states to sample from (repeated for forks)
     rows: list[SampleRow]
     graph_key: tuple[int, int] | None = None  # (rows, ctx) of the decode graph to replay
+    prompt_scores: list[PromptScore] = field(default_factory=list)
+
+
+@dataclass
+class PromptScore:
+    """Prompt tokens to score this step for one sequence (SamplingParams.prompt_logprobs):
+    hidden row `row + k` predicts prompt token `first_index + k`, which is `targets[k]`."""
+
+    seq_id: int
+    row: int
+    first_index: int
+    targets: list[int]
+    top_n: int
 
 
 class ModelRunner:
@@ -135,6 +152,7 @@ class ModelRunner:
         max_cols = 1
         sample_indices: list[int] = []
         rows: list[SampleRow] = []
+        scores: list[PromptScore] = []
         buf.np_query_start_loc[0] = 0
         num_decodes = 0  # leading one-token sequences (the scheduler puts decodes first)
         for i, s in enumerate(seqs):
@@ -152,6 +170,10 @@ class ModelRunner:
             buf.np_block_tables[i, :cols] = s.block_ids
             max_cols = max(max_cols, cols)
             buf.np_seq_lens[i] = end
+            last_scored = min(end, s.num_prompt_tokens - 1)  # position j predicts prompt token j + 1
+            if s.params.prompt_logprobs is not None and start < last_scored:
+                scores.append(PromptScore(s.seq_id, t, start + 1, s.all_token_ids[start + 1:last_scored + 1],
+                                          s.params.prompt_logprobs))
             t += n
             buf.np_query_start_loc[i + 1] = t
             max_q = max(max_q, n)
@@ -160,8 +182,10 @@ class ModelRunner:
                 for k in range(s.num_samples):
                     sample_indices.append(t - 1)
                     rows.append(SampleRow(s.params, s.all_token_ids, s.num_prompt_tokens, s.sample_index + k))
-        return self._finish_prepare(t, len(seqs), max_q, max_len, max_cols, sample_indices, rows, None,
+        step = self._finish_prepare(t, len(seqs), max_q, max_len, max_cols, sample_indices, rows, None,
                                     num_decodes)
+        step.prompt_scores = scores
+        return step
 
     def _prepare_decode(self, seqs) -> StepInputs:
         """One token per sequence, each sampled once: the CUDA-graph shape. One pass, no numpy temporaries."""
@@ -314,10 +338,21 @@ class ModelRunner:
             return self.sampler(logits[:n], step.rows)
         hidden = self.run_model(step)
         if not step.rows:
-            return SamplerOutput([], [])
-        idx = torch.tensor(step.sample_indices, device=self.device)
-        logits = self.model.compute_logits(hidden[idx])
-        return self.sampler(logits, step.rows)
+            out = SamplerOutput([], [])
+        else:
+            idx = torch.tensor(step.sample_indices, device=self.device)
+            out = self.sampler(self.model.compute_logits(hidden[idx]), step.rows)
+        for score in step.prompt_scores:
+            out.prompt_logprobs[score.seq_id] = (score.first_index, self._score_prompt(hidden, score))
+        return out
+
+    def _score_prompt(self, hidden: torch.Tensor, score: PromptScore) -> list[dict[int, float]]:
+        entries: list[dict[int, float]] = []
+        for lo in range(0, len(score.targets), PROMPT_LOGPROB_ROWS):
+            targets = score.targets[lo:lo + PROMPT_LOGPROB_ROWS]
+            rows = hidden[score.row + lo:score.row + lo + len(targets)]
+            entries += prompt_token_logprobs(self.model.compute_logits(rows), targets, score.top_n)
+        return entries
 
     def run_model(self, step: StepInputs) -> torch.Tensor:
         buf = self.buffers

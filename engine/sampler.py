@@ -37,6 +37,9 @@ class SamplerOutput:
     # Rows that failed (a logits processor raised, or the logits were NaN / +inf / all -inf):
     # row -> message. Their token is -1; the engine fails their requests, the rest go on.
     errors: dict[int, str] = field(default_factory=dict)
+    # Prompt logprobs computed this step: seq id -> (position of the first prompt token they
+    # score, one {token: logprob} entry per scored token; the prompt token's own included).
+    prompt_logprobs: dict[int, tuple[int, list[dict[int, float]]]] = field(default_factory=dict)
 
 
 def _row_seed(seed: int, sample_index: int, position: int) -> int:
@@ -184,14 +187,9 @@ class Sampler:
 
     def _with_logprobs(self, raw_logits: torch.Tensor, tokens: torch.Tensor, rows: list[SampleRow],
                        want: list[bool]) -> SamplerOutput:
-        logprobs = raw_logits.log_softmax(dim=-1)
-        chosen = logprobs.gather(1, tokens.clamp(min=0)[:, None])[:, 0]
         top_n = max(r.params.logprobs or 0 for r in rows)
-        top_vals, top_ids = (logprobs.topk(top_n, dim=-1) if top_n > 0 else
-                             (torch.empty(len(rows), 0), torch.empty(len(rows), 0, dtype=torch.int64)))
+        chosen_list, vals, ids = _chosen_and_top(raw_logits, tokens.clamp(min=0), top_n)
         token_list = tokens.tolist()
-        chosen_list = chosen.tolist()
-        vals, ids = top_vals.tolist(), top_ids.tolist()
         out: list[tuple[float, dict[int, float]] | None] = []
         for i, r in enumerate(rows):
             if not want[i]:
@@ -201,3 +199,26 @@ class Sampler:
             top = {ids[i][j]: vals[i][j] for j in range(n)}
             out.append((chosen_list[i], top))
         return SamplerOutput(token_list, out)
+
+
+def _chosen_and_top(logits: torch.Tensor, chosen: torch.Tensor, top_n: int
+                    ) -> tuple[list[float], list[list[float]], list[list[int]]]:
+    """Per row: the logprob of token `chosen[row]`, and the top_n logprobs with their token ids."""
+    logprobs = logits.float().log_softmax(dim=-1)
+    picked = logprobs.gather(1, chosen[:, None])[:, 0]
+    if top_n > 0:
+        top_vals, top_ids = logprobs.topk(top_n, dim=-1)
+        return picked.tolist(), top_vals.tolist(), top_ids.tolist()
+    return picked.tolist(), [[] for _ in range(len(chosen))], [[] for _ in range(len(chosen))]
+
+
+def prompt_token_logprobs(logits: torch.Tensor, targets: list[int], top_n: int) -> list[dict[int, float]]:
+    """{token: logprob} per row for a prompt: the top_n tokens and the prompt's own next token
+    `targets[row]` (always present, whatever its rank)."""
+    picked, vals, ids = _chosen_and_top(logits, torch.tensor(targets, device=logits.device), top_n)
+    entries = []
+    for i, target in enumerate(targets):
+        entry = dict(zip(ids[i], vals[i]))
+        entry[target] = picked[i]
+        entries.append(entry)
+    return entries

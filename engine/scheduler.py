@@ -310,8 +310,8 @@ class Scheduler:
 
         Returns how many prompt tokens were found in the cache.
         """
-        if not self.pool.enable_prefix_caching:
-            return 0
+        if not self.pool.enable_prefix_caching or seq.request.params.prompt_logprobs is not None:
+            return 0  # prompt logprobs need every prompt position computed
         max_blocks = (seq.num_tokens - 1) // self.config.block_size
         blocks, digests = self.pool.match_prefix(seq.token_ids, max_blocks)
         for block in blocks:

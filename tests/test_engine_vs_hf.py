@@ -141,3 +141,39 @@ def test_half_precision_runs_close_to_float32(dtype, tiny_llama, make_llm):
     assert llm16.engine.kv_cache.tensor.dtype == getattr(torch, dtype)
     same_first = sum(x.outputs[0].token_ids[0] == y.outputs[0].token_ids[0] for x, y in zip(a, b))
     assert same_first >= 4, "half precision diverged from float32 on most first tokens"
+
+
+def hf_prompt_logprobs(model_dir, prompt: list[int]) -> torch.Tensor:
+    """transformers' log-softmax over the vocabulary at each prompt position [len - 1, vocab]."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt])).logits[0, :-1].float()
+    return logits.log_softmax(-1)
+
+
+@pytest.mark.parametrize("variant", [dict(), dict(max_num_batched_tokens=32, enable_prefix_caching=True)])
+def test_prompt_logprobs_match_transformers(variant, tiny_llama, make_llm):
+    """Every prompt token's logprob (and the top 3) as transformers computes them; with chunked
+    prefill the chunks' boundaries are scored too, and a cached prefix is recomputed, not skipped."""
+    llm = make_llm(tiny_llama, **variant)
+    prompts = [p for p in _prompts(llm.engine.model_config.vocab_size, seed=3) if len(p) in (1, 2, 33, 150)]
+    llm.generate([prompts[2]], GREEDY, use_tqdm=False)  # fills the prefix cache with one prompt
+    params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True, prompt_logprobs=3)
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    for prompt, out in zip(prompts, outs):
+        entries = out.prompt_logprobs
+        assert len(entries) == len(prompt) and entries[0] is None
+        if len(prompt) == 1:
+            continue
+        want = hf_prompt_logprobs(str(tiny_llama), prompt)
+        for pos in range(1, len(prompt)):
+            entry, ref = entries[pos], want[pos - 1]
+            assert entry[prompt[pos]] == pytest.approx(ref[prompt[pos]].item(), abs=1e-4), f"position {pos}"
+            top = ref.topk(3)
+            for tok, lp in zip(top.indices.tolist(), top.values.tolist()):
+                assert entry[tok] == pytest.approx(lp, abs=1e-4)
+            assert len(entry) in (3, 4)  # the prompt token joins the top 3 unless it is one of them
+    plain = llm.generate(prompts, GREEDY, use_tqdm=False)
+    assert all(o.prompt_logprobs is None for o in plain)

@@ -266,6 +266,33 @@ def test_echo_and_prompt_lists(client):
     assert r.usage.completion_tokens == 12
 
 
+def test_echo_logprobs_score_the_prompt(client, url):
+    """echo + logprobs (what loglikelihood evaluations send): the echoed prompt tokens carry the
+    logprobs that generating them would have had; the first has none."""
+    prompt = [40, 41, 42, 43, 44, 45]
+    gen = client.completions.create(model=MODEL, prompt=prompt, max_tokens=1, temperature=0, logprobs=1)
+    token_lp = gen.choices[0].logprobs.token_logprobs[0]
+    next_id = post(url, "/tokenize", {"prompt": gen.choices[0].text, "add_special_tokens": False}).json()["tokens"]
+    scored = client.completions.create(model=MODEL, prompt=prompt + next_id[:1], max_tokens=1, temperature=0,
+                                       logprobs=2, echo=True)
+    lp = scored.choices[0].logprobs
+    assert len(lp.tokens) == len(prompt) + 2 and lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert all(v is not None and v <= 0 for v in lp.token_logprobs[1:])
+    assert all(len(t) >= 2 for t in lp.top_logprobs[1:])
+    if len(next_id) == 1:  # the generated text re-tokenises to the generated token
+        assert abs(lp.token_logprobs[len(prompt)] - token_lp) < 1e-4
+    stream = client.completions.create(model=MODEL, prompt=prompt + next_id[:1], max_tokens=1, temperature=0,
+                                       logprobs=2, echo=True, stream=True)
+    first = next(iter(stream)).choices[0].logprobs
+    assert first.token_logprobs[:len(prompt) + 1] == lp.token_logprobs[:len(prompt) + 1]
+    # vLLM's prompt_logprobs extension gives the same numbers
+    body = post(url, "/v1/completions", {"model": MODEL, "prompt": prompt, "max_tokens": 1, "prompt_logprobs": 0}).json()
+    entries = body["choices"][0]["prompt_logprobs"]
+    assert entries[0] is None and len(entries) == len(prompt)
+    assert [e[str(t)]["logprob"] for t, e in zip(prompt[1:], entries[1:])] == \
+        pytest.approx(lp.token_logprobs[1:len(prompt)], abs=1e-5)
+
+
 def test_prefix_cache_reports_cached_tokens(client):
     prompt = "Continuous batching lets new requests join a running batch at every step instead of waiting. " * 2
     client.completions.create(model=MODEL, prompt=prompt, max_tokens=2)

@@ -483,18 +483,24 @@ class _Handlers:
                     prefix = self._prompt_text(job, i // job.n, out)
                     text = prefix + text
                     if lp is not None:
-                        lp = self._echo_logprobs(out.prompt_token_ids, prefix, lp)
-                out_choices.append({"index": i, "text": text, "logprobs": lp, "finish_reason": ch.finish_reason,
-                                    "stop_reason": ch.stop_reason})
+                        lp = self._echo_logprobs(out.prompt_token_ids, out.prompt_logprobs, prefix, lp)
+                choice = {"index": i, "text": text, "logprobs": lp, "finish_reason": ch.finish_reason,
+                          "stop_reason": ch.stop_reason}
+                if job.params.prompt_logprobs is not None:
+                    choice["prompt_logprobs"] = self._vllm_prompt_logprobs(out)
+                out_choices.append(choice)
             else:
                 lp = ({"content": self._chat_logprobs(ch.token_ids, ch.logprobs, job.params.logprobs)}
                       if job.params.logprobs is not None else None)
                 out_choices.append({"index": i, "message": {"role": "assistant", "content": ch.text},
                                     "logprobs": lp, "finish_reason": ch.finish_reason,
                                     "stop_reason": ch.stop_reason})
-        return {"id": job.id, "object": "text_completion" if job.kind == "completion" else "chat.completion",
+        body = {"id": job.id, "object": "text_completion" if job.kind == "completion" else "chat.completion",
                 "created": created, "model": self.state.model_name, "choices": out_choices,
                 "usage": self._usage(job), "system_fingerprint": None}
+        if job.kind == "chat" and job.params.prompt_logprobs is not None:
+            body["prompt_logprobs"] = self._vllm_prompt_logprobs(results[0][1] if results else None)
+        return body
 
     async def _sse(self, job: _Job, include_usage: bool, timeout: float | None) -> AsyncIterator[str]:
         created = int(time.time())
@@ -548,7 +554,7 @@ class _Handlers:
                 prefix = self._prompt_text(job, pidx, delta)
                 text = prefix + text
                 if lp is not None:
-                    lp = self._echo_logprobs(delta.prompt_token_ids, prefix, lp)
+                    lp = self._echo_logprobs(delta.prompt_token_ids, delta.prompt_logprobs, prefix, lp)
             return {"index": idx, "text": text, "logprobs": lp, "finish_reason": c.finish_reason,
                     "stop_reason": c.stop_reason}
         if job.params.logprobs is not None:
@@ -576,16 +582,28 @@ class _Handlers:
             ch.text_offset += len(s)
         return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
 
-    def _echo_logprobs(self, prompt_ids: list[int], prefix: str, lp: dict) -> dict:
-        """Echoed prompt tokens come first, without logprobs (kiln computes no prompt logprobs)."""
+    def _echo_logprobs(self, prompt_ids: list[int], prompt_entries: list[dict[int, float] | None] | None,
+                       prefix: str, lp: dict) -> dict:
+        """Echoed prompt tokens come first, with their prompt logprobs (the first has none)."""
         toks = [self._token_text(t) for t in prompt_ids]
+        entries = prompt_entries if prompt_entries is not None else [None] * len(prompt_ids)
         offsets, pos = [], 0
         for s in toks:
             offsets.append(pos)
             pos += len(s)
-        return {"tokens": toks + lp["tokens"], "token_logprobs": [None] * len(toks) + lp["token_logprobs"],
-                "top_logprobs": [None] * len(toks) + lp["top_logprobs"],
+        token_lps = [None if e is None else e.get(t) for t, e in zip(prompt_ids, entries)]
+        tops = [None if e is None else {self._token_text(t): v for t, v in e.items()} for e in entries]
+        return {"tokens": toks + lp["tokens"], "token_logprobs": token_lps + lp["token_logprobs"],
+                "top_logprobs": tops + lp["top_logprobs"],
                 "text_offset": offsets + [o + len(prefix) for o in lp["text_offset"]]}
+
+    def _vllm_prompt_logprobs(self, out: RequestOutput | None) -> list | None:
+        """vLLM's `prompt_logprobs` field: per prompt token None (the first) or
+        {token id: {logprob, rank, decoded_token}} (kiln does not compute ranks: null)."""
+        if out is None or out.prompt_logprobs is None:
+            return None
+        return [None if e is None else {str(t): {"logprob": v, "rank": None, "decoded_token": self._token_text(t)}
+                                        for t, v in e.items()} for e in out.prompt_logprobs]
 
     def _chat_logprobs(self, token_ids: list[int], entries: list[dict[int, float]], top_n: int) -> list[dict]:
         out = []

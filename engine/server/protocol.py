@@ -50,8 +50,10 @@ class _SamplingFields(_Lenient):
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     priority: int = Field(0, le=_INT64, ge=-_INT64)
+    prompt_logprobs: int | None = Field(None, le=_INT64, ge=-_INT64)
 
-    def _params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    def _params(self, max_tokens: int | None, logprobs: int | None,
+                prompt_logprobs: int | None = None) -> SamplingParams:
         return SamplingParams(
             n=self.n,
             temperature=1.0 if self.temperature is None else self.temperature,
@@ -69,6 +71,7 @@ class _SamplingFields(_Lenient):
             include_stop_str_in_output=self.include_stop_str_in_output,
             ignore_eos=self.ignore_eos,
             logprobs=logprobs,
+            prompt_logprobs=self.prompt_logprobs if prompt_logprobs is None else prompt_logprobs,
             skip_special_tokens=self.skip_special_tokens,
         )
 
@@ -94,7 +97,12 @@ class CompletionRequest(_SamplingFields):
         return list(p)
 
     def sampling_params(self) -> SamplingParams:
-        return self._params(self.max_tokens, self.logprobs)
+        # echo with logprobs: the echoed prompt tokens carry their logprobs too (OpenAI's legacy
+        # completions; what loglikelihood evaluations read).
+        prompt_logprobs = None
+        if self.echo and self.logprobs is not None:
+            prompt_logprobs = max(self.logprobs, self.prompt_logprobs or 0)
+        return self._params(self.max_tokens, self.logprobs, prompt_logprobs)
 
 
 class ContentPart(_Lenient):
