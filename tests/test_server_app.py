@@ -122,3 +122,26 @@ def test_request_timeout_aborts_and_frees(app_state):
         await _wait_until(lambda: state.engine.engine.is_idle_and_free())
 
     asyncio.run(main())
+
+
+def test_chat_prompt_logprobs_and_bad_value(app_state):
+    """vLLM's prompt_logprobs on chat: a top-level list, one entry per prompt token; out of range: 400."""
+    state, app = app_state()
+    msgs = [{"role": "user", "content": "Hi there"}]
+
+    async def main():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as http:
+            ok = await http.post("/v1/chat/completions",
+                                 json={"messages": msgs, "max_tokens": 2, "prompt_logprobs": 1})
+            bad = await http.post("/v1/chat/completions",
+                                  json={"messages": msgs, "max_tokens": 2, "prompt_logprobs": 21})
+            return ok, bad
+
+    ok, bad = asyncio.run(main())
+    assert ok.status_code == 200, ok.text
+    body = ok.json()
+    entries = body["prompt_logprobs"]
+    assert entries[0] is None and len(entries) == body["usage"]["prompt_tokens"]
+    for e in entries[1:]:
+        assert 1 <= len(e) <= 2 and all(v["logprob"] <= 0 and isinstance(v["decoded_token"], str) for v in e.values())
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "prompt_logprobs", bad.text
