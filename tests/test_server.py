@@ -285,6 +285,12 @@ def test_echo_logprobs_score_the_prompt(client, url):
                                        logprobs=2, echo=True, stream=True)
     first = next(iter(stream)).choices[0].logprobs
     assert first.token_logprobs[:len(prompt) + 1] == lp.token_logprobs[:len(prompt) + 1]
+    # max_tokens=0 with echo: the prompt scored, nothing generated (and without echo: 400)
+    only = client.completions.create(model=MODEL, prompt=prompt + next_id[:1], max_tokens=0, logprobs=2, echo=True)
+    assert only.choices[0].logprobs.token_logprobs == lp.token_logprobs[:len(prompt) + 1]
+    assert only.usage.completion_tokens == 0 and only.choices[0].text == scored.choices[0].text[:len(only.choices[0].text)]
+    no_echo = post(url, "/v1/completions", {"model": MODEL, "prompt": prompt, "max_tokens": 0})
+    assert no_echo.status_code == 400 and no_echo.json()["error"]["param"] == "max_tokens"
     # vLLM's prompt_logprobs extension gives the same numbers
     body = post(url, "/v1/completions", {"model": MODEL, "prompt": prompt, "max_tokens": 1, "prompt_logprobs": 0}).json()
     entries = body["choices"][0]["prompt_logprobs"]

@@ -300,6 +300,7 @@ class _Job:
     prompt_texts: list[str | None]
     params: SamplingParams
     echo: bool = False
+    prompt_only: bool = False  # echo with max_tokens=0: the generated token is dropped
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
     num_completion_tokens: int = 0
@@ -354,6 +355,7 @@ class _Handlers:
         texts = [p if isinstance(p, str) else None for p in prompts]
         job = await self._start("cmpl", "completion", prompts, texts, params, body.priority, request)
         job.echo = body.echo
+        job.prompt_only = body.prompt_only
         return await self._respond(job, body.stream, body.include_usage, request)
 
     async def chat(self, body: ChatCompletionRequest, request: Request):
@@ -405,7 +407,16 @@ class _Handlers:
 
     # ---- engine output plumbing ----
     async def _deltas(self, job: _Job) -> AsyncIterator[tuple[int, RequestOutput]]:
-        """(prompt index, delta) from all of the job's streams as they come."""
+        """(prompt index, delta) from all of the job's streams as they come; for a prompt-only
+        job without the token it generated."""
+        async for pidx, delta in self._stream_deltas(job):
+            if job.prompt_only:
+                delta = dataclasses.replace(delta, outputs=[dataclasses.replace(
+                    c, text="", token_ids=[], logprobs=None if c.logprobs is None else [],
+                    cumulative_logprob=None if c.cumulative_logprob is None else 0.0) for c in delta.outputs])
+            yield pidx, delta
+
+    async def _stream_deltas(self, job: _Job) -> AsyncIterator[tuple[int, RequestOutput]]:
         if len(job.streams) == 1:
             async for delta in job.streams[0]:
                 yield 0, delta

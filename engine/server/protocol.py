@@ -96,13 +96,24 @@ class CompletionRequest(_SamplingFields):
             return [list(p)]  # one prompt of token ids
         return list(p)
 
+    @property
+    def prompt_only(self) -> bool:
+        """echo with max_tokens=0: score the prompt, generate nothing (OpenAI's legacy completions)."""
+        return self.echo and self.max_tokens == 0
+
     def sampling_params(self) -> SamplingParams:
-        # echo with logprobs: the echoed prompt tokens carry their logprobs too (OpenAI's legacy
-        # completions; what loglikelihood evaluations read).
+        # echo with logprobs: the echoed prompt tokens carry their logprobs too (what
+        # loglikelihood evaluations read).
         prompt_logprobs = None
         if self.echo and self.logprobs is not None:
             prompt_logprobs = max(self.logprobs, self.prompt_logprobs or 0)
-        return self._params(self.max_tokens, self.logprobs, prompt_logprobs)
+        max_tokens = self.max_tokens
+        if max_tokens == 0:
+            if not self.echo:
+                raise InvalidRequestError("max_tokens must be at least 1 (0 only with echo=true, to score the prompt)",
+                                          "max_tokens")
+            max_tokens = 1  # the engine computes the prompt and samples one token, which is not returned
+        return self._params(max_tokens, self.logprobs, prompt_logprobs)
 
 
 class ContentPart(_Lenient):
