@@ -260,9 +260,10 @@ class LLMEngine:
         params = params or SamplingParams()
         params.validate()
         vocab = self.model_config.vocab_size
-        bad = [t for t in params.stop_token_ids if not isinstance(t, int) or not 0 <= t < vocab]
-        if bad:
-            raise InvalidRequestError(f"stop_token_ids must be in [0, {vocab}); got {bad[:3]}", "stop_token_ids")
+        for name, ids in params.token_id_fields():
+            bad = [t for t in ids if not isinstance(t, int) or not 0 <= t < vocab]
+            if bad:
+                raise InvalidRequestError(f"{name}: token ids must be in [0, {vocab}); got {bad[:3]}", name)
         text, ids = self.encode_prompt(prompt)
         request = Request(request_id=request_id or uuid.uuid4().hex, prompt=text, prompt_token_ids=ids,
                           params=params, priority=priority)

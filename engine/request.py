@@ -49,6 +49,10 @@ class SamplingParams:
     # top-N logprobs of each prompt token given the tokens before it (0: only the prompt token's own);
     # such a request is computed whole, without prefix-cache hits.
     prompt_logprobs: int | None = None
+    # Added to the token's logit before sampling (OpenAI's logit_bias; -100 bans, +100 forces).
+    logit_bias: dict[int, float] | None = None
+    # Only these tokens may be sampled (vLLM's allowed_token_ids).
+    allowed_token_ids: list[int] | None = None
     skip_special_tokens: bool = True
     detokenize: bool = True
     # Callables (output_token_ids, logits_row) -> logits_row, applied in order to this request's
@@ -61,6 +65,12 @@ class SamplingParams:
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
         self.logits_processors = list(self.logits_processors or [])
+        try:  # (JSON gives the token ids as strings)
+            self.logit_bias = {int(t): float(b) for t, b in (self.logit_bias or {}).items()} or None
+        except (TypeError, ValueError) as exc:
+            raise InvalidRequestError(f"logit_bias must map token ids to numbers: {exc}", "logit_bias") from exc
+        if self.allowed_token_ids is not None:
+            self.allowed_token_ids = list(self.allowed_token_ids)
         self.validate()
 
     def validate(self) -> None:
@@ -93,6 +103,10 @@ class SamplingParams:
             bad(f"logprobs must be in [0, 20], got {self.logprobs}", "logprobs")
         if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= 20:
             bad(f"prompt_logprobs must be in [0, 20], got {self.prompt_logprobs}", "prompt_logprobs")
+        if self.logit_bias and not all(-100.0 <= b <= 100.0 for b in self.logit_bias.values()):
+            bad("logit_bias values must be in [-100, 100]", "logit_bias")
+        if self.allowed_token_ids is not None and not self.allowed_token_ids:
+            bad("allowed_token_ids must not be empty", "allowed_token_ids")
         if any(not s for s in self.stop):
             bad("stop strings must be non-empty", "stop")
         if any(not callable(p) for p in self.logits_processors or []):
@@ -102,6 +116,16 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature < 1e-5
+
+    def token_id_fields(self) -> list[tuple[str, list[int]]]:
+        """(parameter, token ids) for every parameter naming tokens (checked against the vocabulary)."""
+        return [("stop_token_ids", self.stop_token_ids), ("logit_bias", list(self.logit_bias or ())),
+                ("allowed_token_ids", self.allowed_token_ids or [])]
+
+    @property
+    def restricts_tokens(self) -> bool:
+        """logit_bias or allowed_token_ids change this request's logits."""
+        return bool(self.logit_bias) or self.allowed_token_ids is not None
 
     @property
     def needs_penalties(self) -> bool:

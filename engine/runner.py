@@ -369,7 +369,7 @@ def _plain_greedy(r: SampleRow) -> bool:
     """The sampler would return argmax(logits) for this row (what a decode graph computes)."""
     p = r.params
     return (p.greedy and p.logprobs is None and not p.needs_penalties and not p.logits_processors
-            and r.num_output_tokens >= p.min_tokens)
+            and not p.restricts_tokens and r.num_output_tokens >= p.min_tokens)
 
 
 class DecodeGraphRunner:

@@ -61,6 +61,8 @@ class Sampler:
         if any(r.params.logits_processors for r in rows):
             logits = self._apply_processors(logits, rows, errors)
         raw_logits = logits
+        if any(r.params.restricts_tokens for r in rows):
+            logits = self._apply_bias(logits, rows)
         logits = self._apply_min_tokens(logits, rows)
         if any(r.params.needs_penalties for r in rows):
             logits = self._apply_penalties(logits, rows)
@@ -104,6 +106,31 @@ class Sampler:
                 logits[i] = row
             except Exception as exc:  # noqa: BLE001 - user code: isolate it to its request
                 errors[i] = f"logits processor failed: {type(exc).__name__}: {exc}"
+        return logits
+
+    def _apply_bias(self, logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
+        """logit_bias added, then everything outside allowed_token_ids set to -inf."""
+        logits = logits.clone()
+        bias_rows, bias_ids, bias_vals = [], [], []
+        allow_rows, allow_ids = [], []
+        for i, r in enumerate(rows):
+            for t, b in (r.params.logit_bias or {}).items():
+                bias_rows.append(i)
+                bias_ids.append(t)
+                bias_vals.append(b)
+            for t in r.params.allowed_token_ids or ():
+                allow_rows.append(i)
+                allow_ids.append(t)
+        if bias_rows:
+            logits.index_put_((torch.tensor(bias_rows, device=self.device), torch.tensor(bias_ids, device=self.device)),
+                              torch.tensor(bias_vals, device=self.device, dtype=logits.dtype), accumulate=True)
+        restricted = sorted({i for i, r in enumerate(rows) if r.params.allowed_token_ids is not None})
+        if restricted:
+            keep = torch.zeros_like(logits, dtype=torch.bool)
+            keep[torch.tensor(allow_rows, device=self.device), torch.tensor(allow_ids, device=self.device)] = True
+            unrestricted = torch.ones(len(rows), dtype=torch.bool, device=self.device)
+            unrestricted[torch.tensor(restricted, device=self.device)] = False
+            logits = torch.where(keep | unrestricted[:, None], logits, -float("inf"))
         return logits
 
     def _apply_min_tokens(self, logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:

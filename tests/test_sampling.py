@@ -78,6 +78,25 @@ def test_min_tokens_blocks_eos_and_stop_ids():
     assert sampler(logits, rows_for([p], outputs=(2, 2))).token_ids == [0]
 
 
+def test_logit_bias_and_allowed_token_ids():
+    sampler = Sampler(torch.device("cpu"), eos_token_ids=(0,), seed=0)
+    logits = torch.tensor([[1.0, 3.0, 2.0, 0.0]]).repeat(3, 1)
+    greedy = SamplingParams(temperature=0)
+    rows = rows_for([SamplingParams(temperature=0, logit_bias={"3": 5}), greedy,
+                     SamplingParams(temperature=0, logit_bias={1: -100}, logprobs=1)])
+    out = sampler(logits, rows)
+    assert out.token_ids == [3, 1, 2]  # the unbiased row in the same batch is untouched
+    assert out.logprobs[2][0] == pytest.approx(torch.log_softmax(logits[0], 0)[2].item())  # logprobs: raw logits
+    allowed = SamplingParams(temperature=1.0, allowed_token_ids=[0, 3], seed=3)
+    picks = sampler(logits, rows_for([allowed] * 3)).token_ids
+    assert set(picks) <= {0, 3}
+    for kwargs, field in [(dict(logit_bias={1: 101}), "logit_bias"), (dict(logit_bias={"x": 1}), "logit_bias"),
+                          (dict(allowed_token_ids=[]), "allowed_token_ids")]:
+        with pytest.raises(InvalidRequestError) as info:
+            SamplingParams(**kwargs)
+        assert info.value.param == field
+
+
 def test_logprobs_are_normalised_and_include_the_chosen_token():
     sampler = Sampler(torch.device("cpu"), eos_token_ids=(0,), seed=0)
     logits = torch.tensor([[1.0, 3.0, 2.0, 0.0]])

@@ -299,6 +299,18 @@ def test_echo_logprobs_score_the_prompt(client, url):
         pytest.approx(lp.token_logprobs[1:len(prompt)], abs=1e-5)
 
 
+def test_logit_bias_and_allowed_token_ids(client, url):
+    forced = client.completions.create(model=MODEL, prompt="Hello", max_tokens=3, temperature=0,
+                                       logit_bias={"42": 100}, extra_body={"ignore_eos": True})
+    assert forced.choices[0].text == post(url, "/detokenize", {"tokens": [42, 42, 42]}).json()["prompt"]
+    only = client.completions.create(model=MODEL, prompt="Hello", max_tokens=6, temperature=1.0, seed=1, logprobs=0,
+                                     extra_body={"ignore_eos": True, "allowed_token_ids": [50, 51]})
+    allowed = {post(url, "/detokenize", {"tokens": [t]}).json()["prompt"] for t in (50, 51)}
+    assert len(only.choices[0].logprobs.tokens) == 6 and set(only.choices[0].logprobs.tokens) <= allowed
+    bad = post(url, "/v1/completions", {"model": MODEL, "prompt": "Hi", "logit_bias": {"99999999": 1}})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "logit_bias", bad.text
+
+
 def test_prefix_cache_reports_cached_tokens(client):
     prompt = "Continuous batching lets new requests join a running batch at every step instead of waiting. " * 2
     client.completions.create(model=MODEL, prompt=prompt, max_tokens=2)

@@ -336,7 +336,8 @@ class _Handlers:
             raise InvalidRequestError(f"n ({params.n}) exceeds this server's max_num_seqs ({max_seqs})", "n")
         if num_prompts * params.n > max(max_seqs, 1) * 16:
             raise InvalidRequestError(f"too many prompts in one request ({num_prompts} x n={params.n})", "prompt")
-        self.check_token_ids(params.stop_token_ids, "stop_token_ids")
+        for name, ids in params.token_id_fields():
+            self.check_token_ids(ids, name)
 
     def chat_prompt_ids(self, conversation: list[dict[str, Any]], add_generation_prompt: bool = True) -> list[int]:
         tok = self.state.tokenizer

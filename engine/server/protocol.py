@@ -40,6 +40,7 @@ class _SamplingFields(_Lenient):
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     user: str | None = None
+    logit_bias: dict[str, float] | None = None
     # Extensions (vLLM users rely on these).
     top_k: int | None = Field(None, le=_INT64, ge=-_INT64)
     min_p: float | None = None
@@ -51,6 +52,7 @@ class _SamplingFields(_Lenient):
     skip_special_tokens: bool = True
     priority: int = Field(0, le=_INT64, ge=-_INT64)
     prompt_logprobs: int | None = Field(None, le=_INT64, ge=-_INT64)
+    allowed_token_ids: list[int] | None = None
 
     def _params(self, max_tokens: int | None, logprobs: int | None,
                 prompt_logprobs: int | None = None) -> SamplingParams:
@@ -72,6 +74,8 @@ class _SamplingFields(_Lenient):
             ignore_eos=self.ignore_eos,
             logprobs=logprobs,
             prompt_logprobs=self.prompt_logprobs if prompt_logprobs is None else prompt_logprobs,
+            logit_bias=self.logit_bias,
+            allowed_token_ids=self.allowed_token_ids,
             skip_special_tokens=self.skip_special_tokens,
         )
 
