@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import dataclasses
 import logging
 import threading
 import time
@@ -26,7 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Callable, Protocol
 
 from engine.llm_engine import LLMEngine
-from engine.request import CompletionOutput, InvalidRequestError, RequestOutput, SamplingParams
+from engine.request import InvalidRequestError, RequestOutput, SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -62,42 +63,34 @@ class _Abort:
     request_id: str
 
 
-@dataclass
-class _ChoiceCursor:
-    text: int = 0
-    tokens: int = 0
-    finished: bool = False
-
-
 class RequestStream:
     """Async iterator of output deltas for one request (lives on one asyncio loop).
 
     Each item is a RequestOutput whose `outputs` hold, per choice that advanced, only what
     is new since the previous item: the new text, token ids and logprob entries, and the
-    finish reason on the item where the choice ends. New tokens whose text is still held
-    back (a split UTF-8 character, a possible stop string) wait for their text.
+    finish reason on the item where the choice ends. The engine makes these deltas
+    (output_kind "delta": LLMEngine._delta_choice); a reader slower than the engine gets the
+    deltas of several steps merged into one item.
     """
 
-    def __init__(self, request_id: str, loop: asyncio.AbstractEventLoop, detokenize: bool = True,
+    def __init__(self, request_id: str, loop: asyncio.AbstractEventLoop,
                  on_close: Callable[[str], None] | None = None) -> None:
         self.request_id = request_id
         self.loop = loop
-        self._detokenize = detokenize
         self._on_close = on_close
-        self._latest: RequestOutput | None = None
-        self._consumed: RequestOutput | None = None
+        self._pending: RequestOutput | None = None  # deltas not yet read, merged
+        self._last: RequestOutput | None = None
         self._error: BaseException | None = None
         self._event = asyncio.Event()
-        self._cursors: dict[int, _ChoiceCursor] = collections.defaultdict(_ChoiceCursor)
         self.accepted: asyncio.Future = loop.create_future()
         self.finished = False  # the engine reported the request finished
         self.done = False  # the reader has seen the end
         self.closed = False
 
     # ---- called on the stream's loop (scheduled from the step thread) ----
-    def _push(self, output: RequestOutput) -> None:
-        self._latest = output
-        if output.finished:
+    def _push(self, delta: RequestOutput) -> None:
+        self._pending = delta if self._pending is None else _merge(self._pending, delta)
+        if delta.finished:
             self.finished = True
         self._event.set()
 
@@ -119,8 +112,8 @@ class RequestStream:
     # ---- reader side ----
     @property
     def final_output(self) -> RequestOutput | None:
-        """The newest cumulative output seen by the reader."""
-        return self._consumed
+        """The last item the reader got (request-level fields: cached tokens, metrics, error)."""
+        return self._last
 
     def __aiter__(self) -> "RequestStream":
         return self
@@ -129,42 +122,18 @@ class RequestStream:
         while True:
             if self.done:
                 raise StopAsyncIteration
-            latest = self._latest
-            if latest is not None and latest is not self._consumed:
-                self._consumed = latest
-                delta = self._delta(latest)
-                if latest.finished:
+            delta = self._pending
+            if delta is not None:
+                self._pending = None
+                self._last = delta
+                if delta.finished:
                     self.done = True
-                if delta is not None:
-                    return delta
-                continue
+                return delta
             if self._error is not None:
                 self.done = True
                 raise self._error
             self._event.clear()
             await self._event.wait()
-
-    def _delta(self, out: RequestOutput) -> RequestOutput | None:
-        choices = []
-        for c in out.outputs:
-            cur = self._cursors[c.index]
-            if cur.finished:
-                continue
-            finished = c.finish_reason is not None
-            new_text = c.text[cur.text:]
-            new_tokens = len(c.token_ids) > cur.tokens
-            if not (new_text or finished or (new_tokens and not self._detokenize)):
-                continue
-            choices.append(CompletionOutput(
-                index=c.index, text=new_text, token_ids=c.token_ids[cur.tokens:],
-                cumulative_logprob=c.cumulative_logprob,
-                logprobs=c.logprobs[cur.tokens:] if c.logprobs is not None else None,
-                finish_reason=c.finish_reason, stop_reason=c.stop_reason, num_preemptions=c.num_preemptions))
-            cur.text, cur.tokens, cur.finished = len(c.text), len(c.token_ids), finished
-        if not choices and not out.finished:
-            return None
-        return RequestOutput(out.request_id, out.prompt, out.prompt_token_ids, choices, out.finished,
-                             out.num_cached_tokens, out.error, out.metrics, out.prompt_logprobs)
 
     def close(self) -> None:
         """Stop reading: aborts the request in the engine unless it already finished."""
@@ -252,13 +221,15 @@ class AsyncEngine:
         Raises InvalidRequestError (bad parameters, prompt too long), QueueFullError, EngineDeadError.
         """
         params.validate()
+        if params.output_kind != "delta":  # streams hand out deltas (RequestStream)
+            params = dataclasses.replace(params, output_kind="delta")
         self._raise_if_dead()
         if self.num_waiting() >= self.max_waiting_requests:
             raise QueueFullError(f"the server is at capacity: {self.num_waiting()} requests waiting "
                                  f"(max_waiting_requests={self.max_waiting_requests}); retry later")
         loop = asyncio.get_running_loop()
         request_id = request_id or uuid.uuid4().hex
-        stream = RequestStream(request_id, loop, params.detokenize, on_close=self.abort)
+        stream = RequestStream(request_id, loop, on_close=self.abort)
         with self._lock:
             self._pending_adds += 1
         self._inbox.append(_Add(prompt, params, request_id, priority,
@@ -419,3 +390,18 @@ class AsyncEngine:
 def _push_all(items: list[tuple[RequestStream, RequestOutput]]) -> None:
     for stream, out in items:
         stream._push(out)
+
+
+def _merge(older: RequestOutput, newer: RequestOutput) -> RequestOutput:
+    """Two consecutive deltas of one request as one: per choice, text, tokens and logprob entries
+    concatenated; everything else from the newer one."""
+    choices = {c.index: c for c in older.outputs}
+    for c in newer.outputs:
+        old = choices.get(c.index)
+        if old is None:
+            choices[c.index] = c
+            continue
+        choices[c.index] = dataclasses.replace(
+            c, text=old.text + c.text, token_ids=old.token_ids + c.token_ids,
+            logprobs=None if c.logprobs is None else (old.logprobs or []) + c.logprobs)
+    return dataclasses.replace(newer, outputs=[choices[i] for i in sorted(choices)])

@@ -78,8 +78,12 @@ def _find_stop(text: str, stops: list[str], start: int) -> tuple[int, str] | Non
 
 def visible_text(seq: Sequence) -> str:
     """Text safe to show now: hold back a tail that could still become a stop string."""
+    return seq.text[:visible_len(seq)]
+
+
+def visible_len(seq: Sequence) -> int:
+    """How many characters of seq.text are safe to show now (see visible_text)."""
     stops = seq.request.params.stop
     if seq.finish_reason is not None or not stops:
-        return seq.text
-    hold = max(len(s) for s in stops) - 1
-    return seq.text[:len(seq.text) - hold] if hold else seq.text
+        return len(seq.text)
+    return max(0, len(seq.text) - (max(len(s) for s in stops) - 1))

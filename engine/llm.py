@@ -33,7 +33,7 @@ class LLM:
             prompts = [prompts]  # one prompt
         prompts = list(prompts)
         if sampling_params is None:
-            params_list = [SamplingParams() for _ in prompts]
+            params_list = [_copy(SamplingParams()) for _ in prompts]
         elif isinstance(sampling_params, SamplingParams):
             params_list = [_copy(sampling_params) for _ in prompts]
         else:
@@ -84,6 +84,8 @@ class LLM:
 
 
 def _copy(params: SamplingParams) -> SamplingParams:
+    """A request's own params; offline runs need only each request's final output."""
     from dataclasses import replace
 
-    return replace(params, stop=list(params.stop), stop_token_ids=list(params.stop_token_ids))
+    return replace(params, stop=list(params.stop), stop_token_ids=list(params.stop_token_ids),
+                   output_kind="final_only")

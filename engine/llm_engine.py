@@ -15,7 +15,7 @@ import torch
 
 from engine.attention import BackendSpec, get_attention_backend
 from engine.config import EngineSettings, export_compile_cache_dir
-from engine.detokenizer import check_stop, init_offsets, visible_text
+from engine.detokenizer import check_stop, init_offsets, visible_len
 from engine.kv.block_pool import BlockPool
 from engine.kv.cache import KVCache
 from engine.kv.swap import SwapSpace
@@ -337,7 +337,9 @@ class LLMEngine:
             if request.is_finished:
                 request.finished_time = now
                 self.scheduler.pop_finished_request(request.request_id)
-            results.append(self._output(request))
+            out = self._output(request)
+            if out is not None:
+                results.append(out)
         self.last_step = StepStats(sched.num_prefill_tokens, len(touched), time.perf_counter() - t0)
         if self.swap_space is not None and sched.num_prefill_tokens >= max(MIN_PREFILL_SAMPLE,
                                                                            sched.num_decode_tokens):
@@ -449,21 +451,19 @@ class LLMEngine:
             if seq is not None:  # (a recomputed prompt scores its tokens again: same entries)
                 seq.request.prompt_logprobs[first:first + len(entries)] = entries
 
-    def _output(self, request: Request) -> RequestOutput:
+    def _output(self, request: Request) -> RequestOutput | None:
+        """The request's output for this step, as its params.output_kind asks (None: nothing to
+        hand out: final_only before the end, or a delta with nothing new)."""
         params = request.params
-        outs = [
-            CompletionOutput(
-                index=seq.sample_index,
-                text=visible_text(seq),
-                token_ids=seq.output_token_ids,  # a fresh slice
-                cumulative_logprob=seq.cumulative_logprob if params.logprobs is not None else None,
-                logprobs=list(seq.logprobs) if params.logprobs is not None else None,
-                finish_reason=seq.finish_reason.value if seq.finish_reason else None,
-                stop_reason=seq.stop_reason,
-                num_preemptions=seq.num_preemptions,
-            )
-            for seq in sorted(request.seqs, key=lambda s: s.sample_index)
-        ]
+        if params.output_kind == "final_only" and not request.is_finished:
+            return None
+        seqs = sorted(request.seqs, key=lambda s: s.sample_index)
+        if params.output_kind == "delta":
+            outs = [c for c in map(self._delta_choice, seqs) if c is not None]
+            if not outs and not request.is_finished:
+                return None  # new tokens whose text is held back: they come with their text
+        else:
+            outs = [self._choice(seq, 0, 0, visible_len(seq)) for seq in seqs]
         metrics = {
             "arrival_time": request.arrival_time,
             "first_scheduled_time": request.first_scheduled_time,
@@ -474,6 +474,36 @@ class LLMEngine:
         return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids, outs,
                              request.is_finished, request.seqs[0].num_cached_tokens if request.seqs else 0,
                              request.error, metrics, request.prompt_logprobs)
+
+    @staticmethod
+    def _choice(seq: Sequence, tokens_from: int, chars_from: int, chars_to: int) -> CompletionOutput:
+        """seq's output tokens from `tokens_from` on, and its text [chars_from, chars_to)."""
+        logprobs = seq.request.params.logprobs is not None
+        return CompletionOutput(
+            index=seq.sample_index,
+            text=seq.text[chars_from:chars_to],
+            token_ids=seq.token_ids[seq.num_prompt_tokens + tokens_from:],
+            cumulative_logprob=seq.cumulative_logprob if logprobs else None,
+            logprobs=seq.logprobs[tokens_from:] if logprobs else None,
+            finish_reason=seq.finish_reason.value if seq.finish_reason else None,
+            stop_reason=seq.stop_reason,
+            num_preemptions=seq.num_preemptions,
+        )
+
+    def _delta_choice(self, seq: Sequence) -> CompletionOutput | None:
+        """What is new in seq since its last delta, or None. New tokens whose text is still held
+        back (a split UTF-8 character, a possible stop string) wait for their text, unless the
+        request is not detokenised; the delta that ends a sequence comes once."""
+        if seq.emitted_finish:
+            return None
+        chars = visible_len(seq)
+        finished = seq.finish_reason is not None
+        new_tokens = seq.num_output_tokens > seq.emitted_tokens
+        if not (chars > seq.emitted_chars or finished or (new_tokens and not seq.request.params.detokenize)):
+            return None
+        out = self._choice(seq, seq.emitted_tokens, seq.emitted_chars, chars)
+        seq.emitted_tokens, seq.emitted_chars, seq.emitted_finish = seq.num_output_tokens, chars, finished
+        return out
 
     # ---- invariants ----
     def check_integrity(self) -> None:

@@ -28,6 +28,9 @@ class InvalidRequestError(ValueError):
         self.param = param
 
 
+OUTPUT_KINDS = ("cumulative", "delta", "final_only")
+
+
 @dataclass
 class SamplingParams:
     n: int = 1
@@ -55,6 +58,10 @@ class SamplingParams:
     allowed_token_ids: list[int] | None = None
     skip_special_tokens: bool = True
     detokenize: bool = True
+    # What each step's RequestOutput holds (vLLM's RequestOutputKind): "cumulative" (everything so
+    # far), "delta" (only what is new since the request's previous output; AsyncEngine's streams)
+    # or "final_only" (one output, when the request finishes; LLM.generate).
+    output_kind: str = "cumulative"
     # Callables (output_token_ids, logits_row) -> logits_row, applied in order to this request's
     # rows before sampling. One that raises (or yields NaN / +inf) fails only this request.
     logits_processors: list[Callable[[list[int], Any], Any]] | None = None
@@ -107,6 +114,8 @@ class SamplingParams:
             bad("logit_bias values must be in [-100, 100]", "logit_bias")
         if self.allowed_token_ids is not None and not self.allowed_token_ids:
             bad("allowed_token_ids must not be empty", "allowed_token_ids")
+        if self.output_kind not in OUTPUT_KINDS:
+            bad(f"output_kind must be one of {', '.join(OUTPUT_KINDS)}, got {self.output_kind!r}", "output_kind")
         if any(not s for s in self.stop):
             bad("stop strings must be non-empty", "stop")
         if any(not callable(p) for p in self.logits_processors or []):
@@ -161,6 +170,10 @@ class Sequence:
     prefix_offset: int = 0
     read_offset: int = 0
     num_preemptions: int = 0
+    # output_kind "delta": how much has been handed out already.
+    emitted_tokens: int = 0
+    emitted_chars: int = 0
+    emitted_finish: bool = False
 
     @property
     def output_token_ids(self) -> list[int]:

@@ -10,6 +10,7 @@ import torch
 from engine import SamplingParams
 from engine.request import InvalidRequestError
 from engine.sampler import Sampler, SampleRow
+from tests.conftest import assert_engine_clean
 
 
 def rows_for(params_list, prompt=(1, 2, 3), outputs=()):
@@ -200,3 +201,42 @@ def test_chat_uses_the_template(make_llm):
                    use_tqdm=False)[0]
     text = llm.tokenizer.decode(out.prompt_token_ids)
     assert text.startswith("<|im_start|>user\nhi<|im_end|>") and text.endswith("<|im_start|>assistant\n")
+
+
+def test_output_kinds_delta_and_final_only_agree_with_cumulative(make_llm):
+    """Deltas concatenated give the cumulative output (text held back for a stop string, n=2,
+    logprobs); final_only gives one output per request; the per-step work of delta is the new part."""
+    engine = make_llm().engine
+    first = SamplingParams(temperature=0.8, seed=5, max_tokens=24, ignore_eos=True)  # = sample 0 below
+    engine.add_request("Hello", first, request_id="probe")
+    text = ""
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            text = o.outputs[0].text
+    stop = text[10:13]
+    results: dict[str, dict] = {}
+    for kind in ("cumulative", "delta", "final_only"):
+        params = SamplingParams(temperature=0.8, seed=5, n=2, max_tokens=24, ignore_eos=True, logprobs=1,
+                                stop=[stop], output_kind=kind)
+        engine.add_request("Hello", params, request_id=kind)
+        got = {"count": 0, "choices": {}}
+        while engine.has_unfinished_requests():
+            for o in engine.step():
+                got["count"] += 1
+                for c in o.outputs:
+                    acc = got["choices"].setdefault(c.index, {"text": "", "ids": [], "lps": [], "finish": None})
+                    if kind == "delta":
+                        acc["text"] += c.text
+                        acc["ids"] += c.token_ids
+                        acc["lps"] += c.logprobs
+                        assert acc["finish"] is None, "a choice went on after its final delta"
+                    else:
+                        acc.update(text=c.text, ids=list(c.token_ids), lps=list(c.logprobs))
+                    acc["finish"] = c.finish_reason
+        results[kind] = got
+    cumulative = results["cumulative"]["choices"]
+    assert results["delta"]["choices"] == cumulative
+    assert results["final_only"]["choices"] == cumulative and results["final_only"]["count"] == 1
+    assert any(c["finish"] == "stop" for c in cumulative.values())
+    assert results["delta"]["count"] <= results["cumulative"]["count"]
+    assert_engine_clean(engine)

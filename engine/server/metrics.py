@@ -28,8 +28,7 @@ CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 @dataclass
 class _Track:
-    last_time: float
-    num_tokens: int
+    last_time: float  # when the request last produced tokens
 
 
 class EngineMetrics:
@@ -132,6 +131,7 @@ class EngineMetrics:
             self._log(engine, totals, now)
 
     def _observe_request(self, out: RequestOutput, now: float) -> None:
+        """out: a delta (the async engine's requests use output_kind "delta")."""
         m = out.metrics
         num_tokens = sum(len(c.token_ids) for c in out.outputs)
         track = self._tracks.get(out.request_id)
@@ -141,10 +141,10 @@ class EngineMetrics:
             if m.get("first_scheduled_time") is not None and m.get("arrival_time") is not None:
                 self.queue_time.observe(max(m["first_scheduled_time"] - m["arrival_time"], 0.0))
             if not out.finished:
-                self._tracks[out.request_id] = _Track(now, num_tokens)
-        elif num_tokens > track.num_tokens:
+                self._tracks[out.request_id] = _Track(now)
+        elif num_tokens > 0:
             self.itl.observe(now - track.last_time)
-            track.last_time, track.num_tokens = now, num_tokens
+            track.last_time = now
         if out.finished:
             self._tracks.pop(out.request_id, None)
             reason = next((c.finish_reason for c in out.outputs if c.finish_reason), None) or "abort"
