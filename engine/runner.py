@@ -280,7 +280,10 @@ class ModelRunner:
         torch._dynamo.mark_dynamic(self.kv_cache.tensor, 2)
         self.forward_fn = compile_forward(self.model.forward)
         self.compiled = True
-        with torch.fx.experimental._config.patch(use_duck_shape=False):
+        # Float constants (norm eps, attention scale) specialised up front: left symbolic, Dynamo
+        # traces each graph twice (it restarts once they are found to be constants).
+        with torch.fx.experimental._config.patch(use_duck_shape=False), \
+                torch._dynamo.config.patch(specialize_float=True):
             self._compile_warmup_steps()
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)

@@ -33,11 +33,14 @@ def compile_cache(tmp_path_factory):
 @pytest.fixture(scope="module")
 def engines(tiny_llama, compile_cache):
     cache = compile_cache
+    from torch._dynamo.utils import counters
+
     eager = LLMEngine(EngineSettings(model=str(tiny_llama), enforce_eager=True, **COMMON))
-    before = compile_count()
+    before, aot_before = compile_count(), counters["aot_autograd"]["total"]
     compiled = LLMEngine(EngineSettings(model=str(tiny_llama), enforce_eager=False, compile_cache_dir=cache,
                                         **COMMON))
     compiled.start_graphs = compile_count() - before
+    compiled.start_aot_compiles = counters["aot_autograd"]["total"] - aot_before
     compiled.runner.capture_graphs(SIZES, device_reads_lengths=False, simulate=True)
     return eager, compiled
 
@@ -97,6 +100,9 @@ def test_compiles_three_graphs_at_startup(engines):
     # attention kernel (compiler/cpu_attention.py); fewer if another engine in this process
     # already compiled the same code with the same guards
     assert compiled.start_graphs <= 4
+    # each graph went through AOTAutograd once: no analysis restarted (symbolic float constants
+    # made Dynamo trace every graph twice; the start-up compile specialises floats)
+    assert compiled.start_aot_compiles == compiled.start_graphs
     assert compiled.compile_seconds > 0
     assert compiled.capture_seconds == 0.0  # no CUDA graphs on the CPU
 
