@@ -47,6 +47,8 @@ class EngineSettings(BaseSettings):
     # --- model ---
     model: str | None = Field(None, description="HF checkpoint directory (default: kiln's embedded tiny model)")
     tokenizer: str | None = Field(None, description="tokenizer directory (default: the model's)")
+    chat_template: str | None = Field(
+        None, description="Jinja chat template, or the path of a file holding one (default: the tokenizer's)")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     device: Literal["auto", "cpu", "cuda"] = "auto"
     seed: int = 0
@@ -118,6 +120,15 @@ class EngineSettings(BaseSettings):
         if path.is_file():
             sources.append(TomlConfigSettingsSource(settings_cls, toml_file=path))
         return tuple(sources)
+
+    def resolved_chat_template(self) -> str | None:
+        """The chat_template setting's text: a readable file's content, else the value itself."""
+        if self.chat_template is None:
+            return None
+        path = Path(self.chat_template).expanduser()
+        if "{" not in self.chat_template and not path.is_file():
+            raise ValueError(f"chat_template: no such file {self.chat_template!r} (and not a Jinja template)")
+        return path.read_text() if "{" not in self.chat_template else self.chat_template
 
     # Derived paths: one rule each.
     def resolved_compile_cache_dir(self) -> Path:

@@ -84,6 +84,9 @@ class LLMEngine:
         from transformers import AutoTokenizer
 
         self.tokenizer = AutoTokenizer.from_pretrained(str(settings.tokenizer or self.model_dir))
+        template = settings.resolved_chat_template()
+        if template is not None:
+            self.tokenizer.chat_template = template
         eos = set(self.model_config.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)

@@ -11,6 +11,7 @@ import torch
 from pydantic import ValidationError
 
 from engine.config import EngineSettings
+from engine.request import SamplingParams
 
 
 def test_settings_sources_in_priority_order(tmp_path, monkeypatch):
@@ -151,3 +152,15 @@ def test_out_of_vocab_stop_token_ids_are_rejected(make_llm):
         llm.generate(["Hi"], SamplingParams(max_tokens=3, min_tokens=1, stop_token_ids=[10**6]), use_tqdm=False)
     assert info.value.param == "stop_token_ids"
     assert llm.generate(["Hi"], SamplingParams(max_tokens=2), use_tqdm=False)[0].finished
+
+
+def test_chat_template_setting_inline_or_file(make_llm, tmp_path):
+    template = "{% for m in messages %}<<{{ m['content'] }}>>{% endfor %}"
+    path = tmp_path / "t.jinja"
+    path.write_text(template)
+    for value in (template, str(path)):
+        llm = make_llm(chat_template=value)
+        out = llm.chat([{"role": "user", "content": "Hi"}], SamplingParams(max_tokens=1), use_tqdm=False)[0]
+        assert out.prompt_token_ids == llm.tokenizer.encode("<<Hi>>", add_special_tokens=False)
+    with pytest.raises(ValueError, match="chat_template"):
+        make_llm(chat_template=str(tmp_path / "missing.jinja"))
