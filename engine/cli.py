@@ -153,11 +153,13 @@ def build_parser() -> argparse.ArgumentParser:
     add_settings_flags(warm)
     warm.set_defaults(func=_cmd_warmup)
 
+    from engine.tiny_model import ARCH_DEFAULTS, PRESETS  # (no torch import at module level)
+
     tiny = sub.add_parser("make-tiny-model", help="write a small random HF checkpoint with a tokenizer")
     tiny.add_argument("dir")
-    tiny.add_argument("--arch", default="llama", choices=["llama", "qwen2", "qwen3", "mistral"])
+    tiny.add_argument("--arch", default="llama", choices=list(ARCH_DEFAULTS))
     tiny.add_argument("--seed", type=int, default=0)
-    tiny.add_argument("--preset", default=None, choices=["llama-3.2-1b", "llama-3.1-8b", "qwen2.5-7b"])
+    tiny.add_argument("--preset", default=None, choices=list(PRESETS))
     tiny.add_argument("--config-only", action="store_true", help="config + tokenizer only (load_format=dummy)")
     tiny.set_defaults(func=_cmd_make_tiny_model)
 

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-ARCHS = ("llama", "qwen2", "qwen3", "mistral")
+ARCHS = ("llama", "qwen2", "qwen3", "mistral", "gemma")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -8,7 +8,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma")
+# MLP activations kiln runs (HF names); Gemma's legacy "gelu" means the tanh approximation.
+ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 
 
 @dataclass(frozen=True)
@@ -34,6 +36,9 @@ class ModelConfig:
     torch_dtype: str | None
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
     bos_token_id: int | None = None
+    hidden_act: str = "silu"
+    norm_weight_offset: float = 0.0  # Gemma's RMSNorm scales by (offset + weight), offset 1
+    embed_scale: float | None = None  # Gemma multiplies the embeddings by sqrt(hidden_size)
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> "ModelConfig":
@@ -41,8 +46,13 @@ class ModelConfig:
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise ValueError(f"model: unsupported model_type {model_type!r} "
                              f"(kiln runs {', '.join(SUPPORTED_MODEL_TYPES)})")
-        if raw.get("hidden_act", "silu") != "silu":
-            raise ValueError(f"model: unsupported hidden_act {raw.get('hidden_act')!r}")
+        gemma = model_type == "gemma"
+        act = (raw.get("hidden_activation") or raw.get("hidden_act") or "gelu_pytorch_tanh") if gemma \
+            else raw.get("hidden_act", "silu")
+        if gemma and act == "gelu":
+            act = "gelu_pytorch_tanh"
+        if act not in ACTIVATIONS:
+            raise ValueError(f"model: unsupported hidden_act {act!r} (kiln runs {', '.join(ACTIVATIONS)})")
         heads = raw["num_attention_heads"]
         rope = raw.get("rope_parameters") or {}
         scaling = raw.get("rope_scaling") or None
@@ -75,7 +85,7 @@ class ModelConfig:
             max_position_embeddings=raw.get("max_position_embeddings", 2048),
             rope_theta=float(theta),
             rope_scaling=scaling,
-            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+            tie_word_embeddings=bool(raw.get("tie_word_embeddings", gemma)),
             qkv_bias=model_type == "qwen2" or bool(raw.get("attention_bias", False)),
             o_bias=model_type != "qwen2" and bool(raw.get("attention_bias", False)),
             mlp_bias=bool(raw.get("mlp_bias", False)),
@@ -84,6 +94,9 @@ class ModelConfig:
             torch_dtype=raw.get("torch_dtype") or raw.get("dtype"),
             eos_token_ids=eos_ids,
             bos_token_id=raw.get("bos_token_id"),
+            hidden_act=act,
+            norm_weight_offset=1.0 if gemma else 0.0,
+            embed_scale=raw["hidden_size"] ** 0.5 if gemma else None,
         )
 
     @classmethod

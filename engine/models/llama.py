@@ -1,4 +1,4 @@
-"""The Llama family (Llama 2/3, Mistral, Qwen2, Qwen3) over a flattened token batch.
+"""The Llama family (Llama 2/3, Mistral, Qwen2, Qwen3, Gemma) over a flattened token batch.
 
 Input is [num_tokens] ids and positions for a mixed batch of prefill chunks and
 decodes; attention goes through an AttentionBackend with explicit metadata.
@@ -16,15 +16,21 @@ from engine.models.config import ModelConfig, rope_inv_freq
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float) -> None:
+    """Llama's RMSNorm: weight * norm(x) in x's dtype. With a weight offset (Gemma): the scale is
+    (offset + weight), applied in float32 before the cast back, as Gemma's reference does."""
+
+    def __init__(self, dim: int, eps: float, weight_offset: float = 0.0) -> None:
         super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
+        self.weight = nn.Parameter(torch.zeros(dim) if weight_offset else torch.ones(dim))
         self.eps = eps
+        self.weight_offset = weight_offset
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.weight_offset:
+            return (x * (self.weight_offset + self.weight.float())).to(dtype)
         return self.weight * x.to(dtype)
 
 
@@ -94,18 +100,20 @@ class MLP(nn.Module):
         self.intermediate = config.intermediate_size
         self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=config.mlp_bias)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
+        self.tanh_gelu = config.hidden_act == "gelu_pytorch_tanh"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        act = F.gelu(gate, approximate="tanh") if self.tanh_gelu else F.silu(gate)
+        return self.down_proj(act * up)
 
 
 class DecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, layer_index: int) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.norm_weight_offset)
         self.self_attn = Attention(config, layer_index)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.norm_weight_offset)
         self.mlp = MLP(config)
 
     def forward(self, x, cos, sin, kv_cache, meta, backend):
@@ -119,7 +127,7 @@ class LlamaForCausalLM(nn.Module):
         self.config = config
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.norm_weight_offset)
         self.rotary = RotaryEmbedding(config, max_positions)
         self.lm_head = None if config.tie_word_embeddings else nn.Linear(
             config.hidden_size, config.vocab_size, bias=False)
@@ -132,6 +140,8 @@ class LlamaForCausalLM(nn.Module):
                 meta: AttentionMetadata) -> torch.Tensor:
         """ids, positions [T] -> final hidden states [T, hidden]. kv_cache: [layers, 2, blocks, bs, Hkv, D]."""
         x = self.embed_tokens(input_ids)
+        if self.config.embed_scale is not None:  # Gemma: rounded to the weights' dtype first, as in HF
+            x = x * torch.tensor(self.config.embed_scale, dtype=x.dtype)
         cos, sin = self.rotary(positions, x.dtype)
         for layer in self.layers:
             x = layer(x, cos, sin, kv_cache, meta, self.backend)

@@ -86,8 +86,8 @@ def load_model(model_dir: Path, config: ModelConfig, dtype: torch.dtype, device:
 def _init_dummy(model: LlamaForCausalLM, seed: int) -> None:
     gen = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
     for name, param in model.named_parameters():
-        if name.endswith("norm.weight"):
-            param.data.fill_(1.0)
+        if name.endswith("norm.weight"):  # unit scale: weight 1, or 0 where the norm adds an offset (Gemma)
+            param.data.fill_(1.0 - model.config.norm_weight_offset)
         elif name.endswith("bias"):
             param.data.zero_()
         else:
