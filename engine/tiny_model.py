@@ -38,6 +38,8 @@ ARCH_DEFAULTS = {
     "qwen2": dict(model_type="qwen2", architectures=["Qwen2ForCausalLM"], tie_word_embeddings=True),
     "qwen3": dict(model_type="qwen3", architectures=["Qwen3ForCausalLM"], attention_bias=False,
                   tie_word_embeddings=True),
+    "phi3": dict(model_type="phi3", architectures=["Phi3ForCausalLM"], sliding_window=None,
+                 original_max_position_embeddings=1024),
     "gemma": dict(model_type="gemma", architectures=["GemmaForCausalLM"], hidden_act="gelu_pytorch_tanh",
                   tie_word_embeddings=True, head_dim=64),
 }

@@ -164,3 +164,17 @@ def test_chat_template_setting_inline_or_file(make_llm, tmp_path):
         assert out.prompt_token_ids == llm.tokenizer.encode("<<Hi>>", add_special_tokens=False)
     with pytest.raises(ValueError, match="chat_template"):
         make_llm(chat_template=str(tmp_path / "missing.jinja"))
+
+
+def test_unsupported_model_features_are_named():
+    from engine.models.config import ModelConfig
+
+    base = dict(model_type="phi3", vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                num_attention_heads=2, hidden_act="silu")
+    ModelConfig.from_dict(base)
+    for extra, words in [(dict(partial_rotary_factor=0.75), "partial rotary"),
+                         (dict(rope_scaling={"rope_type": "longrope", "long_factor": [1.0], "short_factor": [1.0]}),
+                          "longrope"),
+                         (dict(hidden_act="relu"), "hidden_act"), (dict(model_type="gpt2"), "gpt2")]:
+        with pytest.raises(ValueError, match=words):
+            ModelConfig.from_dict({**base, **extra})

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "phi3")
 # MLP activations kiln runs (HF names); Gemma's legacy "gelu" means the tanh approximation.
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 
@@ -59,6 +59,9 @@ class ModelConfig:
         if rope and rope.get("rope_type", "default") != "default":
             scaling = dict(rope)
         theta = rope.get("rope_theta", raw.get("rope_theta", 10000.0))
+        partial = rope.get("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0))
+        if partial != 1.0:
+            raise ValueError(f"model: partial rotary embeddings (partial_rotary_factor={partial}) are not supported")
         if scaling is not None:
             kind = scaling.get("rope_type", scaling.get("type", "default"))
             if kind == "default":

@@ -1,4 +1,4 @@
-"""The Llama family (Llama 2/3, Mistral, Qwen2, Qwen3, Gemma) over a flattened token batch.
+"""The Llama family (Llama 2/3, Mistral, Qwen2, Qwen3, Gemma, Phi-3) over a flattened token batch.
 
 Input is [num_tokens] ids and positions for a mixed batch of prefill chunks and
 decodes; attention goes through an AttentionBackend with explicit metadata.
