@@ -215,8 +215,7 @@ class Sampler:
     def _with_logprobs(self, raw_logits: torch.Tensor, tokens: torch.Tensor, rows: list[SampleRow],
                        want: list[bool]) -> SamplerOutput:
         top_n = max(r.params.logprobs or 0 for r in rows)
-        chosen_list, vals, ids = _chosen_and_top(raw_logits, tokens.clamp(min=0), top_n)
-        token_list = tokens.tolist()
+        token_list, chosen_list, vals, ids = _chosen_and_top(raw_logits, tokens, top_n)
         out: list[tuple[float, dict[int, float]] | None] = []
         for i, r in enumerate(rows):
             if not want[i]:
@@ -229,20 +228,24 @@ class Sampler:
 
 
 def _chosen_and_top(logits: torch.Tensor, chosen: torch.Tensor, top_n: int
-                    ) -> tuple[list[float], list[list[float]], list[list[int]]]:
-    """Per row: the logprob of token `chosen[row]`, and the top_n logprobs with their token ids."""
+                    ) -> tuple[list[int], list[float], list[list[float]], list[list[int]]]:
+    """Per row: the token `chosen[row]` (-1 kept: a failed row), its logprob, and the top_n
+    logprobs with their token ids; all in one device-to-host copy (float64 holds any token id)."""
     logprobs = logits.float().log_softmax(dim=-1)
-    picked = logprobs.gather(1, chosen[:, None])[:, 0]
+    picked = logprobs.gather(1, chosen.clamp(min=0)[:, None])
+    columns = [chosen[:, None].double(), picked.double()]
     if top_n > 0:
         top_vals, top_ids = logprobs.topk(top_n, dim=-1)
-        return picked.tolist(), top_vals.tolist(), top_ids.tolist()
-    return picked.tolist(), [[] for _ in range(len(chosen))], [[] for _ in range(len(chosen))]
+        columns += [top_vals.double(), top_ids.double()]
+    host = torch.cat(columns, dim=1).tolist()
+    return ([int(r[0]) for r in host], [r[1] for r in host], [r[2:2 + top_n] for r in host],
+            [[int(t) for t in r[2 + top_n:]] for r in host])
 
 
 def prompt_token_logprobs(logits: torch.Tensor, targets: list[int], top_n: int) -> list[dict[int, float]]:
     """{token: logprob} per row for a prompt: the top_n tokens and the prompt's own next token
     `targets[row]` (always present, whatever its rank)."""
-    picked, vals, ids = _chosen_and_top(logits, torch.tensor(targets, device=logits.device), top_n)
+    _, picked, vals, ids = _chosen_and_top(logits, torch.tensor(targets, device=logits.device), top_n)
     entries = []
     for i, target in enumerate(targets):
         entry = dict(zip(ids[i], vals[i]))
