@@ -7,7 +7,8 @@ Layouts (shared by every backend):
   seq_lens     int32 [num_seqs]          context length *including* the chunk
   block_tables int32 [num_seqs, max_blocks_per_seq]
 The causal mask is aligned bottom-right: query i of a chunk of length L in a sequence
-of length S sits at position S - L + i and sees keys 0 ..= S - L + i.
+of length S sits at position S - L + i and sees keys 0 ..= S - L + i; with a sliding
+window W > 0, only the last W of those (keys > position - W, as transformers masks).
 Sequences with seq_len 0 (graph padding) produce zeros.
 """
 
@@ -38,7 +39,7 @@ def write_kv_reference(
 def paged_attention_reference(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor,
-    scale: float, max_query_len: int, max_seq_len: int, num_decodes: int = 0,
+    scale: float, max_query_len: int, max_seq_len: int, num_decodes: int = 0, sliding_window: int = 0,
 ) -> torch.Tensor:
     """Batched gather + SDPA over the paged cache; returns [num_tokens, num_heads, head_dim].
 
@@ -56,9 +57,11 @@ def paged_attention_reference(
         # work, so the decodes and the chunks are attended separately.
         nd = num_decodes
         decodes = paged_attention_reference(q[:nd], k_cache, v_cache, query_start_loc[:nd + 1], seq_lens[:nd],
-                                            block_tables[:nd], scale, 1, max_seq_len)
+                                            block_tables[:nd], scale, 1, max_seq_len,
+                                            sliding_window=sliding_window)
         chunks = paged_attention_reference(q[nd:], k_cache, v_cache, query_start_loc[nd:] - nd, seq_lens[nd:],
-                                           block_tables[nd:], scale, max_query_len, max_seq_len)
+                                           block_tables[nd:], scale, max_query_len, max_seq_len,
+                                           sliding_window=sliding_window)
         return torch.cat([decodes, chunks])
     device = q.device
     max_blocks = min(block_tables.shape[1], -(-max(max_seq_len, 1) // block_size))
@@ -81,6 +84,8 @@ def paged_attention_reference(
     if max_query_len == 1 and num_tokens == num_seqs:
         # Pure decode: one query per sequence, no padding of queries needed.
         mask = key_pos[None, :] < lens[:, None]
+        if sliding_window > 0:
+            mask = mask & (key_pos[None, :] >= (lens - sliding_window)[:, None])
         empty = lens == 0
         mask = mask | (empty[:, None] & (key_pos[None, :] == 0))
         out = F.scaled_dot_product_attention(
@@ -100,6 +105,8 @@ def paged_attention_reference(
     q_pos = (lens - q_lens)[:, None] + rows[None, :]  # absolute position of each query row
     mask = (key_pos[None, None, :] <= q_pos[:, :, None]) & (key_pos[None, None, :] < lens[:, None, None])
     mask = mask & row_valid[:, :, None]
+    if sliding_window > 0:
+        mask = mask & (key_pos[None, None, :] > q_pos[:, :, None] - sliding_window)
     # A row with nothing to see (padding) attends to key 0 and is zeroed afterwards.
     empty = ~mask.any(dim=-1, keepdim=True)
     mask = mask | (empty & (key_pos[None, None, :] == 0))

@@ -184,10 +184,6 @@ class LLMEngine:
     def _resolve_max_model_len(self) -> int:
         cfg = self.model_config
         limit = cfg.max_position_embeddings
-        if cfg.sliding_window is not None and cfg.sliding_window < limit:
-            logger.warning("model uses sliding-window attention (%d); kiln attends fully, so max_model_len "
-                           "is capped at the window", cfg.sliding_window)
-            limit = cfg.sliding_window
         want = self.settings.max_model_len
         if want is None:
             return limit

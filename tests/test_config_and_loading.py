@@ -172,9 +172,13 @@ def test_unsupported_model_features_are_named():
     base = dict(model_type="phi3", vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                 num_attention_heads=2, hidden_act="silu")
     ModelConfig.from_dict(base)
+    assert ModelConfig.from_dict({**base, "sliding_window": 8}).sliding_window == 8
+    assert ModelConfig.from_dict({**base, "model_type": "qwen2", "sliding_window": 8}).sliding_window is None
     for extra, words in [(dict(partial_rotary_factor=0.75), "partial rotary"),
                          (dict(rope_scaling={"rope_type": "longrope", "long_factor": [1.0], "short_factor": [1.0]}),
                           "longrope"),
-                         (dict(hidden_act="relu"), "hidden_act"), (dict(model_type="gpt2"), "gpt2")]:
+                         (dict(hidden_act="relu"), "hidden_act"), (dict(model_type="gpt2"), "gpt2"),
+                         (dict(model_type="qwen2", num_hidden_layers=2, sliding_window=8, use_sliding_window=True,
+                               max_window_layers=1), "some layers")]:
         with pytest.raises(ValueError, match=words):
             ModelConfig.from_dict({**base, **extra})

@@ -177,3 +177,20 @@ def test_prompt_logprobs_match_transformers(variant, tiny_llama, make_llm):
             assert len(entry) in (3, 4)  # the prompt token joins the top 3 unless it is one of them
     plain = llm.generate(prompts, GREEDY, use_tqdm=False)
     assert all(o.prompt_logprobs is None for o in plain)
+
+
+@pytest.mark.parametrize("variant", [dict(), dict(max_num_batched_tokens=32, block_size=8)])
+def test_sliding_window_matches_transformers(variant, tmp_path_factory, make_llm):
+    """Mistral-style sliding-window attention (window 16, prompts up to 200 tokens): every query
+    sees only the last 16 positions, in prefill chunks and in decodes, as transformers masks."""
+    from engine.tiny_model import make_tiny_model
+
+    path = tmp_path_factory.getbasetemp() / "mistral-window16"
+    if not (path / "config.json").is_file():
+        make_tiny_model(path, arch="mistral", seed=7, overrides={"sliding_window": 16})
+    llm = make_llm(path, max_num_seqs=16, **variant)
+    assert llm.engine.max_model_len == 1024  # the window no longer caps the context
+    prompts = _prompts(llm.engine.model_config.vocab_size, seed=5)
+    outs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    expected = hf_greedy(str(path), prompts, MAX_TOKENS)
+    assert [o.outputs[0].token_ids for o in outs] == expected

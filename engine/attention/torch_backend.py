@@ -17,9 +17,15 @@ class TorchAttentionBackend:
     def __init__(self, compiled_cpu_decode: bool = False) -> None:
         self.compiled_cpu_decode = compiled_cpu_decode
 
-    def forward(self, q, k, v, kv_cache, layer: int, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    def forward(self, q, k, v, kv_cache, layer: int, meta: AttentionMetadata, scale: float,
+                sliding_window: int = 0) -> torch.Tensor:
         torch.ops.kiln.write_kv(k, v, kv_cache, layer, meta.slot_mapping)
         out = torch.empty_like(q)
+        if sliding_window > 0:  # (the compiled CPU decode kernel attends the whole context)
+            torch.ops.kiln.paged_attention(out, q, kv_cache, layer, meta.query_start_loc, meta.seq_lens,
+                                           meta.block_tables, scale, meta.max_query_len, meta.max_seq_len,
+                                           meta.num_decodes, sliding_window)
+            return out
         op = torch.ops.kiln.paged_attention_cpu if self.compiled_cpu_decode else torch.ops.kiln.paged_attention
         op(out, q, kv_cache, layer, meta.query_start_loc, meta.seq_lens, meta.block_tables,
            scale, meta.max_query_len, meta.max_seq_len, meta.num_decodes)

@@ -70,11 +70,7 @@ class ModelConfig:
                 raise ValueError(f"model: unsupported rope scaling type {kind!r} (kiln supports llama3, linear)")
         eos = raw.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
-        window = raw.get("sliding_window")
-        if model_type == "qwen2" and not raw.get("use_sliding_window", False):
-            window = None
-        if model_type == "qwen3" and not raw.get("use_sliding_window", False):
-            window = None
+        window = _sliding_window(raw, model_type)
         return cls(
             model_type=model_type,
             vocab_size=raw["vocab_size"],
@@ -115,6 +111,28 @@ class ModelConfig:
         per_layer = attn + 3 * d * f + 2 * d
         embed = v * d * (1 if self.tie_word_embeddings else 2)
         return self.num_layers * per_layer + embed + d
+
+
+def _sliding_window(raw: dict[str, Any], model_type: str) -> int | None:
+    """The attention window every layer uses, or None (full attention). Qwen2/3 window only the
+    layers from max_window_layers on, and only with use_sliding_window; windows on some layers
+    only are refused."""
+    window = raw.get("sliding_window")
+    if window is None:
+        return None
+    num_layers = raw["num_hidden_layers"]
+    if model_type in ("qwen2", "qwen3"):
+        if not raw.get("use_sliding_window", False):
+            return None
+        first = raw.get("max_window_layers", num_layers)
+        kinds = ["sliding_attention" if i >= first else "full_attention" for i in range(num_layers)]
+    else:
+        kinds = raw.get("layer_types") or ["sliding_attention"] * num_layers
+    if all(k == "full_attention" for k in kinds):
+        return None
+    if not all(k == "sliding_attention" for k in kinds):
+        raise ValueError("model: sliding-window attention on some layers only is not supported")
+    return int(window)
 
 
 def rope_inv_freq(config: ModelConfig):

@@ -65,6 +65,7 @@ class Attention(nn.Module):
     def __init__(self, config: ModelConfig, layer_index: int) -> None:
         super().__init__()
         self.layer_index = layer_index  # which layer of the whole KV cache this attention owns
+        self.sliding_window = config.sliding_window or 0
         self.num_heads = config.num_heads
         self.num_kv_heads = config.num_kv_heads
         self.head_dim = config.head_dim
@@ -90,7 +91,7 @@ class Attention(nn.Module):
         q = apply_rope(q, cos, sin)
         k = apply_rope(k, cos, sin)
         out = backend.forward(q.contiguous(), k.contiguous(), v.contiguous(), kv_cache, self.layer_index,
-                              meta, self.scale)
+                              meta, self.scale, self.sliding_window)
         return self.o_proj(out.view(n, self.q_size))
 
 
