@@ -21,12 +21,10 @@ class TorchAttentionBackend:
                 sliding_window: int = 0) -> torch.Tensor:
         torch.ops.kiln.write_kv(k, v, kv_cache, layer, meta.slot_mapping)
         out = torch.empty_like(q)
-        if sliding_window > 0:  # (the compiled CPU decode kernel attends the whole context)
-            torch.ops.kiln.paged_attention(out, q, kv_cache, layer, meta.query_start_loc, meta.seq_lens,
-                                           meta.block_tables, scale, meta.max_query_len, meta.max_seq_len,
-                                           meta.num_decodes, sliding_window)
-            return out
-        op = torch.ops.kiln.paged_attention_cpu if self.compiled_cpu_decode else torch.ops.kiln.paged_attention
+        # The compiled CPU decode kernel attends the whole context: windowed models take the reference.
+        fused_cpu = self.compiled_cpu_decode and not sliding_window
+        op = torch.ops.kiln.paged_attention_cpu if fused_cpu else torch.ops.kiln.paged_attention
+        window = () if fused_cpu else (sliding_window,)
         op(out, q, kv_cache, layer, meta.query_start_loc, meta.seq_lens, meta.block_tables,
-           scale, meta.max_query_len, meta.max_seq_len, meta.num_decodes)
+           scale, meta.max_query_len, meta.max_seq_len, meta.num_decodes, *window)
         return out
