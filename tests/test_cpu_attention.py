@@ -48,3 +48,64 @@ def test_mixed_step_splits_decodes_from_chunks():
     torch.ops.kiln.paged_attention_cpu(out, q, kv, 0, qsl, lens, tables, 0.2, 9, 20, 3)
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
     assert (out[-2:] == 0).all()
+
+
+def _decode(kv, layer, q, lens, tables, scale=0.2):
+    s = q.shape[0]
+    out = torch.full_like(q, float("nan"))
+    torch.ops.kiln.paged_attention_cpu(out, q, kv, layer, torch.arange(s + 1, dtype=torch.int32),
+                                       torch.tensor(lens, dtype=torch.int32), tables, scale, 1, max(max(lens), 1))
+    ref = paged_attention_reference(q, kv[layer, 0], kv[layer, 1], torch.arange(s + 1, dtype=torch.int32),
+                                    torch.tensor(lens, dtype=torch.int32), tables, scale, 1, max(max(lens), 1))
+    return out, ref
+
+
+def test_ragged_decode_ignores_stale_slots_and_blocks():
+    """Slots past a sequence's length and table entries past its last block may hold anything
+    (here NaN and a block full of NaN): the kernel never lets them into the result."""
+    g = torch.Generator().manual_seed(3)
+    bs, hq, hkv, d, num_blocks = 8, 4, 2, 32, 30
+    kv = torch.randn(2, 2, num_blocks, bs, hkv, d, generator=g)
+    kv[:, :, 29] = float("nan")  # a stale block named past the sequences' lengths
+    lens = [3, 8, 9, 17, 0, 1]
+    width = 4
+    tables = torch.full((len(lens), width), 29, dtype=torch.int32)
+    nxt = 1
+    for row, n in enumerate(lens):
+        for c in range(-(-n // bs)):
+            tables[row, c] = nxt
+            nxt += 1
+        if n % bs:  # the rest of the last block: stale
+            kv[:, :, tables[row, n // bs], n % bs:] = float("nan")
+    q = torch.randn(len(lens), hq, d, generator=g)
+    for layer in (0, 1):
+        out, ref = _decode(kv, layer, q, lens, tables)
+        assert not out.isnan().any()
+        torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+        assert (out[4] == 0).all()
+
+
+def test_ragged_decode_compiles_once_for_all_shapes():
+    """Batch size, block columns and the item count are symbolic: one graph serves every step,
+    also when they happen to be equal to each other (no duck sizing) and on either layer."""
+    from compiler.capture import compile_count
+
+    g = torch.Generator().manual_seed(5)
+    bs, hq, hkv, d, num_blocks = 16, 4, 2, 32, 200
+    kv = torch.randn(2, 2, num_blocks, bs, hkv, d, generator=g)
+
+    def step(lens, layer):
+        width = max(1, -(-max(max(lens), 1) // bs))
+        tables = torch.randint(1, num_blocks, (len(lens), width), generator=g, dtype=torch.int32)
+        q = torch.randn(len(lens), hq, d, generator=g)
+        out, ref = _decode(kv, layer, q, lens, tables)
+        torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+
+    step([1], 0)  # tiny shapes first, as in the engine's start-up warm-up: compiles if not yet compiled
+    step([1, 1, 1], 0)
+    before = compile_count()
+    cases = [[5], [0, 0], [16, 16], [17, 33], [32, 1, 1], [48] * 3, [100, 7, 250, 3],
+             [int(x) for x in torch.randint(0, 400, (37,), generator=g)], [1] * 64]
+    for i, lens in enumerate(cases):
+        step(lens, i % 2)
+    assert compile_count() == before, "the decode kernel recompiled for a new shape"
