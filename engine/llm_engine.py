@@ -26,6 +26,7 @@ from engine.request import (CompletionOutput, FinishReason, InvalidRequestError,
 from engine.runner import ModelRunner
 from engine.sampler import Sampler
 from engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput, sample_row_ranges
+from engine.structured_output import StructuredOutputCompiler
 
 logger = logging.getLogger(__name__)
 
@@ -91,6 +92,8 @@ class LLMEngine:
         if self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)
         self.eos_token_ids = tuple(sorted(eos))
+        self.structured_output = StructuredOutputCompiler(self.tokenizer, self.model_config.vocab_size,
+                                                          self.eos_token_ids)
 
         torch.manual_seed(settings.seed)
         self.model = load_model(self.model_dir, self.model_config, self.dtype, self.device,
@@ -268,6 +271,8 @@ class LLMEngine:
         text, ids = self.encode_prompt(prompt)
         request = Request(request_id=request_id or uuid.uuid4().hex, prompt=text, prompt_token_ids=ids,
                           params=params, priority=priority)
+        if params.structured_outputs is not None:
+            request.grammars = self.structured_output.matchers(params.structured_outputs, params.n)
         self.scheduler.add_request(request)
         for seq in request.seqs:
             init_offsets(seq)
@@ -315,7 +320,10 @@ class LLMEngine:
                 self._record_logprob(seq, logprobs)
                 if seq.read_offset == 0:  # a sample forked by the scheduler: its text starts after the prompt
                     init_offsets(seq)
+                grammar_done = self._advance_grammar(seq)
                 check_stop(self.tokenizer, seq, self.eos_token_ids, self.max_model_len)
+                if grammar_done and seq.finish_reason is None:  # (a stop token kept by ignore_eos)
+                    seq.finish_reason = FinishReason.STOP
             except Exception as exc:  # noqa: BLE001 - e.g. the tokenizer fails on this output: fail only it
                 logger.exception("request %s: processing its output failed", seq.request.request_id)
                 failed[seq.seq_id] = f"processing the output failed: {type(exc).__name__}: {exc}"
@@ -349,6 +357,19 @@ class LLMEngine:
         self.num_prompt_tokens_total += sched.num_prefill_tokens
         self.num_generation_tokens_total += len(touched)
         return results
+
+    @staticmethod
+    def _advance_grammar(seq: Sequence) -> bool:
+        """Feed seq's new token to its grammar matcher (structured outputs); True once the output
+        is complete. The sampler only allows tokens the matcher accepts, so a refusal is a bug."""
+        grammars = seq.request.grammars
+        if not grammars:
+            return False
+        matcher = grammars[seq.sample_index]
+        token = seq.token_ids[-1]
+        if not matcher.accept(token):
+            raise RuntimeError(f"structured output: token {token} is outside the constraint's language")
+        return matcher.is_terminated
 
     @staticmethod
     def _failed_rows(sched: SchedulerOutput, errors: dict[int, str]) -> dict[int, str]:

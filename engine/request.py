@@ -32,6 +32,64 @@ OUTPUT_KINDS = ("cumulative", "delta", "final_only")
 
 
 @dataclass
+class StructuredOutputsParams:
+    """Constrain the output to a language (vLLM's StructuredOutputsParams); set exactly one of
+    json (a JSON schema, dict or string), json_object (any JSON object), regex, choice (one of
+    these strings) or grammar (EBNF, xgrammar's dialect of GBNF). engine/structured_output.py
+    compiles it."""
+
+    json: dict | str | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool = False
+    # JSON only: no free whitespace between tokens (compact output; fewer tokens to sample).
+    disable_any_whitespace: bool = False
+
+    def __post_init__(self) -> None:
+        if isinstance(self.json, str):
+            import json
+
+            try:
+                self.json = json.loads(self.json)
+            except ValueError as exc:
+                raise InvalidRequestError(f"structured output: the JSON schema is not valid JSON: {exc}",
+                                          "structured_outputs") from exc
+        if self.choice is not None:
+            self.choice = list(self.choice)
+        self.validate()
+
+    @property
+    def kind(self) -> str:
+        set_ = [name for name in ("json", "regex", "choice", "grammar") if getattr(self, name) is not None]
+        if self.json_object:
+            set_.append("json_object")
+        if len(set_) != 1:
+            raise InvalidRequestError(
+                "structured output: give exactly one of json, json_object, regex, choice or grammar"
+                f" (got {', '.join(set_) or 'none'})", "structured_outputs")
+        return set_[0]
+
+    def validate(self) -> None:
+        kind = self.kind
+        if kind == "json" and not isinstance(self.json, dict):
+            raise InvalidRequestError("structured output: json must be a JSON schema object",
+                                      "structured_outputs")
+        if kind == "choice" and (not self.choice or not all(isinstance(c, str) and c for c in self.choice)):
+            raise InvalidRequestError("structured output: choice must be a non-empty list of non-empty strings",
+                                      "structured_outputs")
+        if kind in ("regex", "grammar") and not (isinstance(getattr(self, kind), str) and getattr(self, kind)):
+            raise InvalidRequestError(f"structured output: {kind} must be a non-empty string", "structured_outputs")
+
+    def cache_key(self) -> str:
+        """Equal constraints, equal keys (compiled grammars are cached by it)."""
+        import json
+
+        return json.dumps([self.kind, self.json, self.regex, self.choice, self.grammar, self.disable_any_whitespace],
+                          sort_keys=True)
+
+
+@dataclass
 class SamplingParams:
     n: int = 1
     temperature: float = 1.0
@@ -65,6 +123,8 @@ class SamplingParams:
     # Callables (output_token_ids, logits_row) -> logits_row, applied in order to this request's
     # rows before sampling. One that raises (or yields NaN / +inf) fails only this request.
     logits_processors: list[Callable[[list[int], Any], Any]] | None = None
+    # Constrain the output to a JSON schema, regex, choice or grammar (vLLM's structured outputs).
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -78,6 +138,11 @@ class SamplingParams:
             raise InvalidRequestError(f"logit_bias must map token ids to numbers: {exc}", "logit_bias") from exc
         if self.allowed_token_ids is not None:
             self.allowed_token_ids = list(self.allowed_token_ids)
+        if isinstance(self.structured_outputs, dict):
+            try:
+                self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
+            except TypeError as exc:
+                raise InvalidRequestError(f"structured_outputs: {exc}", "structured_outputs") from exc
         self.validate()
 
     def validate(self) -> None:
@@ -121,6 +186,10 @@ class SamplingParams:
         if any(not callable(p) for p in self.logits_processors or []):
             bad("logits_processors must be callables (output_token_ids, logits_row) -> logits_row",
                 "logits_processors")
+        if self.structured_outputs is not None:
+            if not isinstance(self.structured_outputs, StructuredOutputsParams):
+                bad("structured_outputs must be a StructuredOutputsParams", "structured_outputs")
+            self.structured_outputs.validate()
 
     @property
     def greedy(self) -> bool:
@@ -207,6 +276,9 @@ class Request:
     first_token_time: float | None = None
     finished_time: float | None = None
     error: str | None = None
+    # With params.structured_outputs: one grammar matcher per sample (index = sample_index), each
+    # advanced by its sample's tokens (engine/structured_output.py).
+    grammars: list[Any] | None = None
     # With params.prompt_logprobs: one entry per prompt token, the first None (nothing before it),
     # filled as the prompt's chunks are computed.
     prompt_logprobs: list[dict[int, float] | None] | None = None

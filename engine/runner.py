@@ -181,7 +181,8 @@ class ModelRunner:
             if s.do_sample:
                 for k in range(s.num_samples):
                     sample_indices.append(t - 1)
-                    rows.append(SampleRow(s.params, s.all_token_ids, s.num_prompt_tokens, s.sample_index + k))
+                    rows.append(SampleRow(s.params, s.all_token_ids, s.num_prompt_tokens, s.sample_index + k,
+                                          s.grammars[s.sample_index + k] if s.grammars else None))
         step = self._finish_prepare(t, len(seqs), max_q, max_len, max_cols, sample_indices, rows, None,
                                     num_decodes)
         step.prompt_scores = scores
@@ -209,7 +210,8 @@ class ModelRunner:
                 max_cols = cols
             if p >= max_len:
                 max_len = p + 1
-            rows.append(SampleRow(s.params, s.all_token_ids, s.num_prompt_tokens, s.sample_index))
+            rows.append(SampleRow(s.params, s.all_token_ids, s.num_prompt_tokens, s.sample_index,
+                                  s.grammars[s.sample_index] if s.grammars else None))
         n = len(seqs)
         buf.np_query_start_loc[:n + 1] = np.arange(n + 1)
         key = self.graph_runner.key_for(n, max_len) if self.graph_runner is not None else None
@@ -372,7 +374,7 @@ def _plain_greedy(r: SampleRow) -> bool:
     """The sampler would return argmax(logits) for this row (what a decode graph computes)."""
     p = r.params
     return (p.greedy and p.logprobs is None and not p.needs_penalties and not p.logits_processors
-            and not p.restricts_tokens and r.num_output_tokens >= p.min_tokens)
+            and not p.restricts_tokens and r.num_output_tokens >= p.min_tokens and r.grammar is None)
 
 
 class DecodeGraphRunner:

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import torch
 
 from engine.request import SamplingParams
+from engine.structured_output import GrammarMatcher, bitmask_words, unpack_bitmask
 
 
 @dataclass
@@ -23,6 +24,7 @@ class SampleRow:
     all_token_ids: list[int]
     num_prompt_tokens: int
     sample_index: int
+    grammar: GrammarMatcher | None = None  # structured outputs: the sample's matcher
 
     @property
     def num_output_tokens(self) -> int:
@@ -63,9 +65,13 @@ class Sampler:
         raw_logits = logits
         if any(r.params.restricts_tokens for r in rows):
             logits = self._apply_bias(logits, rows)
-        logits = self._apply_min_tokens(logits, rows)
+        grammar_mask, must_stop = self._grammar_bitmask(rows, logits.shape[1], errors)
+        logits = self._apply_min_tokens(logits, rows, must_stop)
         if any(r.params.needs_penalties for r in rows):
             logits = self._apply_penalties(logits, rows)
+        if grammar_mask is not None:
+            allowed = unpack_bitmask(grammar_mask.to(self.device, non_blocking=True), logits.shape[1])
+            logits = logits.masked_fill(~allowed, -float("inf"))
         greedy = [r.params.greedy for r in rows]
         if all(greedy):
             tokens = logits.argmax(dim=-1)
@@ -133,11 +139,36 @@ class Sampler:
             logits = torch.where(keep | unrestricted[:, None], logits, -float("inf"))
         return logits
 
-    def _apply_min_tokens(self, logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
+    def _grammar_bitmask(self, rows: list[SampleRow], vocab: int, errors: dict[int, str]
+                         ) -> tuple[torch.Tensor | None, set[int]]:
+        """The allowed-token bitmask of every row (all ones for rows without a grammar), filled on
+        the host, and the rows whose grammar allows nothing but a stop token now. A matcher that
+        raises fails its row only."""
+        if not any(r.grammar is not None for r in rows):
+            return None, set()
+        mask = torch.full((len(rows), bitmask_words(vocab)), -1, dtype=torch.int32)
+        must_stop: set[int] = set()
+        for i, r in enumerate(rows):
+            if r.grammar is None:
+                continue
+            try:
+                r.grammar.fill_bitmask(mask, i)
+            except Exception as exc:  # noqa: BLE001 - isolate a matcher failure to its request
+                errors[i] = f"structured output failed: {type(exc).__name__}: {exc}"
+                continue
+            if r.num_output_tokens < r.params.min_tokens:  # min_tokens would ban the only way out
+                allowed = unpack_bitmask(mask[i:i + 1], vocab)[0]
+                allowed[[t for t in (*self.eos_token_ids, *r.params.stop_token_ids) if t < vocab]] = False
+                if not bool(allowed.any()):
+                    must_stop.add(i)
+        return mask, must_stop
+
+    def _apply_min_tokens(self, logits: torch.Tensor, rows: list[SampleRow], must_stop: set[int]) -> torch.Tensor:
+        """Ban stop tokens before min_tokens, except in rows whose grammar can only stop (it wins)."""
         banned_rows: list[int] = []
         banned_ids: list[int] = []
         for i, r in enumerate(rows):
-            if r.num_output_tokens < r.params.min_tokens:
+            if r.num_output_tokens < r.params.min_tokens and i not in must_stop:
                 for t in (*self.eos_token_ids, *r.params.stop_token_ids):
                     banned_rows.append(i)
                     banned_ids.append(t)

@@ -58,6 +58,7 @@ class ScheduledSeq:
     all_token_ids: list[int]  # prompt + output so far (for penalties)
     num_prompt_tokens: int
     sample_index: int
+    grammars: list | None = None  # the request's grammar matchers, by sample index (structured outputs)
 
     @property
     def num_tokens(self) -> int:
@@ -382,7 +383,7 @@ class Scheduler:
             block_ids=seq.block_ids, do_sample=do_sample,
             num_samples=request.params.n if fork else 1, params=request.params,
             all_token_ids=seq.token_ids, num_prompt_tokens=seq.num_prompt_tokens,
-            sample_index=seq.sample_index,
+            sample_index=seq.sample_index, grammars=request.grammars,
         ))
         if num_new == 1 and start + 1 == seq.num_tokens and start >= seq.num_prompt_tokens:
             out.num_decode_tokens += 1

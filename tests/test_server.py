@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -309,6 +310,62 @@ def test_logit_bias_and_allowed_token_ids(client, url):
     assert len(only.choices[0].logprobs.tokens) == 6 and set(only.choices[0].logprobs.tokens) <= allowed
     bad = post(url, "/v1/completions", {"model": MODEL, "prompt": "Hi", "logit_bias": {"99999999": 1}})
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "logit_bias", bad.text
+
+
+PERSON = {"type": "object", "additionalProperties": False, "required": ["name", "age", "pet"],
+          "properties": {"name": {"type": "string", "maxLength": 12}, "age": {"type": "integer", "minimum": 0, "maximum": 120},
+                         "pet": {"enum": ["cat", "dog", "none"]}}}
+
+
+def test_response_format_json_schema_and_json_object(client):
+    import jsonschema
+
+    chat = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Describe a person."}], max_tokens=200, temperature=0.7,
+        seed=3, n=2, response_format={"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}},
+        extra_body={"structured_outputs": None})
+    for choice in chat.choices:
+        assert choice.finish_reason == "stop", choice.message.content
+        jsonschema.validate(json.loads(choice.message.content, strict=False), PERSON)
+    obj = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "JSON please"}], max_tokens=200, temperature=0,
+        response_format={"type": "json_object"})
+    if obj.choices[0].finish_reason == "stop":
+        assert isinstance(json.loads(obj.choices[0].message.content, strict=False), dict)
+    text = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=4,
+                                          response_format={"type": "text"})
+    assert text.choices[0].message.content is not None
+
+
+def test_vllm_structured_output_fields_and_streaming(client):
+    choices = ["alpha", "beta", "gamma delta"]
+    r = client.completions.create(model=MODEL, prompt="Pick one:", max_tokens=20, temperature=1.0, n=3, seed=5,
+                                  extra_body={"guided_choice": choices})
+    assert {c.text for c in r.choices} <= set(choices) and all(c.finish_reason == "stop" for c in r.choices)
+    r = client.completions.create(model=MODEL, prompt="A code:", max_tokens=20, temperature=1.0,
+                                  extra_body={"structured_outputs": {"regex": "[A-Z]{3}-[0-9]{4}"}})
+    assert re.fullmatch("[A-Z]{3}-[0-9]{4}", r.choices[0].text), r.choices[0].text
+    pieces = []
+    for chunk in client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "a list"}], max_tokens=60, temperature=0, stream=True,
+            extra_body={"guided_grammar": 'root ::= "[" item ("," item)* "]"\nitem ::= [a-z]+'}):
+        if chunk.choices and chunk.choices[0].delta.content:
+            pieces.append(chunk.choices[0].delta.content)
+    text = "".join(pieces)
+    assert re.fullmatch(r"\[[a-z]+(,[a-z]+)*\]", text) or re.fullmatch(r"\[[a-z]+(,[a-z]+)*,?[a-z]*", text), text
+
+
+@pytest.mark.parametrize("body,param,message", [
+    ({"response_format": {"type": "json_schema"}}, "response_format", "json_schema.schema"),
+    ({"response_format": {"type": "yaml"}}, "response_format.type", "json_schema"),
+    ({"guided_regex": "(open"}, "guided_regex", "does not compile"),
+    ({"guided_json": {"type": "object", "properties": {"a": {"$ref": "#/missing"}}}}, "guided_json", "does not compile"),
+    ({"guided_choice": ["a"], "guided_regex": "a"}, "guided_choice", "not several"),
+    ({"structured_outputs": {"shape": "round"}}, "structured_outputs", "shape"),
+])
+def test_bad_structured_output_constraints_400(url, body, param, message):
+    err = _error(post(url, "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], **body}), 400)
+    assert err["param"] == param and message in err["message"], err
 
 
 def test_prefix_cache_reports_cached_tokens(client):

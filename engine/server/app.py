@@ -339,6 +339,19 @@ class _Handlers:
         for name, ids in params.token_id_fields():
             self.check_token_ids(ids, name)
 
+    async def _check_constraint(self, body) -> None:
+        """Compile the request's structured-output constraint off the event loop, so that one
+        that does not compile is a 400 naming the field it came in (the engine's own compile of
+        it is then a cache hit)."""
+        found = body.structured_output_field()
+        if found is None:
+            return
+        name, spec = found
+        try:
+            await asyncio.to_thread(self.engine.engine.structured_output.compile, spec)
+        except InvalidRequestError as exc:
+            raise InvalidRequestError(str(exc), name) from exc
+
     def chat_prompt_ids(self, conversation: list[dict[str, Any]], add_generation_prompt: bool = True) -> list[int]:
         tok = self.state.tokenizer
         try:
@@ -353,6 +366,7 @@ class _Handlers:
         prompts = body.prompts()
         params = body.sampling_params()
         self._check_params(body, params, len(prompts))
+        await self._check_constraint(body)
         texts = [p if isinstance(p, str) else None for p in prompts]
         job = await self._start("cmpl", "completion", prompts, texts, params, body.priority, request)
         job.echo = body.echo
@@ -364,6 +378,7 @@ class _Handlers:
         params = body.sampling_params()
         ids = self.chat_prompt_ids(body.conversation(), body.add_generation_prompt)
         self._check_params(body, params, 1)
+        await self._check_constraint(body)
         job = await self._start("chatcmpl", "chat", [ids], [None], params, body.priority, request)
         return await self._respond(job, body.stream, body.include_usage, request)
 

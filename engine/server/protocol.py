@@ -12,7 +12,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from engine.request import InvalidRequestError, SamplingParams
+from engine.request import InvalidRequestError, SamplingParams, StructuredOutputsParams
 
 _INT64 = 2 ** 63 - 1
 
@@ -26,6 +26,20 @@ class _Lenient(BaseModel):
 
 class StreamOptions(_Lenient):
     include_usage: bool = False
+
+
+class JSONSchemaFormat(_Lenient):
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Lenient):
+    """OpenAI's response_format: "text", "json_object" (any JSON object) or "json_schema"."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaFormat | None = None
 
 
 class _SamplingFields(_Lenient):
@@ -53,6 +67,48 @@ class _SamplingFields(_Lenient):
     priority: int = Field(0, le=_INT64, ge=-_INT64)
     prompt_logprobs: int | None = Field(None, le=_INT64, ge=-_INT64)
     allowed_token_ids: list[int] | None = None
+    # Structured outputs: OpenAI's response_format, vLLM's structured_outputs object and its
+    # older guided_* fields. At most one of them per request.
+    response_format: ResponseFormat | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+
+    def structured_output_params(self) -> StructuredOutputsParams | None:
+        found = self.structured_output_field()
+        return found[1] if found else None
+
+    def structured_output_field(self) -> tuple[str, StructuredOutputsParams] | None:
+        """(the request field that holds it, the constraint), or None."""
+        given: list[tuple[str, dict[str, Any]]] = []
+        rf = self.response_format
+        if rf is not None and rf.type == "json_object":
+            given.append(("response_format", {"json_object": True}))
+        elif rf is not None and rf.type == "json_schema":
+            if rf.json_schema is None or rf.json_schema.schema_ is None:
+                raise InvalidRequestError("response_format: type json_schema needs json_schema.schema",
+                                          "response_format")
+            given.append(("response_format", {"json": rf.json_schema.schema_}))
+        if self.structured_outputs is not None:
+            given.append(("structured_outputs", dict(self.structured_outputs)))
+        for name in ("json", "regex", "choice", "grammar"):
+            value = getattr(self, f"guided_{name}")
+            if value is not None:
+                given.append((f"guided_{name}", {name: value}))
+        if not given:
+            return None
+        if len(given) > 1:
+            raise InvalidRequestError("give one structured-output constraint, not several: "
+                                      + ", ".join(name for name, _ in given), given[1][0])
+        name, fields = given[0]
+        try:
+            return name, StructuredOutputsParams(**fields)
+        except TypeError as exc:  # an unknown key in structured_outputs
+            raise InvalidRequestError(f"{name}: {exc}", name) from exc
+        except InvalidRequestError as exc:
+            raise InvalidRequestError(str(exc), name) from exc
 
     def _params(self, max_tokens: int | None, logprobs: int | None,
                 prompt_logprobs: int | None = None) -> SamplingParams:
@@ -77,6 +133,7 @@ class _SamplingFields(_Lenient):
             logit_bias=self.logit_bias,
             allowed_token_ids=self.allowed_token_ids,
             skip_special_tokens=self.skip_special_tokens,
+            structured_outputs=self.structured_output_params(),
         )
 
     @property

@@ -1,0 +1,125 @@
+"""Structured outputs: constrain a request's tokens to a JSON schema, any JSON object, a regex,
+a choice of strings or an EBNF grammar.
+
+xgrammar (what vLLM and SGLang use) compiles each constraint against the tokenizer's
+vocabulary once (cached by the constraint's text). Every sample of a constrained request
+has its own matcher: before each sampling step the sampler asks it for the bitmask of tokens
+that keep the output in the language (`fill_bitmask`), and after it the engine feeds it the
+chosen token (`accept`). A matcher that has accepted a stop token is terminated, and its
+sequence finishes with reason "stop".
+
+xgrammar is imported on first use: it costs seconds to import, and most servers never see
+a constrained request.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import threading
+import time
+from typing import Any
+
+import torch
+
+from engine.request import InvalidRequestError, StructuredOutputsParams
+
+logger = logging.getLogger(__name__)
+
+# xgrammar's C++ errors start with "[hh:mm:ss] /path/file.cc:123: " (and "Check failed: ... is false: ").
+_NATIVE_PREFIX = re.compile(r"^\[[\d:]+\]\s+\S+:\d+:\s*(Check failed:.*? is false:\s*)?")
+
+
+def bitmask_words(vocab_size: int) -> int:
+    """int32 words per row of a token bitmask (bit t % 32 of word t // 32: token t is allowed)."""
+    return -(-vocab_size // 32)
+
+
+def unpack_bitmask(mask: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """int32 [rows, words] bitmask -> bool [rows, vocab_size], True where the token is allowed."""
+    shifts = torch.arange(32, dtype=torch.int32, device=mask.device)
+    return ((mask.unsqueeze(-1) >> shifts) & 1).bool().flatten(1)[:, :vocab_size]
+
+
+class GrammarMatcher:
+    """One sample's position in its constraint's language."""
+
+    def __init__(self, matcher: Any) -> None:
+        self._matcher = matcher
+
+    def fill_bitmask(self, mask: torch.Tensor, row: int) -> None:
+        """Write the allowed next tokens into row `row` of an int32 CPU bitmask."""
+        self._matcher.fill_next_token_bitmask(mask, row)
+
+    def accept(self, token: int) -> bool:
+        """Advance by one sampled token; False if the language does not allow it (the matcher is unchanged)."""
+        return bool(self._matcher.accept_token(token))
+
+    @property
+    def is_terminated(self) -> bool:
+        """A stop token was accepted: the output is complete."""
+        return bool(self._matcher.is_terminated())
+
+
+class StructuredOutputCompiler:
+    """Compiles constraints for one tokenizer and hands out matchers. Thread-safe: xgrammar's
+    compiler is, and the lazy set-up is done under a lock."""
+
+    def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: tuple[int, ...]) -> None:
+        self._tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self._stop_token_ids = list(stop_token_ids)
+        self._compiler: Any = None
+        self._lock = threading.Lock()
+
+    def _xgrammar_compiler(self) -> Any:
+        with self._lock:
+            if self._compiler is None:
+                t0 = time.perf_counter()
+                try:
+                    import xgrammar
+                except ImportError as exc:  # pragma: no cover - a declared dependency
+                    raise InvalidRequestError("structured outputs need the xgrammar package "
+                                              "(pip install xgrammar)", "structured_outputs") from exc
+                info = xgrammar.TokenizerInfo.from_huggingface(self._tokenizer, vocab_size=self.vocab_size,
+                                                               stop_token_ids=self._stop_token_ids)
+                self._compiler = xgrammar.GrammarCompiler(info)
+                logger.info("structured outputs: xgrammar ready for a vocabulary of %d in %.1fs",
+                            self.vocab_size, time.perf_counter() - t0)
+            return self._compiler
+
+    def compile(self, spec: StructuredOutputsParams) -> Any:
+        """The compiled grammar of `spec` (xgrammar caches by text); a constraint that does not
+        compile is an InvalidRequestError naming what is wrong with it."""
+        compiler = self._xgrammar_compiler()
+        kind = spec.kind
+        try:
+            if kind == "json":
+                return compiler.compile_json_schema(json.dumps(spec.json),
+                                                    any_whitespace=not spec.disable_any_whitespace)
+            if kind == "json_object":
+                return compiler.compile_json_schema('{"type": "object"}',
+                                                    any_whitespace=not spec.disable_any_whitespace)
+            if kind == "regex":
+                return compiler.compile_regex(spec.regex)
+            if kind == "choice":
+                return compiler.compile_grammar(choice_grammar(spec.choice))
+            return compiler.compile_grammar(spec.grammar)
+        except RuntimeError as exc:
+            lines = str(exc).strip().splitlines() or ["(no message)"]
+            message = _NATIVE_PREFIX.sub("", lines[0])
+            raise InvalidRequestError(f"structured output: the {kind} constraint does not compile: {message}",
+                                      "structured_outputs") from exc
+
+    def matchers(self, spec: StructuredOutputsParams, n: int) -> list[GrammarMatcher]:
+        """n fresh matchers of one constraint (one per sample of a request)."""
+        import xgrammar
+
+        compiled = self.compile(spec)
+        return [GrammarMatcher(xgrammar.GrammarMatcher(compiled)) for _ in range(n)]
+
+
+def choice_grammar(choices: list[str]) -> str:
+    """EBNF whose language is exactly the given strings (JSON string escapes are EBNF's too)."""
+    return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
