@@ -70,8 +70,7 @@ class Sampler:
         if any(r.params.needs_penalties for r in rows):
             logits = self._apply_penalties(logits, rows)
         if grammar_mask is not None:
-            allowed = unpack_bitmask(grammar_mask.to(self.device, non_blocking=True), logits.shape[1])
-            logits = logits.masked_fill(~allowed, -float("inf"))
+            logits = self._apply_grammar(logits, rows, grammar_mask)
         greedy = [r.params.greedy for r in rows]
         if all(greedy):
             tokens = logits.argmax(dim=-1)
@@ -162,6 +161,18 @@ class Sampler:
                 if not bool(allowed.any()):
                     must_stop.add(i)
         return mask, must_stop
+
+    def _apply_grammar(self, logits: torch.Tensor, rows: list[SampleRow], mask: torch.Tensor) -> torch.Tensor:
+        """-inf where the rows' grammars forbid the token (only grammar rows are unpacked)."""
+        constrained = [i for i, r in enumerate(rows) if r.grammar is not None]
+        if len(constrained) == len(rows):
+            allowed = unpack_bitmask(mask.to(self.device, non_blocking=True), logits.shape[1])
+            return logits.masked_fill(~allowed, -float("inf"))
+        index = torch.tensor(constrained, device=self.device)
+        allowed = unpack_bitmask(mask[constrained].to(self.device, non_blocking=True), logits.shape[1])
+        logits = logits.clone()
+        logits[index] = logits[index].masked_fill(~allowed, -float("inf"))
+        return logits
 
     def _apply_min_tokens(self, logits: torch.Tensor, rows: list[SampleRow], must_stop: set[int]) -> torch.Tensor:
         """Ban stop tokens before min_tokens, except in rows whose grammar can only stop (it wins)."""

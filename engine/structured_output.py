@@ -38,8 +38,10 @@ def bitmask_words(vocab_size: int) -> int:
 
 def unpack_bitmask(mask: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """int32 [rows, words] bitmask -> bool [rows, vocab_size], True where the token is allowed."""
-    shifts = torch.arange(32, dtype=torch.int32, device=mask.device)
-    return ((mask.unsqueeze(-1) >> shifts) & 1).bool().flatten(1)[:, :vocab_size]
+    # Bytes of the little-endian words, so token t is bit t % 8 of byte t // 8 (a quarter of the
+    # temporaries that shifting whole words would make).
+    shifts = torch.arange(8, dtype=torch.uint8, device=mask.device)
+    return ((mask.view(torch.uint8).unsqueeze(-1) >> shifts) & 1).bool().flatten(1)[:, :vocab_size]
 
 
 class GrammarMatcher:

@@ -200,3 +200,18 @@ def test_structured_outputs_given_as_a_dict():
     assert params.structured_outputs.choice == ["a", "b"]
     with pytest.raises(InvalidRequestError, match="structured_outputs"):
         SamplingParams(structured_outputs={"colour": "red"})
+
+
+def test_unpack_bitmask_reads_bit_t_mod_32_of_word_t_div_32():
+    from engine.structured_output import bitmask_words, unpack_bitmask
+
+    vocab = 100
+    gen = torch.Generator().manual_seed(0)
+    mask = torch.randint(-2 ** 31, 2 ** 31 - 1, (3, bitmask_words(vocab)), dtype=torch.int32, generator=gen)
+    mask[0, 0] = -2 ** 31  # only bit 31 set: the sign bit
+    got = unpack_bitmask(mask, vocab)
+    assert got.shape == (3, vocab)
+    for r in range(3):
+        for t in range(vocab):
+            assert bool(got[r, t]) == bool((int(mask[r, t // 32]) >> (t % 32)) & 1), (r, t)
+    assert got[0, :32].tolist() == [False] * 31 + [True]

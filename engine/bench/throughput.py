@@ -4,7 +4,9 @@ N requests (default 256: more than the 64 seats) with prompt and output lengths 
 from a fixed seed. kiln runs them with continuous batching; the baseline is transformers
 `generate` with static, left-padded batches of the same size as kiln's max_num_seqs (each
 batch runs until its longest output). Both count only the output tokens each request
-asked for, and the ratio is printed.
+asked for, and the ratio is printed. With --constraint-regex, kiln also runs the workload with
+every request constrained to that regex (structured outputs) and prints its throughput as a
+ratio of the free run's.
 """
 
 from __future__ import annotations
@@ -26,11 +28,12 @@ def workload(n: int, prompt_range: tuple[int, int], output_range: tuple[int, int
     return reqs
 
 
-def run_kiln(llm, reqs) -> tuple[float, int]:
-    from engine import SamplingParams
+def run_kiln(llm, reqs, regex: str | None = None) -> tuple[float, int]:
+    from engine import SamplingParams, StructuredOutputsParams
 
-    params = [SamplingParams(temperature=0, max_tokens=out, ignore_eos=True, detokenize=False)
-              for _, out in reqs]
+    constraint = StructuredOutputsParams(regex=regex) if regex else None
+    params = [SamplingParams(temperature=0, max_tokens=out, ignore_eos=True, detokenize=False,
+                             structured_outputs=constraint) for _, out in reqs]
     t0 = time.perf_counter()
     outs = llm.generate([p for p, _ in reqs], params, use_tqdm=False)
     elapsed = time.perf_counter() - t0
@@ -74,6 +77,8 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--baseline-batch-size", type=int, default=None, help="default: max_num_seqs")
     parser.add_argument("--no-baseline", action="store_true")
     parser.add_argument("--json", default=None, help="write results here")
+    parser.add_argument("--constraint-regex", default=None,
+                        help="also run with every output constrained to this regex; print the cost")
     add_settings_flags(parser)
     args = parser.parse_args(argv)
     settings = settings_from_args(args)
@@ -96,6 +101,13 @@ def main(argv: list[str]) -> int:
         "kiln_seconds": kiln_s, "kiln_output_tokens": kiln_tokens, "kiln_tok_per_s": kiln_tokens / kiln_s,
     }
     print(f"kiln:         {kiln_tokens} output tokens in {kiln_s:.2f}s = {kiln_tokens / kiln_s:.1f} tok/s")
+    if args.constraint_regex:
+        run_kiln(llm, reqs[: max(1, len(reqs) // 8)], args.constraint_regex)
+        so_s, so_tokens = run_kiln(llm, reqs, args.constraint_regex)
+        result.update(constrained_seconds=so_s, constrained_output_tokens=so_tokens,
+                      constrained_ratio=(so_tokens / so_s) / (kiln_tokens / kiln_s))
+        print(f"constrained:  {so_tokens} output tokens in {so_s:.2f}s = {so_tokens / so_s:.1f} tok/s "
+              f"(regex {args.constraint_regex!r}); ratio constrained / free: {result['constrained_ratio']:.2f}x")
     if not args.no_baseline:
         batch = args.baseline_batch_size or settings.max_num_seqs
         hf_s, hf_tokens = run_transformers(settings.model, reqs, batch, llm.engine.device.type, llm.engine.dtype)
