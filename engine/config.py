@@ -158,6 +158,19 @@ class ServerSettings(BaseSettings):
     warm_prefixes: Path | None = None
     request_timeout: float | None = Field(None, gt=0, description="seconds before a request is aborted")
     log_level: str = "info"
+    # Tool calling with tool_choice "auto": the model's own call format is parsed (vLLM's flags).
+    enable_auto_tool_choice: bool = False
+    tool_call_parser: Literal["hermes", "llama3_json"] | None = None
+
+    @model_validator(mode="after")
+    def _auto_tools_need_a_parser(self) -> "ServerSettings":
+        if self.enable_auto_tool_choice and self.tool_call_parser is None:
+            raise ValueError("enable_auto_tool_choice needs tool_call_parser (hermes or llama3_json)")
+        return self
+
+    @property
+    def auto_tool_parser(self) -> str | None:
+        return self.tool_call_parser if self.enable_auto_tool_choice else None
 
 
 ENGINE_FIELDS = tuple(EngineSettings.model_fields)

@@ -368,6 +368,60 @@ def test_bad_structured_output_constraints_400(url, body, param, message):
     assert err["param"] == param and message in err["message"], err
 
 
+WEATHER_TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "additionalProperties": False, "required": ["city", "days"],
+    "properties": {"city": {"enum": ["Paris", "Rome"]}, "days": {"type": "integer", "minimum": 1, "maximum": 7}}}}}
+TIME_TOOL = {"type": "function", "function": {"name": "get_time", "parameters": {
+    "type": "object", "additionalProperties": False, "required": ["zone"], "properties": {"zone": {"enum": ["UTC"]}}}}}
+
+
+def test_named_and_required_tool_choice(client):
+    import jsonschema
+
+    ask = dict(model=MODEL, messages=[{"role": "user", "content": "Weather in Paris?"}], max_tokens=150,
+               temperature=0.7, seed=2, tools=[WEATHER_TOOL, TIME_TOOL])
+    named = client.chat.completions.create(tool_choice={"type": "function", "function": {"name": "get_weather"}},
+                                           **ask)
+    choice = named.choices[0]
+    assert choice.finish_reason == "stop" and choice.message.content is None  # OpenAI's behaviour for a named call
+    (call,) = choice.message.tool_calls
+    assert call.function.name == "get_weather" and call.id.startswith("call_")
+    jsonschema.validate(json.loads(call.function.arguments), WEATHER_TOOL["function"]["parameters"])
+
+    streamed_args, names, finish = "", set(), None
+    for chunk in client.chat.completions.create(
+            tool_choice={"type": "function", "function": {"name": "get_weather"}}, stream=True, **ask):
+        for tc in chunk.choices[0].delta.tool_calls or [] if chunk.choices else []:
+            names.add(tc.function.name)
+            streamed_args += tc.function.arguments or ""
+        finish = (chunk.choices[0].finish_reason if chunk.choices else None) or finish
+    assert names - {None} == {"get_weather"} and streamed_args == call.function.arguments and finish == "stop"
+
+    required = client.chat.completions.create(tool_choice="required", parallel_tool_calls=False, **ask)
+    choice = required.choices[0]
+    assert choice.finish_reason == "tool_calls", choice
+    (call,) = choice.message.tool_calls
+    tool = {"get_weather": WEATHER_TOOL, "get_time": TIME_TOOL}[call.function.name]
+    jsonschema.validate(json.loads(call.function.arguments), tool["function"]["parameters"])
+
+
+@pytest.mark.parametrize("extra,param,message", [
+    ({"tools": [WEATHER_TOOL]}, "tool_choice", "enable-auto-tool-choice"),
+    ({"tools": [WEATHER_TOOL], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice",
+     "not in tools"),
+    ({"tool_choice": "required"}, "tool_choice", "needs tools"),
+    ({"tools": [WEATHER_TOOL], "tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice",
+     "cannot be combined"),
+    ({"tools": [{"type": "function", "function": {"name": "bad name!"}}], "tool_choice": "none"}, "tools.0.function.name",
+     ""),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {
+        "a": {"$ref": "#/gone"}}}}}], "tool_choice": "required"}, "tools", "does not compile"),
+])
+def test_bad_tool_requests_400(url, extra, param, message):
+    err = _error(post(url, "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], **extra}), 400)
+    assert err["param"] == param and message in err["message"], err
+
+
 def test_prefix_cache_reports_cached_tokens(client):
     prompt = "Continuous batching lets new requests join a running batch at every step instead of waiting. " * 2
     client.completions.create(model=MODEL, prompt=prompt, max_tokens=2)

@@ -28,6 +28,7 @@ from engine.async_engine import AsyncEngine, EngineDeadError, QueueFullError, Re
 from engine.config import EngineSettings, ServerSettings
 from engine.request import InvalidRequestError, RequestOutput, SamplingParams
 from engine.server.metrics import CONTENT_TYPE, EngineMetrics
+from engine.server.tool_calls import ToolCall, ToolMode
 from engine.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, ErrorResponse,
                                     TokenizeRequest)
 
@@ -287,6 +288,8 @@ class _Choice:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     text_offset: int = 0  # completions logprobs: where the next token's text starts
+    streamed: int = 0  # chat with tools: chars of text already sent as content
+    call: ToolCall | None = None  # a streamed named tool call (its id stays the same)
 
 
 @dataclass
@@ -301,6 +304,7 @@ class _Job:
     params: SamplingParams
     echo: bool = False
     prompt_only: bool = False  # echo with max_tokens=0: the generated token is dropped
+    tool_mode: ToolMode | None = None  # chat with tools
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
     num_completion_tokens: int = 0
@@ -308,6 +312,41 @@ class _Job:
     def close(self) -> None:
         for s in self.streams:
             s.close()
+
+
+def _tool_finish_reason(mode: ToolMode, calls: list[ToolCall], finish: str | None) -> str | None:
+    """OpenAI's finish reasons with tools: "tool_calls" when the model chose to call (auto,
+    required); a named choice keeps "stop", as OpenAI's API does."""
+    if calls and finish == "stop" and mode.kind != "named":
+        return "tool_calls"
+    return finish
+
+
+def _tool_stream_delta(mode: ToolMode, ch: _Choice, text: str, finish: str | None) -> tuple[dict[str, Any], str | None]:
+    """The delta of one streamed chat choice with tools. A named call streams its arguments as
+    they come; auto streams content up to where a call may start; calls are sent when the
+    output ends."""
+    ch.text += text
+    if mode.kind == "named":
+        if ch.call is None:
+            ch.call = ToolCall(mode.name, text)
+            return {"tool_calls": [ch.call.to_openai(0)]}, _tool_finish_reason(mode, [ch.call], finish)
+        return ({"tool_calls": [{"index": 0, "function": {"arguments": text}}]} if text else {}), finish
+    delta: dict[str, Any] = {}
+    if finish is None:
+        safe = mode.streamable(ch.text)
+        if safe > ch.streamed:
+            delta["content"] = ch.text[ch.streamed:safe]
+            ch.streamed = safe
+        return delta, None
+    content, calls = mode.calls(ch.text)
+    sent = ch.text[:ch.streamed]
+    rest = (content or "")[len(sent):] if (content or "").startswith(sent) else ""
+    if rest:
+        delta["content"] = rest
+    if calls:
+        delta["tool_calls"] = [c.to_openai(k) for k, c in enumerate(calls)]
+    return delta, _tool_finish_reason(mode, calls, finish)
 
 
 class _Handlers:
@@ -339,23 +378,25 @@ class _Handlers:
         for name, ids in params.token_id_fields():
             self.check_token_ids(ids, name)
 
-    async def _check_constraint(self, body) -> None:
+    async def _check_constraint(self, body, params: SamplingParams) -> None:
         """Compile the request's structured-output constraint off the event loop, so that one
         that does not compile is a 400 naming the field it came in (the engine's own compile of
         it is then a cache hit)."""
-        found = body.structured_output_field()
-        if found is None:
+        if params.structured_outputs is None:
             return
-        name, spec = found
+        found = body.structured_output_field()
+        name, spec = found if found is not None else ("tools", params.structured_outputs)
         try:
             await asyncio.to_thread(self.engine.engine.structured_output.compile, spec)
         except InvalidRequestError as exc:
             raise InvalidRequestError(str(exc), name) from exc
 
-    def chat_prompt_ids(self, conversation: list[dict[str, Any]], add_generation_prompt: bool = True) -> list[int]:
+    def chat_prompt_ids(self, conversation: list[dict[str, Any]], add_generation_prompt: bool = True,
+                        tools: list[dict[str, Any]] | None = None) -> list[int]:
         tok = self.state.tokenizer
         try:
-            text = tok.apply_chat_template(conversation, tokenize=False, add_generation_prompt=add_generation_prompt)
+            text = tok.apply_chat_template(conversation, tokenize=False, add_generation_prompt=add_generation_prompt,
+                                           tools=tools)
         except Exception as exc:  # noqa: BLE001 - template errors are the request's fault
             raise InvalidRequestError(f"messages: the chat template failed: {exc}", "messages") from exc
         return tok.encode(text, add_special_tokens=False)
@@ -366,7 +407,7 @@ class _Handlers:
         prompts = body.prompts()
         params = body.sampling_params()
         self._check_params(body, params, len(prompts))
-        await self._check_constraint(body)
+        await self._check_constraint(body, params)
         texts = [p if isinstance(p, str) else None for p in prompts]
         job = await self._start("cmpl", "completion", prompts, texts, params, body.priority, request)
         job.echo = body.echo
@@ -375,11 +416,13 @@ class _Handlers:
 
     async def chat(self, body: ChatCompletionRequest, request: Request):
         self.check_model(body.model)
-        params = body.sampling_params()
-        ids = self.chat_prompt_ids(body.conversation(), body.add_generation_prompt)
+        tool_mode = body.tool_mode(self.state.settings.auto_tool_parser)
+        params = body.sampling_params(tool_mode)
+        ids = self.chat_prompt_ids(body.conversation(), body.add_generation_prompt, body.template_tools())
         self._check_params(body, params, 1)
-        await self._check_constraint(body)
+        await self._check_constraint(body, params)
         job = await self._start("chatcmpl", "chat", [ids], [None], params, body.priority, request)
+        job.tool_mode = tool_mode if tool_mode.kind != "none" else None
         return await self._respond(job, body.stream, body.include_usage, request)
 
     async def _start(self, prefix: str, kind: str, prompts: list, texts: list, params: SamplingParams,
@@ -519,8 +562,15 @@ class _Handlers:
             else:
                 lp = ({"content": self._chat_logprobs(ch.token_ids, ch.logprobs, job.params.logprobs)}
                       if job.params.logprobs is not None else None)
-                out_choices.append({"index": i, "message": {"role": "assistant", "content": ch.text},
-                                    "logprobs": lp, "finish_reason": ch.finish_reason,
+                message: dict[str, Any] = {"role": "assistant", "content": ch.text}
+                finish = ch.finish_reason
+                if job.tool_mode is not None:
+                    content, calls = job.tool_mode.calls(ch.text)
+                    message = {"role": "assistant", "content": content}
+                    if calls:
+                        message["tool_calls"] = [c.to_openai() for c in calls]
+                    finish = _tool_finish_reason(job.tool_mode, calls, finish)
+                out_choices.append({"index": i, "message": message, "logprobs": lp, "finish_reason": finish,
                                     "stop_reason": ch.stop_reason})
         body = {"id": job.id, "object": "text_completion" if job.kind == "completion" else "chat.completion",
                 "created": created, "model": self.state.model_name, "choices": out_choices,
@@ -586,6 +636,9 @@ class _Handlers:
                     "stop_reason": c.stop_reason}
         if job.params.logprobs is not None:
             lp = {"content": self._chat_logprobs(c.token_ids, c.logprobs or [], job.params.logprobs)}
+        if job.tool_mode is not None:
+            msg, finish = _tool_stream_delta(job.tool_mode, ch, c.text, c.finish_reason)
+            return {"index": idx, "delta": msg, "logprobs": lp, "finish_reason": finish, "stop_reason": c.stop_reason}
         msg = {"content": c.text} if c.text or not c.finish_reason else {}
         return {"index": idx, "delta": msg, "logprobs": lp, "finish_reason": c.finish_reason,
                 "stop_reason": c.stop_reason}

@@ -13,6 +13,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from engine.request import InvalidRequestError, SamplingParams, StructuredOutputsParams
+from engine.server.tool_calls import ToolMode, arguments_for_template, resolve_tool_mode
 
 _INT64 = 2 ** 63 - 1
 
@@ -186,6 +187,29 @@ class ChatMessage(_Lenient):
     role: str
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # an assistant turn that called tools
+    tool_call_id: str | None = None  # a tool turn: which call it answers
+
+
+class FunctionDefinition(_Lenient):
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.\-]+$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ChatTool(_Lenient):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class FunctionName(_Lenient):
+    name: str
+
+
+class NamedToolChoice(_Lenient):
+    type: Literal["function"]
+    function: FunctionName
 
 
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -198,6 +222,23 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: bool | None = False
     top_logprobs: int | None = Field(None, le=_INT64, ge=-_INT64)
     add_generation_prompt: bool = True
+    tools: list[ChatTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = True
+
+    def tool_mode(self, auto_parser: str | None) -> ToolMode:
+        tools = [t.model_dump() for t in self.tools or []]
+        choice = self.tool_choice.model_dump() if isinstance(self.tool_choice, NamedToolChoice) else self.tool_choice
+        mode = resolve_tool_mode(tools, choice, auto_parser)
+        if mode.forced and self.structured_output_field() is not None:
+            raise InvalidRequestError(f"tool_choice {mode.kind!r} constrains the output itself; it cannot be "
+                                      "combined with response_format or another structured-output field",
+                                      "tool_choice")
+        return mode
+
+    def template_tools(self) -> list[dict[str, Any]] | None:
+        """The tools as chat templates take them (OpenAI's shape), or None."""
+        return [t.model_dump(exclude_none=True) for t in self.tools] if self.tools else None
 
     def conversation(self) -> list[dict[str, Any]]:
         if not self.messages:
@@ -219,17 +260,28 @@ class ChatCompletionRequest(_SamplingFields):
                 content = "".join(texts)
             else:
                 content = m.content or ""
-            out.append({"role": m.role, "content": content})
+            message: dict[str, Any] = {"role": m.role, "content": content}
+            if m.tool_calls:
+                message["tool_calls"] = arguments_for_template(m.tool_calls)
+            if m.tool_call_id is not None:
+                message["tool_call_id"] = m.tool_call_id
+            if m.name is not None:
+                message["name"] = m.name
+            out.append(message)
         return out
 
-    def sampling_params(self) -> SamplingParams:
+    def sampling_params(self, tool_mode: ToolMode | None = None) -> SamplingParams:
+        """With a forced tool choice, the output is constrained to the call's JSON."""
         if self.top_logprobs is not None and not self.logprobs:
             raise InvalidRequestError("top_logprobs requires logprobs=true", "top_logprobs")
         if self.top_logprobs is not None and not 0 <= self.top_logprobs <= 20:
             raise InvalidRequestError(f"top_logprobs must be in [0, 20], got {self.top_logprobs}", "top_logprobs")
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
-        return self._params(max_tokens, logprobs)
+        params = self._params(max_tokens, logprobs)
+        if tool_mode is not None and tool_mode.forced:
+            params.structured_outputs = tool_mode.constraint(self.parallel_tool_calls is not False)
+        return params
 
 
 class TokenizeRequest(_Lenient):
