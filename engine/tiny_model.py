@@ -42,6 +42,16 @@ ARCH_DEFAULTS = {
                  original_max_position_embeddings=1024),
     "gemma": dict(model_type="gemma", architectures=["GemmaForCausalLM"], hidden_act="gelu_pytorch_tanh",
                   tie_word_embeddings=True, head_dim=64),
+    # Mixtures of experts: every layer sparse (Mixtral); a shared expert (Qwen2-MoE); a dense
+    # layer among sparse ones and renormalised top-k (Qwen3-MoE).
+    "mixtral": dict(model_type="mixtral", architectures=["MixtralForCausalLM"], sliding_window=None,
+                    num_local_experts=4, num_experts_per_tok=2, intermediate_size=128),
+    "qwen2_moe": dict(model_type="qwen2_moe", architectures=["Qwen2MoeForCausalLM"], num_experts=4,
+                      num_experts_per_tok=2, moe_intermediate_size=64, shared_expert_intermediate_size=96,
+                      norm_topk_prob=False),
+    "qwen3_moe": dict(model_type="qwen3_moe", architectures=["Qwen3MoeForCausalLM"], attention_bias=False,
+                      num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64, norm_topk_prob=True,
+                      mlp_only_layers=[1]),
 }
 
 PRESETS = {

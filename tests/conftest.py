@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-ARCHS = ("llama", "qwen2", "qwen3", "mistral", "gemma", "phi3")
+ARCHS = ("llama", "qwen2", "qwen3", "mistral", "gemma", "phi3", "mixtral", "qwen2_moe", "qwen3_moe")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -8,7 +8,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "phi3")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "phi3", "mixtral", "qwen2_moe", "qwen3_moe")
+_QWEN2 = ("qwen2", "qwen2_moe")
+_QWEN3 = ("qwen3", "qwen3_moe")
 # MLP activations kiln runs (HF names); Gemma's legacy "gelu" means the tanh approximation.
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 
@@ -39,6 +41,17 @@ class ModelConfig:
     hidden_act: str = "silu"
     norm_weight_offset: float = 0.0  # Gemma's RMSNorm scales by (offset + weight), offset 1
     embed_scale: float | None = None  # Gemma multiplies the embeddings by sqrt(hidden_size)
+    # Mixture of experts (Mixtral, Qwen2-MoE, Qwen3-MoE); num_experts 0: a dense model.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = True  # renormalise the k chosen experts' router probabilities to sum 1
+    shared_expert_intermediate_size: int = 0  # Qwen2-MoE: an always-on expert behind a sigmoid gate
+    sparse_layers: tuple[int, ...] = ()  # the layers whose MLP is the MoE block
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> "ModelConfig":
@@ -71,6 +84,7 @@ class ModelConfig:
         eos = raw.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
         window = _sliding_window(raw, model_type)
+        moe = _moe_fields(raw, model_type)
         return cls(
             model_type=model_type,
             vocab_size=raw["vocab_size"],
@@ -85,10 +99,10 @@ class ModelConfig:
             rope_theta=float(theta),
             rope_scaling=scaling,
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", gemma)),
-            qkv_bias=model_type == "qwen2" or bool(raw.get("attention_bias", False)),
-            o_bias=model_type != "qwen2" and bool(raw.get("attention_bias", False)),
+            qkv_bias=model_type in _QWEN2 or bool(raw.get("attention_bias", False)),
+            o_bias=model_type not in _QWEN2 and bool(raw.get("attention_bias", False)),
             mlp_bias=bool(raw.get("mlp_bias", False)),
-            qk_norm=model_type == "qwen3",
+            qk_norm=model_type in _QWEN3,
             sliding_window=window,
             torch_dtype=raw.get("torch_dtype") or raw.get("dtype"),
             eos_token_ids=eos_ids,
@@ -96,6 +110,7 @@ class ModelConfig:
             hidden_act=act,
             norm_weight_offset=1.0 if gemma else 0.0,
             embed_scale=raw["hidden_size"] ** 0.5 if gemma else None,
+            **moe,
         )
 
     @classmethod
@@ -108,9 +123,12 @@ class ModelConfig:
     def num_parameters(self) -> int:
         d, f, v = self.hidden_size, self.intermediate_size, self.vocab_size
         attn = d * (self.num_heads + 2 * self.num_kv_heads) * self.head_dim + self.num_heads * self.head_dim * d
-        per_layer = attn + 3 * d * f + 2 * d
+        per_layer = attn + 2 * d
+        sparse = len(self.sparse_layers)
+        moe = self.num_experts * (3 * d * self.moe_intermediate_size + d) + 3 * d * self.shared_expert_intermediate_size
+        mlps = (self.num_layers - sparse) * 3 * d * f + sparse * moe
         embed = v * d * (1 if self.tie_word_embeddings else 2)
-        return self.num_layers * per_layer + embed + d
+        return self.num_layers * per_layer + mlps + embed + d
 
 
 def _sliding_window(raw: dict[str, Any], model_type: str) -> int | None:
@@ -121,7 +139,7 @@ def _sliding_window(raw: dict[str, Any], model_type: str) -> int | None:
     if window is None:
         return None
     num_layers = raw["num_hidden_layers"]
-    if model_type in ("qwen2", "qwen3"):
+    if model_type in _QWEN2 + _QWEN3:
         if not raw.get("use_sliding_window", False):
             return None
         first = raw.get("max_window_layers", num_layers)
@@ -133,6 +151,25 @@ def _sliding_window(raw: dict[str, Any], model_type: str) -> int | None:
     if not all(k == "sliding_attention" for k in kinds):
         raise ValueError("model: sliding-window attention on some layers only is not supported")
     return int(window)
+
+
+def _moe_fields(raw: dict[str, Any], model_type: str) -> dict[str, Any]:
+    """The MoE fields of ModelConfig for Mixtral and Qwen2/3-MoE configs ({} for dense models)."""
+    num_layers = raw["num_hidden_layers"]
+    if model_type == "mixtral":  # every layer sparse; experts as wide as intermediate_size; top-k renormalised
+        return dict(num_experts=raw["num_local_experts"], num_experts_per_tok=raw["num_experts_per_tok"],
+                    moe_intermediate_size=raw["intermediate_size"], norm_topk_prob=True,
+                    sparse_layers=tuple(range(num_layers)))
+    if model_type not in ("qwen2_moe", "qwen3_moe"):
+        return {}
+    experts = raw.get("num_experts", raw.get("num_local_experts", 0)) or 0  # (transformers 5 writes the latter)
+    step = raw.get("decoder_sparse_step", 1) or 1
+    dense_only = set(raw.get("mlp_only_layers") or ())
+    sparse = tuple(i for i in range(num_layers) if experts > 0 and i not in dense_only and (i + 1) % step == 0)
+    return dict(num_experts=experts, num_experts_per_tok=raw["num_experts_per_tok"],
+                moe_intermediate_size=raw["moe_intermediate_size"], norm_topk_prob=bool(raw.get("norm_topk_prob", False)),
+                shared_expert_intermediate_size=raw.get("shared_expert_intermediate_size", 0) or 0,
+                sparse_layers=sparse)
 
 
 def rope_inv_freq(config: ModelConfig):

@@ -1,4 +1,5 @@
-"""The Llama family (Llama 2/3, Mistral, Qwen2, Qwen3, Gemma, Phi-3) over a flattened token batch.
+"""The Llama family (Llama 2/3, Mistral, Qwen2, Qwen3, Gemma, Phi-3, and the mixture-of-experts
+Mixtral, Qwen2-MoE and Qwen3-MoE) over a flattened token batch.
 
 Input is [num_tokens] ids and positions for a mixed batch of prefill chunks and
 decodes; attention goes through an AttentionBackend with explicit metadata.
@@ -11,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+import compiler.moe  # noqa: F401 - registers kiln::moe_experts
 from engine.attention.base import AttentionBackend, AttentionMetadata
 from engine.models.config import ModelConfig, rope_inv_freq
 
@@ -96,11 +98,11 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, intermediate_size: int | None = None) -> None:
         super().__init__()
-        self.intermediate = config.intermediate_size
-        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=config.mlp_bias)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
+        self.intermediate = intermediate_size or config.intermediate_size
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * self.intermediate, bias=config.mlp_bias)
+        self.down_proj = nn.Linear(self.intermediate, config.hidden_size, bias=config.mlp_bias)
         self.tanh_gelu = config.hidden_act == "gelu_pytorch_tanh"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -109,13 +111,42 @@ class MLP(nn.Module):
         return self.down_proj(act * up)
 
 
+class SparseMoE(nn.Module):
+    """Router + top-k routed experts (kiln::moe_experts, compiler/moe.py), plus Qwen2-MoE's
+    sigmoid-gated shared expert. Expert weights are stacked: w13 [E, 2I, H] (gate rows, then
+    up rows), w2 [E, H, I]."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        e, h, i = config.num_experts, config.hidden_size, config.moe_intermediate_size
+        self.top_k = config.num_experts_per_tok
+        self.renormalize = config.norm_topk_prob
+        self.activation = config.hidden_act
+        self.gate = nn.Linear(h, e, bias=False)
+        self.w13 = nn.Parameter(torch.empty(e, 2 * i, h))
+        self.w2 = nn.Parameter(torch.empty(e, h, i))
+        shared = config.shared_expert_intermediate_size
+        self.shared_expert = MLP(config, shared) if shared else None
+        self.shared_expert_gate = nn.Linear(h, 1, bias=False) if shared else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        probs = F.softmax(self.gate(x).float(), dim=-1)
+        weights, ids = probs.topk(self.top_k, dim=-1)
+        if self.renormalize:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        out = torch.ops.kiln.moe_experts(x, weights, ids, self.w13, self.w2, self.activation)
+        if self.shared_expert is not None:
+            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return out
+
+
 class DecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, layer_index: int) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.norm_weight_offset)
         self.self_attn = Attention(config, layer_index)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.norm_weight_offset)
-        self.mlp = MLP(config)
+        self.mlp = SparseMoE(config) if layer_index in config.sparse_layers else MLP(config)
 
     def forward(self, x, cos, sin, kv_cache, meta, backend):
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, meta, backend)

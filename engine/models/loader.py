@@ -23,7 +23,17 @@ _FUSED = {
     "self_attn.v_proj": ("self_attn.qkv_proj", 2),
     "mlp.gate_proj": ("mlp.gate_up_proj", 0),
     "mlp.up_proj": ("mlp.gate_up_proj", 1),
+    "mlp.shared_expert.gate_proj": ("mlp.shared_expert.gate_up_proj", 0),  # Qwen2-MoE
+    "mlp.shared_expert.up_proj": ("mlp.shared_expert.gate_up_proj", 1),
 }
+# One expert's matrix (Mixtral: w1 gate, w3 up, w2 down; Qwen-MoE: gate/up/down_proj) -> its
+# place in the stacked w13 [E, 2I, H] (half 0: gate, 1: up) or w2 [E, H, I].
+_EXPERT = re.compile(r"^(?:block_sparse_moe|mlp)\.experts\.(\d+)\.(w1|w2|w3|gate_proj|up_proj|down_proj)\.weight$")
+_EXPERT_PART = {"w1": ("w13", 0), "gate_proj": ("w13", 0), "w3": ("w13", 1), "up_proj": ("w13", 1),
+                "w2": ("w2", None), "down_proj": ("w2", None)}
+# Checkpoints written with the experts already stacked (transformers 5's in-memory layout).
+_STACKED = {"mlp.experts.gate_up_proj": "mlp.w13", "mlp.experts.down_proj": "mlp.w2",
+            "block_sparse_moe.experts.gate_up_proj": "mlp.w13", "block_sparse_moe.experts.down_proj": "mlp.w2"}
 
 
 def safetensors_files(model_dir: Path) -> list[Path]:
@@ -37,17 +47,21 @@ def safetensors_files(model_dir: Path) -> list[Path]:
     return files
 
 
-def _fused_slices(model: LlamaForCausalLM, kiln_name: str) -> list[tuple[int, int]]:
+def _fused_slices(model: LlamaForCausalLM, kiln_name: str) -> list[slice]:
     cfg = model.config
     if kiln_name.endswith("qkv_proj"):
         q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-        return [(0, q), (q, q + kv), (q + kv, q + 2 * kv)]
-    f = cfg.intermediate_size
-    return [(0, f), (f, 2 * f)]
+        return [slice(0, q), slice(q, q + kv), slice(q + kv, q + 2 * kv)]
+    f = model.get_submodule(kiln_name).out_features // 2  # gate rows, then up rows
+    return [slice(0, f), slice(f, 2 * f)]
 
 
-def _target(model: LlamaForCausalLM, hf_name: str) -> tuple[str, tuple[int, int] | None] | None:
-    """Map an HF tensor name to (kiln parameter name, rows of a fused parameter)."""
+Index = tuple[int | slice, ...]
+
+
+def _target(model: LlamaForCausalLM, hf_name: str) -> tuple[str, Index | None] | None:
+    """Map an HF tensor name to (kiln parameter name, the part of it the tensor fills: rows of a
+    fused parameter, or an expert's slot in a stacked one; None for the whole)."""
     if hf_name == "model.embed_tokens.weight":
         return "embed_tokens.weight", None
     if hf_name == "model.norm.weight":
@@ -58,11 +72,22 @@ def _target(model: LlamaForCausalLM, hf_name: str) -> tuple[str, tuple[int, int]
     if not m:
         return None
     layer, rest = m.group(1), m.group(2)
+    expert = _EXPERT.match(rest)
+    if expert:
+        e, (stacked, half) = int(expert.group(1)), _EXPERT_PART[expert.group(2)]
+        if half is None:
+            return f"layers.{layer}.mlp.{stacked}", (e,)
+        rows = model.config.moe_intermediate_size
+        return f"layers.{layer}.mlp.{stacked}", (e, slice(half * rows, (half + 1) * rows))
+    if rest in _STACKED:
+        return f"layers.{layer}.{_STACKED[rest]}", None
+    if rest == "block_sparse_moe.gate.weight":  # Mixtral's router
+        return f"layers.{layer}.mlp.gate.weight", None
     module, _, kind = rest.rpartition(".")
     if module in _FUSED:
         fused, idx = _FUSED[module]
         name = f"layers.{layer}.{fused}.{kind}"
-        return name, _fused_slices(model, name.rsplit(".", 1)[0])[idx]
+        return name, (_fused_slices(model, name.rsplit(".", 1)[0])[idx],)
     if "rotary_emb" in rest:
         return None
     return f"layers.{layer}.{rest}", None
@@ -104,12 +129,12 @@ def _load_safetensors(model: LlamaForCausalLM, model_dir: Path) -> None:
                 target = _target(model, hf_name)
                 if target is None:
                     continue
-                name, rows = target
+                name, index = target
                 if name not in params:
                     raise ValueError(f"model: checkpoint tensor {hf_name} has no place in the model ({name})")
                 param = params[name]
                 tensor = f.get_tensor(hf_name)
-                dest = param.data if rows is None else param.data[rows[0]:rows[1]]
+                dest = param.data if index is None else param.data[index]
                 if tuple(dest.shape) != tuple(tensor.shape):
                     raise ValueError(f"model: {hf_name} has shape {tuple(tensor.shape)}, "
                                      f"expected {tuple(dest.shape)}")

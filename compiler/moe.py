@@ -1,0 +1,77 @@
+"""The routed experts of a mixture-of-experts FFN, as one opaque op (`kiln::moe_experts`).
+
+Inputs: the tokens x [T, H], the router's choice per token (weights and expert ids, [T, k]),
+and the stacked expert weights w13 [E, 2I, H] (gate rows, then up rows) and w2 [E, H, I].
+Output: sum over the k chosen experts of weight * down(act(gate(x)) * up(x)), [T, H].
+
+Nothing here reads a routing count on the host, so a captured CUDA graph replays it as is:
+the T*k (token, expert) pairs are sorted by expert, each expert's rows run as one group of
+`torch._grouped_mm` (a grouped GEMM; CUTLASS's on Hopper) and the weighted rows are added
+back to their tokens. Where `_grouped_mm` does not take the inputs (it wants bf16 on a GPU),
+every expert runs on every token as one batched matmul and the zero weights drop what an
+expert was not chosen for: the same result for E/k times the arithmetic.
+
+Why an opaque op: `_grouped_mm`'s meta function only accepts bf16, which would keep float32
+models out of the compiled graph, and the op's shape ([T, H] from [T, H]) is all Dynamo needs.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
+
+
+def _act(gate: torch.Tensor, activation: str) -> torch.Tensor:
+    return F.gelu(gate, approximate="tanh") if activation == "gelu_pytorch_tanh" else F.silu(gate)
+
+
+def grouped_mm_supported(x: torch.Tensor) -> bool:
+    """torch._grouped_mm runs float32 and bf16 on the CPU, bf16 on a GPU."""
+    if not hasattr(torch, "_grouped_mm"):
+        return False
+    return x.dtype in (torch.float32, torch.bfloat16) if x.device.type == "cpu" else x.dtype == torch.bfloat16
+
+
+def moe_experts_grouped(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w13: torch.Tensor,
+                        w2: torch.Tensor, activation: str) -> torch.Tensor:
+    num_experts, k = w13.shape[0], ids.shape[1]
+    flat = ids.reshape(-1)
+    order = flat.argsort(stable=True)
+    token = order // k  # the token of each sorted (token, expert) pair
+    counts = torch.zeros(num_experts, dtype=torch.int32, device=x.device)
+    counts.scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
+    offsets = counts.cumsum(0, dtype=torch.int32)  # end row of each expert's group
+    gate_up = torch._grouped_mm(x[token], w13.transpose(1, 2), offs=offsets)
+    gate, up = gate_up.chunk(2, dim=-1)
+    rows = torch._grouped_mm(_act(gate, activation) * up, w2.transpose(1, 2), offs=offsets)
+    rows = rows.float() * weights.reshape(-1)[order, None].float()
+    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    return out.index_add_(0, token, rows).to(x.dtype)
+
+
+def moe_experts_dense(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w13: torch.Tensor,
+                      w2: torch.Tensor, activation: str) -> torch.Tensor:
+    num_experts = w13.shape[0]
+    combine = torch.zeros(x.shape[0], num_experts, dtype=torch.float32, device=x.device)
+    combine.scatter_add_(1, ids, weights.float())  # [T, E]: 0 where the expert was not chosen
+    gate_up = torch.matmul(x.unsqueeze(0), w13.transpose(1, 2))  # [E, T, 2I]
+    gate, up = gate_up.chunk(2, dim=-1)
+    rows = torch.matmul(_act(gate, activation) * up, w2.transpose(1, 2))  # [E, T, H]
+    return torch.einsum("eth,te->th", rows.float(), combine).to(x.dtype)
+
+
+@torch.library.custom_op("kiln::moe_experts", mutates_args=())
+def moe_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+                activation: str) -> torch.Tensor:
+    if x.shape[0] == 0:
+        return torch.zeros_like(x)
+    if grouped_mm_supported(x):
+        return moe_experts_grouped(x, weights, ids, w13, w2, activation)
+    return moe_experts_dense(x, weights, ids, w13, w2, activation)
+
+
+@moe_experts.register_fake
+def _(x, weights, ids, w13, w2, activation):
+    return torch.empty_like(x)
