@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The one command a session with a lent H200 runs (see README "GPU check").
 #   tools/gpu_check.sh [STAGE ...]     default: all stages, in this order:
-#     env kernels new-kernels gpu-tests kernel-bench latency swap warm-start throughput
+#     env kernels new-kernels gpu-tests kernel-bench latency swap moe warm-start throughput
 # Installs what the device lacks from carried wheels (.whl/), builds the kernels into
 # build/kernels (a cache hit when the carried cubins match), runs the `gpu`-marked tests
 # and the GPU benchmarks, writes full logs and JSON under $OUT, and prints a short table last.
@@ -14,7 +14,7 @@ PY=${PYTHON:-python3}
 KCACHE=$PWD/build/kernels
 export KILN_KERNEL_CACHE_DIR=$KCACHE KILN_CACHE_DIR=/tmp/kiln-cache
 STAGES=("$@")
-[ ${#STAGES[@]} -eq 0 ] && STAGES=(env kernels new-kernels gpu-tests kernel-bench latency swap warm-start throughput)
+[ ${#STAGES[@]} -eq 0 ] && STAGES=(env kernels new-kernels gpu-tests kernel-bench latency swap moe warm-start throughput)
 
 if ls .whl/*.whl >/dev/null 2>&1; then
   $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
@@ -83,6 +83,7 @@ for stage in "${STAGES[@]}"; do
       run_stage warm-start-8b 120 $PY -m engine.bench.latency --preset llama-3.1-8b --batch-size 1,64 \
         --input-len 128 --output-len 128 --json "$OUT/warm-start-8b.json" ;;
     swap) run_stage swap 60 $PY -m engine.bench.swap --json "$OUT/swap.json" ;;
+    moe) run_stage moe 60 $PY -m compiler.moe_bench --json "$OUT/moe.json" ;;
     throughput) run_stage throughput 120 $PY -c "import sys; from engine.bench.throughput import main; sys.exit(main(['--device','cuda','--dtype','bfloat16','--num-requests','256','--json','$OUT/throughput.json']))" ;;
     *) echo "unknown stage $stage" ;;
   esac
