@@ -73,6 +73,14 @@ class EngineSettings(BaseSettings):
     reserved_priority: int = 0
     max_waiting_requests: int = Field(4096, ge=1, description="beyond this the server answers 503")
 
+    # --- speculative decoding (vLLM's speculative_config {"method": "ngram", ...}) ---
+    speculative_method: Literal["ngram"] | None = Field(
+        None, description="ngram: draft tokens by prompt lookup, verified in one forward")
+    num_speculative_tokens: int = Field(0, ge=0, le=16, description="draft tokens per step and sequence")
+    prompt_lookup_max: int = Field(4, ge=1, description="ngram: longest suffix to look up")
+    prompt_lookup_min: int = Field(2, ge=1,
+                                   description="ngram: shortest suffix to look up (1 matches by chance too often)")
+
     # --- compiler / kernels ---
     enforce_eager: bool = Field(False, description="no torch.compile, no CUDA graphs")
     attention_backend: Literal["auto", "torch", "cutlass"] = "auto"
@@ -107,6 +115,11 @@ class EngineSettings(BaseSettings):
                 f"({self.max_model_len}) with enable_chunked_prefill off: long prompts could never be scheduled")
         if self.cuda_graph_sizes is not None and any(s < 1 for s in self.cuda_graph_sizes):
             raise ValueError("cuda_graph_sizes must be positive batch sizes")
+        if self.speculative_method is not None and self.num_speculative_tokens < 1:
+            raise ValueError("speculative_method needs num_speculative_tokens >= 1")
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ValueError(f"prompt_lookup_min ({self.prompt_lookup_min}) exceeds prompt_lookup_max "
+                             f"({self.prompt_lookup_max})")
         return self
 
     @classmethod

@@ -26,6 +26,7 @@ from engine.request import (CompletionOutput, FinishReason, InvalidRequestError,
 from engine.runner import ModelRunner
 from engine.sampler import Sampler
 from engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput, sample_row_ranges
+from engine.spec_decode import NgramProposer, SpecDecodeConfig
 from engine.structured_output import StructuredOutputCompiler
 
 logger = logging.getLogger(__name__)
@@ -124,7 +125,7 @@ class LLMEngine:
             preemption_mode=settings.preemption_mode,
             reserved_blocks_fraction=settings.reserved_blocks_fraction,
             reserved_priority=settings.reserved_priority,
-        ), self.pool, self._make_swap_space())
+        ), self.pool, self._make_swap_space(), self._make_proposer())
         self.sampler = Sampler(self.device, self.eos_token_ids, settings.seed)
         self.runner = ModelRunner(self.model, self.kv_cache, self.sampler, self.device, settings.block_size,
                                   settings.max_num_seqs, self._token_budget(), self.max_model_len)
@@ -159,6 +160,14 @@ class LLMEngine:
             capture_s = self.runner.capture_graphs(s.capture_sizes(), device_reads_lengths=reads_lengths)
             logger.info("captured %d decode CUDA graphs in %.1fs", len(s.capture_sizes()), capture_s)
         return compile_s, capture_s
+
+    def _make_proposer(self) -> NgramProposer | None:
+        s = self.settings
+        if s.speculative_method is None:
+            return None
+        logger.info("speculative decoding: %s, up to %d draft tokens (lookup %d..%d tokens)", s.speculative_method,
+                    s.num_speculative_tokens, s.prompt_lookup_min, s.prompt_lookup_max)
+        return NgramProposer(SpecDecodeConfig(s.num_speculative_tokens, s.prompt_lookup_max, s.prompt_lookup_min))
 
     def _make_swap_space(self) -> SwapSpace | None:
         """The CPU block pool for preemption by swap (none in recompute mode or with no swap space)."""
@@ -315,15 +324,10 @@ class LLMEngine:
         touched = self.scheduler.update(sched, tokens)
         now = time.monotonic()
         outputs: dict[str, Request] = {}
+        generated = 0
         for seq in touched:
             try:
-                self._record_logprob(seq, logprobs)
-                if seq.read_offset == 0:  # a sample forked by the scheduler: its text starts after the prompt
-                    init_offsets(seq)
-                grammar_done = self._advance_grammar(seq)
-                check_stop(self.tokenizer, seq, self.eos_token_ids, self.max_model_len)
-                if grammar_done and seq.finish_reason is None:  # (a stop token kept by ignore_eos)
-                    seq.finish_reason = FinishReason.STOP
+                generated += self._process_new_tokens(seq, logprobs)
             except Exception as exc:  # noqa: BLE001 - e.g. the tokenizer fails on this output: fail only it
                 logger.exception("request %s: processing its output failed", seq.request.request_id)
                 failed[seq.seq_id] = f"processing the output failed: {type(exc).__name__}: {exc}"
@@ -349,14 +353,34 @@ class LLMEngine:
             out = self._output(request)
             if out is not None:
                 results.append(out)
-        self.last_step = StepStats(sched.num_prefill_tokens, len(touched), time.perf_counter() - t0)
+        self.last_step = StepStats(sched.num_prefill_tokens, generated, time.perf_counter() - t0)
         if self.swap_space is not None and sched.num_prefill_tokens >= max(MIN_PREFILL_SAMPLE,
                                                                            sched.num_decode_tokens):
             # A prefill-dominated step prices recomputation for auto preemption (SwapSpace).
             self.swap_space.observe_prefill(sched.num_tokens, self.last_step.duration)
         self.num_prompt_tokens_total += sched.num_prefill_tokens
-        self.num_generation_tokens_total += len(touched)
+        self.num_generation_tokens_total += generated
         return results
+
+    def _process_new_tokens(self, seq: Sequence, logprobs: dict[int, list]) -> int:
+        """Logprobs, grammar and stop checks for the tokens the step appended to seq, one token at
+        a time (a speculative step appends several); tokens after the one that finishes seq are
+        dropped. Returns how many tokens seq keeps."""
+        count = seq.num_new_tokens
+        pending = seq.token_ids[len(seq.token_ids) - count:]
+        del seq.token_ids[len(seq.token_ids) - count:]
+        for j, token in enumerate(pending):
+            seq.token_ids.append(token)
+            self._record_logprob(seq, logprobs, j)
+            if seq.read_offset == 0:  # a sample forked by the scheduler: its text starts after the prompt
+                init_offsets(seq)
+            grammar_done = self._advance_grammar(seq)
+            check_stop(self.tokenizer, seq, self.eos_token_ids, self.max_model_len)
+            if grammar_done and seq.finish_reason is None:  # (a stop token kept by ignore_eos)
+                seq.finish_reason = FinishReason.STOP
+            if seq.finish_reason is not None:
+                return j + 1
+        return count
 
     @staticmethod
     def _advance_grammar(seq: Sequence) -> bool:
@@ -449,7 +473,8 @@ class LLMEngine:
         """seq id -> logprob entries it sampled this step (n entries at a fork)."""
         return {s.seq_id: flat[rows.start:rows.stop] for s, rows in sample_row_ranges(sched.seqs) if rows}
 
-    def _record_logprob(self, seq: Sequence, logprobs: dict[int, list]) -> None:
+    def _record_logprob(self, seq: Sequence, logprobs: dict[int, list], index: int = 0) -> None:
+        """Record the logprob entry of seq's token number `index` of this step."""
         # A forked child has no entry of its own: it took entry `sample_index` of its parent's list.
         entries = logprobs.get(seq.seq_id)
         if entries is None:
@@ -457,7 +482,7 @@ class LLMEngine:
             entries = logprobs.get(parent.seq_id)
             entry = entries[seq.sample_index] if entries and len(entries) > seq.sample_index else None
         else:
-            entry = entries[0] if entries else None
+            entry = entries[index] if len(entries) > index else None
         if entry is None:
             return
         chosen, top = entry

@@ -239,6 +239,7 @@ class Sequence:
     prefix_offset: int = 0
     read_offset: int = 0
     num_preemptions: int = 0
+    num_new_tokens: int = 0  # tokens the last step appended (more than 1 with speculative decoding)
     # output_kind "delta": how much has been handed out already.
     emitted_tokens: int = 0
     emitted_chars: int = 0

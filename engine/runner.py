@@ -178,7 +178,15 @@ class ModelRunner:
             buf.np_query_start_loc[i + 1] = t
             max_q = max(max_q, n)
             max_len = max(max_len, end)
-            if s.do_sample:
+            if s.do_sample and s.draft_token_ids:
+                # Speculative: every position is sampled, each row with its own history (the
+                # sequence, then the drafts before that position).
+                first = t - n
+                for j in range(n):
+                    history = s.all_token_ids if j == 0 else s.all_token_ids + s.draft_token_ids[:j]
+                    sample_indices.append(first + j)
+                    rows.append(SampleRow(s.params, history, s.num_prompt_tokens, s.sample_index))
+            elif s.do_sample:
                 for k in range(s.num_samples):
                     sample_indices.append(t - 1)
                     rows.append(SampleRow(s.params, s.all_token_ids, s.num_prompt_tokens, s.sample_index + k,

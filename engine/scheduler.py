@@ -23,9 +23,12 @@ import itertools
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Literal
+from typing import TYPE_CHECKING, Callable, Literal
 
 from engine.kv.block_pool import BlockPool
+
+if TYPE_CHECKING:
+    from engine.spec_decode import NgramProposer
 from engine.request import FinishReason, InvalidRequestError, Request, SamplingParams, Sequence, SeqStatus
 
 logger = logging.getLogger(__name__)
@@ -59,6 +62,8 @@ class ScheduledSeq:
     num_prompt_tokens: int
     sample_index: int
     grammars: list | None = None  # the request's grammar matchers, by sample index (structured outputs)
+    # Speculative decoding: token_ids is [last token, *drafts]; every position is sampled.
+    draft_token_ids: list[int] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -70,7 +75,7 @@ def sample_row_ranges(seqs: list[ScheduledSeq]):
     sampling sequence, n at a fork point, none for a prefill chunk that does not end the prompt."""
     k = 0
     for s in seqs:
-        n = s.num_samples if s.do_sample else 0
+        n = (1 + len(s.draft_token_ids) if s.draft_token_ids else s.num_samples) if s.do_sample else 0
         yield s, range(k, k + n)
         k += n
 
@@ -97,10 +102,13 @@ class SchedulerOutput:
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, pool: BlockPool,
-                 swapper: "SwapSpace | None" = None) -> None:
+                 swapper: "SwapSpace | None" = None, proposer: "NgramProposer | None" = None) -> None:
         self.config = config
         self.pool = pool
         self.swapper = swapper
+        self.proposer = proposer  # speculative decoding: drafts for decoding sequences
+        self.num_draft_tokens = 0
+        self.num_accepted_tokens = 0
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []
         self.swapped: list[Sequence] = []
@@ -232,6 +240,11 @@ class Scheduler:
             if num_new <= 0:
                 i += 1
                 continue
+            drafts = self._drafts(seq, budget) if num_new == 1 else []
+            if drafts and self._can_grow(seq, 1 + len(drafts)):
+                num_new = 1 + len(drafts)  # drafts only where blocks are free: they never preempt
+            else:
+                drafts = []
             while not self._can_grow(seq, num_new):
                 victim = self.running[-1]
                 self._preempt(victim, out, reason="out of KV blocks")
@@ -240,7 +253,7 @@ class Scheduler:
             if seq.status is not SeqStatus.RUNNING:
                 break  # it preempted itself: everything after it is gone too
             self._grow(seq, num_new, out)
-            self._emit(seq, num_new, out)
+            self._emit(seq, num_new, out, drafts)
             budget -= num_new
             i += 1
 
@@ -373,19 +386,34 @@ class Scheduler:
         if total > len(seq.block_ids):
             seq.block_ids.extend(self.pool.allocate_many(total - len(seq.block_ids)))
 
-    def _emit(self, seq: Sequence, num_new: int, out: SchedulerOutput) -> None:
+    def _drafts(self, seq: Sequence, budget: int) -> list[int]:
+        """Speculative draft tokens for a decoding sequence ([] when off or not applicable).
+        Drafts stay within the token budget, max_model_len and the request's max_tokens (the
+        step adds up to len(drafts) + 1 tokens); constrained requests get none."""
+        request = seq.request
+        if self.proposer is None or request.grammars or seq.num_computed_tokens < seq.num_prompt_tokens:
+            return []
+        room = min(budget - 1, self.config.max_model_len - seq.num_tokens - 1)
+        if request.params.max_tokens is not None:
+            room = min(room, request.params.max_tokens - seq.num_output_tokens - 1)
+        return self.proposer.propose(seq, room) if room > 0 else []
+
+    def _emit(self, seq: Sequence, num_new: int, out: SchedulerOutput, drafts: list[int] | None = None) -> None:
         request = seq.request
         start = seq.num_computed_tokens
-        do_sample = start + num_new == seq.num_tokens
+        drafts = drafts or []
+        do_sample = start + num_new - len(drafts) == seq.num_tokens
         fork = do_sample and request.params.n > 1 and not request.forked
         out.seqs.append(ScheduledSeq(
-            seq_id=seq.seq_id, token_ids=seq.token_ids[start:start + num_new], start_pos=start,
-            block_ids=seq.block_ids, do_sample=do_sample,
+            seq_id=seq.seq_id, token_ids=seq.token_ids[start:start + num_new - len(drafts)] + drafts,
+            start_pos=start, block_ids=seq.block_ids, do_sample=do_sample,
             num_samples=request.params.n if fork else 1, params=request.params,
             all_token_ids=seq.token_ids, num_prompt_tokens=seq.num_prompt_tokens,
-            sample_index=seq.sample_index, grammars=request.grammars,
+            sample_index=seq.sample_index, grammars=request.grammars, draft_token_ids=drafts,
         ))
-        if num_new == 1 and start + 1 == seq.num_tokens and start >= seq.num_prompt_tokens:
+        if drafts:
+            out.num_decode_tokens += num_new
+        elif num_new == 1 and start + 1 == seq.num_tokens and start >= seq.num_prompt_tokens:
             out.num_decode_tokens += 1
         else:
             out.num_prefill_tokens += num_new
@@ -523,6 +551,10 @@ class Scheduler:
             seq = running.get(sched.seq_id)
             if seq is None:
                 continue  # finished or aborted meanwhile
+            if sched.draft_token_ids and tokens:
+                self._accept_drafts(seq, sched.draft_token_ids, tokens)
+                touched.append(seq)
+                continue
             seq.num_computed_tokens += sched.num_tokens
             self._cache_full_blocks(seq)
             if not sched.do_sample:
@@ -533,8 +565,25 @@ class Scheduler:
                 touched.extend(self._fork(seq, tokens))
             else:
                 seq.token_ids.append(tokens[0])
+                seq.num_new_tokens = 1
                 touched.append(seq)
         return touched
+
+    def _accept_drafts(self, seq: Sequence, drafts: list[int], sampled: list[int]) -> None:
+        """Keep the drafts up to the first the model did not sample, plus the model's token there
+        (or after the last draft). KV is valid for the last token and the kept drafts; what the
+        rejected drafts wrote is beyond num_computed_tokens and is overwritten later."""
+        accepted = 0
+        while accepted < len(drafts) and sampled[accepted] == drafts[accepted]:
+            accepted += 1
+        seq.token_ids.extend(sampled[:accepted + 1])
+        seq.num_new_tokens = accepted + 1
+        seq.num_computed_tokens += 1 + accepted
+        self._cache_full_blocks(seq)
+        self.num_draft_tokens += len(drafts)
+        self.num_accepted_tokens += accepted
+        if self.proposer is not None:
+            self.proposer.feedback(seq, accepted)
 
     def _fork(self, parent: Sequence, tokens: list[int]) -> list[Sequence]:
         request = parent.request
@@ -550,10 +599,12 @@ class Scheduler:
             self._digests[child.seq_id] = list(self._digests.get(parent.seq_id, []))
             child.status = SeqStatus.RUNNING
             child.token_ids.append(token)
+            child.num_new_tokens = 1
             request.seqs.append(child)
             self.running.append(child)
             children.append(child)
         parent.token_ids.append(tokens[0])
+        parent.num_new_tokens = 1
         return [parent, *children]
 
     def _cache_full_blocks(self, seq: Sequence) -> None:

@@ -143,6 +143,31 @@ def make_tiny_model(out_dir: str | Path, arch: str = "llama", seed: int = 0,
     return out
 
 
+def make_periodic_model(out_dir: str | Path, period: int = 8, mix: float = 0.02, seed: int = 0) -> Path:
+    """A tiny llama that mostly repeats itself: its greedy continuation of token t is the next
+    token of t's group of `period` ids (lm_head row P(t) is t's embedding, scaled), so outputs
+    cycle with that period. Attention and MLP outputs are scaled by `mix`: small enough to keep
+    the cycle, large enough that wrong KV changes the logits. What n-gram speculative decoding
+    is built for, without a trained model (tests and `kiln bench spec`)."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    out = make_tiny_model(out_dir, arch="llama", seed=seed)
+    weights = load_file(str(out / "model.safetensors"))
+    embed = weights["model.embed_tokens.weight"]
+    vocab = embed.shape[0]
+    cycled = vocab - vocab % period
+    succ = [period * (t // period) + (t + 1) % period if t < cycled else t for t in range(vocab)]
+    head = torch.empty_like(embed)
+    head[torch.tensor(succ)] = embed * 4.0
+    weights["lm_head.weight"] = head
+    for name in list(weights):
+        if name.endswith(("o_proj.weight", "down_proj.weight")):
+            weights[name] = weights[name] * mix
+    save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
+    return out
+
+
 def default_model_dir(cache_dir: Path) -> Path:
     """The embedded default model: made once into kiln's cache directory."""
     path = cache_dir / "default-model-llama"

@@ -70,6 +70,8 @@ class EngineMetrics:
         self.generation_tokens = counter("generation_tokens", "Tokens generated")
         self.prefix_queries = counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache")
         self.prefix_hits = counter("prefix_cache_hits", "Prompt tokens found in the prefix cache")
+        self.spec_drafts = counter("spec_decode_num_draft_tokens", "Speculative draft tokens proposed")
+        self.spec_accepted = counter("spec_decode_num_accepted_tokens", "Speculative draft tokens accepted")
         self._success = Counter("kiln:request_success", "Finished requests by finish reason",
                                 ["model_name", "finished_reason"], registry=r)
         for reason in ("stop", "length", "abort", "error"):
@@ -112,11 +114,13 @@ class EngineMetrics:
                   "gen": engine.num_generation_tokens_total, "pq": counters.prefix_queries,
                   "ph": counters.prefix_hits,
                   "swap_out": swapper.bytes_out if swapper is not None else 0,
-                  "swap_in": swapper.bytes_in if swapper is not None else 0}
+                  "swap_in": swapper.bytes_in if swapper is not None else 0,
+                  "drafts": sched.num_draft_tokens, "accepted": sched.num_accepted_tokens}
         for mode, count in sched.preemptions_by_mode.items():
             totals[f"preempt:{mode}"] = count
         tracked = [("prompt", self.prompt_tokens), ("gen", self.generation_tokens), ("pq", self.prefix_queries),
-                   ("ph", self.prefix_hits), ("swap_out", self.swap_bytes_out), ("swap_in", self.swap_bytes_in)]
+                   ("ph", self.prefix_hits), ("swap_out", self.swap_bytes_out), ("swap_in", self.swap_bytes_in),
+                   ("drafts", self.spec_drafts), ("accepted", self.spec_accepted)]
         tracked += [(f"preempt:{mode}", self._preemptions.labels(self.model_name, mode))
                     for mode in sched.preemptions_by_mode]
         for key, metric in tracked:
