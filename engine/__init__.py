@@ -1,8 +1,8 @@
 """kiln's runtime: the engine, its scheduler and KV cache, the offline API and the server."""
 
-from engine.request import RequestOutput, SamplingParams, StructuredOutputsParams
+from engine.request import LoRARequest, RequestOutput, SamplingParams, StructuredOutputsParams
 
-__all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "RequestOutput", "EngineSettings"]
+__all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "LoRARequest", "RequestOutput", "EngineSettings"]
 
 
 def __getattr__(name: str):

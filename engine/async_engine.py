@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Callable, Protocol
 
 from engine.llm_engine import LLMEngine
-from engine.request import InvalidRequestError, RequestOutput, SamplingParams
+from engine.request import InvalidRequestError, LoRARequest, RequestOutput, SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -56,6 +56,7 @@ class _Add:
     priority: int
     arrival_time: float
     stream: "RequestStream"
+    lora_request: LoRARequest | None = None
 
 
 @dataclass
@@ -215,7 +216,8 @@ class AsyncEngine:
 
     # ---- requests ----
     async def add_request(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None,
-                          priority: int = 0, arrival_time: float | None = None) -> RequestStream:
+                          priority: int = 0, arrival_time: float | None = None,
+                          lora_request: LoRARequest | None = None) -> RequestStream:
         """Queue a request; returns its stream once the step loop accepted it.
 
         Raises InvalidRequestError (bad parameters, prompt too long), QueueFullError, EngineDeadError.
@@ -233,7 +235,8 @@ class AsyncEngine:
         with self._lock:
             self._pending_adds += 1
         self._inbox.append(_Add(prompt, params, request_id, priority,
-                                arrival_time if arrival_time is not None else time.monotonic(), stream))
+                                arrival_time if arrival_time is not None else time.monotonic(), stream,
+                                lora_request))
         self._wake.set()
         if self._dead is not None:  # died between the check and the append: nobody will answer
             self._fail_inbox()
@@ -321,7 +324,8 @@ class AsyncEngine:
                 self._post(stream, stream._accept, EngineDeadError("request cancelled"))
                 continue
             try:
-                request = engine.add_request(item.prompt, item.params, item.request_id, item.priority)
+                request = engine.add_request(item.prompt, item.params, item.request_id, item.priority,
+                                             item.lora_request)
             except InvalidRequestError as exc:
                 self._post(stream, stream._accept, exc)
                 continue

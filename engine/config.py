@@ -81,6 +81,12 @@ class EngineSettings(BaseSettings):
     prompt_lookup_min: int = Field(2, ge=1,
                                    description="ngram: shortest suffix to look up (1 matches by chance too often)")
 
+    # --- LoRA adapters (vLLM's --enable-lora, --lora-modules, --max-loras, --max-lora-rank) ---
+    enable_lora: bool = False
+    lora_modules: list[str] | None = Field(None, description="name=path of PEFT adapters loaded at start-up")
+    max_loras: int = Field(4, ge=1, description="adapters resident at once (one batch may mix them all)")
+    max_lora_rank: int = Field(16, ge=1, le=512)
+
     # --- compiler / kernels ---
     enforce_eager: bool = Field(False, description="no torch.compile, no CUDA graphs")
     attention_backend: Literal["auto", "torch", "cutlass"] = "auto"
@@ -106,6 +112,17 @@ class EngineSettings(BaseSettings):
             v = [int(x) for x in v.replace(" ", "").split(",") if x]
         return v
 
+    @field_validator("lora_modules", mode="before")
+    @classmethod
+    def _parse_lora_modules(cls, v: Any) -> Any:
+        if isinstance(v, str):
+            v = [x for x in v.replace(" ", "").split(",") if x]
+        return v
+
+    def lora_module_map(self) -> dict[str, str]:
+        """lora_modules as {name: path}."""
+        return dict(item.split("=", 1) for item in self.lora_modules or [])
+
     @model_validator(mode="after")
     def _check_combinations(self) -> "EngineSettings":
         if self.max_model_len is not None and not self.enable_chunked_prefill \
@@ -115,6 +132,14 @@ class EngineSettings(BaseSettings):
                 f"({self.max_model_len}) with enable_chunked_prefill off: long prompts could never be scheduled")
         if self.cuda_graph_sizes is not None and any(s < 1 for s in self.cuda_graph_sizes):
             raise ValueError("cuda_graph_sizes must be positive batch sizes")
+        if self.lora_modules and not self.enable_lora:
+            raise ValueError("lora_modules needs enable_lora")
+        for item in self.lora_modules or []:
+            if "=" not in item or not item.split("=", 1)[0] or not item.split("=", 1)[1]:
+                raise ValueError(f"lora_modules: expected name=path, got {item!r}")
+        if len(self.lora_module_map()) > self.max_loras:
+            raise ValueError(f"lora_modules lists {len(self.lora_module_map())} adapters; "
+                             f"max_loras is {self.max_loras}")
         if self.speculative_method is not None and self.num_speculative_tokens < 1:
             raise ValueError("speculative_method needs num_speculative_tokens >= 1")
         if self.prompt_lookup_min > self.prompt_lookup_max:

@@ -6,7 +6,7 @@ from typing import Any, Sequence as Seq
 
 from engine.config import EngineSettings
 from engine.llm_engine import LLMEngine
-from engine.request import RequestOutput, SamplingParams
+from engine.request import LoRARequest, RequestOutput, SamplingParams
 
 
 class LLM:
@@ -27,8 +27,10 @@ class LLM:
         sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
         use_tqdm: bool = True,
         priority: Seq[int] | None = None,
+        lora_request: LoRARequest | Seq[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
-        """Run prompts (strings or token-id lists) to completion; outputs in input order."""
+        """Run prompts (strings or token-id lists) to completion; outputs in input order.
+        lora_request: one adapter for all prompts, or one (or None) per prompt (enable_lora)."""
         if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # one prompt
         prompts = list(prompts)
@@ -40,12 +42,15 @@ class LLM:
             params_list = [_copy(p) for p in sampling_params]
             if len(params_list) != len(prompts):
                 raise ValueError("sampling_params must be one SamplingParams or one per prompt")
+        loras = list(lora_request) if isinstance(lora_request, (list, tuple)) else [lora_request] * len(prompts)
+        if len(loras) != len(prompts):
+            raise ValueError("lora_request must be one LoRARequest or one per prompt")
         ids = []
         try:
             for i, (prompt, params) in enumerate(zip(prompts, params_list)):
                 request_id = f"offline-{self._counter}"
                 self._counter += 1
-                self.engine.add_request(prompt, params, request_id, priority[i] if priority else 0)
+                self.engine.add_request(prompt, params, request_id, priority[i] if priority else 0, loras[i])
                 ids.append(request_id)
         except Exception:
             for request_id in ids:

@@ -21,8 +21,8 @@ from engine.kv.cache import KVCache
 from engine.kv.swap import SwapSpace
 from engine.models.config import ModelConfig
 from engine.models.loader import load_model
-from engine.request import (CompletionOutput, FinishReason, InvalidRequestError, Request, RequestOutput,
-                            SamplingParams, Sequence)
+from engine.request import (CompletionOutput, FinishReason, InvalidRequestError, LoRARequest, Request,
+                            RequestOutput, SamplingParams, Sequence)
 from engine.runner import ModelRunner
 from engine.sampler import Sampler
 from engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput, sample_row_ranges
@@ -97,8 +97,12 @@ class LLMEngine:
                                                           self.eos_token_ids)
 
         torch.manual_seed(settings.seed)
+        if settings.enable_lora and self.model_config.is_moe:
+            raise ValueError("enable_lora: LoRA adapters are not supported for mixture-of-experts models")
         self.model = load_model(self.model_dir, self.model_config, self.dtype, self.device,
-                                self.max_model_len, settings.load_format, settings.seed)
+                                self.max_model_len, settings.load_format, settings.seed,
+                                lora=(settings.max_loras, settings.max_lora_rank) if settings.enable_lora else None)
+        self.lora = self._make_lora_manager()
         self.backend = get_attention_backend(settings.attention_backend, BackendSpec(
             device=self.device, dtype=self.dtype, head_dim=self.model_config.head_dim,
             block_size=settings.block_size, kernel_cache_dir=settings.resolved_kernel_cache_dir(),
@@ -160,6 +164,20 @@ class LLMEngine:
             capture_s = self.runner.capture_graphs(s.capture_sizes(), device_reads_lengths=reads_lengths)
             logger.info("captured %d decode CUDA graphs in %.1fs", len(s.capture_sizes()), capture_s)
         return compile_s, capture_s
+
+    def _make_lora_manager(self):
+        """Slots for LoRA adapters (enable_lora), with lora_modules loaded; None when off."""
+        if not self.settings.enable_lora:
+            return None
+        from engine.lora import LoRAError, LoRAManager
+
+        manager = LoRAManager(self.model, self.settings.max_loras, self.settings.max_lora_rank)
+        for i, (name, path) in enumerate(self.settings.lora_module_map().items(), start=1):
+            try:
+                manager.ensure(LoRARequest(name, i, path))
+            except LoRAError as exc:
+                raise ValueError(f"lora_modules: {exc}") from exc
+        return manager
 
     def _make_proposer(self) -> NgramProposer | None:
         s = self.settings
@@ -269,7 +287,8 @@ class LLMEngine:
         return None, ids
 
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
-                    request_id: str | None = None, priority: int = 0) -> Request:
+                    request_id: str | None = None, priority: int = 0,
+                    lora_request: LoRARequest | None = None) -> Request:
         params = params or SamplingParams()
         params.validate()
         vocab = self.model_config.vocab_size
@@ -282,10 +301,26 @@ class LLMEngine:
                           params=params, priority=priority)
         if params.structured_outputs is not None:
             request.grammars = self.structured_output.matchers(params.structured_outputs, params.n)
+        if lora_request is not None:
+            self._attach_lora(request, lora_request)
         self.scheduler.add_request(request)
         for seq in request.seqs:
             init_offsets(seq)
         return request
+
+    def _attach_lora(self, request: Request, lora_request: LoRARequest) -> None:
+        """Run `request` with this adapter (loaded into a free slot first if it is new)."""
+        if self.lora is None:
+            raise InvalidRequestError("LoRA adapters need the engine started with enable_lora", "model")
+        from engine.lora import LoRAError
+
+        try:
+            entry = self.lora.ensure(lora_request)
+        except LoRAError as exc:
+            raise InvalidRequestError(str(exc), "model") from exc
+        request.lora_request = lora_request
+        request.lora_slot = entry.slot
+        request.prefix_root = entry.prefix_root
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         request = self.scheduler.abort_request(request_id)

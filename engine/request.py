@@ -31,6 +31,15 @@ class InvalidRequestError(ValueError):
 OUTPUT_KINDS = ("cumulative", "delta", "final_only")
 
 
+@dataclass(frozen=True)
+class LoRARequest:
+    """Which LoRA adapter (a PEFT directory) a request runs with; vLLM's LoRARequest (engine/lora.py)."""
+
+    lora_name: str
+    lora_int_id: int
+    lora_path: str
+
+
 @dataclass
 class StructuredOutputsParams:
     """Constrain the output to a language (vLLM's StructuredOutputsParams); set exactly one of
@@ -280,6 +289,9 @@ class Request:
     # With params.structured_outputs: one grammar matcher per sample (index = sample_index), each
     # advanced by its sample's tokens (engine/structured_output.py).
     grammars: list[Any] | None = None
+    lora_request: LoRARequest | None = None
+    lora_slot: int = -1  # the adapter's slot in the model (-1: the base model)
+    prefix_root: bytes | None = None  # prefix-cache namespace (an adapter's KV is its own)
     # With params.prompt_logprobs: one entry per prompt token, the first None (nothing before it),
     # filled as the prompt's chunks are computed.
     prompt_logprobs: list[dict[int, float] | None] | None = None

@@ -55,6 +55,7 @@ class InputBuffers:
         self.query_start_loc_host, self.query_start_loc = pair(max_seqs + 1, torch.int32)
         self.seq_lens_host, self.seq_lens = pair(max_seqs, torch.int32)
         self.block_tables_host, self.block_tables = pair((max_seqs, max_blocks_per_seq), torch.int32)
+        self.lora_slots_host, self.lora_slots = pair(max_tokens, torch.int64)
         # numpy views of the host side for fast filling
         self.np_input_ids = self.input_ids_host.numpy()
         self.np_positions = self.positions_host.numpy()
@@ -62,6 +63,7 @@ class InputBuffers:
         self.np_query_start_loc = self.query_start_loc_host.numpy()
         self.np_seq_lens = self.seq_lens_host.numpy()
         self.np_block_tables = self.block_tables_host.numpy()
+        self.np_lora_slots = self.lora_slots_host.numpy()
         # Host staging may be refilled only once the previous step's async copies have read it.
         self._copied = torch.cuda.Event() if device.type == "cuda" else None
         self._pending = False
@@ -78,6 +80,7 @@ class InputBuffers:
         self.np_input_ids[t:t + count] = 0
         self.np_positions[t:t + count] = 0
         self.np_slot_mapping[t:t + count] = -1
+        self.np_lora_slots[t:t + count] = -1
         self.np_seq_lens[n:n + count] = 0
         self.np_query_start_loc[n + 1:n + count + 1] = np.arange(t + 1, t + count + 1)
 
@@ -88,6 +91,7 @@ class InputBuffers:
         for host, dev, n in ((self.input_ids_host, self.input_ids, num_tokens),
                              (self.positions_host, self.positions, num_tokens),
                              (self.slot_mapping_host, self.slot_mapping, num_tokens),
+                             (self.lora_slots_host, self.lora_slots, num_tokens),
                              (self.query_start_loc_host, self.query_start_loc, num_seqs + 1),
                              (self.seq_lens_host, self.seq_lens, num_seqs)):
             dev[:n].copy_(host[:n], non_blocking=True)
@@ -162,6 +166,7 @@ class ModelRunner:
             start = s.start_pos
             end = start + n
             buf.np_input_ids[t:t + n] = s.token_ids
+            buf.np_lora_slots[t:t + n] = s.lora_slot
             pos = np.arange(start, end, dtype=np.int64)
             buf.np_positions[t:t + n] = pos
             table = np.asarray(s.block_ids, dtype=np.int64)
@@ -202,6 +207,7 @@ class ModelRunner:
         bs = self.block_size
         ids, positions, slots, lens, tables = (buf.np_input_ids, buf.np_positions, buf.np_slot_mapping,
                                                buf.np_seq_lens, buf.np_block_tables)
+        adapters = buf.np_lora_slots
         max_cols = 1
         max_len = 0
         rows: list[SampleRow] = []
@@ -209,6 +215,7 @@ class ModelRunner:
             p = s.start_pos
             blocks = s.block_ids
             ids[i] = s.token_ids[0]
+            adapters[i] = s.lora_slot
             positions[i] = p
             slots[i] = blocks[p // bs] * bs + p % bs
             lens[i] = p + 1
@@ -253,6 +260,7 @@ class ModelRunner:
                 max_query_len=max_q,
                 max_seq_len=max_len,
                 num_decodes=num_decodes,
+                lora_slots=buf.lora_slots[:t] if self.model.lora_slots else None,
             )
         return StepInputs(t_padded, padded_seqs, meta, sample_indices, rows, graph_key)
 
@@ -270,6 +278,7 @@ class ModelRunner:
             max_query_len=max_q,
             max_seq_len=max(max_len, MIN_COMPILED_ROWS),
             num_decodes=num_decodes,
+            lora_slots=buf.lora_slots[:num_tokens] if self.model.lora_slots else None,
         )
 
     # ---- compile / capture (start-up) ----

@@ -64,6 +64,7 @@ class ScheduledSeq:
     grammars: list | None = None  # the request's grammar matchers, by sample index (structured outputs)
     # Speculative decoding: token_ids is [last token, *drafts]; every position is sampled.
     draft_token_ids: list[int] = field(default_factory=list)
+    lora_slot: int = -1  # the request's LoRA adapter slot (-1: none)
 
     @property
     def num_tokens(self) -> int:
@@ -327,7 +328,7 @@ class Scheduler:
         if not self.pool.enable_prefix_caching or seq.request.params.prompt_logprobs is not None:
             return 0  # prompt logprobs need every prompt position computed
         max_blocks = (seq.num_tokens - 1) // self.config.block_size
-        blocks, digests = self.pool.match_prefix(seq.token_ids, max_blocks)
+        blocks, digests = self.pool.match_prefix(seq.token_ids, max_blocks, seq.request.prefix_root)
         for block in blocks:
             self.pool.incref(block)
         seq.block_ids = list(blocks)
@@ -410,6 +411,7 @@ class Scheduler:
             num_samples=request.params.n if fork else 1, params=request.params,
             all_token_ids=seq.token_ids, num_prompt_tokens=seq.num_prompt_tokens,
             sample_index=seq.sample_index, grammars=request.grammars, draft_token_ids=drafts,
+            lora_slot=request.lora_slot,
         ))
         if drafts:
             out.num_decode_tokens += num_new
@@ -615,7 +617,7 @@ class Scheduler:
         full = seq.num_computed_tokens // bs
         while len(digests) < full:
             i = len(digests)
-            parent = digests[-1] if digests else None
+            parent = digests[-1] if digests else seq.request.prefix_root
             digests.append(self.pool.cache_block(seq.block_ids[i], parent, seq.token_ids[i * bs:(i + 1) * bs]))
 
     # ---- bookkeeping ----

@@ -65,7 +65,8 @@ def main(argv: list[str]) -> int:
     print(f"{'batch':>5} {'plain tok/s':>12} {'spec tok/s':>11} {'ratio':>7} {'accepted':>9} {'tokens/verify':>14}")
     for batch in (int(b) for b in args.batch_sizes.split(",")):
         plain = LLM(**base, max_num_seqs=batch)
-        prompts = _prompts(batch * args.requests_per_seat, min(plain.engine.model_config.vocab_size, len(plain.tokenizer)))
+        vocab = min(plain.engine.model_config.vocab_size, len(plain.tokenizer))
+        prompts = _prompts(batch * args.requests_per_seat, vocab)
         plain_s, plain_tokens = _run(plain, prompts, args.max_tokens)
         del plain
         spec = LLM(**base, max_num_seqs=batch, speculative_method="ngram", num_speculative_tokens=args.draft_tokens)

@@ -134,8 +134,11 @@ class BlockPool:
             self.free(block)
 
     # ---- prefix cache ----
-    def match_prefix(self, token_ids: list[int], max_blocks: int) -> tuple[list[int], list[bytes]]:
-        """Longest run of cached full blocks at the start of `token_ids` (at most max_blocks).
+    def match_prefix(self, token_ids: list[int], max_blocks: int,
+                     root: bytes | None = None) -> tuple[list[int], list[bytes]]:
+        """Longest run of cached full blocks at the start of `token_ids` (at most max_blocks),
+        in the namespace `root` (the first block's parent: None for the base model, an adapter's
+        own root for its requests).
 
         Returns their ids (not yet referenced: call incref on each to take them) and digests.
         """
@@ -144,7 +147,7 @@ class BlockPool:
         bs = self.block_size
         blocks: list[int] = []
         digests: list[bytes] = []
-        parent: bytes | None = None
+        parent: bytes | None = root
         for i in range(max_blocks):
             tokens = tuple(token_ids[i * bs:(i + 1) * bs])
             if len(tokens) < bs:

@@ -171,7 +171,7 @@ class SwapSpace:
         if not self.gpu_pool.enable_prefix_caching or entry.on_gpu.count(False) == 0:
             return []
         full = min(seq.num_computed_tokens // self.block_size, len(entry.ids))
-        blocks, _ = self.gpu_pool.match_prefix(seq.token_ids, full)
+        blocks, _ = self.gpu_pool.match_prefix(seq.token_ids, full, seq.request.prefix_root)
         return blocks
 
     def blocks_to_resume(self, seq: Sequence, num_new: int) -> int:

@@ -36,6 +36,34 @@ class RMSNorm(nn.Module):
         return self.weight * x.to(dtype)
 
 
+class Linear(nn.Linear):
+    """nn.Linear that can carry stacked LoRA adapters (engine/lora.py): `parts` are the output
+    sizes of the projections fused into it (q/k/v, gate/up), each adapted on its own."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, parts: tuple[int, ...] | None = None) -> None:
+        super().__init__(in_features, out_features, bias=bias)
+        sizes = parts or (out_features,)
+        starts = [sum(sizes[:i]) for i in range(len(sizes))]
+        self.lora_parts = list(zip(starts, sizes))  # (first output row, rows) per part
+        self.register_buffer("lora_a", None, persistent=False)  # set by enable_lora
+        self.register_buffer("lora_b", None, persistent=False)
+        self.lora_rank = 0
+
+    def enable_lora(self, num_slots: int, max_rank: int) -> None:
+        width = num_slots * len(self.lora_parts) * max_rank
+        self.lora_rank = max_rank
+        self.register_buffer("lora_a", torch.zeros(width, self.in_features), persistent=False)
+        self.register_buffer("lora_b", torch.zeros(self.out_features, width), persistent=False)
+
+    def forward(self, x: torch.Tensor, lora: torch.Tensor | None = None) -> torch.Tensor:
+        """lora: [T, slots] one-hot of each token's adapter slot (all zero: the base model)."""
+        y = F.linear(x, self.weight, self.bias)
+        if lora is None or self.lora_a is None:
+            return y
+        mask = lora.repeat_interleave(len(self.lora_parts) * self.lora_rank, dim=1)
+        return y + F.linear(F.linear(x, self.lora_a) * mask, self.lora_b)
+
+
 class RotaryEmbedding(nn.Module):
     """cos/sin tables for every position, looked up by each token's position."""
 
@@ -74,16 +102,17 @@ class Attention(nn.Module):
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         self.scale = self.head_dim ** -0.5
-        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.qkv_bias)
-        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=config.o_bias)
+        self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size, config.qkv_bias,
+                               parts=(self.q_size, self.kv_size, self.kv_size))
+        self.o_proj = Linear(self.q_size, config.hidden_size, config.o_bias)
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: torch.Tensor,
-                meta: AttentionMetadata, backend: AttentionBackend) -> torch.Tensor:
+                meta: AttentionMetadata, backend: AttentionBackend, lora: torch.Tensor | None = None) -> torch.Tensor:
         """kv_cache: the whole cache [layers, 2, blocks, block_size, Hkv, D] (see compiler/ops.py)."""
         n = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q, k, v = self.qkv_proj(x, lora).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(n, self.num_heads, self.head_dim)
         k = k.view(n, self.num_kv_heads, self.head_dim)
         v = v.view(n, self.num_kv_heads, self.head_dim)
@@ -94,21 +123,22 @@ class Attention(nn.Module):
         k = apply_rope(k, cos, sin)
         out = backend.forward(q.contiguous(), k.contiguous(), v.contiguous(), kv_cache, self.layer_index,
                               meta, self.scale, self.sliding_window)
-        return self.o_proj(out.view(n, self.q_size))
+        return self.o_proj(out.view(n, self.q_size), lora)
 
 
 class MLP(nn.Module):
     def __init__(self, config: ModelConfig, intermediate_size: int | None = None) -> None:
         super().__init__()
         self.intermediate = intermediate_size or config.intermediate_size
-        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * self.intermediate, bias=config.mlp_bias)
-        self.down_proj = nn.Linear(self.intermediate, config.hidden_size, bias=config.mlp_bias)
+        self.gate_up_proj = Linear(config.hidden_size, 2 * self.intermediate, config.mlp_bias,
+                                   parts=(self.intermediate, self.intermediate))
+        self.down_proj = Linear(self.intermediate, config.hidden_size, config.mlp_bias)
         self.tanh_gelu = config.hidden_act == "gelu_pytorch_tanh"
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
+    def forward(self, x: torch.Tensor, lora: torch.Tensor | None = None) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x, lora).split(self.intermediate, dim=-1)
         act = F.gelu(gate, approximate="tanh") if self.tanh_gelu else F.silu(gate)
-        return self.down_proj(act * up)
+        return self.down_proj(act * up, lora)
 
 
 class SparseMoE(nn.Module):
@@ -129,7 +159,7 @@ class SparseMoE(nn.Module):
         self.shared_expert = MLP(config, shared) if shared else None
         self.shared_expert_gate = nn.Linear(h, 1, bias=False) if shared else None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, lora: torch.Tensor | None = None) -> torch.Tensor:
         probs = F.softmax(self.gate(x).float(), dim=-1)
         weights, ids = probs.topk(self.top_k, dim=-1)
         if self.renormalize:
@@ -148,9 +178,9 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.norm_weight_offset)
         self.mlp = SparseMoE(config) if layer_index in config.sparse_layers else MLP(config)
 
-    def forward(self, x, cos, sin, kv_cache, meta, backend):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, meta, backend)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x, cos, sin, kv_cache, meta, backend, lora=None):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, meta, backend, lora)
+        return x + self.mlp(self.post_attention_layernorm(x), lora)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -164,9 +194,19 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = None if config.tie_word_embeddings else nn.Linear(
             config.hidden_size, config.vocab_size, bias=False)
         self.backend: AttentionBackend | None = None
+        self.lora_slots = 0  # adapters one batch can mix (engine/lora.py); 0: LoRA off
 
     def set_backend(self, backend: AttentionBackend) -> None:
         self.backend = backend
+
+    def enable_lora(self, num_slots: int, max_rank: int) -> None:
+        """Give every attention and dense-MLP projection room for num_slots adapters of rank <= max_rank."""
+        if self.config.is_moe:
+            raise ValueError("LoRA adapters are not supported for mixture-of-experts models")
+        self.lora_slots = num_slots
+        for module in self.modules():
+            if isinstance(module, Linear):
+                module.enable_lora(num_slots, max_rank)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
@@ -175,8 +215,12 @@ class LlamaForCausalLM(nn.Module):
         if self.config.embed_scale is not None:  # Gemma: rounded to the weights' dtype first, as in HF
             x = x * torch.tensor(self.config.embed_scale, dtype=x.dtype)
         cos, sin = self.rotary(positions, x.dtype)
+        lora = None
+        if self.lora_slots and meta.lora_slots is not None:  # one-hot of each token's adapter slot
+            slots = torch.arange(self.lora_slots, device=x.device)
+            lora = (meta.lora_slots[:, None] == slots).to(x.dtype)
         for layer in self.layers:
-            x = layer(x, cos, sin, kv_cache, meta, self.backend)
+            x = layer(x, cos, sin, kv_cache, meta, self.backend, lora)
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -94,11 +94,18 @@ def _target(model: LlamaForCausalLM, hf_name: str) -> tuple[str, Index | None] |
 
 
 def load_model(model_dir: Path, config: ModelConfig, dtype: torch.dtype, device: torch.device,
-               max_positions: int, load_format: str = "auto", seed: int = 0) -> LlamaForCausalLM:
+               max_positions: int, load_format: str = "auto", seed: int = 0,
+               lora: tuple[int, int] | None = None) -> LlamaForCausalLM:
+    """lora: (slots, max rank) to make room for LoRA adapters (engine/lora.py), or None."""
     with torch.device("meta"):
         model = LlamaForCausalLM(config, max_positions)
+        if lora is not None:
+            model.enable_lora(*lora)
     model = model.to_empty(device=device)
     model.to(dtype)
+    for name, buffer in model.named_buffers():
+        if ".lora_" in name:
+            buffer.zero_()  # empty slots: no adapter
     model.rotary.cos_sin = model.rotary.cos_sin.float()
     model.rotary.fill()
     if load_format == "dummy":

@@ -26,7 +26,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from engine.async_engine import AsyncEngine, EngineDeadError, QueueFullError, RequestStream
 from engine.config import EngineSettings, ServerSettings
-from engine.request import InvalidRequestError, RequestOutput, SamplingParams
+from engine.request import InvalidRequestError, LoRARequest, RequestOutput, SamplingParams
 from engine.server.metrics import CONTENT_TYPE, EngineMetrics
 from engine.server.tool_calls import ToolCall, ToolMode
 from engine.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, ErrorResponse,
@@ -93,6 +93,10 @@ class ServerState:
     @property
     def tokenizer(self):
         return self.engine.tokenizer
+
+    def adapters(self) -> list[LoRARequest]:
+        lora = self.engine.engine.lora
+        return lora.adapters if lora is not None else []
 
 
 def default_model_name(engine_settings: EngineSettings, model_dir) -> str:
@@ -200,9 +204,11 @@ def build_app(state: ServerState, manage_engine: bool = True) -> FastAPI:
 
     @app.get("/v1/models")
     async def list_models():
-        return {"object": "list", "data": [{
-            "id": state.model_name, "object": "model", "created": state.created, "owned_by": "kiln",
-            "root": state.model_root, "parent": None, "max_model_len": state.engine.max_model_len}]}
+        base = {"id": state.model_name, "object": "model", "created": state.created, "owned_by": "kiln",
+                "root": state.model_root, "parent": None, "max_model_len": state.engine.max_model_len}
+        adapters = [{**base, "id": a.lora_name, "root": a.lora_path, "parent": state.model_name}
+                    for a in state.adapters()]
+        return {"object": "list", "data": [base, *adapters]}
 
     @app.get("/health", responses={503: {"model": ErrorResponse}})
     async def health():
@@ -355,10 +361,17 @@ class _Handlers:
         self.engine = state.engine
 
     # ---- checks ----
-    def check_model(self, model: str | None) -> None:
-        if model is not None and model != self.state.model_name:
-            raise APIError(404, f"the model {model!r} does not exist; this server serves {self.state.model_name!r}",
-                           "invalid_request_error", "model", "model_not_found")
+    def check_model(self, model: str | None) -> LoRARequest | None:
+        """None for the base model; the adapter's LoRARequest for a LoRA adapter's name; else 404."""
+        if model is None or model == self.state.model_name:
+            return None
+        lora = self.engine.engine.lora
+        entry = lora.get(model) if lora is not None else None
+        if entry is not None:
+            return entry.request
+        served = ", ".join(repr(m) for m in [self.state.model_name, *(a.lora_name for a in self.state.adapters())])
+        raise APIError(404, f"the model {model!r} does not exist; this server serves {served}",
+                       "invalid_request_error", "model", "model_not_found")
 
     def check_token_ids(self, ids: list[int], param: str) -> None:
         vocab = self.engine.engine.model_config.vocab_size
@@ -403,37 +416,37 @@ class _Handlers:
 
     # ---- endpoints ----
     async def completion(self, body: CompletionRequest, request: Request):
-        self.check_model(body.model)
+        lora = self.check_model(body.model)
         prompts = body.prompts()
         params = body.sampling_params()
         self._check_params(body, params, len(prompts))
         await self._check_constraint(body, params)
         texts = [p if isinstance(p, str) else None for p in prompts]
-        job = await self._start("cmpl", "completion", prompts, texts, params, body.priority, request)
+        job = await self._start("cmpl", "completion", prompts, texts, params, body.priority, request, lora)
         job.echo = body.echo
         job.prompt_only = body.prompt_only
         return await self._respond(job, body.stream, body.include_usage, request)
 
     async def chat(self, body: ChatCompletionRequest, request: Request):
-        self.check_model(body.model)
+        lora = self.check_model(body.model)
         tool_mode = body.tool_mode(self.state.settings.auto_tool_parser)
         params = body.sampling_params(tool_mode)
         ids = self.chat_prompt_ids(body.conversation(), body.add_generation_prompt, body.template_tools())
         self._check_params(body, params, 1)
         await self._check_constraint(body, params)
-        job = await self._start("chatcmpl", "chat", [ids], [None], params, body.priority, request)
+        job = await self._start("chatcmpl", "chat", [ids], [None], params, body.priority, request, lora)
         job.tool_mode = tool_mode if tool_mode.kind != "none" else None
         return await self._respond(job, body.stream, body.include_usage, request)
 
     async def _start(self, prefix: str, kind: str, prompts: list, texts: list, params: SamplingParams,
-                     priority: int, request: Request) -> _Job:
+                     priority: int, request: Request, lora: LoRARequest | None = None) -> _Job:
         arrival = time.monotonic()
         job_id = f"{prefix}-{uuid.uuid4().hex}"
         # All prompts go into the engine's inbox together, so they are admitted in the same step.
         results = await asyncio.gather(*(
             self.engine.add_request(
                 prompt, dataclasses.replace(params, stop=list(params.stop), stop_token_ids=list(params.stop_token_ids)),
-                f"{job_id}-{i}", priority, arrival)
+                f"{job_id}-{i}", priority, arrival, lora)
             for i, prompt in enumerate(prompts)), return_exceptions=True)
         streams = [r for r in results if isinstance(r, RequestStream)]
         errors = [r for r in results if isinstance(r, BaseException)]
