@@ -199,6 +199,8 @@ class ServerSettings(BaseSettings):
     # Tool calling with tool_choice "auto": the model's own call format is parsed (vLLM's flags).
     enable_auto_tool_choice: bool = False
     tool_call_parser: Literal["hermes", "llama3_json"] | None = None
+    # Split chat answers into reasoning_content and content (vLLM's --reasoning-parser).
+    reasoning_parser: Literal["deepseek_r1", "qwen3"] | None = None
 
     @model_validator(mode="after")
     def _auto_tools_need_a_parser(self) -> "ServerSettings":

@@ -28,6 +28,7 @@ from engine.async_engine import AsyncEngine, EngineDeadError, QueueFullError, Re
 from engine.config import EngineSettings, ServerSettings
 from engine.request import InvalidRequestError, LoRARequest, RequestOutput, SamplingParams
 from engine.server.metrics import CONTENT_TYPE, EngineMetrics
+from engine.server.reasoning import ReasoningParser
 from engine.server.tool_calls import ToolCall, ToolMode
 from engine.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, ErrorResponse,
                                     TokenizeRequest)
@@ -294,7 +295,8 @@ class _Choice:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     text_offset: int = 0  # completions logprobs: where the next token's text starts
-    streamed: int = 0  # chat with tools: chars of text already sent as content
+    streamed: int = 0  # chat with tools or reasoning: chars of the content already sent
+    reasoning_sent: int = 0  # chat with a reasoning parser: chars of the reasoning already sent
     call: ToolCall | None = None  # a streamed named tool call (its id stays the same)
 
 
@@ -311,6 +313,7 @@ class _Job:
     echo: bool = False
     prompt_only: bool = False  # echo with max_tokens=0: the generated token is dropped
     tool_mode: ToolMode | None = None  # chat with tools
+    reasoning: ReasoningParser | None = None  # chat with a reasoning parser (unconstrained output)
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
     num_completion_tokens: int = 0
@@ -328,26 +331,49 @@ def _tool_finish_reason(mode: ToolMode, calls: list[ToolCall], finish: str | Non
     return finish
 
 
-def _tool_stream_delta(mode: ToolMode, ch: _Choice, text: str, finish: str | None) -> tuple[dict[str, Any], str | None]:
-    """The delta of one streamed chat choice with tools. A named call streams its arguments as
-    they come; auto streams content up to where a call may start; calls are sent when the
-    output ends."""
-    ch.text += text
-    if mode.kind == "named":
-        if ch.call is None:
-            ch.call = ToolCall(mode.name, text)
-            return {"tool_calls": [ch.call.to_openai(0)]}, _tool_finish_reason(mode, [ch.call], finish)
-        return ({"tool_calls": [{"index": 0, "function": {"arguments": text}}]} if text else {}), finish
+def _split_answer(job: "_Job", text: str, final: bool) -> tuple[str | None, str]:
+    """(reasoning, content) of a chat answer: the reasoning parser's split when the job has one."""
+    if job.reasoning is None:
+        return None, text
+    reasoning, content = job.reasoning.split(text, final)
+    return reasoning, content or ""
+
+
+def _chat_stream_delta(job: "_Job", ch: _Choice, piece: str, finish: str | None) -> tuple[dict[str, Any], str | None]:
+    """The delta of one streamed chat choice with a reasoning parser or tools. Reasoning streams
+    as reasoning_content; a named call streams its arguments as they come; auto streams content
+    up to where a call may start; calls are sent when the output ends."""
+    ch.text += piece
+    final = finish is not None
+    reasoning, content = _split_answer(job, ch.text, final)
     delta: dict[str, Any] = {}
-    if finish is None:
-        safe = mode.streamable(ch.text)
+    if reasoning and len(reasoning) > ch.reasoning_sent:
+        delta["reasoning_content"] = reasoning[ch.reasoning_sent:]
+        ch.reasoning_sent = len(reasoning)
+    mode = job.tool_mode
+    if mode is None:
+        if len(content) > ch.streamed:
+            delta["content"] = content[ch.streamed:]
+            ch.streamed = len(content)
+        return delta, finish
+    if mode.kind == "named":
+        new, ch.streamed = content[ch.streamed:], len(content)
+        if ch.call is None:
+            ch.call = ToolCall(mode.name, new)
+            delta["tool_calls"] = [ch.call.to_openai(0)]
+            return delta, _tool_finish_reason(mode, [ch.call], finish)
+        if new:
+            delta["tool_calls"] = [{"index": 0, "function": {"arguments": new}}]
+        return delta, finish
+    if not final:
+        safe = mode.streamable(content)
         if safe > ch.streamed:
-            delta["content"] = ch.text[ch.streamed:safe]
+            delta["content"] = content[ch.streamed:safe]
             ch.streamed = safe
         return delta, None
-    content, calls = mode.calls(ch.text)
-    sent = ch.text[:ch.streamed]
-    rest = (content or "")[len(sent):] if (content or "").startswith(sent) else ""
+    answer, calls = mode.calls(content)
+    sent = content[:ch.streamed]
+    rest = (answer or "")[len(sent):] if (answer or "").startswith(sent) else ""
     if rest:
         delta["content"] = rest
     if calls:
@@ -405,11 +431,25 @@ class _Handlers:
             raise InvalidRequestError(str(exc), name) from exc
 
     def chat_prompt_ids(self, conversation: list[dict[str, Any]], add_generation_prompt: bool = True,
-                        tools: list[dict[str, Any]] | None = None) -> list[int]:
+                        tools: list[dict[str, Any]] | None = None, continue_final_message: bool = False,
+                        template_kwargs: dict[str, Any] | None = None) -> list[int]:
         tok = self.state.tokenizer
+        if continue_final_message:
+            if add_generation_prompt:
+                raise InvalidRequestError("continue_final_message needs add_generation_prompt=false",
+                                          "continue_final_message")
+            if conversation[-1]["role"] != "assistant":
+                raise InvalidRequestError("continue_final_message needs an assistant message last",
+                                          "continue_final_message")
+        kwargs = dict(template_kwargs or {})
+        reserved = set(kwargs) & {"conversation", "tokenize", "add_generation_prompt", "tools",
+                                  "continue_final_message"}
+        if reserved:
+            raise InvalidRequestError(f"chat_template_kwargs may not set {', '.join(sorted(reserved))}",
+                                      "chat_template_kwargs")
         try:
             text = tok.apply_chat_template(conversation, tokenize=False, add_generation_prompt=add_generation_prompt,
-                                           tools=tools)
+                                           tools=tools, continue_final_message=continue_final_message, **kwargs)
         except Exception as exc:  # noqa: BLE001 - template errors are the request's fault
             raise InvalidRequestError(f"messages: the chat template failed: {exc}", "messages") from exc
         return tok.encode(text, add_special_tokens=False)
@@ -431,11 +471,15 @@ class _Handlers:
         lora = self.check_model(body.model)
         tool_mode = body.tool_mode(self.state.settings.auto_tool_parser)
         params = body.sampling_params(tool_mode)
-        ids = self.chat_prompt_ids(body.conversation(), body.add_generation_prompt, body.template_tools())
+        ids = self.chat_prompt_ids(body.conversation(), body.add_generation_prompt, body.template_tools(),
+                                   body.continue_final_message, body.chat_template_kwargs)
         self._check_params(body, params, 1)
         await self._check_constraint(body, params)
         job = await self._start("chatcmpl", "chat", [ids], [None], params, body.priority, request, lora)
         job.tool_mode = tool_mode if tool_mode.kind != "none" else None
+        kind = self.state.settings.reasoning_parser
+        if kind is not None and params.structured_outputs is None:  # a constraint applies from the first token
+            job.reasoning = ReasoningParser(kind)
         return await self._respond(job, body.stream, body.include_usage, request)
 
     async def _start(self, prefix: str, kind: str, prompts: list, texts: list, params: SamplingParams,
@@ -575,11 +619,14 @@ class _Handlers:
             else:
                 lp = ({"content": self._chat_logprobs(ch.token_ids, ch.logprobs, job.params.logprobs)}
                       if job.params.logprobs is not None else None)
-                message: dict[str, Any] = {"role": "assistant", "content": ch.text}
+                reasoning, content = _split_answer(job, ch.text, final=True)
+                message: dict[str, Any] = {"role": "assistant", "content": content}
+                if job.reasoning is not None:
+                    message = {"role": "assistant", "reasoning_content": reasoning, "content": content or None}
                 finish = ch.finish_reason
                 if job.tool_mode is not None:
-                    content, calls = job.tool_mode.calls(ch.text)
-                    message = {"role": "assistant", "content": content}
+                    answer, calls = job.tool_mode.calls(content)
+                    message["content"] = answer
                     if calls:
                         message["tool_calls"] = [c.to_openai() for c in calls]
                     finish = _tool_finish_reason(job.tool_mode, calls, finish)
@@ -649,8 +696,8 @@ class _Handlers:
                     "stop_reason": c.stop_reason}
         if job.params.logprobs is not None:
             lp = {"content": self._chat_logprobs(c.token_ids, c.logprobs or [], job.params.logprobs)}
-        if job.tool_mode is not None:
-            msg, finish = _tool_stream_delta(job.tool_mode, ch, c.text, c.finish_reason)
+        if job.tool_mode is not None or job.reasoning is not None:
+            msg, finish = _chat_stream_delta(job, ch, c.text, c.finish_reason)
             return {"index": idx, "delta": msg, "logprobs": lp, "finish_reason": finish, "stop_reason": c.stop_reason}
         msg = {"content": c.text} if c.text or not c.finish_reason else {}
         return {"index": idx, "delta": msg, "logprobs": lp, "finish_reason": c.finish_reason,

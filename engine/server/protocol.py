@@ -147,6 +147,8 @@ class CompletionRequest(_SamplingFields):
     max_tokens: int | None = Field(16, le=_INT64, ge=-_INT64)
     logprobs: int | None = Field(None, le=_INT64, ge=-_INT64)
     echo: bool = False
+    suffix: str | None = None  # refused: fill-in-the-middle needs a model-specific prompt format
+    best_of: int | None = Field(None, le=_INT64, ge=-_INT64)  # refused unless equal to n (as vLLM V1)
 
     def prompts(self) -> list[str | list[int]]:
         p = self.prompt
@@ -164,6 +166,12 @@ class CompletionRequest(_SamplingFields):
         return self.echo and self.max_tokens == 0
 
     def sampling_params(self) -> SamplingParams:
+        if self.suffix:
+            raise InvalidRequestError("suffix is not supported (fill-in-the-middle needs the model's own prompt "
+                                      "format: put it in the prompt)", "suffix")
+        if self.best_of is not None and self.best_of != self.n:
+            raise InvalidRequestError("best_of is not supported (as in vLLM V1); ask for n samples and their "
+                                      "logprobs instead", "best_of")
         # echo with logprobs: the echoed prompt tokens carry their logprobs too (what
         # loglikelihood evaluations read).
         prompt_logprobs = None
@@ -222,6 +230,8 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: bool | None = False
     top_logprobs: int | None = Field(None, le=_INT64, ge=-_INT64)
     add_generation_prompt: bool = True
+    continue_final_message: bool = False  # continue the last (assistant) message instead of a new turn
+    chat_template_kwargs: dict[str, Any] | None = None  # extra template variables (e.g. enable_thinking)
     tools: list[ChatTool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = True
