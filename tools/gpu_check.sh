@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The one command a session with a lent H200 runs (see README "GPU check").
 #   tools/gpu_check.sh [STAGE ...]     default: all stages, in this order:
-#     env kernels new-kernels gpu-tests kernel-bench latency swap moe warm-start throughput
+#     env kernels new-kernels gpu-tests kernel-bench latency swap moe feature-tests warm-start throughput
 # Installs what the device lacks from carried wheels (.whl/), builds the kernels into
 # build/kernels (a cache hit when the carried cubins match), runs the `gpu`-marked tests
 # and the GPU benchmarks, writes full logs and JSON under $OUT, and prints a short table last.
@@ -14,7 +14,7 @@ PY=${PYTHON:-python3}
 KCACHE=$PWD/build/kernels
 export KILN_KERNEL_CACHE_DIR=$KCACHE KILN_CACHE_DIR=/tmp/kiln-cache
 STAGES=("$@")
-[ ${#STAGES[@]} -eq 0 ] && STAGES=(env kernels new-kernels gpu-tests kernel-bench latency swap moe warm-start throughput)
+[ ${#STAGES[@]} -eq 0 ] && STAGES=(env kernels new-kernels gpu-tests kernel-bench latency swap moe feature-tests warm-start throughput)
 
 if ls .whl/*.whl >/dev/null 2>&1; then
   $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
@@ -69,7 +69,10 @@ for stage in "${STAGES[@]}"; do
     gpu-tests)
       # Only the modules that hold gpu-marked tests (the server's need packages the device lacks).
       run_stage gpu-tests 200 $PY -m pytest -m gpu -q -p no:cacheprovider --timeout 150 -k "not wgmma" \
-        $(grep -l "mark.gpu" tests/test_*.py) ;;
+        $(grep -l "mark.gpu" tests/test_*.py | grep -v test_features_gpu) ;;
+    feature-tests)
+      # MoE, LoRA, speculative decoding and structured outputs with decode graphs (built on a CPU).
+      run_stage feature-tests 150 $PY -m pytest -m gpu -q -p no:cacheprovider --timeout 140 tests/test_features_gpu.py ;;
     kernel-tests) run_stage kernel-tests 200 $PY -m pytest -q -p no:cacheprovider tests/test_kernels_gpu.py ;;
     kernel-bench) run_stage kernel-bench 70 $PY -m compiler.kernels.bench --cache-dir "$KCACHE" --json "$OUT/kernel_bench.json" ${KERNEL_BENCH_ARGS:-} ;;
     latency)
