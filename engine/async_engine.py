@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Callable, Protocol
 
 from engine.llm_engine import LLMEngine
-from engine.request import InvalidRequestError, LoRARequest, RequestOutput, SamplingParams
+from engine.request import InvalidRequestError, LoRARequest, PoolingParams, RequestOutput, SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -57,6 +57,7 @@ class _Add:
     arrival_time: float
     stream: "RequestStream"
     lora_request: LoRARequest | None = None
+    pooling: PoolingParams | None = None
 
 
 @dataclass
@@ -217,7 +218,8 @@ class AsyncEngine:
     # ---- requests ----
     async def add_request(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None,
                           priority: int = 0, arrival_time: float | None = None,
-                          lora_request: LoRARequest | None = None) -> RequestStream:
+                          lora_request: LoRARequest | None = None,
+                          pooling: PoolingParams | None = None) -> RequestStream:
         """Queue a request; returns its stream once the step loop accepted it.
 
         Raises InvalidRequestError (bad parameters, prompt too long), QueueFullError, EngineDeadError.
@@ -236,7 +238,7 @@ class AsyncEngine:
             self._pending_adds += 1
         self._inbox.append(_Add(prompt, params, request_id, priority,
                                 arrival_time if arrival_time is not None else time.monotonic(), stream,
-                                lora_request))
+                                lora_request, pooling))
         self._wake.set()
         if self._dead is not None:  # died between the check and the append: nobody will answer
             self._fail_inbox()
@@ -325,7 +327,7 @@ class AsyncEngine:
                 continue
             try:
                 request = engine.add_request(item.prompt, item.params, item.request_id, item.priority,
-                                             item.lora_request)
+                                             item.lora_request, item.pooling)
             except InvalidRequestError as exc:
                 self._post(stream, stream._accept, exc)
                 continue

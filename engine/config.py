@@ -87,6 +87,9 @@ class EngineSettings(BaseSettings):
     max_loras: int = Field(4, ge=1, description="adapters resident at once (one batch may mix them all)")
     max_lora_rank: int = Field(16, ge=1, le=512)
 
+    # --- embeddings (/v1/embeddings, LLM.embed) ---
+    pooling_type: Literal["last", "mean"] = Field("last", description="how prompt hidden states become an embedding")
+
     # --- compiler / kernels ---
     enforce_eager: bool = Field(False, description="no torch.compile, no CUDA graphs")
     attention_backend: Literal["auto", "torch", "cutlass"] = "auto"

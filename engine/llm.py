@@ -6,7 +6,7 @@ from typing import Any, Sequence as Seq
 
 from engine.config import EngineSettings
 from engine.llm_engine import LLMEngine
-from engine.request import LoRARequest, RequestOutput, SamplingParams
+from engine.request import LoRARequest, PoolingParams, RequestOutput, SamplingParams
 
 
 class LLM:
@@ -68,6 +68,26 @@ class LLM:
         # The template already carries the special tokens: don't let the tokenizer add a second BOS.
         token_ids = [self.tokenizer.encode(p, add_special_tokens=False) for p in prompts]
         return self.generate(token_ids, sampling_params, use_tqdm=use_tqdm)
+
+    def embed(self, prompts: str | list[int] | Seq[str | list[int]], pooling_params: PoolingParams | None = None,
+              use_tqdm: bool = True, lora_request: LoRARequest | None = None) -> list[RequestOutput]:
+        """Embeddings of the prompts (RequestOutput.embedding), in input order: the final hidden
+        states pooled as pooling_params says (default: the last token's, L2-normalised)."""
+        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        pooling = pooling_params or PoolingParams(self.engine.settings.pooling_type)
+        ids = []
+        try:
+            for prompt in prompts:
+                request_id = f"offline-{self._counter}"
+                self._counter += 1
+                self.engine.add_request(prompt, None, request_id, lora_request=lora_request, pooling=pooling)
+                ids.append(request_id)
+        except Exception:
+            for request_id in ids:
+                self.engine.abort_request(request_id)
+            raise
+        return self._run(ids, use_tqdm)
 
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         from tqdm import tqdm

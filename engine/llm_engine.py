@@ -21,8 +21,8 @@ from engine.kv.cache import KVCache
 from engine.kv.swap import SwapSpace
 from engine.models.config import ModelConfig
 from engine.models.loader import load_model
-from engine.request import (CompletionOutput, FinishReason, InvalidRequestError, LoRARequest, Request,
-                            RequestOutput, SamplingParams, Sequence)
+from engine.request import (CompletionOutput, FinishReason, InvalidRequestError, LoRARequest, PoolingParams,
+                            Request, RequestOutput, SamplingParams, Sequence)
 from engine.runner import ModelRunner
 from engine.sampler import Sampler
 from engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput, sample_row_ranges
@@ -288,7 +288,15 @@ class LLMEngine:
 
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
                     request_id: str | None = None, priority: int = 0,
-                    lora_request: LoRARequest | None = None) -> Request:
+                    lora_request: LoRARequest | None = None, pooling: PoolingParams | None = None) -> Request:
+        """Queue a request. With `pooling` it is an embedding request: the prompt's hidden states
+        are pooled into RequestOutput.embedding and nothing is generated (params are ignored)."""
+        if pooling is not None:
+            hidden = self.model_config.hidden_size
+            if pooling.dimensions is not None and pooling.dimensions > hidden:
+                raise InvalidRequestError(f"dimensions ({pooling.dimensions}) exceeds the model's hidden size "
+                                          f"({hidden})", "dimensions")
+            params = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False, output_kind="final_only")
         params = params or SamplingParams()
         params.validate()
         vocab = self.model_config.vocab_size
@@ -303,6 +311,7 @@ class LLMEngine:
             request.grammars = self.structured_output.matchers(params.structured_outputs, params.n)
         if lora_request is not None:
             self._attach_lora(request, lora_request)
+        request.pooling = pooling
         self.scheduler.add_request(request)
         for seq in request.seqs:
             init_offsets(seq)
@@ -350,6 +359,7 @@ class LLMEngine:
         sampled = self.runner.execute(sched)
         if sampled.prompt_logprobs:
             self._record_prompt_logprobs(sampled.prompt_logprobs)
+        pooled_done = self._record_pooled(sampled.pooled) if sampled.pooled else []
         tokens = self.runner.split_sampled(sched, sampled)
         failed = self._failed_rows(sched, sampled.errors)
         for i, s in enumerate(sched.seqs):
@@ -359,6 +369,10 @@ class LLMEngine:
         touched = self.scheduler.update(sched, tokens)
         now = time.monotonic()
         outputs: dict[str, Request] = {}
+        for seq in pooled_done:  # embedding requests whose prompt is done: finished, no token
+            self.scheduler.finish_seq(seq, FinishReason.STOP)
+            seq.request.first_token_time = now
+            outputs[seq.request.request_id] = seq.request
         generated = 0
         for seq in touched:
             try:
@@ -526,6 +540,33 @@ class LLMEngine:
         top[seq.token_ids[-1]] = chosen
         seq.logprobs.append(top)
 
+    def _record_pooled(self, pooled: dict[int, tuple[torch.Tensor, int, int, bool]]) -> list[Sequence]:
+        """Accumulate embedding requests' pooled hidden states; returns the sequences whose prompt
+        is complete, with request.embedding set."""
+        by_id = {s.seq_id: s for s in self.scheduler.running}
+        done = []
+        for seq_id, (vector, rows, start, final) in pooled.items():
+            seq = by_id.get(seq_id)
+            if seq is None:
+                continue
+            request = seq.request
+            if request.pooling.pooling_type == "mean":
+                if start == 0:  # (again, after a preemption by recompute)
+                    request.pool_sum, request.pool_count = None, 0
+                request.pool_sum = vector if request.pool_sum is None else request.pool_sum + vector
+                request.pool_count += rows
+                vector = request.pool_sum / request.pool_count
+            if final:
+                dims = request.pooling.dimensions
+                if dims is not None:
+                    vector = vector[:dims]
+                if request.pooling.normalize:
+                    vector = torch.nn.functional.normalize(vector, dim=0)
+                request.embedding = vector.tolist()
+                request.pool_sum = None
+                done.append(seq)
+        return done
+
     def _record_prompt_logprobs(self, scored: dict[int, tuple[int, list[dict[int, float]]]]) -> None:
         by_id = {s.seq_id: s for s in self.scheduler.running}
         for seq_id, (first, entries) in scored.items():
@@ -539,6 +580,13 @@ class LLMEngine:
         params = request.params
         if params.output_kind == "final_only" and not request.is_finished:
             return None
+        if request.pooling is not None:  # an embedding: one output, when it is done
+            if not request.is_finished:
+                return None
+            return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids, [], True,
+                                 request.seqs[0].num_cached_tokens if request.seqs else 0, request.error,
+                                 {"arrival_time": request.arrival_time, "finished_time": request.finished_time},
+                                 None, request.embedding)
         seqs = sorted(request.seqs, key=lambda s: s.sample_index)
         if params.output_kind == "delta":
             outs = [c for c in map(self._delta_choice, seqs) if c is not None]

@@ -31,6 +31,28 @@ class InvalidRequestError(ValueError):
 OUTPUT_KINDS = ("cumulative", "delta", "final_only")
 
 
+POOLING_TYPES = ("last", "mean")
+
+
+@dataclass(frozen=True)
+class PoolingParams:
+    """An embedding request (vLLM's PoolingParams): the prompt's final hidden states pooled
+    ("last": the last token's, as LLM-based embedders such as Qwen3-Embedding and e5-mistral
+    use; "mean": the average over the prompt), L2-normalised unless normalize is False, and
+    cut to the first `dimensions` values first (Matryoshka embeddings) if given."""
+
+    pooling_type: str = "last"
+    normalize: bool = True
+    dimensions: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.pooling_type not in POOLING_TYPES:
+            raise InvalidRequestError(f"pooling_type must be one of {', '.join(POOLING_TYPES)}, "
+                                      f"got {self.pooling_type!r}", "pooling_type")
+        if self.dimensions is not None and self.dimensions < 1:
+            raise InvalidRequestError(f"dimensions must be at least 1, got {self.dimensions}", "dimensions")
+
+
 @dataclass(frozen=True)
 class LoRARequest:
     """Which LoRA adapter (a PEFT directory) a request runs with; vLLM's LoRARequest (engine/lora.py)."""
@@ -289,6 +311,10 @@ class Request:
     # With params.structured_outputs: one grammar matcher per sample (index = sample_index), each
     # advanced by its sample's tokens (engine/structured_output.py).
     grammars: list[Any] | None = None
+    pooling: PoolingParams | None = None  # an embedding request: no tokens are generated
+    embedding: list[float] | None = None  # its result
+    pool_sum: Any = None  # mean pooling: the sum of the hidden states computed so far (a tensor)
+    pool_count: int = 0
     lora_request: LoRARequest | None = None
     lora_slot: int = -1  # the adapter's slot in the model (-1: the base model)
     prefix_root: bytes | None = None  # prefix-cache namespace (an adapter's KV is its own)
@@ -335,3 +361,4 @@ class RequestOutput:
     error: str | None = None
     metrics: dict[str, Any] = field(default_factory=dict)
     prompt_logprobs: list[dict[int, float] | None] | None = None
+    embedding: list[float] | None = None  # embedding requests (PoolingParams)

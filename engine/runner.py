@@ -110,6 +110,8 @@ class StepInputs:
     rows: list[SampleRow]
     graph_key: tuple[int, int] | None = None  # (rows, ctx) of the decode graph to replay
     prompt_scores: list[PromptScore] = field(default_factory=list)
+    # Embedding requests' chunks: (seq id, first hidden row, rows, pooling type, first position, ends the prompt)
+    pools: list[tuple[int, int, int, str, int, bool]] = field(default_factory=list)
 
 
 @dataclass
@@ -147,7 +149,7 @@ class ModelRunner:
         buf = self.buffers
         buf.wait_staging()
         seqs = sched.seqs
-        if all(s.num_tokens == 1 and s.do_sample and s.num_samples == 1 for s in seqs):
+        if all(s.num_tokens == 1 and s.do_sample and s.num_samples == 1 and not s.pooling for s in seqs):
             return self._prepare_decode(seqs)
         bs = self.block_size
         t = 0
@@ -157,6 +159,7 @@ class ModelRunner:
         sample_indices: list[int] = []
         rows: list[SampleRow] = []
         scores: list[PromptScore] = []
+        pools: list[tuple[int, int, int, str, int, bool]] = []
         buf.np_query_start_loc[0] = 0
         num_decodes = 0  # leading one-token sequences (the scheduler puts decodes first)
         for i, s in enumerate(seqs):
@@ -179,11 +182,15 @@ class ModelRunner:
             if s.params.prompt_logprobs is not None and start < last_scored:
                 scores.append(PromptScore(s.seq_id, t, start + 1, s.all_token_ids[start + 1:last_scored + 1],
                                           s.params.prompt_logprobs))
+            if s.pooling:
+                pools.append((s.seq_id, t, n, s.pooling, start, s.do_sample))
             t += n
             buf.np_query_start_loc[i + 1] = t
             max_q = max(max_q, n)
             max_len = max(max_len, end)
-            if s.do_sample and s.draft_token_ids:
+            if s.pooling:
+                pass  # its hidden states are pooled (StepInputs.pools), nothing is sampled
+            elif s.do_sample and s.draft_token_ids:
                 # Speculative: every position is sampled, each row with its own history (the
                 # sequence, then the drafts before that position).
                 first = t - n
@@ -199,6 +206,7 @@ class ModelRunner:
         step = self._finish_prepare(t, len(seqs), max_q, max_len, max_cols, sample_indices, rows, None,
                                     num_decodes)
         step.prompt_scores = scores
+        step.pools = pools
         return step
 
     def _prepare_decode(self, seqs) -> StepInputs:
@@ -366,6 +374,12 @@ class ModelRunner:
             out = self.sampler(self.model.compute_logits(hidden[idx]), step.rows)
         for score in step.prompt_scores:
             out.prompt_logprobs[score.seq_id] = (score.first_index, self._score_prompt(hidden, score))
+        for seq_id, first, rows, kind, start, final in step.pools:
+            chunk = hidden[first:first + rows].float()
+            if kind == "mean":
+                out.pooled[seq_id] = (chunk.sum(dim=0), rows, start, final)
+            elif final:
+                out.pooled[seq_id] = (chunk[-1], 1, start, final)
         return out
 
     def _score_prompt(self, hidden: torch.Tensor, score: PromptScore) -> list[dict[int, float]]:

@@ -42,6 +42,10 @@ class SamplerOutput:
     # Prompt logprobs computed this step: seq id -> (position of the first prompt token they
     # score, one {token: logprob} entry per scored token; the prompt token's own included).
     prompt_logprobs: dict[int, tuple[int, list[dict[int, float]]]] = field(default_factory=dict)
+    # Embedding requests: seq id -> (pooled hidden state(s) of this step's chunk: the last row, or
+    # the sum of the rows for mean pooling; rows summed; the chunk's first position; whether the
+    # chunk ends the prompt).
+    pooled: dict[int, tuple[torch.Tensor, int, int, bool]] = field(default_factory=dict)
 
 
 def _row_seed(seed: int, sample_index: int, position: int) -> int:

@@ -65,6 +65,7 @@ class ScheduledSeq:
     # Speculative decoding: token_ids is [last token, *drafts]; every position is sampled.
     draft_token_ids: list[int] = field(default_factory=list)
     lora_slot: int = -1  # the request's LoRA adapter slot (-1: none)
+    pooling: str | None = None  # an embedding request's pooling type: its hidden states, not a token
 
     @property
     def num_tokens(self) -> int:
@@ -77,6 +78,8 @@ def sample_row_ranges(seqs: list[ScheduledSeq]):
     k = 0
     for s in seqs:
         n = (1 + len(s.draft_token_ids) if s.draft_token_ids else s.num_samples) if s.do_sample else 0
+        if s.pooling:
+            n = 0  # pooled, not sampled
         yield s, range(k, k + n)
         k += n
 
@@ -325,8 +328,10 @@ class Scheduler:
 
         Returns how many prompt tokens were found in the cache.
         """
-        if not self.pool.enable_prefix_caching or seq.request.params.prompt_logprobs is not None:
-            return 0  # prompt logprobs need every prompt position computed
+        request = seq.request
+        mean_pooled = request.pooling is not None and request.pooling.pooling_type == "mean"
+        if not self.pool.enable_prefix_caching or request.params.prompt_logprobs is not None or mean_pooled:
+            return 0  # prompt logprobs and mean pooling need every prompt position computed
         max_blocks = (seq.num_tokens - 1) // self.config.block_size
         blocks, digests = self.pool.match_prefix(seq.token_ids, max_blocks, seq.request.prefix_root)
         for block in blocks:
@@ -411,7 +416,7 @@ class Scheduler:
             num_samples=request.params.n if fork else 1, params=request.params,
             all_token_ids=seq.token_ids, num_prompt_tokens=seq.num_prompt_tokens,
             sample_index=seq.sample_index, grammars=request.grammars, draft_token_ids=drafts,
-            lora_slot=request.lora_slot,
+            lora_slot=request.lora_slot, pooling=request.pooling.pooling_type if request.pooling else None,
         ))
         if drafts:
             out.num_decode_tokens += num_new

@@ -7,7 +7,9 @@ here is module-level state: two apps in one process do not share anything.
 
 from __future__ import annotations
 
+import array
 import asyncio
+import base64
 import contextlib
 import dataclasses
 import json
@@ -26,12 +28,12 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from engine.async_engine import AsyncEngine, EngineDeadError, QueueFullError, RequestStream
 from engine.config import EngineSettings, ServerSettings
-from engine.request import InvalidRequestError, LoRARequest, RequestOutput, SamplingParams
+from engine.request import InvalidRequestError, LoRARequest, PoolingParams, RequestOutput, SamplingParams
 from engine.server.metrics import CONTENT_TYPE, EngineMetrics
 from engine.server.reasoning import ReasoningParser
 from engine.server.tool_calls import ToolCall, ToolMode
-from engine.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, ErrorResponse,
-                                    TokenizeRequest)
+from engine.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, EmbeddingRequest,
+                                    ErrorResponse, TokenizeRequest)
 
 logger = logging.getLogger("engine.server")
 access_logger = logging.getLogger("engine.server.access")
@@ -202,6 +204,10 @@ def build_app(state: ServerState, manage_engine: bool = True) -> FastAPI:
     @app.post("/v1/chat/completions", responses=_ERROR_RESPONSES)
     async def create_chat_completion(body: ChatCompletionRequest, request: Request):
         return await handlers.chat(body, request)
+
+    @app.post("/v1/embeddings", responses=_ERROR_RESPONSES)
+    async def create_embedding(body: EmbeddingRequest, request: Request):
+        return await handlers.embeddings(body, request)
 
     @app.get("/v1/models")
     async def list_models():
@@ -481,6 +487,62 @@ class _Handlers:
         if kind is not None and params.structured_outputs is None:  # a constraint applies from the first token
             job.reasoning = ReasoningParser(kind)
         return await self._respond(job, body.stream, body.include_usage, request)
+
+    async def embeddings(self, body: EmbeddingRequest, request: Request):
+        """Each input's pooled final hidden state (EngineSettings.pooling_type), as floats or base64."""
+        lora = self.check_model(body.model)
+        prompts = body.prompts()
+        if len(prompts) > max(self.engine.engine.settings.max_num_seqs, 1) * 16:
+            raise InvalidRequestError(f"too many inputs in one request ({len(prompts)})", "input")
+        pooling = PoolingParams(self.engine.engine.settings.pooling_type, body.normalize, body.dimensions)
+        arrival = time.monotonic()
+        job_id = f"embd-{uuid.uuid4().hex}"
+        results = await asyncio.gather(*(
+            self.engine.add_request(prompt, SamplingParams(), f"{job_id}-{i}", body.priority, arrival, lora, pooling)
+            for i, prompt in enumerate(prompts)), return_exceptions=True)
+        streams = [r for r in results if isinstance(r, RequestStream)]
+        errors = [r for r in results if isinstance(r, BaseException)]
+        try:
+            if errors:
+                raise errors[0]
+
+            async def last(stream: RequestStream) -> RequestOutput:
+                out = None
+                async for out in stream:
+                    pass
+                return out
+
+            gather = asyncio.ensure_future(asyncio.gather(*(last(s) for s in streams)))
+            watch = asyncio.ensure_future(_wait_disconnect(request))
+            timeout = self.state.settings.request_timeout
+            try:
+                done, _ = await asyncio.wait({gather, watch}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+                if watch in done:
+                    logger.info("%s: client disconnected; aborting", job_id)
+                    return Response(status_code=499)
+                if gather not in done:
+                    raise APIError(504, f"the request did not finish within request_timeout={timeout}s and was "
+                                   "aborted", "timeout", None, "timeout")
+                outs = gather.result()
+            finally:
+                for t in (gather, watch):
+                    t.cancel()
+        finally:
+            for s in streams:
+                s.close()
+        data = []
+        for i, out in enumerate(outs):
+            if out is None or out.embedding is None:
+                raise APIError(500, f"the request failed in the engine: {out.error if out else 'no output'}",
+                               "server_error", None, "engine_error")
+            vector: Any = out.embedding
+            if body.encoding_format == "base64":
+                vector = base64.b64encode(array.array("f", vector).tobytes()).decode()
+            data.append({"object": "embedding", "index": i, "embedding": vector})
+        tokens = sum(len(o.prompt_token_ids) for o in outs)
+        return {"id": job_id, "object": "list", "created": int(time.time()),
+                "model": body.model or self.state.model_name, "data": data,
+                "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
 
     async def _start(self, prefix: str, kind: str, prompts: list, texts: list, params: SamplingParams,
                      priority: int, request: Request, lora: LoRARequest | None = None) -> _Job:

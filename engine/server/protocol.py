@@ -142,6 +142,17 @@ class _SamplingFields(_Lenient):
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
 
 
+def prompt_list(p: str | list) -> list[str | list[int]]:
+    """OpenAI's prompt / input field as a list of prompts (text, or token ids)."""
+    if isinstance(p, str):
+        return [p]
+    if not p:
+        raise InvalidRequestError("the prompt must not be empty", "prompt")
+    if all(isinstance(x, int) for x in p):
+        return [list(p)]  # one prompt of token ids
+    return list(p)
+
+
 class CompletionRequest(_SamplingFields):
     prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: int | None = Field(16, le=_INT64, ge=-_INT64)
@@ -151,14 +162,7 @@ class CompletionRequest(_SamplingFields):
     best_of: int | None = Field(None, le=_INT64, ge=-_INT64)  # refused unless equal to n (as vLLM V1)
 
     def prompts(self) -> list[str | list[int]]:
-        p = self.prompt
-        if isinstance(p, str):
-            return [p]
-        if not p:
-            raise InvalidRequestError("prompt must not be empty", "prompt")
-        if all(isinstance(x, int) for x in p):
-            return [list(p)]  # one prompt of token ids
-        return list(p)
+        return prompt_list(self.prompt)
 
     @property
     def prompt_only(self) -> bool:
@@ -292,6 +296,24 @@ class ChatCompletionRequest(_SamplingFields):
         if tool_mode is not None and tool_mode.forced:
             params.structured_outputs = tool_mode.constraint(self.parallel_tool_calls is not False)
         return params
+
+
+class EmbeddingRequest(_Lenient):
+    """OpenAI's /v1/embeddings (plus vLLM's priority and normalize)."""
+
+    model: str | None = None
+    input: str | list[str] | list[int] | list[list[int]]
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = Field(None, le=_INT64, ge=-_INT64)
+    user: str | None = None
+    priority: int = Field(0, le=_INT64, ge=-_INT64)
+    normalize: bool = True
+
+    def prompts(self) -> list[str | list[int]]:
+        try:
+            return prompt_list(self.input)
+        except InvalidRequestError as exc:
+            raise InvalidRequestError(str(exc).replace("the prompt", "input"), "input") from exc
 
 
 class TokenizeRequest(_Lenient):
