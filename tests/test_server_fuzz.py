@@ -42,7 +42,7 @@ def app_schema(fuzz_state):
 
 OPERATIONS = [("POST", "/v1/completions"), ("POST", "/v1/chat/completions"), ("GET", "/v1/models"),
               ("GET", "/health"), ("GET", "/metrics"), ("GET", "/version"), ("POST", "/tokenize"),
-              ("POST", "/detokenize")]
+              ("POST", "/detokenize"), ("POST", "/v1/embeddings")]
 
 
 def test_schema_lists_every_operation(app_schema):
