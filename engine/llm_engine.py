@@ -297,6 +297,9 @@ class LLMEngine:
                 raise InvalidRequestError(f"dimensions ({pooling.dimensions}) exceeds the model's hidden size "
                                           f"({hidden})", "dimensions")
             params = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False, output_kind="final_only")
+        elif not self.model_config.generates:
+            raise InvalidRequestError(f"this checkpoint ({self.model_dir.name}) has no language-model head: it "
+                                      "serves embeddings only (/v1/embeddings, LLM.embed)", "model")
         params = params or SamplingParams()
         params.validate()
         vocab = self.model_config.vocab_size

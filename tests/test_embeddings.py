@@ -113,3 +113,26 @@ def test_embeddings_endpoint(tiny_llama):
     finally:
         state.engine.shutdown()
     assert_engine_clean(state.engine.engine)
+
+
+def test_bare_model_checkpoint_serves_embeddings_only(tmp_path, make_llm):
+    """A checkpoint of the model without its head (architectures ["LlamaModel"], names without
+    "model.", as embedding models like e5-mistral ship) loads, embeds, and refuses to generate."""
+    import transformers
+
+    from engine import SamplingParams
+    from engine.tiny_model import tiny_config, train_tokenizer
+
+    tok = train_tokenizer()
+    tok.save_pretrained(tmp_path)
+    raw = tiny_config("llama", len(tok), tok.bos_token_id, tok.eos_token_id, tok.pad_token_id)
+    config = transformers.AutoConfig.for_model(**raw)
+    torch.manual_seed(5)
+    transformers.AutoModel.from_config(config).save_pretrained(tmp_path)
+    assert "LlamaModel" in (tmp_path / "config.json").read_text()
+    llm = make_llm(tmp_path)
+    out = llm.embed(TEXTS[:2], use_tqdm=False)
+    for o, ref in zip(out, _hf_embeddings(tmp_path, llm.tokenizer, TEXTS[:2], "last")):
+        torch.testing.assert_close(torch.tensor(o.embedding), ref, rtol=1e-4, atol=1e-5)
+    with pytest.raises(InvalidRequestError, match="embeddings only"):
+        llm.generate(["hi"], SamplingParams(max_tokens=2), use_tqdm=False)

@@ -48,6 +48,9 @@ class ModelConfig:
     norm_topk_prob: bool = True  # renormalise the k chosen experts' router probabilities to sum 1
     shared_expert_intermediate_size: int = 0  # Qwen2-MoE: an always-on expert behind a sigmoid gate
     sparse_layers: tuple[int, ...] = ()  # the layers whose MLP is the MoE block
+    # False for checkpoints of the bare model (architectures "LlamaModel", "MistralModel", ...:
+    # embedding models such as e5-mistral): no LM head, so they serve embeddings only.
+    generates: bool = True
 
     @property
     def is_moe(self) -> bool:
@@ -110,6 +113,7 @@ class ModelConfig:
             hidden_act=act,
             norm_weight_offset=1.0 if gemma else 0.0,
             embed_scale=raw["hidden_size"] ** 0.5 if gemma else None,
+            generates=not _bare_model(raw.get("architectures")),
             **moe,
         )
 
@@ -151,6 +155,11 @@ def _sliding_window(raw: dict[str, Any], model_type: str) -> int | None:
     if not all(k == "sliding_attention" for k in kinds):
         raise ValueError("model: sliding-window attention on some layers only is not supported")
     return int(window)
+
+
+def _bare_model(architectures: list[str] | None) -> bool:
+    """The checkpoint holds the transformer without its LM head (e.g. ["MistralModel"])."""
+    return bool(architectures) and all(a.endswith("Model") and not a.endswith("LMHeadModel") for a in architectures)
 
 
 def _moe_fields(raw: dict[str, Any], model_type: str) -> dict[str, Any]:

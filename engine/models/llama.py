@@ -191,7 +191,8 @@ class LlamaForCausalLM(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.norm_weight_offset)
         self.rotary = RotaryEmbedding(config, max_positions)
-        self.lm_head = None if config.tie_word_embeddings else nn.Linear(
+        # (a bare model has no head: compute_logits then reads the embeddings, only ever for warm-ups)
+        self.lm_head = None if config.tie_word_embeddings or not config.generates else nn.Linear(
             config.hidden_size, config.vocab_size, bias=False)
         self.backend: AttentionBackend | None = None
         self.lora_slots = 0  # adapters one batch can mix (engine/lora.py); 0: LoRA off

@@ -62,6 +62,8 @@ Index = tuple[int | slice, ...]
 def _target(model: LlamaForCausalLM, hf_name: str) -> tuple[str, Index | None] | None:
     """Map an HF tensor name to (kiln parameter name, the part of it the tensor fills: rows of a
     fused parameter, or an expert's slot in a stacked one; None for the whole)."""
+    if not hf_name.startswith(("model.", "lm_head.")):
+        hf_name = "model." + hf_name  # a bare model's checkpoint (AutoModel): no "model." prefix
     if hf_name == "model.embed_tokens.weight":
         return "embed_tokens.weight", None
     if hf_name == "model.norm.weight":
