@@ -65,6 +65,15 @@ class _Abort:
     request_id: str
 
 
+@dataclass
+class _Call:
+    """Run fn(engine) on the step thread, between steps; the result goes to `future`."""
+
+    fn: Callable[[LLMEngine], Any]
+    future: asyncio.Future
+    loop: asyncio.AbstractEventLoop
+
+
 class RequestStream:
     """Async iterator of output deltas for one request (lives on one asyncio loop).
 
@@ -259,6 +268,18 @@ class AsyncEngine:
         finally:
             stream.close()
 
+    async def run_in_engine(self, fn: Callable[[LLMEngine], Any]) -> Any:
+        """fn(engine) on the step thread between two steps (where changing the engine is safe,
+        e.g. loading a LoRA adapter); returns its result or raises its exception."""
+        self._raise_if_dead()
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+        self._inbox.append(_Call(fn, future, loop))
+        self._wake.set()
+        if self._dead is not None:
+            self._fail_inbox()
+        return await future
+
     def abort(self, request_id: str) -> None:
         """Stop a request; its blocks are freed at the top of the next step. Thread-safe."""
         if self._dead is not None:
@@ -311,6 +332,13 @@ class AsyncEngine:
         aborted: list[RequestOutput] = []
         while self._inbox:
             item = self._inbox.popleft()
+            if isinstance(item, _Call):
+                try:
+                    result, error = item.fn(engine), None
+                except Exception as exc:  # noqa: BLE001 - handed to the caller
+                    result, error = None, exc
+                _settle(item, result, error)
+                continue
             if isinstance(item, _Abort):
                 stream = self._streams.pop(item.request_id, None)
                 out = engine.abort_request(item.request_id)
@@ -391,6 +419,22 @@ class AsyncEngine:
                 with self._lock:
                     self._pending_adds -= 1
                 self._post(item.stream, item.stream._fail, err)
+            elif isinstance(item, _Call):
+                _settle(item, None, err)
+
+
+def _settle(call: _Call, result: Any, error: BaseException | None) -> None:
+    """Hand a _Call's outcome to its caller's loop (nothing if the caller gave up or the loop closed)."""
+    def done() -> None:
+        if not call.future.done():
+            if error is not None:
+                call.future.set_exception(error)
+            else:
+                call.future.set_result(result)
+    try:
+        call.loop.call_soon_threadsafe(done)
+    except RuntimeError:
+        pass
 
 
 def _push_all(items: list[tuple[RequestStream, RequestOutput]]) -> None:

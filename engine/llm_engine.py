@@ -334,6 +334,32 @@ class LLMEngine:
         request.lora_slot = entry.slot
         request.prefix_root = entry.prefix_root
 
+    def load_lora(self, name: str, path: str) -> LoRARequest:
+        """Load a LoRA adapter into a free slot (call between steps)."""
+        if self.lora is None:
+            raise InvalidRequestError("LoRA adapters need the engine started with enable_lora", "lora_name")
+        from engine.lora import LoRAError
+
+        if self.lora.get(name) is not None:
+            raise InvalidRequestError(f"a LoRA adapter named {name!r} is already loaded", "lora_name")
+        lora_request = LoRARequest(name, max((a.lora_int_id for a in self.lora.adapters), default=0) + 1, path)
+        try:
+            self.lora.ensure(lora_request)
+        except LoRAError as exc:
+            raise InvalidRequestError(str(exc), "lora_path") from exc
+        return lora_request
+
+    def unload_lora(self, name: str) -> None:
+        """Unload an adapter no unfinished request uses (call between steps)."""
+        if self.lora is None or self.lora.get(name) is None:
+            raise InvalidRequestError(f"no LoRA adapter named {name!r} is loaded", "lora_name")
+        users = [r.request_id for r in self.scheduler.requests.values()
+                 if r.lora_request is not None and r.lora_request.lora_name == name and not r.is_finished]
+        if users:
+            raise InvalidRequestError(f"LoRA adapter {name!r} is in use by {len(users)} unfinished requests",
+                                      "lora_name")
+        self.lora.unload(name)
+
     def abort_request(self, request_id: str) -> RequestOutput | None:
         request = self.scheduler.abort_request(request_id)
         if request is None:

@@ -169,3 +169,61 @@ def test_server_selects_adapters_by_model_name(tiny_llama, adapters):
     finally:
         state.engine.shutdown()
     assert_engine_clean(state.engine.engine)
+
+
+def test_runtime_load_and_unload_through_the_server(tiny_llama, adapters):
+    import httpx
+    import openai
+
+    from engine.config import EngineSettings, ServerSettings
+    from engine.server.app import build_app, create_state
+    from tests.conftest import assert_engine_clean
+
+    state = create_state(
+        EngineSettings(model=str(tiny_llama), device="cpu", enforce_eager=True, max_model_len=256,
+                       num_gpu_blocks=128, max_num_seqs=4, log_stats_interval=0, enable_lora=True,
+                       max_loras=1, max_lora_rank=8),
+        ServerSettings(served_model_name="base", allow_runtime_lora_updating=True))
+    state.engine.start()
+    http = httpx.AsyncClient(transport=httpx.ASGITransport(app=build_app(state)), base_url="http://t")
+    client = openai.AsyncOpenAI(base_url="http://t/v1", api_key="x", http_client=http, max_retries=0)
+
+    async def main():
+        with pytest.raises(openai.NotFoundError):
+            await client.completions.create(model="a", prompt=PROMPTS[0], max_tokens=2)
+        r = await http.post("/v1/load_lora_adapter", json={"lora_name": "a", "lora_path": adapters["a"]})
+        assert r.status_code == 200 and "added" in r.text
+        assert "a" in [m.id for m in (await client.models.list()).data]
+        out = await client.completions.create(model="a", prompt=PROMPTS[0], max_tokens=10, temperature=0,
+                                              extra_body={"ignore_eos": True})
+        want = state.tokenizer.decode(_hf_greedy(tiny_llama, adapters["a"], PROMPTS[0]))
+        assert out.choices[0].text == want.rstrip("\ufffd")
+        for path, body, param in [
+                ("/v1/load_lora_adapter", {"lora_name": "b", "lora_path": adapters["b"]}, "lora_path"),  # no slot
+                ("/v1/load_lora_adapter", {"lora_name": "a", "lora_path": adapters["a"]}, "lora_name"),
+                ("/v1/unload_lora_adapter", {"lora_name": "zzz"}, "lora_name")]:
+            bad = await http.post(path, json=body)
+            assert bad.status_code == 400 and bad.json()["error"]["param"] == param, bad.text
+        r = await http.post("/v1/unload_lora_adapter", json={"lora_name": "a"})
+        assert r.status_code == 200
+        r = await http.post("/v1/load_lora_adapter", json={"lora_name": "b", "lora_path": adapters["b"]})
+        assert r.status_code == 200
+        assert [m.id for m in (await client.models.list()).data] == ["base", "b"]
+    try:
+        asyncio.run(main())
+    finally:
+        state.engine.shutdown()
+    assert_engine_clean(state.engine.engine)
+
+
+def test_unloading_an_adapter_in_use_is_refused(tiny_llama, adapters, make_llm):
+    llm = make_llm(enable_lora=True, max_loras=1, max_lora_rank=8)
+    engine = llm.engine
+    lora = engine.load_lora("a", adapters["a"])
+    engine.add_request(PROMPTS[0], GREEDY, "r", lora_request=lora)
+    with pytest.raises(InvalidRequestError, match="in use by 1"):
+        engine.unload_lora("a")
+    while engine.has_unfinished_requests():
+        engine.step()
+    engine.unload_lora("a")
+    assert engine.lora.adapters == []

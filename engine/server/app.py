@@ -33,7 +33,7 @@ from engine.server.metrics import CONTENT_TYPE, EngineMetrics
 from engine.server.reasoning import ReasoningParser
 from engine.server.tool_calls import ToolCall, ToolMode
 from engine.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, EmbeddingRequest,
-                                    ErrorResponse, TokenizeRequest)
+                                    ErrorResponse, LoadLoRAAdapterRequest, TokenizeRequest, UnloadLoRAAdapterRequest)
 
 logger = logging.getLogger("engine.server")
 access_logger = logging.getLogger("engine.server.access")
@@ -208,6 +208,19 @@ def build_app(state: ServerState, manage_engine: bool = True) -> FastAPI:
     @app.post("/v1/embeddings", responses=_ERROR_RESPONSES)
     async def create_embedding(body: EmbeddingRequest, request: Request):
         return await handlers.embeddings(body, request)
+
+    if state.settings.allow_runtime_lora_updating:
+        # Applied between two engine steps (run_in_engine): never under a running step.
+        @app.post("/v1/load_lora_adapter", responses=_ERROR_RESPONSES)
+        async def load_lora_adapter(body: LoadLoRAAdapterRequest):
+            await state.engine.run_in_engine(lambda e: e.load_lora(body.lora_name, body.lora_path))
+            return Response(f"Success: LoRA adapter '{body.lora_name}' added successfully.", media_type="text/plain")
+
+        @app.post("/v1/unload_lora_adapter", responses=_ERROR_RESPONSES)
+        async def unload_lora_adapter(body: UnloadLoRAAdapterRequest):
+            await state.engine.run_in_engine(lambda e: e.unload_lora(body.lora_name))
+            return Response(f"Success: LoRA adapter '{body.lora_name}' removed successfully.",
+                            media_type="text/plain")
 
     @app.get("/v1/models")
     async def list_models():

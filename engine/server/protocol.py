@@ -316,6 +316,15 @@ class EmbeddingRequest(_Lenient):
             raise InvalidRequestError(str(exc).replace("the prompt", "input"), "input") from exc
 
 
+class LoadLoRAAdapterRequest(_Lenient):
+    lora_name: str = Field(min_length=1)
+    lora_path: str = Field(min_length=1)
+
+
+class UnloadLoRAAdapterRequest(_Lenient):
+    lora_name: str = Field(min_length=1)
+
+
 class TokenizeRequest(_Lenient):
     model: str | None = None
     prompt: str | None = None
