@@ -308,6 +308,9 @@ class LLMEngine:
             if bad:
                 raise InvalidRequestError(f"{name}: token ids must be in [0, {vocab}); got {bad[:3]}", name)
         text, ids = self.encode_prompt(prompt)
+        if params.truncate_prompt_tokens is not None and len(ids) > params.truncate_prompt_tokens:
+            ids = ids[-params.truncate_prompt_tokens:]
+            text = None  # the text no longer matches the tokens
         request = Request(request_id=request_id or uuid.uuid4().hex, prompt=text, prompt_token_ids=ids,
                           params=params, priority=priority)
         if params.structured_outputs is not None:

@@ -156,6 +156,8 @@ class SamplingParams:
     logits_processors: list[Callable[[list[int], Any], Any]] | None = None
     # Constrain the output to a JSON schema, regex, choice or grammar (vLLM's structured outputs).
     structured_outputs: StructuredOutputsParams | None = None
+    # Keep only the last N prompt tokens (vLLM's truncate_prompt_tokens; for inputs over max_model_len).
+    truncate_prompt_tokens: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -208,6 +210,9 @@ class SamplingParams:
             bad(f"prompt_logprobs must be in [0, 20], got {self.prompt_logprobs}", "prompt_logprobs")
         if self.logit_bias and not all(-100.0 <= b <= 100.0 for b in self.logit_bias.values()):
             bad("logit_bias values must be in [-100, 100]", "logit_bias")
+        if self.truncate_prompt_tokens is not None and self.truncate_prompt_tokens < 1:
+            bad(f"truncate_prompt_tokens must be at least 1, got {self.truncate_prompt_tokens}",
+                "truncate_prompt_tokens")
         if self.allowed_token_ids is not None and not self.allowed_token_ids:
             bad("allowed_token_ids must not be empty", "allowed_token_ids")
         if self.output_kind not in OUTPUT_KINDS:

@@ -201,6 +201,19 @@ def test_streaming_completion_matches_non_streaming(client, url):
     assert events[-1] == "[DONE]" and events[-2]["choices"] == [] and events[-2]["usage"]["total_tokens"] > 10
     no_usage = sse_events(post(url, "/v1/completions", {"prompt": "A kiln is", "max_tokens": 3, "stream": True}))
     assert no_usage[-1] == "[DONE]" and all("usage" not in e for e in no_usage[:-1])
+    running = sse_events(post(url, "/v1/completions", {"prompt": "A kiln is", "max_tokens": 4, "stream": True,
+                                                       "ignore_eos": True, "stream_options": {
+                                                           "include_usage": True, "continuous_usage_stats": True}}))
+    counts = [e["usage"]["completion_tokens"] for e in running[:-2] if e["choices"]]
+    assert counts == sorted(counts) and counts[-1] == 4 and running[-2]["usage"]["completion_tokens"] == 4
+
+
+def test_truncate_prompt_tokens(client):
+    long = "the quick brown fox jumps over the lazy dog " * 200  # far beyond max_model_len
+    r = client.completions.create(model=MODEL, prompt=long, max_tokens=2, extra_body={"truncate_prompt_tokens": 100})
+    assert r.usage.prompt_tokens == 100
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model=MODEL, prompt="hi", max_tokens=2, extra_body={"truncate_prompt_tokens": 0})
 
 
 def test_chat_non_streaming_and_streaming(client):

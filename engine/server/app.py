@@ -484,7 +484,7 @@ class _Handlers:
         job = await self._start("cmpl", "completion", prompts, texts, params, body.priority, request, lora)
         job.echo = body.echo
         job.prompt_only = body.prompt_only
-        return await self._respond(job, body.stream, body.include_usage, request)
+        return await self._respond(job, body.stream, body.include_usage, request, body.continuous_usage)
 
     async def chat(self, body: ChatCompletionRequest, request: Request):
         lora = self.check_model(body.model)
@@ -499,7 +499,7 @@ class _Handlers:
         kind = self.state.settings.reasoning_parser
         if kind is not None and params.structured_outputs is None:  # a constraint applies from the first token
             job.reasoning = ReasoningParser(kind)
-        return await self._respond(job, body.stream, body.include_usage, request)
+        return await self._respond(job, body.stream, body.include_usage, request, body.continuous_usage)
 
     async def embeddings(self, body: EmbeddingRequest, request: Request):
         """Each input's pooled final hidden state (EngineSettings.pooling_type), as floats or base64."""
@@ -575,10 +575,12 @@ class _Handlers:
             raise errors[0]
         return _Job(job_id, kind, streams, params.n, texts, params)
 
-    async def _respond(self, job: _Job, stream: bool | None, include_usage: bool, request: Request):
+    async def _respond(self, job: _Job, stream: bool | None, include_usage: bool, request: Request,
+                       continuous_usage: bool = False):
         timeout = self.state.settings.request_timeout
         if stream:
-            return StreamingResponse(self._sse(job, include_usage, timeout), media_type="text/event-stream",
+            return StreamingResponse(self._sse(job, include_usage, timeout, continuous_usage),
+                                     media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})
         collect = asyncio.ensure_future(self._collect(job))
         watch = asyncio.ensure_future(_wait_disconnect(request))
@@ -714,14 +716,16 @@ class _Handlers:
             body["prompt_logprobs"] = self._vllm_prompt_logprobs(results[0][1] if results else None)
         return body
 
-    async def _sse(self, job: _Job, include_usage: bool, timeout: float | None) -> AsyncIterator[str]:
+    async def _sse(self, job: _Job, include_usage: bool, timeout: float | None,
+                   continuous_usage: bool = False) -> AsyncIterator[str]:
         created = int(time.time())
         obj = "text_completion" if job.kind == "completion" else "chat.completion.chunk"
         base = {"id": job.id, "object": obj, "created": created, "model": self.state.model_name}
         usage_field = {"usage": None} if include_usage else {}
 
         def chunk(choices: list[dict]) -> str:
-            return f"data: {json.dumps({**base, 'choices': choices, **usage_field})}\n\n"
+            usage = {"usage": self._usage(job)} if continuous_usage else usage_field  # (vLLM's continuous_usage_stats)
+            return f"data: {json.dumps({**base, 'choices': choices, **usage})}\n\n"
 
         choices: dict[int, _Choice] = {}
         seen: set[int] = set()

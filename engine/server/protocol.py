@@ -27,6 +27,7 @@ class _Lenient(BaseModel):
 
 class StreamOptions(_Lenient):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM: usage so far in every chunk
 
 
 class JSONSchemaFormat(_Lenient):
@@ -68,6 +69,7 @@ class _SamplingFields(_Lenient):
     priority: int = Field(0, le=_INT64, ge=-_INT64)
     prompt_logprobs: int | None = Field(None, le=_INT64, ge=-_INT64)
     allowed_token_ids: list[int] | None = None
+    truncate_prompt_tokens: int | None = Field(None, le=_INT64, ge=-_INT64)  # vLLM: keep the last N prompt tokens
     # Structured outputs: OpenAI's response_format, vLLM's structured_outputs object and its
     # older guided_* fields. At most one of them per request.
     response_format: ResponseFormat | None = None
@@ -135,11 +137,16 @@ class _SamplingFields(_Lenient):
             allowed_token_ids=self.allowed_token_ids,
             skip_special_tokens=self.skip_special_tokens,
             structured_outputs=self.structured_output_params(),
+            truncate_prompt_tokens=self.truncate_prompt_tokens,
         )
 
     @property
     def include_usage(self) -> bool:
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def continuous_usage(self) -> bool:
+        return self.include_usage and bool(self.stream_options.continuous_usage_stats)
 
 
 def prompt_list(p: str | list) -> list[str | list[int]]:
