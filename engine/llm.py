@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
-from typing import Any, Sequence as Seq
+from typing import TYPE_CHECKING, Any, Sequence as Seq
 
 from engine.config import EngineSettings
 from engine.llm_engine import LLMEngine
 from engine.request import LoRARequest, PoolingParams, RequestOutput, SamplingParams
+
+if TYPE_CHECKING:
+    from engine.beam_search import BeamSearchParams
 
 
 class LLM:
@@ -88,6 +91,34 @@ class LLM:
                 self.engine.abort_request(request_id)
             raise
         return self._run(ids, use_tqdm)
+
+    def beam_search(self, prompts: str | list[int] | Seq[str | list[int]], params: "BeamSearchParams",
+                    lora_request: LoRARequest | None = None) -> list[RequestOutput]:
+        """Beam search (engine/beam_search.py): per prompt, a RequestOutput whose outputs are the
+        best params.beam_width beams, best first."""
+        from engine.beam_search import Beam, best, expand, to_output
+
+        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        encoded = [self.engine.encode_prompt(p) for p in prompts]
+        for _, ids in encoded:
+            self.engine.check_room(len(ids), params.max_tokens)
+        live = [[Beam(list(ids), len(ids))] for _, ids in encoded]
+        finished: list[list[Beam]] = [[] for _ in encoded]
+        step = params.step_params()
+        for _ in range(params.max_tokens):
+            jobs = [(i, beam) for i, beams in enumerate(live) for beam in beams]
+            if not jobs:
+                break
+            outs = self.generate([beam.tokens for _, beam in jobs], step, use_tqdm=False, lora_request=lora_request)
+            options = [out.outputs[0].logprobs[0] for out in outs]
+            for i in range(len(encoded)):
+                mine = [k for k, (j, _) in enumerate(jobs) if j == i]
+                live[i], done = expand([jobs[k][1] for k in mine], [options[k] for k in mine], params,
+                                       self.engine.eos_token_ids)
+                finished[i] += done
+        return [to_output(f"beam-{k}", text, best(finished[k], live[k], params), self.tokenizer)
+                for k, (text, _) in enumerate(encoded)]
 
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         from tqdm import tqdm

@@ -323,6 +323,13 @@ class LLMEngine:
             init_offsets(seq)
         return request
 
+    def check_room(self, num_prompt_tokens: int, max_tokens: int) -> None:
+        """A prompt of this length can grow by max_tokens within max_model_len (beam search checks
+        up front: its requests are one token each)."""
+        if num_prompt_tokens + max_tokens > self.max_model_len:
+            raise InvalidRequestError(f"prompt ({num_prompt_tokens} tokens) + max_tokens ({max_tokens}) exceeds "
+                                      f"max_model_len={self.max_model_len}", "max_tokens")
+
     def _attach_lora(self, request: Request, lora_request: LoRARequest) -> None:
         """Run `request` with this adapter (loaded into a free slot first if it is new)."""
         if self.lora is None:

@@ -481,6 +481,9 @@ class _Handlers:
         self._check_params(body, params, len(prompts))
         await self._check_constraint(body, params)
         texts = [p if isinstance(p, str) else None for p in prompts]
+        if body.use_beam_search:
+            ids = [self.engine.engine.encode_prompt(p)[1] for p in prompts]
+            return await self._beam_search(body, "completion", ids, texts, params, lora)
         job = await self._start("cmpl", "completion", prompts, texts, params, body.priority, request, lora)
         job.echo = body.echo
         job.prompt_only = body.prompt_only
@@ -494,6 +497,8 @@ class _Handlers:
                                    body.continue_final_message, body.chat_template_kwargs)
         self._check_params(body, params, 1)
         await self._check_constraint(body, params)
+        if body.use_beam_search:
+            return await self._beam_search(body, "chat", [ids], [None], params, lora)
         job = await self._start("chatcmpl", "chat", [ids], [None], params, body.priority, request, lora)
         job.tool_mode = tool_mode if tool_mode.kind != "none" else None
         kind = self.state.settings.reasoning_parser
@@ -556,6 +561,62 @@ class _Handlers:
         return {"id": job_id, "object": "list", "created": int(time.time()),
                 "model": body.model or self.state.model_name, "data": data,
                 "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
+
+    async def _beam_search(self, body, kind: str, prompts: list[list[int]], texts: list[str | None],
+                           params: SamplingParams, lora: LoRARequest | None) -> dict[str, Any]:
+        """n beams per prompt (vLLM's use_beam_search): every step of every beam is a one-token
+        request through the engine; all prompts' beams of a step run together."""
+        from engine.beam_search import Beam, BeamSearchParams, best, expand, to_output
+
+        if body.stream:
+            raise InvalidRequestError("use_beam_search cannot stream", "stream")
+        if params.structured_outputs is not None or getattr(body, "tools", None):
+            raise InvalidRequestError("use_beam_search does not combine with structured outputs or tools",
+                                      "use_beam_search")
+        engine = self.engine.engine
+        max_tokens = params.max_tokens or engine.max_model_len - max(len(p) for p in prompts)
+        search = BeamSearchParams(params.n, max_tokens, params.ignore_eos, body.length_penalty)
+        for ids in prompts:
+            engine.check_room(len(ids), max_tokens)
+        step = search.step_params()
+
+        async def one_step(tokens: list[int]) -> dict[int, float]:
+            stream = await self.engine.add_request(tokens, dataclasses.replace(step), None, body.priority, None, lora)
+            last = None
+            try:
+                async for last in stream:
+                    pass
+            finally:
+                stream.close()
+            if last is None or last.error or not last.outputs[0].logprobs:
+                raise APIError(500, f"a beam search step failed in the engine: {last.error if last else '?'}",
+                               "server_error", None, "engine_error")
+            return last.outputs[0].logprobs[-1]
+
+        live = [[Beam(list(ids), len(ids))] for ids in prompts]
+        finished: list[list[Beam]] = [[] for _ in prompts]
+        for _ in range(max_tokens):
+            jobs = [(i, beam) for i, beams in enumerate(live) for beam in beams]
+            if not jobs:
+                break
+            options = await asyncio.gather(*(one_step(beam.tokens) for _, beam in jobs))
+            for i in range(len(prompts)):
+                mine = [k for k, (j, _) in enumerate(jobs) if j == i]
+                live[i], done = expand([jobs[k][1] for k in mine], [options[k] for k in mine], search,
+                                       engine.eos_token_ids)
+                finished[i] += done
+        job_id = f"{'cmpl' if kind == 'completion' else 'chatcmpl'}-{uuid.uuid4().hex}"
+        job = _Job(job_id, kind, [], params.n, texts, params)
+        job.echo = getattr(body, "echo", False)
+        results = []
+        for i, ids in enumerate(prompts):
+            out = to_output(job_id, texts[i], best(finished[i], live[i], search), self.state.tokenizer)
+            job.num_prompt_tokens += len(ids)
+            for c in out.outputs:
+                job.num_completion_tokens += len(c.token_ids)
+                results.append((_Choice(text=c.text, token_ids=c.token_ids, logprobs=c.logprobs or [],
+                                        finish_reason=c.finish_reason), out))
+        return self._final_body(job, results)
 
     async def _start(self, prefix: str, kind: str, prompts: list, texts: list, params: SamplingParams,
                      priority: int, request: Request, lora: LoRARequest | None = None) -> _Job:

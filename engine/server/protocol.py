@@ -70,6 +70,8 @@ class _SamplingFields(_Lenient):
     prompt_logprobs: int | None = Field(None, le=_INT64, ge=-_INT64)
     allowed_token_ids: list[int] | None = None
     truncate_prompt_tokens: int | None = Field(None, le=_INT64, ge=-_INT64)  # vLLM: keep the last N prompt tokens
+    use_beam_search: bool = False  # vLLM: n beams instead of n samples (engine/beam_search.py)
+    length_penalty: float = 1.0
     # Structured outputs: OpenAI's response_format, vLLM's structured_outputs object and its
     # older guided_* fields. At most one of them per request.
     response_format: ResponseFormat | None = None
