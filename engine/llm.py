@@ -34,9 +34,7 @@ class LLM:
     ) -> list[RequestOutput]:
         """Run prompts (strings or token-id lists) to completion; outputs in input order.
         lora_request: one adapter for all prompts, or one (or None) per prompt (enable_lora)."""
-        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]  # one prompt
-        prompts = list(prompts)
+        prompts = _prompt_list(prompts)
         if sampling_params is None:
             params_list = [_copy(SamplingParams()) for _ in prompts]
         elif isinstance(sampling_params, SamplingParams):
@@ -48,17 +46,9 @@ class LLM:
         loras = list(lora_request) if isinstance(lora_request, (list, tuple)) else [lora_request] * len(prompts)
         if len(loras) != len(prompts):
             raise ValueError("lora_request must be one LoRARequest or one per prompt")
-        ids = []
-        try:
-            for i, (prompt, params) in enumerate(zip(prompts, params_list)):
-                request_id = f"offline-{self._counter}"
-                self._counter += 1
-                self.engine.add_request(prompt, params, request_id, priority[i] if priority else 0, loras[i])
-                ids.append(request_id)
-        except Exception:
-            for request_id in ids:
-                self.engine.abort_request(request_id)
-            raise
+        ids = self._add_all([dict(prompt=prompt, params=params, priority=priority[i] if priority else 0,
+                                  lora_request=loras[i])
+                             for i, (prompt, params) in enumerate(zip(prompts, params_list))])
         return self._run(ids, use_tqdm)
 
     def chat(self, messages: list[dict[str, str]] | list[list[dict[str, str]]],
@@ -76,20 +66,9 @@ class LLM:
               use_tqdm: bool = True, lora_request: LoRARequest | None = None) -> list[RequestOutput]:
         """Embeddings of the prompts (RequestOutput.embedding), in input order: the final hidden
         states pooled as pooling_params says (default: the last token's, L2-normalised)."""
-        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
         pooling = pooling_params or PoolingParams(self.engine.settings.pooling_type)
-        ids = []
-        try:
-            for prompt in prompts:
-                request_id = f"offline-{self._counter}"
-                self._counter += 1
-                self.engine.add_request(prompt, None, request_id, lora_request=lora_request, pooling=pooling)
-                ids.append(request_id)
-        except Exception:
-            for request_id in ids:
-                self.engine.abort_request(request_id)
-            raise
+        ids = self._add_all([dict(prompt=prompt, params=None, lora_request=lora_request, pooling=pooling)
+                             for prompt in _prompt_list(prompts)])
         return self._run(ids, use_tqdm)
 
     def beam_search(self, prompts: str | list[int] | Seq[str | list[int]], params: "BeamSearchParams",
@@ -98,9 +77,7 @@ class LLM:
         best params.beam_width beams, best first."""
         from engine.beam_search import Beam, best, expand, to_output
 
-        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
-        encoded = [self.engine.encode_prompt(p) for p in prompts]
+        encoded = [self.engine.encode_prompt(p) for p in _prompt_list(prompts)]
         for _, ids in encoded:
             self.engine.check_room(len(ids), params.max_tokens)
         live = [[Beam(list(ids), len(ids))] for _, ids in encoded]
@@ -120,6 +97,21 @@ class LLM:
         return [to_output(f"beam-{k}", text, best(finished[k], live[k], params), self.tokenizer)
                 for k, (text, _) in enumerate(encoded)]
 
+    def _add_all(self, requests: list[dict[str, Any]]) -> list[str]:
+        """Add every request (engine.add_request keywords) or, if one is refused, none."""
+        ids: list[str] = []
+        try:
+            for kwargs in requests:
+                request_id = f"offline-{self._counter}"
+                self._counter += 1
+                self.engine.add_request(request_id=request_id, **kwargs)
+                ids.append(request_id)
+        except Exception:
+            for request_id in ids:
+                self.engine.abort_request(request_id)
+            raise
+        return ids
+
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         from tqdm import tqdm
 
@@ -137,6 +129,13 @@ class LLM:
                 if request_id not in results:
                     self.engine.abort_request(request_id)
         return [results[i] for i in ids]
+
+
+def _prompt_list(prompts: str | list[int] | Seq[str | list[int]]) -> list[str | list[int]]:
+    """One prompt (a string or a list of token ids) or several, as a list of prompts."""
+    if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+        return [prompts]
+    return list(prompts)
 
 
 def _copy(params: SamplingParams) -> SamplingParams:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 
 import pytest
@@ -66,3 +67,28 @@ def make_llm(tiny_llama):
     yield _make
     for llm in made:
         assert_engine_clean(llm.engine)
+
+
+@contextlib.contextmanager
+def served(model, server: dict | None = None, **engine):
+    """The app in-process on a started engine (CPU, eager; settings overridable), with an httpx
+    client on its ASGI transport and the official AsyncOpenAI client on that. Yields
+    (state, http, client); shuts the engine down and checks its pool afterwards."""
+    import httpx
+    import openai
+
+    from engine.config import EngineSettings, ServerSettings
+    from engine.server.app import build_app, create_state
+
+    settings = dict(model=str(model), device="cpu", enforce_eager=True, max_model_len=256, num_gpu_blocks=128,
+                    max_num_seqs=4, log_stats_interval=0)
+    settings.update(engine)
+    state = create_state(EngineSettings(**settings), ServerSettings(**({"served_model_name": "m"} | (server or {}))))
+    state.engine.start()
+    http = httpx.AsyncClient(transport=httpx.ASGITransport(app=build_app(state)), base_url="http://t")
+    client = openai.AsyncOpenAI(base_url="http://t/v1", api_key="x", http_client=http, max_retries=0)
+    try:
+        yield state, http, client
+    finally:
+        state.engine.shutdown()
+    assert_engine_clean(state.engine.engine)

@@ -52,21 +52,11 @@ def test_expand_sets_eos_beams_aside_and_ranks_by_length_penalty():
 
 
 def test_server_use_beam_search(tiny_llama):
-    import httpx
     import openai
 
-    from engine.config import EngineSettings, ServerSettings
-    from engine.server.app import build_app, create_state
-    from tests.conftest import assert_engine_clean
+    from tests.conftest import served
 
-    state = create_state(EngineSettings(model=str(tiny_llama), device="cpu", enforce_eager=True, max_model_len=256,
-                                        num_gpu_blocks=128, max_num_seqs=8, log_stats_interval=0),
-                         ServerSettings(served_model_name="m"))
-    state.engine.start()
-    http = httpx.AsyncClient(transport=httpx.ASGITransport(app=build_app(state)), base_url="http://t")
-    client = openai.AsyncOpenAI(base_url="http://t/v1", api_key="x", http_client=http, max_retries=0)
-
-    async def main():
+    async def main(state, client):
         r = await client.completions.create(model="m", prompt=PROMPTS[:2], max_tokens=6, n=2, logprobs=1,
                                             extra_body={"use_beam_search": True, "ignore_eos": True})
         assert len(r.choices) == 4 and r.usage.completion_tokens == 24
@@ -81,8 +71,5 @@ def test_server_use_beam_search(tiny_llama):
         with pytest.raises(openai.BadRequestError):
             await client.completions.create(model="m", prompt="hi", max_tokens=4, stream=True,
                                             extra_body={"use_beam_search": True})
-    try:
-        asyncio.run(main())
-    finally:
-        state.engine.shutdown()
-    assert_engine_clean(state.engine.engine)
+    with served(tiny_llama, max_num_seqs=8) as (state, _, client):
+        asyncio.run(main(state, client))

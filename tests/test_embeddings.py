@@ -77,22 +77,12 @@ def test_bad_pooling_requests(make_llm):
 def test_embeddings_endpoint(tiny_llama):
     import base64
 
-    import httpx
     import numpy as np
-    import openai
 
-    from engine.config import EngineSettings, ServerSettings
-    from engine.server.app import build_app, create_state
+    from tests.conftest import served
 
-    state = create_state(EngineSettings(model=str(tiny_llama), device="cpu", enforce_eager=True, max_model_len=256,
-                                        num_gpu_blocks=64, max_num_seqs=4, log_stats_interval=0),
-                         ServerSettings(served_model_name="m"))
-    state.engine.start()
-    http = httpx.AsyncClient(transport=httpx.ASGITransport(app=build_app(state)), base_url="http://t")
-    client = openai.AsyncOpenAI(base_url="http://t/v1", api_key="x", http_client=http, max_retries=0)
-    want = _hf_embeddings(tiny_llama, state.tokenizer, TEXTS[:3], "last")
-
-    async def main():
+    async def main(state, http, client):
+        want = _hf_embeddings(tiny_llama, state.tokenizer, TEXTS[:3], "last")
         r = await client.embeddings.create(model="m", input=TEXTS[:3])
         assert [d.index for d in r.data] == [0, 1, 2]
         for d, ref in zip(r.data, want):
@@ -108,11 +98,8 @@ def test_embeddings_endpoint(tiny_llama):
                             ({"input": [10 ** 9]}, "prompt")]:
             resp = await http.post("/v1/embeddings", json=body)
             assert resp.status_code == 400 and resp.json()["error"]["param"] == param, resp.text
-    try:
-        asyncio.run(main())
-    finally:
-        state.engine.shutdown()
-    assert_engine_clean(state.engine.engine)
+    with served(tiny_llama) as (state, http, client):
+        asyncio.run(main(state, http, client))
 
 
 def test_bare_model_checkpoint_serves_embeddings_only(tmp_path, make_llm):

@@ -137,23 +137,11 @@ def test_settings_for_lora(adapters):
 
 
 def test_server_selects_adapters_by_model_name(tiny_llama, adapters):
-    import httpx
     import openai
 
-    from engine.config import EngineSettings, ServerSettings
-    from engine.server.app import build_app, create_state
-    from tests.conftest import assert_engine_clean
+    from tests.conftest import served
 
-    state = create_state(
-        EngineSettings(model=str(tiny_llama), device="cpu", enforce_eager=True, max_model_len=256,
-                       num_gpu_blocks=128, max_num_seqs=4, log_stats_interval=0, enable_lora=True,
-                       max_lora_rank=8, lora_modules=[f"a={adapters['a']}", f"b={adapters['b']}"]),
-        ServerSettings(served_model_name="base"))
-    state.engine.start()
-    http = httpx.AsyncClient(transport=httpx.ASGITransport(app=build_app(state)), base_url="http://t")
-    client = openai.AsyncOpenAI(base_url="http://t/v1", api_key="x", http_client=http, max_retries=0)
-
-    async def main():
+    async def main(state, client):
         models = await client.models.list()
         assert [(m.id, getattr(m, "parent", None)) for m in models.data] == [("base", None), ("a", "base"),
                                                                            ("b", "base")]
@@ -164,31 +152,17 @@ def test_server_selects_adapters_by_model_name(tiny_llama, adapters):
             assert r.choices[0].text == want.rstrip("\ufffd")  # (a split UTF-8 character at the end is held back)
         with pytest.raises(openai.NotFoundError, match="'base', 'a', 'b'"):
             await client.completions.create(model="c", prompt="hi", max_tokens=2)
-    try:
-        asyncio.run(main())
-    finally:
-        state.engine.shutdown()
-    assert_engine_clean(state.engine.engine)
+    with served(tiny_llama, {"served_model_name": "base"}, enable_lora=True, max_lora_rank=8,
+                lora_modules=[f"a={adapters['a']}", f"b={adapters['b']}"]) as (state, _, client):
+        asyncio.run(main(state, client))
 
 
 def test_runtime_load_and_unload_through_the_server(tiny_llama, adapters):
-    import httpx
     import openai
 
-    from engine.config import EngineSettings, ServerSettings
-    from engine.server.app import build_app, create_state
-    from tests.conftest import assert_engine_clean
+    from tests.conftest import served
 
-    state = create_state(
-        EngineSettings(model=str(tiny_llama), device="cpu", enforce_eager=True, max_model_len=256,
-                       num_gpu_blocks=128, max_num_seqs=4, log_stats_interval=0, enable_lora=True,
-                       max_loras=1, max_lora_rank=8),
-        ServerSettings(served_model_name="base", allow_runtime_lora_updating=True))
-    state.engine.start()
-    http = httpx.AsyncClient(transport=httpx.ASGITransport(app=build_app(state)), base_url="http://t")
-    client = openai.AsyncOpenAI(base_url="http://t/v1", api_key="x", http_client=http, max_retries=0)
-
-    async def main():
+    async def main(state, http, client):
         with pytest.raises(openai.NotFoundError):
             await client.completions.create(model="a", prompt=PROMPTS[0], max_tokens=2)
         r = await http.post("/v1/load_lora_adapter", json={"lora_name": "a", "lora_path": adapters["a"]})
@@ -209,11 +183,9 @@ def test_runtime_load_and_unload_through_the_server(tiny_llama, adapters):
         r = await http.post("/v1/load_lora_adapter", json={"lora_name": "b", "lora_path": adapters["b"]})
         assert r.status_code == 200
         assert [m.id for m in (await client.models.list()).data] == ["base", "b"]
-    try:
-        asyncio.run(main())
-    finally:
-        state.engine.shutdown()
-    assert_engine_clean(state.engine.engine)
+    with served(tiny_llama, {"served_model_name": "base", "allow_runtime_lora_updating": True}, enable_lora=True,
+                max_loras=1, max_lora_rank=8) as (state, http, client):
+        asyncio.run(main(state, http, client))
 
 
 def test_unloading_an_adapter_in_use_is_refused(tiny_llama, adapters, make_llm):

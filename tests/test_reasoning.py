@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 
-import httpx
 import openai
 import pytest
 from hypothesis import given, settings
@@ -75,19 +74,10 @@ TEMPLATE = ("{% if enable_thinking %}THINKING ON{% endif %}{% for m in messages 
 
 @pytest.fixture
 def client(tiny_llama):
-    from engine.config import EngineSettings, ServerSettings
-    from engine.server.app import build_app, create_state
-    from tests.conftest import assert_engine_clean
+    from tests.conftest import served
 
-    state = create_state(EngineSettings(model=str(tiny_llama), device="cpu", enforce_eager=True, max_model_len=256,
-                                        num_gpu_blocks=64, max_num_seqs=4, log_stats_interval=0,
-                                        chat_template=TEMPLATE),
-                         ServerSettings(served_model_name="m", reasoning_parser="deepseek_r1"))
-    state.engine.start()
-    http = httpx.AsyncClient(transport=httpx.ASGITransport(app=build_app(state)), base_url="http://t")
-    yield openai.AsyncOpenAI(base_url="http://t/v1", api_key="x", http_client=http, max_retries=0)
-    state.engine.shutdown()
-    assert_engine_clean(state.engine.engine)
+    with served(tiny_llama, {"reasoning_parser": "deepseek_r1"}, chat_template=TEMPLATE) as (_, _, client):
+        yield client
 
 
 def test_server_reasoning_content_and_template_options(client):

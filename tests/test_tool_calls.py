@@ -5,14 +5,11 @@ write a call in the parser's format)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 
-import httpx
-import openai
 import pytest
 
-from conftest import assert_engine_clean
-from engine.config import EngineSettings, ServerSettings
 from engine.request import InvalidRequestError
 from engine.server.tool_calls import (ToolMode, arguments_for_template, parse_hermes, parse_llama3_json,
                                       resolve_tool_mode)
@@ -115,24 +112,11 @@ LLAMA_CALL = r'\{"name": "get_time", "parameters": \{"zone": "(UTC|CET)"\}\}'
 
 @pytest.fixture
 def auto_server(tiny_llama):
-    made = []
+    from tests.conftest import served
 
-    def _make(parser: str):
-        from engine.server.app import build_app, create_state
-
-        state = create_state(
-            EngineSettings(model=str(tiny_llama), device="cpu", enforce_eager=True, max_model_len=256,
-                           num_gpu_blocks=128, max_num_seqs=4, log_stats_interval=0),
-            ServerSettings(served_model_name="m", enable_auto_tool_choice=True, tool_call_parser=parser))
-        state.engine.start()
-        made.append(state)
-        http = httpx.AsyncClient(transport=httpx.ASGITransport(app=build_app(state)), base_url="http://t")
-        return openai.AsyncOpenAI(base_url="http://t/v1", api_key="x", http_client=http, max_retries=0)
-
-    yield _make
-    for state in made:
-        state.engine.shutdown()
-        assert_engine_clean(state.engine.engine)
+    with contextlib.ExitStack() as stack:
+        yield lambda parser: stack.enter_context(served(
+            tiny_llama, {"enable_auto_tool_choice": True, "tool_call_parser": parser}))[2]
 
 
 def test_auto_hermes_calls_non_streaming_and_streaming(auto_server):
