@@ -12,7 +12,9 @@ TRANSFORMERS=${DEVICE_TRANSFORMERS:-transformers==5.17.*}
 if [ ! -x "$VENV/bin/python" ]; then
   python3 -m venv "$VENV"
   "$VENV/bin/pip" install -q "$TORCH" "$TRANSFORMERS"
-  "$VENV/bin/pip" install -q -e '.[test,cuda]'
 fi
+# Every run: kiln's own dependencies may have grown since the venv was made (torch and
+# transformers stay pinned to the device's).
+"$VENV/bin/pip" install -q -e '.[test,cuda]' "$TORCH" "$TRANSFORMERS"
 "$VENV/bin/python" -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)"
 "$VENV/bin/python" -m pytest -q -p no:cacheprovider "$@"
