@@ -314,7 +314,7 @@ class LLMEngine:
         request = Request(request_id=request_id or uuid.uuid4().hex, prompt=text, prompt_token_ids=ids,
                           params=params, priority=priority)
         if params.structured_outputs is not None:
-            request.grammars = self.structured_output.matchers(params.structured_outputs, params.n)
+            request.grammars = self.structured_output.matchers(params.structured_outputs, params.n, ids)
         if lora_request is not None:
             self._attach_lora(request, lora_request)
         request.pooling = pooling

@@ -76,6 +76,10 @@ class StructuredOutputsParams:
     json_object: bool = False
     # JSON only: no free whitespace between tokens (compact output; fewer tokens to sample).
     disable_any_whitespace: bool = False
+    # Reasoning models: (token ids that open the thinking block, ids that close it). The output
+    # is free until the block closes, and constrained after (the server sets this when it has a
+    # reasoning parser). A prompt whose last block is already closed starts constrained.
+    reasoning_markers: tuple[tuple[int, ...], tuple[int, ...]] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.json, str):
@@ -111,6 +115,10 @@ class StructuredOutputsParams:
                                       "structured_outputs")
         if kind in ("regex", "grammar") and not (isinstance(getattr(self, kind), str) and getattr(self, kind)):
             raise InvalidRequestError(f"structured output: {kind} must be a non-empty string", "structured_outputs")
+        if self.reasoning_markers is not None and (len(self.reasoning_markers) != 2 or not all(
+                m and all(isinstance(t, int) for t in m) for m in self.reasoning_markers)):
+            raise InvalidRequestError("structured output: reasoning_markers must be (start token ids, end token ids)",
+                                      "structured_outputs")
 
     def cache_key(self) -> str:
         """Equal constraints, equal keys (compiled grammars are cached by it)."""

@@ -45,23 +45,34 @@ def unpack_bitmask(mask: torch.Tensor, vocab_size: int) -> torch.Tensor:
 
 
 class GrammarMatcher:
-    """One sample's position in its constraint's language."""
+    """One sample's position in its constraint's language. With reasoning markers the matcher
+    waits, allowing every token, until the output closes the thinking block."""
 
-    def __init__(self, matcher: Any) -> None:
+    def __init__(self, matcher: Any, end_marker: tuple[int, ...] | None = None, waiting: bool = False) -> None:
         self._matcher = matcher
+        self._end = end_marker
+        self.waiting = waiting  # inside the reasoning block: not constrained yet
+        self._recent: list[int] = []
 
     def fill_bitmask(self, mask: torch.Tensor, row: int) -> None:
         """Write the allowed next tokens into row `row` of an int32 CPU bitmask."""
+        if self.waiting:
+            mask[row] = -1  # every token
+            return
         self._matcher.fill_next_token_bitmask(mask, row)
 
     def accept(self, token: int) -> bool:
         """Advance by one sampled token; False if the language does not allow it (the matcher is unchanged)."""
+        if self.waiting:
+            self._recent = (self._recent + [token])[-len(self._end):]
+            self.waiting = tuple(self._recent) != self._end
+            return True
         return bool(self._matcher.accept_token(token))
 
     @property
     def is_terminated(self) -> bool:
         """A stop token was accepted: the output is complete."""
-        return bool(self._matcher.is_terminated())
+        return not self.waiting and bool(self._matcher.is_terminated())
 
 
 class StructuredOutputCompiler:
@@ -114,12 +125,31 @@ class StructuredOutputCompiler:
             raise InvalidRequestError(f"structured output: the {kind} constraint does not compile: {message}",
                                       "structured_outputs") from exc
 
-    def matchers(self, spec: StructuredOutputsParams, n: int) -> list[GrammarMatcher]:
+    def matchers(self, spec: StructuredOutputsParams, n: int, prompt_ids: list[int] | None = None
+                 ) -> list[GrammarMatcher]:
         """n fresh matchers of one constraint (one per sample of a request)."""
         import xgrammar
 
         compiled = self.compile(spec)
-        return [GrammarMatcher(xgrammar.GrammarMatcher(compiled)) for _ in range(n)]
+        end, waiting = None, False
+        if spec.reasoning_markers is not None:
+            start, end = (tuple(m) for m in spec.reasoning_markers)
+            waiting = not closed_in(prompt_ids or [], start, end)
+        return [GrammarMatcher(xgrammar.GrammarMatcher(compiled), end, waiting) for _ in range(n)]
+
+
+def _last_index(ids: list[int], marker: tuple[int, ...]) -> int:
+    for i in range(len(ids) - len(marker), -1, -1):
+        if tuple(ids[i:i + len(marker)]) == marker:
+            return i
+    return -1
+
+
+def closed_in(ids: list[int], start: tuple[int, ...], end: tuple[int, ...]) -> bool:
+    """The prompt's last thinking block is already closed (e.g. Qwen3's template with thinking
+    off writes an empty one): the answer starts at once."""
+    opened = _last_index(ids, start)
+    return opened >= 0 and _last_index(ids[opened:], end) >= 0
 
 
 def choice_grammar(choices: list[str]) -> str:

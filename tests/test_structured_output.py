@@ -215,3 +215,29 @@ def test_unpack_bitmask_reads_bit_t_mod_32_of_word_t_div_32():
         for t in range(vocab):
             assert bool(got[r, t]) == bool((int(mask[r, t // 32]) >> (t % 32)) & 1), (r, t)
     assert got[0, :32].tolist() == [False] * 31 + [True]
+
+
+def test_constraint_starts_after_the_reasoning_block(make_llm):
+    """With reasoning markers, tokens are free until the output closes the thinking block, and
+    constrained from there; a prompt that already closed its block is constrained at once."""
+    llm = make_llm()
+    tok = llm.engine.tokenizer
+    start = tuple(tok.encode("<think>", add_special_tokens=False))
+    end = tuple(tok.encode("</think>", add_special_tokens=False))
+    thought = tok.encode("hmm, well", add_special_tokens=False) + list(end)
+
+    def think_first(out_ids, row):  # forces the thinking, then leaves the row alone
+        if len(out_ids) < len(thought):
+            row = torch.full_like(row, -1e9)
+            row[thought[len(out_ids)]] = 0.0
+        return row
+
+    spec = StructuredOutputsParams(choice=["yes", "no way"], reasoning_markers=(start, end))
+    out = llm.generate(["Question?"], SamplingParams(temperature=0.0, max_tokens=40, logits_processors=[think_first],
+                                                     structured_outputs=spec), use_tqdm=False)[0].outputs[0]
+    answer = out.text.split("</think>", 1)[1]
+    assert out.text.startswith("hmm, well</think>") and answer in ("yes", "no way") and out.finish_reason == "stop"
+    closed = tok.encode("Question?<think></think>", add_special_tokens=False)
+    out = llm.generate([closed], SamplingParams(temperature=0.0, max_tokens=40, structured_outputs=spec),
+                       use_tqdm=False)[0].outputs[0]
+    assert out.text in ("yes", "no way")

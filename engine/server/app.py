@@ -497,12 +497,17 @@ class _Handlers:
                                    body.continue_final_message, body.chat_template_kwargs)
         self._check_params(body, params, 1)
         await self._check_constraint(body, params)
+        if self.state.settings.reasoning_parser is not None and params.structured_outputs is not None:
+            # The constraint starts once the model has closed its thinking block.
+            tok = self.state.tokenizer
+            markers = tuple(tuple(tok.encode(m, add_special_tokens=False)) for m in ("<think>", "</think>"))
+            params.structured_outputs = dataclasses.replace(params.structured_outputs, reasoning_markers=markers)
         if body.use_beam_search:
             return await self._beam_search(body, "chat", [ids], [None], params, lora)
         job = await self._start("chatcmpl", "chat", [ids], [None], params, body.priority, request, lora)
         job.tool_mode = tool_mode if tool_mode.kind != "none" else None
         kind = self.state.settings.reasoning_parser
-        if kind is not None and params.structured_outputs is None:  # a constraint applies from the first token
+        if kind is not None:
             job.reasoning = ReasoningParser(kind)
         return await self._respond(job, body.stream, body.include_usage, request, body.continuous_usage)
 
