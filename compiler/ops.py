@@ -38,16 +38,17 @@ def paged_attention(
     out: torch.Tensor, q: torch.Tensor, kv_cache: torch.Tensor, layer: int,
     query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor,
     scale: float, max_query_len: int, max_seq_len: int, num_decodes: int = 0, sliding_window: int = 0,
+    softcap: float = 0.0,
 ) -> None:
     out.copy_(paged_attention_reference(
         q, kv_cache[layer, 0], kv_cache[layer, 1], query_start_loc, seq_lens, block_tables,
-        scale, max_query_len, max_seq_len, num_decodes, sliding_window,
+        scale, max_query_len, max_seq_len, num_decodes, sliding_window, softcap,
     ))
 
 
 @paged_attention.register_fake
 def _(out, q, kv_cache, layer, query_start_loc, seq_lens, block_tables, scale,
-      max_query_len, max_seq_len, num_decodes=0, sliding_window=0) -> None:
+      max_query_len, max_seq_len, num_decodes=0, sliding_window=0, softcap=0.0) -> None:
     return None
 
 

@@ -40,8 +40,10 @@ def paged_attention_reference(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor,
     scale: float, max_query_len: int, max_seq_len: int, num_decodes: int = 0, sliding_window: int = 0,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     """Batched gather + SDPA over the paged cache; returns [num_tokens, num_heads, head_dim].
+    softcap > 0: scores become softcap * tanh(scores / softcap) before the softmax (Gemma 2).
 
     max_query_len / max_seq_len are host-side upper bounds (they size the padding);
     num_decodes: how many leading sequences have exactly one query token (0 = unknown).
@@ -58,10 +60,10 @@ def paged_attention_reference(
         nd = num_decodes
         decodes = paged_attention_reference(q[:nd], k_cache, v_cache, query_start_loc[:nd + 1], seq_lens[:nd],
                                             block_tables[:nd], scale, 1, max_seq_len,
-                                            sliding_window=sliding_window)
+                                            sliding_window=sliding_window, softcap=softcap)
         chunks = paged_attention_reference(q[nd:], k_cache, v_cache, query_start_loc[nd:] - nd, seq_lens[nd:],
                                            block_tables[nd:], scale, max_query_len, max_seq_len,
-                                           sliding_window=sliding_window)
+                                           sliding_window=sliding_window, softcap=softcap)
         return torch.cat([decodes, chunks])
     device = q.device
     max_blocks = min(block_tables.shape[1], -(-max(max_seq_len, 1) // block_size))
@@ -88,9 +90,9 @@ def paged_attention_reference(
             mask = mask & (key_pos[None, :] >= (lens - sliding_window)[:, None])
         empty = lens == 0
         mask = mask | (empty[:, None] & (key_pos[None, :] == 0))
-        out = F.scaled_dot_product_attention(
+        out = _attend(
             q[:, :, None, :].to(compute), keys.to(compute), values.to(compute),
-            attn_mask=mask[:, None, None, :], scale=scale, enable_gqa=gqa)
+            attn_mask=mask[:, None, None, :], scale=scale, enable_gqa=gqa, softcap=softcap)
         return out[:, :, 0, :].to(q.dtype).masked_fill(empty[:, None, None], 0.0)
 
     starts = query_start_loc[:-1].long()
@@ -111,9 +113,9 @@ def paged_attention_reference(
     empty = ~mask.any(dim=-1, keepdim=True)
     mask = mask | (empty & (key_pos[None, None, :] == 0))
 
-    out = F.scaled_dot_product_attention(
+    out = _attend(
         qp.to(compute), keys.to(compute), values.to(compute),
-        attn_mask=mask[:, None, :, :], scale=scale, enable_gqa=gqa,
+        attn_mask=mask[:, None, :, :], scale=scale, enable_gqa=gqa, softcap=softcap,
     )
     out = out.to(q.dtype).masked_fill(empty[:, None, :, :], 0.0)
     out = out.transpose(1, 2)  # [S, max_q, H, D]
@@ -123,3 +125,17 @@ def paged_attention_reference(
     padded = torch.cat([result, result.new_zeros(1, num_heads, head_dim)], dim=0)
     padded.index_copy_(0, dest, out.reshape(-1, num_heads, head_dim))
     return padded[:num_tokens]
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor, scale: float,
+            enable_gqa: bool, softcap: float = 0.0) -> torch.Tensor:
+    """SDPA, or with softcap > 0 the same product written out: SDPA has no score capping."""
+    if softcap <= 0:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, scale=scale, enable_gqa=enable_gqa)
+    if enable_gqa and k.shape[1] != q.shape[1]:
+        k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
+        v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
+    scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
+    scores = softcap * torch.tanh(scores / softcap)
+    scores = scores.masked_fill(~attn_mask, -float("inf"))
+    return torch.matmul(scores.softmax(dim=-1), v.float()).to(q.dtype)

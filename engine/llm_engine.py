@@ -160,7 +160,8 @@ class LLMEngine:
         if self.device.type == "cuda":
             # The CUTLASS kernels read lengths on the device (one graph per bucket); the reference
             # op, which windowed models use on every backend, pads to the graph's context.
-            reads_lengths = self.backend.name == "cutlass" and not self.model_config.sliding_window
+            cfg = self.model_config
+            reads_lengths = self.backend.name == "cutlass" and not cfg.sliding_window and not cfg.attn_softcap
             capture_s = self.runner.capture_graphs(s.capture_sizes(), device_reads_lengths=reads_lengths)
             logger.info("captured %d decode CUDA graphs in %.1fs", len(s.capture_sizes()), capture_s)
         return compile_s, capture_s

@@ -42,6 +42,11 @@ ARCH_DEFAULTS = {
                  original_max_position_embeddings=1024),
     "gemma": dict(model_type="gemma", architectures=["GemmaForCausalLM"], hidden_act="gelu_pytorch_tanh",
                   tie_word_embeddings=True, head_dim=64),
+    # Gemma 2: a window of 16 on every other layer (prompts of the tests are longer), capped
+    # attention scores and logits, query_pre_attn_scalar unlike head_dim.
+    "gemma2": dict(model_type="gemma2", architectures=["Gemma2ForCausalLM"], hidden_activation="gelu_pytorch_tanh",
+                   tie_word_embeddings=True, sliding_window=16, attn_logit_softcapping=1.5,
+                   final_logit_softcapping=5.0, query_pre_attn_scalar=24),
     # Mixtures of experts: every layer sparse (Mixtral); a shared expert (Qwen2-MoE); a dense
     # layer among sparse ones and renormalised top-k (Qwen3-MoE).
     "mixtral": dict(model_type="mixtral", architectures=["MixtralForCausalLM"], sliding_window=None,

@@ -194,3 +194,24 @@ def test_sliding_window_matches_transformers(variant, tmp_path_factory, make_llm
     outs = llm.generate(prompts, GREEDY, use_tqdm=False)
     expected = hf_greedy(str(path), prompts, MAX_TOKENS)
     assert [o.outputs[0].token_ids for o in outs] == expected
+
+
+def test_gemma2_logprobs_match_transformers(tiny_models, make_llm):
+    """Gemma 2's capped attention scores and logits, its sliding window on alternate layers and
+    its sandwich norms: prompt logprobs equal transformers' (eager) at every position past the
+    window. (Greedy tokens alone would not show the caps: tanh keeps the argmax.)"""
+    from transformers import AutoModelForCausalLM
+
+    model_dir = tiny_models["gemma2"]
+    rng = random.Random(5)
+    prompt = [rng.randrange(5, 500) for _ in range(60)]  # longer than the window of 16
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="eager")
+    with torch.no_grad():
+        ref = model.eval()(torch.tensor([prompt])).logits[0].log_softmax(-1)
+    llm = make_llm(model_dir, max_num_batched_tokens=24)  # chunked: windows span chunks
+    out = llm.generate([prompt], SamplingParams(max_tokens=1, prompt_logprobs=3, temperature=0), use_tqdm=False)[0]
+    for i in range(1, len(prompt)):
+        entry = out.prompt_logprobs[i]
+        assert entry[prompt[i]] == pytest.approx(ref[i - 1, prompt[i]].item(), abs=1e-4), i
+        top = ref[i - 1].topk(3)
+        assert [entry[int(t)] for t in top.indices] == pytest.approx(top.values.tolist(), abs=1e-4), i

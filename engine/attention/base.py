@@ -43,8 +43,10 @@ class AttentionBackend(Protocol):
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         kv_cache: torch.Tensor, layer: int, meta: AttentionMetadata, scale: float, sliding_window: int = 0,
+        softcap: float = 0.0,
     ) -> torch.Tensor:
         """Write k/v [T, Hkv, D] into layer `layer` of the whole cache
         [layers, 2, blocks, block_size, Hkv, D], then attend q [T, Hq, D]; returns [T, Hq, D].
-        sliding_window > 0: each query sees only the last `sliding_window` positions."""
+        sliding_window > 0: each query sees only the last `sliding_window` positions.
+        softcap > 0: scores are softcap * tanh(scores / softcap) (Gemma 2)."""
         ...

@@ -46,13 +46,14 @@ class CutlassAttentionBackend:
             spec.kernel_cache_dir, spec.device, spec.dtype, spec.head_dim, spec.block_size)
 
     def forward(self, q, k, v, kv_cache, layer: int, meta: AttentionMetadata, scale: float,
-                sliding_window: int = 0) -> torch.Tensor:
+                sliding_window: int = 0, softcap: float = 0.0) -> torch.Tensor:
         torch.ops.kiln.write_kv_cutlass(k, v, kv_cache, layer, meta.slot_mapping)
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-        if sliding_window > 0:  # kiln's kernels attend the whole context: the reference op masks the window
+        if sliding_window > 0 or softcap > 0:
+            # kiln's kernels attend the whole context, uncapped: the reference op masks and caps
             torch.ops.kiln.paged_attention(out, q, kv_cache, layer, meta.query_start_loc, meta.seq_lens,
                                            meta.block_tables, scale, meta.max_query_len, meta.max_seq_len,
-                                           meta.num_decodes, sliding_window)
+                                           meta.num_decodes, sliding_window, softcap)
             return out
         torch.ops.kiln.paged_attention_cutlass(
             out, q, kv_cache, layer, meta.query_start_loc, meta.seq_lens, meta.block_tables,

@@ -18,13 +18,14 @@ class TorchAttentionBackend:
         self.compiled_cpu_decode = compiled_cpu_decode
 
     def forward(self, q, k, v, kv_cache, layer: int, meta: AttentionMetadata, scale: float,
-                sliding_window: int = 0) -> torch.Tensor:
+                sliding_window: int = 0, softcap: float = 0.0) -> torch.Tensor:
         torch.ops.kiln.write_kv(k, v, kv_cache, layer, meta.slot_mapping)
         out = torch.empty_like(q)
-        # The compiled CPU decode kernel attends the whole context: windowed models take the reference.
-        fused_cpu = self.compiled_cpu_decode and not sliding_window
+        # The compiled CPU decode kernel attends the whole context, uncapped: windowed and
+        # softcapped models take the reference.
+        fused_cpu = self.compiled_cpu_decode and not sliding_window and not softcap
         op = torch.ops.kiln.paged_attention_cpu if fused_cpu else torch.ops.kiln.paged_attention
-        window = () if fused_cpu else (sliding_window,)
+        window = () if fused_cpu else (sliding_window, softcap)
         op(out, q, kv_cache, layer, meta.query_start_loc, meta.seq_lens, meta.block_tables,
            scale, meta.max_query_len, meta.max_seq_len, meta.num_decodes, *window)
         return out

@@ -8,7 +8,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "phi3", "mixtral", "qwen2_moe", "qwen3_moe")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "phi3", "mixtral", "qwen2_moe",
+                         "qwen3_moe")
 _QWEN2 = ("qwen2", "qwen2_moe")
 _QWEN3 = ("qwen3", "qwen3_moe")
 # MLP activations kiln runs (HF names); Gemma's legacy "gelu" means the tanh approximation.
@@ -51,6 +52,14 @@ class ModelConfig:
     # False for checkpoints of the bare model (architectures "LlamaModel", "MistralModel", ...:
     # embedding models such as e5-mistral): no LM head, so they serve embeddings only.
     generates: bool = True
+    # Per layer: its attention window (0 = full context). Gemma 2 alternates windowed and full layers.
+    layer_windows: tuple[int, ...] = ()
+    # Gemma 2: attention scores and final logits squashed by cap * tanh(x / cap) (0 = off); the
+    # attention scale from query_pre_attn_scalar; a norm after attention and around the MLP.
+    attn_softcap: float = 0.0
+    final_softcap: float = 0.0
+    attn_scale: float | None = None
+    sandwich_norms: bool = False
 
     @property
     def is_moe(self) -> bool:
@@ -62,7 +71,8 @@ class ModelConfig:
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise ValueError(f"model: unsupported model_type {model_type!r} "
                              f"(kiln runs {', '.join(SUPPORTED_MODEL_TYPES)})")
-        gemma = model_type == "gemma"
+        gemma = model_type in ("gemma", "gemma2")
+        gemma2 = model_type == "gemma2"
         act = (raw.get("hidden_activation") or raw.get("hidden_act") or "gelu_pytorch_tanh") if gemma \
             else raw.get("hidden_act", "silu")
         if gemma and act == "gelu":
@@ -86,8 +96,10 @@ class ModelConfig:
                 raise ValueError(f"model: unsupported rope scaling type {kind!r} (kiln supports llama3, linear)")
         eos = raw.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
-        window = _sliding_window(raw, model_type)
+        windows = _layer_windows(raw, model_type)
+        window = max(windows) or None
         moe = _moe_fields(raw, model_type)
+        scalar = raw.get("query_pre_attn_scalar") if gemma2 else None
         return cls(
             model_type=model_type,
             vocab_size=raw["vocab_size"],
@@ -114,6 +126,11 @@ class ModelConfig:
             norm_weight_offset=1.0 if gemma else 0.0,
             embed_scale=raw["hidden_size"] ** 0.5 if gemma else None,
             generates=not _bare_model(raw.get("architectures")),
+            layer_windows=windows,
+            attn_softcap=float(raw.get("attn_logit_softcapping") or 0.0) if gemma2 else 0.0,
+            final_softcap=float(raw.get("final_logit_softcapping") or 0.0) if gemma2 else 0.0,
+            attn_scale=float(scalar) ** -0.5 if scalar else None,
+            sandwich_norms=gemma2,
             **moe,
         )
 
@@ -135,26 +152,30 @@ class ModelConfig:
         return self.num_layers * per_layer + mlps + embed + d
 
 
-def _sliding_window(raw: dict[str, Any], model_type: str) -> int | None:
-    """The attention window every layer uses, or None (full attention). Qwen2/3 window only the
-    layers from max_window_layers on, and only with use_sliding_window; windows on some layers
-    only are refused."""
+def _layer_windows(raw: dict[str, Any], model_type: str) -> tuple[int, ...]:
+    """Each layer's attention window (0: full attention). Qwen2/3 window only the layers from
+    max_window_layers on, and only with use_sliding_window; Gemma 2 alternates (layer_types).
+    Windows on some layers only are refused except for Gemma 2, whose mix is its design."""
     window = raw.get("sliding_window")
-    if window is None:
-        return None
     num_layers = raw["num_hidden_layers"]
+    if window is None:
+        return (0,) * num_layers
+    if model_type == "gemma2":
+        kinds = raw.get("layer_types") or ["sliding_attention" if (i + 1) % 2 else "full_attention"
+                                           for i in range(num_layers)]
+        return tuple(int(window) if k == "sliding_attention" else 0 for k in kinds)
     if model_type in _QWEN2 + _QWEN3:
         if not raw.get("use_sliding_window", False):
-            return None
+            return (0,) * num_layers
         first = raw.get("max_window_layers", num_layers)
         kinds = ["sliding_attention" if i >= first else "full_attention" for i in range(num_layers)]
     else:
         kinds = raw.get("layer_types") or ["sliding_attention"] * num_layers
     if all(k == "full_attention" for k in kinds):
-        return None
+        return (0,) * num_layers
     if not all(k == "sliding_attention" for k in kinds):
         raise ValueError("model: sliding-window attention on some layers only is not supported")
-    return int(window)
+    return (int(window),) * num_layers
 
 
 def _bare_model(architectures: list[str] | None) -> bool:

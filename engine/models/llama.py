@@ -95,13 +95,14 @@ class Attention(nn.Module):
     def __init__(self, config: ModelConfig, layer_index: int) -> None:
         super().__init__()
         self.layer_index = layer_index  # which layer of the whole KV cache this attention owns
-        self.sliding_window = config.sliding_window or 0
+        self.sliding_window = config.layer_windows[layer_index] if config.layer_windows else 0
+        self.softcap = config.attn_softcap
         self.num_heads = config.num_heads
         self.num_kv_heads = config.num_kv_heads
         self.head_dim = config.head_dim
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        self.scale = self.head_dim ** -0.5
+        self.scale = config.attn_scale or self.head_dim ** -0.5
         self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size, config.qkv_bias,
                                parts=(self.q_size, self.kv_size, self.kv_size))
         self.o_proj = Linear(self.q_size, config.hidden_size, config.o_bias)
@@ -122,7 +123,7 @@ class Attention(nn.Module):
         q = apply_rope(q, cos, sin)
         k = apply_rope(k, cos, sin)
         out = backend.forward(q.contiguous(), k.contiguous(), v.contiguous(), kv_cache, self.layer_index,
-                              meta, self.scale, self.sliding_window)
+                              meta, self.scale, self.sliding_window, self.softcap)
         return self.o_proj(out.view(n, self.q_size), lora)
 
 
@@ -177,9 +178,21 @@ class DecoderLayer(nn.Module):
         self.self_attn = Attention(config, layer_index)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.norm_weight_offset)
         self.mlp = SparseMoE(config) if layer_index in config.sparse_layers else MLP(config)
+        # Gemma 2: post_attention_layernorm normalises the attention output; the MLP has a norm on
+        # each side. Otherwise post_attention_layernorm is the norm before the MLP.
+        self.sandwich = config.sandwich_norms
+        if self.sandwich:
+            self.pre_feedforward_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps,
+                                                     config.norm_weight_offset)
+            self.post_feedforward_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps,
+                                                      config.norm_weight_offset)
 
     def forward(self, x, cos, sin, kv_cache, meta, backend, lora=None):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, meta, backend, lora)
+        attn = self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, meta, backend, lora)
+        if self.sandwich:
+            x = x + self.post_attention_layernorm(attn)
+            return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x), lora))
+        x = x + attn
         return x + self.mlp(self.post_attention_layernorm(x), lora)
 
 
@@ -226,4 +239,6 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight).float()
+        logits = F.linear(hidden, weight).float()
+        cap = self.config.final_softcap
+        return cap * torch.tanh(logits / cap) if cap else logits
