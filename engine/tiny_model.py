@@ -47,6 +47,12 @@ ARCH_DEFAULTS = {
     "gemma2": dict(model_type="gemma2", architectures=["Gemma2ForCausalLM"], hidden_activation="gelu_pytorch_tanh",
                    tie_word_embeddings=True, sliding_window=16, attn_logit_softcapping=1.5,
                    final_logit_softcapping=5.0, query_pre_attn_scalar=24),
+    # Gemma 3 (text): q/k norms, a local rotary base for the windowed layer, no caps.
+    "gemma3": dict(model_type="gemma3_text", architectures=["Gemma3ForCausalLM"], hidden_activation="gelu_pytorch_tanh",
+                   tie_word_embeddings=True, sliding_window=16, query_pre_attn_scalar=24,
+                   layer_types=["sliding_attention", "full_attention"],
+                   rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
+                                    "full_attention": {"rope_type": "default", "rope_theta": 1000000.0}}),
     # Mixtures of experts: every layer sparse (Mixtral); a shared expert (Qwen2-MoE); a dense
     # layer among sparse ones and renormalised top-k (Qwen3-MoE).
     "mixtral": dict(model_type="mixtral", architectures=["MixtralForCausalLM"], sliding_window=None,

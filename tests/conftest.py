@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
-ARCHS = ("llama", "qwen2", "qwen3", "mistral", "gemma", "gemma2", "phi3", "mixtral", "qwen2_moe", "qwen3_moe")
+ARCHS = ("llama", "qwen2", "qwen3", "mistral", "gemma", "gemma2", "gemma3", "phi3", "mixtral", "qwen2_moe",
+         "qwen3_moe")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -182,3 +182,21 @@ def test_unsupported_model_features_are_named():
                                max_window_layers=1), "some layers")]:
         with pytest.raises(ValueError, match=words):
             ModelConfig.from_dict({**base, **extra})
+
+
+def test_gemma3_config_formats():
+    """Gemma 3 text configs as hub checkpoints write them (rope_theta + rope_local_base_freq +
+    sliding_window_pattern) and as transformers 5 does (rope_parameters per layer type)."""
+    from engine.models.config import ModelConfig
+    from engine.tiny_model import tiny_config
+
+    base = {**tiny_config("gemma3", 512, 1, 2, 0), "num_hidden_layers": 12}
+    old = {k: v for k, v in base.items() if k not in ("rope_parameters", "layer_types")}
+    old.update(rope_theta=1000000.0, rope_local_base_freq=10000.0, sliding_window_pattern=6)
+    cfg = ModelConfig.from_dict(old)
+    assert cfg.layer_windows == (16,) * 5 + (0,) + (16,) * 5 + (0,)
+    assert (cfg.rope_theta, cfg.local_rope_theta, cfg.qk_norm, cfg.sandwich_norms) == (1e6, 1e4, True, True)
+    new = ModelConfig.from_dict({**base, "layer_types": ["sliding_attention", "full_attention"] * 6})
+    assert (new.rope_theta, new.local_rope_theta) == (1e6, 100.0) and new.layer_windows[:2] == (16, 0)
+    with pytest.raises(ValueError, match="text-only"):
+        ModelConfig.from_dict({**base, "model_type": "gemma3"})

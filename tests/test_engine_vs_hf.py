@@ -196,13 +196,15 @@ def test_sliding_window_matches_transformers(variant, tmp_path_factory, make_llm
     assert [o.outputs[0].token_ids for o in outs] == expected
 
 
-def test_gemma2_logprobs_match_transformers(tiny_models, make_llm):
-    """Gemma 2's capped attention scores and logits, its sliding window on alternate layers and
-    its sandwich norms: prompt logprobs equal transformers' (eager) at every position past the
-    window. (Greedy tokens alone would not show the caps: tanh keeps the argmax.)"""
+@pytest.mark.parametrize("arch", ["gemma2", "gemma3"])
+def test_gemma2_and_3_logprobs_match_transformers(arch, tiny_models, make_llm):
+    """Gemma 2's capped attention scores and logits, Gemma 3's q/k norms and local rotary base,
+    both with windowed and full layers mixed and sandwich norms: prompt logprobs equal
+    transformers' (eager) at every position past the window. (Greedy tokens alone would not
+    show the caps: tanh keeps the argmax.)"""
     from transformers import AutoModelForCausalLM
 
-    model_dir = tiny_models["gemma2"]
+    model_dir = tiny_models[arch]
     rng = random.Random(5)
     prompt = [rng.randrange(5, 500) for _ in range(60)]  # longer than the window of 16
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="eager")

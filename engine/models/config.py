@@ -8,10 +8,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "phi3", "mixtral", "qwen2_moe",
-                         "qwen3_moe")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "phi3", "mixtral",
+                         "qwen2_moe", "qwen3_moe")
 _QWEN2 = ("qwen2", "qwen2_moe")
 _QWEN3 = ("qwen3", "qwen3_moe")
+_GEMMA = ("gemma", "gemma2", "gemma3_text")
 # MLP activations kiln runs (HF names); Gemma's legacy "gelu" means the tanh approximation.
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 
@@ -60,6 +61,8 @@ class ModelConfig:
     final_softcap: float = 0.0
     attn_scale: float | None = None
     sandwich_norms: bool = False
+    # Gemma 3: the windowed layers use their own rotary base (no scaling); None: one rope for all.
+    local_rope_theta: float | None = None
 
     @property
     def is_moe(self) -> bool:
@@ -68,11 +71,15 @@ class ModelConfig:
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> "ModelConfig":
         model_type = raw.get("model_type", "llama")
+        if model_type == "gemma3":
+            raise ValueError("model: gemma3 checkpoints with a vision tower are not supported; the text-only ones "
+                             "(model_type gemma3_text, Gemma3ForCausalLM) are")
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise ValueError(f"model: unsupported model_type {model_type!r} "
                              f"(kiln runs {', '.join(SUPPORTED_MODEL_TYPES)})")
-        gemma = model_type in ("gemma", "gemma2")
+        gemma = model_type in _GEMMA
         gemma2 = model_type == "gemma2"
+        sandwich = model_type in ("gemma2", "gemma3_text")
         act = (raw.get("hidden_activation") or raw.get("hidden_act") or "gelu_pytorch_tanh") if gemma \
             else raw.get("hidden_act", "silu")
         if gemma and act == "gelu":
@@ -81,6 +88,10 @@ class ModelConfig:
             raise ValueError(f"model: unsupported hidden_act {act!r} (kiln runs {', '.join(ACTIVATIONS)})")
         heads = raw["num_attention_heads"]
         rope = raw.get("rope_parameters") or {}
+        local_theta = raw.get("rope_local_base_freq")  # Gemma 3 (older config format)
+        if "full_attention" in rope:  # rope per layer type (Gemma 3, transformers 5's format)
+            local_theta = (rope.get("sliding_attention") or {}).get("rope_theta", local_theta)
+            rope = rope["full_attention"]
         scaling = raw.get("rope_scaling") or None
         if rope and rope.get("rope_type", "default") != "default":
             scaling = dict(rope)
@@ -99,7 +110,7 @@ class ModelConfig:
         windows = _layer_windows(raw, model_type)
         window = max(windows) or None
         moe = _moe_fields(raw, model_type)
-        scalar = raw.get("query_pre_attn_scalar") if gemma2 else None
+        scalar = raw.get("query_pre_attn_scalar") if sandwich else None
         return cls(
             model_type=model_type,
             vocab_size=raw["vocab_size"],
@@ -117,7 +128,7 @@ class ModelConfig:
             qkv_bias=model_type in _QWEN2 or bool(raw.get("attention_bias", False)),
             o_bias=model_type not in _QWEN2 and bool(raw.get("attention_bias", False)),
             mlp_bias=bool(raw.get("mlp_bias", False)),
-            qk_norm=model_type in _QWEN3,
+            qk_norm=model_type in _QWEN3 or model_type == "gemma3_text",
             sliding_window=window,
             torch_dtype=raw.get("torch_dtype") or raw.get("dtype"),
             eos_token_ids=eos_ids,
@@ -130,7 +141,8 @@ class ModelConfig:
             attn_softcap=float(raw.get("attn_logit_softcapping") or 0.0) if gemma2 else 0.0,
             final_softcap=float(raw.get("final_logit_softcapping") or 0.0) if gemma2 else 0.0,
             attn_scale=float(scalar) ** -0.5 if scalar else None,
-            sandwich_norms=gemma2,
+            sandwich_norms=sandwich,
+            local_rope_theta=float(local_theta) if model_type == "gemma3_text" and local_theta else None,
             **moe,
         )
 
@@ -160,8 +172,9 @@ def _layer_windows(raw: dict[str, Any], model_type: str) -> tuple[int, ...]:
     num_layers = raw["num_hidden_layers"]
     if window is None:
         return (0,) * num_layers
-    if model_type == "gemma2":
-        kinds = raw.get("layer_types") or ["sliding_attention" if (i + 1) % 2 else "full_attention"
+    if model_type in ("gemma2", "gemma3_text"):  # windowed and full layers mixed by design
+        pattern = raw.get("sliding_window_pattern") or (2 if model_type == "gemma2" else 6)
+        kinds = raw.get("layer_types") or ["sliding_attention" if (i + 1) % pattern else "full_attention"
                                            for i in range(num_layers)]
         return tuple(int(window) if k == "sliding_attention" else 0 for k in kinds)
     if model_type in _QWEN2 + _QWEN3:
@@ -197,7 +210,8 @@ def _moe_fields(raw: dict[str, Any], model_type: str) -> dict[str, Any]:
     dense_only = set(raw.get("mlp_only_layers") or ())
     sparse = tuple(i for i in range(num_layers) if experts > 0 and i not in dense_only and (i + 1) % step == 0)
     return dict(num_experts=experts, num_experts_per_tok=raw["num_experts_per_tok"],
-                moe_intermediate_size=raw["moe_intermediate_size"], norm_topk_prob=bool(raw.get("norm_topk_prob", False)),
+                moe_intermediate_size=raw["moe_intermediate_size"],
+                norm_topk_prob=bool(raw.get("norm_topk_prob", False)),
                 shared_expert_intermediate_size=raw.get("shared_expert_intermediate_size", 0) or 0,
                 sparse_layers=sparse)
 

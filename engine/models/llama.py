@@ -8,6 +8,8 @@ q/k/v and gate/up projections are fused (the loader concatenates HF's weights).
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -106,8 +108,9 @@ class Attention(nn.Module):
         self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size, config.qkv_bias,
                                parts=(self.q_size, self.kv_size, self.kv_size))
         self.o_proj = Linear(self.q_size, config.hidden_size, config.o_bias)
-        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
-        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
+        offset = config.norm_weight_offset  # (Gemma 3's q/k norms scale by 1 + weight too)
+        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, offset) if config.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, offset) if config.qk_norm else None
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: torch.Tensor,
                 meta: AttentionMetadata, backend: AttentionBackend, lora: torch.Tensor | None = None) -> torch.Tensor:
@@ -204,6 +207,9 @@ class LlamaForCausalLM(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.norm_weight_offset)
         self.rotary = RotaryEmbedding(config, max_positions)
+        # Gemma 3: windowed layers rotate with their own base (and no scaling).
+        self.rotary_local = None if config.local_rope_theta is None else RotaryEmbedding(
+            dataclasses.replace(config, rope_theta=config.local_rope_theta, rope_scaling=None), max_positions)
         # (a bare model has no head: compute_logits then reads the embeddings, only ever for warm-ups)
         self.lm_head = None if config.tie_word_embeddings or not config.generates else nn.Linear(
             config.hidden_size, config.vocab_size, bias=False)
@@ -229,12 +235,14 @@ class LlamaForCausalLM(nn.Module):
         if self.config.embed_scale is not None:  # Gemma: rounded to the weights' dtype first, as in HF
             x = x * torch.tensor(self.config.embed_scale, dtype=x.dtype)
         cos, sin = self.rotary(positions, x.dtype)
+        local = self.rotary_local(positions, x.dtype) if self.rotary_local is not None else (cos, sin)
         lora = None
         if self.lora_slots and meta.lora_slots is not None:  # one-hot of each token's adapter slot
             slots = torch.arange(self.lora_slots, device=x.device)
             lora = (meta.lora_slots[:, None] == slots).to(x.dtype)
         for layer in self.layers:
-            x = layer(x, cos, sin, kv_cache, meta, self.backend, lora)
+            c, s = local if layer.self_attn.sliding_window else (cos, sin)
+            x = layer(x, c, s, kv_cache, meta, self.backend, lora)
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -108,8 +108,10 @@ def load_model(model_dir: Path, config: ModelConfig, dtype: torch.dtype, device:
     for name, buffer in model.named_buffers():
         if ".lora_" in name:
             buffer.zero_()  # empty slots: no adapter
-    model.rotary.cos_sin = model.rotary.cos_sin.float()
-    model.rotary.fill()
+    for rotary in (model.rotary, model.rotary_local):
+        if rotary is not None:
+            rotary.cos_sin = rotary.cos_sin.float()
+            rotary.fill()
     if load_format == "dummy":
         _init_dummy(model, seed)
     else:
