@@ -195,9 +195,9 @@ class ModelRunner:
                 # sequence, then the drafts before that position).
                 first = t - n
                 for j in range(n):
-                    history = s.all_token_ids if j == 0 else s.all_token_ids + s.draft_token_ids[:j]
                     sample_indices.append(first + j)
-                    rows.append(SampleRow(s.params, history, s.num_prompt_tokens, s.sample_index))
+                    rows.append(SampleRow(s.params, s.all_token_ids, s.num_prompt_tokens, s.sample_index,
+                                          extra=s.draft_token_ids[:j]))
             elif s.do_sample:
                 for k in range(s.num_samples):
                     sample_indices.append(t - 1)

@@ -25,10 +25,16 @@ class SampleRow:
     num_prompt_tokens: int
     sample_index: int
     grammar: GrammarMatcher | None = None  # structured outputs: the sample's matcher
+    # Speculative decoding: the drafts before this row's position, after all_token_ids (kept
+    # apart so that a row does not copy a long sequence; joined only where history is read).
+    extra: list[int] = field(default_factory=list)
 
     @property
     def num_output_tokens(self) -> int:
-        return len(self.all_token_ids) - self.num_prompt_tokens
+        return len(self.all_token_ids) + len(self.extra) - self.num_prompt_tokens
+
+    def output_token_ids(self) -> list[int]:
+        return self.all_token_ids[self.num_prompt_tokens:] + self.extra
 
 
 @dataclass
@@ -105,7 +111,7 @@ class Sampler:
                 continue
             row = logits[i]
             try:
-                out_ids = list(r.all_token_ids[r.num_prompt_tokens:])
+                out_ids = r.output_token_ids()
                 for proc in r.params.logits_processors:
                     row = proc(out_ids, row)
                     if not isinstance(row, torch.Tensor) or row.shape != logits[i].shape:
@@ -201,7 +207,7 @@ class Sampler:
         out_ids = torch.full((n, max_out), vocab, dtype=torch.int64)
         prompt_ids = torch.full((n, max_prompt), vocab, dtype=torch.int64)
         for i, r in enumerate(rows):
-            outs = r.all_token_ids[r.num_prompt_tokens:]
+            outs = r.output_token_ids()
             if outs:
                 out_ids[i, :len(outs)] = torch.tensor(outs)
             prompt_ids[i, :r.num_prompt_tokens] = torch.tensor(r.all_token_ids[:r.num_prompt_tokens])
