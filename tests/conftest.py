@@ -51,6 +51,18 @@ def assert_engine_clean(engine) -> None:
         f"KV blocks leaked: {engine.pool.num_in_use} in use after all requests finished")
 
 
+def run_checked(engine) -> dict:
+    """Step the engine until every request has finished, checking block accounting after each
+    step; returns {request id: final RequestOutput}."""
+    done = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out
+        engine.check_integrity()
+    return done
+
+
 @pytest.fixture
 def make_llm(tiny_llama):
     """Build LLMs (default: tiny llama, float32 CPU, eager) and check each one's pool at teardown."""

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from engine.request import InvalidRequestError, PoolingParams
-from tests.conftest import assert_engine_clean
+from tests.conftest import assert_engine_clean, run_checked
 
 TEXTS = ["hello world", "the quick brown fox jumps over the lazy dog " * 6, "x", "A kiln is a thermally insulated chamber"]
 
@@ -51,12 +51,7 @@ def test_embeddings_beside_generation_and_under_preemption(tiny_llama, make_llm)
     texts = [t[:80] for t in TEXTS]
     for i, text in enumerate(texts):
         engine.add_request(text, None, f"emb{i}", pooling=PoolingParams("mean", dimensions=16))
-    got = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                got[out.request_id] = out
-        engine.check_integrity()
+    got = run_checked(engine)
     assert engine.scheduler.num_preemptions > 0
     for i, ref in enumerate(_hf_embeddings(tiny_llama, llm.tokenizer, texts, "mean")):
         # dimensions: the first 16 values of the (unnormalised) mean, then normalised

@@ -10,6 +10,7 @@ import pytest
 
 from engine import SamplingParams
 from engine.spec_decode import NgramProposer, SpecDecodeConfig, find_draft
+from tests.conftest import run_checked
 from tests.test_engine_vs_hf import hf_greedy
 
 SPEC = dict(speculative_method="ngram", num_speculative_tokens=4)
@@ -103,12 +104,7 @@ def test_preemption_and_prefix_cache_with_drafts(periodic_model, make_llm):
     engine = small.engine
     for i, prompt in enumerate(PROMPTS):
         engine.add_request(prompt, params, f"r{i}")
-    got = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                got[out.request_id] = out.outputs[0].token_ids
-        engine.check_integrity()
+    got = {rid: out.outputs[0].token_ids for rid, out in run_checked(engine).items()}
     assert [got[f"r{i}"] for i in range(len(PROMPTS))] == want
     assert engine.scheduler.num_preemptions > 0 and engine.scheduler.num_accepted_tokens > 0
     again = _run(small, PROMPTS[:4], params)  # prefix-cache hits on blocks that drafts filled

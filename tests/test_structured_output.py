@@ -13,7 +13,7 @@ import torch
 
 from engine import SamplingParams
 from engine.request import InvalidRequestError, StructuredOutputsParams
-from tests.conftest import assert_engine_clean
+from tests.conftest import assert_engine_clean, run_checked
 
 SCHEMA = {
     "type": "object",
@@ -158,12 +158,7 @@ def test_constrained_and_free_requests_share_a_batch(make_llm):
     engine.add_request("Give me JSON:", _constrained(SPECS["json"], temperature=0.0), "c1")
     engine.add_request("the quick brown fox", free, "free")
     engine.add_request("x", _constrained(SPECS["regex"], temperature=0.7, seed=3), "c2")
-    done = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = out
-        engine.check_integrity()
+    done = run_checked(engine)
     assert done["free"].outputs[0].token_ids == alone
     _check_in_language(SPECS["regex"], done["c2"].outputs[0].text)
     assert_engine_clean(engine)
