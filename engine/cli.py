@@ -117,6 +117,8 @@ def _cmd_bench(argv: list[str]) -> int:
         from engine.bench.spec import main
     elif kind == "lora":
         from engine.bench.lora import main
+    elif kind == "overhead":
+        from engine.bench.overhead import main
     else:
         print(f"kiln bench: unknown benchmark {kind!r} (throughput, latency, serve, swap, kernels, moe, spec, lora)",
               file=sys.stderr)

@@ -101,6 +101,11 @@ class EngineSettings(BaseSettings):
     # --- logging ---
     log_stats_interval: float = Field(10.0, ge=0.0, description="seconds between stats log lines (0 = off)")
 
+    # --- engine loop ---
+    async_scheduling: bool | None = Field(
+        None, description="overlap scheduling: the host prepares step N+1 while the device runs step N "
+                          "(default: on with a GPU, off on the CPU)")
+
     @field_validator("block_size")
     @classmethod
     def _check_block_size(cls, v: int) -> int:
@@ -185,6 +190,10 @@ class EngineSettings(BaseSettings):
         else:
             sizes = [1, 2, 4] + list(range(8, self.max_num_seqs + 8, 8))
         return sorted({min(s, self.max_num_seqs) for s in sizes})
+
+    def resolved_async_scheduling(self, device_type: str) -> bool:
+        """async_scheduling as set, else on exactly when the device is a GPU."""
+        return self.async_scheduling if self.async_scheduling is not None else device_type == "cuda"
 
 
 class ServerSettings(BaseSettings):

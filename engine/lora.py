@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from engine.request import LoRARequest
+from engine.request import InvalidRequestError, LoRARequest
 
 logger = logging.getLogger(__name__)
 
@@ -183,3 +183,56 @@ class LoRAManager:
                 first = (slot * len(parts) + part) * r_max
                 proj.lora_a[first:first + a.shape[0]].copy_(a)
                 proj.lora_b[start:start + size, first:first + a.shape[0]].copy_(b)
+
+
+# ---- adapter admin for the engine (requests, load / unload between steps) ----
+def make_lora_manager(model: torch.nn.Module, settings) -> LoRAManager | None:
+    """Slots for LoRA adapters (settings.enable_lora), with lora_modules loaded; None when off."""
+    if not settings.enable_lora:
+        return None
+    manager = LoRAManager(model, settings.max_loras, settings.max_lora_rank)
+    for i, (name, path) in enumerate(settings.lora_module_map().items(), start=1):
+        try:
+            manager.ensure(LoRARequest(name, i, path))
+        except LoRAError as exc:
+            raise ValueError(f"lora_modules: {exc}") from exc
+    return manager
+
+
+def attach_lora(manager: LoRAManager | None, request, lora_request: LoRARequest) -> None:
+    """Run `request` with this adapter (loaded into a free slot first if it is new)."""
+    if manager is None:
+        raise InvalidRequestError("LoRA adapters need the engine started with enable_lora", "model")
+    try:
+        entry = manager.ensure(lora_request)
+    except LoRAError as exc:
+        raise InvalidRequestError(str(exc), "model") from exc
+    request.lora_request = lora_request
+    request.lora_slot = entry.slot
+    request.prefix_root = entry.prefix_root
+
+
+def load_lora(manager: LoRAManager | None, name: str, path: str) -> LoRARequest:
+    """Load an adapter into a free slot under a new id (call between steps)."""
+    if manager is None:
+        raise InvalidRequestError("LoRA adapters need the engine started with enable_lora", "lora_name")
+    if manager.get(name) is not None:
+        raise InvalidRequestError(f"a LoRA adapter named {name!r} is already loaded", "lora_name")
+    lora_request = LoRARequest(name, max((a.lora_int_id for a in manager.adapters), default=0) + 1, path)
+    try:
+        manager.ensure(lora_request)
+    except LoRAError as exc:
+        raise InvalidRequestError(str(exc), "lora_path") from exc
+    return lora_request
+
+
+def unload_lora(manager: LoRAManager | None, requests, name: str) -> None:
+    """Unload an adapter that none of `requests` (the unfinished ones) uses (call between steps)."""
+    if manager is None or manager.get(name) is None:
+        raise InvalidRequestError(f"no LoRA adapter named {name!r} is loaded", "lora_name")
+    users = [r.request_id for r in requests
+             if r.lora_request is not None and r.lora_request.lora_name == name and not r.is_finished]
+    if users:
+        raise InvalidRequestError(f"LoRA adapter {name!r} is in use by {len(users)} unfinished requests",
+                                  "lora_name")
+    manager.unload(name)

@@ -284,6 +284,11 @@ class Sequence:
     read_offset: int = 0
     num_preemptions: int = 0
     num_new_tokens: int = 0  # tokens the last step appended (more than 1 with speculative decoding)
+    # Overlap scheduling: trailing token_ids sampled by launched steps but not yet known on the host
+    # (placeholders; the device feeds the real ids to the next step).
+    num_pending: int = 0
+    decode_stream: Any = None  # the fast tokenizer's DecodeStream (engine/detokenizer.py)
+    table_version: int = 0  # bumped when an entry of block_ids is replaced in place (copy-on-write)
     # output_kind "delta": how much has been handed out already.
     emitted_tokens: int = 0
     emitted_chars: int = 0

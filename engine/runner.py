@@ -24,8 +24,8 @@ from compiler.capture import (MIN_COMPILED_ROWS, CudaGraphSet, SimulatedGraphSet
                               graph_ctx, mark_static_dims)
 from engine.attention.base import AttentionMetadata
 from engine.kv.cache import KVCache
-from engine.sampler import Sampler, SampleRow, SamplerOutput, prompt_token_logprobs
-from engine.scheduler import SchedulerOutput, sample_row_ranges
+from engine.sampler import HostCopy, PendingSample, Sampler, SampleRow, SamplerOutput, prompt_token_logprobs
+from engine.scheduler import PLACEHOLDER, SchedulerOutput, sample_row_ranges
 
 logger = logging.getLogger(__name__)
 
@@ -56,6 +56,13 @@ class InputBuffers:
         self.seq_lens_host, self.seq_lens = pair(max_seqs, torch.int32)
         self.block_tables_host, self.block_tables = pair((max_seqs, max_blocks_per_seq), torch.int32)
         self.lora_slots_host, self.lora_slots = pair(max_tokens, torch.int64)
+        # Block-table cells changed since the last upload (flat index, block id): only those go to
+        # the device, unless a step changes more than a row's worth per sequence.
+        self.table_idx_host, self.table_idx = pair(max_seqs * 2, torch.int64)
+        self.table_val_host, self.table_val = pair(max_seqs * 2, torch.int32)
+        # Overlap scheduling: input rows whose token is the previous step's sampled row.
+        self.feed_dst_host, self.feed_dst = pair(max_seqs, torch.int64)
+        self.feed_src_host, self.feed_src = pair(max_seqs, torch.int64)
         # numpy views of the host side for fast filling
         self.np_input_ids = self.input_ids_host.numpy()
         self.np_positions = self.positions_host.numpy()
@@ -64,6 +71,11 @@ class InputBuffers:
         self.np_seq_lens = self.seq_lens_host.numpy()
         self.np_block_tables = self.block_tables_host.numpy()
         self.np_lora_slots = self.lora_slots_host.numpy()
+        # What each block-table row holds on the host: (the sequence's block list, its table
+        # version, columns written); a row is rewritten only from the first column that changed.
+        self._rows: list[tuple[list[int] | None, int, int]] = [(None, 0, 0)] * max_seqs
+        self._table_updates: list[tuple[int, int]] = []
+        self._table_dirty = False  # too many changes: copy the used table region whole
         # Host staging may be refilled only once the previous step's async copies have read it.
         self._copied = torch.cuda.Event() if device.type == "cuda" else None
         self._pending = False
@@ -84,8 +96,27 @@ class InputBuffers:
         self.np_seq_lens[n:n + count] = 0
         self.np_query_start_loc[n + 1:n + count + 1] = np.arange(t + 1, t + count + 1)
 
+    def write_table_row(self, i: int, blocks: list[int], version: int) -> int:
+        """Row i of the block table := blocks (the columns not written there already); returns
+        the row's width."""
+        held, held_version, written = self._rows[i]
+        cols = len(blocks)
+        start = written if held is blocks and held_version == version and written <= cols else 0
+        if start < cols:
+            self.np_block_tables[i, start:cols] = blocks[start:]
+            self._rows[i] = (blocks, version, cols)
+            if not self._table_dirty:
+                if len(self._table_updates) + cols - start > len(self.table_val_host):
+                    self._table_dirty = True
+                else:
+                    base = i * self.max_blocks_per_seq
+                    self._table_updates.extend((base + c, blocks[c]) for c in range(start, cols))
+        return cols
+
     def upload(self, num_tokens: int, num_seqs: int, num_block_cols: int) -> None:
         """Copy the filled host prefix to the device (no-op on the CPU)."""
+        updates, self._table_updates = self._table_updates, []
+        dirty, self._table_dirty = self._table_dirty, False
         if self.device.type == "cpu":
             return
         for host, dev, n in ((self.input_ids_host, self.input_ids, num_tokens),
@@ -95,8 +126,16 @@ class InputBuffers:
                              (self.query_start_loc_host, self.query_start_loc, num_seqs + 1),
                              (self.seq_lens_host, self.seq_lens, num_seqs)):
             dev[:n].copy_(host[:n], non_blocking=True)
-        self.block_tables[:num_seqs, :num_block_cols].copy_(
-            self.block_tables_host[:num_seqs, :num_block_cols], non_blocking=True)
+        if dirty:
+            self.block_tables[:num_seqs, :num_block_cols].copy_(
+                self.block_tables_host[:num_seqs, :num_block_cols], non_blocking=True)
+        elif updates:
+            k = len(updates)
+            self.table_idx_host[:k] = torch.tensor([u[0] for u in updates])
+            self.table_val_host[:k] = torch.tensor([u[1] for u in updates], dtype=torch.int32)
+            self.table_idx[:k].copy_(self.table_idx_host[:k], non_blocking=True)
+            self.table_val[:k].copy_(self.table_val_host[:k], non_blocking=True)
+            self.block_tables.view(-1).index_copy_(0, self.table_idx[:k], self.table_val[:k])
         self._copied.record()
         self._pending = True
 
@@ -143,6 +182,8 @@ class ModelRunner:
         self.forward_fn = model.forward  # replaced by the compiled forward (compiler/capture.py)
         self.compiled = False  # forward_fn is torch.compile'd: pad steps, full-width block tables
         self.graph_runner: DecodeGraphRunner | None = None  # set when decode CUDA graphs are captured
+        # The last launched step's sampled tokens (device) and seq id -> row in them.
+        self._last_sampled: tuple[torch.Tensor, dict[int, int]] = (torch.zeros(0, dtype=torch.int64), {})
 
     # ---- inputs ----
     def prepare(self, sched: SchedulerOutput) -> StepInputs:
@@ -160,6 +201,7 @@ class ModelRunner:
         rows: list[SampleRow] = []
         scores: list[PromptScore] = []
         pools: list[tuple[int, int, int, str, int, bool]] = []
+        feed: list[tuple[int, int]] = []  # (input row, seq id): the previous step's sampled token
         buf.np_query_start_loc[0] = 0
         num_decodes = 0  # leading one-token sequences (the scheduler puts decodes first)
         for i, s in enumerate(seqs):
@@ -169,13 +211,14 @@ class ModelRunner:
             start = s.start_pos
             end = start + n
             buf.np_input_ids[t:t + n] = s.token_ids
+            if n == 1 and s.token_ids[0] == PLACEHOLDER:
+                feed.append((t, s.seq_id))
             buf.np_lora_slots[t:t + n] = s.lora_slot
             pos = np.arange(start, end, dtype=np.int64)
             buf.np_positions[t:t + n] = pos
             table = np.asarray(s.block_ids, dtype=np.int64)
             buf.np_slot_mapping[t:t + n] = table[pos // bs] * bs + pos % bs
-            cols = len(s.block_ids)
-            buf.np_block_tables[i, :cols] = s.block_ids
+            cols = buf.write_table_row(i, s.block_ids, s.seq.table_version if s.seq is not None else 0)
             max_cols = max(max_cols, cols)
             buf.np_seq_lens[i] = end
             last_scored = min(end, s.num_prompt_tokens - 1)  # position j predicts prompt token j + 1
@@ -204,7 +247,7 @@ class ModelRunner:
                     rows.append(SampleRow(s.params, s.all_token_ids, s.num_prompt_tokens, s.sample_index + k,
                                           s.grammars[s.sample_index + k] if s.grammars else None))
         step = self._finish_prepare(t, len(seqs), max_q, max_len, max_cols, sample_indices, rows, None,
-                                    num_decodes)
+                                    num_decodes, feed)
         step.prompt_scores = scores
         step.pools = pools
         return step
@@ -213,22 +256,25 @@ class ModelRunner:
         """One token per sequence, each sampled once: the CUDA-graph shape. One pass, no numpy temporaries."""
         buf = self.buffers
         bs = self.block_size
-        ids, positions, slots, lens, tables = (buf.np_input_ids, buf.np_positions, buf.np_slot_mapping,
-                                               buf.np_seq_lens, buf.np_block_tables)
+        ids, positions, slots, lens = buf.np_input_ids, buf.np_positions, buf.np_slot_mapping, buf.np_seq_lens
         adapters = buf.np_lora_slots
         max_cols = 1
         max_len = 0
         rows: list[SampleRow] = []
+        feed: list[tuple[int, int]] = []
+        write_row = buf.write_table_row
         for i, s in enumerate(seqs):
             p = s.start_pos
             blocks = s.block_ids
-            ids[i] = s.token_ids[0]
+            token = s.token_ids[0]
+            ids[i] = token
+            if token == PLACEHOLDER:
+                feed.append((i, s.seq_id))
             adapters[i] = s.lora_slot
             positions[i] = p
             slots[i] = blocks[p // bs] * bs + p % bs
             lens[i] = p + 1
-            cols = len(blocks)
-            tables[i, :cols] = blocks
+            cols = write_row(i, blocks, s.seq.table_version if s.seq is not None else 0)
             if cols > max_cols:
                 max_cols = cols
             if p >= max_len:
@@ -238,11 +284,12 @@ class ModelRunner:
         n = len(seqs)
         buf.np_query_start_loc[:n + 1] = np.arange(n + 1)
         key = self.graph_runner.key_for(n, max_len) if self.graph_runner is not None else None
-        return self._finish_prepare(n, n, 1, max_len, max_cols, list(range(n)), rows, key, n)
+        return self._finish_prepare(n, n, 1, max_len, max_cols, list(range(n)), rows, key, n, feed)
 
     def _finish_prepare(self, t: int, num_seqs: int, max_q: int, max_len: int, max_cols: int,
                         sample_indices: list[int], rows: list[SampleRow],
-                        graph_key: tuple[int, int] | None, num_decodes: int) -> StepInputs:
+                        graph_key: tuple[int, int] | None, num_decodes: int,
+                        feed: list[tuple[int, int]]) -> StepInputs:
         buf = self.buffers
         padded_seqs = num_seqs
         if graph_key is not None:
@@ -255,6 +302,8 @@ class ModelRunner:
         buf.fill_padding(t, num_seqs, extra)
         t_padded = t + extra
         buf.upload(t_padded, padded_seqs, max_cols)
+        if feed:
+            self._feed_sampled(feed)
         if graph_key is not None:
             meta = None  # the graph replays over the static buffers
         elif self.compiled:
@@ -271,6 +320,23 @@ class ModelRunner:
                 lora_slots=buf.lora_slots[:t] if self.model.lora_slots else None,
             )
         return StepInputs(t_padded, padded_seqs, meta, sample_indices, rows, graph_key)
+
+    def _feed_sampled(self, feed: list[tuple[int, int]]) -> None:
+        """Overlap scheduling: rows whose input is a token the previous step sampled (a
+        PLACEHOLDER on the host) read it from that step's device tensor, with no host round trip."""
+        prev_tokens, prev_rows = self._last_sampled
+        buf = self.buffers
+        k = len(feed)
+        buf.feed_dst_host[:k] = torch.tensor([row for row, _ in feed])
+        buf.feed_src_host[:k] = torch.tensor([prev_rows[seq_id] for _, seq_id in feed])
+        if self.device.type != "cpu":
+            buf.feed_dst[:k].copy_(buf.feed_dst_host[:k], non_blocking=True)
+            buf.feed_src[:k].copy_(buf.feed_src_host[:k], non_blocking=True)
+        # A failed row (-1) feeds token 0: that sequence is failed and its extra token discarded.
+        buf.input_ids.index_copy_(0, buf.feed_dst[:k], prev_tokens.index_select(0, buf.feed_src[:k]).clamp(min=0))
+        if self.device.type != "cpu":
+            buf._copied.record()  # the staging above is in use until these copies ran
+            buf._pending = True
 
     def _compiled_meta(self, num_tokens: int, num_seqs: int, max_q: int, max_len: int,
                        num_decodes: int = 0) -> AttentionMetadata:
@@ -348,39 +414,52 @@ class ModelRunner:
         return self.graph_runner.capture_startup()
 
     # ---- the step ----
-    @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> SamplerOutput:
+        """Run one step and wait for its sampled tokens on the host."""
+        return self.launch(sched).result()
+
+    @torch.inference_mode()
+    def launch(self, sched: SchedulerOutput) -> "PendingStep":
+        """Queue one step on the device; its sampled tokens stay there (they feed the next step's
+        placeholders) and come to the host when PendingStep.result() is called."""
         if sched.blocks_to_copy:
             src = torch.tensor([a for a, _ in sched.blocks_to_copy], device=self.device)
             dst = torch.tensor([b for _, b in sched.blocks_to_copy], device=self.device)
             torch.ops.kiln.copy_blocks(self.kv_cache.tensor, src, dst)
         if not sched.seqs:
-            return SamplerOutput([], [])
+            return PendingStep(PendingSample.empty(self.device))
         step = self.prepare(sched)
         if self.graph_runner is not None and self.graph_runner.can_replay(step):
             logits, tokens = self.graph_runner.replay(step)
             n = len(step.rows)
             if all(_plain_greedy(r) for r in step.rows):
-                ids = tokens[:n].tolist()  # the step's one device-to-host copy
-                if min(ids) >= 0:
-                    return SamplerOutput(ids, [None] * n)
-                # -1: a row with non-finite logits; the sampler reports it (fails that request only)
-            return self.sampler(logits[:n], step.rows)
+                # argmax computed in the graph; -1 marks a row with non-finite logits (the sampler's rule)
+                sample = PendingSample(tokens[:n], HostCopy(tokens[:n]), {})
+            else:
+                sample = self.sampler.launch(logits[:n], step.rows)
+            return self._remember(sched, PendingStep(sample))
         hidden = self.run_model(step)
         if not step.rows:
-            out = SamplerOutput([], [])
+            pending = PendingStep(PendingSample.empty(self.device))
         else:
             idx = torch.tensor(step.sample_indices, device=self.device)
-            out = self.sampler(self.model.compute_logits(hidden[idx]), step.rows)
+            pending = PendingStep(self.sampler.launch(self.model.compute_logits(hidden[idx]), step.rows))
         for score in step.prompt_scores:
-            out.prompt_logprobs[score.seq_id] = (score.first_index, self._score_prompt(hidden, score))
+            pending.prompt_logprobs[score.seq_id] = (score.first_index, self._score_prompt(hidden, score))
         for seq_id, first, rows, kind, start, final in step.pools:
             chunk = hidden[first:first + rows].float()
             if kind == "mean":
-                out.pooled[seq_id] = (chunk.sum(dim=0), rows, start, final)
+                pending.pooled[seq_id] = (chunk.sum(dim=0), rows, start, final)
             elif final:
-                out.pooled[seq_id] = (chunk[-1], 1, start, final)
-        return out
+                pending.pooled[seq_id] = (chunk[-1], 1, start, final)
+        return self._remember(sched, pending)
+
+    def _remember(self, sched: SchedulerOutput, pending: "PendingStep") -> "PendingStep":
+        """Keep the step's device tokens and each one-token sampling sequence's row in them: the
+        next step's placeholders read from there."""
+        rows = {s.seq_id: r.start for s, r in sample_row_ranges(sched.seqs) if len(r) == 1}
+        self._last_sampled = (pending.sample.tokens, rows)
+        return pending
 
     def _score_prompt(self, hidden: torch.Tensor, score: PromptScore) -> list[dict[int, float]]:
         entries: list[dict[int, float]] = []
@@ -399,6 +478,22 @@ class ModelRunner:
     def split_sampled(sched: SchedulerOutput, out: SamplerOutput) -> list[list[int]]:
         """Regroup the flat sampled tokens per scheduled sequence (n at fork points)."""
         return [[out.token_ids[r] for r in rows] for _, rows in sample_row_ranges(sched.seqs)]
+
+
+class PendingStep:
+    """A launched step: its sample on the way to the host, plus what was read off its hidden
+    states (prompt logprobs, pooled embeddings)."""
+
+    def __init__(self, sample: PendingSample) -> None:
+        self.sample = sample
+        self.prompt_logprobs: dict[int, tuple[int, list[dict[int, float]]]] = {}
+        self.pooled: dict[int, tuple[torch.Tensor, int, int, bool]] = {}
+
+    def result(self) -> SamplerOutput:
+        out = self.sample.result()
+        out.prompt_logprobs = self.prompt_logprobs
+        out.pooled = self.pooled
+        return out
 
 
 def _plain_greedy(r: SampleRow) -> bool:
@@ -426,8 +521,6 @@ class DecodeGraphRunner:
         self.max_batch = sizes[-1]
         self.device_reads_lengths = device_reads_lengths
         max_rows = self.max_batch
-        vocab = runner.model.config.vocab_size
-        self.logits = torch.empty(max_rows, vocab, dtype=torch.float32, device=runner.device)
         self.tokens = torch.zeros(max_rows, dtype=torch.int64, device=runner.device)
         self.graphs = (SimulatedGraphSet if simulate else CudaGraphSet)(self._body, runner.device)
         self.num_replays = 0
@@ -448,13 +541,11 @@ class DecodeGraphRunner:
         buf = r.buffers
         meta = r._compiled_meta(rows, rows, 1, ctx)
         hidden = r.forward_fn(buf.input_ids[:rows], buf.positions[:rows], r.kv_cache.tensor, meta)
-        logits = r.model.compute_logits(hidden)
-        out = self.logits[:rows]
-        out.copy_(logits)
+        logits = r.model.compute_logits(hidden)  # the graph's own output buffer: no extra copy
         tokens = self.tokens[:rows]
         torch.argmax(logits, dim=-1, out=tokens)
         tokens.masked_fill_(~torch.isfinite(logits.amax(dim=-1)), -1)  # as the sampler marks such rows
-        return out, tokens
+        return logits, tokens
 
     @torch.inference_mode()
     def capture_startup(self) -> float:

@@ -67,8 +67,13 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, rows: list[SampleRow]) -> SamplerOutput:
         """logits: float32 [len(rows), vocab]."""
+        return self.launch(logits, rows).result()
+
+    def launch(self, logits: torch.Tensor, rows: list[SampleRow]) -> "PendingSample":
+        """Sample on the device; the tokens stay there (PendingSample.tokens) and are copied to
+        the host without blocking: result() waits for that copy only."""
         if not rows:
-            return SamplerOutput([], [])
+            return PendingSample.empty(self.device)
         errors: dict[int, str] = {}
         if any(r.params.logits_processors for r in rows):
             logits = self._apply_processors(logits, rows, errors)
@@ -90,18 +95,12 @@ class Sampler:
         # same device-to-host copy as the tokens (no extra sync).
         top = logits.amax(dim=-1)
         tokens = torch.where(torch.isfinite(top), tokens, torch.full_like(tokens, -1))
-        want_logprobs = [r.params.logprobs is not None for r in rows]
-        if not any(want_logprobs):
-            out = SamplerOutput(tokens.tolist(), [None] * len(rows))
-        else:
-            out = self._with_logprobs(raw_logits, tokens, rows, want_logprobs)
-        for i, token in enumerate(out.token_ids):
-            if token < 0 and i not in errors:
-                errors[i] = "the model produced non-finite logits (NaN or inf) for this request"
-        for i in errors:
-            out.token_ids[i] = -1
-        out.errors = errors
-        return out
+        want_logprobs = [r.params.logprobs for r in rows]
+        if all(n is None for n in want_logprobs):
+            return PendingSample(tokens, HostCopy(tokens), errors)
+        top_n = max(n or 0 for n in want_logprobs)
+        return PendingSample(tokens, HostCopy(_pack_chosen_and_top(raw_logits, tokens, top_n)), errors,
+                             want_logprobs, top_n)
 
     def _apply_processors(self, logits: torch.Tensor, rows: list[SampleRow], errors: dict[int, str]) -> torch.Tensor:
         """Run each row's logits processors on that row; an exception fails only that row."""
@@ -264,34 +263,80 @@ class Sampler:
             sampled = torch.where(g, logits.argmax(dim=-1), sampled)
         return sampled
 
-    def _with_logprobs(self, raw_logits: torch.Tensor, tokens: torch.Tensor, rows: list[SampleRow],
-                       want: list[bool]) -> SamplerOutput:
-        top_n = max(r.params.logprobs or 0 for r in rows)
-        token_list, chosen_list, vals, ids = _chosen_and_top(raw_logits, tokens, top_n)
-        out: list[tuple[float, dict[int, float]] | None] = []
-        for i, r in enumerate(rows):
-            if not want[i]:
-                out.append(None)
-                continue
-            n = r.params.logprobs or 0
-            top = {ids[i][j]: vals[i][j] for j in range(n)}
-            out.append((chosen_list[i], top))
-        return SamplerOutput(token_list, out)
+
+class HostCopy:
+    """A device tensor's copy to the host, started without blocking (pinned memory + an event)."""
+
+    def __init__(self, t: torch.Tensor) -> None:
+        if t.device.type == "cuda":
+            self.host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+            self.host.copy_(t, non_blocking=True)
+            self.event = torch.cuda.Event()
+            self.event.record()
+        else:  # (a copy: t may be a graph's static buffer that the next step overwrites)
+            self.host, self.event = t.clone(), None
+
+    def tolist(self) -> list:
+        if self.event is not None:
+            self.event.synchronize()
+        return self.host.tolist()
 
 
-def _chosen_and_top(logits: torch.Tensor, chosen: torch.Tensor, top_n: int
-                    ) -> tuple[list[int], list[float], list[list[float]], list[list[int]]]:
+class PendingSample:
+    """Tokens sampled on the device (`tokens`, -1 in failed rows) on their way to the host."""
+
+    def __init__(self, tokens: torch.Tensor, copy: HostCopy | None, errors: dict[int, str],
+                 want_logprobs: list[int | None] | None = None, top_n: int = 0) -> None:
+        self.tokens = tokens
+        self._copy = copy
+        self._errors = errors
+        self._want = want_logprobs
+        self._top_n = top_n
+
+    @classmethod
+    def empty(cls, device: torch.device) -> "PendingSample":
+        return cls(torch.zeros(0, dtype=torch.int64, device=device), None, {})
+
+    def result(self) -> SamplerOutput:
+        if self._copy is None:
+            return SamplerOutput([], [])
+        if self._want is None:
+            out = SamplerOutput(self._copy.tolist(), [None] * len(self.tokens))
+        else:
+            ids, chosen, vals, top_ids = _unpack_chosen_and_top(self._copy.tolist(), self._top_n)
+            out = SamplerOutput(ids, [None if n is None else (chosen[i], {top_ids[i][j]: vals[i][j] for j in range(n)})
+                                      for i, n in enumerate(self._want)])
+        errors = dict(self._errors)
+        for i, token in enumerate(out.token_ids):
+            if token < 0 and i not in errors:
+                errors[i] = "the model produced non-finite logits (NaN or inf) for this request"
+        for i in errors:
+            out.token_ids[i] = -1
+        out.errors = errors
+        return out
+
+
+def _pack_chosen_and_top(logits: torch.Tensor, chosen: torch.Tensor, top_n: int) -> torch.Tensor:
     """Per row: the token `chosen[row]` (-1 kept: a failed row), its logprob, and the top_n
-    logprobs with their token ids; all in one device-to-host copy (float64 holds any token id)."""
+    logprobs with their token ids, packed for one device-to-host copy (float64 holds any token id)."""
     logprobs = logits.float().log_softmax(dim=-1)
     picked = logprobs.gather(1, chosen.clamp(min=0)[:, None])
     columns = [chosen[:, None].double(), picked.double()]
     if top_n > 0:
         top_vals, top_ids = logprobs.topk(top_n, dim=-1)
         columns += [top_vals.double(), top_ids.double()]
-    host = torch.cat(columns, dim=1).tolist()
+    return torch.cat(columns, dim=1)
+
+
+def _unpack_chosen_and_top(host: list[list[float]], top_n: int
+                           ) -> tuple[list[int], list[float], list[list[float]], list[list[int]]]:
     return ([int(r[0]) for r in host], [r[1] for r in host], [r[2:2 + top_n] for r in host],
             [[int(t) for t in r[2 + top_n:]] for r in host])
+
+
+def _chosen_and_top(logits: torch.Tensor, chosen: torch.Tensor, top_n: int
+                    ) -> tuple[list[int], list[float], list[list[float]], list[list[int]]]:
+    return _unpack_chosen_and_top(_pack_chosen_and_top(logits, chosen, top_n).tolist(), top_n)
 
 
 def prompt_token_logprobs(logits: torch.Tensor, targets: list[int], top_n: int) -> list[dict[int, float]]:

@@ -66,10 +66,17 @@ class ScheduledSeq:
     draft_token_ids: list[int] = field(default_factory=list)
     lora_slot: int = -1  # the request's LoRA adapter slot (-1: none)
     pooling: str | None = None  # an embedding request's pooling type: its hidden states, not a token
+    seq: Sequence | None = None  # the sequence itself (its state moves on after the step is launched)
 
     @property
     def num_tokens(self) -> int:
         return len(self.token_ids)
+
+    @property
+    def advances_at_launch(self) -> bool:
+        """One sampled token at most and no fork, drafts or pooling: the scheduler counts the
+        tokens computed, and a placeholder for the sampled one, as soon as the step is launched."""
+        return not self.draft_token_ids and self.num_samples == 1 and not self.pooling
 
 
 def sample_row_ranges(seqs: list[ScheduledSeq]):
@@ -84,6 +91,11 @@ def sample_row_ranges(seqs: list[ScheduledSeq]):
         k += n
 
 
+# Stand-in for a token a launched step samples, until the host learns it (overlap scheduling);
+# the runner feeds the real id to the next step on the device.
+PLACEHOLDER = -1
+
+
 @dataclass
 class SchedulerOutput:
     seqs: list[ScheduledSeq] = field(default_factory=list)
@@ -93,6 +105,7 @@ class SchedulerOutput:
     preempted: list[int] = field(default_factory=list)  # seq ids
     num_prefill_tokens: int = 0
     num_decode_tokens: int = 0
+    launched: bool = False  # Scheduler.launched() has advanced its sequences
 
     @property
     def num_tokens(self) -> int:
@@ -187,6 +200,9 @@ class Scheduler:
         if seq.is_finished:
             return
         self._remove_from_queues(seq)
+        if seq.num_pending:  # tokens of launched steps that will never be shown
+            del seq.token_ids[len(seq.token_ids) - seq.num_pending:]
+            seq.num_pending = 0
         if seq.status is SeqStatus.SWAPPED and self.swapper is not None:
             self.swapper.discard(seq)
             self._digests.pop(seq.seq_id, None)
@@ -241,8 +257,8 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            if num_new <= 0:
-                i += 1
+            if num_new <= 0 or (seq.num_pending and self._reached_length(seq)):
+                i += 1  # (one whose launched step ends it by length gets no extra token)
                 continue
             drafts = self._drafts(seq, budget) if num_new == 1 else []
             if drafts and self._can_grow(seq, 1 + len(drafts)):
@@ -388,9 +404,16 @@ class Scheduler:
                 out.blocks_to_copy.append((last, fresh))
                 self.pool.free(last)
                 seq.block_ids[idx] = fresh
+                seq.table_version += 1  # (the runner's block-table row must be rewritten)
         total = -(-(seq.num_computed_tokens + num_new) // bs)
         if total > len(seq.block_ids):
             seq.block_ids.extend(self.pool.allocate_many(total - len(seq.block_ids)))
+
+    def _reached_length(self, seq: Sequence) -> bool:
+        """seq's newest token (known or not) ends it by max_tokens or max_model_len."""
+        max_tokens = seq.request.params.max_tokens
+        return ((max_tokens is not None and seq.num_output_tokens >= max_tokens)
+                or seq.num_tokens >= self.config.max_model_len)
 
     def _drafts(self, seq: Sequence, budget: int) -> list[int]:
         """Speculative draft tokens for a decoding sequence ([] when off or not applicable).
@@ -417,6 +440,7 @@ class Scheduler:
             all_token_ids=seq.token_ids, num_prompt_tokens=seq.num_prompt_tokens,
             sample_index=seq.sample_index, grammars=request.grammars, draft_token_ids=drafts,
             lora_slot=request.lora_slot, pooling=request.pooling.pooling_type if request.pooling else None,
+            seq=seq,
         ))
         if drafts:
             out.num_decode_tokens += num_new
@@ -546,28 +570,54 @@ class Scheduler:
         return demoted
 
     # ---- after the step ----
-    def update(self, out: SchedulerOutput, sampled: list[list[int]]) -> list[Sequence]:
-        """Advance computed counts and append sampled tokens; returns sequences that got tokens.
+    def launched(self, out: SchedulerOutput) -> None:
+        """The step is on the device: count its computed tokens and, for each sequence it samples
+        one token for, append a PLACEHOLDER now, so the next step can be scheduled before this
+        one's tokens reach the host (forks, drafts and pooling wait for update())."""
+        out.launched = True
+        for sched in out.seqs:
+            if not sched.advances_at_launch:
+                continue
+            seq = sched.seq
+            seq.num_computed_tokens += sched.num_tokens
+            if sched.do_sample:
+                seq.token_ids.append(PLACEHOLDER)
+                seq.num_pending += 1
 
-        sampled[i] holds the tokens for out.seqs[i]: [] when it did not sample, one token,
-        or n tokens at a fork point (the first continues the parent, the rest start children).
+    def update(self, out: SchedulerOutput, sampled: list[list[int]]) -> list[Sequence]:
+        """Take in a step's sampled tokens; returns the sequences that got tokens.
+
+        sampled[i] holds the tokens for out.seqs[i]: [] when it did not sample (or its row
+        failed), one token, or n tokens at a fork point (the first continues the parent, the
+        rest start children). A sequence finished or preempted since the launch still gets
+        its placeholder replaced (it is checked like any other); a finished one is skipped.
         """
+        if not out.launched:
+            self.launched(out)
         touched: list[Sequence] = []
-        running = {s.seq_id: s for s in self.running}
         for sched, tokens in zip(out.seqs, sampled):
-            seq = running.get(sched.seq_id)
-            if seq is None:
+            seq = sched.seq
+            if seq is None or seq.is_finished:
                 continue  # finished or aborted meanwhile
+            if sched.advances_at_launch:
+                if sched.do_sample and tokens:
+                    seq.token_ids[len(seq.token_ids) - seq.num_pending] = tokens[0]
+                    seq.num_pending -= 1
+                    seq.num_new_tokens = 1
+                    touched.append(seq)
+                if seq.status is SeqStatus.RUNNING:
+                    self._cache_full_blocks(seq)
+                continue  # (a failed row keeps its placeholder: the engine fails the request)
+            if seq.status is not SeqStatus.RUNNING:
+                continue
             if sched.draft_token_ids and tokens:
                 self._accept_drafts(seq, sched.draft_token_ids, tokens)
                 touched.append(seq)
                 continue
             seq.num_computed_tokens += sched.num_tokens
             self._cache_full_blocks(seq)
-            if not sched.do_sample:
-                continue
-            if not tokens:
-                continue  # the sampler failed this row: the engine fails its request
+            if not sched.do_sample or not tokens:
+                continue  # (no token: the sampler failed this row, the engine fails its request)
             if sched.num_samples > 1:
                 touched.extend(self._fork(seq, tokens))
             else:
@@ -619,7 +669,8 @@ class Scheduler:
             return
         bs = self.config.block_size
         digests = self._digests.setdefault(seq.seq_id, [])
-        full = seq.num_computed_tokens // bs
+        # Only blocks whose tokens are all known (a placeholder is not hashed).
+        full = min(seq.num_computed_tokens, len(seq.token_ids) - seq.num_pending) // bs
         while len(digests) < full:
             i = len(digests)
             parent = digests[-1] if digests else seq.request.prefix_root

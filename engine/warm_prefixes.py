@@ -13,8 +13,14 @@ with one of them skips its prefill.
 from __future__ import annotations
 
 import json
+import logging
+import uuid
 from pathlib import Path
 from typing import Any
+
+from engine.request import InvalidRequestError, SamplingParams
+
+logger = logging.getLogger(__name__)
 
 
 class WarmPrefixError(ValueError):
@@ -61,3 +67,49 @@ def load_warm_prefixes(path: str | Path, tokenizer) -> list[list[int]]:
 def warm_up_from_file(engine, path: str | Path) -> int:
     """Load FILE and pin its prefixes in `engine` (an idle LLMEngine); returns the pinned block count."""
     return engine.warm_prefixes(load_warm_prefixes(path, engine.tokenizer))
+
+
+def warm_prefixes(engine, token_id_lists: list[list[int]]) -> int:
+    """Compute these prefixes' KV and pin their full blocks in `engine`'s prefix cache for good.
+
+    Call before serving, on an idle engine. Each prefix is run as a one-token request; its
+    full blocks are then pinned (never evicted, shared by every request that starts with
+    them). Returns the number of pinned blocks in the pool (metric: pool.num_pinned).
+    """
+    pool = engine.pool
+    if not token_id_lists:
+        return pool.num_pinned
+    if not engine.settings.enable_prefix_caching:
+        logger.warning("warm prefixes ignored: prefix caching is off")
+        return pool.num_pinned
+    if engine.has_unfinished_requests():
+        raise RuntimeError("warm_prefixes() needs an idle engine (call it before serving)")
+    bs = engine.settings.block_size
+    ids: dict[str, list[int]] = {}
+    for i, prefix in enumerate(token_id_lists):
+        prefix = list(prefix)
+        if len(prefix) < bs:
+            logger.warning("warm prefix %d has %d tokens, less than one block of %d: skipped", i, len(prefix), bs)
+            continue
+        rid = f"warm-prefix-{i}-{uuid.uuid4().hex[:8]}"
+        try:
+            engine.add_request(prefix, SamplingParams(max_tokens=1, temperature=0.0, detokenize=False,
+                                                      ignore_eos=True), rid)
+        except InvalidRequestError as exc:
+            for other in ids:
+                engine.abort_request(other)
+            raise ValueError(f"warm prefix {i}: {exc}") from exc
+        ids[rid] = prefix
+    while engine.has_unfinished_requests():
+        engine.step()
+    newly = 0
+    for prefix in ids.values():
+        blocks, _ = pool.match_prefix(prefix, len(prefix) // bs)
+        for block in blocks:
+            if block not in engine._pinned_blocks:
+                pool.pin(block)
+                engine._pinned_blocks.add(block)
+                newly += 1
+    logger.info("warm prefixes: %d prefixes, %d blocks pinned (%d in all, %.0f%% of the KV cache)",
+                len(ids), newly, pool.num_pinned, 100 * pool.num_pinned / pool.num_usable)
+    return pool.num_pinned

@@ -1,0 +1,151 @@
+"""`kiln bench overhead`: the engine loop's host time per step, with the model stubbed out.
+
+The forward is replaced by a stub returning hidden states of zeros and fixed logits (one
+random row per batch position, so every sequence keeps producing tokens), so what is timed is
+kiln's own work: scheduling, input preparation, sampling and output processing
+(token bookkeeping, stop checks, detokenisation, RequestOutput building). At each batch size
+(default 1, 64 and 256) `batch` requests decode together (greedy, ignore_eos, detokenised
+as a server would) and the loop runs `--steps` decode steps, serial and overlapped in the
+same run. Printed per step (µs) and per sequence per step (µs):
+
+  schedule      Scheduler.schedule
+  prep          ModelRunner.prepare (inputs written and uploaded)
+  sample        the sampler (device work on a GPU; host work here)
+  process       everything else in the step: output processing
+  critical      host time the device waits for: the whole step in the serial loop; schedule +
+                prep + sample in the overlapped loop, whose output processing of step N runs
+                while the device computes step N+1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from collections import defaultdict
+from pathlib import Path
+
+PHASES = ("schedule", "prep", "sample", "process")
+
+
+class _Timed:
+    """Wrap a callable, adding its wall time into `totals[name]`."""
+
+    def __init__(self, fn, totals: dict[str, float], name: str) -> None:
+        self.fn, self.totals, self.name = fn, totals, name
+
+    def __call__(self, *args, **kwargs):
+        t0 = time.perf_counter()
+        try:
+            return self.fn(*args, **kwargs)
+        finally:
+            self.totals[self.name] += time.perf_counter() - t0
+
+
+class _TimedSampler:
+    """The runner's sampler, timed (both the blocking call and launch)."""
+
+    def __init__(self, sampler, totals: dict[str, float]) -> None:
+        self._sampler = sampler
+        self._call = _Timed(sampler, totals, "sample")
+        self.launch = _Timed(getattr(sampler, "launch", sampler), totals, "sample")
+
+    def __call__(self, *args, **kwargs):
+        return self._call(*args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self._sampler, name)
+
+
+def stub_model(engine, max_rows: int) -> None:
+    """Replace the forward with zeros and the logits with fixed random rows (no model work)."""
+    import torch
+
+    cfg = engine.model_config
+    gen = torch.Generator().manual_seed(0)
+    fixed = torch.randn(max_rows, cfg.vocab_size, generator=gen).to(engine.device)
+    hidden = torch.zeros(max(max_rows, engine.settings.max_num_batched_tokens) * 4, cfg.hidden_size,
+                         dtype=engine.dtype, device=engine.device)
+    engine.runner.forward_fn = lambda ids, positions, kv, meta: hidden[:ids.shape[0]]
+    engine.model.compute_logits = lambda h: fixed[:h.shape[0]]
+
+
+def instrument(engine) -> dict[str, float]:
+    totals: dict[str, float] = defaultdict(float)
+    engine.scheduler.schedule = _Timed(engine.scheduler.schedule, totals, "schedule")
+    engine.runner.prepare = _Timed(engine.runner.prepare, totals, "prep")
+    engine.runner.sampler = _TimedSampler(engine.runner.sampler, totals)
+    return totals
+
+
+def measure(engine, totals: dict[str, float], batch: int, steps: int, overlap: bool) -> dict[str, float]:
+    from engine.request import SamplingParams
+
+    if hasattr(engine, "async_scheduling"):
+        engine.async_scheduling = overlap
+    elif overlap:
+        return {}
+    params = SamplingParams(temperature=0.0, max_tokens=steps + 64, ignore_eos=True)
+    ids = [engine.add_request(list(range(10 + i % 7, 26 + i % 7)), params, f"ovh-{overlap}-{batch}-{i}").request_id
+           for i in range(batch)]
+    for _ in range(8):  # prefill and a few decodes: every sequence is decoding from here on
+        engine.step()
+    totals.clear()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        engine.step()
+    total = time.perf_counter() - t0
+    for rid in ids:
+        engine.abort_request(rid)
+    while engine.has_unfinished_requests():
+        engine.step()
+    per_step = {k: totals[k] / steps * 1e6 for k in ("schedule", "prep", "sample")}
+    per_step["process"] = total / steps * 1e6 - sum(per_step.values())
+    per_step["total"] = total / steps * 1e6
+    per_step["critical"] = (per_step["schedule"] + per_step["prep"] + per_step["sample"]) if overlap \
+        else per_step["total"]
+    return per_step
+
+
+def main(argv: list[str]) -> int:
+    from engine.cli import add_settings_flags, settings_from_args
+
+    parser = argparse.ArgumentParser(prog="kiln bench overhead", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--batches", default="1,64,256", help="batch sizes")
+    parser.add_argument("--steps", type=int, default=50, help="decode steps timed per batch size and loop")
+    parser.add_argument("--json", default=None, help="write results here")
+    add_settings_flags(parser)
+    args = parser.parse_args(argv)
+    batches = [int(b) for b in args.batches.split(",") if b]
+    settings = settings_from_args(args)
+    update = {"max_num_seqs": max(batches + [settings.max_num_seqs]), "enforce_eager": True}
+    if "num_gpu_blocks" not in settings.model_fields_set:
+        update["num_gpu_blocks"] = max(batches) * (-(-(32 + args.steps + 80) // settings.block_size))
+    settings = settings.model_copy(update=update)
+    from engine.llm_engine import LLMEngine
+
+    engine = LLMEngine(settings)
+    stub_model(engine, max(batches))
+    totals = instrument(engine)
+    results = []
+    print(f"kiln bench overhead: stub model, {args.steps} decode steps per row, device {engine.device}")
+    print(f"{'batch':>5} {'loop':>8} " + " ".join(f"{p:>9}" for p in PHASES)
+          + f" {'critical':>9} | per seq: {'process':>8} {'critical':>8}   (µs)")
+    for batch in batches:
+        for overlap in (False, True):
+            r = measure(engine, totals, batch, args.steps, overlap)
+            if not r:
+                continue
+            loop = "overlap" if overlap else "serial"
+            results.append({"batch": batch, "loop": loop, **r})
+            print(f"{batch:>5} {loop:>8} " + " ".join(f"{r[p]:>9.1f}" for p in PHASES)
+                  + f" {r['critical']:>9.1f} | {'':9} {r['process'] / batch:>8.2f} {r['critical'] / batch:>8.2f}")
+        serial = [x for x in results if x["batch"] == batch and x["loop"] == "serial"]
+        over = [x for x in results if x["batch"] == batch and x["loop"] == "overlap"]
+        if serial and over:
+            print(f"{batch:>5} critical path overlap / serial: {over[0]['critical'] / serial[0]['critical']:.2f}x")
+    engine.check_integrity()
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=2))
+    return 0

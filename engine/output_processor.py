@@ -1,0 +1,277 @@
+"""OutputProcessor: what happens to a step's sampled tokens on the host.
+
+Token bookkeeping (the scheduler appends them), logprobs, grammar advance, stop checks and
+detokenisation, pooled embeddings and prompt logprobs, failed rows, and the RequestOutput
+each request hands out (cumulative, delta or final only).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from engine.detokenizer import Detokenizer, visible_len
+from engine.request import CompletionOutput, FinishReason, Request, RequestOutput, Sequence
+from engine.sampler import SamplerOutput
+from engine.scheduler import Scheduler, SchedulerOutput, sample_row_ranges
+
+logger = logging.getLogger(__name__)
+
+
+class OutputProcessor:
+    def __init__(self, scheduler: Scheduler, tokenizer, eos_token_ids: tuple[int, ...], max_model_len: int) -> None:
+        self.scheduler = scheduler
+        self.detokenizer = Detokenizer(tokenizer, eos_token_ids, max_model_len)
+
+    # ---- one step's results ----
+    def process(self, sched: SchedulerOutput, sampled: SamplerOutput) -> tuple[list[RequestOutput], int]:
+        """Apply a step's sampler output; returns the outputs to hand out and how many tokens
+        the step generated (kept)."""
+        if sampled.prompt_logprobs:
+            self._record_prompt_logprobs(sched, sampled.prompt_logprobs)
+        pooled_done = self._record_pooled(sched, sampled.pooled) if sampled.pooled else []
+        tokens = [[sampled.token_ids[r] for r in rows] for _, rows in sample_row_ranges(sched.seqs)]
+        failed = self._failed_rows(sched, sampled.errors)
+        for i, s in enumerate(sched.seqs):
+            if s.seq_id in failed:
+                tokens[i] = []  # no token for a failed row: its request is failed below
+        logprobs = self._split_logprobs(sched, sampled.logprobs)
+        touched = self.scheduler.update(sched, tokens)
+        now = time.monotonic()
+        outputs: dict[str, Request] = {}
+        for seq in pooled_done:  # embedding requests whose prompt is done: finished, no token
+            self.scheduler.finish_seq(seq, FinishReason.STOP)
+            seq.request.first_token_time = now
+            outputs[seq.request.request_id] = seq.request
+        generated = 0
+        for seq in touched:
+            try:
+                generated += self._process_new_tokens(seq, logprobs)
+            except Exception as exc:  # noqa: BLE001 - e.g. the tokenizer fails on this output: fail only it
+                logger.exception("request %s: processing its output failed", seq.request.request_id)
+                failed[seq.seq_id] = f"processing the output failed: {type(exc).__name__}: {exc}"
+                continue
+            request = seq.request
+            if request.first_token_time is None:
+                request.first_token_time = now
+            if seq.finish_reason is not None:
+                self.scheduler.finish_seq(seq, seq.finish_reason, seq.stop_reason)
+            outputs[request.request_id] = request
+        if failed:
+            for s in sched.seqs:
+                seq = s.seq
+                if s.seq_id in failed and seq is not None and not seq.request.is_finished:
+                    self.fail_request(seq.request, failed[s.seq_id])
+                    outputs[seq.request.request_id] = seq.request
+            for seq in touched:  # (a failure while processing)
+                if seq.seq_id in failed and not seq.request.is_finished:
+                    self.fail_request(seq.request, failed[seq.seq_id])
+                    outputs[seq.request.request_id] = seq.request
+        return self._hand_out(outputs.values(), now), generated
+
+    def _hand_out(self, requests, now: float) -> list[RequestOutput]:
+        results = []
+        for request in requests:
+            if request.is_finished:
+                request.finished_time = now
+                self.scheduler.pop_finished_request(request.request_id)
+            out = self.output(request)
+            if out is not None:
+                results.append(out)
+        return results
+
+    def _process_new_tokens(self, seq: Sequence, logprobs: dict[int, list]) -> int:
+        """Logprobs, grammar and stop checks for the tokens the step appended to seq, one token at
+        a time (a speculative step appends several); tokens after the one that finishes seq are
+        dropped. Returns how many tokens seq keeps.
+
+        Placeholders of a later step already launched (overlap scheduling) are set aside while
+        this step's tokens are checked: if seq finishes here, that later token is discarded."""
+        later = seq.num_pending
+        tail = seq.token_ids[len(seq.token_ids) - later:] if later else []
+        if later:
+            del seq.token_ids[len(seq.token_ids) - later:]
+        count = seq.num_new_tokens
+        pending = seq.token_ids[len(seq.token_ids) - count:]
+        del seq.token_ids[len(seq.token_ids) - count:]
+        kept = count
+        for j, token in enumerate(pending):
+            seq.token_ids.append(token)
+            self._record_logprob(seq, logprobs, j)
+            grammar_done = self._advance_grammar(seq)
+            self.detokenizer.check_stop(seq)
+            if grammar_done and seq.finish_reason is None:  # (a stop token kept by ignore_eos)
+                seq.finish_reason = FinishReason.STOP
+            if seq.finish_reason is not None:
+                kept = j + 1
+                break
+        if seq.finish_reason is None:
+            seq.token_ids.extend(tail)
+        else:
+            seq.num_pending = 0
+        return kept
+
+    @staticmethod
+    def _advance_grammar(seq: Sequence) -> bool:
+        """Feed seq's new token to its grammar matcher (structured outputs); True once the output
+        is complete. The sampler only allows tokens the matcher accepts, so a refusal is a bug."""
+        grammars = seq.request.grammars
+        if not grammars:
+            return False
+        matcher = grammars[seq.sample_index]
+        token = seq.token_ids[-1]
+        if not matcher.accept(token):
+            raise RuntimeError(f"structured output: token {token} is outside the constraint's language")
+        return matcher.is_terminated
+
+    @staticmethod
+    def _failed_rows(sched: SchedulerOutput, errors: dict[int, str]) -> dict[int, str]:
+        """seq id -> error, for the scheduled sequences whose sampler rows failed."""
+        return {s.seq_id: errors[r] for s, rows in sample_row_ranges(sched.seqs) for r in rows if r in errors}
+
+    def fail_request(self, request: Request, message: str) -> None:
+        """Finish every sequence of one request with FinishReason.ERROR; the others go on."""
+        logger.warning("request %s failed: %s", request.request_id, message)
+        request.error = message
+        for seq in request.seqs:
+            if not seq.is_finished:
+                self.scheduler.finish_seq(seq, FinishReason.ERROR)
+
+    def fail_all(self, message: str) -> list[RequestOutput]:
+        """Fail every unfinished request; returns their final outputs (the pools end fully free)."""
+        results = []
+        now = time.monotonic()
+        for request in list(self.scheduler.requests.values()):
+            if not request.is_finished:
+                self.fail_request(request, message)
+            request.finished_time = request.finished_time or now
+            self.scheduler.pop_finished_request(request.request_id)
+            results.append(self.output(request))
+        return results
+
+    @staticmethod
+    def _split_logprobs(sched: SchedulerOutput, flat: list) -> dict[int, list]:
+        """seq id -> logprob entries it sampled this step (n entries at a fork)."""
+        return {s.seq_id: flat[rows.start:rows.stop] for s, rows in sample_row_ranges(sched.seqs) if rows}
+
+    @staticmethod
+    def _record_logprob(seq: Sequence, logprobs: dict[int, list], index: int = 0) -> None:
+        """Record the logprob entry of seq's token number `index` of this step."""
+        # A forked child has no entry of its own: it took entry `sample_index` of its parent's list.
+        entries = logprobs.get(seq.seq_id)
+        if entries is None:
+            parent = seq.request.seqs[0]
+            entries = logprobs.get(parent.seq_id)
+            entry = entries[seq.sample_index] if entries and len(entries) > seq.sample_index else None
+        else:
+            entry = entries[index] if len(entries) > index else None
+        if entry is None:
+            return
+        chosen, top = entry
+        seq.cumulative_logprob += chosen
+        top = dict(top)
+        top[seq.token_ids[-1]] = chosen
+        seq.logprobs.append(top)
+
+    @staticmethod
+    def _record_pooled(sched: SchedulerOutput, pooled: dict[int, tuple[torch.Tensor, int, int, bool]]
+                       ) -> list[Sequence]:
+        """Accumulate embedding requests' pooled hidden states; returns the sequences whose prompt
+        is complete, with request.embedding set."""
+        by_id = {s.seq_id: s.seq for s in sched.seqs}
+        done = []
+        for seq_id, (vector, rows, start, final) in pooled.items():
+            seq = by_id.get(seq_id)
+            if seq is None or seq.is_finished:
+                continue
+            request = seq.request
+            if request.pooling.pooling_type == "mean":
+                if start == 0:  # (again, after a preemption by recompute)
+                    request.pool_sum, request.pool_count = None, 0
+                request.pool_sum = vector if request.pool_sum is None else request.pool_sum + vector
+                request.pool_count += rows
+                vector = request.pool_sum / request.pool_count
+            if final:
+                dims = request.pooling.dimensions
+                if dims is not None:
+                    vector = vector[:dims]
+                if request.pooling.normalize:
+                    vector = torch.nn.functional.normalize(vector, dim=0)
+                request.embedding = vector.tolist()
+                request.pool_sum = None
+                done.append(seq)
+        return done
+
+    @staticmethod
+    def _record_prompt_logprobs(sched: SchedulerOutput, scored: dict[int, tuple[int, list[dict[int, float]]]]) -> None:
+        by_id = {s.seq_id: s.seq for s in sched.seqs}
+        for seq_id, (first, entries) in scored.items():
+            seq = by_id.get(seq_id)
+            if seq is not None and not seq.is_finished:  # (a recomputed prompt scores its tokens again)
+                seq.request.prompt_logprobs[first:first + len(entries)] = entries
+
+    # ---- RequestOutput building ----
+    def output(self, request: Request) -> RequestOutput | None:
+        """The request's output for this step, as its params.output_kind asks (None: nothing to
+        hand out: final_only before the end, or a delta with nothing new)."""
+        params = request.params
+        if params.output_kind == "final_only" and not request.is_finished:
+            return None
+        if request.pooling is not None:  # an embedding: one output, when it is done
+            if not request.is_finished:
+                return None
+            return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids, [], True,
+                                 request.seqs[0].num_cached_tokens if request.seqs else 0, request.error,
+                                 {"arrival_time": request.arrival_time, "finished_time": request.finished_time},
+                                 None, request.embedding)
+        seqs = sorted(request.seqs, key=lambda s: s.sample_index)
+        if params.output_kind == "delta":
+            outs = [c for c in map(self._delta_choice, seqs) if c is not None]
+            if not outs and not request.is_finished:
+                return None  # new tokens whose text is held back: they come with their text
+        else:
+            outs = [self._choice(seq, 0, 0, visible_len(seq)) for seq in seqs]
+        metrics = {
+            "arrival_time": request.arrival_time,
+            "first_scheduled_time": request.first_scheduled_time,
+            "first_token_time": request.first_token_time,
+            "finished_time": request.finished_time,
+        }
+        # prompt_logprobs: the request's own list (complete once the first token exists; not copied per step)
+        return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids, outs,
+                             request.is_finished, request.seqs[0].num_cached_tokens if request.seqs else 0,
+                             request.error, metrics, request.prompt_logprobs)
+
+    @staticmethod
+    def _choice(seq: Sequence, tokens_from: int, chars_from: int, chars_to: int) -> CompletionOutput:
+        """seq's output tokens from `tokens_from` on (known ones), and its text [chars_from, chars_to)."""
+        logprobs = seq.request.params.logprobs is not None
+        end = len(seq.token_ids) - seq.num_pending
+        return CompletionOutput(
+            index=seq.sample_index,
+            text=seq.text[chars_from:chars_to],
+            token_ids=seq.token_ids[seq.num_prompt_tokens + tokens_from:end],
+            cumulative_logprob=seq.cumulative_logprob if logprobs else None,
+            logprobs=seq.logprobs[tokens_from:] if logprobs else None,
+            finish_reason=seq.finish_reason.value if seq.finish_reason else None,
+            stop_reason=seq.stop_reason,
+            num_preemptions=seq.num_preemptions,
+        )
+
+    def _delta_choice(self, seq: Sequence) -> CompletionOutput | None:
+        """What is new in seq since its last delta, or None. New tokens whose text is still held
+        back (a split UTF-8 character, a possible stop string) wait for their text, unless the
+        request is not detokenised; the delta that ends a sequence comes once."""
+        if seq.emitted_finish:
+            return None
+        chars = visible_len(seq)
+        finished = seq.finish_reason is not None
+        num_out = seq.num_output_tokens - seq.num_pending
+        new_tokens = num_out > seq.emitted_tokens
+        if not (chars > seq.emitted_chars or finished or (new_tokens and not seq.request.params.detokenize)):
+            return None
+        out = self._choice(seq, seq.emitted_tokens, seq.emitted_chars, chars)
+        seq.emitted_tokens, seq.emitted_chars, seq.emitted_finish = num_out, chars, finished
+        return out
