@@ -37,25 +37,48 @@ def detokenize_step(tokenizer, seq: Sequence, upto: int | None = None) -> str:
     return delta
 
 
-def stream_step(backend, seq: Sequence, upto: int | None = None) -> str:
-    """detokenize_step with a DecodeStream kept on seq: each id not yet read is decoded once
-    (`backend` is the fast tokenizer's `tokenizers.Tokenizer`)."""
+class _Stream:
+    """A sequence's DecodeStream and how many of its ids it has been given."""
+
+    __slots__ = ("stream", "pos")
+
+    def __init__(self, stream, pos: int) -> None:
+        self.stream, self.pos = stream, pos
+
+
+def stream_step(backend, seq: Sequence, upto: int | None = None) -> tuple[str, bool]:
+    """detokenize_step with a DecodeStream kept on seq: each id is decoded once (`backend` is
+    the fast tokenizer's `tokenizers.Tokenizer`). Returns (new text, done); not done where the
+    stream cannot match the window method (its context ends inside a character, or it refuses
+    a prefix): the caller then finishes with detokenize_step, as for this sequence from now on."""
     from tokenizers.decoders import DecodeStream
 
     ids = seq.token_ids
     end = len(ids) if upto is None else upto
-    stream = seq.decode_stream
-    if stream is None:
-        stream = seq.decode_stream = DecodeStream(ids=ids[seq.prefix_offset:seq.read_offset],
-                                                  skip_special_tokens=seq.request.params.skip_special_tokens)
+    state = seq.decode_stream
+    skip = seq.request.params.skip_special_tokens
+    if state is None:
+        context = ids[seq.prefix_offset:seq.read_offset]
+        if context and backend.decode(context, skip_special_tokens=skip).endswith("\ufffd"):
+            seq.decode_stream = False
+            return "", False
+        state = seq.decode_stream = _Stream(DecodeStream(ids=context, skip_special_tokens=skip), seq.read_offset)
     delta = ""
-    for i in range(seq.read_offset, end):
-        piece = stream.step(backend, ids[i])
-        seq.read_offset = i + 1
+    for i in range(state.pos, end):
+        try:
+            piece = state.stream.step(backend, ids[i])
+        except Exception:  # noqa: BLE001 - DecodeStream's InvalidPrefix: the window method takes over
+            seq.decode_stream = False
+            seq.text += delta
+            return delta, False
+        state.pos = i + 1
         if piece:
             delta += piece
+            # as the window method leaves them: the next decode starts from here
+            seq.prefix_offset = max(seq.read_offset, i + 1 - _WINDOW)
+            seq.read_offset = i + 1
     seq.text += delta
-    return delta
+    return delta, True
 
 
 class Detokenizer:
@@ -66,14 +89,17 @@ class Detokenizer:
         self.tokenizer = tokenizer
         self.eos_token_ids = eos_token_ids
         self.max_model_len = max_model_len
-        backend = getattr(tokenizer, "_tokenizer", None) if getattr(tokenizer, "is_fast", False) else None
-        if use_stream is False:
-            backend = None
-        self.backend = backend
+        from transformers import PreTrainedTokenizerFast
+
+        fast = isinstance(tokenizer, PreTrainedTokenizerFast) and use_stream is not False
+        self.backend = tokenizer.backend_tokenizer if fast else None  # a `tokenizers.Tokenizer`
 
     def step(self, seq: Sequence, upto: int | None = None) -> str:
-        if self.backend is not None and seq.request.params.detokenize:
-            return stream_step(self.backend, seq, upto)
+        if self.backend is not None and seq.request.params.detokenize and seq.decode_stream is not False:
+            delta, done = stream_step(self.backend, seq, upto)
+            if done:
+                return delta
+            return delta + detokenize_step(self.tokenizer, seq, upto)  # the stream gave up: the window method
         return detokenize_step(self.tokenizer, seq, upto)
 
     def check_stop(self, seq: Sequence) -> None:

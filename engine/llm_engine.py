@@ -20,7 +20,7 @@ import uuid
 from dataclasses import dataclass
 
 from engine.config import EngineSettings
-from engine.detokenizer import init_offsets
+from engine.detokenizer import Detokenizer, init_offsets
 from engine.engine_builder import PARTS, EngineBuilder
 from engine.lora import attach_lora, load_lora, unload_lora
 from engine.output_processor import OutputProcessor
@@ -64,6 +64,7 @@ def _needs_serial(sched: SchedulerOutput) -> bool:
 class LLMEngine:
     def __init__(self, settings: EngineSettings) -> None:
         t0 = time.perf_counter()
+        self.outputs: OutputProcessor | None = None
         parts = EngineBuilder(settings).build()
         for name in PARTS:
             setattr(self, name, getattr(parts, name))
@@ -79,6 +80,17 @@ class LLMEngine:
                     str(self.dtype).removeprefix("torch."), self.device, parts.num_blocks - 1,
                     settings.block_size, self.max_model_len, self.backend.name,
                     "on" if self.async_scheduling else "off", self.startup_seconds)
+
+    @property
+    def tokenizer(self):
+        return self._tokenizer
+
+    @tokenizer.setter
+    def tokenizer(self, tokenizer) -> None:
+        """(Replaceable: the output processor detokenises with the new one from the next step.)"""
+        self._tokenizer = tokenizer
+        if self.outputs is not None:
+            self.outputs.detokenizer = Detokenizer(tokenizer, self.eos_token_ids, self.max_model_len)
 
     # ---- requests ----
     def encode_prompt(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
