@@ -155,6 +155,33 @@ class RequestStream:
             self._on_close(self.request_id)
 
 
+@dataclass(frozen=True)
+class EngineInfo:
+    """What the API side may know about the engine: fixed at start-up, read-only, safe from any
+    thread (the tokenizer is used by the server's tokenising threads only to read)."""
+
+    model_dir: str
+    model_config: Any
+    max_model_len: int
+    vocab_size: int
+    max_num_seqs: int
+    block_size: int
+    pooling_type: str
+    generates: bool  # has a language-model head (completions, chat)
+    embeds: bool  # serves /v1/embeddings
+    eos_token_ids: tuple[int, ...]
+    tokenizer: Any
+    lora_enabled: bool
+
+    @classmethod
+    def of(cls, engine: LLMEngine) -> "EngineInfo":
+        s = engine.settings
+        return cls(str(engine.model_dir), engine.model_config, engine.max_model_len,
+                   engine.model_config.vocab_size, s.max_num_seqs, s.block_size, s.pooling_type,
+                   bool(engine.model_config.generates), True, tuple(engine.eos_token_ids), engine.tokenizer,
+                   getattr(engine, "lora", None) is not None)
+
+
 @dataclass
 class EngineStatus:
     alive: bool
@@ -186,6 +213,7 @@ class AsyncEngine:
         self._dead: BaseException | None = None
         self.crashed = False  # the loop died of an error (not a shutdown)
         self._thread: threading.Thread | None = None
+        self.info = EngineInfo.of(engine)
 
     @classmethod
     def from_settings(cls, settings, **kwargs: Any) -> "AsyncEngine":
@@ -219,6 +247,27 @@ class AsyncEngine:
     @property
     def max_model_len(self) -> int:
         return self.engine.max_model_len
+
+    # ---- the API side's public face (the server never reaches into LLMEngine) ----
+    @property
+    def grammar_compiler(self):
+        """The engine's StructuredOutputCompiler (thread-safe; its cache is the engine's)."""
+        return self.engine.structured_output
+
+    def lora_adapters(self) -> list[LoRARequest]:
+        """The adapters loaded now (a copy: safe to read from the event loop)."""
+        lora = getattr(self.engine, "lora", None)
+        return list(lora.adapters) if lora is not None else []
+
+    def find_lora(self, name: str) -> LoRARequest | None:
+        return next((a for a in self.lora_adapters() if a.lora_name == name), None)
+
+    async def load_lora(self, name: str, path: str) -> LoRARequest:
+        """Load an adapter between two steps (never under a running step)."""
+        return await self.run_in_engine(lambda e: e.load_lora(name, path))
+
+    async def unload_lora(self, name: str) -> None:
+        await self.run_in_engine(lambda e: e.unload_lora(name))
 
     def num_waiting(self) -> int:
         """Requests queued but not yet running (including those still in the inbox)."""
@@ -397,16 +446,31 @@ class AsyncEngine:
                 self._dead = exc if isinstance(exc, EngineDeadError) else EngineDeadError(
                     f"the engine loop died: {exc!r}")
         err = self._dead
+        failed: list[RequestOutput] = []
         try:  # release every request's blocks so the pool's accounting stays whole
             fail_all = getattr(self.engine, "fail_all_requests", None)
             if fail_all is not None:
-                fail_all(str(err))
+                failed = fail_all(str(err)) or []
         except Exception:  # noqa: BLE001 - the engine is already broken; streams must still fail
             logger.exception("could not fail the engine's requests cleanly")
+        self._notify_stopped(failed)
         for stream in list(self._streams.values()):
             self._post(stream, stream._fail, err)
         self._streams.clear()
         self._fail_inbox()
+
+    def _notify_stopped(self, failed: list[RequestOutput]) -> None:
+        """Last word to the listener: the failed requests, and that nothing runs any more (the
+        metrics' gauges go to zero even when the engine is too broken to report)."""
+        if self.listener is None:
+            return
+        try:
+            self.listener.on_step(self.engine, failed, time.monotonic())
+        except Exception:  # noqa: BLE001 - a broken engine may not report; the gauges still reset
+            logger.debug("listener could not read the stopped engine", exc_info=True)
+        stopped = getattr(self.listener, "on_engine_stopped", None)
+        if stopped is not None:
+            stopped()
 
     def _fail_inbox(self) -> None:
         err = self._dead

@@ -5,8 +5,9 @@ logprob and the best beam_width continue; a candidate ending in EOS is set aside
 finished beam. At the end finished and live beams are ranked by cumulative logprob /
 length ** length_penalty and the best beam_width are returned.
 
-The search itself (`expand`, `best`) is plain Python over token lists; `LLM.beam_search`
-drives it offline and the server drives it through the async engine.
+The search itself (`expand`, `best`) is plain Python over token lists; `BeamSearch` is the one
+driver of it: its caller runs each step's one-token requests (`LLM.beam_search` offline with
+LLMEngine, the server through the async engine) and hands back their top logprobs.
 """
 
 from __future__ import annotations
@@ -84,3 +85,38 @@ def to_output(request_id: str, prompt: str | None, beams: list[Beam], tokenizer)
     first = beams[0] if beams else None
     prompt_ids = first.tokens[:first.num_prompt_tokens] if first else []
     return RequestOutput(request_id, prompt, prompt_ids, outs, True)
+
+
+class BeamSearch:
+    """The search over several prompts at once. Loop: `pending()` gives the token lists whose
+    next-token logprobs are needed (all prompts' live beams, one step); run them with
+    `params.step_params()`; `advance()` with their top logprobs, in the same order; stop when
+    `pending()` is empty; `outputs()` gives one RequestOutput per prompt."""
+
+    def __init__(self, prompts: list[list[int]], params: BeamSearchParams, eos_token_ids: tuple[int, ...]) -> None:
+        self.params = params
+        self.eos_token_ids = eos_token_ids
+        self.live = [[Beam(list(ids), len(ids))] for ids in prompts]
+        self.finished: list[list[Beam]] = [[] for _ in prompts]
+        self.steps = 0
+        self._jobs: list[tuple[int, Beam]] = []
+
+    def pending(self) -> list[list[int]]:
+        if self.steps >= self.params.max_tokens:
+            return []
+        self._jobs = [(i, beam) for i, beams in enumerate(self.live) for beam in beams]
+        return [beam.tokens for _, beam in self._jobs]
+
+    def advance(self, options: list[dict[int, float]]) -> None:
+        if len(options) != len(self._jobs):
+            raise ValueError(f"expected {len(self._jobs)} logprob dicts, got {len(options)}")
+        for i in range(len(self.live)):
+            mine = [k for k, (j, _) in enumerate(self._jobs) if j == i]
+            self.live[i], done = expand([self._jobs[k][1] for k in mine], [options[k] for k in mine], self.params,
+                                        self.eos_token_ids)
+            self.finished[i] += done
+        self.steps += 1
+
+    def outputs(self, request_ids: list[str], texts: list[str | None], tokenizer) -> list[RequestOutput]:
+        return [to_output(request_ids[i], texts[i], best(self.finished[i], self.live[i], self.params), tokenizer)
+                for i in range(len(self.live))]

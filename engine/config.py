@@ -215,6 +215,16 @@ class ServerSettings(BaseSettings):
     allow_runtime_lora_updating: bool = False
     # Split chat answers into reasoning_content and content (vLLM's --reasoning-parser).
     reasoning_parser: Literal["deepseek_r1", "qwen3"] | None = None
+    # Hardening (issue 12): request bodies, grammar compiles, shutdown.
+    max_request_body_mb: float = Field(32.0, gt=0, description="larger request bodies get a 413, unread")
+    grammar_compile_timeout_s: float = Field(
+        10.0, gt=0, description="a structured-output constraint that takes longer to compile is a 400")
+    grammar_compile_workers: int = Field(2, ge=1, description="processes compiling constraints (bounded pool)")
+    grammar_cache_entries: int = Field(256, ge=1, description="compiled constraints kept (LRU)")
+    grammar_cache_mb: float = Field(256.0, gt=0, description="bytes of compiled constraints kept (LRU)")
+    shutdown_timeout: float = Field(
+        30.0, ge=0, description="on SIGTERM/SIGINT: seconds in-flight requests get to finish before they are ended")
+    tokenizer_threads: int = Field(4, ge=1, description="threads that tokenise prompts and apply chat templates")
 
     @model_validator(mode="after")
     def _auto_tools_need_a_parser(self) -> "ServerSettings":

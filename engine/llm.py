@@ -75,27 +75,18 @@ class LLM:
                     lora_request: LoRARequest | None = None) -> list[RequestOutput]:
         """Beam search (engine/beam_search.py): per prompt, a RequestOutput whose outputs are the
         best params.beam_width beams, best first."""
-        from engine.beam_search import Beam, best, expand, to_output
+        from engine.beam_search import BeamSearch
 
         encoded = [self.engine.encode_prompt(p) for p in _prompt_list(prompts)]
         for _, ids in encoded:
             self.engine.check_room(len(ids), params.max_tokens)
-        live = [[Beam(list(ids), len(ids))] for _, ids in encoded]
-        finished: list[list[Beam]] = [[] for _ in encoded]
+        search = BeamSearch([ids for _, ids in encoded], params, self.engine.eos_token_ids)
         step = params.step_params()
-        for _ in range(params.max_tokens):
-            jobs = [(i, beam) for i, beams in enumerate(live) for beam in beams]
-            if not jobs:
-                break
-            outs = self.generate([beam.tokens for _, beam in jobs], step, use_tqdm=False, lora_request=lora_request)
-            options = [out.outputs[0].logprobs[0] for out in outs]
-            for i in range(len(encoded)):
-                mine = [k for k, (j, _) in enumerate(jobs) if j == i]
-                live[i], done = expand([jobs[k][1] for k in mine], [options[k] for k in mine], params,
-                                       self.engine.eos_token_ids)
-                finished[i] += done
-        return [to_output(f"beam-{k}", text, best(finished[k], live[k], params), self.tokenizer)
-                for k, (text, _) in enumerate(encoded)]
+        while batch := search.pending():
+            outs = self.generate(batch, step, use_tqdm=False, lora_request=lora_request)
+            search.advance([out.outputs[0].logprobs[0] for out in outs])
+        return search.outputs([f"beam-{k}" for k in range(len(encoded))], [text for text, _ in encoded],
+                              self.tokenizer)
 
     def _add_all(self, requests: list[dict[str, Any]]) -> list[str]:
         """Add every request (engine.add_request keywords) or, if one is refused, none."""

@@ -14,11 +14,17 @@ a constrained request.
 
 from __future__ import annotations
 
+import collections
+import concurrent.futures
 import json
 import logging
 import re
+import select
+import subprocess
+import sys
 import threading
 import time
+import weakref
 from typing import Any
 
 import torch
@@ -75,16 +81,302 @@ class GrammarMatcher:
         return not self.waiting and bool(self._matcher.is_terminated())
 
 
-class StructuredOutputCompiler:
-    """Compiles constraints for one tokenizer and hands out matchers. Thread-safe: xgrammar's
-    compiler is, and the lazy set-up is done under a lock."""
+def _grammar_source(spec: StructuredOutputsParams) -> tuple[str, str, bool]:
+    """(xgrammar entry point, its text, any_whitespace): the cache key and what a worker compiles."""
+    kind = spec.kind
+    if kind == "json":
+        return "json", json.dumps(spec.json), not spec.disable_any_whitespace
+    if kind == "json_object":
+        return "json", '{"type": "object"}', not spec.disable_any_whitespace
+    if kind == "regex":
+        return "regex", spec.regex, False
+    if kind == "choice":
+        return "grammar", choice_grammar(spec.choice), False
+    return "grammar", spec.grammar, False
 
-    def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: tuple[int, ...]) -> None:
+
+def _compile_with(compiler: Any, entry: str, text: str, any_whitespace: bool) -> Any:
+    if entry == "json":
+        return compiler.compile_json_schema(text, any_whitespace=any_whitespace)
+    if entry == "regex":
+        return compiler.compile_regex(text)
+    return compiler.compile_grammar(text)
+
+
+def _native_message(exc: BaseException) -> str:
+    lines = str(exc).strip().splitlines() or ["(no message)"]
+    return _NATIVE_PREFIX.sub("", lines[0])
+
+
+class GrammarCache:
+    """Compiled grammars by their source, bounded in entries and bytes (least recently used out
+    first). An evicted grammar that a request still holds stays findable (a weak map) until the
+    last holder lets go: bounding the cache never makes a live request compile again."""
+
+    def __init__(self, max_entries: int, max_bytes: int) -> None:
+        self.max_entries, self.max_bytes = max_entries, max_bytes
+        self._lru: collections.OrderedDict[tuple, tuple[Any, int]] = collections.OrderedDict()
+        self._held: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+        self.num_bytes = 0
+        self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        return len(self._lru)
+
+    def get(self, key: tuple) -> Any:
+        with self._lock:
+            hit = self._lru.get(key)
+            if hit is not None:
+                self._lru.move_to_end(key)
+                return hit[0]
+            return self._held.get(key)
+
+    def put(self, key: tuple, grammar: Any) -> None:
+        size = int(grammar.memory_size_bytes) if hasattr(grammar, "memory_size_bytes") else 0
+        with self._lock:
+            old = self._lru.pop(key, None)
+            if old is not None:
+                self.num_bytes -= old[1]
+            self._lru[key] = (grammar, size)
+            self.num_bytes += size
+            try:
+                self._held[key] = grammar
+            except TypeError:  # not weakly referenceable: the LRU alone holds it
+                pass
+            while self._lru and (len(self._lru) > self.max_entries or self.num_bytes > self.max_bytes):
+                _, (_, evicted) = self._lru.popitem(last=False)
+                self.num_bytes -= evicted
+
+
+class _CompileJob:
+    def __init__(self, source: tuple[str, str, bool], tenant: str) -> None:
+        self.source, self.tenant = source, tenant
+        self.future: concurrent.futures.Future = concurrent.futures.Future()
+        self.cancelled = threading.Event()  # the client left: stop the compile if it is running
+
+
+def _worker_main() -> None:  # pragma: no cover - runs in a worker process
+    """A compile worker (`python -m engine.structured_output`): the tokenizer's info on the first
+    line of stdin, then one job per line in, one answer per line out (JSON)."""
+    import sys
+
+    import xgrammar
+
+    info = xgrammar.TokenizerInfo.deserialize_json(json.loads(sys.stdin.readline()))
+    compiler = xgrammar.GrammarCompiler(info, max_threads=1, cache_enabled=False)
+    out = sys.stdout
+    out.write('["ready", ""]\n')
+    out.flush()
+    for line in sys.stdin:
+        entry, text, any_whitespace = json.loads(line)
+        try:
+            answer = ["ok", _compile_with(compiler, entry, text, any_whitespace).serialize_json()]
+        except Exception as exc:  # noqa: BLE001 - the constraint's fault: handed back
+            answer = ["error", _native_message(exc)]
+        out.write(json.dumps(answer) + "\n")
+        out.flush()
+
+
+class _Worker:
+    """One compile process (a fresh interpreter: never a fork of a process that runs threads),
+    driven by one thread of the parent."""
+
+    def __init__(self, tokenizer_info_json: str) -> None:
+        self._info = tokenizer_info_json
+        self.proc: subprocess.Popen | None = None
+        self.job: _CompileJob | None = None  # what it compiles now
+
+    def ensure(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            return
+        self.proc = subprocess.Popen([sys.executable, "-m", "engine.structured_output"], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, bufsize=1 << 16)
+        self.send(self._info)
+        if self.read(120.0) != ["ready", ""]:
+            self.kill()
+            raise RuntimeError("the grammar compile worker did not start")
+
+    def send(self, item: Any) -> None:
+        self.proc.stdin.write(json.dumps(item) + "\n")
+        self.proc.stdin.flush()
+
+    def ready(self, timeout: float) -> bool:
+        return bool(select.select([self.proc.stdout], [], [], timeout)[0])
+
+    def read(self, timeout: float) -> Any:
+        if not self.ready(timeout):
+            return None
+        line = self.proc.stdout.readline()
+        return json.loads(line) if line else None
+
+    @property
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def kill(self) -> None:
+        proc, self.proc = self.proc, None
+        if proc is not None:
+            proc.kill()
+            proc.wait(10)
+            for f in (proc.stdin, proc.stdout):
+                try:
+                    f.close()
+                except OSError:
+                    pass
+
+
+class CompilePool:
+    """A bounded set of compile processes. A compile that runs past `timeout_s`, or whose client
+    has gone, is stopped by killing its process (xgrammar's compile cannot be interrupted in a
+    thread); the worker is replaced. Jobs are taken round-robin across tenants, so one tenant's
+    pile of pathological constraints delays another tenant by at most one compile per worker."""
+
+    def __init__(self, tokenizer_info_json: str, workers: int, timeout_s: float) -> None:
+        self.timeout_s = timeout_s
+        self._info = tokenizer_info_json
+        self._queues: collections.OrderedDict[str, collections.deque[_CompileJob]] = collections.OrderedDict()
+        self._cond = threading.Condition()
+        self._stopped = False
+        self._workers = [_Worker(tokenizer_info_json) for _ in range(workers)]
+        self._threads = [threading.Thread(target=self._serve, args=(w,), daemon=True, name="kiln-grammar-pool")
+                         for w in self._workers]
+        for t in self._threads:
+            t.start()
+
+    def submit(self, source: tuple[str, str, bool], tenant: str = "") -> _CompileJob:
+        job = _CompileJob(source, tenant)
+        with self._cond:
+            if self._stopped:
+                job.future.set_exception(_CompileFailed("stopped", "the compile pool was closed"))
+                return job
+            self._queues.setdefault(tenant, collections.deque()).append(job)
+            self._cond.notify()
+        return job
+
+    def _next(self) -> _CompileJob | None:
+        with self._cond:
+            while True:
+                if self._stopped:
+                    return None
+                for tenant in list(self._queues):
+                    queue = self._queues.pop(tenant)
+                    job = queue.popleft()
+                    if queue:
+                        self._queues[tenant] = queue  # to the back of the round
+                    if job.future.set_running_or_notify_cancel():
+                        return job
+                if not self._queues:
+                    self._cond.wait()
+
+    def _serve(self, worker: _Worker) -> None:
+        while True:
+            try:
+                worker.ensure()  # a replacement starts at once, not on the next job
+            except Exception:  # noqa: BLE001 - retried (and reported) on the next job
+                if not self._stopped:
+                    logger.exception("could not start a grammar compile worker")
+            job = self._next()
+            if job is None:
+                worker.kill()
+                return
+            try:
+                status, payload = self._run(worker, job)
+            except Exception as exc:  # noqa: BLE001 - a broken worker fails this job only
+                logger.exception("grammar compile worker failed")
+                worker.kill()
+                status, payload = "error", f"the compiler failed ({type(exc).__name__})"
+            if status == "ok":
+                job.future.set_result(payload)
+            else:
+                job.future.set_exception(_CompileFailed(status, payload))
+
+    def _run(self, worker: _Worker, job: _CompileJob) -> tuple[str, str]:
+        worker.job = job
+        try:
+            return self._compile(worker, job)
+        finally:
+            worker.job = None
+
+    def _compile(self, worker: _Worker, job: _CompileJob) -> tuple[str, str]:
+        worker.ensure()
+        worker.send(list(job.source))
+        deadline = time.monotonic() + self.timeout_s
+        while not worker.ready(0.05):
+            if job.cancelled.is_set() or self._stopped:
+                worker.kill()
+                return ("stopped" if self._stopped else "cancelled"), "the request went away"
+            if time.monotonic() > deadline:
+                worker.kill()
+                return "timeout", ""
+            if not worker.alive:
+                worker.kill()
+                return "error", "the compiler crashed on this constraint"
+        answer = worker.read(0)
+        if answer is None:  # it died while answering
+            worker.kill()
+            return "error", "the compiler crashed on this constraint"
+        return answer[0], answer[1]
+
+    @property
+    def busy(self) -> int:
+        """Workers compiling right now."""
+        return sum(1 for w in self._workers if w.job is not None)
+
+    def close(self) -> None:
+        with self._cond:
+            self._stopped = True
+            for queue in self._queues.values():
+                for job in queue:
+                    if job.future.set_running_or_notify_cancel():
+                        job.future.set_exception(_CompileFailed("stopped", "the compile pool was closed"))
+            self._queues.clear()
+            self._cond.notify_all()
+        for w in self._workers:  # running or starting: stop now (their threads then exit)
+            proc = w.proc
+            if proc is not None:
+                proc.kill()
+        for t in self._threads:
+            t.join(5)
+
+
+class CompileCancelled(RuntimeError):
+    """The compile pool was closed (the server is stopping) before the constraint compiled."""
+
+
+class _CompileFailed(Exception):
+    def __init__(self, status: str, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+class StructuredOutputCompiler:
+    """Compiles constraints for one tokenizer and hands out matchers. Thread-safe. Compiled
+    grammars are kept in a bounded GrammarCache. Without a pool (offline use) compiles run
+    inline; with one (`use_pool`, the server) they run in killable worker processes under a
+    time limit."""
+
+    def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: tuple[int, ...],
+                 cache_entries: int = 256, cache_bytes: int = 256 << 20) -> None:
         self._tokenizer = tokenizer
         self.vocab_size = vocab_size
         self._stop_token_ids = list(stop_token_ids)
         self._compiler: Any = None
+        self._info: Any = None
         self._lock = threading.Lock()
+        self.cache = GrammarCache(cache_entries, cache_bytes)
+        self._pool: CompilePool | None = None
+        self._pool_args: tuple[int, float] | None = None
+
+    def configure(self, timeout_s: float | None = None, workers: int | None = None,
+                  cache_entries: int | None = None, cache_bytes: int | None = None) -> None:
+        """Server settings: compiles go to `workers` processes, each stopped after `timeout_s`
+        (the pool starts on the first constrained request); the cache's bounds."""
+        if cache_entries is not None:
+            self.cache.max_entries = cache_entries
+        if cache_bytes is not None:
+            self.cache.max_bytes = cache_bytes
+        if timeout_s is not None and workers:
+            self._pool_args = (workers, timeout_s)
 
     def _xgrammar_compiler(self) -> Any:
         with self._lock:
@@ -95,35 +387,95 @@ class StructuredOutputCompiler:
                 except ImportError as exc:  # pragma: no cover - a declared dependency
                     raise InvalidRequestError("structured outputs need the xgrammar package "
                                               "(pip install xgrammar)", "structured_outputs") from exc
-                info = xgrammar.TokenizerInfo.from_huggingface(self._tokenizer, vocab_size=self.vocab_size,
-                                                               stop_token_ids=self._stop_token_ids)
-                self._compiler = xgrammar.GrammarCompiler(info)
+                self._info = xgrammar.TokenizerInfo.from_huggingface(self._tokenizer, vocab_size=self.vocab_size,
+                                                                     stop_token_ids=self._stop_token_ids)
+                self._compiler = xgrammar.GrammarCompiler(self._info, cache_enabled=False)
                 logger.info("structured outputs: xgrammar ready for a vocabulary of %d in %.1fs",
                             self.vocab_size, time.perf_counter() - t0)
             return self._compiler
 
+    def _compile_pool(self) -> CompilePool | None:
+        if self._pool_args is None:
+            return None
+        self._xgrammar_compiler()
+        with self._lock:
+            if self._pool is None:
+                workers, timeout_s = self._pool_args
+                self._pool = CompilePool(self._info.serialize_json(), workers, timeout_s)
+            return self._pool
+
+    def close(self) -> None:
+        """Stop the compile workers (running compiles are killed)."""
+        with self._lock:
+            pool, self._pool, self._pool_args = self._pool, None, None
+        if pool is not None:
+            pool.close()
+
+    def _finish(self, spec: StructuredOutputsParams, key: tuple, outcome: Any) -> Any:
+        """The compiled grammar from a worker's answer (or its failure as a request error)."""
+        import xgrammar
+
+        if isinstance(outcome, _CompileFailed):
+            if outcome.status == "timeout":
+                raise InvalidRequestError(
+                    f"structured output: the {spec.kind} constraint did not compile within "
+                    f"grammar_compile_timeout_s={self._pool_args[1] if self._pool_args else '?'}s; simplify it "
+                    "(e.g. fewer optional properties)", "structured_outputs")
+            if outcome.status == "stopped":
+                raise CompileCancelled("the server is stopping; the constraint was not compiled")
+            if outcome.status == "cancelled":
+                raise InvalidRequestError("structured output: the compile was cancelled", "structured_outputs")
+            raise InvalidRequestError(f"structured output: the {spec.kind} constraint does not compile: {outcome}",
+                                      "structured_outputs")
+        grammar = xgrammar.CompiledGrammar.deserialize_json(outcome, self._info)
+        self.cache.put(key, grammar)
+        return grammar
+
     def compile(self, spec: StructuredOutputsParams) -> Any:
-        """The compiled grammar of `spec` (xgrammar caches by text); a constraint that does not
-        compile is an InvalidRequestError naming what is wrong with it."""
+        """The compiled grammar of `spec` (cached); a constraint that does not compile is an
+        InvalidRequestError naming what is wrong with it."""
+        source = _grammar_source(spec)
+        hit = self.cache.get(source)
+        if hit is not None:
+            return hit
         compiler = self._xgrammar_compiler()
-        kind = spec.kind
+        pool = self._compile_pool()
+        if pool is not None:
+            job = pool.submit(source)
+            try:
+                return self._finish(spec, source, job.future.result())
+            except _CompileFailed as exc:
+                return self._finish(spec, source, exc)
         try:
-            if kind == "json":
-                return compiler.compile_json_schema(json.dumps(spec.json),
-                                                    any_whitespace=not spec.disable_any_whitespace)
-            if kind == "json_object":
-                return compiler.compile_json_schema('{"type": "object"}',
-                                                    any_whitespace=not spec.disable_any_whitespace)
-            if kind == "regex":
-                return compiler.compile_regex(spec.regex)
-            if kind == "choice":
-                return compiler.compile_grammar(choice_grammar(spec.choice))
-            return compiler.compile_grammar(spec.grammar)
+            grammar = _compile_with(compiler, *source)
         except RuntimeError as exc:
-            lines = str(exc).strip().splitlines() or ["(no message)"]
-            message = _NATIVE_PREFIX.sub("", lines[0])
-            raise InvalidRequestError(f"structured output: the {kind} constraint does not compile: {message}",
-                                      "structured_outputs") from exc
+            raise InvalidRequestError(f"structured output: the {spec.kind} constraint does not compile: "
+                                      f"{_native_message(exc)}", "structured_outputs") from exc
+        self.cache.put(source, grammar)
+        return grammar
+
+    async def compile_async(self, spec: StructuredOutputsParams, tenant: str = "") -> Any:
+        """compile() for the server: off the event loop, in the pool when there is one; if the
+        awaiting task is cancelled (its client left, the server stops) the compile is stopped."""
+        import asyncio
+
+        source = _grammar_source(spec)
+        hit = self.cache.get(source)
+        if hit is not None:
+            return hit
+        pool = await asyncio.to_thread(self._compile_pool)
+        if pool is None:
+            return await asyncio.to_thread(self.compile, spec)
+        job = pool.submit(source, tenant)
+        try:
+            outcome = await asyncio.wrap_future(job.future)
+        except _CompileFailed as exc:
+            outcome = exc
+        except asyncio.CancelledError:
+            job.cancelled.set()
+            job.future.cancel()
+            raise
+        return self._finish(spec, source, outcome)
 
     def matchers(self, spec: StructuredOutputsParams, n: int, prompt_ids: list[int] | None = None
                  ) -> list[GrammarMatcher]:
@@ -155,3 +507,7 @@ def closed_in(ids: list[int], start: tuple[int, ...], end: tuple[int, ...]) -> b
 def choice_grammar(choices: list[str]) -> str:
     """EBNF whose language is exactly the given strings (JSON string escapes are EBNF's too)."""
     return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
+
+
+if __name__ == "__main__":  # a compile worker of CompilePool
+    _worker_main()

@@ -90,7 +90,7 @@ def test_embeddings_endpoint(tiny_llama):
         ids = await client.embeddings.create(model="m", input=[[5, 6, 7], [8, 9]])
         assert len(ids.data) == 2
         for body, param in [({"input": []}, "input"), ({"input": "hi", "dimensions": 4096}, "dimensions"),
-                            ({"input": [10 ** 9]}, "prompt")]:
+                            ({"input": [10 ** 9]}, "input")]:
             resp = await http.post("/v1/embeddings", json=body)
             assert resp.status_code == 400 and resp.json()["error"]["param"] == param, resp.text
     with served(tiny_llama) as (state, http, client):

@@ -11,7 +11,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine.server.app import _chat_stream_delta, _Choice, _Job
+from engine.server.chat import chat_stream_delta as _chat_stream_delta
+from engine.server.jobs import Choice as _Choice, Job as _Job
 from engine.server.reasoning import ReasoningParser
 from engine.server.tool_calls import ToolMode
 

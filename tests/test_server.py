@@ -475,7 +475,7 @@ def test_invalid_parameters_400(url, path, body, param):
 
 
 def test_error_statuses(url, client):
-    assert _error(post(url, "/v1/completions", b'{"prompt": "hi",'), 400)["message"].endswith("not valid JSON")
+    assert _error(post(url, "/v1/completions", b'{"prompt": "hi",'), 400)["message"].find("not valid JSON") >= 0
     err = _error(post(url, "/v1/completions", {"prompt": "hi"}, key=None), 401)
     assert err["type"] == "authentication_error"
     _error(post(url, "/v1/completions", {"prompt": "hi"}, key="wrong"), 401)

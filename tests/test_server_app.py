@@ -14,13 +14,14 @@ from engine.config import EngineSettings, ServerSettings
 from engine.server.app import build_app, create_state
 
 
-@pytest.fixture
-def app_state(tiny_llama):
+def app_states(model, **defaults):
+    """A factory of started (state, app) pairs on `model` (settings: these defaults, then the
+    call's); every engine is stopped and checked clean afterwards. Use as a fixture's body."""
     states = []
 
     def _make(server: dict | None = None, **overrides):
-        settings = dict(model=str(tiny_llama), device="cpu", enforce_eager=True, max_model_len=128,
-                        num_gpu_blocks=64, max_num_seqs=1, max_waiting_requests=1, log_stats_interval=0)
+        settings = dict(model=str(model), device="cpu", enforce_eager=True, log_stats_interval=0)
+        settings.update(defaults)
         settings.update(overrides)
         state = create_state(EngineSettings(**settings), ServerSettings(served_model_name="m", **(server or {})))
         state.engine._idle_poll_s = 0.05
@@ -30,8 +31,14 @@ def app_state(tiny_llama):
 
     yield _make
     for state in states:
+        state.close()
         state.engine.shutdown()
         assert_engine_clean(state.engine.engine)
+
+
+@pytest.fixture
+def app_state(tiny_llama):
+    yield from app_states(tiny_llama, max_model_len=128, num_gpu_blocks=64, max_num_seqs=1, max_waiting_requests=1)
 
 
 async def _wait_until(pred, timeout=10.0):
@@ -39,6 +46,17 @@ async def _wait_until(pred, timeout=10.0):
     while not pred():
         assert time.monotonic() < deadline, "timed out"
         await asyncio.sleep(0.01)
+
+
+def slow_steps(state, seconds: float) -> None:
+    """Every engine step takes at least `seconds` longer (requests stay in flight)."""
+    real_step = state.engine.engine.step
+
+    def slow_step():
+        time.sleep(seconds)
+        return real_step()
+
+    state.engine.engine.step = slow_step
 
 
 def _assert_error(resp: httpx.Response, status: int, code: str) -> None:
@@ -97,17 +115,13 @@ def test_dead_engine_loop_gives_503_and_fails_streams(app_state):
 
     asyncio.run(main())
     assert state.engine.crashed
+    # The running-requests gauge does not keep its last value after the loop died.
+    assert 'kiln:num_requests_running{model_name="m"} 0.0' in state.metrics.render().decode()
 
 
 def test_request_timeout_aborts_and_frees(app_state):
     state, app = app_state(server={"request_timeout": 0.3}, max_num_seqs=4, max_waiting_requests=8)
-    real_step = state.engine.engine.step
-
-    def slow_step():
-        time.sleep(0.01)
-        return real_step()
-
-    state.engine.engine.step = slow_step
+    slow_steps(state, 0.01)
     body = {"prompt": "Hello", "max_tokens": 100, "ignore_eos": True}
 
     async def main():

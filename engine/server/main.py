@@ -22,14 +22,36 @@ def create_app(engine_settings: EngineSettings, server_settings: ServerSettings 
 
 
 def _bind(host: str, port: int) -> socket.socket:
+    """Bound, not yet listening: the port is ours (a taken one fails now), but connections to it
+    are refused at once until `listen()` (so start-up never leaves a client hanging)."""
     infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
     family, _, _, _, addr = infos[0]
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind(addr)
-    sock.listen(2048)
     sock.setblocking(False)
     return sock
+
+
+def _server_class():
+    import uvicorn
+
+    class DrainingServer(uvicorn.Server):
+        """uvicorn's shutdown (stop accepting, wait for connections) with kiln's drain beside it:
+        in-flight requests get shutdown_timeout seconds, then are ended cleanly (ServerState.drain)."""
+
+        def __init__(self, config, state: ServerState) -> None:
+            super().__init__(config)
+            self.kiln_state = state
+
+        async def shutdown(self, sockets=None) -> None:
+            drain = asyncio.ensure_future(self.kiln_state.drain(self.kiln_state.settings.shutdown_timeout))
+            try:
+                await super().shutdown(sockets)
+            finally:
+                drain.cancel()
+
+    return DrainingServer
 
 
 def _url(host: str, port: int) -> str:
@@ -40,7 +62,7 @@ def serve(engine_settings: EngineSettings, server_settings: ServerSettings) -> i
     import uvicorn
 
     logging.getLogger("engine").setLevel(server_settings.log_level.upper())
-    # Bind first: a taken port fails fast, before the model loads.
+    # Bind first: a taken port fails fast, before the model loads; listen only once it has.
     try:
         sock = _bind(server_settings.host, server_settings.port)
     except OSError as exc:
@@ -51,11 +73,17 @@ def serve(engine_settings: EngineSettings, server_settings: ServerSettings) -> i
     if server_settings.host not in ("127.0.0.1", "::1", "localhost"):
         logger.warning("listening on %s: the API is reachable from other machines%s", server_settings.host,
                        "" if server_settings.api_key else " and no --api-key is set")
-    state = create_state(engine_settings, server_settings)
+    try:
+        state = create_state(engine_settings, server_settings)
+    except BaseException:
+        sock.close()
+        raise
     app = build_app(state)
+    # uvicorn's own limit is a backstop: ServerState.drain ends every request within shutdown_timeout.
     config = uvicorn.Config(app, log_level=server_settings.log_level.lower(), access_log=False,
-                            timeout_graceful_shutdown=5, log_config=None)
-    server = uvicorn.Server(config)
+                            timeout_graceful_shutdown=server_settings.shutdown_timeout + 10, log_config=None)
+    server = _server_class()(config, state)
+    sock.listen(2048)
 
     async def run() -> None:
         task = asyncio.create_task(server.serve(sockets=[sock]))

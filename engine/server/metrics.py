@@ -134,6 +134,12 @@ class EngineMetrics:
         if self.log_stats_interval > 0 and now - self._log_prev["t"] >= self.log_stats_interval:
             self._log(engine, totals, now)
 
+    def on_engine_stopped(self) -> None:
+        """The engine loop has ended (shut down or died): nothing runs, waits or is swapped."""
+        for gauge in (self.running, self.waiting, self.swapped, self.kv_usage, self.blocks_in_use):
+            gauge.set(0)
+        self._tracks.clear()
+
     def _observe_request(self, out: RequestOutput, now: float) -> None:
         """out: a delta (the async engine's requests use output_kind "delta")."""
         m = out.metrics
@@ -151,7 +157,9 @@ class EngineMetrics:
             track.last_time = now
         if out.finished:
             self._tracks.pop(out.request_id, None)
-            reason = next((c.finish_reason for c in out.outputs if c.finish_reason), None) or "abort"
+            reason = next((c.finish_reason for c in out.outputs if c.finish_reason), None)
+            if reason is None:  # an embedding finishes without choices; a failed request with its error
+                reason = "error" if out.error else "stop" if out.embedding is not None else "abort"
             self._success.labels(self.model_name, reason).inc()
             if m.get("arrival_time") is not None:
                 self.e2e.observe(max(now - m["arrival_time"], 0.0))
