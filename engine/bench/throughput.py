@@ -67,7 +67,7 @@ def run_transformers(model_dir: str, reqs, batch_size: int, device: str, dtype) 
 
 
 def main(argv: list[str]) -> int:
-    from engine.cli import add_settings_flags, settings_from_args
+    from engine.flags import add_settings_flags, settings_from_args
 
     parser = argparse.ArgumentParser(prog="kiln bench throughput", description=__doc__)
     parser.add_argument("--num-requests", type=int, default=256)

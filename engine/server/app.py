@@ -117,7 +117,7 @@ def create_state(engine_settings: EngineSettings, server_settings: ServerSetting
 
         pinned = warm_up_from_file(llm_engine, server_settings.warm_prefixes)
         logger.info("warm prefixes from %s: %d KV blocks pinned", server_settings.warm_prefixes, pinned)
-    name = server_settings.served_model_name or default_model_name(engine_settings, llm_engine.model_dir)
+    name = (server_settings.model_names or [None])[0] or default_model_name(engine_settings, llm_engine.model_dir)
     metrics = EngineMetrics(name, engine_settings.log_stats_interval)
     engine = AsyncEngine(llm_engine, listener=metrics)
     return ServerState(engine, metrics, server_settings, name, str(llm_engine.model_dir))
@@ -408,7 +408,7 @@ class _Handlers:
     # ---- checks ----
     def check_model(self, model: str | None) -> LoRARequest | None:
         """None for the base model; the adapter's LoRARequest for a LoRA adapter's name; else 404."""
-        if model is None or model == self.state.model_name:
+        if model is None or model == self.state.model_name or model in self.state.settings.model_names:
             return None
         lora = self.engine.engine.lora
         entry = lora.get(model) if lora is not None else None

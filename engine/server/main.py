@@ -10,6 +10,7 @@ import sys
 
 from engine.config import EngineSettings, ServerSettings
 from engine.server.app import ServerState, build_app, create_state
+from engine.server.http_options import add_http_middleware, uvicorn_options
 
 logger = logging.getLogger("engine.server")
 
@@ -53,8 +54,8 @@ def serve(engine_settings: EngineSettings, server_settings: ServerSettings) -> i
                        "" if server_settings.api_key else " and no --api-key is set")
     state = create_state(engine_settings, server_settings)
     app = build_app(state)
-    config = uvicorn.Config(app, log_level=server_settings.log_level.lower(), access_log=False,
-                            timeout_graceful_shutdown=5, log_config=None)
+    add_http_middleware(app, server_settings)
+    config = uvicorn.Config(app, timeout_graceful_shutdown=5, log_config=None, **uvicorn_options(server_settings))
     server = uvicorn.Server(config)
 
     async def run() -> None:
