@@ -21,7 +21,8 @@ from engine.kv.cache import KVCache
 from engine.kv.swap import SwapSpace
 from engine.models.config import ModelConfig
 from engine.models.loader import load_model
-from engine.request import (CompletionOutput, FinishReason, InvalidRequestError, LoRARequest, PoolingParams,
+from engine.generation_config import load_generation_defaults
+from engine.request import (check_logprobs_limit, CompletionOutput, FinishReason, InvalidRequestError, LoRARequest, PoolingParams,
                             Request, RequestOutput, SamplingParams, Sequence)
 from engine.runner import ModelRunner
 from engine.sampler import Sampler
@@ -90,6 +91,8 @@ class LLMEngine:
         if template is not None:
             self.tokenizer.chat_template = template
         eos = set(self.model_config.eos_token_ids)
+        self.generation_defaults = load_generation_defaults(self.model_dir, settings.generation_config)
+        eos.update(self.generation_defaults.eos_token_ids)  # stop tokens listed only in generation_config
         if self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)
         self.eos_token_ids = tuple(sorted(eos))
@@ -303,6 +306,7 @@ class LLMEngine:
                                       "serves embeddings only (/v1/embeddings, LLM.embed)", "model")
         params = params or SamplingParams()
         params.validate()
+        check_logprobs_limit(params, self.settings.max_logprobs)
         vocab = self.model_config.vocab_size
         for name, ids in params.token_id_fields():
             bad = [t for t in ids if not isinstance(t, int) or not 0 <= t < vocab]

@@ -28,6 +28,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from engine.async_engine import AsyncEngine, EngineDeadError, QueueFullError, RequestStream
 from engine.config import EngineSettings, ServerSettings
+from engine.generation_config import apply_generation_defaults
 from engine.request import InvalidRequestError, LoRARequest, PoolingParams, RequestOutput, SamplingParams
 from engine.server.metrics import CONTENT_TYPE, EngineMetrics
 from engine.server.reasoning import ReasoningParser
@@ -478,6 +479,7 @@ class _Handlers:
         lora = self.check_model(body.model)
         prompts = body.prompts()
         params = body.sampling_params()
+        params = apply_generation_defaults(params, self.engine.engine.generation_defaults, body.model_fields_set)
         self._check_params(body, params, len(prompts))
         await self._check_constraint(body, params)
         texts = [p if isinstance(p, str) else None for p in prompts]
@@ -493,6 +495,7 @@ class _Handlers:
         lora = self.check_model(body.model)
         tool_mode = body.tool_mode(self.state.settings.auto_tool_parser)
         params = body.sampling_params(tool_mode)
+        params = apply_generation_defaults(params, self.engine.engine.generation_defaults, body.model_fields_set)
         ids = self.chat_prompt_ids(body.conversation(), body.add_generation_prompt, body.template_tools(),
                                    body.continue_final_message, body.chat_template_kwargs)
         self._check_params(body, params, 1)
