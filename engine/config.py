@@ -109,10 +109,14 @@ def setting_source(name: str, flags: dict[str, str] | None = None) -> str:
 def build_settings(cls: type[BaseSettings], values: dict[str, Any], flags: dict[str, str] | None = None):
     """cls(**values), with each validation error turned into one line naming the setting, its
     value, where that came from (flag / KILN_X / kiln.toml:LINE) and what is allowed."""
+    from pydantic_settings import SettingsError as SourceError
+
     try:
         return cls(**values)
     except ValidationError as exc:
         raise SettingsError("\n".join(_explain(err, cls, flags) for err in exc.errors())) from None
+    except SourceError as exc:  # a KILN_* value the environment source could not read
+        raise SettingsError(str(exc)) from None
 
 
 def _explain(err: dict[str, Any], cls: type[BaseSettings], flags: dict[str, str] | None) -> str:
@@ -196,7 +200,7 @@ def env_flag(name: str) -> str | None:
 
 
 class EngineSettings(BaseSettings):
-    model_config = SettingsConfigDict(env_prefix="KILN_", extra="forbid", validate_default=True)
+    model_config = SettingsConfigDict(env_prefix="KILN_", extra="forbid", validate_default=True, enable_decoding=False)
 
     # --- model ---
     model: str | None = Field(None, description="HF checkpoint directory (default: kiln's embedded tiny model)")
@@ -406,7 +410,7 @@ class EngineSettings(BaseSettings):
 class ServerSettings(BaseSettings):
     """HTTP server settings (`kiln serve`)."""
 
-    model_config = SettingsConfigDict(env_prefix="KILN_", extra="forbid")
+    model_config = SettingsConfigDict(env_prefix="KILN_", extra="forbid", enable_decoding=False)
 
     host: str = Field("127.0.0.1", description="address to listen on (0.0.0.0: every interface)")
     port: int = Field(8000, ge=0, le=65535, description="TCP port (0: any free port)")
