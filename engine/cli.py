@@ -71,13 +71,21 @@ def parse_serve_args(argv: list[str]) -> tuple:
 
 
 def _cmd_build_kernels(argv: list[str]) -> int:
-    """build-kernels writes where serve looks: <cache_dir>/kernels unless --cache-dir says otherwise."""
-    from compiler.kernels.cli import build_main
+    """Kernels go where `kiln serve` looks: --cache-dir is kiln's cache root (KILN_CACHE_DIR, as for
+    every command) and the kernels its kernels/ folder, unless --kernel-cache-dir names another."""
+    from compiler.kernels import cli as kernels_cli
     from engine.config import EngineSettings, build_settings
 
-    if not any(a == "--cache-dir" or a.startswith("--cache-dir=") for a in argv):
-        argv = [*argv, "--cache-dir", str(build_settings(EngineSettings, {}).resolved_kernel_cache_dir())]
-    return build_main(argv)
+    pre = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    pre.add_argument("--cache-dir", dest=DEST_PREFIX + "cache_dir", default=argparse.SUPPRESS)
+    pre.add_argument("--kernel-cache-dir", dest=DEST_PREFIX + "kernel_cache_dir", default=argparse.SUPPRESS)
+    args, rest = pre.parse_known_args(argv)
+    if "-h" in rest or "--help" in rest:
+        print("kiln build-kernels: --cache-dir DIR is kiln's cache root (default: KILN_CACHE_DIR or ~/.cache/kiln;"
+              " kernels go to DIR/kernels, where `kiln serve` looks); --kernel-cache-dir DIR names the kernel"
+              " folder itself.\n")
+    settings = settings_from_args(args, EngineSettings)
+    return kernels_cli.build_main([*rest, "--cache-dir", str(settings.resolved_kernel_cache_dir())])
 
 
 def _cmd_bench(argv: list[str]) -> int:

@@ -130,7 +130,7 @@ def _explain(err: dict[str, Any], cls: type[BaseSettings], flags: dict[str, str]
     value = err.get("input")
     allowed = ""
     ctx = err.get("ctx") or {}
-    if "expected" in ctx:
+    if "expected" in ctx and str(ctx["expected"]) not in msg:
         allowed = f" (allowed: {ctx['expected']})"
     return f"{name} = {value!r} (from {setting_source(name, flags)}): {msg}{allowed}"
 

@@ -116,3 +116,20 @@ def test_combination_errors_are_one_line(fake_serve, capsys):
     assert main(["serve", "--enable-auto-tool-choice"]) == 2
     (line,) = errors(capsys)
     assert "enable_auto_tool_choice needs tool_call_parser" in line
+
+
+def test_build_kernels_uses_the_cache_root_serve_uses(monkeypatch, tmp_path):
+    import compiler.kernels.cli
+
+    from engine.config import EngineSettings
+
+    calls = []
+    monkeypatch.setattr(compiler.kernels.cli, "build_main", lambda argv: calls.append(argv) or 0)
+    monkeypatch.setenv("KILN_CACHE_DIR", str(tmp_path / "root"))
+    assert main(["build-kernels", "--list"]) == 0
+    assert calls[-1] == ["--list", "--cache-dir", str(tmp_path / "root" / "kernels")]
+    assert EngineSettings().resolved_kernel_cache_dir() == tmp_path / "root" / "kernels"  # where serve looks
+    assert main(["build-kernels", "--cache-dir", str(tmp_path / "other"), "--jobs", "2"]) == 0
+    assert calls[-1] == ["--jobs", "2", "--cache-dir", str(tmp_path / "other" / "kernels")]
+    assert main(["build-kernels", "--kernel-cache-dir", str(tmp_path / "k")]) == 0
+    assert calls[-1] == ["--cache-dir", str(tmp_path / "k")]
