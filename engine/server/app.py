@@ -120,6 +120,7 @@ def create_state(engine_settings: EngineSettings, server_settings: ServerSetting
         logger.info("warm prefixes from %s: %d KV blocks pinned", server_settings.warm_prefixes, pinned)
     name = (server_settings.model_names or [None])[0] or default_model_name(engine_settings, llm_engine.model_dir)
     metrics = EngineMetrics(name, engine_settings.log_stats_interval)
+    metrics.set_engine_info(llm_engine)
     engine = AsyncEngine(llm_engine, listener=metrics)
     return ServerState(engine, metrics, server_settings, name, str(llm_engine.model_dir))
 
