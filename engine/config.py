@@ -213,7 +213,8 @@ class EngineSettings(BaseSettings):
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto: cuda when a GPU is visible")
     seed: int = Field(0, description="random seed for dummy weights and unseeded sampling")
     load_format: Literal["auto", "dummy"] = Field("auto", description="dummy: random weights from config.json")
-    max_model_len: int | None = Field(None, ge=1, description="default: the model's max_position_embeddings")
+    max_model_len: int | None = Field(None, ge=1, description="context length in tokens; 32k = 32000, 32K = 32768 "
+                                         "(default: the model's max_position_embeddings)")
 
     # --- KV cache ---
     block_size: int = Field(16, description="tokens per KV block (8, 16, 32, 64 or 128)")
