@@ -199,7 +199,19 @@ def env_flag(name: str) -> str | None:
     return os.environ.get(name)
 
 
-class EngineSettings(BaseSettings):
+class _KilnSettings(BaseSettings):
+    """Sources, highest priority first: keyword arguments (flags), KILN_* variables, kiln.toml."""
+
+    @classmethod
+    def settings_customise_sources(
+        cls, settings_cls: type[BaseSettings], init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource, dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        return init_settings, env_settings, _ConfigFileSource(settings_cls)
+
+
+class EngineSettings(_KilnSettings):
     model_config = SettingsConfigDict(env_prefix="KILN_", extra="forbid", validate_default=True, enable_decoding=False)
 
     # --- model ---
@@ -375,14 +387,6 @@ class EngineSettings(BaseSettings):
                              f"({self.prompt_lookup_max})")
         return self
 
-    @classmethod
-    def settings_customise_sources(
-        cls, settings_cls: type[BaseSettings], init_settings: PydanticBaseSettingsSource,
-        env_settings: PydanticBaseSettingsSource, dotenv_settings: PydanticBaseSettingsSource,
-        file_secret_settings: PydanticBaseSettingsSource,
-    ) -> tuple[PydanticBaseSettingsSource, ...]:
-        return init_settings, env_settings, _ConfigFileSource(settings_cls)
-
     def resolved_chat_template(self) -> str | None:
         """The chat_template setting's text: a readable file's content, else the value itself."""
         if self.chat_template is None:
@@ -408,7 +412,7 @@ class EngineSettings(BaseSettings):
         return sorted({min(s, self.max_num_seqs) for s in sizes})
 
 
-class ServerSettings(BaseSettings):
+class ServerSettings(_KilnSettings):
     """HTTP server settings (`kiln serve`)."""
 
     model_config = SettingsConfigDict(env_prefix="KILN_", extra="forbid", enable_decoding=False)
@@ -435,7 +439,7 @@ class ServerSettings(BaseSettings):
     uvicorn_log_level: Literal["critical", "error", "warning", "info", "debug", "trace"] = Field(
         "info", description="uvicorn's log level")
     disable_uvicorn_access_log: bool = Field(False, description="no access log line per HTTP request")
-    enable_log_requests: bool = Field(False, description="log each request's id, endpoint and sampling parameters")
+    enable_log_requests: bool = Field(False, description="log each API request's endpoint and body (prompt, sampling parameters)")
     allowed_origins: list[str] | None = Field(
         None, description='CORS origins allowed (JSON list or words, e.g. \'["*"]\'); default: no CORS headers')
     root_path: str | None = Field(None, description="path prefix when served behind a path-based proxy")
@@ -452,14 +456,6 @@ class ServerSettings(BaseSettings):
         if (self.ssl_keyfile is None) != (self.ssl_certfile is None):
             raise ValueError("ssl_keyfile and ssl_certfile go together: give both")
         return self
-
-    @classmethod
-    def settings_customise_sources(
-        cls, settings_cls: type[BaseSettings], init_settings: PydanticBaseSettingsSource,
-        env_settings: PydanticBaseSettingsSource, dotenv_settings: PydanticBaseSettingsSource,
-        file_secret_settings: PydanticBaseSettingsSource,
-    ) -> tuple[PydanticBaseSettingsSource, ...]:
-        return init_settings, env_settings, _ConfigFileSource(settings_cls)
 
     @property
     def model_names(self) -> list[str]:

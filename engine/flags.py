@@ -118,16 +118,19 @@ def _metavar(annotation: Any) -> str:
     return {int: "INT", float: "FLOAT", Path: "PATH"}.get(base, "JSON" if typing.get_origin(base) is dict else "STR")
 
 
-def _default_text(field) -> str:
-    if field.default_factory is not None:
-        value = field.default_factory()
-    else:
-        value = field.default
+def default_text(field) -> str | None:
+    """A setting's default as --help and the README show it (None: no default value)."""
+    value = field.default_factory() if field.default_factory is not None else field.default
     if value is None:
-        return ""
+        return None
     if isinstance(value, bool):
-        return " (default: on)" if value else " (default: off)"
-    return f" (default: {value})"
+        return "on" if value else "off"
+    return str(value)
+
+
+def _help_default(field) -> str:
+    text = default_text(field)
+    return "" if text is None else f" (default: {text})"
 
 
 class _SettingAction(argparse.Action):
@@ -152,7 +155,7 @@ def add_settings_flags(parser: argparse.ArgumentParser, model_cls=EngineSettings
             continue
         ann = field.annotation
         kwargs: dict[str, Any] = dict(dest=DEST_PREFIX + name, default=argparse.SUPPRESS, action=_SettingAction,
-                                      help=(field.description or name.replace("_", " ")) + _default_text(field))
+                                      help=(field.description or name.replace("_", " ")) + _help_default(field))
         names = [flag_of(name)] + ([SHORT_FLAGS[name]] if name in SHORT_FLAGS else [])
         if _is_bool(ann):
             names.append("--no-" + flag_of(name).removeprefix("--"))

@@ -18,14 +18,12 @@ sys.path.insert(0, str(ROOT))
 
 
 def _default(field) -> str:
+    from engine.flags import default_text
+
     if field.default_factory is not None:
-        return "(computed)"
-    value = field.default
-    if value is None:
-        return ""
-    if isinstance(value, bool):
-        return "on" if value else "off"
-    return f"`{value}`"
+        return "(computed)"  # (depends on the environment, e.g. the cache directory)
+    text = default_text(field)
+    return "" if text is None else text if text in ("on", "off") else f"`{text}`"
 
 
 def _cell(text: str) -> str:
