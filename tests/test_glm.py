@@ -105,3 +105,17 @@ def test_weight_names():
         "model.layers.0.post_attention_layernorm.weight"
     assert hf_weight_name("model.layers.0.post_attention_layernorm.weight", "glm") == \
         "model.layers.0.post_attention_layernorm.weight"
+
+
+def test_partial_rotary_without_interleaving_matches_transformers(make_llm, tmp_path):
+    """The partial rotary path on its own (Phi-4-mini's partial_rotary_factor 0.75, rotate-half)."""
+    from engine.tiny_model import make_tiny_model
+
+    model = make_tiny_model(tmp_path / "phi3-partial", arch="phi3", seed=3,
+                            overrides={"partial_rotary_factor": 0.75})
+    llm = make_llm(model)
+    config = llm.engine.model_config
+    assert (config.rotary_dim, config.rope_interleaved) == (config.head_dim * 3 // 4, False)
+    prompts = _prompts(config.vocab_size)[::4]
+    outs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == hf_greedy(str(model), prompts, MAX_TOKENS)
