@@ -5,28 +5,47 @@ KILN := $(VENV)/bin/kiln
 # CPU build of torch from local disk (an unpinned torch would pull a multi-GB CUDA build).
 TORCH_PIN ?= torch==2.13.0
 PYTEST_ARGS ?=
+# The CUDA extras (cuda-python, CUTLASS) only where there is a GPU to use them.
+CUDA_EXTRA := $(shell command -v nvidia-smi >/dev/null 2>&1 && echo ",cuda")
+# Arguments for `make serve`, e.g. make serve SERVE_ARGS="/models/llama --max-model-len 8k".
+SERVE_ARGS ?=
 
-.PHONY: venv serve test test-fast bench kernels gpu-check clean
+.PHONY: venv venv-test serve test bench kernels settings-table clean
 
-$(VENV)/.installed: pyproject.toml
+$(VENV)/.python:
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q "$(TORCH_PIN)" -e '.[test,cuda]'
 	touch $@
 
-venv: $(VENV)/.installed
+# The runtime only: what `kiln serve` needs.
+$(VENV)/.runtime: pyproject.toml $(VENV)/.python
+	$(PY) -m pip install -q "$(TORCH_PIN)" -e '.$(if $(CUDA_EXTRA),[cuda],)'
+	touch $@
 
-serve: venv
-	$(KILN) serve
+# The runtime plus the test tools.
+$(VENV)/.installed: pyproject.toml $(VENV)/.runtime
+	$(PY) -m pip install -q "$(TORCH_PIN)" -e '.[test$(CUDA_EXTRA)]'
+	touch $@
 
-test: venv
+venv: $(VENV)/.runtime
+
+venv-test: $(VENV)/.installed
+
+serve: $(VENV)/.runtime
+	$(KILN) serve $(SERVE_ARGS)
+
+test: $(VENV)/.installed
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
-bench: venv
+bench: $(VENV)/.runtime
 	$(KILN) bench throughput
 
-kernels: venv
+kernels: $(VENV)/.runtime
 	$(KILN) build-kernels
+
+# Regenerate README.md's settings and flags tables from EngineSettings / ServerSettings.
+settings-table: $(VENV)/.runtime
+	$(PY) tools/settings_table.py --write README.md
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis

@@ -172,6 +172,7 @@ class EngineInfo:
     eos_token_ids: tuple[int, ...]
     tokenizer: Any
     lora_enabled: bool
+    generation_defaults: Any  # engine.generation_config: sampling defaults from generation_config.json
 
     @classmethod
     def of(cls, engine: LLMEngine) -> "EngineInfo":
@@ -179,7 +180,7 @@ class EngineInfo:
         return cls(str(engine.model_dir), engine.model_config, engine.max_model_len,
                    engine.model_config.vocab_size, s.max_num_seqs, s.block_size, s.pooling_type,
                    bool(engine.model_config.generates), True, tuple(engine.eos_token_ids), engine.tokenizer,
-                   getattr(engine, "lora", None) is not None)
+                   getattr(engine, "lora", None) is not None, engine.generation_defaults)
 
 
 @dataclass

@@ -6,12 +6,16 @@ KILN_CONFIG), `KILN_*` environment variables, then keyword arguments / CLI flags
 
 from __future__ import annotations
 
+import difflib
+import json
 import os
+import re
+import tomllib
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import Field, field_validator, model_validator
-from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict, TomlConfigSettingsSource
+from pydantic import Field, ValidationError, field_validator, model_validator
+from pydantic_settings import BaseSettings, InitSettingsSource, PydanticBaseSettingsSource, SettingsConfigDict
 
 
 def default_cache_dir() -> Path:
@@ -23,6 +27,160 @@ def default_cache_dir() -> Path:
 
 def config_file_path() -> Path:
     return Path(os.environ.get("KILN_CONFIG", "kiln.toml"))
+
+
+class SettingsError(ValueError):
+    """A settings problem, already phrased for the user (one line per problem)."""
+
+
+# KILN_* variables that are not settings fields (read through env_flag or above).
+OTHER_ENV_VARS = ("KILN_CONFIG", "KILN_CACHE_DIR", "KILN_SOAK_REQUESTS")
+
+
+def read_config_file() -> tuple[Path, dict[str, Any], str] | None:
+    """(path, table, text) of kiln.toml / $KILN_CONFIG; None when the default file is absent.
+
+    A KILN_CONFIG naming a missing file and a TOML syntax error are errors naming the file."""
+    path = config_file_path()
+    if not path.is_file():
+        if "KILN_CONFIG" in os.environ:
+            raise SettingsError(f"KILN_CONFIG={os.environ['KILN_CONFIG']}: no such file")
+        return None
+    text = path.read_text()
+    try:
+        return path, tomllib.loads(text), text
+    except tomllib.TOMLDecodeError as exc:
+        raise SettingsError(f"{path}: TOML syntax error: {exc}") from None
+
+
+def _config_line(text: str, key: str) -> int | None:
+    for number, line in enumerate(text.splitlines(), 1):
+        if re.match(rf"\s*{re.escape(key)}\s*=", line):
+            return number
+    return None
+
+
+class _ConfigFileSource(InitSettingsSource):
+    """kiln.toml, shared by EngineSettings and ServerSettings: each takes its own keys; a key that
+    belongs to neither is an error with a suggestion."""
+
+    def __init__(self, settings_cls: type[BaseSettings]):
+        found = read_config_file()
+        data: dict[str, Any] = {}
+        if found is not None:
+            path, table, text = found
+            known = set(EngineSettings.model_fields) | set(ServerSettings.model_fields)
+            for key in table:
+                if key not in known:
+                    where = f"{path}:{_config_line(text, key) or '?'}"
+                    raise SettingsError(f"{where}: unknown setting {key!r}{did_you_mean(key, known)}")
+            data = {k: v for k, v in table.items() if k in settings_cls.model_fields}
+        super().__init__(settings_cls, data)
+
+
+def did_you_mean(word: str, candidates) -> str:
+    close = difflib.get_close_matches(word, list(candidates), n=1, cutoff=0.6)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+def unknown_env_vars() -> list[str]:
+    """Warnings for KILN_* variables that no setting reads (a misspelling is otherwise silent)."""
+    known = {"KILN_" + name.upper() for cls in (EngineSettings, ServerSettings) for name in cls.model_fields}
+    known.update(OTHER_ENV_VARS)
+    return [f"{name} is not a kiln setting and is ignored{did_you_mean(name, known)}"
+            for name in sorted(os.environ) if name.startswith("KILN_") and name not in known]
+
+
+def setting_source(name: str, flags: dict[str, str] | None = None) -> str:
+    """Where a setting's value came from: the flag, the KILN_ variable, kiln.toml:LINE, or a default."""
+    if flags and name in flags:
+        return flags[name]
+    if "KILN_" + name.upper() in os.environ:
+        return "KILN_" + name.upper()
+    try:
+        found = read_config_file()
+    except SettingsError:
+        found = None
+    if found is not None and name in found[1]:
+        return f"{found[0]}:{_config_line(found[2], name) or '?'}"
+    return "a keyword argument" if flags is None else "the default"
+
+
+def build_settings(cls: type[BaseSettings], values: dict[str, Any], flags: dict[str, str] | None = None):
+    """cls(**values), with each validation error turned into one line naming the setting, its
+    value, where that came from (flag / KILN_X / kiln.toml:LINE) and what is allowed."""
+    from pydantic_settings import SettingsError as SourceError
+
+    try:
+        return cls(**values)
+    except ValidationError as exc:
+        raise SettingsError("\n".join(_explain(err, cls, flags) for err in exc.errors())) from None
+    except SourceError as exc:  # a KILN_* value the environment source could not read
+        raise SettingsError(str(exc)) from None
+
+
+def _explain(err: dict[str, Any], cls: type[BaseSettings], flags: dict[str, str] | None) -> str:
+    loc = [str(part) for part in err.get("loc", ())]
+    msg = err.get("msg", "invalid").removeprefix("Value error, ")
+    if not loc:  # a rule over several settings
+        return f"settings: {msg}"
+    name = loc[0]
+    if err.get("type") == "extra_forbidden":
+        return f"unknown setting {name!r}{did_you_mean(name, cls.model_fields)}"
+    value = err.get("input")
+    allowed = ""
+    ctx = err.get("ctx") or {}
+    if "expected" in ctx and str(ctx["expected"]) not in msg:
+        allowed = f" (allowed: {ctx['expected']})"
+    return f"{name} = {value!r} (from {setting_source(name, flags)}): {msg}{allowed}"
+
+
+def parse_human_int(value: Any) -> Any:
+    """vLLM's size syntax: 32k = 32000, 32K = 32768, 1m = 10**6, 1M = 2**20, 25.6k = 25600."""
+    if not isinstance(value, str):
+        return value
+    text = value.strip().replace("_", "")
+    match = re.fullmatch(r"(\d+(?:\.\d+)?)([kmgKMG]?)", text)
+    if not match:
+        return value  # pydantic reports it
+    number, suffix = match.groups()
+    scale = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "K": 2**10, "M": 2**20, "G": 2**30}[suffix]
+    result = float(number) * scale
+    if result != int(result):
+        raise ValueError(f"{value!r} is not a whole number of tokens")
+    return int(result)
+
+
+# Quantization methods and KV cache dtypes the engine implements (the quantization work extends these).
+SUPPORTED_QUANTIZATION: tuple[str, ...] = ()
+SUPPORTED_KV_CACHE_DTYPES: tuple[str, ...] = ("auto",)
+
+# vLLM's dtype spellings.
+DTYPE_ALIASES = {"half": "float16", "float": "float32", "bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+SPECULATIVE_KEYS = {"method": "speculative_method", "num_speculative_tokens": "num_speculative_tokens",
+                    "prompt_lookup_max": "prompt_lookup_max", "prompt_lookup_min": "prompt_lookup_min"}
+
+
+def _json_value(value: Any, name: str) -> Any:
+    if isinstance(value, str):
+        try:
+            return json.loads(value)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{name} is not valid JSON: {exc}") from None
+    return value
+
+
+def _word_list(value: Any) -> Any:
+    """A list setting given as one string: JSON list, or comma/space separated words."""
+    if isinstance(value, str):
+        text = value.strip()
+        if text.startswith("["):
+            return json.loads(text)
+        return [x for x in re.split(r"[,\s]+", text) if x]
+    if isinstance(value, list) and len(value) == 1 and isinstance(value[0], str) \
+            and ("," in value[0] or value[0].lstrip().startswith("[")):
+        return _word_list(value[0])
+    return value
 
 
 def export_compile_cache_dir(path: Path) -> tuple[Path, bool]:
@@ -41,36 +199,52 @@ def env_flag(name: str) -> str | None:
     return os.environ.get(name)
 
 
-class EngineSettings(BaseSettings):
-    model_config = SettingsConfigDict(env_prefix="KILN_", extra="forbid", validate_default=True)
+class _KilnSettings(BaseSettings):
+    """Sources, highest priority first: keyword arguments (flags), KILN_* variables, kiln.toml."""
+
+    @classmethod
+    def settings_customise_sources(
+        cls, settings_cls: type[BaseSettings], init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource, dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        return init_settings, env_settings, _ConfigFileSource(settings_cls)
+
+
+class EngineSettings(_KilnSettings):
+    model_config = SettingsConfigDict(env_prefix="KILN_", extra="forbid", validate_default=True, enable_decoding=False)
 
     # --- model ---
     model: str | None = Field(None, description="HF checkpoint directory (default: kiln's embedded tiny model)")
     tokenizer: str | None = Field(None, description="tokenizer directory (default: the model's)")
     chat_template: str | None = Field(
         None, description="Jinja chat template, or the path of a file holding one (default: the tokenizer's)")
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
-    device: Literal["auto", "cpu", "cuda"] = "auto"
-    seed: int = 0
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto", description="weights and activations (half = float16, float = float32; auto: the checkpoint's, "
+        "float32 on the CPU)")
+    device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto: cuda when a GPU is visible")
+    seed: int = Field(0, description="random seed for dummy weights and unseeded sampling")
     load_format: Literal["auto", "dummy"] = Field("auto", description="dummy: random weights from config.json")
-    max_model_len: int | None = Field(None, ge=1, description="default: the model's max_position_embeddings")
+    max_model_len: int | None = Field(None, ge=1, description="context length in tokens; 32k = 32000, 32K = 32768 "
+                                         "(default: the model's max_position_embeddings)")
 
     # --- KV cache ---
     block_size: int = Field(16, description="tokens per KV block (8, 16, 32, 64 or 128)")
     num_gpu_blocks: int | None = Field(None, ge=2, description="KV blocks; default: sized from memory settings")
-    gpu_memory_utilization: float = Field(0.9, gt=0.0, le=1.0)
+    gpu_memory_utilization: float = Field(0.9, gt=0.0, le=1.0, description="share of GPU memory kiln may use")
     kv_cache_memory_gb: float = Field(0.25, gt=0.0, description="KV cache size on the CPU device")
     swap_space_gb: float = Field(1.0, ge=0.0, description="pinned CPU memory for swapped-out KV blocks")
-    enable_prefix_caching: bool = True
+    enable_prefix_caching: bool = Field(True, description="reuse the KV blocks of shared prompt prefixes")
 
     # --- scheduling ---
-    max_num_seqs: int = Field(64, ge=1)
-    max_num_batched_tokens: int = Field(2048, ge=1)
-    enable_chunked_prefill: bool = True
-    preemption_mode: Literal["auto", "swap", "recompute"] = "recompute"
+    max_num_seqs: int = Field(64, ge=1, description="sequences in one batch at most")
+    max_num_batched_tokens: int = Field(2048, ge=1, description="tokens in one step at most (prefill chunks + decodes)")
+    enable_chunked_prefill: bool = Field(True, description="split long prompts across steps")
+    preemption_mode: Literal["auto", "swap", "recompute"] = Field(
+        "recompute", description="what happens to a preempted sequence's KV blocks")
     reserved_blocks_fraction: float = Field(0.0, ge=0.0, lt=1.0,
                                             description="pool share kept for priority <= reserved_priority")
-    reserved_priority: int = 0
+    reserved_priority: int = Field(0, description="requests with priority <= this may use the reserved share")
     max_waiting_requests: int = Field(4096, ge=1, description="beyond this the server answers 503")
 
     # --- speculative decoding (vLLM's speculative_config {"method": "ngram", ...}) ---
@@ -82,21 +256,23 @@ class EngineSettings(BaseSettings):
                                    description="ngram: shortest suffix to look up (1 matches by chance too often)")
 
     # --- LoRA adapters (vLLM's --enable-lora, --lora-modules, --max-loras, --max-lora-rank) ---
-    enable_lora: bool = False
+    enable_lora: bool = Field(False, description="serve LoRA adapters")
     lora_modules: list[str] | None = Field(None, description="name=path of PEFT adapters loaded at start-up")
     max_loras: int = Field(4, ge=1, description="adapters resident at once (one batch may mix them all)")
-    max_lora_rank: int = Field(16, ge=1, le=512)
+    max_lora_rank: int = Field(16, ge=1, le=512, description="largest adapter rank accepted")
 
     # --- embeddings (/v1/embeddings, LLM.embed) ---
     pooling_type: Literal["last", "mean"] = Field("last", description="how prompt hidden states become an embedding")
 
     # --- compiler / kernels ---
     enforce_eager: bool = Field(False, description="no torch.compile, no CUDA graphs")
-    attention_backend: Literal["auto", "torch", "cutlass"] = "auto"
+    attention_backend: Literal["auto", "torch", "cutlass"] = Field(
+        "auto", description="auto: cutlass kernels on a GPU, the torch reference on the CPU")
     cuda_graph_sizes: list[int] | None = Field(None, description="decode batch buckets (default 1,2,4,8,16,...)")
     compile_cache_dir: Path | None = Field(None, description="default: <cache_dir>/compile")
     kernel_cache_dir: Path | None = Field(None, description="default: <cache_dir>/kernels")
-    cache_dir: Path = Field(default_factory=default_cache_dir)
+    cache_dir: Path = Field(default_factory=default_cache_dir,
+                            description="kiln's cache root (KILN_CACHE_DIR): kernels, compile artefacts, tiny model")
 
     # --- logging ---
     log_stats_interval: float = Field(10.0, ge=0.0, description="seconds between stats log lines (0 = off)")
@@ -105,6 +281,17 @@ class EngineSettings(BaseSettings):
     async_scheduling: bool | None = Field(
         None, description="overlap scheduling: the host prepares step N+1 while the device runs step N "
                           "(default: on with a GPU, off on the CPU)")
+    # --- vLLM-compatible settings (issue 13) ---
+    tensor_parallel_size: int = Field(1, description="GPUs to shard the model over (kiln uses one: only 1)")
+    quantization: str | None = Field(None, description="weight quantization method (default: from the checkpoint)")
+    kv_cache_dtype: str = Field("auto", description="KV cache element type (auto: the model dtype)")
+    generation_config: str = Field(
+        "auto", description="auto: sampling defaults and extra EOS ids from the model's generation_config.json; "
+        "vllm: ignore it; or a folder holding one")
+    max_logprobs: int = Field(20, ge=0, description="largest logprobs / prompt_logprobs a request may ask for")
+    disable_log_stats: bool = Field(False, description="no periodic stats log lines")
+    speculative_config: dict[str, Any] | None = Field(
+        None, description='JSON, e.g. {"method": "ngram", "num_speculative_tokens": 4}; sets the speculative_* settings')
 
     @field_validator("block_size")
     @classmethod
@@ -113,19 +300,66 @@ class EngineSettings(BaseSettings):
             raise ValueError("block_size must be one of 8, 16, 32, 64, 128")
         return v
 
-    @field_validator("cuda_graph_sizes", mode="before")
+    @field_validator("cuda_graph_sizes", "lora_modules", mode="before")
+    @classmethod
+    def _parse_lists(cls, v: Any) -> Any:
+        return _word_list(v)
+
+    @field_validator("max_model_len", "max_num_batched_tokens", mode="before")
     @classmethod
     def _parse_sizes(cls, v: Any) -> Any:
-        if isinstance(v, str):
-            v = [int(x) for x in v.replace(" ", "").split(",") if x]
+        return parse_human_int(v)
+
+    @field_validator("dtype", mode="before")
+    @classmethod
+    def _dtype_aliases(cls, v: Any) -> Any:
+        return DTYPE_ALIASES.get(v, v) if isinstance(v, str) else v
+
+    @field_validator("tensor_parallel_size")
+    @classmethod
+    def _one_gpu(cls, v: int) -> int:
+        if v != 1:
+            raise ValueError("kiln runs a model on one GPU: only 1 is supported")
         return v
 
-    @field_validator("lora_modules", mode="before")
+    @field_validator("quantization")
     @classmethod
-    def _parse_lora_modules(cls, v: Any) -> Any:
-        if isinstance(v, str):
-            v = [x for x in v.replace(" ", "").split(",") if x]
+    def _known_quantization(cls, v: str | None) -> str | None:
+        if v is not None and v not in SUPPORTED_QUANTIZATION:
+            raise ValueError(f"quantization {v!r} is not supported yet (supported: "
+                             f"{', '.join(SUPPORTED_QUANTIZATION) or 'none; unquantized checkpoints only'})")
         return v
+
+    @field_validator("kv_cache_dtype")
+    @classmethod
+    def _known_kv_dtype(cls, v: str) -> str:
+        if v not in SUPPORTED_KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype {v!r} is not supported yet (supported: "
+                             f"{', '.join(SUPPORTED_KV_CACHE_DTYPES)})")
+        return v
+
+    @field_validator("speculative_config", mode="before")
+    @classmethod
+    def _parse_speculative(cls, v: Any) -> Any:
+        return _json_value(v, "speculative_config")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _expand_speculative_config(cls, data: Any) -> Any:
+        """vLLM's --speculative-config '{"method": "ngram", ...}' sets kiln's speculative_* settings."""
+        if not isinstance(data, dict) or data.get("speculative_config") is None:
+            return data
+        config = _json_value(data["speculative_config"], "speculative_config")
+        if not isinstance(config, dict):
+            raise ValueError("speculative_config must be a JSON object")
+        unknown = sorted(set(config) - set(SPECULATIVE_KEYS))
+        if unknown:
+            raise ValueError(f"speculative_config: unsupported key {unknown[0]!r}{did_you_mean(unknown[0], SPECULATIVE_KEYS)}"
+                             f" (supported: {', '.join(SPECULATIVE_KEYS)})")
+        data = dict(data)
+        for key, value in config.items():
+            data[SPECULATIVE_KEYS[key]] = value
+        return data
 
     def lora_module_map(self) -> dict[str, str]:
         """lora_modules as {name: path}."""
@@ -150,22 +384,12 @@ class EngineSettings(BaseSettings):
                              f"max_loras is {self.max_loras}")
         if self.speculative_method is not None and self.num_speculative_tokens < 1:
             raise ValueError("speculative_method needs num_speculative_tokens >= 1")
+        if self.disable_log_stats:
+            self.log_stats_interval = 0.0
         if self.prompt_lookup_min > self.prompt_lookup_max:
             raise ValueError(f"prompt_lookup_min ({self.prompt_lookup_min}) exceeds prompt_lookup_max "
                              f"({self.prompt_lookup_max})")
         return self
-
-    @classmethod
-    def settings_customise_sources(
-        cls, settings_cls: type[BaseSettings], init_settings: PydanticBaseSettingsSource,
-        env_settings: PydanticBaseSettingsSource, dotenv_settings: PydanticBaseSettingsSource,
-        file_secret_settings: PydanticBaseSettingsSource,
-    ) -> tuple[PydanticBaseSettingsSource, ...]:
-        sources: list[PydanticBaseSettingsSource] = [init_settings, env_settings]
-        path = config_file_path()
-        if path.is_file():
-            sources.append(TomlConfigSettingsSource(settings_cls, toml_file=path))
-        return tuple(sources)
 
     def resolved_chat_template(self) -> str | None:
         """The chat_template setting's text: a readable file's content, else the value itself."""
@@ -196,25 +420,25 @@ class EngineSettings(BaseSettings):
         return self.async_scheduling if self.async_scheduling is not None else device_type == "cuda"
 
 
-class ServerSettings(BaseSettings):
+class ServerSettings(_KilnSettings):
     """HTTP server settings (`kiln serve`)."""
 
-    model_config = SettingsConfigDict(env_prefix="KILN_", extra="ignore")
+    model_config = SettingsConfigDict(env_prefix="KILN_", extra="forbid", enable_decoding=False)
 
-    host: str = "127.0.0.1"
-    port: int = Field(8000, ge=0, le=65535)
-    api_key: str | None = None
-    served_model_name: str | None = None
-    warm_prefixes: Path | None = None
+    host: str = Field("127.0.0.1", description="address to listen on (0.0.0.0: every interface)")
+    port: int = Field(8000, ge=0, le=65535, description="TCP port (0: any free port)")
+    api_key: str | None = Field(None, description="clients must send Authorization: Bearer <key>")
+    served_model_name: list[str] | None = Field(
+        None, description="model names the API answers to; the first is reported (default: the folder's name)")
+    warm_prefixes: Path | None = Field(None, description="file of prompt prefixes to prefill at start-up")
     request_timeout: float | None = Field(None, gt=0, description="seconds before a request is aborted")
-    log_level: str = "info"
+    log_level: str = Field("info", description="kiln's log level while serving")
     # Tool calling with tool_choice "auto": the model's own call format is parsed (vLLM's flags).
-    enable_auto_tool_choice: bool = False
-    tool_call_parser: Literal["hermes", "llama3_json"] | None = None
+    enable_auto_tool_choice: bool = Field(False, description="let the model call tools on its own")
+    tool_call_parser: Literal["hermes", "llama3_json"] | None = Field(
+        None, description="how tool calls are read from the model's text")
     # POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING).
-    allow_runtime_lora_updating: bool = False
-    # Split chat answers into reasoning_content and content (vLLM's --reasoning-parser).
-    reasoning_parser: Literal["deepseek_r1", "qwen3"] | None = None
+    allow_runtime_lora_updating: bool = Field(False, description="allow /v1/load_lora_adapter and unload")
     # Hardening (issue 12): request bodies, grammar compiles, shutdown.
     max_request_body_mb: float = Field(32.0, gt=0, description="larger request bodies get a 413, unread")
     grammar_compile_timeout_s: float = Field(
@@ -225,6 +449,35 @@ class ServerSettings(BaseSettings):
     shutdown_timeout: float = Field(
         30.0, ge=0, description="on SIGTERM/SIGINT: seconds in-flight requests get to finish before they are ended")
     tokenizer_threads: int = Field(4, ge=1, description="threads that tokenise prompts and apply chat templates")
+    # Split chat answers into reasoning_content and content (vLLM's --reasoning-parser).
+    reasoning_parser: Literal["deepseek_r1", "qwen3"] | None = Field(
+        None, description="split chat answers into reasoning_content and content")
+
+    # --- vLLM-compatible server settings (issue 13) ---
+    uvicorn_log_level: Literal["critical", "error", "warning", "info", "debug", "trace"] = Field(
+        "info", description="uvicorn's log level")
+    disable_uvicorn_access_log: bool = Field(False, description="no access log line per HTTP request")
+    enable_log_requests: bool = Field(False, description="log each API request's endpoint and body (prompt, sampling parameters)")
+    allowed_origins: list[str] | None = Field(
+        None, description='CORS origins allowed (JSON list or words, e.g. \'["*"]\'); default: no CORS headers')
+    root_path: str | None = Field(None, description="path prefix when served behind a path-based proxy")
+    ssl_keyfile: Path | None = Field(None, description="TLS private key (serve HTTPS)")
+    ssl_certfile: Path | None = Field(None, description="TLS certificate (serve HTTPS)")
+
+    @field_validator("served_model_name", "allowed_origins", mode="before")
+    @classmethod
+    def _parse_lists(cls, v: Any) -> Any:
+        return _word_list(v)
+
+    @model_validator(mode="after")
+    def _tls_needs_both(self) -> "ServerSettings":
+        if (self.ssl_keyfile is None) != (self.ssl_certfile is None):
+            raise ValueError("ssl_keyfile and ssl_certfile go together: give both")
+        return self
+
+    @property
+    def model_names(self) -> list[str]:
+        return list(self.served_model_name or [])
 
     @model_validator(mode="after")
     def _auto_tools_need_a_parser(self) -> "ServerSettings":

@@ -16,6 +16,7 @@ import torch
 
 from engine.attention import BackendSpec, get_attention_backend
 from engine.config import EngineSettings, export_compile_cache_dir
+from engine.generation_config import load_generation_defaults
 from engine.kv.block_pool import BlockPool
 from engine.kv.cache import KVCache
 from engine.kv.swap import SwapSpace
@@ -34,7 +35,7 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 
 # What an LLMEngine takes over from its builder (attribute names kept from before the split).
 PARTS = ("settings", "model_dir", "model_config", "device", "dtype", "max_model_len", "tokenizer",
-         "eos_token_ids", "structured_output", "model", "lora", "backend", "kv_cache", "pool",
+         "eos_token_ids", "generation_defaults", "structured_output", "model", "lora", "backend", "kv_cache", "pool",
          "swap_space", "block_swapper", "scheduler", "sampler", "runner", "compile_seconds",
          "capture_seconds", "async_scheduling")
 
@@ -154,6 +155,8 @@ class EngineBuilder:
         if template is not None:
             self.tokenizer.chat_template = template
         eos = set(self.model_config.eos_token_ids)
+        self.generation_defaults = load_generation_defaults(self.model_dir, settings.generation_config)
+        eos.update(self.generation_defaults.eos_token_ids)  # stop tokens listed only in generation_config
         if self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)
         self.eos_token_ids = tuple(sorted(eos))

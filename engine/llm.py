@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, Sequence as Seq
 
 from engine.config import EngineSettings
+from engine.generation_config import default_sampling_params
 from engine.llm_engine import LLMEngine
 from engine.request import LoRARequest, PoolingParams, RequestOutput, SamplingParams
 
@@ -24,6 +25,10 @@ class LLM:
     def tokenizer(self):
         return self.engine.tokenizer
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """SamplingParams() with the model's generation_config.json defaults (vLLM's behaviour)."""
+        return default_sampling_params(self.engine.generation_defaults)
+
     def generate(
         self,
         prompts: str | list[int] | Seq[str | list[int]],
@@ -36,7 +41,7 @@ class LLM:
         lora_request: one adapter for all prompts, or one (or None) per prompt (enable_lora)."""
         prompts = _prompt_list(prompts)
         if sampling_params is None:
-            params_list = [_copy(SamplingParams()) for _ in prompts]
+            params_list = [_copy(self.get_default_sampling_params()) for _ in prompts]
         elif isinstance(sampling_params, SamplingParams):
             params_list = [_copy(sampling_params) for _ in prompts]
         else:

@@ -24,7 +24,7 @@ from engine.detokenizer import Detokenizer, init_offsets
 from engine.engine_builder import PARTS, EngineBuilder
 from engine.lora import attach_lora, load_lora, unload_lora
 from engine.output_processor import OutputProcessor
-from engine.request import InvalidRequestError, LoRARequest, PoolingParams, Request, RequestOutput, SamplingParams
+from engine.request import check_logprobs_limit, InvalidRequestError, LoRARequest, PoolingParams, Request, RequestOutput, SamplingParams
 from engine.runner import PendingStep
 from engine.scheduler import SchedulerOutput
 
@@ -120,6 +120,8 @@ class LLMEngine:
                                       "serves embeddings only (/v1/embeddings, LLM.embed)", "model")
         params = params or SamplingParams()
         params.validate()
+        check_logprobs_limit(params, self.settings.max_logprobs)
+        check_logprobs_limit(params, self.settings.max_logprobs)
         vocab = self.model_config.vocab_size
         for name, ids in params.token_id_fields():
             bad = [t for t in ids if not isinstance(t, int) or not 0 <= t < vocab]

@@ -238,6 +238,7 @@ class OutputProcessor:
             "first_scheduled_time": request.first_scheduled_time,
             "first_token_time": request.first_token_time,
             "finished_time": request.finished_time,
+            "n": params.n, "max_tokens": params.max_tokens,  # (request_params_* metrics)
         }
         # prompt_logprobs: the request's own list (complete once the first token exists; not copied per step)
         return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids, outs,

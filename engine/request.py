@@ -128,6 +128,15 @@ class StructuredOutputsParams:
                           sort_keys=True)
 
 
+def check_logprobs_limit(params: "SamplingParams", max_logprobs: int) -> None:
+    """The engine's max_logprobs setting bounds logprobs and prompt_logprobs."""
+    for name in ("logprobs", "prompt_logprobs"):
+        value = getattr(params, name)
+        if value is not None and value > max_logprobs:
+            raise InvalidRequestError(f"{name} must be at most {max_logprobs} (the server's max_logprobs), "
+                                      f"got {value}", name)
+
+
 @dataclass
 class SamplingParams:
     n: int = 1
@@ -212,10 +221,10 @@ class SamplingParams:
             bad(f"min_tokens must be non-negative, got {self.min_tokens}", "min_tokens")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             bad(f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})", "min_tokens")
-        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
-            bad(f"logprobs must be in [0, 20], got {self.logprobs}", "logprobs")
-        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= 20:
-            bad(f"prompt_logprobs must be in [0, 20], got {self.prompt_logprobs}", "prompt_logprobs")
+        if self.logprobs is not None and self.logprobs < 0:  # (the upper bound: check_logprobs_limit)
+            bad(f"logprobs must be non-negative, got {self.logprobs}", "logprobs")
+        if self.prompt_logprobs is not None and self.prompt_logprobs < 0:
+            bad(f"prompt_logprobs must be non-negative, got {self.prompt_logprobs}", "prompt_logprobs")
         if self.logit_bias and not all(-100.0 <= b <= 100.0 for b in self.logit_bias.values()):
             bad("logit_bias values must be in [-100, 100]", "logit_bias")
         if self.truncate_prompt_tokens is not None and self.truncate_prompt_tokens < 1:

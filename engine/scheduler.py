@@ -125,6 +125,7 @@ class Scheduler:
         self.swapper = swapper
         self.proposer = proposer  # speculative decoding: drafts for decoding sequences
         self.num_draft_tokens = 0
+        self.num_drafts = 0  # (sequence, step) pairs that had drafts
         self.num_accepted_tokens = 0
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []
@@ -638,6 +639,7 @@ class Scheduler:
         seq.num_computed_tokens += 1 + accepted
         self._cache_full_blocks(seq)
         self.num_draft_tokens += len(drafts)
+        self.num_drafts += bool(drafts)
         self.num_accepted_tokens += accepted
         if self.proposer is not None:
             self.proposer.feedback(seq, accepted)

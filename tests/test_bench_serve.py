@@ -10,7 +10,8 @@ import time
 import pytest
 
 from conftest import assert_engine_clean
-from engine.bench.serve import RequestResult, arrival_gaps, main, percentile, summarize
+from engine.bench.serve import (RequestResult, arrival_gaps, base_url, main, meets_slos, parse_goodput, percentile,
+                                read_sharegpt, summarize)
 from engine.config import EngineSettings, ServerSettings
 from engine.server.app import build_app, create_state
 
@@ -60,18 +61,85 @@ def live_server(tiny_llama):
     assert_engine_clean(state.engine.engine)
 
 
+def test_base_url_with_or_without_v1():
+    for url in ("http://h:8000", "http://h:8000/", "http://h:8000/v1", "http://h:8000/v1/"):
+        assert base_url(url) == "http://h:8000"
+
+
+def test_goodput_counts_requests_meeting_every_slo():
+    fast = RequestResult(ok=True, prompt_len=4, output_tokens=3, ttft=0.1, latency=0.3, itl=[0.1, 0.1])
+    slow = RequestResult(ok=True, prompt_len=4, output_tokens=3, ttft=0.9, latency=1.1, itl=[0.1, 0.1])
+    slos = parse_goodput(["ttft:500", "tpot:150"])
+    assert slos == {"ttft": 500.0, "tpot": 150.0}
+    assert meets_slos(fast, slos) and not meets_slos(slow, slos)
+    s = summarize([fast, slow], duration=2.0, percentiles=(50, 90), goodput=slos)
+    assert s["good_requests"] == 1 and s["request_goodput"] == pytest.approx(0.5)
+    assert set(s["ttft_ms"]) >= {"mean", "median", "p50", "p90"}
+    with pytest.raises(ValueError, match="goodput"):
+        parse_goodput(["latency:5"])
+
+
+def _sharegpt_file(path):
+    convs = [{"id": str(i), "conversations": [
+        {"from": "human", "value": f"question number {i} about kiln and clay ovens please"},
+        {"from": "gpt", "value": "an answer with a few words in it " * (1 + i % 3)}]} for i in range(20)]
+    convs.append({"id": "short", "conversations": [{"from": "human", "value": "hi"}]})
+    path.write_text(json.dumps(convs))
+    return path
+
+
+def test_sharegpt_reader(tmp_path):
+    pairs = read_sharegpt(_sharegpt_file(tmp_path / "sg.json"))
+    assert len(pairs) == 20 and pairs[0][0].startswith("question number 0")
+    (tmp_path / "bad.json").write_text("{}")
+    with pytest.raises(ValueError, match="ShareGPT"):
+        read_sharegpt(tmp_path / "bad.json")
+
+
 def test_bench_against_live_server(live_server, tmp_path, capsys):
     url, state = live_server
     out = tmp_path / "bench.json"
-    rc = main(["--url", url, "--api-key", "k", "--num-prompts", "12", "--request-rate", "50", "--input-len", "8",
-               "--output-len", "6", "--max-concurrency", "8", "--json", str(out)])
+    rc = main(["--base-url", url + "/v1", "--api-key", "k", "--num-prompts", "12", "--request-rate", "50",
+               "--input-len", "8", "--output-len", "6", "--max-concurrency", "8", "--ignore-eos",
+               "--save-result", "--result-dir", str(tmp_path), "--result-filename", out.name,
+               "--metric-percentiles", "50,90,99", "--goodput", "e2el:60000"])
     assert rc == 0
     result = json.loads(out.read_text())
+    assert result["request_goodput"] == pytest.approx(result["request_throughput"])
+    assert len(result["ttfts"]) == 12 and result["e2el_ms"]["p90"] > 0
     assert result["completed"] == 12 and result["failed"] == 0 and result["model"] == "bench"
     assert result["total_output_tokens"] == 72 and result["total_input_tokens"] == 96
     assert 0 < result["ttft_ms"]["median"] <= result["e2el_ms"]["median"]
     assert result["tpot_ms"]["mean"] > 0 and result["itl_ms"]["mean"] > 0
-    assert "Mean TTFT (ms):" in capsys.readouterr().out
+    printed = capsys.readouterr()
+    for line in ("Mean TTFT (ms):", "P99 ITL (ms):", "P90 E2EL (ms):", "Request throughput (req/s):",
+                 "Request goodput (req/s):"):
+        assert line in printed.out
+    assert "HTTP Request" not in printed.err  # no log line per request
     # failures are counted, not hidden: a wrong key makes every request fail
     rc = main(["--url", url, "--model", "bench", "--api-key", "wrong", "--num-prompts", "2", "--output-len", "2"])
     assert rc == 1 and "HTTP 401" in capsys.readouterr().out
+
+
+def test_bench_chat_endpoint_with_sharegpt(live_server, tmp_path, capsys):
+    url, state = live_server
+    data = _sharegpt_file(tmp_path / "sg.json")
+    out = tmp_path / "chat.json"
+    rc = main(["--url", url, "--api-key", "k", "--backend", "openai-chat", "--dataset-name", "sharegpt",
+               "--dataset-path", str(data), "--num-prompts", "6", "--max-concurrency", "3", "--request-rate", "40",
+               "--sharegpt-output-len", "5", "--ignore-eos", "--json", str(out), "--disable-tqdm"])
+    assert rc == 0
+    result = json.loads(out.read_text())
+    assert result["completed"] == 6 and result["total_output_tokens"] == 30
+    assert result["config"]["endpoint"] == "/v1/chat/completions"
+    assert 0 < result["ttft_ms"]["median"] <= result["e2el_ms"]["p99"] and result["itl_ms"]["mean"] > 0
+    text = capsys.readouterr().out
+    assert "Mean TTFT (ms):" in text and "P99 E2EL (ms):" in text
+
+
+def test_bench_random_chat_prompts(live_server, tmp_path):
+    url, state = live_server
+    out = tmp_path / "rc.json"
+    rc = main(["--url", url, "--api-key", "k", "--backend", "openai-chat", "--num-prompts", "4", "--input-len", "6",
+               "--output-len", "3", "--ignore-eos", "--json", str(out), "--disable-tqdm"])
+    assert rc == 0 and json.loads(out.read_text())["total_output_tokens"] == 12

@@ -174,7 +174,7 @@ def test_unsupported_model_features_are_named():
     ModelConfig.from_dict(base)
     assert ModelConfig.from_dict({**base, "sliding_window": 8}).sliding_window == 8
     assert ModelConfig.from_dict({**base, "model_type": "qwen2", "sliding_window": 8}).sliding_window is None
-    for extra, words in [(dict(partial_rotary_factor=0.75), "partial rotary"),
+    for extra, words in [(dict(partial_rotary_factor=0.0), "partial_rotary_factor"),
                          (dict(rope_scaling={"rope_type": "longrope", "long_factor": [1.0], "short_factor": [1.0]}),
                           "longrope"),
                          (dict(hidden_act="relu"), "hidden_act"), (dict(model_type="gpt2"), "gpt2"),

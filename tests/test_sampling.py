@@ -20,7 +20,7 @@ def rows_for(params_list, prompt=(1, 2, 3), outputs=()):
 def test_invalid_params_are_rejected_with_the_field_named():
     for kwargs, field in [(dict(temperature=-1), "temperature"), (dict(n=0), "n"), (dict(top_p=0), "top_p"),
                           (dict(top_k=-5), "top_k"), (dict(max_tokens=0), "max_tokens"),
-                          (dict(min_tokens=5, max_tokens=2), "min_tokens"), (dict(logprobs=99), "logprobs"),
+                          (dict(min_tokens=5, max_tokens=2), "min_tokens"), (dict(logprobs=-1), "logprobs"),
                           (dict(stop=[""]), "stop"), (dict(repetition_penalty=0), "repetition_penalty")]:
         with pytest.raises(InvalidRequestError) as info:
             SamplingParams(**kwargs)

@@ -226,7 +226,7 @@ def bench_one(engine, batch: int, input_len: int, output_len: int, args, copy_gb
 
 # ---- entry point ---------------------------------------------------------------------------
 def build_parser() -> argparse.ArgumentParser:
-    from engine.cli import add_settings_flags
+    from engine.flags import add_settings_flags
 
     parser = argparse.ArgumentParser(prog="kiln bench latency", description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -246,7 +246,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str]) -> int:
-    from engine.cli import settings_from_args
+    from engine.flags import settings_from_args
     from engine.llm_engine import LLMEngine
 
     args = build_parser().parse_args(argv)

@@ -53,7 +53,7 @@ def _run(llm, prompts, loras, max_tokens: int) -> tuple[float, int]:
 
 
 def main(argv: list[str]) -> int:
-    from engine.cli import add_settings_flags, settings_from_args
+    from engine.flags import add_settings_flags, settings_from_args
 
     parser = argparse.ArgumentParser(prog="kiln bench lora", description=__doc__)
     parser.add_argument("--adapters", type=int, default=2)

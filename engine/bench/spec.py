@@ -35,7 +35,7 @@ def _run(llm, prompts, max_tokens: int) -> tuple[float, int]:
 
 
 def main(argv: list[str]) -> int:
-    from engine.cli import add_settings_flags, settings_from_args
+    from engine.flags import add_settings_flags, settings_from_args
 
     parser = argparse.ArgumentParser(prog="kiln bench spec", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -66,13 +66,21 @@ def run_transformers(model_dir: str, reqs, batch_size: int, device: str, dtype) 
     return time.perf_counter() - t0, useful
 
 
-def main(argv: list[str]) -> int:
-    from engine.cli import add_settings_flags, settings_from_args
+def _length_range(text: str) -> tuple[int, int]:
+    parts = [int(x) for x in str(text).split(",")]
+    return (parts[0], parts[-1])
 
-    parser = argparse.ArgumentParser(prog="kiln bench throughput", description=__doc__)
-    parser.add_argument("--num-requests", type=int, default=256)
-    parser.add_argument("--prompt-len", default="16,256", help="min,max prompt tokens")
-    parser.add_argument("--output-len", default="16,128", help="min,max output tokens")
+
+def main(argv: list[str]) -> int:
+    from engine.flags import add_settings_flags, settings_from_args
+
+    parser = argparse.ArgumentParser(prog="kiln bench throughput", description=__doc__, allow_abbrev=False)
+    # Flag names shared with `kiln bench serve` (and vLLM's); the old names still work.
+    parser.add_argument("--num-prompts", "--num-requests", dest="num_requests", type=int, default=256,
+                        help="requests (default: 256)")
+    parser.add_argument("--input-len", "--prompt-len", dest="prompt_len", default="16,256",
+                        help="prompt tokens: N, or MIN,MAX drawn uniformly (default: 16,256)")
+    parser.add_argument("--output-len", default="16,128", help="output tokens: N, or MIN,MAX (default: 16,128)")
     parser.add_argument("--workload-seed", type=int, default=0)
     parser.add_argument("--baseline-batch-size", type=int, default=None, help="default: max_num_seqs")
     parser.add_argument("--no-baseline", action="store_true")
@@ -89,8 +97,8 @@ def main(argv: list[str]) -> int:
     from engine.llm import LLM
 
     llm = LLM(**settings.model_dump(exclude_unset=True) | {"model": settings.model})
-    lo, hi = (int(x) for x in args.prompt_len.split(","))
-    olo, ohi = (int(x) for x in args.output_len.split(","))
+    lo, hi = _length_range(args.prompt_len)
+    olo, ohi = _length_range(args.output_len)
     vocab = min(llm.engine.model_config.vocab_size, len(llm.tokenizer))
     reqs = workload(args.num_requests, (lo, hi), (olo, ohi), vocab, args.workload_seed)
     run_kiln(llm, reqs[: max(1, len(reqs) // 8)])  # warm-up (compilation, allocator)

@@ -8,11 +8,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from engine.models.glm import DEFAULT_PARTIAL_ROTARY, GLM_MODEL_TYPES, chatglm_config
+
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "phi3", "mixtral",
-                         "qwen2_moe", "qwen3_moe")
+                         "qwen2_moe", "qwen3_moe", "glm", "glm4", "chatglm")
 _QWEN2 = ("qwen2", "qwen2_moe")
 _QWEN3 = ("qwen3", "qwen3_moe")
 _GEMMA = ("gemma", "gemma2", "gemma3_text")
+_GLM = GLM_MODEL_TYPES
 # MLP activations kiln runs (HF names); Gemma's legacy "gelu" means the tanh approximation.
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 
@@ -63,6 +66,10 @@ class ModelConfig:
     sandwich_norms: bool = False
     # Gemma 3: the windowed layers use their own rotary base (no scaling); None: one rope for all.
     local_rope_theta: float | None = None
+    # Rotary embeddings on the first rotary_dim dims of each head only (0: all of head_dim); GLM's
+    # rotate pairs of neighbouring dims ("interleaved", engine/models/glm.py).
+    rotary_dim: int = 0
+    rope_interleaved: bool = False
 
     @property
     def is_moe(self) -> bool:
@@ -71,6 +78,8 @@ class ModelConfig:
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> "ModelConfig":
         model_type = raw.get("model_type", "llama")
+        if model_type == "chatglm":  # the original ChatGLM3 / GLM-4-chat layout
+            raw = chatglm_config(raw)
         if model_type == "gemma3":
             raise ValueError("model: gemma3 checkpoints with a vision tower are not supported; the text-only ones "
                              "(model_type gemma3_text, Gemma3ForCausalLM) are")
@@ -79,7 +88,7 @@ class ModelConfig:
                              f"(kiln runs {', '.join(SUPPORTED_MODEL_TYPES)})")
         gemma = model_type in _GEMMA
         gemma2 = model_type == "gemma2"
-        sandwich = model_type in ("gemma2", "gemma3_text")
+        sandwich = model_type in ("gemma2", "gemma3_text", "glm4")  # (GLM-4's extra norms: the same shape)
         act = (raw.get("hidden_activation") or raw.get("hidden_act") or "gelu_pytorch_tanh") if gemma \
             else raw.get("hidden_act", "silu")
         if gemma and act == "gelu":
@@ -96,9 +105,13 @@ class ModelConfig:
         if rope and rope.get("rope_type", "default") != "default":
             scaling = dict(rope)
         theta = rope.get("rope_theta", raw.get("rope_theta", 10000.0))
-        partial = rope.get("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0))
-        if partial != 1.0:
-            raise ValueError(f"model: partial rotary embeddings (partial_rotary_factor={partial}) are not supported")
+        partial = rope.get("partial_rotary_factor",
+                           raw.get("partial_rotary_factor", DEFAULT_PARTIAL_ROTARY if model_type in _GLM else 1.0))
+        head_dim = raw.get("head_dim") or raw["hidden_size"] // heads
+        rotary_dim = int(head_dim * partial)
+        if not 0 < rotary_dim <= head_dim or rotary_dim % 2:
+            raise ValueError(f"model: partial_rotary_factor={partial} gives {rotary_dim} rotary dims of "
+                             f"{head_dim}: expected an even number in (0, head_dim]")
         if scaling is not None:
             kind = scaling.get("rope_type", scaling.get("type", "default"))
             if kind == "default":
@@ -119,14 +132,14 @@ class ModelConfig:
             num_layers=raw["num_hidden_layers"],
             num_heads=heads,
             num_kv_heads=raw.get("num_key_value_heads") or heads,
-            head_dim=raw.get("head_dim") or raw["hidden_size"] // heads,
+            head_dim=head_dim,
             rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
             max_position_embeddings=raw.get("max_position_embeddings", 2048),
             rope_theta=float(theta),
             rope_scaling=scaling,
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", gemma)),
             qkv_bias=model_type in _QWEN2 or bool(raw.get("attention_bias", False)),
-            o_bias=model_type not in _QWEN2 and bool(raw.get("attention_bias", False)),
+            o_bias=model_type not in _QWEN2 + _GLM and bool(raw.get("attention_bias", False)),
             mlp_bias=bool(raw.get("mlp_bias", False)),
             qk_norm=model_type in _QWEN3 or model_type == "gemma3_text",
             sliding_window=window,
@@ -143,6 +156,8 @@ class ModelConfig:
             attn_scale=float(scalar) ** -0.5 if scalar else None,
             sandwich_norms=sandwich,
             local_rope_theta=float(local_theta) if model_type == "gemma3_text" and local_theta else None,
+            rotary_dim=rotary_dim if rotary_dim != head_dim else 0,
+            rope_interleaved=model_type in _GLM,
             **moe,
         )
 
@@ -220,7 +235,7 @@ def rope_inv_freq(config: ModelConfig):
     """Inverse frequencies for rotary embeddings, with llama3 / linear scaling applied."""
     import torch
 
-    dim = config.head_dim
+    dim = config.rotary_dim or config.head_dim
     inv = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
     scaling = config.rope_scaling
     if scaling is None:

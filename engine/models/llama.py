@@ -17,6 +17,7 @@ from torch import nn
 import compiler.moe  # noqa: F401 - registers kiln::moe_experts
 from engine.attention.base import AttentionBackend, AttentionMetadata
 from engine.models.config import ModelConfig, rope_inv_freq
+from engine.models.glm import apply_interleaved_rope, interleaved_rope_tables
 
 
 class RMSNorm(nn.Module):
@@ -73,13 +74,14 @@ class RotaryEmbedding(nn.Module):
         super().__init__()
         self.config = config
         self.max_positions = max_positions
-        self.register_buffer("cos_sin", torch.empty(max_positions, config.head_dim * 2), persistent=False)
+        self.register_buffer("cos_sin", torch.empty(max_positions, (config.rotary_dim or config.head_dim) * 2),
+                             persistent=False)
 
     def fill(self) -> None:
         inv = rope_inv_freq(self.config).to(self.cos_sin.device)
         t = torch.arange(self.max_positions, dtype=torch.float32, device=inv.device)
         freqs = torch.outer(t, inv)
-        emb = torch.cat([freqs, freqs], dim=-1)
+        emb = interleaved_rope_tables(freqs) if self.config.rope_interleaved else torch.cat([freqs, freqs], dim=-1)
         self.cos_sin.copy_(torch.cat([emb.cos(), emb.sin()], dim=-1))
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -88,6 +90,9 @@ class RotaryEmbedding(nn.Module):
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    if cos.shape[-1] < x.shape[-1]:  # partial rotary: the rest of each head passes through
+        rot = cos.shape[-1]
+        return torch.cat([apply_rope(x[..., :rot], cos, sin), x[..., rot:]], dim=-1)
     half = x.shape[-1] // 2
     rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
     return x * cos + rotated * sin
@@ -105,6 +110,7 @@ class Attention(nn.Module):
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         self.scale = config.attn_scale or self.head_dim ** -0.5
+        self.rope = apply_interleaved_rope if config.rope_interleaved else apply_rope
         self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size, config.qkv_bias,
                                parts=(self.q_size, self.kv_size, self.kv_size))
         self.o_proj = Linear(self.q_size, config.hidden_size, config.o_bias)
@@ -123,8 +129,8 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q = self.q_norm(q)
             k = self.k_norm(k)
-        q = apply_rope(q, cos, sin)
-        k = apply_rope(k, cos, sin)
+        q = self.rope(q, cos, sin)
+        k = self.rope(k, cos, sin)
         out = backend.forward(q.contiguous(), k.contiguous(), v.contiguous(), kv_cache, self.layer_index,
                               meta, self.scale, self.sliding_window, self.softcap)
         return self.o_proj(out.view(n, self.q_size), lora)

@@ -11,6 +11,7 @@ import torch
 from safetensors import safe_open
 
 from engine.models.config import ModelConfig
+from engine.models.glm import hf_weight_name
 from engine.models.llama import LlamaForCausalLM
 
 logger = logging.getLogger(__name__)
@@ -62,6 +63,7 @@ Index = tuple[int | slice, ...]
 def _target(model: LlamaForCausalLM, hf_name: str) -> tuple[str, Index | None] | None:
     """Map an HF tensor name to (kiln parameter name, the part of it the tensor fills: rows of a
     fused parameter, or an expert's slot in a stacked one; None for the whole)."""
+    hf_name = hf_weight_name(hf_name, model.config.model_type)  # GLM's own names (engine/models/glm.py)
     if not hf_name.startswith(("model.", "lm_head.")):
         hf_name = "model." + hf_name  # a bare model's checkpoint (AutoModel): no "model." prefix
     if hf_name == "model.embed_tokens.weight":

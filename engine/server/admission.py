@@ -27,7 +27,7 @@ _NORMALIZER_SLACK = 2
 # ---- which model ----
 def check_model(state, model: str | None) -> LoRARequest | None:
     """None for the base model; the adapter's LoRARequest for a LoRA adapter's name; else 404."""
-    if model is None or model == state.model_name:
+    if model is None or model == state.model_name or model in state.settings.model_names:
         return None
     adapter = state.engine.find_lora(model)
     if adapter is not None:

@@ -7,6 +7,7 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 
+from engine.generation_config import apply_generation_defaults
 from engine.request import RequestOutput
 from engine.server.admission import (chat_prompt_ids, check_constraint, check_lengths, check_model, check_params,
                                      check_text_size, check_unicode, with_reasoning_markers)
@@ -134,6 +135,7 @@ async def create_chat_completion(state, body: ChatCompletionRequest, request: Re
     lora = check_model(state, body.model)
     tool_mode = body.tool_mode(state.settings.auto_tool_parser)
     params = body.sampling_params(tool_mode)
+    params = apply_generation_defaults(params, state.info.generation_defaults, body.model_fields_set)
     check_params(state.info, body, params, 1)
     ids = await conversation_ids(state, body, body.add_generation_prompt, body.template_tools(),
                                  body.continue_final_message, body.chat_template_kwargs)

@@ -6,6 +6,7 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 
+from engine.generation_config import apply_generation_defaults
 from engine.request import RequestOutput
 from engine.server.admission import (check_constraint, check_lengths, check_model, check_params, check_unicode,
                                      prompt_ids)
@@ -62,6 +63,7 @@ async def create_completion(state, body: CompletionRequest, request: Request):
     lora = check_model(state, body.model)
     prompts = body.prompts()
     params = body.sampling_params()
+    params = apply_generation_defaults(params, state.info.generation_defaults, body.model_fields_set)
     check_params(state.info, body, params, len(prompts))
     ids = await prompt_ids(state, prompts, "prompt")
     check_lengths(state.info, ids, params, "prompt")

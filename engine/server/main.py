@@ -10,6 +10,7 @@ import sys
 
 from engine.config import EngineSettings, ServerSettings
 from engine.server.app import ServerState, build_app, create_state
+from engine.server.http_options import add_http_middleware, uvicorn_options
 
 logger = logging.getLogger("engine.server")
 
@@ -79,9 +80,10 @@ def serve(engine_settings: EngineSettings, server_settings: ServerSettings) -> i
         sock.close()
         raise
     app = build_app(state)
+    add_http_middleware(app, server_settings)
     # uvicorn's own limit is a backstop: ServerState.drain ends every request within shutdown_timeout.
-    config = uvicorn.Config(app, log_level=server_settings.log_level.lower(), access_log=False,
-                            timeout_graceful_shutdown=server_settings.shutdown_timeout + 10, log_config=None)
+    config = uvicorn.Config(app, timeout_graceful_shutdown=server_settings.shutdown_timeout + 10, log_config=None,
+                            **uvicorn_options(server_settings))
     server = _server_class()(config, state)
     sock.listen(2048)
 

@@ -110,8 +110,9 @@ def create_state(engine_settings: EngineSettings, server_settings: ServerSetting
 
         pinned = warm_up_from_file(llm_engine, server_settings.warm_prefixes)
         logger.info("warm prefixes from %s: %d KV blocks pinned", server_settings.warm_prefixes, pinned)
-    name = server_settings.served_model_name or default_model_name(engine_settings, llm_engine.model_dir)
+    name = (server_settings.model_names or [None])[0] or default_model_name(engine_settings, llm_engine.model_dir)
     metrics = EngineMetrics(name, engine_settings.log_stats_interval)
+    metrics.set_engine_info(llm_engine)
     engine = AsyncEngine(llm_engine, listener=metrics)
     engine.grammar_compiler.configure(
         timeout_s=server_settings.grammar_compile_timeout_s, workers=server_settings.grammar_compile_workers,

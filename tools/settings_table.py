@@ -1,0 +1,101 @@
+"""Generate README.md's settings, vLLM-flag and metrics tables from the code.
+
+    python tools/settings_table.py --write README.md   # rewrite the generated blocks in place
+    python tools/settings_table.py --check README.md   # exit 1 if they are out of date (tests run this)
+
+Each block sits between `<!-- generated:NAME -->` and `<!-- /generated:NAME -->` markers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+
+def _default(field) -> str:
+    from engine.flags import default_text
+
+    if field.default_factory is not None:
+        return "(computed)"  # (depends on the environment, e.g. the cache directory)
+    text = default_text(field)
+    return "" if text is None else text if text in ("on", "off") else f"`{text}`"
+
+
+def _cell(text: str) -> str:
+    return text.replace("|", "\\|").replace("\n", " ")
+
+
+def settings_table() -> str:
+    from engine.config import EngineSettings, ServerSettings
+    from engine.flags import flag_of
+
+    rows = ["| setting | flag | environment | default | what it does |", "| --- | --- | --- | --- | --- |"]
+    for cls in (EngineSettings, ServerSettings):
+        for name, field in cls.model_fields.items():
+            flag = flag_of(name)
+            if field.annotation is bool:
+                flag += f" / --no-{flag[2:]}"
+            rows.append(f"| `{name}` | `{flag}` | `KILN_{name.upper()}` | {_default(field)} | "
+                        f"{_cell(field.description or '')} |")
+    return "\n".join(rows)
+
+
+def vllm_flags_table() -> str:
+    from engine.flags import VLLM_FLAGS
+
+    rows = ["| vLLM flag | kiln setting |", "| --- | --- |"]
+    rows += [f"| `{flag}` | `{name}` |" for flag, name in VLLM_FLAGS.items()]
+    return "\n".join(rows)
+
+
+def metrics_table() -> str:
+    from prometheus_client import CollectorRegistry
+
+    from engine.server.metrics import EngineMetrics
+
+    metrics = EngineMetrics("model", log_stats_interval=0, registry=CollectorRegistry(auto_describe=True))
+    rows = ["| metric | type | what it measures |", "| --- | --- | --- |"]
+    for family in metrics.registry.collect():
+        name = family.name + ("_total" if family.type == "counter" else "")  # (as /metrics shows it)
+        rows.append(f"| `{name}` | {family.type} | {_cell(family.documentation)} |")
+    return "\n".join(rows)
+
+
+BLOCKS = {"settings": settings_table, "vllm-flags": vllm_flags_table, "metrics": metrics_table}
+
+
+def render(text: str) -> str:
+    for name, make in BLOCKS.items():
+        pattern = re.compile(rf"(<!-- generated:{name} -->\n)(?:.*?\n)?(<!-- /generated:{name} -->)", re.S)
+        if not pattern.search(text):
+            raise SystemExit(f"settings_table: no <!-- generated:{name} --> block in the file")
+        body = make() + "\n"
+        text = pattern.sub(lambda m, body=body: m.group(1) + body + m.group(2), text)
+    return text
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    mode = parser.add_mutually_exclusive_group(required=True)
+    mode.add_argument("--write", metavar="FILE")
+    mode.add_argument("--check", metavar="FILE")
+    args = parser.parse_args(argv)
+    path = Path(args.write or args.check)
+    text = path.read_text()
+    new = render(text)
+    if args.check:
+        if new != text:
+            print(f"{path}: generated tables are out of date; run `make settings-table`", file=sys.stderr)
+            return 1
+        return 0
+    path.write_text(new)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
