@@ -106,7 +106,9 @@ class LLMEngine:
         self.backend = get_attention_backend(settings.attention_backend, BackendSpec(
             device=self.device, dtype=self.dtype, head_dim=self.model_config.head_dim,
             block_size=settings.block_size, kernel_cache_dir=settings.resolved_kernel_cache_dir(),
-            compile=not settings.enforce_eager))
+            compile=not settings.enforce_eager, decode_kernel=settings.decode_kernel,
+            prefill_kernel=settings.prefill_kernel,
+            windowed_or_capped=any(self.model_config.layer_windows) or self.model_config.attn_softcap > 0))
         self.model.set_backend(self.backend)
         num_blocks = self._num_kv_blocks()
         cfg = self.model_config

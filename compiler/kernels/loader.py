@@ -133,6 +133,13 @@ class KernelLibrary:
         return fn
 
 
+def max_active_ctas_per_sm(fn, threads: int, dynamic_smem: int = 0) -> int:
+    """The driver's occupancy answer for a loaded kernel: CTAs of `threads` threads that fit on one SM."""
+    drv = _driver()
+    return int(check(drv.cuOccupancyMaxActiveBlocksPerMultiprocessor(fn, threads, dynamic_smem),
+                     "cuOccupancyMaxActiveBlocksPerMultiprocessor"))
+
+
 class Launcher:
     """A prepared kernel launch: the CUfunction, block shape, smem and ctypes argument types."""
 
