@@ -148,8 +148,13 @@ class AttentionKernels:
             threads, smem = self.block_m // 16 * 32, prefill_smem_bytes(head_dim)
         self.prefill_l = Launcher(self.lib.function(n[prefill], None, smem), threads, smem, _PREFILL_TYPES,
                                   n[prefill], ctx)
-        self.num_sms = torch.cuda.get_device_properties(self.device).multi_processor_count
-        self.occupancy = {g: self._ctas_per_sm(n[decode], g) for g in DECODE_GROUPS}
+        self._init_state(torch.cuda.get_device_properties(self.device).multi_processor_count,
+                         {g: self._ctas_per_sm(n[decode], g) for g in DECODE_GROUPS}, scratch_floats)
+
+    def _init_state(self, num_sms: int, occupancy: dict[int, int], scratch_floats: int) -> None:
+        """Scratch, plan cache and handle: everything past the kernels themselves."""
+        self.num_sms = num_sms
+        self.occupancy = occupancy
         self.scratch_floats = scratch_floats
         self.part_out = torch.empty(scratch_floats, dtype=torch.float32, device=self.device)
         self.part_lse = torch.empty(max(scratch_floats // 64, 1), dtype=torch.float32, device=self.device)
@@ -173,6 +178,11 @@ class AttentionKernels:
             if res is None:
                 return 1
             return max(1, ctas_per_sm_from_resources(res.registers, DECODE_THREADS, res.shared_bytes))
+
+    @staticmethod
+    def _stream(device) -> int:
+        """torch's current stream, read at every call (so graph capture records the launches)."""
+        return torch.cuda.current_stream(device).cuda_stream
 
     # ---- inputs the kernels cannot take --------------------------------------------------
     def _decline(self, what: str, reason: str) -> None:
@@ -229,7 +239,7 @@ class AttentionKernels:
         total = T * hkv * (D // 8)
         grid = min((total + 255) // 256, self.num_sms * 16)
         self.write_kv_l(
-            (grid, 1, 1), torch.cuda.current_stream(k.device).cuda_stream,
+            (grid, 1, 1), self._stream(k.device),
             (k.data_ptr(), v.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), slots.data_ptr(),
              T, hkv, D, self.block_size, k.stride(0), k.stride(1), v.stride(0), v.stride(1), k_cache.stride(0)),
         )
@@ -275,7 +285,7 @@ class AttentionKernels:
                                                 scale, max_query_len, max_seq_len, num_decodes))
             return
         qsl, lens, bt = _i32(query_start_loc), _i32(seq_lens), _table(block_tables)
-        stream = torch.cuda.current_stream(q.device).cuda_stream
+        stream = self._stream(q.device)
         common = dict(out=out, q=q, k_cache=k_cache, v_cache=v_cache, qsl=qsl, lens=lens, bt=bt, stream=stream,
                       scale_log2=float(scale) * LOG2E, num_tokens=T)
         for launch in plan_attention_launches(B, max_query_len, num_decodes):
