@@ -268,11 +268,12 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     from compiler import cutlass_ops
     from compiler.kernels.build import build_kernels, find_nvcc
+    from compiler.kernels.loader import missing_variants
 
     cache = args.cache_dir.expanduser()
-    names = cutlass_ops.required_variants(torch.bfloat16, D, BS)
-    if find_nvcc() is not None:
-        build_kernels(cache, names, progress=False)
+    missing = missing_variants(cache, cutlass_ops.required_variants(torch.bfloat16, D, BS))
+    if missing and find_nvcc() is not None:
+        build_kernels(cache, missing, progress=False)
     loaded = {(dk, pk): cutlass_ops.AttentionKernels(cache, "cuda", torch.bfloat16, D, BS, decode_kernel=dk,
                                                      prefill_kernel=pk)
               for dk, pk in (("v1", "mma"), ("v2", "wgmma"))}
