@@ -1,75 +1,81 @@
-"""kiln's CUTLASS/CuTe attention kernels as opaque torch custom ops (CUDA only).
+"""kiln's CUTLASS/CuTe attention kernels, loaded and launched (CUDA only).
 
-    kernels = load_attention_kernels(cache_dir, device, dtype, head_dim, block_size)
-    torch.ops.kiln.write_kv_cutlass(k, v, kv_cache, layer, slot_mapping)
-    torch.ops.kiln.paged_attention_cutlass(out, q, kv_cache, layer, query_start_loc,
-                                           seq_lens, block_tables, scale, max_query_len, max_seq_len)
+    kernels = AttentionKernels(cache_dir, device, dtype, head_dim, block_size,
+                               decode_kernel="v1", prefill_kernel="mma")
+    torch.ops.kiln.write_kv_cutlass(k, v, kv_cache, layer, slot_mapping, kernels.handle)
+    torch.ops.kiln.paged_attention_cutlass(out, q, kv_cache, layer, query_start_loc, seq_lens,
+        block_tables, scale, max_query_len, max_seq_len, num_decodes, kernels.handle)
 
-The ops have the reference ops' signatures (compiler/ops.py). Kernels are loaded once
-(cuda-python, torch's primary context) and looked up per call by (device, dtype,
-head_dim, block_size); launches go to torch's *current* stream, read at every call, so
-CUDA-graph capture records them. Split-KV scratch is allocated once at load time, so a
-captured graph sees stable pointers. Inputs the kernels cannot take (unaligned or odd
-strides, mismatched dtypes, head counts that do not divide) fall back to the reference.
+The ops are registered by compiler/ops.py (with every other kiln:: op). Whoever creates an
+AttentionKernels owns it (the cutlass attention backend does): it holds the loaded kernel
+generation its settings chose (decode v1 or v2, prefill mma.sync or wgmma), the split-KV
+scratch and the occupancy figures. Custom ops take only tensors and plain values, so the op
+reaches its kernels through `handle`, an int looked up in a table of weak references: the
+table keeps nothing alive, and two engines in one process with different kernel settings each
+use their own kernels.
 
-Switches: USE_DECODE_V2 / USE_WGMMA_PREFILL (below) pick the decode / prefill kernels; each
-AttentionKernels instance can override them (`use_decode_v2`, `use_wgmma_prefill`), which is
-how the GPU tests run both paths. Setting a switch to False selects the previous kernel.
+Launches go to torch's *current* stream, read at every call, so CUDA-graph capture records
+them. Scratch is allocated once at load time, so a captured graph sees stable pointers.
 
-Decode (max_query_len <= 1): grid = (max_splits, kv heads x head slices, sequences);
-max_splits depends only on the batch size, head counts and the block-table width (all
-fixed for a captured graph); the live split count of each sequence is derived on the
-device from its seq_len, and the combine kernel re-derives it.
+One call becomes launches by compiler/launch_plan.py: the leading one-token sequences
+(num_decodes) take the decode kernel, the rest the prefill kernel; more than 65,535 sequences
+are cut into chunks (the grid's z limit). Decode grid = (max_splits, kv heads x head slices,
+sequences); max_splits depends only on the batch, the head counts and the block-table width
+(all fixed for a captured graph) and is sized to whole waves of the GPU from the kernel's
+measured occupancy; the live split count of each sequence is derived on the device from its seq_len.
+
+Inputs the kernels cannot take (unaligned or odd strides, mismatched dtypes, head counts that do
+not divide) run the reference with a logged warning in eager mode, and raise inside CUDA-graph
+capture, where the reference would attend over max_model_len positions per sequence.
 """
 
 from __future__ import annotations
 
+import itertools
+import logging
+import weakref
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from compiler.kernels.loader import F32, I32, I64, PTR, KernelLibrary, Launcher
+from compiler.kernels.loader import F32, I32, I64, PTR, KernelLibrary, Launcher, max_active_ctas_per_sm
 from compiler.kernels.manifest import (
-    DEFAULT_CONSTANTS, attention_variant_names, dtype_tag, prefill_smem_bytes, prefill_tile,
+    DEFAULT_CONSTANTS, DECODE_KERNELS, PREFILL_KERNELS, attention_variant_names, prefill_smem_bytes, prefill_tile,
     prefill_wgmma_smem_bytes, prefill_wgmma_tile,
 )
+from compiler.launch_plan import ctas_per_sm_from_resources, plan_attention_launches, plan_decode_splits
 from compiler.reference_attention import paged_attention_reference, write_kv_reference
 
-LOG2E = 1.4426950408889634
+logger = logging.getLogger(__name__)
 
-# ---- switches: which kernel generation serves ------------------------------------------
-# The defaults are the kernels verified on an H200 (2026-11-29: 78 GPU tests against the
-# reference). The newer ones compile and have GPU tests of their own (run explicitly by
-# tests/test_kernels_gpu.py whatever these say) but have not run on a GPU yet: turn them on
-# once `tools/gpu_check.sh` passes them.
-# Decode: True = paged_decode_v2 (warp-contiguous block streaming, prefetched block table,
-# tunable split policy, in-kernel last-split merge, no combine launch); False = paged_decode (v1).
-USE_DECODE_V2 = False
-# v2 split policy (host side, graph-stable): aim for DECODE_CTAS_PER_SM * num_SMs CTAs and
-# never give a split fewer than DECODE_MIN_TOKENS_PER_SPLIT tokens (also passed to the kernel,
-# which derives the live split count of each sequence from its seq_len with it).
-DECODE_MIN_TOKENS_PER_SPLIT = 256
-DECODE_CTAS_PER_SM = 4
-# Prefill: True = flash_prefill_wgmma (sm_90a warpgroup MMA, 128-row tiles, 2 warpgroups);
-# False = flash_prefill (mma.sync, 64-row tiles).
-USE_WGMMA_PREFILL = False
+LOG2E = 1.4426950408889634
 DECODE_GROUPS = (1, 2, 4, 8)
 DECODE_THREADS = 128
-MIN_PARTITION = DEFAULT_CONSTANTS["min_partition"]
+# v1 derives each sequence's split count in the kernel with its compile-time MIN_PART.
+V1_MIN_TOKENS_PER_SPLIT = DEFAULT_CONSTANTS["min_partition"]
+# v2 takes the smallest split as an argument: small enough that a batch of one fills the GPU.
+V2_MIN_TOKENS_PER_SPLIT = 64
 MAX_SPLITS = 64
 _WRITE_KV_TYPES = (PTR, PTR, PTR, PTR, PTR, I32, I32, I32, I32, I64, I64, I64, I64, I64)
 _DECODE_TYPES = (PTR, PTR, PTR, PTR, PTR, PTR, PTR, PTR, PTR, I32, I32, I32, I32,
-                 I64, I64, I64, I64, I64, F32, I32)
+                 I64, I64, I64, I64, I64, F32, I32, I32)
 _DECODE_V2_TYPES = (PTR, PTR, PTR, PTR, PTR, PTR, PTR, PTR, PTR, PTR, I32, I32, I32, I32,
-                    I64, I64, I64, I64, I64, F32, I32, I32)
+                    I64, I64, I64, I64, I64, F32, I32, I32, I32)
 _COMBINE_TYPES = (PTR, PTR, PTR, PTR, PTR, I32, I32, I32, I64, I64)
-_PREFILL_TYPES = (PTR, PTR, PTR, PTR, PTR, PTR, PTR, I32, I32, I32, I64, I64, I64, I64, I64, F32, I32)
+_PREFILL_TYPES = (PTR, PTR, PTR, PTR, PTR, PTR, PTR, I32, I32, I32, I64, I64, I64, I64, I64, F32, I32, I32)
 
-_REGISTRY: dict[tuple, "AttentionKernels"] = {}
+_live_kernels: "weakref.WeakValueDictionary[int, AttentionKernels]" = weakref.WeakValueDictionary()
+_handles = itertools.count(1)
 
 
-def _key(device: torch.device, dtype: torch.dtype, head_dim: int, block_size: int) -> tuple:
-    return (device.index if device.index is not None else torch.cuda.current_device(), dtype, head_dim, block_size)
+def kernels_by_handle(handle: int) -> "AttentionKernels":
+    """The AttentionKernels an op's `handle` names; raises if its owner has let it go."""
+    k = _live_kernels.get(int(handle))
+    if k is None:
+        raise RuntimeError(f"kiln cutlass kernels #{handle} are not loaded (their backend was released); "
+                           "create an AttentionKernels (the cutlass attention backend does) and pass its handle")
+    return k
 
 
 def _vec_ok(t: torch.Tensor) -> bool:
@@ -91,76 +97,141 @@ def _i32(t: torch.Tensor) -> torch.Tensor:
     return t if t.is_contiguous() else t.contiguous()
 
 
-class AttentionKernels:
-    """Loaded kernels + scratch for one (device, dtype, head_dim, block_size)."""
+def _table(t: torch.Tensor) -> torch.Tensor:
+    """The block table as the kernels read it: int32 rows of unit column stride, any row stride
+    (the runner passes a column slice of its wider buffer; no copy is made for it)."""
+    if t.dtype != torch.int32:
+        t = t.to(torch.int32)
+    if t.dim() != 2 or t.stride(1) != 1 or (t.shape[0] > 1 and t.stride(0) < t.shape[1]):
+        t = t.contiguous()
+    return t
 
-    def __init__(self, cache_dir, device, dtype: torch.dtype, head_dim: int, block_size: int,
-                 scratch_floats: int = 1 << 22):
+
+@dataclass(frozen=True)
+class DecodePlan:
+    group: int  # packed query heads per CTA (the g<G> entry point)
+    slices: int  # CTAs per kv head along its query heads
+    splits: int  # max splits per (sequence, slice): the grid's x
+    min_tokens: int  # smallest split (v2 passes it to the kernel)
+
+
+class AttentionKernels:
+    """One kernel generation loaded for one (device, dtype, head_dim, block_size), with its scratch."""
+
+    def __init__(self, cache_dir, device, dtype: torch.dtype, head_dim: int, block_size: int, *,
+                 decode_kernel: str = "v1", prefill_kernel: str = "mma", scratch_floats: int = 1 << 22):
         self.device = torch.device(device)
         if self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
         self.dtype, self.head_dim, self.block_size = dtype, head_dim, block_size
-        self.names = attention_variant_names(dtype, head_dim, block_size)
-        self.lib = KernelLibrary(cache_dir, list(self.names.values())).load(self.device)
+        self.decode_kernel, self.prefill_kernel = decode_kernel, prefill_kernel
+        self.names = attention_variant_names(dtype, head_dim, block_size, decode_kernel, prefill_kernel)
+        self.lib = KernelLibrary(Path(cache_dir), list(self.names.values())).load(self.device)
         ctx = self.lib.context
         n = self.names
         self.write_kv_l = Launcher(self.lib.function(n["write_kv"]), 256, 0, _WRITE_KV_TYPES, n["write_kv"], ctx)
-        self.decode_l = {
-            g: Launcher(self.lib.function(n["paged_decode"], f"g{g}"), DECODE_THREADS, 0, _DECODE_TYPES,
-                        f"{n['paged_decode']}_g{g}", ctx)
-            for g in DECODE_GROUPS
-        }
-        self.decode_v2_l = {
-            g: Launcher(self.lib.function(n["paged_decode_v2"], f"g{g}"), DECODE_THREADS, 0, _DECODE_V2_TYPES,
-                        f"{n['paged_decode_v2']}_g{g}", ctx)
-            for g in DECODE_GROUPS
-        }
-        self.combine_l = Launcher(self.lib.function(n["paged_decode"], "combine"), head_dim, 0, _COMBINE_TYPES,
-                                  f"{n['paged_decode']}_combine", ctx)
-        tile = prefill_tile(head_dim)
-        self.block_m = tile["block_m"]
-        smem = prefill_smem_bytes(head_dim)
-        self.prefill_l = Launcher(self.lib.function(n["flash_prefill"], None, smem), self.block_m // 16 * 32, smem,
-                                  _PREFILL_TYPES, n["flash_prefill"], ctx)
-        wt = prefill_wgmma_tile(head_dim)
-        self.block_m_wgmma = 64 * wt["wg_warpgroups"]
-        smem = prefill_wgmma_smem_bytes(head_dim)
-        try:
-            self.prefill_wgmma_l = Launcher(self.lib.function(n["flash_prefill_wgmma"], None, smem),
-                                            128 * wt["wg_warpgroups"], smem, _PREFILL_TYPES,
-                                            n["flash_prefill_wgmma"], ctx)
-        except Exception as e:  # noqa: BLE001 - keep the mma.sync prefill usable
-            import warnings
+        decode = DECODE_KERNELS[decode_kernel]
+        types = _DECODE_V2_TYPES if decode_kernel == "v2" else _DECODE_TYPES
+        self.decode_l = {g: Launcher(self.lib.function(n[decode], f"g{g}"), DECODE_THREADS, 0, types,
+                                     f"{n[decode]}_g{g}", ctx) for g in DECODE_GROUPS}
+        self.combine_l = None
+        if decode_kernel == "v1":
+            self.combine_l = Launcher(self.lib.function(n[decode], "combine"), head_dim, 0, _COMBINE_TYPES,
+                                      f"{n[decode]}_combine", ctx)
+        prefill = PREFILL_KERNELS[prefill_kernel]
+        if prefill_kernel == "wgmma":
+            wt = prefill_wgmma_tile(head_dim)
+            self.block_m, threads, smem = 64 * wt["wg_warpgroups"], 128 * wt["wg_warpgroups"], \
+                prefill_wgmma_smem_bytes(head_dim)
+        else:
+            self.block_m = prefill_tile(head_dim)["block_m"]
+            threads, smem = self.block_m // 16 * 32, prefill_smem_bytes(head_dim)
+        self.prefill_l = Launcher(self.lib.function(n[prefill], None, smem), threads, smem, _PREFILL_TYPES,
+                                  n[prefill], ctx)
+        self._init_state(torch.cuda.get_device_properties(self.device).multi_processor_count,
+                         {g: self._ctas_per_sm(n[decode], g) for g in DECODE_GROUPS}, scratch_floats)
 
-            warnings.warn(f"kiln: wgmma prefill unavailable ({e}); using the mma.sync prefill")
-            self.prefill_wgmma_l = None
-        self.use_wgmma_prefill: bool | None = None  # None: follow USE_WGMMA_PREFILL
-        props = torch.cuda.get_device_properties(self.device)
-        self.num_sms = props.multi_processor_count
-        self.target_ctas = self.num_sms * 12
+    def _init_state(self, num_sms: int, occupancy: dict[int, int], scratch_floats: int) -> None:
+        """Scratch, plan cache and handle: everything past the kernels themselves."""
+        self.num_sms = num_sms
+        self.occupancy = occupancy
         self.scratch_floats = scratch_floats
         self.part_out = torch.empty(scratch_floats, dtype=torch.float32, device=self.device)
         self.part_lse = torch.empty(max(scratch_floats // 64, 1), dtype=torch.float32, device=self.device)
-        self._split_cache: dict[tuple, tuple] = {}
         # v2: per-(sequence, kv head slice) tickets of the last-split merge; all zero between launches.
         self.counters = torch.zeros(max(scratch_floats // 64, 1), dtype=torch.int32, device=self.device)
-        # None: follow the module-level switches at each call (tests/bench may set these per instance).
-        self.use_decode_v2: bool | None = None
+        self._plans: dict[tuple, DecodePlan] = {}
+        self._warned: set[str] = set()
+        # Split-policy overrides for benchmark sweeps (None: the occupancy query / the default).
         self.decode_min_tokens: int | None = None
         self.decode_ctas_per_sm: int | None = None
+        self.handle = next(_handles)
+        _live_kernels[self.handle] = self
+
+    def _ctas_per_sm(self, variant: str, g: int) -> int:
+        """Resident decode CTAs per SM: the driver's occupancy answer, else ptxas's registers."""
+        fn = self.lib.function(variant, f"g{g}")
+        try:
+            return max(1, max_active_ctas_per_sm(fn, DECODE_THREADS, 0))
+        except Exception:  # noqa: BLE001 - an old driver binding: derive it from the build's report
+            res = self.lib.resources(variant).get(f"kiln_{variant}_g{g}")
+            if res is None:
+                return 1
+            return max(1, ctas_per_sm_from_resources(res.registers, DECODE_THREADS, res.shared_bytes))
+
+    @staticmethod
+    def _stream(device) -> int:
+        """torch's current stream, read at every call (so graph capture records the launches)."""
+        return torch.cuda.current_stream(device).cuda_stream
+
+    # ---- inputs the kernels cannot take --------------------------------------------------
+    def _decline(self, what: str, reason: str) -> None:
+        """Raise inside CUDA-graph capture; otherwise warn once and let the caller run the reference."""
+        if torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(
+                f"kiln cutlass {what}: the kernels cannot take these inputs ({reason}), and inside a captured "
+                "CUDA graph the reference would attend over max_model_len positions per sequence; fix the "
+                "inputs, or run with attention_backend=torch or enforce_eager")
+        if reason not in self._warned:
+            self._warned.add(reason)
+            logger.warning("kiln cutlass %s: inputs the kernels cannot take (%s): running the reference", what,
+                           reason)
+
+    def write_kv_unsupported(self, k, v, k_cache, v_cache) -> str | None:
+        D = self.head_dim
+        if not (k.dtype == v.dtype == k_cache.dtype == v_cache.dtype == self.dtype):
+            return f"dtypes {k.dtype}/{k_cache.dtype}, kernels built for {self.dtype}"
+        if not (k.dim() == 3 and k.shape[1:] == v.shape[1:] and k.shape[1] == k_cache.shape[2] and k.shape[2] == D):
+            return f"k/v shapes {tuple(k.shape)}/{tuple(v.shape)} against the cache {tuple(k_cache.shape)}"
+        if not (_vec_ok(k) and _vec_ok(v) and _cache_ok(k_cache, D) and _cache_ok(v_cache, D)
+                and k_cache.stride(0) == v_cache.stride(0)):
+            return "k/v or cache strides or alignment not 16-byte vectorisable"
+        return None
+
+    def attention_unsupported(self, out, q, k_cache, v_cache) -> str | None:
+        D = self.head_dim
+        if not (q.dtype == out.dtype == k_cache.dtype == v_cache.dtype == self.dtype):
+            return f"dtypes {q.dtype}/{k_cache.dtype}, kernels built for {self.dtype}"
+        if not (q.dim() == 3 and q.shape[2] == D and out.shape == q.shape and k_cache.shape[1] == self.block_size):
+            return f"q shape {tuple(q.shape)} / cache {tuple(k_cache.shape)} against head_dim {D}, block {self.block_size}"
+        if q.shape[1] % k_cache.shape[2]:
+            return f"{q.shape[1]} query heads do not divide into {k_cache.shape[2]} kv heads"
+        if not (_vec_ok(q) and _vec_ok(out) and _cache_ok(k_cache, D) and _cache_ok(v_cache, D)
+                and k_cache.stride(0) == v_cache.stride(0)):
+            return "q/out or cache strides or alignment not 16-byte vectorisable"
+        return None
 
     # ---- write_kv ---------------------------------------------------------------------
     def write_kv(self, k, v, k_cache, v_cache, slot_mapping) -> None:
         T = k.shape[0]
         if T == 0:
             return
-        D = self.head_dim
-        if not (k.dtype == v.dtype == k_cache.dtype == v_cache.dtype == self.dtype and k.dim() == 3
-                and _vec_ok(k) and _vec_ok(v) and _cache_ok(k_cache, D) and _cache_ok(v_cache, D)
-                and k_cache.stride(0) == v_cache.stride(0) and k.shape[1:] == v.shape[1:]
-                and k.shape[1] == k_cache.shape[2] and k.shape[2] == D):
+        reason = self.write_kv_unsupported(k, v, k_cache, v_cache)
+        if reason is not None:
+            self._decline("write_kv", reason)
             write_kv_reference(k, v, k_cache, v_cache, slot_mapping)
             return
+        D = self.head_dim
         slots = slot_mapping
         if slots.dtype != torch.int64 or not slots.is_contiguous():
             slots = slots.to(torch.int64).contiguous()
@@ -168,65 +239,38 @@ class AttentionKernels:
         total = T * hkv * (D // 8)
         grid = min((total + 255) // 256, self.num_sms * 16)
         self.write_kv_l(
-            (grid, 1, 1), torch.cuda.current_stream(k.device).cuda_stream,
+            (grid, 1, 1), self._stream(k.device),
             (k.data_ptr(), v.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), slots.data_ptr(),
              T, hkv, D, self.block_size, k.stride(0), k.stride(1), v.stride(0), v.stride(1), k_cache.stride(0)),
         )
 
+    # ---- split-KV plan ------------------------------------------------------------------
+    def decode_plan(self, num_seqs: int, num_heads: int, num_kv_heads: int, max_blocks: int) -> DecodePlan:
+        """The split plan of one decode launch. Host-only and graph-stable: batch, heads, table
+        width and the kernel's occupancy only (never the live sequence lengths)."""
+        v2 = self.decode_kernel == "v2"
+        min_tok = self.decode_min_tokens or (V2_MIN_TOKENS_PER_SPLIT if v2 else V1_MIN_TOKENS_PER_SPLIT)
+        key = (num_seqs, num_heads, num_kv_heads, max_blocks, min_tok, self.decode_ctas_per_sm)
+        plan = self._plans.get(key)
+        if plan is None:
+            group = num_heads // num_kv_heads
+            g = next((x for x in DECODE_GROUPS if x >= group), DECODE_GROUPS[-1])
+            slices = -(-group // g)
+            work = num_seqs * num_kv_heads * slices
+            rows = num_seqs * num_heads
+            # no more splits than the partial-result scratch holds (v2: merge tickets too)
+            cap = min(MAX_SPLITS, self.scratch_floats // (rows * self.head_dim), self.part_lse.numel() // rows)
+            if v2 and work > self.counters.numel():
+                cap = 1
+            cps = self.decode_ctas_per_sm or self.occupancy[g]
+            splits = plan_decode_splits(work, max_blocks * self.block_size, cps, self.num_sms, min_tok, max(cap, 1))
+            plan = DecodePlan(g, slices, splits, min_tok)
+            self._plans[key] = plan
+        return plan
+
     # ---- attention --------------------------------------------------------------------
-    def _split_plan(self, num_seqs: int, num_heads: int, num_kv_heads: int, max_blocks: int,
-                    target_ctas: int, min_tokens: int) -> tuple[int, int, int]:
-        """(G, head slices, max_splits): aim for `target_ctas` CTAs, never a split of fewer than
-        `min_tokens` tokens, and no more splits than the scratch holds. Host-only and
-        graph-stable: batch, heads, table width and constants only."""
-        group = num_heads // num_kv_heads
-        g = next((x for x in DECODE_GROUPS if x >= group), DECODE_GROUPS[-1])
-        slices = -(-group // g)
-        ctas = num_seqs * num_kv_heads * slices
-        splits = max(1, -(-target_ctas // ctas))
-        splits = min(splits, MAX_SPLITS, max(1, -(-max_blocks * self.block_size // min_tokens)))
-        rows = num_seqs * num_heads
-        splits = max(1, min(splits, self.scratch_floats // (rows * self.head_dim), self.part_lse.numel() // rows))
-        return g, slices, splits
-
-    def decode_plan(self, num_seqs: int, num_heads: int, num_kv_heads: int, max_blocks: int) -> tuple[int, int, int]:
-        """(G, head slices, max_splits) for a v1 decode launch."""
-        key = (num_seqs, num_heads, num_kv_heads, max_blocks)
-        plan = self._split_cache.get(key)
-        if plan is None:
-            plan = self._split_plan(num_seqs, num_heads, num_kv_heads, max_blocks, self.target_ctas, MIN_PARTITION)
-            self._split_cache[key] = plan
-        return plan
-
-    def decode_v2_plan(self, num_seqs: int, num_heads: int, num_kv_heads: int,
-                       max_blocks: int) -> tuple[int, int, int, int]:
-        """(G, head slices, max_splits, min tokens per split) for a v2 decode launch."""
-        min_tok = int(self.decode_min_tokens or DECODE_MIN_TOKENS_PER_SPLIT)
-        cps = int(self.decode_ctas_per_sm or DECODE_CTAS_PER_SM)
-        key = ("v2", num_seqs, num_heads, num_kv_heads, max_blocks, min_tok, cps)
-        plan = self._split_cache.get(key)
-        if plan is None:
-            g, slices, splits = self._split_plan(num_seqs, num_heads, num_kv_heads, max_blocks,
-                                                 self.num_sms * cps, min_tok)
-            if num_seqs * num_kv_heads * slices > self.counters.numel():
-                splits = 1  # more (sequence, head slice) pairs than merge counters
-            plan = (g, slices, splits, min_tok)
-            self._split_cache[key] = plan
-        return plan
-
-    def decode_v2_enabled(self) -> bool:
-        return USE_DECODE_V2 if self.use_decode_v2 is None else bool(self.use_decode_v2)
-
-    def supports(self, out, q, k_cache, v_cache) -> bool:
-        D = self.head_dim
-        return (q.dim() == 3 and q.shape[2] == D and out.shape == q.shape
-                and q.dtype == out.dtype == k_cache.dtype == v_cache.dtype == self.dtype
-                and q.shape[1] % k_cache.shape[2] == 0 and _vec_ok(q) and _vec_ok(out)
-                and _cache_ok(k_cache, D) and _cache_ok(v_cache, D) and k_cache.stride(0) == v_cache.stride(0)
-                and k_cache.shape[1] == self.block_size)
-
     def attention(self, out, q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale: float,
-                  max_query_len: int, max_seq_len: int) -> None:
+                  max_query_len: int, max_seq_len: int, num_decodes: int = 0) -> None:
         T, Hq, D = q.shape
         B = seq_lens.shape[0]
         if T == 0:
@@ -234,111 +278,62 @@ class AttentionKernels:
         if B == 0:
             out.zero_()
             return
-        if not self.supports(out, q, k_cache, v_cache):
+        reason = self.attention_unsupported(out, q, k_cache, v_cache)
+        if reason is not None:
+            self._decline("paged attention", reason)
             out.copy_(paged_attention_reference(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables,
-                                                scale, max_query_len, max_seq_len))
+                                                scale, max_query_len, max_seq_len, num_decodes))
             return
-        qsl = _i32(query_start_loc)
-        lens = _i32(seq_lens)
-        bt = _i32(block_tables)
-        hkv = k_cache.shape[2]
-        max_blocks = bt.shape[1]
-        stream = torch.cuda.current_stream(q.device).cuda_stream
-        scale_log2 = float(scale) * LOG2E
-        if max_query_len <= 1 and self.decode_v2_enabled():
-            g, slices, splits, min_tok = self.decode_v2_plan(B, Hq, hkv, max_blocks)
-            self.decode_v2_l[g](
-                (splits, hkv * slices, B), stream,
-                (out.data_ptr(), q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), qsl.data_ptr(),
-                 lens.data_ptr(), bt.data_ptr(), self.part_out.data_ptr(), self.part_lse.data_ptr(),
-                 self.counters.data_ptr(), Hq, hkv, Hq // hkv, max_blocks, q.stride(0), q.stride(1),
-                 out.stride(0), out.stride(1), k_cache.stride(0), scale_log2, T, min_tok),
-            )
-        elif max_query_len <= 1:
-            g, slices, splits = self.decode_plan(B, Hq, hkv, max_blocks)
-            self.decode_l[g](
-                (splits, hkv * slices, B), stream,
-                (out.data_ptr(), q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), qsl.data_ptr(),
-                 lens.data_ptr(), bt.data_ptr(), self.part_out.data_ptr(), self.part_lse.data_ptr(),
-                 Hq, hkv, Hq // hkv, max_blocks, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-                 k_cache.stride(0), scale_log2, T),
-            )
-            if splits > 1:
-                self.combine_l(
-                    (Hq, B, 1), stream,
-                    (out.data_ptr(), qsl.data_ptr(), lens.data_ptr(), self.part_out.data_ptr(),
-                     self.part_lse.data_ptr(), Hq, max_blocks, splits, out.stride(0), out.stride(1)),
-                )
-        else:
-            wg = USE_WGMMA_PREFILL if self.use_wgmma_prefill is None else bool(self.use_wgmma_prefill)
-            wg = wg and self.prefill_wgmma_l is not None
-            launcher, bm = (self.prefill_wgmma_l, self.block_m_wgmma) if wg else (self.prefill_l, self.block_m)
-            mtiles = -(-max_query_len // bm)
-            launcher(
-                (mtiles, Hq, B), stream,
-                (out.data_ptr(), q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), qsl.data_ptr(),
-                 lens.data_ptr(), bt.data_ptr(), Hq, hkv, max_blocks, q.stride(0), q.stride(1),
-                 out.stride(0), out.stride(1), k_cache.stride(0), scale_log2, T),
-            )
+        qsl, lens, bt = _i32(query_start_loc), _i32(seq_lens), _table(block_tables)
+        stream = self._stream(q.device)
+        common = dict(out=out, q=q, k_cache=k_cache, v_cache=v_cache, qsl=qsl, lens=lens, bt=bt, stream=stream,
+                      scale_log2=float(scale) * LOG2E, num_tokens=T)
+        for launch in plan_attention_launches(B, max_query_len, num_decodes):
+            if launch.kind == "decode":
+                self._launch_decode(launch.seq_start, launch.num_seqs, launch.zero_tail, **common)
+            else:
+                self._launch_prefill(launch.seq_start, launch.num_seqs, launch.zero_tail, max_query_len, **common)
 
+    def _args(self, start, out, q, k_cache, v_cache, qsl, lens, bt):
+        """Pointers of a launch over sequences [start, ...): the per-sequence arrays are offset, the
+        token arrays are not (query_start_loc holds absolute token offsets)."""
+        return (out.data_ptr(), q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), qsl.data_ptr() + 4 * start,
+                lens.data_ptr() + 4 * start, bt.data_ptr() + 4 * start * bt.stride(0))
 
-def load_attention_kernels(cache_dir, device, dtype: torch.dtype, head_dim: int, block_size: int,
-                           scratch_floats: int = 1 << 22) -> AttentionKernels:
-    """Load (once) and register the kernels the ops use for this shape; returns them."""
-    device = torch.device(device)
-    key = _key(device, dtype, head_dim, block_size)
-    k = _REGISTRY.get(key)
-    if k is None:
-        k = AttentionKernels(Path(cache_dir), device, dtype, head_dim, block_size, scratch_floats)
-        _REGISTRY[key] = k
-    return k
+    def _launch_decode(self, start, n, zero_tail, *, out, q, k_cache, v_cache, qsl, lens, bt, stream, scale_log2,
+                       num_tokens):
+        Hq, hkv, max_blocks = q.shape[1], k_cache.shape[2], bt.shape[1]
+        plan = self.decode_plan(n, Hq, hkv, max_blocks)
+        ptrs = self._args(start, out, q, k_cache, v_cache, qsl, lens, bt)
+        strides = (q.stride(0), q.stride(1), out.stride(0), out.stride(1), k_cache.stride(0))
+        ntok = num_tokens if zero_tail else 0  # only the call's last launch zeroes the padding rows
+        grid = (plan.splits, hkv * plan.slices, n)
+        scratch = (self.part_out.data_ptr(), self.part_lse.data_ptr())
+        if self.decode_kernel == "v2":
+            self.decode_l[plan.group](grid, stream, (*ptrs, *scratch, self.counters.data_ptr(), Hq, hkv, Hq // hkv,
+                                                     max_blocks, *strides, scale_log2, ntok, plan.min_tokens,
+                                                     bt.stride(0)))
+            return
+        self.decode_l[plan.group](grid, stream, (*ptrs, *scratch, Hq, hkv, Hq // hkv, max_blocks, *strides,
+                                                 scale_log2, ntok, bt.stride(0)))
+        if plan.splits > 1:
+            self.combine_l((Hq, n, 1), stream, (out.data_ptr(), ptrs[4], ptrs[5], *scratch, Hq, max_blocks,
+                                                plan.splits, out.stride(0), out.stride(1)))
 
-
-def loaded_kernels(device: torch.device, dtype: torch.dtype, head_dim: int, block_size: int) -> AttentionKernels:
-    k = _REGISTRY.get(_key(device, dtype, head_dim, block_size))
-    if k is None:
-        raise RuntimeError(
-            f"kiln cutlass kernels for {dtype_tag(dtype)} head_dim={head_dim} block_size={block_size} on {device} "
-            "are not loaded: call compiler.cutlass_ops.load_attention_kernels(...) (the cutlass backend does) first"
+    def _launch_prefill(self, start, n, zero_tail, max_query_len, *, out, q, k_cache, v_cache, qsl, lens, bt,
+                        stream, scale_log2, num_tokens):
+        Hq, hkv = q.shape[1], k_cache.shape[2]
+        self.prefill_l(
+            (-(-max_query_len // self.block_m), Hq, n), stream,
+            (*self._args(start, out, q, k_cache, v_cache, qsl, lens, bt), Hq, hkv, bt.shape[1], q.stride(0),
+             q.stride(1), out.stride(0), out.stride(1), k_cache.stride(0), scale_log2,
+             num_tokens if zero_tail else 0, bt.stride(0)),
         )
-    return k
 
 
-def _kernels_for(kv_cache: torch.Tensor) -> AttentionKernels:
-    """kv_cache: [layers, 2, blocks, block_size, kv_heads, head_dim]."""
-    return loaded_kernels(kv_cache.device, kv_cache.dtype, kv_cache.shape[5], kv_cache.shape[3])
+def required_variants(dtype: torch.dtype, head_dim: int, block_size: int, decode_kernel: str | None = None,
+                      prefill_kernel: str | None = None) -> list[str]:
+    return list(attention_variant_names(dtype, head_dim, block_size, decode_kernel, prefill_kernel).values())
 
 
-@torch.library.custom_op("kiln::write_kv_cutlass", mutates_args=("kv_cache",), device_types="cuda")
-def write_kv_cutlass(
-    k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, layer: int, slot_mapping: torch.Tensor,
-) -> None:
-    _kernels_for(kv_cache).write_kv(k, v, kv_cache[layer, 0], kv_cache[layer, 1], slot_mapping)
-
-
-@write_kv_cutlass.register_fake
-def _(k, v, kv_cache, layer, slot_mapping) -> None:
-    return None
-
-
-@torch.library.custom_op("kiln::paged_attention_cutlass", mutates_args=("out",), device_types="cuda")
-def paged_attention_cutlass(
-    out: torch.Tensor, q: torch.Tensor, kv_cache: torch.Tensor, layer: int,
-    query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor,
-    scale: float, max_query_len: int, max_seq_len: int,
-) -> None:
-    _kernels_for(kv_cache).attention(out, q, kv_cache[layer, 0], kv_cache[layer, 1], query_start_loc, seq_lens,
-                                     block_tables, scale, max_query_len, max_seq_len)
-
-
-@paged_attention_cutlass.register_fake
-def _(out, q, kv_cache, layer, query_start_loc, seq_lens, block_tables, scale, max_query_len, max_seq_len) -> None:
-    return None
-
-
-def required_variants(dtype: torch.dtype, head_dim: int, block_size: int) -> list[str]:
-    return list(attention_variant_names(dtype, head_dim, block_size).values())
-
-
-__all__ = ["AttentionKernels", "load_attention_kernels", "loaded_kernels", "required_variants",
-           "write_kv_cutlass", "paged_attention_cutlass"]
+__all__ = ["AttentionKernels", "DecodePlan", "kernels_by_handle", "required_variants"]

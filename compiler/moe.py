@@ -1,4 +1,5 @@
-"""The routed experts of a mixture-of-experts FFN, as one opaque op (`kiln::moe_experts`).
+"""The routed experts of a mixture-of-experts FFN, as one opaque op (`kiln::moe_experts`, registered
+in compiler/ops.py).
 
 Inputs: the tokens x [T, H], the router's choice per token (weights and expert ids, [T, k]),
 and the stacked expert weights w13 [E, 2I, H] (gate rows, then up rows) and w2 [E, H, I].
@@ -62,16 +63,11 @@ def moe_experts_dense(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
     return torch.einsum("eth,te->th", rows.float(), combine).to(x.dtype)
 
 
-@torch.library.custom_op("kiln::moe_experts", mutates_args=())
-def moe_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
-                activation: str) -> torch.Tensor:
+def moe_experts_forward(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w13: torch.Tensor,
+                        w2: torch.Tensor, activation: str) -> torch.Tensor:
+    """The body of kiln::moe_experts (registered in compiler/ops.py)."""
     if x.shape[0] == 0:
         return torch.zeros_like(x)
     if grouped_mm_supported(x):
         return moe_experts_grouped(x, weights, ids, w13, w2, activation)
     return moe_experts_dense(x, weights, ids, w13, w2, activation)
-
-
-@moe_experts.register_fake
-def _(x, weights, ids, w13, w2, activation):
-    return torch.empty_like(x)

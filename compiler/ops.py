@@ -1,10 +1,15 @@
-"""kiln's attention ops as opaque `torch.library` custom ops.
+"""Every `kiln::` custom op, registered here and nowhere else.
+
+The engine imports this module through `engine.attention` (whatever the attention backend),
+so every op it calls exists in any process: the reference ops (`write_kv`, `paged_attention`,
+CPU and CUDA), the compiled CPU decode (`paged_attention_cpu`), `copy_blocks`, `moe_experts`,
+and the CUTLASS kernels' ops (`write_kv_cutlass`, `paged_attention_cutlass`; CUDA only, they
+launch the kernels a compiler.cutlass_ops.AttentionKernels holds, named by its handle).
+Registering needs no GPU and no cuda-python: the kernels are loaded when a backend is built.
 
 Dynamo never traces into them: under `torch.compile` they appear as single nodes
 (their fake implementations give shapes only), and under CUDA-graph capture their
-launches are recorded like any other kernel. The default implementations here are
-the pure-torch reference (CPU and CUDA); the CUTLASS backend registers its own ops
-(`kiln::*_cutlass`) with the same signatures.
+launches are recorded like any other kernel.
 
 Every op takes the whole KV cache [layers, 2, blocks, block_size, kv_heads, head_dim]
 and a layer index, never per-layer views: per-layer views are separate graph inputs
@@ -17,7 +22,10 @@ from __future__ import annotations
 
 import torch
 
+from compiler import moe
 from compiler.cpu_attention import compiled_decode_attention, decode_inputs
+from compiler.cutlass_ops import kernels_by_handle
+from compiler.launch_plan import decode_rows
 from compiler.reference_attention import paged_attention_reference, write_kv_reference
 
 
@@ -65,7 +73,7 @@ def paged_attention_cpu(
     max_model_len allows).
     """
     num_tokens, num_seqs = q.shape[0], seq_lens.shape[0]
-    nd = num_seqs if max_query_len == 1 else min(num_decodes, num_seqs)
+    nd = decode_rows(num_seqs, max_query_len, num_decodes)  # the same split as the CUDA kernels'
     kv = kv_cache[layer]  # [2, blocks, block_size, kv_heads, head_dim]: one view, not two
     if nd > 0:
         dq, tables, lens, num_items = decode_inputs(q[:nd], seq_lens[:nd], block_tables[:nd], max_seq_len,
@@ -91,4 +99,47 @@ def copy_blocks(cache: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> No
 
 @copy_blocks.register_fake
 def _(cache, src, dst) -> None:
+    return None
+
+
+@torch.library.custom_op("kiln::moe_experts", mutates_args=())
+def moe_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+                activation: str) -> torch.Tensor:
+    """The routed experts of a mixture-of-experts FFN (compiler/moe.py)."""
+    return moe.moe_experts_forward(x, weights, ids, w13, w2, activation)
+
+
+@moe_experts.register_fake
+def _(x, weights, ids, w13, w2, activation):
+    return torch.empty_like(x)
+
+
+@torch.library.custom_op("kiln::write_kv_cutlass", mutates_args=("kv_cache",), device_types="cuda")
+def write_kv_cutlass(
+    k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, layer: int, slot_mapping: torch.Tensor, kernels: int,
+) -> None:
+    """kiln::write_kv on the CUTLASS kernels `kernels` (an AttentionKernels handle)."""
+    kernels_by_handle(kernels).write_kv(k, v, kv_cache[layer, 0], kv_cache[layer, 1], slot_mapping)
+
+
+@write_kv_cutlass.register_fake
+def _(k, v, kv_cache, layer, slot_mapping, kernels) -> None:
+    return None
+
+
+@torch.library.custom_op("kiln::paged_attention_cutlass", mutates_args=("out",), device_types="cuda")
+def paged_attention_cutlass(
+    out: torch.Tensor, q: torch.Tensor, kv_cache: torch.Tensor, layer: int,
+    query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor,
+    scale: float, max_query_len: int, max_seq_len: int, num_decodes: int, kernels: int,
+) -> None:
+    """kiln::paged_attention (no window, no cap) on the CUTLASS kernels `kernels`: the leading
+    num_decodes one-token sequences take the decode kernel, the rest the prefill kernel."""
+    kernels_by_handle(kernels).attention(out, q, kv_cache[layer, 0], kv_cache[layer, 1], query_start_loc, seq_lens,
+                                         block_tables, scale, max_query_len, max_seq_len, num_decodes)
+
+
+@paged_attention_cutlass.register_fake
+def _(out, q, kv_cache, layer, query_start_loc, seq_lens, block_tables, scale, max_query_len, max_seq_len,
+      num_decodes, kernels) -> None:
     return None

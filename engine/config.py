@@ -273,6 +273,12 @@ class EngineSettings(_KilnSettings):
     kernel_cache_dir: Path | None = Field(None, description="default: <cache_dir>/kernels")
     cache_dir: Path = Field(default_factory=default_cache_dir,
                             description="kiln's cache root (KILN_CACHE_DIR): kernels, compile artefacts, tiny model")
+    decode_kernel: Literal["v1", "v2"] = Field(
+        "v1", description="cutlass backend decode kernel: v1 (split-KV + combine launch, verified on an H200) "
+                          "or v2 (warp-streamed blocks, in-kernel merge)")
+    prefill_kernel: Literal["mma", "wgmma"] = Field(
+        "mma", description="cutlass backend prefill kernel: mma (mma.sync, verified on an H200) or wgmma "
+                           "(sm_90a warpgroup MMA)")
 
     # --- logging ---
     log_stats_interval: float = Field(10.0, ge=0.0, description="seconds between stats log lines (0 = off)")

@@ -116,7 +116,9 @@ class EngineBuilder:
         self.backend = get_attention_backend(settings.attention_backend, BackendSpec(
             device=self.device, dtype=self.dtype, head_dim=cfg.head_dim,
             block_size=settings.block_size, kernel_cache_dir=settings.resolved_kernel_cache_dir(),
-            compile=not settings.enforce_eager))
+            compile=not settings.enforce_eager, decode_kernel=settings.decode_kernel,
+            prefill_kernel=settings.prefill_kernel,
+            windowed_or_capped=any(self.model_config.layer_windows) or self.model_config.attn_softcap > 0))
         self.model.set_backend(self.backend)
         with _Phase("sizing the KV cache" + (" (profiling a forward)" if self.device.type == "cuda" else "")):
             self.num_blocks = self._num_kv_blocks()

@@ -22,6 +22,7 @@ pytest.importorskip("cuda.bindings.driver")
 
 from compiler import cutlass_ops  # noqa: E402
 from compiler.kernels.build import build_kernels, find_nvcc  # noqa: E402
+from compiler.kernels.loader import missing_variants  # noqa: E402
 from compiler.kernels.manifest import attention_variant_names  # noqa: E402
 from compiler.reference_attention import paged_attention_reference  # noqa: E402
 
@@ -39,20 +40,23 @@ def kernel_cache():
         for d in (64, 128):
             for bs in (16, 32):
                 names += attention_variant_names(dt, d, bs).values()
-    names = sorted(set(names))
-    if find_nvcc() is not None:
-        build_kernels(CACHE, names, progress=False)
+    missing = missing_variants(CACHE, sorted(set(names)))  # a cache hit needs no nvcc (and no build race
+    if missing and find_nvcc() is not None:                # between pytest-xdist workers)
+        build_kernels(CACHE, missing, progress=False)
     return CACHE
 
 
+_LOADED: dict[tuple, cutlass_ops.AttentionKernels] = {}
+
+
 def kernels(dtype, d, bs, decode=None, min_tokens=None, ctas_per_sm=None, prefill=None):
-    """The loaded kernels; decode="v1"/"v2" forces that decode path (None: USE_DECODE_V2),
-    prefill="mma"/"wgmma" that prefill path (None: USE_WGMMA_PREFILL)."""
-    k = cutlass_ops.load_attention_kernels(CACHE, DEV, dtype, d, bs)
-    k.use_decode_v2 = None if decode is None else decode == "v2"
-    k.use_wgmma_prefill = None if prefill is None else prefill == "wgmma"
-    if prefill == "wgmma":
-        assert k.prefill_wgmma_l is not None, "wgmma prefill kernel failed to load (see the warning)"
+    """AttentionKernels of one generation (decode "v1"/"v2", prefill "mma"/"wgmma"; None: the
+    settings' defaults), loaded once per module; min_tokens/ctas_per_sm override the split policy."""
+    key = (dtype, d, bs, decode or "v1", prefill or "mma")
+    k = _LOADED.get(key)
+    if k is None:
+        k = _LOADED[key] = cutlass_ops.AttentionKernels(CACHE, DEV, dtype, d, bs, decode_kernel=key[3],
+                                                        prefill_kernel=key[4])
     k.decode_min_tokens = min_tokens
     k.decode_ctas_per_sm = ctas_per_sm
     return k
@@ -98,11 +102,12 @@ def reference(c):
         c["block_tables"], c["scale"], c["max_query_len"], c["max_seq_len"])
 
 
-def run_kernel(c, max_query_len=None):
+def run_kernel(c, k, max_query_len=None, num_decodes=0):
     out = torch.full_like(c["q"], float("nan"))
     torch.ops.kiln.paged_attention_cutlass(
         out, c["q"], c["kv_cache"], 0, c["query_start_loc"], c["seq_lens"], c["block_tables"],
-        c["scale"], c["max_query_len"] if max_query_len is None else max_query_len, c["max_seq_len"])
+        c["scale"], c["max_query_len"] if max_query_len is None else max_query_len, c["max_seq_len"],
+        num_decodes, k.handle)
     torch.cuda.synchronize()
     return out
 
@@ -133,7 +138,7 @@ def check(out, ref, c, label):
 @pytest.mark.parametrize("d,bs", [(128, 16), (64, 32)])
 def test_write_kv_exact(dt, d, bs):
     dtype = DTYPES[dt]
-    kernels(dtype, d, bs)
+    kk = kernels(dtype, d, bs)
     hkv, T, nblocks = 4, 203, 40
     g = torch.Generator(device="cpu").manual_seed(1)
     qkv = torch.randn(T, (8 + 2 * hkv) * d, generator=g).to(dtype).to(DEV)  # k/v are strided views
@@ -149,7 +154,7 @@ def test_write_kv_exact(dt, d, bs):
     exp_k[slots[keep]] = k[keep]
     exp_v[slots[keep]] = v[keep]
     other = big[0].clone()
-    torch.ops.kiln.write_kv_cutlass(k, v, big, 1, slots)
+    torch.ops.kiln.write_kv_cutlass(k, v, big, 1, slots, kk.handle)
     torch.cuda.synchronize()
     assert torch.equal(kc.reshape(-1, hkv, d), exp_k), "K cache differs from the expected scatter"
     assert torch.equal(vc.reshape(-1, hkv, d), exp_v), "V cache differs from the expected scatter"
@@ -167,20 +172,20 @@ DECODE_LENS = [1, 15, 16, 17, 31, 32, 33, 127, 128, 129, 300, 511, 512, 513, 100
 @pytest.mark.parametrize("hq,hkv", [(32, 8), (8, 8), (16, 2), (12, 2), (32, 2)])
 def test_decode_matches_reference(dt, d, bs, hq, hkv, path):
     dtype = DTYPES[dt]
-    kernels(dtype, d, bs, decode=path)
+    kk = kernels(dtype, d, bs, decode=path)
     c = make_case([(1, s) for s in DECODE_LENS], hq, hkv, d, bs, dtype, seed=hq + d + bs)
-    check(run_kernel(c), reference(c), c, f"decode[{path}] {dt} D{d} bs{bs} {hq}/{hkv}")
+    check(run_kernel(c, kk), reference(c), c, f"decode[{path}] {dt} D{d} bs{bs} {hq}/{hkv}")
 
 
 @pytest.mark.parametrize("path", DECODE_PATHS)
 @pytest.mark.parametrize("batch,ctx", [(1, 32768), (3, 32000), (64, 2048), (256, 300)])
 def test_decode_split_regimes(batch, ctx, path):
     dtype, d, bs = torch.bfloat16, 128, 16
-    kernels(dtype, d, bs, decode=path)
+    kk = kernels(dtype, d, bs, decode=path)
     g = torch.Generator().manual_seed(batch)
     lens = [max(1, ctx - int(x)) for x in torch.randint(0, max(ctx // 3, 1), (batch,), generator=g)]
     c = make_case([(1, s) for s in lens], 32, 8, d, bs, dtype, seed=batch)
-    check(run_kernel(c), reference(c), c, f"decode[{path}] B{batch} ctx{ctx}")
+    check(run_kernel(c, kk), reference(c), c, f"decode[{path}] B{batch} ctx{ctx}")
 
 
 # v2's split policy is a run-time parameter: every setting the bench sweeps must be correct,
@@ -190,23 +195,23 @@ def test_decode_split_regimes(batch, ctx, path):
 @pytest.mark.parametrize("d,bs,hq,hkv", [(128, 16, 32, 8), (64, 32, 16, 2), (128, 32, 8, 8), (64, 16, 32, 2)])
 def test_decode_v2_split_policies(min_tokens, ctas_per_sm, d, bs, hq, hkv):
     dtype = torch.bfloat16
-    kernels(dtype, d, bs, decode="v2", min_tokens=min_tokens, ctas_per_sm=ctas_per_sm)
+    kk = kernels(dtype, d, bs, decode="v2", min_tokens=min_tokens, ctas_per_sm=ctas_per_sm)
     try:
         c = make_case([(1, s) for s in DECODE_LENS + [3000, 8191]], hq, hkv, d, bs, dtype, seed=min_tokens + d)
         ref = reference(c)
         for rep in range(2):  # the second launch relies on the merge tickets having been reset to 0
-            check(run_kernel(c), ref, c, f"decode[v2 min_tok={min_tokens} cps={ctas_per_sm}] rep {rep}")
-        assert int(cutlass_ops.loaded_kernels(DEV, dtype, d, bs).counters.abs().sum()) == 0, "merge tickets not reset"
+            check(run_kernel(c, kk), ref, c, f"decode[v2 min_tok={min_tokens} cps={ctas_per_sm}] rep {rep}")
+        assert int(kk.counters.abs().sum()) == 0, "merge tickets not reset"
     finally:
-        kernels(dtype, d, bs)
+        kernels(dtype, d, bs, decode="v2")  # back to the default split policy
 
 
 @pytest.mark.parametrize("path", DECODE_PATHS)
 def test_decode_padding_and_unclaimed_tokens(path):
     dtype, d, bs = torch.float16, 128, 16
-    kernels(dtype, d, bs, decode=path)
+    kk = kernels(dtype, d, bs, decode=path)
     c = make_case([(1, 40), (1, 0), (0, 0), (1, 700), (1, 0)], 8, 2, d, bs, dtype, tail_tokens=3, seed=5)
-    check(run_kernel(c), reference(c), c, f"decode[{path}] padding")
+    check(run_kernel(c, kk), reference(c), c, f"decode[{path}] padding")
 
 
 # ---- prefill ----------------------------------------------------------------------------
@@ -221,17 +226,17 @@ PREFILL_SEQS = [(1, 1), (5, 5), (16, 16), (17, 17), (64, 64), (65, 65), (127, 12
 @pytest.mark.parametrize("hq,hkv", [(8, 8), (16, 4), (16, 2)])
 def test_prefill_matches_reference(dt, d, bs, hq, hkv, path):
     dtype = DTYPES[dt]
-    kernels(dtype, d, bs, prefill=path)
+    kk = kernels(dtype, d, bs, prefill=path)
     c = make_case(PREFILL_SEQS, hq, hkv, d, bs, dtype, tail_tokens=2, seed=hq * 7 + d + bs)
-    check(run_kernel(c), reference(c), c, f"prefill[{path}] {dt} D{d} bs{bs} {hq}/{hkv}")
+    check(run_kernel(c, kk), reference(c), c, f"prefill[{path}] {dt} D{d} bs{bs} {hq}/{hkv}")
 
 
 @pytest.mark.parametrize("path", PREFILL_PATHS)
 def test_prefill_long_context_chunk(path):
     dtype, d, bs = torch.bfloat16, 128, 16
-    kernels(dtype, d, bs, prefill=path)
+    kk = kernels(dtype, d, bs, prefill=path)
     c = make_case([(256, 32768), (300, 300), (1, 5000)], 8, 2, d, bs, dtype, seed=11)
-    check(run_kernel(c), reference(c), c, f"prefill[{path}] 32k")
+    check(run_kernel(c, kk), reference(c), c, f"prefill[{path}] 32k")
 
 
 @pytest.mark.parametrize("path", PREFILL_PATHS)
@@ -239,17 +244,85 @@ def test_prefill_full_tiles_and_gqa(path):
     """Whole 128-row tiles, several key tiles, 4:1 GQA, fp16 and bf16."""
     for dt, d in (("bf16", 128), ("fp16", 64)):
         dtype = DTYPES[dt]
-        kernels(dtype, d, 16, prefill=path)
+        kk = kernels(dtype, d, 16, prefill=path)
         c = make_case([(512, 512), (256, 1024), (129, 129), (384, 700)], 16, 4, d, 16, dtype, seed=21)
-        check(run_kernel(c), reference(c), c, f"prefill[{path}] tiles {dt} D{d}")
+        check(run_kernel(c, kk), reference(c), c, f"prefill[{path}] tiles {dt} D{d}")
 
 
 @pytest.mark.parametrize("path", PREFILL_PATHS)
 def test_dispatch_mixed_batch_uses_prefill_and_matches(path):
     dtype, d, bs = torch.bfloat16, 64, 16
-    kernels(dtype, d, bs, prefill=path)
+    kk = kernels(dtype, d, bs, prefill=path)
     c = make_case([(1, 90), (40, 40), (1, 1), (1, 2000)], 8, 4, d, bs, dtype, seed=3)
-    check(run_kernel(c), reference(c), c, f"mixed[{path}]")
+    check(run_kernel(c, kk), reference(c), c, f"mixed[{path}]")
+
+
+@pytest.mark.parametrize("decode,prefill", [("v1", "mma"), ("v2", "wgmma"), ("v2", "mma")])
+def test_mixed_step_decode_rows_take_the_decode_kernel(decode, prefill):
+    """num_decodes leading one-token rows go to the decode kernel, the rest to the prefill kernel
+    (two launches, the tail zeroed once); the result equals the reference either way."""
+    dtype, d, bs = torch.bfloat16, 128, 16
+    kk = kernels(dtype, d, bs, decode=decode, prefill=prefill)
+    seqs = [(1, 2000), (1, 1), (1, 4097), (1, 300), (37, 100), (64, 64), (1, 20), (5, 5)]
+    c = make_case(seqs, 32, 8, d, bs, dtype, tail_tokens=3, seed=31)
+    ref = reference(c)
+    for nd in (0, 2, 4):  # num_decodes never over-claims: rows after it take the prefill kernel
+        check(run_kernel(c, kk, num_decodes=nd), ref, c, f"mixed[{decode}/{prefill}] num_decodes={nd}")
+
+
+@pytest.mark.parametrize("path", DECODE_PATHS)
+def test_strided_block_table_is_read_in_place(path):
+    """The runner passes a column slice of its wider block-table buffer: no copy, same result."""
+    dtype, d, bs = torch.bfloat16, 64, 16
+    kk = kernels(dtype, d, bs, decode=path)
+    for max_q in (1, 40):
+        seqs = [(1, 700), (1, 33), (1, 129)] if max_q == 1 else [(1, 700), (40, 40), (1, 129)]
+        c = make_case(seqs, 16, 4, d, bs, dtype, seed=41)
+        bt = c["block_tables"]
+        wide = torch.full((bt.shape[0], bt.shape[1] + 13), 7, dtype=torch.int32, device=DEV)
+        wide[:, :bt.shape[1]] = bt
+        c["block_tables"] = wide[:, :bt.shape[1]]
+        assert not c["block_tables"].is_contiguous()
+        check(run_kernel(c, kk, num_decodes=1), reference(c), c, f"strided table [{path}] max_q={max_q}")
+
+
+@pytest.mark.parametrize("path", DECODE_PATHS)
+def test_more_sequences_than_the_grid_holds(path):
+    """Over 65,535 sequences in one call: the launches are chunked (the grid's z limit)."""
+    dtype, d, bs, B = torch.bfloat16, 64, 16, 66_000
+    kk = kernels(dtype, d, bs, decode=path)
+    g = torch.Generator(device="cpu").manual_seed(5)
+    lens = torch.randint(1, 40, (B,), generator=g, dtype=torch.int32)
+    nblk = (lens + bs - 1) // bs
+    starts = torch.cumsum(nblk, 0) - nblk + 1
+    bt = (starts[:, None] + torch.arange(3)[None, :]).to(torch.int32)
+    total = int(starts[-1] + 3)
+    kv = torch.randn(1, 2, total, bs, 4, d, generator=g).to(dtype)
+    c = dict(q=torch.randn(B, 4, d, generator=g).to(dtype), kv_cache=kv,
+             query_start_loc=torch.arange(B + 1, dtype=torch.int32), seq_lens=lens, block_tables=bt)
+    c = {k: v.to(DEV) for k, v in c.items()}
+    c.update(k_cache=c["kv_cache"][0, 0], v_cache=c["kv_cache"][0, 1], max_query_len=1, max_seq_len=39,
+             scale=1 / math.sqrt(d))
+    out = run_kernel(c, kk)
+    ref = reference(c)
+    err = (out.float() - ref.float()).norm() / ref.float().norm()
+    assert not torch.isnan(out).any() and err < TOL, f"chunked decode [{path}]: rel err {err:.3e}"
+
+
+def test_declined_inputs_raise_inside_graph_capture():
+    """Inputs the kernels cannot take run the reference eagerly, but raise inside CUDA-graph capture."""
+    dtype, d, bs = torch.bfloat16, 64, 16
+    kk = kernels(dtype, d, bs)
+    c = make_case([(1, 40), (1, 70)], 8, 2, d, bs, dtype, seed=2)
+    c["q"] = c["q"].float()  # wrong dtype: declined
+    out = torch.empty_like(c["q"])
+    args = (out, c["q"], c["kv_cache"], 0, c["query_start_loc"], c["seq_lens"], c["block_tables"], c["scale"], 1,
+            70, 0, kk.handle)
+    torch.ops.kiln.paged_attention_cutlass(*args)  # eager: the reference, with a warning
+    graph = torch.cuda.CUDAGraph()
+    with pytest.raises(RuntimeError, match="captured CUDA graph"):
+        with torch.cuda.graph(graph):
+            torch.ops.kiln.paged_attention_cutlass(*args)
 
 
 # ---- CUDA graph + torch.compile ------------------------------------------------------------
@@ -257,7 +330,7 @@ def test_dispatch_mixed_batch_uses_prefill_and_matches(path):
 @pytest.mark.parametrize("path", DECODE_PATHS)
 def test_cuda_graph_replay_after_in_place_updates(path):
     dtype, d, bs, hq, hkv, B = torch.bfloat16, 128, 16, 8, 2, 6
-    kernels(dtype, d, bs, decode=path)
+    kk = kernels(dtype, d, bs, decode=path)
     width, nblocks = 256, 1600
     g = torch.Generator().manual_seed(7)
     kv = torch.randn(1, 2, nblocks, bs, hkv, d, generator=g).to(dtype).to(DEV)
@@ -273,8 +346,8 @@ def test_cuda_graph_replay_after_in_place_updates(path):
     scale = 1.0 / math.sqrt(d)
 
     def step():
-        torch.ops.kiln.write_kv_cutlass(k, v, kv, 0, slots)
-        torch.ops.kiln.paged_attention_cutlass(out, q, kv, 0, qsl, lens, bt, scale, 1, 64)
+        torch.ops.kiln.write_kv_cutlass(k, v, kv, 0, slots, kk.handle)
+        torch.ops.kiln.paged_attention_cutlass(out, q, kv, 0, qsl, lens, bt, scale, 1, 64, 0, kk.handle)
 
     def set_inputs(new_lens, seed):
         gg = torch.Generator().manual_seed(seed)
@@ -324,7 +397,7 @@ def test_cuda_graph_replay_after_in_place_updates(path):
 @pytest.mark.parametrize("path", DECODE_PATHS)
 def test_ops_inside_torch_compile_fullgraph(path):
     dtype, d, bs = torch.float16, 64, 16
-    kernels(dtype, d, bs, decode=path)
+    kk = kernels(dtype, d, bs, decode=path)
     c = make_case([(1, 70), (1, 300), (1, 5)], 8, 2, d, bs, dtype, seed=4)
     T = c["q"].shape[0]
     k = torch.randn(T, 2, d, device=DEV).to(dtype)
@@ -334,9 +407,9 @@ def test_ops_inside_torch_compile_fullgraph(path):
                          device=DEV)
 
     def f(q, k, v, kv, slots, qsl, lens, bt):
-        torch.ops.kiln.write_kv_cutlass(k, v, kv, 0, slots)
+        torch.ops.kiln.write_kv_cutlass(k, v, kv, 0, slots, kk.handle)
         out = torch.empty_like(q)
-        torch.ops.kiln.paged_attention_cutlass(out, q, kv, 0, qsl, lens, bt, c["scale"], 1, 300)
+        torch.ops.kiln.paged_attention_cutlass(out, q, kv, 0, qsl, lens, bt, c["scale"], 1, 300, 0, kk.handle)
         return out * 2.0
 
     kc_ref, vc_ref = c["k_cache"].clone(), c["v_cache"].clone()

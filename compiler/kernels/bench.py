@@ -116,9 +116,10 @@ def _paged(batch: int, ctx: int, dtype, copies: int, seed: int = 0):
     return sets
 
 
-def _decode_case(B: int, ctx: int, dtype, kv_bytes: int):
+def _decode_case(B: int, ctx: int, dtype, kv_bytes: int, kernels_by_path: dict):
     """One decode shape: rotated paged K/V copies (L2 defeated), a query batch, and the kiln
-    decode call over each copy. Returns (sets, q, query_start_loc, seq_lens, scale, calls)."""
+    decode calls over each copy, per decode path. Returns (sets, q, query_start_loc, seq_lens,
+    scale, {path: calls})."""
     import torch
 
     copies = max(1, min(8, -(-L2_ROTATE_BYTES // kv_bytes)))
@@ -128,12 +129,13 @@ def _decode_case(B: int, ctx: int, dtype, kv_bytes: int):
     qsl = torch.arange(B + 1, dtype=torch.int32, device="cuda")
     lens = torch.full((B,), ctx, dtype=torch.int32, device="cuda")
     scale = 1 / math.sqrt(D)
-    fns = [lambda kv=kv, bt=bt: torch.ops.kiln.paged_attention_cutlass(
-        out, q, kv, 0, qsl, lens, bt, scale, 1, ctx) for kv, bt in sets]
+    fns = {path: [lambda kv=kv, bt=bt, h=k.handle: torch.ops.kiln.paged_attention_cutlass(
+        out, q, kv, 0, qsl, lens, bt, scale, 1, ctx, 0, h) for kv, bt in sets] for path, k in kernels_by_path.items()}
     return sets, q, qsl, lens, scale, fns
 
 
-def bench_decode(kernels, batches, ctxs, copy_bw, baselines_max_bytes=4 << 30, max_kv_bytes=40e9):
+def bench_decode(kernels_by_path, chosen, batches, ctxs, copy_bw, baselines_max_bytes=4 << 30, max_kv_bytes=40e9):
+    """kernels_by_path: {"v1": AttentionKernels, "v2": ...}; `chosen` is the kiln column."""
     import torch
     import torch.nn.functional as F
 
@@ -146,17 +148,15 @@ def bench_decode(kernels, batches, ctxs, copy_bw, baselines_max_bytes=4 << 30, m
             kv_bytes = B * ctx * HKV * D * 2 * 2
             if kv_bytes > max_kv_bytes:
                 continue
-            sets, q, qsl, lens, scale, fns = _decode_case(B, ctx, dtype, kv_bytes)
-            cpg = max(len(fns), 20 if kv_bytes < 1e9 else 4)
-            times = {}
-            for path in ("v1", "v2"):
-                kernels.use_decode_v2 = path == "v2"
-                times[path] = _time_graph(fns, calls_per_graph=cpg)
-            kernels.use_decode_v2 = None
-            t = times["v2" if kernels.decode_v2_enabled() else "v1"]
+            sets, q, qsl, lens, scale, fns = _decode_case(B, ctx, dtype, kv_bytes, kernels_by_path)
+            cpg = max(len(sets), 20 if kv_bytes < 1e9 else 4)
+            times = {path: _time_graph(f, calls_per_graph=cpg) for path, f in fns.items()}
+            t = times[chosen]
             row = {"kind": "decode", "batch": B, "ctx": ctx, "kiln_us": t * 1e6, "kiln_GBps": kv_bytes / t / 1e9,
-                   "kiln_copy_share": kv_bytes / t / copy_bw, "v1_us": times["v1"] * 1e6,
-                   "v2_us": times["v2"] * 1e6, "path": "v2" if kernels.decode_v2_enabled() else "v1"}
+                   "kiln_copy_share": kv_bytes / t / copy_bw, "v1_us": times.get("v1", math.nan) * 1e6,
+                   "v2_us": times.get("v2", math.nan) * 1e6, "path": chosen,
+                   "splits": {p: k.decode_plan(B, HQ, HKV, sets[0][1].shape[1]).splits
+                              for p, k in kernels_by_path.items()}}
             if kv_bytes <= baselines_max_bytes:
                 kv, bt = sets[0]
                 kc, vc = kv[0, 0], kv[0, 1]
@@ -175,34 +175,35 @@ def bench_decode(kernels, batches, ctxs, copy_bw, baselines_max_bytes=4 << 30, m
     return rows
 
 
-def bench_decode_sweep(kernels, copy_bw, batches=(16, 64), ctx=2048,
-                       min_tokens=(128, 256, 512, 1024), ctas_per_sm=(2, 3, 4, 8, 12)):
-    """v2 decode time per (tokens-per-split, CTAs-per-SM) policy setting."""
+def bench_decode_sweep(kernels, copy_bw, batches=(1, 16, 64), ctx=2048,
+                       min_tokens=(32, 64, 128, 256, 512), ctas_per_sm=(1, 2, 3, 4, 8)):
+    """v2 decode time per (tokens-per-split, CTAs-per-SM) policy setting (`kernels`: the v2 ones)."""
     import torch
 
     rows = []
     dtype = torch.bfloat16
     for B in batches:
         kv_bytes = B * ctx * HKV * D * 2 * 2
-        sets, q, qsl, lens, scale, fns = _decode_case(B, ctx, dtype, kv_bytes)
-        kernels.use_decode_v2 = True
+        sets, q, qsl, lens, scale, fns = _decode_case(B, ctx, dtype, kv_bytes, {"v2": kernels})
+        fns = fns["v2"]
         try:
             for mt in min_tokens:
                 for cps in ctas_per_sm:
                     kernels.decode_min_tokens, kernels.decode_ctas_per_sm = mt, cps
-                    splits = kernels.decode_v2_plan(B, HQ, HKV, sets[0][1].shape[1])[2]
+                    splits = kernels.decode_plan(B, HQ, HKV, sets[0][1].shape[1]).splits
                     t = _time_graph(fns, calls_per_graph=max(len(fns), 20))
                     rows.append({"kind": "decode_sweep", "batch": B, "ctx": ctx, "min_tokens": mt,
                                  "ctas_per_sm": cps, "splits": splits, "us": t * 1e6,
                                  "GBps": kv_bytes / t / 1e9, "copy_share": kv_bytes / t / copy_bw})
         finally:
-            kernels.use_decode_v2 = kernels.decode_min_tokens = kernels.decode_ctas_per_sm = None
+            kernels.decode_min_tokens = kernels.decode_ctas_per_sm = None
         del sets
         torch.cuda.empty_cache()
     return rows
 
 
-def bench_prefill(kernels, seq_lens, head_cfgs, tokens=16384):
+def bench_prefill(kernels_by_path, chosen, seq_lens, head_cfgs, tokens=16384):
+    """kernels_by_path: {"mma": AttentionKernels, "wgmma": ...}; `chosen` is the kiln column."""
     import torch
     import torch.nn.functional as F
 
@@ -223,18 +224,16 @@ def bench_prefill(kernels, seq_lens, head_cfgs, tokens=16384):
             qsl = (torch.arange(B + 1, dtype=torch.int32, device="cuda") * S)
             lens = torch.full((B,), S, dtype=torch.int32, device="cuda")
             scale = 1 / math.sqrt(D)
-            fn = [lambda: torch.ops.kiln.paged_attention_cutlass(out, q, kv, 0, qsl, lens, bt, scale, S, S)]
-            kernels.use_wgmma_prefill = False
-            t_mma = _time_graph(fn, calls_per_graph=3)
-            kernels.use_wgmma_prefill = True
-            try:
-                t_wg = _time_graph(fn, calls_per_graph=3)
-            except Exception as e:  # noqa: BLE001 - report, keep benchmarking the rest
-                print(f"wgmma prefill failed: {e}", file=sys.stderr)
-                t_wg = float("nan")
-            kernels.use_wgmma_prefill = None
-            from compiler import cutlass_ops
-            t = t_wg if cutlass_ops.USE_WGMMA_PREFILL else t_mma
+            times = {}
+            for path, k in kernels_by_path.items():
+                fn = [lambda h=k.handle: torch.ops.kiln.paged_attention_cutlass(out, q, kv, 0, qsl, lens, bt, scale,
+                                                                               S, S, 0, h)]
+                try:
+                    times[path] = _time_graph(fn, calls_per_graph=3)
+                except Exception as e:  # noqa: BLE001 - report, keep benchmarking the rest
+                    print(f"{path} prefill failed: {e}", file=sys.stderr)
+                    times[path] = float("nan")
+            t_mma, t_wg, t = times.get("mma", math.nan), times.get("wgmma", math.nan), times[chosen]
             qd = q.view(B, S, hq, D).transpose(1, 2).contiguous()
             # dense K/V with the kv heads expanded to hq (same FLOPs; SDPA's flash path takes it)
             kd = torch.randn(B, hkv, S, D, dtype=dtype, device="cuda").repeat_interleave(hq // hkv, dim=1)
@@ -255,7 +254,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", type=Path, default=None, help="also write the results as JSON here")
     p.add_argument("--cache-dir", type=Path, default=DEFAULT_CACHE_DIR)
     p.add_argument("--sweep", action="store_true",
-                   help="also sweep the v2 decode split policy (tokens per split x CTAs per SM), B 16/64, ctx 2048")
+                   help="also sweep the v2 decode split policy (tokens per split x CTAs per SM), B 1/16/64, ctx 2048")
+    p.add_argument("--decode-kernel", choices=("v1", "v2"), default="v1",
+                   help="the decode generation of the kiln column (the decode_kernel setting; default v1)")
+    p.add_argument("--prefill-kernel", choices=("mma", "wgmma"), default="mma",
+                   help="the prefill generation of the kiln column (the prefill_kernel setting; default mma)")
     args = p.parse_args(argv if argv is not None else sys.argv[1:])
 
     import torch
@@ -265,20 +268,33 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     from compiler import cutlass_ops
     from compiler.kernels.build import build_kernels, find_nvcc
+    from compiler.kernels.loader import missing_variants
 
     cache = args.cache_dir.expanduser()
-    names = cutlass_ops.required_variants(torch.bfloat16, D, BS)
-    if find_nvcc() is not None:
-        build_kernels(cache, names, progress=False)
-    kernels = cutlass_ops.load_attention_kernels(cache, "cuda", torch.bfloat16, D, BS)
+    missing = missing_variants(cache, cutlass_ops.required_variants(torch.bfloat16, D, BS))
+    if missing and find_nvcc() is not None:
+        build_kernels(cache, missing, progress=False)
+    base = cutlass_ops.AttentionKernels(cache, "cuda", torch.bfloat16, D, BS, decode_kernel="v1", prefill_kernel="mma")
+    try:
+        new = cutlass_ops.AttentionKernels(cache, "cuda", torch.bfloat16, D, BS, decode_kernel="v2",
+                                           prefill_kernel="wgmma")
+    except Exception as e:  # noqa: BLE001 - report, benchmark the verified generation alone
+        print(f"decode v2 / wgmma prefill failed to load: {e}", file=sys.stderr)
+        new = None
+    decode_by_path = {"v1": base, **({"v2": new} if new else {})}
+    prefill_by_path = {"mma": base, **({"wgmma": new} if new else {})}
+    if args.decode_kernel not in decode_by_path or args.prefill_kernel not in prefill_by_path:
+        args.decode_kernel, args.prefill_kernel = "v1", "mma"
     t0 = time.perf_counter()
     bw = copy_bandwidth()
     print(f"device: {torch.cuda.get_device_name()}  copy bandwidth {bw / 1e9:.0f} GB/s (read+write)")
     batches = [1, 16, 64, 256]
     ctxs = [128, 2048, 32768]
-    dec = bench_decode(kernels, batches, ctxs, bw, max_kv_bytes=(5e9 if args.quick else 40e9))
+    dec = bench_decode(decode_by_path, args.decode_kernel, batches, ctxs, bw,
+                       max_kv_bytes=(5e9 if args.quick else 40e9))
     print("\ndecode (32q/8kv, D128, block 16, bf16)")
-    print(f"kiln = decode {'v2' if kernels.decode_v2_enabled() else 'v1'} (USE_DECODE_V2); v1/v2 columns: both paths")
+    print(f"kiln = decode {args.decode_kernel} (--decode-kernel); v1/v2 columns: both paths; occupancy "
+          f"(CTAs/SM by group) " + ", ".join(f"{p} {k.occupancy}" for p, k in decode_by_path.items()))
     print(f"{'B':>4} {'ctx':>6} | {'kiln us':>9} {'GB/s':>7} {'%copy':>6} | {'v1 us':>7} {'v2 us':>7} | {'gather+sdpa':>11} {'GB/s':>6} | {'contig sdpa':>11} {'GB/s':>6} | {'x ref':>6} {'x sdpa':>6}")
     for r in dec:
         extra = ""
@@ -290,8 +306,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{r['batch']:>4} {r['ctx']:>6} | {r['kiln_us']:9.1f} {r['kiln_GBps']:7.0f} {100 * r['kiln_copy_share']:5.1f}% | "
               f"{r['v1_us']:7.1f} {r['v2_us']:7.1f} | {extra}")
     sweep = []
-    if args.sweep:
-        sweep = bench_decode_sweep(kernels, bw)
+    if args.sweep and "v2" in decode_by_path:
+        sweep = bench_decode_sweep(decode_by_path["v2"], bw)
         print("\ndecode v2 split-policy sweep (32q/8kv, D128, block 16, bf16, ctx 2048)")
         print(f"{'B':>4} {'min_tok':>7} {'ctas/SM':>7} {'splits':>6} | {'us':>8} {'GB/s':>7} {'%copy':>6}")
         best = {}
@@ -301,12 +317,12 @@ def main(argv: list[str] | None = None) -> int:
             if r["batch"] not in best or r["us"] < best[r["batch"]]["us"]:
                 best[r["batch"]] = r
         for b, r in best.items():
-            print(f"best B={b}: DECODE_MIN_TOKENS_PER_SPLIT={r['min_tokens']} DECODE_CTAS_PER_SM={r['ctas_per_sm']} "
+            print(f"best B={b}: min tokens per split {r['min_tokens']}, CTAs per SM {r['ctas_per_sm']} "
                   f"({r['us']:.1f} us, {r['GBps']:.0f} GB/s)")
-    pre = bench_prefill(kernels, [512, 4096] if args.quick else [512, 4096, 16384], [(32, 32), (32, 8)])
+    pre = bench_prefill(prefill_by_path, args.prefill_kernel, [512, 4096] if args.quick else [512, 4096, 16384],
+                        [(32, 32), (32, 8)])
     print("\nprefill (causal, D128, bf16)")
-    print(f"kiln = prefill {'wgmma' if cutlass_ops.USE_WGMMA_PREFILL else 'mma.sync'} (USE_WGMMA_PREFILL); "
-          "mma/wgmma columns: TFLOP/s of both paths")
+    print(f"kiln = prefill {args.prefill_kernel} (--prefill-kernel); mma/wgmma columns: TFLOP/s of both paths")
     print(f"{'heads':>6} {'B':>3} {'S':>6} | {'kiln ms':>8} {'TFLOP/s':>8} | {'mma':>6} {'wgmma':>6} | {'sdpa ms':>8} {'TFLOP/s':>8} | {'kiln/sdpa':>9}")
     for r in pre:
         print(f"{r['heads']:>6} {r['batch']:>3} {r['seq']:>6} | {r['kiln_ms']:8.3f} {r['kiln_TFLOPs']:8.1f} | "

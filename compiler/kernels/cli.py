@@ -1,4 +1,8 @@
-"""`kiln build-kernels [--variants a,b] [--jobs N] [--cache-dir DIR] [--list]`.
+"""`kiln build-kernels [--variants a,b] [--jobs N] [--cache-dir DIR] [--list | --check [--json F]]`.
+
+--check: which variants the loader finds in the cache (a hit needs no nvcc), build only the
+missing or stale ones (where nvcc is), and with a GPU load every cubin into it
+(tools/gpu_check.sh's kernel-cache stage). Exit 0 only if every variant is there and loads.
 
 Also runnable as `python -m compiler.kernels.cli ...`.
 """
@@ -19,6 +23,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--cache-dir", type=Path, default=DEFAULT_CACHE_DIR, help=f"kernel cache (default {DEFAULT_CACHE_DIR})")
     p.add_argument("--list", action="store_true", help="list the variants and whether they are built; build nothing")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.add_argument("--check", action="store_true",
+                   help="report cache hits, build only what is missing, load every cubin where a GPU is")
+    p.add_argument("--json", type=Path, default=None, help="--check: also write the report here")
     return p
 
 
@@ -35,6 +42,8 @@ def build_main(argv: list[str]) -> int:
     except ManifestError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    if args.check:
+        return _check([v.name for v in variants], cache_dir, args)
     if args.list:
         index = read_index(cache_dir)
         for v in variants:
@@ -62,6 +71,47 @@ def build_main(argv: list[str]) -> int:
             flag = "  SPILLS" if res.spill_stores or res.spill_loads else ""
             print(f"  {fn:48s} {res.registers:4d} regs {res.shared_bytes:6d} B smem {res.stack_bytes:4d} B stack{flag}")
     return 0
+
+
+def _check(names: list[str], cache_dir: Path, args) -> int:
+    import json
+
+    from compiler.kernels.build import build_kernels, find_nvcc
+    from compiler.kernels.loader import KernelLibrary, missing_variants
+
+    report = {"cache_dir": str(cache_dir), "variants": len(names)}
+    missing = missing_variants(cache_dir, names)
+    report.update(hits=len(names) - len(missing), missing=missing)
+    if missing and find_nvcc() is not None:
+        try:
+            results = build_kernels(cache_dir, missing, jobs=args.jobs, progress=False)
+            report["built"] = sum(not r.cached for r in results)
+        except Exception as e:  # noqa: BLE001 - reported, the check fails
+            report["build_error"] = str(e)[:2000]
+        missing = missing_variants(cache_dir, names)
+    report["still_missing"] = missing
+    ok = not missing
+    try:
+        import torch
+
+        gpu = torch.cuda.is_available()
+    except ImportError:
+        gpu = False
+    if gpu and ok:
+        try:
+            KernelLibrary(cache_dir, names).load("cuda")
+            report["loaded"] = len(names)
+        except Exception as e:  # noqa: BLE001 - reported, the check fails
+            report["load_error"] = str(e)[:2000]
+            ok = False
+    print(f"kernel cache {cache_dir}: {report['hits']}/{len(names)} hits, built {report.get('built', 0)}, "
+          f"missing {len(missing)}, loaded {report.get('loaded', 'n/a (no GPU)' if not gpu else 0)}")
+    for key in ("build_error", "load_error"):
+        if key in report:
+            print(f"{key}: {report[key]}", file=sys.stderr)
+    if args.json:
+        args.json.write_text(json.dumps(report, indent=1))
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":

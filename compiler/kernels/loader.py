@@ -133,6 +133,24 @@ class KernelLibrary:
         return fn
 
 
+def missing_variants(cache_dir, variants) -> list[str]:
+    """The variants the loader would not find in cache_dir (absent or stale); needs no nvcc, no GPU."""
+    missing = []
+    for v in variants:  # one at a time: MissingKernelError names only the first kind of failure
+        try:
+            KernelLibrary(cache_dir, [v])
+        except MissingKernelError:
+            missing.append(v)
+    return missing
+
+
+def max_active_ctas_per_sm(fn, threads: int, dynamic_smem: int = 0) -> int:
+    """The driver's occupancy answer for a loaded kernel: CTAs of `threads` threads that fit on one SM."""
+    drv = _driver()
+    return int(check(drv.cuOccupancyMaxActiveBlocksPerMultiprocessor(fn, threads, dynamic_smem),
+                     "cuOccupancyMaxActiveBlocksPerMultiprocessor"))
+
+
 class Launcher:
     """A prepared kernel launch: the CUfunction, block shape, smem and ctypes argument types."""
 

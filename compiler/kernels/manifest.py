@@ -159,14 +159,20 @@ def dtype_tag(dtype) -> str:
     raise ValueError(f"kiln kernels support bf16 and fp16, not {dtype}")
 
 
-def attention_variant_names(dtype, head_dim: int, block_size: int) -> dict[str, str]:
-    """{kind: variant name} of the kernels one model shape needs (old and new paths both)."""
+DECODE_KERNELS = {"v1": "paged_decode", "v2": "paged_decode_v2"}
+PREFILL_KERNELS = {"mma": "flash_prefill", "wgmma": "flash_prefill_wgmma"}
+
+
+def attention_variant_names(dtype, head_dim: int, block_size: int, decode_kernel: str | None = None,
+                            prefill_kernel: str | None = None) -> dict[str, str]:
+    """{kind: variant name} of the kernels one model shape needs: write_kv plus the selected decode
+    (v1/v2) and prefill (mma/wgmma) generations; None selects every generation (what a build covers)."""
     t = dtype_tag(dtype)
-    return {
-        "write_kv": variant_name("write_kv", {"dtype": t}),
-        "paged_decode": variant_name("paged_decode", {"dtype": t, "head_dim": head_dim, "block_size": block_size}),
-        "paged_decode_v2": variant_name("paged_decode_v2", {"dtype": t, "head_dim": head_dim, "block_size": block_size}),
-        "flash_prefill": variant_name("flash_prefill", {"dtype": t, "head_dim": head_dim, "block_size": block_size}),
-        "flash_prefill_wgmma": variant_name("flash_prefill_wgmma",
-                                            {"dtype": t, "head_dim": head_dim, "block_size": block_size}),
-    }
+    kinds = ["write_kv"]
+    for choice, table, what in ((decode_kernel, DECODE_KERNELS, "decode_kernel"),
+                                (prefill_kernel, PREFILL_KERNELS, "prefill_kernel")):
+        if choice is not None and choice not in table:
+            raise ValueError(f"{what}: unknown value {choice!r} (expected one of {', '.join(table)})")
+        kinds += list(table.values()) if choice is None else [table[choice]]
+    shape = {"dtype": t, "head_dim": head_dim, "block_size": block_size}
+    return {k: variant_name(k, {"dtype": t} if k == "write_kv" else shape) for k in kinds}

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-import compiler.moe  # noqa: F401 - registers kiln::moe_experts
+import compiler.ops  # noqa: F401 - registers every kiln:: op (kiln::moe_experts here)
 from engine.attention.base import AttentionBackend, AttentionMetadata
 from engine.models.config import ModelConfig, rope_inv_freq
 from engine.models.glm import apply_interleaved_rope, interleaved_rope_tables
