@@ -20,7 +20,8 @@ from engine.kv.block_pool import BlockPool
 from engine.kv.cache import KVCache
 from engine.kv.swap import SwapSpace
 from engine.models.config import ModelConfig
-from engine.models.loader import load_model
+from engine.models.loader import load_model, load_tokenizer
+from engine.quant.gguf_file import is_gguf
 from engine.request import (CompletionOutput, FinishReason, InvalidRequestError, LoRARequest, PoolingParams,
                             Request, RequestOutput, SamplingParams, Sequence)
 from engine.runner import ModelRunner
@@ -68,9 +69,9 @@ def resolve_model_dir(settings: EngineSettings) -> Path:
 
         return default_model_dir(settings.cache_dir)
     path = Path(settings.model).expanduser()
-    if not path.is_dir():
-        raise ValueError(f"model: {settings.model!r} is not a directory (kiln loads HF checkpoint "
-                         "directories from disk; no model hub is used)")
+    if not path.is_dir() and not is_gguf(path):
+        raise ValueError(f"model: {settings.model!r} is neither a directory nor a .gguf file (kiln loads HF checkpoint "
+                         "directories and GGUF files from disk; no model hub is used)")
     return path
 
 
@@ -83,9 +84,7 @@ class LLMEngine:
         self.device = resolve_device(settings.device)
         self.dtype = resolve_dtype(settings.dtype, self.model_config, self.device)
         self.max_model_len = self._resolve_max_model_len()
-        from transformers import AutoTokenizer
-
-        self.tokenizer = AutoTokenizer.from_pretrained(str(settings.tokenizer or self.model_dir))
+        self.tokenizer = load_tokenizer(settings.tokenizer or self.model_dir)
         template = settings.resolved_chat_template()
         if template is not None:
             self.tokenizer.chat_template = template
