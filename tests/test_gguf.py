@@ -187,11 +187,15 @@ def test_gguf_greedy_matches_transformers(arch, types, wide_models, make_llm, tm
     assert [o.outputs[0].token_ids for o in outs] == expected
 
 
-def test_f32_gguf_equals_its_hf_checkpoint(wide_models, make_llm, tmp_path):
+@pytest.mark.parametrize("arch", ["mistral", "qwen3"])
+def test_f32_gguf_equals_its_hf_checkpoint(arch, make_llm, tmp_path):
     """Lossless file: kiln on the GGUF (q/k rows un-permuted, tokenizer from metadata) equals kiln on
-    the HF directory it was written from (Mistral: llama.cpp's Llama layout, no rope scaling)."""
-    src = wide_models("mistral")
-    path = write_gguf(src, tmp_path / "mistral-f32.gguf", "F32", name="tiny mistral")
+    the HF directory it was written from. Mistral: llama.cpp's Llama layout, no rope scaling;
+    Qwen3 with head_dim 64: read from the file's key_length (transformers would assume 128)."""
+    from engine.tiny_model import make_tiny_model
+
+    src = make_tiny_model(tmp_path / arch, arch=arch, seed=5, overrides=WIDE)
+    path = write_gguf(src, tmp_path / f"{arch}-f32.gguf", "F32", name=f"tiny {arch}")
     from_gguf, from_dir = make_llm(path), make_llm(src)
     text = "Hello, world! café 日本語"
     assert from_gguf.tokenizer.encode(text) == from_dir.tokenizer.encode(text)
