@@ -98,6 +98,14 @@ class EngineSettings(BaseSettings):
     kernel_cache_dir: Path | None = Field(None, description="default: <cache_dir>/kernels")
     cache_dir: Path = Field(default_factory=default_cache_dir)
 
+    # --- CPU threads (engine/cpu_threads.py) ---
+    cpu_threads: int | None = Field(
+        None, ge=1, description="compute threads on the CPU; default: one per available core minus one "
+                                "(left to the engine loop and the server), at least one")
+    cpu_bind: str = Field(
+        "auto", description="pin the process to cores: a list like 0-3 or 0,2 (then one thread per core "
+                            "unless cpu_threads says otherwise); auto and none leave placement to the OS")
+
     # --- logging ---
     log_stats_interval: float = Field(10.0, ge=0.0, description="seconds between stats log lines (0 = off)")
 
@@ -106,6 +114,15 @@ class EngineSettings(BaseSettings):
     def _check_block_size(cls, v: int) -> int:
         if v not in (8, 16, 32, 64, 128):
             raise ValueError("block_size must be one of 8, 16, 32, 64, 128")
+        return v
+
+    @field_validator("cpu_bind")
+    @classmethod
+    def _check_cpu_bind(cls, v: str) -> str:
+        from engine.cpu_threads import parse_core_list
+
+        if v.strip().lower() not in ("auto", "none"):
+            parse_core_list(v)
         return v
 
     @field_validator("cuda_graph_sizes", mode="before")

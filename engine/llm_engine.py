@@ -15,6 +15,7 @@ import torch
 
 from engine.attention import BackendSpec, get_attention_backend
 from engine.config import EngineSettings, export_compile_cache_dir
+from engine.cpu_threads import apply_cpu_threads
 from engine.detokenizer import check_stop, init_offsets, visible_len
 from engine.kv.block_pool import BlockPool
 from engine.kv.cache import KVCache
@@ -81,6 +82,7 @@ class LLMEngine:
         self.model_dir = resolve_model_dir(settings)
         self.model_config = ModelConfig.from_dir(self.model_dir)
         self.device = resolve_device(settings.device)
+        self.cpu_threads = apply_cpu_threads(settings.cpu_threads, settings.cpu_bind)
         self.dtype = resolve_dtype(settings.dtype, self.model_config, self.device)
         self.max_model_len = self._resolve_max_model_len()
         from transformers import AutoTokenizer
