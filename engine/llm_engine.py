@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch
 
+from engine import kv_sizing
 from engine.attention import BackendSpec, get_attention_backend
 from engine.config import EngineSettings, export_compile_cache_dir
 from engine.cpu_threads import apply_cpu_threads
@@ -238,15 +239,14 @@ class LLMEngine:
         per_block = KVCache.bytes_per_block(cfg.num_layers, s.block_size, cfg.num_kv_heads, cfg.head_dim,
                                             self.dtype)
         if s.num_gpu_blocks is not None:
-            return s.num_gpu_blocks + 1  # plus the null block
-        if self.device.type == "cpu":
-            budget = s.kv_cache_memory_gb * (1 << 30)
+            blocks = s.num_gpu_blocks + 1  # plus the null block
+        elif self.device.type == "cpu":
+            blocks = kv_sizing.blocks_from_budget(s.kv_cache_memory_gb * kv_sizing.GIB, per_block, "cpu")
         else:
-            budget = self._free_gpu_bytes_after_profile()
-        blocks = int(budget // per_block)
-        if blocks < 2:
-            raise ValueError(f"the KV cache gets {budget / (1 << 20):.0f} MiB, not enough for 2 blocks of "
-                             f"{per_block} bytes: raise gpu_memory_utilization or kv_cache_memory_gb")
+            blocks = kv_sizing.blocks_from_budget(self._free_gpu_bytes_after_profile(), per_block, "cuda")
+        # No max_model_len given and the full context does not fit: serve the largest that does.
+        self.max_model_len = kv_sizing.fit_max_model_len(s.max_model_len, self.max_model_len, blocks, s.block_size,
+                                                         per_block, self.device.type, s.num_gpu_blocks is not None)
         return blocks
 
     def _free_gpu_bytes_after_profile(self) -> float:
