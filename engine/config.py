@@ -106,6 +106,10 @@ class EngineSettings(BaseSettings):
         "auto", description="pin the process to cores: a list like 0-3 or 0,2 (then one thread per core "
                             "unless cpu_threads says otherwise); auto and none leave placement to the OS")
 
+    cpu_compile_forward: bool = Field(
+        False, description="on the CPU, torch.compile the whole forward too (measured no faster than eager; "
+                           "only the decode attention is compiled by default)")
+
     # --- logging ---
     log_stats_interval: float = Field(10.0, ge=0.0, description="seconds between stats log lines (0 = off)")
 
