@@ -57,10 +57,7 @@ def configure_compile_cache(path: Path, changed: bool) -> Path:
     import torch._functorch.config as functorch_config
     import torch._inductor.config as inductor_config
 
-    from compiler.cpu_attention import KERNELS
-
     path.mkdir(parents=True, exist_ok=True)
-    KERNELS.configure(path)  # the CPU decode attention, when a compiled forward calls it
     inductor_config.fx_graph_cache = True
     functorch_config.enable_autograd_cache = True
     if changed:

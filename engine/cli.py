@@ -98,7 +98,7 @@ def _cmd_build_kernels(argv: list[str]) -> int:
 
 def _cmd_bench(argv: list[str]) -> int:
     if not argv or argv[0] in ("-h", "--help"):
-        print("usage: kiln bench {throughput,latency,serve,swap,kernels,moe,spec,lora} [options]")
+        print("usage: kiln bench {throughput,latency,serve,swap,kernels,moe,spec,lora,cpu} [options]")
         return 0 if argv else 2
     kind, rest = argv[0], argv[1:]
     if kind == "throughput":
@@ -117,8 +117,10 @@ def _cmd_bench(argv: list[str]) -> int:
         from engine.bench.spec import main
     elif kind == "lora":
         from engine.bench.lora import main
+    elif kind == "cpu":
+        from engine.bench.cpu import main
     else:
-        print(f"kiln bench: unknown benchmark {kind!r} (throughput, latency, serve, swap, kernels, moe, spec, lora)",
+        print(f"kiln bench: unknown benchmark {kind!r} (throughput, latency, serve, swap, kernels, moe, spec, lora, cpu)",
               file=sys.stderr)
         return 2
     return main(rest)
@@ -171,7 +173,7 @@ def build_parser() -> argparse.ArgumentParser:
     tiny.set_defaults(func=_cmd_make_tiny_model)
 
     sub.add_parser("build-kernels", help="build the CUTLASS attention kernels ahead of time", add_help=False)
-    sub.add_parser("bench", help="benchmarks: throughput, latency, serve, swap, kernels, moe, spec, lora",
+    sub.add_parser("bench", help="benchmarks: throughput, latency, serve, swap, kernels, moe, spec, lora, cpu",
                    add_help=False)
     return parser
 

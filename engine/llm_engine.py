@@ -152,12 +152,13 @@ class LLMEngine:
         s = self.settings
         if s.enforce_eager:
             return 0.0, 0.0
-        if self.device.type == "cpu" and not s.cpu_compile_forward:  # what pays on the CPU: engine/cpu_warmup.py
+        if self.device.type == "cpu":  # what pays on the CPU: engine/cpu_warmup.py
             from engine.cpu_warmup import warm_cpu_decode
 
             seconds = warm_cpu_decode(self.model, self.kv_cache.tensor, s.resolved_compile_cache_dir())
-            logger.info("CPU: eager forward, decode attention compiled ahead of time; warm-up %.1fs", seconds)
-            return seconds, 0.0
+            if not s.cpu_compile_forward:
+                logger.info("CPU: eager forward, decode attention compiled ahead of time; warm-up %.1fs", seconds)
+                return seconds, 0.0
         from compiler.capture import compile_count, configure_compile_cache
 
         cache = configure_compile_cache(*export_compile_cache_dir(s.resolved_compile_cache_dir()))

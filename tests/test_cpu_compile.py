@@ -17,15 +17,16 @@ COMMON = dict(device="cpu", max_num_seqs=8, num_gpu_blocks=96, max_model_len=256
 
 
 @pytest.fixture(scope="module")
-def compile_cache(tmp_path_factory):
-    return tmp_path_factory.mktemp("cpu-compile-cache")
+def engines(tiny_llama):
+    # The session's kiln cache (conftest): other CPU engines and servers of the session reuse the build.
+    eager = LLMEngine(EngineSettings(model=str(tiny_llama), enforce_eager=True, **COMMON))
+    compiled = LLMEngine(EngineSettings(model=str(tiny_llama), **COMMON))
+    return eager, compiled
 
 
 @pytest.fixture(scope="module")
-def engines(tiny_llama, compile_cache):
-    eager = LLMEngine(EngineSettings(model=str(tiny_llama), enforce_eager=True, **COMMON))
-    compiled = LLMEngine(EngineSettings(model=str(tiny_llama), compile_cache_dir=compile_cache, **COMMON))
-    return eager, compiled
+def compile_cache(engines):
+    return engines[1].settings.resolved_compile_cache_dir()
 
 
 def _requests(engine, seed: int, n: int) -> list[tuple[list[int], int]]:

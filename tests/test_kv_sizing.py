@@ -54,12 +54,13 @@ def test_budget_too_small_for_two_blocks():
 
 @pytest.fixture(scope="module")
 def long_context_model(tmp_path_factory):
-    """A tiny llama whose full context (2**18 positions x 2 KiB of KV per token) is twice the
-    default CPU KV budget (0.25 GiB)."""
+    """A tiny llama whose full context (2**18 positions x 2 KiB of KV per token: four layers) is
+    twice the default CPU KV budget (0.25 GiB). Same attention layout as tiny_llama, so the CPU
+    attention kernel built for it is reused."""
     from engine.tiny_model import make_tiny_model
 
     return make_tiny_model(tmp_path_factory.mktemp("long-ctx"), overrides=dict(
-        max_position_embeddings=1 << 18, num_key_value_heads=4))
+        max_position_embeddings=1 << 18, num_hidden_layers=4))
 
 
 def test_llm_starts_with_defaults_on_a_model_whose_context_does_not_fit(long_context_model, caplog):
@@ -75,3 +76,38 @@ def test_llm_starts_with_defaults_on_a_model_whose_context_does_not_fit(long_con
     assert len(out[0].outputs[0].token_ids) == 3
     with pytest.raises(ValueError, match="kv_cache_memory_gb to at least 0.50"):
         LLM(str(long_context_model), device="cpu", enforce_eager=True, max_model_len=1 << 18)
+
+
+def test_kiln_serve_starts_with_defaults_and_logs_the_context(long_context_model, tmp_path):
+    """`kiln serve --model DIR` with default settings (compiled CPU path included) on that model."""
+    import os
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    import httpx
+
+    root = Path(__file__).resolve().parents[1]
+    log_path = tmp_path / "serve.log"
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "engine.cli", "serve", "--model", str(long_context_model),
+                                 "--port", "0"], cwd=root, stdout=subprocess.PIPE, stderr=log, text=True,
+                                env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    try:
+        url = None
+        deadline = time.monotonic() + 600
+        while url is None and time.monotonic() < deadline:
+            line = proc.stdout.readline()
+            if not line:
+                break
+            if line.startswith("kiln: serving"):
+                url = line.split(" at ", 1)[1].split("/v1", 1)[0]
+        assert url is not None, log_path.read_text()[-3000:]
+        text = log_path.read_text()
+        assert "serving a context of" in text and "max_model_len" in text, text[-3000:]
+        body = {"model": httpx.get(f"{url}/v1/models").json()["data"][0]["id"], "prompt": "hi", "max_tokens": 2}
+        assert httpx.post(f"{url}/v1/completions", json=body, timeout=60).status_code == 200
+    finally:
+        proc.terminate()
+        proc.wait(30)
