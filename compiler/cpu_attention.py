@@ -7,16 +7,23 @@ work items are the KV blocks the sequences actually use, a ragged list: item w i
 its sum of exponentials, its exp-weighted sum of values) is computed straight from the cache,
 then each sequence rescales and adds its items' partials. Inductor turns both stages into
 loops that read each used K and V row once, and nothing past a sequence's last block. It is
-used by the torch backend on the CPU when compilation is on; the reference stays the
-definition every implementation is tested against.
+used by the torch backend on the CPU when compilation is on, built ahead of time with
+AOTInductor (`CpuDecodeKernels`: no Dynamo at run time, nothing to recompile); the reference
+stays the definition every implementation is tested against.
 """
 
 from __future__ import annotations
 
-import functools
+import hashlib
+import logging
+import os
+import tempfile
+import time
+from pathlib import Path
 
 import torch
-import torch.fx.experimental._config as _fx_config
+
+logger = logging.getLogger(__name__)
 
 _FLOAT_MIN = torch.finfo(torch.float32).min
 
@@ -75,38 +82,116 @@ def decode_attention_math(q: torch.Tensor, kv: torch.Tensor, block_tables: torch
     return out.reshape(num_seqs, num_heads, head_dim).to(q.dtype)
 
 
-# Parallelise every loop whatever sizes the first (warm-up) trace saw: its tiny size hints
-# would otherwise make Inductor run the softmax and combine loops on one thread. No bounds
-# check per indirect load: every index is clamped into range above.
-_INDUCTOR_OPTIONS = {"cpp.min_chunk_size": 1, "assert_indirect_indexing": False}
+# Parallelise every loop whatever sizes the trace saw: small size hints would otherwise make
+# Inductor run the softmax and combine loops on one thread. No bounds check per indirect load:
+# every index is clamped into range above. Threads read at run time (omp_get_max_threads), not
+# baked in, so one build serves every cpu_threads setting.
+_INDUCTOR_OPTIONS = {"cpp.min_chunk_size": 1, "assert_indirect_indexing": False, "cpp.dynamic_threads": True}
 
 
-@functools.cache
-def _compiled():
-    return torch.compile(decode_attention_math, backend="inductor", fullgraph=True, dynamic=True,
-                         options=_INDUCTOR_OPTIONS)
+class _DecodeAttention(torch.nn.Module):
+    """What is exported: the item count travels as the length of an empty tensor (export keeps
+    tensor sizes symbolic; a plain int would be baked in), q arrives scaled and in float32."""
+
+    def forward(self, q, kv, block_tables, seq_lens, items):
+        return decode_attention_math(q, kv, block_tables, seq_lens, items.shape[0], 1.0)
+
+
+class CpuDecodeKernels:
+    """decode_attention_math compiled ahead of time (torch.export + AOTInductor) into one shared
+    library per cache layout (KV heads, query group, head dim, block size, KV dtype).
+
+    Batch, block-table width, item count and the pool's block count are symbolic, so neither
+    max_model_len nor the pool size nor the thread count changes the build. Builds are kept in
+    `cache_dir` under a key of everything that changes the code (this module's kernel source,
+    the Inductor options, torch's version, the CPU's vector ISA, the layout), so a warm start
+    loads a library in milliseconds and never runs Dynamo or Inductor: the engine's start-up
+    warm-up loads (or, on a first start, builds) the one its model needs; `builds` counts the
+    builds of this process (tests check that serving adds none).
+    """
+
+    def __init__(self) -> None:
+        self.cache_dir: Path | None = None
+        self.loaded: dict[tuple, object] = {}
+        self.builds = 0
+        self.build_seconds = 0.0
+
+    def configure(self, cache_dir: Path) -> None:
+        self.cache_dir = Path(cache_dir)
+
+    @staticmethod
+    def layout(q: torch.Tensor, kv: torch.Tensor) -> tuple:
+        num_heads, head_dim = q.shape[1], q.shape[2]
+        num_kv_heads, block_size = kv.shape[3], kv.shape[2]
+        return num_kv_heads, num_heads // num_kv_heads, head_dim, block_size, str(kv.dtype).removeprefix("torch.")
+
+    @staticmethod
+    def key(layout: tuple) -> str:
+        import inspect
+
+        parts = [inspect.getsource(decode_attention_math), inspect.getsource(_DecodeAttention),
+                 repr(sorted(_INDUCTOR_OPTIONS.items())), torch.__version__,
+                 torch.backends.cpu.get_cpu_capability(), repr(layout)]
+        return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:20]
+
+    def runner(self, q: torch.Tensor, kv: torch.Tensor):
+        layout = self.layout(q, kv)
+        found = self.loaded.get(layout)
+        if found is None:
+            found = self.loaded[layout] = self._load_or_build(layout)
+        return found
+
+    def _load_or_build(self, layout: tuple):
+        directory = self.cache_dir or Path(tempfile.gettempdir()) / f"kiln-cpu-attention-{os.getuid()}"
+        path = directory / "cpu-attention" / f"{self.key(layout)}.pt2"
+        if not path.is_file():
+            t0 = time.perf_counter()
+            logger.info("compiling the CPU decode attention for %s (first start only, cached in %s)",
+                        _describe(layout), path.parent)
+            self._build(layout, path)
+            self.builds += 1
+            self.build_seconds += time.perf_counter() - t0
+            logger.info("compiled the CPU decode attention in %.1fs", time.perf_counter() - t0)
+        return torch._C._aoti.AOTIModelPackageLoader(str(path), "model", False, 1, -1)
+
+    @staticmethod
+    def _build(layout: tuple, path: Path) -> None:
+        num_kv_heads, group, head_dim, block_size, dtype = layout
+        kv = torch.zeros(2, 3, block_size, num_kv_heads, head_dim, dtype=getattr(torch, dtype))
+        q = torch.zeros(2, num_kv_heads * group, head_dim)
+        tables = torch.ones(2, 2, dtype=torch.int32)
+        lens = torch.zeros(2, dtype=torch.int32)
+        seqs, cols, items, blocks = (torch.export.Dim(n, min=2) for n in ("seqs", "cols", "items", "blocks"))
+        with torch.no_grad():
+            program = torch.export.export(_DecodeAttention(), (q, kv, tables, lens, torch.empty(2, 0)), dynamic_shapes={
+                "q": {0: seqs}, "kv": {1: blocks}, "block_tables": {0: seqs, 1: cols}, "seq_lens": {0: seqs},
+                "items": {0: items}})
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f"{path.stem}.{os.getpid()}.tmp.pt2")
+        from torch._inductor import aoti_compile_and_package
+
+        aoti_compile_and_package(program, package_path=str(tmp), inductor_configs=dict(_INDUCTOR_OPTIONS))
+        os.replace(tmp, path)  # atomic: a concurrent start sees a whole file or none
+
+
+def _describe(layout: tuple) -> str:
+    num_kv_heads, group, head_dim, block_size, dtype = layout
+    return f"{num_kv_heads} KV heads x {group} queries, head dim {head_dim}, block {block_size}, {dtype}"
+
+
+KERNELS = CpuDecodeKernels()
 
 
 def compiled_decode_attention(q: torch.Tensor, kv: torch.Tensor, block_tables: torch.Tensor,
                               seq_lens: torch.Tensor, num_items: int, scale: float) -> torch.Tensor:
-    """decode_attention_math under Inductor, compiled once per process for every batch and
-    context size: the cache's block shape and the head shape are static; the cache's block count
-    (so a persistent compile cache is hit whatever the pool size), the batch, the block columns
-    and the item count are symbolic and never tied to each other by a coincidence of sizes at
-    trace time (no duck sizing), and none is ever 1 (decode_inputs pads). The model's start-up
-    warm-up reaches this through the same path as serving, so serving never compiles it again."""
-    for dim in (0, 2, 3, 4):
-        torch._dynamo.mark_static(kv, dim)
-    for dim in (1, 2):
-        torch._dynamo.mark_static(q, dim)
-    # Set and restored by hand: config.patch() builds a context class per call, and this runs
-    # once per layer per step.
-    duck = _fx_config.use_duck_shape
-    _fx_config.use_duck_shape = False
-    try:
-        return _compiled()(q, kv, block_tables, seq_lens, num_items, scale)
-    finally:
-        _fx_config.use_duck_shape = duck
+    """decode_attention_math through the ahead-of-time build for this cache layout (inputs from
+    decode_inputs). The scale is applied here, so one build serves every model of the layout."""
+    if not kv.is_contiguous():  # the build assumes a whole layer of a contiguous cache
+        raise ValueError("compiled_decode_attention: kv must be contiguous (one layer of the KV cache)")
+    runner = KERNELS.runner(q, kv)
+    inputs = [q.float() * scale, kv, block_tables.to(torch.int32).contiguous(),
+              seq_lens.to(torch.int32).contiguous(), torch.empty(num_items, 0)]
+    return runner.boxed_run(inputs)[0].to(q.dtype)
 
 
 def decode_inputs(q: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor, max_seq_len: int,

@@ -1,6 +1,11 @@
 """kiln's runtime: the engine, its scheduler and KV cache, the offline API and the server."""
 
-from engine.request import LoRARequest, RequestOutput, SamplingParams, StructuredOutputsParams
+from engine.cpu_threads import prefer_passive_waiting
+
+# Before anything loads torch's OpenMP runtime: idle threads sleep instead of spinning.
+prefer_passive_waiting()
+
+from engine.request import LoRARequest, RequestOutput, SamplingParams, StructuredOutputsParams  # noqa: E402
 
 __all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "LoRARequest", "RequestOutput", "EngineSettings"]
 

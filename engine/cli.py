@@ -26,6 +26,7 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "spec": ("engine.bench.spec", "speculative decoding (ngram)"),
     "lora": ("engine.bench.lora", "batches mixing LoRA adapters"),
     "overhead": ("engine.bench.overhead", "host time per step with a stub model, serial vs overlapped loop"),
+    "cpu": ("engine.bench.cpu", "CPU thread settings with and without a busy neighbour"),
 }
 
 

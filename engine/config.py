@@ -280,6 +280,18 @@ class EngineSettings(_KilnSettings):
         "mma", description="cutlass backend prefill kernel: mma (mma.sync, verified on an H200) or wgmma "
                            "(sm_90a warpgroup MMA)")
 
+    # --- CPU threads (engine/cpu_threads.py) ---
+    cpu_threads: int | None = Field(
+        None, ge=1, description="compute threads on the CPU; default: one per available core minus one "
+                                "(left to the engine loop and the server), at least one")
+    cpu_bind: str = Field(
+        "auto", description="pin the process to cores: a list like 0-3 or 0,2 (then one thread per core "
+                            "unless cpu_threads says otherwise); auto and none leave placement to the OS")
+
+    cpu_compile_forward: bool = Field(
+        False, description="on the CPU, torch.compile the whole forward too (measured no faster than eager; "
+                           "only the decode attention is compiled by default)")
+
     # --- logging ---
     log_stats_interval: float = Field(10.0, ge=0.0, description="seconds between stats log lines (0 = off)")
 
@@ -304,6 +316,15 @@ class EngineSettings(_KilnSettings):
     def _check_block_size(cls, v: int) -> int:
         if v not in (8, 16, 32, 64, 128):
             raise ValueError("block_size must be one of 8, 16, 32, 64, 128")
+        return v
+
+    @field_validator("cpu_bind")
+    @classmethod
+    def _check_cpu_bind(cls, v: str) -> str:
+        from engine.cpu_threads import parse_core_list
+
+        if v.strip().lower() not in ("auto", "none"):
+            parse_core_list(v)
         return v
 
     @field_validator("cuda_graph_sizes", "lora_modules", mode="before")

@@ -14,8 +14,10 @@ from pathlib import Path
 
 import torch
 
+from engine import kv_sizing
 from engine.attention import BackendSpec, get_attention_backend
 from engine.config import EngineSettings, export_compile_cache_dir
+from engine.cpu_threads import apply_cpu_threads
 from engine.generation_config import load_generation_defaults
 from engine.kv.block_pool import BlockPool
 from engine.kv.cache import KVCache
@@ -38,7 +40,7 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 PARTS = ("settings", "model_dir", "model_config", "device", "dtype", "max_model_len", "tokenizer",
          "eos_token_ids", "generation_defaults", "structured_output", "model", "lora", "backend", "kv_cache", "pool",
          "swap_space", "block_swapper", "scheduler", "sampler", "runner", "compile_seconds",
-         "capture_seconds", "async_scheduling")
+         "capture_seconds", "async_scheduling", "cpu_threads")
 
 
 def resolve_device(name: str) -> torch.device:
@@ -100,6 +102,7 @@ class EngineBuilder:
         self.model_dir = resolve_model_dir(settings)
         self.model_config = cfg = ModelConfig.from_dir(self.model_dir)
         self.device = resolve_device(settings.device)
+        self.cpu_threads = apply_cpu_threads(settings.cpu_threads, settings.cpu_bind)
         self.dtype = resolve_dtype(settings.dtype, self.model_config, self.device)
         self.max_model_len = self._resolve_max_model_len()
         self.async_scheduling = settings.resolved_async_scheduling(self.device.type)
@@ -170,6 +173,13 @@ class EngineBuilder:
         s = self.settings
         if s.enforce_eager:
             return 0.0, 0.0
+        if self.device.type == "cpu":  # what pays on the CPU: engine/cpu_warmup.py
+            from engine.cpu_warmup import warm_cpu_decode
+
+            seconds = warm_cpu_decode(self.model, self.kv_cache.tensor, s.resolved_compile_cache_dir())
+            if not s.cpu_compile_forward:
+                logger.info("CPU: eager forward, decode attention compiled ahead of time; warm-up %.1fs", seconds)
+                return seconds, 0.0
         from compiler.capture import compile_count, configure_compile_cache
 
         cache = configure_compile_cache(*export_compile_cache_dir(s.resolved_compile_cache_dir()))
@@ -244,15 +254,14 @@ class EngineBuilder:
         per_block = KVCache.bytes_per_block(cfg.num_layers, s.block_size, cfg.num_kv_heads, cfg.head_dim,
                                             self.dtype)
         if s.num_gpu_blocks is not None:
-            return s.num_gpu_blocks + 1  # plus the null block
-        if self.device.type == "cpu":
-            budget = s.kv_cache_memory_gb * (1 << 30)
+            blocks = s.num_gpu_blocks + 1  # plus the null block
+        elif self.device.type == "cpu":
+            blocks = kv_sizing.blocks_from_budget(s.kv_cache_memory_gb * kv_sizing.GIB, per_block, "cpu")
         else:
-            budget = self._free_gpu_bytes_after_profile()
-        blocks = int(budget // per_block)
-        if blocks < 2:
-            raise ValueError(f"the KV cache gets {budget / (1 << 20):.0f} MiB, not enough for 2 blocks of "
-                             f"{per_block} bytes: raise gpu_memory_utilization or kv_cache_memory_gb")
+            blocks = kv_sizing.blocks_from_budget(self._free_gpu_bytes_after_profile(), per_block, "cuda")
+        # No max_model_len given and the full context does not fit: serve the largest that does.
+        self.max_model_len = kv_sizing.fit_max_model_len(s.max_model_len, self.max_model_len, blocks, s.block_size,
+                                                         per_block, self.device.type, s.num_gpu_blocks is not None)
         return blocks
 
     def _free_gpu_bytes_after_profile(self) -> float:

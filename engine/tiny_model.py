@@ -85,6 +85,12 @@ PRESETS = {
                        num_attention_heads=28, num_key_value_heads=4, max_position_embeddings=32768,
                        rms_norm_eps=1e-6, rope_theta=1000000.0, tie_word_embeddings=False,
                        torch_dtype="bfloat16"),
+    # SmolLM2-135M's shape (the one real model reachable here ships as GGUF; this is its geometry).
+    "smollm2-135m": dict(model_type="llama", architectures=["LlamaForCausalLM"], vocab_size=49152,
+                         hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                         num_attention_heads=9, num_key_value_heads=3, head_dim=64,
+                         max_position_embeddings=8192, rms_norm_eps=1e-5, rope_theta=100000.0,
+                         tie_word_embeddings=True, torch_dtype="bfloat16"),
 }
 
 

@@ -19,7 +19,7 @@ from tests.conftest import assert_engine_clean
 
 SIZES = [1, 2, 4, 8]
 COMMON = dict(device="cpu", max_num_seqs=12, num_gpu_blocks=160, max_model_len=320, block_size=16,
-              max_num_batched_tokens=96, enable_prefix_caching=False)
+              max_num_batched_tokens=96, enable_prefix_caching=False, cpu_compile_forward=True)
 # Near-tie allowance: a compiled and an eager run may pick different tokens only where the
 # eager top-2 logprobs are this close (float32, reassociated reductions in Inductor's kernels).
 NEAR_TIE = 1e-3

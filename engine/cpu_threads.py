@@ -1,0 +1,152 @@
+"""CPU thread settings: how many compute threads, where they run, and how they wait.
+
+Three things decide batch-1 CPU speed on a machine shared with other work:
+
+- How idle threads wait. OpenMP's default lets a thread spin for a while after each parallel
+  region; when another process holds the cores, the spinning threads steal the time the
+  working ones need (measured on this 2-core machine: 339 ms per token with spinning, 69 ms
+  passive). The OpenMP runtime reads its wait policy once, when torch loads it, so
+  `prefer_passive_waiting()` runs from `engine/__init__`, before anything imports torch. A
+  policy the user set in the environment is kept.
+- How many threads. The compute threads share the cores with the engine loop, the server and
+  the tokenizer; by default kiln leaves one core to them (vLLM's CPU backend does the same),
+  and never uses fewer than one.
+- Where they run. `cpu_bind` pins the process's threads to a list of cores (for a machine
+  reserved to kiln); the default leaves placement to the OS, which can move a thread away from
+  a core another process is busy on (a pinned thread cannot).
+
+`apply_cpu_threads()` is called once at engine start-up and logs what it chose.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from dataclasses import dataclass
+
+logger = logging.getLogger(__name__)
+
+WAIT_POLICY_VAR = "OMP_WAIT_POLICY"
+# Whether the wait policy was in place before the OpenMP runtime loaded (set by prefer_passive_waiting).
+_WAIT_POLICY_STATE = {"policy": None, "in_time": False}
+
+
+def prefer_passive_waiting() -> None:
+    """Make idle OpenMP threads sleep instead of spin, unless the environment already says
+    otherwise. Effective only before torch is first imported (the runtime reads it at load)."""
+    if _WAIT_POLICY_STATE["policy"] is not None:
+        return
+    in_time = "torch" not in sys.modules
+    if in_time:
+        os.environ.setdefault(WAIT_POLICY_VAR, "PASSIVE")
+    _WAIT_POLICY_STATE["policy"] = os.environ.get(WAIT_POLICY_VAR, "")
+    _WAIT_POLICY_STATE["in_time"] = in_time
+
+
+def wait_policy() -> str:
+    """The OpenMP wait policy in force, in words, for the start-up log."""
+    policy = _WAIT_POLICY_STATE["policy"]
+    if policy is None or not _WAIT_POLICY_STATE["in_time"]:
+        return "runtime default (torch was imported before kiln; set OMP_WAIT_POLICY=PASSIVE before starting)"
+    return policy.lower() or "runtime default"
+
+
+def parse_core_list(text: str) -> list[int]:
+    """'0,2,4-7' -> [0, 2, 4, 5, 6, 7]; ValueError on anything else."""
+    cores: set[int] = set()
+    for part in text.replace(" ", "").split(","):
+        if not part:
+            continue
+        lo, sep, hi = part.partition("-")
+        if not lo.isdigit() or (sep and not hi.isdigit()):
+            raise ValueError(f"cpu_bind: expected auto, none or a core list like 0,1 or 0-3; got {text!r}")
+        first, last = int(lo), int(hi) if sep else int(lo)
+        if last < first:
+            raise ValueError(f"cpu_bind: range {part!r} runs backwards")
+        cores.update(range(first, last + 1))
+    if not cores:
+        raise ValueError(f"cpu_bind: empty core list {text!r}")
+    return sorted(cores)
+
+
+def available_cores() -> list[int]:
+    """The cores this process may run on (its affinity mask, which containers and taskset narrow)."""
+    if hasattr(os, "sched_getaffinity"):
+        return sorted(os.sched_getaffinity(0))
+    return list(range(os.cpu_count() or 1))
+
+
+@dataclass(frozen=True)
+class ThreadPlan:
+    threads: int
+    cores: list[int] | None  # pinned to these, or None: the OS places threads
+    available: int  # cores the process could use before pinning
+
+    def describe(self) -> str:
+        where = f"pinned to cores {_compact(self.cores)}" if self.cores else "not pinned"
+        return (f"{self.threads} compute thread{'s' if self.threads != 1 else ''} of {self.available} "
+                f"available core{'s' if self.available != 1 else ''}, {where}, OpenMP wait policy {wait_policy()}")
+
+
+def plan_threads(cpu_threads: int | None, cpu_bind: str, available: list[int]) -> ThreadPlan:
+    """Decide the thread count and pinning from the settings (pure: no side effects).
+
+    cpu_threads None: one thread per core the process may use, minus one for the engine loop,
+    server and tokenizer (at least one). cpu_bind 'auto' and 'none' pin nothing; a core list
+    pins to exactly those cores, which must be ones the process may use, and then the default
+    thread count is one per listed core.
+    """
+    mode = cpu_bind.strip().lower()
+    cores: list[int] | None = None
+    if mode not in ("auto", "none"):
+        cores = parse_core_list(mode)
+        outside = [c for c in cores if c not in available]
+        if outside:
+            raise ValueError(f"cpu_bind: cores {outside} are not available to this process "
+                             f"(available: {_compact(available)})")
+    if cpu_threads is not None:
+        threads = cpu_threads
+    elif cores is not None:
+        threads = len(cores)
+    else:
+        threads = max(1, len(available) - 1)
+    return ThreadPlan(threads=threads, cores=cores, available=len(available))
+
+
+def apply_cpu_threads(cpu_threads: int | None, cpu_bind: str) -> ThreadPlan:
+    """Plan, then set torch's intra-op thread count and pin every thread of the process (threads
+    started later, such as OpenMP's pool, inherit the mask). Logs the choice."""
+    import torch
+
+    plan = plan_threads(cpu_threads, cpu_bind, available_cores())
+    if plan.cores is not None:
+        _pin_process(plan.cores)
+    if torch.get_num_threads() != plan.threads:
+        torch.set_num_threads(plan.threads)
+    logger.info("CPU threads: %s", plan.describe())
+    return plan
+
+
+def _pin_process(cores: list[int]) -> None:
+    try:
+        tids = [int(t) for t in os.listdir("/proc/self/task")]
+    except OSError:
+        tids = [0]
+    for tid in tids:
+        try:
+            os.sched_setaffinity(tid, cores)
+        except (OSError, ProcessLookupError):  # a thread that has just exited
+            continue
+
+
+def _compact(cores: list[int]) -> str:
+    """[0, 1, 2, 5] -> '0-2,5'."""
+    parts, start = [], None
+    for i, c in enumerate(cores):
+        if start is None:
+            start = c
+        if i + 1 == len(cores) or cores[i + 1] != c + 1:
+            parts.append(str(start) if start == c else f"{start}-{c}")
+            start = None
+    return ",".join(parts)

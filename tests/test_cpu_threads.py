@@ -1,0 +1,96 @@
+"""CPU thread settings: the plan (count, pinning), the wait policy set before torch loads, the log."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine.config import EngineSettings
+from engine.cpu_threads import apply_cpu_threads, available_cores, parse_core_list, plan_threads
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_core_list_parsing():
+    assert parse_core_list("0,2,4-6") == [0, 2, 4, 5, 6]
+    assert parse_core_list(" 3 , 1 ") == [1, 3]
+    for bad in ("x", "1-", "3-1", ",", "1.5"):
+        with pytest.raises(ValueError):
+            parse_core_list(bad)
+
+
+def test_default_leaves_a_core_for_the_loop_and_server():
+    assert plan_threads(None, "auto", [0, 1]).threads == 1
+    assert plan_threads(None, "auto", [0]).threads == 1
+    assert plan_threads(None, "none", list(range(16))).threads == 15
+    plan = plan_threads(None, "auto", list(range(8)))
+    assert plan.cores is None and plan.available == 8
+
+
+def test_explicit_threads_and_core_lists():
+    assert plan_threads(2, "auto", [0, 1]).threads == 2
+    plan = plan_threads(None, "1-3", [0, 1, 2, 3])
+    assert plan.cores == [1, 2, 3] and plan.threads == 3
+    assert plan_threads(1, "0,1", [0, 1]).threads == 1
+    with pytest.raises(ValueError, match="not available"):
+        plan_threads(None, "0-7", [0, 1])
+    assert "pinned to cores 1-3" in plan.describe()
+
+
+def test_settings_validate_cpu_bind():
+    assert EngineSettings(cpu_bind="0-1", cpu_threads=2).cpu_bind == "0-1"
+    with pytest.raises(ValueError, match="cpu_bind"):
+        EngineSettings(cpu_bind="fast")
+    with pytest.raises(ValueError):
+        EngineSettings(cpu_threads=0)
+
+
+def _run(code: str, env_extra: dict[str, str] | None = None) -> dict:
+    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+    env.update(env_extra or {}, PYTHONPATH=str(ROOT))
+    out = subprocess.run([sys.executable, "-c", code], env=env, cwd=ROOT, capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_passive_waiting_is_set_before_torch_loads_and_a_user_choice_is_kept():
+    code = ("import json, os, engine, torch; from engine.cpu_threads import wait_policy; "
+            "print(json.dumps([os.environ.get('OMP_WAIT_POLICY'), wait_policy()]))")
+    assert _run(code) == ["PASSIVE", "passive"]
+    assert _run(code, {"OMP_WAIT_POLICY": "ACTIVE"}) == ["ACTIVE", "active"]
+    late = _run("import json, torch, engine; from engine.cpu_threads import wait_policy; "
+                "print(json.dumps(wait_policy()))")
+    assert "imported before kiln" in late
+
+
+def test_pinning_applies_to_the_process():
+    core = available_cores()[-1]
+    got = _run(f"import json, os, torch; from engine.cpu_threads import apply_cpu_threads; "
+               f"p = apply_cpu_threads(None, '{core}'); "
+               f"print(json.dumps([sorted(os.sched_getaffinity(0)), torch.get_num_threads(), p.threads]))")
+    assert got == [[core], 1, 1]
+
+
+def test_engine_start_logs_and_applies_the_thread_choice(tiny_llama, caplog):
+    from engine.llm_engine import LLMEngine
+
+    before = torch.get_num_threads()
+    try:
+        with caplog.at_level(logging.INFO, logger="engine.cpu_threads"):
+            engine = LLMEngine(EngineSettings(model=str(tiny_llama), enforce_eager=True, cpu_threads=1,
+                                              max_model_len=256))
+        assert torch.get_num_threads() == 1
+        assert engine.cpu_threads.threads == 1
+        assert any("CPU threads: 1 compute thread" in r.getMessage() for r in caplog.records)
+    finally:
+        torch.set_num_threads(before)
+    del engine
+    assert apply_cpu_threads(before, "none").threads == before
