@@ -10,6 +10,12 @@ thread hands it the newest cumulative `RequestOutput` with `loop.call_soon_threa
 the stream keeps only the newest snapshot, so a slow reader never makes the step loop wait
 and never piles up memory: it reads the coalesced difference (a delta) when it gets to it.
 
+Detokenisation, stop strings and RequestOutput building happen off the step thread: the
+engine runs with `defer_text` (it hands out token-level RequestDeltas) and an output thread
+turns them into RequestOutputs (engine/output_processor.py TextProcessor), feeds the listener
+and the streams. A stop string found there goes back to the step thread through the inbox
+(`_FinishSeq`), which finishes that sequence in the scheduler and frees its blocks.
+
 If the step thread dies, the engine is marked dead and every pending stream fails with
 `EngineDeadError`.
 """
@@ -20,6 +26,7 @@ import asyncio
 import collections
 import dataclasses
 import logging
+import queue
 import threading
 import time
 import uuid
@@ -27,7 +34,8 @@ from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Callable, Protocol
 
 from engine.llm_engine import LLMEngine
-from engine.request import InvalidRequestError, LoRARequest, PoolingParams, RequestOutput, SamplingParams
+from engine.output_processor import TextProcessor
+from engine.request import InvalidRequestError, LoRARequest, PoolingParams, Request, RequestOutput, SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -63,6 +71,15 @@ class _Add:
 @dataclass
 class _Abort:
     request_id: str
+
+
+@dataclass
+class _FinishSeq:
+    """The output thread found a stop string: finish that sequence in the engine."""
+
+    request_id: str
+    index: int
+    stop: int | str | None
 
 
 @dataclass
@@ -207,7 +224,12 @@ class AsyncEngine:
         self._idle_poll_s = idle_poll_s
         self._inbox: collections.deque[_Add | _Abort] = collections.deque()
         self._wake = threading.Event()
-        self._streams: dict[str, RequestStream] = {}  # owned by the step thread
+        self._streams: dict[str, RequestStream] = {}  # owned by the output thread
+        # step thread -> output thread: ("add", mirror request, stream) | ("out", outputs) | ("die", error)
+        self._outbox: queue.SimpleQueue = queue.SimpleQueue()
+        engine.outputs.set_defer_text(True)
+        self._text = TextProcessor(engine.tokenizer, engine.eos_token_ids, engine.max_model_len)
+        self._output_thread: threading.Thread | None = None
         self._lock = threading.Lock()  # guards _pending_adds and dead-state transitions
         self._pending_adds = 0
         self._stop = False
@@ -223,6 +245,8 @@ class AsyncEngine:
     # ---- lifecycle ----
     def start(self) -> "AsyncEngine":
         if self._thread is None:
+            self._output_thread = threading.Thread(target=self._run_outputs, name="kiln-outputs", daemon=True)
+            self._output_thread.start()
             self._thread = threading.Thread(target=self._run, name="kiln-step-loop", daemon=True)
             self._thread.start()
         return self
@@ -232,6 +256,8 @@ class AsyncEngine:
         self._wake.set()
         if self._thread is not None:
             self._thread.join(timeout)
+        if self._output_thread is not None:
+            self._output_thread.join(timeout)
 
     @property
     def is_alive(self) -> bool:
@@ -362,11 +388,8 @@ class AsyncEngine:
                 outputs = self._drain_inbox()
                 busy = engine.has_unfinished_requests()
                 if busy:
-                    stepped = engine.step()
-                    self._dispatch(stepped)
-                    outputs.extend(stepped)
-                if self.listener is not None:
-                    self.listener.on_step(engine, outputs, time.monotonic())
+                    outputs.extend(engine.step())
+                self._outbox.put(("out", outputs))  # (also idle: the listener ticks about once a second)
                 if not busy and not self._inbox:
                     self._wake.wait(self._idle_poll_s)
         except BaseException as exc:  # noqa: BLE001 - anything that stops the loop kills the engine
@@ -375,6 +398,56 @@ class AsyncEngine:
             self._die(exc)
             return
         self._die(EngineDeadError("the engine was shut down"), log=False)
+
+    # ---- the output thread ----
+    def _run_outputs(self) -> None:
+        """Deltas -> RequestOutputs (text, stop strings) -> listener and streams, off the step thread."""
+        while True:
+            kind, *args = self._outbox.get()
+            if kind == "add":
+                mirror, stream = args
+                self._text.mirrors[mirror.request_id] = mirror
+                self._streams[mirror.request_id] = stream
+                continue
+            if kind == "die":
+                self._notify_stopped(args[1] if len(args) > 1 else [])
+                self._fail_streams(args[0])
+                return
+            outputs: list[RequestOutput] = []
+            for item in args[0]:
+                try:
+                    if isinstance(item, RequestOutput):  # (embeddings: built on the step thread, no text)
+                        out = item
+                        if out.finished:
+                            self._text.forget(out.request_id)
+                    else:
+                        out = self._apply(item)
+                except Exception as exc:  # noqa: BLE001 - e.g. the tokenizer fails on this output: fail only it
+                    logger.exception("request %s: building its output failed", item.request_id)
+                    out = self._text.fail(item.request_id,
+                                          f"processing the output failed: {type(exc).__name__}: {exc}")
+                    self._inbox.append(_Abort(item.request_id))
+                    self._wake.set()
+                if out is not None:
+                    outputs.append(out)
+            if self.listener is not None:
+                try:
+                    self.listener.on_step(self.engine, outputs, time.monotonic())
+                except Exception:  # noqa: BLE001 - metrics must not stop the outputs
+                    logger.exception("step listener failed")
+            self._dispatch(outputs)
+
+    def _apply(self, delta) -> RequestOutput | None:
+        out, finished = self._text.apply(delta)
+        for request_id, index, stop in finished:
+            self._inbox.append(_FinishSeq(request_id, index, stop))
+            self._wake.set()
+        return out
+
+    def _fail_streams(self, err: BaseException) -> None:
+        for stream in list(self._streams.values()):
+            self._post(stream, stream._fail, err)
+        self._streams.clear()
 
     def _drain_inbox(self) -> list[RequestOutput]:
         """Apply queued adds and aborts; returns the final outputs of aborted requests."""
@@ -390,12 +463,12 @@ class AsyncEngine:
                 _settle(item, result, error)
                 continue
             if isinstance(item, _Abort):
-                stream = self._streams.pop(item.request_id, None)
                 out = engine.abort_request(item.request_id)
                 if out is not None:
                     aborted.append(out)
-                    if stream is not None:
-                        self._post(stream, stream._push, out)
+                continue
+            if isinstance(item, _FinishSeq):
+                engine.finish_seq_early(item.request_id, item.index, item.stop)
                 continue
             with self._lock:
                 self._pending_adds -= 1
@@ -414,7 +487,7 @@ class AsyncEngine:
                 self._post(stream, stream._accept, InvalidRequestError(f"could not add the request: {exc}"))
                 continue
             request.arrival_time = min(request.arrival_time, item.arrival_time)
-            self._streams[item.request_id] = stream
+            self._outbox.put(("add", TextProcessor.mirror_of(request), stream))
             self._post(stream, stream._accept, None)
         return aborted
 
@@ -454,10 +527,8 @@ class AsyncEngine:
                 failed = fail_all(str(err)) or []
         except Exception:  # noqa: BLE001 - the engine is already broken; streams must still fail
             logger.exception("could not fail the engine's requests cleanly")
-        self._notify_stopped(failed)
-        for stream in list(self._streams.values()):
-            self._post(stream, stream._fail, err)
-        self._streams.clear()
+        # The output thread gives the listener its last word, then fails the streams it holds.
+        self._outbox.put(("die", err, failed))
         self._fail_inbox()
 
     def _notify_stopped(self, failed: list[RequestOutput]) -> None:

@@ -51,8 +51,6 @@ def stream_step(backend, seq: Sequence, upto: int | None = None) -> tuple[str, b
     the fast tokenizer's `tokenizers.Tokenizer`). Returns (new text, done); not done where the
     stream cannot match the window method (its context ends inside a character, or it refuses
     a prefix): the caller then finishes with detokenize_step, as for this sequence from now on."""
-    from tokenizers.decoders import DecodeStream
-
     ids = seq.token_ids
     end = len(ids) if upto is None else upto
     state = seq.decode_stream
@@ -62,6 +60,8 @@ def stream_step(backend, seq: Sequence, upto: int | None = None) -> tuple[str, b
         if context and backend.decode(context, skip_special_tokens=skip).endswith("\ufffd"):
             seq.decode_stream = False
             return "", False
+        from tokenizers.decoders import DecodeStream
+
         state = seq.decode_stream = _Stream(DecodeStream(ids=context, skip_special_tokens=skip), seq.read_offset)
     delta = ""
     for i in range(state.pos, end):
@@ -85,8 +85,11 @@ class Detokenizer:
     """Text and stop checks for sequences, with the tokenizer's fastest incremental method."""
 
     def __init__(self, tokenizer, eos_token_ids: tuple[int, ...], max_model_len: int,
-                 use_stream: bool | None = None) -> None:
+                 use_stream: bool | None = None, text: bool = True) -> None:
+        """text=False: token-level stop checks only (no text, no stop strings: another thread
+        does those, engine/output_processor.py TextProcessor)."""
         self.tokenizer = tokenizer
+        self.text = text
         self.eos_token_ids = eos_token_ids
         self.max_model_len = max_model_len
         from transformers import PreTrainedTokenizerFast
@@ -95,6 +98,8 @@ class Detokenizer:
         self.backend = tokenizer.backend_tokenizer if fast else None  # a `tokenizers.Tokenizer`
 
     def step(self, seq: Sequence, upto: int | None = None) -> str:
+        if not self.text:
+            return ""
         if self.backend is not None and seq.request.params.detokenize and seq.decode_stream is not False:
             delta, done = stream_step(self.backend, seq, upto)
             if done:

@@ -24,7 +24,7 @@ from engine.detokenizer import Detokenizer, init_offsets
 from engine.engine_builder import PARTS, EngineBuilder
 from engine.lora import attach_lora, load_lora, unload_lora
 from engine.output_processor import OutputProcessor
-from engine.request import check_logprobs_limit, InvalidRequestError, LoRARequest, PoolingParams, Request, RequestOutput, SamplingParams
+from engine.request import check_logprobs_limit, FinishReason, InvalidRequestError, LoRARequest, PoolingParams, Request, RequestOutput, SamplingParams
 from engine.runner import PendingStep
 from engine.scheduler import SchedulerOutput
 
@@ -90,7 +90,8 @@ class LLMEngine:
         """(Replaceable: the output processor detokenises with the new one from the next step.)"""
         self._tokenizer = tokenizer
         if self.outputs is not None:
-            self.outputs.detokenizer = Detokenizer(tokenizer, self.eos_token_ids, self.max_model_len)
+            self.outputs.detokenizer = Detokenizer(tokenizer, self.eos_token_ids, self.max_model_len,
+                                                   text=not self.outputs.defer_text)
 
     # ---- requests ----
     def encode_prompt(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
@@ -163,7 +164,20 @@ class LLMEngine:
         if request is None:
             return None
         self.scheduler.pop_finished_request(request_id)
-        return self.outputs.output(request)
+        return self.outputs.hand_out(request)
+
+    def finish_seq_early(self, request_id: str, index: int, stop_reason: int | str | None) -> None:
+        """Finish sample `index` of a request whose text hit a stop string found off the engine
+        thread (defer_text): its blocks are freed now; its outputs were handed out there."""
+        request = self.scheduler.requests.get(request_id)
+        if request is None:
+            return
+        for seq in request.seqs:
+            if seq.sample_index == index:
+                self.scheduler.finish_seq(seq, FinishReason.STOP, stop_reason)
+        if request.is_finished:
+            request.finished_time = time.monotonic()
+            self.scheduler.pop_finished_request(request_id)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished() or self._inflight is not None

@@ -3,27 +3,64 @@
 Token bookkeeping (the scheduler appends them), logprobs, grammar advance, stop checks and
 detokenisation, pooled embeddings and prompt logprobs, failed rows, and the RequestOutput
 each request hands out (cumulative, delta or final only).
+
+With `defer_text` (the server's AsyncEngine) the engine thread keeps only the token-level
+part: stop tokens, EOS, lengths, grammars, errors. It hands out a `RequestDelta` per request
+(new token ids and logprob entries, finish reasons) and a `TextProcessor` on another thread
+detokenises, looks for stop strings and builds the RequestOutputs, with the very functions
+the inline path uses, over its own mirror of each request. A stop string it finds is sent
+back to the engine thread, which finishes that sequence in the scheduler (its blocks are
+freed at the next step; tokens computed meanwhile are discarded, never shown).
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass, field
 
 import torch
 
-from engine.detokenizer import Detokenizer, visible_len
-from engine.request import CompletionOutput, FinishReason, Request, RequestOutput, Sequence
+from engine.detokenizer import Detokenizer, init_offsets, visible_len
+from engine.request import CompletionOutput, FinishReason, Request, RequestOutput, Sequence, SeqStatus
 from engine.sampler import SamplerOutput
 from engine.scheduler import Scheduler, SchedulerOutput, sample_row_ranges
 
 logger = logging.getLogger(__name__)
 
 
+@dataclass
+class SeqDelta:
+    """What the engine learnt about one sequence since its last delta (defer_text)."""
+
+    index: int
+    token_ids: list[int]
+    logprobs: list[dict[int, float]] | None
+    finish_reason: str | None
+    stop_reason: int | str | None
+    num_preemptions: int
+
+
+@dataclass
+class RequestDelta:
+    request_id: str
+    finished: bool
+    error: str | None
+    num_cached_tokens: int
+    metrics: dict[str, float | None]
+    seqs: list[SeqDelta] = field(default_factory=list)
+
+
 class OutputProcessor:
     def __init__(self, scheduler: Scheduler, tokenizer, eos_token_ids: tuple[int, ...], max_model_len: int) -> None:
         self.scheduler = scheduler
         self.detokenizer = Detokenizer(tokenizer, eos_token_ids, max_model_len)
+        self.defer_text = False  # see the module docstring
+
+    def set_defer_text(self, on: bool) -> None:
+        self.defer_text = on
+        d = self.detokenizer
+        self.detokenizer = Detokenizer(d.tokenizer, d.eos_token_ids, d.max_model_len, text=not on)
 
     # ---- one step's results ----
     def process(self, sched: SchedulerOutput, sampled: SamplerOutput) -> tuple[list[RequestOutput], int]:
@@ -77,10 +114,38 @@ class OutputProcessor:
             if request.is_finished:
                 request.finished_time = now
                 self.scheduler.pop_finished_request(request.request_id)
-            out = self.output(request)
+            out = self.hand_out(request)
             if out is not None:
                 results.append(out)
         return results
+
+    def hand_out(self, request: Request) -> RequestOutput | RequestDelta | None:
+        """The request's output (inline) or its delta for the TextProcessor (defer_text)."""
+        if not self.defer_text or request.pooling is not None:
+            return self.output(request)
+        return self.delta(request)
+
+    @staticmethod
+    def delta(request: Request) -> RequestDelta | None:
+        seqs = []
+        for seq in request.seqs:
+            known = seq.num_output_tokens - seq.num_pending
+            finished = seq.finish_reason is not None
+            if known == seq.emitted_tokens and (not finished or seq.emitted_finish):
+                continue
+            first = seq.num_prompt_tokens + seq.emitted_tokens
+            logprobs = seq.logprobs[seq.emitted_tokens:known] if request.params.logprobs is not None else None
+            seqs.append(SeqDelta(seq.sample_index, seq.token_ids[first:seq.num_prompt_tokens + known], logprobs,
+                                 seq.finish_reason.value if finished else None, seq.stop_reason,
+                                 seq.num_preemptions))
+            seq.emitted_tokens, seq.emitted_finish = known, finished
+        if not seqs and not request.is_finished:
+            return None
+        return RequestDelta(request.request_id, request.is_finished, request.error,
+                            request.seqs[0].num_cached_tokens if request.seqs else 0,
+                            {"first_scheduled_time": request.first_scheduled_time,
+                             "first_token_time": request.first_token_time,
+                             "finished_time": request.finished_time}, seqs)
 
     def _process_new_tokens(self, seq: Sequence, logprobs: dict[int, list]) -> int:
         """Logprobs, grammar and stop checks for the tokens the step appended to seq, one token at
@@ -148,8 +213,8 @@ class OutputProcessor:
                 self.fail_request(request, message)
             request.finished_time = request.finished_time or now
             self.scheduler.pop_finished_request(request.request_id)
-            results.append(self.output(request))
-        return results
+            results.append(self.hand_out(request))
+        return [r for r in results if r is not None]
 
     @staticmethod
     def _split_logprobs(sched: SchedulerOutput, flat: list) -> dict[int, list]:
@@ -213,7 +278,8 @@ class OutputProcessor:
                 seq.request.prompt_logprobs[first:first + len(entries)] = entries
 
     # ---- RequestOutput building ----
-    def output(self, request: Request) -> RequestOutput | None:
+    @classmethod
+    def output(cls, request: Request) -> RequestOutput | None:
         """The request's output for this step, as its params.output_kind asks (None: nothing to
         hand out: final_only before the end, or a delta with nothing new)."""
         params = request.params
@@ -228,11 +294,11 @@ class OutputProcessor:
                                  None, request.embedding)
         seqs = sorted(request.seqs, key=lambda s: s.sample_index)
         if params.output_kind == "delta":
-            outs = [c for c in map(self._delta_choice, seqs) if c is not None]
+            outs = [c for c in map(cls._delta_choice, seqs) if c is not None]
             if not outs and not request.is_finished:
                 return None  # new tokens whose text is held back: they come with their text
         else:
-            outs = [self._choice(seq, 0, 0, visible_len(seq)) for seq in seqs]
+            outs = [cls._choice(seq, 0, 0, visible_len(seq)) for seq in seqs]
         metrics = {
             "arrival_time": request.arrival_time,
             "first_scheduled_time": request.first_scheduled_time,
@@ -261,7 +327,8 @@ class OutputProcessor:
             num_preemptions=seq.num_preemptions,
         )
 
-    def _delta_choice(self, seq: Sequence) -> CompletionOutput | None:
+    @classmethod
+    def _delta_choice(cls, seq: Sequence) -> CompletionOutput | None:
         """What is new in seq since its last delta, or None. New tokens whose text is still held
         back (a split UTF-8 character, a possible stop string) wait for their text, unless the
         request is not detokenised; the delta that ends a sequence comes once."""
@@ -273,6 +340,100 @@ class OutputProcessor:
         new_tokens = num_out > seq.emitted_tokens
         if not (chars > seq.emitted_chars or finished or (new_tokens and not seq.request.params.detokenize)):
             return None
-        out = self._choice(seq, seq.emitted_tokens, seq.emitted_chars, chars)
+        out = cls._choice(seq, seq.emitted_tokens, seq.emitted_chars, chars)
         seq.emitted_tokens, seq.emitted_chars, seq.emitted_finish = num_out, chars, finished
         return out
+
+
+class TextProcessor:
+    """The defer_text side: detokenisation, stop strings and RequestOutputs from RequestDeltas,
+    over a mirror of each request (runs on its own thread; touches no engine state)."""
+
+    def __init__(self, tokenizer, eos_token_ids: tuple[int, ...], max_model_len: int) -> None:
+        self.detokenizer = Detokenizer(tokenizer, eos_token_ids, max_model_len)
+        self.mirrors: dict[str, Request] = {}
+
+    @classmethod
+    def mirror_of(cls, request: Request) -> Request:
+        """A mirror of a request the engine accepted: a copy of what the text side reads (made on
+        the engine thread, then owned by the text side)."""
+        mirror = Request(request.request_id, request.prompt, list(request.prompt_token_ids), request.params,
+                         arrival_time=request.arrival_time, priority=request.priority,
+                         prompt_logprobs=request.prompt_logprobs)
+        mirror.pooling = request.pooling
+        mirror.seqs = [cls._new_seq(mirror, 0)]
+        init_offsets(mirror.seqs[0])
+        return mirror
+
+    @staticmethod
+    def _new_seq(mirror: Request, index: int) -> Sequence:
+        seq = Sequence(index, mirror, index, list(mirror.prompt_token_ids), len(mirror.prompt_token_ids),
+                       status=SeqStatus.RUNNING)
+        return seq
+
+    def apply(self, delta: RequestDelta) -> tuple[RequestOutput | None, list[tuple[str, int, int | str | None]]]:
+        """The RequestOutput for one delta (None: nothing to show yet), and the sequences this side
+        finished that the engine still runs: (request id, sample index, stop reason)."""
+        mirror = self.mirrors.get(delta.request_id)
+        if mirror is None:
+            return None, []  # finished here already (a stop string): the engine's late tokens are dropped
+        finish: list[tuple[str, int, int | str | None]] = []
+        by_index = {s.sample_index: s for s in mirror.seqs}
+        for d in delta.seqs:
+            seq = by_index.get(d.index)
+            if seq is None:
+                seq = by_index[d.index] = self._new_seq(mirror, d.index)
+                mirror.seqs.append(seq)
+                seq.read_offset = 0  # its text starts after the prompt (Detokenizer.check_stop)
+            if seq.finish_reason is not None:
+                continue
+            if d.token_ids and mirror.params.n > 1:
+                mirror.forked = True
+            cut = False
+            for j, token in enumerate(d.token_ids):
+                seq.token_ids.append(token)
+                if d.logprobs is not None and j < len(d.logprobs):
+                    entry = d.logprobs[j]
+                    seq.cumulative_logprob += entry[token]
+                    seq.logprobs.append(entry)
+                self.detokenizer.check_stop(seq)
+                if seq.finish_reason is not None:
+                    cut = j + 1 < len(d.token_ids) or d.finish_reason is None
+                    break
+            if seq.finish_reason is None and d.finish_reason is not None:
+                seq.finish_reason, seq.stop_reason = FinishReason(d.finish_reason), d.stop_reason
+            elif cut and d.finish_reason is None:
+                finish.append((mirror.request_id, d.index, seq.stop_reason))
+            seq.num_preemptions = d.num_preemptions
+            if seq.finish_reason is not None:
+                seq.status = SeqStatus.FINISHED
+        mirror.error = delta.error
+        for key, value in delta.metrics.items():
+            if value is not None:
+                setattr(mirror, key, value)
+        for seq in mirror.seqs:
+            seq.num_cached_tokens = delta.num_cached_tokens
+        if delta.finished:  # (e.g. aborted: every sequence the engine ended)
+            for seq in mirror.seqs:
+                if seq.finish_reason is None:
+                    seq.finish_reason, seq.status = FinishReason.ABORT, SeqStatus.FINISHED
+        if mirror.is_finished:
+            mirror.finished_time = mirror.finished_time or time.monotonic()
+            del self.mirrors[mirror.request_id]
+        return OutputProcessor.output(mirror), finish
+
+    def forget(self, request_id: str) -> None:
+        self.mirrors.pop(request_id, None)
+
+    def fail(self, request_id: str, message: str) -> RequestOutput | None:
+        """End a request whose output could not be built (the engine is told to abort it)."""
+        mirror = self.mirrors.pop(request_id, None)
+        if mirror is None:
+            return None
+        logger.warning("request %s failed: %s", request_id, message)
+        mirror.error = message
+        for seq in mirror.seqs:
+            if seq.finish_reason is None:
+                seq.finish_reason, seq.status = FinishReason.ERROR, SeqStatus.FINISHED
+        mirror.finished_time = time.monotonic()
+        return OutputProcessor.output(mirror)

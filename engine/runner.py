@@ -240,12 +240,12 @@ class ModelRunner:
                 for j in range(n):
                     sample_indices.append(first + j)
                     rows.append(SampleRow(s.params, s.all_token_ids, s.num_prompt_tokens, s.sample_index,
-                                          extra=s.draft_token_ids[:j]))
+                                          extra=s.draft_token_ids[:j], key=s.seq_id))
             elif s.do_sample:
                 for k in range(s.num_samples):
                     sample_indices.append(t - 1)
                     rows.append(SampleRow(s.params, s.all_token_ids, s.num_prompt_tokens, s.sample_index + k,
-                                          s.grammars[s.sample_index + k] if s.grammars else None))
+                                          s.grammars[s.sample_index + k] if s.grammars else None, key=s.seq_id))
         step = self._finish_prepare(t, len(seqs), max_q, max_len, max_cols, sample_indices, rows, None,
                                     num_decodes, feed)
         step.prompt_scores = scores
@@ -280,7 +280,7 @@ class ModelRunner:
             if p >= max_len:
                 max_len = p + 1
             rows.append(SampleRow(s.params, s.all_token_ids, s.num_prompt_tokens, s.sample_index,
-                                  s.grammars[s.sample_index] if s.grammars else None))
+                                  s.grammars[s.sample_index] if s.grammars else None, key=s.seq_id))
         n = len(seqs)
         buf.np_query_start_loc[:n + 1] = np.arange(n + 1)
         key = self.graph_runner.key_for(n, max_len) if self.graph_runner is not None else None

@@ -28,6 +28,7 @@ class SampleRow:
     # Speculative decoding: the drafts before this row's position, after all_token_ids (kept
     # apart so that a row does not copy a long sequence; joined only where history is read).
     extra: list[int] = field(default_factory=list)
+    key: int | None = None  # the sequence's id: penalty state is kept per sequence across steps
 
     @property
     def num_output_tokens(self) -> int:
@@ -64,6 +65,7 @@ class Sampler:
         self.device = device
         self.eos_token_ids = eos_token_ids
         self.generator = torch.Generator(device=device).manual_seed(seed)
+        self._penalty_states: dict[int, _PenaltyState] = {}  # by sequence id, kept from the last step
 
     def __call__(self, logits: torch.Tensor, rows: list[SampleRow]) -> SamplerOutput:
         """logits: float32 [len(rows), vocab]."""
@@ -199,25 +201,24 @@ class Sampler:
         return logits
 
     def _apply_penalties(self, logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
+        """Repetition / frequency / presence penalties. Each sequence's output-token counts and
+        prompt-token mask live on the device across steps and only its new tokens are added
+        (a row's history is not re-sent every step); sequences absent from a step drop theirs."""
         vocab = logits.shape[1]
-        n = len(rows)
-        max_out = max(1, max(r.num_output_tokens for r in rows))
-        max_prompt = max(1, max(r.num_prompt_tokens for r in rows))
-        out_ids = torch.full((n, max_out), vocab, dtype=torch.int64)
-        prompt_ids = torch.full((n, max_prompt), vocab, dtype=torch.int64)
-        for i, r in enumerate(rows):
-            outs = r.output_token_ids()
-            if outs:
-                out_ids[i, :len(outs)] = torch.tensor(outs)
-            prompt_ids[i, :r.num_prompt_tokens] = torch.tensor(r.all_token_ids[:r.num_prompt_tokens])
-        out_ids = out_ids.to(self.device, non_blocking=True)
-        prompt_ids = prompt_ids.to(self.device, non_blocking=True)
-        counts = torch.zeros((n, vocab + 1), dtype=torch.float32, device=self.device)
-        counts.scatter_add_(1, out_ids, torch.ones_like(out_ids, dtype=torch.float32))
-        counts = counts[:, :vocab]
-        in_prompt = torch.zeros((n, vocab + 1), dtype=torch.bool, device=self.device)
-        in_prompt.scatter_(1, prompt_ids, True)
-        in_prompt = in_prompt[:, :vocab]
+        states: dict[int, _PenaltyState] = {}
+        counts_rows, prompt_rows = [], []
+        for r in rows:
+            key = r.key if r.key is not None else id(r)
+            state = states.get(key) or self._penalty_states.get(key)
+            if state is None or state.counted > r.num_output_tokens - len(r.extra):
+                state = _PenaltyState(r.all_token_ids[:r.num_prompt_tokens], vocab, self.device)
+            states[key] = state
+            counts = state.counts_for(r)
+            counts_rows.append(counts)
+            prompt_rows.append(state.in_prompt)
+        self._penalty_states = states
+        counts = torch.stack(counts_rows)
+        in_prompt = torch.stack(prompt_rows)
         rep = torch.tensor([r.params.repetition_penalty for r in rows], device=self.device)[:, None]
         freq = torch.tensor([r.params.frequency_penalty for r in rows], device=self.device)[:, None]
         pres = torch.tensor([r.params.presence_penalty for r in rows], device=self.device)[:, None]
@@ -262,6 +263,36 @@ class Sampler:
             g = torch.tensor(greedy, device=self.device)
             sampled = torch.where(g, logits.argmax(dim=-1), sampled)
         return sampled
+
+
+class _PenaltyState:
+    """One sequence's penalty inputs on the device: which tokens its prompt holds, and how often
+    each token occurs in the first `counted` output tokens."""
+
+    def __init__(self, prompt: list[int], vocab: int, device: torch.device) -> None:
+        self.device = device
+        self.in_prompt = torch.zeros(vocab, dtype=torch.bool, device=device)
+        if prompt:
+            self.in_prompt[torch.tensor(prompt, device=device)] = True
+        self.counts = torch.zeros(vocab, dtype=torch.float32, device=device)
+        self.counted = 0
+
+    def _add(self, counts: torch.Tensor, tokens: list[int]) -> None:
+        if tokens:
+            ids = torch.tensor(tokens, device=self.device)
+            counts.index_add_(0, ids, torch.ones(len(tokens), dtype=counts.dtype, device=self.device))
+
+    def counts_for(self, r: SampleRow) -> torch.Tensor:
+        """Counts over r's output so far (its own tokens, then its drafts, if any)."""
+        base = r.num_output_tokens - len(r.extra)
+        if base > self.counted:
+            self._add(self.counts, r.all_token_ids[r.num_prompt_tokens + self.counted:r.num_prompt_tokens + base])
+            self.counted = base
+        if not r.extra:
+            return self.counts
+        counts = self.counts.clone()
+        self._add(counts, r.extra)
+        return counts
 
 
 class HostCopy:

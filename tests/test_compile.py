@@ -178,16 +178,16 @@ def test_buffers_updated_in_place(engines):
              "input_ids_host", "block_tables_host"]
     ptrs = {n: getattr(buf, n).data_ptr() for n in names}
     tensors = {n: getattr(buf, n) for n in names}
-    out_ptr = runner.graph_runner.logits.data_ptr()
+    out_ptr = runner.graph_runner.tokens.data_ptr()
     for i, p in enumerate(_prompts(compiled, 5, seed=3)):
         compiled.add_request(p, SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, detokenize=False),
                              request_id=f"inplace{i}")
     decode_steps = 0
-    execute = runner.execute
+    launch = runner.launch
 
-    def checked_execute(sched):
+    def checked_launch(sched):
         nonlocal decode_steps
-        out = execute(sched)
+        out = launch(sched)
         if sched.seqs and all(s.num_tokens == 1 for s in sched.seqs):
             decode_steps += 1
             n = len(sched.seqs)
@@ -201,15 +201,15 @@ def test_buffers_updated_in_place(engines):
         for name in names:
             assert getattr(buf, name) is tensors[name] and tensors[name].data_ptr() == ptrs[name], (
                 f"{name} was reallocated")
-        assert runner.graph_runner.logits.data_ptr() == out_ptr
+        assert runner.graph_runner.tokens.data_ptr() == out_ptr
         return out
 
-    runner.execute = checked_execute
+    runner.launch = checked_launch
     try:
         while compiled.has_unfinished_requests():
             compiled.step()
     finally:
-        del runner.execute
+        del runner.launch
     assert decode_steps >= 4
     assert_engine_clean(compiled)
 

@@ -11,10 +11,15 @@ same run. Printed per step (µs) and per sequence per step (µs):
   schedule      Scheduler.schedule
   prep          ModelRunner.prepare (inputs written and uploaded)
   sample        the sampler (device work on a GPU; host work here)
-  process       everything else in the step: output processing
+  launch        the rest of the runner's step (the stub forward, logits rows, bookkeeping)
+  process       everything else in the step: output processing (tokens appended, stop checks,
+                detokenisation, RequestOutputs)
   critical      host time the device waits for: the whole step in the serial loop; schedule +
-                prep + sample in the overlapped loop, whose output processing of step N runs
-                while the device computes step N+1.
+                prep + sample + launch in the overlapped loop, whose output processing of step N
+                runs while the device computes step N+1.
+
+Torch runs with --torch-threads intra-op threads (default 1): on a small shared CPU more
+threads spin against each other and time the contention, not kiln.
 """
 
 from __future__ import annotations
@@ -25,7 +30,7 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
-PHASES = ("schedule", "prep", "sample", "process")
+PHASES = ("schedule", "prep", "sample", "launch", "process")
 
 
 class _Timed:
@@ -74,6 +79,11 @@ def instrument(engine) -> dict[str, float]:
     totals: dict[str, float] = defaultdict(float)
     engine.scheduler.schedule = _Timed(engine.scheduler.schedule, totals, "schedule")
     engine.runner.prepare = _Timed(engine.runner.prepare, totals, "prep")
+    runner = engine.runner
+    if hasattr(runner, "launch"):
+        runner.launch = _Timed(runner.launch, totals, "runner")
+    else:  # (the serial-only loop, before overlap scheduling)
+        runner.execute = _Timed(runner.execute, totals, "runner")
     engine.runner.sampler = _TimedSampler(engine.runner.sampler, totals)
     return totals
 
@@ -99,11 +109,11 @@ def measure(engine, totals: dict[str, float], batch: int, steps: int, overlap: b
         engine.abort_request(rid)
     while engine.has_unfinished_requests():
         engine.step()
-    per_step = {k: totals[k] / steps * 1e6 for k in ("schedule", "prep", "sample")}
-    per_step["process"] = total / steps * 1e6 - sum(per_step.values())
+    per_step = {k: totals[k] / steps * 1e6 for k in ("schedule", "prep", "sample", "runner")}
+    per_step["launch"] = per_step["runner"] - per_step["prep"] - per_step["sample"]
     per_step["total"] = total / steps * 1e6
-    per_step["critical"] = (per_step["schedule"] + per_step["prep"] + per_step["sample"]) if overlap \
-        else per_step["total"]
+    per_step["process"] = per_step["total"] - per_step["schedule"] - per_step["runner"]
+    per_step["critical"] = per_step["schedule"] + per_step["runner"] if overlap else per_step["total"]
     return per_step
 
 
@@ -114,6 +124,7 @@ def main(argv: list[str]) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--batches", default="1,64,256", help="batch sizes")
     parser.add_argument("--steps", type=int, default=50, help="decode steps timed per batch size and loop")
+    parser.add_argument("--torch-threads", type=int, default=1, help="torch intra-op threads (see above)")
     parser.add_argument("--json", default=None, help="write results here")
     add_settings_flags(parser)
     args = parser.parse_args(argv)
@@ -123,13 +134,18 @@ def main(argv: list[str]) -> int:
     if "num_gpu_blocks" not in settings.model_fields_set:
         update["num_gpu_blocks"] = max(batches) * (-(-(32 + args.steps + 80) // settings.block_size))
     settings = settings.model_copy(update=update)
+    import torch
+
     from engine.llm_engine import LLMEngine
+
+    torch.set_num_threads(args.torch_threads)
 
     engine = LLMEngine(settings)
     stub_model(engine, max(batches))
     totals = instrument(engine)
     results = []
-    print(f"kiln bench overhead: stub model, {args.steps} decode steps per row, device {engine.device}")
+    print(f"kiln bench overhead: stub model, {args.steps} decode steps per row, device {engine.device}, "
+          f"{torch.get_num_threads()} torch threads")
     print(f"{'batch':>5} {'loop':>8} " + " ".join(f"{p:>9}" for p in PHASES)
           + f" {'critical':>9} | per seq: {'process':>8} {'critical':>8}   (µs)")
     for batch in batches:
