@@ -158,8 +158,15 @@ class _CompileJob:
 def _worker_main() -> None:  # pragma: no cover - runs in a worker process
     """A compile worker (`python -m engine.structured_output`): the tokenizer's info on the first
     line of stdin, then one job per line in, one answer per line out (JSON)."""
+    import signal
     import sys
 
+    try:  # Linux: die with the parent's pool thread, even if the server is killed outright
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
     import xgrammar
 
     info = xgrammar.TokenizerInfo.deserialize_json(json.loads(sys.stdin.readline()))

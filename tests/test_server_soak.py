@@ -42,8 +42,9 @@ def _gauges(url: str) -> dict[str, float]:
 
 
 async def _greedy(client: openai.AsyncOpenAI, i: int) -> tuple[str, str]:
-    prompt = PROMPTS[i % len(PROMPTS)]
-    max_tokens = 4 + (i * 7) % 17
+    j = i % (2 * len(PROMPTS))  # one of the idle server's requests
+    prompt = PROMPTS[j % len(PROMPTS)]
+    max_tokens = 4 + (j * 7) % 17
     stream = await client.completions.create(model="m", prompt=prompt, max_tokens=max_tokens, temperature=0,
                                              stream=True, extra_body={"ignore_eos": True})
     text = ""

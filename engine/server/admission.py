@@ -176,12 +176,13 @@ def check_batch(info: EngineInfo, count: int, param: str) -> None:
 
 
 # ---- structured outputs ----
-async def check_constraint(state, body, params: SamplingParams, request) -> None:
+async def check_constraint(state, body, params: SamplingParams, request) -> Any:
     """Compile the request's constraint in the server's compile pool (time-limited, stopped if
     the client goes away) so that one that does not compile, or not in time, is a 400 naming the
-    field it came in; the engine's own compile of it is then a cache hit."""
+    field it came in. Returns the compiled grammar: while the caller holds it, the engine's own
+    compile of it is a cache hit (even if the LRU has let it go)."""
     if params.structured_outputs is None:
-        return
+        return None
     found = body.structured_output_field()
     name, _ = found if found is not None else ("tools", params.structured_outputs)
     tenant = tenant_of(request, body)
@@ -192,6 +193,7 @@ async def check_constraint(state, body, params: SamplingParams, request) -> None
         raise InvalidRequestError(f"{name}: {exc}", name) from exc
     if done is None:  # the client left: the compile was stopped with it
         raise ClientGone()
+    return done
 
 
 def with_reasoning_markers(state, params: SamplingParams) -> None:

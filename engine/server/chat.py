@@ -140,7 +140,7 @@ async def create_chat_completion(state, body: ChatCompletionRequest, request: Re
     ids = await conversation_ids(state, body, body.add_generation_prompt, body.template_tools(),
                                  body.continue_final_message, body.chat_template_kwargs)
     check_lengths(state.info, [ids], params, "messages")
-    await check_constraint(state, body, params, request)
+    grammar = await check_constraint(state, body, params, request)  # noqa: F841 - held until the engine has it
     with_reasoning_markers(state, params)
     reasoning = state.settings.reasoning_parser
     return await generate(state, body, request, ChatFormat(state), "chat", [ids], [None], params, lora,

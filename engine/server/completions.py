@@ -67,7 +67,7 @@ async def create_completion(state, body: CompletionRequest, request: Request):
     check_params(state.info, body, params, len(prompts))
     ids = await prompt_ids(state, prompts, "prompt")
     check_lengths(state.info, ids, params, "prompt")
-    await check_constraint(state, body, params, request)
+    grammar = await check_constraint(state, body, params, request)  # noqa: F841 - held until the engine has it
     texts = [p if isinstance(p, str) else None for p in prompts]
     return await generate(state, body, request, CompletionFormat(state), "completion", ids, texts, params, lora,
                           echo=body.echo, prompt_only=body.prompt_only)

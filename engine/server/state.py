@@ -83,6 +83,7 @@ class ServerState:
         if self.jobs:
             logger.warning("shutdown: ending %d unfinished requests after %.0fs", len(self.jobs), timeout)
         self.jobs.closed = True
+        self.engine.grammar_compiler.close()  # compiles still running end now (a 503 each)
         for job in list(self.jobs):
             job.end()
         deadline = time.monotonic() + 5.0
