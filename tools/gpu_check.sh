@@ -8,7 +8,7 @@
 #                                engine/compiler module (fail fast: nothing else runs without it)
 #   kernel-cache      40    10   the carried build/kernels: hits, build only misses, load every cubin
 #   tests            200    60   in parallel: kernel tests (pytest-xdist -n 6) | graph replay vs eager,
-#                                one process per backend | e2e cutlass vs torch | swap
+#                                one process per backend and kernel generation | e2e cutlass vs torch | swap
 #   kernel-bench      60    30   decode/prefill kernels vs torch on a quiet GPU (kernel gens that passed)
 #   latency-8b       150    90   Llama-3.1-8B shape, bf16, batch 1 and 64 (transformers' figures are
 #                                known: 21.96 ms/step and 2,734 tok/s, not re-measured)
@@ -163,13 +163,15 @@ EOF
 }
 
 stage_tests() {
-  # Five processes under one limit: the kernel tests across 6 xdist workers (an illegal access
+  # Six processes under one limit: the kernel tests across 6 xdist workers (an illegal access
   # poisons only its own CUDA context), and the engine-level GPU tests split so that each cold
-  # compile-and-capture cycle (graph replay vs eager, per backend) has a process of its own.
-  local pids=() names=(kernels graph-cutlass graph-torch e2e swap) rc=0 r i
+  # compile-and-capture cycle (graph replay vs eager, per backend and kernel generation) has a
+  # process of its own.
+  local pids=() names=(kernels graph-cutlass graph-cutlass-v2 graph-torch e2e swap) rc=0 r i
   local args=(
     "-n 6 --timeout 120 tests/test_kernels_gpu.py"
-    "-m gpu --timeout 180 tests/test_cuda_graph.py -k cutlass"
+    "-m gpu --timeout 180 tests/test_cuda_graph.py -k cutlass_v1"
+    "-m gpu --timeout 180 tests/test_cuda_graph.py -k cutlass_v2"
     "-m gpu --timeout 180 tests/test_cuda_graph.py -k torch"
     "-m gpu --timeout 150 tests/test_e2e_gpu.py"
     "-m gpu --timeout 150 tests/test_swap.py")
