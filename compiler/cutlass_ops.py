@@ -288,7 +288,7 @@ class AttentionKernels:
         stream = self._stream(q.device)
         common = dict(out=out, q=q, k_cache=k_cache, v_cache=v_cache, qsl=qsl, lens=lens, bt=bt, stream=stream,
                       scale_log2=float(scale) * LOG2E, num_tokens=T)
-        for launch in plan_attention_launches(B, max_query_len, num_decodes):
+        for launch in plan_attention_launches(B, int(max_query_len), int(num_decodes)):
             if launch.kind == "decode":
                 self._launch_decode(launch.seq_start, launch.num_seqs, launch.zero_tail, **common)
             else:

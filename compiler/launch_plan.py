@@ -15,6 +15,7 @@ Three decisions live here so they can be unit-tested on any machine:
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 GRID_Z_MAX = 65535  # CUDA's limit on gridDim.y and gridDim.z
@@ -57,8 +58,9 @@ def chunk_ranges(start: int, count: int, limit: int = GRID_Z_MAX) -> list[tuple[
     return [(s, min(limit, start + count - s)) for s in range(start, start + count, limit)]
 
 
+@functools.lru_cache(maxsize=4096)  # called per layer per step with few distinct arguments
 def plan_attention_launches(num_seqs: int, max_query_len: int, num_decodes: int = 0,
-                            grid_limit: int = GRID_Z_MAX) -> list[Launch]:
+                            grid_limit: int = GRID_Z_MAX) -> tuple[Launch, ...]:
     """The launches of one paged-attention call, in stream order: decode chunks, then prefill chunks."""
     nd = decode_rows(num_seqs, max_query_len, num_decodes)
     launches = [Launch("decode", s, n) for s, n in chunk_ranges(0, nd, grid_limit)]
@@ -66,7 +68,7 @@ def plan_attention_launches(num_seqs: int, max_query_len: int, num_decodes: int 
     if launches:
         last = launches[-1]
         launches[-1] = Launch(last.kind, last.seq_start, last.num_seqs, zero_tail=True)
-    return launches
+    return tuple(launches)
 
 
 def ctas_per_sm_from_resources(registers: int, threads: int, shared_bytes: int = 0,

@@ -52,9 +52,14 @@ def settings(model: str, backend: str, cache, **kw) -> EngineSettings:
     return EngineSettings(**base)
 
 
-@pytest.fixture(scope="module", params=["torch", "cutlass"])
+# "cutlass_v2": the newer kernel generations (decode_kernel v2, prefill_kernel wgmma), as settings.
+KERNELS = {"cutlass_v2": dict(decode_kernel="v2", prefill_kernel="wgmma")}
+
+
+@pytest.fixture(scope="module", params=["torch", "cutlass_v1", "cutlass_v2"])
 def engines(request, tmp_path_factory):
-    backend = request.param
+    backend = request.param.split("_")[0]
+    kernels = KERNELS.get(request.param, {})
     model = make_model(tmp_path_factory.mktemp("tiny-hd64"))
     cache = tmp_path_factory.mktemp("compile-cache")
     if backend == "cutlass":
@@ -63,11 +68,12 @@ def engines(request, tmp_path_factory):
 
         s = settings(model, backend, cache)
         spec = BackendSpec(device=torch.device("cuda"), dtype=torch.bfloat16, head_dim=64, block_size=16,
-                           kernel_cache_dir=s.resolved_kernel_cache_dir())
+                           kernel_cache_dir=s.resolved_kernel_cache_dir(), **kernels)
         if not cutlass_available(spec):
-            pytest.skip("cutlass kernels for bf16/head_dim 64/block 16 are not built (kiln build-kernels)")
-    graphs = LLMEngine(settings(model, backend, cache, enforce_eager=False))
-    eager = LLMEngine(settings(model, backend, cache, enforce_eager=True))
+            pytest.skip(f"cutlass kernels {kernels or 'v1/mma'} for bf16/head_dim 64/block 16 are not built "
+                        "(kiln build-kernels)")
+    graphs = LLMEngine(settings(model, backend, cache, enforce_eager=False, **kernels))
+    eager = LLMEngine(settings(model, backend, cache, enforce_eager=True, **kernels))
     assert graphs.backend.name == backend
     return graphs, eager
 

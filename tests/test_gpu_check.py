@@ -24,8 +24,11 @@ STAGES = ["env", "kernel-cache", "tests", "kernel-bench", "latency-8b", "feature
 
 
 def run_check(tmp_path, *args, timeout=240, **env):
+    # no wheels unless given: this machine has the engine's dependencies (.whl/ holds the device's cp312 builds)
     full = dict(os.environ, OUT=str(tmp_path / "out"), GPU_CHECK_WORK=str(tmp_path / "work"), PYTHON=sys.executable,
-                KILN_CACHE_DIR=str(tmp_path / "cache"), **{k: str(v) for k, v in env.items()})
+                KILN_CACHE_DIR=str(tmp_path / "cache"), GPU_CHECK_WHEELS=str(tmp_path / "no-wheels"),
+                GPU_CHECK_SITE=str(tmp_path / "site"))
+    full.update({k: str(v) for k, v in env.items()})
     proc = subprocess.run(["bash", str(SCRIPT), *args], capture_output=True, text=True, env=full, timeout=timeout)
     summary = json.loads((tmp_path / "out" / "summary.json").read_text())
     return proc, summary["stages"], summary
@@ -62,6 +65,19 @@ def test_without_cuda_every_gpu_stage_skips_and_the_summary_prints(tmp_path):
     assert sorted(p.name for p in out.iterdir()) == ["gpu_check.tar.gz", "summary.json", "summary.txt"]
     with tarfile.open(out / "gpu_check.tar.gz") as tar:
         assert "./env.stage.json" in tar.getnames()
+
+
+def test_a_failed_wheel_install_fails_fast(tmp_path):
+    """Broken carried wheels: the env stage fails and no GPU stage runs, the summary still prints."""
+    wheels = tmp_path / "wheels"
+    wheels.mkdir()
+    (wheels / "broken-1.0-py3-none-any.whl").write_bytes(b"not a zip")
+    proc, stages, _ = run_check(tmp_path, GPU_CHECK_WHEELS=wheels)
+    assert stages["env"]["status"] == "failed"
+    assert "wheel install failed" in (tmp_path / "work" / "env.log").read_text()
+    for s in STAGES[1:]:
+        assert stages[s]["status"] == "skipped" and stages[s]["reason"].startswith("env stage failed")
+    assert "kiln GPU check summary" in proc.stdout
 
 
 def test_the_deadline_cuts_and_skips_stages(tmp_path):

@@ -198,3 +198,26 @@ def test_cli_build_and_list(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "write_kv_fp16" in out and "built" in out
     assert "write_kv_bf16" in out and "missing" in out
+
+
+@needs_nvcc
+def test_cli_check_builds_only_what_is_missing(tmp_path):
+    """`--check` (the device run's kernel-cache stage): hits need no build; misses are built once."""
+    import json
+
+    from compiler.kernels.cli import build_main
+    from compiler.kernels.loader import missing_variants
+
+    names = ["write_kv_fp16", "write_kv_bf16"]
+    assert missing_variants(tmp_path, names) == names
+    assert build_main(["--variants", "write_kv_fp16", "--cache-dir", str(tmp_path), "--quiet"]) == 0
+    assert missing_variants(tmp_path, names) == ["write_kv_bf16"]
+    report = tmp_path / "check.json"
+    assert build_main(["--check", "--variants", ",".join(names), "--cache-dir", str(tmp_path), "--json",
+                       str(report)]) == 0
+    first = json.loads(report.read_text())
+    assert (first["hits"], first["missing"], first["built"], first["still_missing"]) == (1, ["write_kv_bf16"], 1, [])
+    assert build_main(["--check", "--variants", ",".join(names), "--cache-dir", str(tmp_path), "--json",
+                       str(report)]) == 0
+    again = json.loads(report.read_text())
+    assert again["hits"] == 2 and "built" not in again

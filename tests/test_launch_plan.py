@@ -24,7 +24,7 @@ H200_SMS = 132
     (0, 1, 0, []),
 ])
 def test_mixed_step_split(num_seqs, max_q, num_decodes, expected):
-    assert plan_attention_launches(num_seqs, max_q, num_decodes) == expected
+    assert list(plan_attention_launches(num_seqs, max_q, num_decodes)) == expected
 
 
 def test_decode_rows_matches_the_plan():

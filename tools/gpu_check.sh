@@ -8,7 +8,7 @@
 #                                engine/compiler module (fail fast: nothing else runs without it)
 #   kernel-cache      40    10   the carried build/kernels: hits, build only misses, load every cubin
 #   tests            200    60   in parallel: kernel tests (pytest-xdist -n 6) | graph replay vs eager,
-#                                one process per backend | e2e cutlass vs torch | swap
+#                                one process per backend and kernel generation | e2e cutlass vs torch | swap
 #   kernel-bench      60    30   decode/prefill kernels vs torch on a quiet GPU (kernel gens that passed)
 #   latency-8b       150    90   Llama-3.1-8B shape, bf16, batch 1 and 64 (transformers' figures are
 #                                known: 21.96 ms/step and 2,734 tok/s, not re-measured)
@@ -29,13 +29,17 @@
 # (tests/test_gpu_check.py). --dry-run / GPU_CHECK_SIMULATE_S=N replace every stage's command by
 # `sleep N` (no CUDA needed) to exercise the deadline logic; GPU_CHECK_SCALE=N shrinks the limits.
 #
-# The device command sequence (a session with a lent H200):
-#   here, once:  tools/fetch_device_wheels.sh                     # .whl/: pydantic, fastapi, ... (~10 MB)
-#                python -m compiler.kernels.cli --cache-dir build/kernels --quiet   # 34 cubins, ~2 min
-#                printf '/.whl/\n/build/kernels/\n' >> .git/info/exclude   (both are git-ignored already)
+# The device command sequence (a session with a lent H200, from the repository root of the
+# checkout the device tool sends, i.e. the merged main):
+#   here, once:  PYTHON=.venv/bin/python tools/fetch_device_wheels.sh   # .whl/, 11 wheels, ~7.6 MB
+#                .venv/bin/python -m compiler.kernels.cli --cache-dir build/kernels --quiet
+#                    # the 34 sm_90a cubins, ~5.7 MB (~2 min on 2 cores; again after any template change)
+#                (.whl/ and build/ are git-ignored, so they travel only as carried paths)
 #   device:      run(command="DEADLINE_S=500 tools/gpu_check.sh", carry=[".whl", "build/kernels"],
 #                    timeout_s=540)   # 9 minutes: DEADLINE_S + 40 s for wheels, packing, the table
-#   then:        the table is in output_tail; summary.json / gpu_check.tar.gz under files_at.
+#   then:        the table is the end of output_tail; summary.json, summary.txt and gpu_check.tar.gz
+#                (every stage's log, JSON and junit file) come back under files_at.
+#   a rerun of some stages, while the machine is warm: run(command="tools/gpu_check.sh tests", ...)
 set -u
 cd "$(dirname "$0")/.."
 REPO=$PWD
@@ -71,7 +75,11 @@ done
 [ ${#STAGES[@]} -eq 0 ] && STAGES=("${ALL_STAGES[@]}")
 START=$(date +%s)
 NO_GPU_REASON=""   # set when the env stage finds no usable CUDA (or fails): GPU stages skip
+WHEELS=${GPU_CHECK_WHEELS:-.whl}  # carried wheels; SITE: where they are installed
+SITE=${GPU_CHECK_SITE:-/tmp/site}
 export PYTHONPATH=$REPO
+# a rerun of some stages on a warm machine: the wheels a previous call's env stage installed
+[ -f "$SITE/.kiln-gpu-check" ] && export PYTHONPATH=$REPO:$SITE
 
 summarize() {  # the table, after every stage: a kill at the call's limit still leaves one
   $PY tools/gpu_summary.py table "$WORK" --out "$WORK" >"$OUT/summary.txt" 2>&1
@@ -125,10 +133,11 @@ run_stage() {
 
 # ---- the stages ---------------------------------------------------------------------------------
 stage_env() {
-  if ls .whl/*.whl >/dev/null 2>&1; then
-    $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-      || { echo "wheel install failed"; return 1; }
-    export PYTHONPATH=$REPO:/tmp/site
+  if ls "$WHEELS"/*.whl >/dev/null 2>&1; then
+    $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" \
+      "$WHEELS"/*.whl || { echo "wheel install failed"; return 1; }
+    touch "$SITE/.kiln-gpu-check"
+    export PYTHONPATH=$REPO:$SITE
   fi
   nvidia-smi -L 2>&1 | head -4
   timeout "$LIMIT" $PY - "$WORK/env.json" <<'EOF'
@@ -154,13 +163,15 @@ EOF
 }
 
 stage_tests() {
-  # Five processes under one limit: the kernel tests across 6 xdist workers (an illegal access
+  # Six processes under one limit: the kernel tests across 6 xdist workers (an illegal access
   # poisons only its own CUDA context), and the engine-level GPU tests split so that each cold
-  # compile-and-capture cycle (graph replay vs eager, per backend) has a process of its own.
-  local pids=() names=(kernels graph-cutlass graph-torch e2e swap) rc=0 r i
+  # compile-and-capture cycle (graph replay vs eager, per backend and kernel generation) has a
+  # process of its own.
+  local pids=() names=(kernels graph-cutlass graph-cutlass-v2 graph-torch e2e swap) rc=0 r i
   local args=(
     "-n 6 --timeout 120 tests/test_kernels_gpu.py"
-    "-m gpu --timeout 180 tests/test_cuda_graph.py -k cutlass"
+    "-m gpu --timeout 180 tests/test_cuda_graph.py -k cutlass_v1"
+    "-m gpu --timeout 180 tests/test_cuda_graph.py -k cutlass_v2"
     "-m gpu --timeout 180 tests/test_cuda_graph.py -k torch"
     "-m gpu --timeout 150 tests/test_e2e_gpu.py"
     "-m gpu --timeout 150 tests/test_swap.py")
