@@ -101,6 +101,11 @@ class EngineSettings(BaseSettings):
     # --- logging ---
     log_stats_interval: float = Field(10.0, ge=0.0, description="seconds between stats log lines (0 = off)")
 
+    # --- quantization (engine/quant) ---
+    quantization: str | None = Field(
+        None, description="fp8: quantise a full-precision checkpoint's linear layers at load (per-channel "
+                          "scales); default: the checkpoint's own quantization_config (gptq, awq, compressed-tensors)")
+
     @field_validator("block_size")
     @classmethod
     def _check_block_size(cls, v: int) -> int:

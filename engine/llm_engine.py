@@ -100,7 +100,8 @@ class LLMEngine:
             raise ValueError("enable_lora: LoRA adapters are not supported for mixture-of-experts models")
         self.model = load_model(self.model_dir, self.model_config, self.dtype, self.device,
                                 self.max_model_len, settings.load_format, settings.seed,
-                                lora=(settings.max_loras, settings.max_lora_rank) if settings.enable_lora else None)
+                                lora=(settings.max_loras, settings.max_lora_rank) if settings.enable_lora else None,
+                                quantization=settings.quantization)
         self.lora = self._make_lora_manager()
         self.backend = get_attention_backend(settings.attention_backend, BackendSpec(
             device=self.device, dtype=self.dtype, head_dim=self.model_config.head_dim,

@@ -63,6 +63,8 @@ class ModelConfig:
     sandwich_norms: bool = False
     # Gemma 3: the windowed layers use their own rotary base (no scaling); None: one rope for all.
     local_rope_theta: float | None = None
+    # The checkpoint's quantization_config (GPTQ, AWQ, compressed-tensors), None for full precision.
+    quantization: dict[str, Any] | None = None
 
     @property
     def is_moe(self) -> bool:
@@ -143,6 +145,7 @@ class ModelConfig:
             attn_scale=float(scalar) ** -0.5 if scalar else None,
             sandwich_norms=sandwich,
             local_rope_theta=float(local_theta) if model_type == "gemma3_text" and local_theta else None,
+            quantization=raw.get("quantization_config") or None,
             **moe,
         )
 
