@@ -152,7 +152,7 @@ def parse_human_int(value: Any) -> Any:
 
 
 # Quantization methods and KV cache dtypes the engine implements (the quantization work extends these).
-SUPPORTED_QUANTIZATION: tuple[str, ...] = ()
+SUPPORTED_QUANTIZATION: tuple[str, ...] = ("fp8", "gptq", "awq", "compressed-tensors")  # engine/quant/config.py
 SUPPORTED_KV_CACHE_DTYPES: tuple[str, ...] = ("auto",)
 
 # vLLM's dtype spellings.
@@ -301,7 +301,9 @@ class EngineSettings(_KilnSettings):
                           "(default: on with a GPU, off on the CPU)")
     # --- vLLM-compatible settings (issue 13) ---
     tensor_parallel_size: int = Field(1, description="GPUs to shard the model over (kiln uses one: only 1)")
-    quantization: str | None = Field(None, description="weight quantization method (default: from the checkpoint)")
+    quantization: str | None = Field(
+        None, description="fp8: quantise a full-precision checkpoint's linear layers at load (per-channel "
+                          "scales); default: the checkpoint's own quantization_config (gptq, awq, compressed-tensors)")
     kv_cache_dtype: str = Field("auto", description="KV cache element type (auto: the model dtype)")
     generation_config: str = Field(
         "auto", description="auto: sampling defaults and extra EOS ids from the model's generation_config.json; "

@@ -70,6 +70,8 @@ class ModelConfig:
     # rotate pairs of neighbouring dims ("interleaved", engine/models/glm.py).
     rotary_dim: int = 0
     rope_interleaved: bool = False
+    # The checkpoint's quantization_config (GPTQ, AWQ, compressed-tensors), None for full precision.
+    quantization: dict[str, Any] | None = None
 
     @property
     def is_moe(self) -> bool:
@@ -158,6 +160,7 @@ class ModelConfig:
             local_rope_theta=float(local_theta) if model_type == "gemma3_text" and local_theta else None,
             rotary_dim=rotary_dim if rotary_dim != head_dim else 0,
             rope_interleaved=model_type in _GLM,
+            quantization=raw.get("quantization_config") or None,
             **moe,
         )
 

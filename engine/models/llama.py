@@ -51,6 +51,7 @@ class Linear(nn.Linear):
         self.register_buffer("lora_a", None, persistent=False)  # set by enable_lora
         self.register_buffer("lora_b", None, persistent=False)
         self.lora_rank = 0
+        self.quant = None  # a quantised layer's method (engine/quant/linear.py); None: dense weight
 
     def enable_lora(self, num_slots: int, max_rank: int) -> None:
         width = num_slots * len(self.lora_parts) * max_rank
@@ -60,7 +61,7 @@ class Linear(nn.Linear):
 
     def forward(self, x: torch.Tensor, lora: torch.Tensor | None = None) -> torch.Tensor:
         """lora: [T, slots] one-hot of each token's adapter slot (all zero: the base model)."""
-        y = F.linear(x, self.weight, self.bias)
+        y = F.linear(x, self.weight, self.bias) if self.quant is None else self.quant.apply(self, x)
         if lora is None or self.lora_a is None:
             return y
         mask = lora.repeat_interleave(len(self.lora_parts) * self.lora_rank, dim=1)

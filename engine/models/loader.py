@@ -14,6 +14,8 @@ from engine.models.config import ModelConfig
 from engine.models.glm import hf_weight_name
 from engine.models.llama import LlamaForCausalLM
 from engine.quant import gguf_file
+from engine.quant import loading as quant_loading
+from engine.quant.config import QuantConfig, forced, from_hf
 
 logger = logging.getLogger(__name__)
 
@@ -100,14 +102,18 @@ def _target(model: LlamaForCausalLM, hf_name: str) -> tuple[str, Index | None] |
 
 def load_model(model_dir: Path, config: ModelConfig, dtype: torch.dtype, device: torch.device,
                max_positions: int, load_format: str = "auto", seed: int = 0,
-               lora: tuple[int, int] | None = None) -> LlamaForCausalLM:
-    """lora: (slots, max rank) to make room for LoRA adapters (engine/lora.py), or None."""
+               lora: tuple[int, int] | None = None, quantization: str | None = None) -> LlamaForCausalLM:
+    """lora: (slots, max rank) to make room for LoRA adapters (engine/lora.py), or None.
+    quantization: the `quantization` setting (None: the checkpoint's own quantization_config)."""
+    quant = quant_config(config, quantization, load_format)
     with torch.device("meta"):
         model = LlamaForCausalLM(config, max_positions)
         if lora is not None:
             model.enable_lora(*lora)
+        if quant is not None and not quant.quantize_at_load:
+            quant_loading.prepare(model, quant)
     model = model.to_empty(device=device)
-    model.to(dtype)
+    quant_loading.cast_except_quantized(model, dtype)
     for name, buffer in model.named_buffers():
         if ".lora_" in name:
             buffer.zero_()  # empty slots: no adapter
@@ -117,11 +123,32 @@ def load_model(model_dir: Path, config: ModelConfig, dtype: torch.dtype, device:
             rotary.fill()
     if load_format == "dummy":
         _init_dummy(model, seed)
+        quant_loading.init_dummy(model, seed)
     elif gguf_file.is_gguf(model_dir):
         _load_gguf(model, model_dir)
     else:
-        _load_safetensors(model, model_dir)
+        _load_safetensors(model, model_dir, None if quant is None or quant.quantize_at_load else quant)
+    if quant is not None and quant.quantize_at_load:
+        if load_format == "dummy" or not gguf_file.is_gguf(model_dir):
+            quant_loading.quantize_loaded(model, quant)
+        else:
+            raise ValueError("quantization: fp8 at load is for safetensors checkpoints, not GGUF files")
     return model.eval().requires_grad_(False)
+
+
+def quant_config(config: ModelConfig, setting: str | None, load_format: str = "auto") -> QuantConfig | None:
+    """The checkpoint's quantization, or the setting's; a setting that contradicts the checkpoint is
+    refused. With dummy weights any layout may be forced (random weights of that layout)."""
+    own = from_hf(config.quantization) if config.quantization else None
+    if setting is None:
+        return own
+    if own is not None:
+        known = {"gptq": "gptq", "awq": "awq", "ct": "compressed-tensors"}.get(own.layout)
+        if setting != known:
+            raise ValueError(f"quantization: the checkpoint is already quantised ({own.name}); "
+                             f"quantization={setting!r} cannot apply (leave it unset)")
+        return own
+    return forced(setting, dummy=load_format == "dummy")
 
 
 def _init_dummy(model: LlamaForCausalLM, seed: int) -> None:
@@ -175,12 +202,20 @@ class _Filler:
 
 
 @torch.no_grad()
-def _load_safetensors(model: LlamaForCausalLM, model_dir: Path) -> None:
+def _load_safetensors(model: LlamaForCausalLM, model_dir: Path, quant: QuantConfig | None = None) -> None:
+    """quant: the checkpoint's quantisation (its quantised layers are filled by engine/quant first)."""
     filler = _Filler(model)
+    consumed: set[str] = set()
+    if quant is not None:
+        index = {}
+        for file in safetensors_files(model_dir):
+            with safe_open(str(file), framework="pt") as f:
+                index.update((name, file) for name in f.keys())
+        consumed = quant_loading.load_quantized(model, quant, index, lambda n: _target(model, n))
     for file in safetensors_files(model_dir):
         with safe_open(str(file), framework="pt") as f:
             for hf_name in f.keys():
-                if _target(model, hf_name) is not None:
+                if hf_name not in consumed and _target(model, hf_name) is not None:
                     filler.put(hf_name, f.get_tensor(hf_name))
     filler.check_complete(model_dir)
 

@@ -1,0 +1,177 @@
+"""Build quantised linear layers and fill them from a checkpoint, one HF module at a time.
+
+The model is built on the meta device; `prepare` swaps the dense weight of every quantised
+linear layer for its method's buffers before anything is allocated, so loading never holds the
+full-precision model (peak: the quantised model plus one module's checkpoint tensors).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Callable
+
+import torch
+from torch import nn
+
+from engine.quant import int_formats
+from engine.quant.config import QuantConfig
+from engine.quant.linear import FP8, attach, make_method, quantize_fp8_rows
+
+# The checkpoint tensors of one quantised HF module, by layout.
+SUFFIXES = {
+    "gptq": ("qweight", "qzeros", "scales", "g_idx"),
+    "awq": ("qweight", "qzeros", "scales"),
+    "ct-int": ("weight_packed", "weight_scale", "weight_zero_point", "weight_shape", "weight_g_idx"),
+    "fp8": ("weight", "weight_scale", "input_scale"),
+}
+QUANT_BUFFERS = ("qweight", "zeros", "scales", "g_idx", "weight_fp8", "weight_scale", "input_scale")
+
+
+def suffixes(config: QuantConfig) -> tuple[str, ...]:
+    if config.kind == "fp8":
+        return SUFFIXES["fp8"]
+    return SUFFIXES["ct-int" if config.layout == "ct" else config.layout]
+
+
+def quantized_linears(model: nn.Module) -> dict[str, nn.Module]:
+    """The linear layers kiln quantises: every attention and dense-MLP projection (not the LM head
+    or the embeddings, which every format here leaves in full precision)."""
+    from engine.models.llama import Linear
+
+    return {name: m for name, m in model.named_modules() if isinstance(m, Linear) and name.startswith("layers.")}
+
+
+def prepare(model: nn.Module, config: QuantConfig) -> None:
+    """On the meta-built model: quantised layers get their buffers instead of a dense weight."""
+    if model.config.is_moe:
+        raise ValueError("quantization: mixture-of-experts models are not supported quantised")
+    method = make_method(config)
+    for module in quantized_linears(model).values():
+        attach(module, method, "meta")
+
+
+def cast_except_quantized(model: nn.Module, dtype: torch.dtype) -> None:
+    """model.to(dtype) for everything but the quantised buffers (fp8 and float32 scales keep theirs)."""
+    for module in model.modules():
+        quantized = getattr(module, "quant", None) is not None
+        for name, p in module._parameters.items():
+            if p is not None and p.is_floating_point():
+                p.data = p.data.to(dtype)
+        for name, b in module._buffers.items():
+            if b is not None and b.is_floating_point() and not (quantized and name in QUANT_BUFFERS):
+                module._buffers[name] = b.to(dtype)
+
+
+def _int_canonical(config: QuantConfig, t: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    if config.layout == "gptq":
+        return int_formats.from_gptq(t, config.bits, config.group_size, config.gptq_v1_zeros)
+    if config.layout == "awq":
+        return int_formats.from_awq(t, config.group_size)
+    return int_formats.from_compressed_tensors(t, config.bits, config.group_size)
+
+
+def _fp8_canonical(t: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    w = t["weight"]
+    if w.dtype != FP8:
+        raise ValueError(f"quantization: fp8 checkpoint weight has dtype {w.dtype}, expected float8_e4m3fn")
+    scale = t["weight_scale"].float().reshape(-1)
+    out = dict(weight_fp8=w, weight_scale=scale.expand(w.shape[0]) if scale.numel() == 1 else scale)
+    if "input_scale" in t:
+        out["input_scale"] = t["input_scale"].float().reshape(())
+    return out
+
+
+@torch.no_grad()
+def fill_module(module: nn.Module, rows: slice | None, config: QuantConfig, tensors: dict[str, torch.Tensor],
+                hf_name: str, seen: dict) -> None:
+    """Convert one HF module's checkpoint tensors to kiln's layout and copy them into its rows of
+    the (possibly fused) kiln module. seen counts the rows each kiln module received (and notes
+    which already hold a g_idx)."""
+    canon = _fp8_canonical(tensors) if config.kind == "fp8" else _int_canonical(config, tensors)
+    for key, value in canon.items():
+        if key == "g_idx":  # one per input column: fused projections must agree
+            if (id(module), key) in seen and not torch.equal(module.g_idx, value.to(module.g_idx.device)):
+                raise ValueError(f"quantization: {hf_name} has a g_idx unlike the other projections fused "
+                                 "with it (act-order permutations of q/k/v or gate/up must match)")
+            module.g_idx.copy_(value)
+            seen[(id(module), key)] = 1
+        elif key == "input_scale":  # one per fused module: the largest, as vLLM does
+            module.input_scale.copy_(torch.maximum(module.input_scale, value) if rows and rows.start else value)
+        else:
+            dest = getattr(module, key)
+            dest = dest if rows is None else dest[rows]
+            if tuple(dest.shape) != tuple(value.shape):
+                raise ValueError(f"quantization: {hf_name} gives {key} of shape {tuple(value.shape)}, "
+                                 f"expected {tuple(dest.shape)}")
+            dest.copy_(value.to(dest.dtype))
+    part = canon["weight_fp8" if config.kind == "fp8" else "qweight"].shape[0]
+    seen[id(module)] = seen.get(id(module), 0) + part
+
+
+def load_quantized(model: nn.Module, config: QuantConfig, index: dict[str, Path],
+                   target: Callable[[str], tuple[str, tuple] | None]) -> set[str]:
+    """Fill every quantised layer from the checkpoint; index: tensor name -> its file. Returns
+    the tensor names consumed (the rest load as usual)."""
+    from safetensors import safe_open
+
+    linears = quantized_linears(model)
+    wanted = suffixes(config)
+    groups: dict[str, dict[str, str]] = {}
+    for name in index:
+        prefix, _, suffix = name.rpartition(".")
+        if suffix in wanted:
+            groups.setdefault(prefix, {})[suffix] = name
+    consumed: set[str] = set()
+    seen: dict = {}
+    for prefix, names in groups.items():
+        hit = target(prefix + ".weight")
+        if hit is None:
+            continue
+        kiln_name, idx = hit
+        module = linears.get(kiln_name.removesuffix(".weight"))
+        if module is None:  # e.g. an unquantised lm_head stored as "weight": loads as usual
+            continue
+        tensors = {}
+        for suffix, name in names.items():
+            with safe_open(str(index[name]), framework="pt") as f:
+                tensors[suffix] = f.get_tensor(name)
+        fill_module(module, idx[0] if idx else None, config, tensors, prefix, seen)
+        consumed.update(names.values())
+    missing = [n for n, m in linears.items() if seen.get(id(m), 0) != m.out_features]
+    if missing:
+        raise ValueError(f"quantization: the checkpoint lacks quantised weights for {missing[:4]}"
+                         f"{' ...' if len(missing) > 4 else ''} ({config.name})")
+    return consumed
+
+
+@torch.no_grad()
+def quantize_loaded(model: nn.Module, config: QuantConfig) -> None:
+    """--quantization fp8 on a full-precision checkpoint: each layer in turn becomes e4m3 with a
+    scale per output row (the dense weight is freed as it goes)."""
+    method = make_method(config)
+    for module in quantized_linears(model).values():
+        w = module.weight.data
+        q, scale = quantize_fp8_rows(w)
+        attach(module, method, w.device)
+        module.weight_fp8.copy_(q)
+        module.weight_scale.copy_(scale)
+        del w
+
+
+@torch.no_grad()
+def init_dummy(model: nn.Module, seed: int) -> None:
+    """Random weights (about N(0, 0.02) once dequantised) for quantised layers with load_format=dummy."""
+    gen = torch.Generator(device=next(model.buffers()).device).manual_seed(seed + 1)
+    for module in quantized_linears(model).values():
+        if getattr(module, "quant", None) is None:
+            continue
+        if hasattr(module, "qweight"):
+            module.qweight.random_(0, 256, generator=gen)
+            module.zeros.fill_(1 << (module.quant.bits - 1))
+            module.scales.fill_(0.02 / (1 << (module.quant.bits - 2)))
+            module.g_idx.copy_(int_formats.default_g_idx(module.in_features, module.quant.group_size))
+        else:
+            module.weight_fp8.copy_(torch.randn(module.weight_fp8.shape, generator=gen).clamp(-8, 8).to(FP8))
+            module.weight_scale.fill_(0.02)
+            if hasattr(module, "input_scale"):
+                module.input_scale.fill_(0.05)
