@@ -130,19 +130,20 @@ class CpuDecodeKernels:
         import inspect
 
         parts = [inspect.getsource(decode_attention_math), inspect.getsource(_DecodeAttention),
+                 inspect.getsource(CpuDecodeKernels._build),
                  repr(sorted(_INDUCTOR_OPTIONS.items())), torch.__version__,
                  torch.backends.cpu.get_cpu_capability(), repr(layout)]
         return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:20]
 
     def runner(self, q: torch.Tensor, kv: torch.Tensor):
-        layout = self.layout(q, kv)
-        found = self.loaded.get(layout)
+        directory = self.cache_dir or Path(tempfile.gettempdir()) / f"kiln-cpu-attention-{os.getuid()}"
+        where = (directory, self.layout(q, kv))  # each cache directory gets its own build
+        found = self.loaded.get(where)
         if found is None:
-            found = self.loaded[layout] = self._load_or_build(layout)
+            found = self.loaded[where] = self._load_or_build(*where)
         return found
 
-    def _load_or_build(self, layout: tuple):
-        directory = self.cache_dir or Path(tempfile.gettempdir()) / f"kiln-cpu-attention-{os.getuid()}"
+    def _load_or_build(self, directory: Path, layout: tuple):
         path = directory / "cpu-attention" / f"{self.key(layout)}.pt2"
         if not path.is_file():
             t0 = time.perf_counter()
@@ -161,7 +162,10 @@ class CpuDecodeKernels:
         q = torch.zeros(2, num_kv_heads * group, head_dim)
         tables = torch.ones(2, 2, dtype=torch.int32)
         lens = torch.zeros(2, dtype=torch.int32)
-        seqs, cols, items, blocks = (torch.export.Dim(n, min=2) for n in ("seqs", "cols", "items", "blocks"))
+        # Traced at size 2 (export specialises sizes 0 and 1), valid from 1 up: one decode row and a
+        # one-column table need no padding.
+        seqs, cols = torch.export.Dim("seqs", min=1), torch.export.Dim("cols", min=1)
+        items, blocks = torch.export.Dim("items", min=2), torch.export.Dim("blocks", min=2)
         with torch.no_grad():
             program = torch.export.export(_DecodeAttention(), (q, kv, tables, lens, torch.empty(2, 0)), dynamic_shapes={
                 "q": {0: seqs}, "kv": {1: blocks}, "block_tables": {0: seqs, 1: cols}, "seq_lens": {0: seqs},
@@ -197,9 +201,10 @@ def compiled_decode_attention(q: torch.Tensor, kv: torch.Tensor, block_tables: t
 def decode_inputs(q: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor, max_seq_len: int,
                   block_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
     """The kernel's inputs for decode rows (CPU tensors): (q, block_tables, seq_lens, num_items).
-    At least two rows and two block columns (Dynamo specialises size 1), only the columns
-    max_seq_len can reach; num_items counts the used blocks plus one empty item (at least two).
-    The only host work is that count, in plain Python: a few dozen ints, once per layer."""
+    Only the block-table columns max_seq_len can reach (at least one); num_items counts the used
+    blocks plus one empty item (at least two). Any row count from one up (the build is valid from
+    one row and one column: no padding). The only host work is that count, in plain Python: a
+    few dozen ints, once per layer."""
     needed = -(-max_seq_len // block_size)
     if needed > block_tables.shape[1]:
         raise ValueError(f"max_seq_len {max_seq_len} needs {needed} block-table columns, the table has "
@@ -208,11 +213,5 @@ def decode_inputs(q: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.T
     if max(lens, default=0) > max_seq_len:
         raise ValueError(f"a decode's seq_len {max(lens)} exceeds max_seq_len {max_seq_len}")
     num_items = max(sum((n + block_size - 1) // block_size for n in lens) + 1, 2)
-    tables = block_tables[:, :max(2, needed)]
-    if tables.shape[1] < 2:  # a one-column table: a second column is never read
-        tables = torch.cat([tables, tables], 1)
-    if q.shape[0] == 1:  # a padding row: length 0, output 0
-        q = torch.cat([q, torch.zeros_like(q)])
-        seq_lens = torch.cat([seq_lens, torch.zeros_like(seq_lens)])
-        tables = torch.cat([tables, tables])
+    tables = block_tables[:, :max(1, needed)]
     return q, tables, seq_lens, num_items

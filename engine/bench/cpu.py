@@ -117,19 +117,28 @@ def throughput(engine, args, requests: int | None = None, output_len: int | None
 
 
 def run_settings(engine, settings: list[tuple[str, int]], args, neighbour: bool) -> list[dict[str, Any]]:
-    from engine.cpu_threads import apply_cpu_threads
-
+    """Every setting once per round, --rounds rounds, medians per setting: a change in the machine's
+    load during the run then hits all settings alike."""
+    samples: dict[str, dict[str, list[float]]] = {label: {"b1": [], "tp": []} for label, _ in settings}
+    for r in range(args.rounds):
+        for label, n in settings:
+            torch.set_num_threads(n)  # what apply_cpu_threads does without pinning, minus its log line
+            ms = batch1(engine, args)
+            samples[label]["b1"].append(ms)
+            line = f"  round {r + 1}, {'with' if neighbour else 'no  '} neighbour, threads {label:>11}: batch-1 {ms:8.2f} ms/token"
+            if args.requests > 0:
+                throughput(engine, args, requests=engine.settings.max_num_seqs, output_len=2)  # warm the big batches
+                tps = throughput(engine, args)
+                samples[label]["tp"].append(tps)
+                line += f", {args.requests} requests {tps:8.1f} tok/s"
+            print(line, flush=True)
     rows = []
     for label, n in settings:
-        apply_cpu_threads(n, "none")
-        row = {"setting": label, "threads": n, "neighbour": neighbour, "batch1_ms": batch1(engine, args)}
+        row = {"setting": label, "threads": n, "neighbour": neighbour,
+               "batch1_ms": float(np.median(samples[label]["b1"]))}
         if args.requests > 0:
-            throughput(engine, args, requests=engine.settings.max_num_seqs, output_len=2)  # warm the big-batch path
-            row["throughput_tok_s"] = throughput(engine, args)
+            row["throughput_tok_s"] = float(np.median(samples[label]["tp"]))
         rows.append(row)
-        print(f"  {'with' if neighbour else 'no  '} neighbour, threads {label:>11}: batch-1 "
-              f"{row['batch1_ms']:8.2f} ms/token" + (f", {args.requests} requests {row['throughput_tok_s']:8.1f} tok/s"
-                                                     if args.requests > 0 else ""), flush=True)
     best_ms = min(r["batch1_ms"] for r in rows)
     best_tp = max((r.get("throughput_tok_s", 0.0) for r in rows), default=0.0)
     for r in rows:
@@ -274,6 +283,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-neighbour", action="store_true", help="skip the runs next to a CPU-burning process")
     p.add_argument("--neighbour-procs", type=int, default=1, help="busy-loop processes of the neighbour")
     p.add_argument("--neighbour-seconds", type=float, default=900.0, help="the neighbour ends by itself after this")
+    p.add_argument("--rounds", type=int, default=3, help="interleaved rounds over the settings (medians)")
     p.add_argument("--input-len", type=int, default=32)
     p.add_argument("--batch1-tokens", type=int, default=32, help="tokens generated in the batch-1 run")
     p.add_argument("--requests", type=int, default=256, help="throughput run: requests queued at once (0: skip)")

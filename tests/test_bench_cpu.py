@@ -1,0 +1,48 @@
+"""`kiln bench cpu` on the tiny model: every setting with and without the neighbour, ratios, and
+the neighbour is gone afterwards."""
+
+from __future__ import annotations
+
+import json
+
+import torch
+
+from engine.bench import cpu
+
+
+def test_thread_settings_fold_repeats():
+    assert cpu.thread_settings("default,1,2,all", 2, 1) == [("default (1)", 1), ("2", 2)]
+    assert cpu.thread_settings("default,1,2,all", 8, 7) == [("default (7)", 7), ("1", 1), ("2", 2), ("all (8)", 8)]
+
+
+def test_neighbour_is_bounded_and_stopped():
+    with cpu.Neighbour(1, seconds=60) as n:
+        procs = list(n.running)
+        assert all(p.poll() is None for p in procs)
+    assert all(p.poll() is not None for p in procs)
+    with cpu.Neighbour(1, seconds=0.1) as n:  # ends by itself
+        n.running[0].wait(timeout=30)
+
+
+def test_bench_cpu_runs_every_setting_with_and_without_the_neighbour(tiny_llama, tmp_path, capsys):
+    before = torch.get_num_threads()
+    out = tmp_path / "cpu.json"
+    try:
+        rc = cpu.main(["--model", str(tiny_llama), "--enforce-eager", "--threads", "default,1,2", "--rounds", "1",
+                       "--requests", "6", "--output-len", "3", "--batch1-tokens", "4", "--input-len", "8",
+                       "--max-model-len", "128", "--json", str(out)])
+    finally:
+        torch.set_num_threads(before)
+    assert rc == 0
+    res = json.loads(out.read_text())
+    rows = res["rows"]
+    assert {r["neighbour"] for r in rows} == {False, True}
+    for flag in (False, True):
+        mine = [r for r in rows if r["neighbour"] == flag]
+        assert mine[0]["setting"].startswith("default")
+        assert min(r["batch1_vs_best"] for r in mine) == 1.0 and all(r["batch1_vs_best"] >= 1.0 for r in mine)
+        assert min(r["throughput_vs_best"] for r in mine) == 1.0
+        assert all(r["batch1_ms"] > 0 and r["throughput_tok_s"] > 0 for r in mine)
+    assert isinstance(res["default_within_1.3x"], bool)
+    text = capsys.readouterr().out
+    assert "| neighbour | threads |" in text and "default with the neighbour" in text
