@@ -194,6 +194,8 @@ class OutputProcessor:
     @staticmethod
     def _failed_rows(sched: SchedulerOutput, errors: dict[int, str]) -> dict[int, str]:
         """seq id -> error, for the scheduled sequences whose sampler rows failed."""
+        if not errors:
+            return {}
         return {s.seq_id: errors[r] for s, rows in sample_row_ranges(sched.seqs) for r in rows if r in errors}
 
     def fail_request(self, request: Request, message: str) -> None:
@@ -219,6 +221,8 @@ class OutputProcessor:
     @staticmethod
     def _split_logprobs(sched: SchedulerOutput, flat: list) -> dict[int, list]:
         """seq id -> logprob entries it sampled this step (n entries at a fork)."""
+        if not any(flat):
+            return {}
         return {s.seq_id: flat[rows.start:rows.stop] for s, rows in sample_row_ranges(sched.seqs) if rows}
 
     @staticmethod

@@ -430,13 +430,13 @@ class ModelRunner:
             return PendingStep(PendingSample.empty(self.device))
         step = self.prepare(sched)
         if self.graph_runner is not None and self.graph_runner.can_replay(step):
-            logits, tokens = self.graph_runner.replay(step)
+            hidden, tokens = self.graph_runner.replay(step)
             n = len(step.rows)
             if all(_plain_greedy(r) for r in step.rows):
                 # argmax computed in the graph; -1 marks a row with non-finite logits (the sampler's rule)
                 sample = PendingSample(tokens[:n], HostCopy(tokens[:n]), {})
-            else:
-                sample = self.sampler.launch(logits[:n], step.rows)
+            else:  # the sampler needs the logits: one more LM-head matmul over the graph's hidden states
+                sample = self.sampler.launch(self.model.compute_logits(hidden[:n]), step.rows)
             return self._remember(sched, PendingStep(sample))
         hidden = self.run_model(step)
         if not step.rows:
@@ -507,9 +507,10 @@ class DecodeGraphRunner:
     """CUDA graphs of decode steps: compiled forward + logits + greedy argmax, per batch bucket.
 
     Each graph runs `bucket` rows of the runner's InputBuffers (block tables at full width
-    [bucket, max_blocks_per_seq]) and writes its logits and argmax
-    tokens into two shared output buffers, so the number of graphs does not multiply output
-    memory. Keys are (rows, ctx) where ctx is the `max_seq_len` the graph was captured with
+    [bucket, max_blocks_per_seq]) and writes its final hidden states and argmax tokens into two
+    shared output buffers, so the number of graphs does not multiply output memory. The logits
+    stay inside the graph (no [rows, vocab] copy per step); a step that samples otherwise than
+    greedily computes them again from the hidden states. Keys are (rows, ctx) where ctx is the `max_seq_len` the graph was captured with
     (compiler.capture.graph_ctx): max_model_len for a backend that reads lengths on the
     device, else a power-of-two bucket captured on first use.
     """
@@ -522,6 +523,8 @@ class DecodeGraphRunner:
         self.device_reads_lengths = device_reads_lengths
         max_rows = self.max_batch
         self.tokens = torch.zeros(max_rows, dtype=torch.int64, device=runner.device)
+        self.hidden = torch.zeros(max_rows, runner.model.config.hidden_size, dtype=runner.kv_cache.tensor.dtype,
+                                  device=runner.device)
         self.graphs = (SimulatedGraphSet if simulate else CudaGraphSet)(self._body, runner.device)
         self.num_replays = 0
         self.replayed: dict[tuple[int, int], int] = {}
@@ -541,11 +544,13 @@ class DecodeGraphRunner:
         buf = r.buffers
         meta = r._compiled_meta(rows, rows, 1, ctx)
         hidden = r.forward_fn(buf.input_ids[:rows], buf.positions[:rows], r.kv_cache.tensor, meta)
-        logits = r.model.compute_logits(hidden)  # the graph's own output buffer: no extra copy
+        out = self.hidden[:rows]
+        out.copy_(hidden)
+        logits = r.model.compute_logits(hidden)
         tokens = self.tokens[:rows]
         torch.argmax(logits, dim=-1, out=tokens)
         tokens.masked_fill_(~torch.isfinite(logits.amax(dim=-1)), -1)  # as the sampler marks such rows
-        return logits, tokens
+        return out, tokens
 
     @torch.inference_mode()
     def capture_startup(self) -> float:

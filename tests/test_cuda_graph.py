@@ -114,8 +114,8 @@ def checked_decode_step(engine, expect_n: int) -> dict:
     bucket = bucket_for(n, SIZES)
     assert step.graph_key == (bucket, _ctx(engine, max_len)), (step.graph_key, n, max_len)
     with torch.inference_mode():
-        logits, tokens = runner.graph_runner.replay(step)
-        logits, tokens = logits[:n].clone(), tokens[:n].clone()
+        hidden, tokens = runner.graph_runner.replay(step)
+        logits, tokens = engine.model.compute_logits(hidden[:n]), tokens[:n].clone()
         # rows past the batch are padding on the device: they wrote and read nothing
         assert (buf.seq_lens[n:bucket] == 0).all().item() and (buf.slot_mapping[n:bucket] == -1).all().item(), (
             f"stale rows not masked: seq_lens {buf.seq_lens[n:bucket].tolist()}, "
