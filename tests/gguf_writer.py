@@ -64,6 +64,23 @@ def random_k_blocks(qtype: str, rows: int, cols: int, rng: np.random.Generator) 
     return raw.reshape(rows, -1)
 
 
+def llama3_freq_factors(scaling: dict, head_dim: int, theta: float) -> np.ndarray:
+    """What llama.cpp's converter stores for Llama 3 rope scaling: a divisor per frequency."""
+    factor, low, high = scaling["factor"], scaling.get("low_freq_factor", 1.0), scaling.get("high_freq_factor", 4.0)
+    old = scaling["original_max_position_embeddings"]
+    out = []
+    for i in range(0, head_dim, 2):
+        wavelen = 2 * np.pi * theta ** (i / head_dim)
+        if wavelen < old / high:
+            out.append(1.0)
+        elif wavelen > old / low:
+            out.append(factor)
+        else:
+            smooth = (old / wavelen - low) / (high - low)
+            out.append(1 / ((1 - smooth) / factor + smooth))
+    return np.array(out, dtype=np.float32)
+
+
 def write_gguf(model_dir: Path, out: Path, types: dict[str, str] | str = "F32", name: str | None = None,
                seed: int = 0) -> Path:
     """types: one GGML type name for every matrix, or {substring of the GGUF name: type} (first match;
@@ -98,6 +115,9 @@ def write_gguf(model_dir: Path, out: Path, types: dict[str, str] | str = "F32", 
         w.add_attn_logit_softcapping(cfg["attn_logit_softcapping"])
         w.add_final_logit_softcapping(cfg["final_logit_softcapping"])
     _add_tokenizer(w, model_dir, cfg)
+    scaling = cfg.get("rope_scaling") or cfg.get("rope_parameters") or {}
+    if arch == "llama" and scaling.get("rope_type") == "llama3":
+        w.add_tensor("rope_freqs.weight", llama3_freq_factors(scaling, head_dim, float(theta or 10000.0)))
 
     rng = np.random.default_rng(seed)
     tensors = load_file(str(model_dir / "model.safetensors"))

@@ -82,6 +82,18 @@ def _perms(cfg: dict, seed: int) -> dict[tuple[str, str], torch.Tensor]:
     return out
 
 
+def _two_copies(src: Path, out: Path, tag: str) -> tuple[Path, Path]:
+    """Directories for the quantised checkpoint and its dequantised twin (config, tokenizer copied)."""
+    dirs = out / tag, out / f"{tag}-dequantised"
+    for d in dirs:
+        shutil.copytree(src, d, dirs_exist_ok=True)
+    return dirs
+
+
+def _quantised(name: str) -> bool:
+    return name.endswith(".weight") and name.rsplit(".", 2)[-2] in _LINEARS
+
+
 _INPUT_KIND = {"q_proj": "attn_in", "k_proj": "attn_in", "v_proj": "attn_in", "o_proj": "o_in",
                "gate_proj": "mlp_in", "up_proj": "mlp_in", "down_proj": "down_in"}
 
@@ -92,23 +104,20 @@ def write_quantized(src: Path, out: Path, fmt: str, bits: int = 4, group_size: i
     full-precision checkpoint of the dequantised weights)."""
     cfg = json.loads((src / "config.json").read_text())
     tensors = load_file(str(src / "model.safetensors"))
-    quant_dir, ref_dir = out / f"{fmt}", out / f"{fmt}-dequantised"
-    for d in (quant_dir, ref_dir):
-        shutil.copytree(src, d, dirs_exist_ok=True)
+    quant_dir, ref_dir = _two_copies(src, out, fmt)
     # compressed-tensors' act-order ("weight") keeps groups contiguous: no g_idx on disk
     grouped_by_perm = act_order and fmt != "ct"
     perms = _perms(cfg, seed) if grouped_by_perm else {}
     qt, ref = {}, {}
     for name, w in tensors.items():
-        module = name.rsplit(".", 2)
-        if not (name.endswith(".weight") and module[-2] in _LINEARS):
+        if not _quantised(name):
             qt[name] = ref[name] = w
             continue
         prefix = name.removesuffix(".weight")
         inp = w.shape[1]
         gs = group_size if group_size > 0 else inp
         if grouped_by_perm:
-            perm = perms[(name.split(".")[2], _INPUT_KIND[module[-2]])]
+            perm = perms[(name.split(".")[2], _INPUT_KIND[name.rsplit(".", 2)[-2]])]
             g_idx = torch.empty(inp, dtype=torch.int32)
             g_idx[perm] = (torch.arange(inp) // gs).to(torch.int32)
         else:
@@ -189,16 +198,12 @@ def write_fp8(src: Path, out: Path, weight_strategy: str = "channel", activation
 
     cfg = json.loads((src / "config.json").read_text())
     tensors = load_file(str(src / "model.safetensors"))
-    name_tag = f"fp8-{weight_strategy}-{activations}"
-    quant_dir, ref_dir = out / name_tag, out / f"{name_tag}-dequantised"
-    for d in (quant_dir, ref_dir):
-        shutil.copytree(src, d, dirs_exist_ok=True)
+    quant_dir, ref_dir = _two_copies(src, out, f"fp8-{weight_strategy}-{activations}")
     fmax = torch.finfo(torch.float8_e4m3fn).max
     qt, ref = {}, {}
     input_amax = _calibrate(src) if activations == "static" else {}
     for name, w in tensors.items():
-        module = name.rsplit(".", 2)
-        if not (name.endswith(".weight") and module[-2] in _LINEARS):
+        if not _quantised(name):
             qt[name] = ref[name] = w
             continue
         prefix = name.removesuffix(".weight")

@@ -43,8 +43,30 @@ def _sync(device: torch.device) -> None:
 
 
 def weight_bytes(model: torch.nn.Module) -> int:
-    """Bytes of all (unique) parameters: what one decode step streams from memory."""
-    return sum(p.numel() * p.element_size() for p in model.parameters())
+    """Bytes of all (unique) parameters, quantised layers' packed weights and scales included:
+    what one decode step streams from memory."""
+    from engine.quant.loading import QUANT_BUFFERS
+
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    for module in model.modules():
+        if getattr(module, "quant", None) is not None:
+            total += sum(b.numel() * b.element_size() for n, b in module.named_buffers(recurse=False)
+                         if n in QUANT_BUFFERS)
+    return total
+
+
+def peak_rss_bytes() -> int:
+    """This process's peak resident memory so far (Linux reports kilobytes)."""
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def _dense(module: torch.nn.Module, kind: str, dtype: torch.dtype) -> torch.Tensor | None:
+    """A linear layer's weight or bias; a quantised layer's weight dequantised (for the baseline)."""
+    if kind == "weight" and getattr(module, "quant", None) is not None:
+        return module.quant.weight(module, dtype)
+    return getattr(module, kind)
 
 
 def copy_bandwidth(device: torch.device, nbytes: int | None = None, iters: int = 10) -> float:
@@ -84,6 +106,7 @@ def hf_state_dict_from_kiln(model) -> dict[str, torch.Tensor]:
     q = cfg.num_heads * cfg.head_dim
     kv = cfg.num_kv_heads * cfg.head_dim
     f = cfg.intermediate_size
+    dtype = model.embed_tokens.weight.dtype
     sd: dict[str, torch.Tensor] = {"model.embed_tokens.weight": model.embed_tokens.weight,
                                    "model.norm.weight": model.norm.weight}
     if model.lm_head is not None:
@@ -92,19 +115,19 @@ def hf_state_dict_from_kiln(model) -> dict[str, torch.Tensor]:
         pre = f"model.layers.{i}."
         attn, mlp = layer.self_attn, layer.mlp
         for kind in ("weight", "bias"):
-            t = getattr(attn.qkv_proj, kind)
+            t = _dense(attn.qkv_proj, kind, dtype)
             if t is not None:
                 sd[pre + f"self_attn.q_proj.{kind}"] = t[:q]
                 sd[pre + f"self_attn.k_proj.{kind}"] = t[q:q + kv]
                 sd[pre + f"self_attn.v_proj.{kind}"] = t[q + kv:]
-            t = getattr(attn.o_proj, kind)
+            t = _dense(attn.o_proj, kind, dtype)
             if t is not None:
                 sd[pre + f"self_attn.o_proj.{kind}"] = t
-            t = getattr(mlp.gate_up_proj, kind)
+            t = _dense(mlp.gate_up_proj, kind, dtype)
             if t is not None:
                 sd[pre + f"mlp.gate_proj.{kind}"] = t[:f]
                 sd[pre + f"mlp.up_proj.{kind}"] = t[f:]
-            t = getattr(mlp.down_proj, kind)
+            t = _dense(mlp.down_proj, kind, dtype)
             if t is not None:
                 sd[pre + f"mlp.down_proj.{kind}"] = t
         if attn.q_norm is not None:
@@ -224,6 +247,32 @@ def bench_one(engine, batch: int, input_len: int, output_len: int, args, copy_gb
     return row
 
 
+def memory_report(engine, name: str, rss_before: int, startup: float) -> dict[str, Any]:
+    """Weights in memory against the same model in bf16, and how far resident memory grew while
+    the engine was built (KV cache included; it is reported apart)."""
+    wbytes = weight_bytes(engine.model)
+    bf16 = engine.model_config.num_parameters() * 2
+    kv = engine.kv_cache.tensor.numel() * engine.kv_cache.tensor.element_size()
+    growth = peak_rss_bytes() - rss_before
+    from engine.quant.loading import QUANT_BUFFERS, quantized_linears
+
+    linears = [m for m in quantized_linears(engine.model).values() if getattr(m, "quant", None) is not None]
+    packed = sum(b.numel() * b.element_size() for m in linears for n, b in m.named_buffers(recurse=False)
+                 if n in QUANT_BUFFERS)
+    dense = sum(m.in_features * m.out_features * 2 for m in linears)
+    quant = engine.settings.quantization or (engine.model_config.quantization or {}).get("quant_method") or "none"
+    row = {"model": name, "quantization": quant, "dtype": str(engine.dtype).removeprefix("torch."),
+           "weight_GB": wbytes / 1e9, "bf16_weight_GB": bf16 / 1e9, "ratio_to_bf16": wbytes / bf16,
+           "peak_rss_growth_GB": growth / 1e9, "peak_rss_over_weights": growth / wbytes, "kv_cache_GB": kv / 1e9,
+           "startup_s": startup, "linear_ratio_to_bf16": packed / dense if dense else 1.0}
+    print(f"kiln bench latency --load-only: {name}, quantization {quant}, {row['dtype']}: weights "
+          f"{row['weight_GB']:.3f} GB = {row['ratio_to_bf16']:.3f}x the bf16 model ({row['bf16_weight_GB']:.3f} GB; "
+          f"linear layers alone {row['linear_ratio_to_bf16']:.3f}x); "
+          f"peak RSS grew {row['peak_rss_growth_GB']:.3f} GB while loading = {row['peak_rss_over_weights']:.2f}x "
+          f"the weights; start-up {startup:.1f}s")
+    return row
+
+
 # ---- entry point ---------------------------------------------------------------------------
 def build_parser() -> argparse.ArgumentParser:
     from engine.flags import add_settings_flags
@@ -241,6 +290,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="cap on the baseline's output length (eager transformers is slow)")
     parser.add_argument("--prompt-seed", type=int, default=0, help="seed of the random prompts")
     parser.add_argument("--json", default=None, help="write the results here")
+    parser.add_argument("--load-only", action="store_true",
+                        help="only build the engine and report weight memory (against bf16) and peak RSS")
     add_settings_flags(parser)
     return parser
 
@@ -287,10 +338,18 @@ def main(argv: list[str]) -> int:
               file=sys.stderr)
         return 2
 
+    rss_before = peak_rss_bytes()
     t0 = time.perf_counter()
     engine = LLMEngine(settings)
     startup = time.perf_counter() - t0
     name = args.preset or str(engine.model_dir)
+    if args.load_only:
+        row = memory_report(engine, name, rss_before, startup)
+        if args.json:
+            Path(args.json).write_text(json.dumps(row, indent=2))
+        if tmp is not None:
+            tmp.cleanup()
+        return 0
     print(f"kiln bench latency: {name} ({str(engine.dtype).removeprefix('torch.')}, {engine.device}, "
           f"attention {engine.backend.name}, {'eager' if settings.enforce_eager else 'compiled'}"
           f"{', CUDA graphs' if engine.runner.graph_runner is not None else ''}), input {args.input_len}, "

@@ -118,7 +118,7 @@ class ModelConfig:
             kind = scaling.get("rope_type", scaling.get("type", "default"))
             if kind == "default":
                 scaling = None
-            elif kind not in ("llama3", "linear"):
+            elif kind not in ("llama3", "linear", "freq_factors"):  # (freq_factors: a GGUF file's rope_freqs)
                 raise ValueError(f"model: unsupported rope scaling type {kind!r} (kiln supports llama3, linear)")
         eos = raw.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
@@ -249,6 +249,8 @@ def rope_inv_freq(config: ModelConfig):
     if scaling is None:
         return inv
     kind = scaling.get("rope_type", scaling.get("type"))
+    if kind == "freq_factors":  # llama.cpp divides each frequency by its factor
+        return inv / torch.tensor(scaling["factors"], dtype=torch.float32)
     factor = float(scaling["factor"])
     if kind == "linear":
         return inv / factor

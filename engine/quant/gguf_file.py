@@ -51,11 +51,20 @@ def hf_config(path: str | Path) -> dict[str, Any]:
     except ValueError as exc:  # e.g. an architecture transformers' GGUF mapping lacks
         raise ValueError(f"model: cannot read the config of GGUF file {p}: {exc}") from exc
     raw = config.to_dict()
-    meta, _ = read_header(p)
+    meta, tensors = read_header(p)
     # transformers ignores some architectures' key_length (Qwen3: its default head_dim 128 instead)
     key_length = meta.get(f"{meta.get('general.architecture')}.attention.key_length")
     if key_length:
         raw["head_dim"] = int(key_length)
+    # Llama 3.x: llama.cpp stores the rope scaling as per-frequency divisors (rope_freqs), not as
+    # config values; transformers drops them, kiln applies them as llama.cpp does.
+    freqs = next((t for t in tensors if t.name == "rope_freqs.weight"), None)
+    if freqs is not None:
+        with open(p, "rb") as f:
+            f.seek(freqs.offset)
+            raw_bytes = torch.frombuffer(bytearray(f.read(freqs.nbytes)), dtype=torch.uint8)
+        factors = dequantize(raw_bytes, freqs.type_id, freqs.shape)
+        raw["rope_scaling"] = {"rope_type": "freq_factors", "factors": factors.tolist()}
     return raw
 
 
