@@ -23,6 +23,9 @@ from pathlib import Path
 
 import torch
 
+from compiler.launch_plan import decode_rows
+from compiler.reference_attention import paged_attention_reference
+
 logger = logging.getLogger(__name__)
 
 _FLOAT_MIN = torch.finfo(torch.float32).min
@@ -215,3 +218,23 @@ def decode_inputs(q: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.T
     num_items = max(sum((n + block_size - 1) // block_size for n in lens) + 1, 2)
     tables = block_tables[:, :max(1, needed)]
     return q, tables, seq_lens, num_items
+
+
+def paged_attention_cpu_impl(out: torch.Tensor, q: torch.Tensor, kv_cache: torch.Tensor, layer: int,
+                             query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor,
+                             scale: float, max_query_len: int, max_seq_len: int, num_decodes: int = 0) -> None:
+    """kiln::paged_attention_cpu's implementation (compiler/ops.py), callable without the custom-op
+    dispatch from an eager forward: the decodes (the leading one-token sequences) go through the
+    compiled kernel, prefill chunks through the reference. Only the block-table columns that
+    max_seq_len can reach are read (the runner's table is as wide as max_model_len allows)."""
+    num_tokens, num_seqs = q.shape[0], seq_lens.shape[0]
+    nd = decode_rows(num_seqs, max_query_len, num_decodes)  # the same split as the CUDA kernels'
+    kv = kv_cache[layer]  # [2, blocks, block_size, kv_heads, head_dim]: one view, not two
+    if nd > 0:
+        dq, tables, lens, num_items = decode_inputs(q[:nd], seq_lens[:nd], block_tables[:nd], max_seq_len,
+                                                    kv.shape[2])
+        out[:nd] = compiled_decode_attention(dq, kv, tables, lens, num_items, scale)
+    if num_tokens > nd:
+        out[nd:] = paged_attention_reference(
+            q[nd:], kv[0], kv[1], query_start_loc[nd:] - nd, seq_lens[nd:], block_tables[nd:],
+            scale, max_query_len, max_seq_len)

@@ -23,9 +23,8 @@ from __future__ import annotations
 import torch
 
 from compiler import moe
-from compiler.cpu_attention import compiled_decode_attention, decode_inputs
+from compiler.cpu_attention import paged_attention_cpu_impl
 from compiler.cutlass_ops import kernels_by_handle
-from compiler.launch_plan import decode_rows
 from compiler.reference_attention import paged_attention_reference, write_kv_reference
 
 
@@ -66,23 +65,9 @@ def paged_attention_cpu(
     query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor,
     scale: float, max_query_len: int, max_seq_len: int, num_decodes: int = 0,
 ) -> None:
-    """kiln::paged_attention for the CPU with compilation on: the decodes (the leading
-    one-token sequences) go through the compiled kernel (compiler/cpu_attention.py), whose
-    work follows each sequence's own length, prefill chunks through the reference. Only the
-    block-table columns that max_seq_len can reach are read (the runner's table is as wide as
-    max_model_len allows).
-    """
-    num_tokens, num_seqs = q.shape[0], seq_lens.shape[0]
-    nd = decode_rows(num_seqs, max_query_len, num_decodes)  # the same split as the CUDA kernels'
-    kv = kv_cache[layer]  # [2, blocks, block_size, kv_heads, head_dim]: one view, not two
-    if nd > 0:
-        dq, tables, lens, num_items = decode_inputs(q[:nd], seq_lens[:nd], block_tables[:nd], max_seq_len,
-                                                    kv.shape[2])
-        out[:nd] = compiled_decode_attention(dq, kv, tables, lens, num_items, scale)[:nd]
-    if num_tokens > nd:
-        out[nd:] = paged_attention_reference(
-            q[nd:], kv[0], kv[1], query_start_loc[nd:] - nd, seq_lens[nd:], block_tables[nd:],
-            scale, max_query_len, max_seq_len)
+    """kiln::paged_attention for the CPU with compilation on (compiler/cpu_attention.py)."""
+    paged_attention_cpu_impl(out, q, kv_cache, layer, query_start_loc, seq_lens, block_tables, scale,
+                             max_query_len, max_seq_len, num_decodes)
 
 
 @paged_attention_cpu.register_fake

@@ -282,8 +282,8 @@ class EngineSettings(_KilnSettings):
 
     # --- CPU threads (engine/cpu_threads.py) ---
     cpu_threads: int | None = Field(
-        None, ge=1, description="compute threads on the CPU; default: one per available core minus one "
-                                "(left to the engine loop and the server), at least one")
+        None, ge=1, description="compute threads on the CPU; default: one per available core, minus one "
+                                "(left to the engine loop and the server) from 4 cores up")
     cpu_bind: str = Field(
         "auto", description="pin the process to cores: a list like 0-3 or 0,2 (then one thread per core "
                             "unless cpu_threads says otherwise); auto and none leave placement to the OS")

@@ -9,8 +9,11 @@ Three things decide batch-1 CPU speed on a machine shared with other work:
   `prefer_passive_waiting()` runs from `engine/__init__`, before anything imports torch. A
   policy the user set in the environment is kept.
 - How many threads. The compute threads share the cores with the engine loop, the server and
-  the tokenizer; by default kiln leaves one core to them (vLLM's CPU backend does the same),
-  and never uses fewer than one.
+  the tokenizer; from four cores up kiln leaves one core to them (vLLM's CPU backend does the
+  same). On one or two cores it uses them all: leaving one of two idle halves the compute, and
+  on a busy shared machine a single compute thread was measured 3-6x slower than two
+  (BENCH_cpu.md; the engine loop is itself one of the compute threads, and with passive
+  waiting an idle thread costs nothing).
 - Where they run. `cpu_bind` pins the process's threads to a list of cores (for a machine
   reserved to kiln); the default leaves placement to the OS, which can move a thread away from
   a core another process is busy on (a pinned thread cannot).
@@ -28,6 +31,8 @@ from dataclasses import dataclass
 logger = logging.getLogger(__name__)
 
 WAIT_POLICY_VAR = "OMP_WAIT_POLICY"
+# From this many cores up, one is left to the engine loop, the server and the tokenizer.
+RESERVE_FROM_CORES = 4
 # Whether the wait policy was in place before the OpenMP runtime loaded (set by prefer_passive_waiting).
 _WAIT_POLICY_STATE = {"policy": None, "in_time": False}
 
@@ -93,7 +98,7 @@ def plan_threads(cpu_threads: int | None, cpu_bind: str, available: list[int]) -
     """Decide the thread count and pinning from the settings (pure: no side effects).
 
     cpu_threads None: one thread per core the process may use, minus one for the engine loop,
-    server and tokenizer (at least one). cpu_bind 'auto' and 'none' pin nothing; a core list
+    server and tokenizer from RESERVE_FROM_CORES cores up. cpu_bind 'auto' and 'none' pin nothing; a core list
     pins to exactly those cores, which must be ones the process may use, and then the default
     thread count is one per listed core.
     """
@@ -110,7 +115,7 @@ def plan_threads(cpu_threads: int | None, cpu_bind: str, available: list[int]) -
     elif cores is not None:
         threads = len(cores)
     else:
-        threads = max(1, len(available) - 1)
+        threads = len(available) - 1 if len(available) >= RESERVE_FROM_CORES else max(1, len(available))
     return ThreadPlan(threads=threads, cores=cores, available=len(available))
 
 

@@ -26,9 +26,11 @@ def test_core_list_parsing():
             parse_core_list(bad)
 
 
-def test_default_leaves_a_core_for_the_loop_and_server():
-    assert plan_threads(None, "auto", [0, 1]).threads == 1
+def test_default_leaves_a_core_for_the_loop_and_server_from_four_cores():
+    assert plan_threads(None, "auto", [0, 1]).threads == 2  # one of two idle would halve the compute
     assert plan_threads(None, "auto", [0]).threads == 1
+    assert plan_threads(None, "auto", [0, 1, 2]).threads == 3
+    assert plan_threads(None, "auto", [0, 1, 2, 3]).threads == 3
     assert plan_threads(None, "none", list(range(16))).threads == 15
     plan = plan_threads(None, "auto", list(range(8)))
     assert plan.cores is None and plan.available == 8
