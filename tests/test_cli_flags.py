@@ -51,6 +51,7 @@ EXAMPLES: dict[str, tuple[list[str], object]] = {
     "--generation-config": (["--generation-config", "vllm"], "vllm"),
     "--max-logprobs": (["--max-logprobs", "5"], 5),
     "--disable-log-stats": (["--disable-log-stats"], True),
+    "--trust-remote-code": (["--trust-remote-code"], True),
     "--host": (["--host", "0.0.0.0"], "0.0.0.0"),
     "--port": (["--port", "9000"], 9000),
     "--api-key": (["--api-key", "sk-1"], "sk-1"),
