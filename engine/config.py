@@ -312,6 +312,9 @@ class EngineSettings(_KilnSettings):
     disable_log_stats: bool = Field(False, description="no periodic stats log lines")
     speculative_config: dict[str, Any] | None = Field(
         None, description='JSON, e.g. {"method": "ngram", "num_speculative_tokens": 4}; sets the speculative_* settings')
+    trust_remote_code: bool = Field(
+        False, description="accepted for vLLM command lines; kiln never runs a checkpoint's code (GLM/ChatGLM "
+        "load natively)")
 
     @field_validator("block_size")
     @classmethod

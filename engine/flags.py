@@ -64,6 +64,7 @@ VLLM_FLAGS: dict[str, str] = {
     "--generation-config": "generation_config",
     "--max-logprobs": "max_logprobs",
     "--disable-log-stats": "disable_log_stats",
+    "--trust-remote-code": "trust_remote_code",
     "--host": "host",
     "--port": "port",
     "--api-key": "api_key",

@@ -51,6 +51,7 @@ EXAMPLES: dict[str, tuple[list[str], object]] = {
     "--generation-config": (["--generation-config", "vllm"], "vllm"),
     "--max-logprobs": (["--max-logprobs", "5"], 5),
     "--disable-log-stats": (["--disable-log-stats"], True),
+    "--trust-remote-code": (["--trust-remote-code"], True),
     "--host": (["--host", "0.0.0.0"], "0.0.0.0"),
     "--port": (["--port", "9000"], 9000),
     "--api-key": (["--api-key", "sk-1"], "sk-1"),
@@ -205,3 +206,30 @@ def test_global_log_level_reaches_serve(monkeypatch, caplog):
     logging.getLogger().setLevel(logging.INFO)
     assert main(["--log-level", "WARNING", "serve", "--log-level", "debug"]) == 0
     assert seen["server"].log_level == "debug"  # the serve flag is more specific
+
+
+def test_kiln_serve_over_tls(tiny_llama, tmp_path):
+    """--ssl-keyfile / --ssl-certfile serve HTTPS (a self-signed certificate made with openssl)."""
+    import os
+    import shutil
+
+    import httpx
+
+    if shutil.which("openssl") is None:
+        pytest.skip("needs the openssl command to make a certificate")
+    key, cert = tmp_path / "key.pem", tmp_path / "cert.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out",
+                    str(cert), "-days", "1", "-subj", "/CN=127.0.0.1"], check=True, capture_output=True)
+    cmd = [sys.executable, "-m", "engine.cli", "serve", str(tiny_llama), "--port", "0", "--device", "cpu",
+           "--enforce-eager", "--ssl-keyfile", str(key), "--ssl-certfile", str(cert)]
+    log = tmp_path / "serve.log"
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=open(log, "w"), text=True,
+                            env={**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1"})
+    try:
+        line = proc.stdout.readline()
+        assert " at https://" in line, log.read_text()[-2000:]
+        url = line.split(" at ", 1)[1].split(" ", 1)[0]
+        assert httpx.get(f"{url}/models", verify=False).status_code == 200
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)

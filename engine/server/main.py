@@ -55,8 +55,8 @@ def _server_class():
     return DrainingServer
 
 
-def _url(host: str, port: int) -> str:
-    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+def _url(host: str, port: int, scheme: str = "http") -> str:
+    return f"{scheme}://[{host}]:{port}" if ":" in host else f"{scheme}://{host}:{port}"
 
 
 def serve(engine_settings: EngineSettings, server_settings: ServerSettings) -> int:
@@ -92,8 +92,8 @@ def serve(engine_settings: EngineSettings, server_settings: ServerSettings) -> i
         while not server.started and not task.done():
             await asyncio.sleep(0.02)
         if server.started:
-            print(f"kiln: serving {state.model_name!r} at {_url(server_settings.host, port)}/v1 "
-                  f"(health: {_url(server_settings.host, port)}/health)", flush=True)
+            base = _url(server_settings.host, port, "https" if server_settings.ssl_keyfile else "http")
+            print(f"kiln: serving {state.model_name!r} at {base}/v1 (health: {base}/health)", flush=True)
         await task
 
     # uvicorn re-raises the signal that stopped it once it has shut down gracefully; with this
