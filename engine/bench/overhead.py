@@ -6,7 +6,7 @@ kiln's own work: scheduling, input preparation, sampling and output processing
 (token bookkeeping, stop checks, detokenisation, RequestOutput building). At each batch size
 (default 1, 64 and 256) `batch` requests decode together (greedy, ignore_eos, detokenised
 as a server would) and the loop runs `--steps` decode steps, serial and overlapped in the
-same run. Printed per step (µs) and per sequence per step (µs):
+same run. Printed per step (µs, the median over the steps) and per sequence per step (µs):
 
   schedule      Scheduler.schedule
   prep          ModelRunner.prepare (inputs written and uploaded)
@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -101,20 +102,23 @@ def measure(engine, totals: dict[str, float], batch: int, steps: int, overlap: b
            for i in range(batch)]
     for _ in range(8):  # prefill and a few decodes: every sequence is decoding from here on
         engine.step()
-    totals.clear()
-    t0 = time.perf_counter()
+    steps_seen = []
     for _ in range(steps):
+        totals.clear()
+        t0 = time.perf_counter()
         engine.step()
-    total = time.perf_counter() - t0
+        row = {k: totals[k] * 1e6 for k in ("schedule", "prep", "sample", "runner")}
+        row["total"] = (time.perf_counter() - t0) * 1e6
+        row["launch"] = row["runner"] - row["prep"] - row["sample"]
+        row["process"] = row["total"] - row["schedule"] - row["runner"]
+        row["critical"] = row["schedule"] + row["runner"] if overlap else row["total"]
+        steps_seen.append(row)
     for rid in ids:
         engine.abort_request(rid)
     while engine.has_unfinished_requests():
         engine.step()
-    per_step = {k: totals[k] / steps * 1e6 for k in ("schedule", "prep", "sample", "runner")}
-    per_step["launch"] = per_step["runner"] - per_step["prep"] - per_step["sample"]
-    per_step["total"] = total / steps * 1e6
-    per_step["process"] = per_step["total"] - per_step["schedule"] - per_step["runner"]
-    per_step["critical"] = per_step["schedule"] + per_step["runner"] if overlap else per_step["total"]
+    # Medians per phase: a shared machine deschedules the process now and then.
+    per_step = {k: statistics.median(r[k] for r in steps_seen) for k in steps_seen[0]}
     return per_step
 
 
@@ -125,8 +129,6 @@ def main(argv: list[str]) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--batches", default="1,64,256", help="batch sizes")
     parser.add_argument("--steps", type=int, default=50, help="decode steps timed per batch size and loop")
-    parser.add_argument("--repeat", type=int, default=3,
-                        help="runs per batch size and loop; the fastest is kept (a shared machine is noisy)")
     parser.add_argument("--torch-threads", type=int, default=1, help="torch intra-op threads (see above)")
     parser.add_argument("--json", default=None, help="write results here")
     add_settings_flags(parser)
@@ -147,16 +149,15 @@ def main(argv: list[str]) -> int:
     stub_model(engine, max(batches))
     totals = instrument(engine)
     results = []
-    print(f"kiln bench overhead: stub model, {args.steps} decode steps per row (fastest of {args.repeat} runs), "
+    print(f"kiln bench overhead: stub model, {args.steps} decode steps per row (medians), "
           f"device {engine.device}, {torch.get_num_threads()} torch threads")
     print(f"{'batch':>5} {'loop':>8} " + " ".join(f"{p:>9}" for p in PHASES)
           + f" {'critical':>9} | per seq: {'process':>8} {'critical':>8}   (µs)")
     for batch in batches:
         for overlap in (False, True):
-            runs = [measure(engine, totals, batch, args.steps, overlap) for _ in range(args.repeat)]
-            if not runs[0]:
+            r = measure(engine, totals, batch, args.steps, overlap)
+            if not r:
                 continue
-            r = min(runs, key=lambda x: x["total"])
             loop = "overlap" if overlap else "serial"
             results.append({"batch": batch, "loop": loop, **r})
             print(f"{batch:>5} {loop:>8} " + " ".join(f"{r[p]:>9.1f}" for p in PHASES)
