@@ -97,10 +97,15 @@ def from_compressed_tensors(t: dict[str, torch.Tensor], bits: int, group_size: i
     return dict(qweight=_store(q, bits), zeros=zeros.to(torch.uint8).contiguous(), scales=scales, g_idx=g_idx)
 
 
-def dequantize(qweight: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor, g_idx: torch.Tensor,
+def dequantize(qweight: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor, g_idx: torch.Tensor | None,
                bits: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """kiln's layout -> the dense weight [out, in] in `dtype` (computed in float32)."""
+    """kiln's layout -> the dense weight [out, in] in `dtype` (computed in float32). g_idx None:
+    groups are runs of consecutive columns (no act-order), which skips the per-column gather."""
     q = unpack_nibbles(qweight) if bits == 4 else qweight
+    if g_idx is None:
+        out, groups = scales.shape
+        qg = q.view(out, groups, -1).float()
+        return ((qg - zeros.float()[:, :, None]) * scales[:, :, None]).view(out, -1).to(dtype)
     g = g_idx.long()
     w = (q.float() - zeros.float()[:, g]) * scales[:, g]
     return w.to(dtype)

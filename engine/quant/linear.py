@@ -41,9 +41,12 @@ class IntWeightMethod:
         module.register_buffer("zeros", torch.zeros(out, groups, dtype=torch.uint8, device=device))
         module.register_buffer("scales", torch.zeros(out, groups, dtype=torch.float32, device=device))
         module.register_buffer("g_idx", int_formats.default_g_idx(inp, self.group_size, device))
+        # True when groups are not runs of consecutive columns (GPTQ act-order g_idx, or a ragged last group)
+        module.act_order = self.group_size > 0 and inp % self.group_size != 0
 
     def weight(self, module: nn.Module, dtype: torch.dtype) -> torch.Tensor:
-        return int_formats.dequantize(module.qweight, module.zeros, module.scales, module.g_idx, self.bits, dtype)
+        g_idx = module.g_idx if module.act_order else None
+        return int_formats.dequantize(module.qweight, module.zeros, module.scales, g_idx, self.bits, dtype)
 
     def apply(self, module: nn.Module, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight(module, x.dtype), module.bias)

@@ -95,6 +95,8 @@ def fill_module(module: nn.Module, rows: slice | None, config: QuantConfig, tens
                                  "with it (act-order permutations of q/k/v or gate/up must match)")
             module.g_idx.copy_(value)
             seen[(id(module), key)] = 1
+            default = int_formats.default_g_idx(module.in_features, module.quant.group_size, value.device)
+            module.act_order = module.act_order or not torch.equal(value.to(default.device), default)
         elif key == "input_scale":  # one per fused module: the largest, as vLLM does
             module.input_scale.copy_(torch.maximum(module.input_scale, value) if rows and rows.start else value)
         else:
