@@ -218,3 +218,10 @@ def test_bad_quantization_settings(tiny_models, tmp_path):
     (quant_dir / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ValueError, match="not supported"):
         LLM(str(quant_dir), device="cpu", enforce_eager=True)
+
+
+def test_compiled_forward_equals_eager(tiny_models, make_llm, tmp_path):
+    """The quantised layers run under torch.compile (kiln's default) exactly as in eager mode."""
+    quant_dir, _ = write_quantized(tiny_models["llama"], tmp_path, "gptq", bits=4, group_size=32, act_order=True)
+    compiled = make_llm(quant_dir, enforce_eager=False, cache_dir=str(tmp_path / "cache"))
+    assert _greedy(compiled) == _greedy(make_llm(quant_dir))
