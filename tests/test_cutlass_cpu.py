@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import compiler.cpu_attention
 import compiler.ops
 from compiler import cutlass_ops
 from compiler.cutlass_ops import DECODE_GROUPS, AttentionKernels
@@ -231,13 +232,13 @@ def test_a_released_handle_is_a_clear_error():
 ])
 def test_cpu_path_sends_exactly_the_decode_rows_to_the_decode_kernel(monkeypatch, seqs, num_decodes):
     seen = []
-    real = compiler.ops.compiled_decode_attention
+    real = compiler.cpu_attention.compiled_decode_attention
 
     def spy(dq, *args):
         seen.append(dq.shape[0])
         return real(dq, *args)
 
-    monkeypatch.setattr(compiler.ops, "compiled_decode_attention", spy)
+    monkeypatch.setattr(compiler.cpu_attention, "compiled_decode_attention", spy)
     c = make_inputs(seqs, seed=3)
     c["q"], c["kv"] = c["q"].float(), c["kv"].float()
     out = torch.zeros_like(c["q"])
