@@ -435,7 +435,10 @@ class AsyncEngine:
                     self.listener.on_step(self.engine, outputs, time.monotonic())
                 except Exception:  # noqa: BLE001 - metrics must not stop the outputs
                     logger.exception("step listener failed")
-            self._dispatch(outputs)
+            try:
+                self._dispatch(outputs)
+            except Exception:  # noqa: BLE001 - this thread must keep serving the other streams
+                logger.exception("handing out outputs failed")
 
     def _apply(self, delta) -> RequestOutput | None:
         out, finished = self._text.apply(delta)
