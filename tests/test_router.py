@@ -23,8 +23,8 @@ from pathlib import Path
 
 import pytest
 
-pytest.importorskip("sglang_router")
-openai = pytest.importorskip("openai")
+import openai
+import sglang_router  # noqa: F401  (the test extra installs it; missing, this file fails loudly)
 
 REPO = Path(__file__).resolve().parents[1]
 MODEL = "tiny"
@@ -126,6 +126,14 @@ def cluster(tiny_llama, tmp_path_factory):
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
+
+
+def test_router_lists_the_replicas_model(cluster):
+    # The router learns the served name from each replica's /server_info and /model_info.
+    assert [m.id for m in cluster.client.models.list().data] == [MODEL]
+    workers = _get_json(cluster.router_url + "/workers")["workers"]
+    assert sorted(w["url"] for w in workers) == sorted(url for _, url in cluster.replicas)
+    assert all(w["model_id"] == MODEL and w["is_healthy"] for w in workers)
 
 
 def test_many_requests_through_router_all_complete(cluster):
