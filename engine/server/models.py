@@ -72,8 +72,9 @@ def router(state) -> APIRouter:
                 "vocab_size": info.vocab_size, "eos_token_ids": list(info.eos_token_ids)}
 
     # sglang-router reads these when a replica registers: the model id it routes and lists under.
-    r.add_api_route("/model_info", model_info, methods=["GET"])
-    r.add_api_route("/server_info", model_info, methods=["GET"])
+    # Router plumbing, not part of the OpenAI API: kept out of /openapi.json.
+    r.add_api_route("/model_info", model_info, methods=["GET"], include_in_schema=False)
+    r.add_api_route("/server_info", model_info, methods=["GET"], include_in_schema=False)
 
     @r.get("/version")
     async def version():
