@@ -42,6 +42,7 @@ class ReplicaPlan:
     router_args: list[str] = field(default_factory=list)
     serve_args: list[str] = field(default_factory=list)
     startup_timeout: float = 600.0
+    one_at_a_time: bool = False  # start replica i+1 once i is healthy (replicas sharing a GPU)
     stop_timeout: float = 60.0
     log_dir: Path | None = None
 
@@ -116,6 +117,9 @@ class ReplicaSet:
             proc = self._spawn(f"replica{i}", plan.replica_command(i), plan.replica_env(i))
             self.replicas.append(proc)
             print(f"kiln serve-replicas: replica {i} pid {proc.pid} at {url}", flush=True)
+            if plan.one_at_a_time:
+                # Each replica profiles free GPU memory at start-up: one at a time, they see each other's use.
+                self._wait_replicas_healthy(only=[i])
         self._wait_replicas_healthy()
         self.router = self._spawn("router", plan.router_command(), {})
         self._wait_router_ready()
@@ -124,9 +128,10 @@ class ReplicaSet:
               f"(policy {plan.policy}; router metrics http://127.0.0.1:{plan.router_metrics_port}/metrics)",
               flush=True)
 
-    def _wait_replicas_healthy(self) -> None:
+    def _wait_replicas_healthy(self, only: list[int] | None = None) -> None:
         deadline = time.monotonic() + self.plan.startup_timeout
-        pending = dict(enumerate(self.plan.replica_urls()))
+        urls = self.plan.replica_urls()
+        pending = {i: urls[i] for i in (range(len(self.replicas)) if only is None else only)}
         while pending:
             self._check_stop()
             for i, url in list(pending.items()):
@@ -211,6 +216,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="one more flag for sglang-router, repeatable: --router-arg=--health-check-interval-secs=2")
     parser.add_argument("--startup-timeout", type=float, default=600.0,
                         help="seconds to wait for the replicas to load and become healthy (default: 600)")
+    parser.add_argument("--one-at-a-time", action="store_true",
+                        help="start each replica once the previous one is healthy (replicas sharing one GPU)")
     parser.add_argument("--log-dir", type=Path, default=None,
                         help="write replicaN.log and router.log here (default: the launcher's own output)")
     return parser
@@ -221,7 +228,8 @@ def plan_from_argv(argv: list[str]) -> ReplicaPlan:
     return ReplicaPlan(replicas=args.replicas, host=args.host, port=args.port, replica_port=args.replica_port,
                        policy=args.policy, gpus=[g for g in args.gpus.split(",") if g.strip()],
                        router_metrics_port=args.router_metrics_port, router_args=list(args.router_arg),
-                       serve_args=serve_args, startup_timeout=args.startup_timeout, log_dir=args.log_dir)
+                       serve_args=serve_args, startup_timeout=args.startup_timeout,
+                       one_at_a_time=args.one_at_a_time, log_dir=args.log_dir)
 
 
 def main(argv: list[str]) -> int:

@@ -93,7 +93,7 @@ def cluster(tiny_llama, tmp_path_factory):
     log_dir = tmp_path_factory.mktemp("replica-logs")
     cmd = [sys.executable, "-m", "engine.cli", "serve-replicas", "--replicas", "2", "--host", "127.0.0.1",
            "--port", str(router_port), "--replica-port", str(replica_port), "--router-metrics-port",
-           str(metrics_port), "--log-dir", str(log_dir), "--startup-timeout", "120",
+           str(metrics_port), "--log-dir", str(log_dir), "--startup-timeout", "120", "--one-at-a-time",
            "--router-arg=--health-check-interval-secs=1", "--router-arg=--log-level=warn",
            str(tiny_llama), "--served-model-name", MODEL, "--device", "cpu", "--enforce-eager",
            "--max-model-len", "512"]
@@ -126,6 +126,25 @@ def cluster(tiny_llama, tmp_path_factory):
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
+
+
+def test_plan_from_argv_splits_launcher_and_replica_flags():
+    from engine.replicas import ReplicaPlan, ReplicaSet, plan_from_argv
+
+    plan = plan_from_argv(["--replicas", "3", "--port", "9000", "--replica-port", "9100", "--gpus", "0,1",
+                           "/models/x", "--max-model-len", "4k", "--router-arg=--health-check-interval-secs=2"])
+    assert plan.serve_args == ["/models/x", "--max-model-len", "4k"]
+    assert plan.replica_urls() == ["http://127.0.0.1:9100", "http://127.0.0.1:9101", "http://127.0.0.1:9102"]
+    assert plan.replica_command(2)[1:7] == ["-m", "engine.cli", "serve", "/models/x", "--max-model-len", "4k"]
+    assert plan.replica_command(2)[-4:] == ["--host", "127.0.0.1", "--port", "9102"]
+    assert [plan.replica_env(i) for i in range(3)] == [{"CUDA_VISIBLE_DEVICES": g} for g in ("0", "1", "0")]
+    router = plan.router_command()
+    assert router[router.index("--worker-urls") + 1:router.index("--policy")] == plan.replica_urls()
+    assert router[-1] == "--health-check-interval-secs=2" and router[router.index("--port") + 1] == "9000"
+    with pytest.raises(ValueError, match="--port is set by serve-replicas"):
+        ReplicaSet(ReplicaPlan(serve_args=["/models/x", "--port=8001"]))
+    with pytest.raises(ValueError, match="at least 1"):
+        ReplicaSet(ReplicaPlan(replicas=0))
 
 
 def test_router_lists_the_replicas_model(cluster):
