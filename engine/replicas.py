@@ -61,7 +61,9 @@ class ReplicaPlan:
         return [sys.executable, "-m", ROUTER_MODULE, "--host", self.host, "--port", str(self.port),
                 "--worker-urls", *self.replica_urls(), "--policy", self.policy,
                 "--prometheus-host", "127.0.0.1", "--prometheus-port", str(self.router_metrics_port),
-                *self.router_args]
+                # The router's default (60 s x 3 failures) keeps a dead replica listed for minutes;
+                # --router-arg comes after this, so the user's value wins.
+                "--health-check-interval-secs", "5", *self.router_args]
 
 
 def _probe_host(host: str) -> str:
