@@ -108,8 +108,8 @@ class ReplicaSet:
             self.plan.log_dir.mkdir(parents=True, exist_ok=True)
             out = open(self.plan.log_dir / f"{name}.log", "ab")
             self._logs.append(out)
-        # Own session: the launcher decides the stop order (router first), not the terminal's Ctrl-C.
         env = {**os.environ, **env_extra} if env_extra else None  # None: inherit the launcher's
+        # Own session: the launcher decides the stop order (router first), not the terminal's Ctrl-C.
         return subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT if out else None,
                                 start_new_session=True)
 
