@@ -155,6 +155,14 @@ def test_router_lists_the_replicas_model(cluster):
     assert all(w["model_id"] == MODEL and w["is_healthy"] for w in workers)
 
 
+def test_streaming_chat_through_router(cluster):
+    stream = cluster.client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
+                                                    max_tokens=6, temperature=0, stream=True)
+    chunks = list(stream)
+    assert chunks[-1].choices[0].finish_reason in ("length", "stop")
+    assert sum(bool(c.choices and c.choices[0].delta.content) for c in chunks) >= 1
+
+
 def test_many_requests_through_router_all_complete(cluster):
     before = [_metric(url, "kiln:request_success_total") for _, url in cluster.replicas]
     # Unrelated openings: cache_aware sends prompts sharing most of their text to one replica by
