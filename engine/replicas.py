@@ -66,6 +66,15 @@ class ReplicaPlan:
                 "--health-check-interval-secs", "5", *self.router_args]
 
 
+def _die_with_launcher() -> None:
+    """In the child before exec (Linux): SIGTERM it when the launcher dies, even by SIGKILL, so no
+    replica keeps its GPU memory and no router outlives the launcher."""
+    import ctypes
+
+    PR_SET_PDEATHSIG = 1
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
 def _probe_host(host: str) -> str:
     return "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
 
@@ -111,7 +120,8 @@ class ReplicaSet:
         env = {**os.environ, **env_extra} if env_extra else None  # None: inherit the launcher's
         # Own session: the launcher decides the stop order (router first), not the terminal's Ctrl-C.
         return subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT if out else None,
-                                start_new_session=True)
+                                start_new_session=True,
+                                preexec_fn=_die_with_launcher if sys.platform == "linux" else None)
 
     def start(self) -> None:
         plan = self.plan

@@ -110,7 +110,7 @@ def cluster(tiny_llama, tmp_path_factory):
 
     threading.Thread(target=read, daemon=True).start()
     if not ready.wait(150):
-        proc.kill()
+        _stop_launcher(proc, lines)
         logs = "".join(p.read_text()[-2000:] for p in log_dir.glob("*.log"))
         pytest.fail("serve-replicas did not come up:\n" + "".join(lines) + logs)
     replicas = [(int(m.group(1)), m.group(2)) for line in lines
@@ -119,11 +119,24 @@ def cluster(tiny_llama, tmp_path_factory):
     c = Cluster(proc, f"http://127.0.0.1:{router_port}", replicas)
     c.lines = lines
     yield c
-    if proc.poll() is None:
+    _stop_launcher(proc, lines)
+
+
+def _stop_launcher(proc, lines: list[str]) -> None:
+    """After a failed test: SIGTERM (the launcher stops the router and replicas), SIGKILL as a last resort."""
+    if proc.poll() is not None:
+        return
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(timeout=60)
+        return
+    except subprocess.TimeoutExpired:
         proc.kill()
-        for pid, _ in replicas:
+    # The children live in their own sessions: the launcher's death does not end them.
+    for line in lines:
+        if m := re.search(r"(?:replica \d+|router) pid (\d+)", line):
             try:
-                os.kill(pid, signal.SIGKILL)
+                os.kill(int(m.group(1)), signal.SIGKILL)
             except ProcessLookupError:
                 pass
 
@@ -249,8 +262,36 @@ def test_sigterm_stops_router_and_replicas(cluster):
     assert proc.poll() is None, "the launcher exited while one replica still served"
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(timeout=60) == 0
-    for pid, _ in cluster.replicas:
+    router_pid = int(re.search(r"router pid (\d+)", "".join(cluster.lines)).group(1))
+    for pid in [p for p, _ in cluster.replicas] + [router_pid]:
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)
     with pytest.raises(OSError):
         urllib.request.urlopen(cluster.router_url + "/health", timeout=2)
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="PR_SET_PDEATHSIG is Linux-only")
+def test_children_die_with_a_killed_launcher(tmp_path):
+    # A launcher killed by SIGKILL cannot stop its children; the kernel must (no orphaned replica on the GPU).
+    script = tmp_path / "launcher.py"
+    script.write_text("import sys, time\n"
+                      "from engine.replicas import ReplicaPlan, ReplicaSet\n"
+                      "p = ReplicaSet(ReplicaPlan())._spawn('x', ['sleep', '300'], {})\n"
+                      "print(p.pid, flush=True)\n"
+                      "time.sleep(300)\n")
+    launcher = subprocess.Popen([sys.executable, str(script)], cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)},
+                                stdout=subprocess.PIPE, text=True)
+    child = int(launcher.stdout.readline())
+    launcher.kill()
+    launcher.wait()
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        try:
+            state = Path(f"/proc/{child}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except FileNotFoundError:
+            return
+        if state == "Z":  # dead, waiting for its new parent to reap it
+            return
+        time.sleep(0.1)
+    os.kill(child, signal.SIGKILL)
+    pytest.fail("the launcher's child outlived it")
