@@ -170,6 +170,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     sub.add_parser("build-kernels", help="build the CUTLASS attention kernels ahead of time", add_help=False)
     sub.add_parser("bench", help="benchmarks: " + ", ".join(BENCHMARKS), add_help=False)
+    sub.add_parser("serve-replicas", help="N `kiln serve` replicas behind sglang-router", add_help=False)
     return parser
 
 
@@ -215,6 +216,9 @@ def main(argv: list[str] | None = None) -> int:
             return _cmd_build_kernels(argv[command_at + 1:])
         if command == "bench":
             return _cmd_bench(argv[command_at + 1:])
+        if command == "serve-replicas":
+            from engine.replicas import main as serve_replicas
+            return serve_replicas(argv[command_at + 1:])
         argv = normalize_argv(_expand_config(argv), parser)
         args = parser.parse_args(argv)
         _positional_model(args)

@@ -1,4 +1,4 @@
-"""GET /v1/models, the LoRA admin endpoints, /health, /metrics and /version."""
+"""GET /v1/models, the LoRA admin endpoints, /health, /metrics, /model_info and /version."""
 
 from __future__ import annotations
 
@@ -63,6 +63,18 @@ def router(state) -> APIRouter:
     @r.get("/metrics")
     async def metrics():
         return Response(state.metrics.render(), media_type=CONTENT_TYPE)
+
+    def model_info() -> dict:
+        info = state.info
+        return {"model_path": state.model_root, "served_model_name": state.model_name,
+                "tokenizer_path": getattr(info.tokenizer, "name_or_path", None) or state.model_root,
+                "is_generation": info.generates, "max_context_length": info.max_model_len,
+                "vocab_size": info.vocab_size, "eos_token_ids": list(info.eos_token_ids)}
+
+    # sglang-router reads these when a replica registers: the model id it routes and lists under.
+    # Router plumbing, not part of the OpenAI API: kept out of /openapi.json.
+    r.add_api_route("/model_info", model_info, methods=["GET"], include_in_schema=False)
+    r.add_api_route("/server_info", model_info, methods=["GET"], include_in_schema=False)
 
     @r.get("/version")
     async def version():
