@@ -69,8 +69,8 @@ def resolve_model_dir(settings: EngineSettings) -> Path:
         return default_model_dir(settings.cache_dir)
     path = Path(settings.model).expanduser()
     if not path.is_dir() and not is_gguf(path):
-        raise ValueError(f"model: {settings.model!r} is neither a directory nor a .gguf file (kiln loads HF checkpoint "
-                         "directories and GGUF files from disk; no model hub is used)")
+        raise ValueError(f"model: {settings.model!r} is neither a directory nor a .gguf file (kiln loads HF "
+                         "checkpoint directories and GGUF files from disk; no model hub is used)")
     return path
 
 

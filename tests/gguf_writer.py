@@ -26,7 +26,7 @@ _LAYER = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn
           "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm"}
 _SANDWICH = {"pre_feedforward_layernorm": "ffn_norm", "post_attention_layernorm": "post_attention_norm",
              "post_feedforward_layernorm": "post_ffw_norm"}
-_K_QUANTS = {"Q4_K", "Q5_K", "Q6_K"}
+_K_QUANTS = {"Q2_K", "Q4_K", "Q5_K", "Q6_K"}
 
 
 def gguf_name(hf: str, sandwich: bool) -> str:
@@ -56,7 +56,9 @@ def random_k_blocks(qtype: str, rows: int, cols: int, rng: np.random.Generator) 
         vals = rng.uniform(lo, hi, size=raw.shape[:2]).astype(np.float16)
         raw[:, :, offset:offset + 2] = vals.view(np.uint8).reshape(*raw.shape[:2], 2)
 
-    if qtype == "Q6_K":  # int8 scales times 6-bit values minus 32
+    if qtype == "Q2_K":  # (a type kiln refuses: only its layout matters)
+        pass
+    elif qtype == "Q6_K":  # int8 scales times 6-bit values minus 32
         f16(208, 1e-5, 4e-5)
     else:  # d * scale * q - dmin * min: centre the values around zero
         f16(0, 2e-4, 4e-4)

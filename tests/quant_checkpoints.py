@@ -73,11 +73,11 @@ def _perms(cfg: dict, seed: int) -> dict[tuple[str, str], torch.Tensor]:
     """Act-order: one column permutation per layer input (q/k/v share one, gate/up another), as
     GPTQ's permutation comes from the shared input's Hessian."""
     gen = torch.Generator().manual_seed(seed)
-    h, i = cfg["hidden_size"], cfg["intermediate_size"]
+    h, i, heads = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_attention_heads"]
+    attn_width = heads * (cfg.get("head_dim") or h // heads)
     out = {}
     for layer in range(cfg["num_hidden_layers"]):
-        for kind, n in (("attn_in", h), ("o_in", cfg["num_attention_heads"] * (cfg.get("head_dim") or h // cfg["num_attention_heads"])),
-                        ("mlp_in", h), ("down_in", i)):
+        for kind, n in (("attn_in", h), ("o_in", attn_width), ("mlp_in", h), ("down_in", i)):
             out[(str(layer), kind)] = torch.randperm(n, generator=gen)
     return out
 
@@ -221,8 +221,8 @@ def write_fp8(src: Path, out: Path, weight_strategy: str = "channel", activation
         num_bits=8, type="float", symmetric=True, strategy="token" if activations == "dynamic" else "tensor",
         dynamic=activations == "dynamic")
     config = QuantizationConfig(config_groups={"group_0": QuantizationScheme(
-        targets=["Linear"], weights=QuantizationArgs(num_bits=8, type="float", symmetric=True, strategy=weight_strategy),
-        input_activations=acts)}, format="float-quantized", ignore=["lm_head"], quantization_status="compressed")
+        targets=["Linear"], input_activations=acts,
+        weights=QuantizationArgs(num_bits=8, type="float", symmetric=True, strategy=weight_strategy))}, format="float-quantized", ignore=["lm_head"], quantization_status="compressed")
     (quant_dir / "config.json").write_text(json.dumps(dict(cfg, quantization_config=config.model_dump(mode="json")),
                                                       indent=2))
     return quant_dir, ref_dir

