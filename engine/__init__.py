@@ -1,9 +1,9 @@
 """kiln's runtime: the engine, its scheduler and KV cache, the offline API and the server."""
 
-from engine.cpu_threads import prefer_passive_waiting
+from engine.cpu_threads import prefer_short_spin
 
-# Before anything loads torch's OpenMP runtime: idle threads sleep instead of spinning.
-prefer_passive_waiting()
+# Before anything loads torch's OpenMP runtime: idle threads spin briefly, then sleep.
+prefer_short_spin()
 
 from engine.request import LoRARequest, RequestOutput, SamplingParams, StructuredOutputsParams  # noqa: E402
 

@@ -34,7 +34,7 @@ class SettingsError(ValueError):
 
 
 # KILN_* variables that are not settings fields (read through env_flag or above).
-OTHER_ENV_VARS = ("KILN_CONFIG", "KILN_CACHE_DIR", "KILN_SOAK_REQUESTS")
+OTHER_ENV_VARS = ("KILN_CONFIG", "KILN_CACHE_DIR", "KILN_SOAK_REQUESTS", "KILN_SERVER_SOAK_STREAMS")
 
 
 def read_config_file() -> tuple[Path, dict[str, Any], str] | None:

@@ -2,12 +2,15 @@
 
 Three things decide batch-1 CPU speed on a machine shared with other work:
 
-- How idle threads wait. OpenMP's default lets a thread spin for a while after each parallel
-  region; when another process holds the cores, the spinning threads steal the time the
-  working ones need (measured on this 2-core machine: 339 ms per token with spinning, 69 ms
-  passive). The OpenMP runtime reads its wait policy once, when torch loads it, so
-  `prefer_passive_waiting()` runs from `engine/__init__`, before anything imports torch. A
-  policy the user set in the environment is kept.
+- How idle threads wait. OpenMP's default lets a thread spin for a long while after each
+  parallel region; when another process holds the cores, the spinning threads steal the time
+  the working ones need (measured on this 2-core machine: 339 ms per token with spinning, 69 ms
+  passive). Fully passive waiting, though, costs 20-45% on a quiet machine (every parallel
+  region wakes sleeping threads). kiln's default is a bounded spin: libgomp's
+  GOMP_SPINCOUNT=1000 (a few microseconds, then sleep), which measured faster than passive
+  both with and without a CPU-burning neighbour (BENCHMARKS.md, session 4). The runtime reads
+  these once, when torch loads it, so `prefer_short_spin()` runs from `engine/__init__`, before
+  anything imports torch. A wait policy or spin count the user set is kept.
 - How many threads. The compute threads share the cores with the engine loop, the server and
   the tokenizer; from four cores up kiln leaves one core to them (vLLM's CPU backend does the
   same). On one or two cores it uses them all: leaving one of two idle halves the compute, and
@@ -31,21 +34,27 @@ from dataclasses import dataclass
 logger = logging.getLogger(__name__)
 
 WAIT_POLICY_VAR = "OMP_WAIT_POLICY"
+SPIN_COUNT_VAR = "GOMP_SPINCOUNT"  # libgomp, the OpenMP runtime of torch's Linux CPU builds
+DEFAULT_SPIN_COUNT = "1000"
 # From this many cores up, one is left to the engine loop, the server and the tokenizer.
 RESERVE_FROM_CORES = 4
 # Whether the wait policy was in place before the OpenMP runtime loaded (set by prefer_passive_waiting).
 _WAIT_POLICY_STATE = {"policy": None, "in_time": False}
 
 
-def prefer_passive_waiting() -> None:
-    """Make idle OpenMP threads sleep instead of spin, unless the environment already says
-    otherwise. Effective only before torch is first imported (the runtime reads it at load)."""
+def prefer_short_spin() -> None:
+    """Make idle OpenMP threads spin briefly, then sleep, unless the environment already sets a
+    wait policy or spin count. Effective only before torch is first imported (the runtime reads
+    it at load)."""
     if _WAIT_POLICY_STATE["policy"] is not None:
         return
     in_time = "torch" not in sys.modules
-    if in_time:
-        os.environ.setdefault(WAIT_POLICY_VAR, "PASSIVE")
-    _WAIT_POLICY_STATE["policy"] = os.environ.get(WAIT_POLICY_VAR, "")
+    if in_time and WAIT_POLICY_VAR not in os.environ:
+        os.environ.setdefault(SPIN_COUNT_VAR, DEFAULT_SPIN_COUNT)
+    policy = os.environ.get(WAIT_POLICY_VAR, "")
+    if not policy and SPIN_COUNT_VAR in os.environ:
+        policy = f"spin {os.environ[SPIN_COUNT_VAR]} then sleep"
+    _WAIT_POLICY_STATE["policy"] = policy
     _WAIT_POLICY_STATE["in_time"] = in_time
 
 
@@ -53,7 +62,7 @@ def wait_policy() -> str:
     """The OpenMP wait policy in force, in words, for the start-up log."""
     policy = _WAIT_POLICY_STATE["policy"]
     if policy is None or not _WAIT_POLICY_STATE["in_time"]:
-        return "runtime default (torch was imported before kiln; set OMP_WAIT_POLICY=PASSIVE before starting)"
+        return "runtime default (torch was imported before kiln; set GOMP_SPINCOUNT=1000 before starting)"
     return policy.lower() or "runtime default"
 
 

@@ -55,7 +55,7 @@ def test_settings_validate_cpu_bind():
 
 
 def _run(code: str, env_extra: dict[str, str] | None = None) -> dict:
-    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
     env.update(env_extra or {}, PYTHONPATH=str(ROOT))
     out = subprocess.run([sys.executable, "-c", code], env=env, cwd=ROOT, capture_output=True, text=True,
                          timeout=120)
@@ -63,11 +63,13 @@ def _run(code: str, env_extra: dict[str, str] | None = None) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def test_passive_waiting_is_set_before_torch_loads_and_a_user_choice_is_kept():
+def test_a_short_spin_is_set_before_torch_loads_and_a_user_choice_is_kept():
     code = ("import json, os, engine, torch; from engine.cpu_threads import wait_policy; "
-            "print(json.dumps([os.environ.get('OMP_WAIT_POLICY'), wait_policy()]))")
-    assert _run(code) == ["PASSIVE", "passive"]
-    assert _run(code, {"OMP_WAIT_POLICY": "ACTIVE"}) == ["ACTIVE", "active"]
+            "print(json.dumps([os.environ.get('OMP_WAIT_POLICY'), os.environ.get('GOMP_SPINCOUNT'), wait_policy()]))")
+    assert _run(code) == [None, "1000", "spin 1000 then sleep"]
+    assert _run(code, {"OMP_WAIT_POLICY": "PASSIVE"}) == ["PASSIVE", None, "passive"]
+    assert _run(code, {"OMP_WAIT_POLICY": "ACTIVE"}) == ["ACTIVE", None, "active"]
+    assert _run(code, {"GOMP_SPINCOUNT": "50"}) == [None, "50", "spin 50 then sleep"]
     late = _run("import json, torch, engine; from engine.cpu_threads import wait_policy; "
                 "print(json.dumps(wait_policy()))")
     assert "imported before kiln" in late
