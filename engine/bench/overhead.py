@@ -136,14 +136,14 @@ def main(argv: list[str]) -> int:
     batches = [int(b) for b in args.batches.split(",") if b]
     settings = settings_from_args(args)
     update = {"max_num_seqs": max(batches + [settings.max_num_seqs]), "enforce_eager": True}
+    if "cpu_threads" not in settings.model_fields_set:  # (the engine applies cpu_threads at start-up)
+        update["cpu_threads"] = args.torch_threads
     if "num_gpu_blocks" not in settings.model_fields_set:
         update["num_gpu_blocks"] = max(batches) * (-(-(32 + args.steps + 80) // settings.block_size))
     settings = settings.model_copy(update=update)
     import torch
 
     from engine.llm_engine import LLMEngine
-
-    torch.set_num_threads(args.torch_threads)
 
     engine = LLMEngine(settings)
     stub_model(engine, max(batches))
