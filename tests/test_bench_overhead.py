@@ -1,0 +1,13 @@
+"""kiln bench overhead runs end to end: serial and overlapped loops side by side, with ratios."""
+
+from engine.bench.overhead import main
+
+
+def test_bench_overhead_prints_both_loops_and_the_ratio(capsys):
+    assert main(["--steps", "4", "--batches", "1,8", "--enforce-eager"]) in (0, None)
+    out = capsys.readouterr().out
+    for batch in ("1", "8"):
+        rows = [line.split() for line in out.splitlines() if line.split()[:1] == [batch]]
+        loops = {r[1] for r in rows if len(r) > 2}
+        assert {"serial", "overlap"} <= loops, out
+    assert out.count("critical path overlap / serial") == 2, out
