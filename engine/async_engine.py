@@ -30,12 +30,14 @@ import queue
 import threading
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, AsyncIterator, Callable, Protocol
 
+from engine.engine_info import EngineInfo, EngineStatus
 from engine.llm_engine import LLMEngine
 from engine.output_processor import TextProcessor
-from engine.request import InvalidRequestError, LoRARequest, PoolingParams, Request, RequestOutput, SamplingParams
+from engine.request import InvalidRequestError, LoRARequest, PoolingParams, RequestOutput, SamplingParams
+from engine.request_stream import RequestStream, _push_all
 
 logger = logging.getLogger(__name__)
 
@@ -89,127 +91,6 @@ class _Call:
     fn: Callable[[LLMEngine], Any]
     future: asyncio.Future
     loop: asyncio.AbstractEventLoop
-
-
-class RequestStream:
-    """Async iterator of output deltas for one request (lives on one asyncio loop).
-
-    Each item is a RequestOutput whose `outputs` hold, per choice that advanced, only what
-    is new since the previous item: the new text, token ids and logprob entries, and the
-    finish reason on the item where the choice ends. The engine makes these deltas
-    (output_kind "delta": LLMEngine._delta_choice); a reader slower than the engine gets the
-    deltas of several steps merged into one item.
-    """
-
-    def __init__(self, request_id: str, loop: asyncio.AbstractEventLoop,
-                 on_close: Callable[[str], None] | None = None) -> None:
-        self.request_id = request_id
-        self.loop = loop
-        self._on_close = on_close
-        self._pending: RequestOutput | None = None  # deltas not yet read, merged
-        self._last: RequestOutput | None = None
-        self._error: BaseException | None = None
-        self._event = asyncio.Event()
-        self.accepted: asyncio.Future = loop.create_future()
-        self.finished = False  # the engine reported the request finished
-        self.done = False  # the reader has seen the end
-        self.closed = False
-
-    # ---- called on the stream's loop (scheduled from the step thread) ----
-    def _push(self, delta: RequestOutput) -> None:
-        self._pending = delta if self._pending is None else _merge(self._pending, delta)
-        if delta.finished:
-            self.finished = True
-        self._event.set()
-
-    def _fail(self, exc: BaseException) -> None:
-        if not self.accepted.done():
-            self.accepted.set_exception(exc)
-            self.accepted.exception()  # mark retrieved: the add path re-raises it itself
-        self._error = exc
-        self._event.set()
-
-    def _accept(self, exc: BaseException | None) -> None:
-        if self.accepted.done():
-            return
-        if exc is None:
-            self.accepted.set_result(None)
-        else:
-            self.accepted.set_exception(exc)
-
-    # ---- reader side ----
-    @property
-    def final_output(self) -> RequestOutput | None:
-        """The last item the reader got (request-level fields: cached tokens, metrics, error)."""
-        return self._last
-
-    def __aiter__(self) -> "RequestStream":
-        return self
-
-    async def __anext__(self) -> RequestOutput:
-        while True:
-            if self.done:
-                raise StopAsyncIteration
-            delta = self._pending
-            if delta is not None:
-                self._pending = None
-                self._last = delta
-                if delta.finished:
-                    self.done = True
-                return delta
-            if self._error is not None:
-                self.done = True
-                raise self._error
-            self._event.clear()
-            await self._event.wait()
-
-    def close(self) -> None:
-        """Stop reading: aborts the request in the engine unless it already finished."""
-        if self.closed:
-            return
-        self.closed = True
-        if not self.finished and self._on_close is not None:
-            self._on_close(self.request_id)
-
-
-@dataclass(frozen=True)
-class EngineInfo:
-    """What the API side may know about the engine: fixed at start-up, read-only, safe from any
-    thread (the tokenizer is used by the server's tokenising threads only to read)."""
-
-    model_dir: str
-    model_config: Any
-    max_model_len: int
-    vocab_size: int
-    max_num_seqs: int
-    block_size: int
-    pooling_type: str
-    generates: bool  # has a language-model head (completions, chat)
-    embeds: bool  # serves /v1/embeddings
-    eos_token_ids: tuple[int, ...]
-    tokenizer: Any
-    lora_enabled: bool
-    generation_defaults: Any  # engine.generation_config: sampling defaults from generation_config.json
-
-    @classmethod
-    def of(cls, engine: LLMEngine) -> "EngineInfo":
-        s = engine.settings
-        return cls(str(engine.model_dir), engine.model_config, engine.max_model_len,
-                   engine.model_config.vocab_size, s.max_num_seqs, s.block_size, s.pooling_type,
-                   bool(engine.model_config.generates), True, tuple(engine.eos_token_ids), engine.tokenizer,
-                   getattr(engine, "lora", None) is not None, engine.generation_defaults)
-
-
-@dataclass
-class EngineStatus:
-    alive: bool
-    error: str | None
-    num_running: int
-    num_waiting: int
-    num_swapped: int
-    num_blocks_in_use: int
-    kv_usage: float
-    extra: dict[str, Any] = field(default_factory=dict)
 
 
 class AsyncEngine:
@@ -574,23 +455,3 @@ def _settle(call: _Call, result: Any, error: BaseException | None) -> None:
         call.loop.call_soon_threadsafe(done)
     except RuntimeError:
         pass
-
-
-def _push_all(items: list[tuple[RequestStream, RequestOutput]]) -> None:
-    for stream, out in items:
-        stream._push(out)
-
-
-def _merge(older: RequestOutput, newer: RequestOutput) -> RequestOutput:
-    """Two consecutive deltas of one request as one: per choice, text, tokens and logprob entries
-    concatenated; everything else from the newer one."""
-    choices = {c.index: c for c in older.outputs}
-    for c in newer.outputs:
-        old = choices.get(c.index)
-        if old is None:
-            choices[c.index] = c
-            continue
-        choices[c.index] = dataclasses.replace(
-            c, text=old.text + c.text, token_ids=old.token_ids + c.token_ids,
-            logprobs=None if c.logprobs is None else (old.logprobs or []) + c.logprobs)
-    return dataclasses.replace(newer, outputs=[choices[i] for i in sorted(choices)])

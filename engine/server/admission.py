@@ -13,7 +13,7 @@ import dataclasses
 import logging
 from typing import Any
 
-from engine.async_engine import EngineInfo
+from engine.engine_info import EngineInfo
 from engine.request import InvalidRequestError, LoRARequest, SamplingParams
 from engine.server.errors import APIError, ClientGone
 from engine.server.jobs import until_done

@@ -12,7 +12,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
-from engine.async_engine import RequestStream
+from engine.request_stream import RequestStream
 from engine.request import PoolingParams, RequestOutput, SamplingParams
 from engine.server.admission import check_batch, check_lengths, check_model, check_unicode, prompt_ids
 from engine.server.errors import engine_failed, post_route

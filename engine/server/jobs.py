@@ -19,7 +19,8 @@ from typing import Any, AsyncIterator, Protocol
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 
-from engine.async_engine import EngineDeadError, RequestStream
+from engine.async_engine import EngineDeadError
+from engine.request_stream import RequestStream
 from engine.request import LoRARequest, RequestOutput, SamplingParams
 from engine.server.errors import RequestFailed, engine_failed, shutting_down, stream_error_body, timeout_error
 from engine.server.logprobs import LogprobFormat

@@ -14,7 +14,8 @@ from dataclasses import dataclass
 from importlib import metadata
 from typing import Any, Callable
 
-from engine.async_engine import AsyncEngine, EngineInfo
+from engine.async_engine import AsyncEngine
+from engine.engine_info import EngineInfo
 from engine.config import EngineSettings, ServerSettings
 from engine.request import LoRARequest
 from engine.server.metrics import EngineMetrics
