@@ -6,14 +6,13 @@ KILN_CONFIG), `KILN_*` environment variables, then keyword arguments / CLI flags
 
 from __future__ import annotations
 
-import difflib
-import json
 import os
 import re
 import tomllib
 from pathlib import Path
 from typing import Any, Literal
 
+from engine.setting_values import DTYPE_ALIASES, did_you_mean, json_value, parse_human_int, word_list
 from pydantic import Field, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, InitSettingsSource, PydanticBaseSettingsSource, SettingsConfigDict
 
@@ -78,11 +77,6 @@ class _ConfigFileSource(InitSettingsSource):
         super().__init__(settings_cls, data)
 
 
-def did_you_mean(word: str, candidates) -> str:
-    close = difflib.get_close_matches(word, list(candidates), n=1, cutoff=0.6)
-    return f" (did you mean {close[0]!r}?)" if close else ""
-
-
 def unknown_env_vars() -> list[str]:
     """Warnings for KILN_* variables that no setting reads (a misspelling is otherwise silent)."""
     known = {"KILN_" + name.upper() for cls in (EngineSettings, ServerSettings) for name in cls.model_fields}
@@ -135,63 +129,40 @@ def _explain(err: dict[str, Any], cls: type[BaseSettings], flags: dict[str, str]
     return f"{name} = {value!r} (from {setting_source(name, flags)}): {msg}{allowed}"
 
 
-def parse_human_int(value: Any) -> Any:
-    """vLLM's size syntax: 32k = 32000, 32K = 32768, 1m = 10**6, 1M = 2**20, 25.6k = 25600."""
-    if not isinstance(value, str):
-        return value
-    text = value.strip().replace("_", "")
-    match = re.fullmatch(r"(\d+(?:\.\d+)?)([kmgKMG]?)", text)
-    if not match:
-        return value  # pydantic reports it
-    number, suffix = match.groups()
-    scale = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "K": 2**10, "M": 2**20, "G": 2**30}[suffix]
-    result = float(number) * scale
-    if result != int(result):
-        raise ValueError(f"{value!r} is not a whole number of tokens")
-    return int(result)
-
-
 # Quantization methods and KV cache dtypes the engine implements (the quantization work extends these).
 SUPPORTED_QUANTIZATION: tuple[str, ...] = ("fp8", "gptq", "awq", "compressed-tensors")  # engine/quant/config.py
 SUPPORTED_KV_CACHE_DTYPES: tuple[str, ...] = ("auto",)
 
-# vLLM's dtype spellings.
-DTYPE_ALIASES = {"half": "float16", "float": "float32", "bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 SPECULATIVE_KEYS = {"method": "speculative_method", "num_speculative_tokens": "num_speculative_tokens",
                     "prompt_lookup_max": "prompt_lookup_max", "prompt_lookup_min": "prompt_lookup_min"}
-
-
-def _json_value(value: Any, name: str) -> Any:
-    if isinstance(value, str):
-        try:
-            return json.loads(value)
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"{name} is not valid JSON: {exc}") from None
-    return value
-
-
-def _word_list(value: Any) -> Any:
-    """A list setting given as one string: JSON list, or comma/space separated words."""
-    if isinstance(value, str):
-        text = value.strip()
-        if text.startswith("["):
-            return json.loads(text)
-        return [x for x in re.split(r"[,\s]+", text) if x]
-    if isinstance(value, list) and len(value) == 1 and isinstance(value[0], str) \
-            and ("," in value[0] or value[0].lstrip().startswith("[")):
-        return _word_list(value[0])
-    return value
 
 
 def export_compile_cache_dir(path: Path) -> tuple[Path, bool]:
     """Point Inductor's cache root (read only from the process environment) at `path`.
 
-    The one place kiln writes the environment. Returns the resolved path and whether it changed.
+    config.py is the one module that reads or writes the process environment. Returns the resolved path and whether it changed.
     """
     resolved = Path(path).expanduser().resolve()
     changed = os.environ.get("TORCHINDUCTOR_CACHE_DIR") != str(resolved)
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(resolved)
     return resolved, changed
+
+
+def child_environment(extra: dict[str, str]) -> dict[str, str]:
+    """This process's environment plus `extra`, for a child process (kiln serve-replicas)."""
+    return {**os.environ, **extra}
+
+
+def export_openmp_spin_default(spin_count: str) -> str:
+    """Unless the environment already sets OMP_WAIT_POLICY or GOMP_SPINCOUNT, let idle OpenMP
+    threads spin `spin_count` rounds, then sleep (libgomp, torch's CPU runtime, reads this once,
+    when torch loads). Returns the wait policy in force, in words."""
+    if "OMP_WAIT_POLICY" not in os.environ:
+        os.environ.setdefault("GOMP_SPINCOUNT", spin_count)
+    policy = os.environ.get("OMP_WAIT_POLICY", "")
+    if not policy and "GOMP_SPINCOUNT" in os.environ:
+        policy = f"spin {os.environ['GOMP_SPINCOUNT']} then sleep"
+    return policy
 
 
 def env_flag(name: str) -> str | None:
@@ -335,7 +306,7 @@ class EngineSettings(_KilnSettings):
     @field_validator("cuda_graph_sizes", "lora_modules", mode="before")
     @classmethod
     def _parse_lists(cls, v: Any) -> Any:
-        return _word_list(v)
+        return word_list(v)
 
     @field_validator("max_model_len", "max_num_batched_tokens", mode="before")
     @classmethod
@@ -373,7 +344,7 @@ class EngineSettings(_KilnSettings):
     @field_validator("speculative_config", mode="before")
     @classmethod
     def _parse_speculative(cls, v: Any) -> Any:
-        return _json_value(v, "speculative_config")
+        return json_value(v, "speculative_config")
 
     @model_validator(mode="before")
     @classmethod
@@ -381,7 +352,7 @@ class EngineSettings(_KilnSettings):
         """vLLM's --speculative-config '{"method": "ngram", ...}' sets kiln's speculative_* settings."""
         if not isinstance(data, dict) or data.get("speculative_config") is None:
             return data
-        config = _json_value(data["speculative_config"], "speculative_config")
+        config = json_value(data["speculative_config"], "speculative_config")
         if not isinstance(config, dict):
             raise ValueError("speculative_config must be a JSON object")
         unknown = sorted(set(config) - set(SPECULATIVE_KEYS))
@@ -499,7 +470,7 @@ class ServerSettings(_KilnSettings):
     @field_validator("served_model_name", "allowed_origins", mode="before")
     @classmethod
     def _parse_lists(cls, v: Any) -> Any:
-        return _word_list(v)
+        return word_list(v)
 
     @model_validator(mode="after")
     def _tls_needs_both(self) -> "ServerSettings":

@@ -33,9 +33,7 @@ from dataclasses import dataclass
 
 logger = logging.getLogger(__name__)
 
-WAIT_POLICY_VAR = "OMP_WAIT_POLICY"
-SPIN_COUNT_VAR = "GOMP_SPINCOUNT"  # libgomp, the OpenMP runtime of torch's Linux CPU builds
-DEFAULT_SPIN_COUNT = "1000"
+DEFAULT_SPIN_COUNT = "1000"  # GOMP_SPINCOUNT: libgomp is the OpenMP runtime of torch's Linux CPU builds
 # From this many cores up, one is left to the engine loop, the server and the tokenizer.
 RESERVE_FROM_CORES = 4
 # Whether the wait policy was in place before the OpenMP runtime loaded (set by prefer_passive_waiting).
@@ -48,13 +46,10 @@ def prefer_short_spin() -> None:
     it at load)."""
     if _WAIT_POLICY_STATE["policy"] is not None:
         return
-    in_time = "torch" not in sys.modules
-    if in_time and WAIT_POLICY_VAR not in os.environ:
-        os.environ.setdefault(SPIN_COUNT_VAR, DEFAULT_SPIN_COUNT)
-    policy = os.environ.get(WAIT_POLICY_VAR, "")
-    if not policy and SPIN_COUNT_VAR in os.environ:
-        policy = f"spin {os.environ[SPIN_COUNT_VAR]} then sleep"
-    _WAIT_POLICY_STATE["policy"] = policy
+    from engine.config import export_openmp_spin_default
+
+    in_time = "torch" not in sys.modules  # (too late otherwise: the runtime has read its settings)
+    _WAIT_POLICY_STATE["policy"] = export_openmp_spin_default(DEFAULT_SPIN_COUNT) if in_time else ""
     _WAIT_POLICY_STATE["in_time"] = in_time
 
 

@@ -12,7 +12,6 @@ import argparse
 import importlib.util
 import json
 import logging
-import os
 import signal
 import subprocess
 import sys
@@ -21,6 +20,8 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from engine.config import child_environment
 
 logger = logging.getLogger("engine.replicas")
 
@@ -117,7 +118,7 @@ class ReplicaSet:
             self.plan.log_dir.mkdir(parents=True, exist_ok=True)
             out = open(self.plan.log_dir / f"{name}.log", "ab")
             self._logs.append(out)
-        env = {**os.environ, **env_extra} if env_extra else None  # None: inherit the launcher's
+        env = child_environment(env_extra) if env_extra else None  # None: inherit the launcher's
         # Own session: the launcher decides the stop order (router first), not the terminal's Ctrl-C.
         return subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT if out else None,
                                 start_new_session=True,
