@@ -271,7 +271,9 @@ class EngineSettings(_KilnSettings):
         None, description="overlap scheduling: the host prepares step N+1 while the device runs step N "
                           "(default: on with a GPU, off on the CPU)")
     # --- vLLM-compatible settings (issue 13) ---
-    tensor_parallel_size: int = Field(1, description="GPUs to shard the model over (kiln uses one: only 1)")
+    tensor_parallel_size: int = Field(
+        1, ge=1, description="ranks to shard the model over, one process each (GPUs with NCCL; CPU processes "
+                             "with gloo)")
     quantization: str | None = Field(
         None, description="fp8: quantise a full-precision checkpoint's linear layers at load (per-channel "
                           "scales); default: the checkpoint's own quantization_config (gptq, awq, compressed-tensors)")
@@ -317,13 +319,6 @@ class EngineSettings(_KilnSettings):
     @classmethod
     def _dtype_aliases(cls, v: Any) -> Any:
         return DTYPE_ALIASES.get(v, v) if isinstance(v, str) else v
-
-    @field_validator("tensor_parallel_size")
-    @classmethod
-    def _one_gpu(cls, v: int) -> int:
-        if v != 1:
-            raise ValueError("kiln runs a model on one GPU: only 1 is supported")
-        return v
 
     @field_validator("quantization")
     @classmethod
@@ -421,6 +416,20 @@ class EngineSettings(_KilnSettings):
     def resolved_async_scheduling(self, device_type: str) -> bool:
         """async_scheduling as set, else on exactly when the device is a GPU."""
         return self.async_scheduling if self.async_scheduling is not None else device_type == "cuda"
+
+    @model_validator(mode="after")
+    def _check_tensor_parallel(self) -> "EngineSettings":
+        """What tensor parallelism does not support yet is refused at start-up, by name."""
+        tp = self.tensor_parallel_size
+        if tp == 1:
+            return self
+        refused = [name for name, on in (("enable_lora", self.enable_lora),
+                                         ("quantization", self.quantization is not None),
+                                         ("cpu_compile_forward", self.cpu_compile_forward)) if on]
+        if refused:
+            raise ValueError(f"tensor_parallel_size={tp}: {', '.join(refused)} is not supported with tensor "
+                             "parallelism yet (use tensor_parallel_size=1)")
+        return self
 
 
 class ServerSettings(_KilnSettings):

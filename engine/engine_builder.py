@@ -40,7 +40,7 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 PARTS = ("settings", "model_dir", "model_config", "device", "dtype", "max_model_len", "tokenizer",
          "eos_token_ids", "generation_defaults", "structured_output", "model", "lora", "backend", "kv_cache", "pool",
          "swap_space", "block_swapper", "scheduler", "sampler", "runner", "compile_seconds",
-         "capture_seconds", "async_scheduling", "cpu_threads")
+         "capture_seconds", "async_scheduling", "cpu_threads", "executor")
 
 
 def resolve_device(name: str) -> torch.device:
@@ -102,7 +102,7 @@ class EngineBuilder:
         self.model_dir = resolve_model_dir(settings)
         self.model_config = cfg = ModelConfig.from_dir(self.model_dir)
         self.device = resolve_device(settings.device)
-        self.cpu_threads = apply_cpu_threads(settings.cpu_threads, settings.cpu_bind)
+        self.cpu_threads = apply_cpu_threads(self._cpu_threads(), settings.cpu_bind)
         self.dtype = resolve_dtype(settings.dtype, self.model_config, self.device)
         self.max_model_len = self._resolve_max_model_len()
         self.async_scheduling = settings.resolved_async_scheduling(self.device.type)
@@ -110,12 +110,18 @@ class EngineBuilder:
         torch.manual_seed(settings.seed)
         if settings.enable_lora and cfg.is_moe:
             raise ValueError("enable_lora: LoRA adapters are not supported for mixture-of-experts models")
+        self.executor = None  # tensor parallelism: the workers (engine/distributed/executor.py)
+        if settings.tensor_parallel_size > 1:
+            from engine.distributed.executor import TensorParallelExecutor
+
+            self.executor = TensorParallelExecutor.start(settings, self.model_dir, self.device, self.dtype,
+                                                         self.max_model_len)
         with _Phase(f"loading weights of {self.model_dir} ({cfg.model_type}, "
                     f"{str(self.dtype).removeprefix('torch.')}) onto {self.device}"):
             self.model = load_model(self.model_dir, cfg, self.dtype, self.device, self.max_model_len,
                                     settings.load_format, settings.seed,
                                     lora=(settings.max_loras, settings.max_lora_rank) if settings.enable_lora
-                                    else None, quantization=settings.quantization)
+                                    else None, quantization=settings.quantization, **self._tp_kwargs())
         self.lora = make_lora_manager(self.model, settings)
         self.backend = get_attention_backend(settings.attention_backend, BackendSpec(
             device=self.device, dtype=self.dtype, head_dim=cfg.head_dim,
@@ -124,9 +130,11 @@ class EngineBuilder:
             prefill_kernel=settings.prefill_kernel,
             windowed_or_capped=any(self.model_config.layer_windows) or self.model_config.attn_softcap > 0))
         self.model.set_backend(self.backend)
+        if self.executor is not None:
+            self.model = self.executor.wrap_model(self.model)
         with _Phase("sizing the KV cache" + (" (profiling a forward)" if self.device.type == "cuda" else "")):
             self.num_blocks = self._num_kv_blocks()
-        self.kv_cache = KVCache(cfg.num_layers, self.num_blocks, settings.block_size, cfg.num_kv_heads,
+        self.kv_cache = KVCache(cfg.num_layers, self.num_blocks, settings.block_size, self._kv_heads(),
                                 cfg.head_dim, self.dtype, self.device)
         self.pool = BlockPool(self.num_blocks, settings.block_size, settings.enable_prefix_caching)
         max_tokens_per_seq = self.pool.num_usable * settings.block_size
@@ -147,8 +155,16 @@ class EngineBuilder:
             reserved_priority=settings.reserved_priority,
         ), self.pool, self._make_swap_space(), self._make_proposer())
         self.sampler = Sampler(self.device, self.eos_token_ids, settings.seed)
-        self.runner = ModelRunner(self.model, self.kv_cache, self.sampler, self.device, settings.block_size,
-                                  settings.max_num_seqs, self._token_budget(), self.max_model_len)
+        runner_cls = ModelRunner
+        if self.executor is not None:
+            from engine.distributed.executor import TensorParallelRunner
+
+            runner_cls = TensorParallelRunner
+            self.executor.send_layout(self.num_blocks, self.swap_space.num_blocks if self.swap_space else 0)
+            self.block_swapper = self.executor.wrap_swapper(self.block_swapper)
+        self.runner = runner_cls(self.model, self.kv_cache, self.sampler, self.device, settings.block_size,
+                                 settings.max_num_seqs, self._token_budget(), self.max_model_len)
+        self.runner.executor = self.executor
         self.compile_seconds, self.capture_seconds = self._compile_and_capture()
         return self
 
@@ -172,6 +188,11 @@ class EngineBuilder:
         CUDA graphs. Off with enforce_eager. Returns (compile seconds, capture seconds)."""
         s = self.settings
         if s.enforce_eager:
+            return 0.0, 0.0
+        if self.executor is not None and self.device.type == "cuda":
+            # Rank 0's compiled forward would have to hold the step broadcast (a graph break).
+            logger.warning("tensor_parallel_size %d: the forward runs eagerly on every rank (no torch.compile, "
+                           "no CUDA graphs across ranks yet)", s.tensor_parallel_size)
             return 0.0, 0.0
         if self.device.type == "cpu":  # what pays on the CPU: engine/cpu_warmup.py
             from engine.cpu_warmup import warm_cpu_decode
@@ -215,7 +236,7 @@ class EngineBuilder:
         if s.preemption_mode == "recompute" or s.swap_space_gb <= 0:
             return None
         cfg = self.model_config
-        per_block = KVCache.bytes_per_block(cfg.num_layers, s.block_size, cfg.num_kv_heads, cfg.head_dim,
+        per_block = KVCache.bytes_per_block(cfg.num_layers, s.block_size, self._kv_heads(), cfg.head_dim,
                                             self.dtype)
         num_cpu = int(s.swap_space_gb * (1 << 30) // per_block)
         if num_cpu < 1:
@@ -230,6 +251,26 @@ class EngineBuilder:
                     num_cpu * per_block / (1 << 30), ", pinned" if self.device.type == "cuda" else "",
                     s.preemption_mode)
         return self.swap_space
+
+    # ---- tensor parallelism ----
+    def _cpu_threads(self) -> int | None:
+        if self.settings.tensor_parallel_size > 1 and self.device.type == "cpu":
+            from engine.distributed.executor import per_rank_cpu_threads
+
+            return per_rank_cpu_threads(self.settings, self.settings.tensor_parallel_size)
+        return self.settings.cpu_threads
+
+    def _tp_kwargs(self) -> dict:
+        tp = self.executor.tp if self.executor is not None else None
+        return {"tp": tp} if tp is not None else {}
+
+    def _kv_heads(self) -> int:
+        """KV heads of this rank's cache (all of them without tensor parallelism)."""
+        if self.executor is None:
+            return self.model_config.num_kv_heads
+        from engine.distributed.worker import kv_heads_of
+
+        return kv_heads_of(self.model_config, self.executor.tp)
 
     # ---- start-up sizing ----
     def _resolve_max_model_len(self) -> int:
@@ -251,7 +292,7 @@ class EngineBuilder:
     def _num_kv_blocks(self) -> int:
         s = self.settings
         cfg = self.model_config
-        per_block = KVCache.bytes_per_block(cfg.num_layers, s.block_size, cfg.num_kv_heads, cfg.head_dim,
+        per_block = KVCache.bytes_per_block(cfg.num_layers, s.block_size, self._kv_heads(), cfg.head_dim,
                                             self.dtype)
         if s.num_gpu_blocks is not None:
             blocks = s.num_gpu_blocks + 1  # plus the null block
@@ -270,7 +311,7 @@ class EngineBuilder:
         torch.cuda.reset_peak_memory_stats()
         n = self._token_budget()
         cfg = self.model_config
-        dummy = KVCache(cfg.num_layers, 2, self.settings.block_size, cfg.num_kv_heads, cfg.head_dim,
+        dummy = KVCache(cfg.num_layers, 2, self.settings.block_size, self._kv_heads(), cfg.head_dim,
                         self.dtype, self.device)
         from engine.attention.base import AttentionMetadata
 
