@@ -16,6 +16,7 @@ from torch import nn
 
 import compiler.ops  # noqa: F401 - registers every kiln:: op (kiln::moe_experts here)
 from engine.attention.base import AttentionBackend, AttentionMetadata
+from engine.distributed.parallel import TensorParallel
 from engine.models.config import ModelConfig, rope_inv_freq
 from engine.models.glm import apply_interleaved_rope, interleaved_rope_tables
 
@@ -207,9 +208,14 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, config: ModelConfig, max_positions: int) -> None:
+    def __init__(self, config: ModelConfig, max_positions: int, tp: TensorParallel | None = None) -> None:
+        """tp: this rank's place in a tensor-parallel group (engine/distributed/parallel.py): the
+        model is then this rank's shard; None (or one rank): the whole model."""
         super().__init__()
         self.config = config
+        self.tp = tp if tp is not None and tp.world_size > 1 else None
+        if self.tp is not None:
+            raise NotImplementedError("tensor_parallel_size > 1: sharded layers are being built")
         # No random init (the weights are loaded): on the meta device it would import Dynamo, seconds of start-up.
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size,
                                          _weight=torch.empty(config.vocab_size, config.hidden_size))

@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from engine.distributed.parallel import TensorParallel
 from engine.models.config import ModelConfig
 from engine.models.glm import hf_weight_name
 from engine.models.llama import LlamaForCausalLM
@@ -102,12 +103,15 @@ def _target(model: LlamaForCausalLM, hf_name: str) -> tuple[str, Index | None] |
 
 def load_model(model_dir: Path, config: ModelConfig, dtype: torch.dtype, device: torch.device,
                max_positions: int, load_format: str = "auto", seed: int = 0,
-               lora: tuple[int, int] | None = None, quantization: str | None = None) -> LlamaForCausalLM:
+               lora: tuple[int, int] | None = None, quantization: str | None = None,
+               tp: TensorParallel | None = None) -> LlamaForCausalLM:
     """lora: (slots, max rank) to make room for LoRA adapters (engine/lora.py), or None.
-    quantization: the `quantization` setting (None: the checkpoint's own quantization_config)."""
+    quantization: the `quantization` setting (None: the checkpoint's own quantization_config).
+    tp: this rank's place in a tensor-parallel group: the model is this rank's shard, and only
+    this rank's slice of each weight is read from the checkpoint."""
     quant = quant_config(config, quantization, load_format)
     with torch.device("meta"):
-        model = LlamaForCausalLM(config, max_positions)
+        model = LlamaForCausalLM(config, max_positions, tp)
         if lora is not None:
             model.enable_lora(*lora)
         if quant is not None and not quant.quantize_at_load:
