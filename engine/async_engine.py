@@ -42,6 +42,10 @@ from engine.request_stream import RequestStream, _push_all
 logger = logging.getLogger(__name__)
 
 
+# After a tensor-parallel worker died, how long the step thread gets to fail on its own.
+WORKER_DEATH_GRACE_S = 2.0
+
+
 class EngineDeadError(RuntimeError):
     """The step loop has stopped (crashed or shut down); no request can be served."""
 
@@ -118,6 +122,11 @@ class AsyncEngine:
         self.crashed = False  # the loop died of an error (not a shutdown)
         self._thread: threading.Thread | None = None
         self.info = EngineInfo.of(engine)
+        # Tensor parallelism: a dead worker rank is fatal (the process should exit; serve() does).
+        self.fatal: str | None = None
+        executor = getattr(engine, "executor", None)
+        if executor is not None:
+            executor.on_death(self._worker_died)
 
     @classmethod
     def from_settings(cls, settings, **kwargs: Any) -> "AsyncEngine":
@@ -139,10 +148,14 @@ class AsyncEngine:
             self._thread.join(timeout)
         if self._output_thread is not None:
             self._output_thread.join(timeout)
+        executor = getattr(self.engine, "executor", None)
+        if executor is not None:
+            executor.shutdown()
 
     @property
     def is_alive(self) -> bool:
-        return self._dead is None and self._thread is not None and self._thread.is_alive() and not self._stop
+        return (self._dead is None and self.fatal is None and self._thread is not None and self._thread.is_alive()
+                and not self._stop)
 
     @property
     def dead_error(self) -> BaseException | None:
@@ -265,6 +278,8 @@ class AsyncEngine:
         engine = self.engine
         try:
             while not self._stop:
+                if self.fatal is not None:
+                    raise EngineDeadError(self.fatal)
                 self._wake.clear()
                 outputs = self._drain_inbox()
                 busy = engine.has_unfinished_requests()
@@ -279,6 +294,22 @@ class AsyncEngine:
             self._die(exc)
             return
         self._die(EngineDeadError("the engine was shut down"), log=False)
+
+    def _worker_died(self, reason: str) -> None:
+        """(watchdog thread) A tensor-parallel worker exited: the step thread fails at its next
+        collective or loop turn; should it be stuck, the engine is declared dead from here."""
+        self.fatal = reason
+        self._wake.set()
+
+        def backstop() -> None:
+            if self._dead is None:
+                logger.error("the step loop did not stop after the worker died: failing its requests")
+                self.crashed = True
+                self._die(EngineDeadError(reason))
+
+        timer = threading.Timer(WORKER_DEATH_GRACE_S, backstop)
+        timer.daemon = True
+        timer.start()
 
     # ---- the output thread ----
     def _run_outputs(self) -> None:

@@ -121,7 +121,7 @@ class EngineBuilder:
             self.model = load_model(self.model_dir, cfg, self.dtype, self.device, self.max_model_len,
                                     settings.load_format, settings.seed,
                                     lora=(settings.max_loras, settings.max_lora_rank) if settings.enable_lora
-                                    else None, quantization=settings.quantization, **self._tp_kwargs())
+                                    else None, quantization=settings.quantization, tp=self._model_tp())
         self.lora = make_lora_manager(self.model, settings)
         self.backend = get_attention_backend(settings.attention_backend, BackendSpec(
             device=self.device, dtype=self.dtype, head_dim=cfg.head_dim,
@@ -260,15 +260,18 @@ class EngineBuilder:
             return per_rank_cpu_threads(self.settings, self.settings.tensor_parallel_size)
         return self.settings.cpu_threads
 
-    def _tp_kwargs(self) -> dict:
-        tp = self.executor.tp if self.executor is not None else None
-        return {"tp": tp} if tp is not None else {}
+    def _model_tp(self):
+        if self.executor is None:
+            return None
+        from engine.distributed.executor import model_tp
+
+        return model_tp(self.executor.tp)
 
     def _kv_heads(self) -> int:
         """KV heads of this rank's cache (all of them without tensor parallelism)."""
         if self.executor is None:
             return self.model_config.num_kv_heads
-        from engine.distributed.worker import kv_heads_of
+        from engine.distributed.executor import kv_heads_of
 
         return kv_heads_of(self.model_config, self.executor.tp)
 

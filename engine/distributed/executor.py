@@ -40,6 +40,7 @@ import torch
 import torch.distributed as dist
 
 from engine.distributed import step_codec as codec
+from engine.distributed.parallel import TensorParallel, init_tensor_parallel, local_heads
 from engine.runner import ModelRunner
 
 logger = logging.getLogger(__name__)
@@ -75,16 +76,25 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def join_group(rank: int, world_size: int, init_method: str, backend: str):
-    """Join the process group; returns this rank's TensorParallel (tensor parallel layers'
-    view of the group), or None while the sharded model is not available."""
+# Stand-in until the sharded model lands (branch tpmodel): every rank loads the whole model.
+SHARDED_MODEL = False
+
+
+def join_group(rank: int, world_size: int, init_method: str, backend: str) -> TensorParallel:
+    """Join the process group (with the collective timeout) as this rank."""
     dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size,
                             timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S))
-    try:
-        from engine.distributed.parallel import TensorParallel
-    except ImportError:  # stand-in: every rank holds the whole model
-        return None
-    return TensorParallel(rank, world_size, dist.group.WORLD)
+    return init_tensor_parallel(rank, world_size, init_method, backend)
+
+
+def model_tp(tp: TensorParallel | None) -> TensorParallel | None:
+    """What the model is sharded over (None: the whole model on every rank)."""
+    return tp if SHARDED_MODEL else None
+
+
+def kv_heads_of(config, tp: TensorParallel | None) -> int:
+    """KV heads of this rank's cache."""
+    return local_heads(config, model_tp(tp))[1]
 
 
 def per_rank_cpu_threads(settings, world_size: int) -> int | None:
@@ -114,7 +124,8 @@ class TensorParallelExecutor:
         self._last_send = time.monotonic()
         self.messages = 0  # sent, for stats
         self.send_seconds = 0.0  # time spent broadcasting step descriptions
-        self._wake = threading.Event()
+        self._wake = threading.Event()  # stops the heartbeat
+        self._died = threading.Event()
         self._watchdog = threading.Thread(target=self._watch, name="kiln-tp-watchdog", daemon=True)
         self._watchdog.start()
         self._heartbeat: threading.Thread | None = None
@@ -179,7 +190,8 @@ class TensorParallelExecutor:
         try:
             dist.broadcast(t, 0)
         except Exception as exc:
-            self._check()  # a dead worker explains the failure better than gloo does
+            self._died.wait(1.0)  # the watchdog names the dead worker better than gloo's error does
+            self._check()
             raise WorkerDiedError(f"tensor parallel: broadcast to the workers failed: {exc}") from exc
 
     def _send(self, header: codec.Header, *payloads: torch.Tensor | None) -> None:
@@ -247,6 +259,7 @@ class TensorParallelExecutor:
         self._dead = (f"tensor-parallel worker rank {rank} (pid {proc.pid}) exited with code {proc.exitcode}"
                       + (f": {detail}" if detail else ""))
         logger.error("%s", self._dead)
+        self._died.set()
         self._wake.set()
         for callback in list(self._callbacks):
             try:

@@ -79,14 +79,14 @@ class Worker:
     def _load(self) -> None:
         from engine.attention import BackendSpec, get_attention_backend
         from engine.models.config import ModelConfig
+        from engine.distributed.executor import model_tp
         from engine.models.loader import load_model
 
         s = self.spec.settings
         self.config = cfg = ModelConfig.from_dir(self.spec.model_dir)
         torch.manual_seed(s.seed)
-        kwargs = {"tp": self.tp} if self.tp is not None else {}
         self.model = load_model(self.spec.model_dir, cfg, self.spec.dtype, self.device, self.spec.max_positions,
-                                s.load_format, s.seed, quantization=s.quantization, **kwargs)
+                                s.load_format, s.seed, quantization=s.quantization, tp=model_tp(self.tp))
         self.backend = get_attention_backend(s.attention_backend, BackendSpec(
             device=self.device, dtype=self.spec.dtype, head_dim=cfg.head_dim, block_size=s.block_size,
             kernel_cache_dir=s.resolved_kernel_cache_dir(), compile=not s.enforce_eager,
@@ -99,6 +99,8 @@ class Worker:
             KERNELS.configure(s.resolved_compile_cache_dir())
 
     def kv_heads(self) -> int:
+        from engine.distributed.executor import kv_heads_of
+
         return kv_heads_of(self.config, self.tp)
 
     def _allocate(self, num_blocks: int, num_cpu_blocks: int) -> None:
@@ -167,11 +169,3 @@ class Worker:
         kv = self.kv_cache if self.kv_cache is not None else self._profile_cache()
         self.model(input_ids, positions, kv, *step)
 
-
-def kv_heads_of(config, tp) -> int:
-    """KV heads this rank holds (all of them without a sharded model)."""
-    if tp is None:
-        return config.num_kv_heads
-    from engine.distributed.parallel import local_heads
-
-    return local_heads(config, tp)[1]

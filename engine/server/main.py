@@ -4,15 +4,19 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import signal
 import socket
 import sys
+import threading
 
 from engine.config import EngineSettings, ServerSettings
 from engine.server.app import ServerState, build_app, create_state
 from engine.server.http_options import add_http_middleware, uvicorn_options
 
 logger = logging.getLogger("engine.server")
+
+FATAL_EXIT_S = 6.0  # after a fatal engine error, the process exits by then at the latest
 
 __all__ = ["serve", "create_app", "build_app", "create_state", "ServerState"]
 
@@ -59,6 +63,21 @@ def _url(host: str, port: int, scheme: str = "http") -> str:
     return f"{scheme}://[{host}]:{port}" if ":" in host else f"{scheme}://{host}:{port}"
 
 
+def _exit_on_fatal(server, reason: str) -> None:
+    """The engine cannot run another step (a tensor-parallel worker died): shut down, and exit
+    non-zero within FATAL_EXIT_S even if a collective hangs."""
+    logger.error("shutting down: %s", reason)
+    server.should_exit = True
+
+    def hard_exit() -> None:
+        print(f"kiln: error: {reason}; exiting", file=sys.stderr, flush=True)
+        os._exit(1)
+
+    timer = threading.Timer(FATAL_EXIT_S, hard_exit)
+    timer.daemon = True
+    timer.start()
+
+
 def serve(engine_settings: EngineSettings, server_settings: ServerSettings) -> int:
     import uvicorn
 
@@ -94,6 +113,10 @@ def serve(engine_settings: EngineSettings, server_settings: ServerSettings) -> i
         if server.started:
             base = _url(server_settings.host, port, "https" if server_settings.ssl_keyfile else "http")
             print(f"kiln: serving {state.model_name!r} at {base}/v1 (health: {base}/health)", flush=True)
+        while not task.done() and state.engine.fatal is None:
+            await asyncio.wait([task], timeout=0.1)
+        if state.engine.fatal is not None:
+            _exit_on_fatal(server, state.engine.fatal)
         await task
 
     # uvicorn re-raises the signal that stopped it once it has shut down gracefully; with this
@@ -106,4 +129,10 @@ def serve(engine_settings: EngineSettings, server_settings: ServerSettings) -> i
     finally:
         signal.signal(signal.SIGTERM, previous)
         sock.close()
+    if state.engine.fatal is not None:
+        # The engine's process group is broken: skip the interpreter's teardown (it can wait on it).
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)
     return 1 if state.engine.crashed else 0
