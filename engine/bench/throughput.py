@@ -94,6 +94,10 @@ def main(argv: list[str]) -> int:
         from engine.tiny_model import default_model_dir
 
         settings = settings.model_copy(update={"model": str(default_model_dir(settings.cache_dir))})
+    if settings.tensor_parallel_size > 1:  # TP 1 against TP N in one run
+        from engine.bench.tensor_parallel import main_tp
+
+        return main_tp(args, settings, workload, _length_range, run_kiln)
     from engine.llm import LLM
 
     llm = LLM(**settings.model_dump(exclude_unset=True) | {"model": settings.model})

@@ -25,6 +25,7 @@ connection closes, and every collective has the process group's timeout as a bac
 from __future__ import annotations
 
 import atexit
+import collections
 import logging
 import multiprocessing
 import multiprocessing.connection
@@ -122,7 +123,7 @@ class TensorParallelExecutor:
         self._closing = False
         self._callbacks: list[Callable[[str], None]] = []
         self._last_send = time.monotonic()
-        self.messages = 0  # sent, for stats
+        self.sent: collections.Counter[int] = collections.Counter()  # messages sent per op code (stats)
         self.send_seconds = 0.0  # time spent broadcasting step descriptions
         self._wake = threading.Event()  # stops the heartbeat
         self._died = threading.Event()
@@ -202,7 +203,7 @@ class TensorParallelExecutor:
             if p is not None:
                 self._broadcast(p)
         self.send_seconds += time.perf_counter() - t0
-        self.messages += 1
+        self.sent[header.values[0]] += 1
         self._last_send = time.monotonic()
 
     def _type_id(self, cls: type) -> int:
