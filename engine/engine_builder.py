@@ -98,6 +98,14 @@ class EngineBuilder:
         self.settings = settings
 
     def build(self) -> "EngineBuilder":
+        try:
+            return self._build()
+        except BaseException:
+            if getattr(self, "executor", None) is not None:  # no worker outlives a failed start
+                self.executor.shutdown()
+            raise
+
+    def _build(self) -> "EngineBuilder":
         settings = self.settings
         self.model_dir = resolve_model_dir(settings)
         self.model_config = cfg = ModelConfig.from_dir(self.model_dir)

@@ -63,19 +63,40 @@ def _engine(model: Path, tp: int, **extra):
     return LLMEngine(EngineSettings(**settings))
 
 
-@pytest.fixture(scope="module", params=TP_ARCHS)
-def tp_engine(request, tiny_models):
-    """(architecture, a TP=2 engine) shared by the tests of one architecture; shut down after."""
-    engine = _engine(tiny_models[request.param], 2, preemption_mode="swap", swap_space_gb=0.01)
-    yield request.param, engine
-    engine.executor.shutdown()
-    assert not any(p.is_alive() for p in engine.executor.procs)
+class _OneEngine:
+    """One TP engine at a time (a process holds one torch.distributed group): a test asking for
+    another configuration shuts the current one down first."""
+
+    def __init__(self) -> None:
+        self.key = None
+        self.engine = None
+
+    def get(self, key, build):
+        if key != self.key:
+            self.close()
+            self.engine, self.key = build(), key
+        return self.engine
+
+    def close(self) -> None:
+        if self.engine is not None:
+            executor = self.engine.executor
+            executor.shutdown()
+            assert not any(p.is_alive() for p in executor.procs), "a worker outlived shutdown"
+            self.engine = self.key = None
 
 
-@pytest.mark.parametrize("mode", ["swap", "recompute"])
-def test_tp2_equals_tp1(tp_engine, tiny_models, mode):
+@pytest.fixture(scope="module")
+def tp_engines():
+    pool = _OneEngine()
+    yield pool
+    pool.close()
+
+
+@pytest.mark.parametrize("arch,mode", [(a, m) for a in TP_ARCHS for m in ("swap", "recompute")])
+def test_tp2_equals_tp1(tp_engines, tiny_models, arch, mode):
     """Greedy, n=2 seeded and top-p seeded requests; preemption by `mode` happens in both runs."""
-    arch, engine = tp_engine
+    engine = tp_engines.get(arch, lambda: _engine(tiny_models[arch], 2, preemption_mode="swap",
+                                                  swap_space_gb=0.01))
     reference = _engine(tiny_models[arch], 1, preemption_mode=mode, swap_space_gb=0.01)
     expected = _run(reference)
     assert reference.scheduler.preemptions_by_mode[mode] > 0
@@ -83,6 +104,78 @@ def test_tp2_equals_tp1(tp_engine, tiny_models, mode):
     before = engine.scheduler.preemptions_by_mode[mode]
     assert _run(engine) == expected
     assert engine.scheduler.preemptions_by_mode[mode] > before
+
+
+def test_tp2_spec_decode_structured_output_and_heartbeat(tp_engines, tiny_llama, monkeypatch):
+    """Speculative decoding (ngram drafts verified in one forward) and a JSON-schema constrained
+    request give TP 1's tokens; an idle engine keeps its workers with heartbeats and still runs."""
+    from engine.distributed import executor as executor_module
+    from engine.distributed import step_codec as codec
+    from engine.request import StructuredOutputsParams
+
+    monkeypatch.setattr(executor_module, "HEARTBEAT_S", 0.3)
+    spec = dict(speculative_method="ngram", num_speculative_tokens=3, prompt_lookup_min=1, max_num_batched_tokens=64)
+    engine = tp_engines.get("spec", lambda: _engine(tiny_llama, 2, **spec))
+    reference = _engine(tiny_llama, 1, **spec)
+    repetitive = [30, 31, 32, 33, 34] * 6
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    reqs = [(repetitive, SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)),
+            ("Numbers: 0 1 2", SamplingParams(temperature=0.0, max_tokens=24,
+                                              structured_outputs=StructuredOutputsParams(json=schema)))]
+
+    def run(e):
+        for i, (prompt, params) in enumerate(reqs):
+            e.add_request(prompt, params, request_id=f"s{i}")
+        done = run_checked(e)
+        assert_engine_clean(e)
+        return {rid: list(out.outputs[0].token_ids) for rid, out in done.items()}
+
+    expected = run(reference)
+    assert run(engine) == expected
+    beats = engine.executor.sent[codec.OP_NOOP]
+    time.sleep(1.5)
+    assert engine.executor.sent[codec.OP_NOOP] > beats  # idle: heartbeats went out, answered by nobody
+    assert run(engine) == expected
+
+
+def test_worker_exits_when_rank0_dies(tiny_llama, tmp_path):
+    """Rank 0 SIGKILLed (no chance to send the exit message): its worker exits on its own."""
+    import psutil
+
+    script = tmp_path / "rank0.py"
+    script.write_text(
+        "import sys, time\n"
+        "from engine.llm import LLM\n"
+        "if __name__ == '__main__':\n"
+        f"    llm = LLM({str(tiny_llama)!r}, device='cpu', enforce_eager=True, tensor_parallel_size=2,\n"
+        "              max_model_len=128, num_gpu_blocks=32)\n"
+        "    print(llm.engine.executor.procs[0].pid, flush=True)\n"
+        "    time.sleep(600)\n")
+    proc = subprocess.Popen([sys.executable, str(script)], cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.DEVNULL, text=True,
+                            env={**os.environ, "PYTHONPATH": str(ROOT)})
+    try:
+        worker = psutil.Process(int(proc.stdout.readline()))
+        proc.kill()
+        proc.wait(10)
+        worker.wait(10)  # raises psutil.TimeoutExpired if it lingers
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+def test_tensor_parallel_settings():
+    """Accepted from 1 up; the combinations not built yet are refused at start-up by name."""
+    from pydantic import ValidationError
+
+    from engine.config import EngineSettings
+
+    assert EngineSettings(tensor_parallel_size=2).tensor_parallel_size == 2
+    with pytest.raises(ValidationError, match="tensor_parallel_size"):
+        EngineSettings(tensor_parallel_size=0)
+    for name, value in (("enable_lora", True), ("quantization", "fp8"), ("cpu_compile_forward", True)):
+        with pytest.raises(ValidationError, match=f"tensor_parallel_size=2: {name} is not supported"):
+            EngineSettings(tensor_parallel_size=2, **{name: value})
 
 
 def test_killed_worker_ends_the_server(tiny_llama, tmp_path):

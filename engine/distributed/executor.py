@@ -138,6 +138,9 @@ class TensorParallelExecutor:
               max_positions: int) -> "TensorParallelExecutor":
         world = settings.tensor_parallel_size
         backend = "nccl" if device.type == "cuda" else "gloo"
+        if dist.is_initialized():
+            raise RuntimeError("tensor_parallel_size: this process already runs a tensor-parallel engine (or "
+                               "another torch.distributed group); one per process")
         if device.type == "cuda":
             visible = torch.cuda.device_count()
             if visible < world:
