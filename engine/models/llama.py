@@ -16,7 +16,8 @@ from torch import nn
 
 import compiler.ops  # noqa: F401 - registers every kiln:: op (kiln::moe_experts here)
 from engine.attention.base import AttentionBackend, AttentionMetadata
-from engine.distributed.parallel import TensorParallel
+from engine.distributed.layers import ParallelLMHead, RowParallelLinear, VocabParallelEmbedding, parallel_logits
+from engine.distributed.parallel import TensorParallel, all_reduce, check_shardable, local_heads, padded_vocab
 from engine.models.config import ModelConfig, rope_inv_freq
 from engine.models.glm import apply_interleaved_rope, interleaved_rope_tables
 
@@ -100,14 +101,22 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + rotated * sin
 
 
+def _row_parallel(in_features: int, out_features: int, bias: bool, tp: TensorParallel | None,
+                  reduce: bool = True) -> nn.Module:
+    """o_proj / down_proj: kiln's Linear, or this rank's columns of it (all-reduced) under tp."""
+    if tp is None:
+        return Linear(in_features, out_features, bias)
+    return RowParallelLinear(in_features, out_features, bias, tp, reduce)
+
+
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig, layer_index: int) -> None:
+    def __init__(self, config: ModelConfig, layer_index: int, tp: TensorParallel | None = None) -> None:
         super().__init__()
         self.layer_index = layer_index  # which layer of the whole KV cache this attention owns
         self.sliding_window = config.layer_windows[layer_index] if config.layer_windows else 0
         self.softcap = config.attn_softcap
-        self.num_heads = config.num_heads
-        self.num_kv_heads = config.num_kv_heads
+        # Under tp: this rank's query heads and the KV heads they read (column-parallel q/k/v).
+        self.num_heads, self.num_kv_heads = local_heads(config, tp)
         self.head_dim = config.head_dim
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
@@ -115,7 +124,7 @@ class Attention(nn.Module):
         self.rope = apply_interleaved_rope if config.rope_interleaved else apply_rope
         self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size, config.qkv_bias,
                                parts=(self.q_size, self.kv_size, self.kv_size))
-        self.o_proj = Linear(self.q_size, config.hidden_size, config.o_bias)
+        self.o_proj = _row_parallel(self.q_size, config.hidden_size, config.o_bias, tp)
         offset = config.norm_weight_offset  # (Gemma 3's q/k norms scale by 1 + weight too)
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, offset) if config.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, offset) if config.qk_norm else None
@@ -139,12 +148,15 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, config: ModelConfig, intermediate_size: int | None = None) -> None:
+    def __init__(self, config: ModelConfig, intermediate_size: int | None = None, tp: TensorParallel | None = None,
+                 reduce: bool = True) -> None:
+        """tp: this rank's gate/up rows and down columns; reduce=False leaves down's partial sum."""
         super().__init__()
-        self.intermediate = intermediate_size or config.intermediate_size
+        world = 1 if tp is None else tp.world_size
+        self.intermediate = (intermediate_size or config.intermediate_size) // world
         self.gate_up_proj = Linear(config.hidden_size, 2 * self.intermediate, config.mlp_bias,
                                    parts=(self.intermediate, self.intermediate))
-        self.down_proj = Linear(self.intermediate, config.hidden_size, config.mlp_bias)
+        self.down_proj = _row_parallel(self.intermediate, config.hidden_size, config.mlp_bias, tp, reduce)
         self.tanh_gelu = config.hidden_act == "gelu_pytorch_tanh"
 
     def forward(self, x: torch.Tensor, lora: torch.Tensor | None = None) -> torch.Tensor:
@@ -156,11 +168,14 @@ class MLP(nn.Module):
 class SparseMoE(nn.Module):
     """Router + top-k routed experts (kiln::moe_experts, compiler/moe.py), plus Qwen2-MoE's
     sigmoid-gated shared expert. Expert weights are stacked: w13 [E, 2I, H] (gate rows, then
-    up rows), w2 [E, H, I]."""
+    up rows), w2 [E, H, I]. Under tp every expert (and the shared one) holds this rank's I/tp
+    gate/up rows and down columns, the router is whole, and one all-reduce sums the block."""
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, tp: TensorParallel | None = None) -> None:
         super().__init__()
-        e, h, i = config.num_experts, config.hidden_size, config.moe_intermediate_size
+        self.tp = tp
+        world = 1 if tp is None else tp.world_size
+        e, h, i = config.num_experts, config.hidden_size, config.moe_intermediate_size // world
         self.top_k = config.num_experts_per_tok
         self.renormalize = config.norm_topk_prob
         self.activation = config.hidden_act
@@ -168,7 +183,7 @@ class SparseMoE(nn.Module):
         self.w13 = nn.Parameter(torch.empty(e, 2 * i, h))
         self.w2 = nn.Parameter(torch.empty(e, h, i))
         shared = config.shared_expert_intermediate_size
-        self.shared_expert = MLP(config, shared) if shared else None
+        self.shared_expert = MLP(config, shared, tp, reduce=False) if shared else None
         self.shared_expert_gate = nn.Linear(h, 1, bias=False) if shared else None
 
     def forward(self, x: torch.Tensor, lora: torch.Tensor | None = None) -> torch.Tensor:
@@ -179,16 +194,16 @@ class SparseMoE(nn.Module):
         out = torch.ops.kiln.moe_experts(x, weights, ids, self.w13, self.w2, self.activation)
         if self.shared_expert is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
-        return out
+        return out if self.tp is None else all_reduce(out, self.tp)
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, layer_index: int) -> None:
+    def __init__(self, config: ModelConfig, layer_index: int, tp: TensorParallel | None = None) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.norm_weight_offset)
-        self.self_attn = Attention(config, layer_index)
+        self.self_attn = Attention(config, layer_index, tp)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.norm_weight_offset)
-        self.mlp = SparseMoE(config) if layer_index in config.sparse_layers else MLP(config)
+        self.mlp = SparseMoE(config, tp) if layer_index in config.sparse_layers else MLP(config, tp=tp)
         # Gemma 2: post_attention_layernorm normalises the attention output; the MLP has a norm on
         # each side. Otherwise post_attention_layernorm is the norm before the MLP.
         self.sandwich = config.sandwich_norms
@@ -213,13 +228,13 @@ class LlamaForCausalLM(nn.Module):
         model is then this rank's shard; None (or one rank): the whole model."""
         super().__init__()
         self.config = config
-        self.tp = tp if tp is not None and tp.world_size > 1 else None
-        if self.tp is not None:
-            raise NotImplementedError("tensor_parallel_size > 1: sharded layers are being built")
+        tp = self.tp = tp if tp is not None and tp.world_size > 1 else None
+        check_shardable(config, tp)
         # No random init (the weights are loaded): on the meta device it would import Dynamo, seconds of start-up.
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size,
-                                         _weight=torch.empty(config.vocab_size, config.hidden_size))
-        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
+                                         _weight=torch.empty(config.vocab_size, config.hidden_size)) \
+            if tp is None else VocabParallelEmbedding(padded_vocab(config, tp), config.hidden_size, tp)
+        self.layers = nn.ModuleList(DecoderLayer(config, i, tp) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.norm_weight_offset)
         self.rotary = RotaryEmbedding(config, max_positions)
         # Gemma 3: windowed layers rotate with their own base (and no scaling).
@@ -227,7 +242,8 @@ class LlamaForCausalLM(nn.Module):
             dataclasses.replace(config, rope_theta=config.local_rope_theta, rope_scaling=None), max_positions)
         # (a bare model has no head: compute_logits then reads the embeddings, only ever for warm-ups)
         self.lm_head = None if config.tie_word_embeddings or not config.generates else nn.Linear(
-            config.hidden_size, config.vocab_size, bias=False)
+            config.hidden_size, config.vocab_size, bias=False) if tp is None else ParallelLMHead(
+            padded_vocab(config, tp), config.hidden_size, tp)
         self.backend: AttentionBackend | None = None
         self.lora_slots = 0  # adapters one batch can mix (engine/lora.py); 0: LoRA off
 
@@ -238,6 +254,8 @@ class LlamaForCausalLM(nn.Module):
         """Give every attention and dense-MLP projection room for num_slots adapters of rank <= max_rank."""
         if self.config.is_moe:
             raise ValueError("LoRA adapters are not supported for mixture-of-experts models")
+        if self.tp is not None:
+            raise ValueError("enable_lora: LoRA adapters are not supported with tensor_parallel_size > 1 yet")
         self.lora_slots = num_slots
         for module in self.modules():
             if isinstance(module, Linear):
@@ -262,6 +280,9 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        logits = F.linear(hidden, weight).float()
+        if self.tp is not None:  # this rank's vocabulary rows, gathered: the full logits on every rank
+            logits = parallel_logits(hidden, weight, self.config.vocab_size, self.tp).float()
+        else:
+            logits = F.linear(hidden, weight).float()
         cap = self.config.final_softcap
         return cap * torch.tanh(logits / cap) if cap else logits

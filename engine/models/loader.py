@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from engine.distributed.parallel import TensorParallel
+from engine.distributed.parallel import TensorParallel, first_kv_head, local_heads, padded_vocab
 from engine.models.config import ModelConfig
 from engine.models.glm import hf_weight_name
 from engine.models.llama import LlamaForCausalLM
@@ -53,9 +53,9 @@ def safetensors_files(model_dir: Path) -> list[Path]:
 
 
 def _fused_slices(model: LlamaForCausalLM, kiln_name: str) -> list[slice]:
-    cfg = model.config
-    if kiln_name.endswith("qkv_proj"):
-        q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    if kiln_name.endswith("qkv_proj"):  # (this rank's heads under tp)
+        attn = model.get_submodule(kiln_name.rsplit(".", 1)[0])
+        q, kv = attn.q_size, attn.kv_size
         return [slice(0, q), slice(q, q + kv), slice(q + kv, q + 2 * kv)]
     f = model.get_submodule(kiln_name).out_features // 2  # gate rows, then up rows
     return [slice(0, f), slice(f, 2 * f)]
@@ -85,7 +85,7 @@ def _target(model: LlamaForCausalLM, hf_name: str) -> tuple[str, Index | None] |
         e, (stacked, half) = int(expert.group(1)), _EXPERT_PART[expert.group(2)]
         if half is None:
             return f"layers.{layer}.mlp.{stacked}", (e,)
-        rows = model.config.moe_intermediate_size
+        rows = model.get_submodule(f"layers.{layer}.mlp").w13.shape[1] // 2  # (this rank's rows under tp)
         return f"layers.{layer}.mlp.{stacked}", (e, slice(half * rows, (half + 1) * rows))
     if rest in _STACKED:
         return f"layers.{layer}.{_STACKED[rest]}", None
@@ -101,6 +101,76 @@ def _target(model: LlamaForCausalLM, hf_name: str) -> tuple[str, Index | None] |
     return f"layers.{layer}.{rest}", None
 
 
+# What a rank reads of a checkpoint tensor under tp: the pieces (index tuples into the tensor),
+# concatenated along `dim`, and the tensor's full extent along that dimension (checked).
+Source = tuple[list[Index], int, int]
+_VOCAB = ("embed_tokens.weight", "lm_head.weight")
+
+
+def _shift(s: slice, by: int) -> slice:
+    return slice(s.start + by, s.stop + by)
+
+
+def _source(model: LlamaForCausalLM, name: str, index: Index | None) -> Source | None:
+    """The part of the checkpoint tensor for kiln parameter `name` (filling `index` of it, as
+    `_target` says) that this rank reads; None: all of it (no tp, or a replicated weight).
+    With index None the tensor has the whole parameter's layout: fused q/k/v or gate/up (GLM),
+    stacked experts, or the unsharded model's parameter itself (dummy weights)."""
+    tp, cfg = model.tp, model.config
+    if tp is None:
+        return None
+    rank, world = tp.rank, tp.world_size
+    module, _, kind = name.rpartition(".")
+    if name in _VOCAB:
+        rows = padded_vocab(cfg, tp)
+        start = min(rank * rows, cfg.vocab_size)
+        return [(slice(start, min(start + rows, cfg.vocab_size)),)], 0, cfg.vocab_size
+    if module.endswith("qkv_proj"):
+        heads, kv_heads = local_heads(cfg, tp)
+        d = cfg.head_dim
+        q = slice(rank * heads * d, (rank + 1) * heads * d)
+        kv = slice(first_kv_head(cfg, tp) * d, (first_kv_head(cfg, tp) + kv_heads) * d)
+        q_all, kv_all = cfg.num_heads * d, cfg.num_kv_heads * d
+        if index is None:
+            return [(q,), (_shift(kv, q_all),), (_shift(kv, q_all + kv_all),)], 0, q_all + 2 * kv_all
+        part = _fused_slices(model, module).index(index[0])
+        return [(q if part == 0 else kv,)], 0, q_all if part == 0 else kv_all
+    if module.endswith("gate_up_proj"):
+        width = model.get_submodule(module).out_features // 2
+        mine = slice(rank * width, (rank + 1) * width)
+        if index is None:
+            return [(mine,), (_shift(mine, width * world),)], 0, 2 * width * world
+        return [(mine,)], 0, width * world
+    if module.endswith(("o_proj", "down_proj")) and kind == "weight":
+        width = model.get_submodule(module).in_features
+        return [(slice(None), slice(rank * width, (rank + 1) * width))], 1, width * world
+    if name.endswith("mlp.w13"):
+        width = model.get_parameter(name).shape[1] // 2
+        mine = slice(rank * width, (rank + 1) * width)
+        if index is None:  # [E, 2I, H]
+            return [(slice(None), mine), (slice(None), _shift(mine, width * world))], 1, 2 * width * world
+        return [(mine,)], 0, width * world  # one expert's gate or up [I, H]
+    if name.endswith("mlp.w2"):
+        width = model.get_parameter(name).shape[2]
+        mine = slice(rank * width, (rank + 1) * width)
+        if index is None:  # [E, H, I]
+            return [(slice(None), slice(None), mine)], 2, width * world
+        return [(slice(None), mine)], 1, width * world  # one expert's down [H, I]
+    return None
+
+
+def _read(hf_name: str, shape: tuple[int, ...], read, source: Source | None) -> torch.Tensor:
+    """A checkpoint tensor of `shape`, or this rank's pieces of it: read(index) reads part of it
+    (a safetensors slice: only those bytes; index () is the whole tensor)."""
+    if source is None:
+        return read((slice(None),))
+    pieces, dim, extent = source
+    if len(shape) <= dim or shape[dim] != extent:
+        raise ValueError(f"model: {hf_name} has shape {tuple(shape)}, expected {extent} along dimension {dim}")
+    parts = [read(piece) for piece in pieces]
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=dim)
+
+
 def load_model(model_dir: Path, config: ModelConfig, dtype: torch.dtype, device: torch.device,
                max_positions: int, load_format: str = "auto", seed: int = 0,
                lora: tuple[int, int] | None = None, quantization: str | None = None,
@@ -110,6 +180,12 @@ def load_model(model_dir: Path, config: ModelConfig, dtype: torch.dtype, device:
     tp: this rank's place in a tensor-parallel group: the model is this rank's shard, and only
     this rank's slice of each weight is read from the checkpoint."""
     quant = quant_config(config, quantization, load_format)
+    if tp is not None and tp.world_size > 1:
+        if quant is not None:
+            raise ValueError(f"quantization: quantised models ({quant.name}) are not supported with "
+                             f"tensor_parallel_size > 1 yet")
+        if lora is not None:
+            raise ValueError("enable_lora: LoRA adapters are not supported with tensor_parallel_size > 1 yet")
     with torch.device("meta"):
         model = LlamaForCausalLM(config, max_positions, tp)
         if lora is not None:
@@ -126,7 +202,7 @@ def load_model(model_dir: Path, config: ModelConfig, dtype: torch.dtype, device:
             rotary.cos_sin = rotary.cos_sin.float()
             rotary.fill()
     if load_format == "dummy":
-        _init_dummy(model, seed)
+        _init_dummy(model, seed, max_positions)
         quant_loading.init_dummy(model, seed)
     elif gguf_file.is_gguf(model_dir):
         _load_gguf(model, model_dir)
@@ -155,15 +231,26 @@ def quant_config(config: ModelConfig, setting: str | None, load_format: str = "a
     return forced(setting, dummy=load_format == "dummy")
 
 
-def _init_dummy(model: LlamaForCausalLM, seed: int) -> None:
+def _init_dummy(model: LlamaForCausalLM, seed: int, max_positions: int) -> None:
+    """Random weights. A tp shard draws each whole weight, as the unsharded model does, and keeps
+    its slice: every rank's shard is then a slice of the same model (tp=2 equals tp=1)."""
     gen = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
+    if model.tp is not None:
+        with torch.device("meta"):
+            whole = dict(LlamaForCausalLM(model.config, max_positions).named_parameters())
     for name, param in model.named_parameters():
         if name.endswith("norm.weight"):  # unit scale: weight 1, or 0 where the norm adds an offset (Gemma)
             param.data.fill_(1.0 - model.config.norm_weight_offset)
         elif name.endswith("bias"):
             param.data.zero_()
-        else:
+        elif model.tp is None:
             param.data.normal_(0.0, 0.02, generator=gen)
+        else:
+            full = torch.empty(whole[name].shape, dtype=param.dtype, device=param.device).normal_(
+                0.0, 0.02, generator=gen)
+            part = _read(name, full.shape, full.__getitem__, _source(model, name, None))
+            param.data.zero_()  # (vocabulary padding rows)
+            param.data[:part.shape[0]].copy_(part)
 
 
 def load_tokenizer(path: str | Path):
@@ -183,7 +270,9 @@ class _Filler:
         self.params = dict(model.named_parameters())
         self.seen: dict[str, int] = {}
 
-    def put(self, hf_name: str, tensor: torch.Tensor) -> None:
+    def put(self, hf_name: str, tensor: torch.Tensor | None = None, reader=None) -> None:
+        """The whole checkpoint tensor, or a reader of it (a safetensors slice: under tp only
+        this rank's part is read)."""
         target = _target(self.model, hf_name)
         if target is None:
             return
@@ -192,6 +281,14 @@ class _Filler:
             raise ValueError(f"model: checkpoint tensor {hf_name} has no place in the model ({name})")
         param = self.params[name]
         dest = param.data if index is None else param.data[index]
+        if self.model.tp is not None:
+            shape = tuple(tensor.shape) if reader is None else tuple(reader.get_shape())
+            tensor = _read(hf_name, shape, tensor.__getitem__ if reader is None else reader.__getitem__,
+                           _source(self.model, name, index))
+            if name in _VOCAB and tensor.shape[0] < dest.shape[0]:  # the last rank's padding rows
+                dest[tensor.shape[0]:].zero_()
+                self.seen[name] = self.seen.get(name, 0) + dest[tensor.shape[0]:].numel()
+                dest = dest[:tensor.shape[0]]
         if tuple(dest.shape) != tuple(tensor.shape):
             raise ValueError(f"model: {hf_name} has shape {tuple(tensor.shape)}, "
                              f"expected {tuple(dest.shape)}")
@@ -220,7 +317,10 @@ def _load_safetensors(model: LlamaForCausalLM, model_dir: Path, quant: QuantConf
         with safe_open(str(file), framework="pt") as f:
             for hf_name in f.keys():
                 if hf_name not in consumed and _target(model, hf_name) is not None:
-                    filler.put(hf_name, f.get_tensor(hf_name))
+                    if model.tp is None:
+                        filler.put(hf_name, f.get_tensor(hf_name))
+                    else:
+                        filler.put(hf_name, reader=f.get_slice(hf_name))
     filler.check_complete(model_dir)
 
 
