@@ -269,11 +269,7 @@ class EngineBuilder:
         return self.settings.cpu_threads
 
     def _model_tp(self):
-        if self.executor is None:
-            return None
-        from engine.distributed.executor import model_tp
-
-        return model_tp(self.executor.tp)
+        return self.executor.tp if self.executor is not None else None
 
     def _kv_heads(self) -> int:
         """KV heads of this rank's cache (all of them without tensor parallelism)."""

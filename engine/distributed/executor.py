@@ -77,10 +77,6 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-# Stand-in until the sharded model lands (branch tpmodel): every rank loads the whole model.
-SHARDED_MODEL = False
-
-
 def join_group(rank: int, world_size: int, init_method: str, backend: str) -> TensorParallel:
     """Join the process group (with the collective timeout) as this rank."""
     dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size,
@@ -88,14 +84,9 @@ def join_group(rank: int, world_size: int, init_method: str, backend: str) -> Te
     return init_tensor_parallel(rank, world_size, init_method, backend)
 
 
-def model_tp(tp: TensorParallel | None) -> TensorParallel | None:
-    """What the model is sharded over (None: the whole model on every rank)."""
-    return tp if SHARDED_MODEL else None
-
-
 def kv_heads_of(config, tp: TensorParallel | None) -> int:
     """KV heads of this rank's cache."""
-    return local_heads(config, model_tp(tp))[1]
+    return local_heads(config, tp)[1]
 
 
 def per_rank_cpu_threads(settings, world_size: int) -> int | None:

@@ -79,14 +79,13 @@ class Worker:
     def _load(self) -> None:
         from engine.attention import BackendSpec, get_attention_backend
         from engine.models.config import ModelConfig
-        from engine.distributed.executor import model_tp
         from engine.models.loader import load_model
 
         s = self.spec.settings
         self.config = cfg = ModelConfig.from_dir(self.spec.model_dir)
         torch.manual_seed(s.seed)
         self.model = load_model(self.spec.model_dir, cfg, self.spec.dtype, self.device, self.spec.max_positions,
-                                s.load_format, s.seed, quantization=s.quantization, tp=model_tp(self.tp))
+                                s.load_format, s.seed, quantization=s.quantization, tp=self.tp)
         self.backend = get_attention_backend(s.attention_backend, BackendSpec(
             device=self.device, dtype=self.spec.dtype, head_dim=cfg.head_dim, block_size=s.block_size,
             kernel_cache_dir=s.resolved_kernel_cache_dir(), compile=not s.enforce_eager,
