@@ -109,6 +109,7 @@ class TensorParallelExecutor:
         self._error_pipes = error_pipes
         self.world_size = len(procs) + 1
         self.lock = threading.Lock()
+        self._message = torch.zeros(codec.MESSAGE_BYTES, dtype=torch.uint8, device=device)  # under the lock
         self._types: dict[type, int] = {}
         self._dead: str | None = None
         self._closing = False
@@ -192,12 +193,12 @@ class TensorParallelExecutor:
     def _send(self, header: codec.Header, *payloads: torch.Tensor | None) -> None:
         self._check()
         t0 = time.perf_counter()
-        self._broadcast(header.tensor(self.device))
-        for p in payloads:
-            if p is not None:
-                self._broadcast(p)
+        extra = codec.pack_message(header, payloads, self._message)
+        self._broadcast(self._message)
+        if extra is not None:
+            self._broadcast(extra)
         self.send_seconds += time.perf_counter() - t0
-        self.sent[header.values[0]] += 1
+        self.sent[header.op] += 1
         self._last_send = time.monotonic()
 
     def _type_id(self, cls: type) -> int:

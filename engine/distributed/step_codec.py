@@ -1,15 +1,16 @@
 """The compact step description rank 0 broadcasts to its tensor-parallel workers.
 
-Every message is one fixed-size int64 header (`HEADER_LEN` values: op code, then op-specific
-ints), optionally followed by payload tensors sent with `dist.broadcast`: no Python object is
-pickled per step. A forward's arguments (input ids, positions, then the step dataclasses such as
+Every message is one `dist.broadcast` of a fixed-size byte buffer: an int64 header (`HEADER_LEN`
+values: op code, payload bytes, then op-specific ints) and, inline, the payload tensors' bytes
+when they fit (`INLINE_BYTES`: every decode step and small prefill of a tiny model does); a larger
+payload follows in a second broadcast of exactly its size. No Python object is pickled per step. A forward's arguments (input ids, positions, then the step dataclasses such as
 AttentionMetadata or a forward context) are described generically from their dataclass fields:
 
   per argument: a type id (an index into the types announced so far; -1 for a bare tensor)
   per field:    NONE | INT value | FLOAT (float64 bits) | BOOL value | TENSOR dtype ndim dims...
 
-Integer tensors travel in one int64 payload (cast back on arrival); floating-point tensors one
-broadcast each. A dataclass type is announced once, the first time rank 0 sends it (OP_SCHEMA,
+Integer tensors travel as one int64 block of the payload (cast back on arrival); floating-point
+tensors as their own bytes after it (each part aligned to 8 bytes). A dataclass type is announced once, the first time rank 0 sends it (OP_SCHEMA,
 its import path as bytes), so new per-step context objects need no change here.
 """
 
@@ -22,7 +23,10 @@ from typing import Any, Callable
 
 import torch
 
-HEADER_LEN = 96
+HEADER_LEN = 96  # int64 values
+HEADER_BYTES = HEADER_LEN * 8
+MESSAGE_BYTES = 16384  # one broadcast per message: the header and an inline payload
+INLINE_BYTES = MESSAGE_BYTES - HEADER_BYTES
 
 OP_FORWARD = 1  # run the model forward on this step's inputs
 OP_LOGITS = 2  # compute_logits on rank 0's hidden rows (the LM head may hold a collective)
@@ -60,20 +64,61 @@ def resolve_type(path: str) -> type:
 
 
 class Header:
-    """Builds one header: op code first, then ints appended in order."""
+    """Builds one header: op code, payload bytes (filled in by pack_message), then ints in order."""
 
     def __init__(self, op: int) -> None:
-        self.values = [op]
+        self.values = [op, 0]
 
     def add(self, *values: int) -> None:
         self.values.extend(int(v) for v in values)
 
-    def tensor(self, device: torch.device) -> torch.Tensor:
-        if len(self.values) > HEADER_LEN:
-            raise ValueError(f"step header needs {len(self.values)} ints (limit {HEADER_LEN})")
-        out = torch.zeros(HEADER_LEN, dtype=torch.int64)
-        out[:len(self.values)] = torch.tensor(self.values, dtype=torch.int64)
-        return out.to(device)
+    @property
+    def op(self) -> int:
+        return self.values[0]
+
+
+def _aligned(n: int) -> int:
+    return -(-n // 8) * 8
+
+
+def pack_message(header: Header, payloads, message: torch.Tensor) -> torch.Tensor | None:
+    """Write the header and payload tensors into `message` (uint8 [MESSAGE_BYTES]); returns the
+    payload bytes to broadcast after it when they do not fit inline, else None."""
+    parts = [p.contiguous().view(-1).view(torch.uint8) for p in payloads if p is not None]
+    total = sum(_aligned(p.numel()) for p in parts)
+    header.values[1] = total
+    if len(header.values) > HEADER_LEN:
+        raise ValueError(f"step header needs {len(header.values)} ints (limit {HEADER_LEN})")
+    head = torch.zeros(HEADER_LEN, dtype=torch.int64)
+    head[:len(header.values)] = torch.tensor(header.values, dtype=torch.int64)
+    message[:HEADER_BYTES].view(torch.int64).copy_(head)
+    extra = None
+    if total <= INLINE_BYTES:
+        dest = message[HEADER_BYTES:HEADER_BYTES + total]
+    else:
+        dest = extra = torch.empty(total, dtype=torch.uint8, device=message.device)
+    offset = 0
+    for p in parts:
+        dest[offset:offset + p.numel()].copy_(p)
+        offset += _aligned(p.numel())
+    return extra
+
+
+class Payload:
+    """A received message's payload bytes, read back as tensors in the order they were packed."""
+
+    def __init__(self, data: torch.Tensor) -> None:
+        self.data = data
+        self.pos = 0
+
+    def take(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        numel = 1
+        for d in shape:
+            numel *= d
+        n = numel * torch.empty((), dtype=dtype).element_size()
+        out = self.data[self.pos:self.pos + n].view(dtype).view(shape).clone()
+        self.pos += _aligned(n)
+        return out
 
 
 class Reader:
@@ -81,11 +126,15 @@ class Reader:
 
     def __init__(self, values: list[int]) -> None:
         self.values = values
-        self.pos = 1
+        self.pos = 2
 
     @property
     def op(self) -> int:
         return self.values[0]
+
+    @property
+    def payload_bytes(self) -> int:
+        return self.values[1]
 
     def next(self) -> int:
         v = self.values[self.pos]

@@ -13,6 +13,7 @@ the engine.
 
 from __future__ import annotations
 
+import importlib
 import logging
 import multiprocessing
 import multiprocessing.connection
@@ -96,6 +97,9 @@ class Worker:
             from compiler.cpu_attention import KERNELS
 
             KERNELS.configure(s.resolved_compile_cache_dir())
+        # The kiln:: custom ops import Dynamo on their first call (seconds): here, while rank 0 is
+        # still building, not inside the first step (where rank 0 would wait for it).
+        importlib.import_module("torch._dynamo")
 
     def kv_heads(self) -> int:
         from engine.distributed.executor import kv_heads_of
@@ -120,37 +124,38 @@ class Worker:
         return KVCache(self.config.num_layers, 2, self.spec.settings.block_size, self.kv_heads(),
                        self.config.head_dim, self.spec.dtype, self.device).tensor
 
-    def _recv(self, numel: int, dtype: torch.dtype, shape: tuple[int, ...] | None = None) -> torch.Tensor:
-        t = torch.empty(numel if shape is None else shape, dtype=dtype, device=self.device)
-        dist.broadcast(t, 0)
-        return t
-
     @torch.inference_mode()
     def run(self) -> None:
-        header = torch.empty(codec.HEADER_LEN, dtype=torch.int64, device=self.device)
+        message = torch.empty(codec.MESSAGE_BYTES, dtype=torch.uint8, device=self.device)
         while True:
-            dist.broadcast(header, 0)
-            r = codec.Reader(header.tolist())
+            dist.broadcast(message, 0)
+            r = codec.Reader(message[:codec.HEADER_BYTES].view(torch.int64).tolist())
+            n = r.payload_bytes
+            if n <= codec.INLINE_BYTES:
+                data = message[codec.HEADER_BYTES:codec.HEADER_BYTES + n]
+            else:
+                data = torch.empty(n, dtype=torch.uint8, device=self.device)
+                dist.broadcast(data, 0)
+            payload = codec.Payload(data)
             op = r.op
             if op == codec.OP_FORWARD:
-                self._forward(r)
+                self._forward(r, payload)
             elif op == codec.OP_LOGITS:
                 dtype = codec._DTYPES[r.next()]
                 rows, width = r.next(), r.next()
-                self.model.compute_logits(self._recv(0, dtype, (rows, width)))
+                self.model.compute_logits(payload.take((rows, width), dtype))
             elif op == codec.OP_COPY_BLOCKS:
-                n = r.next()
-                pairs = self._recv(2 * n, torch.int64).view(n, 2)
+                pairs = payload.take((r.next(), 2), torch.int64)
                 torch.ops.kiln.copy_blocks(self.kv_cache, pairs[:, 0].contiguous(), pairs[:, 1].contiguous())
             elif op == codec.OP_SWAP:
                 n_out, n_in = r.next(), r.next()
-                pairs = self._recv(2 * (n_out + n_in), torch.int64).view(-1, 2).tolist()
-                self.swapper.launch([tuple(p) for p in pairs[:n_out]], [tuple(p) for p in pairs[n_out:]])
+                pairs = [tuple(p) for p in payload.take((n_out + n_in, 2), torch.int64).tolist()]
+                self.swapper.launch(pairs[:n_out], pairs[n_out:])
                 self.swapper.wait()
             elif op == codec.OP_LAYOUT:
                 self._allocate(r.next(), r.next())
             elif op == codec.OP_SCHEMA:
-                data = self._recv(r.next(), torch.uint8).cpu().numpy().tobytes()
+                data = payload.take((r.next(),), torch.uint8).cpu().numpy().tobytes()
                 self.types.append(codec.resolve_type(data.decode()))
             elif op == codec.OP_NOOP:
                 continue
@@ -159,12 +164,11 @@ class Worker:
             else:
                 raise RuntimeError(f"tensor parallel worker: unknown op {op}")
 
-    def _forward(self, r: codec.Reader) -> None:
+    def _forward(self, r: codec.Reader, payload: codec.Payload) -> None:
         plan, slots = codec.decode_forward(r, self.types)
         n = codec.int_payload_size(slots)
-        ints = self._recv(n, torch.int64) if n else None
-        floats = [self._recv(0, s.dtype, s.shape) for s in slots if s.dtype.is_floating_point]
+        ints = payload.take((n,), torch.int64) if n else None
+        floats = [payload.take(s.shape, s.dtype) for s in slots if s.dtype.is_floating_point]
         input_ids, positions, *step = codec.fill_slots(plan, slots, ints, floats)
         kv = self.kv_cache if self.kv_cache is not None else self._profile_cache()
         self.model(input_ids, positions, kv, *step)
-
