@@ -100,7 +100,7 @@ def test_speculative_config_sets_the_speculative_settings():
 
 
 @pytest.mark.parametrize("args, message", [
-    (["-tp", "2"], "only 1 is supported"),
+    (["-tp", "2", "--enable-lora"], "enable_lora is not supported with tensor parallelism"),
     (["--quantization", "bitsandbytes"], "not supported yet"),
     (["--kv-cache-dtype", "fp8"], "not supported yet"),
     (["--ssl-keyfile", "/k.pem"], "give both"),
