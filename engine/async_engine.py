@@ -291,6 +291,9 @@ class AsyncEngine:
         except BaseException as exc:  # noqa: BLE001 - anything that stops the loop kills the engine
             logger.exception("engine step loop died")
             self.crashed = True
+            if getattr(engine, "executor", None) is not None and self.fatal is None:
+                # A step that failed part-way leaves the tensor-parallel ranks out of step: fatal.
+                self.fatal = f"the engine loop died with tensor parallelism: {exc!r}"
             self._die(exc)
             return
         self._die(EngineDeadError("the engine was shut down"), log=False)

@@ -13,10 +13,13 @@ from __future__ import annotations
 import contextlib
 import gc
 import json
+import statistics
 import time
 from collections import defaultdict
 from pathlib import Path
 from typing import Any, Callable
+
+import torch
 
 from engine.distributed import step_codec as codec
 
@@ -46,52 +49,70 @@ def timed_collectives(stats: dict[str, list[float]]):
             setattr(dist, name, fn)
 
 
+ROUNDS = 3  # timed runs of each engine, alternated (a shared machine's load drifts between them)
+
+
 def compare(settings, reqs, run_kiln: Callable) -> dict[str, Any]:
-    """Run `reqs` at TP 1, then at settings.tensor_parallel_size; print and return the figures."""
+    """Run `reqs` on a TP 1 and a TP N engine (both built up front), alternating ROUNDS times;
+    print and return the median throughputs, their ratio and the TP N step costs."""
     from engine.llm import LLM
 
     world = settings.tensor_parallel_size
     base = settings.model_dump(exclude_unset=True) | {"model": settings.model}
     warm = reqs[: max(1, len(reqs) // 8)]
-    result: dict[str, Any] = {"model": settings.model, "num_requests": len(reqs), "tensor_parallel_size": world}
-    for tp in (1, world):
-        llm = LLM(**(base | {"tensor_parallel_size": tp}))
-        try:
-            run_kiln(llm, warm)  # warm-up
-            executor = llm.engine.executor
-            stats: dict[str, list[float]] = defaultdict(list)
-            sent0 = dict(executor.sent) if executor else {}
-            send0 = executor.send_seconds if executor else 0.0
-            with timed_collectives(stats):
-                seconds, tokens = run_kiln(llm, reqs)
-            llm.engine.check_integrity()
-            result[f"tp{tp}_seconds"] = seconds
-            result[f"tp{tp}_tok_per_s"] = tokens / seconds
-            print(f"tensor_parallel_size {tp}: {tokens} output tokens in {seconds:.2f}s = "
-                  f"{tokens / seconds:.1f} tok/s", flush=True)
-            if executor is not None:
-                steps = executor.sent[codec.OP_FORWARD] - sent0.get(codec.OP_FORWARD, 0)
-                messages = sum(executor.sent.values()) - sum(sent0.values())
-                send_ms = (executor.send_seconds - send0) * 1e3
-                result.update(steps=steps, messages_per_step=messages / max(1, steps),
-                              broadcast_ms_per_step=send_ms / max(1, steps))
-                print(f"  {steps} forward steps; step description: {messages / max(1, steps):.2f} messages "
-                      f"and {send_ms / max(1, steps):.3f} ms per step (rank 0 broadcasts)")
-                for name, times in sorted(stats.items()):
-                    total_ms = sum(times) * 1e3
-                    per_call = total_ms / max(1, len(times))
-                    result[f"{name}_calls_per_step"] = len(times) / max(1, steps)
-                    result[f"{name}_ms_per_call"] = per_call
-                    result[f"{name}_ms_per_step"] = total_ms / max(1, steps)
-                    print(f"  {name}: {len(times) / max(1, steps):.1f} calls per step, {per_call:.3f} ms per "
-                          f"call, {total_ms / max(1, steps):.2f} ms per step")
-        finally:
+    result: dict[str, Any] = {"model": settings.model, "num_requests": len(reqs), "tensor_parallel_size": world,
+                              "rounds": ROUNDS}
+    engines = {}
+    try:
+        for tp in (1, world):
+            engines[tp] = LLM(**(base | {"tensor_parallel_size": tp}))
+            run_kiln(engines[tp], warm)  # warm-up
+        rates: dict[int, list[float]] = {1: [], world: []}
+        executor = engines[world].engine.executor
+        stats: dict[str, list[float]] = defaultdict(list)
+        steps = messages = 0
+        send_s = 0.0
+        for _ in range(ROUNDS):
+            for tp, llm in engines.items():
+                if llm.engine.device.type == "cpu":  # the thread count is per process: each engine's own
+                    torch.set_num_threads(llm.engine.cpu_threads.threads)
+                if tp == 1:
+                    seconds, tokens = run_kiln(llm, reqs)
+                else:
+                    sent0, send0 = dict(executor.sent), executor.send_seconds
+                    with timed_collectives(stats):
+                        seconds, tokens = run_kiln(llm, reqs)
+                    steps += executor.sent[codec.OP_FORWARD] - sent0.get(codec.OP_FORWARD, 0)
+                    messages += sum(executor.sent.values()) - sum(sent0.values())
+                    send_s += executor.send_seconds - send0
+                llm.engine.check_integrity()
+                rates[tp].append(tokens / seconds)
+                print(f"tensor_parallel_size {tp}: {tokens} output tokens in {seconds:.2f}s = "
+                      f"{tokens / seconds:.1f} tok/s", flush=True)
+    finally:
+        for llm in engines.values():
             if llm.engine.executor is not None:
                 llm.engine.executor.shutdown()
-            del llm
-            gc.collect()
+        engines.clear()
+        gc.collect()
+    for tp, values in rates.items():
+        result[f"tp{tp}_tok_per_s"] = statistics.median(values)
+        result[f"tp{tp}_tok_per_s_runs"] = values
+    per_step = max(1, steps)
+    result.update(steps_per_run=steps / ROUNDS, messages_per_step=messages / per_step,
+                  broadcast_ms_per_step=send_s * 1e3 / per_step)
+    print(f"tensor_parallel_size {world}, per forward step (medians of {ROUNDS} runs above; these over all "
+          f"{steps} steps): step description {messages / per_step:.2f} messages, "
+          f"{send_s * 1e3 / per_step:.3f} ms (rank 0 broadcasts)")
+    for name, times in sorted(stats.items()):
+        total_ms = sum(times) * 1e3
+        per_call = total_ms / max(1, len(times))
+        result.update({f"{name}_calls_per_step": len(times) / per_step, f"{name}_ms_per_call": per_call,
+                       f"{name}_ms_per_step": total_ms / per_step})
+        print(f"  {name}: {len(times) / per_step:.1f} calls per step, {per_call:.3f} ms per call, "
+              f"{total_ms / per_step:.2f} ms per step")
     result["ratio"] = result[f"tp{world}_tok_per_s"] / result["tp1_tok_per_s"]
-    print(f"ratio tensor_parallel_size {world} / 1: {result['ratio']:.2f}x")
+    print(f"ratio tensor_parallel_size {world} / 1 (median tok/s): {result['ratio']:.2f}x")
     return result
 
 
