@@ -18,6 +18,7 @@ import logging
 import multiprocessing
 import multiprocessing.connection
 import os
+import signal
 import threading
 import traceback
 
@@ -31,6 +32,8 @@ logger = logging.getLogger(__name__)
 
 def worker_main(spec, rank: int, errors) -> None:
     """Process entry point: run the worker; report a failure on `errors` and exit non-zero."""
+    # Ctrl-C in a terminal reaches the whole process group: rank 0 shuts the workers down itself.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     _exit_with_parent()
     try:
         Worker(spec, rank).run()
