@@ -235,3 +235,47 @@ def test_killed_worker_ends_the_server(tiny_llama, tmp_path):
     text = log.read_text()
     assert "tensor-parallel worker rank 1" in text, text[-3000:]
     print(text[-2000:], f"\nexited {time.monotonic() - killed_at:.1f}s after the kill, code {proc.returncode}")
+
+
+def test_step_codec_round_trip():
+    """What rank 0 packs is what a worker rebuilds: ids, positions and AttentionMetadata (int32 and
+    int64 tensors, a 2-D block table, ints, None), inline and (a long prefill) out of line."""
+    import torch
+
+    from engine.attention.base import AttentionMetadata
+    from engine.distributed import step_codec as codec
+
+    for tokens in (5, 3000):  # 3000 tokens: the payload no longer fits the message
+        meta = AttentionMetadata(slot_mapping=torch.arange(tokens, dtype=torch.int64) - 1,
+                                 query_start_loc=torch.tensor([0, 2, tokens], dtype=torch.int32),
+                                 seq_lens=torch.tensor([7, tokens + 4], dtype=torch.int32),
+                                 block_tables=torch.arange(12, dtype=torch.int32).view(2, 6)[:, :4],
+                                 max_query_len=tokens - 2, max_seq_len=tokens + 4, num_decodes=0, lora_slots=None)
+        ids, positions = torch.arange(tokens) * 3, torch.arange(tokens) + 4
+        hidden = torch.randn(2, 8)
+        types: list[type] = []
+
+        def type_id(cls: type) -> int:  # (rank 0 announces each new type with OP_SCHEMA)
+            if cls not in types:
+                types.append(cls)
+            return types.index(cls)
+
+        header = codec.Header(codec.OP_FORWARD)
+        ints, floats = codec.encode_forward(header, (ids, positions, meta), type_id)
+        message = torch.zeros(codec.MESSAGE_BYTES, dtype=torch.uint8)
+        extra = codec.pack_message(header, [codec.pack_ints(ints, torch.device("cpu")), *floats, hidden], message)
+        assert (extra is None) == (tokens == 5)
+        r = codec.Reader(message[:codec.HEADER_BYTES].view(torch.int64).tolist())
+        assert r.op == codec.OP_FORWARD
+        data = message[codec.HEADER_BYTES:codec.HEADER_BYTES + r.payload_bytes] if extra is None else extra
+        payload = codec.Payload(data)
+        plan, slots = codec.decode_forward(r, types)
+        got_ids, got_pos, got_meta = codec.fill_slots(plan, slots, payload.take((codec.int_payload_size(slots),),
+                                                                                 torch.int64), [])
+        assert torch.equal(got_ids, ids) and torch.equal(got_pos, positions)
+        for name in ("slot_mapping", "query_start_loc", "seq_lens", "block_tables"):
+            want, got = getattr(meta, name), getattr(got_meta, name)
+            assert got.dtype == want.dtype and torch.equal(got, want), name
+        assert (got_meta.max_query_len, got_meta.max_seq_len, got_meta.num_decodes, got_meta.lora_slots) == \
+            (tokens - 2, tokens + 4, 0, None)
+        assert torch.equal(payload.take((2, 8), torch.float32), hidden)  # a float part after the ints
