@@ -50,7 +50,8 @@ def greedy_run(model, tp: TensorParallel | None) -> tuple[list[torch.Tensor], li
                 slots.append(int(tables[i, pos // BLOCK]) * BLOCK + pos % BLOCK)
             starts.append(len(ids))
         lens = [len(s) for s in seqs]
-        meta = AttentionMetadata(slot_mapping=torch.tensor(slots), query_start_loc=torch.tensor(starts, dtype=torch.int32),
+        meta = AttentionMetadata(slot_mapping=torch.tensor(slots),
+                                 query_start_loc=torch.tensor(starts, dtype=torch.int32),
                                  seq_lens=torch.tensor(lens, dtype=torch.int32), block_tables=tables,
                                  max_query_len=max(b - a for a, b in zip(starts, starts[1:])), max_seq_len=max(lens),
                                  num_decodes=2 if done[0] else 0)
@@ -118,7 +119,8 @@ def test_tp2_matches_unsharded(tp_models, tmp_path):
             shapes, whole = got["shapes"], dict(ref_model.named_parameters())
             heads, kv_heads = local_heads(cfg, TensorParallel(rank, world))
             assert shapes["layers.0.self_attn.qkv_proj.weight"][0] == (heads + 2 * kv_heads) * cfg.head_dim
-            assert shapes["layers.0.self_attn.o_proj.weight"][1] * world == whole["layers.0.self_attn.o_proj.weight"].shape[1]
+            o_proj = "layers.0.self_attn.o_proj.weight"
+            assert shapes[o_proj][1] * world == whole[o_proj].shape[1]
             assert shapes["embed_tokens.weight"][0] == -(-cfg.vocab_size // world)
     assert local_heads(ModelConfig.from_dir(tp_models["llama-kv1"]), TensorParallel(1, 2)) == (2, 1)
 
