@@ -66,6 +66,9 @@ def greedy_run(model, tp: TensorParallel | None) -> tuple[list[torch.Tensor], li
 
 
 def _rank_main(rank: int, world: int, init_method: str, models: dict[str, str], out_dir: str) -> None:
+    import faulthandler
+
+    faulthandler.enable()  # a rank killed by a signal shows where (pytest captures the children's stderr)
     torch.set_num_threads(1)
     tp = init_tensor_parallel(rank, world, init_method, "gloo")
     for name, path in models.items():
