@@ -1,7 +1,8 @@
 """Tensor-parallel model shards (engine/distributed): two gloo ranks running a sharded tiny model
 give the unsharded model's logits (fp32, ~1e-5) and greedy tokens, for every architecture family
 (Llama, Qwen3's q/k norms, Gemma 2's softcaps and windows, MoE with and without a shared expert,
-KV heads replicated over ranks, a vocabulary that needs padding)."""
+KV heads replicated over ranks, a vocabulary that needs padding, fused checkpoint tensors, GGUF,
+dummy weights)."""
 
 from __future__ import annotations
 
@@ -49,7 +50,8 @@ def greedy_run(model, tp: TensorParallel | None) -> tuple[list[torch.Tensor], li
                 slots.append(int(tables[i, pos // BLOCK]) * BLOCK + pos % BLOCK)
             starts.append(len(ids))
         lens = [len(s) for s in seqs]
-        meta = AttentionMetadata(slot_mapping=torch.tensor(slots), query_start_loc=torch.tensor(starts, dtype=torch.int32),
+        meta = AttentionMetadata(slot_mapping=torch.tensor(slots),
+                                 query_start_loc=torch.tensor(starts, dtype=torch.int32),
                                  seq_lens=torch.tensor(lens, dtype=torch.int32), block_tables=tables,
                                  max_query_len=max(b - a for a, b in zip(starts, starts[1:])), max_seq_len=max(lens),
                                  num_decodes=2 if done[0] else 0)
@@ -64,6 +66,9 @@ def greedy_run(model, tp: TensorParallel | None) -> tuple[list[torch.Tensor], li
 
 
 def _rank_main(rank: int, world: int, init_method: str, models: dict[str, str], out_dir: str) -> None:
+    import faulthandler
+
+    faulthandler.enable()  # a rank killed by a signal shows where (pytest captures the children's stderr)
     torch.set_num_threads(1)
     tp = init_tensor_parallel(rank, world, init_method, "gloo")
     for name, path in models.items():
@@ -85,6 +90,16 @@ def tp_models(tiny_models, tmp_path_factory) -> dict[str, Path]:
                             overrides={"num_key_value_heads": 1, "vocab_size": 517})  # 517: padded to 2 x 259
     models = {arch: tiny_models[arch] for arch in ("llama", "qwen3", "gemma2", "qwen2_moe", "qwen3_moe")}
     models["llama-kv1"] = extra
+    # q/k/v and gate/up fused in the checkpoint (ChatGLM): each rank reads its rows of every part.
+    from tests.test_glm import GLM_CONFIGS, to_chatglm_layout
+
+    glm = make_tiny_model(root / "glm", arch="llama", seed=11, overrides=dict(
+        GLM_CONFIGS["glm"], partial_rotary_factor=0.5, attention_bias=True, rope_scaling=None))
+    models["chatglm"] = to_chatglm_layout(glm, root / "chatglm")
+    # GGUF: tensors dequantised whole, then sliced.
+    from tests.gguf_writer import write_gguf
+
+    models["qwen3-gguf"] = write_gguf(tiny_models["qwen3"], root / "qwen3.gguf", "F32")
     models["mixtral-dummy"] = tiny_models["mixtral"]  # dummy weights: each rank's slice of the same draw
     return models
 
@@ -107,6 +122,35 @@ def test_tp2_matches_unsharded(tp_models, tmp_path):
             shapes, whole = got["shapes"], dict(ref_model.named_parameters())
             heads, kv_heads = local_heads(cfg, TensorParallel(rank, world))
             assert shapes["layers.0.self_attn.qkv_proj.weight"][0] == (heads + 2 * kv_heads) * cfg.head_dim
-            assert shapes["layers.0.self_attn.o_proj.weight"][1] * world == whole["layers.0.self_attn.o_proj.weight"].shape[1]
+            o_proj = "layers.0.self_attn.o_proj.weight"
+            assert shapes[o_proj][1] * world == whole[o_proj].shape[1]
             assert shapes["embed_tokens.weight"][0] == -(-cfg.vocab_size // world)
     assert local_heads(ModelConfig.from_dir(tp_models["llama-kv1"]), TensorParallel(1, 2)) == (2, 1)
+
+
+def test_unshardable_models_and_unsupported_settings_are_refused(tiny_llama):
+    import dataclasses
+
+    cfg = ModelConfig.from_dir(tiny_llama)  # 4 heads, 2 KV heads, intermediate 256
+    two, four = TensorParallel(0, 2), TensorParallel(3, 4)
+    assert local_heads(cfg, None) == (4, 2) and local_heads(cfg, two) == (2, 1) and local_heads(cfg, four) == (1, 1)
+    with pytest.raises(ValueError, match="tensor_parallel_size=3 does not divide the model's 4 attention heads"):
+        local_heads(cfg, TensorParallel(0, 3))
+    with pytest.raises(ValueError, match="tensor_parallel_size=2 does not divide the model's 3 KV heads"):
+        local_heads(dataclasses.replace(cfg, num_heads=6, num_kv_heads=3), two)
+    with pytest.raises(ValueError, match="tensor_parallel_size=4 is not a multiple of the model's 3 KV heads"):
+        local_heads(dataclasses.replace(cfg, num_heads=12, num_kv_heads=3), four)
+    odd_mlp = dataclasses.replace(cfg, num_heads=6, num_kv_heads=6, head_dim=16)
+    from engine.models.llama import LlamaForCausalLM
+
+    with pytest.raises(ValueError, match="tensor_parallel_size=3 does not divide the model's intermediate_size"):
+        with torch.device("meta"):
+            LlamaForCausalLM(odd_mlp, 16, TensorParallel(0, 3))
+    # Refused before any collective runs (no process group here).
+    cpu = torch.device("cpu")
+    with pytest.raises(ValueError, match="enable_lora"):
+        load_model(tiny_llama, cfg, torch.float32, cpu, 16, load_format="dummy", lora=(2, 8), tp=two)
+    with pytest.raises(ValueError, match="quantization"):
+        load_model(tiny_llama, cfg, torch.float32, cpu, 16, load_format="dummy", quantization="fp8", tp=two)
+    with pytest.raises(ValueError, match="tensor_parallel_size: rank 2 is not in a group of 2"):
+        TensorParallel(2, 2)

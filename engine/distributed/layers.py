@@ -9,7 +9,7 @@
   embed to zero, and an all-reduce assembles every token's row.
 - ParallelLMHead: each rank computes the logits of its vocabulary rows; an all-gather makes the
   full logits on every rank. The vocabulary is padded to a multiple of the ranks
-  (engine/distributed/parallel.py `padded_vocab`): padding rows are zero and their logits dropped.
+  (engine/distributed/parallel.py `vocab_rows_per_rank`): padding rows are zero and their logits dropped.
 """
 
 from __future__ import annotations

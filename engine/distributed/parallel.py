@@ -95,7 +95,7 @@ def first_kv_head(config: ModelConfig, tp: TensorParallel | None) -> int:
     return tp.rank * config.num_kv_heads // world  # replicated: world / kv ranks share each head
 
 
-def padded_vocab(config: ModelConfig, tp: TensorParallel | None) -> int:
+def vocab_rows_per_rank(config: ModelConfig, tp: TensorParallel | None) -> int:
     """Vocabulary rows per rank: the vocabulary is padded up to a multiple of the ranks (the
     padding rows embed to zero and their logits are dropped), so any vocabulary size shards."""
     world = _world(tp)

@@ -17,7 +17,7 @@ from torch import nn
 import compiler.ops  # noqa: F401 - registers every kiln:: op (kiln::moe_experts here)
 from engine.attention.base import AttentionBackend, AttentionMetadata
 from engine.distributed.layers import ParallelLMHead, RowParallelLinear, VocabParallelEmbedding, parallel_logits
-from engine.distributed.parallel import TensorParallel, all_reduce, check_shardable, local_heads, padded_vocab
+from engine.distributed.parallel import TensorParallel, all_reduce, check_shardable, local_heads, vocab_rows_per_rank
 from engine.models.config import ModelConfig, rope_inv_freq
 from engine.models.glm import apply_interleaved_rope, interleaved_rope_tables
 
@@ -233,7 +233,7 @@ class LlamaForCausalLM(nn.Module):
         # No random init (the weights are loaded): on the meta device it would import Dynamo, seconds of start-up.
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size,
                                          _weight=torch.empty(config.vocab_size, config.hidden_size)) \
-            if tp is None else VocabParallelEmbedding(padded_vocab(config, tp), config.hidden_size, tp)
+            if tp is None else VocabParallelEmbedding(vocab_rows_per_rank(config, tp), config.hidden_size, tp)
         self.layers = nn.ModuleList(DecoderLayer(config, i, tp) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.norm_weight_offset)
         self.rotary = RotaryEmbedding(config, max_positions)
@@ -243,7 +243,7 @@ class LlamaForCausalLM(nn.Module):
         # (a bare model has no head: compute_logits then reads the embeddings, only ever for warm-ups)
         self.lm_head = None if config.tie_word_embeddings or not config.generates else nn.Linear(
             config.hidden_size, config.vocab_size, bias=False) if tp is None else ParallelLMHead(
-            padded_vocab(config, tp), config.hidden_size, tp)
+            vocab_rows_per_rank(config, tp), config.hidden_size, tp)
         self.backend: AttentionBackend | None = None
         self.lora_slots = 0  # adapters one batch can mix (engine/lora.py); 0: LoRA off
 

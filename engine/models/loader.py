@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from engine.distributed.parallel import TensorParallel, first_kv_head, local_heads, padded_vocab
+from engine.distributed.parallel import TensorParallel, first_kv_head, local_heads, vocab_rows_per_rank
 from engine.models.config import ModelConfig
 from engine.models.glm import hf_weight_name
 from engine.models.llama import LlamaForCausalLM
@@ -122,7 +122,7 @@ def _source(model: LlamaForCausalLM, name: str, index: Index | None) -> Source |
     rank, world = tp.rank, tp.world_size
     module, _, kind = name.rpartition(".")
     if name in _VOCAB:
-        rows = padded_vocab(cfg, tp)
+        rows = vocab_rows_per_rank(cfg, tp)
         start = min(rank * rows, cfg.vocab_size)
         return [(slice(start, min(start + rows, cfg.vocab_size)),)], 0, cfg.vocab_size
     if module.endswith("qkv_proj"):
@@ -161,7 +161,7 @@ def _source(model: LlamaForCausalLM, name: str, index: Index | None) -> Source |
 
 def _read(hf_name: str, shape: tuple[int, ...], read, source: Source | None) -> torch.Tensor:
     """A checkpoint tensor of `shape`, or this rank's pieces of it: read(index) reads part of it
-    (a safetensors slice: only those bytes; index () is the whole tensor)."""
+    (a safetensors slice: only those bytes)."""
     if source is None:
         return read((slice(None),))
     pieces, dim, extent = source
