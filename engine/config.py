@@ -286,6 +286,9 @@ class EngineSettings(_KilnSettings):
     trust_remote_code: bool = Field(
         False, description="accepted for vLLM command lines; kiln never runs a checkpoint's code (GLM/ChatGLM "
         "load natively)")
+    int4_kernel: Literal["auto", "reference"] = Field(
+        "auto", description="int4 weights: auto = torch's packed int4 matmul (CPU and CUDA) for every layer whose "
+        "shape and group size it takes, else dequantise on the fly; reference = always dequantise on the fly")
 
     @field_validator("block_size")
     @classmethod

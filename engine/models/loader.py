@@ -102,7 +102,8 @@ def _target(model: LlamaForCausalLM, hf_name: str) -> tuple[str, Index | None] |
 
 def load_model(model_dir: Path, config: ModelConfig, dtype: torch.dtype, device: torch.device,
                max_positions: int, load_format: str = "auto", seed: int = 0,
-               lora: tuple[int, int] | None = None, quantization: str | None = None) -> LlamaForCausalLM:
+               lora: tuple[int, int] | None = None, quantization: str | None = None,
+               int4_kernel: str = "auto") -> LlamaForCausalLM:
     """lora: (slots, max rank) to make room for LoRA adapters (engine/lora.py), or None.
     quantization: the `quantization` setting (None: the checkpoint's own quantization_config)."""
     quant = quant_config(config, quantization, load_format)
@@ -133,6 +134,7 @@ def load_model(model_dir: Path, config: ModelConfig, dtype: torch.dtype, device:
             quant_loading.quantize_loaded(model, quant)
         else:
             raise ValueError("quantization: fp8 at load is for safetensors checkpoints, not GGUF files")
+    quant_loading.finish(model, dtype, int4_kernel)  # int4 layers -> the packed int4 kernels' layout
     return model.eval().requires_grad_(False)
 
 

@@ -7,15 +7,18 @@ full-precision model (peak: the quantised model plus one module's checkpoint ten
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import Callable
 
 import torch
 from torch import nn
 
-from engine.quant import int_formats
+from engine.quant import int4_packed, int_formats
 from engine.quant.config import QuantConfig
-from engine.quant.linear import FP8, attach, make_method, quantize_fp8_rows
+from engine.quant.linear import FP8, IntWeightMethod, attach, make_method, quantize_fp8_rows
+
+logger = logging.getLogger(__name__)
 
 # The checkpoint tensors of one quantised HF module, by layout.
 SUFFIXES = {
@@ -24,7 +27,8 @@ SUFFIXES = {
     "ct-int": ("weight_packed", "weight_scale", "weight_zero_point", "weight_shape", "weight_g_idx"),
     "fp8": ("weight", "weight_scale", "input_scale"),
 }
-QUANT_BUFFERS = ("qweight", "zeros", "scales", "g_idx", "weight_fp8", "weight_scale", "input_scale")
+QUANT_BUFFERS = ("qweight", "zeros", "scales", "g_idx", "weight_fp8", "weight_scale", "input_scale",
+                 *int4_packed.BUFFERS)
 
 
 def suffixes(config: QuantConfig) -> tuple[str, ...]:
@@ -177,3 +181,21 @@ def init_dummy(model: nn.Module, seed: int) -> None:
             module.weight_scale.fill_(0.02)
             if hasattr(module, "input_scale"):
                 module.input_scale.fill_(0.05)
+
+
+def finish(model: nn.Module, dtype: torch.dtype, int4_kernel: str = "auto") -> dict[str, list[str]]:
+    """After the weights are in: int4 layers move to torch's packed int4 kernels (int4_packed.py)
+    unless int4_kernel is "reference"; each one that cannot stays on dequantise-on-the-fly.
+    Returns {reason: [layer names]} for those (logged)."""
+    if int4_kernel == "reference":
+        return {}
+    left: dict[str, list[str]] = {}
+    for name, module in quantized_linears(model).items():
+        method = getattr(module, "quant", None)
+        if isinstance(method, IntWeightMethod) and method.bits == 4:
+            reason = int4_packed.repack(module, dtype)
+            if reason:
+                left.setdefault(reason, []).append(name)
+    for reason, names in left.items():
+        logger.info("int4: %d layers stay on the dequantise-on-the-fly path (%s), e.g. %s", len(names), reason, names[0])
+    return left

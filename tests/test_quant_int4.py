@@ -1,0 +1,109 @@
+"""int4 layers on torch's packed int4 kernels (engine/quant/int4_packed.py) against the
+dequantised matmul of the same weights.
+
+Tolerances: float32 activations: the weight the kernel applies is bit-identical to the dequantised
+one (zero = (8 - z) * s is exact), only the summation order differs -> rtol 1e-5 of the output's
+scale. bfloat16: the kernel's scales and zeros are bf16 (the reference dequantises in float32 then
+rounds the weight to bf16) and it accumulates differently -> 2e-2 of the output's scale.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.quant import int4_packed, int_formats
+from engine.quant.config import QuantConfig
+from engine.quant.linear import IntWeightMethod
+
+
+def _layer(out: int, inp: int, group: int, sym: bool = True, g_idx: torch.Tensor | None = None,
+           bias: bool = False, seed: int = 0) -> torch.nn.Linear:
+    """A linear layer in kiln's int4 layout with random levels, scales and zero points."""
+    gen = torch.Generator().manual_seed(seed)
+    m = torch.nn.Linear(inp, out, bias=bias)
+    if bias:
+        m.bias.data.normal_(generator=gen)
+    method = IntWeightMethod(QuantConfig("int", "gptq", 4, group, sym=sym))
+    del m.weight
+    m.register_parameter("weight", None)
+    method.create(m, "cpu")
+    m.quant = method
+    groups = m.scales.shape[1]
+    m.qweight.copy_(torch.randint(0, 256, m.qweight.shape, generator=gen, dtype=torch.uint8))
+    m.scales.copy_((torch.rand(out, groups, generator=gen) * 0.02 + 0.001).half().float())
+    m.zeros.fill_(8) if sym else m.zeros.copy_(torch.randint(0, 16, (out, groups), generator=gen, dtype=torch.uint8))
+    if g_idx is not None:
+        m.g_idx.copy_(g_idx)
+        m.act_order = True
+    return m
+
+
+def _act_order_g_idx(inp: int, group: int, seed: int = 1) -> torch.Tensor:
+    perm = torch.randperm(inp, generator=torch.Generator().manual_seed(seed))
+    g = torch.empty(inp, dtype=torch.int32)
+    g[perm] = (torch.arange(inp) // group).to(torch.int32)
+    return g
+
+
+def _close(y: torch.Tensor, want: torch.Tensor, rel: float) -> None:
+    err = (y.float() - want.float()).abs().max().item()
+    assert err <= rel * want.float().abs().max().item(), err
+
+
+CASES = [  # (out, in, group, sym, act-order)
+    (64, 256, 32, True, False),
+    (48, 256, 64, False, False),
+    (96, 512, 128, False, True),
+    (64, 512, 256, True, False),
+    (80, 384, -1, False, False),  # per channel: kernel group 128 (the largest dividing 384)
+    (32, 256, 32, False, True),
+]
+
+
+@pytest.mark.parametrize("out,inp,group,sym,act", CASES)
+@pytest.mark.parametrize("dtype,rel", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+def test_packed_matmul_matches_dequantised(out, inp, group, sym, act, dtype, rel):
+    g_idx = _act_order_g_idx(inp, group) if act else None
+    m = _layer(out, inp, group, sym, g_idx, bias=True)
+    m.bias.data = m.bias.data.to(dtype)  # (the model casts biases to its dtype)
+    w = m.quant.weight(m, torch.float32)  # the reference: dequantised in float32
+    x = torch.randn(2, 3, inp, generator=torch.Generator().manual_seed(5))
+    want = (x.to(dtype).float() @ w.to(dtype).float().t() + m.bias.float()).to(dtype)
+    assert int4_packed.repack(m, dtype) is None
+    assert m.quant is int4_packed.PACKED and not hasattr(m, "qweight")
+    assert (m.int4_perm is not None) == act
+    y = m.quant.apply(m, x.to(dtype))
+    assert y.shape == (2, 3, out) and y.dtype == dtype
+    _close(y, want, rel)
+    # the dense weight back out of the packed layout (baselines): exact in float32
+    back = m.quant.weight(m, torch.float32)
+    if dtype == torch.float32:
+        assert torch.equal(back, w)
+    else:
+        _close(back, w, 1e-2)
+
+
+def test_packing_in_row_chunks_equals_whole(monkeypatch):
+    m = _layer(208, 256, 64, sym=False)
+    n = int_formats.unpack_nibbles(m.qweight)
+    whole = int4_packed.convert(n, torch.device("cpu"))
+    monkeypatch.setattr(int4_packed, "ROW_CHUNK", 64)  # 64 + 64 + 64 + a ragged 16
+    assert torch.equal(int4_packed.convert(n, torch.device("cpu")), whole)
+
+
+def test_what_stays_on_the_reference_path():
+    cpu = torch.device("cpu")
+    assert int4_packed.unsupported(64, 256, 8, 32, cpu, torch.float32) == "8-bit weights"
+    assert "group size 16" in int4_packed.unsupported(64, 256, 4, 16, cpu, torch.float32)
+    assert "group size 32" in int4_packed.unsupported(64, 80, 4, 32, cpu, torch.float32)  # ragged last group
+    assert int4_packed.unsupported(64, 96, 4, -1, cpu, torch.float32) is None  # per channel: group 32
+    assert "multiple of 16" in int4_packed.unsupported(40, 256, 4, 32, cpu, torch.float32)
+    assert int4_packed.unsupported(64, 256, 4, 32, cpu, torch.bfloat16) is None
+    assert int4_packed.packed_group(384, -1) == 128 and int4_packed.packed_group(100, -1) is None
+    # act-order whose groups are not runs of one size: refused, the layer keeps its layout
+    g = torch.zeros(256, dtype=torch.int32)
+    g[200:] = 1
+    m = _layer(64, 256, 32, g_idx=g)
+    assert "act-order" in int4_packed.repack(m, torch.float32)
+    assert m.quant is not int4_packed.PACKED and m.qweight.shape == (64, 128)
