@@ -86,10 +86,11 @@ def test_packed_matmul_matches_dequantised(out, inp, group, sym, act, dtype, rel
 
 def test_packing_in_row_chunks_equals_whole(monkeypatch):
     m = _layer(208, 256, 64, sym=False)
-    n = int_formats.unpack_nibbles(m.qweight)
-    whole = int4_packed.convert(n, torch.device("cpu"))
+    perm = torch.randperm(256)
+    whole = torch.ops.aten._convert_weight_to_int4pack_for_cpu(
+        int_formats.unpack_nibbles(m.qweight)[:, perm].to(torch.int32).contiguous(), 1)
     monkeypatch.setattr(int4_packed, "ROW_CHUNK", 64)  # 64 + 64 + 64 + a ragged 16
-    assert torch.equal(int4_packed.convert(n, torch.device("cpu")), whole)
+    assert torch.equal(int4_packed.convert(m.qweight, perm, torch.device("cpu")), whole)
 
 
 def test_what_stays_on_the_reference_path():

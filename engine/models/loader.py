@@ -112,7 +112,7 @@ def load_model(model_dir: Path, config: ModelConfig, dtype: torch.dtype, device:
         if lora is not None:
             model.enable_lora(*lora)
         if quant is not None and not quant.quantize_at_load:
-            quant_loading.prepare(model, quant)
+            quant_loading.prepare(model, quant, dtype, int4_kernel)
     model = model.to_empty(device=device)
     quant_loading.cast_except_quantized(model, dtype)
     for name, buffer in model.named_buffers():

@@ -30,7 +30,7 @@ from engine.quant import int_formats
 
 GROUPS = (32, 64, 128, 256)  # the group sizes both kernels take
 INNER_K_TILES = 8  # CUDA tinygemm: input widths a multiple of 128; smaller ones fall back to 4, 2
-ROW_CHUNK = 4096  # CPU packing converts this many output rows at a time (a multiple of its 64-row blocks)
+ROW_CHUNK = 1024  # packing converts this many output rows at a time (a multiple of the CPU layout's 64-row blocks)
 BUFFERS = ("int4_packed", "int4_scales_zeros", "int4_perm")
 
 
@@ -89,15 +89,23 @@ def scales_and_zeros(scales: torch.Tensor, offsets: torch.Tensor, group: int, in
     return torch.stack([s, b + 8 * s], dim=-1).transpose(0, 1).to(dtype).contiguous()
 
 
-def convert(q: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """Unsigned 4-bit values uint8 [N, K] -> the kernel's packed weight on `device`."""
+def convert(qweight: torch.Tensor, perm: torch.Tensor | None, device: torch.device) -> torch.Tensor:
+    """kiln's 4-bit weight (uint8 [N, K / 2], two values a byte), its columns permuted by perm
+    when given -> the kernel's packed weight on `device`. Row chunks at a time (the CPU layout is
+    made of 64-row blocks), so the temporaries stay a few times one chunk."""
+    chunks = []
+    for r in range(0, qweight.shape[0], ROW_CHUNK):
+        q = int_formats.unpack_nibbles(qweight[r:r + ROW_CHUNK])
+        if perm is not None:
+            q = q.index_select(1, perm)
+        if device.type == "cuda":
+            chunks.append(((q[:, 0::2] << 4) | q[:, 1::2]).to(device))  # (tinygemm: even column in the high nibble)
+        else:
+            chunks.append(torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 1))
+    packed = chunks[0] if len(chunks) == 1 else torch.cat(chunks)
     if device.type == "cuda":
-        q = q.to(device)
-        nibbles = ((q[:, 0::2] << 4) | q[:, 1::2]).to(torch.uint8)  # (tinygemm: even column in the high nibble)
-        return torch.ops.aten._convert_weight_to_int4pack(nibbles.contiguous(), inner_k_tiles(q.shape[1]))
-    rows = [torch.ops.aten._convert_weight_to_int4pack_for_cpu(q[r:r + ROW_CHUNK].to(torch.int32).contiguous(), 1)
-            for r in range(0, q.shape[0], ROW_CHUNK)]
-    return rows[0] if len(rows) == 1 else torch.cat(rows)
+        return torch.ops.aten._convert_weight_to_int4pack(packed.contiguous(), inner_k_tiles(qweight.shape[1] * 2))
+    return packed
 
 
 class Int4PackedMethod:
@@ -167,14 +175,12 @@ def repack(module: nn.Module, dtype: torch.dtype) -> str | None:
     if reason:
         return reason
     group = packed_group(inp, method.group_size)
-    q = int_formats.unpack_nibbles(module.qweight)
     perm = None
-    if module.act_order:
+    if module.act_order:  # (permuted column j is in group j // group: the groups keep their order)
         perm = act_order_perm(module.g_idx, group)
         if perm is None:
             return "act-order groups that are not runs of one group size"
-        q = q.index_select(1, perm)  # (permuted column j is in group j // group: the groups keep their order)
     offsets = -module.zeros.float() * module.scales.float()
     sz = scales_and_zeros(module.scales, offsets, group, inp, dtype)
-    install(module, convert(q, device), sz, None if perm is None else perm.to(device), group)
+    install(module, convert(module.qweight, perm, device), sz, perm, group)
     return None
