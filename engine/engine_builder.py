@@ -116,7 +116,7 @@ class EngineBuilder:
                                     settings.load_format, settings.seed,
                                     lora=(settings.max_loras, settings.max_lora_rank) if settings.enable_lora
                                     else None, quantization=settings.quantization,
-                                    int4_kernel=settings.int4_kernel)
+                                    int4_kernel=settings.int4_kernel, gguf_dequantize=settings.gguf_dequantize)
         self.lora = make_lora_manager(self.model, settings)
         self.backend = get_attention_backend(settings.attention_backend, BackendSpec(
             device=self.device, dtype=self.dtype, head_dim=cfg.head_dim,
