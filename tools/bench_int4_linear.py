@@ -1,6 +1,6 @@
 """One int4 linear layer, three ways, at decode shapes, in one process: bf16 dense F.linear (the
 baseline), torch's packed int4 kernel (kiln's int4 path) and dequantise-on-the-fly (the reference
-fallback). Prints ms per call and the ratios to bf16.
+fallback). Prints the median ms per call (bf16 and packed calls interleaved) and the ratios to bf16.
 
     PYTHONPATH=. python tools/bench_int4_linear.py [--shapes 8b|1b] [--batch 1,8] [--iters 20]
 
@@ -11,6 +11,7 @@ Weights: random levels, group 128, symmetric (the values do not change the speed
 from __future__ import annotations
 
 import argparse
+import statistics
 import time
 
 import torch
@@ -37,12 +38,17 @@ def _layer(out: int, inp: int, dtype: torch.dtype) -> torch.nn.Linear:
     return m
 
 
-def _time(fn, iters: int) -> float:
-    fn()
-    t0 = time.perf_counter()
-    for _ in range(iters):
+def _times(fns: dict, iters: int) -> dict[str, float]:
+    """Median ms per call of each function, the calls interleaved (a busy neighbour slows all alike)."""
+    for fn in fns.values():
         fn()
-    return (time.perf_counter() - t0) / iters * 1e3
+    samples: dict[str, list[float]] = {k: [] for k in fns}
+    for _ in range(iters):
+        for k, fn in fns.items():
+            t0 = time.perf_counter()
+            fn()
+            samples[k].append((time.perf_counter() - t0) * 1e3)
+    return {k: statistics.median(v) for k, v in samples.items()}
 
 
 def main() -> None:
@@ -64,9 +70,10 @@ def main() -> None:
             assert int4_packed.repack(packed, dtype) is None
             x = torch.randn(batch, inp, dtype=dtype)
             with torch.inference_mode():
-                t_bf16 = _time(lambda: F.linear(x, dense), args.iters)
-                t_packed = _time(lambda: packed.quant.apply(packed, x), args.iters)
-                t_ref = _time(lambda: ref.quant.apply(ref, x), args.reference_iters)
+                t = _times({"bf16": lambda: F.linear(x, dense), "packed": lambda: packed.quant.apply(packed, x)},
+                           args.iters)
+                t_bf16, t_packed = t["bf16"], t["packed"]
+                t_ref = _times({"ref": lambda: ref.quant.apply(ref, x)}, args.reference_iters)["ref"]
             for k, v in (("bf16", t_bf16), ("packed", t_packed), ("reference", t_ref)):
                 totals[(batch, k)] = totals.get((batch, k), 0.0) + v
             print(f"batch {batch} {name:8s} [{out}x{inp}]: bf16 {t_bf16:8.3f} ms, int4 packed {t_packed:8.3f} ms "
