@@ -337,3 +337,76 @@ def required_variants(dtype: torch.dtype, head_dim: int, block_size: int, decode
 
 
 __all__ = ["AttentionKernels", "DecodePlan", "kernels_by_handle", "required_variants"]
+
+
+# ---- int4-weight GEMM for decode shapes (templates/w4a16_gemm.cu.j2) ----------------------------
+W4A16_VARIANT = "w4a16_gemm_bf16"
+W4A16_THREADS = 128
+_W4A16_TYPES = (PTR, PTR, PTR, PTR, PTR, I32, I32, I32, I32, I64, I64)
+# Byte order inside each 32-byte chunk of a weight row: new position p = 8 t + 2 s + h holds old
+# byte 8 s + 4 h + t (t: thread of an MMA quad, s: MMA step of 16 values, h: half of the step).
+W4A16_CHUNK_ORDER = tuple(8 * s + 4 * h + t for t in range(4) for s in range(4) for h in range(2))
+
+
+def pack_w4a16(qweight: torch.Tensor) -> torch.Tensor:
+    """kiln's int4 weight (uint8 [N, K / 2], column 2j in the low nibble of byte j) -> the
+    w4a16_gemm kernel's layout (each thread's bytes of a 64-value chunk made contiguous)."""
+    n, kb = qweight.shape
+    if kb % 32:
+        raise ValueError(f"w4a16: {2 * kb} input columns are not a multiple of 64")
+    order = torch.tensor(W4A16_CHUNK_ORDER, device=qweight.device)
+    return qweight.reshape(n, kb // 32, 32).index_select(2, order).reshape(n, kb).contiguous()
+
+
+def w4a16_unsupported(n: int, k: int, group_size: int) -> str | None:
+    """Why a layer's shape cannot take the kernel (None: it can)."""
+    if n % 16:
+        return f"{n} output rows (a multiple of 16)"
+    if k % 64:
+        return f"{k} input columns (a multiple of 64)"
+    if group_size % 16 or k % group_size:
+        return f"group size {group_size} with {k} input columns (a multiple of 16 dividing them)"
+    return None
+
+
+class W4A16Gemm:
+    """The loaded w4a16_gemm kernel: y = x @ W^T with W[n, k] = q * scale + offset per group.
+
+        gemm = W4A16Gemm(cache_dir, device)
+        y = gemm(x, pack_w4a16(qweight), scales, offsets, group_size)   # x bf16 [M, K]
+
+    Launches on torch's current stream (capturable in a CUDA graph: no allocation when `out` is given,
+    no host sync)."""
+
+    def __init__(self, cache_dir, device) -> None:
+        self.device = torch.device(device)
+        self.lib = KernelLibrary(Path(cache_dir), [W4A16_VARIANT]).load(self.device)
+        self.launch = Launcher(self.lib.function(W4A16_VARIANT), W4A16_THREADS, 0, _W4A16_TYPES, W4A16_VARIANT,
+                               self.lib.context)
+
+    def __call__(self, x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor,
+                 group_size: int, out: torch.Tensor | None = None) -> torch.Tensor:
+        m, k = x.shape
+        n = qweight.shape[0]
+        reason = w4a16_unsupported(n, k, group_size)
+        if reason is None and not (x.dtype == torch.bfloat16 and x.stride(1) == 1 and x.stride(0) % 2 == 0
+                                   and x.data_ptr() % 4 == 0):
+            reason = f"x {x.dtype} with strides {x.stride()} (bf16, unit column stride, even row stride)"
+        if reason is None and not (qweight.dtype == torch.uint8 and qweight.is_contiguous()
+                                   and tuple(qweight.shape) == (n, k // 2) and qweight.data_ptr() % 8 == 0):
+            reason = f"weight {qweight.dtype} {tuple(qweight.shape)} (contiguous uint8 [N, K / 2], 8-byte aligned)"
+        groups = k // group_size if group_size else 0
+        for name, t in (("scales", scales), ("offsets", offsets)):
+            if reason is None and not (t.dtype == torch.float32 and t.is_contiguous()
+                                       and tuple(t.shape) == (n, groups)):
+                reason = f"{name} {t.dtype} {tuple(t.shape)} (contiguous float32 [N, K / group])"
+        if reason is not None:
+            raise ValueError(f"w4a16_gemm: {reason}")
+        y = out if out is not None else torch.empty(m, n, dtype=torch.bfloat16, device=x.device)
+        if m == 0:
+            return y
+        stream = torch.cuda.current_stream(x.device).cuda_stream
+        self.launch((n // 16, (m + 7) // 8, 1), stream,
+                    (x.data_ptr(), qweight.data_ptr(), scales.data_ptr(), offsets.data_ptr(), y.data_ptr(),
+                     m, n, k, group_size, x.stride(0), y.stride(0)))
+        return y

@@ -129,7 +129,9 @@ class EngineBuilder:
             self.model = load_model(self.model_dir, cfg, self.dtype, self.device, self.max_model_len,
                                     settings.load_format, settings.seed,
                                     lora=(settings.max_loras, settings.max_lora_rank) if settings.enable_lora
-                                    else None, quantization=settings.quantization, tp=self._model_tp())
+                                    else None, quantization=settings.quantization,
+                                    int4_kernel=settings.int4_kernel, gguf_dequantize=settings.gguf_dequantize,
+                                    tp=self._model_tp())
         self.lora = make_lora_manager(self.model, settings)
         self.backend = get_attention_backend(settings.attention_backend, BackendSpec(
             device=self.device, dtype=self.dtype, head_dim=cfg.head_dim,

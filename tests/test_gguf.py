@@ -184,9 +184,44 @@ def test_gguf_greedy_matches_transformers(arch, types, wide_models, make_llm, tm
     path = write_gguf(wide_models(arch), tmp_path / f"{arch}.gguf", types,
                       name="tiny mistral" if arch == "mistral" else None)
     llm = make_llm(path, max_num_seqs=4)
+    assert _kinds(llm) == KEPT[arch]
     outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
     expected = hf_gguf_greedy(path, PROMPTS)
     assert [o.outputs[0].token_ids for o in outs] == expected
+
+
+# How each projection of layer 0 is held: Q4_0/Q4_1 int4 (packed), Q8_0 int8, the rest (and a
+# fused projection of mixed types, as q/k/v in llama-all-types) dequantised.
+_DENSE = dict(qkv="dense", o="dense", gate_up="dense", down="dense")
+KEPT = {"llama": _DENSE, "mistral": dict(_DENSE, gate_up="int4", down="int4"),
+        "qwen2": dict(qkv="int8", o="int8", gate_up="int8", down="int8"), "qwen3": _DENSE,
+        "gemma2": dict(_DENSE, gate_up="int4", down="int4"), "gemma3": dict(_DENSE, qkv="int4", o="int4")}
+
+
+def _kinds(llm) -> dict[str, str]:
+    from engine.quant.int4_packed import PACKED
+
+    layer = llm.engine.model.layers[0]
+    mods = dict(qkv=layer.self_attn.qkv_proj, o=layer.self_attn.o_proj, gate_up=layer.mlp.gate_up_proj,
+                down=layer.mlp.down_proj)
+    return {k: "int4" if m.quant is PACKED else "int8" if getattr(m, "qweight", None) is not None else "dense"
+            for k, m in mods.items()}
+
+
+def test_gguf_kept_quantised_equals_dequantised(wide_models, make_llm, tmp_path):
+    """Q4_0 attention, Q4_1 MLP (int4), Q8_0 embeddings: the same greedy tokens kept quantised as
+    dequantised at load (gguf_dequantize), with the int4 layers' weight bytes a quarter and a bit."""
+    path = write_gguf(wide_models("mistral"), tmp_path / "m.gguf", {"attn": "Q4_0", "ffn": "Q4_1", "token_embd": "Q8_0"},
+                      name="tiny mistral")
+    kept, dense = make_llm(path, max_num_seqs=4), make_llm(path, max_num_seqs=4, gguf_dequantize=True)
+    assert set(_kinds(kept).values()) == {"int4"} and set(_kinds(dense).values()) == {"dense"}
+    down = kept.engine.model.layers[0].mlp.down_proj
+    packed_bytes = down.quant.weight_bytes(down)
+    assert packed_bytes < 0.3 * down.in_features * down.out_features * 4  # float32 dense: 4 bytes a weight
+    torch.testing.assert_close(down.quant.weight(down, torch.float32),
+                               dense.engine.model.layers[0].mlp.down_proj.weight, rtol=0, atol=1e-6)
+    a, b = (llm.generate(PROMPTS, GREEDY, use_tqdm=False) for llm in (kept, dense))
+    assert [o.outputs[0].token_ids for o in a] == [o.outputs[0].token_ids for o in b]
 
 
 @pytest.mark.parametrize("arch", ["llama", "mistral", "qwen3"])

@@ -19,8 +19,8 @@ SCRIPT = REPO / "tools" / "gpu_check.sh"
 sys.path.insert(0, str(REPO / "tools"))
 import gpu_summary  # noqa: E402
 
-STAGES = ["env", "kernel-cache", "tests", "kernel-bench", "latency-8b", "feature-tests", "moe-bench", "swap-bench",
-          "latency-1b"]
+STAGES = ["env", "kernel-cache", "tests", "kernel-bench", "latency-8b", "quant-bench", "feature-tests", "moe-bench",
+          "swap-bench", "latency-1b"]
 
 
 def run_check(tmp_path, *args, timeout=240, **env):
@@ -95,6 +95,35 @@ def test_the_deadline_cuts_and_skips_stages(tmp_path):
     # once skipped for time, a stage needing at least as much is skipped too
     assert "latency-8b" in skipped  # needs 9 s, never left after four 4-5 s stages
     assert "kiln GPU check summary" in proc.stdout
+
+
+def test_quant_bench_stage_dry_run(tmp_path):
+    """The quant-bench stage runs (simulated) right after latency-8b, under its own limit."""
+    proc, stages, _ = run_check(tmp_path, "--dry-run", "latency-8b", "quant-bench")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert stages["quant-bench"]["status"] == "ok"
+    assert stages["quant-bench"]["order"] == stages["latency-8b"]["order"] + 1
+    assert "== quant-bench (limit 160s" in proc.stdout
+    # skipped by the deadline like any stage: 60 s left is under its 70 s minimum
+    proc, stages, _ = run_check(tmp_path, "quant-bench", DEADLINE_S=60, GPU_CHECK_SIMULATE_S=1)
+    assert stages["quant-bench"]["status"] == "skipped" and stages["quant-bench"]["reason"].startswith("deadline:")
+
+
+def test_quant_compare_ratios_and_missing_figures(tmp_path):
+    from engine.bench import quant_compare
+
+    bf16, int4, fp8 = tmp_path / "bf16.json", tmp_path / "int4.json", tmp_path / "fp8.json"
+    bf16.write_text(json.dumps([{"batch_size": 1, "ms_per_step_median": 5.0, "weight_GB": 16.0},
+                                {"batch_size": 64, "ms_per_step_median": 20.0, "decode_tok_per_s": 3200.0}]))
+    int4.write_text(json.dumps({"batch_size": 1, "ms_per_step_median": 1.8, "weight_GB": 5.2}))
+    fp8.write_text(json.dumps({"batch_size": 64, "decode_tok_per_s": 4800.0}))
+    out = tmp_path / "q.json"
+    assert quant_compare.main(["--bf16", str(bf16), "--int4", str(int4), "--fp8", str(fp8), "--json", str(out)]) == 0
+    r = json.loads(out.read_text())
+    assert r["int4_over_bf16_ms"] == pytest.approx(0.36) and r["int4_verdict"] == "MET"
+    assert r["fp8_over_bf16_tok_s"] == pytest.approx(1.5) and r["notes"] == []
+    r = quant_compare.compare(None, str(int4), str(tmp_path / "absent.json"))
+    assert "int4_over_bf16_ms" not in r and r["notes"] == ["int4 batch 1: no bf16 figure", "fp8 batch 64: no bf16 figure"]
 
 
 def test_unknown_stage_is_refused(tmp_path):

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from engine import SamplingParams
-from engine.quant import int_formats
+from engine.quant import int4_packed, int_formats
 from engine.quant.linear import FP8, Fp8Method, quantize_fp8_acts
 from tests.quant_checkpoints import write_fp8, write_quantized
 
@@ -135,9 +135,22 @@ def test_int_checkpoint_equals_dequantised(fmt, opts, tiny_models, make_llm, tmp
     quant_dir, ref_dir = write_quantized(tiny_models[arch], tmp_path, fmt, **opts)
     llm = make_llm(quant_dir)
     qkv = llm.engine.model.layers[0].self_attn.qkv_proj
-    assert qkv.weight is None and qkv.qweight.dtype == torch.uint8
-    assert qkv.qweight.shape[1] == qkv.in_features // (2 if opts["bits"] == 4 else 1)
-    assert _greedy(llm) == _greedy(make_llm(ref_dir))
+    assert qkv.weight is None
+    greedy = _greedy(llm)
+    assert greedy == _greedy(make_llm(ref_dir))
+    if opts["bits"] == 8:  # (no packed int8 kernel: the reference path)
+        assert qkv.qweight.dtype == torch.uint8 and qkv.qweight.shape[1] == qkv.in_features
+        return
+    # int4: torch's packed kernel, act-order as a column permutation; the same tokens as the
+    # dequantise-on-the-fly reference path
+    assert qkv.quant is int4_packed.PACKED and qkv.int4_packed.dtype == torch.uint8
+    reference = make_llm(quant_dir, int4_kernel="reference")
+    ref_qkv = reference.engine.model.layers[0].self_attn.qkv_proj
+    assert ref_qkv.qweight.shape[1] == qkv.in_features // 2
+    # (GPTQ act-order with several groups has a real permutation; compressed-tensors' keeps groups in order)
+    assert ref_qkv.act_order == (fmt == "gptq" and opts.get("act_order", False) and opts["group_size"] < qkv.in_features)
+    assert (qkv.int4_perm is not None) == ref_qkv.act_order
+    assert greedy == _greedy(reference)
 
 
 @pytest.mark.parametrize("strategy,acts", [("channel", None), ("tensor", None)])

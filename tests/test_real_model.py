@@ -45,6 +45,12 @@ def test_metadata_config_and_tokenizer(smol_llm):
     tok = smol_llm.tokenizer
     assert tok.decode(tok.encode("Hello, world!", add_special_tokens=False)) == "Hello, world!"
     assert "<|im_start|>" in tok.chat_template
+    # the Q4_1 projections stay int4 in memory (torch's packed layout), not dequantised
+    from engine.quant.int4_packed import PACKED
+
+    layer = smol_llm.engine.model.layers[0]
+    assert all(m.quant is PACKED and m.weight is None for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
+                                                                   layer.mlp.gate_up_proj, layer.mlp.down_proj))
 
 
 def test_greedy_matches_transformers(smollm2, smol_llm):

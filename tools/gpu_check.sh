@@ -12,13 +12,17 @@
 #   kernel-bench      60    30   decode/prefill kernels vs torch on a quiet GPU (kernel gens that passed)
 #   latency-8b       150    90   Llama-3.1-8B shape, bf16, batch 1 and 64 (transformers' figures are
 #                                known: 21.96 ms/step and 2,734 tok/s, not re-measured)
+#   quant-bench      160    70   the same 8B shape quantised, against latency-8b's bf16 figures of this
+#                                run: GPTQ int4 (torch's _weight_int4pack_mm) batch 1 ms/step (target
+#                                <= 0.4x bf16), FP8 W8A8 (dynamic per-token) batch 64 tok/s; input and output 128 as there
 #   feature-tests     90    40   MoE, LoRA, spec decode, structured output with decode graphs
 #   moe-bench         30    15   kiln::moe_experts grouped vs dense
 #   swap-bench        30    15   KV swap GB/s
 #   latency-1b        90    60   Llama-3.2-1B shape, batch 1 and 64
 # Budget: DEADLINE_S (default 500) for all stages; a stage runs for min(its max, what is left) and
 # is skipped when less than its min is left. The maxima up to latency-8b add up to 490 s, so the
-# 8B figures are always reached. Each stage writes WORK/<stage>.stage.json (status, seconds, pytest
+# 8B figures are always reached; quant-bench comes next, with what the earlier stages left (their
+# maxima are not shortened for it: it runs whenever they finish at least 60 s under them). Each stage writes WORK/<stage>.stage.json (status, seconds, pytest
 # counts, its result JSON); after every stage the table is printed to $OUT/summary.txt, all of it
 # is merged into $OUT/summary.json and packed with the logs into $OUT/gpu_check.tar.gz (3 files:
 # the device tool returns at most 8). The table prints even when stages fail or are skipped.
@@ -53,11 +57,11 @@ KCACHE=$REPO/build/kernels
 export KILN_KERNEL_CACHE_DIR=$KCACHE KILN_CACHE_DIR=${KILN_CACHE_DIR:-/tmp/kiln-cache}
 DEADLINE_S=${DEADLINE_S:-500}
 SIMULATE_S=${GPU_CHECK_SIMULATE_S:-}
-ALL_STAGES=(env kernel-cache tests kernel-bench latency-8b feature-tests moe-bench swap-bench latency-1b)
+ALL_STAGES=(env kernel-cache tests kernel-bench latency-8b quant-bench feature-tests moe-bench swap-bench latency-1b)
 declare -A MAX_S=([env]=40 [kernel-cache]=40 [tests]=200 [kernel-bench]=60 [latency-8b]=150 [feature-tests]=90
-                  [moe-bench]=30 [swap-bench]=30 [latency-1b]=90)
+                  [moe-bench]=30 [swap-bench]=30 [latency-1b]=90 [quant-bench]=160)
 declare -A MIN_S=([env]=5 [kernel-cache]=10 [tests]=60 [kernel-bench]=30 [latency-8b]=90 [feature-tests]=40
-                  [moe-bench]=15 [swap-bench]=15 [latency-1b]=60)
+                  [moe-bench]=15 [swap-bench]=15 [latency-1b]=60 [quant-bench]=70)
 # GPU_CHECK_SCALE=N divides every stage's max and min (at least 1 s): the CPU test of the deadline logic.
 SCALE=${GPU_CHECK_SCALE:-1}
 for k in "${!MAX_S[@]}"; do
@@ -190,6 +194,21 @@ stage_tests() {
   return $rc
 }
 
+stage_quant_bench() {
+  # Two engines of the 8B shape: int4 under half the limit, fp8 under what is then left (less 5 s
+  # for the comparison); bf16 from this run's latency-8b.
+  local t0=$(date +%s) common=(--preset llama-3.1-8b --input-len 128 --output-len 128 --warmup-steps 4)
+  timeout $(( LIMIT / 2 )) $PY -m engine.bench.latency "${common[@]}" --quantization gptq --batch-size 1 \
+    --json "$WORK/quant-int4.json"; local r1=$?
+  local left=$(( LIMIT - ($(date +%s) - t0) - 5 )); [ "$left" -lt 1 ] && left=1
+  timeout "$left" $PY -m engine.bench.latency "${common[@]}" --quantization fp8 --batch-size 64 \
+    --json "$WORK/quant-fp8.json"; local r2=$?
+  $PY -m engine.bench.quant_compare --bf16 "$WORK/latency-8b.json" --int4 "$WORK/quant-int4.json" \
+    --fp8 "$WORK/quant-fp8.json" --json "$WORK/quant-bench.json"
+  [ "$r1" -ne 0 ] && return "$r1"
+  return "$r2"
+}
+
 for stage in "${STAGES[@]}"; do
   LAST_STATUS=""
   case $stage in
@@ -216,6 +235,8 @@ for stage in "${STAGES[@]}"; do
     latency-8b)
       run_stage latency-8b $PY -m engine.bench.latency --preset llama-3.1-8b \
         --batch-size 1,64 --input-len 128 --output-len 128 --json "$WORK/latency-8b.json" ;;
+    quant-bench)
+      run_stage quant-bench stage_quant_bench ;;
     feature-tests)
       run_stage feature-tests $PY -m pytest -q -p no:cacheprovider -m gpu \
         --timeout 80 tests/test_features_gpu.py --junitxml="$WORK/feature-tests.xml" ;;

@@ -14,7 +14,7 @@ from engine.distributed.parallel import TensorParallel, first_kv_head, local_hea
 from engine.models.config import ModelConfig
 from engine.models.glm import hf_weight_name
 from engine.models.llama import LlamaForCausalLM
-from engine.quant import gguf_file
+from engine.quant import gguf_file, gguf_quant
 from engine.quant import loading as quant_loading
 from engine.quant.config import QuantConfig, forced, from_hf
 
@@ -174,13 +174,16 @@ def _read(hf_name: str, shape: tuple[int, ...], read, source: Source | None) -> 
 def load_model(model_dir: Path, config: ModelConfig, dtype: torch.dtype, device: torch.device,
                max_positions: int, load_format: str = "auto", seed: int = 0,
                lora: tuple[int, int] | None = None, quantization: str | None = None,
+               int4_kernel: str = "auto", gguf_dequantize: bool = False,
                tp: TensorParallel | None = None) -> LlamaForCausalLM:
     """lora: (slots, max rank) to make room for LoRA adapters (engine/lora.py), or None.
     quantization: the `quantization` setting (None: the checkpoint's own quantization_config).
     tp: this rank's place in a tensor-parallel group: the model is this rank's shard, and only
-    this rank's slice of each weight is read from the checkpoint."""
+    this rank's slice of each weight is read from the checkpoint (a GGUF file's tensors are then
+    dequantised: quantised blocks are not sliced)."""
     quant = quant_config(config, quantization, load_format)
     if tp is not None and tp.world_size > 1:
+        gguf_dequantize = True
         if quant is not None:
             raise ValueError(f"quantization: quantised models ({quant.name}) are not supported with "
                              f"tensor_parallel_size > 1 yet")
@@ -191,7 +194,9 @@ def load_model(model_dir: Path, config: ModelConfig, dtype: torch.dtype, device:
         if lora is not None:
             model.enable_lora(*lora)
         if quant is not None and not quant.quantize_at_load:
-            quant_loading.prepare(model, quant)
+            quant_loading.prepare(model, quant, dtype, int4_kernel)
+        gguf_kept = gguf_quant.prepare(model, model_dir, lambda n: _target(model, n), dtype, device, int4_kernel) \
+            if quant is None and load_format != "dummy" and gguf_file.is_gguf(model_dir) and not gguf_dequantize else {}
     model = model.to_empty(device=device)
     quant_loading.cast_except_quantized(model, dtype)
     for name, buffer in model.named_buffers():
@@ -205,7 +210,7 @@ def load_model(model_dir: Path, config: ModelConfig, dtype: torch.dtype, device:
         _init_dummy(model, seed, max_positions)
         quant_loading.init_dummy(model, seed)
     elif gguf_file.is_gguf(model_dir):
-        _load_gguf(model, model_dir)
+        _load_gguf(model, model_dir, gguf_quant.load(model, model_dir, gguf_kept, dtype, device))
     else:
         _load_safetensors(model, model_dir, None if quant is None or quant.quantize_at_load else quant)
     if quant is not None and quant.quantize_at_load:
@@ -213,6 +218,7 @@ def load_model(model_dir: Path, config: ModelConfig, dtype: torch.dtype, device:
             quant_loading.quantize_loaded(model, quant)
         else:
             raise ValueError("quantization: fp8 at load is for safetensors checkpoints, not GGUF files")
+    quant_loading.finish(model, dtype, int4_kernel)  # int4 layers -> the packed int4 kernels' layout
     return model.eval().requires_grad_(False)
 
 
@@ -325,12 +331,13 @@ def _load_safetensors(model: LlamaForCausalLM, model_dir: Path, quant: QuantConf
 
 
 @torch.no_grad()
-def _load_gguf(model: LlamaForCausalLM, path: Path) -> None:
-    """Dequantise a GGUF file's tensors one by one into the model (llama.cpp's --gguf-dequantize)."""
+def _load_gguf(model: LlamaForCausalLM, path: Path, skip: set[str] = frozenset()) -> None:
+    """Dequantise a GGUF file's tensors one by one into the model (llama.cpp's --gguf-dequantize);
+    skip: those engine/quant/gguf_quant.py loaded kept quantised."""
     cfg = model.config
     filler = _Filler(model)
     for hf_name, tensor in gguf_file.iter_tensors(path, cfg.num_heads, cfg.num_kv_heads,
                                                   gemma_norms=cfg.norm_weight_offset != 0.0,
-                                                  sandwich=cfg.sandwich_norms):
+                                                  sandwich=cfg.sandwich_norms, skip=skip):
         filler.put(hf_name, tensor)
     filler.check_complete(path)

@@ -153,7 +153,8 @@ def read_header(path: str | Path) -> tuple[dict[str, Any], list[TensorInfo]]:
     return meta, tensors
 
 
-def _hf_name(gguf_name: str, sandwich: bool) -> str | None:
+def hf_name(gguf_name: str, sandwich: bool) -> str | None:
+    """The HF name of a GGUF tensor (None: one kiln derives itself)."""
     if gguf_name in _TOP_NAMES:
         return _TOP_NAMES[gguf_name]
     if gguf_name in _SKIPPED:
@@ -166,30 +167,32 @@ def _hf_name(gguf_name: str, sandwich: bool) -> str | None:
     return f"model.layers.{m.group(1)}.{part}.{m.group(3)}"
 
 
-def _unpermute(w: torch.Tensor, n_head: int) -> torch.Tensor:
+def unpermute_rows(w: torch.Tensor, n_head: int) -> torch.Tensor:
     """Undo llama.cpp's q/k row order (its rotary pairs adjacent dims, HF's pairs the two halves)."""
     rows = w.shape[0]
     return w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
 
 
 def iter_tensors(path: str | Path, num_heads: int, num_kv_heads: int,
-                 gemma_norms: bool, sandwich: bool) -> Iterator[tuple[str, torch.Tensor]]:
+                 gemma_norms: bool, sandwich: bool, skip: frozenset[str] | set[str] = frozenset()
+                 ) -> Iterator[tuple[str, torch.Tensor]]:
     """(HF name, float32 tensor) for each weight, one at a time (peak memory: one tensor).
-    gemma_norms: norm weights are stored as 1 + w (Gemma); sandwich: Gemma 2/3's four norms."""
+    gemma_norms: norm weights are stored as 1 + w (Gemma); sandwich: Gemma 2/3's four norms;
+    skip: GGUF tensor names loaded elsewhere (kept quantised: engine/quant/gguf_quant.py)."""
     meta, tensors = read_header(path)
     permuted = meta.get("general.architecture") == "llama"  # (Mistral GGUFs are written as llama too)
     with open(path, "rb") as f:
         for t in tensors:
-            name = _hf_name(t.name, sandwich)
-            if name is None:
+            name = hf_name(t.name, sandwich)
+            if name is None or t.name in skip:
                 continue
             f.seek(t.offset)
             raw = torch.frombuffer(bytearray(f.read(t.nbytes)), dtype=torch.uint8)
             w = dequantize(raw, t.type_id, t.shape)
             if permuted and ".self_attn.q_proj." in name:
-                w = _unpermute(w, num_heads)
+                w = unpermute_rows(w, num_heads)
             elif permuted and ".self_attn.k_proj." in name:
-                w = _unpermute(w, num_kv_heads)
+                w = unpermute_rows(w, num_kv_heads)
             if gemma_norms and name.endswith("norm.weight"):
                 w = w - 1.0
             yield name, w

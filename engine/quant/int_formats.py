@@ -32,10 +32,11 @@ AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
 def unpack_int32(packed: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
     """int32 words -> their 32/bits values each, laid out along `dim` (value k at bits k*bits)."""
     per = 32 // bits
-    shifts = torch.arange(0, 32, bits, dtype=torch.int32, device=packed.device)
     p = packed.to(torch.int32).movedim(dim, -1)
-    vals = (p[..., None] >> shifts) & ((1 << bits) - 1)  # [..., words, per]
-    return vals.reshape(*p.shape[:-1], p.shape[-1] * per).movedim(-1, dim).to(torch.uint8)
+    vals = torch.empty(*p.shape, per, dtype=torch.uint8, device=packed.device)  # [..., words, per]
+    for k in range(per):  # (one value at a time: temporaries of the packed size, not 4 bytes a value)
+        vals[..., k] = ((p >> (k * bits)) & ((1 << bits) - 1)).to(torch.uint8)
+    return vals.reshape(*p.shape[:-1], p.shape[-1] * per).movedim(-1, dim)
 
 
 def pack_nibbles(q: torch.Tensor) -> torch.Tensor:

@@ -29,6 +29,7 @@ class IntWeightMethod:
     def __init__(self, config: QuantConfig) -> None:
         self.bits = config.bits
         self.group_size = config.group_size
+        self.repack_dtype: torch.dtype | None = None  # set: each layer moves to int4_packed.py once loaded
 
     def num_groups(self, in_features: int) -> int:
         return 1 if self.group_size <= 0 else -(-in_features // self.group_size)

@@ -7,15 +7,18 @@ full-precision model (peak: the quantised model plus one module's checkpoint ten
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import Callable
 
 import torch
 from torch import nn
 
-from engine.quant import int_formats
+from engine.quant import int4_packed, int_formats
 from engine.quant.config import QuantConfig
-from engine.quant.linear import FP8, attach, make_method, quantize_fp8_rows
+from engine.quant.linear import FP8, IntWeightMethod, attach, make_method, quantize_fp8_rows
+
+logger = logging.getLogger(__name__)
 
 # The checkpoint tensors of one quantised HF module, by layout.
 SUFFIXES = {
@@ -24,7 +27,8 @@ SUFFIXES = {
     "ct-int": ("weight_packed", "weight_scale", "weight_zero_point", "weight_shape", "weight_g_idx"),
     "fp8": ("weight", "weight_scale", "input_scale"),
 }
-QUANT_BUFFERS = ("qweight", "zeros", "scales", "g_idx", "weight_fp8", "weight_scale", "input_scale")
+QUANT_BUFFERS = ("qweight", "zeros", "scales", "g_idx", "weight_fp8", "weight_scale", "input_scale",
+                 *int4_packed.BUFFERS)
 
 
 def suffixes(config: QuantConfig) -> tuple[str, ...]:
@@ -41,11 +45,16 @@ def quantized_linears(model: nn.Module) -> dict[str, nn.Module]:
     return {name: m for name, m in model.named_modules() if isinstance(m, Linear) and name.startswith("layers.")}
 
 
-def prepare(model: nn.Module, config: QuantConfig) -> None:
-    """On the meta-built model: quantised layers get their buffers instead of a dense weight."""
+def prepare(model: nn.Module, config: QuantConfig, dtype: torch.dtype | None = None,
+            int4_kernel: str = "auto") -> None:
+    """On the meta-built model: quantised layers get their buffers instead of a dense weight.
+    dtype given and int4_kernel "auto": int4 layers move to the packed kernels' layout as soon
+    as each is loaded (so the unpacked and packed forms never coexist for the whole model)."""
     if model.config.is_moe:
         raise ValueError("quantization: mixture-of-experts models are not supported quantised")
     method = make_method(config)
+    if isinstance(method, IntWeightMethod) and method.bits == 4 and int4_kernel == "auto":
+        method.repack_dtype = dtype
     for module in quantized_linears(model).values():
         attach(module, method, "meta")
 
@@ -125,6 +134,7 @@ def load_quantized(model: nn.Module, config: QuantConfig, index: dict[str, Path]
             groups.setdefault(prefix, {})[suffix] = name
     consumed: set[str] = set()
     seen: dict = {}
+    left: dict[str, list[str]] = {}
     for prefix, names in groups.items():
         hit = target(prefix + ".weight")
         if hit is None:
@@ -139,10 +149,13 @@ def load_quantized(model: nn.Module, config: QuantConfig, index: dict[str, Path]
                 tensors[suffix] = f.get_tensor(name)
         fill_module(module, idx[0] if idx else None, config, tensors, prefix, seen)
         consumed.update(names.values())
+        if seen[id(module)] == module.out_features and getattr(module.quant, "repack_dtype", None) is not None:
+            _repack(module, kiln_name.removesuffix(".weight"), module.quant.repack_dtype, left)
     missing = [n for n, m in linears.items() if seen.get(id(m), 0) != m.out_features]
     if missing:
         raise ValueError(f"quantization: the checkpoint lacks quantised weights for {missing[:4]}"
                          f"{' ...' if len(missing) > 4 else ''} ({config.name})")
+    _log_left(left)
     return consumed
 
 
@@ -177,3 +190,53 @@ def init_dummy(model: nn.Module, seed: int) -> None:
             module.weight_scale.fill_(0.02)
             if hasattr(module, "input_scale"):
                 module.input_scale.fill_(0.05)
+
+
+def _repack(module: nn.Module, name: str, dtype: torch.dtype, left: dict[str, list[str]]) -> None:
+    reason = int4_packed.repack(module, dtype)
+    if reason:
+        module.quant.repack_dtype = None  # (stays on the reference path: not tried again)
+        left.setdefault(reason, []).append(name)
+    elif module.int4_packed.device.type == "cpu":
+        _return_freed_memory()
+
+
+def _return_freed_memory() -> None:
+    """Hand the heap memory freed by a layer's unpacked form back to the OS (glibc keeps freed
+    blocks under its dynamic mmap threshold, up to 32 MB each, for reuse; without this the
+    resident size of a CPU load grows by the unpacked model). A no-op where libc has no malloc_trim."""
+    global _LIBC
+    if _LIBC is None:
+        import ctypes
+
+        try:
+            _LIBC = ctypes.CDLL("libc.so.6")
+            _LIBC.malloc_trim
+        except (OSError, AttributeError):
+            _LIBC = False
+    if _LIBC:
+        _LIBC.malloc_trim(0)
+
+
+_LIBC = None  # ctypes handle of glibc once looked up (False: none)
+
+
+def _log_left(left: dict[str, list[str]]) -> None:
+    for reason, names in left.items():
+        logger.info("int4: %d layers stay on the dequantise-on-the-fly path (%s), e.g. %s", len(names), reason, names[0])
+
+
+def finish(model: nn.Module, dtype: torch.dtype, int4_kernel: str = "auto") -> dict[str, list[str]]:
+    """After the weights are in: int4 layers not packed while loading (dummy weights, or
+    prepare() without a dtype) move to torch's packed int4 kernels (int4_packed.py) unless
+    int4_kernel is "reference"; each one that cannot stays on dequantise-on-the-fly.
+    Returns {reason: [layer names]} for those (logged)."""
+    left: dict[str, list[str]] = {}
+    if int4_kernel == "reference":
+        return left
+    for name, module in quantized_linears(model).items():
+        method = getattr(module, "quant", None)
+        if isinstance(method, IntWeightMethod) and method.bits == 4 and method.repack_dtype is not None:
+            _repack(module, name, dtype, left)
+    _log_left(left)
+    return left

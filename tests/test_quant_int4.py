@@ -1,0 +1,226 @@
+"""int4 layers on torch's packed int4 kernels (engine/quant/int4_packed.py) against the
+dequantised matmul of the same weights.
+
+Tolerances: float32 activations: the weight the kernel applies is bit-identical to the dequantised
+one (zero = (8 - z) * s is exact), only the summation order differs -> rtol 1e-5 of the output's
+scale. bfloat16: the kernel's scales and zeros are bf16 (the reference dequantises in float32 then
+rounds the weight to bf16) and it accumulates differently -> 2e-2 of the output's scale.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.quant import int4_packed, int_formats
+from engine.quant.config import QuantConfig
+from engine.quant.linear import IntWeightMethod
+
+
+def _layer(out: int, inp: int, group: int, sym: bool = True, g_idx: torch.Tensor | None = None,
+           bias: bool = False, seed: int = 0) -> torch.nn.Linear:
+    """A linear layer in kiln's int4 layout with random levels, scales and zero points."""
+    gen = torch.Generator().manual_seed(seed)
+    m = torch.nn.Linear(inp, out, bias=bias)
+    if bias:
+        m.bias.data.normal_(generator=gen)
+    method = IntWeightMethod(QuantConfig("int", "gptq", 4, group, sym=sym))
+    del m.weight
+    m.register_parameter("weight", None)
+    method.create(m, "cpu")
+    m.quant = method
+    groups = m.scales.shape[1]
+    m.qweight.copy_(torch.randint(0, 256, m.qweight.shape, generator=gen, dtype=torch.uint8))
+    m.scales.copy_((torch.rand(out, groups, generator=gen) * 0.02 + 0.001).half().float())
+    m.zeros.fill_(8) if sym else m.zeros.copy_(torch.randint(0, 16, (out, groups), generator=gen, dtype=torch.uint8))
+    if g_idx is not None:
+        m.g_idx.copy_(g_idx)
+        m.act_order = True
+    return m
+
+
+def _act_order_g_idx(inp: int, group: int, seed: int = 1) -> torch.Tensor:
+    perm = torch.randperm(inp, generator=torch.Generator().manual_seed(seed))
+    g = torch.empty(inp, dtype=torch.int32)
+    g[perm] = (torch.arange(inp) // group).to(torch.int32)
+    return g
+
+
+def _close(y: torch.Tensor, want: torch.Tensor, rel: float) -> None:
+    err = (y.float() - want.float()).abs().max().item()
+    assert err <= rel * want.float().abs().max().item(), err
+
+
+CASES = [  # (out, in, group, sym, act-order)
+    (64, 256, 32, True, False),
+    (48, 256, 64, False, False),
+    (96, 512, 128, False, True),
+    (64, 512, 256, True, False),
+    (80, 384, -1, False, False),  # per channel: kernel group 128 (the largest dividing 384)
+    (32, 256, 32, False, True),
+]
+
+
+@pytest.mark.parametrize("out,inp,group,sym,act", CASES)
+@pytest.mark.parametrize("dtype,rel", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+def test_packed_matmul_matches_dequantised(out, inp, group, sym, act, dtype, rel):
+    g_idx = _act_order_g_idx(inp, group) if act else None
+    m = _layer(out, inp, group, sym, g_idx, bias=True)
+    m.bias.data = m.bias.data.to(dtype)  # (the model casts biases to its dtype)
+    w = m.quant.weight(m, torch.float32)  # the reference: dequantised in float32
+    x = torch.randn(2, 3, inp, generator=torch.Generator().manual_seed(5))
+    want = (x.to(dtype).float() @ w.to(dtype).float().t() + m.bias.float()).to(dtype)
+    assert int4_packed.repack(m, dtype) is None
+    assert m.quant is int4_packed.PACKED and not hasattr(m, "qweight")
+    assert (m.int4_perm is not None) == act
+    y = m.quant.apply(m, x.to(dtype))
+    assert y.shape == (2, 3, out) and y.dtype == dtype
+    _close(y, want, rel)
+    # the dense weight back out of the packed layout (baselines): exact in float32
+    back = m.quant.weight(m, torch.float32)
+    if dtype == torch.float32:
+        assert torch.equal(back, w)
+    else:
+        _close(back, w, 1e-2)
+
+
+def test_packing_in_row_chunks_equals_whole(monkeypatch):
+    m = _layer(208, 256, 64, sym=False)
+    perm = torch.randperm(256)
+    whole = torch.ops.aten._convert_weight_to_int4pack_for_cpu(
+        int_formats.unpack_nibbles(m.qweight)[:, perm].to(torch.int32).contiguous(), 1)
+    monkeypatch.setattr(int4_packed, "ROW_CHUNK", 64)  # 64 + 64 + 64 + a ragged 16
+    assert torch.equal(int4_packed.convert(m.qweight, perm, torch.device("cpu")), whole)
+
+
+def test_what_stays_on_the_reference_path():
+    cpu = torch.device("cpu")
+    assert int4_packed.unsupported(64, 256, 8, 32, cpu, torch.float32) == "8-bit weights"
+    assert "group size 16" in int4_packed.unsupported(64, 256, 4, 16, cpu, torch.float32)
+    assert "group size 32" in int4_packed.unsupported(64, 80, 4, 32, cpu, torch.float32)  # ragged last group
+    assert int4_packed.unsupported(64, 96, 4, -1, cpu, torch.float32) is None  # per channel: group 32
+    assert "multiple of 16" in int4_packed.unsupported(40, 256, 4, 32, cpu, torch.float32)
+    assert int4_packed.unsupported(64, 256, 4, 32, cpu, torch.bfloat16) is None
+    assert int4_packed.packed_group(384, -1) == 128 and int4_packed.packed_group(100, -1) is None
+    # act-order whose groups are not runs of one size: refused, the layer keeps its layout
+    g = torch.zeros(256, dtype=torch.int32)
+    g[200:] = 1
+    m = _layer(64, 256, 32, g_idx=g)
+    assert "act-order" in int4_packed.repack(m, torch.float32)
+    assert m.quant is not int4_packed.PACKED and m.qweight.shape == (64, 128)
+
+
+# ---- CUDA: torch's tinygemm kernel (_weight_int4pack_mm) -------------------------------------
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("out,inp,group,sym,act", [(4096, 4096, 128, True, False), (1024, 2048, 64, False, True),
+                                                   (6144, 4096, -1, False, False)])
+def test_cuda_packed_matmul_matches_dequantised_and_replays_in_a_graph(out, inp, group, sym, act):
+    """bf16 activations (the only dtype the CUDA kernel takes): within 2e-2 of the output's scale
+    of the dequantised matmul, and the same inside a CUDA graph replayed on new inputs."""
+    dev = torch.device("cuda")
+    m = _layer(out, inp, group, sym, _act_order_g_idx(inp, group) if act else None).to(dev)
+    w = m.quant.weight(m, torch.float32)
+    assert int4_packed.repack(m, torch.bfloat16) is None and m.int4_packed.is_cuda
+    x = torch.randn(3, inp, device=dev, dtype=torch.bfloat16)
+    _close(m.quant.apply(m, x), (x.float() @ w.t()).bfloat16(), 2e-2)
+    _close(m.quant.weight(m, torch.float32), w, 1e-2)
+    static_x = torch.zeros(1, inp, device=dev, dtype=torch.bfloat16)
+    m.quant.apply(m, static_x)  # warm-up outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_y = m.quant.apply(m, static_x)
+    for seed in range(2):
+        static_x.copy_(torch.randn(1, inp, device=dev, dtype=torch.bfloat16, generator=torch.Generator(dev).manual_seed(seed)))
+        graph.replay()
+        _close(static_y, (static_x.float() @ w.t()).bfloat16(), 2e-2)
+
+
+# ---- kiln's own W4A16 kernel (templates/w4a16_gemm.cu.j2) ---------------------------------------
+
+def _emulate_w4a16(x, packed, scales, offsets, group):
+    """What the kernel computes, fragment by fragment, in float: per 16-row weight tile and MMA step,
+    each lane's A registers dequantised from the bytes the kernel reads (8 at offset 8t of the chunk,
+    byte 2s + h) and placed where PTX's m16n8k16 A fragment puts them; B from x likewise."""
+    m_total, k_total = x.shape
+    n_total = packed.shape[0]
+    y = torch.zeros(m_total, n_total)
+    xb = torch.zeros(8 * -(-m_total // 8), k_total)
+    xb[:m_total] = x.float()
+    for n0 in range(0, n_total, 16):
+        for m0 in range(0, xb.shape[0], 8):
+            c = torch.zeros(16, 8)
+            for ch in range(k_total // 64):
+                for s in range(4):
+                    k0 = ch * 64 + 16 * s
+                    gi = k0 // group
+                    a = torch.zeros(16, 16)
+                    b = xb[m0:m0 + 8, k0:k0 + 16].t()  # B[k][n]: token n's k (fragment: x[m][k0 + 2t ...])
+                    for lane in range(32):
+                        g, t = lane // 4, lane % 4
+                        for row in (g, g + 8):
+                            own = packed[n0 + row, ch * 32 + 8 * t: ch * 32 + 8 * t + 8]
+                            for h in range(2):
+                                byte = int(own[2 * s + h])
+                                sc, of = scales[n0 + row, gi].item(), offsets[n0 + row, gi].item()
+                                col = 2 * t + 8 * h
+                                a[row, col] = (byte & 15) * sc + of
+                                a[row, col + 1] = (byte >> 4) * sc + of
+                    c += a.bfloat16().float() @ b
+            rows = min(8, m_total - m0)
+            y[m0:m0 + rows, n0:n0 + 16] = c.t()[:rows]
+    return y
+
+
+def test_w4a16_layout_feeds_the_mma_fragments():
+    """pack_w4a16's byte order, read as the kernel reads it, rebuilds the weight (CPU emulation of
+    the kernel's indexing; the GPU test below runs the kernel itself)."""
+    from compiler.cutlass_ops import pack_w4a16, w4a16_unsupported
+
+    m = _layer(32, 128, 32, sym=False)
+    w = m.quant.weight(m, torch.float32)
+    offsets = -m.zeros.float() * m.scales
+    x = torch.randn(11, 128, generator=torch.Generator().manual_seed(3)).bfloat16()  # two token tiles
+    y = _emulate_w4a16(x, pack_w4a16(m.qweight), m.scales, offsets, 32)
+    _close(y, x.float() @ w.bfloat16().float().t(), 1e-3)
+    assert w4a16_unsupported(32, 128, 32) is None and "group size 24" in w4a16_unsupported(32, 128, 24)
+    assert "multiple of 64" in w4a16_unsupported(32, 96, 32)
+
+
+@pytest.fixture(scope="module")
+def w4a16_cache(tmp_path_factory):
+    from compiler.kernels import build as kbuild
+    from compiler.kernels.manifest import select_variants
+
+    if kbuild.find_nvcc() is None:
+        pytest.skip("nvcc not on PATH")
+    cache = tmp_path_factory.mktemp("w4a16-kernels")
+    kbuild.build_kernels(cache, select_variants(["w4a16_gemm_bf16"]), jobs=1, progress=False)
+    return cache
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m_tokens,out,inp,group", [(1, 4096, 4096, 128), (7, 1024, 2048, 32), (33, 512, 1024, 64)])
+def test_w4a16_kernel_matches_dequantised(w4a16_cache, m_tokens, out, inp, group):
+    """The kernel against the dequantised bf16 matmul (2e-2 of the output's scale: bf16 weights and
+    inputs, float32 accumulation in a different order), eager and replayed in a CUDA graph."""
+    from compiler.cutlass_ops import W4A16Gemm, pack_w4a16
+
+    dev = torch.device("cuda")
+    m = _layer(out, inp, group, sym=False)
+    w = m.quant.weight(m, torch.float32).to(dev)
+    offsets = (-m.zeros.float() * m.scales).to(dev).contiguous()
+    qw, scales = pack_w4a16(m.qweight).to(dev), m.scales.to(dev).contiguous()
+    gemm = W4A16Gemm(w4a16_cache, dev)
+    x = torch.randn(m_tokens, inp, device=dev, dtype=torch.bfloat16)
+    _close(gemm(x, qw, scales, offsets, group), (x.float() @ w.bfloat16().float().t()).bfloat16(), 2e-2)
+    static_x, static_y = torch.zeros_like(x), torch.empty(m_tokens, out, device=dev, dtype=torch.bfloat16)
+    gemm(static_x, qw, scales, offsets, group, out=static_y)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        gemm(static_x, qw, scales, offsets, group, out=static_y)
+    static_x.copy_(x)
+    graph.replay()
+    _close(static_y, (x.float() @ w.bfloat16().float().t()).bfloat16(), 2e-2)
