@@ -11,7 +11,8 @@ one is queued); this module picks the victim, chooses the mode and does the KV s
   * demotion: when nothing at all can run, swapped sequences that kept shared GPU blocks give
     them up and fall back to recompute;
   * the counters the metrics read (by mode, swap fallbacks) and the log line saying why.
-Queue membership (running / waiting / swapped) stays with the scheduler.
+It moves sequences between the scheduler's queues (lists it is handed at construction; the
+scheduler keeps `running` most urgent first and puts sequences in `waiting` by `to_waiting`).
 """
 
 from __future__ import annotations
@@ -31,10 +32,15 @@ PreemptionMode = Literal["auto", "swap", "recompute"]
 
 
 class Preemptor:
-    def __init__(self, mode: PreemptionMode, kv: KVAllocator, swapper: SwapSpace | None = None) -> None:
+    def __init__(self, mode: PreemptionMode, kv: KVAllocator, swapper: SwapSpace | None,
+                 running: list[Sequence], swapped: list[Sequence],
+                 to_waiting: Callable[[Sequence], None]) -> None:
         self.mode = mode
         self.kv = kv
         self.swapper = swapper
+        self.running = running
+        self.swapped = swapped
+        self.to_waiting = to_waiting
         self.num_preemptions = 0
         self.by_mode: dict[str, int] = {"recompute": 0, "swap": 0}
         self.num_swap_fallbacks = 0  # swapped sequences turned into recompute to unblock the queue
@@ -45,21 +51,42 @@ class Preemptor:
         self.floor = None
 
     # ---- victims ----
-    @staticmethod
-    def victim(running: list[Sequence]) -> Sequence:
+    def victim(self) -> Sequence:
         """Who gives way when blocks run out: `running` is kept most urgent first."""
-        return running[-1]
+        return self.running[-1]
 
-    @staticmethod
-    def less_urgent(running: list[Sequence], priority: int) -> list[Sequence]:
-        """Running sequences a queued one of `priority` may preempt."""
-        return [s for s in running if s.request.priority > priority]
-
-    def could_free(self, victims: list[Sequence]) -> int:
-        """GPU blocks preempting all of `victims` would free (shared blocks stay)."""
-        return self.kv.blocks_freed_by(victims)
+    def make_room(self, head: Sequence, budget: int, out: SchedulerOutput, fits: Callable[[], bool],
+                  seats_suffice: Callable[[list[Sequence]], bool]) -> None:
+        """Preempt running sequences less urgent than `head`, least urgent first, until it fits;
+        only if preempting all of them could make room at all (their seats, their unshared
+        blocks): never preempt for nothing."""
+        prio = head.request.priority
+        victims = [s for s in self.running if s.request.priority > prio]
+        if not victims or fits():
+            return
+        blocks = self.kv.available_for(prio) + self.kv.blocks_freed_by(victims)
+        if not seats_suffice(victims) or self.blocks_to_start(head, budget) > blocks:
+            return
+        reason = f"request {head.request.request_id} of priority {prio} needs room"
+        while self.running and self.running[-1].request.priority > prio and not fits():
+            self.preempt(self.running[-1], out, reason=reason)
 
     # ---- preempting ----
+    def blocks_to_start(self, seq: Sequence, budget: int) -> int:
+        """GPU blocks a queued sequence needs to run its next chunk (a swapped one: to come back)."""
+        num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+        if seq.status is SeqStatus.SWAPPED and self.swapper is not None:
+            return self.swapper.blocks_to_resume(seq, num_new)
+        return self.kv.blocks_needed(seq, num_new)
+
+    def release(self, seq: Sequence) -> None:
+        """A finished sequence gives back what it holds: its swap entry, or its blocks."""
+        if seq.status is SeqStatus.SWAPPED and self.swapper is not None:
+            self.swapper.discard(seq)
+            self.kv.forget(seq)
+        else:
+            self.kv.release(seq)
+
     def mode_for(self, seq: Sequence) -> str:
         """swap: to the CPU whenever it has room; auto: also only if copying the KV out and back
         is estimated to cost less than recomputing it (SwapSpace.can_swap_out); otherwise, and
@@ -68,10 +95,11 @@ class Preemptor:
             return "recompute"
         return "swap" if self.swapper.can_swap_out(seq, self.mode) else "recompute"
 
-    def preempt(self, seq: Sequence, out: SchedulerOutput, reason: str) -> tuple[str, str]:
-        """Take a sequence (already out of the running queue) off the device: swap its KV out
-        (status SWAPPED) or release it for recompute (no computed tokens left). Returns the
-        mode and the reason to report (see `report`)."""
+    def preempt(self, seq: Sequence, out: SchedulerOutput, reason: str) -> None:
+        """Take a running sequence off the device: swap its KV out (to `swapped`) or release it
+        for recompute (to `waiting`, no computed tokens left)."""
+        computed = seq.num_computed_tokens
+        self.running.remove(seq)
         mode = self.mode_for(seq)
         if self.mode == "auto" and self.swapper is not None:
             estimate = self.swapper.auto_estimate(seq)
@@ -88,31 +116,35 @@ class Preemptor:
             assert self.swapper is not None
             out.blocks_to_swap_out.extend(self.swapper.swap_out(seq))
             seq.status = SeqStatus.SWAPPED
+            self.swapped.append(seq)
         else:
             self.kv.release(seq)
             seq.num_computed_tokens = 0
+            self.to_waiting(seq)
             if self.mode != "recompute" and self.swapper is not None:
                 reason += f"; not swapped ({self.swapper.num_free} CPU blocks free, {self.mode} mode)"
-        return mode, reason
-
-    def report(self, seq: Sequence, mode: str, reason: str, computed: int) -> None:
         logger.info("preempted request %s (seq %d, priority %d, %d tokens of KV) by %s: %s",
-                    seq.request.request_id, seq.seq_id, seq.request.priority, computed, mode, reason)
+                    seq.request.request_id, seq.seq_id, prio, computed, mode, reason)
         if self.on_preempt is not None:
             self.on_preempt(seq, mode, reason)
 
     # ---- swapped sequences falling back to recompute ----
-    def demotable(self, swapped: list[Sequence], key: Callable[[Sequence], tuple]) -> list[Sequence]:
-        """Swapped sequences that kept shared GPU blocks, least urgent first."""
+    def demote_swapped(self, key: Callable[[Sequence], tuple]) -> bool:
+        """Swapped sequences that kept shared GPU blocks give them up and will be recomputed
+        (least urgent first by `key`). Only when nothing at all could be scheduled: those kept
+        blocks may be exactly what the queue head is missing. Returns whether any was demoted."""
         assert self.swapper is not None
-        return [s for s in sorted(swapped, key=key, reverse=True) if self.swapper.holds_gpu_blocks(s)]
-
-    def demote(self, seq: Sequence) -> None:
-        """A swapped sequence gives up its swap entry and kept GPU blocks: it will be recomputed."""
-        assert self.swapper is not None
-        self.swapper.discard(seq)
-        self.kv.forget(seq)
-        seq.num_computed_tokens = 0
-        self.num_swap_fallbacks += 1
-        logger.info("swapped request %s (seq %d) falls back to recompute: its shared GPU blocks "
-                    "are needed to make progress", seq.request.request_id, seq.seq_id)
+        demoted = False
+        for seq in sorted(self.swapped, key=key, reverse=True):
+            if not self.swapper.holds_gpu_blocks(seq):
+                continue
+            self.swapper.discard(seq)
+            self.kv.forget(seq)
+            self.swapped.remove(seq)
+            seq.num_computed_tokens = 0
+            self.to_waiting(seq)
+            self.num_swap_fallbacks += 1
+            demoted = True
+            logger.info("swapped request %s (seq %d) falls back to recompute: its shared GPU blocks "
+                        "are needed to make progress", seq.request.request_id, seq.seq_id)
+        return demoted

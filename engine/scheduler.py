@@ -3,7 +3,7 @@
 Pure CPU over ints and lists (no torch). Each step:
   1. running sequences first (decodes, and prefills already under way), in priority order;
      when KV blocks run out, the lowest-priority / most recent running sequence is preempted
-     (by swap to CPU or by recompute, see `_preemption_mode_for`);
+     (by swap to CPU or by recompute: engine/preemption.py);
   2. then swapped-out and waiting sequences, most urgent first (priority, swapped before
      waiting at equal priority, then arrival order): swapped ones come back, waiting ones are
      admitted, their prompts chunked to fit the token budget; prefix-cache hits skip the
@@ -11,13 +11,9 @@ Pure CPU over ints and lists (no torch). Each step:
 Before 1., a waiting or swapped sequence more urgent than some running ones may preempt
 them to make room (lower `priority` value = more urgent). A step that preempted admits only
 sequences strictly more urgent than everything it preempted (no thrash).
-The step's work is a SchedulerOutput of plain values that the runner turns into tensors.
-
-The scheduler keeps the policy (queues, priorities, budgets, admission order, chunking); KV
-block accounting is engine/kv/allocator.py's, preemption (victims, swap or recompute) is
-engine/preemption.py's, draft proposal limits and acceptance are engine/spec_decode.py's.
-Steady decoding is cheap: `running` stays sorted between steps, the seats in use are counted
-without a pass over it, and a decode that fits its last block reuses an earlier step's record.
+The step's work is a SchedulerOutput (engine/step_plan.py) that the runner turns into tensors.
+Here is the policy; KV block accounting is engine/kv/allocator.py's, draft limits and
+acceptance engine/spec_decode.py's, applying a step's results engine/step_results.py's.
 """
 
 from __future__ import annotations
@@ -27,17 +23,22 @@ import dataclasses
 import heapq
 import itertools
 import time
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable, Literal
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Literal
 
 from engine.kv.allocator import KVAllocator
 from engine.kv.block_pool import BlockPool
 from engine.preemption import Preemptor
+from engine.request import FinishReason, InvalidRequestError, Request, Sequence, SeqStatus
 from engine.spec_decode import SpecDecoder
+from engine.step_plan import PLACEHOLDER, ScheduledSeq, SchedulerOutput, sample_row_ranges
+from engine.step_results import StepResults
 
 if TYPE_CHECKING:
+    from engine.kv.swap import SwapSpace
     from engine.spec_decode import NgramProposer
-from engine.request import FinishReason, InvalidRequestError, Request, SamplingParams, Sequence, SeqStatus
+
+__all__ = ["PLACEHOLDER", "ScheduledSeq", "Scheduler", "SchedulerConfig", "SchedulerOutput", "sample_row_ranges"]
 
 
 @dataclass(frozen=True)
@@ -53,82 +54,6 @@ class SchedulerConfig:
     watermark_fraction: float = 0.01
 
 
-@dataclass
-class ScheduledSeq:
-    """One sequence's share of a step: `token_ids` at positions start_pos.. are computed."""
-
-    seq_id: int
-    token_ids: list[int]
-    start_pos: int
-    block_ids: list[int]  # the whole block table (shared list; read it, don't keep it)
-    do_sample: bool  # the chunk reaches the end of the sequence: sample the next token
-    num_samples: int  # n > 1 at a request's fork point, else 1
-    params: SamplingParams
-    all_token_ids: list[int]  # prompt + output so far (for penalties)
-    num_prompt_tokens: int
-    sample_index: int
-    grammars: list | None = None  # the request's grammar matchers, by sample index (structured outputs)
-    # Speculative decoding: token_ids is [last token, *drafts]; every position is sampled.
-    draft_token_ids: list[int] = field(default_factory=list)
-    lora_slot: int = -1  # the request's LoRA adapter slot (-1: none)
-    pooling: str | None = None  # an embedding request's pooling type: its hidden states, not a token
-    seq: Sequence | None = None  # the sequence itself (its state moves on after the step is launched)
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.token_ids)
-
-    @property
-    def advances_at_launch(self) -> bool:
-        """One sampled token at most and no fork, drafts or pooling: the scheduler counts the
-        tokens computed, and a placeholder for the sampled one, as soon as the step is launched."""
-        return not self.draft_token_ids and self.num_samples == 1 and not self.pooling
-
-
-def sample_row_ranges(seqs: list[ScheduledSeq]):
-    """(scheduled seq, range of its rows in the step's flat sampler output): one row per
-    sampling sequence, n at a fork point, none for a prefill chunk that does not end the prompt."""
-    k = 0
-    for s in seqs:
-        n = (1 + len(s.draft_token_ids) if s.draft_token_ids else s.num_samples) if s.do_sample else 0
-        if s.pooling:
-            n = 0  # pooled, not sampled
-        yield s, range(k, k + n)
-        k += n
-
-
-# Stand-in for a token a launched step samples, until the host learns it (overlap scheduling);
-# the runner feeds the real id to the next step on the device.
-PLACEHOLDER = -1
-
-
-@dataclass
-class SchedulerOutput:
-    seqs: list[ScheduledSeq] = field(default_factory=list)
-    blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write
-    blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)  # gpu -> cpu
-    blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)  # cpu -> gpu
-    preempted: list[int] = field(default_factory=list)  # seq ids
-    num_prefill_tokens: int = 0
-    num_decode_tokens: int = 0
-    launched: bool = False  # Scheduler.launched() has advanced its sequences
-
-    @property
-    def num_tokens(self) -> int:
-        return self.num_prefill_tokens + self.num_decode_tokens
-
-    @property
-    def is_empty(self) -> bool:
-        return (not self.seqs and not self.blocks_to_copy and not self.blocks_to_swap_out
-                and not self.blocks_to_swap_in)
-
-
-class Scheduler:
-    def __init__(self, config: SchedulerConfig, pool: BlockPool,
-                 swapper: "SwapSpace | None" = None, proposer: "NgramProposer | None" = None) -> None:
-        self.config = config
-        self.pool = pool
-        self.swapper = swapper
 class Scheduler:
     def __init__(self, config: SchedulerConfig, pool: BlockPool,
                  swapper: "SwapSpace | None" = None, proposer: "NgramProposer | None" = None) -> None:
@@ -138,19 +63,20 @@ class Scheduler:
         self.kv = KVAllocator(pool, reserved_blocks_fraction=config.reserved_blocks_fraction,
                               reserved_priority=config.reserved_priority,
                               watermark_fraction=config.watermark_fraction)
-        self.preemption = Preemptor(config.preemption_mode, self.kv, swapper)
         self.proposer = proposer  # speculative decoding: drafts for decoding sequences
         self.spec = SpecDecoder(proposer, config.max_model_len) if proposer is not None else None
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []  # kept in _priority_key order (most urgent first)
         self.swapped: list[Sequence] = []
+        self.preemption = Preemptor(config.preemption_mode, self.kv, swapper, self.running, self.swapped,
+                                    self._insert_waiting)
+        self.results = StepResults(self.kv, self.spec, self._new_child)
         self.requests: dict[str, Request] = {}
         self._seq_ids = itertools.count()
         self._arrival = itertools.count()
         self._order: dict[int, int] = {}  # seq id -> admission order (FCFS tie-break)
         self._unforked: dict[int, Sequence] = {}  # n > 1 requests not forked yet: they hold n seats
-        # Decode records of processed steps, by seq id, for the seq's next decode to reuse.
-        self._spare: dict[int, ScheduledSeq] = {}
+        self._spare = self.results.spare  # decode records of processed steps, for the next decode
         self._prefills = False  # this step emitted a record of more than one token
 
     # ---- counters (metrics) ----
@@ -160,14 +86,6 @@ class Scheduler:
     num_draft_tokens = property(lambda self: self.spec.num_draft_tokens if self.spec else 0)
     num_drafts = property(lambda self: self.spec.num_drafts if self.spec else 0)  # (sequence, step) pairs
     num_accepted_tokens = property(lambda self: self.spec.num_accepted_tokens if self.spec else 0)
-
-    @property
-    def on_preempt(self) -> Callable[[Sequence, str, str], None] | None:
-        return self.preemption.on_preempt
-
-    @on_preempt.setter
-    def on_preempt(self, callback: Callable[[Sequence, str, str], None] | None) -> None:
-        self.preemption.on_preempt = callback
 
     # ---- requests in and out ----
     def add_request(self, request: Request) -> None:
@@ -191,15 +109,7 @@ class Scheduler:
             raise InvalidRequestError(
                 f"prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) = "
                 f"{prompt_len + max_tokens} exceeds max_model_len={limit}", "max_tokens")
-        needed = -(-(prompt_len + max_tokens) // self.config.block_size)
-        # Pinned (warm-up) blocks are never freed; the reserve is out of reach of less urgent requests.
-        usable = self.pool.num_usable - self.pool.num_pinned
-        if request.priority > self.config.reserved_priority:
-            usable -= self.kv.reserved_blocks
-        if needed > usable:
-            raise InvalidRequestError(
-                f"the request needs up to {needed} KV blocks but the cache holds only "
-                f"{usable} for priority {request.priority}", "max_tokens")
+        self.kv.check_capacity(prompt_len + max_tokens, request.priority)
         if params.max_tokens is None:
             # The request keeps its own copy: the caller's SamplingParams may serve other prompts.
             request.params = dataclasses.replace(params, max_tokens=max_tokens, stop=list(params.stop),
@@ -234,11 +144,7 @@ class Scheduler:
         if seq.num_pending:  # tokens of launched steps that will never be shown
             del seq.token_ids[len(seq.token_ids) - seq.num_pending:]
             seq.num_pending = 0
-        if seq.status is SeqStatus.SWAPPED and self.swapper is not None:
-            self.swapper.discard(seq)
-            self.kv.forget(seq)
-        else:
-            self.kv.release(seq)
+        self.preemption.release(seq)
         self._unforked.pop(seq.seq_id, None)
         self._spare.pop(seq.seq_id, None)
         seq.status = SeqStatus.FINISHED
@@ -291,11 +197,9 @@ class Scheduler:
         return seq.request.params.n if not seq.request.forked else 1
 
     def _seats_used(self) -> int:
-        extra = 0  # (no loop over the running queue: only unforked n > 1 requests hold extra seats)
-        for seq in self._unforked.values():
-            if seq.status is SeqStatus.RUNNING and not seq.request.forked:
-                extra += seq.request.params.n - 1
-        return len(self.running) + extra
+        # No pass over the running queue: only unforked n > 1 requests hold extra seats.
+        return len(self.running) + sum(s.request.params.n - 1 for s in self._unforked.values()
+                                       if s.status is SeqStatus.RUNNING and not s.request.forked)
 
     # ---- the step ----
     def schedule(self) -> SchedulerOutput:
@@ -316,7 +220,7 @@ class Scheduler:
             budget = self._admit(out, budget)
             if not out.seqs and not self.running and self.swapped:
                 # Nothing can run: the GPU blocks that swapped sequences kept may be what is missing.
-                if self._demote_swapped():
+                if self.preemption.demote_swapped(self._admit_key):
                     budget = self._admit(out, budget)
         if self._prefills:
             # One-token sequences first: backends attend decodes and prefill chunks separately.
@@ -370,8 +274,8 @@ class Scheduler:
             else:
                 drafts = []
             while not self.kv.can_grow(seq, num_new):
-                victim = self.preemption.victim(running)
-                self._preempt(victim, out, reason="out of KV blocks")
+                victim = self.preemption.victim()
+                self.preemption.preempt(victim, out, reason="out of KV blocks")
                 if victim is seq:
                     break
             if seq.status is not SeqStatus.RUNNING:
@@ -424,10 +328,7 @@ class Scheduler:
         return budget - num_new
 
     def _take_prefix_hits(self, seq: Sequence) -> int:
-        """Reuse cached full blocks (KVAllocator.take_prefix_hits) where the request allows it.
-
-        Returns how many prompt tokens were found in the cache.
-        """
+        """Reuse cached full blocks where the request allows it; returns the prompt tokens found."""
         request = seq.request
         mean_pooled = request.pooling is not None and request.pooling.pooling_type == "mean"
         if not self.pool.enable_prefix_caching or request.params.prompt_logprobs is not None or mean_pooled:
@@ -460,52 +361,31 @@ class Scheduler:
         if request.first_scheduled_time is None:
             request.first_scheduled_time = time.monotonic()
 
-    # ---- preemption (engine/preemption.py decides how; the queues are the scheduler's) ----
+    # ---- preemption (engine/preemption.py) ----
     def _preempt(self, seq: Sequence, out: SchedulerOutput, reason: str) -> None:
-        computed = seq.num_computed_tokens
-        self.running.remove(seq)
-        mode, reason = self.preemption.preempt(seq, out, reason)
-        if mode == "swap":
-            self.swapped.append(seq)
-        else:
-            self._insert_waiting(seq)
-        self.preemption.report(seq, mode, reason, computed)
+        self.preemption.preempt(seq, out, reason)
 
     def _fits(self, seq: Sequence, budget: int) -> bool:
         """Could this waiting or swapped sequence start now (seats and blocks; prefix hits ignored)?"""
         if self._seats_used() + self._seats(seq) > self.config.max_num_seqs:
             return False
-        num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
         available = self.kv.available_for(seq.request.priority)
         if seq.status is SeqStatus.SWAPPED:
-            assert self.swapper is not None
-            return self.swapper.blocks_to_resume(seq, num_new) <= available
-        return self.kv.blocks_needed(seq, num_new) <= available - self.kv.watermark(bool(self.running))
+            return self.preemption.blocks_to_start(seq, budget) <= available
+        return self.preemption.blocks_to_start(seq, budget) <= available - self.kv.watermark(bool(self.running))
 
     def _preempt_for_priority(self, out: SchedulerOutput, budget: int) -> None:
         """Preempt less urgent running sequences so that the most urgent queued one can start."""
         head = next(iter(self._queue()))
-        prio = head.request.priority
-        victims = self.preemption.less_urgent(self.running, prio)
-        if not victims or self._fits(head, budget):
-            return
-        # Only if the victims' seats and blocks can make room at all: never preempt for nothing.
-        seats = self._seats_used() - sum(self._seats(v) for v in victims) + self._seats(head)
-        blocks = self.kv.available_for(prio) + self.preemption.could_free(victims)
-        num_new = min(head.num_tokens - head.num_computed_tokens, budget)
-        need = (self.swapper.blocks_to_resume(head, num_new) if head.status is SeqStatus.SWAPPED
-                and self.swapper is not None else self.kv.blocks_needed(head, num_new))
-        if seats > self.config.max_num_seqs or need > blocks:
-            return
-        reason = f"request {head.request.request_id} of priority {prio} needs room"
-        while self.running and self.running[-1].request.priority > prio and not self._fits(head, budget):
-            self._preempt(self.preemption.victim(self.running), out, reason=reason)
+        seats_left = self.config.max_num_seqs - self._seats_used() - self._seats(head)
+        self.preemption.make_room(head, budget, out, lambda: self._fits(head, budget),
+                                  lambda victims: sum(self._seats(v) for v in victims) >= -seats_left)
 
     def _try_swap_in(self, seq: Sequence, out: SchedulerOutput, budget: int) -> int | None:
         """Bring one swapped sequence back (and schedule its next tokens); None if it can't."""
         assert self.swapper is not None
         num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
-        if self.swapper.blocks_to_resume(seq, num_new) > self.kv.available_for(seq.request.priority):
+        if self.preemption.blocks_to_start(seq, budget) > self.kv.available_for(seq.request.priority):
             return None
         out.blocks_to_swap_in.extend(self.swapper.swap_in(seq))
         self.swapped.remove(seq)
@@ -515,101 +395,25 @@ class Scheduler:
             self._emit(seq, num_new, out)
         return budget - num_new
 
-    def _demote_swapped(self) -> bool:
-        """Swapped sequences that kept shared GPU blocks give them up and will be recomputed.
-
-        Only when nothing at all could be scheduled: those kept blocks may be exactly what the
-        queue head is missing. Returns whether any sequence was demoted.
-        """
-        demoted = self.preemption.demotable(self.swapped, self._admit_key)
-        for seq in demoted:
-            self.preemption.demote(seq)
-            self.swapped.remove(seq)
-            self._insert_waiting(seq)
-        return bool(demoted)
-
-    # ---- after the step ----
+    # ---- after the step (engine/step_results.py) ----
     def launched(self, out: SchedulerOutput) -> None:
-        """The step is on the device: count its computed tokens and, for each sequence it samples
-        one token for, append a PLACEHOLDER now, so the next step can be scheduled before this
-        one's tokens reach the host (forks, drafts and pooling wait for update())."""
-        out.launched = True
-        for sched in out.seqs:
-            if not sched.advances_at_launch:
-                continue
-            seq = sched.seq
-            seq.num_computed_tokens += sched.num_tokens
-            if sched.do_sample:
-                seq.token_ids.append(PLACEHOLDER)
-                seq.num_pending += 1
+        """The step is on the device: advance its sequences now (placeholders for sampled tokens)."""
+        self.results.launched(out)
 
     def update(self, out: SchedulerOutput, sampled: list[list[int]]) -> list[Sequence]:
-        """Take in a step's sampled tokens; returns the sequences that got tokens.
+        """Take in a step's sampled tokens (per out.seqs[i]); returns the sequences that got tokens."""
+        return self.results.update(out, sampled)
 
-        sampled[i] holds the tokens for out.seqs[i]: [] when it did not sample (or its row
-        failed), one token, or n tokens at a fork point (the first continues the parent, the
-        rest start children). A sequence finished or preempted since the launch still gets
-        its placeholder replaced (it is checked like any other); a finished one is skipped.
-        A one-token sampled record is kept for the sequence's next decode to reuse: `out`'s
-        records are not to be read once the step after next is scheduled.
-        """
-        if not out.launched:
-            self.launched(out)
-        touched: list[Sequence] = []
-        spare = self._spare
-        cache_full_blocks = self.kv.cache_full_blocks
-        for sched, tokens in zip(out.seqs, sampled):
-            seq = sched.seq
-            if seq is None or seq.is_finished:
-                continue  # finished or aborted meanwhile
-            if sched.advances_at_launch:
-                if sched.do_sample and tokens:
-                    seq.token_ids[len(seq.token_ids) - seq.num_pending] = tokens[0]
-                    seq.num_pending -= 1
-                    seq.num_new_tokens = 1
-                    touched.append(seq)
-                    if len(sched.token_ids) == 1:
-                        spare[sched.seq_id] = sched
-                if seq.status is SeqStatus.RUNNING:
-                    cache_full_blocks(seq)
-                continue  # (a failed row keeps its placeholder: the engine fails the request)
-            if seq.status is not SeqStatus.RUNNING:
-                continue
-            if sched.draft_token_ids and tokens:
-                assert self.spec is not None
-                self.spec.accept(seq, sched.draft_token_ids, tokens, self.kv)
-                touched.append(seq)
-                continue
-            seq.num_computed_tokens += sched.num_tokens
-            cache_full_blocks(seq)
-            if not sched.do_sample or not tokens:
-                continue  # (no token: the sampler failed this row, the engine fails its request)
-            if sched.num_samples > 1:
-                touched.extend(self._fork(seq, tokens))
-            else:
-                seq.token_ids.append(tokens[0])
-                seq.num_new_tokens = 1
-                touched.append(seq)
-        return touched
-
-    def _fork(self, parent: Sequence, tokens: list[int]) -> list[Sequence]:
+    def _new_child(self, parent: Sequence, index: int) -> Sequence:
+        """A fork's child: the parent's tokens and progress, running beside it."""
         request = parent.request
-        request.forked = True
-        self._unforked.pop(parent.seq_id, None)  # its n seats are now the n sequences'
-        children = []
-        for index, token in enumerate(tokens[1:], start=1):
-            child = self._new_seq(request, index, list(parent.token_ids))
-            child.num_computed_tokens = parent.num_computed_tokens
-            child.num_cached_tokens = parent.num_cached_tokens
-            self.kv.share(parent, child)
-            child.token_ids.append(token)
-            child.num_new_tokens = 1
-            request.seqs.append(child)
-            self._insert_running(child)
-            children.append(child)
-        parent.token_ids.append(tokens[0])
-        parent.num_new_tokens = 1
-        return [parent, *children]
+        self._unforked.pop(parent.seq_id, None)  # the request's n seats are now its n sequences'
+        child = self._new_seq(request, index, list(parent.token_ids))
+        child.num_computed_tokens = parent.num_computed_tokens
+        child.num_cached_tokens = parent.num_cached_tokens
+        request.seqs.append(child)
+        self._insert_running(child)
+        return child
 
     # ---- bookkeeping ----
     def _remove_from_queues(self, seq: Sequence) -> None:
@@ -629,12 +433,9 @@ class Scheduler:
             self.swapper.check_integrity(self.swapped)
         ids = [s.seq_id for s in itertools.chain(self.waiting, self.running, self.swapped)]
         assert len(ids) == len(set(ids)), "a sequence is queued twice"
-        for seq in self.running:
-            assert seq.status is SeqStatus.RUNNING
-        for seq in self.waiting:
-            assert seq.status is SeqStatus.WAITING
-        for seq in self.swapped:
-            assert seq.status is SeqStatus.SWAPPED
+        for queue, status in ((self.running, SeqStatus.RUNNING), (self.waiting, SeqStatus.WAITING),
+                              (self.swapped, SeqStatus.SWAPPED)):
+            assert all(s.status is status for s in queue), f"a sequence in the {status.value} queue is not"
         assert self._seats_used() <= self.config.max_num_seqs, "more running seats than max_num_seqs"
         assert set(self._spare) <= {s.seq_id for s in itertools.chain(self.running, self.waiting, self.swapped)}, \
             "a reusable record kept for a finished sequence"
@@ -642,17 +443,3 @@ class Scheduler:
     def fragmentation(self) -> float:
         """Allocated slots not holding a computed token / allocated slots."""
         return self.kv.fragmentation(self.running)
-
-
-class SwapSpace:  # pragma: no cover - the protocol; engine/kv/swap.py implements it
-    def begin_step(self) -> None: ...
-    def can_swap_out(self, seq: Sequence, mode: str) -> bool: ...
-    def swap_out(self, seq: Sequence) -> list[tuple[int, int]]: ...
-    def swap_in(self, seq: Sequence) -> list[tuple[int, int]]: ...
-    def blocks_needed(self, seq: Sequence) -> int: ...
-    def blocks_to_resume(self, seq: Sequence, num_new: int) -> int: ...
-    def holds_gpu_blocks(self, seq: Sequence) -> bool: ...
-    def gpu_references(self) -> dict[int, int]: ...
-    def discard(self, seq: Sequence) -> None: ...
-    def check_integrity(self, swapped: list[Sequence]) -> None: ...
-    num_free: int
