@@ -24,7 +24,8 @@ from engine.request import Sequence, SeqStatus
 
 if TYPE_CHECKING:
     from engine.kv.allocator import KVAllocator
-    from engine.scheduler import SchedulerOutput, SwapSpace
+    from engine.kv.swap import SwapSpace
+    from engine.step_plan import SchedulerOutput
 
 logger = logging.getLogger("engine.scheduler")  # (the log lines users know come from the scheduler)
 
