@@ -3,7 +3,7 @@
 Pure CPU over ints and lists (no torch). Each step:
   1. running sequences first (decodes, and prefills already under way), in priority order;
      when KV blocks run out, the lowest-priority / most recent running sequence is preempted
-     (by swap to CPU or by recompute, see `_preemption_mode_for`);
+     (by swap to CPU or by recompute: engine/preemption.py);
   2. then swapped-out and waiting sequences, most urgent first (priority, swapped before
      waiting at equal priority, then arrival order): swapped ones come back, waiting ones are
      admitted, their prompts chunked to fit the token budget; prefix-cache hits skip the
@@ -11,7 +11,9 @@ Pure CPU over ints and lists (no torch). Each step:
 Before 1., a waiting or swapped sequence more urgent than some running ones may preempt
 them to make room (lower `priority` value = more urgent). A step that preempted admits only
 sequences strictly more urgent than everything it preempted (no thrash).
-The step's work is a SchedulerOutput of plain values that the runner turns into tensors.
+The step's work is a SchedulerOutput (engine/step_plan.py) that the runner turns into tensors.
+Here is the policy; KV block accounting is engine/kv/allocator.py's, draft limits and
+acceptance engine/spec_decode.py's, applying a step's results engine/step_results.py's.
 """
 
 from __future__ import annotations
@@ -20,18 +22,23 @@ import bisect
 import dataclasses
 import heapq
 import itertools
-import logging
 import time
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable, Literal
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Literal
 
+from engine.kv.allocator import KVAllocator
 from engine.kv.block_pool import BlockPool
+from engine.preemption import Preemptor
+from engine.request import FinishReason, InvalidRequestError, Request, Sequence, SeqStatus
+from engine.spec_decode import SpecDecoder
+from engine.step_plan import PLACEHOLDER, ScheduledSeq, SchedulerOutput, sample_row_ranges
+from engine.step_results import StepResults
 
 if TYPE_CHECKING:
+    from engine.kv.swap import SwapSpace
     from engine.spec_decode import NgramProposer
-from engine.request import FinishReason, InvalidRequestError, Request, SamplingParams, Sequence, SeqStatus
 
-logger = logging.getLogger(__name__)
+__all__ = ["PLACEHOLDER", "ScheduledSeq", "Scheduler", "SchedulerConfig", "SchedulerOutput", "sample_row_ranges"]
 
 
 @dataclass(frozen=True)
@@ -47,99 +54,38 @@ class SchedulerConfig:
     watermark_fraction: float = 0.01
 
 
-@dataclass
-class ScheduledSeq:
-    """One sequence's share of a step: `token_ids` at positions start_pos.. are computed."""
-
-    seq_id: int
-    token_ids: list[int]
-    start_pos: int
-    block_ids: list[int]  # the whole block table (shared list; read it, don't keep it)
-    do_sample: bool  # the chunk reaches the end of the sequence: sample the next token
-    num_samples: int  # n > 1 at a request's fork point, else 1
-    params: SamplingParams
-    all_token_ids: list[int]  # prompt + output so far (for penalties)
-    num_prompt_tokens: int
-    sample_index: int
-    grammars: list | None = None  # the request's grammar matchers, by sample index (structured outputs)
-    # Speculative decoding: token_ids is [last token, *drafts]; every position is sampled.
-    draft_token_ids: list[int] = field(default_factory=list)
-    lora_slot: int = -1  # the request's LoRA adapter slot (-1: none)
-    pooling: str | None = None  # an embedding request's pooling type: its hidden states, not a token
-    seq: Sequence | None = None  # the sequence itself (its state moves on after the step is launched)
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.token_ids)
-
-    @property
-    def advances_at_launch(self) -> bool:
-        """One sampled token at most and no fork, drafts or pooling: the scheduler counts the
-        tokens computed, and a placeholder for the sampled one, as soon as the step is launched."""
-        return not self.draft_token_ids and self.num_samples == 1 and not self.pooling
-
-
-def sample_row_ranges(seqs: list[ScheduledSeq]):
-    """(scheduled seq, range of its rows in the step's flat sampler output): one row per
-    sampling sequence, n at a fork point, none for a prefill chunk that does not end the prompt."""
-    k = 0
-    for s in seqs:
-        n = (1 + len(s.draft_token_ids) if s.draft_token_ids else s.num_samples) if s.do_sample else 0
-        if s.pooling:
-            n = 0  # pooled, not sampled
-        yield s, range(k, k + n)
-        k += n
-
-
-# Stand-in for a token a launched step samples, until the host learns it (overlap scheduling);
-# the runner feeds the real id to the next step on the device.
-PLACEHOLDER = -1
-
-
-@dataclass
-class SchedulerOutput:
-    seqs: list[ScheduledSeq] = field(default_factory=list)
-    blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write
-    blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)  # gpu -> cpu
-    blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)  # cpu -> gpu
-    preempted: list[int] = field(default_factory=list)  # seq ids
-    num_prefill_tokens: int = 0
-    num_decode_tokens: int = 0
-    launched: bool = False  # Scheduler.launched() has advanced its sequences
-
-    @property
-    def num_tokens(self) -> int:
-        return self.num_prefill_tokens + self.num_decode_tokens
-
-    @property
-    def is_empty(self) -> bool:
-        return (not self.seqs and not self.blocks_to_copy and not self.blocks_to_swap_out
-                and not self.blocks_to_swap_in)
-
-
 class Scheduler:
     def __init__(self, config: SchedulerConfig, pool: BlockPool,
                  swapper: "SwapSpace | None" = None, proposer: "NgramProposer | None" = None) -> None:
         self.config = config
         self.pool = pool
         self.swapper = swapper
+        self.kv = KVAllocator(pool, reserved_blocks_fraction=config.reserved_blocks_fraction,
+                              reserved_priority=config.reserved_priority,
+                              watermark_fraction=config.watermark_fraction)
         self.proposer = proposer  # speculative decoding: drafts for decoding sequences
-        self.num_draft_tokens = 0
-        self.num_drafts = 0  # (sequence, step) pairs that had drafts
-        self.num_accepted_tokens = 0
+        self.spec = SpecDecoder(proposer, config.max_model_len) if proposer is not None else None
         self.waiting: list[Sequence] = []
-        self.running: list[Sequence] = []
+        self.running: list[Sequence] = []  # kept in _priority_key order (most urgent first)
         self.swapped: list[Sequence] = []
+        self.preemption = Preemptor(config.preemption_mode, self.kv, swapper, self.running, self.swapped,
+                                    self._insert_waiting)
+        self.results = StepResults(self.kv, self.spec, self._new_child)
         self.requests: dict[str, Request] = {}
         self._seq_ids = itertools.count()
         self._arrival = itertools.count()
         self._order: dict[int, int] = {}  # seq id -> admission order (FCFS tie-break)
-        self._digests: dict[int, list[bytes]] = {}  # seq id -> digests of its cached full blocks
-        self.num_preemptions = 0
-        self.preemptions_by_mode: dict[str, int] = {"recompute": 0, "swap": 0}
-        self.num_swap_fallbacks = 0  # swapped sequences turned into recompute to unblock the queue
-        self.on_preempt: Callable[[Sequence, str, str], None] | None = None
-        self._preempted_floor: int | None = None  # most urgent priority preempted this step
+        self._unforked: dict[int, Sequence] = {}  # n > 1 requests not forked yet: they hold n seats
+        self._spare = self.results.spare  # decode records of processed steps, for the next decode
+        self._prefills = False  # this step emitted a record of more than one token
+
+    # ---- counters (metrics) ----
+    num_preemptions = property(lambda self: self.preemption.num_preemptions)
+    preemptions_by_mode = property(lambda self: self.preemption.by_mode)
+    num_swap_fallbacks = property(lambda self: self.preemption.num_swap_fallbacks)
+    num_draft_tokens = property(lambda self: self.spec.num_draft_tokens if self.spec else 0)
+    num_drafts = property(lambda self: self.spec.num_drafts if self.spec else 0)  # (sequence, step) pairs
+    num_accepted_tokens = property(lambda self: self.spec.num_accepted_tokens if self.spec else 0)
 
     # ---- requests in and out ----
     def add_request(self, request: Request) -> None:
@@ -163,15 +109,7 @@ class Scheduler:
             raise InvalidRequestError(
                 f"prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) = "
                 f"{prompt_len + max_tokens} exceeds max_model_len={limit}", "max_tokens")
-        needed = -(-(prompt_len + max_tokens) // self.config.block_size)
-        # Pinned (warm-up) blocks are never freed; the reserve is out of reach of less urgent requests.
-        usable = self.pool.num_usable - self.pool.num_pinned
-        if request.priority > self.config.reserved_priority:
-            usable -= self._reserved_blocks()
-        if needed > usable:
-            raise InvalidRequestError(
-                f"the request needs up to {needed} KV blocks but the cache holds only "
-                f"{usable} for priority {request.priority}", "max_tokens")
+        self.kv.check_capacity(prompt_len + max_tokens, request.priority)
         if params.max_tokens is None:
             # The request keeps its own copy: the caller's SamplingParams may serve other prompts.
             request.params = dataclasses.replace(params, max_tokens=max_tokens, stop=list(params.stop),
@@ -179,6 +117,8 @@ class Scheduler:
         seq = self._new_seq(request, 0, list(request.prompt_token_ids))
         request.seqs = [seq]
         self.requests[request.request_id] = request
+        if request.params.n > 1:
+            self._unforked[seq.seq_id] = seq
         self._insert_waiting(seq)
 
     def _new_seq(self, request: Request, index: int, tokens: list[int]) -> Sequence:
@@ -204,11 +144,9 @@ class Scheduler:
         if seq.num_pending:  # tokens of launched steps that will never be shown
             del seq.token_ids[len(seq.token_ids) - seq.num_pending:]
             seq.num_pending = 0
-        if seq.status is SeqStatus.SWAPPED and self.swapper is not None:
-            self.swapper.discard(seq)
-            self._digests.pop(seq.seq_id, None)
-        else:
-            self._release_blocks(seq)
+        self.preemption.release(seq)
+        self._unforked.pop(seq.seq_id, None)
+        self._spare.pop(seq.seq_id, None)
         seq.status = SeqStatus.FINISHED
         seq.finish_reason = reason
         seq.stop_reason = stop_reason
@@ -230,7 +168,7 @@ class Scheduler:
         """Requests with at least one sequence swapped out (metric num_requests_swapped)."""
         return len({s.request.request_id for s in self.swapped})
 
-    # ---- the step ----
+    # ---- queues ----
     def _priority_key(self, seq: Sequence) -> tuple[int, int]:
         return (seq.request.priority, self._order[seq.seq_id])
 
@@ -238,63 +176,121 @@ class Scheduler:
         seq.status = SeqStatus.WAITING
         bisect.insort(self.waiting, seq, key=self._priority_key)
 
+    def _insert_running(self, seq: Sequence) -> None:
+        """Running stays sorted as it changes (the step does not sort it: admissions are rare)."""
+        seq.status = SeqStatus.RUNNING
+        bisect.insort(self.running, seq, key=self._priority_key)
+
     def _admit_key(self, seq: Sequence) -> tuple[int, int, int]:
         """Queue order for room: priority, swapped before waiting at equal priority, arrival."""
         return (seq.request.priority, 0 if seq.status is SeqStatus.SWAPPED else 1, self._order[seq.seq_id])
 
+    def _queue(self):
+        """Swapped and waiting sequences in admission order (waiting is kept sorted already)."""
+        if not self.swapped:
+            return list(self.waiting)
+        return heapq.merge(sorted(self.swapped, key=self._admit_key), list(self.waiting), key=self._admit_key)
+
+    @staticmethod
+    def _seats(seq: Sequence) -> int:
+        """Running slots a sequence stands for: a request that will fork holds all n."""
+        return seq.request.params.n if not seq.request.forked else 1
+
+    def _seats_used(self) -> int:
+        # No pass over the running queue: only unforked n > 1 requests hold extra seats.
+        return len(self.running) + sum(s.request.params.n - 1 for s in self._unforked.values()
+                                       if s.status is SeqStatus.RUNNING and not s.request.forked)
+
+    # ---- the step ----
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
-        self._preempted_floor = None
+        self.preemption.begin_step()
+        self._prefills = False
         if self.swapper is not None:
             self.swapper.begin_step()
-
-        # 0. A more urgent waiting or swapped sequence may preempt less urgent running ones.
-        self.running.sort(key=self._priority_key)
-        self._preempt_for_priority(out, budget)
-
+        queued = bool(self.waiting or self.swapped)
+        if queued and self.running:
+            # 0. A more urgent waiting or swapped sequence may preempt less urgent running ones.
+            self._preempt_for_priority(out, budget)
         # 1. Running sequences, highest priority first; preempt from the back when short of blocks.
+        budget = self._schedule_running(out, budget)
+        if queued:
+            # 2. Swapped and waiting sequences, most urgent first, while seats, budget and blocks last.
+            budget = self._admit(out, budget)
+            if not out.seqs and not self.running and self.swapped:
+                # Nothing can run: the GPU blocks that swapped sequences kept may be what is missing.
+                if self.preemption.demote_swapped(self._admit_key):
+                    budget = self._admit(out, budget)
+        if self._prefills:
+            # One-token sequences first: backends attend decodes and prefill chunks separately.
+            out.seqs.sort(key=lambda s: s.num_tokens != 1)
+        return out
+
+    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+        running = self.running
+        bs = self.config.block_size
+        max_len = self.config.max_model_len
+        ref = self.pool.ref_counts
+        spare = self._spare
+        emitted = out.seqs
+        plain = self.spec is None  # no drafts to propose: a decode can take the fast path
+        no_reserve = self.kv.reserved_blocks == 0
+        decodes = 0
         i = 0
-        while i < len(self.running) and budget > 0:
-            seq = self.running[i]
-            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            if num_new <= 0 or (seq.num_pending and self._reached_length(seq)):
-                i += 1  # (one whose launched step ends it by length gets no extra token)
+        while i < len(running) and budget > 0:
+            seq = running[i]
+            tokens = seq.token_ids
+            start = seq.num_computed_tokens
+            num_new = len(tokens) - start
+            if num_new <= 0:
+                i += 1
                 continue
-            drafts = self._drafts(seq, budget) if num_new == 1 else []
-            if drafts and self._can_grow(seq, 1 + len(drafts)):
+            if seq.num_pending:  # one whose launched step ends it by length gets no extra token
+                max_tokens = seq.request.params.max_tokens
+                if len(tokens) >= max_len or (max_tokens is not None
+                                              and len(tokens) - seq.num_prompt_tokens >= max_tokens):
+                    i += 1
+                    continue
+            # The steady state: a decode whose token fits its private last block (nothing to
+            # allocate or copy), written into a record of an earlier, processed step.
+            if (num_new == 1 and plain and start % bs and start >= seq.num_prompt_tokens
+                    and ref[seq.block_ids[start // bs]] == 1 and seq.seq_id in spare
+                    and (no_reserve or self.kv.can_grow(seq, 1))):
+                record = spare.pop(seq.seq_id)
+                record.token_ids = tokens[start:start + 1]
+                record.start_pos = start
+                record.block_ids = seq.block_ids
+                emitted.append(record)
+                decodes += 1
+                budget -= 1
+                i += 1
+                continue
+            if num_new > budget:
+                num_new = budget
+            drafts = self.spec.drafts(seq, budget) if num_new == 1 and self.spec is not None else []
+            if drafts and self.kv.can_grow(seq, 1 + len(drafts)):
                 num_new = 1 + len(drafts)  # drafts only where blocks are free: they never preempt
             else:
                 drafts = []
-            while not self._can_grow(seq, num_new):
-                victim = self.running[-1]
-                self._preempt(victim, out, reason="out of KV blocks")
+            while not self.kv.can_grow(seq, num_new):
+                victim = self.preemption.victim()
+                self.preemption.preempt(victim, out, reason="out of KV blocks")
                 if victim is seq:
                     break
             if seq.status is not SeqStatus.RUNNING:
                 break  # it preempted itself: everything after it is gone too
-            self._grow(seq, num_new, out)
+            self.kv.grow(seq, num_new, out.blocks_to_copy)
             self._emit(seq, num_new, out, drafts)
             budget -= num_new
             i += 1
-
-        # 2. Swapped and waiting sequences, most urgent first, while seats, budget and blocks last.
-        budget = self._admit(out, budget)
-        if not out.seqs and not self.running and self.swapped:
-            # Nothing can run: the GPU blocks that swapped sequences kept may be what is missing.
-            if self._demote_swapped():
-                budget = self._admit(out, budget)
-        # One-token sequences first: backends attend decodes and prefill chunks separately.
-        out.seqs.sort(key=lambda s: s.num_tokens != 1)
-        return out
-
-    def _queue(self):
-        """Swapped and waiting sequences in admission order (waiting is kept sorted already)."""
-        return heapq.merge(sorted(self.swapped, key=self._admit_key), list(self.waiting), key=self._admit_key)
+        out.num_decode_tokens += decodes
+        return budget
 
     def _admit(self, out: SchedulerOutput, budget: int) -> int:
+        floor = self.preemption.floor
         for seq in self._queue():
-            if self._preempted_floor is not None and seq.request.priority >= self._preempted_floor:
+            if floor is not None and seq.request.priority >= floor:
                 break  # this step preempted something at least as urgent: don't take its room
             if budget <= 0 or self._seats_used() + self._seats(seq) > self.config.max_num_seqs:
                 break
@@ -315,118 +311,29 @@ class Scheduler:
         remaining = seq.num_tokens - seq.num_computed_tokens
         if not self.config.enable_chunked_prefill and remaining > budget:
             if out.seqs:
-                self._drop_prefix_hits(seq)
+                self.kv.drop_prefix_hits(seq)
                 return None  # wait for a step with room for the whole prompt
             if remaining > self.config.max_num_batched_tokens:
                 raise AssertionError("unchunkable prompt beyond the token budget passed validation")
         num_new = min(remaining, budget)
-        if not self._can_admit(seq, num_new):
-            self._drop_prefix_hits(seq)
+        if not self.kv.can_admit(seq, num_new, bool(self.running)):
+            self.kv.drop_prefix_hits(seq)
             return None
         if seq.num_output_tokens == 0 and seq.num_preemptions == 0:
             self.pool.record_prefix_query(seq.num_prompt_tokens, hit_tokens)
-        self._grow(seq, num_new, out)
+        self.kv.grow(seq, num_new, out.blocks_to_copy)
         self.waiting.remove(seq)
-        seq.status = SeqStatus.RUNNING
-        self.running.append(seq)
+        self._insert_running(seq)
         self._emit(seq, num_new, out)
         return budget - num_new
 
-    @staticmethod
-    def _seats(seq: Sequence) -> int:
-        """Running slots a sequence stands for: a request that will fork holds all n."""
-        return seq.request.params.n if not seq.request.forked else 1
-
-    def _seats_used(self) -> int:
-        return sum(self._seats(s) for s in self.running)
-
     def _take_prefix_hits(self, seq: Sequence) -> int:
-        """Reuse cached full blocks; always leave one token to compute for logits.
-
-        Returns how many prompt tokens were found in the cache.
-        """
+        """Reuse cached full blocks where the request allows it; returns the prompt tokens found."""
         request = seq.request
         mean_pooled = request.pooling is not None and request.pooling.pooling_type == "mean"
         if not self.pool.enable_prefix_caching or request.params.prompt_logprobs is not None or mean_pooled:
             return 0  # prompt logprobs and mean pooling need every prompt position computed
-        max_blocks = (seq.num_tokens - 1) // self.config.block_size
-        blocks, digests = self.pool.match_prefix(seq.token_ids, max_blocks, seq.request.prefix_root)
-        for block in blocks:
-            self.pool.incref(block)
-        seq.block_ids = list(blocks)
-        seq.num_computed_tokens = len(blocks) * self.config.block_size
-        seq.num_cached_tokens = min(seq.num_computed_tokens, seq.num_prompt_tokens)
-        self._digests[seq.seq_id] = list(digests)
-        return seq.num_cached_tokens
-
-    def _drop_prefix_hits(self, seq: Sequence) -> None:
-        self._release_blocks(seq)
-        seq.num_computed_tokens = 0
-        seq.num_cached_tokens = 0
-
-    def _blocks_needed(self, seq: Sequence, num_new: int) -> int:
-        total = -(-(seq.num_computed_tokens + num_new) // self.config.block_size)
-        need = max(0, total - len(seq.block_ids))
-        # Copy-on-write: the first write into a shared partial block needs a private copy.
-        if seq.num_computed_tokens % self.config.block_size and seq.block_ids:
-            last = seq.block_ids[(seq.num_computed_tokens - 1) // self.config.block_size]
-            if self.pool.ref_count(last) > 1:
-                need += 1
-        return need
-
-    def _can_grow(self, seq: Sequence, num_new: int) -> bool:
-        return self._blocks_needed(seq, num_new) <= self._available_for(seq)
-
-    def _can_admit(self, seq: Sequence, num_new: int) -> bool:
-        return self._blocks_needed(seq, num_new) <= self._available_for(seq) - self._watermark()
-
-    def _watermark(self) -> int:
-        # Room kept for running sequences to grow; with none running it would only lock out a
-        # sequence that needs the whole cache.
-        return int(self.config.watermark_fraction * self.pool.num_usable) if self.running else 0
-
-    def _reserved_blocks(self) -> int:
-        return int(self.config.reserved_blocks_fraction * self.pool.num_usable)
-
-    def _available_for(self, seq: Sequence) -> int:
-        """Blocks this sequence may take: the reserve is only for high-priority requests."""
-        available = self.pool.num_available
-        if seq.request.priority > self.config.reserved_priority:
-            available -= self._reserved_blocks()
-        return available
-
-    def _grow(self, seq: Sequence, num_new: int, out: SchedulerOutput) -> None:
-        bs = self.config.block_size
-        if seq.num_computed_tokens % bs and seq.block_ids:
-            idx = (seq.num_computed_tokens - 1) // bs
-            last = seq.block_ids[idx]
-            if self.pool.ref_count(last) > 1:
-                fresh = self.pool.allocate()
-                out.blocks_to_copy.append((last, fresh))
-                self.pool.free(last)
-                seq.block_ids[idx] = fresh
-                seq.table_version += 1  # (the runner's block-table row must be rewritten)
-        total = -(-(seq.num_computed_tokens + num_new) // bs)
-        if total > len(seq.block_ids):
-            seq.block_ids.extend(self.pool.allocate_many(total - len(seq.block_ids)))
-
-    def _reached_length(self, seq: Sequence) -> bool:
-        """seq's newest token (known or not) ends it by max_tokens or max_model_len."""
-        max_tokens = seq.request.params.max_tokens
-        return ((max_tokens is not None and seq.num_output_tokens >= max_tokens)
-                or seq.num_tokens >= self.config.max_model_len)
-
-    def _drafts(self, seq: Sequence, budget: int) -> list[int]:
-        """Speculative draft tokens for a decoding sequence ([] when off or not applicable).
-        Drafts stay within the token budget, max_model_len and the request's max_tokens (the
-        step adds up to len(drafts) + 1 tokens); constrained requests get none."""
-        request = seq.request
-        if self.proposer is None or request.grammars or seq.num_computed_tokens < seq.num_prompt_tokens:
-            return []
-        room = min(budget - 1, self.config.max_model_len - seq.num_tokens - 1)
-        if request.params.max_tokens is not None:
-            room = min(room, request.params.max_tokens - seq.num_output_tokens - 1)
-        return self.proposer.propose(seq, room) if room > 0 else []
+        return self.kv.take_prefix_hits(seq)
 
     def _emit(self, seq: Sequence, num_new: int, out: SchedulerOutput, drafts: list[int] | None = None) -> None:
         request = seq.request
@@ -443,6 +350,8 @@ class Scheduler:
             lora_slot=request.lora_slot, pooling=request.pooling.pooling_type if request.pooling else None,
             seq=seq,
         ))
+        if num_new != 1:
+            self._prefills = True
         if drafts:
             out.num_decode_tokens += num_new
         elif num_new == 1 and start + 1 == seq.num_tokens and start >= seq.num_prompt_tokens:
@@ -452,231 +361,59 @@ class Scheduler:
         if request.first_scheduled_time is None:
             request.first_scheduled_time = time.monotonic()
 
-    # ---- preemption ----
+    # ---- preemption (engine/preemption.py) ----
     def _preempt(self, seq: Sequence, out: SchedulerOutput, reason: str) -> None:
-        mode = self._preemption_mode_for(seq)
-        if self.config.preemption_mode == "auto" and self.swapper is not None:
-            estimate = self.swapper.auto_estimate(seq)
-            if estimate is not None:
-                reason += f"; estimated swap {estimate[0] * 1e3:.2f} ms vs recompute {estimate[1] * 1e3:.2f} ms"
-        self.running.remove(seq)
-        seq.num_preemptions += 1
-        self.num_preemptions += 1
-        self.preemptions_by_mode[mode] += 1
-        out.preempted.append(seq.seq_id)
-        prio = seq.request.priority
-        if self._preempted_floor is None or prio < self._preempted_floor:
-            self._preempted_floor = prio
-        computed = seq.num_computed_tokens
-        if mode == "swap":
-            assert self.swapper is not None
-            out.blocks_to_swap_out.extend(self.swapper.swap_out(seq))
-            seq.status = SeqStatus.SWAPPED
-            self.swapped.append(seq)
-        else:
-            self._release_blocks(seq)
-            seq.num_computed_tokens = 0
-            self._insert_waiting(seq)
-            if self.config.preemption_mode != "recompute" and self.swapper is not None:
-                reason += (f"; not swapped ({self.swapper.num_free} CPU blocks free, "
-                           f"{self.config.preemption_mode} mode)")
-        logger.info("preempted request %s (seq %d, priority %d, %d tokens of KV) by %s: %s",
-                    seq.request.request_id, seq.seq_id, prio, computed, mode, reason)
-        if self.on_preempt is not None:
-            self.on_preempt(seq, mode, reason)
-
-    def _preemption_mode_for(self, seq: Sequence) -> str:
-        """swap: to the CPU whenever it has room; auto: also only if copying the KV out and back
-        is estimated to cost less than recomputing it (SwapSpace.can_swap_out); otherwise, and
-        in recompute mode, recompute."""
-        mode = self.config.preemption_mode
-        if self.swapper is None or mode == "recompute":
-            return "recompute"
-        return "swap" if self.swapper.can_swap_out(seq, mode) else "recompute"
+        self.preemption.preempt(seq, out, reason)
 
     def _fits(self, seq: Sequence, budget: int) -> bool:
         """Could this waiting or swapped sequence start now (seats and blocks; prefix hits ignored)?"""
         if self._seats_used() + self._seats(seq) > self.config.max_num_seqs:
             return False
-        num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+        available = self.kv.available_for(seq.request.priority)
         if seq.status is SeqStatus.SWAPPED:
-            assert self.swapper is not None
-            return self.swapper.blocks_to_resume(seq, num_new) <= self._available_for(seq)
-        return self._blocks_needed(seq, num_new) <= self._available_for(seq) - self._watermark()
-
-    def _blocks_freed_by(self, victims: list[Sequence]) -> int:
-        """GPU blocks preempting all of `victims` would free: those no one else references."""
-        held: dict[int, int] = {}
-        for v in victims:
-            for b in v.block_ids:
-                held[b] = held.get(b, 0) + 1
-        return sum(1 for b, n in held.items() if self.pool.ref_count(b) == n)
+            return self.preemption.blocks_to_start(seq, budget) <= available
+        return self.preemption.blocks_to_start(seq, budget) <= available - self.kv.watermark(bool(self.running))
 
     def _preempt_for_priority(self, out: SchedulerOutput, budget: int) -> None:
         """Preempt less urgent running sequences so that the most urgent queued one can start."""
-        if not self.running or not (self.waiting or self.swapped):
-            return
-        head = next(self._queue())
-        prio = head.request.priority
-        victims = [s for s in self.running if s.request.priority > prio]
-        if not victims or self._fits(head, budget):
-            return
-        # Only if the victims' seats and blocks can make room at all: never preempt for nothing.
-        seats = self._seats_used() - sum(self._seats(v) for v in victims) + self._seats(head)
-        blocks = self._available_for(head) + self._blocks_freed_by(victims)
-        num_new = min(head.num_tokens - head.num_computed_tokens, budget)
-        need = (self.swapper.blocks_to_resume(head, num_new) if head.status is SeqStatus.SWAPPED
-                and self.swapper is not None else self._blocks_needed(head, num_new))
-        if seats > self.config.max_num_seqs or need > blocks:
-            return
-        reason = f"request {head.request.request_id} of priority {prio} needs room"
-        while self.running and self.running[-1].request.priority > prio and not self._fits(head, budget):
-            self._preempt(self.running[-1], out, reason=reason)
+        head = next(iter(self._queue()))
+        seats_left = self.config.max_num_seqs - self._seats_used() - self._seats(head)
+        self.preemption.make_room(head, budget, out, lambda: self._fits(head, budget),
+                                  lambda victims: sum(self._seats(v) for v in victims) >= -seats_left)
 
     def _try_swap_in(self, seq: Sequence, out: SchedulerOutput, budget: int) -> int | None:
         """Bring one swapped sequence back (and schedule its next tokens); None if it can't."""
         assert self.swapper is not None
         num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
-        if self.swapper.blocks_to_resume(seq, num_new) > self._available_for(seq):
+        if self.preemption.blocks_to_start(seq, budget) > self.kv.available_for(seq.request.priority):
             return None
         out.blocks_to_swap_in.extend(self.swapper.swap_in(seq))
         self.swapped.remove(seq)
-        seq.status = SeqStatus.RUNNING
-        self.running.append(seq)
+        self._insert_running(seq)
         if num_new > 0:
-            self._grow(seq, num_new, out)
+            self.kv.grow(seq, num_new, out.blocks_to_copy)
             self._emit(seq, num_new, out)
         return budget - num_new
 
-    def _demote_swapped(self) -> bool:
-        """Swapped sequences that kept shared GPU blocks give them up and will be recomputed.
-
-        Only when nothing at all could be scheduled: those kept blocks may be exactly what the
-        queue head is missing. Returns whether any sequence was demoted.
-        """
-        assert self.swapper is not None
-        demoted = False
-        for seq in sorted(self.swapped, key=self._admit_key, reverse=True):
-            if not self.swapper.holds_gpu_blocks(seq):
-                continue
-            self.swapper.discard(seq)
-            self._digests.pop(seq.seq_id, None)
-            self.swapped.remove(seq)
-            seq.num_computed_tokens = 0
-            self._insert_waiting(seq)
-            self.num_swap_fallbacks += 1
-            demoted = True
-            logger.info("swapped request %s (seq %d) falls back to recompute: its shared GPU blocks "
-                        "are needed to make progress", seq.request.request_id, seq.seq_id)
-        return demoted
-
-    # ---- after the step ----
+    # ---- after the step (engine/step_results.py) ----
     def launched(self, out: SchedulerOutput) -> None:
-        """The step is on the device: count its computed tokens and, for each sequence it samples
-        one token for, append a PLACEHOLDER now, so the next step can be scheduled before this
-        one's tokens reach the host (forks, drafts and pooling wait for update())."""
-        out.launched = True
-        for sched in out.seqs:
-            if not sched.advances_at_launch:
-                continue
-            seq = sched.seq
-            seq.num_computed_tokens += sched.num_tokens
-            if sched.do_sample:
-                seq.token_ids.append(PLACEHOLDER)
-                seq.num_pending += 1
+        """The step is on the device: advance its sequences now (placeholders for sampled tokens)."""
+        self.results.launched(out)
 
     def update(self, out: SchedulerOutput, sampled: list[list[int]]) -> list[Sequence]:
-        """Take in a step's sampled tokens; returns the sequences that got tokens.
+        """Take in a step's sampled tokens (per out.seqs[i]); returns the sequences that got tokens."""
+        return self.results.update(out, sampled)
 
-        sampled[i] holds the tokens for out.seqs[i]: [] when it did not sample (or its row
-        failed), one token, or n tokens at a fork point (the first continues the parent, the
-        rest start children). A sequence finished or preempted since the launch still gets
-        its placeholder replaced (it is checked like any other); a finished one is skipped.
-        """
-        if not out.launched:
-            self.launched(out)
-        touched: list[Sequence] = []
-        for sched, tokens in zip(out.seqs, sampled):
-            seq = sched.seq
-            if seq is None or seq.is_finished:
-                continue  # finished or aborted meanwhile
-            if sched.advances_at_launch:
-                if sched.do_sample and tokens:
-                    seq.token_ids[len(seq.token_ids) - seq.num_pending] = tokens[0]
-                    seq.num_pending -= 1
-                    seq.num_new_tokens = 1
-                    touched.append(seq)
-                if seq.status is SeqStatus.RUNNING:
-                    self._cache_full_blocks(seq)
-                continue  # (a failed row keeps its placeholder: the engine fails the request)
-            if seq.status is not SeqStatus.RUNNING:
-                continue
-            if sched.draft_token_ids and tokens:
-                self._accept_drafts(seq, sched.draft_token_ids, tokens)
-                touched.append(seq)
-                continue
-            seq.num_computed_tokens += sched.num_tokens
-            self._cache_full_blocks(seq)
-            if not sched.do_sample or not tokens:
-                continue  # (no token: the sampler failed this row, the engine fails its request)
-            if sched.num_samples > 1:
-                touched.extend(self._fork(seq, tokens))
-            else:
-                seq.token_ids.append(tokens[0])
-                seq.num_new_tokens = 1
-                touched.append(seq)
-        return touched
-
-    def _accept_drafts(self, seq: Sequence, drafts: list[int], sampled: list[int]) -> None:
-        """Keep the drafts up to the first the model did not sample, plus the model's token there
-        (or after the last draft). KV is valid for the last token and the kept drafts; what the
-        rejected drafts wrote is beyond num_computed_tokens and is overwritten later."""
-        accepted = 0
-        while accepted < len(drafts) and sampled[accepted] == drafts[accepted]:
-            accepted += 1
-        seq.token_ids.extend(sampled[:accepted + 1])
-        seq.num_new_tokens = accepted + 1
-        seq.num_computed_tokens += 1 + accepted
-        self._cache_full_blocks(seq)
-        self.num_draft_tokens += len(drafts)
-        self.num_drafts += bool(drafts)
-        self.num_accepted_tokens += accepted
-        if self.proposer is not None:
-            self.proposer.feedback(seq, accepted)
-
-    def _fork(self, parent: Sequence, tokens: list[int]) -> list[Sequence]:
+    def _new_child(self, parent: Sequence, index: int) -> Sequence:
+        """A fork's child: the parent's tokens and progress, running beside it."""
         request = parent.request
-        request.forked = True
-        children = []
-        for index, token in enumerate(tokens[1:], start=1):
-            child = self._new_seq(request, index, list(parent.token_ids))
-            child.num_computed_tokens = parent.num_computed_tokens
-            child.num_cached_tokens = parent.num_cached_tokens
-            for block in parent.block_ids:
-                self.pool.incref(block)
-            child.block_ids = list(parent.block_ids)
-            self._digests[child.seq_id] = list(self._digests.get(parent.seq_id, []))
-            child.status = SeqStatus.RUNNING
-            child.token_ids.append(token)
-            child.num_new_tokens = 1
-            request.seqs.append(child)
-            self.running.append(child)
-            children.append(child)
-        parent.token_ids.append(tokens[0])
-        parent.num_new_tokens = 1
-        return [parent, *children]
-
-    def _cache_full_blocks(self, seq: Sequence) -> None:
-        if not self.pool.enable_prefix_caching:
-            return
-        bs = self.config.block_size
-        digests = self._digests.setdefault(seq.seq_id, [])
-        # Only blocks whose tokens are all known (a placeholder is not hashed).
-        full = min(seq.num_computed_tokens, len(seq.token_ids) - seq.num_pending) // bs
-        while len(digests) < full:
-            i = len(digests)
-            parent = digests[-1] if digests else seq.request.prefix_root
-            digests.append(self.pool.cache_block(seq.block_ids[i], parent, seq.token_ids[i * bs:(i + 1) * bs]))
+        self._unforked.pop(parent.seq_id, None)  # the request's n seats are now its n sequences'
+        child = self._new_seq(request, index, list(parent.token_ids))
+        child.num_computed_tokens = parent.num_computed_tokens
+        child.num_cached_tokens = parent.num_cached_tokens
+        request.seqs.append(child)
+        self._insert_running(child)
+        return child
 
     # ---- bookkeeping ----
     def _remove_from_queues(self, seq: Sequence) -> None:
@@ -684,56 +421,25 @@ class Scheduler:
             if seq in queue:
                 queue.remove(seq)
 
-    def _release_blocks(self, seq: Sequence) -> None:
-        self.pool.free_all(seq.block_ids)
-        seq.block_ids = []
-        self._digests.pop(seq.seq_id, None)
-
     def block_references(self) -> dict[int, int]:
-        refs: dict[int, int] = {}
-        for seq in itertools.chain(self.running, self.waiting):
-            for block in seq.block_ids:
-                refs[block] = refs.get(block, 0) + 1
-        if self.swapper is not None:  # shared blocks that swapped sequences kept on the GPU
-            for block, count in self.swapper.gpu_references().items():
-                refs[block] = refs.get(block, 0) + count
-        return refs
+        swapped = self.swapper.gpu_references() if self.swapper is not None else None
+        return self.kv.references(itertools.chain(self.running, self.waiting), swapped)
 
     def check_integrity(self) -> None:
         """The pool's own invariants plus: every reference is held by a live sequence."""
-        self.pool.check_integrity(self.block_references())
+        swapped = self.swapper.gpu_references() if self.swapper is not None else None
+        self.kv.check_integrity(self.running, self.waiting, self.swapped, swapped)
         if self.swapper is not None:
             self.swapper.check_integrity(self.swapped)
         ids = [s.seq_id for s in itertools.chain(self.waiting, self.running, self.swapped)]
         assert len(ids) == len(set(ids)), "a sequence is queued twice"
-        for seq in self.running:
-            assert seq.status is SeqStatus.RUNNING
-            assert len(seq.block_ids) * self.config.block_size >= seq.num_computed_tokens
-        for seq in self.waiting:
-            assert seq.status is SeqStatus.WAITING
-        for seq in self.swapped:
-            assert seq.status is SeqStatus.SWAPPED
-        assert len(self.running) <= self.config.max_num_seqs, "more running sequences than max_num_seqs"
+        for queue, status in ((self.running, SeqStatus.RUNNING), (self.waiting, SeqStatus.WAITING),
+                              (self.swapped, SeqStatus.SWAPPED)):
+            assert all(s.status is status for s in queue), f"a sequence in the {status.value} queue is not"
+        assert self._seats_used() <= self.config.max_num_seqs, "more running seats than max_num_seqs"
+        assert set(self._spare) <= {s.seq_id for s in itertools.chain(self.running, self.waiting, self.swapped)}, \
+            "a reusable record kept for a finished sequence"
 
     def fragmentation(self) -> float:
         """Allocated slots not holding a computed token / allocated slots."""
-        slots = 0
-        used = 0
-        for seq in self.running:
-            slots += len(seq.block_ids) * self.config.block_size
-            used += seq.num_computed_tokens
-        return (slots - used) / slots if slots else 0.0
-
-
-class SwapSpace:  # pragma: no cover - the protocol; engine/kv/swap.py implements it
-    def begin_step(self) -> None: ...
-    def can_swap_out(self, seq: Sequence, mode: str) -> bool: ...
-    def swap_out(self, seq: Sequence) -> list[tuple[int, int]]: ...
-    def swap_in(self, seq: Sequence) -> list[tuple[int, int]]: ...
-    def blocks_needed(self, seq: Sequence) -> int: ...
-    def blocks_to_resume(self, seq: Sequence, num_new: int) -> int: ...
-    def holds_gpu_blocks(self, seq: Sequence) -> bool: ...
-    def gpu_references(self) -> dict[int, int]: ...
-    def discard(self, seq: Sequence) -> None: ...
-    def check_integrity(self, swapped: list[Sequence]) -> None: ...
-    num_free: int
+        return self.kv.fragmentation(self.running)

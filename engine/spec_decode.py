@@ -12,6 +12,12 @@ distribution; greedy and seeded outputs equal those of plain decoding.
 Search: the token ids as int32 bytes and `bytes.rfind` (C speed, no per-step numpy
 conversion of the whole list: the bytes grow with the sequence).
 
+Verification (`SpecDecoder`): the scheduler asks it for a decoding sequence's drafts (within
+the token budget, max_model_len and max_tokens; none for constrained requests) and hands it
+each verify step's sampled tokens; it keeps the accepted prefix, advances the sequence, gives
+back the blocks only the rejected drafts reached (`KVAllocator.trim`) and keeps the counters
+the metrics read.
+
 Back-off: a verify step costs more than a plain decode step (more tokens, and on a GPU no
 decode graph), so a sequence whose drafts were all rejected gets none for the next 2, 4, ...
 up to MAX_SKIP steps; one accepted draft resets it.
@@ -22,8 +28,12 @@ from __future__ import annotations
 import array
 import weakref
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from engine.request import Sequence
+
+if TYPE_CHECKING:
+    from engine.kv.allocator import KVAllocator
 
 MAX_SKIP = 32
 
@@ -97,3 +107,44 @@ def find_draft(data: bytes, length: int, k: int, n_min: int, n_max: int) -> list
                 return list(array.array("i", data[start * width:(start + k) * width]))
             limit = at + len(pattern) - 1  # straddles token boundaries: look further back
     return []
+
+
+class SpecDecoder:
+    """Draft proposal limits and draft acceptance for the scheduler, with their counters."""
+
+    def __init__(self, proposer: NgramProposer, max_model_len: int) -> None:
+        self.proposer = proposer
+        self.max_model_len = max_model_len
+        self.num_draft_tokens = 0
+        self.num_drafts = 0  # (sequence, step) pairs that had drafts
+        self.num_accepted_tokens = 0
+
+    def drafts(self, seq: Sequence, budget: int) -> list[int]:
+        """Draft tokens for a decoding sequence ([] when not applicable). They stay within the
+        token budget, max_model_len and the request's max_tokens (the step adds up to
+        len(drafts) + 1 tokens); constrained requests get none."""
+        request = seq.request
+        if request.grammars or seq.num_computed_tokens < seq.num_prompt_tokens:
+            return []
+        room = min(budget - 1, self.max_model_len - seq.num_tokens - 1)
+        if request.params.max_tokens is not None:
+            room = min(room, request.params.max_tokens - seq.num_output_tokens - 1)
+        return self.proposer.propose(seq, room) if room > 0 else []
+
+    def accept(self, seq: Sequence, drafts: list[int], sampled: list[int], kv: KVAllocator) -> None:
+        """Keep the drafts up to the first the model did not sample, plus the model's token there
+        (or after the last draft). KV is valid for the last token and the kept drafts; the blocks
+        only rejected drafts reached are freed, and the rest of what they wrote lies beyond
+        num_computed_tokens, to be overwritten."""
+        accepted = 0
+        while accepted < len(drafts) and sampled[accepted] == drafts[accepted]:
+            accepted += 1
+        seq.token_ids.extend(sampled[:accepted + 1])
+        seq.num_new_tokens = accepted + 1
+        seq.num_computed_tokens += 1 + accepted
+        kv.cache_full_blocks(seq)
+        kv.trim(seq)
+        self.num_draft_tokens += len(drafts)
+        self.num_drafts += bool(drafts)
+        self.num_accepted_tokens += accepted
+        self.proposer.feedback(seq, accepted)

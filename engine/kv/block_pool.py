@@ -60,6 +60,7 @@ class BlockPool:
         if self.num_blocks < 2:
             raise ValueError("a block pool needs at least 2 blocks (one is the null block)")
         self._ref = [0] * self.num_blocks
+        self.ref_counts = self._ref  # read-only view by block id (hot loops index it directly)
         self._free: deque[int] = deque(range(1, self.num_blocks))
         self._idle: OrderedDict[int, None] = OrderedDict()
         self._by_digest: dict[bytes, int] = {}
