@@ -30,6 +30,7 @@ from engine.kv.block_pool import BlockPool
 if TYPE_CHECKING:
     from engine.spec_decode import NgramProposer
 from engine.request import FinishReason, InvalidRequestError, Request, SamplingParams, Sequence, SeqStatus
+from engine.tasks import GENERATE, Task, task_of
 
 logger = logging.getLogger(__name__)
 
@@ -64,8 +65,7 @@ class ScheduledSeq:
     grammars: list | None = None  # the request's grammar matchers, by sample index (structured outputs)
     # Speculative decoding: token_ids is [last token, *drafts]; every position is sampled.
     draft_token_ids: list[int] = field(default_factory=list)
-    lora_slot: int = -1  # the request's LoRA adapter slot (-1: none)
-    pooling: str | None = None  # an embedding request's pooling type: its hidden states, not a token
+    task: Task = GENERATE  # what the step is for (engine/tasks.py)
     seq: Sequence | None = None  # the sequence itself (its state moves on after the step is launched)
 
     @property
@@ -74,9 +74,9 @@ class ScheduledSeq:
 
     @property
     def advances_at_launch(self) -> bool:
-        """One sampled token at most and no fork, drafts or pooling: the scheduler counts the
+        """One sampled token at most and no fork, drafts or task results: the scheduler counts the
         tokens computed, and a placeholder for the sampled one, as soon as the step is launched."""
-        return not self.draft_token_ids and self.num_samples == 1 and not self.pooling
+        return not self.draft_token_ids and self.num_samples == 1 and self.task.text_output
 
 
 def sample_row_ranges(seqs: list[ScheduledSeq]):
@@ -84,9 +84,7 @@ def sample_row_ranges(seqs: list[ScheduledSeq]):
     sampling sequence, n at a fork point, none for a prefill chunk that does not end the prompt."""
     k = 0
     for s in seqs:
-        n = (1 + len(s.draft_token_ids) if s.draft_token_ids else s.num_samples) if s.do_sample else 0
-        if s.pooling:
-            n = 0  # pooled, not sampled
+        n = s.task.sample_rows(s)
         yield s, range(k, k + n)
         k += n
 
@@ -346,9 +344,8 @@ class Scheduler:
         Returns how many prompt tokens were found in the cache.
         """
         request = seq.request
-        mean_pooled = request.pooling is not None and request.pooling.pooling_type == "mean"
-        if not self.pool.enable_prefix_caching or request.params.prompt_logprobs is not None or mean_pooled:
-            return 0  # prompt logprobs and mean pooling need every prompt position computed
+        if not self.pool.enable_prefix_caching or not task_of(request).prefix_cacheable:
+            return 0  # (e.g. prompt logprobs need every prompt position computed)
         max_blocks = (seq.num_tokens - 1) // self.config.block_size
         blocks, digests = self.pool.match_prefix(seq.token_ids, max_blocks, seq.request.prefix_root)
         for block in blocks:
@@ -440,7 +437,7 @@ class Scheduler:
             num_samples=request.params.n if fork else 1, params=request.params,
             all_token_ids=seq.token_ids, num_prompt_tokens=seq.num_prompt_tokens,
             sample_index=seq.sample_index, grammars=request.grammars, draft_token_ids=drafts,
-            lora_slot=request.lora_slot, pooling=request.pooling.pooling_type if request.pooling else None,
+            task=task_of(request),
             seq=seq,
         ))
         if drafts:
