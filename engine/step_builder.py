@@ -14,6 +14,7 @@ and the attention metadata and forward context.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from operator import itemgetter
 from typing import Any, Callable
 
 import numpy as np
@@ -58,14 +59,16 @@ class StepBuilder:
         # A decoding sequence's sampler row does not change from step to step: kept by seq id.
         self._rows: dict[int, SampleRow] = {}
         self._views: dict[tuple[int, int, int], tuple[torch.Tensor, ...]] = {}  # eager metadata's buffer views
+        self._arange = np.arange(buffers.max_seqs + 1, dtype=np.int32)
+        self._range = list(range(buffers.max_seqs + 1))  # (sliced: a fresh list each time)
 
     def build(self, sched: SchedulerOutput) -> StepInputs:
         self.buffers.wait_staging()
         seqs = sched.seqs
         # No prefill token and one decode token per sequence: each computes one token past its
-        # prompt and samples it. Forks and tasks that read hidden states take the general path.
-        if (sched.num_prefill_tokens == 0 and sched.num_decode_tokens == len(seqs)
-                and not [s for s in seqs if s.num_samples != 1 or s.task.reads_hidden]):
+        # prompt and samples it once (a request forks where its prompt ends, a prefill step), and
+        # no task reads it (tasks read prompt positions only, engine/tasks.py).
+        if sched.num_prefill_tokens == 0 and sched.num_decode_tokens == len(seqs):
             return self._build_decode(seqs)
         return self._build_general(seqs)
 
@@ -77,7 +80,8 @@ class StepBuilder:
         sample_indices: list[int] = []
         rows: list[SampleRow] = []
         reads: list[tuple[Any, int, Any]] = []
-        feed: list[tuple[int, int]] = []  # (input row, seq id): the previous step's sampled token
+        feed_rows: list[int] = []  # input rows whose token is the previous step's sampled one...
+        feed_ids: list[int] = []  # ...for these sequences
         buf.np_query_start_loc[0] = 0
         num_decodes = 0  # leading one-token sequences (the scheduler puts decodes first)
         for i, s in enumerate(seqs):
@@ -88,7 +92,8 @@ class StepBuilder:
             end = start + n
             buf.np_input_ids[t:t + n] = s.token_ids
             if n == 1 and s.token_ids[0] == PLACEHOLDER:
-                feed.append((t, s.seq_id))
+                feed_rows.append(t)
+                feed_ids.append(s.seq_id)
             self.features.write(t, n, s)
             pos = np.arange(start, end, dtype=np.int64)
             buf.np_positions[t:t + n] = pos
@@ -115,7 +120,8 @@ class StepBuilder:
                 for k in range(num_rows):
                     sample_indices.append(t - 1)
                     rows.append(_sample_row(s, k))
-        step = self._finish(t, len(seqs), max_q, max_len, max_cols, sample_indices, rows, None, num_decodes, feed)
+        step = self._finish(t, len(seqs), max_q, max_len, max_cols, sample_indices, rows, None, num_decodes,
+                            feed_rows, feed_ids)
         step.reads = reads
         return step
 
@@ -124,30 +130,38 @@ class StepBuilder:
         buf = self.buffers
         bs = self.block_size
         n = len(seqs)
+        # Plain lists from one pass each, then one numpy fill per buffer (small numpy calls cost
+        # microseconds each: fewer of them beats vectorising the arithmetic).
         keys = [(s.block_ids, s.seq.table_version, len(s.block_ids)) for s in seqs]
-        buf.write_table_rows(keys)  # (first: the slots are read from the host table)
-        tokens = np.array([s.token_ids[0] for s in seqs], dtype=np.int64)
-        positions = np.array([s.start_pos for s in seqs], dtype=np.int64)
+        buf.write_table_rows(keys)
+        tokens = [s.token_ids[0] for s in seqs]
+        positions = [s.start_pos for s in seqs]
         buf.np_input_ids[:n] = tokens
         buf.np_positions[:n] = positions
-        blocks = buf.np_block_tables[np.arange(n), positions // bs]
-        buf.np_slot_mapping[:n] = blocks * bs + positions % bs
-        buf.np_seq_lens[:n] = positions + 1
-        buf.np_query_start_loc[:n + 1] = np.arange(n + 1)
+        buf.np_slot_mapping[:n] = [s.block_ids[(p := s.start_pos) // bs] * bs + p % bs for s in seqs]
+        max_len = max(positions) + 1
+        buf.np_seq_lens[:n] = [p + 1 for p in positions]
+        buf.np_query_start_loc[:n + 1] = self._arange[:n + 1]
         self.features.write_decode(seqs)
-        max_cols = max([k[2] for k in keys])
-        max_len = int(positions.max()) + 1
-        placeholders = np.flatnonzero(tokens == PLACEHOLDER).tolist()
-        feed = [(i, seqs[i].seq_id) for i in placeholders]
+        feed_rows: list[int] = []
+        feed_ids: list[int] = []
+        if PLACEHOLDER in tokens:
+            if tokens.count(PLACEHOLDER) == n:  # (overlap scheduling's steady state)
+                feed_rows = self._range[:n]
+                feed_ids = [s.seq_id for s in seqs]
+            else:
+                feed_rows = [i for i, token in enumerate(tokens) if token == PLACEHOLDER]
+                feed_ids = [seqs[i].seq_id for i in feed_rows]
         key = self.graph_key(n, max_len) if self.graph_key is not None else None
-        return self._finish(n, n, 1, max_len, max_cols, list(range(n)), self._decode_rows(seqs), key, n, feed)
+        return self._finish(n, n, 1, max_len, max([k[2] for k in keys]), self._range[:n], self._decode_rows(seqs),
+                            key, n, feed_rows, feed_ids)
 
     def _decode_rows(self, seqs: list[ScheduledSeq]) -> list[SampleRow]:
         """The sampler rows of a decode step: each sequence's row of its previous step (a
-        sequence's params, history list, sample index and grammar are its own for good)."""
+        sequence's params, token list (never replaced, only appended to), sample index and
+        grammar are its own for good)."""
         known = self._rows
-        rows = [r if (r := known.get(s.seq_id)) is not None and r.all_token_ids is s.all_token_ids else None
-                for s in seqs]
+        rows = [known.get(s.seq_id) for s in seqs]  # (seq ids are never reused)
         missing = [i for i, r in enumerate(rows) if r is None]
         if missing:
             for i in missing:
@@ -158,7 +172,7 @@ class StepBuilder:
 
     def _finish(self, t: int, num_seqs: int, max_q: int, max_len: int, max_cols: int,
                 sample_indices: list[int], rows: list[SampleRow], graph_key: tuple[int, int] | None,
-                num_decodes: int, feed: list[tuple[int, int]]) -> StepInputs:
+                num_decodes: int, feed_rows: list[int], feed_ids: list[int]) -> StepInputs:
         buf = self.buffers
         padded_seqs = num_seqs
         if graph_key is not None:
@@ -173,8 +187,8 @@ class StepBuilder:
         t_padded = t + extra
         self.features.upload(t_padded)
         buf.upload(t_padded, padded_seqs, max_cols)
-        if feed:
-            self._feed_sampled(feed)
+        if feed_rows:
+            self._feed_sampled(feed_rows, feed_ids)
         if graph_key is not None:
             return StepInputs(t_padded, padded_seqs, None, None, sample_indices, rows, graph_key)
         if self.compiled:
@@ -206,20 +220,23 @@ class StepBuilder:
         self.features.upload(num_tokens)
         buf.upload(num_tokens, num_seqs, 1)
 
-    def _feed_sampled(self, feed: list[tuple[int, int]]) -> None:
-        """Overlap scheduling: rows whose input is a token the previous step sampled (a
-        PLACEHOLDER on the host) read it from that step's device tensor, with no host round trip."""
+    def _feed_sampled(self, rows: list[int], seq_ids: list[int]) -> None:
+        """Overlap scheduling: input `rows` (a PLACEHOLDER on the host) take the tokens the previous
+        step sampled for `seq_ids`, read from its device tensor, with no host round trip."""
         prev_tokens, prev_rows = self.last_sampled
         buf = self.buffers
-        k = len(feed)
-        dst, src = buf.np_feed_dst[:k], buf.np_feed_src[:k]
-        dst[:] = [row for row, _ in feed]
-        src[:] = [prev_rows[seq_id] for _, seq_id in feed]
-        if dst[-1] == k - 1 and src[-1] == k - 1 and (dst == src).all() and (dst == np.arange(k)).all():
-            # A steady decode batch: rows [0, k) take the previous step's rows [0, k) (one copy).
-            # A failed row (-1) feeds token 0: that sequence is failed and its extra token discarded.
-            torch.clamp(prev_tokens[:k], min=0, out=buf.input_ids[:k])
+        k = len(rows)
+        src = list(itemgetter(*seq_ids)(prev_rows)) if k > 1 else [prev_rows[seq_ids[0]]]
+        if rows == src and rows[-1] == k - 1:
+            # A steady decode batch: rows [0, k) take the previous step's rows [0, k) (one copy;
+            # clamped as below). On the CPU the tokens are computed already: numpy, no op dispatch.
+            if buf.device.type == "cpu":
+                np.maximum(prev_tokens.numpy()[:k], 0, out=buf.np_input_ids[:k])
+            else:
+                torch.clamp(prev_tokens[:k], min=0, out=buf.input_ids[:k])
             return
+        buf.np_feed_dst[:k] = rows
+        buf.np_feed_src[:k] = src
         if buf.device.type != "cpu":
             buf.feed_dst[:k].copy_(buf.feed_dst_host[:k], non_blocking=True)
             buf.feed_src[:k].copy_(buf.feed_src_host[:k], non_blocking=True)

@@ -9,7 +9,8 @@ never branch on the feature themselves:
   - `sample_rows(s)`: how many sampler rows a scheduled sequence takes this step;
   - `prefix_cacheable`: may the prompt skip blocks found in the prefix cache;
   - `plan(s, row)` while the step's inputs are built, then `read(model, hidden, plan)` once the
-    forward ran: what the task takes from the step's hidden states (None: nothing);
+    forward ran: what the task takes from the step's hidden states (None: nothing). Tasks read
+    prompt positions only: a step of decodes alone is built without asking them;
   - `record(seq, result)` on the host: fold that into the request; True when the request is done;
   - `text_output` / `output(request)`: a task without generated text builds its own output.
 
