@@ -99,7 +99,8 @@ class StepBuilder:
             buf.np_positions[t:t + n] = pos
             table = np.asarray(s.block_ids, dtype=np.int64)
             buf.np_slot_mapping[t:t + n] = table[pos // bs] * bs + pos % bs
-            max_cols = max(max_cols, buf.write_table_row(i, s.block_ids, s.seq.table_version if s.seq is not None else 0))
+            version = s.seq.table_version if s.seq is not None else 0
+            max_cols = max(max_cols, buf.write_table_row(i, s.block_ids, version))
             buf.np_seq_lens[i] = end
             if s.task.reads_hidden:
                 plan = s.task.plan(s, t)
