@@ -22,6 +22,7 @@ import torch
 
 from compiler.cpu_attention import KERNELS
 from engine.attention.base import AttentionMetadata
+from engine.forward_context import StepFeatures
 
 
 @torch.inference_mode()
@@ -37,8 +38,7 @@ def warm_cpu_decode(model: torch.nn.Module, kv_cache: torch.Tensor, compile_cach
         query_start_loc=torch.arange(rows + 1, dtype=torch.int32),
         seq_lens=torch.zeros(rows, dtype=torch.int32),
         block_tables=torch.zeros(rows, 1, dtype=torch.int32),
-        max_query_len=1, max_seq_len=1, num_decodes=rows,
-        lora_slots=torch.full((rows,), -1, dtype=torch.int64) if getattr(model, "lora_slots", None) else None)
-    hidden = model(ids, ids, kv_cache, meta)
+        max_query_len=1, max_seq_len=1, num_decodes=rows)
+    hidden = model(ids, ids, kv_cache, meta, StepFeatures.for_model(model, rows, torch.device("cpu")).context(rows))
     model.compute_logits(hidden)
     return time.perf_counter() - t0

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import weakref
 from typing import TYPE_CHECKING, Any, Sequence as Seq
 
-from engine.config import EngineSettings
+from engine.config import EngineSettings, ServerSettings
 from engine.generation_config import default_sampling_params
 from engine.llm_engine import LLMEngine
 from engine.request import LoRARequest, PoolingParams, RequestOutput, SamplingParams
@@ -13,13 +14,30 @@ if TYPE_CHECKING:
     from engine.beam_search import BeamSearchParams
 
 
+# The server's grammar-compile settings (engine/config.py ServerSettings) apply offline too.
+GRAMMAR_SETTINGS = ("grammar_compile_timeout_s", "grammar_compile_workers")
+
+
 class LLM:
     def __init__(self, model: str | None = None, **settings: Any) -> None:
+        """settings: EngineSettings fields, plus grammar_compile_timeout_s / grammar_compile_workers
+        (ServerSettings' defaults): a structured-output constraint that does not compile within
+        the limit is an InvalidRequestError naming `structured_outputs`, as the server's 400."""
         if model is not None:
             settings["model"] = model
+        grammar = _grammar_settings({name: settings.pop(name) for name in GRAMMAR_SETTINGS if name in settings})
         self.settings = EngineSettings(**settings)
         self.engine = LLMEngine(self.settings)
+        # Compiles run in killable worker processes (started on the first constrained request):
+        # xgrammar cannot be interrupted in-process, and a pathological schema can take minutes.
+        self.engine.structured_output.configure(timeout_s=grammar["grammar_compile_timeout_s"],
+                                                workers=grammar["grammar_compile_workers"])
+        weakref.finalize(self, self.engine.structured_output.close)  # (its worker processes)
         self._counter = 0
+
+    def close(self) -> None:
+        """Stop the grammar compile workers now (they also stop when the LLM is collected)."""
+        self.engine.structured_output.close()
 
     @property
     def tokenizer(self):
@@ -125,6 +143,23 @@ class LLM:
                 if request_id not in results:
                     self.engine.abort_request(request_id)
         return [results[i] for i in ids]
+
+
+def _grammar_settings(given: dict[str, Any]) -> dict[str, Any]:
+    """GRAMMAR_SETTINGS as given, else ServerSettings' defaults, validated by its field rules."""
+    from typing import Annotated
+
+    from pydantic import TypeAdapter
+
+    out = {}
+    for name in GRAMMAR_SETTINGS:
+        field = ServerSettings.model_fields[name]
+        value = given.get(name, field.default)
+        try:
+            out[name] = TypeAdapter(Annotated[field.annotation, field]).validate_python(value)
+        except ValueError as exc:
+            raise ValueError(f"{name}: {exc}") from exc
+    return out
 
 
 def _prompt_list(prompts: str | list[int] | Seq[str | list[int]]) -> list[str | list[int]]:

@@ -27,6 +27,7 @@ from engine.output_processor import OutputProcessor
 from engine.request import check_logprobs_limit, FinishReason, InvalidRequestError, LoRARequest, PoolingParams, Request, RequestOutput, SamplingParams
 from engine.runner import PendingStep
 from engine.scheduler import SchedulerOutput
+from engine.tasks import make_task
 
 logger = logging.getLogger(__name__)
 
@@ -50,13 +51,13 @@ class _Launched:
 
 def _needs_serial(sched: SchedulerOutput) -> bool:
     """The next step cannot be built before this one's tokens are on the host: a fork (n > 1),
-    drafts, an embedding, prompt logprobs, or sampling that reads the history on the host
+    drafts, a task that reads hidden states, or sampling that reads the history on the host
     (penalties, logits processors, a grammar's bitmask)."""
     for s in sched.seqs:
-        if not s.advances_at_launch or s.grammars:
+        if not s.advances_at_launch or s.grammars or s.task.reads_hidden:
             return True
         p = s.params
-        if p.needs_penalties or p.logits_processors or p.prompt_logprobs is not None:
+        if p.needs_penalties or p.logits_processors:
             return True
     return False
 
@@ -108,20 +109,12 @@ class LLMEngine:
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
                     request_id: str | None = None, priority: int = 0,
                     lora_request: LoRARequest | None = None, pooling: PoolingParams | None = None) -> Request:
-        """Queue a request. With `pooling` it is an embedding request: the prompt's hidden states
-        are pooled into RequestOutput.embedding and nothing is generated (params are ignored)."""
-        if pooling is not None:
-            hidden = self.model_config.hidden_size
-            if pooling.dimensions is not None and pooling.dimensions > hidden:
-                raise InvalidRequestError(f"dimensions ({pooling.dimensions}) exceeds the model's hidden size "
-                                          f"({hidden})", "dimensions")
-            params = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False, output_kind="final_only")
-        elif not self.model_config.generates:
-            raise InvalidRequestError(f"this checkpoint ({self.model_dir.name}) has no language-model head: it "
-                                      "serves embeddings only (/v1/embeddings, LLM.embed)", "model")
-        params = params or SamplingParams()
+        """Queue a request. Its task (engine/tasks.py) comes from params and `pooling`: with
+        `pooling` it is an embedding request (RequestOutput.embedding; params are ignored)."""
+        task = make_task(params, pooling)
+        task.check(self.model_config, self.model_dir.name)
+        params = task.params(params)
         params.validate()
-        check_logprobs_limit(params, self.settings.max_logprobs)
         check_logprobs_limit(params, self.settings.max_logprobs)
         vocab = self.model_config.vocab_size
         for name, ids in params.token_id_fields():
@@ -133,12 +126,11 @@ class LLMEngine:
             ids = ids[-params.truncate_prompt_tokens:]
             text = None  # the text no longer matches the tokens
         request = Request(request_id=request_id or uuid.uuid4().hex, prompt=text, prompt_token_ids=ids,
-                          params=params, priority=priority)
+                          params=params, priority=priority, task=task)
         if params.structured_outputs is not None:
             request.grammars = self.structured_output.matchers(params.structured_outputs, params.n, ids)
         if lora_request is not None:
             attach_lora(self.lora, request, lora_request)
-        request.pooling = pooling
         self.scheduler.add_request(request)
         for seq in request.seqs:
             init_offsets(seq)

@@ -236,3 +236,38 @@ def unload_lora(manager: LoRAManager | None, requests, name: str) -> None:
         raise InvalidRequestError(f"LoRA adapter {name!r} is in use by {len(users)} unfinished requests",
                                   "lora_name")
     manager.unload(name)
+
+
+# ---- the forward context's LoRA input (engine/forward_context.py) ----
+class LoRASlots:
+    """Each token's adapter slot (-1: the base model), a static buffer the model reads through
+    ForwardContext.lora_slots: the decode CUDA graphs capture it like the attention metadata."""
+
+    field = "lora_slots"
+
+    def __init__(self, max_tokens: int, device: torch.device) -> None:
+        self.host = torch.full((max_tokens,), -1, dtype=torch.int64, pin_memory=device.type == "cuda")
+        self.device = self.host if device.type == "cpu" else torch.full((max_tokens,), -1, dtype=torch.int64,
+                                                                        device=device)
+        self.np = self.host.numpy()
+
+    def write(self, t: int, n: int, s) -> None:
+        self.np[t:t + n] = s.seq.request.lora_slot
+
+    def write_decode(self, seqs) -> None:
+        self.np[:len(seqs)] = [s.seq.request.lora_slot for s in seqs]
+
+    def pad(self, t: int, count: int) -> None:
+        self.np[t:t + count] = -1
+
+    def upload(self, num_tokens: int) -> None:
+        if self.device is not self.host:
+            self.device[:num_tokens].copy_(self.host[:num_tokens], non_blocking=True)
+
+    def view(self, num_tokens: int) -> torch.Tensor:
+        return self.device[:num_tokens]
+
+
+def lora_step_feature(model: torch.nn.Module, max_tokens: int, device: torch.device) -> LoRASlots | None:
+    """The model's LoRA step input, or None when LoRA is off (model.enable_lora was not called)."""
+    return LoRASlots(max_tokens, device) if getattr(model, "lora_slots", 0) else None

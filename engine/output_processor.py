@@ -1,7 +1,7 @@
 """OutputProcessor: what happens to a step's sampled tokens on the host.
 
 Token bookkeeping (the scheduler appends them), logprobs, grammar advance, stop checks and
-detokenisation, pooled embeddings and prompt logprobs, failed rows, and the RequestOutput
+detokenisation, what tasks read off the hidden states (engine/tasks.py), failed rows, and the RequestOutput
 each request hands out (cumulative, delta or final only).
 
 With `defer_text` (the server's AsyncEngine) the engine thread keeps only the token-level
@@ -18,13 +18,13 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
-
-import torch
+from typing import Any
 
 from engine.detokenizer import Detokenizer, init_offsets, visible_len
 from engine.request import CompletionOutput, FinishReason, Request, RequestOutput, Sequence, SeqStatus
 from engine.sampler import SamplerOutput
 from engine.scheduler import Scheduler, SchedulerOutput, sample_row_ranges
+from engine.tasks import task_of
 
 logger = logging.getLogger(__name__)
 
@@ -66,9 +66,7 @@ class OutputProcessor:
     def process(self, sched: SchedulerOutput, sampled: SamplerOutput) -> tuple[list[RequestOutput], int]:
         """Apply a step's sampler output; returns the outputs to hand out and how many tokens
         the step generated (kept)."""
-        if sampled.prompt_logprobs:
-            self._record_prompt_logprobs(sched, sampled.prompt_logprobs)
-        pooled_done = self._record_pooled(sched, sampled.pooled) if sampled.pooled else []
+        tasks_done = self._record_task_results(sched, sampled.task_results) if sampled.task_results else []
         tokens = [[sampled.token_ids[r] for r in rows] for _, rows in sample_row_ranges(sched.seqs)]
         failed = self._failed_rows(sched, sampled.errors)
         for i, s in enumerate(sched.seqs):
@@ -78,7 +76,7 @@ class OutputProcessor:
         touched = self.scheduler.update(sched, tokens)
         now = time.monotonic()
         outputs: dict[str, Request] = {}
-        for seq in pooled_done:  # embedding requests whose prompt is done: finished, no token
+        for seq in tasks_done:  # requests whose task is done without a token (an embedding)
             self.scheduler.finish_seq(seq, FinishReason.STOP)
             seq.request.first_token_time = now
             outputs[seq.request.request_id] = seq.request
@@ -121,7 +119,7 @@ class OutputProcessor:
 
     def hand_out(self, request: Request) -> RequestOutput | RequestDelta | None:
         """The request's output (inline) or its delta for the TextProcessor (defer_text)."""
-        if not self.defer_text or request.pooling is not None:
+        if not self.defer_text or not task_of(request).text_output:
             return self.output(request)
         return self.delta(request)
 
@@ -245,41 +243,18 @@ class OutputProcessor:
         seq.logprobs.append(top)
 
     @staticmethod
-    def _record_pooled(sched: SchedulerOutput, pooled: dict[int, tuple[torch.Tensor, int, int, bool]]
-                       ) -> list[Sequence]:
-        """Accumulate embedding requests' pooled hidden states; returns the sequences whose prompt
-        is complete, with request.embedding set."""
-        by_id = {s.seq_id: s.seq for s in sched.seqs}
+    def _record_task_results(sched: SchedulerOutput, results: dict[int, Any]) -> list[Sequence]:
+        """Hand each task what it read off the step's hidden states; returns the sequences whose
+        task is done with that (their request needs no token)."""
+        by_id = {s.seq_id: s for s in sched.seqs}
         done = []
-        for seq_id, (vector, rows, start, final) in pooled.items():
-            seq = by_id.get(seq_id)
-            if seq is None or seq.is_finished:
+        for seq_id, result in results.items():
+            s = by_id.get(seq_id)
+            if s is None or s.seq is None or s.seq.is_finished:
                 continue
-            request = seq.request
-            if request.pooling.pooling_type == "mean":
-                if start == 0:  # (again, after a preemption by recompute)
-                    request.pool_sum, request.pool_count = None, 0
-                request.pool_sum = vector if request.pool_sum is None else request.pool_sum + vector
-                request.pool_count += rows
-                vector = request.pool_sum / request.pool_count
-            if final:
-                dims = request.pooling.dimensions
-                if dims is not None:
-                    vector = vector[:dims]
-                if request.pooling.normalize:
-                    vector = torch.nn.functional.normalize(vector, dim=0)
-                request.embedding = vector.tolist()
-                request.pool_sum = None
-                done.append(seq)
+            if s.task.record(s.seq, result):
+                done.append(s.seq)
         return done
-
-    @staticmethod
-    def _record_prompt_logprobs(sched: SchedulerOutput, scored: dict[int, tuple[int, list[dict[int, float]]]]) -> None:
-        by_id = {s.seq_id: s.seq for s in sched.seqs}
-        for seq_id, (first, entries) in scored.items():
-            seq = by_id.get(seq_id)
-            if seq is not None and not seq.is_finished:  # (a recomputed prompt scores its tokens again)
-                seq.request.prompt_logprobs[first:first + len(entries)] = entries
 
     # ---- RequestOutput building ----
     @classmethod
@@ -289,13 +264,9 @@ class OutputProcessor:
         params = request.params
         if params.output_kind == "final_only" and not request.is_finished:
             return None
-        if request.pooling is not None:  # an embedding: one output, when it is done
-            if not request.is_finished:
-                return None
-            return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids, [], True,
-                                 request.seqs[0].num_cached_tokens if request.seqs else 0, request.error,
-                                 {"arrival_time": request.arrival_time, "finished_time": request.finished_time},
-                                 None, request.embedding)
+        task = task_of(request)
+        if not task.text_output:  # (an embedding: one output, when it is done)
+            return task.output(request)
         seqs = sorted(request.seqs, key=lambda s: s.sample_index)
         if params.output_kind == "delta":
             outs = [c for c in map(cls._delta_choice, seqs) if c is not None]
@@ -364,7 +335,7 @@ class TextProcessor:
         mirror = Request(request.request_id, request.prompt, list(request.prompt_token_ids), request.params,
                          arrival_time=request.arrival_time, priority=request.priority,
                          prompt_logprobs=request.prompt_logprobs)
-        mirror.pooling = request.pooling
+        mirror.task = request.task
         mirror.seqs = [cls._new_seq(mirror, 0)]
         init_offsets(mirror.seqs[0])
         return mirror

@@ -338,16 +338,14 @@ class Request:
     # With params.structured_outputs: one grammar matcher per sample (index = sample_index), each
     # advanced by its sample's tokens (engine/structured_output.py).
     grammars: list[Any] | None = None
-    pooling: PoolingParams | None = None  # an embedding request: no tokens are generated
-    embedding: list[float] | None = None  # its result
-    pool_sum: Any = None  # mean pooling: the sum of the hidden states computed so far (a tensor)
-    pool_count: int = 0
+    embedding: list[float] | None = None  # an embedding request's result (engine/tasks.py Pool)
     lora_request: LoRARequest | None = None
     lora_slot: int = -1  # the adapter's slot in the model (-1: the base model)
     prefix_root: bytes | None = None  # prefix-cache namespace (an adapter's KV is its own)
     # With params.prompt_logprobs: one entry per prompt token, the first None (nothing before it),
     # filled as the prompt's chunks are computed.
     prompt_logprobs: list[dict[int, float] | None] | None = None
+    task: Any = None  # what its steps are for: engine/tasks.py (None: made from params when scheduled)
 
     def __post_init__(self) -> None:
         if self.params.prompt_logprobs is not None and self.prompt_logprobs is None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -46,13 +47,8 @@ class SamplerOutput:
     # Rows that failed (a logits processor raised, or the logits were NaN / +inf / all -inf):
     # row -> message. Their token is -1; the engine fails their requests, the rest go on.
     errors: dict[int, str] = field(default_factory=dict)
-    # Prompt logprobs computed this step: seq id -> (position of the first prompt token they
-    # score, one {token: logprob} entry per scored token; the prompt token's own included).
-    prompt_logprobs: dict[int, tuple[int, list[dict[int, float]]]] = field(default_factory=dict)
-    # Embedding requests: seq id -> (pooled hidden state(s) of this step's chunk: the last row, or
-    # the sum of the rows for mean pooling; rows summed; the chunk's first position; whether the
-    # chunk ends the prompt).
-    pooled: dict[int, tuple[torch.Tensor, int, int, bool]] = field(default_factory=dict)
+    # What tasks read off this step's hidden states: seq id -> result (engine/tasks.py read()).
+    task_results: dict[int, Any] = field(default_factory=dict)
 
 
 def _row_seed(seed: int, sample_index: int, position: int) -> int:

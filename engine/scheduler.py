@@ -33,6 +33,7 @@ from engine.request import FinishReason, InvalidRequestError, Request, Sequence,
 from engine.spec_decode import SpecDecoder
 from engine.step_plan import PLACEHOLDER, ScheduledSeq, SchedulerOutput, sample_row_ranges
 from engine.step_results import StepResults
+from engine.tasks import task_of
 
 if TYPE_CHECKING:
     from engine.kv.swap import SwapSpace
@@ -330,9 +331,8 @@ class Scheduler:
     def _take_prefix_hits(self, seq: Sequence) -> int:
         """Reuse cached full blocks where the request allows it; returns the prompt tokens found."""
         request = seq.request
-        mean_pooled = request.pooling is not None and request.pooling.pooling_type == "mean"
-        if not self.pool.enable_prefix_caching or request.params.prompt_logprobs is not None or mean_pooled:
-            return 0  # prompt logprobs and mean pooling need every prompt position computed
+        if not self.pool.enable_prefix_caching or not task_of(request).prefix_cacheable:
+            return 0  # (e.g. prompt logprobs need every prompt position computed)
         return self.kv.take_prefix_hits(seq)
 
     def _emit(self, seq: Sequence, num_new: int, out: SchedulerOutput, drafts: list[int] | None = None) -> None:
@@ -347,7 +347,7 @@ class Scheduler:
             num_samples=request.params.n if fork else 1, params=request.params,
             all_token_ids=seq.token_ids, num_prompt_tokens=seq.num_prompt_tokens,
             sample_index=seq.sample_index, grammars=request.grammars, draft_token_ids=drafts,
-            lora_slot=request.lora_slot, pooling=request.pooling.pooling_type if request.pooling else None,
+            task=task_of(request),
             seq=seq,
         ))
         if num_new != 1:

@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from engine.request import SamplingParams, Sequence
+from engine.tasks import GENERATE, Task
 
 
 @dataclass
@@ -30,8 +31,7 @@ class ScheduledSeq:
     grammars: list | None = None  # the request's grammar matchers, by sample index (structured outputs)
     # Speculative decoding: token_ids is [last token, *drafts]; every position is sampled.
     draft_token_ids: list[int] = field(default_factory=list)
-    lora_slot: int = -1  # the request's LoRA adapter slot (-1: none)
-    pooling: str | None = None  # an embedding request's pooling type: its hidden states, not a token
+    task: Task = GENERATE  # what the step is for (engine/tasks.py)
     seq: Sequence | None = None  # the sequence itself (its state moves on after the step is launched)
 
     @property
@@ -40,9 +40,9 @@ class ScheduledSeq:
 
     @property
     def advances_at_launch(self) -> bool:
-        """One sampled token at most and no fork, drafts or pooling: the scheduler counts the
+        """One sampled token at most and no fork, drafts or task results: the scheduler counts the
         tokens computed, and a placeholder for the sampled one, as soon as the step is launched."""
-        return not self.draft_token_ids and self.num_samples == 1 and not self.pooling
+        return not self.draft_token_ids and self.num_samples == 1 and self.task.text_output
 
 
 def sample_row_ranges(seqs: list[ScheduledSeq]):
@@ -50,9 +50,7 @@ def sample_row_ranges(seqs: list[ScheduledSeq]):
     sampling sequence, n at a fork point, none for a prefill chunk that does not end the prompt."""
     k = 0
     for s in seqs:
-        n = (1 + len(s.draft_token_ids) if s.draft_token_ids else s.num_samples) if s.do_sample else 0
-        if s.pooling:
-            n = 0  # pooled, not sampled
+        n = s.task.sample_rows(s)
         yield s, range(k, k + n)
         k += n
 

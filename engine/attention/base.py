@@ -23,8 +23,7 @@ class AttentionMetadata:
     max_query_len / max_seq_len: host-side bounds for this step (size padding, pick kernels).
     num_decodes: how many leading sequences have exactly one query token (the scheduler puts
     decodes first); 0 when unknown.
-    lora_slots       int64 [num_tokens]       each token's LoRA adapter slot, -1 = none (engine/lora.py);
-                                              None when LoRA is off. Step metadata the model reads, not attention.
+    (Other features' per-step inputs travel in engine/forward_context.py's ForwardContext.)
     """
 
     slot_mapping: torch.Tensor
@@ -34,7 +33,6 @@ class AttentionMetadata:
     max_query_len: int
     max_seq_len: int
     num_decodes: int = 0
-    lora_slots: torch.Tensor | None = None
 
 
 class AttentionBackend(Protocol):

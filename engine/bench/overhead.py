@@ -72,7 +72,7 @@ def stub_model(engine, max_rows: int) -> None:
     fixed = torch.randn(max_rows, cfg.vocab_size, generator=gen).to(engine.device)
     hidden = torch.zeros(max(max_rows, engine.settings.max_num_batched_tokens) * 4, cfg.hidden_size,
                          dtype=engine.dtype, device=engine.device)
-    engine.runner.forward_fn = lambda ids, positions, kv, meta: hidden[:ids.shape[0]]
+    engine.runner.forward_fn = lambda ids, positions, kv, meta, ctx=None: hidden[:ids.shape[0]]
     engine.model.compute_logits = lambda h: fixed[:h.shape[0]]
 
 

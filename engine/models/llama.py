@@ -18,6 +18,7 @@ import compiler.ops  # noqa: F401 - registers every kiln:: op (kiln::moe_experts
 from engine.attention.base import AttentionBackend, AttentionMetadata
 from engine.distributed.layers import ParallelLMHead, RowParallelLinear, VocabParallelEmbedding, parallel_logits
 from engine.distributed.parallel import TensorParallel, all_reduce, check_shardable, local_heads, vocab_rows_per_rank
+from engine.forward_context import ForwardContext
 from engine.models.config import ModelConfig, rope_inv_freq
 from engine.models.glm import apply_interleaved_rope, interleaved_rope_tables
 
@@ -262,17 +263,18 @@ class LlamaForCausalLM(nn.Module):
                 module.enable_lora(num_slots, max_rank)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
-                meta: AttentionMetadata) -> torch.Tensor:
-        """ids, positions [T] -> final hidden states [T, hidden]. kv_cache: [layers, 2, blocks, bs, Hkv, D]."""
+                meta: AttentionMetadata, ctx: ForwardContext | None = None) -> torch.Tensor:
+        """ids, positions [T] -> final hidden states [T, hidden]. kv_cache: [layers, 2, blocks, bs, Hkv, D].
+        ctx: the step's feature inputs (engine/forward_context.py); None: no feature is used."""
         x = self.embed_tokens(input_ids)
         if self.config.embed_scale is not None:  # Gemma: rounded to the weights' dtype first, as in HF
             x = x * torch.tensor(self.config.embed_scale, dtype=x.dtype)
         cos, sin = self.rotary(positions, x.dtype)
         local = self.rotary_local(positions, x.dtype) if self.rotary_local is not None else (cos, sin)
         lora = None
-        if self.lora_slots and meta.lora_slots is not None:  # one-hot of each token's adapter slot
+        if self.lora_slots and ctx is not None and ctx.lora_slots is not None:  # one-hot of each token's slot
             slots = torch.arange(self.lora_slots, device=x.device)
-            lora = (meta.lora_slots[:, None] == slots).to(x.dtype)
+            lora = (ctx.lora_slots[:, None] == slots).to(x.dtype)
         for layer in self.layers:
             c, s = local if layer.self_attn.sliding_window else (cos, sin)
             x = layer(x, c, s, kv_cache, meta, self.backend, lora)

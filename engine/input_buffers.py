@@ -1,0 +1,133 @@
+"""InputBuffers: every static input of a step, host staging + device tensor, sized for the largest step.
+
+A step fills the host side (numpy views), then `upload` copies the used prefix to the device
+without blocking; block-table rows are rewritten only where they changed, and only the changed
+cells go to the device. Compiled steps and captured CUDA graphs read the device tensors in
+place, so nothing here is ever reallocated.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+
+class InputBuffers:
+    """Every static input of a step, host staging + device tensor, sized for the largest step."""
+
+    def __init__(self, max_tokens: int, max_seqs: int, max_blocks_per_seq: int, device: torch.device) -> None:
+        self.max_tokens = max_tokens
+        self.max_seqs = max_seqs
+        self.max_blocks_per_seq = max_blocks_per_seq
+        self.device = device
+        pin = device.type == "cuda"
+
+        def pair(shape, dtype):
+            host = torch.zeros(shape, dtype=dtype, pin_memory=pin)
+            dev = host if device.type == "cpu" else torch.zeros(shape, dtype=dtype, device=device)
+            return host, dev
+
+        self.input_ids_host, self.input_ids = pair(max_tokens, torch.int64)
+        self.positions_host, self.positions = pair(max_tokens, torch.int64)
+        self.slot_mapping_host, self.slot_mapping = pair(max_tokens, torch.int64)
+        self.query_start_loc_host, self.query_start_loc = pair(max_seqs + 1, torch.int32)
+        self.seq_lens_host, self.seq_lens = pair(max_seqs, torch.int32)
+        self.block_tables_host, self.block_tables = pair((max_seqs, max_blocks_per_seq), torch.int32)
+        # Block-table cells changed since the last upload (flat index, block id): only those go to
+        # the device, unless a step changes more than a row's worth per sequence.
+        self.table_idx_host, self.table_idx = pair(max_seqs * 2, torch.int64)
+        self.table_val_host, self.table_val = pair(max_seqs * 2, torch.int32)
+        # Overlap scheduling: input rows whose token is the previous step's sampled row.
+        self.feed_dst_host, self.feed_dst = pair(max_seqs, torch.int64)
+        self.feed_src_host, self.feed_src = pair(max_seqs, torch.int64)
+        # numpy views of the host side for fast filling
+        self.np_input_ids = self.input_ids_host.numpy()
+        self.np_positions = self.positions_host.numpy()
+        self.np_slot_mapping = self.slot_mapping_host.numpy()
+        self.np_query_start_loc = self.query_start_loc_host.numpy()
+        self.np_seq_lens = self.seq_lens_host.numpy()
+        self.np_block_tables = self.block_tables_host.numpy()
+        self.np_feed_dst = self.feed_dst_host.numpy()
+        self.np_feed_src = self.feed_src_host.numpy()
+        # What each block-table row holds on the host: (the sequence's block list, its table
+        # version, columns written); a row is rewritten only from the first column that changed.
+        self._rows: list[tuple[list[int] | None, int, int]] = [(None, 0, 0)] * max_seqs
+        self._table_updates: list[tuple[int, int]] = []
+        self._table_dirty = False  # too many changes: copy the used table region whole
+        # Host staging may be refilled only once the previous step's async copies have read it.
+        self._copied = torch.cuda.Event() if device.type == "cuda" else None
+        self._pending = False
+
+    def wait_staging(self) -> None:
+        if self._pending:
+            self._copied.synchronize()
+            self._pending = False
+
+    def staging_in_use(self) -> None:
+        """Copies queued since upload() read the host staging too: wait for them as well."""
+        self._copied.record()
+        self._pending = True
+
+    def fill_padding(self, t: int, n: int, count: int) -> None:
+        """Host rows [t, t+count) / sequences [n, n+count): one token each, slot -1, length 0."""
+        if count <= 0:
+            return
+        self.np_input_ids[t:t + count] = 0
+        self.np_positions[t:t + count] = 0
+        self.np_slot_mapping[t:t + count] = -1
+        self.np_seq_lens[n:n + count] = 0
+        self.np_query_start_loc[n + 1:n + count + 1] = np.arange(t + 1, t + count + 1)
+
+    def write_table_rows(self, keys: list[tuple[list[int], int, int]]) -> None:
+        """Rows [0, len(keys)) of the block table := keys[i] = (block list, table version, its
+        length): only the rows that differ from what the host holds are written (in a decode
+        step, the few sequences that just took a new block)."""
+        held = self._rows
+        n = len(keys)
+        if keys == held[:n]:  # (lists compare by identity first: no element walk when unchanged)
+            return
+        for i in range(n):
+            if keys[i] != held[i]:
+                self.write_table_row(i, keys[i][0], keys[i][1])
+
+    def write_table_row(self, i: int, blocks: list[int], version: int) -> int:
+        """Row i of the block table := blocks (the columns not written there already); returns
+        the row's width."""
+        held, held_version, written = self._rows[i]
+        cols = len(blocks)
+        start = written if held is blocks and held_version == version and written <= cols else 0
+        if start < cols:
+            self.np_block_tables[i, start:cols] = blocks[start:]
+            self._rows[i] = (blocks, version, cols)
+            if not self._table_dirty:
+                if len(self._table_updates) + cols - start > len(self.table_val_host):
+                    self._table_dirty = True
+                else:
+                    base = i * self.max_blocks_per_seq
+                    self._table_updates.extend((base + c, blocks[c]) for c in range(start, cols))
+        return cols
+
+    def upload(self, num_tokens: int, num_seqs: int, num_block_cols: int) -> None:
+        """Copy the filled host prefix to the device (no-op on the CPU)."""
+        updates, self._table_updates = self._table_updates, []
+        dirty, self._table_dirty = self._table_dirty, False
+        if self.device.type == "cpu":
+            return
+        for host, dev, n in ((self.input_ids_host, self.input_ids, num_tokens),
+                             (self.positions_host, self.positions, num_tokens),
+                             (self.slot_mapping_host, self.slot_mapping, num_tokens),
+                             (self.query_start_loc_host, self.query_start_loc, num_seqs + 1),
+                             (self.seq_lens_host, self.seq_lens, num_seqs)):
+            dev[:n].copy_(host[:n], non_blocking=True)
+        if dirty:
+            self.block_tables[:num_seqs, :num_block_cols].copy_(
+                self.block_tables_host[:num_seqs, :num_block_cols], non_blocking=True)
+        elif updates:
+            k = len(updates)
+            cells = np.array(updates, dtype=np.int64).reshape(k, 2)
+            self.table_idx_host.numpy()[:k] = cells[:, 0]
+            self.table_val_host.numpy()[:k] = cells[:, 1]
+            self.table_idx[:k].copy_(self.table_idx_host[:k], non_blocking=True)
+            self.table_val[:k].copy_(self.table_val_host[:k], non_blocking=True)
+            self.block_tables.view(-1).index_copy_(0, self.table_idx[:k], self.table_val[:k])
+        self.staging_in_use()
