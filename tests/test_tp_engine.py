@@ -104,6 +104,7 @@ def test_tp2_equals_tp1(tp_engines, tiny_models, arch, mode):
     expected = _run(reference)
     assert reference.scheduler.preemptions_by_mode[mode] > 0
     engine.scheduler.config = dataclasses.replace(engine.scheduler.config, preemption_mode=mode)
+    engine.scheduler.preemption.mode = mode  # the preemptor keeps its own copy of the mode
     before = engine.scheduler.preemptions_by_mode[mode]
     assert _run(engine) == expected
     assert engine.scheduler.preemptions_by_mode[mode] > before
@@ -250,7 +251,7 @@ def test_step_codec_round_trip():
                                  query_start_loc=torch.tensor([0, 2, tokens], dtype=torch.int32),
                                  seq_lens=torch.tensor([7, tokens + 4], dtype=torch.int32),
                                  block_tables=torch.arange(12, dtype=torch.int32).view(2, 6)[:, :4],
-                                 max_query_len=tokens - 2, max_seq_len=tokens + 4, num_decodes=0, lora_slots=None)
+                                 max_query_len=tokens - 2, max_seq_len=tokens + 4, num_decodes=0)
         ids, positions = torch.arange(tokens) * 3, torch.arange(tokens) + 4
         hidden = torch.randn(2, 8)
         types: list[type] = []
