@@ -277,6 +277,5 @@ def test_step_codec_round_trip():
         for name in ("slot_mapping", "query_start_loc", "seq_lens", "block_tables"):
             want, got = getattr(meta, name), getattr(got_meta, name)
             assert got.dtype == want.dtype and torch.equal(got, want), name
-        assert (got_meta.max_query_len, got_meta.max_seq_len, got_meta.num_decodes, got_meta.lora_slots) == \
-            (tokens - 2, tokens + 4, 0, None)
+        assert (got_meta.max_query_len, got_meta.max_seq_len, got_meta.num_decodes) == (tokens - 2, tokens + 4, 0)
         assert torch.equal(payload.take((2, 8), torch.float32), hidden)  # a float part after the ints
