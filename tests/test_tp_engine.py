@@ -239,8 +239,9 @@ def test_killed_worker_ends_the_server(tiny_llama, tmp_path):
 
 
 def test_step_codec_round_trip():
-    """What rank 0 packs is what a worker rebuilds: ids, positions and AttentionMetadata (int32 and
-    int64 tensors, a 2-D block table, ints, None), inline and (a long prefill) out of line."""
+    """What rank 0 packs is what a worker rebuilds: ids, positions, AttentionMetadata (int32 and
+    int64 tensors, a 2-D block table, ints, None) and a None context, inline and (a long prefill)
+    out of line."""
     import torch
 
     from engine.attention.base import AttentionMetadata
@@ -262,7 +263,7 @@ def test_step_codec_round_trip():
             return types.index(cls)
 
         header = codec.Header(codec.OP_FORWARD)
-        ints, floats = codec.encode_forward(header, (ids, positions, meta), type_id)
+        ints, floats = codec.encode_forward(header, (ids, positions, meta, None), type_id)
         message = torch.zeros(codec.MESSAGE_BYTES, dtype=torch.uint8)
         extra = codec.pack_message(header, [codec.pack_ints(ints, torch.device("cpu")), *floats, hidden], message)
         assert (extra is None) == (tokens == 5)
@@ -271,9 +272,9 @@ def test_step_codec_round_trip():
         data = message[codec.HEADER_BYTES:codec.HEADER_BYTES + r.payload_bytes] if extra is None else extra
         payload = codec.Payload(data)
         plan, slots = codec.decode_forward(r, types)
-        got_ids, got_pos, got_meta = codec.fill_slots(plan, slots, payload.take((codec.int_payload_size(slots),),
+        got_ids, got_pos, got_meta, got_ctx = codec.fill_slots(plan, slots, payload.take((codec.int_payload_size(slots),),
                                                                                  torch.int64), [])
-        assert torch.equal(got_ids, ids) and torch.equal(got_pos, positions)
+        assert torch.equal(got_ids, ids) and torch.equal(got_pos, positions) and got_ctx is None
         for name in ("slot_mapping", "query_start_loc", "seq_lens", "block_tables"):
             want, got = getattr(meta, name), getattr(got_meta, name)
             assert got.dtype == want.dtype and torch.equal(got, want), name

@@ -6,7 +6,7 @@ when they fit (`INLINE_BYTES`: every decode step and small prefill of a tiny mod
 payload follows in a second broadcast of exactly its size. No Python object is pickled per step. A forward's arguments (input ids, positions, then the step dataclasses such as
 AttentionMetadata or a forward context) are described generically from their dataclass fields:
 
-  per argument: a type id (an index into the types announced so far; -1 for a bare tensor)
+  per argument: a type id (an index into the types announced so far; -1 a bare tensor, -2 None)
   per field:    NONE | INT value | FLOAT (float64 bits) | BOOL value | TENSOR dtype ndim dims...
 
 Integer tensors travel as one int64 block of the payload (cast back on arrival); floating-point
@@ -45,6 +45,7 @@ _DTYPES = [torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch
            torch.float32, torch.float16, torch.bfloat16, torch.float64]
 _CODE = {d: i for i, d in enumerate(_DTYPES)}
 _BARE = -1  # an argument that is a tensor itself
+_NONE_ARG = -2  # an argument that is None (an optional context the step does not use)
 
 
 def _is_int(dtype: torch.dtype) -> bool:
@@ -149,7 +150,9 @@ def encode_forward(header: Header, args: tuple, type_ids: Callable[[type], int])
     floats: list[torch.Tensor] = []
     header.add(len(args))
     for arg in args:
-        if isinstance(arg, torch.Tensor):
+        if arg is None:
+            header.add(_NONE_ARG)
+        elif isinstance(arg, torch.Tensor):
             header.add(_BARE)
             _encode_value(header, arg, ints, floats)
         elif dataclasses.is_dataclass(arg):
@@ -206,7 +209,9 @@ def decode_forward(reader: Reader, types: list[type]) -> tuple[list[Any], list[_
     plan: list[Any] = []
     for _ in range(reader.next()):
         type_id = reader.next()
-        if type_id == _BARE:
+        if type_id == _NONE_ARG:
+            plan.append(None)
+        elif type_id == _BARE:
             plan.append(_decode_value(reader, slots))
         else:
             cls = types[type_id]
@@ -253,7 +258,9 @@ def fill_slots(plan: list[Any], slots: list[_Slot], ints: torch.Tensor | None,
 
     args: list[Any] = []
     for entry in plan:
-        if isinstance(entry, _Slot):
+        if entry is None:
+            args.append(None)
+        elif isinstance(entry, _Slot):
             args.append(value(entry))
         else:
             cls, fields = entry
