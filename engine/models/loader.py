@@ -13,6 +13,7 @@ from safetensors import safe_open
 from engine.models.config import ModelConfig
 from engine.models.glm import hf_weight_name
 from engine.models.llama import LlamaForCausalLM
+from engine.models.load_progress import LoadProgress
 from engine.quant import gguf_file
 from engine.quant import loading as quant_loading
 from engine.quant.config import QuantConfig, forced, from_hf
@@ -206,17 +207,23 @@ def _load_safetensors(model: LlamaForCausalLM, model_dir: Path, quant: QuantConf
     """quant: the checkpoint's quantisation (its quantised layers are filled by engine/quant first)."""
     filler = _Filler(model)
     consumed: set[str] = set()
+    files = safetensors_files(model_dir)
+    progress = LoadProgress(str(model_dir), sum(file.stat().st_size for file in files), len(files))
     if quant is not None:
         index = {}
-        for file in safetensors_files(model_dir):
+        for file in files:
             with safe_open(str(file), framework="pt") as f:
                 index.update((name, file) for name in f.keys())
-        consumed = quant_loading.load_quantized(model, quant, index, lambda n: _target(model, n))
-    for file in safetensors_files(model_dir):
+        consumed = quant_loading.load_quantized(model, quant, index, lambda n: _target(model, n),
+                                                on_tensor=lambda t: progress.advance(t.nbytes))
+    for file in files:
         with safe_open(str(file), framework="pt") as f:
             for hf_name in f.keys():
                 if hf_name not in consumed and _target(model, hf_name) is not None:
-                    filler.put(hf_name, f.get_tensor(hf_name))
+                    tensor = f.get_tensor(hf_name)
+                    filler.put(hf_name, tensor)
+                    progress.advance(tensor.nbytes)
+    progress.finish()
     filler.check_complete(model_dir)
 
 
@@ -225,8 +232,11 @@ def _load_gguf(model: LlamaForCausalLM, path: Path) -> None:
     """Dequantise a GGUF file's tensors one by one into the model (llama.cpp's --gguf-dequantize)."""
     cfg = model.config
     filler = _Filler(model)
+    progress = LoadProgress(str(path), len(gguf_file.read_header(path)[1]), 1, unit="tensors")
     for hf_name, tensor in gguf_file.iter_tensors(path, cfg.num_heads, cfg.num_kv_heads,
                                                   gemma_norms=cfg.norm_weight_offset != 0.0,
                                                   sandwich=cfg.sandwich_norms):
         filler.put(hf_name, tensor)
+        progress.advance(tensor.nbytes)
+    progress.finish()
     filler.check_complete(path)
