@@ -442,8 +442,11 @@ class ModelRunner:
         if not step.rows:
             pending = PendingStep(PendingSample.empty(self.device))
         else:
-            idx = torch.tensor(step.sample_indices, device=self.device)
-            pending = PendingStep(self.sampler.launch(self.model.compute_logits(hidden[idx]), step.rows))
+            n = len(step.sample_indices)
+            # A decode step samples rows 0..n-1 in order: a view, no gather (nor an index upload).
+            picked = hidden[:n] if step.sample_indices == list(range(n)) else hidden[
+                torch.tensor(step.sample_indices, device=self.device)]
+            pending = PendingStep(self.sampler.launch(self.model.compute_logits(picked), step.rows))
         for score in step.prompt_scores:
             pending.prompt_logprobs[score.seq_id] = (score.first_index, self._score_prompt(hidden, score))
         for seq_id, first, rows, kind, start, final in step.pools:
