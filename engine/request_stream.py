@@ -118,10 +118,12 @@ class LoopMailbox:
             for stream, out in items:
                 old = self._items.get(stream)
                 self._items[stream] = out if old is None else _merge(old, out)
-            if self._scheduled:
-                return []
+            if self._scheduled and not self.loop.is_closed():
+                return []  # the queued callback takes these too
             self._scheduled = True
         try:
+            if self.loop.is_closed():  # (closed with our callback still queued: it will never run)
+                raise RuntimeError("event loop is closed")
             self.loop.call_soon_threadsafe(self._deliver)
         except RuntimeError:  # the loop is closed
             with self._lock:

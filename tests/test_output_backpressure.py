@@ -111,3 +111,13 @@ def test_mailbox_merges_per_stream_and_schedules_one_callback():
         loop.close()
     assert box.post([(stream, _out("late", [1]))]) == [stream]  # a closed loop: its reader is gone
     assert box.pending == 0
+
+
+def test_mailbox_reports_a_loop_closed_with_its_callback_queued():
+    loop = asyncio.new_event_loop()
+    stream = RequestStream("r", loop)
+    box = LoopMailbox(loop)
+    assert box.post([(stream, _out("a", [1]))]) == []  # callback queued, never run
+    loop.close()
+    assert box.post([(stream, _out("b", [2]))]) == [stream]  # not left waiting for a dead loop
+    assert box.pending == 0
