@@ -1,12 +1,15 @@
 """`kiln bench throughput`: the same offline workload through kiln and through transformers.
 
 N requests (default 256: more than the 64 seats) with prompt and output lengths drawn
-from a fixed seed, timed --repeats times on each side, alternating. kiln runs them with continuous batching; the baseline is transformers
+from a fixed seed. kiln runs them with continuous batching; the baseline is transformers
 `generate` with static, left-padded batches of the same size as kiln's max_num_seqs (each
 batch runs until its longest output). Both count only the output tokens each request
-asked for, and the ratio is printed. With --constraint-regex, kiln also runs the workload with
-every request constrained to that regex (structured outputs) and prints its throughput as a
-ratio of the free run's.
+asked for. Each side runs --repeats times, alternating, so a neighbour's load on a shared
+machine falls on both; the fastest run of each is reported with the ratio, along with the
+median ratio of the back-to-back pairs and the ratio per CPU second (the process's CPU time,
+steadier than wall time when the cores are shared). With --constraint-regex, kiln also runs
+the workload with every request constrained to that regex (structured outputs) and prints its
+throughput as a ratio of the free run's.
 """
 
 from __future__ import annotations
