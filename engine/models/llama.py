@@ -15,7 +15,6 @@ import torch.nn.functional as F
 from torch import nn
 
 import compiler.ops  # noqa: F401 - registers every kiln:: op (kiln::moe_experts here)
-from compiler.cpu_linear import linear
 from engine.attention.base import AttentionBackend, AttentionMetadata
 from engine.models.config import ModelConfig, rope_inv_freq
 from engine.models.glm import apply_interleaved_rope, interleaved_rope_tables
@@ -62,7 +61,7 @@ class Linear(nn.Linear):
 
     def forward(self, x: torch.Tensor, lora: torch.Tensor | None = None) -> torch.Tensor:
         """lora: [T, slots] one-hot of each token's adapter slot (all zero: the base model)."""
-        y = linear(x, self.weight, self.bias) if self.quant is None else self.quant.apply(self, x)
+        y = F.linear(x, self.weight, self.bias) if self.quant is None else self.quant.apply(self, x)
         if lora is None or self.lora_a is None:
             return y
         mask = lora.repeat_interleave(len(self.lora_parts) * self.lora_rank, dim=1)
@@ -257,6 +256,6 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        logits = linear(hidden, weight).float()
+        logits = F.linear(hidden, weight).float()
         cap = self.config.final_softcap
         return cap * torch.tanh(logits / cap) if cap else logits
