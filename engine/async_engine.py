@@ -37,9 +37,18 @@ from engine.engine_info import EngineInfo, EngineStatus
 from engine.llm_engine import LLMEngine
 from engine.output_processor import TextProcessor
 from engine.request import InvalidRequestError, LoRARequest, PoolingParams, RequestOutput, SamplingParams
-from engine.request_stream import RequestStream, _push_all
+from engine.request_stream import LoopMailbox, RequestStream
 
 logger = logging.getLogger(__name__)
+
+# Back-pressure, nothing dropped: the step thread hands each step's outputs to the output thread
+# through a queue of at most this many steps. When the output thread (detokenisation, stop
+# strings, the listener) falls that far behind, the step thread waits for room before it steps
+# again, so a slow consumer slows generation down instead of growing memory without limit. Past
+# the output thread, each event loop gets one delivery callback at a time (LoopMailbox) and each
+# stream merges what its reader has not read yet: a slow reader holds its unread text, not a
+# queue of steps.
+MAX_PENDING_STEPS = 64
 
 
 # After a tensor-parallel worker died, how long the step thread gets to fail on its own.
@@ -101,7 +110,8 @@ class AsyncEngine:
     """Runs an LLMEngine in a background step thread; see the module docstring."""
 
     def __init__(self, engine: LLMEngine, listener: StepListener | None = None,
-                 max_waiting_requests: int | None = None, idle_poll_s: float = 1.0) -> None:
+                 max_waiting_requests: int | None = None, idle_poll_s: float = 1.0,
+                 max_pending_steps: int = MAX_PENDING_STEPS) -> None:
         self.engine = engine
         self.listener = listener
         self.max_waiting_requests = (max_waiting_requests if max_waiting_requests is not None
@@ -110,8 +120,14 @@ class AsyncEngine:
         self._inbox: collections.deque[_Add | _Abort] = collections.deque()
         self._wake = threading.Event()
         self._streams: dict[str, RequestStream] = {}  # owned by the output thread
-        # step thread -> output thread: ("add", mirror request, stream) | ("out", outputs) | ("die", error)
-        self._outbox: queue.SimpleQueue = queue.SimpleQueue()
+        # step thread -> output thread: ("add", mirror request, stream) | ("out", outputs) | ("die", error);
+        # bounded (MAX_PENDING_STEPS): a full queue makes the step thread wait (_send)
+        if max_pending_steps < 1:
+            raise ValueError(f"max_pending_steps must be at least 1, got {max_pending_steps}")
+        self._outbox: queue.Queue = queue.Queue(maxsize=max_pending_steps)
+        self._mailboxes: dict[asyncio.AbstractEventLoop, LoopMailbox] = {}  # owned by the output thread
+        self.backpressure_waits = 0  # times the step thread waited for the output thread
+        self.backpressure_seconds = 0.0
         engine.outputs.set_defer_text(True)
         self._text = TextProcessor(engine.tokenizer, engine.eos_token_ids, engine.max_model_len)
         self._output_thread: threading.Thread | None = None
@@ -285,7 +301,7 @@ class AsyncEngine:
                 busy = engine.has_unfinished_requests()
                 if busy:
                     outputs.extend(engine.step())
-                self._outbox.put(("out", outputs))  # (also idle: the listener ticks about once a second)
+                self._send(("out", outputs))  # (also idle: the listener ticks about once a second)
                 if not busy and not self._inbox:
                     self._wake.wait(self._idle_poll_s)
         except BaseException as exc:  # noqa: BLE001 - anything that stops the loop kills the engine
@@ -405,7 +421,7 @@ class AsyncEngine:
                 self._post(stream, stream._accept, InvalidRequestError(f"could not add the request: {exc}"))
                 continue
             request.arrival_time = min(request.arrival_time, item.arrival_time)
-            self._outbox.put(("add", TextProcessor.mirror_of(request), stream))
+            self._send(("add", TextProcessor.mirror_of(request), stream))
             self._post(stream, stream._accept, None)
         return aborted
 
@@ -419,11 +435,15 @@ class AsyncEngine:
                 del self._streams[out.request_id]
             by_loop.setdefault(stream.loop, []).append((stream, out))
         for loop, items in by_loop.items():
-            try:
-                loop.call_soon_threadsafe(_push_all, items)
-            except RuntimeError:  # that loop is closed: its readers are gone
-                for stream, _ in items:
+            mailbox = self._mailboxes.get(loop)
+            if mailbox is None:
+                mailbox = self._mailboxes[loop] = LoopMailbox(loop)
+            lost = mailbox.post(items)
+            if lost:  # that loop is closed: its readers are gone
+                del self._mailboxes[loop]
+                for stream in lost:
                     self._inbox.append(_Abort(stream.request_id))
+                self._wake.set()
 
     @staticmethod
     def _post(stream: RequestStream, fn: Callable, arg: Any) -> None:
@@ -446,8 +466,29 @@ class AsyncEngine:
         except Exception:  # noqa: BLE001 - the engine is already broken; streams must still fail
             logger.exception("could not fail the engine's requests cleanly")
         # The output thread gives the listener its last word, then fails the streams it holds.
-        self._outbox.put(("die", err, failed))
+        try:
+            self._send(("die", err, failed))
+        except RuntimeError:  # (the output thread is gone: no stream can be reached any more)
+            logger.error("the output thread is gone; its streams cannot be failed")
         self._fail_inbox()
+
+    def _send(self, item: tuple) -> None:
+        """Hand an item to the output thread, waiting while its queue is full (back-pressure)."""
+        try:
+            self._outbox.put_nowait(item)
+            return
+        except queue.Full:
+            pass
+        t0 = time.monotonic()
+        while True:
+            try:
+                self._outbox.put(item, timeout=0.1)
+                break
+            except queue.Full:
+                if self._output_thread is None or not self._output_thread.is_alive():
+                    raise RuntimeError("the output thread is gone: outputs cannot be handed out") from None
+        self.backpressure_waits += 1
+        self.backpressure_seconds += time.monotonic() - t0
 
     def _notify_stopped(self, failed: list[RequestOutput]) -> None:
         """Last word to the listener: the failed requests, and that nothing runs any more (the

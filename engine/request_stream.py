@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import threading
 from typing import Callable
 
 from engine.request import RequestOutput
@@ -95,9 +96,52 @@ class RequestStream:
             self._on_close(self.request_id)
 
 
-def _push_all(items: list[tuple[RequestStream, RequestOutput]]) -> None:
-    for stream, out in items:
-        stream._push(out)
+class LoopMailbox:
+    """Outputs on their way from the engine's output thread to the streams of one asyncio loop.
+
+    At most one delivery callback is queued on the loop at a time, and it takes everything posted
+    so far; outputs for one stream posted while the loop is busy are merged (as the stream itself
+    merges unread deltas). So a stalled or slow loop holds one pending item per stream, never one
+    per engine step: memory stays bounded by what the readers have not read yet.
+    """
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self._lock = threading.Lock()
+        self._items: dict[RequestStream, RequestOutput] = {}
+        self._scheduled = False
+
+    def post(self, items: list[tuple[RequestStream, RequestOutput]]) -> list[RequestStream]:
+        """Queue items for their streams (called on the output thread). Returns the streams whose
+        items could not be handed over because the loop is closed (their readers are gone)."""
+        with self._lock:
+            for stream, out in items:
+                old = self._items.get(stream)
+                self._items[stream] = out if old is None else _merge(old, out)
+            if self._scheduled and not self.loop.is_closed():
+                return []  # the queued callback takes these too
+            self._scheduled = True
+        try:
+            if self.loop.is_closed():  # (closed with our callback still queued: it will never run)
+                raise RuntimeError("event loop is closed")
+            self.loop.call_soon_threadsafe(self._deliver)
+        except RuntimeError:  # the loop is closed
+            with self._lock:
+                lost, self._items, self._scheduled = list(self._items), {}, False
+            return lost
+        return []
+
+    @property
+    def pending(self) -> int:
+        """Streams with an item waiting for the loop."""
+        with self._lock:
+            return len(self._items)
+
+    def _deliver(self) -> None:
+        with self._lock:
+            items, self._items, self._scheduled = self._items, {}, False
+        for stream, out in items.items():
+            stream._push(out)
 
 
 def _merge(older: RequestOutput, newer: RequestOutput) -> RequestOutput:

@@ -143,8 +143,11 @@ class ModelRunner:
         if not step.rows:
             pending = PendingStep(PendingSample.empty(self.device))
         else:
-            idx = torch.tensor(step.sample_indices, device=self.device)
-            pending = PendingStep(self.sampler.launch(self.model.compute_logits(hidden[idx]), step.rows))
+            n = len(step.sample_indices)
+            # A decode step samples rows 0..n-1 in order: a view, no gather (nor an index upload).
+            picked = hidden[:n] if step.sample_indices == list(range(n)) else hidden[
+                torch.tensor(step.sample_indices, device=self.device)]
+            pending = PendingStep(self.sampler.launch(self.model.compute_logits(picked), step.rows))
         for task, seq_id, plan in step.reads:
             pending.task_results[seq_id] = task.read(self.model, hidden, plan)
         return self._remember(sched, pending)

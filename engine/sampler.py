@@ -51,6 +51,29 @@ class SamplerOutput:
     task_results: dict[int, Any] = field(default_factory=dict)
 
 
+class _BatchNeeds:
+    """What a batch's sampling needs beyond argmax, from one pass over its rows."""
+
+    __slots__ = ("processors", "restricts", "grammar", "min_tokens", "penalties", "logprobs", "greedy",
+                 "all_greedy")
+
+    def __init__(self, rows: list[SampleRow]) -> None:
+        processors = restricts = grammar = min_tokens = penalties = logprobs = False
+        greedy = []
+        for r in rows:
+            p = r.params
+            processors = processors or bool(p.logits_processors)
+            restricts = restricts or p.restricts_tokens
+            grammar = grammar or r.grammar is not None
+            min_tokens = min_tokens or (p.min_tokens > 0 and r.num_output_tokens < p.min_tokens)
+            penalties = penalties or p.needs_penalties
+            logprobs = logprobs or p.logprobs is not None
+            greedy.append(p.greedy)
+        self.processors, self.restricts, self.grammar = processors, restricts, grammar
+        self.min_tokens, self.penalties, self.logprobs = min_tokens, penalties, logprobs
+        self.greedy, self.all_greedy = greedy, all(greedy)
+
+
 def _row_seed(seed: int, sample_index: int, position: int) -> int:
     digest = hashlib.blake2b(f"{seed}:{sample_index}:{position}".encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little") & ((1 << 63) - 1)
@@ -72,33 +95,34 @@ class Sampler:
         the host without blocking: result() waits for that copy only."""
         if not rows:
             return PendingSample.empty(self.device)
+        needs = _BatchNeeds(rows)
         errors: dict[int, str] = {}
-        if any(r.params.logits_processors for r in rows):
+        if needs.processors:
             logits = self._apply_processors(logits, rows, errors)
         raw_logits = logits
-        if any(r.params.restricts_tokens for r in rows):
+        if needs.restricts:
             logits = self._apply_bias(logits, rows)
-        grammar_mask, must_stop = self._grammar_bitmask(rows, logits.shape[1], errors)
-        logits = self._apply_min_tokens(logits, rows, must_stop)
-        if any(r.params.needs_penalties for r in rows):
+        grammar_mask, must_stop = self._grammar_bitmask(rows, logits.shape[1], errors) if needs.grammar else (None, set())
+        if needs.min_tokens:
+            logits = self._apply_min_tokens(logits, rows, must_stop)
+        if needs.penalties:
             logits = self._apply_penalties(logits, rows)
         if grammar_mask is not None:
             logits = self._apply_grammar(logits, rows, grammar_mask)
-        greedy = [r.params.greedy for r in rows]
-        if all(greedy):
-            tokens = logits.argmax(dim=-1)
+        if needs.all_greedy:  # the common case: one reduction gives the token and its logit
+            top, tokens = logits.max(dim=-1)
         else:
-            tokens = self._sample_random(logits, rows, greedy)
+            tokens = self._sample_random(logits, rows, needs.greedy)
+            top = logits.amax(dim=-1)
         # A row whose logits are NaN, +inf or all -inf has no meaningful token: -1 marks it, in the
         # same device-to-host copy as the tokens (no extra sync).
-        top = logits.amax(dim=-1)
-        tokens = torch.where(torch.isfinite(top), tokens, torch.full_like(tokens, -1))
+        tokens = torch.where(torch.isfinite(top), tokens, -1)
+        if not needs.logprobs:
+            return PendingSample(tokens, HostCopy(tokens, owned=True), errors)
         want_logprobs = [r.params.logprobs for r in rows]
-        if all(n is None for n in want_logprobs):
-            return PendingSample(tokens, HostCopy(tokens), errors)
         top_n = max(n or 0 for n in want_logprobs)
-        return PendingSample(tokens, HostCopy(_pack_chosen_and_top(raw_logits, tokens, top_n)), errors,
-                             want_logprobs, top_n)
+        return PendingSample(tokens, HostCopy(_pack_chosen_and_top(raw_logits, tokens, top_n), owned=True),
+                             errors, want_logprobs, top_n)
 
     def _apply_processors(self, logits: torch.Tensor, rows: list[SampleRow], errors: dict[int, str]) -> torch.Tensor:
         """Run each row's logits processors on that row; an exception fails only that row."""
@@ -292,16 +316,18 @@ class _PenaltyState:
 
 
 class HostCopy:
-    """A device tensor's copy to the host, started without blocking (pinned memory + an event)."""
+    """A device tensor's copy to the host, started without blocking (pinned memory + an event).
+    owned: t is a fresh tensor nobody else writes (not a graph's static buffer), so on the CPU it
+    is kept as it is instead of cloned."""
 
-    def __init__(self, t: torch.Tensor) -> None:
+    def __init__(self, t: torch.Tensor, owned: bool = False) -> None:
         if t.device.type == "cuda":
             self.host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
             self.host.copy_(t, non_blocking=True)
             self.event = torch.cuda.Event()
             self.event.record()
-        else:  # (a copy: t may be a graph's static buffer that the next step overwrites)
-            self.host, self.event = t.clone(), None
+        else:  # (a copy unless owned: t may be a graph's static buffer that the next step overwrites)
+            self.host, self.event = (t if owned else t.clone()), None
 
     def tolist(self) -> list:
         if self.event is not None:
@@ -334,9 +360,10 @@ class PendingSample:
             out = SamplerOutput(ids, [None if n is None else (chosen[i], {top_ids[i][j]: vals[i][j] for j in range(n)})
                                       for i, n in enumerate(self._want)])
         errors = dict(self._errors)
-        for i, token in enumerate(out.token_ids):
-            if token < 0 and i not in errors:
-                errors[i] = "the model produced non-finite logits (NaN or inf) for this request"
+        if out.token_ids and min(out.token_ids) < 0:
+            for i, token in enumerate(out.token_ids):
+                if token < 0 and i not in errors:
+                    errors[i] = "the model produced non-finite logits (NaN or inf) for this request"
         for i in errors:
             out.token_ids[i] = -1
         out.errors = errors

@@ -10,8 +10,9 @@ import time
 import pytest
 
 from conftest import assert_engine_clean
-from engine.bench.serve import (RequestResult, arrival_gaps, base_url, main, meets_slos, parse_goodput, percentile,
-                                read_sharegpt, summarize)
+from engine.bench.serve import base_url, main
+from engine.bench.serve_data import arrival_gaps, read_sharegpt
+from engine.bench.serve_metrics import RequestResult, meets_slos, parse_goodput, percentile, summarize
 from engine.config import EngineSettings, ServerSettings
 from engine.server.app import build_app, create_state
 

@@ -24,247 +24,26 @@ import asyncio
 import json
 import logging
 import math
-import random
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from datetime import datetime
 from pathlib import Path
 from typing import Any
 
 import httpx
 
-_WORDS = ("the quick brown fox jumps over lazy dog kiln oven clay pottery brick model token batch block page cache "
-          "memory attention value key step request stream server engine graph kernel hello world paris france "
-          "number text answer question assistant user code data fast slow small large").split()
-METRICS = ("ttft", "tpot", "itl", "e2el")
+from engine.bench.serve_data import (BenchConfig, SampleRequest, ServerTokenizer, arrival_gaps, random_requests,
+                                     sharegpt_requests)
+from engine.bench.serve_metrics import METRICS, RequestResult, format_summary, parse_goodput, summarize
+
 BACKENDS = {"openai": "/v1/completions", "openai-chat": "/v1/chat/completions"}
-
-
-@dataclass
-class RequestResult:
-    ok: bool = False
-    prompt_len: int = 0
-    output_tokens: int = 0
-    ttft: float = 0.0
-    latency: float = 0.0
-    itl: list[float] = field(default_factory=list)
-    error: str = ""
-
-
-@dataclass
-class SampleRequest:
-    prompt: str | list[int]
-    prompt_len: int
-    output_len: int
-
-
-@dataclass
-class BenchConfig:
-    url: str  # the server's base URL, without /v1
-    model: str | None
-    num_prompts: int
-    request_rate: float
-    max_concurrency: int | None
-    input_len: int
-    output_len: int
-    seed: int
-    burstiness: float = 1.0
-    backend: str = "openai"
-    endpoint: str = "/v1/completions"
-    dataset_name: str = "random"
-    dataset_path: str | None = None
-    range_ratio: float = 0.0
-    ignore_eos: bool = False
-    temperature: float = 0.0
-    sharegpt_output_len: int | None = None
 
 
 def base_url(url: str) -> str:
     """The server's root from any OpenAI base URL: trailing slashes and a trailing /v1 removed."""
     url = url.rstrip("/")
     return url[:-3] if url.endswith("/v1") else url
-
-
-def percentile(values: list[float], q: float) -> float:
-    """Linear-interpolated percentile (numpy's default method), q in [0, 100]."""
-    if not values:
-        return 0.0
-    xs = sorted(values)
-    pos = (len(xs) - 1) * q / 100.0
-    lo, hi = math.floor(pos), math.ceil(pos)
-    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
-
-
-def _label(q: float) -> str:
-    return f"p{q:g}"
-
-
-def _stats(values: list[float], percentiles=(99.0,), scale: float = 1000.0) -> dict[str, float]:
-    out = {"mean": scale * sum(values) / len(values) if values else 0.0,
-           "median": scale * percentile(values, 50),
-           "std": scale * _std(values)}
-    for q in percentiles:
-        out[_label(q)] = scale * percentile(values, q)
-    return out
-
-
-def _std(values: list[float]) -> float:
-    if len(values) < 2:
-        return 0.0
-    mean = sum(values) / len(values)
-    return math.sqrt(sum((v - mean) ** 2 for v in values) / len(values))
-
-
-def _tpot(r: RequestResult) -> float | None:
-    return (r.latency - r.ttft) / (r.output_tokens - 1) if r.output_tokens > 1 else None
-
-
-def meets_slos(r: RequestResult, slos: dict[str, float]) -> bool:
-    """Goodput: every SLO (milliseconds) met; TPOT of a one-token request counts as met."""
-    values = {"ttft": r.ttft, "e2el": r.latency, "tpot": _tpot(r)}
-    return all(values[k] is None or 1000.0 * values[k] <= limit for k, limit in slos.items())
-
-
-def summarize(results: list[RequestResult], duration: float, percentiles=(99.0,),
-              goodput: dict[str, float] | None = None) -> dict[str, Any]:
-    done = [r for r in results if r.ok]
-    out_tokens = sum(r.output_tokens for r in done)
-    in_tokens = sum(r.prompt_len for r in done)
-    tpot = [t for r in done if (t := _tpot(r)) is not None]
-    itl = [g for r in done for g in r.itl]
-    errors: dict[str, int] = {}
-    for r in results:
-        if not r.ok:
-            errors[r.error] = errors.get(r.error, 0) + 1
-    per_second = (lambda x: x / duration) if duration > 0 else (lambda x: 0.0)
-    summary = {
-        "duration_s": duration,
-        "completed": len(done),
-        "failed": len(results) - len(done),
-        "errors": errors,
-        "total_input_tokens": in_tokens,
-        "total_output_tokens": out_tokens,
-        "request_throughput": per_second(len(done)),
-        "output_throughput": per_second(out_tokens),
-        "total_token_throughput": per_second(in_tokens + out_tokens),
-        "ttft_ms": _stats([r.ttft for r in done], percentiles),
-        "tpot_ms": _stats(tpot, percentiles),
-        "itl_ms": _stats(itl, percentiles),
-        "e2el_ms": _stats([r.latency for r in done], percentiles),
-    }
-    if goodput:
-        good = sum(meets_slos(r, goodput) for r in done)
-        summary.update(goodput_slos_ms=goodput, good_requests=good, request_goodput=per_second(good))
-    return summary
-
-
-def arrival_gaps(n: int, rate: float, seed: int, burstiness: float = 1.0) -> list[float]:
-    """Seconds to wait before each request: gamma(burstiness) gaps with mean 1/rate (Poisson at 1)."""
-    if math.isinf(rate):
-        return [0.0] * n
-    rng = random.Random(seed)
-    theta = 1.0 / (rate * burstiness)
-    return [rng.gammavariate(burstiness, theta) for _ in range(n)]
-
-
-# ---------------------------------------------------------------- datasets
-class _Tokenizer:
-    """The server's /tokenize and /detokenize (kiln and vLLM have them); words when it has none."""
-
-    def __init__(self, http: httpx.AsyncClient, cfg: BenchConfig, headers: dict[str, str]) -> None:
-        self.http, self.cfg, self.headers = http, cfg, headers
-        self.available = True
-
-    async def encode(self, text: str) -> list[int] | None:
-        if self.available:
-            try:
-                resp = await self.http.post(f"{self.cfg.url}/tokenize", headers=self.headers,
-                                            json={"prompt": text, "add_special_tokens": False})
-                if resp.status_code == 200:
-                    return resp.json()["tokens"]
-            except (httpx.HTTPError, KeyError, ValueError):
-                pass
-            self.available = False
-        return None
-
-    async def decode(self, ids: list[int]) -> str | None:
-        try:
-            resp = await self.http.post(f"{self.cfg.url}/detokenize", json={"tokens": ids}, headers=self.headers)
-            if resp.status_code == 200:
-                return resp.json()["prompt"]
-        except (httpx.HTTPError, KeyError, ValueError):
-            pass
-        return None
-
-    async def count(self, text: str) -> int:
-        ids = await self.encode(text)
-        return len(ids) if ids is not None else len(text.split())
-
-
-def _lengths(rng: random.Random, n: int, mean: int, ratio: float) -> list[int]:
-    lo, hi = max(1, int(mean * (1 - ratio))), max(1, int(mean * (1 + ratio)))
-    return [rng.randint(lo, hi) for _ in range(n)]
-
-
-async def random_requests(tok: _Tokenizer, cfg: BenchConfig) -> list[SampleRequest]:
-    """Random token ids drawn from the server's own vocabulary (fixed seed); chat gets their text."""
-    rng = random.Random(cfg.seed)
-    text = " ".join(rng.choice(_WORDS) for _ in range(max(cfg.input_len * 4, 256)))
-    pool = sorted(set(await tok.encode(text) or []))
-    in_lens = _lengths(rng, cfg.num_prompts, cfg.input_len, cfg.range_ratio)
-    out_lens = _lengths(rng, cfg.num_prompts, cfg.output_len, cfg.range_ratio)
-    requests = []
-    for in_len, out_len in zip(in_lens, out_lens):
-        if not pool:  # no /tokenize: words (about one token each for common words)
-            requests.append(SampleRequest(" ".join(rng.choice(_WORDS) for _ in range(in_len)), in_len, out_len))
-            continue
-        ids = [rng.choice(pool) for _ in range(in_len)]
-        prompt: str | list[int] = ids
-        if cfg.backend == "openai-chat":
-            prompt = await tok.decode(ids) or " ".join(rng.choice(_WORDS) for _ in range(in_len))
-        requests.append(SampleRequest(prompt, in_len, out_len))
-    return requests
-
-
-def read_sharegpt(path: str | Path) -> list[tuple[str, str]]:
-    """(first human turn, the reply) of each ShareGPT conversation with at least two turns."""
-    try:
-        data = json.loads(Path(path).read_text())
-    except (OSError, json.JSONDecodeError) as exc:
-        raise ValueError(f"--dataset-path {path}: {exc}") from None
-    if not isinstance(data, list):
-        raise ValueError(f"--dataset-path {path}: expected a JSON list of conversations (ShareGPT format)")
-    pairs = []
-    for item in data:
-        turns = (item.get("conversations") or item.get("conversation") or []) if isinstance(item, dict) else []
-        if len(turns) >= 2 and all(isinstance(t, dict) and "value" in t for t in turns[:2]):
-            pairs.append((turns[0]["value"], turns[1]["value"]))
-    if not pairs:
-        raise ValueError(f"--dataset-path {path}: no conversation with two turns "
-                         '({"conversations": [{"from": "human", "value": ...}, {"from": "gpt", ...}]})')
-    return pairs
-
-
-async def sharegpt_requests(tok: _Tokenizer, cfg: BenchConfig) -> list[SampleRequest]:
-    """vLLM's sampling: shuffled with the seed; pairs with a prompt or reply under 4 tokens, a
-    prompt over 1024 or a total over 2048 are skipped (unless the output length is fixed)."""
-    pairs = read_sharegpt(cfg.dataset_path)
-    random.Random(cfg.seed).shuffle(pairs)
-    requests: list[SampleRequest] = []
-    for prompt, reply in pairs:
-        if len(requests) == cfg.num_prompts:
-            break
-        prompt_len = await tok.count(prompt)
-        output_len = cfg.sharegpt_output_len or await tok.count(reply)
-        if cfg.sharegpt_output_len is None and (prompt_len < 4 or output_len < 4 or prompt_len > 1024
-                                                or prompt_len + output_len > 2048):
-            continue
-        requests.append(SampleRequest(prompt, prompt_len, output_len))
-    if len(requests) < cfg.num_prompts:
-        logging.getLogger("engine.bench").warning("the dataset gave %d usable prompts of the %d asked for",
-                                                  len(requests), cfg.num_prompts)
-    return requests
 
 
 # ---------------------------------------------------------------- requests
@@ -346,7 +125,7 @@ async def run(cfg: BenchConfig, api_key: str | None = None, progress: bool = Tru
             resp = await http.get(f"{cfg.url}/v1/models", headers=headers)
             resp.raise_for_status()
             model = resp.json()["data"][0]["id"]
-        tok = _Tokenizer(http, cfg, headers)
+        tok = ServerTokenizer(http, cfg, headers)
         requests = await (sharegpt_requests(tok, cfg) if cfg.dataset_name == "sharegpt" else random_requests(tok, cfg))
         gaps = arrival_gaps(len(requests), cfg.request_rate, cfg.seed + 1, cfg.burstiness)
         sem = asyncio.Semaphore(cfg.max_concurrency) if cfg.max_concurrency else None
@@ -389,51 +168,6 @@ def _progress(total: int, enabled: bool):
     from tqdm import tqdm
 
     return tqdm(total=total, desc="requests", unit="req", file=sys.stderr)
-
-
-def format_summary(s: dict[str, Any], metrics=("ttft", "tpot", "itl", "e2el"), percentiles=(99.0,)) -> str:
-    lines = ["============ Serving Benchmark Result ============",
-             f"{'Successful requests:':<40}{s['completed']:>10}",
-             f"{'Failed requests:':<40}{s['failed']:>10}",
-             f"{'Benchmark duration (s):':<40}{s['duration_s']:>10.2f}",
-             f"{'Total input tokens:':<40}{s['total_input_tokens']:>10}",
-             f"{'Total generated tokens:':<40}{s['total_output_tokens']:>10}",
-             f"{'Request throughput (req/s):':<40}{s['request_throughput']:>10.2f}"]
-    if "request_goodput" in s:
-        lines.append(f"{'Request goodput (req/s):':<40}{s['request_goodput']:>10.2f}")
-    lines += [f"{'Output token throughput (tok/s):':<40}{s['output_throughput']:>10.2f}",
-              f"{'Total token throughput (tok/s):':<40}{s['total_token_throughput']:>10.2f}"]
-    titles = {"ttft": "Time to First Token", "tpot": "Time per Output Token (excl. 1st token)",
-              "itl": "Inter-token Latency", "e2el": "End-to-end Latency"}
-    for key in metrics:
-        short = key.upper()
-        stats = s[f"{key}_ms"]
-        lines.append(f"{titles[key]:-^50}")
-        lines.append(f"{f'Mean {short} (ms):':<40}{stats['mean']:>10.2f}")
-        lines.append(f"{f'Median {short} (ms):':<40}{stats['median']:>10.2f}")
-        for q in percentiles:
-            lines.append(f"{f'P{q:g} {short} (ms):':<40}{stats[_label(q)]:>10.2f}")
-    if s["errors"]:
-        lines.append(f"errors: {s['errors']}")
-    lines.append("=" * 50)
-    return "\n".join(lines)
-
-
-def parse_goodput(items: list[str] | None) -> dict[str, float] | None:
-    if not items:
-        return None
-    slos = {}
-    for item in items:
-        name, _, value = item.partition(":")
-        if name not in ("ttft", "tpot", "e2el") or not value:
-            raise ValueError(f"--goodput {item!r}: expected ttft:MS, tpot:MS or e2el:MS")
-        try:
-            slos[name] = float(value)
-        except ValueError:
-            raise ValueError(f"--goodput {item!r}: {value!r} is not a number of milliseconds") from None
-        if slos[name] < 0:
-            raise ValueError(f"--goodput {item!r}: must not be negative")
-    return slos
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import logging
 import re
 from pathlib import Path
@@ -14,6 +15,7 @@ from engine.distributed.parallel import TensorParallel, first_kv_head, local_hea
 from engine.models.config import ModelConfig
 from engine.models.glm import hf_weight_name
 from engine.models.llama import LlamaForCausalLM
+from engine.models.load_progress import LoadProgress
 from engine.quant import gguf_file, gguf_quant
 from engine.quant import loading as quant_loading
 from engine.quant.config import QuantConfig, forced, from_hf
@@ -308,25 +310,37 @@ class _Filler:
                              f"{' ...' if len(missing) > 5 else ''}")
 
 
+_DTYPE_BYTES = {"F64": 8, "I64": 8, "F32": 4, "I32": 4, "F16": 2, "BF16": 2, "I16": 2, "I8": 1, "U8": 1,
+                "F8_E4M3": 1, "F8_E5M2": 1, "BOOL": 1}  # safetensors' dtype names
+
+
 @torch.no_grad()
 def _load_safetensors(model: LlamaForCausalLM, model_dir: Path, quant: QuantConfig | None = None) -> None:
     """quant: the checkpoint's quantisation (its quantised layers are filled by engine/quant first)."""
     filler = _Filler(model)
     consumed: set[str] = set()
+    files = safetensors_files(model_dir)
+    progress = LoadProgress(str(model_dir), sum(file.stat().st_size for file in files), len(files))
     if quant is not None:
         index = {}
-        for file in safetensors_files(model_dir):
+        for file in files:
             with safe_open(str(file), framework="pt") as f:
                 index.update((name, file) for name in f.keys())
-        consumed = quant_loading.load_quantized(model, quant, index, lambda n: _target(model, n))
-    for file in safetensors_files(model_dir):
+        consumed = quant_loading.load_quantized(model, quant, index, lambda n: _target(model, n),
+                                                on_tensor=lambda t: progress.advance(t.nbytes))
+    for file in files:
         with safe_open(str(file), framework="pt") as f:
             for hf_name in f.keys():
                 if hf_name not in consumed and _target(model, hf_name) is not None:
                     if model.tp is None:
-                        filler.put(hf_name, f.get_tensor(hf_name))
-                    else:
-                        filler.put(hf_name, reader=f.get_slice(hf_name))
+                        tensor = f.get_tensor(hf_name)
+                        filler.put(hf_name, tensor)
+                        progress.advance(tensor.nbytes)
+                    else:  # this rank reads its slice; the bar counts the file's bytes gone past
+                        reader = f.get_slice(hf_name)
+                        filler.put(hf_name, reader=reader)
+                        progress.advance(math.prod(reader.get_shape()) * _DTYPE_BYTES.get(reader.get_dtype(), 2))
+    progress.finish()
     filler.check_complete(model_dir)
 
 
@@ -336,8 +350,11 @@ def _load_gguf(model: LlamaForCausalLM, path: Path, skip: set[str] = frozenset()
     skip: those engine/quant/gguf_quant.py loaded kept quantised."""
     cfg = model.config
     filler = _Filler(model)
+    progress = LoadProgress(str(path), len(gguf_file.read_header(path)[1]), 1, unit="tensors")
     for hf_name, tensor in gguf_file.iter_tensors(path, cfg.num_heads, cfg.num_kv_heads,
                                                   gemma_norms=cfg.norm_weight_offset != 0.0,
                                                   sandwich=cfg.sandwich_norms, skip=skip):
         filler.put(hf_name, tensor)
+        progress.advance(tensor.nbytes)
+    progress.finish()
     filler.check_complete(path)

@@ -120,9 +120,10 @@ def fill_module(module: nn.Module, rows: slice | None, config: QuantConfig, tens
 
 
 def load_quantized(model: nn.Module, config: QuantConfig, index: dict[str, Path],
-                   target: Callable[[str], tuple[str, tuple] | None]) -> set[str]:
+                   target: Callable[[str], tuple[str, tuple] | None],
+                   on_tensor: Callable[[torch.Tensor], None] | None = None) -> set[str]:
     """Fill every quantised layer from the checkpoint; index: tensor name -> its file. Returns
-    the tensor names consumed (the rest load as usual)."""
+    the tensor names consumed (the rest load as usual). on_tensor sees each tensor read (progress)."""
     from safetensors import safe_open
 
     linears = quantized_linears(model)
@@ -147,6 +148,8 @@ def load_quantized(model: nn.Module, config: QuantConfig, index: dict[str, Path]
         for suffix, name in names.items():
             with safe_open(str(index[name]), framework="pt") as f:
                 tensors[suffix] = f.get_tensor(name)
+            if on_tensor is not None:
+                on_tensor(tensors[suffix])
         fill_module(module, idx[0] if idx else None, config, tensors, prefix, seen)
         consumed.update(names.values())
         if seen[id(module)] == module.out_features and getattr(module.quant, "repack_dtype", None) is not None:
