@@ -357,18 +357,25 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_real_server_startup_and_sigterm(tiny_llama, tmp_path):
+def test_real_server_startup_and_sigterm(tmp_path):
     import os
     import signal
     import subprocess
     import sys
     from pathlib import Path
 
+    from engine.tiny_model import make_tiny_model
+
+    # SmolLM2-135M's shape with random weights: 1000 tokens take far longer than the test waits
+    # (the tiny model decodes them within the grace period on a quiet machine, and then nothing
+    # is left to end at shutdown).
+    model = make_tiny_model(tmp_path / "model", preset="smollm2-135m", config_only=True)
     port = _free_port()
     url = f"http://127.0.0.1:{port}"
     log = open(tmp_path / "server.log", "w")
-    proc = subprocess.Popen([sys.executable, "-m", "engine.cli", "serve", "--model", str(tiny_llama), "--port",
+    proc = subprocess.Popen([sys.executable, "-m", "engine.cli", "serve", "--model", str(model), "--port",
                              str(port), "--device", "cpu", "--enforce-eager", "--max-model-len", "1024",
+                             "--load-format", "dummy",
                              "--shutdown-timeout", "1", "--served-model-name", "m"],
                             cwd=Path(__file__).resolve().parents[1], stdout=log, stderr=subprocess.STDOUT,
                             env={**os.environ, "PYTHONUNBUFFERED": "1"})
