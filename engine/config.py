@@ -289,11 +289,12 @@ class EngineSettings(_KilnSettings):
         False, description="accepted for vLLM command lines; kiln never runs a checkpoint's code (GLM/ChatGLM "
         "load natively)")
     int4_kernel: Literal["auto", "reference"] = Field(
-        "auto", description="int4 weights: auto = torch's packed int4 matmul (CPU and CUDA) for every layer whose "
-        "shape and group size it takes, else dequantise on the fly; reference = always dequantise on the fly")
+        "auto", description="int4 weights: auto = torch's packed int4 matmul (CPU and CUDA, bf16 models) for every "
+        "layer whose shape and group size it takes, else dequantise on the fly; reference = always dequantise on the fly")
     gguf_dequantize: bool = Field(
         False, description="GGUF files: dequantise every tensor to the model dtype at load (default: Q4_0/Q4_1 "
-        "linear layers stay int4 in torch's packed layout, Q8_0 ones int8; K-quants are dequantised either way)")
+        "linear layers of a bf16 model stay int4 in torch's packed layout, Q8_0 ones int8; K-quants are "
+        "dequantised either way)")
 
     @field_validator("block_size")
     @classmethod

@@ -141,16 +141,20 @@ def test_int_checkpoint_equals_dequantised(fmt, opts, tiny_models, make_llm, tmp
     if opts["bits"] == 8:  # (no packed int8 kernel: the reference path)
         assert qkv.qweight.dtype == torch.uint8 and qkv.qweight.shape[1] == qkv.in_features
         return
-    # int4: torch's packed kernel, act-order as a column permutation; the same tokens as the
-    # dequantise-on-the-fly reference path
-    assert qkv.quant is int4_packed.PACKED and qkv.int4_packed.dtype == torch.uint8
-    reference = make_llm(quant_dir, int4_kernel="reference")
-    ref_qkv = reference.engine.model.layers[0].self_attn.qkv_proj
-    assert ref_qkv.qweight.shape[1] == qkv.in_features // 2
+    # int4 in float32 (the CPU default): the reference path (torch's int4 kernel is slow there)
+    assert qkv.quant is not int4_packed.PACKED and qkv.qweight.shape[1] == qkv.in_features // 2
     # (GPTQ act-order with several groups has a real permutation; compressed-tensors' keeps groups in order)
-    assert ref_qkv.act_order == (fmt == "gptq" and opts.get("act_order", False) and opts["group_size"] < qkv.in_features)
-    assert (qkv.int4_perm is not None) == ref_qkv.act_order
-    assert greedy == _greedy(reference)
+    assert qkv.act_order == (fmt == "gptq" and opts.get("act_order", False) and opts["group_size"] < qkv.in_features)
+    # bf16: torch's packed kernel, act-order as a column permutation. Its bf16 scales/zeros and
+    # accumulation order move the output off the bf16 reference path by no more than bf16 itself
+    # moves the reference off float32 (greedy tokens of tiny random models flip on such near-ties,
+    # so the comparison is on prompt log-probabilities)
+    packed = make_llm(quant_dir, dtype="bfloat16")
+    p_qkv = packed.engine.model.layers[0].self_attn.qkv_proj
+    assert p_qkv.quant is int4_packed.PACKED and p_qkv.int4_packed.dtype == torch.uint8
+    assert (p_qkv.int4_perm is not None) == qkv.act_order
+    ref_bf16 = make_llm(quant_dir, dtype="bfloat16", int4_kernel="reference")
+    assert _drift(packed, ref_bf16) <= _drift(ref_bf16, llm) + 0.01  # (measured: 0.034-0.045 against 0.040-0.052)
 
 
 @pytest.mark.parametrize("strategy,acts", [("channel", None), ("tensor", None)])

@@ -45,12 +45,6 @@ def test_metadata_config_and_tokenizer(smol_llm):
     tok = smol_llm.tokenizer
     assert tok.decode(tok.encode("Hello, world!", add_special_tokens=False)) == "Hello, world!"
     assert "<|im_start|>" in tok.chat_template
-    # the Q4_1 projections stay int4 in memory (torch's packed layout), not dequantised
-    from engine.quant.int4_packed import PACKED
-
-    layer = smol_llm.engine.model.layers[0]
-    assert all(m.quant is PACKED and m.weight is None for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
-                                                                   layer.mlp.gate_up_proj, layer.mlp.down_proj))
 
 
 def test_greedy_matches_transformers(smollm2, smol_llm):
@@ -80,3 +74,41 @@ def test_chat_answers_make_sense(smol_llm):
     answers = {q: o.outputs[0].text for q, o in zip(QUESTIONS, outs)}
     wrong = {q: a for q, a in answers.items() if QUESTIONS[q] not in a}
     assert not wrong, wrong
+
+
+def test_int4_kept_in_bf16_agrees_with_dequantised(smollm2):
+    """bf16 (where torch's packed int4 kernel runs): the Q4_1 projections stay int4 in memory. Its
+    bf16 scales and zeros round differently from dequantise-at-load, so greedy tokens may part
+    after a while: the share of equal tokens against the dequantised bf16 run is reported and
+    bounded. kiln's CPU default (float32) dequantises, so the tests above keep exact equality
+    with transformers. (The float32 tests above, kiln's CPU default,
+    dequantise: torch's int4 kernel has no fast float32 path.)"""
+    from engine.llm import LLM
+    from engine.quant.int4_packed import PACKED
+
+    settings = dict(device="cpu", enforce_eager=True, max_model_len=512, max_num_seqs=8, dtype="bfloat16")
+    kept = LLM(str(smollm2), **settings)
+    layer = kept.engine.model.layers[0]
+    assert all(m.quant is PACKED and m.weight is None for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
+                                                                   layer.mlp.gate_up_proj, layer.mlp.down_proj))
+    dense = LLM(str(smollm2), gguf_dequantize=True, **settings)
+    tok = kept.tokenizer
+    prompts = [tok.encode(p) for p in PROMPTS]
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    a, b = (llm.generate(prompts, params, use_tqdm=False) for llm in (kept, dense))
+    pairs = [(x, y) for o, r in zip(a, b) for x, y in zip(o.outputs[0].token_ids, r.outputs[0].token_ids)]
+    prefix = [next((i for i, (x, y) in enumerate(zip(o.outputs[0].token_ids, r.outputs[0].token_ids)) if x != y),
+                   MAX_TOKENS) for o, r in zip(a, b)]
+    agree = sum(x == y for x, y in pairs) / len(pairs)
+    print(f"SmolLM2 Q4_1 bf16, kept int4 vs dequantised: {100 * agree:.0f}% of tokens equal; "
+          f"equal prefixes {prefix} of {MAX_TOKENS}")
+    assert all(p >= 1 for p in prefix) and agree >= 0.8  # (measured: 100%, all 4 x 10 tokens)
+    # chat (reported, not asserted): measured, the kept-int4 bf16 run answers "What is the capital
+    # of France?" with "L'Étoile, la Marseillaise, ..." where dequantised bf16 (and float32) say
+    # "The capital of France is Paris.": the rounding of bf16 scales/zeros flips that first token.
+    conv = [[{"role": "user", "content": "What is the capital of France?"}]]
+    answers = [llm.chat(conv, SamplingParams(temperature=0.0, max_tokens=14), use_tqdm=False)[0].outputs[0].text
+               for llm in (kept, dense)]
+    print(f"chat, kept int4: {answers[0]!r}; dequantised: {answers[1]!r}")
+    for llm in (kept, dense):
+        assert_engine_clean(llm.engine)

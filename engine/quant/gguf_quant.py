@@ -7,7 +7,8 @@
 Everything else stays dequantised to the model dtype as before: the K-quants (Q4_K, Q5_K, Q6_K),
 Q5_0/Q5_1, float tensors, the embeddings and the LM head (kiln quantises only the attention and
 MLP projections), a fused projection whose parts have different kinds, and int4 layers the kernels
-cannot take (see int4_packed.unsupported; with int4_kernel="reference" every Q4_x layer, as
+cannot take (see int4_packed.unsupported: among them every layer of a float32 model on the CPU,
+kiln's CPU default; with int4_kernel="reference" every Q4_x layer, as
 kiln's unpacked int4 layout has integer zero points and Q4_1's m is not one).
 `gguf_dequantize` turns all of this off (llama.cpp's and vLLM's dequantise-at-load behaviour).
 """

@@ -14,8 +14,11 @@ What the kernels take, and so what stays on the dequantise-on-the-fly reference 
   - 8-bit weights (torch ships no int8-weight/bf16-activation kernel of this kind);
   - group sizes other than 32, 64, 128, 256 (per-channel weights use the largest of these that
     divides the input width, with the one scale repeated), or an input width the group does not divide;
+  - activations other than bf16 (the CUDA kernel takes only bf16; the CPU one takes float32 and
+    float16 too but through a scalar path measured ~500x slower than its bf16 one, slower than
+    dequantising on the fly: kiln's float32 CPU default keeps the reference path);
   - output widths not a multiple of 16 (CPU) or 8 (CUDA); on CUDA input widths not a multiple of
-    inner_k_tiles * 16, activations other than bf16, GPUs before sm_80;
+    inner_k_tiles * 16, GPUs before sm_80;
   - act-order (g_idx) whose groups are not `group` columns each: GPTQ's act-order is, so its
     columns are permuted at load (groups made contiguous) and each call gathers x's columns by the
     same permutation (one index_select of the activations).
@@ -64,6 +67,8 @@ def unsupported(out_features: int, in_features: int, bits: int, group_size: int,
         return None
     if device.type != "cpu":
         return f"device {device.type}"
+    if dtype != torch.bfloat16:  # (measured: float32/float16 take a scalar path ~500x slower than bf16)
+        return f"{dtype} activations on the CPU (torch's int4 kernel is vectorised for bfloat16 only)"
     if out_features % 16:
         return f"{out_features} output rows (CPU: a multiple of 16)"
     return None
