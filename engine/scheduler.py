@@ -77,6 +77,7 @@ class Scheduler:
         self._arrival = itertools.count()
         self._order: dict[int, int] = {}  # seq id -> admission order (FCFS tie-break)
         self._unforked: dict[int, Sequence] = {}  # n > 1 requests not forked yet: they hold n seats
+        self._spare = self.results.spare  # decode records of processed steps, for the next decode
         self._prefills = False  # this step emitted a record of more than one token
 
     # ---- counters (metrics) ----
@@ -146,6 +147,7 @@ class Scheduler:
             seq.num_pending = 0
         self.preemption.release(seq)
         self._unforked.pop(seq.seq_id, None)
+        self._spare.pop(seq.seq_id, None)
         seq.status = SeqStatus.FINISHED
         seq.finish_reason = reason
         seq.stop_reason = stop_reason
@@ -228,7 +230,14 @@ class Scheduler:
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
         running = self.running
+        bs = self.config.block_size
         max_len = self.config.max_model_len
+        ref = self.pool.ref_counts
+        spare = self._spare
+        emitted = out.seqs
+        plain = self.spec is None  # no drafts to propose: a decode can take the fast path
+        no_reserve = self.kv.reserved_blocks == 0
+        decodes = 0
         i = 0
         while i < len(running) and budget > 0:
             seq = running[i]
@@ -244,6 +253,20 @@ class Scheduler:
                                               and len(tokens) - seq.num_prompt_tokens >= max_tokens):
                     i += 1
                     continue
+            # The steady state: a decode whose token fits its private last block (nothing to
+            # allocate or copy), written into a record of an earlier, processed step.
+            if (num_new == 1 and plain and start % bs and start >= seq.num_prompt_tokens
+                    and ref[seq.block_ids[start // bs]] == 1 and seq.seq_id in spare
+                    and (no_reserve or self.kv.can_grow(seq, 1))):
+                record = spare.pop(seq.seq_id)
+                record.token_ids = tokens[start:start + 1]
+                record.start_pos = start
+                record.block_ids = seq.block_ids
+                emitted.append(record)
+                decodes += 1
+                budget -= 1
+                i += 1
+                continue
             if num_new > budget:
                 num_new = budget
             drafts = self.spec.drafts(seq, budget) if num_new == 1 and self.spec is not None else []
@@ -262,6 +285,7 @@ class Scheduler:
             self._emit(seq, num_new, out, drafts)
             budget -= num_new
             i += 1
+        out.num_decode_tokens += decodes
         return budget
 
     def _admit(self, out: SchedulerOutput, budget: int) -> int:
@@ -413,6 +437,8 @@ class Scheduler:
                               (self.swapped, SeqStatus.SWAPPED)):
             assert all(s.status is status for s in queue), f"a sequence in the {status.value} queue is not"
         assert self._seats_used() <= self.config.max_num_seqs, "more running seats than max_num_seqs"
+        assert set(self._spare) <= {s.seq_id for s in itertools.chain(self.running, self.waiting, self.swapped)}, \
+            "a reusable record kept for a finished sequence"
 
     def fragmentation(self) -> float:
         """Allocated slots not holding a computed token / allocated slots."""

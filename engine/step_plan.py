@@ -1,7 +1,9 @@
 """One step's plan, as the scheduler hands it to the runner: plain values, no tensors.
 
 `SchedulerOutput` lists each sequence's share of the step (`ScheduledSeq`) and the block
-copies to queue before the forward (copy-on-write, swap out, swap in).
+copies to queue before the forward (copy-on-write, swap out, swap in). The scheduler reuses
+a decode's record in a later step once the step that held it has been processed
+(`Scheduler.update`): read a step's records until then, don't keep them.
 """
 
 from __future__ import annotations

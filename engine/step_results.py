@@ -8,7 +8,8 @@ Two moments (`Scheduler.launched` and `Scheduler.update` call these):
   * update: the sampled tokens are known. Placeholders are replaced; at a fork point the
     first token continues the parent and the others start children sharing its blocks; a
     verify step's drafts are accepted or rejected (SpecDecoder); full blocks are registered
-    in the prefix cache.
+    in the prefix cache. A plain decode's record is kept for the sequence's next decode to
+    reuse (the scheduler's fast path): the step that held it is processed by then.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from engine.step_plan import PLACEHOLDER
 if TYPE_CHECKING:
     from engine.kv.allocator import KVAllocator
     from engine.spec_decode import SpecDecoder
-    from engine.step_plan import SchedulerOutput
+    from engine.step_plan import ScheduledSeq, SchedulerOutput
 
 
 class StepResults:
@@ -30,6 +31,7 @@ class StepResults:
         self.kv = kv
         self.spec = spec
         self.new_child = new_child  # (parent, sample index) -> a running child sharing nothing yet
+        self.spare: dict[int, ScheduledSeq] = {}  # seq id -> a processed decode record to reuse
 
     def launched(self, out: SchedulerOutput) -> None:
         out.launched = True
@@ -46,6 +48,7 @@ class StepResults:
         if not out.launched:
             self.launched(out)
         touched: list[Sequence] = []
+        spare = self.spare
         cache_full_blocks = self.kv.cache_full_blocks
         for sched, tokens in zip(out.seqs, sampled):
             seq = sched.seq
@@ -57,6 +60,8 @@ class StepResults:
                     seq.num_pending -= 1
                     seq.num_new_tokens = 1
                     touched.append(seq)
+                    if len(sched.token_ids) == 1:
+                        spare[sched.seq_id] = sched
                 if seq.status is SeqStatus.RUNNING:
                     cache_full_blocks(seq)
                 continue  # (a failed row keeps its placeholder: the engine fails the request)
