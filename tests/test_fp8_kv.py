@@ -333,3 +333,28 @@ def test_metrics_report_the_cache_dtype(make_llm):
     text = metrics.render().decode()
     line = next(x for x in text.splitlines() if x.startswith("kiln:cache_config_info{"))
     assert 'cache_dtype="fp8"' in line and 'num_gpu_blocks="20"' in line
+
+
+# ---- the CUTLASS launches (recorded, no GPU) ----
+
+@pytest.mark.parametrize("decode_kernel", ["v1", "v2"])
+def test_cutlass_fp8_launches_pass_the_layer_scales_last(decode_kernel):
+    from tests.test_cutlass_cpu import fake_kernels, make_inputs
+
+    k = fake_kernels(decode_kernel)
+    k.kv_dtype, k.kv_fp8 = FP8_DTYPE, True
+    c = make_inputs([(1, 300), (1, 20), (37, 100)])
+    cache = c["kv"].float().to(FP8_DTYPE)
+    scales = torch.tensor([[0.5, 0.25], [2.0, 3.0]])  # [layers, 2]: layer 1's pair is passed
+    out = torch.zeros_like(c["q"])
+    k.attention(out, c["q"], cache[0, 0], cache[0, 1], c["qsl"], c["lens"], c["table"], 0.125, c["max_q"],
+                c["max_len"], 2, scales[1])
+    launches = [x for x in k.log if x[0] != "combine"]
+    assert [name for name, _, _ in launches] == ["decode_g4", "prefill"]
+    assert all(args[-1] == scales[1].data_ptr() for _, _, args in launches)
+    k.log.clear()
+    kv = torch.zeros(5, 2, 64, dtype=torch.bfloat16)
+    k.write_kv(kv, kv, cache[0, 0], cache[0, 1], torch.arange(5))  # no scales: the unit pair
+    assert k.log[0][2][-1] == k.unit_scales.data_ptr() and k.unit_scales.tolist() == [1.0, 1.0]
+    # A bf16 cache on fp8 kernels is declined (the reference runs), not misread.
+    assert "cache" in k.attention_unsupported(out, c["q"], c["kv"][0, 0], c["kv"][0, 1])
