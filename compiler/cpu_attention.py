@@ -23,6 +23,7 @@ from pathlib import Path
 
 import torch
 
+from compiler.kv_quant import layer_scales
 from compiler.launch_plan import decode_rows
 from compiler.reference_attention import paged_attention_reference
 
@@ -190,15 +191,24 @@ KERNELS = CpuDecodeKernels()
 
 
 def compiled_decode_attention(q: torch.Tensor, kv: torch.Tensor, block_tables: torch.Tensor,
-                              seq_lens: torch.Tensor, num_items: int, scale: float) -> torch.Tensor:
+                              seq_lens: torch.Tensor, num_items: int, scale: float,
+                              k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """decode_attention_math through the ahead-of-time build for this cache layout (inputs from
-    decode_inputs). The scale is applied here, so one build serves every model of the layout."""
+    decode_inputs). The scales are applied here, so one build serves every model of the layout:
+    an fp8 cache's k_scale is folded into q and its v_scale into the output (the kernel reads
+    the raw elements; softmax(q.(s k)) (s' v) = s' softmax((s q).k) v)."""
     if not kv.is_contiguous():  # the build assumes a whole layer of a contiguous cache
         raise ValueError("compiled_decode_attention: kv must be contiguous (one layer of the KV cache)")
     runner = KERNELS.runner(q, kv)
-    inputs = [q.float() * scale, kv, block_tables.to(torch.int32).contiguous(),
+    qs = q.float() * scale
+    if k_scale is not None:
+        qs = qs * k_scale
+    inputs = [qs, kv, block_tables.to(torch.int32).contiguous(),
               seq_lens.to(torch.int32).contiguous(), torch.empty(num_items, 0)]
-    return runner.boxed_run(inputs)[0].to(q.dtype)
+    out = runner.boxed_run(inputs)[0]
+    if v_scale is not None:
+        out = out * v_scale
+    return out.to(q.dtype)
 
 
 def decode_inputs(q: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor, max_seq_len: int,
@@ -222,19 +232,22 @@ def decode_inputs(q: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.T
 
 def paged_attention_cpu_impl(out: torch.Tensor, q: torch.Tensor, kv_cache: torch.Tensor, layer: int,
                              query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor,
-                             scale: float, max_query_len: int, max_seq_len: int, num_decodes: int = 0) -> None:
+                             scale: float, max_query_len: int, max_seq_len: int, num_decodes: int = 0,
+                             kv_scales: torch.Tensor | None = None) -> None:
     """kiln::paged_attention_cpu's implementation (compiler/ops.py), callable without the custom-op
     dispatch from an eager forward: the decodes (the leading one-token sequences) go through the
     compiled kernel, prefill chunks through the reference. Only the block-table columns that
-    max_seq_len can reach are read (the runner's table is as wide as max_model_len allows)."""
+    max_seq_len can reach are read (the runner's table is as wide as max_model_len allows).
+    kv_scales: an fp8 cache's per-layer scales (compiler/kv_quant.py)."""
     num_tokens, num_seqs = q.shape[0], seq_lens.shape[0]
     nd = decode_rows(num_seqs, max_query_len, num_decodes)  # the same split as the CUDA kernels'
     kv = kv_cache[layer]  # [2, blocks, block_size, kv_heads, head_dim]: one view, not two
+    k_scale, v_scale = layer_scales(kv_scales, layer)
     if nd > 0:
         dq, tables, lens, num_items = decode_inputs(q[:nd], seq_lens[:nd], block_tables[:nd], max_seq_len,
                                                     kv.shape[2])
-        out[:nd] = compiled_decode_attention(dq, kv, tables, lens, num_items, scale)
+        out[:nd] = compiled_decode_attention(dq, kv, tables, lens, num_items, scale, k_scale, v_scale)
     if num_tokens > nd:
         out[nd:] = paged_attention_reference(
             q[nd:], kv[0], kv[1], query_start_loc[nd:] - nd, seq_lens[nd:], block_tables[nd:],
-            scale, max_query_len, max_seq_len)
+            scale, max_query_len, max_seq_len, k_scale=k_scale, v_scale=v_scale)

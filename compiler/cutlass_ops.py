@@ -6,6 +6,10 @@
     torch.ops.kiln.paged_attention_cutlass(out, q, kv_cache, layer, query_start_loc, seq_lens,
         block_tables, scale, max_query_len, max_seq_len, num_decodes, kernels.handle)
 
+With `kv_dtype=torch.float8_e4m3fn` (an fp8 KV cache) the fp8 variants are loaded: write_kv
+quantizes, the attention kernels convert the bytes in registers; both ops then take the cache's
+per-layer scales (`kv_scales`, float32 [layers, 2]; None: 1), read by the kernels on the device.
+
 The ops are registered by compiler/ops.py (with every other kiln:: op). Whoever creates an
 AttentionKernels owns it (the cutlass attention backend does): it holds the loaded kernel
 generation its settings chose (decode v1 or v2, prefill mma.sync or wgmma), the split-KV
@@ -45,6 +49,7 @@ from compiler.kernels.manifest import (
     prefill_wgmma_smem_bytes, prefill_wgmma_tile,
 )
 from compiler.launch_plan import ctas_per_sm_from_resources, plan_attention_launches, plan_decode_splits
+from compiler.kv_quant import is_fp8
 from compiler.reference_attention import paged_attention_reference, write_kv_reference
 
 logger = logging.getLogger(__name__)
@@ -64,6 +69,8 @@ _DECODE_V2_TYPES = (PTR, PTR, PTR, PTR, PTR, PTR, PTR, PTR, PTR, PTR, I32, I32, 
                     I64, I64, I64, I64, I64, F32, I32, I32, I32)
 _COMBINE_TYPES = (PTR, PTR, PTR, PTR, PTR, I32, I32, I32, I64, I64)
 _PREFILL_TYPES = (PTR, PTR, PTR, PTR, PTR, PTR, PTR, I32, I32, I32, I64, I64, I64, I64, I64, F32, I32, I32)
+# The fp8 KV variants take one more argument, last: the layer's {k_scale, v_scale} (float32).
+_SCALES = (PTR,)
 
 _live_kernels: "weakref.WeakValueDictionary[int, AttentionKernels]" = weakref.WeakValueDictionary()
 _handles = itertools.count(1)
@@ -118,20 +125,29 @@ class DecodePlan:
 class AttentionKernels:
     """One kernel generation loaded for one (device, dtype, head_dim, block_size), with its scratch."""
 
+    kv_dtype: torch.dtype | None = None  # the cache's element type (None: dtype)
+    kv_fp8 = False
+
     def __init__(self, cache_dir, device, dtype: torch.dtype, head_dim: int, block_size: int, *,
-                 decode_kernel: str = "v1", prefill_kernel: str = "mma", scratch_floats: int = 1 << 22):
+                 decode_kernel: str = "v1", prefill_kernel: str = "mma", scratch_floats: int = 1 << 22,
+                 kv_dtype: torch.dtype | None = None):
         self.device = torch.device(device)
         if self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
         self.dtype, self.head_dim, self.block_size = dtype, head_dim, block_size
         self.decode_kernel, self.prefill_kernel = decode_kernel, prefill_kernel
-        self.names = attention_variant_names(dtype, head_dim, block_size, decode_kernel, prefill_kernel)
+        self.kv_dtype = kv_dtype if kv_dtype is not None else dtype
+        self.kv_fp8 = is_fp8(self.kv_dtype)
+        self.names = attention_variant_names(dtype, head_dim, block_size, decode_kernel, prefill_kernel,
+                                             self.kv_dtype if self.kv_fp8 else None)
         self.lib = KernelLibrary(Path(cache_dir), list(self.names.values())).load(self.device)
         ctx = self.lib.context
         n = self.names
-        self.write_kv_l = Launcher(self.lib.function(n["write_kv"]), 256, 0, _WRITE_KV_TYPES, n["write_kv"], ctx)
+        extra = _SCALES if self.kv_fp8 else ()
+        self.write_kv_l = Launcher(self.lib.function(n["write_kv"]), 256, 0, _WRITE_KV_TYPES + extra, n["write_kv"],
+                                   ctx)
         decode = DECODE_KERNELS[decode_kernel]
-        types = _DECODE_V2_TYPES if decode_kernel == "v2" else _DECODE_TYPES
+        types = (_DECODE_V2_TYPES if decode_kernel == "v2" else _DECODE_TYPES) + extra
         self.decode_l = {g: Launcher(self.lib.function(n[decode], f"g{g}"), DECODE_THREADS, 0, types,
                                      f"{n[decode]}_g{g}", ctx) for g in DECODE_GROUPS}
         self.combine_l = None
@@ -146,7 +162,7 @@ class AttentionKernels:
         else:
             self.block_m = prefill_tile(head_dim)["block_m"]
             threads, smem = self.block_m // 16 * 32, prefill_smem_bytes(head_dim)
-        self.prefill_l = Launcher(self.lib.function(n[prefill], None, smem), threads, smem, _PREFILL_TYPES,
+        self.prefill_l = Launcher(self.lib.function(n[prefill], None, smem), threads, smem, _PREFILL_TYPES + extra,
                                   n[prefill], ctx)
         self._init_state(torch.cuda.get_device_properties(self.device).multi_processor_count,
                          {g: self._ctas_per_sm(n[decode], g) for g in DECODE_GROUPS}, scratch_floats)
@@ -160,6 +176,8 @@ class AttentionKernels:
         self.part_lse = torch.empty(max(scratch_floats // 64, 1), dtype=torch.float32, device=self.device)
         # v2: per-(sequence, kv head slice) tickets of the last-split merge; all zero between launches.
         self.counters = torch.zeros(max(scratch_floats // 64, 1), dtype=torch.int32, device=self.device)
+        # An fp8 cache's scales when the caller passes none: 1 (allocated once: graph-stable).
+        self.unit_scales = torch.ones(2, dtype=torch.float32, device=self.device)
         self._plans: dict[tuple, DecodePlan] = {}
         self._warned: set[str] = set()
         # Split-policy overrides for benchmark sweeps (None: the occupancy query / the default).
@@ -197,10 +215,21 @@ class AttentionKernels:
             logger.warning("kiln cutlass %s: inputs the kernels cannot take (%s): running the reference", what,
                            reason)
 
+    def _scales_arg(self, kv_scales: torch.Tensor | None) -> tuple:
+        """The fp8 variants' last argument: the layer's {k_scale, v_scale} (float32, contiguous)."""
+        if not self.kv_fp8:
+            return ()
+        s = self.unit_scales if kv_scales is None else kv_scales
+        if s.dtype != torch.float32 or s.numel() != 2 or not s.is_contiguous() or s.device != self.device:
+            raise ValueError(f"kiln cutlass: kv_scales must be one layer's 2 float32 scales on {self.device}, "
+                             f"got {s.dtype} {tuple(s.shape)} on {s.device}")
+        return (s.data_ptr(),)
+
     def write_kv_unsupported(self, k, v, k_cache, v_cache) -> str | None:
         D = self.head_dim
-        if not (k.dtype == v.dtype == k_cache.dtype == v_cache.dtype == self.dtype):
-            return f"dtypes {k.dtype}/{k_cache.dtype}, kernels built for {self.dtype}"
+        kv = self.kv_dtype or self.dtype
+        if not (k.dtype == v.dtype == self.dtype and k_cache.dtype == v_cache.dtype == kv):
+            return f"dtypes {k.dtype}/{k_cache.dtype}, kernels built for {self.dtype} with a {kv} cache"
         if not (k.dim() == 3 and k.shape[1:] == v.shape[1:] and k.shape[1] == k_cache.shape[2] and k.shape[2] == D):
             return f"k/v shapes {tuple(k.shape)}/{tuple(v.shape)} against the cache {tuple(k_cache.shape)}"
         if not (_vec_ok(k) and _vec_ok(v) and _cache_ok(k_cache, D) and _cache_ok(v_cache, D)
@@ -210,8 +239,9 @@ class AttentionKernels:
 
     def attention_unsupported(self, out, q, k_cache, v_cache) -> str | None:
         D = self.head_dim
-        if not (q.dtype == out.dtype == k_cache.dtype == v_cache.dtype == self.dtype):
-            return f"dtypes {q.dtype}/{k_cache.dtype}, kernels built for {self.dtype}"
+        kv = self.kv_dtype or self.dtype
+        if not (q.dtype == out.dtype == self.dtype and k_cache.dtype == v_cache.dtype == kv):
+            return f"dtypes {q.dtype}/{k_cache.dtype}, kernels built for {self.dtype} with a {kv} cache"
         if not (q.dim() == 3 and q.shape[2] == D and out.shape == q.shape and k_cache.shape[1] == self.block_size):
             return f"q shape {tuple(q.shape)} / cache {tuple(k_cache.shape)} against head_dim {D}, block {self.block_size}"
         if q.shape[1] % k_cache.shape[2]:
@@ -222,14 +252,15 @@ class AttentionKernels:
         return None
 
     # ---- write_kv ---------------------------------------------------------------------
-    def write_kv(self, k, v, k_cache, v_cache, slot_mapping) -> None:
+    def write_kv(self, k, v, k_cache, v_cache, slot_mapping, kv_scales: torch.Tensor | None = None) -> None:
+        """kv_scales: this layer's {k_scale, v_scale} (an fp8 cache; None: 1)."""
         T = k.shape[0]
         if T == 0:
             return
         reason = self.write_kv_unsupported(k, v, k_cache, v_cache)
         if reason is not None:
             self._decline("write_kv", reason)
-            write_kv_reference(k, v, k_cache, v_cache, slot_mapping)
+            write_kv_reference(k, v, k_cache, v_cache, slot_mapping, *_pair(kv_scales))
             return
         D = self.head_dim
         slots = slot_mapping
@@ -241,7 +272,8 @@ class AttentionKernels:
         self.write_kv_l(
             (grid, 1, 1), self._stream(k.device),
             (k.data_ptr(), v.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), slots.data_ptr(),
-             T, hkv, D, self.block_size, k.stride(0), k.stride(1), v.stride(0), v.stride(1), k_cache.stride(0)),
+             T, hkv, D, self.block_size, k.stride(0), k.stride(1), v.stride(0), v.stride(1), k_cache.stride(0),
+             *self._scales_arg(kv_scales)),
         )
 
     # ---- split-KV plan ------------------------------------------------------------------
@@ -270,7 +302,9 @@ class AttentionKernels:
 
     # ---- attention --------------------------------------------------------------------
     def attention(self, out, q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale: float,
-                  max_query_len: int, max_seq_len: int, num_decodes: int = 0) -> None:
+                  max_query_len: int, max_seq_len: int, num_decodes: int = 0,
+                  kv_scales: torch.Tensor | None = None) -> None:
+        """kv_scales: this layer's {k_scale, v_scale} (an fp8 cache; None: 1)."""
         T, Hq, D = q.shape
         B = seq_lens.shape[0]
         if T == 0:
@@ -282,12 +316,13 @@ class AttentionKernels:
         if reason is not None:
             self._decline("paged attention", reason)
             out.copy_(paged_attention_reference(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables,
-                                                scale, max_query_len, max_seq_len, num_decodes))
+                                                scale, max_query_len, max_seq_len, num_decodes,
+                                                k_scale=_pair(kv_scales)[0], v_scale=_pair(kv_scales)[1]))
             return
         qsl, lens, bt = _i32(query_start_loc), _i32(seq_lens), _table(block_tables)
         stream = self._stream(q.device)
         common = dict(out=out, q=q, k_cache=k_cache, v_cache=v_cache, qsl=qsl, lens=lens, bt=bt, stream=stream,
-                      scale_log2=float(scale) * LOG2E, num_tokens=T)
+                      scale_log2=float(scale) * LOG2E, num_tokens=T, scales=self._scales_arg(kv_scales))
         for launch in plan_attention_launches(B, int(max_query_len), int(num_decodes)):
             if launch.kind == "decode":
                 self._launch_decode(launch.seq_start, launch.num_seqs, launch.zero_tail, **common)
@@ -301,7 +336,7 @@ class AttentionKernels:
                 lens.data_ptr() + 4 * start, bt.data_ptr() + 4 * start * bt.stride(0))
 
     def _launch_decode(self, start, n, zero_tail, *, out, q, k_cache, v_cache, qsl, lens, bt, stream, scale_log2,
-                       num_tokens):
+                       num_tokens, scales):
         Hq, hkv, max_blocks = q.shape[1], k_cache.shape[2], bt.shape[1]
         plan = self.decode_plan(n, Hq, hkv, max_blocks)
         ptrs = self._args(start, out, q, k_cache, v_cache, qsl, lens, bt)
@@ -312,28 +347,34 @@ class AttentionKernels:
         if self.decode_kernel == "v2":
             self.decode_l[plan.group](grid, stream, (*ptrs, *scratch, self.counters.data_ptr(), Hq, hkv, Hq // hkv,
                                                      max_blocks, *strides, scale_log2, ntok, plan.min_tokens,
-                                                     bt.stride(0)))
+                                                     bt.stride(0), *scales))
             return
         self.decode_l[plan.group](grid, stream, (*ptrs, *scratch, Hq, hkv, Hq // hkv, max_blocks, *strides,
-                                                 scale_log2, ntok, bt.stride(0)))
+                                                 scale_log2, ntok, bt.stride(0), *scales))
         if plan.splits > 1:
             self.combine_l((Hq, n, 1), stream, (out.data_ptr(), ptrs[4], ptrs[5], *scratch, Hq, max_blocks,
                                                 plan.splits, out.stride(0), out.stride(1)))
 
     def _launch_prefill(self, start, n, zero_tail, max_query_len, *, out, q, k_cache, v_cache, qsl, lens, bt,
-                        stream, scale_log2, num_tokens):
+                        stream, scale_log2, num_tokens, scales):
         Hq, hkv = q.shape[1], k_cache.shape[2]
         self.prefill_l(
             (-(-max_query_len // self.block_m), Hq, n), stream,
             (*self._args(start, out, q, k_cache, v_cache, qsl, lens, bt), Hq, hkv, bt.shape[1], q.stride(0),
              q.stride(1), out.stride(0), out.stride(1), k_cache.stride(0), scale_log2,
-             num_tokens if zero_tail else 0, bt.stride(0)),
+             num_tokens if zero_tail else 0, bt.stride(0), *scales),
         )
 
 
+def _pair(kv_scales: torch.Tensor | None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """One layer's {k_scale, v_scale} as two 0-d tensors for the reference (None: scale 1)."""
+    return (None, None) if kv_scales is None else (kv_scales[0], kv_scales[1])
+
+
 def required_variants(dtype: torch.dtype, head_dim: int, block_size: int, decode_kernel: str | None = None,
-                      prefill_kernel: str | None = None) -> list[str]:
-    return list(attention_variant_names(dtype, head_dim, block_size, decode_kernel, prefill_kernel).values())
+                      prefill_kernel: str | None = None, kv_dtype: torch.dtype | None = None) -> list[str]:
+    return list(attention_variant_names(dtype, head_dim, block_size, decode_kernel, prefill_kernel,
+                                        kv_dtype).values())
 
 
 __all__ = ["AttentionKernels", "DecodePlan", "kernels_by_handle", "required_variants"]

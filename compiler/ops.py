@@ -7,6 +7,9 @@ and the CUTLASS kernels' ops (`write_kv_cutlass`, `paged_attention_cutlass`; CUD
 launch the kernels a compiler.cutlass_ops.AttentionKernels holds, named by its handle).
 Registering needs no GPU and no cuda-python: the kernels are loaded when a backend is built.
 
+`kv_scales` (float32 [layers, 2], optional): an fp8 cache's per-layer K/V scales
+(compiler/kv_quant.py); None reads and writes an fp8 cache with scale 1.
+
 Dynamo never traces into them: under `torch.compile` they appear as single nodes
 (their fake implementations give shapes only), and under CUDA-graph capture their
 launches are recorded like any other kernel.
@@ -25,18 +28,34 @@ import torch
 from compiler import moe
 from compiler.cpu_attention import paged_attention_cpu_impl
 from compiler.cutlass_ops import kernels_by_handle
+from compiler.kv_quant import byte_view, calibrate_kv_scales, layer_scales
 from compiler.reference_attention import paged_attention_reference, write_kv_reference
 
 
 @torch.library.custom_op("kiln::write_kv", mutates_args=("kv_cache",))
 def write_kv(
     k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, layer: int, slot_mapping: torch.Tensor,
+    kv_scales: torch.Tensor | None = None,
 ) -> None:
-    write_kv_reference(k, v, kv_cache[layer, 0], kv_cache[layer, 1], slot_mapping)
+    write_kv_reference(k, v, kv_cache[layer, 0], kv_cache[layer, 1], slot_mapping, *layer_scales(kv_scales, layer))
 
 
 @write_kv.register_fake
-def _(k, v, kv_cache, layer, slot_mapping) -> None:
+def _(k, v, kv_cache, layer, slot_mapping, kv_scales=None) -> None:
+    return None
+
+
+@torch.library.custom_op("kiln::calibrate_kv_scales", mutates_args=("kv_scales", "calibrated"))
+def calibrate_kv_scales_op(
+    k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor, kv_scales: torch.Tensor,
+    calibrated: torch.Tensor, layer: int,
+) -> None:
+    """An fp8 cache's scales from the first rows a layer writes (compiler/kv_quant.py)."""
+    calibrate_kv_scales(k, v, slot_mapping, kv_scales, calibrated, layer)
+
+
+@calibrate_kv_scales_op.register_fake
+def _(k, v, slot_mapping, kv_scales, calibrated, layer) -> None:
     return None
 
 
@@ -45,17 +64,17 @@ def paged_attention(
     out: torch.Tensor, q: torch.Tensor, kv_cache: torch.Tensor, layer: int,
     query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor,
     scale: float, max_query_len: int, max_seq_len: int, num_decodes: int = 0, sliding_window: int = 0,
-    softcap: float = 0.0,
+    softcap: float = 0.0, kv_scales: torch.Tensor | None = None,
 ) -> None:
     out.copy_(paged_attention_reference(
         q, kv_cache[layer, 0], kv_cache[layer, 1], query_start_loc, seq_lens, block_tables,
-        scale, max_query_len, max_seq_len, num_decodes, sliding_window, softcap,
+        scale, max_query_len, max_seq_len, num_decodes, sliding_window, softcap, *layer_scales(kv_scales, layer),
     ))
 
 
 @paged_attention.register_fake
 def _(out, q, kv_cache, layer, query_start_loc, seq_lens, block_tables, scale,
-      max_query_len, max_seq_len, num_decodes=0, sliding_window=0, softcap=0.0) -> None:
+      max_query_len, max_seq_len, num_decodes=0, sliding_window=0, softcap=0.0, kv_scales=None) -> None:
     return None
 
 
@@ -64,22 +83,25 @@ def paged_attention_cpu(
     out: torch.Tensor, q: torch.Tensor, kv_cache: torch.Tensor, layer: int,
     query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor,
     scale: float, max_query_len: int, max_seq_len: int, num_decodes: int = 0,
+    kv_scales: torch.Tensor | None = None,
 ) -> None:
     """kiln::paged_attention for the CPU with compilation on (compiler/cpu_attention.py)."""
     paged_attention_cpu_impl(out, q, kv_cache, layer, query_start_loc, seq_lens, block_tables, scale,
-                             max_query_len, max_seq_len, num_decodes)
+                             max_query_len, max_seq_len, num_decodes, kv_scales)
 
 
 @paged_attention_cpu.register_fake
 def _(out, q, kv_cache, layer, query_start_loc, seq_lens, block_tables, scale,
-      max_query_len, max_seq_len, num_decodes=0) -> None:
+      max_query_len, max_seq_len, num_decodes=0, kv_scales=None) -> None:
     return None
 
 
 @torch.library.custom_op("kiln::copy_blocks", mutates_args=("cache",))
 def copy_blocks(cache: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
-    """Copy whole blocks within one cache tensor laid out [layers, 2, num_blocks, ...]."""
-    cache[:, :, dst.long()] = cache[:, :, src.long()]
+    """Copy whole blocks within one cache tensor laid out [layers, 2, num_blocks, ...] (an fp8
+    cache as its bytes)."""
+    raw = byte_view(cache)
+    raw[:, :, dst.long()] = raw[:, :, src.long()]
 
 
 @copy_blocks.register_fake
@@ -102,13 +124,15 @@ def _(x, weights, ids, w13, w2, activation):
 @torch.library.custom_op("kiln::write_kv_cutlass", mutates_args=("kv_cache",), device_types="cuda")
 def write_kv_cutlass(
     k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, layer: int, slot_mapping: torch.Tensor, kernels: int,
+    kv_scales: torch.Tensor | None = None,
 ) -> None:
     """kiln::write_kv on the CUTLASS kernels `kernels` (an AttentionKernels handle)."""
-    kernels_by_handle(kernels).write_kv(k, v, kv_cache[layer, 0], kv_cache[layer, 1], slot_mapping)
+    kernels_by_handle(kernels).write_kv(k, v, kv_cache[layer, 0], kv_cache[layer, 1], slot_mapping,
+                                        None if kv_scales is None else kv_scales[layer])
 
 
 @write_kv_cutlass.register_fake
-def _(k, v, kv_cache, layer, slot_mapping, kernels) -> None:
+def _(k, v, kv_cache, layer, slot_mapping, kernels, kv_scales=None) -> None:
     return None
 
 
@@ -117,14 +141,16 @@ def paged_attention_cutlass(
     out: torch.Tensor, q: torch.Tensor, kv_cache: torch.Tensor, layer: int,
     query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor,
     scale: float, max_query_len: int, max_seq_len: int, num_decodes: int, kernels: int,
+    kv_scales: torch.Tensor | None = None,
 ) -> None:
     """kiln::paged_attention (no window, no cap) on the CUTLASS kernels `kernels`: the leading
     num_decodes one-token sequences take the decode kernel, the rest the prefill kernel."""
     kernels_by_handle(kernels).attention(out, q, kv_cache[layer, 0], kv_cache[layer, 1], query_start_loc, seq_lens,
-                                         block_tables, scale, max_query_len, max_seq_len, num_decodes)
+                                         block_tables, scale, max_query_len, max_seq_len, num_decodes,
+                                         None if kv_scales is None else kv_scales[layer])
 
 
 @paged_attention_cutlass.register_fake
 def _(out, q, kv_cache, layer, query_start_loc, seq_lens, block_tables, scale, max_query_len, max_seq_len,
-      num_decodes, kernels) -> None:
+      num_decodes, kernels, kv_scales=None) -> None:
     return None

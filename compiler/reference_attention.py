@@ -10,6 +10,8 @@ The causal mask is aligned bottom-right: query i of a chunk of length L in a seq
 of length S sits at position S - L + i and sees keys 0 ..= S - L + i; with a sliding
 window W > 0, only the last W of those (keys > position - W, as transformers masks).
 Sequences with seq_len 0 (graph padding) produce zeros.
+An fp8 cache (compiler/kv_quant.py) stores x / scale and is read back as element * scale, with
+the layer's k_scale / v_scale (0-d tensors; None: 1).
 """
 
 from __future__ import annotations
@@ -17,32 +19,35 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from compiler.kv_quant import byte_view, from_cache, to_cache
+
 
 def write_kv_reference(
     k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
+    slot_mapping: torch.Tensor, k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
 ) -> None:
-    """Scatter k/v rows [T, Hkv, D] into their slots.
+    """Scatter k/v rows [T, Hkv, D] into their slots (quantized for an fp8 cache).
 
     Slot -1 means "skip". Block 0 is the engine's null block (never handed to a
     sequence), so skipped rows are routed to slot 0 instead of filtering them out:
     that keeps the op free of host syncs and safe inside a CUDA graph.
     """
     num_blocks, block_size = k_cache.shape[0], k_cache.shape[1]
-    flat_k = k_cache.view(num_blocks * block_size, *k_cache.shape[2:])
-    flat_v = v_cache.view(num_blocks * block_size, *v_cache.shape[2:])
+    flat_k = byte_view(k_cache.view(num_blocks * block_size, *k_cache.shape[2:]))
+    flat_v = byte_view(v_cache.view(num_blocks * block_size, *v_cache.shape[2:]))
     slots = slot_mapping.long().clamp_min(0)
-    flat_k.index_copy_(0, slots, k.to(flat_k.dtype))
-    flat_v.index_copy_(0, slots, v.to(flat_v.dtype))
+    flat_k.index_copy_(0, slots, byte_view(to_cache(k, k_cache.dtype, k_scale)))
+    flat_v.index_copy_(0, slots, byte_view(to_cache(v, v_cache.dtype, v_scale)))
 
 
 def paged_attention_reference(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor,
     scale: float, max_query_len: int, max_seq_len: int, num_decodes: int = 0, sliding_window: int = 0,
-    softcap: float = 0.0,
+    softcap: float = 0.0, k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Batched gather + SDPA over the paged cache; returns [num_tokens, num_heads, head_dim].
+    An fp8 cache is dequantized with k_scale / v_scale (None: 1) as it is gathered.
     softcap > 0: scores become softcap * tanh(scores / softcap) before the softmax (Gemma 2).
 
     max_query_len / max_seq_len are host-side upper bounds (they size the padding);
@@ -60,18 +65,22 @@ def paged_attention_reference(
         nd = num_decodes
         decodes = paged_attention_reference(q[:nd], k_cache, v_cache, query_start_loc[:nd + 1], seq_lens[:nd],
                                             block_tables[:nd], scale, 1, max_seq_len,
-                                            sliding_window=sliding_window, softcap=softcap)
+                                            sliding_window=sliding_window, softcap=softcap,
+                                            k_scale=k_scale, v_scale=v_scale)
         chunks = paged_attention_reference(q[nd:], k_cache, v_cache, query_start_loc[nd:] - nd, seq_lens[nd:],
                                            block_tables[nd:], scale, max_query_len, max_seq_len,
-                                           sliding_window=sliding_window, softcap=softcap)
+                                           sliding_window=sliding_window, softcap=softcap,
+                                           k_scale=k_scale, v_scale=v_scale)
         return torch.cat([decodes, chunks])
     device = q.device
     max_blocks = min(block_tables.shape[1], -(-max(max_seq_len, 1) // block_size))
     ctx = max_blocks * block_size
     tables = block_tables[:, :max_blocks].reshape(-1).long().clamp_min(0)
+    # Half precision on the CPU is slow and loose: compute there in float32.
+    compute = torch.float32 if device.type == "cpu" else q.dtype
     # [S, ctx, Hkv, D] -> [S, Hkv, ctx, D]
-    keys = k_cache.index_select(0, tables).view(num_seqs, ctx, num_kv_heads, head_dim).transpose(1, 2)
-    values = v_cache.index_select(0, tables).view(num_seqs, ctx, num_kv_heads, head_dim).transpose(1, 2)
+    keys = _gather(k_cache, tables, compute, k_scale).view(num_seqs, ctx, num_kv_heads, head_dim).transpose(1, 2)
+    values = _gather(v_cache, tables, compute, v_scale).view(num_seqs, ctx, num_kv_heads, head_dim).transpose(1, 2)
     lens = seq_lens.long()
     key_pos = torch.arange(ctx, device=device)
     # Slots past a sequence's length hold whatever an earlier owner left, NaN included, and a
@@ -79,8 +88,6 @@ def paged_attention_reference(
     stale = (key_pos[None, :] >= lens[:, None])[:, None, :, None]
     keys = keys.masked_fill(stale, 0.0)
     values = values.masked_fill(stale, 0.0)
-    # Half precision on the CPU is slow and loose: compute there in float32.
-    compute = torch.float32 if device.type == "cpu" else q.dtype
     gqa = num_heads != num_kv_heads
 
     if max_query_len == 1 and num_tokens == num_seqs:
@@ -125,6 +132,13 @@ def paged_attention_reference(
     padded = torch.cat([result, result.new_zeros(1, num_heads, head_dim)], dim=0)
     padded.index_copy_(0, dest, out.reshape(-1, num_heads, head_dim))
     return padded[:num_tokens]
+
+
+def _gather(cache: torch.Tensor, tables: torch.Tensor, compute: torch.dtype,
+            scale: torch.Tensor | None) -> torch.Tensor:
+    """The blocks `tables` names, as `compute` values (an fp8 cache dequantized)."""
+    rows = byte_view(cache).index_select(0, tables)
+    return from_cache(rows.view(cache.dtype), compute, scale)
 
 
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor, scale: float,

@@ -34,6 +34,8 @@ from typing import Sequence
 
 import torch
 
+from compiler.kv_quant import byte_view
+
 Mapping = Sequence[tuple[int, int]]
 
 
@@ -75,6 +77,7 @@ def swap_blocks(src: torch.Tensor, dst: torch.Tensor, mapping: Mapping | torch.T
     if src.shape[1:] != dst.shape[1:] or src.dtype != dst.dtype:
         raise ValueError(f"block shapes differ: {tuple(src.shape[1:])} {src.dtype} vs "
                          f"{tuple(dst.shape[1:])} {dst.dtype}")
+    src, dst, staging = byte_view(src), byte_view(dst), byte_view(staging)
     cap = staging.shape[0]
     gather = dst.is_contiguous()
     if not gather and not src.is_contiguous():
@@ -104,6 +107,9 @@ class BlockSwapper:
     def __init__(self, cache: torch.Tensor, num_cpu_blocks: int, staging_bytes: int = 128 << 20,
                  pin_memory: bool | None = None) -> None:
         self.device = cache.device
+        # An fp8 cache moves as its bytes (uint8): the same copies, and CPU index kernels that
+        # have no float8 version work on it.
+        cache = byte_view(cache)
         self.gpu = block_major(cache)
         block_shape = tuple(self.gpu.shape[1:])
         self.bytes_per_block = self.gpu[0].numel() * cache.element_size()

@@ -131,7 +131,7 @@ def _explain(err: dict[str, Any], cls: type[BaseSettings], flags: dict[str, str]
 
 # Quantization methods and KV cache dtypes the engine implements (the quantization work extends these).
 SUPPORTED_QUANTIZATION: tuple[str, ...] = ("fp8", "gptq", "awq", "compressed-tensors")  # engine/quant/config.py
-SUPPORTED_KV_CACHE_DTYPES: tuple[str, ...] = ("auto",)
+SUPPORTED_KV_CACHE_DTYPES: tuple[str, ...] = ("auto", "fp8", "fp8_e4m3")  # engine/kv/cache.py
 
 SPECULATIVE_KEYS = {"method": "speculative_method", "num_speculative_tokens": "num_speculative_tokens",
                     "prompt_lookup_max": "prompt_lookup_max", "prompt_lookup_min": "prompt_lookup_min"}
@@ -277,7 +277,9 @@ class EngineSettings(_KilnSettings):
     quantization: str | None = Field(
         None, description="fp8: quantise a full-precision checkpoint's linear layers at load (per-channel "
                           "scales); default: the checkpoint's own quantization_config (gptq, awq, compressed-tensors)")
-    kv_cache_dtype: str = Field("auto", description="KV cache element type (auto: the model dtype)")
+    kv_cache_dtype: str = Field(
+        "auto", description="KV cache element type: auto (the model dtype), or fp8 / fp8_e4m3 (1-byte e4m3 with "
+        "per-layer K/V scales from the checkpoint, else 1.0 or calculate_kv_scales): twice the blocks of bf16")
     generation_config: str = Field(
         "auto", description="auto: sampling defaults and extra EOS ids from the model's generation_config.json; "
         "vllm: ignore it; or a folder holding one")
@@ -295,6 +297,9 @@ class EngineSettings(_KilnSettings):
         False, description="GGUF files: dequantise every tensor to the model dtype at load (default: Q4_0/Q4_1 "
         "linear layers of a bf16 model stay int4 in torch's packed layout, Q8_0 ones int8; K-quants are "
         "dequantised either way)")
+    calculate_kv_scales: bool = Field(
+        False, description="fp8 KV cache: set each layer's K/V scales from the first prompt it sees (amax / 448), "
+        "instead of the checkpoint's (or 1.0)")
 
     @field_validator("block_size")
     @classmethod
@@ -338,6 +343,9 @@ class EngineSettings(_KilnSettings):
     @field_validator("kv_cache_dtype")
     @classmethod
     def _known_kv_dtype(cls, v: str) -> str:
+        if v == "fp8_e5m2":
+            raise ValueError("kv_cache_dtype 'fp8_e5m2' is not supported: kiln's fp8 KV cache is e4m3 with "
+                             "per-layer scales; use fp8 (= fp8_e4m3)")
         if v not in SUPPORTED_KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype {v!r} is not supported yet (supported: "
                              f"{', '.join(SUPPORTED_KV_CACHE_DTYPES)})")
@@ -432,7 +440,8 @@ class EngineSettings(_KilnSettings):
             return self
         refused = [name for name, on in (("enable_lora", self.enable_lora),
                                          ("quantization", self.quantization is not None),
-                                         ("cpu_compile_forward", self.cpu_compile_forward)) if on]
+                                         ("cpu_compile_forward", self.cpu_compile_forward),
+                                         ("kv_cache_dtype", self.kv_cache_dtype != "auto")) if on]
         if refused:
             raise ValueError(f"tensor_parallel_size={tp}: {', '.join(refused)} is not supported with tensor "
                              "parallelism yet (use tensor_parallel_size=1)")

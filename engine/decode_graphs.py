@@ -41,7 +41,7 @@ class DecodeGraphRunner:
         self.device_reads_lengths = device_reads_lengths
         max_rows = self.max_batch
         self.tokens = torch.zeros(max_rows, dtype=torch.int64, device=runner.device)
-        self.hidden = torch.zeros(max_rows, runner.model.config.hidden_size, dtype=runner.kv_cache.tensor.dtype,
+        self.hidden = torch.zeros(max_rows, runner.model.config.hidden_size, dtype=runner.kv_cache.model_dtype,
                                   device=runner.device)
         self.graphs = (SimulatedGraphSet if simulate else CudaGraphSet)(self._body, runner.device)
         self.num_replays = 0

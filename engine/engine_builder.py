@@ -20,7 +20,8 @@ from engine.config import EngineSettings, export_compile_cache_dir
 from engine.cpu_threads import apply_cpu_threads
 from engine.generation_config import load_generation_defaults
 from engine.kv.block_pool import BlockPool
-from engine.kv.cache import KVCache
+from engine.kv.cache import KVCache, KVScales, resolve_kv_cache_dtype
+from engine.kv.scales import read_kv_scales
 from engine.kv.swap import SwapSpace
 from engine.lora import make_lora_manager
 from engine.models.config import ModelConfig
@@ -112,6 +113,7 @@ class EngineBuilder:
         self.device = resolve_device(settings.device)
         self.cpu_threads = apply_cpu_threads(self._cpu_threads(), settings.cpu_bind)
         self.dtype = resolve_dtype(settings.dtype, self.model_config, self.device)
+        self.kv_dtype = resolve_kv_cache_dtype(settings.kv_cache_dtype, self.dtype)
         self.max_model_len = self._resolve_max_model_len()
         self.async_scheduling = settings.resolved_async_scheduling(self.device.type)
         self._load_tokenizer()
@@ -138,14 +140,16 @@ class EngineBuilder:
             block_size=settings.block_size, kernel_cache_dir=settings.resolved_kernel_cache_dir(),
             compile=not settings.enforce_eager, decode_kernel=settings.decode_kernel,
             prefill_kernel=settings.prefill_kernel,
-            windowed_or_capped=any(self.model_config.layer_windows) or self.model_config.attn_softcap > 0))
+            windowed_or_capped=any(self.model_config.layer_windows) or self.model_config.attn_softcap > 0,
+            kv_cache_dtype=self.kv_dtype if self.kv_dtype != self.dtype else None))
         self.model.set_backend(self.backend)
         if self.executor is not None:
             self.model = self.executor.wrap_model(self.model)
         with _Phase("sizing the KV cache" + (" (profiling a forward)" if self.device.type == "cuda" else "")):
             self.num_blocks = self._num_kv_blocks()
         self.kv_cache = KVCache(cfg.num_layers, self.num_blocks, settings.block_size, self._kv_heads(),
-                                cfg.head_dim, self.dtype, self.device)
+                                cfg.head_dim, self.kv_dtype, self.device, model_dtype=self.dtype)
+        self._set_kv_scales()
         self.pool = BlockPool(self.num_blocks, settings.block_size, settings.enable_prefix_caching)
         max_tokens_per_seq = self.pool.num_usable * settings.block_size
         if self.max_model_len > max_tokens_per_seq:
@@ -230,6 +234,26 @@ class EngineBuilder:
                 capture_s = self.runner.capture_graphs(sizes, device_reads_lengths=reads_lengths)
         return compile_s, capture_s
 
+    def _set_kv_scales(self) -> None:
+        """An fp8 cache's K/V scales: calibrated on the first prompt (calculate_kv_scales), else the
+        checkpoint's k_scale / v_scale, else 1.0; handed to the attention backend."""
+        s, cache = self.settings, self.kv_cache
+        if cache.scales is None:
+            if s.calculate_kv_scales:
+                logger.warning("calculate_kv_scales applies to an fp8 KV cache only (kv_cache_dtype=fp8): ignored")
+            return
+        from engine.models.loader import safetensors_files
+
+        found = None
+        if self.model_dir.is_dir() and s.load_format != "dummy" and any(self.model_dir.glob("*.safetensors")):
+            found = read_kv_scales(safetensors_files(self.model_dir), self.model_config.num_layers)
+        if found is not None:
+            cache.set_scales(found)
+        source = ("calibrated on the first prompt (calculate_kv_scales)" if s.calculate_kv_scales
+                  else "from the checkpoint" if found is not None else "1.0 (the checkpoint has none)")
+        logger.info("KV cache: fp8 e4m3, %d blocks, K/V scales %s", self.num_blocks, source)
+        self.backend.use_kv_scales(KVScales(cache.scales, calibrate=s.calculate_kv_scales))
+
     def _make_proposer(self) -> NgramProposer | None:
         s = self.settings
         if s.speculative_method is None:
@@ -247,7 +271,7 @@ class EngineBuilder:
             return None
         cfg = self.model_config
         per_block = KVCache.bytes_per_block(cfg.num_layers, s.block_size, self._kv_heads(), cfg.head_dim,
-                                            self.dtype)
+                                            self.kv_dtype)
         num_cpu = int(s.swap_space_gb * (1 << 30) // per_block)
         if num_cpu < 1:
             logger.warning("swap_space_gb=%s holds no KV block of %d bytes: preempting by recompute only",
@@ -301,8 +325,9 @@ class EngineBuilder:
     def _num_kv_blocks(self) -> int:
         s = self.settings
         cfg = self.model_config
+        # The cache's element size: an fp8 cache holds twice the blocks of bf16 (four times fp32's).
         per_block = KVCache.bytes_per_block(cfg.num_layers, s.block_size, self._kv_heads(), cfg.head_dim,
-                                            self.dtype)
+                                            self.kv_dtype)
         if s.num_gpu_blocks is not None:
             blocks = s.num_gpu_blocks + 1  # plus the null block
         elif self.device.type == "cpu":
@@ -321,7 +346,7 @@ class EngineBuilder:
         n = self._token_budget()
         cfg = self.model_config
         dummy = KVCache(cfg.num_layers, 2, self.settings.block_size, self._kv_heads(), cfg.head_dim,
-                        self.dtype, self.device)
+                        self.kv_dtype, self.device, model_dtype=self.dtype)
         from engine.attention.base import AttentionMetadata
 
         ids = torch.zeros(n, dtype=torch.int64, device=self.device)

@@ -2,6 +2,7 @@
 // so the content hash of a variant covers this text too).
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
+#include <cuda_fp8.h>
 #include <stdint.h>
 
 namespace kiln {
@@ -51,6 +52,56 @@ __device__ __forceinline__ uint4 ld_stream16(const void* p) {
   asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];\n"
                : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
                : "l"(p));
+  return r;
+}
+
+// ---- fp8 (e4m3) KV cache: 8 elements = 8 bytes (one uint2) ---------------------------------
+
+// 8 e4m3 bytes -> 8 floats (exact: every e4m3 value is a half).
+__device__ __forceinline__ void unpack8_e4m3(const uint2& v, float (&f)[8]) {
+  const uint32_t w[2] = {v.x, v.y};
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+      const __half2_raw hr = __nv_cvt_fp8x2_to_halfraw2((__nv_fp8x2_storage_t)(w[i] >> (16 * j)), __NV_E4M3);
+      const float2 p = __half22float2(*reinterpret_cast<const __half2*>(&hr));
+      f[4 * i + 2 * j] = p.x;
+      f[4 * i + 2 * j + 1] = p.y;
+    }
+  }
+}
+
+// 8 e4m3 bytes -> 8 packed 16-bit elements (one 16-byte vector, exact), for tile loads into
+// shared memory that tensor-core code reads as bf16/fp16.
+template <typename T>
+__device__ __forceinline__ uint4 e4m3x8_to16(const uint2& v) {
+  float f[8];
+  unpack8_e4m3(v, f);
+  return make_uint4(pack2(f[0], f[1], T()), pack2(f[2], f[3], T()), pack2(f[4], f[5], T()), pack2(f[6], f[7], T()));
+}
+
+// 8 floats -> 8 e4m3 bytes: x / scale rounded to nearest even, saturated to +-448 (NaN stays NaN),
+// as compiler/kv_quant.py quantize_fp8. IEEE division (__fdiv_rn) so the bytes match torch's.
+__device__ __forceinline__ uint2 pack8_e4m3(const float (&f)[8], float scale) {
+  uint32_t w[2];
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    uint32_t word = 0;
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+      const float2 p = make_float2(__fdiv_rn(f[4 * i + 2 * j], scale), __fdiv_rn(f[4 * i + 2 * j + 1], scale));
+      word |= (uint32_t)__nv_cvt_float2_to_fp8x2(p, __NV_SATFINITE, __NV_E4M3) << (16 * j);
+    }
+    w[i] = word;
+  }
+  return make_uint2(w[0], w[1]);
+}
+
+// Streaming 8-byte read-only load (an fp8 lane's 8 KV elements).
+__device__ __forceinline__ uint2 ld_stream8(const void* p) {
+  uint2 r;
+  asm volatile("ld.global.nc.L1::no_allocate.v2.u32 {%0, %1}, [%2];\n" : "=r"(r.x), "=r"(r.y) : "l"(p));
   return r;
 }
 

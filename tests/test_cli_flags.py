@@ -102,7 +102,8 @@ def test_speculative_config_sets_the_speculative_settings():
 @pytest.mark.parametrize("args, message", [
     (["-tp", "2", "--enable-lora"], "enable_lora is not supported with tensor parallelism"),
     (["--quantization", "bitsandbytes"], "not supported yet"),
-    (["--kv-cache-dtype", "fp8"], "not supported yet"),
+    (["--kv-cache-dtype", "fp8_e5m2"], "not supported: kiln.s fp8 KV cache is e4m3"),
+    (["--kv-cache-dtype", "int8"], "not supported yet"),
     (["--ssl-keyfile", "/k.pem"], "give both"),
 ])
 def test_unsupported_values_are_clear_errors(args, message):

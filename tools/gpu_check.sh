@@ -171,14 +171,15 @@ stage_tests() {
   # poisons only its own CUDA context), and the engine-level GPU tests split so that each cold
   # compile-and-capture cycle (graph replay vs eager, per backend and kernel generation) has a
   # process of its own.
-  local pids=() names=(kernels graph-cutlass graph-cutlass-v2 graph-torch e2e swap) rc=0 r i
+  local pids=() names=(kernels graph-cutlass graph-cutlass-v2 graph-torch e2e swap fp8kv) rc=0 r i
   local args=(
     "-n 6 --timeout 120 tests/test_kernels_gpu.py"
     "-m gpu --timeout 180 tests/test_cuda_graph.py -k cutlass_v1"
     "-m gpu --timeout 180 tests/test_cuda_graph.py -k cutlass_v2"
     "-m gpu --timeout 180 tests/test_cuda_graph.py -k torch"
     "-m gpu --timeout 150 tests/test_e2e_gpu.py"
-    "-m gpu --timeout 150 tests/test_swap.py")
+    "-m gpu --timeout 150 tests/test_swap.py"
+    "-m gpu --timeout 150 tests/test_fp8_kv_gpu.py")
   for i in "${!names[@]}"; do
     # shellcheck disable=SC2086  # the argument strings split on purpose
     timeout "$LIMIT" $PY -m pytest -q -p no:cacheprovider ${args[$i]} --junitxml="$WORK/tests-${names[$i]}.xml" \

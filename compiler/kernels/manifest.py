@@ -12,8 +12,10 @@ MANIFEST_PATH = TEMPLATES_DIR / "manifest.toml"
 
 DTYPE_CPP = {"bf16": "__nv_bfloat16", "fp16": "__half"}
 # Parameters a manifest entry may list, in the order they appear in a variant's name.
-_PARAM_ORDER = ("dtype", "head_dim", "block_size")
-_NAME_PREFIX = {"dtype": "", "head_dim": "d", "block_size": "b"}
+_PARAM_ORDER = ("dtype", "head_dim", "block_size", "kv_dtype")
+_NAME_PREFIX = {"dtype": "", "head_dim": "d", "block_size": "b", "kv_dtype": "kv"}
+# KV cache element types other than the model's (`kv_dtype`; absent: the cache holds `dtype`).
+KV_DTYPES = ("fp8",)
 # Template constants that are not part of the variant's name.
 DEFAULT_CONSTANTS = {"min_partition": 128}
 # paged_decode_v2: minimum resident CTAs per SM (__launch_bounds__ hint) per packed group width.
@@ -74,6 +76,7 @@ class Variant:
         ctx["kind"] = self.kind
         if "dtype" in ctx:
             ctx["dtype_cpp"] = DTYPE_CPP[ctx["dtype"]]
+        ctx["kv_fp8"] = ctx.get("kv_dtype") == "fp8"  # e4m3 cache elements, per-layer scales
         return ctx
 
 
@@ -106,6 +109,8 @@ def load_manifest(path: Path | None = None) -> dict[str, Variant]:
             params = dict(zip(keys, combo))
             if "dtype" in params and params["dtype"] not in DTYPE_CPP:
                 raise ManifestError(f"{path}: kernel {kind!r}: unknown dtype {params['dtype']!r}")
+            if "kv_dtype" in params and params["kv_dtype"] not in KV_DTYPES:
+                raise ManifestError(f"{path}: kernel {kind!r}: unknown kv_dtype {params['kv_dtype']!r}")
             name = variant_name(kind, params)
             if name in variants:
                 raise ManifestError(f"{path}: duplicate variant {name!r}")
@@ -163,11 +168,22 @@ DECODE_KERNELS = {"v1": "paged_decode", "v2": "paged_decode_v2"}
 PREFILL_KERNELS = {"mma": "flash_prefill", "wgmma": "flash_prefill_wgmma"}
 
 
+def kv_dtype_tag(kv_dtype) -> str | None:
+    """The manifest's kv_dtype of a KV cache element type (None: the model's own dtype)."""
+    if kv_dtype is None:
+        return None
+    if str(kv_dtype).endswith("float8_e4m3fn"):
+        return "fp8"
+    raise ValueError(f"kiln kernels support an fp8 (e4m3) KV cache or the model's dtype, not {kv_dtype}")
+
+
 def attention_variant_names(dtype, head_dim: int, block_size: int, decode_kernel: str | None = None,
-                            prefill_kernel: str | None = None) -> dict[str, str]:
+                            prefill_kernel: str | None = None, kv_dtype=None) -> dict[str, str]:
     """{kind: variant name} of the kernels one model shape needs: write_kv plus the selected decode
-    (v1/v2) and prefill (mma/wgmma) generations; None selects every generation (what a build covers)."""
+    (v1/v2) and prefill (mma/wgmma) generations; None selects every generation (what a build covers).
+    kv_dtype: the KV cache's element type when it is not `dtype` (torch.float8_e4m3fn)."""
     t = dtype_tag(dtype)
+    kv = kv_dtype_tag(kv_dtype)
     kinds = ["write_kv"]
     for choice, table, what in ((decode_kernel, DECODE_KERNELS, "decode_kernel"),
                                 (prefill_kernel, PREFILL_KERNELS, "prefill_kernel")):
@@ -175,4 +191,5 @@ def attention_variant_names(dtype, head_dim: int, block_size: int, decode_kernel
             raise ValueError(f"{what}: unknown value {choice!r} (expected one of {', '.join(table)})")
         kinds += list(table.values()) if choice is None else [table[choice]]
     shape = {"dtype": t, "head_dim": head_dim, "block_size": block_size}
-    return {k: variant_name(k, {"dtype": t} if k == "write_kv" else shape) for k in kinds}
+    extra = {} if kv is None else {"kv_dtype": kv}
+    return {k: variant_name(k, {"dtype": t, **extra} if k == "write_kv" else {**shape, **extra}) for k in kinds}

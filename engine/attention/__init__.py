@@ -33,6 +33,8 @@ class BackendSpec:
     prefill_kernel: str = "mma"  # cutlass prefill generation (EngineSettings.prefill_kernel)
     # The model has sliding-window or soft-capped attention layers, which kiln's kernels do not do.
     windowed_or_capped: bool = False
+    # The KV cache's element type when it differs from `dtype` (kv_cache_dtype = fp8); None: dtype.
+    kv_cache_dtype: torch.dtype | None = None
 
 
 def get_attention_backend(name: str, spec: BackendSpec) -> AttentionBackend:

@@ -48,3 +48,7 @@ class AttentionBackend(Protocol):
         sliding_window > 0: each query sees only the last `sliding_window` positions.
         softcap > 0: scores are softcap * tanh(scores / softcap) (Gemma 2)."""
         ...
+
+    def use_kv_scales(self, kv_scales) -> None:
+        """An fp8 KV cache's scales (engine/kv/cache.py KVScales; None: scale 1)."""
+        ...

@@ -13,6 +13,7 @@ import torch
 
 from engine.attention import BackendSpec
 from engine.attention.base import AttentionMetadata
+from engine.kv.cache import KVScales
 
 KERNEL_ARCH = (9, 0)  # the cubins are built for sm_90a and carry no PTX for other GPUs
 
@@ -21,7 +22,7 @@ def _required(spec: BackendSpec) -> list[str]:
     from compiler.kernels.manifest import attention_variant_names
 
     return list(attention_variant_names(spec.dtype, spec.head_dim, spec.block_size, spec.decode_kernel,
-                                        spec.prefill_kernel).values())
+                                        spec.prefill_kernel, spec.kv_cache_dtype).values())
 
 
 def _capability(device: torch.device) -> tuple[int, int]:
@@ -77,12 +78,18 @@ class CutlassAttentionBackend:
         # Raises MissingKernelError (naming `kiln build-kernels --variants ...`) if not built.
         self.kernels = AttentionKernels(spec.kernel_cache_dir, spec.device, spec.dtype, spec.head_dim,
                                         spec.block_size, decode_kernel=spec.decode_kernel,
-                                        prefill_kernel=spec.prefill_kernel)
+                                        prefill_kernel=spec.prefill_kernel, kv_dtype=spec.kv_cache_dtype)
         self.handle = self.kernels.handle
+        self.kv_scales: KVScales | None = None
+
+    def use_kv_scales(self, kv_scales: KVScales | None) -> None:
+        """An fp8 cache's scales (None: an fp8 cache is read and written with scale 1)."""
+        self.kv_scales = kv_scales
 
     def forward(self, q, k, v, kv_cache, layer: int, meta: AttentionMetadata, scale: float,
                 sliding_window: int = 0, softcap: float = 0.0) -> torch.Tensor:
-        torch.ops.kiln.write_kv_cutlass(k, v, kv_cache, layer, meta.slot_mapping, self.handle)
+        scales = None if self.kv_scales is None else self.kv_scales.before_write(k, v, layer, meta.slot_mapping)
+        torch.ops.kiln.write_kv_cutlass(k, v, kv_cache, layer, meta.slot_mapping, self.handle, scales)
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         if sliding_window > 0 or softcap > 0:
             # kiln's kernels attend the whole context, uncapped: the reference op masks and caps,
@@ -93,10 +100,10 @@ class CutlassAttentionBackend:
                                  "BackendSpec did not declare windowed_or_capped; use attention_backend=torch")
             torch.ops.kiln.paged_attention(out, q, kv_cache, layer, meta.query_start_loc, meta.seq_lens,
                                            meta.block_tables, scale, meta.max_query_len, meta.max_seq_len,
-                                           meta.num_decodes, sliding_window, softcap)
+                                           meta.num_decodes, sliding_window, softcap, scales)
             return out
         torch.ops.kiln.paged_attention_cutlass(
             out, q, kv_cache, layer, meta.query_start_loc, meta.seq_lens, meta.block_tables,
-            scale, meta.max_query_len, meta.max_seq_len, meta.num_decodes, self.handle,
+            scale, meta.max_query_len, meta.max_seq_len, meta.num_decodes, self.handle, scales,
         )
         return out

@@ -12,6 +12,7 @@ import torch
 from safetensors import safe_open
 
 from engine.distributed.parallel import TensorParallel, first_kv_head, local_heads, vocab_rows_per_rank
+from engine.kv.scales import is_kv_scale_name
 from engine.models.config import ModelConfig
 from engine.models.glm import hf_weight_name
 from engine.models.llama import LlamaForCausalLM
@@ -78,6 +79,8 @@ def _target(model: LlamaForCausalLM, hf_name: str) -> tuple[str, Index | None] |
         return "norm.weight", None
     if hf_name == "lm_head.weight":
         return ("lm_head.weight", None) if model.lm_head is not None else None
+    if is_kv_scale_name(hf_name):
+        return None  # the KV cache's scales (engine/kv/scales.py), not a layer's weight
     m = _LAYER.match(hf_name)
     if not m:
         return None

@@ -142,7 +142,7 @@ class EngineMetrics:
         """kiln:cache_config_info from the engine's settings and sizing (once)."""
         s = engine.settings
         swap = getattr(engine, "swap_space", None)
-        values = {"block_size": s.block_size, "cache_dtype": getattr(s, "kv_cache_dtype", "auto"),
+        values = {"block_size": s.block_size, "cache_dtype": s.kv_cache_dtype,
                   "enable_prefix_caching": s.enable_prefix_caching,
                   "gpu_memory_utilization": s.gpu_memory_utilization, "num_gpu_blocks": engine.pool.num_usable,
                   "num_gpu_blocks_override": s.num_gpu_blocks, "swap_space": s.swap_space_gb,
