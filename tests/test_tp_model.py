@@ -78,6 +78,10 @@ def _rank_main(rank: int, world: int, init_method: str, models: dict[str, str], 
         torch.save({"logits": logits, "tokens": tokens,
                     "shapes": {n: tuple(p.shape) for n, p in model.named_parameters()}},
                    Path(out_dir) / f"{name}-{rank}.pt")
+    # Both ranks are done with every collective before either tears gloo down: a rank that exits
+    # while its peer's gloo threads still talk to it can abort ("terminate called without an
+    # active exception").
+    torch.distributed.barrier()
     torch.distributed.destroy_process_group()
 
 
