@@ -280,3 +280,19 @@ def test_step_codec_round_trip():
             assert got.dtype == want.dtype and torch.equal(got, want), name
         assert (got_meta.max_query_len, got_meta.max_seq_len, got_meta.num_decodes) == (tokens - 2, tokens + 4, 0)
         assert torch.equal(payload.take((2, 8), torch.float32), hidden)  # a float part after the ints
+
+
+def test_bench_throughput_tensor_parallel_prints_the_ratio(tiny_llama):
+    """`kiln bench throughput --tensor-parallel-size 2` runs TP 1 and TP 2 and prints their ratio and
+    the collectives per step (its own process: one TP engine per process)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    out = subprocess.run([sys.executable, "-m", "engine.cli", "bench", "throughput", "--tensor-parallel-size", "2",
+                          "--model", str(tiny_llama), "--device", "cpu", "--num-prompts", "8", "--input-len", "8,32",
+                          "--output-len", "4,8"], cwd=Path(__file__).resolve().parents[1], capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+    assert "ratio tensor_parallel_size 2 / 1 (median tok/s):" in out.stdout, out.stdout[-2000:]
+    assert "all_reduce:" in out.stdout and "calls per step" in out.stdout

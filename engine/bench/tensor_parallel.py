@@ -77,11 +77,11 @@ def compare(settings, reqs, run_kiln: Callable) -> dict[str, Any]:
                 if llm.engine.device.type == "cpu":  # the thread count is per process: each engine's own
                     torch.set_num_threads(llm.engine.cpu_threads.threads)
                 if tp == 1:
-                    seconds, tokens = run_kiln(llm, reqs)
+                    seconds, tokens, _ = run_kiln(llm, reqs)
                 else:
                     sent0, send0 = dict(executor.sent), executor.send_seconds
                     with timed_collectives(stats):
-                        seconds, tokens = run_kiln(llm, reqs)
+                        seconds, tokens, _ = run_kiln(llm, reqs)
                     steps += executor.sent[codec.OP_FORWARD] - sent0.get(codec.OP_FORWARD, 0)
                     messages += sum(executor.sent.values()) - sum(sent0.values())
                     send_s += executor.send_seconds - send0
