@@ -30,13 +30,14 @@ import queue
 import threading
 import time
 import uuid
-from dataclasses import dataclass
-from typing import Any, AsyncIterator, Callable, Protocol
+from typing import Any, AsyncIterator, Callable
 
 from engine.engine_info import EngineInfo, EngineStatus
 from engine.llm_engine import LLMEngine
 from engine.output_processor import TextProcessor
 from engine.request import InvalidRequestError, LoRARequest, PoolingParams, RequestOutput, SamplingParams
+from engine.engine_inbox import (EngineDeadError, QueueFullError, StepListener, _Abort, _Add, _Call, _FinishSeq,
+                                 _settle)
 from engine.request_stream import LoopMailbox, RequestStream
 
 logger = logging.getLogger(__name__)
@@ -53,57 +54,6 @@ MAX_PENDING_STEPS = 64
 
 # After a tensor-parallel worker died, how long the step thread gets to fail on its own.
 WORKER_DEATH_GRACE_S = 2.0
-
-
-class EngineDeadError(RuntimeError):
-    """The step loop has stopped (crashed or shut down); no request can be served."""
-
-
-class QueueFullError(RuntimeError):
-    """The waiting queue is at its limit (max_waiting_requests)."""
-
-
-class StepListener(Protocol):
-    """Called from the step thread: metrics and stats logging hook in here."""
-
-    def on_step(self, engine: LLMEngine, outputs: list[RequestOutput], now: float) -> None:
-        """After every loop iteration (also idle ones, about once a second): `outputs` are the
-        requests that advanced or were aborted in it."""
-
-
-@dataclass
-class _Add:
-    prompt: str | list[int]
-    params: SamplingParams
-    request_id: str
-    priority: int
-    arrival_time: float
-    stream: "RequestStream"
-    lora_request: LoRARequest | None = None
-    pooling: PoolingParams | None = None
-
-
-@dataclass
-class _Abort:
-    request_id: str
-
-
-@dataclass
-class _FinishSeq:
-    """The output thread found a stop string: finish that sequence in the engine."""
-
-    request_id: str
-    index: int
-    stop: int | str | None
-
-
-@dataclass
-class _Call:
-    """Run fn(engine) on the step thread, between steps; the result goes to `future`."""
-
-    fn: Callable[[LLMEngine], Any]
-    future: asyncio.Future
-    loop: asyncio.AbstractEventLoop
 
 
 class AsyncEngine:
@@ -516,17 +466,3 @@ class AsyncEngine:
                 self._post(item.stream, item.stream._fail, err)
             elif isinstance(item, _Call):
                 _settle(item, None, err)
-
-
-def _settle(call: _Call, result: Any, error: BaseException | None) -> None:
-    """Hand a _Call's outcome to its caller's loop (nothing if the caller gave up or the loop closed)."""
-    def done() -> None:
-        if not call.future.done():
-            if error is not None:
-                call.future.set_exception(error)
-            else:
-                call.future.set_result(result)
-    try:
-        call.loop.call_soon_threadsafe(done)
-    except RuntimeError:
-        pass

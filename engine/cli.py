@@ -76,7 +76,7 @@ def _cmd_build_kernels(argv: list[str]) -> int:
     """Kernels go where `kiln serve` looks: --cache-dir is kiln's cache root (KILN_CACHE_DIR, as for
     every command) and the kernels its kernels/ folder, unless --kernel-cache-dir names another."""
     from compiler.kernels import cli as kernels_cli
-    from engine.config import EngineSettings, build_settings
+    from engine.config import EngineSettings
 
     pre = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
     pre.add_argument("--cache-dir", dest=DEST_PREFIX + "cache_dir", default=argparse.SUPPRESS)

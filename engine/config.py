@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from engine.setting_values import DTYPE_ALIASES, did_you_mean, json_value, parse_human_int, word_list
-from pydantic import Field, ValidationError, field_validator, model_validator
+from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, InitSettingsSource, PydanticBaseSettingsSource, SettingsConfigDict
 
 
@@ -98,35 +98,6 @@ def setting_source(name: str, flags: dict[str, str] | None = None) -> str:
     if found is not None and name in found[1]:
         return f"{found[0]}:{_config_line(found[2], name) or '?'}"
     return "a keyword argument" if flags is None else "the default"
-
-
-def build_settings(cls: type[BaseSettings], values: dict[str, Any], flags: dict[str, str] | None = None):
-    """cls(**values), with each validation error turned into one line naming the setting, its
-    value, where that came from (flag / KILN_X / kiln.toml:LINE) and what is allowed."""
-    from pydantic_settings import SettingsError as SourceError
-
-    try:
-        return cls(**values)
-    except ValidationError as exc:
-        raise SettingsError("\n".join(_explain(err, cls, flags) for err in exc.errors())) from None
-    except SourceError as exc:  # a KILN_* value the environment source could not read
-        raise SettingsError(str(exc)) from None
-
-
-def _explain(err: dict[str, Any], cls: type[BaseSettings], flags: dict[str, str] | None) -> str:
-    loc = [str(part) for part in err.get("loc", ())]
-    msg = err.get("msg", "invalid").removeprefix("Value error, ")
-    if not loc:  # a rule over several settings
-        return f"settings: {msg}"
-    name = loc[0]
-    if err.get("type") == "extra_forbidden":
-        return f"unknown setting {name!r}{did_you_mean(name, cls.model_fields)}"
-    value = err.get("input")
-    allowed = ""
-    ctx = err.get("ctx") or {}
-    if "expected" in ctx and str(ctx["expected"]) not in msg:
-        allowed = f" (allowed: {ctx['expected']})"
-    return f"{name} = {value!r} (from {setting_source(name, flags)}): {msg}{allowed}"
 
 
 # Quantization methods and KV cache dtypes the engine implements (the quantization work extends these).

@@ -17,7 +17,8 @@ import typing
 from pathlib import Path
 from typing import Any
 
-from engine.config import EngineSettings, ServerSettings, SettingsError, build_settings, did_you_mean
+from engine.config import EngineSettings, ServerSettings, SettingsError, did_you_mean
+from engine.setting_errors import build_settings
 
 logger = logging.getLogger("engine.flags")
 

@@ -1,0 +1,80 @@
+"""What the step thread's inbox carries (engine/async_engine.py): requests to add or abort, stop
+strings the output thread found, calls to run between steps; and the errors and listener hook
+AsyncEngine's callers see."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable, Protocol
+
+from engine.request import LoRARequest, PoolingParams, RequestOutput, SamplingParams
+
+if TYPE_CHECKING:
+    from engine.llm_engine import LLMEngine
+    from engine.request_stream import RequestStream
+
+
+class EngineDeadError(RuntimeError):
+    """The step loop has stopped (crashed or shut down); no request can be served."""
+
+
+class QueueFullError(RuntimeError):
+    """The waiting queue is at its limit (max_waiting_requests)."""
+
+
+class StepListener(Protocol):
+    """Called from the step thread: metrics and stats logging hook in here."""
+
+    def on_step(self, engine: LLMEngine, outputs: list[RequestOutput], now: float) -> None:
+        """After every loop iteration (also idle ones, about once a second): `outputs` are the
+        requests that advanced or were aborted in it."""
+
+
+@dataclass
+class _Add:
+    prompt: str | list[int]
+    params: SamplingParams
+    request_id: str
+    priority: int
+    arrival_time: float
+    stream: "RequestStream"
+    lora_request: LoRARequest | None = None
+    pooling: PoolingParams | None = None
+
+
+@dataclass
+class _Abort:
+    request_id: str
+
+
+@dataclass
+class _FinishSeq:
+    """The output thread found a stop string: finish that sequence in the engine."""
+
+    request_id: str
+    index: int
+    stop: int | str | None
+
+
+@dataclass
+class _Call:
+    """Run fn(engine) on the step thread, between steps; the result goes to `future`."""
+
+    fn: Callable[[LLMEngine], Any]
+    future: asyncio.Future
+    loop: asyncio.AbstractEventLoop
+
+
+def _settle(call: _Call, result: Any, error: BaseException | None) -> None:
+    """Hand a _Call's outcome to its caller's loop (nothing if the caller gave up or the loop closed)."""
+    def done() -> None:
+        if not call.future.done():
+            if error is not None:
+                call.future.set_exception(error)
+            else:
+                call.future.set_result(result)
+    try:
+        call.loop.call_soon_threadsafe(done)
+    except RuntimeError:
+        pass
