@@ -275,7 +275,7 @@ def startup(settings: dict[str, Any]) -> list[float]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from engine.cli import add_settings_flags
+    from engine.flags import add_settings_flags
 
     p = argparse.ArgumentParser(prog="kiln bench cpu", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -298,7 +298,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str]) -> int:
-    from engine.cli import settings_from_args
+    from engine.flags import settings_from_args
     from engine.cpu_threads import available_cores, plan_threads
     from engine.llm_engine import LLMEngine
 

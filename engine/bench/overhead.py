@@ -123,7 +123,7 @@ def measure(engine, totals: dict[str, float], batch: int, steps: int, overlap: b
 
 
 def main(argv: list[str]) -> int:
-    from engine.cli import add_settings_flags, settings_from_args
+    from engine.flags import add_settings_flags, settings_from_args
 
     parser = argparse.ArgumentParser(prog="kiln bench overhead", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
