@@ -15,8 +15,8 @@ from pathlib import Path
 
 from engine.request import InvalidRequestError
 
-_DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1,
-                "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1}
+SAFETENSORS_DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1,
+                           "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1}  # bytes per element, by safetensors dtype name
 _MAX_HEADER = 100 << 20
 
 
@@ -71,14 +71,14 @@ def check_safetensors(file: Path) -> None:
         if not isinstance(entry, dict):
             raise _bad(file, f"is corrupt: tensor {name!r} has no description")
         dtype, shape, offsets = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
-        if dtype not in _DTYPE_BYTES:
+        if dtype not in SAFETENSORS_DTYPE_BYTES:
             raise _bad(file, f"is corrupt: tensor {name!r} has an unknown dtype {dtype!r}")
         if not isinstance(shape, list) or not all(isinstance(d, int) and d >= 0 for d in shape):
             raise _bad(file, f"is corrupt: tensor {name!r} has a malformed shape")
         if (not isinstance(offsets, list) or len(offsets) != 2 or not all(isinstance(o, int) for o in offsets)
                 or not 0 <= offsets[0] <= offsets[1] <= data):
             raise _bad(file, f"is corrupt: tensor {name!r} lies outside the file")
-        if offsets[1] - offsets[0] != math.prod(shape) * _DTYPE_BYTES[dtype]:
+        if offsets[1] - offsets[0] != math.prod(shape) * SAFETENSORS_DTYPE_BYTES[dtype]:
             raise _bad(file, f"is corrupt: tensor {name!r}'s size does not match its shape")
 
 

@@ -13,6 +13,7 @@ from safetensors import safe_open
 
 from engine.distributed.parallel import TensorParallel, first_kv_head, local_heads, vocab_rows_per_rank
 from engine.kv.scales import is_kv_scale_name
+from engine.lora_validate import SAFETENSORS_DTYPE_BYTES
 from engine.models.config import ModelConfig
 from engine.models.glm import hf_weight_name
 from engine.models.llama import LlamaForCausalLM
@@ -313,10 +314,6 @@ class _Filler:
                              f"{' ...' if len(missing) > 5 else ''}")
 
 
-_DTYPE_BYTES = {"F64": 8, "I64": 8, "F32": 4, "I32": 4, "F16": 2, "BF16": 2, "I16": 2, "I8": 1, "U8": 1,
-                "F8_E4M3": 1, "F8_E5M2": 1, "BOOL": 1}  # safetensors' dtype names
-
-
 @torch.no_grad()
 def _load_safetensors(model: LlamaForCausalLM, model_dir: Path, quant: QuantConfig | None = None) -> None:
     """quant: the checkpoint's quantisation (its quantised layers are filled by engine/quant first)."""
@@ -342,7 +339,7 @@ def _load_safetensors(model: LlamaForCausalLM, model_dir: Path, quant: QuantConf
                     else:  # this rank reads its slice; the bar counts the file's bytes gone past
                         reader = f.get_slice(hf_name)
                         filler.put(hf_name, reader=reader)
-                        progress.advance(math.prod(reader.get_shape()) * _DTYPE_BYTES.get(reader.get_dtype(), 2))
+                        progress.advance(math.prod(reader.get_shape()) * SAFETENSORS_DTYPE_BYTES.get(reader.get_dtype(), 2))
     progress.finish()
     filler.check_complete(model_dir)
 
