@@ -14,7 +14,7 @@ Detokenisation, stop strings and RequestOutput building happen off the step thre
 engine runs with `defer_text` (it hands out token-level RequestDeltas) and an output thread
 turns them into RequestOutputs (engine/output_processor.py TextProcessor), feeds the listener
 and the streams. A stop string found there goes back to the step thread through the inbox
-(`_FinishSeq`), which finishes that sequence in the scheduler and frees its blocks.
+(`FinishSequence`), which finishes that sequence in the scheduler and frees its blocks.
 
 If the step thread dies, the engine is marked dead and every pending stream fails with
 `EngineDeadError`.
@@ -36,8 +36,8 @@ from engine.engine_info import EngineInfo, EngineStatus
 from engine.llm_engine import LLMEngine
 from engine.output_processor import TextProcessor
 from engine.request import InvalidRequestError, LoRARequest, PoolingParams, RequestOutput, SamplingParams
-from engine.engine_inbox import (EngineDeadError, QueueFullError, StepListener, _Abort, _Add, _Call, _FinishSeq,
-                                 _settle)
+from engine.engine_inbox import (AbortRequest, AddRequest, EngineCall, EngineDeadError, FinishSequence, QueueFullError,
+                                 StepListener, settle_call)
 from engine.request_stream import LoopMailbox, RequestStream
 
 logger = logging.getLogger(__name__)
@@ -67,7 +67,7 @@ class AsyncEngine:
         self.max_waiting_requests = (max_waiting_requests if max_waiting_requests is not None
                                      else engine.settings.max_waiting_requests)
         self._idle_poll_s = idle_poll_s
-        self._inbox: collections.deque[_Add | _Abort] = collections.deque()
+        self._inbox: collections.deque[AddRequest | AbortRequest] = collections.deque()
         self._wake = threading.Event()
         self._streams: dict[str, RequestStream] = {}  # owned by the output thread
         # step thread -> output thread: ("add", mirror request, stream) | ("out", outputs) | ("die", error);
@@ -181,7 +181,7 @@ class AsyncEngine:
         stream = RequestStream(request_id, loop, on_close=self.abort)
         with self._lock:
             self._pending_adds += 1
-        self._inbox.append(_Add(prompt, params, request_id, priority,
+        self._inbox.append(AddRequest(prompt, params, request_id, priority,
                                 arrival_time if arrival_time is not None else time.monotonic(), stream,
                                 lora_request, pooling))
         self._wake.set()
@@ -210,7 +210,7 @@ class AsyncEngine:
         self._raise_if_dead()
         loop = asyncio.get_running_loop()
         future = loop.create_future()
-        self._inbox.append(_Call(fn, future, loop))
+        self._inbox.append(EngineCall(fn, future, loop))
         self._wake.set()
         if self._dead is not None:
             self._fail_inbox()
@@ -220,7 +220,7 @@ class AsyncEngine:
         """Stop a request; its blocks are freed at the top of the next step. Thread-safe."""
         if self._dead is not None:
             return
-        self._inbox.append(_Abort(request_id))
+        self._inbox.append(AbortRequest(request_id))
         self._wake.set()
 
     def status(self) -> EngineStatus:
@@ -307,7 +307,7 @@ class AsyncEngine:
                     logger.exception("request %s: building its output failed", item.request_id)
                     out = self._text.fail(item.request_id,
                                           f"processing the output failed: {type(exc).__name__}: {exc}")
-                    self._inbox.append(_Abort(item.request_id))
+                    self._inbox.append(AbortRequest(item.request_id))
                     self._wake.set()
                 if out is not None:
                     outputs.append(out)
@@ -324,7 +324,7 @@ class AsyncEngine:
     def _apply(self, delta) -> RequestOutput | None:
         out, finished = self._text.apply(delta)
         for request_id, index, stop in finished:
-            self._inbox.append(_FinishSeq(request_id, index, stop))
+            self._inbox.append(FinishSequence(request_id, index, stop))
             self._wake.set()
         return out
 
@@ -339,19 +339,19 @@ class AsyncEngine:
         aborted: list[RequestOutput] = []
         while self._inbox:
             item = self._inbox.popleft()
-            if isinstance(item, _Call):
+            if isinstance(item, EngineCall):
                 try:
                     result, error = item.fn(engine), None
                 except Exception as exc:  # noqa: BLE001 - handed to the caller
                     result, error = None, exc
-                _settle(item, result, error)
+                settle_call(item, result, error)
                 continue
-            if isinstance(item, _Abort):
+            if isinstance(item, AbortRequest):
                 out = engine.abort_request(item.request_id)
                 if out is not None:
                     aborted.append(out)
                 continue
-            if isinstance(item, _FinishSeq):
+            if isinstance(item, FinishSequence):
                 engine.finish_seq_early(item.request_id, item.index, item.stop)
                 continue
             with self._lock:
@@ -392,7 +392,7 @@ class AsyncEngine:
             if lost:  # that loop is closed: its readers are gone
                 del self._mailboxes[loop]
                 for stream in lost:
-                    self._inbox.append(_Abort(stream.request_id))
+                    self._inbox.append(AbortRequest(stream.request_id))
                 self._wake.set()
 
     @staticmethod
@@ -460,9 +460,9 @@ class AsyncEngine:
                 item = self._inbox.popleft()
             except IndexError:
                 break
-            if isinstance(item, _Add):
+            if isinstance(item, AddRequest):
                 with self._lock:
                     self._pending_adds -= 1
                 self._post(item.stream, item.stream._fail, err)
-            elif isinstance(item, _Call):
-                _settle(item, None, err)
+            elif isinstance(item, EngineCall):
+                settle_call(item, None, err)

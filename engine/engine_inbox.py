@@ -32,7 +32,7 @@ class StepListener(Protocol):
 
 
 @dataclass
-class _Add:
+class AddRequest:
     prompt: str | list[int]
     params: SamplingParams
     request_id: str
@@ -44,12 +44,12 @@ class _Add:
 
 
 @dataclass
-class _Abort:
+class AbortRequest:
     request_id: str
 
 
 @dataclass
-class _FinishSeq:
+class FinishSequence:
     """The output thread found a stop string: finish that sequence in the engine."""
 
     request_id: str
@@ -58,7 +58,7 @@ class _FinishSeq:
 
 
 @dataclass
-class _Call:
+class EngineCall:
     """Run fn(engine) on the step thread, between steps; the result goes to `future`."""
 
     fn: Callable[[LLMEngine], Any]
@@ -66,8 +66,8 @@ class _Call:
     loop: asyncio.AbstractEventLoop
 
 
-def _settle(call: _Call, result: Any, error: BaseException | None) -> None:
-    """Hand a _Call's outcome to its caller's loop (nothing if the caller gave up or the loop closed)."""
+def settle_call(call: EngineCall, result: Any, error: BaseException | None) -> None:
+    """Hand a EngineCall's outcome to its caller's loop (nothing if the caller gave up or the loop closed)."""
     def done() -> None:
         if not call.future.done():
             if error is not None:
