@@ -261,9 +261,11 @@ class EngineSettings(_KilnSettings):
     trust_remote_code: bool = Field(
         False, description="accepted for vLLM command lines; kiln never runs a checkpoint's code (GLM/ChatGLM "
         "load natively)")
-    int4_kernel: Literal["auto", "reference"] = Field(
-        "auto", description="int4 weights: auto = torch's packed int4 matmul (CPU and CUDA, bf16 models) for every "
-        "layer whose shape and group size it takes, else dequantise on the fly; reference = always dequantise on the fly")
+    int4_kernel: Literal["auto", "reference", "kiln", "tinygemm"] = Field(
+        "auto", description="int4 weights: auto = kiln's W4A16 GEMM on sm_90 when its cubin is built, else torch's "
+        "packed int4 matmul (CPU and CUDA, bf16 models), for every layer whose shape and group size it takes, else "
+        "dequantise on the fly; kiln / tinygemm = that kernel (kiln: an error where it cannot run); reference = "
+        "always dequantise on the fly")
     gguf_dequantize: bool = Field(
         False, description="GGUF files: dequantise every tensor to the model dtype at load (default: Q4_0/Q4_1 "
         "linear layers of a bf16 model stay int4 in torch's packed layout, Q8_0 ones int8; K-quants are "

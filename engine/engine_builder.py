@@ -27,6 +27,7 @@ from engine.lora import make_lora_manager
 from engine.models.config import ModelConfig
 from engine.models.loader import load_model, load_tokenizer
 from engine.quant.gguf_file import is_gguf
+from engine.quant.w4a16 import install as install_w4a16, loader_int4_kernel, resolve_int4_kernel
 from engine.runner import ModelRunner
 from engine.sampler import Sampler
 from engine.scheduler import Scheduler, SchedulerConfig
@@ -126,14 +127,17 @@ class EngineBuilder:
 
             self.executor = TensorParallelExecutor.start(settings, self.model_dir, self.device, self.dtype,
                                                          self.max_model_len)
+        int4_kernel = resolve_int4_kernel(settings.int4_kernel, self.device, settings.resolved_kernel_cache_dir())
         with _Phase(f"loading weights of {self.model_dir} ({cfg.model_type}, "
                     f"{str(self.dtype).removeprefix('torch.')}) onto {self.device}"):
             self.model = load_model(self.model_dir, cfg, self.dtype, self.device, self.max_model_len,
                                     settings.load_format, settings.seed,
                                     lora=(settings.max_loras, settings.max_lora_rank) if settings.enable_lora
                                     else None, quantization=settings.quantization,
-                                    int4_kernel=settings.int4_kernel, gguf_dequantize=settings.gguf_dequantize,
-                                    tp=self._model_tp())
+                                    int4_kernel=loader_int4_kernel(int4_kernel),
+                                    gguf_dequantize=settings.gguf_dequantize, tp=self._model_tp())
+            if int4_kernel == "kiln":  # int4 layers -> kiln's W4A16 GEMM layout
+                install_w4a16(self.model, settings.resolved_kernel_cache_dir(), self.device, self.dtype)
         self.lora = make_lora_manager(self.model, settings)
         self.backend = get_attention_backend(settings.attention_backend, BackendSpec(
             device=self.device, dtype=self.dtype, head_dim=cfg.head_dim,
