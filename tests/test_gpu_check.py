@@ -178,3 +178,27 @@ def test_kernel_env_needs_every_test_of_a_generation_to_pass(tmp_path):
                                       "test_prefill[wgmma]": "skipped"})
     assert gpu_summary.kernel_env([bad]) == []  # a failed v2 test, and wgmma never ran
     assert gpu_summary.kernel_env([str(tmp_path / "missing.xml")]) == []
+
+
+def test_w4a16_in_the_tests_stage_and_quant_bench_merges_kiln_and_tinygemm(tmp_path):
+    """The tests stage runs tests/test_w4a16_gpu.py; quant-bench measures int4 on both kernels and
+    its inline merge (run here on hand-made comparisons) adds tinygemm's figures and the kiln ratio."""
+    from engine.bench import quant_compare
+
+    text = SCRIPT.read_text()
+    assert "tests/test_w4a16_gpu.py" in text and " w4a16)" in text
+    assert "KILN_INT4_KERNEL=kiln" in text and "KILN_INT4_KERNEL=tinygemm" in text
+    merge = re.search(r'"\$WORK/quant-bench-tinygemm.json" <<\'EOF\'\n(.*?)\nEOF\n', text, re.S).group(1)
+    bf16 = tmp_path / "bf16.json"
+    bf16.write_text(json.dumps([{"batch_size": 1, "ms_per_step_median": 5.0}]))
+    for name, ms in (("kiln", 1.5), ("tinygemm", 2.5)):
+        (tmp_path / f"{name}.json").write_text(json.dumps({"batch_size": 1, "ms_per_step_median": ms}))
+        quant_compare.main(["--bf16", str(bf16), "--int4", str(tmp_path / f"{name}.json"),
+                            "--json", str(tmp_path / f"q-{name}.json")])
+    proc = subprocess.run([sys.executable, "-", str(tmp_path / "q-kiln.json"), str(tmp_path / "q-tinygemm.json")],
+                          input=merge, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    r = json.loads((tmp_path / "q-kiln.json").read_text())
+    assert r["int4_over_bf16_ms"] == pytest.approx(0.3) and r["tinygemm_over_bf16_ms"] == pytest.approx(0.5)
+    assert r["kiln_over_tinygemm_ms"] == pytest.approx(0.6) and r["tinygemm_verdict"] == "missed"
+    assert "kiln 1.500 ms/step vs tinygemm 2.500" in proc.stdout

@@ -8,13 +8,14 @@
 #                                engine/compiler module (fail fast: nothing else runs without it)
 #   kernel-cache      40    10   the carried build/kernels: hits, build only misses, load every cubin
 #   tests            200    60   in parallel: kernel tests (pytest-xdist -n 6) | graph replay vs eager,
-#                                one process per backend and kernel generation | e2e cutlass vs torch | swap
+#                                one process per backend and kernel generation | e2e cutlass vs torch | swap | fp8 KV | w4a16 GEMM
 #   kernel-bench      60    30   decode/prefill kernels vs torch on a quiet GPU (kernel gens that passed)
 #   latency-8b       150    90   Llama-3.1-8B shape, bf16, batch 1 and 64 (transformers' figures are
 #                                known: 21.96 ms/step and 2,734 tok/s, not re-measured)
 #   quant-bench      160    70   the same 8B shape quantised, against latency-8b's bf16 figures of this
-#                                run: GPTQ int4 (torch's _weight_int4pack_mm) batch 1 ms/step (target
-#                                <= 0.4x bf16), FP8 W8A8 (dynamic per-token) batch 64 tok/s; input and output 128 as there
+#                                run: GPTQ int4 batch 1 ms/step on kiln's W4A16 GEMM and on torch's
+#                                _weight_int4pack_mm (target <= 0.4x bf16), FP8 W8A8 (dynamic per-token)
+#                                batch 64 tok/s; input and output 128 as there
 #   feature-tests     90    40   MoE, LoRA, spec decode, structured output with decode graphs
 #   moe-bench         30    15   kiln::moe_experts grouped vs dense
 #   swap-bench        30    15   KV swap GB/s
@@ -171,7 +172,7 @@ stage_tests() {
   # poisons only its own CUDA context), and the engine-level GPU tests split so that each cold
   # compile-and-capture cycle (graph replay vs eager, per backend and kernel generation) has a
   # process of its own.
-  local pids=() names=(kernels graph-cutlass graph-cutlass-v2 graph-torch e2e swap fp8kv) rc=0 r i
+  local pids=() names=(kernels graph-cutlass graph-cutlass-v2 graph-torch e2e swap fp8kv w4a16) rc=0 r i
   local args=(
     "-n 6 --timeout 120 tests/test_kernels_gpu.py"
     "-m gpu --timeout 180 tests/test_cuda_graph.py -k cutlass_v1"
@@ -179,7 +180,8 @@ stage_tests() {
     "-m gpu --timeout 180 tests/test_cuda_graph.py -k torch"
     "-m gpu --timeout 150 tests/test_e2e_gpu.py"
     "-m gpu --timeout 150 tests/test_swap.py"
-    "-m gpu --timeout 150 tests/test_fp8_kv_gpu.py")
+    "-m gpu --timeout 150 tests/test_fp8_kv_gpu.py"
+    "-m gpu --timeout 150 tests/test_w4a16_gpu.py")
   for i in "${!names[@]}"; do
     # shellcheck disable=SC2086  # the argument strings split on purpose
     timeout "$LIMIT" $PY -m pytest -q -p no:cacheprovider ${args[$i]} --junitxml="$WORK/tests-${names[$i]}.xml" \
@@ -196,17 +198,35 @@ stage_tests() {
 }
 
 stage_quant_bench() {
-  # Two engines of the 8B shape: int4 under half the limit, fp8 under what is then left (less 5 s
-  # for the comparison); bf16 from this run's latency-8b.
+  # Three engines of the 8B shape: int4 on kiln's W4A16 GEMM (2/5 of the limit), int4 on torch's
+  # tinygemm (3/10), fp8 under what is then left (less 5 s for the comparison); bf16 from this
+  # run's latency-8b. quant-bench.json: kiln's int4 figures, plus tinygemm's (tinygemm_*).
   local t0=$(date +%s) common=(--preset llama-3.1-8b --input-len 128 --output-len 128 --warmup-steps 4)
-  timeout $(( LIMIT / 2 )) $PY -m engine.bench.latency "${common[@]}" --quantization gptq --batch-size 1 \
-    --json "$WORK/quant-int4.json"; local r1=$?
+  KILN_INT4_KERNEL=kiln timeout $(( LIMIT * 2 / 5 )) $PY -m engine.bench.latency "${common[@]}" \
+    --quantization gptq --batch-size 1 --json "$WORK/quant-int4.json"; local r1=$?
+  KILN_INT4_KERNEL=tinygemm timeout $(( LIMIT * 3 / 10 )) $PY -m engine.bench.latency "${common[@]}" \
+    --quantization gptq --batch-size 1 --json "$WORK/quant-int4-tinygemm.json"; local r3=$?
   local left=$(( LIMIT - ($(date +%s) - t0) - 5 )); [ "$left" -lt 1 ] && left=1
   timeout "$left" $PY -m engine.bench.latency "${common[@]}" --quantization fp8 --batch-size 64 \
     --json "$WORK/quant-fp8.json"; local r2=$?
   $PY -m engine.bench.quant_compare --bf16 "$WORK/latency-8b.json" --int4 "$WORK/quant-int4.json" \
     --fp8 "$WORK/quant-fp8.json" --json "$WORK/quant-bench.json"
+  $PY -m engine.bench.quant_compare --bf16 "$WORK/latency-8b.json" --int4 "$WORK/quant-int4-tinygemm.json" \
+    --json "$WORK/quant-bench-tinygemm.json" | sed 's/^int4/int4 tinygemm/'
+  $PY - "$WORK/quant-bench.json" "$WORK/quant-bench-tinygemm.json" <<'EOF'
+import json, sys
+main, tiny = (json.load(open(p)) for p in sys.argv[1:3])
+for k in ("int4_b1_ms", "int4_over_bf16_ms", "int4_verdict"):
+    if k in tiny:
+        main["tinygemm_" + k.removeprefix("int4_")] = tiny[k]
+if "int4_b1_ms" in main and "int4_b1_ms" in tiny:
+    main["kiln_over_tinygemm_ms"] = main["int4_b1_ms"] / tiny["int4_b1_ms"]
+    print(f"int4 batch 1: kiln {main['int4_b1_ms']:.3f} ms/step vs tinygemm {tiny['int4_b1_ms']:.3f} -> "
+          f"{main['kiln_over_tinygemm_ms']:.3f}x")
+json.dump(main, open(sys.argv[1], "w"), indent=1)
+EOF
   [ "$r1" -ne 0 ] && return "$r1"
+  [ "$r3" -ne 0 ] && return "$r3"
   return "$r2"
 }
 
