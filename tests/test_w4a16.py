@@ -149,3 +149,66 @@ def test_loader_keeps_its_values():
     """The loader's own int4_kernel values: auto repacks for tinygemm while loading, kiln leaves the
     layers unpacked for engine/quant/w4a16.install."""
     assert [loader_int4_kernel(k) for k in ("kiln", "tinygemm", "reference")] == ["kiln", "auto", "reference"]
+
+
+# ---- engine/quant/w4a16.py: a layer moved into the kernel's layout (no kernel launched here) ----
+
+class _FakeGemm:
+    handle = 7
+
+    def __init__(self, cache_dir=None, device=None):
+        self.loaded_from = (cache_dir, device)
+
+
+def _kiln_layer(out, inp, group, sym, act=False, seed=0):
+    from engine.models.llama import Linear
+    from engine.quant.config import QuantConfig
+    from engine.quant.linear import IntWeightMethod, attach
+    from tests.test_quant_int4 import _act_order_g_idx
+
+    m = Linear(inp, out, bias=False)
+    attach(m, IntWeightMethod(QuantConfig("int", "gptq", 4, group, sym=sym)), "cpu")
+    qweight, zeros, scales = _int4(out, inp, group if group > 0 else inp, sym, seed)
+    m.qweight.copy_(qweight), m.zeros.copy_(zeros), m.scales.copy_(scales)
+    if act:
+        m.g_idx.copy_(_act_order_g_idx(inp, group))
+        m.act_order = True
+    return m
+
+
+@pytest.mark.parametrize("out,inp,group,sym,act", [(64, 512, 128, False, True), (32, 256, 64, True, False),
+                                                   (48, 384, -1, False, False), (32, 4096, -1, True, False)])
+def test_repack_layer_keeps_the_weight(out, inp, group, sym, act):
+    """act-order becomes a column permutation of the packed weight (x is gathered the same way),
+    per-channel scales repeat over kernel groups of 128 (64): the dense weight is unchanged, bit for bit."""
+    from engine.quant import w4a16
+
+    m = _kiln_layer(out, inp, group, sym, act)
+    want = m.quant.weight(m, torch.float32)
+    assert w4a16.repack(m, _FakeGemm(), torch.bfloat16) is None
+    assert isinstance(m.quant, w4a16.KilnInt4Method) and m.quant.handle == 7
+    assert not hasattr(m, "qweight") and (m.w4a16_perm is not None) == act
+    assert m.w4a16_scales.shape[0] == inp // w4a16.kernel_group(inp, group)
+    assert torch.equal(m.quant.weight(m, torch.float32), want)
+    assert m.quant.weight_bytes(m) < inp * out  # (about half a byte a weight plus the groups' 5 bytes)
+
+
+def test_install_falls_back_per_layer():
+    """install: layers the kernel takes go to it, group 32 to tinygemm (here torch's CPU int4 kernel),
+    a bf16-incompatible shape stays dequantising; the kernel is loaded once, and not at all without int4 layers."""
+    from engine.quant import int4_packed, w4a16
+
+    model = torch.nn.Module()
+    model.layers = torch.nn.ModuleList([torch.nn.Module() for _ in range(3)])
+    model.layers[0].proj = _kiln_layer(32, 256, 64, False)
+    model.layers[1].proj = _kiln_layer(32, 256, 32, True)
+    model.layers[2].proj = _kiln_layer(40, 256, 32, True)  # (40 rows: neither kernel)
+    loads = []
+    left = w4a16.install(model, "cache", "cpu", torch.bfloat16, load_gemm=lambda *a: loads.append(a) or _FakeGemm())
+    assert loads == [("cache", "cpu")]
+    assert isinstance(model.layers[0].proj.quant, w4a16.KilnInt4Method)
+    assert model.layers[1].proj.quant is int4_packed.PACKED
+    assert not hasattr(model.layers[2].proj, "w4a16_packed") and hasattr(model.layers[2].proj, "qweight")
+    assert sorted(len(v) for v in left.values()) == [1, 1]
+    assert any("tinygemm" in r for r in left) and any("dequantised" in r for r in left)
+    assert w4a16.install(torch.nn.Module(), "cache", "cpu", torch.bfloat16, load_gemm=lambda *a: 1 / 0) == {}

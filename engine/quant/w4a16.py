@@ -121,8 +121,6 @@ def unsupported(module: nn.Module, dtype: torch.dtype) -> str | None:
     """Why a layer in kiln's unpacked int4 layout cannot take the kernel (None: it can)."""
     if dtype != torch.bfloat16:
         return f"{dtype} activations (the kernel takes bfloat16)"
-    if module.qweight.device.type != "cuda":
-        return f"weights on {module.qweight.device.type}"
     group = kernel_group(module.in_features, module.quant.group_size)
     reason = w4a16_unsupported(module.out_features, module.in_features, group)
     if reason is None and module.act_order and int4_packed.act_order_perm(module.g_idx, group) is None:
@@ -167,10 +165,12 @@ def repack(module: nn.Module, gemm: W4A16Gemm, dtype: torch.dtype) -> str | None
     return None
 
 
-def install(model: nn.Module, kernel_cache_dir: Path, device: torch.device, dtype: torch.dtype) -> dict[str, list[str]]:
-    """After loading with int4_kernel "kiln": every int4 layer to the kiln kernel, or (when it cannot
-    take the layer) to tinygemm, or else left dequantising on the fly. Returns {reason: [layers]}
-    of the layers not on the kiln kernel (logged)."""
+def install(model: nn.Module, kernel_cache_dir: Path, device: torch.device, dtype: torch.dtype,
+            load_gemm=W4A16Gemm) -> dict[str, list[str]]:
+    """After loading with int4_kernel "kiln" (the model on its CUDA device): every int4 layer to the
+    kiln kernel (loaded once, by `load_gemm(kernel_cache_dir, device)`), or (when it cannot take the
+    layer) to tinygemm, or else left dequantising on the fly. Returns {reason: [layers]} of the
+    layers not on the kiln kernel (logged)."""
     from engine.quant.loading import quantized_linears
 
     layers = [(n, m) for n, m in quantized_linears(model).items()
@@ -178,7 +178,7 @@ def install(model: nn.Module, kernel_cache_dir: Path, device: torch.device, dtyp
     left: dict[str, list[str]] = {}
     if not layers:
         return left
-    gemm = W4A16Gemm(kernel_cache_dir, device)
+    gemm = load_gemm(kernel_cache_dir, device)
     done = 0
     for name, module in layers:
         reason = repack(module, gemm, dtype)
