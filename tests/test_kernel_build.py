@@ -124,6 +124,8 @@ def test_every_variant_compiles_without_spills(full_build):
             assert fns == {f"kiln_{r.name}_{e}" for e in ("g1", "g2", "g4", "g8", "combine")}
         elif kind == "paged_decode_v2":
             assert fns == {f"kiln_{r.name}_{e}" for e in ("g1", "g2", "g4", "g8")}
+        elif kind == "w4a16_gemm":
+            assert fns == {f"kiln_{r.name}_t{t}" for t in (1, 2, 4)}
         else:
             assert fns == {f"kiln_{r.name}"}
 
