@@ -19,8 +19,8 @@ SCRIPT = REPO / "tools" / "gpu_check.sh"
 sys.path.insert(0, str(REPO / "tools"))
 import gpu_summary  # noqa: E402
 
-STAGES = ["env", "kernel-cache", "tests", "kernel-bench", "latency-8b", "quant-bench", "feature-tests", "moe-bench",
-          "swap-bench", "latency-1b"]
+STAGES = ["env", "kernel-cache", "tests", "kernel-bench", "latency-8b", "quant-bench", "w4a16-bench", "feature-tests",
+          "moe-bench", "swap-bench", "latency-1b"]
 
 
 def run_check(tmp_path, *args, timeout=240, **env):

@@ -212,3 +212,15 @@ def test_install_falls_back_per_layer():
     assert sorted(len(v) for v in left.values()) == [1, 1]
     assert any("tinygemm" in r for r in left) and any("dequantised" in r for r in left)
     assert w4a16.install(torch.nn.Module(), "cache", "cpu", torch.bfloat16, load_gemm=lambda *a: 1 / 0) == {}
+
+
+def test_microbench_sizes_and_cpu_refusal(capsys):
+    """compiler/kernels/w4a16_bench.py (run by gpu_check's w4a16-bench stage): the weight bytes it
+    divides by, enough copies to defeat a 50 MB L2, and a clean refusal without CUDA."""
+    from compiler.kernels import w4a16_bench
+
+    assert w4a16_bench.int4_bytes(4096, 4096) == 4096 * 2048 + 4096 * 32 * 5
+    assert w4a16_bench.copies_for(w4a16_bench.int4_bytes(4096, 4096)) * 9_043_968 >= 256 << 20
+    assert w4a16_bench.copies_for(1 << 30) == 2
+    if not torch.cuda.is_available():
+        assert w4a16_bench.main([]) == 1 and "no CUDA device" in capsys.readouterr().err

@@ -16,6 +16,7 @@
 #                                run: GPTQ int4 batch 1 ms/step on kiln's W4A16 GEMM and on torch's
 #                                _weight_int4pack_mm (target <= 0.4x bf16), FP8 W8A8 (dynamic per-token)
 #                                batch 64 tok/s; input and output 128 as there
+#   w4a16-bench       30    15   kiln's W4A16 GEMM vs tinygemm and bf16 matmul, 8B projections, M 1/16/64
 #   feature-tests     90    40   MoE, LoRA, spec decode, structured output with decode graphs
 #   moe-bench         30    15   kiln::moe_experts grouped vs dense
 #   swap-bench        30    15   KV swap GB/s
@@ -58,11 +59,14 @@ KCACHE=$REPO/build/kernels
 export KILN_KERNEL_CACHE_DIR=$KCACHE KILN_CACHE_DIR=${KILN_CACHE_DIR:-/tmp/kiln-cache}
 DEADLINE_S=${DEADLINE_S:-500}
 SIMULATE_S=${GPU_CHECK_SIMULATE_S:-}
-ALL_STAGES=(env kernel-cache tests kernel-bench latency-8b quant-bench feature-tests moe-bench swap-bench latency-1b)
+ALL_STAGES=(env kernel-cache tests kernel-bench latency-8b quant-bench w4a16-bench feature-tests moe-bench swap-bench
+            latency-1b)
 declare -A MAX_S=([env]=40 [kernel-cache]=40 [tests]=200 [kernel-bench]=60 [latency-8b]=150 [feature-tests]=90
-                  [moe-bench]=30 [swap-bench]=30 [latency-1b]=90 [quant-bench]=160)
+                  [moe-bench]=30 [swap-bench]=30 [latency-1b]=90 [quant-bench]=160
+                  [w4a16-bench]=30)
 declare -A MIN_S=([env]=5 [kernel-cache]=10 [tests]=60 [kernel-bench]=30 [latency-8b]=90 [feature-tests]=40
-                  [moe-bench]=15 [swap-bench]=15 [latency-1b]=60 [quant-bench]=70)
+                  [moe-bench]=15 [swap-bench]=15 [latency-1b]=60 [quant-bench]=70
+                  [w4a16-bench]=15)
 # GPU_CHECK_SCALE=N divides every stage's max and min (at least 1 s): the CPU test of the deadline logic.
 SCALE=${GPU_CHECK_SCALE:-1}
 for k in "${!MAX_S[@]}"; do
@@ -258,6 +262,9 @@ for stage in "${STAGES[@]}"; do
         --batch-size 1,64 --input-len 128 --output-len 128 --json "$WORK/latency-8b.json" ;;
     quant-bench)
       run_stage quant-bench stage_quant_bench ;;
+    w4a16-bench)
+      run_stage w4a16-bench $PY -m compiler.kernels.w4a16_bench --cache-dir "$KCACHE" \
+        --json "$WORK/w4a16-bench.json" ;;
     feature-tests)
       run_stage feature-tests $PY -m pytest -q -p no:cacheprovider -m gpu \
         --timeout 80 tests/test_features_gpu.py --junitxml="$WORK/feature-tests.xml" ;;
