@@ -55,8 +55,8 @@ def _weights(n: int, k: int, group: int, sym: bool, seed: int = 0):
     scales = (torch.rand(n, k // group, generator=gen) * 0.02 + 0.001).half().float()
     zeros = torch.full_like(scales, 8, dtype=torch.uint8) if sym else \
         torch.randint(0, 16, scales.shape, generator=gen, dtype=torch.uint8)
-    w = int_formats.dequantize(qweight, zeros, scales, None, 4).to(DEV)
-    return [t.to(DEV) for t in pack_w4a16(qweight, zeros, scales, group)], w
+    qweight, zeros, scales = qweight.to(DEV), zeros.to(DEV), scales.to(DEV)  # (packing on the GPU: quicker)
+    return pack_w4a16(qweight, zeros, scales, group), int_formats.dequantize(qweight, zeros, scales, None, 4)
 
 
 SHAPES = [  # (tokens, N, K, group, symmetric): decode (8B projections: qkv, o, gate_up, down) and prefill
