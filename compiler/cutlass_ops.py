@@ -420,7 +420,7 @@ def pack_w4a16(qweight: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor,
     return packed, scales.float().t().contiguous(), zeros.to(torch.uint8).t().contiguous()
 
 
-def unpack_w4a16(packed: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+def unpack_w4a16(packed: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -> torch.Tensor:
     """The kernel's buffers -> the dense float32 weight [N, K] (the inverse of pack_w4a16)."""
     nt, chunks = packed.shape[:2]
     n, k = 16 * nt, 64 * chunks

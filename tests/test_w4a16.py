@@ -84,7 +84,7 @@ def test_layout_read_as_the_kernel_reads_it_is_the_dequantised_weight(out, inp, 
             w[:, 64 * ch + col[s]] = frag[:, ch, s].float() * scale[:, ch:ch + 1]
     want = int_formats.dequantize(qweight, zeros, scales, None, 4)
     assert torch.equal(w, want)
-    assert torch.equal(unpack_w4a16(packed, zeros_t, scales_t), want)
+    assert torch.equal(unpack_w4a16(packed, scales_t, zeros_t), want)
     assert sorted(col.flatten().tolist()) == list(range(64))  # each column read once per chunk
 
 

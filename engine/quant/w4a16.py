@@ -99,7 +99,7 @@ class KilnInt4Method:
     @torch.no_grad()
     def weight(self, module: nn.Module, dtype: torch.dtype) -> torch.Tensor:
         """The dense weight [out, in] in the checkpoint's column order."""
-        w = unpack_w4a16(module.w4a16_packed, module.w4a16_zeros, module.w4a16_scales)
+        w = unpack_w4a16(module.w4a16_packed, module.w4a16_scales, module.w4a16_zeros)
         if module.w4a16_perm is not None:
             dense = torch.empty_like(w)
             dense[:, module.w4a16_perm] = w
