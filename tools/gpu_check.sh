@@ -59,14 +59,11 @@ KCACHE=$REPO/build/kernels
 export KILN_KERNEL_CACHE_DIR=$KCACHE KILN_CACHE_DIR=${KILN_CACHE_DIR:-/tmp/kiln-cache}
 DEADLINE_S=${DEADLINE_S:-500}
 SIMULATE_S=${GPU_CHECK_SIMULATE_S:-}
-ALL_STAGES=(env kernel-cache tests kernel-bench latency-8b quant-bench w4a16-bench feature-tests moe-bench swap-bench
-            latency-1b)
+ALL_STAGES=(env kernel-cache tests kernel-bench latency-8b quant-bench w4a16-bench feature-tests moe-bench swap-bench latency-1b)
 declare -A MAX_S=([env]=40 [kernel-cache]=40 [tests]=200 [kernel-bench]=60 [latency-8b]=150 [feature-tests]=90
-                  [moe-bench]=30 [swap-bench]=30 [latency-1b]=90 [quant-bench]=160
-                  [w4a16-bench]=30)
+                  [moe-bench]=30 [swap-bench]=30 [latency-1b]=90 [quant-bench]=160 [w4a16-bench]=30)
 declare -A MIN_S=([env]=5 [kernel-cache]=10 [tests]=60 [kernel-bench]=30 [latency-8b]=90 [feature-tests]=40
-                  [moe-bench]=15 [swap-bench]=15 [latency-1b]=60 [quant-bench]=70
-                  [w4a16-bench]=15)
+                  [moe-bench]=15 [swap-bench]=15 [latency-1b]=60 [quant-bench]=70 [w4a16-bench]=15)
 # GPU_CHECK_SCALE=N divides every stage's max and min (at least 1 s): the CPU test of the deadline logic.
 SCALE=${GPU_CHECK_SCALE:-1}
 for k in "${!MAX_S[@]}"; do
