@@ -195,7 +195,8 @@ def quantize_rows_into(module: nn.Module, rows: slice | None, w: torch.Tensor, h
 def init_dummy(model: nn.Module, seed: int) -> None:
     """Random weights (about N(0, 0.02) once dequantised) for quantised layers with load_format=dummy."""
     gen = torch.Generator(device=next(model.buffers()).device).manual_seed(seed + 1)
-    for module in quantized_linears(model).values():
+    left: dict[str, list[str]] = {}
+    for name, module in quantized_linears(model).items():
         if getattr(module, "quant", None) is None:
             continue
         if hasattr(module, "qweight"):
@@ -203,6 +204,8 @@ def init_dummy(model: nn.Module, seed: int) -> None:
             module.zeros.fill_(1 << (module.quant.bits - 1))
             module.scales.fill_(0.02 / (1 << (module.quant.bits - 2)))
             module.g_idx.copy_(int_formats.default_g_idx(module.in_features, module.quant.group_size))
+            if getattr(module.quant, "repack_dtype", None) is not None:  # (one layer unpacked at a time)
+                _repack(module, name, module.quant.repack_dtype, left)
         elif module.quant.at_load:  # N(0, 0.02) dense weights, as without quantisation, quantised
             for r in range(0, module.out_features, FP8_ROW_CHUNK):
                 rows = min(FP8_ROW_CHUNK, module.out_features - r)
@@ -213,6 +216,7 @@ def init_dummy(model: nn.Module, seed: int) -> None:
             module.weight_scale.fill_(0.02)
             if hasattr(module, "input_scale"):
                 module.input_scale.fill_(0.05)
+    _log_left(left)
 
 
 def _on_cpu(module: nn.Module) -> bool:
