@@ -56,10 +56,30 @@ def weight_bytes(model: torch.nn.Module) -> int:
 
 
 def peak_rss_bytes() -> int:
-    """This process's peak resident memory so far (Linux reports kilobytes)."""
-    import resource
+    """This process's peak resident memory since the last reset_peak_rss() (Linux: VmHWM), or
+    since it started where the peak cannot be reset (getrusage)."""
+    try:
+        return _proc_status("VmHWM")
+    except (OSError, StopIteration):
+        import resource
 
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # (Linux reports kilobytes)
+
+
+def reset_peak_rss() -> int:
+    """Reset the peak resident memory to the current one (Linux) and return the current one: the
+    growth measured from here is the load's own, not an earlier peak's (imports, a previous model)."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return _proc_status("VmRSS")
+    except (OSError, StopIteration):
+        return peak_rss_bytes()
+
+
+def _proc_status(key: str) -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith(key + ":"))
 
 
 def _dense(module: torch.nn.Module, kind: str, dtype: torch.dtype) -> torch.Tensor | None:
@@ -264,12 +284,14 @@ def memory_report(engine, name: str, rss_before: int, startup: float) -> dict[st
     row = {"model": name, "quantization": quant, "dtype": str(engine.dtype).removeprefix("torch."),
            "weight_GB": wbytes / 1e9, "bf16_weight_GB": bf16 / 1e9, "ratio_to_bf16": wbytes / bf16,
            "peak_rss_growth_GB": growth / 1e9, "peak_rss_over_weights": growth / wbytes, "kv_cache_GB": kv / 1e9,
-           "startup_s": startup, "linear_ratio_to_bf16": packed / dense if dense else 1.0}
+           "startup_s": startup, "linear_ratio_to_bf16": packed / dense if dense else 1.0,
+           "peak_rss_over_weights_without_kv": (growth - kv) / wbytes}
     print(f"kiln bench latency --load-only: {name}, quantization {quant}, {row['dtype']}: weights "
           f"{row['weight_GB']:.3f} GB = {row['ratio_to_bf16']:.3f}x the bf16 model ({row['bf16_weight_GB']:.3f} GB; "
           f"linear layers alone {row['linear_ratio_to_bf16']:.3f}x); "
           f"peak RSS grew {row['peak_rss_growth_GB']:.3f} GB while loading = {row['peak_rss_over_weights']:.2f}x "
-          f"the weights; start-up {startup:.1f}s")
+          f"the weights ({row['peak_rss_over_weights_without_kv']:.2f}x without the {kv / 1e9:.3f} GB KV cache); "
+          f"start-up {startup:.1f}s")
     return row
 
 
@@ -338,7 +360,7 @@ def main(argv: list[str]) -> int:
               file=sys.stderr)
         return 2
 
-    rss_before = peak_rss_bytes()
+    rss_before = reset_peak_rss()
     t0 = time.perf_counter()
     engine = LLMEngine(settings)
     startup = time.perf_counter() - t0

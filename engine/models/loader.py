@@ -6,6 +6,7 @@ import json
 import logging
 import math
 import re
+from contextlib import ExitStack
 from pathlib import Path
 
 import torch
@@ -18,6 +19,7 @@ from engine.models.config import ModelConfig
 from engine.models.glm import hf_weight_name
 from engine.models.llama import LlamaForCausalLM
 from engine.models.load_progress import LoadProgress
+from engine.models.safetensors_reader import SafetensorsFile
 from engine.quant import gguf_file, gguf_quant
 from engine.quant import loading as quant_loading
 from engine.quant.config import QuantConfig, forced, from_hf
@@ -177,6 +179,7 @@ def _read(hf_name: str, shape: tuple[int, ...], read, source: Source | None) -> 
     return parts[0] if len(parts) == 1 else torch.cat(parts, dim=dim)
 
 
+@quant_loading.heap_returned_while_loading()
 def load_model(model_dir: Path, config: ModelConfig, dtype: torch.dtype, device: torch.device,
                max_positions: int, load_format: str = "auto", seed: int = 0,
                lora: tuple[int, int] | None = None, quantization: str | None = None,
@@ -195,11 +198,13 @@ def load_model(model_dir: Path, config: ModelConfig, dtype: torch.dtype, device:
                              f"tensor_parallel_size > 1 yet")
         if lora is not None:
             raise ValueError("enable_lora: LoRA adapters are not supported with tensor_parallel_size > 1 yet")
+    if quant is not None and quant.quantize_at_load and load_format != "dummy" and gguf_file.is_gguf(model_dir):
+        raise ValueError("quantization: fp8 at load is for safetensors checkpoints, not GGUF files")
     with torch.device("meta"):
         model = LlamaForCausalLM(config, max_positions, tp)
         if lora is not None:
             model.enable_lora(*lora)
-        if quant is not None and not quant.quantize_at_load:
+        if quant is not None:  # (fp8 at load too: each weight is quantised as it is read)
             quant_loading.prepare(model, quant, dtype, int4_kernel)
         gguf_kept = gguf_quant.prepare(model, model_dir, lambda n: _target(model, n), dtype, device, int4_kernel) \
             if quant is None and load_format != "dummy" and gguf_file.is_gguf(model_dir) and not gguf_dequantize else {}
@@ -218,12 +223,7 @@ def load_model(model_dir: Path, config: ModelConfig, dtype: torch.dtype, device:
     elif gguf_file.is_gguf(model_dir):
         _load_gguf(model, model_dir, gguf_quant.load(model, model_dir, gguf_kept, dtype, device))
     else:
-        _load_safetensors(model, model_dir, None if quant is None or quant.quantize_at_load else quant)
-    if quant is not None and quant.quantize_at_load:
-        if load_format == "dummy" or not gguf_file.is_gguf(model_dir):
-            quant_loading.quantize_loaded(model, quant)
-        else:
-            raise ValueError("quantization: fp8 at load is for safetensors checkpoints, not GGUF files")
+        _load_safetensors(model, model_dir, quant, dtype)
     quant_loading.finish(model, dtype, int4_kernel)  # int4 layers -> the packed int4 kernels' layout
     return model.eval().requires_grad_(False)
 
@@ -275,20 +275,32 @@ def load_tokenizer(path: str | Path):
 
 
 class _Filler:
-    """Copies checkpoint tensors into the model's parameters, counting what each received."""
+    """Copies checkpoint tensors into the model's parameters, counting what each received. The
+    weights of layers quantised at load (--quantization fp8) are quantised as they arrive."""
 
-    def __init__(self, model: LlamaForCausalLM) -> None:
+    def __init__(self, model: LlamaForCausalLM, dtype: torch.dtype | None = None) -> None:
         self.model = model
+        self.dtype = dtype
         self.params = dict(model.named_parameters())
+        self.at_load = {f"{n}.weight": m for n, m in quant_loading.quantized_at_load(model).items()}
+        self.sizes = {n: p.numel() for n, p in self.params.items()}
+        self.sizes.update((n, m.out_features * m.in_features) for n, m in self.at_load.items())
         self.seen: dict[str, int] = {}
 
-    def put(self, hf_name: str, tensor: torch.Tensor | None = None, reader=None) -> None:
-        """The whole checkpoint tensor, or a reader of it (a safetensors slice: under tp only
-        this rank's part is read)."""
+    def put(self, hf_name: str, tensor: torch.Tensor | None = None, reader=None,
+            file: SafetensorsFile | None = None) -> None:
+        """The whole checkpoint tensor; or a reader of it (a safetensors slice: under tp only this
+        rank's part is read); or the file holding it (read straight into its parameter)."""
         target = _target(self.model, hf_name)
         if target is None:
             return
         name, index = target
+        if name in self.at_load:
+            tensor = file.read(hf_name) if tensor is None else tensor
+            quant_loading.quantize_rows_into(self.at_load[name], index[0] if index else None, tensor, hf_name,
+                                             self.dtype)
+            self.seen[name] = self.seen.get(name, 0) + tensor.numel()
+            return
         if name not in self.params:
             raise ValueError(f"model: checkpoint tensor {hf_name} has no place in the model ({name})")
         param = self.params[name]
@@ -301,45 +313,54 @@ class _Filler:
                 dest[tensor.shape[0]:].zero_()
                 self.seen[name] = self.seen.get(name, 0) + dest[tensor.shape[0]:].numel()
                 dest = dest[:tensor.shape[0]]
-        if tuple(dest.shape) != tuple(tensor.shape):
-            raise ValueError(f"model: {hf_name} has shape {tuple(tensor.shape)}, "
-                             f"expected {tuple(dest.shape)}")
-        dest.copy_(tensor.to(dtype=dest.dtype))
+        shape = tuple(tensor.shape) if tensor is not None else file.shape(hf_name)
+        if tuple(dest.shape) != shape:
+            raise ValueError(f"model: {hf_name} has shape {shape}, expected {tuple(dest.shape)}")
+        if tensor is None and dest.device.type == "cpu" and dest.is_contiguous() and dest.dtype == file.dtype(hf_name):
+            file.read_into(hf_name, dest)  # (no copy: the file's bytes land in the parameter)
+        else:
+            dest.copy_(file.read(hf_name) if tensor is None else tensor)
         self.seen[name] = self.seen.get(name, 0) + dest.numel()
 
     def check_complete(self, source: Path) -> None:
-        missing = [n for n, p in self.params.items() if self.seen.get(n, 0) != p.numel()]
+        missing = [n for n, size in self.sizes.items() if self.seen.get(n, 0) != size]
         if missing:
             raise ValueError(f"model: checkpoint in {source} lacks weights for {missing[:5]}"
                              f"{' ...' if len(missing) > 5 else ''}")
 
 
 @torch.no_grad()
-def _load_safetensors(model: LlamaForCausalLM, model_dir: Path, quant: QuantConfig | None = None) -> None:
-    """quant: the checkpoint's quantisation (its quantised layers are filled by engine/quant first)."""
-    filler = _Filler(model)
-    consumed: set[str] = set()
+def _load_safetensors(model: LlamaForCausalLM, model_dir: Path, quant: QuantConfig | None = None,
+                      dtype: torch.dtype | None = None) -> None:
+    """quant: the model's quantisation (a quantised checkpoint's layers are filled by engine/quant
+    first). Each tensor is read with explicit reads into its parameter (safetensors_reader.py), so
+    the file's pages never count in the process's memory; under tp, this rank's slices are read."""
+    filler = _Filler(model, dtype)
     files = safetensors_files(model_dir)
     progress = LoadProgress(str(model_dir), sum(file.stat().st_size for file in files), len(files))
-    if quant is not None:
-        index = {}
+    if model.tp is not None:
         for file in files:
             with safe_open(str(file), framework="pt") as f:
-                index.update((name, file) for name in f.keys())
-        consumed = quant_loading.load_quantized(model, quant, index, lambda n: _target(model, n),
-                                                on_tensor=lambda t: progress.advance(t.nbytes))
-    for file in files:
-        with safe_open(str(file), framework="pt") as f:
-            for hf_name in f.keys():
-                if hf_name not in consumed and _target(model, hf_name) is not None:
-                    if model.tp is None:
-                        tensor = f.get_tensor(hf_name)
-                        filler.put(hf_name, tensor)
-                        progress.advance(tensor.nbytes)
-                    else:  # this rank reads its slice; the bar counts the file's bytes gone past
+                for hf_name in f.keys():
+                    if _target(model, hf_name) is not None:  # the bar counts the file's bytes gone past
                         reader = f.get_slice(hf_name)
                         filler.put(hf_name, reader=reader)
                         progress.advance(math.prod(reader.get_shape()) * SAFETENSORS_DTYPE_BYTES.get(reader.get_dtype(), 2))
+        progress.finish()
+        filler.check_complete(model_dir)
+        return
+    with ExitStack() as stack:
+        opened = [stack.enter_context(SafetensorsFile(file)) for file in files]
+        where = {name: f for f in opened for name in f.keys()}
+        consumed: set[str] = set()
+        if quant is not None and not quant.quantize_at_load:
+            consumed = quant_loading.load_quantized(model, quant, list(where), lambda n: where[n].read(n),
+                                                    lambda n: _target(model, n),
+                                                    on_tensor=lambda t: progress.advance(t.nbytes))
+        for hf_name, f in where.items():
+            if hf_name not in consumed and _target(model, hf_name) is not None:
+                filler.put(hf_name, file=f)
+                progress.advance(math.prod(f.shape(hf_name)) * f.dtype(hf_name).itemsize)
     progress.finish()
     filler.check_complete(model_dir)
 

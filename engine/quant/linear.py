@@ -76,6 +76,7 @@ def quantize_fp8_acts(x: torch.Tensor, scale: torch.Tensor | None) -> tuple[torc
 class Fp8Method:
     def __init__(self, config: QuantConfig) -> None:
         self.activations = config.activations  # None | "static" | "dynamic"
+        self.at_load = config.quantize_at_load  # weights quantised from a full-precision checkpoint as read
 
     def create(self, module: nn.Module, device) -> None:
         out, inp = module.out_features, module.in_features

@@ -2,13 +2,14 @@
 
 The model is built on the meta device; `prepare` swaps the dense weight of every quantised
 linear layer for its method's buffers before anything is allocated, so loading never holds the
-full-precision model (peak: the quantised model plus one module's checkpoint tensors).
+full-precision model (peak: the quantised model plus one module's checkpoint tensors). With
+--quantization fp8 each full-precision weight is quantised as it is read (`quantize_rows_into`).
 """
 
 from __future__ import annotations
 
 import logging
-from pathlib import Path
+from contextlib import contextmanager
 from typing import Callable
 
 import torch
@@ -119,17 +120,16 @@ def fill_module(module: nn.Module, rows: slice | None, config: QuantConfig, tens
     seen[id(module)] = seen.get(id(module), 0) + part
 
 
-def load_quantized(model: nn.Module, config: QuantConfig, index: dict[str, Path],
+def load_quantized(model: nn.Module, config: QuantConfig, names: list[str], read: Callable[[str], torch.Tensor],
                    target: Callable[[str], tuple[str, tuple] | None],
                    on_tensor: Callable[[torch.Tensor], None] | None = None) -> set[str]:
-    """Fill every quantised layer from the checkpoint; index: tensor name -> its file. Returns
-    the tensor names consumed (the rest load as usual). on_tensor sees each tensor read (progress)."""
-    from safetensors import safe_open
-
+    """Fill every quantised layer from the checkpoint; names: its tensors, read(name) one of them.
+    Returns the tensor names consumed (the rest load as usual). on_tensor sees each tensor read
+    (progress)."""
     linears = quantized_linears(model)
     wanted = suffixes(config)
     groups: dict[str, dict[str, str]] = {}
-    for name in index:
+    for name in names:
         prefix, _, suffix = name.rpartition(".")
         if suffix in wanted:
             groups.setdefault(prefix, {})[suffix] = name
@@ -146,14 +146,16 @@ def load_quantized(model: nn.Module, config: QuantConfig, index: dict[str, Path]
             continue
         tensors = {}
         for suffix, name in names.items():
-            with safe_open(str(index[name]), framework="pt") as f:
-                tensors[suffix] = f.get_tensor(name)
+            tensors[suffix] = read(name)
             if on_tensor is not None:
                 on_tensor(tensors[suffix])
         fill_module(module, idx[0] if idx else None, config, tensors, prefix, seen)
+        del tensors
         consumed.update(names.values())
         if seen[id(module)] == module.out_features and getattr(module.quant, "repack_dtype", None) is not None:
             _repack(module, kiln_name.removesuffix(".weight"), module.quant.repack_dtype, left)
+        elif _on_cpu(module):
+            _return_freed_memory()  # (this module's checkpoint tensors and conversion temporaries)
     missing = [n for n, m in linears.items() if seen.get(id(m), 0) != m.out_features]
     if missing:
         raise ValueError(f"quantization: the checkpoint lacks quantised weights for {missing[:4]}"
@@ -162,25 +164,39 @@ def load_quantized(model: nn.Module, config: QuantConfig, index: dict[str, Path]
     return consumed
 
 
+def quantized_at_load(model: nn.Module) -> dict[str, nn.Module]:
+    """The layers --quantization fp8 quantises from the full-precision checkpoint's weights."""
+    return {n: m for n, m in quantized_linears(model).items() if getattr(getattr(m, "quant", None), "at_load", False)}
+
+
+FP8_ROW_CHUNK = 1024  # rows quantised at a time: the float32 temporaries stay a few times a chunk
+
+
 @torch.no_grad()
-def quantize_loaded(model: nn.Module, config: QuantConfig) -> None:
-    """--quantization fp8 on a full-precision checkpoint: each layer in turn becomes e4m3 with a
-    scale per output row (the dense weight is freed as it goes)."""
-    method = make_method(config)
-    for module in quantized_linears(model).values():
-        w = module.weight.data
-        q, scale = quantize_fp8_rows(w)
-        attach(module, method, w.device)
-        module.weight_fp8.copy_(q)
-        module.weight_scale.copy_(scale)
-        del w
+def quantize_rows_into(module: nn.Module, rows: slice | None, w: torch.Tensor, hf_name: str,
+                       dtype: torch.dtype | None = None) -> None:
+    """--quantization fp8: one checkpoint weight (all the layer's rows, or its `rows` of a fused
+    layer) -> e4m3 rows with a scale per row, written into the layer. dtype: the model's, which
+    the weight is rounded to first (as if loaded dense and then quantised)."""
+    q_dest = module.weight_fp8 if rows is None else module.weight_fp8[rows]
+    s_dest = module.weight_scale if rows is None else module.weight_scale[rows]
+    if tuple(w.shape) != tuple(q_dest.shape):
+        raise ValueError(f"model: {hf_name} has shape {tuple(w.shape)}, expected {tuple(q_dest.shape)}")
+    for r in range(0, w.shape[0], FP8_ROW_CHUNK):
+        part = w[r:r + FP8_ROW_CHUNK].to(q_dest.device)
+        q, scale = quantize_fp8_rows(part if dtype is None else part.to(dtype))
+        q_dest[r:r + FP8_ROW_CHUNK].copy_(q)
+        s_dest[r:r + FP8_ROW_CHUNK].copy_(scale)
+    if _on_cpu(module):
+        _return_freed_memory()
 
 
 @torch.no_grad()
 def init_dummy(model: nn.Module, seed: int) -> None:
     """Random weights (about N(0, 0.02) once dequantised) for quantised layers with load_format=dummy."""
     gen = torch.Generator(device=next(model.buffers()).device).manual_seed(seed + 1)
-    for module in quantized_linears(model).values():
+    left: dict[str, list[str]] = {}
+    for name, module in quantized_linears(model).items():
         if getattr(module, "quant", None) is None:
             continue
         if hasattr(module, "qweight"):
@@ -188,11 +204,23 @@ def init_dummy(model: nn.Module, seed: int) -> None:
             module.zeros.fill_(1 << (module.quant.bits - 1))
             module.scales.fill_(0.02 / (1 << (module.quant.bits - 2)))
             module.g_idx.copy_(int_formats.default_g_idx(module.in_features, module.quant.group_size))
+            if getattr(module.quant, "repack_dtype", None) is not None:  # (one layer unpacked at a time)
+                _repack(module, name, module.quant.repack_dtype, left)
+        elif module.quant.at_load:  # N(0, 0.02) dense weights, as without quantisation, quantised
+            for r in range(0, module.out_features, FP8_ROW_CHUNK):
+                rows = min(FP8_ROW_CHUNK, module.out_features - r)
+                w = torch.empty(rows, module.in_features, device=gen.device).normal_(0.0, 0.02, generator=gen)
+                quantize_rows_into(module, slice(r, r + rows), w, "(dummy)")
         else:
             module.weight_fp8.copy_(torch.randn(module.weight_fp8.shape, generator=gen).clamp(-8, 8).to(FP8))
             module.weight_scale.fill_(0.02)
             if hasattr(module, "input_scale"):
                 module.input_scale.fill_(0.05)
+    _log_left(left)
+
+
+def _on_cpu(module: nn.Module) -> bool:
+    return next(module.buffers()).device.type == "cpu"
 
 
 def _repack(module: nn.Module, name: str, dtype: torch.dtype, left: dict[str, list[str]]) -> None:
@@ -204,21 +232,53 @@ def _repack(module: nn.Module, name: str, dtype: torch.dtype, left: dict[str, li
         _return_freed_memory()
 
 
-def _return_freed_memory() -> None:
-    """Hand the heap memory freed by a layer's unpacked form back to the OS (glibc keeps freed
-    blocks under its dynamic mmap threshold, up to 32 MB each, for reuse; without this the
-    resident size of a CPU load grows by the unpacked model). A no-op where libc has no malloc_trim."""
+def _glibc():
+    """glibc through ctypes (None where the C library is another one)."""
     global _LIBC
     if _LIBC is None:
         import ctypes
 
         try:
             _LIBC = ctypes.CDLL("libc.so.6")
-            _LIBC.malloc_trim
+            _LIBC.malloc_trim, _LIBC.mallopt
         except (OSError, AttributeError):
             _LIBC = False
-    if _LIBC:
+    return _LIBC or None
+
+
+def _return_freed_memory() -> None:
+    """Hand the heap memory freed by a layer's temporaries back to the OS (glibc keeps freed
+    blocks under its dynamic mmap threshold, up to 32 MB each, for reuse; without this the
+    resident size of a CPU load grows by the unpacked model). A no-op where libc has no malloc_trim."""
+    if _glibc():
         _LIBC.malloc_trim(0)
+
+
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # mallopt parameters (malloc.h)
+LOAD_MMAP_THRESHOLD = 256 * 1024
+GLIBC_MMAP_THRESHOLD_MAX = 32 * 1024 * 1024  # where glibc's dynamic threshold stops growing (64-bit)
+
+
+@contextmanager
+def heap_returned_while_loading():
+    """While a model loads, every allocation over 256 KB gets its own mapping, which goes back to
+    the OS when freed. Without this, glibc's dynamic threshold rises to the size of the first
+    large tensor freed and the later temporaries (checkpoint tensors, unpacking, repacking) come
+    from its heap, where freed blocks stay resident and fragment: the peak of an int4 load varied
+    between 1.27x and 1.60x the quantised model from run to run, against 1.18x with this
+    (BENCH_quantload.md). Afterwards the threshold is left where glibc's own dynamic rule ends up
+    once tensors of 32 MB or more were freed (its maximum), and the trim threshold at twice it,
+    as glibc sets them (fixing the threshold turns the dynamic rule off for the process)."""
+    libc = _glibc()
+    if libc:
+        libc.mallopt(M_MMAP_THRESHOLD, LOAD_MMAP_THRESHOLD)
+    try:
+        yield
+    finally:
+        if libc:
+            libc.mallopt(M_MMAP_THRESHOLD, GLIBC_MMAP_THRESHOLD_MAX)
+            libc.mallopt(M_TRIM_THRESHOLD, 2 * GLIBC_MMAP_THRESHOLD_MAX)
+            libc.malloc_trim(0)
 
 
 _LIBC = None  # ctypes handle of glibc once looked up (False: none)
