@@ -42,6 +42,37 @@ def test_quantize_and_dequantize_by_hand():
                        torch.tensor([1.0, 3.25, 448.0, -448.0]))
 
 
+def test_quantize_is_round_to_nearest_even_with_subnormals_and_saturation():
+    """Against every e4m3 value: x goes to the nearest one, exact ties to the even code (the
+    one whose last mantissa bit is 0), subnormals (steps of 2^-9 below 2^-6) included, and
+    anything past ±448 (inf too) saturates; what the CUDA write (__NV_SATFINITE) does."""
+    grid = torch.arange(256, dtype=torch.uint8).view(FP8_DTYPE).float()
+    codes = torch.arange(256)
+    finite = ~torch.isnan(grid) & ~((grid == 0) & (codes == 128))  # one zero, no NaN
+    grid, codes = grid[finite], codes[finite]
+    order = grid.argsort()
+    grid, codes = grid[order], codes[order]
+    assert grid[grid > 0].min() == 2 ** -9 and grid.max() == FP8_MAX
+    ties = (grid[1:] + grid[:-1]) / 2  # exactly representable in float32
+    x = torch.cat([ties, torch.nextafter(ties, ties + 1), torch.nextafter(ties, ties - 1),
+                   torch.randn(20000) * torch.logspace(-4, 3, 20000), torch.tensor([449.0, 1e9, -float("inf")])])
+    hi = torch.searchsorted(grid, x.clamp(-FP8_MAX, FP8_MAX)).clamp(1, len(grid) - 1)
+    lo = hi - 1
+    xc = x.clamp(-FP8_MAX, FP8_MAX)
+    d_lo, d_hi = xc - grid[lo], grid[hi] - xc
+    take_hi = (d_hi < d_lo) | ((d_hi == d_lo) & (codes[hi] % 2 == 0))
+    expected = torch.where(take_hi, grid[hi], grid[lo])
+    assert torch.equal(quantize_fp8(x, None).float(), expected)
+
+
+def test_dequantize_to_bf16_rounds_once():
+    """The product element * scale is taken in float32 and rounded to bf16 once, as the kernels
+    do in registers (a scale rounded to bf16 first would bias the whole layer)."""
+    scale = torch.tensor(0.0123456)
+    q = quantize_fp8(torch.randn(4096), scale)
+    assert torch.equal(from_cache(q, torch.bfloat16, scale), (q.float() * scale).to(torch.bfloat16))
+
+
 def test_write_kv_stores_scaled_bytes_and_attention_reads_them_back():
     k = torch.tensor([[[1.0, -3.0, 100.0, 0.5]]])  # [T=1, Hkv=1, D=4]
     v = torch.tensor([[[2.0, 7.0, -900.0, 0.25]]])
