@@ -159,12 +159,12 @@ def test_engine_block_count_doubles_vs_bf16(make_llm):
 
 # ---- output quality ----
 
-def _agreement(a, b):
+def token_agreement(a, b):
     pairs = [(x, y) for oa, ob in zip(a, b) for x, y in zip(oa.outputs[0].token_ids, ob.outputs[0].token_ids)]
     return sum(x == y for x, y in pairs) / len(pairs)
 
 
-def _drift(a, b):
+def logprob_drift(a, b):
     """|logprob difference| of the chosen token at each position both runs agree on so far."""
     d = []
     for oa, ob in zip(a, b):
@@ -173,7 +173,7 @@ def _drift(a, b):
             if ta != tb:
                 break
             d.append(abs(la[ta] - lb[tb]))
-    return sum(d) / len(d), max(d)
+    return (sum(d) / len(d), max(d)) if d else (float("nan"), float("nan"))  # nan: every first token differs
 
 
 PROMPTS = [f"The number {i} is followed by" for i in range(20)]
@@ -213,7 +213,7 @@ def test_agreement_with_the_model_dtype_cache(make_llm, tiny_models, arch):
                             ("bf16 model", dict(dtype="bfloat16"))):
         llm = make_llm(model, enforce_eager=False, **settings)
         gen = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
-        greedy, (mean, worst) = _agreement(ref_gen, gen), _drift(ref_gen, gen)
+        greedy, (mean, worst) = token_agreement(ref_gen, gen), logprob_drift(ref_gen, gen)
         results[label] = _positionwise(seqs, ref, scored(llm))
         print(f"{arch}: {label} vs fp32 KV, 20 prompts x 32 tokens: greedy token agreement {greedy:.4f}, "
               f"logprob drift mean {mean:.4f} max {worst:.4f} (until the first difference); position-wise "
@@ -223,6 +223,56 @@ def test_agreement_with_the_model_dtype_cache(make_llm, tiny_models, arch):
     bad = make_llm(model, kv_cache_dtype="fp8")
     bad.engine.kv_cache.set_scales(torch.full_like(bad.engine.kv_cache.scales, 1e-4))  # everything saturates
     assert _positionwise(seqs, ref, scored(bad))[0] < results["fp8 KV"][0] - 0.2
+
+
+# The fidelity gate: models trained on the tokenizer's corpus (conftest trained_tiny_model).
+# Half the prompts are pieces of the corpus, half are text the model never saw that leads into
+# a piece of it; 32 greedy tokens each. (On text that never meets the corpus the trained models
+# are as unsure as random ones: tools/bench_fp8_kv.py prints those figures.)
+FIDELITY_PROMPTS = [
+    "The quick brown fox", "A kiln is a thermally insulated", "Kilns have been used for", "Large language models generate",
+    "Paged attention stores the keys", "Continuous batching lets new", "Hello, world! How are", "Numbers: 0 1 2 3",
+    "The user asked a question and", "What is the capital of",
+    "Yesterday I learnt that a kiln is a", "Grandma said: the quick brown", "For the exam: paged attention stores",
+    "Breaking news! Continuous batching lets", "My notes say large language models", "Ok so, hello, world! How",
+    "In short, kilns have been used", "Dear sir, the user asked a", "Read this: numbers: 0 1 2",
+    "Quiz time. What is the capital",
+]
+GATE = 0.95
+
+
+def greedy_fidelity(llm, ref) -> tuple[float, float, float, list]:
+    """(token agreement, mean and max logprob drift) of `llm`'s greedy run of FIDELITY_PROMPTS
+    against `ref`'s outputs, and the outputs."""
+    out = llm.generate(FIDELITY_PROMPTS, GREEDY, use_tqdm=False)
+    mean, worst = logprob_drift(ref, out)
+    return token_agreement(ref, out), mean, worst, out
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_fp8_cache_within_tolerance_of_the_model_dtype_cache(make_llm, trained_tiny_model, monkeypatch, arch):
+    """The issue's gate on trained tiny models: bf16 model + fp8 cache (scales 1.0, kiln's default
+    without checkpoint scales; and calibrated) against the same bf16 model + bf16 cache: >= 95% of
+    the 20 x 32 greedy tokens agree, logprob drift printed. A cache read back with the wrong scale
+    (x16, as a write/read mismatch would) must fall far below, so the gate can fail."""
+    model = trained_tiny_model(arch)
+    ref = make_llm(model, dtype="bfloat16").generate(FIDELITY_PROMPTS, GREEDY, use_tqdm=False)
+    assert "lazy dog" in ref[0].outputs[0].text  # the model has learnt its corpus
+    results = {}
+    for label, settings in (("fp8 KV, scales 1.0", {}), ("fp8 KV, calibrated", dict(calculate_kv_scales=True))):
+        llm = make_llm(model, dtype="bfloat16", kv_cache_dtype="fp8", **settings)
+        results[label] = greedy_fidelity(llm, ref)[:3]
+    import compiler.reference_attention as reference
+
+    read = reference.from_cache
+    monkeypatch.setattr(reference, "from_cache", lambda x, dtype, scale: read(x, dtype, scale * 16))
+    wrong = make_llm(model, dtype="bfloat16", kv_cache_dtype="fp8", calculate_kv_scales=True)
+    results["fp8 KV read x16 (broken)"] = greedy_fidelity(wrong, ref)[:3]
+    for label, (agree, mean, worst) in results.items():
+        print(f"trained tiny {arch}, bf16 model: {label} vs bf16 KV, 20 prompts x 32 greedy tokens: token agreement "
+              f"{agree:.4f}, logprob drift mean {mean:.4f} max {worst:.4f} (until the first difference)")
+    assert results["fp8 KV, scales 1.0"][0] >= GATE and results["fp8 KV, calibrated"][0] >= GATE
+    assert results["fp8 KV read x16 (broken)"][0] < 0.5
 
 
 # ---- scales from a checkpoint ----
