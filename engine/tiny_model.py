@@ -135,6 +135,10 @@ def make_tiny_model(out_dir: str | Path, arch: str = "llama", seed: int = 0,
     import torch
     import transformers
 
+    if train_steps < 0:
+        raise ValueError(f"train_steps must be >= 0, got {train_steps}")
+    if train_steps and (config_only or preset is not None):
+        raise ValueError("--train-steps trains a tiny model: it does not go with --preset or --config-only")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     tokenizer = train_tokenizer()
@@ -147,8 +151,6 @@ def make_tiny_model(out_dir: str | Path, arch: str = "llama", seed: int = 0,
                    pad_token_id=ids["pad"])
     else:
         raw = tiny_config(arch, len(tokenizer), ids["bos"], ids["eos"], ids["pad"])
-    if train_steps and (config_only or preset is not None):
-        raise ValueError("--train-steps trains a tiny model: it does not go with --preset or --config-only")
     raw.update(overrides or {})
     if config_only:
         (out / "config.json").write_text(json.dumps(raw, indent=2))
