@@ -43,8 +43,12 @@ def from_cache(x: torch.Tensor, dtype: torch.dtype, scale: torch.Tensor | None) 
     """Cache elements as `dtype` values: dequantized (element * scale) for an fp8 cache."""
     if not is_fp8(x.dtype):
         return x.to(dtype)
-    y = x.to(dtype)
-    return y if scale is None else y * scale.to(dtype)
+    if scale is None:
+        return x.to(dtype)  # exact: every e4m3 value is a bf16 / fp16 / fp32 value
+    # The product in float32, rounded to `dtype` once, as the kernels do in registers: a scale
+    # cast to bf16 first would be off by up to 2^-9 for the whole layer, and the product
+    # rounded twice.
+    return (x.float() * scale.float()).to(dtype)
 
 
 def layer_scales(kv_scales: torch.Tensor | None, layer: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:

@@ -53,7 +53,7 @@ def _cmd_make_tiny_model(args: argparse.Namespace) -> int:
     from engine.tiny_model import make_tiny_model
 
     path = make_tiny_model(args.dir, arch=args.arch, seed=args.seed, preset=args.preset,
-                           config_only=args.config_only)
+                           config_only=args.config_only, train_steps=args.train_steps)
     print(path)
     return 0
 
@@ -166,6 +166,9 @@ def build_parser() -> argparse.ArgumentParser:
     tiny.add_argument("--seed", type=int, default=0)
     tiny.add_argument("--preset", default=None, choices=list(PRESETS))
     tiny.add_argument("--config-only", action="store_true", help="config + tokenizer only (load_format=dummy)")
+    tiny.add_argument("--train-steps", type=int, default=0,
+                      help="train the random model this many Adam steps on the tokenizer's corpus (seconds on a "
+                           "CPU): peaked, attention-dependent outputs for fidelity gates such as the fp8 KV cache's")
     tiny.set_defaults(func=_cmd_make_tiny_model)
 
     sub.add_parser("build-kernels", help="build the CUTLASS attention kernels ahead of time", add_help=False)

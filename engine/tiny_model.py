@@ -3,7 +3,11 @@
 `kiln make-tiny-model DIR --arch llama|qwen2|qwen3|mistral` writes config.json,
 model.safetensors and a byte-level BPE tokenizer (bos/eos, chat template). With
 `--preset` and `--config-only` it writes a real-size config (and the tokenizer) for
-`load_format=dummy` benchmarks. No model hub is needed anywhere.
+`load_format=dummy` benchmarks. With `--train-steps N` the random model is then trained for N
+Adam steps on the tokenizer's corpus (seconds on a CPU, seeded): it memorises the text, so
+its next-token distributions are peaked and depend on attention, which makes it a gate for
+numerical fidelity (an fp8 KV cache, a kernel) where a random model's near-flat logits flip on
+any rounding. No model hub is needed anywhere.
 """
 
 from __future__ import annotations
@@ -127,10 +131,14 @@ def tiny_config(arch: str, vocab_size: int, bos: int, eos: int, pad: int) -> dic
 
 def make_tiny_model(out_dir: str | Path, arch: str = "llama", seed: int = 0,
                     preset: str | None = None, config_only: bool = False,
-                    overrides: dict | None = None) -> Path:
+                    overrides: dict | None = None, train_steps: int = 0) -> Path:
     import torch
     import transformers
 
+    if train_steps < 0:
+        raise ValueError(f"train_steps must be >= 0, got {train_steps}")
+    if train_steps and (config_only or preset is not None):
+        raise ValueError("--train-steps trains a tiny model: it does not go with --preset or --config-only")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     tokenizer = train_tokenizer()
@@ -155,9 +163,63 @@ def make_tiny_model(out_dir: str | Path, arch: str = "llama", seed: int = 0,
         for name, p in model.named_parameters():
             if name.endswith("bias") or "norm" in name:
                 p.add_(torch.randn_like(p) * 0.1)
+    if train_steps:
+        train_on_corpus(model, tokenizer, train_steps, seed)
     model.save_pretrained(out, safe_serialization=True)
     config.save_pretrained(out)
     return out
+
+
+def train_on_corpus(model, tokenizer, steps: int, seed: int, window: int = 64, batch: int = 8,
+                    lr: float = 1e-2) -> float:
+    """`steps` Adam steps of next-token loss on windows of the built-in corpus (bos + `window`
+    tokens from a random offset of the repeated text, so every position is seen with and
+    without long context); returns the last step's loss. Seeded: the same seed gives the same
+    weights on the same machine. The learning rate decays linearly to a tenth, so the last
+    steps settle rather than bounce. One thread: the model is too small to gain from more, and
+    OpenMP threads on a loaded machine spin (measured: 5-20x slower on 2 shared cores); one
+    thread also keeps the result independent of the machine's thread count."""
+    import torch
+
+    if steps < 0:
+        raise ValueError(f"train_steps must be >= 0, got {steps}")
+    ids = tokenizer(_CORPUS, add_special_tokens=False)["input_ids"]
+    if len(ids) < window + 1:
+        raise ValueError(f"the corpus has {len(ids)} tokens, fewer than a training window of {window + 1}")
+    stream = torch.tensor(ids * 2)  # wraps around: windows may cross the end into the start
+    bos = torch.full((batch, 1), tokenizer.bos_token_id)
+    vocab = len(tokenizer)
+    gen = torch.Generator().manual_seed(seed)
+    opt = torch.optim.Adam(model.parameters(), lr=lr)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: 1.0 - 0.9 * i / steps)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    model.train()
+    try:
+        loss = float("nan")
+        for _ in range(steps):
+            starts = torch.randint(0, len(ids), (batch,), generator=gen)
+            text = stream[starts[:, None] + torch.arange(window)]
+            # Half the rows open with up to `window // 4` random tokens (unscored) before the
+            # text: the model learns to fall into the corpus after text it has never seen.
+            noise = torch.randint(len(SPECIAL_TOKENS), vocab, (batch, window), generator=gen)
+            lead = torch.randint(0, window // 4 + 1, (batch, 1), generator=gen)
+            lead = torch.where(torch.rand(batch, 1, generator=gen) < 0.5, lead, 0)
+            pos = torch.arange(window)
+            body = torch.where(pos < lead, noise, text.gather(1, (pos - lead).clamp_min(0)))
+            x = torch.cat([bos, body], dim=1)
+            target = torch.where(pos < lead, -100, body)
+            logits = model(input_ids=x).logits[:, :-1]
+            step_loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1))
+            opt.zero_grad()
+            step_loss.backward()
+            opt.step()
+            sched.step()
+            loss = step_loss.item()
+    finally:
+        torch.set_num_threads(threads)
+        model.eval()
+    return loss
 
 
 def make_periodic_model(out_dir: str | Path, period: int = 8, mix: float = 0.02, seed: int = 0) -> Path:

@@ -30,6 +30,27 @@ def tiny_models(tmp_path_factory) -> dict[str, Path]:
     return {arch: make_tiny_model(root / arch, arch=arch, seed=1 + i) for i, arch in enumerate(ARCHS)}
 
 
+TRAIN_STEPS = 500
+
+
+@pytest.fixture(scope="session")
+def trained_tiny_model(tmp_path_factory):
+    """arch -> a tiny checkpoint trained TRAIN_STEPS steps on the tokenizer's corpus
+    (engine/tiny_model.py train_on_corpus): peaked next-token distributions that depend on
+    attention, for fidelity gates. Each arch is trained on first use, once per session."""
+    from engine.tiny_model import make_tiny_model
+
+    root = tmp_path_factory.mktemp("trained-tiny-models")
+    made: dict[str, Path] = {}
+
+    def get(arch: str) -> Path:
+        if arch not in made:
+            made[arch] = make_tiny_model(root / arch, arch=arch, seed=1, train_steps=TRAIN_STEPS)
+        return made[arch]
+
+    return get
+
+
 @pytest.fixture(scope="session")
 def tiny_llama(tiny_models) -> Path:
     return tiny_models["llama"]

@@ -42,6 +42,37 @@ def test_quantize_and_dequantize_by_hand():
                        torch.tensor([1.0, 3.25, 448.0, -448.0]))
 
 
+def test_quantize_is_round_to_nearest_even_with_subnormals_and_saturation():
+    """Against every e4m3 value: x goes to the nearest one, exact ties to the even code (the
+    one whose last mantissa bit is 0), subnormals (steps of 2^-9 below 2^-6) included, and
+    anything past ±448 (inf too) saturates; what the CUDA write (__NV_SATFINITE) does."""
+    grid = torch.arange(256, dtype=torch.uint8).view(FP8_DTYPE).float()
+    codes = torch.arange(256)
+    finite = ~torch.isnan(grid) & ~((grid == 0) & (codes == 128))  # one zero, no NaN
+    grid, codes = grid[finite], codes[finite]
+    order = grid.argsort()
+    grid, codes = grid[order], codes[order]
+    assert grid[grid > 0].min() == 2 ** -9 and grid.max() == FP8_MAX
+    ties = (grid[1:] + grid[:-1]) / 2  # exactly representable in float32
+    x = torch.cat([ties, torch.nextafter(ties, ties + 1), torch.nextafter(ties, ties - 1),
+                   torch.randn(20000) * torch.logspace(-4, 3, 20000), torch.tensor([449.0, 1e9, -float("inf")])])
+    hi = torch.searchsorted(grid, x.clamp(-FP8_MAX, FP8_MAX)).clamp(1, len(grid) - 1)
+    lo = hi - 1
+    xc = x.clamp(-FP8_MAX, FP8_MAX)
+    d_lo, d_hi = xc - grid[lo], grid[hi] - xc
+    take_hi = (d_hi < d_lo) | ((d_hi == d_lo) & (codes[hi] % 2 == 0))
+    expected = torch.where(take_hi, grid[hi], grid[lo])
+    assert torch.equal(quantize_fp8(x, None).float(), expected)
+
+
+def test_dequantize_to_bf16_rounds_once():
+    """The product element * scale is taken in float32 and rounded to bf16 once, as the kernels
+    do in registers (a scale rounded to bf16 first would bias the whole layer)."""
+    scale = torch.tensor(0.0123456)
+    q = quantize_fp8(torch.randn(4096), scale)
+    assert torch.equal(from_cache(q, torch.bfloat16, scale), (q.float() * scale).to(torch.bfloat16))
+
+
 def test_write_kv_stores_scaled_bytes_and_attention_reads_them_back():
     k = torch.tensor([[[1.0, -3.0, 100.0, 0.5]]])  # [T=1, Hkv=1, D=4]
     v = torch.tensor([[[2.0, 7.0, -900.0, 0.25]]])
@@ -128,12 +159,12 @@ def test_engine_block_count_doubles_vs_bf16(make_llm):
 
 # ---- output quality ----
 
-def _agreement(a, b):
+def token_agreement(a, b):
     pairs = [(x, y) for oa, ob in zip(a, b) for x, y in zip(oa.outputs[0].token_ids, ob.outputs[0].token_ids)]
     return sum(x == y for x, y in pairs) / len(pairs)
 
 
-def _drift(a, b):
+def logprob_drift(a, b):
     """|logprob difference| of the chosen token at each position both runs agree on so far."""
     d = []
     for oa, ob in zip(a, b):
@@ -142,7 +173,7 @@ def _drift(a, b):
             if ta != tb:
                 break
             d.append(abs(la[ta] - lb[tb]))
-    return sum(d) / len(d), max(d)
+    return (sum(d) / len(d), max(d)) if d else (float("nan"), float("nan"))  # nan: every first token differs
 
 
 PROMPTS = [f"The number {i} is followed by" for i in range(20)]
@@ -182,7 +213,7 @@ def test_agreement_with_the_model_dtype_cache(make_llm, tiny_models, arch):
                             ("bf16 model", dict(dtype="bfloat16"))):
         llm = make_llm(model, enforce_eager=False, **settings)
         gen = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
-        greedy, (mean, worst) = _agreement(ref_gen, gen), _drift(ref_gen, gen)
+        greedy, (mean, worst) = token_agreement(ref_gen, gen), logprob_drift(ref_gen, gen)
         results[label] = _positionwise(seqs, ref, scored(llm))
         print(f"{arch}: {label} vs fp32 KV, 20 prompts x 32 tokens: greedy token agreement {greedy:.4f}, "
               f"logprob drift mean {mean:.4f} max {worst:.4f} (until the first difference); position-wise "
@@ -192,6 +223,84 @@ def test_agreement_with_the_model_dtype_cache(make_llm, tiny_models, arch):
     bad = make_llm(model, kv_cache_dtype="fp8")
     bad.engine.kv_cache.set_scales(torch.full_like(bad.engine.kv_cache.scales, 1e-4))  # everything saturates
     assert _positionwise(seqs, ref, scored(bad))[0] < results["fp8 KV"][0] - 0.2
+
+
+# The fidelity gate: models trained on the tokenizer's corpus (conftest trained_tiny_model).
+# Half the prompts are pieces of the corpus, half are text the model never saw that leads into
+# a piece of it; 32 greedy tokens each. (On text that never meets the corpus the trained models
+# are as unsure as random ones: tools/bench_fp8_kv.py prints those figures.)
+FIDELITY_PROMPTS = [
+    "The quick brown fox", "A kiln is a thermally insulated", "Kilns have been used for", "Large language models generate",
+    "Paged attention stores the keys", "Continuous batching lets new", "Hello, world! How are", "Numbers: 0 1 2 3",
+    "The user asked a question and", "What is the capital of",
+    "Yesterday I learnt that a kiln is a", "Grandma said: the quick brown", "For the exam: paged attention stores",
+    "Breaking news! Continuous batching lets", "My notes say large language models", "Ok so, hello, world! How",
+    "In short, kilns have been used", "Dear sir, the user asked a", "Read this: numbers: 0 1 2",
+    "Quiz time. What is the capital",
+]
+GATE = 0.95
+
+
+def greedy_fidelity(llm, ref) -> tuple[float, float, float, list]:
+    """(token agreement, mean and max logprob drift) of `llm`'s greedy run of FIDELITY_PROMPTS
+    against `ref`'s outputs, and the outputs."""
+    out = llm.generate(FIDELITY_PROMPTS, GREEDY, use_tqdm=False)
+    mean, worst = logprob_drift(ref, out)
+    return token_agreement(ref, out), mean, worst, out
+
+
+def test_make_tiny_model_train_steps(tmp_path, capsys):
+    """`kiln make-tiny-model DIR --train-steps N` trains (the weights move, the loss falls, the
+    seed fixes the result); the option refuses what it cannot train."""
+    from safetensors.torch import load_file
+
+    from engine.cli import main
+    from engine.tiny_model import make_tiny_model, train_on_corpus, train_tokenizer
+
+    assert main(["make-tiny-model", str(tmp_path / "t"), "--train-steps", "2"]) == 0
+    make_tiny_model(tmp_path / "r", seed=0)
+    trained, plain = load_file(str(tmp_path / "t" / "model.safetensors")), load_file(str(tmp_path / "r" / "model.safetensors"))
+    assert trained.keys() == plain.keys() and not torch.equal(trained["lm_head.weight"], plain["lm_head.weight"])
+    import copy
+
+    import transformers
+
+    tok = train_tokenizer()
+    model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "r")
+    twin = copy.deepcopy(model)
+    first = train_on_corpus(model, tok, 1, seed=4)
+    assert train_on_corpus(twin, tok, 1, seed=4) == first  # seeded: the same step, the same loss
+    assert train_on_corpus(model, tok, 8, seed=4) < first
+    with pytest.raises(ValueError, match="train-steps"):
+        make_tiny_model(tmp_path / "x", preset="llama-3.2-1b", config_only=True, train_steps=5)
+    with pytest.raises(ValueError, match=">= 0"):
+        make_tiny_model(tmp_path / "y", train_steps=-1)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_fp8_cache_within_tolerance_of_the_model_dtype_cache(make_llm, trained_tiny_model, monkeypatch, arch):
+    """The issue's gate on trained tiny models: bf16 model + fp8 cache (scales 1.0, kiln's default
+    without checkpoint scales; and calibrated) against the same bf16 model + bf16 cache: >= 95% of
+    the 20 x 32 greedy tokens agree, logprob drift printed. A cache read back with the wrong scale
+    (x16, as a write/read mismatch would) must fall far below, so the gate can fail."""
+    model = trained_tiny_model(arch)
+    ref = make_llm(model, dtype="bfloat16").generate(FIDELITY_PROMPTS, GREEDY, use_tqdm=False)
+    assert "lazy dog" in ref[0].outputs[0].text  # the model has learnt its corpus
+    results = {}
+    for label, settings in (("fp8 KV, scales 1.0", {}), ("fp8 KV, calibrated", dict(calculate_kv_scales=True))):
+        llm = make_llm(model, dtype="bfloat16", kv_cache_dtype="fp8", **settings)
+        results[label] = greedy_fidelity(llm, ref)[:3]
+    import compiler.reference_attention as reference
+
+    read = reference.from_cache
+    monkeypatch.setattr(reference, "from_cache", lambda x, dtype, scale: read(x, dtype, scale * 16))
+    wrong = make_llm(model, dtype="bfloat16", kv_cache_dtype="fp8", calculate_kv_scales=True)
+    results["fp8 KV read x16 (broken)"] = greedy_fidelity(wrong, ref)[:3]
+    for label, (agree, mean, worst) in results.items():
+        print(f"trained tiny {arch}, bf16 model: {label} vs bf16 KV, 20 prompts x 32 greedy tokens: token agreement "
+              f"{agree:.4f}, logprob drift mean {mean:.4f} max {worst:.4f} (until the first difference)")
+    assert results["fp8 KV, scales 1.0"][0] >= GATE and results["fp8 KV, calibrated"][0] >= GATE
+    assert results["fp8 KV read x16 (broken)"][0] < 0.5
 
 
 # ---- scales from a checkpoint ----

@@ -1,7 +1,7 @@
 """FP8 KV cache benchmark (CPU): KV blocks at a fixed budget and decode throughput, fp8 vs auto.
 
     PYTHONPATH=. python tools/bench_fp8_kv.py [--budget-gb 0.05] [--batch 16] [--prompt-len 200] \
-        [--new-tokens 64] [--rounds 3]
+        [--new-tokens 64] [--rounds 3] [--no-speed] [--trained [--train-steps 500]] [--smollm2 FILE]
 
 1. Blocks: engines built on the tiny llama at the same kv_cache_memory_gb with model dtype fp32
    and bf16, kv_cache_dtype auto and fp8; prints the block counts and the ratios (fp8 / auto).
@@ -12,7 +12,14 @@
    the same run is the figure).
 3. The decode attention op alone (compiler/cpu_attention.py, compiled ahead of time) and write_kv,
    fp32 cache vs fp8 cache, batch 16 x 1024 context, 8 query / 2 KV heads of 64, alternated.
-4. With --smollm2 FILE (SmolLM2-135M-Instruct.Q4_1.gguf, tests/real_model.py fetches it): the
+4. With --trained: the fidelity gate's figures (tests/test_fp8_kv.py) on tiny llama and qwen3
+   models trained `--train-steps` steps on the tokenizer's corpus: greedy token agreement and
+   logprob drift of the fp8 cache (scales 1.0, calibrated) against the model-dtype cache, for a
+   bf16 and an fp32 model, over the gate's 20 prompts and over 10 prompts that never meet the
+   corpus; the bf16 model against the fp32 one for scale; and broken caches that the gate must
+   reject (read back x16, K and V swapped, V zeroed) or that it cannot see (a truncating
+   quantiser, a subtle error).
+5. With --smollm2 FILE (SmolLM2-135M-Instruct.Q4_1.gguf, tests/real_model.py fetches it): the
    agreement of a real model's fp8 cache (calibrated scales) and of its bf16 model with its fp32
    cache: position-wise (20 English sentences, the last 32 positions of each scored with prompt
    logprobs: same top-1 token, |logprob drift| of the actual next token) and greedy (20 prompts x
@@ -22,6 +29,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import random
 import statistics
@@ -174,6 +182,89 @@ def _smollm2(path: Path) -> None:
               f"greedy 20 x 32 token agreement {sum(x == y for x, y in pairs) / len(pairs):.4f}")
 
 
+OFF_CORPUS = ["Once upon a time there was", "My favourite colour is", "The weather in London today",
+              "Quantum computers use qubits", "She opened the door and saw", "def main():\n    print(",
+              "In 1492 Columbus sailed", "Roses are red, violets are", "The stock market fell sharply",
+              "Please summarise the following"]
+
+
+def _truncating_to_cache(x, cache_dtype, scale):
+    """A broken quantiser for the gate's resolution: rounds toward zero instead of to nearest."""
+    from compiler.kv_quant import FP8_MAX, is_fp8
+
+    if not is_fp8(cache_dtype):
+        return x.to(cache_dtype)
+    y = (x.float() if scale is None else x.float() / scale).clamp(-FP8_MAX, FP8_MAX)
+    return (y.view(torch.int32) & ~((1 << 20) - 1)).view(torch.float32).to(cache_dtype)  # keep 3 mantissa bits
+
+
+def _broken(kind: str):
+    """A context manager that breaks the reference cache path one way (eager engines only)."""
+    import contextlib
+
+    import compiler.ops
+    import compiler.reference_attention as reference
+    import engine.attention.torch_backend
+
+    write, read = reference.write_kv_reference, reference.from_cache
+    if kind == "truncating quantiser":
+        patches = [(reference, "to_cache", _truncating_to_cache)]
+    elif kind == "read back x16":
+        patches = [(reference, "from_cache", lambda x, dtype, scale: read(x, dtype, scale * 16))]
+    else:
+        def bad_write(k, v, kc, vc, slots, ks=None, vs=None):
+            return write(v, k, kc, vc, slots, ks, vs) if kind == "K/V swapped" else \
+                write(k, torch.zeros_like(v), kc, vc, slots, ks, vs)
+        patches = [(mod, "write_kv_reference", bad_write) for mod in (compiler.ops, engine.attention.torch_backend)]
+
+    @contextlib.contextmanager
+    def patched():
+        saved = [(m, n, getattr(m, n)) for m, n, _ in patches]
+        for m, n, f in patches:
+            setattr(m, n, f)
+        try:
+            yield
+        finally:
+            for m, n, f in saved:
+                setattr(m, n, f)
+    return patched()
+
+
+def _trained(steps: int) -> None:
+    from engine.llm import LLM
+    from engine.tiny_model import make_tiny_model
+    from tests.test_fp8_kv import FIDELITY_PROMPTS, GREEDY, logprob_drift, token_agreement
+
+    fp8, calibrated = dict(kv_cache_dtype="fp8"), dict(kv_cache_dtype="fp8", calculate_kv_scales=True)
+    print(f"Trained tiny models ({steps} steps), greedy 32 tokens, eager CPU; gate: 20 prompts (10 corpus pieces, "
+          "10 unseen text leading into the corpus); off: 10 prompts that never meet the corpus")
+    with tempfile.TemporaryDirectory() as tmp:
+        for arch in ("llama", "qwen3"):
+            t0 = time.perf_counter()
+            model = make_tiny_model(Path(tmp) / arch, arch=arch, seed=1, train_steps=steps)
+            print(f"  {arch}: trained in {time.perf_counter() - t0:.1f} s")
+            for dtype in ("bfloat16", "float32"):
+                variants = [("fp8 KV, scales 1.0", fp8, None), ("fp8 KV, calibrated", calibrated, None)]
+                variants += [(f"BROKEN: {k}", calibrated, k) for k in
+                             ("read back x16", "K/V swapped", "V zeroed", "truncating quantiser")]
+                if dtype == "float32":
+                    variants.append(("bf16 model", dict(dtype="bfloat16"), None))
+                runs = {}
+                for label, kw, broken in [("ref", {}, None)] + variants:
+                    settings = dict(dtype=dtype) | kw
+                    llm = LLM(str(model), device="cpu", enforce_eager=True, max_model_len=128, **settings)
+                    with _broken(broken) if broken else contextlib.nullcontext():
+                        runs[label] = (llm.generate(FIDELITY_PROMPTS, GREEDY, use_tqdm=False),
+                                       llm.generate(OFF_CORPUS, GREEDY, use_tqdm=False))
+                    del llm
+                ref = runs.pop("ref")
+                for label, (gate, off) in runs.items():
+                    mean, worst = logprob_drift(ref[0], gate)
+                    print(f"    {arch} {dtype} model, {label} vs {dtype} KV: gate agreement "
+                          f"{token_agreement(ref[0], gate):.4f} (drift mean {mean:.4f} max {worst:.4f}); "
+                          f"off-corpus agreement {token_agreement(ref[1], off):.4f}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--budget-gb", type=float, default=0.05)
@@ -181,16 +272,22 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=200)
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--trained", action="store_true", help="the fidelity gate's figures on trained tiny models")
+    ap.add_argument("--train-steps", type=int, default=500)
+    ap.add_argument("--no-speed", action="store_true", help="skip parts 1-3 (blocks, throughput, the op)")
     ap.add_argument("--smollm2", type=Path, default=None, help="SmolLM2-135M-Instruct.Q4_1.gguf: agreement on it")
     args = ap.parse_args()
     logging.disable(logging.WARNING)
     from engine.tiny_model import make_tiny_model
 
-    with tempfile.TemporaryDirectory() as tmp:
-        model = make_tiny_model(Path(tmp) / "tiny", arch="llama", seed=1)
-        _blocks(model, args.budget_gb)
-        _throughput(model, args.batch, args.prompt_len, args.new_tokens, args.rounds)
-    _attention_op()
+    if not args.no_speed:
+        with tempfile.TemporaryDirectory() as tmp:
+            model = make_tiny_model(Path(tmp) / "tiny", arch="llama", seed=1)
+            _blocks(model, args.budget_gb)
+            _throughput(model, args.batch, args.prompt_len, args.new_tokens, args.rounds)
+        _attention_op()
+    if args.trained:
+        _trained(args.train_steps)
     if args.smollm2 is not None:
         _smollm2(args.smollm2)
 
