@@ -53,8 +53,8 @@ def prepare(model: nn.Module, config: QuantConfig, dtype: torch.dtype | None = N
     if model.config.is_moe:
         raise ValueError("quantization: mixture-of-experts models are not supported quantised")
     method = make_method(config)
-    if isinstance(method, IntWeightMethod) and method.bits == 4 and int4_kernel == "auto":
-        method.repack_dtype = dtype
+    if isinstance(method, IntWeightMethod) and method.bits == 4 and int4_kernel in ("auto", "packed"):
+        method.repack_dtype = dtype if dtype is None else int4_packed.kernel_dtype(dtype, int4_kernel)
     for module in quantized_linears(model).values():
         attach(module, method, "meta")
 
@@ -240,6 +240,6 @@ def finish(model: nn.Module, dtype: torch.dtype, int4_kernel: str = "auto") -> d
     for name, module in quantized_linears(model).items():
         method = getattr(module, "quant", None)
         if isinstance(method, IntWeightMethod) and method.bits == 4 and method.repack_dtype is not None:
-            _repack(module, name, dtype, left)
+            _repack(module, name, method.repack_dtype, left)
     _log_left(left)
     return left
