@@ -12,6 +12,11 @@ back to their tokens. Where `_grouped_mm` does not take the inputs (it wants bf1
 every expert runs on every token as one batched matmul and the zero weights drop what an
 expert was not chosen for: the same result for E/k times the arithmetic.
 
+`moe_experts_pairs` is the form for experts whose weights are dequantised per call (quantised
+experts, engine/quant/moe.py): when a step has fewer (token, expert) pairs than experts (decode),
+only the chosen experts' weights are dequantised, one copy per pair, and each pair's two
+projections are one batched matrix-vector product: plain torch ops, no host sync, no Python loop.
+
 Why an opaque op: `_grouped_mm`'s meta function only accepts bf16, which would keep float32
 models out of the compiled graph, and the op's shape ([T, H] from [T, H]) is all Dynamo needs.
 """
@@ -71,3 +76,18 @@ def moe_experts_forward(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tenso
     if grouped_mm_supported(x):
         return moe_experts_grouped(x, weights, ids, w13, w2, activation)
     return moe_experts_dense(x, weights, ids, w13, w2, activation)
+
+
+def moe_experts_pairs(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w13: torch.Tensor,
+                      w2: torch.Tensor, activation: str) -> torch.Tensor:
+    """The same sum with one weight per (token, choice) pair, in ids.reshape(-1)'s order:
+    w13 [T*k, 2I, H], w2 [T*k, H, I] (pair p is token p // k's choice p % k)."""
+    num_tokens, k = ids.shape
+    if num_tokens == 0:
+        return torch.zeros_like(x)
+    xs = x.repeat_interleave(k, dim=0)  # [T*k, H]: each pair's token
+    gate_up = torch.bmm(w13, xs.unsqueeze(-1)).squeeze(-1)  # [T*k, 2I]
+    gate, up = gate_up.chunk(2, dim=-1)
+    rows = torch.bmm(w2, (_act(gate, activation) * up).unsqueeze(-1)).squeeze(-1)  # [T*k, H]
+    rows = rows.float() * weights.reshape(-1, 1).float()
+    return rows.view(num_tokens, k, -1).sum(dim=1).to(x.dtype)

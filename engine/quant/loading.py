@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from engine.quant import int4_packed, int_formats
+from engine.quant import moe as quant_moe
 from engine.quant.config import QuantConfig
 from engine.quant.linear import FP8, IntWeightMethod, attach, make_method, quantize_fp8_rows
 
@@ -50,8 +51,7 @@ def prepare(model: nn.Module, config: QuantConfig, dtype: torch.dtype | None = N
     """On the meta-built model: quantised layers get their buffers instead of a dense weight.
     dtype given and int4_kernel "auto": int4 layers move to the packed kernels' layout as soon
     as each is loaded (so the unpacked and packed forms never coexist for the whole model)."""
-    if model.config.is_moe:
-        raise ValueError("quantization: mixture-of-experts models are not supported quantised")
+    quant_moe.prepare(model, config)  # MoE layers: their experts stay quantised too
     method = make_method(config)
     if isinstance(method, IntWeightMethod) and method.bits == 4 and int4_kernel in ("auto", "packed"):
         method.repack_dtype = dtype if dtype is None else int4_packed.kernel_dtype(dtype, int4_kernel)
@@ -141,7 +141,7 @@ def load_quantized(model: nn.Module, config: QuantConfig, index: dict[str, Path]
         if hit is None:
             continue
         kiln_name, idx = hit
-        module = linears.get(kiln_name.removesuffix(".weight"))
+        module = linears.get(kiln_name.removesuffix(".weight")) or quant_moe.experts_named(model, kiln_name)
         if module is None:  # e.g. an unquantised lm_head stored as "weight": loads as usual
             continue
         tensors = {}
@@ -150,11 +150,15 @@ def load_quantized(model: nn.Module, config: QuantConfig, index: dict[str, Path]
                 tensors[suffix] = f.get_tensor(name)
             if on_tensor is not None:
                 on_tensor(tensors[suffix])
+        if isinstance(module, quant_moe.QuantExperts):  # one expert's projection (engine/quant/moe.py)
+            module.fill(idx, _fp8_canonical(tensors) if config.kind == "fp8" else _int_canonical(config, tensors), prefix)
+            consumed.update(names.values())
+            continue
         fill_module(module, idx[0] if idx else None, config, tensors, prefix, seen)
         consumed.update(names.values())
         if seen[id(module)] == module.out_features and getattr(module.quant, "repack_dtype", None) is not None:
             _repack(module, kiln_name.removesuffix(".weight"), module.quant.repack_dtype, left)
-    missing = [n for n, m in linears.items() if seen.get(id(m), 0) != m.out_features]
+    missing = [n for n, m in linears.items() if seen.get(id(m), 0) != m.out_features] + quant_moe.unfilled(model)
     if missing:
         raise ValueError(f"quantization: the checkpoint lacks quantised weights for {missing[:4]}"
                          f"{' ...' if len(missing) > 4 else ''} ({config.name})")
@@ -174,6 +178,7 @@ def quantize_loaded(model: nn.Module, config: QuantConfig) -> None:
         module.weight_fp8.copy_(q)
         module.weight_scale.copy_(scale)
         del w
+    quant_moe.quantize_loaded(model, config)
 
 
 @torch.no_grad()
@@ -193,6 +198,7 @@ def init_dummy(model: nn.Module, seed: int) -> None:
             module.weight_scale.fill_(0.02)
             if hasattr(module, "input_scale"):
                 module.input_scale.fill_(0.05)
+    quant_moe.init_dummy(model, seed)
 
 
 def _repack(module: nn.Module, name: str, dtype: torch.dtype, left: dict[str, list[str]]) -> None:
