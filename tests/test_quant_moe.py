@@ -221,3 +221,44 @@ def test_compiled_quantised_moe_equals_eager(tiny_models, make_llm, tmp_path):
     quant_dir, _ = write_quantized(tiny_models["qwen3_moe"], tmp_path, "gptq", bits=4, group_size=32)
     compiled = make_llm(quant_dir, enforce_eager=False, cache_dir=str(tmp_path / "cache"))
     assert _greedy(compiled) == _greedy(make_llm(quant_dir))
+
+
+# --- int4 experts on torch's packed CPU kernel (kiln::moe_experts_int4) ------------------------
+
+@pytest.mark.parametrize("act_order", [False, True])
+@pytest.mark.parametrize("num_tokens,k", [(1, 2), (40, 3)])
+def test_packed_int4_experts_match_dequantised(act_order, num_tokens, k):
+    """Experts repacked for bf16 activations (a bf16 model, or int4_kernel="packed"): within
+    bf16's error (2e-2 of the output's scale) of the dense path over the dequantised experts."""
+    from engine.quant import int4_packed
+
+    w13, w2 = _int_experts(2 * I, H, 4, 32, act_order, 1), _int_experts(H, I, 4, 32, act_order, 2)
+    dense13, dense2 = w13.weight(None, torch.float32), w2.weight(None, torch.float32)
+    kernel = int4_packed.kernel_dtype(torch.float32, "packed")
+    assert w13.packable(kernel) is None and w13.packable(torch.float32) is not None
+    w13.repack(kernel)
+    w2.repack(kernel)
+    assert w13.int4_group == 32 and not hasattr(w13, "qweight") and (w13.int4_perm is not None) == act_order
+    torch.testing.assert_close(w13.weight(None, torch.float32), dense13, rtol=0, atol=2e-2 * dense13.abs().max().item())
+    gen = torch.Generator().manual_seed(num_tokens)
+    x = torch.randn(num_tokens, H, generator=gen)
+    ids = torch.stack([torch.randperm(E, generator=gen)[:k] for _ in range(num_tokens)])
+    weights = torch.rand(num_tokens, k, generator=gen)
+    want = moe_experts_dense(x, weights, ids, dense13, dense2, "silu")
+    got = routed_experts(w13, w2, x, weights, ids, "silu")
+    assert got.dtype == torch.float32
+    assert (got - want).abs().max() <= 2e-2 * want.abs().max()
+
+
+def test_bf16_moe_model_runs_packed_experts(tiny_models, make_llm, tmp_path):
+    """A bf16 int4 MoE model: experts on the packed kernel; its prompt log-probabilities stay as
+    near the bf16 reference path as bf16 itself is to float32 (as for dense int4 layers)."""
+    from tests.test_quant_formats import _drift
+
+    quant_dir, _ = write_quantized(tiny_models["qwen3_moe"], tmp_path, "gptq", bits=4, group_size=32, act_order=True)
+    packed = make_llm(quant_dir, dtype="bfloat16")
+    moe = _experts(packed)
+    assert moe.w13.int4_group == 32 and moe.w2.int4_group == 32 and moe.w13.int4_perm is not None
+    ref_bf16 = make_llm(quant_dir, dtype="bfloat16", int4_kernel="reference")
+    assert ref_bf16.engine.model.layers[0].mlp.w13.int4_group == 0
+    assert _drift(packed, ref_bf16) <= _drift(ref_bf16, make_llm(quant_dir)) + 0.01

@@ -243,6 +243,7 @@ def finish(model: nn.Module, dtype: torch.dtype, int4_kernel: str = "auto") -> d
     left: dict[str, list[str]] = {}
     if int4_kernel == "reference":
         return left
+    quant_moe.repack(model, int4_packed.kernel_dtype(dtype, int4_kernel), left)  # int4 MoE experts (CPU)
     for name, module in quantized_linears(model).items():
         method = getattr(module, "quant", None)
         if isinstance(method, IntWeightMethod) and method.bits == 4 and method.repack_dtype is not None:

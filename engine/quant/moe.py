@@ -20,6 +20,10 @@ The forward (`routed_experts`) dequantises on the fly and never loops in Python 
     batched matrix-vector products;
   - otherwise (prefill, large batches): every expert is dequantised once into the activations'
     dtype (a transient of one layer's experts) and kiln::moe_experts runs as for a dense model.
+  - int4 experts on the CPU whose model dtype torch's packed int4 kernel takes (bf16, or any with
+    int4_kernel="packed"; the rules of engine/quant/int4_packed.py) are repacked after loading
+    into that kernel's layout, one packed weight per expert, and kiln::moe_experts_int4 runs each
+    chosen expert's tokens through the kernel (compiler/moe.py): no dequantisation at all.
 Experts of an FP8 W8A8 checkpoint run weight-only (activations not quantised, as vLLM's Marlin
 fallback runs them on GPUs without fp8): their input_scale tensors are read and not used.
 """
@@ -31,7 +35,7 @@ from torch import nn
 
 import compiler.ops  # noqa: F401 - registers kiln::moe_experts
 from compiler.moe import moe_experts_pairs
-from engine.quant import int_formats
+from engine.quant import int4_packed, int_formats
 from engine.quant.config import QuantConfig
 from engine.quant.linear import FP8, Fp8Method, IntWeightMethod, make_method, quantize_fp8_rows
 
@@ -59,6 +63,7 @@ class QuantExperts(nn.Module):
             # (a ragged last group is not a run of group_size columns: the per-column gather)
             self.act_order = method.group_size > 0 and inp % method.group_size != 0
         self.rows_seen: dict[int, int] = {}  # expert -> rows filled (loading)
+        self.int4_group = 0  # set once repacked for torch's int4 kernel (buffers int4_packed, ...)
 
     @property
     def shape(self) -> tuple[int, int, int]:
@@ -70,6 +75,10 @@ class QuantExperts(nn.Module):
         or [E, out, in] of all of them (None)."""
         def pick(b: torch.Tensor) -> torch.Tensor:
             return b if experts is None else b.index_select(0, experts)
+
+        if self.int4_group:  # packed: each expert's weight back out of the kernel (tests, baselines)
+            chosen = range(self.num_experts) if experts is None else experts.tolist()
+            return torch.stack([int4_packed.PACKED.weight(_PackedExpert(self, e), dtype) for e in chosen])
 
         if isinstance(self.quant, Fp8Method):
             return (pick(self.weight_fp8).float() * pick(self.weight_scale)[..., None]).to(dtype)
@@ -105,10 +114,61 @@ class QuantExperts(nn.Module):
     def weight_bytes(self) -> int:
         return sum(b.numel() * b.element_size() for b in self.buffers(recurse=False))
 
+    def packable(self, dtype: torch.dtype) -> str | None:
+        """Why these experts cannot move to torch's packed int4 CPU kernel (None: they can)."""
+        if not isinstance(self.quant, IntWeightMethod) or self.int4_group:
+            return "not unpacked int4 experts"
+        if self.qweight.device.type != "cpu":  # (the op reads the routing on the host)
+            return "experts on a GPU (the packed expert path is CPU only)"
+        reason = int4_packed.unsupported(self.out_features, self.in_features, self.quant.bits, self.quant.group_size,
+                                         self.qweight.device, dtype)
+        if reason is None and self.act_order and None in self._perms():
+            return "act-order groups that are not runs of one group size"
+        return reason
+
+    def _perms(self) -> list[torch.Tensor | None]:
+        """Each expert's act-order column permutation (None each without act-order)."""
+        group = int4_packed.packed_group(self.in_features, self.quant.group_size)
+        if not self.act_order:
+            return [None] * self.num_experts
+        return [int4_packed.act_order_perm(self.g_idx[e], group) for e in range(self.num_experts)]
+
+    @torch.no_grad()
+    def repack(self, dtype: torch.dtype) -> None:
+        """Move every expert to the packed layout for activations of `dtype` (packable first)."""
+        group = int4_packed.packed_group(self.in_features, self.quant.group_size)
+        perms = self._perms()
+        packed, sz = [], []
+        for e in range(self.num_experts):
+            offsets = -self.zeros[e].float() * self.scales[e].float()
+            sz.append(int4_packed.scales_and_zeros(self.scales[e], offsets, group, self.in_features, dtype))
+            packed.append(int4_packed.convert(self.qweight[e], perms[e], self.qweight.device))
+        for name in ("qweight", "zeros", "scales", "g_idx"):
+            self._buffers.pop(name)
+        self.register_buffer("int4_packed", torch.stack(packed))
+        self.register_buffer("int4_scales_zeros", torch.stack(sz))
+        self.register_buffer("int4_perm", torch.stack(perms) if self.act_order else None)
+        self.int4_group = group
+
+
+class _PackedExpert:
+    """One packed expert seen as a packed linear layer (int4_packed.Int4PackedMethod.weight)."""
+
+    def __init__(self, experts: QuantExperts, e: int) -> None:
+        self.in_features = experts.in_features
+        self.int4_packed = experts.int4_packed[e]
+        self.int4_scales_zeros = experts.int4_scales_zeros[e]
+        self.int4_perm = None if experts.int4_perm is None else experts.int4_perm[e]
+        self.int4_group = experts.int4_group
+
 
 def routed_experts(w13: QuantExperts, w2: QuantExperts, x: torch.Tensor, weights: torch.Tensor,
                    ids: torch.Tensor, activation: str) -> torch.Tensor:
     """SparseMoE's routed experts over quantised weights (see the module docstring)."""
+    if w13.int4_group:
+        return torch.ops.kiln.moe_experts_int4(x, weights, ids, w13.int4_packed, w13.int4_scales_zeros, w2.int4_packed,
+                                               w2.int4_scales_zeros, w13.int4_perm, w2.int4_perm, w13.int4_group,
+                                               w2.int4_group, activation)
     if ids.numel() < w13.num_experts:
         flat = ids.reshape(-1)
         return moe_experts_pairs(x, weights, ids, w13.weight(flat, x.dtype), w2.weight(flat, x.dtype), activation)
@@ -151,6 +211,21 @@ def unfilled(model: nn.Module) -> list[str]:
     """The quantised expert weights the checkpoint did not fill completely (names)."""
     return [f"{name} expert {e}" for name, m in model.named_modules() if isinstance(m, QuantExperts)
             for e in range(m.num_experts) if m.rows_seen.get(e, 0) != m.out_features]
+
+
+def repack(model: nn.Module, dtype: torch.dtype, left: dict[str, list[str]]) -> None:
+    """After loading: each MoE layer's int4 experts (w13 and w2 both, or neither) move to torch's
+    packed int4 kernel for activations of `dtype`; left collects {reason: [layer names]}."""
+    for name, moe in model.named_modules():
+        experts = (getattr(moe, "w13", None), getattr(moe, "w2", None))
+        if not all(isinstance(w, QuantExperts) and isinstance(w.quant, IntWeightMethod) for w in experts):
+            continue
+        reason = experts[0].packable(dtype) or experts[1].packable(dtype)
+        if reason:
+            left.setdefault(reason, []).append(f"{name} experts")
+            continue
+        for w in experts:
+            w.repack(dtype)
 
 
 @torch.no_grad()
