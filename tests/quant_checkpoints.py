@@ -10,6 +10,7 @@ and described with the `compressed-tensors` package itself.
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -124,9 +125,10 @@ _INPUT_KIND = {"q_proj": "attn_in", "k_proj": "attn_in", "v_proj": "attn_in", "o
 
 
 def write_quantized(src: Path, out: Path, fmt: str, bits: int = 4, group_size: int = 32, sym: bool = True,
-                    act_order: bool = False, seed: int = 0) -> tuple[Path, Path]:
+                    act_order: bool = False, seed: int = 0, keep_dense: str | None = None) -> tuple[Path, Path]:
     """fmt: gptq | awq | ct (compressed-tensors pack-quantized). Returns (quantised checkpoint,
-    full-precision checkpoint of the dequantised weights)."""
+    full-precision checkpoint of the dequantised weights). keep_dense (ct): a regex of module
+    names left unquantised and added to the ignore list as "re:<regex>"."""
     cfg = json.loads((src / "config.json").read_text())
     tensors = load_file(str(src / "model.safetensors"))
     quant_dir, ref_dir = _two_copies(src, out, fmt)
@@ -135,7 +137,7 @@ def write_quantized(src: Path, out: Path, fmt: str, bits: int = 4, group_size: i
     perms = _perms(cfg, seed) if grouped_by_perm else {}
     qt, ref = {}, {}
     for name, w in tensors.items():
-        if not _quantised(name):
+        if not _quantised(name) or (keep_dense and re.match(keep_dense, name.removesuffix(".weight"))):
             qt[name] = ref[name] = w
             continue
         prefix = name.removesuffix(".weight")
@@ -172,6 +174,7 @@ def write_quantized(src: Path, out: Path, fmt: str, bits: int = 4, group_size: i
     save_file(qt, str(quant_dir / "model.safetensors"), metadata={"format": "pt"})
     save_file(ref, str(ref_dir / "model.safetensors"), metadata={"format": "pt"})
     ignore = MOE_IGNORE if any(".experts." in n for n in tensors) else ["lm_head"]
+    ignore = ignore + [f"re:{keep_dense}"] if keep_dense else ignore
     qcfg = dict(cfg, quantization_config=_quant_config(fmt, bits, group_size, sym, act_order, ignore))
     (quant_dir / "config.json").write_text(json.dumps(qcfg, indent=2))
     return quant_dir, ref_dir

@@ -262,3 +262,25 @@ def test_bf16_moe_model_runs_packed_experts(tiny_models, make_llm, tmp_path):
     ref_bf16 = make_llm(quant_dir, dtype="bfloat16", int4_kernel="reference")
     assert ref_bf16.engine.model.layers[0].mlp.w13.int4_group == 0
     assert _drift(packed, ref_bf16) <= _drift(ref_bf16, make_llm(quant_dir)) + 0.01
+
+
+def test_ignore_list_keeps_the_shared_expert_dense(tiny_models, make_llm, tmp_path):
+    """compressed-tensors' ignore list: a Qwen2-MoE whose shared expert was left unquantised loads
+    it dense (the experts quantised), and equals the run on the dequantised weights."""
+    quant_dir, ref_dir = write_quantized(tiny_models["qwen2_moe"], tmp_path, "ct", bits=4, group_size=32,
+                                         keep_dense=r".*mlp\.shared_expert\.(gate|up|down)_proj$")
+    llm = make_llm(quant_dir)
+    moe = _experts(llm)
+    assert moe.shared_expert.gate_up_proj.quant is None and moe.shared_expert.gate_up_proj.weight is not None
+    assert moe.shared_expert.down_proj.quant is None
+    assert llm.engine.model.layers[0].self_attn.qkv_proj.weight is None  # the rest stays quantised
+    assert _greedy(llm) == _greedy(make_llm(ref_dir))
+
+
+def test_ignore_list_must_cover_a_fused_layer_whole(tiny_models, tmp_path):
+    from engine.llm import LLM
+
+    quant_dir, _ = write_quantized(tiny_models["qwen2_moe"], tmp_path, "ct", bits=4, group_size=32,
+                                   keep_dense=r".*mlp\.shared_expert\.gate_proj$")
+    with pytest.raises(ValueError, match="only some of the projections fused"):
+        LLM(str(quant_dir), device="cpu", enforce_eager=True)

@@ -55,8 +55,11 @@ def prepare(model: nn.Module, config: QuantConfig, dtype: torch.dtype | None = N
     method = make_method(config)
     if isinstance(method, IntWeightMethod) and method.bits == 4 and int4_kernel in ("auto", "packed"):
         method.repack_dtype = dtype if dtype is None else int4_packed.kernel_dtype(dtype, int4_kernel)
-    for module in quantized_linears(model).values():
-        attach(module, method, "meta")
+    linears = quantized_linears(model)
+    dense = quant_moe.ignored_linears(linears, config)  # e.g. a shared expert the ignore list names
+    for name, module in linears.items():
+        if name not in dense:
+            attach(module, method, "meta")
 
 
 def cast_except_quantized(model: nn.Module, dtype: torch.dtype) -> None:
@@ -126,7 +129,7 @@ def load_quantized(model: nn.Module, config: QuantConfig, index: dict[str, Path]
     the tensor names consumed (the rest load as usual). on_tensor sees each tensor read (progress)."""
     from safetensors import safe_open
 
-    linears = quantized_linears(model)
+    linears = {n: m for n, m in quantized_linears(model).items() if m.quant is not None}  # (not ignored ones)
     wanted = suffixes(config)
     groups: dict[str, dict[str, str]] = {}
     for name in index:

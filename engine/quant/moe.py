@@ -30,6 +30,8 @@ fallback runs them on GPUs without fp8): their input_scale tensors are read and 
 
 from __future__ import annotations
 
+import re
+
 import torch
 from torch import nn
 
@@ -196,6 +198,31 @@ def prepare(model: nn.Module, config: QuantConfig) -> None:
     method = make_method(config)
     for moe in sparse_layers(model):
         _replace(moe, method, "meta")
+
+
+_HF_PARTS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+
+
+def _matches(hf_module: str, patterns: tuple[str, ...]) -> bool:
+    """compressed-tensors' rule: an exact module name, or "re:" and a regex matched from the start."""
+    return any(re.match(p[3:], hf_module) if p.startswith("re:") else p == hf_module for p in patterns)
+
+
+def ignored_linears(linears: dict[str, nn.Module], config: QuantConfig) -> set[str]:
+    """The kiln linear layers (names as in `linears`) a compressed-tensors `ignore` list keeps in
+    full precision, e.g. Qwen2-MoE's shared expert; a fused layer (q/k/v, gate/up) is ignored only
+    whole. (Routers and shared-expert gates are never quantised by kiln: nothing to check.)"""
+    patterns = tuple(p for p in config.ignore if p != "lm_head")
+    dense = set()
+    for name in linears if patterns else ():
+        prefix, _, leaf = name.rpartition(".")
+        hits = [_matches(f"model.{prefix}.{part}", patterns) for part in _HF_PARTS.get(leaf, (leaf,))]
+        if all(hits):
+            dense.add(name)
+        elif any(hits):
+            raise ValueError(f"quantization: the ignore list leaves only some of the projections fused in {name} "
+                             "unquantised (kiln fuses them: all or none)")
+    return dense
 
 
 def experts_named(model: nn.Module, name: str) -> QuantExperts | None:
