@@ -16,56 +16,37 @@ Prints median ms per call and the ratios. Random weights: the values do not chan
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
-
 import torch
 import torch.nn.functional as F
 
 from compiler.moe import moe_experts_dense
 from engine.quant import int4_packed
 from engine.quant.config import QuantConfig
-from engine.quant.linear import FP8, IntWeightMethod, make_method
+from engine.quant.linear import FP8, make_method
 from engine.quant.moe import QuantExperts, routed_experts
+from tools.bench_int4_linear import _layer as _int4_layer
+from tools.bench_int4_linear import _times
 
 
-def _median_ms(fn, iters: int) -> float:
-    fn()
-    times = []
-    for _ in range(iters):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times) * 1e3
-
-
-def _int4_layer(out: int, inp: int) -> torch.nn.Linear:
-    m = torch.nn.Linear(inp, out, bias=False)
-    del m.weight
-    m.register_parameter("weight", None)
-    method = IntWeightMethod(QuantConfig("int", "gptq", 4, 128))
-    method.create(m, "cpu")
-    m.quant = method
-    m.qweight.random_(0, 256)
-    m.zeros.fill_(8)
-    m.scales.fill_(0.002)
-    return m
+def _medians_ms(fns: list, iters: int) -> list[float]:
+    """Median ms per call of each function, their calls interleaved (the machine is shared)."""
+    return list(_times(dict(enumerate(fns)), iters).values())
 
 
 @torch.no_grad()
 def bench_linear(iters: int) -> None:
     print("int4 linear, float32 model: ms per call (reference | packed bf16-acts | dense fp32), ratios")
     for out, inp in ((2048, 2048), (5632, 2048), (2048, 5632)):
-        ref = _int4_layer(out, inp)
-        packed = _int4_layer(out, inp)
+        ref = _int4_layer(out, inp, torch.float32)
+        packed = _int4_layer(out, inp, torch.float32)
         packed.load_state_dict(ref.state_dict())
         dense_w = ref.quant.weight(ref, torch.float32)
         assert int4_packed.repack(packed, int4_packed.kernel_dtype(torch.float32, "packed")) is None
         for batch in (1, 16, 128):
             x = torch.randn(batch, inp)
-            t_ref = _median_ms(lambda: ref.quant.apply(ref, x), iters)
-            t_packed = _median_ms(lambda: packed.quant.apply(packed, x), iters)
-            t_dense = _median_ms(lambda: F.linear(x, dense_w), iters)
+            t_ref, t_packed, t_dense = _medians_ms([lambda: ref.quant.apply(ref, x),
+                                                    lambda: packed.quant.apply(packed, x),
+                                                    lambda: F.linear(x, dense_w)], iters)
             err = (packed.quant.apply(packed, x) - F.linear(x, dense_w)).abs().max() / F.linear(x, dense_w).abs().max()
             print(f"  {out}x{inp} T={batch:<4} ref {t_ref:8.3f}  packed {t_packed:7.3f}  dense {t_dense:7.3f}  "
                   f"ref/packed {t_ref / t_packed:6.1f}x  dense/packed {t_dense / t_packed:5.2f}x  rel.err {err:.1e}")
@@ -100,17 +81,18 @@ def bench_moe(iters: int) -> None:
         x = torch.randn(tokens, h, generator=gen)
         ids = torch.stack([torch.randperm(e, generator=gen)[:k] for _ in range(tokens)])
         weights = torch.rand(tokens, k, generator=gen)
-        t_dense = _median_ms(lambda: torch.ops.kiln.moe_experts(x, weights, ids, dense13, dense2, "silu"), iters)
-        line = f"  T={tokens:<3} dense fp32 {t_dense:7.2f}"
-        for kind, (w13, w2) in quant.items():
-            t_q = _median_ms(lambda: routed_experts(w13, w2, x, weights, ids, "silu"), iters)
-            t_all = _median_ms(lambda: moe_experts_dense(x, weights, ids, w13.weight(None, x.dtype),
-                                                         w2.weight(None, x.dtype), "silu"), iters)
-            line += (f" | {kind} {t_q:7.2f} (all experts {t_all:7.2f}: {t_all / t_q:4.1f}x; "
-                     f"vs dense {t_dense / t_q:4.2f}x)")
-        t_packed = _median_ms(lambda: routed_experts(*packed, x, weights, ids, "silu"), iters)
-        line += f" | int4 packed {t_packed:7.2f} (vs dense {t_dense / t_packed:5.2f}x)"
-        print(line)
+        fns = [lambda: torch.ops.kiln.moe_experts(x, weights, ids, dense13, dense2, "silu"),
+               lambda: routed_experts(*packed, x, weights, ids, "silu")]
+        for w13, w2 in quant.values():
+            fns.append(lambda w13=w13, w2=w2: routed_experts(w13, w2, x, weights, ids, "silu"))
+            fns.append(lambda w13=w13, w2=w2: moe_experts_dense(x, weights, ids, w13.weight(None, x.dtype),
+                                                                w2.weight(None, x.dtype), "silu"))
+        t_dense, t_packed, *rest = _medians_ms(fns, iters)
+        print(f"  T={tokens:<3} dense fp32 {t_dense:8.2f} | int4 packed {t_packed:8.2f} "
+              f"(dense/packed {t_dense / t_packed:5.2f}x)")
+        for kind, t_q, t_all in zip(quant, rest[0::2], rest[1::2]):
+            print(f"        {kind} dequantised {t_q:8.2f} (dense/it {t_dense / t_q:4.2f}x; every expert dequantised "
+                  f"{t_all:8.2f}: {t_all / t_q:4.1f}x slower)")
 
 
 def main() -> None:
