@@ -265,7 +265,7 @@ class EngineSettings(_KilnSettings):
         "auto", description="int4 weights: auto = torch's packed int4 matmul (CPU and CUDA, bf16 models) for every "
         "layer whose shape and group size it takes, else dequantise on the fly; reference = always dequantise on the "
         "fly; packed = as auto, and float32/float16 models too, their activations rounded to bf16 around the kernel "
-        "(on the CPU ~150x faster than the reference at batch 1; the numerics of a bf16 model)")
+        "(on the CPU far faster than the reference: BENCH_quantmoe.md; the numerics of a bf16 model)")
     gguf_dequantize: bool = Field(
         False, description="GGUF files: dequantise every tensor to the model dtype at load (default: Q4_0/Q4_1 "
         "linear layers of a bf16 model stay int4 in torch's packed layout, Q8_0 ones int8; K-quants are "

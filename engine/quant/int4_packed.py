@@ -19,8 +19,9 @@ What the kernels take, and so what stays on the dequantise-on-the-fly reference 
     dequantising on the fly: kiln's float32 CPU default keeps the reference path), unless
     int4_kernel is "packed": then a float32/float16 model's int4 layers are packed with bf16
     scales and zeros and each call rounds its activations to bf16 around the kernel and the
-    output back (`kernel_dtype`; BENCH_quantmoe.md: ~150x faster than the reference at batch 1
-    and faster than the dense float32 matmul; the numerics of a bf16 model's int4 layers);
+    output back (`kernel_dtype`; BENCH_quantmoe.md: on a quiet CPU 150-190x faster than the
+    reference at batch 1 and 3-8x faster than the dense float32 matmul; the numerics of a bf16
+    model's int4 layers);
   - output widths not a multiple of 16 (CPU) or 8 (CUDA); on CUDA input widths not a multiple of
     inner_k_tiles * 16, GPUs before sm_80;
   - act-order (g_idx) whose groups are not `group` columns each: GPTQ's act-order is, so its
