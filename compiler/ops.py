@@ -3,6 +3,7 @@
 The engine imports this module through `engine.attention` (whatever the attention backend),
 so every op it calls exists in any process: the reference ops (`write_kv`, `paged_attention`,
 CPU and CUDA), the compiled CPU decode (`paged_attention_cpu`), `copy_blocks`, `moe_experts`,
+`moe_experts_int4` (int4 experts in torch's packed CPU layout),
 and the CUTLASS kernels' ops (`write_kv_cutlass`, `paged_attention_cutlass`; CUDA only, they
 launch the kernels a compiler.cutlass_ops.AttentionKernels holds, named by its handle).
 `w4a16_gemm`: kiln's int4-weight GEMM (CUDA only; a cutlass_ops.W4A16Gemm, named by its handle).
@@ -119,6 +120,22 @@ def moe_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w13: 
 
 @moe_experts.register_fake
 def _(x, weights, ids, w13, w2, activation):
+    return torch.empty_like(x)
+
+
+@torch.library.custom_op("kiln::moe_experts_int4", mutates_args=(), device_types="cpu")
+def moe_experts_int4(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w13_packed: torch.Tensor,
+                     w13_sz: torch.Tensor, w2_packed: torch.Tensor, w2_sz: torch.Tensor,
+                     w13_perm: torch.Tensor | None, w2_perm: torch.Tensor | None, group13: int, group2: int,
+                     activation: str) -> torch.Tensor:
+    """Routed int4 experts in torch's packed CPU layout (compiler/moe.py; it reads the routing
+    on the host, hence opaque)."""
+    return moe.moe_experts_int4_cpu(x, weights, ids, w13_packed, w13_sz, w2_packed, w2_sz, w13_perm, w2_perm,
+                                    group13, group2, activation)
+
+
+@moe_experts_int4.register_fake
+def _(x, weights, ids, w13_packed, w13_sz, w2_packed, w2_sz, w13_perm, w2_perm, group13, group2, activation):
     return torch.empty_like(x)
 
 

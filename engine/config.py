@@ -261,11 +261,12 @@ class EngineSettings(_KilnSettings):
     trust_remote_code: bool = Field(
         False, description="accepted for vLLM command lines; kiln never runs a checkpoint's code (GLM/ChatGLM "
         "load natively)")
-    int4_kernel: Literal["auto", "reference", "kiln", "tinygemm"] = Field(
+    int4_kernel: Literal["auto", "reference", "kiln", "tinygemm", "packed"] = Field(
         "auto", description="int4 weights: auto = kiln's W4A16 GEMM on sm_90 when its cubin is built, else torch's "
         "packed int4 matmul (CPU and CUDA, bf16 models), for every layer whose shape and group size it takes, else "
         "dequantise on the fly; kiln / tinygemm = that kernel (kiln: an error where it cannot run); reference = "
-        "always dequantise on the fly")
+        "always dequantise on the fly; packed = as auto, and float32/float16 models too, their activations rounded "
+        "to bf16 around torch's packed kernel (on the CPU far faster than the reference; a bf16 model's numerics)")
     gguf_dequantize: bool = Field(
         False, description="GGUF files: dequantise every tensor to the model dtype at load (default: Q4_0/Q4_1 "
         "linear layers of a bf16 model stay int4 in torch's packed layout, Q8_0 ones int8; K-quants are "

@@ -10,6 +10,7 @@ and described with the `compressed-tensors` package itself.
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -91,7 +92,32 @@ def _two_copies(src: Path, out: Path, tag: str) -> tuple[Path, Path]:
 
 
 def _quantised(name: str) -> bool:
-    return name.endswith(".weight") and name.rsplit(".", 2)[-2] in _LINEARS
+    return name.endswith(".weight") and (name.rsplit(".", 2)[-2] in _LINEARS or _expert_linear(name))
+
+
+# Mixture-of-experts checkpoints: every expert's projections (Mixtral's w1/w3 gate/up, w2 down;
+# Qwen-MoE's gate/up/down_proj) and Qwen2-MoE's shared expert are quantised; the routers
+# (mlp.gate, block_sparse_moe.gate) and shared_expert_gate stay in full precision, as GPTQ/AWQ
+# quantisers and llm-compressor's MoE recipes leave them.
+_EXPERT_LINEARS = {"w1": "mlp_in", "w3": "mlp_in", "w2": "down_in"}
+MOE_IGNORE = ["lm_head", "re:.*mlp.gate$", "re:.*block_sparse_moe.gate$", "re:.*shared_expert_gate$"]
+
+
+def _expert_linear(name: str) -> bool:
+    return ".experts." in name and name.rsplit(".", 2)[-2] in _EXPERT_LINEARS
+
+
+def _input_perm(perms: dict, name: str, inp: int, seed: int) -> torch.Tensor:
+    """Act-order permutation of a layer's input: shared per (layer, input) for dense projections;
+    per expert (its gate and up share one; down its own) for MoE experts and the shared expert."""
+    parts = name.split(".")
+    kind = _INPUT_KIND.get(parts[-2]) or _EXPERT_LINEARS[parts[-2]]
+    if ".experts." not in name and ".shared_expert." not in name:
+        return perms[(parts[2], kind)]
+    key = (".".join(parts[:-2]), kind)
+    if key not in perms:
+        perms[key] = torch.randperm(inp, generator=torch.Generator().manual_seed(seed + 1000 + len(perms)))
+    return perms[key]
 
 
 _INPUT_KIND = {"q_proj": "attn_in", "k_proj": "attn_in", "v_proj": "attn_in", "o_proj": "o_in",
@@ -99,9 +125,10 @@ _INPUT_KIND = {"q_proj": "attn_in", "k_proj": "attn_in", "v_proj": "attn_in", "o
 
 
 def write_quantized(src: Path, out: Path, fmt: str, bits: int = 4, group_size: int = 32, sym: bool = True,
-                    act_order: bool = False, seed: int = 0) -> tuple[Path, Path]:
+                    act_order: bool = False, seed: int = 0, keep_dense: str | None = None) -> tuple[Path, Path]:
     """fmt: gptq | awq | ct (compressed-tensors pack-quantized). Returns (quantised checkpoint,
-    full-precision checkpoint of the dequantised weights)."""
+    full-precision checkpoint of the dequantised weights). keep_dense (ct): a regex of module
+    names left unquantised and added to the ignore list as "re:<regex>"."""
     cfg = json.loads((src / "config.json").read_text())
     tensors = load_file(str(src / "model.safetensors"))
     quant_dir, ref_dir = _two_copies(src, out, fmt)
@@ -110,14 +137,14 @@ def write_quantized(src: Path, out: Path, fmt: str, bits: int = 4, group_size: i
     perms = _perms(cfg, seed) if grouped_by_perm else {}
     qt, ref = {}, {}
     for name, w in tensors.items():
-        if not _quantised(name):
+        if not _quantised(name) or (keep_dense and re.match(keep_dense, name.removesuffix(".weight"))):
             qt[name] = ref[name] = w
             continue
         prefix = name.removesuffix(".weight")
         inp = w.shape[1]
         gs = group_size if group_size > 0 else inp
         if grouped_by_perm:
-            perm = perms[(name.split(".")[2], _INPUT_KIND[name.rsplit(".", 2)[-2]])]
+            perm = _input_perm(perms, name, inp, seed)
             g_idx = torch.empty(inp, dtype=torch.int32)
             g_idx[perm] = (torch.arange(inp) // gs).to(torch.int32)
         else:
@@ -146,12 +173,15 @@ def write_quantized(src: Path, out: Path, fmt: str, bits: int = 4, group_size: i
 
     save_file(qt, str(quant_dir / "model.safetensors"), metadata={"format": "pt"})
     save_file(ref, str(ref_dir / "model.safetensors"), metadata={"format": "pt"})
-    qcfg = dict(cfg, quantization_config=_quant_config(fmt, bits, group_size, sym, act_order))
+    ignore = MOE_IGNORE if any(".experts." in n for n in tensors) else ["lm_head"]
+    ignore = ignore + [f"re:{keep_dense}"] if keep_dense else ignore
+    qcfg = dict(cfg, quantization_config=_quant_config(fmt, bits, group_size, sym, act_order, ignore))
     (quant_dir / "config.json").write_text(json.dumps(qcfg, indent=2))
     return quant_dir, ref_dir
 
 
-def _quant_config(fmt: str, bits: int, group_size: int, sym: bool, act_order: bool) -> dict:
+def _quant_config(fmt: str, bits: int, group_size: int, sym: bool, act_order: bool,
+                  ignore: list[str] | None = None) -> dict:
     if fmt == "gptq":
         return {"quant_method": "gptq", "bits": bits, "group_size": group_size, "sym": sym, "desc_act": act_order,
                 "checkpoint_format": "gptq", "damp_percent": 0.01, "true_sequential": True}
@@ -165,7 +195,8 @@ def _quant_config(fmt: str, bits: int, group_size: int, sym: bool, act_order: bo
                                group_size=group_size if group_size > 0 else None,
                                actorder="weight" if act_order else None)
     config = QuantizationConfig(config_groups={"group_0": QuantizationScheme(targets=["Linear"], weights=weights)},
-                                format="pack-quantized", ignore=["lm_head"], quantization_status="compressed")
+                                format="pack-quantized", ignore=ignore or ["lm_head"],
+                                quantization_status="compressed")
     return config.model_dump(mode="json")
 
 
@@ -222,7 +253,9 @@ def write_fp8(src: Path, out: Path, weight_strategy: str = "channel", activation
         dynamic=activations == "dynamic")
     config = QuantizationConfig(config_groups={"group_0": QuantizationScheme(
         targets=["Linear"], input_activations=acts,
-        weights=QuantizationArgs(num_bits=8, type="float", symmetric=True, strategy=weight_strategy))}, format="float-quantized", ignore=["lm_head"], quantization_status="compressed")
+        weights=QuantizationArgs(num_bits=8, type="float", symmetric=True, strategy=weight_strategy))},
+        format="float-quantized", ignore=MOE_IGNORE if any(".experts." in n for n in tensors) else ["lm_head"],
+        quantization_status="compressed")
     (quant_dir / "config.json").write_text(json.dumps(dict(cfg, quantization_config=config.model_dump(mode="json")),
                                                       indent=2))
     return quant_dir, ref_dir

@@ -106,6 +106,53 @@ def test_what_stays_on_the_reference_path():
     assert m.quant is not int4_packed.PACKED and m.qweight.shape == (64, 128)
 
 
+
+# ---- float32 models on the CPU: int4_kernel="packed" (bf16 activations around the kernel) -------
+
+@pytest.mark.parametrize("out,inp,group,sym,act", CASES[:3])
+def test_float32_layer_through_the_bf16_kernel(out, inp, group, sym, act):
+    """A float32 model's int4 layer packed for bf16 activations: float32 in, float32 out, within
+    bf16's error of the float32 reference (the activations and scales are rounded to bf16)."""
+    g_idx = _act_order_g_idx(inp, group) if act else None
+    m = _layer(out, inp, group, sym, g_idx, bias=True)
+    w = m.quant.weight(m, torch.float32)
+    x = torch.randn(5, inp, generator=torch.Generator().manual_seed(7))
+    want = x @ w.t() + m.bias
+    kernel = int4_packed.kernel_dtype(torch.float32, "packed")
+    assert kernel == torch.bfloat16 and int4_packed.kernel_dtype(torch.float32, "auto") == torch.float32
+    assert int4_packed.repack(m, kernel) is None and m.int4_scales_zeros.dtype == torch.bfloat16
+    y = m.quant.apply(m, x)
+    assert y.dtype == torch.float32 and y.shape == (5, out)
+    _close(y, want, 2e-2)
+
+
+def test_float32_model_packed_agrees_with_the_reference(tiny_models, make_llm, tmp_path):
+    """A float32 int4 model with int4_kernel="packed": every int4 layer on the packed kernel, and
+    its greedy tokens against the float32 reference path (dequantise on the fly) agree on most
+    positions (bf16 activations flip near-ties of tiny random models; the figure is printed and
+    recorded in BENCH_quantmoe.md)."""
+    pytest.importorskip("compressed_tensors")
+    from engine import SamplingParams
+    from tests.quant_checkpoints import write_quantized
+
+    quant_dir, _ = write_quantized(tiny_models["llama"], tmp_path, "gptq", bits=4, group_size=32, act_order=True)
+    fast = make_llm(quant_dir, int4_kernel="packed")
+    ref = make_llm(quant_dir, int4_kernel="reference")
+    qkv = fast.engine.model.layers[0].self_attn.qkv_proj
+    assert qkv.quant is int4_packed.PACKED and qkv.int4_scales_zeros.dtype == torch.bfloat16
+    assert ref.engine.model.layers[0].self_attn.qkv_proj.quant is not int4_packed.PACKED
+    greedy = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    gen = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(5, 200, (int(n),), generator=gen).tolist() for n in torch.randint(1, 30, (8,), generator=gen)]
+    a = [o.outputs[0].token_ids for o in fast.generate(prompts, greedy, use_tqdm=False)]
+    b = [o.outputs[0].token_ids for o in ref.generate(prompts, greedy, use_tqdm=False)]
+    # agreement up to the first divergence (after it the continuations differ by construction)
+    prefix = sum(next((i for i, (p, q) in enumerate(zip(x, y)) if p != q), len(x)) for x, y in zip(a, b))
+    total = sum(len(x) for x in a)
+    print(f"packed vs reference: {prefix}/{total} tokens before the first divergence")
+    assert prefix >= 0.5 * total
+
+
 # ---- CUDA: torch's tinygemm kernel (_weight_int4pack_mm) -------------------------------------
 
 @pytest.mark.gpu

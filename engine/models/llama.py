@@ -21,6 +21,7 @@ from engine.distributed.parallel import TensorParallel, all_reduce, check_sharda
 from engine.forward_context import ForwardContext
 from engine.models.config import ModelConfig, rope_inv_freq
 from engine.models.glm import apply_interleaved_rope, interleaved_rope_tables
+from engine.quant.moe import QuantExperts, routed_experts
 
 
 class RMSNorm(nn.Module):
@@ -169,7 +170,7 @@ class MLP(nn.Module):
 class SparseMoE(nn.Module):
     """Router + top-k routed experts (kiln::moe_experts, compiler/moe.py), plus Qwen2-MoE's
     sigmoid-gated shared expert. Expert weights are stacked: w13 [E, 2I, H] (gate rows, then
-    up rows), w2 [E, H, I]. Under tp every expert (and the shared one) holds this rank's I/tp
+    up rows), w2 [E, H, I]; in a quantised model both are QuantExperts (engine/quant/moe.py). Under tp every expert (and the shared one) holds this rank's I/tp
     gate/up rows and down columns, the router is whole, and one all-reduce sums the block."""
 
     def __init__(self, config: ModelConfig, tp: TensorParallel | None = None) -> None:
@@ -192,7 +193,10 @@ class SparseMoE(nn.Module):
         weights, ids = probs.topk(self.top_k, dim=-1)
         if self.renormalize:
             weights = weights / weights.sum(dim=-1, keepdim=True)
-        out = torch.ops.kiln.moe_experts(x, weights, ids, self.w13, self.w2, self.activation)
+        if isinstance(self.w13, QuantExperts):  # a quantised checkpoint's experts (engine/quant/moe.py)
+            out = routed_experts(self.w13, self.w2, x, weights, ids, self.activation)
+        else:
+            out = torch.ops.kiln.moe_experts(x, weights, ids, self.w13, self.w2, self.activation)
         if self.shared_expert is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return out if self.tp is None else all_reduce(out, self.tp)

@@ -22,6 +22,7 @@ from engine.models.load_progress import LoadProgress
 from engine.models.safetensors_reader import SafetensorsFile
 from engine.quant import gguf_file, gguf_quant
 from engine.quant import loading as quant_loading
+from engine.quant import moe as quant_moe
 from engine.quant.config import QuantConfig, forced, from_hf
 
 logger = logging.getLogger(__name__)
@@ -224,6 +225,8 @@ def load_model(model_dir: Path, config: ModelConfig, dtype: torch.dtype, device:
         _load_gguf(model, model_dir, gguf_quant.load(model, model_dir, gguf_kept, dtype, device))
     else:
         _load_safetensors(model, model_dir, quant, dtype)
+    if quant is not None and quant.quantize_at_load:
+        quant_moe.quantize_loaded(model, quant)  # MoE experts load dense, then become e4m3 (dense ones only: a peak)
     quant_loading.finish(model, dtype, int4_kernel)  # int4 layers -> the packed int4 kernels' layout
     return model.eval().requires_grad_(False)
 

@@ -57,14 +57,16 @@ def prepare(model: nn.Module, path, target: Target, dtype: torch.dtype, device: 
             continue
         kind = kinds.pop()
         if kind == "int4":
+            kernel = int4_packed.kernel_dtype(dtype, int4_kernel)
             if int4_kernel == "reference" or int4_packed.unsupported(
-                    module.out_features, module.in_features, 4, QK, device, dtype):
+                    module.out_features, module.in_features, 4, QK, device, kernel):
                 continue
             del module.weight
             module.register_parameter("weight", None)
             for buf in int4_packed.BUFFERS:  # filled once every part is loaded (load)
                 module.register_buffer(buf, None)
             module.int4_group = QK
+            module.int4_kernel_dtype = kernel  # (load: the dtype of its scales and zeros)
             module.quant = int4_packed.PACKED
         else:
             attach(module, IntWeightMethod(INT8), "meta")
@@ -143,5 +145,6 @@ def load(model: nn.Module, path, plan: dict[str, tuple[str, slice | None]], dtyp
 def _install_int4(module: nn.Module, parts: list, dtype: torch.dtype, device: torch.device) -> None:
     q = torch.cat([p[1] for p in parts])
     scale, offset = torch.cat([p[2] for p in parts]), torch.cat([p[3] for p in parts])
-    sz = int4_packed.scales_and_zeros(scale, offset, QK, module.in_features, dtype).to(device)
+    sz = int4_packed.scales_and_zeros(scale, offset, QK, module.in_features,
+                                      getattr(module, "int4_kernel_dtype", dtype)).to(device)
     int4_packed.install(module, int4_packed.convert(int_formats.pack_nibbles(q), None, device), sz, None, QK)

@@ -16,7 +16,12 @@ What the kernels take, and so what stays on the dequantise-on-the-fly reference 
     divides the input width, with the one scale repeated), or an input width the group does not divide;
   - activations other than bf16 (the CUDA kernel takes only bf16; the CPU one takes float32 and
     float16 too but through a scalar path measured ~500x slower than its bf16 one, slower than
-    dequantising on the fly: kiln's float32 CPU default keeps the reference path);
+    dequantising on the fly: kiln's float32 CPU default keeps the reference path), unless
+    int4_kernel is "packed": then a float32/float16 model's int4 layers are packed with bf16
+    scales and zeros and each call rounds its activations to bf16 around the kernel and the
+    output back (`kernel_dtype`; BENCH_quantmoe.md: on a quiet CPU 150-190x faster than the
+    reference at batch 1 and 3-8x faster than the dense float32 matmul; the numerics of a bf16
+    model's int4 layers);
   - output widths not a multiple of 16 (CPU) or 8 (CUDA); on CUDA input widths not a multiple of
     inner_k_tiles * 16, GPUs before sm_80;
   - act-order (g_idx) whose groups are not `group` columns each: GPTQ's act-order is, so its
@@ -35,6 +40,12 @@ GROUPS = (32, 64, 128, 256)  # the group sizes both kernels take
 INNER_K_TILES = 8  # CUDA tinygemm: input widths a multiple of 128; smaller ones fall back to 4, 2
 ROW_CHUNK = 1024  # packing converts this many output rows at a time (a multiple of the CPU layout's 64-row blocks)
 BUFFERS = ("int4_packed", "int4_scales_zeros", "int4_perm")
+
+
+def kernel_dtype(dtype: torch.dtype, int4_kernel: str) -> torch.dtype:
+    """The activation dtype a model of `dtype` sends the int4 kernels: its own, or bfloat16 when
+    int4_kernel is "packed" (float32/float16 models then round activations to bf16 per call)."""
+    return torch.bfloat16 if int4_kernel == "packed" and dtype in (torch.float32, torch.float16) else dtype
 
 
 def packed_group(in_features: int, group_size: int) -> int | None:
@@ -121,7 +132,8 @@ class Int4PackedMethod:
 
     def apply(self, module: nn.Module, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
-        x2 = x.reshape(-1, shape[-1])
+        # (int4_kernel "packed" on a float32/float16 model: the kernel's dtype is bf16, see kernel_dtype)
+        x2 = x.reshape(-1, shape[-1]).to(module.int4_scales_zeros.dtype)
         if module.int4_perm is not None:
             x2 = x2.index_select(1, module.int4_perm)
         x2 = x2.contiguous()
@@ -130,6 +142,7 @@ class Int4PackedMethod:
         else:
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, module.int4_packed, module.int4_group,
                                                            module.int4_scales_zeros)
+        y = y.to(x.dtype)
         if module.bias is not None:
             y = y + module.bias
         return y.reshape(*shape[:-1], -1)

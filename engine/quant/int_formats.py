@@ -45,7 +45,8 @@ def pack_nibbles(q: torch.Tensor) -> torch.Tensor:
 
 
 def unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
-    return torch.stack([packed & 0x0F, packed >> 4], dim=-1).reshape(packed.shape[0], -1)
+    """uint8 [..., in // 2] -> [..., in] (any leading dimensions: stacked experts too)."""
+    return torch.stack([packed & 0x0F, packed >> 4], dim=-1).reshape(*packed.shape[:-1], -1)
 
 
 def default_g_idx(in_features: int, group_size: int, device=None) -> torch.Tensor:
@@ -101,12 +102,13 @@ def from_compressed_tensors(t: dict[str, torch.Tensor], bits: int, group_size: i
 def dequantize(qweight: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor, g_idx: torch.Tensor | None,
                bits: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """kiln's layout -> the dense weight [out, in] in `dtype` (computed in float32). g_idx None:
-    groups are runs of consecutive columns (no act-order), which skips the per-column gather."""
+    groups are runs of consecutive columns (no act-order), which skips the per-column gather.
+    Stacked experts work the same with a leading dimension: qweight [E, out, ...], zeros and
+    scales [E, out, groups], g_idx [E, in] (each expert its own act-order)."""
     q = unpack_nibbles(qweight) if bits == 4 else qweight
     if g_idx is None:
-        out, groups = scales.shape
-        qg = q.view(out, groups, -1).float()
-        return ((qg - zeros.float()[:, :, None]) * scales[:, :, None]).view(out, -1).to(dtype)
-    g = g_idx.long()
-    w = (q.float() - zeros.float()[:, g]) * scales[:, g]
+        qg = q.reshape(*scales.shape, -1).float()
+        return ((qg - zeros.float()[..., None]) * scales[..., None]).reshape(q.shape).to(dtype)
+    idx = g_idx.long().unsqueeze(-2).expand(q.shape)  # each column's group, per row
+    w = (q.float() - zeros.float().gather(-1, idx)) * scales.gather(-1, idx)
     return w.to(dtype)

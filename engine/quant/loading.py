@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from engine.quant import int4_packed, int_formats
+from engine.quant import moe as quant_moe
 from engine.quant.config import QuantConfig
 from engine.quant.linear import FP8, IntWeightMethod, attach, make_method, quantize_fp8_rows
 
@@ -51,13 +52,16 @@ def prepare(model: nn.Module, config: QuantConfig, dtype: torch.dtype | None = N
     """On the meta-built model: quantised layers get their buffers instead of a dense weight.
     dtype given and int4_kernel "auto": int4 layers move to the packed kernels' layout as soon
     as each is loaded (so the unpacked and packed forms never coexist for the whole model)."""
-    if model.config.is_moe:
-        raise ValueError("quantization: mixture-of-experts models are not supported quantised")
+    if not config.quantize_at_load:  # (--quantization fp8 quantises loaded experts: quantize_loaded_experts)
+        quant_moe.prepare(model, config)  # MoE layers: their experts stay quantised too
     method = make_method(config)
-    if isinstance(method, IntWeightMethod) and method.bits == 4 and int4_kernel == "auto":
-        method.repack_dtype = dtype
-    for module in quantized_linears(model).values():
-        attach(module, method, "meta")
+    if isinstance(method, IntWeightMethod) and method.bits == 4 and int4_kernel in ("auto", "packed"):
+        method.repack_dtype = dtype if dtype is None else int4_packed.kernel_dtype(dtype, int4_kernel)
+    linears = quantized_linears(model)
+    dense = quant_moe.ignored_linears(linears, config)  # e.g. a shared expert the ignore list names
+    for name, module in linears.items():
+        if name not in dense:
+            attach(module, method, "meta")
 
 
 def cast_except_quantized(model: nn.Module, dtype: torch.dtype) -> None:
@@ -126,7 +130,7 @@ def load_quantized(model: nn.Module, config: QuantConfig, names: list[str], read
     """Fill every quantised layer from the checkpoint; names: its tensors, read(name) one of them.
     Returns the tensor names consumed (the rest load as usual). on_tensor sees each tensor read
     (progress)."""
-    linears = quantized_linears(model)
+    linears = {n: m for n, m in quantized_linears(model).items() if m.quant is not None}  # (not ignored ones)
     wanted = suffixes(config)
     groups: dict[str, dict[str, str]] = {}
     for name in names:
@@ -141,7 +145,7 @@ def load_quantized(model: nn.Module, config: QuantConfig, names: list[str], read
         if hit is None:
             continue
         kiln_name, idx = hit
-        module = linears.get(kiln_name.removesuffix(".weight"))
+        module = linears.get(kiln_name.removesuffix(".weight")) or quant_moe.experts_named(model, kiln_name)
         if module is None:  # e.g. an unquantised lm_head stored as "weight": loads as usual
             continue
         tensors = {}
@@ -149,6 +153,10 @@ def load_quantized(model: nn.Module, config: QuantConfig, names: list[str], read
             tensors[suffix] = read(name)
             if on_tensor is not None:
                 on_tensor(tensors[suffix])
+        if isinstance(module, quant_moe.QuantExperts):  # one expert's projection (engine/quant/moe.py)
+            module.fill(idx, _fp8_canonical(tensors) if config.kind == "fp8" else _int_canonical(config, tensors), prefix)
+            consumed.update(names.values())
+            continue
         fill_module(module, idx[0] if idx else None, config, tensors, prefix, seen)
         del tensors
         consumed.update(names.values())
@@ -156,7 +164,7 @@ def load_quantized(model: nn.Module, config: QuantConfig, names: list[str], read
             _repack(module, kiln_name.removesuffix(".weight"), module.quant.repack_dtype, left)
         elif _on_cpu(module):
             _return_freed_memory()  # (this module's checkpoint tensors and conversion temporaries)
-    missing = [n for n, m in linears.items() if seen.get(id(m), 0) != m.out_features]
+    missing = [n for n, m in linears.items() if seen.get(id(m), 0) != m.out_features] + quant_moe.unfilled(model)
     if missing:
         raise ValueError(f"quantization: the checkpoint lacks quantised weights for {missing[:4]}"
                          f"{' ...' if len(missing) > 4 else ''} ({config.name})")
@@ -216,6 +224,7 @@ def init_dummy(model: nn.Module, seed: int) -> None:
             module.weight_scale.fill_(0.02)
             if hasattr(module, "input_scale"):
                 module.input_scale.fill_(0.05)
+    quant_moe.init_dummy(model, seed)
     _log_left(left)
 
 
@@ -297,9 +306,10 @@ def finish(model: nn.Module, dtype: torch.dtype, int4_kernel: str = "auto") -> d
     left: dict[str, list[str]] = {}
     if int4_kernel == "reference":
         return left
+    quant_moe.repack(model, int4_packed.kernel_dtype(dtype, int4_kernel), left)  # int4 MoE experts (CPU)
     for name, module in quantized_linears(model).items():
         method = getattr(module, "quant", None)
         if isinstance(method, IntWeightMethod) and method.bits == 4 and method.repack_dtype is not None:
-            _repack(module, name, dtype, left)
+            _repack(module, name, method.repack_dtype, left)
     _log_left(left)
     return left
