@@ -7,6 +7,8 @@ Which int4 kernel runs (setting `int4_kernel`), decided once per engine by `choo
   kiln       kiln's kernel; an error where it cannot run (no sm_90, cubin not built)
   tinygemm   torch's _weight_int4pack_mm (engine/quant/int4_packed.py)
   reference  dequantise on the fly (engine/quant/linear.py: IntWeightMethod)
+  packed     tinygemm for float32/float16 models too, activations rounded to bf16 around it
+             (int4_packed.kernel_dtype)
 With kiln, the model loads in kiln's unpacked int4 layout (the loader does not repack it for
 tinygemm) and `install` then moves each layer into the kernel's layout, one layer at a time (the
 unpacked and packed forms of the whole model never coexist). A layer the kernel cannot take
@@ -33,7 +35,7 @@ from engine.quant.linear import IntWeightMethod
 
 logger = logging.getLogger(__name__)
 
-KERNELS = ("auto", "kiln", "tinygemm", "reference")
+KERNELS = ("auto", "kiln", "tinygemm", "reference", "packed")
 BUFFERS = ("w4a16_packed", "w4a16_scales", "w4a16_zeros", "w4a16_perm")
 ROW_CHUNK = 2048  # rows packed at a time (a multiple of 16): bounds the temporaries of a load
 
@@ -41,10 +43,10 @@ ROW_CHUNK = 2048  # rows packed at a time (a multiple of 16): bounds the tempora
 def choose_int4_kernel(setting: str, device_type: str, capability: tuple[int, int] | None,
                        cubin_built: bool) -> str:
     """The int4 kernel for `setting` on a device of this type and compute capability, with the
-    w4a16_gemm cubin built or not: "kiln", "tinygemm" or "reference"."""
+    w4a16_gemm cubin built or not: "kiln", "tinygemm", "reference" or "packed"."""
     if setting not in KERNELS:
         raise ValueError(f"int4_kernel: {setting!r} is not one of {KERNELS}")
-    if setting in ("tinygemm", "reference"):
+    if setting in ("tinygemm", "reference", "packed"):
         return setting
     reason = None
     if device_type != "cuda":
