@@ -228,16 +228,19 @@ class Sampler:
         return logits
 
     def _apply_penalties(self, logits: torch.Tensor, rows: list[SampleRow], last: "LastSampled | None") -> torch.Tensor:
-        """Repetition / frequency / presence penalties. Each sequence's output-token counts and
-        prompt-token mask live on the device across steps and only its new tokens are added
-        (a row's history is not re-sent every step); sequences absent from a step drop theirs.
-        A new token still in flight (a PLACEHOLDER) is added from `last` on the device, all such
-        rows in one op, and the row keeps the step's counts as its own from then on."""
+        """Repetition / frequency / presence penalties, on the rows that ask for them. Each such
+        sequence's output-token counts and prompt-token mask live on the device across steps
+        and only its new tokens are added (a row's history is not re-sent every step);
+        sequences absent from a step drop theirs. A new token still in flight (a PLACEHOLDER) is
+        added from `last` on the device, all such rows in one op, and the row keeps the step's
+        counts as its own from then on."""
         vocab = logits.shape[1]
+        picked = [i for i, r in enumerate(rows) if r.params.needs_penalties]
+        rows_p = [rows[i] for i in picked]
         states: dict[int, _PenaltyState] = {}
         counts_rows, prompt_rows = [], []
         fed: list[tuple[int, int, _PenaltyState]] = []  # (row, seq id, state) whose last token is in flight
-        for i, r in enumerate(rows):
+        for j, r in enumerate(rows_p):
             key = r.key if r.key is not None else id(r)
             state = states.get(key) or self._penalty_states.get(key)
             if state is None or state.counted > r.num_output_tokens - len(r.extra):
@@ -245,7 +248,7 @@ class Sampler:
             states[key] = state
             counts, in_flight = state.counts_for(r)
             if in_flight:
-                fed.append((i, key, state))
+                fed.append((j, key, state))
             counts_rows.append(counts)
             prompt_rows.append(state.in_prompt)
         self._penalty_states = states
@@ -254,20 +257,27 @@ class Sampler:
             if last is None:
                 raise RuntimeError("a penalty row's last token is in flight but no launched step holds it")
             src = last.rows_of([key for _, key, _ in fed])
-            index = torch.tensor([[i for i, _, _ in fed], src], device=self.device)
+            index = torch.tensor([[j for j, _, _ in fed], src], device=self.device)
             # (-1, a failed row, counts as token 0: that request is failed and this step discarded)
             tokens = last.tokens.index_select(0, index[1]).clamp(min=0)
             counts.index_put_((index[0], tokens), torch.ones(len(fed), dtype=counts.dtype, device=self.device),
                               accumulate=True)
-            for i, _, state in fed:
-                state.counts = counts[i]  # (a view: later steps add to it in place)
+            for j, _, state in fed:
+                state.counts = counts[j]  # (a view: later steps add to it in place)
         in_prompt = torch.stack(prompt_rows)
-        rep = torch.tensor([r.params.repetition_penalty for r in rows], device=self.device)[:, None]
-        freq = torch.tensor([r.params.frequency_penalty for r in rows], device=self.device)[:, None]
-        pres = torch.tensor([r.params.presence_penalty for r in rows], device=self.device)[:, None]
+        rep = torch.tensor([r.params.repetition_penalty for r in rows_p], device=self.device)[:, None]
+        freq = torch.tensor([r.params.frequency_penalty for r in rows_p], device=self.device)[:, None]
+        pres = torch.tensor([r.params.presence_penalty for r in rows_p], device=self.device)[:, None]
+        whole = len(picked) == len(rows)
+        sub = logits if whole else logits[torch.tensor(picked, device=self.device)]
         seen = in_prompt | (counts > 0)
-        logits = torch.where(seen, torch.where(logits > 0, logits / rep, logits * rep), logits)
-        return logits - freq * counts - pres * (counts > 0).float()
+        sub = torch.where(seen, torch.where(sub > 0, sub / rep, sub * rep), sub)
+        sub = sub - freq * counts - pres * (counts > 0).float()
+        if whole:
+            return sub
+        logits = logits.clone()
+        logits[torch.tensor(picked, device=self.device)] = sub
+        return logits
 
     def _sample_random(self, logits: torch.Tensor, rows: list[SampleRow], greedy: list[bool]) -> torch.Tensor:
         n, vocab = logits.shape

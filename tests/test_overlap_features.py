@@ -149,6 +149,7 @@ def test_penalties_overlap_and_equal_serial(pair):
     got = _generate(overlap, PROMPTS, params)
     assert got == want
     assert order.overlapped("penalties") > 10
+    assert order.overlapped("n>1") > 3  # (the fork step itself is serial; its children decode overlapped)
     # the penalties matter: without them the greedy rows would decode something else
     plain = _generate(serial, PROMPTS[:3], [SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)] * 3)
     assert [o[0][1] for o in plain] != [o[0][1][:24] for o in want[:3]]
@@ -260,3 +261,31 @@ def test_penalties_with_prefix_caching(pair):
 
     assert run(overlap) == run(serial)
     assert order.overlapped("penalties") > 5
+
+
+def test_penalty_counts_take_the_in_flight_token_on_the_device():
+    """The sampler, fed histories ending in a PLACEHOLDER and the previous step's device tokens,
+    penalises exactly as when the host knows every token (and goes on counting from there)."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from engine.sampler import LastSampled, Sampler, SampleRow
+    from engine.step_plan import PLACEHOLDER
+
+    params = SamplingParams(temperature=0, frequency_penalty=0.7, presence_penalty=0.2, repetition_penalty=1.4)
+    prompts = {7: [3, 4, 5], 9: [1, 1, 2]}
+    outputs = {7: [8, 8, 3, 6], 9: [2, 5, 5, 5]}
+    logits = torch.randn(2, 16, generator=torch.Generator().manual_seed(0))
+    known, fed = Sampler(torch.device("cpu"), (0,)), Sampler(torch.device("cpu"), (0,))
+    for step in range(1, 5):
+        rows_known = [SampleRow(params, prompts[k] + outputs[k][:step], 3, 0, key=k) for k in (7, 9)]
+        rows_fed = [SampleRow(params, prompts[k] + outputs[k][:step - 1] + [PLACEHOLDER], 3, 0, key=k) for k in (7, 9)]
+        # the previous step's tokens: seq 9 sampled row 0 and seq 7 row 1 (another order than this step's)
+        last = LastSampled(torch.tensor([outputs[9][step - 1], outputs[7][step - 1]]),
+                           [SimpleNamespace(seq_id=9), SimpleNamespace(seq_id=7)], decode=True)
+        want = known._apply_penalties(logits, rows_known, None)
+        got = fed._apply_penalties(logits, rows_fed, last)
+        torch.testing.assert_close(got, want)
+    with pytest.raises(RuntimeError, match="in flight"):  # a placeholder no launched step holds
+        Sampler(torch.device("cpu"), (0,))._apply_penalties(logits, rows_fed, None)
