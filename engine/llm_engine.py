@@ -58,8 +58,9 @@ def _needs_serial(sched: SchedulerOutput) -> bool:
         the sampled tokens are known; they then decode overlapped like any sequence;
       - drafts (speculative decoding: the engine runs every step serially when it proposes, see
         `step`): how many drafts are accepted decides the next step's tokens and positions;
-      - a task that reads hidden states (prompt logprobs, embeddings): its results complete the
-        request's output before its next token is produced; only its prefill steps.
+      - a task that reads hidden states (prompt logprobs, embeddings; prompt steps only): an
+        embedding samples no token to stand in for, and prompt logprobs are copied to the host
+        inside the launch already (engine/tasks.py read()), so there is nothing to overlap.
     Penalties overlap (their counts take the previous step's tokens on the device), and so do
     grammars and logits processors, whose sampling waits for the host (`_defers_sampling`)."""
     for s in sched.seqs:
