@@ -217,7 +217,8 @@ def test_logits_processors_overlap_and_see_the_serial_history(pair):
         seen = histories[name] = []
         params = [SamplingParams(temperature=0, max_tokens=14, ignore_eos=True, logits_processors=[make(seen)]),
                   SamplingParams(temperature=0, max_tokens=20, ignore_eos=True),
-                  SamplingParams(temperature=0.5, seed=2, max_tokens=9, ignore_eos=True, logits_processors=[make(seen)])]
+                  SamplingParams(temperature=0.5, seed=2, max_tokens=9, ignore_eos=True,
+                                 logits_processors=[make(seen)])]
         histories[name + "_out"] = _generate(llm, PROMPTS[:3], params)
     assert histories["overlap_out"] == histories["serial_out"]
     assert sorted(histories["overlap"]) == sorted(histories["serial"])
