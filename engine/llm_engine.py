@@ -7,9 +7,11 @@ engine/output_processor.py.
 The loop (`step`): schedule -> launch -> process the previous step's results. With
 `async_scheduling` the results of step N are processed after step N+1 was launched, so the
 host work overlaps the device's (the scheduler counts each launched step's sampled tokens as
-placeholders, and the device feeds the real ids to the next step). A step that holds a request
-needing its tokens on the host before the next step can be built (see `_needs_serial`) is
-processed at once, as is every step with speculative decoding.
+placeholders, and the device feeds the real ids to the next step). A step whose sampling reads
+what the host learns from the previous step's tokens (a grammar's bitmask, a logits processor's
+history: `_defers_sampling`) launches its forward at once and samples after the previous step
+is processed. A step whose tokens must be on the host before the next one can be scheduled
+(see `_needs_serial`) is processed at once, as is every step with speculative decoding.
 """
 
 from __future__ import annotations
@@ -50,14 +52,30 @@ class _Launched:
 
 
 def _needs_serial(sched: SchedulerOutput) -> bool:
-    """The next step cannot be built before this one's tokens are on the host: a fork (n > 1),
-    drafts, a task that reads hidden states, or sampling that reads the history on the host
-    (penalties, logits processors, a grammar's bitmask)."""
+    """This step's tokens must be on the host before the next step can be scheduled, so it is
+    processed at once (no overlap, for this step only):
+      - a fork (a request with n > 1 at the end of its prompt): its children do not exist until
+        the sampled tokens are known; they then decode overlapped like any sequence;
+      - drafts (speculative decoding: the engine runs every step serially when it proposes, see
+        `step`): how many drafts are accepted decides the next step's tokens and positions;
+      - a task that reads hidden states (prompt logprobs, embeddings; prompt steps only): an
+        embedding samples no token to stand in for, and prompt logprobs are copied to the host
+        inside the launch already (engine/tasks.py read()), so there is nothing to overlap.
+    Penalties overlap (their counts take the previous step's tokens on the device), and so do
+    grammars and logits processors, whose sampling waits for the host (`_defers_sampling`)."""
     for s in sched.seqs:
-        if not s.advances_at_launch or s.grammars or s.task.reads_hidden:
+        if not s.advances_at_launch or s.task.reads_hidden:
             return True
-        p = s.params
-        if p.needs_penalties or p.logits_processors:
+    return False
+
+
+def _defers_sampling(sched: SchedulerOutput) -> bool:
+    """The step's sampling reads what the host learns from the previous step's tokens: a grammar's
+    bitmask (its matcher advances by them), a logits processor's history (user Python over the
+    output token ids). The forward is launched at once, sampling after the previous step is
+    processed: the device computes while the host works."""
+    for s in sched.seqs:
+        if s.grammars or s.params.logits_processors:
             return True
     return False
 
@@ -179,16 +197,21 @@ class LLMEngine:
         """Schedule and launch the next step, then process the previous one's results (or, in the
         serial loop, this one's)."""
         sched = self.scheduler.schedule()
-        launched = None if sched.is_empty else self._launch(sched)
-        previous, self._inflight = self._inflight, launched
+        previous = self._inflight
+        defer = previous is not None and _defers_sampling(sched)
+        launched = None if sched.is_empty else self._launch(sched, defer)
+        self._inflight = launched
         outputs = self._process(previous) if previous is not None else []
-        if launched is not None and (not self.async_scheduling or self.scheduler.proposer is not None
-                                     or _needs_serial(sched)):
+        if launched is None:
+            return outputs
+        if defer:  # the previous step's tokens have advanced the grammars: sample now
+            self._sample(launched)
+        if not self.async_scheduling or self.scheduler.proposer is not None or _needs_serial(sched):
             self._inflight = None
             outputs += self._process(launched)
         return outputs
 
-    def _launch(self, sched: SchedulerOutput) -> _Launched:
+    def _launch(self, sched: SchedulerOutput, defer_sampling: bool = False) -> _Launched:
         t0 = time.perf_counter()
         if self.block_swapper is not None:
             measured = self.block_swapper.measurement()  # an earlier step's copies, if done
@@ -199,9 +222,18 @@ class LLMEngine:
             # copy-on-write copies and forward (no host sync: the runner's input prep overlaps).
             self.block_swapper.launch(sched.blocks_to_swap_out, sched.blocks_to_swap_in)
             self.block_swapper.wait()
-        pending = self.runner.launch(sched)
-        self.scheduler.launched(sched)
+        if defer_sampling:
+            pending = self.runner.launch(sched, defer_sampling=True)
+        else:
+            pending = self.runner.launch(sched)
+            self.scheduler.launched(sched)
         return _Launched(sched, pending, t0)
+
+    def _sample(self, launched: _Launched) -> None:
+        """Sample a step launched with its sampling deferred, then advance its sequences (after
+        the previous step's processing, so the rows saw exactly the serial loop's history)."""
+        self.runner.sample(launched.sched, launched.pending)
+        self.scheduler.launched(launched.sched)
 
     def _process(self, launched: _Launched) -> list[RequestOutput]:
         sched = launched.sched

@@ -26,7 +26,8 @@ from engine.decode_graphs import DecodeGraphRunner
 from engine.forward_context import StepFeatures
 from engine.input_buffers import InputBuffers
 from engine.kv.cache import KVCache
-from engine.sampler import HostCopy, PendingSample, Sampler, SampleRow, SamplerOutput
+from engine.sampler import HostCopy, LastSampled, PendingSample, Sampler, SampleRow, SamplerOutput
+from engine.request import SamplingParams
 from engine.scheduler import SchedulerOutput, sample_row_ranges
 from engine.step_builder import StepBuilder, StepInputs
 
@@ -120,43 +121,65 @@ class ModelRunner:
         return self.launch(sched).result()
 
     @torch.inference_mode()
-    def launch(self, sched: SchedulerOutput) -> "PendingStep":
+    def launch(self, sched: SchedulerOutput, defer_sampling: bool = False) -> "PendingStep":
         """Queue one step on the device; its sampled tokens stay there (they feed the next step's
-        placeholders) and come to the host when PendingStep.result() is called."""
+        placeholders) and come to the host when PendingStep.result() is called.
+
+        defer_sampling: queue the forward and the logits only; `sample(sched, pending)` samples
+        later (overlap scheduling: a grammar's bitmask needs the previous step's tokens, which the
+        host processes while the device runs this forward)."""
         if sched.blocks_to_copy:
             src = torch.tensor([a for a, _ in sched.blocks_to_copy], device=self.device)
             dst = torch.tensor([b for _, b in sched.blocks_to_copy], device=self.device)
             torch.ops.kiln.copy_blocks(self.kv_cache.tensor, src, dst)
+        pending = PendingStep()
         if not sched.seqs:
-            return PendingStep(PendingSample.empty(self.device))
+            pending.sample = PendingSample.empty(self.device)
+            return pending
         step = self.prepare(sched)
         if self.graph_runner is not None and self.graph_runner.can_replay(step):
             hidden, tokens = self.graph_runner.replay(step)
             n = len(step.rows)
-            if all(_plain_greedy(r) for r in step.rows):
+            if not defer_sampling and all(_plain_greedy(r) for r in step.rows):
                 # argmax computed in the graph; -1 marks a row with non-finite logits (the sampler's rule)
-                sample = PendingSample(tokens[:n], HostCopy(tokens[:n]), {})
-            else:  # the sampler needs the logits: one more LM-head matmul over the graph's hidden states
-                sample = self.sampler.launch(self.model.compute_logits(hidden[:n]), step.rows)
-            return self._remember(sched, PendingStep(sample))
-        hidden = self.run_model(step)
-        if not step.rows:
-            pending = PendingStep(PendingSample.empty(self.device))
+                pending.sample = PendingSample(tokens[:n], HostCopy(tokens[:n]), {})
+                return self._remember(sched, pending)
+            # the sampler needs the logits: one more LM-head matmul over the graph's hidden states
+            pending.deferred = (self.model.compute_logits(hidden[:n]), step.rows)
         else:
-            n = len(step.sample_indices)
-            # A decode step samples rows 0..n-1 in order: a view, no gather (nor an index upload).
-            picked = hidden[:n] if step.sample_indices == list(range(n)) else hidden[
-                torch.tensor(step.sample_indices, device=self.device)]
-            pending = PendingStep(self.sampler.launch(self.model.compute_logits(picked), step.rows))
-        for task, seq_id, plan in step.reads:
-            pending.task_results[seq_id] = task.read(self.model, hidden, plan)
+            hidden = self.run_model(step)
+            if step.rows:
+                n = len(step.sample_indices)
+                # A decode step samples rows 0..n-1 in order: a view, no gather (nor an index upload).
+                picked = hidden[:n] if step.sample_indices == list(range(n)) else hidden[
+                    torch.tensor(step.sample_indices, device=self.device)]
+                pending.deferred = (self.model.compute_logits(picked), step.rows)
+            for task, seq_id, plan in step.reads:
+                pending.task_results[seq_id] = task.read(self.model, hidden, plan)
+        return pending if defer_sampling else self.sample(sched, pending)
+
+    @torch.inference_mode()
+    def sample(self, sched: SchedulerOutput, pending: "PendingStep") -> "PendingStep":
+        """Sample a launched step's logits. A sequence that finished since the launch (deferred
+        sampling: the previous step's tokens ended it) gets a plain argmax row instead of its own:
+        its token is discarded, and its grammar or logits processors are not asked again."""
+        if pending.deferred is None:
+            pending.sample = PendingSample.empty(self.device)
+            return self._remember(sched, pending)
+        logits, rows = pending.deferred
+        pending.deferred = None
+        finished = {s.seq_id for s in sched.seqs if s.seq is not None and s.seq.is_finished}
+        if finished:
+            rows = [_DISCARDED if r.key in finished else r for r in rows]
+        pending.sample = self.sampler.launch(logits, rows, self.builder.last_sampled)
         return self._remember(sched, pending)
 
     def _remember(self, sched: SchedulerOutput, pending: "PendingStep") -> "PendingStep":
-        """Keep the step's device tokens and each one-token sampling sequence's row in them: the
-        next step's placeholders read from there."""
-        rows = {s.seq_id: r.start for s, r in sample_row_ranges(sched.seqs) if len(r) == 1}
-        self.builder.last_sampled = (pending.sample.tokens, rows)
+        """Keep the step's device tokens (and its sequences, which tell each one's row in them):
+        the next step's placeholders read from there. Nothing per row here: the rows are looked
+        up only when a placeholder needs them."""
+        decode = sched.num_prefill_tokens == 0 and sched.num_decode_tokens == len(sched.seqs)
+        self.builder.last_sampled = LastSampled(pending.sample.tokens, sched.seqs, decode)
         return pending
 
     def run_model(self, step: StepInputs) -> torch.Tensor:
@@ -174,14 +197,19 @@ class PendingStep:
     """A launched step: its sample on the way to the host, plus what tasks read off its hidden
     states (seq id -> result: prompt logprobs, an embedding chunk's hidden state; engine/tasks.py)."""
 
-    def __init__(self, sample: PendingSample) -> None:
-        self.sample = sample
+    def __init__(self) -> None:
+        self.sample: PendingSample | None = None  # set once sampled
+        self.deferred: tuple[torch.Tensor, list[SampleRow]] | None = None  # (logits, rows) not sampled yet
         self.task_results: dict[int, Any] = {}
 
     def result(self) -> SamplerOutput:
         out = self.sample.result()
         out.task_results = self.task_results
         return out
+
+
+# The row of a sequence that finished before its launched step was sampled (its token is discarded).
+_DISCARDED = SampleRow(SamplingParams(temperature=0.0), [], 0, 0)
 
 
 def _plain_greedy(r: SampleRow) -> bool:

@@ -5,6 +5,10 @@ tokens (and their logprobs when asked for). Random rows use the exponential-race
 (argmax of p / E with E ~ Exp(1)), which needs no sorting or cumsum over the vocabulary.
 A row with a seed draws its noise from a generator seeded by (seed, sample index,
 output position): its tokens depend on nothing else in the batch.
+
+Overlap scheduling: a row's history may end in a PLACEHOLDER, the token the previous launched
+step sampled that the host has not seen yet. Penalty counts take it from that step's device
+tensor (`LastSampled`), so a step with penalties is launched before the previous one is processed.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from typing import Any
 import torch
 
 from engine.request import SamplingParams
+from engine.step_plan import PLACEHOLDER, ScheduledSeq, sample_row_ranges
 from engine.structured_output import GrammarMatcher, bitmask_words, unpack_bitmask
 
 
@@ -90,9 +95,11 @@ class Sampler:
         """logits: float32 [len(rows), vocab]."""
         return self.launch(logits, rows).result()
 
-    def launch(self, logits: torch.Tensor, rows: list[SampleRow]) -> "PendingSample":
+    def launch(self, logits: torch.Tensor, rows: list[SampleRow], last: "LastSampled | None" = None
+               ) -> "PendingSample":
         """Sample on the device; the tokens stay there (PendingSample.tokens) and are copied to
-        the host without blocking: result() waits for that copy only."""
+        the host without blocking: result() waits for that copy only. `last`: the previous
+        launched step's tokens, for rows whose history ends in its PLACEHOLDER."""
         if not rows:
             return PendingSample.empty(self.device)
         needs = _BatchNeeds(rows)
@@ -106,7 +113,7 @@ class Sampler:
         if needs.min_tokens:
             logits = self._apply_min_tokens(logits, rows, must_stop)
         if needs.penalties:
-            logits = self._apply_penalties(logits, rows)
+            logits = self._apply_penalties(logits, rows, last)
         if grammar_mask is not None:
             logits = self._apply_grammar(logits, rows, grammar_mask)
         if needs.all_greedy:  # the common case: one reduction gives the token and its logit
@@ -220,31 +227,57 @@ class Sampler:
         logits[torch.tensor(banned_rows, device=self.device), torch.tensor(banned_ids, device=self.device)] = -float("inf")
         return logits
 
-    def _apply_penalties(self, logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
-        """Repetition / frequency / presence penalties. Each sequence's output-token counts and
-        prompt-token mask live on the device across steps and only its new tokens are added
-        (a row's history is not re-sent every step); sequences absent from a step drop theirs."""
+    def _apply_penalties(self, logits: torch.Tensor, rows: list[SampleRow], last: "LastSampled | None") -> torch.Tensor:
+        """Repetition / frequency / presence penalties, on the rows that ask for them. Each such
+        sequence's output-token counts and prompt-token mask live on the device across steps
+        and only its new tokens are added (a row's history is not re-sent every step);
+        sequences absent from a step drop theirs. A new token still in flight (a PLACEHOLDER) is
+        added from `last` on the device, all such rows in one op, and the row keeps the step's
+        counts as its own from then on."""
         vocab = logits.shape[1]
+        picked = [i for i, r in enumerate(rows) if r.params.needs_penalties]
+        rows_p = [rows[i] for i in picked]
         states: dict[int, _PenaltyState] = {}
         counts_rows, prompt_rows = [], []
-        for r in rows:
+        fed: list[tuple[int, int, _PenaltyState]] = []  # (row, seq id, state) whose last token is in flight
+        for j, r in enumerate(rows_p):
             key = r.key if r.key is not None else id(r)
             state = states.get(key) or self._penalty_states.get(key)
             if state is None or state.counted > r.num_output_tokens - len(r.extra):
                 state = _PenaltyState(r.all_token_ids[:r.num_prompt_tokens], vocab, self.device)
             states[key] = state
-            counts = state.counts_for(r)
+            counts, in_flight = state.counts_for(r)
+            if in_flight:
+                fed.append((j, key, state))
             counts_rows.append(counts)
             prompt_rows.append(state.in_prompt)
         self._penalty_states = states
         counts = torch.stack(counts_rows)
+        if fed:
+            if last is None:
+                raise RuntimeError("a penalty row's last token is in flight but no launched step holds it")
+            src = last.rows_of([key for _, key, _ in fed])
+            index = torch.tensor([[j for j, _, _ in fed], src], device=self.device)
+            # (-1, a failed row, counts as token 0: that request is failed and this step discarded)
+            tokens = last.tokens.index_select(0, index[1]).clamp(min=0)
+            counts.index_put_((index[0], tokens), torch.ones(len(fed), dtype=counts.dtype, device=self.device),
+                              accumulate=True)
+            for j, _, state in fed:
+                state.counts = counts[j]  # (a view: later steps add to it in place)
         in_prompt = torch.stack(prompt_rows)
-        rep = torch.tensor([r.params.repetition_penalty for r in rows], device=self.device)[:, None]
-        freq = torch.tensor([r.params.frequency_penalty for r in rows], device=self.device)[:, None]
-        pres = torch.tensor([r.params.presence_penalty for r in rows], device=self.device)[:, None]
+        rep = torch.tensor([r.params.repetition_penalty for r in rows_p], device=self.device)[:, None]
+        freq = torch.tensor([r.params.frequency_penalty for r in rows_p], device=self.device)[:, None]
+        pres = torch.tensor([r.params.presence_penalty for r in rows_p], device=self.device)[:, None]
+        whole = len(picked) == len(rows)
+        sub = logits if whole else logits[torch.tensor(picked, device=self.device)]
         seen = in_prompt | (counts > 0)
-        logits = torch.where(seen, torch.where(logits > 0, logits / rep, logits * rep), logits)
-        return logits - freq * counts - pres * (counts > 0).float()
+        sub = torch.where(seen, torch.where(sub > 0, sub / rep, sub * rep), sub)
+        sub = sub - freq * counts - pres * (counts > 0).float()
+        if whole:
+            return sub
+        logits = logits.clone()
+        logits[torch.tensor(picked, device=self.device)] = sub
+        return logits
 
     def _sample_random(self, logits: torch.Tensor, rows: list[SampleRow], greedy: list[bool]) -> torch.Tensor:
         n, vocab = logits.shape
@@ -302,17 +335,58 @@ class _PenaltyState:
             ids = torch.tensor(tokens, device=self.device)
             counts.index_add_(0, ids, torch.ones(len(tokens), dtype=counts.dtype, device=self.device))
 
-    def counts_for(self, r: SampleRow) -> torch.Tensor:
-        """Counts over r's output so far (its own tokens, then its drafts, if any)."""
+    def counts_for(self, r: SampleRow) -> tuple[torch.Tensor, bool]:
+        """Counts over r's output so far (its own tokens, then its drafts, if any), and whether
+        its last token is a PLACEHOLDER not counted yet: the caller adds that one on the device
+        (it is counted as of now)."""
         base = r.num_output_tokens - len(r.extra)
+        in_flight = False
         if base > self.counted:
-            self._add(self.counts, r.all_token_ids[r.num_prompt_tokens + self.counted:r.num_prompt_tokens + base])
+            new = r.all_token_ids[r.num_prompt_tokens + self.counted:r.num_prompt_tokens + base]
+            in_flight = new[-1] == PLACEHOLDER
+            if in_flight:
+                new = new[:-1]
+            if PLACEHOLDER in new:  # (one step at most is in flight: only the last token can be)
+                raise RuntimeError("a penalty row holds a placeholder before its last token")
+            self._add(self.counts, new)
             self.counted = base
         if not r.extra:
-            return self.counts
+            return self.counts, in_flight
         counts = self.counts.clone()
         self._add(counts, r.extra)
-        return counts
+        return counts, in_flight
+
+
+class LastSampled:
+    """A launched step's sampled tokens, still on the device, and which row of them each
+    one-token sequence's is: the next step's PLACEHOLDERs (its input ids, penalty counts) read
+    them from there, with no host round trip. The seq id -> row map is built only when asked
+    (a steady decode batch needs only its order), so remembering a step costs nothing per row."""
+
+    __slots__ = ("tokens", "_seqs", "_decode", "_rows")
+
+    def __init__(self, tokens: torch.Tensor, seqs: list[ScheduledSeq] | None = None, decode: bool = False) -> None:
+        self.tokens = tokens
+        self._seqs = seqs or []  # (read only while the step is in flight: its records are not reused yet)
+        self._decode = decode  # seqs[i] sampled row i (one token per sequence, each sampled once)
+        self._rows: dict[int, int] | None = None
+
+    def leads_with(self, seq_ids: list[int]) -> bool:
+        """seq_ids sampled rows 0..len(seq_ids)-1, in this order (a steady decode batch)."""
+        seqs = self._seqs
+        k = len(seq_ids)
+        return self._decode and k <= len(seqs) and [s.seq_id for s in seqs[:k]] == seq_ids
+
+    def rows_of(self, seq_ids: list[int]) -> list[int]:
+        """The row of each of these sequences' sampled token (KeyError: it sampled none here)."""
+        rows = self._rows
+        if rows is None:
+            if self._decode:
+                rows = {s.seq_id: i for i, s in enumerate(self._seqs)}
+            else:
+                rows = {s.seq_id: r.start for s, r in sample_row_ranges(self._seqs) if len(r) == 1}
+            self._rows = rows
+        return [rows[i] for i in seq_ids]
 
 
 class HostCopy:

@@ -14,7 +14,6 @@ and the attention metadata and forward context.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from operator import itemgetter
 from typing import Any, Callable
 
 import numpy as np
@@ -24,7 +23,7 @@ from compiler.capture import MIN_COMPILED_ROWS, mark_static_dims
 from engine.attention.base import AttentionMetadata
 from engine.forward_context import ForwardContext, StepFeatures
 from engine.input_buffers import InputBuffers
-from engine.sampler import SampleRow
+from engine.sampler import LastSampled, SampleRow
 from engine.scheduler import PLACEHOLDER, ScheduledSeq, SchedulerOutput
 
 
@@ -54,8 +53,8 @@ class StepBuilder:
         self.block_size = block_size
         self.compiled = False  # the forward is torch.compile'd: pad steps, full-width block tables
         self.graph_key: Callable[[int, int], tuple[int, int] | None] | None = None  # set with decode graphs
-        # The last launched step's sampled tokens (device) and seq id -> row in them.
-        self.last_sampled: tuple[torch.Tensor, dict[int, int]] = (torch.zeros(0, dtype=torch.int64), {})
+        # The last launched step's sampled tokens (device), for the next step's placeholders.
+        self.last_sampled = LastSampled(torch.zeros(0, dtype=torch.int64))
         # A decoding sequence's sampler row does not change from step to step: kept by seq id.
         self._rows: dict[int, SampleRow] = {}
         self._views: dict[tuple[int, int, int], tuple[torch.Tensor, ...]] = {}  # eager metadata's buffer views
@@ -224,11 +223,12 @@ class StepBuilder:
     def _feed_sampled(self, rows: list[int], seq_ids: list[int]) -> None:
         """Overlap scheduling: input `rows` (a PLACEHOLDER on the host) take the tokens the previous
         step sampled for `seq_ids`, read from its device tensor, with no host round trip."""
-        prev_tokens, prev_rows = self.last_sampled
+        last = self.last_sampled
+        prev_tokens = last.tokens
         buf = self.buffers
         k = len(rows)
-        src = list(itemgetter(*seq_ids)(prev_rows)) if k > 1 else [prev_rows[seq_ids[0]]]
-        if rows == src and rows[-1] == k - 1:
+        # (feed rows ascend: the last one is k - 1 only when they are 0..k-1)
+        if rows[-1] == k - 1 and last.leads_with(seq_ids):
             # A steady decode batch: rows [0, k) take the previous step's rows [0, k) (one copy;
             # clamped as below). On the CPU the tokens are computed already: numpy, no op dispatch.
             if buf.device.type == "cpu":
@@ -237,7 +237,7 @@ class StepBuilder:
                 torch.clamp(prev_tokens[:k], min=0, out=buf.input_ids[:k])
             return
         buf.np_feed_dst[:k] = rows
-        buf.np_feed_src[:k] = src
+        buf.np_feed_src[:k] = last.rows_of(seq_ids)
         if buf.device.type != "cpu":
             buf.feed_dst[:k].copy_(buf.feed_dst_host[:k], non_blocking=True)
             buf.feed_src[:k].copy_(buf.feed_src_host[:k], non_blocking=True)

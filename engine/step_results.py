@@ -39,6 +39,8 @@ class StepResults:
             if not sched.advances_at_launch:
                 continue
             seq = sched.seq
+            if seq.is_finished:
+                continue  # (deferred sampling: the previous step ended it; its token here is discarded)
             seq.num_computed_tokens += sched.num_tokens
             if sched.do_sample:
                 seq.token_ids.append(PLACEHOLDER)

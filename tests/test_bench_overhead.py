@@ -11,3 +11,10 @@ def test_bench_overhead_prints_both_loops_and_the_ratio(capsys):
         loops = {r[1] for r in rows if len(r) > 2}
         assert {"serial", "overlap"} <= loops, out
     assert out.count("critical path overlap / serial") == 2, out
+
+
+def test_bench_overhead_with_penalties_or_a_grammar_in_the_batch(capsys):
+    for mix in ("penalties", "grammar"):
+        assert main(["--steps", "3", "--batches", "8", "--enforce-eager", "--mix", mix]) in (0, None)
+        out = capsys.readouterr().out
+        assert f"{mix} in 1 of every 8 requests" in out and "critical path overlap / serial" in out, out

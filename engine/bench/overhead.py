@@ -18,6 +18,12 @@ same run. Printed per step (µs, the median over the steps) and per sequence per
                 prep + sample + launch in the overlapped loop, whose output processing of step N
                 runs while the device computes step N+1.
 
+--mix penalties|grammar puts that feature in one request of every 8 (at least one per batch):
+frequency/presence/repetition penalties, or a JSON-schema grammar (a string field the request
+keeps extending). Their steps overlap too: penalties take the in-flight token on the device;
+a grammar step launches its forward, processes the previous step, then samples, so its
+critical path also holds that deferred sampling (timed into `launch` and `sample`).
+
 Torch runs with --torch-threads intra-op threads (default 1): on a small shared CPU more
 threads spin against each other and time the contention, not kiln.
 """
@@ -81,6 +87,8 @@ def instrument(engine) -> dict[str, float]:
     engine.scheduler.schedule = _Timed(engine.scheduler.schedule, totals, "schedule")
     engine.runner.prepare = _Timed(engine.runner.prepare, totals, "prep")
     runner = engine.runner
+    if hasattr(engine, "_sample"):  # a step whose sampling waits for the previous step's processing
+        engine._sample = _Timed(engine._sample, totals, "runner")
     if hasattr(runner, "launch"):
         runner.launch = _Timed(runner.launch, totals, "runner")
     else:  # (the serial-only loop, before overlap scheduling)
@@ -89,7 +97,26 @@ def instrument(engine) -> dict[str, float]:
     return totals
 
 
-def measure(engine, totals: dict[str, float], batch: int, steps: int, overlap: bool) -> dict[str, float]:
+MIXES = ("none", "penalties", "grammar")
+MIX_EVERY = 8  # one request in this many has the --mix feature
+
+
+def mixed_params(engine, mix: str, max_tokens: int):
+    """The --mix feature's SamplingParams (greedy, streamed as deltas, never ending early)."""
+    from engine.request import SamplingParams, StructuredOutputsParams
+
+    base = dict(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, output_kind="delta")
+    if mix == "penalties":
+        return SamplingParams(frequency_penalty=0.5, presence_penalty=0.3, repetition_penalty=1.1, **base)
+    # A string field the output keeps extending: a bias on one letter keeps the grammar from closing it.
+    letter = engine.tokenizer.encode("a", add_special_tokens=False)[-1]
+    schema = {"type": "object", "properties": {"s": {"type": "string"}}, "required": ["s"]}
+    return SamplingParams(structured_outputs=StructuredOutputsParams(json=schema, disable_any_whitespace=True),
+                          logit_bias={letter: 30.0}, **base)
+
+
+def measure(engine, totals: dict[str, float], batch: int, steps: int, overlap: bool,
+            mix: str = "none") -> dict[str, float]:
     from engine.request import SamplingParams
 
     if hasattr(engine, "async_scheduling"):
@@ -98,7 +125,9 @@ def measure(engine, totals: dict[str, float], batch: int, steps: int, overlap: b
         return {}
     # Streamed as the server streams: a delta per step.
     params = SamplingParams(temperature=0.0, max_tokens=steps + 64, ignore_eos=True, output_kind="delta")
-    ids = [engine.add_request(list(range(10 + i % 7, 26 + i % 7)), params, f"ovh-{overlap}-{batch}-{i}").request_id
+    special = params if mix == "none" else mixed_params(engine, mix, steps + 64)
+    ids = [engine.add_request(list(range(10 + i % 7, 26 + i % 7)), special if i % MIX_EVERY == 0 else params,
+                              f"ovh-{overlap}-{batch}-{i}").request_id
            for i in range(batch)]
     for _ in range(8):  # prefill and a few decodes: every sequence is decoding from here on
         engine.step()
@@ -131,6 +160,8 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--steps", type=int, default=50, help="decode steps timed per batch size and loop")
     parser.add_argument("--torch-threads", type=int, default=1, help="torch intra-op threads (see above)")
     parser.add_argument("--json", default=None, help="write results here")
+    parser.add_argument("--mix", choices=MIXES, default="none",
+                        help=f"a feature in one request of every {MIX_EVERY}: penalties or a JSON grammar")
     add_settings_flags(parser)
     args = parser.parse_args(argv)
     batches = [int(b) for b in args.batches.split(",") if b]
@@ -149,17 +180,18 @@ def main(argv: list[str]) -> int:
     stub_model(engine, max(batches))
     totals = instrument(engine)
     results = []
+    mixed = "" if args.mix == "none" else f", {args.mix} in 1 of every {MIX_EVERY} requests"
     print(f"kiln bench overhead: stub model, {args.steps} decode steps per row (medians), "
-          f"device {engine.device}, {torch.get_num_threads()} torch threads")
+          f"device {engine.device}, {torch.get_num_threads()} torch threads{mixed}")
     print(f"{'batch':>5} {'loop':>8} " + " ".join(f"{p:>9}" for p in PHASES)
           + f" {'critical':>9} | per seq: {'process':>8} {'critical':>8}   (µs)")
     for batch in batches:
         for overlap in (False, True):
-            r = measure(engine, totals, batch, args.steps, overlap)
+            r = measure(engine, totals, batch, args.steps, overlap, args.mix)
             if not r:
                 continue
             loop = "overlap" if overlap else "serial"
-            results.append({"batch": batch, "loop": loop, **r})
+            results.append({"batch": batch, "loop": loop, "mix": args.mix, **r})
             print(f"{batch:>5} {loop:>8} " + " ".join(f"{r[p]:>9.1f}" for p in PHASES)
                   + f" {r['critical']:>9.1f} | {'':9} {r['process'] / batch:>8.2f} {r['critical'] / batch:>8.2f}")
         serial = [x for x in results if x["batch"] == batch and x["loop"] == "serial"]

@@ -396,7 +396,7 @@ class TensorParallelRunner(ModelRunner):
 
     executor: TensorParallelExecutor
 
-    def launch(self, sched):
+    def launch(self, sched, defer_sampling: bool = False):
         if sched.blocks_to_copy:
             self.executor.copy_blocks(sched.blocks_to_copy)
-        return super().launch(sched)
+        return super().launch(sched, defer_sampling)
