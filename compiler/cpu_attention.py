@@ -20,6 +20,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import shutil
 import tempfile
 import time
 from pathlib import Path
@@ -73,8 +74,13 @@ class CpuAttentionKernel:
 
     def load(self) -> None:
         """Make torch.ops.kiln_cpu.paged_attention exist: load the cached build, or build it
-        (first start only)."""
+        (first start only). A process that already holds the library (from another cache
+        directory) copies it into this one rather than building it again."""
         path = self.library_path()
+        if loaded():
+            if not path.is_file():
+                _copy_loaded_library(path)
+            return
         if not path.is_file():
             t0 = time.perf_counter()
             logger.info("compiling the CPU paged attention (first start only, cached in %s)", path.parent)
@@ -91,10 +97,21 @@ class CpuAttentionKernel:
 
         path.parent.mkdir(parents=True, exist_ok=True)
         # cpp_extension builds with ninja under a lock file in build_directory (a concurrent start
-        # waits for the other's build); is_python_module=False: a plain library of torch ops, which
-        # this process then loads itself (load() would register them a second time).
+        # waits for the other's build) and, with is_python_module=False, loads the library: its
+        # TORCH_LIBRARY block registers the ops.
         load(name=path.stem, sources=[str(SOURCE)], extra_cflags=cpu_flags(), extra_ldflags=["-fopenmp"],
              build_directory=str(path.parent), is_python_module=False, verbose=False)
+
+
+def _copy_loaded_library(path: Path) -> None:
+    """The library this process loaded, under the same name (the same key), copied to `path`."""
+    found = [Path(p) for p in torch.ops.loaded_libraries if Path(p).name == path.name]
+    if not found:
+        return  # loaded from a build of other code (cannot happen within one version): nothing to share
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    shutil.copyfile(found[0], tmp)
+    os.replace(tmp, path)  # atomic: a concurrent start sees a whole file or none
 
 
 def loaded() -> bool:
