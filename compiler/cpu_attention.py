@@ -33,7 +33,7 @@ logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).resolve().parents[1] / "templates" / "cpu_paged_attention.cpp"
 
-_BASE_FLAGS = ["-O3", "-std=c++17", "-fopenmp", "-fno-math-errno"]
+_BASE_FLAGS = ["-O3", "-fopenmp", "-fno-math-errno", "-fno-trapping-math", "-Wno-psabi"]  # results unchanged: no -ffast-math
 # What torch's own kernels for that capability may assume; never the build machine's whole ISA.
 _ISA_FLAGS = {
     "AVX512": ["-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq"],

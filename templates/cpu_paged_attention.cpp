@@ -24,6 +24,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -69,18 +70,210 @@ inline void from_float(const float* src, T* dst, int64_t n, float mul) {
   for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<T>(src[i] * mul);
 }
 
-// Fixed partial sums instead of one running sum: vectorises without -ffast-math (which would
-// also change NaN and rounding behaviour).
+// Reductions over kLanes fixed partial sums folded as a tree, never one running sum: the
+// compiler vectorises them without -ffast-math (which would also change NaN and rounding
+// behaviour), and no chain of dependent adds is left.
+inline float fold_sum(float* lanes) {
+  for (int64_t w = kLanes / 2; w > 0; w /= 2) {
+    for (int64_t l = 0; l < w; ++l) lanes[l] += lanes[l + w];
+  }
+  return lanes[0];
+}
+
+// kN > 0: the length is a compile-time constant (the head dim), loops unroll and stay in registers.
+template <int64_t kN = 0>
 inline float dot(const float* a, const float* b, int64_t n) {
+  if constexpr (kN > 0) n = kN;
   float lanes[kLanes] = {0};
   int64_t i = 0;
   for (; i + kLanes <= n; i += kLanes) {
     for (int64_t l = 0; l < kLanes; ++l) lanes[l] += a[i + l] * b[i + l];
   }
-  float sum = 0.f;
-  for (int64_t l = 0; l < kLanes; ++l) sum += lanes[l];
-  for (; i < n; ++i) sum += a[i] * b[i];
-  return sum;
+  if (kN == 0 || kN % kLanes) {
+    for (int64_t l = 0; i + l < n; ++l) lanes[l] += a[i + l] * b[i + l];
+  }
+  return fold_sum(lanes);
+}
+
+inline float sum(const float* a, int64_t n) {
+  float lanes[kLanes] = {0};
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes) {
+    for (int64_t l = 0; l < kLanes; ++l) lanes[l] += a[i + l];
+  }
+  for (int64_t l = 0; i + l < n; ++l) lanes[l] += a[i + l];
+  return fold_sum(lanes);
+}
+
+// The largest value, NaN skipped (a NaN score still reaches the output through its exp).
+inline float max_of(const float* a, int64_t n) {
+  float m = -std::numeric_limits<float>::infinity();
+  for (int64_t i = 0; i < n; ++i) m = a[i] > m ? a[i] : m;
+  return m;
+}
+
+// exp(x) for x <= 0 (a score minus the running max), in plain arithmetic so that a loop of it
+// vectorises: x = n ln2 + r, |r| <= ln2 / 2, exp(r) by Cephes' degree-6 polynomial (~1 ulp),
+// 2^n by building the exponent bits. Below -87.3 the result is ~1e-38 instead of a denormal or 0:
+// nothing next to the max term's 1. NaN stays NaN.
+inline float exp_nonpositive(float x) {
+  x = x < -87.3f ? -87.3f : x;
+  // Round x / ln2 to an integer by adding 1.5 * 2^23 (no floor call: that would not vectorise);
+  // the integer is then also in the low bits of the sum.
+  const float shifted = x * 1.44269504088896341f + 12582912.f;
+  const float n = shifted - 12582912.f;
+  int32_t ni;
+  std::memcpy(&ni, &shifted, sizeof ni);
+  ni -= 0x4B400000;
+  const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  const float y = p * r * r + r + 1.f;
+  const int32_t bits = (ni + 127) << 23;
+  float two_n;
+  std::memcpy(&two_n, &bits, sizeof two_n);
+  return y * two_n;
+}
+
+// One query head of one row over keys k0[t], v0[t] (t < n, rows `stride` floats apart): the online
+// softmax state (M, L, acc[D]) takes them in. kD > 0: compile-time head dim, acc kept in registers.
+template <int64_t kD>
+inline void take_keys(const float* qv, const float* k0, const float* v0, int64_t stride, int64_t n, int64_t D,
+                      float softcap, float* sc, float& M, float& L, float* acc) {
+  if constexpr (kD > 0) D = kD;
+  for (int64_t t = 0; t < n; ++t) sc[t] = dot<kD>(qv, k0 + t * stride, D);
+  if (softcap > 0.f) {
+    for (int64_t t = 0; t < n; ++t) sc[t] = softcap * std::tanh(sc[t] / softcap);
+  }
+  const float new_max = std::max(M, max_of(sc, n));
+  float alpha = 1.f;
+  if (new_max > M) {  // rescale what came before (nothing on the first block: M = -inf)
+    alpha = exp_nonpositive(M - new_max);
+    L *= alpha;
+    M = new_max;
+  }
+  for (int64_t t = 0; t < n; ++t) sc[t] = exp_nonpositive(sc[t] - M);
+  L += sum(sc, n);
+  float local[kD > 0 ? kD : 1];
+  float* a = kD > 0 ? local : acc;
+  if constexpr (kD > 0) {
+    for (int64_t d = 0; d < kD; ++d) local[d] = acc[d] * alpha;
+  } else if (alpha != 1.f) {
+    for (int64_t d = 0; d < D; ++d) acc[d] *= alpha;
+  }
+  for (int64_t t = 0; t < n; ++t) {
+    const float p = sc[t];
+    const float* vv = v0 + t * stride;
+    for (int64_t d = 0; d < D; ++d) a[d] += p * vv[d];
+  }
+  if constexpr (kD > 0) {
+    for (int64_t d = 0; d < kD; ++d) acc[d] = local[d];
+  }
+}
+
+// The same on whole vectors of 16 floats (GCC vector extensions: one AVX-512 register, two AVX2
+// ones, four SSE ones; the compiler picks the instructions for the flags, no intrinsics), for a
+// head dim that is a multiple of 16 and up to 16 keys. The 16 keys' dot products are reduced
+// together by a shuffle tree (transpose_sum): ~3 operations a key instead of a horizontal sum each.
+typedef float v16 __attribute__((vector_size(64)));
+typedef int32_t i16 __attribute__((vector_size(64)));
+
+inline v16 load16(const float* p) {
+  v16 v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+
+inline v16 pair_sum(v16 a, v16 b, i16 first, i16 second) {
+  return __builtin_shuffle(a, b, first) + __builtin_shuffle(a, b, second);
+}
+
+// Lane t of the result: the sum of the lanes of x[t].
+inline v16 transpose_sum(const v16 (&x)[16]) {
+  const i16 a1 = {0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23};
+  const i16 b1 = {8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31};
+  const i16 a2 = {0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27};
+  const i16 b2 = {4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31};
+  const i16 a3 = {0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29};
+  const i16 b3 = {2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31};
+  const i16 a4 = {0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30};
+  const i16 b4 = {1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31};
+  v16 two[8], four[4], eight[2];
+  for (int m = 0; m < 8; ++m) two[m] = pair_sum(x[2 * m], x[2 * m + 1], a1, b1);
+  for (int m = 0; m < 4; ++m) four[m] = pair_sum(two[2 * m], two[2 * m + 1], a2, b2);
+  for (int m = 0; m < 2; ++m) eight[m] = pair_sum(four[2 * m], four[2 * m + 1], a3, b3);
+  return pair_sum(eight[0], eight[1], a4, b4);
+}
+
+inline float lane_max(v16 x) {
+  float m = -std::numeric_limits<float>::infinity();
+  for (int l = 0; l < 16; ++l) m = x[l] > m ? x[l] : m;
+  return m;
+}
+
+inline float lane_sum(v16 x) {
+  float lanes[kLanes];
+  std::memcpy(lanes, &x, sizeof x);
+  return fold_sum(lanes);
+}
+
+inline v16 exp_nonpositive(v16 x) {  // exp_nonpositive(float), lane by lane
+  const v16 low = v16{} - 87.3f;
+  x = x < low ? low : x;
+  const v16 shifted = x * 1.44269504088896341f + 12582912.f;
+  const v16 n = shifted - 12582912.f;
+  const i16 ni = reinterpret_cast<const i16&>(shifted) - 0x4B400000;
+  const v16 r = x - n * 0.693359375f + n * 2.12194440e-4f;
+  v16 p = r * 1.9875691500e-4f + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  const v16 y = p * r * r + r + 1.f;
+  const i16 bits = (ni + 127) << 23;
+  return y * reinterpret_cast<const v16&>(bits);
+}
+
+template <int64_t kD>
+inline void take_keys_vec(const float* qv, const float* k0, const float* v0, int64_t stride, int64_t n,
+                          float softcap, float& M, float& L, float* acc) {
+  constexpr int64_t kV = kD / kLanes;
+  v16 q[kV], a[kV];
+  for (int64_t i = 0; i < kV; ++i) q[i] = load16(qv + i * kLanes);
+  v16 parts[16];
+  for (int64_t t = 0; t < 16; ++t) {
+    v16 p = {};
+    if (t < n) {
+      for (int64_t i = 0; i < kV; ++i) p += q[i] * load16(k0 + t * stride + i * kLanes);
+    }
+    parts[t] = p;
+  }
+  v16 s = transpose_sum(parts);
+  if (softcap > 0.f) {
+    for (int l = 0; l < 16; ++l) s[l] = softcap * std::tanh(s[l] / softcap);
+  }
+  const i16 lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+  const v16 zero = {}, none = zero - std::numeric_limits<float>::infinity();
+  s = lane < static_cast<int32_t>(n) ? s : none;
+  const float new_max = std::max(M, lane_max(s));
+  float alpha = 1.f;
+  if (new_max > M) {  // rescale what came before (nothing on the first block: M = -inf)
+    alpha = exp_nonpositive(M - new_max);
+    M = new_max;
+  }
+  v16 p = exp_nonpositive(s - M);
+  p = lane < static_cast<int32_t>(n) ? p : zero;  // the lanes past n are no keys
+  L = L * alpha + lane_sum(p);
+  for (int64_t i = 0; i < kV; ++i) a[i] = load16(acc + i * kLanes) * alpha;
+  for (int64_t t = 0; t < n; ++t) {
+    const float w = p[t];
+    for (int64_t i = 0; i < kV; ++i) a[i] += w * load16(v0 + t * stride + i * kLanes);
+  }
+  std::memcpy(acc, a, sizeof a);
 }
 
 struct Item {
@@ -98,10 +291,10 @@ struct Problem {
 
 // One item: rows [row0, row0 + rows) of sequence `seq` (absolute token index `tok0` of row 0,
 // position `pos0` of row 0, context `len`), all query heads of KV head `kv_head`.
-template <typename QT, typename CT, typename OT>
+template <typename QT, typename CT, typename OT, int64_t kD>
 void attend(const Problem& P, const Item& it, int64_t tok0, int64_t pos0, int64_t len, const QT* q, const CT* kc,
             const CT* vc, const int32_t* table, OT* out, std::vector<float>& scratch) {
-  const int64_t G = P.group, D = P.head_dim, bs = P.block_size, R = it.rows;
+  const int64_t G = P.group, D = kD > 0 ? kD : P.head_dim, bs = P.block_size, R = it.rows;
   // scratch: q [R, G, D] | acc [R, G, D] | k, v rows of one block [bs, D] x 2 | scores [bs] | max, sum [R, G] x 2
   const size_t need = static_cast<size_t>(2 * R * G * D + 2 * bs * D + bs + 2 * R * G);
   if (scratch.size() < need) scratch.resize(need);
@@ -138,40 +331,43 @@ void attend(const Problem& P, const Item& it, int64_t tok0, int64_t pos0, int64_
     const int64_t block = std::clamp<int64_t>(
         col < P.table_width ? table[it.seq * P.table_row + col * P.table_col] : 0, 0, P.num_blocks - 1);
     const int64_t first = std::max(start, lo_all), last = std::min(start + bs, hi_all);  // keys read
-    for (int64_t j = first; j < last; ++j) {
-      const int64_t off = block * P.k_block + (j - start) * P.k_slot + it.kv_head * P.k_head;
-      to_float(kc + off, kf + (j - start) * D, D);
-      to_float(vc + off, vf + (j - start) * D, D);
+    // K / V rows of this block as float: the cache itself for a float32 cache, else converted once
+    // for every row and head of the item.
+    const int64_t base = block * P.k_block + it.kv_head * P.k_head;
+    const float* krows;
+    const float* vrows;
+    int64_t row_stride;
+    if constexpr (std::is_same_v<CT, float>) {
+      krows = kc + base;
+      vrows = vc + base;
+      row_stride = P.k_slot;
+    } else {
+      for (int64_t j = first; j < last; ++j) {
+        to_float(kc + base + (j - start) * P.k_slot, kf + (j - start) * D, D);
+        to_float(vc + base + (j - start) * P.k_slot, vf + (j - start) * D, D);
+      }
+      krows = kf;
+      vrows = vf;
+      row_stride = D;
     }
     for (int64_t r = 0; r < R; ++r) {
       const int64_t pos = pos0 + r;
       const int64_t hi = std::min({pos + 1, len, last});
       const int64_t lo = std::max(first, P.window > 0 ? pos - P.window + 1 : int64_t(0));
       if (hi <= lo) continue;
+      const int64_t n = hi - lo;
+      const float* k0 = krows + (lo - start) * row_stride;
+      const float* v0 = vrows + (lo - start) * row_stride;
       for (int64_t g = 0; g < G; ++g) {
         const float* qv = qf + (r * G + g) * D;
-        float m = -std::numeric_limits<float>::infinity();
-        for (int64_t j = lo; j < hi; ++j) {
-          float s = dot(qv, kf + (j - start) * D, D);
-          if (P.softcap > 0.f) s = P.softcap * std::tanh(s / P.softcap);
-          sc[j - lo] = s;
-          m = std::max(m, s);
-        }
-        float& M = row_max[r * G + g];
-        float& L = row_sum[r * G + g];
         float* a = acc + (r * G + g) * D;
-        const float new_max = std::max(M, m);
-        if (new_max > M) {  // rescale what came before (nothing on the first block: M = -inf)
-          const float alpha = std::exp(M - new_max);
-          L *= alpha;
-          for (int64_t d = 0; d < D; ++d) a[d] *= alpha;
-          M = new_max;
-        }
-        for (int64_t j = lo; j < hi; ++j) {
-          const float p = std::exp(sc[j - lo] - M);
-          L += p;
-          const float* vv = vf + (j - start) * D;
-          for (int64_t d = 0; d < D; ++d) a[d] += p * vv[d];
+        if constexpr (kD > 0 && kD % kLanes == 0) {
+          for (int64_t t = 0; t < n; t += kLanes) {
+            take_keys_vec<kD>(qv, k0 + t * row_stride, v0 + t * row_stride, row_stride,
+                              std::min(kLanes, n - t), P.softcap, row_max[r * G + g], row_sum[r * G + g], a);
+          }
+        } else {
+          take_keys<kD>(qv, k0, v0, row_stride, n, D, P.softcap, sc, row_max[r * G + g], row_sum[r * G + g], a);
         }
       }
     }
@@ -209,7 +405,13 @@ void run(const Problem& P, const at::Tensor& out, const at::Tensor& q, const at:
       const Item& it = items[i];
       const int64_t q_len = qsl[it.seq + 1] - qsl[it.seq];
       const int64_t len = lens[it.seq];
-      attend<QT, CT, QT>(P, it, qsl[it.seq] + it.row0, len - q_len + it.row0, len, qp, kc, vc, table, op, scratch);
+      const int64_t tok0 = qsl[it.seq] + it.row0, pos0 = len - q_len + it.row0;
+      switch (P.head_dim) {  // the common head dims compiled for their size, any other one generically
+        case 32: attend<QT, CT, QT, 32>(P, it, tok0, pos0, len, qp, kc, vc, table, op, scratch); break;
+        case 64: attend<QT, CT, QT, 64>(P, it, tok0, pos0, len, qp, kc, vc, table, op, scratch); break;
+        case 128: attend<QT, CT, QT, 128>(P, it, tok0, pos0, len, qp, kc, vc, table, op, scratch); break;
+        default: attend<QT, CT, QT, 0>(P, it, tok0, pos0, len, qp, kc, vc, table, op, scratch);
+      }
     }
   });
 }
