@@ -5,7 +5,8 @@ from the paged cache in one pass: one work item per (sequence, KV head, block of
 every query head of a GQA group served by one read of each K/V row, online softmax one cache
 block at a time, float32 / bfloat16 / fp8 (e4m3, per-layer scales) caches, sliding windows and
 logit soft-capping, padding rows (length 0) and unclaimed tokens written as zeros. It registers
-`torch.ops.kiln_cpu.paged_attention`, a plain torch op (a few µs to call from Python, no Dynamo).
+`torch.ops.kiln_cpu.paged_attention`, a plain torch op (a few µs to call from Python, no Dynamo),
+and `torch.ops.kiln_cpu.write_kv`, the cache write in one call.
 
 It is built with torch.utils.cpp_extension into the compile cache (`compile_cache_dir`) under a
 key of everything that changes the binary (the source, the flags, torch's version, the CPU's
@@ -136,6 +137,16 @@ def paged_attention_cpu_impl(out: torch.Tensor, q: torch.Tensor, kv_cache: torch
     k_scale, v_scale = layer_scales(kv_scales, layer)
     torch.ops.kiln_cpu.paged_attention(out, q, kv_cache, layer, _int32(query_start_loc), _int32(seq_lens),
                                        _int32(block_tables), scale, sliding_window, softcap, k_scale, v_scale)
+
+
+def write_kv_cpu_impl(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, layer: int,
+                      slot_mapping: torch.Tensor, kv_scales: torch.Tensor | None = None) -> None:
+    """kiln::write_kv's effect in one C++ call (the reference takes ~6 torch ops): rows k/v
+    [T, Hkv, D] into their slots of layer `layer` (slot -1: skipped), cast or, for an fp8 cache,
+    quantized exactly as compiler/kv_quant.py's to_cache."""
+    if not loaded():
+        KERNEL.load()
+    torch.ops.kiln_cpu.write_kv(k, v, kv_cache, layer, slot_mapping, *layer_scales(kv_scales, layer))
 
 
 def _int32(t: torch.Tensor) -> torch.Tensor:

@@ -1,6 +1,6 @@
 // Paged attention for the CPU: decodes, prefill chunks and mixed steps in one pass over the
 // paged KV cache (compiler/cpu_attention.py builds and loads it; compiler/reference_attention.py
-// is the definition it is tested against).
+// is the definition it is tested against), and the cache write (write_kv) in one call.
 //
 // Layouts (the reference's): q / out [T, Hq, D]; kv_cache [layers, 2, blocks, block_size, Hkv, D]
 // (float32, bfloat16 or float8_e4m3fn); query_start_loc int32 [S + 1]; seq_lens int32 [S];
@@ -523,12 +523,94 @@ void paged_attention(const at::Tensor& out, const at::Tensor& q, const at::Tenso
 #undef KILN_CACHE_CASE
 }
 
+// Cache elements from float values: cast (round to nearest even), or for an fp8 cache x / scale
+// saturated to +-448 (NaN stays NaN), exactly as compiler/kv_quant.py's to_cache.
+template <typename CT>
+inline CT to_cache(float x, float scale) {
+  if constexpr (std::is_same_v<CT, c10::Float8_e4m3fn>) {
+    float y = x / scale;
+    y = y > 448.f ? 448.f : (y < -448.f ? -448.f : y);
+    return c10::Float8_e4m3fn(y);
+  } else {
+    return static_cast<CT>(x);
+  }
+}
+
+template <typename XT, typename CT>
+void write_rows(const at::Tensor& k, const at::Tensor& v, const at::Tensor& kv, const int64_t* slots, float k_scale,
+                float v_scale) {
+  const int64_t T = k.size(0), H = k.size(1), D = k.size(2);
+  const int64_t bs = kv.size(2), capacity = kv.size(1) * bs;
+  CT* kc = kv[0].data_ptr<CT>();
+  CT* vc = kv[1].data_ptr<CT>();
+  const XT* kp = k.data_ptr<XT>();
+  const XT* vp = v.data_ptr<XT>();
+  std::vector<float> row(static_cast<size_t>(D));
+  for (int64_t t = 0; t < T; ++t) {
+    const int64_t slot = slots[t];
+    if (slot < 0) continue;  // padding: nothing to write
+    TORCH_CHECK(slot < capacity, "kiln_cpu::write_kv: slot ", slot, " is past the cache's ", capacity, " slots");
+    const int64_t base = (slot / bs) * kv.stride(1) + (slot % bs) * kv.stride(2);
+    for (int64_t h = 0; h < H; ++h) {
+      CT* kd = kc + base + h * kv.stride(3);
+      CT* vd = vc + base + h * kv.stride(3);
+      const XT* ks = kp + t * k.stride(0) + h * k.stride(1);
+      const XT* vs = vp + t * v.stride(0) + h * v.stride(1);
+      for (int64_t d = 0; d < D; ++d) kd[d] = to_cache<CT>(static_cast<float>(ks[d]), k_scale);
+      for (int64_t d = 0; d < D; ++d) vd[d] = to_cache<CT>(static_cast<float>(vs[d]), v_scale);
+    }
+  }
+}
+
+void write_kv(const at::Tensor& k, const at::Tensor& v, const at::Tensor& kv_cache, int64_t layer,
+              const at::Tensor& slot_mapping, const c10::optional<at::Tensor>& k_scale,
+              const c10::optional<at::Tensor>& v_scale) {
+  TORCH_CHECK(k.device().is_cpu() && kv_cache.device().is_cpu(), "kiln_cpu::write_kv: CPU tensors only");
+  TORCH_CHECK(kv_cache.dim() == 6 && kv_cache.size(1) == 2, "kiln_cpu::write_kv: kv_cache must be "
+              "[layers, 2, blocks, block_size, kv_heads, head_dim], got ", kv_cache.sizes());
+  TORCH_CHECK(layer >= 0 && layer < kv_cache.size(0), "kiln_cpu::write_kv: layer ", layer, " out of range");
+  const at::Tensor kv = kv_cache[layer];
+  TORCH_CHECK(k.dim() == 3 && v.sizes() == k.sizes() && v.scalar_type() == k.scalar_type() &&
+              k.size(1) == kv.size(3) && k.size(2) == kv.size(4),
+              "kiln_cpu::write_kv: k and v must be [tokens, kv_heads, head_dim] matching the cache, got ",
+              k.sizes(), " and ", v.sizes());
+  TORCH_CHECK(k.stride(2) == 1 && v.stride(2) == 1 && kv.stride(4) == 1,
+              "kiln_cpu::write_kv: head_dim must be contiguous");
+  TORCH_CHECK(slot_mapping.numel() == k.size(0), "kiln_cpu::write_kv: one slot per token");
+  const at::Tensor slots = slot_mapping.to(at::kLong).contiguous();
+  const int64_t* sp = slots.data_ptr<int64_t>();
+  const float ks = k_scale.has_value() ? k_scale->item<float>() : 1.f;
+  const float vs = v_scale.has_value() ? v_scale->item<float>() : 1.f;
+  const auto cache = kv.scalar_type();
+#define KILN_WRITE_CASE(XT)                                                                         \
+  if (cache == at::kFloat) write_rows<XT, float>(k, v, kv, sp, ks, vs);                             \
+  else if (cache == at::kBFloat16) write_rows<XT, c10::BFloat16>(k, v, kv, sp, ks, vs);             \
+  else if (cache == at::kHalf) write_rows<XT, c10::Half>(k, v, kv, sp, ks, vs);                     \
+  else if (cache == at::kFloat8_e4m3fn) write_rows<XT, c10::Float8_e4m3fn>(k, v, kv, sp, ks, vs);   \
+  else TORCH_CHECK(false, "kiln_cpu::write_kv: unsupported KV cache dtype ", cache);
+  if (k.scalar_type() == at::kFloat) {
+    KILN_WRITE_CASE(float)
+  } else if (k.scalar_type() == at::kBFloat16) {
+    KILN_WRITE_CASE(c10::BFloat16)
+  } else if (k.scalar_type() == at::kHalf) {
+    KILN_WRITE_CASE(c10::Half)
+  } else {
+    TORCH_CHECK(false, "kiln_cpu::write_kv: k and v must be float32, bfloat16 or float16, got ", k.scalar_type());
+  }
+#undef KILN_WRITE_CASE
+}
+
 }  // namespace
 
 TORCH_LIBRARY(kiln_cpu, m) {
   m.def("paged_attention(Tensor(a!) out, Tensor q, Tensor kv_cache, int layer, Tensor query_start_loc, "
         "Tensor seq_lens, Tensor block_tables, float scale, int sliding_window, float softcap, "
         "Tensor? k_scale, Tensor? v_scale) -> ()");
+  m.def("write_kv(Tensor k, Tensor v, Tensor(a!) kv_cache, int layer, Tensor slot_mapping, Tensor? k_scale, "
+        "Tensor? v_scale) -> ()");
 }
 
-TORCH_LIBRARY_IMPL(kiln_cpu, CPU, m) { m.impl("paged_attention", &paged_attention); }
+TORCH_LIBRARY_IMPL(kiln_cpu, CPU, m) {
+  m.impl("paged_attention", &paged_attention);
+  m.impl("write_kv", &write_kv);
+}

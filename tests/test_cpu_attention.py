@@ -143,3 +143,79 @@ def test_random_shapes_against_the_reference():
         q_lens = [min(n, int(torch.randint(1, 40, (1,), generator=g))) if n else 0 for n in lens]
         kv, q, qsl, seq_lens, tables = _paged(g, lens, q_lens, hq, hkv, 32, bs)
         _check(kv, q, qsl, seq_lens, tables, scale=0.3)
+
+
+# ---- the engine with the C++ attention (compilation on: the CPU default) against transformers ----
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "gemma2", "phi3"])
+def test_engine_greedy_matches_transformers(arch, tiny_models, make_llm):
+    """Prompts of 1..200 tokens crossing many blocks, 16 at once: prefill steps, then decode batches."""
+    from tests.test_engine_vs_hf import GREEDY, MAX_TOKENS, _prompts, hf_greedy
+
+    llm = make_llm(tiny_models[arch], max_num_seqs=16, enforce_eager=False)
+    assert llm.engine.backend.compiled_cpu_decode
+    prompts = _prompts(llm.engine.model_config.vocab_size)
+    outs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == hf_greedy(str(tiny_models[arch]), prompts, MAX_TOKENS)
+
+
+def test_engine_sliding_window_matches_transformers(tmp_path_factory, make_llm):
+    """Window 16, chunked prefill over blocks of 8: the kernel's window crosses chunks and blocks."""
+    from engine.tiny_model import make_tiny_model
+    from tests.test_engine_vs_hf import GREEDY, MAX_TOKENS, _prompts, hf_greedy
+
+    path = tmp_path_factory.getbasetemp() / "mistral-window16"
+    if not (path / "config.json").is_file():
+        make_tiny_model(path, arch="mistral", seed=7, overrides={"sliding_window": 16})
+    llm = make_llm(path, max_num_seqs=16, max_num_batched_tokens=32, block_size=8, enforce_eager=False)
+    prompts = _prompts(llm.engine.model_config.vocab_size, seed=5)
+    outs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == hf_greedy(str(path), prompts, MAX_TOKENS)
+
+
+def test_engine_softcap_logprobs_match_transformers(tiny_models, make_llm):
+    """Gemma 2's capped scores and mixed windowed / full layers, chunked: prompt logprobs equal
+    transformers' at every position (greedy tokens alone would not show the cap)."""
+    import random
+
+    from transformers import AutoModelForCausalLM
+
+    from engine import SamplingParams
+
+    model_dir = tiny_models["gemma2"]
+    rng = random.Random(5)
+    prompt = [rng.randrange(5, 500) for _ in range(60)]
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="eager")
+    with torch.no_grad():
+        ref = model.eval()(torch.tensor([prompt])).logits[0].log_softmax(-1)
+    llm = make_llm(model_dir, max_num_batched_tokens=24, enforce_eager=False)
+    out = llm.generate([prompt], SamplingParams(max_tokens=1, prompt_logprobs=3, temperature=0), use_tqdm=False)[0]
+    for i in range(1, len(prompt)):
+        assert out.prompt_logprobs[i][prompt[i]] == pytest.approx(ref[i - 1, prompt[i]].item(), abs=1e-4), i
+
+
+@pytest.mark.parametrize("cache_dtype,x_dtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.float32),
+                                                 (torch.bfloat16, torch.bfloat16), (FP8_DTYPE, torch.float32),
+                                                 (FP8_DTYPE, torch.bfloat16)])
+def test_write_kv_stores_what_the_reference_stores(cache_dtype, x_dtype):
+    """Exactly, fp8 saturation and NaN included; slot -1 writes nothing; strided k/v views."""
+    from compiler.cpu_attention import write_kv_cpu_impl
+    from compiler.reference_attention import write_kv_reference
+
+    g = torch.Generator().manual_seed(29)
+    cache = torch.zeros(2, 2, 9, 8, 2, 32, dtype=cache_dtype)
+    want = cache.clone()
+    kv = (torch.randn(13, 4, 32, generator=g) * 40).to(x_dtype)  # fused k|v rows: strided views
+    kv[0, 0, 0] = float("nan")
+    kv[1, 2, 3] = 1e6  # saturates in fp8
+    k, v = kv[:, :2], kv[:, 2:]
+    slots = torch.tensor([8, 9, -1, 70, 71, 15, 16, -1, 30, 31, 32, 60, 64])
+    scales = torch.tensor([[1.0, 1.0], [0.5, 3.0]]) if cache_dtype == FP8_DTYPE else None
+    write_kv_cpu_impl(k, v, cache, 1, slots, scales)
+    write_kv_reference(k, v, want[1, 0], want[1, 1], slots, *((scales[1, 0], scales[1, 1]) if scales is not None
+                                                              else (None, None)))
+    want[1, :, 0] = 0  # the reference routes slot -1 to the null block 0; the kernel skips it
+    cache[1, :, 0] = 0
+    torch.testing.assert_close(cache.float(), want.float(), rtol=0, atol=0, equal_nan=True)  # exact; NaN stays NaN
+    with pytest.raises(RuntimeError, match="past the cache"):
+        write_kv_cpu_impl(k, v, cache, 1, torch.full((13,), 72), scales)

@@ -5,9 +5,7 @@ from __future__ import annotations
 import torch
 
 import compiler.ops  # noqa: F401  (registers torch.ops.kiln.*)
-from compiler.cpu_attention import paged_attention_cpu_impl
-from compiler.kv_quant import layer_scales
-from compiler.reference_attention import write_kv_reference
+from compiler.cpu_attention import paged_attention_cpu_impl, write_kv_cpu_impl
 from engine.attention.base import AttentionMetadata
 from engine.kv.cache import KVScales
 
@@ -37,8 +35,7 @@ class TorchAttentionBackend:
         if eager:
             # Eager forward on the CPU: the ops' implementations called directly; the custom-op
             # dispatch costs more than batch-1 attention itself (~0.1 ms a call, two per layer).
-            write_kv_reference(k, v, kv_cache[layer, 0], kv_cache[layer, 1], meta.slot_mapping,
-                               *layer_scales(scales, layer))
+            write_kv_cpu_impl(k, v, kv_cache, layer, meta.slot_mapping, scales)
             paged_attention_cpu_impl(out, q, kv_cache, layer, meta.query_start_loc, meta.seq_lens,
                                      meta.block_tables, scale, meta.max_query_len, meta.max_seq_len, meta.num_decodes,
                                      scales, sliding_window, softcap)
