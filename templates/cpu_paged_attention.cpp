@@ -409,7 +409,9 @@ void run(const Problem& P, const at::Tensor& out, const at::Tensor& q, const at:
       switch (P.head_dim) {  // the common head dims compiled for their size, any other one generically
         case 32: attend<QT, CT, QT, 32>(P, it, tok0, pos0, len, qp, kc, vc, table, op, scratch); break;
         case 64: attend<QT, CT, QT, 64>(P, it, tok0, pos0, len, qp, kc, vc, table, op, scratch); break;
+        case 96: attend<QT, CT, QT, 96>(P, it, tok0, pos0, len, qp, kc, vc, table, op, scratch); break;
         case 128: attend<QT, CT, QT, 128>(P, it, tok0, pos0, len, qp, kc, vc, table, op, scratch); break;
+        case 256: attend<QT, CT, QT, 256>(P, it, tok0, pos0, len, qp, kc, vc, table, op, scratch); break;
         default: attend<QT, CT, QT, 0>(P, it, tok0, pos0, len, qp, kc, vc, table, op, scratch);
       }
     }

@@ -61,7 +61,7 @@ def test_decode_matches_reference(hq, hkv, bs):
         assert (out[seq_lens == 0] == 0).all()
 
 
-@pytest.mark.parametrize("d", [32, 64, 80, 128])
+@pytest.mark.parametrize("d", [32, 64, 80, 96, 128, 256])
 def test_head_dims(d):
     g = torch.Generator().manual_seed(d)
     kv, q, qsl, lens, tables = _paged(g, [33, 1, 100], [1, 1, 20], 4, 2, d, 16)

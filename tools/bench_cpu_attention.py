@@ -8,7 +8,8 @@ batches of 1, 16 and 64 rows with contexts drawn from 16..128 (prompt 16..64 + u
 and the bench's prefill step (64 prompts of 16..64 tokens, ~2600 tokens). --old-module: a Python
 file with an older `paged_attention_cpu_impl` (same arguments), e.g. the AOTInductor kernel:
     git show 06add57:compiler/cpu_attention.py > /tmp/old_cpu_attention.py
-Each case prints the median µs of one layer's attention call and ratios against the C++ kernel;
+Each case prints the median µs of one layer's attention call and ratios against the C++ kernel
+(then the same for the step's K/V cache write);
 the calls of the implementations are interleaved so load on a shared machine hits them alike.
 """
 
@@ -22,8 +23,8 @@ import time
 
 import torch
 
-from compiler.cpu_attention import paged_attention_cpu_impl
-from compiler.reference_attention import paged_attention_reference
+from compiler.cpu_attention import paged_attention_cpu_impl, write_kv_cpu_impl
+from compiler.reference_attention import paged_attention_reference, write_kv_reference
 
 HQ, HKV, D, BS = 4, 2, 32, 16
 
@@ -97,6 +98,21 @@ def main() -> None:
             base = med["C++ kernel"]
             parts = "  ".join(f"{k} {us:8.1f} µs ({us / base:5.2f}x)" for k, us in med.items())
             print(f"  {name:34s} {parts}")
+            # The same step's cache write: one C++ call against the reference's torch ops.
+            k, v = torch.randn(q.shape[0], HKV, D, generator=g), torch.randn(q.shape[0], HKV, D, generator=g)
+            slots = torch.randperm(kv.shape[2] * BS, generator=g)[:q.shape[0]]
+            writes = {"C++ write_kv": lambda: write_kv_cpu_impl(k, v, kv, 0, slots),
+                      "reference": lambda: write_kv_reference(k, v, kv[0, 0], kv[0, 1], slots)}
+            wt: dict[str, list[float]] = {w: [] for w in writes}
+            for i in range(args.reps + 5):
+                for w, fn in writes.items():
+                    t0 = time.perf_counter()
+                    fn()
+                    if i >= 5:
+                        wt[w].append(time.perf_counter() - t0)
+            wmed = {w: statistics.median(x) * 1e6 for w, x in wt.items()}
+            parts = "  ".join(f"{w} {us:8.1f} µs ({us / wmed['C++ write_kv']:5.2f}x)" for w, us in wmed.items())
+            print(f"  {'  its K/V write':34s} {parts}")
 
 
 if __name__ == "__main__":
