@@ -3,7 +3,7 @@
     kiln bench cpu --model DIR                       # threads x neighbour, batch 1 and throughput
     kiln bench cpu --model DIR --baseline --parts --startup --json out.json
 
-One engine (the default settings: eager forward, AOT-compiled decode attention) is driven under
+One engine (the default settings: eager forward, the C++ paged attention) is driven under
 each thread setting -- the default plan (engine/cpu_threads.py), 1, 2 and every available core --
 first on a quiet machine and then next to a CPU-burning neighbour process that the benchmark
 starts and stops (it also ends by itself after --neighbour-seconds). Per setting: batch-1 decode
