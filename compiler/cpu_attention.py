@@ -10,8 +10,8 @@ and `torch.ops.kiln_cpu.write_kv`, the cache write in one call.
 
 It is built with torch.utils.cpp_extension into the compile cache (`compile_cache_dir`) under a
 key of everything that changes the binary (the source, the flags, torch's version, the CPU's
-vector ISA), so the first start compiles it (~30 s) and later starts load the shared library in
-milliseconds. The flags follow torch's own CPU capability (AVX2 / AVX-512), never -march=native:
+vector ISA), so the first start compiles it (10-30 s on 2 cores) and later starts load the shared
+library in milliseconds. The flags follow torch's own CPU capability (AVX2 / AVX-512), never -march=native:
 a cache shared by machines of one capability runs on each of them. The reference
 (compiler/reference_attention.py) stays the definition the kernel is tested against.
 """
@@ -34,7 +34,8 @@ logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).resolve().parents[1] / "templates" / "cpu_paged_attention.cpp"
 
-_BASE_FLAGS = ["-O3", "-fopenmp", "-fno-math-errno", "-fno-trapping-math", "-Wno-psabi"]  # results unchanged: no -ffast-math
+# No -ffast-math: it would change NaN handling and rounding; these two change no result.
+_BASE_FLAGS = ["-O3", "-fopenmp", "-fno-math-errno", "-fno-trapping-math", "-Wno-psabi"]
 # What torch's own kernels for that capability may assume; never the build machine's whole ISA.
 _ISA_FLAGS = {
     "AVX512": ["-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq"],
