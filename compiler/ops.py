@@ -2,7 +2,7 @@
 
 The engine imports this module through `engine.attention` (whatever the attention backend),
 so every op it calls exists in any process: the reference ops (`write_kv`, `paged_attention`,
-CPU and CUDA), the compiled CPU decode (`paged_attention_cpu`), `copy_blocks`, `moe_experts`,
+CPU and CUDA), the C++ CPU attention (`paged_attention_cpu`), `copy_blocks`, `moe_experts`,
 `moe_experts_int4` (int4 experts in torch's packed CPU layout),
 and the CUTLASS kernels' ops (`write_kv_cutlass`, `paged_attention_cutlass`; CUDA only, they
 launch the kernels a compiler.cutlass_ops.AttentionKernels holds, named by its handle).
@@ -84,17 +84,18 @@ def _(out, q, kv_cache, layer, query_start_loc, seq_lens, block_tables, scale,
 def paged_attention_cpu(
     out: torch.Tensor, q: torch.Tensor, kv_cache: torch.Tensor, layer: int,
     query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor,
-    scale: float, max_query_len: int, max_seq_len: int, num_decodes: int = 0,
-    kv_scales: torch.Tensor | None = None,
+    scale: float, max_query_len: int, max_seq_len: int, num_decodes: int = 0, sliding_window: int = 0,
+    softcap: float = 0.0, kv_scales: torch.Tensor | None = None,
 ) -> None:
-    """kiln::paged_attention for the CPU with compilation on (compiler/cpu_attention.py)."""
+    """kiln::paged_attention for the CPU with compilation on: the C++ kernel of
+    compiler/cpu_attention.py (the same arguments as kiln::paged_attention)."""
     paged_attention_cpu_impl(out, q, kv_cache, layer, query_start_loc, seq_lens, block_tables, scale,
-                             max_query_len, max_seq_len, num_decodes, kv_scales)
+                             max_query_len, max_seq_len, num_decodes, kv_scales, sliding_window, softcap)
 
 
 @paged_attention_cpu.register_fake
 def _(out, q, kv_cache, layer, query_start_loc, seq_lens, block_tables, scale,
-      max_query_len, max_seq_len, num_decodes=0, kv_scales=None) -> None:
+      max_query_len, max_seq_len, num_decodes=0, sliding_window=0, softcap=0.0, kv_scales=None) -> None:
     return None
 
 

@@ -3,10 +3,10 @@
 Measured on the 2-core machine (BENCH_cpu.md, `kiln bench cpu --parts`): compiling the whole
 forward with Inductor gives no faster decode than eager (the matmuls are MKL/oneDNN calls either
 way) and costs a minute of cold start and ~15 s warm, and a recompile whenever max_model_len or
-the thread count changes; the fused decode attention (compiler/cpu_attention.py) is 2-10x faster
-than the gather + SDPA reference as soon as a batch or a context grows. So by default only the
-attention is compiled, ahead of time (a shared library loaded in milliseconds on a warm start),
-and the forward runs eagerly; `cpu_compile_forward` brings back the compiled forward.
+the thread count changes; the C++ paged attention (compiler/cpu_attention.py, BENCH_cpuattn.md) is
+many times faster than the gather + SDPA reference. So by default only the attention is compiled,
+ahead of time (a shared library loaded in milliseconds on a warm start), and the forward runs
+eagerly; `cpu_compile_forward` brings back the compiled forward.
 
 The warm-up runs one padding decode step (two rows, slot -1, length 0: nothing is written or
 read) through the model exactly as serving does, which loads the kernel (or builds it, first
@@ -20,17 +20,18 @@ from pathlib import Path
 
 import torch
 
-from compiler.cpu_attention import KERNELS
+from compiler.cpu_attention import KERNEL
 from engine.attention.base import AttentionMetadata
 from engine.forward_context import StepFeatures
 
 
 @torch.inference_mode()
 def warm_cpu_decode(model: torch.nn.Module, kv_cache: torch.Tensor, compile_cache_dir: Path) -> float:
-    """Load or build the CPU decode attention for this model and run a padding decode step
-    through the eager forward. Returns seconds."""
+    """Load or build the CPU paged attention and run a padding decode step through the eager
+    forward. Returns seconds."""
     t0 = time.perf_counter()
-    KERNELS.configure(compile_cache_dir)
+    KERNEL.configure(compile_cache_dir)
+    KERNEL.load()
     rows = 2
     ids = torch.zeros(rows, dtype=torch.int64)
     meta = AttentionMetadata(

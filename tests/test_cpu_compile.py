@@ -1,4 +1,4 @@
-"""The CPU compile strategy: eager forward + the decode attention built ahead of time; start-up
+"""The CPU compile strategy: eager forward + the C++ paged attention built ahead of time; start-up
 covers what serving runs (no compile during the first requests); warm starts load, not build."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from compiler.capture import compile_count
-from compiler.cpu_attention import KERNELS, CpuDecodeKernels
+from compiler.cpu_attention import KERNEL, CpuAttentionKernel, cpu_flags
 from engine.config import EngineSettings
 from engine.llm_engine import LLMEngine
 from engine.request import SamplingParams
@@ -61,46 +61,43 @@ def test_cpu_default_compiles_only_the_attention(engines):
     assert compiled.runner.forward_fn == compiled.model.forward  # eager forward
     assert compiled.backend.compiled_cpu_decode
     assert compiled.compile_seconds > 0
-    assert compiled.settings.resolved_compile_cache_dir() == KERNELS.cache_dir
-    assert list((KERNELS.cache_dir / "cpu-attention").glob("*.pt2"))
+    assert compiled.settings.resolved_compile_cache_dir() == KERNEL.cache_dir
+    assert KERNEL.library_path().is_file()
+    assert KERNEL.library_path().is_relative_to(KERNEL.cache_dir / "cpu-attention")
 
 
 def test_no_compile_during_the_first_requests_and_outputs_equal_eager(engines):
     eager, compiled = engines
-    graphs, builds = compile_count(), KERNELS.builds
+    graphs, builds = compile_count(), KERNEL.builds
     reqs = _requests(compiled, seed=3, n=10)
     got = _serve(compiled, reqs, staggered=True)  # batch 1 first, then growing mixed batches
     got_batch = _serve(compiled, [(p, n) for p, n in reqs[:6]], staggered=False)
     assert compile_count() == graphs, "Dynamo compiled during serving"
-    assert KERNELS.builds == builds, "the attention kernel was built during serving"
+    assert KERNEL.builds == builds, "the attention kernel was built during serving"
     want = _serve(eager, reqs, staggered=True)
     assert got == want
     assert got_batch == {k: want[k] for k in got_batch}
     assert_engine_clean(compiled)
 
 
-def test_warm_start_loads_without_building(engines, compile_cache):
-    _, compiled = engines
-    fresh = CpuDecodeKernels()
+def test_warm_start_loads_without_building(compile_cache):
+    fresh = CpuAttentionKernel()
     fresh.configure(compile_cache)
-    q = torch.randn(2, compiled.model_config.num_heads, compiled.model_config.head_dim)
-    kv = compiled.kv_cache.tensor[0]
-    fresh.runner(q, kv)
+    fresh.load()
     assert fresh.builds == 0
+    assert fresh.library_path() == KERNEL.library_path()
 
 
-def test_cache_key_ignores_what_does_not_change_the_code(engines):
-    """Thread count, max_model_len and the pool's size do not enter the key; the layout does."""
-    _, compiled = engines
-    q = torch.randn(2, compiled.model_config.num_heads, compiled.model_config.head_dim)
-    kv = compiled.kv_cache.tensor[0]
-    small_pool = torch.zeros(2, 5, *kv.shape[2:])
-    key = CpuDecodeKernels.key(CpuDecodeKernels.layout(q, kv))
+def test_cache_key_follows_the_cpu_capability_not_the_build_machine():
+    """One build serves every layout, thread count, max_model_len and pool size; the flags come
+    from torch's CPU capability (never -march=native), which is part of the key."""
+    assert "-march=native" not in " ".join(cpu_flags())
+    assert "-mavx512f" in cpu_flags("AVX512") and "-mavx512f" not in cpu_flags("AVX2")
+    assert not any(f.startswith("-mavx") for f in cpu_flags("DEFAULT"))
+    assert len({CpuAttentionKernel.key(c) for c in ("AVX512", "AVX2", "DEFAULT")}) == 3
     before = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        assert CpuDecodeKernels.key(CpuDecodeKernels.layout(q, small_pool)) == key
+        assert CpuAttentionKernel.key() == KERNEL.key()
     finally:
         torch.set_num_threads(before)
-    other = torch.zeros(2, 5, kv.shape[2] * 2, *kv.shape[3:])  # another block size
-    assert CpuDecodeKernels.key(CpuDecodeKernels.layout(q, other)) != key

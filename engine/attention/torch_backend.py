@@ -5,16 +5,15 @@ from __future__ import annotations
 import torch
 
 import compiler.ops  # noqa: F401  (registers torch.ops.kiln.*)
-from compiler.cpu_attention import paged_attention_cpu_impl
-from compiler.kv_quant import layer_scales
-from compiler.reference_attention import write_kv_reference
+from compiler.cpu_attention import paged_attention_cpu_impl, write_kv_cpu_impl
 from engine.attention.base import AttentionMetadata
 from engine.kv.cache import KVScales
 
 
 class TorchAttentionBackend:
-    """compiled_cpu_decode (CPU with compilation on): decodes go through the compiled fused
-    kernel of compiler/cpu_attention.py instead of the gather + SDPA reference.
+    """compiled_cpu_decode (CPU with compilation on): attention (decodes and prefill chunks,
+    windowed and soft-capped too) goes through the C++ kernel of compiler/cpu_attention.py
+    instead of the gather + SDPA reference; enforce_eager keeps the reference.
     kv_scales: an fp8 cache's scales (use_kv_scales); None reads an fp8 cache with scale 1."""
 
     name = "torch"
@@ -28,26 +27,21 @@ class TorchAttentionBackend:
 
     def forward(self, q, k, v, kv_cache, layer: int, meta: AttentionMetadata, scale: float,
                 sliding_window: int = 0, softcap: float = 0.0) -> torch.Tensor:
-        # The compiled CPU decode kernel attends the whole context, uncapped: windowed and
-        # softcapped models take the reference.
-        fused_cpu = self.compiled_cpu_decode and not sliding_window and not softcap
+        fused_cpu = self.compiled_cpu_decode
         eager = fused_cpu and not torch.compiler.is_compiling()
         scales = None if self.kv_scales is None else self.kv_scales.before_write(k, v, layer, meta.slot_mapping,
                                                                                    eager)
+        out = torch.empty_like(q)
         if eager:
             # Eager forward on the CPU: the ops' implementations called directly; the custom-op
             # dispatch costs more than batch-1 attention itself (~0.1 ms a call, two per layer).
-            write_kv_reference(k, v, kv_cache[layer, 0], kv_cache[layer, 1], meta.slot_mapping,
-                               *layer_scales(scales, layer))
-            out = torch.empty_like(q)
+            write_kv_cpu_impl(k, v, kv_cache, layer, meta.slot_mapping, scales)
             paged_attention_cpu_impl(out, q, kv_cache, layer, meta.query_start_loc, meta.seq_lens,
                                      meta.block_tables, scale, meta.max_query_len, meta.max_seq_len, meta.num_decodes,
-                                     scales)
+                                     scales, sliding_window, softcap)
             return out
         torch.ops.kiln.write_kv(k, v, kv_cache, layer, meta.slot_mapping, scales)
-        out = torch.empty_like(q)
         op = torch.ops.kiln.paged_attention_cpu if fused_cpu else torch.ops.kiln.paged_attention
-        window = () if fused_cpu else (sliding_window, softcap)
         op(out, q, kv_cache, layer, meta.query_start_loc, meta.seq_lens, meta.block_tables,
-           scale, meta.max_query_len, meta.max_seq_len, meta.num_decodes, *window, kv_scales=scales)
+           scale, meta.max_query_len, meta.max_seq_len, meta.num_decodes, sliding_window, softcap, kv_scales=scales)
         return out

@@ -3,7 +3,7 @@
     kiln bench cpu --model DIR                       # threads x neighbour, batch 1 and throughput
     kiln bench cpu --model DIR --baseline --parts --startup --json out.json
 
-One engine (the default settings: eager forward, AOT-compiled decode attention) is driven under
+One engine (the default settings: eager forward, the C++ paged attention) is driven under
 each thread setting -- the default plan (engine/cpu_threads.py), 1, 2 and every available core --
 first on a quiet machine and then next to a CPU-burning neighbour process that the benchmark
 starts and stops (it also ends by itself after --neighbour-seconds). Per setting: batch-1 decode
@@ -14,7 +14,7 @@ same run, and the check the issue asks for: with the neighbour running, the defa
 
 --baseline: transformers' `generate` (eager, sdpa) on the same weights and threads, batch 1, in
 the same process (ratio = its ms per token / kiln's; >= 1.0 means kiln is at least as fast).
---parts: compiled vs eager per part: the decode attention op alone (AOT kernel vs the gather +
+--parts: compiled vs eager per part: the decode attention op alone (C++ kernel vs the gather +
 SDPA reference) at a few batch/context sizes, and batch-1 decode of the engine with the
 reference attention (enforce_eager) vs the default.
 --startup: wall time from process start to the first generated token, twice in fresh processes
@@ -197,7 +197,7 @@ def baseline(engine, args) -> dict[str, float]:
 
 def parts(engine, args) -> dict[str, Any]:
     """Compiled vs eager per part, in this run."""
-    from compiler.cpu_attention import compiled_decode_attention, decode_inputs
+    from compiler.cpu_attention import paged_attention_cpu_impl
     from compiler.reference_attention import paged_attention_reference
     from engine.config import EngineSettings
     from engine.llm_engine import LLMEngine
@@ -225,9 +225,10 @@ def parts(engine, args) -> dict[str, Any]:
             qsl = torch.arange(batch + 1, dtype=torch.int32)
             scale = cfg.head_dim ** -0.5
 
+            out_buf = torch.empty_like(q)
+
             def fused():
-                dq, t, ln, items = decode_inputs(q, lens, tables, ctx, bs)
-                return compiled_decode_attention(dq, kv, t, ln, items, scale)
+                paged_attention_cpu_impl(out_buf, q, kv[None], 0, qsl, lens, tables, scale, 1, ctx, batch)
 
             def reference():
                 return paged_attention_reference(q, kv[0], kv[1], qsl, lens, tables, scale, 1, ctx, batch)
@@ -235,7 +236,7 @@ def parts(engine, args) -> dict[str, Any]:
             row = {"batch": batch, "ctx": ctx, "compiled_ms": timed(fused), "reference_ms": timed(reference)}
             row["speedup"] = row["reference_ms"] / row["compiled_ms"]
             out["attention"].append(row)
-            print(f"  decode attention, one layer, batch {batch:3d}, context {ctx:5d}: AOT-compiled "
+            print(f"  decode attention, one layer, batch {batch:3d}, context {ctx:5d}: C++ kernel "
                   f"{row['compiled_ms']:.3f} ms, reference {row['reference_ms']:.3f} ms -> {row['speedup']:.2f}x")
     eager = LLMEngine(EngineSettings(**{**engine.settings.model_dump(), "enforce_eager": True}))
     ref_ms, ours_ms = batch1(eager, args), batch1(engine, args)

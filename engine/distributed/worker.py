@@ -97,9 +97,9 @@ class Worker:
             windowed_or_capped=any(cfg.layer_windows) or cfg.attn_softcap > 0))
         self.model.set_backend(self.backend)
         if self.device.type == "cpu" and not s.enforce_eager:
-            from compiler.cpu_attention import KERNELS
+            from compiler.cpu_attention import KERNEL
 
-            KERNELS.configure(s.resolved_compile_cache_dir())
+            KERNEL.configure(s.resolved_compile_cache_dir())
         # The kiln:: custom ops import Dynamo on their first call (seconds): here, while rank 0 is
         # still building, not inside the first step (where rank 0 would wait for it).
         importlib.import_module("torch._dynamo")

@@ -1,0 +1,618 @@
+// Paged attention for the CPU: decodes, prefill chunks and mixed steps in one pass over the
+// paged KV cache (compiler/cpu_attention.py builds and loads it; compiler/reference_attention.py
+// is the definition it is tested against), and the cache write (write_kv) in one call.
+//
+// Layouts (the reference's): q / out [T, Hq, D]; kv_cache [layers, 2, blocks, block_size, Hkv, D]
+// (float32, bfloat16 or float8_e4m3fn); query_start_loc int32 [S + 1]; seq_lens int32 [S];
+// block_tables int32 [S, W], read in place. Query row i of a chunk of length L in a sequence of
+// length N sits at position p = N - L + i and sees keys 0 ..= p (with a sliding window W > 0 only
+// keys > p - W). Rows that see no key, and rows no sequence claims, are written as zeros.
+//
+// Work item = (sequence, KV head, block of up to kRows query rows): every query head of the GQA
+// group and every row of the block is served by one read of each K/V row, converted to float
+// once. Online softmax one cache block at a time (one block-table lookup per block). Items are
+// handed out dynamically to the intra-op threads, the costliest first.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Float8_e4m3fn.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <type_traits>
+#include <vector>
+
+namespace {
+
+constexpr int64_t kRows = 16;           // query rows per work item (prefill chunks)
+constexpr int64_t kLanes = 16;          // partial sums per dot product: one AVX-512 register
+constexpr double kSerialWork = 2.0e5;   // below this many multiply-adds one thread does it all
+
+// Every e4m3 byte as a float: a lookup the compiler can vectorise, unlike the bit arithmetic.
+struct Fp8Table {
+  float value[256];
+  Fp8Table() {
+    for (int i = 0; i < 256; ++i) {
+      value[i] = static_cast<float>(c10::Float8_e4m3fn(static_cast<uint8_t>(i), c10::Float8_e4m3fn::from_bits()));
+    }
+  }
+};
+const Fp8Table kFp8;
+
+inline void to_float(const float* src, float* dst, int64_t n) { std::copy(src, src + n, dst); }
+
+inline void to_float(const c10::BFloat16* src, float* dst, int64_t n) {
+  const uint16_t* bits = reinterpret_cast<const uint16_t*>(src);
+  for (int64_t i = 0; i < n; ++i) {
+    uint32_t wide = static_cast<uint32_t>(bits[i]) << 16;
+    float f;
+    std::memcpy(&f, &wide, sizeof f);
+    dst[i] = f;
+  }
+}
+
+inline void to_float(const c10::Half* src, float* dst, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<float>(src[i]);
+}
+
+inline void to_float(const c10::Float8_e4m3fn* src, float* dst, int64_t n) {
+  const uint8_t* bits = reinterpret_cast<const uint8_t*>(src);
+  for (int64_t i = 0; i < n; ++i) dst[i] = kFp8.value[bits[i]];
+}
+
+template <typename T>
+inline void from_float(const float* src, T* dst, int64_t n, float mul) {
+  for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<T>(src[i] * mul);
+}
+
+// Reductions over kLanes fixed partial sums folded as a tree, never one running sum: the
+// compiler vectorises them without -ffast-math (which would also change NaN and rounding
+// behaviour), and no chain of dependent adds is left.
+inline float fold_sum(float* lanes) {
+  for (int64_t w = kLanes / 2; w > 0; w /= 2) {
+    for (int64_t l = 0; l < w; ++l) lanes[l] += lanes[l + w];
+  }
+  return lanes[0];
+}
+
+// kN > 0: the length is a compile-time constant (the head dim), loops unroll and stay in registers.
+template <int64_t kN = 0>
+inline float dot(const float* a, const float* b, int64_t n) {
+  if constexpr (kN > 0) n = kN;
+  float lanes[kLanes] = {0};
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes) {
+    for (int64_t l = 0; l < kLanes; ++l) lanes[l] += a[i + l] * b[i + l];
+  }
+  if (kN == 0 || kN % kLanes) {
+    for (int64_t l = 0; i + l < n; ++l) lanes[l] += a[i + l] * b[i + l];
+  }
+  return fold_sum(lanes);
+}
+
+inline float sum(const float* a, int64_t n) {
+  float lanes[kLanes] = {0};
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes) {
+    for (int64_t l = 0; l < kLanes; ++l) lanes[l] += a[i + l];
+  }
+  for (int64_t l = 0; i + l < n; ++l) lanes[l] += a[i + l];
+  return fold_sum(lanes);
+}
+
+// The largest value, NaN skipped (a NaN score still reaches the output through its exp).
+inline float max_of(const float* a, int64_t n) {
+  float m = -std::numeric_limits<float>::infinity();
+  for (int64_t i = 0; i < n; ++i) m = a[i] > m ? a[i] : m;
+  return m;
+}
+
+// exp(x) for x <= 0 (a score minus the running max), in plain arithmetic so that a loop of it
+// vectorises: x = n ln2 + r, |r| <= ln2 / 2, exp(r) by Cephes' degree-6 polynomial (~1 ulp),
+// 2^n by building the exponent bits. Below -87.3 the result is ~1e-38 instead of a denormal or 0:
+// nothing next to the max term's 1. NaN stays NaN.
+inline float exp_nonpositive(float x) {
+  x = x < -87.3f ? -87.3f : x;
+  // Round x / ln2 to an integer by adding 1.5 * 2^23 (no floor call: that would not vectorise);
+  // the integer is then also in the low bits of the sum.
+  const float shifted = x * 1.44269504088896341f + 12582912.f;
+  const float n = shifted - 12582912.f;
+  int32_t ni;
+  std::memcpy(&ni, &shifted, sizeof ni);
+  ni -= 0x4B400000;
+  const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  const float y = p * r * r + r + 1.f;
+  const int32_t bits = (ni + 127) << 23;
+  float two_n;
+  std::memcpy(&two_n, &bits, sizeof two_n);
+  return y * two_n;
+}
+
+// One query head of one row over keys k0[t], v0[t] (t < n, rows `stride` floats apart): the online
+// softmax state (M, L, acc[D]) takes them in. kD > 0: compile-time head dim, acc kept in registers.
+template <int64_t kD>
+inline void take_keys(const float* qv, const float* k0, const float* v0, int64_t stride, int64_t n, int64_t D,
+                      float softcap, float* sc, float& M, float& L, float* acc) {
+  if constexpr (kD > 0) D = kD;
+  for (int64_t t = 0; t < n; ++t) sc[t] = dot<kD>(qv, k0 + t * stride, D);
+  if (softcap > 0.f) {
+    for (int64_t t = 0; t < n; ++t) sc[t] = softcap * std::tanh(sc[t] / softcap);
+  }
+  const float new_max = std::max(M, max_of(sc, n));
+  float alpha = 1.f;
+  if (new_max > M) {  // rescale what came before (nothing on the first block: M = -inf)
+    alpha = exp_nonpositive(M - new_max);
+    L *= alpha;
+    M = new_max;
+  }
+  for (int64_t t = 0; t < n; ++t) sc[t] = exp_nonpositive(sc[t] - M);
+  L += sum(sc, n);
+  float local[kD > 0 ? kD : 1];
+  float* a = kD > 0 ? local : acc;
+  if constexpr (kD > 0) {
+    for (int64_t d = 0; d < kD; ++d) local[d] = acc[d] * alpha;
+  } else if (alpha != 1.f) {
+    for (int64_t d = 0; d < D; ++d) acc[d] *= alpha;
+  }
+  for (int64_t t = 0; t < n; ++t) {
+    const float p = sc[t];
+    const float* vv = v0 + t * stride;
+    for (int64_t d = 0; d < D; ++d) a[d] += p * vv[d];
+  }
+  if constexpr (kD > 0) {
+    for (int64_t d = 0; d < kD; ++d) acc[d] = local[d];
+  }
+}
+
+// The same on whole vectors of 16 floats (GCC vector extensions: one AVX-512 register, two AVX2
+// ones, four SSE ones; the compiler picks the instructions for the flags, no intrinsics), for a
+// head dim that is a multiple of 16 and up to 16 keys. The 16 keys' dot products are reduced
+// together by a shuffle tree (transpose_sum): ~3 operations a key instead of a horizontal sum each.
+typedef float v16 __attribute__((vector_size(64)));
+typedef int32_t i16 __attribute__((vector_size(64)));
+
+inline v16 load16(const float* p) {
+  v16 v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+
+inline v16 pair_sum(v16 a, v16 b, i16 first, i16 second) {
+  return __builtin_shuffle(a, b, first) + __builtin_shuffle(a, b, second);
+}
+
+// Lane t of the result: the sum of the lanes of x[t].
+inline v16 transpose_sum(const v16 (&x)[16]) {
+  const i16 a1 = {0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23};
+  const i16 b1 = {8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31};
+  const i16 a2 = {0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27};
+  const i16 b2 = {4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31};
+  const i16 a3 = {0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29};
+  const i16 b3 = {2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31};
+  const i16 a4 = {0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30};
+  const i16 b4 = {1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31};
+  v16 two[8], four[4], eight[2];
+  for (int m = 0; m < 8; ++m) two[m] = pair_sum(x[2 * m], x[2 * m + 1], a1, b1);
+  for (int m = 0; m < 4; ++m) four[m] = pair_sum(two[2 * m], two[2 * m + 1], a2, b2);
+  for (int m = 0; m < 2; ++m) eight[m] = pair_sum(four[2 * m], four[2 * m + 1], a3, b3);
+  return pair_sum(eight[0], eight[1], a4, b4);
+}
+
+inline float lane_max(v16 x) {
+  float m = -std::numeric_limits<float>::infinity();
+  for (int l = 0; l < 16; ++l) m = x[l] > m ? x[l] : m;
+  return m;
+}
+
+inline float lane_sum(v16 x) {
+  float lanes[kLanes];
+  std::memcpy(lanes, &x, sizeof x);
+  return fold_sum(lanes);
+}
+
+inline v16 exp_nonpositive(v16 x) {  // exp_nonpositive(float), lane by lane
+  const v16 low = v16{} - 87.3f;
+  x = x < low ? low : x;
+  const v16 shifted = x * 1.44269504088896341f + 12582912.f;
+  const v16 n = shifted - 12582912.f;
+  const i16 ni = reinterpret_cast<const i16&>(shifted) - 0x4B400000;
+  const v16 r = x - n * 0.693359375f + n * 2.12194440e-4f;
+  v16 p = r * 1.9875691500e-4f + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  const v16 y = p * r * r + r + 1.f;
+  const i16 bits = (ni + 127) << 23;
+  return y * reinterpret_cast<const v16&>(bits);
+}
+
+template <int64_t kD>
+inline void take_keys_vec(const float* qv, const float* k0, const float* v0, int64_t stride, int64_t n,
+                          float softcap, float& M, float& L, float* acc) {
+  constexpr int64_t kV = kD / kLanes;
+  v16 q[kV], a[kV];
+  for (int64_t i = 0; i < kV; ++i) q[i] = load16(qv + i * kLanes);
+  v16 parts[16];
+  for (int64_t t = 0; t < 16; ++t) {
+    v16 p = {};
+    if (t < n) {
+      for (int64_t i = 0; i < kV; ++i) p += q[i] * load16(k0 + t * stride + i * kLanes);
+    }
+    parts[t] = p;
+  }
+  v16 s = transpose_sum(parts);
+  if (softcap > 0.f) {
+    for (int l = 0; l < 16; ++l) s[l] = softcap * std::tanh(s[l] / softcap);
+  }
+  const i16 lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+  const v16 zero = {}, none = zero - std::numeric_limits<float>::infinity();
+  s = lane < static_cast<int32_t>(n) ? s : none;
+  const float new_max = std::max(M, lane_max(s));
+  float alpha = 1.f;
+  if (new_max > M) {  // rescale what came before (nothing on the first block: M = -inf)
+    alpha = exp_nonpositive(M - new_max);
+    M = new_max;
+  }
+  v16 p = exp_nonpositive(s - M);
+  p = lane < static_cast<int32_t>(n) ? p : zero;  // the lanes past n are no keys
+  L = L * alpha + lane_sum(p);
+  for (int64_t i = 0; i < kV; ++i) a[i] = load16(acc + i * kLanes) * alpha;
+  for (int64_t t = 0; t < n; ++t) {
+    const float w = p[t];
+    for (int64_t i = 0; i < kV; ++i) a[i] += w * load16(v0 + t * stride + i * kLanes);
+  }
+  std::memcpy(acc, a, sizeof a);
+}
+
+struct Item {
+  int64_t seq, kv_head, row0, rows, cost;
+};
+
+struct Problem {
+  int64_t num_heads, num_kv_heads, group, head_dim, block_size, num_blocks;
+  int64_t q_tok, q_head, o_tok, o_head;        // strides (elements); the last dim is contiguous
+  int64_t k_block, k_slot, k_head;             // cache strides within one of K / V
+  int64_t table_row, table_col, table_width;
+  float q_mul, v_mul, softcap;
+  int64_t window;
+};
+
+// One item: rows [row0, row0 + rows) of sequence `seq` (absolute token index `tok0` of row 0,
+// position `pos0` of row 0, context `len`), all query heads of KV head `kv_head`.
+template <typename QT, typename CT, typename OT, int64_t kD>
+void attend(const Problem& P, const Item& it, int64_t tok0, int64_t pos0, int64_t len, const QT* q, const CT* kc,
+            const CT* vc, const int32_t* table, OT* out, std::vector<float>& scratch) {
+  const int64_t G = P.group, D = kD > 0 ? kD : P.head_dim, bs = P.block_size, R = it.rows;
+  // scratch: q [R, G, D] | acc [R, G, D] | k, v rows of one block [bs, D] x 2 | scores [bs] | max, sum [R, G] x 2
+  const size_t need = static_cast<size_t>(2 * R * G * D + 2 * bs * D + bs + 2 * R * G);
+  if (scratch.size() < need) scratch.resize(need);
+  float* qf = scratch.data();
+  float* acc = qf + R * G * D;
+  float* kf = acc + R * G * D;
+  float* vf = kf + bs * D;
+  float* sc = vf + bs * D;
+  float* row_max = sc + bs;
+  float* row_sum = row_max + R * G;
+
+  int64_t lo_all = std::numeric_limits<int64_t>::max(), hi_all = 0;
+  for (int64_t r = 0; r < R; ++r) {
+    const int64_t pos = pos0 + r;
+    const int64_t hi = std::min(pos + 1, len);
+    const int64_t lo = P.window > 0 ? std::max<int64_t>(0, pos - P.window + 1) : 0;
+    if (hi > lo) {
+      lo_all = std::min(lo_all, lo);
+      hi_all = std::max(hi_all, hi);
+    }
+    for (int64_t g = 0; g < G; ++g) {
+      const QT* src = q + (tok0 + r) * P.q_tok + (it.kv_head * G + g) * P.q_head;
+      float* dst = qf + (r * G + g) * D;
+      to_float(src, dst, D);
+      for (int64_t d = 0; d < D; ++d) dst[d] *= P.q_mul;
+      row_max[r * G + g] = -std::numeric_limits<float>::infinity();
+      row_sum[r * G + g] = 0.f;
+    }
+  }
+  std::fill(acc, acc + R * G * D, 0.f);
+
+  for (int64_t start = hi_all > 0 ? (lo_all / bs) * bs : 0; start < hi_all; start += bs) {
+    const int64_t col = start / bs;
+    const int64_t block = std::clamp<int64_t>(
+        col < P.table_width ? table[it.seq * P.table_row + col * P.table_col] : 0, 0, P.num_blocks - 1);
+    const int64_t first = std::max(start, lo_all), last = std::min(start + bs, hi_all);  // keys read
+    // K / V rows of this block as float: the cache itself for a float32 cache, else converted once
+    // for every row and head of the item.
+    const int64_t base = block * P.k_block + it.kv_head * P.k_head;
+    const float* krows;
+    const float* vrows;
+    int64_t row_stride;
+    if constexpr (std::is_same_v<CT, float>) {
+      krows = kc + base;
+      vrows = vc + base;
+      row_stride = P.k_slot;
+    } else {
+      for (int64_t j = first; j < last; ++j) {
+        to_float(kc + base + (j - start) * P.k_slot, kf + (j - start) * D, D);
+        to_float(vc + base + (j - start) * P.k_slot, vf + (j - start) * D, D);
+      }
+      krows = kf;
+      vrows = vf;
+      row_stride = D;
+    }
+    for (int64_t r = 0; r < R; ++r) {
+      const int64_t pos = pos0 + r;
+      const int64_t hi = std::min({pos + 1, len, last});
+      const int64_t lo = std::max(first, P.window > 0 ? pos - P.window + 1 : int64_t(0));
+      if (hi <= lo) continue;
+      const int64_t n = hi - lo;
+      const float* k0 = krows + (lo - start) * row_stride;
+      const float* v0 = vrows + (lo - start) * row_stride;
+      for (int64_t g = 0; g < G; ++g) {
+        const float* qv = qf + (r * G + g) * D;
+        float* a = acc + (r * G + g) * D;
+        if constexpr (kD > 0 && kD % kLanes == 0) {
+          for (int64_t t = 0; t < n; t += kLanes) {
+            take_keys_vec<kD>(qv, k0 + t * row_stride, v0 + t * row_stride, row_stride,
+                              std::min(kLanes, n - t), P.softcap, row_max[r * G + g], row_sum[r * G + g], a);
+          }
+        } else {
+          take_keys<kD>(qv, k0, v0, row_stride, n, D, P.softcap, sc, row_max[r * G + g], row_sum[r * G + g], a);
+        }
+      }
+    }
+  }
+
+  for (int64_t r = 0; r < R; ++r) {
+    for (int64_t g = 0; g < G; ++g) {
+      OT* dst = out + (tok0 + r) * P.o_tok + (it.kv_head * G + g) * P.o_head;
+      const float L = row_sum[r * G + g];
+      if (L > 0.f) {
+        from_float(acc + (r * G + g) * D, dst, D, P.v_mul / L);
+      } else {  // nothing to see (padding row, empty window)
+        std::fill(dst, dst + D, static_cast<OT>(0.f));
+      }
+    }
+  }
+}
+
+template <typename QT, typename CT>
+void run(const Problem& P, const at::Tensor& out, const at::Tensor& q, const at::Tensor& kv_layer,
+         const std::vector<Item>& items, const int32_t* qsl, const int32_t* lens, const int32_t* table) {
+  const QT* qp = q.data_ptr<QT>();
+  QT* op = out.data_ptr<QT>();
+  const CT* kc = kv_layer[0].data_ptr<CT>();
+  const CT* vc = kv_layer[1].data_ptr<CT>();
+  double work = 0;
+  for (const Item& it : items) work += static_cast<double>(it.cost);
+  work *= static_cast<double>(P.group * P.head_dim);
+  const int64_t threads = std::min<int64_t>(at::get_num_threads(), static_cast<int64_t>(items.size()));
+  const int64_t workers = work < kSerialWork ? 1 : std::max<int64_t>(threads, 1);
+  std::atomic<size_t> next{0};
+  at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
+    std::vector<float> scratch;
+    for (size_t i = next.fetch_add(1); i < items.size(); i = next.fetch_add(1)) {
+      const Item& it = items[i];
+      const int64_t q_len = qsl[it.seq + 1] - qsl[it.seq];
+      const int64_t len = lens[it.seq];
+      const int64_t tok0 = qsl[it.seq] + it.row0, pos0 = len - q_len + it.row0;
+      switch (P.head_dim) {  // the common head dims compiled for their size, any other one generically
+        case 32: attend<QT, CT, QT, 32>(P, it, tok0, pos0, len, qp, kc, vc, table, op, scratch); break;
+        case 64: attend<QT, CT, QT, 64>(P, it, tok0, pos0, len, qp, kc, vc, table, op, scratch); break;
+        case 96: attend<QT, CT, QT, 96>(P, it, tok0, pos0, len, qp, kc, vc, table, op, scratch); break;
+        case 128: attend<QT, CT, QT, 128>(P, it, tok0, pos0, len, qp, kc, vc, table, op, scratch); break;
+        case 256: attend<QT, CT, QT, 256>(P, it, tok0, pos0, len, qp, kc, vc, table, op, scratch); break;
+        default: attend<QT, CT, QT, 0>(P, it, tok0, pos0, len, qp, kc, vc, table, op, scratch);
+      }
+    }
+  });
+}
+
+void paged_attention(const at::Tensor& out, const at::Tensor& q, const at::Tensor& kv_cache, int64_t layer,
+                     const at::Tensor& query_start_loc, const at::Tensor& seq_lens, const at::Tensor& block_tables,
+                     double scale, int64_t sliding_window, double softcap, const c10::optional<at::Tensor>& k_scale,
+                     const c10::optional<at::Tensor>& v_scale) {
+  TORCH_CHECK(q.device().is_cpu() && kv_cache.device().is_cpu(), "kiln_cpu::paged_attention: CPU tensors only");
+  TORCH_CHECK(q.dim() == 3 && out.sizes() == q.sizes() && out.scalar_type() == q.scalar_type(),
+              "kiln_cpu::paged_attention: q and out must be [tokens, heads, head_dim] of one dtype, got ",
+              q.sizes(), " and ", out.sizes());
+  TORCH_CHECK(q.stride(2) == 1 && out.stride(2) == 1, "kiln_cpu::paged_attention: head_dim must be contiguous");
+  TORCH_CHECK(kv_cache.dim() == 6 && kv_cache.size(1) == 2, "kiln_cpu::paged_attention: kv_cache must be "
+              "[layers, 2, blocks, block_size, kv_heads, head_dim], got ", kv_cache.sizes());
+  TORCH_CHECK(layer >= 0 && layer < kv_cache.size(0), "kiln_cpu::paged_attention: layer ", layer, " out of range");
+  const at::Tensor kv = kv_cache[layer];
+  // kv: [2, blocks, block_size, kv_heads, head_dim]
+  TORCH_CHECK(kv.stride(4) == 1, "kiln_cpu::paged_attention: the cache's head_dim must be contiguous");
+  TORCH_CHECK(kv.size(4) == q.size(2), "kiln_cpu::paged_attention: head_dim of q (", q.size(2),
+              ") and of the cache (", kv.size(4), ") differ");
+  TORCH_CHECK(q.size(1) % kv.size(3) == 0, "kiln_cpu::paged_attention: ", q.size(1), " query heads are not a "
+              "multiple of ", kv.size(3), " KV heads");
+  for (const at::Tensor* t : {&query_start_loc, &seq_lens, &block_tables}) {
+    TORCH_CHECK(t->scalar_type() == at::kInt && t->device().is_cpu(),
+                "kiln_cpu::paged_attention: query_start_loc, seq_lens and block_tables must be int32 CPU tensors");
+  }
+  const int64_t S = seq_lens.size(0), T = q.size(0);
+  TORCH_CHECK(query_start_loc.numel() >= S + 1 && block_tables.dim() == 2 && block_tables.size(0) >= S,
+              "kiln_cpu::paged_attention: query_start_loc needs num_seqs + 1 entries and block_tables num_seqs rows");
+  const at::Tensor qsl_c = query_start_loc.contiguous(), lens_c = seq_lens.contiguous();
+  const int32_t* qsl = qsl_c.data_ptr<int32_t>();
+  const int32_t* lens = lens_c.data_ptr<int32_t>();
+
+  Problem P;
+  P.num_heads = q.size(1);
+  P.num_kv_heads = kv.size(3);
+  P.group = P.num_heads / P.num_kv_heads;
+  P.head_dim = q.size(2);
+  P.block_size = kv.size(2);
+  P.num_blocks = kv.size(1);
+  P.q_tok = q.stride(0);
+  P.q_head = q.stride(1);
+  P.o_tok = out.stride(0);
+  P.o_head = out.stride(1);
+  P.k_block = kv.stride(1);
+  P.k_slot = kv.stride(2);
+  P.k_head = kv.stride(3);
+  P.table_row = block_tables.stride(0);
+  P.table_col = block_tables.stride(1);
+  P.table_width = block_tables.size(1);
+  P.window = sliding_window;
+  P.softcap = static_cast<float>(softcap);
+  // An fp8 cache's K scale folds into q, its V scale into the output (the kernel reads the raw
+  // elements): softmax(q.(s k)) (s' v) = s' softmax((s q).k) v.
+  P.q_mul = static_cast<float>(scale) * (k_scale.has_value() ? k_scale->item<float>() : 1.f);
+  P.v_mul = v_scale.has_value() ? v_scale->item<float>() : 1.f;
+
+  std::vector<Item> items;
+  items.reserve(static_cast<size_t>(S * P.num_kv_heads));
+  int64_t claimed_lo = T, claimed_hi = 0;
+  for (int64_t s = 0; s < S; ++s) {
+    const int64_t begin = qsl[s], end = qsl[s + 1], len = lens[s];
+    TORCH_CHECK(0 <= begin && begin <= end && end <= T, "kiln_cpu::paged_attention: query_start_loc must be "
+                "non-decreasing within [0, num_tokens]; sequence ", s, " has [", begin, ", ", end, ")");
+    TORCH_CHECK(len >= 0 && (len + P.block_size - 1) / P.block_size <= P.table_width || len == 0,
+                "kiln_cpu::paged_attention: sequence ", s, " of length ", len, " needs more than the ",
+                P.table_width, " block-table columns");
+    if (end > begin) {
+      claimed_lo = std::min(claimed_lo, begin);
+      claimed_hi = std::max(claimed_hi, end);
+    }
+    for (int64_t row0 = 0; row0 < end - begin; row0 += kRows) {
+      const int64_t rows = std::min(kRows, end - begin - row0);
+      const int64_t last_pos = len - (end - begin) + row0 + rows;  // keys the last row sees
+      const int64_t keys = std::max<int64_t>(0, P.window > 0 ? std::min(last_pos, P.window) : last_pos);
+      for (int64_t h = 0; h < P.num_kv_heads; ++h) items.push_back({s, h, row0, rows, rows * keys + 1});
+    }
+  }
+  std::stable_sort(items.begin(), items.end(), [](const Item& a, const Item& b) { return a.cost > b.cost; });
+  // Rows no sequence claims (padding tokens) are zeros, as in the reference.
+  if (claimed_hi <= claimed_lo) {
+    out.zero_();
+  } else {
+    if (claimed_lo > 0) out.narrow(0, 0, claimed_lo).zero_();
+    if (claimed_hi < T) out.narrow(0, claimed_hi, T - claimed_hi).zero_();
+  }
+  const int32_t* table = block_tables.data_ptr<int32_t>();
+
+  const auto cache = kv.scalar_type();
+  const auto qt = q.scalar_type();
+  TORCH_CHECK(qt == at::kFloat || qt == at::kBFloat16 || qt == at::kHalf,
+              "kiln_cpu::paged_attention: q must be float32, bfloat16 or float16, got ", qt);
+#define KILN_CACHE_CASE(QT, CT) run<QT, CT>(P, out, q, kv, items, qsl, lens, table)
+#define KILN_Q_CASE(QT)                                                                               \
+  if (cache == at::kFloat) KILN_CACHE_CASE(QT, float);                                                \
+  else if (cache == at::kBFloat16) KILN_CACHE_CASE(QT, c10::BFloat16);                                \
+  else if (cache == at::kHalf) KILN_CACHE_CASE(QT, c10::Half);                                        \
+  else if (cache == at::kFloat8_e4m3fn) KILN_CACHE_CASE(QT, c10::Float8_e4m3fn);                      \
+  else TORCH_CHECK(false, "kiln_cpu::paged_attention: unsupported KV cache dtype ", cache);
+  if (qt == at::kFloat) {
+    KILN_Q_CASE(float)
+  } else if (qt == at::kBFloat16) {
+    KILN_Q_CASE(c10::BFloat16)
+  } else {
+    KILN_Q_CASE(c10::Half)
+  }
+#undef KILN_Q_CASE
+#undef KILN_CACHE_CASE
+}
+
+// Cache elements from float values: cast (round to nearest even), or for an fp8 cache x / scale
+// saturated to +-448 (NaN stays NaN), exactly as compiler/kv_quant.py's to_cache.
+template <typename CT>
+inline CT to_cache(float x, float scale) {
+  if constexpr (std::is_same_v<CT, c10::Float8_e4m3fn>) {
+    float y = x / scale;
+    y = y > 448.f ? 448.f : (y < -448.f ? -448.f : y);
+    return c10::Float8_e4m3fn(y);
+  } else {
+    return static_cast<CT>(x);
+  }
+}
+
+template <typename XT, typename CT>
+void write_rows(const at::Tensor& k, const at::Tensor& v, const at::Tensor& kv, const int64_t* slots, float k_scale,
+                float v_scale) {
+  const int64_t T = k.size(0), H = k.size(1), D = k.size(2);
+  const int64_t bs = kv.size(2), capacity = kv.size(1) * bs;
+  CT* kc = kv[0].data_ptr<CT>();
+  CT* vc = kv[1].data_ptr<CT>();
+  const XT* kp = k.data_ptr<XT>();
+  const XT* vp = v.data_ptr<XT>();
+  std::vector<float> row(static_cast<size_t>(D));
+  for (int64_t t = 0; t < T; ++t) {
+    const int64_t slot = slots[t];
+    if (slot < 0) continue;  // padding: nothing to write
+    TORCH_CHECK(slot < capacity, "kiln_cpu::write_kv: slot ", slot, " is past the cache's ", capacity, " slots");
+    const int64_t base = (slot / bs) * kv.stride(1) + (slot % bs) * kv.stride(2);
+    for (int64_t h = 0; h < H; ++h) {
+      CT* kd = kc + base + h * kv.stride(3);
+      CT* vd = vc + base + h * kv.stride(3);
+      const XT* ks = kp + t * k.stride(0) + h * k.stride(1);
+      const XT* vs = vp + t * v.stride(0) + h * v.stride(1);
+      for (int64_t d = 0; d < D; ++d) kd[d] = to_cache<CT>(static_cast<float>(ks[d]), k_scale);
+      for (int64_t d = 0; d < D; ++d) vd[d] = to_cache<CT>(static_cast<float>(vs[d]), v_scale);
+    }
+  }
+}
+
+void write_kv(const at::Tensor& k, const at::Tensor& v, const at::Tensor& kv_cache, int64_t layer,
+              const at::Tensor& slot_mapping, const c10::optional<at::Tensor>& k_scale,
+              const c10::optional<at::Tensor>& v_scale) {
+  TORCH_CHECK(k.device().is_cpu() && kv_cache.device().is_cpu(), "kiln_cpu::write_kv: CPU tensors only");
+  TORCH_CHECK(kv_cache.dim() == 6 && kv_cache.size(1) == 2, "kiln_cpu::write_kv: kv_cache must be "
+              "[layers, 2, blocks, block_size, kv_heads, head_dim], got ", kv_cache.sizes());
+  TORCH_CHECK(layer >= 0 && layer < kv_cache.size(0), "kiln_cpu::write_kv: layer ", layer, " out of range");
+  const at::Tensor kv = kv_cache[layer];
+  TORCH_CHECK(k.dim() == 3 && v.sizes() == k.sizes() && v.scalar_type() == k.scalar_type() &&
+              k.size(1) == kv.size(3) && k.size(2) == kv.size(4),
+              "kiln_cpu::write_kv: k and v must be [tokens, kv_heads, head_dim] matching the cache, got ",
+              k.sizes(), " and ", v.sizes());
+  TORCH_CHECK(k.stride(2) == 1 && v.stride(2) == 1 && kv.stride(4) == 1,
+              "kiln_cpu::write_kv: head_dim must be contiguous");
+  TORCH_CHECK(slot_mapping.numel() == k.size(0), "kiln_cpu::write_kv: one slot per token");
+  const at::Tensor slots = slot_mapping.to(at::kLong).contiguous();
+  const int64_t* sp = slots.data_ptr<int64_t>();
+  const float ks = k_scale.has_value() ? k_scale->item<float>() : 1.f;
+  const float vs = v_scale.has_value() ? v_scale->item<float>() : 1.f;
+  const auto cache = kv.scalar_type();
+#define KILN_WRITE_CASE(XT)                                                                         \
+  if (cache == at::kFloat) write_rows<XT, float>(k, v, kv, sp, ks, vs);                             \
+  else if (cache == at::kBFloat16) write_rows<XT, c10::BFloat16>(k, v, kv, sp, ks, vs);             \
+  else if (cache == at::kHalf) write_rows<XT, c10::Half>(k, v, kv, sp, ks, vs);                     \
+  else if (cache == at::kFloat8_e4m3fn) write_rows<XT, c10::Float8_e4m3fn>(k, v, kv, sp, ks, vs);   \
+  else TORCH_CHECK(false, "kiln_cpu::write_kv: unsupported KV cache dtype ", cache);
+  if (k.scalar_type() == at::kFloat) {
+    KILN_WRITE_CASE(float)
+  } else if (k.scalar_type() == at::kBFloat16) {
+    KILN_WRITE_CASE(c10::BFloat16)
+  } else if (k.scalar_type() == at::kHalf) {
+    KILN_WRITE_CASE(c10::Half)
+  } else {
+    TORCH_CHECK(false, "kiln_cpu::write_kv: k and v must be float32, bfloat16 or float16, got ", k.scalar_type());
+  }
+#undef KILN_WRITE_CASE
+}
+
+}  // namespace
+
+TORCH_LIBRARY(kiln_cpu, m) {
+  m.def("paged_attention(Tensor(a!) out, Tensor q, Tensor kv_cache, int layer, Tensor query_start_loc, "
+        "Tensor seq_lens, Tensor block_tables, float scale, int sliding_window, float softcap, "
+        "Tensor? k_scale, Tensor? v_scale) -> ()");
+  m.def("write_kv(Tensor k, Tensor v, Tensor(a!) kv_cache, int layer, Tensor slot_mapping, Tensor? k_scale, "
+        "Tensor? v_scale) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(kiln_cpu, CPU, m) {
+  m.impl("paged_attention", &paged_attention);
+  m.impl("write_kv", &write_kv);
+}
