@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import compiler.ops  # noqa: F401 - registers every kiln:: op (kiln::moe_experts here)
+from compiler.cpu_linear import linear
 from engine.attention.base import AttentionBackend, AttentionMetadata
 from engine.distributed.layers import ParallelLMHead, RowParallelLinear, VocabParallelEmbedding, parallel_logits
 from engine.distributed.parallel import TensorParallel, all_reduce, check_shardable, local_heads, vocab_rows_per_rank
@@ -64,7 +65,7 @@ class Linear(nn.Linear):
 
     def forward(self, x: torch.Tensor, lora: torch.Tensor | None = None) -> torch.Tensor:
         """lora: [T, slots] one-hot of each token's adapter slot (all zero: the base model)."""
-        y = F.linear(x, self.weight, self.bias) if self.quant is None else self.quant.apply(self, x)
+        y = linear(x, self.weight, self.bias) if self.quant is None else self.quant.apply(self, x)
         if lora is None or self.lora_a is None:
             return y
         mask = lora.repeat_interleave(len(self.lora_parts) * self.lora_rank, dim=1)
@@ -285,6 +286,6 @@ class LlamaForCausalLM(nn.Module):
         if self.tp is not None:  # this rank's vocabulary rows, gathered: the full logits on every rank
             logits = parallel_logits(hidden, weight, self.config.vocab_size, self.tp).float()
         else:
-            logits = F.linear(hidden, weight).float()
+            logits = linear(hidden, weight).float()
         cap = self.config.final_softcap
         return cap * torch.tanh(logits / cap) if cap else logits
