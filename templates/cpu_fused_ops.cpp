@@ -9,7 +9,7 @@
 //   add_rms_norm: residual = bf16(residual + delta), then rms_norm of it
 //   silu_and_mul: y = bf16(bf16(silu(gate)) * up)
 //   rope_:        x = bf16(bf16(x * c) + bf16(rot * s)), c and s rounded to bf16 first
-// r = 1 / sqrt(mean(x^2) + eps) is accumulated in float32 (eager's order of summation differs:
+// r = 1 / sqrt(mean(x^2) + eps) is accumulated in float32, 16 partial sums (eager sums in another order:
 // results agree to float32 rounding, not bit for bit).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -17,16 +17,49 @@
 #include <torch/library.h>
 
 #include <cmath>
+#include <algorithm>
 #include <cstdint>
+#include <cstring>
+#include <vector>
 
 namespace {
 
 constexpr int64_t kGrainElements = 16384;  // below this many elements per thread: one thread
+constexpr int64_t kLanes = 16;             // partial sums of a row's squares: one AVX-512 register
 
-inline float to_f(float v) { return v; }
-inline float to_f(c10::BFloat16 v) { return static_cast<float>(v); }
+// Branch-free conversions (c10's have a NaN branch, which stops the loops from vectorising);
+// bfloat16 rounding is round-to-nearest-even with NaN kept a NaN, as c10::BFloat16 does it.
+inline uint32_t float_bits(float f) {
+  uint32_t b;
+  std::memcpy(&b, &f, sizeof b);
+  return b;
+}
+inline float bits_float(uint32_t b) {
+  float f;
+  std::memcpy(&f, &b, sizeof f);
+  return f;
+}
+inline uint32_t bf16_bits(float f) {  // the bfloat16 nearest f, in the high half
+  const uint32_t b = float_bits(f);
+  const uint32_t rounded = (b + 0x7fffu + ((b >> 16) & 1u)) & 0xffff0000u;
+  return (b & 0x7fffffffu) > 0x7f800000u ? 0x7fc00000u : rounded;
+}
+
 template <typename T>
-inline float round_to(float v) { return static_cast<float>(static_cast<T>(v)); }
+inline float round_to(float v) { return v; }
+template <>
+inline float round_to<c10::BFloat16>(float v) { return bits_float(bf16_bits(v)); }
+
+inline void load_row(const float* src, float* dst, int64_t n) { std::memcpy(dst, src, n * sizeof(float)); }
+inline void load_row(const c10::BFloat16* src, float* dst, int64_t n) {
+  const uint16_t* b = reinterpret_cast<const uint16_t*>(src);
+  for (int64_t i = 0; i < n; ++i) dst[i] = bits_float(static_cast<uint32_t>(b[i]) << 16);
+}
+inline void store_row(const float* src, float* dst, int64_t n) { std::memcpy(dst, src, n * sizeof(float)); }
+inline void store_row(const float* src, c10::BFloat16* dst, int64_t n) {
+  uint16_t* b = reinterpret_cast<uint16_t*>(dst);
+  for (int64_t i = 0; i < n; ++i) b[i] = static_cast<uint16_t>(bf16_bits(src[i]) >> 16);
+}
 
 // f(T{}) for the tensor dtypes these ops take: float32 and bfloat16.
 template <typename F>
@@ -53,20 +86,23 @@ void check_weight(const at::Tensor& weight, const at::Tensor& x, int64_t n) {
   TORCH_CHECK(weight.scalar_type() == x.scalar_type(), "weight must have the activations' dtype");
 }
 
-// One row of RMSNorm: y = norm(x) * weight as the eager RMSNorm rounds it.
+// One row of RMSNorm from its float values v: y = norm(v) * w as the eager RMSNorm rounds it.
 template <typename T>
-inline void norm_row(const T* x, const T* w, T* y, int64_t n, float eps, float offset) {
+inline void norm_row(const float* v, const float* w, T* y, float* out, int64_t n, float eps, float offset) {
+  float acc[kLanes] = {};
+  int64_t j = 0;
+  for (; j + kLanes <= n; j += kLanes)
+    for (int64_t l = 0; l < kLanes; ++l) acc[l] += v[j + l] * v[j + l];
+  for (int64_t l = 0; j < n; ++j, ++l) acc[l] += v[j] * v[j];
   float sum = 0.f;
-  for (int64_t i = 0; i < n; ++i) {
-    float v = to_f(x[i]);
-    sum += v * v;
-  }
+  for (int64_t l = 0; l < kLanes; ++l) sum += acc[l];
   const float r = 1.f / std::sqrt(sum / static_cast<float>(n) + eps);
   if (offset != 0.f) {
-    for (int64_t i = 0; i < n; ++i) y[i] = static_cast<T>(to_f(x[i]) * r * (offset + to_f(w[i])));
+    for (int64_t i = 0; i < n; ++i) out[i] = v[i] * r * (offset + w[i]);
   } else {
-    for (int64_t i = 0; i < n; ++i) y[i] = static_cast<T>(to_f(w[i]) * round_to<T>(to_f(x[i]) * r));
+    for (int64_t i = 0; i < n; ++i) out[i] = w[i] * round_to<T>(v[i] * r);
   }
+  store_row(out, y, n);
 }
 
 // The rows of x (any leading shape, rows at a fixed stride) normalised into a new contiguous tensor.
@@ -84,8 +120,13 @@ at::Tensor rms_norm(const at::Tensor& x_in, const at::Tensor& weight, double eps
     const T* wp = weight.data_ptr<T>();
     T* yp = y.data_ptr<T>();
     at::parallel_for(0, rows, grain_rows(n), [&](int64_t begin, int64_t end) {
-      for (int64_t i = begin; i < end; ++i)
-        norm_row(xp + i * x_stride, wp, yp + i * n, n, static_cast<float>(eps), static_cast<float>(offset));
+      std::vector<float> buf(3 * n);
+      float *v = buf.data(), *w = v + n, *out = w + n;
+      load_row(wp, w, n);
+      for (int64_t i = begin; i < end; ++i) {
+        load_row(xp + i * x_stride, v, n);
+        norm_row(v, w, yp + i * n, out, n, static_cast<float>(eps), static_cast<float>(offset));
+      }
     });
   });
   return y;
@@ -109,20 +150,48 @@ at::Tensor add_rms_norm(at::Tensor& residual, const at::Tensor& delta, const at:
     const T* wp = weight.data_ptr<T>();
     T* yp = y.data_ptr<T>();
     at::parallel_for(0, rows, grain_rows(n), [&](int64_t begin, int64_t end) {
+      std::vector<float> buf(4 * n);
+      float *v = buf.data(), *d = v + n, *w = d + n, *out = w + n;
+      load_row(wp, w, n);
       for (int64_t i = begin; i < end; ++i) {
-        T* r = rp + i * n;
-        const T* d = dp + i * d_stride;
-        for (int64_t j = 0; j < n; ++j) r[j] = static_cast<T>(to_f(r[j]) + to_f(d[j]));
-        norm_row(r, wp, yp + i * n, n, static_cast<float>(eps), static_cast<float>(offset));
+        load_row(rp + i * n, v, n);
+        load_row(dp + i * d_stride, d, n);
+        for (int64_t j = 0; j < n; ++j) v[j] = round_to<T>(v[j] + d[j]);
+        store_row(v, rp + i * n, n);
+        norm_row(v, w, yp + i * n, out, n, static_cast<float>(eps), static_cast<float>(offset));
       }
     });
   });
   return y;
 }
 
+// exp(x) in plain arithmetic (Cephes' expf: range reduction by ln 2, degree-6 polynomial, ~1 ulp)
+// so that the compiler vectorises the activation loops; std::exp is a scalar libm call (~4 ns).
+inline float exp_approx(float x) {
+  x = std::min(88.3762626647949f, std::max(-87.3365447505531f, x));
+  const float n = (x * 1.44269504088896341f + 12582912.f) - 12582912.f;  // round to nearest (1.5 * 2^23)
+  x = x - n * 0.693359375f + n * 2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * x + 1.3981999507e-3f;
+  p = p * x + 8.3334519073e-3f;
+  p = p * x + 4.1665795894e-2f;
+  p = p * x + 1.6666665459e-1f;
+  p = p * x + 5.0000001201e-1f;
+  p = p * x * x + x + 1.f;
+  return p * bits_float(static_cast<uint32_t>(static_cast<int32_t>(n) + 127) << 23);
+}
+
+inline float silu(float v) { return v / (1.f + exp_approx(-v)); }
+
 inline float gelu_tanh(float v) {
-  const float k = 0.7978845608028654f;  // sqrt(2 / pi)
-  return 0.5f * v * (1.f + std::tanh(k * (v + 0.044715f * v * v * v)));
+  const float z = 0.7978845608028654f * (v + 0.044715f * v * v * v);  // sqrt(2 / pi) (v + 0.044715 v^3)
+  const float tanh_z = 1.f - 2.f / (exp_approx(2.f * z) + 1.f);
+  return 0.5f * v * (1.f + tanh_z);
+}
+
+template <typename T, float (*Act)(float)>
+inline void act_mul_row(float* g, float* u, int64_t n) {
+  for (int64_t j = 0; j < n; ++j) g[j] = round_to<T>(Act(g[j])) * u[j];
 }
 
 // [T, 2I] (gate columns, then up columns) -> [T, I] = act(gate) * up.
@@ -136,15 +205,13 @@ at::Tensor silu_and_mul(const at::Tensor& x, bool gelu) {
     const T* xp = x.data_ptr<T>();
     T* yp = y.data_ptr<T>();
     at::parallel_for(0, rows, grain_rows(inter), [&](int64_t begin, int64_t end) {
+      std::vector<float> buf(2 * inter);
+      float *g = buf.data(), *u = g + inter;
       for (int64_t i = begin; i < end; ++i) {
-        const T* gate = xp + i * x_stride;
-        const T* up = gate + inter;
-        T* out = yp + i * inter;
-        for (int64_t j = 0; j < inter; ++j) {
-          const float g = to_f(gate[j]);
-          const float a = gelu ? gelu_tanh(g) : g / (1.f + std::exp(-g));
-          out[j] = static_cast<T>(round_to<T>(a) * to_f(up[j]));
-        }
+        load_row(xp + i * x_stride, buf.data(), 2 * inter);
+        if (gelu) act_mul_row<T, gelu_tanh>(g, u, inter);
+        else act_mul_row<T, silu>(g, u, inter);
+        store_row(g, yp + i * inter, inter);
       }
     });
   });
@@ -161,16 +228,15 @@ void rope_heads(at::Tensor& x, const int64_t* pos, const C* table, int64_t rot, 
   T* xp = x.data_ptr<T>();
   const int64_t half = rot / 2;
   at::parallel_for(0, tokens, grain_rows(heads * rot), [&](int64_t begin, int64_t end) {
-    float c[1024], s[1024], v[1024], o[1024];
+    std::vector<float> buf(4 * rot);
+    float *cs = buf.data(), *v = cs + 2 * rot, *o = v + rot;
+    const float *c = cs, *s = cs + rot;
     for (int64_t t = begin; t < end; ++t) {
-      const C* row = table + pos[t] * 2 * rot;
-      for (int64_t j = 0; j < rot; ++j) {
-        c[j] = round_to<T>(to_f(row[j]));
-        s[j] = round_to<T>(to_f(row[rot + j]));
-      }
+      load_row(table + pos[t] * 2 * rot, cs, 2 * rot);
+      for (int64_t j = 0; j < 2 * rot; ++j) cs[j] = round_to<T>(cs[j]);
       for (int64_t h = 0; h < heads; ++h) {
         T* head = xp + t * t_stride + h * h_stride;
-        for (int64_t j = 0; j < rot; ++j) v[j] = to_f(head[j]);
+        load_row(head, v, rot);
         if (interleaved) {  // (x0, x1) -> (-x1, x0)
           for (int64_t j = 0; j < rot; j += 2) {
             o[j] = -v[j + 1];
@@ -182,7 +248,8 @@ void rope_heads(at::Tensor& x, const int64_t* pos, const C* table, int64_t rot, 
             o[j + half] = v[j];
           }
         }
-        for (int64_t j = 0; j < rot; ++j) head[j] = static_cast<T>(round_to<T>(v[j] * c[j]) + round_to<T>(o[j] * s[j]));
+        for (int64_t j = 0; j < rot; ++j) v[j] = round_to<T>(v[j] * c[j]) + round_to<T>(o[j] * s[j]);
+        store_row(v, head, rot);
       }
     }
   });
@@ -191,7 +258,7 @@ void rope_heads(at::Tensor& x, const int64_t* pos, const C* table, int64_t rot, 
 void check_rope_target(const at::Tensor& x, const at::Tensor& positions, int64_t rot, const char* name) {
   check_rows(x, name);
   TORCH_CHECK(x.dim() == 3 && x.size(0) == positions.size(0), name, " must be [T, heads, head_dim]");
-  TORCH_CHECK(rot <= x.size(2) && rot % 2 == 0 && rot <= 1024, name, ": rotary dims ", rot, " do not fit");
+  TORCH_CHECK(rot <= x.size(2) && rot % 2 == 0, name, ": rotary dims ", rot, " do not fit");
 }
 
 void rope_(at::Tensor q, at::Tensor k, const at::Tensor& positions, const at::Tensor& cos_sin, bool interleaved) {
