@@ -21,14 +21,16 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-# Rows from which oneDNN beats the default GEMM at 2 threads (measured: BENCH_cpuops.md).
-MIN_ONEDNN_ROWS = 64
+# Rows from which oneDNN beats the default GEMM (measured crossover ~32 rows at one thread, lower
+# at two: BENCH_cpuops.md); decode batches of a few dozen rows gain too.
+MIN_ONEDNN_ROWS = 32
 
 _ONEDNN = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 
 
 def row_bucket(rows: int) -> int:
-    """The row count oneDNN sees for `rows` rows: the next of 2^k and 1.5 * 2^k (k >= 5)."""
+    """The row count oneDNN sees for `rows` rows: the next of 2^k and 1.5 * 2^k (k >= 5, and at
+    least MIN_ONEDNN_ROWS)."""
     if rows <= MIN_ONEDNN_ROWS:
         return MIN_ONEDNN_ROWS
     power = 1 << (rows - 1).bit_length()  # smallest power of two >= rows
