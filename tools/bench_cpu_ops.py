@@ -2,6 +2,12 @@
 bucketed oneDNN projection against the eager torch ops they replace, timed in the same run.
 
     PYTHONPATH=$PWD python tools/bench_cpu_ops.py [--rows 64,2602] [--threads 2] [--dtype float32]
+    PYTHONPATH=$PWD python tools/bench_cpu_ops.py --engine [--rounds 5] [--threads 1]
+
+--engine: the `kiln bench throughput` workload (64 requests, prompts 16-64, outputs 16-64 tokens,
+greedy) on the default tiny model in one process, the configurations alternated round by round
+(eager ops + F.linear; oneDNN only; fused ops only; both), CPU seconds per run (steadier than
+wall time on a shared machine), median and ratio against the first.
 
 Shapes are the default tiny model's (hidden 128, intermediate 256, 4 query / 2 KV heads of 32)
 unless given. Prints µs per call (best of 5 repeats) and the ratio eager / new (> 1: faster).
@@ -78,6 +84,48 @@ def cases(rows: int, hidden: int, inter: int, hq: int, hkv: int, d: int, dtype: 
         yield f"linear {name} {k_in}->{n_out}", (lambda a=a, w=w: F.linear(a, w)), (lambda a=a, w=w: linear(a, w))
 
 
+def engine_ab(rounds: int, threads: int) -> None:
+    import random
+    import statistics
+
+    from compiler import cpu_linear
+    from engine import SamplingParams
+    from engine.config import EngineSettings
+    from engine.llm import LLM
+    from engine.models.llama import MLP, RotaryEmbedding
+    from engine.tiny_model import default_model_dir
+
+    llm = LLM(str(default_model_dir(EngineSettings().cache_dir)), max_num_seqs=64, cpu_threads=threads)
+    rng = random.Random(0)
+    vocab = llm.engine.model_config.vocab_size
+    prompts = [[rng.randrange(5, vocab) for _ in range(rng.randint(16, 64))] for _ in range(64)]
+    params = [SamplingParams(temperature=0.0, max_tokens=rng.randint(16, 64), ignore_eos=True, detokenize=False)
+              for _ in range(64)]
+    fusable = [m for m in llm.engine.runner.model.modules() if isinstance(m, (RMSNorm, RotaryEmbedding, MLP))]
+    min_rows = cpu_linear.MIN_ONEDNN_ROWS
+    configs = {"eager ops, F.linear": (False, 1 << 40), "oneDNN only": (False, min_rows),
+               "fused ops only": (True, 1 << 40), "fused ops + oneDNN": (True, min_rows)}
+    times: dict[str, list[float]] = {name: [] for name in configs}
+    reference = None
+    for _ in range(rounds + 1):  # the first round warms every configuration up
+        for name, (fused, rows) in configs.items():
+            for m in fusable:
+                m.fused = fused
+            cpu_linear.MIN_ONEDNN_ROWS = rows
+            t0 = time.process_time()
+            outs = llm.generate(prompts, params, use_tqdm=False)
+            times[name].append(time.process_time() - t0)
+            tokens = [o.outputs[0].token_ids for o in outs]
+            reference = reference or tokens
+            assert tokens == reference, f"{name}: different greedy tokens"
+    cpu_linear.MIN_ONEDNN_ROWS = min_rows
+    base = statistics.median(times["eager ops, F.linear"][1:])
+    print(f"engine, {threads} thread(s), {rounds} alternating rounds, CPU ms per run (median, min)")
+    for name, ts in times.items():
+        med = statistics.median(ts[1:])
+        print(f"{name:22s} {med * 1e3:8.1f} {min(ts[1:]) * 1e3:8.1f}   {base / med:5.2f}x")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--rows", default="1,64,2602")
@@ -85,7 +133,11 @@ def main() -> None:
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--shape", default="128,256,4,2,32", help="hidden,intermediate,q heads,kv heads,head_dim")
     p.add_argument("--cache-dir", type=Path, default=Path(tempfile.gettempdir()) / "kiln-bench-cpu-ops")
+    p.add_argument("--engine", action="store_true", help="the engine A/B instead of the per-op table")
+    p.add_argument("--rounds", type=int, default=5)
     args = p.parse_args()
+    if args.engine:
+        return engine_ab(args.rounds, args.threads)
     torch.set_num_threads(args.threads)
     FUSED.load(args.cache_dir)
     dtype = getattr(torch, args.dtype)
