@@ -215,6 +215,8 @@ class EngineBuilder:
         if self.device.type == "cpu":  # what pays on the CPU: engine/cpu_warmup.py
             from engine.cpu_warmup import warm_cpu_decode
 
+            if hasattr(self.model, "use_cpu_fused_ops"):  # fused norms / RoPE / SiLU (compiler/cpu_fused.py)
+                self.model.use_cpu_fused_ops(s.resolved_compile_cache_dir())
             seconds = warm_cpu_decode(self.model, self.kv_cache.tensor, s.resolved_compile_cache_dir())
             if not s.cpu_compile_forward:
                 logger.info("CPU: eager forward, decode attention compiled ahead of time; warm-up %.1fs", seconds)

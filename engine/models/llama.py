@@ -9,12 +9,16 @@ q/k/v and gate/up projections are fused (the loader concatenates HF's weights).
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 import compiler.ops  # noqa: F401 - registers every kiln:: op (kiln::moe_experts here)
+from compiler import cpu_fused
+from compiler.cpu_linear import linear
 from engine.attention.base import AttentionBackend, AttentionMetadata
 from engine.distributed.layers import ParallelLMHead, RowParallelLinear, VocabParallelEmbedding, parallel_logits
 from engine.distributed.parallel import TensorParallel, all_reduce, check_shardable, local_heads, vocab_rows_per_rank
@@ -33,14 +37,28 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.zeros(dim) if weight_offset else torch.ones(dim))
         self.eps = eps
         self.weight_offset = weight_offset
+        self.fused = False  # kiln_cpu_fused ops on the CPU (LlamaForCausalLM.use_cpu_fused_ops)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fused and cpu_fused.usable(x) and self.weight.dtype == x.dtype:
+            return torch.ops.kiln_cpu_fused.rms_norm(x, self.weight, self.eps, self.weight_offset)
         dtype = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
         if self.weight_offset:
             return (x * (self.weight_offset + self.weight.float())).to(dtype)
         return self.weight * x.to(dtype)
+
+    def add_forward(self, residual: torch.Tensor, delta: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(residual + delta, its norm); the fused op adds into residual in place (the residual
+        stream's own tensor, never a caller's). delta None: nothing to add."""
+        if delta is None:
+            return residual, self(residual)
+        if self.fused and cpu_fused.usable(residual) and self.weight.dtype == residual.dtype and residual.is_contiguous():
+            return residual, torch.ops.kiln_cpu_fused.add_rms_norm(residual, delta, self.weight, self.eps,
+                                                                  self.weight_offset)
+        residual = residual + delta
+        return residual, self(residual)
 
 
 class Linear(nn.Linear):
@@ -65,7 +83,7 @@ class Linear(nn.Linear):
 
     def forward(self, x: torch.Tensor, lora: torch.Tensor | None = None) -> torch.Tensor:
         """lora: [T, slots] one-hot of each token's adapter slot (all zero: the base model)."""
-        y = F.linear(x, self.weight, self.bias) if self.quant is None else self.quant.apply(self, x)
+        y = linear(x, self.weight, self.bias) if self.quant is None else self.quant.apply(self, x)
         if lora is None or self.lora_a is None:
             return y
         mask = lora.repeat_interleave(len(self.lora_parts) * self.lora_rank, dim=1)
@@ -79,6 +97,7 @@ class RotaryEmbedding(nn.Module):
         super().__init__()
         self.config = config
         self.max_positions = max_positions
+        self.fused = False  # kiln_cpu_fused::rope_ on the CPU (LlamaForCausalLM.use_cpu_fused_ops)
         self.register_buffer("cos_sin", torch.empty(max_positions, (config.rotary_dim or config.head_dim) * 2),
                              persistent=False)
 
@@ -89,9 +108,20 @@ class RotaryEmbedding(nn.Module):
         emb = interleaved_rope_tables(freqs) if self.config.rope_interleaved else torch.cat([freqs, freqs], dim=-1)
         self.cos_sin.copy_(torch.cat([emb.cos(), emb.sin()], dim=-1))
 
-    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        cos, sin = self.cos_sin[positions].to(dtype).chunk(2, dim=-1)
+    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | FusedRope:
+        """(cos, sin) [T, 1, rot] in x's dtype for the eager ops; on the fused CPU path the table and
+        positions themselves (the op looks them up)."""
+        if self.fused and cpu_fused.usable(x) and positions.dtype == torch.int64 and self.cos_sin.dtype == torch.float32:
+            return FusedRope(positions, self.cos_sin, self.config.rope_interleaved)
+        cos, sin = self.cos_sin[positions].to(x.dtype).chunk(2, dim=-1)
         return cos[:, None, :], sin[:, None, :]
+
+
+class FusedRope(NamedTuple):
+    """What kiln_cpu_fused::rope_ needs: each token's position and the [positions, 2 * rot] table."""
+    positions: torch.Tensor
+    cos_sin: torch.Tensor
+    interleaved: bool
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -131,9 +161,10 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, offset) if config.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, offset) if config.qk_norm else None
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: torch.Tensor,
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | FusedRope, kv_cache: torch.Tensor,
                 meta: AttentionMetadata, backend: AttentionBackend, lora: torch.Tensor | None = None) -> torch.Tensor:
-        """kv_cache: the whole cache [layers, 2, blocks, block_size, Hkv, D] (see compiler/ops.py)."""
+        """rope: (cos, sin) or the fused op's inputs (RotaryEmbedding.forward).
+        kv_cache: the whole cache [layers, 2, blocks, block_size, Hkv, D] (see compiler/ops.py)."""
         n = x.shape[0]
         q, k, v = self.qkv_proj(x, lora).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(n, self.num_heads, self.head_dim)
@@ -142,8 +173,11 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q = self.q_norm(q)
             k = self.k_norm(k)
-        q = self.rope(q, cos, sin)
-        k = self.rope(k, cos, sin)
+        if isinstance(rope, FusedRope):  # in place on q and k (views of this step's qkv output)
+            torch.ops.kiln_cpu_fused.rope_(q, k, rope.positions, rope.cos_sin, rope.interleaved)
+        else:
+            q = self.rope(q, *rope)
+            k = self.rope(k, *rope)
         out = backend.forward(q.contiguous(), k.contiguous(), v.contiguous(), kv_cache, self.layer_index,
                               meta, self.scale, self.sliding_window, self.softcap)
         return self.o_proj(out.view(n, self.q_size), lora)
@@ -160,9 +194,13 @@ class MLP(nn.Module):
                                    parts=(self.intermediate, self.intermediate))
         self.down_proj = _row_parallel(self.intermediate, config.hidden_size, config.mlp_bias, tp, reduce)
         self.tanh_gelu = config.hidden_act == "gelu_pytorch_tanh"
+        self.fused = False  # kiln_cpu_fused::silu_and_mul on the CPU (LlamaForCausalLM.use_cpu_fused_ops)
 
     def forward(self, x: torch.Tensor, lora: torch.Tensor | None = None) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x, lora).split(self.intermediate, dim=-1)
+        gate_up = self.gate_up_proj(x, lora)
+        if self.fused and cpu_fused.usable(gate_up) and gate_up.dim() == 2:
+            return self.down_proj(torch.ops.kiln_cpu_fused.silu_and_mul(gate_up, self.tanh_gelu), lora)
+        gate, up = gate_up.split(self.intermediate, dim=-1)
         act = F.gelu(gate, approximate="tanh") if self.tanh_gelu else F.silu(gate)
         return self.down_proj(act * up, lora)
 
@@ -218,13 +256,17 @@ class DecoderLayer(nn.Module):
             self.post_feedforward_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps,
                                                       config.norm_weight_offset)
 
-    def forward(self, x, cos, sin, kv_cache, meta, backend, lora=None):
-        attn = self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, meta, backend, lora)
+    def forward(self, residual, delta, rope, kv_cache, meta, backend, lora=None):
+        """The residual stream is carried as (residual, delta not yet added): each add is done by the
+        norm that reads its sum (one fused op on the CPU). Returns the next (residual, delta)."""
+        residual, h = self.input_layernorm.add_forward(residual, delta)
+        attn = self.self_attn(h, rope, kv_cache, meta, backend, lora)
         if self.sandwich:
-            x = x + self.post_attention_layernorm(attn)
-            return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x), lora))
-        x = x + attn
-        return x + self.mlp(self.post_attention_layernorm(x), lora)
+            residual = residual + self.post_attention_layernorm(attn)
+            h = self.pre_feedforward_layernorm(residual)
+            return residual, self.post_feedforward_layernorm(self.mlp(h, lora))
+        residual, h = self.post_attention_layernorm.add_forward(residual, attn)
+        return residual, self.mlp(h, lora)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -266,6 +308,15 @@ class LlamaForCausalLM(nn.Module):
             if isinstance(module, Linear):
                 module.enable_lora(num_slots, max_rank)
 
+    def use_cpu_fused_ops(self, cache_dir: Path | None) -> float:
+        """Load (first start: build) compiler/cpu_fused.py's ops and run this model's norms, rotary
+        embeddings and MLP activations through them on the CPU. Returns the seconds spent."""
+        seconds = cpu_fused.FUSED.load(cache_dir)
+        for module in self.modules():
+            if isinstance(module, (RMSNorm, RotaryEmbedding, MLP)):
+                module.fused = True
+        return seconds
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
                 meta: AttentionMetadata, ctx: ForwardContext | None = None) -> torch.Tensor:
         """ids, positions [T] -> final hidden states [T, hidden]. kv_cache: [layers, 2, blocks, bs, Hkv, D].
@@ -273,22 +324,23 @@ class LlamaForCausalLM(nn.Module):
         x = self.embed_tokens(input_ids)
         if self.config.embed_scale is not None:  # Gemma: rounded to the weights' dtype first, as in HF
             x = x * torch.tensor(self.config.embed_scale, dtype=x.dtype)
-        cos, sin = self.rotary(positions, x.dtype)
-        local = self.rotary_local(positions, x.dtype) if self.rotary_local is not None else (cos, sin)
+        rope = self.rotary(positions, x)
+        local = self.rotary_local(positions, x) if self.rotary_local is not None else rope
         lora = None
         if self.lora_slots and ctx is not None and ctx.lora_slots is not None:  # one-hot of each token's slot
             slots = torch.arange(self.lora_slots, device=x.device)
             lora = (ctx.lora_slots[:, None] == slots).to(x.dtype)
+        delta = None
         for layer in self.layers:
-            c, s = local if layer.self_attn.sliding_window else (cos, sin)
-            x = layer(x, c, s, kv_cache, meta, self.backend, lora)
-        return self.norm(x)
+            x, delta = layer(x, delta, local if layer.self_attn.sliding_window else rope, kv_cache, meta,
+                             self.backend, lora)
+        return self.norm.add_forward(x, delta)[1]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         if self.tp is not None:  # this rank's vocabulary rows, gathered: the full logits on every rank
             logits = parallel_logits(hidden, weight, self.config.vocab_size, self.tp).float()
         else:
-            logits = F.linear(hidden, weight).float()
+            logits = linear(hidden, weight).float()
         cap = self.config.final_softcap
         return cap * torch.tanh(logits / cap) if cap else logits

@@ -1,0 +1,101 @@
+"""Fused element-wise ops of the Llama-family forward on the CPU, in C++ (templates/cpu_fused_ops.cpp).
+
+The eager forward spends 3-10 µs per small torch op, ~30 of them a layer (RMSNorm alone is
+float / pow / mean / add / rsqrt / mul / cast / mul); these ops do each group in one pass over
+its rows: `rms_norm`, `add_rms_norm` (residual += delta in place, then its norm), `silu_and_mul`
+(SiLU or tanh-GELU of the gate times up) and `rope_` (rotary embedding applied in place to q and
+k, both Llama's halves and GLM's interleaved pairs, partial rotary too). float32 and bfloat16,
+rounded where the eager ops round (see the source's header); the eager code in
+engine/models/llama.py stays the definition, used on a GPU, under torch.compile, with autograd,
+before the library is loaded and for other dtypes.
+
+Built with torch.utils.cpp_extension into the compile cache (`compile_cache_dir`) under a key of
+everything that changes the binary (source, flags, torch version, the CPU's vector ISA): the
+first start compiles it (~30 s), later starts load the shared library in milliseconds. The
+flags follow torch's CPU capability, never -march=native, so one cache serves every machine of
+that capability.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).resolve().parents[1] / "templates" / "cpu_fused_ops.cpp"
+
+# -ffp-contract=off: no fused multiply-adds, so float32 results are the eager ops' own roundings.
+_BASE_FLAGS = ["-O3", "-std=c++17", "-fopenmp", "-fno-math-errno", "-ffp-contract=off"]
+_ISA_FLAGS = {
+    "AVX512": ["-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq"],
+    "AVX2": ["-mavx2", "-mfma", "-mf16c"],
+}
+DTYPES = (torch.float32, torch.bfloat16)
+
+
+def cpu_flags(capability: str | None = None) -> list[str]:
+    cap = capability or torch.backends.cpu.get_cpu_capability()
+    return _BASE_FLAGS + next((flags for name, flags in _ISA_FLAGS.items() if cap.startswith(name)), [])
+
+
+class FusedOpsLibrary:
+    """templates/cpu_fused_ops.cpp, built once per cache key and loaded once per process (a torch
+    library namespace registers once). `ready` turns the fused path on in the model; `builds`
+    counts this process's builds (tests check that serving adds none)."""
+
+    def __init__(self) -> None:
+        self.ready = False
+        self.builds = 0
+
+    @staticmethod
+    def key() -> str:
+        parts = [SOURCE.read_text(), repr(cpu_flags()), torch.__version__, torch.backends.cpu.get_cpu_capability()]
+        return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:20]
+
+    @classmethod
+    def library_path(cls, cache_dir: Path | None) -> Path:
+        directory = Path(cache_dir) if cache_dir else Path(tempfile.gettempdir()) / f"kiln-cpu-fused-{os.getuid()}"
+        name = f"kiln_cpu_fused_{cls.key()}"
+        return directory / "cpu-fused" / name / f"{name}.so"
+
+    def load(self, cache_dir: Path | None) -> float:
+        """Make torch.ops.kiln_cpu_fused exist (build it on the first start) and turn the fused
+        path on. Returns the seconds spent."""
+        t0 = time.perf_counter()
+        if not self.ready:
+            path = self.library_path(cache_dir)
+            if not path.is_file():
+                logger.info("compiling the CPU fused ops (first start only, cached in %s)", path.parent)
+                self._build(path)
+                self.builds += 1
+                logger.info("compiled the CPU fused ops in %.1fs", time.perf_counter() - t0)
+            if not hasattr(torch.ops.kiln_cpu_fused, "rope_"):
+                torch.ops.load_library(str(path))
+            self.ready = True
+        return time.perf_counter() - t0
+
+    @staticmethod
+    def _build(path: Path) -> None:
+        from torch.utils.cpp_extension import load
+
+        path.parent.mkdir(parents=True, exist_ok=True)
+        # ninja builds under a lock in build_directory (a concurrent start waits); a plain library
+        # of torch ops (is_python_module=False), loaded by load() above.
+        load(name=path.stem, sources=[str(SOURCE)], extra_cflags=cpu_flags(), extra_ldflags=["-fopenmp"],
+             build_directory=str(path.parent), is_python_module=False, verbose=False)
+
+
+FUSED = FusedOpsLibrary()
+
+
+def usable(x: torch.Tensor) -> bool:
+    """Whether the fused ops may replace the eager ones for activations x."""
+    return (FUSED.ready and x.device.type == "cpu" and x.dtype in DTYPES and not torch.is_grad_enabled()
+            and not torch.compiler.is_compiling())

@@ -1,0 +1,73 @@
+"""The dense float32 projection (x @ W^T + b) on the CPU through oneDNN, with a bounded set of shapes.
+
+Measured on the shared 2-core AMD EPYC (Zen 5, AVX-512) machine (BENCH_cpuops.md): torch's
+default float32 GEMM (MKL sgemm) runs at ~100 GFLOP/s whatever the size; oneDNN's matmul
+(`torch.ops.mkldnn._linear_pointwise`) runs a prefill's rows 2-3x faster, but it has a fixed
+cost of ~10 µs a call, so a few dozen rows stay on `F.linear`. bfloat16 `F.linear` already goes
+through oneDNN inside torch: only float32 is routed here.
+
+oneDNN builds and caches a primitive (JIT code, ~0.6 MB) per input shape, so feeding it every
+row count a server meets grows the process without bound (session 5 reverted this for that).
+Here the row count is rounded up to a bucket (`row_bucket`: two per power of two, so at most a
+third of the rows are padding) and the output sliced back, so a weight meets at most
+~2 log2(max rows / MIN_ONEDNN_ROWS) shapes. Results agree with `F.linear` to float32 rounding;
+padding rows are zeros and never reach the caller.
+
+Nothing changes on a GPU, under `torch.compile`, with autograd, or for other dtypes.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+# Rows from which oneDNN beats the default GEMM (measured crossover ~32 rows at one thread, lower
+# at two: BENCH_cpuops.md); decode batches of a few dozen rows gain too.
+MIN_ONEDNN_ROWS = 32
+
+_ONEDNN = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+
+
+def row_bucket(rows: int) -> int:
+    """The row count oneDNN sees for `rows` rows: the next of 2^k and 1.5 * 2^k (k >= 5, and at
+    least MIN_ONEDNN_ROWS)."""
+    if rows <= MIN_ONEDNN_ROWS:
+        return MIN_ONEDNN_ROWS
+    power = 1 << (rows - 1).bit_length()  # smallest power of two >= rows
+    three_quarters = power // 4 * 3
+    return three_quarters if rows <= three_quarters else power
+
+
+class ShapeLog:
+    """The (rows, in, out, bias) shapes handed to oneDNN in this process: tests check it stays small."""
+
+    def __init__(self) -> None:
+        self.shapes: set[tuple[int, int, int, bool]] = set()
+
+    def add(self, shape: tuple[int, int, int, bool]) -> None:
+        self.shapes.add(shape)
+
+
+SHAPES = ShapeLog()
+
+
+def uses_onednn(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    return (_ONEDNN and x.dim() == 2 and x.shape[0] >= MIN_ONEDNN_ROWS and x.device.type == "cpu"
+            and x.dtype == torch.float32 and weight.dtype == torch.float32 and weight.dim() == 2
+            and weight.is_contiguous() and (bias is None or bias.dtype == torch.float32)
+            and not torch.is_grad_enabled() and not torch.compiler.is_compiling())
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear(x, weight, bias); 2-D float32 CPU inputs of MIN_ONEDNN_ROWS rows or more go
+    through oneDNN with their row count padded to `row_bucket`."""
+    if not uses_onednn(x, weight, bias):
+        return F.linear(x, weight, bias)
+    rows, bucket = x.shape[0], row_bucket(x.shape[0])
+    if bucket != rows or x.stride(-1) != 1:
+        padded = x.new_empty(bucket, x.shape[1])
+        padded[:rows].copy_(x)
+        padded[rows:].zero_()
+        x = padded
+    SHAPES.add((bucket, weight.shape[1], weight.shape[0], bias is not None))
+    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")[:rows]

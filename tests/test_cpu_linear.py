@@ -1,0 +1,80 @@
+"""compiler/cpu_linear.py: float32 projections through oneDNN agree with F.linear, and the set of
+shapes oneDNN sees (one cached primitive each) stays bounded however many row counts arrive."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from compiler import cpu_linear
+from compiler.cpu_linear import MIN_ONEDNN_ROWS, SHAPES, linear, row_bucket
+
+pytestmark = pytest.mark.skipif(not cpu_linear._ONEDNN, reason="torch built without oneDNN")
+
+
+def _rss_mb() -> float:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    raise RuntimeError("no VmRSS")
+
+
+def test_row_bucket_is_small_and_covers():
+    buckets = {row_bucket(r) for r in range(1, 8193)}
+    assert all(row_bucket(r) >= r for r in range(1, 8193))
+    assert all(row_bucket(r) <= max(MIN_ONEDNN_ROWS, r * 3 // 2 + 1) for r in range(1, 8193))  # <= 1/3 padding
+    assert len(buckets) <= 2 * 8 + 1, sorted(buckets)  # two per power of two from 32 to 8192
+
+
+@pytest.mark.parametrize("rows", [1, 31, 32, 33, 49, 65, 97, 300, 1000])
+@pytest.mark.parametrize("bias", [False, True])
+def test_matches_f_linear(rows, bias):
+    g = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, 96, generator=g)
+    w = torch.randn(160, 96, generator=g)
+    b = torch.randn(160, generator=g) if bias else None
+    with torch.inference_mode():
+        y = linear(x, w, b)
+        ref = F.linear(x, w, b)
+    assert y.shape == ref.shape and y.is_contiguous()
+    torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_non_contiguous_rows_and_other_paths():
+    x = torch.randn(80, 2 * 64)[:, ::2]  # column stride 2: copied into the padded block
+    w = torch.randn(32, 64)
+    with torch.inference_mode():
+        torch.testing.assert_close(linear(x, w), F.linear(x, w), rtol=1e-5, atol=1e-5)
+        xb, wb = x.bfloat16(), w.bfloat16()  # bfloat16: F.linear (torch's own oneDNN path)
+        assert torch.equal(linear(xb, wb), F.linear(xb, wb))
+    # autograd on: F.linear, gradients flow
+    xg = torch.randn(70, 64, requires_grad=True)
+    linear(xg, w).sum().backward()
+    assert xg.grad is not None
+
+
+def test_shapes_and_memory_stay_bounded_over_many_row_counts():
+    """Every row count 1..400 through two weights: the shapes oneDNN sees are the buckets only, and
+    a second pass over the same row counts (a server seeing the same batches again) and a pass over
+    new ones inside the buckets add no memory (unbucketed: ~0.6 MB per row count and weight)."""
+    ws = [torch.randn(256, 128), torch.randn(128, 256)]
+    xs = {r: torch.randn(r, 256) for r in range(1, 401)}
+    before = set(SHAPES.shapes)
+
+    def sweep(rows):
+        with torch.inference_mode():
+            for r in rows:
+                for w in ws:
+                    linear(xs[r][:, :w.shape[1]], w)
+
+    sweep(range(1, 401, 2))
+    expected = {(row_bucket(r), w.shape[1], w.shape[0], False) for r in range(MIN_ONEDNN_ROWS, 401) for w in ws}
+    assert SHAPES.shapes - before <= expected and len(expected) <= 2 * 10
+    rss = _rss_mb()
+    sweep(range(1, 401, 2))
+    sweep(range(2, 401, 2))  # row counts never seen, all inside known buckets
+    assert SHAPES.shapes - before <= expected
+    assert _rss_mb() - rss < 8.0, "oneDNN kept building primitives for new row counts"
