@@ -20,7 +20,7 @@
    reject (read back x16, K and V swapped, V zeroed) or that it cannot see (a truncating
    quantiser, a subtle error).
 5. With --smollm2 FILE (SmolLM2-135M-Instruct.Q4_1.gguf, tests/real_model.py fetches it): the
-   agreement of a real model's fp8 cache (calibrated scales) and of its bf16 model with its fp32
+   agreement of a real model's fp8 cache (scales 1.0, calibrated) and of its bf16 model with its fp32
    cache: position-wise (20 English sentences, the last 32 positions of each scored with prompt
    logprobs: same top-1 token, |logprob drift| of the actual next token) and greedy (20 prompts x
    32 tokens). Slow on a CPU (minutes).
@@ -160,7 +160,8 @@ def _smollm2(path: Path) -> None:
     score = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=1)
     greedy = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True, logprobs=0)
     ref = None
-    for label, kw in (("fp32 KV", {}), ("fp8 KV (calibrated)", dict(kv_cache_dtype="fp8", calculate_kv_scales=True)),
+    for label, kw in (("fp32 KV", {}), ("fp8 KV (scales 1.0)", dict(kv_cache_dtype="fp8")),
+                      ("fp8 KV (calibrated)", dict(kv_cache_dtype="fp8", calculate_kv_scales=True)),
                       ("bf16 model", dict(dtype="bfloat16"))):
         llm = LLM(str(path), device="cpu", enforce_eager=True, max_model_len=256, max_num_seqs=20, **kw)
         scored = llm.generate(TEXTS, score, use_tqdm=False)
