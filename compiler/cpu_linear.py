@@ -18,6 +18,8 @@ Nothing changes on a GPU, under `torch.compile`, with autograd, or for other dty
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import torch
 import torch.nn.functional as F
 
@@ -71,3 +73,26 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         x = padded
     SHAPES.add((bucket, weight.shape[1], weight.shape[0], bias is not None))
     return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")[:rows]
+
+
+def warm_buckets(layers: Iterable[tuple[torch.Tensor, torch.Tensor | None]], max_rows: int) -> int:
+    """Run every bucket up to max_rows once through each distinct (weight shape, bias) of `layers`,
+    so that oneDNN builds its primitives (~0.6 MB each) at start-up and a server's memory stays
+    flat while it serves. Returns the number of shapes built."""
+    seen: set[tuple[int, int, bool]] = set()
+    built = 0
+    with torch.inference_mode():
+        for weight, bias in layers:
+            key = (weight.shape[0], weight.shape[1], bias is not None)
+            probe = weight.new_zeros(MIN_ONEDNN_ROWS, weight.shape[1]) if weight.dim() == 2 else None
+            if key in seen or probe is None or not uses_onednn(probe, weight, bias):
+                continue
+            seen.add(key)
+            rows = MIN_ONEDNN_ROWS
+            while True:
+                linear(weight.new_zeros(rows, weight.shape[1]), weight, bias)
+                built += 1
+                if rows >= max_rows:
+                    break
+                rows = row_bucket(rows + 1)
+    return built

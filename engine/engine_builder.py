@@ -205,6 +205,8 @@ class EngineBuilder:
         """torch.compile the forward (persistent Inductor cache) and, on a GPU, capture the decode
         CUDA graphs. Off with enforce_eager. Returns (compile seconds, capture seconds)."""
         s = self.settings
+        if self.device.type == "cpu" and hasattr(self.model, "warm_cpu_linear"):  # oneDNN's shapes, built now
+            self.model.warm_cpu_linear(s.max_num_batched_tokens, s.max_num_seqs)
         if s.enforce_eager:
             return 0.0, 0.0
         if self.executor is not None and self.device.type == "cuda":

@@ -78,3 +78,17 @@ def test_shapes_and_memory_stay_bounded_over_many_row_counts():
     sweep(range(2, 401, 2))  # row counts never seen, all inside known buckets
     assert SHAPES.shapes - before <= expected
     assert _rss_mb() - rss < 8.0, "oneDNN kept building primitives for new row counts"
+
+
+def test_warm_buckets_builds_every_bucket_once():
+    """Start-up builds every bucket up to the step's token budget: serving then adds no shape."""
+    w, w2, b = torch.randn(72, 40), torch.randn(72, 40), torch.randn(72)
+    built = cpu_linear.warm_buckets([(w, None), (w2, None), (w, b)], 200)  # w2: the same shape as w
+    buckets = sorted({row_bucket(r) for r in range(1, 201)})
+    assert built == 2 * len(buckets) and buckets[-1] >= 200
+    assert {(r, 40, 72, bias) for r in buckets for bias in (False, True)} <= SHAPES.shapes
+    before = set(SHAPES.shapes)
+    with torch.inference_mode():
+        for r in range(1, 201):
+            linear(torch.randn(r, 40), w)
+    assert SHAPES.shapes == before

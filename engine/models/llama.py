@@ -18,7 +18,7 @@ from torch import nn
 
 import compiler.ops  # noqa: F401 - registers every kiln:: op (kiln::moe_experts here)
 from compiler import cpu_fused
-from compiler.cpu_linear import linear
+from compiler.cpu_linear import linear, warm_buckets
 from engine.attention.base import AttentionBackend, AttentionMetadata
 from engine.distributed.layers import ParallelLMHead, RowParallelLinear, VocabParallelEmbedding, parallel_logits
 from engine.distributed.parallel import TensorParallel, all_reduce, check_shardable, local_heads, vocab_rows_per_rank
@@ -316,6 +316,17 @@ class LlamaForCausalLM(nn.Module):
             if isinstance(module, (RMSNorm, RotaryEmbedding, MLP)):
                 module.fused = True
         return seconds
+
+    def warm_cpu_linear(self, max_tokens: int, max_seqs: int) -> int:
+        """Build oneDNN's primitive for every row bucket (compiler/cpu_linear.py) of the dense float32
+        projections (up to max_tokens rows) and the LM head (up to max_seqs sampled rows) now, not
+        while serving. Returns the number of shapes built."""
+        dense = [(m.weight, m.bias) for m in self.modules() if isinstance(m, Linear) and m.quant is None]
+        built = warm_buckets(dense, max_tokens)
+        if self.tp is None:
+            head = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+            built += warm_buckets([(head, None)], max_seqs)
+        return built
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
                 meta: AttentionMetadata, ctx: ForwardContext | None = None) -> torch.Tensor:
