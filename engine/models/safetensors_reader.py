@@ -74,11 +74,19 @@ class SafetensorsFile:
                              f"{self.shape(name)} ({self.dtype(name)})")
         if end == begin:
             return
-        view = memoryview(dest.reshape(-1).view(torch.uint8).numpy())
         self._file.seek(self._start + begin)
-        done = 0
-        while done < len(view):  # (a raw read may return fewer bytes than asked)
-            got = self._file.readinto(view[done:])
-            if not got:
-                raise ValueError(f"model: {self.path} ends inside tensor {name}")
-            done += got
+        if not read_exactly_into(self._file, dest):
+            raise ValueError(f"model: {self.path} ends inside tensor {name}")
+
+
+def read_exactly_into(file, dest: torch.Tensor) -> bool:
+    """Fill the contiguous CPU tensor `dest` with the next bytes of the binary file (no
+    intermediate bytes object). False when the file ends first."""
+    view = memoryview(dest.reshape(-1).view(torch.uint8).numpy())
+    done = 0
+    while done < len(view):  # (a raw read may return fewer bytes than asked)
+        got = file.readinto(view[done:])
+        if not got:
+            return False
+        done += got
+    return True

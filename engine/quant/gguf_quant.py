@@ -20,6 +20,7 @@ from typing import Callable
 import torch
 from torch import nn
 
+from engine.models.safetensors_reader import read_exactly_into
 from engine.quant import int4_packed, int_formats
 from engine.quant.config import QuantConfig
 from engine.quant.gguf_blocks import BLOCK_TYPES, QK
@@ -116,7 +117,9 @@ def load(model: nn.Module, path, plan: dict[str, tuple[str, slice | None]], dtyp
             layer, rows = plan[t.name]
             module = linears[layer]
             f.seek(t.offset)
-            raw = torch.frombuffer(bytearray(f.read(t.nbytes)), dtype=torch.uint8)
+            raw = torch.empty(t.nbytes, dtype=torch.uint8)  # (read in place: no bytes object and copy of it)
+            if not read_exactly_into(f, raw):
+                raise ValueError(f"gguf: {path} ends inside tensor {t.name}")
             kind = BLOCK_TYPES[t.type_id][0]
             out = t.shape[0]
             if KIND[kind] == "int4":
