@@ -124,7 +124,7 @@ class QuantExperts(nn.Module):
             return "experts on a GPU (the packed expert path is CPU only)"
         reason = int4_packed.unsupported(self.out_features, self.in_features, self.quant.bits, self.quant.group_size,
                                          self.qweight.device, dtype)
-        if reason is None and self.act_order and None in self._perms():
+        if reason is None and self.act_order and any(p is None for p in self._perms()):
             return "act-order groups that are not runs of one group size"
         return reason
 
