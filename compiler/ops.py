@@ -6,7 +6,7 @@ CPU and CUDA), the C++ CPU attention (`paged_attention_cpu`), `copy_blocks`, `mo
 `moe_experts_int4` (int4 experts in torch's packed CPU layout),
 and the CUTLASS kernels' ops (`write_kv_cutlass`, `paged_attention_cutlass`; CUDA only, they
 launch the kernels a compiler.cutlass_ops.AttentionKernels holds, named by its handle).
-`w4a16_gemm`: kiln's int4-weight GEMM (CUDA only; a cutlass_ops.W4A16Gemm, named by its handle).
+`w4a16_gemm`: kiln's int4-weight GEMM (CUDA only; a compiler.w4a16_gemm.W4A16Gemm, named by its handle).
 Registering needs no GPU and no cuda-python: the kernels are loaded when a backend is built.
 
 `kv_scales` (float32 [layers, 2], optional): an fp8 cache's per-layer K/V scales
@@ -29,9 +29,10 @@ import torch
 
 from compiler import moe
 from compiler.cpu_attention import paged_attention_cpu_impl
-from compiler.cutlass_ops import kernels_by_handle, w4a16_by_handle
+from compiler.cutlass_ops import kernels_by_handle
 from compiler.kv_quant import byte_view, calibrate_kv_scales, layer_scales
 from compiler.reference_attention import paged_attention_reference, write_kv_reference
+from compiler.w4a16_gemm import w4a16_by_handle
 
 
 @torch.library.custom_op("kiln::write_kv", mutates_args=("kv_cache",))
@@ -178,7 +179,7 @@ def _(out, q, kv_cache, layer, query_start_loc, seq_lens, block_tables, scale, m
 @torch.library.custom_op("kiln::w4a16_gemm", mutates_args=(), device_types="cuda")
 def w4a16_gemm(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
                gemm: int) -> torch.Tensor:
-    """y = x @ W^T on kiln's int4 GEMM `gemm` (a cutlass_ops.W4A16Gemm handle), W in its layout."""
+    """y = x @ W^T on kiln's int4 GEMM `gemm` (a w4a16_gemm.W4A16Gemm handle), W in its layout."""
     return w4a16_by_handle(gemm)(x, packed, scales, zeros)
 
 

@@ -1,4 +1,4 @@
-"""kiln's W4A16 GEMM on the CPU: the load-time layout (compiler/cutlass_ops.py: pack_w4a16), read
+"""kiln's W4A16 GEMM on the CPU: the load-time layout (compiler/w4a16_gemm.py: pack_w4a16), read
 back exactly as templates/w4a16_gemm.cu.j2 reads it, and the int4 kernel choice
 (engine/quant/w4a16.py). The kernel itself runs in tests/test_w4a16_gpu.py."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from compiler.cutlass_ops import pack_w4a16, unpack_w4a16, w4a16_unsupported
+from compiler.w4a16_gemm import pack_w4a16, unpack_w4a16, w4a16_unsupported
 from engine.quant import int_formats
 from engine.quant.w4a16 import choose_int4_kernel, kernel_group, loader_int4_kernel
 

@@ -46,7 +46,7 @@ def _tinygemm(q, zeros, scales, group):
 def bench(cache_dir: Path, shapes=SHAPES_8B, tokens=TOKENS, reps: int = 5, on_row=None) -> list[dict]:
     import torch
 
-    from compiler.cutlass_ops import W4A16Gemm, pack_w4a16
+    from compiler.w4a16_gemm import W4A16Gemm, pack_w4a16
 
     dev = torch.device("cuda")
     gemm = W4A16Gemm(cache_dir, dev)
@@ -86,7 +86,8 @@ HEADER = (f"{'shape':8} {'N':>6} {'K':>6} {'M':>3} {'kiln us':>9} {'tinygemm':>9
 
 def row_line(r: dict) -> str:
     return (f"{r['shape']:8} {r['n']:6d} {r['k']:6d} {r['m']:3d} {r['kiln_us']:9.2f} {r['tinygemm_us']:9.2f} "
-            f"{r['bf16_us']:9.2f} {r['kiln_weight_GB_s']:10.0f} {r['kiln_over_tinygemm']:10.3f} {r['kiln_over_bf16']:7.3f}")
+            f"{r['bf16_us']:9.2f} {r['kiln_weight_GB_s']:10.0f} {r['kiln_over_tinygemm']:10.3f} "
+            f"{r['kiln_over_bf16']:7.3f}")
 
 
 def main(argv: list[str]) -> int:
