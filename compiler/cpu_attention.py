@@ -18,16 +18,15 @@ a cache shared by machines of one capability runs on each of them. The reference
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import os
 import shutil
-import tempfile
 import time
 from pathlib import Path
 
 import torch
 
+from compiler import cpu_extension
 from compiler.kv_quant import layer_scales
 
 logger = logging.getLogger(__name__)
@@ -36,18 +35,11 @@ SOURCE = Path(__file__).resolve().parents[1] / "templates" / "cpu_paged_attentio
 
 # No -ffast-math: it would change NaN handling and rounding; these two change no result.
 _BASE_FLAGS = ["-O3", "-fopenmp", "-fno-math-errno", "-fno-trapping-math", "-Wno-psabi"]
-# What torch's own kernels for that capability may assume; never the build machine's whole ISA.
-_ISA_FLAGS = {
-    "AVX512": ["-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq"],
-    "AVX2": ["-mavx2", "-mfma", "-mf16c"],
-}
 
 
 def cpu_flags(capability: str | None = None) -> list[str]:
     """Compiler flags for a CPU of torch's `capability` (default: this one's)."""
-    cap = capability or torch.backends.cpu.get_cpu_capability()
-    isa = next((flags for name, flags in _ISA_FLAGS.items() if cap.startswith(name)), [])
-    return _BASE_FLAGS + isa
+    return _BASE_FLAGS + cpu_extension.isa_flags(capability)
 
 
 class CpuAttentionKernel:
@@ -65,14 +57,10 @@ class CpuAttentionKernel:
 
     @staticmethod
     def key(capability: str | None = None) -> str:
-        parts = [SOURCE.read_text(), repr(cpu_flags(capability)), torch.__version__,
-                 capability or torch.backends.cpu.get_cpu_capability()]
-        return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:20]
+        return cpu_extension.cache_key(SOURCE, cpu_flags(capability), capability)
 
     def library_path(self) -> Path:
-        directory = self.cache_dir or Path(tempfile.gettempdir()) / f"kiln-cpu-attention-{os.getuid()}"
-        name = f"kiln_cpu_attention_{self.key()}"
-        return directory / "cpu-attention" / name / f"{name}.so"
+        return cpu_extension.library_path(self.cache_dir, "cpu-attention", self.key())
 
     def load(self) -> None:
         """Make torch.ops.kiln_cpu.paged_attention exist: load the cached build, or build it
@@ -95,14 +83,7 @@ class CpuAttentionKernel:
 
     @staticmethod
     def _build(path: Path) -> None:
-        from torch.utils.cpp_extension import load
-
-        path.parent.mkdir(parents=True, exist_ok=True)
-        # cpp_extension builds with ninja under a lock file in build_directory (a concurrent start
-        # waits for the other's build) and, with is_python_module=False, loads the library: its
-        # TORCH_LIBRARY block registers the ops.
-        load(name=path.stem, sources=[str(SOURCE)], extra_cflags=cpu_flags(), extra_ldflags=["-fopenmp"],
-             build_directory=str(path.parent), is_python_module=False, verbose=False)
+        cpu_extension.build(path, SOURCE, cpu_flags())
 
 
 def _copy_loaded_library(path: Path) -> None:

@@ -18,14 +18,13 @@ that capability.
 
 from __future__ import annotations
 
-import hashlib
 import logging
-import os
-import tempfile
 import time
 from pathlib import Path
 
 import torch
+
+from compiler import cpu_extension
 
 logger = logging.getLogger(__name__)
 
@@ -33,16 +32,11 @@ SOURCE = Path(__file__).resolve().parents[1] / "templates" / "cpu_fused_ops.cpp"
 
 # -ffp-contract=off: no fused multiply-adds, so float32 results are the eager ops' own roundings.
 _BASE_FLAGS = ["-O3", "-std=c++17", "-fopenmp", "-fno-math-errno", "-ffp-contract=off"]
-_ISA_FLAGS = {
-    "AVX512": ["-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq"],
-    "AVX2": ["-mavx2", "-mfma", "-mf16c"],
-}
 DTYPES = (torch.float32, torch.bfloat16)
 
 
 def cpu_flags(capability: str | None = None) -> list[str]:
-    cap = capability or torch.backends.cpu.get_cpu_capability()
-    return _BASE_FLAGS + next((flags for name, flags in _ISA_FLAGS.items() if cap.startswith(name)), [])
+    return _BASE_FLAGS + cpu_extension.isa_flags(capability)
 
 
 class FusedOpsLibrary:
@@ -56,14 +50,11 @@ class FusedOpsLibrary:
 
     @staticmethod
     def key() -> str:
-        parts = [SOURCE.read_text(), repr(cpu_flags()), torch.__version__, torch.backends.cpu.get_cpu_capability()]
-        return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:20]
+        return cpu_extension.cache_key(SOURCE, cpu_flags())
 
     @classmethod
     def library_path(cls, cache_dir: Path | None) -> Path:
-        directory = Path(cache_dir) if cache_dir else Path(tempfile.gettempdir()) / f"kiln-cpu-fused-{os.getuid()}"
-        name = f"kiln_cpu_fused_{cls.key()}"
-        return directory / "cpu-fused" / name / f"{name}.so"
+        return cpu_extension.library_path(cache_dir, "cpu-fused", cls.key())
 
     def load(self, cache_dir: Path | None) -> float:
         """Make torch.ops.kiln_cpu_fused exist (build it on the first start) and turn the fused
@@ -83,13 +74,7 @@ class FusedOpsLibrary:
 
     @staticmethod
     def _build(path: Path) -> None:
-        from torch.utils.cpp_extension import load
-
-        path.parent.mkdir(parents=True, exist_ok=True)
-        # ninja builds under a lock in build_directory (a concurrent start waits); a plain library
-        # of torch ops (is_python_module=False), loaded by load() above.
-        load(name=path.stem, sources=[str(SOURCE)], extra_cflags=cpu_flags(), extra_ldflags=["-fopenmp"],
-             build_directory=str(path.parent), is_python_module=False, verbose=False)
+        cpu_extension.build(path, SOURCE, cpu_flags())
 
 
 FUSED = FusedOpsLibrary()

@@ -221,7 +221,7 @@ class EngineBuilder:
                 self.model.use_cpu_fused_ops(s.resolved_compile_cache_dir())
             seconds = warm_cpu_decode(self.model, self.kv_cache.tensor, s.resolved_compile_cache_dir())
             if not s.cpu_compile_forward:
-                logger.info("CPU: eager forward, decode attention compiled ahead of time; warm-up %.1fs", seconds)
+                logger.info("CPU: eager forward, C++ paged attention built ahead of time; warm-up %.1fs", seconds)
                 return seconds, 0.0
         from compiler.capture import compile_count, configure_compile_cache
 
