@@ -43,6 +43,10 @@ class LLM:
     def tokenizer(self):
         return self.engine.tokenizer
 
+    def reset_prefix_cache(self) -> int:
+        """Drop the prefix cache's idle blocks; returns how many (engine.reset_prefix_cache)."""
+        return self.engine.reset_prefix_cache()
+
     def get_default_sampling_params(self) -> SamplingParams:
         """SamplingParams() with the model's generation_config.json defaults (vLLM's behaviour)."""
         return default_sampling_params(self.engine.generation_defaults)

@@ -261,6 +261,11 @@ class LLMEngine:
 
         return warm_prefixes(self, token_id_lists)
 
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached-idle KV block (blocks in use keep theirs): later prompts recompute
+        their prefixes. Returns how many blocks were dropped (vLLM's `reset_prefix_cache`)."""
+        return self.pool.reset_prefix_cache()
+
     def _output(self, request: Request) -> RequestOutput | None:
         return self.outputs.output(request)
 

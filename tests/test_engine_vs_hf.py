@@ -88,6 +88,11 @@ def test_prefix_cache_hits_give_same_tokens(tiny_llama, make_llm):
     assert [o.outputs[0].token_ids for o in first] == [o.outputs[0].token_ids for o in second]
     assert all(o.num_cached_tokens >= 64 for o in second)
     assert second[0].outputs[0].token_ids == hf_greedy(str(tiny_llama), prompts, MAX_TOKENS)[0]
+    assert llm.reset_prefix_cache() > 0  # the idle cached blocks are dropped: nothing is hit again
+    third = llm.generate(prompts, GREEDY, use_tqdm=False)
+    assert all(o.num_cached_tokens == 0 for o in third[:1])
+    assert [o.outputs[0].token_ids for o in third] == [o.outputs[0].token_ids for o in first]
+    llm.engine.check_integrity()
 
 
 def test_parallel_samples_share_prompt_blocks(tiny_llama, make_llm):
