@@ -96,10 +96,16 @@ class Worker:
             decode_kernel=s.decode_kernel, prefill_kernel=s.prefill_kernel,
             windowed_or_capped=any(cfg.layer_windows) or cfg.attn_softcap > 0))
         self.model.set_backend(self.backend)
+        if self.device.type == "cpu" and hasattr(self.model, "warm_cpu_linear"):  # as rank 0 does
+            self.model.warm_cpu_linear(s.max_num_batched_tokens, s.max_num_seqs)
         if self.device.type == "cpu" and not s.enforce_eager:
             from compiler.cpu_attention import KERNEL
 
             KERNEL.configure(s.resolved_compile_cache_dir())
+            if hasattr(self.model, "use_cpu_fused_ops"):
+                # The same fused norms / RoPE / SiLU as rank 0 (engine_builder._compile_and_capture):
+                # every rank normalises the replicated hidden states with the same code.
+                self.model.use_cpu_fused_ops(s.resolved_compile_cache_dir())
         # The kiln:: custom ops import Dynamo on their first call (seconds): here, while rank 0 is
         # still building, not inside the first step (where rank 0 would wait for it).
         importlib.import_module("torch._dynamo")
