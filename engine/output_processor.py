@@ -23,7 +23,7 @@ from typing import Any
 from engine.detokenizer import Detokenizer, init_offsets, visible_len
 from engine.request import CompletionOutput, FinishReason, Request, RequestOutput, Sequence, SeqStatus
 from engine.sampler import SamplerOutput
-from engine.scheduler import Scheduler, SchedulerOutput, sample_row_ranges
+from engine.scheduler import PLACEHOLDER, Scheduler, SchedulerOutput, sample_row_ranges
 from engine.tasks import task_of
 
 logger = logging.getLogger(__name__)
@@ -163,22 +163,27 @@ class OutputProcessor:
         this step's tokens are checked: if seq finishes here, that later token is discarded."""
         ids = seq.token_ids
         later = seq.num_pending
+        if seq.num_new_tokens == 1 and later <= 1:  # (the common case: one token, one launched step after it)
+            tail = ids.pop() if later else PLACEHOLDER
+            self._check_token(seq, logprobs, 0)
+            if seq.finish_reason is not None:
+                seq.num_pending = 0
+            elif later:
+                ids.append(tail)
+            return 1
         tail = ids[len(ids) - later:] if later else []
         if later:
             del ids[len(ids) - later:]
         count = seq.num_new_tokens
         kept = count
-        if count == 1:  # (the common case: the token stays where it is)
-            self._check_token(seq, logprobs, 0)
-        else:
-            pending = ids[len(ids) - count:]
-            del ids[len(ids) - count:]
-            for j, token in enumerate(pending):
-                ids.append(token)
-                self._check_token(seq, logprobs, j)
-                if seq.finish_reason is not None:
-                    kept = j + 1
-                    break
+        pending = ids[len(ids) - count:]
+        del ids[len(ids) - count:]
+        for j, token in enumerate(pending):
+            ids.append(token)
+            self._check_token(seq, logprobs, j)
+            if seq.finish_reason is not None:
+                kept = j + 1
+                break
         if seq.finish_reason is None:
             if tail:
                 ids.extend(tail)

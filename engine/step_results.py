@@ -63,8 +63,10 @@ class StepResults:
                 continue  # finished or aborted meanwhile
             if sched.advances_at_launch:
                 if sched.do_sample and tokens:
-                    seq.token_ids[len(seq.token_ids) - seq.num_pending] = tokens[0]
-                    seq.num_pending -= 1
+                    ids = seq.token_ids
+                    pending = seq.num_pending
+                    ids[len(ids) - pending] = tokens[0]
+                    seq.num_pending = pending - 1
                     seq.num_new_tokens = 1
                     touched.append(seq)
                     if len(sched.token_ids) == 1:
