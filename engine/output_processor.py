@@ -23,7 +23,7 @@ from typing import Any
 from engine.detokenizer import Detokenizer, init_offsets, visible_len
 from engine.request import CompletionOutput, FinishReason, Request, RequestOutput, Sequence, SeqStatus
 from engine.sampler import SamplerOutput
-from engine.scheduler import PLACEHOLDER, Scheduler, SchedulerOutput, sample_row_ranges
+from engine.scheduler import Scheduler, SchedulerOutput, sample_row_ranges
 from engine.tasks import task_of
 
 logger = logging.getLogger(__name__)
@@ -164,7 +164,7 @@ class OutputProcessor:
         ids = seq.token_ids
         later = seq.num_pending
         if seq.num_new_tokens == 1 and later <= 1:  # (the common case: one token, one launched step after it)
-            tail = ids.pop() if later else PLACEHOLDER
+            tail = ids.pop() if later else None
             self._check_token(seq, logprobs, 0)
             if seq.finish_reason is not None:
                 seq.num_pending = 0
