@@ -112,7 +112,7 @@ class Detokenizer:
         seq.finish_reason / stop_reason; the scheduler then releases its blocks)."""
         if seq.read_offset == 0:  # a sample forked by the scheduler: its text starts after the prompt
             init_offsets(seq)
-        check_stop(self, seq, self.eos_token_ids, self.max_model_len)
+        _check_stop(self.step, seq, self.eos_token_ids, self.max_model_len)
 
 
 def check_stop(tokenizer, seq: Sequence, eos_token_ids: tuple[int, ...], max_model_len: int) -> None:
@@ -123,9 +123,15 @@ def check_stop(tokenizer, seq: Sequence, eos_token_ids: tuple[int, ...], max_mod
     """
     step = tokenizer.step if isinstance(tokenizer, Detokenizer) else (
         lambda s, upto=None: detokenize_step(tokenizer, s, upto))
+    _check_stop(step, seq, eos_token_ids, max_model_len)
+
+
+def _check_stop(step, seq: Sequence, eos_token_ids: tuple[int, ...], max_model_len: int) -> None:
+    """check_stop with `step` the detokenising function: step(seq, upto=None) -> new text."""
     params = seq.request.params
+    num_tokens = len(seq.token_ids)
     last = seq.token_ids[-1]
-    num_out = seq.num_output_tokens
+    num_out = num_tokens - seq.num_prompt_tokens
     may_stop = num_out >= params.min_tokens
     if may_stop and not params.ignore_eos and last in eos_token_ids:
         step(seq, upto=len(seq.token_ids) - 1)
@@ -147,7 +153,7 @@ def check_stop(tokenizer, seq: Sequence, eos_token_ids: tuple[int, ...], max_mod
                 seq.text = seq.text[:idx + len(stop)] if params.include_stop_str_in_output else seq.text[:idx]
                 seq.finish_reason, seq.stop_reason = FinishReason.STOP, stop
                 return
-    if num_out >= params.max_tokens or seq.num_tokens >= max_model_len:
+    if num_out >= params.max_tokens or num_tokens >= max_model_len:
         seq.finish_reason = FinishReason.LENGTH
 
 

@@ -53,7 +53,9 @@ class InputBuffers:
         # version, columns written); a row is rewritten only from the first column that changed.
         self._rows: list[tuple[list[int] | None, int, int]] = [(None, 0, 0)] * max_seqs
         self._table_updates: list[tuple[int, int]] = []
-        self._table_dirty = False  # too many changes: copy the used table region whole
+        self._max_table_updates = max_seqs * 2  # (the cells table_idx / table_val hold)
+        # On the CPU the host table is the device table: no changed cells to send anywhere.
+        self._table_dirty = device.type == "cpu"  # too many changes: copy the used table region whole
         # Host staging may be refilled only once the previous step's async copies have read it.
         self._copied = torch.cuda.Event() if device.type == "cuda" else None
         self._pending = False
@@ -86,9 +88,34 @@ class InputBuffers:
         n = len(keys)
         if keys == held[:n]:  # (lists compare by identity first: no element walk when unchanged)
             return
-        for i in range(n):
-            if keys[i] != held[i]:
-                self.write_table_row(i, keys[i][0], keys[i][1])
+        where: dict[int, int] | None = None  # id(block list) -> a row holding (a prefix of) it
+        i = 0
+        while i < n:
+            blocks, version, _ = keys[i]
+            if keys[i] == held[i]:
+                i += 1
+                continue
+            if where is None:
+                where = {id(h[0]): j for j, h in enumerate(held) if h[0] is not None}
+            j = where.get(id(blocks), -1)
+            if j > i and held[j][0] is blocks and held[j][1] == version:
+                # Sequences before this one left the batch: a run of rows moved up by j - i. One
+                # numpy copy of the run (rows below i are not read again), then any new columns.
+                k = j - i
+                end = i + 1
+                while end < n and end + k < len(held) and held[end + k][0] is keys[end][0] \
+                        and held[end + k][1] == keys[end][1]:
+                    end += 1
+                self.np_block_tables[i:end] = self.np_block_tables[i + k:end + k]
+                held[i:end] = held[i + k:end + k]
+                self._table_dirty = True  # (the device gets the used region whole)
+                for r in range(i, end):
+                    if keys[r] != held[r]:
+                        self.write_table_row(r, keys[r][0], keys[r][1])
+                i = end
+                continue
+            self.write_table_row(i, blocks, version)
+            i += 1
 
     def write_table_row(self, i: int, blocks: list[int], version: int) -> int:
         """Row i of the block table := blocks (the columns not written there already); returns
@@ -100,7 +127,7 @@ class InputBuffers:
             self.np_block_tables[i, start:cols] = blocks[start:]
             self._rows[i] = (blocks, version, cols)
             if not self._table_dirty:
-                if len(self._table_updates) + cols - start > len(self.table_val_host):
+                if len(self._table_updates) + cols - start > self._max_table_updates:
                     self._table_dirty = True
                 else:
                     base = i * self.max_blocks_per_seq
@@ -109,10 +136,10 @@ class InputBuffers:
 
     def upload(self, num_tokens: int, num_seqs: int, num_block_cols: int) -> None:
         """Copy the filled host prefix to the device (no-op on the CPU)."""
-        updates, self._table_updates = self._table_updates, []
-        dirty, self._table_dirty = self._table_dirty, False
         if self.device.type == "cpu":
             return
+        updates, self._table_updates = self._table_updates, []
+        dirty, self._table_dirty = self._table_dirty, False
         for host, dev, n in ((self.input_ids_host, self.input_ids, num_tokens),
                              (self.positions_host, self.positions, num_tokens),
                              (self.slot_mapping_host, self.slot_mapping, num_tokens),

@@ -67,11 +67,15 @@ class OutputProcessor:
         """Apply a step's sampler output; returns the outputs to hand out and how many tokens
         the step generated (kept)."""
         tasks_done = self._record_task_results(sched, sampled.task_results) if sampled.task_results else []
-        tokens = [[sampled.token_ids[r] for r in rows] for _, rows in sample_row_ranges(sched.seqs)]
+        if sched.num_prefill_tokens == 0 and sched.num_decode_tokens == len(sched.seqs):
+            tokens = [[t] for t in sampled.token_ids]  # (a decode step: one row per sequence, in order)
+        else:
+            tokens = [[sampled.token_ids[r] for r in rows] for _, rows in sample_row_ranges(sched.seqs)]
         failed = self._failed_rows(sched, sampled.errors)
-        for i, s in enumerate(sched.seqs):
-            if s.seq_id in failed:
-                tokens[i] = []  # no token for a failed row: its request is failed below
+        if failed:
+            for i, s in enumerate(sched.seqs):
+                if s.seq_id in failed:
+                    tokens[i] = []  # no token for a failed row: its request is failed below
         logprobs = self._split_logprobs(sched, sampled.logprobs)
         touched = self.scheduler.update(sched, tokens)
         now = time.monotonic()
@@ -81,6 +85,9 @@ class OutputProcessor:
             seq.request.first_token_time = now
             outputs[seq.request.request_id] = seq.request
         generated = 0
+        # Offline runs want each request's final output only (output_kind "final_only"): a request
+        # none of whose sequences ended this step has nothing to hand out, so none is built.
+        every_step = self.defer_text
         for seq in touched:
             try:
                 generated += self._process_new_tokens(seq, logprobs)
@@ -93,6 +100,8 @@ class OutputProcessor:
                 request.first_token_time = now
             if seq.finish_reason is not None:
                 self.scheduler.finish_seq(seq, seq.finish_reason, seq.stop_reason)
+            elif not every_step and request.params.output_kind == "final_only":
+                continue
             outputs[request.request_id] = request
         if failed:
             for s in sched.seqs:
@@ -152,29 +161,44 @@ class OutputProcessor:
 
         Placeholders of a later step already launched (overlap scheduling) are set aside while
         this step's tokens are checked: if seq finishes here, that later token is discarded."""
+        ids = seq.token_ids
         later = seq.num_pending
-        tail = seq.token_ids[len(seq.token_ids) - later:] if later else []
+        if seq.num_new_tokens == 1 and later <= 1:  # (the common case: one token, one launched step after it)
+            tail = ids.pop() if later else None
+            self._check_token(seq, logprobs, 0)
+            if seq.finish_reason is not None:
+                seq.num_pending = 0
+            elif later:
+                ids.append(tail)
+            return 1
+        tail = ids[len(ids) - later:] if later else []
         if later:
-            del seq.token_ids[len(seq.token_ids) - later:]
+            del ids[len(ids) - later:]
         count = seq.num_new_tokens
-        pending = seq.token_ids[len(seq.token_ids) - count:]
-        del seq.token_ids[len(seq.token_ids) - count:]
         kept = count
+        pending = ids[len(ids) - count:]
+        del ids[len(ids) - count:]
         for j, token in enumerate(pending):
-            seq.token_ids.append(token)
-            self._record_logprob(seq, logprobs, j)
-            grammar_done = self._advance_grammar(seq)
-            self.detokenizer.check_stop(seq)
-            if grammar_done and seq.finish_reason is None:  # (a stop token kept by ignore_eos)
-                seq.finish_reason = FinishReason.STOP
+            ids.append(token)
+            self._check_token(seq, logprobs, j)
             if seq.finish_reason is not None:
                 kept = j + 1
                 break
         if seq.finish_reason is None:
-            seq.token_ids.extend(tail)
+            if tail:
+                ids.extend(tail)
         else:
             seq.num_pending = 0
         return kept
+
+    def _check_token(self, seq: Sequence, logprobs: dict[int, list], j: int) -> None:
+        """Logprob, grammar and stop checks for seq's newest token, its number j of this step."""
+        if logprobs:
+            self._record_logprob(seq, logprobs, j)
+        grammar_done = self._advance_grammar(seq) if seq.request.grammars else False
+        self.detokenizer.check_stop(seq)
+        if grammar_done and seq.finish_reason is None:  # (a stop token kept by ignore_eos)
+            seq.finish_reason = FinishReason.STOP
 
     @staticmethod
     def _advance_grammar(seq: Sequence) -> bool:

@@ -354,6 +354,9 @@ class Request:
     @property
     def is_finished(self) -> bool:
         """Every sample is done (a request with n > 1 is done early only if it ended before forking)."""
+        seqs = self.seqs
+        if len(seqs) == 1 and self.params.n == 1:  # (the common case, asked several times a step)
+            return seqs[0].status is SeqStatus.FINISHED
         if not self.seqs or not all(s.is_finished for s in self.seqs):
             return False
         return self.forked or self.params.n == 1 or self.seqs[0].finish_reason in (

@@ -156,19 +156,23 @@ class ModelRunner:
                 pending.deferred = (self.model.compute_logits(picked), step.rows)
             for task, seq_id, plan in step.reads:
                 pending.task_results[seq_id] = task.read(self.model, hidden, plan)
-        return pending if defer_sampling else self.sample(sched, pending)
+        # (sampled at once: nothing of this step can have finished since it was scheduled)
+        return pending if defer_sampling else self._sample(sched, pending, ())
 
     @torch.inference_mode()
     def sample(self, sched: SchedulerOutput, pending: "PendingStep") -> "PendingStep":
         """Sample a launched step's logits. A sequence that finished since the launch (deferred
         sampling: the previous step's tokens ended it) gets a plain argmax row instead of its own:
         its token is discarded, and its grammar or logits processors are not asked again."""
+        finished = {s.seq_id for s in sched.seqs if s.seq is not None and s.seq.is_finished}
+        return self._sample(sched, pending, finished)
+
+    def _sample(self, sched: SchedulerOutput, pending: "PendingStep", finished) -> "PendingStep":
         if pending.deferred is None:
             pending.sample = PendingSample.empty(self.device)
             return self._remember(sched, pending)
         logits, rows = pending.deferred
         pending.deferred = None
-        finished = {s.seq_id for s in sched.seqs if s.seq is not None and s.seq.is_finished}
         if finished:
             rows = [_DISCARDED if r.key in finished else r for r in rows]
         pending.sample = self.sampler.launch(logits, rows, self.builder.last_sampled)

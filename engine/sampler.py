@@ -17,6 +17,7 @@ import hashlib
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 
 from engine.request import SamplingParams
@@ -35,6 +36,14 @@ class SampleRow:
     # apart so that a row does not copy a long sequence; joined only where history is read).
     extra: list[int] = field(default_factory=list)
     key: int | None = None  # the sequence's id: penalty state is kept per sequence across steps
+    # Greedy with nothing else to apply, for good (a decoding sequence's row is reused step after
+    # step): a batch of such rows is one argmax, with no per-feature pass over the rows.
+    plain: bool = field(init=False)
+
+    def __post_init__(self) -> None:
+        p = self.params
+        self.plain = (p.greedy and not p.logits_processors and not p.restricts_tokens and self.grammar is None
+                      and p.min_tokens == 0 and not p.needs_penalties and p.logprobs is None)
 
     @property
     def num_output_tokens(self) -> int:
@@ -79,6 +88,20 @@ class _BatchNeeds:
         self.greedy, self.all_greedy = greedy, all(greedy)
 
 
+def _greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
+    """argmax per row (the first maximum), -1 where the row's maximum is NaN, +inf or -inf (no
+    meaningful token). On the CPU numpy's argmax: torch's reduction over a short last dimension
+    costs ~25 µs per 64x512 call, numpy's ~3 (same first-maximum rule, NaN counted as the maximum)."""
+    if logits.device.type == "cpu" and logits.dtype in (torch.float32, torch.float64) and not logits.requires_grad:
+        host = logits.numpy()
+        tokens = host.argmax(axis=1)
+        top = host[np.arange(len(tokens)), tokens]
+        tokens[~np.isfinite(top)] = -1
+        return torch.from_numpy(tokens.astype(np.int64, copy=False))
+    top, tokens = logits.max(dim=-1)
+    return torch.where(torch.isfinite(top), tokens, -1)
+
+
 def _row_seed(seed: int, sample_index: int, position: int) -> int:
     digest = hashlib.blake2b(f"{seed}:{sample_index}:{position}".encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little") & ((1 << 63) - 1)
@@ -102,6 +125,9 @@ class Sampler:
         launched step's tokens, for rows whose history ends in its PLACEHOLDER."""
         if not rows:
             return PendingSample.empty(self.device)
+        if all([r.plain for r in rows]):
+            tokens = _greedy_tokens(logits)
+            return PendingSample(tokens, HostCopy(tokens, owned=True), {})
         needs = _BatchNeeds(rows)
         errors: dict[int, str] = {}
         if needs.processors:
@@ -117,13 +143,12 @@ class Sampler:
         if grammar_mask is not None:
             logits = self._apply_grammar(logits, rows, grammar_mask)
         if needs.all_greedy:  # the common case: one reduction gives the token and its logit
-            top, tokens = logits.max(dim=-1)
+            tokens = _greedy_tokens(logits)
         else:
             tokens = self._sample_random(logits, rows, needs.greedy)
-            top = logits.amax(dim=-1)
-        # A row whose logits are NaN, +inf or all -inf has no meaningful token: -1 marks it, in the
-        # same device-to-host copy as the tokens (no extra sync).
-        tokens = torch.where(torch.isfinite(top), tokens, -1)
+            # A row whose logits are NaN, +inf or all -inf has no meaningful token: -1 marks it, in
+            # the same device-to-host copy as the tokens (no extra sync).
+            tokens = torch.where(torch.isfinite(logits.amax(dim=-1)), tokens, -1)
         if not needs.logprobs:
             return PendingSample(tokens, HostCopy(tokens, owned=True), errors)
         want_logprobs = [r.params.logprobs for r in rows]

@@ -83,21 +83,25 @@ class StepBuilder:
         feed_ids: list[int] = []  # ...for these sequences
         buf.np_query_start_loc[0] = 0
         num_decodes = 0  # leading one-token sequences (the scheduler puts decodes first)
+        # Token ids, and each sequence's first position and token count, gathered here; positions
+        # and slots are then computed for the whole step in a few numpy calls (a prefill step of
+        # many sequences would otherwise pay several small numpy calls per sequence).
+        all_ids: list[int] = []
+        starts: list[int] = []
+        counts: list[int] = []
         for i, s in enumerate(seqs):
             n = s.num_tokens
             if n == 1 and num_decodes == i:
                 num_decodes += 1
             start = s.start_pos
             end = start + n
-            buf.np_input_ids[t:t + n] = s.token_ids
+            all_ids += s.token_ids
+            starts.append(start)
+            counts.append(n)
             if n == 1 and s.token_ids[0] == PLACEHOLDER:
                 feed_rows.append(t)
                 feed_ids.append(s.seq_id)
             self.features.write(t, n, s)
-            pos = np.arange(start, end, dtype=np.int64)
-            buf.np_positions[t:t + n] = pos
-            table = np.asarray(s.block_ids, dtype=np.int64)
-            buf.np_slot_mapping[t:t + n] = table[pos // bs] * bs + pos % bs
             version = s.seq.table_version if s.seq is not None else 0
             max_cols = max(max_cols, buf.write_table_row(i, s.block_ids, version))
             buf.np_seq_lens[i] = end
@@ -120,6 +124,16 @@ class StepBuilder:
                 for k in range(num_rows):
                     sample_indices.append(t - 1)
                     rows.append(_sample_row(s, k))
+        if seqs:
+            buf.np_input_ids[:t] = all_ids
+            # token j of sequence i sits at position starts[i] + (j - query_start[i])
+            pos = buf.np_positions[:t]
+            np.add(np.arange(t, dtype=np.int64),
+                   np.repeat(np.asarray(starts, dtype=np.int64) - buf.np_query_start_loc[:len(seqs)], counts),
+                   out=pos)
+            row_of = np.repeat(self._arange[:len(seqs)], counts)
+            np.add(buf.np_block_tables[row_of, pos // bs].astype(np.int64) * bs, pos % bs,
+                   out=buf.np_slot_mapping[:t])
         step = self._finish(t, len(seqs), max_q, max_len, max_cols, sample_indices, rows, None, num_decodes,
                             feed_rows, feed_ids)
         step.reads = reads

@@ -33,16 +33,17 @@ class ScheduledSeq:
     draft_token_ids: list[int] = field(default_factory=list)
     task: Task = GENERATE  # what the step is for (engine/tasks.py)
     seq: Sequence | None = None  # the sequence itself (its state moves on after the step is launched)
+    # One sampled token at most and no fork, drafts or task results: the scheduler counts the
+    # tokens computed, and a placeholder for the sampled one, as soon as the step is launched.
+    # (Set once: a record's drafts, samples and task never change; read for every row every step.)
+    advances_at_launch: bool = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.advances_at_launch = not self.draft_token_ids and self.num_samples == 1 and self.task.text_output
 
     @property
     def num_tokens(self) -> int:
         return len(self.token_ids)
-
-    @property
-    def advances_at_launch(self) -> bool:
-        """One sampled token at most and no fork, drafts or task results: the scheduler counts the
-        tokens computed, and a placeholder for the sampled one, as soon as the step is launched."""
-        return not self.draft_token_ids and self.num_samples == 1 and self.task.text_output
 
 
 def sample_row_ranges(seqs: list[ScheduledSeq]):

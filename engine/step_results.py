@@ -35,13 +35,14 @@ class StepResults:
 
     def launched(self, out: SchedulerOutput) -> None:
         out.launched = True
+        finished = SeqStatus.FINISHED
         for sched in out.seqs:
             if not sched.advances_at_launch:
                 continue
             seq = sched.seq
-            if seq.is_finished:
+            if seq.status is finished:
                 continue  # (deferred sampling: the previous step ended it; its token here is discarded)
-            seq.num_computed_tokens += sched.num_tokens
+            seq.num_computed_tokens += len(sched.token_ids)
             if sched.do_sample:
                 seq.token_ids.append(PLACEHOLDER)
                 seq.num_pending += 1
@@ -52,19 +53,26 @@ class StepResults:
         touched: list[Sequence] = []
         spare = self.spare
         cache_full_blocks = self.kv.cache_full_blocks
+        # A decode fills a block once every block_size tokens: the prefix cache is asked only then.
+        digests = self.kv.digests if self.kv.pool.enable_prefix_caching else None
+        bs = self.kv.block_size
+        running, finished = SeqStatus.RUNNING, SeqStatus.FINISHED
         for sched, tokens in zip(out.seqs, sampled):
             seq = sched.seq
-            if seq is None or seq.is_finished:
+            if seq is None or seq.status is finished:
                 continue  # finished or aborted meanwhile
             if sched.advances_at_launch:
                 if sched.do_sample and tokens:
-                    seq.token_ids[len(seq.token_ids) - seq.num_pending] = tokens[0]
-                    seq.num_pending -= 1
+                    ids = seq.token_ids
+                    pending = seq.num_pending
+                    ids[len(ids) - pending] = tokens[0]
+                    seq.num_pending = pending - 1
                     seq.num_new_tokens = 1
                     touched.append(seq)
                     if len(sched.token_ids) == 1:
                         spare[sched.seq_id] = sched
-                if seq.status is SeqStatus.RUNNING:
+                if digests is not None and seq.status is running and len(digests.get(seq.seq_id, ())) < min(
+                        seq.num_computed_tokens, len(seq.token_ids) - seq.num_pending) // bs:
                     cache_full_blocks(seq)
                 continue  # (a failed row keeps its placeholder: the engine fails the request)
             if seq.status is not SeqStatus.RUNNING:

@@ -18,3 +18,9 @@ def test_bench_overhead_with_penalties_or_a_grammar_in_the_batch(capsys):
         assert main(["--steps", "3", "--batches", "8", "--enforce-eager", "--mix", mix]) in (0, None)
         out = capsys.readouterr().out
         assert f"{mix} in 1 of every 8 requests" in out and "critical path overlap / serial" in out, out
+
+
+def test_bench_overhead_offline_requests(capsys):
+    assert main(["--steps", "3", "--batches", "8", "--enforce-eager", "--offline"]) in (0, None)
+    out = capsys.readouterr().out
+    assert "offline (final output only" in out and "critical path overlap / serial" in out, out

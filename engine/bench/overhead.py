@@ -18,6 +18,10 @@ same run. Printed per step (µs, the median over the steps) and per sequence per
                 prep + sample + launch in the overlapped loop, whose output processing of step N
                 runs while the device computes step N+1.
 
+--offline runs the requests as `LLM.generate` and `kiln bench throughput` do: one output per
+request when it finishes (output_kind "final_only") and, like the throughput bench, no
+detokenisation; the default streams a delta per step, detokenised, as the server does.
+
 --mix penalties|grammar puts that feature in one request of every 8 (at least one per batch):
 frequency/presence/repetition penalties, or a JSON-schema grammar (a string field the request
 keeps extending). Their steps overlap too: penalties take the in-flight token on the device;
@@ -101,11 +105,15 @@ MIXES = ("none", "penalties", "grammar")
 MIX_EVERY = 8  # one request in this many has the --mix feature
 
 
-def mixed_params(engine, mix: str, max_tokens: int):
-    """The --mix feature's SamplingParams (greedy, streamed as deltas, never ending early)."""
+STREAMED = dict(output_kind="delta")  # the server's requests: a detokenised delta per step
+OFFLINE = dict(output_kind="final_only", detokenize=False)  # LLM.generate's, as kiln bench throughput runs them
+
+
+def mixed_params(engine, mix: str, max_tokens: int, kind: dict | None = None):
+    """The --mix feature's SamplingParams (greedy, never ending early; `kind`: STREAMED or OFFLINE)."""
     from engine.request import SamplingParams, StructuredOutputsParams
 
-    base = dict(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, output_kind="delta")
+    base = dict(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, **(kind or STREAMED))
     if mix == "penalties":
         return SamplingParams(frequency_penalty=0.5, presence_penalty=0.3, repetition_penalty=1.1, **base)
     # A string field the output keeps extending: a bias on one letter keeps the grammar from closing it.
@@ -116,16 +124,16 @@ def mixed_params(engine, mix: str, max_tokens: int):
 
 
 def measure(engine, totals: dict[str, float], batch: int, steps: int, overlap: bool,
-            mix: str = "none") -> dict[str, float]:
+            mix: str = "none", offline: bool = False) -> dict[str, float]:
     from engine.request import SamplingParams
 
     if hasattr(engine, "async_scheduling"):
         engine.async_scheduling = overlap
     elif overlap:
         return {}
-    # Streamed as the server streams: a delta per step.
-    params = SamplingParams(temperature=0.0, max_tokens=steps + 64, ignore_eos=True, output_kind="delta")
-    special = params if mix == "none" else mixed_params(engine, mix, steps + 64)
+    kind = OFFLINE if offline else STREAMED
+    params = SamplingParams(temperature=0.0, max_tokens=steps + 64, ignore_eos=True, **kind)
+    special = params if mix == "none" else mixed_params(engine, mix, steps + 64, kind)
     ids = [engine.add_request(list(range(10 + i % 7, 26 + i % 7)), special if i % MIX_EVERY == 0 else params,
                               f"ovh-{overlap}-{batch}-{i}").request_id
            for i in range(batch)]
@@ -162,6 +170,8 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--json", default=None, help="write results here")
     parser.add_argument("--mix", choices=MIXES, default="none",
                         help=f"a feature in one request of every {MIX_EVERY}: penalties or a JSON grammar")
+    parser.add_argument("--offline", action="store_true",
+                        help="requests as LLM.generate runs them: final output only, not detokenised")
     add_settings_flags(parser)
     args = parser.parse_args(argv)
     batches = [int(b) for b in args.batches.split(",") if b]
@@ -181,17 +191,18 @@ def main(argv: list[str]) -> int:
     totals = instrument(engine)
     results = []
     mixed = "" if args.mix == "none" else f", {args.mix} in 1 of every {MIX_EVERY} requests"
+    mixed += ", offline (final output only, no detokenisation)" if args.offline else ", streamed (detokenised deltas)"
     print(f"kiln bench overhead: stub model, {args.steps} decode steps per row (medians), "
           f"device {engine.device}, {torch.get_num_threads()} torch threads{mixed}")
     print(f"{'batch':>5} {'loop':>8} " + " ".join(f"{p:>9}" for p in PHASES)
           + f" {'critical':>9} | per seq: {'process':>8} {'critical':>8}   (µs)")
     for batch in batches:
         for overlap in (False, True):
-            r = measure(engine, totals, batch, args.steps, overlap, args.mix)
+            r = measure(engine, totals, batch, args.steps, overlap, args.mix, args.offline)
             if not r:
                 continue
             loop = "overlap" if overlap else "serial"
-            results.append({"batch": batch, "loop": loop, "mix": args.mix, **r})
+            results.append({"batch": batch, "loop": loop, "mix": args.mix, "offline": args.offline, **r})
             print(f"{batch:>5} {loop:>8} " + " ".join(f"{r[p]:>9.1f}" for p in PHASES)
                   + f" {r['critical']:>9.1f} | {'':9} {r['process'] / batch:>8.2f} {r['critical'] / batch:>8.2f}")
         serial = [x for x in results if x["batch"] == batch and x["loop"] == "serial"]

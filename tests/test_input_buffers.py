@@ -1,0 +1,56 @@
+"""InputBuffers.write_table_rows: after every step each row of the host block table holds its
+sequence's blocks, whatever changed in between (rows shifting up as sequences leave, tables
+growing, copy-on-write replacing an entry, new sequences, reordering)."""
+
+from __future__ import annotations
+
+import random
+
+import torch
+
+from engine.input_buffers import InputBuffers
+
+
+class _Seq:
+    def __init__(self, rng: random.Random, next_block: list[int]) -> None:
+        self.blocks = [self._new(next_block) for _ in range(rng.randint(1, 4))]
+        self.version = 0
+
+    @staticmethod
+    def _new(next_block: list[int]) -> int:
+        next_block[0] += 1
+        return next_block[0]
+
+
+def _check(buf: InputBuffers, seqs: list[_Seq]) -> None:
+    for i, s in enumerate(seqs):
+        assert buf.np_block_tables[i, :len(s.blocks)].tolist() == s.blocks, f"row {i}"
+
+
+def test_block_table_rows_follow_their_sequences_through_random_steps():
+    rng = random.Random(0)
+    buf = InputBuffers(max_tokens=64, max_seqs=24, max_blocks_per_seq=16, device=torch.device("cpu"))
+    counter = [0]
+    seqs = [_Seq(rng, counter) for _ in range(12)]
+    for step in range(400):
+        event = rng.random()
+        if event < 0.25 and seqs:  # one or more sequences leave: the rows after them move up
+            for _ in range(rng.randint(1, 3)):
+                if seqs:
+                    seqs.pop(rng.randrange(len(seqs)))
+        elif event < 0.4 and len(seqs) < 20:  # newcomers, anywhere (a more urgent one goes first)
+            seqs.insert(rng.randint(0, len(seqs)), _Seq(rng, counter))
+        elif event < 0.45 and len(seqs) > 1:  # an order change (preemption and re-admission)
+            rng.shuffle(seqs)
+        for s in seqs:
+            if rng.random() < 0.2 and len(s.blocks) < 16:  # a decode crossed into a new block
+                s.blocks.append(_Seq._new(counter))
+            if rng.random() < 0.03:  # copy-on-write: an entry replaced in place
+                s.blocks[rng.randrange(len(s.blocks))] = _Seq._new(counter)
+                s.version += 1
+            if rng.random() < 0.02 and len(s.blocks) > 1:  # rejected drafts: blocks trimmed
+                del s.blocks[rng.randint(1, len(s.blocks) - 1):]
+                s.version += 1
+        buf.write_table_rows([(s.blocks, s.version, len(s.blocks)) for s in seqs])
+        _check(buf, seqs)
+        buf.upload(1, len(seqs), 16)
