@@ -11,7 +11,9 @@ row count a server meets grows the process without bound (session 5 reverted thi
 Here the row count is rounded up to a bucket (`row_bucket`: two per power of two, so at most a
 third of the rows are padding) and the output sliced back, so a weight meets at most
 ~2 log2(max rows / MIN_ONEDNN_ROWS) shapes. Results agree with `F.linear` to float32 rounding;
-padding rows are zeros and never reach the caller.
+padding rows never reach the caller. The eager CPU forward runs its activations in bucket-sized
+tensors end to end (LlamaForCausalLM.padded_rows), so its projections take their input as is; a
+row slice of such a tensor (the sampled rows) is read in place, past its end, instead of copied.
 
 Nothing changes on a GPU, under `torch.compile`, with autograd, or for other dtypes.
 """
@@ -54,10 +56,24 @@ SHAPES = ShapeLog()
 
 
 def uses_onednn(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
-    return (_ONEDNN and x.dim() == 2 and x.shape[0] >= MIN_ONEDNN_ROWS and x.device.type == "cpu"
-            and x.dtype == torch.float32 and weight.dtype == torch.float32 and weight.dim() == 2
-            and weight.is_contiguous() and (bias is None or bias.dtype == torch.float32)
+    # (cheapest and likeliest-to-fail checks first: this runs for every projection of every step)
+    return (_ONEDNN and x.dim() == 2 and x.shape[0] >= MIN_ONEDNN_ROWS and x.dtype == torch.float32 and x.is_cpu
+            and weight.dtype == torch.float32 and weight.dim() == 2 and weight.is_contiguous()
+            and (bias is None or bias.dtype == torch.float32)
             and not torch.is_grad_enabled() and not torch.compiler.is_compiling())
+
+
+def _rows_in_storage(x: torch.Tensor, rows: int) -> torch.Tensor | None:
+    """x (contiguous 2-D) viewed with `rows` rows when its storage holds them past its own (a row
+    slice of a bucket-sized tensor, e.g. the sampled rows of the forward's hidden states); else
+    None. The extra rows hold whatever is there: each GEMM output row reads only its own input
+    row, and the caller slices those rows off."""
+    if not x.is_contiguous():
+        return None
+    width = x.shape[1]
+    if x.untyped_storage().nbytes() < (x.storage_offset() + rows * width) * x.element_size():
+        return None
+    return x.as_strided((rows, width), (width, 1))
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -66,7 +82,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if not uses_onednn(x, weight, bias):
         return F.linear(x, weight, bias)
     rows, bucket = x.shape[0], row_bucket(x.shape[0])
-    if bucket != rows or x.stride(-1) != 1:
+    if bucket != rows and (view := _rows_in_storage(x, bucket)) is not None:
+        x = view
+    elif bucket != rows or x.stride(-1) != 1:
         padded = x.new_empty(bucket, x.shape[1])
         padded[:rows].copy_(x)
         padded[rows:].zero_()

@@ -386,6 +386,91 @@ void attend(const Problem& P, const Item& it, int64_t tok0, int64_t pos0, int64_
   }
 }
 
+// One decode row (a work item of a single query row) over a float32 cache, head dim a multiple of
+// 16: two passes instead of the online softmax. Every score of the row is kept (the context of one
+// row fits in scratch), so the max is known before any exp and the accumulator is never rescaled:
+// per key, one vector multiply-add per 16 dims for q.k and one for p.v, and the softmax itself
+// once over the row's scores, vectorised. keys [lo, hi) of the sequence; `blocks` their cache blocks.
+template <typename QT, typename OT, int64_t kD>
+void attend_decode(const Problem& P, const Item& it, int64_t tok0, int64_t lo, int64_t hi, const QT* q,
+                   const float* kc, const float* vc, const int32_t* table, OT* out, std::vector<float>& scratch) {
+  constexpr int64_t kV = kD / kLanes;
+  const int64_t G = P.group, bs = P.block_size, n_all = hi - lo;
+  const int64_t padded = (n_all + kLanes - 1) / kLanes * kLanes + kLanes;  // room for a whole last chunk
+  if (scratch.size() < static_cast<size_t>(padded + kD)) scratch.resize(static_cast<size_t>(padded + kD));
+  float* sc = scratch.data();
+  float* qf = sc + padded;
+  const int64_t first_col = lo / bs, last_col = (hi - 1) / bs;
+  const int64_t head_off = it.kv_head * P.k_head;
+  auto block_base = [&](int64_t col) {
+    const int64_t block = std::clamp<int64_t>(
+        col < P.table_width ? table[it.seq * P.table_row + col * P.table_col] : 0, 0, P.num_blocks - 1);
+    return block * P.k_block + head_off;
+  };
+  const i16 lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+  const v16 zero = {}, none = zero - std::numeric_limits<float>::infinity();
+  for (int64_t g = 0; g < G; ++g) {
+    const QT* src = q + tok0 * P.q_tok + (it.kv_head * G + g) * P.q_head;
+    to_float(src, qf, kD);
+    v16 qv[kV];
+    for (int64_t i = 0; i < kV; ++i) qv[i] = load16(qf + i * kLanes) * P.q_mul;
+    // Pass 1: the scores, 16 keys at a time within each block, and their running lane-wise max.
+    v16 vmax = none;
+    for (int64_t col = first_col; col <= last_col; ++col) {
+      const float* kb = kc + block_base(col);
+      const int64_t start = col * bs, a = std::max(lo, start), b = std::min(hi, start + bs);
+      for (int64_t t = a; t < b; t += kLanes) {
+        const int64_t n = std::min(kLanes, b - t);
+        v16 parts[16];
+        for (int64_t j = 0; j < 16; ++j) {
+          v16 acc = {};
+          if (j < n) {
+            const float* kr = kb + (t - start + j) * P.k_slot;
+            for (int64_t i = 0; i < kV; ++i) acc += qv[i] * load16(kr + i * kLanes);
+          }
+          parts[j] = acc;
+        }
+        v16 s = transpose_sum(parts);
+        if (P.softcap > 0.f) {
+          for (int l = 0; l < 16; ++l) s[l] = P.softcap * std::tanh(s[l] / P.softcap);
+        }
+        s = lane < static_cast<int32_t>(n) ? s : none;
+        vmax = s > vmax ? s : vmax;  // (a NaN score is skipped here and still reaches the output)
+        std::memcpy(sc + (t - lo), &s, sizeof s);  // lanes past n are overwritten by the next chunk
+      }
+    }
+    const float M = lane_max(vmax);
+    OT* dst = out + tok0 * P.o_tok + (it.kv_head * G + g) * P.o_head;
+    if (!(M > -std::numeric_limits<float>::infinity())) {  // every score NaN or -inf: NaN, as the online path
+      std::fill(dst, dst + kD, static_cast<OT>(std::numeric_limits<float>::quiet_NaN()));
+      continue;
+    }
+    // The softmax numerators, vectorised over all the row's scores; lanes past n_all are no keys.
+    v16 lsum = {};
+    for (int64_t t = 0; t < n_all; t += kLanes) {
+      v16 p = exp_nonpositive(load16(sc + t) - M);
+      p = lane < static_cast<int32_t>(n_all - t) ? p : zero;
+      lsum += p;
+      std::memcpy(sc + t, &p, sizeof p);
+    }
+    const float L = lane_sum(lsum);
+    // Pass 2: the weighted sum of the V rows.
+    v16 acc[kV] = {};
+    for (int64_t col = first_col; col <= last_col; ++col) {
+      const float* vb = vc + block_base(col);
+      const int64_t start = col * bs, a = std::max(lo, start), b = std::min(hi, start + bs);
+      for (int64_t t = a; t < b; ++t) {
+        const float w = sc[t - lo];
+        const float* vr = vb + (t - start) * P.k_slot;
+        for (int64_t i = 0; i < kV; ++i) acc[i] += w * load16(vr + i * kLanes);
+      }
+    }
+    float res[kD];
+    std::memcpy(res, acc, sizeof res);
+    from_float(res, dst, kD, P.v_mul / L);
+  }
+}
+
 template <typename QT, typename CT>
 void run(const Problem& P, const at::Tensor& out, const at::Tensor& q, const at::Tensor& kv_layer,
          const std::vector<Item>& items, const int32_t* qsl, const int32_t* lens, const int32_t* table) {
@@ -406,6 +491,22 @@ void run(const Problem& P, const at::Tensor& out, const at::Tensor& q, const at:
       const int64_t q_len = qsl[it.seq + 1] - qsl[it.seq];
       const int64_t len = lens[it.seq];
       const int64_t tok0 = qsl[it.seq] + it.row0, pos0 = len - q_len + it.row0;
+      if constexpr (std::is_same_v<CT, float>) {
+        // A single row with keys to see (a decode): the two-pass path for the vector head dims.
+        const int64_t hi = std::min(pos0 + 1, len);
+        const int64_t lo = P.window > 0 ? std::max<int64_t>(0, pos0 - P.window + 1) : 0;
+        if (it.rows == 1 && hi > lo) {
+          bool done = true;
+          switch (P.head_dim) {
+            case 32: attend_decode<QT, QT, 32>(P, it, tok0, lo, hi, qp, kc, vc, table, op, scratch); break;
+            case 64: attend_decode<QT, QT, 64>(P, it, tok0, lo, hi, qp, kc, vc, table, op, scratch); break;
+            case 128: attend_decode<QT, QT, 128>(P, it, tok0, lo, hi, qp, kc, vc, table, op, scratch); break;
+            case 256: attend_decode<QT, QT, 256>(P, it, tok0, lo, hi, qp, kc, vc, table, op, scratch); break;
+            default: done = false;
+          }
+          if (done) continue;
+        }
+      }
       switch (P.head_dim) {  // the common head dims compiled for their size, any other one generically
         case 32: attend<QT, CT, QT, 32>(P, it, tok0, pos0, len, qp, kc, vc, table, op, scratch); break;
         case 64: attend<QT, CT, QT, 64>(P, it, tok0, pos0, len, qp, kc, vc, table, op, scratch); break;

@@ -92,3 +92,20 @@ def test_warm_buckets_builds_every_bucket_once():
         for r in range(1, 201):
             linear(torch.randn(r, 40), w)
     assert SHAPES.shapes == before
+
+
+def test_row_slice_of_a_bucket_sized_tensor_is_not_copied():
+    """The sampled rows of the forward's bucket-sized hidden states go to oneDNN as a view of their
+    storage (no padded copy); the rows past them, whatever they hold (NaN here), change nothing."""
+    g = torch.Generator().manual_seed(3)
+    full = torch.randn(48, 64, generator=g)
+    full[41:] = float("nan")
+    w = torch.randn(96, 64, generator=g)
+    x = full[:41]
+    with torch.inference_mode():
+        y = linear(x, w)
+        assert cpu_linear._rows_in_storage(x, 48) is not None
+        assert cpu_linear._rows_in_storage(x.clone(), 48) is None  # exactly 41 rows of storage: padded copy
+        assert cpu_linear._rows_in_storage(full[:, :32], 48) is None  # not contiguous
+        torch.testing.assert_close(y, F.linear(x, w), rtol=1e-5, atol=1e-5)
+        assert torch.equal(y, linear(x.clone(), w))  # the same bucket either way: the same bits

@@ -45,6 +45,8 @@ class AttentionBackend(Protocol):
     ) -> torch.Tensor:
         """Write k/v [T, Hkv, D] into layer `layer` of the whole cache
         [layers, 2, blocks, block_size, Hkv, D], then attend q [T, Hq, D]; returns [T, Hq, D].
+        q/k/v may be strided views (head_dim contiguous). The torch backend also takes q with
+        padding rows past k's (the eager CPU forward's row bucket): they come out as zeros.
         sliding_window > 0: each query sees only the last `sliding_window` positions.
         softcap > 0: scores are softcap * tanh(scores / softcap) (Gemma 2)."""
         ...

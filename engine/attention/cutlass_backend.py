@@ -88,6 +88,7 @@ class CutlassAttentionBackend:
 
     def forward(self, q, k, v, kv_cache, layer: int, meta: AttentionMetadata, scale: float,
                 sliding_window: int = 0, softcap: float = 0.0) -> torch.Tensor:
+        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()  # (the model hands views of its qkv output)
         scales = None if self.kv_scales is None else self.kv_scales.before_write(k, v, layer, meta.slot_mapping)
         torch.ops.kiln.write_kv_cutlass(k, v, kv_cache, layer, meta.slot_mapping, self.handle, scales)
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)

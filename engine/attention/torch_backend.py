@@ -31,17 +31,24 @@ class TorchAttentionBackend:
         eager = fused_cpu and not torch.compiler.is_compiling()
         scales = None if self.kv_scales is None else self.kv_scales.before_write(k, v, layer, meta.slot_mapping,
                                                                                    eager)
-        out = torch.empty_like(q)
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         if eager:
             # Eager forward on the CPU: the ops' implementations called directly; the custom-op
             # dispatch costs more than batch-1 attention itself (~0.1 ms a call, two per layer).
+            # Both C++ ops read strided q/k/v rows (no copies), and q's padding rows past k's
+            # (the model's row bucket) are claimed by no sequence: the kernel writes them as zeros.
             write_kv_cpu_impl(k, v, kv_cache, layer, meta.slot_mapping, scales)
             paged_attention_cpu_impl(out, q, kv_cache, layer, meta.query_start_loc, meta.seq_lens,
                                      meta.block_tables, scale, meta.max_query_len, meta.max_seq_len, meta.num_decodes,
                                      scales, sliding_window, softcap)
             return out
+        result, tokens = out, k.shape[0]
+        if q.shape[0] != tokens:  # padding rows (an eager CPU forward's row bucket): zeros
+            out[tokens:].zero_()
+            q, out = q[:tokens], out[:tokens]
+        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
         torch.ops.kiln.write_kv(k, v, kv_cache, layer, meta.slot_mapping, scales)
         op = torch.ops.kiln.paged_attention_cpu if fused_cpu else torch.ops.kiln.paged_attention
         op(out, q, kv_cache, layer, meta.query_start_loc, meta.seq_lens, meta.block_tables,
            scale, meta.max_query_len, meta.max_seq_len, meta.num_decodes, sliding_window, softcap, kv_scales=scales)
-        return out
+        return result

@@ -18,7 +18,7 @@ from torch import nn
 
 import compiler.ops  # noqa: F401 - registers every kiln:: op (kiln::moe_experts here)
 from compiler import cpu_fused
-from compiler.cpu_linear import linear, warm_buckets
+from compiler.cpu_linear import MIN_ONEDNN_ROWS, linear, row_bucket, warm_buckets
 from engine.attention.base import AttentionBackend, AttentionMetadata
 from engine.distributed.layers import ParallelLMHead, RowParallelLinear, VocabParallelEmbedding, parallel_logits
 from engine.distributed.parallel import TensorParallel, all_reduce, check_shardable, local_heads, vocab_rows_per_rank
@@ -178,8 +178,12 @@ class Attention(nn.Module):
         else:
             q = self.rope(q, *rope)
             k = self.rope(k, *rope)
-        out = backend.forward(q.contiguous(), k.contiguous(), v.contiguous(), kv_cache, self.layer_index,
-                              meta, self.scale, self.sliding_window, self.softcap)
+        tokens = meta.slot_mapping.shape[0]
+        if tokens < n:  # the row bucket's padding rows (LlamaForCausalLM.padded_rows): no K/V to write
+            k, v = k[:tokens], v[:tokens]
+        # q/k/v as views of the qkv output: the backend copies them only where its ops need it.
+        out = backend.forward(q, k, v, kv_cache, self.layer_index, meta, self.scale, self.sliding_window,
+                              self.softcap)
         return self.o_proj(out.view(n, self.q_size), lora)
 
 
@@ -293,6 +297,7 @@ class LlamaForCausalLM(nn.Module):
             vocab_rows_per_rank(config, tp), config.hidden_size, tp)
         self.backend: AttentionBackend | None = None
         self.lora_slots = 0  # adapters one batch can mix (engine/lora.py); 0: LoRA off
+        self.pad_cpu_rows = False  # forward in oneDNN row buckets (padded_rows; set by use_cpu_fused_ops)
 
     def set_backend(self, backend: AttentionBackend) -> None:
         self.backend = backend
@@ -315,7 +320,20 @@ class LlamaForCausalLM(nn.Module):
         for module in self.modules():
             if isinstance(module, (RMSNorm, RotaryEmbedding, MLP)):
                 module.fused = True
+        # Row buckets end to end pay only where every projection is a dense oneDNN one.
+        self.pad_cpu_rows = (self.tp is None and not self.config.is_moe
+                             and all(m.quant is None for m in self.modules() if isinstance(m, Linear)))
         return seconds
+
+    def padded_rows(self, tokens: int, x: torch.Tensor, lora: torch.Tensor | None) -> int:
+        """The rows the eager CPU forward runs: `tokens` rounded up to oneDNN's row bucket
+        (compiler/cpu_linear.py), so that every projection takes its input as is instead of
+        padding a copy of it (9 copies a step for 2 layers). Padding rows (id 0, position 0) are
+        claimed by no sequence: attention writes them as zeros and the caller never sees them."""
+        if (not self.pad_cpu_rows or tokens < MIN_ONEDNN_ROWS or lora is not None or x.dtype != torch.float32
+                or not x.is_cpu or torch.compiler.is_compiling()):
+            return tokens
+        return row_bucket(tokens)
 
     def warm_cpu_linear(self, max_tokens: int, max_seqs: int) -> int:
         """Build oneDNN's primitive for every row bucket (compiler/cpu_linear.py) of the dense float32
@@ -332,20 +350,26 @@ class LlamaForCausalLM(nn.Module):
                 meta: AttentionMetadata, ctx: ForwardContext | None = None) -> torch.Tensor:
         """ids, positions [T] -> final hidden states [T, hidden]. kv_cache: [layers, 2, blocks, bs, Hkv, D].
         ctx: the step's feature inputs (engine/forward_context.py); None: no feature is used."""
+        lora = None
+        if self.lora_slots and ctx is not None and ctx.lora_slots is not None:  # one-hot of each token's slot
+            slots = torch.arange(self.lora_slots, device=input_ids.device)
+            lora = (ctx.lora_slots[:, None] == slots).to(self.embed_tokens.weight.dtype)
+        tokens = input_ids.shape[0]
+        rows = self.padded_rows(tokens, self.embed_tokens.weight, lora)
+        if rows != tokens:
+            input_ids = F.pad(input_ids, (0, rows - tokens))
+            positions = F.pad(positions, (0, rows - tokens))
         x = self.embed_tokens(input_ids)
         if self.config.embed_scale is not None:  # Gemma: rounded to the weights' dtype first, as in HF
             x = x * torch.tensor(self.config.embed_scale, dtype=x.dtype)
         rope = self.rotary(positions, x)
         local = self.rotary_local(positions, x) if self.rotary_local is not None else rope
-        lora = None
-        if self.lora_slots and ctx is not None and ctx.lora_slots is not None:  # one-hot of each token's slot
-            slots = torch.arange(self.lora_slots, device=x.device)
-            lora = (ctx.lora_slots[:, None] == slots).to(x.dtype)
         delta = None
         for layer in self.layers:
             x, delta = layer(x, delta, local if layer.self_attn.sliding_window else rope, kv_cache, meta,
                              self.backend, lora)
-        return self.norm.add_forward(x, delta)[1]
+        hidden = self.norm.add_forward(x, delta)[1]
+        return hidden if rows == tokens else hidden[:tokens]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
