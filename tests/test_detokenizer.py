@@ -5,7 +5,7 @@ characters split across byte-level tokens; an incomplete UTF-8 character stays h
 from __future__ import annotations
 
 import pytest
-from hypothesis import HealthCheck, given, settings, strategies as st
+from hypothesis import HealthCheck, example, given, settings, strategies as st
 
 from engine.detokenizer import Detokenizer, detokenize_step, init_offsets
 from engine.request import Request, SamplingParams, Sequence
@@ -54,13 +54,16 @@ def test_decode_stream_equals_window_method(tokenizer, data):
 # (A literal U+FFFD is held back by both methods: it looks like a split character.)
 @given(text=st.text(alphabet=st.characters(codec="utf-8", exclude_categories=["Cs"], exclude_characters="\ufffd"), min_size=1, max_size=30))
 @settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@example(text="<|bos|>")  # a special token's spelling (found by hypothesis)
 def test_split_characters_appear_whole_once(tokenizer, text):
     ids = tokenizer.encode(text, add_special_tokens=False)
     prompt = tokenizer.encode("Hello", add_special_tokens=False)
     window, fast, seq = _texts(tokenizer, prompt, ids, True)
     assert fast == window
     assert seq.decode_stream, "the stream gave up on text encoded by the tokenizer itself"
-    assert fast[-1] == tokenizer.decode(prompt + ids)[len(tokenizer.decode(prompt)):]
+    # skip=True above: a text that spells a special token ("<|bos|>") decodes to nothing
+    whole = tokenizer.decode(prompt + ids, skip_special_tokens=True)
+    assert fast[-1] == whole[len(tokenizer.decode(prompt, skip_special_tokens=True)):]
     assert not any(t.endswith("\ufffd") for t in fast)
 
 
