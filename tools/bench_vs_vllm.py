@@ -28,6 +28,9 @@ Both engines start from their own caches (vLLM's torch.compile cache, kiln's ker
 first start of each may take minutes. Results go to --out-dir as JSON, and a table is printed.
 Start-up time is not measured. vLLM's offline benchmark samples at temperature 1.0; kiln's is
 greedy (the cost of sampling is small next to a forward on this model; noted, not hidden).
+
+Status (2026-12-01): the offline commands it runs were measured by hand (BENCHMARKS.md, session 7),
+but the script as a whole, and its `kiln serve` leg, have not run end to end yet.
 """
 
 from __future__ import annotations
