@@ -22,7 +22,7 @@ from typing import Any
 
 from engine.detokenizer import Detokenizer, init_offsets, visible_len
 from engine.request import CompletionOutput, FinishReason, Request, RequestOutput, Sequence, SeqStatus
-from engine.sampler import SamplerOutput
+from engine.sampled_tokens import SamplerOutput
 from engine.scheduler import Scheduler, SchedulerOutput, sample_row_ranges
 from engine.tasks import task_of
 

@@ -26,7 +26,8 @@ from engine.decode_graphs import DecodeGraphRunner
 from engine.forward_context import StepFeatures
 from engine.input_buffers import InputBuffers
 from engine.kv.cache import KVCache
-from engine.sampler import HostCopy, LastSampled, PendingSample, Sampler, SampleRow, SamplerOutput
+from engine.sampled_tokens import HostCopy, LastSampled, PendingSample, SamplerOutput
+from engine.sampler import Sampler, SampleRow
 from engine.request import SamplingParams
 from engine.scheduler import SchedulerOutput, sample_row_ranges
 from engine.step_builder import StepBuilder, StepInputs

@@ -15,13 +15,13 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass, field
-from typing import Any
 
 import numpy as np
 import torch
 
 from engine.request import SamplingParams
-from engine.step_plan import PLACEHOLDER, ScheduledSeq, sample_row_ranges
+from engine.sampled_tokens import HostCopy, LastSampled, PendingSample, SamplerOutput, pack_chosen_and_top
+from engine.step_plan import PLACEHOLDER
 from engine.structured_output import GrammarMatcher, bitmask_words, unpack_bitmask
 
 
@@ -51,18 +51,6 @@ class SampleRow:
 
     def output_token_ids(self) -> list[int]:
         return self.all_token_ids[self.num_prompt_tokens:] + self.extra
-
-
-@dataclass
-class SamplerOutput:
-    token_ids: list[int]
-    # Per row: (chosen token's logprob, {token: logprob} for the top N) or None.
-    logprobs: list[tuple[float, dict[int, float]] | None]
-    # Rows that failed (a logits processor raised, or the logits were NaN / +inf / all -inf):
-    # row -> message. Their token is -1; the engine fails their requests, the rest go on.
-    errors: dict[int, str] = field(default_factory=dict)
-    # What tasks read off this step's hidden states: seq id -> result (engine/tasks.py read()).
-    task_results: dict[int, Any] = field(default_factory=dict)
 
 
 class _BatchNeeds:
@@ -153,7 +141,7 @@ class Sampler:
             return PendingSample(tokens, HostCopy(tokens, owned=True), errors)
         want_logprobs = [r.params.logprobs for r in rows]
         top_n = max(n or 0 for n in want_logprobs)
-        return PendingSample(tokens, HostCopy(_pack_chosen_and_top(raw_logits, tokens, top_n), owned=True),
+        return PendingSample(tokens, HostCopy(pack_chosen_and_top(raw_logits, tokens, top_n), owned=True),
                              errors, want_logprobs, top_n)
 
     def _apply_processors(self, logits: torch.Tensor, rows: list[SampleRow], errors: dict[int, str]) -> torch.Tensor:
@@ -380,125 +368,3 @@ class _PenaltyState:
         counts = self.counts.clone()
         self._add(counts, r.extra)
         return counts, in_flight
-
-
-class LastSampled:
-    """A launched step's sampled tokens, still on the device, and which row of them each
-    one-token sequence's is: the next step's PLACEHOLDERs (its input ids, penalty counts) read
-    them from there, with no host round trip. The seq id -> row map is built only when asked
-    (a steady decode batch needs only its order), so remembering a step costs nothing per row."""
-
-    __slots__ = ("tokens", "_seqs", "_decode", "_rows")
-
-    def __init__(self, tokens: torch.Tensor, seqs: list[ScheduledSeq] | None = None, decode: bool = False) -> None:
-        self.tokens = tokens
-        self._seqs = seqs or []  # (read only while the step is in flight: its records are not reused yet)
-        self._decode = decode  # seqs[i] sampled row i (one token per sequence, each sampled once)
-        self._rows: dict[int, int] | None = None
-
-    def leads_with(self, seq_ids: list[int]) -> bool:
-        """seq_ids sampled rows 0..len(seq_ids)-1, in this order (a steady decode batch)."""
-        seqs = self._seqs
-        k = len(seq_ids)
-        return self._decode and k <= len(seqs) and [s.seq_id for s in seqs[:k]] == seq_ids
-
-    def rows_of(self, seq_ids: list[int]) -> list[int]:
-        """The row of each of these sequences' sampled token (KeyError: it sampled none here)."""
-        rows = self._rows
-        if rows is None:
-            if self._decode:
-                rows = {s.seq_id: i for i, s in enumerate(self._seqs)}
-            else:
-                rows = {s.seq_id: r.start for s, r in sample_row_ranges(self._seqs) if len(r) == 1}
-            self._rows = rows
-        return [rows[i] for i in seq_ids]
-
-
-class HostCopy:
-    """A device tensor's copy to the host, started without blocking (pinned memory + an event).
-    owned: t is a fresh tensor nobody else writes (not a graph's static buffer), so on the CPU it
-    is kept as it is instead of cloned."""
-
-    def __init__(self, t: torch.Tensor, owned: bool = False) -> None:
-        if t.device.type == "cuda":
-            self.host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-            self.host.copy_(t, non_blocking=True)
-            self.event = torch.cuda.Event()
-            self.event.record()
-        else:  # (a copy unless owned: t may be a graph's static buffer that the next step overwrites)
-            self.host, self.event = (t if owned else t.clone()), None
-
-    def tolist(self) -> list:
-        if self.event is not None:
-            self.event.synchronize()
-        return self.host.tolist()
-
-
-class PendingSample:
-    """Tokens sampled on the device (`tokens`, -1 in failed rows) on their way to the host."""
-
-    def __init__(self, tokens: torch.Tensor, copy: HostCopy | None, errors: dict[int, str],
-                 want_logprobs: list[int | None] | None = None, top_n: int = 0) -> None:
-        self.tokens = tokens
-        self._copy = copy
-        self._errors = errors
-        self._want = want_logprobs
-        self._top_n = top_n
-
-    @classmethod
-    def empty(cls, device: torch.device) -> "PendingSample":
-        return cls(torch.zeros(0, dtype=torch.int64, device=device), None, {})
-
-    def result(self) -> SamplerOutput:
-        if self._copy is None:
-            return SamplerOutput([], [])
-        if self._want is None:
-            out = SamplerOutput(self._copy.tolist(), [None] * len(self.tokens))
-        else:
-            ids, chosen, vals, top_ids = _unpack_chosen_and_top(self._copy.tolist(), self._top_n)
-            out = SamplerOutput(ids, [None if n is None else (chosen[i], {top_ids[i][j]: vals[i][j] for j in range(n)})
-                                      for i, n in enumerate(self._want)])
-        errors = dict(self._errors)
-        if out.token_ids and min(out.token_ids) < 0:
-            for i, token in enumerate(out.token_ids):
-                if token < 0 and i not in errors:
-                    errors[i] = "the model produced non-finite logits (NaN or inf) for this request"
-        for i in errors:
-            out.token_ids[i] = -1
-        out.errors = errors
-        return out
-
-
-def _pack_chosen_and_top(logits: torch.Tensor, chosen: torch.Tensor, top_n: int) -> torch.Tensor:
-    """Per row: the token `chosen[row]` (-1 kept: a failed row), its logprob, and the top_n
-    logprobs with their token ids, packed for one device-to-host copy (float64 holds any token id)."""
-    logprobs = logits.float().log_softmax(dim=-1)
-    picked = logprobs.gather(1, chosen.clamp(min=0)[:, None])
-    columns = [chosen[:, None].double(), picked.double()]
-    if top_n > 0:
-        top_vals, top_ids = logprobs.topk(top_n, dim=-1)
-        columns += [top_vals.double(), top_ids.double()]
-    return torch.cat(columns, dim=1)
-
-
-def _unpack_chosen_and_top(host: list[list[float]], top_n: int
-                           ) -> tuple[list[int], list[float], list[list[float]], list[list[int]]]:
-    return ([int(r[0]) for r in host], [r[1] for r in host], [r[2:2 + top_n] for r in host],
-            [[int(t) for t in r[2 + top_n:]] for r in host])
-
-
-def _chosen_and_top(logits: torch.Tensor, chosen: torch.Tensor, top_n: int
-                    ) -> tuple[list[int], list[float], list[list[float]], list[list[int]]]:
-    return _unpack_chosen_and_top(_pack_chosen_and_top(logits, chosen, top_n).tolist(), top_n)
-
-
-def prompt_token_logprobs(logits: torch.Tensor, targets: list[int], top_n: int) -> list[dict[int, float]]:
-    """{token: logprob} per row for a prompt: the top_n tokens and the prompt's own next token
-    `targets[row]` (always present, whatever its rank)."""
-    _, picked, vals, ids = _chosen_and_top(logits, torch.tensor(targets, device=logits.device), top_n)
-    entries = []
-    for i, target in enumerate(targets):
-        entry = dict(zip(ids[i], vals[i]))
-        entry[target] = picked[i]
-        entries.append(entry)
-    return entries

@@ -23,7 +23,8 @@ from compiler.capture import MIN_COMPILED_ROWS, mark_static_dims
 from engine.attention.base import AttentionMetadata
 from engine.forward_context import ForwardContext, StepFeatures
 from engine.input_buffers import InputBuffers
-from engine.sampler import LastSampled, SampleRow
+from engine.sampled_tokens import LastSampled
+from engine.sampler import SampleRow
 from engine.scheduler import PLACEHOLDER, ScheduledSeq, SchedulerOutput
 
 

@@ -101,7 +101,7 @@ class ScorePrompt(Generate):
         return row, start + 1, s.all_token_ids[start + 1:last + 1]
 
     def read(self, model, hidden, plan: tuple[int, int, list[int]]) -> tuple[int, list[dict[int, float]]]:
-        from engine.sampler import prompt_token_logprobs
+        from engine.sampled_tokens import prompt_token_logprobs
 
         row, first, targets = plan
         entries: list[dict[int, float]] = []

@@ -271,7 +271,8 @@ def test_penalty_counts_take_the_in_flight_token_on_the_device():
 
     import torch
 
-    from engine.sampler import LastSampled, Sampler, SampleRow
+    from engine.sampled_tokens import LastSampled
+    from engine.sampler import Sampler, SampleRow
     from engine.step_plan import PLACEHOLDER
 
     params = SamplingParams(temperature=0, frequency_penalty=0.7, presence_penalty=0.2, repetition_penalty=1.4)

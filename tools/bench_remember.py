@@ -16,7 +16,7 @@ from engine.bench.overhead import instrument, measure, stub_model
 from engine.config import EngineSettings
 from engine.llm_engine import LLMEngine
 from engine.runner import ModelRunner
-from engine.sampler import LastSampled
+from engine.sampled_tokens import LastSampled
 from engine.scheduler import sample_row_ranges
 
 
