@@ -141,7 +141,7 @@ class ModelRunner:
         if self.graph_runner is not None and self.graph_runner.can_replay(step):
             hidden, tokens = self.graph_runner.replay(step)
             n = len(step.rows)
-            if not defer_sampling and all(_plain_greedy(r) for r in step.rows):
+            if not defer_sampling and all([r.plain for r in step.rows]):
                 # argmax computed in the graph; -1 marks a row with non-finite logits (the sampler's rule)
                 pending.sample = PendingSample(tokens[:n], HostCopy(tokens[:n]), {})
                 return self._remember(sched, pending)
@@ -215,10 +215,3 @@ class PendingStep:
 
 # The row of a sequence that finished before its launched step was sampled (its token is discarded).
 _DISCARDED = SampleRow(SamplingParams(temperature=0.0), [], 0, 0)
-
-
-def _plain_greedy(r: SampleRow) -> bool:
-    """The sampler would return argmax(logits) for this row (what a decode graph computes)."""
-    p = r.params
-    return (p.greedy and p.logprobs is None and not p.needs_penalties and not p.logits_processors
-            and not p.restricts_tokens and r.num_output_tokens >= p.min_tokens and r.grammar is None)

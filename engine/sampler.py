@@ -37,13 +37,15 @@ class SampleRow:
     extra: list[int] = field(default_factory=list)
     key: int | None = None  # the sequence's id: penalty state is kept per sequence across steps
     # Greedy with nothing else to apply, for good (a decoding sequence's row is reused step after
-    # step): a batch of such rows is one argmax, with no per-feature pass over the rows.
+    # step, and its output only grows past min_tokens): a batch of such rows is one argmax, with no
+    # per-feature pass over the rows (and a decode graph's own argmax serves it: engine/runner.py).
     plain: bool = field(init=False)
 
     def __post_init__(self) -> None:
         p = self.params
         self.plain = (p.greedy and not p.logits_processors and not p.restricts_tokens and self.grammar is None
-                      and p.min_tokens == 0 and not p.needs_penalties and p.logprobs is None)
+                      and (p.min_tokens == 0 or self.num_output_tokens >= p.min_tokens)
+                      and not p.needs_penalties and p.logprobs is None)
 
     @property
     def num_output_tokens(self) -> int:

@@ -53,9 +53,6 @@ class StepResults:
         touched: list[Sequence] = []
         spare = self.spare
         cache_full_blocks = self.kv.cache_full_blocks
-        # A decode fills a block once every block_size tokens: the prefix cache is asked only then.
-        digests = self.kv.digests if self.kv.pool.enable_prefix_caching else None
-        bs = self.kv.block_size
         running, finished = SeqStatus.RUNNING, SeqStatus.FINISHED
         for sched, tokens in zip(out.seqs, sampled):
             seq = sched.seq
@@ -71,8 +68,7 @@ class StepResults:
                     touched.append(seq)
                     if len(sched.token_ids) == 1:
                         spare[sched.seq_id] = sched
-                if digests is not None and seq.status is running and len(digests.get(seq.seq_id, ())) < min(
-                        seq.num_computed_tokens, len(seq.token_ids) - seq.num_pending) // bs:
+                if seq.status is running:
                     cache_full_blocks(seq)
                 continue  # (a failed row keeps its placeholder: the engine fails the request)
             if seq.status is not SeqStatus.RUNNING:

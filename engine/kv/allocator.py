@@ -161,8 +161,12 @@ class KVAllocator:
         if not self.pool.enable_prefix_caching:
             return
         bs = self.block_size
-        digests = self.digests.setdefault(seq.seq_id, [])
         full = min(seq.num_computed_tokens, len(seq.token_ids) - seq.num_pending) // bs
+        digests = self.digests.get(seq.seq_id)
+        if digests is None:
+            digests = self.digests[seq.seq_id] = []
+        elif len(digests) >= full:
+            return  # (a decode fills a block once every block_size tokens: most calls end here)
         while len(digests) < full:
             i = len(digests)
             parent = digests[-1] if digests else seq.request.prefix_root
