@@ -49,7 +49,7 @@ def configure_compile_cache(path: Path, changed: bool) -> Path:
     """Turn on Inductor's persistent caches (FX graphs, AOTAutograd, Triton kernels) under `path`.
 
     Inductor reads its cache root only from the TORCHINDUCTOR_CACHE_DIR process variable; the
-    engine sets it from its `compile_cache_dir` setting (engine/config.py) before calling this,
+    engine sets it from its `compile_cache_dir` setting (engine/config/settings.py) before calling this,
     and says whether it changed, in which case the in-memory caches keyed to the previous root
     are dropped. A second start with the same directory and model reuses the compiled
     artefacts (Dynamo still traces).

@@ -45,11 +45,17 @@ import torch
 
 from compiler.kernels.loader import F32, I32, I64, PTR, KernelLibrary, Launcher, max_active_ctas_per_sm
 from compiler.kernels.manifest import (
-    DEFAULT_CONSTANTS, DECODE_KERNELS, PREFILL_KERNELS, attention_variant_names, prefill_smem_bytes, prefill_tile,
-    prefill_wgmma_smem_bytes, prefill_wgmma_tile,
+    DECODE_KERNELS,
+    DEFAULT_CONSTANTS,
+    PREFILL_KERNELS,
+    attention_variant_names,
+    prefill_smem_bytes,
+    prefill_tile,
+    prefill_wgmma_smem_bytes,
+    prefill_wgmma_tile,
 )
-from compiler.launch_plan import ctas_per_sm_from_resources, plan_attention_launches, plan_decode_splits
 from compiler.kv_quant import is_fp8
+from compiler.launch_plan import ctas_per_sm_from_resources, plan_attention_launches, plan_decode_splits
 from compiler.reference_attention import paged_attention_reference, write_kv_reference
 
 logger = logging.getLogger(__name__)

@@ -13,12 +13,12 @@ every expert runs on every token as one batched matmul and the zero weights drop
 expert was not chosen for: the same result for E/k times the arithmetic.
 
 `moe_experts_pairs` is the form for experts whose weights are dequantised per call (quantised
-experts, engine/quant/moe.py): when a step has fewer (token, expert) pairs than experts (decode),
+experts, engine/layers/quant/moe.py): when a step has fewer (token, expert) pairs than experts (decode),
 only the chosen experts' weights are dequantised, one copy per pair, and each pair's two
 projections are one batched matrix-vector product: plain torch ops, no host sync, no Python loop.
 
 `moe_experts_int4_cpu` (kiln::moe_experts_int4) runs int4 experts in torch's packed CPU layout
-(engine/quant/int4_packed.py) through `_weight_int4pack_mm_for_cpu`: the pairs are grouped by
+(engine/layers/quant/int4_packed.py) through `_weight_int4pack_mm_for_cpu`: the pairs are grouped by
 expert on the host (the CPU has no graph to break) and each chosen expert's tokens are one
 kernel call per projection, so a decode step touches only the experts it chose.
 

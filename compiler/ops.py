@@ -1,6 +1,6 @@
 """Every `kiln::` custom op, registered here and nowhere else.
 
-The engine imports this module through `engine.attention` (whatever the attention backend),
+The engine imports this module through `engine.layers.attention` (whatever the attention backend),
 so every op it calls exists in any process: the reference ops (`write_kv`, `paged_attention`,
 CPU and CUDA), the C++ CPU attention (`paged_attention_cpu`), `copy_blocks`, `moe_experts`,
 `moe_experts_int4` (int4 experts in torch's packed CPU layout),

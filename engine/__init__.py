@@ -1,11 +1,11 @@
 """kiln's runtime: the engine, its scheduler and KV cache, the offline API and the server."""
 
-from engine.cpu_threads import prefer_short_spin
+from engine.worker.cpu_threads import prefer_short_spin
 
 # Before anything loads torch's OpenMP runtime: idle threads spin briefly, then sleep.
 prefer_short_spin()
 
-from engine.request import LoRARequest, RequestOutput, SamplingParams, StructuredOutputsParams  # noqa: E402
+from engine.core.request import LoRARequest, RequestOutput, SamplingParams, StructuredOutputsParams  # noqa: E402
 
 __all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "LoRARequest", "RequestOutput", "EngineSettings"]
 
@@ -13,11 +13,11 @@ __all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "LoRARequest", "R
 def __getattr__(name: str):
     # Heavy imports (torch, transformers) only when these are used.
     if name == "LLM":
-        from engine.llm import LLM
+        from engine.entrypoints.llm import LLM
 
         return LLM
     if name == "EngineSettings":
-        from engine.config import EngineSettings
+        from engine.config.settings import EngineSettings
 
         return EngineSettings
     raise AttributeError(name)

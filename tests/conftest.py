@@ -24,7 +24,7 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(scope="session")
 def tiny_models(tmp_path_factory) -> dict[str, Path]:
     """arch -> directory of a tiny random HF checkpoint (float32) with a locally trained tokenizer."""
-    from engine.tiny_model import make_tiny_model
+    from engine.models.tiny_model import make_tiny_model
 
     root = tmp_path_factory.mktemp("tiny-models")
     return {arch: make_tiny_model(root / arch, arch=arch, seed=1 + i) for i, arch in enumerate(ARCHS)}
@@ -36,9 +36,9 @@ TRAIN_STEPS = 500
 @pytest.fixture(scope="session")
 def trained_tiny_model(tmp_path_factory):
     """arch -> a tiny checkpoint trained TRAIN_STEPS steps on the tokenizer's corpus
-    (engine/tiny_model.py train_on_corpus): peaked next-token distributions that depend on
+    (engine/models/tiny_model.py train_on_corpus): peaked next-token distributions that depend on
     attention, for fidelity gates. Each arch is trained on first use, once per session."""
-    from engine.tiny_model import make_tiny_model
+    from engine.models.tiny_model import make_tiny_model
 
     root = tmp_path_factory.mktemp("trained-tiny-models")
     made: dict[str, Path] = {}
@@ -87,7 +87,7 @@ def run_checked(engine) -> dict:
 @pytest.fixture
 def make_llm(tiny_llama):
     """Build LLMs (default: tiny llama, float32 CPU, eager) and check each one's pool at teardown."""
-    from engine.llm import LLM
+    from engine.entrypoints.llm import LLM
 
     made = []
 
@@ -111,8 +111,8 @@ def served(model, server: dict | None = None, **engine):
     import httpx
     import openai
 
-    from engine.config import EngineSettings, ServerSettings
-    from engine.server.app import build_app, create_state
+    from engine.config.settings import EngineSettings, ServerSettings
+    from engine.entrypoints.openai.app import build_app, create_state
 
     settings = dict(model=str(model), device="cpu", enforce_eager=True, max_model_len=256, num_gpu_blocks=128,
                     max_num_seqs=4, log_stats_interval=0)

@@ -2,7 +2,7 @@
 full-precision checkpoint of the same dequantised weights as the reference.
 
 Weights are rounded to the nearest level (RTN) per group; what matters here is the layout, not
-the quantiser. Packing is written from each format's definition (see engine/quant/int_formats.py
+the quantiser. Packing is written from each format's definition (see engine/layers/quant/int_formats.py
 for the layouts), independently of kiln's unpacking; compressed-tensors checkpoints are packed
 and described with the `compressed-tensors` package itself.
 """

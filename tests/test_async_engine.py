@@ -7,12 +7,13 @@ import threading
 import time
 
 import pytest
-
 from conftest import assert_engine_clean
-from engine.async_engine import AsyncEngine, EngineDeadError, QueueFullError
-from engine.config import EngineSettings
-from engine.llm_engine import LLMEngine
-from engine.request import InvalidRequestError, SamplingParams
+
+from engine.config.settings import EngineSettings
+from engine.core.request import InvalidRequestError, SamplingParams
+from engine.runtime.async_engine import AsyncEngine
+from engine.runtime.errors import EngineDeadError, QueueFullError
+from engine.runtime.llm_engine import LLMEngine
 
 
 @pytest.fixture

@@ -8,13 +8,13 @@ import threading
 import time
 
 import pytest
-
 from conftest import assert_engine_clean
+
 from engine.bench.serve import base_url, main
 from engine.bench.serve_data import arrival_gaps, read_sharegpt
 from engine.bench.serve_metrics import RequestResult, meets_slos, parse_goodput, percentile, summarize
-from engine.config import EngineSettings, ServerSettings
-from engine.server.app import build_app, create_state
+from engine.config.settings import EngineSettings, ServerSettings
+from engine.entrypoints.openai.app import build_app, create_state
 
 
 def test_metric_definitions_match_vllm():

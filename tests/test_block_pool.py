@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from engine.kv.block_pool import BlockPool, NoFreeBlocksError
+from engine.core.kv.block_pool import BlockPool, NoFreeBlocksError
 
 
 def test_null_block_is_never_handed_out():

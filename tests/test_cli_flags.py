@@ -1,4 +1,4 @@
-"""The vLLM flag surface: every flag in engine/flags.py's VLLM_FLAGS table parses into its setting."""
+"""The vLLM flag surface: every flag in engine/entrypoints/cli/flags.py's VLLM_FLAGS table parses into its setting."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from engine.cli import main, parse_serve_args
-from engine.config import EngineSettings, ServerSettings, SettingsError
-from engine.flags import VLLM_FLAGS
+from engine.config.settings import EngineSettings, ServerSettings, SettingsError
+from engine.entrypoints.cli.flags import VLLM_FLAGS
+from engine.entrypoints.cli.main import main, parse_serve_args
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -129,7 +129,7 @@ def test_no_prefix_matching_and_suggestions(capsys):
 
 
 def test_old_kiln_flag_names_still_work_with_a_warning(caplog):
-    with caplog.at_level(logging.WARNING, logger="engine.flags"):
+    with caplog.at_level(logging.WARNING, logger="engine.entrypoints.cli.flags"):
         engine, _ = parse_serve_args(["--swap-space-gb", "3", "--num-gpu-blocks", "50"])
     assert (engine.swap_space_gb, engine.num_gpu_blocks) == (3.0, 50)
     assert "--swap-space-gb is deprecated; use --swap-space" in caplog.text
@@ -147,7 +147,7 @@ def test_yaml_config_of_flags_and_command_line_wins(tmp_path):
 
 
 def test_help_shows_defaults_choices_and_no_internal_metavars():
-    out = subprocess.run([sys.executable, "-m", "engine.cli", "serve", "--help"], cwd=ROOT, capture_output=True,
+    out = subprocess.run([sys.executable, "-m", "engine.entrypoints.cli", "serve", "--help"], cwd=ROOT, capture_output=True,
                          text=True, env={**__import__("os").environ, "PYTHONPATH": str(ROOT)}).stdout
     assert "SETTING__" not in out
     assert "(default: 64)" in out and "{hermes,llama3_json}" in out and "--no-enable-prefix-caching" in out
@@ -173,7 +173,7 @@ def test_kiln_serve_model_positional_with_server_flags(tiny_llama, tmp_path):
     import httpx
 
     log = tmp_path / "serve.log"
-    cmd = [sys.executable, "-m", "engine.cli", "serve", str(tiny_llama), "--port", "0",
+    cmd = [sys.executable, "-m", "engine.entrypoints.cli", "serve", str(tiny_llama), "--port", "0",
            "--device", "cpu", "--enforce-eager", "--served-model-name", "first", "second",
            "--allowed-origins", '["http://ui.example"]', "--enable-log-requests", "--disable-uvicorn-access-log"]
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=open(log, "w"), text=True,
@@ -193,11 +193,11 @@ def test_kiln_serve_model_positional_with_server_flags(tiny_llama, tmp_path):
         proc.wait(timeout=30)
     text = log.read_text()
     assert "request POST /v1/completions" in text and '"max_tokens":2' in text
-    assert "engine.server.access" not in text
+    assert "engine.entrypoints.openai.access" not in text
 
 
 def test_global_log_level_reaches_serve(monkeypatch, caplog):
-    import engine.server.main
+    import engine.entrypoints.openai.main
 
     seen = {}
     monkeypatch.setattr(engine.server.main, "serve", lambda e, s: seen.update(server=s) or 0)
@@ -221,7 +221,7 @@ def test_kiln_serve_over_tls(tiny_llama, tmp_path):
     key, cert = tmp_path / "key.pem", tmp_path / "cert.pem"
     subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out",
                     str(cert), "-days", "1", "-subj", "/CN=127.0.0.1"], check=True, capture_output=True)
-    cmd = [sys.executable, "-m", "engine.cli", "serve", str(tiny_llama), "--port", "0", "--device", "cpu",
+    cmd = [sys.executable, "-m", "engine.entrypoints.cli", "serve", str(tiny_llama), "--port", "0", "--device", "cpu",
            "--enforce-eager", "--ssl-keyfile", str(key), "--ssl-certfile", str(cert)]
     log = tmp_path / "serve.log"
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=open(log, "w"), text=True,

@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from compiler.capture import bucket_for, compile_count, graph_ctx
-from engine.config import EngineSettings
-from engine.llm_engine import LLMEngine
-from engine.request import SamplingParams
+from engine.config.settings import EngineSettings
+from engine.core.request import SamplingParams
+from engine.runtime.llm_engine import LLMEngine
 from tests.conftest import assert_engine_clean
 
 SIZES = [1, 2, 4, 8]

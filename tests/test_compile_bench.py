@@ -33,15 +33,15 @@ def test_latency_bench_cpu_with_baseline(tiny_llama, tmp_path, capsys):
 
 def test_hf_state_dict_covers_transformers_model(tiny_models):
     """Every transformers parameter gets kiln's weight (the baseline compares the same model)."""
-    from engine.config import EngineSettings
-    from engine.llm_engine import LLMEngine
+    from engine.config.settings import EngineSettings
+    from engine.runtime.llm_engine import LLMEngine
 
     for arch in ("qwen2", "qwen3"):  # biases, q/k norms, tied embeddings
         engine = LLMEngine(EngineSettings(model=str(tiny_models[arch]), device="cpu", enforce_eager=True,
                                           num_gpu_blocks=8, max_model_len=64))
         hf = latency.build_hf_model(engine)
         ids = torch.tensor([[5, 6, 7, 8, 9]])
-        from engine.attention.base import AttentionMetadata
+        from engine.layers.attention.base import AttentionMetadata
 
         meta = AttentionMetadata(slot_mapping=torch.arange(16, 21), query_start_loc=torch.tensor([0, 5], dtype=torch.int32),
                                  seq_lens=torch.tensor([5], dtype=torch.int32),
@@ -55,7 +55,7 @@ def test_hf_state_dict_covers_transformers_model(tiny_models):
 @pytest.mark.parametrize("preset,billions", [("llama-3.2-1b", 1.236), ("llama-3.1-8b", 8.030)])
 def test_presets_config_only(tmp_path, preset, billions):
     """`make-tiny-model --preset --config-only` gives a loadable config of the real model's size."""
-    from engine.tiny_model import make_tiny_model
+    from engine.models.tiny_model import make_tiny_model
 
     path = make_tiny_model(tmp_path / preset, preset=preset, config_only=True)
     assert not list(path.glob("*.safetensors"))

@@ -10,8 +10,8 @@ import pytest
 import torch
 from pydantic import ValidationError
 
-from engine.config import EngineSettings
-from engine.request import SamplingParams
+from engine.config.settings import EngineSettings
+from engine.core.request import SamplingParams
 
 
 def test_settings_sources_in_priority_order(tmp_path, monkeypatch):
@@ -34,7 +34,7 @@ def test_invalid_settings_name_the_setting():
 
 
 def test_max_model_len_beyond_the_kv_cache_fails_at_start(make_llm, tiny_llama):
-    from engine.llm import LLM
+    from engine.entrypoints.llm import LLM
 
     with pytest.raises(ValueError, match="max_model_len"):
         LLM(str(tiny_llama), num_gpu_blocks=4, max_model_len=512, device="cpu")
@@ -44,7 +44,7 @@ def test_max_model_len_beyond_the_kv_cache_fails_at_start(make_llm, tiny_llama):
 
 def test_prompt_beyond_max_model_len_is_rejected_and_nothing_leaks(make_llm):
     from engine import SamplingParams
-    from engine.request import InvalidRequestError
+    from engine.core.request import InvalidRequestError
 
     llm = make_llm(max_model_len=64)
     with pytest.raises(InvalidRequestError, match="max_model_len"):
@@ -96,7 +96,7 @@ def test_sharded_bf16_checkpoint_loads_like_the_original(tiny_models, tmp_path, 
 def test_missing_weights_are_named(tiny_models, tmp_path):
     from safetensors.torch import load_file, save_file
 
-    from engine.llm import LLM
+    from engine.entrypoints.llm import LLM
 
     dst = tmp_path / "broken"
     _save_sharded(tiny_models["llama"], dst, torch.float32)
@@ -111,8 +111,8 @@ def test_missing_weights_are_named(tiny_models, tmp_path):
 
 def test_dummy_load_needs_only_a_config(tmp_path):
     from engine import SamplingParams
-    from engine.llm import LLM
-    from engine.tiny_model import make_tiny_model
+    from engine.entrypoints.llm import LLM
+    from engine.models.tiny_model import make_tiny_model
 
     d = make_tiny_model(tmp_path / "cfg", arch="qwen3", config_only=True)
     assert not list(d.glob("*.safetensors"))
@@ -122,7 +122,7 @@ def test_dummy_load_needs_only_a_config(tmp_path):
 
 
 def test_default_model_is_made_once(tmp_path):
-    from engine.tiny_model import default_model_dir
+    from engine.models.tiny_model import default_model_dir
 
     path = default_model_dir(tmp_path)
     stamp = (path / "model.safetensors").stat().st_mtime_ns
@@ -131,7 +131,7 @@ def test_default_model_is_made_once(tmp_path):
 
 
 def test_cli_generate_and_flags(tiny_llama):
-    cmd = [sys.executable, "-m", "engine.cli", "generate", "Hello", "--max-tokens", "4", "--json",
+    cmd = [sys.executable, "-m", "engine.entrypoints.cli", "generate", "Hello", "--max-tokens", "4", "--json",
            "--model", str(tiny_llama), "--device", "cpu", "--enforce-eager", "--max-model-len", "128",
            "--enable-prefix-caching", "false"]
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
@@ -145,7 +145,7 @@ def test_cli_generate_and_flags(tiny_llama):
 
 def test_out_of_vocab_stop_token_ids_are_rejected(make_llm):
     from engine import SamplingParams
-    from engine.request import InvalidRequestError
+    from engine.core.request import InvalidRequestError
 
     llm = make_llm()
     with pytest.raises(InvalidRequestError) as info:
@@ -188,7 +188,7 @@ def test_gemma3_config_formats():
     """Gemma 3 text configs as hub checkpoints write them (rope_theta + rope_local_base_freq +
     sliding_window_pattern) and as transformers 5 does (rope_parameters per layer type)."""
     from engine.models.config import ModelConfig
-    from engine.tiny_model import tiny_config
+    from engine.models.tiny_model import tiny_config
 
     base = {**tiny_config("gemma3", 512, 1, 2, 0), "num_hidden_layers": 12}
     old = {k: v for k, v in base.items() if k not in ("rope_parameters", "layer_types")}

@@ -6,8 +6,8 @@ import logging
 
 import pytest
 
-import engine.server.main
-from engine.cli import main
+import engine.entrypoints.openai.main
+from engine.entrypoints.cli.main import main
 
 
 @pytest.fixture(autouse=True)
@@ -120,8 +120,7 @@ def test_combination_errors_are_one_line(fake_serve, capsys):
 
 def test_build_kernels_uses_the_cache_root_serve_uses(monkeypatch, tmp_path):
     import compiler.kernels.cli
-
-    from engine.config import EngineSettings
+    from engine.config.settings import EngineSettings
 
     calls = []
     monkeypatch.setattr(compiler.kernels.cli, "build_main", lambda argv: calls.append(argv) or 0)

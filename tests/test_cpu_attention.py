@@ -161,7 +161,7 @@ def test_engine_greedy_matches_transformers(arch, tiny_models, make_llm):
 
 def test_engine_sliding_window_matches_transformers(tmp_path_factory, make_llm):
     """Window 16, chunked prefill over blocks of 8: the kernel's window crosses chunks and blocks."""
-    from engine.tiny_model import make_tiny_model
+    from engine.models.tiny_model import make_tiny_model
     from tests.test_engine_vs_hf import GREEDY, MAX_TOKENS, _prompts, hf_greedy
 
     path = tmp_path_factory.getbasetemp() / "mistral-window16"

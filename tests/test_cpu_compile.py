@@ -8,9 +8,9 @@ import torch
 
 from compiler.capture import compile_count
 from compiler.cpu_attention import KERNEL, CpuAttentionKernel, cpu_flags
-from engine.config import EngineSettings
-from engine.llm_engine import LLMEngine
-from engine.request import SamplingParams
+from engine.config.settings import EngineSettings
+from engine.core.request import SamplingParams
+from engine.runtime.llm_engine import LLMEngine
 from tests.conftest import assert_engine_clean, run_checked
 
 COMMON = dict(device="cpu", max_num_seqs=8, num_gpu_blocks=96, max_model_len=256, max_num_batched_tokens=64)

@@ -9,15 +9,15 @@ import pytest
 import torch
 
 from compiler import cpu_linear
-from engine.attention.base import AttentionMetadata
-from engine.attention.torch_backend import TorchAttentionBackend
+from engine.layers.attention.base import AttentionMetadata
+from engine.layers.attention.torch_backend import TorchAttentionBackend
 
 pytestmark = pytest.mark.skipif(not cpu_linear._ONEDNN, reason="torch built without oneDNN")
 
 
 @pytest.fixture(scope="module")
 def fused_llm(tiny_llama, tmp_path_factory):
-    from engine.llm import LLM
+    from engine.entrypoints.llm import LLM
 
     llm = LLM(model=str(tiny_llama), max_num_seqs=64, device="cpu", enforce_eager=True, num_gpu_blocks=512)
     model = llm.engine.runner.model

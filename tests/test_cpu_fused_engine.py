@@ -37,7 +37,7 @@ def test_fused_engine_matches_transformers(arch, tiny_models, make_llm, tmp_path
 
 @pytest.mark.parametrize("name", sorted(GLM_CONFIGS))
 def test_fused_engine_matches_transformers_glm(name, make_llm, tmp_path_factory):
-    from engine.tiny_model import make_tiny_model
+    from engine.models.tiny_model import make_tiny_model
 
     model = make_tiny_model(tmp_path_factory.mktemp(name), arch="llama", seed=11,
                             overrides=dict(GLM_CONFIGS[name], partial_rotary_factor=0.5, attention_bias=True,

@@ -12,8 +12,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.config import EngineSettings
-from engine.cpu_threads import apply_cpu_threads, available_cores, parse_core_list, plan_threads
+from engine.config.settings import EngineSettings
+from engine.config.values import parse_core_list
+from engine.worker.cpu_threads import apply_cpu_threads, available_cores, plan_threads
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -64,31 +65,31 @@ def _run(code: str, env_extra: dict[str, str] | None = None) -> dict:
 
 
 def test_a_short_spin_is_set_before_torch_loads_and_a_user_choice_is_kept():
-    code = ("import json, os, engine, torch; from engine.cpu_threads import wait_policy; "
+    code = ("import json, os, engine, torch; from engine.worker.cpu_threads import wait_policy; "
             "print(json.dumps([os.environ.get('OMP_WAIT_POLICY'), os.environ.get('GOMP_SPINCOUNT'), wait_policy()]))")
     assert _run(code) == [None, "1000", "spin 1000 then sleep"]
     assert _run(code, {"OMP_WAIT_POLICY": "PASSIVE"}) == ["PASSIVE", None, "passive"]
     assert _run(code, {"OMP_WAIT_POLICY": "ACTIVE"}) == ["ACTIVE", None, "active"]
     assert _run(code, {"GOMP_SPINCOUNT": "50"}) == [None, "50", "spin 50 then sleep"]
-    late = _run("import json, torch, engine; from engine.cpu_threads import wait_policy; "
+    late = _run("import json, torch, engine; from engine.worker.cpu_threads import wait_policy; "
                 "print(json.dumps(wait_policy()))")
     assert "imported before kiln" in late
 
 
 def test_pinning_applies_to_the_process():
     core = available_cores()[-1]
-    got = _run(f"import json, os, torch; from engine.cpu_threads import apply_cpu_threads; "
+    got = _run(f"import json, os, torch; from engine.worker.cpu_threads import apply_cpu_threads; "
                f"p = apply_cpu_threads(None, '{core}'); "
                f"print(json.dumps([sorted(os.sched_getaffinity(0)), torch.get_num_threads(), p.threads]))")
     assert got == [[core], 1, 1]
 
 
 def test_engine_start_logs_and_applies_the_thread_choice(tiny_llama, caplog):
-    from engine.llm_engine import LLMEngine
+    from engine.runtime.llm_engine import LLMEngine
 
     before = torch.get_num_threads()
     try:
-        with caplog.at_level(logging.INFO, logger="engine.cpu_threads"):
+        with caplog.at_level(logging.INFO, logger="engine.worker.cpu_threads"):
             engine = LLMEngine(EngineSettings(model=str(tiny_llama), enforce_eager=True, cpu_threads=1,
                                               max_model_len=256))
         assert torch.get_num_threads() == 1

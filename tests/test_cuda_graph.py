@@ -11,10 +11,10 @@ import pytest
 import torch
 
 from compiler.capture import bucket_for, compile_count, graph_ctx
-from engine.attention.base import AttentionMetadata
-from engine.config import EngineSettings
-from engine.llm_engine import LLMEngine
-from engine.request import SamplingParams
+from engine.config.settings import EngineSettings
+from engine.core.request import SamplingParams
+from engine.layers.attention.base import AttentionMetadata
+from engine.runtime.llm_engine import LLMEngine
 
 pytestmark = pytest.mark.gpu
 
@@ -31,7 +31,7 @@ def make_model(root) -> str:
     """Tiny random Llama checkpoint with head_dim 64 (peaked logits: initializer_range 0.2)."""
     import transformers
 
-    from engine.tiny_model import tiny_config, train_tokenizer
+    from engine.models.tiny_model import tiny_config, train_tokenizer
 
     tok = train_tokenizer()
     tok.save_pretrained(root)
@@ -63,8 +63,8 @@ def engines(request, tmp_path_factory):
     model = make_model(tmp_path_factory.mktemp("tiny-hd64"))
     cache = tmp_path_factory.mktemp("compile-cache")
     if backend == "cutlass":
-        from engine.attention import BackendSpec
-        from engine.attention.cutlass_backend import cutlass_available
+        from engine.layers.attention.base import BackendSpec
+        from engine.layers.attention.cutlass_backend import cutlass_available
 
         s = settings(model, backend, cache)
         spec = BackendSpec(device=torch.device("cuda"), dtype=torch.bfloat16, head_dim=64, block_size=16,

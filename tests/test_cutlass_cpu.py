@@ -16,12 +16,12 @@ from pathlib import Path
 import pytest
 import torch
 
-import compiler.ops
 from compiler import cutlass_ops
 from compiler.cutlass_ops import DECODE_GROUPS, AttentionKernels
 from compiler.reference_attention import paged_attention_reference
-from engine.attention import BackendSpec, get_attention_backend
-from engine.attention import cutlass_backend
+from engine.layers.attention import cutlass_backend
+from engine.layers.attention.base import BackendSpec
+from engine.layers.attention.selector import get_attention_backend
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -38,7 +38,7 @@ def _ops_the_code_calls() -> set[str]:
 
 _CHECK = """
 import json, sys, torch
-import engine.llm_engine  # what every engine process imports
+import engine.runtime.llm_engine  # what every engine process imports
 {extra}
 missing = [n for n in json.loads(sys.argv[1]) if not hasattr(torch.ops.kiln, n)]
 print(json.dumps(missing))
@@ -46,9 +46,9 @@ print(json.dumps(missing))
 
 
 @pytest.mark.parametrize("backend,extra", [
-    ("torch", "from engine.attention.torch_backend import TorchAttentionBackend; TorchAttentionBackend()"),
+    ("torch", "from engine.layers.attention.torch_backend import TorchAttentionBackend; TorchAttentionBackend()"),
     # no GPU here: the cutlass backend's module must import and the ops must be registered anyway
-    ("cutlass", "from engine.attention.cutlass_backend import CutlassAttentionBackend"),
+    ("cutlass", "from engine.layers.attention.cutlass_backend import CutlassAttentionBackend"),
 ])
 def test_every_op_the_engine_calls_is_registered_in_a_fresh_process(backend, extra):
     ops = _ops_the_code_calls()
@@ -258,10 +258,10 @@ def fake_gpu(monkeypatch):
 @pytest.mark.parametrize("cap", [(8, 0), (8, 9), (10, 0), (12, 0)])
 def test_auto_on_a_gpu_other_than_sm90_takes_the_torch_backend_with_one_log_line(tmp_path, fake_gpu, caplog, cap):
     fake_gpu(cap)
-    with caplog.at_level(logging.INFO, logger="engine.attention"):
+    with caplog.at_level(logging.INFO, logger="engine.layers.attention"):
         backend = get_attention_backend("auto", _cuda_spec(tmp_path))
     assert backend.name == "torch"
-    lines = [r.getMessage() for r in caplog.records if r.name == "engine.attention"]
+    lines = [r.getMessage() for r in caplog.records if r.name == "engine.layers.attention"]
     assert len(lines) == 1 and f"sm_{cap[0]}{cap[1]}" in lines[0] and "sm_90a" in lines[0]
     with pytest.raises(RuntimeError, match="sm_90a only"):
         get_attention_backend("cutlass", _cuda_spec(tmp_path))
@@ -271,7 +271,7 @@ def test_sm90_without_built_kernels_names_the_build_command(tmp_path, fake_gpu, 
     fake_gpu((9, 0))
     reason = cutlass_backend.cutlass_unavailable_reason(_cuda_spec(tmp_path))
     assert reason is not None and "kiln build-kernels" in reason
-    with caplog.at_level(logging.INFO, logger="engine.attention"):
+    with caplog.at_level(logging.INFO, logger="engine.layers.attention"):
         assert get_attention_backend("auto", _cuda_spec(tmp_path)).name == "torch"
     assert "kiln build-kernels" in caplog.text
 
@@ -316,7 +316,7 @@ def test_only_the_selected_kernel_generation_is_required(tmp_path, fake_gpu):
 def test_kernel_choice_is_a_setting(monkeypatch):
     from pydantic import ValidationError
 
-    from engine.config import EngineSettings
+    from engine.config.settings import EngineSettings
 
     assert (EngineSettings().decode_kernel, EngineSettings().prefill_kernel) == ("v1", "mma")
     monkeypatch.setenv("KILN_DECODE_KERNEL", "v2")

@@ -5,10 +5,11 @@ characters split across byte-level tokens; an incomplete UTF-8 character stays h
 from __future__ import annotations
 
 import pytest
-from hypothesis import HealthCheck, example, given, settings, strategies as st
+from hypothesis import HealthCheck, example, given, settings
+from hypothesis import strategies as st
 
-from engine.detokenizer import Detokenizer, detokenize_step, init_offsets
-from engine.request import Request, SamplingParams, Sequence
+from engine.core.request import Request, SamplingParams, Sequence
+from engine.runtime.detokenizer import Detokenizer, detokenize_step, init_offsets
 
 
 @pytest.fixture(scope="module")

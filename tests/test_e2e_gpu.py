@@ -15,7 +15,7 @@ KERNEL_CACHE = Path(__file__).resolve().parents[1] / "build" / "kernels"
 
 @pytest.fixture(scope="module")
 def tiny_d64(tmp_path_factory):
-    from engine.tiny_model import make_tiny_model
+    from engine.models.tiny_model import make_tiny_model
 
     # head_dim 64: a size the kernels are built for (the default tiny model uses 32).
     return make_tiny_model(tmp_path_factory.mktemp("d64"), arch="qwen2", seed=5,
@@ -27,7 +27,7 @@ def _run(model_dir, backend: str, prompts, **kw):
     from compiler.kernels.build import build_kernels, find_nvcc
     from compiler.kernels.loader import missing_variants
     from compiler.kernels.manifest import load_manifest
-    from engine.llm import LLM
+    from engine.entrypoints.llm import LLM
 
     if backend == "cutlass":
         missing = missing_variants(KERNEL_CACHE, list(load_manifest()))
@@ -48,7 +48,7 @@ def test_cutlass_backend_matches_torch_backend_greedy(tiny_d64, decode_kernel, p
     lengths = [1, 15, 16, 17, 40, 100, 257, 600]
     prompts = [torch.randint(5, 500, (n,), generator=g).tolist() for n in lengths]
     # The cutlass engine first: its ops must exist without the torch backend having run (every
-    # kiln:: op is registered by compiler/ops.py, imported by engine.attention).
+    # kiln:: op is registered by compiler/ops.py, imported by engine.layers.attention).
     # Chunked prefill (small budget) so chunks attend to a cached prefix through the kernels, and
     # steps mix decode rows (decode kernel) with a prompt chunk (prefill kernel).
     got = _run(tiny_d64, "cutlass", prompts, max_num_batched_tokens=128, decode_kernel=decode_kernel,

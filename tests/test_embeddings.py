@@ -9,7 +9,7 @@ import asyncio
 import pytest
 import torch
 
-from engine.request import InvalidRequestError, PoolingParams
+from engine.core.request import InvalidRequestError, PoolingParams
 from tests.conftest import assert_engine_clean, run_checked
 
 TEXTS = ["hello world", "the quick brown fox jumps over the lazy dog " * 6, "x", "A kiln is a thermally insulated chamber"]
@@ -103,7 +103,7 @@ def test_bare_model_checkpoint_serves_embeddings_only(tmp_path, make_llm):
     import transformers
 
     from engine import SamplingParams
-    from engine.tiny_model import tiny_config, train_tokenizer
+    from engine.models.tiny_model import tiny_config, train_tokenizer
 
     tok = train_tokenizer()
     tok.save_pretrained(tmp_path)

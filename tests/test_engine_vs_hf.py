@@ -188,7 +188,7 @@ def test_prompt_logprobs_match_transformers(variant, tiny_llama, make_llm):
 def test_sliding_window_matches_transformers(variant, tmp_path_factory, make_llm):
     """Mistral-style sliding-window attention (window 16, prompts up to 200 tokens): every query
     sees only the last 16 positions, in prefill chunks and in decodes, as transformers masks."""
-    from engine.tiny_model import make_tiny_model
+    from engine.models.tiny_model import make_tiny_model
 
     path = tmp_path_factory.getbasetemp() / "mistral-window16"
     if not (path / "config.json").is_file():

@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
-from engine.request import FinishReason, InvalidRequestError, SamplingParams
-from engine.sampler import Sampler, SampleRow
+from engine.core.request import FinishReason, InvalidRequestError, SamplingParams
+from engine.worker.sample.sampler import Sampler, SampleRow
 
 PROMPTS = [[11, 12, 13, 14, 15], [21, 22, 23], [31, 32, 33, 34, 35, 36, 37], [41, 42, 43, 44]]
 
@@ -33,7 +33,7 @@ def wrong_shape(out_ids, row):
 
 @pytest.fixture(scope="module")
 def baseline(tiny_llama):
-    from engine.llm import LLM
+    from engine.entrypoints.llm import LLM
 
     llm = LLM(str(tiny_llama), device="cpu", enforce_eager=True, max_model_len=64)
     return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, greedy(), use_tqdm=False)]

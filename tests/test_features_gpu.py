@@ -40,7 +40,7 @@ def test_grouped_moe_op_replays_in_a_cuda_graph():
 
 
 def _engine_pair(model: str, **kw):
-    from engine.llm import LLM
+    from engine.entrypoints.llm import LLM
 
     common = dict(model=model, device="cuda", dtype="float32", max_num_seqs=8, max_model_len=256,
                   num_gpu_blocks=256, cuda_graph_sizes=[1, 2, 4, 8])
@@ -56,7 +56,7 @@ def test_moe_model_with_decode_graphs_equals_eager(tiny_models):
 
 def test_lora_spec_decode_and_structured_outputs_with_graphs(tiny_llama, tmp_path):
     from engine.bench.lora import write_random_adapter
-    from engine.llm import LLM
+    from engine.entrypoints.llm import LLM
     from engine.models.config import ModelConfig
 
     config = ModelConfig.from_dir(tiny_llama)

@@ -18,13 +18,12 @@ import torch
 
 from compiler.kv_quant import FP8_DTYPE, FP8_MAX, calibrate_kv_scales, from_cache, quantize_fp8
 from compiler.reference_attention import paged_attention_reference, write_kv_reference
-from engine import kv_sizing
-from engine.config import EngineSettings
-from engine.kv.cache import KVCache, resolve_kv_cache_dtype
-from engine.kv.scales import is_kv_scale_name, read_kv_scales
-from engine.request import SamplingParams
+from engine.config.settings import EngineSettings
+from engine.core.kv import kv_sizing
+from engine.core.request import SamplingParams
+from engine.layers.kv_cache import KVCache, resolve_kv_cache_dtype
+from engine.layers.kv_scales import is_kv_scale_name, read_kv_scales
 from tests.conftest import run_checked
-
 
 # ---- the element format ----
 
@@ -256,8 +255,8 @@ def test_make_tiny_model_train_steps(tmp_path, capsys):
     seed fixes the result); the option refuses what it cannot train."""
     from safetensors.torch import load_file
 
-    from engine.cli import main
-    from engine.tiny_model import make_tiny_model, train_on_corpus, train_tokenizer
+    from engine.entrypoints.cli.main import main
+    from engine.models.tiny_model import make_tiny_model, train_on_corpus, train_tokenizer
 
     assert main(["make-tiny-model", str(tmp_path / "t"), "--train-steps", "2"]) == 0
     make_tiny_model(tmp_path / "r", seed=0)
@@ -430,7 +429,7 @@ def test_copy_on_write_parallel_sampling_and_beams(make_llm):
         eng.add_request(request_id=str(i), prompt=p, params=params)
     done = run_checked(eng)
     assert [[c.token_ids for c in done[str(i)].outputs] for i in range(len(prompts))] == expected
-    from engine.beam_search import BeamSearchParams
+    from engine.runtime.beam_search import BeamSearchParams
 
     beams = ref.beam_search([prompts[0]], BeamSearchParams(beam_width=3, max_tokens=6, ignore_eos=True))
     beams_tight = tight.beam_search([prompts[0]], BeamSearchParams(beam_width=3, max_tokens=6, ignore_eos=True))
@@ -438,7 +437,7 @@ def test_copy_on_write_parallel_sampling_and_beams(make_llm):
 
 
 def test_metrics_report_the_cache_dtype(make_llm):
-    from engine.server.metrics import EngineMetrics
+    from engine.entrypoints.openai.metrics import EngineMetrics
 
     llm = make_llm(kv_cache_dtype="fp8", num_gpu_blocks=20)
     metrics = EngineMetrics("m")

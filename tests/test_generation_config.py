@@ -7,11 +7,11 @@ import json
 import shutil
 
 import pytest
-
-from engine.generation_config import apply_generation_defaults, load_generation_defaults
-from engine.request import SamplingParams
-from engine.server.protocol import ChatCompletionRequest, CompletionRequest
 from conftest import served
+
+from engine.config.generation_config import apply_generation_defaults, load_generation_defaults
+from engine.core.request import SamplingParams
+from engine.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
 
 PROMPT = [5, 9, 100, 200, 7]
 
@@ -20,7 +20,7 @@ PROMPT = [5, 9, 100, 200, 7]
 def model_with_generation_config(tiny_models, tmp_path_factory):
     """The tiny llama plus a generation_config.json whose extra EOS id is the 3rd token greedy
     decoding of PROMPT produces (so generation must stop there)."""
-    from engine.llm import LLM
+    from engine.entrypoints.llm import LLM
 
     src = tiny_models["llama"]
     llm = LLM(str(src), device="cpu", enforce_eager=True, generation_config="vllm")
@@ -89,7 +89,7 @@ def test_server_applies_defaults_and_stops_at_extra_eos(model_with_generation_co
 
 
 def test_max_logprobs_bounds_requests(make_llm):
-    from engine.request import InvalidRequestError
+    from engine.core.request import InvalidRequestError
 
     llm = make_llm(max_logprobs=2)
     with pytest.raises(InvalidRequestError, match="max_logprobs"):

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from engine import SamplingParams
-from engine.quant.gguf_blocks import BLOCK_TYPES, dequantize
+from engine.layers.quant.gguf_blocks import BLOCK_TYPES, dequantize
 from tests.gguf_writer import write_gguf
 
 gguf = pytest.importorskip("gguf")
@@ -137,7 +137,7 @@ def test_float_types_and_errors():
 
 @pytest.fixture(scope="module")
 def wide_models(tmp_path_factory):
-    from engine.tiny_model import make_tiny_model
+    from engine.models.tiny_model import make_tiny_model
 
     root = tmp_path_factory.mktemp("gguf-src")
     made = {}
@@ -199,7 +199,7 @@ KEPT = {"llama": _DENSE, "mistral": _DENSE, "qwen2": dict(qkv="int8", o="int8", 
 
 
 def _kinds(llm) -> dict[str, str]:
-    from engine.quant.int4_packed import PACKED
+    from engine.layers.quant.int4_packed import PACKED
 
     layer = llm.engine.model.layers[0]
     mods = dict(qkv=layer.self_attn.qkv_proj, o=layer.self_attn.o_proj, gate_up=layer.mlp.gate_up_proj,
@@ -240,7 +240,7 @@ def test_f32_gguf_equals_its_hf_checkpoint(arch, make_llm, tmp_path):
     the HF directory it was written from. Llama: its llama3 rope scaling travels as llama.cpp's
     rope_freqs tensor; Mistral: no rope scaling; Qwen3 with head_dim 64: read from the file's
     key_length (transformers would assume 128)."""
-    from engine.tiny_model import make_tiny_model
+    from engine.models.tiny_model import make_tiny_model
 
     src = make_tiny_model(tmp_path / arch, arch=arch, seed=5, overrides=WIDE)
     path = write_gguf(src, tmp_path / f"{arch}-f32.gguf", "F32", name=f"tiny {arch}")
@@ -272,14 +272,14 @@ def test_gguf_with_tokenizer_dir_and_bad_files(wide_models, make_llm, tmp_path):
     path = write_gguf(src, tmp_path / "q.gguf", "Q8_0")
     llm = make_llm(path, tokenizer=str(src))
     assert llm.tokenizer.encode("kiln") == make_llm(src).tokenizer.encode("kiln")
-    from engine.llm import LLM
+    from engine.entrypoints.llm import LLM
 
     with pytest.raises(ValueError, match="neither a directory nor a .gguf file"):
         LLM(str(tmp_path / "missing.gguf"), device="cpu", enforce_eager=True)
 
 
 def test_unsupported_tensor_type_is_a_clear_error(wide_models, tmp_path):
-    from engine.quant.gguf_file import read_header
+    from engine.models.loader.gguf_file import read_header
 
     path = write_gguf(wide_models("qwen2"), tmp_path / "q2k.gguf", {"ffn_down": "Q2_K"})
     with pytest.raises(ValueError, match="blk.0.ffn_down.weight has type 10, which kiln does not read"):

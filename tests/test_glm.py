@@ -23,7 +23,7 @@ GLM_CONFIGS = {
 
 @pytest.fixture(scope="module")
 def glm_models(tmp_path_factory):
-    from engine.tiny_model import make_tiny_model
+    from engine.models.tiny_model import make_tiny_model
 
     root = tmp_path_factory.mktemp("glm")
     return {name: make_tiny_model(root / name, arch="llama", seed=11 + i,
@@ -109,7 +109,7 @@ def test_weight_names():
 
 def test_partial_rotary_without_interleaving_matches_transformers(make_llm, tmp_path):
     """The partial rotary path on its own (Phi-4-mini's partial_rotary_factor 0.75, rotate-half)."""
-    from engine.tiny_model import make_tiny_model
+    from engine.models.tiny_model import make_tiny_model
 
     model = make_tiny_model(tmp_path / "phi3-partial", arch="phi3", seed=3,
                             overrides={"partial_rotary_factor": 0.75})

@@ -1,34 +1,245 @@
-"""The one-way imports the design asks for, checked on the source: compiler/ never imports
-engine/, and neither the benchmarks nor the server import the CLI that registers them (so
-`engine.cli` can import them without a cycle)."""
+"""The house rules of the layout, checked on the source (every import counts: module level, inside a
+function, or under TYPE_CHECKING):
+
+- no import circles anywhere in engine/ and compiler/;
+- compiler/ never imports engine/;
+- engine/core/ imports neither torch nor the worker (and nothing above it);
+- engine/layers/ never imports engine/models/;
+- each package imports only the packages below it (ALLOWED), and inside the runtime only the
+  builder sees the model, its layers and the executor;
+- neither the benchmarks nor the server import the CLI that registers them.
+
+Each rule's checker is also run on a small broken tree, so a rule that could not fail is caught.
+"""
 
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 
+# Package -> the packages of engine/ (and compiler) it may import. "engine" is engine/__init__.py.
+ALLOWED = {
+    "core": set(),
+    "config": {"core"},
+    "structured_output": {"core"},
+    "lora": {"core", "models"},
+    "layers": {"compiler"},
+    "distributed": set(),
+    "models": {"compiler", "layers", "distributed"},
+    "worker": {"compiler", "config", "core", "layers", "lora", "structured_output"},
+    "executor": {"compiler", "config", "distributed", "layers", "models", "worker"},
+    "runtime": {"compiler", "config", "core", "executor", "layers", "lora", "models", "structured_output", "worker"},
+    "entrypoints": {"compiler", "config", "core", "lora", "models", "runtime", "structured_output"},
+    "bench": {"compiler", "config", "core", "engine", "entrypoints", "executor", "models", "runtime", "worker"},
+    "engine": {"config", "core", "entrypoints", "worker"},
+}
+# Inside the runtime, only the builder assembles the model side.
+BUILDER_ONLY = {"layers", "models", "executor"}
+BUILDER = "engine.runtime.builder"
 
-def _imports(path: Path) -> set[str]:
+
+def module_name(path: Path, root: Path) -> str:
+    parts = list(path.relative_to(root).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def import_graph(root: Path, folders=("engine", "compiler")) -> dict[str, set[str]]:
+    """module -> the modules of the tree it imports (a name imported from a package that is a
+    submodule counts as that submodule)."""
+    files = {module_name(p, root): p for folder in folders for p in (root / folder).rglob("*.py")}
+
+    def resolve(name: str) -> str | None:
+        while name and name not in files:
+            name = name.rpartition(".")[0]
+        return name or None
+
+    graph: dict[str, set[str]] = {m: set() for m in files}
+    for mod, path in files.items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            targets: list[str] = []
+            if isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:  # relative import
+                    pkg = mod.split(".") if path.name == "__init__.py" else mod.split(".")[:-1]
+                    pkg = pkg[:len(pkg) - node.level + 1]
+                    base = ".".join(pkg + ([node.module] if node.module else []))
+                targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in files else base for a in node.names]
+            elif isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            for t in targets:
+                hit = resolve(t)
+                if hit and hit != mod:
+                    graph[mod].add(hit)
+    return graph
+
+
+def external_imports(path: Path) -> set[str]:
     names: set[str] = set()
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
             names.add(node.module)
         elif isinstance(node, ast.Import):
-            names.update(alias.name for alias in node.names)
+            names.update(a.name for a in node.names)
     return names
 
 
-def _offenders(folder: str, forbidden) -> list[str]:
-    return [f"{p.relative_to(REPO)} imports {name}" for p in sorted((REPO / folder).rglob("*.py"))
-            for name in sorted(_imports(p)) if forbidden(name)]
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components with more than one module (Tarjan), each sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+    counter = [0]
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = counter[0]
+        counter[0] += 1
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                found.append(sorted(comp))
+
+    sys.setrecursionlimit(max(sys.getrecursionlimit(), 10_000))
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def package_of(module: str) -> str | None:
+    parts = module.split(".")
+    if parts[0] == "compiler":
+        return "compiler"
+    if parts[0] != "engine":
+        return None
+    return parts[1] if len(parts) > 1 else "engine"
+
+
+def layer_violations(graph: dict[str, set[str]]) -> list[str]:
+    bad = []
+    for mod, deps in sorted(graph.items()):
+        pkg = package_of(mod)
+        if pkg is None or pkg == "compiler":
+            continue
+        for dep in sorted(deps):
+            dpkg = package_of(dep)
+            if dpkg is None or dpkg == pkg:
+                continue
+            if dpkg not in ALLOWED[pkg]:
+                bad.append(f"{mod} imports {dep} ({pkg} may not import {dpkg})")
+            elif pkg == "runtime" and dpkg in BUILDER_ONLY and mod != BUILDER:
+                bad.append(f"{mod} imports {dep} (only {BUILDER} assembles {dpkg})")
+    return bad
+
+
+def torch_importers(root: Path, folder: str) -> list[str]:
+    return [str(p.relative_to(root)) for p in sorted((root / folder).rglob("*.py"))
+            if any(n == "torch" or n.startswith("torch.") for n in external_imports(p))]
+
+
+# ---- the rules on kiln's tree ----
+
+def test_no_import_circles():
+    assert cycles(import_graph(REPO)) == []
+
+
+def test_every_package_has_a_rule():
+    packages = {package_of(m) for m in import_graph(REPO)} - {None, "compiler"}
+    assert packages == set(ALLOWED), "a new package needs its line in ALLOWED"
+
+
+def test_packages_import_only_downwards():
+    assert layer_violations(import_graph(REPO)) == []
 
 
 def test_compiler_does_not_import_engine():
-    assert _offenders("compiler", lambda n: n == "engine" or n.startswith("engine.")) == []
+    graph = import_graph(REPO)
+    assert [f"{m} -> {d}" for m, ds in graph.items() if m.startswith("compiler")
+            for d in ds if d.startswith("engine")] == []
+
+
+def test_core_imports_no_torch_and_no_worker():
+    assert torch_importers(REPO, "engine/core") == []
+    graph = import_graph(REPO)
+    assert [f"{m} -> {d}" for m, ds in graph.items() if m.startswith("engine.core")
+            for d in ds if not d.startswith("engine.core")] == []
+
+
+def test_core_runs_without_loading_torch():
+    """Importing the scheduler, the block pool and the request kinds loads no torch (a fresh process)."""
+    code = ("import sys; import engine.core.sched.scheduler, engine.core.kv.allocator, engine.core.request_kinds, "
+            "engine.core.kv.swap_space, engine.core.kv.kv_sizing; print('torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "False"
+
+
+def test_layers_never_import_models():
+    graph = import_graph(REPO)
+    assert [f"{m} -> {d}" for m, ds in graph.items() if m.startswith("engine.layers")
+            for d in ds if d.startswith("engine.models")] == []
 
 
 def test_benchmarks_and_server_do_not_import_the_cli():
-    for folder in ("engine/bench", "engine/server"):
-        assert _offenders(folder, lambda n: n == "engine.cli") == []
+    graph = import_graph(REPO)
+    assert [f"{m} -> {d}" for m, ds in graph.items()
+            if m.startswith(("engine.bench", "engine.entrypoints.openai"))
+            for d in ds if d == "engine.entrypoints.cli.main"] == []
+
+
+# ---- the checkers fail on a broken tree ----
+
+def _tree(tmp_path: Path, files: dict[str, str]) -> Path:
+    for name, text in files.items():
+        p = tmp_path / name
+        p.parent.mkdir(parents=True, exist_ok=True)
+        p.write_text(text)
+    for d in ("engine", "compiler"):
+        (tmp_path / d).mkdir(exist_ok=True)
+    return tmp_path
+
+
+def test_checkers_find_a_circle_and_a_wrong_way_import(tmp_path):
+    root = _tree(tmp_path, {
+        "engine/__init__.py": "",
+        "engine/core/__init__.py": "",
+        "engine/core/a.py": "from engine.core import b\n",
+        "engine/core/b.py": "def f():\n    from engine.core.a import x\n",  # (lazy: still a circle)
+        "engine/core/c.py": "import torch\nfrom engine.worker.runner import R\n",
+        "engine/worker/__init__.py": "",
+        "engine/worker/runner.py": "R = 1\n",
+        "engine/layers/__init__.py": "",
+        "engine/layers/l.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from engine.models.m import M\n",
+        "engine/models/__init__.py": "",
+        "engine/models/m.py": "M = 1\n",
+        "engine/runtime/__init__.py": "",
+        "engine/runtime/loop.py": "from engine.models.m import M\n",
+    })
+    graph = import_graph(root)
+    assert cycles(graph) == [["engine.core.a", "engine.core.b"]]
+    bad = layer_violations(graph)
+    assert any("engine.core.c imports engine.worker.runner" in b for b in bad)
+    assert any("engine.layers.l imports engine.models.m" in b for b in bad)
+    assert any("only engine.runtime.builder assembles models" in b for b in bad)
+    assert torch_importers(root, "engine/core") == ["engine/core/c.py"]

@@ -8,7 +8,7 @@ import random
 
 import torch
 
-from engine.input_buffers import InputBuffers
+from engine.worker.input_buffers import InputBuffers
 
 
 class _Seq:

@@ -6,18 +6,13 @@ The nvcc-dependent tests skip cleanly where nvcc is absent. No GPU needed.
 from __future__ import annotations
 
 import shutil
-from pathlib import Path
 
 import pytest
 
 from compiler.kernels import build as kbuild
-from compiler.kernels.build import (
-    KernelBuildError, build_kernels, parse_ptxas_report, read_index, source_hash,
-)
+from compiler.kernels.build import KernelBuildError, build_kernels, parse_ptxas_report, read_index, source_hash
 from compiler.kernels.loader import KernelLibrary, MissingKernelError
-from compiler.kernels.manifest import (
-    TEMPLATES_DIR, Variant, attention_variant_names, load_manifest, render,
-)
+from compiler.kernels.manifest import TEMPLATES_DIR, Variant, attention_variant_names, load_manifest, render
 
 needs_nvcc = pytest.mark.skipif(kbuild.find_nvcc() is None, reason="nvcc not on PATH")
 

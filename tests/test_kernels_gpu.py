@@ -423,7 +423,8 @@ def test_ops_inside_torch_compile_fullgraph(path):
 
 
 def test_backend_forward():
-    from engine.attention import AttentionMetadata, BackendSpec, get_attention_backend
+    from engine.layers.attention.base import AttentionMetadata, BackendSpec
+    from engine.layers.attention.selector import get_attention_backend
 
     dtype, d, bs = torch.bfloat16, 128, 16
     backend = get_attention_backend("cutlass", BackendSpec(DEV, dtype, d, bs, CACHE))

@@ -7,7 +7,7 @@ import logging
 
 import pytest
 
-from engine.kv_sizing import blocks_from_budget, budget_setting, fit_max_model_len, tokens_per_sequence
+from engine.core.kv.kv_sizing import blocks_from_budget, budget_setting, fit_max_model_len, tokens_per_sequence
 
 BLOCK = 1024 * 16  # bytes per block in these examples
 
@@ -19,7 +19,7 @@ def test_full_context_is_kept_when_it_fits():
 
 
 def test_unset_context_shrinks_to_whole_blocks_that_fit(caplog):
-    with caplog.at_level(logging.WARNING, logger="engine.kv_sizing"):
+    with caplog.at_level(logging.WARNING, logger="engine.core.kv.kv_sizing"):
         got = fit_max_model_len(None, 8192, 364, 16, BLOCK, "cpu", False)
     assert got == 363 * 16 and got % 16 == 0
     assert "serving a context of 5808 tokens" in caplog.text and "kv_cache_memory_gb" in caplog.text
@@ -57,15 +57,15 @@ def long_context_model(tmp_path_factory):
     """A tiny llama whose full context (2**18 positions x 2 KiB of KV per token: four layers) is
     twice the default CPU KV budget (0.25 GiB). Same attention layout as tiny_llama, so the CPU
     attention kernel built for it is reused."""
-    from engine.tiny_model import make_tiny_model
+    from engine.models.tiny_model import make_tiny_model
 
     return make_tiny_model(tmp_path_factory.mktemp("long-ctx"), overrides=dict(
         max_position_embeddings=1 << 18, num_hidden_layers=4))
 
 
 def test_llm_starts_with_defaults_on_a_model_whose_context_does_not_fit(long_context_model, caplog):
-    from engine.llm import LLM
-    from engine.request import SamplingParams
+    from engine.core.request import SamplingParams
+    from engine.entrypoints.llm import LLM
 
     with caplog.at_level(logging.INFO):
         llm = LLM(str(long_context_model), device="cpu", enforce_eager=True)
@@ -91,7 +91,7 @@ def test_kiln_serve_starts_with_defaults_and_logs_the_context(long_context_model
     root = Path(__file__).resolve().parents[1]
     log_path = tmp_path / "serve.log"
     with open(log_path, "w") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "engine.cli", "serve", "--model", str(long_context_model),
+        proc = subprocess.Popen([sys.executable, "-m", "engine.entrypoints.cli", "serve", "--model", str(long_context_model),
                                  "--port", "0"], cwd=root, stdout=subprocess.PIPE, stderr=log, text=True,
                                 env={**os.environ, "PYTHONUNBUFFERED": "1"})
     try:

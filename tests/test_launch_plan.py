@@ -5,8 +5,14 @@ from __future__ import annotations
 import pytest
 
 from compiler.launch_plan import (
-    GRID_Z_MAX, Launch, chunk_ranges, ctas_per_sm_from_resources, decode_rows, plan_attention_launches,
-    plan_decode_splits, wave_efficiency,
+    GRID_Z_MAX,
+    Launch,
+    chunk_ranges,
+    ctas_per_sm_from_resources,
+    decode_rows,
+    plan_attention_launches,
+    plan_decode_splits,
+    wave_efficiency,
 )
 
 H200_SMS = 132

@@ -8,12 +8,12 @@ import re
 
 import torch
 
-from engine.models import load_progress
 from engine.models.config import ModelConfig
-from engine.models.loader import load_model
+from engine.models.loader import load_progress
+from engine.models.loader.model_loader import load_model
 from tests.gguf_writer import write_gguf
 
-LOGGER = "engine.models.load_progress"
+LOGGER = "engine.models.loader.load_progress"
 
 
 def _load(path):

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from engine import LoRARequest, SamplingParams
-from engine.request import InvalidRequestError
+from engine.core.request import InvalidRequestError
 
 GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
 PROMPTS = [[5, 9, 100, 200, 7], [40, 41, 42, 43], list(range(60, 100)), [300, 301]]
@@ -124,7 +124,7 @@ def test_bad_adapters_and_misuse_are_clear_errors(tiny_models, adapters, make_ll
 
 
 def test_settings_for_lora(adapters):
-    from engine.config import EngineSettings
+    from engine.config.settings import EngineSettings
 
     s = EngineSettings(enable_lora=True, lora_modules=f"a={adapters['a']},b={adapters['b']}", max_loras=2)
     assert s.lora_module_map() == {"a": adapters["a"], "b": adapters["b"]}

@@ -7,7 +7,7 @@ import time
 from prometheus_client.parser import text_string_to_metric_families
 
 from engine import SamplingParams
-from engine.server.metrics import EngineMetrics
+from engine.entrypoints.openai.metrics import EngineMetrics
 from tests.conftest import assert_engine_clean
 
 

@@ -11,7 +11,7 @@ from pathlib import Path
 from prometheus_client.parser import text_string_to_metric_families
 
 from engine import SamplingParams
-from engine.server.metrics import EngineMetrics
+from engine.entrypoints.openai.metrics import EngineMetrics
 from tests.conftest import assert_engine_clean, served
 
 DASHBOARD = Path(__file__).resolve().parents[1] / "tools" / "grafana" / "kiln.json"

@@ -12,7 +12,7 @@ import compiler.ops  # noqa: F401  (registers kiln::moe_experts when this file r
 from compiler.moe import moe_experts_dense, moe_experts_grouped
 from engine import SamplingParams
 from engine.models.config import ModelConfig
-from engine.tiny_model import tiny_config
+from engine.models.tiny_model import tiny_config
 
 E, H, I = 8, 64, 32
 

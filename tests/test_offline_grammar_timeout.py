@@ -4,7 +4,7 @@ import time
 
 import pytest
 
-from engine.request import InvalidRequestError, SamplingParams, StructuredOutputsParams
+from engine.core.request import InvalidRequestError, SamplingParams, StructuredOutputsParams
 
 
 def _optional_properties(n: int) -> dict:

@@ -9,10 +9,11 @@ import threading
 import time
 
 from conftest import assert_engine_clean
-from engine.async_engine import AsyncEngine
-from engine.config import EngineSettings
-from engine.llm_engine import LLMEngine
-from engine.request import SamplingParams
+
+from engine.config.settings import EngineSettings
+from engine.core.request import SamplingParams
+from engine.runtime.async_engine import AsyncEngine
+from engine.runtime.llm_engine import LLMEngine
 
 SETTINGS = dict(device="cpu", enforce_eager=True, max_model_len=128, num_gpu_blocks=64, max_num_seqs=8)
 PROMPTS = ["The quick brown fox", "Hello, world!", "A kiln is", "Paged attention"]

@@ -6,10 +6,10 @@ never shown."""
 from __future__ import annotations
 
 import pytest
-
 from conftest import assert_engine_clean, run_checked
+
 from engine import SamplingParams
-from engine.request import StructuredOutputsParams
+from engine.core.request import StructuredOutputsParams
 
 PROMPTS = [list(range(10, 30)), list(range(10, 30)) + [7, 8, 9], [5, 9, 100, 200, 7], list(range(60, 100)),
            [300, 301], list(range(10, 26)), [44] * 12, list(range(200, 240))]
@@ -146,7 +146,7 @@ def test_overlap_with_spec_decode_and_structured_outputs(make_llm):
 
 
 def test_overlap_with_structured_outputs_and_beam_search(make_llm):
-    from engine.beam_search import BeamSearchParams
+    from engine.runtime.beam_search import BeamSearchParams
 
     serial, overlap = _pair(make_llm, max_num_seqs=8)
     constrained = SamplingParams(temperature=0, max_tokens=12,

@@ -7,11 +7,11 @@ block leaks; and such steps really overlap: step N+1 is launched before step N i
 from __future__ import annotations
 
 import pytest
-
 from conftest import assert_engine_clean
-from engine import SamplingParams
-from engine.request import StructuredOutputsParams
 from test_overlap import PROMPTS, _summary
+
+from engine import SamplingParams
+from engine.core.request import StructuredOutputsParams
 
 SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "string", "maxLength": 4}},
           "required": ["a", "b"], "additionalProperties": False}
@@ -99,7 +99,7 @@ class _CallOrder:
 def _pair(tiny_llama, **settings):
     """Serial and overlapped LLMs over the same settings, and the overlapped one's call order.
     (Module-scoped: an engine's first grammar costs seconds, so the tests share them.)"""
-    from engine.llm import LLM
+    from engine.entrypoints.llm import LLM
 
     settings = dict(enforce_eager=True, device="cpu", **settings)
     serial = LLM(str(tiny_llama), async_scheduling=False, **settings)
@@ -271,9 +271,9 @@ def test_penalty_counts_take_the_in_flight_token_on_the_device():
 
     import torch
 
-    from engine.sampled_tokens import LastSampled
-    from engine.sampler import Sampler, SampleRow
-    from engine.step_plan import PLACEHOLDER
+    from engine.core.sched.scheduler_output import PLACEHOLDER
+    from engine.worker.sample.sampler import Sampler, SampleRow
+    from engine.worker.sample.sampler_output import LastSampled
 
     params = SamplingParams(temperature=0, frequency_penalty=0.7, presence_penalty=0.2, repetition_penalty=1.4)
     prompts = {7: [3, 4, 5], 9: [1, 1, 2]}

@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from engine import SamplingParams
-from engine.quant import int4_packed, int_formats
-from engine.quant.linear import FP8, Fp8Method, quantize_fp8_acts
+from engine.layers.quant import int4_packed, int_formats
+from engine.layers.quant.linear import FP8, Fp8Method, quantize_fp8_acts
 from tests.quant_checkpoints import write_fp8, write_quantized
 
 pytest.importorskip("compressed_tensors")
@@ -91,7 +91,7 @@ def test_fp8_linear_matches_definition():
     w = torch.randn(8, 16)
     x = torch.randn(5, 16)
     for acts in ("dynamic", "static"):
-        from engine.quant.config import QuantConfig
+        from engine.layers.quant.config import QuantConfig
 
         method = Fp8Method(QuantConfig("fp8", "ct", 8, activations=acts))
         m = torch.nn.Linear(16, 8, bias=False)
@@ -215,7 +215,7 @@ def test_fp8_at_load(tiny_models, make_llm, tmp_path):
 
 
 def test_bad_quantization_settings(tiny_models, tmp_path):
-    from engine.llm import LLM
+    from engine.entrypoints.llm import LLM
 
     with pytest.raises(ValueError, match="only 'fp8'"):
         LLM(str(tiny_models["llama"]), device="cpu", enforce_eager=True, quantization="gptq")

@@ -1,4 +1,4 @@
-"""int4 layers on torch's packed int4 kernels (engine/quant/int4_packed.py) against the
+"""int4 layers on torch's packed int4 kernels (engine/layers/quant/int4_packed.py) against the
 dequantised matmul of the same weights.
 
 Tolerance: bfloat16 activations (the only dtype kiln sends the kernels: the CPU kernel's float32
@@ -11,9 +11,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.quant import int4_packed, int_formats
-from engine.quant.config import QuantConfig
-from engine.quant.linear import IntWeightMethod
+from engine.layers.quant import int4_packed, int_formats
+from engine.layers.quant.config import QuantConfig
+from engine.layers.quant.linear import IntWeightMethod
 
 
 def _layer(out: int, inp: int, group: int, sym: bool = True, g_idx: torch.Tensor | None = None,

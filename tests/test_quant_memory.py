@@ -80,7 +80,7 @@ MEASURE = """
 import json, sys, torch
 from pathlib import Path
 from engine.models.config import ModelConfig
-from engine.models.loader import load_model
+from engine.models.loader.model_loader import load_model
 d, small, quantization = Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3] or None
 load_model(small, ModelConfig.from_dir(small), torch.bfloat16, torch.device("cpu"), 64,
            quantization=quantization)  # (lazy imports)

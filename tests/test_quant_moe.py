@@ -1,4 +1,4 @@
-"""Quantised mixture-of-experts checkpoints (engine/quant/moe.py): Mixtral, Qwen2-MoE (shared
+"""Quantised mixture-of-experts checkpoints (engine/layers/quant/moe.py): Mixtral, Qwen2-MoE (shared
 expert) and Qwen3-MoE (a dense layer among sparse ones) written in each format's exact on-disk
 layout (tests/quant_checkpoints.py) load with their experts kept quantised, and kiln's greedy
 output equals its own run on the dequantised weights (transformers needs GPU-only libraries for
@@ -12,9 +12,9 @@ import torch
 
 from compiler.moe import moe_experts_dense
 from engine import SamplingParams
-from engine.quant.config import QuantConfig
-from engine.quant.linear import FP8, make_method
-from engine.quant.moe import QuantExperts, routed_experts
+from engine.layers.quant.config import QuantConfig
+from engine.layers.quant.linear import FP8, make_method
+from engine.layers.quant.moe import QuantExperts, routed_experts
 from tests.quant_checkpoints import write_fp8, write_quantized
 
 pytest.importorskip("compressed_tensors")
@@ -205,7 +205,7 @@ def test_dummy_quantised_moe_runs(tiny_models, make_llm):
 def test_missing_expert_weights_are_named(tiny_models, tmp_path):
     from safetensors.torch import load_file, save_file
 
-    from engine.llm import LLM
+    from engine.entrypoints.llm import LLM
 
     quant_dir, _ = write_quantized(tiny_models["qwen3_moe"], tmp_path, "gptq", bits=4, group_size=32)
     t = load_file(str(quant_dir / "model.safetensors"))
@@ -230,7 +230,7 @@ def test_compiled_quantised_moe_equals_eager(tiny_models, make_llm, tmp_path):
 def test_packed_int4_experts_match_dequantised(act_order, num_tokens, k):
     """Experts repacked for bf16 activations (a bf16 model, or int4_kernel="packed"): within
     bf16's error (2e-2 of the output's scale) of the dense path over the dequantised experts."""
-    from engine.quant import int4_packed
+    from engine.layers.quant import int4_packed
 
     w13, w2 = _int_experts(2 * I, H, 4, 32, act_order, 1), _int_experts(H, I, 4, 32, act_order, 2)
     dense13, dense2 = w13.weight(None, torch.float32), w2.weight(None, torch.float32)
@@ -278,7 +278,7 @@ def test_ignore_list_keeps_the_shared_expert_dense(tiny_models, make_llm, tmp_pa
 
 
 def test_ignore_list_must_cover_a_fused_layer_whole(tiny_models, tmp_path):
-    from engine.llm import LLM
+    from engine.entrypoints.llm import LLM
 
     quant_dir, _ = write_quantized(tiny_models["qwen2_moe"], tmp_path, "ct", bits=4, group_size=32,
                                    keep_dense=r".*mlp\.shared_expert\.gate_proj$")

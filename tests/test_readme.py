@@ -16,7 +16,7 @@ def test_generated_tables_are_up_to_date():
 
 
 def test_readme_names_every_setting_and_points_nowhere_outside_the_repo():
-    from engine.config import EngineSettings, ServerSettings
+    from engine.config.settings import EngineSettings, ServerSettings
 
     text = (ROOT / "README.md").read_text()
     assert "../" not in text and "DESIGN.md" not in text

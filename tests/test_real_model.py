@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from engine import SamplingParams
-from engine.config import default_cache_dir
+from engine.config.settings import default_cache_dir
 from tests.conftest import assert_engine_clean
 from tests.real_model import Unavailable, fetch_smollm2
 
@@ -30,7 +30,7 @@ def smollm2():
 
 @pytest.fixture(scope="module")
 def smol_llm(smollm2):
-    from engine.llm import LLM
+    from engine.entrypoints.llm import LLM
 
     llm = LLM(str(smollm2), device="cpu", enforce_eager=True, max_model_len=512, max_num_seqs=8)
     yield llm
@@ -83,8 +83,8 @@ def test_int4_kept_in_bf16_agrees_with_dequantised(smollm2):
     bounded. kiln's CPU default (float32) dequantises, so the tests above keep exact equality
     with transformers. (The float32 tests above, kiln's CPU default,
     dequantise: torch's int4 kernel has no fast float32 path.)"""
-    from engine.llm import LLM
-    from engine.quant.int4_packed import PACKED
+    from engine.entrypoints.llm import LLM
+    from engine.layers.quant.int4_packed import PACKED
 
     settings = dict(device="cpu", enforce_eager=True, max_model_len=512, max_num_seqs=8, dtype="bfloat16")
     kept = LLM(str(smollm2), **settings)

@@ -11,10 +11,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine.server.chat import chat_stream_delta as _chat_stream_delta
-from engine.server.jobs import Choice as _Choice, Job as _Job
-from engine.server.reasoning import ReasoningParser
-from engine.server.tool_calls import ToolMode
+from engine.entrypoints.openai.chat import chat_stream_delta as _chat_stream_delta
+from engine.entrypoints.openai.jobs import Choice as _Choice
+from engine.entrypoints.openai.jobs import Job as _Job
+from engine.entrypoints.openai.reasoning import ReasoningParser
+from engine.entrypoints.openai.tool_calls import ToolMode
 
 
 @pytest.mark.parametrize("kind,text,want", [

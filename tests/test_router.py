@@ -21,9 +21,8 @@ import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-import pytest
-
 import openai
+import pytest
 import sglang_router  # noqa: F401  (the test extra installs it; missing, this file fails loudly)
 
 REPO = Path(__file__).resolve().parents[1]
@@ -91,7 +90,7 @@ def cluster(tiny_llama, tmp_path_factory):
     router_port, metrics_port = _free_ports(2)
     replica_port = _free_consecutive_ports(2)
     log_dir = tmp_path_factory.mktemp("replica-logs")
-    cmd = [sys.executable, "-m", "engine.cli", "serve-replicas", "--replicas", "2", "--host", "127.0.0.1",
+    cmd = [sys.executable, "-m", "engine.entrypoints.cli", "serve-replicas", "--replicas", "2", "--host", "127.0.0.1",
            "--port", str(router_port), "--replica-port", str(replica_port), "--router-metrics-port",
            str(metrics_port), "--log-dir", str(log_dir), "--startup-timeout", "120", "--one-at-a-time",
            "--router-arg=--health-check-interval-secs=1", "--router-arg=--log-level=warn",
@@ -142,13 +141,13 @@ def _stop_launcher(proc, lines: list[str]) -> None:
 
 
 def test_plan_from_argv_splits_launcher_and_replica_flags():
-    from engine.replicas import ReplicaPlan, ReplicaSet, plan_from_argv
+    from engine.entrypoints.cli.replicas import ReplicaPlan, ReplicaSet, plan_from_argv
 
     plan = plan_from_argv(["--replicas", "3", "--port", "9000", "--replica-port", "9100", "--gpus", "0,1",
                            "/models/x", "--max-model-len", "4k", "--router-arg=--health-check-interval-secs=2"])
     assert plan.serve_args == ["/models/x", "--max-model-len", "4k"]
     assert plan.replica_urls() == ["http://127.0.0.1:9100", "http://127.0.0.1:9101", "http://127.0.0.1:9102"]
-    assert plan.replica_command(2)[1:7] == ["-m", "engine.cli", "serve", "/models/x", "--max-model-len", "4k"]
+    assert plan.replica_command(2)[1:7] == ["-m", "engine.entrypoints.cli", "serve", "/models/x", "--max-model-len", "4k"]
     assert plan.replica_command(2)[-4:] == ["--host", "127.0.0.1", "--port", "9102"]
     assert [plan.replica_env(i) for i in range(3)] == [{"CUDA_VISIBLE_DEVICES": g} for g in ("0", "1", "0")]
     router = plan.router_command()
@@ -275,7 +274,7 @@ def test_children_die_with_a_killed_launcher(tmp_path):
     # A launcher killed by SIGKILL cannot stop its children; the kernel must (no orphaned replica on the GPU).
     script = tmp_path / "launcher.py"
     script.write_text("import sys, time\n"
-                      "from engine.replicas import ReplicaPlan, ReplicaSet\n"
+                      "from engine.entrypoints.cli.replicas import ReplicaPlan, ReplicaSet\n"
                       "p = ReplicaSet(ReplicaPlan())._spawn('x', ['sleep', '300'], {})\n"
                       "print(p.pid, flush=True)\n"
                       "time.sleep(300)\n")

@@ -10,8 +10,8 @@ import pytest
 import torch
 from torch.overrides import TorchFunctionMode
 
-from engine.request import SamplingParams
-from engine.sampler import Sampler, SampleRow
+from engine.core.request import SamplingParams
+from engine.worker.sample.sampler import Sampler, SampleRow
 
 
 class _CountOps(TorchFunctionMode):

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from engine import SamplingParams
-from engine.request import InvalidRequestError
-from engine.sampler import Sampler, SampleRow
+from engine.core.request import InvalidRequestError
+from engine.worker.sample.sampler import Sampler, SampleRow
 from tests.conftest import assert_engine_clean
 
 
@@ -144,8 +144,8 @@ def test_stop_strings_and_stop_token_ids(make_llm):
 
 
 def test_eos_stops_unless_ignored(make_llm):
-    from engine.detokenizer import check_stop, init_offsets
-    from engine.request import Request, Sequence
+    from engine.core.request import Request, Sequence
+    from engine.runtime.detokenizer import check_stop, init_offsets
 
     llm = make_llm()
     tok, eos = llm.tokenizer, llm.engine.eos_token_ids
@@ -168,8 +168,8 @@ def test_incremental_detokenisation_of_split_multibyte_characters(make_llm):
     text = "日本語のテキスト 🙂🚀 café"
     ids = tok.encode(text, add_special_tokens=False)
     assert len(ids) > len(text.split()), "expected byte-level pieces"
-    from engine.detokenizer import detokenize_step, init_offsets
-    from engine.request import Request, Sequence
+    from engine.core.request import Request, Sequence
+    from engine.runtime.detokenizer import detokenize_step, init_offsets
 
     prompt = tok.encode("Hello", add_special_tokens=False)
     req = Request("d", "Hello", prompt, SamplingParams())

@@ -6,9 +6,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine.kv.block_pool import BlockPool
-from engine.request import FinishReason, InvalidRequestError, Request, SamplingParams
-from engine.scheduler import Scheduler, SchedulerConfig
+from engine.core.kv.block_pool import BlockPool
+from engine.core.request import FinishReason, InvalidRequestError, Request, SamplingParams
+from engine.core.sched.scheduler import Scheduler, SchedulerConfig
 
 
 def make_scheduler(num_blocks=32, block_size=4, max_num_seqs=4, budget=16, max_model_len=64,

@@ -19,11 +19,12 @@ import random
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine.kv.block_pool import BlockPool
-from engine.kv.swap import SwapSpace
-from engine.request import FinishReason, InvalidRequestError, Request, SamplingParams, SeqStatus
-from engine.scheduler import PLACEHOLDER, Scheduler, SchedulerConfig, SchedulerOutput
-from engine.spec_decode import NgramProposer, SpecDecodeConfig
+from engine.core.kv.block_pool import BlockPool
+from engine.core.kv.swap_space import SwapSpace
+from engine.core.request import FinishReason, InvalidRequestError, Request, SamplingParams, SeqStatus
+from engine.core.sched.scheduler import Scheduler, SchedulerConfig
+from engine.core.sched.scheduler_output import PLACEHOLDER, SchedulerOutput
+from engine.core.sched.spec_decode import NgramProposer, SpecDecodeConfig
 from tests.test_swap_scheduler import expected_outputs, fake_token
 
 

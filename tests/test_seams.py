@@ -1,14 +1,14 @@
-"""Feature seams (issue 12): tasks (engine/tasks.py), the forward context (engine/forward_context.py)
-and the step builder's decode fast path (engine/step_builder.py)."""
+"""Feature seams (issue 12): tasks (engine/core/request_kinds.py), the forward context (engine/worker/step_features.py)
+and the step builder's decode fast path (engine/worker/step_builder.py)."""
 
 import numpy as np
 import pytest
 import torch
-
 from conftest import assert_engine_clean
-from engine.request import LoRARequest, PoolingParams, SamplingParams
-from engine.scheduler import ScheduledSeq
-from engine.tasks import GENERATE, Generate, Pool, ScorePrompt, make_task
+
+from engine.core.request import LoRARequest, PoolingParams, SamplingParams
+from engine.core.request_kinds import GENERATE, Generate, Pool, ScorePrompt, make_task
+from engine.core.sched.scheduler_output import ScheduledSeq
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 

@@ -1,4 +1,4 @@
-"""The real server in a subprocess (`python -m engine.cli serve ...`), driven with the official openai client.
+"""The real server in a subprocess (`python -m engine.entrypoints.cli serve ...`), driven with the official openai client.
 
 One server per module. After every test the server must be back to zero running, zero
 waiting and zero KV blocks in use (read from /metrics).
@@ -28,7 +28,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def launch_server(model_dir: Path, log_path: Path, *extra: str) -> tuple[subprocess.Popen, str]:
     """Start `kiln serve` on a free loopback port (port 0; the URL is read from its stdout)."""
-    cmd = [sys.executable, "-m", "engine.cli", "serve", "--model", str(model_dir), "--port", "0",
+    cmd = [sys.executable, "-m", "engine.entrypoints.cli", "serve", "--model", str(model_dir), "--port", "0",
            "--device", "cpu", "--enforce-eager", *extra]
     log = open(log_path, "w")
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=log, text=True,
@@ -165,7 +165,7 @@ def test_completion_non_streaming(client, url):
 def test_greedy_matches_offline_llm(client, make_llm):
     prompts = ["The quick brown fox", "Paged attention stores", "Hello"]
     llm = make_llm(max_model_len=MAX_MODEL_LEN, num_gpu_blocks=64)
-    from engine.request import SamplingParams
+    from engine.core.request import SamplingParams
 
     offline = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=0),
                            use_tqdm=False)

@@ -8,10 +8,10 @@ import time
 
 import httpx
 import pytest
-
 from conftest import assert_engine_clean
-from engine.config import EngineSettings, ServerSettings
-from engine.server.app import build_app, create_state
+
+from engine.config.settings import EngineSettings, ServerSettings
+from engine.entrypoints.openai.app import build_app, create_state
 
 
 def app_states(model, **defaults):

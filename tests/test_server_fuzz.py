@@ -10,12 +10,12 @@ import time
 
 import pytest
 import schemathesis
+from conftest import assert_engine_clean
 from hypothesis import HealthCheck, given, settings
 from schemathesis import GenerationMode
 
-from conftest import assert_engine_clean
-from engine.config import EngineSettings, ServerSettings
-from engine.server.app import build_app, create_state
+from engine.config.settings import EngineSettings, ServerSettings
+from engine.entrypoints.openai.app import build_app, create_state
 
 
 @pytest.fixture(scope="module")

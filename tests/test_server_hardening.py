@@ -11,9 +11,9 @@ import time
 import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
-
 from test_server_app import app_states, slow_steps
-from engine.request import SamplingParams
+
+from engine.core.request import SamplingParams
 
 
 @pytest.fixture
@@ -198,8 +198,8 @@ def test_compile_is_stopped_when_the_client_leaves(app_state):
 def test_grammar_cache_is_bounded(tiny_llama):
     import transformers
 
-    from engine.request import StructuredOutputsParams
-    from engine.structured_output import GrammarCache, StructuredOutputCompiler
+    from engine.core.request import StructuredOutputsParams
+    from engine.structured_output.grammars import GrammarCache, StructuredOutputCompiler
 
     tok = transformers.AutoTokenizer.from_pretrained(tiny_llama)
     compiler = StructuredOutputCompiler(tok, len(tok), (tok.eos_token_id,), cache_entries=5, cache_bytes=1 << 30)
@@ -364,7 +364,7 @@ def test_real_server_startup_and_sigterm(tmp_path):
     import sys
     from pathlib import Path
 
-    from engine.tiny_model import make_tiny_model
+    from engine.models.tiny_model import make_tiny_model
 
     # SmolLM2-135M's shape with random weights: 1000 tokens take far longer than the test waits
     # (the tiny model decodes them within the grace period on a quiet machine, and then nothing
@@ -373,7 +373,7 @@ def test_real_server_startup_and_sigterm(tmp_path):
     port = _free_port()
     url = f"http://127.0.0.1:{port}"
     log = open(tmp_path / "server.log", "w")
-    proc = subprocess.Popen([sys.executable, "-m", "engine.cli", "serve", "--model", str(model), "--port",
+    proc = subprocess.Popen([sys.executable, "-m", "engine.entrypoints.cli", "serve", "--model", str(model), "--port",
                              str(port), "--device", "cpu", "--enforce-eager", "--max-model-len", "1024",
                              "--load-format", "dummy",
                              "--shutdown-timeout", "1", "--served-model-name", "m"],

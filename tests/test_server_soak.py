@@ -1,10 +1,10 @@
-"""Soak through the real server (`python -m engine.cli serve`, loopback) with the official openai
+"""Soak through the real server (`python -m engine.entrypoints.cli serve`, loopback) with the official openai
 client: many concurrent streams, some dropped by their client half-way, while other clients send
 pathological schemas, oversized bodies and invalid ones. Then: no 5xx, no KV block in use, the
 greedy outputs of the well-formed requests equal an idle server's, and the server's RSS is
 within 5% of what it was before.
 
-KILN_SERVER_SOAK_STREAMS (read through engine.config.env_flag) sets the number of streams
+KILN_SERVER_SOAK_STREAMS (read through engine.config.settings.env_flag) sets the number of streams
 (default 200).
 """
 
@@ -20,9 +20,9 @@ import httpx
 import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
-
-from engine.config import env_flag
 from test_server import launch_server, stop_server
+
+from engine.config.settings import env_flag
 
 PROMPTS = ["The cat", "Once upon a time", "def main():", "1, 2, 3,", "Hello there", "In the beginning",
            "Paris is", "import numpy"]

@@ -7,7 +7,7 @@ a small swap space), and a reserve for urgent requests. Every request that was n
 must end with exactly the greedy tokens of an unconstrained run; the block-pool integrity
 check must hold after every step; both pools must end fully free.
 
-KILN_SOAK_REQUESTS (read through engine.config.env_flag) sets the number of requests
+KILN_SOAK_REQUESTS (read through engine.config.settings.env_flag) sets the number of requests
 (default 2000, about a minute on two CPU cores).
 """
 
@@ -16,9 +16,9 @@ from __future__ import annotations
 import random
 import time
 
-from engine.config import env_flag
-from engine.kv.cache import KVCache
-from engine.request import SamplingParams
+from engine.config.settings import env_flag
+from engine.core.request import SamplingParams
+from engine.layers.kv_cache import KVCache
 
 BLOCK = 8
 

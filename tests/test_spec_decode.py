@@ -9,7 +9,7 @@ import array
 import pytest
 
 from engine import SamplingParams
-from engine.spec_decode import NgramProposer, SpecDecodeConfig, find_draft
+from engine.core.sched.spec_decode import NgramProposer, SpecDecodeConfig, find_draft
 from tests.conftest import run_checked
 from tests.test_engine_vs_hf import hf_greedy
 
@@ -34,7 +34,7 @@ def test_find_draft_takes_the_latest_longest_match():
 
 @pytest.fixture(scope="module")
 def periodic_model(tmp_path_factory):
-    from engine.tiny_model import make_periodic_model
+    from engine.models.tiny_model import make_periodic_model
 
     return make_periodic_model(tmp_path_factory.mktemp("periodic") / "m")
 
@@ -134,7 +134,7 @@ def test_back_off_when_drafts_keep_failing(tiny_llama, make_llm):
 def test_proposer_state_goes_with_the_sequence():
     import gc
 
-    from engine.request import Request, Sequence
+    from engine.core.request import Request, Sequence
 
     proposer = NgramProposer(SpecDecodeConfig(3))
     request = Request("r", None, [1, 2, 1], SamplingParams())
@@ -147,7 +147,7 @@ def test_proposer_state_goes_with_the_sequence():
 
 
 def test_settings_check_the_spec_combination():
-    from engine.config import EngineSettings
+    from engine.config.settings import EngineSettings
 
     with pytest.raises(ValueError, match="num_speculative_tokens"):
         EngineSettings(speculative_method="ngram")
@@ -158,7 +158,7 @@ def test_settings_check_the_spec_combination():
 def test_metrics_count_drafts_and_generated_tokens(periodic_model, make_llm):
     import time
 
-    from engine.server.metrics import EngineMetrics
+    from engine.entrypoints.openai.metrics import EngineMetrics
     from tests.test_metrics import _samples
 
     engine = make_llm(periodic_model, **SPEC).engine

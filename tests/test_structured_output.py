@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from engine import SamplingParams
-from engine.request import InvalidRequestError, StructuredOutputsParams
+from engine.core.request import InvalidRequestError, StructuredOutputsParams
 from tests.conftest import assert_engine_clean, run_checked
 
 SCHEMA = {
@@ -82,7 +82,7 @@ def _hf_constrained_greedy(model_dir, tokenizer, eos_ids, prompt_ids: list[int],
     import xgrammar
     from transformers import AutoModelForCausalLM
 
-    from engine.structured_output import unpack_bitmask
+    from engine.structured_output.grammars import unpack_bitmask
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     vocab = model.config.vocab_size
@@ -198,7 +198,7 @@ def test_structured_outputs_given_as_a_dict():
 
 
 def test_unpack_bitmask_reads_bit_t_mod_32_of_word_t_div_32():
-    from engine.structured_output import bitmask_words, unpack_bitmask
+    from engine.structured_output.grammars import bitmask_words, unpack_bitmask
 
     vocab = 100
     gen = torch.Generator().manual_seed(0)

@@ -9,9 +9,9 @@ import random
 import pytest
 import torch
 
-from compiler.swap import BlockSwapper, _runs, block_major, swap_blocks
-from engine.request import SamplingParams
-from engine.warm_prefixes import WarmPrefixError, load_warm_prefixes
+from compiler.block_swapper import BlockSwapper, _runs, block_major, swap_blocks
+from engine.core.request import SamplingParams
+from engine.runtime.warm_prefixes import WarmPrefixError, load_warm_prefixes
 
 
 def _cache(num_blocks=12, layers=2, bs=4, heads=2, dim=8, dtype=torch.float32, device="cpu"):
@@ -100,7 +100,7 @@ def test_engine_swap_matches_unconstrained_greedy(make_llm, mode, caplog):
     expected = [o.outputs[0].token_ids for o in ref.generate(prompts, _greedy(24), use_tqdm=False)]
     llm = make_llm(max_num_seqs=8, max_model_len=64, block_size=8, num_gpu_blocks=14, preemption_mode=mode,
                    swap_space_gb=0.01, max_num_batched_tokens=64)
-    with caplog.at_level(logging.INFO, logger="engine.scheduler"):
+    with caplog.at_level(logging.INFO, logger="engine.core.sched.scheduler"):
         outs = llm.generate(prompts, _greedy(24), use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == expected
     eng = llm.engine

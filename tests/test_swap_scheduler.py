@@ -13,10 +13,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine.kv.block_pool import BlockPool
-from engine.kv.swap import SwapSpace
-from engine.request import FinishReason, InvalidRequestError, Request, SamplingParams, SeqStatus
-from engine.scheduler import Scheduler, SchedulerConfig
+from engine.core.kv.block_pool import BlockPool
+from engine.core.kv.swap_space import SwapSpace
+from engine.core.request import FinishReason, InvalidRequestError, Request, SamplingParams, SeqStatus
+from engine.core.sched.scheduler import Scheduler, SchedulerConfig
 
 
 def fake_token(tokens: list[int]) -> int:
@@ -175,7 +175,7 @@ def test_shared_prefix_blocks_stay_on_the_gpu_with_the_swapped_sequence():
 
 
 def test_swap_in_takes_blocks_still_in_the_prefix_cache_instead_of_copying():
-    from engine.scheduler import SchedulerOutput
+    from engine.core.sched.scheduler_output import SchedulerOutput
 
     s = make(num_blocks=20, block_size=4, budget=64, max_model_len=48, cpu_blocks=16)
     d = Driver(s)
@@ -358,7 +358,7 @@ def test_priority_preemption_never_preempts_for_blocks_it_cannot_free():
 
 
 def test_add_request_leaves_the_callers_params_alone():
-    from engine.request import Request, SamplingParams
+    from engine.core.request import Request, SamplingParams
 
     s = make(num_blocks=40, block_size=4, max_num_seqs=4, budget=64, max_model_len=64, cpu_blocks=0,
              mode="recompute")

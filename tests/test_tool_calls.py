@@ -10,9 +10,14 @@ import json
 
 import pytest
 
-from engine.request import InvalidRequestError
-from engine.server.tool_calls import (ToolMode, arguments_for_template, parse_hermes, parse_llama3_json,
-                                      resolve_tool_mode)
+from engine.core.request import InvalidRequestError
+from engine.entrypoints.openai.tool_calls import (
+    ToolMode,
+    arguments_for_template,
+    parse_hermes,
+    parse_llama3_json,
+    resolve_tool_mode,
+)
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "Weather in a city",

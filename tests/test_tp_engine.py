@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from engine.request import SamplingParams
+from engine.core.request import SamplingParams
 from tests.conftest import assert_engine_clean, run_checked
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -51,8 +51,8 @@ def _run(engine) -> dict[str, list[list[int]]]:
 
 
 def _engine(model: Path, tp: int, **extra):
-    from engine.config import EngineSettings
-    from engine.llm_engine import LLMEngine
+    from engine.config.settings import EngineSettings
+    from engine.runtime.llm_engine import LLMEngine
 
     # 16 blocks of 8 tokens for ~200 tokens of prompts + output: sequences are preempted;
     # 24-token chunks: prompts are split over steps.
@@ -113,9 +113,9 @@ def test_tp2_equals_tp1(tp_engines, tiny_models, arch, mode):
 def test_tp2_spec_decode_structured_output_and_heartbeat(tp_engines, tiny_llama, monkeypatch):
     """Speculative decoding (ngram drafts verified in one forward) and a JSON-schema constrained
     request give TP 1's tokens; an idle engine keeps its workers with heartbeats and still runs."""
-    from engine.distributed import executor as executor_module
-    from engine.distributed import step_codec as codec
-    from engine.request import StructuredOutputsParams
+    from engine.core.request import StructuredOutputsParams
+    from engine.executor import step_codec as codec
+    from engine.executor import tp_executor as executor_module
 
     monkeypatch.setattr(executor_module, "HEARTBEAT_S", 0.3)
     spec = dict(speculative_method="ngram", num_speculative_tokens=3, prompt_lookup_min=1, max_num_batched_tokens=64)
@@ -149,7 +149,7 @@ def test_worker_exits_when_rank0_dies(tiny_llama, tmp_path):
     script = tmp_path / "rank0.py"
     script.write_text(
         "import sys, time\n"
-        "from engine.llm import LLM\n"
+        "from engine.entrypoints.llm import LLM\n"
         "if __name__ == '__main__':\n"
         f"    llm = LLM({str(tiny_llama)!r}, device='cpu', enforce_eager=True, tensor_parallel_size=2,\n"
         "              max_model_len=128, num_gpu_blocks=32)\n"
@@ -172,7 +172,7 @@ def test_tensor_parallel_settings():
     """Accepted from 1 up; the combinations not built yet are refused at start-up by name."""
     from pydantic import ValidationError
 
-    from engine.config import EngineSettings
+    from engine.config.settings import EngineSettings
 
     assert EngineSettings(tensor_parallel_size=2).tensor_parallel_size == 2
     with pytest.raises(ValidationError, match="tensor_parallel_size"):
@@ -192,7 +192,7 @@ def test_killed_worker_ends_the_server(tiny_llama, tmp_path):
     import psutil
 
     log = tmp_path / "serve.log"
-    cmd = [sys.executable, "-m", "engine.cli", "serve", str(tiny_llama), "-tp", "2", "--port", "0",
+    cmd = [sys.executable, "-m", "engine.entrypoints.cli", "serve", str(tiny_llama), "-tp", "2", "--port", "0",
            "--device", "cpu", "--enforce-eager", "--max-model-len", "512", "--disable-uvicorn-access-log"]
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=open(log, "w"), text=True,
                             env={**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1"})
@@ -244,8 +244,8 @@ def test_step_codec_round_trip():
     out of line."""
     import torch
 
-    from engine.attention.base import AttentionMetadata
-    from engine.distributed import step_codec as codec
+    from engine.executor import step_codec as codec
+    from engine.layers.attention.base import AttentionMetadata
 
     for tokens in (5, 3000):  # 3000 tokens: the payload no longer fits the message
         meta = AttentionMetadata(slot_mapping=torch.arange(tokens, dtype=torch.int64) - 1,
@@ -289,7 +289,7 @@ def test_bench_throughput_tensor_parallel_prints_the_ratio(tiny_llama):
     import sys
     from pathlib import Path
 
-    out = subprocess.run([sys.executable, "-m", "engine.cli", "bench", "throughput", "--tensor-parallel-size", "2",
+    out = subprocess.run([sys.executable, "-m", "engine.entrypoints.cli", "bench", "throughput", "--tensor-parallel-size", "2",
                           "--model", str(tiny_llama), "--device", "cpu", "--num-prompts", "8", "--input-len", "8,32",
                           "--output-len", "4,8"], cwd=Path(__file__).resolve().parents[1], capture_output=True,
                          text=True, timeout=300)

@@ -14,12 +14,13 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from engine.attention.base import AttentionMetadata
-from engine.attention.torch_backend import TorchAttentionBackend
-from engine.distributed.parallel import TensorParallel, init_tensor_parallel, local_heads
-from engine.kv.cache import KVCache
+from engine.distributed.parallel import TensorParallel, init_tensor_parallel
+from engine.layers.attention.base import AttentionMetadata
+from engine.layers.attention.torch_backend import TorchAttentionBackend
+from engine.layers.kv_cache import KVCache
 from engine.models.config import ModelConfig
-from engine.models.loader import load_model
+from engine.models.loader.model_loader import load_model
+from engine.models.sharding import local_heads
 
 BLOCK = 8
 PROMPTS = ([5, 17, 33, 2, 9, 41, 7], [12, 3, 60, 61, 62, 8, 9, 10, 11, 99, 100, 101, 102, 103])  # 7 and 14 tokens
@@ -85,7 +86,7 @@ def _rank_main(rank: int, world: int, init_method: str, models: dict[str, str], 
     # active exception").
     torch.distributed.barrier()
     torch.distributed.destroy_process_group()
-    # And no interpreter teardown (engine/distributed/worker.py ends the same way): one run in ~12
+    # And no interpreter teardown (engine/executor/tp_worker.py ends the same way): one run in ~12
     # aborted after this function had returned, in a C++ destructor with no Python frame.
     sys.stdout.flush()
     sys.stderr.flush()
@@ -94,7 +95,7 @@ def _rank_main(rank: int, world: int, init_method: str, models: dict[str, str], 
 
 @pytest.fixture(scope="module")
 def tp_models(tiny_models, tmp_path_factory) -> dict[str, Path]:
-    from engine.tiny_model import make_tiny_model
+    from engine.models.tiny_model import make_tiny_model
 
     root = tmp_path_factory.mktemp("tp-models")
     extra = make_tiny_model(root / "llama-kv1", arch="llama", seed=7,

@@ -1,6 +1,6 @@
 """kiln's W4A16 GEMM on the CPU: the load-time layout (compiler/w4a16_gemm.py: pack_w4a16), read
 back exactly as templates/w4a16_gemm.cu.j2 reads it, and the int4 kernel choice
-(engine/quant/w4a16.py). The kernel itself runs in tests/test_w4a16_gpu.py."""
+(engine/layers/quant/w4a16.py). The kernel itself runs in tests/test_w4a16_gpu.py."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from compiler.w4a16_gemm import pack_w4a16, unpack_w4a16, w4a16_unsupported
-from engine.quant import int_formats
-from engine.quant.w4a16 import choose_int4_kernel, kernel_group, loader_int4_kernel
+from engine.layers.quant import int_formats
+from engine.layers.quant.w4a16 import choose_int4_kernel, kernel_group, loader_int4_kernel
 
 
 def _int4(out: int, inp: int, group: int, sym: bool, seed: int = 0):
@@ -147,11 +147,11 @@ def test_int4_kernel_kiln_where_it_cannot_run_is_a_clear_error(device, cap, buil
 
 def test_loader_keeps_its_values():
     """The loader's own int4_kernel values: auto repacks for tinygemm while loading, kiln leaves the
-    layers unpacked for engine/quant/w4a16.install."""
+    layers unpacked for engine/layers/quant/w4a16.install."""
     assert [loader_int4_kernel(k) for k in ("kiln", "tinygemm", "reference")] == ["kiln", "auto", "reference"]
 
 
-# ---- engine/quant/w4a16.py: a layer moved into the kernel's layout (no kernel launched here) ----
+# ---- engine/layers/quant/w4a16.py: a layer moved into the kernel's layout (no kernel launched here) ----
 
 class _FakeGemm:
     handle = 7
@@ -161,9 +161,9 @@ class _FakeGemm:
 
 
 def _kiln_layer(out, inp, group, sym, act=False, seed=0):
+    from engine.layers.quant.config import QuantConfig
+    from engine.layers.quant.linear import IntWeightMethod, attach
     from engine.models.llama import Linear
-    from engine.quant.config import QuantConfig
-    from engine.quant.linear import IntWeightMethod, attach
     from tests.test_quant_int4 import _act_order_g_idx
 
     m = Linear(inp, out, bias=False)
@@ -181,7 +181,7 @@ def _kiln_layer(out, inp, group, sym, act=False, seed=0):
 def test_repack_layer_keeps_the_weight(out, inp, group, sym, act):
     """act-order becomes a column permutation of the packed weight (x is gathered the same way),
     per-channel scales repeat over kernel groups of 128 (64): the dense weight is unchanged, bit for bit."""
-    from engine.quant import w4a16
+    from engine.layers.quant import w4a16
 
     m = _kiln_layer(out, inp, group, sym, act)
     want = m.quant.weight(m, torch.float32)
@@ -196,7 +196,7 @@ def test_repack_layer_keeps_the_weight(out, inp, group, sym, act):
 def test_install_falls_back_per_layer():
     """install: layers the kernel takes go to it, group 32 to tinygemm (here torch's CPU int4 kernel),
     a bf16-incompatible shape stays dequantising; the kernel is loaded once, and not at all without int4 layers."""
-    from engine.quant import int4_packed, w4a16
+    from engine.layers.quant import int4_packed, w4a16
 
     model = torch.nn.Module()
     model.layers = torch.nn.ModuleList([torch.nn.Module() for _ in range(3)])

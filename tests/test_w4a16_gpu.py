@@ -24,10 +24,10 @@ if torch.cuda.get_device_capability() != (9, 0):
 pytest.importorskip("cuda.bindings.driver")
 
 import compiler.ops  # noqa: E402,F401  (registers kiln::w4a16_gemm)
-from compiler.w4a16_gemm import W4A16_VARIANT, W4A16Gemm, pack_w4a16  # noqa: E402
 from compiler.kernels.build import build_kernels, find_nvcc  # noqa: E402
 from compiler.kernels.loader import missing_variants  # noqa: E402
-from engine.quant import int4_packed, int_formats, w4a16  # noqa: E402
+from compiler.w4a16_gemm import W4A16_VARIANT, W4A16Gemm, pack_w4a16  # noqa: E402
+from engine.layers.quant import int4_packed, int_formats, w4a16  # noqa: E402
 from tests.test_quant_int4 import _act_order_g_idx, _layer  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
@@ -84,7 +84,7 @@ def test_kernel_matches_dequantised_matmul(gemm, m, n, k, group, sym):
 @pytest.mark.parametrize("out,inp,group,sym,act", [(512, 1024, 128, False, True), (256, 2048, 64, True, True),
                                                    (384, 1024, -1, False, False), (256, 512, 32, True, False)])
 def test_layer_repack_act_order_and_per_channel(gemm, out, inp, group, sym, act):
-    """engine/quant/w4a16.repack on kiln's unpacked layer: act-order as a column permutation,
+    """engine/layers/quant/w4a16.repack on kiln's unpacked layer: act-order as a column permutation,
     per-channel scales over groups of 128; group 32 is refused (the caller falls back to tinygemm)."""
     m = _layer(out, inp, group, sym=sym, g_idx=_act_order_g_idx(inp, group) if act else None).to(DEV)
     w = m.quant.weight(m, torch.float32)

@@ -32,8 +32,8 @@ def measure(model_path: str, rows_list: list[int], iters: int, threads: int) -> 
     if threads:
         torch.set_num_threads(threads)
 
-    from engine.attention.base import AttentionMetadata
-    from engine.llm import LLM
+    from engine.entrypoints.llm import LLM
+    from engine.layers.attention.base import AttentionMetadata
 
     llm = LLM(model=model_path, max_num_seqs=max(rows_list))
     runner = llm.engine.runner

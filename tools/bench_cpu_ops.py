@@ -90,10 +90,10 @@ def engine_ab(rounds: int, threads: int) -> None:
 
     from compiler import cpu_linear
     from engine import SamplingParams
-    from engine.config import EngineSettings
-    from engine.llm import LLM
+    from engine.config.settings import EngineSettings
+    from engine.entrypoints.llm import LLM
     from engine.models.llama import MLP, RotaryEmbedding
-    from engine.tiny_model import default_model_dir
+    from engine.models.tiny_model import default_model_dir
 
     llm = LLM(str(default_model_dir(EngineSettings().cache_dir)), max_num_seqs=64, cpu_threads=threads)
     rng = random.Random(0)

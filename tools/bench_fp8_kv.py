@@ -41,7 +41,7 @@ import torch
 
 
 def _blocks(model: Path, budget: float) -> None:
-    from engine.llm import LLM
+    from engine.entrypoints.llm import LLM
 
     print(f"KV blocks at kv_cache_memory_gb={budget} (tiny llama, CPU):")
     for dtype in ("float32", "bfloat16"):
@@ -53,7 +53,7 @@ def _blocks(model: Path, budget: float) -> None:
             del llm
         print(f"  model {dtype:9s}: auto {counts['auto']:6d} blocks, fp8 {counts['fp8']:6d} blocks, "
               f"ratio {counts['fp8'] / counts['auto']:.3f}")
-    from engine.kv.cache import KVCache
+    from engine.layers.kv_cache import KVCache
 
     per = {n: KVCache.bytes_per_block(32, 16, 8, 128, d) for n, d in
            (("bf16", torch.bfloat16), ("fp8", torch.float8_e4m3fn))}
@@ -64,8 +64,8 @@ def _blocks(model: Path, budget: float) -> None:
 
 
 def _throughput(model: Path, batch: int, prompt_len: int, new_tokens: int, rounds: int) -> None:
-    from engine.llm import LLM
-    from engine.request import SamplingParams
+    from engine.core.request import SamplingParams
+    from engine.entrypoints.llm import LLM
 
     rng = random.Random(0)
     prompts = [[rng.randrange(5, 500) for _ in range(prompt_len)] for _ in range(batch)]
@@ -154,8 +154,8 @@ GREEDY_PROMPTS = [t.split(" is ")[0] + " is" for t in TEXTS]
 
 
 def _smollm2(path: Path) -> None:
-    from engine.llm import LLM
-    from engine.request import SamplingParams
+    from engine.core.request import SamplingParams
+    from engine.entrypoints.llm import LLM
 
     score = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=1)
     greedy = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True, logprobs=0)
@@ -205,7 +205,7 @@ def _broken(kind: str):
 
     import compiler.ops
     import compiler.reference_attention as reference
-    import engine.attention.torch_backend
+    import engine.layers.attention.torch_backend
 
     write, read = reference.write_kv_reference, reference.from_cache
     if kind == "truncating quantiser":
@@ -232,8 +232,8 @@ def _broken(kind: str):
 
 
 def _trained(steps: int) -> None:
-    from engine.llm import LLM
-    from engine.tiny_model import make_tiny_model
+    from engine.entrypoints.llm import LLM
+    from engine.models.tiny_model import make_tiny_model
     from tests.test_fp8_kv import FIDELITY_PROMPTS, GREEDY, logprob_drift, token_agreement
 
     fp8, calibrated = dict(kv_cache_dtype="fp8"), dict(kv_cache_dtype="fp8", calculate_kv_scales=True)
@@ -279,7 +279,7 @@ def main() -> None:
     ap.add_argument("--smollm2", type=Path, default=None, help="SmolLM2-135M-Instruct.Q4_1.gguf: agreement on it")
     args = ap.parse_args()
     logging.disable(logging.WARNING)
-    from engine.tiny_model import make_tiny_model
+    from engine.models.tiny_model import make_tiny_model
 
     if not args.no_speed:
         with tempfile.TemporaryDirectory() as tmp:

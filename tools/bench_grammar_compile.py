@@ -27,8 +27,8 @@ def main() -> None:
 
     import transformers
 
-    from engine.request import StructuredOutputsParams
-    from engine.structured_output import StructuredOutputCompiler
+    from engine.core.request import StructuredOutputsParams
+    from engine.structured_output.grammars import StructuredOutputCompiler
 
     if args.gguf is not None:
         import os
@@ -38,7 +38,7 @@ def main() -> None:
     else:
         model = args.model
         if model is None:
-            from engine.tiny_model import make_tiny_model
+            from engine.models.tiny_model import make_tiny_model
 
             model = str(make_tiny_model(tempfile.mkdtemp() + "/tiny", arch="llama", seed=1))
         tok = transformers.AutoTokenizer.from_pretrained(model)

@@ -17,9 +17,9 @@ import time
 import torch
 import torch.nn.functional as F
 
-from engine.quant import int4_packed
-from engine.quant.config import QuantConfig
-from engine.quant.linear import IntWeightMethod
+from engine.layers.quant import int4_packed
+from engine.layers.quant.config import QuantConfig
+from engine.layers.quant.linear import IntWeightMethod
 
 SHAPES = {"8b": [("qkv", 6144, 4096), ("o", 4096, 4096), ("gate_up", 28672, 4096), ("down", 4096, 14336)],
           "1b": [("qkv", 3072, 2048), ("o", 2048, 2048), ("gate_up", 16384, 2048), ("down", 2048, 8192)]}

@@ -16,7 +16,7 @@ import time
 
 
 async def _largest_gap(state, send_big) -> tuple[float, str]:
-    from engine.request import SamplingParams
+    from engine.core.request import SamplingParams
 
     arrivals: list[float] = []
 
@@ -43,10 +43,10 @@ def main() -> None:
 
     import httpx
 
-    from engine.config import EngineSettings, ServerSettings
-    from engine.request import InvalidRequestError, SamplingParams
-    from engine.server.app import build_app, create_state
-    from engine.tiny_model import make_tiny_model
+    from engine.config.settings import EngineSettings, ServerSettings
+    from engine.core.request import InvalidRequestError, SamplingParams
+    from engine.entrypoints.openai.app import build_app, create_state
+    from engine.models.tiny_model import make_tiny_model
 
     model = make_tiny_model(tempfile.mkdtemp() + "/tiny", arch="llama", seed=1)
     state = create_state(EngineSettings(model=str(model), device="cpu", enforce_eager=True, max_model_len=1024,

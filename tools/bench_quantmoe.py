@@ -7,7 +7,7 @@ linear: one int4 layer (group 128) of a float32 model at batch 1/16/128, three w
   activations (int4_kernel=packed) and the dense float32 matmul of the same weights.
 moe: one MoE layer's routed experts (E=8, top-2, H=1024, I=2816: Mixtral's proportions at a
   quarter width) in float32: dense float32 experts (kiln::moe_experts), quantised experts
-  (engine/quant/moe.py, dequantised on the fly: int4 g128, int8 per channel, fp8; and int4 on
+  (engine/layers/quant/moe.py, dequantised on the fly: int4 g128, int8 per channel, fp8; and int4 on
   torch's packed kernel with bf16 activations, int4_kernel=packed) and, as the baseline for
   "only the chosen experts", the same quantised experts with every expert dequantised each call.
 Prints median ms per call and the ratios. Random weights: the values do not change the speed.
@@ -16,14 +16,15 @@ Prints median ms per call and the ratios. Random weights: the values do not chan
 from __future__ import annotations
 
 import argparse
+
 import torch
 import torch.nn.functional as F
 
 from compiler.moe import moe_experts_dense
-from engine.quant import int4_packed
-from engine.quant.config import QuantConfig
-from engine.quant.linear import FP8, make_method
-from engine.quant.moe import QuantExperts, routed_experts
+from engine.layers.quant import int4_packed
+from engine.layers.quant.config import QuantConfig
+from engine.layers.quant.linear import FP8, make_method
+from engine.layers.quant.moe import QuantExperts, routed_experts
 from tools.bench_int4_linear import _layer as _int4_layer
 from tools.bench_int4_linear import _times
 

@@ -13,11 +13,11 @@ from __future__ import annotations
 import argparse
 
 from engine.bench.overhead import instrument, measure, stub_model
-from engine.config import EngineSettings
-from engine.llm_engine import LLMEngine
-from engine.runner import ModelRunner
-from engine.sampled_tokens import LastSampled
-from engine.scheduler import sample_row_ranges
+from engine.config.settings import EngineSettings
+from engine.core.sched.scheduler_output import sample_row_ranges
+from engine.runtime.llm_engine import LLMEngine
+from engine.worker.model_runner import ModelRunner
+from engine.worker.sample.sampler_output import LastSampled
 
 
 class _EagerRows(LastSampled):

@@ -22,7 +22,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from engine.replicas import ReplicaPlan, ReplicaSet  # noqa: E402
+from engine.entrypoints.cli.replicas import ReplicaPlan, ReplicaSet  # noqa: E402
 
 
 def _metric(url: str, name: str) -> float:

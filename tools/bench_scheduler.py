@@ -2,7 +2,7 @@
 
 No model and no engine: `batch` requests are admitted and prefilled, then every step is
 schedule -> launched -> update with one fake token per sequence (the steady decode state of
-a serving engine). Only `schedule()` is timed. The baseline is `engine/scheduler.py` as it
+a serving engine). Only `schedule()` is timed. The baseline is `engine/core/sched/scheduler.py` as it
 is at `--baseline` (a git revision, default `main`), loaded as a module next to this tree's
 block pool, so both run on the same machine at the same time.
 
@@ -30,7 +30,7 @@ def load_baseline(rev: str):
     """The scheduler module at git revision `rev` (None if it cannot be read)."""
     root = Path(__file__).resolve().parent.parent
     try:
-        text = subprocess.run(["git", "-C", str(root), "show", f"{rev}:engine/scheduler.py"],
+        text = subprocess.run(["git", "-C", str(root), "show", f"{rev}:engine/core/sched/scheduler.py"],
                               check=True, capture_output=True, text=True).stdout
     except (subprocess.CalledProcessError, FileNotFoundError):
         return None
@@ -44,7 +44,7 @@ def load_baseline(rev: str):
 
 
 def _make(module, batch: int, steps: int, prefill_len: int):
-    from engine.kv.block_pool import BlockPool
+    from engine.core.kv.block_pool import BlockPool
 
     max_len = 64 + steps + 2 * prefill_len
     blocks = (batch + 4) * (-(-max_len // BLOCK_SIZE)) + 8
@@ -60,7 +60,7 @@ def _step(sched, token: int) -> None:
 
 
 def measure(module, batch: int, steps: int, mixed: bool) -> float:
-    from engine.request import FinishReason, Request, SamplingParams
+    from engine.core.request import FinishReason, Request, SamplingParams
 
     prefill = 96
     sched = _make(module, batch, steps, prefill)
@@ -94,7 +94,7 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--repeats", type=int, default=3, help="best of this many runs per row")
     args = parser.parse_args()
-    import engine.scheduler as new
+    import engine.core.sched.scheduler as new
 
     base = load_baseline(args.baseline)
     if base is None:

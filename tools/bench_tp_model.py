@@ -23,12 +23,13 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from engine.attention.base import AttentionMetadata
-from engine.attention.torch_backend import TorchAttentionBackend
-from engine.distributed.parallel import TensorParallel, all_reduce, init_tensor_parallel, local_heads
-from engine.kv.cache import KVCache
+from engine.distributed.parallel import TensorParallel, all_reduce, init_tensor_parallel
+from engine.layers.attention.base import AttentionMetadata
+from engine.layers.attention.torch_backend import TorchAttentionBackend
+from engine.layers.kv_cache import KVCache
 from engine.models.config import ModelConfig
-from engine.models.loader import load_model
+from engine.models.loader.model_loader import load_model
+from engine.models.sharding import local_heads
 
 BLOCK = 16
 
@@ -157,7 +158,7 @@ def main() -> None:
     ap.add_argument("--prefill", type=int, default=128)
     ap.add_argument("--steps", type=int, default=30)
     args = ap.parse_args()
-    from engine.tiny_model import make_tiny_model
+    from engine.models.tiny_model import make_tiny_model
 
     with tempfile.TemporaryDirectory() as tmp:
         if args.hidden is not None:

@@ -88,7 +88,7 @@ class Bench:
         self.vllm_env = _env({"VLLM_CPU_OMP_THREADS_BIND": args.cores,
                               "VLLM_CPU_KVCACHE_SPACE": str(int(args.kv_cache_gb))})
         self.kiln_env = _env({"PYTHONPATH": str(REPO)})
-        self.kiln = [args.kiln_python, "-m", "engine.cli"]
+        self.kiln = [args.kiln_python, "-m", "engine.entrypoints.cli"]
         self.kiln_flags = ["--model", args.model, "--dtype", args.dtype, "--max-num-seqs", str(args.max_num_seqs),
                            "--cpu-bind", args.cores, "--cpu-threads", str(_core_count(args.cores)),
                            "--kv-cache-memory-gb", str(args.kv_cache_gb)] + args.kiln_arg

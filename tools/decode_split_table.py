@@ -3,7 +3,10 @@ plans (v1: 12 CTAs per SM, v2: 4 per SM, 256-token splits) against the occupancy
 compiler/launch_plan.py, as CTAs, waves and wave efficiency at the measured occupancy. Computed,
 not measured: the GPU timings come from `kiln bench kernels` in tools/gpu_check.sh."""
 
-from compiler.launch_plan import ctas_per_sm_from_resources as occ, plan_decode_splits as plan, wave_efficiency as eff
+from compiler.launch_plan import ctas_per_sm_from_resources as occ
+from compiler.launch_plan import plan_decode_splits as plan
+from compiler.launch_plan import wave_efficiency as eff
+
 SMS, HKV = 132, 8
 cps = occ(168, 128, 8320)  # decode g4 (32q/8kv), ptxas: 168 registers, 8320 B static smem
 def old(work, ctx, target, min_tok):

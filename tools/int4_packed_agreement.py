@@ -5,13 +5,17 @@ prompt-token log-probability drift. Recorded in BENCH_quantmoe.md.
 
     PYTHONPATH=. python tools/int4_packed_agreement.py
 """
-import tempfile, torch
+import tempfile
 from pathlib import Path
+
+import torch
+
 from engine import SamplingParams
-from engine.llm import LLM
-from engine.tiny_model import make_tiny_model
+from engine.entrypoints.llm import LLM
+from engine.models.tiny_model import make_tiny_model
 from tests.quant_checkpoints import write_quantized
 from tests.test_quant_formats import _drift
+
 root = Path(tempfile.mkdtemp())
 greedy = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
 gen = torch.Generator().manual_seed(0)

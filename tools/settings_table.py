@@ -18,7 +18,7 @@ sys.path.insert(0, str(ROOT))
 
 
 def _default(field) -> str:
-    from engine.flags import default_text
+    from engine.entrypoints.cli.flags import default_text
 
     if field.default_factory is not None:
         return "(computed)"  # (depends on the environment, e.g. the cache directory)
@@ -31,8 +31,8 @@ def _cell(text: str) -> str:
 
 
 def settings_table() -> str:
-    from engine.config import EngineSettings, ServerSettings
-    from engine.flags import flag_of
+    from engine.config.settings import EngineSettings, ServerSettings
+    from engine.entrypoints.cli.flags import flag_of
 
     rows = ["| setting | flag | environment | default | what it does |", "| --- | --- | --- | --- | --- |"]
     for cls in (EngineSettings, ServerSettings):
@@ -46,7 +46,7 @@ def settings_table() -> str:
 
 
 def vllm_flags_table() -> str:
-    from engine.flags import VLLM_FLAGS
+    from engine.entrypoints.cli.flags import VLLM_FLAGS
 
     rows = ["| vLLM flag | kiln setting |", "| --- | --- |"]
     rows += [f"| `{flag}` | `{name}` |" for flag, name in VLLM_FLAGS.items()]
@@ -56,7 +56,7 @@ def vllm_flags_table() -> str:
 def metrics_table() -> str:
     from prometheus_client import CollectorRegistry
 
-    from engine.server.metrics import EngineMetrics
+    from engine.entrypoints.openai.metrics import EngineMetrics
 
     metrics = EngineMetrics("model", log_stats_interval=0, registry=CollectorRegistry(auto_describe=True))
     rows = ["| metric | type | what it measures |", "| --- | --- | --- |"]

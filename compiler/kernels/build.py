@@ -27,7 +27,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from compiler.kernels.manifest import TEMPLATES_DIR, Variant, load_manifest, render, select_variants
+from compiler.kernels.manifest import Variant, load_manifest, render, select_variants
 
 ARCH = "sm_90a"
 NVCC_FLAGS = (

@@ -4,7 +4,7 @@
     kiln bench cpu --model DIR --baseline --parts --startup --json out.json
 
 One engine (the default settings: eager forward, the C++ paged attention) is driven under
-each thread setting -- the default plan (engine/cpu_threads.py), 1, 2 and every available core --
+each thread setting -- the default plan (engine/worker/cpu_threads.py), 1, 2 and every available core --
 first on a quiet machine and then next to a CPU-burning neighbour process that the benchmark
 starts and stops (it also ends by itself after --neighbour-seconds). Per setting: batch-1 decode
 (median ms per step after the prefill) and the throughput of --requests requests (generated
@@ -98,7 +98,7 @@ def batch1(engine, args) -> float:
 
 def throughput(engine, args, requests: int | None = None, output_len: int | None = None) -> float:
     """Generated tokens per second for --requests requests, all queued at once."""
-    from engine.request import SamplingParams
+    from engine.core.request import SamplingParams
 
     vocab = engine.model_config.vocab_size
     prompts = _prompts(requests or args.requests, max(1, args.input_len // 2), args.input_len, vocab, 3)
@@ -199,8 +199,8 @@ def parts(engine, args) -> dict[str, Any]:
     """Compiled vs eager per part, in this run."""
     from compiler.cpu_attention import paged_attention_cpu_impl
     from compiler.reference_attention import paged_attention_reference
-    from engine.config import EngineSettings
-    from engine.llm_engine import LLMEngine
+    from engine.config.settings import EngineSettings
+    from engine.runtime.llm_engine import LLMEngine
 
     cfg = engine.model_config
     bs = engine.settings.block_size
@@ -276,7 +276,7 @@ def startup(settings: dict[str, Any]) -> list[float]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from engine.flags import add_settings_flags
+    from engine.entrypoints.cli.flags import add_settings_flags
 
     p = argparse.ArgumentParser(prog="kiln bench cpu", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -299,9 +299,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str]) -> int:
-    from engine.flags import settings_from_args
-    from engine.cpu_threads import available_cores, plan_threads
-    from engine.llm_engine import LLMEngine
+    from engine.entrypoints.cli.flags import settings_from_args
+    from engine.runtime.llm_engine import LLMEngine
+    from engine.worker.cpu_threads import available_cores, plan_threads
 
     args = build_parser().parse_args(argv)
     settings = settings_from_args(args)

@@ -45,7 +45,7 @@ def _sync(device: torch.device) -> None:
 def weight_bytes(model: torch.nn.Module) -> int:
     """Bytes of all (unique) parameters, quantised layers' packed weights and scales included:
     what one decode step streams from memory."""
-    from engine.quant.loading import QUANT_BUFFERS
+    from engine.models.loader.quant_loading import QUANT_BUFFERS
 
     total = sum(p.numel() * p.element_size() for p in model.parameters())
     for module in model.modules():
@@ -195,7 +195,7 @@ def run_hf(hf, prompts: list[list[int]], output_len: int, device: torch.device) 
 
 # ---- kiln ------------------------------------------------------------------------------------
 def run_kiln(engine, prompts: list[list[int]], output_len: int, tag: str) -> dict[str, Any]:
-    from engine.request import SamplingParams
+    from engine.core.request import SamplingParams
 
     device = engine.device
     params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True, detokenize=False)
@@ -274,9 +274,9 @@ def memory_report(engine, name: str, rss_before: int, startup: float) -> dict[st
     bf16 = engine.model_config.num_parameters() * 2
     kv = engine.kv_cache.tensor.numel() * engine.kv_cache.tensor.element_size()
     growth = peak_rss_bytes() - rss_before
-    from engine.quant.loading import QUANT_BUFFERS, quantized_linears
+    from engine.models.loader.quant_loading import QUANT_BUFFERS
 
-    linears = [m for m in quantized_linears(engine.model).values() if getattr(m, "quant", None) is not None]
+    linears = [m for m in engine.model.quantizable_linears().values() if getattr(m, "quant", None) is not None]
     packed = sum(b.numel() * b.element_size() for m in linears for n, b in m.named_buffers(recurse=False)
                  if n in QUANT_BUFFERS)
     dense = sum(m.in_features * m.out_features * 2 for m in linears)
@@ -297,7 +297,7 @@ def memory_report(engine, name: str, rss_before: int, startup: float) -> dict[st
 
 # ---- entry point ---------------------------------------------------------------------------
 def build_parser() -> argparse.ArgumentParser:
-    from engine.flags import add_settings_flags
+    from engine.entrypoints.cli.flags import add_settings_flags
 
     parser = argparse.ArgumentParser(prog="kiln bench latency", description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -319,8 +319,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str]) -> int:
-    from engine.flags import settings_from_args
-    from engine.llm_engine import LLMEngine
+    from engine.entrypoints.cli.flags import settings_from_args
+    from engine.runtime.llm_engine import LLMEngine
 
     args = build_parser().parse_args(argv)
     batches = sorted({int(b) for b in str(args.batch_size).split(",") if b.strip()})
@@ -334,7 +334,7 @@ def main(argv: list[str]) -> int:
         if "model" in explicit:
             print("kiln bench latency: give --preset or --model, not both", file=sys.stderr)
             return 2
-        from engine.tiny_model import make_tiny_model
+        from engine.models.tiny_model import make_tiny_model
 
         tmp = tempfile.TemporaryDirectory(prefix="kiln-latency-")
         extra["model"] = str(make_tiny_model(Path(tmp.name) / args.preset, preset=args.preset, config_only=True))
@@ -374,7 +374,7 @@ def main(argv: list[str]) -> int:
         return 0
     print(f"kiln bench latency: {name} ({str(engine.dtype).removeprefix('torch.')}, {engine.device}, "
           f"attention {engine.backend.name}, {'eager' if settings.enforce_eager else 'compiled'}"
-          f"{', CUDA graphs' if engine.runner.graph_runner is not None else ''}), input {args.input_len}, "
+          f"{', CUDA graphs' if engine.worker.model_runner.graph_runner is not None else ''}), input {args.input_len}, "
           f"output {args.output_len}")
     print(f"  start-up {startup:.1f}s (compile {engine.compile_seconds:.1f}s, "
           f"capture {engine.capture_seconds:.1f}s)")

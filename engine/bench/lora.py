@@ -53,7 +53,7 @@ def _run(llm, prompts, loras, max_tokens: int) -> tuple[float, int]:
 
 
 def main(argv: list[str]) -> int:
-    from engine.flags import add_settings_flags, settings_from_args
+    from engine.entrypoints.cli.flags import add_settings_flags, settings_from_args
 
     parser = argparse.ArgumentParser(prog="kiln bench lora", description=__doc__)
     parser.add_argument("--adapters", type=int, default=2)
@@ -66,8 +66,8 @@ def main(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     settings = settings_from_args(args)
     from engine import LoRARequest
-    from engine.llm import LLM
-    from engine.tiny_model import default_model_dir
+    from engine.entrypoints.llm import LLM
+    from engine.models.tiny_model import default_model_dir
 
     model = settings.model or str(default_model_dir(settings.cache_dir))
     common = settings.model_dump(exclude_unset=True) | {"model": model}

@@ -111,7 +111,7 @@ OFFLINE = dict(output_kind="final_only", detokenize=False)  # LLM.generate's, as
 
 def mixed_params(engine, mix: str, max_tokens: int, kind: dict | None = None):
     """The --mix feature's SamplingParams (greedy, never ending early; `kind`: STREAMED or OFFLINE)."""
-    from engine.request import SamplingParams, StructuredOutputsParams
+    from engine.core.request import SamplingParams, StructuredOutputsParams
 
     base = dict(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, **(kind or STREAMED))
     if mix == "penalties":
@@ -125,7 +125,7 @@ def mixed_params(engine, mix: str, max_tokens: int, kind: dict | None = None):
 
 def measure(engine, totals: dict[str, float], batch: int, steps: int, overlap: bool,
             mix: str = "none", offline: bool = False) -> dict[str, float]:
-    from engine.request import SamplingParams
+    from engine.core.request import SamplingParams
 
     if hasattr(engine, "async_scheduling"):
         engine.async_scheduling = overlap
@@ -160,7 +160,7 @@ def measure(engine, totals: dict[str, float], batch: int, steps: int, overlap: b
 
 
 def main(argv: list[str]) -> int:
-    from engine.flags import add_settings_flags, settings_from_args
+    from engine.entrypoints.cli.flags import add_settings_flags, settings_from_args
 
     parser = argparse.ArgumentParser(prog="kiln bench overhead", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -184,7 +184,7 @@ def main(argv: list[str]) -> int:
     settings = settings.model_copy(update=update)
     import torch
 
-    from engine.llm_engine import LLMEngine
+    from engine.runtime.llm_engine import LLMEngine
 
     engine = LLMEngine(settings)
     stub_model(engine, max(batches))

@@ -33,8 +33,14 @@ from typing import Any
 
 import httpx
 
-from engine.bench.serve_data import (BenchConfig, SampleRequest, ServerTokenizer, arrival_gaps, random_requests,
-                                     sharegpt_requests)
+from engine.bench.serve_data import (
+    BenchConfig,
+    SampleRequest,
+    ServerTokenizer,
+    arrival_gaps,
+    random_requests,
+    sharegpt_requests,
+)
 from engine.bench.serve_metrics import METRICS, RequestResult, format_summary, parse_goodput, summarize
 
 BACKENDS = {"openai": "/v1/completions", "openai-chat": "/v1/chat/completions"}

@@ -35,7 +35,7 @@ def _run(llm, prompts, max_tokens: int) -> tuple[float, int]:
 
 
 def main(argv: list[str]) -> int:
-    from engine.flags import add_settings_flags, settings_from_args
+    from engine.entrypoints.cli.flags import add_settings_flags, settings_from_args
 
     parser = argparse.ArgumentParser(prog="kiln bench spec", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -48,8 +48,8 @@ def main(argv: list[str]) -> int:
     add_settings_flags(parser, skip=("max_num_seqs", "speculative_method", "num_speculative_tokens"))
     args = parser.parse_args(argv)
     settings = settings_from_args(args)
-    from engine.llm import LLM
-    from engine.tiny_model import default_model_dir, make_periodic_model
+    from engine.entrypoints.llm import LLM
+    from engine.models.tiny_model import default_model_dir, make_periodic_model
 
     tmp = None
     model = settings.model

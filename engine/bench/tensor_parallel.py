@@ -21,7 +21,7 @@ from typing import Any, Callable
 
 import torch
 
-from engine.distributed import step_codec as codec
+from engine.executor import step_codec as codec
 
 
 @contextlib.contextmanager
@@ -55,7 +55,7 @@ ROUNDS = 3  # timed runs of each engine, alternated (a shared machine's load dri
 def compare(settings, reqs, run_kiln: Callable) -> dict[str, Any]:
     """Run `reqs` on a TP 1 and a TP N engine (both built up front), alternating ROUNDS times;
     print and return the median throughputs, their ratio and the TP N step costs."""
-    from engine.llm import LLM
+    from engine.entrypoints.llm import LLM
 
     world = settings.tensor_parallel_size
     base = settings.model_dump(exclude_unset=True) | {"model": settings.model}
@@ -120,7 +120,7 @@ def main_tp(args, settings, workload: Callable, length_range: Callable, run_kiln
     """`kiln bench throughput` with --tensor-parallel-size > 1 (no transformers baseline: the
     baseline is TP 1)."""
     from engine.models.config import ModelConfig
-    from engine.models.loader import load_tokenizer
+    from engine.models.loader.model_loader import load_tokenizer
 
     config = ModelConfig.from_dir(Path(settings.model))
     vocab = min(config.vocab_size, len(load_tokenizer(settings.tokenizer or settings.model)))

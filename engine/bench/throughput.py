@@ -93,7 +93,7 @@ def _length_range(text: str) -> tuple[int, int]:
 
 
 def main(argv: list[str]) -> int:
-    from engine.flags import add_settings_flags, settings_from_args
+    from engine.entrypoints.cli.flags import add_settings_flags, settings_from_args
 
     parser = argparse.ArgumentParser(prog="kiln bench throughput", description=__doc__, allow_abbrev=False)
     # Flag names shared with `kiln bench serve` (and vLLM's); the old names still work.
@@ -116,14 +116,14 @@ def main(argv: list[str]) -> int:
         parser.error("--repeats must be at least 1")
     settings = settings_from_args(args)
     if settings.model is None:
-        from engine.tiny_model import default_model_dir
+        from engine.models.tiny_model import default_model_dir
 
         settings = settings.model_copy(update={"model": str(default_model_dir(settings.cache_dir))})
     if settings.tensor_parallel_size > 1:  # TP 1 against TP N in one run
         from engine.bench.tensor_parallel import main_tp
 
         return main_tp(args, settings, workload, _length_range, run_kiln)
-    from engine.llm import LLM
+    from engine.entrypoints.llm import LLM
 
     llm = LLM(**settings.model_dump(exclude_unset=True) | {"model": settings.model})
     lo, hi = _length_range(args.prompt_len)

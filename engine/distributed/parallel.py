@@ -1,7 +1,7 @@
 """Tensor parallelism: which rank this process is, its process group, the two collectives the
 sharded model needs, and how the attention heads split across ranks.
 
-The model (engine/models/llama.py with engine/distributed/layers.py) calls `all_reduce` after
+The model (engine/models/llama.py with engine/distributed/parallel_layers.py) calls `all_reduce` after
 each row-parallel projection and the vocabulary-parallel embedding, and `all_gather_last_dim`
 on the logits; with one rank both are no-ops, so a tp=1 model is the single-GPU model.
 """
@@ -9,11 +9,10 @@ on the logits; with one rank both are no-ops, so a tp=1 model is the single-GPU 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-
-from engine.models.config import ModelConfig
 
 
 @dataclass(frozen=True)
@@ -59,62 +58,13 @@ def all_gather_last_dim(x: torch.Tensor, tp: TensorParallel | None) -> torch.Ten
     return torch.cat(parts, dim=-1)
 
 
-def _world(tp: TensorParallel | None) -> int:
-    return 1 if tp is None else tp.world_size
+# Backstop for a collective that never completes (a hung, not dead, peer). Start-up phases
+# between two messages (a worker loading a large checkpoint) must fit in it.
+COLLECTIVE_TIMEOUT_S = 300.0
 
 
-def local_heads(config: ModelConfig, tp: TensorParallel | None) -> tuple[int, int]:
-    """(query heads, KV heads) this rank holds. Query heads split evenly; KV heads split evenly
-    when there are at least as many as ranks, else each rank holds the one KV head its query
-    heads read (replicated on tensor_parallel_size / num_kv_heads ranks).
-    The rank's KV cache has local_heads(config, tp)[1] heads."""
-    world = _world(tp)
-    heads, kv = config.num_heads, config.num_kv_heads
-    if world == 1:
-        return heads, kv
-    if heads % world:
-        raise ValueError(f"tensor_parallel_size={world} does not divide the model's {heads} attention heads")
-    if kv >= world:
-        if kv % world:
-            raise ValueError(f"tensor_parallel_size={world} does not divide the model's {kv} KV heads")
-        return heads // world, kv // world
-    if world % kv:
-        raise ValueError(f"tensor_parallel_size={world} is not a multiple of the model's {kv} KV heads "
-                         f"(fewer KV heads than ranks are replicated, which needs a whole number of ranks per head)")
-    return heads // world, 1
-
-
-def first_kv_head(config: ModelConfig, tp: TensorParallel | None) -> int:
-    """The model's index of this rank's first KV head (its query heads read it and the next ones)."""
-    world = _world(tp)
-    if world == 1:
-        return 0
-    _, kv_local = local_heads(config, tp)
-    if config.num_kv_heads >= world:
-        return tp.rank * kv_local
-    return tp.rank * config.num_kv_heads // world  # replicated: world / kv ranks share each head
-
-
-def vocab_rows_per_rank(config: ModelConfig, tp: TensorParallel | None) -> int:
-    """Vocabulary rows per rank: the vocabulary is padded up to a multiple of the ranks (the
-    padding rows embed to zero and their logits are dropped), so any vocabulary size shards."""
-    world = _world(tp)
-    return -(-config.vocab_size // world)
-
-
-def check_shardable(config: ModelConfig, tp: TensorParallel | None) -> None:
-    """Refuse a model whose heads or MLP widths do not split over the ranks."""
-    world = _world(tp)
-    if world == 1:
-        return
-    local_heads(config, tp)
-    widths = {}
-    if len(config.sparse_layers) < config.num_layers:  # some layers have the dense MLP
-        widths["intermediate_size"] = config.intermediate_size
-    if config.is_moe:
-        widths["moe_intermediate_size"] = config.moe_intermediate_size
-        if config.shared_expert_intermediate_size:
-            widths["shared_expert_intermediate_size"] = config.shared_expert_intermediate_size
-    for name, width in widths.items():
-        if width % world:
-            raise ValueError(f"tensor_parallel_size={world} does not divide the model's {name} ({width})")
+def join_group(rank: int, world_size: int, init_method: str, backend: str) -> TensorParallel:
+    """Join the process group (with the collective timeout) as this rank."""
+    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size,
+                            timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S))
+    return init_tensor_parallel(rank, world_size, init_method, backend)

@@ -167,7 +167,7 @@ class ModelConfig:
     @classmethod
     def from_dir(cls, path: str | Path) -> "ModelConfig":
         """From an HF checkpoint directory's config.json, or a GGUF file's metadata."""
-        from engine.quant import gguf_file
+        from engine.models.loader import gguf_file
 
         if gguf_file.is_gguf(path):
             return cls.from_dict(gguf_file.hf_config(path))

@@ -19,13 +19,19 @@ from torch import nn
 import compiler.ops  # noqa: F401 - registers every kiln:: op (kiln::moe_experts here)
 from compiler import cpu_fused
 from compiler.cpu_linear import MIN_ONEDNN_ROWS, linear, row_bucket, warm_buckets
-from engine.attention.base import AttentionBackend, AttentionMetadata
-from engine.distributed.layers import ParallelLMHead, RowParallelLinear, VocabParallelEmbedding, parallel_logits
-from engine.distributed.parallel import TensorParallel, all_reduce, check_shardable, local_heads, vocab_rows_per_rank
-from engine.forward_context import ForwardContext
+from engine.distributed.parallel import TensorParallel, all_reduce
+from engine.distributed.parallel_layers import (
+    ParallelLMHead,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    parallel_logits,
+)
+from engine.layers.attention.base import AttentionBackend, AttentionMetadata
+from engine.layers.forward_context import ForwardContext
+from engine.layers.quant.moe import QuantExperts, routed_experts
 from engine.models.config import ModelConfig, rope_inv_freq
 from engine.models.glm import apply_interleaved_rope, interleaved_rope_tables
-from engine.quant.moe import QuantExperts, routed_experts
+from engine.models.sharding import check_shardable, local_heads, vocab_rows_per_rank
 
 
 class RMSNorm(nn.Module):
@@ -62,7 +68,7 @@ class RMSNorm(nn.Module):
 
 
 class Linear(nn.Linear):
-    """nn.Linear that can carry stacked LoRA adapters (engine/lora.py): `parts` are the output
+    """nn.Linear that can carry stacked LoRA adapters (engine/lora/adapters.py): `parts` are the output
     sizes of the projections fused into it (q/k/v, gate/up), each adapted on its own."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool, parts: tuple[int, ...] | None = None) -> None:
@@ -73,7 +79,7 @@ class Linear(nn.Linear):
         self.register_buffer("lora_a", None, persistent=False)  # set by enable_lora
         self.register_buffer("lora_b", None, persistent=False)
         self.lora_rank = 0
-        self.quant = None  # a quantised layer's method (engine/quant/linear.py); None: dense weight
+        self.quant = None  # a quantised layer's method (engine/layers/quant/linear.py); None: dense weight
 
     def enable_lora(self, num_slots: int, max_rank: int) -> None:
         width = num_slots * len(self.lora_parts) * max_rank
@@ -212,7 +218,7 @@ class MLP(nn.Module):
 class SparseMoE(nn.Module):
     """Router + top-k routed experts (kiln::moe_experts, compiler/moe.py), plus Qwen2-MoE's
     sigmoid-gated shared expert. Expert weights are stacked: w13 [E, 2I, H] (gate rows, then
-    up rows), w2 [E, H, I]; in a quantised model both are QuantExperts (engine/quant/moe.py). Under tp every expert (and the shared one) holds this rank's I/tp
+    up rows), w2 [E, H, I]; in a quantised model both are QuantExperts (engine/layers/quant/moe.py). Under tp every expert (and the shared one) holds this rank's I/tp
     gate/up rows and down columns, the router is whole, and one all-reduce sums the block."""
 
     def __init__(self, config: ModelConfig, tp: TensorParallel | None = None) -> None:
@@ -235,7 +241,7 @@ class SparseMoE(nn.Module):
         weights, ids = probs.topk(self.top_k, dim=-1)
         if self.renormalize:
             weights = weights / weights.sum(dim=-1, keepdim=True)
-        if isinstance(self.w13, QuantExperts):  # a quantised checkpoint's experts (engine/quant/moe.py)
+        if isinstance(self.w13, QuantExperts):  # a quantised checkpoint's experts (engine/layers/quant/moe.py)
             out = routed_experts(self.w13, self.w2, x, weights, ids, self.activation)
         else:
             out = torch.ops.kiln.moe_experts(x, weights, ids, self.w13, self.w2, self.activation)
@@ -296,11 +302,21 @@ class LlamaForCausalLM(nn.Module):
             config.hidden_size, config.vocab_size, bias=False) if tp is None else ParallelLMHead(
             vocab_rows_per_rank(config, tp), config.hidden_size, tp)
         self.backend: AttentionBackend | None = None
-        self.lora_slots = 0  # adapters one batch can mix (engine/lora.py); 0: LoRA off
+        self.lora_slots = 0  # adapters one batch can mix (engine/lora/adapters.py); 0: LoRA off
         self.pad_cpu_rows = False  # forward in oneDNN row buckets (padded_rows; set by use_cpu_fused_ops)
 
     def set_backend(self, backend: AttentionBackend) -> None:
         self.backend = backend
+
+    def quantizable_linears(self) -> dict[str, Linear]:
+        """The linear layers kiln quantises, by name: every attention and dense-MLP projection (not
+        the LM head or the embeddings, which every format here leaves in full precision)."""
+        return {name: m for name, m in self.named_modules() if isinstance(m, Linear) and name.startswith("layers.")}
+
+    def moe_layers(self) -> list[SparseMoE]:
+        """The mixture-of-experts blocks, for the quantisers (engine/layers/quant/moe.py takes layers,
+        never the model)."""
+        return [layer.mlp for layer in self.layers if isinstance(layer.mlp, SparseMoE)]
 
     def enable_lora(self, num_slots: int, max_rank: int) -> None:
         """Give every attention and dense-MLP projection room for num_slots adapters of rank <= max_rank."""
@@ -349,7 +365,7 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
                 meta: AttentionMetadata, ctx: ForwardContext | None = None) -> torch.Tensor:
         """ids, positions [T] -> final hidden states [T, hidden]. kv_cache: [layers, 2, blocks, bs, Hkv, D].
-        ctx: the step's feature inputs (engine/forward_context.py); None: no feature is used."""
+        ctx: the step's feature inputs (engine/layers/forward_context.py); None: no feature is used."""
         lora = None
         if self.lora_slots and ctx is not None and ctx.lora_slots is not None:  # one-hot of each token's slot
             slots = torch.arange(self.lora_slots, device=input_ids.device)

@@ -1,0 +1,1 @@
+"""Settings: EngineSettings / ServerSettings (settings.py) are the only place settings are defined; how values may be written (values.py), how errors are told (build.py), and a model's generation_config.json as request defaults."""

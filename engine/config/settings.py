@@ -1,0 +1,494 @@
+"""EngineSettings: the one place where kiln's settings are defined.
+
+Sources, lowest to highest priority: defaults, `kiln.toml` (or the file named by
+KILN_CONFIG), `KILN_*` environment variables, then keyword arguments / CLI flags.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import tomllib
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import Field, field_validator, model_validator
+from pydantic_settings import BaseSettings, InitSettingsSource, PydanticBaseSettingsSource, SettingsConfigDict
+
+from engine.config.values import DTYPE_ALIASES, did_you_mean, json_value, parse_core_list, parse_human_int, word_list
+
+
+def default_cache_dir() -> Path:
+    """kiln's cache directory (default model, kernels, compile artefacts)."""
+    base = os.environ.get("KILN_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "kiln")
+    return Path(base)
+
+
+def config_file_path() -> Path:
+    return Path(os.environ.get("KILN_CONFIG", "kiln.toml"))
+
+
+class SettingsError(ValueError):
+    """A settings problem, already phrased for the user (one line per problem)."""
+
+
+# KILN_* variables that are not settings fields (read through env_flag or above).
+OTHER_ENV_VARS = ("KILN_CONFIG", "KILN_CACHE_DIR", "KILN_SOAK_REQUESTS", "KILN_SERVER_SOAK_STREAMS")
+
+
+def read_config_file() -> tuple[Path, dict[str, Any], str] | None:
+    """(path, table, text) of kiln.toml / $KILN_CONFIG; None when the default file is absent.
+
+    A KILN_CONFIG naming a missing file and a TOML syntax error are errors naming the file."""
+    path = config_file_path()
+    if not path.is_file():
+        if "KILN_CONFIG" in os.environ:
+            raise SettingsError(f"KILN_CONFIG={os.environ['KILN_CONFIG']}: no such file")
+        return None
+    text = path.read_text()
+    try:
+        return path, tomllib.loads(text), text
+    except tomllib.TOMLDecodeError as exc:
+        raise SettingsError(f"{path}: TOML syntax error: {exc}") from None
+
+
+def _config_line(text: str, key: str) -> int | None:
+    for number, line in enumerate(text.splitlines(), 1):
+        if re.match(rf"\s*{re.escape(key)}\s*=", line):
+            return number
+    return None
+
+
+class _ConfigFileSource(InitSettingsSource):
+    """kiln.toml, shared by EngineSettings and ServerSettings: each takes its own keys; a key that
+    belongs to neither is an error with a suggestion."""
+
+    def __init__(self, settings_cls: type[BaseSettings]):
+        found = read_config_file()
+        data: dict[str, Any] = {}
+        if found is not None:
+            path, table, text = found
+            known = set(EngineSettings.model_fields) | set(ServerSettings.model_fields)
+            for key in table:
+                if key not in known:
+                    where = f"{path}:{_config_line(text, key) or '?'}"
+                    raise SettingsError(f"{where}: unknown setting {key!r}{did_you_mean(key, known)}")
+            data = {k: v for k, v in table.items() if k in settings_cls.model_fields}
+        super().__init__(settings_cls, data)
+
+
+def unknown_env_vars() -> list[str]:
+    """Warnings for KILN_* variables that no setting reads (a misspelling is otherwise silent)."""
+    known = {"KILN_" + name.upper() for cls in (EngineSettings, ServerSettings) for name in cls.model_fields}
+    known.update(OTHER_ENV_VARS)
+    return [f"{name} is not a kiln setting and is ignored{did_you_mean(name, known)}"
+            for name in sorted(os.environ) if name.startswith("KILN_") and name not in known]
+
+
+def setting_source(name: str, flags: dict[str, str] | None = None) -> str:
+    """Where a setting's value came from: the flag, the KILN_ variable, kiln.toml:LINE, or a default."""
+    if flags and name in flags:
+        return flags[name]
+    if "KILN_" + name.upper() in os.environ:
+        return "KILN_" + name.upper()
+    try:
+        found = read_config_file()
+    except SettingsError:
+        found = None
+    if found is not None and name in found[1]:
+        return f"{found[0]}:{_config_line(found[2], name) or '?'}"
+    return "a keyword argument" if flags is None else "the default"
+
+
+# Quantization methods and KV cache dtypes the engine implements (the quantization work extends these).
+SUPPORTED_QUANTIZATION: tuple[str, ...] = ("fp8", "gptq", "awq", "compressed-tensors")  # engine/layers/quant/config.py
+SUPPORTED_KV_CACHE_DTYPES: tuple[str, ...] = ("auto", "fp8", "fp8_e4m3")  # engine/layers/kv_cache.py
+
+SPECULATIVE_KEYS = {"method": "speculative_method", "num_speculative_tokens": "num_speculative_tokens",
+                    "prompt_lookup_max": "prompt_lookup_max", "prompt_lookup_min": "prompt_lookup_min"}
+
+
+def export_compile_cache_dir(path: Path) -> tuple[Path, bool]:
+    """Point Inductor's cache root (read only from the process environment) at `path`.
+
+    config.py is the one module that reads or writes the process environment. Returns the resolved path and whether it changed.
+    """
+    resolved = Path(path).expanduser().resolve()
+    changed = os.environ.get("TORCHINDUCTOR_CACHE_DIR") != str(resolved)
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(resolved)
+    return resolved, changed
+
+
+def child_environment(extra: dict[str, str]) -> dict[str, str]:
+    """This process's environment plus `extra`, for a child process (kiln serve-replicas)."""
+    return {**os.environ, **extra}
+
+
+def export_openmp_spin_default(spin_count: str) -> str:
+    """Unless the environment already sets OMP_WAIT_POLICY or GOMP_SPINCOUNT, let idle OpenMP
+    threads spin `spin_count` rounds, then sleep (libgomp, torch's CPU runtime, reads this once,
+    when torch loads). Returns the wait policy in force, in words."""
+    if "OMP_WAIT_POLICY" not in os.environ:
+        os.environ.setdefault("GOMP_SPINCOUNT", spin_count)
+    policy = os.environ.get("OMP_WAIT_POLICY", "")
+    if not policy and "GOMP_SPINCOUNT" in os.environ:
+        policy = f"spin {os.environ['GOMP_SPINCOUNT']} then sleep"
+    return policy
+
+
+def env_flag(name: str) -> str | None:
+    """Read one process-level knob that is not an engine setting (e.g. test soak length)."""
+    return os.environ.get(name)
+
+
+class _KilnSettings(BaseSettings):
+    """Sources, highest priority first: keyword arguments (flags), KILN_* variables, kiln.toml."""
+
+    @classmethod
+    def settings_customise_sources(
+        cls, settings_cls: type[BaseSettings], init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource, dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        return init_settings, env_settings, _ConfigFileSource(settings_cls)
+
+
+class EngineSettings(_KilnSettings):
+    model_config = SettingsConfigDict(env_prefix="KILN_", extra="forbid", validate_default=True, enable_decoding=False)
+
+    # --- model ---
+    model: str | None = Field(None, description="HF checkpoint directory (default: kiln's embedded tiny model)")
+    tokenizer: str | None = Field(None, description="tokenizer directory (default: the model's)")
+    chat_template: str | None = Field(
+        None, description="Jinja chat template, or the path of a file holding one (default: the tokenizer's)")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto", description="weights and activations (half = float16, float = float32; auto: the checkpoint's, "
+        "float32 on the CPU)")
+    device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto: cuda when a GPU is visible")
+    seed: int = Field(0, description="random seed for dummy weights and unseeded sampling")
+    load_format: Literal["auto", "dummy"] = Field("auto", description="dummy: random weights from config.json")
+    max_model_len: int | None = Field(None, ge=1, description="context length in tokens; 32k = 32000, 32K = 32768 "
+                                         "(default: the model's max_position_embeddings)")
+
+    # --- KV cache ---
+    block_size: int = Field(16, description="tokens per KV block (8, 16, 32, 64 or 128)")
+    num_gpu_blocks: int | None = Field(None, ge=2, description="KV blocks; default: sized from memory settings")
+    gpu_memory_utilization: float = Field(0.9, gt=0.0, le=1.0, description="share of GPU memory kiln may use")
+    kv_cache_memory_gb: float = Field(0.25, gt=0.0, description="KV cache size on the CPU device")
+    swap_space_gb: float = Field(1.0, ge=0.0, description="pinned CPU memory for swapped-out KV blocks")
+    enable_prefix_caching: bool = Field(True, description="reuse the KV blocks of shared prompt prefixes")
+
+    # --- scheduling ---
+    max_num_seqs: int = Field(64, ge=1, description="sequences in one batch at most")
+    max_num_batched_tokens: int = Field(2048, ge=1, description="tokens in one step at most (prefill chunks + decodes)")
+    enable_chunked_prefill: bool = Field(True, description="split long prompts across steps")
+    preemption_mode: Literal["auto", "swap", "recompute"] = Field(
+        "recompute", description="what happens to a preempted sequence's KV blocks")
+    reserved_blocks_fraction: float = Field(0.0, ge=0.0, lt=1.0,
+                                            description="pool share kept for priority <= reserved_priority")
+    reserved_priority: int = Field(0, description="requests with priority <= this may use the reserved share")
+    max_waiting_requests: int = Field(4096, ge=1, description="beyond this the server answers 503")
+
+    # --- speculative decoding (vLLM's speculative_config {"method": "ngram", ...}) ---
+    speculative_method: Literal["ngram"] | None = Field(
+        None, description="ngram: draft tokens by prompt lookup, verified in one forward")
+    num_speculative_tokens: int = Field(0, ge=0, le=16, description="draft tokens per step and sequence")
+    prompt_lookup_max: int = Field(4, ge=1, description="ngram: longest suffix to look up")
+    prompt_lookup_min: int = Field(2, ge=1,
+                                   description="ngram: shortest suffix to look up (1 matches by chance too often)")
+
+    # --- LoRA adapters (vLLM's --enable-lora, --lora-modules, --max-loras, --max-lora-rank) ---
+    enable_lora: bool = Field(False, description="serve LoRA adapters")
+    lora_modules: list[str] | None = Field(None, description="name=path of PEFT adapters loaded at start-up")
+    max_loras: int = Field(4, ge=1, description="adapters resident at once (one batch may mix them all)")
+    max_lora_rank: int = Field(16, ge=1, le=512, description="largest adapter rank accepted")
+
+    # --- embeddings (/v1/embeddings, LLM.embed) ---
+    pooling_type: Literal["last", "mean"] = Field("last", description="how prompt hidden states become an embedding")
+
+    # --- compiler / kernels ---
+    enforce_eager: bool = Field(False, description="no torch.compile, no CUDA graphs")
+    attention_backend: Literal["auto", "torch", "cutlass"] = Field(
+        "auto", description="auto: cutlass kernels on a GPU, the torch reference on the CPU")
+    cuda_graph_sizes: list[int] | None = Field(None, description="decode batch buckets (default 1,2,4,8,16,...)")
+    compile_cache_dir: Path | None = Field(None, description="default: <cache_dir>/compile")
+    kernel_cache_dir: Path | None = Field(None, description="default: <cache_dir>/kernels")
+    cache_dir: Path = Field(default_factory=default_cache_dir,
+                            description="kiln's cache root (KILN_CACHE_DIR): kernels, compile artefacts, tiny model")
+    decode_kernel: Literal["v1", "v2"] = Field(
+        "v1", description="cutlass backend decode kernel: v1 (split-KV + combine launch, verified on an H200) "
+                          "or v2 (warp-streamed blocks, in-kernel merge)")
+    prefill_kernel: Literal["mma", "wgmma"] = Field(
+        "mma", description="cutlass backend prefill kernel: mma (mma.sync, verified on an H200) or wgmma "
+                           "(sm_90a warpgroup MMA)")
+
+    # --- CPU threads (engine/worker/cpu_threads.py) ---
+    cpu_threads: int | None = Field(
+        None, ge=1, description="compute threads on the CPU; default: one per available core, minus one "
+                                "(left to the engine loop and the server) from 4 cores up")
+    cpu_bind: str = Field(
+        "auto", description="pin the process to cores: a list like 0-3 or 0,2 (then one thread per core "
+                            "unless cpu_threads says otherwise); auto and none leave placement to the OS")
+
+    cpu_compile_forward: bool = Field(
+        False, description="on the CPU, torch.compile the whole forward too (measured no faster than eager; "
+                           "only the decode attention is compiled by default)")
+
+    # --- logging ---
+    log_stats_interval: float = Field(10.0, ge=0.0, description="seconds between stats log lines (0 = off)")
+
+    # --- engine loop ---
+    async_scheduling: bool | None = Field(
+        None, description="overlap scheduling: the host prepares step N+1 while the device runs step N "
+                          "(default: on with a GPU, off on the CPU)")
+    # --- vLLM-compatible settings (issue 13) ---
+    tensor_parallel_size: int = Field(
+        1, ge=1, description="ranks to shard the model over, one process each (GPUs with NCCL; CPU processes "
+                             "with gloo)")
+    quantization: str | None = Field(
+        None, description="fp8: quantise a full-precision checkpoint's linear layers at load (per-channel "
+                          "scales); default: the checkpoint's own quantization_config (gptq, awq, compressed-tensors)")
+    kv_cache_dtype: str = Field(
+        "auto", description="KV cache element type: auto (the model dtype), or fp8 / fp8_e4m3 (1-byte e4m3 with "
+        "per-layer K/V scales from the checkpoint, else 1.0 or calculate_kv_scales): twice the blocks of bf16")
+    generation_config: str = Field(
+        "auto", description="auto: sampling defaults and extra EOS ids from the model's generation_config.json; "
+        "vllm: ignore it; or a folder holding one")
+    max_logprobs: int = Field(20, ge=0, description="largest logprobs / prompt_logprobs a request may ask for")
+    disable_log_stats: bool = Field(False, description="no periodic stats log lines")
+    speculative_config: dict[str, Any] | None = Field(
+        None, description='JSON, e.g. {"method": "ngram", "num_speculative_tokens": 4}; sets the speculative_* settings')
+    trust_remote_code: bool = Field(
+        False, description="accepted for vLLM command lines; kiln never runs a checkpoint's code (GLM/ChatGLM "
+        "load natively)")
+    int4_kernel: Literal["auto", "reference", "kiln", "tinygemm", "packed"] = Field(
+        "auto", description="int4 weights: auto = kiln's W4A16 GEMM on sm_90 when its cubin is built, else torch's "
+        "packed int4 matmul (CPU and CUDA, bf16 models), for every layer whose shape and group size it takes, else "
+        "dequantise on the fly; kiln / tinygemm = that kernel (kiln: an error where it cannot run); reference = "
+        "always dequantise on the fly; packed = as auto, and float32/float16 models too, their activations rounded "
+        "to bf16 around torch's packed kernel (on the CPU far faster than the reference; a bf16 model's numerics)")
+    gguf_dequantize: bool = Field(
+        False, description="GGUF files: dequantise every tensor to the model dtype at load (default: Q4_0/Q4_1 "
+        "linear layers of a bf16 model stay int4 in torch's packed layout, Q8_0 ones int8; K-quants are "
+        "dequantised either way)")
+    calculate_kv_scales: bool = Field(
+        False, description="fp8 KV cache: set each layer's K/V scales from the first prompt it sees (amax / 448), "
+        "instead of the checkpoint's (or 1.0)")
+
+    @field_validator("block_size")
+    @classmethod
+    def _check_block_size(cls, v: int) -> int:
+        if v not in (8, 16, 32, 64, 128):
+            raise ValueError("block_size must be one of 8, 16, 32, 64, 128")
+        return v
+
+    @field_validator("cpu_bind")
+    @classmethod
+    def _check_cpu_bind(cls, v: str) -> str:
+        if v.strip().lower() not in ("auto", "none"):
+            parse_core_list(v)
+        return v
+
+    @field_validator("cuda_graph_sizes", "lora_modules", mode="before")
+    @classmethod
+    def _parse_lists(cls, v: Any) -> Any:
+        return word_list(v)
+
+    @field_validator("max_model_len", "max_num_batched_tokens", mode="before")
+    @classmethod
+    def _parse_sizes(cls, v: Any) -> Any:
+        return parse_human_int(v)
+
+    @field_validator("dtype", mode="before")
+    @classmethod
+    def _dtype_aliases(cls, v: Any) -> Any:
+        return DTYPE_ALIASES.get(v, v) if isinstance(v, str) else v
+
+    @field_validator("quantization")
+    @classmethod
+    def _known_quantization(cls, v: str | None) -> str | None:
+        if v is not None and v not in SUPPORTED_QUANTIZATION:
+            raise ValueError(f"quantization {v!r} is not supported yet (supported: "
+                             f"{', '.join(SUPPORTED_QUANTIZATION) or 'none; unquantized checkpoints only'})")
+        return v
+
+    @field_validator("kv_cache_dtype")
+    @classmethod
+    def _known_kv_dtype(cls, v: str) -> str:
+        if v == "fp8_e5m2":
+            raise ValueError("kv_cache_dtype 'fp8_e5m2' is not supported: kiln's fp8 KV cache is e4m3 with "
+                             "per-layer scales; use fp8 (= fp8_e4m3)")
+        if v not in SUPPORTED_KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype {v!r} is not supported yet (supported: "
+                             f"{', '.join(SUPPORTED_KV_CACHE_DTYPES)})")
+        return v
+
+    @field_validator("speculative_config", mode="before")
+    @classmethod
+    def _parse_speculative(cls, v: Any) -> Any:
+        return json_value(v, "speculative_config")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _expand_speculative_config(cls, data: Any) -> Any:
+        """vLLM's --speculative-config '{"method": "ngram", ...}' sets kiln's speculative_* settings."""
+        if not isinstance(data, dict) or data.get("speculative_config") is None:
+            return data
+        config = json_value(data["speculative_config"], "speculative_config")
+        if not isinstance(config, dict):
+            raise ValueError("speculative_config must be a JSON object")
+        unknown = sorted(set(config) - set(SPECULATIVE_KEYS))
+        if unknown:
+            raise ValueError(f"speculative_config: unsupported key {unknown[0]!r}{did_you_mean(unknown[0], SPECULATIVE_KEYS)}"
+                             f" (supported: {', '.join(SPECULATIVE_KEYS)})")
+        data = dict(data)
+        for key, value in config.items():
+            data[SPECULATIVE_KEYS[key]] = value
+        return data
+
+    def lora_module_map(self) -> dict[str, str]:
+        """lora_modules as {name: path}."""
+        return dict(item.split("=", 1) for item in self.lora_modules or [])
+
+    @model_validator(mode="after")
+    def _check_combinations(self) -> "EngineSettings":
+        if self.max_model_len is not None and not self.enable_chunked_prefill \
+                and self.max_num_batched_tokens < self.max_model_len:
+            raise ValueError(
+                f"max_num_batched_tokens ({self.max_num_batched_tokens}) is smaller than max_model_len "
+                f"({self.max_model_len}) with enable_chunked_prefill off: long prompts could never be scheduled")
+        if self.cuda_graph_sizes is not None and any(s < 1 for s in self.cuda_graph_sizes):
+            raise ValueError("cuda_graph_sizes must be positive batch sizes")
+        if self.lora_modules and not self.enable_lora:
+            raise ValueError("lora_modules needs enable_lora")
+        for item in self.lora_modules or []:
+            if "=" not in item or not item.split("=", 1)[0] or not item.split("=", 1)[1]:
+                raise ValueError(f"lora_modules: expected name=path, got {item!r}")
+        if len(self.lora_module_map()) > self.max_loras:
+            raise ValueError(f"lora_modules lists {len(self.lora_module_map())} adapters; "
+                             f"max_loras is {self.max_loras}")
+        if self.speculative_method is not None and self.num_speculative_tokens < 1:
+            raise ValueError("speculative_method needs num_speculative_tokens >= 1")
+        if self.disable_log_stats:
+            self.log_stats_interval = 0.0
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ValueError(f"prompt_lookup_min ({self.prompt_lookup_min}) exceeds prompt_lookup_max "
+                             f"({self.prompt_lookup_max})")
+        return self
+
+    def resolved_chat_template(self) -> str | None:
+        """The chat_template setting's text: a readable file's content, else the value itself."""
+        if self.chat_template is None:
+            return None
+        path = Path(self.chat_template).expanduser()
+        if "{" not in self.chat_template and not path.is_file():
+            raise ValueError(f"chat_template: no such file {self.chat_template!r} (and not a Jinja template)")
+        return path.read_text() if "{" not in self.chat_template else self.chat_template
+
+    # Derived paths: one rule each.
+    def resolved_compile_cache_dir(self) -> Path:
+        return self.compile_cache_dir or self.cache_dir / "compile"
+
+    def resolved_kernel_cache_dir(self) -> Path:
+        return self.kernel_cache_dir or self.cache_dir / "kernels"
+
+    def capture_sizes(self) -> list[int]:
+        """Decode batch buckets: configured, or 1, 2, 4, 8 and multiples of 8 up to max_num_seqs."""
+        if self.cuda_graph_sizes:
+            sizes = self.cuda_graph_sizes
+        else:
+            sizes = [1, 2, 4] + list(range(8, self.max_num_seqs + 8, 8))
+        return sorted({min(s, self.max_num_seqs) for s in sizes})
+
+    def resolved_async_scheduling(self, device_type: str) -> bool:
+        """async_scheduling as set, else on exactly when the device is a GPU."""
+        return self.async_scheduling if self.async_scheduling is not None else device_type == "cuda"
+
+    @model_validator(mode="after")
+    def _check_tensor_parallel(self) -> "EngineSettings":
+        """What tensor parallelism does not support yet is refused at start-up, by name."""
+        tp = self.tensor_parallel_size
+        if tp == 1:
+            return self
+        refused = [name for name, on in (("enable_lora", self.enable_lora),
+                                         ("quantization", self.quantization is not None),
+                                         ("cpu_compile_forward", self.cpu_compile_forward),
+                                         ("kv_cache_dtype", self.kv_cache_dtype != "auto")) if on]
+        if refused:
+            raise ValueError(f"tensor_parallel_size={tp}: {', '.join(refused)} is not supported with tensor "
+                             "parallelism yet (use tensor_parallel_size=1)")
+        return self
+
+
+class ServerSettings(_KilnSettings):
+    """HTTP server settings (`kiln serve`)."""
+
+    model_config = SettingsConfigDict(env_prefix="KILN_", extra="forbid", enable_decoding=False)
+
+    host: str = Field("127.0.0.1", description="address to listen on (0.0.0.0: every interface)")
+    port: int = Field(8000, ge=0, le=65535, description="TCP port (0: any free port)")
+    api_key: str | None = Field(None, description="clients must send Authorization: Bearer <key>")
+    served_model_name: list[str] | None = Field(
+        None, description="model names the API answers to; the first is reported (default: the folder's name)")
+    warm_prefixes: Path | None = Field(None, description="file of prompt prefixes to prefill at start-up")
+    request_timeout: float | None = Field(None, gt=0, description="seconds before a request is aborted")
+    log_level: str = Field("info", description="kiln's log level while serving")
+    # Tool calling with tool_choice "auto": the model's own call format is parsed (vLLM's flags).
+    enable_auto_tool_choice: bool = Field(False, description="let the model call tools on its own")
+    tool_call_parser: Literal["hermes", "llama3_json"] | None = Field(
+        None, description="how tool calls are read from the model's text")
+    # POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING).
+    allow_runtime_lora_updating: bool = Field(False, description="allow /v1/load_lora_adapter and unload")
+    # Hardening (issue 12): request bodies, grammar compiles, shutdown.
+    max_request_body_mb: float = Field(32.0, gt=0, description="larger request bodies get a 413, unread")
+    grammar_compile_timeout_s: float = Field(
+        10.0, gt=0, description="a structured-output constraint that takes longer to compile is a 400")
+    grammar_compile_workers: int = Field(2, ge=1, description="processes compiling constraints (bounded pool)")
+    grammar_cache_entries: int = Field(256, ge=1, description="compiled constraints kept (LRU)")
+    grammar_cache_mb: float = Field(256.0, gt=0, description="bytes of compiled constraints kept (LRU)")
+    shutdown_timeout: float = Field(
+        30.0, ge=0, description="on SIGTERM/SIGINT: seconds in-flight requests get to finish before they are ended")
+    tokenizer_threads: int = Field(4, ge=1, description="threads that tokenise prompts and apply chat templates")
+    # Split chat answers into reasoning_content and content (vLLM's --reasoning-parser).
+    reasoning_parser: Literal["deepseek_r1", "qwen3"] | None = Field(
+        None, description="split chat answers into reasoning_content and content")
+
+    # --- vLLM-compatible server settings (issue 13) ---
+    uvicorn_log_level: Literal["critical", "error", "warning", "info", "debug", "trace"] = Field(
+        "info", description="uvicorn's log level")
+    disable_uvicorn_access_log: bool = Field(False, description="no access log line per HTTP request")
+    enable_log_requests: bool = Field(False, description="log each API request's endpoint and body (prompt, sampling parameters)")
+    allowed_origins: list[str] | None = Field(
+        None, description='CORS origins allowed (JSON list or words, e.g. \'["*"]\'); default: no CORS headers')
+    root_path: str | None = Field(None, description="path prefix when served behind a path-based proxy")
+    ssl_keyfile: Path | None = Field(None, description="TLS private key (serve HTTPS)")
+    ssl_certfile: Path | None = Field(None, description="TLS certificate (serve HTTPS)")
+
+    @field_validator("served_model_name", "allowed_origins", mode="before")
+    @classmethod
+    def _parse_lists(cls, v: Any) -> Any:
+        return word_list(v)
+
+    @model_validator(mode="after")
+    def _tls_needs_both(self) -> "ServerSettings":
+        if (self.ssl_keyfile is None) != (self.ssl_certfile is None):
+            raise ValueError("ssl_keyfile and ssl_certfile go together: give both")
+        return self
+
+    @property
+    def model_names(self) -> list[str]:
+        return list(self.served_model_name or [])
+
+    @model_validator(mode="after")
+    def _auto_tools_need_a_parser(self) -> "ServerSettings":
+        if self.enable_auto_tool_choice and self.tool_call_parser is None:
+            raise ValueError("enable_auto_tool_choice needs tool_call_parser (hermes or llama3_json)")
+        return self
+
+    @property
+    def auto_tool_parser(self) -> str | None:
+        return self.tool_call_parser if self.enable_auto_tool_choice else None
+
+
+ENGINE_FIELDS = tuple(EngineSettings.model_fields)

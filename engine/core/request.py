@@ -1,0 +1,392 @@
+"""Requests, their sampling parameters and their outputs.
+
+A Request holds one prompt and `n` Sequences (one per parallel sample). Sequences
+are what the scheduler schedules; the n samples of one request share the prompt's
+KV blocks (forked after the prompt's prefill, copy-on-write).
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"
+    LENGTH = "length"
+    ABORT = "abort"
+    ERROR = "error"
+
+
+class InvalidRequestError(ValueError):
+    """A request that can never be served as given (bad parameters, too long)."""
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.param = param
+
+
+OUTPUT_KINDS = ("cumulative", "delta", "final_only")
+
+
+POOLING_TYPES = ("last", "mean")
+
+
+@dataclass(frozen=True)
+class PoolingParams:
+    """An embedding request (vLLM's PoolingParams): the prompt's final hidden states pooled
+    ("last": the last token's, as LLM-based embedders such as Qwen3-Embedding and e5-mistral
+    use; "mean": the average over the prompt), L2-normalised unless normalize is False, and
+    cut to the first `dimensions` values first (Matryoshka embeddings) if given."""
+
+    pooling_type: str = "last"
+    normalize: bool = True
+    dimensions: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.pooling_type not in POOLING_TYPES:
+            raise InvalidRequestError(f"pooling_type must be one of {', '.join(POOLING_TYPES)}, "
+                                      f"got {self.pooling_type!r}", "pooling_type")
+        if self.dimensions is not None and self.dimensions < 1:
+            raise InvalidRequestError(f"dimensions must be at least 1, got {self.dimensions}", "dimensions")
+
+
+@dataclass(frozen=True)
+class LoRARequest:
+    """Which LoRA adapter (a PEFT directory) a request runs with; vLLM's LoRARequest (engine/lora/adapters.py)."""
+
+    lora_name: str
+    lora_int_id: int
+    lora_path: str
+
+
+@dataclass
+class StructuredOutputsParams:
+    """Constrain the output to a language (vLLM's StructuredOutputsParams); set exactly one of
+    json (a JSON schema, dict or string), json_object (any JSON object), regex, choice (one of
+    these strings) or grammar (EBNF, xgrammar's dialect of GBNF). engine/structured_output/grammars.py
+    compiles it."""
+
+    json: dict | str | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool = False
+    # JSON only: no free whitespace between tokens (compact output; fewer tokens to sample).
+    disable_any_whitespace: bool = False
+    # Reasoning models: (token ids that open the thinking block, ids that close it). The output
+    # is free until the block closes, and constrained after (the server sets this when it has a
+    # reasoning parser). A prompt whose last block is already closed starts constrained.
+    reasoning_markers: tuple[tuple[int, ...], tuple[int, ...]] | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.json, str):
+            import json
+
+            try:
+                self.json = json.loads(self.json)
+            except ValueError as exc:
+                raise InvalidRequestError(f"structured output: the JSON schema is not valid JSON: {exc}",
+                                          "structured_outputs") from exc
+        if self.choice is not None:
+            self.choice = list(self.choice)
+        self.validate()
+
+    @property
+    def kind(self) -> str:
+        set_ = [name for name in ("json", "regex", "choice", "grammar") if getattr(self, name) is not None]
+        if self.json_object:
+            set_.append("json_object")
+        if len(set_) != 1:
+            raise InvalidRequestError(
+                "structured output: give exactly one of json, json_object, regex, choice or grammar"
+                f" (got {', '.join(set_) or 'none'})", "structured_outputs")
+        return set_[0]
+
+    def validate(self) -> None:
+        kind = self.kind
+        if kind == "json" and not isinstance(self.json, dict):
+            raise InvalidRequestError("structured output: json must be a JSON schema object",
+                                      "structured_outputs")
+        if kind == "choice" and (not self.choice or not all(isinstance(c, str) and c for c in self.choice)):
+            raise InvalidRequestError("structured output: choice must be a non-empty list of non-empty strings",
+                                      "structured_outputs")
+        if kind in ("regex", "grammar") and not (isinstance(getattr(self, kind), str) and getattr(self, kind)):
+            raise InvalidRequestError(f"structured output: {kind} must be a non-empty string", "structured_outputs")
+        if self.reasoning_markers is not None and (len(self.reasoning_markers) != 2 or not all(
+                m and all(isinstance(t, int) for t in m) for m in self.reasoning_markers)):
+            raise InvalidRequestError("structured output: reasoning_markers must be (start token ids, end token ids)",
+                                      "structured_outputs")
+
+    def cache_key(self) -> str:
+        """Equal constraints, equal keys (compiled grammars are cached by it)."""
+        import json
+
+        return json.dumps([self.kind, self.json, self.regex, self.choice, self.grammar, self.disable_any_whitespace],
+                          sort_keys=True)
+
+
+def check_logprobs_limit(params: "SamplingParams", max_logprobs: int) -> None:
+    """The engine's max_logprobs setting bounds logprobs and prompt_logprobs."""
+    for name in ("logprobs", "prompt_logprobs"):
+        value = getattr(params, name)
+        if value is not None and value > max_logprobs:
+            raise InvalidRequestError(f"{name} must be at most {max_logprobs} (the server's max_logprobs), "
+                                      f"got {value}", name)
+
+
+@dataclass
+class SamplingParams:
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1  # -1 or 0: off
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    seed: int | None = None
+    max_tokens: int | None = 16  # None: up to max_model_len
+    min_tokens: int = 0
+    stop: list[str] | str | None = None
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
+    ignore_eos: bool = False
+    logprobs: int | None = None  # top-N logprobs per generated token (0: only the chosen token)
+    # top-N logprobs of each prompt token given the tokens before it (0: only the prompt token's own);
+    # such a request is computed whole, without prefix-cache hits.
+    prompt_logprobs: int | None = None
+    # Added to the token's logit before sampling (OpenAI's logit_bias; -100 bans, +100 forces).
+    logit_bias: dict[int, float] | None = None
+    # Only these tokens may be sampled (vLLM's allowed_token_ids).
+    allowed_token_ids: list[int] | None = None
+    skip_special_tokens: bool = True
+    detokenize: bool = True
+    # What each step's RequestOutput holds (vLLM's RequestOutputKind): "cumulative" (everything so
+    # far), "delta" (only what is new since the request's previous output; AsyncEngine's streams)
+    # or "final_only" (one output, when the request finishes; LLM.generate).
+    output_kind: str = "cumulative"
+    # Callables (output_token_ids, logits_row) -> logits_row, applied in order to this request's
+    # rows before sampling. One that raises (or yields NaN / +inf) fails only this request.
+    logits_processors: list[Callable[[list[int], Any], Any]] | None = None
+    # Constrain the output to a JSON schema, regex, choice or grammar (vLLM's structured outputs).
+    structured_outputs: StructuredOutputsParams | None = None
+    # Keep only the last N prompt tokens (vLLM's truncate_prompt_tokens; for inputs over max_model_len).
+    truncate_prompt_tokens: int | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        self.logits_processors = list(self.logits_processors or [])
+        try:  # (JSON gives the token ids as strings)
+            self.logit_bias = {int(t): float(b) for t, b in (self.logit_bias or {}).items()} or None
+        except (TypeError, ValueError) as exc:
+            raise InvalidRequestError(f"logit_bias must map token ids to numbers: {exc}", "logit_bias") from exc
+        if self.allowed_token_ids is not None:
+            self.allowed_token_ids = list(self.allowed_token_ids)
+        if isinstance(self.structured_outputs, dict):
+            try:
+                self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
+            except TypeError as exc:
+                raise InvalidRequestError(f"structured_outputs: {exc}", "structured_outputs") from exc
+        self.validate()
+
+    def validate(self) -> None:
+        def bad(msg: str, param: str) -> None:
+            raise InvalidRequestError(msg, param)
+
+        if self.n < 1:
+            bad(f"n must be at least 1, got {self.n}", "n")
+        if self.temperature < 0:
+            bad(f"temperature must be non-negative, got {self.temperature}", "temperature")
+        if not 0.0 < self.top_p <= 1.0:
+            bad(f"top_p must be in (0, 1], got {self.top_p}", "top_p")
+        if self.top_k < -1:
+            bad(f"top_k must be -1 (off) or at least 1, got {self.top_k}", "top_k")
+        if not 0.0 <= self.min_p <= 1.0:
+            bad(f"min_p must be in [0, 1], got {self.min_p}", "min_p")
+        if not -2.0 <= self.presence_penalty <= 2.0:
+            bad(f"presence_penalty must be in [-2, 2], got {self.presence_penalty}", "presence_penalty")
+        if not -2.0 <= self.frequency_penalty <= 2.0:
+            bad(f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}", "frequency_penalty")
+        if self.repetition_penalty <= 0:
+            bad(f"repetition_penalty must be positive, got {self.repetition_penalty}", "repetition_penalty")
+        if self.max_tokens is not None and self.max_tokens < 1:
+            bad(f"max_tokens must be at least 1, got {self.max_tokens}", "max_tokens")
+        if self.min_tokens < 0:
+            bad(f"min_tokens must be non-negative, got {self.min_tokens}", "min_tokens")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            bad(f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})", "min_tokens")
+        if self.logprobs is not None and self.logprobs < 0:  # (the upper bound: check_logprobs_limit)
+            bad(f"logprobs must be non-negative, got {self.logprobs}", "logprobs")
+        if self.prompt_logprobs is not None and self.prompt_logprobs < 0:
+            bad(f"prompt_logprobs must be non-negative, got {self.prompt_logprobs}", "prompt_logprobs")
+        if self.logit_bias and not all(-100.0 <= b <= 100.0 for b in self.logit_bias.values()):
+            bad("logit_bias values must be in [-100, 100]", "logit_bias")
+        if self.truncate_prompt_tokens is not None and self.truncate_prompt_tokens < 1:
+            bad(f"truncate_prompt_tokens must be at least 1, got {self.truncate_prompt_tokens}",
+                "truncate_prompt_tokens")
+        if self.allowed_token_ids is not None and not self.allowed_token_ids:
+            bad("allowed_token_ids must not be empty", "allowed_token_ids")
+        if self.output_kind not in OUTPUT_KINDS:
+            bad(f"output_kind must be one of {', '.join(OUTPUT_KINDS)}, got {self.output_kind!r}", "output_kind")
+        if any(not s for s in self.stop):
+            bad("stop strings must be non-empty", "stop")
+        if any(not callable(p) for p in self.logits_processors or []):
+            bad("logits_processors must be callables (output_token_ids, logits_row) -> logits_row",
+                "logits_processors")
+        if self.structured_outputs is not None:
+            if not isinstance(self.structured_outputs, StructuredOutputsParams):
+                bad("structured_outputs must be a StructuredOutputsParams", "structured_outputs")
+            self.structured_outputs.validate()
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < 1e-5
+
+    def token_id_fields(self) -> list[tuple[str, list[int]]]:
+        """(parameter, token ids) for every parameter naming tokens (checked against the vocabulary)."""
+        return [("stop_token_ids", self.stop_token_ids), ("logit_bias", list(self.logit_bias or ())),
+                ("allowed_token_ids", self.allowed_token_ids or [])]
+
+    @property
+    def restricts_tokens(self) -> bool:
+        """logit_bias or allowed_token_ids change this request's logits."""
+        return bool(self.logit_bias) or self.allowed_token_ids is not None
+
+    @property
+    def needs_penalties(self) -> bool:
+        return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1.0
+
+
+class SeqStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    SWAPPED = "swapped"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Sequence:
+    """One stream of tokens: the prompt plus what has been generated for it."""
+
+    seq_id: int
+    request: "Request"
+    sample_index: int  # which of the request's n samples
+    token_ids: list[int]
+    num_prompt_tokens: int
+    num_computed_tokens: int = 0
+    block_ids: list[int] = field(default_factory=list)
+    status: SeqStatus = SeqStatus.WAITING
+    finish_reason: FinishReason | None = None
+    stop_reason: int | str | None = None
+    cumulative_logprob: float = 0.0
+    logprobs: list[dict[int, float]] = field(default_factory=list)
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    # Incremental detokenisation state.
+    text: str = ""
+    prefix_offset: int = 0
+    read_offset: int = 0
+    num_preemptions: int = 0
+    num_new_tokens: int = 0  # tokens the last step appended (more than 1 with speculative decoding)
+    # Overlap scheduling: trailing token_ids sampled by launched steps but not yet known on the host
+    # (placeholders; the device feeds the real ids to the next step).
+    num_pending: int = 0
+    decode_stream: Any = None  # the fast tokenizer's DecodeStream (engine/runtime/detokenizer.py)
+    table_version: int = 0  # bumped when an entry of block_ids is replaced in place (copy-on-write)
+    # output_kind "delta": how much has been handed out already.
+    emitted_tokens: int = 0
+    emitted_chars: int = 0
+    emitted_finish: bool = False
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SeqStatus.FINISHED
+
+
+@dataclass(eq=False)
+class Request:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    arrival_time: float = field(default_factory=time.monotonic)
+    priority: int = 0
+    seqs: list[Sequence] = field(default_factory=list)
+    forked: bool = False  # n > 1: samples forked after the prompt's prefill
+    # Timing for metrics.
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    finished_time: float | None = None
+    error: str | None = None
+    # With params.structured_outputs: one grammar matcher per sample (index = sample_index), each
+    # advanced by its sample's tokens (engine/structured_output/grammars.py).
+    grammars: list[Any] | None = None
+    embedding: list[float] | None = None  # an embedding request's result (engine/core/request_kinds.py Pool)
+    lora_request: LoRARequest | None = None
+    lora_slot: int = -1  # the adapter's slot in the model (-1: the base model)
+    prefix_root: bytes | None = None  # prefix-cache namespace (an adapter's KV is its own)
+    # With params.prompt_logprobs: one entry per prompt token, the first None (nothing before it),
+    # filled as the prompt's chunks are computed.
+    prompt_logprobs: list[dict[int, float] | None] | None = None
+    task: Any = None  # what its steps are for: engine/core/request_kinds.py (None: made from params when scheduled)
+
+    def __post_init__(self) -> None:
+        if self.params.prompt_logprobs is not None and self.prompt_logprobs is None:
+            self.prompt_logprobs = [None] * len(self.prompt_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        """Every sample is done (a request with n > 1 is done early only if it ended before forking)."""
+        seqs = self.seqs
+        if len(seqs) == 1 and self.params.n == 1:  # (the common case, asked several times a step)
+            return seqs[0].status is SeqStatus.FINISHED
+        if not self.seqs or not all(s.is_finished for s in self.seqs):
+            return False
+        return self.forked or self.params.n == 1 or self.seqs[0].finish_reason in (
+            FinishReason.ABORT, FinishReason.ERROR)
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    cumulative_logprob: float | None
+    logprobs: list[dict[int, float]] | None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    num_preemptions: int = 0
+
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    num_cached_tokens: int = 0
+    error: str | None = None
+    metrics: dict[str, Any] = field(default_factory=dict)
+    prompt_logprobs: list[dict[int, float] | None] | None = None
+    embedding: list[float] | None = None  # embedding requests (PoolingParams)

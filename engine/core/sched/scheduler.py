@@ -1,0 +1,445 @@
+"""Continuous batching: decide, each step, which tokens of which sequences run.
+
+Pure CPU over ints and lists (no torch). Each step:
+  1. running sequences first (decodes, and prefills already under way), in priority order;
+     when KV blocks run out, the lowest-priority / most recent running sequence is preempted
+     (by swap to CPU or by recompute: engine/core/sched/preemption.py);
+  2. then swapped-out and waiting sequences, most urgent first (priority, swapped before
+     waiting at equal priority, then arrival order): swapped ones come back, waiting ones are
+     admitted, their prompts chunked to fit the token budget; prefix-cache hits skip the
+     blocks already computed.
+Before 1., a waiting or swapped sequence more urgent than some running ones may preempt
+them to make room (lower `priority` value = more urgent). A step that preempted admits only
+sequences strictly more urgent than everything it preempted (no thrash).
+The step's work is a SchedulerOutput (engine/core/sched/scheduler_output.py) that the runner turns into tensors.
+Here is the policy; KV block accounting is engine/core/kv/allocator.py's, draft limits and
+acceptance engine/core/sched/spec_decode.py's, applying a step's results engine/core/sched/step_update.py's.
+"""
+
+from __future__ import annotations
+
+import bisect
+import dataclasses
+import heapq
+import itertools
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Literal
+
+from engine.core.kv.allocator import KVAllocator
+from engine.core.kv.block_pool import BlockPool
+from engine.core.request import FinishReason, InvalidRequestError, Request, SeqStatus, Sequence
+from engine.core.request_kinds import task_of
+from engine.core.sched.preemption import Preemptor
+from engine.core.sched.scheduler_output import PLACEHOLDER, ScheduledSeq, SchedulerOutput, sample_row_ranges
+from engine.core.sched.spec_decode import SpecDecoder
+from engine.core.sched.step_update import StepResults
+
+if TYPE_CHECKING:
+    from engine.core.kv.swap_space import SwapSpace
+    from engine.core.sched.spec_decode import NgramProposer
+
+__all__ = ["PLACEHOLDER", "ScheduledSeq", "Scheduler", "SchedulerConfig", "SchedulerOutput", "sample_row_ranges"]
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_model_len: int
+    block_size: int
+    enable_chunked_prefill: bool = True
+    preemption_mode: Literal["auto", "swap", "recompute"] = "recompute"
+    reserved_blocks_fraction: float = 0.0
+    reserved_priority: int = 0
+    watermark_fraction: float = 0.01
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, pool: BlockPool,
+                 swapper: "SwapSpace | None" = None, proposer: "NgramProposer | None" = None) -> None:
+        self.config = config
+        self.pool = pool
+        self.swapper = swapper
+        self.kv = KVAllocator(pool, reserved_blocks_fraction=config.reserved_blocks_fraction,
+                              reserved_priority=config.reserved_priority,
+                              watermark_fraction=config.watermark_fraction)
+        self.proposer = proposer  # speculative decoding: drafts for decoding sequences
+        self.spec = SpecDecoder(proposer, config.max_model_len) if proposer is not None else None
+        self.waiting: list[Sequence] = []
+        self.running: list[Sequence] = []  # kept in _priority_key order (most urgent first)
+        self.swapped: list[Sequence] = []
+        self.preemption = Preemptor(config.preemption_mode, self.kv, swapper, self.running, self.swapped,
+                                    self._insert_waiting)
+        self.results = StepResults(self.kv, self.spec, self._new_child)
+        self.requests: dict[str, Request] = {}
+        self._seq_ids = itertools.count()
+        self._arrival = itertools.count()
+        self._order: dict[int, int] = {}  # seq id -> admission order (FCFS tie-break)
+        self._unforked: dict[int, Sequence] = {}  # n > 1 requests not forked yet: they hold n seats
+        self._spare = self.results.spare  # decode records of processed steps, for the next decode
+        self._prefills = False  # this step emitted a record of more than one token
+
+    # ---- counters (metrics) ----
+    num_preemptions = property(lambda self: self.preemption.num_preemptions)
+    preemptions_by_mode = property(lambda self: self.preemption.by_mode)
+    num_swap_fallbacks = property(lambda self: self.preemption.num_swap_fallbacks)
+    num_draft_tokens = property(lambda self: self.spec.num_draft_tokens if self.spec else 0)
+    num_drafts = property(lambda self: self.spec.num_drafts if self.spec else 0)  # (sequence, step) pairs
+    num_accepted_tokens = property(lambda self: self.spec.num_accepted_tokens if self.spec else 0)
+
+    # ---- requests in and out ----
+    def add_request(self, request: Request) -> None:
+        """Validate against the model length and the pool, then queue the request."""
+        prompt_len = len(request.prompt_token_ids)
+        limit = self.config.max_model_len
+        if prompt_len == 0:
+            raise InvalidRequestError("the prompt is empty", "prompt")
+        if request.request_id in self.requests:
+            raise InvalidRequestError(f"request id {request.request_id!r} is already in use", "request_id")
+        params = request.params
+        if params.n > self.config.max_num_seqs:
+            raise InvalidRequestError(
+                f"n={params.n} samples exceed max_num_seqs={self.config.max_num_seqs}", "n")
+        if prompt_len >= limit:
+            raise InvalidRequestError(
+                f"the prompt has {prompt_len} tokens, which leaves no room to generate within "
+                f"max_model_len={limit}", "prompt")
+        max_tokens = params.max_tokens if params.max_tokens is not None else limit - prompt_len
+        if prompt_len + max_tokens > limit:
+            raise InvalidRequestError(
+                f"prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) = "
+                f"{prompt_len + max_tokens} exceeds max_model_len={limit}", "max_tokens")
+        self.kv.check_capacity(prompt_len + max_tokens, request.priority)
+        if params.max_tokens is None:
+            # The request keeps its own copy: the caller's SamplingParams may serve other prompts.
+            request.params = dataclasses.replace(params, max_tokens=max_tokens, stop=list(params.stop),
+                                                 stop_token_ids=list(params.stop_token_ids))
+        seq = self._new_seq(request, 0, list(request.prompt_token_ids))
+        request.seqs = [seq]
+        self.requests[request.request_id] = request
+        if request.params.n > 1:
+            self._unforked[seq.seq_id] = seq
+        self._insert_waiting(seq)
+
+    def _new_seq(self, request: Request, index: int, tokens: list[int]) -> Sequence:
+        seq = Sequence(seq_id=next(self._seq_ids), request=request, sample_index=index,
+                       token_ids=tokens, num_prompt_tokens=len(request.prompt_token_ids))
+        self._order[seq.seq_id] = next(self._arrival)
+        return seq
+
+    def abort_request(self, request_id: str) -> Request | None:
+        request = self.requests.get(request_id)
+        if request is None:
+            return None
+        for seq in request.seqs:
+            if not seq.is_finished:
+                self.finish_seq(seq, FinishReason.ABORT)
+        return request
+
+    def finish_seq(self, seq: Sequence, reason: FinishReason, stop_reason: int | str | None = None) -> None:
+        """Mark a sequence done and release everything it holds, at once."""
+        if seq.is_finished:
+            return
+        self._remove_from_queues(seq)
+        if seq.num_pending:  # tokens of launched steps that will never be shown
+            del seq.token_ids[len(seq.token_ids) - seq.num_pending:]
+            seq.num_pending = 0
+        self.preemption.release(seq)
+        self._unforked.pop(seq.seq_id, None)
+        self._spare.pop(seq.seq_id, None)
+        seq.status = SeqStatus.FINISHED
+        seq.finish_reason = reason
+        seq.stop_reason = stop_reason
+
+    def pop_finished_request(self, request_id: str) -> Request | None:
+        request = self.requests.get(request_id)
+        if request is not None and request.is_finished:
+            del self.requests[request_id]
+            for seq in request.seqs:
+                self._order.pop(seq.seq_id, None)
+            return request
+        return None
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running or self.swapped)
+
+    @property
+    def num_requests_swapped(self) -> int:
+        """Requests with at least one sequence swapped out (metric num_requests_swapped)."""
+        return len({s.request.request_id for s in self.swapped})
+
+    # ---- queues ----
+    def _priority_key(self, seq: Sequence) -> tuple[int, int]:
+        return (seq.request.priority, self._order[seq.seq_id])
+
+    def _insert_waiting(self, seq: Sequence) -> None:
+        seq.status = SeqStatus.WAITING
+        bisect.insort(self.waiting, seq, key=self._priority_key)
+
+    def _insert_running(self, seq: Sequence) -> None:
+        """Running stays sorted as it changes (the step does not sort it: admissions are rare)."""
+        seq.status = SeqStatus.RUNNING
+        bisect.insort(self.running, seq, key=self._priority_key)
+
+    def _admit_key(self, seq: Sequence) -> tuple[int, int, int]:
+        """Queue order for room: priority, swapped before waiting at equal priority, arrival."""
+        return (seq.request.priority, 0 if seq.status is SeqStatus.SWAPPED else 1, self._order[seq.seq_id])
+
+    def _queue(self):
+        """Swapped and waiting sequences in admission order (waiting is kept sorted already)."""
+        if not self.swapped:
+            return list(self.waiting)
+        return heapq.merge(sorted(self.swapped, key=self._admit_key), list(self.waiting), key=self._admit_key)
+
+    @staticmethod
+    def _seats(seq: Sequence) -> int:
+        """Running slots a sequence stands for: a request that will fork holds all n."""
+        return seq.request.params.n if not seq.request.forked else 1
+
+    def _seats_used(self) -> int:
+        # No pass over the running queue: only unforked n > 1 requests hold extra seats.
+        return len(self.running) + sum(s.request.params.n - 1 for s in self._unforked.values()
+                                       if s.status is SeqStatus.RUNNING and not s.request.forked)
+
+    # ---- the step ----
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        self.preemption.begin_step()
+        self._prefills = False
+        if self.swapper is not None:
+            self.swapper.begin_step()
+        queued = bool(self.waiting or self.swapped)
+        if queued and self.running:
+            # 0. A more urgent waiting or swapped sequence may preempt less urgent running ones.
+            self._preempt_for_priority(out, budget)
+        # 1. Running sequences, highest priority first; preempt from the back when short of blocks.
+        budget = self._schedule_running(out, budget)
+        if queued:
+            # 2. Swapped and waiting sequences, most urgent first, while seats, budget and blocks last.
+            budget = self._admit(out, budget)
+            if not out.seqs and not self.running and self.swapped:
+                # Nothing can run: the GPU blocks that swapped sequences kept may be what is missing.
+                if self.preemption.demote_swapped(self._admit_key):
+                    budget = self._admit(out, budget)
+        if self._prefills:
+            # One-token sequences first: backends attend decodes and prefill chunks separately.
+            out.seqs.sort(key=lambda s: s.num_tokens != 1)
+        return out
+
+    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+        running = self.running
+        bs = self.config.block_size
+        max_len = self.config.max_model_len
+        ref = self.pool.ref_counts
+        spare = self._spare
+        emitted = out.seqs
+        plain = self.spec is None  # no drafts to propose: a decode can take the fast path
+        no_reserve = self.kv.reserved_blocks == 0
+        decodes = 0
+        i = 0
+        while i < len(running) and budget > 0:
+            seq = running[i]
+            tokens = seq.token_ids
+            start = seq.num_computed_tokens
+            num_new = len(tokens) - start
+            if num_new <= 0:
+                i += 1
+                continue
+            if seq.num_pending:  # one whose launched step ends it by length gets no extra token
+                max_tokens = seq.request.params.max_tokens
+                if len(tokens) >= max_len or (max_tokens is not None
+                                              and len(tokens) - seq.num_prompt_tokens >= max_tokens):
+                    i += 1
+                    continue
+            # The steady state: a decode whose token fits its private last block (nothing to
+            # allocate or copy), written into a record of an earlier, processed step.
+            if (num_new == 1 and plain and start % bs and start >= seq.num_prompt_tokens
+                    and ref[seq.block_ids[start // bs]] == 1 and seq.seq_id in spare
+                    and (no_reserve or self.kv.can_grow(seq, 1))):
+                record = spare.pop(seq.seq_id)
+                record.token_ids = tokens[start:start + 1]
+                record.start_pos = start
+                record.block_ids = seq.block_ids
+                emitted.append(record)
+                decodes += 1
+                budget -= 1
+                i += 1
+                continue
+            if num_new > budget:
+                num_new = budget
+            drafts = self.spec.drafts(seq, budget) if num_new == 1 and self.spec is not None else []
+            if drafts and self.kv.can_grow(seq, 1 + len(drafts)):
+                num_new = 1 + len(drafts)  # drafts only where blocks are free: they never preempt
+            else:
+                drafts = []
+            while not self.kv.can_grow(seq, num_new):
+                victim = self.preemption.victim()
+                self.preemption.preempt(victim, out, reason="out of KV blocks")
+                if victim is seq:
+                    break
+            if seq.status is not SeqStatus.RUNNING:
+                break  # it preempted itself: everything after it is gone too
+            self.kv.grow(seq, num_new, out.blocks_to_copy)
+            self._emit(seq, num_new, out, drafts)
+            budget -= num_new
+            i += 1
+        out.num_decode_tokens += decodes
+        return budget
+
+    def _admit(self, out: SchedulerOutput, budget: int) -> int:
+        floor = self.preemption.floor
+        for seq in self._queue():
+            if floor is not None and seq.request.priority >= floor:
+                break  # this step preempted something at least as urgent: don't take its room
+            if budget <= 0 or self._seats_used() + self._seats(seq) > self.config.max_num_seqs:
+                break
+            if seq.status is SeqStatus.SWAPPED:
+                left = self._try_swap_in(seq, out, budget)
+            else:
+                left = self._try_admit(seq, out, budget)
+            if left is None:
+                break  # head of line: nothing less urgent jumps the queue
+            budget = left
+        return budget
+
+    def _try_admit(self, seq: Sequence, out: SchedulerOutput, budget: int) -> int | None:
+        """Admit one waiting sequence (its first chunk); the budget left, or None if it can't."""
+        hit_tokens = 0
+        if seq.num_computed_tokens == 0 and not seq.block_ids:
+            hit_tokens = self._take_prefix_hits(seq)
+        remaining = seq.num_tokens - seq.num_computed_tokens
+        if not self.config.enable_chunked_prefill and remaining > budget:
+            if out.seqs:
+                self.kv.drop_prefix_hits(seq)
+                return None  # wait for a step with room for the whole prompt
+            if remaining > self.config.max_num_batched_tokens:
+                raise AssertionError("unchunkable prompt beyond the token budget passed validation")
+        num_new = min(remaining, budget)
+        if not self.kv.can_admit(seq, num_new, bool(self.running)):
+            self.kv.drop_prefix_hits(seq)
+            return None
+        if seq.num_output_tokens == 0 and seq.num_preemptions == 0:
+            self.pool.record_prefix_query(seq.num_prompt_tokens, hit_tokens)
+        self.kv.grow(seq, num_new, out.blocks_to_copy)
+        self.waiting.remove(seq)
+        self._insert_running(seq)
+        self._emit(seq, num_new, out)
+        return budget - num_new
+
+    def _take_prefix_hits(self, seq: Sequence) -> int:
+        """Reuse cached full blocks where the request allows it; returns the prompt tokens found."""
+        request = seq.request
+        if not self.pool.enable_prefix_caching or not task_of(request).prefix_cacheable:
+            return 0  # (e.g. prompt logprobs need every prompt position computed)
+        return self.kv.take_prefix_hits(seq)
+
+    def _emit(self, seq: Sequence, num_new: int, out: SchedulerOutput, drafts: list[int] | None = None) -> None:
+        request = seq.request
+        start = seq.num_computed_tokens
+        drafts = drafts or []
+        do_sample = start + num_new - len(drafts) == seq.num_tokens
+        fork = do_sample and request.params.n > 1 and not request.forked
+        out.seqs.append(ScheduledSeq(
+            seq_id=seq.seq_id, token_ids=seq.token_ids[start:start + num_new - len(drafts)] + drafts,
+            start_pos=start, block_ids=seq.block_ids, do_sample=do_sample,
+            num_samples=request.params.n if fork else 1, params=request.params,
+            all_token_ids=seq.token_ids, num_prompt_tokens=seq.num_prompt_tokens,
+            sample_index=seq.sample_index, grammars=request.grammars, draft_token_ids=drafts,
+            task=task_of(request),
+            seq=seq,
+        ))
+        if num_new != 1:
+            self._prefills = True
+        if drafts:
+            out.num_decode_tokens += num_new
+        elif num_new == 1 and start + 1 == seq.num_tokens and start >= seq.num_prompt_tokens:
+            out.num_decode_tokens += 1
+        else:
+            out.num_prefill_tokens += num_new
+        if request.first_scheduled_time is None:
+            request.first_scheduled_time = time.monotonic()
+
+    # ---- preemption (engine/core/sched/preemption.py) ----
+    def _preempt(self, seq: Sequence, out: SchedulerOutput, reason: str) -> None:
+        self.preemption.preempt(seq, out, reason)
+
+    def _fits(self, seq: Sequence, budget: int) -> bool:
+        """Could this waiting or swapped sequence start now (seats and blocks; prefix hits ignored)?"""
+        if self._seats_used() + self._seats(seq) > self.config.max_num_seqs:
+            return False
+        available = self.kv.available_for(seq.request.priority)
+        if seq.status is SeqStatus.SWAPPED:
+            return self.preemption.blocks_to_start(seq, budget) <= available
+        return self.preemption.blocks_to_start(seq, budget) <= available - self.kv.watermark(bool(self.running))
+
+    def _preempt_for_priority(self, out: SchedulerOutput, budget: int) -> None:
+        """Preempt less urgent running sequences so that the most urgent queued one can start."""
+        head = next(iter(self._queue()))
+        seats_left = self.config.max_num_seqs - self._seats_used() - self._seats(head)
+        self.preemption.make_room(head, budget, out, lambda: self._fits(head, budget),
+                                  lambda victims: sum(self._seats(v) for v in victims) >= -seats_left)
+
+    def _try_swap_in(self, seq: Sequence, out: SchedulerOutput, budget: int) -> int | None:
+        """Bring one swapped sequence back (and schedule its next tokens); None if it can't."""
+        assert self.swapper is not None
+        num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+        if self.preemption.blocks_to_start(seq, budget) > self.kv.available_for(seq.request.priority):
+            return None
+        out.blocks_to_swap_in.extend(self.swapper.swap_in(seq))
+        self.swapped.remove(seq)
+        self._insert_running(seq)
+        if num_new > 0:
+            self.kv.grow(seq, num_new, out.blocks_to_copy)
+            self._emit(seq, num_new, out)
+        return budget - num_new
+
+    # ---- after the step (engine/core/sched/step_update.py) ----
+    def launched(self, out: SchedulerOutput) -> None:
+        """The step is on the device: advance its sequences now (placeholders for sampled tokens)."""
+        self.results.launched(out)
+
+    def update(self, out: SchedulerOutput, sampled: list[list[int]]) -> list[Sequence]:
+        """Take in a step's sampled tokens (per out.seqs[i]); returns the sequences that got tokens."""
+        return self.results.update(out, sampled)
+
+    def _new_child(self, parent: Sequence, index: int) -> Sequence:
+        """A fork's child: the parent's tokens and progress, running beside it."""
+        request = parent.request
+        self._unforked.pop(parent.seq_id, None)  # the request's n seats are now its n sequences'
+        child = self._new_seq(request, index, list(parent.token_ids))
+        child.num_computed_tokens = parent.num_computed_tokens
+        child.num_cached_tokens = parent.num_cached_tokens
+        request.seqs.append(child)
+        self._insert_running(child)
+        return child
+
+    # ---- bookkeeping ----
+    def _remove_from_queues(self, seq: Sequence) -> None:
+        for queue in (self.waiting, self.running, self.swapped):
+            if seq in queue:
+                queue.remove(seq)
+
+    def block_references(self) -> dict[int, int]:
+        swapped = self.swapper.gpu_references() if self.swapper is not None else None
+        return self.kv.references(itertools.chain(self.running, self.waiting), swapped)
+
+    def check_integrity(self) -> None:
+        """The pool's own invariants plus: every reference is held by a live sequence."""
+        swapped = self.swapper.gpu_references() if self.swapper is not None else None
+        self.kv.check_integrity(self.running, self.waiting, self.swapped, swapped)
+        if self.swapper is not None:
+            self.swapper.check_integrity(self.swapped)
+        ids = [s.seq_id for s in itertools.chain(self.waiting, self.running, self.swapped)]
+        assert len(ids) == len(set(ids)), "a sequence is queued twice"
+        for queue, status in ((self.running, SeqStatus.RUNNING), (self.waiting, SeqStatus.WAITING),
+                              (self.swapped, SeqStatus.SWAPPED)):
+            assert all(s.status is status for s in queue), f"a sequence in the {status.value} queue is not"
+        assert self._seats_used() <= self.config.max_num_seqs, "more running seats than max_num_seqs"
+        assert set(self._spare) <= {s.seq_id for s in itertools.chain(self.running, self.waiting, self.swapped)}, \
+            "a reusable record kept for a finished sequence"
+
+    def fragmentation(self) -> float:
+        """Allocated slots not holding a computed token / allocated slots."""
+        return self.kv.fragmentation(self.running)

@@ -1,0 +1,82 @@
+"""One step's plan, as the scheduler hands it to the runner: plain values, no tensors.
+
+`SchedulerOutput` lists each sequence's share of the step (`ScheduledSeq`) and the block
+copies to queue before the forward (copy-on-write, swap out, swap in). The scheduler reuses
+a decode's record in a later step once the step that held it has been processed
+(`Scheduler.update`): read a step's records until then, don't keep them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from engine.core.request import SamplingParams, Sequence
+from engine.core.request_kinds import GENERATE, Task
+
+
+@dataclass
+class ScheduledSeq:
+    """One sequence's share of a step: `token_ids` at positions start_pos.. are computed."""
+
+    seq_id: int
+    token_ids: list[int]
+    start_pos: int
+    block_ids: list[int]  # the whole block table (shared list; read it, don't keep it)
+    do_sample: bool  # the chunk reaches the end of the sequence: sample the next token
+    num_samples: int  # n > 1 at a request's fork point, else 1
+    params: SamplingParams
+    all_token_ids: list[int]  # prompt + output so far (for penalties)
+    num_prompt_tokens: int
+    sample_index: int
+    grammars: list | None = None  # the request's grammar matchers, by sample index (structured outputs)
+    # Speculative decoding: token_ids is [last token, *drafts]; every position is sampled.
+    draft_token_ids: list[int] = field(default_factory=list)
+    task: Task = GENERATE  # what the step is for (engine/core/request_kinds.py)
+    seq: Sequence | None = None  # the sequence itself (its state moves on after the step is launched)
+    # One sampled token at most and no fork, drafts or task results: the scheduler counts the
+    # tokens computed, and a placeholder for the sampled one, as soon as the step is launched.
+    # (Set once: a record's drafts, samples and task never change; read for every row every step.)
+    advances_at_launch: bool = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.advances_at_launch = not self.draft_token_ids and self.num_samples == 1 and self.task.text_output
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+
+def sample_row_ranges(seqs: list[ScheduledSeq]):
+    """(scheduled seq, range of its rows in the step's flat sampler output): one row per
+    sampling sequence, n at a fork point, none for a prefill chunk that does not end the prompt."""
+    k = 0
+    for s in seqs:
+        n = s.task.sample_rows(s)
+        yield s, range(k, k + n)
+        k += n
+
+
+# Stand-in for a token a launched step samples, until the host learns it (overlap scheduling);
+# the runner feeds the real id to the next step on the device.
+PLACEHOLDER = -1
+
+
+@dataclass
+class SchedulerOutput:
+    seqs: list[ScheduledSeq] = field(default_factory=list)
+    blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write
+    blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)  # gpu -> cpu
+    blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)  # cpu -> gpu
+    preempted: list[int] = field(default_factory=list)  # seq ids
+    num_prefill_tokens: int = 0
+    num_decode_tokens: int = 0
+    launched: bool = False  # Scheduler.launched() has advanced its sequences
+
+    @property
+    def num_tokens(self) -> int:
+        return self.num_prefill_tokens + self.num_decode_tokens
+
+    @property
+    def is_empty(self) -> bool:
+        return (not self.seqs and not self.blocks_to_copy and not self.blocks_to_swap_out
+                and not self.blocks_to_swap_in)

@@ -1,0 +1,1 @@
+"""How users reach kiln: the offline API (llm.py), the `kiln` command line (cli/) and the OpenAI-compatible HTTP server (openai/)."""

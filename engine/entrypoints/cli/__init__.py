@@ -1,0 +1,1 @@
+"""The `kiln` command line: commands, vLLM's flags, and serve-replicas."""

@@ -1,0 +1,182 @@
+"""The offline API: `LLM(model=..., **settings).generate(prompts, params)` and `.chat(...)`."""
+
+from __future__ import annotations
+
+import weakref
+from typing import TYPE_CHECKING, Any
+from typing import Sequence as Seq
+
+from engine.config.generation_config import default_sampling_params
+from engine.config.settings import EngineSettings, ServerSettings
+from engine.core.request import LoRARequest, PoolingParams, RequestOutput, SamplingParams
+from engine.runtime.llm_engine import LLMEngine
+
+if TYPE_CHECKING:
+    from engine.runtime.beam_search import BeamSearchParams
+
+
+# The server's grammar-compile settings (engine/config/settings.py ServerSettings) apply offline too.
+GRAMMAR_SETTINGS = ("grammar_compile_timeout_s", "grammar_compile_workers")
+
+
+class LLM:
+    def __init__(self, model: str | None = None, **settings: Any) -> None:
+        """settings: EngineSettings fields, plus grammar_compile_timeout_s / grammar_compile_workers
+        (ServerSettings' defaults): a structured-output constraint that does not compile within
+        the limit is an InvalidRequestError naming `structured_outputs`, as the server's 400."""
+        if model is not None:
+            settings["model"] = model
+        grammar = _grammar_settings({name: settings.pop(name) for name in GRAMMAR_SETTINGS if name in settings})
+        self.settings = EngineSettings(**settings)
+        self.engine = LLMEngine(self.settings)
+        # Compiles run in killable worker processes (started on the first constrained request):
+        # xgrammar cannot be interrupted in-process, and a pathological schema can take minutes.
+        self.engine.structured_output.configure(timeout_s=grammar["grammar_compile_timeout_s"],
+                                                workers=grammar["grammar_compile_workers"])
+        weakref.finalize(self, self.engine.structured_output.close)  # (its worker processes)
+        self._counter = 0
+
+    def close(self) -> None:
+        """Stop the grammar compile workers now (they also stop when the LLM is collected)."""
+        self.engine.structured_output.close()
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    def reset_prefix_cache(self) -> int:
+        """Drop the prefix cache's idle blocks; returns how many (engine.reset_prefix_cache)."""
+        return self.engine.reset_prefix_cache()
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """SamplingParams() with the model's generation_config.json defaults (vLLM's behaviour)."""
+        return default_sampling_params(self.engine.generation_defaults)
+
+    def generate(
+        self,
+        prompts: str | list[int] | Seq[str | list[int]],
+        sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        priority: Seq[int] | None = None,
+        lora_request: LoRARequest | Seq[LoRARequest | None] | None = None,
+    ) -> list[RequestOutput]:
+        """Run prompts (strings or token-id lists) to completion; outputs in input order.
+        lora_request: one adapter for all prompts, or one (or None) per prompt (enable_lora)."""
+        prompts = _prompt_list(prompts)
+        if sampling_params is None:
+            params_list = [_copy(self.get_default_sampling_params()) for _ in prompts]
+        elif isinstance(sampling_params, SamplingParams):
+            params_list = [_copy(sampling_params) for _ in prompts]
+        else:
+            params_list = [_copy(p) for p in sampling_params]
+            if len(params_list) != len(prompts):
+                raise ValueError("sampling_params must be one SamplingParams or one per prompt")
+        loras = list(lora_request) if isinstance(lora_request, (list, tuple)) else [lora_request] * len(prompts)
+        if len(loras) != len(prompts):
+            raise ValueError("lora_request must be one LoRARequest or one per prompt")
+        ids = self._add_all([dict(prompt=prompt, params=params, priority=priority[i] if priority else 0,
+                                  lora_request=loras[i])
+                             for i, (prompt, params) in enumerate(zip(prompts, params_list))])
+        return self._run(ids, use_tqdm)
+
+    def chat(self, messages: list[dict[str, str]] | list[list[dict[str, str]]],
+             sampling_params: SamplingParams | None = None, use_tqdm: bool = True,
+             add_generation_prompt: bool = True) -> list[RequestOutput]:
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = [self.tokenizer.apply_chat_template(conv, tokenize=False,
+                                                      add_generation_prompt=add_generation_prompt)
+                   for conv in conversations]
+        # The template already carries the special tokens: don't let the tokenizer add a second BOS.
+        token_ids = [self.tokenizer.encode(p, add_special_tokens=False) for p in prompts]
+        return self.generate(token_ids, sampling_params, use_tqdm=use_tqdm)
+
+    def embed(self, prompts: str | list[int] | Seq[str | list[int]], pooling_params: PoolingParams | None = None,
+              use_tqdm: bool = True, lora_request: LoRARequest | None = None) -> list[RequestOutput]:
+        """Embeddings of the prompts (RequestOutput.embedding), in input order: the final hidden
+        states pooled as pooling_params says (default: the last token's, L2-normalised)."""
+        pooling = pooling_params or PoolingParams(self.engine.settings.pooling_type)
+        ids = self._add_all([dict(prompt=prompt, params=None, lora_request=lora_request, pooling=pooling)
+                             for prompt in _prompt_list(prompts)])
+        return self._run(ids, use_tqdm)
+
+    def beam_search(self, prompts: str | list[int] | Seq[str | list[int]], params: "BeamSearchParams",
+                    lora_request: LoRARequest | None = None) -> list[RequestOutput]:
+        """Beam search (engine/runtime/beam_search.py): per prompt, a RequestOutput whose outputs are the
+        best params.beam_width beams, best first."""
+        from engine.runtime.beam_search import BeamSearch
+
+        encoded = [self.engine.encode_prompt(p) for p in _prompt_list(prompts)]
+        for _, ids in encoded:
+            self.engine.check_room(len(ids), params.max_tokens)
+        search = BeamSearch([ids for _, ids in encoded], params, self.engine.eos_token_ids)
+        step = params.step_params()
+        while batch := search.pending():
+            outs = self.generate(batch, step, use_tqdm=False, lora_request=lora_request)
+            search.advance([out.outputs[0].logprobs[0] for out in outs])
+        return search.outputs([f"beam-{k}" for k in range(len(encoded))], [text for text, _ in encoded],
+                              self.tokenizer)
+
+    def _add_all(self, requests: list[dict[str, Any]]) -> list[str]:
+        """Add every request (engine.add_request keywords) or, if one is refused, none."""
+        ids: list[str] = []
+        try:
+            for kwargs in requests:
+                request_id = f"offline-{self._counter}"
+                self._counter += 1
+                self.engine.add_request(request_id=request_id, **kwargs)
+                ids.append(request_id)
+        except Exception:
+            for request_id in ids:
+                self.engine.abort_request(request_id)
+            raise
+        return ids
+
+    def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        from tqdm import tqdm
+
+        results: dict[str, RequestOutput] = {}
+        bar = tqdm(total=len(ids), desc="generating", disable=not use_tqdm, unit="req")
+        try:
+            while self.engine.has_unfinished_requests():
+                for out in self.engine.step():
+                    if out.finished:
+                        results[out.request_id] = out
+                        bar.update(1)
+        finally:
+            bar.close()
+            for request_id in ids:
+                if request_id not in results:
+                    self.engine.abort_request(request_id)
+        return [results[i] for i in ids]
+
+
+def _grammar_settings(given: dict[str, Any]) -> dict[str, Any]:
+    """GRAMMAR_SETTINGS as given, else ServerSettings' defaults, validated by its field rules."""
+    from typing import Annotated
+
+    from pydantic import TypeAdapter
+
+    out = {}
+    for name in GRAMMAR_SETTINGS:
+        field = ServerSettings.model_fields[name]
+        value = given.get(name, field.default)
+        try:
+            out[name] = TypeAdapter(Annotated[field.annotation, field]).validate_python(value)
+        except ValueError as exc:
+            raise ValueError(f"{name}: {exc}") from exc
+    return out
+
+
+def _prompt_list(prompts: str | list[int] | Seq[str | list[int]]) -> list[str | list[int]]:
+    """One prompt (a string or a list of token ids) or several, as a list of prompts."""
+    if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+        return [prompts]
+    return list(prompts)
+
+
+def _copy(params: SamplingParams) -> SamplingParams:
+    """A request's own params; offline runs need only each request's final output."""
+    from dataclasses import replace
+
+    return replace(params, stop=list(params.stop), stop_token_ids=list(params.stop_token_ids),
+                   output_kind="final_only")

@@ -1,0 +1,215 @@
+"""The server's admission checks, in one place: which model, is the text valid Unicode, is the
+prompt within max_model_len (before the engine sees it), are the parameters within the
+server's limits, does the structured-output constraint compile in time. Tokenisation and chat
+templates run here too, on the server's tokenising threads, never on the event loop.
+
+The engine checks again on its own (offline users have no server); a request these checks let
+through is one the engine accepts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Any
+
+from engine.core.request import InvalidRequestError, LoRARequest, SamplingParams
+from engine.entrypoints.openai.errors import APIError, ClientGone
+from engine.entrypoints.openai.jobs import until_done
+from engine.runtime.engine_info import EngineInfo
+
+logger = logging.getLogger("engine.entrypoints.openai")
+
+# A tokenizer normalizer can shorten text a little (strip, collapse): leave room for it.
+_NORMALIZER_SLACK = 2
+
+
+# ---- which model ----
+def check_model(state, model: str | None) -> LoRARequest | None:
+    """None for the base model; the adapter's LoRARequest for a LoRA adapter's name; else 404."""
+    if model is None or model == state.model_name or model in state.settings.model_names:
+        return None
+    adapter = state.engine.find_lora(model)
+    if adapter is not None:
+        return adapter
+    served = ", ".join(repr(m) for m in [state.model_name, *(a.lora_name for a in state.adapters())])
+    raise APIError(404, f"the model {model!r} does not exist; this server serves {served}",
+                   "invalid_request_error", "model", "model_not_found")
+
+
+# ---- text ----
+def lone_surrogate_path(value: Any, path: str = "") -> str | None:
+    """The path of the first string (or key) holding a lone UTF-16 surrogate, which no tokenizer
+    or UTF-8 encoder accepts; None if there is none."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return path or "body"
+        return None
+    if isinstance(value, dict):
+        for k, v in value.items():
+            sub = f"{path}.{k}" if path else str(k)
+            if isinstance(k, str) and lone_surrogate_path(k) is not None:
+                return sub
+            found = lone_surrogate_path(v, sub)
+            if found is not None:
+                return found
+    elif isinstance(value, (list, tuple)):
+        for i, v in enumerate(value):
+            found = lone_surrogate_path(v, f"{path}[{i}]")
+            if found is not None:
+                return found
+    return None
+
+
+def check_unicode(body) -> None:
+    """400 naming the field if any string of the request is not valid Unicode (a lone surrogate
+    such as "\\ud800", which JSON allows and UTF-8 cannot encode)."""
+    data = body.model_dump(by_alias=True) if hasattr(body, "model_dump") else body
+    path = lone_surrogate_path(data)
+    if path is not None:
+        raise InvalidRequestError(f"{path}: the text is not valid Unicode (it holds a lone UTF-16 surrogate)", path)
+
+
+def max_token_chars(tokenizer) -> int:
+    """The most UTF-8 bytes any one token stands for (at least its text's length in characters)."""
+    vocab = tokenizer.get_vocab()
+    return max((len(t.encode("utf-8", "replace")) for t in vocab), default=1)
+
+
+def check_text_size(info: EngineInfo, per_token: int, text: str, param: str) -> None:
+    """Refuse a text that must be longer than max_model_len tokens without tokenising it (each
+    token covers at most `per_token` characters): a 6 MB prompt is refused in microseconds."""
+    bound = info.max_model_len * per_token * _NORMALIZER_SLACK
+    if len(text) > bound:
+        raise InvalidRequestError(f"{param}: the text ({len(text)} characters) is far longer than "
+                                  f"max_model_len={info.max_model_len} tokens", param)
+
+
+# ---- tokenising (call through ServerState.off_loop) ----
+def encode(tokenizer, text: str, add_special_tokens: bool = True) -> list[int]:
+    return tokenizer.encode(text, add_special_tokens=add_special_tokens)
+
+
+def chat_prompt_ids(tokenizer, conversation: list[dict[str, Any]], add_generation_prompt: bool = True,
+                    tools: list[dict[str, Any]] | None = None, continue_final_message: bool = False,
+                    template_kwargs: dict[str, Any] | None = None) -> list[int]:
+    if continue_final_message:
+        if add_generation_prompt:
+            raise InvalidRequestError("continue_final_message needs add_generation_prompt=false",
+                                      "continue_final_message")
+        if conversation[-1]["role"] != "assistant":
+            raise InvalidRequestError("continue_final_message needs an assistant message last",
+                                      "continue_final_message")
+    kwargs = dict(template_kwargs or {})
+    reserved = set(kwargs) & {"conversation", "tokenize", "add_generation_prompt", "tools", "continue_final_message"}
+    if reserved:
+        raise InvalidRequestError(f"chat_template_kwargs may not set {', '.join(sorted(reserved))}",
+                                  "chat_template_kwargs")
+    try:
+        text = tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=add_generation_prompt,
+                                             tools=tools, continue_final_message=continue_final_message, **kwargs)
+    except Exception as exc:  # noqa: BLE001 - template errors are the request's fault
+        raise InvalidRequestError(f"messages: the chat template failed: {exc}", "messages") from exc
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+async def prompt_ids(state, prompts: list[str | list[int]], param: str) -> list[list[int]]:
+    """Token ids of each prompt (texts tokenised off the loop; id lists checked against the vocabulary)."""
+    out = []
+    for i, p in enumerate(prompts):
+        where = param if len(prompts) == 1 else f"{param}[{i}]"
+        if isinstance(p, str):
+            check_text_size(state.info, state.max_token_chars, p, where)
+            out.append(await state.off_loop(encode, state.tokenizer, p))
+        else:
+            check_token_ids(state.info, p, where)
+            out.append(list(p))
+    return out
+
+
+# ---- lengths and parameters ----
+def check_token_ids(info: EngineInfo, ids: list[int], param: str) -> None:
+    bad = [t for t in ids if not isinstance(t, int) or not 0 <= t < info.vocab_size]
+    if bad:
+        raise InvalidRequestError(f"{param}: token ids must be in [0, {info.vocab_size}); got {bad[:3]}", param)
+
+
+def check_length(info: EngineInfo, num_prompt_tokens: int, max_tokens: int | None, param: str) -> None:
+    """The prompt fits in max_model_len with room for max_tokens (the scheduler's rule, checked
+    before the engine sees the request)."""
+    limit = info.max_model_len
+    if num_prompt_tokens == 0:
+        raise InvalidRequestError(f"{param}: the prompt is empty", param)
+    if num_prompt_tokens >= limit:
+        raise InvalidRequestError(f"{param}: the prompt has {num_prompt_tokens} tokens, which leaves no room to "
+                                  f"generate within max_model_len={limit}", param)
+    if max_tokens is not None and num_prompt_tokens + max_tokens > limit:
+        raise InvalidRequestError(f"prompt ({num_prompt_tokens} tokens) + max_tokens ({max_tokens}) = "
+                                  f"{num_prompt_tokens + max_tokens} exceeds max_model_len={limit}", "max_tokens")
+
+
+def check_lengths(info: EngineInfo, ids: list[list[int]], params: SamplingParams, param: str) -> None:
+    for i, p in enumerate(ids):
+        n = len(p)
+        if params.truncate_prompt_tokens is not None:
+            n = min(n, params.truncate_prompt_tokens)
+        check_length(info, n, params.max_tokens, param if len(ids) == 1 else f"{param}[{i}]")
+
+
+def check_params(info: EngineInfo, body, params: SamplingParams, num_prompts: int) -> None:
+    unknown = body.unknown_fields()
+    if unknown:
+        logger.info("ignoring unknown request fields: %s", ", ".join(unknown))
+    params.validate()
+    if params.n > info.max_num_seqs:
+        raise InvalidRequestError(f"n ({params.n}) exceeds this server's max_num_seqs ({info.max_num_seqs})", "n")
+    check_batch(info, num_prompts * params.n, "prompt")
+    for name, ids in params.token_id_fields():
+        check_token_ids(info, ids, name)
+
+
+def check_batch(info: EngineInfo, count: int, param: str) -> None:
+    if count > max(info.max_num_seqs, 1) * 16:
+        raise InvalidRequestError(f"too many prompts or samples in one request ({count})", param)
+
+
+# ---- structured outputs ----
+async def check_constraint(state, body, params: SamplingParams, request) -> Any:
+    """Compile the request's constraint in the server's compile pool (time-limited, stopped if
+    the client goes away) so that one that does not compile, or not in time, is a 400 naming the
+    field it came in. Returns the compiled grammar: while the caller holds it, the engine's own
+    compile of it is a cache hit (even if the LRU has let it go)."""
+    if params.structured_outputs is None:
+        return None
+    found = body.structured_output_field()
+    name, _ = found if found is not None else ("tools", params.structured_outputs)
+    tenant = tenant_of(request, body)
+    try:
+        done = await until_done(state.engine.grammar_compiler.compile_async(params.structured_outputs, tenant),
+                                request, None, "compile")
+    except InvalidRequestError as exc:
+        raise InvalidRequestError(f"{name}: {exc}", name) from exc
+    if done is None:  # the client left: the compile was stopped with it
+        raise ClientGone()
+    return done
+
+
+def with_reasoning_markers(state, params: SamplingParams) -> None:
+    """With a reasoning parser, the constraint starts once the model has closed its thinking block."""
+    if state.settings.reasoning_parser is None or params.structured_outputs is None:
+        return
+    tok = state.tokenizer
+    markers = tuple(tuple(tok.encode(m, add_special_tokens=False)) for m in ("<think>", "</think>"))
+    params.structured_outputs = dataclasses.replace(params.structured_outputs, reasoning_markers=markers)
+
+
+def tenant_of(request, body) -> str:
+    """Who a request is from, for fair sharing of the compile pool: OpenAI's `user` field when
+    given, else the client's address."""
+    user = getattr(body, "user", None)
+    if user:
+        return "user:" + user
+    client = request.client
+    return "addr:" + (client.host if client else "-")

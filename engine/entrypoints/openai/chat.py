@@ -1,0 +1,162 @@
+"""POST /v1/chat/completions and its response format: tool calls and reasoning content,
+whole or streamed."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import APIRouter, Request
+
+from engine.config.generation_config import apply_generation_defaults
+from engine.core.request import RequestOutput
+from engine.entrypoints.openai.admission import (
+    chat_prompt_ids,
+    check_constraint,
+    check_lengths,
+    check_model,
+    check_params,
+    check_text_size,
+    check_unicode,
+    with_reasoning_markers,
+)
+from engine.entrypoints.openai.errors import post_route
+from engine.entrypoints.openai.generation import generate
+from engine.entrypoints.openai.jobs import Choice, FormatBase, Job, envelope
+from engine.entrypoints.openai.protocol import ChatCompletionRequest
+from engine.entrypoints.openai.reasoning import ReasoningParser
+from engine.entrypoints.openai.tool_calls import ToolCall, ToolMode
+
+
+def tool_finish_reason(mode: ToolMode, calls: list[ToolCall], finish: str | None) -> str | None:
+    """OpenAI's finish reasons with tools: "tool_calls" when the model chose to call (auto,
+    required); a named choice keeps "stop", as OpenAI's API does."""
+    if calls and finish == "stop" and mode.kind != "named":
+        return "tool_calls"
+    return finish
+
+
+def split_answer(job: Job, text: str, final: bool) -> tuple[str | None, str]:
+    """(reasoning, content) of a chat answer: the reasoning parser's split when the job has one."""
+    if job.reasoning is None:
+        return None, text
+    reasoning, content = job.reasoning.split(text, final)
+    return reasoning, content or ""
+
+
+def chat_stream_delta(job: Job, ch: Choice, piece: str, finish: str | None) -> tuple[dict[str, Any], str | None]:
+    """The delta of one streamed chat choice with a reasoning parser or tools. Reasoning streams
+    as reasoning_content; a named call streams its arguments as they come; auto streams content
+    up to where a call may start; calls are sent when the output ends."""
+    ch.text += piece
+    final = finish is not None
+    reasoning, content = split_answer(job, ch.text, final)
+    delta: dict[str, Any] = {}
+    if reasoning and len(reasoning) > ch.reasoning_sent:
+        delta["reasoning_content"] = reasoning[ch.reasoning_sent:]
+        ch.reasoning_sent = len(reasoning)
+    mode = job.tool_mode
+    if mode is None:
+        if len(content) > ch.streamed:
+            delta["content"] = content[ch.streamed:]
+            ch.streamed = len(content)
+        return delta, finish
+    if mode.kind == "named":
+        new, ch.streamed = content[ch.streamed:], len(content)
+        if ch.call is None:
+            ch.call = ToolCall(mode.name, new)
+            delta["tool_calls"] = [ch.call.to_openai(0)]
+            return delta, tool_finish_reason(mode, [ch.call], finish)
+        if new:
+            delta["tool_calls"] = [{"index": 0, "function": {"arguments": new}}]
+        return delta, finish
+    if not final:
+        safe = mode.streamable(content)
+        if safe > ch.streamed:
+            delta["content"] = content[ch.streamed:safe]
+            ch.streamed = safe
+        return delta, None
+    answer, calls = mode.calls(content)
+    sent = content[:ch.streamed]
+    rest = (answer or "")[len(sent):] if (answer or "").startswith(sent) else ""
+    if rest:
+        delta["content"] = rest
+    if calls:
+        delta["tool_calls"] = [c.to_openai(k) for k, c in enumerate(calls)]
+    return delta, tool_finish_reason(mode, calls, finish)
+
+
+class ChatFormat(FormatBase):
+    chunk_object = "chat.completion.chunk"
+
+    def first_chunks(self, job: Job) -> list[dict[str, Any]]:
+        return [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+                for i in range(len(job.streams) * job.n)]
+
+    def _logprobs(self, job: Job, token_ids: list[int], entries: list[dict[int, float]]) -> dict | None:
+        if job.params.logprobs is None:
+            return None
+        return {"content": self.lp.chat(token_ids, entries, job.params.logprobs)}
+
+    def stream_choice(self, job: Job, ch: Choice, idx: int, pidx: int, c, delta: RequestOutput,
+                      first: bool) -> dict[str, Any]:
+        lp = self._logprobs(job, c.token_ids, c.logprobs or [])
+        if job.tool_mode is not None or job.reasoning is not None:
+            msg, finish = chat_stream_delta(job, ch, c.text, c.finish_reason)
+        else:
+            msg, finish = ({"content": c.text} if c.text or not c.finish_reason else {}), c.finish_reason
+        return {"index": idx, "delta": msg, "logprobs": lp, "finish_reason": finish, "stop_reason": c.stop_reason}
+
+    def final_body(self, job: Job, results: list[tuple[Choice, RequestOutput | None]]) -> dict[str, Any]:
+        choices = []
+        for i, (ch, out) in enumerate(results):
+            reasoning, content = split_answer(job, ch.text, final=True)
+            message: dict[str, Any] = {"role": "assistant", "content": content}
+            if job.reasoning is not None:
+                message = {"role": "assistant", "reasoning_content": reasoning, "content": content or None}
+            finish = ch.finish_reason
+            if job.tool_mode is not None:
+                answer, calls = job.tool_mode.calls(content)
+                message["content"] = answer
+                if calls:
+                    message["tool_calls"] = [c.to_openai() for c in calls]
+                finish = tool_finish_reason(job.tool_mode, calls, finish)
+            choices.append({"index": i, "message": message, "logprobs": self._logprobs(job, ch.token_ids, ch.logprobs),
+                            "finish_reason": finish, "stop_reason": ch.stop_reason})
+        body = envelope(job, "chat.completion", self.state.model_name, choices)
+        if job.params.prompt_logprobs is not None:
+            body["prompt_logprobs"] = self.lp.prompt(results[0][1] if results else None)
+        return body
+
+
+async def conversation_ids(state, body, add_generation_prompt: bool, tools=None, continue_final: bool = False,
+                           template_kwargs=None) -> list[int]:
+    """The chat-templated prompt's ids, made on the tokenising threads."""
+    conversation = body.conversation()
+    for i, message in enumerate(conversation):
+        check_text_size(state.info, state.max_token_chars, message["content"], f"messages[{i}].content")
+    return await state.off_loop(chat_prompt_ids, state.tokenizer, conversation, add_generation_prompt, tools,
+                                continue_final, template_kwargs)
+
+
+async def create_chat_completion(state, body: ChatCompletionRequest, request: Request):
+    check_unicode(body)
+    lora = check_model(state, body.model)
+    tool_mode = body.tool_mode(state.settings.auto_tool_parser)
+    params = body.sampling_params(tool_mode)
+    params = apply_generation_defaults(params, state.info.generation_defaults, body.model_fields_set)
+    check_params(state.info, body, params, 1)
+    ids = await conversation_ids(state, body, body.add_generation_prompt, body.template_tools(),
+                                 body.continue_final_message, body.chat_template_kwargs)
+    check_lengths(state.info, [ids], params, "messages")
+    grammar = await check_constraint(state, body, params, request)  # noqa: F841 - held until the engine has it
+    with_reasoning_markers(state, params)
+    reasoning = state.settings.reasoning_parser
+    return await generate(state, body, request, ChatFormat(state), "chat", [ids], [None], params, lora,
+                          tool_mode=tool_mode if tool_mode.kind != "none" else None,
+                          reasoning=ReasoningParser(reasoning) if reasoning is not None else None)
+
+
+def router(state) -> APIRouter:
+    r = APIRouter()
+    post_route(r, "/v1/chat/completions", ChatCompletionRequest, create_chat_completion, state)
+    return r

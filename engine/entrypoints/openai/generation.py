@@ -1,0 +1,74 @@
+"""Running an admitted completion or chat request: as a job (streamed or collected), or with
+use_beam_search (vLLM's extension) through engine/runtime/beam_search.py's driver, each step's
+one-token requests run together."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import uuid
+
+from engine.core.request import InvalidRequestError, LoRARequest, SamplingParams
+from engine.entrypoints.openai.admission import check_length
+from engine.entrypoints.openai.errors import APIError
+from engine.entrypoints.openai.jobs import Choice, Formatter, Job, respond, start_job
+from engine.runtime.beam_search import BeamSearch, BeamSearchParams
+
+
+async def beam_search(state, body, kind: str, prompts: list[list[int]], texts: list[str | None],
+                      params: SamplingParams, lora: LoRARequest | None) -> tuple[Job, list]:
+    """(a job holding the usage, [(choice, output)]) of n beams per prompt, best first."""
+    if body.stream:
+        raise InvalidRequestError("use_beam_search cannot stream", "stream")
+    if params.structured_outputs is not None or getattr(body, "tools", None):
+        raise InvalidRequestError("use_beam_search does not combine with structured outputs or tools",
+                                  "use_beam_search")
+    info = state.info
+    max_tokens = params.max_tokens or info.max_model_len - max(len(p) for p in prompts)
+    search_params = BeamSearchParams(params.n, max_tokens, params.ignore_eos, body.length_penalty)
+    for ids in prompts:
+        check_length(info, len(ids), max_tokens, "prompt")
+    step = search_params.step_params()
+
+    async def one_step(tokens: list[int]) -> dict[int, float]:
+        stream = await state.engine.add_request(tokens, dataclasses.replace(step), None, body.priority, None, lora)
+        last = None
+        try:
+            async for last in stream:
+                pass
+        finally:
+            stream.close()
+        if last is None or last.error or not last.outputs[0].logprobs:
+            raise APIError(500, f"a beam search step failed in the engine: {last.error if last else '?'}",
+                           "server_error", None, "engine_error")
+        return last.outputs[0].logprobs[-1]
+
+    search = BeamSearch(prompts, search_params, info.eos_token_ids)
+    while batch := search.pending():
+        search.advance(list(await asyncio.gather(*(one_step(tokens) for tokens in batch))))
+    job_id = f"{'cmpl' if kind == 'completion' else 'chatcmpl'}-{uuid.uuid4().hex}"
+    job = Job(job_id, kind, [], params.n, texts, params)
+    job.echo = getattr(body, "echo", False)
+    results = []
+    for ids, out in zip(prompts, search.outputs([job_id] * len(prompts), texts, state.tokenizer)):
+        job.num_prompt_tokens += len(ids)
+        for c in out.outputs:
+            job.num_completion_tokens += len(c.token_ids)
+            results.append((Choice(text=c.text, token_ids=c.token_ids, logprobs=c.logprobs or [],
+                                   finish_reason=c.finish_reason), out))
+    return job, results
+
+
+async def generate(state, body, request, fmt: Formatter, kind: str, ids: list[list[int]], texts: list[str | None],
+                   params: SamplingParams, lora: LoRARequest | None, **job_fields):
+    """The response to an admitted request: its beams, or its job's stream or body (job_fields
+    set on the job: echo, tool_mode, ...)."""
+    if body.use_beam_search:
+        job, results = await beam_search(state, body, kind, ids, texts, params, lora)
+        return fmt.final_body(job, results)
+    prefix = "cmpl" if kind == "completion" else "chatcmpl"
+    job = await start_job(state.engine, state.jobs, prefix, kind, ids, texts, params, body.priority, lora)
+    for name, value in job_fields.items():
+        setattr(job, name, value)
+    return await respond(job, fmt, state.model_name, body.stream, body.include_usage, request,
+                         state.settings.request_timeout, body.continuous_usage)

@@ -1,0 +1,63 @@
+"""The HTTP-level server settings (vLLM's flags): uvicorn options, CORS, access and request logs."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from engine.config.settings import ServerSettings
+
+request_logger = logging.getLogger("engine.entrypoints.openai.requests")
+_LOGGED_BODY_CHARS = 2000
+
+
+def uvicorn_options(settings: ServerSettings) -> dict[str, Any]:
+    """Keyword arguments for uvicorn.Config (kiln writes its own access log, so uvicorn's is off)."""
+    options: dict[str, Any] = dict(log_level=settings.uvicorn_log_level, access_log=False)
+    if settings.root_path:
+        options["root_path"] = settings.root_path
+    if settings.ssl_keyfile is not None:
+        options.update(ssl_keyfile=str(settings.ssl_keyfile), ssl_certfile=str(settings.ssl_certfile))
+    return options
+
+
+def add_http_middleware(app, settings: ServerSettings) -> None:
+    """CORS for --allowed-origins; the request log for --enable-log-requests; the access log off
+    with --disable-uvicorn-access-log."""
+    logging.getLogger("engine.entrypoints.openai.access").disabled = settings.disable_uvicorn_access_log
+    if settings.allowed_origins:
+        from fastapi.middleware.cors import CORSMiddleware
+
+        app.add_middleware(CORSMiddleware, allow_origins=settings.allowed_origins, allow_credentials=False,
+                           allow_methods=["*"], allow_headers=["*"])
+    if settings.enable_log_requests:
+        app.add_middleware(RequestLogMiddleware)
+
+
+class RequestLogMiddleware:
+    """Logs each API request's method, path and body (prompt and sampling parameters, truncated)."""
+
+    def __init__(self, app) -> None:
+        self.app = app
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http" or scope.get("method") != "POST":
+            await self.app(scope, receive, send)
+            return
+        chunks: list[bytes] = []
+        size = [0]
+
+        async def logging_receive():
+            message = await receive()
+            if message["type"] == "http.request":
+                if size[0] < _LOGGED_BODY_CHARS:
+                    chunks.append(message.get("body", b"")[:_LOGGED_BODY_CHARS])
+                size[0] += len(message.get("body", b""))
+                if not message.get("more_body"):
+                    body = b"".join(chunks)[:_LOGGED_BODY_CHARS].decode("utf-8", "replace")
+                    more = "..." if size[0] > _LOGGED_BODY_CHARS else ""
+                    request_logger.info("request %s %s (%d bytes): %s%s", scope["method"], scope.get("path"),
+                                        size[0], body, more)
+            return message
+
+        await self.app(scope, logging_receive, send)

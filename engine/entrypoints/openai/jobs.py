@@ -1,0 +1,304 @@
+"""Request jobs: one HTTP request's engine streams, read as one (stream mux), with its time
+limit, its client's disconnect and the server's shutdown; collected into a body or framed as
+server-sent events. What the body and the chunks say is the endpoint's formatter's business
+(completions.py, chat.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import json
+import logging
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any, AsyncIterator, Protocol
+
+from fastapi import Request
+from fastapi.responses import Response, StreamingResponse
+
+from engine.core.request import LoRARequest, RequestOutput, SamplingParams
+from engine.entrypoints.openai.errors import (
+    RequestFailed,
+    engine_failed,
+    shutting_down,
+    stream_error_body,
+    timeout_error,
+)
+from engine.entrypoints.openai.logprobs import LogprobFormat
+from engine.entrypoints.openai.reasoning import ReasoningParser
+from engine.entrypoints.openai.tool_calls import ToolCall, ToolMode
+from engine.runtime.errors import EngineDeadError
+from engine.runtime.request_stream import RequestStream
+
+logger = logging.getLogger("engine.entrypoints.openai")
+
+
+class ShuttingDown(Exception):
+    """The server ended the job (shutdown grace period over)."""
+
+
+@dataclass
+class Choice:
+    text: str = ""
+    token_ids: list[int] = dataclasses.field(default_factory=list)
+    logprobs: list[dict[int, float]] = dataclasses.field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    text_offset: int = 0  # completions logprobs: where the next token's text starts
+    streamed: int = 0  # chat with tools or reasoning: chars of the content already sent
+    reasoning_sent: int = 0  # chat with a reasoning parser: chars of the reasoning already sent
+    call: ToolCall | None = None  # a streamed named tool call (its id stays the same)
+
+
+@dataclass(eq=False)  # identity: jobs live in a set
+class Job:
+    """One HTTP request: its engine streams (one per prompt) and what they produced so far."""
+
+    id: str
+    kind: str  # "completion" | "chat"
+    streams: list[RequestStream]
+    n: int
+    prompt_texts: list[str | None]
+    params: SamplingParams
+    echo: bool = False
+    prompt_only: bool = False  # echo with max_tokens=0: the generated token is dropped
+    tool_mode: ToolMode | None = None  # chat with tools
+    reasoning: ReasoningParser | None = None  # chat with a reasoning parser (unconstrained output)
+    num_prompt_tokens: int = 0
+    num_completion_tokens: int = 0
+    registry: set | None = None  # the server's live jobs (ServerState.jobs)
+    ended: bool = False  # the server ended it (shutdown)
+    _queue: asyncio.Queue | None = None
+
+    def __post_init__(self) -> None:
+        if self.registry is not None:
+            self.registry.add(self)
+
+    def end(self) -> None:
+        """Shutdown: make the reader stop with ShuttingDown."""
+        self.ended = True
+        if self._queue is not None:
+            self._queue.put_nowait((-1, None, ShuttingDown()))
+
+    def close(self) -> None:
+        for s in self.streams:
+            s.close()
+        if self.registry is not None:
+            self.registry.discard(self)
+
+    def cached_tokens(self) -> int:
+        return sum((s.final_output.num_cached_tokens if s.final_output else 0) for s in self.streams)
+
+    def usage(self) -> dict[str, Any]:
+        return {"prompt_tokens": self.num_prompt_tokens, "completion_tokens": self.num_completion_tokens,
+                "total_tokens": self.num_prompt_tokens + self.num_completion_tokens,
+                "prompt_tokens_details": {"cached_tokens": self.cached_tokens()}}
+
+    def account(self, pidx: int, delta: RequestOutput, seen_prompts: set[int]) -> None:
+        if pidx not in seen_prompts:
+            seen_prompts.add(pidx)
+            self.num_prompt_tokens += len(delta.prompt_token_ids)
+        self.num_completion_tokens += sum(len(c.token_ids) for c in delta.outputs)
+
+    async def deltas(self) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """(prompt index, delta) from all of the job's streams as they come; for a prompt-only
+        job without the token it generated."""
+        async for pidx, delta in self._mux():
+            if self.prompt_only:
+                delta = dataclasses.replace(delta, outputs=[dataclasses.replace(
+                    c, text="", token_ids=[], logprobs=None if c.logprobs is None else [],
+                    cumulative_logprob=None if c.cumulative_logprob is None else 0.0) for c in delta.outputs])
+            yield pidx, delta
+
+    async def _mux(self) -> AsyncIterator[tuple[int, RequestOutput]]:
+        queue: asyncio.Queue = asyncio.Queue()
+        self._queue = queue
+        if self.ended:
+            raise ShuttingDown()
+
+        async def pump(i: int, s: RequestStream) -> None:
+            try:
+                async for d in s:
+                    queue.put_nowait((i, d, None))
+            except BaseException as exc:  # noqa: BLE001 - handed to the reader
+                queue.put_nowait((i, None, exc))
+            finally:
+                queue.put_nowait((i, None, None))
+
+        tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(self.streams)]
+        try:
+            remaining = len(tasks)
+            while remaining:
+                i, d, exc = await queue.get()
+                if exc is not None:
+                    raise exc
+                if d is None:
+                    remaining -= 1
+                    continue
+                yield i, d
+        finally:
+            for t in tasks:
+                t.cancel()
+
+
+class Formatter(Protocol):
+    """What an endpoint family says: the final body and the streamed chunks of a job."""
+
+    chunk_object: str
+
+    def first_chunks(self, job: Job) -> list[dict[str, Any]]:
+        """Choices sent before any output (chat: the assistant role)."""
+
+    def stream_choice(self, job: Job, ch: Choice, idx: int, pidx: int, c, delta: RequestOutput,
+                      first: bool) -> dict[str, Any]:
+        """One streamed choice of a delta."""
+
+    def final_body(self, job: Job, results: list[tuple[Choice, RequestOutput | None]]) -> dict[str, Any]:
+        """The non-streaming response."""
+
+
+class FormatBase:
+    """What both formatters hold: the server state and the logprob formats."""
+
+    def __init__(self, state) -> None:
+        self.state = state
+        self.lp = LogprobFormat(state.tokenizer)
+
+
+def envelope(job: Job, object_: str, model: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
+    return {"id": job.id, "object": object_, "created": int(time.time()), "model": model, "choices": choices,
+            "usage": job.usage(), "system_fingerprint": None}
+
+
+def sse(payload: dict | str) -> str:
+    """One server-sent event."""
+    return f"data: {payload if isinstance(payload, str) else json.dumps(payload)}\n\n"
+
+
+async def start_job(engine, registry: set, prefix: str, kind: str, prompts: list, texts: list,
+                    params: SamplingParams, priority: int, lora: LoRARequest | None = None) -> Job:
+    """Queue every prompt of a request (together: they are admitted in the same step)."""
+    if getattr(registry, "closed", False):
+        raise shutting_down()
+    arrival = time.monotonic()
+    job_id = f"{prefix}-{uuid.uuid4().hex}"
+    results = await asyncio.gather(*(
+        engine.add_request(
+            prompt, dataclasses.replace(params, stop=list(params.stop), stop_token_ids=list(params.stop_token_ids)),
+            f"{job_id}-{i}", priority, arrival, lora)
+        for i, prompt in enumerate(prompts)), return_exceptions=True)
+    streams = [r for r in results if isinstance(r, RequestStream)]
+    errors = [r for r in results if isinstance(r, BaseException)]
+    if errors:
+        for s in streams:
+            s.close()
+        raise errors[0]
+    return Job(job_id, kind, streams, params.n, texts, params, registry=registry)
+
+
+async def collect(job: Job) -> list[tuple[Choice, RequestOutput | None]]:
+    """Every choice of the job, read to the end."""
+    choices: dict[int, Choice] = {}
+    last: dict[int, RequestOutput] = {}
+    seen: set[int] = set()
+    async for pidx, delta in job.deltas():
+        job.account(pidx, delta, seen)
+        last[pidx] = delta
+        for c in delta.outputs:
+            if c.finish_reason == "error":
+                raise engine_failed(delta.error or "unknown error")
+            ch = choices.setdefault(pidx * job.n + c.index, Choice())
+            ch.text += c.text
+            ch.token_ids += c.token_ids
+            ch.logprobs += c.logprobs or []
+            if c.finish_reason:
+                ch.finish_reason, ch.stop_reason = c.finish_reason, c.stop_reason
+    return [(choices.get(i, Choice(finish_reason="abort")), last.get(i // job.n))
+            for i in range(len(job.streams) * job.n)]
+
+
+async def wait_disconnect(request: Request) -> None:
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def until_done(work, request: Request, timeout: float | None, job_id: str):
+    """work's result; None if the client disconnected first (work is cancelled); 504 after
+    `timeout`; a 503 if the server ended the job."""
+    task = asyncio.ensure_future(work)
+    watch = asyncio.ensure_future(wait_disconnect(request))
+    try:
+        done, _ = await asyncio.wait({task, watch}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+        if task in done:
+            try:
+                return task.result()
+            except ShuttingDown:
+                raise shutting_down() from None
+        if watch in done:
+            logger.info("%s: client disconnected; aborting", job_id)
+            return None
+        raise timeout_error(timeout)
+    finally:
+        for t in (task, watch):
+            t.cancel()
+
+
+async def respond(job: Job, fmt: Formatter, model: str, stream: bool | None, include_usage: bool,
+                  request: Request, timeout: float | None, continuous_usage: bool = False):
+    if stream:
+        return StreamingResponse(stream_events(job, fmt, model, include_usage, timeout, continuous_usage),
+                                 media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+    try:
+        results = await until_done(collect(job), request, timeout, job.id)
+    finally:
+        job.close()
+    return Response(status_code=499) if results is None else fmt.final_body(job, results)
+
+
+async def stream_events(job: Job, fmt: Formatter, model: str, include_usage: bool, timeout: float | None,
+                        continuous_usage: bool = False) -> AsyncIterator[str]:
+    """The job as SSE: chunks, the usage chunk if asked, then [DONE]; a job that cannot finish
+    (engine error, time limit, dead engine, shutdown) ends with an error event and [DONE]."""
+    base = {"id": job.id, "object": fmt.chunk_object, "created": int(time.time()), "model": model}
+    usage_field = {"usage": None} if include_usage else {}
+
+    def chunk(choices: list[dict]) -> str:
+        usage = {"usage": job.usage()} if continuous_usage else usage_field  # (vLLM's continuous_usage_stats)
+        return sse({**base, "choices": choices, **usage})
+
+    choices: dict[int, Choice] = {}
+    seen: set[int] = set()
+    try:
+        for first in fmt.first_chunks(job):
+            yield chunk([first])
+        async with _maybe_timeout(timeout):
+            async for pidx, delta in job.deltas():
+                job.account(pidx, delta, seen)
+                for c in delta.outputs:
+                    if c.finish_reason == "error":
+                        raise RequestFailed(delta.error or "unknown error")
+                    idx = pidx * job.n + c.index
+                    first = idx not in choices
+                    ch = choices.setdefault(idx, Choice())
+                    yield chunk([fmt.stream_choice(job, ch, idx, pidx, c, delta, first)])
+        if include_usage:
+            yield sse({**base, "choices": [], "usage": job.usage()})
+    except (EngineDeadError, TimeoutError, RequestFailed, ShuttingDown) as exc:
+        yield sse(stream_error_body(shutting_down() if isinstance(exc, ShuttingDown) else exc, timeout))
+    finally:
+        job.close()
+    yield sse("[DONE]")
+
+
+@contextlib.asynccontextmanager
+async def _maybe_timeout(seconds: float | None):
+    if seconds is None:
+        yield
+    else:
+        async with asyncio.timeout(seconds):
+            yield

@@ -1,0 +1,129 @@
+"""ASGI middleware: request ids, the API key, the access log; the body-size limit and the
+shutdown gate, both applied before a byte of the body is parsed."""
+
+from __future__ import annotations
+
+import logging
+import secrets
+import time
+import uuid
+
+from starlette.exceptions import HTTPException
+
+from engine.entrypoints.openai.errors import error_response
+
+access_logger = logging.getLogger("engine.entrypoints.openai.access")
+
+PROTECTED_PREFIXES = ("/v1/", "/tokenize", "/detokenize")
+
+
+class RequestContextMiddleware:
+    """X-Request-Id (echoed or generated), the API key check, and one access-log line per request."""
+
+    def __init__(self, app, api_key: str | None) -> None:
+        self.app = app
+        self.api_key = api_key
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        t0 = time.perf_counter()
+        headers = {k.lower(): v for k, v in scope.get("headers", [])}
+        rid = _clean_request_id(headers.get(b"x-request-id")) or uuid.uuid4().hex
+        scope.setdefault("state", {})["request_id"] = rid
+        status = [0]
+
+        async def send_with_id(message) -> None:
+            if message["type"] == "http.response.start":
+                status[0] = message["status"]
+                message = dict(message)
+                message["headers"] = [*message.get("headers", []), (b"x-request-id", rid.encode())]
+            await send(message)
+
+        path = scope.get("path", "")
+        try:
+            if self.api_key is not None and path.startswith(PROTECTED_PREFIXES) \
+                    and not self._authorized(headers):
+                resp = error_response(401, "invalid or missing API key (send 'Authorization: Bearer <key>')",
+                                      "authentication_error", None, "invalid_api_key")
+                await resp(scope, receive, send_with_id)
+                return
+            await self.app(scope, receive, send_with_id)
+        finally:
+            client = scope.get("client") or ("-", 0)
+            access_logger.info('%s "%s %s" %d %.1fms request_id=%s', client[0], scope.get("method"), path,
+                               status[0] or 499, 1000 * (time.perf_counter() - t0), rid)
+
+    def _authorized(self, headers: dict[bytes, bytes]) -> bool:
+        auth = headers.get(b"authorization", b"").decode("latin-1")
+        token = auth[7:].strip() if auth[:7].lower() == "bearer " else headers.get(b"x-api-key", b"").decode(
+            "latin-1")
+        return secrets.compare_digest(token.encode("latin-1"), self.api_key.encode("utf-8"))
+
+
+def _clean_request_id(raw: bytes | None) -> str | None:
+    if not raw:
+        return None
+    text = raw.decode("latin-1")[:128]
+    return text if text.isprintable() and text.isascii() and text.strip() else None
+
+
+class GateMiddleware:
+    """While the server drains for shutdown, API requests get a 503 at once. A body larger than
+    max_request_body_mb gets a 413: at once when Content-Length says so, else as soon as the
+    bytes received pass the limit (the body is never buffered whole, never parsed)."""
+
+    def __init__(self, app, state) -> None:
+        self.app = app
+        self.state = state
+        self.limit = int(state.settings.max_request_body_mb * (1 << 20))
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        if self.state.draining and scope.get("path", "").startswith(PROTECTED_PREFIXES):
+            await error_response(503, "the server is shutting down", "service_unavailable", None,
+                                 "shutting_down")(scope, receive, send)
+            return
+        length = dict(scope.get("headers", [])).get(b"content-length")
+        if length is not None and length.isdigit() and int(length) > self.limit:
+            await self._discard(receive, int(length) > 8 * self.limit)
+            await self._too_large()(scope, receive, send)
+            return
+        received = 0
+
+        async def counted_receive():
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > self.limit:
+                    if message.get("more_body", False):
+                        await self._discard(receive, False)
+                    raise HTTPException(413, self._message())
+            return message
+
+        await self.app(scope, counted_receive, send)
+
+    async def _discard(self, receive, skip: bool) -> None:
+        """Read and drop the rest of the body (up to 8x the limit), so that the client, still
+        sending, reads the 413 instead of a reset connection."""
+        if skip:
+            return
+        dropped = 0
+        while dropped <= 8 * self.limit:
+            message = await receive()
+            if message["type"] != "http.request":
+                return
+            dropped += len(message.get("body", b""))
+            if not message.get("more_body", False):
+                return
+
+    def _message(self) -> str:
+        return (f"the request body is larger than max_request_body_mb={self.state.settings.max_request_body_mb:g} "
+                "MB")
+
+    def _too_large(self):
+        return error_response(413, self._message(), "invalid_request_error", None, "request_too_large")

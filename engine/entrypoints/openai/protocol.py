@@ -1,0 +1,362 @@
+"""The OpenAI-compatible request models (pydantic) and their mapping to SamplingParams.
+
+Unknown fields are kept (extra="allow") so the handler can log and ignore them. Ranges
+that the engine checks itself (temperature >= 0, n >= 1, ...) are left to
+SamplingParams.validate so there is one rule and one message for each; the models only
+pin types, and bounds that keep values sane before they reach the engine.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from engine.core.request import InvalidRequestError, SamplingParams, StructuredOutputsParams
+from engine.entrypoints.openai.tool_calls import ToolMode, arguments_for_template, resolve_tool_mode
+
+_INT64 = 2 ** 63 - 1
+
+
+class _Lenient(BaseModel):
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
+
+    def unknown_fields(self) -> list[str]:
+        return sorted((self.model_extra or {}).keys())
+
+
+class StreamOptions(_Lenient):
+    include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM: usage so far in every chunk
+
+
+class JSONSchemaFormat(_Lenient):
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Lenient):
+    """OpenAI's response_format: "text", "json_object" (any JSON object) or "json_schema"."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaFormat | None = None
+
+
+class _SamplingFields(_Lenient):
+    model: str | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    n: int = Field(1, le=_INT64, ge=-_INT64)
+    stop: str | list[str] | None = None
+    seed: int | None = Field(None, le=_INT64, ge=-_INT64)
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    logit_bias: dict[str, float] | None = None
+    # Extensions (vLLM users rely on these).
+    top_k: int | None = Field(None, le=_INT64, ge=-_INT64)
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    min_tokens: int = Field(0, le=_INT64, ge=-_INT64)
+    ignore_eos: bool = False
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    priority: int = Field(0, le=_INT64, ge=-_INT64)
+    prompt_logprobs: int | None = Field(None, le=_INT64, ge=-_INT64)
+    allowed_token_ids: list[int] | None = None
+    truncate_prompt_tokens: int | None = Field(None, le=_INT64, ge=-_INT64)  # vLLM: keep the last N prompt tokens
+    use_beam_search: bool = False  # vLLM: n beams instead of n samples (engine/runtime/beam_search.py)
+    length_penalty: float = 1.0
+    # Structured outputs: OpenAI's response_format, vLLM's structured_outputs object and its
+    # older guided_* fields. At most one of them per request.
+    response_format: ResponseFormat | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+
+    def structured_output_params(self) -> StructuredOutputsParams | None:
+        found = self.structured_output_field()
+        return found[1] if found else None
+
+    def structured_output_field(self) -> tuple[str, StructuredOutputsParams] | None:
+        """(the request field that holds it, the constraint), or None."""
+        given: list[tuple[str, dict[str, Any]]] = []
+        rf = self.response_format
+        if rf is not None and rf.type == "json_object":
+            given.append(("response_format", {"json_object": True}))
+        elif rf is not None and rf.type == "json_schema":
+            if rf.json_schema is None or rf.json_schema.schema_ is None:
+                raise InvalidRequestError("response_format: type json_schema needs json_schema.schema",
+                                          "response_format")
+            given.append(("response_format", {"json": rf.json_schema.schema_}))
+        if self.structured_outputs is not None:
+            given.append(("structured_outputs", dict(self.structured_outputs)))
+        for name in ("json", "regex", "choice", "grammar"):
+            value = getattr(self, f"guided_{name}")
+            if value is not None:
+                given.append((f"guided_{name}", {name: value}))
+        if not given:
+            return None
+        if len(given) > 1:
+            raise InvalidRequestError("give one structured-output constraint, not several: "
+                                      + ", ".join(name for name, _ in given), given[1][0])
+        name, fields = given[0]
+        try:
+            return name, StructuredOutputsParams(**fields)
+        except TypeError as exc:  # an unknown key in structured_outputs
+            raise InvalidRequestError(f"{name}: {exc}", name) from exc
+        except InvalidRequestError as exc:
+            raise InvalidRequestError(str(exc), name) from exc
+
+    def _params(self, max_tokens: int | None, logprobs: int | None,
+                prompt_logprobs: int | None = None) -> SamplingParams:
+        return SamplingParams(
+            n=self.n,
+            temperature=1.0 if self.temperature is None else self.temperature,
+            top_p=1.0 if self.top_p is None else self.top_p,
+            top_k=-1 if self.top_k in (None, 0) else self.top_k,
+            min_p=self.min_p or 0.0,
+            presence_penalty=self.presence_penalty or 0.0,
+            frequency_penalty=self.frequency_penalty or 0.0,
+            repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
+            seed=self.seed,
+            max_tokens=max_tokens,
+            min_tokens=self.min_tokens,
+            stop=self.stop,
+            stop_token_ids=self.stop_token_ids,
+            include_stop_str_in_output=self.include_stop_str_in_output,
+            ignore_eos=self.ignore_eos,
+            logprobs=logprobs,
+            prompt_logprobs=self.prompt_logprobs if prompt_logprobs is None else prompt_logprobs,
+            logit_bias=self.logit_bias,
+            allowed_token_ids=self.allowed_token_ids,
+            skip_special_tokens=self.skip_special_tokens,
+            structured_outputs=self.structured_output_params(),
+            truncate_prompt_tokens=self.truncate_prompt_tokens,
+        )
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream and self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def continuous_usage(self) -> bool:
+        return self.include_usage and bool(self.stream_options.continuous_usage_stats)
+
+
+def prompt_list(p: str | list) -> list[str | list[int]]:
+    """OpenAI's prompt / input field as a list of prompts (text, or token ids)."""
+    if isinstance(p, str):
+        return [p]
+    if not p:
+        raise InvalidRequestError("the prompt must not be empty", "prompt")
+    if all(isinstance(x, int) for x in p):
+        return [list(p)]  # one prompt of token ids
+    return list(p)
+
+
+class CompletionRequest(_SamplingFields):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = Field(16, le=_INT64, ge=-_INT64)
+    logprobs: int | None = Field(None, le=_INT64, ge=-_INT64)
+    echo: bool = False
+    suffix: str | None = None  # refused: fill-in-the-middle needs a model-specific prompt format
+    best_of: int | None = Field(None, le=_INT64, ge=-_INT64)  # refused unless equal to n (as vLLM V1)
+
+    def prompts(self) -> list[str | list[int]]:
+        return prompt_list(self.prompt)
+
+    @property
+    def prompt_only(self) -> bool:
+        """echo with max_tokens=0: score the prompt, generate nothing (OpenAI's legacy completions)."""
+        return self.echo and self.max_tokens == 0
+
+    def sampling_params(self) -> SamplingParams:
+        if self.suffix:
+            raise InvalidRequestError("suffix is not supported (fill-in-the-middle needs the model's own prompt "
+                                      "format: put it in the prompt)", "suffix")
+        if self.best_of is not None and self.best_of != self.n:
+            raise InvalidRequestError("best_of is not supported (as in vLLM V1); ask for n samples and their "
+                                      "logprobs instead", "best_of")
+        # echo with logprobs: the echoed prompt tokens carry their logprobs too (what
+        # loglikelihood evaluations read).
+        prompt_logprobs = None
+        if self.echo and self.logprobs is not None:
+            prompt_logprobs = max(self.logprobs, self.prompt_logprobs or 0)
+        max_tokens = self.max_tokens
+        if max_tokens == 0:
+            if not self.echo:
+                raise InvalidRequestError("max_tokens must be at least 1 (0 only with echo=true, to score the prompt)",
+                                          "max_tokens")
+            max_tokens = 1  # the engine computes the prompt and samples one token, which is not returned
+        return self._params(max_tokens, self.logprobs, prompt_logprobs)
+
+
+class ContentPart(_Lenient):
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(_Lenient):
+    role: str
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # an assistant turn that called tools
+    tool_call_id: str | None = None  # a tool turn: which call it answers
+
+
+class FunctionDefinition(_Lenient):
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.\-]+$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ChatTool(_Lenient):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class FunctionName(_Lenient):
+    name: str
+
+
+class NamedToolChoice(_Lenient):
+    type: Literal["function"]
+    function: FunctionName
+
+
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
+
+
+class ChatCompletionRequest(_SamplingFields):
+    messages: list[ChatMessage]
+    max_tokens: int | None = Field(None, le=_INT64, ge=-_INT64)
+    max_completion_tokens: int | None = Field(None, le=_INT64, ge=-_INT64)
+    logprobs: bool | None = False
+    top_logprobs: int | None = Field(None, le=_INT64, ge=-_INT64)
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False  # continue the last (assistant) message instead of a new turn
+    chat_template_kwargs: dict[str, Any] | None = None  # extra template variables (e.g. enable_thinking)
+    tools: list[ChatTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = True
+
+    def tool_mode(self, auto_parser: str | None) -> ToolMode:
+        tools = [t.model_dump() for t in self.tools or []]
+        choice = self.tool_choice.model_dump() if isinstance(self.tool_choice, NamedToolChoice) else self.tool_choice
+        mode = resolve_tool_mode(tools, choice, auto_parser)
+        if mode.forced and self.structured_output_field() is not None:
+            raise InvalidRequestError(f"tool_choice {mode.kind!r} constrains the output itself; it cannot be "
+                                      "combined with response_format or another structured-output field",
+                                      "tool_choice")
+        return mode
+
+    def template_tools(self) -> list[dict[str, Any]] | None:
+        """The tools as chat templates take them (OpenAI's shape), or None."""
+        return [t.model_dump(exclude_none=True) for t in self.tools] if self.tools else None
+
+    def conversation(self) -> list[dict[str, Any]]:
+        if not self.messages:
+            raise InvalidRequestError("messages must not be empty", "messages")
+        out = []
+        for i, m in enumerate(self.messages):
+            if m.role not in CHAT_ROLES:
+                raise InvalidRequestError(
+                    f"messages[{i}].role: unknown role {m.role!r} (expected one of {', '.join(CHAT_ROLES)})",
+                    f"messages[{i}].role")
+            if isinstance(m.content, list):
+                texts = []
+                for part in m.content:
+                    if part.type != "text" or part.text is None:
+                        raise InvalidRequestError(
+                            f"messages[{i}].content: only text parts are supported, got {part.type!r}",
+                            f"messages[{i}].content")
+                    texts.append(part.text)
+                content = "".join(texts)
+            else:
+                content = m.content or ""
+            message: dict[str, Any] = {"role": m.role, "content": content}
+            if m.tool_calls:
+                message["tool_calls"] = arguments_for_template(m.tool_calls)
+            if m.tool_call_id is not None:
+                message["tool_call_id"] = m.tool_call_id
+            if m.name is not None:
+                message["name"] = m.name
+            out.append(message)
+        return out
+
+    def sampling_params(self, tool_mode: ToolMode | None = None) -> SamplingParams:
+        """With a forced tool choice, the output is constrained to the call's JSON."""
+        if self.top_logprobs is not None and not self.logprobs:
+            raise InvalidRequestError("top_logprobs requires logprobs=true", "top_logprobs")
+        if self.top_logprobs is not None and not 0 <= self.top_logprobs <= 20:
+            raise InvalidRequestError(f"top_logprobs must be in [0, 20], got {self.top_logprobs}", "top_logprobs")
+        logprobs = (self.top_logprobs or 0) if self.logprobs else None
+        max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+        params = self._params(max_tokens, logprobs)
+        if tool_mode is not None and tool_mode.forced:
+            params.structured_outputs = tool_mode.constraint(self.parallel_tool_calls is not False)
+        return params
+
+
+class EmbeddingRequest(_Lenient):
+    """OpenAI's /v1/embeddings (plus vLLM's priority and normalize)."""
+
+    model: str | None = None
+    input: str | list[str] | list[int] | list[list[int]]
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = Field(None, le=_INT64, ge=-_INT64)
+    user: str | None = None
+    priority: int = Field(0, le=_INT64, ge=-_INT64)
+    normalize: bool = True
+
+    def prompts(self) -> list[str | list[int]]:
+        try:
+            return prompt_list(self.input)
+        except InvalidRequestError as exc:
+            raise InvalidRequestError(str(exc).replace("the prompt", "input"), "input") from exc
+
+
+class LoadLoRAAdapterRequest(_Lenient):
+    lora_name: str = Field(min_length=1)
+    lora_path: str = Field(min_length=1)
+
+
+class UnloadLoRAAdapterRequest(_Lenient):
+    lora_name: str = Field(min_length=1)
+
+
+class TokenizeRequest(_Lenient):
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+
+
+class DetokenizeRequest(_Lenient):
+    model: str | None = None
+    tokens: list[int]
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | int | None = None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorDetail
+
+
+ErrorType = Literal["invalid_request_error", "authentication_error", "not_found_error", "server_error",
+                    "service_unavailable", "timeout"]

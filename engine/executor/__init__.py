@@ -1,0 +1,1 @@
+"""Tensor parallelism: rank 0's executor, the worker processes, and the compact step description broadcast between them."""

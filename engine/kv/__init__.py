@@ -1,5 +1,0 @@
-"""KV cache: the block pool (pure Python bookkeeping) and the KV tensors."""
-
-from engine.kv.block_pool import BlockPool, NoFreeBlocksError
-
-__all__ = ["BlockPool", "NoFreeBlocksError"]

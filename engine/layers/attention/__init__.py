@@ -1,0 +1,5 @@
+"""Attention backends: `torch` (reference, CPU and CUDA) and `cutlass` (kiln's kernels, CUDA).
+
+base.py: the backend protocol and the metadata every backend reads; selector.py: which backend
+serves a model; torch_backend.py and cutlass_backend.py: the two backends.
+"""

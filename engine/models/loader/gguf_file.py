@@ -1,0 +1,198 @@
+"""GGUF files (llama.cpp's single-file checkpoints): config, tokenizer and weights.
+
+The config and the tokenizer (with its chat template) come from the file's metadata through
+transformers' GGUF support, so kiln sees the same config a transformers user would. Tensors are
+read one at a time from the memory-mapped file, renamed from llama.cpp's names to HF's and
+dequantised (engine/layers/quant/gguf_blocks.py) to float32, undoing what llama.cpp's converter did to
+them: the rotary row permutation of Llama-architecture q/k, Gemma's +1 on norm weights.
+"""
+
+from __future__ import annotations
+
+import re
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, BinaryIO, Iterator
+
+import torch
+
+from engine.layers.quant.gguf_blocks import BLOCK_TYPES, dequantize
+
+# llama.cpp tensor name inside a block -> HF name inside model.layers.N
+_LAYER_NAMES = {
+    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+}
+# Gemma 2/3 have four norms per layer; llama.cpp's ffn_norm is then the one before the MLP.
+_SANDWICH_NAMES = {"ffn_norm": "pre_feedforward_layernorm", "post_attention_norm": "post_attention_layernorm",
+                   "post_ffw_norm": "post_feedforward_layernorm"}
+_TOP_NAMES = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
+              "output.weight": "lm_head.weight"}
+_BLOCK = re.compile(r"^blk\.(\d+)\.([a-z0-9_]+)\.(weight|bias)$")
+# Tensors llama.cpp stores that kiln derives itself (rope_freqs: llama3 rope factors, from the config).
+_SKIPPED = ("rope_freqs.weight",)
+
+
+def is_gguf(path: str | Path) -> bool:
+    p = Path(path)
+    return p.suffix.lower() == ".gguf" and p.is_file()
+
+
+def hf_config(path: str | Path) -> dict[str, Any]:
+    """The HF config dict transformers derives from the file's metadata."""
+    from transformers import AutoConfig
+
+    p = Path(path)
+    try:
+        config = AutoConfig.from_pretrained(str(p.parent), gguf_file=p.name)
+    except ValueError as exc:  # e.g. an architecture transformers' GGUF mapping lacks
+        raise ValueError(f"model: cannot read the config of GGUF file {p}: {exc}") from exc
+    raw = config.to_dict()
+    meta, tensors = read_header(p)
+    # transformers ignores some architectures' key_length (Qwen3: its default head_dim 128 instead)
+    key_length = meta.get(f"{meta.get('general.architecture')}.attention.key_length")
+    if key_length:
+        raw["head_dim"] = int(key_length)
+    # Llama 3.x: llama.cpp stores the rope scaling as per-frequency divisors (rope_freqs), not as
+    # config values; transformers drops them, kiln applies them as llama.cpp does.
+    freqs = next((t for t in tensors if t.name == "rope_freqs.weight"), None)
+    if freqs is not None:
+        with open(p, "rb") as f:
+            f.seek(freqs.offset)
+            raw_bytes = torch.frombuffer(bytearray(f.read(freqs.nbytes)), dtype=torch.uint8)
+        factors = dequantize(raw_bytes, freqs.type_id, freqs.shape)
+        raw["rope_scaling"] = {"rope_type": "freq_factors", "factors": factors.tolist()}
+    return raw
+
+
+def load_tokenizer(path: str | Path):
+    """The tokenizer (vocabulary, merges, special tokens, chat template) stored in the file."""
+    from transformers import AutoTokenizer
+
+    p = Path(path)
+    return AutoTokenizer.from_pretrained(str(p.parent), gguf_file=p.name)
+
+
+# GGUF metadata value types: struct format of the scalars; 8 is a string, 9 an array.
+_SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    name: str
+    shape: tuple[int, ...]  # torch order (ggml's dimensions reversed)
+    type_id: int
+    offset: int  # from the file's start
+    nbytes: int
+
+
+class _Cursor:
+    def __init__(self, f: BinaryIO) -> None:
+        self.f = f
+
+    def unpack(self, fmt: str):
+        return struct.unpack(fmt, self.f.read(struct.calcsize(fmt)))[0]
+
+    def string(self) -> str:
+        return self.f.read(self.unpack("<Q")).decode("utf-8", errors="replace")
+
+    def value(self, vtype: int, keep: bool = True) -> Any:
+        if vtype in _SCALARS:
+            return self.unpack(_SCALARS[vtype])
+        if vtype == 8:
+            return self.string()
+        if vtype != 9:
+            raise ValueError(f"gguf: unknown metadata value type {vtype}")
+        item, count = self.unpack("<I"), self.unpack("<Q")
+        if not keep and item in _SCALARS:  # skip without decoding (token scores, types, ...)
+            self.f.seek(count * struct.calcsize(_SCALARS[item]), 1)
+            return None
+        values = [self.value(item, keep) for _ in range(count)]
+        return values if keep else None
+
+
+def read_header(path: str | Path) -> tuple[dict[str, Any], list[TensorInfo]]:
+    """The file's scalar and string metadata (arrays such as the vocabulary are skipped) and where
+    each tensor's bytes are. Reads only the header: the tensors stay on disk."""
+    with open(path, "rb") as f:
+        cur = _Cursor(f)
+        if f.read(4) != b"GGUF":
+            raise ValueError(f"model: {path} is not a GGUF file (bad magic)")
+        version = cur.unpack("<I")
+        if version not in (2, 3):
+            raise ValueError(f"model: GGUF version {version} of {path} is not supported (2 or 3)")
+        n_tensors, n_kv = cur.unpack("<Q"), cur.unpack("<Q")
+        meta: dict[str, Any] = {}
+        for _ in range(n_kv):
+            key = cur.string()
+            vtype = cur.unpack("<I")
+            value = cur.value(vtype, keep=vtype != 9)
+            if vtype != 9:
+                meta[key] = value
+        infos = []
+        for _ in range(n_tensors):
+            name = cur.string()
+            dims = [cur.unpack("<Q") for _ in range(cur.unpack("<I"))]
+            type_id, offset = cur.unpack("<I"), cur.unpack("<Q")
+            infos.append((name, tuple(reversed(dims)), type_id, offset))
+        align = int(meta.get("general.alignment", 32))
+        start = (f.tell() + align - 1) // align * align
+    tensors = []
+    for name, shape, type_id, offset in infos:
+        if type_id not in BLOCK_TYPES:
+            raise ValueError(f"model: GGUF tensor {name} has type {type_id}, which kiln does not read "
+                             f"(it reads {', '.join(n for n, _, _ in BLOCK_TYPES.values())})")
+        _, block, block_bytes = BLOCK_TYPES[type_id]
+        numel = 1
+        for s in shape:
+            numel *= s
+        tensors.append(TensorInfo(name, shape, type_id, start + offset, numel // block * block_bytes))
+    return meta, tensors
+
+
+def hf_name(gguf_name: str, sandwich: bool) -> str | None:
+    """The HF name of a GGUF tensor (None: one kiln derives itself)."""
+    if gguf_name in _TOP_NAMES:
+        return _TOP_NAMES[gguf_name]
+    if gguf_name in _SKIPPED:
+        return None
+    m = _BLOCK.match(gguf_name)
+    part = m and ((_SANDWICH_NAMES.get(m.group(2)) if sandwich else None) or _LAYER_NAMES.get(m.group(2)))
+    if not part:
+        raise ValueError(f"model: GGUF tensor {gguf_name!r} has no place in kiln's models "
+                         "(mixture-of-experts GGUF files are not supported)")
+    return f"model.layers.{m.group(1)}.{part}.{m.group(3)}"
+
+
+def unpermute_rows(w: torch.Tensor, n_head: int) -> torch.Tensor:
+    """Undo llama.cpp's q/k row order (its rotary pairs adjacent dims, HF's pairs the two halves)."""
+    rows = w.shape[0]
+    return w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+
+
+def iter_tensors(path: str | Path, num_heads: int, num_kv_heads: int,
+                 gemma_norms: bool, sandwich: bool, skip: frozenset[str] | set[str] = frozenset()
+                 ) -> Iterator[tuple[str, torch.Tensor]]:
+    """(HF name, float32 tensor) for each weight, one at a time (peak memory: one tensor).
+    gemma_norms: norm weights are stored as 1 + w (Gemma); sandwich: Gemma 2/3's four norms;
+    skip: GGUF tensor names loaded elsewhere (kept quantised: engine/models/loader/gguf_quant.py)."""
+    meta, tensors = read_header(path)
+    permuted = meta.get("general.architecture") == "llama"  # (Mistral GGUFs are written as llama too)
+    with open(path, "rb") as f:
+        for t in tensors:
+            name = hf_name(t.name, sandwich)
+            if name is None or t.name in skip:
+                continue
+            f.seek(t.offset)
+            raw = torch.frombuffer(bytearray(f.read(t.nbytes)), dtype=torch.uint8)
+            w = dequantize(raw, t.type_id, t.shape)
+            if permuted and ".self_attn.q_proj." in name:
+                w = unpermute_rows(w, num_heads)
+            elif permuted and ".self_attn.k_proj." in name:
+                w = unpermute_rows(w, num_kv_heads)
+            if gemma_norms and name.endswith("norm.weight"):
+                w = w - 1.0
+            yield name, w

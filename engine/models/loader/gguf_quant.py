@@ -1,0 +1,150 @@
+"""GGUF linear weights kept quantised in memory instead of dequantised at load.
+
+  Q4_0 (w = d * (q - 8)) and Q4_1 (w = d * q + m), blocks of 32 -> torch's packed int4 layout
+      (int4_packed.py: scale d, zero m + 8 d, group 32), multiplied by its int4 kernels;
+  Q8_0 (w = d * q, q signed) -> kiln's int8 layout (int_formats.py: q + 128, zero point 128,
+      scale d, group 32), dequantised on the fly by IntWeightMethod.
+Everything else stays dequantised to the model dtype as before: the K-quants (Q4_K, Q5_K, Q6_K),
+Q5_0/Q5_1, float tensors, the embeddings and the LM head (kiln quantises only the attention and
+MLP projections), a fused projection whose parts have different kinds, and int4 layers the kernels
+cannot take (see int4_packed.unsupported: among them every layer of a float32 model on the CPU,
+kiln's CPU default; with int4_kernel="reference" every Q4_x layer, as
+kiln's unpacked int4 layout has integer zero points and Q4_1's m is not one).
+`gguf_dequantize` turns all of this off (llama.cpp's and vLLM's dequantise-at-load behaviour).
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+from torch import nn
+
+from engine.layers.quant import int4_packed, int_formats
+from engine.layers.quant.config import QuantConfig
+from engine.layers.quant.gguf_blocks import BLOCK_TYPES, QK
+from engine.layers.quant.linear import IntWeightMethod, attach
+from engine.models.loader.gguf_file import hf_name, read_header, unpermute_rows
+from engine.models.loader.safetensors_reader import read_exactly_into
+
+KIND = {"Q4_0": "int4", "Q4_1": "int4", "Q8_0": "int8"}
+INT8 = QuantConfig("int", "gguf", 8, QK)
+
+Target = Callable[[str], "tuple[str, tuple | None] | None"]
+
+
+def prepare(model: nn.Module, path, target: Target, dtype: torch.dtype, device: torch.device,
+            int4_kernel: str = "auto") -> dict[str, tuple[str, slice | None]]:
+    """On the meta-built model: the linear layers whose GGUF tensors are all Q4_x (or all Q8_0)
+    lose their dense weight (so it is never allocated) and get the quantised form. Returns
+    {GGUF tensor name: (kiln layer name, its rows in the layer or None)} of the tensors to load so."""
+    linears = model.quantizable_linears()
+    _, tensors = read_header(path)
+    parts: dict[str, list[tuple[str, str, slice | None]]] = {}
+    for t in tensors:
+        name = hf_name(t.name, model.config.sandwich_norms)
+        hit = target(name) if name and name.endswith(".weight") else None
+        if hit is None or hit[0].removesuffix(".weight") not in linears:
+            continue
+        layer = hit[0].removesuffix(".weight")
+        parts.setdefault(layer, []).append((t.name, BLOCK_TYPES[t.type_id][0], hit[1][0] if hit[1] else None))
+    plan: dict[str, tuple[str, slice | None]] = {}
+    for layer, items in parts.items():
+        module = linears[layer]
+        kinds = {KIND.get(kind) for _, kind, _ in items}
+        if len(kinds) != 1 or None in kinds:
+            continue
+        kind = kinds.pop()
+        if kind == "int4":
+            kernel = int4_packed.kernel_dtype(dtype, int4_kernel)
+            if int4_kernel == "reference" or int4_packed.unsupported(
+                    module.out_features, module.in_features, 4, QK, device, kernel):
+                continue
+            del module.weight
+            module.register_parameter("weight", None)
+            for buf in int4_packed.BUFFERS:  # filled once every part is loaded (load)
+                module.register_buffer(buf, None)
+            module.int4_group = QK
+            module.int4_kernel_dtype = kernel  # (load: the dtype of its scales and zeros)
+            module.quant = int4_packed.PACKED
+        else:
+            attach(module, IntWeightMethod(INT8), "meta")
+        plan.update({gguf: (layer, rows) for gguf, _, rows in items})
+    return plan
+
+
+def _affine_int4(raw: torch.Tensor, kind: str, rows: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Q4_0/Q4_1 bytes -> (q uint8 [rows, K], scale, offset float32 [rows, K / 32]): w = q * scale + offset."""
+    size = BLOCK_TYPES[{"Q4_0": 2, "Q4_1": 3}[kind]][2]
+    b = raw.reshape(rows, -1, size)
+    d = b[..., 0:2].contiguous().view(torch.float16).float().squeeze(-1)
+    if kind == "Q4_0":
+        m, qs = -8 * d, b[..., 2:]
+    else:
+        m, qs = b[..., 2:4].contiguous().view(torch.float16).float().squeeze(-1), b[..., 4:]
+    q = torch.cat([qs & 0x0F, qs >> 4], dim=-1).reshape(rows, -1)  # value j: low nibble of byte j, then high
+    return q, d, m
+
+
+def _int8(raw: torch.Tensor, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q8_0 bytes -> (unsigned q uint8 [rows, K] = q + 128, scale float32 [rows, K / 32])."""
+    b = raw.reshape(rows, -1, 34)
+    d = b[..., 0:2].contiguous().view(torch.float16).float().squeeze(-1)
+    q = (b[..., 2:].contiguous().view(torch.int8).to(torch.int16) + 128).to(torch.uint8).reshape(rows, -1)
+    return q, d
+
+
+@torch.no_grad()
+def load(model: nn.Module, path, plan: dict[str, tuple[str, slice | None]], dtype: torch.dtype,
+         device: torch.device) -> set[str]:
+    """Fill the layers `prepare` made quantised from the file's raw blocks. Returns the GGUF tensor
+    names it consumed (the rest load dequantised as before)."""
+    if not plan:
+        return set()
+
+    linears = model.quantizable_linears()
+    meta, tensors = read_header(path)
+    permuted = meta.get("general.architecture") == "llama"
+    cfg = model.config
+    staged: dict[str, list] = {}
+    with open(path, "rb") as f:
+        for t in tensors:
+            if t.name not in plan:
+                continue
+            layer, rows = plan[t.name]
+            module = linears[layer]
+            f.seek(t.offset)
+            raw = torch.empty(t.nbytes, dtype=torch.uint8)  # (read in place: no bytes object and copy of it)
+            if not read_exactly_into(f, raw):
+                raise ValueError(f"gguf: {path} ends inside tensor {t.name}")
+            kind = BLOCK_TYPES[t.type_id][0]
+            out = t.shape[0]
+            if KIND[kind] == "int4":
+                vals = list(_affine_int4(raw, kind, out))
+            else:
+                vals = list(_int8(raw, out))
+            heads = cfg.num_heads if "attn_q." in t.name else cfg.num_kv_heads if "attn_k." in t.name else 0
+            if permuted and heads:  # llama.cpp's rotary row order, undone on the rows of each part
+                vals = [unpermute_rows(v, heads) for v in vals]
+            start = rows.start if rows is not None else 0
+            if KIND[kind] == "int8":
+                q, d = vals
+                sl = slice(start, start + out)
+                module.qweight[sl] = q.to(module.qweight.device)
+                module.zeros[sl] = 128
+                module.scales[sl] = d.to(module.scales.device)
+                continue
+            staged.setdefault(layer, []).append((start, *vals))
+            if sum(p[1].shape[0] for p in staged[layer]) == module.out_features:
+                _install_int4(module, sorted(staged.pop(layer), key=lambda p: p[0]), dtype, device)
+    if staged:
+        raise ValueError(f"gguf: quantised layers {sorted(staged)[:4]} did not receive all their rows")
+    return set(plan)
+
+
+def _install_int4(module: nn.Module, parts: list, dtype: torch.dtype, device: torch.device) -> None:
+    q = torch.cat([p[1] for p in parts])
+    scale, offset = torch.cat([p[2] for p in parts]), torch.cat([p[3] for p in parts])
+    sz = int4_packed.scales_and_zeros(scale, offset, QK, module.in_features,
+                                      getattr(module, "int4_kernel_dtype", dtype)).to(device)
+    int4_packed.install(module, int4_packed.convert(int_formats.pack_nibbles(q), None, device), sz, None, QK)

@@ -1,0 +1,1 @@
+"""The engine loop and its faces: LLMEngine (schedule -> launch -> process the previous step), the builder that makes it, AsyncEngine (the server's step thread), output processing and detokenising, request streams, beam search and prefix warm-up."""

@@ -1,0 +1,468 @@
+"""AsyncEngine: the step loop behind the server.
+
+One background thread owns the LLMEngine and runs `step()` back to back while there is
+work (model steps are blocking torch calls, so they must not run on the event loop).
+Everything else talks to that thread through a thread-safe inbox (add / abort), which
+the thread drains at the top of every iteration; when idle it sleeps on an event.
+
+Each request gets a `RequestStream` bound to the asyncio loop that created it. The step
+thread hands it the newest cumulative `RequestOutput` with `loop.call_soon_threadsafe`;
+the stream keeps only the newest snapshot, so a slow reader never makes the step loop wait
+and never piles up memory: it reads the coalesced difference (a delta) when it gets to it.
+
+Detokenisation, stop strings and RequestOutput building happen off the step thread: the
+engine runs with `defer_text` (it hands out token-level RequestDeltas) and an output thread
+turns them into RequestOutputs (engine/runtime/output_processor.py TextProcessor), feeds the listener
+and the streams. A stop string found there goes back to the step thread through the inbox
+(`FinishSequence`), which finishes that sequence in the scheduler and frees its blocks.
+
+If the step thread dies, the engine is marked dead and every pending stream fails with
+`EngineDeadError`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import dataclasses
+import logging
+import queue
+import threading
+import time
+import uuid
+from typing import Any, AsyncIterator, Callable
+
+from engine.core.request import InvalidRequestError, LoRARequest, PoolingParams, RequestOutput, SamplingParams
+from engine.runtime.engine_info import EngineInfo, EngineStatus
+from engine.runtime.errors import EngineDeadError, QueueFullError
+from engine.runtime.inbox import AbortRequest, AddRequest, EngineCall, FinishSequence, StepListener, settle_call
+from engine.runtime.llm_engine import LLMEngine
+from engine.runtime.output_processor import TextProcessor
+from engine.runtime.request_stream import LoopMailbox, RequestStream
+
+logger = logging.getLogger(__name__)
+
+# Back-pressure, nothing dropped: the step thread hands each step's outputs to the output thread
+# through a queue of at most this many steps. When the output thread (detokenisation, stop
+# strings, the listener) falls that far behind, the step thread waits for room before it steps
+# again, so a slow consumer slows generation down instead of growing memory without limit. Past
+# the output thread, each event loop gets one delivery callback at a time (LoopMailbox) and each
+# stream merges what its reader has not read yet: a slow reader holds its unread text, not a
+# queue of steps.
+MAX_PENDING_STEPS = 64
+
+
+# After a tensor-parallel worker died, how long the step thread gets to fail on its own.
+WORKER_DEATH_GRACE_S = 2.0
+
+
+class AsyncEngine:
+    """Runs an LLMEngine in a background step thread; see the module docstring."""
+
+    def __init__(self, engine: LLMEngine, listener: StepListener | None = None,
+                 max_waiting_requests: int | None = None, idle_poll_s: float = 1.0,
+                 max_pending_steps: int = MAX_PENDING_STEPS) -> None:
+        self.engine = engine
+        self.listener = listener
+        self.max_waiting_requests = (max_waiting_requests if max_waiting_requests is not None
+                                     else engine.settings.max_waiting_requests)
+        self._idle_poll_s = idle_poll_s
+        self._inbox: collections.deque[AddRequest | AbortRequest] = collections.deque()
+        self._wake = threading.Event()
+        self._streams: dict[str, RequestStream] = {}  # owned by the output thread
+        # step thread -> output thread: ("add", mirror request, stream) | ("out", outputs) | ("die", error);
+        # bounded (MAX_PENDING_STEPS): a full queue makes the step thread wait (_send)
+        if max_pending_steps < 1:
+            raise ValueError(f"max_pending_steps must be at least 1, got {max_pending_steps}")
+        self._outbox: queue.Queue = queue.Queue(maxsize=max_pending_steps)
+        self._mailboxes: dict[asyncio.AbstractEventLoop, LoopMailbox] = {}  # owned by the output thread
+        self.backpressure_waits = 0  # times the step thread waited for the output thread
+        self.backpressure_seconds = 0.0
+        engine.outputs.set_defer_text(True)
+        self._text = TextProcessor(engine.tokenizer, engine.eos_token_ids, engine.max_model_len)
+        self._output_thread: threading.Thread | None = None
+        self._lock = threading.Lock()  # guards _pending_adds and dead-state transitions
+        self._pending_adds = 0
+        self._stop = False
+        self._dead: BaseException | None = None
+        self.crashed = False  # the loop died of an error (not a shutdown)
+        self._thread: threading.Thread | None = None
+        self.info = EngineInfo.of(engine)
+        # Tensor parallelism: a dead worker rank is fatal (the process should exit; serve() does).
+        self.fatal: str | None = None
+        executor = getattr(engine, "executor", None)
+        if executor is not None:
+            executor.on_death(self._worker_died)
+
+    @classmethod
+    def from_settings(cls, settings, **kwargs: Any) -> "AsyncEngine":
+        return cls(LLMEngine(settings), **kwargs)
+
+    # ---- lifecycle ----
+    def start(self) -> "AsyncEngine":
+        if self._thread is None:
+            self._output_thread = threading.Thread(target=self._run_outputs, name="kiln-outputs", daemon=True)
+            self._output_thread.start()
+            self._thread = threading.Thread(target=self._run, name="kiln-step-loop", daemon=True)
+            self._thread.start()
+        return self
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        self._stop = True
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+        if self._output_thread is not None:
+            self._output_thread.join(timeout)
+        executor = getattr(self.engine, "executor", None)
+        if executor is not None:
+            executor.shutdown()
+
+    @property
+    def is_alive(self) -> bool:
+        return (self._dead is None and self.fatal is None and self._thread is not None and self._thread.is_alive()
+                and not self._stop)
+
+    @property
+    def dead_error(self) -> BaseException | None:
+        return self._dead
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
+    # ---- the API side's public face (the server never reaches into LLMEngine) ----
+    @property
+    def grammar_compiler(self):
+        """The engine's StructuredOutputCompiler (thread-safe; its cache is the engine's)."""
+        return self.engine.structured_output
+
+    def lora_adapters(self) -> list[LoRARequest]:
+        """The adapters loaded now (a copy: safe to read from the event loop)."""
+        lora = getattr(self.engine, "lora", None)
+        return list(lora.adapters) if lora is not None else []
+
+    def find_lora(self, name: str) -> LoRARequest | None:
+        return next((a for a in self.lora_adapters() if a.lora_name == name), None)
+
+    async def load_lora(self, name: str, path: str) -> LoRARequest:
+        """Load an adapter between two steps (never under a running step)."""
+        return await self.run_in_engine(lambda e: e.load_lora(name, path))
+
+    async def unload_lora(self, name: str) -> None:
+        await self.run_in_engine(lambda e: e.unload_lora(name))
+
+    def num_waiting(self) -> int:
+        """Requests queued but not yet running (including those still in the inbox)."""
+        return len(self.engine.scheduler.waiting) + self._pending_adds
+
+    # ---- requests ----
+    async def add_request(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None,
+                          priority: int = 0, arrival_time: float | None = None,
+                          lora_request: LoRARequest | None = None,
+                          pooling: PoolingParams | None = None) -> RequestStream:
+        """Queue a request; returns its stream once the step loop accepted it.
+
+        Raises InvalidRequestError (bad parameters, prompt too long), QueueFullError, EngineDeadError.
+        """
+        params.validate()
+        if params.output_kind != "delta":  # streams hand out deltas (RequestStream)
+            params = dataclasses.replace(params, output_kind="delta")
+        self._raise_if_dead()
+        if self.num_waiting() >= self.max_waiting_requests:
+            raise QueueFullError(f"the server is at capacity: {self.num_waiting()} requests waiting "
+                                 f"(max_waiting_requests={self.max_waiting_requests}); retry later")
+        loop = asyncio.get_running_loop()
+        request_id = request_id or uuid.uuid4().hex
+        stream = RequestStream(request_id, loop, on_close=self.abort)
+        with self._lock:
+            self._pending_adds += 1
+        self._inbox.append(AddRequest(prompt, params, request_id, priority,
+                                arrival_time if arrival_time is not None else time.monotonic(), stream,
+                                lora_request, pooling))
+        self._wake.set()
+        if self._dead is not None:  # died between the check and the append: nobody will answer
+            self._fail_inbox()
+        try:
+            await asyncio.shield(stream.accepted)
+        except asyncio.CancelledError:
+            stream.close()
+            raise
+        return stream
+
+    async def generate(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None,
+                       priority: int = 0) -> AsyncIterator[RequestOutput]:
+        """Add a request and yield its deltas; closing the generator early aborts the request."""
+        stream = await self.add_request(prompt, params, request_id, priority)
+        try:
+            async for delta in stream:
+                yield delta
+        finally:
+            stream.close()
+
+    async def run_in_engine(self, fn: Callable[[LLMEngine], Any]) -> Any:
+        """fn(engine) on the step thread between two steps (where changing the engine is safe,
+        e.g. loading a LoRA adapter); returns its result or raises its exception."""
+        self._raise_if_dead()
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+        self._inbox.append(EngineCall(fn, future, loop))
+        self._wake.set()
+        if self._dead is not None:
+            self._fail_inbox()
+        return await future
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request; its blocks are freed at the top of the next step. Thread-safe."""
+        if self._dead is not None:
+            return
+        self._inbox.append(AbortRequest(request_id))
+        self._wake.set()
+
+    def status(self) -> EngineStatus:
+        e = self.engine
+        sched = e.scheduler
+        return EngineStatus(alive=self.is_alive, error=repr(self._dead) if self._dead else None,
+                            num_running=len(sched.running), num_waiting=len(sched.waiting) + self._pending_adds,
+                            num_swapped=len(getattr(sched, "swapped", ()) or ()),
+                            num_blocks_in_use=e.pool.num_in_use, kv_usage=e.pool.usage())
+
+    def _raise_if_dead(self) -> None:
+        if self._dead is not None:
+            raise EngineDeadError(f"the engine loop has stopped: {self._dead!r}")
+        if self._stop:
+            raise EngineDeadError("the engine is shutting down")
+        if self._thread is None:
+            raise EngineDeadError("the engine loop was never started")
+
+    # ---- the step thread ----
+    def _run(self) -> None:
+        engine = self.engine
+        try:
+            while not self._stop:
+                if self.fatal is not None:
+                    raise EngineDeadError(self.fatal)
+                self._wake.clear()
+                outputs = self._drain_inbox()
+                busy = engine.has_unfinished_requests()
+                if busy:
+                    outputs.extend(engine.step())
+                self._send(("out", outputs))  # (also idle: the listener ticks about once a second)
+                if not busy and not self._inbox:
+                    self._wake.wait(self._idle_poll_s)
+        except BaseException as exc:  # noqa: BLE001 - anything that stops the loop kills the engine
+            logger.exception("engine step loop died")
+            self.crashed = True
+            if getattr(engine, "executor", None) is not None and self.fatal is None:
+                # A step that failed part-way leaves the tensor-parallel ranks out of step: fatal.
+                self.fatal = f"the engine loop died with tensor parallelism: {exc!r}"
+            self._die(exc)
+            return
+        self._die(EngineDeadError("the engine was shut down"), log=False)
+
+    def _worker_died(self, reason: str) -> None:
+        """(watchdog thread) A tensor-parallel worker exited: the step thread fails at its next
+        collective or loop turn; should it be stuck, the engine is declared dead from here."""
+        self.fatal = reason
+        self._wake.set()
+
+        def backstop() -> None:
+            if self._dead is None:
+                logger.error("the step loop did not stop after the worker died: failing its requests")
+                self.crashed = True
+                self._die(EngineDeadError(reason))
+
+        timer = threading.Timer(WORKER_DEATH_GRACE_S, backstop)
+        timer.daemon = True
+        timer.start()
+
+    # ---- the output thread ----
+    def _run_outputs(self) -> None:
+        """Deltas -> RequestOutputs (text, stop strings) -> listener and streams, off the step thread."""
+        while True:
+            kind, *args = self._outbox.get()
+            if kind == "add":
+                mirror, stream = args
+                self._text.mirrors[mirror.request_id] = mirror
+                self._streams[mirror.request_id] = stream
+                continue
+            if kind == "die":
+                self._notify_stopped(args[1] if len(args) > 1 else [])
+                self._fail_streams(args[0])
+                return
+            outputs: list[RequestOutput] = []
+            for item in args[0]:
+                try:
+                    if isinstance(item, RequestOutput):  # (embeddings: built on the step thread, no text)
+                        out = item
+                        if out.finished:
+                            self._text.forget(out.request_id)
+                    else:
+                        out = self._apply(item)
+                except Exception as exc:  # noqa: BLE001 - e.g. the tokenizer fails on this output: fail only it
+                    logger.exception("request %s: building its output failed", item.request_id)
+                    out = self._text.fail(item.request_id,
+                                          f"processing the output failed: {type(exc).__name__}: {exc}")
+                    self._inbox.append(AbortRequest(item.request_id))
+                    self._wake.set()
+                if out is not None:
+                    outputs.append(out)
+            if self.listener is not None:
+                try:
+                    self.listener.on_step(self.engine, outputs, time.monotonic())
+                except Exception:  # noqa: BLE001 - metrics must not stop the outputs
+                    logger.exception("step listener failed")
+            try:
+                self._dispatch(outputs)
+            except Exception:  # noqa: BLE001 - this thread must keep serving the other streams
+                logger.exception("handing out outputs failed")
+
+    def _apply(self, delta) -> RequestOutput | None:
+        out, finished = self._text.apply(delta)
+        for request_id, index, stop in finished:
+            self._inbox.append(FinishSequence(request_id, index, stop))
+            self._wake.set()
+        return out
+
+    def _fail_streams(self, err: BaseException) -> None:
+        for stream in list(self._streams.values()):
+            self._post(stream, stream._fail, err)
+        self._streams.clear()
+
+    def _drain_inbox(self) -> list[RequestOutput]:
+        """Apply queued adds and aborts; returns the final outputs of aborted requests."""
+        engine = self.engine
+        aborted: list[RequestOutput] = []
+        while self._inbox:
+            item = self._inbox.popleft()
+            if isinstance(item, EngineCall):
+                try:
+                    result, error = item.fn(engine), None
+                except Exception as exc:  # noqa: BLE001 - handed to the caller
+                    result, error = None, exc
+                settle_call(item, result, error)
+                continue
+            if isinstance(item, AbortRequest):
+                out = engine.abort_request(item.request_id)
+                if out is not None:
+                    aborted.append(out)
+                continue
+            if isinstance(item, FinishSequence):
+                engine.finish_seq_early(item.request_id, item.index, item.stop)
+                continue
+            with self._lock:
+                self._pending_adds -= 1
+            stream = item.stream
+            if stream.closed:  # the reader gave up before we got here
+                self._post(stream, stream._accept, EngineDeadError("request cancelled"))
+                continue
+            try:
+                request = engine.add_request(item.prompt, item.params, item.request_id, item.priority,
+                                             item.lora_request, item.pooling)
+            except InvalidRequestError as exc:
+                self._post(stream, stream._accept, exc)
+                continue
+            except Exception as exc:  # noqa: BLE001 - one bad request must not stop the loop
+                logger.exception("add_request failed for %s", item.request_id)
+                self._post(stream, stream._accept, InvalidRequestError(f"could not add the request: {exc}"))
+                continue
+            request.arrival_time = min(request.arrival_time, item.arrival_time)
+            self._send(("add", TextProcessor.mirror_of(request), stream))
+            self._post(stream, stream._accept, None)
+        return aborted
+
+    def _dispatch(self, outputs: list[RequestOutput]) -> None:
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[RequestStream, RequestOutput]]] = {}
+        for out in outputs:
+            stream = self._streams.get(out.request_id)
+            if stream is None:
+                continue
+            if out.finished:
+                del self._streams[out.request_id]
+            by_loop.setdefault(stream.loop, []).append((stream, out))
+        for loop, items in by_loop.items():
+            mailbox = self._mailboxes.get(loop)
+            if mailbox is None:
+                mailbox = self._mailboxes[loop] = LoopMailbox(loop)
+            lost = mailbox.post(items)
+            if lost:  # that loop is closed: its readers are gone
+                del self._mailboxes[loop]
+                for stream in lost:
+                    self._inbox.append(AbortRequest(stream.request_id))
+                self._wake.set()
+
+    @staticmethod
+    def _post(stream: RequestStream, fn: Callable, arg: Any) -> None:
+        try:
+            stream.loop.call_soon_threadsafe(fn, arg)
+        except RuntimeError:
+            pass  # loop closed
+
+    def _die(self, exc: BaseException, log: bool = True) -> None:
+        with self._lock:
+            if self._dead is None:
+                self._dead = exc if isinstance(exc, EngineDeadError) else EngineDeadError(
+                    f"the engine loop died: {exc!r}")
+        err = self._dead
+        failed: list[RequestOutput] = []
+        try:  # release every request's blocks so the pool's accounting stays whole
+            fail_all = getattr(self.engine, "fail_all_requests", None)
+            if fail_all is not None:
+                failed = fail_all(str(err)) or []
+        except Exception:  # noqa: BLE001 - the engine is already broken; streams must still fail
+            logger.exception("could not fail the engine's requests cleanly")
+        # The output thread gives the listener its last word, then fails the streams it holds.
+        try:
+            self._send(("die", err, failed))
+        except RuntimeError:  # (the output thread is gone: no stream can be reached any more)
+            logger.error("the output thread is gone; its streams cannot be failed")
+        self._fail_inbox()
+
+    def _send(self, item: tuple) -> None:
+        """Hand an item to the output thread, waiting while its queue is full (back-pressure)."""
+        try:
+            self._outbox.put_nowait(item)
+            return
+        except queue.Full:
+            pass
+        t0 = time.monotonic()
+        while True:
+            try:
+                self._outbox.put(item, timeout=0.1)
+                break
+            except queue.Full:
+                if self._output_thread is None or not self._output_thread.is_alive():
+                    raise RuntimeError("the output thread is gone: outputs cannot be handed out") from None
+        self.backpressure_waits += 1
+        self.backpressure_seconds += time.monotonic() - t0
+
+    def _notify_stopped(self, failed: list[RequestOutput]) -> None:
+        """Last word to the listener: the failed requests, and that nothing runs any more (the
+        metrics' gauges go to zero even when the engine is too broken to report)."""
+        if self.listener is None:
+            return
+        try:
+            self.listener.on_step(self.engine, failed, time.monotonic())
+        except Exception:  # noqa: BLE001 - a broken engine may not report; the gauges still reset
+            logger.debug("listener could not read the stopped engine", exc_info=True)
+        stopped = getattr(self.listener, "on_engine_stopped", None)
+        if stopped is not None:
+            stopped()
+
+    def _fail_inbox(self) -> None:
+        err = self._dead
+        while True:
+            try:
+                item = self._inbox.popleft()
+            except IndexError:
+                break
+            if isinstance(item, AddRequest):
+                with self._lock:
+                    self._pending_adds -= 1
+                self._post(item.stream, item.stream._fail, err)
+            elif isinstance(item, EngineCall):
+                settle_call(item, None, err)

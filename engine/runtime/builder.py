@@ -1,0 +1,378 @@
+"""EngineBuilder: everything an LLMEngine is made of, built and sized once at start-up.
+
+Model directory, config, device and dtype; tokenizer and stop ids; weights; attention
+backend; the KV cache sized from memory (a profile forward on a GPU); block pool, swap space,
+speculative proposer, scheduler, sampler and runner; then compilation and CUDA-graph capture.
+Each phase is logged with the time it took, so a cold start says what it is doing.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+
+import torch
+
+from engine.config.generation_config import load_generation_defaults
+from engine.config.settings import EngineSettings, export_compile_cache_dir
+from engine.core.kv import kv_sizing
+from engine.core.kv.block_pool import BlockPool
+from engine.core.kv.swap_space import SwapSpace
+from engine.core.sched.scheduler import Scheduler, SchedulerConfig
+from engine.core.sched.spec_decode import NgramProposer, SpecDecodeConfig
+from engine.layers.attention.base import BackendSpec
+from engine.layers.attention.selector import get_attention_backend
+from engine.layers.kv_cache import KVCache, KVScales, resolve_kv_cache_dtype
+from engine.layers.kv_scales import read_kv_scales
+from engine.layers.quant.w4a16 import install as install_w4a16
+from engine.layers.quant.w4a16 import loader_int4_kernel, resolve_int4_kernel
+from engine.lora.adapters import make_lora_manager
+from engine.models.config import ModelConfig
+from engine.models.loader.gguf_file import is_gguf
+from engine.models.loader.model_loader import load_model, load_tokenizer
+from engine.structured_output.grammars import StructuredOutputCompiler
+from engine.worker.cpu_threads import apply_cpu_threads
+from engine.worker.model_runner import ModelRunner
+from engine.worker.sample.sampler import Sampler
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+# What an LLMEngine takes over from its builder (attribute names kept from before the split).
+PARTS = ("settings", "model_dir", "model_config", "device", "dtype", "max_model_len", "tokenizer",
+         "eos_token_ids", "generation_defaults", "structured_output", "model", "lora", "backend", "kv_cache", "pool",
+         "swap_space", "block_swapper", "scheduler", "sampler", "runner", "compile_seconds",
+         "capture_seconds", "async_scheduling", "cpu_threads", "executor")
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device='cuda' but no CUDA GPU is available")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, model_config: ModelConfig, device: torch.device) -> torch.dtype:
+    if name != "auto":
+        return _DTYPES[name]
+    if device.type == "cpu":
+        return torch.float32
+    native = model_config.torch_dtype
+    if native in ("bfloat16", "float16"):
+        return _DTYPES[native]
+    return torch.bfloat16
+
+
+def resolve_model_dir(settings: EngineSettings) -> Path:
+    if settings.model is None:
+        from engine.models.tiny_model import default_model_dir
+
+        return default_model_dir(settings.cache_dir)
+    path = Path(settings.model).expanduser()
+    if not path.is_dir() and not is_gguf(path):
+        raise ValueError(f"model: {settings.model!r} is neither a directory nor a .gguf file (kiln loads HF "
+                         "checkpoint directories and GGUF files from disk; no model hub is used)")
+    return path
+
+
+class _Phase:
+    """Log a start-up phase when it starts and how long it took when it ends."""
+
+    def __init__(self, what: str) -> None:
+        self.what = what
+
+    def __enter__(self) -> "_Phase":
+        logger.info("%s ...", self.what)
+        self.t0 = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.seconds = time.perf_counter() - self.t0
+        if exc[0] is None:
+            logger.info("%s: done in %.1fs", self.what, self.seconds)
+
+
+class EngineBuilder:
+    """Builds every part of an engine from settings (see PARTS); `build()` runs the phases."""
+
+    def __init__(self, settings: EngineSettings) -> None:
+        self.settings = settings
+
+    def build(self) -> "EngineBuilder":
+        try:
+            return self._build()
+        except BaseException:
+            if getattr(self, "executor", None) is not None:  # no worker outlives a failed start
+                self.executor.shutdown()
+            raise
+
+    def _build(self) -> "EngineBuilder":
+        settings = self.settings
+        self.model_dir = resolve_model_dir(settings)
+        self.model_config = cfg = ModelConfig.from_dir(self.model_dir)
+        self.device = resolve_device(settings.device)
+        self.cpu_threads = apply_cpu_threads(self._cpu_threads(), settings.cpu_bind)
+        self.dtype = resolve_dtype(settings.dtype, self.model_config, self.device)
+        self.kv_dtype = resolve_kv_cache_dtype(settings.kv_cache_dtype, self.dtype)
+        self.max_model_len = self._resolve_max_model_len()
+        self.async_scheduling = settings.resolved_async_scheduling(self.device.type)
+        self._load_tokenizer()
+        torch.manual_seed(settings.seed)
+        if settings.enable_lora and cfg.is_moe:
+            raise ValueError("enable_lora: LoRA adapters are not supported for mixture-of-experts models")
+        self.executor = None  # tensor parallelism: the workers (engine/executor/tp_executor.py)
+        if settings.tensor_parallel_size > 1:
+            from engine.executor.tp_executor import TensorParallelExecutor
+
+            self.executor = TensorParallelExecutor.start(settings, self.model_dir, self.device, self.dtype,
+                                                         self.max_model_len)
+        int4_kernel = resolve_int4_kernel(settings.int4_kernel, self.device, settings.resolved_kernel_cache_dir())
+        with _Phase(f"loading weights of {self.model_dir} ({cfg.model_type}, "
+                    f"{str(self.dtype).removeprefix('torch.')}) onto {self.device}"):
+            self.model = load_model(self.model_dir, cfg, self.dtype, self.device, self.max_model_len,
+                                    settings.load_format, settings.seed,
+                                    lora=(settings.max_loras, settings.max_lora_rank) if settings.enable_lora
+                                    else None, quantization=settings.quantization,
+                                    int4_kernel=loader_int4_kernel(int4_kernel),
+                                    gguf_dequantize=settings.gguf_dequantize, tp=self._model_tp())
+            if int4_kernel == "kiln":  # int4 layers -> kiln's W4A16 GEMM layout
+                install_w4a16(self.model, settings.resolved_kernel_cache_dir(), self.device, self.dtype)
+        self.lora = make_lora_manager(self.model, settings)
+        self.backend = get_attention_backend(settings.attention_backend, BackendSpec(
+            device=self.device, dtype=self.dtype, head_dim=cfg.head_dim,
+            block_size=settings.block_size, kernel_cache_dir=settings.resolved_kernel_cache_dir(),
+            compile=not settings.enforce_eager, decode_kernel=settings.decode_kernel,
+            prefill_kernel=settings.prefill_kernel,
+            windowed_or_capped=any(self.model_config.layer_windows) or self.model_config.attn_softcap > 0,
+            kv_cache_dtype=self.kv_dtype if self.kv_dtype != self.dtype else None))
+        self.model.set_backend(self.backend)
+        if self.executor is not None:
+            self.model = self.executor.wrap_model(self.model)
+        with _Phase("sizing the KV cache" + (" (profiling a forward)" if self.device.type == "cuda" else "")):
+            self.num_blocks = self._num_kv_blocks()
+        self.kv_cache = KVCache(cfg.num_layers, self.num_blocks, settings.block_size, self._kv_heads(),
+                                cfg.head_dim, self.kv_dtype, self.device, model_dtype=self.dtype)
+        self._set_kv_scales()
+        self.pool = BlockPool(self.num_blocks, settings.block_size, settings.enable_prefix_caching)
+        max_tokens_per_seq = self.pool.num_usable * settings.block_size
+        if self.max_model_len > max_tokens_per_seq:
+            raise ValueError(
+                f"max_model_len ({self.max_model_len}) is larger than the KV cache can hold "
+                f"({max_tokens_per_seq} tokens in {self.pool.num_usable} blocks of {settings.block_size}); "
+                "lower max_model_len or give the cache more memory (num_gpu_blocks, "
+                "gpu_memory_utilization, kv_cache_memory_gb)")
+        self.scheduler = Scheduler(SchedulerConfig(
+            max_num_seqs=settings.max_num_seqs,
+            max_num_batched_tokens=self._token_budget(),
+            max_model_len=self.max_model_len,
+            block_size=settings.block_size,
+            enable_chunked_prefill=settings.enable_chunked_prefill,
+            preemption_mode=settings.preemption_mode,
+            reserved_blocks_fraction=settings.reserved_blocks_fraction,
+            reserved_priority=settings.reserved_priority,
+        ), self.pool, self._make_swap_space(), self._make_proposer())
+        self.sampler = Sampler(self.device, self.eos_token_ids, settings.seed)
+        runner_cls = ModelRunner
+        if self.executor is not None:
+            from engine.executor.tp_executor import TensorParallelRunner
+
+            runner_cls = TensorParallelRunner
+            self.executor.send_layout(self.num_blocks, self.swap_space.num_blocks if self.swap_space else 0)
+            self.block_swapper = self.executor.wrap_swapper(self.block_swapper)
+        self.runner = runner_cls(self.model, self.kv_cache, self.sampler, self.device, settings.block_size,
+                                 settings.max_num_seqs, self._token_budget(), self.max_model_len)
+        self.runner.executor = self.executor
+        self.compile_seconds, self.capture_seconds = self._compile_and_capture()
+        return self
+
+    def _load_tokenizer(self) -> None:
+        settings = self.settings
+        self.tokenizer = load_tokenizer(settings.tokenizer or self.model_dir)
+        template = settings.resolved_chat_template()
+        if template is not None:
+            self.tokenizer.chat_template = template
+        eos = set(self.model_config.eos_token_ids)
+        self.generation_defaults = load_generation_defaults(self.model_dir, settings.generation_config)
+        eos.update(self.generation_defaults.eos_token_ids)  # stop tokens listed only in generation_config
+        if self.tokenizer.eos_token_id is not None:
+            eos.add(self.tokenizer.eos_token_id)
+        self.eos_token_ids = tuple(sorted(eos))
+        self.structured_output = StructuredOutputCompiler(self.tokenizer, self.model_config.vocab_size,
+                                                          self.eos_token_ids)
+
+    def _compile_and_capture(self) -> tuple[float, float]:
+        """torch.compile the forward (persistent Inductor cache) and, on a GPU, capture the decode
+        CUDA graphs. Off with enforce_eager. Returns (compile seconds, capture seconds)."""
+        s = self.settings
+        if self.device.type == "cpu" and hasattr(self.model, "warm_cpu_linear"):  # oneDNN's shapes, built now
+            self.model.warm_cpu_linear(s.max_num_batched_tokens, s.max_num_seqs)
+        if s.enforce_eager:
+            return 0.0, 0.0
+        if self.executor is not None and self.device.type == "cuda":
+            # Rank 0's compiled forward would have to hold the step broadcast (a graph break).
+            logger.warning("tensor_parallel_size %d: the forward runs eagerly on every rank (no torch.compile, "
+                           "no CUDA graphs across ranks yet)", s.tensor_parallel_size)
+            return 0.0, 0.0
+        if self.device.type == "cpu":  # what pays on the CPU: engine/worker/cpu_warmup.py
+            from engine.worker.cpu_warmup import warm_cpu_decode
+
+            if hasattr(self.model, "use_cpu_fused_ops"):  # fused norms / RoPE / SiLU (compiler/cpu_fused.py)
+                self.model.use_cpu_fused_ops(s.resolved_compile_cache_dir())
+            seconds = warm_cpu_decode(self.model, self.kv_cache.tensor, s.resolved_compile_cache_dir())
+            if not s.cpu_compile_forward:
+                logger.info("CPU: eager forward, C++ paged attention built ahead of time; warm-up %.1fs", seconds)
+                return seconds, 0.0
+        from compiler.capture import compile_count, configure_compile_cache
+
+        cache = configure_compile_cache(*export_compile_cache_dir(s.resolved_compile_cache_dir()))
+        graphs_before = compile_count()
+        with _Phase(f"compiling the forward (slow on the first start only; cached in {cache})"):
+            compile_s = self.runner.compile_model()
+        logger.info("compiled %d graphs", compile_count() - graphs_before)
+        capture_s = 0.0
+        if self.device.type == "cuda":
+            # The CUTLASS kernels read lengths on the device (one graph per bucket); the reference
+            # op, which windowed models use on every backend, pads to the graph's context.
+            cfg = self.model_config
+            reads_lengths = self.backend.name == "cutlass" and not cfg.sliding_window and not cfg.attn_softcap
+            sizes = s.capture_sizes()
+            with _Phase(f"capturing {len(sizes)} decode CUDA graphs (batch sizes {sizes[0]}..{sizes[-1]})"
+                        if sizes else "capturing no decode CUDA graphs"):
+                capture_s = self.runner.capture_graphs(sizes, device_reads_lengths=reads_lengths)
+        return compile_s, capture_s
+
+    def _set_kv_scales(self) -> None:
+        """An fp8 cache's K/V scales: calibrated on the first prompt (calculate_kv_scales), else the
+        checkpoint's k_scale / v_scale, else 1.0; handed to the attention backend."""
+        s, cache = self.settings, self.kv_cache
+        if cache.scales is None:
+            if s.calculate_kv_scales:
+                logger.warning("calculate_kv_scales applies to an fp8 KV cache only (kv_cache_dtype=fp8): ignored")
+            return
+        from engine.models.loader.model_loader import safetensors_files
+
+        found = None
+        if self.model_dir.is_dir() and s.load_format != "dummy" and any(self.model_dir.glob("*.safetensors")):
+            found = read_kv_scales(safetensors_files(self.model_dir), self.model_config.num_layers)
+        if found is not None:
+            cache.set_scales(found)
+        source = ("calibrated on the first prompt (calculate_kv_scales)" if s.calculate_kv_scales
+                  else "from the checkpoint" if found is not None else "1.0 (the checkpoint has none)")
+        logger.info("KV cache: fp8 e4m3, %d blocks, K/V scales %s", self.num_blocks, source)
+        self.backend.use_kv_scales(KVScales(cache.scales, calibrate=s.calculate_kv_scales))
+
+    def _make_proposer(self) -> NgramProposer | None:
+        s = self.settings
+        if s.speculative_method is None:
+            return None
+        logger.info("speculative decoding: %s, up to %d draft tokens (lookup %d..%d tokens)", s.speculative_method,
+                    s.num_speculative_tokens, s.prompt_lookup_min, s.prompt_lookup_max)
+        return NgramProposer(SpecDecodeConfig(s.num_speculative_tokens, s.prompt_lookup_max, s.prompt_lookup_min))
+
+    def _make_swap_space(self) -> SwapSpace | None:
+        """The CPU block pool for preemption by swap (none in recompute mode or with no swap space)."""
+        s = self.settings
+        self.swap_space: SwapSpace | None = None
+        self.block_swapper = None
+        if s.preemption_mode == "recompute" or s.swap_space_gb <= 0:
+            return None
+        cfg = self.model_config
+        per_block = KVCache.bytes_per_block(cfg.num_layers, s.block_size, self._kv_heads(), cfg.head_dim,
+                                            self.kv_dtype)
+        num_cpu = int(s.swap_space_gb * (1 << 30) // per_block)
+        if num_cpu < 1:
+            logger.warning("swap_space_gb=%s holds no KV block of %d bytes: preempting by recompute only",
+                           s.swap_space_gb, per_block)
+            return None
+        from compiler.block_swapper import BlockSwapper
+
+        self.block_swapper = BlockSwapper(self.kv_cache.tensor, num_cpu)
+        self.swap_space = SwapSpace(self.pool, num_cpu, bytes_per_block=per_block)
+        logger.info("swap space: %d CPU blocks (%.2f GiB%s), preemption mode %s", num_cpu,
+                    num_cpu * per_block / (1 << 30), ", pinned" if self.device.type == "cuda" else "",
+                    s.preemption_mode)
+        return self.swap_space
+
+    # ---- tensor parallelism ----
+    def _cpu_threads(self) -> int | None:
+        if self.settings.tensor_parallel_size > 1 and self.device.type == "cpu":
+            from engine.executor.tp_executor import per_rank_cpu_threads
+
+            return per_rank_cpu_threads(self.settings, self.settings.tensor_parallel_size)
+        return self.settings.cpu_threads
+
+    def _model_tp(self):
+        return self.executor.tp if self.executor is not None else None
+
+    def _kv_heads(self) -> int:
+        """KV heads of this rank's cache (all of them without tensor parallelism)."""
+        if self.executor is None:
+            return self.model_config.num_kv_heads
+        from engine.models.sharding import kv_heads_of
+
+        return kv_heads_of(self.model_config, self.executor.tp)
+
+    # ---- start-up sizing ----
+    def _resolve_max_model_len(self) -> int:
+        cfg = self.model_config
+        limit = cfg.max_position_embeddings
+        want = self.settings.max_model_len
+        if want is None:
+            return limit
+        if want > limit:
+            raise ValueError(f"max_model_len ({want}) exceeds the model's limit of {limit} positions")
+        return want
+
+    def _token_budget(self) -> int:
+        s = self.settings
+        if not s.enable_chunked_prefill:
+            return max(s.max_num_batched_tokens, self.max_model_len)
+        return s.max_num_batched_tokens
+
+    def _num_kv_blocks(self) -> int:
+        s = self.settings
+        cfg = self.model_config
+        # The cache's element size: an fp8 cache holds twice the blocks of bf16 (four times fp32's).
+        per_block = KVCache.bytes_per_block(cfg.num_layers, s.block_size, self._kv_heads(), cfg.head_dim,
+                                            self.kv_dtype)
+        if s.num_gpu_blocks is not None:
+            blocks = s.num_gpu_blocks + 1  # plus the null block
+        elif self.device.type == "cpu":
+            blocks = kv_sizing.blocks_from_budget(s.kv_cache_memory_gb * kv_sizing.GIB, per_block, "cpu")
+        else:
+            blocks = kv_sizing.blocks_from_budget(self._free_gpu_bytes_after_profile(), per_block, "cuda")
+        # No max_model_len given and the full context does not fit: serve the largest that does.
+        self.max_model_len = kv_sizing.fit_max_model_len(s.max_model_len, self.max_model_len, blocks, s.block_size,
+                                                         per_block, self.device.type, s.num_gpu_blocks is not None)
+        return blocks
+
+    def _free_gpu_bytes_after_profile(self) -> float:
+        """Memory left for KV under gpu_memory_utilization, after a forward at the largest batch."""
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        n = self._token_budget()
+        cfg = self.model_config
+        dummy = KVCache(cfg.num_layers, 2, self.settings.block_size, self._kv_heads(), cfg.head_dim,
+                        self.kv_dtype, self.device, model_dtype=self.dtype)
+        from engine.layers.attention.base import AttentionMetadata
+
+        ids = torch.zeros(n, dtype=torch.int64, device=self.device)
+        meta = AttentionMetadata(
+            slot_mapping=torch.full((n,), -1, dtype=torch.int64, device=self.device),
+            query_start_loc=torch.arange(n + 1, dtype=torch.int32, device=self.device),
+            seq_lens=torch.zeros(n, dtype=torch.int32, device=self.device),
+            block_tables=torch.zeros(n, 1, dtype=torch.int32, device=self.device),
+            max_query_len=1, max_seq_len=1)
+        with torch.inference_mode():
+            hidden = self.model(ids, ids, dummy.tensor, meta)
+            self.model.compute_logits(hidden[: self.settings.max_num_seqs])
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated()
+        del dummy, hidden
+        torch.cuda.empty_cache()
+        free, total = torch.cuda.mem_get_info()
+        used_by_others = total - free - torch.cuda.memory_reserved()
+        return total * self.settings.gpu_memory_utilization - used_by_others - peak

@@ -1,0 +1,145 @@
+"""CPU thread settings: how many compute threads, where they run, and how they wait.
+
+Three things decide batch-1 CPU speed on a machine shared with other work:
+
+- How idle threads wait. OpenMP's default lets a thread spin for a long while after each
+  parallel region; when another process holds the cores, the spinning threads steal the time
+  the working ones need (measured on this 2-core machine: 339 ms per token with spinning, 69 ms
+  passive). Fully passive waiting, though, costs 20-45% on a quiet machine (every parallel
+  region wakes sleeping threads). kiln's default is a bounded spin: libgomp's
+  GOMP_SPINCOUNT=1000 (a few microseconds, then sleep), which measured faster than passive
+  both with and without a CPU-burning neighbour (BENCHMARKS.md, session 4). The runtime reads
+  these once, when torch loads it, so `prefer_short_spin()` runs from `engine/__init__`, before
+  anything imports torch. A wait policy or spin count the user set is kept.
+- How many threads. The compute threads share the cores with the engine loop, the server and
+  the tokenizer; from four cores up kiln leaves one core to them (vLLM's CPU backend does the
+  same). On one or two cores it uses them all: leaving one of two idle halves the compute, and
+  on a busy shared machine a single compute thread was measured 3-6x slower than two
+  (BENCH_cpu.md; the engine loop is itself one of the compute threads, and with passive
+  waiting an idle thread costs nothing).
+- Where they run. `cpu_bind` pins the process's threads to a list of cores (for a machine
+  reserved to kiln); the default leaves placement to the OS, which can move a thread away from
+  a core another process is busy on (a pinned thread cannot).
+
+`apply_cpu_threads()` is called once at engine start-up and logs what it chose.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from dataclasses import dataclass
+
+from engine.config.values import parse_core_list
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_SPIN_COUNT = "1000"  # GOMP_SPINCOUNT: libgomp is the OpenMP runtime of torch's Linux CPU builds
+# From this many cores up, one is left to the engine loop, the server and the tokenizer.
+RESERVE_FROM_CORES = 4
+# Whether the wait policy was in place before the OpenMP runtime loaded (set by prefer_passive_waiting).
+_WAIT_POLICY_STATE = {"policy": None, "in_time": False}
+
+
+def prefer_short_spin() -> None:
+    """Make idle OpenMP threads spin briefly, then sleep, unless the environment already sets a
+    wait policy or spin count. Effective only before torch is first imported (the runtime reads
+    it at load)."""
+    if _WAIT_POLICY_STATE["policy"] is not None:
+        return
+    from engine.config.settings import export_openmp_spin_default
+
+    in_time = "torch" not in sys.modules  # (too late otherwise: the runtime has read its settings)
+    _WAIT_POLICY_STATE["policy"] = export_openmp_spin_default(DEFAULT_SPIN_COUNT) if in_time else ""
+    _WAIT_POLICY_STATE["in_time"] = in_time
+
+
+def wait_policy() -> str:
+    """The OpenMP wait policy in force, in words, for the start-up log."""
+    policy = _WAIT_POLICY_STATE["policy"]
+    if policy is None or not _WAIT_POLICY_STATE["in_time"]:
+        return "runtime default (torch was imported before kiln; set GOMP_SPINCOUNT=1000 before starting)"
+    return policy.lower() or "runtime default"
+
+
+def available_cores() -> list[int]:
+    """The cores this process may run on (its affinity mask, which containers and taskset narrow)."""
+    if hasattr(os, "sched_getaffinity"):
+        return sorted(os.sched_getaffinity(0))
+    return list(range(os.cpu_count() or 1))
+
+
+@dataclass(frozen=True)
+class ThreadPlan:
+    threads: int
+    cores: list[int] | None  # pinned to these, or None: the OS places threads
+    available: int  # cores the process could use before pinning
+
+    def describe(self) -> str:
+        where = f"pinned to cores {_compact(self.cores)}" if self.cores else "not pinned"
+        return (f"{self.threads} compute thread{'s' if self.threads != 1 else ''} of {self.available} "
+                f"available core{'s' if self.available != 1 else ''}, {where}, OpenMP wait policy {wait_policy()}")
+
+
+def plan_threads(cpu_threads: int | None, cpu_bind: str, available: list[int]) -> ThreadPlan:
+    """Decide the thread count and pinning from the settings (pure: no side effects).
+
+    cpu_threads None: one thread per core the process may use, minus one for the engine loop,
+    server and tokenizer from RESERVE_FROM_CORES cores up. cpu_bind 'auto' and 'none' pin nothing; a core list
+    pins to exactly those cores, which must be ones the process may use, and then the default
+    thread count is one per listed core.
+    """
+    mode = cpu_bind.strip().lower()
+    cores: list[int] | None = None
+    if mode not in ("auto", "none"):
+        cores = parse_core_list(mode)
+        outside = [c for c in cores if c not in available]
+        if outside:
+            raise ValueError(f"cpu_bind: cores {outside} are not available to this process "
+                             f"(available: {_compact(available)})")
+    if cpu_threads is not None:
+        threads = cpu_threads
+    elif cores is not None:
+        threads = len(cores)
+    else:
+        threads = len(available) - 1 if len(available) >= RESERVE_FROM_CORES else max(1, len(available))
+    return ThreadPlan(threads=threads, cores=cores, available=len(available))
+
+
+def apply_cpu_threads(cpu_threads: int | None, cpu_bind: str) -> ThreadPlan:
+    """Plan, then set torch's intra-op thread count and pin every thread of the process (threads
+    started later, such as OpenMP's pool, inherit the mask). Logs the choice."""
+    import torch
+
+    plan = plan_threads(cpu_threads, cpu_bind, available_cores())
+    if plan.cores is not None:
+        _pin_process(plan.cores)
+    if torch.get_num_threads() != plan.threads:
+        torch.set_num_threads(plan.threads)
+    logger.info("CPU threads: %s", plan.describe())
+    return plan
+
+
+def _pin_process(cores: list[int]) -> None:
+    try:
+        tids = [int(t) for t in os.listdir("/proc/self/task")]
+    except OSError:
+        tids = [0]
+    for tid in tids:
+        try:
+            os.sched_setaffinity(tid, cores)
+        except (OSError, ProcessLookupError):  # a thread that has just exited
+            continue
+
+
+def _compact(cores: list[int]) -> str:
+    """[0, 1, 2, 5] -> '0-2,5'."""
+    parts, start = [], None
+    for i, c in enumerate(cores):
+        if start is None:
+            start = c
+        if i + 1 == len(cores) or cores[i + 1] != c + 1:
+            parts.append(str(start) if start == c else f"{start}-{c}")
+            start = None
+    return ",".join(parts)

@@ -1,0 +1,230 @@
+"""ModelRunner: turns a SchedulerOutput into one forward pass and sampled tokens.
+
+The step's inputs are written into persistent buffers (engine/worker/input_buffers.py) by the step
+builder (engine/worker/step_builder.py), so captured CUDA graphs (engine/worker/decode_graphs.py,
+compiler/capture.py) replay over the same storage. The forward gets the attention metadata and
+the forward context (engine/worker/step_features.py: other features' step inputs). After the forward,
+the sampler picks tokens on the device, and each task that reads hidden states (engine/core/request_kinds.py)
+takes what it needs; `PendingStep` gathers both for the host.
+
+Unless `enforce_eager`, the forward is compiled (Inductor) and, on a GPU, decode steps
+replay CUDA graphs: the smallest captured bucket >= the batch, with unused rows padded so they
+write nothing (slot -1) and read nothing (length 0). Prefill/mixed steps and batches above the
+largest bucket run compiled without graphs.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import torch
+
+from compiler.capture import MIN_COMPILED_ROWS, compile_forward, mark_static_dims
+from engine.core.request import SamplingParams
+from engine.core.sched.scheduler_output import SchedulerOutput, sample_row_ranges
+from engine.layers.kv_cache import KVCache
+from engine.worker.decode_graphs import DecodeGraphRunner
+from engine.worker.input_buffers import InputBuffers
+from engine.worker.sample.sampler import Sampler, SampleRow
+from engine.worker.sample.sampler_output import HostCopy, LastSampled, PendingSample, SamplerOutput
+from engine.worker.step_builder import StepBuilder, StepInputs
+from engine.worker.step_features import StepFeatures
+from engine.worker.task_reads import read_task
+
+logger = logging.getLogger(__name__)
+
+
+class ModelRunner:
+    def __init__(self, model: torch.nn.Module, kv_cache: KVCache, sampler: Sampler, device: torch.device,
+                 block_size: int, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int) -> None:
+        self.model = model
+        self.kv_cache = kv_cache
+        self.sampler = sampler
+        self.device = device
+        self.block_size = block_size
+        self.max_model_len = max_model_len
+        self.max_blocks_per_seq = -(-max_model_len // block_size)
+        # Room for the padding rows of compiled steps (>= MIN_COMPILED_ROWS tokens and sequences).
+        max_seqs = max(max_num_seqs, MIN_COMPILED_ROWS + 4) + 1
+        max_tokens = max(max_num_batched_tokens, max_seqs) + MIN_COMPILED_ROWS + 2
+        self.buffers = InputBuffers(max_tokens, max_seqs, self.max_blocks_per_seq, device)
+        self.builder = StepBuilder(self.buffers, StepFeatures.for_model(model, max_tokens, device), block_size)
+        self.forward_fn = model.forward  # replaced by the compiled forward (compiler/capture.py)
+        self.graph_runner: DecodeGraphRunner | None = None  # set when decode CUDA graphs are captured
+
+    @property
+    def compiled(self) -> bool:
+        """forward_fn is torch.compile'd: steps are padded, block tables full width."""
+        return self.builder.compiled
+
+    def prepare(self, sched: SchedulerOutput) -> StepInputs:
+        """Write the step's inputs into the static buffers (and upload them)."""
+        return self.builder.build(sched)
+
+    # ---- compile / capture (start-up) ----
+    @torch.inference_mode()
+    def compile_model(self) -> float:
+        """torch.compile the forward and compile its three graphs now: one token (batch-1 decode,
+        static shapes), decode-shaped (one token per sequence, batch size symbolic) and general.
+
+        Returns seconds. The warm-up steps are all padding (slot -1, length 0): they write only
+        the null block. They are traced without duck sizing, so no coincidence of sizes (tokens,
+        sequences + 1, KV blocks) ties two dimensions to one symbol.
+
+        The KV cache's block count is symbolic (its other dimensions static), so a persistent
+        compile cache is hit again whatever the profiled pool size of the next start.
+        """
+        t0 = time.perf_counter()
+        mark_static_dims([self.kv_cache.tensor], dims=(0, 1, 3, 4, 5))
+        torch._dynamo.mark_dynamic(self.kv_cache.tensor, 2)
+        self.forward_fn = compile_forward(self.model.forward)
+        self.builder.compiled = True
+        # Float constants (norm eps, attention scale) specialised up front: left symbolic, Dynamo
+        # traces each graph twice (it restarts once they are found to be constants).
+        with torch.fx.experimental._config.patch(use_duck_shape=False), \
+                torch._dynamo.config.patch(specialize_float=True):
+            self._compile_warmup_steps()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter() - t0
+
+    def _compile_warmup_steps(self) -> None:
+        buf = self.buffers
+        for num_tokens, num_seqs, max_q in ((1, 1, 1), (3, 3, 1), (5, 2, 4)):
+            self.builder.fill_padding_step(num_seqs, num_tokens)
+            meta = self.builder.compiled_meta(num_tokens, num_seqs, max_q, max_q)
+            self.forward_fn(buf.input_ids[:num_tokens], buf.positions[:num_tokens], self.kv_cache.tensor, meta,
+                            self.builder.features.context(num_tokens))
+
+    def capture_graphs(self, sizes: list[int], device_reads_lengths: bool, simulate: bool = False) -> float:
+        """Capture one decode graph per batch bucket (CUDA only); returns seconds.
+
+        simulate=True (tests on the CPU): no CUDA graphs, each "replay" runs the graph body
+        eagerly over the same static buffers, so bucketing and padding are exercised anyway.
+        """
+        if not self.builder.compiled:
+            raise RuntimeError("capture_graphs needs the compiled forward: call compile_model first")
+        if self.device.type != "cuda" and not simulate:
+            raise RuntimeError("CUDA graphs need device='cuda'")
+        sizes = sorted({s for s in sizes if s >= 1})
+        if not sizes:
+            return 0.0
+        if sizes[-1] > self.buffers.max_seqs - 1:
+            raise ValueError(f"cuda_graph_sizes: {sizes[-1]} is larger than max_num_seqs")
+        self.graph_runner = DecodeGraphRunner(
+            self._decode_graph_body, self.builder.fill_padding_step, sizes, max_model_len=self.max_model_len,
+            device_reads_lengths=device_reads_lengths, hidden_size=self.model.config.hidden_size,
+            dtype=self.kv_cache.model_dtype, device=self.device, simulate=simulate)
+        self.builder.graph_key = self.graph_runner.key_for
+        return self.graph_runner.capture_startup()
+
+    def _decode_graph_body(self, rows: int, max_seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """A decode step of `rows` sequences over the static buffers, as a graph captures it:
+        compiled forward, then logits (final hidden states, logits)."""
+        buf = self.buffers
+        meta = self.builder.compiled_meta(rows, rows, 1, max_seq_len)
+        ctx = self.builder.features.context(rows)  # (static buffers too: the graph reads them in place)
+        hidden = self.forward_fn(buf.input_ids[:rows], buf.positions[:rows], self.kv_cache.tensor, meta, ctx)
+        return hidden, self.model.compute_logits(hidden)
+
+    # ---- the step ----
+    def execute(self, sched: SchedulerOutput) -> SamplerOutput:
+        """Run one step and wait for its sampled tokens on the host."""
+        return self.launch(sched).result()
+
+    @torch.inference_mode()
+    def launch(self, sched: SchedulerOutput, defer_sampling: bool = False) -> "PendingStep":
+        """Queue one step on the device; its sampled tokens stay there (they feed the next step's
+        placeholders) and come to the host when PendingStep.result() is called.
+
+        defer_sampling: queue the forward and the logits only; `sample(sched, pending)` samples
+        later (overlap scheduling: a grammar's bitmask needs the previous step's tokens, which the
+        host processes while the device runs this forward)."""
+        if sched.blocks_to_copy:
+            src = torch.tensor([a for a, _ in sched.blocks_to_copy], device=self.device)
+            dst = torch.tensor([b for _, b in sched.blocks_to_copy], device=self.device)
+            torch.ops.kiln.copy_blocks(self.kv_cache.tensor, src, dst)
+        pending = PendingStep()
+        if not sched.seqs:
+            pending.sample = PendingSample.empty(self.device)
+            return pending
+        step = self.prepare(sched)
+        if self.graph_runner is not None and self.graph_runner.can_replay(step):
+            hidden, tokens = self.graph_runner.replay(step)
+            n = len(step.rows)
+            if not defer_sampling and all([r.plain for r in step.rows]):
+                # argmax computed in the graph; -1 marks a row with non-finite logits (the sampler's rule)
+                pending.sample = PendingSample(tokens[:n], HostCopy(tokens[:n]), {})
+                return self._remember(sched, pending)
+            # the sampler needs the logits: one more LM-head matmul over the graph's hidden states
+            pending.deferred = (self.model.compute_logits(hidden[:n]), step.rows)
+        else:
+            hidden = self.run_model(step)
+            if step.rows:
+                n = len(step.sample_indices)
+                # A decode step samples rows 0..n-1 in order: a view, no gather (nor an index upload).
+                picked = hidden[:n] if step.sample_indices == list(range(n)) else hidden[
+                    torch.tensor(step.sample_indices, device=self.device)]
+                pending.deferred = (self.model.compute_logits(picked), step.rows)
+            for task, seq_id, plan in step.reads:
+                pending.task_results[seq_id] = read_task(task, self.model, hidden, plan)
+        # (sampled at once: nothing of this step can have finished since it was scheduled)
+        return pending if defer_sampling else self._sample(sched, pending, ())
+
+    @torch.inference_mode()
+    def sample(self, sched: SchedulerOutput, pending: "PendingStep") -> "PendingStep":
+        """Sample a launched step's logits. A sequence that finished since the launch (deferred
+        sampling: the previous step's tokens ended it) gets a plain argmax row instead of its own:
+        its token is discarded, and its grammar or logits processors are not asked again."""
+        finished = {s.seq_id for s in sched.seqs if s.seq is not None and s.seq.is_finished}
+        return self._sample(sched, pending, finished)
+
+    def _sample(self, sched: SchedulerOutput, pending: "PendingStep", finished) -> "PendingStep":
+        if pending.deferred is None:
+            pending.sample = PendingSample.empty(self.device)
+            return self._remember(sched, pending)
+        logits, rows = pending.deferred
+        pending.deferred = None
+        if finished:
+            rows = [_DISCARDED if r.key in finished else r for r in rows]
+        pending.sample = self.sampler.launch(logits, rows, self.builder.last_sampled)
+        return self._remember(sched, pending)
+
+    def _remember(self, sched: SchedulerOutput, pending: "PendingStep") -> "PendingStep":
+        """Keep the step's device tokens (and its sequences, which tell each one's row in them):
+        the next step's placeholders read from there. Nothing per row here: the rows are looked
+        up only when a placeholder needs them."""
+        decode = sched.num_prefill_tokens == 0 and sched.num_decode_tokens == len(sched.seqs)
+        self.builder.last_sampled = LastSampled(pending.sample.tokens, sched.seqs, decode)
+        return pending
+
+    def run_model(self, step: StepInputs) -> torch.Tensor:
+        buf = self.buffers
+        return self.forward_fn(buf.input_ids[:step.num_tokens], buf.positions[:step.num_tokens],
+                               self.kv_cache.tensor, step.meta, step.ctx)
+
+    @staticmethod
+    def split_sampled(sched: SchedulerOutput, out: SamplerOutput) -> list[list[int]]:
+        """Regroup the flat sampled tokens per scheduled sequence (n at fork points)."""
+        return [[out.token_ids[r] for r in rows] for _, rows in sample_row_ranges(sched.seqs)]
+
+
+class PendingStep:
+    """A launched step: its sample on the way to the host, plus what tasks read off its hidden
+    states (seq id -> result: prompt logprobs, an embedding chunk's hidden state; engine/core/request_kinds.py)."""
+
+    def __init__(self) -> None:
+        self.sample: PendingSample | None = None  # set once sampled
+        self.deferred: tuple[torch.Tensor, list[SampleRow]] | None = None  # (logits, rows) not sampled yet
+        self.task_results: dict[int, Any] = {}
+
+    def result(self) -> SamplerOutput:
+        out = self.sample.result()
+        out.task_results = self.task_results
+        return out
+
+
+# The row of a sequence that finished before its launched step was sampled (its token is discarded).
+_DISCARDED = SampleRow(SamplingParams(temperature=0.0), [], 0, 0)
