@@ -44,9 +44,9 @@ bench: $(VENV)/.runtime
 kernels: $(VENV)/.runtime
 	$(KILN) build-kernels
 
-# Regenerate README.md's settings and flags tables from EngineSettings / ServerSettings.
+# Regenerate the docs' settings, flags and metrics tables from the code.
 settings-table: $(VENV)/.runtime
-	$(PY) tools/settings_table.py --write README.md
+	$(PY) tools/settings_table.py --write docs/*.md
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis

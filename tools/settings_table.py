@@ -1,9 +1,10 @@
-"""Generate README.md's settings, vLLM-flag and metrics tables from the code.
+"""Generate the docs' settings, vLLM-flag and metrics tables from the code.
 
-    python tools/settings_table.py --write README.md   # rewrite the generated blocks in place
-    python tools/settings_table.py --check README.md   # exit 1 if they are out of date (tests run this)
+    python tools/settings_table.py --write docs/*.md   # rewrite the generated blocks in place
+    python tools/settings_table.py --check docs/*.md   # exit 1 if any is out of date (tests run this)
 
-Each block sits between `<!-- generated:NAME -->` and `<!-- /generated:NAME -->` markers.
+Each block sits between `<!-- generated:NAME -->` and `<!-- /generated:NAME -->` markers, in
+whichever of the files; every block must be in one of them.
 """
 
 from __future__ import annotations
@@ -69,31 +70,42 @@ def metrics_table() -> str:
 BLOCKS = {"settings": settings_table, "vllm-flags": vllm_flags_table, "metrics": metrics_table}
 
 
-def render(text: str) -> str:
+def render(text: str) -> tuple[str, set[str]]:
+    """The text with its generated blocks rewritten, and the names of the blocks it holds."""
+    found = set()
     for name, make in BLOCKS.items():
         pattern = re.compile(rf"(<!-- generated:{name} -->\n)(?:.*?\n)?(<!-- /generated:{name} -->)", re.S)
         if not pattern.search(text):
-            raise SystemExit(f"settings_table: no <!-- generated:{name} --> block in the file")
+            continue
+        found.add(name)
         body = make() + "\n"
         text = pattern.sub(lambda m, body=body: m.group(1) + body + m.group(2), text)
-    return text
+    return text, found
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     mode = parser.add_mutually_exclusive_group(required=True)
-    mode.add_argument("--write", metavar="FILE")
-    mode.add_argument("--check", metavar="FILE")
+    mode.add_argument("--write", metavar="FILE", nargs="+")
+    mode.add_argument("--check", metavar="FILE", nargs="+")
     args = parser.parse_args(argv)
-    path = Path(args.write or args.check)
-    text = path.read_text()
-    new = render(text)
-    if args.check:
+    stale, seen = [], set()
+    for path in map(Path, args.write or args.check):
+        text = path.read_text()
+        new, found = render(text)
+        seen |= found
         if new != text:
-            print(f"{path}: generated tables are out of date; run `make settings-table`", file=sys.stderr)
-            return 1
-        return 0
-    path.write_text(new)
+            stale.append(path)
+            if args.write:
+                path.write_text(new)
+    missing = set(BLOCKS) - seen
+    if missing:
+        print(f"settings_table: no file holds the generated block(s) {sorted(missing)}", file=sys.stderr)
+        return 1
+    if args.check and stale:
+        print(f"{', '.join(map(str, stale))}: generated tables are out of date; run `make settings-table`",
+              file=sys.stderr)
+        return 1
     return 0
 
 
