@@ -450,6 +450,19 @@ class ServerSettings(_KilnSettings):
     shutdown_timeout: float = Field(
         30.0, ge=0, description="on SIGTERM/SIGINT: seconds in-flight requests get to finish before they are ended")
     tokenizer_threads: int = Field(4, ge=1, description="threads that tokenise prompts and apply chat templates")
+    # Hardening, second round (issue 27): every byte bounded before work, HTTP timeouts, slow readers.
+    tokenizer_large_job_chars: int = Field(
+        65536, ge=1, description="texts at least this long are tokenised on their own lane (short ones never wait)")
+    tokenizer_large_job_threads: int = Field(1, ge=1, description="threads of the lane for long texts")
+    max_request_json_values: int = Field(
+        1_000_000, ge=1, description="a request body with more JSON values (numbers, strings, ...) gets a 400, unparsed")
+    http_idle_timeout_s: float = Field(5.0, gt=0, description="a connection with no request in progress closes after this")
+    http_header_timeout_s: float = Field(
+        10.0, gt=0, description="a request head not complete this long after the connection was free gets a 408")
+    http_body_timeout_s: float = Field(30.0, gt=0, description="a request body that stalls this long gets a 408")
+    stream_stall_timeout_s: float | None = Field(
+        30.0, gt=0, description="a client that reads no output this long: its request is aborted, its connection closed")
+    retry_after_s: int = Field(1, ge=0, description="the Retry-After header of every 503 (overloaded, shutting down)")
     # Split chat answers into reasoning_content and content (vLLM's --reasoning-parser).
     reasoning_parser: Literal["deepseek_r1", "qwen3"] | None = Field(
         None, description="split chat answers into reasoning_content and content")

@@ -16,6 +16,7 @@ from typing import Any
 from engine.core.request import InvalidRequestError, LoRARequest, SamplingParams
 from engine.entrypoints.openai.errors import APIError, ClientGone
 from engine.entrypoints.openai.jobs import until_done
+from engine.entrypoints.openai.request_body import max_prompts
 from engine.runtime.engine_info import EngineInfo
 
 logger = logging.getLogger("engine.entrypoints.openai")
@@ -38,40 +39,6 @@ def check_model(state, model: str | None) -> LoRARequest | None:
 
 
 # ---- text ----
-def lone_surrogate_path(value: Any, path: str = "") -> str | None:
-    """The path of the first string (or key) holding a lone UTF-16 surrogate, which no tokenizer
-    or UTF-8 encoder accepts; None if there is none."""
-    if isinstance(value, str):
-        try:
-            value.encode("utf-8")
-        except UnicodeEncodeError:
-            return path or "body"
-        return None
-    if isinstance(value, dict):
-        for k, v in value.items():
-            sub = f"{path}.{k}" if path else str(k)
-            if isinstance(k, str) and lone_surrogate_path(k) is not None:
-                return sub
-            found = lone_surrogate_path(v, sub)
-            if found is not None:
-                return found
-    elif isinstance(value, (list, tuple)):
-        for i, v in enumerate(value):
-            found = lone_surrogate_path(v, f"{path}[{i}]")
-            if found is not None:
-                return found
-    return None
-
-
-def check_unicode(body) -> None:
-    """400 naming the field if any string of the request is not valid Unicode (a lone surrogate
-    such as "\\ud800", which JSON allows and UTF-8 cannot encode)."""
-    data = body.model_dump(by_alias=True) if hasattr(body, "model_dump") else body
-    path = lone_surrogate_path(data)
-    if path is not None:
-        raise InvalidRequestError(f"{path}: the text is not valid Unicode (it holds a lone UTF-16 surrogate)", path)
-
-
 def max_token_chars(tokenizer) -> int:
     """The most UTF-8 bytes any one token stands for (at least its text's length in characters)."""
     vocab = tokenizer.get_vocab()
@@ -171,7 +138,7 @@ def check_params(info: EngineInfo, body, params: SamplingParams, num_prompts: in
 
 
 def check_batch(info: EngineInfo, count: int, param: str) -> None:
-    if count > max(info.max_num_seqs, 1) * 16:
+    if count > max_prompts(info):
         raise InvalidRequestError(f"too many prompts or samples in one request ({count})", param)
 
 

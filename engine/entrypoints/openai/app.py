@@ -39,7 +39,8 @@ def build_app(state: ServerState, manage_engine: bool = True) -> FastAPI:
                   description="OpenAI-compatible completions and chat served by kiln")
     app.state.kiln = state
     app.add_middleware(GateMiddleware, state=state)
-    app.add_middleware(RequestContextMiddleware, api_key=state.settings.api_key)  # outermost: logs every request
+    app.add_middleware(RequestContextMiddleware, api_key=state.settings.api_key,  # outermost: logs every request
+                       retry_after_s=state.settings.retry_after_s)
     install_error_handlers(app)
     for module in (completions, chat, embeddings, tokenize, models):
         app.include_router(module.router(state))

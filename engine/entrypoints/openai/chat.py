@@ -16,7 +16,6 @@ from engine.entrypoints.openai.admission import (
     check_model,
     check_params,
     check_text_size,
-    check_unicode,
     with_reasoning_markers,
 )
 from engine.entrypoints.openai.errors import post_route
@@ -139,7 +138,6 @@ async def conversation_ids(state, body, add_generation_prompt: bool, tools=None,
 
 
 async def create_chat_completion(state, body: ChatCompletionRequest, request: Request):
-    check_unicode(body)
     lora = check_model(state, body.model)
     tool_mode = body.tool_mode(state.settings.auto_tool_parser)
     params = body.sampling_params(tool_mode)
