@@ -17,7 +17,7 @@ from starlette.requests import ClientDisconnect
 
 from engine.core.request import InvalidRequestError
 from engine.entrypoints.openai.protocol import ErrorResponse
-from engine.entrypoints.openai.request_body import BoundedJSONRoute, TooManyValues
+from engine.entrypoints.openai.request_body import BoundedJSONRoute
 from engine.runtime.errors import EngineDeadError, QueueFullError
 from engine.structured_output.grammars import CompileCancelled
 
@@ -172,10 +172,6 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(InvalidRequestError)
     async def _invalid(request: Request, exc: InvalidRequestError):
         return error_response(400, str(exc), "invalid_request_error", exc.param)
-
-    @app.exception_handler(TooManyValues)
-    async def _too_many(request: Request, exc: TooManyValues):  # (the body was not read to its end)
-        return error_response(400, str(exc), "invalid_request_error", None, "request_too_large", {"connection": "close"})
 
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError):

@@ -20,14 +20,15 @@ async def tokenize(state, body: TokenizeRequest) -> dict:
         ids = await conversation_ids(state, ChatCompletionRequest(messages=body.messages), body.add_generation_prompt)
     else:
         check_text_size(state.info, state.max_token_chars, body.prompt, "prompt")
-        ids = await state.off_loop(encode, state.tokenizer, body.prompt, body.add_special_tokens)
+        ids = await state.off_loop(encode, state.tokenizer, body.prompt, body.add_special_tokens,
+                                   size=len(body.prompt))
     return {"tokens": ids, "count": len(ids), "max_model_len": state.info.max_model_len}
 
 
 async def detokenize(state, body: DetokenizeRequest) -> dict:
     check_model(state, body.model)
     check_token_ids(state.info, body.tokens, "tokens")
-    return {"prompt": await state.off_loop(state.tokenizer.decode, body.tokens)}
+    return {"prompt": await state.off_loop(state.tokenizer.decode, body.tokens, size=len(body.tokens))}
 
 
 def router(state) -> APIRouter:
