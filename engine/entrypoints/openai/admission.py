@@ -199,11 +199,10 @@ def with_reasoning_markers(state, params: SamplingParams) -> None:
     params.structured_outputs = dataclasses.replace(params.structured_outputs, reasoning_markers=markers)
 
 
-def tenant_of(request, body) -> str:
-    """Who a request is from, for fair sharing of the compile pool: OpenAI's `user` field when
-    given, else the client's address."""
-    user = getattr(body, "user", None)
-    if user:
-        return "user:" + user
+def tenant_of(request, body) -> tuple[str, str]:
+    """Who a request is from, for fair sharing of the compile pool: (the connection's address,
+    OpenAI's `user` field). The address is what the client cannot multiply; `user`, which it
+    sets freely, only shares out its address's turn. (kiln has one API key for every client,
+    so the key would not tell clients apart.)"""
     client = request.client
-    return "addr:" + (client.host if client else "-")
+    return (client.host if client else "-"), (getattr(body, "user", None) or "")
