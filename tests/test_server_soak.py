@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import json
 import random
+import socket
 import time
 from pathlib import Path
 
@@ -136,3 +137,93 @@ def test_server_soak_with_openai_client(tiny_llama, tmp_path):
         assert rss_after <= rss_before * 1.05, (rss_before, rss_after)
     finally:
         stop_server(proc, tmp_path / "server.log")  # exit status 0, no traceback in the log
+
+
+# ---- issue 27: slow readers and smuggling through the real server ----
+def _kv_blocks_in_use(url: str) -> float:
+    return _gauges(url)["kiln:num_kv_blocks_in_use"]
+
+
+def _aborted(url: str) -> float:
+    text = httpx.get(f"{url}/metrics").text
+    return sum(s.value for fam in text_string_to_metric_families(text) for s in fam.samples
+               if s.name == "kiln:request_success_total" and s.labels.get("finished_reason") == "abort")
+
+
+def _stalled_stream(port: int, max_tokens: int) -> socket.socket:
+    """A streaming request whose client then reads nothing (small socket buffers on both ends,
+    so the server's writes back up soon)."""
+    s = socket.socket()
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    s.connect(("127.0.0.1", port))
+    body = json.dumps({"model": "m", "prompt": "Once upon a time", "max_tokens": max_tokens, "ignore_eos": True,
+                       "stream": True, "logprobs": 5}).encode()
+    s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: "
+              + str(len(body)).encode() + b"\r\n\r\n" + body)
+    return s
+
+
+def _wait(pred, timeout: float, step: float = 0.05, show=lambda: "") -> float:
+    t0 = time.monotonic()
+    while not pred():
+        assert time.monotonic() - t0 < timeout, f"timed out {show()}"
+        time.sleep(step)
+    return time.monotonic() - t0
+
+
+@pytest.mark.slow
+def test_server_soak_slow_readers_and_smuggling(tiny_llama, tmp_path):
+    streams = int(env_flag("KILN_SERVER_SOAK_STREAMS") or 200) // 4
+    stall = 6.0
+    proc, url = launch_server(tiny_llama, tmp_path / "server.log", "--max-model-len", "1024", "--max-num-seqs", "64",
+                              "--served-model-name", "m", "--stream-stall-timeout-s", str(stall),
+                              "--http-send-buffer-kb", "16", "--log-level", "warning")
+    port = int(url.rsplit(":", 1)[1])
+    try:
+        # Smuggling: the smuggled request is never answered, and the connection is closed.
+        with socket.create_connection(("127.0.0.1", port)) as s:
+            s.settimeout(10)
+            s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 5\r\nTransfer-Encoding: chunked"
+                      b"\r\n\r\n0\r\n\r\nGET /v1/models HTTP/1.1\r\nHost: x\r\n\r\n")
+            out = b""
+            while chunk := s.recv(65536):
+                out += chunk
+        assert out.startswith(b"HTTP/1.1 400 ") and out.count(b"\r\n\r\n") == 1, out
+
+        def stalled_round() -> float:
+            """Clients that read nothing and stay: aborted after the stall timeout, blocks freed."""
+            aborts = _aborted(url)
+            socks = [_stalled_stream(port, 1000) for _ in range(streams)]
+            t0 = time.monotonic()
+            _wait(lambda: _gauges(url)["kiln:num_requests_running"] > 0, 30)
+            _wait(lambda: not any(_gauges(url).values()), stall + 40,  # (once the send buffers are full)
+                  show=lambda: f"{_gauges(url)}, {_aborted(url) - aborts} aborted")
+            seconds = time.monotonic() - t0
+            assert _aborted(url) - aborts == streams  # (not finished: the clients read too little for that)
+            for s in socks:
+                s.close()
+            return seconds
+
+        for _ in range(2):  # warm-up: the same work, so that memory reaches its plateau first
+            stalled_round()
+        time.sleep(1.0)
+        rss_before = _rss_kb(proc.pid)
+
+        # Clients that read nothing, then leave: their blocks are free within a second.
+        socks = [_stalled_stream(port, 1000) for _ in range(streams)]
+        _wait(lambda: _gauges(url)["kiln:num_requests_running"] == streams, 30)
+        time.sleep(1.0)
+        assert _kv_blocks_in_use(url) > 0
+        for s in socks:
+            s.close()
+        freed = _wait(lambda: _kv_blocks_in_use(url) == 0, 10, 0.02)
+        aborted = stalled_round()
+        time.sleep(1.0)
+        rss_after = _rss_kb(proc.pid)
+        print(f"slow readers: {streams} streams; blocks free {freed:.2f}s after the clients left; stalled streams "
+              f"aborted within {aborted:.1f}s (stall timeout {stall:g}s); server RSS {rss_before / 1024:.0f} MB -> "
+              f"{rss_after / 1024:.0f} MB")
+        assert freed < 1.0, freed
+        assert rss_after <= rss_before * 1.05, (rss_before, rss_after)
+    finally:
+        stop_server(proc, tmp_path / "server.log")

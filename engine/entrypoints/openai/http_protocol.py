@@ -22,6 +22,7 @@ import asyncio
 import json
 import logging
 import re
+import socket
 from dataclasses import dataclass
 
 import h11
@@ -43,11 +44,14 @@ class HTTPLimits:
     body_s: float
     write_stall_s: float | None
     drain_bytes: int  # after an answer given before the body was read: at most this much more is read
+    send_buffer: int | None  # SO_SNDBUF (bytes)
 
     @classmethod
     def of(cls, settings: ServerSettings) -> "HTTPLimits":
+        kb = settings.http_send_buffer_kb
         return cls(settings.http_idle_timeout_s, settings.http_header_timeout_s, settings.http_body_timeout_s,
-                   settings.stream_stall_timeout_s, int(settings.max_request_body_mb * (1 << 20)))
+                   settings.stream_stall_timeout_s, int(settings.max_request_body_mb * (1 << 20)),
+                   None if kb is None else kb << 10)
 
 
 def framing_problem(buffered: bytes) -> str | None:
@@ -132,6 +136,11 @@ class KilnHTTPProtocol(H11Protocol):
     # ---- connection life ----
     def connection_made(self, transport) -> None:
         super().connection_made(transport)
+        sock = transport.get_extra_info("socket")
+        if self.limits.send_buffer is not None and sock is not None:
+            # A fixed send buffer: what a client that does not read holds stays small, and the
+            # back-pressure reaches the app (autotuning would let the kernel take megabytes).
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, self.limits.send_buffer)
         self._await_request()
         # uvicorn arms its keep-alive (idle) timer only after a response: a fresh connection gets one too.
         self.timeout_keep_alive_task = self.loop.call_later(self.limits.idle_s, self.timeout_keep_alive_handler)
