@@ -148,7 +148,7 @@ def _optional_properties(n: int, prefix: str = "p") -> dict:
 
 def test_pathological_schema_is_a_400_in_time_and_others_go_on(app_state):
     state, app = app_state(server={"grammar_compile_timeout_s": 5})
-    schema = {"type": "json_schema", "json_schema": {"name": "x", "schema": _optional_properties(5000)}}
+    schema = {"type": "json_schema", "json_schema": {"name": "x", "schema": _optional_properties(15000)}}
 
     async def main():
         async with _client(app, "10.0.0.1") as http, _client(app, "10.0.0.2") as other:
@@ -179,7 +179,7 @@ def test_compile_is_stopped_when_the_client_leaves(app_state):
     async def main():
         async with _client(app) as http:
             req = asyncio.ensure_future(http.post("/v1/completions", json={
-                "prompt": "Hi", "guided_json": _optional_properties(5000, "q")}))
+                "prompt": "Hi", "guided_json": _optional_properties(15000, "q")}))
             pool = None
             deadline = time.monotonic() + 60
             while time.monotonic() < deadline:

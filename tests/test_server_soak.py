@@ -69,7 +69,7 @@ async def _dropped(client: openai.AsyncOpenAI, rng: random.Random) -> None:
 
 async def _abuse(http: httpx.AsyncClient, k: int) -> list[int]:
     """Statuses of bad requests: each must be a 4xx."""
-    schema = {"type": "object", "properties": {f"k{k}_{i}": {"type": "string"} for i in range(3000)}}
+    schema = {"type": "object", "properties": {f"k{k}_{i}": {"type": "string"} for i in range(15000)}}
     bodies = [
         ("/v1/completions", json.dumps({"model": "m", "prompt": "x", "guided_json": schema, "user": f"evil{k}"})),
         ("/v1/completions", '{"model": "m", "prompt": "' + "a" * (2 << 20) + '"}'),

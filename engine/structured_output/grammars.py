@@ -205,8 +205,8 @@ class StructuredOutputCompiler:
         if outcome.status == "timeout":
             raise InvalidRequestError(
                 f"structured output: the {spec.kind} constraint did not compile within "
-                f"grammar_compile_timeout_s={self._pool_args[1] if self._pool_args else '?'}s; simplify it "
-                "(e.g. fewer optional properties)", "structured_outputs")
+                f"grammar_compile_timeout_s={self._pool_args[1] if self._pool_args else '?'}s of CPU time; "
+                "simplify it (e.g. fewer optional properties)", "structured_outputs")
         if outcome.status == "stopped":
             raise CompileCancelled("the server is stopping; the constraint was not compiled")
         if outcome.status == "cancelled":
