@@ -94,7 +94,7 @@ def test_a_client_that_stops_reading_is_aborted_and_its_blocks_freed(app_state):
 
 
 def test_blocks_are_freed_within_a_second_of_the_disconnect(app_state):
-    state, app = app_state(server={"stream_stall_timeout_s": None})
+    state, app = app_state(server={"stream_stall_timeout_s": 0})  # (never)
     slow_steps(state, 0.002)
 
     async def main():

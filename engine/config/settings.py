@@ -463,12 +463,12 @@ class ServerSettings(_KilnSettings):
     http_header_timeout_s: float = Field(
         10.0, gt=0, description="a request head not complete this long after the connection was free gets a 408")
     http_body_timeout_s: float = Field(30.0, gt=0, description="a request body that stalls this long gets a 408")
-    stream_stall_timeout_s: float | None = Field(
-        30.0, gt=0,
-        description="a client that reads no output this long: its request is aborted, its connection closed")
-    http_send_buffer_kb: int | None = Field(
-        256, ge=4, description="the kernel's send buffer per connection (bounds what a client that does not read "
-        "holds; unset: the OS's autotuning, up to megabytes)")
+    stream_stall_timeout_s: float = Field(
+        30.0, ge=0,
+        description="a client that reads no output this long: its request is aborted, its connection closed (0: never)")
+    http_send_buffer_kb: int = Field(
+        256, ge=0, description="the kernel's send buffer per connection (bounds what a client that does not read "
+        "holds; 0: the OS's autotuning, up to megabytes)")
     retry_after_s: int = Field(1, ge=0, description="the Retry-After header of every 503 (overloaded, shutting down)")
     # Split chat answers into reasoning_content and content (vLLM's --reasoning-parser).
     reasoning_parser: Literal["deepseek_r1", "qwen3"] | None = Field(

@@ -57,6 +57,7 @@ class _CompileJob:
         self.source, self.tenant = source, tenant
         self.future: concurrent.futures.Future = concurrent.futures.Future()
         self.cancelled = threading.Event()  # the client left: stop the compile if it is running
+        self.cpu_seconds: float | None = None  # what the worker's compile used (wall time where unknown)
 
 
 def _die_with_parent() -> None:  # pragma: no cover - runs in the pool's processes
@@ -76,6 +77,7 @@ def _zygote_main(control_fd: int) -> None:  # pragma: no cover - runs in the zyg
     kills one per b"kill PID" (only its own live children: a pid is never reused while the
     zygote has not reaped it)."""
     _die_with_parent()
+    os.nice(5)  # (it and its workers yield the cores to serving, e.g. while it loads at start-up)
     import xgrammar
 
     control = socket.socket(fileno=control_fd)
@@ -378,16 +380,19 @@ class CompilePool:
         worker.ensure()
         start, cpu0 = time.monotonic(), worker.cpu_seconds()
         worker.send(list(job.source))
+        def used() -> float:
+            cpu = worker.cpu_seconds()
+            job.cpu_seconds = time.monotonic() - start if cpu is None or cpu0 is None else cpu - cpu0
+            return job.cpu_seconds
+
         while not worker.ready(0.05):
             if job.cancelled.is_set() or self._stopped:
                 worker.kill()
                 return ("stopped" if self._stopped else "cancelled"), "the request went away"
-            wall = time.monotonic() - start
-            cpu = worker.cpu_seconds()
-            used = wall if cpu is None or cpu0 is None else cpu - cpu0
-            if used > self.timeout_s or wall > WALL_FACTOR * self.timeout_s:
+            if used() > self.timeout_s or time.monotonic() - start > WALL_FACTOR * self.timeout_s:
                 worker.kill()
                 return "timeout", ""
+        used()
         answer = worker.read(0)
         if answer is None:  # it died (its socket ended)
             worker.kill()

@@ -48,10 +48,9 @@ class HTTPLimits:
 
     @classmethod
     def of(cls, settings: ServerSettings) -> "HTTPLimits":
-        kb = settings.http_send_buffer_kb
         return cls(settings.http_idle_timeout_s, settings.http_header_timeout_s, settings.http_body_timeout_s,
-                   settings.stream_stall_timeout_s, int(settings.max_request_body_mb * (1 << 20)),
-                   None if kb is None else kb << 10)
+                   settings.stream_stall_timeout_s or None, int(settings.max_request_body_mb * (1 << 20)),
+                   (settings.http_send_buffer_kb << 10) or None)
 
 
 def framing_problem(buffered: bytes) -> str | None:

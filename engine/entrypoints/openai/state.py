@@ -123,7 +123,8 @@ def create_state(engine_settings: EngineSettings, server_settings: ServerSetting
     name = (server_settings.model_names or [None])[0] or default_model_name(engine_settings, llm_engine.model_dir)
     metrics = EngineMetrics(name, engine_settings.log_stats_interval)
     metrics.set_engine_info(llm_engine)
-    engine = AsyncEngine(llm_engine, listener=metrics, stream_stall_timeout_s=server_settings.stream_stall_timeout_s)
+    engine = AsyncEngine(llm_engine, listener=metrics,
+                         stream_stall_timeout_s=server_settings.stream_stall_timeout_s or None)  # (0: never)
     engine.grammar_compiler.configure(
         timeout_s=server_settings.grammar_compile_timeout_s, workers=server_settings.grammar_compile_workers,
         cache_entries=server_settings.grammar_cache_entries,
