@@ -7,6 +7,7 @@ builds the state. Nothing here is module-level state: two apps in one process sh
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 
 from fastapi import FastAPI
@@ -32,7 +33,7 @@ def build_app(state: ServerState, manage_engine: bool = True) -> FastAPI:
             yield
         finally:
             if manage_engine:
-                state.close()
+                await asyncio.to_thread(state.close)  # (may wait for the grammar compiler's start-up)
                 state.engine.shutdown()
 
     app = FastAPI(title="kiln", version=kiln_version(), lifespan=lifespan,

@@ -76,6 +76,8 @@ class Job:
     def __post_init__(self) -> None:
         if self.registry is not None:
             self.registry.add(self)
+            if getattr(self.registry, "closed", False):  # (accepted after the drain ended the others)
+                self.ended = True
 
     def end(self) -> None:
         """Shutdown: make the reader stop with ShuttingDown."""

@@ -211,6 +211,12 @@ class BoundedJSONRoute(APIRoute):
                 raise RequestValidationError([{"type": "json_invalid", "loc": ("body", exc.pos),
                                                "msg": "JSON decode error", "input": {},
                                                "ctx": {"error": exc.msg}}], body=exc.doc) from exc
+            except UnicodeDecodeError as exc:
+                raise InvalidRequestError(f"the request body is not valid JSON: it is not UTF-8 ({exc.reason} at "
+                                          f"byte {exc.start})", None) from exc
+            except RecursionError as exc:
+                raise InvalidRequestError("the request body is not valid JSON here: it is nested too deeply",
+                                          None) from exc
             return await handler(_ParsedRequest(request, body, data))
 
         return bounded

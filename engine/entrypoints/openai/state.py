@@ -92,9 +92,11 @@ class ServerState:
         if self.jobs:
             logger.warning("shutdown: ending %d unfinished requests after %.0fs", len(self.jobs), timeout)
         self.jobs.closed = True
-        self.engine.grammar_compiler.close()  # compiles still running end now (a 503 each)
         for job in list(self.jobs):
             job.end()
+        # Compiles still running end now (a 503 each); off the loop: closing waits for the
+        # compiler's lock, which its start-up holds for seconds (xgrammar loading).
+        await asyncio.to_thread(self.engine.grammar_compiler.close)
         deadline = time.monotonic() + 5.0
         while self.jobs and time.monotonic() < deadline:
             await asyncio.sleep(0.02)
