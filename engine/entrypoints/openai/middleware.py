@@ -80,9 +80,10 @@ class GateMiddleware:
     """While the server drains for shutdown, API requests get a 503 at once. A body larger than
     max_request_body_mb gets a 413 with Connection: close: at once when Content-Length says so,
     else as soon as the bytes received pass the limit (the body is never buffered whole, never
-    parsed). Before the 413 at most one more limit's worth of the body is read and dropped, so
-    that a client still sending reads the answer rather than a reset connection; an endless body
-    is cut there."""
+    parsed). Before the 413 the rest of the body is read and dropped, so that a client still
+    sending reads the answer rather than a reset connection: a declared one up to 8 times the
+    limit (it is finite), one of unknown length (chunked) up to one limit more, so an endless
+    body is cut there."""
 
     def __init__(self, app, state) -> None:
         self.app = app
@@ -99,8 +100,8 @@ class GateMiddleware:
             return
         length = dict(scope.get("headers", [])).get(b"content-length")
         if length is not None and length.isdigit() and int(length) > self.limit:
-            if int(length) <= 2 * self.limit:  # (a larger one is not read at all)
-                await self._discard(receive)
+            if int(length) <= 8 * self.limit:  # (a larger one is not read at all)
+                await self._discard(receive, int(length))
             await self._too_large()(scope, receive, send)
             return
         received = 0
@@ -112,16 +113,16 @@ class GateMiddleware:
                 received += len(message.get("body", b""))
                 if received > self.limit:
                     if message.get("more_body", False):
-                        await self._discard(receive)
+                        await self._discard(receive, self.limit)
                     raise HTTPException(413, self._message(), headers=CLOSE)
             return message
 
         await self.app(scope, counted_receive, send)
 
-    async def _discard(self, receive) -> None:
-        """Read and drop the rest of the body, at most one limit's worth."""
+    async def _discard(self, receive, budget: int) -> None:
+        """Read and drop the rest of the body, at most `budget` bytes."""
         dropped = 0
-        while dropped <= self.limit:
+        while dropped < budget:
             message = await receive()
             if message["type"] != "http.request":
                 return
