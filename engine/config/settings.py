@@ -443,13 +443,33 @@ class ServerSettings(_KilnSettings):
     # Hardening (issue 12): request bodies, grammar compiles, shutdown.
     max_request_body_mb: float = Field(32.0, gt=0, description="larger request bodies get a 413, unread")
     grammar_compile_timeout_s: float = Field(
-        10.0, gt=0, description="a structured-output constraint that takes longer to compile is a 400")
+        10.0, gt=0, description="a structured-output constraint whose compile takes more CPU time is a 400 "
+        "(its wall time may run to 4 times this on a busy machine)")
     grammar_compile_workers: int = Field(2, ge=1, description="processes compiling constraints (bounded pool)")
     grammar_cache_entries: int = Field(256, ge=1, description="compiled constraints kept (LRU)")
     grammar_cache_mb: float = Field(256.0, gt=0, description="bytes of compiled constraints kept (LRU)")
     shutdown_timeout: float = Field(
         30.0, ge=0, description="on SIGTERM/SIGINT: seconds in-flight requests get to finish before they are ended")
     tokenizer_threads: int = Field(4, ge=1, description="threads that tokenise prompts and apply chat templates")
+    # Hardening, second round (issue 27): every byte bounded before work, HTTP timeouts, slow readers.
+    tokenizer_large_job_chars: int = Field(
+        65536, ge=1, description="texts at least this long are tokenised on their own lane (short ones never wait)")
+    tokenizer_large_job_threads: int = Field(1, ge=1, description="threads of the lane for long texts")
+    max_request_json_values: int = Field(
+        1_000_000, ge=1,
+        description="a request body with more JSON values (numbers, strings, ...) gets a 400, unparsed")
+    http_idle_timeout_s: float = Field(
+        5.0, gt=0, description="a connection with no request in progress closes after this")
+    http_header_timeout_s: float = Field(
+        10.0, gt=0, description="a request head not complete this long after the connection was free gets a 408")
+    http_body_timeout_s: float = Field(30.0, gt=0, description="a request body that stalls this long gets a 408")
+    stream_stall_timeout_s: float = Field(
+        30.0, ge=0,
+        description="a client that reads no output this long: its request is aborted, its connection closed (0: never)")
+    http_send_buffer_kb: int = Field(
+        256, ge=0, description="the kernel's send buffer per connection (bounds what a client that does not read "
+        "holds; 0: the OS's autotuning, up to megabytes)")
+    retry_after_s: int = Field(1, ge=0, description="the Retry-After header of every 503 (overloaded, shutting down)")
     # Split chat answers into reasoning_content and content (vLLM's --reasoning-parser).
     reasoning_parser: Literal["deepseek_r1", "qwen3"] | None = Field(
         None, description="split chat answers into reasoning_content and content")

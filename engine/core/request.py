@@ -244,6 +244,15 @@ class SamplingParams:
                 bad("structured_outputs must be a StructuredOutputsParams", "structured_outputs")
             self.structured_outputs.validate()
 
+    def check_stop_tokens(self, eos_token_ids: tuple[int, ...] | list[int]) -> None:
+        """min_tokens bans the stop tokens (EOS and stop_token_ids) until it is reached: an
+        allowed_token_ids holding nothing else leaves no token to sample."""
+        if self.min_tokens > 0 and self.allowed_token_ids is not None \
+                and set(self.allowed_token_ids) <= {*eos_token_ids, *self.stop_token_ids}:
+            raise InvalidRequestError(
+                f"allowed_token_ids: every allowed token is a stop token (EOS or stop_token_ids), which "
+                f"min_tokens={self.min_tokens} forbids until then: no token could be sampled", "allowed_token_ids")
+
     @property
     def greedy(self) -> bool:
         return self.temperature < 1e-5

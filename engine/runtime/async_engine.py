@@ -61,9 +61,11 @@ class AsyncEngine:
 
     def __init__(self, engine: LLMEngine, listener: StepListener | None = None,
                  max_waiting_requests: int | None = None, idle_poll_s: float = 1.0,
-                 max_pending_steps: int = MAX_PENDING_STEPS) -> None:
+                 max_pending_steps: int = MAX_PENDING_STEPS, stream_stall_timeout_s: float | None = None) -> None:
         self.engine = engine
         self.listener = listener
+        # A stream whose reader takes nothing this long is aborted (RequestStream); None: never.
+        self.stream_stall_timeout_s = stream_stall_timeout_s
         self.max_waiting_requests = (max_waiting_requests if max_waiting_requests is not None
                                      else engine.settings.max_waiting_requests)
         self._idle_poll_s = idle_poll_s
@@ -178,7 +180,7 @@ class AsyncEngine:
                                  f"(max_waiting_requests={self.max_waiting_requests}); retry later")
         loop = asyncio.get_running_loop()
         request_id = request_id or uuid.uuid4().hex
-        stream = RequestStream(request_id, loop, on_close=self.abort)
+        stream = RequestStream(request_id, loop, on_close=self.abort, stall_timeout_s=self.stream_stall_timeout_s)
         with self._lock:
             self._pending_adds += 1
         self._inbox.append(AddRequest(prompt, params, request_id, priority,

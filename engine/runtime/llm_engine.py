@@ -142,6 +142,7 @@ class LLMEngine:
         task.check(self.model_config, self.model_dir.name)
         params = task.params(params)
         params.validate()
+        params.check_stop_tokens(self.eos_token_ids)
         check_logprobs_limit(params, self.settings.max_logprobs)
         vocab = self.model_config.vocab_size
         for name, ids in params.token_id_fields():

@@ -10,12 +10,14 @@ through is one the engine accepts.
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 from typing import Any
 
 from engine.core.request import InvalidRequestError, LoRARequest, SamplingParams
 from engine.entrypoints.openai.errors import APIError, ClientGone
 from engine.entrypoints.openai.jobs import until_done
+from engine.entrypoints.openai.request_body import max_prompts
 from engine.runtime.engine_info import EngineInfo
 
 logger = logging.getLogger("engine.entrypoints.openai")
@@ -38,53 +40,39 @@ def check_model(state, model: str | None) -> LoRARequest | None:
 
 
 # ---- text ----
-def lone_surrogate_path(value: Any, path: str = "") -> str | None:
-    """The path of the first string (or key) holding a lone UTF-16 surrogate, which no tokenizer
-    or UTF-8 encoder accepts; None if there is none."""
-    if isinstance(value, str):
-        try:
-            value.encode("utf-8")
-        except UnicodeEncodeError:
-            return path or "body"
-        return None
-    if isinstance(value, dict):
-        for k, v in value.items():
-            sub = f"{path}.{k}" if path else str(k)
-            if isinstance(k, str) and lone_surrogate_path(k) is not None:
-                return sub
-            found = lone_surrogate_path(v, sub)
-            if found is not None:
-                return found
-    elif isinstance(value, (list, tuple)):
-        for i, v in enumerate(value):
-            found = lone_surrogate_path(v, f"{path}[{i}]")
-            if found is not None:
-                return found
-    return None
-
-
-def check_unicode(body) -> None:
-    """400 naming the field if any string of the request is not valid Unicode (a lone surrogate
-    such as "\\ud800", which JSON allows and UTF-8 cannot encode)."""
-    data = body.model_dump(by_alias=True) if hasattr(body, "model_dump") else body
-    path = lone_surrogate_path(data)
-    if path is not None:
-        raise InvalidRequestError(f"{path}: the text is not valid Unicode (it holds a lone UTF-16 surrogate)", path)
-
-
 def max_token_chars(tokenizer) -> int:
     """The most UTF-8 bytes any one token stands for (at least its text's length in characters)."""
     vocab = tokenizer.get_vocab()
     return max((len(t.encode("utf-8", "replace")) for t in vocab), default=1)
 
 
-def check_text_size(info: EngineInfo, per_token: int, text: str, param: str) -> None:
-    """Refuse a text that must be longer than max_model_len tokens without tokenising it (each
-    token covers at most `per_token` characters): a 6 MB prompt is refused in microseconds."""
-    bound = info.max_model_len * per_token * _NORMALIZER_SLACK
-    if len(text) > bound:
-        raise InvalidRequestError(f"{param}: the text ({len(text)} characters) is far longer than "
+def text_bound(info: EngineInfo, per_token: int) -> int:
+    """The most characters a text of max_model_len tokens can have (each token covers at most
+    `per_token` characters, and the normalizer may shorten a little)."""
+    return info.max_model_len * per_token * _NORMALIZER_SLACK
+
+
+def check_chars(info: EngineInfo, max_chars: int, chars: int, param: str, what: str = "the text") -> None:
+    if chars > max_chars:
+        raise InvalidRequestError(f"{param}: {what} ({chars} characters) is far longer than "
                                   f"max_model_len={info.max_model_len} tokens", param)
+
+
+def check_text_size(info: EngineInfo, per_token: int, text: str, param: str) -> None:
+    """Refuse a text that must be longer than max_model_len tokens without tokenising it: a
+    6 MB prompt is refused in microseconds."""
+    check_chars(info, text_bound(info, per_token), len(text), param)
+
+
+def conversation_chars(conversation: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> int:
+    """A lower bound on the length of the rendered conversation: every message's text, name and
+    tool calls, and the tools, appear in it (counted without rendering anything)."""
+    chars = len(json.dumps(tools)) if tools else 0
+    for m in conversation:
+        chars += len(m["content"]) + len(m.get("name") or "")
+        if m.get("tool_calls"):
+            chars += len(json.dumps(m["tool_calls"]))
+    return chars
 
 
 # ---- tokenising (call through ServerState.off_loop) ----
@@ -94,7 +82,10 @@ def encode(tokenizer, text: str, add_special_tokens: bool = True) -> list[int]:
 
 def chat_prompt_ids(tokenizer, conversation: list[dict[str, Any]], add_generation_prompt: bool = True,
                     tools: list[dict[str, Any]] | None = None, continue_final_message: bool = False,
-                    template_kwargs: dict[str, Any] | None = None) -> list[int]:
+                    template_kwargs: dict[str, Any] | None = None, max_chars: int | None = None,
+                    info: EngineInfo | None = None) -> list[int]:
+    """The conversation templated and tokenised; a rendered text over `max_chars` is refused
+    before tokenising (the template adds text of its own, unbounded by the messages)."""
     if continue_final_message:
         if add_generation_prompt:
             raise InvalidRequestError("continue_final_message needs add_generation_prompt=false",
@@ -112,6 +103,8 @@ def chat_prompt_ids(tokenizer, conversation: list[dict[str, Any]], add_generatio
                                              tools=tools, continue_final_message=continue_final_message, **kwargs)
     except Exception as exc:  # noqa: BLE001 - template errors are the request's fault
         raise InvalidRequestError(f"messages: the chat template failed: {exc}", "messages") from exc
+    if max_chars is not None and info is not None:
+        check_chars(info, max_chars, len(text), "messages", "the rendered conversation")
     return tokenizer.encode(text, add_special_tokens=False)
 
 
@@ -122,7 +115,7 @@ async def prompt_ids(state, prompts: list[str | list[int]], param: str) -> list[
         where = param if len(prompts) == 1 else f"{param}[{i}]"
         if isinstance(p, str):
             check_text_size(state.info, state.max_token_chars, p, where)
-            out.append(await state.off_loop(encode, state.tokenizer, p))
+            out.append(await state.off_loop(encode, state.tokenizer, p, size=len(p)))
         else:
             check_token_ids(state.info, p, where)
             out.append(list(p))
@@ -163,6 +156,7 @@ def check_params(info: EngineInfo, body, params: SamplingParams, num_prompts: in
     if unknown:
         logger.info("ignoring unknown request fields: %s", ", ".join(unknown))
     params.validate()
+    params.check_stop_tokens(info.eos_token_ids)
     if params.n > info.max_num_seqs:
         raise InvalidRequestError(f"n ({params.n}) exceeds this server's max_num_seqs ({info.max_num_seqs})", "n")
     check_batch(info, num_prompts * params.n, "prompt")
@@ -171,7 +165,7 @@ def check_params(info: EngineInfo, body, params: SamplingParams, num_prompts: in
 
 
 def check_batch(info: EngineInfo, count: int, param: str) -> None:
-    if count > max(info.max_num_seqs, 1) * 16:
+    if count > max_prompts(info):
         raise InvalidRequestError(f"too many prompts or samples in one request ({count})", param)
 
 
@@ -205,11 +199,10 @@ def with_reasoning_markers(state, params: SamplingParams) -> None:
     params.structured_outputs = dataclasses.replace(params.structured_outputs, reasoning_markers=markers)
 
 
-def tenant_of(request, body) -> str:
-    """Who a request is from, for fair sharing of the compile pool: OpenAI's `user` field when
-    given, else the client's address."""
-    user = getattr(body, "user", None)
-    if user:
-        return "user:" + user
+def tenant_of(request, body) -> tuple[str, str]:
+    """Who a request is from, for fair sharing of the compile pool: (the connection's address,
+    OpenAI's `user` field). The address is what the client cannot multiply; `user`, which it
+    sets freely, only shares out its address's turn. (kiln has one API key for every client,
+    so the key would not tell clients apart.)"""
     client = request.client
-    return "addr:" + (client.host if client else "-")
+    return (client.host if client else "-"), (getattr(body, "user", None) or "")

@@ -11,12 +11,13 @@ from engine.config.generation_config import apply_generation_defaults
 from engine.core.request import RequestOutput
 from engine.entrypoints.openai.admission import (
     chat_prompt_ids,
+    check_chars,
     check_constraint,
     check_lengths,
     check_model,
     check_params,
-    check_text_size,
-    check_unicode,
+    conversation_chars,
+    text_bound,
     with_reasoning_markers,
 )
 from engine.entrypoints.openai.errors import post_route
@@ -130,16 +131,17 @@ class ChatFormat(FormatBase):
 
 async def conversation_ids(state, body, add_generation_prompt: bool, tools=None, continue_final: bool = False,
                            template_kwargs=None) -> list[int]:
-    """The chat-templated prompt's ids, made on the tokenising threads."""
+    """The chat-templated prompt's ids, made on the tokenising threads. The whole conversation
+    is bounded before templating, the rendered text before tokenising."""
     conversation = body.conversation()
-    for i, message in enumerate(conversation):
-        check_text_size(state.info, state.max_token_chars, message["content"], f"messages[{i}].content")
+    max_chars = text_bound(state.info, state.max_token_chars)
+    chars = conversation_chars(conversation, tools)
+    check_chars(state.info, max_chars, chars, "messages", "the conversation")
     return await state.off_loop(chat_prompt_ids, state.tokenizer, conversation, add_generation_prompt, tools,
-                                continue_final, template_kwargs)
+                                continue_final, template_kwargs, max_chars, state.info, size=chars)
 
 
 async def create_chat_completion(state, body: ChatCompletionRequest, request: Request):
-    check_unicode(body)
     lora = check_model(state, body.model)
     tool_mode = body.tool_mode(state.settings.auto_tool_parser)
     params = body.sampling_params(tool_mode)

@@ -8,14 +8,7 @@ from fastapi import APIRouter, Request
 
 from engine.config.generation_config import apply_generation_defaults
 from engine.core.request import RequestOutput
-from engine.entrypoints.openai.admission import (
-    check_constraint,
-    check_lengths,
-    check_model,
-    check_params,
-    check_unicode,
-    prompt_ids,
-)
+from engine.entrypoints.openai.admission import check_constraint, check_lengths, check_model, check_params, prompt_ids
 from engine.entrypoints.openai.errors import post_route
 from engine.entrypoints.openai.generation import generate
 from engine.entrypoints.openai.jobs import Choice, FormatBase, Job, envelope
@@ -65,7 +58,6 @@ class CompletionFormat(FormatBase):
 
 
 async def create_completion(state, body: CompletionRequest, request: Request):
-    check_unicode(body)
     lora = check_model(state, body.model)
     prompts = body.prompts()
     params = body.sampling_params()

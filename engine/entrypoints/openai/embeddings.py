@@ -13,7 +13,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
 from engine.core.request import PoolingParams, RequestOutput, SamplingParams
-from engine.entrypoints.openai.admission import check_batch, check_lengths, check_model, check_unicode, prompt_ids
+from engine.entrypoints.openai.admission import check_batch, check_lengths, check_model, prompt_ids
 from engine.entrypoints.openai.errors import engine_failed, post_route
 from engine.entrypoints.openai.jobs import until_done
 from engine.entrypoints.openai.protocol import EmbeddingRequest
@@ -36,7 +36,6 @@ def embedding_body(body: EmbeddingRequest, job_id: str, model: str, outs: list[R
 
 async def create_embedding(state, body: EmbeddingRequest, request: Request):
     """Each input's pooled final hidden state (EngineSettings.pooling_type), as floats or base64."""
-    check_unicode(body)
     lora = check_model(state, body.model)
     prompts = body.prompts()
     check_batch(state.info, len(prompts), "input")

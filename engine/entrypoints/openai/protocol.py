@@ -8,14 +8,34 @@ pin types, and bounds that keep values sane before they reach the engine.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag
 
 from engine.core.request import InvalidRequestError, SamplingParams, StructuredOutputsParams
 from engine.entrypoints.openai.tool_calls import ToolMode, arguments_for_template, resolve_tool_mode
 
 _INT64 = 2 ** 63 - 1
+
+
+def _prompt_form(value: Any) -> str:
+    """Which form a prompt field takes, from its first element: pydantic then validates that
+    form alone (trying every form of a long list of token ids costs an error per element)."""
+    if isinstance(value, str):
+        return "str"
+    if isinstance(value, list) and value:
+        if isinstance(value[0], str):
+            return "list[str]"
+        if isinstance(value[0], list):
+            return "list[list[int]]"
+    return "list[int]"
+
+
+# A prompt: text, texts, token ids or lists of token ids (tags named as errors.py drops them from paths).
+PromptInput = Annotated[Union[Annotated[str, Tag("str")], Annotated[list[str], Tag("list[str]")],
+                              Annotated[list[int], Tag("list[int]")],
+                              Annotated[list[list[int]], Tag("list[list[int]]")]],
+                        Discriminator(_prompt_form)]
 
 
 class _Lenient(BaseModel):
@@ -163,7 +183,7 @@ def prompt_list(p: str | list) -> list[str | list[int]]:
 
 
 class CompletionRequest(_SamplingFields):
-    prompt: str | list[str] | list[int] | list[list[int]]
+    prompt: PromptInput
     max_tokens: int | None = Field(16, le=_INT64, ge=-_INT64)
     logprobs: int | None = Field(None, le=_INT64, ge=-_INT64)
     echo: bool = False
@@ -311,7 +331,7 @@ class EmbeddingRequest(_Lenient):
     """OpenAI's /v1/embeddings (plus vLLM's priority and normalize)."""
 
     model: str | None = None
-    input: str | list[str] | list[int] | list[list[int]]
+    input: PromptInput
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: int | None = Field(None, le=_INT64, ge=-_INT64)
     user: str | None = None
