@@ -15,8 +15,12 @@ state a call returns when the previous step's tokens are on the host). Also repo
 weight bytes read per step (all parameters once, the DESIGN.md convention) over `ms_per_step`
 as GB/s, and that as a share of a device-to-device copy bandwidth measured in the same run
 (bytes read + written), and what produced the figure (device, backend, CUDA graphs, overlap).
-With --json each batch's row is written as soon as it is measured (a later batch that fails or
-is cut off leaves the earlier rows; a failed batch leaves a row with its error).
+With --json the rows are written once the engine is built (each with `status` "pending" and the
+start-up, compile and capture seconds) and each again as soon as it is measured ("done"; a batch
+that fails leaves "error" and its message, one cut off "running"), so a run that fails or is cut
+off keeps what it measured. `--wait-for PATH` builds the engine, then waits until PATH exists
+before measuring anything (tools/gpu_check.sh builds engines while other stages run and times
+them on a quiet GPU).
 `--preset` writes a config-only model directory to a temporary directory and loads random
 weights (load_format=dummy) directly on the device.
 
@@ -325,6 +329,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="cap on the baseline's output length (eager transformers is slow)")
     parser.add_argument("--prompt-seed", type=int, default=0, help="seed of the random prompts")
     parser.add_argument("--json", default=None, help="write the results here")
+    parser.add_argument("--wait-for", default=None, metavar="PATH",
+                        help="after start-up, wait until PATH exists before measuring (a quiet device)")
     parser.add_argument("--load-only", action="store_true",
                         help="only build the engine and report weight memory (against bf16) and peak RSS")
     add_settings_flags(parser)
@@ -396,21 +402,33 @@ def main(argv: list[str]) -> int:
           f"{'on' if engine.async_scheduling else 'off'}), input {args.input_len}, output {args.output_len}")
     print(f"  start-up {startup:.1f}s (compile {engine.compile_seconds:.1f}s, "
           f"capture {engine.capture_seconds:.1f}s)")
-    copy_gbps = copy_bandwidth(engine.device)
-    hf = build_hf_model(engine) if args.baseline else None
-    rows: list[dict[str, Any]] = []
-    failed = None
-    for b in batches:
-        row = dict(produced_by, batch_size=b)
-        try:
-            row.update(bench_one(engine, b, args.input_len, args.output_len, args, copy_gbps, hf))
-        except Exception as e:  # noqa: BLE001 - recorded in the row, the earlier rows stay
-            row["error"] = f"{type(e).__name__}: {e}"[:500]
-            failed = e
-        row.update(startup_s=startup, compile_s=engine.compile_seconds, capture_s=engine.capture_seconds)
-        rows.append(row)
+    started = dict(startup_s=startup, compile_s=engine.compile_seconds, capture_s=engine.capture_seconds)
+    rows = [dict(produced_by, batch_size=b, status="pending", **started) for b in batches]
+
+    def write() -> None:
         if args.json:
             write_rows(Path(args.json), rows, single=len(batches) == 1)
+
+    write()
+    if args.wait_for:
+        print(f"  waiting for {args.wait_for} before measuring", flush=True)
+        t_wait = time.perf_counter()
+        while not Path(args.wait_for).exists():
+            time.sleep(0.1)
+        print(f"  waited {time.perf_counter() - t_wait:.1f}s", flush=True)
+    copy_gbps = copy_bandwidth(engine.device)
+    hf = build_hf_model(engine) if args.baseline else None
+    failed = None
+    for row in rows:
+        row["status"] = "running"
+        write()
+        try:
+            row.update(bench_one(engine, row["batch_size"], args.input_len, args.output_len, args, copy_gbps, hf))
+            row["status"] = "done"
+        except Exception as e:  # noqa: BLE001 - recorded in the row, the earlier rows stay
+            row.update(status="error", error=f"{type(e).__name__}: {e}"[:500])
+            failed = e
+        write()
         if failed is not None:
             break
     if tmp is not None:
@@ -421,9 +439,10 @@ def main(argv: list[str]) -> int:
 
 
 # The summary keys first (tools/gpu_summary.py and a reader of the JSON see the figures first).
-ROW_ORDER = ["batch_size", "ms_per_step", "decode_tok_per_s", "step_ms_median", "step_ms_p99", "e2e_tok_per_s",
-             "weight_GBps", "bandwidth_share", "backend", "cuda_graphs", "async_scheduling", "hf_ms_per_step",
-             "hf_tok_per_s", "speedup_per_step", "speedup_tok_per_s", "startup_s", "compile_s", "capture_s"]
+ROW_ORDER = ["batch_size", "status", "ms_per_step", "decode_tok_per_s", "step_ms_median", "step_ms_p99",
+             "e2e_tok_per_s", "weight_GBps", "bandwidth_share", "backend", "cuda_graphs", "async_scheduling",
+             "hf_ms_per_step", "hf_tok_per_s", "speedup_per_step", "speedup_tok_per_s", "startup_s", "compile_s",
+             "capture_s"]
 
 
 def write_rows(path: Path, rows: list[dict[str, Any]], single: bool) -> None:
