@@ -194,7 +194,7 @@ engine_args() {  # NAME -> ENGINE_ARGS
     quant-int4) ENGINE_ARGS=(--preset llama-3.1-8b --quantization gptq --int4-kernel kiln --batch-size 1 --warmup-steps 4) ;;
     quant-int4-tinygemm) ENGINE_ARGS=(--preset llama-3.1-8b --quantization gptq --int4-kernel tinygemm --batch-size 1
                                       --warmup-steps 4) ;;
-    quant-fp8) ENGINE_ARGS=(--preset llama-3.1-8b --quantization fp8 --batch-size 64 --warmup-steps 4) ;;
+    quant-fp8-w8a8) ENGINE_ARGS=(--preset llama-3.1-8b --quantization fp8 --batch-size 64 --warmup-steps 4) ;;
   esac
   # the serving defaults on a GPU, named: the CUTLASS kernels (a missing kernel fails the stage,
   # never falls back to the torch backend), CUDA graphs (not --enforce-eager), overlap scheduling
@@ -339,7 +339,8 @@ stage_kernel_bench() {  # DECODE PREFILL: one generation per process
     --prefill-kernel "$2" --json "$WORK/$STAGE.json"
 }
 
-stage_engine() {  # ENGINE [COMPARE-ARGS...]: time a latency engine; the stage JSON is the engine's
+stage_engine() {  # ENGINE [COMPARE-ARGS...]: time a latency engine; the stage JSON is the engine's rows, or
+  # for a quantised engine (its name unlike the stage's) quant_compare's against latency-8b
   local engine=$1 r; shift
   run_engine "$engine"; r=$?
   if [ $# -gt 0 ]; then  # a quantised engine: against latency-8b's bf16 figures of this run
@@ -395,7 +396,7 @@ for STAGE in "${STAGES[@]}"; do
     quant-tinygemm)
       run_stage quant-tinygemm stage_engine quant-int4-tinygemm --int4 "$WORK/quant-int4-tinygemm.json" ;;
     quant-fp8)
-      run_stage quant-fp8 stage_engine quant-fp8 --fp8 "$WORK/quant-fp8.json" ;;
+      run_stage quant-fp8 stage_engine quant-fp8-w8a8 --fp8 "$WORK/quant-fp8-w8a8.json" ;;
     w4a16-bench)
       run_stage w4a16-bench stage_stub $PY -m compiler.kernels.w4a16_bench --cache-dir "$KCACHE" \
         --json "$WORK/w4a16-bench.json" ;;

@@ -271,6 +271,12 @@ def _detail(entry: dict) -> str:
         if entry.get(key):
             parts.append(("CRASH: " if key == "crash" else "") + entry[key])
     result = entry.get("result")
+    if isinstance(result, dict) and "notes" in result:  # quant_compare's
+        for key, what in (("int4_over_bf16_ms", "int4/bf16 ms/step"), ("fp8_over_bf16_tok_s", "fp8/bf16 tok/s")):
+            if key in result:
+                parts.append(f"{what} {result[key]:.3f}" + (f" ({result['int4_verdict']})" if key.startswith("int4")
+                                                              else ""))
+        parts += [f"missing {note}" for note in result["notes"]]
     if isinstance(result, dict) and result.get("complete") is False:
         parts.append("result incomplete (has " + ", ".join(k for k in result if k not in ("complete", "fake")) + ")")
     rows = _rows(entry.get("result")) if isinstance(entry.get("result"), list) or (

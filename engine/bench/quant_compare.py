@@ -69,13 +69,13 @@ def compare(bf16: str | None, int4: str | None, fp8: str | None) -> dict[str, An
                    int4_weight_GB=i1.get("weight_GB"), bf16_weight_GB=b1.get("weight_GB"),
                    int4_target=f"<= {INT4_TARGET}", int4_row=_produced_by(i1), bf16_row=_produced_by(b1),
                    int4_verdict=f"not scored: {why}" if why else "MET" if ratio <= INT4_TARGET else "missed")
-    else:
+    elif int4:
         out["notes"].append("int4 batch 1: " + ("no bf16 figure" if not b1 else "no int4 figure"))
     if b64 and f64:
         out.update(fp8_b64_tok_s=f64["decode_tok_per_s"], bf16_b64_tok_s=b64["decode_tok_per_s"],
                    fp8_over_bf16_tok_s=f64["decode_tok_per_s"] / b64["decode_tok_per_s"], fp8_row=_produced_by(f64),
                    bf16_b64_row=_produced_by(b64))
-    else:
+    elif fp8:
         out["notes"].append("fp8 batch 64: " + ("no bf16 figure" if not b64 else "no fp8 figure"))
     return out
 
