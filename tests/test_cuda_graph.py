@@ -106,10 +106,14 @@ class ReplayChecker:
         self._replay = self.graph_runner.replay
         self.graph_runner.replay = self  # (the runner calls graph_runner.replay(step))
         self.seen: list[dict] = []
+        # Off while a test compares whole generations: the eager check writes the step's K/V again,
+        # with eager rounding, which would pull the graphs' tokens towards eager's.
+        self.active = True
 
     def __call__(self, step):
         hidden, tokens = self._replay(step)
-        self.seen.append(self._check(step, hidden, tokens))
+        if self.active:
+            self.seen.append(self._check(step, hidden, tokens))
         return hidden, tokens
 
     def _check(self, step, graph_hidden, graph_tokens) -> dict:
@@ -290,7 +294,11 @@ def test_greedy_tokens_graphs_equal_eager(engines, mode):
         drain(eager)
     want = engines["want"]
     replays, compiles = gr.num_replays, compile_count()
-    got = _drive(graphs, plan)
+    graphs.checker.active = False
+    try:
+        got = _drive(graphs, plan)
+    finally:
+        graphs.checker.active = True
     assert compile_count() == compiles, "Dynamo recompiled while serving"
     assert gr.num_replays - replays > 50
     if not gr.device_reads_lengths:  # the long sequence needed a graph with a longer context

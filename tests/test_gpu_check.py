@@ -172,7 +172,7 @@ def test_every_gpu_test_file_runs_in_a_group_and_kernel_tests_split_by_generatio
         assert f in groups["kernels-v1"] and f in groups["kernels-v2"]
     for target in ("torch", "cutlass_v1", "cutlass_v2"):
         assert f"-k {target} tests/test_cuda_graph.py" in groups[f"graph-{target.replace('_', '-')}"]
-    assert "TORCHINDUCTOR_COMPILE_THREADS=2" in text and "KILN_GPU_CHECK_STRICT=1" in text
+    assert "TORCHINDUCTOR_COMPILE_THREADS=2 KILN_NUM_GPU_BLOCKS=1024" in text and "KILN_GPU_CHECK_STRICT=1" in text
 
 
 def test_strict_mode_turns_gpu_skips_into_failures(tmp_path):

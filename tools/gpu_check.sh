@@ -322,8 +322,9 @@ run_group() {  # NAME PYTEST-ARGS: one process of the tests stage (log, junit, s
     timeout "$LIMIT" $PY tools/gpu_check_fake.py junit "$name" "$WORK/tests-$name.xml" \
       $(crashes "tests:$name" && echo --crash) >"$WORK/tests-$name.log" 2>&1; r=$?
   else
-    # (eval: the quoted -k expressions)
-    eval "TORCHINDUCTOR_COMPILE_THREADS=2 timeout $LIMIT $PY -m pytest -q -p no:cacheprovider $args" \
+    # (eval: the quoted -k expressions.) One GPU, many processes: an engine that sizes its KV cache
+    # from free memory would take 90% of the card (gpu_memory_utilization) from the others.
+    eval "TORCHINDUCTOR_COMPILE_THREADS=2 KILN_NUM_GPU_BLOCKS=1024 timeout $LIMIT $PY -m pytest -q -p no:cacheprovider $args" \
       "--junitxml=$WORK/tests-$name.xml" >"$WORK/tests-$name.log" 2>&1; r=$?
   fi
   echo $(( $(date +%s) - t0 )) >"$WORK/tests-$name.secs"
