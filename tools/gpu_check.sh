@@ -211,8 +211,7 @@ start_engine() {  # NAME: build its engine in the background; it measures once W
   local name=$1 cmd
   engine_args "$name"
   if [ -n "$FAKE" ]; then
-    [ -d "$WORK/fake-model" ] || $PY tools/gpu_check_fake.py model "$WORK/fake-model" >/dev/null 2>&1
-    cmd=($PY tools/gpu_check_fake.py run $(crashes "$name" && echo --crash-at-batch 3) --)
+    cmd=($PY tools/gpu_check_fake.py run --make-model "$WORK/fake-model" $(crashes "$name" && echo --crash-at-batch 3) --)
   else
     cmd=(env TORCHINDUCTOR_COMPILE_THREADS=4 $PY -m engine.bench.latency)
   fi

@@ -1,8 +1,9 @@
 """A fake device for tools/gpu_check.sh (GPU_CHECK_FAKE=1): each stage's command on the CPU.
 
     gpu_check_fake.py model DIR                       a tiny Llama checkpoint for the latency stages
-    gpu_check_fake.py run [--crash-at-batch B] -- ARGS
-        the real `kiln bench latency ARGS` driver; with --crash-at-batch the process kills itself
+    gpu_check_fake.py run [--make-model DIR] [--crash-at-batch B] -- ARGS
+        the real `kiln bench latency ARGS` driver (--make-model: make the tiny checkpoint first
+        unless there, atomically: engines start together); with --crash-at-batch the process kills itself
         with SIGSEGV when batch B starts, after printing a CUDA-style error (a sticky fault)
     gpu_check_fake.py junit GROUP XML [--crash]       a tests-stage process: two passing cases
     gpu_check_fake.py kernel-cache JSON               the kernel-cache stage's report
@@ -22,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import signal
 import sys
 from pathlib import Path
@@ -39,15 +41,32 @@ def write(path: str, data) -> None:
 
 
 def cmd_model(args) -> int:
+    print(make_model(Path(args.dir)))
+    return 0
+
+
+def make_model(path: Path) -> Path:
+    """The tiny checkpoint at `path`, made unless there (in a temporary directory, then renamed)."""
+    import tempfile
+
     from engine.models.tiny_model import make_tiny_model
 
-    print(make_tiny_model(args.dir, arch="llama", seed=1))
-    return 0
+    if not path.is_dir():
+        tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}."))
+        make_tiny_model(tmp / "m", arch="llama", seed=1)
+        try:
+            (tmp / "m").rename(path)
+        except OSError:  # another engine made it first
+            pass
+        shutil.rmtree(tmp, ignore_errors=True)
+    return path
 
 
 def cmd_run(args) -> int:
     from engine.bench import latency
 
+    if args.make_model:
+        make_model(Path(args.make_model))
     real = latency.bench_one
 
     def bench_one(engine, batch, *rest, **kw):
@@ -102,6 +121,7 @@ def main(argv: list[str]) -> int:
     s = sub.add_parser("model")
     s.add_argument("dir")
     s = sub.add_parser("run")
+    s.add_argument("--make-model", default=None)
     s.add_argument("--crash-at-batch", type=int, default=None)
     s.add_argument("rest", nargs=argparse.REMAINDER)
     s = sub.add_parser("junit")
