@@ -454,4 +454,8 @@ def write_rows(path: Path, rows: list[dict[str, Any]], single: bool) -> None:
 
 
 if __name__ == "__main__":
+    # as `kiln bench latency` logs: the start-up phases with their seconds (weights, KV, compile, capture)
+    import logging
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     sys.exit(main(sys.argv[1:]))
