@@ -8,8 +8,16 @@ from pathlib import Path
 import pytest
 import torch
 
+from engine.config.settings import env_flag
+
 ARCHS = ("llama", "qwen2", "qwen3", "mistral", "gemma", "gemma2", "gemma3", "phi3", "mixtral", "qwen2_moe",
          "qwen3_moe")
+
+
+# Under tools/gpu_check.sh (KILN_GPU_CHECK_STRICT=1) a skipped GPU test is a failure, and so is a
+# test module that skips as a whole (a missing GPU, kernel cache or cuda-python): on the device a
+# skip means the check did not happen, and must not read as a pass.
+STRICT_GPU = env_flag("KILN_GPU_CHECK_STRICT") == "1"
 
 
 def pytest_collection_modifyitems(config, items):
@@ -19,6 +27,29 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.get_closest_marker("gpu") is not None:  # a marker, not any node named "gpu"
             item.add_marker(skip)
+
+
+def _skip_reason(report) -> str:
+    longrepr = report.longrepr
+    return longrepr[2] if isinstance(longrepr, tuple) and len(longrepr) == 3 else str(longrepr)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    report = outcome.get_result()
+    if STRICT_GPU and report.skipped and not hasattr(report, "wasxfail") and item.get_closest_marker("gpu"):
+        report.outcome = "failed"
+        report.longrepr = f"KILN_GPU_CHECK_STRICT: a GPU test skipped ({_skip_reason(report)})"
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_make_collect_report(collector):
+    outcome = yield
+    report = outcome.get_result()
+    if STRICT_GPU and report.skipped and isinstance(collector, pytest.Module):
+        report.outcome = "failed"
+        report.longrepr = f"KILN_GPU_CHECK_STRICT: test module {collector.name} skipped ({_skip_reason(report)})"
 
 
 @pytest.fixture(scope="session")

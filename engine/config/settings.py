@@ -34,7 +34,8 @@ class SettingsError(ValueError):
 
 
 # KILN_* variables that are not settings fields (read through env_flag or above).
-OTHER_ENV_VARS = ("KILN_CONFIG", "KILN_CACHE_DIR", "KILN_SOAK_REQUESTS", "KILN_SERVER_SOAK_STREAMS")
+OTHER_ENV_VARS = ("KILN_CONFIG", "KILN_CACHE_DIR", "KILN_SOAK_REQUESTS", "KILN_SERVER_SOAK_STREAMS",
+                  "KILN_GPU_CHECK_STRICT")
 
 
 def read_config_file() -> tuple[Path, dict[str, Any], str] | None:
