@@ -374,7 +374,7 @@ def main(argv: list[str]) -> int:
         return 0
     print(f"kiln bench latency: {name} ({str(engine.dtype).removeprefix('torch.')}, {engine.device}, "
           f"attention {engine.backend.name}, {'eager' if settings.enforce_eager else 'compiled'}"
-          f"{', CUDA graphs' if engine.worker.model_runner.graph_runner is not None else ''}), input {args.input_len}, "
+          f"{', CUDA graphs' if engine.runner.graph_runner is not None else ''}), input {args.input_len}, "
           f"output {args.output_len}")
     print(f"  start-up {startup:.1f}s (compile {engine.compile_seconds:.1f}s, "
           f"capture {engine.capture_seconds:.1f}s)")

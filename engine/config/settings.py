@@ -175,7 +175,10 @@ class EngineSettings(_KilnSettings):
     block_size: int = Field(16, description="tokens per KV block (8, 16, 32, 64 or 128)")
     num_gpu_blocks: int | None = Field(None, ge=2, description="KV blocks; default: sized from memory settings")
     gpu_memory_utilization: float = Field(0.9, gt=0.0, le=1.0, description="share of GPU memory kiln may use")
-    kv_cache_memory_gb: float = Field(0.25, gt=0.0, description="KV cache size on the CPU device")
+    kv_cache_memory_gb: float | None = Field(
+        None, gt=0.0, description="KV cache size on the CPU device, GiB; default: half the memory free once the "
+        "weights are loaded (MemAvailable or the cgroup limit, less 1 GiB and the activations), at most what "
+        "max_num_seqs sequences at the full context fill, at least 0.25")
     swap_space_gb: float = Field(1.0, ge=0.0, description="pinned CPU memory for swapped-out KV blocks")
     enable_prefix_caching: bool = Field(True, description="reuse the KV blocks of shared prompt prefixes")
 

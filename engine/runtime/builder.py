@@ -341,13 +341,37 @@ class EngineBuilder:
         if s.num_gpu_blocks is not None:
             blocks = s.num_gpu_blocks + 1  # plus the null block
         elif self.device.type == "cpu":
-            blocks = kv_sizing.blocks_from_budget(s.kv_cache_memory_gb * kv_sizing.GIB, per_block, "cpu")
+            blocks = kv_sizing.blocks_from_budget(self._cpu_kv_bytes(per_block), per_block, "cpu")
         else:
             blocks = kv_sizing.blocks_from_budget(self._free_gpu_bytes_after_profile(), per_block, "cuda")
         # No max_model_len given and the full context does not fit: serve the largest that does.
         self.max_model_len = kv_sizing.fit_max_model_len(s.max_model_len, self.max_model_len, blocks, s.block_size,
                                                          per_block, self.device.type, s.num_gpu_blocks is not None)
         return blocks
+
+    def _cpu_kv_bytes(self, per_block: int) -> float:
+        """kv_cache_memory_gb, or by default a share of the memory free now that the weights are
+        loaded (engine/core/kv/kv_sizing.py: cpu_kv_budget); logged either way."""
+        s, cfg = self.settings, self.model_config
+        if s.kv_cache_memory_gb is not None:
+            budget, why = s.kv_cache_memory_gb * kv_sizing.GIB, "kv_cache_memory_gb"
+        else:
+            blocks_per_seq = -(-self.max_model_len // s.block_size)
+            needed = (s.max_num_seqs * blocks_per_seq + 1) * per_block
+            free = kv_sizing.read_free_memory()
+            if free is None:
+                budget, why = kv_sizing.CPU_KV_FLOOR, "the floor: this system does not say how much memory is free"
+            else:
+                width = (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
+                activations = kv_sizing.activation_bytes(
+                    self._token_budget(), s.max_num_seqs, cfg.hidden_size, cfg.intermediate_size or cfg.hidden_size,
+                    width, cfg.vocab_size, torch.finfo(self.dtype).bits // 8)
+                budget, why = kv_sizing.cpu_kv_budget(free.bytes, activations, needed, s.tensor_parallel_size)
+                why += f" ({free.source}); set kv_cache_memory_gb to choose"
+        blocks = int(budget // per_block)
+        logger.info("KV cache on the CPU: %.2f GiB, %d blocks = %d tokens: %s", budget / kv_sizing.GIB, blocks,
+                    max(blocks - 1, 0) * s.block_size, why)
+        return budget
 
     def _free_gpu_bytes_after_profile(self) -> float:
         """Memory left for KV under gpu_memory_utilization, after a forward at the largest batch."""
