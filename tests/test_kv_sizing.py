@@ -107,8 +107,9 @@ def test_kiln_serve_starts_with_defaults_and_logs_the_context(long_context_model
     root = Path(__file__).resolve().parents[1]
     log_path = tmp_path / "serve.log"
     with open(log_path, "w") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "engine.entrypoints.cli", "serve", "--model", str(long_context_model),
-                                 "--port", "0", "--kv-cache-memory-gb", "0.25"], cwd=root, stdout=subprocess.PIPE, stderr=log, text=True,
+        proc = subprocess.Popen([sys.executable, "-m", "engine.entrypoints.cli", "serve", "--model",
+                                 str(long_context_model), "--port", "0", "--kv-cache-memory-gb", "0.25"], cwd=root,
+                                stdout=subprocess.PIPE, stderr=log, text=True,
                                 env={**os.environ, "PYTHONUNBUFFERED": "1"})
     try:
         url = None
