@@ -163,8 +163,8 @@ class EngineSettings(_KilnSettings):
     chat_template: str | None = Field(
         None, description="Jinja chat template, or the path of a file holding one (default: the tokenizer's)")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
-        "auto", description="weights and activations (half = float16, float = float32; auto: the checkpoint's, "
-        "float32 on the CPU)")
+        "auto", description="weights and activations (half = float16, float = float32; auto: the checkpoint's; on "
+        "the CPU float32 unless the CPU multiplies the checkpoint's bf16/fp16 natively, logged at start-up)")
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto: cuda when a GPU is visible")
     seed: int = Field(0, description="random seed for dummy weights and unseeded sampling")
     load_format: Literal["auto", "dummy"] = Field("auto", description="dummy: random weights from config.json")

@@ -32,6 +32,7 @@ from engine.models.config import ModelConfig
 from engine.models.loader.gguf_file import is_gguf
 from engine.models.loader.model_loader import load_model, load_tokenizer
 from engine.structured_output.grammars import StructuredOutputCompiler
+from engine.worker.cpu_dtype import cpu_auto_dtype, cpu_math
 from engine.worker.cpu_threads import apply_cpu_threads
 from engine.worker.model_runner import ModelRunner
 from engine.worker.sample.sampler import Sampler
@@ -55,11 +56,36 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def resolve_dtype(name: str, model_config: ModelConfig, device: torch.device) -> torch.dtype:
+def checkpoint_dtype(model_dir: Path, model_config: ModelConfig) -> str | None:
+    """The weights' own dtype: float32 / bfloat16 / float16, "quantized" (integer weights: a
+    quantization_config, or a GGUF file whose layers are Q8_0, Q4_x, K-quants...), or None."""
+    if model_config.quantization:
+        return "quantized"
+    if is_gguf(model_dir):
+        from collections import Counter
+
+        from engine.layers.quant.gguf_blocks import BLOCK_TYPES
+        from engine.models.loader.gguf_file import read_header
+
+        kinds = Counter(BLOCK_TYPES.get(t.type_id, ("?",))[0] for t in read_header(model_dir)[1]
+                        if t.name.startswith("blk.") and len(t.shape) == 2)
+        if not kinds:
+            return None
+        kind = kinds.most_common(1)[0][0]
+        return {"F32": "float32", "F16": "float16", "BF16": "bfloat16"}.get(kind, "quantized")
+    return model_config.torch_dtype if model_config.torch_dtype in _DTYPES else None
+
+
+def resolve_dtype(name: str, model_config: ModelConfig, device: torch.device,
+                  model_dir: Path | None = None) -> torch.dtype:
     if name != "auto":
         return _DTYPES[name]
-    if device.type == "cpu":
-        return torch.float32
+    if device.type == "cpu":  # the fastest exact-enough dtype on this CPU (engine/worker/cpu_dtype.py)
+        math = cpu_math()
+        checkpoint = checkpoint_dtype(model_dir, model_config) if model_dir is not None else model_config.torch_dtype
+        chosen, why = cpu_auto_dtype(checkpoint if checkpoint in (*_DTYPES, "quantized") else None, math)
+        logger.info("dtype auto on the CPU: %s (%s; %s)", chosen, why, math.describe())
+        return _DTYPES[chosen]
     native = model_config.torch_dtype
     if native in ("bfloat16", "float16"):
         return _DTYPES[native]
@@ -115,7 +141,7 @@ class EngineBuilder:
         self.model_config = cfg = ModelConfig.from_dir(self.model_dir)
         self.device = resolve_device(settings.device)
         self.cpu_threads = apply_cpu_threads(self._cpu_threads(), settings.cpu_bind)
-        self.dtype = resolve_dtype(settings.dtype, self.model_config, self.device)
+        self.dtype = resolve_dtype(settings.dtype, self.model_config, self.device, self.model_dir)
         self.kv_dtype = resolve_kv_cache_dtype(settings.kv_cache_dtype, self.dtype)
         self.max_model_len = self._resolve_max_model_len()
         self.async_scheduling = settings.resolved_async_scheduling(self.device.type)
