@@ -256,7 +256,7 @@ def served_one(name: str, cmd: list[str], env: dict, a, out_dir: Path, i: int) -
                               env={**os.environ, "PYTHONPATH": str(REPO)})
         if done.returncode != 0 or not result.is_file():
             raise SystemExit(f"kiln bench serve against {name} failed: {done.stderr[-2000:]}")
-        return json.loads(result.read_text())
+        return flat_metrics(json.loads(result.read_text()))
     finally:
         os.killpg(proc.pid, signal.SIGINT)
         try:
@@ -269,6 +269,16 @@ def served_one(name: str, cmd: list[str], env: dict, a, out_dir: Path, i: int) -
 SERVE_METRICS = (("output_throughput", "output tok/s", True), ("median_itl_ms", "ITL median ms", False),
                  ("median_tpot_ms", "TPOT median ms", False), ("median_ttft_ms", "TTFT median ms", False),
                  ("p99_itl_ms", "ITL p99 ms", False))
+
+
+def flat_metrics(result: dict) -> dict:
+    """kiln bench serve's JSON ({"itl_ms": {"median": ..., "p99": ...}}) with vLLM's flat keys added
+    (median_itl_ms, p99_itl_ms, ...)."""
+    flat = dict(result)
+    for metric in ("ttft", "tpot", "itl", "e2el"):
+        for stat, value in (result.get(f"{metric}_ms") or {}).items():
+            flat[f"{stat}_{metric}_ms"] = value
+    return flat
 
 
 def serve(bin_dir: Path, a) -> dict:
