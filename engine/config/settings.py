@@ -164,8 +164,8 @@ class EngineSettings(_KilnSettings):
     chat_template: str | None = Field(
         None, description="Jinja chat template, or the path of a file holding one (default: the tokenizer's)")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
-        "auto", description="weights and activations (half = float16, float = float32; auto: the checkpoint's, "
-        "float32 on the CPU)")
+        "auto", description="weights and activations (half = float16, float = float32; auto: the checkpoint's; on "
+        "the CPU float32 unless the CPU multiplies the checkpoint's bf16/fp16 natively, logged at start-up)")
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto: cuda when a GPU is visible")
     seed: int = Field(0, description="random seed for dummy weights and unseeded sampling")
     load_format: Literal["auto", "dummy"] = Field("auto", description="dummy: random weights from config.json")
@@ -176,7 +176,10 @@ class EngineSettings(_KilnSettings):
     block_size: int = Field(16, description="tokens per KV block (8, 16, 32, 64 or 128)")
     num_gpu_blocks: int | None = Field(None, ge=2, description="KV blocks; default: sized from memory settings")
     gpu_memory_utilization: float = Field(0.9, gt=0.0, le=1.0, description="share of GPU memory kiln may use")
-    kv_cache_memory_gb: float = Field(0.25, gt=0.0, description="KV cache size on the CPU device")
+    kv_cache_memory_gb: float | None = Field(
+        None, gt=0.0, description="KV cache size on the CPU device, GiB; default: half the memory free once the "
+        "weights are loaded (MemAvailable or the cgroup limit, less 1 GiB and the activations), at most what "
+        "max_num_seqs sequences at the full context fill, at least 0.25")
     swap_space_gb: float = Field(1.0, ge=0.0, description="pinned CPU memory for swapped-out KV blocks")
     enable_prefix_caching: bool = Field(True, description="reuse the KV blocks of shared prompt prefixes")
 

@@ -32,6 +32,7 @@ from engine.models.loader.gguf_file import is_gguf
 from engine.models.loader.kv_scales import read_kv_scales
 from engine.models.loader.model_loader import load_model, load_tokenizer
 from engine.structured_output.grammars import StructuredOutputCompiler
+from engine.worker.cpu_dtype import cpu_auto_dtype, cpu_math
 from engine.worker.cpu_threads import apply_cpu_threads
 from engine.worker.model_runner import ModelRunner
 from engine.worker.sample.sampler import Sampler
@@ -55,11 +56,36 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def resolve_dtype(name: str, model_config: ModelConfig, device: torch.device) -> torch.dtype:
+def checkpoint_dtype(model_dir: Path, model_config: ModelConfig) -> str | None:
+    """The weights' own dtype: float32 / bfloat16 / float16, "quantized" (integer weights: a
+    quantization_config, or a GGUF file whose layers are Q8_0, Q4_x, K-quants...), or None."""
+    if model_config.quantization:
+        return "quantized"
+    if is_gguf(model_dir):
+        from collections import Counter
+
+        from engine.layers.quant.gguf_blocks import BLOCK_TYPES
+        from engine.models.loader.gguf_file import read_header
+
+        kinds = Counter(BLOCK_TYPES.get(t.type_id, ("?",))[0] for t in read_header(model_dir)[1]
+                        if t.name.startswith("blk.") and len(t.shape) == 2)
+        if not kinds:
+            return None
+        kind = kinds.most_common(1)[0][0]
+        return {"F32": "float32", "F16": "float16", "BF16": "bfloat16"}.get(kind, "quantized")
+    return model_config.torch_dtype if model_config.torch_dtype in _DTYPES else None
+
+
+def resolve_dtype(name: str, model_config: ModelConfig, device: torch.device,
+                  model_dir: Path | None = None) -> torch.dtype:
     if name != "auto":
         return _DTYPES[name]
-    if device.type == "cpu":
-        return torch.float32
+    if device.type == "cpu":  # the fastest exact-enough dtype on this CPU (engine/worker/cpu_dtype.py)
+        math = cpu_math()
+        checkpoint = checkpoint_dtype(model_dir, model_config) if model_dir is not None else model_config.torch_dtype
+        chosen, why = cpu_auto_dtype(checkpoint if checkpoint in (*_DTYPES, "quantized") else None, math)
+        logger.info("dtype auto on the CPU: %s (%s; %s)", chosen, why, math.describe())
+        return _DTYPES[chosen]
     native = model_config.torch_dtype
     if native in ("bfloat16", "float16"):
         return _DTYPES[native]
@@ -115,7 +141,7 @@ class EngineBuilder:
         self.model_config = cfg = ModelConfig.from_dir(self.model_dir)
         self.device = resolve_device(settings.device)
         self.cpu_threads = apply_cpu_threads(self._cpu_threads(), settings.cpu_bind)
-        self.dtype = resolve_dtype(settings.dtype, self.model_config, self.device)
+        self.dtype = resolve_dtype(settings.dtype, self.model_config, self.device, self.model_dir)
         self.kv_dtype = resolve_kv_cache_dtype(settings.kv_cache_dtype, self.dtype)
         self.max_model_len = self._resolve_max_model_len()
         self.async_scheduling = settings.resolved_async_scheduling(self.device.type)
@@ -341,13 +367,37 @@ class EngineBuilder:
         if s.num_gpu_blocks is not None:
             blocks = s.num_gpu_blocks + 1  # plus the null block
         elif self.device.type == "cpu":
-            blocks = kv_sizing.blocks_from_budget(s.kv_cache_memory_gb * kv_sizing.GIB, per_block, "cpu")
+            blocks = kv_sizing.blocks_from_budget(self._cpu_kv_bytes(per_block), per_block, "cpu")
         else:
             blocks = kv_sizing.blocks_from_budget(self._free_gpu_bytes_after_profile(), per_block, "cuda")
         # No max_model_len given and the full context does not fit: serve the largest that does.
         self.max_model_len = kv_sizing.fit_max_model_len(s.max_model_len, self.max_model_len, blocks, s.block_size,
                                                          per_block, self.device.type, s.num_gpu_blocks is not None)
         return blocks
+
+    def _cpu_kv_bytes(self, per_block: int) -> float:
+        """kv_cache_memory_gb, or by default a share of the memory free now that the weights are
+        loaded (engine/core/kv/kv_sizing.py: cpu_kv_budget); logged either way."""
+        s, cfg = self.settings, self.model_config
+        if s.kv_cache_memory_gb is not None:
+            budget, why = s.kv_cache_memory_gb * kv_sizing.GIB, "kv_cache_memory_gb"
+        else:
+            blocks_per_seq = -(-self.max_model_len // s.block_size)
+            needed = (s.max_num_seqs * blocks_per_seq + 1) * per_block
+            free = kv_sizing.read_free_memory()
+            if free is None:
+                budget, why = kv_sizing.CPU_KV_FLOOR, "the floor: this system does not say how much memory is free"
+            else:
+                width = (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
+                activations = kv_sizing.activation_bytes(
+                    self._token_budget(), s.max_num_seqs, cfg.hidden_size, cfg.intermediate_size or cfg.hidden_size,
+                    width, cfg.vocab_size, torch.finfo(self.dtype).bits // 8)
+                budget, why = kv_sizing.cpu_kv_budget(free.bytes, activations, needed, s.tensor_parallel_size)
+                why += f" ({free.source}); set kv_cache_memory_gb to choose"
+        blocks = int(budget // per_block)
+        logger.info("KV cache on the CPU: %.2f GiB, %d blocks = %d tokens: %s", budget / kv_sizing.GIB, blocks,
+                    max(blocks - 1, 0) * s.block_size, why)
+        return budget
 
     def _free_gpu_bytes_after_profile(self) -> float:
         """Memory left for KV under gpu_memory_utilization, after a forward at the largest batch."""
