@@ -203,6 +203,7 @@ def test_install_falls_back_per_layer():
     model.layers[0].proj = _kiln_layer(32, 256, 64, False)
     model.layers[1].proj = _kiln_layer(32, 256, 32, True)
     model.layers[2].proj = _kiln_layer(40, 256, 32, True)  # (40 rows: neither kernel)
+    model.quantizable_linears = lambda: {f"layers.{i}.proj": layer.proj for i, layer in enumerate(model.layers)}
     loads = []
     left = w4a16.install(model, "cache", "cpu", torch.bfloat16, load_gemm=lambda *a: loads.append(a) or _FakeGemm())
     assert loads == [("cache", "cpu")]
