@@ -72,6 +72,26 @@ def assert_engine_clean(engine) -> None:
         f"KV blocks leaked: {engine.pool.num_in_use} in use after all requests finished")
 
 
+def sampler_output(out, per_seq: list[list[int]]):
+    """A fake model's tokens (one list per scheduled sequence, in step order: n at a fork, one per
+    position with drafts, none for a chunk that samples nothing) as the sampler hands them over."""
+    from engine.core.outputs import SamplerOutput
+
+    flat = [t for toks in per_seq for t in toks]
+    return SamplerOutput(flat, [None] * len(flat))
+
+
+def take_updates(updates, got: dict, done: dict) -> None:
+    """What an output side sees of the core's updates: each request's tokens per sample (`got`),
+    and, once the core is done with a request, its samples' tokens in `done`."""
+    for update in updates:
+        samples = got.setdefault(update.request_id, {})
+        for seq in update.seqs:
+            samples.setdefault(seq.index, []).extend(seq.token_ids)
+        if update.finished:
+            done[update.request_id] = [samples[i] for i in sorted(samples)]
+
+
 def run_checked(engine) -> dict:
     """Step the engine until every request has finished, checking block accounting after each
     step; returns {request id: final RequestOutput}."""

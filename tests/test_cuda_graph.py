@@ -12,6 +12,7 @@ import torch
 
 from compiler.capture import bucket_for, compile_count, graph_ctx
 from engine.config.settings import EngineSettings
+from engine.core.outputs import SamplerOutput
 from engine.core.request import SamplingParams
 from engine.layers.attention.base import AttentionMetadata
 from engine.runtime.llm_engine import LLMEngine
@@ -135,7 +136,7 @@ def checked_decode_step(engine, expect_n: int) -> dict:
     top2 = ref.topk(2, dim=-1).values
     clear = (top2[:, 0] - top2[:, 1]) > 2 * (REL_TOL * scale + 1e-2)
     assert torch.equal(tokens[clear], ref.argmax(-1)[clear]), f"bucket {bucket}: argmax differs away from ties"
-    engine.scheduler.update(sched, [[t] for t in tokens.tolist()])
+    engine.scheduler.update_from_output(sched, SamplerOutput(tokens.tolist(), [None] * n))
     return {"bucket": bucket, "diff": diff, "scale": scale}
 
 

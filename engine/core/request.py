@@ -231,10 +231,8 @@ class SamplingParams:
         if any(not callable(p) for p in self.logits_processors or []):
             bad("logits_processors must be callables (output_token_ids, logits_row) -> logits_row",
                 "logits_processors")
-        if self.structured_outputs is not None:
-            if not isinstance(self.structured_outputs, StructuredOutputsParams):
-                bad("structured_outputs must be a StructuredOutputsParams", "structured_outputs")
-            self.structured_outputs.validate()
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
+            bad("structured_outputs must be a StructuredOutputsParams", "structured_outputs")  # (which validate themselves)
 
     def clone(self, **changes: Any) -> "SamplingParams":
         """A request's own copy (its own stop lists), with the engine's `changes` set. Not validated

@@ -26,10 +26,10 @@ class TextState:
         self.skip_special_tokens = skip_special_tokens
 
 
-def detokenize_step(tokenizer, state: TextState, upto: int | None = None) -> str:
-    """Append the text of ids up to `upto` (default: all) to state.text; returns the new text.
+def detokenize_step(tokenizer, state: TextState) -> str:
+    """Append the text of the ids not decoded yet to state.text; returns the new text.
     The window method: two decodes per call (works with every tokenizer)."""
-    ids = state.ids if upto is None else state.ids[:upto]
+    ids = state.ids
     skip = state.skip_special_tokens
     if state.read_offset >= len(ids):
         return ""
@@ -53,13 +53,13 @@ class _Stream:
         self.stream, self.pos = stream, pos
 
 
-def stream_step(backend, state: TextState, upto: int | None = None) -> tuple[str, bool]:
+def stream_step(backend, state: TextState) -> tuple[str, bool]:
     """detokenize_step with a DecodeStream kept on the state: each id is decoded once (`backend`
     is the fast tokenizer's `tokenizers.Tokenizer`). Returns (new text, done); not done where the
     stream cannot match the window method (its context ends inside a character, or it refuses
     a prefix): the caller then finishes with detokenize_step, as for this sample from now on."""
     ids = state.ids
-    end = len(ids) if upto is None else upto
+    end = len(ids)
     stream = state.stream
     skip = state.skip_special_tokens
     if stream is None:
@@ -98,14 +98,14 @@ class Detokenizer:
         fast = isinstance(tokenizer, PreTrainedTokenizerFast) and use_stream is not False
         self.backend = tokenizer.backend_tokenizer if fast else None  # a `tokenizers.Tokenizer`
 
-    def step(self, state: TextState, upto: int | None = None) -> str:
-        """Decode the state's ids up to `upto` (default: all) not decoded yet; returns the new text."""
+    def step(self, state: TextState) -> str:
+        """Decode the state's ids not decoded yet; returns the new text."""
         if self.backend is not None and state.stream is not False:
-            delta, done = stream_step(self.backend, state, upto)
+            delta, done = stream_step(self.backend, state)
             if done:
                 return delta
-            return delta + detokenize_step(self.tokenizer, state, upto)  # the stream gave up: the window method
-        return detokenize_step(self.tokenizer, state, upto)
+            return delta + detokenize_step(self.tokenizer, state)  # the stream gave up: the window method
+        return detokenize_step(self.tokenizer, state)
 
 
 def find_stop(text: str, stops: list[str], start: int) -> tuple[int, str] | None:
