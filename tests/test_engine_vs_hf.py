@@ -129,6 +129,7 @@ def test_mixed_prefill_and_decode_in_one_step(tiny_llama, make_llm):
     llm = make_llm(tiny_llama, max_num_batched_tokens=40)
     prompts = {"a": list(range(5, 25)), "b": list(range(5, 105))}  # b: 100 tokens, chunked
     alone = {rid: llm.generate([p], GREEDY, use_tqdm=False)[0].outputs[0].token_ids for rid, p in prompts.items()}
+    llm.reset_prefix_cache()  # (the prompts are computed again, not found)
     engine = llm.engine
     plans = []
     schedule = engine.scheduler.schedule

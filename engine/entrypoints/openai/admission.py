@@ -164,7 +164,7 @@ async def check_constraint(state, body, params: SamplingParams, request) -> Any:
     if params.structured_outputs is None:
         return None
     found = body.structured_output_field()
-    name, _ = found if found is not None else ("tools", params.structured_outputs)
+    name = found[0] if found is not None else "tools"
     tenant = tenant_of(request, body)
     try:
         done = await until_done(state.engine.grammar_compiler.compile_async(params.structured_outputs, tenant),

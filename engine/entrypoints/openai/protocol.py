@@ -83,11 +83,20 @@ class _SamplingFields(_Lenient):
     guided_grammar: str | None = None
 
     def structured_output_params(self) -> StructuredOutputsParams | None:
+        """The request's constraint, made (and so validated) here, once per request."""
         found = self.structured_output_field()
-        return found[1] if found else None
+        if found is None:
+            return None
+        name, fields = found
+        try:
+            return StructuredOutputsParams(**fields)
+        except TypeError as exc:  # an unknown key in structured_outputs
+            raise InvalidRequestError(f"{name}: {exc}", name) from exc
+        except InvalidRequestError as exc:
+            raise InvalidRequestError(str(exc), name) from exc
 
-    def structured_output_field(self) -> tuple[str, StructuredOutputsParams] | None:
-        """(the request field that holds it, the constraint), or None."""
+    def structured_output_field(self) -> tuple[str, dict[str, Any]] | None:
+        """(the request field that holds the constraint, its fields), or None."""
         given: list[tuple[str, dict[str, Any]]] = []
         rf = self.response_format
         if rf is not None and rf.type == "json_object":
@@ -108,13 +117,7 @@ class _SamplingFields(_Lenient):
         if len(given) > 1:
             raise InvalidRequestError("give one structured-output constraint, not several: "
                                       + ", ".join(name for name, _ in given), given[1][0])
-        name, fields = given[0]
-        try:
-            return name, StructuredOutputsParams(**fields)
-        except TypeError as exc:  # an unknown key in structured_outputs
-            raise InvalidRequestError(f"{name}: {exc}", name) from exc
-        except InvalidRequestError as exc:
-            raise InvalidRequestError(str(exc), name) from exc
+        return given[0]
 
     def _params(self, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None = None,
                 defaults: GenerationDefaults | None = None,
