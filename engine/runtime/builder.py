@@ -24,12 +24,12 @@ from engine.core.sched.spec_decode import NgramProposer, SpecDecodeConfig
 from engine.layers.attention.base import BackendSpec
 from engine.layers.attention.selector import get_attention_backend
 from engine.layers.kv_cache import KVCache, KVScales, resolve_kv_cache_dtype
-from engine.layers.kv_scales import read_kv_scales
 from engine.layers.quant.w4a16 import install as install_w4a16
 from engine.layers.quant.w4a16 import loader_int4_kernel, resolve_int4_kernel
 from engine.lora.adapters import make_lora_manager
 from engine.models.config import ModelConfig
 from engine.models.loader.gguf_file import is_gguf
+from engine.models.loader.kv_scales import read_kv_scales
 from engine.models.loader.model_loader import load_model, load_tokenizer
 from engine.structured_output.grammars import StructuredOutputCompiler
 from engine.worker.cpu_threads import apply_cpu_threads
