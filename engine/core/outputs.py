@@ -10,7 +10,7 @@ reads the core's Request, so it may run on another thread.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 from engine.core.request import FinishReason
 
@@ -30,8 +30,8 @@ class SamplerOutput:
     task_results: dict[int, Any] = field(default_factory=dict)
 
 
-@dataclass(slots=True)
-class SeqUpdate:
+# (The updates are NamedTuples: made for every sequence every step, read once, never changed.)
+class SeqUpdate(NamedTuple):
     """One sequence's news: output tokens it kept since its previous update, and its end."""
 
     index: int  # the sample index
@@ -46,8 +46,7 @@ class SeqUpdate:
     num_preemptions: int
 
 
-@dataclass(slots=True)
-class RequestUpdate:
+class RequestUpdate(NamedTuple):
     """A request's news from one step (or an abort, or a failure)."""
 
     request_id: str

@@ -340,16 +340,17 @@ class Request:
     # filled as the prompt's chunks are computed.
     prompt_logprobs: list[dict[int, float] | None] | None = None
     task: Any = None  # what its steps are for: engine/core/request_kinds.py (None: made from params when scheduled)
-    # The output side wants every step's tokens: it hands out more than the final output, builds
-    # the text as it comes (stop strings), or records logprobs, which the core does not keep.
-    # Otherwise (LLM.generate undetokenised) a sequence's tokens go out once, when it ends.
+    # The output side wants every step's tokens: it hands out more than the final output, looks
+    # for stop strings as the text comes, or records logprobs, which the core does not keep.
+    # Otherwise (LLM.generate's final outputs) a sequence's tokens go out once, when it ends, and
+    # are detokenised then, one by one as they would have been step by step.
     every_step: bool = field(init=False)
 
     def __post_init__(self) -> None:
         params = self.params
         if params.prompt_logprobs is not None and self.prompt_logprobs is None:
             self.prompt_logprobs = [None] * len(self.prompt_token_ids)
-        self.every_step = (params.output_kind != "final_only" or params.detokenize
+        self.every_step = (params.output_kind != "final_only" or bool(params.stop and params.detokenize)
                            or params.logprobs is not None)
 
     @property

@@ -50,10 +50,6 @@ class SampleState:
         self.emitted_chars = 0
         self.emitted_finish = False
 
-    @property
-    def text_so_far(self) -> str:
-        return self.text.text if self.text is not None else ""
-
 
 class RequestState:
     """The output side's own state of one request (made from the admitted request)."""
@@ -67,13 +63,9 @@ class RequestState:
         self.text_output = admitted.task.text_output  # False: an embedding
         self.samples: dict[int, SampleState] = {}
         self.finished = False
-        self.error: str | None = None
-        self.num_cached_tokens = 0
-        self.first_scheduled_time: float | None = None
-        self.first_token_time: float | None = None
-        self.finished_time: float | None = None
-        self.prompt_logprobs: list[dict[int, float] | None] | None = None
-        self.embedding: list[float] | None = None
+        self.core = RequestUpdate(self.request_id, [], False)  # the core's latest: timings, cached tokens, error, ...
+        self.error: str | None = None  # this side's own (the output could not be built)
+        self.finished_time: float | None = None  # when this side ended it (a stop string, a failure)
 
     def sample(self, index: int) -> SampleState:
         sample = self.samples.get(index)
@@ -109,9 +101,6 @@ class OutputProcessor:
         """Expect updates for a request the core accepted."""
         self.states[admitted.request_id] = RequestState(admitted)
 
-    def forget(self, request_id: str) -> None:
-        self.states.pop(request_id, None)
-
     def process(self, updates: list[RequestUpdate]) -> Processed:
         done = Processed()
         states = self.states
@@ -130,15 +119,11 @@ class OutputProcessor:
         return done
 
     def _apply(self, state: RequestState, update: RequestUpdate, stopped: list) -> RequestOutput | None:
-        state.error = update.error
-        state.num_cached_tokens = update.num_cached_tokens
-        state.first_scheduled_time = update.first_scheduled_time
-        state.first_token_time = update.first_token_time
-        state.finished_time = update.finished_time
-        state.prompt_logprobs = update.prompt_logprobs
-        state.embedding = update.embedding
+        state.core = update
+        ended = update.finished
+        samples = state.samples
         for seq in update.seqs:
-            sample = state.sample(seq.index)
+            sample = samples.get(seq.index) or state.sample(seq.index)
             if sample.finish_reason is not None:
                 continue  # (ended here by a stop string)
             if seq.token_ids:
@@ -146,11 +131,12 @@ class OutputProcessor:
             if sample.finish_reason is None and seq.finish_reason is not None:
                 sample.finish_reason, sample.stop_reason = seq.finish_reason, seq.stop_reason
             sample.num_preemptions = seq.num_preemptions
+            ended = ended or sample.finish_reason is not None
         if update.finished:
             for sample in state.samples.values():
                 if sample.finish_reason is None:  # (never expected: the core ends every sample it reports)
                     sample.finish_reason = FinishReason.ABORT
-        if update.finished or state.all_ended():
+        if ended and (update.finished or state.all_ended()):
             self._end(state)
         return self._output(state)
 
@@ -160,9 +146,14 @@ class OutputProcessor:
         params = state.params
         text = sample.text
         tokens, logprobs = seq.token_ids, seq.logprobs
-        if text is None and logprobs is None:
-            sample.token_ids += tokens
+        stops = params.stop
+        if logprobs is None and (text is None or (len(tokens) == 1 and not stops and not seq.stop_token)):
+            sample.token_ids += tokens  # (the common cases: no text, or one token's text and no stop strings)
+            if text is not None:
+                text.ids += tokens
+                self.detokenizer.step(text)
             return
+        step = self.detokenizer.step
         last = len(tokens) - 1
         for j, token in enumerate(tokens):
             sample.token_ids.append(token)
@@ -177,14 +168,15 @@ class OutputProcessor:
             if j == last and seq.stop_token:  # (EOS or a stop token id: shown only if asked, never searched)
                 if seq.stop_reason is not None and params.include_stop_str_in_output:
                     text.ids.append(token)
-                    self.detokenizer.step(text)
+                    step(text)
                 continue
             text.ids.append(token)
+            if not stops:
+                step(text)
+                continue
             before = len(text.text)
-            delta = self.detokenizer.step(text)
-            if delta and params.stop and len(sample.token_ids) >= params.min_tokens:
-                longest = max(len(s) for s in params.stop)
-                hit = find_stop(text.text, params.stop, max(0, before - longest + 1))
+            if step(text) and len(sample.token_ids) >= params.min_tokens:
+                hit = find_stop(text.text, stops, max(0, before - max(len(s) for s in stops) + 1))
                 if hit is not None:
                     at, stop = hit
                     text.text = text.text[:at + len(stop)] if params.include_stop_str_in_output else text.text[:at]
@@ -195,7 +187,8 @@ class OutputProcessor:
 
     def _end(self, state: RequestState) -> None:
         state.finished = True
-        state.finished_time = state.finished_time or time.monotonic()
+        if state.core.finished_time is None:  # (ended here first)
+            state.finished_time = time.monotonic()
         self.states.pop(state.request_id, None)
 
     def _fail(self, state: RequestState, message: str) -> RequestOutput | None:
@@ -216,33 +209,40 @@ class OutputProcessor:
         finished = state.finished
         if params.output_kind == "final_only" and not finished:
             return None
+        core = state.core
         if not state.text_output:  # (an embedding: one output, when it is done)
             if not finished:
                 return None
             return RequestOutput(state.request_id, state.prompt, state.prompt_token_ids, [], True,
-                                 state.num_cached_tokens, state.error,
-                                 {"arrival_time": state.arrival_time, "finished_time": state.finished_time},
-                                 None, state.embedding)
-        samples = sorted(state.samples.values(), key=lambda s: s.index)
+                                 core.num_cached_tokens, state.error or core.error,
+                                 {"arrival_time": state.arrival_time,
+                                  "finished_time": core.finished_time or state.finished_time}, None, core.embedding)
+        samples = state.samples
+        ordered = samples.values() if len(samples) == 1 else sorted(samples.values(), key=lambda s: s.index)
         if params.output_kind == "delta":
-            outs = [c for c in (self._delta_choice(state, s) for s in samples) if c is not None]
+            outs = []
+            for sample in ordered:
+                choice = self._delta_choice(state, sample)
+                if choice is not None:
+                    outs.append(choice)
             if not outs and not finished:
                 return None  # new tokens whose text is held back: they come with their text
         else:
-            outs = [self._choice(state, s, 0, 0, self._visible(state, s)) for s in samples]
-        metrics = {
-            "arrival_time": state.arrival_time,
-            "first_scheduled_time": state.first_scheduled_time,
-            "first_token_time": state.first_token_time,
-            "finished_time": state.finished_time,
-            "n": params.n, "max_tokens": params.max_tokens,  # (request_params_* metrics)
-        }
+            outs = [self._choice(state, s, 0, 0, self._visible(state, s)) for s in ordered]
+        metrics = {"arrival_time": state.arrival_time, "first_scheduled_time": core.first_scheduled_time,
+                   "first_token_time": core.first_token_time, "finished_time": core.finished_time or state.finished_time,
+                   "n": params.n, "max_tokens": params.max_tokens}  # (n, max_tokens: request_params_* metrics)
         return RequestOutput(state.request_id, state.prompt, state.prompt_token_ids, outs, finished,
-                             state.num_cached_tokens, state.error, metrics, state.prompt_logprobs)
+                             core.num_cached_tokens, state.error or core.error, metrics, core.prompt_logprobs)
 
     @staticmethod
     def _visible(state: RequestState, sample: SampleState) -> int:
-        return visible_len(sample.text_so_far, state.params.stop, sample.finish_reason is not None)
+        """How much of the sample's text may be shown now (a possible stop string's start held back)."""
+        text = sample.text
+        if text is None:
+            return 0
+        stops = state.params.stop
+        return visible_len(text.text, stops, sample.finish_reason is not None) if stops else len(text.text)
 
     @staticmethod
     def _choice(state: RequestState, sample: SampleState, tokens_from: int, chars_from: int,
@@ -251,7 +251,7 @@ class OutputProcessor:
         logprobs = state.params.logprobs is not None
         return CompletionOutput(
             index=sample.index,
-            text=sample.text_so_far[chars_from:chars_to],
+            text=sample.text.text[chars_from:chars_to] if sample.text is not None else "",
             token_ids=sample.token_ids[tokens_from:],
             cumulative_logprob=sample.cumulative_logprob if logprobs else None,
             logprobs=sample.logprobs[tokens_from:] if logprobs else None,
@@ -266,11 +266,18 @@ class OutputProcessor:
         the request is not detokenised; the delta that ends a sample comes once."""
         if sample.emitted_finish:
             return None
-        chars = self._visible(state, sample)
+        text = sample.text
+        stops = state.params.stop
+        if text is None:
+            chars = 0
+        elif stops:
+            chars = visible_len(text.text, stops, sample.finish_reason is not None)
+        else:
+            chars = len(text.text)
         finished = sample.finish_reason is not None
         num_out = len(sample.token_ids)
         new_tokens = num_out > sample.emitted_tokens
-        if not (chars > sample.emitted_chars or finished or (new_tokens and sample.text is None)):
+        if not (chars > sample.emitted_chars or finished or (new_tokens and text is None)):
             return None
         out = self._choice(state, sample, sample.emitted_tokens, sample.emitted_chars, chars)
         sample.emitted_tokens, sample.emitted_chars, sample.emitted_finish = num_out, chars, finished

@@ -37,6 +37,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 _STOP, _LENGTH = FinishReason.STOP, FinishReason.LENGTH
+_FINISHED = SeqStatus.FINISHED
 
 
 def token_stop(params: SamplingParams, token: int, num_output: int, num_tokens: int,
@@ -101,6 +102,7 @@ class StepResults:
             tokens = [[sampled.token_ids[r] for r in rows] for _, rows in sample_row_ranges(out.seqs)]
         spare = self.spare
         cache_full_blocks = self.kv.cache_full_blocks
+        took = self._took
         running, finished = SeqStatus.RUNNING, SeqStatus.FINISHED
         generated = 0
         for sched, toks in zip(out.seqs, tokens):
@@ -109,7 +111,6 @@ class StepResults:
                 continue  # finished or aborted meanwhile
             if failed and sched.seq_id in failed:
                 toks = []  # no token for a failed row: its request is failed below
-            grown: list[tuple[Sequence, int]] = []  # (sequence, index of its first new token)
             if sched.advances_at_launch:
                 if sched.do_sample and toks:
                     ids = seq.token_ids
@@ -119,8 +120,10 @@ class StepResults:
                     seq.num_new_tokens = 1
                     if len(sched.token_ids) == 1:
                         spare[sched.seq_id] = sched
-                    grown.append((seq, at))
-                if seq.status is running:
+                    if seq.status is running:
+                        cache_full_blocks(seq)
+                    generated += took(seq, at, news, failed, now)
+                elif seq.status is running:
                     cache_full_blocks(seq)
             elif seq.status is not running:
                 continue
@@ -128,45 +131,56 @@ class StepResults:
                 if toks:
                     assert self.spec is not None
                     self.spec.accept(seq, sched.draft_token_ids, toks, self.kv)
-                    grown.append((seq, len(seq.token_ids) - seq.num_new_tokens))
+                    generated += took(seq, len(seq.token_ids) - seq.num_new_tokens, news, failed, now)
             else:
                 seq.num_computed_tokens += sched.num_tokens
                 cache_full_blocks(seq)
                 if sched.do_sample and toks:
                     if sched.num_samples > 1:
-                        grown.extend((s, len(s.token_ids) - 1) for s in self.fork(seq, toks))
+                        for s in self.fork(seq, toks):
+                            generated += took(s, len(s.token_ids) - 1, news, failed, now)
                     else:
                         seq.token_ids.append(toks[0])
                         seq.num_new_tokens = 1
-                        grown.append((seq, len(seq.token_ids) - 1))
-            for s, first in grown:
-                request = s.request
-                try:
-                    generated += self._check_tokens(s, first)
-                except Exception as exc:  # noqa: BLE001 - e.g. a grammar refused the token: fail only this request
-                    logger.exception("request %s: processing its tokens failed", request.request_id)
-                    failed[s.seq_id] = f"processing the output failed: {type(exc).__name__}: {exc}"
-                if request.first_token_time is None:
-                    request.first_token_time = now
-                news[request.request_id] = request
+                        generated += took(seq, len(seq.token_ids) - 1, news, failed, now)
         if failed:
             self._fail_rows(out, failed, news)
         self.num_generated = generated
         return self._updates(news, sampled.logprobs, out, now)
+
+    def _took(self, seq: Sequence, first: int, news: dict[str, Request], failed: dict[int, str],
+              now: float) -> int:
+        """seq got tokens (token_ids[first:], placeholders aside): check them; its request has news.
+        Returns how many it keeps."""
+        request = seq.request
+        news[request.request_id] = request
+        if request.first_token_time is None:
+            request.first_token_time = now
+        try:
+            return self._check_tokens(seq, first)
+        except Exception as exc:  # noqa: BLE001 - e.g. a grammar refused the token: fail only this request
+            logger.exception("request %s: processing its tokens failed", request.request_id)
+            failed[seq.seq_id] = f"processing the output failed: {type(exc).__name__}: {exc}"
+            return 0
 
     def _check_tokens(self, seq: Sequence, first: int) -> int:
         """Grammar advance and token-level stops for seq's tokens new this step (token_ids[first:],
         placeholders of later steps aside); a sequence that ends is finished at once and keeps no
         token after the one that ended it. Returns how many new tokens it keeps."""
         request = seq.request
-        params = request.params
         ids = seq.token_ids
         end = len(ids) - seq.num_pending
+        if end - first == 1 and not request.grammars:  # (the common case: one token, no grammar)
+            stop = token_stop(request.params, ids[first], end - seq.num_prompt_tokens, end, self.eos_token_ids,
+                              self.max_model_len)
+            if stop is not None:
+                self._end(seq, stop)
+            return 1
         matcher = request.grammars[seq.sample_index] if request.grammars else None
-        prompt = seq.num_prompt_tokens
         for i in range(first, end):
             token = ids[i]
-            stop = token_stop(params, token, i + 1 - prompt, i + 1, self.eos_token_ids, self.max_model_len)
+            stop = token_stop(request.params, token, i + 1 - seq.num_prompt_tokens, i + 1, self.eos_token_ids,
+                              self.max_model_len)
             if matcher is not None:
                 # The sampler only allows tokens the matcher accepts, so a refusal is a bug.
                 if not matcher.accept(token):
@@ -177,10 +191,14 @@ class StepResults:
                 if i + 1 < end:  # (drafts after the end: their KV goes with the sequence's blocks)
                     del ids[i + 1:end]
                     seq.num_new_tokens -= end - i - 1
-                seq.ended_by_stop_token = stop[2]
-                self.finish_seq(seq, stop[0], stop[1])
+                self._end(seq, stop)
                 return i + 1 - first
         return end - first
+
+    def _end(self, seq: Sequence, stop: tuple[FinishReason, int | None, bool]) -> None:
+        """A token-level stop ended seq: finish it now (its blocks go back at once)."""
+        seq.ended_by_stop_token = stop[2]
+        self.finish_seq(seq, stop[0], stop[1])
 
     def fork(self, parent: Sequence, tokens: list[int]) -> list[Sequence]:
         """The prompt is done: tokens[0] continues the parent, each other token starts a child
@@ -242,35 +260,40 @@ class StepResults:
             return []
         entries = self._split_logprobs(out, flat_logprobs) if any(flat_logprobs) else {}
         updates = []
+        update_of = self.update_of
         for request in news.values():
-            if request.is_finished:
+            finished = request.is_finished
+            if finished:
                 request.finished_time = now
                 self.pop_request(request.request_id)
             elif not request.every_step:
                 continue
-            updates.append(self.update_of(request, entries))
+            updates.append(update_of(request, entries, finished))
         return updates
 
     @staticmethod
-    def update_of(request: Request, entries: dict[int, list] | None = None) -> RequestUpdate:
+    def update_of(request: Request, entries: dict[int, list] | None = None,
+                  finished: bool | None = None) -> RequestUpdate:
         """What the output side has not been told about `request` yet (`entries`: this step's
         logprob rows by seq id; a request that asks for logprobs gets an update every step, so
-        its new tokens are this step's)."""
+        its new tokens are this step's; `finished`: request.is_finished, if known)."""
         want_logprobs = entries is not None and request.params.logprobs is not None
         seqs = []
         for seq in request.seqs:
-            end = len(seq.token_ids) - seq.num_pending
-            known = end - seq.num_prompt_tokens
-            ended = seq.status is SeqStatus.FINISHED
-            if known == seq.num_emitted and (not ended or seq.finish_emitted):
+            ids = seq.token_ids
+            end = len(ids) - seq.num_pending
+            start = seq.num_prompt_tokens + seq.num_emitted
+            ended = seq.status is _FINISHED
+            if end == start and (not ended or seq.finish_emitted):
                 continue
-            new = seq.token_ids[seq.num_prompt_tokens + seq.num_emitted:end]
-            logprobs = _logprobs_of(seq, request, entries, len(new)) if want_logprobs else None
-            seqs.append(SeqUpdate(seq.sample_index, new, logprobs, seq.finish_reason, seq.stop_reason,
-                                  seq.ended_by_stop_token, seq.num_preemptions))
-            seq.num_emitted, seq.finish_emitted = known, ended
-        return RequestUpdate(request.request_id, seqs, request.is_finished, request.error,
-                             request.seqs[0].num_cached_tokens if request.seqs else 0,
+            new = ids[start:end]
+            seqs.append(SeqUpdate(seq.sample_index, new,
+                                  _logprobs_of(seq, request, entries, len(new)) if want_logprobs else None,
+                                  seq.finish_reason, seq.stop_reason, seq.ended_by_stop_token, seq.num_preemptions))
+            seq.num_emitted = end - seq.num_prompt_tokens
+            seq.finish_emitted = ended
+        return RequestUpdate(request.request_id, seqs, request.is_finished if finished is None else finished,
+                             request.error, request.seqs[0].num_cached_tokens if request.seqs else 0,
                              request.first_scheduled_time, request.first_token_time, request.finished_time,
                              request.prompt_logprobs, request.embedding)
 
