@@ -102,21 +102,24 @@ class OutputProcessor:
         self.states[admitted.request_id] = RequestState(admitted)
 
     def process(self, updates: list[RequestUpdate]) -> Processed:
-        done = Processed()
+        outputs: list[RequestOutput] = []
+        stopped: list[tuple[str, int, str]] = []
+        failed: list[str] = []
         states = self.states
+        apply = self._apply
         for update in updates:
             state = states.get(update.request_id)
             if state is None:
                 continue  # ended here already (a stop string): the core's late tokens are dropped
             try:
-                out = self._apply(state, update, done.stopped)
+                out = apply(state, update, stopped)
             except Exception as exc:  # noqa: BLE001 - e.g. the tokenizer fails on this output: fail only it
                 logger.exception("request %s: building its output failed", update.request_id)
                 out = self._fail(state, f"processing the output failed: {type(exc).__name__}: {exc}")
-                done.failed.append(update.request_id)
+                failed.append(update.request_id)
             if out is not None:
-                done.outputs.append(out)
-        return done
+                outputs.append(out)
+        return Processed(outputs, stopped, failed)
 
     def _apply(self, state: RequestState, update: RequestUpdate, stopped: list) -> RequestOutput | None:
         state.core = update

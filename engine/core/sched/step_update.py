@@ -150,18 +150,20 @@ class StepResults:
 
     def _took(self, seq: Sequence, first: int, news: dict[str, Request], failed: dict[int, str],
               now: float) -> int:
-        """seq got tokens (token_ids[first:], placeholders aside): check them; its request has news.
-        Returns how many it keeps."""
+        """seq got tokens (token_ids[first:], placeholders aside): check them; its request has news
+        if its output side wants every step or seq ended. Returns how many tokens seq keeps."""
         request = seq.request
-        news[request.request_id] = request
         if request.first_token_time is None:
             request.first_token_time = now
         try:
-            return self._check_tokens(seq, first)
+            kept = self._check_tokens(seq, first)
         except Exception as exc:  # noqa: BLE001 - e.g. a grammar refused the token: fail only this request
             logger.exception("request %s: processing its tokens failed", request.request_id)
             failed[seq.seq_id] = f"processing the output failed: {type(exc).__name__}: {exc}"
             return 0
+        if request.every_step or seq.status is _FINISHED:
+            news[request.request_id] = request
+        return kept
 
     def _check_tokens(self, seq: Sequence, first: int) -> int:
         """Grammar advance and token-level stops for seq's tokens new this step (token_ids[first:],
