@@ -131,14 +131,27 @@ def dense(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = Non
     return out
 
 
-def quant(x: torch.Tensor, data: torch.Tensor, fmt: int, k: int, scales: torch.Tensor | None = None,
-          zeros: torch.Tensor | None = None, bias: torch.Tensor | None = None, int_acts: bool = True,
-          level: int | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
-    """x [M, K] @ W^T + bias for W quantised in `fmt` (a GGUF_FORMATS id with data the file's
-    blocks [N, row bytes], or INT4 / INT8 with kiln's layout, scales and zero points).
-    int_acts: activations quantised to int8 per block of 32 (else kept float)."""
-    out = _out(x, data.shape[0], out)
-    torch.ops.kiln_cpu_gemv.linear_quant(x, data, fmt, k, scales, zeros, bias,
+def pack(data: torch.Tensor, fmt: int, k: int, scales: torch.Tensor | None = None,
+         zeros: torch.Tensor | None = None) -> torch.Tensor:
+    """Quantised weights -> the kernels' layout (templates/cpu_gemv.cpp): `data` the GGUF file's
+    blocks [N, row bytes] for a GGUF_FORMATS id, or for INT4 / INT8 the values [N, K] (uint8) with
+    scales (float32) and zero points (uint8) [N, groups], w = s * (q - z)."""
+    return torch.ops.kiln_cpu_gemv.pack(data, fmt, k, scales, zeros)
+
+
+def dequantize(packed: torch.Tensor, fmt: int, n: int, k: int, groups: int = 0) -> torch.Tensor:
+    """Packed weights -> float32 [N, K] (w = fma(q, d, m), as the float path computes them)."""
+    return torch.ops.kiln_cpu_gemv.dequantize(packed, fmt, n, k, groups)
+
+
+def quant(x: torch.Tensor, packed: torch.Tensor, fmt: int, n: int, k: int, groups: int = 0,
+          bias: torch.Tensor | None = None, int_acts: bool = True, level: int | None = None,
+          out: torch.Tensor | None = None) -> torch.Tensor:
+    """x [M, K] (float32 / bfloat16, contiguous rows) @ W^T + bias for W packed by `pack`; the
+    result in x's dtype (or written into out). int_acts: activations quantised to int8 per block
+    of 32, else kept float."""
+    out = _out(x, n, out)
+    torch.ops.kiln_cpu_gemv.linear_quant(x, packed, fmt, n, k, groups, bias,
                                          GEMV.level if level is None else level, int_acts, out)
     return out
 
