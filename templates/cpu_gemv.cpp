@@ -7,15 +7,15 @@
 // Q4_K, Q5_K, Q6_K) or from kiln's integer layouts (int4 / int8 values with a float32 scale and a
 // uint8 zero point per group of columns: GPTQ, AWQ, compressed-tensors), into one layout:
 //
-//   groups of 8 output rows, one after another; each group a run of super-blocks (1 block of 32
+//   groups of 16 output rows, one after another; each group a run of super-blocks (1 block of 32
 //   values for the basic formats, 8 for the K-quants, one column group for kiln's int formats):
-//   a header with the scales of the 8 rows, then per block of 32 values its quant planes, which
-//   give 8 vectors V[kk] (kk = 0..7) of 32 bytes: byte 4r + i of V[kk] = value 4kk + i of row r.
-//     4 bits: 4 x 32 bytes, low nibbles V[c], high nibbles V[c + 4]
-//     5 bits: + 32 bytes, bit kk of byte b = the fifth bit of V[kk] byte b
-//     6 bits: + 2 x 32 bytes, bits 2kk, 2kk + 1 (kk < 4; then kk - 4 in the second) = bits 4, 5
+//   a header with the scales of the 16 rows, then per block of 32 values its quant planes, which
+//   give 8 vectors V[kk] (kk = 0..7) of 64 bytes: byte 4r + i of V[kk] = value 4kk + i of row r.
+//     4 bits: 4 x 64 bytes, low nibbles V[c], high nibbles V[c + 4]
+//     5 bits: + 64 bytes, bit kk of byte b = the fifth bit of V[kk] byte b
+//     6 bits: + 2 x 64 bytes, bits 2kk, 2kk + 1 (kk < 4; then kk - 4 in the second) = bits 4, 5
 //     8 bits: V[0] .. V[7] (unsigned: Q8_0 stored as q + 128)
-//   Headers, each field for the 8 rows in a row (w = d * q + m per value):
+//   Headers, each field for the 16 rows in a row (w = d * q + m per value):
 //     Q4_0 / Q5_0 / Q8_0: d f16      (m = -8 d / -16 d / -128 d)
 //     Q4_1 / Q5_1:        d f16, m f16
 //     Q4_K / Q5_K:        d f16, dmin f16, then per block scale u8, min u8 (d * scale, -dmin * min)
@@ -23,8 +23,8 @@
 //     kiln int:           s f32, z u8                                       (s, -s * z)
 //   The same bytes per value as the file (the K-quants: their 6-bit scales unpacked, +3%).
 //
-// So one vpdpbusd (or vpmaddubsw + vpmaddwd) does 4 values of 8 rows against 4 activations
-// broadcast, and each block's scales are applied to 8 rows with one multiply-add.
+// So one 512-bit vpdpbusd (two 256-bit ones; or vpmaddubsw + vpmaddwd) does 4 values of 16 rows
+// against 4 activations broadcast, and each block's scales are applied to 16 rows at once.
 //
 // Two activation paths for the quantised formats:
 //   int    x quantised per block of 32 to int8 (scale amax / 127, round to nearest even), integer
@@ -302,27 +302,27 @@ void linear_dense(const at::Tensor& x, const at::Tensor& weight, const c10::opti
 
 // ---------------------------------------------------------------- layout: geometry, pack, dequantize
 
-int qbytes_of(int bits) { return bits == 4 ? 128 : bits == 5 ? 160 : bits == 6 ? 192 : 256; }
+int qbytes_of(int bits) { return bits == 4 ? 256 : bits == 5 ? 320 : bits == 6 ? 384 : 512; }
 
 // groups: kiln int formats' column groups per row (0 for the GGUF formats).
 Geometry geometry(int64_t format, int64_t n, int64_t k, int64_t groups) {
-  int sub = 1, bits = 4, head = 16, values = 32;
+  int sub = 1, bits = 4, head = 32, values = 32;
   switch (format) {
     case kQ4_0: break;
-    case kQ4_1: head = 32; break;
+    case kQ4_1: head = 64; break;
     case kQ5_0: bits = 5; break;
-    case kQ5_1: bits = 5; head = 32; break;
+    case kQ5_1: bits = 5; head = 64; break;
     case kQ8_0: bits = 8; break;
-    case kQ4_K: sub = 8; head = 160; values = 256; break;
-    case kQ5_K: bits = 5; sub = 8; head = 160; values = 256; break;
-    case kQ6_K: bits = 6; sub = 8; head = 144; values = 256; break;
+    case kQ4_K: sub = 8; head = 320; values = 256; break;
+    case kQ5_K: bits = 5; sub = 8; head = 320; values = 256; break;
+    case kQ6_K: bits = 6; sub = 8; head = 288; values = 256; break;
     case kInt4:
     case kInt8:
       TORCH_CHECK(groups > 0 && k % 32 == 0 && (k / 32) % groups == 0, "kiln_cpu_gemv: ", groups,
                   " groups do not split K = ", k, " into blocks of 32");
       bits = format == kInt4 ? 4 : 8;
       sub = static_cast<int>(k / 32 / groups);
-      head = 40;
+      head = 80;
       values = 32 * sub;
       break;
     default: TORCH_CHECK(false, "kiln_cpu_gemv: unknown weight format ", format);
@@ -423,56 +423,61 @@ void decode_gguf(int64_t format, const uint8_t* row, int64_t sb, Decoded& o) {
   }
 }
 
-// Writes the 8 rows' decoded super-block sb in the packed layout (cpu_gemv.cpp's header).
+constexpr int kGroup = 16;  // output rows interleaved per row group
+
+// Writes the 16 rows' decoded super-block sb in the packed layout (this file's header).
 void pack_superblock(int64_t format, const Geometry& g, const Decoded* rows, uint8_t* out) {
   uint8_t* h = out;
   auto put16 = [&](int at, auto field) {
-    for (int r = 0; r < 8; ++r) { const uint16_t v = field(rows[r]); std::memcpy(h + at + 2 * r, &v, 2); }
+    for (int r = 0; r < kGroup; ++r) { const uint16_t v = field(rows[r]); std::memcpy(h + at + 2 * r, &v, 2); }
   };
   switch (format) {
     case kQ4_1:
-    case kQ5_1: put16(16, [](const Decoded& d) { return d.m16; }); [[fallthrough]];
+    case kQ5_1: put16(32, [](const Decoded& d) { return d.m16; }); [[fallthrough]];
     case kQ4_0:
     case kQ5_0:
     case kQ8_0: put16(0, [](const Decoded& d) { return d.d16; }); break;
     case kQ4_K:
     case kQ5_K:
       put16(0, [](const Decoded& d) { return d.d16; });
-      put16(16, [](const Decoded& d) { return d.m16; });
+      put16(32, [](const Decoded& d) { return d.m16; });
       for (int j = 0; j < 8; ++j)
-        for (int r = 0; r < 8; ++r) { h[32 + 16 * j + r] = rows[r].sc[j]; h[40 + 16 * j + r] = rows[r].mn[j]; }
+        for (int r = 0; r < kGroup; ++r) { h[64 + 32 * j + r] = rows[r].sc[j]; h[80 + 32 * j + r] = rows[r].mn[j]; }
       break;
     case kQ6_K:
       put16(0, [](const Decoded& d) { return d.d16; });
       for (int j = 0; j < 8; ++j)
-        for (int r = 0; r < 8; ++r) { h[16 + 16 * j + r] = rows[r].sc[2 * j]; h[24 + 16 * j + r] = rows[r].sc[2 * j + 1]; }
+        for (int r = 0; r < kGroup; ++r) {
+          h[32 + 32 * j + r] = rows[r].sc[2 * j];
+          h[48 + 32 * j + r] = rows[r].sc[2 * j + 1];
+        }
       break;
     default:  // kiln int
-      for (int r = 0; r < 8; ++r) { std::memcpy(h + 4 * r, &rows[r].s, 4); h[32 + r] = rows[r].z; }
+      for (int r = 0; r < kGroup; ++r) { std::memcpy(h + 4 * r, &rows[r].s, 4); h[64 + r] = rows[r].z; }
   }
   uint8_t* p = out + g.head_bytes;
   const int qb = qbytes_of(g.bits);
   for (int j = 0; j < g.sub; ++j, p += qb) {
-    uint8_t V[8][32];
+    uint8_t V[8][64];  // byte b of V[kk]: value 4 kk + b % 4 of row b / 4
     for (int kk = 0; kk < 8; ++kk)
-      for (int b = 0; b < 32; ++b) V[kk][b] = rows[b / 4].q[32 * j + 4 * kk + b % 4];
+      for (int b = 0; b < 64; ++b) V[kk][b] = rows[b / 4].q[32 * j + 4 * kk + b % 4];
     std::memset(p, 0, qb);
-    for (int b = 0; b < 32; ++b) {
+    for (int b = 0; b < 64; ++b) {
       if (g.bits == 8) {
-        for (int kk = 0; kk < 8; ++kk) p[32 * kk + b] = V[kk][b];
+        for (int kk = 0; kk < 8; ++kk) p[64 * kk + b] = V[kk][b];
         continue;
       }
-      for (int c = 0; c < 4; ++c) p[32 * c + b] = (V[c][b] & 15) | ((V[c + 4][b] & 15) << 4);
+      for (int c = 0; c < 4; ++c) p[64 * c + b] = (V[c][b] & 15) | ((V[c + 4][b] & 15) << 4);
       for (int kk = 0; kk < 8; ++kk) {
-        if (g.bits == 5) p[128 + b] |= ((V[kk][b] >> 4) & 1) << kk;
-        if (g.bits == 6) p[128 + 32 * (kk / 4) + b] |= ((V[kk][b] >> 4) & 3) << (2 * (kk % 4));
+        if (g.bits == 5) p[256 + b] |= ((V[kk][b] >> 4) & 1) << kk;
+        if (g.bits == 6) p[256 + 64 * (kk / 4) + b] |= ((V[kk][b] >> 4) & 3) << (2 * (kk % 4));
       }
     }
   }
 }
 
 // GGUF blocks [N, K / block * block bytes] or kiln int values [N, K] (uint8, with scales float32
-// and zeros uint8 [N, groups]) -> the packed layout [ceil(N / 8), group bytes].
+// and zeros uint8 [N, groups]) -> the packed layout [ceil(N / 16), group bytes].
 at::Tensor pack(const at::Tensor& data, int64_t format, int64_t k, const c10::optional<at::Tensor>& scales,
                 const c10::optional<at::Tensor>& zeros) {
   TORCH_CHECK(data.device().is_cpu() && data.scalar_type() == at::kByte && data.dim() == 2 && data.is_contiguous(),
@@ -497,21 +502,21 @@ at::Tensor pack(const at::Tensor& data, int64_t format, int64_t k, const c10::op
     TORCH_CHECK(data.size(1) == row_bytes, "kiln_cpu_gemv: GGUF rows of ", data.size(1), " bytes, expected ",
                 row_bytes, " for K = ", k);
   }
-  const int64_t ngroups = (n + 7) / 8;
+  const int64_t ngroups = (n + kGroup - 1) / kGroup;
   at::Tensor out = at::empty({ngroups, group_bytes(g)}, data.options());
   const uint8_t* src = data.data_ptr<uint8_t>();
   const int64_t row_stride = data.size(1);
   const float* s = kiln_int ? scales->data_ptr<float>() : nullptr;
   const uint8_t* z = kiln_int ? zeros->data_ptr<uint8_t>() : nullptr;
   at::parallel_for(0, ngroups, 1, [&](int64_t g0, int64_t g1) {
-    std::vector<Decoded> rows(8);
+    std::vector<Decoded> rows(kGroup);
     for (int64_t gi = g0; gi < g1; ++gi)
       for (int64_t sb = 0; sb < g.nsb; ++sb) {
-        for (int r = 0; r < 8; ++r) {
+        for (int r = 0; r < kGroup; ++r) {
           Decoded& d = rows[r];
           d = Decoded{};
           d.q.assign(std::max(256, 32 * g.sub), 0);
-          const int64_t row = gi * 8 + r;
+          const int64_t row = gi * kGroup + r;
           if (row >= n) continue;  // (padding rows: zero scales, zero values)
           if (!kiln_int) {
             decode_gguf(format, src + row * row_stride, sb, d);
@@ -531,20 +536,20 @@ at::Tensor pack(const at::Tensor& data, int64_t format, int64_t k, const c10::op
 at::Tensor dequantize(const at::Tensor& packed, int64_t format, int64_t n, int64_t k, int64_t groups) {
   const Geometry g = geometry(format, n, k, groups);
   TORCH_CHECK(packed.scalar_type() == at::kByte && packed.is_contiguous() && packed.dim() == 2 &&
-                  packed.size(0) == (n + 7) / 8 && packed.size(1) == group_bytes(g),
+                  packed.size(0) == (n + kGroup - 1) / kGroup && packed.size(1) == group_bytes(g),
               "kiln_cpu_gemv: packed weights of the wrong shape for this format");
   at::Tensor out = at::empty({n, k}, packed.options().dtype(at::kFloat));
   const uint8_t* src = packed.data_ptr<uint8_t>();
   float* dst = out.data_ptr<float>();
   auto f16 = [](const uint8_t* p) { return f16_to_f32(u16_at(p)); };
-  at::parallel_for(0, (n + 7) / 8, 1, [&](int64_t g0, int64_t g1) {
+  at::parallel_for(0, (n + kGroup - 1) / kGroup, 1, [&](int64_t g0, int64_t g1) {
     for (int64_t gi = g0; gi < g1; ++gi)
       for (int64_t sb = 0; sb < g.nsb; ++sb) {
         const uint8_t* h = src + gi * group_bytes(g) + sb * g.sb_bytes;
         const uint8_t* p = h + g.head_bytes;
         for (int j = 0; j < g.sub; ++j, p += qbytes_of(g.bits))
-          for (int r = 0; r < 8; ++r) {
-            const int64_t row = gi * 8 + r;
+          for (int r = 0; r < kGroup; ++r) {
+            const int64_t row = gi * kGroup + r;
             if (row >= n) continue;
             float d[2], m[2];
             switch (format) {
@@ -554,14 +559,14 @@ at::Tensor dequantize(const at::Tensor& packed, int64_t format, int64_t n, int64
                 m[0] = d[0] * -z;
                 break;
               }
-              case kQ4_1: case kQ5_1: d[0] = f16(h + 2 * r); m[0] = f16(h + 16 + 2 * r); break;
+              case kQ4_1: case kQ5_1: d[0] = f16(h + 2 * r); m[0] = f16(h + 32 + 2 * r); break;
               case kQ4_K: case kQ5_K:
-                d[0] = f16(h + 2 * r) * static_cast<float>(h[32 + 16 * j + r]);
-                m[0] = f16(h + 16 + 2 * r) * (static_cast<float>(h[40 + 16 * j + r]) * -1.f);
+                d[0] = f16(h + 2 * r) * static_cast<float>(h[64 + 32 * j + r]);
+                m[0] = f16(h + 32 + 2 * r) * (static_cast<float>(h[80 + 32 * j + r]) * -1.f);
                 break;
               case kQ6_K:
                 for (int t = 0; t < 2; ++t) {
-                  d[t] = f16(h + 2 * r) * static_cast<float>(static_cast<int8_t>(h[16 + 16 * j + 8 * t + r]));
+                  d[t] = f16(h + 2 * r) * static_cast<float>(static_cast<int8_t>(h[32 + 32 * j + 16 * t + r]));
                   m[t] = d[t] * -32.f;
                 }
                 break;
@@ -569,18 +574,18 @@ at::Tensor dequantize(const at::Tensor& packed, int64_t format, int64_t n, int64
                 float s;
                 std::memcpy(&s, h + 4 * r, 4);
                 d[0] = s;
-                m[0] = s * (static_cast<float>(h[32 + r]) * -1.f);
+                m[0] = s * (static_cast<float>(h[64 + r]) * -1.f);
               }
             }
             for (int v = 0; v < 32; ++v) {
               const int kk = v / 4, b = 4 * r + v % 4;
               int q;
               if (g.bits == 8) {
-                q = p[32 * kk + b];
+                q = p[64 * kk + b];
               } else {
-                q = (p[32 * (kk % 4) + b] >> (kk < 4 ? 0 : 4)) & 15;
-                if (g.bits == 5) q |= ((p[128 + b] >> kk) & 1) << 4;
-                if (g.bits == 6) q |= ((p[128 + 32 * (kk / 4) + b] >> (2 * (kk % 4))) & 3) << 4;
+                q = (p[64 * (kk % 4) + b] >> (kk < 4 ? 0 : 4)) & 15;
+                if (g.bits == 5) q |= ((p[256 + b] >> kk) & 1) << 4;
+                if (g.bits == 6) q |= ((p[256 + 64 * (kk / 4) + b] >> (2 * (kk % 4))) & 3) << 4;
               }
               const int t = format == kQ6_K && v >= 16 ? 1 : 0;
               dst[row * k + (sb * g.sub + j) * 32 + v] = std::fma(static_cast<float>(q), d[t], m[t]);
@@ -596,7 +601,7 @@ void linear_quant(const at::Tensor& x, const at::Tensor& packed, int64_t format,
                   const c10::optional<at::Tensor>& bias, int64_t isa, bool int_acts, at::Tensor out) {
   const Geometry g = geometry(format, n, k, groups);
   TORCH_CHECK(packed.device().is_cpu() && packed.scalar_type() == at::kByte && packed.is_contiguous() &&
-                  packed.dim() == 2 && packed.size(0) == (n + 7) / 8 && packed.size(1) == group_bytes(g),
+                  packed.dim() == 2 && packed.size(0) == (n + kGroup - 1) / kGroup && packed.size(1) == group_bytes(g),
               "kiln_cpu_gemv: packed weights of the wrong shape for this format (pack them with pack())");
   check_acts(x, k);
   const int64_t m = x.size(0);
