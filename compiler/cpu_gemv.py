@@ -44,6 +44,8 @@ LEVELS = ("generic", "avx2", "avx2_vnni", "avx512", "avx512_vnni")
 GGUF_FORMATS = {"Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q8_0": 8, "Q4_K": 12, "Q5_K": 13, "Q6_K": 14}
 INT4, INT8 = 1004, 1008
 
+DENSE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
 # Rows of x up to which a dense float32 / bfloat16 / float16 projection goes through the kernel
 # (above: oneDNN / F.linear, compiler/cpu_linear.py). Measured by tools/bench_cpu_gemv.py.
 MAX_DENSE_ROWS = 16
@@ -157,10 +159,9 @@ def quant(x: torch.Tensor, packed: torch.Tensor, fmt: int, n: int, k: int, group
 
 
 def dense_usable(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
-    """Whether a dense projection of x goes through the kernel: few rows, CPU, float dtypes, no
-    autograd or torch.compile, the library loaded (loading it the first time)."""
-    return (x.dim() == 2 and x.shape[0] <= MAX_DENSE_ROWS and x.is_cpu
-            and x.dtype in (torch.float32, torch.bfloat16) and x.stride(-1) == 1
-            and weight.dim() == 2 and weight.dtype in (torch.float32, torch.bfloat16, torch.float16)
-            and weight.is_contiguous() and weight.is_cpu
+    """Whether a dense projection of x goes through the kernel: CPU, float dtypes, no autograd or
+    torch.compile, the library loaded (loading it the first time). The caller bounds the rows."""
+    return (x.is_cpu and x.dtype in (torch.float32, torch.bfloat16) and x.dim() == 2 and x.stride(-1) == 1
+            and (weight.dtype == x.dtype or (x.dtype == torch.float32 and weight.dtype in DENSE_DTYPES))
+            and weight.dim() == 2 and weight.is_contiguous() and weight.is_cpu and (bias is None or bias.is_cpu)
             and not torch.is_grad_enabled() and not torch.compiler.is_compiling() and GEMV.ensure())
