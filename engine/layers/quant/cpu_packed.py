@@ -24,6 +24,8 @@ from compiler import cpu_gemv
 from engine.layers.quant import int4_packed, int_formats
 
 BUFFER = "gemv_packed"
+MAX_RUNS = 3  # runs per layer: at most one per fused part (q / k / v)
+BUFFERS = (*(f"{BUFFER}{i}" for i in range(MAX_RUNS)), "gemv_perm")
 
 
 class CpuPackedMethod:
@@ -88,6 +90,8 @@ def usable(device: torch.device) -> bool:
 def install(module: nn.Module, runs: list[tuple[int, int, int, int]], packed: list[torch.Tensor],
             perm: torch.Tensor | None, float_acts: bool) -> None:
     """Give a linear layer its packed runs (and drop any other weight buffers it had)."""
+    if len(runs) > MAX_RUNS:
+        raise ValueError(f"cpu_packed: {len(runs)} runs of formats in one layer (at most {MAX_RUNS})")
     for name in ("qweight", "zeros", "scales", "g_idx", *int4_packed.BUFFERS):
         module._buffers.pop(name, None)
     if "weight" in module._parameters:

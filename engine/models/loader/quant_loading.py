@@ -30,7 +30,7 @@ SUFFIXES = {
     "fp8": ("weight", "weight_scale", "input_scale"),
 }
 QUANT_BUFFERS = ("qweight", "zeros", "scales", "g_idx", "weight_fp8", "weight_scale", "input_scale",
-                 *int4_packed.BUFFERS)
+                 *int4_packed.BUFFERS, *cpu_packed.BUFFERS)
 
 
 def suffixes(config: QuantConfig) -> tuple[str, ...]:
