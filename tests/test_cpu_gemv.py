@@ -179,7 +179,7 @@ def test_bad_input_is_a_clear_error():
     with pytest.raises(RuntimeError, match="whole number of blocks"):
         cpu_gemv.pack(raw[:, :17].contiguous(), fmt, 16)
     with pytest.raises(RuntimeError, match="GGUF rows of"):
-        cpu_gemv.pack(raw[:, :34], fmt, 64)
+        cpu_gemv.pack(raw[:, :34].contiguous(), fmt, 64)
     with pytest.raises(RuntimeError, match="cannot run|does not exist"):
         cpu_gemv.quant(torch.randn(1, 64), packed, fmt, 16, 64, level=7)
     with pytest.raises(RuntimeError, match="int4 values above 15"):
