@@ -117,19 +117,17 @@ GEMV = GemvLibrary()
 
 
 def loaded() -> bool:
-    return hasattr(torch.ops, "kiln_cpu_gemv") and hasattr(torch.ops.kiln_cpu_gemv, "linear_quant")
-
-
-def _out(x: torch.Tensor, n: int, out: torch.Tensor | None) -> torch.Tensor:
-    return x.new_empty(x.shape[0], n) if out is None else out
+    return hasattr(torch.ops, "kiln_cpu_gemv") and hasattr(torch.ops.kiln_cpu_gemv, "linear_quant_out")
 
 
 def dense(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, level: int | None = None,
           out: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, K] (float32 / bfloat16, contiguous rows) @ weight [N, K]^T + bias, weight float32,
     bfloat16 or float16; the result in x's dtype (or written into out)."""
-    out = _out(x, weight.shape[0], out)
-    torch.ops.kiln_cpu_gemv.linear_dense(x, weight, bias, GEMV.level if level is None else level, out)
+    level = GEMV.level if level is None else level
+    if out is None:
+        return torch.ops.kiln_cpu_gemv.linear_dense.default(x, weight, bias, level)
+    torch.ops.kiln_cpu_gemv.linear_dense_out.default(x, weight, bias, level, out)
     return out
 
 
@@ -152,9 +150,10 @@ def quant(x: torch.Tensor, packed: torch.Tensor, fmt: int, n: int, k: int, group
     """x [M, K] (float32 / bfloat16, contiguous rows) @ W^T + bias for W packed by `pack`; the
     result in x's dtype (or written into out). int_acts: activations quantised to int8 per block
     of 32, else kept float."""
-    out = _out(x, n, out)
-    torch.ops.kiln_cpu_gemv.linear_quant(x, packed, fmt, n, k, groups, bias,
-                                         GEMV.level if level is None else level, int_acts, out)
+    level = GEMV.level if level is None else level
+    if out is None:
+        return torch.ops.kiln_cpu_gemv.linear_quant.default(x, packed, fmt, n, k, groups, bias, level, int_acts)
+    torch.ops.kiln_cpu_gemv.linear_quant_out.default(x, packed, fmt, n, k, groups, bias, level, int_acts, out)
     return out
 
 

@@ -121,6 +121,16 @@ struct Store {
   }
 };
 
+// Whether the CPU has AVX-512 BF16 (vdpbf16ps), asked once.
+bool cpu_has_bf16_dot() {
+#if KILN_X86
+  static const bool has = __builtin_cpu_supports("avx512bf16");
+  return has;
+#else
+  return false;
+#endif
+}
+
 // Each level: its vector API, row cursors, tiles and entry points (templates/cpu_gemv_isa.inc).
 #define KILN_DECLARE_LEVEL                                                                      \
   void to_float_rows(const at::BFloat16* x, int64_t rows, int64_t k, int64_t stride, float* out); \
@@ -128,7 +138,8 @@ struct Store {
                      float* ds, int32_t* s16);                                                   \
   void gemv_quant(int64_t format, const uint8_t* data, const Geometry& g, const QAct* qa, const FAct* fa, \
                   int64_t m_total, const Store& store, int64_t grain);                           \
-  void gemv_dense(const at::Tensor& w, const FAct& fa, int64_t m_total, const Store& store, int64_t grain);
+  void gemv_dense(const at::Tensor& w, const FAct& fa, int64_t m_total, const Store& store, int64_t grain); \
+  bool gemv_dense_bf16(const at::Tensor& w, const at::Tensor& x, int64_t m_total, const Store& store, int64_t grain);
 
 namespace isa_generic {
 KILN_DECLARE_LEVEL
@@ -182,8 +193,8 @@ KILN_DECLARE_LEVEL
 constexpr const char* kLevelNames[] = {"generic", "avx2", "avx2_vnni", "avx512", "avx512_vnni"};
 constexpr int64_t kLevels = 5;
 
-// The highest level this CPU runs.
-int64_t cpu_level() {
+// The highest level this CPU runs (asked once).
+int64_t detect_level() {
 #if KILN_X86
   __builtin_cpu_init();
   const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
@@ -197,8 +208,13 @@ int64_t cpu_level() {
 #endif
 }
 
+int64_t cpu_level() {
+  static const int64_t level = detect_level();
+  return level;
+}
+
 // Whether this CPU runs `level` (levels are not a strict ladder: AVX-VNNI without AVX-512).
-bool level_runs(int64_t level) {
+bool detect_runs(int64_t level) {
   const int64_t top = cpu_level();
   if (level == 0) return true;
 #if KILN_X86
@@ -209,14 +225,20 @@ bool level_runs(int64_t level) {
 #endif
 }
 
+bool level_runs(int64_t level) {
+  static const bool runs[] = {detect_runs(0), detect_runs(1), detect_runs(2), detect_runs(3), detect_runs(4)};
+  return runs[level];
+}
+
 struct Level {
+  decltype(&isa_generic::gemv_dense_bf16) gemv_dense_bf16;
   decltype(&isa_generic::to_float_rows) to_float_rows;
   decltype(&isa_generic::quantize_acts) quantize_acts;
   decltype(&isa_generic::gemv_quant) gemv_quant;
   decltype(&isa_generic::gemv_dense) gemv_dense;
 };
 
-#define KILN_LEVEL_ENTRY(ns) Level{&ns::to_float_rows, &ns::quantize_acts, &ns::gemv_quant, &ns::gemv_dense}
+#define KILN_LEVEL_ENTRY(ns) Level{&ns::gemv_dense_bf16, &ns::to_float_rows, &ns::quantize_acts, &ns::gemv_quant, &ns::gemv_dense}
 
 Level level_of(int64_t level) {
   TORCH_CHECK(level >= 0 && level < kLevels, "kiln_cpu_gemv: ISA level ", level, " does not exist (0..", kLevels - 1, ")");
@@ -258,15 +280,6 @@ void check_out(const at::Tensor& out, int64_t m, int64_t n) {
   TORCH_CHECK(out.stride(1) == 1 && (m <= 1 || out.stride(0) >= n), "kiln_cpu_gemv: out must have contiguous rows");
 }
 
-// Float activations, converted from bfloat16 into `storage` when needed.
-FAct float_acts(const Level& lv, const at::Tensor& x, std::vector<float>& storage) {
-  const int64_t m = x.size(0), k = x.size(1);
-  if (x.scalar_type() == at::kFloat) return FAct{x.data_ptr<float>(), m > 1 ? x.stride(0) : k};
-  storage.resize(m * k);
-  lv.to_float_rows(x.data_ptr<at::BFloat16>(), m, k, m > 1 ? x.stride(0) : k, storage.data());
-  return FAct{storage.data(), k};
-}
-
 struct Bias {
   std::vector<float> values;
   const float* ptr = nullptr;
@@ -284,9 +297,37 @@ Store make_store(at::Tensor& out, const Bias& bias) {
                out.scalar_type() == at::kBFloat16, bias.ptr};
 }
 
+// Per-thread scratch reused from call to call (no allocation per decode step).
+template <class T>
+T* scratch(std::vector<T>& v, int64_t n) {
+  if (static_cast<int64_t>(v.size()) < n) v.resize(n);
+  return v.data();
+}
+
+struct Scratch {
+  std::vector<float> x;
+  std::vector<int8_t> q;
+  std::vector<float> d, ds;
+  std::vector<int32_t> s16;
+};
+
+Scratch& scratch() {
+  static thread_local Scratch s;
+  return s;
+}
+
+// Float activations: x itself (float32) or a float32 copy of it in the scratch.
+FAct float_acts(const Level& lv, const at::Tensor& x) {
+  const int64_t m = x.size(0), k = x.size(1), stride = m > 1 ? x.stride(0) : k;
+  if (x.scalar_type() == at::kFloat) return FAct{x.data_ptr<float>(), stride};
+  float* buf = scratch(scratch().x, m * k);
+  lv.to_float_rows(x.data_ptr<at::BFloat16>(), m, k, stride, buf);
+  return FAct{buf, k};
+}
+
 // out = x @ weight^T + bias, weight float32 / bfloat16 / float16 [N, K] (contiguous).
-void linear_dense(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias, int64_t isa,
-                  at::Tensor out) {
+void linear_dense_out(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias, int64_t isa,
+                      at::Tensor out) {
   TORCH_CHECK(weight.dim() == 2 && weight.is_contiguous() && weight.device().is_cpu(),
               "kiln_cpu_gemv: weight must be a contiguous CPU [N, K] tensor");
   const int64_t n = weight.size(0), k = weight.size(1), m = x.size(0);
@@ -294,10 +335,20 @@ void linear_dense(const at::Tensor& x, const at::Tensor& weight, const c10::opti
   check_out(out, m, n);
   if (m == 0 || n == 0) return;
   const Level lv = level_of(isa);
-  std::vector<float> storage;
-  const FAct fa = float_acts(lv, x, storage);
   const Bias b(bias, n);
-  lv.gemv_dense(weight, fa, m, make_store(out, b), grain_tiles(n, k * weight.element_size()));
+  const Store store = make_store(out, b);
+  const int64_t grain = grain_tiles(n, k * weight.element_size());
+  if (x.scalar_type() == at::kBFloat16 && weight.scalar_type() == at::kBFloat16 &&
+      lv.gemv_dense_bf16(weight, x, m, store, grain))
+    return;
+  lv.gemv_dense(weight, float_acts(lv, x), m, store, grain);
+}
+
+at::Tensor linear_dense(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias,
+                        int64_t isa) {
+  at::Tensor out = at::empty({x.size(0), weight.size(0)}, x.options());
+  linear_dense_out(x, weight, bias, isa, out);
+  return out;
 }
 
 // ---------------------------------------------------------------- layout: geometry, pack, dequantize
@@ -597,8 +648,8 @@ at::Tensor dequantize(const at::Tensor& packed, int64_t format, int64_t n, int64
 }
 
 // out = x @ W^T + bias for W packed in `format` (pack). int_acts: the int path, else the float path.
-void linear_quant(const at::Tensor& x, const at::Tensor& packed, int64_t format, int64_t n, int64_t k, int64_t groups,
-                  const c10::optional<at::Tensor>& bias, int64_t isa, bool int_acts, at::Tensor out) {
+void linear_quant_out(const at::Tensor& x, const at::Tensor& packed, int64_t format, int64_t n, int64_t k,
+                      int64_t groups, const c10::optional<at::Tensor>& bias, int64_t isa, bool int_acts, at::Tensor out) {
   const Geometry g = geometry(format, n, k, groups);
   TORCH_CHECK(packed.device().is_cpu() && packed.scalar_type() == at::kByte && packed.is_contiguous() &&
                   packed.dim() == 2 && packed.size(0) == (n + kGroup - 1) / kGroup && packed.size(1) == group_bytes(g),
@@ -608,22 +659,29 @@ void linear_quant(const at::Tensor& x, const at::Tensor& packed, int64_t format,
   check_out(out, m, n);
   if (m == 0) return;
   const Level lv = level_of(isa);
-  std::vector<float> storage;
-  const FAct fa = float_acts(lv, x, storage);
+  const FAct fa = float_acts(lv, x);
   const Bias b(bias, n);
   const Store store = make_store(out, b);
   const int64_t grain = std::max<int64_t>(1, kMinBytesPerThread / std::max<int64_t>(1, group_bytes(g)));
   if (int_acts) {
     const int64_t nb = k / 32;
-    std::vector<int8_t> q(m * k);
-    std::vector<float> d(m * nb), ds(m * nb);
-    std::vector<int32_t> s16(m * nb * 2);
-    lv.quantize_acts(fa.x, m, k, fa.stride, q.data(), d.data(), ds.data(), s16.data());
-    const QAct qa{q.data(), d.data(), ds.data(), s16.data(), k};
+    Scratch& s = scratch();
+    int8_t* q = scratch(s.q, m * k);
+    float *d = scratch(s.d, m * nb), *ds = scratch(s.ds, m * nb);
+    int32_t* s16 = scratch(s.s16, 2 * m * nb);
+    lv.quantize_acts(fa.x, m, k, fa.stride, q, d, ds, s16);
+    const QAct qa{q, d, ds, s16, k};
     lv.gemv_quant(format, packed.data_ptr<uint8_t>(), g, &qa, nullptr, m, store, grain);
   } else {
     lv.gemv_quant(format, packed.data_ptr<uint8_t>(), g, nullptr, &fa, m, store, grain);
   }
+}
+
+at::Tensor linear_quant(const at::Tensor& x, const at::Tensor& packed, int64_t format, int64_t n, int64_t k,
+                        int64_t groups, const c10::optional<at::Tensor>& bias, int64_t isa, bool int_acts) {
+  at::Tensor out = at::empty({x.size(0), n}, x.options());
+  linear_quant_out(x, packed, format, n, k, groups, bias, isa, int_acts, out);
+  return out;
 }
 
 int64_t best_level() { return cpu_level(); }
@@ -639,16 +697,21 @@ std::vector<int64_t> levels() {
 
 TORCH_LIBRARY(kiln_cpu_gemv, m) {
   m.def("levels() -> int[]", &kiln_gemv::levels);
-  m.def("linear_dense(Tensor x, Tensor weight, Tensor? bias, int isa, Tensor(a!) out) -> ()");
+  m.def("linear_dense(Tensor x, Tensor weight, Tensor? bias, int isa) -> Tensor");
+  m.def("linear_dense_out(Tensor x, Tensor weight, Tensor? bias, int isa, Tensor(a!) out) -> ()");
   m.def("pack(Tensor data, int format, int k, Tensor? scales, Tensor? zeros) -> Tensor");
   m.def("dequantize(Tensor packed, int format, int n, int k, int groups) -> Tensor");
   m.def("linear_quant(Tensor x, Tensor packed, int format, int n, int k, int groups, Tensor? bias, int isa, "
+        "bool int_acts) -> Tensor");
+  m.def("linear_quant_out(Tensor x, Tensor packed, int format, int n, int k, int groups, Tensor? bias, int isa, "
         "bool int_acts, Tensor(a!) out) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(kiln_cpu_gemv, CPU, m) {
   m.impl("linear_dense", &kiln_gemv::linear_dense);
+  m.impl("linear_dense_out", &kiln_gemv::linear_dense_out);
   m.impl("pack", &kiln_gemv::pack);
   m.impl("dequantize", &kiln_gemv::dequantize);
   m.impl("linear_quant", &kiln_gemv::linear_quant);
+  m.impl("linear_quant_out", &kiln_gemv::linear_quant_out);
 }
