@@ -583,15 +583,19 @@ at::Tensor pack(const at::Tensor& data, int64_t format, int64_t k, const c10::op
   return out;
 }
 
-// The packed weights as float32 [N, K], each value fma(q, d, m) as the float path computes it.
-at::Tensor dequantize(const at::Tensor& packed, int64_t format, int64_t n, int64_t k, int64_t groups) {
+// The packed weights as [N, K] float32 (or bfloat16: rounded to nearest even), each value
+// fma(q, d, m) as the float path computes it.
+at::Tensor dequantize(const at::Tensor& packed, int64_t format, int64_t n, int64_t k, int64_t groups,
+                      c10::optional<at::ScalarType> dtype) {
   const Geometry g = geometry(format, n, k, groups);
   TORCH_CHECK(packed.scalar_type() == at::kByte && packed.is_contiguous() && packed.dim() == 2 &&
                   packed.size(0) == (n + kGroup - 1) / kGroup && packed.size(1) == group_bytes(g),
               "kiln_cpu_gemv: packed weights of the wrong shape for this format");
-  at::Tensor out = at::empty({n, k}, packed.options().dtype(at::kFloat));
+  const bool bf16 = dtype.has_value() && *dtype == at::kBFloat16;
+  TORCH_CHECK(!dtype.has_value() || bf16 || *dtype == at::kFloat, "kiln_cpu_gemv: dequantize to float32 or bfloat16");
+  at::Tensor out = at::empty({n, k}, packed.options().dtype(bf16 ? at::kBFloat16 : at::kFloat));
+  const Store store{static_cast<char*>(out.data_ptr()), k, bf16, nullptr};
   const uint8_t* src = packed.data_ptr<uint8_t>();
-  float* dst = out.data_ptr<float>();
   auto f16 = [](const uint8_t* p) { return f16_to_f32(u16_at(p)); };
   at::parallel_for(0, (n + kGroup - 1) / kGroup, 1, [&](int64_t g0, int64_t g1) {
     for (int64_t gi = g0; gi < g1; ++gi)
@@ -639,7 +643,7 @@ at::Tensor dequantize(const at::Tensor& packed, int64_t format, int64_t n, int64
                 if (g.bits == 6) q |= ((p[256 + 64 * (kk / 4) + b] >> (2 * (kk % 4))) & 3) << 4;
               }
               const int t = format == kQ6_K && v >= 16 ? 1 : 0;
-              dst[row * k + (sb * g.sub + j) * 32 + v] = std::fma(static_cast<float>(q), d[t], m[t]);
+              store(row, (sb * g.sub + j) * 32 + v, std::fma(static_cast<float>(q), d[t], m[t]));
             }
           }
       }
@@ -700,7 +704,7 @@ TORCH_LIBRARY(kiln_cpu_gemv, m) {
   m.def("linear_dense(Tensor x, Tensor weight, Tensor? bias, int isa) -> Tensor");
   m.def("linear_dense_out(Tensor x, Tensor weight, Tensor? bias, int isa, Tensor(a!) out) -> ()");
   m.def("pack(Tensor data, int format, int k, Tensor? scales, Tensor? zeros) -> Tensor");
-  m.def("dequantize(Tensor packed, int format, int n, int k, int groups) -> Tensor");
+  m.def("dequantize(Tensor packed, int format, int n, int k, int groups, ScalarType? dtype=None) -> Tensor");
   m.def("linear_quant(Tensor x, Tensor packed, int format, int n, int k, int groups, Tensor? bias, int isa, "
         "bool int_acts) -> Tensor");
   m.def("linear_quant_out(Tensor x, Tensor packed, int format, int n, int k, int groups, Tensor? bias, int isa, "
