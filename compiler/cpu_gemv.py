@@ -141,10 +141,11 @@ def pack(data: torch.Tensor, fmt: int, k: int, scales: torch.Tensor | None = Non
 
 
 def dequantize(packed: torch.Tensor, fmt: int, n: int, k: int, groups: int = 0,
-               dtype: torch.dtype = torch.float32) -> torch.Tensor:
+               dtype: torch.dtype = torch.float32, level: int | None = None) -> torch.Tensor:
     """Packed weights -> [N, K] float32 or bfloat16 (w = fma(q, d, m), as the float path computes
     them; bfloat16 rounded from that)."""
-    return torch.ops.kiln_cpu_gemv.dequantize(packed, fmt, n, k, groups, dtype)
+    return torch.ops.kiln_cpu_gemv.dequantize.default(packed, fmt, n, k, groups, dtype,
+                                                      GEMV.level if level is None else level)
 
 
 def quant(x: torch.Tensor, packed: torch.Tensor, fmt: int, n: int, k: int, groups: int = 0,

@@ -88,8 +88,12 @@ def test_gguf_formats_every_level_and_path(name):
     fmt = GGUF_FORMATS[name]
     w = gguf_blocks.dequantize(raw, fmt, (n, k)).double()
     packed = cpu_gemv.pack(raw, fmt, k)
-    # the packed layout holds the same weights: fma(q, d, m) against ggml's two roundings
-    torch.testing.assert_close(cpu_gemv.dequantize(packed, fmt, n, k).double(), w, rtol=0, atol=1e-6 * w.abs().max())
+    # the packed layout holds the same weights: fma(q, d, m) against ggml's two roundings (every level)
+    for level in GEMV.levels:
+        got = cpu_gemv.dequantize(packed, fmt, n, k, level=level).double()
+        torch.testing.assert_close(got, w, rtol=0, atol=1e-6 * w.abs().max())
+    bf16 = cpu_gemv.dequantize(packed, fmt, n, k, dtype=torch.bfloat16)
+    assert bf16.dtype == torch.bfloat16 and torch.equal(bf16, got.float().bfloat16())  # (rounded to nearest even)
     g = torch.Generator().manual_seed(1)
     for rows, dtype, level in _cases():
         x = torch.randn(rows, k, generator=g).to(dtype)
@@ -106,8 +110,9 @@ def test_kiln_int_formats_every_level_and_path(bits, group):
     q, s, z, w = _int_weights(bits, n, k, group)
     fmt = INT4 if bits == 4 else INT8
     packed = cpu_gemv.pack(q, fmt, k, s, z)
-    torch.testing.assert_close(cpu_gemv.dequantize(packed, fmt, n, k, k // group).double(), w, rtol=0,
-                               atol=1e-6 * w.abs().max())
+    for level in GEMV.levels:
+        torch.testing.assert_close(cpu_gemv.dequantize(packed, fmt, n, k, k // group, level=level).double(), w,
+                                   rtol=0, atol=1e-6 * w.abs().max())
     g = torch.Generator().manual_seed(2)
     bias = torch.randn(n, generator=g)
     for rows, dtype, level in _cases():

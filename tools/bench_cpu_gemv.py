@@ -3,7 +3,8 @@ weights streamed, against the machine's copy bandwidth measured in the same run,
 ratio to the path kiln took before them. Interleaved repeats (new, old, new, old, ...), medians.
 
     PYTHONPATH=. python tools/bench_cpu_gemv.py [--formats f32,bf16,q8_0,q4_1,...] [--rows 1,4,16,64]
-        [--threads 1,2] [--repeats 5] [--layers 16] [--level avx2] [--clock wall|cpu] [--json out.json]
+        [--threads 1,2] [--repeats 5] [--layers 16] [--level avx2] [--clock wall|cpu] [--stat median|min]
+        [--json out.json]
 
 Weights: `--layers` decoder layers of a 1024-wide model (q/k/v 1536x1024, o 1024x1024,
 gate/up 5632x1024, down 1024x2816: every format's blocks fit), random values (they do not change
@@ -11,6 +12,8 @@ the speed); one pass = every projection once with `rows` activation rows, as a d
 --clock cpu times passes in this process's CPU time instead of wall time: on a machine shared with
 other work it leaves out the time the process waited for a core (one thread only: with two, a
 descheduled thread stalls the other at every OpenMP barrier, which CPU time does not see either).
+--stat min takes each path's fastest pass instead of the median: on a shared machine, the pass
+that ran while both cores were free.
 GB/s = the bytes each path streams per pass (its own weight format) / the pass's time; `% copy`
 = that over the copy bandwidth (read + write bytes of a 2 x 256 MB torch copy, STREAM's
 convention). Each format runs in its model dtype:
@@ -179,8 +182,9 @@ def build(fmt: str, layers: int, seed: int = 0) -> tuple[Path, Path]:
     return new, old
 
 
-def measure(new: Path, old: Path, dtype: torch.dtype, rows: int, projections: int, repeats: int) -> dict:
-    """Median seconds per pass of each path, passes interleaved."""
+def measure(new: Path, old: Path, dtype: torch.dtype, rows: int, projections: int, repeats: int,
+            stat: Callable[[list[float]], float] = statistics.median) -> dict:
+    """Seconds per pass of each path (median, or `stat`), passes interleaved."""
     xs = {k: torch.randn(rows, k).to(dtype) for _, k in SHAPES}
 
     def one_pass(path: Path) -> Callable[[], None]:
@@ -197,7 +201,7 @@ def measure(new: Path, old: Path, dtype: torch.dtype, rows: int, projections: in
         for _ in range(repeats):
             for name, fn in fns.items():
                 times[name].append(_timed(fn))
-    t_new, t_old = statistics.median(times["new"]), statistics.median(times["old"])
+    t_new, t_old = stat(times["new"]), stat(times["old"])
     return dict(new_s=t_new, old_s=t_old, new_gbs=new.bytes / t_new / 1e9, old_gbs=old.bytes / t_old / 1e9,
                 speedup=t_old / t_new)
 
@@ -215,6 +219,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--layers", type=int, default=16)
     p.add_argument("--level", choices=LEVELS, help="ISA level of the kernels (default: the best this CPU runs)")
     p.add_argument("--clock", choices=CLOCKS, default="wall", help="wall time, or this process's CPU time")
+    p.add_argument("--stat", choices=("median", "min"), default="median", help="per path over the repeats")
     p.add_argument("--json", help="write the rows here")
     args = p.parse_args(argv)
     global CLOCK
@@ -236,6 +241,7 @@ def main(argv: list[str] | None = None) -> int:
     results = []
     print(f"bench_cpu_gemv: {platform.processor() or platform.machine()}, torch {torch.__version__} "
           f"({torch.backends.cpu.get_cpu_capability()}), kernels {LEVELS[GEMV.level]}, {args.clock} clock, "
+          f"{args.stat} of {args.repeats}, "
           f"load average {', '.join(f'{v:.1f}' for v in os.getloadavg())}")
     for threads in threads_list:
         torch.set_num_threads(threads)
@@ -245,8 +251,10 @@ def main(argv: list[str] | None = None) -> int:
         for fmt in formats:
             new, old = build(fmt, args.layers)
             for rows in rows_list:
-                r = measure(new, old, FORMATS[fmt][1], rows, len(SHAPES) * args.layers, args.repeats)
+                r = measure(new, old, FORMATS[fmt][1], rows, len(SHAPES) * args.layers, args.repeats,
+                            min if args.stat == "min" else statistics.median)
                 r.update(format=fmt, rows=rows, threads=threads, copy_gbs=copy, read_gbs=read, clock=args.clock,
+                         stat=args.stat,
                          level=LEVELS[GEMV.level], pct_copy=100 * r["new_gbs"] / copy)
                 results.append(r)
                 print(f"{fmt:<16}{rows:>5}{r['new_gbs']:>10.1f}{r['pct_copy']:>7.0f}%{r['old_gbs']:>10.1f}"

@@ -30,7 +30,7 @@ BUFFER = "gemv_packed"
 MAX_RUNS = 3  # runs per layer: at most one per fused part (q / k / v)
 BUFFERS = (*(f"{BUFFER}{i}" for i in range(MAX_RUNS)), "gemv_perm")
 # Rows from which the GEMM on the dequantised weight runs instead (float path, int path)
-GEMM_ROWS = {True: 32, False: 128}
+GEMM_ROWS = {True: 64, False: 128}
 
 
 class CpuPackedMethod:
