@@ -18,6 +18,7 @@ from test_server_hardening_http import serving
 
 from engine.entrypoints.openai import admission, chat
 from engine.entrypoints.openai.request_body import JSONValueCounter
+from engine.runtime.admission import Admission
 
 
 @pytest.fixture
@@ -107,9 +108,9 @@ def test_30mb_token_id_prompt_does_not_stall_the_loop(app_state):
 def test_token_id_prompt_over_max_model_len_is_refused_before_validation(app_state, monkeypatch):
     state, app = app_state()
     calls = []
-    real = admission.check_token_ids
-    monkeypatch.setattr(admission, "check_token_ids",
-                        lambda info, ids, param: calls.append(len(ids)) or real(info, ids, param))
+    real = Admission.check_token_ids  # the one vocabulary check (engine/runtime/admission.py)
+    monkeypatch.setattr(Admission, "check_token_ids",
+                        lambda self, ids, param: calls.append(len(ids)) or real(self, ids, param))
 
     async def main():
         async with _client(app) as http:

@@ -53,14 +53,32 @@ def _make(module, batch: int, steps: int, prefill_len: int):
     return module.Scheduler(cfg, BlockPool(blocks, BLOCK_SIZE, True))
 
 
+def _advance(sched, out, token_of) -> None:
+    """Hand the step's fake tokens back, through whichever API the scheduler has: one pass
+    (update_from_output, which also finishes by length) or the older update + finish_seq."""
+    if hasattr(sched, "update_from_output"):
+        from engine.core.outputs import SamplerOutput
+
+        ids = [token_of(s) for s in out.seqs if s.do_sample]
+        sched.update_from_output(out, SamplerOutput(ids, [None] * len(ids)))
+        return
+    from engine.core.request import FinishReason
+
+    touched = sched.update(out, [[token_of(s)] if s.do_sample else [] for s in out.seqs])
+    for seq in touched:
+        if seq.num_output_tokens >= seq.request.params.max_tokens:
+            sched.finish_seq(seq, FinishReason.LENGTH)
+            sched.pop_finished_request(seq.request.request_id)
+
+
 def _step(sched, token: int) -> None:
     out = sched.schedule()
     sched.launched(out)
-    sched.update(out, [[token] if s.do_sample else [] for s in out.seqs])
+    _advance(sched, out, lambda s: token)
 
 
 def measure(module, batch: int, steps: int, mixed: bool) -> float:
-    from engine.core.request import FinishReason, Request, SamplingParams
+    from engine.core.request import Request, SamplingParams
 
     prefill = 96
     sched = _make(module, batch, steps, prefill)
@@ -78,11 +96,7 @@ def measure(module, batch: int, steps: int, mixed: bool) -> float:
         out = sched.schedule()
         times.append(time.perf_counter() - t0)
         sched.launched(out)
-        touched = sched.update(out, [[(k * 7 + s.seq_id) % 50 + 3] if s.do_sample else [] for s in out.seqs])
-        for seq in touched:
-            if seq.num_output_tokens >= seq.request.params.max_tokens:
-                sched.finish_seq(seq, FinishReason.LENGTH)
-                sched.pop_finished_request(seq.request.request_id)
+        _advance(sched, out, lambda s, k=k: (k * 7 + s.seq_id) % 50 + 3)
     sched.check_integrity()
     return statistics.median(times) * 1e6
 
@@ -106,8 +120,16 @@ def main() -> int:
         for mixed in (False, True):
             row = {}
             for name, module in (("baseline", base), ("new", new)):
-                if module is not None:
+                if module is None:
+                    continue
+                try:
                     row[name] = min(measure(module, batch, args.steps, mixed) for _ in range(args.repeats))
+                except Exception as exc:  # noqa: BLE001 - an old scheduler.py beside this tree's helpers
+                    if name == "new":
+                        raise
+                    print(f"(baseline {args.baseline!r} does not run beside this tree's engine/core modules: "
+                          f"{type(exc).__name__}: {exc}; compare with a revision after the same restructuring)")
+                    base = None
             b = row.get("baseline")
             n = row["new"]
             print(f"{batch:>5} {'mixed' if mixed else 'decode':>7} {b if b else float('nan'):>9.1f} {n:>9.1f} "
