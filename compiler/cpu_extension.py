@@ -28,9 +28,10 @@ def isa_flags(capability: str | None = None) -> list[str]:
     return next((flags for name, flags in ISA_FLAGS.items() if cap.startswith(name)), [])
 
 
-def cache_key(source: Path, flags: list[str], capability: str | None = None) -> str:
-    """A key of the source, the flags, torch's version and the CPU capability."""
-    parts = [source.read_text(), repr(flags), torch.__version__, capability or torch.backends.cpu.get_cpu_capability()]
+def cache_key(source: Path, flags: list[str], capability: str | None = None, includes: tuple[Path, ...] = ()) -> str:
+    """A key of the source (and the files it includes), the flags, torch's version and the CPU capability."""
+    parts = [source.read_text(), *(p.read_text() for p in includes), repr(flags), torch.__version__,
+             capability or torch.backends.cpu.get_cpu_capability()]
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:20]
 
 
