@@ -26,7 +26,7 @@ from tests.test_engine_vs_hf import GREEDY, MAX_TOKENS, _prompts, hf_greedy
 COMMON = dict(device="cpu", max_num_seqs=8, num_gpu_blocks=32, max_model_len=256, max_num_batched_tokens=64)
 # Stack coverage among the tiny architectures: plain pre-norm layers (qkv bias: qwen2; q/k norms:
 # qwen3; norm offset, tanh-GELU and embedding scale: gemma).
-STACK_ARCHS = ("llama", "qwen2", "qwen3", "gemma")
+STACK_ARCHS = ("llama", "qwen2", "qwen3", "mistral", "gemma", "phi3")
 OFF_ARCHS = {"gemma2": "sandwich norms", "mixtral": "mixture-of-experts"}
 
 
@@ -124,6 +124,18 @@ def test_stack_equals_layers_glm_interleaved_partial_rotary(tmp_path_factory):
     engine = _engine(path)
     assert engine.model_config.rope_interleaved and engine.runner.model.cpu_stack is not None
     assert _differences(engine, engine.runner.model.cpu_stack) == []
+    assert_engine_clean(engine)
+
+
+def test_stack_equals_layers_sliding_window(tmp_path_factory):
+    """Mistral-style window of 8 positions: a 13-token prefill and decodes past the window."""
+    from engine.models.tiny_model import make_tiny_model
+
+    path = make_tiny_model(tmp_path_factory.mktemp("window8-stack"), arch="mistral", seed=7,
+                           overrides={"sliding_window": 8})
+    engine = _engine(path)
+    assert engine.runner.model.layers[0].self_attn.sliding_window == 8
+    assert _differences(engine, engine.runner.model.cpu_stack, prefill=(13, 3), decodes=4) == []
     assert_engine_clean(engine)
 
 
