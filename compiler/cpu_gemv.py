@@ -46,9 +46,10 @@ INT4, INT8 = 1004, 1008
 
 DENSE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
-# Rows of x up to which a dense float32 / bfloat16 / float16 projection goes through the kernel
-# (above: oneDNN / F.linear, compiler/cpu_linear.py). Measured by tools/bench_cpu_gemv.py.
-MAX_DENSE_ROWS = 16
+# Rows of x (by its dtype) up to which a dense projection goes through the kernel; above, oneDNN
+# (float32 from 32 rows) or F.linear (compiler/cpu_linear.py). Measured by tools/bench_cpu_gemv.py:
+# oneDNN's bfloat16 GEMM (AVX-512 BF16) catches up from ~16 rows.
+MAX_DENSE_ROWS = {torch.float32: 31, torch.bfloat16: 8}
 
 
 class GemvLibrary:
@@ -139,9 +140,12 @@ def pack(data: torch.Tensor, fmt: int, k: int, scales: torch.Tensor | None = Non
     return torch.ops.kiln_cpu_gemv.pack(data, fmt, k, scales, zeros)
 
 
-def dequantize(packed: torch.Tensor, fmt: int, n: int, k: int, groups: int = 0) -> torch.Tensor:
-    """Packed weights -> float32 [N, K] (w = fma(q, d, m), as the float path computes them)."""
-    return torch.ops.kiln_cpu_gemv.dequantize(packed, fmt, n, k, groups)
+def dequantize(packed: torch.Tensor, fmt: int, n: int, k: int, groups: int = 0,
+               dtype: torch.dtype = torch.float32, level: int | None = None) -> torch.Tensor:
+    """Packed weights -> [N, K] float32 or bfloat16 (w = fma(q, d, m), as the float path computes
+    them; bfloat16 rounded from that)."""
+    return torch.ops.kiln_cpu_gemv.dequantize.default(packed, fmt, n, k, groups, dtype,
+                                                      GEMV.level if level is None else level)
 
 
 def quant(x: torch.Tensor, packed: torch.Tensor, fmt: int, n: int, k: int, groups: int = 0,

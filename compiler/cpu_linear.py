@@ -1,7 +1,7 @@
 """The dense projection (x @ W^T + b) on the CPU: a few rows through kiln's weight-streaming kernel,
 many float32 rows through oneDNN with a bounded set of shapes.
 
-Up to cpu_gemv.MAX_DENSE_ROWS rows (decode) a float32 / bfloat16 / float16 weight goes through
+Up to cpu_gemv.MAX_DENSE_ROWS rows (decode; per dtype) a float32 / bfloat16 / float16 weight goes through
 compiler/cpu_gemv.py, which reads the weight once at close to memory speed and splits its rows
 over the threads (tools/bench_cpu_gemv.py: its ratio to F.linear per row count).
 
@@ -87,7 +87,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     """F.linear(x, weight, bias); 2-D CPU inputs of up to cpu_gemv.MAX_DENSE_ROWS rows go through
     the weight-streaming kernel, float32 ones of MIN_ONEDNN_ROWS rows or more through oneDNN with
     their row count padded to `row_bucket`."""
-    if x.dim() == 2 and x.shape[0] <= cpu_gemv.MAX_DENSE_ROWS and cpu_gemv.dense_usable(x, weight, bias):
+    if (x.dim() == 2 and x.shape[0] <= cpu_gemv.MAX_DENSE_ROWS.get(x.dtype, 0)
+            and cpu_gemv.dense_usable(x, weight, bias)):
         return cpu_gemv.dense(x, weight, bias)
     if not uses_onednn(x, weight, bias):
         return F.linear(x, weight, bias)

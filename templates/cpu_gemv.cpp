@@ -66,6 +66,11 @@ enum Format : int64_t {
 struct WBf16 {};
 struct WF16 {};
 
+inline uint32_t float_bits(float f) {
+  uint32_t b;
+  std::memcpy(&b, &f, sizeof b);
+  return b;
+}
 inline float bits_float(uint32_t b) {
   float f;
   std::memcpy(&f, &b, sizeof f);
@@ -139,7 +144,8 @@ bool cpu_has_bf16_dot() {
   void gemv_quant(int64_t format, const uint8_t* data, const Geometry& g, const QAct* qa, const FAct* fa, \
                   int64_t m_total, const Store& store, int64_t grain);                           \
   void gemv_dense(const at::Tensor& w, const FAct& fa, int64_t m_total, const Store& store, int64_t grain); \
-  bool gemv_dense_bf16(const at::Tensor& w, const at::Tensor& x, int64_t m_total, const Store& store, int64_t grain);
+  bool gemv_dense_bf16(const at::Tensor& w, const at::Tensor& x, int64_t m_total, const Store& store, int64_t grain); \
+  void dequant(int64_t format, const uint8_t* data, const Geometry& g, char* out, bool bf16, int64_t grain);
 
 namespace isa_generic {
 KILN_DECLARE_LEVEL
@@ -231,6 +237,7 @@ bool level_runs(int64_t level) {
 }
 
 struct Level {
+  decltype(&isa_generic::dequant) dequant;
   decltype(&isa_generic::gemv_dense_bf16) gemv_dense_bf16;
   decltype(&isa_generic::to_float_rows) to_float_rows;
   decltype(&isa_generic::quantize_acts) quantize_acts;
@@ -238,7 +245,7 @@ struct Level {
   decltype(&isa_generic::gemv_dense) gemv_dense;
 };
 
-#define KILN_LEVEL_ENTRY(ns) Level{&ns::gemv_dense_bf16, &ns::to_float_rows, &ns::quantize_acts, &ns::gemv_quant, &ns::gemv_dense}
+#define KILN_LEVEL_ENTRY(ns) Level{&ns::dequant, &ns::gemv_dense_bf16, &ns::to_float_rows, &ns::quantize_acts, &ns::gemv_quant, &ns::gemv_dense}
 
 Level level_of(int64_t level) {
   TORCH_CHECK(level >= 0 && level < kLevels, "kiln_cpu_gemv: ISA level ", level, " does not exist (0..", kLevels - 1, ")");
@@ -583,67 +590,19 @@ at::Tensor pack(const at::Tensor& data, int64_t format, int64_t k, const c10::op
   return out;
 }
 
-// The packed weights as float32 [N, K], each value fma(q, d, m) as the float path computes it.
-at::Tensor dequantize(const at::Tensor& packed, int64_t format, int64_t n, int64_t k, int64_t groups) {
+// The packed weights as [N, K] float32 (or bfloat16: rounded to nearest even), each value
+// fma(q, d, m) as the float path computes it, at ISA level `isa`.
+at::Tensor dequantize(const at::Tensor& packed, int64_t format, int64_t n, int64_t k, int64_t groups,
+                      c10::optional<at::ScalarType> dtype, int64_t isa) {
   const Geometry g = geometry(format, n, k, groups);
-  TORCH_CHECK(packed.scalar_type() == at::kByte && packed.is_contiguous() && packed.dim() == 2 &&
-                  packed.size(0) == (n + kGroup - 1) / kGroup && packed.size(1) == group_bytes(g),
+  TORCH_CHECK(packed.device().is_cpu() && packed.scalar_type() == at::kByte && packed.is_contiguous() &&
+                  packed.dim() == 2 && packed.size(0) == (n + kGroup - 1) / kGroup && packed.size(1) == group_bytes(g),
               "kiln_cpu_gemv: packed weights of the wrong shape for this format");
-  at::Tensor out = at::empty({n, k}, packed.options().dtype(at::kFloat));
-  const uint8_t* src = packed.data_ptr<uint8_t>();
-  float* dst = out.data_ptr<float>();
-  auto f16 = [](const uint8_t* p) { return f16_to_f32(u16_at(p)); };
-  at::parallel_for(0, (n + kGroup - 1) / kGroup, 1, [&](int64_t g0, int64_t g1) {
-    for (int64_t gi = g0; gi < g1; ++gi)
-      for (int64_t sb = 0; sb < g.nsb; ++sb) {
-        const uint8_t* h = src + gi * group_bytes(g) + sb * g.sb_bytes;
-        const uint8_t* p = h + g.head_bytes;
-        for (int j = 0; j < g.sub; ++j, p += qbytes_of(g.bits))
-          for (int r = 0; r < kGroup; ++r) {
-            const int64_t row = gi * kGroup + r;
-            if (row >= n) continue;
-            float d[2], m[2];
-            switch (format) {
-              case kQ4_0: case kQ5_0: case kQ8_0: {
-                const float z = format == kQ4_0 ? 8.f : format == kQ5_0 ? 16.f : 128.f;
-                d[0] = f16(h + 2 * r);
-                m[0] = d[0] * -z;
-                break;
-              }
-              case kQ4_1: case kQ5_1: d[0] = f16(h + 2 * r); m[0] = f16(h + 32 + 2 * r); break;
-              case kQ4_K: case kQ5_K:
-                d[0] = f16(h + 2 * r) * static_cast<float>(h[64 + 32 * j + r]);
-                m[0] = f16(h + 32 + 2 * r) * (static_cast<float>(h[80 + 32 * j + r]) * -1.f);
-                break;
-              case kQ6_K:
-                for (int t = 0; t < 2; ++t) {
-                  d[t] = f16(h + 2 * r) * static_cast<float>(static_cast<int8_t>(h[32 + 32 * j + 16 * t + r]));
-                  m[t] = d[t] * -32.f;
-                }
-                break;
-              default: {
-                float s;
-                std::memcpy(&s, h + 4 * r, 4);
-                d[0] = s;
-                m[0] = s * (static_cast<float>(h[64 + r]) * -1.f);
-              }
-            }
-            for (int v = 0; v < 32; ++v) {
-              const int kk = v / 4, b = 4 * r + v % 4;
-              int q;
-              if (g.bits == 8) {
-                q = p[64 * kk + b];
-              } else {
-                q = (p[64 * (kk % 4) + b] >> (kk < 4 ? 0 : 4)) & 15;
-                if (g.bits == 5) q |= ((p[256 + b] >> kk) & 1) << 4;
-                if (g.bits == 6) q |= ((p[256 + 64 * (kk / 4) + b] >> (2 * (kk % 4))) & 3) << 4;
-              }
-              const int t = format == kQ6_K && v >= 16 ? 1 : 0;
-              dst[row * k + (sb * g.sub + j) * 32 + v] = std::fma(static_cast<float>(q), d[t], m[t]);
-            }
-          }
-      }
-  });
+  const bool bf16 = dtype.has_value() && *dtype == at::kBFloat16;
+  TORCH_CHECK(!dtype.has_value() || bf16 || *dtype == at::kFloat, "kiln_cpu_gemv: dequantize to float32 or bfloat16");
+  at::Tensor out = at::empty({n, k}, packed.options().dtype(bf16 ? at::kBFloat16 : at::kFloat));
+  const int64_t grain = std::max<int64_t>(1, kMinBytesPerThread / std::max<int64_t>(1, group_bytes(g)));
+  level_of(isa).dequant(format, packed.data_ptr<uint8_t>(), g, static_cast<char*>(out.data_ptr()), bf16, grain);
   return out;
 }
 
@@ -700,7 +659,7 @@ TORCH_LIBRARY(kiln_cpu_gemv, m) {
   m.def("linear_dense(Tensor x, Tensor weight, Tensor? bias, int isa) -> Tensor");
   m.def("linear_dense_out(Tensor x, Tensor weight, Tensor? bias, int isa, Tensor(a!) out) -> ()");
   m.def("pack(Tensor data, int format, int k, Tensor? scales, Tensor? zeros) -> Tensor");
-  m.def("dequantize(Tensor packed, int format, int n, int k, int groups) -> Tensor");
+  m.def("dequantize(Tensor packed, int format, int n, int k, int groups, ScalarType? dtype=None, int isa=0) -> Tensor");
   m.def("linear_quant(Tensor x, Tensor packed, int format, int n, int k, int groups, Tensor? bias, int isa, "
         "bool int_acts) -> Tensor");
   m.def("linear_quant_out(Tensor x, Tensor packed, int format, int n, int k, int groups, Tensor? bias, int isa, "

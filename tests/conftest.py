@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import contextlib
+import os
 from pathlib import Path
 
 import pytest
 import torch
 
-from engine.config.settings import env_flag
 
 ARCHS = ("llama", "qwen2", "qwen3", "mistral", "gemma", "gemma2", "gemma3", "phi3", "mixtral", "qwen2_moe",
          "qwen3_moe")
@@ -17,7 +17,7 @@ ARCHS = ("llama", "qwen2", "qwen3", "mistral", "gemma", "gemma2", "gemma3", "phi
 # Under tools/gpu_check.sh (KILN_GPU_CHECK_STRICT=1) a skipped GPU test is a failure, and so is a
 # test module that skips as a whole (a missing GPU, kernel cache or cuda-python): on the device a
 # skip means the check did not happen, and must not read as a pass.
-STRICT_GPU = env_flag("KILN_GPU_CHECK_STRICT") == "1"
+STRICT_GPU = os.environ.get("KILN_GPU_CHECK_STRICT") == "1"
 
 
 def pytest_collection_modifyitems(config, items):
@@ -101,6 +101,26 @@ def assert_engine_clean(engine) -> None:
     assert not engine.has_unfinished_requests(), "requests left unfinished"
     assert engine.pool.is_fully_free(), (
         f"KV blocks leaked: {engine.pool.num_in_use} in use after all requests finished")
+
+
+def sampler_output(out, per_seq: list[list[int]]):
+    """A fake model's tokens (one list per scheduled sequence, in step order: n at a fork, one per
+    position with drafts, none for a chunk that samples nothing) as the sampler hands them over."""
+    from engine.core.outputs import SamplerOutput
+
+    flat = [t for toks in per_seq for t in toks]
+    return SamplerOutput(flat, [None] * len(flat))
+
+
+def take_updates(updates, got: dict, done: dict) -> None:
+    """What an output side sees of the core's updates: each request's tokens per sample (`got`),
+    and, once the core is done with a request, its samples' tokens in `done`."""
+    for update in updates:
+        samples = got.setdefault(update.request_id, {})
+        for seq in update.seqs:
+            samples.setdefault(seq.index, []).extend(seq.token_ids)
+        if update.finished:
+            done[update.request_id] = [samples[i] for i in sorted(samples)]
 
 
 def run_checked(engine) -> dict:

@@ -88,8 +88,12 @@ def test_gguf_formats_every_level_and_path(name):
     fmt = GGUF_FORMATS[name]
     w = gguf_blocks.dequantize(raw, fmt, (n, k)).double()
     packed = cpu_gemv.pack(raw, fmt, k)
-    # the packed layout holds the same weights: fma(q, d, m) against ggml's two roundings
-    torch.testing.assert_close(cpu_gemv.dequantize(packed, fmt, n, k).double(), w, rtol=0, atol=1e-6 * w.abs().max())
+    # the packed layout holds the same weights: fma(q, d, m) against ggml's two roundings (every level)
+    for level in GEMV.levels:
+        got = cpu_gemv.dequantize(packed, fmt, n, k, level=level).double()
+        torch.testing.assert_close(got, w, rtol=0, atol=1e-6 * w.abs().max())
+    bf16 = cpu_gemv.dequantize(packed, fmt, n, k, dtype=torch.bfloat16)
+    assert bf16.dtype == torch.bfloat16 and torch.equal(bf16, got.float().bfloat16())  # (rounded to nearest even)
     g = torch.Generator().manual_seed(1)
     for rows, dtype, level in _cases():
         x = torch.randn(rows, k, generator=g).to(dtype)
@@ -106,8 +110,9 @@ def test_kiln_int_formats_every_level_and_path(bits, group):
     q, s, z, w = _int_weights(bits, n, k, group)
     fmt = INT4 if bits == 4 else INT8
     packed = cpu_gemv.pack(q, fmt, k, s, z)
-    torch.testing.assert_close(cpu_gemv.dequantize(packed, fmt, n, k, k // group).double(), w, rtol=0,
-                               atol=1e-6 * w.abs().max())
+    for level in GEMV.levels:
+        torch.testing.assert_close(cpu_gemv.dequantize(packed, fmt, n, k, k // group, level=level).double(), w,
+                                   rtol=0, atol=1e-6 * w.abs().max())
     g = torch.Generator().manual_seed(2)
     bias = torch.randn(n, generator=g)
     for rows, dtype, level in _cases():
@@ -187,11 +192,39 @@ def test_bad_input_is_a_clear_error():
                       torch.zeros(16, 1, dtype=torch.uint8))
 
 
+@pytest.mark.parametrize("float_acts", [True, False])
+def test_packed_layer_every_row_count(float_acts):
+    """engine/layers/quant/cpu_packed.py: a fused layer of two formats (Q4_K_M's q/k and v) with a
+    bias, through the kernels below GEMM_ROWS rows and the GEMM on its dequantised weight above,
+    leading dimensions kept; its weight() is the file's."""
+    from engine.layers.quant import cpu_packed
+    from engine.models.llama import Linear
+
+    k, parts = 256, [("Q4_K", 48), ("Q6_K", 16)]
+    raws = [_gguf_raw(name, n, k, seed=i) for i, (name, n) in enumerate(parts)]
+    w = torch.cat([gguf_blocks.dequantize(r, GGUF_FORMATS[name], (n, k)) for r, (name, n) in zip(raws, parts)])
+    layer = Linear(k, 64, bias=True)
+    layer.bias.data.normal_()
+    runs, packed = cpu_packed.gguf_runs([(0, "Q4_K", raws[0]), (48, "Q6_K", raws[1])], k)
+    cpu_packed.install(layer, runs, packed, None, float_acts)
+    assert layer.weight is None and [r[2] for r in layer.gemv_runs] == [GGUF_FORMATS["Q4_K"], GGUF_FORMATS["Q6_K"]]
+    torch.testing.assert_close(layer.quant.weight(layer, torch.float32), w, rtol=0, atol=1e-6 * w.abs().max())
+    gemm_from = cpu_packed.GEMM_ROWS[float_acts]
+    with torch.inference_mode():
+        for rows in (1, 5, gemm_from - 1, gemm_from, 2 * gemm_from + 3):
+            x = torch.randn(1, rows, k)
+            y = layer(x)
+            assert y.shape == (1, rows, 64)
+            int_path = not float_acts and rows < gemm_from
+            _check(y[0], x[0], w.double(), int_path, (rows, float_acts), layer.bias)
+
+
 def test_dense_dispatch_in_cpu_linear():
     """compiler/cpu_linear.linear: up to MAX_DENSE_ROWS rows through the kernel (as F.linear to
     float32 rounding), not under autograd; oneDNN / F.linear above."""
     w, b = torch.randn(40, 96), torch.randn(40)
-    for rows in (1, cpu_gemv.MAX_DENSE_ROWS, cpu_gemv.MAX_DENSE_ROWS + 1, 40):
+    top = cpu_gemv.MAX_DENSE_ROWS[torch.float32]
+    for rows in (1, top, top + 1, 40):
         x = torch.randn(rows, 96)
         with torch.inference_mode():
             assert cpu_gemv.dense_usable(x, w, b)
@@ -224,3 +257,19 @@ def test_a_library_that_cannot_build_is_logged_and_skipped(monkeypatch, tmp_path
     with torch.inference_mode():
         assert not cpu_gemv.dense_usable(x, w, None)
         torch.testing.assert_close(cpu_linear.linear(x, w), F.linear(x, w))
+
+
+def test_a_build_lock_left_by_a_dead_build_is_cleared(tmp_path):
+    """A start killed mid-compile leaves ninja's lock behind; torch's builder would wait on it
+    forever. The shared builder removes one older than STALE_LOCK_SECONDS, and keeps a fresh one
+    (another process building right now)."""
+    import os
+    import time
+
+    lock = tmp_path / "lock"
+    lock.write_text("")
+    assert not cpu_extension.clear_stale_lock(tmp_path) and lock.exists()
+    old = time.time() - cpu_extension.STALE_LOCK_SECONDS - 60
+    os.utime(lock, (old, old))
+    assert cpu_extension.clear_stale_lock(tmp_path) and not lock.exists()
+    assert not cpu_extension.clear_stale_lock(tmp_path)

@@ -9,7 +9,7 @@ bodies while another stream runs (its longest gap and /health's slowest answer u
 clients that stop reading: when they leave, their KV blocks are free within a second; when they
 stay, their requests are aborted after the stall timeout; RSS within 5% of before.
 
-KILN_SERVER_SOAK_STREAMS (read through engine.config.settings.env_flag) sets the number of streams
+KILN_SERVER_SOAK_STREAMS (read from the environment) sets the number of streams
 (default 200).
 """
 
@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import random
 import socket
 import threading
@@ -28,8 +29,6 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from test_server import launch_server, stop_server
-
-from engine.config.settings import env_flag
 
 PROMPTS = ["The cat", "Once upon a time", "def main():", "1, 2, 3,", "Hello there", "In the beginning",
            "Paris is", "import numpy"]
@@ -96,7 +95,7 @@ async def _abuse(http: httpx.AsyncClient, k: int) -> list[int]:
 
 @pytest.mark.slow
 def test_server_soak_with_openai_client(tiny_llama, tmp_path):
-    num_streams = int(env_flag("KILN_SERVER_SOAK_STREAMS") or 200)
+    num_streams = int(os.environ.get("KILN_SERVER_SOAK_STREAMS") or 200)
     proc, url = launch_server(tiny_llama, tmp_path / "server.log", "--max-model-len", "256", "--max-num-seqs", "64",
                               "--served-model-name", "m", "--max-request-body-mb", "1",
                               "--grammar-compile-timeout-s", "1", "--log-level", "warning")
@@ -220,7 +219,7 @@ def _stall_while_posting(url: str, big: bytes) -> tuple[float, float, int]:
 
 @pytest.mark.slow
 def test_server_soak_slow_readers_and_smuggling(tiny_llama, tmp_path):
-    streams = int(env_flag("KILN_SERVER_SOAK_STREAMS") or 200) // 4
+    streams = int(os.environ.get("KILN_SERVER_SOAK_STREAMS") or 200) // 4
     stall = 6.0
     proc, url = launch_server(tiny_llama, tmp_path / "server.log", "--max-model-len", "1024", "--max-num-seqs", "64",
                               "--served-model-name", "m", "--stream-stall-timeout-s", str(stall),

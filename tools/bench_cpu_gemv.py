@@ -3,11 +3,17 @@ weights streamed, against the machine's copy bandwidth measured in the same run,
 ratio to the path kiln took before them. Interleaved repeats (new, old, new, old, ...), medians.
 
     PYTHONPATH=. python tools/bench_cpu_gemv.py [--formats f32,bf16,q8_0,q4_1,...] [--rows 1,4,16,64]
-        [--threads 1,2] [--repeats 5] [--layers 16] [--level avx2] [--json out.json]
+        [--threads 1,2] [--repeats 5] [--layers 16] [--level avx2] [--clock wall|cpu] [--stat median|min]
+        [--json out.json]
 
 Weights: `--layers` decoder layers of a 1024-wide model (q/k/v 1536x1024, o 1024x1024,
 gate/up 5632x1024, down 1024x2816: every format's blocks fit), random values (they do not change
 the speed); one pass = every projection once with `rows` activation rows, as a decode step does.
+--clock cpu times passes in this process's CPU time instead of wall time: on a machine shared with
+other work it leaves out the time the process waited for a core (one thread only: with two, a
+descheduled thread stalls the other at every OpenMP barrier, which CPU time does not see either).
+--stat min takes each path's fastest pass instead of the median: on a shared machine, the pass
+that ran while both cores were free.
 GB/s = the bytes each path streams per pass (its own weight format) / the pass's time; `% copy`
 = that over the copy bandwidth (read + write bytes of a 2 x 256 MB torch copy, STREAM's
 convention). Each format runs in its model dtype:
@@ -29,16 +35,18 @@ import os
 import platform
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 import torch.nn.functional as F
 
-from compiler import cpu_gemv
+from compiler import cpu_gemv, cpu_linear
 from compiler.cpu_gemv import GEMV, GGUF_FORMATS, LEVELS
 from compiler.cpu_linear import MIN_ONEDNN_ROWS
+from engine.layers.quant import int_formats
 from engine.layers.quant.config import QuantConfig
+from engine.layers.quant.cpu_packed import GEMM_ROWS
 from engine.layers.quant.gguf_blocks import BLOCK_TYPES
 from engine.layers.quant.linear import IntWeightMethod
 
@@ -65,10 +73,14 @@ def bandwidth(mb: int = 256, repeats: int = 5) -> tuple[float, float]:
     return 2 * a.numel() * 4 / copy / 1e9, a.numel() * 4 / read / 1e9
 
 
+CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
+CLOCK = CLOCKS["wall"]
+
+
 def _timed(fn: Callable[[], object]) -> float:
-    t0 = time.perf_counter()
+    t0 = CLOCK()
     fn()
-    return time.perf_counter() - t0
+    return CLOCK() - t0
 
 
 def random_blocks(name: str, n: int, k: int, gen: torch.Generator) -> torch.Tensor:
@@ -113,6 +125,14 @@ def _dense_old(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return F.linear(x, w)
 
 
+def _quant_new(x: torch.Tensor, packed: torch.Tensor, fmt: int, n: int, k: int, groups: int, float_acts: bool):
+    """What a quantised layer runs now (engine/layers/quant/cpu_packed.py): the kernel, or from
+    GEMM_ROWS rows the GEMM on the weight dequantised for the call."""
+    if x.shape[0] >= GEMM_ROWS[float_acts]:
+        return cpu_linear.linear(x, cpu_gemv.dequantize(packed, fmt, n, k, groups, x.dtype))
+    return cpu_gemv.quant(x, packed, fmt, n, k, groups, int_acts=not float_acts)
+
+
 def build(fmt: str, layers: int, seed: int = 0) -> tuple[Path, Path]:
     """(new path, old path) for `layers` layers of SHAPES in format `fmt`."""
     kind, dtype = FORMATS[fmt]
@@ -123,7 +143,9 @@ def build(fmt: str, layers: int, seed: int = 0) -> tuple[Path, Path]:
         wdtype = {"f32": F32, "bf16": BF16, "f16": torch.float16}[kind]
         new_w = [torch.randn(n, k, generator=gen).to(wdtype) for n, k in shapes]
         old_w = new_w if wdtype == dtype else [w.to(dtype) for w in new_w]
-        new = Path(lambda x, i: cpu_gemv.dense(x, new_w[i]), sum(w.numel() * w.element_size() for w in new_w))
+        # (what the engine runs now: compiler/cpu_linear.py, the kernel up to MAX_DENSE_ROWS rows)
+        new = Path(lambda x, i: cpu_linear.linear(x, new_w[i]) if wdtype == dtype else cpu_gemv.dense(x, new_w[i]),
+                   sum(w.numel() * w.element_size() for w in new_w))
         old = Path(lambda x, i: _dense_old(x, old_w[i]), sum(w.numel() * w.element_size() for w in old_w))
         return new, old
     if kind in ("int4", "int8"):
@@ -132,10 +154,10 @@ def build(fmt: str, layers: int, seed: int = 0) -> tuple[Path, Path]:
         mods = [_int_layer(bits, n, k, gen) for n, k in shapes]
         packed = []
         for m in mods:
-            q = torch.stack([m.qweight & 15, m.qweight >> 4], -1).reshape(m.out_features, -1) if bits == 4 else m.qweight
+            q = int_formats.unpack_nibbles(m.qweight) if bits == 4 else m.qweight
             packed.append(cpu_gemv.pack(q.contiguous(), fmt_id, m.in_features, m.scales, m.zeros))
-        new = Path(lambda x, i: cpu_gemv.quant(x, packed[i], fmt_id, shapes[i][0], shapes[i][1], shapes[i][1] // 128,
-                                               int_acts=not float_acts), sum(p.numel() for p in packed))
+        new = Path(lambda x, i: _quant_new(x, packed[i], fmt_id, *shapes[i], shapes[i][1] // 128, float_acts),
+                   sum(p.numel() for p in packed))
         if bits == 4 and dtype == BF16:
             t4 = [_torch_int4(n, k, gen, 128) for n, k in shapes]
             old = Path(lambda x, i: torch.ops.aten._weight_int4pack_mm_for_cpu(x, t4[i][0], 128, t4[i][1]),
@@ -146,8 +168,7 @@ def build(fmt: str, layers: int, seed: int = 0) -> tuple[Path, Path]:
     raws = [random_blocks(kind, n, k, gen) for n, k in shapes]
     fmt_id = GGUF_FORMATS[kind]
     packed = [cpu_gemv.pack(r, fmt_id, k) for r, (_, k) in zip(raws, shapes)]
-    new = Path(lambda x, i: cpu_gemv.quant(x, packed[i], fmt_id, shapes[i][0], shapes[i][1], int_acts=not float_acts),
-               sum(p.numel() for p in packed))
+    new = Path(lambda x, i: _quant_new(x, packed[i], fmt_id, *shapes[i], 0, float_acts), sum(p.numel() for p in packed))
     if kind == "Q8_0":  # IntWeightMethod on kiln's int8 layout (q + 128, zero 128, a float32 scale per 32)
         mods = [_int_layer(8, n, k, gen, group=32) for n, k in shapes]
         old = Path(lambda x, i: mods[i].quant.apply(mods[i], x), sum(m.quant.weight_bytes(m) for m in mods))
@@ -161,8 +182,9 @@ def build(fmt: str, layers: int, seed: int = 0) -> tuple[Path, Path]:
     return new, old
 
 
-def measure(new: Path, old: Path, dtype: torch.dtype, rows: int, projections: int, repeats: int) -> dict:
-    """Median seconds per pass of each path, passes interleaved."""
+def measure(new: Path, old: Path, dtype: torch.dtype, rows: int, projections: int, repeats: int,
+            stat: Callable[[list[float]], float] = statistics.median) -> dict:
+    """Seconds per pass of each path (median, or `stat`), passes interleaved."""
     xs = {k: torch.randn(rows, k).to(dtype) for _, k in SHAPES}
 
     def one_pass(path: Path) -> Callable[[], None]:
@@ -179,9 +201,13 @@ def measure(new: Path, old: Path, dtype: torch.dtype, rows: int, projections: in
         for _ in range(repeats):
             for name, fn in fns.items():
                 times[name].append(_timed(fn))
-    t_new, t_old = statistics.median(times["new"]), statistics.median(times["old"])
+    t_new, t_old = stat(times["new"]), stat(times["old"])
     return dict(new_s=t_new, old_s=t_old, new_gbs=new.bytes / t_new / 1e9, old_gbs=old.bytes / t_old / 1e9,
                 speedup=t_old / t_new)
+
+
+def threads_of(args: argparse.Namespace) -> list[int]:
+    return [int(t) for t in args.threads.split(",")]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -192,11 +218,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--layers", type=int, default=16)
     p.add_argument("--level", choices=LEVELS, help="ISA level of the kernels (default: the best this CPU runs)")
+    p.add_argument("--clock", choices=CLOCKS, default="wall", help="wall time, or this process's CPU time")
+    p.add_argument("--stat", choices=("median", "min"), default="median", help="per path over the repeats")
     p.add_argument("--json", help="write the rows here")
     args = p.parse_args(argv)
+    global CLOCK
+    CLOCK = CLOCKS[args.clock]
+    if args.clock == "cpu" and threads_of(args) != [1]:
+        print("bench_cpu_gemv: --clock cpu measures one thread (--threads 1)")
+        return 2
     formats = list(FORMATS) if args.formats == "all" else args.formats.split(",")
     rows_list = [int(r) for r in args.rows.split(",")]
-    threads_list = [int(t) for t in args.threads.split(",")]
+    threads_list = threads_of(args)
     if not GEMV.ensure():
         print(f"bench_cpu_gemv: the CPU kernels could not be built: {GEMV.error}")
         return 1
@@ -207,8 +240,9 @@ def main(argv: list[str] | None = None) -> int:
             return 2
     results = []
     print(f"bench_cpu_gemv: {platform.processor() or platform.machine()}, torch {torch.__version__} "
-          f"({torch.backends.cpu.get_cpu_capability()}), kernels {LEVELS[GEMV.level]}, load average "
-          f"{', '.join(f'{v:.1f}' for v in os.getloadavg())}")
+          f"({torch.backends.cpu.get_cpu_capability()}), kernels {LEVELS[GEMV.level]}, {args.clock} clock, "
+          f"{args.stat} of {args.repeats}, "
+          f"load average {', '.join(f'{v:.1f}' for v in os.getloadavg())}")
     for threads in threads_list:
         torch.set_num_threads(threads)
         copy, read = bandwidth()
@@ -217,8 +251,10 @@ def main(argv: list[str] | None = None) -> int:
         for fmt in formats:
             new, old = build(fmt, args.layers)
             for rows in rows_list:
-                r = measure(new, old, FORMATS[fmt][1], rows, len(SHAPES) * args.layers, args.repeats)
-                r.update(format=fmt, rows=rows, threads=threads, copy_gbs=copy, read_gbs=read,
+                r = measure(new, old, FORMATS[fmt][1], rows, len(SHAPES) * args.layers, args.repeats,
+                            min if args.stat == "min" else statistics.median)
+                r.update(format=fmt, rows=rows, threads=threads, copy_gbs=copy, read_gbs=read, clock=args.clock,
+                         stat=args.stat,
                          level=LEVELS[GEMV.level], pct_copy=100 * r["new_gbs"] / copy)
                 results.append(r)
                 print(f"{fmt:<16}{rows:>5}{r['new_gbs']:>10.1f}{r['pct_copy']:>7.0f}%{r['old_gbs']:>10.1f}"

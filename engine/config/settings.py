@@ -33,7 +33,8 @@ class SettingsError(ValueError):
     """A settings problem, already phrased for the user (one line per problem)."""
 
 
-# KILN_* variables that are not settings fields (read through env_flag or above).
+# KILN_* variables that are not settings fields (read above, or by the tests: soak sizes, the
+# GPU check's strict mode).
 OTHER_ENV_VARS = ("KILN_CONFIG", "KILN_CACHE_DIR", "KILN_SOAK_REQUESTS", "KILN_SERVER_SOAK_STREAMS",
                   "KILN_GPU_CHECK_STRICT")
 
@@ -136,11 +137,6 @@ def export_openmp_spin_default(spin_count: str) -> str:
     if not policy and "GOMP_SPINCOUNT" in os.environ:
         policy = f"spin {os.environ['GOMP_SPINCOUNT']} then sleep"
     return policy
-
-
-def env_flag(name: str) -> str | None:
-    """Read one process-level knob that is not an engine setting (e.g. test soak length)."""
-    return os.environ.get(name)
 
 
 class _KilnSettings(BaseSettings):

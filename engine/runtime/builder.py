@@ -41,13 +41,6 @@ logger = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
-# What an LLMEngine takes over from its builder (attribute names kept from before the split).
-PARTS = ("settings", "model_dir", "model_config", "device", "dtype", "max_model_len", "tokenizer",
-         "eos_token_ids", "generation_defaults", "structured_output", "model", "lora", "backend", "kv_cache", "pool",
-         "swap_space", "block_swapper", "scheduler", "sampler", "runner", "compile_seconds",
-         "capture_seconds", "async_scheduling", "cpu_threads", "executor")
-
-
 def resolve_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -122,7 +115,8 @@ class _Phase:
 
 
 class EngineBuilder:
-    """Builds every part of an engine from settings (see PARTS); `build()` runs the phases."""
+    """Builds every part of an engine from settings; `build()` runs the phases and returns the
+    builder, whose attributes LLMEngine takes over (each named in LLMEngine.__init__)."""
 
     def __init__(self, settings: EngineSettings) -> None:
         self.settings = settings
@@ -199,6 +193,7 @@ class EngineBuilder:
             preemption_mode=settings.preemption_mode,
             reserved_blocks_fraction=settings.reserved_blocks_fraction,
             reserved_priority=settings.reserved_priority,
+            eos_token_ids=self.eos_token_ids,
         ), self.pool, self._make_swap_space(), self._make_proposer())
         self.sampler = Sampler(self.device, self.eos_token_ids, settings.seed)
         runner_cls = ModelRunner

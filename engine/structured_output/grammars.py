@@ -264,12 +264,12 @@ class StructuredOutputCompiler:
             raise
         return await asyncio.to_thread(self._compile_here, spec, source)
 
-    def matchers(self, spec: StructuredOutputsParams, n: int, prompt_ids: list[int] | None = None
-                 ) -> list[GrammarMatcher]:
-        """n fresh matchers of one constraint (one per sample of a request)."""
+    def matchers(self, compiled: Any, spec: StructuredOutputsParams, n: int,
+                 prompt_ids: list[int] | None = None) -> list[GrammarMatcher]:
+        """n fresh matchers of one compiled constraint (`compile`'s result for `spec`), one per
+        sample of a request."""
         import xgrammar
 
-        compiled = self.compile(spec)
         end, waiting = None, False
         if spec.reasoning_markers is not None:
             start, end = (tuple(m) for m in spec.reasoning_markers)

@@ -1,20 +1,22 @@
-"""The server's admission checks, in one place: which model, is the text valid Unicode, is the
-prompt within max_model_len (before the engine sees it), are the parameters within the
-server's limits, does the structured-output constraint compile in time. Tokenisation and chat
-templates run here too, on the server's tokenising threads, never on the event loop.
+"""The server's side of admission: which model, is the text valid Unicode and of a size that can
+fit, how many prompts and samples one HTTP request may hold, does the structured-output
+constraint compile in time (in the compile pool, stopped if the client leaves). Tokenisation
+and chat templates run here too, on the server's tokenising threads, never on the event loop.
 
-The engine checks again on its own (offline users have no server); a request these checks let
-through is one the engine accepts.
+The rules every request meets (the params against the engine's limits, token ids against the
+vocabulary, the prompt's length) are the engine's one admission step's
+(engine/runtime/admission.py), called from here step by step, once each; the engine takes the
+admitted request as it is.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 from typing import Any
 
-from engine.core.request import InvalidRequestError, LoRARequest, SamplingParams
+from engine.core.request import InvalidRequestError, LoRARequest, PoolingParams, SamplingParams
+from engine.core.request_kinds import Task
 from engine.entrypoints.openai.errors import APIError, ClientGone
 from engine.entrypoints.openai.jobs import until_done
 from engine.entrypoints.openai.request_body import max_prompts
@@ -117,51 +119,28 @@ async def prompt_ids(state, prompts: list[str | list[int]], param: str) -> list[
             check_text_size(state.info, state.max_token_chars, p, where)
             out.append(await state.off_loop(encode, state.tokenizer, p, size=len(p)))
         else:
-            check_token_ids(state.info, p, where)
+            state.admission.check_token_ids(p, where)
             out.append(list(p))
     return out
 
 
 # ---- lengths and parameters ----
-def check_token_ids(info: EngineInfo, ids: list[int], param: str) -> None:
-    bad = [t for t in ids if not isinstance(t, int) or not 0 <= t < info.vocab_size]
-    if bad:
-        raise InvalidRequestError(f"{param}: token ids must be in [0, {info.vocab_size}); got {bad[:3]}", param)
+def fit_prompts(state, ids: list[list[int]], params: SamplingParams, param: str) -> list[list[int]]:
+    """Each prompt's ids cut to truncate_prompt_tokens, its length checked (Admission.fit_prompt)."""
+    return [state.admission.fit_prompt(None, p, params, param if len(ids) == 1 else f"{param}[{i}]")[1]
+            for i, p in enumerate(ids)]
 
 
-def check_length(info: EngineInfo, num_prompt_tokens: int, max_tokens: int | None, param: str) -> None:
-    """The prompt fits in max_model_len with room for max_tokens (the scheduler's rule, checked
-    before the engine sees the request)."""
-    limit = info.max_model_len
-    if num_prompt_tokens == 0:
-        raise InvalidRequestError(f"{param}: the prompt is empty", param)
-    if num_prompt_tokens >= limit:
-        raise InvalidRequestError(f"{param}: the prompt has {num_prompt_tokens} tokens, which leaves no room to "
-                                  f"generate within max_model_len={limit}", param)
-    if max_tokens is not None and num_prompt_tokens + max_tokens > limit:
-        raise InvalidRequestError(f"prompt ({num_prompt_tokens} tokens) + max_tokens ({max_tokens}) = "
-                                  f"{num_prompt_tokens + max_tokens} exceeds max_model_len={limit}", "max_tokens")
-
-
-def check_lengths(info: EngineInfo, ids: list[list[int]], params: SamplingParams, param: str) -> None:
-    for i, p in enumerate(ids):
-        n = len(p)
-        if params.truncate_prompt_tokens is not None:
-            n = min(n, params.truncate_prompt_tokens)
-        check_length(info, n, params.max_tokens, param if len(ids) == 1 else f"{param}[{i}]")
-
-
-def check_params(info: EngineInfo, body, params: SamplingParams, num_prompts: int) -> None:
+def check_params(state, body, params: SamplingParams | None, num_prompts: int,
+                 pooling: PoolingParams | None = None) -> tuple[SamplingParams, Task]:
+    """The params and task the request runs with, checked against the engine's limits
+    (Admission.check_params), and the number of prompts and samples against the server's."""
     unknown = body.unknown_fields()
     if unknown:
         logger.info("ignoring unknown request fields: %s", ", ".join(unknown))
-    params.validate()
-    params.check_stop_tokens(info.eos_token_ids)
-    if params.n > info.max_num_seqs:
-        raise InvalidRequestError(f"n ({params.n}) exceeds this server's max_num_seqs ({info.max_num_seqs})", "n")
-    check_batch(info, num_prompts * params.n, "prompt")
-    for name, ids in params.token_id_fields():
-        check_token_ids(info, ids, name)
+    params, task = state.admission.check_params(params, pooling)
+    check_batch(state.info, num_prompts * params.n, "prompt" if pooling is None else "input")
+    return params, task
 
 
 def check_batch(info: EngineInfo, count: int, param: str) -> None:
@@ -173,12 +152,12 @@ def check_batch(info: EngineInfo, count: int, param: str) -> None:
 async def check_constraint(state, body, params: SamplingParams, request) -> Any:
     """Compile the request's constraint in the server's compile pool (time-limited, stopped if
     the client goes away) so that one that does not compile, or not in time, is a 400 naming the
-    field it came in. Returns the compiled grammar: while the caller holds it, the engine's own
-    compile of it is a cache hit (even if the LRU has let it go)."""
+    field it came in. Returns the compiled grammar (None without a constraint): it travels with
+    the admitted request, and the engine makes the matchers from it."""
     if params.structured_outputs is None:
         return None
     found = body.structured_output_field()
-    name, _ = found if found is not None else ("tools", params.structured_outputs)
+    name = found[0] if found is not None else "tools"
     tenant = tenant_of(request, body)
     try:
         done = await until_done(state.engine.grammar_compiler.compile_async(params.structured_outputs, tenant),
@@ -196,7 +175,7 @@ def with_reasoning_markers(state, params: SamplingParams) -> None:
         return
     tok = state.tokenizer
     markers = tuple(tuple(tok.encode(m, add_special_tokens=False)) for m in ("<think>", "</think>"))
-    params.structured_outputs = dataclasses.replace(params.structured_outputs, reasoning_markers=markers)
+    params.structured_outputs.reasoning_markers = markers  # (the request's own constraint; not compiled in)
 
 
 def tenant_of(request, body) -> tuple[str, str]:

@@ -12,14 +12,13 @@ import dataclasses
 import json
 import logging
 import time
-import uuid
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Protocol
 
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 
-from engine.core.request import LoRARequest, RequestOutput, SamplingParams
+from engine.core.request import RequestOutput, SamplingParams
 from engine.entrypoints.openai.errors import (
     RequestFailed,
     engine_failed,
@@ -30,6 +29,7 @@ from engine.entrypoints.openai.errors import (
 from engine.entrypoints.openai.logprobs import LogprobFormat
 from engine.entrypoints.openai.reasoning import ReasoningParser
 from engine.entrypoints.openai.tool_calls import ToolCall, ToolMode
+from engine.runtime.admission import AdmittedRequest
 from engine.runtime.errors import EngineDeadError
 from engine.runtime.request_stream import RequestStream
 
@@ -175,18 +175,12 @@ def sse(payload: dict | str) -> str:
     return f"data: {payload if isinstance(payload, str) else json.dumps(payload)}\n\n"
 
 
-async def start_job(engine, registry: set, prefix: str, kind: str, prompts: list, texts: list,
-                    params: SamplingParams, priority: int, lora: LoRARequest | None = None) -> Job:
-    """Queue every prompt of a request (together: they are admitted in the same step)."""
+async def start_job(engine, registry: set, job_id: str, kind: str, admitted: list[AdmittedRequest],
+                    texts: list, params: SamplingParams) -> Job:
+    """Submit every prompt's admitted request (together: they are admitted in the same step)."""
     if getattr(registry, "closed", False):
         raise shutting_down()
-    arrival = time.monotonic()
-    job_id = f"{prefix}-{uuid.uuid4().hex}"
-    results = await asyncio.gather(*(
-        engine.add_request(
-            prompt, dataclasses.replace(params, stop=list(params.stop), stop_token_ids=list(params.stop_token_ids)),
-            f"{job_id}-{i}", priority, arrival, lora)
-        for i, prompt in enumerate(prompts)), return_exceptions=True)
+    results = await asyncio.gather(*(engine.submit(a) for a in admitted), return_exceptions=True)
     streams = [r for r in results if isinstance(r, RequestStream)]
     errors = [r for r in results if isinstance(r, BaseException)]
     if errors:

@@ -17,6 +17,7 @@ from typing import Any, Callable
 from engine.config.settings import EngineSettings, ServerSettings
 from engine.core.request import LoRARequest
 from engine.entrypoints.openai.metrics import EngineMetrics
+from engine.runtime.admission import Admission
 from engine.runtime.async_engine import AsyncEngine
 from engine.runtime.engine_info import EngineInfo
 
@@ -55,6 +56,11 @@ class ServerState:
     @property
     def tokenizer(self):
         return self.engine.info.tokenizer
+
+    @property
+    def admission(self) -> Admission:
+        """The engine's admission step (engine/runtime/admission.py): its rules, checked once per request."""
+        return self.engine.admission
 
     @functools.cached_property
     def max_token_chars(self) -> int:

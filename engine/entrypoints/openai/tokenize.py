@@ -5,7 +5,7 @@ from __future__ import annotations
 from fastapi import APIRouter
 
 from engine.core.request import InvalidRequestError
-from engine.entrypoints.openai.admission import check_model, check_text_size, check_token_ids, encode
+from engine.entrypoints.openai.admission import check_model, check_text_size, encode
 from engine.entrypoints.openai.chat import conversation_ids
 from engine.entrypoints.openai.errors import ERROR_RESPONSES
 from engine.entrypoints.openai.protocol import ChatCompletionRequest, DetokenizeRequest, TokenizeRequest
@@ -27,8 +27,8 @@ async def tokenize(state, body: TokenizeRequest) -> dict:
 
 async def detokenize(state, body: DetokenizeRequest) -> dict:
     check_model(state, body.model)
-    check_token_ids(state.info, body.tokens, "tokens")
-    return {"prompt": await state.off_loop(state.tokenizer.decode, body.tokens, size=len(body.tokens))}
+    state.admission.check_token_ids(body.tokens, "tokens")
+    return {"prompt": await state.off_loop(state.tokenizer.decode, body.tokens)}
 
 
 def router(state) -> APIRouter:

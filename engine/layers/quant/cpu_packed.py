@@ -12,6 +12,9 @@ Which activation path (`float_acts_for`): a float32 model keeps its activations 
 products of dequantise-then-matmul, so its greedy output is the dense model's); a bfloat16 or
 float16 model, whose activations are rounded to 8 bits of mantissa anyway, quantises them to int8
 per block of 32 for integer dot products, as llama.cpp does (1.3-2x faster: tools/bench_cpu_gemv.py).
+From GEMM_ROWS rows on (prefill chunks) a layer is instead dequantised into a temporary dense
+weight in the activations' dtype and multiplied by the GEMM of compiler/cpu_linear.py (oneDNN):
+there its arithmetic beats the kernels' per-block work (tools/bench_cpu_gemv.py --rows).
 Tolerances against dequantise-then-matmul: docs/models.md.
 """
 
@@ -20,12 +23,14 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from compiler import cpu_gemv
+from compiler import cpu_gemv, cpu_linear
 from engine.layers.quant import int4_packed, int_formats
 
 BUFFER = "gemv_packed"
 MAX_RUNS = 3  # runs per layer: at most one per fused part (q / k / v)
 BUFFERS = (*(f"{BUFFER}{i}" for i in range(MAX_RUNS)), "gemv_perm")
+# Rows from which the GEMM on the dequantised weight runs instead (float path, int path)
+GEMM_ROWS = {True: 64, False: 128}
 
 
 class CpuPackedMethod:
@@ -48,7 +53,9 @@ class CpuPackedMethod:
             x2 = x2.contiguous()
         k = module.in_features
         runs = module.gemv_runs
-        if len(runs) == 1:
+        if x2.shape[0] >= GEMM_ROWS[self.float_acts]:
+            y = cpu_linear.linear(x2, self.packed_order_weight(module, x2.dtype), module.bias)
+        elif len(runs) == 1:
             _, n, fmt, groups = runs[0]
             y = cpu_gemv.quant(x2, module.gemv_packed0, fmt, n, k, groups, module.bias, not self.float_acts)
         else:
@@ -61,11 +68,18 @@ class CpuPackedMethod:
             y = y.to(dtype)
         return y.reshape(*shape[:-1], -1)
 
+    @staticmethod
+    def packed_order_weight(module: nn.Module, dtype: torch.dtype) -> torch.Tensor:
+        """The dense weight [out, in] in float32 or bfloat16, its columns in the packed order
+        (act-order: permuted, as the activations are gathered)."""
+        wdtype = torch.bfloat16 if dtype == torch.bfloat16 else torch.float32
+        parts = [cpu_gemv.dequantize(getattr(module, f"{BUFFER}{i}"), fmt, n, module.in_features, groups, wdtype)
+                 for i, (_, n, fmt, groups) in enumerate(module.gemv_runs)]
+        return torch.cat(parts) if len(parts) > 1 else parts[0]
+
     def weight(self, module: nn.Module, dtype: torch.dtype) -> torch.Tensor:
         """The dense weight [out, in] (each value as the float path dequantises it)."""
-        parts = [cpu_gemv.dequantize(getattr(module, f"{BUFFER}{i}"), fmt, n, module.in_features, groups)
-                 for i, (_, n, fmt, groups) in enumerate(module.gemv_runs)]
-        w = torch.cat(parts) if len(parts) > 1 else parts[0]
+        w = self.packed_order_weight(module, torch.float32)
         if module.gemv_perm is not None:
             dense = torch.empty_like(w)
             dense[:, module.gemv_perm] = w
