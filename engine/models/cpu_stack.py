@@ -13,9 +13,10 @@ windows and soft-capping, o_proj, post-attention norm, gated SiLU / tanh-GELU ML
 projections all run on the weight-streaming kernels (dense float weights, or cpu_packed layers
 without an act-order permutation). Not covered (the eager forward runs them): mixture-of-experts,
 tensor parallelism, LoRA, Gemma 2/3's sandwich norms and local rotary base, other quantised
-methods. `StackRunner.runs` decides per step: dense projections only up to
-cpu_gemv.MAX_DENSE_ROWS rows (the kernels' range; more rows go to oneDNN), the backend's plain
-C++ attention (no fp8 KV scales), no autograd, no torch.compile.
+methods. `StackRunner.runs` decides per step: only as many rows as every projection runs on the
+kernels in the eager forward too (dense: cpu_gemv.MAX_DENSE_ROWS for the dtype, more go to oneDNN;
+packed: below cpu_packed.GEMM_ROWS, from there prefill chunks run the GEMM on a dequantised
+weight), the backend's plain C++ attention (no fp8 KV scales), no autograd, no torch.compile.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import torch
 
 from compiler import cpu_fused, cpu_gemv
 from engine.layers.attention.base import AttentionBackend, AttentionMetadata
+from engine.layers.quant import cpu_packed
 
 logger = logging.getLogger(__name__)
 
@@ -78,6 +80,13 @@ def why_not(model, dtype: torch.dtype) -> str | None:
     return None
 
 
+def _kernel_rows(linear, dtype: torch.dtype) -> int:
+    """The most rows of `dtype` activations that the eager forward runs `linear` with on the kernels."""
+    if linear.quant is None:
+        return cpu_gemv.MAX_DENSE_ROWS.get(dtype, 0)
+    return cpu_packed.GEMM_ROWS[linear.quant.float_acts] - 1
+
+
 def _add_projection(stack, linear) -> None:
     if linear.quant is None:
         stack.add_dense(linear.weight, linear.bias)
@@ -91,13 +100,13 @@ def _add_projection(stack, linear) -> None:
 class StackRunner:
     """The built stack and when it runs."""
 
-    def __init__(self, stack, has_dense: bool, dtype: torch.dtype) -> None:
+    def __init__(self, stack, max_rows: int, dtype: torch.dtype) -> None:
         self.stack = stack
-        self.max_rows = cpu_gemv.MAX_DENSE_ROWS if has_dense else None
+        self.max_rows = max_rows  # (the stack's own check too)
         self.dtype = dtype
 
     def runs(self, rows: int, positions: torch.Tensor, backend: AttentionBackend | None, lora) -> bool:
-        return ((self.max_rows is None or rows <= self.max_rows) and lora is None and backend is not None
+        return (rows <= self.max_rows and lora is None and backend is not None
                 and positions.dtype == torch.int64 and getattr(backend, "plain_cpu_kernels", False)
                 and not torch.is_grad_enabled() and not torch.compiler.is_compiling())
 
@@ -115,11 +124,14 @@ def build(model, dtype: torch.dtype) -> StackRunner | None:
         return None
     cfg = model.config
     first = model.layers[0].self_attn
+    projections = [p for layer in model.layers
+                   for p in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
+                             layer.mlp.down_proj)]
+    max_rows = min(_kernel_rows(p, dtype) for p in projections)
     stack = torch.classes.kiln_cpu_fused.DecoderStack(
         cpu_gemv.GEMV.level, cfg.hidden_size, first.num_heads, first.num_kv_heads, first.head_dim,
         model.norm.eps, model.norm.weight_offset, model.layers[0].mlp.tanh_gelu, cfg.rope_interleaved,
-        cpu_gemv.MAX_DENSE_ROWS, model.norm.weight, model.rotary.cos_sin)
-    has_dense = False
+        max_rows, model.norm.weight, model.rotary.cos_sin)
     for layer in model.layers:
         attn = layer.self_attn
         stack.add_layer(attn.layer_index, layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
@@ -128,8 +140,6 @@ def build(model, dtype: torch.dtype) -> StackRunner | None:
                         float(attn.scale), int(attn.sliding_window or 0), float(attn.softcap or 0.0))
         for proj in (attn.qkv_proj, attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
             _add_projection(stack, proj)
-            has_dense |= proj.quant is None
-    runner = StackRunner(stack, has_dense, dtype)
-    logger.info("CPU decoder stack: %d layers as one C++ call per step (%s)", cfg.num_layers,
-                f"up to {runner.max_rows} rows: dense weights" if has_dense else "any rows: packed weights")
-    return runner
+    logger.info("CPU decoder stack: %d layers as one C++ call per step, steps of up to %d rows", cfg.num_layers,
+                max_rows)
+    return StackRunner(stack, max_rows, dtype)
