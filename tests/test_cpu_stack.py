@@ -63,6 +63,14 @@ def _steps(vocab: int, bs: int, prefill: tuple[int, int], decodes: int, seed: in
     return steps
 
 
+def count_calls(stack: cpu_stack.StackRunner) -> list[int]:
+    """A list that grows by one each time `stack` runs a step (until `del stack.forward`)."""
+    ran: list[int] = []
+    original = stack.forward
+    stack.forward = lambda *a: ran.append(1) or original(*a)
+    return ran
+
+
 @torch.inference_mode()
 def _run(model, kv: torch.Tensor, steps, stack) -> list[torch.Tensor]:
     """The hidden states of each step with model.cpu_stack = stack (None: the layers op by op)."""
@@ -81,9 +89,7 @@ def _differences(engine, stack, prefill=(17, 12), decodes=3) -> list[str]:
     base = engine.runner.kv_cache.tensor
     kv_eager, kv_stack = base.clone().zero_(), base.clone().zero_()
     eager = _run(model, kv_eager, steps, None)
-    ran = []
-    original = stack.forward
-    stack.forward = lambda *a: ran.append(1) or original(*a)
+    ran = count_calls(stack)
     try:
         got = _run(model, kv_stack, steps, stack)
     finally:
@@ -161,9 +167,7 @@ def test_default_cpu_engine_matches_transformers(arch, tiny_models, make_llm):
     llm = make_llm(tiny_models[arch], max_num_seqs=16, enforce_eager=False)
     stack = llm.engine.runner.model.cpu_stack
     assert stack is not None
-    ran = []
-    original = stack.forward
-    stack.forward = lambda *a: ran.append(1) or original(*a)
+    ran = count_calls(stack)
     prompts = _prompts(llm.engine.model_config.vocab_size)
     outs = llm.generate(prompts, GREEDY, use_tqdm=False)
     assert ran, "the stack never ran"

@@ -73,13 +73,12 @@ def test_default_cpu_engine_runs_the_decoder_stack_with_the_same_tokens(smollm2,
     """The default CPU engine (C++ attention and decoder stack, engine/models/cpu_stack.py) gives
     the eager engine's greedy tokens, which the test above holds equal to transformers'."""
     from engine.entrypoints.llm import LLM
+    from tests.test_cpu_stack import count_calls
 
     llm = LLM(str(smollm2), device="cpu", max_model_len=512, max_num_seqs=8)
     stack = llm.engine.model.cpu_stack
     assert stack is not None
-    ran = []
-    original = stack.forward
-    stack.forward = lambda *a: ran.append(1) or original(*a)
+    ran = count_calls(stack)
     tok = smol_llm.tokenizer
     prompts = [tok.encode(p) for p in PROMPTS]
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
