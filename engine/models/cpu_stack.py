@@ -4,7 +4,7 @@ At batch 1 the eager forward of SmolLM2 (30 layers) is ~1,200 torch ops, and the
 costs about as much as the weight-streaming projections of a 4-bit model; the stack runs the same
 kernels in the same order from C++ (the fused norms / RoPE / activation, kiln_cpu_gemv's
 projections, kiln_cpu's KV write and attention), so its output is the eager forward's bit for bit
-(tests/test_cpu_stack.py) at a few µs of host time a layer (batch-1 decode steps 1.1-1.5x faster
+(tests/test_cpu_stack.py) at a few µs of host time a layer (batch-1 decode steps 1.2-1.55x faster
 on SmolLM2: BENCH_cpustep.md, `kiln bench cpu --decoder-stack`).
 
 `build` makes the stack from a loaded model, or says why it cannot: it covers the plain pre-norm
