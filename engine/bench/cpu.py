@@ -264,6 +264,20 @@ def step_part(name: str) -> str:
     return next(part for part, keys in STEP_PARTS if any(k in name for k in keys))
 
 
+def _timed_decode_steps(engine, batch: int, steps: int, input_len: int, tag: str) -> list[float]:
+    """Wall seconds of `steps` decode steps of `batch` sequences, after a warm-up request set; the
+    requests are left running (room for `steps` more decode steps)."""
+    _start_decoding(engine, batch, steps, input_len, f"{tag}-warm")
+    _drain(engine)
+    _start_decoding(engine, batch, steps, input_len, tag)
+    walls = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        engine.step()
+        walls.append(time.perf_counter() - t0)
+    return walls
+
+
 def _start_decoding(engine, batch: int, steps: int, input_len: int, tag: str) -> None:
     """Queue `batch` requests and step through their prefill, to the first decode-only step."""
     from engine.core.request import SamplingParams
@@ -284,14 +298,7 @@ def _drain(engine) -> None:
 
 def decode_step_ms(engine, batch: int, steps: int, input_len: int) -> float:
     """Median wall ms of `steps` decode steps of `batch` sequences (after a warm-up request set)."""
-    _start_decoding(engine, batch, steps, input_len, "ds-warm")
-    _drain(engine)
-    _start_decoding(engine, batch, steps, input_len, "ds")
-    walls = []
-    for _ in range(steps):
-        t0 = time.perf_counter()
-        engine.step()
-        walls.append(time.perf_counter() - t0)
+    walls = _timed_decode_steps(engine, batch, steps, input_len, "ds")
     _drain(engine)
     engine.check_integrity()
     return float(np.median(walls)) * 1e3
@@ -332,14 +339,7 @@ def step_parts(engine, batch: int, steps: int, input_len: int) -> dict[str, Any]
     """Where one decode step of `batch` sequences spends its time (see --step-parts)."""
     from torch.profiler import ProfilerActivity, profile
 
-    _start_decoding(engine, batch, steps, input_len, "sp-warm")
-    _drain(engine)
-    _start_decoding(engine, batch, steps, input_len, "sp")
-    walls = []
-    for _ in range(steps):
-        t0 = time.perf_counter()
-        engine.step()
-        walls.append(time.perf_counter() - t0)
+    walls = _timed_decode_steps(engine, batch, steps, input_len, "sp")
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         for _ in range(steps):
             engine.step()
