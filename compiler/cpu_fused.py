@@ -9,6 +9,11 @@ rounded where the eager ops round (see the source's header); the eager code in
 engine/models/llama.py stays the definition, used on a GPU, under torch.compile, with autograd,
 before the library is loaded and for other dtypes.
 
+The same library holds `DecoderStack` (templates/cpu_decoder_stack.inc, a torch custom class): a
+model's whole decoder stack as one C++ call over these ops, the weight-streaming projections
+(compiler/cpu_gemv.py) and the paged attention (compiler/cpu_attention.py), which it finds in the
+dispatcher when it is built (engine/models/cpu_stack.py builds it from a model).
+
 Built with torch.utils.cpp_extension into the compile cache (`compile_cache_dir`) under a key of
 everything that changes the binary (source, flags, torch version, the CPU's vector ISA): the
 first start compiles it (~30 s), later starts load the shared library in milliseconds. The
@@ -28,7 +33,9 @@ from compiler import cpu_extension
 
 logger = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).resolve().parents[1] / "templates" / "cpu_fused_ops.cpp"
+TEMPLATES = Path(__file__).resolve().parents[1] / "templates"
+SOURCE = TEMPLATES / "cpu_fused_ops.cpp"
+INCLUDES = (TEMPLATES / "cpu_decoder_stack.inc",)
 
 # -ffp-contract=off: no fused multiply-adds, so float32 results are the eager ops' own roundings.
 _BASE_FLAGS = ["-O3", "-std=c++17", "-fopenmp", "-fno-math-errno", "-ffp-contract=off"]
@@ -50,7 +57,7 @@ class FusedOpsLibrary:
 
     @staticmethod
     def key() -> str:
-        return cpu_extension.cache_key(SOURCE, cpu_flags())
+        return cpu_extension.cache_key(SOURCE, cpu_flags(), includes=INCLUDES)
 
     @classmethod
     def library_path(cls, cache_dir: Path | None) -> Path:

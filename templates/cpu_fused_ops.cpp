@@ -14,6 +14,8 @@
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <torch/custom_class.h>
 #include <torch/library.h>
 
 #include <cmath>
@@ -284,6 +286,8 @@ void rope_(at::Tensor q, at::Tensor k, const at::Tensor& positions, const at::Te
   });
 }
 
+#include "cpu_decoder_stack.inc"
+
 }  // namespace
 
 TORCH_LIBRARY(kiln_cpu_fused, m) {
@@ -291,6 +295,14 @@ TORCH_LIBRARY(kiln_cpu_fused, m) {
   m.def("add_rms_norm(Tensor(a!) residual, Tensor delta, Tensor weight, float eps, float offset) -> Tensor");
   m.def("silu_and_mul(Tensor x, bool gelu_tanh) -> Tensor");
   m.def("rope_(Tensor(a!) q, Tensor(b!) k, Tensor positions, Tensor cos_sin, bool interleaved) -> ()");
+  m.class_<stack::DecoderStack>("DecoderStack")
+      .def(torch::init<int64_t, int64_t, int64_t, int64_t, int64_t, double, double, bool, bool, int64_t, at::Tensor,
+                       at::Tensor>())
+      .def("add_layer", &stack::DecoderStack::add_layer)
+      .def("add_dense", &stack::DecoderStack::add_dense)
+      .def("add_packed", &stack::DecoderStack::add_packed)
+      .def("num_layers", &stack::DecoderStack::num_layers)
+      .def("forward", &stack::DecoderStack::forward);
 }
 
 TORCH_LIBRARY_IMPL(kiln_cpu_fused, CPU, m) {

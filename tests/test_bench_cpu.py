@@ -66,3 +66,26 @@ def test_step_parts_split_a_decode_step(tiny_llama, capsys):
     assert sum(row["parts_us"].values()) >= row["step_us"] * 0.99
     assert not engine.has_unfinished_requests() and engine.pool.is_fully_free()
     assert "torch ops per step" in capsys.readouterr().out
+
+
+def test_decoder_stack_against_op_by_op(tiny_llama, capsys):
+    """--decoder-stack: both ways timed in one engine, interleaved, the stack put back afterwards;
+    an engine without the stack says so and compares nothing."""
+    from engine.config.settings import EngineSettings
+    from engine.runtime.llm_engine import LLMEngine
+
+    common = dict(model=str(tiny_llama), device="cpu", max_model_len=128, num_gpu_blocks=64, max_num_seqs=4,
+                  log_stats_interval=0)
+    engine = LLMEngine(EngineSettings(**common))
+    stack = engine.runner.model.cpu_stack
+    assert stack is not None
+    res = cpu.decoder_stack(engine, [1, 2], rounds=2, steps=3, input_len=8)
+    assert [r["batch"] for r in res["rows"]] == [1, 2]
+    for r in res["rows"]:
+        assert len(r["samples"]["stack"]) == len(r["samples"]["op by op"]) == 2
+        assert r["speedup"] == r["op_by_op_ms"] / r["stack_ms"] > 0
+    assert engine.runner.model.cpu_stack is stack
+    assert not engine.has_unfinished_requests() and engine.pool.is_fully_free()
+    off = LLMEngine(EngineSettings(**common, cpu_decoder_stack=False))
+    assert cpu.decoder_stack(off, [1], rounds=1, steps=2, input_len=8) == {}
+    assert "-> " in capsys.readouterr().out

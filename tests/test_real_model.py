@@ -69,6 +69,25 @@ def test_greedy_matches_transformers(smollm2, smol_llm):
             assert out.outputs[0].token_ids == gen[0, len(p):].tolist(), tok.decode(p)
 
 
+def test_default_cpu_engine_runs_the_decoder_stack_with_the_same_tokens(smollm2, smol_llm):
+    """The default CPU engine (C++ attention and decoder stack, engine/models/cpu_stack.py) gives
+    the eager engine's greedy tokens, which the test above holds equal to transformers'."""
+    from engine.entrypoints.llm import LLM
+    from tests.test_cpu_stack import count_calls
+
+    llm = LLM(str(smollm2), device="cpu", max_model_len=512, max_num_seqs=8)
+    stack = llm.engine.model.cpu_stack
+    assert stack is not None
+    ran = count_calls(stack)
+    tok = smol_llm.tokenizer
+    prompts = [tok.encode(p) for p in PROMPTS]
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    got, want = (x.generate(prompts, params, use_tqdm=False) for x in (llm, smol_llm))
+    assert ran
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+    assert_engine_clean(llm.engine)
+
+
 QUESTIONS = {"What is the capital of France?": "Paris", "What is the capital of Japan?": "Tokyo",
              "What is 2 + 2?": "4", "What is the opposite of hot?": "cold"}
 

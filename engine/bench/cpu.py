@@ -264,39 +264,86 @@ def step_part(name: str) -> str:
     return next(part for part, keys in STEP_PARTS if any(k in name for k in keys))
 
 
-def step_parts(engine, batch: int, steps: int, input_len: int) -> dict[str, Any]:
-    """Where one decode step of `batch` sequences spends its time (see --step-parts)."""
-    from torch.profiler import ProfilerActivity, profile
-
-    from engine.core.request import SamplingParams
-
-    vocab = engine.model_config.vocab_size
-
-    def start(tag: str) -> None:
-        params = SamplingParams(temperature=0.0, max_tokens=2 * steps + 4, ignore_eos=True, detokenize=False)
-        for i, p in enumerate(_prompts(batch, input_len, input_len, vocab, 7)):
-            engine.add_request(p, params, request_id=f"{tag}{i}")
-        while True:  # through the prefill, to the first decode-only step
-            engine.step()
-            if engine.last_step.num_prompt_tokens == 0 and engine.last_step.num_generation_tokens > 0:
-                return
-
-    def drain() -> None:
-        while engine.has_unfinished_requests():
-            engine.step()
-
-    start("sp-warm")
-    drain()
-    start("sp")
+def _timed_decode_steps(engine, batch: int, steps: int, input_len: int, tag: str) -> list[float]:
+    """Wall seconds of `steps` decode steps of `batch` sequences, after a warm-up request set; the
+    requests are left running (room for `steps` more decode steps)."""
+    _start_decoding(engine, batch, steps, input_len, f"{tag}-warm")
+    _drain(engine)
+    _start_decoding(engine, batch, steps, input_len, tag)
     walls = []
     for _ in range(steps):
         t0 = time.perf_counter()
         engine.step()
         walls.append(time.perf_counter() - t0)
+    return walls
+
+
+def _start_decoding(engine, batch: int, steps: int, input_len: int, tag: str) -> None:
+    """Queue `batch` requests and step through their prefill, to the first decode-only step."""
+    from engine.core.request import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=2 * steps + 4, ignore_eos=True, detokenize=False)
+    for i, p in enumerate(_prompts(batch, input_len, input_len, engine.model_config.vocab_size, 7)):
+        engine.add_request(p, params, request_id=f"{tag}{i}")
+    while True:
+        engine.step()
+        if engine.last_step.num_prompt_tokens == 0 and engine.last_step.num_generation_tokens > 0:
+            return
+
+
+def _drain(engine) -> None:
+    while engine.has_unfinished_requests():
+        engine.step()
+
+
+def decode_step_ms(engine, batch: int, steps: int, input_len: int) -> float:
+    """Median wall ms of `steps` decode steps of `batch` sequences (after a warm-up request set)."""
+    walls = _timed_decode_steps(engine, batch, steps, input_len, "ds")
+    _drain(engine)
+    engine.check_integrity()
+    return float(np.median(walls)) * 1e3
+
+
+def decoder_stack(engine, batches: list[int], rounds: int, steps: int, input_len: int) -> dict[str, Any]:
+    """Decode steps with the C++ decoder stack (engine/models/cpu_stack.py) vs the same model's
+    layers op by op, same engine and weights, interleaved (stack, op by op, stack, ...) per round."""
+    model = engine.runner.model
+    stack = getattr(model, "cpu_stack", None)
+    if stack is None:
+        print("\ndecoder stack: off for this model (the start-up log says why); nothing to compare")
+        return {}
+    out: dict[str, Any] = {"rows": []}
+    print(f"\ndecoder stack vs op by op ({torch.get_num_threads()} threads, {steps} decode steps per run, "
+          f"{rounds} interleaved rounds, medians):")
+    try:
+        for batch in batches:
+            ms: dict[str, list[float]] = {"stack": [], "op by op": []}
+            for r in range(rounds):
+                for label, runner in (("stack", stack), ("op by op", None)):
+                    model.cpu_stack = runner
+                    ms[label].append(decode_step_ms(engine, batch, steps, input_len))
+                print(f"  batch {batch}, round {r + 1}: stack {ms['stack'][-1]:.2f} ms/step, "
+                      f"op by op {ms['op by op'][-1]:.2f} ms/step", flush=True)
+            row = {"batch": batch, "stack_ms": float(np.median(ms["stack"])),
+                   "op_by_op_ms": float(np.median(ms["op by op"])), "samples": ms}
+            row["speedup"] = row["op_by_op_ms"] / row["stack_ms"]
+            out["rows"].append(row)
+            print(f"  batch {batch}: stack {row['stack_ms']:.2f} ms/step, op by op {row['op_by_op_ms']:.2f} "
+                  f"ms/step -> {row['speedup']:.2f}x")
+    finally:
+        model.cpu_stack = stack
+    return out
+
+
+def step_parts(engine, batch: int, steps: int, input_len: int) -> dict[str, Any]:
+    """Where one decode step of `batch` sequences spends its time (see --step-parts)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    walls = _timed_decode_steps(engine, batch, steps, input_len, "sp")
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         for _ in range(steps):
             engine.step()
-    drain()
+    _drain(engine)
     engine.check_integrity()
     wall_us = float(np.median(walls)) * 1e6
     parts: dict[str, float] = {part: 0.0 for part, _ in STEP_PARTS}
@@ -364,6 +411,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--step-parts", action="store_true", help="where a decode step's time goes (profiled)")
     p.add_argument("--step-parts-batch", default="1,16", help="batch sizes for --step-parts (default 1,16)")
     p.add_argument("--step-parts-steps", type=int, default=20, help="decode steps timed per batch size")
+    p.add_argument("--decoder-stack", action="store_true",
+                   help="decode steps with the C++ decoder stack vs the layers op by op, interleaved")
+    p.add_argument("--decoder-stack-batch", default="1,16", help="batch sizes for --decoder-stack (default 1,16)")
+    p.add_argument("--decoder-stack-rounds", type=int, default=5)
+    p.add_argument("--decoder-stack-steps", type=int, default=20, help="decode steps timed per run")
     p.add_argument("--json", type=Path, help="write the results here")
     add_settings_flags(p)
     return p
@@ -397,6 +449,9 @@ def main(argv: list[str]) -> int:
         print(f"\nwhere a decode step's time goes ({torch.get_num_threads()} threads, context {args.input_len}+):")
         results["step_parts"] = [step_parts(engine, int(b), args.step_parts_steps, args.input_len)
                                  for b in args.step_parts_batch.split(",") if b.strip()]
+    if args.decoder_stack:
+        results["decoder_stack"] = decoder_stack(engine, [int(b) for b in args.decoder_stack_batch.split(",") if b],
+                                                 args.decoder_stack_rounds, args.decoder_stack_steps, args.input_len)
     chosen = thread_settings(args.threads, len(cores), default)
     rows = run_settings(engine, chosen, args, neighbour=False)
     ok = True

@@ -231,6 +231,10 @@ class EngineSettings(_KilnSettings):
         "auto", description="pin the process to cores: a list like 0-3 or 0,2 (then one thread per core "
                             "unless cpu_threads says otherwise); auto and none leave placement to the OS")
 
+    cpu_decoder_stack: bool = Field(
+        True, description="on the CPU, run a Llama-family model's decoder layers as one C++ call per step "
+                          "(the same kernels as the eager forward, without Python's dispatch per op) where "
+                          "every projection runs on the weight-streaming kernels")
     cpu_compile_forward: bool = Field(
         False, description="on the CPU, torch.compile the whole forward too (measured no faster than eager; "
                            "only the decode attention is compiled by default)")

@@ -29,6 +29,7 @@ from engine.distributed.parallel_layers import (
 from engine.layers.attention.base import AttentionBackend, AttentionMetadata
 from engine.layers.forward_context import ForwardContext
 from engine.layers.quant.moe import QuantExperts, routed_experts
+from engine.models import cpu_stack
 from engine.models.config import ModelConfig, rope_inv_freq
 from engine.models.glm import apply_interleaved_rope, interleaved_rope_tables
 from engine.models.sharding import check_shardable, local_heads, vocab_rows_per_rank
@@ -304,6 +305,7 @@ class LlamaForCausalLM(nn.Module):
         self.backend: AttentionBackend | None = None
         self.lora_slots = 0  # adapters one batch can mix (engine/lora/adapters.py); 0: LoRA off
         self.pad_cpu_rows = False  # forward in oneDNN row buckets (padded_rows; set by use_cpu_fused_ops)
+        self.cpu_stack: cpu_stack.StackRunner | None = None  # the layers as one C++ call (use_cpu_stack)
 
     def set_backend(self, backend: AttentionBackend) -> None:
         self.backend = backend
@@ -340,6 +342,13 @@ class LlamaForCausalLM(nn.Module):
         self.pad_cpu_rows = (self.tp is None and not self.config.is_moe
                              and all(m.quant is None for m in self.modules() if isinstance(m, Linear)))
         return seconds
+
+    def use_cpu_stack(self) -> bool:
+        """Run the decoder layers as one C++ call per step where they can (engine/models/cpu_stack.py;
+        after use_cpu_fused_ops, with the CPU attention and weight-streaming kernels loaded). Returns
+        whether it is on (the reason it is not is logged)."""
+        self.cpu_stack = cpu_stack.build(self, self.embed_tokens.weight.dtype)
+        return self.cpu_stack is not None
 
     def padded_rows(self, tokens: int, x: torch.Tensor, lora: torch.Tensor | None) -> int:
         """The rows the eager CPU forward runs: `tokens` rounded up to oneDNN's row bucket
@@ -378,6 +387,9 @@ class LlamaForCausalLM(nn.Module):
         x = self.embed_tokens(input_ids)
         if self.config.embed_scale is not None:  # Gemma: rounded to the weights' dtype first, as in HF
             x = x * torch.tensor(self.config.embed_scale, dtype=x.dtype)
+        if self.cpu_stack is not None and self.cpu_stack.runs(rows, positions, self.backend, lora):
+            hidden = self.cpu_stack.forward(x, positions, kv_cache, meta)
+            return hidden if rows == tokens else hidden[:tokens]
         rope = self.rotary(positions, x)
         local = self.rotary_local(positions, x) if self.rotary_local is not None else rope
         delta = None

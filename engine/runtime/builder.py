@@ -242,7 +242,8 @@ class EngineBuilder:
 
             if hasattr(self.model, "use_cpu_fused_ops"):  # fused norms / RoPE / SiLU (compiler/cpu_fused.py)
                 self.model.use_cpu_fused_ops(s.resolved_compile_cache_dir())
-            seconds = warm_cpu_decode(self.model, self.kv_cache.tensor, s.resolved_compile_cache_dir())
+            seconds = warm_cpu_decode(self.model, self.kv_cache.tensor, s.resolved_compile_cache_dir(),
+                                      s.cpu_decoder_stack)
             if not s.cpu_compile_forward:
                 logger.info("CPU: eager forward, C++ paged attention built ahead of time; warm-up %.1fs", seconds)
                 return seconds, 0.0

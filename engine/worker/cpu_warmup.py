@@ -26,12 +26,16 @@ from engine.worker.step_features import StepFeatures
 
 
 @torch.inference_mode()
-def warm_cpu_decode(model: torch.nn.Module, kv_cache: torch.Tensor, compile_cache_dir: Path) -> float:
-    """Load or build the CPU paged attention and run a padding decode step through the eager
+def warm_cpu_decode(model: torch.nn.Module, kv_cache: torch.Tensor, compile_cache_dir: Path,
+                    decoder_stack: bool = True) -> float:
+    """Load or build the CPU paged attention, build the C++ decoder stack where the model has one
+    (decoder_stack: the cpu_decoder_stack setting) and run a padding decode step through the eager
     forward. Returns seconds."""
     t0 = time.perf_counter()
     KERNEL.configure(compile_cache_dir)
     KERNEL.load()
+    if decoder_stack and hasattr(model, "use_cpu_stack"):
+        model.use_cpu_stack()
     rows = 2
     ids = torch.zeros(rows, dtype=torch.int64)
     meta = AttentionMetadata(

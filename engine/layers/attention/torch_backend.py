@@ -25,6 +25,12 @@ class TorchAttentionBackend:
     def use_kv_scales(self, kv_scales: KVScales | None) -> None:
         self.kv_scales = kv_scales
 
+    @property
+    def plain_cpu_kernels(self) -> bool:
+        """Whether an eager forward's attention is exactly kiln_cpu.write_kv + kiln_cpu.paged_attention
+        with no KV scales: what the CPU decoder stack (engine/models/cpu_stack.py) calls itself."""
+        return self.compiled_cpu_decode and self.kv_scales is None
+
     def forward(self, q, k, v, kv_cache, layer: int, meta: AttentionMetadata, scale: float,
                 sliding_window: int = 0, softcap: float = 0.0) -> torch.Tensor:
         fused_cpu = self.compiled_cpu_decode
