@@ -5,7 +5,7 @@ costs about as much as the weight-streaming projections of a 4-bit model; the st
 kernels in the same order from C++ (the fused norms / RoPE / activation, kiln_cpu_gemv's
 projections, kiln_cpu's KV write and attention), so its output is the eager forward's bit for bit
 (tests/test_cpu_stack.py) at a few µs of host time a layer (batch-1 decode steps 1.2-1.55x faster
-on SmolLM2: BENCH_cpustep.md, `kiln bench cpu --decoder-stack`).
+on SmolLM2: BENCHMARKS.md, section BENCH_cpustep, `kiln bench cpu --decoder-stack`).
 
 `build` makes the stack from a loaded model, or says why it cannot: it covers the plain pre-norm
 layer (input norm, q/k/v with optional bias and q/k norms, RoPE of either layout, partial rotary,
