@@ -53,6 +53,12 @@ class ModelRunner:
         self.builder = StepBuilder(self.buffers, StepFeatures.for_model(model, max_tokens, device), block_size)
         self.forward_fn = model.forward  # replaced by the compiled forward (compiler/capture.py)
         self.graph_runner: DecodeGraphRunner | None = None  # set when decode CUDA graphs are captured
+        # A device proposer (engine/worker/spec/: a draft model, an EAGLE head): it drafts inside
+        # each launch, before the forward that verifies its drafts.
+        self.spec = None
+        # Every cache tensor indexed by the scheduler's block ids: a draft's shares them, so a
+        # copy-on-write copies its block too.
+        self.block_copy_caches = [kv_cache.tensor]
 
     @property
     def compiled(self) -> bool:
@@ -145,12 +151,18 @@ class ModelRunner:
         if sched.blocks_to_copy:
             src = torch.tensor([a for a, _ in sched.blocks_to_copy], device=self.device)
             dst = torch.tensor([b for _, b in sched.blocks_to_copy], device=self.device)
-            torch.ops.kiln.copy_blocks(self.kv_cache.tensor, src, dst)
+            for cache in self.block_copy_caches:
+                torch.ops.kiln.copy_blocks(cache, src, dst)
         pending = PendingStep()
         if not sched.seqs:
             pending.sample = PendingSample.empty(self.device)
             return pending
         step = self.prepare(sched)
+        if self.spec is not None:
+            pending.proposal = self.spec.propose(sched, self.builder)
+            if pending.proposal is not None:
+                pending.proposal.write_inputs(self.buffers)
+                pending.proposal.patch_rows(step.rows)
         if self.graph_runner is not None and self.graph_runner.can_replay(step):
             hidden, tokens = self.graph_runner.replay(step)
             n = len(step.rows)
@@ -189,7 +201,10 @@ class ModelRunner:
         pending.deferred = None
         if finished:
             rows = [_DISCARDED if r.key in finished else r for r in rows]
-        pending.sample = self.sampler.launch(logits, rows, self.builder.last_sampled)
+        drafts = pending.proposal.draft_probs(self.device) if pending.proposal is not None else None
+        pending.sample = self.sampler.launch(logits, rows, self.builder.last_sampled, drafts)
+        if self.spec is not None:
+            self.spec.sampled(sched, pending)
         return self._remember(sched, pending)
 
     def _remember(self, sched: SchedulerOutput, pending: "PendingStep") -> "PendingStep":
@@ -219,10 +234,13 @@ class PendingStep:
         self.sample: PendingSample | None = None  # set once sampled
         self.deferred: tuple[torch.Tensor, list[SampleRow]] | None = None  # (logits, rows) not sampled yet
         self.task_results: dict[int, Any] = {}
+        self.proposal = None  # the launch's device drafts (engine/worker/spec/proposal.py)
 
     def result(self) -> SamplerOutput:
         out = self.sample.result()
         out.task_results = self.task_results
+        if self.proposal is not None:  # (the scheduler compares the drafts with the sampled tokens)
+            self.proposal.fill_records()
         return out
 
 

@@ -22,7 +22,7 @@ from engine.core.sched.scheduler_output import PLACEHOLDER
 if TYPE_CHECKING:
     from engine.core.kv.allocator import KVAllocator
     from engine.core.sched.scheduler_output import ScheduledSeq, SchedulerOutput
-    from engine.core.sched.spec_decode import SpecDecoder
+    from engine.core.sched.spec.decoder import SpecDecoder
 
 
 class StepResults:
