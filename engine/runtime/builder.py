@@ -30,6 +30,7 @@ from engine.layers.quant.w4a16 import loader_int4_kernel, resolve_int4_kernel
 from engine.lora.adapters import make_lora_manager
 from engine.models.config import ModelConfig
 from engine.models.draft import DraftParts, check_draft_model
+from engine.models.eagle import load_eagle
 from engine.models.loader.gguf_file import is_gguf
 from engine.models.loader.model_loader import load_model, load_tokenizer
 from engine.structured_output.grammars import StructuredOutputCompiler
@@ -37,6 +38,7 @@ from engine.worker.cpu_threads import apply_cpu_threads
 from engine.worker.model_runner import ModelRunner
 from engine.worker.sample.sampler import Sampler
 from engine.worker.spec.draft_model import DraftModelProposer
+from engine.worker.spec.eagle import EagleProposer
 
 logger = logging.getLogger(__name__)
 
@@ -304,16 +306,18 @@ class EngineBuilder:
             raise ValueError(f"speculative_model: {s.speculative_model!r} is not a checkpoint directory")
         with _Phase(f"loading the {s.speculative_method} draft {path}"):
             if s.speculative_method == "draft_model":
-                config = ModelConfig.from_dir(path)
+                config = layers = ModelConfig.from_dir(path)
                 check_draft_model(config, self.model_config, len(self.tokenizer), path)
                 model = load_model(path, config, self.dtype, self.device, self.max_model_len, s.load_format, s.seed)
             else:
-                raise ValueError(f"speculative_method {s.speculative_method!r}: not built yet")
+                model = load_eagle(path, 3 if s.speculative_method == "eagle3" else 1, self.model, self.dtype,
+                                   self.device, self.max_model_len)
+                config, layers = model.eagle, model.eagle.layer
         backend = get_attention_backend(s.attention_backend, BackendSpec(
             device=self.device, dtype=self.dtype, head_dim=config.head_dim, block_size=s.block_size,
             kernel_cache_dir=s.resolved_kernel_cache_dir(), compile=not s.enforce_eager,
             decode_kernel=s.decode_kernel, prefill_kernel=s.prefill_kernel,
-            windowed_or_capped=any(config.layer_windows) or config.attn_softcap > 0))
+            windowed_or_capped=any(layers.layer_windows) or layers.attn_softcap > 0))
         model.set_backend(backend)
         return DraftParts(model, config, backend)
 
@@ -325,7 +329,17 @@ class EngineBuilder:
         s = self.settings
         runner = ModelRunner(self.draft.model, self.draft_kv, self.sampler, self.device, s.block_size,
                              s.max_num_seqs, self._token_budget(), self.max_model_len)
-        self.runner.spec = DraftModelProposer(runner, self.model_config.vocab_size, self.sampler.generator)
+        if s.speculative_method == "draft_model":
+            self.runner.spec = DraftModelProposer(runner, self.model_config.vocab_size, self.sampler.generator)
+        else:
+            head = self.draft.model
+            head.allocate_inputs(runner.buffers.max_tokens)
+            if head.eagle.version == 3:  # the target keeps the hidden states entering the head's layers
+                self.model.aux_layers = head.eagle.aux_layers
+                self.model.aux_hidden = torch.zeros(self.runner.buffers.max_tokens,
+                                                    len(head.eagle.aux_layers) * self.model_config.hidden_size,
+                                                    dtype=self.dtype, device=self.device)
+            self.runner.spec = EagleProposer(runner, self.runner, self.sampler.generator)
         self.runner.block_copy_caches.append(self.draft_kv.tensor)
         return runner
 

@@ -166,6 +166,7 @@ class ModelRunner:
         if self.graph_runner is not None and self.graph_runner.can_replay(step):
             hidden, tokens = self.graph_runner.replay(step)
             n = len(step.rows)
+            pending.hidden = hidden[:n]
             if not defer_sampling and all([r.plain for r in step.rows]):
                 # argmax computed in the graph; -1 marks a row with non-finite logits (the sampler's rule)
                 pending.sample = PendingSample(tokens[:n], HostCopy(tokens[:n]), {})
@@ -173,7 +174,7 @@ class ModelRunner:
             # the sampler needs the logits: one more LM-head matmul over the graph's hidden states
             pending.deferred = (self.model.compute_logits(hidden[:n]), step.rows)
         else:
-            hidden = self.run_model(step)
+            hidden = pending.hidden = self.run_model(step)
             if step.rows:
                 n = len(step.sample_indices)
                 # A decode step samples rows 0..n-1 in order: a view, no gather (nor an index upload).
@@ -203,14 +204,16 @@ class ModelRunner:
             rows = [_DISCARDED if r.key in finished else r for r in rows]
         drafts = pending.proposal.draft_probs(self.device) if pending.proposal is not None else None
         pending.sample = self.sampler.launch(logits, rows, self.builder.last_sampled, drafts)
-        if self.spec is not None:
-            self.spec.sampled(sched, pending)
         return self._remember(sched, pending)
 
     def _remember(self, sched: SchedulerOutput, pending: "PendingStep") -> "PendingStep":
         """Keep the step's device tokens (and its sequences, which tell each one's row in them):
         the next step's placeholders read from there. Nothing per row here: the rows are looked
-        up only when a placeholder needs them."""
+        up only when a placeholder needs them. A device proposer reads the step first (an EAGLE
+        head's catch-up over its hidden states and sampled tokens)."""
+        if self.spec is not None:
+            self.spec.sampled(sched, pending)
+        pending.hidden = None
         decode = sched.num_prefill_tokens == 0 and sched.num_decode_tokens == len(sched.seqs)
         self.builder.last_sampled = LastSampled(pending.sample.tokens, sched.seqs, decode)
         return pending
@@ -235,6 +238,7 @@ class PendingStep:
         self.deferred: tuple[torch.Tensor, list[SampleRow]] | None = None  # (logits, rows) not sampled yet
         self.task_results: dict[int, Any] = {}
         self.proposal = None  # the launch's device drafts (engine/worker/spec/proposal.py)
+        self.hidden: torch.Tensor | None = None  # the step's final hidden states, until it is sampled
 
     def result(self) -> SamplerOutput:
         out = self.sample.result()

@@ -74,6 +74,17 @@ class Proposal:
         flat = torch.cat(self.tokens) if self.tokens else torch.zeros(0, dtype=torch.int64)
         return flat[torch.tensor(by_seq, dtype=torch.int64, device=flat.device)]
 
+    def padded(self, width: int, fill: int) -> torch.Tensor:
+        """[sequences, width]: each verify sequence's drafts, then `fill`."""
+        flat = self.flat()
+        index, at = [], 0
+        for v in self.seqs:
+            index.append([at + j if j < v.k else -1 for j in range(width)])
+            at += v.k
+        index = torch.tensor(index, dtype=torch.int64, device=flat.device)
+        padded = torch.cat([flat, flat.new_full((1,), fill)])
+        return padded[index]
+
     def write_inputs(self, buffers: InputBuffers) -> None:
         """The drafts into the target's input ids (rows after each sequence's last token)."""
         rows = [v.first_row + 1 + j for v in self.seqs for j in range(v.k)]
