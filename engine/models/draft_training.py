@@ -41,6 +41,11 @@ def _rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tenso
 
 
 class _Attention(nn.Module):
+    """Causal attention for training a head, with EAGLE-3's training-time test: pass d of a
+    multi-step unroll (row s = the chain seeded at position s, now at position s + d) sees the
+    first pass's keys at positions <= s (the target-fed rows a real draft step reads from the
+    cache) and, of every later pass, only its own chain's row (the drafted positions s+1..s+d)."""
+
     def __init__(self, width_in: int, hidden: int, heads: int, kv_heads: int, head_dim: int, theta: float) -> None:
         super().__init__()
         self.heads, self.kv_heads, self.head_dim, self.theta = heads, kv_heads, head_dim, theta
@@ -49,14 +54,28 @@ class _Attention(nn.Module):
         self.v_proj = nn.Linear(width_in, kv_heads * head_dim, bias=False)
         self.o_proj = nn.Linear(heads * head_dim, hidden, bias=False)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, cache: list | None = None) -> torch.Tensor:
         b, t, _ = x.shape
-        q = _rope(self.q_proj(x).view(b, t, self.heads, self.head_dim), positions, self.theta)
+        rep = self.heads // self.kv_heads
+        q = _rope(self.q_proj(x).view(b, t, self.heads, self.head_dim), positions, self.theta).transpose(1, 2)
         k = _rope(self.k_proj(x).view(b, t, self.kv_heads, self.head_dim), positions, self.theta)
         v = self.v_proj(x).view(b, t, self.kv_heads, self.head_dim)
-        rep = self.heads // self.kv_heads
-        k, v = k.repeat_interleave(rep, dim=2), v.repeat_interleave(rep, dim=2)
-        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
+        k = k.repeat_interleave(rep, dim=2).transpose(1, 2)  # [b, heads, t, d]
+        v = v.repeat_interleave(rep, dim=2).transpose(1, 2)
+        if not cache:  # a plain causal pass (or the first of an unroll)
+            if cache is not None:
+                cache.append((k, v))
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
+        passes = cache + [(k, v)]
+        k0, v0 = passes[0]
+        scale = self.head_dim ** -0.5
+        first = (q @ k0.transpose(-1, -2)) * scale  # [b, h, t, t]: keys of pass 0 at positions <= s
+        first = first.masked_fill(torch.ones(t, t, dtype=torch.bool, device=x.device).triu(1), -float("inf"))
+        own = torch.stack([(q * kj).sum(-1) * scale for kj, _ in passes[1:]], dim=-1)  # [b, h, t, d]
+        weights = torch.cat([first, own], dim=-1).softmax(dim=-1)
+        out = weights[..., :t] @ v0 + sum(weights[..., t + j, None] * vj for j, (_, vj) in enumerate(passes[1:]))
+        cache.append((k, v))
         return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
 
 
@@ -82,9 +101,9 @@ class _Eagle1Layer(nn.Module):
         self.post_attention_layernorm = _Norm(h, c["rms_norm_eps"])
         self.mlp = _MLP(h, c["intermediate_size"])
 
-    def forward(self, x, positions):
+    def forward(self, x, positions, cache=None):
         h = self.input_layernorm(x) if hasattr(self, "input_layernorm") else x
-        x = x + self.self_attn(h, positions)
+        x = x + self.self_attn(h, positions, cache)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -99,9 +118,9 @@ class _Eagle3Layer(nn.Module):
         self.post_attention_layernorm = _Norm(h, c["rms_norm_eps"])
         self.mlp = _MLP(h, c["intermediate_size"])
 
-    def forward(self, emb, hidden, positions):
+    def forward(self, emb, hidden, positions, cache=None):
         x = torch.cat([self.input_layernorm(emb), self.hidden_norm(hidden)], dim=-1)
-        hidden = hidden + self.self_attn(x, positions)
+        hidden = hidden + self.self_attn(x, positions, cache)
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
 
 
@@ -137,20 +156,22 @@ class TrainableEagle(nn.Module):
             if self.lm_head.weight.shape[1] == self.target_head.shape[1]:
                 self.lm_head.weight.copy_(self.target_head[target_ids])
 
-    def step(self, tokens: torch.Tensor, features: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def step(self, tokens: torch.Tensor, features: torch.Tensor, positions: torch.Tensor,
+             caches: list[list] | None = None) -> torch.Tensor:
         """One drafting step over whole sequences: tokens [B, T] (the token after each feature),
         features [B, T, width] (EAGLE: the target's final hidden states, or the head's own output;
         EAGLE-3: the captured layers' (3 Ht wide) or the head's own output (H wide)). Returns the
-        head's output h [B, T, H] (pre-norm)."""
+        head's output h [B, T, H] (pre-norm). caches: per layer, the earlier passes' keys and
+        values of a training-time-test unroll (None: a plain causal pass)."""
         emb = F.embedding(tokens, self.embed)
         if self.version == 1:
             x = self.fc(torch.cat([emb, features], dim=-1))
-            for layer in self.layers:
-                x = layer(x, positions)
+            for i, layer in enumerate(self.layers):
+                x = layer(x, positions, None if caches is None else caches[i])
             return x
         if features.shape[-1] != self.config["hidden_size"]:
             features = self.fc(features)
-        return self.midlayer(emb, features, positions)
+        return self.midlayer(emb, features, positions, None if caches is None else caches[0])
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """EAGLE: the target's LM head over h; EAGLE-3: its own, over the draft vocabulary."""
@@ -206,67 +227,194 @@ def random_eagle(out_dir: Path, target_config: dict, embed: torch.Tensor, lm_hea
     return save_eagle(head, out_dir)
 
 
-# ---- training --------------------------------------------------------------------------------
+# ---- training ----
+def _load_target(target: str):
+    """The target as a transformers model (a GGUF file dequantised), in float32, for its hidden
+    states and weights."""
+    from transformers import AutoModelForCausalLM
+
+    path = Path(target)
+    if path.suffix == ".gguf":
+        model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
+    return model.eval()
+
+
+def _padded(seqs: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """[B, T] ids padded with 0, and each row's length."""
+    longest = max(len(x) for x in seqs)
+    ids = torch.zeros(len(seqs), longest, dtype=torch.int64)
+    for i, x in enumerate(seqs):
+        ids[i, :len(x)] = torch.tensor(x)
+    return ids, torch.tensor([len(x) for x in seqs])
+
+
+def _schedule(opt, total: int):
+    return torch.optim.lr_scheduler.LambdaLR(opt, lambda i: min(1.0, (i + 1) / 20) * max(0.05, 1 - i / total))
+
+
+def distill_draft_model(target: str, corpus: list[tuple[list[int], int]], out: Path, layers: int = 4,
+                        hidden: int = 256, epochs: int = 6, batch: int = 8, lr: float = 2e-3, seed: int = 0,
+                        log=print) -> Path:
+    """A small Llama trained on the target's own outputs (sequence-level distillation)."""
+    import transformers
+
+    from engine.models.loader.model_loader import load_tokenizer
+
+    torch.manual_seed(seed)
+    tokenizer = load_tokenizer(target)
+    teacher = _load_target(target)
+    tc = teacher.config
+    embed = teacher.get_input_embeddings().weight.detach()
+    head_dim = 64 if hidden % 64 == 0 else hidden // 4
+    heads = hidden // head_dim
+    config = transformers.LlamaConfig(
+        vocab_size=tc.vocab_size, hidden_size=hidden, intermediate_size=3 * hidden, num_hidden_layers=layers,
+        num_attention_heads=heads, num_key_value_heads=max(1, heads // 2), head_dim=head_dim,
+        max_position_embeddings=tc.max_position_embeddings, rope_theta=getattr(tc, "rope_theta", 10000.0),
+        rms_norm_eps=tc.rms_norm_eps, tie_word_embeddings=True, bos_token_id=tc.bos_token_id,
+        eos_token_id=tc.eos_token_id, pad_token_id=getattr(tc, "pad_token_id", None), torch_dtype="float32")
+    model = transformers.LlamaForCausalLM(config)
+    with torch.no_grad():  # the target's embeddings on their leading principal directions
+        centred = embed - embed.mean(0)
+        _, _, vh = torch.linalg.svd(centred[torch.randperm(len(centred))[:8192]], full_matrices=False)
+        proj = centred @ vh[:hidden].T
+        model.get_input_embeddings().weight.copy_(proj * (0.02 / proj.std()))
+    del teacher
+    seqs = [ids for ids, _ in corpus]
+    gen = torch.Generator().manual_seed(seed)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)
+    steps = epochs * math.ceil(len(seqs) / batch)
+    sched = _schedule(opt, steps)
+    model.train()
+    t0, loss_value = time.perf_counter(), float("nan")
+    for epoch in range(epochs):
+        for idx in _batches(len(seqs), batch, gen):
+            ids, lengths = _padded([seqs[i] for i in idx])
+            labels = ids.masked_fill(torch.arange(ids.shape[1])[None] >= lengths[:, None], -100)
+            loss = model(input_ids=ids, labels=labels).loss
+            opt.zero_grad()
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            sched.step()
+            loss_value = float(loss)
+        log(f"  epoch {epoch + 1}/{epochs}: loss {loss_value:.3f} ({time.perf_counter() - t0:.0f}s)")
+    model.eval()
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out, safe_serialization=True)
+    tokenizer.save_pretrained(out)
+    (out / "kiln_training.json").write_text(json.dumps({"target": str(target), "method": "draft_model",
+                                                         "answers": len(seqs), "tokens": sum(map(len, seqs)),
+                                                         "epochs": epochs, "final_loss": loss_value}, indent=2))
+    return out
+
+
+@torch.no_grad()
+def target_features(teacher, seqs: list[list[int]], version: int, aux_layers: tuple[int, ...]) -> list[torch.Tensor]:
+    """Per sequence [T, width]: EAGLE's features (final hidden states), or EAGLE-3's captured
+    layers' inputs side by side (transformers' hidden_states[i] enters layer i)."""
+    feats = []
+    for ids in seqs:
+        out = teacher.model(input_ids=torch.tensor([ids]), output_hidden_states=True)
+        hs = out.hidden_states
+        f = hs[-1] if version == 1 else torch.cat([hs[i] for i in aux_layers], dim=-1)
+        feats.append(f[0].to(torch.bfloat16))
+    return feats
+
+
+def train_eagle_for(target: str, corpus: list[tuple[list[int], int]], out: Path, version: int, epochs: int = 8,
+                    draft_vocab: int = 8192, seed: int = 0, layers: int = 1, batch: int = 8, lr: float = 1e-3,
+                    unroll: int = 2, log=print) -> Path:
+    """An EAGLE (version 1) or EAGLE-3 head trained on the target's hidden states over the corpus."""
+    torch.manual_seed(seed)
+    teacher = _load_target(target)
+    tcfg = teacher.config.to_dict()
+    tcfg.setdefault("head_dim", teacher.config.hidden_size // teacher.config.num_attention_heads)
+    embed = teacher.get_input_embeddings().weight.detach().clone()
+    lm_head = teacher.get_output_embeddings().weight.detach().clone()
+    seqs = [ids for ids, _ in corpus]
+    counts = torch.bincount(torch.tensor([t for s in seqs for t in s]), minlength=len(embed))
+    frequent = counts.argsort(descending=True)[:min(draft_vocab, len(embed))].sort().values
+    config = eagle_config(tcfg, version, len(frequent) if version == 3 else 0, layers)
+    aux = tuple(config.get("eagle_aux_hidden_state_layer_ids", ()))
+    t0 = time.perf_counter()
+    feats = target_features(teacher, seqs, version, aux)
+    finals = target_features(teacher, seqs, 1, ()) if version == 1 else feats
+    log(f"  target hidden states of {len(seqs)} sequences in {time.perf_counter() - t0:.0f}s")
+    del teacher
+    head = TrainableEagle(config, version, embed, lm_head, tcfg["hidden_size"], len(aux) or 3)
+    if version == 3:
+        head.set_draft_vocab(frequent)
+    vocab = frequent  # the tokens the loss scores (EAGLE: a subset of the target head, for speed)
+    lookup = torch.full((len(embed),), -100, dtype=torch.int64)
+    lookup[vocab] = torch.arange(len(vocab))
+    gen = torch.Generator().manual_seed(seed)
+    params = [p for p in head.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
+    sched = _schedule(opt, epochs * math.ceil(len(seqs) / batch))
+    head.train()
+    loss_value = float("nan")
+    for epoch in range(epochs):
+        for idx in _batches(len(seqs), batch, gen):
+            loss_value = _head_step(head, [seqs[i] for i in idx], [feats[i] for i in idx],
+                                    [finals[i] for i in idx], vocab, lookup, unroll, opt, sched, params)
+        log(f"  epoch {epoch + 1}/{epochs}: loss {loss_value:.3f} ({time.perf_counter() - t0:.0f}s)")
+    head.eval()
+    save_eagle(head, out)
+    (out / "kiln_training.json").write_text(json.dumps({"target": str(target), "method": f"eagle{version}",
+                                                         "answers": len(seqs), "tokens": sum(map(len, seqs)),
+                                                         "epochs": epochs, "final_loss": loss_value}, indent=2))
+    return out
+
+
+def _head_step(head: TrainableEagle, seqs, feats, finals, vocab, lookup, unroll, opt, sched, params) -> float:
+    """One optimiser step over a batch: pass 0 reads the target's features; pass d reads the
+    head's own outputs of pass d - 1 (row s: the chain seeded at position s, now at s + d)."""
+    ids, lengths = _padded(seqs)
+    b, n = ids.shape
+    width = feats[0].shape[-1]
+    f = torch.zeros(b, n, width)
+    final = torch.zeros(b, n, finals[0].shape[-1])
+    for i, (x, y) in enumerate(zip(feats, finals)):
+        f[i, :len(x)] = x.float()
+        final[i, :len(y)] = y.float()
+    t = n - 2  # rows s = 0..n-3: read token s + 1, predict token s + 2
+    positions = torch.arange(t)[None].expand(b, t)
+    caches = [[] for _ in range(max(1, len(getattr(head, "layers", [None]))))]
+    h = None
+    loss = 0.0
+    weight = vocab.shape[0]
+    for depth in range(unroll + 1):
+        src = ids[:, 1 + depth:1 + depth + t]
+        if src.shape[1] < t:
+            src = F.pad(src, (0, t - src.shape[1]))
+        features = f[:, :t] if depth == 0 else h
+        h = head.step(src, features, positions + depth, caches)
+        labels = ids[:, 2 + depth:2 + depth + t]
+        labels = F.pad(labels, (0, t - labels.shape[1]))
+        valid = (torch.arange(t)[None] + 2 + depth) < lengths[:, None]
+        target = lookup[labels].masked_fill(~valid, -100)
+        if head.version == 1:
+            logits = h @ head.target_head[vocab].T
+            feat_want = final[:, 1 + depth:1 + depth + t]
+            feat_want = F.pad(feat_want, (0, 0, 0, t - feat_want.shape[1]))
+            fvalid = ((torch.arange(t)[None] + 1 + depth) < lengths[:, None])[..., None]
+            loss = loss + F.smooth_l1_loss(h * fvalid, feat_want * fvalid) + 0.1 * F.cross_entropy(
+                logits.reshape(-1, weight), target.reshape(-1), ignore_index=-100)
+        else:
+            logits = head.logits(h)
+            loss = loss + F.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1), ignore_index=-100)
+    opt.zero_grad()
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(params, 1.0)
+    opt.step()
+    sched.step()
+    return float(loss) / (unroll + 1)
+
+
 def _batches(n: int, batch: int, gen: torch.Generator):
     order = torch.randperm(n, generator=gen)
     for i in range(0, n, batch):
         yield order[i:i + batch]
-
-
-def train_eagle(head: TrainableEagle, tokens: torch.Tensor, features: torch.Tensor, target_final: torch.Tensor,
-                epochs: int, lr: float = 3e-4, batch: int = 8, seed: int = 0, unroll: int = 2,
-                log=print) -> float:
-    """Train a head on the target's features. tokens [N, T+1]; features [N, T, width] (the
-    target's features at positions 0..T-1: EAGLE its final hidden states, EAGLE-3 the captured
-    layers'); target_final [N, T, Ht] (EAGLE's regression target: the next position's feature).
-    Row t reads (token t+1, feature t) and learns the token at t+2 (cross-entropy) and, for
-    EAGLE, the feature at t+1 (smooth L1, as the paper). `unroll` more passes feed the head its
-    own outputs (shifted), as drafting steps after the first do. Returns the last loss."""
-    gen = torch.Generator().manual_seed(seed)
-    params = [p for p in head.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
-    n, t = features.shape[0], features.shape[1] - 1
-    total = epochs * math.ceil(n / batch)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: min(1.0, (i + 1) / 20) * max(0.1, 1 - i / total))
-    positions = torch.arange(t)[None]
-    head.train()
-    loss_value, t0, step = float("nan"), time.perf_counter(), 0
-    for epoch in range(epochs):
-        for idx in _batches(n, batch, gen):
-            feats = features[idx, :t]
-            nxt = tokens[idx, 1:t + 1]  # the token after each feature's position
-            labels = tokens[idx, 2:t + 2]  # what the head predicts there
-            loss = 0.0
-            h = head.step(nxt, feats, positions.expand(len(idx), t))
-            for depth in range(unroll + 1):
-                logits = head.logits(h)
-                want = labels[:, depth:] if depth else labels
-                got = logits[:, :want.shape[1]]
-                if head.version == 3:
-                    want = _to_draft(head, want)
-                loss = loss + F.cross_entropy(got.reshape(-1, got.shape[-1]), want.reshape(-1), ignore_index=-100)
-                if head.version == 1:
-                    feat_want = target_final[idx, 1 + depth:t + 1] if depth == 0 else target_final[idx, 1 + depth:t + 1]
-                    loss = loss + F.smooth_l1_loss(h[:, :feat_want.shape[1]], feat_want)
-                if depth == unroll or h.shape[1] < 2:
-                    break
-                # the next drafting step: the head's own output at t, token at t + 2 + depth
-                h = head.step(tokens[idx, 2 + depth:t + 1], h[:, :t - 1 - depth], positions[:, 1 + depth:t].expand(len(idx), -1))
-            opt.zero_grad()
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(params, 1.0)
-            opt.step()
-            sched.step()
-            step += 1
-            loss_value = float(loss)
-        log(f"  epoch {epoch + 1}/{epochs}: loss {loss_value:.3f} ({time.perf_counter() - t0:.0f}s)")
-    head.eval()
-    return loss_value
-
-
-def _to_draft(head: TrainableEagle, target_ids: torch.Tensor) -> torch.Tensor:
-    """Target ids -> draft ids (-100 where the draft vocabulary lacks the token)."""
-    vd = head.d2t.shape[0]
-    lookup = torch.full((head.t2d.shape[0],), -100, dtype=torch.int64)
-    lookup[torch.arange(vd) + head.d2t] = torch.arange(vd)
-    return lookup[target_ids]

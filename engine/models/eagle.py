@@ -280,8 +280,15 @@ def load_eagle(path: Path, version: int, target: LlamaForCausalLM, dtype: torch.
     """The head of `path`, checked against the target: its width, its features' width (EAGLE-3:
     layers x target hidden), its embeddings' and vocabulary's sizes."""
     tcfg = target.config
-    cfg = read_eagle_config(path, version, tcfg)
     tensors = _read_tensors(path)
+    has_mid = any(n.startswith("midlayer.") for n in tensors)
+    if version == 3 and not has_mid:
+        raise ValueError(f"speculative_model {path}: no midlayer.* weights: not an EAGLE-3 head (an EAGLE head? use "
+                         "speculative_method eagle)")
+    if version == 1 and has_mid:
+        raise ValueError(f"speculative_model {path}: midlayer.* weights: an EAGLE-3 head (use speculative_method "
+                         "eagle3)")
+    cfg = read_eagle_config(path, version, tcfg)
     h = cfg.hidden_size
     own = "embed_tokens.weight" in tensors
     if own and tuple(tensors["embed_tokens.weight"].shape) != (tcfg.vocab_size, h):

@@ -50,6 +50,7 @@ class EagleProposer:
         self.head = runner.model
         self.generator = generator
         self.seeds: _Seeds | None = None
+        self.unseeded: set[int] = set()  # sequences of the last proposal that drafted from a zero seed
         self.num_forwards = 0
 
     # ---- before the target's forward ----
@@ -80,6 +81,7 @@ class EagleProposer:
     def _seed_rows(self, seq_ids: list[int]) -> torch.Tensor:
         seeds = self.seeds
         width = self.head.eagle.hidden_size
+        self.unseeded = {i for i in seq_ids if seeds is None or i not in seeds.rows}
         if seeds is None:
             return torch.zeros(len(seq_ids), width, dtype=self.head.hidden_in.dtype, device=self.head.hidden_in.device)
         rows = [seeds.rows.get(i, -1) for i in seq_ids]
