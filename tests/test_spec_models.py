@@ -143,14 +143,17 @@ def _run_twice(llm, params):
     assert llm.engine.pool.counters.prefix_hits > hits
 
 
-def test_draft_model_drafts_are_its_own_greedy_continuation(spec_models, make_llm, monkeypatch):
+@pytest.mark.parametrize("overlap", [False, True], ids=["serial", "overlap"])
+def test_draft_model_drafts_are_its_own_greedy_continuation(spec_models, make_llm, monkeypatch, overlap):
     """Every draft of a greedy request is what transformers' draft model says after the
     sequence (and the drafts before it): the draft's KV in kiln's block tables is right, also
-    after a swap and on prefix-cache hits."""
+    after a swap, on prefix-cache hits, and when a verify step's successor was launched before
+    its results were known (overlap scheduling: the device moves the successor's positions)."""
     from transformers import AutoModelForCausalLM
 
     seen = _record_drafts(monkeypatch)
-    llm = make_llm(spec_models["target"], **TIGHT, **_spec(spec_models, "draft_model", "small"))
+    llm = make_llm(spec_models["target"], **TIGHT, async_scheduling=overlap,
+                   **_spec(spec_models, "draft_model", "small"))
     _run_twice(llm, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))
     hf = AutoModelForCausalLM.from_pretrained(str(spec_models["small"]), dtype=torch.float32).eval()
     with torch.no_grad():
@@ -162,8 +165,8 @@ def test_draft_model_drafts_are_its_own_greedy_continuation(spec_models, make_ll
     assert len(seen) > 10
 
 
-@pytest.mark.parametrize("version", [1, 3])
-def test_eagle_drafts_equal_the_reference_head(spec_models, make_llm, monkeypatch, version):
+@pytest.mark.parametrize("version,overlap", [(1, False), (3, False), (3, True)])
+def test_eagle_drafts_equal_the_reference_head(spec_models, make_llm, monkeypatch, version, overlap):
     """The drafts kiln's head makes equal a reference implementation of the same checkpoint
     (engine/models/draft_training.py's TrainableEagle, over transformers' hidden states of the
     target): features, the token shift, positions, the head's KV and the chain all line up,
@@ -172,7 +175,7 @@ def test_eagle_drafts_equal_the_reference_head(spec_models, make_llm, monkeypatc
     from transformers import AutoModelForCausalLM
 
     name = "eagle" if version == 1 else "eagle3"
-    llm = make_llm(spec_models["target"], **TIGHT, **_spec(spec_models, name, name))
+    llm = make_llm(spec_models["target"], **TIGHT, async_scheduling=overlap, **_spec(spec_models, name, name))
     seen = _record_drafts(monkeypatch, llm.engine.runner.spec)
     _run_twice(llm, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))
     config = json.loads((spec_models[name] / "config.json").read_text())
@@ -207,16 +210,28 @@ def _reference_chain(ref, tokens, feats, k):
 
 
 def _record_drafts(monkeypatch, eagle=None):
-    """(tokens, drafts) of every verify step (an EAGLE head's: only those drafted from a seed)."""
+    """(tokens, drafts) of every verify step (an EAGLE head's: only those drafted from a seed; a
+    sequence's verify steps are proposed and processed in the same order)."""
     seen = []
-    accept = SpecDecoder.accept
+    seeded: dict[int, list[bool]] = {}
+    if eagle is not None:
+        propose = eagle.propose
+
+        def proposing(sched, target):
+            proposal = propose(sched, target)
+            for v in proposal.seqs if proposal is not None else []:
+                seeded.setdefault(v.record.seq_id, []).append(v.record.seq_id not in eagle.unseeded)
+            return proposal
+
+        monkeypatch.setattr(eagle, "propose", proposing)
+    accept = SpecDecoder.accept_launched
 
     def recording(self, seq, drafts, sampled, kv):
-        if eagle is None or seq.seq_id not in eagle.unseeded:
-            seen.append((list(seq.token_ids), list(drafts)))
+        if eagle is None or seeded[seq.seq_id].pop(0):
+            seen.append((seq.token_ids[:len(seq.token_ids) - seq.num_pending], list(drafts)))
         return accept(self, seq, drafts, sampled, kv)
 
-    monkeypatch.setattr(SpecDecoder, "accept", recording)
+    monkeypatch.setattr(SpecDecoder, "accept_launched", recording)
     return seen
 
 

@@ -329,6 +329,7 @@ class EngineBuilder:
         s = self.settings
         runner = ModelRunner(self.draft.model, self.draft_kv, self.sampler, self.device, s.block_size,
                              s.max_num_seqs, self._token_budget(), self.max_model_len)
+        runner.builder.shifts_from = self.runner.builder  # (a verify step in flight moves its positions too)
         if s.speculative_method == "draft_model":
             self.runner.spec = DraftModelProposer(runner, self.model_config.vocab_size, self.sampler.generator)
         else:

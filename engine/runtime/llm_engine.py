@@ -11,7 +11,7 @@ placeholders, and the device feeds the real ids to the next step). A step whose 
 what the host learns from the previous step's tokens (a grammar's bitmask, a logits processor's
 history: `_defers_sampling`) launches its forward at once and samples after the previous step
 is processed. A step whose tokens must be on the host before the next one can be scheduled
-(see `_needs_serial`) is processed at once, as is every step with speculative decoding.
+(see `_needs_serial`) is processed at once.
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ from engine.core.request import (
 )
 from engine.core.request_kinds import make_task
 from engine.core.sched.scheduler_output import SchedulerOutput
+from engine.core.sched.spec.decoder import verify_overlaps
 from engine.lora.adapters import attach_lora, load_lora, unload_lora
 from engine.runtime.builder import PARTS, EngineBuilder
 from engine.runtime.detokenizer import Detokenizer, init_offsets
@@ -65,15 +66,17 @@ def _needs_serial(sched: SchedulerOutput) -> bool:
     processed at once (no overlap, for this step only):
       - a fork (a request with n > 1 at the end of its prompt): its children do not exist until
         the sampled tokens are known; they then decode overlapped like any sequence;
-      - drafts (speculative decoding: the engine runs every step serially when it proposes, see
-        `step`): how many drafts are accepted decides the next step's tokens and positions;
+      - n-gram drafts, and model drafts of requests whose sampling reads their history or output
+        position on the host (engine/core/sched/spec/decoder.py verify_overlaps): how many drafts
+        are accepted decides the next step's tokens and positions. Other model drafts overlap: the
+        sequence advances as if all are kept, and the device moves the next step back;
       - a task that reads hidden states (prompt logprobs, embeddings; prompt steps only): an
         embedding samples no token to stand in for, and prompt logprobs are copied to the host
         inside the launch already (engine/core/request_kinds.py read()), so there is nothing to overlap.
     Penalties overlap (their counts take the previous step's tokens on the device), and so do
     grammars and logits processors, whose sampling waits for the host (`_defers_sampling`)."""
     for s in sched.seqs:
-        if not s.advances_at_launch or s.task.reads_hidden:
+        if s.task.reads_hidden or not (s.advances_at_launch or verify_overlaps(s)):
             return True
     return False
 
@@ -215,7 +218,7 @@ class LLMEngine:
             return outputs
         if defer:  # the previous step's tokens have advanced the grammars: sample now
             self._sample(launched)
-        if not self.async_scheduling or self.scheduler.proposer is not None or _needs_serial(sched):
+        if not self.async_scheduling or _needs_serial(sched):
             self._inflight = None
             outputs += self._process(launched)
         return outputs

@@ -29,6 +29,7 @@ from engine.worker.decode_graphs import DecodeGraphRunner
 from engine.worker.input_buffers import InputBuffers
 from engine.worker.sample.sampler import Sampler, SampleRow
 from engine.worker.sample.sampler_output import HostCopy, LastSampled, PendingSample, SamplerOutput
+from engine.worker.spec.verify import verify_outcome
 from engine.worker.step_builder import StepBuilder, StepInputs
 from engine.worker.step_features import StepFeatures
 from engine.worker.task_reads import read_task
@@ -211,11 +212,13 @@ class ModelRunner:
         the next step's placeholders read from there. Nothing per row here: the rows are looked
         up only when a placeholder needs them. A device proposer reads the step first (an EAGLE
         head's catch-up over its hidden states and sampled tokens)."""
+        if pending.proposal is not None:  # (what the next step, if launched before this one is processed, reads)
+            pending.verify = verify_outcome(sched, pending.sample.tokens, pending.proposal)
         if self.spec is not None:
             self.spec.sampled(sched, pending)
         pending.hidden = None
         decode = sched.num_prefill_tokens == 0 and sched.num_decode_tokens == len(sched.seqs)
-        self.builder.last_sampled = LastSampled(pending.sample.tokens, sched.seqs, decode)
+        self.builder.last_sampled = LastSampled(pending.sample.tokens, sched.seqs, decode, pending.verify)
         return pending
 
     def run_model(self, step: StepInputs) -> torch.Tensor:
@@ -239,6 +242,7 @@ class PendingStep:
         self.task_results: dict[int, Any] = {}
         self.proposal = None  # the launch's device drafts (engine/worker/spec/proposal.py)
         self.hidden: torch.Tensor | None = None  # the step's final hidden states, until it is sampled
+        self.verify = None  # its verify records' outcome on the device (engine/worker/spec/verify.py)
 
     def result(self) -> SamplerOutput:
         out = self.sample.result()

@@ -348,7 +348,7 @@ class Scheduler:
             all_token_ids=seq.token_ids, num_prompt_tokens=seq.num_prompt_tokens,
             sample_index=seq.sample_index, grammars=request.grammars, draft_token_ids=drafts,
             task=task_of(request),
-            seq=seq,
+            seq=seq, after_verify=self.spec is not None and self.spec.verifying(seq),
         ))
         if num_new != 1:
             self._prefills = True

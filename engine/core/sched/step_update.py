@@ -38,6 +38,8 @@ class StepResults:
         finished = SeqStatus.FINISHED
         for sched in out.seqs:
             if not sched.advances_at_launch:
+                if sched.verifies and sched.seq.status is not finished:
+                    self.spec.launched(sched.seq, len(sched.draft_token_ids))
                 continue
             seq = sched.seq
             if seq.status is finished:
@@ -71,12 +73,12 @@ class StepResults:
                 if seq.status is running:
                     cache_full_blocks(seq)
                 continue  # (a failed row keeps its placeholder: the engine fails the request)
-            if seq.status is not SeqStatus.RUNNING:
+            if sched.verifies:
+                if tokens:  # (a failed row keeps its placeholders: the engine fails the request)
+                    self.spec.accept_launched(seq, sched.draft_token_ids, tokens, self.kv)
+                    touched.append(seq)
                 continue
-            if sched.draft_token_ids and tokens:
-                assert self.spec is not None
-                self.spec.accept(seq, sched.draft_token_ids, tokens, self.kv)
-                touched.append(seq)
+            if seq.status is not SeqStatus.RUNNING:
                 continue
             seq.num_computed_tokens += sched.num_tokens
             cache_full_blocks(seq)

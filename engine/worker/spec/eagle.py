@@ -156,7 +156,7 @@ class EagleProposer:
         if sample_rows:
             ids[_index(sample_rows, device)] = sampled[_index(sample_from, device)].clamp(min=0)
         out = self._catch_up(sched, ids, self.head.features(target_hidden, rows_total))
-        self.seeds = self._next_seeds(out, seed_of, pending, sampled)
+        self.seeds = self._next_seeds(out, seed_of, pending)
 
     def _target_ids(self, rows: int) -> torch.Tensor:
         """The step's input ids as the target read them (its drafts written in)."""
@@ -175,22 +175,16 @@ class EagleProposer:
             return runner.graph_runner.replay(step)[0]
         return runner.run_model(step)
 
-    def _next_seeds(self, out: torch.Tensor, seed_of: dict[int, int], pending, sampled) -> _Seeds:
+    def _next_seeds(self, out: torch.Tensor, seed_of: dict[int, int], pending) -> _Seeds:
         """Each sampling sequence's last kept row of the catch-up: a verify sequence's is row
         `accepted` (drafts equal to their row's sampled token, counted on the device)."""
         device = out.device
         proposal = pending.proposal
         ids, rows = list(seed_of), list(seed_of.values())
         picked = [out.index_select(0, _index(rows, device))] if rows else []
-        if proposal is not None and proposal.seqs:
-            kmax = max(v.k for v in proposal.seqs)
-            drafts = proposal.padded(kmax, fill=-3)  # [n, kmax]
-            index = torch.tensor([[v.first_sample + min(j, v.k - 1) for j in range(kmax)] for v in proposal.seqs],
-                                 dtype=torch.int64, device=device)
-            agree = (sampled[index] == drafts).to(torch.int64)
-            accepted = agree.cumprod(dim=1).sum(dim=1)
+        if proposal is not None and proposal.seqs:  # (pending.verify: the same sequences, in order)
             first = torch.tensor([v.first_row for v in proposal.seqs], dtype=torch.int64, device=device)
-            picked.append(out.index_select(0, first + accepted))
+            picked.append(out.index_select(0, first + pending.verify.accepted))
             ids.extend(v.record.seq_id for v in proposal.seqs)
         hidden = torch.cat(picked) if picked else out[:0]
         return _Seeds(hidden, {seq_id: m for m, seq_id in enumerate(ids)})
