@@ -399,3 +399,34 @@ def test_settings_and_metrics(spec_models, make_llm, caplog):
     mean = 1 + spec.num_accepted_tokens / spec.num_drafts
     assert f"mean acceptance length {mean:.2f}" in caplog.text
     llm.engine.abort_request("unfinished")
+
+
+def _simulated_graphs(engine, sizes=(1, 2, 4)):
+    """Every runner of the engine (the target's, the draft model's or head's) replays its decode
+    and verify steps as graphs, simulated on the CPU (the body runs again over the static
+    buffers: compiler/capture.py SimulatedGraphSet) with the compiled runner's padding."""
+    runners = [(engine.runner, 1 + K)]
+    if engine.draft_runner is not None:
+        runners.append((engine.draft_runner, 1 if engine.settings.speculative_method == "draft_model" else 1 + K))
+    for runner, max_query in runners:
+        runner.builder.compiled = True  # (full-width tables, padded steps: what graphs read; the forward stays eager)
+        runner.capture_graphs(list(sizes), device_reads_lengths=False, simulate=True, max_query=max_query)
+    return [r for r, _ in runners]
+
+
+@pytest.mark.parametrize("method,draft", [("draft_model", "target"), ("draft_model", "noisy"), ("eagle3", "eagle3")])
+@pytest.mark.parametrize("overlap", [False, True], ids=["serial", "overlap"])
+def test_draft_and_verify_steps_replay_graphs(spec_models, make_llm, method, draft, overlap):
+    """With graphs (simulated), verify steps replay the target's verify graphs (q = 1 + drafts
+    tokens a row, keyed (rows, ctx, q)), the draft model's forwards and the head's drafting steps
+    replay their own decode graphs, and the output is plain eager decoding's."""
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    prompts = PROMPTS[:4]
+    want = [o.token_ids for o in _outputs(make_llm(spec_models["target"]), prompts, params)]
+    llm = make_llm(spec_models["target"], async_scheduling=overlap, max_num_seqs=4,
+                   **_spec(spec_models, method, draft))
+    target, drafter = _simulated_graphs(llm.engine)
+    assert [o.token_ids for o in _outputs(llm, prompts, params)] == want
+    verify = [key for key in target.graph_runner.replayed if len(key) == 3]
+    assert verify and all(key[2] >= 2 for key in verify), target.graph_runner.replayed
+    assert drafter.graph_runner.num_replays > 0

@@ -255,8 +255,17 @@ class EngineBuilder:
             sizes = s.capture_sizes()
             with _Phase(f"capturing {len(sizes)} decode CUDA graphs (batch sizes {sizes[0]}..{sizes[-1]})"
                         if sizes else "capturing no decode CUDA graphs"):
-                capture_s = sum(runner.capture_graphs(sizes, device_reads_lengths=reads_lengths) for runner in runners)
+                capture_s = sum(runner.capture_graphs(sizes, device_reads_lengths=reads_lengths,
+                                                      max_query=self._verify_query(runner)) for runner in runners)
         return compile_s, capture_s
+
+    def _verify_query(self, runner: ModelRunner) -> int:
+        """Tokens per sequence of the verify steps a runner replays as graphs: the target's and an
+        EAGLE head's catch-up (1 + the most drafts); a draft model's forwards are decode steps."""
+        s = self.settings
+        if s.speculative_method is None or (runner is self.draft_runner and s.speculative_method == "draft_model"):
+            return 1
+        return 1 + s.num_speculative_tokens
 
     def _set_kv_scales(self) -> None:
         """An fp8 cache's K/V scales: calibrated on the first prompt (calculate_kv_scales), else the

@@ -105,11 +105,14 @@ class ModelRunner:
             self.forward_fn(buf.input_ids[:num_tokens], buf.positions[:num_tokens], self.kv_cache.tensor, meta,
                             self.builder.features.context(num_tokens))
 
-    def capture_graphs(self, sizes: list[int], device_reads_lengths: bool, simulate: bool = False) -> float:
+    def capture_graphs(self, sizes: list[int], device_reads_lengths: bool, simulate: bool = False,
+                       max_query: int = 1) -> float:
         """Capture one decode graph per batch bucket (CUDA only); returns seconds.
 
         simulate=True (tests on the CPU): no CUDA graphs, each "replay" runs the graph body
         eagerly over the same static buffers, so bucketing and padding are exercised anyway.
+        max_query > 1 (speculative decoding): verify steps of up to that many tokens per sequence
+        replay graphs too.
         """
         if not self.builder.compiled:
             raise RuntimeError("capture_graphs needs the compiled forward: call compile_model first")
@@ -121,19 +124,21 @@ class ModelRunner:
         if sizes[-1] > self.buffers.max_seqs - 1:
             raise ValueError(f"cuda_graph_sizes: {sizes[-1]} is larger than max_num_seqs")
         self.graph_runner = DecodeGraphRunner(
-            self._decode_graph_body, self.builder.fill_padding_step, sizes, max_model_len=self.max_model_len,
+            self._decode_graph_body, lambda rows, q: self.builder.fill_padding_step(rows, q=q), sizes,
+            max_model_len=self.max_model_len,
             device_reads_lengths=device_reads_lengths, hidden_size=self.model.config.hidden_size,
-            dtype=self.kv_cache.model_dtype, device=self.device, simulate=simulate)
+            dtype=self.kv_cache.model_dtype, device=self.device, simulate=simulate, max_query=max_query)
         self.builder.graph_key = self.graph_runner.key_for
         return self.graph_runner.capture_startup()
 
-    def _decode_graph_body(self, rows: int, max_seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """A decode step of `rows` sequences over the static buffers, as a graph captures it:
-        compiled forward, then logits (final hidden states, logits)."""
+    def _decode_graph_body(self, rows: int, max_seq_len: int, q: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+        """A decode step of `rows` sequences (a verify step: q tokens each) over the static
+        buffers, as a graph captures it: compiled forward, then logits (final hidden states, logits)."""
         buf = self.buffers
-        meta = self.builder.compiled_meta(rows, rows, 1, max_seq_len)
-        ctx = self.builder.features.context(rows)  # (static buffers too: the graph reads them in place)
-        hidden = self.forward_fn(buf.input_ids[:rows], buf.positions[:rows], self.kv_cache.tensor, meta, ctx)
+        tokens = rows * q
+        meta = self.builder.compiled_meta(tokens, rows, q, max_seq_len, num_decodes=rows if q == 1 else 0)
+        ctx = self.builder.features.context(tokens)  # (static buffers too: the graph reads them in place)
+        hidden = self.forward_fn(buf.input_ids[:tokens], buf.positions[:tokens], self.kv_cache.tensor, meta, ctx)
         return hidden, self.model.compute_logits(hidden)
 
     # ---- the step ----

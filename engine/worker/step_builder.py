@@ -37,7 +37,7 @@ class StepInputs:
     ctx: ForwardContext | None
     sample_indices: list[int]  # rows of the hidden states to sample from (repeated for forks)
     rows: list[SampleRow]
-    graph_key: tuple[int, int] | None = None  # (rows, ctx) of the decode graph to replay
+    graph_key: tuple[int, ...] | None = None  # (rows, ctx) of the decode graph to replay; (rows, ctx, q): a verify graph
     # Tasks that read this step's hidden states: (task, seq id, its plan) (engine/core/request_kinds.py).
     reads: list[tuple[Any, int, Any]] = field(default_factory=list)
 
@@ -54,7 +54,7 @@ class StepBuilder:
         self.features = features
         self.block_size = block_size
         self.compiled = False  # the forward is torch.compile'd: pad steps, full-width block tables
-        self.graph_key: Callable[[int, int], tuple[int, int] | None] | None = None  # set with decode graphs
+        self.graph_key: Callable[..., tuple[int, ...] | None] | None = None  # set with decode graphs
         # The last launched step's sampled tokens (device), for the next step's placeholders.
         self.last_sampled = LastSampled(torch.zeros(0, dtype=torch.int64))
         # A decoding sequence's sampler row does not change from step to step: kept by seq id.
@@ -144,7 +144,11 @@ class StepBuilder:
             row_of = np.repeat(self._arange[:len(seqs)], counts)
             np.add(buf.np_block_tables[row_of, pos // bs].astype(np.int64) * bs, pos % bs,
                    out=buf.np_slot_mapping[:t])
-        step = self._finish(t, len(seqs), max_q, max_len, max_cols, sample_indices, rows, None, num_decodes,
+        key = None
+        if self.graph_key is not None and seqs and max_q > 1 and all([s.verifies and s.num_tokens == max_q
+                                                                      for s in seqs]):
+            key = self.graph_key(len(seqs), max_len, max_q)  # (every sequence verifies max_q tokens)
+        step = self._finish(t, len(seqs), max_q, max_len, max_cols, sample_indices, rows, key, num_decodes,
                             feed_rows, feed_ids)
         step.reads = reads
         return step
@@ -199,16 +203,18 @@ class StepBuilder:
                 num_decodes: int, feed_rows: list[int], feed_ids: list[int]) -> StepInputs:
         buf = self.buffers
         padded_seqs = num_seqs
+        q = 1  # tokens per padding sequence (a verify graph's rows have q each)
         if graph_key is not None:
             padded_seqs = graph_key[0]
+            q = graph_key[2] if len(graph_key) > 2 else 1
         elif self.compiled and t > 1:
             # A one-sequence step of several tokens gets a padding sequence: Dynamo would
             # otherwise specialise (and compile) a graph for exactly one sequence.
             padded_seqs = max(num_seqs, MIN_COMPILED_ROWS)
         extra = padded_seqs - num_seqs
-        buf.fill_padding(t, num_seqs, extra)
-        self.features.pad(t, extra)
-        t_padded = t + extra
+        buf.fill_padding(t, num_seqs, extra, q)
+        self.features.pad(t, extra * q)
+        t_padded = t + extra * q
         self.features.upload(t_padded)
         buf.upload(t_padded, padded_seqs, max_cols)
         if feed_rows:
@@ -228,14 +234,14 @@ class StepBuilder:
             meta = AttentionMetadata(*views, max_query_len=max_q, max_seq_len=max_len, num_decodes=num_decodes)
         return StepInputs(t_padded, padded_seqs, meta, self.features.context(t_padded), sample_indices, rows)
 
-    def fill_padding_step(self, num_seqs: int, num_tokens: int | None = None) -> None:
-        """A step of padding only (compile warm-ups, graph captures): num_seqs sequences of one
-        token each, the last one taking any extra tokens; nothing is written or read."""
+    def fill_padding_step(self, num_seqs: int, num_tokens: int | None = None, q: int = 1) -> None:
+        """A step of padding only (compile warm-ups, graph captures): num_seqs sequences of q
+        tokens each, the last one taking any extra tokens; nothing is written or read."""
         buf = self.buffers
-        num_tokens = num_tokens or num_seqs
+        num_tokens = num_tokens or num_seqs * q
         buf.wait_staging()
         buf.np_query_start_loc[0] = 0
-        buf.fill_padding(0, 0, num_seqs)
+        buf.fill_padding(0, 0, num_seqs, q)
         buf.np_query_start_loc[num_seqs] = num_tokens
         buf.np_input_ids[:num_tokens] = 0
         buf.np_positions[:num_tokens] = 0
