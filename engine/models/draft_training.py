@@ -255,9 +255,14 @@ def _schedule(opt, total: int):
 
 
 def distill_draft_model(target: str, corpus: list[tuple[list[int], int]], out: Path, layers: int = 4,
-                        hidden: int = 256, epochs: int = 6, batch: int = 8, lr: float = 2e-3, seed: int = 0,
+                        hidden: int = 256, epochs: int = 6, batch: int = 8, lr: float = 3e-3, seed: int = 0,
                         log=print) -> Path:
-    """A small Llama trained on the target's own outputs (sequence-level distillation)."""
+    """A small Llama trained on the target's own outputs (sequence-level distillation).
+
+    The loss is a softmax over the tokens the corpus holds (a few thousand of the vocabulary:
+    the LM head is most of the cost of a training step), in bfloat16 autocast; the LM head is
+    untied from the embeddings, and its rows of tokens the corpus never holds are zero, so those
+    tokens score 0 against the trained ones' logits (the draft seldom proposes them)."""
     import transformers
 
     from engine.models.loader.model_loader import load_tokenizer
@@ -273,16 +278,24 @@ def distill_draft_model(target: str, corpus: list[tuple[list[int], int]], out: P
         vocab_size=tc.vocab_size, hidden_size=hidden, intermediate_size=3 * hidden, num_hidden_layers=layers,
         num_attention_heads=heads, num_key_value_heads=max(1, heads // 2), head_dim=head_dim,
         max_position_embeddings=tc.max_position_embeddings, rope_theta=getattr(tc, "rope_theta", 10000.0),
-        rms_norm_eps=tc.rms_norm_eps, tie_word_embeddings=True, bos_token_id=tc.bos_token_id,
+        rms_norm_eps=tc.rms_norm_eps, tie_word_embeddings=False, bos_token_id=tc.bos_token_id,
         eos_token_id=tc.eos_token_id, pad_token_id=getattr(tc, "pad_token_id", None), torch_dtype="float32")
     model = transformers.LlamaForCausalLM(config)
-    with torch.no_grad():  # the target's embeddings on their leading principal directions
-        centred = embed - embed.mean(0)
-        _, _, vh = torch.linalg.svd(centred[torch.randperm(len(centred))[:8192]], full_matrices=False)
-        proj = centred @ vh[:hidden].T
-        model.get_input_embeddings().weight.copy_(proj * (0.02 / proj.std()))
-    del teacher
     seqs = [ids for ids, _ in corpus]
+    seen = torch.unique(torch.tensor([t for s in seqs for t in s]))
+    lookup = torch.full((tc.vocab_size,), -100, dtype=torch.int64)
+    lookup[seen] = torch.arange(len(seen))
+    with torch.no_grad():  # the target's embeddings on their leading principal directions, both ends
+        centred = embed - embed.mean(0)
+        _, _, vh = torch.linalg.svd(centred[seen], full_matrices=False)
+        proj = centred @ vh[:hidden].T
+        proj = proj * (0.02 / proj[seen].std())
+        model.get_input_embeddings().weight.copy_(proj)
+        head = model.get_output_embeddings().weight
+        head.zero_()
+        head[seen] = proj[seen]
+    del teacher
+    trunk = model.model
     gen = torch.Generator().manual_seed(seed)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)
     steps = epochs * math.ceil(len(seqs) / batch)
@@ -292,22 +305,30 @@ def distill_draft_model(target: str, corpus: list[tuple[list[int], int]], out: P
     for epoch in range(epochs):
         for idx in _batches(len(seqs), batch, gen):
             ids, lengths = _padded([seqs[i] for i in idx])
-            labels = ids.masked_fill(torch.arange(ids.shape[1])[None] >= lengths[:, None], -100)
-            loss = model(input_ids=ids, labels=labels).loss
+            labels = lookup[ids[:, 1:]].masked_fill(torch.arange(1, ids.shape[1])[None] >= lengths[:, None], -100)
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                h = trunk(input_ids=ids).last_hidden_state[:, :-1]
+                logits = h @ model.lm_head.weight[seen].T
+            loss = F.cross_entropy(logits.float().reshape(-1, len(seen)), labels.reshape(-1), ignore_index=-100)
             opt.zero_grad()
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             opt.step()
             sched.step()
-            loss_value = float(loss)
+            loss_value = float(loss.detach())
         log(f"  epoch {epoch + 1}/{epochs}: loss {loss_value:.3f} ({time.perf_counter() - t0:.0f}s)")
     model.eval()
+    with torch.no_grad():
+        unseen = torch.ones(tc.vocab_size, dtype=torch.bool)
+        unseen[seen] = False
+        model.lm_head.weight[unseen] = 0.0
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out, safe_serialization=True)
     tokenizer.save_pretrained(out)
     (out / "kiln_training.json").write_text(json.dumps({"target": str(target), "method": "draft_model",
                                                          "answers": len(seqs), "tokens": sum(map(len, seqs)),
-                                                         "epochs": epochs, "final_loss": loss_value}, indent=2))
+                                                         "vocabulary_trained": len(seen), "epochs": epochs,
+                                                         "final_loss": loss_value}, indent=2))
     return out
 
 
@@ -370,12 +391,25 @@ def train_eagle_for(target: str, corpus: list[tuple[list[int], int]], out: Path,
 
 
 def _head_step(head: TrainableEagle, seqs, feats, finals, vocab, lookup, unroll, opt, sched, params) -> float:
-    """One optimiser step over a batch: pass 0 reads the target's features; pass d reads the
-    head's own outputs of pass d - 1 (row s: the chain seeded at position s, now at s + d)."""
+    """One optimiser step over a batch (bfloat16 autocast)."""
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = _head_loss(head, seqs, feats, finals, vocab, lookup, unroll)
+    opt.zero_grad()
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(params, 1.0)
+    opt.step()
+    sched.step()
+    return float(loss.detach()) / (unroll + 1)
+
+
+def _head_loss(head: TrainableEagle, seqs, feats, finals, vocab, lookup, unroll) -> torch.Tensor:
+    """Pass 0 reads the target's features; pass d reads the head's own outputs of pass d - 1
+    (row s: the chain seeded at position s, now at s + d). Each pass scores the token it drafts
+    (EAGLE: over the `vocab` rows of the target's LM head; EAGLE-3: its draft vocabulary, ids
+    mapped by `lookup`) and EAGLE the feature it predicts."""
     ids, lengths = _padded(seqs)
     b, n = ids.shape
-    width = feats[0].shape[-1]
-    f = torch.zeros(b, n, width)
+    f = torch.zeros(b, n, feats[0].shape[-1])
     final = torch.zeros(b, n, finals[0].shape[-1])
     for i, (x, y) in enumerate(zip(feats, finals)):
         f[i, :len(x)] = x.float()
@@ -384,34 +418,23 @@ def _head_step(head: TrainableEagle, seqs, feats, finals, vocab, lookup, unroll,
     positions = torch.arange(t)[None].expand(b, t)
     caches = [[] for _ in range(max(1, len(getattr(head, "layers", [None]))))]
     h = None
-    loss = 0.0
-    weight = vocab.shape[0]
+    loss = torch.zeros(())
     for depth in range(unroll + 1):
-        src = ids[:, 1 + depth:1 + depth + t]
-        if src.shape[1] < t:
-            src = F.pad(src, (0, t - src.shape[1]))
-        features = f[:, :t] if depth == 0 else h
-        h = head.step(src, features, positions + depth, caches)
-        labels = ids[:, 2 + depth:2 + depth + t]
-        labels = F.pad(labels, (0, t - labels.shape[1]))
+        src = F.pad(ids[:, 1 + depth:1 + depth + t], (0, depth))[:, :t]
+        h = head.step(src, f[:, :t] if depth == 0 else h, positions + depth, caches)
+        labels = F.pad(ids[:, 2 + depth:2 + depth + t], (0, depth))[:, :t]
         valid = (torch.arange(t)[None] + 2 + depth) < lengths[:, None]
         target = lookup[labels].masked_fill(~valid, -100)
         if head.version == 1:
-            logits = h @ head.target_head[vocab].T
-            feat_want = final[:, 1 + depth:1 + depth + t]
-            feat_want = F.pad(feat_want, (0, 0, 0, t - feat_want.shape[1]))
+            logits = (h @ head.target_head[vocab].T).float()
+            want = F.pad(final[:, 1 + depth:1 + depth + t], (0, 0, 0, depth))[:, :t]
             fvalid = ((torch.arange(t)[None] + 1 + depth) < lengths[:, None])[..., None]
-            loss = loss + F.smooth_l1_loss(h * fvalid, feat_want * fvalid) + 0.1 * F.cross_entropy(
-                logits.reshape(-1, weight), target.reshape(-1), ignore_index=-100)
+            loss = loss + F.smooth_l1_loss((h * fvalid).float(), want * fvalid) + 0.1 * F.cross_entropy(
+                logits.reshape(-1, len(vocab)), target.reshape(-1), ignore_index=-100)
         else:
-            logits = head.logits(h)
+            logits = head.logits(h).float()
             loss = loss + F.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1), ignore_index=-100)
-    opt.zero_grad()
-    loss.backward()
-    torch.nn.utils.clip_grad_norm_(params, 1.0)
-    opt.step()
-    sched.step()
-    return float(loss) / (unroll + 1)
+    return loss
 
 
 def _batches(n: int, batch: int, gen: torch.Generator):
