@@ -7,7 +7,7 @@ Two workloads:
     embedded tiny model, which never repeats (the back-off's overhead); prompts of repeated text;
   * `--model DIR|FILE.gguf` with any of `--ngram`, `--draft-model DIR`, `--eagle DIR`,
     `--eagle3 DIR` (DIR `auto`: what `kiln make-draft-model` made for this target in kiln's
-    cache): each method against plain decoding. `--chat` asks the built-in chat prompts
+    cache): each method against plain decoding. `--chat-prompts` asks the built-in chat prompts
     (`kiln make-draft-model`'s test split: topics no draft was trained on) through the model's
     chat template. Engines are built once; the timed runs are interleaved (plain, method,
     plain, method, ...) `--repeats` times, so a machine whose load changes hurts every
@@ -94,7 +94,7 @@ def _compare(args, base: dict, model: str, settings) -> list[dict]:
     for name, spec in methods.items():
         engines[name] = LLM(**base, max_num_seqs=batch, **spec)
     tok = engines["plain"].tokenizer
-    if args.chat:
+    if args.chat_prompts:
         prompts = [chat_ids(tok, p) for p in chat_prompts("test")][:args.num_prompts]
     else:
         prompts = _prompts(args.num_prompts, min(engines["plain"].engine.model_config.vocab_size, len(tok)))
@@ -139,7 +139,8 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--draft-model", default=None, metavar="DIR", help="with --model: a draft model (or auto)")
     parser.add_argument("--eagle", default=None, metavar="DIR", help="with --model: an EAGLE head (or auto)")
     parser.add_argument("--eagle3", default=None, metavar="DIR", help="with --model: an EAGLE-3 head (or auto)")
-    parser.add_argument("--chat", action="store_true", help="with --model: chat prompts through the chat template")
+    parser.add_argument("--chat-prompts", action="store_true",
+                        help="with --model: chat prompts through the chat template")
     parser.add_argument("--num-prompts", type=int, default=8, help="with --model: prompts per timed run")
     parser.add_argument("--repeats", type=int, default=3, help="with --model: interleaved timed runs per engine")
     parser.add_argument("--temperature", type=float, default=0.0, help="with --model: sampling temperature")
@@ -153,7 +154,7 @@ def main(argv: list[str]) -> int:
         base = settings.model_dump(exclude_unset=True)
         rows = _compare(args, base, settings.model, settings)
         print(f"model {settings.model}, batch {args.batch_sizes.split(',')[0]}, up to {args.draft_tokens} draft tokens, "
-              f"{args.max_tokens} output tokens, {args.num_prompts} {'chat ' if args.chat else ''}prompts, "
+              f"{args.max_tokens} output tokens, {args.num_prompts} {'chat ' if args.chat_prompts else ''}prompts, "
               f"{args.repeats} interleaved runs (median)")
         print(f"{'method':>12} {'tok/s':>8} {'ratio':>7} {'accepted':>9} {'accept len':>11} {'drafts/step':>12} "
               f"{'same':>5}")

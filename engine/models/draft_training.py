@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import math
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -180,6 +181,11 @@ class TrainableEagle(nn.Module):
         return self.lm_head(self.norm(h))
 
 
+def rope_theta(config: dict) -> float:
+    """The rotary base of an HF config dict (transformers 5 keeps it in rope_parameters)."""
+    return float(config.get("rope_theta") or (config.get("rope_parameters") or {}).get("rope_theta") or 10000.0)
+
+
 def eagle_config(target_config: dict, version: int, draft_vocab_size: int = 0, layers: int = 1,
                  intermediate_size: int | None = None) -> dict:
     """A head's config.json for a target's config: the target's width, heads and rotary base."""
@@ -191,7 +197,7 @@ def eagle_config(target_config: dict, version: int, draft_vocab_size: int = 0, l
         "num_attention_heads": heads, "num_key_value_heads": target_config.get("num_key_value_heads", heads),
         "head_dim": target_config.get("head_dim") or h // heads,
         "intermediate_size": intermediate_size or target_config["intermediate_size"],
-        "rms_norm_eps": target_config.get("rms_norm_eps", 1e-6), "rope_theta": target_config.get("rope_theta", 1e4),
+        "rms_norm_eps": target_config.get("rms_norm_eps", 1e-6), "rope_theta": rope_theta(target_config),
         "max_position_embeddings": target_config.get("max_position_embeddings", 2048),
         "vocab_size": target_config["vocab_size"], "hidden_act": "silu", "tie_word_embeddings": False,
         "torch_dtype": "float32",
@@ -254,35 +260,97 @@ def _schedule(opt, total: int):
     return torch.optim.lr_scheduler.LambdaLR(opt, lambda i: min(1.0, (i + 1) / 20) * max(0.05, 1 - i / total))
 
 
-def distill_draft_model(target: str, corpus: list[tuple[list[int], int]], out: Path, layers: int = 4,
-                        hidden: int = 256, epochs: int = 6, batch: int = 8, lr: float = 3e-3, seed: int = 0,
-                        log=print) -> Path:
-    """A small Llama trained on the target's own outputs (sequence-level distillation).
+@dataclass
+class Teacher:
+    """What the target says over the corpus, computed once (transformers, float32) and cached:
+    per sequence its next-token distribution at every position (top-k ids and probabilities,
+    soft labels for distillation), its final hidden states (EAGLE's features) and the hidden
+    states entering the layers EAGLE-3 reads, side by side; plus its config, embeddings and LM head."""
 
-    The loss is a softmax over the tokens the corpus holds (a few thousand of the vocabulary:
-    the LM head is most of the cost of a training step), in bfloat16 autocast; the LM head is
-    untied from the embeddings, and its rows of tokens the corpus never holds are zero, so those
-    tokens score 0 against the trained ones' logits (the draft seldom proposes them)."""
+    config: dict
+    embed: torch.Tensor
+    lm_head: torch.Tensor
+    aux_layers: tuple[int, ...]
+    top_ids: list[torch.Tensor]  # [T, k] int32
+    top_p: list[torch.Tensor]  # [T, k] float16
+    final: list[torch.Tensor]  # [T, H] bfloat16
+    aux: list[torch.Tensor]  # [T, len(aux_layers) * H] bfloat16
+
+
+@torch.no_grad()
+def teacher_pass(target: str, seqs: list[list[int]], cache: Path | None = None, top_k: int = 32,
+                 log=print) -> Teacher:
+    if cache is not None and cache.is_file():
+        return Teacher(**torch.load(cache, weights_only=False))
+    model = _load_target(target)
+    config = model.config.to_dict()
+    config.setdefault("head_dim", model.config.hidden_size // model.config.num_attention_heads)
+    n = config["num_hidden_layers"]
+    aux = (2, n // 2, n - 3) if n >= 6 else (0, n // 2, n - 1)
+    t0 = time.perf_counter()
+    top_ids, top_p, final, aux_h = [], [], [], []
+    for ids in seqs:
+        out = model(input_ids=torch.tensor([ids]), output_hidden_states=True)
+        top = out.logits[0].float().log_softmax(-1).topk(top_k, dim=-1)
+        top_ids.append(top.indices.to(torch.int32))
+        top_p.append(top.values.exp().to(torch.float16))
+        hs = out.hidden_states
+        final.append(hs[-1][0].to(torch.bfloat16))
+        aux_h.append(torch.cat([hs[i] for i in aux], dim=-1)[0].to(torch.bfloat16))
+    log(f"  the target over {len(seqs)} sequences in {time.perf_counter() - t0:.0f}s")
+    teacher = Teacher(config, model.get_input_embeddings().weight.detach().clone(),
+                      model.get_output_embeddings().weight.detach().clone(), aux, top_ids, top_p, final, aux_h)
+    if cache is not None:
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        torch.save(teacher.__dict__, cache)
+    return teacher
+
+
+def soft_labels(teacher: Teacher, i: int, start: int, n: int, lookup: torch.Tensor, width: int) -> torch.Tensor:
+    """[n, width] the target's distribution over the next token at positions start..start+n-1 of
+    sequence i, on the columns `lookup` maps token ids to (ids it maps to -100 are dropped),
+    renormalised; zero rows past the sequence's end."""
+    out = torch.zeros(n, width)
+    ids, p = teacher.top_ids[i][start:start + n].long(), teacher.top_p[i][start:start + n].float()
+    cols = lookup[ids]
+    keep = cols >= 0
+    rows = torch.arange(len(ids))[:, None].expand_as(ids)
+    out[rows[keep], cols[keep]] = p[keep]
+    return out / out.sum(-1, keepdim=True).clamp_min(1e-9)
+
+
+def distill_draft_model(target: str, corpus: list[tuple[list[int], int]], teacher: Teacher, out: Path,
+                        layers: int = 4, hidden: int = 256, epochs: int = 6, batch: int = 8, lr: float = 3e-3,
+                        seed: int = 0, log=print) -> Path:
+    """A small Llama trained on the target's own outputs: sequence-level distillation (the
+    target's answers are the text) with the target's own next-token distribution at every
+    position as the label (its top_k tokens, renormalised; cross-entropy against them), which
+    teaches far more per token than the sampled token alone.
+
+    The loss is a softmax over the tokens the corpus and those labels hold (a few thousand of the
+    vocabulary: the LM head is most of the cost of a training step), in bfloat16 autocast; the LM
+    head is untied from the embeddings, and its rows of other tokens are zero, so those score 0
+    against the trained ones' logits (the draft seldom proposes them)."""
     import transformers
 
     from engine.models.loader.model_loader import load_tokenizer
 
     torch.manual_seed(seed)
     tokenizer = load_tokenizer(target)
-    teacher = _load_target(target)
-    tc = teacher.config
-    embed = teacher.get_input_embeddings().weight.detach()
+    tc = transformers.PretrainedConfig.from_dict(teacher.config)
+    embed = teacher.embed
     head_dim = 64 if hidden % 64 == 0 else hidden // 4
     heads = hidden // head_dim
     config = transformers.LlamaConfig(
         vocab_size=tc.vocab_size, hidden_size=hidden, intermediate_size=3 * hidden, num_hidden_layers=layers,
         num_attention_heads=heads, num_key_value_heads=max(1, heads // 2), head_dim=head_dim,
-        max_position_embeddings=tc.max_position_embeddings, rope_theta=getattr(tc, "rope_theta", 10000.0),
+        max_position_embeddings=tc.max_position_embeddings, rope_theta=rope_theta(teacher.config),
         rms_norm_eps=tc.rms_norm_eps, tie_word_embeddings=False, bos_token_id=tc.bos_token_id,
         eos_token_id=tc.eos_token_id, pad_token_id=getattr(tc, "pad_token_id", None), torch_dtype="float32")
     model = transformers.LlamaForCausalLM(config)
     seqs = [ids for ids, _ in corpus]
-    seen = torch.unique(torch.tensor([t for s in seqs for t in s]))
+    seen = torch.unique(torch.cat([torch.tensor([t for s in seqs for t in s])]
+                                  + [ids.flatten().long() for ids in teacher.top_ids]))
     lookup = torch.full((tc.vocab_size,), -100, dtype=torch.int64)
     lookup[seen] = torch.arange(len(seen))
     with torch.no_grad():  # the target's embeddings on their leading principal directions, both ends
@@ -294,7 +362,6 @@ def distill_draft_model(target: str, corpus: list[tuple[list[int], int]], out: P
         head = model.get_output_embeddings().weight
         head.zero_()
         head[seen] = proj[seen]
-    del teacher
     trunk = model.model
     gen = torch.Generator().manual_seed(seed)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)
@@ -305,11 +372,14 @@ def distill_draft_model(target: str, corpus: list[tuple[list[int], int]], out: P
     for epoch in range(epochs):
         for idx in _batches(len(seqs), batch, gen):
             ids, lengths = _padded([seqs[i] for i in idx])
-            labels = lookup[ids[:, 1:]].masked_fill(torch.arange(1, ids.shape[1])[None] >= lengths[:, None], -100)
+            n = ids.shape[1] - 1
+            probs = torch.stack([soft_labels(teacher, i, 0, n, lookup, len(seen)) for i in idx.tolist()])
+            valid = (torch.arange(n)[None] < (lengths[:, None] - 1)).float()
             with torch.autocast("cpu", dtype=torch.bfloat16):
                 h = trunk(input_ids=ids).last_hidden_state[:, :-1]
                 logits = h @ model.lm_head.weight[seen].T
-            loss = F.cross_entropy(logits.float().reshape(-1, len(seen)), labels.reshape(-1), ignore_index=-100)
+            logq = logits.float().log_softmax(-1)
+            loss = -((probs * logq).sum(-1) * valid).sum() / valid.sum()
             opt.zero_grad()
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -332,88 +402,68 @@ def distill_draft_model(target: str, corpus: list[tuple[list[int], int]], out: P
     return out
 
 
-@torch.no_grad()
-def target_features(teacher, seqs: list[list[int]], version: int, aux_layers: tuple[int, ...]) -> list[torch.Tensor]:
-    """Per sequence [T, width]: EAGLE's features (final hidden states), or EAGLE-3's captured
-    layers' inputs side by side (transformers' hidden_states[i] enters layer i)."""
-    feats = []
-    for ids in seqs:
-        out = teacher.model(input_ids=torch.tensor([ids]), output_hidden_states=True)
-        hs = out.hidden_states
-        f = hs[-1] if version == 1 else torch.cat([hs[i] for i in aux_layers], dim=-1)
-        feats.append(f[0].to(torch.bfloat16))
-    return feats
-
-
-def train_eagle_for(target: str, corpus: list[tuple[list[int], int]], out: Path, version: int, epochs: int = 8,
-                    draft_vocab: int = 8192, seed: int = 0, layers: int = 1, batch: int = 8, lr: float = 1e-3,
-                    unroll: int = 2, log=print) -> Path:
-    """An EAGLE (version 1) or EAGLE-3 head trained on the target's hidden states over the corpus."""
+def train_eagle_for(target: str, corpus: list[tuple[list[int], int]], teacher: Teacher, out: Path, version: int,
+                    epochs: int = 4, draft_vocab: int = 8192, seed: int = 0, layers: int = 1, batch: int = 8,
+                    lr: float = 1e-3, unroll: int = 1, log=print) -> Path:
+    """An EAGLE (version 1) or EAGLE-3 head trained on the target's hidden states over the corpus,
+    its labels the target's own next-token distributions (EAGLE-3 over its draft vocabulary: the
+    corpus's most frequent tokens)."""
     torch.manual_seed(seed)
-    teacher = _load_target(target)
-    tcfg = teacher.config.to_dict()
-    tcfg.setdefault("head_dim", teacher.config.hidden_size // teacher.config.num_attention_heads)
-    embed = teacher.get_input_embeddings().weight.detach().clone()
-    lm_head = teacher.get_output_embeddings().weight.detach().clone()
+    tcfg = teacher.config
+    embed, lm_head = teacher.embed, teacher.lm_head
     seqs = [ids for ids, _ in corpus]
     counts = torch.bincount(torch.tensor([t for s in seqs for t in s]), minlength=len(embed))
     frequent = counts.argsort(descending=True)[:min(draft_vocab, len(embed))].sort().values
     config = eagle_config(tcfg, version, len(frequent) if version == 3 else 0, layers)
-    aux = tuple(config.get("eagle_aux_hidden_state_layer_ids", ()))
-    t0 = time.perf_counter()
-    feats = target_features(teacher, seqs, version, aux)
-    finals = target_features(teacher, seqs, 1, ()) if version == 1 else feats
-    log(f"  target hidden states of {len(seqs)} sequences in {time.perf_counter() - t0:.0f}s")
-    del teacher
-    head = TrainableEagle(config, version, embed, lm_head, tcfg["hidden_size"], len(aux) or 3)
+    config["eagle_aux_hidden_state_layer_ids"] = list(teacher.aux_layers) if version == 3 else None
+    if version == 1:
+        del config["eagle_aux_hidden_state_layer_ids"]
+    head = TrainableEagle(config, version, embed, lm_head, tcfg["hidden_size"], len(teacher.aux_layers))
     if version == 3:
         head.set_draft_vocab(frequent)
     vocab = frequent  # the tokens the loss scores (EAGLE: a subset of the target head, for speed)
     lookup = torch.full((len(embed),), -100, dtype=torch.int64)
     lookup[vocab] = torch.arange(len(vocab))
+    feats = teacher.final if version == 1 else teacher.aux
     gen = torch.Generator().manual_seed(seed)
     params = [p for p in head.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
     sched = _schedule(opt, epochs * math.ceil(len(seqs) / batch))
     head.train()
-    loss_value = float("nan")
+    loss_value, t0 = float("nan"), time.perf_counter()
     for epoch in range(epochs):
         for idx in _batches(len(seqs), batch, gen):
-            loss_value = _head_step(head, [seqs[i] for i in idx], [feats[i] for i in idx],
-                                    [finals[i] for i in idx], vocab, lookup, unroll, opt, sched, params)
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = _head_loss(head, teacher, idx.tolist(), seqs, feats, vocab, lookup, unroll)
+            opt.zero_grad()
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(params, 1.0)
+            opt.step()
+            sched.step()
+            loss_value = float(loss.detach()) / (unroll + 1)
         log(f"  epoch {epoch + 1}/{epochs}: loss {loss_value:.3f} ({time.perf_counter() - t0:.0f}s)")
     head.eval()
     save_eagle(head, out)
     (out / "kiln_training.json").write_text(json.dumps({"target": str(target), "method": f"eagle{version}",
                                                          "answers": len(seqs), "tokens": sum(map(len, seqs)),
-                                                         "epochs": epochs, "final_loss": loss_value}, indent=2))
+                                                         "epochs": epochs, "unroll": unroll,
+                                                         "final_loss": loss_value}, indent=2))
     return out
 
 
-def _head_step(head: TrainableEagle, seqs, feats, finals, vocab, lookup, unroll, opt, sched, params) -> float:
-    """One optimiser step over a batch (bfloat16 autocast)."""
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        loss = _head_loss(head, seqs, feats, finals, vocab, lookup, unroll)
-    opt.zero_grad()
-    loss.backward()
-    torch.nn.utils.clip_grad_norm_(params, 1.0)
-    opt.step()
-    sched.step()
-    return float(loss.detach()) / (unroll + 1)
-
-
-def _head_loss(head: TrainableEagle, seqs, feats, finals, vocab, lookup, unroll) -> torch.Tensor:
+def _head_loss(head: TrainableEagle, teacher: Teacher, idx: list[int], seqs, feats, vocab, lookup,
+               unroll) -> torch.Tensor:
     """Pass 0 reads the target's features; pass d reads the head's own outputs of pass d - 1
     (row s: the chain seeded at position s, now at s + d). Each pass scores the token it drafts
-    (EAGLE: over the `vocab` rows of the target's LM head; EAGLE-3: its draft vocabulary, ids
-    mapped by `lookup`) and EAGLE the feature it predicts."""
-    ids, lengths = _padded(seqs)
+    against the target's distribution there (EAGLE: over the `vocab` rows of the target's LM
+    head; EAGLE-3: its draft vocabulary) and EAGLE the feature it predicts."""
+    ids, lengths = _padded([seqs[i] for i in idx])
     b, n = ids.shape
-    f = torch.zeros(b, n, feats[0].shape[-1])
-    final = torch.zeros(b, n, finals[0].shape[-1])
-    for i, (x, y) in enumerate(zip(feats, finals)):
-        f[i, :len(x)] = x.float()
-        final[i, :len(y)] = y.float()
+    f = torch.zeros(b, n, feats[idx[0]].shape[-1])
+    final = torch.zeros(b, n, teacher.final[idx[0]].shape[-1])
+    for row, i in enumerate(idx):
+        f[row, :len(feats[i])] = feats[i].float()
+        final[row, :len(teacher.final[i])] = teacher.final[i].float()
     t = n - 2  # rows s = 0..n-3: read token s + 1, predict token s + 2
     positions = torch.arange(t)[None].expand(b, t)
     caches = [[] for _ in range(max(1, len(getattr(head, "layers", [None]))))]
@@ -422,18 +472,15 @@ def _head_loss(head: TrainableEagle, seqs, feats, finals, vocab, lookup, unroll)
     for depth in range(unroll + 1):
         src = F.pad(ids[:, 1 + depth:1 + depth + t], (0, depth))[:, :t]
         h = head.step(src, f[:, :t] if depth == 0 else h, positions + depth, caches)
-        labels = F.pad(ids[:, 2 + depth:2 + depth + t], (0, depth))[:, :t]
-        valid = (torch.arange(t)[None] + 2 + depth) < lengths[:, None]
-        target = lookup[labels].masked_fill(~valid, -100)
+        # the token at s + 2 + depth: the target's distribution at position s + 1 + depth
+        want = torch.stack([soft_labels(teacher, i, 1 + depth, t, lookup, len(vocab)) for i in idx])
+        valid = ((torch.arange(t)[None] + 2 + depth) < lengths[:, None]).float()
+        logits = (h @ head.target_head[vocab].T if head.version == 1 else head.logits(h)).float()
+        loss = loss - ((want * logits.log_softmax(-1)).sum(-1) * valid).sum() / valid.sum()
         if head.version == 1:
-            logits = (h @ head.target_head[vocab].T).float()
-            want = F.pad(final[:, 1 + depth:1 + depth + t], (0, 0, 0, depth))[:, :t]
+            feat = F.pad(final[:, 1 + depth:1 + depth + t], (0, 0, 0, depth))[:, :t]
             fvalid = ((torch.arange(t)[None] + 1 + depth) < lengths[:, None])[..., None]
-            loss = loss + F.smooth_l1_loss((h * fvalid).float(), want * fvalid) + 0.1 * F.cross_entropy(
-                logits.reshape(-1, len(vocab)), target.reshape(-1), ignore_index=-100)
-        else:
-            logits = head.logits(h).float()
-            loss = loss + F.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1), ignore_index=-100)
+            loss = loss + 10.0 * F.smooth_l1_loss((h * fvalid).float(), feat * fvalid)
     return loss
 
 

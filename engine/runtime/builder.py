@@ -311,8 +311,9 @@ class EngineBuilder:
         if s.speculative_method not in ("draft_model", "eagle", "eagle3"):
             return None
         path = Path(s.speculative_model).expanduser()
-        if not path.is_dir():
-            raise ValueError(f"speculative_model: {s.speculative_model!r} is not a checkpoint directory")
+        if not path.is_dir() and not (s.speculative_method == "draft_model" and is_gguf(path)):
+            raise ValueError(f"speculative_model: {s.speculative_model!r} is not a checkpoint directory"
+                             + (" or .gguf file" if s.speculative_method == "draft_model" else ""))
         with _Phase(f"loading the {s.speculative_method} draft {path}"):
             if s.speculative_method == "draft_model":
                 config = layers = ModelConfig.from_dir(path)

@@ -66,12 +66,14 @@ def chat_ids(tokenizer, prompt: str) -> list[int]:
     return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
 
 
-def build_corpus(target: str, cache: Path, num_prompts: int, max_tokens: int, seed: int) -> list[tuple[list[int], int]]:
-    """(prompt + answer token ids, prompt length) for num_prompts train prompts, cached."""
+def build_corpus(target: str, cache: Path, num_prompts: int, max_tokens: int,
+                 seed: int) -> tuple[list[tuple[list[int], int]], str]:
+    """(prompt + answer token ids, prompt length) for num_prompts train prompts, cached; and the
+    corpus's cache key."""
     key = hashlib.sha1(f"{Path(target).resolve()}:{num_prompts}:{max_tokens}:{seed}".encode()).hexdigest()[:12]
     file = cache / f"corpus-{Path(target).stem}-{key}.json"
     if file.is_file():
-        return [(ids, n) for ids, n in json.loads(file.read_text())]
+        return [(ids, n) for ids, n in json.loads(file.read_text())], key
     from engine.core.request import SamplingParams
     from engine.entrypoints.llm import LLM
 
@@ -91,7 +93,7 @@ def build_corpus(target: str, cache: Path, num_prompts: int, max_tokens: int, se
     logger.info("corpus: %d answers, %d generated tokens in %.0fs", len(corpus), n, time.perf_counter() - t0)
     cache.mkdir(parents=True, exist_ok=True)
     file.write_text(json.dumps(corpus))
-    return corpus
+    return corpus, key
 
 
 def main(argv: list[str]) -> int:
@@ -117,17 +119,19 @@ def main(argv: list[str]) -> int:
     if (out / "config.json").is_file() and not args.force:
         print(out)
         return 0
-    corpus = build_corpus(args.target, cache, args.prompts, args.max_tokens, args.seed)
+    corpus, key = build_corpus(args.target, cache, args.prompts, args.max_tokens, args.seed)
     from engine.models import draft_training
 
     t0 = time.perf_counter()
+    teacher = draft_training.teacher_pass(args.target, [ids for ids, _ in corpus],
+                                          cache / f"teacher-{Path(args.target).stem}-{key}.pt", log=logger.info)
     if args.method == "draft_model":
-        draft_training.distill_draft_model(args.target, corpus, out, layers=args.layers or 4,
-                                           hidden=args.hidden_size, epochs=args.epochs or 6, seed=args.seed,
+        draft_training.distill_draft_model(args.target, corpus, teacher, out, layers=args.layers or 4,
+                                           hidden=args.hidden_size, epochs=args.epochs or 8, seed=args.seed,
                                            log=logger.info)
     else:
-        draft_training.train_eagle_for(args.target, corpus, out, version=3 if args.method == "eagle3" else 1,
-                                       epochs=args.epochs or 8, draft_vocab=args.draft_vocab, seed=args.seed,
+        draft_training.train_eagle_for(args.target, corpus, teacher, out, version=3 if args.method == "eagle3" else 1,
+                                       epochs=args.epochs or 4, draft_vocab=args.draft_vocab, seed=args.seed,
                                        layers=args.layers or 1, log=logger.info)
     logger.info("%s draft trained in %.0fs: %s", args.method, time.perf_counter() - t0, out)
     print(out)

@@ -64,11 +64,14 @@ class DraftProbs:
 
 
 def sample_drafts(logits: torch.Tensor, rows: list[DraftRow],
-                  generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+                  generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Draft tokens from a draft's logits [n, vocab] (in the target's vocabulary): q's argmax for
     greedy rows, else the exponential race over q with the row's noise (a seeded row's is the
-    target row's own). Returns (tokens [n], q [n, vocab] normalised; greedy rows' q is unused)."""
+    target row's own). Returns (tokens [n], q [n, vocab] normalised; greedy rows' q is unused, and
+    None when every row is greedy)."""
     greedy = [r.params.greedy for r in rows]
+    if all(greedy):  # (the common case: one argmax, no distribution)
+        return logits.argmax(dim=-1), None
     probs = processed_probs(logits, rows, greedy)
     q = probs / probs.sum(dim=-1, keepdim=True).clamp_min(1e-30)
     tokens = (q / race_noise(q, rows, greedy, generator)).argmax(dim=-1)

@@ -85,9 +85,9 @@ class DraftModelProposer:
         """Draft j + 1 of every member at position j (rows of `hidden`, in order)."""
         members = proposal.members(j)
         logits = to_vocab(self.runner.model.compute_logits(hidden), self.vocab)
-        tokens, q = sample_drafts(logits, [v.draft_rows()[j] for v in members], self.generator)
+        tokens, q = sample_drafts(logits, [v.draft_rows[j] for v in members], self.generator)
         proposal.tokens.append(tokens)
-        proposal.q.append(q if any(v.draft_rows()[j].uses_q for v in members) else None)
+        proposal.q.append(q if any(v.draft_rows[j].uses_q for v in members) else None)
 
     def _shadow(self, sched: SchedulerOutput, verify: list[VerifySeq]) -> tuple[list[ScheduledSeq], list[int]]:
         """The step without its drafts, for the draft model (each verify sequence samples its last

@@ -96,9 +96,9 @@ class EagleProposer:
     def _sample(self, proposal: Proposal, j: int, hidden: torch.Tensor) -> None:
         members = proposal.members(j)
         logits = self.head.compute_logits(hidden)
-        tokens, q = sample_drafts(logits, [v.draft_rows()[j] for v in members], self.generator)
+        tokens, q = sample_drafts(logits, [v.draft_rows[j] for v in members], self.generator)
         proposal.tokens.append(tokens)
-        proposal.q.append(q if any(v.draft_rows()[j].uses_q for v in members) else None)
+        proposal.q.append(q if any(v.draft_rows[j].uses_q for v in members) else None)
 
     def _forward(self, sched: SchedulerOutput, hidden: torch.Tensor) -> torch.Tensor:
         """One head forward over a step's records, its h input rows set to `hidden`."""

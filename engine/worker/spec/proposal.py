@@ -11,6 +11,7 @@ the step's results (`fill_records`), where the scheduler keeps the accepted pref
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 
 import torch
 
@@ -33,6 +34,7 @@ class VerifySeq:
     first_sample: int  # its first sampler row
     num_output_tokens: int  # output tokens before the one row 0 samples
 
+    @cached_property
     def draft_rows(self) -> list[DraftRow]:
         """Draft j is the candidate for the token verify row j samples (same output position)."""
         p = self.record.params
@@ -111,7 +113,7 @@ class Proposal:
             if q is None:
                 continue
             members = self.members(j)
-            pick = [m for m, v in enumerate(members) if v.draft_rows()[0].uses_q]
+            pick = [m for m, v in enumerate(members) if v.draft_rows[0].uses_q]
             if not pick:
                 continue
             rows.extend(members[m].first_sample + j for m in pick)
