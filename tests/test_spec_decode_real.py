@@ -47,8 +47,8 @@ def eagle3_head(smollm2, tmp_path_factory):
 def _llm(smollm2, **settings):
     from engine.entrypoints.llm import LLM
 
-    return LLM(str(smollm2), device="cpu", dtype="float32", enforce_eager=True, max_model_len=512, max_num_seqs=4,
-               **settings)
+    return LLM(str(smollm2), **{**dict(device="cpu", dtype="float32", enforce_eager=True, max_model_len=512,
+                                       max_num_seqs=4), **settings})
 
 
 @pytest.mark.parametrize("params", [SamplingParams(temperature=0, max_tokens=24, ignore_eos=True),
@@ -62,8 +62,8 @@ def test_smollm2_spec_equals_plain(smollm2, eagle3_head, params):
     want = [o.outputs[0].token_ids for o in plain.generate(prompts, params, use_tqdm=False)]
     assert_engine_clean(plain.engine)
     # A small pool (preemption) and a small token budget (chunked prompts beside verify steps).
-    tight = dict(num_gpu_blocks=14, block_size=16, max_num_batched_tokens=32, preemption_mode="swap",
-                 swap_space_gb=0.05)
+    tight = dict(num_gpu_blocks=10, block_size=16, max_model_len=128, max_num_batched_tokens=32,
+                 preemption_mode="swap", swap_space_gb=0.05)
     for spec in (dict(speculative_method="draft_model", speculative_model=str(smollm2), num_speculative_tokens=3),
                  dict(speculative_method="eagle3", speculative_model=str(eagle3_head), num_speculative_tokens=3)):
         llm = _llm(smollm2, **tight, **spec)
