@@ -9,11 +9,19 @@ that changes the binary, where the library lives in the compile cache, and the b
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import tempfile
+import time
 from pathlib import Path
 
 import torch
+
+logger = logging.getLogger(__name__)
+
+# A build lock older than this is a build that died (killed mid-compile): torch's builder would
+# wait on it forever. (Builds take 10 s - 5 min on 2 busy cores.)
+STALE_LOCK_SECONDS = 30 * 60
 
 # What torch's own kernels for that capability may assume; never the build machine's whole ISA.
 ISA_FLAGS = {
@@ -28,9 +36,10 @@ def isa_flags(capability: str | None = None) -> list[str]:
     return next((flags for name, flags in ISA_FLAGS.items() if cap.startswith(name)), [])
 
 
-def cache_key(source: Path, flags: list[str], capability: str | None = None) -> str:
-    """A key of the source, the flags, torch's version and the CPU capability."""
-    parts = [source.read_text(), repr(flags), torch.__version__, capability or torch.backends.cpu.get_cpu_capability()]
+def cache_key(source: Path, flags: list[str], capability: str | None = None, includes: tuple[Path, ...] = ()) -> str:
+    """A key of the source (and the files it includes), the flags, torch's version and the CPU capability."""
+    parts = [source.read_text(), *(p.read_text() for p in includes), repr(flags), torch.__version__,
+             capability or torch.backends.cpu.get_cpu_capability()]
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:20]
 
 
@@ -49,5 +58,21 @@ def build(path: Path, source: Path, flags: list[str]) -> None:
     from torch.utils.cpp_extension import load
 
     path.parent.mkdir(parents=True, exist_ok=True)
+    clear_stale_lock(path.parent)
     load(name=path.stem, sources=[str(source)], extra_cflags=flags, extra_ldflags=["-fopenmp"],
          build_directory=str(path.parent), is_python_module=False, verbose=False)
+
+
+def clear_stale_lock(directory: Path, max_age: float = STALE_LOCK_SECONDS) -> bool:
+    """Remove the build lock in `directory` when it is older than max_age (its build died).
+    Returns whether it did."""
+    lock = Path(directory) / "lock"
+    try:
+        age = time.time() - lock.stat().st_mtime
+    except FileNotFoundError:
+        return False
+    if age < max_age:
+        return False
+    logger.warning("removing a build lock left %.0f min ago by a build that did not finish: %s", age / 60, lock)
+    lock.unlink(missing_ok=True)
+    return True

@@ -1,4 +1,9 @@
-"""The dense float32 projection (x @ W^T + b) on the CPU through oneDNN, with a bounded set of shapes.
+"""The dense projection (x @ W^T + b) on the CPU: a few rows through kiln's weight-streaming kernel,
+many float32 rows through oneDNN with a bounded set of shapes.
+
+Up to cpu_gemv.MAX_DENSE_ROWS rows (decode; per dtype) a float32 / bfloat16 / float16 weight goes through
+compiler/cpu_gemv.py, which reads the weight once at close to memory speed and splits its rows
+over the threads (tools/bench_cpu_gemv.py: its ratio to F.linear per row count).
 
 Measured on the shared 2-core AMD EPYC (Zen 5, AVX-512) machine (BENCH_cpuops.md): torch's
 default float32 GEMM (MKL sgemm) runs at ~100 GFLOP/s whatever the size; oneDNN's matmul
@@ -24,6 +29,8 @@ from collections.abc import Iterable
 
 import torch
 import torch.nn.functional as F
+
+from compiler import cpu_gemv
 
 # Rows from which oneDNN beats the default GEMM (measured crossover ~32 rows at one thread, lower
 # at two: BENCH_cpuops.md); decode batches of a few dozen rows gain too.
@@ -77,8 +84,12 @@ def _rows_in_storage(x: torch.Tensor, rows: int) -> torch.Tensor | None:
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear(x, weight, bias); 2-D float32 CPU inputs of MIN_ONEDNN_ROWS rows or more go
-    through oneDNN with their row count padded to `row_bucket`."""
+    """F.linear(x, weight, bias); 2-D CPU inputs of up to cpu_gemv.MAX_DENSE_ROWS rows go through
+    the weight-streaming kernel, float32 ones of MIN_ONEDNN_ROWS rows or more through oneDNN with
+    their row count padded to `row_bucket`."""
+    if (x.dim() == 2 and x.shape[0] <= cpu_gemv.MAX_DENSE_ROWS.get(x.dtype, 0)
+            and cpu_gemv.dense_usable(x, weight, bias)):
+        return cpu_gemv.dense(x, weight, bias)
     if not uses_onednn(x, weight, bias):
         return F.linear(x, weight, bias)
     rows, bucket = x.shape[0], row_bucket(x.shape[0])
@@ -96,7 +107,11 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 def warm_buckets(layers: Iterable[tuple[torch.Tensor, torch.Tensor | None]], max_rows: int) -> int:
     """Run every bucket up to max_rows once through each distinct (weight shape, bias) of `layers`,
     so that oneDNN builds its primitives (~0.6 MB each) at start-up and a server's memory stays
-    flat while it serves. Returns the number of shapes built."""
+    flat while it serves (and the weight-streaming kernels load, or build on the first start, now
+    rather than at the first request). Returns the number of shapes built."""
+    layers = list(layers)
+    if any(w.is_cpu and w.dtype in cpu_gemv.DENSE_DTYPES for w, _ in layers):
+        cpu_gemv.GEMV.ensure()
     seen: set[tuple[int, int, bool]] = set()
     built = 0
     with torch.inference_mode():

@@ -3,13 +3,21 @@
 from __future__ import annotations
 
 import contextlib
+import os
 from pathlib import Path
 
 import pytest
 import torch
 
+
 ARCHS = ("llama", "qwen2", "qwen3", "mistral", "gemma", "gemma2", "gemma3", "phi3", "mixtral", "qwen2_moe",
          "qwen3_moe")
+
+
+# Under tools/gpu_check.sh (KILN_GPU_CHECK_STRICT=1) a skipped GPU test is a failure, and so is a
+# test module that skips as a whole (a missing GPU, kernel cache or cuda-python): on the device a
+# skip means the check did not happen, and must not read as a pass.
+STRICT_GPU = os.environ.get("KILN_GPU_CHECK_STRICT") == "1"
 
 
 def pytest_collection_modifyitems(config, items):
@@ -19,6 +27,29 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.get_closest_marker("gpu") is not None:  # a marker, not any node named "gpu"
             item.add_marker(skip)
+
+
+def _skip_reason(report) -> str:
+    longrepr = report.longrepr
+    return longrepr[2] if isinstance(longrepr, tuple) and len(longrepr) == 3 else str(longrepr)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    report = outcome.get_result()
+    if STRICT_GPU and report.skipped and not hasattr(report, "wasxfail") and item.get_closest_marker("gpu"):
+        report.outcome = "failed"
+        report.longrepr = f"KILN_GPU_CHECK_STRICT: a GPU test skipped ({_skip_reason(report)})"
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_make_collect_report(collector):
+    outcome = yield
+    report = outcome.get_result()
+    if STRICT_GPU and report.skipped and isinstance(collector, pytest.Module):
+        report.outcome = "failed"
+        report.longrepr = f"KILN_GPU_CHECK_STRICT: test module {collector.name} skipped ({_skip_reason(report)})"
 
 
 @pytest.fixture(scope="session")
@@ -70,6 +101,26 @@ def assert_engine_clean(engine) -> None:
     assert not engine.has_unfinished_requests(), "requests left unfinished"
     assert engine.pool.is_fully_free(), (
         f"KV blocks leaked: {engine.pool.num_in_use} in use after all requests finished")
+
+
+def sampler_output(out, per_seq: list[list[int]]):
+    """A fake model's tokens (one list per scheduled sequence, in step order: n at a fork, one per
+    position with drafts, none for a chunk that samples nothing) as the sampler hands them over."""
+    from engine.core.outputs import SamplerOutput
+
+    flat = [t for toks in per_seq for t in toks]
+    return SamplerOutput(flat, [None] * len(flat))
+
+
+def take_updates(updates, got: dict, done: dict) -> None:
+    """What an output side sees of the core's updates: each request's tokens per sample (`got`),
+    and, once the core is done with a request, its samples' tokens in `done`."""
+    for update in updates:
+        samples = got.setdefault(update.request_id, {})
+        for seq in update.seqs:
+            samples.setdefault(seq.index, []).extend(seq.token_ids)
+        if update.finished:
+            done[update.request_id] = [samples[i] for i in sorted(samples)]
 
 
 def run_checked(engine) -> dict:

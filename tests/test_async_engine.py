@@ -124,14 +124,14 @@ def test_slow_reader_never_blocks_the_loop(make_engine):
 def test_queue_limit_and_dead_loop(make_engine):
     engine = make_engine(max_num_seqs=1, max_waiting_requests=1)
     boom = threading.Event()
-    real_step = engine.engine.step
+    real_step = engine.engine.core_step
 
     def step():
         if boom.is_set():
             raise RuntimeError("GPU on fire")
         return real_step()
 
-    engine.engine.step = step
+    engine.engine.core_step = step
 
     async def main():
         running = await engine.add_request("Hello", greedy(100))

@@ -46,3 +46,23 @@ def test_bench_cpu_runs_every_setting_with_and_without_the_neighbour(tiny_llama,
     assert isinstance(res["default_within_1.3x"], bool)
     text = capsys.readouterr().out
     assert "| neighbour | threads |" in text and "default with the neighbour" in text
+
+
+def test_step_parts_split_a_decode_step(tiny_llama, capsys):
+    """--step-parts: every op's own time lands in one part, the parts and the host's remainder add
+    up to the unprofiled step, and the linear layers and attention are found by name (the eager
+    reference attention here: no kernel build in a test)."""
+    from engine.config.settings import EngineSettings
+    from engine.runtime.llm_engine import LLMEngine
+
+    assert cpu.step_part("aten::mm") == "linear" and cpu.step_part("aten::addmm") == "linear"
+    assert cpu.step_part("kiln_cpu::paged_attention") == "attention"
+    assert cpu.step_part("kiln_cpu_fused::rms_norm") == "fused norms/rope/act"
+    assert cpu.step_part("aten::add") == "other torch ops"
+    engine = LLMEngine(EngineSettings(model=str(tiny_llama), device="cpu", max_model_len=128, num_gpu_blocks=64,
+                                      max_num_seqs=4, log_stats_interval=0, enforce_eager=True))
+    row = cpu.step_parts(engine, batch=2, steps=4, input_len=8)
+    assert row["ops_per_step"] > 0 and row["parts_us"]["linear"] > 0 and row["parts_us"]["attention"] > 0
+    assert sum(row["parts_us"].values()) >= row["step_us"] * 0.99
+    assert not engine.has_unfinished_requests() and engine.pool.is_fully_free()
+    assert "torch ops per step" in capsys.readouterr().out

@@ -144,3 +144,39 @@ def test_bench_random_chat_prompts(live_server, tmp_path):
     rc = main(["--url", url, "--api-key", "k", "--backend", "openai-chat", "--num-prompts", "4", "--input-len", "6",
                "--output-len", "3", "--ignore-eos", "--json", str(out), "--disable-tqdm"])
     assert rc == 0 and json.loads(out.read_text())["total_output_tokens"] == 12
+
+
+def test_random_prompts_are_the_same_token_ids_for_a_llama_cpp_server():
+    """llama-server's /tokenize and /detokenize take {"content": ...}: the client finds them and
+    draws the same token-id prompts as from a server with vLLM's bodies (same vocabulary)."""
+    import asyncio
+    import json as _json
+
+    import httpx
+
+    from engine.bench.serve_data import BenchConfig, ServerTokenizer, random_requests
+
+    def vocab(text: str) -> list[int]:
+        return [sum(map(ord, w)) % 500 for w in text.split()]
+
+    def llama_cpp(request: httpx.Request) -> httpx.Response:
+        body = _json.loads(request.content)
+        if request.url.path == "/tokenize":
+            return httpx.Response(200, json={"tokens": vocab(body.get("content", ""))})
+        return httpx.Response(200, json={"content": " ".join(map(str, body["tokens"]))})
+
+    def vllm(request: httpx.Request) -> httpx.Response:
+        body = _json.loads(request.content)
+        if request.url.path == "/tokenize":
+            return httpx.Response(200, json={"tokens": vocab(body["prompt"])})
+        return httpx.Response(200, json={"prompt": " ".join(map(str, body["tokens"]))})
+
+    async def draw(handler, backend="openai"):
+        cfg = BenchConfig(url="http://t", model="m", num_prompts=5, request_rate=float("inf"), max_concurrency=None,
+                          input_len=12, output_len=4, seed=3, backend=backend)
+        async with httpx.AsyncClient(transport=httpx.MockTransport(handler), base_url="http://t") as http:
+            return [r.prompt for r in await random_requests(ServerTokenizer(http, cfg, {}), cfg)]
+
+    ours, theirs = asyncio.run(draw(vllm)), asyncio.run(draw(llama_cpp))
+    assert ours == theirs and all(isinstance(p, list) and len(p) == 12 for p in ours)
+    assert asyncio.run(draw(llama_cpp, "openai-chat")) == asyncio.run(draw(vllm, "openai-chat"))

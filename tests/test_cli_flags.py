@@ -15,8 +15,9 @@ from engine.entrypoints.cli.main import main, parse_serve_args
 
 ROOT = Path(__file__).resolve().parents[1]
 
-# flag -> (arguments after `kiln serve`, expected value of VLLM_FLAGS[flag]).
-EXAMPLES: dict[str, tuple[list[str], object]] = {
+# flag -> (arguments after `kiln serve`, expected value of VLLM_FLAGS[flag][, environment]). The expected
+# value is never what the settings are without the flag (checked), so a flag that is ignored fails.
+EXAMPLES: dict[str, tuple] = {
     "MODEL": (["/models/m"], "/models/m"),
     "--model": (["--model", "/models/m"], "/models/m"),
     "--tokenizer": (["--tokenizer", "/models/tok"], "/models/tok"),
@@ -29,11 +30,11 @@ EXAMPLES: dict[str, tuple[list[str], object]] = {
     "--num-gpu-blocks-override": (["--num-gpu-blocks-override", "100"], 100),
     "--gpu-memory-utilization": (["--gpu-memory-utilization", "0.5"], 0.5),
     "--swap-space": (["--swap-space", "4"], 4.0),
-    "--enable-prefix-caching": (["--enable-prefix-caching"], True),
+    "--enable-prefix-caching": (["--enable-prefix-caching"], True, {"KILN_ENABLE_PREFIX_CACHING": "false"}),
     "--no-enable-prefix-caching": (["--no-enable-prefix-caching"], False),
     "--max-num-seqs": (["--max-num-seqs", "8"], 8),
     "--max-num-batched-tokens": (["--max-num-batched-tokens", "8K"], 8192),
-    "--enable-chunked-prefill": (["--enable-chunked-prefill"], True),
+    "--enable-chunked-prefill": (["--enable-chunked-prefill"], True, {"KILN_ENABLE_CHUNKED_PREFILL": "false"}),
     "--no-enable-chunked-prefill": (["--no-enable-chunked-prefill", "--max-num-batched-tokens", "4096",
                                      "--max-model-len", "4096"], False),
     "--speculative-config": (["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}'],
@@ -44,10 +45,10 @@ EXAMPLES: dict[str, tuple[list[str], object]] = {
     "--max-lora-rank": (["--max-lora-rank", "64"], 64),
     "--enforce-eager": (["--enforce-eager"], True),
     "--cuda-graph-sizes": (["--cuda-graph-sizes", "1", "2", "4"], [1, 2, 4]),
-    "--tensor-parallel-size": (["--tensor-parallel-size", "1"], 1),
-    "-tp": (["-tp", "1"], 1),
-    "--quantization": ([], None),  # no method is implemented yet: refusal tested below
-    "--kv-cache-dtype": (["--kv-cache-dtype", "auto"], "auto"),
+    "--tensor-parallel-size": (["--tensor-parallel-size", "2"], 2),
+    "-tp": (["-tp", "2"], 2),
+    "--quantization": (["--quantization", "fp8"], "fp8"),  # (methods not implemented: refused, tested below)
+    "--kv-cache-dtype": (["--kv-cache-dtype", "fp8"], "fp8"),
     "--generation-config": (["--generation-config", "vllm"], "vllm"),
     "--max-logprobs": (["--max-logprobs", "5"], 5),
     "--disable-log-stats": (["--disable-log-stats"], True),
@@ -83,12 +84,18 @@ def test_every_supported_vllm_flag_has_an_example():
 
 
 @pytest.mark.parametrize("flag", sorted(VLLM_FLAGS))
-def test_vllm_flag_sets_its_setting(flag):
-    args, expected = EXAMPLES[flag]
-    engine, server = parse_serve_args(args)
+def test_vllm_flag_sets_its_setting(flag, monkeypatch):
+    args, expected, *env = EXAMPLES[flag]
+    for var, value in (env[0] if env else {}).items():
+        monkeypatch.setenv(var, value)
     name = VLLM_FLAGS[flag]
-    settings = engine if name in EngineSettings.model_fields else server
-    assert getattr(settings, name) == expected
+
+    def setting(argv: list[str]):
+        engine, server = parse_serve_args(argv)
+        return getattr(engine if name in EngineSettings.model_fields else server, name)
+
+    assert setting([]) != expected, f"{flag}: the example expects the value it has without the flag"
+    assert setting(args) == expected
 
 
 def test_speculative_config_sets_the_speculative_settings():
@@ -200,7 +207,7 @@ def test_global_log_level_reaches_serve(monkeypatch, caplog):
     import engine.entrypoints.openai.main
 
     seen = {}
-    monkeypatch.setattr(engine.server.main, "serve", lambda e, s: seen.update(server=s) or 0)
+    monkeypatch.setattr(engine.entrypoints.openai.main, "serve", lambda e, s: seen.update(server=s) or 0)
     assert main(["--log-level", "WARNING", "serve", "--port", "0"]) == 0
     assert seen["server"].log_level == "warning"
     assert logging.getLogger().level == logging.WARNING

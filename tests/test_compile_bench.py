@@ -22,13 +22,14 @@ def test_latency_bench_cpu_with_baseline(tiny_llama, tmp_path, capsys):
     assert [r["batch_size"] for r in rows] == [1, 3]
     for r in rows:
         assert r["decode_steps"] == 5  # output 6: one token from the prefill step, five decode steps
-        assert 0 < r["ms_per_step_median"] <= r["ms_per_step_p99"]
+        assert r["ms_per_step"] > 0 and 0 < r["step_ms_median"] <= r["step_ms_p99"]
+        assert (r["backend"], r["cuda_graphs"], r["device"]) == ("torch", False, "cpu")  # what made the figure
         assert r["weight_GB"] > 0 and r["copy_GBps"] > 0 and 0 < r["bandwidth_share"]
         assert r["hf_ms_per_step"] > 0 and r["speedup_per_step"] > 0
         # same weights, float32: kiln's and transformers' first greedy tokens agree
         assert r["first_token_agreement"] == 1.0
     text = capsys.readouterr().out
-    assert "transformers generate" in text and "ms, p99" in text
+    assert "transformers generate" in text and "ms per decode step" in text
 
 
 def test_hf_state_dict_covers_transformers_model(tiny_models):

@@ -258,10 +258,10 @@ def fake_gpu(monkeypatch):
 @pytest.mark.parametrize("cap", [(8, 0), (8, 9), (10, 0), (12, 0)])
 def test_auto_on_a_gpu_other_than_sm90_takes_the_torch_backend_with_one_log_line(tmp_path, fake_gpu, caplog, cap):
     fake_gpu(cap)
-    with caplog.at_level(logging.INFO, logger="engine.layers.attention"):
+    with caplog.at_level(logging.INFO, logger="engine.layers.attention.selector"):
         backend = get_attention_backend("auto", _cuda_spec(tmp_path))
     assert backend.name == "torch"
-    lines = [r.getMessage() for r in caplog.records if r.name == "engine.layers.attention"]
+    lines = [r.getMessage() for r in caplog.records if r.name == "engine.layers.attention.selector"]
     assert len(lines) == 1 and f"sm_{cap[0]}{cap[1]}" in lines[0] and "sm_90a" in lines[0]
     with pytest.raises(RuntimeError, match="sm_90a only"):
         get_attention_backend("cutlass", _cuda_spec(tmp_path))
@@ -271,7 +271,7 @@ def test_sm90_without_built_kernels_names_the_build_command(tmp_path, fake_gpu, 
     fake_gpu((9, 0))
     reason = cutlass_backend.cutlass_unavailable_reason(_cuda_spec(tmp_path))
     assert reason is not None and "kiln build-kernels" in reason
-    with caplog.at_level(logging.INFO, logger="engine.layers.attention"):
+    with caplog.at_level(logging.INFO, logger="engine.layers.attention.selector"):
         assert get_attention_backend("auto", _cuda_spec(tmp_path)).name == "torch"
     assert "kiln build-kernels" in caplog.text
 

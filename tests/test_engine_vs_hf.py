@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from engine import SamplingParams
-from tests.conftest import ARCHS
+from tests.conftest import ARCHS, run_checked
 
 NUM_PROMPTS = 16
 MAX_TOKENS = 12
@@ -102,8 +102,10 @@ def test_parallel_samples_share_prompt_blocks(tiny_llama, make_llm):
     engine = llm.engine
     request = engine.add_request(prompt, params, "fork")
     allocations_at_fork = None
+    out = None
     while engine.has_unfinished_requests():
-        engine.step()
+        for done in engine.step():
+            out = done if done.finished else out
         engine.check_integrity()
         if request.forked and allocations_at_fork is None:
             allocations_at_fork = engine.pool.counters.allocations
@@ -111,7 +113,7 @@ def test_parallel_samples_share_prompt_blocks(tiny_llama, make_llm):
             assert all(engine.pool.ref_count(b) == 4 for b in request.seqs[0].block_ids[:2])
     # After the fork, each sample copied the partial block at most once (copy-on-write).
     assert engine.pool.counters.allocations - allocations_at_fork <= 3
-    out = engine._output(request)
+    assert out is not None and out.request_id == "fork"
     assert len(out.outputs) == 4 and all(len(c.token_ids) == 6 for c in out.outputs)
     assert len({tuple(c.token_ids) for c in out.outputs}) > 1, "four samples at temperature 1 all equal"
     # Greedy n=2 gives two identical continuations equal to n=1.
@@ -122,18 +124,28 @@ def test_parallel_samples_share_prompt_blocks(tiny_llama, make_llm):
 
 
 def test_mixed_prefill_and_decode_in_one_step(tiny_llama, make_llm):
+    """A step that holds a's decode and a chunk of b's prompt computes both right: each request's
+    tokens equal those it gets run alone."""
     llm = make_llm(tiny_llama, max_num_batched_tokens=40)
+    prompts = {"a": list(range(5, 25)), "b": list(range(5, 105))}  # b: 100 tokens, chunked
+    alone = {rid: llm.generate([p], GREEDY, use_tqdm=False)[0].outputs[0].token_ids for rid, p in prompts.items()}
+    llm.reset_prefix_cache()  # (the prompts are computed again, not found)
     engine = llm.engine
-    engine.add_request(list(range(5, 25)), GREEDY, "a")
+    plans = []
+    schedule = engine.scheduler.schedule
+
+    def recorded():
+        plan = schedule()
+        plans.append([(s.seq.request.request_id, s.num_tokens) for s in plan.seqs])
+        return plan
+
+    engine.scheduler.schedule = recorded
+    engine.add_request(prompts["a"], GREEDY, "a")
     engine.step()  # a's prefill
-    engine.add_request(list(range(5, 105)), GREEDY, "b")  # 100 tokens: chunked
-    sched = engine.scheduler.schedule()
-    kinds = [(s.seq_id, s.num_tokens) for s in sched.seqs]
-    assert kinds[0][1] == 1 and kinds[1][1] == 39, kinds  # the decode first, then a prefill chunk
-    sampled = engine.runner.execute(sched)
-    engine.scheduler.update(sched, engine.runner.split_sampled(sched, sampled))
-    for rid in ("a", "b"):
-        engine.abort_request(rid)
+    engine.add_request(prompts["b"], GREEDY, "b")
+    done = run_checked(engine)
+    assert [("a", 1), ("b", 39)] in plans, plans  # the decode first, then a prefill chunk
+    assert {rid: out.outputs[0].token_ids for rid, out in done.items()} == alone
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])

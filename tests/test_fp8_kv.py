@@ -22,7 +22,7 @@ from engine.config.settings import EngineSettings
 from engine.core.kv import kv_sizing
 from engine.core.request import SamplingParams
 from engine.layers.kv_cache import KVCache, resolve_kv_cache_dtype
-from engine.layers.kv_scales import is_kv_scale_name, read_kv_scales
+from engine.models.loader.kv_scales import is_kv_scale_name, read_kv_scales
 from tests.conftest import run_checked
 
 # ---- the element format ----

@@ -9,7 +9,7 @@ import shutil
 import pytest
 from conftest import served
 
-from engine.config.generation_config import apply_generation_defaults, load_generation_defaults
+from engine.config.generation_config import load_generation_defaults
 from engine.core.request import SamplingParams
 from engine.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
 
@@ -50,13 +50,13 @@ def test_defaults_read_and_vllm_ignores_them(model_with_generation_config):
 def test_request_fields_override_the_defaults(model_with_generation_config):
     defaults = load_generation_defaults(model_with_generation_config[0])
     body = CompletionRequest.model_validate({"prompt": "hi"})
-    params = apply_generation_defaults(body.sampling_params(), defaults, body.model_fields_set)
+    params = body.sampling_params(defaults=defaults)
     assert (params.temperature, params.top_p) == (0.6, 0.9)
     body = CompletionRequest.model_validate({"prompt": "hi", "temperature": 0.0})
-    params = apply_generation_defaults(body.sampling_params(), defaults, body.model_fields_set)
+    params = body.sampling_params(defaults=defaults)
     assert (params.temperature, params.top_p) == (0.0, 0.9)
     body = ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "x"}], "top_p": 0.5})
-    params = apply_generation_defaults(body.sampling_params(), defaults, body.model_fields_set)
+    params = body.sampling_params(defaults=defaults)
     assert (params.temperature, params.top_p) == (0.6, 0.5)
 
 

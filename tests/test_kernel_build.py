@@ -5,7 +5,9 @@ The nvcc-dependent tests skip cleanly where nvcc is absent. No GPU needed.
 
 from __future__ import annotations
 
+import json
 import shutil
+from pathlib import Path
 
 import pytest
 
@@ -90,12 +92,85 @@ def test_cli_rejects_unknown_variant(capsys):
 
 @pytest.fixture(scope="module")
 def full_build(tmp_path_factory):
-    """Every manifest variant, built once for this module (~30 s on 2 cores)."""
+    """Every manifest variant, built once for this module (~4 min of CPU time on 2 cores); the
+    nvcc command lines are kept in `full_build_commands`."""
     if kbuild.find_nvcc() is None:
         pytest.skip("nvcc not on PATH")
     cache = tmp_path_factory.mktemp("kernel-cache")
-    results = build_kernels(cache, None, jobs=None, progress=False)
+    real = kbuild._run_nvcc
+
+    def recording(cmd):
+        full_build_commands.append(cmd)
+        return real(cmd)
+
+    kbuild._run_nvcc = recording
+    try:
+        results = build_kernels(cache, None, jobs=None, progress=False)
+    finally:
+        kbuild._run_nvcc = real
     return cache, results
+
+
+full_build_commands: list[list[str]] = []
+
+
+def test_only_cutlass_templates_get_the_cutlass_include_path():
+    """Templates that include no CUTLASS/CuTe header build without nvidia-cutlass (the GPU machine
+    has nvcc but not the headers); the flash prefill kernels need them."""
+    m = load_manifest()
+    needs = {name for name, v in m.items() if kbuild.needs_cutlass(render(v))}
+    assert needs == {name for name, v in m.items() if v.kind in ("flash_prefill", "flash_prefill_wgmma")}
+    assert kbuild.needs_cutlass('#include <cute/tensor.hpp>\n') and kbuild.needs_cutlass(' # include "cutlass/x.h"')
+    assert not kbuild.needs_cutlass("// #include <cute/tensor.hpp> is not here\n#include <cuda_fp16.h>\n")
+
+
+@needs_nvcc
+def test_every_build_without_cutlass_headers_ran_without_the_include_path(full_build):
+    cache, results = full_build
+    keys = {r.key[:12]: r.name for r in results}
+    manifest = load_manifest()
+    seen = set()
+    for cmd in full_build_commands:
+        out = Path(cmd[cmd.index("-o") + 1])
+        name = keys[out.parent.name[1:13]]  # (built in <cache>/objects/xx/.<key[:12]>.*/)
+        seen.add(name)
+        has_include = any(a.startswith("-I") for a in cmd)
+        assert has_include == (manifest[name].kind in ("flash_prefill", "flash_prefill_wgmma")), (name, cmd)
+    assert seen == set(manifest)
+
+
+@needs_nvcc
+def test_cli_check_no_build_and_prune(full_build, tmp_path, capsys):
+    """--check --no-build (the local check before a device call) reports hits and stale variants
+    and builds nothing; --prune drops objects the index does not refer to."""
+    from compiler.kernels.cli import build_main
+
+    cache, _ = full_build
+    copy = tmp_path / "cache"
+    shutil.copytree(cache, copy)
+    stale = copy / "objects" / "zz" / ("z" * 64)
+    stale.mkdir(parents=True)
+    (stale / "kernel.cubin").write_bytes(b"an older build")
+    report = tmp_path / "r.json"
+    assert build_main(["--check", "--no-build", "--cache-dir", str(copy), "--json", str(report), "--prune"]) == 0
+    r = json.loads(report.read_text())
+    assert (r["hits"], r["missing"], r["unreferenced_objects"]) == (len(load_manifest()), [], 1)
+    assert not stale.exists() and "1 objects and 0 index entries removed" in capsys.readouterr().out
+    # a template changed since the build: the check fails and names the stale variant, nothing is built
+    tdir = tmp_path / "templates"
+    shutil.copytree(TEMPLATES_DIR, tdir)
+    (tdir / "write_kv.cu.j2").write_text((tdir / "write_kv.cu.j2").read_text() + "\n// changed\n")
+    import compiler.kernels.loader as kloader
+
+    real = kloader.TEMPLATES_DIR
+    kloader.TEMPLATES_DIR = tdir
+    try:
+        assert build_main(["--check", "--no-build", "--cache-dir", str(copy), "--variants",
+                           "write_kv_bf16,write_kv_fp16"]) == 1
+    finally:
+        kloader.TEMPLATES_DIR = real
+    assert "missing or stale (templates changed since the build): write_kv_bf16, write_kv_fp16" in \
+        capsys.readouterr().out
 
 
 @needs_nvcc

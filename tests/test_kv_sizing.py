@@ -1,5 +1,6 @@
 """Context length vs the KV budget: the largest context that fits when none is asked for, a clear
-error naming the device's budget setting when an explicit one does not fit."""
+error naming the device's budget setting when an explicit one does not fit. The CPU's default
+budget: a share of the memory actually free, capped by what the sequences can use."""
 
 from __future__ import annotations
 
@@ -7,7 +8,20 @@ import logging
 
 import pytest
 
-from engine.core.kv.kv_sizing import blocks_from_budget, budget_setting, fit_max_model_len, tokens_per_sequence
+from engine.core.kv.kv_sizing import (
+    CPU_HEADROOM,
+    CPU_KV_FLOOR,
+    GIB,
+    activation_bytes,
+    blocks_from_budget,
+    budget_setting,
+    cgroup_headroom,
+    cpu_kv_budget,
+    fit_max_model_len,
+    parse_meminfo,
+    read_free_memory,
+    tokens_per_sequence,
+)
 
 BLOCK = 1024 * 16  # bytes per block in these examples
 
@@ -55,7 +69,7 @@ def test_budget_too_small_for_two_blocks():
 @pytest.fixture(scope="module")
 def long_context_model(tmp_path_factory):
     """A tiny llama whose full context (2**18 positions x 2 KiB of KV per token: four layers) is
-    twice the default CPU KV budget (0.25 GiB). Same attention layout as tiny_llama, so the CPU
+    twice a CPU KV budget of 0.25 GiB. Same attention layout as tiny_llama, so the CPU
     attention kernel built for it is reused."""
     from engine.models.tiny_model import make_tiny_model
 
@@ -68,18 +82,20 @@ def test_llm_starts_with_defaults_on_a_model_whose_context_does_not_fit(long_con
     from engine.entrypoints.llm import LLM
 
     with caplog.at_level(logging.INFO):
-        llm = LLM(str(long_context_model), device="cpu", enforce_eager=True)
+        llm = LLM(str(long_context_model), device="cpu", enforce_eager=True, kv_cache_memory_gb=0.25)
     engine = llm.engine
     assert engine.max_model_len == engine.pool.num_usable * engine.settings.block_size < 1 << 18
     assert f"serving a context of {engine.max_model_len} tokens" in caplog.text
     out = llm.generate(["hello"], SamplingParams(max_tokens=3, temperature=0.0), use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 3
     with pytest.raises(ValueError, match="kv_cache_memory_gb to at least 0.50"):
-        LLM(str(long_context_model), device="cpu", enforce_eager=True, max_model_len=1 << 18)
+        LLM(str(long_context_model), device="cpu", enforce_eager=True, max_model_len=1 << 18,
+            kv_cache_memory_gb=0.25)
 
 
 def test_kiln_serve_starts_with_defaults_and_logs_the_context(long_context_model, tmp_path):
-    """`kiln serve --model DIR` with default settings (compiled CPU path included) on that model."""
+    """`kiln serve --model DIR` with default settings (compiled CPU path included) on that model, its
+    KV cache held to 0.25 GiB."""
     import os
     import subprocess
     import sys
@@ -91,8 +107,9 @@ def test_kiln_serve_starts_with_defaults_and_logs_the_context(long_context_model
     root = Path(__file__).resolve().parents[1]
     log_path = tmp_path / "serve.log"
     with open(log_path, "w") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "engine.entrypoints.cli", "serve", "--model", str(long_context_model),
-                                 "--port", "0"], cwd=root, stdout=subprocess.PIPE, stderr=log, text=True,
+        proc = subprocess.Popen([sys.executable, "-m", "engine.entrypoints.cli", "serve", "--model",
+                                 str(long_context_model), "--port", "0", "--kv-cache-memory-gb", "0.25"], cwd=root,
+                                stdout=subprocess.PIPE, stderr=log, text=True,
                                 env={**os.environ, "PYTHONUNBUFFERED": "1"})
     try:
         url = None
@@ -111,3 +128,69 @@ def test_kiln_serve_starts_with_defaults_and_logs_the_context(long_context_model
     finally:
         proc.terminate()
         proc.wait(30)
+
+
+# ---- the CPU's default budget ---------------------------------------------------------------------
+MEMINFO = "MemTotal:       24684092 kB\nMemFree:        13444620 kB\nMemAvailable:   19346984 kB\n"
+
+
+def test_meminfo_and_cgroup_parsing():
+    assert parse_meminfo(MEMINFO) == 19346984 * 1024
+    assert parse_meminfo("MemTotal: 1 kB\n") is None
+    assert cgroup_headroom(None, 5) is None
+    assert cgroup_headroom(9223372036854771712, 5 * GIB) is None  # cgroup v1's "no limit"
+    assert cgroup_headroom(8 * GIB, 5 * GIB) == 3 * GIB
+    assert cgroup_headroom(8 * GIB, 5 * GIB, inactive_file=1 * GIB) == 4 * GIB  # reclaimable page cache
+    assert cgroup_headroom(8 * GIB, 9 * GIB) == 0
+
+
+def test_cpu_budget_is_a_share_of_what_is_free():
+    free, act = 19 * GIB, GIB // 2
+    budget, why = cpu_kv_budget(free, act, needed_bytes=100 * GIB)
+    assert budget == int((free - act - CPU_HEADROOM) * 0.5)
+    assert "50% of the 19.0 GiB free" in why
+    # split over tensor-parallel ranks: each rank gets its part
+    assert cpu_kv_budget(free, act, 100 * GIB, ranks=2)[0] == budget // 2
+
+
+def test_cpu_budget_stops_at_what_the_sequences_can_use():
+    budget, why = cpu_kv_budget(19 * GIB, 0, needed_bytes=3 * GIB)
+    assert budget == 3 * GIB and "every sequence at the full context" in why
+
+
+def test_cpu_budget_floor_when_memory_is_short():
+    budget, why = cpu_kv_budget(GIB, GIB // 2, needed_bytes=100 * GIB)
+    assert budget == CPU_KV_FLOOR and "memory is short" in why
+    assert cpu_kv_budget(GIB, GIB // 2, needed_bytes=1000)[0] == 1000  # never above the need
+
+
+def test_smollm2_on_a_24_gb_machine_gets_its_full_context():
+    """The issue's case: SmolLM2-135M (30 layers, 3 KV heads of 64, float32: 720 KiB per 16-token
+    block) with 18 GiB free: far more than the 363 blocks of the old 0.25 GiB default, and the
+    model's whole 8192-token context for every one of dozens of sequences."""
+    per_block = 30 * 2 * 16 * 3 * 64 * 4
+    needed = (64 * 8192 // 16 + 1) * per_block
+    act = activation_bytes(2048, 64, 576, 1536, (9 + 6) * 64, 49152, 4)
+    budget, _ = cpu_kv_budget(18 * GIB, act, needed)
+    blocks = blocks_from_budget(budget, per_block, "cpu")
+    assert blocks > 10_000 and fit_max_model_len(None, 8192, blocks, 16, per_block, "cpu", False) == 8192
+
+
+def test_free_memory_reads_this_machine():
+    free = read_free_memory()
+    if free is None:
+        pytest.skip("no /proc/meminfo here")
+    assert free.bytes > 0 and free.source
+
+
+def test_engine_default_budget_is_logged_and_fits_the_need(make_llm, caplog):
+    """Default settings on the tiny llama: the cache holds every sequence at the full context
+    (64 x 1024 tokens, far below half the free memory) and the start-up log says so."""
+    with caplog.at_level(logging.INFO, logger="engine.runtime.builder"):
+        llm = make_llm()
+    engine = llm.engine
+    s = engine.settings
+    assert engine.kv_cache.num_blocks == s.max_num_seqs * (engine.max_model_len // s.block_size) + 1
+    assert "KV cache on the CPU" in caplog.text and "every sequence at the full context" in caplog.text
+    explicit = make_llm(kv_cache_memory_gb=0.01)
+    assert explicit.engine.kv_cache.num_blocks == int(0.01 * GIB) // (2 * 2 * 16 * 2 * 32 * 4)

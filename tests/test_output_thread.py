@@ -51,16 +51,16 @@ def test_text_is_built_off_the_step_thread_and_equals_offline(tiny_llama, make_l
 
     engine = AsyncEngine(LLMEngine(EngineSettings(model=str(tiny_llama), **SETTINGS)), idle_poll_s=0.05)
     threads: set[str] = set()
-    detok = engine._text.detokenizer
+    detok = engine._outputs.detokenizer
     step = detok.step
 
-    def recorded(seq, upto=None):
+    def recorded(state):
         threads.add(threading.current_thread().name)
-        return step(seq, upto)
+        return step(state)
 
     detok.step = recorded
-    engine_side = engine.engine.outputs.detokenizer
-    assert engine_side.step(None) == ""  # the step thread keeps no text
+    inline = []  # the engine's inline output side (LLMEngine.step's) must not run: the step thread keeps no text
+    engine.engine.outputs.process = lambda updates: inline.append(updates)
     engine.start()
     try:
         async def main():
@@ -68,7 +68,7 @@ def test_text_is_built_off_the_step_thread_and_equals_offline(tiny_llama, make_l
 
         got = asyncio.run(main())
         assert got == want
-        assert threads == {"kiln-outputs"}
+        assert threads == {"kiln-outputs"} and not inline
         deadline = time.monotonic() + 10
         while not engine.engine.is_idle_and_free():  # the stop strings' sequences were finished there too
             assert time.monotonic() < deadline, "blocks still held after the streams ended"

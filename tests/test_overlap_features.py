@@ -28,8 +28,8 @@ class _CallOrder:
         self.events: list[tuple[str, int, frozenset]] = []
         self._ids: dict[int, int] = {}
         self._keep: list = []  # (the steps stay alive: their ids are not reused)
-        runner, outputs = engine.runner, engine.outputs
-        launch, sample, process = runner.launch, runner.sample, outputs.process
+        runner, scheduler = engine.runner, engine.scheduler
+        launch, sample, process = runner.launch, runner.sample, scheduler.update_from_output
 
         inside = []  # (launch samples a step that does not defer through the same method)
 
@@ -52,7 +52,7 @@ class _CallOrder:
             self._log("process", sched)
             return process(sched, out)
 
-        runner.launch, runner.sample, outputs.process = launched, sampled, processed
+        runner.launch, runner.sample, scheduler.update_from_output = launched, sampled, processed
 
     def _log(self, what: str, sched) -> None:
         features = set()

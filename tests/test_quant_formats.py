@@ -13,8 +13,10 @@ import json
 import pytest
 import torch
 
+from compiler import cpu_gemv
 from engine import SamplingParams
 from engine.layers.quant import int4_packed, int_formats
+from engine.layers.quant.cpu_packed import CpuPackedMethod
 from engine.layers.quant.linear import FP8, Fp8Method, quantize_fp8_acts
 from tests.quant_checkpoints import write_fp8, write_quantized
 
@@ -138,22 +140,34 @@ def test_int_checkpoint_equals_dequantised(fmt, opts, tiny_models, make_llm, tmp
     assert qkv.weight is None
     greedy = _greedy(llm)
     assert greedy == _greedy(make_llm(ref_dir))
-    if opts["bits"] == 8:  # (no packed int8 kernel: the reference path)
-        assert qkv.qweight.dtype == torch.uint8 and qkv.qweight.shape[1] == qkv.in_features
-        return
-    # int4 in float32 (the CPU default): the reference path (torch's int4 kernel is slow there)
-    assert qkv.quant is not int4_packed.PACKED and qkv.qweight.shape[1] == qkv.in_features // 2
+    # float32 on the CPU: the weight-streaming kernels' layout (engine/layers/quant/cpu_packed.py),
+    # float activations (so the greedy tokens above equal the dequantised checkpoint's)
+    assert isinstance(qkv.quant, CpuPackedMethod) and qkv.quant.float_acts
+    assert qkv.gemv_runs[0][2] == (cpu_gemv.INT4 if opts["bits"] == 4 else cpu_gemv.INT8)
     # (GPTQ act-order with several groups has a real permutation; compressed-tensors' keeps groups in order)
-    assert qkv.act_order == (fmt == "gptq" and opts.get("act_order", False) and opts["group_size"] < qkv.in_features)
-    # bf16: torch's packed kernel, act-order as a column permutation. Its bf16 scales/zeros and
-    # accumulation order move the output off the bf16 reference path by no more than bf16 itself
-    # moves the reference off float32 (greedy tokens of tiny random models flip on such near-ties,
-    # so the comparison is on prompt log-probabilities)
-    packed = make_llm(quant_dir, dtype="bfloat16")
+    assert (qkv.gemv_perm is not None) == (fmt == "gptq" and opts.get("act_order", False)
+                                           and 0 < opts["group_size"] < qkv.in_features)
+    ref = make_llm(quant_dir, int4_kernel="reference")  # (kiln's layout, dequantised on the fly)
+    r_qkv = ref.engine.model.layers[0].self_attn.qkv_proj
+    torch.testing.assert_close(qkv.quant.weight(qkv, torch.float32), r_qkv.quant.weight(r_qkv, torch.float32),
+                               rtol=1e-6, atol=1e-7)
+    # bf16: the int8 activation path, within 3x the drift bf16 itself has from float32 (int8 per
+    # block of 32 rounds each activation to amax / 254; greedy tokens of tiny random models flip on
+    # near-ties, so the comparison is on prompt log-probabilities)
+    kept = make_llm(quant_dir, dtype="bfloat16")
+    k_qkv = kept.engine.model.layers[0].self_attn.qkv_proj
+    assert isinstance(k_qkv.quant, CpuPackedMethod) and not k_qkv.quant.float_acts
+    ref_bf16 = make_llm(quant_dir, dtype="bfloat16", int4_kernel="reference")
+    assert _drift(kept, ref_bf16) <= 3 * _drift(ref_bf16, llm) + 0.01
+    if opts["bits"] == 8:  # (torch has no int8-weight kernel: "packed" leaves it on the reference path)
+        return
+    # torch's packed int4 kernel (int4_kernel="packed"), act-order as a column permutation. Its bf16
+    # scales/zeros and accumulation order move the output off the bf16 reference path by no more
+    # than bf16 itself moves the reference off float32
+    packed = make_llm(quant_dir, dtype="bfloat16", int4_kernel="packed")
     p_qkv = packed.engine.model.layers[0].self_attn.qkv_proj
     assert p_qkv.quant is int4_packed.PACKED and p_qkv.int4_packed.dtype == torch.uint8
-    assert (p_qkv.int4_perm is not None) == qkv.act_order
-    ref_bf16 = make_llm(quant_dir, dtype="bfloat16", int4_kernel="reference")
+    assert (p_qkv.int4_perm is not None) == (qkv.gemv_perm is not None)
     assert _drift(packed, ref_bf16) <= _drift(ref_bf16, llm) + 0.01  # (measured: 0.034-0.045 against 0.040-0.052)
 
 

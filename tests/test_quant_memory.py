@@ -93,7 +93,7 @@ model = load_model(d, cfg, torch.bfloat16, torch.device("cpu"), 64, quantization
 peak = status("VmHWM")
 size = sum(t.numel() * t.element_size() for t in list(model.parameters()) + list(model.buffers()))
 linear = sum(m.in_features * m.out_features for n, m in model.named_modules()
-             if hasattr(m, "int4_packed") or hasattr(m, "weight_fp8"))
+             if hasattr(m, "int4_packed") or hasattr(m, "weight_fp8") or hasattr(m, "gemv_packed0"))
 print(json.dumps(dict(growth=peak - before, quantized=size, linear_params=linear,
                       bf16=cfg.num_parameters() * 2)))
 """

@@ -50,6 +50,11 @@ def test_metadata_config_and_tokenizer(smol_llm):
 def test_greedy_matches_transformers(smollm2, smol_llm):
     from transformers import AutoModelForCausalLM
 
+    from engine.layers.quant.cpu_packed import CpuPackedMethod
+
+    # float32: the Q4_1 projections stay Q4_1 on the CPU weight-streaming kernels' float path
+    qkv = smol_llm.engine.model.layers[0].self_attn.qkv_proj
+    assert isinstance(qkv.quant, CpuPackedMethod) and qkv.quant.float_acts and qkv.weight is None
     tok = smol_llm.tokenizer
     prompts = [tok.encode(p) for p in PROMPTS]
     outs = smol_llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True),
@@ -77,20 +82,21 @@ def test_chat_answers_make_sense(smol_llm):
 
 
 def test_int4_kept_in_bf16_agrees_with_dequantised(smollm2):
-    """bf16 (where torch's packed int4 kernel runs): the Q4_1 projections stay int4 in memory. Its
-    bf16 scales and zeros round differently from dequantise-at-load, so greedy tokens may part
-    after a while: the share of equal tokens against the dequantised bf16 run is reported and
-    bounded. kiln's CPU default (float32) dequantises, so the tests above keep exact equality
-    with transformers. (The float32 tests above, kiln's CPU default,
-    dequantise: torch's int4 kernel has no fast float32 path.)"""
+    """bf16: the Q4_1 projections stay Q4_1 in memory on the CPU weight-streaming kernels, whose
+    bf16 path quantises activations to int8 per block of 32 (llama.cpp's arithmetic), so greedy
+    tokens may part from dequantise-at-load after a while: the share of equal tokens against the
+    dequantised bf16 run is reported and bounded. The float32 tests above (kiln's CPU default)
+    run the same kept weights on the float activation path and keep exact equality with
+    transformers."""
     from engine.entrypoints.llm import LLM
-    from engine.layers.quant.int4_packed import PACKED
+    from engine.layers.quant.cpu_packed import CpuPackedMethod
 
     settings = dict(device="cpu", enforce_eager=True, max_model_len=512, max_num_seqs=8, dtype="bfloat16")
     kept = LLM(str(smollm2), **settings)
     layer = kept.engine.model.layers[0]
-    assert all(m.quant is PACKED and m.weight is None for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
-                                                                   layer.mlp.gate_up_proj, layer.mlp.down_proj))
+    assert all(isinstance(m.quant, CpuPackedMethod) and not m.quant.float_acts and m.weight is None
+               for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
+                         layer.mlp.down_proj))
     dense = LLM(str(smollm2), gguf_dequantize=True, **settings)
     tok = kept.tokenizer
     prompts = [tok.encode(p) for p in PROMPTS]
@@ -100,15 +106,16 @@ def test_int4_kept_in_bf16_agrees_with_dequantised(smollm2):
     prefix = [next((i for i, (x, y) in enumerate(zip(o.outputs[0].token_ids, r.outputs[0].token_ids)) if x != y),
                    MAX_TOKENS) for o, r in zip(a, b)]
     agree = sum(x == y for x, y in pairs) / len(pairs)
-    print(f"SmolLM2 Q4_1 bf16, kept int4 vs dequantised: {100 * agree:.0f}% of tokens equal; "
+    print(f"SmolLM2 Q4_1 bf16, kept Q4_1 vs dequantised: {100 * agree:.0f}% of tokens equal; "
           f"equal prefixes {prefix} of {MAX_TOKENS}")
     assert all(p >= 1 for p in prefix) and agree >= 0.8  # (measured: 100%, all 4 x 10 tokens)
-    # chat (reported, not asserted): measured, the kept-int4 bf16 run answers "What is the capital
-    # of France?" with "L'Étoile, la Marseillaise, ..." where dequantised bf16 (and float32) say
-    # "The capital of France is Paris.": the rounding of bf16 scales/zeros flips that first token.
+    # chat (reported, not asserted): measured, the kept bf16 run answers "What is the capital of
+    # France?" with "L'Étoile, la Marseur, ..." where dequantised bf16 (and float32) say "The
+    # capital of France is Paris.": a near tie at the first token, which torch's int4 kernel (bf16
+    # scales and zeros) flipped the same way.
     conv = [[{"role": "user", "content": "What is the capital of France?"}]]
     answers = [llm.chat(conv, SamplingParams(temperature=0.0, max_tokens=14), use_tqdm=False)[0].outputs[0].text
                for llm in (kept, dense)]
-    print(f"chat, kept int4: {answers[0]!r}; dequantised: {answers[1]!r}")
+    print(f"chat, kept Q4_1: {answers[0]!r}; dequantised: {answers[1]!r}")
     for llm in (kept, dense):
         assert_engine_clean(llm.engine)

@@ -144,22 +144,16 @@ def test_stop_strings_and_stop_token_ids(make_llm):
 
 
 def test_eos_stops_unless_ignored(make_llm):
-    from engine.core.request import Request, Sequence
-    from engine.runtime.detokenizer import check_stop, init_offsets
-
     llm = make_llm()
-    tok, eos = llm.tokenizer, llm.engine.eos_token_ids
-    prompt = tok.encode("Hello")
-    for ignore, want in ((False, "stop"), (True, None)):
-        req = Request("e", "Hello", prompt, SamplingParams(max_tokens=10, ignore_eos=ignore))
-        seq = Sequence(0, req, 0, list(prompt), len(prompt))
-        init_offsets(seq)
-        seq.token_ids += tok.encode(" world", add_special_tokens=False)
-        check_stop(tok, seq, eos, 1024)
-        seq.token_ids.append(eos[0])
-        check_stop(tok, seq, eos, 1024)
-        assert (seq.finish_reason.value if seq.finish_reason else None) == want
-        assert "<|eos|>" not in seq.text and seq.text.strip() == "world"
+    tok, eos = llm.tokenizer, llm.engine.eos_token_ids[0]
+    # min_tokens keeps EOS out of the first two tokens; the bias makes it the third.
+    forced = dict(temperature=0, max_tokens=10, min_tokens=2, logit_bias={eos: 100.0})
+    stopped = llm.generate(["Hello"], SamplingParams(**forced), use_tqdm=False)[0].outputs[0]
+    assert stopped.finish_reason == "stop" and stopped.stop_reason is None
+    assert len(stopped.token_ids) == 3 and stopped.token_ids[-1] == eos and eos not in stopped.token_ids[:2]
+    assert stopped.text == tok.decode(stopped.token_ids[:2], skip_special_tokens=True)  # (EOS's text is not shown)
+    kept = llm.generate(["Hello"], SamplingParams(ignore_eos=True, **forced), use_tqdm=False)[0].outputs[0]
+    assert kept.finish_reason == "length" and len(kept.token_ids) == 10 and kept.token_ids[:3] == stopped.token_ids
 
 
 def test_incremental_detokenisation_of_split_multibyte_characters(make_llm):
@@ -168,18 +162,14 @@ def test_incremental_detokenisation_of_split_multibyte_characters(make_llm):
     text = "日本語のテキスト 🙂🚀 café"
     ids = tok.encode(text, add_special_tokens=False)
     assert len(ids) > len(text.split()), "expected byte-level pieces"
-    from engine.core.request import Request, Sequence
-    from engine.runtime.detokenizer import detokenize_step, init_offsets
+    from engine.runtime.detokenizer import TextState, detokenize_step
 
-    prompt = tok.encode("Hello", add_special_tokens=False)
-    req = Request("d", "Hello", prompt, SamplingParams())
-    seq = Sequence(0, req, 0, list(prompt), len(prompt))
-    init_offsets(seq)
+    state = TextState(tok.encode("Hello", add_special_tokens=False))
     deltas = []
     for t in ids:
-        seq.token_ids.append(t)
-        deltas.append(detokenize_step(tok, seq))
-    assert "".join(deltas) == text == seq.text
+        state.ids.append(t)
+        deltas.append(detokenize_step(tok, state))
+    assert "".join(deltas) == text == state.text
     assert all("\ufffd" not in d for d in deltas)
 
 

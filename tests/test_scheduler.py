@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+from conftest import sampler_output
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -24,6 +25,8 @@ def fake_token(seq_id_tokens: list[int]) -> int:
 
 
 def run_step(sched: Scheduler) -> list:
+    """One step of a fake model through the real update (Scheduler.update_from_output: the core
+    appends the tokens, ends what reached max_tokens and lets finished requests go)."""
     out = sched.schedule()
     sampled = []
     for s in out.seqs:
@@ -32,12 +35,7 @@ def run_step(sched: Scheduler) -> list:
             sampled.append([(base + k) % 100 for k in range(s.num_samples)])
         else:
             sampled.append([])
-    touched = sched.update(out, sampled)
-    for seq in touched:
-        if seq.num_output_tokens >= seq.request.params.max_tokens:
-            sched.finish_seq(seq, FinishReason.LENGTH)
-    for rid in list(sched.requests):
-        sched.pop_finished_request(rid)
+    sched.update_from_output(out, sampler_output(out, sampled))
     sched.check_integrity()
     return out
 
@@ -71,15 +69,26 @@ def test_priority_then_fcfs_admission():
     assert [sched.requests["high"].seqs[0].seq_id] == [s.seq_id for s in out.seqs]
 
 
-def test_rejects_what_can_never_fit():
+def test_rejects_what_can_never_fit_the_kv_pool():
+    # (prompt lengths against max_model_len are admission's: tests/test_admission.py)
     sched = make_scheduler(max_model_len=16, num_blocks=3)
-    with pytest.raises(InvalidRequestError, match="max_model_len"):
-        add(sched, "long", 15, max_tokens=4)
     with pytest.raises(InvalidRequestError, match="KV blocks"):
         add(sched, "big", 8, max_tokens=4)  # 12 tokens > 2 usable blocks of 4
-    with pytest.raises(InvalidRequestError):
-        add(sched, "empty", 0)
-    assert not sched.has_unfinished()
+    add(sched, "fits", 4, max_tokens=4)
+    with pytest.raises(InvalidRequestError, match="already in use"):
+        add(sched, "fits", 4, max_tokens=4)
+    assert len(sched.requests) == 1
+
+
+def test_the_update_ends_a_sequence_at_max_tokens_and_frees_it_at_once():
+    sched = make_scheduler()
+    req = add(sched, "a", 5, max_tokens=3)
+    for _ in range(3):
+        assert not req.is_finished
+        run_step(sched)
+    seq = req.seqs[0]
+    assert seq.finish_reason is FinishReason.LENGTH and seq.num_output_tokens == 3
+    assert "a" not in sched.requests and sched.pool.num_in_use == 0 and not sched.has_unfinished()
 
 
 def test_abort_frees_blocks_at_once():

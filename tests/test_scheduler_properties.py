@@ -1,6 +1,7 @@
 """Scheduler properties under random streams of everything an engine does to it.
 
-Requests are added, aborted and stopped early (a stop string or EOS: finish_seq) at random;
+Requests are added, aborted and stopped early (a stop string the output side found:
+Scheduler.finish_by_text) at random;
 running sequences are preempted at random (swap or recompute) on top of those the block
 shortage causes; steps run serially or overlapped (step N+1 scheduled and launched before
 step N's tokens reach the host, its placeholders fed on the "device"), with and without
@@ -16,12 +17,13 @@ from __future__ import annotations
 
 import random
 
+from conftest import sampler_output, take_updates
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from engine.core.kv.block_pool import BlockPool
 from engine.core.kv.swap_space import SwapSpace
-from engine.core.request import FinishReason, InvalidRequestError, Request, SamplingParams, SeqStatus
+from engine.core.request import InvalidRequestError, Request, SamplingParams, SeqStatus
 from engine.core.sched.scheduler import Scheduler, SchedulerConfig
 from engine.core.sched.scheduler_output import PLACEHOLDER, SchedulerOutput
 from engine.core.sched.spec import NgramProposer, SpecDecodeConfig
@@ -87,6 +89,7 @@ class Engine:
         self.fed: dict[int, int] = {}
         self.expected: dict[str, list[list[int]]] = {}
         self.stopped: set[str] = set()
+        self.got: dict[str, dict[int, list[int]]] = {}  # what the output side saw (the core's updates)
         self.done: dict[str, list[list[int]]] = {}
 
     def add(self, rid: str, tokens: list[int], max_tokens: int, priority: int, n: int) -> None:
@@ -115,32 +118,26 @@ class Engine:
             self._process(*previous)
 
     def _process(self, out: SchedulerOutput, sampled: list[list[int]]) -> None:
-        sched = self.sched
-        for seq in sched.update(out, sampled):
-            if seq.num_output_tokens - seq.num_pending >= seq.request.params.max_tokens:  # (known tokens)
-                sched.finish_seq(seq, FinishReason.LENGTH)
-        self._collect()
-
-    def _collect(self) -> None:
-        for rid in list(self.sched.requests):
-            req = self.sched.pop_finished_request(rid)
-            if req is not None:
-                self.done[rid] = [s.output_token_ids for s in sorted(req.seqs, key=lambda s: s.sample_index)]
+        take_updates(self.sched.update_from_output(out, sampler_output(out, sampled)), self.got, self.done)
 
     def live(self, status: SeqStatus | None = None) -> list:
         seqs = [s for r in self.sched.requests.values() for s in r.seqs if not s.is_finished]
         return [s for s in seqs if status is None or s.status is status]
 
     def stop(self, pick: int) -> None:
-        """A stop string or EOS ends one sequence early (the output thread's finish_seq): one
-        that has generated a token (after its request forked, for n > 1)."""
-        seqs = [s for s in self.live() if s.num_output_tokens > s.num_pending
-                and (s.request.forked or s.request.params.n == 1)]
+        """The output side found a stop string: it ends one sequence early (one that has handed
+        out a token, after its request forked for n > 1); the request is done here once all of
+        its samples are."""
+        seqs = [s for s in self.live() if s.num_emitted and (s.request.forked or s.request.params.n == 1)]
         if seqs:
             seq = seqs[pick % len(seqs)]
-            self.stopped.add(seq.request.request_id)
-            self.sched.finish_seq(seq, FinishReason.STOP)
-            self._collect()
+            request = seq.request
+            rid = request.request_id
+            self.stopped.add(rid)
+            self.sched.finish_by_text(rid, seq.sample_index, "stop")
+            if rid not in self.sched.requests:  # (its other samples had ended: no update will come)
+                samples = self.got[rid]
+                self.done[rid] = [samples.get(i, []) for i in range(len(request.seqs))]
             self.sched.check_integrity()
 
     def preempt(self, pick: int) -> None:
@@ -149,7 +146,7 @@ class Engine:
         running = self.sched.running
         if running:
             out = SchedulerOutput()
-            self.sched._preempt(running[pick % len(running)], out, reason="test")
+            self.sched.preemption.preempt(running[pick % len(running)], out, reason="test")
             self.kv.step(out, self.fed)  # its swap-out copies, before anything else on the device
             self.sched.check_integrity()
 
@@ -161,7 +158,6 @@ class Engine:
             if not self.sched.has_unfinished():
                 self.flush()
         assert not self.sched.has_unfinished(), "requests stuck in the scheduler"
-        self._collect()
 
 
 ops = st.lists(st.one_of(
@@ -201,7 +197,6 @@ def test_integrity_and_no_leaks_under_random_engine_streams(ops, num_blocks, blo
         elif op[0] == "abort" and ids:
             rid = ids[op[1] % len(ids)]
             if eng.sched.abort_request(rid) is not None:
-                eng.sched.pop_finished_request(rid)
                 aborted.add(rid)
             eng.sched.check_integrity()
         elif op[0] == "stop":
@@ -239,14 +234,14 @@ def test_rejected_drafts_give_their_blocks_back_and_the_table_is_rewritten():
     tokens = [1, 2, 3, 4, 5, 6, 7, 1, 2, 3]  # with the next token 4, the tail repeats the start
     sched.add_request(Request("r", None, tokens, SamplingParams(max_tokens=20, temperature=0)))
     out = sched.schedule()
-    sched.update(out, [[4]])  # the prompt's token: 4 (the drafts' first is then 5)
+    sched.update_from_output(out, sampler_output(out, [[4]]))  # the prompt's token: 4 (the drafts' first is then 5)
     seq = sched.requests["r"].seqs[0]
     out = sched.schedule()
     (verify,) = out.seqs
     assert verify.draft_token_ids == [5, 6, 7, 1, 2, 3]
     held, version = len(seq.block_ids), seq.table_version
     assert held == 9  # 11 tokens + 6 drafts over blocks of 2
-    sched.update(out, [[5, 9, 9, 9, 9, 9, 9]])  # the first draft is kept, the second rejected
+    sched.update_from_output(out, sampler_output(out, [[5, 9, 9, 9, 9, 9, 9]]))  # the first draft kept, the second not
     assert seq.output_token_ids == [4, 5, 9] and seq.num_computed_tokens == 12
     assert len(seq.block_ids) == 7 and seq.table_version == version + 1  # 13 tokens: 7 blocks
     sched.check_integrity()
@@ -265,7 +260,7 @@ def test_steady_decodes_reuse_records_only_after_their_step_is_processed():
                                   SamplingParams(max_tokens=30, temperature=0)))
     first = sched.schedule()
     sched.launched(first)
-    sched.update(first, [[7]] * 3)
+    sched.update_from_output(first, sampler_output(first, [[7]] * 3))
     inflight = None
     seen: list[SchedulerOutput] = []
     for step in range(8):
@@ -274,7 +269,7 @@ def test_steady_decodes_reuse_records_only_after_their_step_is_processed():
         if inflight is not None:
             assert not {id(r) for r in out.seqs} & {id(r) for r in inflight.seqs}
             assert [r.start_pos for r in inflight.seqs] == [p - 1 for p in (r.start_pos for r in out.seqs)]
-            sched.update(inflight, [[7 + step]] * len(inflight.seqs))
+            sched.update_from_output(inflight, sampler_output(inflight, [[7 + step]] * len(inflight.seqs)))
         inflight = out
         seen.append(out)
     assert len({id(r) for out in seen for r in out.seqs}) == 6  # two records per sequence, alternating

@@ -9,6 +9,7 @@ from conftest import assert_engine_clean
 from engine.core.request import LoRARequest, PoolingParams, SamplingParams
 from engine.core.request_kinds import GENERATE, Generate, Pool, ScorePrompt, make_task
 from engine.core.sched.scheduler_output import ScheduledSeq
+from engine.worker.task_reads import read_task
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 
@@ -62,7 +63,7 @@ def test_mean_pool_over_chunks_equals_the_mean_of_all_rows():
     for k, (start, rows) in enumerate(chunks):
         s = _scheduled(task, token_ids=[0] * rows, start_pos=start, do_sample=k == len(chunks) - 1)
         plan = task.plan(s, 0)
-        done.append(task.record(seq, task.read(None, hidden[start:start + rows], plan)))
+        done.append(task.record(seq, read_task(task, None, hidden[start:start + rows], plan)))
     assert done == [False, False, True]
     want = torch.nn.functional.normalize(hidden.mean(dim=0)[:4], dim=0)
     assert torch.allclose(torch.tensor(seq.request.embedding), want, atol=1e-6)
@@ -74,7 +75,7 @@ def test_last_pool_reads_only_the_final_chunk():
     hidden = torch.randn(3, 5)
     seq = _Seq()
     plan = task.plan(_scheduled(task, token_ids=[0] * 3, start_pos=4, do_sample=True), 0)
-    assert task.record(seq, task.read(None, hidden, plan))
+    assert task.record(seq, read_task(task, None, hidden, plan))
     assert torch.allclose(torch.tensor(seq.request.embedding), hidden[-1])
 
 

@@ -50,13 +50,13 @@ async def _wait_until(pred, timeout=10.0):
 
 def slow_steps(state, seconds: float) -> None:
     """Every engine step takes at least `seconds` longer (requests stay in flight)."""
-    real_step = state.engine.engine.step
+    real_step = state.engine.engine.core_step
 
     def slow_step():
         time.sleep(seconds)
         return real_step()
 
-    state.engine.engine.step = slow_step
+    state.engine.engine.core_step = slow_step
 
 
 def _assert_error(resp: httpx.Response, status: int, code: str) -> None:
@@ -90,14 +90,14 @@ def test_503_when_waiting_queue_is_full(app_state):
 def test_dead_engine_loop_gives_503_and_fails_streams(app_state):
     state, app = app_state(max_num_seqs=4, max_waiting_requests=8)
     boom = threading.Event()
-    real_step = state.engine.engine.step
+    real_step = state.engine.engine.core_step
 
     def step():
         if boom.is_set():
             raise RuntimeError("injected failure")
         return real_step()
 
-    state.engine.engine.step = step
+    state.engine.engine.core_step = step
 
     async def main():
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as http:

@@ -93,13 +93,15 @@ def _prompts(n, seed=0):
     return [[rng.randrange(5, 500) for _ in range(rng.randint(6, 30))] for _ in range(n)]
 
 
+# overlap: a GPU's defaults (overlap scheduling, the compiled attention), as the engine runs there
+@pytest.mark.parametrize("overlap", [False, True], ids=["serial", "overlap"])
 @pytest.mark.parametrize("mode", ["swap", "auto"])
-def test_engine_swap_matches_unconstrained_greedy(make_llm, mode, caplog):
+def test_engine_swap_matches_unconstrained_greedy(make_llm, mode, overlap, caplog):
     prompts = _prompts(12)
     ref = make_llm(max_num_seqs=16, max_model_len=128)
     expected = [o.outputs[0].token_ids for o in ref.generate(prompts, _greedy(24), use_tqdm=False)]
     llm = make_llm(max_num_seqs=8, max_model_len=64, block_size=8, num_gpu_blocks=14, preemption_mode=mode,
-                   swap_space_gb=0.01, max_num_batched_tokens=64)
+                   swap_space_gb=0.01, max_num_batched_tokens=64, async_scheduling=overlap, enforce_eager=not overlap)
     with caplog.at_level(logging.INFO, logger="engine.core.sched.scheduler"):
         outs = llm.generate(prompts, _greedy(24), use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == expected

@@ -10,12 +10,13 @@ far, so every request's output is known in advance, whatever was preempted.
 from __future__ import annotations
 
 import pytest
+from conftest import sampler_output, take_updates
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from engine.core.kv.block_pool import BlockPool
 from engine.core.kv.swap_space import SwapSpace
-from engine.core.request import FinishReason, InvalidRequestError, Request, SamplingParams, SeqStatus
+from engine.core.request import InvalidRequestError, Request, SamplingParams, SeqStatus
 from engine.core.sched.scheduler import Scheduler, SchedulerConfig
 
 
@@ -86,6 +87,7 @@ class Driver:
         self.sched = sched
         self.kv = FakeKV(sched.config.block_size)
         self.expected: dict[str, list[list[int]]] = {}
+        self.got: dict[str, dict[int, list[int]]] = {}  # what the output side saw (the core's updates)
         self.done: dict[str, list[list[int]]] = {}
         self.aborted: set[str] = set()
 
@@ -101,19 +103,12 @@ class Driver:
         out = sched.schedule()
         assert out.num_tokens <= sched.config.max_num_batched_tokens
         sampled = self.kv.step(out)
-        for seq in sched.update(out, sampled):
-            if seq.num_output_tokens >= seq.request.params.max_tokens:
-                sched.finish_seq(seq, FinishReason.LENGTH)
-        for rid in list(sched.requests):
-            req = sched.pop_finished_request(rid)
-            if req is not None:
-                self.done[rid] = [s.output_token_ids for s in sorted(req.seqs, key=lambda s: s.sample_index)]
+        take_updates(sched.update_from_output(out, sampler_output(out, sampled)), self.got, self.done)
         sched.check_integrity()
         return out
 
     def abort(self, rid):
         if self.sched.abort_request(rid) is not None:
-            self.sched.pop_finished_request(rid)
             self.aborted.add(rid)
         self.sched.check_integrity()
 
@@ -182,7 +177,7 @@ def test_swap_in_takes_blocks_still_in_the_prefix_cache_instead_of_copying():
     seq = d.add("a", prompt(0, 13), max_tokens=6).seqs[0]
     d.step()
     out = SchedulerOutput()
-    s._preempt(seq, out, reason="test")  # 4 blocks of KV: 3 full (hashed) + 1 partial
+    s.preemption.preempt(seq, out, reason="test")  # 4 blocks of KV: 3 full (hashed) + 1 partial
     assert len(out.blocks_to_swap_out) == 4 and seq.status is SeqStatus.SWAPPED
     d.kv.step(out)
     s.check_integrity()
@@ -355,15 +350,3 @@ def test_priority_preemption_never_preempts_for_blocks_it_cannot_free():
     out = d.step()
     assert not out.preempted, "L was preempted although that could not make room for W"
     assert s.requests["L"].seqs[0].status is SeqStatus.RUNNING
-
-
-def test_add_request_leaves_the_callers_params_alone():
-    from engine.core.request import Request, SamplingParams
-
-    s = make(num_blocks=40, block_size=4, max_num_seqs=4, budget=64, max_model_len=64, cpu_blocks=0,
-             mode="recompute")
-    params = SamplingParams(temperature=0, max_tokens=None)
-    s.add_request(Request("a", None, list(range(1, 11)), params))
-    assert params.max_tokens is None and s.requests["a"].params.max_tokens == 54
-    s.add_request(Request("b", None, list(range(1, 21)), params))  # rejected before the fix
-    assert s.requests["b"].params.max_tokens == 44

@@ -203,6 +203,7 @@ def test_install_falls_back_per_layer():
     model.layers[0].proj = _kiln_layer(32, 256, 64, False)
     model.layers[1].proj = _kiln_layer(32, 256, 32, True)
     model.layers[2].proj = _kiln_layer(40, 256, 32, True)  # (40 rows: neither kernel)
+    model.quantizable_linears = lambda: {f"layers.{i}.proj": layer.proj for i, layer in enumerate(model.layers)}
     loads = []
     left = w4a16.install(model, "cache", "cpu", torch.bfloat16, load_gemm=lambda *a: loads.append(a) or _FakeGemm())
     assert loads == [("cache", "cpu")]
@@ -211,7 +212,9 @@ def test_install_falls_back_per_layer():
     assert not hasattr(model.layers[2].proj, "w4a16_packed") and hasattr(model.layers[2].proj, "qweight")
     assert sorted(len(v) for v in left.values()) == [1, 1]
     assert any("tinygemm" in r for r in left) and any("dequantised" in r for r in left)
-    assert w4a16.install(torch.nn.Module(), "cache", "cpu", torch.bfloat16, load_gemm=lambda *a: 1 / 0) == {}
+    bare = torch.nn.Module()
+    bare.quantizable_linears = dict  # (no int4 layer: the kernel is never loaded)
+    assert w4a16.install(bare, "cache", "cpu", torch.bfloat16, load_gemm=lambda *a: 1 / 0) == {}
 
 
 def test_microbench_sizes_and_cpu_refusal(capsys):

@@ -216,7 +216,7 @@ def _broken(kind: str):
         def bad_write(k, v, kc, vc, slots, ks=None, vs=None):
             return write(v, k, kc, vc, slots, ks, vs) if kind == "K/V swapped" else \
                 write(k, torch.zeros_like(v), kc, vc, slots, ks, vs)
-        patches = [(mod, "write_kv_reference", bad_write) for mod in (compiler.ops, engine.attention.torch_backend)]
+        patches = [(mod, "write_kv_reference", bad_write) for mod in (compiler.ops, engine.layers.attention.torch_backend)]
 
     @contextlib.contextmanager
     def patched():

@@ -53,14 +53,32 @@ def _make(module, batch: int, steps: int, prefill_len: int):
     return module.Scheduler(cfg, BlockPool(blocks, BLOCK_SIZE, True))
 
 
+def _apply(sched, out, token_of) -> None:
+    """The step's fake tokens (token_of(record)) through the scheduler's update: the one pass
+    (update_from_output, which also ends sequences at max_tokens), or an older revision's
+    `update`, after which the sequences that reached max_tokens are finished here."""
+    from engine.core.request import FinishReason
+
+    if hasattr(sched, "update_from_output"):
+        from engine.core.outputs import SamplerOutput
+
+        flat = [token_of(s) for s in out.seqs if s.do_sample]
+        sched.update_from_output(out, SamplerOutput(flat, [None] * len(flat)))
+        return
+    for seq in sched.update(out, [[token_of(s)] if s.do_sample else [] for s in out.seqs]):
+        if seq.num_output_tokens >= seq.request.params.max_tokens:
+            sched.finish_seq(seq, FinishReason.LENGTH)
+            sched.pop_finished_request(seq.request.request_id)
+
+
 def _step(sched, token: int) -> None:
     out = sched.schedule()
     sched.launched(out)
-    sched.update(out, [[token] if s.do_sample else [] for s in out.seqs])
+    _apply(sched, out, lambda s: token)
 
 
 def measure(module, batch: int, steps: int, mixed: bool) -> float:
-    from engine.core.request import FinishReason, Request, SamplingParams
+    from engine.core.request import Request, SamplingParams
 
     prefill = 96
     sched = _make(module, batch, steps, prefill)
@@ -78,11 +96,7 @@ def measure(module, batch: int, steps: int, mixed: bool) -> float:
         out = sched.schedule()
         times.append(time.perf_counter() - t0)
         sched.launched(out)
-        touched = sched.update(out, [[(k * 7 + s.seq_id) % 50 + 3] if s.do_sample else [] for s in out.seqs])
-        for seq in touched:
-            if seq.num_output_tokens >= seq.request.params.max_tokens:
-                sched.finish_seq(seq, FinishReason.LENGTH)
-                sched.pop_finished_request(seq.request.request_id)
+        _apply(sched, out, lambda s, k=k: (k * 7 + s.seq_id) % 50 + 3)
     sched.check_integrity()
     return statistics.median(times) * 1e6
 

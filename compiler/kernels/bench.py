@@ -7,6 +7,12 @@ prefill: causal, D128, 32 heads (and 32/8 GQA), S in {512, 4096, 16384}, batch f
          tokens: TFLOP/s (2*2*B*H*S^2*D/2) beside torch SDPA on the same dense inputs.
 Timing: CUDA events around CUDA-graph replays of several calls over rotated input copies
 (so small cases are not served from L2 and Python launch overhead is not measured).
+Only the generation named by --decode-kernel / --prefill-kernel is loaded and timed (default
+v1 / mma, the verified ones): a kernel fault is sticky (it ends the CUDA context), so a newer
+generation is timed in a process of its own, and only after its GPU tests passed
+(tools/gpu_check.sh: stages kernel-bench and kernel-bench-v2); --compare loads both generations
+for side-by-side columns. --json is rewritten after every section (copy bandwidth, decode,
+sweep, prefill; `complete` false until the end), so a fault halfway keeps the sections before it.
 Also runnable as `python -m compiler.kernels.bench`.
 """
 
@@ -21,6 +27,7 @@ import time
 from pathlib import Path
 
 DEFAULT_CACHE_DIR = Path("~/.cache/kiln/kernels")
+_OTHER = {"v1": "v2", "v2": "v1", "mma": "wgmma", "wgmma": "mma"}
 HQ, HKV, D, BS = 32, 8, 128, 16
 L2_ROTATE_BYTES = 256 << 20
 
@@ -256,9 +263,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--sweep", action="store_true",
                    help="also sweep the v2 decode split policy (tokens per split x CTAs per SM), B 1/16/64, ctx 2048")
     p.add_argument("--decode-kernel", choices=("v1", "v2"), default="v1",
-                   help="the decode generation of the kiln column (the decode_kernel setting; default v1)")
+                   help="the decode generation timed (the decode_kernel setting; default v1)")
     p.add_argument("--prefill-kernel", choices=("mma", "wgmma"), default="mma",
-                   help="the prefill generation of the kiln column (the prefill_kernel setting; default mma)")
+                   help="the prefill generation timed (the prefill_kernel setting; default mma)")
+    p.add_argument("--compare", action="store_true",
+                   help="also load and time the other generations (v1/v2, mma/wgmma columns) in this process")
     args = p.parse_args(argv if argv is not None else sys.argv[1:])
 
     import torch
@@ -274,24 +283,35 @@ def main(argv: list[str] | None = None) -> int:
     missing = missing_variants(cache, cutlass_ops.required_variants(torch.bfloat16, D, BS))
     if missing and find_nvcc() is not None:
         build_kernels(cache, missing, progress=False)
-    base = cutlass_ops.AttentionKernels(cache, "cuda", torch.bfloat16, D, BS, decode_kernel="v1", prefill_kernel="mma")
-    try:
-        new = cutlass_ops.AttentionKernels(cache, "cuda", torch.bfloat16, D, BS, decode_kernel="v2",
-                                           prefill_kernel="wgmma")
-    except Exception as e:  # noqa: BLE001 - report, benchmark the verified generation alone
-        print(f"decode v2 / wgmma prefill failed to load: {e}", file=sys.stderr)
-        new = None
-    decode_by_path = {"v1": base, **({"v2": new} if new else {})}
-    prefill_by_path = {"mma": base, **({"wgmma": new} if new else {})}
-    if args.decode_kernel not in decode_by_path or args.prefill_kernel not in prefill_by_path:
-        args.decode_kernel, args.prefill_kernel = "v1", "mma"
+    chosen = cutlass_ops.AttentionKernels(cache, "cuda", torch.bfloat16, D, BS, decode_kernel=args.decode_kernel,
+                                          prefill_kernel=args.prefill_kernel)
+    decode_by_path, prefill_by_path = {args.decode_kernel: chosen}, {args.prefill_kernel: chosen}
+    if args.compare:
+        other = cutlass_ops.AttentionKernels(cache, "cuda", torch.bfloat16, D, BS,
+                                             decode_kernel=_OTHER[args.decode_kernel],
+                                             prefill_kernel=_OTHER[args.prefill_kernel])
+        decode_by_path[_OTHER[args.decode_kernel]] = other
+        prefill_by_path[_OTHER[args.prefill_kernel]] = other
+    result = {"decode_kernel": args.decode_kernel, "prefill_kernel": args.prefill_kernel, "backend": "cutlass",
+              "timing": "CUDA-graph replay", "device": torch.cuda.get_device_name(), "complete": False}
+
+    def write() -> None:
+        if args.json:
+            tmp = args.json.with_name(args.json.name + ".tmp")
+            tmp.write_text(json.dumps(result, indent=1))
+            tmp.replace(args.json)
+
     t0 = time.perf_counter()
     bw = copy_bandwidth()
+    result["copy_GBps"] = bw / 1e9
+    write()
     print(f"device: {torch.cuda.get_device_name()}  copy bandwidth {bw / 1e9:.0f} GB/s (read+write)")
     batches = [1, 16, 64, 256]
     ctxs = [128, 2048, 32768]
     dec = bench_decode(decode_by_path, args.decode_kernel, batches, ctxs, bw,
                        max_kv_bytes=(5e9 if args.quick else 40e9))
+    result["decode"] = dec
+    write()
     print("\ndecode (32q/8kv, D128, block 16, bf16)")
     print(f"kiln = decode {args.decode_kernel} (--decode-kernel); v1/v2 columns: both paths; occupancy "
           f"(CTAs/SM by group) " + ", ".join(f"{p} {k.occupancy}" for p, k in decode_by_path.items()))
@@ -308,6 +328,8 @@ def main(argv: list[str] | None = None) -> int:
     sweep = []
     if args.sweep and "v2" in decode_by_path:
         sweep = bench_decode_sweep(decode_by_path["v2"], bw)
+        result["decode_sweep"] = sweep
+        write()
         print("\ndecode v2 split-policy sweep (32q/8kv, D128, block 16, bf16, ctx 2048)")
         print(f"{'B':>4} {'min_tok':>7} {'ctas/SM':>7} {'splits':>6} | {'us':>8} {'GB/s':>7} {'%copy':>6}")
         best = {}
@@ -321,6 +343,8 @@ def main(argv: list[str] | None = None) -> int:
                   f"({r['us']:.1f} us, {r['GBps']:.0f} GB/s)")
     pre = bench_prefill(prefill_by_path, args.prefill_kernel, [512, 4096] if args.quick else [512, 4096, 16384],
                         [(32, 32), (32, 8)])
+    result["prefill"] = pre
+    write()
     print("\nprefill (causal, D128, bf16)")
     print(f"kiln = prefill {args.prefill_kernel} (--prefill-kernel); mma/wgmma columns: TFLOP/s of both paths")
     print(f"{'heads':>6} {'B':>3} {'S':>6} | {'kiln ms':>8} {'TFLOP/s':>8} | {'mma':>6} {'wgmma':>6} | {'sdpa ms':>8} {'TFLOP/s':>8} | {'kiln/sdpa':>9}")
@@ -329,8 +353,8 @@ def main(argv: list[str] | None = None) -> int:
               f"{r['mma_TFLOPs']:6.1f} {r['wgmma_TFLOPs']:6.1f} | "
               f"{r['sdpa_ms']:8.3f} {r['sdpa_TFLOPs']:8.1f} | {r['kiln_TFLOPs'] / r['sdpa_TFLOPs']:9.2f}")
     print(f"\n(bench took {time.perf_counter() - t0:.1f} s)")
-    if args.json:
-        args.json.write_text(json.dumps({"copy_GBps": bw / 1e9, "decode": dec, "decode_sweep": sweep, "prefill": pre}, indent=1))
+    result.update(prefill=pre, complete=True, seconds=time.perf_counter() - t0)
+    write()
     return 0
 
 

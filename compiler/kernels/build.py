@@ -102,6 +102,16 @@ def nvcc_version(nvcc: str) -> str:
     return _version_cache[nvcc]
 
 
+# A rendered source that includes a CUTLASS or CuTe header. Only those get the nvidia-cutlass include
+# path: the others build wherever nvcc is (the GPU machine has nvcc but no nvidia-cutlass).
+_CUTLASS_INCLUDE = re.compile(r'^[ \t]*#[ \t]*include[ \t]*[<"](?:cute|cutlass)/', re.M)
+
+
+def needs_cutlass(text: str) -> bool:
+    """The rendered kernel source includes CUTLASS/CuTe headers."""
+    return _CUTLASS_INCLUDE.search(text) is not None
+
+
 def cutlass_include_dir() -> Path:
     spec = importlib.util.find_spec("cutlass_library")
     if spec is None or not spec.submodule_search_locations:
@@ -217,11 +227,12 @@ def build_variant(variant: Variant, cache_dir: Path, nvcc: str, templates_dir: P
         res = resources_from_json(meta["resources"])
         return BuildResult(variant.name, key, cubin, True, time.perf_counter() - t0, res)
 
+    includes = [f"-I{cutlass_include_dir()}"] if needs_cutlass(text) else []  # (raises without nvidia-cutlass)
     odir.parent.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(dir=odir.parent, prefix=f".{key[:12]}."))
     src = work / "kernel.cu"
     src.write_text(text)
-    cmd = [nvcc, *flags, f"-I{cutlass_include_dir()}", "-o", str(work / "kernel.cubin"), str(src)]
+    cmd = [nvcc, *flags, *includes, "-o", str(work / "kernel.cubin"), str(src)]
     proc = _run_nvcc(cmd)
     report = (proc.stdout or "") + (proc.stderr or "")
     if proc.returncode != 0:

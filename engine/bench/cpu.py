@@ -19,6 +19,11 @@ SDPA reference) at a few batch/context sizes, and batch-1 decode of the engine w
 reference attention (enforce_eager) vs the default.
 --startup: wall time from process start to the first generated token, twice in fresh processes
 (the first may build the kernel; the second is the warm-cache start).
+--step-parts: where a decode step's time goes, at batch 1 (and --step-parts-batch): the median
+step's wall time, unprofiled, split by torch's profiler into the linear layers (GEMM/GEMV and the
+quantised kernels), attention (the C++ paged attention and KV writes), the fused norms/RoPE/SiLU,
+other torch ops, and the rest: the host's Python (modules, dispatch, scheduler, sampler glue) and
+the threads' wake-ups, i.e. wall time no op accounts for. Also the torch ops per step.
 
 The machine may be shared: only ratios within one run mean anything.
 """
@@ -93,7 +98,7 @@ def batch1(engine, args) -> float:
     vocab = engine.model_config.vocab_size
     run_kiln(engine, _prompts(1, args.input_len, args.input_len, vocab, 1), 3, "warm")
     res = run_kiln(engine, _prompts(1, args.input_len, args.input_len, vocab, 2), args.batch1_tokens, "b1")
-    return float(np.median(res["decode_s"]) * 1e3)
+    return float(np.median(res["step_s"]) * 1e3)  # each decode step's host interval
 
 
 def throughput(engine, args, requests: int | None = None, output_len: int | None = None) -> float:
@@ -247,6 +252,69 @@ def parts(engine, args) -> dict[str, Any]:
     return out
 
 
+# Which part of a decode step an op's own time belongs to (by its name; first match wins).
+STEP_PARTS = (("linear", ("aten::mm", "aten::addmm", "aten::bmm", "mkldnn::", "aten::_weight_int", "gemv",
+                          "linear_pointwise", "kiln_quant", "int4", "int8")),
+              ("attention", ("kiln_cpu::", "kiln::paged", "kiln::write_kv", "attention")),
+              ("fused norms/rope/act", ("kiln_cpu_fused::",)),
+              ("other torch ops", ("",)))
+
+
+def step_part(name: str) -> str:
+    return next(part for part, keys in STEP_PARTS if any(k in name for k in keys))
+
+
+def step_parts(engine, batch: int, steps: int, input_len: int) -> dict[str, Any]:
+    """Where one decode step of `batch` sequences spends its time (see --step-parts)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from engine.core.request import SamplingParams
+
+    vocab = engine.model_config.vocab_size
+
+    def start(tag: str) -> None:
+        params = SamplingParams(temperature=0.0, max_tokens=2 * steps + 4, ignore_eos=True, detokenize=False)
+        for i, p in enumerate(_prompts(batch, input_len, input_len, vocab, 7)):
+            engine.add_request(p, params, request_id=f"{tag}{i}")
+        while True:  # through the prefill, to the first decode-only step
+            engine.step()
+            if engine.last_step.num_prompt_tokens == 0 and engine.last_step.num_generation_tokens > 0:
+                return
+
+    def drain() -> None:
+        while engine.has_unfinished_requests():
+            engine.step()
+
+    start("sp-warm")
+    drain()
+    start("sp")
+    walls = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        engine.step()
+        walls.append(time.perf_counter() - t0)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(steps):
+            engine.step()
+    drain()
+    engine.check_integrity()
+    wall_us = float(np.median(walls)) * 1e6
+    parts: dict[str, float] = {part: 0.0 for part, _ in STEP_PARTS}
+    ops = 0
+    for ev in prof.key_averages():
+        if ev.key.startswith("ProfilerStep"):
+            continue
+        ops += ev.count
+        parts[step_part(ev.key)] += ev.self_cpu_time_total / steps
+    op_us = sum(parts.values())
+    row = {"batch": batch, "step_us": wall_us, "ops_per_step": ops / steps,
+           "parts_us": {**parts, "host (no op)": max(wall_us - op_us, 0.0)}}
+    print(f"  batch {batch}: step {wall_us / 1e3:.2f} ms (median of {steps}, unprofiled), {row['ops_per_step']:.0f} "
+          f"torch ops per step: " + ", ".join(f"{k} {v / 1e3:.2f} ms ({100 * v / wall_us:.0f}%)"
+                                              for k, v in row["parts_us"].items()))
+    return row
+
+
 STARTUP = """
 import time
 t0 = time.time()
@@ -293,6 +361,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--baseline-rounds", type=int, default=3)
     p.add_argument("--parts", action="store_true", help="compiled vs eager per part")
     p.add_argument("--startup", action="store_true", help="process start to first token, twice")
+    p.add_argument("--step-parts", action="store_true", help="where a decode step's time goes (profiled)")
+    p.add_argument("--step-parts-batch", default="1,16", help="batch sizes for --step-parts (default 1,16)")
+    p.add_argument("--step-parts-steps", type=int, default=20, help="decode steps timed per batch size")
     p.add_argument("--json", type=Path, help="write the results here")
     add_settings_flags(p)
     return p
@@ -322,6 +393,10 @@ def main(argv: list[str]) -> int:
         results["baseline"] = baseline(engine, args)
     if args.parts:
         results["parts"] = parts(engine, args)
+    if args.step_parts:
+        print(f"\nwhere a decode step's time goes ({torch.get_num_threads()} threads, context {args.input_len}+):")
+        results["step_parts"] = [step_parts(engine, int(b), args.step_parts_steps, args.input_len)
+                                 for b in args.step_parts_batch.split(",") if b.strip()]
     chosen = thread_settings(args.threads, len(cores), default)
     rows = run_settings(engine, chosen, args, neighbour=False)
     ok = True

@@ -4,14 +4,25 @@
     kiln bench latency --model DIR --batch-size 8 --input-len 32 --output-len 16 --json out.json
 
 B requests of I random prompt tokens each generate exactly O tokens (greedy, ignore_eos,
-no detokenisation), driven step by step through LLMEngine; every step after the prefill
-is timed on the host (device synchronised before and after), so a step's time includes
-the scheduler, input preparation, the graph replay and the sampler's one device-to-host
-copy. Reported: median and p99 ms per decode step, decode tokens/s, the weight bytes read
-per step (all parameters once, the DESIGN.md convention) over the median step time as
-GB/s, and that as a share of a device-to-device copy bandwidth measured in the same run
-(bytes read + written). `--preset` writes a config-only model directory to a temporary
-directory and loads random weights (load_format=dummy) directly on the device.
+no detokenisation), driven step by step through LLMEngine as serving drives it: nothing
+synchronises the device between steps, so with overlap scheduling (a GPU's default) the host
+prepares step N+1 while the device runs step N. The decode window runs from the step() call that
+processed the last prompt token to the end of the run, the device synchronised at its end; its
+seconds over the steps processed in it are `ms_per_step` (the figure), its tokens over its
+seconds `decode_tok_per_s`. The host interval between successive step() returns inside the
+window is kept per step (`step_ms_median`, `step_ms_p99`: secondary; in the overlapped steady
+state a call returns when the previous step's tokens are on the host). Also reported: the
+weight bytes read per step (all parameters once, the DESIGN.md convention) over `ms_per_step`
+as GB/s, and that as a share of a device-to-device copy bandwidth measured in the same run
+(bytes read + written), and what produced the figure (device, backend, CUDA graphs, overlap).
+With --json the rows are written once the engine is built (each with `status` "pending" and the
+start-up, compile and capture seconds) and each again as soon as it is measured ("done"; a batch
+that fails leaves "error" and its message, one cut off "running"), so a run that fails or is cut
+off keeps what it measured. `--wait-for PATH` builds the engine, then waits until PATH exists
+before measuring anything (tools/gpu_check.sh builds engines while other stages run and times
+them on a quiet GPU).
+`--preset` writes a config-only model directory to a temporary directory and loads random
+weights (load_format=dummy) directly on the device.
 
 `--baseline` runs transformers `generate` (eager, sdpa attention) on the same weights in
 the same process: its model is built from the same config.json with random init on the
@@ -195,31 +206,38 @@ def run_hf(hf, prompts: list[list[int]], output_len: int, device: torch.device) 
 
 # ---- kiln ------------------------------------------------------------------------------------
 def run_kiln(engine, prompts: list[list[int]], output_len: int, tag: str) -> dict[str, Any]:
+    """Generate for `prompts`; time the decode window (see the module's docstring)."""
     from engine.core.request import SamplingParams
 
     device = engine.device
     params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True, detokenize=False)
     for i, p in enumerate(prompts):
         engine.add_request(p, params, request_id=f"{tag}-{i}")
-    decode_s: list[float] = []
+    prompt_tokens = engine.num_prompt_tokens_total + sum(len(p) for p in prompts)
     tokens: dict[str, list[int]] = {}
+    window_start = window_tokens = None
+    returns: list[float] = []  # host time of each step() return inside the window
     _sync(device)
     t_start = time.perf_counter()
     while engine.has_unfinished_requests():
-        _sync(device)
-        t0 = time.perf_counter()
         outs = engine.step()
-        _sync(device)
-        dt = time.perf_counter() - t0
-        if engine.last_step.num_prompt_tokens == 0 and engine.last_step.num_generation_tokens > 0:
-            decode_s.append(dt)
+        now = time.perf_counter()
+        if window_start is not None:
+            returns.append(now)
+        elif engine.num_prompt_tokens_total >= prompt_tokens:  # every prompt token is processed
+            window_start, window_tokens = now, engine.num_generation_tokens_total
         for o in outs:
             if o.finished:
                 tokens[o.request_id] = o.outputs[0].token_ids
-    total = time.perf_counter() - t_start
+    _sync(device)
+    t_end = time.perf_counter()
     engine.check_integrity()
-    return {"decode_s": decode_s, "total_s": total,
-            "tokens": [tokens[f"{tag}-{i}"] for i in range(len(prompts))]}
+    res = {"total_s": t_end - t_start, "tokens": [tokens[f"{tag}-{i}"] for i in range(len(prompts))],
+           "decode_steps": len(returns), "window_s": 0.0, "window_tokens": 0, "step_s": []}
+    if returns:
+        res.update(window_s=t_end - window_start, window_tokens=engine.num_generation_tokens_total - window_tokens,
+                   step_s=np.diff([window_start] + returns).tolist())
+    return res
 
 
 def bench_one(engine, batch: int, input_len: int, output_len: int, args, copy_gbps: float,
@@ -231,24 +249,23 @@ def bench_one(engine, batch: int, input_len: int, output_len: int, args, copy_gb
         graphs.ensure(batch, input_len + output_len)
     run_kiln(engine, random_prompts(batch, input_len, vocab, args.prompt_seed + 7919), args.warmup_steps, "warm")
     res = run_kiln(engine, prompts, output_len, "lat")
-    steps = np.array(res["decode_s"]) * 1e3
-    if len(steps) == 0:
+    if res["decode_steps"] == 0:
         raise RuntimeError("no decode steps were timed (output_len must be at least 2)")
-    median = float(np.median(steps))
+    ms = res["window_s"] / res["decode_steps"] * 1e3
+    steps = np.array(res["step_s"]) * 1e3
     wbytes = weight_bytes(engine.model)
-    gbps = wbytes / (median / 1e3) / 1e9
+    gbps = wbytes / (ms / 1e3) / 1e9
     row: dict[str, Any] = {
         "batch_size": batch, "input_len": input_len, "output_len": output_len,
-        "ms_per_step_median": median, "ms_per_step_p99": float(np.percentile(steps, 99)),
-        "decode_tok_per_s": batch / (median / 1e3),
+        "ms_per_step": ms, "decode_tok_per_s": res["window_tokens"] / res["window_s"],
+        "step_ms_median": float(np.median(steps)), "step_ms_p99": float(np.percentile(steps, 99)),
         "e2e_tok_per_s": batch * output_len / res["total_s"],
         "weight_GBps": gbps, "copy_GBps": copy_gbps, "bandwidth_share": gbps / copy_gbps,
-        "ms_per_step_mean": float(steps.mean()), "decode_steps": int(len(steps)),
-        "weight_GB": wbytes / 1e9,
+        "decode_steps": res["decode_steps"], "decode_window_s": res["window_s"], "weight_GB": wbytes / 1e9,
     }
-    print(f"  batch {batch}: decode step median {median:.3f} ms, p99 {row['ms_per_step_p99']:.3f} ms "
-          f"over {len(steps)} steps; {row['decode_tok_per_s']:.1f} tok/s decoding, "
-          f"{row['e2e_tok_per_s']:.1f} tok/s end to end (with prefill)")
+    print(f"  batch {batch}: {ms:.3f} ms per decode step over {res['decode_steps']} steps timed together "
+          f"(per step: median {row['step_ms_median']:.3f} ms, p99 {row['step_ms_p99']:.3f} ms); "
+          f"{row['decode_tok_per_s']:.1f} tok/s decoding, {row['e2e_tok_per_s']:.1f} tok/s end to end (with prefill)")
     print(f"           weights {wbytes / 1e9:.3f} GB per step -> {gbps:.1f} GB/s = "
           f"{100 * gbps / copy_gbps:.1f}% of the copy bandwidth ({copy_gbps:.0f} GB/s measured)")
     if hf is not None:
@@ -258,7 +275,7 @@ def bench_one(engine, batch: int, input_len: int, output_len: int, args, copy_gb
         hf_tps = batch * out_len / hf_s
         same_first = sum(a[:1] == b[:1] for a, b in zip(res["tokens"], hf_tokens)) / batch
         row.update(hf_ms_per_step=hf_ms, hf_tok_per_s=hf_tps, hf_output_len=out_len,
-                   speedup_per_step=hf_ms / median, speedup_tok_per_s=row["e2e_tok_per_s"] / hf_tps,
+                   speedup_per_step=hf_ms / ms, speedup_tok_per_s=row["e2e_tok_per_s"] / hf_tps,
                    first_token_agreement=same_first)
         print(f"           transformers generate (eager, sdpa), output {out_len}: {hf_ms:.3f} ms/step, "
               f"{hf_tps:.1f} tok/s -> kiln {row['speedup_per_step']:.2f}x per decode step, "
@@ -312,6 +329,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="cap on the baseline's output length (eager transformers is slow)")
     parser.add_argument("--prompt-seed", type=int, default=0, help="seed of the random prompts")
     parser.add_argument("--json", default=None, help="write the results here")
+    parser.add_argument("--wait-for", default=None, metavar="PATH",
+                        help="after start-up, wait until PATH exists before measuring (a quiet device)")
     parser.add_argument("--load-only", action="store_true",
                         help="only build the engine and report weight memory (against bf16) and peak RSS")
     add_settings_flags(parser)
@@ -372,33 +391,71 @@ def main(argv: list[str]) -> int:
         if tmp is not None:
             tmp.cleanup()
         return 0
-    print(f"kiln bench latency: {name} ({str(engine.dtype).removeprefix('torch.')}, {engine.device}, "
-          f"attention {engine.backend.name}, {'eager' if settings.enforce_eager else 'compiled'}"
-          f"{', CUDA graphs' if engine.worker.model_runner.graph_runner is not None else ''}), input {args.input_len}, "
-          f"output {args.output_len}")
+    produced_by = {"model": name, "device": str(engine.device), "dtype": str(engine.dtype).removeprefix("torch."),
+                   "backend": engine.backend.name, "cuda_graphs": engine.runner.graph_runner is not None,
+                   "async_scheduling": engine.async_scheduling, "enforce_eager": settings.enforce_eager,
+                   "decode_kernel": settings.decode_kernel, "prefill_kernel": settings.prefill_kernel,
+                   "quantization": settings.quantization}
+    print(f"kiln bench latency: {name} ({produced_by['dtype']}, {engine.device}, attention {engine.backend.name}, "
+          f"{'eager' if settings.enforce_eager else 'compiled'}"
+          f"{', CUDA graphs' if produced_by['cuda_graphs'] else ''}, overlap scheduling "
+          f"{'on' if engine.async_scheduling else 'off'}), input {args.input_len}, output {args.output_len}")
     print(f"  start-up {startup:.1f}s (compile {engine.compile_seconds:.1f}s, "
           f"capture {engine.capture_seconds:.1f}s)")
+    started = dict(startup_s=startup, compile_s=engine.compile_seconds, capture_s=engine.capture_seconds)
+    rows = [dict(produced_by, batch_size=b, status="pending", **started) for b in batches]
+
+    def write() -> None:
+        if args.json:
+            write_rows(Path(args.json), rows, single=len(batches) == 1)
+
+    write()
+    if args.wait_for:
+        print(f"  waiting for {args.wait_for} before measuring", flush=True)
+        t_wait = time.perf_counter()
+        while not Path(args.wait_for).exists():
+            time.sleep(0.1)
+        print(f"  waited {time.perf_counter() - t_wait:.1f}s", flush=True)
     copy_gbps = copy_bandwidth(engine.device)
     hf = build_hf_model(engine) if args.baseline else None
-    rows = []
-    for b in batches:
-        row = {"model": name, "device": str(engine.device), "dtype": str(engine.dtype).removeprefix("torch."),
-               "backend": engine.backend.name}
-        row.update(bench_one(engine, b, args.input_len, args.output_len, args, copy_gbps, hf))
-        row.update(startup_s=startup, compile_s=engine.compile_seconds, capture_s=engine.capture_seconds,
-                   enforce_eager=settings.enforce_eager, cuda_graphs=engine.runner.graph_runner is not None)
-        rows.append(row)
-    if args.json:
-        # summary keys first (tools/gpu_summary.py prints the first ones)
-        order = ["batch_size", "ms_per_step_median", "ms_per_step_p99", "decode_tok_per_s", "e2e_tok_per_s",
-                 "weight_GBps", "bandwidth_share", "hf_ms_per_step", "hf_tok_per_s", "speedup_per_step",
-                 "speedup_tok_per_s", "startup_s", "compile_s", "capture_s"]
-        rows = [{**{k: r[k] for k in order if k in r}, **r} for r in rows]
-        Path(args.json).write_text(json.dumps(rows[0] if len(rows) == 1 else rows, indent=2))
+    failed = None
+    for row in rows:
+        row["status"] = "running"
+        write()
+        try:
+            row.update(bench_one(engine, row["batch_size"], args.input_len, args.output_len, args, copy_gbps, hf))
+            row["status"] = "done"
+        except Exception as e:  # noqa: BLE001 - recorded in the row, the earlier rows stay
+            row.update(status="error", error=f"{type(e).__name__}: {e}"[:500])
+            failed = e
+        write()
+        if failed is not None:
+            break
     if tmp is not None:
         tmp.cleanup()
+    if failed is not None:
+        raise failed
     return 0
 
 
+# The summary keys first (tools/gpu_summary.py and a reader of the JSON see the figures first).
+ROW_ORDER = ["batch_size", "status", "ms_per_step", "decode_tok_per_s", "step_ms_median", "step_ms_p99",
+             "e2e_tok_per_s", "weight_GBps", "bandwidth_share", "backend", "cuda_graphs", "async_scheduling",
+             "hf_ms_per_step", "hf_tok_per_s", "speedup_per_step", "speedup_tok_per_s", "startup_s", "compile_s",
+             "capture_s"]
+
+
+def write_rows(path: Path, rows: list[dict[str, Any]], single: bool) -> None:
+    """The rows so far (one row alone when a single batch size was asked for), replaced atomically."""
+    rows = [{**{k: r[k] for k in ROW_ORDER if k in r}, **r} for r in rows]
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(rows[0] if single else rows, indent=2))
+    tmp.replace(path)
+
+
 if __name__ == "__main__":
+    # as `kiln bench latency` logs: the start-up phases with their seconds (weights, KV, compile, capture)
+    import logging
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     sys.exit(main(sys.argv[1:]))

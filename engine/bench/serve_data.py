@@ -55,7 +55,9 @@ def arrival_gaps(n: int, rate: float, seed: int, burstiness: float = 1.0) -> lis
 
 
 class ServerTokenizer:
-    """The server's /tokenize and /detokenize (kiln and vLLM have them); words when it has none."""
+    """The server's /tokenize and /detokenize (kiln's and vLLM's bodies, else llama-server's:
+    {"content": ...}); words when it has none. The same vocabulary then gives every server the
+    same token-id prompts."""
 
     def __init__(self, http: httpx.AsyncClient, cfg: BenchConfig, headers: dict[str, str]) -> None:
         self.http, self.cfg, self.headers = http, cfg, headers
@@ -64,10 +66,10 @@ class ServerTokenizer:
     async def encode(self, text: str) -> list[int] | None:
         if self.available:
             try:
-                resp = await self.http.post(f"{self.cfg.url}/tokenize", headers=self.headers,
-                                            json={"prompt": text, "add_special_tokens": False})
-                if resp.status_code == 200:
-                    return resp.json()["tokens"]
+                for body in ({"prompt": text, "add_special_tokens": False}, {"content": text, "add_special": False}):
+                    resp = await self.http.post(f"{self.cfg.url}/tokenize", headers=self.headers, json=body)
+                    if resp.status_code == 200 and resp.json().get("tokens"):  # (an unread key: no tokens)
+                        return resp.json()["tokens"]
             except (httpx.HTTPError, KeyError, ValueError):
                 pass
             self.available = False
@@ -77,7 +79,8 @@ class ServerTokenizer:
         try:
             resp = await self.http.post(f"{self.cfg.url}/detokenize", json={"tokens": ids}, headers=self.headers)
             if resp.status_code == 200:
-                return resp.json()["prompt"]
+                body = resp.json()
+                return body["prompt"] if "prompt" in body else body["content"]
         except (httpx.HTTPError, KeyError, ValueError):
             pass
         return None

@@ -6,7 +6,8 @@ out to the CPU pool and back in (into consecutive CPU slots, and into scattered 
 contiguous device buffer and one pinned host buffer, in the same run. Before timing, it
 checks that the moved blocks arrive bit-exact, and that a write queued on the compute stream
 right after a swap-out (what the next step's forward does to a freed block) does not reach
-the CPU copy. Exit status 1 if a check fails.
+the CPU copy. Exit status 1 if a check fails. `--json PATH` is rewritten after the check and
+after every row (`complete` false until the end), so a run cut off halfway keeps what it measured.
 
 Default shape on a GPU: an 8B-model KV (32 layers, 8 kv heads, head_dim 128, block 16, bf16:
 2 MiB a block). On the CPU: a tiny shape (2 layers, 2 kv heads, head_dim 32, float32).
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import statistics
 import sys
@@ -106,11 +108,29 @@ def main(argv: list[str] | None = None) -> int:
         print("kiln bench swap: FAILED: swapped blocks differ after a round trip", file=sys.stderr)
         ok = False
 
+    shape = {"layers": layers, "kv_heads": heads, "head_dim": dim, "block_size": args.block_size,
+             "dtype": str(dtype).removeprefix("torch."), "bytes_per_block": per_block}
+    results = []
+
+    def snapshot(complete: bool) -> dict:
+        return {"device": torch.cuda.get_device_name(device) if cuda else "cpu", "shape": shape,
+                "staging_blocks": swapper.staging.shape[0], "pinned": swapper.cpu.is_pinned(),
+                "correct": ok, "results": results, "complete": complete,
+                "seconds": round(time.perf_counter() - t_start, 2)}
+
+    def write(complete: bool) -> dict:
+        result = snapshot(complete)
+        if args.json and args.json != "-":
+            with open(args.json + ".tmp", "w") as f:
+                json.dump(result, f, indent=1)
+            os.replace(args.json + ".tmp", args.json)
+        return result
+
+    write(False)
     # ---- timing ----
     timer = _Timer(cuda)
     host = torch.empty(most * per_block // cache.element_size(), dtype=dtype, pin_memory=cuda)
     dev = torch.empty_like(host, device=device)
-    results = []
     for n, layout in [(n, layout) for n in counts for layout in ("runs", "scattered")]:
         if n == 1 and layout == "scattered":
             continue
@@ -149,17 +169,9 @@ def main(argv: list[str] | None = None) -> int:
         row["out_vs_pinned"] = round(row["swap_out_gbps"] / row["pinned_d2h_gbps"], 3)
         row["in_vs_pinned"] = round(row["swap_in_gbps"] / row["pinned_h2d_gbps"], 3)
         results.append(row)
+        write(False)
 
-    summary = {
-        "device": torch.cuda.get_device_name(device) if cuda else "cpu",
-        "shape": {"layers": layers, "kv_heads": heads, "head_dim": dim, "block_size": args.block_size,
-                  "dtype": str(dtype).removeprefix("torch."), "bytes_per_block": per_block},
-        "staging_blocks": swapper.staging.shape[0], "pinned": swapper.cpu.is_pinned(),
-        "correct": ok, "results": results, "seconds": round(time.perf_counter() - t_start, 2),
-    }
-    if args.json and args.json != "-":
-        with open(args.json, "w") as f:
-            json.dump(summary, f, indent=1)
+    summary = write(True)
     if args.json == "-":
         print(json.dumps(summary))
     else:

@@ -7,7 +7,6 @@ the request sets wins. Its eos_token_id entries stop generation like the model's
 
 from __future__ import annotations
 
-import dataclasses
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -61,19 +60,19 @@ def default_sampling_params(defaults: GenerationDefaults) -> SamplingParams:
     return SamplingParams(**defaults.sampling)
 
 
-def apply_generation_defaults(params: SamplingParams, defaults: GenerationDefaults,
-                              given: Iterable[str]) -> SamplingParams:
-    """Fill in the defaults for the fields the request did not set (`given`: the request's own
-    field names, e.g. a pydantic model's model_fields_set). max_new_tokens caps an unset max_tokens."""
+def apply_generation_defaults(fields: dict[str, Any], defaults: GenerationDefaults,
+                              given: Iterable[str]) -> dict[str, Any]:
+    """SamplingParams keyword arguments with the defaults filled in for the fields the request did
+    not set (`given`: the request's own field names, e.g. a pydantic model's model_fields_set);
+    max_new_tokens caps an unset max_tokens. (The params are then made, and validated, once.)"""
     given = set(given)
-    changes: dict[str, Any] = {}
+    fields = dict(fields)
     for name, value in defaults.sampling.items():
         if any(f in given for f in REQUEST_FIELDS[name]):
             continue
         if name == "max_tokens":
-            changes[name] = value if params.max_tokens is None else min(value, params.max_tokens)
+            current = fields.get("max_tokens")
+            fields[name] = value if current is None else min(value, current)
         else:
-            changes[name] = value
-    if not changes:
-        return params
-    return dataclasses.replace(params, **changes)  # (validated again by __post_init__)
+            fields[name] = value
+    return fields

@@ -33,8 +33,10 @@ class SettingsError(ValueError):
     """A settings problem, already phrased for the user (one line per problem)."""
 
 
-# KILN_* variables that are not settings fields (read through env_flag or above).
-OTHER_ENV_VARS = ("KILN_CONFIG", "KILN_CACHE_DIR", "KILN_SOAK_REQUESTS", "KILN_SERVER_SOAK_STREAMS")
+# KILN_* variables that are not settings fields (read above, or by the tests: soak sizes, the
+# GPU check's strict mode).
+OTHER_ENV_VARS = ("KILN_CONFIG", "KILN_CACHE_DIR", "KILN_SOAK_REQUESTS", "KILN_SERVER_SOAK_STREAMS",
+                  "KILN_GPU_CHECK_STRICT")
 
 
 def read_config_file() -> tuple[Path, dict[str, Any], str] | None:
@@ -138,11 +140,6 @@ def export_openmp_spin_default(spin_count: str) -> str:
     return policy
 
 
-def env_flag(name: str) -> str | None:
-    """Read one process-level knob that is not an engine setting (e.g. test soak length)."""
-    return os.environ.get(name)
-
-
 class _KilnSettings(BaseSettings):
     """Sources, highest priority first: keyword arguments (flags), KILN_* variables, kiln.toml."""
 
@@ -164,8 +161,8 @@ class EngineSettings(_KilnSettings):
     chat_template: str | None = Field(
         None, description="Jinja chat template, or the path of a file holding one (default: the tokenizer's)")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
-        "auto", description="weights and activations (half = float16, float = float32; auto: the checkpoint's, "
-        "float32 on the CPU)")
+        "auto", description="weights and activations (half = float16, float = float32; auto: the checkpoint's; on "
+        "the CPU float32 unless the CPU multiplies the checkpoint's bf16/fp16 natively, logged at start-up)")
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto: cuda when a GPU is visible")
     seed: int = Field(0, description="random seed for dummy weights and unseeded sampling")
     load_format: Literal["auto", "dummy"] = Field("auto", description="dummy: random weights from config.json")
@@ -176,7 +173,10 @@ class EngineSettings(_KilnSettings):
     block_size: int = Field(16, description="tokens per KV block (8, 16, 32, 64 or 128)")
     num_gpu_blocks: int | None = Field(None, ge=2, description="KV blocks; default: sized from memory settings")
     gpu_memory_utilization: float = Field(0.9, gt=0.0, le=1.0, description="share of GPU memory kiln may use")
-    kv_cache_memory_gb: float = Field(0.25, gt=0.0, description="KV cache size on the CPU device")
+    kv_cache_memory_gb: float | None = Field(
+        None, gt=0.0, description="KV cache size on the CPU device, GiB; default: half the memory free once the "
+        "weights are loaded (MemAvailable or the cgroup limit, less 1 GiB and the activations), at most what "
+        "max_num_seqs sequences at the full context fill, at least 0.25")
     swap_space_gb: float = Field(1.0, ge=0.0, description="pinned CPU memory for swapped-out KV blocks")
     enable_prefix_caching: bool = Field(True, description="reuse the KV blocks of shared prompt prefixes")
 
@@ -454,13 +454,33 @@ class ServerSettings(_KilnSettings):
     # Hardening (issue 12): request bodies, grammar compiles, shutdown.
     max_request_body_mb: float = Field(32.0, gt=0, description="larger request bodies get a 413, unread")
     grammar_compile_timeout_s: float = Field(
-        10.0, gt=0, description="a structured-output constraint that takes longer to compile is a 400")
+        10.0, gt=0, description="a structured-output constraint whose compile takes more CPU time is a 400 "
+        "(its wall time may run to 4 times this on a busy machine)")
     grammar_compile_workers: int = Field(2, ge=1, description="processes compiling constraints (bounded pool)")
     grammar_cache_entries: int = Field(256, ge=1, description="compiled constraints kept (LRU)")
     grammar_cache_mb: float = Field(256.0, gt=0, description="bytes of compiled constraints kept (LRU)")
     shutdown_timeout: float = Field(
         30.0, ge=0, description="on SIGTERM/SIGINT: seconds in-flight requests get to finish before they are ended")
     tokenizer_threads: int = Field(4, ge=1, description="threads that tokenise prompts and apply chat templates")
+    # Hardening, second round (issue 27): every byte bounded before work, HTTP timeouts, slow readers.
+    tokenizer_large_job_chars: int = Field(
+        65536, ge=1, description="texts at least this long are tokenised on their own lane (short ones never wait)")
+    tokenizer_large_job_threads: int = Field(1, ge=1, description="threads of the lane for long texts")
+    max_request_json_values: int = Field(
+        1_000_000, ge=1,
+        description="a request body with more JSON values (numbers, strings, ...) gets a 400, unparsed")
+    http_idle_timeout_s: float = Field(
+        5.0, gt=0, description="a connection with no request in progress closes after this")
+    http_header_timeout_s: float = Field(
+        10.0, gt=0, description="a request head not complete this long after the connection was free gets a 408")
+    http_body_timeout_s: float = Field(30.0, gt=0, description="a request body that stalls this long gets a 408")
+    stream_stall_timeout_s: float = Field(
+        30.0, ge=0,
+        description="a client that reads no output this long: its request is aborted, its connection closed (0: never)")
+    http_send_buffer_kb: int = Field(
+        256, ge=0, description="the kernel's send buffer per connection (bounds what a client that does not read "
+        "holds; 0: the OS's autotuning, up to megabytes)")
+    retry_after_s: int = Field(1, ge=0, description="the Retry-After header of every 503 (overloaded, shutting down)")
     # Split chat answers into reasoning_content and content (vLLM's --reasoning-parser).
     reasoning_parser: Literal["deepseek_r1", "qwen3"] | None = Field(
         None, description="split chat answers into reasoning_content and content")

@@ -7,6 +7,7 @@ KV blocks (forked after the prompt's prefill, copy-on-write).
 
 from __future__ import annotations
 
+import copy
 import enum
 import time
 from dataclasses import dataclass, field
@@ -128,15 +129,6 @@ class StructuredOutputsParams:
                           sort_keys=True)
 
 
-def check_logprobs_limit(params: "SamplingParams", max_logprobs: int) -> None:
-    """The engine's max_logprobs setting bounds logprobs and prompt_logprobs."""
-    for name in ("logprobs", "prompt_logprobs"):
-        value = getattr(params, name)
-        if value is not None and value > max_logprobs:
-            raise InvalidRequestError(f"{name} must be at most {max_logprobs} (the server's max_logprobs), "
-                                      f"got {value}", name)
-
-
 @dataclass
 class SamplingParams:
     n: int = 1
@@ -221,7 +213,7 @@ class SamplingParams:
             bad(f"min_tokens must be non-negative, got {self.min_tokens}", "min_tokens")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             bad(f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})", "min_tokens")
-        if self.logprobs is not None and self.logprobs < 0:  # (the upper bound: check_logprobs_limit)
+        if self.logprobs is not None and self.logprobs < 0:  # (the upper bound: engine/runtime/admission.py)
             bad(f"logprobs must be non-negative, got {self.logprobs}", "logprobs")
         if self.prompt_logprobs is not None and self.prompt_logprobs < 0:
             bad(f"prompt_logprobs must be non-negative, got {self.prompt_logprobs}", "prompt_logprobs")
@@ -239,10 +231,28 @@ class SamplingParams:
         if any(not callable(p) for p in self.logits_processors or []):
             bad("logits_processors must be callables (output_token_ids, logits_row) -> logits_row",
                 "logits_processors")
-        if self.structured_outputs is not None:
-            if not isinstance(self.structured_outputs, StructuredOutputsParams):
-                bad("structured_outputs must be a StructuredOutputsParams", "structured_outputs")
-            self.structured_outputs.validate()
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
+            bad("structured_outputs must be a StructuredOutputsParams", "structured_outputs")  # (which validate themselves)
+
+    def clone(self, **changes: Any) -> "SamplingParams":
+        """A request's own copy (its own stop lists), with the engine's `changes` set. Not validated
+        again: the params were validated when they were made, and the changes are the engine's."""
+        new = copy.copy(self)
+        new.stop, new.stop_token_ids = list(self.stop), list(self.stop_token_ids)
+        for name, value in changes.items():
+            if name not in self.__dataclass_fields__:
+                raise TypeError(f"SamplingParams has no field {name!r}")
+            setattr(new, name, value)
+        return new
+
+    def check_stop_tokens(self, eos_token_ids: tuple[int, ...] | list[int]) -> None:
+        """min_tokens bans the stop tokens (EOS and stop_token_ids) until it is reached: an
+        allowed_token_ids holding nothing else leaves no token to sample."""
+        if self.min_tokens > 0 and self.allowed_token_ids is not None \
+                and set(self.allowed_token_ids) <= {*eos_token_ids, *self.stop_token_ids}:
+            raise InvalidRequestError(
+                f"allowed_token_ids: every allowed token is a stop token (EOS or stop_token_ids), which "
+                f"min_tokens={self.min_tokens} forbids until then: no token could be sampled", "allowed_token_ids")
 
     @property
     def greedy(self) -> bool:
@@ -284,24 +294,17 @@ class Sequence:
     status: SeqStatus = SeqStatus.WAITING
     finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None
-    cumulative_logprob: float = 0.0
-    logprobs: list[dict[int, float]] = field(default_factory=list)
+    ended_by_stop_token: bool = False  # its last token is the EOS or stop_token_ids token that ended it
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
-    # Incremental detokenisation state.
-    text: str = ""
-    prefix_offset: int = 0
-    read_offset: int = 0
     num_preemptions: int = 0
     num_new_tokens: int = 0  # tokens the last step appended (more than 1 with speculative decoding)
     # Overlap scheduling: trailing token_ids sampled by launched steps but not yet known on the host
     # (placeholders; the device feeds the real ids to the next step).
     num_pending: int = 0
-    decode_stream: Any = None  # the fast tokenizer's DecodeStream (engine/runtime/detokenizer.py)
     table_version: int = 0  # bumped when an entry of block_ids is replaced in place (copy-on-write)
-    # output_kind "delta": how much has been handed out already.
-    emitted_tokens: int = 0
-    emitted_chars: int = 0
-    emitted_finish: bool = False
+    # What the output side has been told (engine/core/sched/step_update.py): output tokens, the end.
+    num_emitted: int = 0
+    finish_emitted: bool = False
 
     @property
     def output_token_ids(self) -> list[int]:
@@ -346,10 +349,18 @@ class Request:
     # filled as the prompt's chunks are computed.
     prompt_logprobs: list[dict[int, float] | None] | None = None
     task: Any = None  # what its steps are for: engine/core/request_kinds.py (None: made from params when scheduled)
+    # The output side wants every step's tokens: it hands out more than the final output, looks
+    # for stop strings as the text comes, or records logprobs, which the core does not keep.
+    # Otherwise (LLM.generate's final outputs) a sequence's tokens go out once, when it ends, and
+    # are detokenised then, one by one as they would have been step by step.
+    every_step: bool = field(init=False)
 
     def __post_init__(self) -> None:
-        if self.params.prompt_logprobs is not None and self.prompt_logprobs is None:
+        params = self.params
+        if params.prompt_logprobs is not None and self.prompt_logprobs is None:
             self.prompt_logprobs = [None] * len(self.prompt_token_ids)
+        self.every_step = (params.output_kind != "final_only" or bool(params.stop and params.detokenize)
+                           or params.logprobs is not None)
 
     @property
     def is_finished(self) -> bool:

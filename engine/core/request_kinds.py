@@ -13,7 +13,8 @@ never branch on the feature themselves:
     the device half of the kinds). Tasks read prompt positions only: a step of decodes alone is
     built without asking them;
   - `record(seq, result)` on the host: fold that into the request; True when the request is done;
-  - `text_output` / `output(request)`: a task without generated text builds its own output.
+  - `text_output`: False for a task without generated text (its result travels in the request's
+    last update: engine/core/outputs.py).
 
 Importable without torch (the scheduler is plain Python): tensors only pass through.
 """
@@ -22,7 +23,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Protocol
 
-from engine.core.request import InvalidRequestError, PoolingParams, RequestOutput, SamplingParams
+from engine.core.request import InvalidRequestError, PoolingParams, SamplingParams
 
 if TYPE_CHECKING:
     from engine.core.request import Request, Sequence
@@ -47,7 +48,7 @@ class Task:
     """The interface (see the module docstring); Generate, ScorePrompt and Pool implement it."""
 
     prefix_cacheable: bool = True
-    text_output: bool = True  # its outputs are generated text (False: output() builds them)
+    text_output: bool = True  # its outputs are generated text (False: an embedding)
     reads_hidden: bool = False  # plan() names something the worker reads from the step's hidden states
 
     def check(self, model_config, model_name: str) -> None:
@@ -67,9 +68,6 @@ class Task:
         return None
 
     def record(self, seq: "Sequence", result: Any) -> bool:
-        raise NotImplementedError
-
-    def output(self, request: "Request") -> RequestOutput | None:
         raise NotImplementedError
 
 
@@ -166,15 +164,6 @@ class Pool(Task):
         seq.request.embedding = vector.tolist()
         self._sum = None
         return True
-
-    def output(self, request: "Request") -> RequestOutput | None:
-        """One output, when the request is done."""
-        if not request.is_finished:
-            return None
-        return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids, [], True,
-                             request.seqs[0].num_cached_tokens if request.seqs else 0, request.error,
-                             {"arrival_time": request.arrival_time, "finished_time": request.finished_time},
-                             None, request.embedding)
 
 
 GENERATE = Generate()  # stateless: shared by every plain generation request

@@ -9,6 +9,7 @@ from typing import Sequence as Seq
 from engine.config.generation_config import default_sampling_params
 from engine.config.settings import EngineSettings, ServerSettings
 from engine.core.request import LoRARequest, PoolingParams, RequestOutput, SamplingParams
+from engine.runtime.admission import AdmittedRequest
 from engine.runtime.llm_engine import LLMEngine
 
 if TYPE_CHECKING:
@@ -63,21 +64,20 @@ class LLM:
         """Run prompts (strings or token-id lists) to completion; outputs in input order.
         lora_request: one adapter for all prompts, or one (or None) per prompt (enable_lora)."""
         prompts = _prompt_list(prompts)
-        if sampling_params is None:
-            params_list = [_copy(self.get_default_sampling_params()) for _ in prompts]
-        elif isinstance(sampling_params, SamplingParams):
-            params_list = [_copy(sampling_params) for _ in prompts]
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            params_list = [sampling_params or self.get_default_sampling_params()] * len(prompts)
         else:
-            params_list = [_copy(p) for p in sampling_params]
+            params_list = list(sampling_params)
             if len(params_list) != len(prompts):
                 raise ValueError("sampling_params must be one SamplingParams or one per prompt")
         loras = list(lora_request) if isinstance(lora_request, (list, tuple)) else [lora_request] * len(prompts)
         if len(loras) != len(prompts):
             raise ValueError("lora_request must be one LoRARequest or one per prompt")
-        ids = self._add_all([dict(prompt=prompt, params=params, priority=priority[i] if priority else 0,
-                                  lora_request=loras[i])
-                             for i, (prompt, params) in enumerate(zip(prompts, params_list))])
-        return self._run(ids, use_tqdm)
+        admission = self.engine.admission
+        admitted = [admission.admit(prompt, params, self._next_id(), priority[i] if priority else 0, loras[i],
+                                    output_kind="final_only")
+                    for i, (prompt, params) in enumerate(zip(prompts, params_list))]
+        return self._run(admitted, use_tqdm)
 
     def chat(self, messages: list[dict[str, str]] | list[list[dict[str, str]]],
              sampling_params: SamplingParams | None = None, use_tqdm: bool = True,
@@ -95,9 +95,10 @@ class LLM:
         """Embeddings of the prompts (RequestOutput.embedding), in input order: the final hidden
         states pooled as pooling_params says (default: the last token's, L2-normalised)."""
         pooling = pooling_params or PoolingParams(self.engine.settings.pooling_type)
-        ids = self._add_all([dict(prompt=prompt, params=None, lora_request=lora_request, pooling=pooling)
-                             for prompt in _prompt_list(prompts)])
-        return self._run(ids, use_tqdm)
+        admission = self.engine.admission
+        admitted = [admission.admit(prompt, None, self._next_id(), lora_request=lora_request, pooling=pooling)
+                    for prompt in _prompt_list(prompts)]
+        return self._run(admitted, use_tqdm)
 
     def beam_search(self, prompts: str | list[int] | Seq[str | list[int]], params: "BeamSearchParams",
                     lora_request: LoRARequest | None = None) -> list[RequestOutput]:
@@ -105,35 +106,38 @@ class LLM:
         best params.beam_width beams, best first."""
         from engine.runtime.beam_search import BeamSearch
 
-        encoded = [self.engine.encode_prompt(p) for p in _prompt_list(prompts)]
-        for _, ids in encoded:
-            self.engine.check_room(len(ids), params.max_tokens)
-        search = BeamSearch([ids for _, ids in encoded], params, self.engine.eos_token_ids)
-        step = params.step_params()
-        while batch := search.pending():
-            outs = self.generate(batch, step, use_tqdm=False, lora_request=lora_request)
-            search.advance([out.outputs[0].logprobs[0] for out in outs])
+        engine = self.engine
+        encoded = [engine.admission.encode(p) for p in _prompt_list(prompts)]
+        search = BeamSearch([ids for _, ids in encoded], params, engine.admission, engine.eos_token_ids)
+
+        def run_batch(batch: list[list[int]]) -> list[dict[int, float]]:
+            admitted = [search.step_request(tokens, lora_request=lora_request, request_id=self._next_id(),
+                                            output_kind="final_only") for tokens in batch]
+            return [out.outputs[0].logprobs[0] for out in self._run(admitted, use_tqdm=False)]
+
+        search.run_sync(run_batch)
         return search.outputs([f"beam-{k}" for k in range(len(encoded))], [text for text, _ in encoded],
                               self.tokenizer)
 
-    def _add_all(self, requests: list[dict[str, Any]]) -> list[str]:
-        """Add every request (engine.add_request keywords) or, if one is refused, none."""
+    def _next_id(self) -> str:
+        request_id = f"offline-{self._counter}"
+        self._counter += 1
+        return request_id
+
+    def _run(self, admitted: list[AdmittedRequest], use_tqdm: bool) -> list[RequestOutput]:
+        """Queue every admitted request (or, if the engine refuses one, none) and step until all
+        are finished; their final outputs in order."""
+        from tqdm import tqdm
+
         ids: list[str] = []
         try:
-            for kwargs in requests:
-                request_id = f"offline-{self._counter}"
-                self._counter += 1
-                self.engine.add_request(request_id=request_id, **kwargs)
-                ids.append(request_id)
+            for request in admitted:
+                self.engine.submit(request)
+                ids.append(request.request_id)
         except Exception:
             for request_id in ids:
                 self.engine.abort_request(request_id)
             raise
-        return ids
-
-    def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
-        from tqdm import tqdm
-
         results: dict[str, RequestOutput] = {}
         bar = tqdm(total=len(ids), desc="generating", disable=not use_tqdm, unit="req")
         try:
@@ -172,11 +176,3 @@ def _prompt_list(prompts: str | list[int] | Seq[str | list[int]]) -> list[str | 
     if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
         return [prompts]
     return list(prompts)
-
-
-def _copy(params: SamplingParams) -> SamplingParams:
-    """A request's own params; offline runs need only each request's final output."""
-    from dataclasses import replace
-
-    return replace(params, stop=list(params.stop), stop_token_ids=list(params.stop_token_ids),
-                   output_kind="final_only")

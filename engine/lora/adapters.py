@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 
 from engine.core.request import InvalidRequestError, LoRARequest
+from engine.models.loader.safetensors_reader import read_tensors
 
 logger = logging.getLogger(__name__)
 
@@ -76,10 +77,8 @@ def read_adapter(path: str | Path, max_rank: int, num_layers: int) -> dict[tuple
     file = path / "adapter_model.safetensors"
     if not file.is_file():
         raise LoRAError(f"LoRA adapter {path}: no adapter_model.safetensors")
-    from safetensors.torch import load_file
-
     halves: dict[tuple[int, str, int], dict[str, torch.Tensor]] = {}
-    for key, tensor in load_file(str(file)).items():
+    for key, tensor in read_tensors(file).items():
         m = _KEY.match(key)
         if m is None:
             raise LoRAError(f"LoRA adapter {path}: weight {key} targets a module kiln cannot adapt "

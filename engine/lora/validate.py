@@ -10,13 +10,10 @@ from __future__ import annotations
 
 import json
 import math
-import struct
 from pathlib import Path
 
 from engine.core.request import InvalidRequestError
-from engine.models.loader.safetensors_reader import DTYPE_BYTES
-
-_MAX_HEADER = 100 << 20
+from engine.models.loader.safetensors_reader import read_header
 
 
 def _bad(file: Path, why: str, param: str = "lora_path") -> InvalidRequestError:
@@ -48,37 +45,11 @@ def check_adapter_config(file: Path) -> dict:
 def check_safetensors(file: Path) -> None:
     if not file.is_file():
         raise _bad(file, "does not exist")
-    size = file.stat().st_size
     with open(file, "rb") as f:
-        head = f.read(8)
-        if len(head) < 8:
-            raise _bad(file, "is not a safetensors file (too short)")
-        (length,) = struct.unpack("<Q", head)
-        if length > min(size - 8, _MAX_HEADER):
-            raise _bad(file, "is not a safetensors file (its header length is impossible)")
-        raw = f.read(length)
-    try:
-        header = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, ValueError) as exc:
-        raise _bad(file, "is not a safetensors file (its header is not JSON)") from exc
-    if not isinstance(header, dict):
-        raise _bad(file, "is not a safetensors file (its header is not a JSON object)")
-    data = size - 8 - length
-    for name, entry in header.items():
-        if name == "__metadata__":
-            continue
-        if not isinstance(entry, dict):
-            raise _bad(file, f"is corrupt: tensor {name!r} has no description")
-        dtype, shape, offsets = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
-        if dtype not in DTYPE_BYTES:
-            raise _bad(file, f"is corrupt: tensor {name!r} has an unknown dtype {dtype!r}")
-        if not isinstance(shape, list) or not all(isinstance(d, int) and d >= 0 for d in shape):
-            raise _bad(file, f"is corrupt: tensor {name!r} has a malformed shape")
-        if (not isinstance(offsets, list) or len(offsets) != 2 or not all(isinstance(o, int) for o in offsets)
-                or not 0 <= offsets[0] <= offsets[1] <= data):
-            raise _bad(file, f"is corrupt: tensor {name!r} lies outside the file")
-        if offsets[1] - offsets[0] != math.prod(shape) * DTYPE_BYTES[dtype]:
-            raise _bad(file, f"is corrupt: tensor {name!r}'s size does not match its shape")
+        try:
+            read_header(f, file.stat().st_size)
+        except ValueError as exc:
+            raise _bad(file, str(exc)) from None
 
 
 def check_adapter_dir(path: str) -> None:

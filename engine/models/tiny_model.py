@@ -229,10 +229,12 @@ def make_periodic_model(out_dir: str | Path, period: int = 8, mix: float = 0.02,
     the cycle, large enough that wrong KV changes the logits. What n-gram speculative decoding
     is built for, without a trained model (tests and `kiln bench spec`)."""
     import torch
-    from safetensors.torch import load_file, save_file
+    from safetensors.torch import save_file
+
+    from engine.models.loader.safetensors_reader import read_tensors
 
     out = make_tiny_model(out_dir, arch="llama", seed=seed)
-    weights = load_file(str(out / "model.safetensors"))
+    weights = read_tensors(out / "model.safetensors")
     embed = weights["model.embed_tokens.weight"]
     vocab = embed.shape[0]
     cycled = vocab - vocab % period

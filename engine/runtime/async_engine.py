@@ -10,11 +10,14 @@ thread hands it the newest cumulative `RequestOutput` with `loop.call_soon_threa
 the stream keeps only the newest snapshot, so a slow reader never makes the step loop wait
 and never piles up memory: it reads the coalesced difference (a delta) when it gets to it.
 
-Detokenisation, stop strings and RequestOutput building happen off the step thread: the
-engine runs with `defer_text` (it hands out token-level RequestDeltas) and an output thread
-turns them into RequestOutputs (engine/runtime/output_processor.py TextProcessor), feeds the listener
-and the streams. A stop string found there goes back to the step thread through the inbox
-(`FinishSequence`), which finishes that sequence in the scheduler and frees its blocks.
+Requests come in admitted (engine/runtime/admission.py: the server admits them itself, step by
+step; `add_request` runs every step). The step thread runs the engine core (`core_step`: the
+core's one pass over each step's tokens) and hands the RequestUpdates to an output thread,
+which runs the same OutputProcessor as the offline path (engine/runtime/output_processor.py:
+detokenisation, stop strings, RequestOutputs), feeds the listener and the streams. What the
+output side ended goes back to the step thread through the inbox: a stop string
+(`FinishSequence`) finishes that sample in the core and frees its blocks; a request whose
+output could not be built is aborted.
 
 If the step thread dies, the engine is marked dead and every pending stream fails with
 `EngineDeadError`.
@@ -24,20 +27,20 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import dataclasses
 import logging
 import queue
 import threading
 import time
-import uuid
 from typing import Any, AsyncIterator, Callable
 
+from engine.core.outputs import RequestUpdate
 from engine.core.request import InvalidRequestError, LoRARequest, PoolingParams, RequestOutput, SamplingParams
+from engine.runtime.admission import AdmittedRequest
 from engine.runtime.engine_info import EngineInfo, EngineStatus
 from engine.runtime.errors import EngineDeadError, QueueFullError
 from engine.runtime.inbox import AbortRequest, AddRequest, EngineCall, FinishSequence, StepListener, settle_call
 from engine.runtime.llm_engine import LLMEngine
-from engine.runtime.output_processor import TextProcessor
+from engine.runtime.output_processor import OutputProcessor
 from engine.runtime.request_stream import LoopMailbox, RequestStream
 
 logger = logging.getLogger(__name__)
@@ -61,16 +64,18 @@ class AsyncEngine:
 
     def __init__(self, engine: LLMEngine, listener: StepListener | None = None,
                  max_waiting_requests: int | None = None, idle_poll_s: float = 1.0,
-                 max_pending_steps: int = MAX_PENDING_STEPS) -> None:
+                 max_pending_steps: int = MAX_PENDING_STEPS, stream_stall_timeout_s: float | None = None) -> None:
         self.engine = engine
         self.listener = listener
+        # A stream whose reader takes nothing this long is aborted (RequestStream); None: never.
+        self.stream_stall_timeout_s = stream_stall_timeout_s
         self.max_waiting_requests = (max_waiting_requests if max_waiting_requests is not None
                                      else engine.settings.max_waiting_requests)
         self._idle_poll_s = idle_poll_s
         self._inbox: collections.deque[AddRequest | AbortRequest] = collections.deque()
         self._wake = threading.Event()
         self._streams: dict[str, RequestStream] = {}  # owned by the output thread
-        # step thread -> output thread: ("add", mirror request, stream) | ("out", outputs) | ("die", error);
+        # step thread -> output thread: ("add", admitted request, stream) | ("out", updates) | ("die", error, updates);
         # bounded (MAX_PENDING_STEPS): a full queue makes the step thread wait (_send)
         if max_pending_steps < 1:
             raise ValueError(f"max_pending_steps must be at least 1, got {max_pending_steps}")
@@ -78,8 +83,8 @@ class AsyncEngine:
         self._mailboxes: dict[asyncio.AbstractEventLoop, LoopMailbox] = {}  # owned by the output thread
         self.backpressure_waits = 0  # times the step thread waited for the output thread
         self.backpressure_seconds = 0.0
-        engine.outputs.set_defer_text(True)
-        self._text = TextProcessor(engine.tokenizer, engine.eos_token_ids, engine.max_model_len)
+        self.admission = engine.admission  # (read-only: the API side admits requests with it)
+        self._outputs = OutputProcessor(engine.tokenizer)  # owned by the output thread
         self._output_thread: threading.Thread | None = None
         self._lock = threading.Lock()  # guards _pending_adds and dead-state transitions
         self._pending_adds = 0
@@ -93,10 +98,6 @@ class AsyncEngine:
         executor = getattr(engine, "executor", None)
         if executor is not None:
             executor.on_death(self._worker_died)
-
-    @classmethod
-    def from_settings(cls, settings, **kwargs: Any) -> "AsyncEngine":
-        return cls(LLMEngine(settings), **kwargs)
 
     # ---- lifecycle ----
     def start(self) -> "AsyncEngine":
@@ -165,25 +166,32 @@ class AsyncEngine:
                           priority: int = 0, arrival_time: float | None = None,
                           lora_request: LoRARequest | None = None,
                           pooling: PoolingParams | None = None) -> RequestStream:
-        """Queue a request; returns its stream once the step loop accepted it.
+        """Admit a request (every admission step, here: engine/runtime/admission.py) and submit it.
 
         Raises InvalidRequestError (bad parameters, prompt too long), QueueFullError, EngineDeadError.
         """
-        params.validate()
-        if params.output_kind != "delta":  # streams hand out deltas (RequestStream)
-            params = dataclasses.replace(params, output_kind="delta")
+        admitted = await self.admission.admit_async(prompt, params, request_id, priority, lora_request, pooling,
+                                                    arrival_time=arrival_time)
+        return await self.submit(admitted)
+
+    async def submit(self, admitted: AdmittedRequest) -> RequestStream:
+        """Queue an admitted request; returns its stream once the step loop accepted it.
+
+        Raises InvalidRequestError (the engine refused it: e.g. an unknown adapter, too many KV
+        blocks), QueueFullError, EngineDeadError.
+        """
+        if admitted.params.output_kind != "delta":  # streams hand out deltas (RequestStream)
+            admitted.params = admitted.params.clone(output_kind="delta")
         self._raise_if_dead()
         if self.num_waiting() >= self.max_waiting_requests:
             raise QueueFullError(f"the server is at capacity: {self.num_waiting()} requests waiting "
                                  f"(max_waiting_requests={self.max_waiting_requests}); retry later")
         loop = asyncio.get_running_loop()
-        request_id = request_id or uuid.uuid4().hex
-        stream = RequestStream(request_id, loop, on_close=self.abort)
+        stream = RequestStream(admitted.request_id, loop, on_close=self.abort,
+                               stall_timeout_s=self.stream_stall_timeout_s)
         with self._lock:
             self._pending_adds += 1
-        self._inbox.append(AddRequest(prompt, params, request_id, priority,
-                                arrival_time if arrival_time is not None else time.monotonic(), stream,
-                                lora_request, pooling))
+        self._inbox.append(AddRequest(admitted, stream))
         self._wake.set()
         if self._dead is not None:  # died between the check and the append: nobody will answer
             self._fail_inbox()
@@ -247,11 +255,11 @@ class AsyncEngine:
                 if self.fatal is not None:
                     raise EngineDeadError(self.fatal)
                 self._wake.clear()
-                outputs = self._drain_inbox()
+                updates = self._drain_inbox()
                 busy = engine.has_unfinished_requests()
                 if busy:
-                    outputs.extend(engine.step())
-                self._send(("out", outputs))  # (also idle: the listener ticks about once a second)
+                    updates.extend(engine.core_step())
+                self._send(("out", updates))  # (also idle: the listener ticks about once a second)
                 if not busy and not self._inbox:
                     self._wake.wait(self._idle_poll_s)
         except BaseException as exc:  # noqa: BLE001 - anything that stops the loop kills the engine
@@ -282,35 +290,20 @@ class AsyncEngine:
 
     # ---- the output thread ----
     def _run_outputs(self) -> None:
-        """Deltas -> RequestOutputs (text, stop strings) -> listener and streams, off the step thread."""
+        """Updates -> RequestOutputs (text, stop strings) -> listener and streams, off the step thread."""
         while True:
             kind, *args = self._outbox.get()
             if kind == "add":
-                mirror, stream = args
-                self._text.mirrors[mirror.request_id] = mirror
-                self._streams[mirror.request_id] = stream
+                admitted, stream = args
+                self._outputs.add(admitted)
+                self._streams[admitted.request_id] = stream
                 continue
             if kind == "die":
-                self._notify_stopped(args[1] if len(args) > 1 else [])
-                self._fail_streams(args[0])
+                err, updates = args
+                self._notify_stopped(self._process(updates))
+                self._fail_streams(err)
                 return
-            outputs: list[RequestOutput] = []
-            for item in args[0]:
-                try:
-                    if isinstance(item, RequestOutput):  # (embeddings: built on the step thread, no text)
-                        out = item
-                        if out.finished:
-                            self._text.forget(out.request_id)
-                    else:
-                        out = self._apply(item)
-                except Exception as exc:  # noqa: BLE001 - e.g. the tokenizer fails on this output: fail only it
-                    logger.exception("request %s: building its output failed", item.request_id)
-                    out = self._text.fail(item.request_id,
-                                          f"processing the output failed: {type(exc).__name__}: {exc}")
-                    self._inbox.append(AbortRequest(item.request_id))
-                    self._wake.set()
-                if out is not None:
-                    outputs.append(out)
+            outputs = self._process(args[0])
             if self.listener is not None:
                 try:
                     self.listener.on_step(self.engine, outputs, time.monotonic())
@@ -321,22 +314,26 @@ class AsyncEngine:
             except Exception:  # noqa: BLE001 - this thread must keep serving the other streams
                 logger.exception("handing out outputs failed")
 
-    def _apply(self, delta) -> RequestOutput | None:
-        out, finished = self._text.apply(delta)
-        for request_id, index, stop in finished:
-            self._inbox.append(FinishSequence(request_id, index, stop))
+    def _process(self, updates: list[RequestUpdate]) -> list[RequestOutput]:
+        """The outputs of a batch of updates; what the output side ended goes back to the core."""
+        processed = self._outputs.process(updates)
+        if processed.stopped or processed.failed:
+            for request_id, index, stop in processed.stopped:
+                self._inbox.append(FinishSequence(request_id, index, stop))
+            for request_id in processed.failed:
+                self._inbox.append(AbortRequest(request_id))
             self._wake.set()
-        return out
+        return processed.outputs
 
     def _fail_streams(self, err: BaseException) -> None:
         for stream in list(self._streams.values()):
             self._post(stream, stream._fail, err)
         self._streams.clear()
 
-    def _drain_inbox(self) -> list[RequestOutput]:
-        """Apply queued adds and aborts; returns the final outputs of aborted requests."""
+    def _drain_inbox(self) -> list[RequestUpdate]:
+        """Apply queued adds and aborts; returns the last updates of aborted requests."""
         engine = self.engine
-        aborted: list[RequestOutput] = []
+        aborted: list[RequestUpdate] = []
         while self._inbox:
             item = self._inbox.popleft()
             if isinstance(item, EngineCall):
@@ -347,12 +344,12 @@ class AsyncEngine:
                 settle_call(item, result, error)
                 continue
             if isinstance(item, AbortRequest):
-                out = engine.abort_request(item.request_id)
-                if out is not None:
-                    aborted.append(out)
+                update = engine.core_abort(item.request_id)
+                if update is not None:
+                    aborted.append(update)
                 continue
             if isinstance(item, FinishSequence):
-                engine.finish_seq_early(item.request_id, item.index, item.stop)
+                engine.finish_by_text(item.request_id, item.index, item.stop)
                 continue
             with self._lock:
                 self._pending_adds -= 1
@@ -360,18 +357,17 @@ class AsyncEngine:
             if stream.closed:  # the reader gave up before we got here
                 self._post(stream, stream._accept, EngineDeadError("request cancelled"))
                 continue
+            admitted = item.admitted
             try:
-                request = engine.add_request(item.prompt, item.params, item.request_id, item.priority,
-                                             item.lora_request, item.pooling)
+                engine.add_admitted(admitted)
             except InvalidRequestError as exc:
                 self._post(stream, stream._accept, exc)
                 continue
             except Exception as exc:  # noqa: BLE001 - one bad request must not stop the loop
-                logger.exception("add_request failed for %s", item.request_id)
+                logger.exception("add_request failed for %s", admitted.request_id)
                 self._post(stream, stream._accept, InvalidRequestError(f"could not add the request: {exc}"))
                 continue
-            request.arrival_time = min(request.arrival_time, item.arrival_time)
-            self._send(("add", TextProcessor.mirror_of(request), stream))
+            self._send(("add", admitted, stream))
             self._post(stream, stream._accept, None)
         return aborted
 
@@ -408,9 +404,9 @@ class AsyncEngine:
                 self._dead = exc if isinstance(exc, EngineDeadError) else EngineDeadError(
                     f"the engine loop died: {exc!r}")
         err = self._dead
-        failed: list[RequestOutput] = []
+        failed: list[RequestUpdate] = []
         try:  # release every request's blocks so the pool's accounting stays whole
-            fail_all = getattr(self.engine, "fail_all_requests", None)
+            fail_all = getattr(self.engine, "core_fail_all", None)
             if fail_all is not None:
                 failed = fail_all(str(err)) or []
         except Exception:  # noqa: BLE001 - the engine is already broken; streams must still fail

@@ -5,16 +5,25 @@ logprob and the best beam_width continue; a candidate ending in EOS is set aside
 finished beam. At the end finished and live beams are ranked by cumulative logprob /
 length ** length_penalty and the best beam_width are returned.
 
-The search itself (`expand`, `best`) is plain Python over token lists; `BeamSearch` is the one
-driver of it: its caller runs each step's one-token requests (`LLM.beam_search` offline with
-LLMEngine, the server through the async engine) and hands back their top logprobs.
+The search itself (`expand`, `best`) is plain Python over token lists; `BeamSearch.run` is the one
+driver of it, for both callers: each step it hands the live beams to a `run_batch` that runs
+their one-token requests (`LLM.beam_search` offline through LLMEngine, the server through the
+AsyncEngine) and returns their top logprobs.
 """
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Awaitable, Callable
 
-from engine.core.request import CompletionOutput, InvalidRequestError, RequestOutput, SamplingParams
+from engine.core.request import CompletionOutput, InvalidRequestError, LoRARequest, RequestOutput, SamplingParams
+
+if TYPE_CHECKING:
+    from engine.runtime.admission import Admission, AdmittedRequest
+
+# Runs one step's one-token requests (token lists) -> each one's top logprobs, in order.
+RunBatch = Callable[[list[list[int]]], "list[dict[int, float]] | Awaitable[list[dict[int, float]]]"]
 
 
 @dataclass(frozen=True)
@@ -88,18 +97,48 @@ def to_output(request_id: str, prompt: str | None, beams: list[Beam], tokenizer)
 
 
 class BeamSearch:
-    """The search over several prompts at once. Loop: `pending()` gives the token lists whose
-    next-token logprobs are needed (all prompts' live beams, one step); run them with
-    `params.step_params()`; `advance()` with their top logprobs, in the same order; stop when
-    `pending()` is empty; `outputs()` gives one RequestOutput per prompt."""
+    """The search over several prompts at once: `run(run_batch)` until every beam is done, then
+    `outputs()` gives one RequestOutput per prompt. Admission checks the prompts' room
+    (prompt + max_tokens within max_model_len) and the step params once, up front."""
 
-    def __init__(self, prompts: list[list[int]], params: BeamSearchParams, eos_token_ids: tuple[int, ...]) -> None:
+    def __init__(self, prompts: list[list[int]], params: BeamSearchParams, admission: Admission,
+                 eos_token_ids: tuple[int, ...]) -> None:
+        for ids in prompts:
+            admission.check_length(len(ids), params.max_tokens)
         self.params = params
+        self.admission = admission
+        self.step_params, self.task = admission.check_params(params.step_params())
         self.eos_token_ids = eos_token_ids
         self.live = [[Beam(list(ids), len(ids))] for ids in prompts]
         self.finished: list[list[Beam]] = [[] for _ in prompts]
         self.steps = 0
         self._jobs: list[tuple[int, Beam]] = []
+
+    def step_request(self, tokens: list[int], priority: int = 0, lora_request: LoRARequest | None = None,
+                     **kwargs: Any) -> AdmittedRequest:
+        """One beam's one-token request (its params were checked once, in __init__)."""
+        return self.admission.request(None, tokens, self.step_params, self.task, priority=priority,
+                                      lora_request=lora_request, **kwargs)
+
+    async def run(self, run_batch: RunBatch) -> None:
+        """The loop: every live beam of every prompt, one step at a time, until max_tokens or no
+        beam is left. run_batch may return the logprobs or an awaitable of them."""
+        while batch := self.pending():
+            options = run_batch(batch)
+            if inspect.isawaitable(options):
+                options = await options
+            self.advance(options)
+
+    def run_sync(self, run_batch: RunBatch) -> None:
+        """run() with a run_batch that returns the logprobs themselves (offline): the coroutine
+        never suspends, so one send drives it to the end (also inside a running event loop)."""
+        coro = self.run(run_batch)
+        try:
+            coro.send(None)
+        except StopIteration:
+            return
+        coro.close()
+        raise RuntimeError("BeamSearch.run_sync: run_batch returned an awaitable; use run()")
 
     def pending(self) -> list[list[int]]:
         if self.steps >= self.params.max_tokens:

@@ -24,7 +24,6 @@ from engine.core.sched.spec import DraftLengthPlanner, NgramProposer, SpecDecode
 from engine.layers.attention.base import BackendSpec
 from engine.layers.attention.selector import get_attention_backend
 from engine.layers.kv_cache import KVCache, KVScales, resolve_kv_cache_dtype
-from engine.layers.kv_scales import read_kv_scales
 from engine.layers.quant.w4a16 import install as install_w4a16
 from engine.layers.quant.w4a16 import loader_int4_kernel, resolve_int4_kernel
 from engine.lora.adapters import make_lora_manager
@@ -32,8 +31,10 @@ from engine.models.config import ModelConfig
 from engine.models.draft import DraftParts, check_draft_model
 from engine.models.eagle import load_eagle
 from engine.models.loader.gguf_file import is_gguf
+from engine.models.loader.kv_scales import read_kv_scales
 from engine.models.loader.model_loader import load_model, load_tokenizer
 from engine.structured_output.grammars import StructuredOutputCompiler
+from engine.worker.cpu_dtype import cpu_auto_dtype, cpu_math
 from engine.worker.cpu_threads import apply_cpu_threads
 from engine.worker.model_runner import ModelRunner
 from engine.worker.sample.sampler import Sampler
@@ -44,12 +45,6 @@ logger = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
-# What an LLMEngine takes over from its builder (attribute names kept from before the split).
-PARTS = ("settings", "model_dir", "model_config", "device", "dtype", "max_model_len", "tokenizer",
-         "eos_token_ids", "generation_defaults", "structured_output", "model", "lora", "backend", "kv_cache", "pool",
-         "swap_space", "block_swapper", "scheduler", "sampler", "runner", "compile_seconds",
-         "capture_seconds", "async_scheduling", "cpu_threads", "executor", "draft_runner")
-
 
 def resolve_device(name: str) -> torch.device:
     if name == "auto":
@@ -59,11 +54,36 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def resolve_dtype(name: str, model_config: ModelConfig, device: torch.device) -> torch.dtype:
+def checkpoint_dtype(model_dir: Path, model_config: ModelConfig) -> str | None:
+    """The weights' own dtype: float32 / bfloat16 / float16, "quantized" (integer weights: a
+    quantization_config, or a GGUF file whose layers are Q8_0, Q4_x, K-quants...), or None."""
+    if model_config.quantization:
+        return "quantized"
+    if is_gguf(model_dir):
+        from collections import Counter
+
+        from engine.layers.quant.gguf_blocks import BLOCK_TYPES
+        from engine.models.loader.gguf_file import read_header
+
+        kinds = Counter(BLOCK_TYPES.get(t.type_id, ("?",))[0] for t in read_header(model_dir)[1]
+                        if t.name.startswith("blk.") and len(t.shape) == 2)
+        if not kinds:
+            return None
+        kind = kinds.most_common(1)[0][0]
+        return {"F32": "float32", "F16": "float16", "BF16": "bfloat16"}.get(kind, "quantized")
+    return model_config.torch_dtype if model_config.torch_dtype in _DTYPES else None
+
+
+def resolve_dtype(name: str, model_config: ModelConfig, device: torch.device,
+                  model_dir: Path | None = None) -> torch.dtype:
     if name != "auto":
         return _DTYPES[name]
-    if device.type == "cpu":
-        return torch.float32
+    if device.type == "cpu":  # the fastest exact-enough dtype on this CPU (engine/worker/cpu_dtype.py)
+        math = cpu_math()
+        checkpoint = checkpoint_dtype(model_dir, model_config) if model_dir is not None else model_config.torch_dtype
+        chosen, why = cpu_auto_dtype(checkpoint if checkpoint in (*_DTYPES, "quantized") else None, math)
+        logger.info("dtype auto on the CPU: %s (%s; %s)", chosen, why, math.describe())
+        return _DTYPES[chosen]
     native = model_config.torch_dtype
     if native in ("bfloat16", "float16"):
         return _DTYPES[native]
@@ -100,7 +120,8 @@ class _Phase:
 
 
 class EngineBuilder:
-    """Builds every part of an engine from settings (see PARTS); `build()` runs the phases."""
+    """Builds every part of an engine from settings; `build()` runs the phases and returns the
+    builder, whose attributes LLMEngine takes over (each named in LLMEngine.__init__)."""
 
     def __init__(self, settings: EngineSettings) -> None:
         self.settings = settings
@@ -119,7 +140,7 @@ class EngineBuilder:
         self.model_config = cfg = ModelConfig.from_dir(self.model_dir)
         self.device = resolve_device(settings.device)
         self.cpu_threads = apply_cpu_threads(self._cpu_threads(), settings.cpu_bind)
-        self.dtype = resolve_dtype(settings.dtype, self.model_config, self.device)
+        self.dtype = resolve_dtype(settings.dtype, self.model_config, self.device, self.model_dir)
         self.kv_dtype = resolve_kv_cache_dtype(settings.kv_cache_dtype, self.dtype)
         self.max_model_len = self._resolve_max_model_len()
         self.async_scheduling = settings.resolved_async_scheduling(self.device.type)
@@ -181,6 +202,7 @@ class EngineBuilder:
             preemption_mode=settings.preemption_mode,
             reserved_blocks_fraction=settings.reserved_blocks_fraction,
             reserved_priority=settings.reserved_priority,
+            eos_token_ids=self.eos_token_ids,
         ), self.pool, self._make_swap_space(), self._make_proposer())
         self.sampler = Sampler(self.device, self.eos_token_ids, settings.seed)
         runner_cls = ModelRunner
@@ -420,7 +442,7 @@ class EngineBuilder:
         if s.num_gpu_blocks is not None:
             blocks = s.num_gpu_blocks + 1  # plus the null block
         elif self.device.type == "cpu":
-            blocks = kv_sizing.blocks_from_budget(s.kv_cache_memory_gb * kv_sizing.GIB, per_block, "cpu")
+            blocks = kv_sizing.blocks_from_budget(self._cpu_kv_bytes(per_block), per_block, "cpu")
         else:
             blocks = kv_sizing.blocks_from_budget(self._free_gpu_bytes_after_profile(), per_block, "cuda")
         # No max_model_len given and the full context does not fit: serve the largest that does.
@@ -438,6 +460,30 @@ class EngineBuilder:
             d = self.draft.config
             per_block += KVCache.bytes_per_block(d.num_layers, s.block_size, d.num_kv_heads, d.head_dim, self.dtype)
         return per_block
+
+    def _cpu_kv_bytes(self, per_block: int) -> float:
+        """kv_cache_memory_gb, or by default a share of the memory free now that the weights are
+        loaded (engine/core/kv/kv_sizing.py: cpu_kv_budget); logged either way."""
+        s, cfg = self.settings, self.model_config
+        if s.kv_cache_memory_gb is not None:
+            budget, why = s.kv_cache_memory_gb * kv_sizing.GIB, "kv_cache_memory_gb"
+        else:
+            blocks_per_seq = -(-self.max_model_len // s.block_size)
+            needed = (s.max_num_seqs * blocks_per_seq + 1) * per_block
+            free = kv_sizing.read_free_memory()
+            if free is None:
+                budget, why = kv_sizing.CPU_KV_FLOOR, "the floor: this system does not say how much memory is free"
+            else:
+                width = (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
+                activations = kv_sizing.activation_bytes(
+                    self._token_budget(), s.max_num_seqs, cfg.hidden_size, cfg.intermediate_size or cfg.hidden_size,
+                    width, cfg.vocab_size, torch.finfo(self.dtype).bits // 8)
+                budget, why = kv_sizing.cpu_kv_budget(free.bytes, activations, needed, s.tensor_parallel_size)
+                why += f" ({free.source}); set kv_cache_memory_gb to choose"
+        blocks = int(budget // per_block)
+        logger.info("KV cache on the CPU: %.2f GiB, %d blocks = %d tokens: %s", budget / kv_sizing.GIB, blocks,
+                    max(blocks - 1, 0) * s.block_size, why)
+        return budget
 
     def _free_gpu_bytes_after_profile(self) -> float:
         """Memory left for KV under gpu_memory_utilization, after a forward at the largest batch."""

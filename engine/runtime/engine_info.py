@@ -23,7 +23,6 @@ class EngineInfo:
     block_size: int
     pooling_type: str
     generates: bool  # has a language-model head (completions, chat)
-    embeds: bool  # serves /v1/embeddings
     eos_token_ids: tuple[int, ...]
     tokenizer: Any
     lora_enabled: bool
@@ -34,7 +33,7 @@ class EngineInfo:
         s = engine.settings
         return cls(str(engine.model_dir), engine.model_config, engine.max_model_len,
                    engine.model_config.vocab_size, s.max_num_seqs, s.block_size, s.pooling_type,
-                   bool(engine.model_config.generates), True, tuple(engine.eos_token_ids), engine.tokenizer,
+                   bool(engine.model_config.generates), tuple(engine.eos_token_ids), engine.tokenizer,
                    getattr(engine, "lora", None) is not None, engine.generation_defaults)
 
 

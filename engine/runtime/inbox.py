@@ -1,5 +1,5 @@
-"""What the step thread's inbox carries (engine/runtime/async_engine.py): requests to add or abort, stop
-strings the output thread found, calls to run between steps; and the listener hook AsyncEngine's
+"""What the step thread's inbox carries (engine/runtime/async_engine.py): admitted requests to add,
+requests to abort, stop strings the output thread found, calls to run between steps; and the listener hook AsyncEngine's
 callers give it. (The errors its callers see are in engine/runtime/errors.py.)"""
 
 from __future__ import annotations
@@ -8,9 +8,10 @@ import asyncio
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Protocol
 
-from engine.core.request import LoRARequest, PoolingParams, RequestOutput, SamplingParams
+from engine.core.request import RequestOutput
 
 if TYPE_CHECKING:
+    from engine.runtime.admission import AdmittedRequest
     from engine.runtime.llm_engine import LLMEngine
     from engine.runtime.request_stream import RequestStream
 
@@ -25,14 +26,8 @@ class StepListener(Protocol):
 
 @dataclass
 class AddRequest:
-    prompt: str | list[int]
-    params: SamplingParams
-    request_id: str
-    priority: int
-    arrival_time: float
+    admitted: "AdmittedRequest"
     stream: "RequestStream"
-    lora_request: LoRARequest | None = None
-    pooling: PoolingParams | None = None
 
 
 @dataclass

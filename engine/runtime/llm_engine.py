@@ -1,10 +1,12 @@
 """LLMEngine: one model, its KV cache, scheduler, runner and sampler, driven step by step.
 
 Both the offline `LLM` and the server's `AsyncEngine` drive this class. The parts are built
-by engine/runtime/builder.py; a step's results are turned into outputs by
-engine/runtime/output_processor.py.
+by engine/runtime/builder.py. A request comes in admitted (engine/runtime/admission.py). A
+step's results go through the core's one pass (Scheduler.update_from_output: tokens, stops,
+grammars, freed blocks) and come out as RequestUpdates (`core_step`); `step` turns them into
+RequestOutputs inline (engine/runtime/output_processor.py), the AsyncEngine on its output thread.
 
-The loop (`step`): schedule -> launch -> process the previous step's results. With
+The loop (`core_step`): schedule -> launch -> process the previous step's results. With
 `async_scheduling` the results of step N are processed after step N+1 was launched, so the
 host work overlaps the device's (the scheduler counts each launched step's sampled tokens as
 placeholders, and the device feeds the real ids to the next step). A step whose sampling reads
@@ -18,28 +20,28 @@ from __future__ import annotations
 
 import logging
 import time
-import uuid
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
+import torch
+
+from engine.config.generation_config import GenerationDefaults
 from engine.config.settings import EngineSettings
-from engine.core.request import (
-    FinishReason,
-    InvalidRequestError,
-    LoRARequest,
-    PoolingParams,
-    Request,
-    RequestOutput,
-    SamplingParams,
-    check_logprobs_limit,
-)
-from engine.core.request_kinds import make_task
+from engine.core.kv.block_pool import BlockPool
+from engine.core.kv.swap_space import SwapSpace
+from engine.core.outputs import RequestUpdate
+from engine.core.request import LoRARequest, PoolingParams, Request, RequestOutput, SamplingParams
+from engine.core.sched.scheduler import Scheduler
 from engine.core.sched.scheduler_output import SchedulerOutput
 from engine.core.sched.spec.decoder import verify_overlaps
-from engine.lora.adapters import attach_lora, load_lora, unload_lora
-from engine.runtime.builder import PARTS, EngineBuilder
-from engine.runtime.detokenizer import Detokenizer, init_offsets
+from engine.lora.adapters import LoRAManager, attach_lora, load_lora, unload_lora
+from engine.runtime.admission import Admission, AdmittedRequest
+from engine.runtime.builder import EngineBuilder
 from engine.runtime.output_processor import OutputProcessor
-from engine.worker.model_runner import PendingStep
+from engine.structured_output.grammars import StructuredOutputCompiler
+from engine.worker.model_runner import ModelRunner, PendingStep
+from engine.worker.sample.sampler import Sampler
 
 logger = logging.getLogger(__name__)
 
@@ -95,11 +97,39 @@ def _defers_sampling(sched: SchedulerOutput) -> bool:
 class LLMEngine:
     def __init__(self, settings: EngineSettings) -> None:
         t0 = time.perf_counter()
-        self.outputs: OutputProcessor | None = None
         parts = EngineBuilder(settings).build()
-        for name in PARTS:
-            setattr(self, name, getattr(parts, name))
-        self.outputs = OutputProcessor(self.scheduler, self.tokenizer, self.eos_token_ids, self.max_model_len)
+        # What the builder made (engine/runtime/builder.py), each part named once here.
+        self.settings: EngineSettings = parts.settings
+        self.model_dir: Path = parts.model_dir
+        self.model_config = parts.model_config  # engine/models/config.py ModelConfig
+        self.device: torch.device = parts.device
+        self.dtype: torch.dtype = parts.dtype
+        self.max_model_len: int = parts.max_model_len
+        self.eos_token_ids: tuple[int, ...] = parts.eos_token_ids
+        self.generation_defaults: GenerationDefaults = parts.generation_defaults
+        self.structured_output: StructuredOutputCompiler = parts.structured_output
+        self.model: Any = parts.model  # the model (wrapped by the executor with tensor parallelism)
+        self.lora: LoRAManager | None = parts.lora
+        self.backend = parts.backend  # the attention backend (engine/layers/attention/)
+        self.kv_cache = parts.kv_cache  # engine/layers/kv_cache.py KVCache
+        self.pool: BlockPool = parts.pool
+        self.swap_space: SwapSpace | None = parts.swap_space
+        self.block_swapper = parts.block_swapper  # compiler/block_swapper.py BlockSwapper (or the TP executor's)
+        self.scheduler: Scheduler = parts.scheduler
+        self.sampler: Sampler = parts.sampler
+        self.runner: ModelRunner = parts.runner  # (TensorParallelRunner with tensor parallelism)
+        # Speculative decoding's draft model or EAGLE head: its runner (driven inside the target
+        # runner's launch, engine/worker/spec/), or None.
+        self.draft_runner: ModelRunner | None = parts.draft_runner
+        self.executor = parts.executor  # engine/executor/tp_executor.py TensorParallelExecutor, or None
+        self.compile_seconds: float = parts.compile_seconds
+        self.capture_seconds: float = parts.capture_seconds
+        self.async_scheduling: bool = parts.async_scheduling
+        self.cpu_threads: int = parts.cpu_threads
+        self.admission = Admission(self.model_config, self.model_dir.name, self.max_model_len, settings.max_num_seqs,
+                                   settings.max_logprobs, parts.tokenizer, self.structured_output, self.eos_token_ids)
+        self.outputs = OutputProcessor(parts.tokenizer)  # the inline output side (step)
+        self._tokenizer = parts.tokenizer
         self._pinned_blocks: set[int] = set()  # warm-prefix blocks (each pinned once)
         self._inflight: _Launched | None = None  # overlap scheduling: launched, not yet processed
         self.last_step = StepStats()
@@ -118,60 +148,39 @@ class LLMEngine:
 
     @tokenizer.setter
     def tokenizer(self, tokenizer) -> None:
-        """(Replaceable: the output processor detokenises with the new one from the next step.)"""
+        """(Replaceable: admission and the inline output side use the new one from now on.)"""
         self._tokenizer = tokenizer
-        if self.outputs is not None:
-            self.outputs.detokenizer = Detokenizer(tokenizer, self.eos_token_ids, self.max_model_len,
-                                                   text=not self.outputs.defer_text)
+        self.admission.tokenizer = tokenizer
+        self.outputs.set_tokenizer(tokenizer)
 
     # ---- requests ----
-    def encode_prompt(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
-        if isinstance(prompt, str):
-            return prompt, self.tokenizer.encode(prompt)
-        ids = list(prompt)
-        vocab = self.model_config.vocab_size
-        bad = [t for t in ids if not isinstance(t, int) or not 0 <= t < vocab]
-        if bad:
-            raise InvalidRequestError(f"prompt token ids must be integers in [0, {vocab}); got {bad[:3]}",
-                                      "prompt")
-        return None, ids
-
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
                     request_id: str | None = None, priority: int = 0,
                     lora_request: LoRARequest | None = None, pooling: PoolingParams | None = None) -> Request:
-        """Queue a request. Its task (engine/core/request_kinds.py) comes from params and `pooling`: with
-        `pooling` it is an embedding request (RequestOutput.embedding; params are ignored)."""
-        task = make_task(params, pooling)
-        task.check(self.model_config, self.model_dir.name)
-        params = task.params(params)
-        params.validate()
-        check_logprobs_limit(params, self.settings.max_logprobs)
-        vocab = self.model_config.vocab_size
-        for name, ids in params.token_id_fields():
-            bad = [t for t in ids if not isinstance(t, int) or not 0 <= t < vocab]
-            if bad:
-                raise InvalidRequestError(f"{name}: token ids must be in [0, {vocab}); got {bad[:3]}", name)
-        text, ids = self.encode_prompt(prompt)
-        if params.truncate_prompt_tokens is not None and len(ids) > params.truncate_prompt_tokens:
-            ids = ids[-params.truncate_prompt_tokens:]
-            text = None  # the text no longer matches the tokens
-        request = Request(request_id=request_id or uuid.uuid4().hex, prompt=text, prompt_token_ids=ids,
-                          params=params, priority=priority, task=task)
-        if params.structured_outputs is not None:
-            request.grammars = self.structured_output.matchers(params.structured_outputs, params.n, ids)
-        if lora_request is not None:
-            attach_lora(self.lora, request, lora_request)
-        self.scheduler.add_request(request)
-        for seq in request.seqs:
-            init_offsets(seq)
+        """Admit and queue a request whose outputs `step` hands out. Its task comes from params and
+        `pooling`: with `pooling` it is an embedding request (RequestOutput.embedding; params are
+        ignored). InvalidRequestError if admission refuses it."""
+        return self.submit(self.admission.admit(prompt, params, request_id, priority, lora_request, pooling))
+
+    def submit(self, admitted: AdmittedRequest) -> Request:
+        """Queue an admitted request whose outputs `step` hands out."""
+        request = self.add_admitted(admitted)
+        self.outputs.add(admitted)
         return request
 
-    def check_room(self, num_prompt_tokens: int, max_tokens: int) -> None:
-        """A prompt of this length can grow by max_tokens within max_model_len (beam search checks
-        up front: its requests are one token each)."""
-        if num_prompt_tokens + max_tokens > self.max_model_len:
-            raise InvalidRequestError(f"prompt ({num_prompt_tokens} tokens) + max_tokens ({max_tokens}) exceeds "
-                                      f"max_model_len={self.max_model_len}", "max_tokens")
+    def add_admitted(self, admitted: AdmittedRequest) -> Request:
+        """Queue an admitted request (the core only: whoever admitted it builds its outputs)."""
+        params = admitted.params
+        request = Request(request_id=admitted.request_id, prompt=admitted.prompt,
+                          prompt_token_ids=admitted.prompt_token_ids, params=params,
+                          arrival_time=admitted.arrival_time, priority=admitted.priority, task=admitted.task)
+        if admitted.grammar is not None:
+            request.grammars = self.structured_output.matchers(admitted.grammar, params.structured_outputs,
+                                                               params.n, admitted.prompt_token_ids)
+        if admitted.lora_request is not None:
+            attach_lora(self.lora, request, admitted.lora_request)
+        self.scheduler.add_request(request)
+        return request
 
     def load_lora(self, name: str, path: str) -> LoRARequest:
         """Load a LoRA adapter into a free slot (call between steps)."""
@@ -182,46 +191,56 @@ class LLMEngine:
         unload_lora(self.lora, self.scheduler.requests.values(), name)
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
-        request = self.scheduler.abort_request(request_id)
-        if request is None:
+        """Stop a request now; its final output (None: no such request)."""
+        update = self.core_abort(request_id)
+        if update is None:
             return None
-        self.scheduler.pop_finished_request(request_id)
-        return self.outputs.hand_out(request)
+        outputs = self._inline([update])
+        return outputs[0] if outputs else None
 
-    def finish_seq_early(self, request_id: str, index: int, stop_reason: int | str | None) -> None:
-        """Finish sample `index` of a request whose text hit a stop string found off the engine
-        thread (defer_text): its blocks are freed now; its outputs were handed out there."""
-        request = self.scheduler.requests.get(request_id)
-        if request is None:
-            return
-        for seq in request.seqs:
-            if seq.sample_index == index:
-                self.scheduler.finish_seq(seq, FinishReason.STOP, stop_reason)
-        if request.is_finished:
-            request.finished_time = time.monotonic()
-            self.scheduler.pop_finished_request(request_id)
+    def core_abort(self, request_id: str) -> RequestUpdate | None:
+        """abort_request, returning the request's last update (for an output side elsewhere)."""
+        return self.scheduler.abort_request(request_id)
+
+    def finish_by_text(self, request_id: str, index: int, stop: int | str | None) -> None:
+        """The output side found a stop string in sample `index` of a request (and handed out its
+        end): finish it in the core, freeing its blocks now."""
+        self.scheduler.finish_by_text(request_id, index, stop)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished() or self._inflight is not None
 
     # ---- the step ----
     def step(self) -> list[RequestOutput]:
+        """core_step, its updates turned into outputs here (the offline path)."""
+        return self._inline(self.core_step())
+
+    def _inline(self, updates: list[RequestUpdate]) -> list[RequestOutput]:
+        """The inline output side: updates -> outputs; what it ended is ended in the core at once."""
+        processed = self.outputs.process(updates)
+        for request_id, index, stop in processed.stopped:
+            self.finish_by_text(request_id, index, stop)
+        for request_id in processed.failed:  # (its output, an error, is handed out already)
+            self.core_abort(request_id)
+        return processed.outputs
+
+    def core_step(self) -> list[RequestUpdate]:
         """Schedule and launch the next step, then process the previous one's results (or, in the
-        serial loop, this one's)."""
+        serial loop, this one's); returns the requests' updates."""
         sched = self.scheduler.schedule()
         previous = self._inflight
         defer = previous is not None and _defers_sampling(sched)
         launched = None if sched.is_empty else self._launch(sched, defer)
         self._inflight = launched
-        outputs = self._process(previous) if previous is not None else []
+        updates = self._process(previous) if previous is not None else []
         if launched is None:
-            return outputs
+            return updates
         if defer:  # the previous step's tokens have advanced the grammars: sample now
             self._sample(launched)
         if not self.async_scheduling or _needs_serial(sched):
             self._inflight = None
-            outputs += self._process(launched)
-        return outputs
+            updates += self._process(launched)
+        return updates
 
     def _launch(self, sched: SchedulerOutput, defer_sampling: bool = False) -> _Launched:
         t0 = time.perf_counter()
@@ -247,9 +266,10 @@ class LLMEngine:
         self.runner.sample(launched.sched, launched.pending)
         self.scheduler.launched(launched.sched)
 
-    def _process(self, launched: _Launched) -> list[RequestOutput]:
+    def _process(self, launched: _Launched) -> list[RequestUpdate]:
         sched = launched.sched
-        outputs, generated = self.outputs.process(sched, launched.pending.result())
+        updates = self.scheduler.update_from_output(sched, launched.pending.result())
+        generated = self.scheduler.num_generated
         self.last_step = StepStats(sched.num_prefill_tokens, generated, time.perf_counter() - launched.t0)
         if self.swap_space is not None and sched.num_prefill_tokens >= max(MIN_PREFILL_SAMPLE,
                                                                            sched.num_decode_tokens):
@@ -257,15 +277,19 @@ class LLMEngine:
             self.swap_space.observe_prefill(sched.num_tokens, self.last_step.duration)
         self.num_prompt_tokens_total += sched.num_prefill_tokens
         self.num_generation_tokens_total += generated
-        return outputs
+        return updates
 
     def fail_all_requests(self, message: str) -> list[RequestOutput]:
         """Fail every unfinished request with an error (after an engine-loop crash): no one hangs.
 
         Returns their final outputs; the pools are left fully free.
         """
+        return self._inline(self.core_fail_all(message))
+
+    def core_fail_all(self, message: str) -> list[RequestUpdate]:
+        """fail_all_requests, returning the requests' last updates (for an output side elsewhere)."""
         self._inflight = None  # its results are not wanted any more
-        return self.outputs.fail_all(message)
+        return self.scheduler.fail_all(message)
 
     def warm_prefixes(self, token_id_lists: list[list[int]]) -> int:
         """Compute these prefixes' KV and pin their full blocks for good (engine/runtime/warm_prefixes.py)."""
@@ -277,9 +301,6 @@ class LLMEngine:
         """Forget every cached-idle KV block (blocks in use keep theirs): later prompts recompute
         their prefixes. Returns how many blocks were dropped (vLLM's `reset_prefix_cache`)."""
         return self.pool.reset_prefix_cache()
-
-    def _output(self, request: Request) -> RequestOutput | None:
-        return self.outputs.output(request)
 
     # ---- invariants ----
     def check_integrity(self) -> None:

@@ -1,16 +1,16 @@
-"""OutputProcessor: what happens to a step's sampled tokens on the host.
+"""OutputProcessor: the output side, turning the core's RequestUpdates into RequestOutputs.
 
-Token bookkeeping (the scheduler appends them), logprobs, grammar advance, stop checks and
-detokenisation, what tasks read off the hidden states (engine/core/request_kinds.py), failed rows, and the RequestOutput
-each request hands out (cumulative, delta or final only).
+It keeps its own small state per request (`RequestState`: the output ids seen, each sample's
+text and logprobs, what was handed out) and never reads the core's Request: the core owns the
+tokens, and tells this side what it kept (engine/core/outputs.py). Here: detokenisation, stop
+strings, logprob formatting, and the RequestOutput each request hands out (cumulative, delta or
+final only). One path: the offline `LLM` runs it inline after each step (LLMEngine.step), the
+server on the AsyncEngine's output thread.
 
-With `defer_text` (the server's AsyncEngine) the engine thread keeps only the token-level
-part: stop tokens, EOS, lengths, grammars, errors. It hands out a `RequestDelta` per request
-(new token ids and logprob entries, finish reasons) and a `TextProcessor` on another thread
-detokenises, looks for stop strings and builds the RequestOutputs, with the very functions
-the inline path uses, over its own mirror of each request. A stop string it finds is sent
-back to the engine thread, which finishes that sequence in the scheduler (its blocks are
-freed at the next step; tokens computed meanwhile are discarded, never shown).
+A stop string ends a sample here, so its output ends here; the core still runs it until told:
+`process` returns those samples (`Processed.stopped`), and the driver finishes them in the core
+(inline at once; the server through the step thread's inbox). Tokens the core computed
+meanwhile are dropped here, never shown.
 """
 
 from __future__ import annotations
@@ -18,422 +18,270 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING
 
-from engine.core.request import CompletionOutput, FinishReason, Request, RequestOutput, SeqStatus, Sequence
-from engine.core.request_kinds import task_of
-from engine.core.sched.scheduler import Scheduler
-from engine.core.sched.scheduler_output import SchedulerOutput, sample_row_ranges
-from engine.runtime.detokenizer import Detokenizer, init_offsets, visible_len
-from engine.worker.sample.sampler_output import SamplerOutput
+from engine.core.outputs import RequestUpdate, SeqUpdate
+from engine.core.request import CompletionOutput, FinishReason, RequestOutput
+from engine.runtime.detokenizer import Detokenizer, TextState, find_stop, visible_len
+
+if TYPE_CHECKING:
+    from engine.runtime.admission import AdmittedRequest
 
 logger = logging.getLogger(__name__)
 
 
+class SampleState:
+    """One sample's output so far, as handed out."""
+
+    __slots__ = ("index", "token_ids", "logprobs", "cumulative_logprob", "text", "finish_reason", "stop_reason",
+                 "num_preemptions", "emitted_tokens", "emitted_chars", "emitted_finish")
+
+    def __init__(self, index: int, text: TextState | None) -> None:
+        self.index = index
+        self.token_ids: list[int] = []
+        self.logprobs: list[dict[int, float]] = []
+        self.cumulative_logprob = 0.0
+        self.text = text  # None: not detokenised
+        self.finish_reason: FinishReason | None = None
+        self.stop_reason: int | str | None = None
+        self.num_preemptions = 0
+        # output_kind "delta": how much has been handed out already.
+        self.emitted_tokens = 0
+        self.emitted_chars = 0
+        self.emitted_finish = False
+
+
+class RequestState:
+    """The output side's own state of one request (made from the admitted request)."""
+
+    def __init__(self, admitted: AdmittedRequest) -> None:
+        self.request_id = admitted.request_id
+        self.prompt = admitted.prompt
+        self.prompt_token_ids = admitted.prompt_token_ids
+        self.params = admitted.params
+        self.arrival_time = admitted.arrival_time
+        self.text_output = admitted.task.text_output  # False: an embedding
+        self.samples: dict[int, SampleState] = {}
+        self.finished = False
+        self.core = RequestUpdate(self.request_id, [], False)  # the core's latest: timings, cached tokens, error, ...
+        self.error: str | None = None  # this side's own (the output could not be built)
+        self.finished_time: float | None = None  # when this side ended it (a stop string, a failure)
+
+    def sample(self, index: int) -> SampleState:
+        sample = self.samples.get(index)
+        if sample is None:
+            params = self.params
+            text = TextState(self.prompt_token_ids, params.skip_special_tokens) if params.detokenize else None
+            sample = self.samples[index] = SampleState(index, text)
+        return sample
+
+    def all_ended(self) -> bool:
+        return len(self.samples) == self.params.n and all(s.finish_reason is not None
+                                                          for s in self.samples.values())
+
+
 @dataclass
-class SeqDelta:
-    """What the engine learnt about one sequence since its last delta (defer_text)."""
+class Processed:
+    """One batch of updates, processed: the outputs to hand out, and what the core must be told."""
 
-    index: int
-    token_ids: list[int]
-    logprobs: list[dict[int, float]] | None
-    finish_reason: str | None
-    stop_reason: int | str | None
-    num_preemptions: int
-
-
-@dataclass
-class RequestDelta:
-    request_id: str
-    finished: bool
-    error: str | None
-    num_cached_tokens: int
-    metrics: dict[str, float | None]
-    seqs: list[SeqDelta] = field(default_factory=list)
+    outputs: list[RequestOutput] = field(default_factory=list)
+    stopped: list[tuple[str, int, str]] = field(default_factory=list)  # (request id, sample, stop string)
+    failed: list[str] = field(default_factory=list)  # request ids whose output could not be built
 
 
 class OutputProcessor:
-    def __init__(self, scheduler: Scheduler, tokenizer, eos_token_ids: tuple[int, ...], max_model_len: int) -> None:
-        self.scheduler = scheduler
-        self.detokenizer = Detokenizer(tokenizer, eos_token_ids, max_model_len)
-        self.defer_text = False  # see the module docstring
+    def __init__(self, tokenizer) -> None:
+        self.detokenizer = Detokenizer(tokenizer)
+        self.states: dict[str, RequestState] = {}
 
-    def set_defer_text(self, on: bool) -> None:
-        self.defer_text = on
-        d = self.detokenizer
-        self.detokenizer = Detokenizer(d.tokenizer, d.eos_token_ids, d.max_model_len, text=not on)
+    def set_tokenizer(self, tokenizer) -> None:
+        self.detokenizer = Detokenizer(tokenizer)
 
-    # ---- one step's results ----
-    def process(self, sched: SchedulerOutput, sampled: SamplerOutput) -> tuple[list[RequestOutput], int]:
-        """Apply a step's sampler output; returns the outputs to hand out and how many tokens
-        the step generated (kept)."""
-        tasks_done = self._record_task_results(sched, sampled.task_results) if sampled.task_results else []
-        if sched.num_prefill_tokens == 0 and sched.num_decode_tokens == len(sched.seqs):
-            tokens = [[t] for t in sampled.token_ids]  # (a decode step: one row per sequence, in order)
-        else:
-            tokens = [[sampled.token_ids[r] for r in rows] for _, rows in sample_row_ranges(sched.seqs)]
-        failed = self._failed_rows(sched, sampled.errors)
-        if failed:
-            for i, s in enumerate(sched.seqs):
-                if s.seq_id in failed:
-                    tokens[i] = []  # no token for a failed row: its request is failed below
-        logprobs = self._split_logprobs(sched, sampled.logprobs)
-        touched = self.scheduler.update(sched, tokens)
-        now = time.monotonic()
-        outputs: dict[str, Request] = {}
-        for seq in tasks_done:  # requests whose task is done without a token (an embedding)
-            self.scheduler.finish_seq(seq, FinishReason.STOP)
-            seq.request.first_token_time = now
-            outputs[seq.request.request_id] = seq.request
-        generated = 0
-        # Offline runs want each request's final output only (output_kind "final_only"): a request
-        # none of whose sequences ended this step has nothing to hand out, so none is built.
-        every_step = self.defer_text
-        for seq in touched:
+    def add(self, admitted: AdmittedRequest) -> None:
+        """Expect updates for a request the core accepted."""
+        self.states[admitted.request_id] = RequestState(admitted)
+
+    def process(self, updates: list[RequestUpdate]) -> Processed:
+        outputs: list[RequestOutput] = []
+        stopped: list[tuple[str, int, str]] = []
+        failed: list[str] = []
+        states = self.states
+        apply = self._apply
+        for update in updates:
+            state = states.get(update.request_id)
+            if state is None:
+                continue  # ended here already (a stop string): the core's late tokens are dropped
             try:
-                generated += self._process_new_tokens(seq, logprobs)
+                out = apply(state, update, stopped)
             except Exception as exc:  # noqa: BLE001 - e.g. the tokenizer fails on this output: fail only it
-                logger.exception("request %s: processing its output failed", seq.request.request_id)
-                failed[seq.seq_id] = f"processing the output failed: {type(exc).__name__}: {exc}"
-                continue
-            request = seq.request
-            if request.first_token_time is None:
-                request.first_token_time = now
-            if seq.finish_reason is not None:
-                self.scheduler.finish_seq(seq, seq.finish_reason, seq.stop_reason)
-            elif not every_step and request.params.output_kind == "final_only":
-                continue
-            outputs[request.request_id] = request
-        if failed:
-            for s in sched.seqs:
-                seq = s.seq
-                if s.seq_id in failed and seq is not None and not seq.request.is_finished:
-                    self.fail_request(seq.request, failed[s.seq_id])
-                    outputs[seq.request.request_id] = seq.request
-            for seq in touched:  # (a failure while processing)
-                if seq.seq_id in failed and not seq.request.is_finished:
-                    self.fail_request(seq.request, failed[seq.seq_id])
-                    outputs[seq.request.request_id] = seq.request
-        return self._hand_out(outputs.values(), now), generated
-
-    def _hand_out(self, requests, now: float) -> list[RequestOutput]:
-        results = []
-        for request in requests:
-            if request.is_finished:
-                request.finished_time = now
-                self.scheduler.pop_finished_request(request.request_id)
-            out = self.hand_out(request)
+                logger.exception("request %s: building its output failed", update.request_id)
+                out = self._fail(state, f"processing the output failed: {type(exc).__name__}: {exc}")
+                failed.append(update.request_id)
             if out is not None:
-                results.append(out)
-        return results
+                outputs.append(out)
+        return Processed(outputs, stopped, failed)
 
-    def hand_out(self, request: Request) -> RequestOutput | RequestDelta | None:
-        """The request's output (inline) or its delta for the TextProcessor (defer_text)."""
-        if not self.defer_text or not task_of(request).text_output:
-            return self.output(request)
-        return self.delta(request)
+    def _apply(self, state: RequestState, update: RequestUpdate, stopped: list) -> RequestOutput | None:
+        state.core = update
+        ended = update.finished
+        samples = state.samples
+        for seq in update.seqs:
+            sample = samples.get(seq.index) or state.sample(seq.index)
+            if sample.finish_reason is not None:
+                continue  # (ended here by a stop string)
+            if seq.token_ids:
+                self._take_tokens(state, sample, seq, stopped)
+            if sample.finish_reason is None and seq.finish_reason is not None:
+                sample.finish_reason, sample.stop_reason = seq.finish_reason, seq.stop_reason
+            sample.num_preemptions = seq.num_preemptions
+            ended = ended or sample.finish_reason is not None
+        if update.finished:
+            for sample in state.samples.values():
+                if sample.finish_reason is None:  # (never expected: the core ends every sample it reports)
+                    sample.finish_reason = FinishReason.ABORT
+        if ended and (update.finished or state.all_ended()):
+            self._end(state)
+        return self._output(state)
 
-    @staticmethod
-    def delta(request: Request) -> RequestDelta | None:
-        seqs = []
-        for seq in request.seqs:
-            known = seq.num_output_tokens - seq.num_pending
-            finished = seq.finish_reason is not None
-            if known == seq.emitted_tokens and (not finished or seq.emitted_finish):
-                continue
-            first = seq.num_prompt_tokens + seq.emitted_tokens
-            logprobs = seq.logprobs[seq.emitted_tokens:known] if request.params.logprobs is not None else None
-            seqs.append(SeqDelta(seq.sample_index, seq.token_ids[first:seq.num_prompt_tokens + known], logprobs,
-                                 seq.finish_reason.value if finished else None, seq.stop_reason,
-                                 seq.num_preemptions))
-            seq.emitted_tokens, seq.emitted_finish = known, finished
-        if not seqs and not request.is_finished:
-            return None
-        return RequestDelta(request.request_id, request.is_finished, request.error,
-                            request.seqs[0].num_cached_tokens if request.seqs else 0,
-                            {"first_scheduled_time": request.first_scheduled_time,
-                             "first_token_time": request.first_token_time,
-                             "finished_time": request.finished_time}, seqs)
-
-    def _process_new_tokens(self, seq: Sequence, logprobs: dict[int, list]) -> int:
-        """Logprobs, grammar and stop checks for the tokens the step appended to seq, one token at
-        a time (a speculative step appends several); tokens after the one that finishes seq are
-        dropped. Returns how many tokens seq keeps.
-
-        Placeholders of a later step already launched (overlap scheduling) are set aside while
-        this step's tokens are checked: if seq finishes here, that later token is discarded."""
-        ids = seq.token_ids
-        later = seq.num_pending
-        if seq.num_new_tokens == 1 and later <= 1:  # (the common case: one token, one launched step after it)
-            tail = ids.pop() if later else None
-            self._check_token(seq, logprobs, 0)
-            if seq.finish_reason is not None:
-                seq.num_pending = 0
-            elif later:
-                ids.append(tail)
-            return 1
-        tail = ids[len(ids) - later:] if later else []
-        if later:
-            del ids[len(ids) - later:]
-        count = seq.num_new_tokens
-        kept = count
-        pending = ids[len(ids) - count:]
-        del ids[len(ids) - count:]
-        for j, token in enumerate(pending):
-            ids.append(token)
-            self._check_token(seq, logprobs, j)
-            if seq.finish_reason is not None:
-                kept = j + 1
-                break
-        if seq.finish_reason is None:
-            if tail:
-                ids.extend(tail)
-        else:
-            seq.num_pending = 0
-        return kept
-
-    def _check_token(self, seq: Sequence, logprobs: dict[int, list], j: int) -> None:
-        """Logprob, grammar and stop checks for seq's newest token, its number j of this step."""
-        if logprobs:
-            self._record_logprob(seq, logprobs, j)
-        grammar_done = self._advance_grammar(seq) if seq.request.grammars else False
-        self.detokenizer.check_stop(seq)
-        if grammar_done and seq.finish_reason is None:  # (a stop token kept by ignore_eos)
-            seq.finish_reason = FinishReason.STOP
-
-    @staticmethod
-    def _advance_grammar(seq: Sequence) -> bool:
-        """Feed seq's new token to its grammar matcher (structured outputs); True once the output
-        is complete. The sampler only allows tokens the matcher accepts, so a refusal is a bug."""
-        grammars = seq.request.grammars
-        if not grammars:
-            return False
-        matcher = grammars[seq.sample_index]
-        token = seq.token_ids[-1]
-        if not matcher.accept(token):
-            raise RuntimeError(f"structured output: token {token} is outside the constraint's language")
-        return matcher.is_terminated
-
-    @staticmethod
-    def _failed_rows(sched: SchedulerOutput, errors: dict[int, str]) -> dict[int, str]:
-        """seq id -> error, for the scheduled sequences whose sampler rows failed."""
-        if not errors:
-            return {}
-        return {s.seq_id: errors[r] for s, rows in sample_row_ranges(sched.seqs) for r in rows if r in errors}
-
-    def fail_request(self, request: Request, message: str) -> None:
-        """Finish every sequence of one request with FinishReason.ERROR; the others go on."""
-        logger.warning("request %s failed: %s", request.request_id, message)
-        request.error = message
-        for seq in request.seqs:
-            if not seq.is_finished:
-                self.scheduler.finish_seq(seq, FinishReason.ERROR)
-
-    def fail_all(self, message: str) -> list[RequestOutput]:
-        """Fail every unfinished request; returns their final outputs (the pools end fully free)."""
-        results = []
-        now = time.monotonic()
-        for request in list(self.scheduler.requests.values()):
-            if not request.is_finished:
-                self.fail_request(request, message)
-            request.finished_time = request.finished_time or now
-            self.scheduler.pop_finished_request(request.request_id)
-            results.append(self.hand_out(request))
-        return [r for r in results if r is not None]
-
-    @staticmethod
-    def _split_logprobs(sched: SchedulerOutput, flat: list) -> dict[int, list]:
-        """seq id -> logprob entries it sampled this step (n entries at a fork)."""
-        if not any(flat):
-            return {}
-        return {s.seq_id: flat[rows.start:rows.stop] for s, rows in sample_row_ranges(sched.seqs) if rows}
-
-    @staticmethod
-    def _record_logprob(seq: Sequence, logprobs: dict[int, list], index: int = 0) -> None:
-        """Record the logprob entry of seq's token number `index` of this step."""
-        # A forked child has no entry of its own: it took entry `sample_index` of its parent's list.
-        entries = logprobs.get(seq.seq_id)
-        if entries is None:
-            parent = seq.request.seqs[0]
-            entries = logprobs.get(parent.seq_id)
-            entry = entries[seq.sample_index] if entries and len(entries) > seq.sample_index else None
-        else:
-            entry = entries[index] if len(entries) > index else None
-        if entry is None:
+    def _take_tokens(self, state: RequestState, sample: SampleState, seq: SeqUpdate, stopped: list) -> None:
+        """Append seq's new tokens to the sample, with their logprobs and text, one token at a
+        time: a stop string ends the sample at the token that completes it (later ones dropped)."""
+        params = state.params
+        text = sample.text
+        tokens, logprobs = seq.token_ids, seq.logprobs
+        stops = params.stop
+        if logprobs is None and (text is None or (len(tokens) == 1 and not stops and not seq.stop_token)):
+            sample.token_ids += tokens  # (the common cases: no text, or one token's text and no stop strings)
+            if text is not None:
+                text.ids += tokens
+                self.detokenizer.step(text)
             return
-        chosen, top = entry
-        seq.cumulative_logprob += chosen
-        top = dict(top)
-        top[seq.token_ids[-1]] = chosen
-        seq.logprobs.append(top)
-
-    @staticmethod
-    def _record_task_results(sched: SchedulerOutput, results: dict[int, Any]) -> list[Sequence]:
-        """Hand each task what it read off the step's hidden states; returns the sequences whose
-        task is done with that (their request needs no token)."""
-        by_id = {s.seq_id: s for s in sched.seqs}
-        done = []
-        for seq_id, result in results.items():
-            s = by_id.get(seq_id)
-            if s is None or s.seq is None or s.seq.is_finished:
+        step = self.detokenizer.step
+        last = len(tokens) - 1
+        for j, token in enumerate(tokens):
+            sample.token_ids.append(token)
+            if logprobs is not None and logprobs[j] is not None:
+                chosen, top = logprobs[j]
+                sample.cumulative_logprob += chosen
+                entry = dict(top)
+                entry[token] = chosen
+                sample.logprobs.append(entry)
+            if text is None:
                 continue
-            if s.task.record(s.seq, result):
-                done.append(s.seq)
-        return done
+            if j == last and seq.stop_token:  # (EOS or a stop token id: shown only if asked, never searched)
+                if seq.stop_reason is not None and params.include_stop_str_in_output:
+                    text.ids.append(token)
+                    step(text)
+                continue
+            text.ids.append(token)
+            if not stops:
+                step(text)
+                continue
+            before = len(text.text)
+            if step(text) and len(sample.token_ids) >= params.min_tokens:
+                hit = find_stop(text.text, stops, max(0, before - max(len(s) for s in stops) + 1))
+                if hit is not None:
+                    at, stop = hit
+                    text.text = text.text[:at + len(stop)] if params.include_stop_str_in_output else text.text[:at]
+                    sample.finish_reason, sample.stop_reason = FinishReason.STOP, stop
+                    if seq.finish_reason is None:  # the core still runs it
+                        stopped.append((state.request_id, seq.index, stop))
+                    return
+
+    def _end(self, state: RequestState) -> None:
+        state.finished = True
+        if state.core.finished_time is None:  # (ended here first)
+            state.finished_time = time.monotonic()
+        self.states.pop(state.request_id, None)
+
+    def _fail(self, state: RequestState, message: str) -> RequestOutput | None:
+        """End a request whose output could not be built (the core is told to drop it)."""
+        logger.warning("request %s failed: %s", state.request_id, message)
+        state.error = message
+        for sample in state.samples.values():
+            if sample.finish_reason is None:
+                sample.finish_reason = FinishReason.ERROR
+        self._end(state)
+        return self._output(state)
 
     # ---- RequestOutput building ----
-    @classmethod
-    def output(cls, request: Request) -> RequestOutput | None:
-        """The request's output for this step, as its params.output_kind asks (None: nothing to
-        hand out: final_only before the end, or a delta with nothing new)."""
-        params = request.params
-        if params.output_kind == "final_only" and not request.is_finished:
+    def _output(self, state: RequestState) -> RequestOutput | None:
+        """The request's output now, as its params.output_kind asks (None: nothing to hand out:
+        final_only before the end, or a delta with nothing new)."""
+        params = state.params
+        finished = state.finished
+        if params.output_kind == "final_only" and not finished:
             return None
-        task = task_of(request)
-        if not task.text_output:  # (an embedding: one output, when it is done)
-            return task.output(request)
-        seqs = sorted(request.seqs, key=lambda s: s.sample_index)
+        core = state.core
+        if not state.text_output:  # (an embedding: one output, when it is done)
+            if not finished:
+                return None
+            return RequestOutput(state.request_id, state.prompt, state.prompt_token_ids, [], True,
+                                 core.num_cached_tokens, state.error or core.error,
+                                 {"arrival_time": state.arrival_time,
+                                  "finished_time": core.finished_time or state.finished_time}, None, core.embedding)
+        samples = state.samples
+        ordered = samples.values() if len(samples) == 1 else sorted(samples.values(), key=lambda s: s.index)
         if params.output_kind == "delta":
-            outs = [c for c in map(cls._delta_choice, seqs) if c is not None]
-            if not outs and not request.is_finished:
+            outs = []
+            for sample in ordered:
+                choice = self._delta_choice(state, sample)
+                if choice is not None:
+                    outs.append(choice)
+            if not outs and not finished:
                 return None  # new tokens whose text is held back: they come with their text
         else:
-            outs = [cls._choice(seq, 0, 0, visible_len(seq)) for seq in seqs]
-        metrics = {
-            "arrival_time": request.arrival_time,
-            "first_scheduled_time": request.first_scheduled_time,
-            "first_token_time": request.first_token_time,
-            "finished_time": request.finished_time,
-            "n": params.n, "max_tokens": params.max_tokens,  # (request_params_* metrics)
-        }
-        # prompt_logprobs: the request's own list (complete once the first token exists; not copied per step)
-        return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids, outs,
-                             request.is_finished, request.seqs[0].num_cached_tokens if request.seqs else 0,
-                             request.error, metrics, request.prompt_logprobs)
+            outs = [self._choice(state, s, 0, 0, self._visible(state, s)) for s in ordered]
+        metrics = {"arrival_time": state.arrival_time, "first_scheduled_time": core.first_scheduled_time,
+                   "first_token_time": core.first_token_time, "finished_time": core.finished_time or state.finished_time,
+                   "n": params.n, "max_tokens": params.max_tokens}  # (n, max_tokens: request_params_* metrics)
+        return RequestOutput(state.request_id, state.prompt, state.prompt_token_ids, outs, finished,
+                             core.num_cached_tokens, state.error or core.error, metrics, core.prompt_logprobs)
 
     @staticmethod
-    def _choice(seq: Sequence, tokens_from: int, chars_from: int, chars_to: int) -> CompletionOutput:
-        """seq's output tokens from `tokens_from` on (known ones), and its text [chars_from, chars_to)."""
-        logprobs = seq.request.params.logprobs is not None
-        end = len(seq.token_ids) - seq.num_pending
+    def _visible(state: RequestState, sample: SampleState) -> int:
+        """How much of the sample's text may be shown now (a possible stop string's start held back)."""
+        text = sample.text
+        if text is None:
+            return 0
+        stops = state.params.stop
+        return visible_len(text.text, stops, sample.finish_reason is not None) if stops else len(text.text)
+
+    @staticmethod
+    def _choice(state: RequestState, sample: SampleState, tokens_from: int, chars_from: int,
+                chars_to: int) -> CompletionOutput:
+        """The sample's output tokens from `tokens_from` on, and its text [chars_from, chars_to)."""
+        logprobs = state.params.logprobs is not None
         return CompletionOutput(
-            index=seq.sample_index,
-            text=seq.text[chars_from:chars_to],
-            token_ids=seq.token_ids[seq.num_prompt_tokens + tokens_from:end],
-            cumulative_logprob=seq.cumulative_logprob if logprobs else None,
-            logprobs=seq.logprobs[tokens_from:] if logprobs else None,
-            finish_reason=seq.finish_reason.value if seq.finish_reason else None,
-            stop_reason=seq.stop_reason,
-            num_preemptions=seq.num_preemptions,
+            index=sample.index,
+            text=sample.text.text[chars_from:chars_to] if sample.text is not None else "",
+            token_ids=sample.token_ids[tokens_from:],
+            cumulative_logprob=sample.cumulative_logprob if logprobs else None,
+            logprobs=sample.logprobs[tokens_from:] if logprobs else None,
+            finish_reason=sample.finish_reason.value if sample.finish_reason else None,
+            stop_reason=sample.stop_reason,
+            num_preemptions=sample.num_preemptions,
         )
 
-    @classmethod
-    def _delta_choice(cls, seq: Sequence) -> CompletionOutput | None:
-        """What is new in seq since its last delta, or None. New tokens whose text is still held
-        back (a split UTF-8 character, a possible stop string) wait for their text, unless the
-        request is not detokenised; the delta that ends a sequence comes once."""
-        if seq.emitted_finish:
+    def _delta_choice(self, state: RequestState, sample: SampleState) -> CompletionOutput | None:
+        """What is new in the sample since its last delta, or None. New tokens whose text is still
+        held back (a split UTF-8 character, a possible stop string) wait for their text, unless
+        the request is not detokenised; the delta that ends a sample comes once."""
+        if sample.emitted_finish:
             return None
-        chars = visible_len(seq)
-        finished = seq.finish_reason is not None
-        num_out = seq.num_output_tokens - seq.num_pending
-        new_tokens = num_out > seq.emitted_tokens
-        if not (chars > seq.emitted_chars or finished or (new_tokens and not seq.request.params.detokenize)):
+        text = sample.text
+        stops = state.params.stop
+        if text is None:
+            chars = 0
+        elif stops:
+            chars = visible_len(text.text, stops, sample.finish_reason is not None)
+        else:
+            chars = len(text.text)
+        finished = sample.finish_reason is not None
+        num_out = len(sample.token_ids)
+        new_tokens = num_out > sample.emitted_tokens
+        if not (chars > sample.emitted_chars or finished or (new_tokens and text is None)):
             return None
-        out = cls._choice(seq, seq.emitted_tokens, seq.emitted_chars, chars)
-        seq.emitted_tokens, seq.emitted_chars, seq.emitted_finish = num_out, chars, finished
+        out = self._choice(state, sample, sample.emitted_tokens, sample.emitted_chars, chars)
+        sample.emitted_tokens, sample.emitted_chars, sample.emitted_finish = num_out, chars, finished
         return out
-
-
-class TextProcessor:
-    """The defer_text side: detokenisation, stop strings and RequestOutputs from RequestDeltas,
-    over a mirror of each request (runs on its own thread; touches no engine state)."""
-
-    def __init__(self, tokenizer, eos_token_ids: tuple[int, ...], max_model_len: int) -> None:
-        self.detokenizer = Detokenizer(tokenizer, eos_token_ids, max_model_len)
-        self.mirrors: dict[str, Request] = {}
-
-    @classmethod
-    def mirror_of(cls, request: Request) -> Request:
-        """A mirror of a request the engine accepted: a copy of what the text side reads (made on
-        the engine thread, then owned by the text side)."""
-        mirror = Request(request.request_id, request.prompt, list(request.prompt_token_ids), request.params,
-                         arrival_time=request.arrival_time, priority=request.priority,
-                         prompt_logprobs=request.prompt_logprobs)
-        mirror.task = request.task
-        mirror.seqs = [cls._new_seq(mirror, 0)]
-        init_offsets(mirror.seqs[0])
-        return mirror
-
-    @staticmethod
-    def _new_seq(mirror: Request, index: int) -> Sequence:
-        seq = Sequence(index, mirror, index, list(mirror.prompt_token_ids), len(mirror.prompt_token_ids),
-                       status=SeqStatus.RUNNING)
-        return seq
-
-    def apply(self, delta: RequestDelta) -> tuple[RequestOutput | None, list[tuple[str, int, int | str | None]]]:
-        """The RequestOutput for one delta (None: nothing to show yet), and the sequences this side
-        finished that the engine still runs: (request id, sample index, stop reason)."""
-        mirror = self.mirrors.get(delta.request_id)
-        if mirror is None:
-            return None, []  # finished here already (a stop string): the engine's late tokens are dropped
-        finish: list[tuple[str, int, int | str | None]] = []
-        by_index = {s.sample_index: s for s in mirror.seqs}
-        for d in delta.seqs:
-            seq = by_index.get(d.index)
-            if seq is None:
-                seq = by_index[d.index] = self._new_seq(mirror, d.index)
-                mirror.seqs.append(seq)
-                seq.read_offset = 0  # its text starts after the prompt (Detokenizer.check_stop)
-            if seq.finish_reason is not None:
-                continue
-            if d.token_ids and mirror.params.n > 1:
-                mirror.forked = True
-            cut = False
-            for j, token in enumerate(d.token_ids):
-                seq.token_ids.append(token)
-                if d.logprobs is not None and j < len(d.logprobs):
-                    entry = d.logprobs[j]
-                    seq.cumulative_logprob += entry[token]
-                    seq.logprobs.append(entry)
-                self.detokenizer.check_stop(seq)
-                if seq.finish_reason is not None:
-                    cut = j + 1 < len(d.token_ids) or d.finish_reason is None
-                    break
-            if seq.finish_reason is None and d.finish_reason is not None:
-                seq.finish_reason, seq.stop_reason = FinishReason(d.finish_reason), d.stop_reason
-            elif cut and d.finish_reason is None:
-                finish.append((mirror.request_id, d.index, seq.stop_reason))
-            seq.num_preemptions = d.num_preemptions
-            if seq.finish_reason is not None:
-                seq.status = SeqStatus.FINISHED
-        mirror.error = delta.error
-        for key, value in delta.metrics.items():
-            if value is not None:
-                setattr(mirror, key, value)
-        for seq in mirror.seqs:
-            seq.num_cached_tokens = delta.num_cached_tokens
-        if delta.finished:  # (e.g. aborted: every sequence the engine ended)
-            for seq in mirror.seqs:
-                if seq.finish_reason is None:
-                    seq.finish_reason, seq.status = FinishReason.ABORT, SeqStatus.FINISHED
-        if mirror.is_finished:
-            mirror.finished_time = mirror.finished_time or time.monotonic()
-            del self.mirrors[mirror.request_id]
-        return OutputProcessor.output(mirror), finish
-
-    def forget(self, request_id: str) -> None:
-        self.mirrors.pop(request_id, None)
-
-    def fail(self, request_id: str, message: str) -> RequestOutput | None:
-        """End a request whose output could not be built (the engine is told to abort it)."""
-        mirror = self.mirrors.pop(request_id, None)
-        if mirror is None:
-            return None
-        logger.warning("request %s failed: %s", request_id, message)
-        mirror.error = message
-        for seq in mirror.seqs:
-            if seq.finish_reason is None:
-                seq.finish_reason, seq.status = FinishReason.ERROR, SeqStatus.FINISHED
-        mirror.finished_time = time.monotonic()
-        return OutputProcessor.output(mirror)

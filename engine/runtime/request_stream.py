@@ -1,18 +1,25 @@
 """RequestStream: the async iterator of one request's output deltas (lives on one asyncio loop).
 
 The engine's threads hand it the newest delta with `loop.call_soon_threadsafe` (`_push`); it keeps
-only what the reader has not read yet, merged, so a slow reader never makes the engine wait and
-never piles up memory.
+only what the reader has not read yet, merged (DeltaBacklog: pieces appended, joined once when
+read), so a slow reader never makes the engine wait and costs memory only for its unread output.
+A reader that takes nothing for `stall_timeout_s` while output waits is not reading (its client
+has stopped): the request is aborted, which frees its KV blocks; the reader, should it come
+back, reads what was made and the abort.
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 import threading
+import time
 from typing import Callable
 
-from engine.core.request import RequestOutput
+from engine.core.request import CompletionOutput, RequestOutput
+
+logger = logging.getLogger(__name__)
 
 
 class RequestStream:
@@ -26,11 +33,13 @@ class RequestStream:
     """
 
     def __init__(self, request_id: str, loop: asyncio.AbstractEventLoop,
-                 on_close: Callable[[str], None] | None = None) -> None:
+                 on_close: Callable[[str], None] | None = None, stall_timeout_s: float | None = None) -> None:
         self.request_id = request_id
         self.loop = loop
         self._on_close = on_close
-        self._pending: RequestOutput | None = None  # deltas not yet read, merged
+        self._stall_timeout_s = stall_timeout_s
+        self._backlog: DeltaBacklog | None = None  # deltas not yet read, merged
+        self._unread_since = 0.0  # when the oldest unread delta came
         self._last: RequestOutput | None = None
         self._error: BaseException | None = None
         self._event = asyncio.Event()
@@ -38,13 +47,31 @@ class RequestStream:
         self.finished = False  # the engine reported the request finished
         self.done = False  # the reader has seen the end
         self.closed = False
+        self.stalled = False  # aborted because its reader took nothing for stall_timeout_s
 
     # ---- called on the stream's loop (scheduled from the step thread) ----
     def _push(self, delta: RequestOutput) -> None:
-        self._pending = delta if self._pending is None else _merge(self._pending, delta)
+        if self._backlog is None:
+            self._backlog = DeltaBacklog()
+            self._unread_since = time.monotonic()
+        self._backlog.add(delta)
         if delta.finished:
             self.finished = True
+        elif self._stall_timeout_s is not None and not self.stalled \
+                and time.monotonic() - self._unread_since > self._stall_timeout_s:
+            self._stall()
         self._event.set()
+
+    def _stall(self) -> None:
+        self.stalled = True
+        logger.info("request %s: its reader took nothing for stall_timeout_s=%gs (%d tokens unread); aborting",
+                    self.request_id, self._stall_timeout_s, self._backlog.num_tokens if self._backlog else 0)
+        if self._on_close is not None:
+            self._on_close(self.request_id)
+
+    @property
+    def unread_tokens(self) -> int:
+        return self._backlog.num_tokens if self._backlog is not None else 0
 
     def _fail(self, exc: BaseException) -> None:
         if not self.accepted.done():
@@ -74,9 +101,8 @@ class RequestStream:
         while True:
             if self.done:
                 raise StopAsyncIteration
-            delta = self._pending
-            if delta is not None:
-                self._pending = None
+            if self._backlog is not None:
+                delta, self._backlog = self._backlog.take(), None
                 self._last = delta
                 if delta.finished:
                     self.done = True
@@ -108,7 +134,7 @@ class LoopMailbox:
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self.loop = loop
         self._lock = threading.Lock()
-        self._items: dict[RequestStream, RequestOutput] = {}
+        self._items: dict[RequestStream, DeltaBacklog] = {}
         self._scheduled = False
 
     def post(self, items: list[tuple[RequestStream, RequestOutput]]) -> list[RequestStream]:
@@ -116,8 +142,10 @@ class LoopMailbox:
         items could not be handed over because the loop is closed (their readers are gone)."""
         with self._lock:
             for stream, out in items:
-                old = self._items.get(stream)
-                self._items[stream] = out if old is None else _merge(old, out)
+                backlog = self._items.get(stream)
+                if backlog is None:
+                    backlog = self._items[stream] = DeltaBacklog()
+                backlog.add(out)
             if self._scheduled and not self.loop.is_closed():
                 return []  # the queued callback takes these too
             self._scheduled = True
@@ -140,20 +168,60 @@ class LoopMailbox:
     def _deliver(self) -> None:
         with self._lock:
             items, self._items, self._scheduled = self._items, {}, False
-        for stream, out in items.items():
-            stream._push(out)
+        for stream, backlog in items.items():
+            stream._push(backlog.take())
 
 
-def _merge(older: RequestOutput, newer: RequestOutput) -> RequestOutput:
-    """Two consecutive deltas of one request as one: per choice, text, tokens and logprob entries
-    concatenated; everything else from the newer one."""
-    choices = {c.index: c for c in older.outputs}
-    for c in newer.outputs:
-        old = choices.get(c.index)
-        if old is None:
-            choices[c.index] = c
-            continue
-        choices[c.index] = dataclasses.replace(
-            c, text=old.text + c.text, token_ids=old.token_ids + c.token_ids,
-            logprobs=None if c.logprobs is None else (old.logprobs or []) + c.logprobs)
-    return dataclasses.replace(newer, outputs=[choices[i] for i in sorted(choices)])
+class DeltaBacklog:
+    """Consecutive deltas of one request, merged: per choice, text, token ids and logprob entries
+    concatenated; everything else from the newest. Pieces are appended as they come and joined
+    once, when taken (merging delta by delta would copy the whole backlog every step)."""
+
+    def __init__(self) -> None:
+        self._only: RequestOutput | None = None  # the one delta so far (taken as it is)
+        self._latest: RequestOutput | None = None
+        self._choices: dict[int, _ChoiceBacklog] = {}
+        self.num_tokens = 0
+
+    def add(self, delta: RequestOutput) -> None:
+        self.num_tokens += sum(len(c.token_ids) for c in delta.outputs)
+        if self._latest is None:
+            self._only = self._latest = delta
+            return
+        if self._only is not None:
+            self._absorb(self._only)
+            self._only = None
+        self._absorb(delta)
+        self._latest = delta
+
+    def _absorb(self, delta: RequestOutput) -> None:
+        for c in delta.outputs:
+            choice = self._choices.get(c.index)
+            if choice is None:
+                choice = self._choices[c.index] = _ChoiceBacklog()
+            choice.add(c)
+
+    def take(self) -> RequestOutput:
+        if self._only is not None:
+            return self._only
+        return dataclasses.replace(self._latest, outputs=[self._choices[i].take() for i in sorted(self._choices)])
+
+
+class _ChoiceBacklog:
+    def __init__(self) -> None:
+        self.texts: list[str] = []
+        self.token_ids: list[int] = []
+        self.logprobs: list = []
+        self.last: CompletionOutput | None = None
+
+    def add(self, c: CompletionOutput) -> None:
+        self.texts.append(c.text)
+        self.token_ids.extend(c.token_ids)
+        if c.logprobs is not None:
+            self.logprobs.extend(c.logprobs)
+        self.last = c
+
+    def take(self) -> CompletionOutput:
+        c = self.last
+        return dataclasses.replace(c, text="".join(self.texts), token_ids=self.token_ids,
+                                   logprobs=None if c.logprobs is None else self.logprobs)

@@ -188,6 +188,11 @@ class StructuredOutputCompiler:
                 self._pool = CompilePool(self._info.serialize_json(), workers, timeout_s)
             return self._pool
 
+    def start_pool(self) -> None:
+        """Start the compile workers now (the server, at start-up) rather than on the first
+        constrained request; nothing without a configured pool."""
+        self._compile_pool()
+
     def close(self) -> None:
         """Stop the compile workers (running compiles are killed)."""
         with self._lock:
@@ -195,24 +200,28 @@ class StructuredOutputCompiler:
         if pool is not None:
             pool.close()
 
-    def _finish(self, spec: StructuredOutputsParams, key: tuple, outcome: Any) -> Any:
-        """The compiled grammar from a worker's answer (or its failure as a request error)."""
-        import xgrammar
+    def _raise_failure(self, spec: StructuredOutputsParams, outcome: CompileFailed) -> None:
+        """A worker's failed compile as the request's error."""
+        if outcome.status == "timeout":
+            raise InvalidRequestError(
+                f"structured output: the {spec.kind} constraint did not compile within "
+                f"grammar_compile_timeout_s={self._pool_args[1] if self._pool_args else '?'}s of CPU time; "
+                "simplify it (e.g. fewer optional properties)", "structured_outputs")
+        if outcome.status == "stopped":
+            raise CompileCancelled("the server is stopping; the constraint was not compiled")
+        if outcome.status == "cancelled":
+            raise InvalidRequestError("structured output: the compile was cancelled", "structured_outputs")
+        raise InvalidRequestError(f"structured output: the {spec.kind} constraint does not compile: {outcome}",
+                                  "structured_outputs")
 
-        if isinstance(outcome, CompileFailed):
-            if outcome.status == "timeout":
-                raise InvalidRequestError(
-                    f"structured output: the {spec.kind} constraint did not compile within "
-                    f"grammar_compile_timeout_s={self._pool_args[1] if self._pool_args else '?'}s; simplify it "
-                    "(e.g. fewer optional properties)", "structured_outputs")
-            if outcome.status == "stopped":
-                raise CompileCancelled("the server is stopping; the constraint was not compiled")
-            if outcome.status == "cancelled":
-                raise InvalidRequestError("structured output: the compile was cancelled", "structured_outputs")
-            raise InvalidRequestError(f"structured output: the {spec.kind} constraint does not compile: {outcome}",
-                                      "structured_outputs")
-        grammar = xgrammar.CompiledGrammar.deserialize_json(outcome, self._info)
-        self.cache.put(key, grammar)
+    def _compile_here(self, spec: StructuredOutputsParams, source: tuple) -> Any:
+        """Compile in this process (cached); the pool's workers have shown it finishes in time."""
+        try:
+            grammar = compile_with(self._xgrammar_compiler(), *source)
+        except RuntimeError as exc:
+            raise InvalidRequestError(f"structured output: the {spec.kind} constraint does not compile: "
+                                      f"{native_message(exc)}", "structured_outputs") from exc
+        self.cache.put(source, grammar)
         return grammar
 
     def compile(self, spec: StructuredOutputsParams) -> Any:
@@ -222,25 +231,19 @@ class StructuredOutputCompiler:
         hit = self.cache.get(source)
         if hit is not None:
             return hit
-        compiler = self._xgrammar_compiler()
         pool = self._compile_pool()
         if pool is not None:
-            job = pool.submit(source)
             try:
-                return self._finish(spec, source, job.future.result())
+                pool.submit(source).future.result()
             except CompileFailed as exc:
-                return self._finish(spec, source, exc)
-        try:
-            grammar = compile_with(compiler, *source)
-        except RuntimeError as exc:
-            raise InvalidRequestError(f"structured output: the {spec.kind} constraint does not compile: "
-                                      f"{native_message(exc)}", "structured_outputs") from exc
-        self.cache.put(source, grammar)
-        return grammar
+                self._raise_failure(spec, exc)
+        return self._compile_here(spec, source)
 
-    async def compile_async(self, spec: StructuredOutputsParams, tenant: str = "") -> Any:
-        """compile() for the server: off the event loop, in the pool when there is one; if the
-        awaiting task is cancelled (its client left, the server stops) the compile is stopped."""
+    async def compile_async(self, spec: StructuredOutputsParams, tenant: tuple[str, str] = ("", "")) -> Any:
+        """compile() for the server: off the event loop, in the pool when there is one (first
+        time-limited in a worker, then here); if the awaiting task is cancelled while a worker
+        compiles (its client left, the server stops) the compile is stopped. `tenant`: (the
+        client's address, its `user`), for the pool's fair shares."""
         import asyncio
 
         source = _grammar_source(spec)
@@ -252,21 +255,21 @@ class StructuredOutputCompiler:
             return await asyncio.to_thread(self.compile, spec)
         job = pool.submit(source, tenant)
         try:
-            outcome = await asyncio.wrap_future(job.future)
+            await asyncio.wrap_future(job.future)
         except CompileFailed as exc:
-            outcome = exc
+            self._raise_failure(spec, exc)
         except asyncio.CancelledError:
             job.cancelled.set()
             job.future.cancel()
             raise
-        return self._finish(spec, source, outcome)
+        return await asyncio.to_thread(self._compile_here, spec, source)
 
-    def matchers(self, spec: StructuredOutputsParams, n: int, prompt_ids: list[int] | None = None
-                 ) -> list[GrammarMatcher]:
-        """n fresh matchers of one constraint (one per sample of a request)."""
+    def matchers(self, compiled: Any, spec: StructuredOutputsParams, n: int,
+                 prompt_ids: list[int] | None = None) -> list[GrammarMatcher]:
+        """n fresh matchers of one compiled constraint (`compile`'s result for `spec`), one per
+        sample of a request."""
         import xgrammar
 
-        compiled = self.compile(spec)
         end, waiting = None, False
         if spec.reasoning_markers is not None:
             start, end = (tuple(m) for m in spec.reasoning_markers)

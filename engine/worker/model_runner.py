@@ -22,13 +22,14 @@ from typing import Any
 import torch
 
 from compiler.capture import MIN_COMPILED_ROWS, compile_forward, mark_static_dims
+from engine.core.outputs import SamplerOutput
 from engine.core.request import SamplingParams
-from engine.core.sched.scheduler_output import SchedulerOutput, sample_row_ranges
+from engine.core.sched.scheduler_output import SchedulerOutput
 from engine.layers.kv_cache import KVCache
 from engine.worker.decode_graphs import DecodeGraphRunner
 from engine.worker.input_buffers import InputBuffers
 from engine.worker.sample.sampler import Sampler, SampleRow
-from engine.worker.sample.sampler_output import HostCopy, LastSampled, PendingSample, SamplerOutput
+from engine.worker.sample.sampler_output import HostCopy, LastSampled, PendingSample
 from engine.worker.spec.verify import verify_outcome
 from engine.worker.step_builder import StepBuilder, StepInputs
 from engine.worker.step_features import StepFeatures
@@ -142,10 +143,6 @@ class ModelRunner:
         return hidden, self.model.compute_logits(hidden)
 
     # ---- the step ----
-    def execute(self, sched: SchedulerOutput) -> SamplerOutput:
-        """Run one step and wait for its sampled tokens on the host."""
-        return self.launch(sched).result()
-
     @torch.inference_mode()
     def launch(self, sched: SchedulerOutput, defer_sampling: bool = False) -> "PendingStep":
         """Queue one step on the device; its sampled tokens stay there (they feed the next step's
@@ -230,11 +227,6 @@ class ModelRunner:
         buf = self.buffers
         return self.forward_fn(buf.input_ids[:step.num_tokens], buf.positions[:step.num_tokens],
                                self.kv_cache.tensor, step.meta, step.ctx)
-
-    @staticmethod
-    def split_sampled(sched: SchedulerOutput, out: SamplerOutput) -> list[list[int]]:
-        """Regroup the flat sampled tokens per scheduled sequence (n at fork points)."""
-        return [[out.token_ids[r] for r in rows] for _, rows in sample_row_ranges(sched.seqs)]
 
 
 class PendingStep:

@@ -2,9 +2,11 @@
 
 Plain functions over ints, so the rules are tested without building an engine:
 
-- the block count comes from an explicit `num_gpu_blocks`, or from a byte budget
-  (`kv_cache_memory_gb` on the CPU; on a GPU, what `gpu_memory_utilization` leaves after a
-  profiled forward);
+- the block count comes from an explicit `num_gpu_blocks`, or from a byte budget: on a GPU,
+  what `gpu_memory_utilization` leaves after a profiled forward; on the CPU `kv_cache_memory_gb`
+  when set, else `cpu_kv_budget` below: a share of the memory actually free once the weights
+  are loaded (/proc/meminfo's MemAvailable, or less where a cgroup limit leaves less), no more
+  than every sequence at the full context needs;
 - the context length: an explicit `max_model_len` must fit in the cache (one sequence alone may
   use every block) or start-up fails naming the setting that gives the cache more room on this
   device; with none given, the model's full context is used when it fits, and otherwise the
@@ -15,10 +17,24 @@ Plain functions over ints, so the rules are tested without building an engine:
 from __future__ import annotations
 
 import logging
+import os
+from dataclasses import dataclass
 
 logger = logging.getLogger(__name__)
 
 GIB = 1 << 30
+MIB = 1 << 20
+
+# The CPU default: this share of the memory left free after the weights, once the headroom below
+# is set aside. The rest stays with the page cache, other processes and the allocator's slack:
+# the KV cache is allocated zeroed, so every byte of it is really taken.
+CPU_KV_SHARE = 0.5
+# Set aside before the share: the OS, the HTTP server, tokenizer threads, oneDNN's primitives.
+CPU_HEADROOM = 1 * GIB
+# Never less than this (kiln's fixed default before the budget followed the free memory).
+CPU_KV_FLOOR = GIB // 4
+# A cgroup memory limit at or above this means none (cgroup v1 writes ~2**63 for "no limit").
+_NO_LIMIT = 1 << 60
 
 
 def budget_setting(device_type: str, explicit_blocks: bool) -> str:
@@ -67,3 +83,120 @@ def fit_max_model_len(requested: int | None, model_limit: int, num_blocks: int, 
     raise ValueError(f"max_model_len ({requested}) is larger than the KV cache can hold ({capacity} tokens in "
                      f"{num_blocks - 1} blocks of {block_size}); raise {how}, or lower max_model_len "
                      f"(or leave it unset: kiln then serves the largest context that fits)")
+
+
+# ---- the CPU default budget: from the memory actually free --------------------------------------
+@dataclass(frozen=True)
+class FreeMemory:
+    """Bytes this process can still take, and where that figure came from (for the log line)."""
+    bytes: int
+    source: str
+
+
+def parse_meminfo(text: str) -> int | None:
+    """MemAvailable of /proc/meminfo's text, in bytes (None when absent: kernels before 3.14)."""
+    for line in text.splitlines():
+        if line.startswith("MemAvailable:"):
+            return int(line.split()[1]) * 1024
+    return None
+
+
+def cgroup_headroom(limit: int | None, usage: int | None, inactive_file: int = 0) -> int | None:
+    """What a cgroup memory limit still leaves: limit - (usage - inactive page cache, which the
+    kernel reclaims before it counts against the limit). None where there is no limit."""
+    if limit is None or usage is None or limit >= _NO_LIMIT:
+        return None
+    return max(limit - max(usage - inactive_file, 0), 0)
+
+
+def _read_int(path: str) -> int | None:
+    try:
+        with open(path) as f:
+            text = f.read().strip()
+    except OSError:
+        return None
+    return None if text == "max" or not text.lstrip("-").isdigit() else int(text)
+
+
+def _stat_value(path: str, keys: tuple[str, ...]) -> int:
+    try:
+        with open(path) as f:
+            values = dict(line.split()[:2] for line in f if line.strip())
+    except (OSError, ValueError):
+        return 0
+    return next((int(values[k]) for k in keys if k in values), 0)
+
+
+def _cgroup_dirs() -> list[tuple[str, str]]:
+    """(version, directory) of this process's memory cgroup, its own path first, then the mount's
+    root (a container usually sees its own cgroup there)."""
+    own_v1 = own_v2 = ""
+    try:
+        with open("/proc/self/cgroup") as f:
+            for line in f:
+                _, controllers, path = line.rstrip("\n").split(":", 2)
+                if controllers == "":
+                    own_v2 = path
+                elif "memory" in controllers.split(","):
+                    own_v1 = path
+    except (OSError, ValueError):
+        pass
+    dirs = []
+    for version, root, own in (("v2", "/sys/fs/cgroup", own_v2), ("v1", "/sys/fs/cgroup/memory", own_v1)):
+        for d in ([os.path.join(root, own.lstrip("/"))] if own.strip("/") else []) + [root]:
+            if d not in (x for _, x in dirs):
+                dirs.append((version, d))
+    return dirs
+
+
+def read_free_memory() -> FreeMemory | None:
+    """The memory this process can still take: MemAvailable, or what its cgroup's limit leaves
+    where that is less. None where neither can be read (not Linux)."""
+    try:
+        with open("/proc/meminfo") as f:
+            available = parse_meminfo(f.read())
+    except OSError:
+        available = None
+    best = FreeMemory(available, "MemAvailable") if available is not None else None
+    for version, d in _cgroup_dirs():
+        if version == "v2":
+            left = cgroup_headroom(_read_int(f"{d}/memory.max"), _read_int(f"{d}/memory.current"),
+                                   _stat_value(f"{d}/memory.stat", ("inactive_file",)))
+        else:
+            left = cgroup_headroom(_read_int(f"{d}/memory.limit_in_bytes"), _read_int(f"{d}/memory.usage_in_bytes"),
+                                   _stat_value(f"{d}/memory.stat", ("total_inactive_file", "inactive_file")))
+        if left is not None:
+            if best is None or left < best.bytes:
+                best = FreeMemory(left, f"the cgroup memory limit ({d})")
+            break
+    return best
+
+
+def activation_bytes(max_num_batched_tokens: int, max_num_seqs: int, hidden: int, intermediate: int,
+                     qkv_width: int, vocab: int, element_size: int) -> int:
+    """A generous bound on one step's activations: a few hidden-sized tensors, the q/k/v and
+    gate/up outputs for every token of the step, and float32 logits (plus their softmax) of every
+    sampled row."""
+    per_token = (4 * hidden + 2 * intermediate + intermediate + qkv_width) * element_size
+    return 2 * max_num_batched_tokens * per_token + 2 * max_num_seqs * vocab * 4
+
+
+def cpu_kv_budget(free_bytes: int, activations: int, needed_bytes: int, ranks: int = 1) -> tuple[int, str]:
+    """The CPU KV cache's default size in bytes (per rank), and why, in words.
+
+    free_bytes: what the process can still take with its weights loaded; activations: a step's
+    working memory; needed_bytes: the cache every sequence at the full context would fill (more
+    would never be used); ranks: processes sharing the free memory (tensor parallelism).
+    CPU_KV_SHARE of what is free after activations and CPU_HEADROOM, split over the ranks, at most
+    needed_bytes, at least CPU_KV_FLOOR."""
+    spare = free_bytes - activations - CPU_HEADROOM
+    share = int(max(spare, 0) * CPU_KV_SHARE) // max(ranks, 1)
+    of = f"{CPU_KV_SHARE:.0%} of the {free_bytes / GIB:.1f} GiB free after the weights"
+    of += f" less {(activations + CPU_HEADROOM) / GIB:.1f} GiB for activations and the OS"
+    if ranks > 1:
+        of += f", split over {ranks} ranks"
+    if share >= needed_bytes:
+        return needed_bytes, f"what every sequence at the full context needs (less than {of})"
+    if share < CPU_KV_FLOOR:
+        return min(CPU_KV_FLOOR, needed_bytes), f"the {CPU_KV_FLOOR / GIB:.2f} GiB floor: memory is short ({of})"
+    return share, of

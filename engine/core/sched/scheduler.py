@@ -19,7 +19,6 @@ acceptance engine/core/sched/spec/'s, applying a step's results engine/core/sche
 from __future__ import annotations
 
 import bisect
-import dataclasses
 import heapq
 import itertools
 import time
@@ -28,6 +27,7 @@ from typing import TYPE_CHECKING, Literal
 
 from engine.core.kv.allocator import KVAllocator
 from engine.core.kv.block_pool import BlockPool
+from engine.core.outputs import RequestUpdate, SamplerOutput
 from engine.core.request import FinishReason, InvalidRequestError, Request, SeqStatus, Sequence
 from engine.core.request_kinds import task_of
 from engine.core.sched.preemption import Preemptor
@@ -53,6 +53,7 @@ class SchedulerConfig:
     reserved_blocks_fraction: float = 0.0
     reserved_priority: int = 0
     watermark_fraction: float = 0.01
+    eos_token_ids: tuple[int, ...] = ()  # the model's end-of-sequence tokens (a token-level stop)
 
 
 class Scheduler:
@@ -71,7 +72,8 @@ class Scheduler:
         self.swapped: list[Sequence] = []
         self.preemption = Preemptor(config.preemption_mode, self.kv, swapper, self.running, self.swapped,
                                     self._insert_waiting)
-        self.results = StepResults(self.kv, self.spec, self._new_child)
+        self.results = StepResults(self.kv, self.spec, self._new_child, self.finish_seq, self.pop_finished_request,
+                                   config.eos_token_ids, config.max_model_len)
         self.requests: dict[str, Request] = {}
         self._seq_ids = itertools.count()
         self._arrival = itertools.count()
@@ -82,6 +84,7 @@ class Scheduler:
 
     # ---- counters (metrics) ----
     num_preemptions = property(lambda self: self.preemption.num_preemptions)
+    num_generated = property(lambda self: self.results.num_generated)  # output tokens the last update kept
     preemptions_by_mode = property(lambda self: self.preemption.by_mode)
     num_swap_fallbacks = property(lambda self: self.preemption.num_swap_fallbacks)
     num_draft_tokens = property(lambda self: self.spec.num_draft_tokens if self.spec else 0)
@@ -90,35 +93,18 @@ class Scheduler:
 
     # ---- requests in and out ----
     def add_request(self, request: Request) -> None:
-        """Validate against the model length and the pool, then queue the request."""
-        prompt_len = len(request.prompt_token_ids)
-        limit = self.config.max_model_len
-        if prompt_len == 0:
-            raise InvalidRequestError("the prompt is empty", "prompt")
+        """Queue an admitted request (engine/runtime/admission.py checked it: lengths, n, token ids)
+        if it can ever fit the KV pool at its priority."""
         if request.request_id in self.requests:
             raise InvalidRequestError(f"request id {request.request_id!r} is already in use", "request_id")
         params = request.params
-        if params.n > self.config.max_num_seqs:
-            raise InvalidRequestError(
-                f"n={params.n} samples exceed max_num_seqs={self.config.max_num_seqs}", "n")
-        if prompt_len >= limit:
-            raise InvalidRequestError(
-                f"the prompt has {prompt_len} tokens, which leaves no room to generate within "
-                f"max_model_len={limit}", "prompt")
-        max_tokens = params.max_tokens if params.max_tokens is not None else limit - prompt_len
-        if prompt_len + max_tokens > limit:
-            raise InvalidRequestError(
-                f"prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) = "
-                f"{prompt_len + max_tokens} exceeds max_model_len={limit}", "max_tokens")
+        prompt_len = len(request.prompt_token_ids)
+        max_tokens = params.max_tokens if params.max_tokens is not None else self.config.max_model_len - prompt_len
         self.kv.check_capacity(prompt_len + max_tokens, request.priority)
-        if params.max_tokens is None:
-            # The request keeps its own copy: the caller's SamplingParams may serve other prompts.
-            request.params = dataclasses.replace(params, max_tokens=max_tokens, stop=list(params.stop),
-                                                 stop_token_ids=list(params.stop_token_ids))
         seq = self._new_seq(request, 0, list(request.prompt_token_ids))
         request.seqs = [seq]
         self.requests[request.request_id] = request
-        if request.params.n > 1:
+        if params.n > 1:
             self._unforked[seq.seq_id] = seq
         self._insert_waiting(seq)
 
@@ -128,14 +114,43 @@ class Scheduler:
         self._order[seq.seq_id] = next(self._arrival)
         return seq
 
-    def abort_request(self, request_id: str) -> Request | None:
+    def abort_request(self, request_id: str) -> RequestUpdate | None:
+        """Finish every sequence of a request now (its blocks are free at once); its last update."""
         request = self.requests.get(request_id)
         if request is None:
             return None
         for seq in request.seqs:
             if not seq.is_finished:
                 self.finish_seq(seq, FinishReason.ABORT)
-        return request
+        return self._final_update(request)
+
+    def fail_all(self, message: str) -> list[RequestUpdate]:
+        """Fail every unfinished request (after the loop crashed); their last updates (the pool ends
+        fully free)."""
+        updates = []
+        for request in list(self.requests.values()):
+            if not request.is_finished:
+                self.results.fail_request(request, message)
+            updates.append(self._final_update(request))
+        return updates
+
+    def finish_by_text(self, request_id: str, index: int, stop_reason: int | str | None) -> None:
+        """Sample `index` of a request hit a stop string (the output side found it and handed out
+        its end): finish it, freeing its blocks; tokens of steps still in flight are dropped."""
+        request = self.requests.get(request_id)
+        if request is None:
+            return
+        for seq in request.seqs:
+            if seq.sample_index == index:
+                self.finish_seq(seq, FinishReason.STOP, stop_reason)
+        if request.is_finished:
+            request.finished_time = time.monotonic()
+            self.pop_finished_request(request_id)
+
+    def _final_update(self, request: Request) -> RequestUpdate:
+        request.finished_time = request.finished_time or time.monotonic()
+        self.pop_finished_request(request.request_id)
+        return self.results.update_of(request)
 
     def finish_seq(self, seq: Sequence, reason: FinishReason, stop_reason: int | str | None = None) -> None:
         """Mark a sequence done and release everything it holds, at once."""
@@ -362,9 +377,6 @@ class Scheduler:
             request.first_scheduled_time = time.monotonic()
 
     # ---- preemption (engine/core/sched/preemption.py) ----
-    def _preempt(self, seq: Sequence, out: SchedulerOutput, reason: str) -> None:
-        self.preemption.preempt(seq, out, reason)
-
     def _fits(self, seq: Sequence, budget: int) -> bool:
         """Could this waiting or swapped sequence start now (seats and blocks; prefix hits ignored)?"""
         if self._seats_used() + self._seats(seq) > self.config.max_num_seqs:
@@ -400,8 +412,10 @@ class Scheduler:
         """The step is on the device: advance its sequences now (placeholders for sampled tokens)."""
         self.results.launched(out)
 
-    def update(self, out: SchedulerOutput, sampled: list[list[int]]) -> list[Sequence]:
-        """Take in a step's sampled tokens (per out.seqs[i]); returns the sequences that got tokens."""
+    def update_from_output(self, out: SchedulerOutput, sampled: SamplerOutput) -> list[RequestUpdate]:
+        """Take in a step's sampled tokens: one pass appends them, runs the token-level stops and
+        grammars, and frees what ended (engine/core/sched/step_update.py); returns the updates for
+        the output side."""
         return self.results.update(out, sampled)
 
     def _new_child(self, parent: Sequence, index: int) -> Sequence:
@@ -420,10 +434,6 @@ class Scheduler:
         for queue in (self.waiting, self.running, self.swapped):
             if seq in queue:
                 queue.remove(seq)
-
-    def block_references(self) -> dict[int, int]:
-        swapped = self.swapper.gpu_references() if self.swapper is not None else None
-        return self.kv.references(itertools.chain(self.running, self.waiting), swapped)
 
     def check_integrity(self) -> None:
         """The pool's own invariants plus: every reference is held by a live sequence."""

@@ -4,4 +4,5 @@ import sys
 
 from engine.entrypoints.cli.main import main
 
-sys.exit(main())
+if __name__ == "__main__":  # (importing the module, as the GPU check's import sweep does, runs nothing)
+    sys.exit(main())

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from engine.config.build import build_settings
-from engine.config.settings import EngineSettings, ServerSettings, SettingsError, did_you_mean
+from engine.config.settings import EngineSettings, SettingsError, did_you_mean
 
 logger = logging.getLogger("engine.entrypoints.cli.flags")
 
@@ -264,15 +264,6 @@ class SuggestingParser(argparse.ArgumentParser):
             if hints:
                 message = "unrecognized arguments: " + ", ".join(hints)
         super().error(message)
-
-
-def engine_and_server_flags() -> dict[str, str]:
-    """Every settings flag -> setting name (for tests and docs)."""
-    out = {}
-    for cls in (EngineSettings, ServerSettings):
-        for name in cls.model_fields:
-            out[flag_of(name)] = name
-    return out
 
 
 def print_error(exc: Exception) -> None:

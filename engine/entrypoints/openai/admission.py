@@ -1,21 +1,25 @@
-"""The server's admission checks, in one place: which model, is the text valid Unicode, is the
-prompt within max_model_len (before the engine sees it), are the parameters within the
-server's limits, does the structured-output constraint compile in time. Tokenisation and chat
-templates run here too, on the server's tokenising threads, never on the event loop.
+"""The server's side of admission: which model, is the text valid Unicode and of a size that can
+fit, how many prompts and samples one HTTP request may hold, does the structured-output
+constraint compile in time (in the compile pool, stopped if the client leaves). Tokenisation
+and chat templates run here too, on the server's tokenising threads, never on the event loop.
 
-The engine checks again on its own (offline users have no server); a request these checks let
-through is one the engine accepts.
+The rules every request meets (the params against the engine's limits, token ids against the
+vocabulary, the prompt's length) are the engine's one admission step's
+(engine/runtime/admission.py), called from here step by step, once each; the engine takes the
+admitted request as it is.
 """
 
 from __future__ import annotations
 
-import dataclasses
+import json
 import logging
 from typing import Any
 
-from engine.core.request import InvalidRequestError, LoRARequest, SamplingParams
+from engine.core.request import InvalidRequestError, LoRARequest, PoolingParams, SamplingParams
+from engine.core.request_kinds import Task
 from engine.entrypoints.openai.errors import APIError, ClientGone
 from engine.entrypoints.openai.jobs import until_done
+from engine.entrypoints.openai.request_body import max_prompts
 from engine.runtime.engine_info import EngineInfo
 
 logger = logging.getLogger("engine.entrypoints.openai")
@@ -38,53 +42,39 @@ def check_model(state, model: str | None) -> LoRARequest | None:
 
 
 # ---- text ----
-def lone_surrogate_path(value: Any, path: str = "") -> str | None:
-    """The path of the first string (or key) holding a lone UTF-16 surrogate, which no tokenizer
-    or UTF-8 encoder accepts; None if there is none."""
-    if isinstance(value, str):
-        try:
-            value.encode("utf-8")
-        except UnicodeEncodeError:
-            return path or "body"
-        return None
-    if isinstance(value, dict):
-        for k, v in value.items():
-            sub = f"{path}.{k}" if path else str(k)
-            if isinstance(k, str) and lone_surrogate_path(k) is not None:
-                return sub
-            found = lone_surrogate_path(v, sub)
-            if found is not None:
-                return found
-    elif isinstance(value, (list, tuple)):
-        for i, v in enumerate(value):
-            found = lone_surrogate_path(v, f"{path}[{i}]")
-            if found is not None:
-                return found
-    return None
-
-
-def check_unicode(body) -> None:
-    """400 naming the field if any string of the request is not valid Unicode (a lone surrogate
-    such as "\\ud800", which JSON allows and UTF-8 cannot encode)."""
-    data = body.model_dump(by_alias=True) if hasattr(body, "model_dump") else body
-    path = lone_surrogate_path(data)
-    if path is not None:
-        raise InvalidRequestError(f"{path}: the text is not valid Unicode (it holds a lone UTF-16 surrogate)", path)
-
-
 def max_token_chars(tokenizer) -> int:
     """The most UTF-8 bytes any one token stands for (at least its text's length in characters)."""
     vocab = tokenizer.get_vocab()
     return max((len(t.encode("utf-8", "replace")) for t in vocab), default=1)
 
 
-def check_text_size(info: EngineInfo, per_token: int, text: str, param: str) -> None:
-    """Refuse a text that must be longer than max_model_len tokens without tokenising it (each
-    token covers at most `per_token` characters): a 6 MB prompt is refused in microseconds."""
-    bound = info.max_model_len * per_token * _NORMALIZER_SLACK
-    if len(text) > bound:
-        raise InvalidRequestError(f"{param}: the text ({len(text)} characters) is far longer than "
+def text_bound(info: EngineInfo, per_token: int) -> int:
+    """The most characters a text of max_model_len tokens can have (each token covers at most
+    `per_token` characters, and the normalizer may shorten a little)."""
+    return info.max_model_len * per_token * _NORMALIZER_SLACK
+
+
+def check_chars(info: EngineInfo, max_chars: int, chars: int, param: str, what: str = "the text") -> None:
+    if chars > max_chars:
+        raise InvalidRequestError(f"{param}: {what} ({chars} characters) is far longer than "
                                   f"max_model_len={info.max_model_len} tokens", param)
+
+
+def check_text_size(info: EngineInfo, per_token: int, text: str, param: str) -> None:
+    """Refuse a text that must be longer than max_model_len tokens without tokenising it: a
+    6 MB prompt is refused in microseconds."""
+    check_chars(info, text_bound(info, per_token), len(text), param)
+
+
+def conversation_chars(conversation: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> int:
+    """A lower bound on the length of the rendered conversation: every message's text, name and
+    tool calls, and the tools, appear in it (counted without rendering anything)."""
+    chars = len(json.dumps(tools)) if tools else 0
+    for m in conversation:
+        chars += len(m["content"]) + len(m.get("name") or "")
+        if m.get("tool_calls"):
+            chars += len(json.dumps(m["tool_calls"]))
+    return chars
 
 
 # ---- tokenising (call through ServerState.off_loop) ----
@@ -94,7 +84,10 @@ def encode(tokenizer, text: str, add_special_tokens: bool = True) -> list[int]:
 
 def chat_prompt_ids(tokenizer, conversation: list[dict[str, Any]], add_generation_prompt: bool = True,
                     tools: list[dict[str, Any]] | None = None, continue_final_message: bool = False,
-                    template_kwargs: dict[str, Any] | None = None) -> list[int]:
+                    template_kwargs: dict[str, Any] | None = None, max_chars: int | None = None,
+                    info: EngineInfo | None = None) -> list[int]:
+    """The conversation templated and tokenised; a rendered text over `max_chars` is refused
+    before tokenising (the template adds text of its own, unbounded by the messages)."""
     if continue_final_message:
         if add_generation_prompt:
             raise InvalidRequestError("continue_final_message needs add_generation_prompt=false",
@@ -112,6 +105,8 @@ def chat_prompt_ids(tokenizer, conversation: list[dict[str, Any]], add_generatio
                                              tools=tools, continue_final_message=continue_final_message, **kwargs)
     except Exception as exc:  # noqa: BLE001 - template errors are the request's fault
         raise InvalidRequestError(f"messages: the chat template failed: {exc}", "messages") from exc
+    if max_chars is not None and info is not None:
+        check_chars(info, max_chars, len(text), "messages", "the rendered conversation")
     return tokenizer.encode(text, add_special_tokens=False)
 
 
@@ -122,56 +117,34 @@ async def prompt_ids(state, prompts: list[str | list[int]], param: str) -> list[
         where = param if len(prompts) == 1 else f"{param}[{i}]"
         if isinstance(p, str):
             check_text_size(state.info, state.max_token_chars, p, where)
-            out.append(await state.off_loop(encode, state.tokenizer, p))
+            out.append(await state.off_loop(encode, state.tokenizer, p, size=len(p)))
         else:
-            check_token_ids(state.info, p, where)
+            state.admission.check_token_ids(p, where)
             out.append(list(p))
     return out
 
 
 # ---- lengths and parameters ----
-def check_token_ids(info: EngineInfo, ids: list[int], param: str) -> None:
-    bad = [t for t in ids if not isinstance(t, int) or not 0 <= t < info.vocab_size]
-    if bad:
-        raise InvalidRequestError(f"{param}: token ids must be in [0, {info.vocab_size}); got {bad[:3]}", param)
+def fit_prompts(state, ids: list[list[int]], params: SamplingParams, param: str) -> list[list[int]]:
+    """Each prompt's ids cut to truncate_prompt_tokens, its length checked (Admission.fit_prompt)."""
+    return [state.admission.fit_prompt(None, p, params, param if len(ids) == 1 else f"{param}[{i}]")[1]
+            for i, p in enumerate(ids)]
 
 
-def check_length(info: EngineInfo, num_prompt_tokens: int, max_tokens: int | None, param: str) -> None:
-    """The prompt fits in max_model_len with room for max_tokens (the scheduler's rule, checked
-    before the engine sees the request)."""
-    limit = info.max_model_len
-    if num_prompt_tokens == 0:
-        raise InvalidRequestError(f"{param}: the prompt is empty", param)
-    if num_prompt_tokens >= limit:
-        raise InvalidRequestError(f"{param}: the prompt has {num_prompt_tokens} tokens, which leaves no room to "
-                                  f"generate within max_model_len={limit}", param)
-    if max_tokens is not None and num_prompt_tokens + max_tokens > limit:
-        raise InvalidRequestError(f"prompt ({num_prompt_tokens} tokens) + max_tokens ({max_tokens}) = "
-                                  f"{num_prompt_tokens + max_tokens} exceeds max_model_len={limit}", "max_tokens")
-
-
-def check_lengths(info: EngineInfo, ids: list[list[int]], params: SamplingParams, param: str) -> None:
-    for i, p in enumerate(ids):
-        n = len(p)
-        if params.truncate_prompt_tokens is not None:
-            n = min(n, params.truncate_prompt_tokens)
-        check_length(info, n, params.max_tokens, param if len(ids) == 1 else f"{param}[{i}]")
-
-
-def check_params(info: EngineInfo, body, params: SamplingParams, num_prompts: int) -> None:
+def check_params(state, body, params: SamplingParams | None, num_prompts: int,
+                 pooling: PoolingParams | None = None) -> tuple[SamplingParams, Task]:
+    """The params and task the request runs with, checked against the engine's limits
+    (Admission.check_params), and the number of prompts and samples against the server's."""
     unknown = body.unknown_fields()
     if unknown:
         logger.info("ignoring unknown request fields: %s", ", ".join(unknown))
-    params.validate()
-    if params.n > info.max_num_seqs:
-        raise InvalidRequestError(f"n ({params.n}) exceeds this server's max_num_seqs ({info.max_num_seqs})", "n")
-    check_batch(info, num_prompts * params.n, "prompt")
-    for name, ids in params.token_id_fields():
-        check_token_ids(info, ids, name)
+    params, task = state.admission.check_params(params, pooling)
+    check_batch(state.info, num_prompts * params.n, "prompt" if pooling is None else "input")
+    return params, task
 
 
 def check_batch(info: EngineInfo, count: int, param: str) -> None:
-    if count > max(info.max_num_seqs, 1) * 16:
+    if count > max_prompts(info):
         raise InvalidRequestError(f"too many prompts or samples in one request ({count})", param)
 
 
@@ -179,12 +152,12 @@ def check_batch(info: EngineInfo, count: int, param: str) -> None:
 async def check_constraint(state, body, params: SamplingParams, request) -> Any:
     """Compile the request's constraint in the server's compile pool (time-limited, stopped if
     the client goes away) so that one that does not compile, or not in time, is a 400 naming the
-    field it came in. Returns the compiled grammar: while the caller holds it, the engine's own
-    compile of it is a cache hit (even if the LRU has let it go)."""
+    field it came in. Returns the compiled grammar (None without a constraint): it travels with
+    the admitted request, and the engine makes the matchers from it."""
     if params.structured_outputs is None:
         return None
     found = body.structured_output_field()
-    name, _ = found if found is not None else ("tools", params.structured_outputs)
+    name = found[0] if found is not None else "tools"
     tenant = tenant_of(request, body)
     try:
         done = await until_done(state.engine.grammar_compiler.compile_async(params.structured_outputs, tenant),
@@ -202,14 +175,13 @@ def with_reasoning_markers(state, params: SamplingParams) -> None:
         return
     tok = state.tokenizer
     markers = tuple(tuple(tok.encode(m, add_special_tokens=False)) for m in ("<think>", "</think>"))
-    params.structured_outputs = dataclasses.replace(params.structured_outputs, reasoning_markers=markers)
+    params.structured_outputs.reasoning_markers = markers  # (the request's own constraint; not compiled in)
 
 
-def tenant_of(request, body) -> str:
-    """Who a request is from, for fair sharing of the compile pool: OpenAI's `user` field when
-    given, else the client's address."""
-    user = getattr(body, "user", None)
-    if user:
-        return "user:" + user
+def tenant_of(request, body) -> tuple[str, str]:
+    """Who a request is from, for fair sharing of the compile pool: (the connection's address,
+    OpenAI's `user` field). The address is what the client cannot multiply; `user`, which it
+    sets freely, only shares out its address's turn. (kiln has one API key for every client,
+    so the key would not tell clients apart.)"""
     client = request.client
-    return "addr:" + (client.host if client else "-")
+    return (client.host if client else "-"), (getattr(body, "user", None) or "")

@@ -7,6 +7,7 @@ builds the state. Nothing here is module-level state: two apps in one process sh
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 
 from fastapi import FastAPI
@@ -32,14 +33,15 @@ def build_app(state: ServerState, manage_engine: bool = True) -> FastAPI:
             yield
         finally:
             if manage_engine:
-                state.close()
+                await asyncio.to_thread(state.close)  # (may wait for the grammar compiler's start-up)
                 state.engine.shutdown()
 
     app = FastAPI(title="kiln", version=kiln_version(), lifespan=lifespan,
                   description="OpenAI-compatible completions and chat served by kiln")
     app.state.kiln = state
     app.add_middleware(GateMiddleware, state=state)
-    app.add_middleware(RequestContextMiddleware, api_key=state.settings.api_key)  # outermost: logs every request
+    app.add_middleware(RequestContextMiddleware, api_key=state.settings.api_key,  # outermost: logs every request
+                       retry_after_s=state.settings.retry_after_s)
     install_error_handlers(app)
     for module in (completions, chat, embeddings, tokenize, models):
         app.include_router(module.router(state))

@@ -7,16 +7,16 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 
-from engine.config.generation_config import apply_generation_defaults
 from engine.core.request import RequestOutput
 from engine.entrypoints.openai.admission import (
     chat_prompt_ids,
+    check_chars,
     check_constraint,
-    check_lengths,
     check_model,
     check_params,
-    check_text_size,
-    check_unicode,
+    conversation_chars,
+    text_bound,
+    fit_prompts,
     with_reasoning_markers,
 )
 from engine.entrypoints.openai.errors import post_route
@@ -130,28 +130,27 @@ class ChatFormat(FormatBase):
 
 async def conversation_ids(state, body, add_generation_prompt: bool, tools=None, continue_final: bool = False,
                            template_kwargs=None) -> list[int]:
-    """The chat-templated prompt's ids, made on the tokenising threads."""
+    """The chat-templated prompt's ids, made on the tokenising threads. The whole conversation
+    is bounded before templating, the rendered text before tokenising."""
     conversation = body.conversation()
-    for i, message in enumerate(conversation):
-        check_text_size(state.info, state.max_token_chars, message["content"], f"messages[{i}].content")
+    max_chars = text_bound(state.info, state.max_token_chars)
+    chars = conversation_chars(conversation, tools)
+    check_chars(state.info, max_chars, chars, "messages", "the conversation")
     return await state.off_loop(chat_prompt_ids, state.tokenizer, conversation, add_generation_prompt, tools,
-                                continue_final, template_kwargs)
+                                continue_final, template_kwargs, max_chars, state.info, size=chars)
 
 
 async def create_chat_completion(state, body: ChatCompletionRequest, request: Request):
-    check_unicode(body)
     lora = check_model(state, body.model)
     tool_mode = body.tool_mode(state.settings.auto_tool_parser)
-    params = body.sampling_params(tool_mode)
-    params = apply_generation_defaults(params, state.info.generation_defaults, body.model_fields_set)
-    check_params(state.info, body, params, 1)
+    params, task = check_params(state, body, body.sampling_params(tool_mode, state.info.generation_defaults), 1)
     ids = await conversation_ids(state, body, body.add_generation_prompt, body.template_tools(),
                                  body.continue_final_message, body.chat_template_kwargs)
-    check_lengths(state.info, [ids], params, "messages")
-    grammar = await check_constraint(state, body, params, request)  # noqa: F841 - held until the engine has it
+    ids = fit_prompts(state, [ids], params, "messages")
+    grammar = await check_constraint(state, body, params, request)
     with_reasoning_markers(state, params)
     reasoning = state.settings.reasoning_parser
-    return await generate(state, body, request, ChatFormat(state), "chat", [ids], [None], params, lora,
+    return await generate(state, body, request, ChatFormat(state), "chat", ids, [None], params, task, grammar, lora,
                           tool_mode=tool_mode if tool_mode.kind != "none" else None,
                           reasoning=ReasoningParser(reasoning) if reasoning is not None else None)
 

@@ -6,14 +6,12 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 
-from engine.config.generation_config import apply_generation_defaults
 from engine.core.request import RequestOutput
 from engine.entrypoints.openai.admission import (
     check_constraint,
-    check_lengths,
     check_model,
     check_params,
-    check_unicode,
+    fit_prompts,
     prompt_ids,
 )
 from engine.entrypoints.openai.errors import post_route
@@ -65,18 +63,14 @@ class CompletionFormat(FormatBase):
 
 
 async def create_completion(state, body: CompletionRequest, request: Request):
-    check_unicode(body)
     lora = check_model(state, body.model)
     prompts = body.prompts()
-    params = body.sampling_params()
-    params = apply_generation_defaults(params, state.info.generation_defaults, body.model_fields_set)
-    check_params(state.info, body, params, len(prompts))
-    ids = await prompt_ids(state, prompts, "prompt")
-    check_lengths(state.info, ids, params, "prompt")
-    grammar = await check_constraint(state, body, params, request)  # noqa: F841 - held until the engine has it
+    params, task = check_params(state, body, body.sampling_params(state.info.generation_defaults), len(prompts))
+    ids = fit_prompts(state, await prompt_ids(state, prompts, "prompt"), params, "prompt")
+    grammar = await check_constraint(state, body, params, request)
     texts = [p if isinstance(p, str) else None for p in prompts]
-    return await generate(state, body, request, CompletionFormat(state), "completion", ids, texts, params, lora,
-                          echo=body.echo, prompt_only=body.prompt_only)
+    return await generate(state, body, request, CompletionFormat(state), "completion", ids, texts, params, task,
+                          grammar, lora, echo=body.echo, prompt_only=body.prompt_only)
 
 
 def router(state) -> APIRouter:

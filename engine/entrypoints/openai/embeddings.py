@@ -12,8 +12,8 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
-from engine.core.request import PoolingParams, RequestOutput, SamplingParams
-from engine.entrypoints.openai.admission import check_batch, check_lengths, check_model, check_unicode, prompt_ids
+from engine.core.request import PoolingParams, RequestOutput
+from engine.entrypoints.openai.admission import check_model, check_params, fit_prompts, prompt_ids
 from engine.entrypoints.openai.errors import engine_failed, post_route
 from engine.entrypoints.openai.jobs import until_done
 from engine.entrypoints.openai.protocol import EmbeddingRequest
@@ -36,17 +36,16 @@ def embedding_body(body: EmbeddingRequest, job_id: str, model: str, outs: list[R
 
 async def create_embedding(state, body: EmbeddingRequest, request: Request):
     """Each input's pooled final hidden state (EngineSettings.pooling_type), as floats or base64."""
-    check_unicode(body)
     lora = check_model(state, body.model)
     prompts = body.prompts()
-    check_batch(state.info, len(prompts), "input")
-    ids = await prompt_ids(state, prompts, "input")
-    check_lengths(state.info, ids, SamplingParams(max_tokens=None), "input")
     pooling = PoolingParams(state.info.pooling_type, body.normalize, body.dimensions)
+    params, task = check_params(state, body, None, len(prompts), pooling)
+    ids = fit_prompts(state, await prompt_ids(state, prompts, "input"), params, "input")
     arrival = time.monotonic()
     job_id = f"embd-{uuid.uuid4().hex}"
+    admission = state.admission
     results = await asyncio.gather(*(
-        state.engine.add_request(p, SamplingParams(), f"{job_id}-{i}", body.priority, arrival, lora, pooling)
+        state.engine.submit(admission.request(None, p, params, task, f"{job_id}-{i}", body.priority, arrival, lora))
         for i, p in enumerate(ids)), return_exceptions=True)
     streams = [r for r in results if isinstance(r, RequestStream)]
     errors = [r for r in results if isinstance(r, BaseException)]

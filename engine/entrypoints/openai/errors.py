@@ -13,9 +13,11 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from engine.core.request import InvalidRequestError
 from engine.entrypoints.openai.protocol import ErrorResponse
+from engine.entrypoints.openai.request_body import BoundedJSONRoute
 from engine.runtime.errors import EngineDeadError, QueueFullError
 from engine.structured_output.grammars import CompileCancelled
 
@@ -41,12 +43,24 @@ class RequestFailed(Exception):
 
 
 def error_body(message: str, type_: str, param: str | None = None, code: str | int | None = None) -> dict:
-    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+    return {"error": {"message": _encodable(message), "type": type_, "param": _encodable(param), "code": code}}
+
+
+def _encodable(text: str | None) -> str | None:
+    """The text with anything UTF-8 cannot encode (a client's lone surrogate, echoed in a
+    message) escaped: an error about bad Unicode must not itself fail to encode."""
+    if text is None:
+        return None
+    try:
+        text.encode("utf-8")
+        return text
+    except UnicodeEncodeError:
+        return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 def error_response(status: int, message: str, type_: str, param: str | None = None,
-                   code: str | int | None = None) -> JSONResponse:
-    return JSONResponse(error_body(message, type_, param, code), status_code=status)
+                   code: str | int | None = None, headers: dict[str, str] | None = None) -> JSONResponse:
+    return JSONResponse(error_body(message, type_, param, code), status_code=status, headers=headers)
 
 
 def timeout_error(timeout: float | None) -> APIError:
@@ -75,10 +89,10 @@ def stream_error_body(exc: BaseException, timeout: float | None) -> dict:
     return error_body(str(exc), "service_unavailable", None, "engine_dead")
 
 
-def _json_error_path(body: bytes, offset: int) -> str | None:
-    """The field path (e.g. "messages[0].content") at byte `offset` of a malformed JSON body:
-    scans the prefix, keeping a stack of the object keys and array indices it is inside."""
-    text = body[:max(offset, 0)].decode("utf-8", errors="replace")
+def _json_error_path(body: str, offset: int) -> str | None:
+    """The field path (e.g. "messages[0].content") at character `offset` of a malformed JSON
+    body: scans the prefix, keeping a stack of the object keys and array indices it is inside."""
+    text = body[:max(offset, 0)]
     stack: list[Any] = []  # per open container: [key or None] for objects, [index] for arrays
     kinds: list[str] = []
     i, n, last_string = 0, len(text), None
@@ -122,10 +136,10 @@ async def validation_message(exc: RequestValidationError, request: Request) -> t
         if err.get("type") == "json_invalid":
             loc = err.get("loc", ())
             offset = loc[-1] if loc and isinstance(loc[-1], int) else 0
-            body = await request.body()
+            body = exc.body if isinstance(exc.body, str) else (await request.body()).decode("utf-8", "replace")
             where = _json_error_path(body, offset)
             detail = (err.get("ctx") or {}).get("error") or "malformed JSON"
-            line = body[:offset].count(b"\n") + 1
+            line = body[:offset].count("\n") + 1
             parts.append(f"the request body is not valid JSON ({detail} at line {line}"
                          + (f", in {where})" if where else ")"))
             first = first or where or "body"
@@ -146,7 +160,8 @@ def post_route(router, path: str, body_type: type, handler, state) -> None:
 
     endpoint.__annotations__ = {"body": body_type, "request": Request}
     endpoint.__name__ = handler.__name__
-    router.add_api_route(path, endpoint, methods=["POST"], responses=ERROR_RESPONSES)
+    router.add_api_route(path, endpoint, methods=["POST"], responses=ERROR_RESPONSES,
+                         route_class_override=BoundedJSONRoute)
 
 
 def install_error_handlers(app: FastAPI) -> None:
@@ -176,13 +191,14 @@ def install_error_handlers(app: FastAPI) -> None:
         return error_response(503, str(exc), "service_unavailable", None, "shutting_down")
 
     @app.exception_handler(ClientGone)
+    @app.exception_handler(ClientDisconnect)  # (gone while its body was being read)
     async def _gone(request: Request, exc: Exception):
         return Response(status_code=499)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException):
         type_ = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
-        return error_response(exc.status_code, str(exc.detail), type_)
+        return error_response(exc.status_code, str(exc.detail), type_, headers=exc.headers)
 
     @app.exception_handler(Exception)
     async def _internal(request: Request, exc: Exception):

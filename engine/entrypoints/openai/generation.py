@@ -5,13 +5,15 @@ one-token requests run together."""
 from __future__ import annotations
 
 import asyncio
-import dataclasses
+import time
 import uuid
+from typing import Any
 
 from engine.core.request import InvalidRequestError, LoRARequest, SamplingParams
-from engine.entrypoints.openai.admission import check_length
+from engine.core.request_kinds import Task
 from engine.entrypoints.openai.errors import APIError
 from engine.entrypoints.openai.jobs import Choice, Formatter, Job, respond, start_job
+from engine.runtime.admission import AdmittedRequest
 from engine.runtime.beam_search import BeamSearch, BeamSearchParams
 
 
@@ -26,12 +28,10 @@ async def beam_search(state, body, kind: str, prompts: list[list[int]], texts: l
     info = state.info
     max_tokens = params.max_tokens or info.max_model_len - max(len(p) for p in prompts)
     search_params = BeamSearchParams(params.n, max_tokens, params.ignore_eos, body.length_penalty)
-    for ids in prompts:
-        check_length(info, len(ids), max_tokens, "prompt")
-    step = search_params.step_params()
+    search = BeamSearch(prompts, search_params, state.admission, info.eos_token_ids)
 
-    async def one_step(tokens: list[int]) -> dict[int, float]:
-        stream = await state.engine.add_request(tokens, dataclasses.replace(step), None, body.priority, None, lora)
+    async def one_step(admitted: AdmittedRequest) -> dict[int, float]:
+        stream = await state.engine.submit(admitted)
         last = None
         try:
             async for last in stream:
@@ -43,9 +43,11 @@ async def beam_search(state, body, kind: str, prompts: list[list[int]], texts: l
                            "server_error", None, "engine_error")
         return last.outputs[0].logprobs[-1]
 
-    search = BeamSearch(prompts, search_params, info.eos_token_ids)
-    while batch := search.pending():
-        search.advance(list(await asyncio.gather(*(one_step(tokens) for tokens in batch))))
+    async def run_batch(batch: list[list[int]]) -> list[dict[int, float]]:
+        return list(await asyncio.gather(*(one_step(search.step_request(tokens, body.priority, lora))
+                                           for tokens in batch)))
+
+    await search.run(run_batch)
     job_id = f"{'cmpl' if kind == 'completion' else 'chatcmpl'}-{uuid.uuid4().hex}"
     job = Job(job_id, kind, [], params.n, texts, params)
     job.echo = getattr(body, "echo", False)
@@ -60,14 +62,19 @@ async def beam_search(state, body, kind: str, prompts: list[list[int]], texts: l
 
 
 async def generate(state, body, request, fmt: Formatter, kind: str, ids: list[list[int]], texts: list[str | None],
-                   params: SamplingParams, lora: LoRARequest | None, **job_fields):
-    """The response to an admitted request: its beams, or its job's stream or body (job_fields
-    set on the job: echo, tool_mode, ...)."""
+                   params: SamplingParams, task: Task, grammar: Any, lora: LoRARequest | None, **job_fields):
+    """The response to an admitted request (its params and task checked, its prompts fitted, its
+    constraint compiled): its beams, or its job's stream or body (job_fields set on the job:
+    echo, tool_mode, ...)."""
     if body.use_beam_search:
         job, results = await beam_search(state, body, kind, ids, texts, params, lora)
         return fmt.final_body(job, results)
-    prefix = "cmpl" if kind == "completion" else "chatcmpl"
-    job = await start_job(state.engine, state.jobs, prefix, kind, ids, texts, params, body.priority, lora)
+    job_id = f"{'cmpl' if kind == 'completion' else 'chatcmpl'}-{uuid.uuid4().hex}"
+    arrival = time.monotonic()
+    admitted = [state.admission.request(None, prompt, params, task, f"{job_id}-{i}", body.priority, arrival, lora,
+                                        grammar, output_kind="delta")
+                for i, prompt in enumerate(ids)]
+    job = await start_job(state.engine, state.jobs, job_id, kind, admitted, texts, params)
     for name, value in job_fields.items():
         setattr(job, name, value)
     return await respond(job, fmt, state.model_name, body.stream, body.include_usage, request,

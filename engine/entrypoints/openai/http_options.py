@@ -6,14 +6,18 @@ import logging
 from typing import Any
 
 from engine.config.settings import ServerSettings
+from engine.entrypoints.openai.http_protocol import http_protocol
 
 request_logger = logging.getLogger("engine.entrypoints.openai.requests")
 _LOGGED_BODY_CHARS = 2000
 
 
 def uvicorn_options(settings: ServerSettings) -> dict[str, Any]:
-    """Keyword arguments for uvicorn.Config (kiln writes its own access log, so uvicorn's is off)."""
-    options: dict[str, Any] = dict(log_level=settings.uvicorn_log_level, access_log=False)
+    """Keyword arguments for uvicorn.Config: kiln's HTTP/1.1 protocol (h11 with strict framing
+    and timeouts, http_protocol.py) whatever parser is installed; kiln writes its own access
+    log, so uvicorn's is off."""
+    options: dict[str, Any] = dict(log_level=settings.uvicorn_log_level, access_log=False,
+                                   http=http_protocol(settings), timeout_keep_alive=settings.http_idle_timeout_s)
     if settings.root_path:
         options["root_path"] = settings.root_path
     if settings.ssl_keyfile is not None:

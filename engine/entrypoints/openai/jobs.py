@@ -12,14 +12,13 @@ import dataclasses
 import json
 import logging
 import time
-import uuid
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Protocol
 
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 
-from engine.core.request import LoRARequest, RequestOutput, SamplingParams
+from engine.core.request import RequestOutput, SamplingParams
 from engine.entrypoints.openai.errors import (
     RequestFailed,
     engine_failed,
@@ -30,6 +29,7 @@ from engine.entrypoints.openai.errors import (
 from engine.entrypoints.openai.logprobs import LogprobFormat
 from engine.entrypoints.openai.reasoning import ReasoningParser
 from engine.entrypoints.openai.tool_calls import ToolCall, ToolMode
+from engine.runtime.admission import AdmittedRequest
 from engine.runtime.errors import EngineDeadError
 from engine.runtime.request_stream import RequestStream
 
@@ -71,17 +71,19 @@ class Job:
     num_completion_tokens: int = 0
     registry: set | None = None  # the server's live jobs (ServerState.jobs)
     ended: bool = False  # the server ended it (shutdown)
-    _queue: asyncio.Queue | None = None
+    _ending: asyncio.Future | None = None  # set by end() while the job is being read
 
     def __post_init__(self) -> None:
         if self.registry is not None:
             self.registry.add(self)
+            if getattr(self.registry, "closed", False):  # (accepted after the drain ended the others)
+                self.ended = True
 
     def end(self) -> None:
         """Shutdown: make the reader stop with ShuttingDown."""
         self.ended = True
-        if self._queue is not None:
-            self._queue.put_nowait((-1, None, ShuttingDown()))
+        if self._ending is not None and not self._ending.done():
+            self._ending.set_result(None)
 
     def close(self) -> None:
         for s in self.streams:
@@ -114,34 +116,29 @@ class Job:
             yield pidx, delta
 
     async def _mux(self) -> AsyncIterator[tuple[int, RequestOutput]]:
-        queue: asyncio.Queue = asyncio.Queue()
-        self._queue = queue
+        """The streams read as one, on demand: each stream has at most one delta taken and not yet
+        yielded, so what a slow consumer has not read stays merged in its stream (bounded), never
+        queued here step by step."""
         if self.ended:
             raise ShuttingDown()
-
-        async def pump(i: int, s: RequestStream) -> None:
-            try:
-                async for d in s:
-                    queue.put_nowait((i, d, None))
-            except BaseException as exc:  # noqa: BLE001 - handed to the reader
-                queue.put_nowait((i, None, exc))
-            finally:
-                queue.put_nowait((i, None, None))
-
-        tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(self.streams)]
+        self._ending = asyncio.get_running_loop().create_future()
+        reads = {asyncio.ensure_future(anext(s)): i for i, s in enumerate(self.streams)}
         try:
-            remaining = len(tasks)
-            while remaining:
-                i, d, exc = await queue.get()
-                if exc is not None:
-                    raise exc
-                if d is None:
-                    remaining -= 1
-                    continue
-                yield i, d
+            while reads:
+                done, _ = await asyncio.wait([*reads, self._ending], return_when=asyncio.FIRST_COMPLETED)
+                if self._ending.done():
+                    raise ShuttingDown()
+                for task in sorted(done, key=reads.__getitem__):  # (in prompt order)
+                    i = reads.pop(task)
+                    try:
+                        d = task.result()
+                    except StopAsyncIteration:
+                        continue
+                    reads[asyncio.ensure_future(anext(self.streams[i]))] = i
+                    yield i, d
         finally:
-            for t in tasks:
-                t.cancel()
+            for task in reads:
+                task.cancel()
 
 
 class Formatter(Protocol):
@@ -178,18 +175,12 @@ def sse(payload: dict | str) -> str:
     return f"data: {payload if isinstance(payload, str) else json.dumps(payload)}\n\n"
 
 
-async def start_job(engine, registry: set, prefix: str, kind: str, prompts: list, texts: list,
-                    params: SamplingParams, priority: int, lora: LoRARequest | None = None) -> Job:
-    """Queue every prompt of a request (together: they are admitted in the same step)."""
+async def start_job(engine, registry: set, job_id: str, kind: str, admitted: list[AdmittedRequest],
+                    texts: list, params: SamplingParams) -> Job:
+    """Submit every prompt's admitted request (together: they are admitted in the same step)."""
     if getattr(registry, "closed", False):
         raise shutting_down()
-    arrival = time.monotonic()
-    job_id = f"{prefix}-{uuid.uuid4().hex}"
-    results = await asyncio.gather(*(
-        engine.add_request(
-            prompt, dataclasses.replace(params, stop=list(params.stop), stop_token_ids=list(params.stop_token_ids)),
-            f"{job_id}-{i}", priority, arrival, lora)
-        for i, prompt in enumerate(prompts)), return_exceptions=True)
+    results = await asyncio.gather(*(engine.submit(a) for a in admitted), return_exceptions=True)
     streams = [r for r in results if isinstance(r, RequestStream)]
     errors = [r for r in results if isinstance(r, BaseException)]
     if errors:

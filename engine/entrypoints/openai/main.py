@@ -59,6 +59,18 @@ def _server_class():
     return DrainingServer
 
 
+def _start_grammar_workers(state: ServerState) -> None:
+    """Start the structured-output compile workers beside the server's start (not on the first
+    constrained request, which would wait for them)."""
+    def start() -> None:
+        try:
+            state.engine.grammar_compiler.start_pool()
+        except Exception:  # noqa: BLE001 - retried by the first constrained request
+            logger.exception("could not start the grammar compile workers")
+
+    threading.Thread(target=start, name="kiln-grammar-start", daemon=True).start()
+
+
 def _url(host: str, port: int, scheme: str = "http") -> str:
     return f"{scheme}://[{host}]:{port}" if ":" in host else f"{scheme}://{host}:{port}"
 
@@ -100,6 +112,7 @@ def serve(engine_settings: EngineSettings, server_settings: ServerSettings) -> i
         raise
     app = build_app(state)
     add_http_middleware(app, server_settings)
+    _start_grammar_workers(state)
     # uvicorn's own limit is a backstop: ServerState.drain ends every request within shutdown_timeout.
     config = uvicorn.Config(app, timeout_graceful_shutdown=server_settings.shutdown_timeout + 10, log_config=None,
                             **uvicorn_options(server_settings))

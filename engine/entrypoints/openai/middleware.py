@@ -15,14 +15,18 @@ from engine.entrypoints.openai.errors import error_response
 access_logger = logging.getLogger("engine.entrypoints.openai.access")
 
 PROTECTED_PREFIXES = ("/v1/", "/tokenize", "/detokenize")
+CLOSE = {"connection": "close"}  # the server closes the connection after this answer
 
 
 class RequestContextMiddleware:
-    """X-Request-Id (echoed or generated), the API key check, and one access-log line per request."""
+    """X-Request-Id (echoed or generated), the API key check, one access-log line per request,
+    and Retry-After on every 503 (overloaded, shutting down: load balancers and the openai
+    client's retries read it)."""
 
-    def __init__(self, app, api_key: str | None) -> None:
+    def __init__(self, app, api_key: str | None, retry_after_s: int = 1) -> None:
         self.app = app
         self.api_key = api_key
+        self.retry_after = str(retry_after_s).encode()
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
@@ -38,7 +42,10 @@ class RequestContextMiddleware:
             if message["type"] == "http.response.start":
                 status[0] = message["status"]
                 message = dict(message)
-                message["headers"] = [*message.get("headers", []), (b"x-request-id", rid.encode())]
+                extra = [(b"x-request-id", rid.encode())]
+                if status[0] == 503 and not any(k.lower() == b"retry-after" for k, _ in message.get("headers", [])):
+                    extra.append((b"retry-after", self.retry_after))
+                message["headers"] = [*message.get("headers", []), *extra]
             await send(message)
 
         path = scope.get("path", "")
@@ -71,8 +78,12 @@ def _clean_request_id(raw: bytes | None) -> str | None:
 
 class GateMiddleware:
     """While the server drains for shutdown, API requests get a 503 at once. A body larger than
-    max_request_body_mb gets a 413: at once when Content-Length says so, else as soon as the
-    bytes received pass the limit (the body is never buffered whole, never parsed)."""
+    max_request_body_mb gets a 413 with Connection: close: at once when Content-Length says so,
+    else as soon as the bytes received pass the limit (the body is never buffered whole, never
+    parsed). Before the 413 the rest of the body is read and dropped, so that a client still
+    sending reads the answer rather than a reset connection: a declared one up to 8 times the
+    limit (it is finite), one of unknown length (chunked) up to one limit more, so an endless
+    body is cut there."""
 
     def __init__(self, app, state) -> None:
         self.app = app
@@ -89,7 +100,8 @@ class GateMiddleware:
             return
         length = dict(scope.get("headers", [])).get(b"content-length")
         if length is not None and length.isdigit() and int(length) > self.limit:
-            await self._discard(receive, int(length) > 8 * self.limit)
+            if int(length) <= 8 * self.limit:  # (a larger one is not read at all)
+                await self._discard(receive, int(length))
             await self._too_large()(scope, receive, send)
             return
         received = 0
@@ -101,19 +113,16 @@ class GateMiddleware:
                 received += len(message.get("body", b""))
                 if received > self.limit:
                     if message.get("more_body", False):
-                        await self._discard(receive, False)
-                    raise HTTPException(413, self._message())
+                        await self._discard(receive, self.limit)
+                    raise HTTPException(413, self._message(), headers=CLOSE)
             return message
 
         await self.app(scope, counted_receive, send)
 
-    async def _discard(self, receive, skip: bool) -> None:
-        """Read and drop the rest of the body (up to 8x the limit), so that the client, still
-        sending, reads the 413 instead of a reset connection."""
-        if skip:
-            return
+    async def _discard(self, receive, budget: int) -> None:
+        """Read and drop the rest of the body, at most `budget` bytes."""
         dropped = 0
-        while dropped <= 8 * self.limit:
+        while dropped < budget:
             message = await receive()
             if message["type"] != "http.request":
                 return
@@ -126,4 +135,4 @@ class GateMiddleware:
                 "MB")
 
     def _too_large(self):
-        return error_response(413, self._message(), "invalid_request_error", None, "request_too_large")
+        return error_response(413, self._message(), "invalid_request_error", None, "request_too_large", CLOSE)

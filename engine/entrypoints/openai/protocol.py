@@ -8,14 +8,35 @@ pin types, and bounds that keep values sane before they reach the engine.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag
 
+from engine.config.generation_config import GenerationDefaults, apply_generation_defaults
 from engine.core.request import InvalidRequestError, SamplingParams, StructuredOutputsParams
 from engine.entrypoints.openai.tool_calls import ToolMode, arguments_for_template, resolve_tool_mode
 
 _INT64 = 2 ** 63 - 1
+
+
+def _prompt_form(value: Any) -> str:
+    """Which form a prompt field takes, from its first element: pydantic then validates that
+    form alone (trying every form of a long list of token ids costs an error per element)."""
+    if isinstance(value, str):
+        return "str"
+    if isinstance(value, list) and value:
+        if isinstance(value[0], str):
+            return "list[str]"
+        if isinstance(value[0], list):
+            return "list[list[int]]"
+    return "list[int]"
+
+
+# A prompt: text, texts, token ids or lists of token ids (tags named as errors.py drops them from paths).
+PromptInput = Annotated[Union[Annotated[str, Tag("str")], Annotated[list[str], Tag("list[str]")],
+                              Annotated[list[int], Tag("list[int]")],
+                              Annotated[list[list[int]], Tag("list[list[int]]")]],
+                        Discriminator(_prompt_form)]
 
 
 class _Lenient(BaseModel):
@@ -82,11 +103,20 @@ class _SamplingFields(_Lenient):
     guided_grammar: str | None = None
 
     def structured_output_params(self) -> StructuredOutputsParams | None:
+        """The request's constraint, made (and so validated) here, once per request."""
         found = self.structured_output_field()
-        return found[1] if found else None
+        if found is None:
+            return None
+        name, fields = found
+        try:
+            return StructuredOutputsParams(**fields)
+        except TypeError as exc:  # an unknown key in structured_outputs
+            raise InvalidRequestError(f"{name}: {exc}", name) from exc
+        except InvalidRequestError as exc:
+            raise InvalidRequestError(str(exc), name) from exc
 
-    def structured_output_field(self) -> tuple[str, StructuredOutputsParams] | None:
-        """(the request field that holds it, the constraint), or None."""
+    def structured_output_field(self) -> tuple[str, dict[str, Any]] | None:
+        """(the request field that holds the constraint, its fields), or None."""
         given: list[tuple[str, dict[str, Any]]] = []
         rf = self.response_format
         if rf is not None and rf.type == "json_object":
@@ -107,17 +137,15 @@ class _SamplingFields(_Lenient):
         if len(given) > 1:
             raise InvalidRequestError("give one structured-output constraint, not several: "
                                       + ", ".join(name for name, _ in given), given[1][0])
-        name, fields = given[0]
-        try:
-            return name, StructuredOutputsParams(**fields)
-        except TypeError as exc:  # an unknown key in structured_outputs
-            raise InvalidRequestError(f"{name}: {exc}", name) from exc
-        except InvalidRequestError as exc:
-            raise InvalidRequestError(str(exc), name) from exc
+        return given[0]
 
-    def _params(self, max_tokens: int | None, logprobs: int | None,
-                prompt_logprobs: int | None = None) -> SamplingParams:
-        return SamplingParams(
+    def _params(self, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None = None,
+                defaults: GenerationDefaults | None = None,
+                structured_outputs: StructuredOutputsParams | None = None) -> SamplingParams:
+        """The request's SamplingParams, made (and so validated) once: with the model's defaults
+        (generation_config.json) for the fields the request left out."""
+        own = self.structured_output_params()  # (checked even when a forced tool call replaces it)
+        fields = dict(
             n=self.n,
             temperature=1.0 if self.temperature is None else self.temperature,
             top_p=1.0 if self.top_p is None else self.top_p,
@@ -138,9 +166,12 @@ class _SamplingFields(_Lenient):
             logit_bias=self.logit_bias,
             allowed_token_ids=self.allowed_token_ids,
             skip_special_tokens=self.skip_special_tokens,
-            structured_outputs=self.structured_output_params(),
+            structured_outputs=own if structured_outputs is None else structured_outputs,
             truncate_prompt_tokens=self.truncate_prompt_tokens,
         )
+        if defaults is not None:
+            fields = apply_generation_defaults(fields, defaults, self.model_fields_set)
+        return SamplingParams(**fields)
 
     @property
     def include_usage(self) -> bool:
@@ -163,7 +194,7 @@ def prompt_list(p: str | list) -> list[str | list[int]]:
 
 
 class CompletionRequest(_SamplingFields):
-    prompt: str | list[str] | list[int] | list[list[int]]
+    prompt: PromptInput
     max_tokens: int | None = Field(16, le=_INT64, ge=-_INT64)
     logprobs: int | None = Field(None, le=_INT64, ge=-_INT64)
     echo: bool = False
@@ -178,7 +209,7 @@ class CompletionRequest(_SamplingFields):
         """echo with max_tokens=0: score the prompt, generate nothing (OpenAI's legacy completions)."""
         return self.echo and self.max_tokens == 0
 
-    def sampling_params(self) -> SamplingParams:
+    def sampling_params(self, defaults: GenerationDefaults | None = None) -> SamplingParams:
         if self.suffix:
             raise InvalidRequestError("suffix is not supported (fill-in-the-middle needs the model's own prompt "
                                       "format: put it in the prompt)", "suffix")
@@ -196,7 +227,7 @@ class CompletionRequest(_SamplingFields):
                 raise InvalidRequestError("max_tokens must be at least 1 (0 only with echo=true, to score the prompt)",
                                           "max_tokens")
             max_tokens = 1  # the engine computes the prompt and samples one token, which is not returned
-        return self._params(max_tokens, self.logprobs, prompt_logprobs)
+        return self._params(max_tokens, self.logprobs, prompt_logprobs, defaults)
 
 
 class ContentPart(_Lenient):
@@ -293,7 +324,8 @@ class ChatCompletionRequest(_SamplingFields):
             out.append(message)
         return out
 
-    def sampling_params(self, tool_mode: ToolMode | None = None) -> SamplingParams:
+    def sampling_params(self, tool_mode: ToolMode | None = None,
+                        defaults: GenerationDefaults | None = None) -> SamplingParams:
         """With a forced tool choice, the output is constrained to the call's JSON."""
         if self.top_logprobs is not None and not self.logprobs:
             raise InvalidRequestError("top_logprobs requires logprobs=true", "top_logprobs")
@@ -301,17 +333,17 @@ class ChatCompletionRequest(_SamplingFields):
             raise InvalidRequestError(f"top_logprobs must be in [0, 20], got {self.top_logprobs}", "top_logprobs")
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
-        params = self._params(max_tokens, logprobs)
+        constraint = None
         if tool_mode is not None and tool_mode.forced:
-            params.structured_outputs = tool_mode.constraint(self.parallel_tool_calls is not False)
-        return params
+            constraint = tool_mode.constraint(self.parallel_tool_calls is not False)
+        return self._params(max_tokens, logprobs, defaults=defaults, structured_outputs=constraint)
 
 
 class EmbeddingRequest(_Lenient):
     """OpenAI's /v1/embeddings (plus vLLM's priority and normalize)."""
 
     model: str | None = None
-    input: str | list[str] | list[int] | list[list[int]]
+    input: PromptInput
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: int | None = Field(None, le=_INT64, ge=-_INT64)
     user: str | None = None

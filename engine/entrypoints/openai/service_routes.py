@@ -5,10 +5,10 @@ from __future__ import annotations
 from fastapi import APIRouter
 from fastapi.responses import Response
 
-from engine.entrypoints.openai.admission import check_unicode
 from engine.entrypoints.openai.errors import ERROR_RESPONSES, error_response
 from engine.entrypoints.openai.metrics import CONTENT_TYPE
 from engine.entrypoints.openai.protocol import ErrorResponse, LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest
+from engine.entrypoints.openai.request_body import BoundedJSONRoute
 from engine.entrypoints.openai.state import kiln_version
 from engine.lora.validate import check_adapter_dir
 
@@ -34,7 +34,7 @@ def health(state) -> Response:
 
 
 def router(state) -> APIRouter:
-    r = APIRouter()
+    r = APIRouter(route_class=BoundedJSONRoute)
 
     @r.get("/v1/models")
     async def models():
@@ -44,14 +44,12 @@ def router(state) -> APIRouter:
         # Applied between two engine steps (AsyncEngine.load_lora): never under a running step.
         @r.post("/v1/load_lora_adapter", responses=ERROR_RESPONSES)
         async def load_lora_adapter(body: LoadLoRAAdapterRequest):
-            check_unicode(body)
             await state.off_loop(check_adapter_dir, body.lora_path)
             await state.engine.load_lora(body.lora_name, body.lora_path)
             return Response(f"Success: LoRA adapter '{body.lora_name}' added successfully.", media_type="text/plain")
 
         @r.post("/v1/unload_lora_adapter", responses=ERROR_RESPONSES)
         async def unload_lora_adapter(body: UnloadLoRAAdapterRequest):
-            check_unicode(body)
             await state.engine.unload_lora(body.lora_name)
             return Response(f"Success: LoRA adapter '{body.lora_name}' removed successfully.",
                             media_type="text/plain")

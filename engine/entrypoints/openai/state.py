@@ -17,6 +17,7 @@ from typing import Any, Callable
 from engine.config.settings import EngineSettings, ServerSettings
 from engine.core.request import LoRARequest
 from engine.entrypoints.openai.metrics import EngineMetrics
+from engine.runtime.admission import Admission
 from engine.runtime.async_engine import AsyncEngine
 from engine.runtime.engine_info import EngineInfo
 
@@ -46,7 +47,7 @@ class ServerState:
     created: int = dataclasses.field(default_factory=lambda: int(time.time()))
     jobs: "JobRegistry" = dataclasses.field(default_factory=lambda: JobRegistry())  # live jobs, for shutdown
     draining: bool = False  # shutting down: new requests get a 503
-    _pool: concurrent.futures.ThreadPoolExecutor | None = None
+    _pools: dict[str, concurrent.futures.ThreadPoolExecutor] = dataclasses.field(default_factory=dict)
 
     @property
     def info(self) -> EngineInfo:
@@ -55,6 +56,11 @@ class ServerState:
     @property
     def tokenizer(self):
         return self.engine.info.tokenizer
+
+    @property
+    def admission(self) -> Admission:
+        """The engine's admission step (engine/runtime/admission.py): its rules, checked once per request."""
+        return self.engine.admission
 
     @functools.cached_property
     def max_token_chars(self) -> int:
@@ -66,13 +72,21 @@ class ServerState:
     def adapters(self) -> list[LoRARequest]:
         return self.engine.lora_adapters()
 
-    async def off_loop(self, fn: Callable[..., Any], *args: Any) -> Any:
+    async def off_loop(self, fn: Callable[..., Any], *args: Any, size: int = 0) -> Any:
         """fn(*args) on the tokenising threads: tokenisation and chat templates never run on the
-        event loop (a long prompt would stall every stream) nor on the engine's step thread."""
-        if self._pool is None:
-            self._pool = concurrent.futures.ThreadPoolExecutor(self.settings.tokenizer_threads,
-                                                               thread_name_prefix="kiln-tokenize")
-        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+        event loop (a long prompt would stall every stream) nor on the engine's step thread.
+        A job of `size` >= tokenizer_large_job_chars (characters, or token ids) runs on its own
+        lane (tokenizer_large_job_threads), so a pile of long texts never delays a short one."""
+        large = size >= self.settings.tokenizer_large_job_chars
+        return await asyncio.get_running_loop().run_in_executor(self._pool("large" if large else "small"), fn, *args)
+
+    def _pool(self, lane: str) -> concurrent.futures.ThreadPoolExecutor:
+        pool = self._pools.get(lane)
+        if pool is None:
+            threads = self.settings.tokenizer_large_job_threads if lane == "large" else self.settings.tokenizer_threads
+            pool = self._pools[lane] = concurrent.futures.ThreadPoolExecutor(
+                threads, thread_name_prefix=f"kiln-tokenize-{lane}")
+        return pool
 
     async def drain(self, timeout: float) -> None:
         """Stop taking requests, give the running ones `timeout` seconds, then end the rest (a
@@ -84,16 +98,18 @@ class ServerState:
         if self.jobs:
             logger.warning("shutdown: ending %d unfinished requests after %.0fs", len(self.jobs), timeout)
         self.jobs.closed = True
-        self.engine.grammar_compiler.close()  # compiles still running end now (a 503 each)
         for job in list(self.jobs):
             job.end()
+        # Compiles still running end now (a 503 each); off the loop: closing waits for the
+        # compiler's lock, which its start-up holds for seconds (xgrammar loading).
+        await asyncio.to_thread(self.engine.grammar_compiler.close)
         deadline = time.monotonic() + 5.0
         while self.jobs and time.monotonic() < deadline:
             await asyncio.sleep(0.02)
 
     def close(self) -> None:
-        if self._pool is not None:
-            self._pool.shutdown(wait=False, cancel_futures=True)
+        for pool in self._pools.values():
+            pool.shutdown(wait=False, cancel_futures=True)
         self.engine.grammar_compiler.close()
 
 
@@ -115,7 +131,8 @@ def create_state(engine_settings: EngineSettings, server_settings: ServerSetting
     name = (server_settings.model_names or [None])[0] or default_model_name(engine_settings, llm_engine.model_dir)
     metrics = EngineMetrics(name, engine_settings.log_stats_interval)
     metrics.set_engine_info(llm_engine)
-    engine = AsyncEngine(llm_engine, listener=metrics)
+    engine = AsyncEngine(llm_engine, listener=metrics,
+                         stream_stall_timeout_s=server_settings.stream_stall_timeout_s or None)  # (0: never)
     engine.grammar_compiler.configure(
         timeout_s=server_settings.grammar_compile_timeout_s, workers=server_settings.grammar_compile_workers,
         cache_entries=server_settings.grammar_cache_entries,

@@ -5,14 +5,14 @@ from __future__ import annotations
 from fastapi import APIRouter
 
 from engine.core.request import InvalidRequestError
-from engine.entrypoints.openai.admission import check_model, check_text_size, check_token_ids, check_unicode, encode
+from engine.entrypoints.openai.admission import check_model, check_text_size, encode
 from engine.entrypoints.openai.chat import conversation_ids
 from engine.entrypoints.openai.errors import ERROR_RESPONSES
 from engine.entrypoints.openai.protocol import ChatCompletionRequest, DetokenizeRequest, TokenizeRequest
+from engine.entrypoints.openai.request_body import BoundedJSONRoute
 
 
 async def tokenize(state, body: TokenizeRequest) -> dict:
-    check_unicode(body)
     check_model(state, body.model)
     if (body.prompt is None) == (body.messages is None):
         raise InvalidRequestError("give exactly one of prompt or messages", "prompt")
@@ -20,18 +20,19 @@ async def tokenize(state, body: TokenizeRequest) -> dict:
         ids = await conversation_ids(state, ChatCompletionRequest(messages=body.messages), body.add_generation_prompt)
     else:
         check_text_size(state.info, state.max_token_chars, body.prompt, "prompt")
-        ids = await state.off_loop(encode, state.tokenizer, body.prompt, body.add_special_tokens)
+        ids = await state.off_loop(encode, state.tokenizer, body.prompt, body.add_special_tokens,
+                                   size=len(body.prompt))
     return {"tokens": ids, "count": len(ids), "max_model_len": state.info.max_model_len}
 
 
 async def detokenize(state, body: DetokenizeRequest) -> dict:
     check_model(state, body.model)
-    check_token_ids(state.info, body.tokens, "tokens")
+    state.admission.check_token_ids(body.tokens, "tokens")
     return {"prompt": await state.off_loop(state.tokenizer.decode, body.tokens)}
 
 
 def router(state) -> APIRouter:
-    r = APIRouter()
+    r = APIRouter(route_class=BoundedJSONRoute)
 
     @r.post("/tokenize", responses=ERROR_RESPONSES)
     async def tokenize_route(body: TokenizeRequest):

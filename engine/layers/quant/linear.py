@@ -30,6 +30,8 @@ class IntWeightMethod:
         self.bits = config.bits
         self.group_size = config.group_size
         self.repack_dtype: torch.dtype | None = None  # set: each layer moves to int4_packed.py once loaded
+        self.cpu_kernels = False  # set: on the CPU each layer moves to cpu_packed.py once loaded (first)
+        self.cpu_float_acts = True  # there: the float path (cpu_packed.float_acts_for the model's dtype)
 
     def num_groups(self, in_features: int) -> int:
         return 1 if self.group_size <= 0 else -(-in_features // self.group_size)

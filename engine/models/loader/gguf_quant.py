@@ -1,16 +1,23 @@
 """GGUF linear weights kept quantised in memory instead of dequantised at load.
 
+On the CPU (int4_kernel "auto", the kernels built: compiler/cpu_gemv.py), every block format of
+the file's attention and MLP projections stays quantised, float32 and bfloat16 models alike:
+Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K, repacked into the weight-streaming kernels'
+layout (engine/layers/quant/cpu_packed.py; a fused projection whose parts differ, as in Q4_K_M
+files, as one run per format).
+
+Elsewhere (a GPU; the CPU with another int4_kernel, or without the kernels):
   Q4_0 (w = d * (q - 8)) and Q4_1 (w = d * q + m), blocks of 32 -> torch's packed int4 layout
       (int4_packed.py: scale d, zero m + 8 d, group 32), multiplied by its int4 kernels;
   Q8_0 (w = d * q, q signed) -> kiln's int8 layout (int_formats.py: q + 128, zero point 128,
-      scale d, group 32), dequantised on the fly by IntWeightMethod.
-Everything else stays dequantised to the model dtype as before: the K-quants (Q4_K, Q5_K, Q6_K),
-Q5_0/Q5_1, float tensors, the embeddings and the LM head (kiln quantises only the attention and
-MLP projections), a fused projection whose parts have different kinds, and int4 layers the kernels
-cannot take (see int4_packed.unsupported: among them every layer of a float32 model on the CPU,
-kiln's CPU default; with int4_kernel="reference" every Q4_x layer, as
-kiln's unpacked int4 layout has integer zero points and Q4_1's m is not one).
-`gguf_dequantize` turns all of this off (llama.cpp's and vLLM's dequantise-at-load behaviour).
+      scale d, group 32), dequantised on the fly by IntWeightMethod;
+and the rest dequantised to the model dtype: the K-quants, Q5_0/Q5_1, a fused projection whose
+parts have different kinds, and int4 layers torch's kernels cannot take (int4_packed.unsupported:
+among them every layer of a float32 model on the CPU; with int4_kernel="reference" every Q4_x
+layer, as kiln's unpacked int4 layout has integer zero points and Q4_1's m is not one).
+Float tensors, the embeddings and the LM head always load dense (kiln quantises only the
+attention and MLP projections). `gguf_dequantize` turns all of this off (llama.cpp's and vLLM's
+dequantise-at-load behaviour).
 """
 
 from __future__ import annotations
@@ -20,7 +27,8 @@ from typing import Callable
 import torch
 from torch import nn
 
-from engine.layers.quant import int4_packed, int_formats
+from compiler import cpu_gemv
+from engine.layers.quant import cpu_packed, int4_packed, int_formats
 from engine.layers.quant.config import QuantConfig
 from engine.layers.quant.gguf_blocks import BLOCK_TYPES, QK
 from engine.layers.quant.linear import IntWeightMethod, attach
@@ -49,8 +57,17 @@ def prepare(model: nn.Module, path, target: Target, dtype: torch.dtype, device: 
         layer = hit[0].removesuffix(".weight")
         parts.setdefault(layer, []).append((t.name, BLOCK_TYPES[t.type_id][0], hit[1][0] if hit[1] else None))
     plan: dict[str, tuple[str, slice | None]] = {}
+    cpu = int4_kernel == "auto" and cpu_packed.usable(device)
     for layer, items in parts.items():
         module = linears[layer]
+        if cpu:
+            if not all(kind in cpu_gemv.GGUF_FORMATS for _, kind, _ in items):
+                continue
+            del module.weight
+            module.register_parameter("weight", None)
+            module.quant = cpu_packed.CpuPackedMethod(cpu_packed.float_acts_for(dtype))  # (buffers: load)
+            plan.update({gguf: (layer, rows) for gguf, _, rows in items})
+            continue
         kinds = {KIND.get(kind) for _, kind, _ in items}
         if len(kinds) != 1 or None in kinds:
             continue
@@ -119,14 +136,24 @@ def load(model: nn.Module, path, plan: dict[str, tuple[str, slice | None]], dtyp
                 raise ValueError(f"gguf: {path} ends inside tensor {t.name}")
             kind = BLOCK_TYPES[t.type_id][0]
             out = t.shape[0]
+            heads = cfg.num_heads if "attn_q." in t.name else cfg.num_kv_heads if "attn_k." in t.name else 0
+            start = rows.start if rows is not None else 0
+            if isinstance(module.quant, cpu_packed.CpuPackedMethod):  # the file's blocks, repacked per layer
+                raw = raw.reshape(out, -1)
+                if permuted and heads:  # (whole rows of blocks: llama.cpp's rotary row order undone)
+                    raw = unpermute_rows(raw, heads)
+                staged.setdefault(layer, []).append((start, kind, raw))
+                if sum(p[2].shape[0] for p in staged[layer]) == module.out_features:
+                    runs, packed = cpu_packed.gguf_runs(sorted(staged.pop(layer), key=lambda p: p[0]),
+                                                        module.in_features)
+                    cpu_packed.install(module, runs, packed, None, module.quant.float_acts)
+                continue
             if KIND[kind] == "int4":
                 vals = list(_affine_int4(raw, kind, out))
             else:
                 vals = list(_int8(raw, out))
-            heads = cfg.num_heads if "attn_q." in t.name else cfg.num_kv_heads if "attn_k." in t.name else 0
             if permuted and heads:  # llama.cpp's rotary row order, undone on the rows of each part
                 vals = [unpermute_rows(v, heads) for v in vals]
-            start = rows.start if rows is not None else 0
             if KIND[kind] == "int8":
                 q, d = vals
                 sl = slice(start, start + out)

@@ -10,10 +10,8 @@ from contextlib import ExitStack
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 
 from engine.distributed.parallel import TensorParallel
-from engine.layers.kv_scales import is_kv_scale_name
 from engine.layers.quant import moe as quant_moe
 from engine.layers.quant.config import QuantConfig, forced, from_hf
 from engine.models.config import ModelConfig
@@ -21,6 +19,7 @@ from engine.models.glm import hf_weight_name
 from engine.models.llama import LlamaForCausalLM
 from engine.models.loader import gguf_file, gguf_quant
 from engine.models.loader import quant_loading as quant_loading
+from engine.models.loader.kv_scales import is_kv_scale_name
 from engine.models.loader.load_progress import LoadProgress
 from engine.models.loader.safetensors_reader import DTYPE_BYTES, SafetensorsFile
 from engine.models.sharding import first_kv_head, local_heads, vocab_rows_per_rank
@@ -84,7 +83,7 @@ def _target(model: LlamaForCausalLM, hf_name: str) -> tuple[str, Index | None] |
     if hf_name == "lm_head.weight":
         return ("lm_head.weight", None) if model.lm_head is not None else None
     if is_kv_scale_name(hf_name):
-        return None  # the KV cache's scales (engine/layers/kv_scales.py), not a layer's weight
+        return None  # the KV cache's scales (engine/models/loader/kv_scales.py), not a layer's weight
     m = _LAYER.match(hf_name)
     if not m:
         return None
@@ -343,12 +342,12 @@ def _load_safetensors(model: LlamaForCausalLM, model_dir: Path, quant: QuantConf
     progress = LoadProgress(str(model_dir), sum(file.stat().st_size for file in files), len(files))
     if model.tp is not None:
         for file in files:
-            with safe_open(str(file), framework="pt") as f:
+            with SafetensorsFile(file) as f:
                 for hf_name in f.keys():
                     if _target(model, hf_name) is not None:  # the bar counts the file's bytes gone past
                         reader = f.get_slice(hf_name)
                         filler.put(hf_name, reader=reader)
-                        progress.advance(math.prod(reader.get_shape()) * DTYPE_BYTES.get(reader.get_dtype(), 2))
+                        progress.advance(math.prod(reader.get_shape()) * DTYPE_BYTES[reader.get_dtype()])
         progress.finish()
         filler.check_complete(model_dir)
         return

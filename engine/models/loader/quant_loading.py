@@ -15,7 +15,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from engine.layers.quant import int4_packed, int_formats
+from engine.layers.quant import cpu_packed, int4_packed, int_formats
 from engine.layers.quant import moe as quant_moe
 from engine.layers.quant.config import QuantConfig
 from engine.layers.quant.linear import FP8, IntWeightMethod, attach, make_method, quantize_fp8_rows
@@ -30,7 +30,7 @@ SUFFIXES = {
     "fp8": ("weight", "weight_scale", "input_scale"),
 }
 QUANT_BUFFERS = ("qweight", "zeros", "scales", "g_idx", "weight_fp8", "weight_scale", "input_scale",
-                 *int4_packed.BUFFERS)
+                 *int4_packed.BUFFERS, *cpu_packed.BUFFERS)
 
 
 def suffixes(config: QuantConfig) -> tuple[str, ...]:
@@ -42,11 +42,16 @@ def suffixes(config: QuantConfig) -> tuple[str, ...]:
 def prepare(model: nn.Module, config: QuantConfig, dtype: torch.dtype | None = None,
             int4_kernel: str = "auto") -> None:
     """On the meta-built model: quantised layers get their buffers instead of a dense weight.
-    dtype given and int4_kernel "auto": int4 layers move to the packed kernels' layout as soon
-    as each is loaded (so the unpacked and packed forms never coexist for the whole model)."""
+    int4_kernel "auto": int4 and int8 layers on the CPU move to the weight-streaming kernels'
+    layout (engine/layers/quant/cpu_packed.py) as soon as each is loaded; elsewhere (dtype given,
+    "auto" or "packed") int4 layers move to torch's packed int4 layout the same way (so the
+    unpacked and packed forms never coexist for the whole model)."""
     if not config.quantize_at_load:  # (--quantization fp8 quantises loaded experts: quantize_loaded_experts)
         quant_moe.prepare(model.moe_layers(), config)  # MoE layers: their experts stay quantised too
     method = make_method(config)
+    if isinstance(method, IntWeightMethod):
+        method.cpu_kernels = int4_kernel == "auto"
+        method.cpu_float_acts = cpu_packed.float_acts_for(dtype)
     if isinstance(method, IntWeightMethod) and method.bits == 4 and int4_kernel in ("auto", "packed"):
         method.repack_dtype = dtype if dtype is None else int4_packed.kernel_dtype(dtype, int4_kernel)
     linears = model.quantizable_linears()
@@ -152,8 +157,8 @@ def load_quantized(model: nn.Module, config: QuantConfig, names: list[str], read
         fill_module(module, idx[0] if idx else None, config, tensors, prefix, seen)
         del tensors
         consumed.update(names.values())
-        if seen[id(module)] == module.out_features and getattr(module.quant, "repack_dtype", None) is not None:
-            _repack(module, kiln_name.removesuffix(".weight"), module.quant.repack_dtype, left)
+        if seen[id(module)] == module.out_features and _repackable(module):
+            _repack(module, kiln_name.removesuffix(".weight"), left)
         elif _on_cpu(module):
             _return_freed_memory()  # (this module's checkpoint tensors and conversion temporaries)
     missing = [n for n, m in linears.items() if seen.get(id(m), 0) != m.out_features] + quant_moe.unfilled(model)
@@ -204,8 +209,8 @@ def init_dummy(model: nn.Module, seed: int) -> None:
             module.zeros.fill_(1 << (module.quant.bits - 1))
             module.scales.fill_(0.02 / (1 << (module.quant.bits - 2)))
             module.g_idx.copy_(int_formats.default_g_idx(module.in_features, module.quant.group_size))
-            if getattr(module.quant, "repack_dtype", None) is not None:  # (one layer unpacked at a time)
-                _repack(module, name, module.quant.repack_dtype, left)
+            if _repackable(module):  # (one layer unpacked at a time)
+                _repack(module, name, left)
         elif module.quant.at_load:  # N(0, 0.02) dense weights, as without quantisation, quantised
             for r in range(0, module.out_features, FP8_ROW_CHUNK):
                 rows = min(FP8_ROW_CHUNK, module.out_features - r)
@@ -224,12 +229,30 @@ def _on_cpu(module: nn.Module) -> bool:
     return next(module.buffers()).device.type == "cpu"
 
 
-def _repack(module: nn.Module, name: str, dtype: torch.dtype, left: dict[str, list[str]]) -> None:
-    reason = int4_packed.repack(module, dtype)
+def _cpu_kernels(module: nn.Module) -> bool:
+    return module.quant.cpu_kernels and cpu_packed.usable(module.qweight.device)
+
+
+def _repackable(module: nn.Module) -> bool:
+    """Whether a loaded int layer in kiln's layout moves to a kernel's layout (CPU kernels, or
+    torch's packed int4)."""
+    return isinstance(getattr(module, "quant", None), IntWeightMethod) and not getattr(module, "kept_reference", False) \
+        and (module.quant.repack_dtype is not None or _cpu_kernels(module))
+
+
+def _repack(module: nn.Module, name: str, left: dict[str, list[str]]) -> None:
+    """One int layer, all loaded -> the CPU kernels' layout (on the CPU), else torch's packed int4
+    layout; a layer neither takes stays on dequantise-on-the-fly (its reason collected in left)."""
+    method = module.quant
+    reason = cpu_packed.pack_int(module, method.cpu_float_acts) if _cpu_kernels(module) else "not on the CPU kernels"
+    if reason is not None and method.repack_dtype is not None:
+        reason = int4_packed.repack(module, method.repack_dtype)
+        if reason:
+            method.repack_dtype = None  # (stays on the reference path: not tried again)
     if reason:
-        module.quant.repack_dtype = None  # (stays on the reference path: not tried again)
+        module.kept_reference = True  # (not tried again)
         left.setdefault(reason, []).append(name)
-    elif module.int4_packed.device.type == "cpu":
+    elif _on_cpu(module):
         _return_freed_memory()
 
 
@@ -287,21 +310,20 @@ _LIBC = None  # ctypes handle of glibc once looked up (False: none)
 
 def _log_left(left: dict[str, list[str]]) -> None:
     for reason, names in left.items():
-        logger.info("int4: %d layers stay on the dequantise-on-the-fly path (%s), e.g. %s", len(names), reason, names[0])
+        logger.info("int: %d layers stay on the dequantise-on-the-fly path (%s), e.g. %s", len(names), reason, names[0])
 
 
 def finish(model: nn.Module, dtype: torch.dtype, int4_kernel: str = "auto") -> dict[str, list[str]]:
-    """After the weights are in: int4 layers not packed while loading (dummy weights, or
-    prepare() without a dtype) move to torch's packed int4 kernels (int4_packed.py) unless
-    int4_kernel is "reference"; each one that cannot stays on dequantise-on-the-fly.
-    Returns {reason: [layer names]} for those (logged)."""
+    """After the weights are in: int layers not moved while loading (dummy weights, or prepare()
+    without a dtype) move to the CPU kernels (on the CPU, int4_kernel "auto") or torch's packed
+    int4 kernels (int4_packed.py) unless int4_kernel is "reference"; each one that cannot stays
+    on dequantise-on-the-fly. Returns {reason: [layer names]} for those (logged)."""
     left: dict[str, list[str]] = {}
     if int4_kernel == "reference":
         return left
     quant_moe.repack(model, int4_packed.kernel_dtype(dtype, int4_kernel), left)  # int4 MoE experts (CPU)
     for name, module in model.quantizable_linears().items():
-        method = getattr(module, "quant", None)
-        if isinstance(method, IntWeightMethod) and method.bits == 4 and method.repack_dtype is not None:
-            _repack(module, name, method.repack_dtype, left)
+        if _repackable(module):
+            _repack(module, name, left)
     _log_left(left)
     return left

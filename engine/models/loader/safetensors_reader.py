@@ -32,14 +32,10 @@ class SafetensorsFile:
         self.path = Path(path)
         self._file = open(self.path, "rb", buffering=0)
         try:
-            (size,) = struct.unpack("<Q", self._file.read(8))
-            header = json.loads(self._file.read(size))
-        except (struct.error, ValueError) as e:
+            self._entries, self._start = read_header(self._file, self.path.stat().st_size)
+        except ValueError as e:
             self._file.close()
-            raise ValueError(f"model: {self.path} is not a safetensors file ({e})") from None
-        header.pop("__metadata__", None)
-        self._start = 8 + size
-        self._entries = header
+            raise ValueError(f"model: {self.path} {e}") from None
 
     def __enter__(self) -> SafetensorsFile:
         return self
@@ -54,10 +50,11 @@ class SafetensorsFile:
         return tuple(self._entries[name]["shape"])
 
     def dtype(self, name: str) -> torch.dtype:
-        code = self._entries[name]["dtype"]
-        if code not in DTYPES:
-            raise ValueError(f"model: {self.path} tensor {name} has dtype {code}, which kiln does not read")
-        return DTYPES[code]
+        return DTYPES[self._entries[name]["dtype"]]  # (read_header refused any other)
+
+    def get_slice(self, name: str) -> "TensorSlice":
+        """A reader of parts of the tensor (tensor parallelism reads only its rank's rows)."""
+        return TensorSlice(self, name)
 
     def read(self, name: str) -> torch.Tensor:
         """The tensor, in a fresh CPU tensor of its own dtype."""
@@ -80,6 +77,81 @@ class SafetensorsFile:
         self._file.seek(self._start + begin)
         if not read_exactly_into(self._file, dest):
             raise ValueError(f"model: {self.path} ends inside tensor {name}")
+
+
+class TensorSlice:
+    """Part of one tensor of a SafetensorsFile: `slice_[index]` reads the rows the index's first
+    slice selects (only those bytes) and applies the rest of the index to them."""
+
+    def __init__(self, file: SafetensorsFile, name: str) -> None:
+        self.file, self.name = file, name
+
+    def get_shape(self) -> list[int]:
+        return list(self.file.shape(self.name))
+
+    def get_dtype(self) -> str:
+        """The safetensors dtype name (F32, BF16, ...)."""
+        return self.file._entries[self.name]["dtype"]
+
+    def __getitem__(self, index: tuple) -> torch.Tensor:
+        shape = self.file.shape(self.name)
+        rows = index[0] if index else slice(None)
+        if not shape or not isinstance(rows, slice) or rows.step not in (None, 1):
+            return self.file.read(self.name)[index]
+        first, last, _ = rows.indices(shape[0])
+        last = max(first, last)
+        row_bytes = math.prod(shape[1:]) * DTYPE_BYTES[self.file._entries[self.name]["dtype"]]
+        out = torch.empty((last - first, *shape[1:]), dtype=self.file.dtype(self.name))
+        begin = self.file._entries[self.name]["data_offsets"][0]
+        self.file._file.seek(self.file._start + begin + first * row_bytes)
+        if out.numel() and not read_exactly_into(self.file._file, out):
+            raise ValueError(f"model: {self.file.path} ends inside tensor {self.name}")
+        return out[(slice(None), *index[1:])]
+
+
+# A header longer than this is not a checkpoint's (real ones are a few MB at most).
+MAX_HEADER_BYTES = 100 << 20
+
+
+def read_header(file, size: int) -> tuple[dict[str, dict], int]:
+    """The header of the safetensors file open in binary `file` (its total size `size`), checked:
+    ({tensor name: {dtype, shape, data_offsets}}, where the data starts). ValueError says what is
+    wrong: a length that cannot be, JSON that is not an object, a tensor with an unknown dtype, a
+    malformed shape, or data that lies outside the file or does not match its shape."""
+    head = file.read(8)
+    if len(head) < 8:
+        raise ValueError("is not a safetensors file (too short)")
+    (length,) = struct.unpack("<Q", head)
+    if length > min(size - 8, MAX_HEADER_BYTES):
+        raise ValueError("is not a safetensors file (its header length is impossible)")
+    try:
+        header = json.loads(file.read(length).decode("utf-8"))
+    except (UnicodeDecodeError, ValueError):
+        raise ValueError("is not a safetensors file (its header is not JSON)") from None
+    if not isinstance(header, dict):
+        raise ValueError("is not a safetensors file (its header is not a JSON object)")
+    header.pop("__metadata__", None)
+    data = size - 8 - length
+    for name, entry in header.items():
+        if not isinstance(entry, dict):
+            raise ValueError(f"is corrupt: tensor {name!r} has no description")
+        dtype, shape, offsets = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
+        if dtype not in DTYPE_BYTES:
+            raise ValueError(f"is corrupt: tensor {name!r} has an unknown dtype {dtype!r}")
+        if not isinstance(shape, list) or not all(isinstance(d, int) and d >= 0 for d in shape):
+            raise ValueError(f"is corrupt: tensor {name!r} has a malformed shape")
+        if (not isinstance(offsets, list) or len(offsets) != 2 or not all(isinstance(o, int) for o in offsets)
+                or not 0 <= offsets[0] <= offsets[1] <= data):
+            raise ValueError(f"is corrupt: tensor {name!r} lies outside the file")
+        if offsets[1] - offsets[0] != math.prod(shape) * DTYPE_BYTES[dtype]:
+            raise ValueError(f"is corrupt: tensor {name!r}'s size does not match its shape")
+    return header, 8 + length
+
+
+def read_tensors(path: Path | str) -> dict[str, torch.Tensor]:
+    """Every tensor of a (small) safetensors file, by name: LoRA adapters, KV scales."""
+    with SafetensorsFile(path) as f:
+        return {name: f.read(name) for name in f.keys()}
 
 
 def read_exactly_into(file, dest: torch.Tensor) -> bool:

@@ -18,13 +18,14 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from engine.core.outputs import SamplerOutput
 from engine.core.request import SamplingParams
 from engine.core.sched.scheduler_output import PLACEHOLDER
 from engine.structured_output.grammars import GrammarMatcher, bitmask_words, unpack_bitmask
 from engine.worker.sample.distributions import processed_probs, race_noise
 from engine.worker.sample.logprobs import pack_chosen_and_top
 from engine.worker.sample.rejection import DraftProbs, rejection_tokens
-from engine.worker.sample.sampler_output import HostCopy, LastSampled, PendingSample, SamplerOutput
+from engine.worker.sample.sampler_output import HostCopy, LastSampled, PendingSample
 
 
 @dataclass

@@ -1,29 +1,17 @@
 """A step's sampled tokens after the sampler: still on the device for the next step's inputs
 (`LastSampled`), on their way to the host (`HostCopy`, `PendingSample`), and as the host sees them
-(`SamplerOutput`). Logprobs travel packed (engine/worker/sample/logprobs.py).
+(`SamplerOutput`, engine/core/outputs.py). Logprobs travel packed (engine/worker/sample/logprobs.py).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from engine.core.outputs import SamplerOutput
 from engine.core.sched.scheduler_output import ScheduledSeq, sample_row_ranges
 from engine.worker.sample.logprobs import unpack_chosen_and_top
-
-
-@dataclass
-class SamplerOutput:
-    token_ids: list[int]
-    # Per row: (chosen token's logprob, {token: logprob} for the top N) or None.
-    logprobs: list[tuple[float, dict[int, float]] | None]
-    # Rows that failed (a logits processor raised, or the logits were NaN / +inf / all -inf):
-    # row -> message. Their token is -1; the engine fails their requests, the rest go on.
-    errors: dict[int, str] = field(default_factory=dict)
-    # What tasks read off this step's hidden states: seq id -> result (engine/core/request_kinds.py read()).
-    task_results: dict[int, Any] = field(default_factory=dict)
 
 
 class LastSampled:

