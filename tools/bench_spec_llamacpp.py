@@ -41,8 +41,11 @@ REPO = Path(__file__).resolve().parent.parent
 def convert_draft(draft: Path, llama_cpp: Path, out: Path, out_type: str) -> Path:
     if out.is_file():
         return out
+    # (llama.cpp's gguf-py first; the caller's PYTHONPATH after it: the converter imports
+    # sentencepiece even for a BPE tokenizer, so it must be importable from somewhere.)
+    path = os.pathsep.join(filter(None, [str(llama_cpp / "gguf-py"), os.environ.get("PYTHONPATH")]))
     subprocess.run([sys.executable, str(llama_cpp / "convert_hf_to_gguf.py"), str(draft), "--outfile", str(out),
-                    "--outtype", out_type], check=True, env={**os.environ, "PYTHONPATH": str(llama_cpp / "gguf-py")})
+                    "--outtype", out_type], check=True, env={**os.environ, "PYTHONPATH": path})
     return out
 
 
@@ -52,12 +55,16 @@ class Server:
         cmd = [str(binary), "-m", str(model), "--port", str(port), "-t", str(threads), "-tb", str(threads),
                "-c", "4096", "-np", "1", "--no-warmup"]
         if draft is not None:
-            cmd += ["-md", str(draft), "--draft-max", str(draft_max), "-td", str(threads), "-tbd", str(threads)]
+            # (llama.cpp names: --spec-draft-n-max was --draft-max; draft-simple: a draft model)
+            cmd += ["-md", str(draft), "--spec-type", "draft-simple", "--spec-draft-n-max", str(draft_max),
+                    "-td", str(threads), "-tbd", str(threads)]
         self.url = f"http://127.0.0.1:{port}"
         self.log = open(log, "w")
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT)
         deadline = time.time() + 300
         while time.time() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"llama-server exited with {self.proc.returncode}: see {log}")
             try:
                 with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
                     if r.status == 200:
@@ -87,7 +94,7 @@ def main() -> int:
     parser.add_argument("--target", required=True, type=Path)
     parser.add_argument("--draft", required=True, type=Path, help="the draft model's HF directory")
     parser.add_argument("--llama-cpp", required=True, type=Path, help="llama.cpp's source tree (build/bin inside)")
-    parser.add_argument("--draft-tokens", type=int, default=4, help="kiln num_speculative_tokens, llama.cpp --draft-max")
+    parser.add_argument("--draft-tokens", type=int, default=4, help="kiln num_speculative_tokens, llama.cpp --spec-draft-n-max")
     parser.add_argument("--draft-gguf-type", default="f32")
     parser.add_argument("--num-prompts", type=int, default=8)
     parser.add_argument("--max-tokens", type=int, default=128)

@@ -8,11 +8,12 @@ Two workloads:
   * `--model DIR|FILE.gguf` with any of `--ngram`, `--draft-model DIR`, `--eagle DIR`,
     `--eagle3 DIR` (DIR `auto`: what `kiln make-draft-model` made for this target in kiln's
     cache): each method against plain decoding. `--chat-prompts` asks the built-in chat prompts
-    (`kiln make-draft-model`'s test split: topics no draft was trained on) through the model's
-    chat template. Engines are built once; the timed runs are interleaved (plain, method,
-    plain, method, ...) `--repeats` times, so a machine whose load changes hurts every
-    configuration alike; the figures are medians, and every method's greedy output is checked
-    against plain decoding's (`same`).
+    (`kiln make-draft-model`'s test split: topics no draft was trained on; `--prompt-split train`:
+    the prompts its corpus answered, an upper bound) through the model's chat template. Engines
+    are built once; the timed runs are interleaved (plain, method, plain, method, ...)
+    `--repeats` times, so a machine whose load changes hurts every configuration alike; the
+    figures are medians, and every method's greedy output is checked against plain decoding's
+    (`same`).
 
 The acceptance length is tokens per verify step: 1 + accepted drafts / verify steps (vLLM's
 "mean acceptance length").
@@ -95,7 +96,7 @@ def _compare(args, base: dict, model: str, settings) -> list[dict]:
         engines[name] = LLM(**base, max_num_seqs=batch, **spec)
     tok = engines["plain"].tokenizer
     if args.chat_prompts:
-        prompts = [chat_ids(tok, p) for p in chat_prompts("test")][:args.num_prompts]
+        prompts = [chat_ids(tok, p) for p in chat_prompts(args.prompt_split)][:args.num_prompts]
     else:
         prompts = _prompts(args.num_prompts, min(engines["plain"].engine.model_config.vocab_size, len(tok)))
     params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, ignore_eos=args.ignore_eos,
@@ -141,6 +142,9 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--eagle3", default=None, metavar="DIR", help="with --model: an EAGLE-3 head (or auto)")
     parser.add_argument("--chat-prompts", action="store_true",
                         help="with --model: chat prompts through the chat template")
+    parser.add_argument("--prompt-split", choices=["test", "train"], default="test",
+                        help="with --chat-prompts: the topics no draft was trained on (test), or those its corpus "
+                             "answered (train: the draft has seen these answers, an upper bound of acceptance)")
     parser.add_argument("--num-prompts", type=int, default=8, help="with --model: prompts per timed run")
     parser.add_argument("--repeats", type=int, default=3, help="with --model: interleaved timed runs per engine")
     parser.add_argument("--temperature", type=float, default=0.0, help="with --model: sampling temperature")
@@ -154,7 +158,8 @@ def main(argv: list[str]) -> int:
         base = settings.model_dump(exclude_unset=True)
         rows = _compare(args, base, settings.model, settings)
         print(f"model {settings.model}, batch {args.batch_sizes.split(',')[0]}, up to {args.draft_tokens} draft tokens, "
-              f"{args.max_tokens} output tokens, {args.num_prompts} {'chat ' if args.chat_prompts else ''}prompts, "
+              f"{args.max_tokens} output tokens, {args.num_prompts} "
+              f"{f'chat ({args.prompt_split} split) ' if args.chat_prompts else ''}prompts, "
               f"{args.repeats} interleaved runs (median)")
         print(f"{'method':>12} {'tok/s':>8} {'ratio':>7} {'accepted':>9} {'accept len':>11} {'drafts/step':>12} "
               f"{'same':>5}")
