@@ -9,7 +9,7 @@ Two workloads:
     `--eagle3 DIR` (DIR `auto`: what `kiln make-draft-model` made for this target in kiln's
     cache): each method against plain decoding. `--chat-prompts` asks the built-in chat prompts
     (`kiln make-draft-model`'s test split: topics no draft was trained on; `--prompt-split train`:
-    the prompts its corpus answered, an upper bound) through the model's chat template. Engines
+    the topics its corpus was drawn from, in-domain) through the model's chat template. Engines
     are built once; the timed runs are interleaved (plain, method, plain, method, ...)
     `--repeats` times, so a machine whose load changes hurts every configuration alike; the
     figures are medians, and every method's greedy output is checked against plain decoding's
@@ -144,7 +144,7 @@ def main(argv: list[str]) -> int:
                         help="with --model: chat prompts through the chat template")
     parser.add_argument("--prompt-split", choices=["test", "train"], default="test",
                         help="with --chat-prompts: the topics no draft was trained on (test), or those its corpus "
-                             "answered (train: the draft has seen these answers, an upper bound of acceptance)")
+                             "was drawn from (train: in-domain, some of these very prompts answered in the corpus)")
     parser.add_argument("--num-prompts", type=int, default=8, help="with --model: prompts per timed run")
     parser.add_argument("--repeats", type=int, default=3, help="with --model: interleaved timed runs per engine")
     parser.add_argument("--temperature", type=float, default=0.0, help="with --model: sampling temperature")
