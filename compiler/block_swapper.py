@@ -177,3 +177,37 @@ class BlockSwapper:
         if self.is_cuda:
             self.done.synchronize()
             self._in_flight = False
+
+
+class SwapGroup:
+    """Several caches indexed by the same block ids (a target's and its draft model's), each with
+    its own BlockSwapper of the same number of CPU blocks: one launch moves a block in all."""
+
+    def __init__(self, swappers: list[BlockSwapper]) -> None:
+        self.swappers = swappers
+
+    @property
+    def bytes_out(self) -> int:
+        return sum(s.bytes_out for s in self.swappers)
+
+    @property
+    def bytes_in(self) -> int:
+        return sum(s.bytes_in for s in self.swappers)
+
+    def launch(self, swap_out: Mapping, swap_in: Mapping) -> None:
+        for s in self.swappers:
+            s.launch(swap_out, swap_in)
+
+    def measurement(self) -> tuple[int, float] | None:
+        found = [s.measurement() for s in self.swappers]
+        if any(m is None for m in found):
+            return None
+        return sum(m[0] for m in found), sum(m[1] for m in found)
+
+    def wait(self) -> None:
+        for s in self.swappers:
+            s.wait()
+
+    def synchronize(self) -> None:
+        for s in self.swappers:
+            s.synchronize()

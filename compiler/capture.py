@@ -127,9 +127,10 @@ class CapturedGraph:
 
 @dataclass
 class CudaGraphSet:
-    """Decode graphs keyed by (rows, ctx), one shared memory pool.
+    """Decode graphs keyed by (rows, ctx) (or (rows, ctx, query tokens per row): a verify step's),
+    one shared memory pool.
 
-    `body(rows, ctx)` runs one step over the first `rows` rows of the static buffers with
+    `body(*key)` runs one step over the first `rows` rows of the static buffers with
     attention bounded by `ctx`, and returns its output tensors (they stay valid until the
     next replay of the same graph; copy them into shared buffers inside the body to keep
     one set of outputs for all graphs).
@@ -160,18 +161,17 @@ class CudaGraphSet:
         """
         if key in self.graphs:
             return self.graphs[key]
-        rows, ctx = key
         t0 = time.perf_counter()
         current = torch.cuda.current_stream(self.device)
         self.stream.wait_stream(current)
         with torch.cuda.stream(self.stream):
             for _ in range(self.warmup_runs):
-                self.body(rows, ctx)
+                self.body(*key)
         current.wait_stream(self.stream)
         torch.cuda.synchronize(self.device)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool, stream=self.stream, capture_error_mode="thread_local"):
-            outputs = self.body(rows, ctx)
+            outputs = self.body(*key)
         torch.cuda.synchronize(self.device)
         seconds = time.perf_counter() - t0
         captured = CapturedGraph(key, graph, tuple(outputs), seconds)

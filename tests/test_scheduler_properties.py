@@ -26,7 +26,7 @@ from engine.core.kv.swap_space import SwapSpace
 from engine.core.request import InvalidRequestError, Request, SamplingParams, SeqStatus
 from engine.core.sched.scheduler import Scheduler, SchedulerConfig
 from engine.core.sched.scheduler_output import PLACEHOLDER, SchedulerOutput
-from engine.core.sched.spec_decode import NgramProposer, SpecDecodeConfig
+from engine.core.sched.spec import NgramProposer, SpecDecodeConfig
 from tests.test_swap_scheduler import expected_outputs, fake_token
 
 

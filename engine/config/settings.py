@@ -107,7 +107,8 @@ def setting_source(name: str, flags: dict[str, str] | None = None) -> str:
 SUPPORTED_QUANTIZATION: tuple[str, ...] = ("fp8", "gptq", "awq", "compressed-tensors")  # engine/layers/quant/config.py
 SUPPORTED_KV_CACHE_DTYPES: tuple[str, ...] = ("auto", "fp8", "fp8_e4m3")  # engine/layers/kv_cache.py
 
-SPECULATIVE_KEYS = {"method": "speculative_method", "num_speculative_tokens": "num_speculative_tokens",
+SPECULATIVE_KEYS = {"method": "speculative_method", "model": "speculative_model",
+                    "num_speculative_tokens": "num_speculative_tokens",
                     "prompt_lookup_max": "prompt_lookup_max", "prompt_lookup_min": "prompt_lookup_min"}
 
 
@@ -191,9 +192,13 @@ class EngineSettings(_KilnSettings):
     max_waiting_requests: int = Field(4096, ge=1, description="beyond this the server answers 503")
 
     # --- speculative decoding (vLLM's speculative_config {"method": "ngram", ...}) ---
-    speculative_method: Literal["ngram"] | None = Field(
-        None, description="ngram: draft tokens by prompt lookup, verified in one forward")
-    num_speculative_tokens: int = Field(0, ge=0, le=16, description="draft tokens per step and sequence")
+    speculative_method: Literal["ngram", "draft_model", "eagle", "eagle3"] | None = Field(
+        None, description="drafts verified in one forward: ngram (prompt lookup), draft_model (a small model "
+                          "with the same tokenizer), eagle / eagle3 (an EAGLE head on the model's hidden states)")
+    speculative_model: str | None = Field(
+        None, description="draft_model / eagle / eagle3: the draft model's or head's checkpoint directory")
+    num_speculative_tokens: int = Field(0, ge=0, le=16, description="draft tokens per step and sequence (at most: "
+                                        "a model's drafts shrink per sequence when few are accepted)")
     prompt_lookup_max: int = Field(4, ge=1, description="ngram: longest suffix to look up")
     prompt_lookup_min: int = Field(2, ge=1,
                                    description="ngram: shortest suffix to look up (1 matches by chance too often)")
@@ -374,6 +379,11 @@ class EngineSettings(_KilnSettings):
                              f"max_loras is {self.max_loras}")
         if self.speculative_method is not None and self.num_speculative_tokens < 1:
             raise ValueError("speculative_method needs num_speculative_tokens >= 1")
+        if self.speculative_method in ("draft_model", "eagle", "eagle3") and not self.speculative_model:
+            raise ValueError(f"speculative_method {self.speculative_method!r} needs speculative_model (the draft's "
+                             "checkpoint directory: \"model\" in speculative_config)")
+        if self.speculative_model and self.speculative_method in (None, "ngram"):
+            raise ValueError("speculative_model is for speculative_method draft_model, eagle or eagle3")
         if self.disable_log_stats:
             self.log_stats_interval = 0.0
         if self.prompt_lookup_min > self.prompt_lookup_max:
@@ -418,7 +428,8 @@ class EngineSettings(_KilnSettings):
         refused = [name for name, on in (("enable_lora", self.enable_lora),
                                          ("quantization", self.quantization is not None),
                                          ("cpu_compile_forward", self.cpu_compile_forward),
-                                         ("kv_cache_dtype", self.kv_cache_dtype != "auto")) if on]
+                                         ("kv_cache_dtype", self.kv_cache_dtype != "auto"),
+                                         ("speculative_model", self.speculative_model is not None)) if on]
         if refused:
             raise ValueError(f"tensor_parallel_size={tp}: {', '.join(refused)} is not supported with tensor "
                              "parallelism yet (use tensor_parallel_size=1)")

@@ -306,6 +306,11 @@ class LlamaForCausalLM(nn.Module):
         self.lora_slots = 0  # adapters one batch can mix (engine/lora/adapters.py); 0: LoRA off
         self.pad_cpu_rows = False  # forward in oneDNN row buckets (padded_rows; set by use_cpu_fused_ops)
         self.cpu_stack: cpu_stack.StackRunner | None = None  # the layers as one C++ call (use_cpu_stack)
+        # EAGLE-3 (engine/models/eagle.py): the hidden states entering these layers, side by side, are
+        # written into aux_hidden [tokens, len(aux_layers) * hidden] by every forward (a static buffer:
+        # decode graphs write it too).
+        self.aux_layers: tuple[int, ...] = ()
+        self.aux_hidden: torch.Tensor | None = None
 
     def set_backend(self, backend: AttentionBackend) -> None:
         self.backend = backend
@@ -387,17 +392,30 @@ class LlamaForCausalLM(nn.Module):
         x = self.embed_tokens(input_ids)
         if self.config.embed_scale is not None:  # Gemma: rounded to the weights' dtype first, as in HF
             x = x * torch.tensor(self.config.embed_scale, dtype=x.dtype)
-        if self.cpu_stack is not None and self.cpu_stack.runs(rows, positions, self.backend, lora):
+        # (EAGLE-3 reads hidden states between layers, which the one C++ call does not hand out)
+        if self.cpu_stack is not None and not self.aux_layers and self.cpu_stack.runs(rows, positions, self.backend,
+                                                                                      lora):
             hidden = self.cpu_stack.forward(x, positions, kv_cache, meta)
             return hidden if rows == tokens else hidden[:tokens]
         rope = self.rotary(positions, x)
         local = self.rotary_local(positions, x) if self.rotary_local is not None else rope
         delta = None
-        for layer in self.layers:
+        for i, layer in enumerate(self.layers):
+            if i in self.aux_layers:
+                self._keep_aux(i, x, delta, tokens)
             x, delta = layer(x, delta, local if layer.self_attn.sliding_window else rope, kv_cache, meta,
                              self.backend, lora)
         hidden = self.norm.add_forward(x, delta)[1]
         return hidden if rows == tokens else hidden[:tokens]
+
+    def _keep_aux(self, layer: int, x: torch.Tensor, delta: torch.Tensor | None, tokens: int) -> None:
+        """The residual stream entering `layer` (x + its pending delta; x is later added to in
+        place) into its slots of aux_hidden."""
+        width = self.config.hidden_size
+        h = (x if delta is None else x + delta)[:tokens]
+        for k, at in enumerate(self.aux_layers):
+            if at == layer:
+                self.aux_hidden[:tokens, k * width:(k + 1) * width].copy_(h)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight

@@ -20,7 +20,7 @@ from engine.core.kv import kv_sizing
 from engine.core.kv.block_pool import BlockPool
 from engine.core.kv.swap_space import SwapSpace
 from engine.core.sched.scheduler import Scheduler, SchedulerConfig
-from engine.core.sched.spec_decode import NgramProposer, SpecDecodeConfig
+from engine.core.sched.spec import DraftLengthPlanner, NgramProposer, SpecDecodeConfig
 from engine.layers.attention.base import BackendSpec
 from engine.layers.attention.selector import get_attention_backend
 from engine.layers.kv_cache import KVCache, KVScales, resolve_kv_cache_dtype
@@ -28,6 +28,8 @@ from engine.layers.quant.w4a16 import install as install_w4a16
 from engine.layers.quant.w4a16 import loader_int4_kernel, resolve_int4_kernel
 from engine.lora.adapters import make_lora_manager
 from engine.models.config import ModelConfig
+from engine.models.draft import DraftParts, check_draft_model
+from engine.models.eagle import load_eagle
 from engine.models.loader.gguf_file import is_gguf
 from engine.models.loader.kv_scales import read_kv_scales
 from engine.models.loader.model_loader import load_model, load_tokenizer
@@ -36,10 +38,13 @@ from engine.worker.cpu_dtype import cpu_auto_dtype, cpu_math
 from engine.worker.cpu_threads import apply_cpu_threads
 from engine.worker.model_runner import ModelRunner
 from engine.worker.sample.sampler import Sampler
+from engine.worker.spec.draft_model import DraftModelProposer
+from engine.worker.spec.eagle import EagleProposer
 
 logger = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
 
 def resolve_device(name: str) -> torch.device:
     if name == "auto":
@@ -171,11 +176,15 @@ class EngineBuilder:
         self.model.set_backend(self.backend)
         if self.executor is not None:
             self.model = self.executor.wrap_model(self.model)
+        self.draft = self._load_draft()  # speculative decoding's draft model or EAGLE head, if any
         with _Phase("sizing the KV cache" + (" (profiling a forward)" if self.device.type == "cuda" else "")):
             self.num_blocks = self._num_kv_blocks()
         self.kv_cache = KVCache(cfg.num_layers, self.num_blocks, settings.block_size, self._kv_heads(),
                                 cfg.head_dim, self.kv_dtype, self.device, model_dtype=self.dtype)
         self._set_kv_scales()
+        self.draft_kv = None if self.draft is None else KVCache(  # the draft's KV: the same block ids
+            self.draft.config.num_layers, self.num_blocks, settings.block_size, self.draft.config.num_kv_heads,
+            self.draft.config.head_dim, self.dtype, self.device)
         self.pool = BlockPool(self.num_blocks, settings.block_size, settings.enable_prefix_caching)
         max_tokens_per_seq = self.pool.num_usable * settings.block_size
         if self.max_model_len > max_tokens_per_seq:
@@ -206,6 +215,7 @@ class EngineBuilder:
         self.runner = runner_cls(self.model, self.kv_cache, self.sampler, self.device, settings.block_size,
                                  settings.max_num_seqs, self._token_budget(), self.max_model_len)
         self.runner.executor = self.executor
+        self.draft_runner = self._make_device_proposer()
         self.compile_seconds, self.capture_seconds = self._compile_and_capture()
         return self
 
@@ -228,8 +238,11 @@ class EngineBuilder:
         """torch.compile the forward (persistent Inductor cache) and, on a GPU, capture the decode
         CUDA graphs. Off with enforce_eager. Returns (compile seconds, capture seconds)."""
         s = self.settings
-        if self.device.type == "cpu" and hasattr(self.model, "warm_cpu_linear"):  # oneDNN's shapes, built now
-            self.model.warm_cpu_linear(s.max_num_batched_tokens, s.max_num_seqs)
+        runners = [self.runner] + ([self.draft_runner] if self.draft_runner is not None else [])
+        if self.device.type == "cpu":
+            for runner in runners:
+                if hasattr(runner.model, "warm_cpu_linear"):  # oneDNN's shapes, built now
+                    runner.model.warm_cpu_linear(s.max_num_batched_tokens, s.max_num_seqs)
         if s.enforce_eager:
             return 0.0, 0.0
         if self.executor is not None and self.device.type == "cuda":
@@ -240,10 +253,12 @@ class EngineBuilder:
         if self.device.type == "cpu":  # what pays on the CPU: engine/worker/cpu_warmup.py
             from engine.worker.cpu_warmup import warm_cpu_decode
 
-            if hasattr(self.model, "use_cpu_fused_ops"):  # fused norms / RoPE / SiLU (compiler/cpu_fused.py)
-                self.model.use_cpu_fused_ops(s.resolved_compile_cache_dir())
-            seconds = warm_cpu_decode(self.model, self.kv_cache.tensor, s.resolved_compile_cache_dir(),
-                                      s.cpu_decoder_stack)
+            seconds = 0.0
+            for runner in runners:
+                if hasattr(runner.model, "use_cpu_fused_ops"):  # fused norms / RoPE / SiLU (compiler/cpu_fused.py)
+                    runner.model.use_cpu_fused_ops(s.resolved_compile_cache_dir())
+                seconds += warm_cpu_decode(runner.model, runner.kv_cache.tensor, s.resolved_compile_cache_dir(),
+                                           s.cpu_decoder_stack)
             if not s.cpu_compile_forward:
                 logger.info("CPU: eager forward, C++ paged attention built ahead of time; warm-up %.1fs", seconds)
                 return seconds, 0.0
@@ -252,7 +267,7 @@ class EngineBuilder:
         cache = configure_compile_cache(*export_compile_cache_dir(s.resolved_compile_cache_dir()))
         graphs_before = compile_count()
         with _Phase(f"compiling the forward (slow on the first start only; cached in {cache})"):
-            compile_s = self.runner.compile_model()
+            compile_s = sum(runner.compile_model() for runner in runners)
         logger.info("compiled %d graphs", compile_count() - graphs_before)
         capture_s = 0.0
         if self.device.type == "cuda":
@@ -263,8 +278,17 @@ class EngineBuilder:
             sizes = s.capture_sizes()
             with _Phase(f"capturing {len(sizes)} decode CUDA graphs (batch sizes {sizes[0]}..{sizes[-1]})"
                         if sizes else "capturing no decode CUDA graphs"):
-                capture_s = self.runner.capture_graphs(sizes, device_reads_lengths=reads_lengths)
+                capture_s = sum(runner.capture_graphs(sizes, device_reads_lengths=reads_lengths,
+                                                      max_query=self._verify_query(runner)) for runner in runners)
         return compile_s, capture_s
+
+    def _verify_query(self, runner: ModelRunner) -> int:
+        """Tokens per sequence of the verify steps a runner replays as graphs: the target's and an
+        EAGLE head's catch-up (1 + the most drafts); a draft model's forwards are decode steps."""
+        s = self.settings
+        if s.speculative_method is None or (runner is self.draft_runner and s.speculative_method == "draft_model"):
+            return 1
+        return 1 + s.num_speculative_tokens
 
     def _set_kv_scales(self) -> None:
         """An fp8 cache's K/V scales: calibrated on the first prompt (calculate_kv_scales), else the
@@ -286,13 +310,72 @@ class EngineBuilder:
         logger.info("KV cache: fp8 e4m3, %d blocks, K/V scales %s", self.num_blocks, source)
         self.backend.use_kv_scales(KVScales(cache.scales, calibrate=s.calculate_kv_scales))
 
-    def _make_proposer(self) -> NgramProposer | None:
+    def _make_proposer(self) -> NgramProposer | DraftLengthPlanner | None:
+        """The scheduler's side of speculative decoding: n-gram drafts, or how many drafts the
+        device proposer makes for each sequence."""
         s = self.settings
         if s.speculative_method is None:
             return None
-        logger.info("speculative decoding: %s, up to %d draft tokens (lookup %d..%d tokens)", s.speculative_method,
-                    s.num_speculative_tokens, s.prompt_lookup_min, s.prompt_lookup_max)
-        return NgramProposer(SpecDecodeConfig(s.num_speculative_tokens, s.prompt_lookup_max, s.prompt_lookup_min))
+        config = SpecDecodeConfig(s.num_speculative_tokens, s.speculative_method, s.prompt_lookup_max,
+                                  s.prompt_lookup_min)
+        if not config.device_drafts:
+            logger.info("speculative decoding: ngram, up to %d draft tokens (lookup %d..%d tokens)",
+                        s.num_speculative_tokens, s.prompt_lookup_min, s.prompt_lookup_max)
+            return NgramProposer(config)
+        logger.info("speculative decoding: %s %s, up to %d draft tokens per step", s.speculative_method,
+                    s.speculative_model, s.num_speculative_tokens)
+        return DraftLengthPlanner(config)
+
+    # ---- speculative decoding's draft (a draft model or an EAGLE head) ----
+    def _load_draft(self) -> "DraftParts | None":
+        """The draft model (or EAGLE head) with its own attention backend; its KV cache is made
+        with the target's once the pool is sized (the same block ids index both)."""
+        s = self.settings
+        if s.speculative_method not in ("draft_model", "eagle", "eagle3"):
+            return None
+        path = Path(s.speculative_model).expanduser()
+        if not path.is_dir() and not (s.speculative_method == "draft_model" and is_gguf(path)):
+            raise ValueError(f"speculative_model: {s.speculative_model!r} is not a checkpoint directory"
+                             + (" or .gguf file" if s.speculative_method == "draft_model" else ""))
+        with _Phase(f"loading the {s.speculative_method} draft {path}"):
+            if s.speculative_method == "draft_model":
+                config = layers = ModelConfig.from_dir(path)
+                check_draft_model(config, self.model_config, len(self.tokenizer), path)
+                model = load_model(path, config, self.dtype, self.device, self.max_model_len, s.load_format, s.seed)
+            else:
+                model = load_eagle(path, 3 if s.speculative_method == "eagle3" else 1, self.model, self.dtype,
+                                   self.device, self.max_model_len)
+                config, layers = model.eagle, model.eagle.layer
+        backend = get_attention_backend(s.attention_backend, BackendSpec(
+            device=self.device, dtype=self.dtype, head_dim=config.head_dim, block_size=s.block_size,
+            kernel_cache_dir=s.resolved_kernel_cache_dir(), compile=not s.enforce_eager,
+            decode_kernel=s.decode_kernel, prefill_kernel=s.prefill_kernel,
+            windowed_or_capped=any(layers.layer_windows) or layers.attn_softcap > 0))
+        model.set_backend(backend)
+        return DraftParts(model, config, backend)
+
+    def _make_device_proposer(self) -> ModelRunner | None:
+        """The draft's runner (its own input buffers, cache tensor and graphs) and the proposer that
+        drives it inside the target runner's launch; the target's block copies cover its cache."""
+        if self.draft is None:
+            return None
+        s = self.settings
+        runner = ModelRunner(self.draft.model, self.draft_kv, self.sampler, self.device, s.block_size,
+                             s.max_num_seqs, self._token_budget(), self.max_model_len)
+        runner.builder.shifts_from = self.runner.builder  # (a verify step in flight moves its positions too)
+        if s.speculative_method == "draft_model":
+            self.runner.spec = DraftModelProposer(runner, self.model_config.vocab_size, self.sampler.generator)
+        else:
+            head = self.draft.model
+            head.allocate_inputs(runner.buffers.max_tokens)
+            if head.eagle.version == 3:  # the target keeps the hidden states entering the head's layers
+                self.model.aux_layers = head.eagle.aux_layers
+                self.model.aux_hidden = torch.zeros(self.runner.buffers.max_tokens,
+                                                    len(head.eagle.aux_layers) * self.model_config.hidden_size,
+                                                    dtype=self.dtype, device=self.device)
+            self.runner.spec = EagleProposer(runner, self.runner, self.sampler.generator)
+        self.runner.block_copy_caches.append(self.draft_kv.tensor)
+        return runner
 
     def _make_swap_space(self) -> SwapSpace | None:
         """The CPU block pool for preemption by swap (none in recompute mode or with no swap space)."""
@@ -301,17 +384,17 @@ class EngineBuilder:
         self.block_swapper = None
         if s.preemption_mode == "recompute" or s.swap_space_gb <= 0:
             return None
-        cfg = self.model_config
-        per_block = KVCache.bytes_per_block(cfg.num_layers, s.block_size, self._kv_heads(), cfg.head_dim,
-                                            self.kv_dtype)
+        per_block = self._bytes_per_block()
         num_cpu = int(s.swap_space_gb * (1 << 30) // per_block)
         if num_cpu < 1:
             logger.warning("swap_space_gb=%s holds no KV block of %d bytes: preempting by recompute only",
                            s.swap_space_gb, per_block)
             return None
-        from compiler.block_swapper import BlockSwapper
+        from compiler.block_swapper import BlockSwapper, SwapGroup
 
         self.block_swapper = BlockSwapper(self.kv_cache.tensor, num_cpu)
+        if self.draft_kv is not None:  # the draft's KV moves with the target's, block for block
+            self.block_swapper = SwapGroup([self.block_swapper, BlockSwapper(self.draft_kv.tensor, num_cpu)])
         self.swap_space = SwapSpace(self.pool, num_cpu, bytes_per_block=per_block)
         logger.info("swap space: %d CPU blocks (%.2f GiB%s), preemption mode %s", num_cpu,
                     num_cpu * per_block / (1 << 30), ", pinned" if self.device.type == "cuda" else "",
@@ -356,10 +439,7 @@ class EngineBuilder:
 
     def _num_kv_blocks(self) -> int:
         s = self.settings
-        cfg = self.model_config
-        # The cache's element size: an fp8 cache holds twice the blocks of bf16 (four times fp32's).
-        per_block = KVCache.bytes_per_block(cfg.num_layers, s.block_size, self._kv_heads(), cfg.head_dim,
-                                            self.kv_dtype)
+        per_block = self._bytes_per_block()
         if s.num_gpu_blocks is not None:
             blocks = s.num_gpu_blocks + 1  # plus the null block
         elif self.device.type == "cpu":
@@ -370,6 +450,17 @@ class EngineBuilder:
         self.max_model_len = kv_sizing.fit_max_model_len(s.max_model_len, self.max_model_len, blocks, s.block_size,
                                                          per_block, self.device.type, s.num_gpu_blocks is not None)
         return blocks
+
+    def _bytes_per_block(self) -> int:
+        """One block of every layer's K and V: the target's (an fp8 cache holds twice the blocks of
+        bf16, four times fp32's) plus the draft's, which shares the block ids."""
+        s, cfg = self.settings, self.model_config
+        per_block = KVCache.bytes_per_block(cfg.num_layers, s.block_size, self._kv_heads(), cfg.head_dim,
+                                            self.kv_dtype)
+        if self.draft is not None:
+            d = self.draft.config
+            per_block += KVCache.bytes_per_block(d.num_layers, s.block_size, d.num_kv_heads, d.head_dim, self.dtype)
+        return per_block
 
     def _cpu_kv_bytes(self, per_block: int) -> float:
         """kv_cache_memory_gb, or by default a share of the memory free now that the weights are

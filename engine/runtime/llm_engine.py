@@ -13,7 +13,7 @@ placeholders, and the device feeds the real ids to the next step). A step whose 
 what the host learns from the previous step's tokens (a grammar's bitmask, a logits processor's
 history: `_defers_sampling`) launches its forward at once and samples after the previous step
 is processed. A step whose tokens must be on the host before the next one can be scheduled
-(see `_needs_serial`) is processed at once, as is every step with speculative decoding.
+(see `_needs_serial`) is processed at once.
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ from engine.core.outputs import RequestUpdate
 from engine.core.request import LoRARequest, PoolingParams, Request, RequestOutput, SamplingParams
 from engine.core.sched.scheduler import Scheduler
 from engine.core.sched.scheduler_output import SchedulerOutput
+from engine.core.sched.spec.decoder import verify_overlaps
 from engine.lora.adapters import LoRAManager, attach_lora, load_lora, unload_lora
 from engine.runtime.admission import Admission, AdmittedRequest
 from engine.runtime.builder import EngineBuilder
@@ -67,15 +68,17 @@ def _needs_serial(sched: SchedulerOutput) -> bool:
     processed at once (no overlap, for this step only):
       - a fork (a request with n > 1 at the end of its prompt): its children do not exist until
         the sampled tokens are known; they then decode overlapped like any sequence;
-      - drafts (speculative decoding: the engine runs every step serially when it proposes, see
-        `step`): how many drafts are accepted decides the next step's tokens and positions;
+      - n-gram drafts, and model drafts of requests whose sampling reads their history or output
+        position on the host (engine/core/sched/spec/decoder.py verify_overlaps): how many drafts
+        are accepted decides the next step's tokens and positions. Other model drafts overlap: the
+        sequence advances as if all are kept, and the device moves the next step back;
       - a task that reads hidden states (prompt logprobs, embeddings; prompt steps only): an
         embedding samples no token to stand in for, and prompt logprobs are copied to the host
         inside the launch already (engine/core/request_kinds.py read()), so there is nothing to overlap.
     Penalties overlap (their counts take the previous step's tokens on the device), and so do
     grammars and logits processors, whose sampling waits for the host (`_defers_sampling`)."""
     for s in sched.seqs:
-        if not s.advances_at_launch or s.task.reads_hidden:
+        if s.task.reads_hidden or not (s.advances_at_launch or verify_overlaps(s)):
             return True
     return False
 
@@ -115,6 +118,9 @@ class LLMEngine:
         self.scheduler: Scheduler = parts.scheduler
         self.sampler: Sampler = parts.sampler
         self.runner: ModelRunner = parts.runner  # (TensorParallelRunner with tensor parallelism)
+        # Speculative decoding's draft model or EAGLE head: its runner (driven inside the target
+        # runner's launch, engine/worker/spec/), or None.
+        self.draft_runner: ModelRunner | None = parts.draft_runner
         self.executor = parts.executor  # engine/executor/tp_executor.py TensorParallelExecutor, or None
         self.compile_seconds: float = parts.compile_seconds
         self.capture_seconds: float = parts.capture_seconds
@@ -231,7 +237,7 @@ class LLMEngine:
             return updates
         if defer:  # the previous step's tokens have advanced the grammars: sample now
             self._sample(launched)
-        if not self.async_scheduling or self.scheduler.proposer is not None or _needs_serial(sched):
+        if not self.async_scheduling or _needs_serial(sched):
             self._inflight = None
             updates += self._process(launched)
         return updates

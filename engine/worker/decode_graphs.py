@@ -2,7 +2,9 @@
 
 One graph per batch bucket (and, for a backend that bakes the context length in, per context
 bucket): compiled forward + logits + greedy argmax, reading the InputBuffers and the forward
-context's buffers in place and writing two shared output buffers.
+context's buffers in place and writing two shared output buffers. Speculative decoding's verify
+steps (every sequence the same q = 1 + drafts tokens) have graphs of their own, keyed
+(rows, ctx, q): the same body over rows * q tokens.
 """
 
 from __future__ import annotations
@@ -19,9 +21,9 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-# (rows, max_seq_len) -> the step's final hidden states [rows, hidden] and logits [rows, vocab],
-# computed from the static input buffers the graph reads in place.
-DecodeBody = Callable[[int, int], "tuple[torch.Tensor, torch.Tensor]"]
+# (rows, max_seq_len, q) -> the step's final hidden states [rows * q, hidden] and logits
+# [rows * q, vocab], computed from the static input buffers the graph reads in place.
+DecodeBody = Callable[[int, int, int], "tuple[torch.Tensor, torch.Tensor]"]
 
 
 class DecodeGraphRunner:
@@ -37,42 +39,49 @@ class DecodeGraphRunner:
     lengths on the device, else a power-of-two bucket captured on first use.
     """
 
-    def __init__(self, body: DecodeBody, pad: Callable[[int], None], sizes: list[int], *, max_model_len: int,
+    def __init__(self, body: DecodeBody, pad: Callable[[int, int], None], sizes: list[int], *, max_model_len: int,
                  device_reads_lengths: bool, hidden_size: int, dtype: torch.dtype, device: torch.device,
-                 simulate: bool = False) -> None:
+                 simulate: bool = False, max_query: int = 1) -> None:
         self.body = body
         self.pad = pad
         self.sizes = sizes
         self.max_batch = sizes[-1]
         self.max_model_len = max_model_len
         self.device_reads_lengths = device_reads_lengths
-        self.tokens = torch.zeros(self.max_batch, dtype=torch.int64, device=device)
-        self.hidden = torch.zeros(self.max_batch, hidden_size, dtype=dtype, device=device)
+        self.max_query = max_query  # verify steps: 1 + the most drafts a sequence gets
+        self.tokens = torch.zeros(self.max_batch * max_query, dtype=torch.int64, device=device)
+        self.hidden = torch.zeros(self.max_batch * max_query, hidden_size, dtype=dtype, device=device)
         self.graphs = (SimulatedGraphSet if simulate else CudaGraphSet)(self._graph_body, device)
         self.num_replays = 0
         self.replayed: dict[tuple[int, int], int] = {}
 
-    def key_for(self, num_seqs: int, max_seq_len: int) -> tuple[int, int] | None:
+    def key_for(self, num_seqs: int, max_seq_len: int, q: int = 1) -> tuple[int, ...] | None:
+        """(bucket, ctx) of a decode step; (bucket, ctx, q) of a verify step of q tokens per row."""
         bucket = bucket_for(num_seqs, self.sizes)
-        if bucket is None:
+        if bucket is None or q > self.max_query:
             return None
-        return bucket, graph_ctx(max_seq_len, self.max_model_len, self.device_reads_lengths)
+        ctx = graph_ctx(max_seq_len, self.max_model_len, self.device_reads_lengths)
+        return (bucket, ctx) if q == 1 else (bucket, ctx, q)
 
-    def _graph_body(self, rows: int, max_seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
-        hidden, logits = self.body(rows, max_seq_len)
-        out = self.hidden[:rows]
+    def _graph_body(self, rows: int, max_seq_len: int, q: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+        hidden, logits = self.body(rows, max_seq_len, q)
+        out = self.hidden[:rows * q]
         out.copy_(hidden)
-        tokens = self.tokens[:rows]
+        tokens = self.tokens[:rows * q]
         torch.argmax(logits, dim=-1, out=tokens)
         tokens.masked_fill_(~torch.isfinite(logits.amax(dim=-1)), -1)  # as the sampler marks such rows
         return out, tokens
 
     @torch.inference_mode()
     def capture_startup(self) -> float:
-        """Capture every bucket at the first context bucket, largest first; returns seconds."""
-        self.pad(self.max_batch)
+        """Capture every bucket at the first context bucket, largest first (and, with drafts, the
+        verify step of the most drafts); returns seconds."""
         ctx = graph_ctx(1, self.max_model_len, self.device_reads_lengths)
+        self.pad(self.max_batch, 1)
         seconds = self.graphs.capture_all((b, ctx) for b in self.sizes)
+        if self.max_query > 1:
+            self.pad(self.max_batch, self.max_query)
+            seconds += self.graphs.capture_all((b, ctx, self.max_query) for b in self.sizes)
         logger.debug("captured %d decode CUDA graphs (batch %s, max_seq_len %d) in %.1fs",
                      len(self.graphs), ",".join(map(str, self.sizes)), ctx, seconds)
         return seconds
@@ -82,7 +91,7 @@ class DecodeGraphRunner:
         """Capture now (over padding) the graph a decode of this shape would use; returns its key."""
         key = self.key_for(num_seqs, max_seq_len)
         if key is not None and key not in self.graphs:
-            self.pad(key[0])
+            self.pad(key[0], 1)
             self.graphs.capture(key)
         return key
 
@@ -93,7 +102,8 @@ class DecodeGraphRunner:
         key = step.graph_key
         if key not in self.graphs:
             captured = self.graphs.capture(key)  # reference attention, a longer context bucket
-            logger.info("captured decode CUDA graph rows=%d max_seq_len=%d in %.2fs", key[0], key[1],
+            logger.info("captured %s CUDA graph rows=%d max_seq_len=%d in %.2fs",
+                        "decode" if len(key) == 2 else f"verify ({key[2]} tokens a row)", key[0], key[1],
                         captured.seconds)
         self.num_replays += 1
         self.replayed[key] = self.replayed.get(key, 0) + 1

@@ -70,15 +70,17 @@ class InputBuffers:
         self._copied.record()
         self._pending = True
 
-    def fill_padding(self, t: int, n: int, count: int) -> None:
-        """Host rows [t, t+count) / sequences [n, n+count): one token each, slot -1, length 0."""
+    def fill_padding(self, t: int, n: int, count: int, q: int = 1) -> None:
+        """Host sequences [n, n+count), q tokens each from row t (a verify graph's rows: q > 1):
+        slot -1, length 0."""
         if count <= 0:
             return
-        self.np_input_ids[t:t + count] = 0
-        self.np_positions[t:t + count] = 0
-        self.np_slot_mapping[t:t + count] = -1
+        end = t + count * q
+        self.np_input_ids[t:end] = 0
+        self.np_positions[t:end] = 0
+        self.np_slot_mapping[t:end] = -1
         self.np_seq_lens[n:n + count] = 0
-        self.np_query_start_loc[n + 1:n + count + 1] = np.arange(t + 1, t + count + 1)
+        self.np_query_start_loc[n + 1:n + count + 1] = np.arange(t + q, end + 1, q)
 
     def write_table_rows(self, keys: list[tuple[list[int], int, int]]) -> None:
         """Rows [0, len(keys)) of the block table := keys[i] = (block list, table version, its

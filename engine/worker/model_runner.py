@@ -30,6 +30,7 @@ from engine.worker.decode_graphs import DecodeGraphRunner
 from engine.worker.input_buffers import InputBuffers
 from engine.worker.sample.sampler import Sampler, SampleRow
 from engine.worker.sample.sampler_output import HostCopy, LastSampled, PendingSample
+from engine.worker.spec.verify import verify_outcome
 from engine.worker.step_builder import StepBuilder, StepInputs
 from engine.worker.step_features import StepFeatures
 from engine.worker.task_reads import read_task
@@ -54,6 +55,12 @@ class ModelRunner:
         self.builder = StepBuilder(self.buffers, StepFeatures.for_model(model, max_tokens, device), block_size)
         self.forward_fn = model.forward  # replaced by the compiled forward (compiler/capture.py)
         self.graph_runner: DecodeGraphRunner | None = None  # set when decode CUDA graphs are captured
+        # A device proposer (engine/worker/spec/: a draft model, an EAGLE head): it drafts inside
+        # each launch, before the forward that verifies its drafts.
+        self.spec = None
+        # Every cache tensor indexed by the scheduler's block ids: a draft's shares them, so a
+        # copy-on-write copies its block too.
+        self.block_copy_caches = [kv_cache.tensor]
 
     @property
     def compiled(self) -> bool:
@@ -99,11 +106,14 @@ class ModelRunner:
             self.forward_fn(buf.input_ids[:num_tokens], buf.positions[:num_tokens], self.kv_cache.tensor, meta,
                             self.builder.features.context(num_tokens))
 
-    def capture_graphs(self, sizes: list[int], device_reads_lengths: bool, simulate: bool = False) -> float:
+    def capture_graphs(self, sizes: list[int], device_reads_lengths: bool, simulate: bool = False,
+                       max_query: int = 1) -> float:
         """Capture one decode graph per batch bucket (CUDA only); returns seconds.
 
         simulate=True (tests on the CPU): no CUDA graphs, each "replay" runs the graph body
         eagerly over the same static buffers, so bucketing and padding are exercised anyway.
+        max_query > 1 (speculative decoding): verify steps of up to that many tokens per sequence
+        replay graphs too.
         """
         if not self.builder.compiled:
             raise RuntimeError("capture_graphs needs the compiled forward: call compile_model first")
@@ -115,19 +125,21 @@ class ModelRunner:
         if sizes[-1] > self.buffers.max_seqs - 1:
             raise ValueError(f"cuda_graph_sizes: {sizes[-1]} is larger than max_num_seqs")
         self.graph_runner = DecodeGraphRunner(
-            self._decode_graph_body, self.builder.fill_padding_step, sizes, max_model_len=self.max_model_len,
+            self._decode_graph_body, lambda rows, q: self.builder.fill_padding_step(rows, q=q), sizes,
+            max_model_len=self.max_model_len,
             device_reads_lengths=device_reads_lengths, hidden_size=self.model.config.hidden_size,
-            dtype=self.kv_cache.model_dtype, device=self.device, simulate=simulate)
+            dtype=self.kv_cache.model_dtype, device=self.device, simulate=simulate, max_query=max_query)
         self.builder.graph_key = self.graph_runner.key_for
         return self.graph_runner.capture_startup()
 
-    def _decode_graph_body(self, rows: int, max_seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """A decode step of `rows` sequences over the static buffers, as a graph captures it:
-        compiled forward, then logits (final hidden states, logits)."""
+    def _decode_graph_body(self, rows: int, max_seq_len: int, q: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+        """A decode step of `rows` sequences (a verify step: q tokens each) over the static
+        buffers, as a graph captures it: compiled forward, then logits (final hidden states, logits)."""
         buf = self.buffers
-        meta = self.builder.compiled_meta(rows, rows, 1, max_seq_len)
-        ctx = self.builder.features.context(rows)  # (static buffers too: the graph reads them in place)
-        hidden = self.forward_fn(buf.input_ids[:rows], buf.positions[:rows], self.kv_cache.tensor, meta, ctx)
+        tokens = rows * q
+        meta = self.builder.compiled_meta(tokens, rows, q, max_seq_len, num_decodes=rows if q == 1 else 0)
+        ctx = self.builder.features.context(tokens)  # (static buffers too: the graph reads them in place)
+        hidden = self.forward_fn(buf.input_ids[:tokens], buf.positions[:tokens], self.kv_cache.tensor, meta, ctx)
         return hidden, self.model.compute_logits(hidden)
 
     # ---- the step ----
@@ -142,15 +154,22 @@ class ModelRunner:
         if sched.blocks_to_copy:
             src = torch.tensor([a for a, _ in sched.blocks_to_copy], device=self.device)
             dst = torch.tensor([b for _, b in sched.blocks_to_copy], device=self.device)
-            torch.ops.kiln.copy_blocks(self.kv_cache.tensor, src, dst)
+            for cache in self.block_copy_caches:
+                torch.ops.kiln.copy_blocks(cache, src, dst)
         pending = PendingStep()
         if not sched.seqs:
             pending.sample = PendingSample.empty(self.device)
             return pending
         step = self.prepare(sched)
+        if self.spec is not None:
+            pending.proposal = self.spec.propose(sched, self.builder)
+            if pending.proposal is not None:
+                pending.proposal.write_inputs(self.buffers)
+                pending.proposal.patch_rows(step.rows)
         if self.graph_runner is not None and self.graph_runner.can_replay(step):
             hidden, tokens = self.graph_runner.replay(step)
             n = len(step.rows)
+            pending.hidden = hidden[:n]
             if not defer_sampling and all([r.plain for r in step.rows]):
                 # argmax computed in the graph; -1 marks a row with non-finite logits (the sampler's rule)
                 pending.sample = PendingSample(tokens[:n], HostCopy(tokens[:n]), {})
@@ -158,7 +177,7 @@ class ModelRunner:
             # the sampler needs the logits: one more LM-head matmul over the graph's hidden states
             pending.deferred = (self.model.compute_logits(hidden[:n]), step.rows)
         else:
-            hidden = self.run_model(step)
+            hidden = pending.hidden = self.run_model(step)
             if step.rows:
                 n = len(step.sample_indices)
                 # A decode step samples rows 0..n-1 in order: a view, no gather (nor an index upload).
@@ -186,15 +205,22 @@ class ModelRunner:
         pending.deferred = None
         if finished:
             rows = [_DISCARDED if r.key in finished else r for r in rows]
-        pending.sample = self.sampler.launch(logits, rows, self.builder.last_sampled)
+        drafts = pending.proposal.draft_probs(self.device) if pending.proposal is not None else None
+        pending.sample = self.sampler.launch(logits, rows, self.builder.last_sampled, drafts)
         return self._remember(sched, pending)
 
     def _remember(self, sched: SchedulerOutput, pending: "PendingStep") -> "PendingStep":
         """Keep the step's device tokens (and its sequences, which tell each one's row in them):
         the next step's placeholders read from there. Nothing per row here: the rows are looked
-        up only when a placeholder needs them."""
+        up only when a placeholder needs them. A device proposer reads the step first (an EAGLE
+        head's catch-up over its hidden states and sampled tokens)."""
+        if pending.proposal is not None:  # (what the next step, if launched before this one is processed, reads)
+            pending.verify = verify_outcome(sched, pending.sample.tokens, pending.proposal)
+        if self.spec is not None:
+            self.spec.sampled(sched, pending)
+        pending.hidden = None
         decode = sched.num_prefill_tokens == 0 and sched.num_decode_tokens == len(sched.seqs)
-        self.builder.last_sampled = LastSampled(pending.sample.tokens, sched.seqs, decode)
+        self.builder.last_sampled = LastSampled(pending.sample.tokens, sched.seqs, decode, pending.verify)
         return pending
 
     def run_model(self, step: StepInputs) -> torch.Tensor:
@@ -211,10 +237,15 @@ class PendingStep:
         self.sample: PendingSample | None = None  # set once sampled
         self.deferred: tuple[torch.Tensor, list[SampleRow]] | None = None  # (logits, rows) not sampled yet
         self.task_results: dict[int, Any] = {}
+        self.proposal = None  # the launch's device drafts (engine/worker/spec/proposal.py)
+        self.hidden: torch.Tensor | None = None  # the step's final hidden states, until it is sampled
+        self.verify = None  # its verify records' outcome on the device (engine/worker/spec/verify.py)
 
     def result(self) -> SamplerOutput:
         out = self.sample.result()
         out.task_results = self.task_results
+        if self.proposal is not None:  # (the scheduler compares the drafts with the sampled tokens)
+            self.proposal.fill_records()
         return out
 
 

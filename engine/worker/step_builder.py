@@ -37,7 +37,7 @@ class StepInputs:
     ctx: ForwardContext | None
     sample_indices: list[int]  # rows of the hidden states to sample from (repeated for forks)
     rows: list[SampleRow]
-    graph_key: tuple[int, int] | None = None  # (rows, ctx) of the decode graph to replay
+    graph_key: tuple[int, ...] | None = None  # (rows, ctx) of the decode graph to replay; (rows, ctx, q): a verify graph
     # Tasks that read this step's hidden states: (task, seq id, its plan) (engine/core/request_kinds.py).
     reads: list[tuple[Any, int, Any]] = field(default_factory=list)
 
@@ -54,12 +54,15 @@ class StepBuilder:
         self.features = features
         self.block_size = block_size
         self.compiled = False  # the forward is torch.compile'd: pad steps, full-width block tables
-        self.graph_key: Callable[[int, int], tuple[int, int] | None] | None = None  # set with decode graphs
+        self.graph_key: Callable[..., tuple[int, ...] | None] | None = None  # set with decode graphs
         # The last launched step's sampled tokens (device), for the next step's placeholders.
         self.last_sampled = LastSampled(torch.zeros(0, dtype=torch.int64))
         # A decoding sequence's sampler row does not change from step to step: kept by seq id.
         self._rows: dict[int, SampleRow] = {}
         self._views: dict[tuple[int, int, int], tuple[torch.Tensor, ...]] = {}  # eager metadata's buffer views
+        # Whose last step's verify outcome moves this builder's positions: its own (the target's),
+        # or the target's for a draft model's or head's builder (engine/worker/spec/verify.py).
+        self.shifts_from: StepBuilder = self
         self._arange = np.arange(buffers.max_seqs + 1, dtype=np.int32)
         self._range = list(range(buffers.max_seqs + 1))  # (sliced: a fresh list each time)
 
@@ -70,8 +73,13 @@ class StepBuilder:
         # prompt and samples it once (a request forks where its prompt ends, a prefill step), and
         # no task reads it (tasks read prompt positions only, engine/core/request_kinds.py).
         if sched.num_prefill_tokens == 0 and sched.num_decode_tokens == len(seqs):
-            return self._build_decode(seqs)
-        return self._build_general(seqs)
+            step = self._build_decode(seqs)
+        else:
+            step = self._build_general(seqs)
+        verify = self.shifts_from.last_sampled.verify
+        if verify is not None and any([s.after_verify for s in seqs]):
+            self._shift_positions(seqs, verify)
+        return step
 
     def _build_general(self, seqs: list[ScheduledSeq]) -> StepInputs:
         buf = self.buffers
@@ -100,7 +108,7 @@ class StepBuilder:
             all_ids += s.token_ids
             starts.append(start)
             counts.append(n)
-            if n == 1 and s.token_ids[0] == PLACEHOLDER:
+            if s.token_ids[0] == PLACEHOLDER:  # (a verify chunk's last token may be one too)
                 feed_rows.append(t)
                 feed_ids.append(s.seq_id)
             self.features.write(t, n, s)
@@ -136,7 +144,11 @@ class StepBuilder:
             row_of = np.repeat(self._arange[:len(seqs)], counts)
             np.add(buf.np_block_tables[row_of, pos // bs].astype(np.int64) * bs, pos % bs,
                    out=buf.np_slot_mapping[:t])
-        step = self._finish(t, len(seqs), max_q, max_len, max_cols, sample_indices, rows, None, num_decodes,
+        key = None
+        if self.graph_key is not None and seqs and max_q > 1 and all([s.verifies and s.num_tokens == max_q
+                                                                      for s in seqs]):
+            key = self.graph_key(len(seqs), max_len, max_q)  # (every sequence verifies max_q tokens)
+        step = self._finish(t, len(seqs), max_q, max_len, max_cols, sample_indices, rows, key, num_decodes,
                             feed_rows, feed_ids)
         step.reads = reads
         return step
@@ -191,16 +203,18 @@ class StepBuilder:
                 num_decodes: int, feed_rows: list[int], feed_ids: list[int]) -> StepInputs:
         buf = self.buffers
         padded_seqs = num_seqs
+        q = 1  # tokens per padding sequence (a verify graph's rows have q each)
         if graph_key is not None:
             padded_seqs = graph_key[0]
+            q = graph_key[2] if len(graph_key) > 2 else 1
         elif self.compiled and t > 1:
             # A one-sequence step of several tokens gets a padding sequence: Dynamo would
             # otherwise specialise (and compile) a graph for exactly one sequence.
             padded_seqs = max(num_seqs, MIN_COMPILED_ROWS)
         extra = padded_seqs - num_seqs
-        buf.fill_padding(t, num_seqs, extra)
-        self.features.pad(t, extra)
-        t_padded = t + extra
+        buf.fill_padding(t, num_seqs, extra, q)
+        self.features.pad(t, extra * q)
+        t_padded = t + extra * q
         self.features.upload(t_padded)
         buf.upload(t_padded, padded_seqs, max_cols)
         if feed_rows:
@@ -220,14 +234,14 @@ class StepBuilder:
             meta = AttentionMetadata(*views, max_query_len=max_q, max_seq_len=max_len, num_decodes=num_decodes)
         return StepInputs(t_padded, padded_seqs, meta, self.features.context(t_padded), sample_indices, rows)
 
-    def fill_padding_step(self, num_seqs: int, num_tokens: int | None = None) -> None:
-        """A step of padding only (compile warm-ups, graph captures): num_seqs sequences of one
-        token each, the last one taking any extra tokens; nothing is written or read."""
+    def fill_padding_step(self, num_seqs: int, num_tokens: int | None = None, q: int = 1) -> None:
+        """A step of padding only (compile warm-ups, graph captures): num_seqs sequences of q
+        tokens each, the last one taking any extra tokens; nothing is written or read."""
         buf = self.buffers
-        num_tokens = num_tokens or num_seqs
+        num_tokens = num_tokens or num_seqs * q
         buf.wait_staging()
         buf.np_query_start_loc[0] = 0
-        buf.fill_padding(0, 0, num_seqs)
+        buf.fill_padding(0, 0, num_seqs, q)
         buf.np_query_start_loc[num_seqs] = num_tokens
         buf.np_input_ids[:num_tokens] = 0
         buf.np_positions[:num_tokens] = 0
@@ -243,6 +257,9 @@ class StepBuilder:
         prev_tokens = last.tokens
         buf = self.buffers
         k = len(rows)
+        if last.verify is not None and any(i in last.verify.index for i in seq_ids):
+            self._feed_verified(rows, seq_ids)
+            return
         # (feed rows ascend: the last one is k - 1 only when they are 0..k-1)
         if rows[-1] == k - 1 and last.leads_with(seq_ids):
             # A steady decode batch: rows [0, k) take the previous step's rows [0, k) (one copy;
@@ -261,6 +278,43 @@ class StepBuilder:
         buf.input_ids.index_copy_(0, buf.feed_dst[:k], prev_tokens.index_select(0, buf.feed_src[:k]).clamp(min=0))
         if buf.device.type != "cpu":
             buf.staging_in_use()  # the staging above is in use until these copies ran
+
+    def _feed_verified(self, rows: list[int], seq_ids: list[int]) -> None:
+        """Like _feed_sampled, where some sequences' last step was a verify step: each continues
+        with its sampled row `accepted` (found on the device), the others with their one row."""
+        last = self.last_sampled
+        verify = last.verify
+        device = self.buffers.device
+        plain = [i for i in seq_ids if i not in verify.index]
+        known = dict(zip(plain, last.rows_of(plain))) if plain else {}
+        src = torch.tensor([known.get(i, 0) for i in seq_ids], dtype=torch.int64).to(device)
+        at = [m for m, i in enumerate(seq_ids) if i in verify.index]
+        which = torch.tensor([verify.index[seq_ids[m]] for m in at], dtype=torch.int64).to(device)
+        src[torch.tensor(at, dtype=torch.int64).to(device)] = verify.feed_rows[which]
+        dst = torch.tensor(rows, dtype=torch.int64).to(device)
+        self.buffers.input_ids.index_copy_(0, dst, last.tokens.index_select(0, src).clamp(min=0))
+
+    def _shift_positions(self, seqs: list[ScheduledSeq], verify) -> None:
+        """Sequences whose last step was a verify step still in flight were placed as if all its
+        drafts were kept: move their rows back by what was not (positions, slots, lengths), on
+        the device, after the upload."""
+        hit = [(i, verify.index[s.seq_id]) for i, s in enumerate(seqs) if s.after_verify]
+        buf = self.buffers
+        device = buf.device
+        starts = buf.np_query_start_loc
+        token_rows = [r for i, _ in hit for r in range(int(starts[i]), int(starts[i + 1]))]
+        row_seq = [i for i, _ in hit for _ in range(int(starts[i]), int(starts[i + 1]))]
+        shift = verify.shift[torch.tensor([v for _, v in hit], dtype=torch.int64).to(device)]
+        per_row = torch.repeat_interleave(shift, torch.tensor([int(starts[i + 1] - starts[i]) for i, _ in hit],
+                                                              dtype=torch.int64).to(device))
+        rows = torch.tensor(token_rows, dtype=torch.int64).to(device)
+        seq_index = torch.tensor([i for i, _ in hit], dtype=torch.int64).to(device)
+        buf.positions.index_add_(0, rows, per_row.to(buf.positions.dtype))
+        buf.seq_lens.index_add_(0, seq_index, shift.to(buf.seq_lens.dtype))
+        pos = buf.positions[rows]
+        bs = self.block_size
+        blocks = buf.block_tables[torch.tensor(row_seq, dtype=torch.int64).to(device), pos // bs].to(torch.int64)
+        buf.slot_mapping[rows] = blocks * bs + pos % bs
 
     def compiled_meta(self, num_tokens: int, num_seqs: int, max_q: int, max_len: int,
                       num_decodes: int = 0) -> AttentionMetadata:

@@ -13,7 +13,7 @@ them to make room (lower `priority` value = more urgent). A step that preempted 
 sequences strictly more urgent than everything it preempted (no thrash).
 The step's work is a SchedulerOutput (engine/core/sched/scheduler_output.py) that the runner turns into tensors.
 Here is the policy; KV block accounting is engine/core/kv/allocator.py's, draft limits and
-acceptance engine/core/sched/spec_decode.py's, applying a step's results engine/core/sched/step_update.py's.
+acceptance engine/core/sched/spec/'s, applying a step's results engine/core/sched/step_update.py's.
 """
 
 from __future__ import annotations
@@ -32,12 +32,12 @@ from engine.core.request import FinishReason, InvalidRequestError, Request, SeqS
 from engine.core.request_kinds import task_of
 from engine.core.sched.preemption import Preemptor
 from engine.core.sched.scheduler_output import PLACEHOLDER, ScheduledSeq, SchedulerOutput, sample_row_ranges
-from engine.core.sched.spec_decode import SpecDecoder
+from engine.core.sched.spec.decoder import SpecDecoder
 from engine.core.sched.step_update import StepResults
 
 if TYPE_CHECKING:
     from engine.core.kv.swap_space import SwapSpace
-    from engine.core.sched.spec_decode import NgramProposer
+    from engine.core.sched.spec.decoder import Proposer
 
 __all__ = ["PLACEHOLDER", "ScheduledSeq", "Scheduler", "SchedulerConfig", "SchedulerOutput", "sample_row_ranges"]
 
@@ -58,7 +58,7 @@ class SchedulerConfig:
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, pool: BlockPool,
-                 swapper: "SwapSpace | None" = None, proposer: "NgramProposer | None" = None) -> None:
+                 swapper: "SwapSpace | None" = None, proposer: "Proposer | None" = None) -> None:
         self.config = config
         self.pool = pool
         self.swapper = swapper
@@ -363,7 +363,7 @@ class Scheduler:
             all_token_ids=seq.token_ids, num_prompt_tokens=seq.num_prompt_tokens,
             sample_index=seq.sample_index, grammars=request.grammars, draft_token_ids=drafts,
             task=task_of(request),
-            seq=seq,
+            seq=seq, after_verify=self.spec is not None and self.spec.verifying(seq),
         ))
         if num_new != 1:
             self._prefills = True

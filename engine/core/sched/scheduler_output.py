@@ -33,13 +33,21 @@ class ScheduledSeq:
     draft_token_ids: list[int] = field(default_factory=list)
     task: Task = GENERATE  # what the step is for (engine/core/request_kinds.py)
     seq: Sequence | None = None  # the sequence itself (its state moves on after the step is launched)
+    # Scheduled while the sequence's verify step was in flight: its positions are the worst case
+    # (every draft kept), which the device moves back by what was not (engine/worker/spec/verify.py).
+    after_verify: bool = False
     # One sampled token at most and no fork, drafts or task results: the scheduler counts the
     # tokens computed, and a placeholder for the sampled one, as soon as the step is launched.
     # (Set once: a record's drafts, samples and task never change; read for every row every step.)
     advances_at_launch: bool = field(init=False)
+    # A verify step's record (drafts after the last token): at launch the sequence advances as if
+    # every draft will be kept (placeholders for all of them and the token after), and its results
+    # correct that (engine/core/sched/spec/decoder.py accept_launched).
+    verifies: bool = field(init=False)
 
     def __post_init__(self) -> None:
         self.advances_at_launch = not self.draft_token_ids and self.num_samples == 1 and self.task.text_output
+        self.verifies = bool(self.draft_token_ids) and self.num_samples == 1 and self.task.text_output
 
     @property
     def num_tokens(self) -> int:

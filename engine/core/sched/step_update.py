@@ -32,7 +32,7 @@ from engine.core.sched.scheduler_output import PLACEHOLDER, sample_row_ranges
 if TYPE_CHECKING:
     from engine.core.kv.allocator import KVAllocator
     from engine.core.sched.scheduler_output import ScheduledSeq, SchedulerOutput
-    from engine.core.sched.spec_decode import SpecDecoder
+    from engine.core.sched.spec.decoder import SpecDecoder
 
 logger = logging.getLogger(__name__)
 
@@ -76,6 +76,8 @@ class StepResults:
         finished = SeqStatus.FINISHED
         for sched in out.seqs:
             if not sched.advances_at_launch:
+                if sched.verifies and sched.seq.status is not finished:
+                    self.spec.launched(sched.seq, len(sched.draft_token_ids))
                 continue
             seq = sched.seq
             if seq.status is finished:
@@ -125,13 +127,14 @@ class StepResults:
                     generated += took(seq, at, news, failed, now)
                 elif seq.status is running:
                     cache_full_blocks(seq)
+            elif sched.verifies:
+                if toks:  # (a failed row keeps its placeholders: its request is failed below)
+                    assert self.spec is not None
+                    at = len(seq.token_ids) - seq.num_pending  # (this step's placeholders come first)
+                    self.spec.accept_launched(seq, sched.draft_token_ids, toks, self.kv)
+                    generated += took(seq, at, news, failed, now)
             elif seq.status is not running:
                 continue
-            elif sched.draft_token_ids:
-                if toks:
-                    assert self.spec is not None
-                    self.spec.accept(seq, sched.draft_token_ids, toks, self.kv)
-                    generated += took(seq, len(seq.token_ids) - seq.num_new_tokens, news, failed, now)
             else:
                 seq.num_computed_tokens += sched.num_tokens
                 cache_full_blocks(seq)

@@ -181,6 +181,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("build-kernels", help="build the CUTLASS attention kernels ahead of time", add_help=False)
     sub.add_parser("bench", help="benchmarks: " + ", ".join(BENCHMARKS), add_help=False)
     sub.add_parser("serve-replicas", help="N `kiln serve` replicas behind sglang-router", add_help=False)
+    sub.add_parser("make-draft-model", help="train a draft model or EAGLE head for speculative decoding from the "
+                   "target's own outputs (CPU, minutes; cached)", add_help=False)
     return parser
 
 
@@ -229,6 +231,9 @@ def main(argv: list[str] | None = None) -> int:
         if command == "serve-replicas":
             from engine.entrypoints.cli.replicas import main as serve_replicas
             return serve_replicas(argv[command_at + 1:])
+        if command == "make-draft-model":
+            from engine.entrypoints.cli.make_draft import main as make_draft_model
+            return make_draft_model(argv[command_at + 1:])
         argv = normalize_argv(_expand_config(argv), parser)
         args = parser.parse_args(argv)
         _positional_model(args)

@@ -121,6 +121,9 @@ class EngineMetrics:
         self.inference_time = histogram("request_inference_time_seconds", "First scheduled to finish",
                                         _REQUEST_TIME_BUCKETS)
         self.spec_num_drafts = counter("spec_decode_num_drafts", "Speculative drafts proposed (sequence-steps)")
+        self._spec_per_pos = Counter("kiln:spec_decode_num_accepted_tokens_per_pos",
+                                     "Speculative draft tokens accepted at each draft position (0: the first)",
+                                     ["model_name", "position"], registry=r)
         self._cache_info = Gauge("kiln:cache_config_info", "KV cache configuration (value 1; labels)",
                                  ["model_name", *_CACHE_INFO_LABELS], registry=r)
         self._lora_info = Gauge("kiln:lora_requests_info", "LoRA adapters of running and waiting requests "
@@ -194,12 +197,16 @@ class EngineMetrics:
                   "num_drafts": getattr(sched, "num_drafts", 0)}
         for mode, count in sched.preemptions_by_mode.items():
             totals[f"preempt:{mode}"] = count
+        per_pos = sched.spec.num_accepted_per_pos if getattr(sched, "spec", None) is not None else []
+        for i, count in enumerate(per_pos):
+            totals[f"pos:{i}"] = count
         tracked = [("prompt", self.prompt_tokens), ("gen", self.generation_tokens), ("pq", self.prefix_queries),
                    ("ph", self.prefix_hits), ("swap_out", self.swap_bytes_out), ("swap_in", self.swap_bytes_in),
                    ("drafts", self.spec_drafts), ("accepted", self.spec_accepted),
                    ("num_drafts", self.spec_num_drafts)]
         tracked += [(f"preempt:{mode}", self._preemptions.labels(self.model_name, mode))
                     for mode in sched.preemptions_by_mode]
+        tracked += [(f"pos:{i}", self._spec_per_pos.labels(self.model_name, str(i))) for i in range(len(per_pos))]
         for key, metric in tracked:
             delta = totals[key] - self._prev.get(key, 0)
             if delta > 0:
@@ -278,9 +285,27 @@ class EngineMetrics:
         hits = totals["ph"] - prev["ph"]
         logger.info(
             "running: %d, waiting: %d, swapped: %d, KV usage: %.1f%%, prompt: %.1f tok/s, generation: %.1f tok/s, "
-            "prefix hit rate: %.1f%%", len(sched.running), len(sched.waiting),
+            "prefix hit rate: %.1f%%%s", len(sched.running), len(sched.waiting),
             sched.num_requests_swapped, 100 * engine.pool.usage(),
             (totals["prompt"] - prev["prompt"]) / dt, (totals["gen"] - prev["gen"]) / dt,
-            100 * hits / queries if queries else 0.0)
-        self._log_prev = {"t": now, "prompt": totals["prompt"], "gen": totals["gen"], "pq": totals["pq"],
-                          "ph": totals["ph"]}
+            100 * hits / queries if queries else 0.0, spec_summary(totals, prev))
+        self._log_prev = {"t": now, **totals}
+
+
+def spec_summary(totals: dict[str, int], prev: dict[str, int]) -> str:
+    """Speculative decoding since the last stats line, as vLLM logs it: the mean acceptance length
+    (tokens per verify step: 1 + accepted drafts / verify steps), the draft acceptance rate and
+    each position's ("" without drafts)."""
+    steps = totals.get("num_drafts", 0) - prev.get("num_drafts", 0)
+    if steps <= 0:
+        return ""
+    drafted = totals["drafts"] - prev.get("drafts", 0)
+    accepted = totals["accepted"] - prev.get("accepted", 0)
+    per_pos = []
+    i = 0
+    while f"pos:{i}" in totals:
+        per_pos.append((totals[f"pos:{i}"] - prev.get(f"pos:{i}", 0)) / steps)
+        i += 1
+    return (f", spec decode: mean acceptance length {1 + accepted / steps:.2f}, accepted {accepted} of {drafted} "
+            f"drafts ({100 * accepted / max(drafted, 1):.1f}%), per position "
+            + ", ".join(f"{r:.2f}" for r in per_pos))

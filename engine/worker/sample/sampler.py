@@ -13,7 +13,6 @@ tensor (`LastSampled`), so a step with penalties is launched before the previous
 
 from __future__ import annotations
 
-import hashlib
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -23,7 +22,9 @@ from engine.core.outputs import SamplerOutput
 from engine.core.request import SamplingParams
 from engine.core.sched.scheduler_output import PLACEHOLDER
 from engine.structured_output.grammars import GrammarMatcher, bitmask_words, unpack_bitmask
+from engine.worker.sample.distributions import processed_probs, race_noise
 from engine.worker.sample.logprobs import pack_chosen_and_top
+from engine.worker.sample.rejection import DraftProbs, rejection_tokens
 from engine.worker.sample.sampler_output import HostCopy, LastSampled, PendingSample
 
 
@@ -94,11 +95,6 @@ def _greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
     return torch.where(torch.isfinite(top), tokens, -1)
 
 
-def _row_seed(seed: int, sample_index: int, position: int) -> int:
-    digest = hashlib.blake2b(f"{seed}:{sample_index}:{position}".encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") & ((1 << 63) - 1)
-
-
 class Sampler:
     def __init__(self, device: torch.device, eos_token_ids: tuple[int, ...], seed: int = 0) -> None:
         self.device = device
@@ -110,11 +106,12 @@ class Sampler:
         """logits: float32 [len(rows), vocab]."""
         return self.launch(logits, rows).result()
 
-    def launch(self, logits: torch.Tensor, rows: list[SampleRow], last: "LastSampled | None" = None
-               ) -> "PendingSample":
+    def launch(self, logits: torch.Tensor, rows: list[SampleRow], last: "LastSampled | None" = None,
+               drafts: DraftProbs | None = None) -> "PendingSample":
         """Sample on the device; the tokens stay there (PendingSample.tokens) and are copied to
         the host without blocking: result() waits for that copy only. `last`: the previous
-        launched step's tokens, for rows whose history ends in its PLACEHOLDER."""
+        launched step's tokens, for rows whose history ends in its PLACEHOLDER. `drafts`: rows
+        that verify a draft model's sampled drafts with its q (engine/worker/sample/rejection.py)."""
         if not rows:
             return PendingSample.empty(self.device)
         if all([r.plain for r in rows]):
@@ -137,7 +134,7 @@ class Sampler:
         if needs.all_greedy:  # the common case: one reduction gives the token and its logit
             tokens = _greedy_tokens(logits)
         else:
-            tokens = self._sample_random(logits, rows, needs.greedy)
+            tokens = self._sample_random(logits, rows, needs.greedy, drafts)
             # A row whose logits are NaN, +inf or all -inf has no meaningful token: -1 marks it, in
             # the same device-to-host copy as the tokens (no extra sync).
             tokens = torch.where(torch.isfinite(logits.amax(dim=-1)), tokens, -1)
@@ -296,42 +293,17 @@ class Sampler:
         logits[torch.tensor(picked, device=self.device)] = sub
         return logits
 
-    def _sample_random(self, logits: torch.Tensor, rows: list[SampleRow], greedy: list[bool]) -> torch.Tensor:
-        n, vocab = logits.shape
-        temp = torch.tensor([1.0 if g else r.params.temperature for r, g in zip(rows, greedy)],
-                            device=self.device)[:, None]
-        scaled = logits / temp
-        top_k = [r.params.top_k if r.params.top_k > 0 else vocab for r in rows]
-        if any(k < vocab for k in top_k):
-            k_tensor = torch.tensor(top_k, device=self.device)[:, None].clamp(max=vocab)
-            sorted_desc = scaled.sort(dim=-1, descending=True).values
-            kth = sorted_desc.gather(1, k_tensor - 1)
-            scaled = scaled.masked_fill(scaled < kth, -float("inf"))
-        probs = scaled.softmax(dim=-1)
-        top_p = [r.params.top_p for r in rows]
-        if any(p < 1.0 for p in top_p):
-            p_tensor = torch.tensor(top_p, device=self.device)[:, None]
-            sorted_probs, order = probs.sort(dim=-1, descending=True)
-            cum = sorted_probs.cumsum(dim=-1)
-            # Drop a token when the mass before it already reaches top_p (the top token always stays).
-            drop_sorted = (cum - sorted_probs) >= p_tensor
-            drop = torch.zeros_like(drop_sorted).scatter(1, order, drop_sorted)
-            probs = probs.masked_fill(drop, 0.0)
-        min_p = [r.params.min_p for r in rows]
-        if any(m > 0 for m in min_p):
-            m_tensor = torch.tensor(min_p, device=self.device)[:, None]
-            probs = probs.masked_fill(probs < m_tensor * probs.max(dim=-1, keepdim=True).values, 0.0)
-        noise = torch.empty_like(probs)
-        noise.exponential_(generator=self.generator)
-        for i, r in enumerate(rows):
-            if r.params.seed is not None and not greedy[i]:
-                gen = torch.Generator(device=self.device).manual_seed(
-                    _row_seed(r.params.seed, r.sample_index, r.num_output_tokens))
-                noise[i].exponential_(generator=gen)
-        sampled = (probs / noise).argmax(dim=-1)
+    def _sample_random(self, logits: torch.Tensor, rows: list[SampleRow], greedy: list[bool],
+                       drafts: DraftProbs | None = None) -> torch.Tensor:
+        probs = processed_probs(logits, rows, greedy)
+        sampled = (probs / race_noise(probs, rows, greedy, self.generator)).argmax(dim=-1)
         if any(greedy):
             g = torch.tensor(greedy, device=self.device)
             sampled = torch.where(g, logits.argmax(dim=-1), sampled)
+        if drafts is not None and drafts.num_rows:
+            # A model's sampled drafts: each row's token is its draft or the residual's sample
+            # (engine/worker/sample/rejection.py); the rest of the row's sample is not used.
+            sampled = sampled.index_put((drafts.rows,), rejection_tokens(probs[drafts.rows], drafts, self.generator))
         return sampled
 
 

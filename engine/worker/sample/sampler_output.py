@@ -5,6 +5,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from engine.core.outputs import SamplerOutput
@@ -18,13 +20,17 @@ class LastSampled:
     them from there, with no host round trip. The seq id -> row map is built only when asked
     (a steady decode batch needs only its order), so remembering a step costs nothing per row."""
 
-    __slots__ = ("tokens", "_seqs", "_decode", "_rows")
+    __slots__ = ("tokens", "_seqs", "_decode", "_rows", "verify")
 
-    def __init__(self, tokens: torch.Tensor, seqs: list[ScheduledSeq] | None = None, decode: bool = False) -> None:
+    def __init__(self, tokens: torch.Tensor, seqs: list[ScheduledSeq] | None = None, decode: bool = False,
+                 verify: Any = None) -> None:
         self.tokens = tokens
         self._seqs = seqs or []  # (read only while the step is in flight: its records are not reused yet)
         self._decode = decode  # seqs[i] sampled row i (one token per sequence, each sampled once)
         self._rows: dict[int, int] | None = None
+        # A verify step's outcome on the device (engine/worker/spec/verify.py VerifyOutcome): which
+        # row continues each verifying sequence, and how far its next positions move back.
+        self.verify = verify
 
     def leads_with(self, seq_ids: list[int]) -> bool:
         """seq_ids sampled rows 0..len(seq_ids)-1, in this order (a steady decode batch)."""

@@ -1,0 +1,138 @@
+"""`kiln make-draft-model`: make a draft for speculative decoding from the target itself.
+
+No draft is reachable here for the one real model (SmolLM2-135M-Instruct), so this trains one
+on the CPU in minutes, and any target gets one the same way:
+
+  1. a corpus: kiln generates the target's own answers to chat prompts (built-in templates over
+     topics; the `train` split, whose topics `kiln bench spec` never asks about), greedy and
+     sampled at temperature 0.7, cached in kiln's cache;
+  2. --method draft_model: a small Llama with the target's tokenizer (a few layers, a narrow
+     width; its embeddings start as the target's projected onto their principal directions),
+     trained to predict the corpus (sequence-level distillation: the target's outputs are the
+     labels), saved as an HF checkpoint with the tokenizer;
+     --method eagle / eagle3: an EAGLE (EAGLE-3) head trained on the target's hidden states over
+     the corpus (transformers computes them), in the public checkpoint layout; EAGLE-3's draft
+     vocabulary is the corpus's most frequent tokens.
+
+The result goes to kiln's cache (cache_dir/drafts/<target>-<method>), like the tiny model, and
+is reused unless --force; the path is printed. Use it with
+    --speculative-config '{"method": "<method>", "model": "<path>", "num_speculative_tokens": 4}'
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import logging
+import random
+import time
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+TEMPLATES = [
+    "Explain {t} in simple terms.", "What are the main benefits of {t}?", "Write a short paragraph about {t}.",
+    "Give me three tips about {t}.", "How does {t} work?", "What is the history of {t}?",
+    "Describe {t} to a ten-year-old.", "What are common mistakes people make with {t}?",
+    "Summarize the key ideas of {t}.", "Why is {t} important?", "Write a haiku about {t}.",
+    "List five facts about {t}.",
+]
+TOPICS = [
+    "photosynthesis", "the water cycle", "machine learning", "compound interest", "volcanoes",
+    "the French Revolution", "healthy sleep", "learning a new language", "black holes", "recycling",
+    "electric cars", "the immune system", "cloud computing", "gardening", "the stock market", "climate change",
+    "the internet", "public speaking", "time management", "the solar system", "vaccines", "renewable energy",
+    "coffee", "baking bread", "chess", "meditation", "earthquakes", "the Roman Empire", "credit scores",
+    "nutrition", "running a marathon", "honey bees", "ocean tides", "3D printing", "blockchains", "DNA",
+    "the printing press", "jazz music", "city planning", "first aid", "bicycles", "rainbows", "human memory",
+    "music theory", "photography", "job interviews", "personal budgeting", "the moon", "dinosaurs",
+    "antibiotics", "solar panels", "wind turbines", "the human heart", "programming in Python", "databases",
+    "writing an essay", "teamwork", "cooking pasta", "camping", "bird migration", "the Olympic Games",
+    "electricity", "friendship", "the Great Wall of China", "origami", "glaciers", "yoga", "submarines",
+    "the theory of evolution", "smartphones", "coral reefs", "volunteering",
+]
+
+
+def chat_prompts(split: str) -> list[str]:
+    """The built-in chat prompts: `test` asks about every fifth topic, `train` about the others
+    (a draft is never trained on what the benchmark asks)."""
+    topics = [t for i, t in enumerate(TOPICS) if (i % 5 == 0) == (split == "test")]
+    return [template.format(t=topic) for topic in topics for template in TEMPLATES]
+
+
+def chat_ids(tokenizer, prompt: str) -> list[int]:
+    ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True)
+    return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+
+
+def build_corpus(target: str, cache: Path, num_prompts: int, max_tokens: int,
+                 seed: int) -> tuple[list[tuple[list[int], int]], str]:
+    """(prompt + answer token ids, prompt length) for num_prompts train prompts, cached; and the
+    corpus's cache key."""
+    key = hashlib.sha1(f"{Path(target).resolve()}:{num_prompts}:{max_tokens}:{seed}".encode()).hexdigest()[:12]
+    file = cache / f"corpus-{Path(target).stem}-{key}.json"
+    if file.is_file():
+        return [(ids, n) for ids, n in json.loads(file.read_text())], key
+    from engine.core.request import SamplingParams
+    from engine.entrypoints.llm import LLM
+
+    prompts = chat_prompts("train")
+    random.Random(seed).shuffle(prompts)
+    prompts = (prompts * (1 + num_prompts // len(prompts)))[:num_prompts]
+    llm = LLM(target, device="cpu", dtype="float32", max_model_len=max(1024, 4 * max_tokens), max_num_seqs=32,
+              kv_cache_memory_gb=1.0)
+    ids = [chat_ids(llm.tokenizer, p) for p in prompts]
+    t0 = time.perf_counter()
+    half = len(ids) // 2
+    outs = llm.generate(ids[:half], SamplingParams(temperature=0.0, max_tokens=max_tokens), use_tqdm=False)
+    outs += llm.generate(ids[half:], SamplingParams(temperature=0.7, max_tokens=max_tokens, seed=seed),
+                         use_tqdm=False)
+    corpus = [(p + list(o.outputs[0].token_ids), len(p)) for p, o in zip(ids, outs)]
+    n = sum(len(c) - p for c, p in corpus)
+    logger.info("corpus: %d answers, %d generated tokens in %.0fs", len(corpus), n, time.perf_counter() - t0)
+    cache.mkdir(parents=True, exist_ok=True)
+    file.write_text(json.dumps(corpus))
+    return corpus, key
+
+
+def main(argv: list[str]) -> int:
+    from engine.config.settings import default_cache_dir
+
+    parser = argparse.ArgumentParser(prog="kiln make-draft-model", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--target", required=True, help="the target checkpoint (directory or .gguf file)")
+    parser.add_argument("--method", required=True, choices=["draft_model", "eagle", "eagle3"])
+    parser.add_argument("--out", default=None, help="output directory (default: kiln's cache, drafts/)")
+    parser.add_argument("--cache-dir", default=None, help="kiln's cache root (default: KILN_CACHE_DIR or ~/.cache/kiln)")
+    parser.add_argument("--prompts", type=int, default=240, help="corpus answers to generate (default: 240)")
+    parser.add_argument("--max-tokens", type=int, default=160, help="tokens per answer (default: 160)")
+    parser.add_argument("--epochs", type=int, default=None, help="training passes (default: per method)")
+    parser.add_argument("--layers", type=int, default=None, help="draft_model: layers (default 4); eagle: layers (1)")
+    parser.add_argument("--hidden-size", type=int, default=256, help="draft_model: width (default: 256)")
+    parser.add_argument("--draft-vocab", type=int, default=8192, help="eagle3: draft vocabulary (default: 8192)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--force", action="store_true", help="train again even if the cache has it")
+    args = parser.parse_args(argv)
+    cache = (Path(args.cache_dir) if args.cache_dir else default_cache_dir()) / "drafts"
+    out = Path(args.out) if args.out else cache / f"{Path(args.target).stem}-{args.method}"
+    if (out / "config.json").is_file() and not args.force:
+        print(out)
+        return 0
+    corpus, key = build_corpus(args.target, cache, args.prompts, args.max_tokens, args.seed)
+    from engine.models import draft_training
+
+    t0 = time.perf_counter()
+    teacher = draft_training.teacher_pass(args.target, [ids for ids, _ in corpus],
+                                          cache / f"teacher-{Path(args.target).stem}-{key}.pt", log=logger.info)
+    if args.method == "draft_model":
+        draft_training.distill_draft_model(args.target, corpus, teacher, out, layers=args.layers or 4,
+                                           hidden=args.hidden_size, epochs=args.epochs or 8, seed=args.seed,
+                                           log=logger.info)
+    else:
+        draft_training.train_eagle_for(args.target, corpus, teacher, out, version=3 if args.method == "eagle3" else 1,
+                                       epochs=args.epochs or 4, draft_vocab=args.draft_vocab, seed=args.seed,
+                                       layers=args.layers or 1, log=logger.info)
+    logger.info("%s draft trained in %.0fs: %s", args.method, time.perf_counter() - t0, out)
+    print(out)
+    return 0

@@ -1,0 +1,490 @@
+"""Training drafts for speculative decoding on the CPU: a small draft model distilled from the
+target's own outputs, and EAGLE / EAGLE-3 heads trained on the target's hidden states. The
+checkpoints are written in the public layouts kiln loads (engine/models/eagle.py, an HF Llama
+directory), so a head made here and one downloaded load by the same code.
+
+The data (token sequences, and for heads the target's hidden states over them) comes from the
+caller (`kiln make-draft-model`, engine/entrypoints/cli/make_draft.py, generates it with kiln).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+# ---- an EAGLE head in the public layout, as torch modules that train --------------------------
+class _Norm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps))
+
+
+def _rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
+    """Llama's rotary embedding (halves rotated) of x [B, T, heads, D]."""
+    d = x.shape[-1]
+    inv = 1.0 / theta ** (torch.arange(0, d, 2, dtype=torch.float32) / d)
+    freqs = positions[..., None].float() * inv
+    emb = torch.cat([freqs, freqs], dim=-1)[:, :, None, :]
+    rotated = torch.cat([-x[..., d // 2:], x[..., :d // 2]], dim=-1)
+    return x * emb.cos() + rotated * emb.sin()
+
+
+class _Attention(nn.Module):
+    """Causal attention for training a head, with EAGLE-3's training-time test: pass d of a
+    multi-step unroll (row s = the chain seeded at position s, now at position s + d) sees the
+    first pass's keys at positions <= s (the target-fed rows a real draft step reads from the
+    cache) and, of every later pass, only its own chain's row (the drafted positions s+1..s+d)."""
+
+    def __init__(self, width_in: int, hidden: int, heads: int, kv_heads: int, head_dim: int, theta: float) -> None:
+        super().__init__()
+        self.heads, self.kv_heads, self.head_dim, self.theta = heads, kv_heads, head_dim, theta
+        self.q_proj = nn.Linear(width_in, heads * head_dim, bias=False)
+        self.k_proj = nn.Linear(width_in, kv_heads * head_dim, bias=False)
+        self.v_proj = nn.Linear(width_in, kv_heads * head_dim, bias=False)
+        self.o_proj = nn.Linear(heads * head_dim, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, cache: list | None = None) -> torch.Tensor:
+        b, t, _ = x.shape
+        rep = self.heads // self.kv_heads
+        q = _rope(self.q_proj(x).view(b, t, self.heads, self.head_dim), positions, self.theta).transpose(1, 2)
+        k = _rope(self.k_proj(x).view(b, t, self.kv_heads, self.head_dim), positions, self.theta)
+        v = self.v_proj(x).view(b, t, self.kv_heads, self.head_dim)
+        k = k.repeat_interleave(rep, dim=2).transpose(1, 2)  # [b, heads, t, d]
+        v = v.repeat_interleave(rep, dim=2).transpose(1, 2)
+        if not cache:  # a plain causal pass (or the first of an unroll)
+            if cache is not None:
+                cache.append((k, v))
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
+        passes = cache + [(k, v)]
+        k0, v0 = passes[0]
+        scale = self.head_dim ** -0.5
+        first = (q @ k0.transpose(-1, -2)) * scale  # [b, h, t, t]: keys of pass 0 at positions <= s
+        first = first.masked_fill(torch.ones(t, t, dtype=torch.bool, device=x.device).triu(1), -float("inf"))
+        own = torch.stack([(q * kj).sum(-1) * scale for kj, _ in passes[1:]], dim=-1)  # [b, h, t, d]
+        weights = torch.cat([first, own], dim=-1).softmax(dim=-1)
+        out = weights[..., :t] @ v0 + sum(weights[..., t + j, None] * vj for j, (_, vj) in enumerate(passes[1:]))
+        cache.append((k, v))
+        return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
+
+
+class _MLP(nn.Module):
+    def __init__(self, hidden: int, inter: int) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, inter, bias=False)
+        self.up_proj = nn.Linear(hidden, inter, bias=False)
+        self.down_proj = nn.Linear(inter, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class _Eagle1Layer(nn.Module):
+    def __init__(self, c: dict, first: bool) -> None:
+        super().__init__()
+        h = c["hidden_size"]
+        if not first:
+            self.input_layernorm = _Norm(h, c["rms_norm_eps"])
+        self.self_attn = _Attention(h, h, c["num_attention_heads"], c["num_key_value_heads"], c["head_dim"],
+                                    c["rope_theta"])
+        self.post_attention_layernorm = _Norm(h, c["rms_norm_eps"])
+        self.mlp = _MLP(h, c["intermediate_size"])
+
+    def forward(self, x, positions, cache=None):
+        h = self.input_layernorm(x) if hasattr(self, "input_layernorm") else x
+        x = x + self.self_attn(h, positions, cache)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class _Eagle3Layer(nn.Module):
+    def __init__(self, c: dict) -> None:
+        super().__init__()
+        h = c["hidden_size"]
+        self.input_layernorm = _Norm(h, c["rms_norm_eps"])
+        self.hidden_norm = _Norm(h, c["rms_norm_eps"])
+        self.self_attn = _Attention(2 * h, h, c["num_attention_heads"], c["num_key_value_heads"], c["head_dim"],
+                                    c["rope_theta"])
+        self.post_attention_layernorm = _Norm(h, c["rms_norm_eps"])
+        self.mlp = _MLP(h, c["intermediate_size"])
+
+    def forward(self, emb, hidden, positions, cache=None):
+        x = torch.cat([self.input_layernorm(emb), self.hidden_norm(hidden)], dim=-1)
+        hidden = hidden + self.self_attn(x, positions, cache)
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+class TrainableEagle(nn.Module):
+    """An EAGLE (version 1) or EAGLE-3 head whose state_dict is the public layout. The target's
+    embeddings and LM head are given (frozen, not saved): the head reads the target's."""
+
+    def __init__(self, config: dict, version: int, embed: torch.Tensor, lm_head: torch.Tensor,
+                 target_hidden: int, num_aux: int = 3) -> None:
+        super().__init__()
+        self.config, self.version = config, version
+        h = config["hidden_size"]
+        self.register_buffer("embed", embed, persistent=False)
+        self.register_buffer("target_head", lm_head, persistent=False)
+        if version == 1:
+            self.fc = nn.Linear(2 * h, h, bias=True)
+            self.layers = nn.ModuleList(_Eagle1Layer(config, i == 0) for i in range(config["num_hidden_layers"]))
+        else:
+            vd = config["draft_vocab_size"]
+            self.fc = nn.Linear(num_aux * target_hidden, h, bias=False)
+            self.midlayer = _Eagle3Layer(config)
+            self.norm = _Norm(h, config["rms_norm_eps"])
+            self.lm_head = nn.Linear(h, vd, bias=False)
+            self.register_buffer("d2t", torch.zeros(vd, dtype=torch.int64))
+            self.register_buffer("t2d", torch.zeros(config["vocab_size"], dtype=torch.bool))
+
+    def set_draft_vocab(self, target_ids: torch.Tensor) -> None:
+        """EAGLE-3: the target ids of the draft vocabulary (ascending), as d2t offsets and t2d."""
+        self.d2t.copy_(target_ids - torch.arange(len(target_ids)))
+        self.t2d.zero_()
+        self.t2d[target_ids] = True
+        with torch.no_grad():  # start from the target's own LM head rows
+            if self.lm_head.weight.shape[1] == self.target_head.shape[1]:
+                self.lm_head.weight.copy_(self.target_head[target_ids])
+
+    def step(self, tokens: torch.Tensor, features: torch.Tensor, positions: torch.Tensor,
+             caches: list[list] | None = None) -> torch.Tensor:
+        """One drafting step over whole sequences: tokens [B, T] (the token after each feature),
+        features [B, T, width] (EAGLE: the target's final hidden states, or the head's own output;
+        EAGLE-3: the captured layers' (3 Ht wide) or the head's own output (H wide)). Returns the
+        head's output h [B, T, H] (pre-norm). caches: per layer, the earlier passes' keys and
+        values of a training-time-test unroll (None: a plain causal pass)."""
+        emb = F.embedding(tokens, self.embed)
+        if self.version == 1:
+            x = self.fc(torch.cat([emb, features], dim=-1))
+            for i, layer in enumerate(self.layers):
+                x = layer(x, positions, None if caches is None else caches[i])
+            return x
+        if features.shape[-1] != self.config["hidden_size"]:
+            features = self.fc(features)
+        return self.midlayer(emb, features, positions, None if caches is None else caches[0])
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        """EAGLE: the target's LM head over h; EAGLE-3: its own, over the draft vocabulary."""
+        if self.version == 1:
+            return h @ self.target_head.T
+        return self.lm_head(self.norm(h))
+
+
+def rope_theta(config: dict) -> float:
+    """The rotary base of an HF config dict (transformers 5 keeps it in rope_parameters)."""
+    return float(config.get("rope_theta") or (config.get("rope_parameters") or {}).get("rope_theta") or 10000.0)
+
+
+def eagle_config(target_config: dict, version: int, draft_vocab_size: int = 0, layers: int = 1,
+                 intermediate_size: int | None = None) -> dict:
+    """A head's config.json for a target's config: the target's width, heads and rotary base."""
+    h = target_config["hidden_size"]
+    heads = target_config["num_attention_heads"]
+    c = {
+        "architectures": ["LlamaForCausalLM"] if version == 1 else ["LlamaForCausalLMEagle3"],
+        "model_type": "llama", "hidden_size": h, "num_hidden_layers": layers if version == 1 else 1,
+        "num_attention_heads": heads, "num_key_value_heads": target_config.get("num_key_value_heads", heads),
+        "head_dim": target_config.get("head_dim") or h // heads,
+        "intermediate_size": intermediate_size or target_config["intermediate_size"],
+        "rms_norm_eps": target_config.get("rms_norm_eps", 1e-6), "rope_theta": rope_theta(target_config),
+        "max_position_embeddings": target_config.get("max_position_embeddings", 2048),
+        "vocab_size": target_config["vocab_size"], "hidden_act": "silu", "tie_word_embeddings": False,
+        "torch_dtype": "float32",
+    }
+    if version == 3:
+        c["draft_vocab_size"] = draft_vocab_size or target_config["vocab_size"]
+        c["target_hidden_size"] = h
+        n = target_config["num_hidden_layers"]
+        # EAGLE-3's layers (2, L // 2, L - 3), or spread over a target too shallow for them
+        c["eagle_aux_hidden_state_layer_ids"] = [2, n // 2, n - 3] if n >= 6 else [0, n // 2, n - 1]
+    return c
+
+
+def save_eagle(head: TrainableEagle, out_dir: Path) -> Path:
+    from safetensors.torch import save_file
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    state = {k: v.detach().contiguous() for k, v in head.state_dict().items()}
+    save_file(state, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+    (out_dir / "config.json").write_text(json.dumps(head.config, indent=2))
+    return out_dir
+
+
+def random_eagle(out_dir: Path, target_config: dict, embed: torch.Tensor, lm_head: torch.Tensor, version: int,
+                 seed: int = 0, draft_vocab: torch.Tensor | None = None) -> Path:
+    """An untrained head (random weights, norms 1) for a target: tests need only its shapes."""
+    torch.manual_seed(seed)
+    vd = len(draft_vocab) if draft_vocab is not None else target_config["vocab_size"]
+    config = eagle_config(target_config, version, vd)
+    head = TrainableEagle(config, version, embed, lm_head, target_config["hidden_size"])
+    if version == 3:
+        head.set_draft_vocab(draft_vocab if draft_vocab is not None else torch.arange(vd))
+    return save_eagle(head, out_dir)
+
+
+# ---- training ----
+def _load_target(target: str):
+    """The target as a transformers model (a GGUF file dequantised), in float32, for its hidden
+    states and weights."""
+    from transformers import AutoModelForCausalLM
+
+    path = Path(target)
+    if path.suffix == ".gguf":
+        model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
+    return model.eval()
+
+
+def _padded(seqs: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """[B, T] ids padded with 0, and each row's length."""
+    longest = max(len(x) for x in seqs)
+    ids = torch.zeros(len(seqs), longest, dtype=torch.int64)
+    for i, x in enumerate(seqs):
+        ids[i, :len(x)] = torch.tensor(x)
+    return ids, torch.tensor([len(x) for x in seqs])
+
+
+def _schedule(opt, total: int):
+    return torch.optim.lr_scheduler.LambdaLR(opt, lambda i: min(1.0, (i + 1) / 20) * max(0.05, 1 - i / total))
+
+
+@dataclass
+class Teacher:
+    """What the target says over the corpus, computed once (transformers, float32) and cached:
+    per sequence its next-token distribution at every position (top-k ids and probabilities,
+    soft labels for distillation), its final hidden states (EAGLE's features) and the hidden
+    states entering the layers EAGLE-3 reads, side by side; plus its config, embeddings and LM head."""
+
+    config: dict
+    embed: torch.Tensor
+    lm_head: torch.Tensor
+    aux_layers: tuple[int, ...]
+    top_ids: list[torch.Tensor]  # [T, k] int32
+    top_p: list[torch.Tensor]  # [T, k] float16
+    final: list[torch.Tensor]  # [T, H] bfloat16
+    aux: list[torch.Tensor]  # [T, len(aux_layers) * H] bfloat16
+
+
+@torch.no_grad()
+def teacher_pass(target: str, seqs: list[list[int]], cache: Path | None = None, top_k: int = 32,
+                 log=print) -> Teacher:
+    if cache is not None and cache.is_file():
+        return Teacher(**torch.load(cache, weights_only=False))
+    model = _load_target(target)
+    config = model.config.to_dict()
+    config.setdefault("head_dim", model.config.hidden_size // model.config.num_attention_heads)
+    n = config["num_hidden_layers"]
+    aux = (2, n // 2, n - 3) if n >= 6 else (0, n // 2, n - 1)
+    t0 = time.perf_counter()
+    top_ids, top_p, final, aux_h = [], [], [], []
+    for ids in seqs:
+        out = model(input_ids=torch.tensor([ids]), output_hidden_states=True)
+        top = out.logits[0].float().log_softmax(-1).topk(top_k, dim=-1)
+        top_ids.append(top.indices.to(torch.int32))
+        top_p.append(top.values.exp().to(torch.float16))
+        hs = out.hidden_states
+        final.append(hs[-1][0].to(torch.bfloat16))
+        aux_h.append(torch.cat([hs[i] for i in aux], dim=-1)[0].to(torch.bfloat16))
+    log(f"  the target over {len(seqs)} sequences in {time.perf_counter() - t0:.0f}s")
+    teacher = Teacher(config, model.get_input_embeddings().weight.detach().clone(),
+                      model.get_output_embeddings().weight.detach().clone(), aux, top_ids, top_p, final, aux_h)
+    if cache is not None:
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        torch.save(teacher.__dict__, cache)
+    return teacher
+
+
+def soft_labels(teacher: Teacher, i: int, start: int, n: int, lookup: torch.Tensor, width: int) -> torch.Tensor:
+    """[n, width] the target's distribution over the next token at positions start..start+n-1 of
+    sequence i, on the columns `lookup` maps token ids to (ids it maps to -100 are dropped),
+    renormalised; zero rows past the sequence's end."""
+    out = torch.zeros(n, width)
+    ids, p = teacher.top_ids[i][start:start + n].long(), teacher.top_p[i][start:start + n].float()
+    cols = lookup[ids]
+    keep = cols >= 0
+    rows = torch.arange(len(ids))[:, None].expand_as(ids)
+    out[rows[keep], cols[keep]] = p[keep]
+    return out / out.sum(-1, keepdim=True).clamp_min(1e-9)
+
+
+def distill_draft_model(target: str, corpus: list[tuple[list[int], int]], teacher: Teacher, out: Path,
+                        layers: int = 4, hidden: int = 256, epochs: int = 6, batch: int = 8, lr: float = 3e-3,
+                        seed: int = 0, log=print) -> Path:
+    """A small Llama trained on the target's own outputs: sequence-level distillation (the
+    target's answers are the text) with the target's own next-token distribution at every
+    position as the label (its top_k tokens, renormalised; cross-entropy against them), which
+    teaches far more per token than the sampled token alone.
+
+    The loss is a softmax over the tokens the corpus and those labels hold (a few thousand of the
+    vocabulary: the LM head is most of the cost of a training step), in bfloat16 autocast; the LM
+    head is untied from the embeddings, and its rows of other tokens are zero, so those score 0
+    against the trained ones' logits (the draft seldom proposes them)."""
+    import transformers
+
+    from engine.models.loader.model_loader import load_tokenizer
+
+    torch.manual_seed(seed)
+    tokenizer = load_tokenizer(target)
+    tc = transformers.PretrainedConfig.from_dict(teacher.config)
+    embed = teacher.embed
+    head_dim = 64 if hidden % 64 == 0 else hidden // 4
+    heads = hidden // head_dim
+    config = transformers.LlamaConfig(
+        vocab_size=tc.vocab_size, hidden_size=hidden, intermediate_size=3 * hidden, num_hidden_layers=layers,
+        num_attention_heads=heads, num_key_value_heads=max(1, heads // 2), head_dim=head_dim,
+        max_position_embeddings=tc.max_position_embeddings, rope_theta=rope_theta(teacher.config),
+        rms_norm_eps=tc.rms_norm_eps, tie_word_embeddings=False, bos_token_id=tc.bos_token_id,
+        eos_token_id=tc.eos_token_id, pad_token_id=getattr(tc, "pad_token_id", None), torch_dtype="float32")
+    model = transformers.LlamaForCausalLM(config)
+    seqs = [ids for ids, _ in corpus]
+    seen = torch.unique(torch.cat([torch.tensor([t for s in seqs for t in s])]
+                                  + [ids.flatten().long() for ids in teacher.top_ids]))
+    lookup = torch.full((tc.vocab_size,), -100, dtype=torch.int64)
+    lookup[seen] = torch.arange(len(seen))
+    with torch.no_grad():  # the target's embeddings on their leading principal directions, both ends
+        centred = embed - embed.mean(0)
+        _, _, vh = torch.linalg.svd(centred[seen], full_matrices=False)
+        proj = centred @ vh[:hidden].T
+        proj = proj * (0.02 / proj[seen].std())
+        model.get_input_embeddings().weight.copy_(proj)
+        head = model.get_output_embeddings().weight
+        head.zero_()
+        head[seen] = proj[seen]
+    trunk = model.model
+    gen = torch.Generator().manual_seed(seed)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)
+    steps = epochs * math.ceil(len(seqs) / batch)
+    sched = _schedule(opt, steps)
+    model.train()
+    t0, loss_value = time.perf_counter(), float("nan")
+    for epoch in range(epochs):
+        for idx in _batches(len(seqs), batch, gen):
+            ids, lengths = _padded([seqs[i] for i in idx])
+            n = ids.shape[1] - 1
+            probs = torch.stack([soft_labels(teacher, i, 0, n, lookup, len(seen)) for i in idx.tolist()])
+            valid = (torch.arange(n)[None] < (lengths[:, None] - 1)).float()
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                h = trunk(input_ids=ids).last_hidden_state[:, :-1]
+                logits = h @ model.lm_head.weight[seen].T
+            logq = logits.float().log_softmax(-1)
+            loss = -((probs * logq).sum(-1) * valid).sum() / valid.sum()
+            opt.zero_grad()
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            sched.step()
+            loss_value = float(loss.detach())
+        log(f"  epoch {epoch + 1}/{epochs}: loss {loss_value:.3f} ({time.perf_counter() - t0:.0f}s)")
+    model.eval()
+    with torch.no_grad():
+        unseen = torch.ones(tc.vocab_size, dtype=torch.bool)
+        unseen[seen] = False
+        model.lm_head.weight[unseen] = 0.0
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out, safe_serialization=True)
+    tokenizer.save_pretrained(out)
+    (out / "kiln_training.json").write_text(json.dumps({"target": str(target), "method": "draft_model",
+                                                         "answers": len(seqs), "tokens": sum(map(len, seqs)),
+                                                         "vocabulary_trained": len(seen), "epochs": epochs,
+                                                         "final_loss": loss_value}, indent=2))
+    return out
+
+
+def train_eagle_for(target: str, corpus: list[tuple[list[int], int]], teacher: Teacher, out: Path, version: int,
+                    epochs: int = 4, draft_vocab: int = 8192, seed: int = 0, layers: int = 1, batch: int = 8,
+                    lr: float = 1e-3, unroll: int = 1, log=print) -> Path:
+    """An EAGLE (version 1) or EAGLE-3 head trained on the target's hidden states over the corpus,
+    its labels the target's own next-token distributions (EAGLE-3 over its draft vocabulary: the
+    corpus's most frequent tokens)."""
+    torch.manual_seed(seed)
+    tcfg = teacher.config
+    embed, lm_head = teacher.embed, teacher.lm_head
+    seqs = [ids for ids, _ in corpus]
+    counts = torch.bincount(torch.tensor([t for s in seqs for t in s]), minlength=len(embed))
+    frequent = counts.argsort(descending=True)[:min(draft_vocab, len(embed))].sort().values
+    config = eagle_config(tcfg, version, len(frequent) if version == 3 else 0, layers)
+    config["eagle_aux_hidden_state_layer_ids"] = list(teacher.aux_layers) if version == 3 else None
+    if version == 1:
+        del config["eagle_aux_hidden_state_layer_ids"]
+    head = TrainableEagle(config, version, embed, lm_head, tcfg["hidden_size"], len(teacher.aux_layers))
+    if version == 3:
+        head.set_draft_vocab(frequent)
+    vocab = frequent  # the tokens the loss scores (EAGLE: a subset of the target head, for speed)
+    lookup = torch.full((len(embed),), -100, dtype=torch.int64)
+    lookup[vocab] = torch.arange(len(vocab))
+    feats = teacher.final if version == 1 else teacher.aux
+    gen = torch.Generator().manual_seed(seed)
+    params = [p for p in head.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
+    sched = _schedule(opt, epochs * math.ceil(len(seqs) / batch))
+    head.train()
+    loss_value, t0 = float("nan"), time.perf_counter()
+    for epoch in range(epochs):
+        for idx in _batches(len(seqs), batch, gen):
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = _head_loss(head, teacher, idx.tolist(), seqs, feats, vocab, lookup, unroll)
+            opt.zero_grad()
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(params, 1.0)
+            opt.step()
+            sched.step()
+            loss_value = float(loss.detach()) / (unroll + 1)
+        log(f"  epoch {epoch + 1}/{epochs}: loss {loss_value:.3f} ({time.perf_counter() - t0:.0f}s)")
+    head.eval()
+    save_eagle(head, out)
+    (out / "kiln_training.json").write_text(json.dumps({"target": str(target), "method": f"eagle{version}",
+                                                         "answers": len(seqs), "tokens": sum(map(len, seqs)),
+                                                         "epochs": epochs, "unroll": unroll,
+                                                         "final_loss": loss_value}, indent=2))
+    return out
+
+
+def _head_loss(head: TrainableEagle, teacher: Teacher, idx: list[int], seqs, feats, vocab, lookup,
+               unroll) -> torch.Tensor:
+    """Pass 0 reads the target's features; pass d reads the head's own outputs of pass d - 1
+    (row s: the chain seeded at position s, now at s + d). Each pass scores the token it drafts
+    against the target's distribution there (EAGLE: over the `vocab` rows of the target's LM
+    head; EAGLE-3: its draft vocabulary) and EAGLE the feature it predicts."""
+    ids, lengths = _padded([seqs[i] for i in idx])
+    b, n = ids.shape
+    f = torch.zeros(b, n, feats[idx[0]].shape[-1])
+    final = torch.zeros(b, n, teacher.final[idx[0]].shape[-1])
+    for row, i in enumerate(idx):
+        f[row, :len(feats[i])] = feats[i].float()
+        final[row, :len(teacher.final[i])] = teacher.final[i].float()
+    t = n - 2  # rows s = 0..n-3: read token s + 1, predict token s + 2
+    positions = torch.arange(t)[None].expand(b, t)
+    caches = [[] for _ in range(max(1, len(getattr(head, "layers", [None]))))]
+    h = None
+    loss = torch.zeros(())
+    for depth in range(unroll + 1):
+        src = F.pad(ids[:, 1 + depth:1 + depth + t], (0, depth))[:, :t]
+        h = head.step(src, f[:, :t] if depth == 0 else h, positions + depth, caches)
+        # the token at s + 2 + depth: the target's distribution at position s + 1 + depth
+        want = torch.stack([soft_labels(teacher, i, 1 + depth, t, lookup, len(vocab)) for i in idx])
+        valid = ((torch.arange(t)[None] + 2 + depth) < lengths[:, None]).float()
+        logits = (h @ head.target_head[vocab].T if head.version == 1 else head.logits(h)).float()
+        loss = loss - ((want * logits.log_softmax(-1)).sum(-1) * valid).sum() / valid.sum()
+        if head.version == 1:
+            feat = F.pad(final[:, 1 + depth:1 + depth + t], (0, 0, 0, depth))[:, :t]
+            fvalid = ((torch.arange(t)[None] + 1 + depth) < lengths[:, None])[..., None]
+            loss = loss + 10.0 * F.smooth_l1_loss((h * fvalid).float(), feat * fvalid)
+    return loss
+
+
+def _batches(n: int, batch: int, gen: torch.Generator):
+    order = torch.randperm(n, generator=gen)
+    for i in range(0, n, batch):
+        yield order[i:i + batch]
