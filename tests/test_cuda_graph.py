@@ -329,7 +329,7 @@ def test_the_checker_catches_unmasked_padding_rows(engines, monkeypatch):
     ids = [graphs.add_request(p, _params(50)).request_id for p in _prompts(8, seed=31)]
     step_until_replayed(graphs, 8, 1)
     _abort(graphs, ids[5:])
-    monkeypatch.setattr(buf, "fill_padding", lambda t, n, extra: real(t, n, 0))  # pads no row
+    monkeypatch.setattr(buf, "fill_padding", lambda t, n, extra, q=1: real(t, n, 0, q))  # pads no row
     with pytest.raises(AssertionError, match="stale rows not masked"):
         step_until_replayed(graphs, 5, 1)
     monkeypatch.setattr(buf, "fill_padding", real)
