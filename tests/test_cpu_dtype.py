@@ -50,7 +50,7 @@ def test_engine_logs_its_choice(tiny_llama, tmp_path, caplog):
     cfg["torch_dtype"] = "bfloat16"
     (model / "config.json").write_text(json.dumps(cfg))
     expected, _ = cpu_auto_dtype("bfloat16", cpu_math())
-    with caplog.at_level(logging.INFO, logger="engine.runtime.builder"):
+    with caplog.at_level(logging.INFO, logger="engine.resolve"):
         llm = LLM(str(model), device="cpu", enforce_eager=True, max_model_len=64, num_gpu_blocks=16)
     assert str(llm.engine.dtype) == f"torch.{expected}"
     assert f"dtype auto on the CPU: {expected}" in caplog.text
@@ -61,7 +61,7 @@ def test_engine_logs_its_choice(tiny_llama, tmp_path, caplog):
 def test_gguf_weight_types_name_the_checkpoint_dtype(tiny_llama, tmp_path):
     """The dtype a GGUF file's layers are stored in: F32/F16 floats, Q8_0 'quantized'."""
     from engine.models.config import ModelConfig
-    from engine.runtime.builder import checkpoint_dtype
+    from engine.resolve.build_target import checkpoint_dtype
     from tests.gguf_writer import write_gguf
 
     for kind, expected in (("F32", "float32"), ("F16", "float16"), ("Q8_0", "quantized")):

@@ -32,7 +32,11 @@ ALLOWED = {
     "models": {"compiler", "layers", "distributed"},
     "worker": {"compiler", "config", "core", "layers", "lora", "structured_output"},
     "executor": {"compiler", "config", "distributed", "layers", "models", "worker"},
-    "runtime": {"compiler", "config", "core", "executor", "layers", "lora", "models", "structured_output", "worker"},
+    # What to build (model directory, device, dtype, the CPU's KV budget): decisions read off the settings,
+    # the model's config and the machine, made before the builder assembles anything.
+    "resolve": {"config", "core", "layers", "models", "worker"},
+    "runtime": {"compiler", "config", "core", "executor", "layers", "lora", "models", "resolve", "structured_output",
+                "worker"},
     "entrypoints": {"compiler", "config", "core", "lora", "models", "runtime", "structured_output"},
     "bench": {"compiler", "config", "core", "engine", "entrypoints", "executor", "models", "runtime", "worker"},
     "engine": {"config", "core", "entrypoints", "worker"},

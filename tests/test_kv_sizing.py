@@ -186,7 +186,7 @@ def test_free_memory_reads_this_machine():
 def test_engine_default_budget_is_logged_and_fits_the_need(make_llm, caplog):
     """Default settings on the tiny llama: the cache holds every sequence at the full context
     (64 x 1024 tokens, far below half the free memory) and the start-up log says so."""
-    with caplog.at_level(logging.INFO, logger="engine.runtime.builder"):
+    with caplog.at_level(logging.INFO, logger="engine.resolve"):
         llm = make_llm()
     engine = llm.engine
     s = engine.settings

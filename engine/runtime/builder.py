@@ -9,7 +9,6 @@ Each phase is logged with the time it took, so a cold start says what it is doin
 from __future__ import annotations
 
 import logging
-import time
 from pathlib import Path
 
 import torch
@@ -33,90 +32,18 @@ from engine.models.eagle import load_eagle
 from engine.models.loader.gguf_file import is_gguf
 from engine.models.loader.kv_scales import read_kv_scales
 from engine.models.loader.model_loader import load_model, load_tokenizer
+from engine.resolve.build_target import resolve_device, resolve_dtype, resolve_model_dir
+from engine.resolve.kv_budget import cpu_kv_bytes
+from engine.runtime.startup_phase import Phase
 from engine.structured_output.grammars import StructuredOutputCompiler
-from engine.worker.cpu_dtype import cpu_auto_dtype, cpu_math
 from engine.worker.cpu_threads import apply_cpu_threads
+from engine.worker.memory_profile import free_gpu_bytes_after_profile
 from engine.worker.model_runner import ModelRunner
 from engine.worker.sample.sampler import Sampler
 from engine.worker.spec.draft_model import DraftModelProposer
 from engine.worker.spec.eagle import EagleProposer
 
 logger = logging.getLogger(__name__)
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name == "cuda" and not torch.cuda.is_available():
-        raise ValueError("device='cuda' but no CUDA GPU is available")
-    return torch.device(name)
-
-
-def checkpoint_dtype(model_dir: Path, model_config: ModelConfig) -> str | None:
-    """The weights' own dtype: float32 / bfloat16 / float16, "quantized" (integer weights: a
-    quantization_config, or a GGUF file whose layers are Q8_0, Q4_x, K-quants...), or None."""
-    if model_config.quantization:
-        return "quantized"
-    if is_gguf(model_dir):
-        from collections import Counter
-
-        from engine.layers.quant.gguf_blocks import BLOCK_TYPES
-        from engine.models.loader.gguf_file import read_header
-
-        kinds = Counter(BLOCK_TYPES.get(t.type_id, ("?",))[0] for t in read_header(model_dir)[1]
-                        if t.name.startswith("blk.") and len(t.shape) == 2)
-        if not kinds:
-            return None
-        kind = kinds.most_common(1)[0][0]
-        return {"F32": "float32", "F16": "float16", "BF16": "bfloat16"}.get(kind, "quantized")
-    return model_config.torch_dtype if model_config.torch_dtype in _DTYPES else None
-
-
-def resolve_dtype(name: str, model_config: ModelConfig, device: torch.device,
-                  model_dir: Path | None = None) -> torch.dtype:
-    if name != "auto":
-        return _DTYPES[name]
-    if device.type == "cpu":  # the fastest exact-enough dtype on this CPU (engine/worker/cpu_dtype.py)
-        math = cpu_math()
-        checkpoint = checkpoint_dtype(model_dir, model_config) if model_dir is not None else model_config.torch_dtype
-        chosen, why = cpu_auto_dtype(checkpoint if checkpoint in (*_DTYPES, "quantized") else None, math)
-        logger.info("dtype auto on the CPU: %s (%s; %s)", chosen, why, math.describe())
-        return _DTYPES[chosen]
-    native = model_config.torch_dtype
-    if native in ("bfloat16", "float16"):
-        return _DTYPES[native]
-    return torch.bfloat16
-
-
-def resolve_model_dir(settings: EngineSettings) -> Path:
-    if settings.model is None:
-        from engine.models.tiny_model import default_model_dir
-
-        return default_model_dir(settings.cache_dir)
-    path = Path(settings.model).expanduser()
-    if not path.is_dir() and not is_gguf(path):
-        raise ValueError(f"model: {settings.model!r} is neither a directory nor a .gguf file (kiln loads HF "
-                         "checkpoint directories and GGUF files from disk; no model hub is used)")
-    return path
-
-
-class _Phase:
-    """Log a start-up phase when it starts and how long it took when it ends."""
-
-    def __init__(self, what: str) -> None:
-        self.what = what
-
-    def __enter__(self) -> "_Phase":
-        logger.info("%s ...", self.what)
-        self.t0 = time.perf_counter()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.seconds = time.perf_counter() - self.t0
-        if exc[0] is None:
-            logger.info("%s: done in %.1fs", self.what, self.seconds)
 
 
 class EngineBuilder:
@@ -136,7 +63,7 @@ class EngineBuilder:
 
     def _build(self) -> "EngineBuilder":
         settings = self.settings
-        self.model_dir = resolve_model_dir(settings)
+        self.model_dir = resolve_model_dir(settings.model, settings.cache_dir)
         self.model_config = cfg = ModelConfig.from_dir(self.model_dir)
         self.device = resolve_device(settings.device)
         self.cpu_threads = apply_cpu_threads(self._cpu_threads(), settings.cpu_bind)
@@ -155,7 +82,7 @@ class EngineBuilder:
             self.executor = TensorParallelExecutor.start(settings, self.model_dir, self.device, self.dtype,
                                                          self.max_model_len)
         int4_kernel = resolve_int4_kernel(settings.int4_kernel, self.device, settings.resolved_kernel_cache_dir())
-        with _Phase(f"loading weights of {self.model_dir} ({cfg.model_type}, "
+        with Phase(f"loading weights of {self.model_dir} ({cfg.model_type}, "
                     f"{str(self.dtype).removeprefix('torch.')}) onto {self.device}"):
             self.model = load_model(self.model_dir, cfg, self.dtype, self.device, self.max_model_len,
                                     settings.load_format, settings.seed,
@@ -177,7 +104,7 @@ class EngineBuilder:
         if self.executor is not None:
             self.model = self.executor.wrap_model(self.model)
         self.draft = self._load_draft()  # speculative decoding's draft model or EAGLE head, if any
-        with _Phase("sizing the KV cache" + (" (profiling a forward)" if self.device.type == "cuda" else "")):
+        with Phase("sizing the KV cache" + (" (profiling a forward)" if self.device.type == "cuda" else "")):
             self.num_blocks = self._num_kv_blocks()
         self.kv_cache = KVCache(cfg.num_layers, self.num_blocks, settings.block_size, self._kv_heads(),
                                 cfg.head_dim, self.kv_dtype, self.device, model_dtype=self.dtype)
@@ -266,7 +193,7 @@ class EngineBuilder:
 
         cache = configure_compile_cache(*export_compile_cache_dir(s.resolved_compile_cache_dir()))
         graphs_before = compile_count()
-        with _Phase(f"compiling the forward (slow on the first start only; cached in {cache})"):
+        with Phase(f"compiling the forward (slow on the first start only; cached in {cache})"):
             compile_s = sum(runner.compile_model() for runner in runners)
         logger.info("compiled %d graphs", compile_count() - graphs_before)
         capture_s = 0.0
@@ -276,7 +203,7 @@ class EngineBuilder:
             cfg = self.model_config
             reads_lengths = self.backend.name == "cutlass" and not cfg.sliding_window and not cfg.attn_softcap
             sizes = s.capture_sizes()
-            with _Phase(f"capturing {len(sizes)} decode CUDA graphs (batch sizes {sizes[0]}..{sizes[-1]})"
+            with Phase(f"capturing {len(sizes)} decode CUDA graphs (batch sizes {sizes[0]}..{sizes[-1]})"
                         if sizes else "capturing no decode CUDA graphs"):
                 capture_s = sum(runner.capture_graphs(sizes, device_reads_lengths=reads_lengths,
                                                       max_query=self._verify_query(runner)) for runner in runners)
@@ -337,7 +264,7 @@ class EngineBuilder:
         if not path.is_dir() and not (s.speculative_method == "draft_model" and is_gguf(path)):
             raise ValueError(f"speculative_model: {s.speculative_model!r} is not a checkpoint directory"
                              + (" or .gguf file" if s.speculative_method == "draft_model" else ""))
-        with _Phase(f"loading the {s.speculative_method} draft {path}"):
+        with Phase(f"loading the {s.speculative_method} draft {path}"):
             if s.speculative_method == "draft_model":
                 config = layers = ModelConfig.from_dir(path)
                 check_draft_model(config, self.model_config, len(self.tokenizer), path)
@@ -443,7 +370,8 @@ class EngineBuilder:
         if s.num_gpu_blocks is not None:
             blocks = s.num_gpu_blocks + 1  # plus the null block
         elif self.device.type == "cpu":
-            blocks = kv_sizing.blocks_from_budget(self._cpu_kv_bytes(per_block), per_block, "cpu")
+            blocks = kv_sizing.blocks_from_budget(cpu_kv_bytes(s, self.model_config, per_block, self.max_model_len,
+                                                                  self._token_budget(), self.dtype), per_block, "cpu")
         else:
             blocks = kv_sizing.blocks_from_budget(self._free_gpu_bytes_after_profile(), per_block, "cuda")
         # No max_model_len given and the full context does not fit: serve the largest that does.
@@ -462,54 +390,10 @@ class EngineBuilder:
             per_block += KVCache.bytes_per_block(d.num_layers, s.block_size, d.num_kv_heads, d.head_dim, self.dtype)
         return per_block
 
-    def _cpu_kv_bytes(self, per_block: int) -> float:
-        """kv_cache_memory_gb, or by default a share of the memory free now that the weights are
-        loaded (engine/core/kv/kv_sizing.py: cpu_kv_budget); logged either way."""
-        s, cfg = self.settings, self.model_config
-        if s.kv_cache_memory_gb is not None:
-            budget, why = s.kv_cache_memory_gb * kv_sizing.GIB, "kv_cache_memory_gb"
-        else:
-            blocks_per_seq = -(-self.max_model_len // s.block_size)
-            needed = (s.max_num_seqs * blocks_per_seq + 1) * per_block
-            free = kv_sizing.read_free_memory()
-            if free is None:
-                budget, why = kv_sizing.CPU_KV_FLOOR, "the floor: this system does not say how much memory is free"
-            else:
-                width = (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
-                activations = kv_sizing.activation_bytes(
-                    self._token_budget(), s.max_num_seqs, cfg.hidden_size, cfg.intermediate_size or cfg.hidden_size,
-                    width, cfg.vocab_size, torch.finfo(self.dtype).bits // 8)
-                budget, why = kv_sizing.cpu_kv_budget(free.bytes, activations, needed, s.tensor_parallel_size)
-                why += f" ({free.source}); set kv_cache_memory_gb to choose"
-        blocks = int(budget // per_block)
-        logger.info("KV cache on the CPU: %.2f GiB, %d blocks = %d tokens: %s", budget / kv_sizing.GIB, blocks,
-                    max(blocks - 1, 0) * s.block_size, why)
-        return budget
-
     def _free_gpu_bytes_after_profile(self) -> float:
         """Memory left for KV under gpu_memory_utilization, after a forward at the largest batch."""
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        n = self._token_budget()
         cfg = self.model_config
         dummy = KVCache(cfg.num_layers, 2, self.settings.block_size, self._kv_heads(), cfg.head_dim,
                         self.kv_dtype, self.device, model_dtype=self.dtype)
-        from engine.layers.attention.base import AttentionMetadata
-
-        ids = torch.zeros(n, dtype=torch.int64, device=self.device)
-        meta = AttentionMetadata(
-            slot_mapping=torch.full((n,), -1, dtype=torch.int64, device=self.device),
-            query_start_loc=torch.arange(n + 1, dtype=torch.int32, device=self.device),
-            seq_lens=torch.zeros(n, dtype=torch.int32, device=self.device),
-            block_tables=torch.zeros(n, 1, dtype=torch.int32, device=self.device),
-            max_query_len=1, max_seq_len=1)
-        with torch.inference_mode():
-            hidden = self.model(ids, ids, dummy.tensor, meta)
-            self.model.compute_logits(hidden[: self.settings.max_num_seqs])
-        torch.cuda.synchronize()
-        peak = torch.cuda.max_memory_allocated()
-        del dummy, hidden
-        torch.cuda.empty_cache()
-        free, total = torch.cuda.mem_get_info()
-        used_by_others = total - free - torch.cuda.memory_reserved()
-        return total * self.settings.gpu_memory_utilization - used_by_others - peak
+        return free_gpu_bytes_after_profile(self.model, dummy.tensor, self._token_budget(), self.settings.max_num_seqs,
+                                            self.settings.gpu_memory_utilization, self.device)
