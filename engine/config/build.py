@@ -9,7 +9,7 @@ from typing import Any
 from pydantic import ValidationError
 from pydantic_settings import BaseSettings
 
-from engine.config.settings import SettingsError, setting_source
+from engine.config.sources import SettingsError, setting_source
 from engine.config.values import did_you_mean
 
 

@@ -1,20 +1,21 @@
-"""EngineSettings: the one place where kiln's settings are defined.
+"""EngineSettings and ServerSettings: the one place where kiln's settings are defined.
 
 Sources, lowest to highest priority: defaults, `kiln.toml` (or the file named by
-KILN_CONFIG), `KILN_*` environment variables, then keyword arguments / CLI flags.
+KILN_CONFIG), `KILN_*` environment variables, then keyword arguments / CLI flags
+(the file and the variables are read and checked in sources.py).
 """
 
 from __future__ import annotations
 
 import os
-import re
-import tomllib
 from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
-from pydantic_settings import BaseSettings, InitSettingsSource, PydanticBaseSettingsSource, SettingsConfigDict
+from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
+from engine.config.process_env import export_openmp_spin_default  # noqa: F401  (engine/worker/cpu_threads.py's import)
+from engine.config.sources import ConfigFileSource
 from engine.config.values import DTYPE_ALIASES, did_you_mean, json_value, parse_core_list, parse_human_int, word_list
 
 
@@ -23,84 +24,6 @@ def default_cache_dir() -> Path:
     base = os.environ.get("KILN_CACHE_DIR") or os.path.join(
         os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "kiln")
     return Path(base)
-
-
-def config_file_path() -> Path:
-    return Path(os.environ.get("KILN_CONFIG", "kiln.toml"))
-
-
-class SettingsError(ValueError):
-    """A settings problem, already phrased for the user (one line per problem)."""
-
-
-# KILN_* variables that are not settings fields (read above, or by the tests: soak sizes, the
-# GPU check's strict mode).
-OTHER_ENV_VARS = ("KILN_CONFIG", "KILN_CACHE_DIR", "KILN_SOAK_REQUESTS", "KILN_SERVER_SOAK_STREAMS",
-                  "KILN_GPU_CHECK_STRICT")
-
-
-def read_config_file() -> tuple[Path, dict[str, Any], str] | None:
-    """(path, table, text) of kiln.toml / $KILN_CONFIG; None when the default file is absent.
-
-    A KILN_CONFIG naming a missing file and a TOML syntax error are errors naming the file."""
-    path = config_file_path()
-    if not path.is_file():
-        if "KILN_CONFIG" in os.environ:
-            raise SettingsError(f"KILN_CONFIG={os.environ['KILN_CONFIG']}: no such file")
-        return None
-    text = path.read_text()
-    try:
-        return path, tomllib.loads(text), text
-    except tomllib.TOMLDecodeError as exc:
-        raise SettingsError(f"{path}: TOML syntax error: {exc}") from None
-
-
-def _config_line(text: str, key: str) -> int | None:
-    for number, line in enumerate(text.splitlines(), 1):
-        if re.match(rf"\s*{re.escape(key)}\s*=", line):
-            return number
-    return None
-
-
-class _ConfigFileSource(InitSettingsSource):
-    """kiln.toml, shared by EngineSettings and ServerSettings: each takes its own keys; a key that
-    belongs to neither is an error with a suggestion."""
-
-    def __init__(self, settings_cls: type[BaseSettings]):
-        found = read_config_file()
-        data: dict[str, Any] = {}
-        if found is not None:
-            path, table, text = found
-            known = set(EngineSettings.model_fields) | set(ServerSettings.model_fields)
-            for key in table:
-                if key not in known:
-                    where = f"{path}:{_config_line(text, key) or '?'}"
-                    raise SettingsError(f"{where}: unknown setting {key!r}{did_you_mean(key, known)}")
-            data = {k: v for k, v in table.items() if k in settings_cls.model_fields}
-        super().__init__(settings_cls, data)
-
-
-def unknown_env_vars() -> list[str]:
-    """Warnings for KILN_* variables that no setting reads (a misspelling is otherwise silent)."""
-    known = {"KILN_" + name.upper() for cls in (EngineSettings, ServerSettings) for name in cls.model_fields}
-    known.update(OTHER_ENV_VARS)
-    return [f"{name} is not a kiln setting and is ignored{did_you_mean(name, known)}"
-            for name in sorted(os.environ) if name.startswith("KILN_") and name not in known]
-
-
-def setting_source(name: str, flags: dict[str, str] | None = None) -> str:
-    """Where a setting's value came from: the flag, the KILN_ variable, kiln.toml:LINE, or a default."""
-    if flags and name in flags:
-        return flags[name]
-    if "KILN_" + name.upper() in os.environ:
-        return "KILN_" + name.upper()
-    try:
-        found = read_config_file()
-    except SettingsError:
-        found = None
-    if found is not None and name in found[1]:
-        return f"{found[0]}:{_config_line(found[2], name) or '?'}"
-    return "a keyword argument" if flags is None else "the default"
 
 
 # Quantization methods and KV cache dtypes the engine implements (the quantization work extends these).
@@ -112,34 +35,6 @@ SPECULATIVE_KEYS = {"method": "speculative_method", "model": "speculative_model"
                     "prompt_lookup_max": "prompt_lookup_max", "prompt_lookup_min": "prompt_lookup_min"}
 
 
-def export_compile_cache_dir(path: Path) -> tuple[Path, bool]:
-    """Point Inductor's cache root (read only from the process environment) at `path`.
-
-    config.py is the one module that reads or writes the process environment. Returns the resolved path and whether it changed.
-    """
-    resolved = Path(path).expanduser().resolve()
-    changed = os.environ.get("TORCHINDUCTOR_CACHE_DIR") != str(resolved)
-    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(resolved)
-    return resolved, changed
-
-
-def child_environment(extra: dict[str, str]) -> dict[str, str]:
-    """This process's environment plus `extra`, for a child process (kiln serve-replicas)."""
-    return {**os.environ, **extra}
-
-
-def export_openmp_spin_default(spin_count: str) -> str:
-    """Unless the environment already sets OMP_WAIT_POLICY or GOMP_SPINCOUNT, let idle OpenMP
-    threads spin `spin_count` rounds, then sleep (libgomp, torch's CPU runtime, reads this once,
-    when torch loads). Returns the wait policy in force, in words."""
-    if "OMP_WAIT_POLICY" not in os.environ:
-        os.environ.setdefault("GOMP_SPINCOUNT", spin_count)
-    policy = os.environ.get("OMP_WAIT_POLICY", "")
-    if not policy and "GOMP_SPINCOUNT" in os.environ:
-        policy = f"spin {os.environ['GOMP_SPINCOUNT']} then sleep"
-    return policy
-
-
 class _KilnSettings(BaseSettings):
     """Sources, highest priority first: keyword arguments (flags), KILN_* variables, kiln.toml."""
 
@@ -149,7 +44,7 @@ class _KilnSettings(BaseSettings):
         env_settings: PydanticBaseSettingsSource, dotenv_settings: PydanticBaseSettingsSource,
         file_secret_settings: PydanticBaseSettingsSource,
     ) -> tuple[PydanticBaseSettingsSource, ...]:
-        return init_settings, env_settings, _ConfigFileSource(settings_cls)
+        return init_settings, env_settings, ConfigFileSource(settings_cls, SETTING_NAMES)
 
 
 class EngineSettings(_KilnSettings):
@@ -506,20 +401,16 @@ class ServerSettings(_KilnSettings):
         return word_list(v)
 
     @model_validator(mode="after")
-    def _tls_needs_both(self) -> "ServerSettings":
+    def _check_combinations(self) -> "ServerSettings":
         if (self.ssl_keyfile is None) != (self.ssl_certfile is None):
             raise ValueError("ssl_keyfile and ssl_certfile go together: give both")
+        if self.enable_auto_tool_choice and self.tool_call_parser is None:
+            raise ValueError("enable_auto_tool_choice needs tool_call_parser (hermes or llama3_json)")
         return self
 
     @property
     def model_names(self) -> list[str]:
         return list(self.served_model_name or [])
-
-    @model_validator(mode="after")
-    def _auto_tools_need_a_parser(self) -> "ServerSettings":
-        if self.enable_auto_tool_choice and self.tool_call_parser is None:
-            raise ValueError("enable_auto_tool_choice needs tool_call_parser (hermes or llama3_json)")
-        return self
 
     @property
     def auto_tool_parser(self) -> str | None:
@@ -527,3 +418,5 @@ class ServerSettings(_KilnSettings):
 
 
 ENGINE_FIELDS = tuple(EngineSettings.model_fields)
+# Every setting's name: a kiln.toml key or KILN_* variable naming none of them is refused / warned of.
+SETTING_NAMES = frozenset(EngineSettings.model_fields) | frozenset(ServerSettings.model_fields)

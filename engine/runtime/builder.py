@@ -14,7 +14,8 @@ from pathlib import Path
 import torch
 
 from engine.config.generation_config import load_generation_defaults
-from engine.config.settings import EngineSettings, export_compile_cache_dir
+from engine.config.process_env import export_compile_cache_dir
+from engine.config.settings import EngineSettings
 from engine.core.kv import kv_sizing
 from engine.core.kv.block_pool import BlockPool
 from engine.core.kv.swap_space import SwapSpace

@@ -18,7 +18,9 @@ from pathlib import Path
 from typing import Any
 
 from engine.config.build import build_settings
-from engine.config.settings import EngineSettings, SettingsError, did_you_mean
+from engine.config.settings import EngineSettings
+from engine.config.sources import SettingsError
+from engine.config.values import DTYPE_ALIASES, did_you_mean
 
 logger = logging.getLogger("engine.entrypoints.cli.flags")
 
@@ -106,8 +108,6 @@ def _choices(name: str, annotation: Any) -> list[str] | None:
         return None
     choices = [str(c) for c in typing.get_args(literal[0])]
     if name == "dtype":
-        from engine.config.settings import DTYPE_ALIASES
-
         choices += [a for a, target in DTYPE_ALIASES.items() if target in choices]
     return choices
 

@@ -11,7 +11,8 @@ import logging
 import sys
 from importlib import import_module
 
-from engine.config.settings import ServerSettings, SettingsError, unknown_env_vars
+from engine.config.settings import SETTING_NAMES, ServerSettings
+from engine.config.sources import SettingsError, unknown_env_vars
 from engine.entrypoints.cli.flags import (
     DEST_PREFIX,
     SuggestingParser,
@@ -220,7 +221,7 @@ def main(argv: list[str] | None = None) -> int:
     log_level = _global_log_level(argv[:command_at])
     if log_level:
         logging.getLogger().setLevel(log_level)
-    for warning in unknown_env_vars():
+    for warning in unknown_env_vars(SETTING_NAMES):
         logging.getLogger("engine").warning(warning)
     try:
         # Subcommands that own their flags.

@@ -21,7 +21,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from engine.config.settings import child_environment
+from engine.config.process_env import child_environment
 
 logger = logging.getLogger("engine.entrypoints.cli.replicas")
 
