@@ -7,7 +7,8 @@ function, or under TYPE_CHECKING):
 - engine/layers/ never imports engine/models/;
 - each package imports only the packages below it (ALLOWED), and inside the runtime only the
   builder sees the model, its layers and the executor;
-- neither the benchmarks nor the server import the CLI that registers them.
+- neither the benchmarks nor the server import the CLI that registers them;
+- only engine/config reads or writes the process environment.
 
 Each rule's checker is also run on a small broken tree, so a rule that could not fail is caught.
 """
@@ -25,7 +26,7 @@ REPO = Path(__file__).resolve().parents[1]
 ALLOWED = {
     "core": set(),
     "config": {"core"},
-    "structured_output": {"core"},
+    "structured_output": {"config", "core"},  # (config: its compile processes' environment)
     "lora": {"core", "models"},
     "layers": {"compiler"},
     "distributed": set(),
@@ -162,7 +163,31 @@ def torch_importers(root: Path, folder: str) -> list[str]:
             if any(n == "torch" or n.startswith("torch.") for n in external_imports(p))]
 
 
+def environment_readers(root: Path, folders=("engine", "compiler")) -> list[str]:
+    """Files outside engine/config that read or write the process environment (os.environ,
+    os.getenv / putenv / unsetenv, or those names imported from os)."""
+    names = {"environ", "environb", "getenv", "getenvb", "putenv", "unsetenv"}
+    found = []
+    for folder in folders:
+        for path in sorted((root / folder).rglob("*.py")):
+            if path.relative_to(root).parts[:2] == ("engine", "config"):
+                continue
+            for node in ast.walk(ast.parse(path.read_text())):
+                if (isinstance(node, ast.Attribute) and node.attr in names and isinstance(node.value, ast.Name)
+                        and node.value.id == "os") or (isinstance(node, ast.ImportFrom) and node.module == "os"
+                                                       and any(a.name in names for a in node.names)):
+                    found.append(str(path.relative_to(root)))
+                    break
+    return found
+
+
 # ---- the rules on kiln's tree ----
+
+def test_only_config_touches_the_environment():
+    """Settings are read in one place: nothing outside engine/config reads or writes os.environ
+    (a child process's environment comes from engine/config/process_env.py)."""
+    assert environment_readers(REPO) == []
+
 
 def test_no_import_circles():
     assert cycles(import_graph(REPO)) == []
@@ -247,3 +272,14 @@ def test_checkers_find_a_circle_and_a_wrong_way_import(tmp_path):
     assert any("engine.layers.l imports engine.models.m" in b for b in bad)
     assert any("only engine.runtime.builder assembles models" in b for b in bad)
     assert torch_importers(root, "engine/core") == ["engine/core/c.py"]
+
+
+def test_environment_checker_finds_a_reader(tmp_path):
+    root = _tree(tmp_path, {
+        "engine/config/settings.py": "import os\nX = os.environ.get('KILN_X')\n",
+        "engine/worker/a.py": "import os\nenv = {**os.environ, 'OMP_NUM_THREADS': '1'}\n",
+        "engine/worker/b.py": "from os import getenv\n",
+        "compiler/c.py": "import os\nos.putenv('A', '1')\n",
+        "engine/worker/d.py": "import os\nos.path.join('a', 'b')\n",
+    })
+    assert environment_readers(root) == ["engine/worker/a.py", "engine/worker/b.py", "compiler/c.py"]

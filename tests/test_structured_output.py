@@ -236,3 +236,27 @@ def test_constraint_starts_after_the_reasoning_block(make_llm):
     out = llm.generate([closed], SamplingParams(temperature=0.0, max_tokens=40, structured_outputs=spec),
                        use_tqdm=False)[0].outputs[0]
     assert out.text in ("yes", "no way")
+
+
+def test_compile_pool_zygote_runs_one_thread(tiny_llama):
+    """The compile pool's zygote forks its workers, so it must run one thread (a lock held by
+    another thread at the fork would stay held in the child): its environment, made by
+    engine/config, limits OpenBLAS and OpenMP to one thread before they load, and the pool works."""
+    import transformers
+
+    from engine.structured_output.compile_pool import ZYGOTE_THREAD_LIMITS
+    from engine.structured_output.grammars import StructuredOutputCompiler
+
+    tok = transformers.AutoTokenizer.from_pretrained(tiny_llama)
+    compiler = StructuredOutputCompiler(tok, len(tok), (tok.eos_token_id,))
+    compiler.configure(timeout_s=60.0, workers=1)
+    try:
+        assert compiler.compile(StructuredOutputsParams(regex="ab[0-9]+")) is not None  # (through the pool)
+        zygote = compiler._pool._zygote.proc
+        environ = dict(item.split("=", 1) for item in
+                       open(f"/proc/{zygote.pid}/environ", "rb").read().decode(errors="replace").split("\0") if "=" in item)
+        assert {k: environ.get(k) for k in ZYGOTE_THREAD_LIMITS} == ZYGOTE_THREAD_LIMITS
+        threads = [line for line in open(f"/proc/{zygote.pid}/status").read().splitlines() if line.startswith("Threads:")]
+        assert threads == ["Threads:\t1"]
+    finally:
+        compiler.close()

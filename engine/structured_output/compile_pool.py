@@ -26,6 +26,8 @@ import threading
 import time
 from typing import Any
 
+from engine.config.process_env import child_environment
+
 logger = logging.getLogger(__name__)
 
 # xgrammar's C++ errors start with "[hh:mm:ss] /path/file.cc:123: " (and "Check failed: ... is false: ").
@@ -44,6 +46,10 @@ def native_message(exc: BaseException) -> str:
     lines = str(exc).strip().splitlines() or ["(no message)"]
     return _NATIVE_PREFIX.sub("", lines[0])
 
+
+# The zygote runs one thread: nothing may hold a lock when it forks (OpenBLAS starts a pool as it
+# loads unless told not to, and OpenMP one on first use): read by those libraries from its environment.
+ZYGOTE_THREAD_LIMITS = {"OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1"}
 
 _CLOCK_TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 # A compile's limit counts its worker's CPU time; its wall time may run to this many times the limit.
@@ -182,8 +188,7 @@ class _Zygote:
         if self.proc is not None and self.proc.poll() is None:
             return
         ours, theirs = socket.socketpair()
-        # One thread: nothing may hold a lock when it forks (OpenBLAS starts a pool unless told not to).
-        env = {**os.environ, "OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1"}
+        env = child_environment(ZYGOTE_THREAD_LIMITS)
         self.proc = subprocess.Popen([sys.executable, "-m", "engine.structured_output.compile_pool",
                                       str(theirs.fileno())], pass_fds=[theirs.fileno()], env=env,
                                      stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
