@@ -35,7 +35,7 @@ logger = logging.getLogger(__name__)
 
 TEMPLATES = Path(__file__).resolve().parents[1] / "templates"
 SOURCE = TEMPLATES / "cpu_fused_ops.cpp"
-INCLUDES = (TEMPLATES / "cpu_decoder_stack.inc",)
+INCLUDES = (TEMPLATES / "cpu_decoder_stack.inc", TEMPLATES / "cpu_bits.inc")
 
 # -ffp-contract=off: no fused multiply-adds, so float32 results are the eager ops' own roundings.
 _BASE_FLAGS = ["-O3", "-std=c++17", "-fopenmp", "-fno-math-errno", "-ffp-contract=off"]

@@ -33,7 +33,7 @@ logger = logging.getLogger(__name__)
 
 TEMPLATES = Path(__file__).resolve().parents[1] / "templates"
 SOURCE = TEMPLATES / "cpu_gemv.cpp"
-INCLUDES = (TEMPLATES / "cpu_gemv_isa.inc",)
+INCLUDES = (TEMPLATES / "cpu_gemv_isa.inc", TEMPLATES / "cpu_bits.inc")
 
 # No -march and no -m ISA flags: each level's code carries its own target (see the module doc).
 _FLAGS = ["-O3", "-std=c++17", "-fopenmp", "-fno-math-errno", "-fno-trapping-math", "-Wno-psabi"]

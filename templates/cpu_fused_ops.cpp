@@ -29,23 +29,7 @@ namespace {
 constexpr int64_t kGrainElements = 16384;  // below this many elements per thread: one thread
 constexpr int64_t kLanes = 16;             // partial sums of a row's squares: one AVX-512 register
 
-// Branch-free conversions (c10's have a NaN branch, which stops the loops from vectorising);
-// bfloat16 rounding is round-to-nearest-even with NaN kept a NaN, as c10::BFloat16 does it.
-inline uint32_t float_bits(float f) {
-  uint32_t b;
-  std::memcpy(&b, &f, sizeof b);
-  return b;
-}
-inline float bits_float(uint32_t b) {
-  float f;
-  std::memcpy(&f, &b, sizeof f);
-  return f;
-}
-inline uint32_t bf16_bits(float f) {  // the bfloat16 nearest f, in the high half
-  const uint32_t b = float_bits(f);
-  const uint32_t rounded = (b + 0x7fffu + ((b >> 16) & 1u)) & 0xffff0000u;
-  return (b & 0x7fffffffu) > 0x7f800000u ? 0x7fc00000u : rounded;
-}
+#include "cpu_bits.inc"  // float_bits, bits_float, bf16_bits
 
 template <typename T>
 inline float round_to(float v) { return v; }

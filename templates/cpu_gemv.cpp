@@ -66,16 +66,7 @@ enum Format : int64_t {
 struct WBf16 {};
 struct WF16 {};
 
-inline uint32_t float_bits(float f) {
-  uint32_t b;
-  std::memcpy(&b, &f, sizeof b);
-  return b;
-}
-inline float bits_float(uint32_t b) {
-  float f;
-  std::memcpy(&f, &b, sizeof f);
-  return f;
-}
+#include "cpu_bits.inc"  // float_bits, bits_float, bf16_bits
 inline float bf16_to_f32(uint16_t h) { return bits_float(static_cast<uint32_t>(h) << 16); }
 inline float f16_to_f32(uint16_t h) { return c10::detail::fp16_ieee_to_fp32_value(h); }
 inline float weight_value(float v) { return v; }

