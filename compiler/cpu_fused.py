@@ -49,11 +49,13 @@ def cpu_flags(capability: str | None = None) -> list[str]:
 class FusedOpsLibrary:
     """templates/cpu_fused_ops.cpp, built once per cache key and loaded once per process (a torch
     library namespace registers once). `ready` turns the fused path on in the model; `builds`
-    counts this process's builds (tests check that serving adds none)."""
+    counts this process's builds (tests check that serving adds none); `error` says why a build
+    or load failed (`ensure`: then the eager ops run)."""
 
     def __init__(self) -> None:
         self.ready = False
         self.builds = 0
+        self.error = ""
 
     @staticmethod
     def key() -> str:
@@ -78,6 +80,23 @@ class FusedOpsLibrary:
                 torch.ops.load_library(str(path))
             self.ready = True
         return time.perf_counter() - t0
+
+    def ensure(self, cache_dir: Path | None) -> bool:
+        """load(), or, where the library cannot be built or loaded (no compiler, a compile error),
+        False: logged once with the path taken instead, and not retried in this process."""
+        if self.ready:
+            return True
+        if self.error:
+            return False
+        try:
+            self.load(cache_dir)
+        except Exception as exc:  # (a compiler missing or failing: the model keeps its eager ops)
+            self.error = f"{type(exc).__name__}: {exc}"
+            logger.warning("CPU fused ops unavailable (%s): norms, rotary embeddings and MLP activations run as "
+                           "eager torch ops, and the decoder layers without the C++ decoder stack",
+                           self.error.splitlines()[0])
+            return False
+        return True
 
     @staticmethod
     def _build(path: Path) -> None:

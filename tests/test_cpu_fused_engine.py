@@ -48,3 +48,33 @@ def test_fused_engine_matches_transformers_glm(name, make_llm, tmp_path_factory)
 def test_fused_chunked_prefill_and_prefix_cache(tiny_llama, make_llm, tmp_path_factory):
     """Mixed prefill chunks and decodes in one step, and prefix-cache hits, through the fused ops."""
     _check(_fused_llm(make_llm, tiny_llama, tmp_path_factory, max_num_batched_tokens=32), tiny_llama, "chunked")
+
+
+def test_a_fused_library_that_cannot_build_leaves_the_eager_ops(make_llm, tiny_llama, monkeypatch, tmp_path, caplog):
+    """No compiler (the build raises): the engine still starts, with the eager norms / RoPE / SiLU
+    and no decoder stack, one warning says why, the build is not retried, and the tokens are
+    transformers' own."""
+    import logging
+
+    from compiler import cpu_fused
+
+    builds = []
+
+    def broken(path):
+        builds.append(path)
+        raise RuntimeError("no C++ compiler")
+
+    lib = cpu_fused.FusedOpsLibrary()
+    lib._build = broken
+    lib.library_path = lambda cache_dir: tmp_path / "never-built.so"  # (the session's cache may hold a built one)
+    monkeypatch.setattr(cpu_fused, "FUSED", lib)
+    with caplog.at_level(logging.INFO):
+        llm = make_llm(enforce_eager=False, max_num_seqs=16)  # (the CPU warm-up loads the fused ops)
+        model = llm.engine.runner.model
+        model.use_cpu_fused_ops(tmp_path)  # (a second try: not rebuilt, not logged again)
+    assert len(builds) == 1 and "no C++ compiler" in lib.error and not lib.ready
+    assert caplog.text.count("CPU fused ops unavailable (RuntimeError: no C++ compiler)") == 1
+    assert "CPU decoder stack: off (the fused CPU ops are not loaded)" in caplog.text
+    assert not any(m.fused for m in model.modules() if isinstance(m, (RMSNorm, RotaryEmbedding, MLP)))
+    assert model.cpu_stack is None
+    _check(llm, tiny_llama, "eager ops after a failed build")
