@@ -89,3 +89,20 @@ def test_decoder_stack_against_op_by_op(tiny_llama, capsys):
     off = LLMEngine(EngineSettings(**common, cpu_decoder_stack=False))
     assert cpu.decoder_stack(off, [1], rounds=1, steps=2, input_len=8) == {}
     assert "-> " in capsys.readouterr().out
+
+
+def test_decode_window_opens_on_a_prompt_the_prefix_cache_holds(make_llm):
+    """The same prompt again (its blocks cached: the engine computes only its last tokens) still
+    times every decode step; the window once waited for prompt tokens a cache hit never computes,
+    and `kiln bench cpu` printed "batch-1 nan ms/token" for every round after the first."""
+    from engine.bench.latency import run_kiln
+
+    engine = make_llm(enable_prefix_caching=True).engine
+    prompt = [[(7 * i) % 200 + 5 for i in range(40)]]  # (two full blocks of 16: cached after one run)
+    first = run_kiln(engine, prompt, 6, "a")
+    again = run_kiln(engine, prompt, 6, "b")
+    assert engine.num_prompt_tokens_total < 2 * 40  # (the second run hit the cache)
+    assert again["tokens"] == first["tokens"]
+    for res in (first, again):
+        assert res["decode_steps"] == 5 and len(res["step_s"]) == 5 and all(s > 0 for s in res["step_s"])
+        assert res["window_tokens"] == 5

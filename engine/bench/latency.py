@@ -213,8 +213,10 @@ def run_kiln(engine, prompts: list[list[int]], output_len: int, tag: str) -> dic
     params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True, detokenize=False)
     for i, p in enumerate(prompts):
         engine.add_request(p, params, request_id=f"{tag}-{i}")
-    prompt_tokens = engine.num_prompt_tokens_total + sum(len(p) for p in prompts)
     tokens: dict[str, list[int]] = {}
+    # A request's prompt is processed when its first token comes out (counting prompt tokens would
+    # miss the ones a prefix-cache hit skips: a prompt seen before never opened the window).
+    started: set[str] = set()
     window_start = window_tokens = None
     returns: list[float] = []  # host time of each step() return inside the window
     _sync(device)
@@ -222,13 +224,15 @@ def run_kiln(engine, prompts: list[list[int]], output_len: int, tag: str) -> dic
     while engine.has_unfinished_requests():
         outs = engine.step()
         now = time.perf_counter()
-        if window_start is not None:
-            returns.append(now)
-        elif engine.num_prompt_tokens_total >= prompt_tokens:  # every prompt token is processed
-            window_start, window_tokens = now, engine.num_generation_tokens_total
         for o in outs:
+            if o.outputs and o.outputs[0].token_ids:
+                started.add(o.request_id)
             if o.finished:
                 tokens[o.request_id] = o.outputs[0].token_ids
+        if window_start is not None:
+            returns.append(now)
+        elif len(started) == len(prompts):  # every prompt token is processed
+            window_start, window_tokens = now, engine.num_generation_tokens_total
     _sync(device)
     t_end = time.perf_counter()
     engine.check_integrity()
