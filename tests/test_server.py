@@ -298,10 +298,14 @@ def test_echo_logprobs_score_the_prompt(client, url):
     stream = client.completions.create(model=MODEL, prompt=prompt + next_id[:1], max_tokens=1, temperature=0,
                                        logprobs=2, echo=True, stream=True)
     first = next(iter(stream)).choices[0].logprobs
-    assert first.token_logprobs[:len(prompt) + 1] == lp.token_logprobs[:len(prompt) + 1]
+    # Tokens exactly, logprobs to 1e-4: each request's batch forms as requests arrive (another
+    # test's aborted stream may still be running), and another batch shape may take another matmul path.
+    assert first.tokens[:len(prompt) + 1] == lp.tokens[:len(prompt) + 1]
+    assert first.token_logprobs[:len(prompt) + 1] == pytest.approx(lp.token_logprobs[:len(prompt) + 1], abs=1e-4)
     # max_tokens=0 with echo: the prompt scored, nothing generated (and without echo: 400)
     only = client.completions.create(model=MODEL, prompt=prompt + next_id[:1], max_tokens=0, logprobs=2, echo=True)
-    assert only.choices[0].logprobs.token_logprobs == lp.token_logprobs[:len(prompt) + 1]
+    assert only.choices[0].logprobs.tokens == lp.tokens[:len(prompt) + 1]
+    assert only.choices[0].logprobs.token_logprobs == pytest.approx(lp.token_logprobs[:len(prompt) + 1], abs=1e-4)
     assert only.usage.completion_tokens == 0 and only.choices[0].text == scored.choices[0].text[:len(only.choices[0].text)]
     no_echo = post(url, "/v1/completions", {"model": MODEL, "prompt": prompt, "max_tokens": 0})
     assert no_echo.status_code == 400 and no_echo.json()["error"]["param"] == "max_tokens"
@@ -310,7 +314,7 @@ def test_echo_logprobs_score_the_prompt(client, url):
     entries = body["choices"][0]["prompt_logprobs"]
     assert entries[0] is None and len(entries) == len(prompt)
     assert [e[str(t)]["logprob"] for t, e in zip(prompt[1:], entries[1:])] == \
-        pytest.approx(lp.token_logprobs[1:len(prompt)], abs=1e-5)
+        pytest.approx(lp.token_logprobs[1:len(prompt)], abs=1e-4)
 
 
 def test_logit_bias_and_allowed_token_ids(client, url):
