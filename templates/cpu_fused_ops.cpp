@@ -18,10 +18,16 @@
 #include <torch/custom_class.h>
 #include <torch/library.h>
 
-#include <cmath>
+#include <omp.h>
+
 #include <algorithm>
+#include <atomic>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <exception>
+#include <memory>
+#include <thread>
 #include <vector>
 
 namespace {
@@ -286,6 +292,8 @@ TORCH_LIBRARY(kiln_cpu_fused, m) {
       .def("add_dense", &stack::DecoderStack::add_dense)
       .def("add_packed", &stack::DecoderStack::add_packed)
       .def("num_layers", &stack::DecoderStack::num_layers)
+      .def("set_team_rows", &stack::DecoderStack::set_team_rows)
+      .def("team_rows", &stack::DecoderStack::team_rows)
       .def("forward", &stack::DecoderStack::forward);
 }
 

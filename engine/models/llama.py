@@ -29,6 +29,7 @@ from engine.distributed.parallel_layers import (
 )
 from engine.layers.attention.base import AttentionBackend, AttentionMetadata
 from engine.layers.forward_context import ForwardContext
+from engine.layers.quant.cpu_packed import GEMM_ROWS
 from engine.layers.quant.moe import QuantExperts, routed_experts
 from engine.models import cpu_stack
 from engine.models.config import ModelConfig, rope_inv_freq
@@ -303,6 +304,9 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = None if config.tie_word_embeddings or not config.generates else nn.Linear(
             config.hidden_size, config.vocab_size, bias=False) if tp is None else ParallelLMHead(
             vocab_rows_per_rank(config, tp), config.hidden_size, tp)
+        # GGUF on the CPU: the LM head also in the file's blocks, for steps of fewer than
+        # packed_head_rows rows (engine/models/loader/gguf_quant.py: pack_head)
+        self.packed_head: Linear | None = None
         self.backend: AttentionBackend | None = None
         self.lora_slots = 0  # adapters one batch can mix (engine/lora/adapters.py); 0: LoRA off
         self.pad_cpu_rows = False  # forward in oneDNN row buckets (padded_rows; set by use_cpu_fused_ops)
@@ -426,6 +430,9 @@ class LlamaForCausalLM(nn.Module):
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         if self.tp is not None:  # this rank's vocabulary rows, gathered: the full logits on every rank
             logits = parallel_logits(hidden, weight, self.config.vocab_size, self.tp).float()
+        elif self.packed_head is not None and hidden.dim() == 2 and hidden.shape[0] < GEMM_ROWS[
+                self.packed_head.quant.float_acts]:
+            logits = self.packed_head(hidden).float()
         else:
             logits = linear(hidden, weight).float()
         cap = self.config.final_softcap

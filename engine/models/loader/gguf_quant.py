@@ -15,9 +15,12 @@ and the rest dequantised to the model dtype: the K-quants, Q5_0/Q5_1, a fused pr
 parts have different kinds, and int4 layers torch's kernels cannot take (int4_packed.unsupported:
 among them every layer of a float32 model on the CPU; with int4_kernel="reference" every Q4_x
 layer, as kiln's unpacked int4 layout has integer zero points and Q4_1's m is not one).
-Float tensors, the embeddings and the LM head always load dense (kiln quantises only the
-attention and MLP projections). `gguf_dequantize` turns all of this off (llama.cpp's and vLLM's
-dequantise-at-load behaviour).
+Float tensors, the embeddings and the LM head load dense (kiln quantises only the attention and MLP
+projections). On the CPU the LM head is in addition kept in the file's blocks (`pack_head`) for
+steps of few rows: at batch 1 a dense float32 head of SmolLM2 (49152 x 576, 113 MB) is read every
+step, more than all 30 layers of a Q4_1 file; the dense copy serves the embedding lookups and the
+large batches, where the GEMM beats the kernels. `gguf_dequantize` turns all of this off
+(llama.cpp's and vLLM's dequantise-at-load behaviour).
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from engine.layers.quant import cpu_packed, int4_packed, int_formats
 from engine.layers.quant.config import QuantConfig
 from engine.layers.quant.gguf_blocks import BLOCK_TYPES, QK
 from engine.layers.quant.linear import IntWeightMethod, attach
+from engine.models.llama import Linear
 from engine.models.loader.gguf_file import hf_name, read_header, unpermute_rows
 from engine.models.loader.safetensors_reader import read_exactly_into
 
@@ -167,6 +171,33 @@ def load(model: nn.Module, path, plan: dict[str, tuple[str, slice | None]], dtyp
     if staged:
         raise ValueError(f"gguf: quantised layers {sorted(staged)[:4]} did not receive all their rows")
     return set(plan)
+
+
+@torch.no_grad()
+def pack_head(model: nn.Module, path, dtype: torch.dtype, device: torch.device, int4_kernel: str = "auto") -> bool:
+    """On the CPU with the kernels: give `model` a `packed_head` holding the file's LM head (its
+    output.weight, or token_embd.weight when tied) in the kernels' layout, for compute_logits at
+    few rows. Returns whether it did (not when the head is stored as floats)."""
+    if int4_kernel != "auto" or getattr(model, "tp", None) is not None or not cpu_packed.usable(device):
+        return False
+    _, tensors = read_header(path)
+    by_name = {t.name: t for t in tensors}
+    t = by_name.get("output.weight", by_name.get("token_embd.weight"))
+    kind = BLOCK_TYPES[t.type_id][0] if t is not None else None
+    if kind not in cpu_gemv.GGUF_FORMATS or t.shape != (model.config.vocab_size, model.config.hidden_size):
+        return False
+    raw = torch.empty(t.nbytes, dtype=torch.uint8)
+    with open(path, "rb") as f:
+        f.seek(t.offset)
+        if not read_exactly_into(f, raw):
+            raise ValueError(f"gguf: {path} ends inside tensor {t.name}")
+    vocab, hidden = t.shape
+    runs, packed = cpu_packed.gguf_runs([(0, kind, raw.reshape(vocab, -1))], hidden)
+    with torch.device("meta"):
+        head = Linear(hidden, vocab, False)
+    cpu_packed.install(head, runs, packed, None, cpu_packed.float_acts_for(dtype))
+    model.packed_head = head
+    return True
 
 
 def _install_int4(module: nn.Module, parts: list, dtype: torch.dtype, device: torch.device) -> None:

@@ -222,6 +222,8 @@ def load_model(model_dir: Path, config: ModelConfig, dtype: torch.dtype, device:
         quant_loading.init_dummy(model, seed)
     elif gguf_file.is_gguf(model_dir):
         _load_gguf(model, model_dir, gguf_quant.load(model, model_dir, gguf_kept, dtype, device))
+        if not gguf_dequantize and quant is None:
+            gguf_quant.pack_head(model, model_dir, dtype, device, int4_kernel)
     else:
         _load_safetensors(model, model_dir, quant, dtype)
     if quant is not None and quant.quantize_at_load:
