@@ -14,7 +14,6 @@ from typing import Any, Literal
 from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
-from engine.config.process_env import export_openmp_spin_default  # noqa: F401  (engine/worker/cpu_threads.py's import)
 from engine.config.sources import ConfigFileSource
 from engine.config.values import DTYPE_ALIASES, did_you_mean, json_value, parse_core_list, parse_human_int, word_list
 

@@ -48,7 +48,7 @@ def prefer_short_spin() -> None:
     it at load)."""
     if _WAIT_POLICY_STATE["policy"] is not None:
         return
-    from engine.config.settings import export_openmp_spin_default
+    from engine.config.process_env import export_openmp_spin_default
 
     in_time = "torch" not in sys.modules  # (too late otherwise: the runtime has read its settings)
     _WAIT_POLICY_STATE["policy"] = export_openmp_spin_default(DEFAULT_SPIN_COUNT) if in_time else ""
