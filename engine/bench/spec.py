@@ -174,6 +174,7 @@ def main(argv: list[str]) -> int:
                 f"{'yes' if r['same_as_plain'] else 'NO':>5}  per position "
                 + " ".join(f"{a:.2f}" for a in r["accepted_per_pos"]))
             print(f"{r['method']:>{width}} {r['tok_per_s']:>8.2f} {r['ratio']:>6.2f}x {extra}")
+            print(f"{'':>{width}} runs (tok/s): " + " ".join(f"{x:.2f}" for x in r["runs"]))
         if args.json:
             Path(args.json).write_text(json.dumps({"model": settings.model, "args": vars(args), "rows": rows},
                                                   indent=2))
