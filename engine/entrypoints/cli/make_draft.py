@@ -6,15 +6,16 @@ on the CPU in minutes, and any target gets one the same way:
   1. a corpus: kiln generates the target's own answers to chat prompts (built-in templates over
      topics; the `train` split, whose topics `kiln bench spec` never asks about), greedy and
      sampled at temperature 0.7, cached in kiln's cache;
-  2. --method draft_model: a draft cut from the target (--init target, the default): its
-     embeddings, tied LM head and final norm and a few of its layers (--target-layers; the
-     leading --frozen-layers kept as they are), the rest trained to match the target's
-     next-token distributions (its top-16 log-probabilities, recorded while kiln generated the
-     corpus) over a draft vocabulary of the --draft-vocab most used tokens, which the draft
-     proposes from (draft_vocab.json: the LM head it evaluates is that many rows, not the
-     target's 49k); or (--init scratch) a small narrow Llama with the target's tokenizer
-     trained from scratch (its embeddings start as the target's projected onto their principal
-     directions). Saved as an HF checkpoint with the tokenizer;
+  2. --method draft_model: a small narrow Llama with the target's tokenizer trained from
+     scratch (--init scratch, the default; its embeddings start as the target's projected onto
+     their principal directions), or one cut from the target (--init target: its embeddings,
+     tied LM head, final norm and a few of its layers, --target-layers, the leading
+     --frozen-layers kept as they are), trained to match the target's next-token distributions
+     (its top-16 log-probabilities, recorded while kiln generated the corpus: the corpus for a
+     draft model is 1,024 answers to training-only prompts, generated at batch 64) over a draft
+     vocabulary of the --draft-vocab most used tokens, which the draft proposes from
+     (draft_vocab.json: the LM head it evaluates is that many rows, not the target's 49k).
+     Saved as an HF checkpoint with the tokenizer;
      --method eagle / eagle3: an EAGLE (EAGLE-3) head trained on the target's hidden states over
      the corpus (transformers computes them), in the public checkpoint layout; EAGLE-3's draft
      vocabulary is the corpus's most frequent tokens.
@@ -183,8 +184,8 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--method", required=True, choices=["draft_model", "eagle", "eagle3"])
     parser.add_argument("--out", default=None, help="output directory (default: kiln's cache, drafts/)")
     parser.add_argument("--cache-dir", default=None, help="kiln's cache root (default: KILN_CACHE_DIR or ~/.cache/kiln)")
-    parser.add_argument("--init", choices=["target", "scratch"], default="target",
-                        help="draft_model: cut from the target's own layers (default) or a narrow model from scratch")
+    parser.add_argument("--init", choices=["scratch", "target"], default="scratch",
+                        help="draft_model: a narrow model from scratch (default) or cut from the target's own layers")
     parser.add_argument("--prompts", type=int, default=None,
                         help="corpus answers to generate (default: 1024 for --init target, else 240)")
     parser.add_argument("--max-tokens", type=int, default=None,
@@ -221,7 +222,7 @@ def main(argv: list[str]) -> int:
         else:
             draft_training.distill_draft_model(args.target, labelled, out, layers=args.layers or 4,
                                                hidden=args.hidden_size, draft_vocab=args.draft_vocab,
-                                               epochs=args.epochs or 4, lr=args.lr or 3e-3, seed=args.seed,
+                                               epochs=args.epochs or 3, lr=args.lr or 3e-3, seed=args.seed,
                                                log=logger.info)
         logger.info("draft_model made in %.0fs (the corpus included unless cached): %s", time.perf_counter() - t0, out)
         print(out)
