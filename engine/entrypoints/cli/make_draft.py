@@ -187,9 +187,9 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--init", choices=["scratch", "target"], default="scratch",
                         help="draft_model: a narrow model from scratch (default) or cut from the target's own layers")
     parser.add_argument("--prompts", type=int, default=None,
-                        help="corpus answers to generate (default: 1024 for --init target, else 240)")
+                        help="corpus answers to generate (default: 1024 for draft_model, 240 for eagle heads)")
     parser.add_argument("--max-tokens", type=int, default=None,
-                        help="tokens per answer (default: 128 for --init target, else 160)")
+                        help="tokens per answer (default: 128 for draft_model, 160 for eagle heads)")
     parser.add_argument("--epochs", type=int, default=None, help="training passes (default: per method)")
     parser.add_argument("--target-layers", default="0,1,2,3,28,29",
                         help="draft_model --init target: the target's layers the draft keeps (default: 0,1,2,3,28,29)")
