@@ -61,6 +61,13 @@ def _succ_eagle(periodic, out):
     return save_eagle(eagle, out)
 
 
+def _with_draft_vocab(src, dst, token_ids):
+    """A copy of draft model src that drafts from token_ids only (draft_vocab.json)."""
+    shutil.copytree(src, dst)
+    (dst / "draft_vocab.json").write_text(json.dumps({"token_ids": list(token_ids)}))
+    return dst
+
+
 @pytest.fixture(scope="module")
 def spec_models(tiny_llama, tmp_path_factory):
     from engine.models.tiny_model import make_periodic_model, make_tiny_model
@@ -68,9 +75,12 @@ def spec_models(tiny_llama, tmp_path_factory):
     root = tmp_path_factory.mktemp("spec-models")
     cfg, embed, head = _target_weights(tiny_llama)
     periodic = make_periodic_model(root / "periodic")
+    noisy = _noisy_copy(tiny_llama, root / "noisy", 0.1)
     return {
         "target": tiny_llama,
-        "noisy": _noisy_copy(tiny_llama, root / "noisy", 0.1),
+        "noisy": noisy,
+        # drafts only even token ids: the target's odd ones are never drafted, always the residual's
+        "noisy_vocab": _with_draft_vocab(noisy, root / "noisy-vocab", range(0, cfg["vocab_size"], 2)),
         # Another geometry: its own KV tensor of 1 layer x 1 head x 32, over the same block ids.
         "small": make_tiny_model(root / "small", seed=7, overrides=dict(
             num_hidden_layers=1, hidden_size=64, intermediate_size=128, num_attention_heads=2,
@@ -84,7 +94,8 @@ def spec_models(tiny_llama, tmp_path_factory):
 
 
 # (method, draft) pairs run against the tiny target
-METHODS = [("draft_model", "noisy"), ("draft_model", "small"), ("eagle", "eagle"), ("eagle3", "eagle3")]
+METHODS = [("draft_model", "noisy"), ("draft_model", "noisy_vocab"), ("draft_model", "small"), ("eagle", "eagle"),
+           ("eagle3", "eagle3")]
 
 
 def _spec(models, method, draft, k=K):
@@ -163,6 +174,32 @@ def test_draft_model_drafts_are_its_own_greedy_continuation(spec_models, make_ll
                               do_sample=False, eos_token_id=None, pad_token_id=0)
             assert drafts == out[0, len(tokens):].tolist()
     assert len(seen) > 10
+
+
+def test_draft_vocabulary_drafts_the_argmax_of_its_rows(spec_models, make_llm, monkeypatch):
+    """A draft model with a draft vocabulary drafts, at every step, the argmax of its logits over
+    those token ids only (transformers' draft model, masked), and greedy output stays plain
+    decoding's."""
+    from transformers import AutoModelForCausalLM
+
+    seen = _record_drafts(monkeypatch)
+    greedy = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    want = [o.token_ids for o in _outputs(make_llm(spec_models["target"]), PROMPTS[:4], greedy)]
+    llm = make_llm(spec_models["target"], **_spec(spec_models, "draft_model", "noisy_vocab"))
+    assert [o.token_ids for o in _outputs(llm, PROMPTS[:4], greedy)] == want
+    hf = AutoModelForCausalLM.from_pretrained(str(spec_models["noisy"]), dtype=torch.float32).eval()
+    odd = torch.zeros(hf.config.vocab_size)
+    odd[1::2] = -float("inf")
+    with torch.no_grad():
+        for tokens, drafts in seen:
+            ids, expect = list(tokens), []
+            for _ in drafts:
+                expect.append(int((hf(torch.tensor([ids])).logits[0, -1] + odd).argmax()))
+                ids.append(expect[-1])
+            assert drafts == expect
+    assert len(seen) > 10 and all(t % 2 == 0 for _, drafts in seen for t in drafts)
+    sched = llm.engine.scheduler
+    assert 0 < sched.num_accepted_tokens < sched.num_draft_tokens
 
 
 @pytest.mark.parametrize("version,overlap", [(1, False), (3, False), (3, True)])
@@ -295,7 +332,8 @@ def test_preemption_and_prefix_hits(spec_models, make_llm, mode, method, draft):
     assert engine.scheduler.preemptions_by_mode.get(mode, 0) > 0
 
 
-def test_sampled_output_follows_the_target(spec_models, make_llm):
+@pytest.mark.parametrize("draft", ["noisy", "noisy_vocab"])
+def test_sampled_output_follows_the_target(spec_models, make_llm, draft):
     """Unseeded sampling (temperature 1, top-p 0.9) with a sampled draft (rejection sampling with
     its q): the second token, the first one verified (one draft), is distributed as the target
     says (chi-square against transformers' exact marginal, significance 1e-3; the engine's seed is
@@ -308,12 +346,14 @@ def test_sampled_output_follows_the_target(spec_models, make_llm):
     from engine.worker.sample.rejection import DraftRow
 
     prompt = [5, 9, 100, 200, 7]
-    llm = make_llm(spec_models["target"], max_num_seqs=64, seed=3, **_spec(spec_models, "draft_model", "noisy", 1))
+    llm = make_llm(spec_models["target"], max_num_seqs=64, seed=3, **_spec(spec_models, "draft_model", draft, 1))
     many = dataclasses.replace(params, n=64)
     outs = llm.generate([prompt] * 40, many, use_tqdm=False)
     second = torch.tensor([c.token_ids[1] for o in outs for c in o.outputs])
     sched = llm.engine.scheduler
     assert 0 < sched.num_accepted_tokens < sched.num_draft_tokens  # both branches of the rule ran
+    if draft == "noisy_vocab":  # the target's odd tokens come from the residual alone (q is 0 there)
+        assert (second % 2 == 1).any()
     hf = AutoModelForCausalLM.from_pretrained(str(spec_models["target"]), dtype=torch.float32).eval()
     with torch.no_grad():
         first = hf(torch.tensor([prompt])).logits[0, -1:]
@@ -364,6 +404,9 @@ def test_misfit_heads_and_drafts_are_refused(spec_models, make_llm, tmp_path):
 
     other = make_tiny_model(tmp_path / "other-vocab", seed=3, overrides=dict(vocab_size=300))
     cases.append((("draft_model", other), "does not cover the target's tokenizer"))
+    for name, ids, message in [("unsorted", [5, 3], "ascending"), ("outside", [1, 10 ** 6], "outside the vocabulary"),
+                               ("empty", [], "must list token ids")]:
+        cases.append((("draft_model", _with_draft_vocab(spec_models["noisy"], tmp_path / name, ids)), message))
     for (method, path), message in cases:
         with pytest.raises(ValueError, match=message):
             make_llm(spec_models["target"], speculative_method=method, speculative_model=str(path),

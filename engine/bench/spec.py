@@ -70,14 +70,17 @@ def _methods(args, model: str, cache_dir: Path) -> dict[str, dict]:
     out = {}
     if args.ngram:
         out["ngram"] = dict(speculative_method="ngram", num_speculative_tokens=k)
-    for method, flag in (("draft_model", args.draft_model), ("eagle", args.eagle), ("eagle3", args.eagle3)):
+    drafts = [("draft_model", flag) for flag in args.draft_model or []]
+    for method, flag in drafts + [("eagle", args.eagle), ("eagle3", args.eagle3)]:
         if flag is None:
             continue
         path = cache_dir / "drafts" / f"{Path(model).stem}-{method}" if flag == "auto" else Path(flag)
         if not (path / "config.json").is_file():
             raise SystemExit(f"kiln bench spec: no {method} draft at {path} (make one with `kiln make-draft-model "
                              f"--target {model} --method {method}`)")
-        out[method] = dict(speculative_method=method, speculative_model=str(path), num_speculative_tokens=k)
+        # (several draft models side by side: each row named after its directory)
+        name = f"{method}:{path.name}" if method == "draft_model" and len(drafts) > 1 else method
+        out[name] = dict(speculative_method=method, speculative_model=str(path), num_speculative_tokens=k)
     return out
 
 
@@ -137,7 +140,8 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--draft-tokens", type=int, default=4, help="num_speculative_tokens")
     parser.add_argument("--random-model", action="store_true", help="the embedded tiny model (never repeats)")
     parser.add_argument("--ngram", action="store_true", help="with --model: n-gram prompt lookup")
-    parser.add_argument("--draft-model", default=None, metavar="DIR", help="with --model: a draft model (or auto)")
+    parser.add_argument("--draft-model", action="append", default=None, metavar="DIR",
+                        help="with --model: a draft model (or auto); repeat to compare several in the same run")
     parser.add_argument("--eagle", default=None, metavar="DIR", help="with --model: an EAGLE head (or auto)")
     parser.add_argument("--eagle3", default=None, metavar="DIR", help="with --model: an EAGLE-3 head (or auto)")
     parser.add_argument("--chat-prompts", action="store_true",
@@ -161,13 +165,16 @@ def main(argv: list[str]) -> int:
               f"{args.max_tokens} output tokens, {args.num_prompts} "
               f"{f'chat ({args.prompt_split} split) ' if args.chat_prompts else ''}prompts, "
               f"{args.repeats} interleaved runs (median)")
-        print(f"{'method':>12} {'tok/s':>8} {'ratio':>7} {'accepted':>9} {'accept len':>11} {'drafts/step':>12} "
+        width = max(12, *(len(r["method"]) for r in rows))
+        print(f"{'method':>{width}} {'tok/s':>8} {'ratio':>7} {'accepted':>9} {'accept len':>11} {'drafts/step':>12} "
               f"{'same':>5}")
         for r in rows:
             extra = "" if r["method"] == "plain" else (
                 f"{r['acceptance']:>8.0%} {r['acceptance_length']:>11.2f} {r['drafts_per_step']:>12.2f} "
-                f"{'yes' if r['same_as_plain'] else 'NO':>5}")
-            print(f"{r['method']:>12} {r['tok_per_s']:>8.2f} {r['ratio']:>6.2f}x {extra}")
+                f"{'yes' if r['same_as_plain'] else 'NO':>5}  per position "
+                + " ".join(f"{a:.2f}" for a in r["accepted_per_pos"]))
+            print(f"{r['method']:>{width}} {r['tok_per_s']:>8.2f} {r['ratio']:>6.2f}x {extra}")
+            print(f"{'':>{width}} runs (tok/s): " + " ".join(f"{x:.2f}" for x in r["runs"]))
         if args.json:
             Path(args.json).write_text(json.dumps({"model": settings.model, "args": vars(args), "rows": rows},
                                                   indent=2))

@@ -426,7 +426,19 @@ class LlamaForCausalLM(nn.Module):
             if at == layer:
                 self.aux_hidden[:tokens, k * width:(k + 1) * width].copy_(h)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def head_rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """The LM head's rows of token ids `ids` (a copy), for compute_logits(head=...)."""
+        if self.tp is not None:
+            raise ValueError("a draft vocabulary needs an unsharded model")
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return weight.index_select(0, ids.to(weight.device)).contiguous()
+
+    def compute_logits(self, hidden: torch.Tensor, head: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits over the vocabulary, or with `head` (head_rows) over those rows only."""
+        if head is not None:
+            logits = linear(hidden, head).float()
+            cap = self.config.final_softcap
+            return cap * torch.tanh(logits / cap) if cap else logits
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         if self.tp is not None:  # this rank's vocabulary rows, gathered: the full logits on every rank
             logits = parallel_logits(hidden, weight, self.config.vocab_size, self.tp).float()

@@ -28,7 +28,7 @@ from engine.layers.quant.w4a16 import install as install_w4a16
 from engine.layers.quant.w4a16 import loader_int4_kernel, resolve_int4_kernel
 from engine.lora.adapters import make_lora_manager
 from engine.models.config import ModelConfig
-from engine.models.draft import DraftParts, check_draft_model
+from engine.models.draft import DraftParts, check_draft_model, load_draft_vocab
 from engine.models.eagle import load_eagle
 from engine.models.loader.gguf_file import is_gguf
 from engine.models.loader.kv_scales import read_kv_scales
@@ -265,11 +265,13 @@ class EngineBuilder:
         if not path.is_dir() and not (s.speculative_method == "draft_model" and is_gguf(path)):
             raise ValueError(f"speculative_model: {s.speculative_model!r} is not a checkpoint directory"
                              + (" or .gguf file" if s.speculative_method == "draft_model" else ""))
+        vocab_ids = None
         with Phase(f"loading the {s.speculative_method} draft {path}"):
             if s.speculative_method == "draft_model":
                 config = layers = ModelConfig.from_dir(path)
                 check_draft_model(config, self.model_config, len(self.tokenizer), path)
                 model = load_model(path, config, self.dtype, self.device, self.max_model_len, s.load_format, s.seed)
+                vocab_ids = load_draft_vocab(path, config, self.model_config.vocab_size)
             else:
                 model = load_eagle(path, 3 if s.speculative_method == "eagle3" else 1, self.model, self.dtype,
                                    self.device, self.max_model_len)
@@ -280,7 +282,7 @@ class EngineBuilder:
             decode_kernel=s.decode_kernel, prefill_kernel=s.prefill_kernel,
             windowed_or_capped=any(layers.layer_windows) or layers.attn_softcap > 0))
         model.set_backend(backend)
-        return DraftParts(model, config, backend)
+        return DraftParts(model, config, backend, vocab_ids)
 
     def _make_device_proposer(self) -> ModelRunner | None:
         """The draft's runner (its own input buffers, cache tensor and graphs) and the proposer that
@@ -292,7 +294,8 @@ class EngineBuilder:
                              s.max_num_seqs, self._token_budget(), self.max_model_len)
         runner.builder.shifts_from = self.runner.builder  # (a verify step in flight moves its positions too)
         if s.speculative_method == "draft_model":
-            self.runner.spec = DraftModelProposer(runner, self.model_config.vocab_size, self.sampler.generator)
+            self.runner.spec = DraftModelProposer(runner, self.model_config.vocab_size, self.sampler.generator,
+                                                  self.draft.vocab_ids)
         else:
             head = self.draft.model
             head.allocate_inputs(runner.buffers.max_tokens)

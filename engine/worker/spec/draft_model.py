@@ -44,12 +44,24 @@ def to_vocab(logits: torch.Tensor, vocab: int) -> torch.Tensor:
     return torch.nn.functional.pad(logits, (0, vocab - have), value=-float("inf"))
 
 
+def from_draft_vocab(logits: torch.Tensor, ids: torch.Tensor, vocab: int) -> torch.Tensor:
+    """Logits over a draft vocabulary (columns = token ids `ids`) as logits over the target's
+    vocabulary: -inf (probability 0) everywhere else."""
+    out = logits.new_full((logits.shape[0], vocab), -float("inf"))
+    out[:, ids] = logits
+    return out
+
+
 class DraftModelProposer:
-    def __init__(self, runner: ModelRunner, target_vocab: int, generator: torch.Generator) -> None:
+    def __init__(self, runner: ModelRunner, target_vocab: int, generator: torch.Generator,
+                 vocab_ids: torch.Tensor | None = None) -> None:
         self.runner = runner  # the draft model's runner: its own buffers, cache tensor, graphs
         self.vocab = target_vocab
         self.generator = generator  # the target sampler's: one random stream for the engine
         self.num_forwards = 0
+        # a draft vocabulary (engine/models/draft.py): the LM head's rows of those ids only
+        self.vocab_ids = None if vocab_ids is None else vocab_ids.to(runner.device)
+        self.head = None if vocab_ids is None else runner.model.head_rows(self.vocab_ids)
 
     def propose(self, sched: SchedulerOutput, target: StepBuilder) -> Proposal | None:
         """Run the draft over the step (forward 0) and draft each verify sequence's tokens."""
@@ -84,7 +96,10 @@ class DraftModelProposer:
     def _sample(self, proposal: Proposal, j: int, hidden: torch.Tensor) -> None:
         """Draft j + 1 of every member at position j (rows of `hidden`, in order)."""
         members = proposal.members(j)
-        logits = to_vocab(self.runner.model.compute_logits(hidden), self.vocab)
+        if self.head is None:
+            logits = to_vocab(self.runner.model.compute_logits(hidden), self.vocab)
+        else:
+            logits = from_draft_vocab(self.runner.model.compute_logits(hidden, self.head), self.vocab_ids, self.vocab)
         tokens, q = sample_drafts(logits, [v.draft_rows[j] for v in members], self.generator)
         proposal.tokens.append(tokens)
         proposal.q.append(q if any(v.draft_rows[j].uses_q for v in members) else None)
