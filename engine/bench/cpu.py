@@ -306,32 +306,47 @@ def decode_step_ms(engine, batch: int, steps: int, input_len: int) -> float:
 
 def decoder_stack(engine, batches: list[int], rounds: int, steps: int, input_len: int) -> dict[str, Any]:
     """Decode steps with the C++ decoder stack (engine/models/cpu_stack.py) vs the same model's
-    layers op by op, same engine and weights, interleaved (stack, op by op, stack, ...) per round."""
+    layers op by op, same engine and weights, interleaved per round; also the stack with its
+    thread team off (every projection fork/join on all threads) and, where the model has one, with
+    the dense LM head instead of the GGUF-blocks head (`packed_head`)."""
     model = engine.runner.model
     stack = getattr(model, "cpu_stack", None)
     if stack is None:
         print("\ndecoder stack: off for this model (the start-up log says why); nothing to compare")
         return {}
+    team_rows, head = stack.stack.team_rows(), model.packed_head
+
+    def use(runner=stack, team: int = team_rows, packed=head) -> None:
+        model.cpu_stack, model.packed_head = runner, packed
+        stack.stack.set_team_rows(team)
+
+    variants = {"stack": lambda: use(), "op by op": lambda: use(runner=None), "stack, fork/join": lambda: use(team=0)}
+    if head is not None:
+        variants["stack, dense head"] = lambda: use(packed=None)
     out: dict[str, Any] = {"rows": []}
     print(f"\ndecoder stack vs op by op ({torch.get_num_threads()} threads, {steps} decode steps per run, "
-          f"{rounds} interleaved rounds, medians):")
+          f"{rounds} interleaved rounds, medians; thread team up to {team_rows} rows):")
     try:
         for batch in batches:
-            ms: dict[str, list[float]] = {"stack": [], "op by op": []}
+            ms: dict[str, list[float]] = {label: [] for label in variants}
             for r in range(rounds):
-                for label, runner in (("stack", stack), ("op by op", None)):
-                    model.cpu_stack = runner
+                for label, setup in variants.items():
+                    setup()
                     ms[label].append(decode_step_ms(engine, batch, steps, input_len))
-                print(f"  batch {batch}, round {r + 1}: stack {ms['stack'][-1]:.2f} ms/step, "
-                      f"op by op {ms['op by op'][-1]:.2f} ms/step", flush=True)
-            row = {"batch": batch, "stack_ms": float(np.median(ms["stack"])),
-                   "op_by_op_ms": float(np.median(ms["op by op"])), "samples": ms}
-            row["speedup"] = row["op_by_op_ms"] / row["stack_ms"]
+                print(f"  batch {batch}, round {r + 1}: " + ", ".join(f"{k} {v[-1]:.2f}" for k, v in ms.items())
+                      + " ms/step", flush=True)
+            med = {k: float(np.median(v)) for k, v in ms.items()}
+            row = {"batch": batch, "stack_ms": med["stack"], "op_by_op_ms": med["op by op"], "samples": ms,
+                   "speedup": med["op by op"] / med["stack"], "team_speedup": med["stack, fork/join"] / med["stack"]}
+            extra = f", team / fork-join {row['team_speedup']:.2f}x"
+            if head is not None:
+                row["packed_head_speedup"] = med["stack, dense head"] / med["stack"]
+                extra += f", GGUF-blocks head / dense head {row['packed_head_speedup']:.2f}x"
             out["rows"].append(row)
             print(f"  batch {batch}: stack {row['stack_ms']:.2f} ms/step, op by op {row['op_by_op_ms']:.2f} "
-                  f"ms/step -> {row['speedup']:.2f}x")
+                  f"ms/step -> {row['speedup']:.2f}x{extra}")
     finally:
-        model.cpu_stack = stack
+        use()
     return out
 
 
