@@ -120,6 +120,40 @@ def test_stack_equals_layers_op_by_op(name, engines):
     assert _differences(engine, stack, prefill=(17, 12)) == []
 
 
+@pytest.mark.parametrize("name", ["llama", "llama-bf16"])
+def test_stack_keeps_eagle3_hidden_states(name, engines):
+    """EAGLE-3's aux_layers (with layer 0 and a repeat): the stack copies the residual stream
+    entering those layers into aux_hidden as the op-by-op forward does, step by step, on the
+    thread team (2-row decodes) and on fork/join (the 29-row prefill)."""
+    engine = engines[name]
+    model, stack = engine.runner.model, engine.runner.model.cpu_stack
+    width = engine.model_config.hidden_size
+    steps = _steps(engine.model_config.vocab_size, engine.settings.block_size, (17, 12), 2)
+    aux_layers = (0, 1, 1)
+    kv = engine.runner.kv_cache.tensor.clone().zero_()
+    kept = {}
+    ran = count_calls(stack)
+    try:
+        model.aux_layers = aux_layers
+        for which, runner in (("eager", None), ("stack", stack)):
+            kv.zero_()
+            kept[which] = []
+            for step in steps:
+                model.aux_hidden = torch.full((40, len(aux_layers) * width), 7.0, dtype=model.norm.weight.dtype)
+                _run(model, kv, [step], runner)
+                kept[which].append(model.aux_hidden)
+    finally:
+        model.aux_layers, model.aux_hidden = (), None
+        del stack.forward
+    assert len(ran) == len(steps), "the stack did not run every step"
+    for i, (a, b) in enumerate(zip(kept["stack"], kept["eager"])):
+        assert torch.equal(a, b), f"step {i}: max |diff| {(a.float() - b.float()).abs().max():.3g}"
+    rows = steps[0][0].shape[0]
+    assert not torch.equal(kept["stack"][0][:rows, :width], kept["stack"][0][:rows, width:2 * width])
+    assert torch.equal(kept["stack"][0][:rows, width:2 * width], kept["stack"][0][:rows, 2 * width:])
+    assert (kept["stack"][0][rows:] == 7).all()  # rows past the step's tokens untouched
+
+
 def test_stack_equals_layers_glm_interleaved_partial_rotary(tmp_path_factory):
     from engine.models.tiny_model import make_tiny_model
     from tests.test_glm import GLM_CONFIGS

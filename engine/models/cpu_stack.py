@@ -118,9 +118,12 @@ class StackRunner:
                 and not torch.is_grad_enabled() and not torch.compiler.is_compiling())
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
-                meta: AttentionMetadata) -> torch.Tensor:
+                meta: AttentionMetadata, aux: torch.Tensor | None = None,
+                aux_layers: tuple[int, ...] = ()) -> torch.Tensor:
+        """aux_layers (EAGLE-3): the residual stream entering each of these layers is copied into
+        its [hidden] columns of aux, side by side (LlamaModel._keep_aux's layout)."""
         return self.stack.forward(x, positions, kv_cache, meta.slot_mapping, meta.query_start_loc, meta.seq_lens,
-                                  meta.block_tables)
+                                  meta.block_tables, aux, list(aux_layers))
 
 
 def build(model, dtype: torch.dtype) -> StackRunner | None:

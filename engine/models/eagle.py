@@ -35,9 +35,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from compiler.cpu_linear import linear
 from engine.models.config import ModelConfig
 from engine.models.llama import MLP, Attention, DecoderLayer, Linear, LlamaForCausalLM, RMSNorm, RotaryEmbedding
 
@@ -150,7 +150,8 @@ class EagleHead(_EagleBase):
 
     def forward(self, input_ids, positions, kv_cache, meta, ctx=None) -> torch.Tensor:
         tokens = input_ids.shape[0]
-        x = self.fc(torch.cat([self.embed(input_ids).to(self.hidden_in.dtype), self.hidden_in[:tokens]], dim=-1))
+        x = linear(torch.cat([self.embed(input_ids).to(self.hidden_in.dtype), self.hidden_in[:tokens]], dim=-1),
+                   self.fc.weight, self.fc.bias)
         rope = self.rotary(positions, x)
         delta = None
         for layer in self.layers:
@@ -212,12 +213,13 @@ class Eagle3Head(_EagleBase):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits over the target's vocabulary: the draft vocabulary's at their target ids, -inf elsewhere."""
-        draft = F.linear(self.norm(hidden), self.lm_head.weight).float()
+        # (kiln's linear: the weight-streaming kernels at a few rows on the CPU, as the target's head)
+        draft = linear(self.norm(hidden), self.lm_head.weight).float()
         full = draft.new_full((draft.shape[0], self.target.config.vocab_size), -float("inf"))
         return full.index_copy(1, self.target_ids, draft)
 
     def features(self, target_hidden: torch.Tensor, rows: int) -> torch.Tensor:
-        return self.fc(self.target.aux_hidden[:rows])
+        return linear(self.target.aux_hidden[:rows], self.fc.weight)
 
 
 # ---- loading ---------------------------------------------------------------------------------

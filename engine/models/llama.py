@@ -401,10 +401,9 @@ class LlamaForCausalLM(nn.Module):
         x = self.embed_tokens(input_ids)
         if self.config.embed_scale is not None:  # Gemma: rounded to the weights' dtype first, as in HF
             x = x * torch.tensor(self.config.embed_scale, dtype=x.dtype)
-        # (EAGLE-3 reads hidden states between layers, which the one C++ call does not hand out)
-        if self.cpu_stack is not None and not self.aux_layers and self.cpu_stack.runs(rows, positions, self.backend,
-                                                                                      lora):
-            hidden = self.cpu_stack.forward(x, positions, kv_cache, meta)
+        if self.cpu_stack is not None and self.cpu_stack.runs(rows, positions, self.backend, lora):
+            # (EAGLE-3's hidden states between layers: the stack copies them into aux_hidden)
+            hidden = self.cpu_stack.forward(x, positions, kv_cache, meta, self.aux_hidden, self.aux_layers)
             return hidden if rows == tokens else hidden[:tokens]
         rope = self.rotary(positions, x)
         local = self.rotary_local(positions, x) if self.rotary_local is not None else rope

@@ -3,16 +3,17 @@
 No draft is reachable here for the one real model (SmolLM2-135M-Instruct), so this trains one
 on the CPU in minutes, and any target gets one the same way:
 
-  1. a corpus: kiln generates the target's own answers to chat prompts (built-in templates over
-     topics; the `train` split, whose topics `kiln bench spec` never asks about), greedy and
-     sampled at temperature 0.7, cached in kiln's cache;
+  1. a corpus: kiln generates the target's own answers to 1,024 chat prompts (built-in templates
+     over topics, with training-only ones; never the topics `kiln bench spec` asks about), half
+     greedy, half sampled at temperature 0.8, at batch 64, recording the target's top-16
+     log-probabilities at every answer position; cached in kiln's cache, one corpus for every
+     method;
   2. --method draft_model: a small narrow Llama with the target's tokenizer trained from
      scratch (--init scratch, the default; its embeddings start as the target's projected onto
      their principal directions), or one cut from the target (--init target: its embeddings,
      tied LM head, final norm and a few of its layers, --target-layers, the leading
      --frozen-layers kept as they are), trained to match the target's next-token distributions
-     (its top-16 log-probabilities, recorded while kiln generated the corpus: the corpus for a
-     draft model is 1,024 answers to training-only prompts, generated at batch 64) over a draft
+     (the corpus's top-16 log-probabilities) over a draft
      vocabulary of the --draft-vocab most used tokens, which the draft proposes from
      (draft_vocab.json: the LM head it evaluates is that many rows, not the target's 49k).
      Saved as an HF checkpoint with the tokenizer;
@@ -97,36 +98,6 @@ def chat_ids(tokenizer, prompt: str) -> list[int]:
     return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
 
 
-def build_corpus(target: str, cache: Path, num_prompts: int, max_tokens: int,
-                 seed: int) -> tuple[list[tuple[list[int], int]], str]:
-    """(prompt + answer token ids, prompt length) for num_prompts train prompts, cached; and the
-    corpus's cache key."""
-    key = hashlib.sha1(f"{Path(target).resolve()}:{num_prompts}:{max_tokens}:{seed}".encode()).hexdigest()[:12]
-    file = cache / f"corpus-{Path(target).stem}-{key}.json"
-    if file.is_file():
-        return [(ids, n) for ids, n in json.loads(file.read_text())], key
-    from engine.core.request import SamplingParams
-    from engine.entrypoints.llm import LLM
-
-    prompts = chat_prompts("train")
-    random.Random(seed).shuffle(prompts)
-    prompts = (prompts * (1 + num_prompts // len(prompts)))[:num_prompts]
-    llm = LLM(target, device="cpu", dtype="float32", max_model_len=max(1024, 4 * max_tokens), max_num_seqs=32,
-              kv_cache_memory_gb=1.0)
-    ids = [chat_ids(llm.tokenizer, p) for p in prompts]
-    t0 = time.perf_counter()
-    half = len(ids) // 2
-    outs = llm.generate(ids[:half], SamplingParams(temperature=0.0, max_tokens=max_tokens), use_tqdm=False)
-    outs += llm.generate(ids[half:], SamplingParams(temperature=0.7, max_tokens=max_tokens, seed=seed),
-                         use_tqdm=False)
-    corpus = [(p + list(o.outputs[0].token_ids), len(p)) for p, o in zip(ids, outs)]
-    n = sum(len(c) - p for c, p in corpus)
-    logger.info("corpus: %d answers, %d generated tokens in %.0fs", len(corpus), n, time.perf_counter() - t0)
-    cache.mkdir(parents=True, exist_ok=True)
-    file.write_text(json.dumps(corpus))
-    return corpus, key
-
-
 def build_labelled_corpus(target: str, cache: Path, num_prompts: int, max_tokens: int, seed: int,
                           top_k: int = 16, batch: int = 64, log=logger.info) -> list[dict]:
     """The target's own answers to num_prompts `train-wide` prompts (each prompt once, in a
@@ -187,9 +158,9 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--init", choices=["scratch", "target"], default="scratch",
                         help="draft_model: a narrow model from scratch (default) or cut from the target's own layers")
     parser.add_argument("--prompts", type=int, default=None,
-                        help="corpus answers to generate (default: 1024 for draft_model, 240 for eagle heads)")
+                        help="corpus answers to generate (default: 1024)")
     parser.add_argument("--max-tokens", type=int, default=None,
-                        help="tokens per answer (default: 128 for draft_model, 160 for eagle heads)")
+                        help="tokens per answer (default: 128)")
     parser.add_argument("--epochs", type=int, default=None, help="training passes (default: per method)")
     parser.add_argument("--target-layers", default="0,1,2,3,28,29",
                         help="draft_model --init target: the target's layers the draft keeps (default: 0,1,2,3,28,29)")
@@ -227,7 +198,10 @@ def main(argv: list[str]) -> int:
         logger.info("draft_model made in %.0fs (the corpus included unless cached): %s", time.perf_counter() - t0, out)
         print(out)
         return 0
-    corpus, key = build_corpus(args.target, cache, args.prompts or 240, args.max_tokens or 160, args.seed)
+    # (the draft model's corpus: its answers, the hidden states come from the teacher pass)
+    labelled = build_labelled_corpus(args.target, cache, args.prompts or 1024, args.max_tokens or 128, args.seed)
+    corpus = [(c["ids"].tolist(), int(c["prompt"])) for c in labelled]
+    key = hashlib.sha1(json.dumps(corpus).encode()).hexdigest()[:12]
     t0 = time.perf_counter()
     teacher = draft_training.teacher_pass(args.target, [ids for ids, _ in corpus],
                                           cache / f"teacher-{Path(args.target).stem}-{key}.pt", log=logger.info)
