@@ -31,6 +31,7 @@ block ids. Heads whose shapes do not fit the target are refused, naming what doe
 from __future__ import annotations
 
 import json
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -39,7 +40,16 @@ from torch import nn
 
 from compiler.cpu_linear import linear
 from engine.models.config import ModelConfig
-from engine.models.llama import MLP, Attention, DecoderLayer, Linear, LlamaForCausalLM, RMSNorm, RotaryEmbedding
+from engine.models.llama import (
+    MLP,
+    Attention,
+    DecoderLayer,
+    Linear,
+    LlamaForCausalLM,
+    RMSNorm,
+    RotaryEmbedding,
+    fuse_cpu_ops,
+)
 
 EAGLE3_ARCHITECTURES = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM")
 
@@ -120,6 +130,12 @@ class _EagleBase(nn.Module):
 
     def set_backend(self, backend) -> None:
         self.backend = backend
+
+    def use_cpu_fused_ops(self, cache_dir: Path | None) -> float:
+        """The fused CPU norms / RoPE / activation for the head's layers too (as the target's)."""
+        t0 = time.perf_counter()
+        fuse_cpu_ops(self, cache_dir)
+        return time.perf_counter() - t0
 
     def allocate_inputs(self, max_tokens: int) -> None:
         """The static input buffer of h ([max_tokens, H]), read in place by forward (and graphs)."""

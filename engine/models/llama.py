@@ -126,6 +126,18 @@ class RotaryEmbedding(nn.Module):
         return cos[:, None, :], sin[:, None, :]
 
 
+def fuse_cpu_ops(model: nn.Module, cache_dir: Path | None) -> bool:
+    """Run `model`'s norms, rotary embeddings and MLP activations through compiler/cpu_fused.py's
+    ops (loaded, on the first start built, now). False: the library is not there (cpu_fused logs
+    why) and the eager ops stay."""
+    if not cpu_fused.FUSED.ensure(cache_dir):
+        return False
+    for module in model.modules():
+        if isinstance(module, (RMSNorm, RotaryEmbedding, MLP)):
+            module.fused = True
+    return True
+
+
 class FusedRope(NamedTuple):
     """What kiln_cpu_fused::rope_ needs: each token's position and the [positions, 2 * rot] table."""
     positions: torch.Tensor
@@ -346,12 +358,9 @@ class LlamaForCausalLM(nn.Module):
         embeddings and MLP activations through them on the CPU. Returns the seconds spent. A
         library that cannot be built leaves the eager ops on (cpu_fused logs why)."""
         t0 = time.perf_counter()
-        if not cpu_fused.FUSED.ensure(cache_dir):
+        if not fuse_cpu_ops(self, cache_dir):
             return time.perf_counter() - t0
         seconds = time.perf_counter() - t0
-        for module in self.modules():
-            if isinstance(module, (RMSNorm, RotaryEmbedding, MLP)):
-                module.fused = True
         # Row buckets end to end pay only where every projection is a dense oneDNN one.
         self.pad_cpu_rows = (self.tp is None and not self.config.is_moe
                              and all(m.quant is None for m in self.modules() if isinstance(m, Linear)))
