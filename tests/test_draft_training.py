@@ -82,3 +82,28 @@ def test_trained_draft_loads_with_its_vocabulary_and_output_stays_exact(tiny_mod
     assert llm.engine.scheduler.num_draft_tokens > 0
     info = json.loads((out / "kiln_training.json").read_text())
     assert info["init"] == init and info["answers"] == len(labelled)
+
+
+def test_eagle3_head_trained_on_the_labelled_corpus_drafts_and_output_stays_exact(tiny_models, labelled, make_llm,
+                                                                                 tmp_path):
+    """kiln make-draft-model's EAGLE-3 path on the tiny llama: the teacher pass over the labelled
+    corpus's sequences, one epoch of training, and the head loaded by kiln: the target (on the CPU
+    decoder stack, which hands the head its hidden states) keeps plain decoding's greedy output."""
+    from engine.models.draft_training import teacher_pass, train_eagle_for
+
+    target = tiny_models["llama"]
+    corpus = [(c["ids"].tolist(), c["prompt"]) for c in labelled]
+    teacher = teacher_pass(str(target), [ids for ids, _ in corpus], tmp_path / "teacher.pt", log=lambda _: None)
+    out = train_eagle_for(str(target), corpus, teacher, tmp_path / "eagle3", version=3, epochs=1, draft_vocab=64,
+                          batch=4, log=lambda _: None)
+    config = json.loads((out / "config.json").read_text())
+    assert config["draft_vocab_size"] == 64 and config["eagle_aux_hidden_state_layer_ids"] == list(teacher.aux_layers)
+    greedy = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    prompts = [[11, 25, 31, 7], [40, 41, 42]]
+    want = [o.outputs[0].token_ids for o in make_llm(target).generate(prompts, greedy, use_tqdm=False)]
+    llm = make_llm(target, speculative_method="eagle3", speculative_model=str(out), num_speculative_tokens=2,
+                   enforce_eager=False)  # (the CPU's default: fused ops and the decoder stack)
+    model = llm.engine.runner.model
+    assert model.aux_layers and model.cpu_stack is not None  # EAGLE-3's target runs as the one C++ call
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)] == want
+    assert llm.engine.scheduler.num_draft_tokens > 0
