@@ -9,7 +9,6 @@ from pathlib import Path
 import pytest
 import torch
 
-
 ARCHS = ("llama", "qwen2", "qwen3", "mistral", "gemma", "gemma2", "gemma3", "phi3", "mixtral", "qwen2_moe",
          "qwen3_moe")
 

@@ -15,8 +15,8 @@ from engine.entrypoints.openai.admission import (
     check_model,
     check_params,
     conversation_chars,
-    text_bound,
     fit_prompts,
+    text_bound,
     with_reasoning_markers,
 )
 from engine.entrypoints.openai.errors import post_route
