@@ -113,6 +113,13 @@ class EngineBuilder:
         self.draft_kv = None if self.draft is None else KVCache(  # the draft's KV: the same block ids
             self.draft.config.num_layers, self.num_blocks, settings.block_size, self.draft.config.num_kv_heads,
             self.draft.config.head_dim, self.dtype, self.device)
+        if self.device.type == "cpu" and settings.cpu_huge_pages and self.executor is None:
+            from engine.worker.cpu_huge_pages import back_with_huge_pages
+
+            models = [self.model] + ([self.draft.model] if self.draft is not None else [])
+            caches = [self.kv_cache.tensor] + ([self.draft_kv.tensor] if self.draft_kv is not None else [])
+            back_with_huge_pages([t for m in models for t in (*m.parameters(), *m.buffers())] + caches,
+                                 "weights and KV cache")
         self.pool = BlockPool(self.num_blocks, settings.block_size, settings.enable_prefix_caching)
         max_tokens_per_seq = self.pool.num_usable * settings.block_size
         if self.max_model_len > max_tokens_per_seq:

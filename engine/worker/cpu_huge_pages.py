@@ -1,0 +1,109 @@
+"""A CPU engine's weights and KV cache on 2 MB transparent huge pages.
+
+A decode step on the CPU streams every weight once (513 MB for SmolLM2 in float32). On 4 KB pages
+that is ~125,000 pages a step, each a TLB miss, and in a virtual machine every miss walks two page
+tables (the guest's and the host's); on 2 MB pages it is ~250. llama.cpp reads the GGUF file
+through the page cache, which the kernel may hold in large folios; kiln copies weights into
+anonymous memory, which Linux backs with huge pages only where a range is advised
+(transparent_hugepage=madvise, the common default). So once the weights are loaded, the 2 MB
+ranges they cover are advised (MADV_HUGEPAGE) and collapsed into huge pages now (MADV_COLLAPSE,
+Linux 6.1+: the same virtual addresses, the contents copied once), which leaves every tensor where
+it is: nothing that holds a weight (the C++ decoder stack, packed layouts) has to be rebuilt.
+
+Where the kernel says no (older kernels, THP off, no free huge pages), the pages stay as they were
+and start-up says so. Measured on SmolLM2 F32, two engines in one process: BENCHMARKS.md.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+HUGE_PAGE = 2 << 20
+MADV_HUGEPAGE = 14
+MADV_COLLAPSE = 25
+MIN_BYTES = 1 << 20  # tensors smaller than this are left alone (their pages are mostly shared with others)
+
+
+def _anonymous_mappings() -> list[tuple[int, int]]:
+    """[start, end) of this process's private anonymous writable mappings (the heap and mmap'd
+    allocations; not files, stacks or special regions)."""
+    out = []
+    for line in Path("/proc/self/maps").read_text().splitlines():
+        fields = line.split()
+        start, end = (int(x, 16) for x in fields[0].split("-"))
+        name = fields[5] if len(fields) > 5 else ""
+        if fields[1].startswith("rw") and fields[1].endswith("p") and name in ("", "[heap]"):
+            out.append((start, end))
+    return out
+
+
+def huge_ranges(tensors: list[torch.Tensor], mappings: list[tuple[int, int]],
+                min_bytes: int = MIN_BYTES) -> list[tuple[int, int]]:
+    """The whole 2 MB pages that the CPU tensors of at least min_bytes touch, merged and cut to the
+    anonymous mappings they lie in (a huge page never straddles a mapping's edge)."""
+    spans = []
+    for t in tensors:
+        nbytes = t.untyped_storage().nbytes()
+        if t.device.type != "cpu" or nbytes < min_bytes:
+            continue
+        start = t.untyped_storage().data_ptr()
+        spans.append((start // HUGE_PAGE * HUGE_PAGE, -(-(start + nbytes) // HUGE_PAGE) * HUGE_PAGE))
+    merged: list[tuple[int, int]] = []
+    for a, b in sorted(spans):
+        if merged and a <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], b))
+        else:
+            merged.append((a, b))
+    out = []
+    for a, b in merged:
+        for m0, m1 in mappings:
+            lo = max(a, -(-m0 // HUGE_PAGE) * HUGE_PAGE)
+            hi = min(b, m1 // HUGE_PAGE * HUGE_PAGE)
+            if hi > lo:
+                out.append((lo, hi))
+    return out
+
+
+def _anon_huge_bytes() -> int:
+    for line in Path("/proc/self/smaps_rollup").read_text().splitlines():
+        if line.startswith("AnonHugePages:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+def back_with_huge_pages(tensors: list[torch.Tensor], what: str) -> int:
+    """Advise and collapse the huge pages under `tensors` (see the module doc). Returns the bytes
+    newly on huge pages (0 where the kernel declined), and logs the outcome."""
+    try:
+        mappings = _anonymous_mappings()
+        before = _anon_huge_bytes()
+    except OSError as e:  # no /proc (not Linux): nothing to do
+        logger.info("%s: huge pages not tried (%s)", what, e)
+        return 0
+    ranges = huge_ranges(tensors, mappings)
+    if not ranges:
+        return 0
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    failed = set()
+    for lo, hi in ranges:
+        for advice in (MADV_HUGEPAGE, MADV_COLLAPSE):
+            if libc.madvise(lo, hi - lo, advice) != 0:
+                failed.add((advice, ctypes.get_errno()))
+    gained = _anon_huge_bytes() - before
+    wanted = sum(hi - lo for lo, hi in ranges)
+    if failed:
+        reasons = ", ".join(f"{'MADV_COLLAPSE' if a == MADV_COLLAPSE else 'MADV_HUGEPAGE'}: {os.strerror(e)}"
+                            for a, e in sorted(failed))
+        logger.info("%s: %.0f of %.0f MiB on 2 MB huge pages (the kernel declined some: %s)", what,
+                    gained / 2**20, wanted / 2**20, reasons)
+    else:
+        logger.info("%s: %.0f of %.0f MiB on 2 MB huge pages", what, gained / 2**20, wanted / 2**20)
+    return max(gained, 0)
