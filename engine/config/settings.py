@@ -135,8 +135,8 @@ class EngineSettings(_KilnSettings):
                           "(the same kernels as the eager forward, without Python's dispatch per op) where "
                           "every projection runs on the weight-streaming kernels")
     cpu_huge_pages: bool = Field(
-        True, description="on the CPU, put the weights and the KV cache on 2 MB transparent huge pages once "
-                          "loaded (madvise + collapse; fewer TLB misses as every step streams them)")
+        True, description="on the CPU, put the weights on 2 MB transparent huge pages once loaded (madvise + "
+                          "collapse; fewer TLB misses as every step streams them)")
     cpu_compile_forward: bool = Field(
         False, description="on the CPU, torch.compile the whole forward too (measured no faster than eager; "
                            "only the decode attention is compiled by default)")

@@ -116,10 +116,9 @@ class EngineBuilder:
         if self.device.type == "cpu" and settings.cpu_huge_pages and self.executor is None:
             from engine.worker.cpu_huge_pages import back_with_huge_pages
 
+            # (the weights only: collapsing a KV cache copies all of it at every start, for little)
             models = [self.model] + ([self.draft.model] if self.draft is not None else [])
-            caches = [self.kv_cache.tensor] + ([self.draft_kv.tensor] if self.draft_kv is not None else [])
-            back_with_huge_pages([t for m in models for t in (*m.parameters(), *m.buffers())] + caches,
-                                 "weights and KV cache")
+            back_with_huge_pages([t for m in models for t in (*m.parameters(), *m.buffers())], "weights")
         self.pool = BlockPool(self.num_blocks, settings.block_size, settings.enable_prefix_caching)
         max_tokens_per_seq = self.pool.num_usable * settings.block_size
         if self.max_model_len > max_tokens_per_seq:

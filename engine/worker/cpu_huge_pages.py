@@ -1,4 +1,4 @@
-"""A CPU engine's weights and KV cache on 2 MB transparent huge pages.
+"""A CPU engine's weights on 2 MB transparent huge pages.
 
 A decode step on the CPU streams every weight once (513 MB for SmolLM2 in float32). On 4 KB pages
 that is ~125,000 pages a step, each a TLB miss, and in a virtual machine every miss walks two page
@@ -9,6 +9,9 @@ anonymous memory, which Linux backs with huge pages only where a range is advise
 ranges they cover are advised (MADV_HUGEPAGE) and collapsed into huge pages now (MADV_COLLAPSE,
 Linux 6.1+: the same virtual addresses, the contents copied once), which leaves every tensor where
 it is: nothing that holds a weight (the C++ decoder stack, packed layouts) has to be rebuilt.
+
+The KV cache is left on its pages: collapsing it would copy all of it at every start (0.2 s for
+the test model's default cache), and a decode step reads only its live blocks.
 
 Where the kernel says no (older kernels, THP off, no free huge pages), the pages stay as they were
 and start-up says so. Measured on SmolLM2 F32, two engines in one process: BENCHMARKS.md.
