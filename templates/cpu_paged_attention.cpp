@@ -32,6 +32,7 @@ namespace {
 constexpr int64_t kRows = 16;           // query rows per work item (prefill chunks)
 constexpr int64_t kLanes = 16;          // partial sums per dot product: one AVX-512 register
 constexpr double kSerialWork = 2.0e5;   // below this many multiply-adds one thread does it all
+constexpr int64_t kAhead = 2;          // K / V blocks prefetched ahead of the one computed
 
 // Every e4m3 byte as a float: a lookup the compiler can vectorise, unlike the bit arithmetic.
 struct Fp8Table {
@@ -63,6 +64,19 @@ inline void to_float(const c10::Half* src, float* dst, int64_t n) {
 inline void to_float(const c10::Float8_e4m3fn* src, float* dst, int64_t n) {
   const uint8_t* bits = reinterpret_cast<const uint8_t*>(src);
   for (int64_t i = 0; i < n; ++i) dst[i] = kFp8.value[bits[i]];
+}
+
+// The cache lines of `rows` K or V rows (`stride` elements apart, `row_bytes` each) asked for ahead
+// of use: a block's rows sit on one page of the paged cache, away from the last block's, and the
+// hardware prefetcher starts over at every block. A decode step's cache was last read a step ago
+// (the weights streamed since have pushed it out of the caches): without this each block waits
+// for memory a row at a time.
+template <typename CT>
+inline void prefetch_rows(const CT* first, int64_t rows, int64_t stride, int64_t row_bytes) {
+  for (int64_t j = 0; j < rows; ++j) {
+    const char* p = reinterpret_cast<const char*>(first + j * stride);
+    for (int64_t b = 0; b < row_bytes; b += 64) __builtin_prefetch(p + b, 0, 3);
+  }
 }
 
 template <typename T>
@@ -331,6 +345,17 @@ void attend(const Problem& P, const Item& it, int64_t tok0, int64_t pos0, int64_
     const int64_t block = std::clamp<int64_t>(
         col < P.table_width ? table[it.seq * P.table_row + col * P.table_col] : 0, 0, P.num_blocks - 1);
     const int64_t first = std::max(start, lo_all), last = std::min(start + bs, hi_all);  // keys read
+    // The rows kAhead blocks on (at the first block also those before), while this one is computed.
+    for (int64_t ahead = start == (lo_all / bs) * bs ? 1 : kAhead; ahead <= kAhead; ++ahead) {
+      const int64_t ncol = col + ahead, nstart = ncol * bs;
+      if (nstart >= hi_all) break;
+      const int64_t next = std::clamp<int64_t>(
+          ncol < P.table_width ? table[it.seq * P.table_row + ncol * P.table_col] : 0, 0, P.num_blocks - 1);
+      const int64_t nbase = next * P.k_block + it.kv_head * P.k_head;
+      const int64_t rows = std::min(bs, hi_all - nstart);
+      prefetch_rows(kc + nbase, rows, P.k_slot, D * static_cast<int64_t>(sizeof(CT)));
+      prefetch_rows(vc + nbase, rows, P.k_slot, D * static_cast<int64_t>(sizeof(CT)));
+    }
     // K / V rows of this block as float: the cache itself for a float32 cache, else converted once
     // for every row and head of the item.
     const int64_t base = block * P.k_block + it.kv_head * P.k_head;
@@ -419,6 +444,11 @@ void attend_decode(const Problem& P, const Item& it, int64_t tok0, int64_t lo, i
     for (int64_t col = first_col; col <= last_col; ++col) {
       const float* kb = kc + block_base(col);
       const int64_t start = col * bs, a = std::max(lo, start), b = std::min(hi, start + bs);
+      if (g == 0) {  // K kAhead blocks on (at the first also those before) and this block's V, for pass 2
+        for (int64_t ahead = col == first_col ? 1 : kAhead; ahead <= kAhead && col + ahead <= last_col; ++ahead)
+          prefetch_rows(kc + block_base(col + ahead), bs, P.k_slot, kD * 4);
+        prefetch_rows(vc + block_base(col), bs, P.k_slot, kD * 4);
+      }
       for (int64_t t = a; t < b; t += kLanes) {
         const int64_t n = std::min(kLanes, b - t);
         v16 parts[16];
