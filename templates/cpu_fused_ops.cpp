@@ -294,8 +294,6 @@ TORCH_LIBRARY(kiln_cpu_fused, m) {
       .def("num_layers", &stack::DecoderStack::num_layers)
       .def("set_team_rows", &stack::DecoderStack::set_team_rows)
       .def("team_rows", &stack::DecoderStack::team_rows)
-      .def("set_split_keys", &stack::DecoderStack::set_split_keys)
-      .def("split_keys", &stack::DecoderStack::split_keys)
       .def("forward", &stack::DecoderStack::forward);
 }
 

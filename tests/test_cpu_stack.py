@@ -176,34 +176,7 @@ def test_stack_equals_layers_sliding_window(tmp_path_factory):
                            overrides={"sliding_window": 8})
     engine = _engine(path)
     assert engine.runner.model.layers[0].self_attn.sliding_window == 8
-    stack = engine.runner.model.cpu_stack
-    stack.stack.set_split_keys(0)  # (the decodes' attention split over the team too)
-    assert _differences(engine, stack, prefill=(13, 3), decodes=4) == []
-    assert_engine_clean(engine)
-
-
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_team_splits_attention_by_query_heads(dtype, tmp_path_factory):
-    """9 query heads on 3 KV heads (SmolLM2's groups of 3): a team of 2 splits each decode step's
-    attention 4 / 5 heads, so each thread has a whole group and part of the middle one. With the
-    split from any number of keys, and with it never, the stack equals the eager forward bit for bit
-    (the sliding-window test covers the split with a window)."""
-    from engine.models.tiny_model import make_tiny_model
-
-    if torch.get_num_threads() < 2:
-        pytest.skip("one intra-op thread: no team")
-    path = make_tiny_model(tmp_path_factory.mktemp("gqa3-stack"), arch="llama", seed=5,
-                           overrides=dict(hidden_size=144, num_attention_heads=9, num_key_value_heads=3, head_dim=16))
-    engine = _engine(path, dtype=dtype)
-    runner = engine.runner.model.cpu_stack
-    default = runner.stack.split_keys()
-    assert 0 < default <= 64
-    try:
-        for keys in (0, 1 << 30):
-            runner.stack.set_split_keys(keys)
-            assert _differences(engine, runner, prefill=(21, 9), decodes=3) == [], f"split from {keys} keys"
-    finally:
-        runner.stack.set_split_keys(default)
+    assert _differences(engine, engine.runner.model.cpu_stack, prefill=(13, 3), decodes=4) == []
     assert_engine_clean(engine)
 
 
