@@ -136,6 +136,26 @@ def test_dense_every_level(wdtype):
             _check(y, x, w.double(), False, (wdtype, k, rows, dtype, LEVELS[level]), bias)
 
 
+@pytest.mark.parametrize("wdtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_dense_one_row_equals_its_row_of_a_batch(wdtype):
+    """A single activation row runs the row-by-row path (one stream per thread), several rows the
+    tiles; a row's bits are the same either way, on every level (a batch-1 decode and a verify or
+    batched step of the same sequence agree), with tails of rows and of K."""
+    g = torch.Generator().manual_seed(5)
+    for n, k in ((200, 576), (37, 70)):
+        w = torch.randn(n, k, generator=g).to(wdtype)
+        bias = torch.randn(n, generator=g)
+        for dtype in (torch.float32, torch.bfloat16):
+            if wdtype != dtype and dtype == torch.bfloat16:
+                continue
+            x = torch.randn(4, k, generator=g).to(dtype)
+            for level in range(GEMV.level + 1):
+                batch = cpu_gemv.dense(x, w, bias, level=level)
+                for i in range(4):
+                    one = cpu_gemv.dense(x[i:i + 1], w, bias, level=level)
+                    assert torch.equal(one[0], batch[i]), (wdtype, n, k, dtype, LEVELS[level], i)
+
+
 def test_runs_into_a_slice_of_the_output_and_threads_agree():
     """A fused layer's runs write their columns of one output; 1 and 2 threads give the same bits."""
     n, k = 48, 256
