@@ -303,6 +303,14 @@ struct Problem {
   int64_t window;
 };
 
+// Where column `col` of the item's sequence starts its KV head's rows in K (and in V): its block
+// from the block table (0 past the table; clamped into the cache), plus the head's offset.
+inline int64_t block_base(const Problem& P, const Item& it, const int32_t* table, int64_t col) {
+  const int64_t block = std::clamp<int64_t>(
+      col < P.table_width ? table[it.seq * P.table_row + col * P.table_col] : 0, 0, P.num_blocks - 1);
+  return block * P.k_block + it.kv_head * P.k_head;
+}
+
 // One item: rows [row0, row0 + rows) of sequence `seq` (absolute token index `tok0` of row 0,
 // position `pos0` of row 0, context `len`), all query heads of KV head `kv_head`.
 template <typename QT, typename CT, typename OT, int64_t kD>
@@ -342,23 +350,19 @@ void attend(const Problem& P, const Item& it, int64_t tok0, int64_t pos0, int64_
 
   for (int64_t start = hi_all > 0 ? (lo_all / bs) * bs : 0; start < hi_all; start += bs) {
     const int64_t col = start / bs;
-    const int64_t block = std::clamp<int64_t>(
-        col < P.table_width ? table[it.seq * P.table_row + col * P.table_col] : 0, 0, P.num_blocks - 1);
     const int64_t first = std::max(start, lo_all), last = std::min(start + bs, hi_all);  // keys read
     // The rows kAhead blocks on (at the first block also those before), while this one is computed.
     for (int64_t ahead = start == (lo_all / bs) * bs ? 1 : kAhead; ahead <= kAhead; ++ahead) {
-      const int64_t ncol = col + ahead, nstart = ncol * bs;
+      const int64_t nstart = (col + ahead) * bs;
       if (nstart >= hi_all) break;
-      const int64_t next = std::clamp<int64_t>(
-          ncol < P.table_width ? table[it.seq * P.table_row + ncol * P.table_col] : 0, 0, P.num_blocks - 1);
-      const int64_t nbase = next * P.k_block + it.kv_head * P.k_head;
+      const int64_t nbase = block_base(P, it, table, col + ahead);
       const int64_t rows = std::min(bs, hi_all - nstart);
       prefetch_rows(kc + nbase, rows, P.k_slot, D * static_cast<int64_t>(sizeof(CT)));
       prefetch_rows(vc + nbase, rows, P.k_slot, D * static_cast<int64_t>(sizeof(CT)));
     }
     // K / V rows of this block as float: the cache itself for a float32 cache, else converted once
     // for every row and head of the item.
-    const int64_t base = block * P.k_block + it.kv_head * P.k_head;
+    const int64_t base = block_base(P, it, table, col);
     const float* krows;
     const float* vrows;
     int64_t row_stride;
@@ -426,12 +430,6 @@ void attend_decode(const Problem& P, const Item& it, int64_t tok0, int64_t lo, i
   float* sc = scratch.data();
   float* qf = sc + padded;
   const int64_t first_col = lo / bs, last_col = (hi - 1) / bs;
-  const int64_t head_off = it.kv_head * P.k_head;
-  auto block_base = [&](int64_t col) {
-    const int64_t block = std::clamp<int64_t>(
-        col < P.table_width ? table[it.seq * P.table_row + col * P.table_col] : 0, 0, P.num_blocks - 1);
-    return block * P.k_block + head_off;
-  };
   const i16 lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
   const v16 zero = {}, none = zero - std::numeric_limits<float>::infinity();
   for (int64_t g = 0; g < G; ++g) {
@@ -442,12 +440,12 @@ void attend_decode(const Problem& P, const Item& it, int64_t tok0, int64_t lo, i
     // Pass 1: the scores, 16 keys at a time within each block, and their running lane-wise max.
     v16 vmax = none;
     for (int64_t col = first_col; col <= last_col; ++col) {
-      const float* kb = kc + block_base(col);
+      const float* kb = kc + block_base(P, it, table, col);
       const int64_t start = col * bs, a = std::max(lo, start), b = std::min(hi, start + bs);
       if (g == 0) {  // K kAhead blocks on (at the first also those before) and this block's V, for pass 2
         for (int64_t ahead = col == first_col ? 1 : kAhead; ahead <= kAhead && col + ahead <= last_col; ++ahead)
-          prefetch_rows(kc + block_base(col + ahead), bs, P.k_slot, kD * 4);
-        prefetch_rows(vc + block_base(col), bs, P.k_slot, kD * 4);
+          prefetch_rows(kc + block_base(P, it, table, col + ahead), bs, P.k_slot, kD * int64_t(sizeof(float)));
+        prefetch_rows(vc + block_base(P, it, table, col), bs, P.k_slot, kD * int64_t(sizeof(float)));
       }
       for (int64_t t = a; t < b; t += kLanes) {
         const int64_t n = std::min(kLanes, b - t);
@@ -487,7 +485,7 @@ void attend_decode(const Problem& P, const Item& it, int64_t tok0, int64_t lo, i
     // Pass 2: the weighted sum of the V rows.
     v16 acc[kV] = {};
     for (int64_t col = first_col; col <= last_col; ++col) {
-      const float* vb = vc + block_base(col);
+      const float* vb = vc + block_base(P, it, table, col);
       const int64_t start = col * bs, a = std::max(lo, start), b = std::min(hi, start + bs);
       for (int64_t t = a; t < b; ++t) {
         const float w = sc[t - lo];
