@@ -32,7 +32,9 @@ def smollm2():
 def smol_llm(smollm2):
     from engine.entrypoints.llm import LLM
 
-    llm = LLM(str(smollm2), device="cpu", enforce_eager=True, max_model_len=512, max_num_seqs=8)
+    # (the float activation path pinned: auto takes int8 activations on AVX2-only CPUs, test below)
+    llm = LLM(str(smollm2), device="cpu", enforce_eager=True, max_model_len=512, max_num_seqs=8,
+              cpu_quant_activations="float")
     yield llm
     assert_engine_clean(llm.engine)
 
@@ -75,7 +77,7 @@ def test_default_cpu_engine_runs_the_decoder_stack_with_the_same_tokens(smollm2,
     from engine.entrypoints.llm import LLM
     from tests.test_cpu_stack import count_calls
 
-    llm = LLM(str(smollm2), device="cpu", max_model_len=512, max_num_seqs=8)
+    llm = LLM(str(smollm2), device="cpu", max_model_len=512, max_num_seqs=8, cpu_quant_activations="float")
     stack = llm.engine.model.cpu_stack
     assert stack is not None
     ran = count_calls(stack)
@@ -138,3 +140,34 @@ def test_int4_kept_in_bf16_agrees_with_dequantised(smollm2):
     print(f"chat, kept Q4_1: {answers[0]!r}; dequantised: {answers[1]!r}")
     for llm in (kept, dense):
         assert_engine_clean(llm.engine)
+
+
+def test_float32_with_int8_activations_agrees_with_the_float_path(smollm2, smol_llm):
+    """cpu_quant_activations=int8 (auto's choice on AVX2-only CPUs): a float32 model's Q4_1 layers
+    quantise their activations to int8 per block of 32, as llama.cpp does, instead of multiplying
+    float32 activations by weights dequantised in registers. Greedy tokens may part from the exact
+    float path after a near tie: the share of equal tokens is reported and bounded, and the default
+    decoder stack gives this path's eager tokens."""
+    from engine.entrypoints.llm import LLM
+    from engine.layers.quant.cpu_packed import CpuPackedMethod
+
+    int8 = LLM(str(smollm2), device="cpu", max_model_len=512, max_num_seqs=8, cpu_quant_activations="int8")
+    layer = int8.engine.model.layers[0]
+    assert all(isinstance(m.quant, CpuPackedMethod) and not m.quant.float_acts and m.weight is None
+               for m in (layer.self_attn.qkv_proj, layer.mlp.down_proj))
+    assert int8.engine.model.cpu_stack is not None
+    tok = smol_llm.tokenizer
+    prompts = [tok.encode(p) for p in PROMPTS]
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    a, b = (llm.generate(prompts, params, use_tqdm=False) for llm in (int8, smol_llm))
+    pairs = [(x, y) for o, r in zip(a, b) for x, y in zip(o.outputs[0].token_ids, r.outputs[0].token_ids)]
+    agree = sum(x == y for x, y in pairs) / len(pairs)
+    print(f"SmolLM2 Q4_1 float32, int8 activations vs float: {100 * agree:.0f}% of tokens equal")
+    assert agree >= 0.8
+    outs = int8.chat([[{"role": "user", "content": q}] for q in QUESTIONS],
+                     SamplingParams(temperature=0.0, max_tokens=14), use_tqdm=False)
+    answers = {q: o.outputs[0].text for q, o in zip(QUESTIONS, outs)}
+    right = sum(QUESTIONS[q] in a for q, a in answers.items())
+    print(f"chat, int8 activations: {answers}")
+    assert right >= len(QUESTIONS) - 1, answers
+    assert_engine_clean(int8.engine)

@@ -134,6 +134,12 @@ class EngineSettings(_KilnSettings):
         True, description="on the CPU, run a Llama-family model's decoder layers as one C++ call per step "
                           "(the same kernels as the eager forward, without Python's dispatch per op) where "
                           "every projection runs on the weight-streaming kernels")
+    cpu_quant_activations: Literal["auto", "float", "int8"] = Field(
+        "auto", description="a float32 model's quantised layers (GGUF, GPTQ/AWQ int) on the CPU kernels: float = "
+        "weights dequantised in registers against float32 activations (dequantise-then-matmul's products); int8 = "
+        "activations quantised to int8 per block of 32 for integer dot products, as llama.cpp does; auto = float "
+        "where the CPU has AVX-512, int8 on AVX2-only CPUs (there the float path is compute-bound, ~2x slower). "
+        "bf16/fp16 models always take int8")
     cpu_huge_pages: bool = Field(
         True, description="on the CPU, put the weights on 2 MB transparent huge pages once loaded (madvise + "
                           "collapse; fewer TLB misses as every step streams them)")

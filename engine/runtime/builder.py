@@ -24,6 +24,7 @@ from engine.core.sched.spec import DraftLengthPlanner, NgramProposer, SpecDecode
 from engine.layers.attention.base import BackendSpec
 from engine.layers.attention.selector import get_attention_backend
 from engine.layers.kv_cache import KVCache, KVScales, resolve_kv_cache_dtype
+from engine.layers.quant.cpu_packed import activations_choice, has_packed_layers
 from engine.layers.quant.w4a16 import install as install_w4a16
 from engine.layers.quant.w4a16 import loader_int4_kernel, resolve_int4_kernel
 from engine.lora.adapters import make_lora_manager
@@ -90,7 +91,11 @@ class EngineBuilder:
                                     lora=(settings.max_loras, settings.max_lora_rank) if settings.enable_lora
                                     else None, quantization=settings.quantization,
                                     int4_kernel=loader_int4_kernel(int4_kernel),
-                                    gguf_dequantize=settings.gguf_dequantize, tp=self._model_tp())
+                                    gguf_dequantize=settings.gguf_dequantize, tp=self._model_tp(),
+                                    quant_activations=settings.cpu_quant_activations)
+            if self.device.type == "cpu" and has_packed_layers(self.model):
+                logger.info("quantised layers on the CPU kernels: %s",
+                            activations_choice(self.dtype, settings.cpu_quant_activations)[1])
             if int4_kernel == "kiln":  # int4 layers -> kiln's W4A16 GEMM layout
                 install_w4a16(self.model, settings.resolved_kernel_cache_dir(), self.device, self.dtype)
         self.lora = make_lora_manager(self.model, settings)
@@ -276,7 +281,8 @@ class EngineBuilder:
             if s.speculative_method == "draft_model":
                 config = layers = ModelConfig.from_dir(path)
                 check_draft_model(config, self.model_config, len(self.tokenizer), path)
-                model = load_model(path, config, self.dtype, self.device, self.max_model_len, s.load_format, s.seed)
+                model = load_model(path, config, self.dtype, self.device, self.max_model_len, s.load_format, s.seed,
+                                   quant_activations=s.cpu_quant_activations)
                 vocab_ids = load_draft_vocab(path, config, self.model_config.vocab_size)
             else:
                 model = load_eagle(path, 3 if s.speculative_method == "eagle3" else 1, self.model, self.dtype,

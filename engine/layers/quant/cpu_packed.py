@@ -8,10 +8,12 @@ run per format; or kiln's int4 / int8 layouts (GPTQ, AWQ, compressed-tensors: w 
 per group), act-order columns permuted so that each group is contiguous (`gemv_perm`, the
 activations gathered the same way per call).
 
-Which activation path (`float_acts_for`): a float32 model keeps its activations float (the
-products of dequantise-then-matmul, so its greedy output is the dense model's); a bfloat16 or
-float16 model, whose activations are rounded to 8 bits of mantissa anyway, quantises them to int8
-per block of 32 for integer dot products, as llama.cpp does (1.3-2x faster: tools/bench_cpu_gemv.py).
+Which activation path (`activations_choice`, setting cpu_quant_activations): a float32 model keeps
+its activations float where the CPU has AVX-512 (the products of dequantise-then-matmul, so its
+greedy output is the dense model's); on an AVX2-only CPU that float path is compute-bound, so there
+(and always for a bfloat16 or float16 model, whose activations are rounded to 8 bits of mantissa
+anyway) the activations are quantised to int8 per block of 32 for integer dot products, as
+llama.cpp does (1.3-2.4x faster: tools/bench_cpu_gemv.py).
 From GEMM_ROWS rows on (prefill chunks) a layer is instead dequantised into a temporary dense
 weight in the activations' dtype and multiplied by the GEMM of compiler/cpu_linear.py (oneDNN):
 there its arithmetic beats the kernels' per-block work (tools/bench_cpu_gemv.py --rows).
@@ -90,9 +92,38 @@ class CpuPackedMethod:
         return sum(getattr(module, f"{BUFFER}{i}").numel() for i in range(len(module.gemv_runs)))
 
 
-def float_acts_for(dtype: torch.dtype | None) -> bool:
-    """Whether a model of `dtype` runs its quantised layers on the float path (float32: yes)."""
-    return dtype in (None, torch.float32)
+def float_acts_for(dtype: torch.dtype | None, activations: str = "auto") -> bool:
+    """Whether a model of `dtype` runs its quantised layers on the float path (the setting
+    cpu_quant_activations: see `activations_choice`)."""
+    return activations_choice(dtype, activations)[0]
+
+
+def activations_choice(dtype: torch.dtype | None, activations: str = "auto") -> tuple[bool, str]:
+    """(float path?, why in words) for a model of `dtype` and the setting cpu_quant_activations.
+
+    Only a float32 model has the choice (bf16/fp16 activations are rounded to 8 bits of mantissa
+    anyway: int8 always). auto: the float path where the CPU has AVX-512 (16 lanes: dequantising in
+    registers keeps up with memory there), int8 on AVX2-only CPUs, where the float path's
+    conversions make it compute-bound (tools/bench_cpu_gemv.py q4_1-f32 against q4_1-bf16 on a
+    Zen 3: 4.0 against 9.4 GB/s at one row, 0.4 against 2.1 at 16)."""
+    if activations not in ACTIVATIONS:
+        raise ValueError(f"cpu_quant_activations: {activations!r} is not one of {ACTIVATIONS}")
+    if dtype not in (None, torch.float32):
+        return False, "int8 activations (a reduced-precision model)"
+    if activations != "auto":
+        return activations == "float", f"{activations} activations (cpu_quant_activations={activations})"
+    if torch.backends.cpu.get_cpu_capability() == "AVX512":
+        return True, "float32 activations (auto: AVX-512 here, dequantised in registers at memory speed)"
+    return False, ("int8 activations per block of 32, as llama.cpp (auto: no AVX-512 here, where the float "
+                   "path is compute-bound; cpu_quant_activations=float keeps dequantise-then-matmul's products)")
+
+
+ACTIVATIONS = ("auto", "float", "int8")
+
+
+def has_packed_layers(model: nn.Module) -> bool:
+    """Whether any layer of `model` runs on these kernels."""
+    return any(isinstance(getattr(m, "quant", None), CpuPackedMethod) for m in model.modules())
 
 
 def usable(device: torch.device) -> bool:

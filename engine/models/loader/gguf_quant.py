@@ -46,7 +46,7 @@ Target = Callable[[str], "tuple[str, tuple | None] | None"]
 
 
 def prepare(model: nn.Module, path, target: Target, dtype: torch.dtype, device: torch.device,
-            int4_kernel: str = "auto") -> dict[str, tuple[str, slice | None]]:
+            int4_kernel: str = "auto", activations: str = "auto") -> dict[str, tuple[str, slice | None]]:
     """On the meta-built model: the linear layers whose GGUF tensors are all Q4_x (or all Q8_0)
     lose their dense weight (so it is never allocated) and get the quantised form. Returns
     {GGUF tensor name: (kiln layer name, its rows in the layer or None)} of the tensors to load so."""
@@ -69,7 +69,7 @@ def prepare(model: nn.Module, path, target: Target, dtype: torch.dtype, device: 
                 continue
             del module.weight
             module.register_parameter("weight", None)
-            module.quant = cpu_packed.CpuPackedMethod(cpu_packed.float_acts_for(dtype))  # (buffers: load)
+            module.quant = cpu_packed.CpuPackedMethod(cpu_packed.float_acts_for(dtype, activations))  # (buffers: load)
             plan.update({gguf: (layer, rows) for gguf, _, rows in items})
             continue
         kinds = {KIND.get(kind) for _, kind, _ in items}
@@ -174,7 +174,8 @@ def load(model: nn.Module, path, plan: dict[str, tuple[str, slice | None]], dtyp
 
 
 @torch.no_grad()
-def pack_head(model: nn.Module, path, dtype: torch.dtype, device: torch.device, int4_kernel: str = "auto") -> bool:
+def pack_head(model: nn.Module, path, dtype: torch.dtype, device: torch.device, int4_kernel: str = "auto",
+              activations: str = "auto") -> bool:
     """On the CPU with the kernels: give `model` a `packed_head` holding the file's LM head (its
     output.weight, or token_embd.weight when tied) in the kernels' layout, for compute_logits at
     few rows. Returns whether it did (not when the head is stored as floats)."""
@@ -195,7 +196,7 @@ def pack_head(model: nn.Module, path, dtype: torch.dtype, device: torch.device, 
     runs, packed = cpu_packed.gguf_runs([(0, kind, raw.reshape(vocab, -1))], hidden)
     with torch.device("meta"):
         head = Linear(hidden, vocab, False)
-    cpu_packed.install(head, runs, packed, None, cpu_packed.float_acts_for(dtype))
+    cpu_packed.install(head, runs, packed, None, cpu_packed.float_acts_for(dtype, activations))
     model.packed_head = head
     return True
 

@@ -184,7 +184,7 @@ def load_model(model_dir: Path, config: ModelConfig, dtype: torch.dtype, device:
                max_positions: int, load_format: str = "auto", seed: int = 0,
                lora: tuple[int, int] | None = None, quantization: str | None = None,
                int4_kernel: str = "auto", gguf_dequantize: bool = False,
-               tp: TensorParallel | None = None) -> LlamaForCausalLM:
+               tp: TensorParallel | None = None, quant_activations: str = "auto") -> LlamaForCausalLM:
     """lora: (slots, max rank) to make room for LoRA adapters (engine/lora/adapters.py), or None.
     quantization: the `quantization` setting (None: the checkpoint's own quantization_config).
     tp: this rank's place in a tensor-parallel group: the model is this rank's shard, and only
@@ -205,8 +205,9 @@ def load_model(model_dir: Path, config: ModelConfig, dtype: torch.dtype, device:
         if lora is not None:
             model.enable_lora(*lora)
         if quant is not None:  # (fp8 at load too: each weight is quantised as it is read)
-            quant_loading.prepare(model, quant, dtype, int4_kernel)
-        gguf_kept = gguf_quant.prepare(model, model_dir, lambda n: _target(model, n), dtype, device, int4_kernel) \
+            quant_loading.prepare(model, quant, dtype, int4_kernel, quant_activations)
+        gguf_kept = gguf_quant.prepare(model, model_dir, lambda n: _target(model, n), dtype, device, int4_kernel,
+                                     quant_activations) \
             if quant is None and load_format != "dummy" and gguf_file.is_gguf(model_dir) and not gguf_dequantize else {}
     model = model.to_empty(device=device)
     quant_loading.cast_except_quantized(model, dtype)
@@ -223,7 +224,7 @@ def load_model(model_dir: Path, config: ModelConfig, dtype: torch.dtype, device:
     elif gguf_file.is_gguf(model_dir):
         _load_gguf(model, model_dir, gguf_quant.load(model, model_dir, gguf_kept, dtype, device))
         if not gguf_dequantize and quant is None:
-            gguf_quant.pack_head(model, model_dir, dtype, device, int4_kernel)
+            gguf_quant.pack_head(model, model_dir, dtype, device, int4_kernel, quant_activations)
     else:
         _load_safetensors(model, model_dir, quant, dtype)
     if quant is not None and quant.quantize_at_load:

@@ -40,7 +40,7 @@ def suffixes(config: QuantConfig) -> tuple[str, ...]:
 
 
 def prepare(model: nn.Module, config: QuantConfig, dtype: torch.dtype | None = None,
-            int4_kernel: str = "auto") -> None:
+            int4_kernel: str = "auto", activations: str = "auto") -> None:
     """On the meta-built model: quantised layers get their buffers instead of a dense weight.
     int4_kernel "auto": int4 and int8 layers on the CPU move to the weight-streaming kernels'
     layout (engine/layers/quant/cpu_packed.py) as soon as each is loaded; elsewhere (dtype given,
@@ -51,7 +51,7 @@ def prepare(model: nn.Module, config: QuantConfig, dtype: torch.dtype | None = N
     method = make_method(config)
     if isinstance(method, IntWeightMethod):
         method.cpu_kernels = int4_kernel == "auto"
-        method.cpu_float_acts = cpu_packed.float_acts_for(dtype)
+        method.cpu_float_acts = cpu_packed.float_acts_for(dtype, activations)
     if isinstance(method, IntWeightMethod) and method.bits == 4 and int4_kernel in ("auto", "packed"):
         method.repack_dtype = dtype if dtype is None else int4_packed.kernel_dtype(dtype, int4_kernel)
     linears = model.quantizable_linears()
