@@ -90,6 +90,10 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if (x.dim() == 2 and x.shape[0] <= cpu_gemv.MAX_DENSE_ROWS.get(x.dtype, 0)
             and cpu_gemv.dense_usable(x, weight, bias)):
         return cpu_gemv.dense(x, weight, bias)
+    if x.dtype == torch.float32 and weight.dtype != x.dtype and weight.dtype in cpu_gemv.DENSE_DTYPES and x.is_cpu:
+        # a 2-byte weight of a float32 model (engine/worker/cpu_half_weights.py): widened for a
+        # GEMM's rows, exactly (it holds 2-byte values); the decode rows above read it as is
+        weight = weight.float()
     if not uses_onednn(x, weight, bias):
         return F.linear(x, weight, bias)
     rows, bucket = x.shape[0], row_bucket(x.shape[0])

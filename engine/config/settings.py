@@ -140,6 +140,10 @@ class EngineSettings(_KilnSettings):
         "activations quantised to int8 per block of 32 for integer dot products, as llama.cpp does; auto = float "
         "where the CPU has AVX-512, int8 on AVX2-only CPUs (there the float path is compute-bound, ~2x slower). "
         "bf16/fp16 models always take int8")
+    cpu_half_weights: bool = Field(
+        True, description="on the CPU, a float32 model's projection weights that hold only fp16 or bf16 values (an "
+                          "fp16/bf16 checkpoint run in float32) stay in 2 bytes: the decode kernels widen them in "
+                          "registers (the same products, half the bytes per step), a prefill's GEMM per call")
     cpu_huge_pages: bool = Field(
         True, description="on the CPU, put the weights on 2 MB transparent huge pages once loaded (madvise + "
                           "collapse; fewer TLB misses as every step streams them)")
