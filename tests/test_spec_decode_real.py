@@ -47,8 +47,11 @@ def eagle3_head(smollm2, tmp_path_factory):
 def _llm(smollm2, **settings):
     from engine.entrypoints.llm import LLM
 
+    # (the float activation path: with int8 activations (auto without AVX-512) a prompt chunk of
+    # GEMM_ROWS rows or more runs float on the dequantised weight, smaller ones int8, so tokens
+    # would also depend on how the scheduler chunks prefills, which speculation changes)
     return LLM(str(smollm2), **{**dict(device="cpu", dtype="float32", enforce_eager=True, max_model_len=512,
-                                       max_num_seqs=4), **settings})
+                                       max_num_seqs=4, cpu_quant_activations="float"), **settings})
 
 
 @pytest.mark.parametrize("params", [SamplingParams(temperature=0, max_tokens=24, ignore_eos=True),
