@@ -30,7 +30,15 @@
 namespace {
 
 constexpr int64_t kRows = 16;           // query rows per work item (prefill chunks)
+#if defined(__AVX2__) && !defined(__AVX512F__)
+// Partial sums per dot product, and the width of the vectors below: one register. (With 256-bit
+// registers only, GCC lowers 64-byte generic vectors half by half and their two-source shuffles
+// lane by lane, through memory: the decode attention ran ~4x slower on AVX2 with 16 lanes.)
+constexpr int64_t kLanes = 8;
+#include <immintrin.h>
+#else
 constexpr int64_t kLanes = 16;          // partial sums per dot product: one AVX-512 register
+#endif
 constexpr double kSerialWork = 2.0e5;   // below this many multiply-adds one thread does it all
 constexpr int64_t kAhead = 2;          // K / V blocks prefetched ahead of the one computed
 
@@ -189,89 +197,105 @@ inline void take_keys(const float* qv, const float* k0, const float* v0, int64_t
   }
 }
 
-// The same on whole vectors of 16 floats (GCC vector extensions: one AVX-512 register, two AVX2
-// ones, four SSE ones; the compiler picks the instructions for the flags, no intrinsics), for a
-// head dim that is a multiple of 16 and up to 16 keys. The 16 keys' dot products are reduced
-// together by a shuffle tree (transpose_sum): ~3 operations a key instead of a horizontal sum each.
-typedef float v16 __attribute__((vector_size(64)));
-typedef int32_t i16 __attribute__((vector_size(64)));
+// The same on whole vectors of kLanes floats (GCC vector extensions: one AVX-512 or AVX2 register,
+// four / two SSE ones elsewhere; the compiler picks the instructions for the flags), for a head dim
+// that is a multiple of kLanes and up to kLanes keys. The keys' dot products are reduced together by
+// a shuffle tree (transpose_sum): ~3 operations a key instead of a horizontal sum each.
+typedef float vf __attribute__((vector_size(4 * kLanes)));
+typedef int32_t vi __attribute__((vector_size(4 * kLanes)));
 
-inline v16 load16(const float* p) {
-  v16 v;
+inline vf loadv(const float* p) {
+  vf v;
   std::memcpy(&v, p, sizeof v);
   return v;
 }
 
-inline v16 pair_sum(v16 a, v16 b, i16 first, i16 second) {
+inline vi lane_index() {  // {0, 1, ..., kLanes - 1}
+  vi r;
+  for (int l = 0; l < kLanes; ++l) r[l] = l;
+  return r;
+}
+
+inline vf pair_sum(vf a, vf b, vi first, vi second) {
   return __builtin_shuffle(a, b, first) + __builtin_shuffle(a, b, second);
 }
 
+#if defined(__AVX2__) && !defined(__AVX512F__)
+// Lane t of the result: the sum of the lanes of x[t] (8 x 8: pairwise vhaddps twice, then the
+// two 128-bit halves added across).
+inline vf transpose_sum(const vf (&x)[kLanes]) {
+  const __m256 u0 = _mm256_hadd_ps(_mm256_hadd_ps(__m256(x[0]), __m256(x[1])), _mm256_hadd_ps(__m256(x[2]), __m256(x[3])));
+  const __m256 u1 = _mm256_hadd_ps(_mm256_hadd_ps(__m256(x[4]), __m256(x[5])), _mm256_hadd_ps(__m256(x[6]), __m256(x[7])));
+  return vf(_mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31)));
+}
+#else
 // Lane t of the result: the sum of the lanes of x[t].
-inline v16 transpose_sum(const v16 (&x)[16]) {
-  const i16 a1 = {0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23};
-  const i16 b1 = {8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31};
-  const i16 a2 = {0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27};
-  const i16 b2 = {4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31};
-  const i16 a3 = {0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29};
-  const i16 b3 = {2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31};
-  const i16 a4 = {0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30};
-  const i16 b4 = {1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31};
-  v16 two[8], four[4], eight[2];
+inline vf transpose_sum(const vf (&x)[16]) {
+  const vi a1 = {0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23};
+  const vi b1 = {8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31};
+  const vi a2 = {0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27};
+  const vi b2 = {4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31};
+  const vi a3 = {0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29};
+  const vi b3 = {2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31};
+  const vi a4 = {0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30};
+  const vi b4 = {1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31};
+  vf two[8], four[4], eight[2];
   for (int m = 0; m < 8; ++m) two[m] = pair_sum(x[2 * m], x[2 * m + 1], a1, b1);
   for (int m = 0; m < 4; ++m) four[m] = pair_sum(two[2 * m], two[2 * m + 1], a2, b2);
   for (int m = 0; m < 2; ++m) eight[m] = pair_sum(four[2 * m], four[2 * m + 1], a3, b3);
   return pair_sum(eight[0], eight[1], a4, b4);
 }
+#endif
 
-inline float lane_max(v16 x) {
+inline float lane_max(vf x) {
   float m = -std::numeric_limits<float>::infinity();
-  for (int l = 0; l < 16; ++l) m = x[l] > m ? x[l] : m;
+  for (int l = 0; l < kLanes; ++l) m = x[l] > m ? x[l] : m;
   return m;
 }
 
-inline float lane_sum(v16 x) {
+inline float lane_sum(vf x) {
   float lanes[kLanes];
   std::memcpy(lanes, &x, sizeof x);
   return fold_sum(lanes);
 }
 
-inline v16 exp_nonpositive(v16 x) {  // exp_nonpositive(float), lane by lane
-  const v16 low = v16{} - 87.3f;
+inline vf exp_nonpositive(vf x) {  // exp_nonpositive(float), lane by lane
+  const vf low = vf{} - 87.3f;
   x = x < low ? low : x;
-  const v16 shifted = x * 1.44269504088896341f + 12582912.f;
-  const v16 n = shifted - 12582912.f;
-  const i16 ni = reinterpret_cast<const i16&>(shifted) - 0x4B400000;
-  const v16 r = x - n * 0.693359375f + n * 2.12194440e-4f;
-  v16 p = r * 1.9875691500e-4f + 1.3981999507e-3f;
+  const vf shifted = x * 1.44269504088896341f + 12582912.f;
+  const vf n = shifted - 12582912.f;
+  const vi ni = reinterpret_cast<const vi&>(shifted) - 0x4B400000;
+  const vf r = x - n * 0.693359375f + n * 2.12194440e-4f;
+  vf p = r * 1.9875691500e-4f + 1.3981999507e-3f;
   p = p * r + 8.3334519073e-3f;
   p = p * r + 4.1665795894e-2f;
   p = p * r + 1.6666665459e-1f;
   p = p * r + 5.0000001201e-1f;
-  const v16 y = p * r * r + r + 1.f;
-  const i16 bits = (ni + 127) << 23;
-  return y * reinterpret_cast<const v16&>(bits);
+  const vf y = p * r * r + r + 1.f;
+  const vi bits = (ni + 127) << 23;
+  return y * reinterpret_cast<const vf&>(bits);
 }
 
 template <int64_t kD>
 inline void take_keys_vec(const float* qv, const float* k0, const float* v0, int64_t stride, int64_t n,
                           float softcap, float& M, float& L, float* acc) {
   constexpr int64_t kV = kD / kLanes;
-  v16 q[kV], a[kV];
-  for (int64_t i = 0; i < kV; ++i) q[i] = load16(qv + i * kLanes);
-  v16 parts[16];
-  for (int64_t t = 0; t < 16; ++t) {
-    v16 p = {};
+  vf q[kV], a[kV];
+  for (int64_t i = 0; i < kV; ++i) q[i] = loadv(qv + i * kLanes);
+  vf parts[kLanes];
+  for (int64_t t = 0; t < kLanes; ++t) {
+    vf p = {};
     if (t < n) {
-      for (int64_t i = 0; i < kV; ++i) p += q[i] * load16(k0 + t * stride + i * kLanes);
+      for (int64_t i = 0; i < kV; ++i) p += q[i] * loadv(k0 + t * stride + i * kLanes);
     }
     parts[t] = p;
   }
-  v16 s = transpose_sum(parts);
+  vf s = transpose_sum(parts);
   if (softcap > 0.f) {
-    for (int l = 0; l < 16; ++l) s[l] = softcap * std::tanh(s[l] / softcap);
+    for (int l = 0; l < kLanes; ++l) s[l] = softcap * std::tanh(s[l] / softcap);
   }
-  const i16 lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
-  const v16 zero = {}, none = zero - std::numeric_limits<float>::infinity();
+  const vi lane = lane_index();
+  const vf zero = {}, none = zero - std::numeric_limits<float>::infinity();
   s = lane < static_cast<int32_t>(n) ? s : none;
   const float new_max = std::max(M, lane_max(s));
   float alpha = 1.f;
@@ -279,13 +303,13 @@ inline void take_keys_vec(const float* qv, const float* k0, const float* v0, int
     alpha = exp_nonpositive(M - new_max);
     M = new_max;
   }
-  v16 p = exp_nonpositive(s - M);
+  vf p = exp_nonpositive(s - M);
   p = lane < static_cast<int32_t>(n) ? p : zero;  // the lanes past n are no keys
   L = L * alpha + lane_sum(p);
-  for (int64_t i = 0; i < kV; ++i) a[i] = load16(acc + i * kLanes) * alpha;
+  for (int64_t i = 0; i < kV; ++i) a[i] = loadv(acc + i * kLanes) * alpha;
   for (int64_t t = 0; t < n; ++t) {
     const float w = p[t];
-    for (int64_t i = 0; i < kV; ++i) a[i] += w * load16(v0 + t * stride + i * kLanes);
+    for (int64_t i = 0; i < kV; ++i) a[i] += w * loadv(v0 + t * stride + i * kLanes);
   }
   std::memcpy(acc, a, sizeof a);
 }
@@ -430,15 +454,15 @@ void attend_decode(const Problem& P, const Item& it, int64_t tok0, int64_t lo, i
   float* sc = scratch.data();
   float* qf = sc + padded;
   const int64_t first_col = lo / bs, last_col = (hi - 1) / bs;
-  const i16 lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
-  const v16 zero = {}, none = zero - std::numeric_limits<float>::infinity();
+  const vi lane = lane_index();
+  const vf zero = {}, none = zero - std::numeric_limits<float>::infinity();
   for (int64_t g = 0; g < G; ++g) {
     const QT* src = q + tok0 * P.q_tok + (it.kv_head * G + g) * P.q_head;
     to_float(src, qf, kD);
-    v16 qv[kV];
-    for (int64_t i = 0; i < kV; ++i) qv[i] = load16(qf + i * kLanes) * P.q_mul;
+    vf qv[kV];
+    for (int64_t i = 0; i < kV; ++i) qv[i] = loadv(qf + i * kLanes) * P.q_mul;
     // Pass 1: the scores, 16 keys at a time within each block, and their running lane-wise max.
-    v16 vmax = none;
+    vf vmax = none;
     for (int64_t col = first_col; col <= last_col; ++col) {
       const float* kb = kc + block_base(P, it, table, col);
       const int64_t start = col * bs, a = std::max(lo, start), b = std::min(hi, start + bs);
@@ -449,18 +473,18 @@ void attend_decode(const Problem& P, const Item& it, int64_t tok0, int64_t lo, i
       }
       for (int64_t t = a; t < b; t += kLanes) {
         const int64_t n = std::min(kLanes, b - t);
-        v16 parts[16];
-        for (int64_t j = 0; j < 16; ++j) {
-          v16 acc = {};
+        vf parts[kLanes];
+        for (int64_t j = 0; j < kLanes; ++j) {
+          vf acc = {};
           if (j < n) {
             const float* kr = kb + (t - start + j) * P.k_slot;
-            for (int64_t i = 0; i < kV; ++i) acc += qv[i] * load16(kr + i * kLanes);
+            for (int64_t i = 0; i < kV; ++i) acc += qv[i] * loadv(kr + i * kLanes);
           }
           parts[j] = acc;
         }
-        v16 s = transpose_sum(parts);
+        vf s = transpose_sum(parts);
         if (P.softcap > 0.f) {
-          for (int l = 0; l < 16; ++l) s[l] = P.softcap * std::tanh(s[l] / P.softcap);
+          for (int l = 0; l < kLanes; ++l) s[l] = P.softcap * std::tanh(s[l] / P.softcap);
         }
         s = lane < static_cast<int32_t>(n) ? s : none;
         vmax = s > vmax ? s : vmax;  // (a NaN score is skipped here and still reaches the output)
@@ -474,23 +498,23 @@ void attend_decode(const Problem& P, const Item& it, int64_t tok0, int64_t lo, i
       continue;
     }
     // The softmax numerators, vectorised over all the row's scores; lanes past n_all are no keys.
-    v16 lsum = {};
+    vf lsum = {};
     for (int64_t t = 0; t < n_all; t += kLanes) {
-      v16 p = exp_nonpositive(load16(sc + t) - M);
+      vf p = exp_nonpositive(loadv(sc + t) - M);
       p = lane < static_cast<int32_t>(n_all - t) ? p : zero;
       lsum += p;
       std::memcpy(sc + t, &p, sizeof p);
     }
     const float L = lane_sum(lsum);
     // Pass 2: the weighted sum of the V rows.
-    v16 acc[kV] = {};
+    vf acc[kV] = {};
     for (int64_t col = first_col; col <= last_col; ++col) {
       const float* vb = vc + block_base(P, it, table, col);
       const int64_t start = col * bs, a = std::max(lo, start), b = std::min(hi, start + bs);
       for (int64_t t = a; t < b; ++t) {
         const float w = sc[t - lo];
         const float* vr = vb + (t - start) * P.k_slot;
-        for (int64_t i = 0; i < kV; ++i) acc[i] += w * load16(vr + i * kLanes);
+        for (int64_t i = 0; i < kV; ++i) acc[i] += w * loadv(vr + i * kLanes);
       }
     }
     float res[kD];
