@@ -21,7 +21,8 @@ def test_exact_half_picks_a_dtype_that_holds_every_value():
 
 
 def test_gguf_f16_in_float32_keeps_two_bytes_and_the_same_tokens(tiny_llama, tmp_path):
-    """An F16 GGUF run in float32: every projection keeps float16, the decoder stack runs them, and
+    """An F16 GGUF run in float32: every projection and the LM head keep float16 (the head as a
+    copy), the decoder stack runs them, and
     greedy tokens and logprobs (prompts long enough for the GEMM path too) equal the float32 copy's."""
     from engine.entrypoints.llm import LLM
     from tests.gguf_writer import write_gguf
@@ -33,6 +34,10 @@ def test_gguf_f16_in_float32_keeps_two_bytes_and_the_same_tokens(tiny_llama, tmp
     assert dtypes == {torch.float16}
     assert {m.weight.dtype for m in full.engine.model.quantizable_linears().values()} == {torch.float32}
     assert half.engine.model.cpu_stack is not None
+    # the LM head too: a 2-byte copy for decode rows beside the float32 table (embedding, GEMM rows)
+    assert half.engine.model.half_head is not None and half.engine.model.half_head.dtype == torch.float16
+    assert full.engine.model.half_head is None
+    assert half.engine.model.embed_tokens.weight.dtype == torch.float32
     gen = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, 200, (n,), generator=gen).tolist() for n in (5, 40, 90, 7)]
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=2)

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import compiler.ops  # noqa: F401 - registers every kiln:: op (kiln::moe_experts here)
-from compiler import cpu_fused
+from compiler import cpu_fused, cpu_gemv
 from compiler.cpu_linear import MIN_ONEDNN_ROWS, linear, row_bucket, warm_buckets
 from engine.distributed.parallel import TensorParallel, all_reduce
 from engine.distributed.parallel_layers import (
@@ -319,6 +319,9 @@ class LlamaForCausalLM(nn.Module):
         # GGUF on the CPU: the LM head also in the file's blocks, for steps of fewer than
         # packed_head_rows rows (engine/models/loader/gguf_quant.py: pack_head)
         self.packed_head: Linear | None = None
+        # An fp16/bf16 checkpoint in float32 on the CPU: the LM head's exact 2-byte copy, for steps
+        # of decode rows (engine/worker/cpu_half_weights.py: keep_half_head)
+        self.half_head: torch.Tensor | None = None
         self.backend: AttentionBackend | None = None
         self.lora_slots = 0  # adapters one batch can mix (engine/lora/adapters.py); 0: LoRA off
         self.pad_cpu_rows = False  # forward in oneDNN row buckets (padded_rows; set by use_cpu_fused_ops)
@@ -453,6 +456,9 @@ class LlamaForCausalLM(nn.Module):
         elif self.packed_head is not None and hidden.dim() == 2 and hidden.shape[0] < GEMM_ROWS[
                 self.packed_head.quant.float_acts]:
             logits = self.packed_head(hidden).float()
+        elif (self.half_head is not None and hidden.dim() == 2
+              and hidden.shape[0] <= cpu_gemv.MAX_DENSE_ROWS.get(hidden.dtype, 0)):
+            logits = linear(hidden, self.half_head).float()  # (more rows: the float32 head's GEMM)
         else:
             logits = linear(hidden, weight).float()
         cap = self.config.final_softcap
