@@ -3,7 +3,8 @@ against the gather + SDPA reference, and optionally against an older implementat
 
     PYTHONPATH=$PWD python tools/bench_cpu_attention.py [--old-module FILE] [--threads N] [--reps N]
 
-Shapes: the tiny llama (4 query heads, 2 KV heads, head dim 32, block 16, float32): decode
+Shapes: the tiny llama (4 query heads, 2 KV heads, head dim 32, block 16, float32; --heads 9,3,64 for
+SmolLM2-135M's): decode
 batches of 1, 16 and 64 rows with contexts drawn from 16..128 (prompt 16..64 + up to 64 outputs),
 and the bench's prefill step (64 prompts of 16..64 tokens, ~2600 tokens). --old-module: a Python
 file with an older `paged_attention_cpu_impl` (same arguments), e.g. the AOTInductor kernel:
@@ -26,7 +27,7 @@ import torch
 from compiler.cpu_attention import paged_attention_cpu_impl, write_kv_cpu_impl
 from compiler.reference_attention import paged_attention_reference, write_kv_reference
 
-HQ, HKV, D, BS = 4, 2, 32, 16
+HQ, HKV, D, BS = 4, 2, 32, 16  # (the default --heads)
 
 
 def cases(g: torch.Generator):
@@ -40,17 +41,17 @@ def cases(g: torch.Generator):
     yield f"prefill 64 prompts, {sum(prompts)} tokens", prompts, prompts
 
 
-def inputs(g, q_lens, lens):
+def inputs(g, q_lens, lens, hq=HQ, hkv=HKV, d=D):
     width = max(-(-n // BS) for n in lens)
     blocks = sum(-(-n // BS) for n in lens) + 1
-    kv = torch.randn(1, 2, blocks, BS, HKV, D, generator=g)
+    kv = torch.randn(1, 2, blocks, BS, hkv, d, generator=g)
     ids = (torch.randperm(blocks - 1, generator=g) + 1).tolist()
     tables = torch.zeros(len(lens), width, dtype=torch.int32)
     for row, n in enumerate(lens):
         for c in range(-(-n // BS)):
             tables[row, c] = ids.pop()
     qsl = torch.tensor([0] + torch.tensor(q_lens).cumsum(0).tolist(), dtype=torch.int32)
-    q = torch.randn(int(qsl[-1]), HQ, D, generator=g)
+    q = torch.randn(int(qsl[-1]), hq, d, generator=g)
     return q, kv, qsl, torch.tensor(lens, dtype=torch.int32), tables
 
 
@@ -59,7 +60,9 @@ def main() -> None:
     p.add_argument("--old-module", help="a file with an older paged_attention_cpu_impl to compare")
     p.add_argument("--threads", type=int, default=torch.get_num_threads())
     p.add_argument("--reps", type=int, default=200)
+    p.add_argument("--heads", default=f"{HQ},{HKV},{D}", help="query heads, KV heads, head dim (default %(default)s)")
     args = p.parse_args()
+    hq, hkv, d = (int(v) for v in args.heads.split(","))
     torch.set_num_threads(args.threads)
     impls = {"C++ kernel": paged_attention_cpu_impl}
     if args.old_module:
@@ -75,13 +78,13 @@ def main() -> None:
 
     impls["reference"] = reference
     g = torch.Generator().manual_seed(0)
-    print(f"one layer's attention, {HQ} q heads / {HKV} kv heads, head dim {D}, block {BS}, float32, "
+    print(f"one layer's attention, {hq} q heads / {hkv} kv heads, head dim {d}, block {BS}, float32, "
           f"{args.threads} threads, median µs of {args.reps} interleaved calls")
     with torch.inference_mode():
         for name, q_lens, lens in cases(g):
-            q, kv, qsl, seq_lens, tables = inputs(g, q_lens, lens)
+            q, kv, qsl, seq_lens, tables = inputs(g, q_lens, lens, hq, hkv, d)
             nd = sum(1 for n in q_lens if n == 1) if max(q_lens) > 1 else len(q_lens)
-            call = (kv, 0, qsl, seq_lens, tables, D ** -0.5, max(q_lens), max(lens), nd)
+            call = (kv, 0, qsl, seq_lens, tables, d ** -0.5, max(q_lens), max(lens), nd)
             outs = {k: torch.empty_like(q) for k in impls}
             times: dict[str, list[float]] = {k: [] for k in impls}
             for i in range(args.reps + 5):
@@ -99,7 +102,7 @@ def main() -> None:
             parts = "  ".join(f"{k} {us:8.1f} µs ({us / base:5.2f}x)" for k, us in med.items())
             print(f"  {name:34s} {parts}")
             # The same step's cache write: one C++ call against the reference's torch ops.
-            k, v = torch.randn(q.shape[0], HKV, D, generator=g), torch.randn(q.shape[0], HKV, D, generator=g)
+            k, v = torch.randn(q.shape[0], hkv, d, generator=g), torch.randn(q.shape[0], hkv, d, generator=g)
             slots = torch.randperm(kv.shape[2] * BS, generator=g)[:q.shape[0]]
             writes = {"C++ write_kv": lambda: write_kv_cpu_impl(k, v, kv, 0, slots),
                       "reference": lambda: write_kv_reference(k, v, kv[0, 0], kv[0, 1], slots)}
