@@ -27,6 +27,10 @@
 #include <type_traits>
 #include <vector>
 
+#if defined(__AVX2__) && !defined(__AVX512F__)
+#include <immintrin.h>  // (transpose_sum's 8-lane form)
+#endif
+
 namespace {
 
 constexpr int64_t kRows = 16;           // query rows per work item (prefill chunks)
@@ -35,7 +39,6 @@ constexpr int64_t kRows = 16;           // query rows per work item (prefill chu
 // registers only, GCC lowers 64-byte generic vectors half by half and their two-source shuffles
 // lane by lane, through memory: the decode attention ran ~4x slower on AVX2 with 16 lanes.)
 constexpr int64_t kLanes = 8;
-#include <immintrin.h>
 #else
 constexpr int64_t kLanes = 16;          // partial sums per dot product: one AVX-512 register
 #endif
@@ -198,7 +201,7 @@ inline void take_keys(const float* qv, const float* k0, const float* v0, int64_t
 }
 
 // The same on whole vectors of kLanes floats (GCC vector extensions: one AVX-512 or AVX2 register,
-// four / two SSE ones elsewhere; the compiler picks the instructions for the flags), for a head dim
+// four SSE ones on a CPU with neither; the compiler picks the instructions for the flags), for a head dim
 // that is a multiple of kLanes and up to kLanes keys. The keys' dot products are reduced together by
 // a shuffle tree (transpose_sum): ~3 operations a key instead of a horizontal sum each.
 typedef float vf __attribute__((vector_size(4 * kLanes)));
@@ -216,10 +219,6 @@ inline vi lane_index() {  // {0, 1, ..., kLanes - 1}
   return r;
 }
 
-inline vf pair_sum(vf a, vf b, vi first, vi second) {
-  return __builtin_shuffle(a, b, first) + __builtin_shuffle(a, b, second);
-}
-
 #if defined(__AVX2__) && !defined(__AVX512F__)
 // Lane t of the result: the sum of the lanes of x[t] (8 x 8: pairwise vhaddps twice, then the
 // two 128-bit halves added across).
@@ -229,6 +228,10 @@ inline vf transpose_sum(const vf (&x)[kLanes]) {
   return vf(_mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31)));
 }
 #else
+inline vf pair_sum(vf a, vf b, vi first, vi second) {
+  return __builtin_shuffle(a, b, first) + __builtin_shuffle(a, b, second);
+}
+
 // Lane t of the result: the sum of the lanes of x[t].
 inline vf transpose_sum(const vf (&x)[16]) {
   const vi a1 = {0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23};

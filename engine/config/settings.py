@@ -143,7 +143,8 @@ class EngineSettings(_KilnSettings):
     cpu_half_weights: bool = Field(
         True, description="on the CPU, a float32 model's projection weights that hold only fp16 or bf16 values (an "
                           "fp16/bf16 checkpoint run in float32) stay in 2 bytes: the decode kernels widen them in "
-                          "registers (the same products, half the bytes per step), a prefill's GEMM per call")
+                          "registers (the same products, half the bytes per step), a prefill's GEMM per call; "
+                          "such an LM head gets a 2-byte copy for decode steps beside its float32 table")
     cpu_huge_pages: bool = Field(
         True, description="on the CPU, put the weights on 2 MB transparent huge pages once loaded (madvise + "
                           "collapse; fewer TLB misses as every step streams them)")
