@@ -22,8 +22,8 @@ def test_exact_half_picks_a_dtype_that_holds_every_value():
 
 def test_gguf_f16_in_float32_keeps_two_bytes_and_the_same_tokens(tiny_llama, tmp_path):
     """An F16 GGUF run in float32: every projection and the LM head keep float16 (the head as a
-    copy), the decoder stack runs them, and
-    greedy tokens and logprobs (prompts long enough for the GEMM path too) equal the float32 copy's."""
+    copy), the decoder stack runs them, and greedy tokens and logprobs (prompts long enough for the
+    GEMM path too) equal the float32 copy's."""
     from engine.entrypoints.llm import LLM
     from tests.gguf_writer import write_gguf
 

@@ -393,8 +393,7 @@ class LlamaForCausalLM(nn.Module):
         dense = [(m.weight, m.bias) for m in self.modules() if isinstance(m, Linear) and m.quant is None]
         built = warm_buckets(dense, max_tokens)
         if self.tp is None:
-            head = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-            built += warm_buckets([(head, None)], max_seqs)
+            built += warm_buckets([(self.head_weight(), None)], max_seqs)
         return built
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
@@ -437,11 +436,15 @@ class LlamaForCausalLM(nn.Module):
             if at == layer:
                 self.aux_hidden[:tokens, k * width:(k + 1) * width].copy_(h)
 
+    def head_weight(self) -> torch.Tensor:
+        """The LM head's weight [vocab, hidden]: lm_head's, or the embedding table when tied."""
+        return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+
     def head_rows(self, ids: torch.Tensor) -> torch.Tensor:
         """The LM head's rows of token ids `ids` (a copy), for compute_logits(head=...)."""
         if self.tp is not None:
             raise ValueError("a draft vocabulary needs an unsharded model")
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        weight = self.head_weight()
         return weight.index_select(0, ids.to(weight.device)).contiguous()
 
     def compute_logits(self, hidden: torch.Tensor, head: torch.Tensor | None = None) -> torch.Tensor:
@@ -450,7 +453,7 @@ class LlamaForCausalLM(nn.Module):
             logits = linear(hidden, head).float()
             cap = self.config.final_softcap
             return cap * torch.tanh(logits / cap) if cap else logits
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        weight = self.head_weight()
         if self.tp is not None:  # this rank's vocabulary rows, gathered: the full logits on every rank
             logits = parallel_logits(hidden, weight, self.config.vocab_size, self.tp).float()
         elif self.packed_head is not None and hidden.dim() == 2 and hidden.shape[0] < GEMM_ROWS[

@@ -54,11 +54,10 @@ def keep_half_weights(model, dtype: torch.dtype) -> tuple[int, int]:
 def keep_half_head(model, dtype: torch.dtype) -> int:
     """Give `model` (float32, unsharded) an exact 2-byte copy of its LM head as `half_head`, which
     compute_logits reads for decode rows. Returns the bytes saved per decode step (0: none)."""
-    if dtype != torch.float32 or getattr(model, "tp", None) is not None or not hasattr(model, "half_head"):
+    if (dtype != torch.float32 or not hasattr(model, "half_head") or model.tp is not None
+            or model.packed_head is not None or not model.config.generates):
         return 0
-    if getattr(model, "packed_head", None) is not None or not getattr(model.config, "generates", True):
-        return 0
-    head = model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
+    head = model.head_weight()
     if head.dtype != torch.float32 or not head.is_cpu:
         return 0
     half = exact_half(head.data)
