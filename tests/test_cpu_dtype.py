@@ -10,13 +10,13 @@ from engine.worker.cpu_dtype import CpuMath, cpu_auto_dtype, cpu_math
 
 AVX2 = CpuMath(bf16=False, fp16=False, isa="AVX2")
 ZEN4 = CpuMath(bf16=True, fp16=False, isa="AVX512")  # AVX512-BF16, no FP16
-SPR = CpuMath(bf16=True, fp16=True, isa="AVX512")  # AMX-BF16 and AMX-FP16
+SPR = CpuMath(bf16=True, fp16=True, isa="AVX512")  # AMX-BF16 and AVX512-FP16: fp16 still runs in bf16
 
 
 @pytest.mark.parametrize("checkpoint, math, expected", [
     ("float32", AVX2, "float32"), ("float32", SPR, "float32"), (None, ZEN4, "float32"),
     ("bfloat16", AVX2, "float32"), ("bfloat16", ZEN4, "bfloat16"), ("bfloat16", SPR, "bfloat16"),
-    ("float16", AVX2, "float32"), ("float16", ZEN4, "bfloat16"), ("float16", SPR, "float16"),
+    ("float16", AVX2, "float32"), ("float16", ZEN4, "bfloat16"), ("float16", SPR, "bfloat16"),
     ("quantized", AVX2, "float32"), ("quantized", SPR, "float32"),
 ])
 def test_rule(checkpoint, math, expected):
@@ -28,6 +28,7 @@ def test_reasons_say_why():
     assert "no native bf16" in cpu_auto_dtype("bfloat16", AVX2)[1]
     assert "half the bytes" in cpu_auto_dtype("bfloat16", ZEN4)[1]
     assert "rounded to bf16" in cpu_auto_dtype("float16", ZEN4)[1]
+    assert "rounded to bf16" in cpu_auto_dtype("float16", SPR)[1]
     assert "native bf16" in ZEN4.describe() and "no native" in AVX2.describe()
 
 

@@ -56,7 +56,7 @@ class EngineSettings(_KilnSettings):
         None, description="Jinja chat template, or the path of a file holding one (default: the tokenizer's)")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         "auto", description="weights and activations (half = float16, float = float32; auto: the checkpoint's; on "
-        "the CPU float32 unless the CPU multiplies the checkpoint's bf16/fp16 natively, logged at start-up)")
+        "the CPU float32, or bf16 for a bf16/fp16 checkpoint where the CPU multiplies bf16 natively; logged at start-up)")
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto: cuda when a GPU is visible")
     seed: int = Field(0, description="random seed for dummy weights and unseeded sampling")
     load_format: Literal["auto", "dummy"] = Field("auto", description="dummy: random weights from config.json")

@@ -9,9 +9,13 @@ than float32 weights would have been, and float32 holds bf16 and fp16 values exa
   would change its outputs;
 - a bf16 checkpoint runs in bf16 where the CPU has native bf16 dot products, else in float32
   (the same numbers, faster there);
-- an fp16 checkpoint runs in fp16 where the CPU has native fp16 (AVX512-FP16 / AMX-FP16), else in
-  bf16 where it has native bf16 (fp16's 10-bit mantissa rounded to bf16's 7: vLLM's CPU backend
-  does the same), else in float32 (exact);
+- an fp16 checkpoint runs in bf16 where the CPU has native bf16 (fp16's 10-bit mantissa rounded to
+  bf16's 7: vLLM's CPU backend does the same), else in float32 (exact; its weights stay in 2 bytes,
+  engine/worker/cpu_half_weights.py). Never in fp16, even where the CPU has AVX512-FP16: kiln's
+  CPU kernels (weight streaming, paged attention, fused ops, the decoder stack) take float32 and
+  bf16 activations, and an fp16 model would run on torch's own ops instead. On a Sapphire Rapids
+  (AVX512-FP16, AMX-BF16), SmolLM2's F16 GGUF: fp16 27 tok/s at batch 1 and 186 at batch 16, bf16
+  80 and 366 (float32 with 2-byte weights 68 and 323; BENCHMARKS.md, session 14);
 - a quantised checkpoint (GGUF Q8_0, Q4_x, K-quants; GPTQ/AWQ) runs in float32, as llama.cpp
   does: its integer weights stream the same either way, and bf16 scales and activations were
   measured to change SmolLM2 Q4_1's greedy answers (tests/test_real_model.py) where float32 keeps
@@ -60,13 +64,11 @@ def cpu_auto_dtype(checkpoint: str | None, math: CpuMath) -> tuple[str, str]:
     if checkpoint == "quantized":
         return "float32", ("a quantised checkpoint: its integer weights stream the same in any dtype, and "
                            "float32 activations and scales keep its outputs those of the reference")
-    if checkpoint == "float16" and math.fp16:
-        return "float16", "the checkpoint's dtype, and this CPU multiplies fp16 natively"
     what = {"bfloat16": "a bf16 checkpoint", "float16": "an fp16 checkpoint"}[checkpoint]
     if math.bf16:
         why = f"{what}, and this CPU multiplies bf16 natively: half the bytes of float32 per step"
         if checkpoint == "float16":
-            why += " (fp16 weights rounded to bf16: no native fp16 here)"
+            why += " (fp16 weights rounded to bf16: kiln's CPU kernels take float32 or bf16 activations)"
         return "bfloat16", why
     return "float32", (f"{what}, but this CPU has no native bf16/fp16 dot products: emulated half-precision "
                        "matmuls are slower than float32, which holds them exactly")
