@@ -1,4 +1,5 @@
-"""dtype=auto on the CPU: the rule (pure), and the engine's choice and log line on real files."""
+"""dtype=auto on the CPU: the rule (pure), and the engine's choice and log line on real files; auto's
+activation path for quantised layers."""
 
 from __future__ import annotations
 
@@ -68,3 +69,24 @@ def test_gguf_weight_types_name_the_checkpoint_dtype(tiny_llama, tmp_path):
     for kind, expected in (("F32", "float32"), ("F16", "float16"), ("Q8_0", "quantized")):
         path = write_gguf(tiny_llama, tmp_path / f"m-{kind}.gguf", kind)
         assert checkpoint_dtype(path, ModelConfig.from_dir(path)) == expected
+
+
+@pytest.mark.parametrize("isa, vendor, float_path", [
+    ("AVX512", "AuthenticAMD", True),  # Zen 4/5: the float path keeps up with memory
+    ("AVX512", "GenuineIntel", False),  # Sapphire Rapids: it is compute-bound, int8 ~2x faster
+    ("AVX2", "AuthenticAMD", False), ("AVX2", "GenuineIntel", False), ("AVX512", "", False),
+])
+def test_quantised_activations_auto(isa, vendor, float_path):
+    """cpu_quant_activations=auto for a float32 model's quantised layers: float only where measured
+    to stream at memory speed; an explicit choice and a reduced-precision model are kept as they are."""
+    import torch
+
+    from engine.layers.quant.cpu_packed import activations_choice
+
+    chosen, why = activations_choice(torch.float32, "auto", isa=isa, vendor=vendor)
+    assert chosen is float_path and ("float32 activations" if float_path else "int8 activations") in why
+    assert activations_choice(torch.float32, "float", isa=isa, vendor=vendor)[0] is True
+    assert activations_choice(torch.float32, "int8", isa=isa, vendor=vendor)[0] is False
+    assert activations_choice(torch.bfloat16, "auto", isa=isa, vendor=vendor)[0] is False
+    with pytest.raises(ValueError, match="cpu_quant_activations"):
+        activations_choice(torch.float32, "int4", isa=isa, vendor=vendor)

@@ -183,7 +183,7 @@ ALL_TYPES = {"attn_q": "Q4_0", "attn_k": "Q4_1", "attn_v": "Q5_0", "attn_output"
 def test_gguf_greedy_matches_transformers(arch, types, wide_models, make_llm, tmp_path):
     path = write_gguf(wide_models(arch), tmp_path / f"{arch}.gguf", types,
                       name="tiny mistral" if arch == "mistral" else None)
-    llm = make_llm(path, max_num_seqs=4, cpu_quant_activations="float")  # (auto: int8 on AVX2-only CPUs)
+    llm = make_llm(path, max_num_seqs=4, cpu_quant_activations="float")  # (auto: int8 on AVX2 / Intel)
     assert _kinds(llm) == KEPT[arch]
     assert llm.engine.model.layers[0].mlp.down_proj.quant.float_acts  # (float32: the float path)
     outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)

@@ -32,7 +32,7 @@ def smollm2():
 def smol_llm(smollm2):
     from engine.entrypoints.llm import LLM
 
-    # (the float activation path pinned: auto takes int8 activations on AVX2-only CPUs, test below)
+    # (the float activation path pinned: auto takes int8 activations on AVX2-only and Intel CPUs, test below)
     llm = LLM(str(smollm2), device="cpu", enforce_eager=True, max_model_len=512, max_num_seqs=8,
               cpu_quant_activations="float")
     yield llm
@@ -143,7 +143,7 @@ def test_int4_kept_in_bf16_agrees_with_dequantised(smollm2):
 
 
 def test_float32_with_int8_activations_agrees_with_the_float_path(smollm2, smol_llm):
-    """cpu_quant_activations=int8 (auto's choice on AVX2-only CPUs): a float32 model's Q4_1 layers
+    """cpu_quant_activations=int8 (auto's choice on AVX2-only and Intel CPUs): a float32 model's Q4_1 layers
     quantise their activations to int8 per block of 32, as llama.cpp does, instead of multiplying
     float32 activations by weights dequantised in registers. Greedy tokens may part from the exact
     float path after a near tie: the share of equal tokens is reported and bounded, and the default

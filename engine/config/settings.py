@@ -138,7 +138,8 @@ class EngineSettings(_KilnSettings):
         "auto", description="a float32 model's quantised layers (GGUF, GPTQ/AWQ int) on the CPU kernels: float = "
         "weights dequantised in registers against float32 activations (dequantise-then-matmul's products); int8 = "
         "activations quantised to int8 per block of 32 for integer dot products, as llama.cpp does; auto = float "
-        "where the CPU has AVX-512, int8 on AVX2-only CPUs (there the float path is compute-bound, ~2x slower). "
+        "on AMD's AVX-512 cores, int8 elsewhere (AVX2-only and Intel CPUs: there the float path is compute-bound, "
+        "~2x slower). "
         "bf16/fp16 models always take int8")
     cpu_half_weights: bool = Field(
         True, description="on the CPU, a float32 model's projection weights that hold only fp16 or bf16 values (an "

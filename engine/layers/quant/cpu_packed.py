@@ -9,11 +9,11 @@ per group), act-order columns permuted so that each group is contiguous (`gemv_p
 activations gathered the same way per call).
 
 Which activation path (`activations_choice`, setting cpu_quant_activations): a float32 model keeps
-its activations float where the CPU has AVX-512 (the products of dequantise-then-matmul, so its
-greedy output is the dense model's); on an AVX2-only CPU that float path is compute-bound, so there
-(and always for a bfloat16 or float16 model, whose activations are rounded to 8 bits of mantissa
-anyway) the activations are quantised to int8 per block of 32 for integer dot products, as
-llama.cpp does (1.3-2.4x faster: tools/bench_cpu_gemv.py).
+its activations float on AMD's AVX-512 cores (the products of dequantise-then-matmul, so its greedy
+output is the dense model's); elsewhere that float path is compute-bound, so there (and always for
+a bfloat16 or float16 model, whose activations are rounded to 8 bits of mantissa anyway) the
+activations are quantised to int8 per block of 32 for integer dot products, as llama.cpp does
+(1.3-2.4x faster: tools/bench_cpu_gemv.py).
 From GEMM_ROWS rows on (prefill chunks) a layer is instead dequantised into a temporary dense
 weight in the activations' dtype and multiplied by the GEMM of compiler/cpu_linear.py (oneDNN):
 there its arithmetic beats the kernels' per-block work (tools/bench_cpu_gemv.py --rows).
@@ -21,6 +21,8 @@ Tolerances against dequantise-then-matmul: docs/models.md.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 from torch import nn
@@ -98,24 +100,44 @@ def float_acts_for(dtype: torch.dtype | None, activations: str = "auto") -> bool
     return activations_choice(dtype, activations)[0]
 
 
-def activations_choice(dtype: torch.dtype | None, activations: str = "auto") -> tuple[bool, str]:
-    """(float path?, why in words) for a model of `dtype` and the setting cpu_quant_activations.
+def activations_choice(dtype: torch.dtype | None, activations: str = "auto", isa: str | None = None,
+                       vendor: str | None = None) -> tuple[bool, str]:
+    """(float path?, why in words) for a model of `dtype` and the setting cpu_quant_activations, on a
+    CPU of torch capability `isa` and /proc/cpuinfo `vendor` (default: this one's).
 
     Only a float32 model has the choice (bf16/fp16 activations are rounded to 8 bits of mantissa
-    anyway: int8 always). auto: the float path where the CPU has AVX-512 (16 lanes: dequantising in
-    registers keeps up with memory there), int8 on AVX2-only CPUs, where the float path's
-    conversions make it compute-bound (tools/bench_cpu_gemv.py q4_1-f32 against q4_1-bf16 on a
-    Zen 3: 4.0 against 9.4 GB/s at one row, 0.4 against 2.1 at 16)."""
+    anyway: int8 always). auto: the float path only where dequantising in registers was measured to
+    keep up with memory: AMD's AVX-512 cores (Zen 4/5: full-width conversions beside the FMAs). On
+    AVX2-only CPUs and on Intel's AVX-512 cores the float path's conversions make it compute-bound,
+    so int8 there (tools/bench_cpu_gemv.py q4_1-f32 against q4_1-bf16, one row: Zen 3 4.0 against
+    9.4 GB/s; Sapphire Rapids 8.4 against 17.7, and SmolLM2 Q4_1 decodes 1.6x faster at batch 1,
+    1.3x at 16: BENCHMARKS.md, session 14)."""
     if activations not in ACTIVATIONS:
         raise ValueError(f"cpu_quant_activations: {activations!r} is not one of {ACTIVATIONS}")
     if dtype not in (None, torch.float32):
         return False, "int8 activations (a reduced-precision model)"
     if activations != "auto":
         return activations == "float", f"{activations} activations (cpu_quant_activations={activations})"
-    if torch.backends.cpu.get_cpu_capability() == "AVX512":
-        return True, "float32 activations (auto: AVX-512 here, dequantised in registers at memory speed)"
-    return False, ("int8 activations per block of 32, as llama.cpp (auto: no AVX-512 here, where the float "
-                   "path is compute-bound; cpu_quant_activations=float keeps dequantise-then-matmul's products)")
+    isa = torch.backends.cpu.get_cpu_capability() if isa is None else isa
+    vendor = cpu_vendor() if vendor is None else vendor
+    if isa == "AVX512" and vendor == "AuthenticAMD":
+        return True, "float32 activations (auto: AMD AVX-512 here, dequantised in registers at memory speed)"
+    return False, (f"int8 activations per block of 32, as llama.cpp (auto: {isa} on {vendor or 'an unknown CPU'}, "
+                   "where the float path is compute-bound; cpu_quant_activations=float keeps dequantise-then-"
+                   "matmul's products)")
+
+
+@functools.cache
+def cpu_vendor() -> str:
+    """This CPU's vendor string (GenuineIntel, AuthenticAMD...) from /proc/cpuinfo; '' elsewhere."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("vendor_id"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return ""
 
 
 ACTIVATIONS = ("auto", "float", "int8")
