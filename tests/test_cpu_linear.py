@@ -83,7 +83,7 @@ def test_shapes_and_memory_stay_bounded_over_many_row_counts():
 def test_warm_buckets_builds_every_bucket_once():
     """Start-up builds every bucket up to the step's token budget: serving then adds no shape."""
     w, w2, b = torch.randn(72, 40), torch.randn(72, 40), torch.randn(72)
-    built = cpu_linear.warm_buckets([(w, None), (w2, None), (w, b)], 200)  # w2: the same shape as w
+    built = cpu_linear.warm_buckets([(w, None, None), (w2, None, None), (w, b, None)], 200)  # w2: w's shape
     buckets = sorted({row_bucket(r) for r in range(1, 201)})
     assert built == 2 * len(buckets) and buckets[-1] >= 200
     assert {(r, 40, 72, bias) for r in buckets for bias in (False, True)} <= SHAPES.shapes

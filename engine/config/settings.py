@@ -146,6 +146,12 @@ class EngineSettings(_KilnSettings):
                           "fp16/bf16 checkpoint run in float32) stay in 2 bytes: the decode kernels widen them in "
                           "registers (the same products, half the bytes per step), a prefill's GEMM per call; "
                           "such an LM head gets a 2-byte copy for decode steps beside its float32 table")
+    cpu_gemm_packed_weights: Literal["auto", "on", "off"] = Field(
+        "auto", description="on the CPU, keep oneDNN's blocked copy of the dense weights for steps of more rows than "
+                            "the weight-streaming kernels take (prefill chunks, batches of 32+): no reorder per "
+                            "call; the weights' bytes once more in memory, at most a quarter of what is free. "
+                            "auto = bfloat16 models on CPUs with AMX (1.5-2.5x faster GEMMs there, same bits); "
+                            "on = float32 too")
     cpu_huge_pages: bool = Field(
         True, description="on the CPU, put the weights on 2 MB transparent huge pages once loaded (madvise + "
                           "collapse; fewer TLB misses as every step streams them)")

@@ -83,6 +83,7 @@ class Linear(nn.Linear):
         self.register_buffer("lora_b", None, persistent=False)
         self.lora_rank = 0
         self.quant = None  # a quantised layer's method (engine/layers/quant/linear.py); None: dense weight
+        self.gemm_weight = None  # oneDNN's blocked copy of weight for GEMM rows (engine/worker/cpu_gemm_weights.py)
 
     def enable_lora(self, num_slots: int, max_rank: int) -> None:
         width = num_slots * len(self.lora_parts) * max_rank
@@ -92,7 +93,7 @@ class Linear(nn.Linear):
 
     def forward(self, x: torch.Tensor, lora: torch.Tensor | None = None) -> torch.Tensor:
         """lora: [T, slots] one-hot of each token's adapter slot (all zero: the base model)."""
-        y = linear(x, self.weight, self.bias) if self.quant is None else self.quant.apply(self, x)
+        y = linear(x, self.weight, self.bias, self.gemm_weight) if self.quant is None else self.quant.apply(self, x)
         if lora is None or self.lora_a is None:
             return y
         mask = lora.repeat_interleave(len(self.lora_parts) * self.lora_rank, dim=1)
@@ -322,6 +323,8 @@ class LlamaForCausalLM(nn.Module):
         # An fp16/bf16 checkpoint in float32 on the CPU: the LM head's exact 2-byte copy, for steps
         # of decode rows (engine/worker/cpu_half_weights.py: keep_half_head)
         self.half_head: torch.Tensor | None = None
+        # oneDNN's blocked copy of the LM head for GEMM rows (engine/worker/cpu_gemm_weights.py)
+        self.gemm_head: torch.Tensor | None = None
         self.backend: AttentionBackend | None = None
         self.lora_slots = 0  # adapters one batch can mix (engine/lora/adapters.py); 0: LoRA off
         self.pad_cpu_rows = False  # forward in oneDNN row buckets (padded_rows; set by use_cpu_fused_ops)
@@ -390,10 +393,10 @@ class LlamaForCausalLM(nn.Module):
         """Build oneDNN's primitive for every row bucket (compiler/cpu_linear.py) of the dense float32
         projections (up to max_tokens rows) and the LM head (up to max_seqs sampled rows) now, not
         while serving. Returns the number of shapes built."""
-        dense = [(m.weight, m.bias) for m in self.modules() if isinstance(m, Linear) and m.quant is None]
+        dense = [(m.weight, m.bias, m.gemm_weight) for m in self.modules() if isinstance(m, Linear) and m.quant is None]
         built = warm_buckets(dense, max_tokens)
         if self.tp is None:
-            built += warm_buckets([(self.head_weight(), None)], max_seqs)
+            built += warm_buckets([(self.head_weight(), None, self.gemm_head)], max_seqs)
         return built
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
@@ -463,6 +466,6 @@ class LlamaForCausalLM(nn.Module):
               and hidden.shape[0] <= cpu_gemv.MAX_DENSE_ROWS.get(hidden.dtype, 0)):
             logits = linear(hidden, self.half_head).float()  # (more rows: the float32 head's GEMM)
         else:
-            logits = linear(hidden, weight).float()
+            logits = linear(hidden, weight, None, self.gemm_head).float()
         cap = self.config.final_softcap
         return cap * torch.tanh(logits / cap) if cap else logits

@@ -128,6 +128,8 @@ class EngineBuilder:
             if head_saved := keep_half_head(self.model, self.dtype):
                 logger.info("the LM head holds only 2-byte values: decode steps read a 2-byte copy (%.0f MB less "
                             "per step, as much more in memory; cpu_half_weights)", head_saved / 1e6)
+        if self.device.type == "cpu" and self.executor is None:
+            self._keep_gemm_weights(settings.cpu_gemm_packed_weights)
         if self.device.type == "cpu" and settings.cpu_huge_pages and self.executor is None:
             from engine.worker.cpu_huge_pages import back_with_huge_pages
 
@@ -167,6 +169,20 @@ class EngineBuilder:
         self.draft_runner = self._make_device_proposer()
         self.compile_seconds, self.capture_seconds = self._compile_and_capture()
         return self
+
+    def _keep_gemm_weights(self, setting: str) -> None:
+        """oneDNN's blocked weight copies for GEMM rows, where cpu_gemm_packed_weights says so
+        (engine/worker/cpu_gemm_weights.py); the choice and why, logged."""
+        from engine.worker import cpu_gemm_weights as gw
+
+        wanted = gw.dense_weight_bytes(self.model, self.dtype)
+        keep, why = gw.gemm_weights_choice(setting, self.dtype, wanted, gw.has_amx(), gw.available_memory())
+        if not keep:
+            logger.info("oneDNN weight copies for GEMM rows: off (%s)", why)
+            return
+        made, nbytes = gw.keep_gemm_weights(self.model, self.dtype)
+        logger.info("oneDNN weight copies for GEMM rows: %d weights, %.0f MB more in memory (%s)", made, nbytes / 1e6,
+                    why)
 
     def _load_tokenizer(self) -> None:
         settings = self.settings

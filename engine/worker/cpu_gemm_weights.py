@@ -1,0 +1,94 @@
+"""oneDNN's own blocked copy of the dense weights, for the GEMM rows of CPU steps, where it pays.
+
+Steps of more rows than the weight-streaming kernels take (compiler/cpu_gemv.py: MAX_DENSE_ROWS;
+prefill chunks, decode batches of 32 and more) multiply through oneDNN (compiler/cpu_linear.py).
+Handed the plain [out, in] weight, oneDNN reorders it into its blocked layout on every call; given
+that layout once (`pack_for_gemm`), it does not. On a Sapphire Rapids (AMX-BF16), SmolLM2's
+bfloat16 projections of 16-128 rows ran 1.5-2.5x faster that way, with the same bits; float32 ones
+1.1-1.3x, with float32 rounding differences (BENCHMARKS.md, session 14). The copy costs the
+weights' bytes once more in memory, so:
+
+- `auto`: bfloat16 models on CPUs with AMX (where the GEMM is fast enough for the reorder to
+  show), when the copy fits in a quarter of the memory free now;
+- `on`: every float32 / bfloat16 model (the memory check still applies);
+- `off`: never.
+
+The decoder layers' dense projections get `gemm_weight`, the LM head `model.gemm_head`; decode
+rows up to the kernels' limit still read the plain weight. Quantised layers are untouched.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from compiler.cpu_linear import pack_for_gemm
+
+CHOICES = ("auto", "on", "off")
+MEMORY_SHARE = 0.25  # of the memory available now, at most, for the copies
+
+
+def available_memory() -> int:
+    """Bytes of memory available now (MemAvailable; 0 where unknown)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 0
+
+
+def has_amx() -> bool:
+    return bool(getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)())
+
+
+def gemm_weights_choice(setting: str, dtype: torch.dtype, weight_bytes: int, amx: bool,
+                        available: int) -> tuple[bool, str]:
+    """(keep the copies?, why in words) for a model of `dtype` whose dense weights hold
+    `weight_bytes`, on a CPU with or without AMX and `available` bytes of memory free."""
+    if setting not in CHOICES:
+        raise ValueError(f"cpu_gemm_packed_weights: {setting!r} is not one of {CHOICES}")
+    if setting == "off":
+        return False, "cpu_gemm_packed_weights=off"
+    if dtype not in (torch.float32, torch.bfloat16):
+        return False, f"a {str(dtype).removeprefix('torch.')} model (oneDNN's packed GEMM takes float32 / bfloat16)"
+    if setting == "auto" and not (dtype == torch.bfloat16 and amx):
+        return False, "auto: only bfloat16 models on CPUs with AMX"
+    if weight_bytes > MEMORY_SHARE * available:
+        return False, (f"the copy ({weight_bytes / 1e9:.2f} GB) would take more than {MEMORY_SHARE:.0%} of the "
+                       f"{available / 1e9:.1f} GB free")
+    return True, f"cpu_gemm_packed_weights={setting}" + (" (bfloat16 on an AMX CPU)" if setting == "auto" else "")
+
+
+def _dense_linears(model) -> list:
+    """The model's projections with a `gemm_weight` slot (engine/models/llama.py: Linear) and a dense weight."""
+    return [m for m in model.modules()
+            if hasattr(m, "gemm_weight") and getattr(m, "quant", None) is None and getattr(m, "weight", None) is not None]
+
+
+def dense_weight_bytes(model, dtype: torch.dtype) -> int:
+    """Bytes of the weights `keep_gemm_weights` would copy."""
+    weights = [m.weight for m in _dense_linears(model)] + ([model.head_weight()] if hasattr(model, "gemm_head") else [])
+    return sum(w.numel() * w.element_size() for w in weights if w.dtype == dtype and w.is_cpu)
+
+
+def keep_gemm_weights(model, dtype: torch.dtype) -> tuple[int, int]:
+    """Give each dense projection of `model` (weights in the model's dtype, on the CPU) and its LM
+    head (unsharded, not GGUF-packed) oneDNN's blocked copy. Returns (copies made, their bytes)."""
+    made = nbytes = 0
+    for module in _dense_linears(model):
+        weight = module.weight
+        if weight.dtype == dtype and (packed := pack_for_gemm(weight.data)) is not None:
+            module.gemm_weight = packed
+            made, nbytes = made + 1, nbytes + weight.numel() * weight.element_size()
+    if not hasattr(model, "gemm_head"):  # (a model class without compute_logits' GEMM head slot)
+        return made, nbytes
+    head = model.head_weight()
+    if (model.tp is None and model.packed_head is None and model.config.generates and head.dtype == dtype
+            and (packed := pack_for_gemm(head.data)) is not None):
+        model.gemm_head = packed
+        made, nbytes = made + 1, nbytes + head.numel() * head.element_size()
+    return made, nbytes
