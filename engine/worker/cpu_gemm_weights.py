@@ -65,8 +65,8 @@ def gemm_weights_choice(setting: str, dtype: torch.dtype, weight_bytes: int, amx
 
 def _dense_linears(model) -> list:
     """The model's projections with a `gemm_weight` slot (engine/models/llama.py: Linear) and a dense weight."""
-    return [m for m in model.modules()
-            if hasattr(m, "gemm_weight") and getattr(m, "quant", None) is None and getattr(m, "weight", None) is not None]
+    return [m for m in model.modules() if hasattr(m, "gemm_weight") and getattr(m, "quant", None) is None
+            and getattr(m, "weight", None) is not None]
 
 
 def dense_weight_bytes(model, dtype: torch.dtype) -> int:
