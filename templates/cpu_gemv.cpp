@@ -127,6 +127,19 @@ bool cpu_has_bf16_dot() {
 #endif
 }
 
+// One activation row (batch-1 decode) of dense weights: one sequential weight stream per thread
+// (row_dense) on AMD, where it beat the tiles by 1.2x (Zen 5, BENCHMARKS.md session 11); tiles of
+// kRows rows on Intel, where the tiles (each prefetching the next into every cache level) stream
+// 1.15-1.35x faster than the single stream (Sapphire Rapids, session 14). The same sums either way.
+bool one_row_as_tiles() {
+#if KILN_X86
+  static const bool intel = __builtin_cpu_is("intel");
+  return intel;
+#else
+  return false;
+#endif
+}
+
 // Each level: its vector API, row cursors, tiles and entry points (templates/cpu_gemv_isa.inc).
 #define KILN_DECLARE_LEVEL                                                                      \
   void to_float_rows(const at::BFloat16* x, int64_t rows, int64_t k, int64_t stride, float* out); \
