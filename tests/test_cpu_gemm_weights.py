@@ -15,7 +15,8 @@ GB = 10**9
 
 @pytest.mark.parametrize("setting, dtype, amx, keep", [
     ("auto", torch.bfloat16, True, True), ("auto", torch.bfloat16, False, False),
-    ("auto", torch.float32, True, False), ("on", torch.float32, False, True), ("on", torch.bfloat16, False, True),
+    ("auto", torch.float32, True, True), ("auto", torch.float32, False, False), ("on", torch.float32, False, True),
+    ("on", torch.bfloat16, False, True),
     ("off", torch.bfloat16, True, False), ("on", torch.float16, True, False),
 ])
 def test_choice(setting, dtype, amx, keep):

@@ -5,11 +5,13 @@ prefill chunks, decode batches of 32 and more) multiply through oneDNN (compiler
 Handed the plain [out, in] weight, oneDNN reorders it into its blocked layout on every call; given
 that layout once (`pack_for_gemm`), it does not. On a Sapphire Rapids (AMX-BF16), SmolLM2's
 bfloat16 projections of 16-128 rows ran 1.5-2.5x faster that way, with the same bits; float32 ones
-1.1-1.3x, with float32 rounding differences (BENCHMARKS.md, session 14). The copy costs the
-weights' bytes once more in memory, so:
+1.1-1.3x (float32 rounding differences from the plain path: another blocking), and SmolLM2 F32
+served at concurrency 16 gave 1.10x the output tok/s and 0.92-0.94x the median inter-token latency
+(two alternating pairs; BENCHMARKS.md, session 14). The copy costs the weights' bytes once more in
+memory, so:
 
-- `auto`: bfloat16 models on CPUs with AMX (where the GEMM is fast enough for the reorder to
-  show), when the copy fits in a quarter of the memory free now;
+- `auto`: float32 and bfloat16 models on CPUs with AMX (Sapphire Rapids and later, where it was
+  measured), when the copy fits in a quarter of the memory free now;
 - `on`: every float32 / bfloat16 model (the memory check still applies);
 - `off`: never.
 
@@ -55,12 +57,12 @@ def gemm_weights_choice(setting: str, dtype: torch.dtype, weight_bytes: int, amx
         return False, "cpu_gemm_packed_weights=off"
     if dtype not in (torch.float32, torch.bfloat16):
         return False, f"a {str(dtype).removeprefix('torch.')} model (oneDNN's packed GEMM takes float32 / bfloat16)"
-    if setting == "auto" and not (dtype == torch.bfloat16 and amx):
-        return False, "auto: only bfloat16 models on CPUs with AMX"
+    if setting == "auto" and not amx:
+        return False, "auto: only on CPUs with AMX"
     if weight_bytes > MEMORY_SHARE * available:
         return False, (f"the copy ({weight_bytes / 1e9:.2f} GB) would take more than {MEMORY_SHARE:.0%} of the "
                        f"{available / 1e9:.1f} GB free")
-    return True, f"cpu_gemm_packed_weights={setting}" + (" (bfloat16 on an AMX CPU)" if setting == "auto" else "")
+    return True, f"cpu_gemm_packed_weights={setting}" + (" (an AMX CPU)" if setting == "auto" else "")
 
 
 def _dense_linears(model) -> list:
