@@ -176,7 +176,8 @@ class EngineBuilder:
         from engine.worker import cpu_gemm_weights as gw
 
         wanted = gw.dense_weight_bytes(self.model, self.dtype)
-        keep, why = gw.gemm_weights_choice(setting, self.dtype, wanted, gw.has_amx(), gw.available_memory())
+        free = kv_sizing.read_free_memory()  # (MemAvailable, or less under a cgroup limit)
+        keep, why = gw.gemm_weights_choice(setting, self.dtype, wanted, gw.has_amx(), free.bytes if free else 0)
         if not keep:
             logger.info("oneDNN weight copies for GEMM rows: off (%s)", why)
             return

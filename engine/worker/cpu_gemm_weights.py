@@ -21,26 +21,12 @@ rows up to the kernels' limit still read the plain weight. Quantised layers are 
 
 from __future__ import annotations
 
-import os
-
 import torch
 
 from compiler.cpu_linear import pack_for_gemm
 
 CHOICES = ("auto", "on", "off")
 MEMORY_SHARE = 0.25  # of the memory available now, at most, for the copies
-
-
-def available_memory() -> int:
-    """Bytes of memory available now (MemAvailable; 0 where unknown)."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 0
 
 
 def has_amx() -> bool:
