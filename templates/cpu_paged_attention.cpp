@@ -8,10 +8,12 @@
 // length N sits at position p = N - L + i and sees keys 0 ..= p (with a sliding window W > 0 only
 // keys > p - W). Rows that see no key, and rows no sequence claims, are written as zeros.
 //
-// Work item = (sequence, KV head, block of up to kRows query rows): every query head of the GQA
-// group and every row of the block is served by one read of each K/V row, converted to float
-// once. Online softmax one cache block at a time (one block-table lookup per block). Items are
-// handed out dynamically to the intra-op threads, the costliest first.
+// Work item = (sequence, block of up to kRows query rows, its KV heads: all of them, or one each
+// when there are too few items for the threads). A decode row (attend_decode) reads each K row of
+// all the item's heads once, contiguously, and serves every query head from it; other rows
+// (attend, one KV head at a time) serve every query head of the GQA group and every row of the
+// block from one read of each K/V row, converted to float once, with an online softmax one cache
+// block at a time. Items are handed out dynamically to the intra-op threads, the costliest first.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
@@ -317,8 +319,9 @@ inline void take_keys_vec(const float* qv, const float* k0, const float* v0, int
   std::memcpy(acc, a, sizeof a);
 }
 
+// Rows [row0, row0 + rows) of sequence `seq` for KV heads [kv_head, kv_head + heads) and their query heads.
 struct Item {
-  int64_t seq, kv_head, row0, rows, cost;
+  int64_t seq, kv_head, row0, rows, cost, heads;
 };
 
 struct Problem {
@@ -442,87 +445,156 @@ void attend(const Problem& P, const Item& it, int64_t tok0, int64_t pos0, int64_
   }
 }
 
-// One decode row (a work item of a single query row) over a float32 cache, head dim a multiple of
-// 16: two passes instead of the online softmax. Every score of the row is kept (the context of one
-// row fits in scratch), so the max is known before any exp and the accumulator is never rescaled:
-// per key, one vector multiply-add per 16 dims for q.k and one for p.v, and the softmax itself
-// once over the row's scores, vectorised. keys [lo, hi) of the sequence; `blocks` their cache blocks.
-template <typename QT, typename OT, int64_t kD>
+// kLanes consecutive cache elements as floats (bf16: widened in registers).
+template <typename CT>
+inline vf load_as_float(const CT* p) {
+  if constexpr (std::is_same_v<CT, float>) {
+    return loadv(p);
+  } else if constexpr (std::is_same_v<CT, c10::BFloat16>) {
+    typedef uint16_t vh __attribute__((vector_size(2 * kLanes)));
+    vh h;
+    std::memcpy(&h, p, sizeof h);
+    const vi wide = __builtin_convertvector(h, vi) << 16;
+    return reinterpret_cast<const vf&>(wide);
+  } else {
+    float tmp[kLanes];
+    to_float(p, tmp, kLanes);
+    return loadv(tmp);
+  }
+}
+
+// One decode row over KV heads [kv_head, kv_head + heads) and all their query heads (F = heads x
+// group of them), any cache dtype, head dim a multiple of kLanes. Two passes: every score of the row
+// kept, so the max is known before any exp and nothing is rescaled. Pass 1 walks each K row once
+// (all the item's heads: a contiguous read), widens a head's 16 rows at a time into an L1 tile and
+// scores them against the group's queries; pass 2 reads each V row once per kGS query heads, whose
+// sums stay in registers.
+template <typename QT, typename CT, int64_t kD>
 void attend_decode(const Problem& P, const Item& it, int64_t tok0, int64_t lo, int64_t hi, const QT* q,
-                   const float* kc, const float* vc, const int32_t* table, OT* out, std::vector<float>& scratch) {
+                   const CT* kc, const CT* vc, const int32_t* table, QT* out, std::vector<float>& scratch) {
   constexpr int64_t kV = kD / kLanes;
-  const int64_t G = P.group, bs = P.block_size, n_all = hi - lo;
+  constexpr int64_t kGS = std::max<int64_t>(1, (kLanes == 16 ? 24 : 12) / kV);
+  const int64_t G = P.group, H = it.heads, F = H * G, bs = P.block_size, n_all = hi - lo;
   const int64_t padded = (n_all + kLanes - 1) / kLanes * kLanes + kLanes;  // room for a whole last chunk
-  if (scratch.size() < static_cast<size_t>(padded + kD)) scratch.resize(static_cast<size_t>(padded + kD));
-  float* sc = scratch.data();
-  float* qf = sc + padded;
+  const size_t need = static_cast<size_t>(F * padded + F * kD + kLanes * kD + F * kLanes + 2 * F);
+  if (scratch.size() < need) scratch.resize(need);
+  float* sc = scratch.data();                // [F, padded] scores, then softmax numerators
+  float* qf = sc + F * padded;               // [F, kD]
+  float* kt = qf + F * kD;                   // [kLanes, kD] one head's chunk of K rows as floats
+  float* vmaxs = kt + kLanes * kD;           // [F, kLanes]
+  float* M = vmaxs + F * kLanes;             // [F]
+  float* L = M + F;                          // [F]
+  const int64_t q0 = it.kv_head * G;         // the item's first query head
+  for (int64_t f = 0; f < F; ++f) {
+    to_float(q + tok0 * P.q_tok + (q0 + f) * P.q_head, qf + f * kD, kD);
+    for (int64_t d = 0; d < kD; ++d) qf[f * kD + d] *= P.q_mul;
+  }
   const int64_t first_col = lo / bs, last_col = (hi - 1) / bs;
+  const int64_t row_bytes = H * P.k_head * int64_t(sizeof(CT));  // the item's heads of one slot
   const vi lane = lane_index();
   const vf zero = {}, none = zero - std::numeric_limits<float>::infinity();
-  for (int64_t g = 0; g < G; ++g) {
-    const QT* src = q + tok0 * P.q_tok + (it.kv_head * G + g) * P.q_head;
-    to_float(src, qf, kD);
-    vf qv[kV];
-    for (int64_t i = 0; i < kV; ++i) qv[i] = loadv(qf + i * kLanes) * P.q_mul;
-    // Pass 1: the scores, 16 keys at a time within each block, and their running lane-wise max.
-    vf vmax = none;
-    for (int64_t col = first_col; col <= last_col; ++col) {
-      const float* kb = kc + block_base(P, it, table, col);
-      const int64_t start = col * bs, a = std::max(lo, start), b = std::min(hi, start + bs);
-      if (g == 0) {  // K kAhead blocks on (at the first also those before) and this block's V, for pass 2
-        for (int64_t ahead = col == first_col ? 1 : kAhead; ahead <= kAhead && col + ahead <= last_col; ++ahead)
-          prefetch_rows(kc + block_base(P, it, table, col + ahead), bs, P.k_slot, kD * int64_t(sizeof(float)));
-        prefetch_rows(vc + block_base(P, it, table, col), bs, P.k_slot, kD * int64_t(sizeof(float)));
-      }
-      for (int64_t t = a; t < b; t += kLanes) {
-        const int64_t n = std::min(kLanes, b - t);
-        vf parts[kLanes];
-        for (int64_t j = 0; j < kLanes; ++j) {
-          vf acc = {};
-          if (j < n) {
-            const float* kr = kb + (t - start + j) * P.k_slot;
-            for (int64_t i = 0; i < kV; ++i) acc += qv[i] * loadv(kr + i * kLanes);
+  for (int64_t f = 0; f < F; ++f) std::memcpy(vmaxs + f * kLanes, &none, sizeof none);
+  // Pass 1: the scores, 16 keys at a time within each block, and their running lane-wise max.
+  for (int64_t col = first_col; col <= last_col; ++col) {
+    const CT* kb = kc + block_base(P, it, table, col);
+    const int64_t start = col * bs, a = std::max(lo, start), b = std::min(hi, start + bs);
+    for (int64_t ahead = col == first_col ? 1 : kAhead; ahead <= kAhead && col + ahead <= last_col; ++ahead)
+      prefetch_rows(kc + block_base(P, it, table, col + ahead), bs, P.k_slot, row_bytes);
+    for (int64_t t = a; t < b; t += kLanes) {
+      const int64_t n = std::min(kLanes, b - t);
+      for (int64_t h = 0; h < H; ++h) {
+        const CT* kh = kb + (t - start) * P.k_slot + h * P.k_head;
+        const float* rows;
+        int64_t stride;
+        if constexpr (std::is_same_v<CT, float>) {
+          rows = kh;
+          stride = P.k_slot;
+        } else {
+          for (int64_t j = 0; j < n; ++j) {
+            for (int64_t i = 0; i < kV; ++i) {
+              const vf x = load_as_float(kh + j * P.k_slot + i * kLanes);
+              std::memcpy(kt + j * kD + i * kLanes, &x, sizeof x);
+            }
           }
-          parts[j] = acc;
+          rows = kt;
+          stride = kD;
         }
-        vf s = transpose_sum(parts);
-        if (P.softcap > 0.f) {
-          for (int l = 0; l < kLanes; ++l) s[l] = P.softcap * std::tanh(s[l] / P.softcap);
+        for (int64_t f = h * G; f < (h + 1) * G; ++f) {
+          vf qv[kV];
+          for (int64_t i = 0; i < kV; ++i) qv[i] = loadv(qf + f * kD + i * kLanes);
+          vf parts[kLanes];
+          for (int64_t j = 0; j < kLanes; ++j) {
+            vf acc = {};
+            if (j < n) {
+              for (int64_t i = 0; i < kV; ++i) acc += qv[i] * loadv(rows + j * stride + i * kLanes);
+            }
+            parts[j] = acc;
+          }
+          vf s = transpose_sum(parts);
+          if (P.softcap > 0.f) {
+            for (int l = 0; l < kLanes; ++l) s[l] = P.softcap * std::tanh(s[l] / P.softcap);
+          }
+          s = lane < static_cast<int32_t>(n) ? s : none;
+          vf vmax = loadv(vmaxs + f * kLanes);
+          vmax = s > vmax ? s : vmax;  // (a NaN score is skipped here and still reaches the output)
+          std::memcpy(vmaxs + f * kLanes, &vmax, sizeof vmax);
+          std::memcpy(sc + f * padded + (t - lo), &s, sizeof s);  // lanes past n: overwritten by the next chunk
         }
-        s = lane < static_cast<int32_t>(n) ? s : none;
-        vmax = s > vmax ? s : vmax;  // (a NaN score is skipped here and still reaches the output)
-        std::memcpy(sc + (t - lo), &s, sizeof s);  // lanes past n are overwritten by the next chunk
       }
     }
-    const float M = lane_max(vmax);
-    OT* dst = out + tok0 * P.o_tok + (it.kv_head * G + g) * P.o_head;
-    if (!(M > -std::numeric_limits<float>::infinity())) {  // every score NaN or -inf: NaN, as the online path
-      std::fill(dst, dst + kD, static_cast<OT>(std::numeric_limits<float>::quiet_NaN()));
+  }
+  // The softmax numerators of each query head, vectorised over the row's scores.
+  for (int64_t f = 0; f < F; ++f) {
+    M[f] = lane_max(loadv(vmaxs + f * kLanes));
+    float* row = sc + f * padded;
+    if (!(M[f] > -std::numeric_limits<float>::infinity())) {  // every score NaN or -inf: NaN, as the online path
+      std::fill(row, row + padded, 0.f);
+      L[f] = 0.f;
       continue;
     }
-    // The softmax numerators, vectorised over all the row's scores; lanes past n_all are no keys.
     vf lsum = {};
     for (int64_t t = 0; t < n_all; t += kLanes) {
-      vf p = exp_nonpositive(loadv(sc + t) - M);
-      p = lane < static_cast<int32_t>(n_all - t) ? p : zero;
+      vf p = exp_nonpositive(loadv(row + t) - M[f]);
+      p = lane < static_cast<int32_t>(n_all - t) ? p : zero;  // lanes past n_all are no keys
       lsum += p;
-      std::memcpy(sc + t, &p, sizeof p);
+      std::memcpy(row + t, &p, sizeof p);
     }
-    const float L = lane_sum(lsum);
-    // Pass 2: the weighted sum of the V rows.
-    vf acc[kV] = {};
+    L[f] = lane_sum(lsum);
+  }
+  // Pass 2: the weighted sums of the V rows, each row read once per kGS query heads of its KV head
+  // (the first walk prefetches all the item's heads: the later walks find them in the caches).
+  for (int64_t f0 = 0; f0 < F; f0 += std::min(kGS, G - f0 % G)) {
+    const int64_t fs = std::min(kGS, G - f0 % G), voff = (f0 / G) * P.k_head;
+    vf acc[kGS][kV] = {};
     for (int64_t col = first_col; col <= last_col; ++col) {
-      const float* vb = vc + block_base(P, it, table, col);
+      const CT* vb = vc + block_base(P, it, table, col) + voff;
+      if (f0 == 0) {
+        for (int64_t ahead = col == first_col ? 1 : kAhead; ahead <= kAhead && col + ahead <= last_col; ++ahead)
+          prefetch_rows(vc + block_base(P, it, table, col + ahead), bs, P.k_slot, row_bytes);
+      }
       const int64_t start = col * bs, a = std::max(lo, start), b = std::min(hi, start + bs);
       for (int64_t t = a; t < b; ++t) {
-        const float w = sc[t - lo];
-        const float* vr = vb + (t - start) * P.k_slot;
-        for (int64_t i = 0; i < kV; ++i) acc[i] += w * loadv(vr + i * kLanes);
+        const CT* vr = vb + (t - start) * P.k_slot;
+        vf v[kV];
+        for (int64_t i = 0; i < kV; ++i) v[i] = load_as_float(vr + i * kLanes);
+        for (int64_t g = 0; g < kGS; ++g) {
+          if (g < fs) {
+            const float w = sc[(f0 + g) * padded + (t - lo)];
+            for (int64_t i = 0; i < kV; ++i) acc[g][i] += w * v[i];
+          }
+        }
       }
     }
-    float res[kD];
-    std::memcpy(res, acc, sizeof res);
-    from_float(res, dst, kD, P.v_mul / L);
+    for (int64_t g = 0; g < fs; ++g) {
+      QT* dst = out + tok0 * P.o_tok + (q0 + f0 + g) * P.o_head;
+      if (L[f0 + g] > 0.f) {
+        float res[kD];
+        std::memcpy(res, acc[g], sizeof res);
+        from_float(res, dst, kD, P.v_mul / L[f0 + g]);
+      } else {
+        std::fill(dst, dst + kD, static_cast<QT>(std::numeric_limits<float>::quiet_NaN()));
+      }
+    }
   }
 }
 
@@ -542,33 +614,36 @@ void run(const Problem& P, const at::Tensor& out, const at::Tensor& q, const at:
   at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
     std::vector<float> scratch;
     for (size_t i = next.fetch_add(1); i < items.size(); i = next.fetch_add(1)) {
-      const Item& it = items[i];
-      const int64_t q_len = qsl[it.seq + 1] - qsl[it.seq];
-      const int64_t len = lens[it.seq];
-      const int64_t tok0 = qsl[it.seq] + it.row0, pos0 = len - q_len + it.row0;
-      if constexpr (std::is_same_v<CT, float>) {
-        // A single row with keys to see (a decode): the two-pass path for the vector head dims.
-        const int64_t hi = std::min(pos0 + 1, len);
-        const int64_t lo = P.window > 0 ? std::max<int64_t>(0, pos0 - P.window + 1) : 0;
-        if (it.rows == 1 && hi > lo) {
-          bool done = true;
-          switch (P.head_dim) {
-            case 32: attend_decode<QT, QT, 32>(P, it, tok0, lo, hi, qp, kc, vc, table, op, scratch); break;
-            case 64: attend_decode<QT, QT, 64>(P, it, tok0, lo, hi, qp, kc, vc, table, op, scratch); break;
-            case 128: attend_decode<QT, QT, 128>(P, it, tok0, lo, hi, qp, kc, vc, table, op, scratch); break;
-            case 256: attend_decode<QT, QT, 256>(P, it, tok0, lo, hi, qp, kc, vc, table, op, scratch); break;
-            default: done = false;
-          }
-          if (done) continue;
+      const Item& item = items[i];
+      const int64_t q_len = qsl[item.seq + 1] - qsl[item.seq];
+      const int64_t len = lens[item.seq];
+      const int64_t tok0 = qsl[item.seq] + item.row0, pos0 = len - q_len + item.row0;
+      // A single row with keys to see (a decode): the two-pass path for the vector head dims.
+      const int64_t hi = std::min(pos0 + 1, len);
+      const int64_t lo = P.window > 0 ? std::max<int64_t>(0, pos0 - P.window + 1) : 0;
+      if (item.rows == 1 && hi > lo) {
+        bool done = true;
+        switch (P.head_dim) {
+          case 32: attend_decode<QT, CT, 32>(P, item, tok0, lo, hi, qp, kc, vc, table, op, scratch); break;
+          case 64: attend_decode<QT, CT, 64>(P, item, tok0, lo, hi, qp, kc, vc, table, op, scratch); break;
+          case 128: attend_decode<QT, CT, 128>(P, item, tok0, lo, hi, qp, kc, vc, table, op, scratch); break;
+          case 256: attend_decode<QT, CT, 256>(P, item, tok0, lo, hi, qp, kc, vc, table, op, scratch); break;
+          default: done = false;
         }
+        if (done) continue;
       }
-      switch (P.head_dim) {  // the common head dims compiled for their size, any other one generically
-        case 32: attend<QT, CT, QT, 32>(P, it, tok0, pos0, len, qp, kc, vc, table, op, scratch); break;
-        case 64: attend<QT, CT, QT, 64>(P, it, tok0, pos0, len, qp, kc, vc, table, op, scratch); break;
-        case 96: attend<QT, CT, QT, 96>(P, it, tok0, pos0, len, qp, kc, vc, table, op, scratch); break;
-        case 128: attend<QT, CT, QT, 128>(P, it, tok0, pos0, len, qp, kc, vc, table, op, scratch); break;
-        case 256: attend<QT, CT, QT, 256>(P, it, tok0, pos0, len, qp, kc, vc, table, op, scratch); break;
-        default: attend<QT, CT, QT, 0>(P, it, tok0, pos0, len, qp, kc, vc, table, op, scratch);
+      for (int64_t h = 0; h < item.heads; ++h) {
+        Item it = item;
+        it.kv_head += h;
+        it.heads = 1;
+        switch (P.head_dim) {  // the common head dims compiled for their size, any other one generically
+          case 32: attend<QT, CT, QT, 32>(P, it, tok0, pos0, len, qp, kc, vc, table, op, scratch); break;
+          case 64: attend<QT, CT, QT, 64>(P, it, tok0, pos0, len, qp, kc, vc, table, op, scratch); break;
+          case 96: attend<QT, CT, QT, 96>(P, it, tok0, pos0, len, qp, kc, vc, table, op, scratch); break;
+          case 128: attend<QT, CT, QT, 128>(P, it, tok0, pos0, len, qp, kc, vc, table, op, scratch); break;
+          case 256: attend<QT, CT, QT, 256>(P, it, tok0, pos0, len, qp, kc, vc, table, op, scratch); break;
+          default: attend<QT, CT, QT, 0>(P, it, tok0, pos0, len, qp, kc, vc, table, op, scratch);
+        }
       }
     }
   });
@@ -646,8 +721,17 @@ void paged_attention(const at::Tensor& out, const at::Tensor& q, const at::Tenso
       const int64_t rows = std::min(kRows, end - begin - row0);
       const int64_t last_pos = len - (end - begin) + row0 + rows;  // keys the last row sees
       const int64_t keys = std::max<int64_t>(0, P.window > 0 ? std::min(last_pos, P.window) : last_pos);
-      for (int64_t h = 0; h < P.num_kv_heads; ++h) items.push_back({s, h, row0, rows, rows * keys + 1});
+      items.push_back({s, 0, row0, rows, (rows * keys + 1) * P.num_kv_heads, P.num_kv_heads});
     }
+  }
+  if (static_cast<int64_t>(items.size()) < 4 * at::get_num_threads()) {
+    // Too few (sequence, row block) items to keep every thread busy: one item per KV head instead.
+    std::vector<Item> per_head;
+    per_head.reserve(items.size() * static_cast<size_t>(P.num_kv_heads));
+    for (const Item& it : items) {
+      for (int64_t h = 0; h < it.heads; ++h) per_head.push_back({it.seq, h, it.row0, it.rows, it.cost / it.heads, 1});
+    }
+    items.swap(per_head);
   }
   std::stable_sort(items.begin(), items.end(), [](const Item& a, const Item& b) { return a.cost > b.cost; });
   // Rows no sequence claims (padding tokens) are zeros, as in the reference.

@@ -106,6 +106,28 @@ def test_fp8_cache_with_per_layer_scales():
     _check(kv, q.bfloat16(), qsl, lens, tables, scales=scales, tol=2e-2)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, FP8_DTYPE])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_many_decodes_read_every_kv_head_at_once(dtype, threads):
+    """Enough decode rows for one work item per sequence (all its KV heads, with the other
+    kind of step's items split per head: the two mixed), GQA and MHA, windows and soft-capping."""
+    g = torch.Generator().manual_seed(29)
+    lens = torch.randint(1, 300, (24,), generator=g).tolist()
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for hq, hkv, d, window, softcap in [(9, 3, 64, 0, 0.0), (4, 4, 32, 0, 0.0), (8, 2, 128, 50, 0.0),
+                                            (6, 2, 64, 0, 3.0)]:
+            kv, q, qsl, seq_lens, tables = _paged(g, lens, [1] * 20 + [5, 1, 3, 1], hq, hkv, d, 16, dtype=dtype)
+            tol = {torch.float32: 1e-5, FP8_DTYPE: 2e-4}.get(dtype, 2e-5)  # (fp8 values reach 448: rounding)
+            _check(kv, q, qsl, seq_lens, tables, scale=d ** -0.5, window=window, softcap=softcap, tol=tol)
+            if dtype != FP8_DTYPE:
+                _check(kv, q.to(dtype), qsl, seq_lens, tables, scale=d ** -0.5, window=window, softcap=softcap,
+                       tol=1e-5 if dtype == torch.float32 else 2e-2)
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_strided_query_and_output_views():
     """q is a view of the fused qkv projection in the model: its rows are strided."""
     g = torch.Generator().manual_seed(17)
