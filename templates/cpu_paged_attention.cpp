@@ -281,17 +281,18 @@ inline vf exp_nonpositive(vf x) {  // exp_nonpositive(float), lane by lane
   return y * reinterpret_cast<const vf&>(bits);
 }
 
+// The soft-capped scores of query `qv` (kD floats) against up to kLanes keys (rows `stride` floats
+// apart), lane t for key t; lanes past n are -inf.
 template <int64_t kD>
-inline void take_keys_vec(const float* qv, const float* k0, const float* v0, int64_t stride, int64_t n,
-                          float softcap, float& M, float& L, float* acc) {
+inline vf scores(const float* qv, const float* rows, int64_t stride, int64_t n, float softcap) {
   constexpr int64_t kV = kD / kLanes;
-  vf q[kV], a[kV];
+  vf q[kV];
   for (int64_t i = 0; i < kV; ++i) q[i] = loadv(qv + i * kLanes);
   vf parts[kLanes];
   for (int64_t t = 0; t < kLanes; ++t) {
     vf p = {};
     if (t < n) {
-      for (int64_t i = 0; i < kV; ++i) p += q[i] * loadv(k0 + t * stride + i * kLanes);
+      for (int64_t i = 0; i < kV; ++i) p += q[i] * loadv(rows + t * stride + i * kLanes);
     }
     parts[t] = p;
   }
@@ -299,9 +300,18 @@ inline void take_keys_vec(const float* qv, const float* k0, const float* v0, int
   if (softcap > 0.f) {
     for (int l = 0; l < kLanes; ++l) s[l] = softcap * std::tanh(s[l] / softcap);
   }
+  const vf none = vf{} - std::numeric_limits<float>::infinity();
+  return lane_index() < static_cast<int32_t>(n) ? s : none;
+}
+
+template <int64_t kD>
+inline void take_keys_vec(const float* qv, const float* k0, const float* v0, int64_t stride, int64_t n,
+                          float softcap, float& M, float& L, float* acc) {
+  constexpr int64_t kV = kD / kLanes;
+  vf a[kV];
+  const vf s = scores<kD>(qv, k0, stride, n, softcap);
   const vi lane = lane_index();
-  const vf zero = {}, none = zero - std::numeric_limits<float>::infinity();
-  s = lane < static_cast<int32_t>(n) ? s : none;
+  const vf zero = {};
   const float new_max = std::max(M, lane_max(s));
   float alpha = 1.f;
   if (new_max > M) {  // rescale what came before (nothing on the first block: M = -inf)
@@ -520,21 +530,7 @@ void attend_decode(const Problem& P, const Item& it, int64_t tok0, int64_t lo, i
           stride = kD;
         }
         for (int64_t f = h * G; f < (h + 1) * G; ++f) {
-          vf qv[kV];
-          for (int64_t i = 0; i < kV; ++i) qv[i] = loadv(qf + f * kD + i * kLanes);
-          vf parts[kLanes];
-          for (int64_t j = 0; j < kLanes; ++j) {
-            vf acc = {};
-            if (j < n) {
-              for (int64_t i = 0; i < kV; ++i) acc += qv[i] * loadv(rows + j * stride + i * kLanes);
-            }
-            parts[j] = acc;
-          }
-          vf s = transpose_sum(parts);
-          if (P.softcap > 0.f) {
-            for (int l = 0; l < kLanes; ++l) s[l] = P.softcap * std::tanh(s[l] / P.softcap);
-          }
-          s = lane < static_cast<int32_t>(n) ? s : none;
+          const vf s = scores<kD>(qf + f * kD, rows, stride, n, P.softcap);
           vf vmax = loadv(vmaxs + f * kLanes);
           vmax = s > vmax ? s : vmax;  // (a NaN score is skipped here and still reaches the output)
           std::memcpy(vmaxs + f * kLanes, &vmax, sizeof vmax);
