@@ -1,9 +1,9 @@
 """kiln's runtime: the engine, its scheduler and KV cache, the offline API and the server."""
 
-from engine.worker.cpu_threads import prefer_short_spin
+from engine.worker.cpu_threads import set_openmp_spin
 
-# Before anything loads torch's OpenMP runtime: idle threads spin briefly, then sleep.
-prefer_short_spin()
+# Before anything loads torch's OpenMP runtime: how long idle threads spin before sleeping.
+set_openmp_spin()
 
 from engine.core.request import LoRARequest, RequestOutput, SamplingParams, StructuredOutputsParams  # noqa: E402
 

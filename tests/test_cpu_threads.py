@@ -14,7 +14,8 @@ import torch
 
 from engine.config.settings import EngineSettings
 from engine.config.values import parse_core_list
-from engine.worker.cpu_threads import apply_cpu_threads, available_cores, plan_threads
+from engine.worker.cpu_threads import (QUIET_SPIN_COUNT, SHARED_SPIN_COUNT, apply_cpu_threads, available_cores,
+                                       cores_busy_elsewhere, plan_threads, spin_count_for)
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -64,16 +65,36 @@ def _run(code: str, env_extra: dict[str, str] | None = None) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def test_a_short_spin_is_set_before_torch_loads_and_a_user_choice_is_kept():
-    code = ("import json, os, engine, torch; from engine.worker.cpu_threads import wait_policy; "
-            "print(json.dumps([os.environ.get('OMP_WAIT_POLICY'), os.environ.get('GOMP_SPINCOUNT'), wait_policy()]))")
-    assert _run(code) == [None, "1000", "spin 1000 then sleep"]
-    assert _run(code, {"OMP_WAIT_POLICY": "PASSIVE"}) == ["PASSIVE", None, "passive"]
-    assert _run(code, {"OMP_WAIT_POLICY": "ACTIVE"}) == ["ACTIVE", None, "active"]
-    assert _run(code, {"GOMP_SPINCOUNT": "50"}) == [None, "50", "spin 50 then sleep"]
+SPIN_CODE = ("import json, os, engine, torch; from engine.worker.cpu_threads import wait_policy; "
+             "print(json.dumps([os.environ.get('OMP_WAIT_POLICY'), os.environ.get('GOMP_SPINCOUNT'), wait_policy()]))")
+
+
+def test_the_spin_is_set_before_torch_loads_and_a_user_choice_is_kept():
+    policy, count, words = _run(SPIN_CODE)
+    assert policy is None and count in (QUIET_SPIN_COUNT, SHARED_SPIN_COUNT)
+    assert words.startswith(f"spin {count} then sleep (") and "at start" in words
+    assert _run(SPIN_CODE, {"OMP_WAIT_POLICY": "PASSIVE"}) == ["PASSIVE", None, "passive"]
+    assert _run(SPIN_CODE, {"OMP_WAIT_POLICY": "ACTIVE"}) == ["ACTIVE", None, "active"]
+    assert _run(SPIN_CODE, {"GOMP_SPINCOUNT": "50"}) == [None, "50", "spin 50 then sleep"]
     late = _run("import json, torch, engine; from engine.worker.cpu_threads import wait_policy; "
                 "print(json.dumps(wait_policy()))")
     assert "imported before kiln" in late
+
+
+def test_the_spin_is_short_where_other_processes_keep_the_cores_busy():
+    assert spin_count_for(0.0)[0] == spin_count_for(0.3)[0] == spin_count_for(None)[0] == QUIET_SPIN_COUNT
+    count, why = spin_count_for(1.2)
+    assert count == SHARED_SPIN_COUNT and "1.2 of kiln's cores busy" in why
+    # One busy loop on every core this process may use: the start-up look sees them, not itself.
+    loops = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in available_cores()]
+    try:
+        assert cores_busy_elsewhere(0.3) >= 0.5 * len(loops)
+        _, count, words = _run(SPIN_CODE)
+        assert count == SHARED_SPIN_COUNT and "other processes kept" in words
+    finally:
+        for loop in loops:
+            loop.kill()
+            loop.wait()
 
 
 def test_pinning_applies_to_the_process():

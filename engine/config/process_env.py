@@ -24,11 +24,11 @@ def child_environment(extra: dict[str, str]) -> dict[str, str]:
     return {**os.environ, **extra}
 
 
-def export_openmp_spin_default(spin_count: str) -> str:
-    """Unless the environment already sets OMP_WAIT_POLICY or GOMP_SPINCOUNT, let idle OpenMP
-    threads spin `spin_count` rounds, then sleep (libgomp, torch's CPU runtime, reads this once,
-    when torch loads). Returns the wait policy in force, in words."""
-    if "OMP_WAIT_POLICY" not in os.environ:
+def export_openmp_spin_default(spin_count: str | None) -> str:
+    """Unless the environment already sets OMP_WAIT_POLICY or GOMP_SPINCOUNT (or `spin_count` is
+    None), let idle OpenMP threads spin `spin_count` rounds, then sleep (libgomp, torch's CPU
+    runtime, reads this once, when torch loads). Returns the wait policy in force, in words."""
+    if "OMP_WAIT_POLICY" not in os.environ and spin_count is not None:
         os.environ.setdefault("GOMP_SPINCOUNT", spin_count)
     policy = os.environ.get("OMP_WAIT_POLICY", "")
     if not policy and "GOMP_SPINCOUNT" in os.environ:

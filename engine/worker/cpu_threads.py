@@ -5,12 +5,16 @@ Three things decide batch-1 CPU speed on a machine shared with other work:
 - How idle threads wait. OpenMP's default lets a thread spin for a long while after each
   parallel region; when another process holds the cores, the spinning threads steal the time
   the working ones need (measured on this 2-core machine: 339 ms per token with spinning, 69 ms
-  passive). Fully passive waiting, though, costs 20-45% on a quiet machine (every parallel
-  region wakes sleeping threads). kiln's default is a bounded spin: libgomp's
-  GOMP_SPINCOUNT=1000 (a few microseconds, then sleep), which measured faster than passive
-  both with and without a CPU-burning neighbour (BENCHMARKS.md, session 4). The runtime reads
-  these once, when torch loads it, so `prefer_short_spin()` runs from `engine/__init__`, before
-  anything imports torch. A wait policy or spin count the user set is kept.
+  passive), and fully passive waiting costs 20-45% on a quiet machine (every parallel region
+  wakes sleeping threads; in a VM a wake-up of an idle vCPU costs tens of microseconds). So kiln
+  sets libgomp's GOMP_SPINCOUNT before torch loads, by what it finds: if other processes keep
+  kiln's cores busy at start, 1000 rounds of `pause` (~11-50 µs, then sleep), which measured
+  faster than passive waiting with a busy neighbour (BENCHMARKS.md, session 4, and session 16:
+  0.77x with 10000 there); on cores that are otherwise idle, 10000 (~0.1-0.5 ms): a decode step
+  at batch 64 is ~300 parallel regions with Python between them, and with the short spin the
+  second thread slept through most gaps (SmolLM2 bf16 offline 1.32x, session 16). The runtime
+  reads this once, when torch loads it, so `set_openmp_spin()` runs from `engine/__init__`,
+  before anything imports torch. A wait policy or spin count the user set is kept.
 - How many threads. The compute threads share the cores with the engine loop, the server and
   the tokenizer; from four cores up kiln leaves one core to them (vLLM's CPU backend does the
   same). On one or two cores it uses them all: leaving one of two idle halves the compute, and
@@ -29,37 +33,97 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import time
 from dataclasses import dataclass
 
 from engine.config.values import parse_core_list
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_SPIN_COUNT = "1000"  # GOMP_SPINCOUNT: libgomp is the OpenMP runtime of torch's Linux CPU builds
+# GOMP_SPINCOUNT (libgomp is the OpenMP runtime of torch's Linux CPU builds): rounds of `pause`, which
+# takes ~11 ns on Intel Sapphire Rapids, ~20 ns on AMD Zen 3, ~50 ns on Intel Skylake-SP.
+QUIET_SPIN_COUNT = "10000"  # kiln's cores otherwise idle at start
+SHARED_SPIN_COUNT = "1000"  # other processes busy on them
+SHARED_FROM_CORES = 0.5  # other processes' load on kiln's cores, in cores, that makes them shared
+PROBE_SECONDS = 0.1  # how long the start-up look at the cores' load takes
 # From this many cores up, one is left to the engine loop, the server and the tokenizer.
 RESERVE_FROM_CORES = 4
-# Whether the wait policy was in place before the OpenMP runtime loaded (set by prefer_passive_waiting).
+# The wait policy in force, in words, and whether it was set before the OpenMP runtime loaded.
 _WAIT_POLICY_STATE = {"policy": None, "in_time": False}
 
 
-def prefer_short_spin() -> None:
-    """Make idle OpenMP threads spin briefly, then sleep, unless the environment already sets a
-    wait policy or spin count. Effective only before torch is first imported (the runtime reads
-    it at load)."""
+def set_openmp_spin() -> None:
+    """Choose how long idle OpenMP threads spin before sleeping (spin_count_for, from the load other
+    processes put on this process's cores), unless the environment already sets a wait policy or
+    spin count. Effective only before torch is first imported (the runtime reads it at load)."""
     if _WAIT_POLICY_STATE["policy"] is not None:
         return
     from engine.config.process_env import export_openmp_spin_default
 
     in_time = "torch" not in sys.modules  # (too late otherwise: the runtime has read its settings)
-    _WAIT_POLICY_STATE["policy"] = export_openmp_spin_default(DEFAULT_SPIN_COUNT) if in_time else ""
+    policy = ""
+    if in_time:
+        user_set = "OMP_WAIT_POLICY" in os.environ or "GOMP_SPINCOUNT" in os.environ
+        count, why = (None, "") if user_set else spin_count_for(cores_busy_elsewhere())
+        policy = export_openmp_spin_default(count)
+        if why and policy:
+            policy = f"{policy} ({why})"
+    _WAIT_POLICY_STATE["policy"] = policy
     _WAIT_POLICY_STATE["in_time"] = in_time
+
+
+def spin_count_for(busy_elsewhere: float | None) -> tuple[str, str]:
+    """GOMP_SPINCOUNT for cores that other processes keep `busy_elsewhere` cores busy (None: not
+    known), and why, in words."""
+    if busy_elsewhere is None:
+        return QUIET_SPIN_COUNT, "the cores' load could not be read"
+    if busy_elsewhere >= SHARED_FROM_CORES:
+        return SHARED_SPIN_COUNT, f"other processes kept {busy_elsewhere:.1f} of kiln's cores busy at start"
+    return QUIET_SPIN_COUNT, "kiln's cores were otherwise idle at start"
+
+
+def cores_busy_elsewhere(seconds: float = PROBE_SECONDS) -> float | None:
+    """How many of this process's cores other processes keep busy, in cores: /proc/stat over
+    `seconds`, less this process's own CPU time. None where /proc/stat cannot be read."""
+    cores = available_cores()
+    t0, own0, before = time.monotonic(), _own_cpu_seconds(), _cpu_ticks(cores)
+    time.sleep(seconds)
+    t1, own1, after = time.monotonic(), _own_cpu_seconds(), _cpu_ticks(cores)
+    if before is None or after is None or after[1] <= before[1] or t1 <= t0:
+        return None
+    busy = len(cores) * (after[0] - before[0]) / (after[1] - before[1])
+    return max(0.0, busy - (own1 - own0) / (t1 - t0))
+
+
+def _cpu_ticks(cores: list[int]) -> tuple[int, int] | None:
+    """(busy, all) clock ticks of `cores` since boot, from /proc/stat."""
+    try:
+        with open("/proc/stat") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return None
+    wanted = {f"cpu{c}" for c in cores}
+    busy = total = 0
+    for line in lines:
+        fields = line.split()
+        if fields and fields[0] in wanted:
+            ticks = [int(x) for x in fields[1:9]]  # user nice system idle iowait irq softirq steal
+            total += sum(ticks)
+            busy += sum(ticks) - ticks[3] - ticks[4]
+    return (busy, total) if total else None
+
+
+def _own_cpu_seconds() -> float:
+    t = os.times()
+    return t.user + t.system
 
 
 def wait_policy() -> str:
     """The OpenMP wait policy in force, in words, for the start-up log."""
     policy = _WAIT_POLICY_STATE["policy"]
     if policy is None or not _WAIT_POLICY_STATE["in_time"]:
-        return "runtime default (torch was imported before kiln; set GOMP_SPINCOUNT=1000 before starting)"
+        return (f"runtime default (torch was imported before kiln; set GOMP_SPINCOUNT={QUIET_SPIN_COUNT} "
+                f"before starting)")
     return policy.lower() or "runtime default"
 
 
