@@ -24,6 +24,11 @@ def child_environment(extra: dict[str, str]) -> dict[str, str]:
     return {**os.environ, **extra}
 
 
+def openmp_wait_set_by_user() -> bool:
+    """Whether the environment already sets OMP_WAIT_POLICY or GOMP_SPINCOUNT."""
+    return "OMP_WAIT_POLICY" in os.environ or "GOMP_SPINCOUNT" in os.environ
+
+
 def export_openmp_spin_default(spin_count: str | None) -> str:
     """Unless the environment already sets OMP_WAIT_POLICY or GOMP_SPINCOUNT (or `spin_count` is
     None), let idle OpenMP threads spin `spin_count` rounds, then sleep (libgomp, torch's CPU

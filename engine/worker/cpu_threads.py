@@ -58,13 +58,12 @@ def set_openmp_spin() -> None:
     spin count. Effective only before torch is first imported (the runtime reads it at load)."""
     if _WAIT_POLICY_STATE["policy"] is not None:
         return
-    from engine.config.process_env import export_openmp_spin_default
+    from engine.config.process_env import export_openmp_spin_default, openmp_wait_set_by_user
 
     in_time = "torch" not in sys.modules  # (too late otherwise: the runtime has read its settings)
     policy = ""
     if in_time:
-        user_set = "OMP_WAIT_POLICY" in os.environ or "GOMP_SPINCOUNT" in os.environ
-        count, why = (None, "") if user_set else spin_count_for(cores_busy_elsewhere())
+        count, why = (None, "") if openmp_wait_set_by_user() else spin_count_for(cores_busy_elsewhere())
         policy = export_openmp_spin_default(count)
         if why and policy:
             policy = f"{policy} ({why})"
