@@ -29,12 +29,12 @@ def openmp_wait_set_by_user() -> bool:
     return "OMP_WAIT_POLICY" in os.environ or "GOMP_SPINCOUNT" in os.environ
 
 
-def export_openmp_spin_default(spin_count: str | None) -> str:
-    """Unless the environment already sets OMP_WAIT_POLICY or GOMP_SPINCOUNT (or `spin_count` is
-    None), let idle OpenMP threads spin `spin_count` rounds, then sleep (libgomp, torch's CPU
-    runtime, reads this once, when torch loads). Returns the wait policy in force, in words."""
-    if "OMP_WAIT_POLICY" not in os.environ and spin_count is not None:
-        os.environ.setdefault("GOMP_SPINCOUNT", spin_count)
+def export_openmp_spin(spin_count: str | None) -> str:
+    """Let idle OpenMP threads spin `spin_count` rounds, then sleep (None: leave the environment as
+    it is; libgomp, torch's CPU runtime, reads this once, when torch loads). Returns the wait
+    policy in force, in words."""
+    if spin_count is not None:
+        os.environ["GOMP_SPINCOUNT"] = spin_count
     policy = os.environ.get("OMP_WAIT_POLICY", "")
     if not policy and "GOMP_SPINCOUNT" in os.environ:
         policy = f"spin {os.environ['GOMP_SPINCOUNT']} then sleep"

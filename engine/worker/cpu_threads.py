@@ -58,13 +58,13 @@ def set_openmp_spin() -> None:
     spin count. Effective only before torch is first imported (the runtime reads it at load)."""
     if _WAIT_POLICY_STATE["policy"] is not None:
         return
-    from engine.config.process_env import export_openmp_spin_default, openmp_wait_set_by_user
+    from engine.config.process_env import export_openmp_spin, openmp_wait_set_by_user
 
     in_time = "torch" not in sys.modules  # (too late otherwise: the runtime has read its settings)
     policy = ""
     if in_time:
         count, why = (None, "") if openmp_wait_set_by_user() else spin_count_for(cores_busy_elsewhere())
-        policy = export_openmp_spin_default(count)
+        policy = export_openmp_spin(count)
         if why and policy:
             policy = f"{policy} ({why})"
     _WAIT_POLICY_STATE["policy"] = policy
