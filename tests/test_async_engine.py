@@ -149,3 +149,16 @@ def test_queue_limit_and_dead_loop(make_engine):
 
     asyncio.run(main())
     assert not engine.is_alive and engine.crashed
+
+
+def test_start_gives_the_starting_threads_openmp_team_back(make_engine, monkeypatch):
+    """The step thread is to be the process's one OpenMP team (engine/worker/cpu_threads.py): start()
+    has the thread that built the engine give its team back, before the step thread runs."""
+    import engine.runtime.async_engine as async_engine
+
+    calls = []
+    monkeypatch.setattr(async_engine, "release_openmp_team", lambda: calls.append(threading.current_thread()))
+    engine = make_engine()
+    assert calls == [threading.current_thread()]
+    _, tokens, finish = asyncio.run(collect(engine, "hello", greedy(4)))
+    assert len(tokens) == 4 and finish == "length"

@@ -97,6 +97,57 @@ def test_the_spin_is_short_where_other_processes_keep_the_cores_busy():
             loop.wait()
 
 
+# A thread runs 1000 parallel regions 30 µs apart after the main thread made a team of its own;
+# prints the sleeps (voluntary context switches) of the process's threads per region.
+TEAMS_CODE = """
+import json, os, sys, threading, time
+import torch
+from engine.worker.cpu_threads import release_openmp_team
+torch.set_num_threads(2)
+x = torch.randn(1 << 20); y = torch.empty_like(x)
+def sleeps():
+    n = 0
+    for tid in os.listdir("/proc/self/task"):
+        with open(f"/proc/self/task/{tid}/status") as f:
+            n += sum(int(l.split()[1]) for l in f if l.startswith("voluntary_ctxt_switches"))
+    return n
+def regions(out):
+    torch.add(x, 1, out=y)
+    s0 = sleeps()
+    for _ in range(1000):
+        torch.add(x, 1, out=y)
+        t = time.perf_counter()
+        while time.perf_counter() - t < 30e-6:
+            pass
+    out.append((sleeps() - s0) / 1000)
+torch.add(x, 1, out=y)  # the main thread's team
+released = release_openmp_team() if sys.argv[1] == "release" else None
+out = []
+t = threading.Thread(target=regions, args=(out,)); t.start(); t.join()
+torch.add(x, 1, out=y)  # (the main thread can still run parallel work: a new team)
+print(json.dumps([released, out[0]]))
+"""
+
+
+@pytest.mark.skipif(len(available_cores()) < 2 or not sys.platform.startswith("linux"),
+                    reason="needs two cores and Linux's /proc")
+def test_the_builder_thread_gives_its_openmp_team_back():
+    """With two teams on two cores libgomp throttles the spin and the idle threads sleep between
+    regions; once the main thread gave its team back they spin through the 30 µs gaps."""
+    def run(mode: str) -> list:
+        env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
+        env.update(GOMP_SPINCOUNT="1000000", PYTHONPATH=str(ROOT))  # (~10 ms: no sleeps but throttled ones)
+        out = subprocess.run([sys.executable, "-c", TEAMS_CODE, mode], env=env, cwd=ROOT, capture_output=True,
+                             text=True, timeout=120)
+        assert out.returncode == 0, out.stderr
+        return json.loads(out.stdout.strip().splitlines()[-1])
+
+    released, sleeps_released = run("release")
+    _, sleeps_kept = run("keep")
+    assert released is True
+    assert sleeps_released < 0.25 and sleeps_kept > 4 * sleeps_released, (sleeps_released, sleeps_kept)
+
+
 def test_pinning_applies_to_the_process():
     core = available_cores()[-1]
     got = _run(f"import json, os, torch; from engine.worker.cpu_threads import apply_cpu_threads; "

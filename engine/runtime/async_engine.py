@@ -42,6 +42,7 @@ from engine.runtime.inbox import AbortRequest, AddRequest, EngineCall, FinishSeq
 from engine.runtime.llm_engine import LLMEngine
 from engine.runtime.output_processor import OutputProcessor
 from engine.runtime.request_stream import LoopMailbox, RequestStream
+from engine.worker.cpu_threads import release_openmp_team
 
 logger = logging.getLogger(__name__)
 
@@ -102,6 +103,9 @@ class AsyncEngine:
     # ---- lifecycle ----
     def start(self) -> "AsyncEngine":
         if self._thread is None:
+            # The step thread is to be the process's one OpenMP user: a team left on this thread (it
+            # built the engine) would make libgomp cut every idle thread's spin (cpu_threads).
+            release_openmp_team()
             self._output_thread = threading.Thread(target=self._run_outputs, name="kiln-outputs", daemon=True)
             self._output_thread.start()
             self._thread = threading.Thread(target=self._run, name="kiln-step-loop", daemon=True)

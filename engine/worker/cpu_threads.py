@@ -26,12 +26,22 @@ Three things decide batch-1 CPU speed on a machine shared with other work:
   a core another process is busy on (a pinned thread cannot).
 
 `apply_cpu_threads()` is called once at engine start-up and logs what it chose.
+
+One more thing decides how long idle threads really spin: libgomp counts the threads of every
+thread's team, and once they outnumber the available cores it cuts the spin of every idle thread
+to 100 rounds of `pause`, whatever GOMP_SPINCOUNT says (its documented throttle). The server
+builds the engine on the main thread (whose parallel regions leave it a team) and steps it on
+another one (which makes a second team): on 2 cores, 3 threads; every idle thread then slept
+between the ~150 parallel regions of a batch-16 step. So the thread that hands the engine to a
+step thread gives its team back first (`release_openmp_team`).
 """
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
+import re
 import sys
 import time
 from dataclasses import dataclass
@@ -115,6 +125,40 @@ def _cpu_ticks(cores: list[int]) -> tuple[int, int] | None:
 def _own_cpu_seconds() -> float:
     t = os.times()
     return t.user + t.system
+
+
+# The OpenMP runtimes torch builds with (libgomp, LLVM's libomp, Intel's libiomp5), as loaded: the
+# wheels' copies carry a hash (libgomp-a34b3233.so.1).
+_OPENMP_LIBRARY = re.compile(r"/lib(gomp|omp|iomp5)([-.][^/]*)?\.so[^/]*$")
+_OMP_PAUSE_SOFT = 1  # omp_pause_resource_t: the team's threads exit, the runtime stays initialised
+
+
+def release_openmp_team() -> bool:
+    """Give back the calling thread's OpenMP team (OpenMP 5.0's omp_pause_resource_all): its idle
+    threads exit, and a later parallel region on this thread makes a new team. Call it on a thread
+    that is done with parallel work and hands the engine to another one (see the module docstring).
+    False where no OpenMP runtime is loaded or it cannot pause."""
+    path = _loaded_openmp_library()
+    if path is None:
+        return False
+    try:
+        pause = ctypes.CDLL(path).omp_pause_resource_all  # (dlopen of a loaded library: the same copy)
+    except (OSError, AttributeError):
+        return False
+    pause.argtypes, pause.restype = [ctypes.c_int], ctypes.c_int
+    return pause(_OMP_PAUSE_SOFT) == 0
+
+
+def _loaded_openmp_library() -> str | None:
+    try:
+        with open("/proc/self/maps") as f:
+            for line in f:
+                path = line.rstrip("\n").partition("/")[2]
+                if path and _OPENMP_LIBRARY.search("/" + path):
+                    return "/" + path
+    except OSError:
+        pass
+    return None
 
 
 def wait_policy() -> str:
