@@ -154,7 +154,7 @@ def test_queue_limit_and_dead_loop(make_engine):
 def test_start_gives_the_starting_threads_openmp_team_back(make_engine, monkeypatch):
     """The step thread is to be the process's one OpenMP team (engine/worker/cpu_threads.py): start()
     has the thread that built the engine give its team back, before the step thread runs."""
-    import engine.runtime.async_engine as async_engine
+    from engine.runtime import async_engine
 
     calls = []
     monkeypatch.setattr(async_engine, "release_openmp_team", lambda: calls.append(threading.current_thread()))

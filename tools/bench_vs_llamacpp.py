@@ -56,7 +56,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from tools.peer_server import core_count, running_server  # noqa: E402
+from tools.peer_server import client_prefix, core_count, running_server  # noqa: E402
 
 STEM = "SmolLM2-135M-Instruct"
 FORMATS = ("F32", "F16", "Q8_0", "Q4_1")
@@ -227,7 +227,7 @@ def served_one(name: str, cmd: list[str], env: dict, a, out_dir: Path, i: int) -
                   "--output-len", str(a.serve_output_len), "--max-concurrency", str(a.serve_concurrency),
                   "--ignore-eos", "--percentile-metrics", "ttft,tpot,itl", "--metric-percentiles", "50,99",
                   "--seed", str(i), "--disable-tqdm", "--json", str(result)]
-        done = subprocess.run(client, capture_output=True, text=True, cwd=REPO, timeout=a.timeout,
+        done = subprocess.run(client_prefix() + client, capture_output=True, text=True, cwd=REPO, timeout=a.timeout,
                               env={**os.environ, "PYTHONPATH": str(REPO)})
         if done.returncode != 0 or not result.is_file():
             raise SystemExit(f"kiln bench serve against {name} failed: {done.stderr[-2000:]}")

@@ -50,7 +50,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from tools.peer_server import core_count, running_server  # noqa: E402
+from tools.peer_server import client_prefix, core_count, running_server  # noqa: E402
 
 
 def convert_gguf(gguf_file: str, out_dir: str, dtype: str) -> None:
@@ -129,15 +129,15 @@ class Bench:
             env = self.kiln_env
         with running_server(cmd, env, log, a.port, a.start_timeout, REPO):
             result = f"serve_{name}_{i}.json"
-            self._run([self.vllm, "bench", "serve", "--backend", "openai", "--base-url",
-                       f"http://127.0.0.1:{a.port}", "--model", "peer", "--tokenizer", a.model,
-                       "--dataset-name", "random", "--random-input-len", str(a.input_len),
-                       "--random-output-len", str(a.output_len), "--num-prompts", str(a.serve_prompts),
-                       "--max-concurrency", str(a.max_concurrency), "--request-rate", str(a.request_rate),
-                       "--ignore-eos", "--percentile-metrics", "ttft,tpot,itl", "--metric-percentiles", "50,99",
-                       "--seed", str(i), "--save-result", "--result-dir", str(self.out),
-                       "--result-filename", result, "--disable-tqdm"],
-                      self.vllm_env, self.out / f"serve_{name}_{i}.client.log")
+            client = [self.vllm, "bench", "serve", "--backend", "openai", "--base-url",
+                      f"http://127.0.0.1:{a.port}", "--model", "peer", "--tokenizer", a.model,
+                      "--dataset-name", "random", "--random-input-len", str(a.input_len),
+                      "--random-output-len", str(a.output_len), "--num-prompts", str(a.serve_prompts),
+                      "--max-concurrency", str(a.max_concurrency), "--request-rate", str(a.request_rate),
+                      "--ignore-eos", "--percentile-metrics", "ttft,tpot,itl", "--metric-percentiles", "50,99",
+                      "--seed", str(i), "--save-result", "--result-dir", str(self.out),
+                      "--result-filename", result, "--disable-tqdm"]
+            self._run(client_prefix() + client, self.vllm_env, self.out / f"serve_{name}_{i}.client.log")
             return json.loads((self.out / result).read_text())
 
 

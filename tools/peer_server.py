@@ -24,6 +24,18 @@ def core_count(cores: str) -> int:
     return n
 
 
+def client_prefix() -> list[str]:
+    """What runs the benchmark client above the servers it measures. Under a real-time policy (the
+    tools are run with `chrt -f 10` for steady numbers) servers and client would share one
+    priority, and a server whose threads keep both cores busy held the client off them: it read
+    llama-server's chunks in bursts, timed ~0 ms apart, and reported a median inter-token latency of
+    0.0 ms (llama-server, 2 cores, session 17; 53.3 ms with the client above it). Otherwise: nothing."""
+    if not hasattr(os, "sched_getscheduler") or os.sched_getscheduler(0) not in (os.SCHED_FIFO, os.SCHED_RR):
+        return []
+    priority = min(os.sched_getparam(0).sched_priority + 10, os.sched_get_priority_max(os.SCHED_FIFO))
+    return ["chrt", "-f", str(priority)]
+
+
 def wait_ready(proc: subprocess.Popen, port: int, log: Path, timeout: float) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
