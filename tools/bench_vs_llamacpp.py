@@ -32,6 +32,8 @@ the rounds, and the ratio kiln / llama.cpp (>= 1.0: kiln at least as fast).
 the same cores, each loaded by the same client, `kiln bench serve` (random prompts drawn from the
 server's own vocabulary with a fixed seed, --serve-input-len in / --serve-output-len out, EOS
 ignored, --serve-concurrency in flight): output tok/s and median ITL/TPOT/TTFT, and kiln's ratios.
+Run under `chrt -f`, the servers still run under the normal policy and the client above them
+(tools/peer_server.py: at one real-time priority llama-server's tokens left in bursts).
 llama-server and kiln load --serve-format's GGUF; vLLM loads --vllm-model (an HF directory: make
 one with `python tools/bench_vs_vllm.py --convert-gguf GGUF DIR --dtype float32`).
 

@@ -24,13 +24,24 @@ def core_count(cores: str) -> int:
     return n
 
 
+def _real_time() -> bool:
+    return hasattr(os, "sched_getscheduler") and os.sched_getscheduler(0) in (os.SCHED_FIFO, os.SCHED_RR)
+
+
+def server_prefix() -> list[str]:
+    """What runs a served benchmark's server as it is deployed: the normal time-sharing policy, also
+    when the tool runs under a real-time one (`chrt -f 10`, for steady offline numbers). At one
+    real-time priority a server's compute threads keep the cores until they block, and the threads
+    that write its responses wait behind them: llama-server's tokens left in bursts (median gap
+    3.5 ms, p99 516 ms; under the normal policy 58-59 ms and 67-69 ms; 2 cores, session 17)."""
+    return ["chrt", "-o", "0"] if _real_time() else []
+
+
 def client_prefix() -> list[str]:
-    """What runs the benchmark client above the servers it measures. Under a real-time policy (the
-    tools are run with `chrt -f 10` for steady numbers) servers and client would share one
-    priority, and a server whose threads keep both cores busy held the client off them: it read
-    llama-server's chunks in bursts, timed ~0 ms apart, and reported a median inter-token latency of
-    0.0 ms (llama-server, 2 cores, session 17; 53.3 ms with the client above it). Otherwise: nothing."""
-    if not hasattr(os, "sched_getscheduler") or os.sched_getscheduler(0) not in (os.SCHED_FIFO, os.SCHED_RR):
+    """What runs the benchmark client above the servers it measures (under a real-time policy; else
+    nothing), so that it reads each chunk when it arrives: at the servers' priority it was held off
+    the cores and timed llama-server's chunks ~0 ms apart (median inter-token latency 0.0 ms)."""
+    if not _real_time():
         return []
     priority = min(os.sched_getparam(0).sched_priority + 10, os.sched_get_priority_max(os.SCHED_FIFO))
     return ["chrt", "-f", str(priority)]
@@ -67,9 +78,10 @@ def stop(proc: subprocess.Popen) -> None:
 @contextlib.contextmanager
 def running_server(cmd: list[str], env: dict[str, str], log: Path, port: int, start_timeout: float,
                    cwd: Path) -> Iterator[subprocess.Popen]:
-    """The server `cmd` started and ready on `port`; stopped when the block ends."""
+    """The server `cmd` started (under the normal scheduling policy: server_prefix) and ready on
+    `port`; stopped when the block ends."""
     with open(log, "w") as f:
-        proc = subprocess.Popen(cmd, env=env, stdout=f, stderr=subprocess.STDOUT, cwd=cwd, start_new_session=True)
+        proc = subprocess.Popen(server_prefix() + cmd, env=env, stdout=f, stderr=subprocess.STDOUT, cwd=cwd, start_new_session=True)
     try:
         wait_ready(proc, port, log, start_timeout)
         yield proc
