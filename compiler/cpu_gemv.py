@@ -65,15 +65,28 @@ class GemvLibrary:
         self.error = ""
         self.level = 0
         self.levels: tuple[int, ...] = ()
+        self.max_level = len(LEVELS) - 1  # (limit: KILN_CPU_ISA)
         self.builds = 0
 
     def configure(self, cache_dir: Path | None) -> None:
         """Where the library is cached (kiln's compile cache); unset: a per-user temp dir."""
         self.cache_dir = Path(cache_dir) if cache_dir is not None else None
 
+    def limit(self, name: str | None) -> None:
+        """Run no higher than the level `name` (one of LEVELS; None: the best this CPU has), from
+        the next load on, or now where loaded."""
+        self.max_level = len(LEVELS) - 1 if name is None else LEVELS.index(name)
+        if self.state == "ready":
+            self.level = self._best()
+
+    def _best(self) -> int:
+        return max(v for v in self.levels if v <= self.max_level)
+
     @staticmethod
     def key() -> str:
-        return cpu_extension.cache_key(SOURCE, _FLAGS, includes=INCLUDES)
+        # (not torch's CPU capability, as the other libraries: this one holds every level, whatever
+        # torch runs at, e.g. below a KILN_CPU_ISA limit)
+        return cpu_extension.cache_key(SOURCE, _FLAGS, capability="every level", includes=INCLUDES)
 
     def library_path(self) -> Path:
         return cpu_extension.library_path(self.cache_dir, "cpu-gemv", self.key())
@@ -94,7 +107,7 @@ class GemvLibrary:
             if not loaded():
                 torch.ops.load_library(str(path))
         self.levels = tuple(int(v) for v in torch.ops.kiln_cpu_gemv.levels())
-        self.level = max(self.levels)
+        self.level = self._best()
         self.state = "ready"
         logger.info("CPU weight-streaming kernels: %s", LEVELS[self.level])
         return time.perf_counter() - t0

@@ -1,9 +1,12 @@
 """kiln's runtime: the engine, its scheduler and KV cache, the offline API and the server."""
 
+from engine.worker.cpu_isa import set_cpu_isa_limit
 from engine.worker.cpu_threads import set_openmp_spin
 
-# Before anything loads torch's OpenMP runtime: how long idle threads spin before sleeping.
+# Before anything loads torch (its runtimes read these once): how long idle OpenMP threads spin
+# before sleeping, and KILN_CPU_ISA's limit on torch's kernels.
 set_openmp_spin()
+set_cpu_isa_limit()
 
 from engine.core.request import LoRARequest, RequestOutput, SamplingParams, StructuredOutputsParams  # noqa: E402
 

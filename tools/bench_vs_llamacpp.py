@@ -37,6 +37,9 @@ Run under `chrt -f`, the servers still run under the normal policy and the clien
 llama-server and kiln load --serve-format's GGUF; vLLM loads --vllm-model (an HF directory: make
 one with `python tools/bench_vs_vllm.py --convert-gguf GGUF DIR --dtype float32`).
 
+To compare what a lesser CPU runs, on this one: KILN_CPU_ISA=avx2 (kiln and torch at AVX2, see
+docs/serving.md) and LD_LIBRARY_PATH at a libggml-cpu built for AVX2 alone; the header names both.
+
 The machine may be shared: rounds alternate the engines so that a neighbour's load falls on both,
 and `uptime` is printed before and after. Results also go to --json.
 """
@@ -78,7 +81,8 @@ def machine() -> str:
         pass
     isa = [f for f in ("avx2", "fma", "f16c", "avx512f", "avx512_vnni", "avx512_bf16", "avx_vnni", "amx_bf16",
                        "amx_int8") if f in flags]
-    return f"{model}, {os.cpu_count()} CPUs, {' '.join(isa) or 'no AVX2'}"
+    limits = [f"{k}={os.environ[k]}" for k in ("KILN_CPU_ISA", "LD_LIBRARY_PATH") if os.environ.get(k)]
+    return f"{model}, {os.cpu_count()} CPUs, {' '.join(isa) or 'no AVX2'}" + (f" ({', '.join(limits)})" if limits else "")
 
 
 def load() -> str:

@@ -1,5 +1,6 @@
 """The process environment kiln writes for what reads it there: Inductor's cache root, the OpenMP
-wait policy (read once when torch loads), and the environment of child processes. With
+wait policy and the instruction-set limit (both read once when torch loads), and the environment of
+child processes. With
 settings.py and sources.py, the only modules that touch os.environ."""
 
 from __future__ import annotations
@@ -39,3 +40,35 @@ def export_openmp_spin(spin_count: str | None) -> str:
     if not policy and "GOMP_SPINCOUNT" in os.environ:
         policy = f"spin {os.environ['GOMP_SPINCOUNT']} then sleep"
     return policy
+
+
+# KILN_CPU_ISA: the highest x86 instruction-set level the process uses, to check or compare what a
+# lesser CPU runs on this one (as a llama.cpp build variant, or oneDNN's ONEDNN_MAX_CPU_ISA). kiln's
+# weight-streaming kernels stop at that level, and torch's own kernels are capped through their
+# variables, read once, when torch loads: ATen's kernel dispatch, oneDNN, MKL.
+CPU_ISA_LEVELS = ("generic", "avx2", "avx2_vnni", "avx512", "avx512_vnni")  # (compiler/cpu_gemv.LEVELS)
+TORCH_ISA_LIMITS = {  # level: ATEN_CPU_CAPABILITY, ONEDNN_MAX_CPU_ISA, MKL_ENABLE_INSTRUCTIONS
+    "generic": ("default", "SSE41", "SSE4_2"),
+    "avx2": ("avx2", "AVX2", "AVX2"),
+    "avx2_vnni": ("avx2", "AVX2_VNNI", "AVX2"),
+    "avx512": ("avx512", "AVX512_CORE", "AVX512"),
+    "avx512_vnni": ("avx512", "AVX512_CORE_VNNI", "AVX512"),
+}
+TORCH_ISA_VARIABLES = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS")
+
+
+def cpu_isa_limit() -> str | None:
+    """KILN_CPU_ISA, one of CPU_ISA_LEVELS; None where unset or "auto"."""
+    value = os.environ.get("KILN_CPU_ISA", "").strip().lower()
+    if value in ("", "auto"):
+        return None
+    if value not in CPU_ISA_LEVELS:
+        raise ValueError(f"KILN_CPU_ISA={value!r} is not one of auto, {', '.join(CPU_ISA_LEVELS)}")
+    return value
+
+
+def export_torch_isa_limit(level: str) -> dict[str, str]:
+    """Cap torch's kernels at `level` (a variable the user set is kept). Returns the variables in force."""
+    for name, value in zip(TORCH_ISA_VARIABLES, TORCH_ISA_LIMITS[level]):
+        os.environ.setdefault(name, value)
+    return {name: os.environ[name] for name in TORCH_ISA_VARIABLES}

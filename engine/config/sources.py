@@ -21,9 +21,9 @@ class SettingsError(ValueError):
     """A settings problem, already phrased for the user (one line per problem)."""
 
 
-# KILN_* variables that are not settings fields (read here and by default_cache_dir, or by the tests:
-# soak sizes, the GPU check's strict mode).
-OTHER_ENV_VARS = ("KILN_CONFIG", "KILN_CACHE_DIR", "KILN_SOAK_REQUESTS", "KILN_SERVER_SOAK_STREAMS",
+# KILN_* variables that are not settings fields (read here and by default_cache_dir; the instruction-set
+# limit, read by process_env before torch loads; or by the tests: soak sizes, the GPU check's strict mode).
+OTHER_ENV_VARS = ("KILN_CONFIG", "KILN_CACHE_DIR", "KILN_CPU_ISA", "KILN_SOAK_REQUESTS", "KILN_SERVER_SOAK_STREAMS",
                   "KILN_GPU_CHECK_STRICT")
 
 

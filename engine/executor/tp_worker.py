@@ -69,9 +69,11 @@ class Worker:
             self.device = torch.device("cuda", rank)
         else:
             self.device = torch.device("cpu")
+            from engine.worker.cpu_isa import apply_cpu_isa_limit
             from engine.worker.cpu_threads import apply_cpu_threads
 
             apply_cpu_threads(spec.cpu_threads, settings.cpu_bind)
+            apply_cpu_isa_limit()  # (as rank 0: the same kernels on every rank)
         from engine.distributed.parallel import join_group
 
         self.tp = join_group(rank, spec.world_size, spec.init_method, spec.backend)

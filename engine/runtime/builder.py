@@ -38,6 +38,7 @@ from engine.resolve.build_target import resolve_device, resolve_dtype, resolve_m
 from engine.resolve.kv_budget import cpu_kv_bytes
 from engine.runtime.startup_phase import Phase
 from engine.structured_output.grammars import StructuredOutputCompiler
+from engine.worker.cpu_isa import apply_cpu_isa_limit
 from engine.worker.cpu_threads import apply_cpu_threads
 from engine.worker.memory_profile import free_gpu_bytes_after_profile
 from engine.worker.model_runner import ModelRunner
@@ -69,6 +70,8 @@ class EngineBuilder:
         self.model_config = cfg = ModelConfig.from_dir(self.model_dir)
         self.device = resolve_device(settings.device)
         self.cpu_threads = apply_cpu_threads(self._cpu_threads(), settings.cpu_bind)
+        if self.device.type == "cpu":
+            apply_cpu_isa_limit()  # (before the weights load: the decoder stack takes its kernel level)
         self.dtype = resolve_dtype(settings.dtype, self.model_config, self.device, self.model_dir)
         self.kv_dtype = resolve_kv_cache_dtype(settings.kv_cache_dtype, self.dtype)
         self.max_model_len = self._resolve_max_model_len()

@@ -27,6 +27,8 @@ choice and why at start-up.
 
 from __future__ import annotations
 
+import platform
+
 from dataclasses import dataclass
 
 
@@ -50,8 +52,11 @@ def cpu_math() -> CpuMath:
     amx = getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
     amx_fp16 = getattr(torch.cpu, "_is_amx_fp16_supported", lambda: False)
     mkldnn_fp16 = getattr(torch.ops.mkldnn, "_is_mkldnn_fp16_supported", lambda: False)
-    return CpuMath(bf16=bool(probe() or amx()), fp16=bool(amx_fp16() or mkldnn_fp16()),
-                   isa=torch.backends.cpu.get_cpu_capability())
+    isa = torch.backends.cpu.get_cpu_capability()
+    if platform.machine().lower() in ("x86_64", "amd64") and not isa.startswith("AVX512"):
+        # (an x86 CPU without AVX-512, or one run below it by KILN_CPU_ISA: neither is native)
+        return CpuMath(bf16=False, fp16=False, isa=isa)
+    return CpuMath(bf16=bool(probe() or amx()), fp16=bool(amx_fp16() or mkldnn_fp16()), isa=isa)
 
 
 def cpu_auto_dtype(checkpoint: str | None, math: CpuMath) -> tuple[str, str]:

@@ -30,7 +30,9 @@ MEMORY_SHARE = 0.25  # of the memory available now, at most, for the copies
 
 
 def has_amx() -> bool:
-    return bool(getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)())
+    """AMX tiles, where torch runs at AVX-512 (not below a KILN_CPU_ISA limit)."""
+    return (bool(getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)())
+            and torch.backends.cpu.get_cpu_capability().startswith("AVX512"))
 
 
 def gemm_weights_choice(setting: str, dtype: torch.dtype, weight_bytes: int, amx: bool,
