@@ -1,7 +1,6 @@
 """The process environment kiln writes for what reads it there: Inductor's cache root, the OpenMP
 wait policy and the instruction-set limit (both read once when torch loads), and the environment of
-child processes. With
-settings.py and sources.py, the only modules that touch os.environ."""
+child processes. With settings.py and sources.py, the only modules that touch os.environ."""
 
 from __future__ import annotations
 
@@ -46,7 +45,6 @@ def export_openmp_spin(spin_count: str | None) -> str:
 # lesser CPU runs on this one (as a llama.cpp build variant, or oneDNN's ONEDNN_MAX_CPU_ISA). kiln's
 # weight-streaming kernels stop at that level, and torch's own kernels are capped through their
 # variables, read once, when torch loads: ATen's kernel dispatch, oneDNN, MKL.
-CPU_ISA_LEVELS = ("generic", "avx2", "avx2_vnni", "avx512", "avx512_vnni")  # (compiler/cpu_gemv.LEVELS)
 TORCH_ISA_LIMITS = {  # level: ATEN_CPU_CAPABILITY, ONEDNN_MAX_CPU_ISA, MKL_ENABLE_INSTRUCTIONS
     "generic": ("default", "SSE41", "SSE4_2"),
     "avx2": ("avx2", "AVX2", "AVX2"),
@@ -54,6 +52,7 @@ TORCH_ISA_LIMITS = {  # level: ATEN_CPU_CAPABILITY, ONEDNN_MAX_CPU_ISA, MKL_ENAB
     "avx512": ("avx512", "AVX512_CORE", "AVX512"),
     "avx512_vnni": ("avx512", "AVX512_CORE_VNNI", "AVX512"),
 }
+CPU_ISA_LEVELS = tuple(TORCH_ISA_LIMITS)  # (compiler/cpu_gemv.LEVELS, in order)
 TORCH_ISA_VARIABLES = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS")
 
 
