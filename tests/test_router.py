@@ -28,6 +28,7 @@ import sglang_router  # noqa: F401  (the test extra installs it; missing, this f
 REPO = Path(__file__).resolve().parents[1]
 MODEL = "tiny"
 NUM_REQUESTS = 200
+API_KEY = "replica-secret"  # the replicas require it; serve-replicas hands it to the router
 
 
 def _free_ports(n: int) -> list[int]:
@@ -63,8 +64,9 @@ def _free_consecutive_ports(n: int) -> int:
 
 
 def _metric(url: str, name: str) -> float:
-    """Sum of a kiln metric over its label sets, read from a replica's /metrics."""
-    with urllib.request.urlopen(url + "/metrics", timeout=5) as resp:
+    """Sum of a kiln metric over its label sets, read from a replica's /metrics (behind the key)."""
+    request = urllib.request.Request(url + "/metrics", headers={"Authorization": f"Bearer {API_KEY}"})
+    with urllib.request.urlopen(request, timeout=5) as resp:
         text = resp.read().decode()
     return sum(float(m.group(1)) for m in re.finditer(rf"^{re.escape(name)}(?:{{[^}}]*}})? (\S+)$", text, re.M))
 
@@ -72,14 +74,15 @@ def _metric(url: str, name: str) -> float:
 def _get_json(url: str):
     import json
 
-    with urllib.request.urlopen(url, timeout=5) as resp:
+    request = urllib.request.Request(url, headers={"Authorization": f"Bearer {API_KEY}"})
+    with urllib.request.urlopen(request, timeout=5) as resp:
         return json.loads(resp.read())
 
 
 class Cluster:
     def __init__(self, proc, router_url, replicas):
         self.proc, self.router_url, self.replicas = proc, router_url, replicas  # replicas: [(pid, url)]
-        self.client = openai.OpenAI(base_url=router_url + "/v1", api_key="unused", max_retries=0, timeout=120)
+        self.client = openai.OpenAI(base_url=router_url + "/v1", api_key=API_KEY, max_retries=0, timeout=120)
 
     def complete(self, prompt: str, max_tokens: int = 4):
         return self.client.completions.create(model=MODEL, prompt=prompt, max_tokens=max_tokens, temperature=0)
@@ -95,7 +98,7 @@ def cluster(tiny_llama, tmp_path_factory):
            str(metrics_port), "--log-dir", str(log_dir), "--startup-timeout", "120", "--one-at-a-time",
            "--router-arg=--health-check-interval-secs=1", "--router-arg=--log-level=warn",
            str(tiny_llama), "--served-model-name", MODEL, "--device", "cpu", "--enforce-eager",
-           "--max-model-len", "512"]
+           "--max-model-len", "512", "--api-key", API_KEY]
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     lines: list[str] = []
@@ -165,6 +168,10 @@ def test_router_lists_the_replicas_model(cluster):
     workers = _get_json(cluster.router_url + "/workers")["workers"]
     assert sorted(w["url"] for w in workers) == sorted(url for _, url in cluster.replicas)
     assert all(w["model_id"] == MODEL and w["is_healthy"] for w in workers)
+    # The key the replicas require is the router's too: a client without it is refused.
+    with openai.OpenAI(base_url=cluster.router_url + "/v1", api_key="wrong", max_retries=0, timeout=30) as bad:
+        with pytest.raises(openai.AuthenticationError):
+            bad.completions.create(model=MODEL, prompt="hi", max_tokens=2)
 
 
 def test_streaming_chat_through_router(cluster):

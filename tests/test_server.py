@@ -67,7 +67,7 @@ def stop_server(proc: subprocess.Popen, log_path: Path) -> None:
 
 def metrics(url: str) -> dict[str, float]:
     """Samples of kiln:* metrics: 'name{label=value,...}' (model_name left out) -> value."""
-    text = httpx.get(f"{url}/metrics").text
+    text = httpx.get(f"{url}/metrics", headers=AUTH).text
     out = {}
     for family in text_string_to_metric_families(text):
         for s in family.samples:
@@ -117,6 +117,9 @@ def client(url):
         yield c
 
 
+AUTH = {"Authorization": f"Bearer {API_KEY}"}
+
+
 def post(url: str, path: str, body, key: str | None = API_KEY, **kw) -> httpx.Response:
     headers = {"Authorization": f"Bearer {key}"} if key else {}
     headers.update(kw.pop("headers", {}))
@@ -144,7 +147,8 @@ def test_models_health_version_tokenize(url):
     assert [m["id"] for m in models["data"]] == [MODEL]
     assert models["data"][0]["max_model_len"] == MAX_MODEL_LEN
     assert httpx.get(f"{url}/health").status_code == 200
-    assert httpx.get(f"{url}/version").json()["version"]
+    assert httpx.get(f"{url}/version", headers=AUTH).json()["version"]
+    assert httpx.get(f"{url}/version").status_code == 401  # default-deny: only /health and /ping are open
     tok = post(url, "/tokenize", {"prompt": "Hello, world!"}).json()
     assert tok["count"] == len(tok["tokens"]) > 2
     detok = post(url, "/detokenize", {"tokens": tok["tokens"][1:]}).json()  # drop BOS
@@ -486,7 +490,8 @@ def test_error_statuses(url, client):
     _error(httpx.get(f"{url}/v1/models"), 401)
     err = _error(post(url, "/v1/completions", {"model": "gpt-9", "prompt": "hi"}), 404)
     assert err["code"] == "model_not_found" and err["param"] == "model"
-    _error(httpx.get(f"{url}/no/such/route"), 404)
+    _error(httpx.get(f"{url}/no/such/route", headers=AUTH), 404)
+    _error(httpx.get(f"{url}/no/such/route"), 401)
     # The openai client maps them to its exception types
     with pytest.raises(openai.BadRequestError):
         client.completions.create(model=MODEL, prompt="hi", temperature=-1)
@@ -571,7 +576,7 @@ def test_200_concurrent_streams_all_complete(url):
 
 
 def test_metrics_exposition(url):
-    text = httpx.get(f"{url}/metrics").text
+    text = httpx.get(f"{url}/metrics", headers=AUTH).text
     for name in ("num_requests_running", "num_requests_waiting", "num_requests_swapped", "kv_cache_usage_perc",
                  "cpu_cache_usage_perc", "kv_cache_fragmentation_ratio", "num_preemptions_total",
                  "prompt_tokens_total", "generation_tokens_total", "prefix_cache_queries_total",

@@ -46,6 +46,9 @@ class ReplicaPlan:
     one_at_a_time: bool = False  # start replica i+1 once i is healthy (replicas sharing a GPU)
     stop_timeout: float = 60.0
     log_dir: Path | None = None
+    # The replicas' --api-key (flag, KILN_API_KEY or kiln.toml): the router sends it to them, for
+    # /model_info when a replica registers and with every request it forwards.
+    api_key: str | None = None
 
     def replica_urls(self) -> list[str]:
         return [f"http://127.0.0.1:{self.replica_port + i}" for i in range(self.replicas)]
@@ -64,7 +67,8 @@ class ReplicaPlan:
                 "--prometheus-host", "127.0.0.1", "--prometheus-port", str(self.router_metrics_port),
                 # The router's default (60 s x 3 failures) keeps a dead replica listed for minutes;
                 # --router-arg comes after this, so the user's value wins.
-                "--health-check-interval-secs", "5", *self.router_args]
+                "--health-check-interval-secs", "5", *(["--api-key", self.api_key] if self.api_key else []),
+                *self.router_args]
 
 
 def _die_with_launcher() -> None:
@@ -242,7 +246,18 @@ def plan_from_argv(argv: list[str]) -> ReplicaPlan:
                        policy=args.policy, gpus=[g for g in args.gpus.split(",") if g.strip()],
                        router_metrics_port=args.router_metrics_port, router_args=list(args.router_arg),
                        serve_args=serve_args, startup_timeout=args.startup_timeout,
-                       one_at_a_time=args.one_at_a_time, log_dir=args.log_dir)
+                       one_at_a_time=args.one_at_a_time, log_dir=args.log_dir,
+                       api_key=_replicas_api_key(serve_args))
+
+
+def _replicas_api_key(serve_args: list[str]) -> str | None:
+    """The API key the replicas will require, resolved as `kiln serve` resolves it."""
+    from engine.entrypoints.cli.main import parse_serve_args
+
+    try:
+        return parse_serve_args(serve_args)[1].api_key
+    except (SystemExit, ValueError):  # a bad serve line: the replicas report it themselves
+        return None
 
 
 def main(argv: list[str]) -> int:

@@ -15,7 +15,7 @@ from fastapi import FastAPI
 from engine.entrypoints.openai import chat, completions, embeddings, tokenize
 from engine.entrypoints.openai import service_routes as models
 from engine.entrypoints.openai.errors import install_error_handlers
-from engine.entrypoints.openai.middleware import GateMiddleware, RequestContextMiddleware
+from engine.entrypoints.openai.middleware import GateMiddleware, PublicRoutes, RequestContextMiddleware
 from engine.entrypoints.openai.state import ServerState, create_state, default_model_name, kiln_version
 
 __all__ = ["build_app", "create_state", "ServerState", "default_model_name", "kiln_version"]
@@ -41,6 +41,7 @@ def build_app(state: ServerState, manage_engine: bool = True) -> FastAPI:
     app.state.kiln = state
     app.add_middleware(GateMiddleware, state=state)
     app.add_middleware(RequestContextMiddleware, api_key=state.settings.api_key,  # outermost: logs every request
+                       public_routes=PublicRoutes(state.settings.public_metrics),
                        retry_after_s=state.settings.retry_after_s)
     install_error_handlers(app)
     for module in (completions, chat, embeddings, tokenize, models):

@@ -1,5 +1,11 @@
 """ASGI middleware: request ids, the API key, the access log; the body-size limit and the
-shutdown gate, both applied before a byte of the body is parsed."""
+shutdown gate, both applied before a byte of the body is parsed.
+
+The API key is default-deny: with --api-key set, every request needs it except those whose
+route is on the public list (PUBLIC_ROUTES, plus /metrics with --public-metrics). The route is
+judged by the path the app's own router matches on (the request path less --root-path), never by
+a prefix of the raw path, so a root path, a proxy or a route added later cannot open a way round
+the key: a path that matches no route needs the key too."""
 
 from __future__ import annotations
 
@@ -9,12 +15,17 @@ import time
 import uuid
 
 from starlette.exceptions import HTTPException
+from starlette._utils import get_route_path
 
 from engine.entrypoints.openai.errors import error_response
 
 access_logger = logging.getLogger("engine.entrypoints.openai.access")
 
-PROTECTED_PREFIXES = ("/v1/", "/tokenize", "/detokenize")
+# The routes answered without the API key: liveness probes only (the documented allow-list).
+PUBLIC_ROUTES = frozenset({"/health", "/ping"})
+METRICS_ROUTE = "/metrics"
+# The routes still answered while the server drains for shutdown (they start no work).
+DRAIN_SERVED_ROUTES = PUBLIC_ROUTES | {METRICS_ROUTE, "/version"}
 CLOSE = {"connection": "close"}  # the server closes the connection after this answer
 
 
@@ -23,9 +34,10 @@ class RequestContextMiddleware:
     and Retry-After on every 503 (overloaded, shutting down: load balancers and the openai
     client's retries read it)."""
 
-    def __init__(self, app, api_key: str | None, retry_after_s: int = 1) -> None:
+    def __init__(self, app, api_key: str | None, public_routes: "PublicRoutes", retry_after_s: int = 1) -> None:
         self.app = app
         self.api_key = api_key
+        self.public_routes = public_routes
         self.retry_after = str(retry_after_s).encode()
 
     async def __call__(self, scope, receive, send) -> None:
@@ -50,7 +62,7 @@ class RequestContextMiddleware:
 
         path = scope.get("path", "")
         try:
-            if self.api_key is not None and path.startswith(PROTECTED_PREFIXES) \
+            if self.api_key is not None and not self.public_routes.is_public(scope) \
                     and not self._authorized(headers):
                 resp = error_response(401, "invalid or missing API key (send 'Authorization: Bearer <key>')",
                                       "authentication_error", None, "invalid_api_key")
@@ -69,6 +81,22 @@ class RequestContextMiddleware:
         return secrets.compare_digest(token.encode("latin-1"), self.api_key.encode("utf-8"))
 
 
+class PublicRoutes:
+    """Which requests are public. The public routes have fixed paths, so the router sends a request
+    to one exactly when the path it routes on (Starlette's get_route_path: the request path less
+    the root path, the very function its router matches with) equals that path."""
+
+    def __init__(self, public_metrics: bool = False) -> None:
+        self.paths = PUBLIC_ROUTES | ({METRICS_ROUTE} if public_metrics else frozenset())
+
+    def is_public(self, scope) -> bool:
+        return get_route_path(scope) in self.paths
+
+    @staticmethod
+    def serves_while_draining(scope) -> bool:
+        return get_route_path(scope) in DRAIN_SERVED_ROUTES
+
+
 def _clean_request_id(raw: bytes | None) -> str | None:
     if not raw:
         return None
@@ -77,7 +105,7 @@ def _clean_request_id(raw: bytes | None) -> str | None:
 
 
 class GateMiddleware:
-    """While the server drains for shutdown, API requests get a 503 at once. A body larger than
+    """While the server drains for shutdown, requests that could start work get a 503 at once. A body larger than
     max_request_body_mb gets a 413 with Connection: close: at once when Content-Length says so,
     else as soon as the bytes received pass the limit (the body is never buffered whole, never
     parsed). Before the 413 the rest of the body is read and dropped, so that a client still
@@ -94,7 +122,7 @@ class GateMiddleware:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        if self.state.draining and scope.get("path", "").startswith(PROTECTED_PREFIXES):
+        if self.state.draining and not PublicRoutes.serves_while_draining(scope):
             await error_response(503, "the server is shutting down", "service_unavailable", None,
                                  "shutting_down")(scope, receive, send)
             return

@@ -1,4 +1,4 @@
-"""GET /v1/models, the LoRA admin endpoints, /health, /metrics, /model_info and /version."""
+"""GET /v1/models, the LoRA admin endpoints, /health and /ping, /metrics, /model_info and /version."""
 
 from __future__ import annotations
 
@@ -58,16 +58,24 @@ def router(state) -> APIRouter:
     async def health_route():
         return health(state)
 
+    # SageMaker's liveness probe, as vLLM serves it: the same answer as /health (kept out of the
+    # schema as the other plumbing routes are).
+    @r.api_route("/ping", methods=["GET", "POST"], include_in_schema=False)
+    async def ping():
+        return health(state)
+
     @r.get("/metrics")
     async def metrics():
         return Response(state.metrics.render(), media_type=CONTENT_TYPE)
 
     def model_info() -> dict:
+        # The served name where SGLang gives paths: a router needs the id it routes, not where the
+        # server's files are.
         info = state.info
-        return {"model_path": state.model_root, "served_model_name": state.model_name,
-                "tokenizer_path": getattr(info.tokenizer, "name_or_path", None) or state.model_root,
-                "is_generation": info.generates, "max_context_length": info.max_model_len,
-                "vocab_size": info.vocab_size, "eos_token_ids": list(info.eos_token_ids)}
+        return {"model_path": state.model_name, "served_model_name": state.model_name,
+                "tokenizer_path": state.model_name, "is_generation": info.generates,
+                "max_context_length": info.max_model_len, "vocab_size": info.vocab_size,
+                "eos_token_ids": list(info.eos_token_ids)}
 
     # sglang-router reads these when a replica registers: the model id it routes and lists under.
     # Router plumbing, not part of the OpenAI API: kept out of /openapi.json.
