@@ -144,6 +144,7 @@ def _stop_launcher(proc, lines: list[str]) -> None:
 
 
 def test_plan_from_argv_splits_launcher_and_replica_flags():
+    from engine.entrypoints.cli.main import parse_serve_args
     from engine.entrypoints.cli.replicas import ReplicaPlan, ReplicaSet, plan_from_argv
 
     plan = plan_from_argv(["--replicas", "3", "--port", "9000", "--replica-port", "9100", "--gpus", "0,1",
@@ -156,6 +157,9 @@ def test_plan_from_argv_splits_launcher_and_replica_flags():
     router = plan.router_command()
     assert router[router.index("--worker-urls") + 1:router.index("--policy")] == plan.replica_urls()
     assert router[-1] == "--health-check-interval-secs=2" and router[router.index("--port") + 1] == "9000"
+    assert "--api-key" not in router
+    keyed = plan_from_argv(["/models/x", "--api-key", "k1"], parse_serve_args).router_command()
+    assert keyed[keyed.index("--api-key") + 1] == "k1"  # the replicas' key, for the router to send
     with pytest.raises(ValueError, match="--port is set by serve-replicas"):
         ReplicaSet(ReplicaPlan(serve_args=["/models/x", "--port=8001"]))
     with pytest.raises(ValueError, match="at least 1"):

@@ -231,7 +231,7 @@ def main(argv: list[str] | None = None) -> int:
             return _cmd_bench(argv[command_at + 1:])
         if command == "serve-replicas":
             from engine.entrypoints.cli.replicas import main as serve_replicas
-            return serve_replicas(argv[command_at + 1:])
+            return serve_replicas(argv[command_at + 1:], parse_serve_args)
         if command == "make-draft-model":
             from engine.entrypoints.cli.make_draft import main as make_draft_model
             return make_draft_model(argv[command_at + 1:])

@@ -240,28 +240,30 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def plan_from_argv(argv: list[str]) -> ReplicaPlan:
+def plan_from_argv(argv: list[str], parse_serve_args=None) -> ReplicaPlan:
+    """The plan for `kiln serve-replicas ARGV`; parse_serve_args (the CLI's `kiln serve` parser)
+    resolves the replicas' settings, to learn the API key they will require."""
     args, serve_args = build_parser().parse_known_args(argv)
     return ReplicaPlan(replicas=args.replicas, host=args.host, port=args.port, replica_port=args.replica_port,
                        policy=args.policy, gpus=[g for g in args.gpus.split(",") if g.strip()],
                        router_metrics_port=args.router_metrics_port, router_args=list(args.router_arg),
                        serve_args=serve_args, startup_timeout=args.startup_timeout,
                        one_at_a_time=args.one_at_a_time, log_dir=args.log_dir,
-                       api_key=_replicas_api_key(serve_args))
+                       api_key=_replicas_api_key(serve_args, parse_serve_args))
 
 
-def _replicas_api_key(serve_args: list[str]) -> str | None:
+def _replicas_api_key(serve_args: list[str], parse_serve_args) -> str | None:
     """The API key the replicas will require, resolved as `kiln serve` resolves it."""
-    from engine.entrypoints.cli.main import parse_serve_args
-
+    if parse_serve_args is None:
+        return None
     try:
         return parse_serve_args(serve_args)[1].api_key
     except (SystemExit, ValueError):  # a bad serve line: the replicas report it themselves
         return None
 
 
-def main(argv: list[str]) -> int:
-    plan = plan_from_argv(argv)
+def main(argv: list[str], parse_serve_args=None) -> int:
+    plan = plan_from_argv(argv, parse_serve_args)
     replica_set = ReplicaSet(plan)
     stop: list[int] = []
     replica_set.stop_requested = lambda: bool(stop)
