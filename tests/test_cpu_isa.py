@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_the_limit_is_one_of_the_kernel_levels(monkeypatch):
-    from compiler.cpu_gemv import LEVELS
+    from compiler.kernels.cpu_gemv import LEVELS
 
     assert CPU_ISA_LEVELS == LEVELS
     monkeypatch.delenv("KILN_CPU_ISA", raising=False)
@@ -36,7 +36,7 @@ import json, logging, os, sys
 logging.basicConfig(level=logging.INFO)
 import engine
 import torch
-from compiler import cpu_gemv
+from compiler.kernels import cpu_gemv
 from engine.entrypoints.llm import LLM
 from tests.test_engine_vs_hf import GREEDY, MAX_TOKENS, _prompts, hf_greedy
 llm = LLM(sys.argv[1], device="cpu", enforce_eager=True, cpu_quant_activations="float")
@@ -57,7 +57,7 @@ def _engine_run(model: Path, limit: str) -> subprocess.CompletedProcess:
 
 @pytest.mark.skipif(platform.machine().lower() not in ("x86_64", "amd64"), reason="x86 instruction-set levels")
 def test_an_avx2_limit_runs_kiln_and_torch_at_avx2_and_matches_transformers(tiny_llama):
-    from compiler.cpu_gemv import GEMV
+    from compiler.kernels.cpu_gemv import GEMV
 
     if not GEMV.ensure() or 1 not in GEMV.levels:
         pytest.skip("this CPU has no AVX2")

@@ -331,11 +331,12 @@ def test_latency_bench_writes_each_row_as_measured(tiny_llama, tmp_path, monkeyp
 
 
 def test_kernel_bench_writes_each_section(tmp_path, monkeypatch):
-    """compiler/kernels/bench.py with its GPU parts replaced: a fault in the prefill section leaves
+    """engine/bench/kernels.py with its GPU parts replaced: a fault in the prefill section leaves
     the copy bandwidth and the decode rows on disk, marked incomplete; only the chosen generation
     is loaded."""
-    from compiler import cutlass_ops
-    from compiler.kernels import bench, loader
+    from compiler.kernels import cutlass_ops
+    from compiler.kernels import loader
+    from engine.bench import kernels as bench
 
     loaded = []
 

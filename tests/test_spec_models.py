@@ -446,7 +446,7 @@ def test_settings_and_metrics(spec_models, make_llm, caplog):
 def _simulated_graphs(engine, sizes=(1, 2, 4)):
     """Every runner of the engine (the target's, the draft model's or head's) replays its decode
     and verify steps as graphs, simulated on the CPU (the body runs again over the static
-    buffers: compiler/capture.py SimulatedGraphSet) with the compiled runner's padding."""
+    buffers: compiler/compilation/capture.py SimulatedGraphSet) with the compiled runner's padding."""
     runners = [(engine.runner, 1 + K)]
     if engine.draft_runner is not None:
         runners.append((engine.draft_runner, 1 if engine.settings.speculative_method == "draft_model" else 1 + K))

@@ -335,7 +335,7 @@ stage_kernel_bench() {  # DECODE PREFILL: one generation per process
     timeout "$LIMIT" $PY tools/gpu_check_fake.py kernel-bench "$WORK/$STAGE.json" --decode-kernel "$1" \
       --prefill-kernel "$2" $(crashes "$STAGE" && echo --crash); return
   fi
-  timeout "$LIMIT" $PY -m compiler.kernels.bench --quick --cache-dir "$KCACHE" --decode-kernel "$1" \
+  timeout "$LIMIT" $PY -m engine.bench.kernels --quick --cache-dir "$KCACHE" --decode-kernel "$1" \
     --prefill-kernel "$2" --json "$WORK/$STAGE.json"
 }
 
@@ -398,10 +398,10 @@ for STAGE in "${STAGES[@]}"; do
     quant-fp8)
       run_stage quant-fp8 stage_engine quant-fp8-w8a8 --fp8 "$WORK/quant-fp8-w8a8.json" ;;
     w4a16-bench)
-      run_stage w4a16-bench stage_stub $PY -m compiler.kernels.w4a16_bench --cache-dir "$KCACHE" \
+      run_stage w4a16-bench stage_stub $PY -m engine.bench.w4a16 --cache-dir "$KCACHE" \
         --json "$WORK/w4a16-bench.json" ;;
     moe-bench)
-      run_stage moe-bench stage_stub $PY -m compiler.moe_bench --json "$WORK/moe-bench.json" ;;
+      run_stage moe-bench stage_stub $PY -m engine.bench.moe --json "$WORK/moe-bench.json" ;;
     swap-bench)  # (runs on the CPU as it is: the fake device runs it so)
       run_stage swap-bench $PY -m engine.bench.swap $([ -n "$FAKE" ] && echo --device cpu --blocks 1,6 --iters 2) \
         --json "$WORK/swap-bench.json" ;;

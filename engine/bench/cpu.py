@@ -202,8 +202,8 @@ def baseline(engine, args) -> dict[str, float]:
 
 def parts(engine, args) -> dict[str, Any]:
     """Compiled vs eager per part, in this run."""
-    from compiler.cpu_attention import paged_attention_cpu_impl
-    from compiler.reference_attention import paged_attention_reference
+    from compiler.kernels.cpu_attention import paged_attention_cpu_impl
+    from compiler.kernels.reference_attention import paged_attention_reference
     from engine.config.settings import EngineSettings
     from engine.runtime.llm_engine import LLMEngine
 

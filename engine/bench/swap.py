@@ -25,7 +25,7 @@ import time
 
 import torch
 
-from compiler.block_swapper import BlockSwapper
+from engine.worker.block_swapper import BlockSwapper
 
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 

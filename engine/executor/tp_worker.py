@@ -102,7 +102,7 @@ class Worker:
         if self.device.type == "cpu" and hasattr(self.model, "warm_cpu_linear"):  # as rank 0 does
             self.model.warm_cpu_linear(s.max_num_batched_tokens, s.max_num_seqs)
         if self.device.type == "cpu" and not s.enforce_eager:
-            from compiler.cpu_attention import KERNEL
+            from compiler.kernels.cpu_attention import KERNEL
 
             KERNEL.configure(s.resolved_compile_cache_dir())
             if hasattr(self.model, "use_cpu_fused_ops"):
@@ -125,7 +125,7 @@ class Worker:
         self.kv_cache = KVCache(self.config.num_layers, num_blocks, s.block_size, self.kv_heads(),
                                 self.config.head_dim, self.spec.dtype, self.device).tensor
         if num_cpu_blocks > 0:
-            from compiler.block_swapper import BlockSwapper
+            from engine.worker.block_swapper import BlockSwapper
 
             self.swapper = BlockSwapper(self.kv_cache, num_cpu_blocks)
 

@@ -2,14 +2,14 @@
 
 A single tensor lets a block be copied or swapped for every layer at once. With
 `kv_cache_dtype = "fp8"` the elements are e4m3 (1 byte) and the cache also holds the per-layer
-K/V scales (`scales`, float32 [layers, 2], on the cache's device; compiler/kv_quant.py).
+K/V scales (`scales`, float32 [layers, 2], on the cache's device; compiler/kernels/kv_quant.py).
 """
 
 from __future__ import annotations
 
 import torch
 
-from compiler.kv_quant import FP8_DTYPE, is_fp8
+from compiler.kernels.kv_quant import FP8_DTYPE, is_fp8
 
 # kv_cache_dtype values (engine/config/settings.py validates them) that name an element type; "auto" is
 # the model's dtype. vLLM's "fp8" is e4m3 on NVIDIA GPUs, as here.
@@ -67,7 +67,7 @@ class KVCache:
 class KVScales:
     """An fp8 cache's K/V scales as the attention backends read them: `tensor` is the cache's
     [layers, 2] scales (shared, updated in place); with `calibrate`, each layer's first write of
-    real rows sets its scales first (compiler/kv_quant.py calibrate_kv_scales: device-only,
+    real rows sets its scales first (compiler/kernels/kv_quant.py calibrate_kv_scales: device-only,
     safe in compiled code and CUDA graphs)."""
 
     def __init__(self, scales: torch.Tensor, calibrate: bool = False) -> None:
@@ -80,7 +80,7 @@ class KVScales:
         scales the write and the attention use."""
         if self.calibrated is not None:
             if eager:
-                from compiler.kv_quant import calibrate_kv_scales
+                from compiler.kernels.kv_quant import calibrate_kv_scales
 
                 calibrate_kv_scales(k, v, slot_mapping, self.tensor, self.calibrated, layer)
             else:

@@ -36,7 +36,8 @@ import logging
 
 import torch
 
-from compiler import cpu_fused, cpu_gemv
+from compiler.kernels import cpu_fused
+from compiler.kernels import cpu_gemv
 from engine.layers.attention.base import AttentionBackend, AttentionMetadata
 from engine.layers.quant import cpu_packed
 

@@ -38,7 +38,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from compiler.cpu_linear import linear
+from compiler.kernels.cpu_linear import linear
 from engine.models.config import ModelConfig
 from engine.models.llama import (
     MLP,

@@ -224,14 +224,14 @@ class EngineBuilder:
 
             seconds = 0.0
             for runner in runners:
-                if hasattr(runner.model, "use_cpu_fused_ops"):  # fused norms / RoPE / SiLU (compiler/cpu_fused.py)
+                if hasattr(runner.model, "use_cpu_fused_ops"):  # fused norms / RoPE / SiLU (compiler/kernels/cpu_fused.py)
                     runner.model.use_cpu_fused_ops(s.resolved_compile_cache_dir())
                 seconds += warm_cpu_decode(runner.model, runner.kv_cache.tensor, s.resolved_compile_cache_dir(),
                                            s.cpu_decoder_stack)
             if not s.cpu_compile_forward:
                 logger.info("CPU: eager forward, C++ paged attention built ahead of time; warm-up %.1fs", seconds)
                 return seconds, 0.0
-        from compiler.capture import compile_count, configure_compile_cache
+        from compiler.compilation.capture import compile_count, configure_compile_cache
 
         cache = configure_compile_cache(*export_compile_cache_dir(s.resolved_compile_cache_dir()))
         graphs_before = compile_count()
@@ -363,7 +363,7 @@ class EngineBuilder:
             logger.warning("swap_space_gb=%s holds no KV block of %d bytes: preempting by recompute only",
                            s.swap_space_gb, per_block)
             return None
-        from compiler.block_swapper import BlockSwapper, SwapGroup
+        from engine.worker.block_swapper import BlockSwapper, SwapGroup
 
         self.block_swapper = BlockSwapper(self.kv_cache.tensor, num_cpu)
         if self.draft_kv is not None:  # the draft's KV moves with the target's, block for block

@@ -114,7 +114,7 @@ class LLMEngine:
         self.kv_cache = parts.kv_cache  # engine/layers/kv_cache.py KVCache
         self.pool: BlockPool = parts.pool
         self.swap_space: SwapSpace | None = parts.swap_space
-        self.block_swapper = parts.block_swapper  # compiler/block_swapper.py BlockSwapper (or the TP executor's)
+        self.block_swapper = parts.block_swapper  # engine/worker/block_swapper.py BlockSwapper (or the TP executor's)
         self.scheduler: Scheduler = parts.scheduler
         self.sampler: Sampler = parts.sampler
         self.runner: ModelRunner = parts.runner  # (TensorParallelRunner with tensor parallelism)

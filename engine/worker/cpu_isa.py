@@ -42,7 +42,7 @@ def apply_cpu_isa_limit() -> str | None:
     """Cap kiln's weight-streaming kernels at KILN_CPU_ISA and log the limit (None: no limit)."""
     import torch
 
-    from compiler import cpu_gemv
+    from compiler.kernels import cpu_gemv
 
     set_cpu_isa_limit()  # (engine/__init__ has; here for a process that imported this module first)
     if _LIMIT_STATE["error"]:

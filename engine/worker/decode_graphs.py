@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Callable
 
 import torch
 
-from compiler.capture import CudaGraphSet, SimulatedGraphSet, bucket_for, graph_ctx
+from compiler.compilation.capture import CudaGraphSet, SimulatedGraphSet, bucket_for, graph_ctx
 
 if TYPE_CHECKING:
     from engine.worker.step_builder import StepInputs
@@ -35,7 +35,7 @@ class DecodeGraphRunner:
     buffers, so the number of graphs does not multiply output memory. The logits stay inside the
     graph (no [rows, vocab] copy per step); a step that samples otherwise than greedily computes
     them again from the hidden states. Keys are (rows, ctx) where ctx is the `max_seq_len` the
-    graph was captured with (compiler.capture.graph_ctx): max_model_len for a backend that reads
+    graph was captured with (compiler.compilation.capture.graph_ctx): max_model_len for a backend that reads
     lengths on the device, else a power-of-two bucket captured on first use.
     """
 

@@ -2,7 +2,7 @@
 
 The step's inputs are written into persistent buffers (engine/worker/input_buffers.py) by the step
 builder (engine/worker/step_builder.py), so captured CUDA graphs (engine/worker/decode_graphs.py,
-compiler/capture.py) replay over the same storage. The forward gets the attention metadata and
+compiler/compilation/capture.py) replay over the same storage. The forward gets the attention metadata and
 the forward context (engine/worker/step_features.py: other features' step inputs). After the forward,
 the sampler picks tokens on the device, and each task that reads hidden states (engine/core/request_kinds.py)
 takes what it needs; `PendingStep` gathers both for the host.
@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from compiler.capture import MIN_COMPILED_ROWS, compile_forward, mark_static_dims
+from compiler.compilation.capture import MIN_COMPILED_ROWS, compile_forward, mark_static_dims
 from engine.core.outputs import SamplerOutput
 from engine.core.request import SamplingParams
 from engine.core.sched.scheduler_output import SchedulerOutput
@@ -53,7 +53,7 @@ class ModelRunner:
         max_tokens = max(max_num_batched_tokens, max_seqs) + MIN_COMPILED_ROWS + 2
         self.buffers = InputBuffers(max_tokens, max_seqs, self.max_blocks_per_seq, device)
         self.builder = StepBuilder(self.buffers, StepFeatures.for_model(model, max_tokens, device), block_size)
-        self.forward_fn = model.forward  # replaced by the compiled forward (compiler/capture.py)
+        self.forward_fn = model.forward  # replaced by the compiled forward (compiler/compilation/capture.py)
         self.graph_runner: DecodeGraphRunner | None = None  # set when decode CUDA graphs are captured
         # A device proposer (engine/worker/spec/: a draft model, an EAGLE head): it drafts inside
         # each launch, before the forward that verifies its drafts.

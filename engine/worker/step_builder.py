@@ -19,7 +19,7 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from compiler.capture import MIN_COMPILED_ROWS, mark_static_dims
+from compiler.compilation.capture import MIN_COMPILED_ROWS, mark_static_dims
 from engine.core.sched.scheduler_output import PLACEHOLDER, ScheduledSeq, SchedulerOutput
 from engine.layers.attention.base import AttentionMetadata
 from engine.layers.forward_context import ForwardContext

@@ -1,7 +1,7 @@
 """SwapSpace: the CPU side of preemption by swap, as plain Python over ints.
 
 A swapped-out sequence's KV lives in a pool of CPU blocks (sized by `swap_space_gb`; the
-tensors and the copies are compiler/block_swapper.py's `BlockSwapper`). This module only decides
+tensors and the copies are engine/worker/block_swapper.py's `BlockSwapper`). This module only decides
 which block goes where and keeps the books; the scheduler turns its answers into
 `SchedulerOutput.blocks_to_swap_out / blocks_to_swap_in`.
 

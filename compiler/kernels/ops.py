@@ -5,12 +5,12 @@ so every op it calls exists in any process: the reference ops (`write_kv`, `page
 CPU and CUDA), the C++ CPU attention (`paged_attention_cpu`), `copy_blocks`, `moe_experts`,
 `moe_experts_int4` (int4 experts in torch's packed CPU layout),
 and the CUTLASS kernels' ops (`write_kv_cutlass`, `paged_attention_cutlass`; CUDA only, they
-launch the kernels a compiler.cutlass_ops.AttentionKernels holds, named by its handle).
-`w4a16_gemm`: kiln's int4-weight GEMM (CUDA only; a compiler.w4a16_gemm.W4A16Gemm, named by its handle).
+launch the kernels a compiler.kernels.cutlass_ops.AttentionKernels holds, named by its handle).
+`w4a16_gemm`: kiln's int4-weight GEMM (CUDA only; a compiler.kernels.w4a16_gemm.W4A16Gemm, named by its handle).
 Registering needs no GPU and no cuda-python: the kernels are loaded when a backend is built.
 
 `kv_scales` (float32 [layers, 2], optional): an fp8 cache's per-layer K/V scales
-(compiler/kv_quant.py); None reads and writes an fp8 cache with scale 1.
+(compiler/kernels/kv_quant.py); None reads and writes an fp8 cache with scale 1.
 
 Dynamo never traces into them: under `torch.compile` they appear as single nodes
 (their fake implementations give shapes only), and under CUDA-graph capture their
@@ -27,12 +27,12 @@ from __future__ import annotations
 
 import torch
 
-from compiler import moe
-from compiler.cpu_attention import paged_attention_cpu_impl
-from compiler.cutlass_ops import kernels_by_handle
-from compiler.kv_quant import byte_view, calibrate_kv_scales, layer_scales
-from compiler.reference_attention import paged_attention_reference, write_kv_reference
-from compiler.w4a16_gemm import w4a16_by_handle
+from compiler.kernels import moe
+from compiler.kernels.cpu_attention import paged_attention_cpu_impl
+from compiler.kernels.cutlass_ops import kernels_by_handle
+from compiler.kernels.kv_quant import byte_view, calibrate_kv_scales, layer_scales
+from compiler.kernels.reference_attention import paged_attention_reference, write_kv_reference
+from compiler.kernels.w4a16_gemm import w4a16_by_handle
 
 
 @torch.library.custom_op("kiln::write_kv", mutates_args=("kv_cache",))
@@ -53,7 +53,7 @@ def calibrate_kv_scales_op(
     k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor, kv_scales: torch.Tensor,
     calibrated: torch.Tensor, layer: int,
 ) -> None:
-    """An fp8 cache's scales from the first rows a layer writes (compiler/kv_quant.py)."""
+    """An fp8 cache's scales from the first rows a layer writes (compiler/kernels/kv_quant.py)."""
     calibrate_kv_scales(k, v, slot_mapping, kv_scales, calibrated, layer)
 
 
@@ -89,7 +89,7 @@ def paged_attention_cpu(
     softcap: float = 0.0, kv_scales: torch.Tensor | None = None,
 ) -> None:
     """kiln::paged_attention for the CPU with compilation on: the C++ kernel of
-    compiler/cpu_attention.py (the same arguments as kiln::paged_attention)."""
+    compiler/kernels/cpu_attention.py (the same arguments as kiln::paged_attention)."""
     paged_attention_cpu_impl(out, q, kv_cache, layer, query_start_loc, seq_lens, block_tables, scale,
                              max_query_len, max_seq_len, num_decodes, kv_scales, sliding_window, softcap)
 
@@ -116,7 +116,7 @@ def _(cache, src, dst) -> None:
 @torch.library.custom_op("kiln::moe_experts", mutates_args=())
 def moe_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                 activation: str) -> torch.Tensor:
-    """The routed experts of a mixture-of-experts FFN (compiler/moe.py)."""
+    """The routed experts of a mixture-of-experts FFN (compiler/kernels/moe.py)."""
     return moe.moe_experts_forward(x, weights, ids, w13, w2, activation)
 
 
@@ -130,7 +130,7 @@ def moe_experts_int4(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, 
                      w13_sz: torch.Tensor, w2_packed: torch.Tensor, w2_sz: torch.Tensor,
                      w13_perm: torch.Tensor | None, w2_perm: torch.Tensor | None, group13: int, group2: int,
                      activation: str) -> torch.Tensor:
-    """Routed int4 experts in torch's packed CPU layout (compiler/moe.py; it reads the routing
+    """Routed int4 experts in torch's packed CPU layout (compiler/kernels/moe.py; it reads the routing
     on the host, hence opaque)."""
     return moe.moe_experts_int4_cpu(x, weights, ids, w13_packed, w13_sz, w2_packed, w2_sz, w13_perm, w2_perm,
                                     group13, group2, activation)

@@ -10,7 +10,7 @@ The causal mask is aligned bottom-right: query i of a chunk of length L in a seq
 of length S sits at position S - L + i and sees keys 0 ..= S - L + i; with a sliding
 window W > 0, only the last W of those (keys > position - W, as transformers masks).
 Sequences with seq_len 0 (graph padding) produce zeros.
-An fp8 cache (compiler/kv_quant.py) stores x / scale and is read back as element * scale, with
+An fp8 cache (compiler/kernels/kv_quant.py) stores x / scale and is read back as element * scale, with
 the layer's k_scale / v_scale (0-d tensors; None: 1).
 """
 
@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from compiler.kv_quant import byte_view, from_cache, to_cache
+from compiler.kernels.kv_quant import byte_view, from_cache, to_cache
 
 
 def write_kv_reference(

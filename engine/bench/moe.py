@@ -7,7 +7,7 @@ the call must read over its time, as GB/s.
 
 Shapes: qwen3-30b-a3b (128 experts, top 8, hidden 2048, expert width 768), mixtral-8x7b
 (8, top 2, 4096, 14336), and `small` (16, top 2, 512, 256; the CPU default).
-Also runnable as `python -m compiler.moe_bench`.
+Also runnable as `python -m engine.bench.moe`.
 """
 
 from __future__ import annotations
@@ -59,7 +59,7 @@ def _time(fn, reps: int, device) -> float:
 def main(argv: list[str] | None = None) -> int:
     import torch
 
-    from compiler.moe import grouped_mm_supported, moe_experts_dense, moe_experts_grouped
+    from compiler.kernels.moe import grouped_mm_supported, moe_experts_dense, moe_experts_grouped
 
     parser = argparse.ArgumentParser(prog="kiln bench moe", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -1,7 +1,7 @@
 """Build and cache kiln's C++ CPU libraries (templates/cpu_*.cpp) with torch.utils.cpp_extension.
 
-One place for what the CPU attention (compiler/cpu_attention.py) and the fused element-wise ops
-(compiler/cpu_fused.py) share: the ISA flags, which follow torch's own CPU capability (never
+One place for what the CPU attention (compiler/kernels/cpu_attention.py) and the fused element-wise ops
+(compiler/kernels/cpu_fused.py) share: the ISA flags, which follow torch's own CPU capability (never
 -march=native, so one cache serves every machine of that capability), the cache key of everything
 that changes the binary, where the library lives in the compile cache, and the build itself.
 """

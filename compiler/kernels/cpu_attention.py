@@ -13,7 +13,7 @@ key of everything that changes the binary (the source, the flags, torch's versio
 vector ISA), so the first start compiles it (10-30 s on 2 cores) and later starts load the shared
 library in milliseconds. The flags follow torch's own CPU capability (AVX2 / AVX-512), never -march=native:
 a cache shared by machines of one capability runs on each of them. The reference
-(compiler/reference_attention.py) stays the definition the kernel is tested against.
+(compiler/kernels/reference_attention.py) stays the definition the kernel is tested against.
 """
 
 from __future__ import annotations
@@ -26,12 +26,12 @@ from pathlib import Path
 
 import torch
 
-from compiler import cpu_extension
-from compiler.kv_quant import layer_scales
+from compiler.kernels import cpu_extension
+from compiler.kernels.kv_quant import layer_scales
 
 logger = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).resolve().parents[1] / "templates" / "cpu_paged_attention.cpp"
+SOURCE = Path(__file__).resolve().parents[2] / "templates" / "cpu_paged_attention.cpp"
 
 # No -ffast-math: it would change NaN handling and rounding; these two change no result.
 _BASE_FLAGS = ["-O3", "-fopenmp", "-fno-math-errno", "-fno-trapping-math", "-Wno-psabi"]
@@ -109,11 +109,11 @@ def paged_attention_cpu_impl(out: torch.Tensor, q: torch.Tensor, kv_cache: torch
                              scale: float, max_query_len: int, max_seq_len: int, num_decodes: int = 0,
                              kv_scales: torch.Tensor | None = None, sliding_window: int = 0,
                              softcap: float = 0.0) -> None:
-    """kiln::paged_attention_cpu's implementation (compiler/ops.py), callable without the custom-op
+    """kiln::paged_attention_cpu's implementation (compiler/kernels/ops.py), callable without the custom-op
     dispatch from an eager forward: every row (decodes and prefill chunks alike) through the C++
     kernel, which reads only the block-table columns each sequence's length reaches (max_query_len,
     max_seq_len and num_decodes are the other backends' hints; it does not need them).
-    kv_scales: an fp8 cache's per-layer scales (compiler/kv_quant.py)."""
+    kv_scales: an fp8 cache's per-layer scales (compiler/kernels/kv_quant.py)."""
     if not loaded():
         KERNEL.load()
     k_scale, v_scale = layer_scales(kv_scales, layer)
@@ -125,7 +125,7 @@ def write_kv_cpu_impl(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, 
                       slot_mapping: torch.Tensor, kv_scales: torch.Tensor | None = None) -> None:
     """kiln::write_kv's effect in one C++ call (the reference takes ~6 torch ops): rows k/v
     [T, Hkv, D] into their slots of layer `layer` (slot -1: skipped), cast or, for an fp8 cache,
-    quantized exactly as compiler/kv_quant.py's to_cache."""
+    quantized exactly as compiler/kernels/kv_quant.py's to_cache."""
     if not loaded():
         KERNEL.load()
     torch.ops.kiln_cpu.write_kv(k, v, kv_cache, layer, slot_mapping, *layer_scales(kv_scales, layer))

@@ -10,7 +10,7 @@ With `kv_dtype=torch.float8_e4m3fn` (an fp8 KV cache) the fp8 variants are loade
 quantizes, the attention kernels convert the bytes in registers; both ops then take the cache's
 per-layer scales (`kv_scales`, float32 [layers, 2]; None: 1), read by the kernels on the device.
 
-The ops are registered by compiler/ops.py (with every other kiln:: op). Whoever creates an
+The ops are registered by compiler/kernels/ops.py (with every other kiln:: op). Whoever creates an
 AttentionKernels owns it (the cutlass attention backend does): it holds the loaded kernel
 generation its settings chose (decode v1 or v2, prefill mma.sync or wgmma), the split-KV
 scratch and the occupancy figures. Custom ops take only tensors and plain values, so the op
@@ -21,7 +21,7 @@ use their own kernels.
 Launches go to torch's *current* stream, read at every call, so CUDA-graph capture records
 them. Scratch is allocated once at load time, so a captured graph sees stable pointers.
 
-One call becomes launches by compiler/launch_plan.py: the leading one-token sequences
+One call becomes launches by compiler/kernels/launch_plan.py: the leading one-token sequences
 (num_decodes) take the decode kernel, the rest the prefill kernel; more than 65,535 sequences
 are cut into chunks (the grid's z limit). Decode grid = (max_splits, kv heads x head slices,
 sequences); max_splits depends only on the batch, the head counts and the block-table width
@@ -54,9 +54,9 @@ from compiler.kernels.manifest import (
     prefill_wgmma_smem_bytes,
     prefill_wgmma_tile,
 )
-from compiler.kv_quant import is_fp8
-from compiler.launch_plan import ctas_per_sm_from_resources, plan_attention_launches, plan_decode_splits
-from compiler.reference_attention import paged_attention_reference, write_kv_reference
+from compiler.kernels.kv_quant import is_fp8
+from compiler.kernels.launch_plan import ctas_per_sm_from_resources, plan_attention_launches, plan_decode_splits
+from compiler.kernels.reference_attention import paged_attention_reference, write_kv_reference
 
 logger = logging.getLogger(__name__)
 

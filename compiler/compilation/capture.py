@@ -3,7 +3,7 @@
 What is compiled
     The model forward (ids, positions, per-layer KV views, attention metadata) ->
     hidden states, with `torch.compile(fullgraph=True, dynamic=True)`. Attention and
-    the KV write are opaque custom ops (compiler/ops.py), so Dynamo sees one graph
+    the KV write are opaque custom ops (compiler/kernels/ops.py), so Dynamo sees one graph
     per layer stack and never traces into them. The token and sequence dimensions,
     and the host ints `max_query_len` / `max_seq_len`, are symbolic; the KV cache
     and the block-table width are marked static (`mark_static_dims`). Dynamo

@@ -1,10 +1,10 @@
 """kiln's int4-weight x bf16-activation GEMM for decode shapes (templates/w4a16_gemm.cu.j2),
-its load-time weight layout and its launcher (CUDA only, launched as compiler/cutlass_ops.py
+its load-time weight layout and its launcher (CUDA only, launched as compiler/kernels/cutlass_ops.py
 launches the attention kernels: cubin from the kernel cache, cuda-python on torch's current stream).
 
     packed, scales, zeros = pack_w4a16(qweight, zeros, scales, group_size)   # at load, any device
     gemm = W4A16Gemm(cache_dir, device)
-    y = torch.ops.kiln.w4a16_gemm(x, packed, scales, zeros, gemm.handle)   # (compiler/ops.py)
+    y = torch.ops.kiln.w4a16_gemm(x, packed, scales, zeros, gemm.handle)   # (compiler/kernels/ops.py)
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ at run time (`GEMV.level`; tests and the benchmark run the others by name). So t
 carry no ISA (unlike the fused ops and the attention, which follow torch's capability): one
 binary runs on every x86-64 CPU.
 
-Built with torch.utils.cpp_extension (compiler/cpu_extension.py) into the compile cache under a
+Built with torch.utils.cpp_extension (compiler/kernels/cpu_extension.py) into the compile cache under a
 key of the sources, flags and torch version: the first use compiles it (~1-2 min on 2 cores),
 later ones load it in milliseconds. Never skipped silently: when it cannot be built the error is
 logged once with the path taken instead (dense layers: F.linear / oneDNN; quantised layers:
@@ -27,11 +27,11 @@ from pathlib import Path
 
 import torch
 
-from compiler import cpu_extension
+from compiler.kernels import cpu_extension
 
 logger = logging.getLogger(__name__)
 
-TEMPLATES = Path(__file__).resolve().parents[1] / "templates"
+TEMPLATES = Path(__file__).resolve().parents[2] / "templates"
 SOURCE = TEMPLATES / "cpu_gemv.cpp"
 INCLUDES = (TEMPLATES / "cpu_gemv_isa.inc", TEMPLATES / "cpu_bits.inc")
 
@@ -47,7 +47,7 @@ INT4, INT8 = 1004, 1008
 DENSE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 # Rows of x (by its dtype) up to which a dense projection goes through the kernel; above, oneDNN
-# (float32 from 32 rows) or F.linear (compiler/cpu_linear.py). oneDNN's bfloat16 GEMM (AVX-512
+# (float32 from 32 rows) or F.linear (compiler/kernels/cpu_linear.py). oneDNN's bfloat16 GEMM (AVX-512
 # BF16) catches up with the kernel from ~16 rows in a GEMM alone (tools/bench_cpu_gemv.py), but
 # the kernels' row limit is also the decoder stack's (engine/models/cpu_stack.py): SmolLM2 bf16
 # decodes 1.3-1.5x faster at batch 16 and 1.15x at batch 24 with the stack than op by op on oneDNN.

@@ -2,7 +2,7 @@
 many float32 rows through oneDNN with a bounded set of shapes.
 
 Up to cpu_gemv.MAX_DENSE_ROWS rows (decode; per dtype) a float32 / bfloat16 / float16 weight goes through
-compiler/cpu_gemv.py, which reads the weight once at close to memory speed and splits its rows
+compiler/kernels/cpu_gemv.py, which reads the weight once at close to memory speed and splits its rows
 over the threads (tools/bench_cpu_gemv.py: its ratio to F.linear per row count).
 
 Measured on the shared 2-core AMD EPYC (Zen 5, AVX-512) machine (BENCH_cpuops.md): torch's
@@ -36,7 +36,7 @@ from collections.abc import Iterable
 import torch
 import torch.nn.functional as F
 
-from compiler import cpu_gemv
+from compiler.kernels import cpu_gemv
 
 # Rows from which oneDNN beats the default GEMM (measured crossover ~32 rows at one thread, lower
 # at two: BENCH_cpuops.md); decode batches of a few dozen rows gain too.

@@ -1,11 +1,11 @@
-"""`python -m compiler.kernels.w4a16_bench [--json PATH] [--cache-dir DIR]`: kiln's W4A16 GEMM
+"""`python -m engine.bench.w4a16 [--json PATH] [--cache-dir DIR]`: kiln's W4A16 GEMM
 against torch's tinygemm (`_weight_int4pack_mm`, the same int4 weights) and the bf16 matmul, on
 the projections of the Llama-3.1-8B shape (fused qkv, o, fused gate/up, down), group 128, at
 M = 1, 16 and 64 tokens. Per call: microseconds, GB/s of weight bytes (packed weight + group
 scales and zeros), and the ratios kiln / tinygemm and kiln / bf16 (the issue's target for the
 whole decode step: int4 <= 0.4x bf16).
 
-Timing as compiler/kernels/bench.py: CUDA events around graph replays of calls rotated over
+Timing as engine/bench/kernels.py: CUDA events around graph replays of calls rotated over
 enough weight copies that L2 (50 MB on an H200) serves none of them.
 """
 
@@ -16,7 +16,7 @@ import json
 import sys
 from pathlib import Path
 
-from compiler.kernels.bench import DEFAULT_CACHE_DIR, L2_ROTATE_BYTES, _time_graph
+from engine.bench.kernels import DEFAULT_CACHE_DIR, L2_ROTATE_BYTES, _time_graph
 
 SHAPES_8B = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
 TOKENS = (1, 16, 64)
@@ -46,7 +46,7 @@ def _tinygemm(q, zeros, scales, group):
 def bench(cache_dir: Path, shapes=SHAPES_8B, tokens=TOKENS, reps: int = 5, on_row=None) -> list[dict]:
     import torch
 
-    from compiler.w4a16_gemm import W4A16Gemm, pack_w4a16
+    from compiler.kernels.w4a16_gemm import W4A16Gemm, pack_w4a16
 
     dev = torch.device("cuda")
     gemm = W4A16Gemm(cache_dir, dev)
@@ -91,7 +91,7 @@ def row_line(r: dict) -> str:
 
 
 def main(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="python -m compiler.kernels.w4a16_bench", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m engine.bench.w4a16", description=__doc__.split("\n\n")[0])
     p.add_argument("--cache-dir", type=Path, default=DEFAULT_CACHE_DIR)
     p.add_argument("--json", type=Path, default=None)
     p.add_argument("--quick", action="store_true", help="batch 1 only")

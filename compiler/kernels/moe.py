@@ -1,5 +1,5 @@
 """The routed experts of a mixture-of-experts FFN, as one opaque op (`kiln::moe_experts`, registered
-in compiler/ops.py).
+in compiler/kernels/ops.py).
 
 Inputs: the tokens x [T, H], the router's choice per token (weights and expert ids, [T, k]),
 and the stacked expert weights w13 [E, 2I, H] (gate rows, then up rows) and w2 [E, H, I].
@@ -75,7 +75,7 @@ def moe_experts_dense(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
 
 def moe_experts_forward(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w13: torch.Tensor,
                         w2: torch.Tensor, activation: str) -> torch.Tensor:
-    """The body of kiln::moe_experts (registered in compiler/ops.py)."""
+    """The body of kiln::moe_experts (registered in compiler/kernels/ops.py)."""
     if x.shape[0] == 0:
         return torch.zeros_like(x)
     if grouped_mm_supported(x):

@@ -11,7 +11,7 @@ before the library is loaded and for other dtypes.
 
 The same library holds `DecoderStack` (templates/cpu_decoder_stack.inc, a torch custom class): a
 model's whole decoder stack as one C++ call over these ops, the weight-streaming projections
-(compiler/cpu_gemv.py) and the paged attention (compiler/cpu_attention.py), which it finds in the
+(compiler/kernels/cpu_gemv.py) and the paged attention (compiler/kernels/cpu_attention.py), which it finds in the
 dispatcher when it is built (engine/models/cpu_stack.py builds it from a model).
 
 Built with torch.utils.cpp_extension into the compile cache (`compile_cache_dir`) under a key of
@@ -29,11 +29,11 @@ from pathlib import Path
 
 import torch
 
-from compiler import cpu_extension
+from compiler.kernels import cpu_extension
 
 logger = logging.getLogger(__name__)
 
-TEMPLATES = Path(__file__).resolve().parents[1] / "templates"
+TEMPLATES = Path(__file__).resolve().parents[2] / "templates"
 SOURCE = TEMPLATES / "cpu_fused_ops.cpp"
 INCLUDES = (TEMPLATES / "cpu_decoder_stack.inc", TEMPLATES / "cpu_bits.inc")
 

@@ -34,7 +34,7 @@ from typing import Sequence
 
 import torch
 
-from compiler.kv_quant import byte_view
+from compiler.kernels.kv_quant import byte_view
 
 Mapping = Sequence[tuple[int, int]]
 

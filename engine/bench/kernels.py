@@ -13,7 +13,7 @@ generation is timed in a process of its own, and only after its GPU tests passed
 (tools/gpu_check.sh: stages kernel-bench and kernel-bench-v2); --compare loads both generations
 for side-by-side columns. --json is rewritten after every section (copy bandwidth, decode,
 sweep, prefill; `complete` false until the end), so a fault halfway keeps the sections before it.
-Also runnable as `python -m compiler.kernels.bench`.
+Also runnable as `python -m engine.bench.kernels`.
 """
 
 from __future__ import annotations
@@ -146,7 +146,7 @@ def bench_decode(kernels_by_path, chosen, batches, ctxs, copy_bw, baselines_max_
     import torch
     import torch.nn.functional as F
 
-    from compiler.reference_attention import paged_attention_reference
+    from compiler.kernels.reference_attention import paged_attention_reference
 
     rows = []
     dtype = torch.bfloat16
@@ -275,7 +275,7 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available():
         print("kiln bench kernels: needs a CUDA GPU", file=sys.stderr)
         return 2
-    from compiler import cutlass_ops
+    from compiler.kernels import cutlass_ops
     from compiler.kernels.build import build_kernels, find_nvcc
     from compiler.kernels.loader import missing_variants
 
