@@ -12,10 +12,15 @@ from pathlib import Path
 import pytest
 import torch
 
+from engine.config.process_setup import (
+    QUIET_SPIN_COUNT,
+    SHARED_SPIN_COUNT,
+    available_cores,
+    cores_busy_elsewhere,
+    spin_count_for,
+)
 from engine.config.settings import EngineSettings
 from engine.config.values import parse_core_list
-from engine.config.process_setup import (QUIET_SPIN_COUNT, SHARED_SPIN_COUNT, available_cores, cores_busy_elsewhere,
-                                         spin_count_for)
 from engine.worker.cpu_threads import apply_cpu_threads, plan_threads
 
 ROOT = Path(__file__).resolve().parents[1]
