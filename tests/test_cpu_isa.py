@@ -1,4 +1,5 @@
-"""KILN_CPU_ISA: the process runs as a CPU with less than this one has (engine/worker/cpu_isa.py)."""
+"""KILN_CPU_ISA: the process runs as a CPU with less than this one has (engine/config/process_setup.py caps
+torch before it loads, engine/worker/cpu_isa.py kiln's kernels at start-up)."""
 
 from __future__ import annotations
 
@@ -34,10 +35,9 @@ def test_the_limit_is_one_of_the_kernel_levels(monkeypatch):
 ENGINE_CODE = """
 import json, logging, os, sys
 logging.basicConfig(level=logging.INFO)
-import engine
+from engine import LLM  # (before torch: the offline API's module prepares the process)
 import torch
 from compiler.kernels import cpu_gemv
-from engine.entrypoints.llm import LLM
 from tests.test_engine_vs_hf import GREEDY, MAX_TOKENS, _prompts, hf_greedy
 llm = LLM(sys.argv[1], device="cpu", enforce_eager=True, cpu_quant_activations="float")
 prompts = _prompts(llm.engine.model_config.vocab_size)

@@ -40,7 +40,7 @@ ALLOWED = {
                 "worker"},
     "entrypoints": {"compiler", "config", "core", "lora", "models", "runtime", "structured_output"},
     "bench": {"compiler", "config", "core", "engine", "entrypoints", "executor", "models", "runtime", "worker"},
-    "engine": {"config", "core", "entrypoints", "worker"},
+    "engine": {"config", "core", "entrypoints"},
 }
 # Inside the runtime, only the builder assembles the model side.
 BUILDER_ONLY = {"layers", "models", "executor"}

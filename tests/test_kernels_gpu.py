@@ -20,7 +20,7 @@ if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU", allow_module_level=True)
 pytest.importorskip("cuda.bindings.driver")
 
-from compiler import cutlass_ops  # noqa: E402
+from compiler.kernels import cutlass_ops  # noqa: E402
 from compiler.kernels.build import build_kernels, find_nvcc  # noqa: E402
 from compiler.kernels.loader import missing_variants  # noqa: E402
 from compiler.kernels.manifest import attention_variant_names  # noqa: E402

@@ -437,9 +437,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str]) -> int:
+    from engine.config.process_setup import available_cores
     from engine.entrypoints.cli.flags import settings_from_args
     from engine.runtime.llm_engine import LLMEngine
-    from engine.worker.cpu_threads import available_cores, plan_threads
+    from engine.worker.cpu_threads import plan_threads
 
     args = build_parser().parse_args(argv)
     settings = settings_from_args(args)

@@ -22,10 +22,16 @@ import signal
 import threading
 import traceback
 
-import torch
-import torch.distributed as dist
+from engine.config.process_setup import prepare_process
 
-from engine.executor import step_codec as codec
+# The worker process's entry module (spawned: multiprocessing imports it before the worker's spec,
+# which holds torch types), so it prepares the process before torch loads, as rank 0's entry point did.
+prepare_process()
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+from engine.executor import step_codec as codec  # noqa: E402
 
 logger = logging.getLogger(__name__)
 

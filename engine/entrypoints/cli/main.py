@@ -11,6 +11,7 @@ import logging
 import sys
 from importlib import import_module
 
+from engine.config.process_setup import prepare_process
 from engine.config.settings import SETTING_NAMES, ServerSettings
 from engine.config.sources import SettingsError, unknown_env_vars
 from engine.entrypoints.cli.flags import (
@@ -212,6 +213,7 @@ def _positional_model(args: argparse.Namespace) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    prepare_process()  # (before any command imports torch: its runtimes read these once, at load)
     argv = list(sys.argv[1:] if argv is None else argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     parser = build_parser()
