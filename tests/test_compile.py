@@ -116,7 +116,7 @@ def test_compile_cache_hit_with_another_pool_size(engines, tiny_llama, compile_c
     other = LLMEngine(EngineSettings(model=str(tiny_llama), enforce_eager=False, compile_cache_dir=compile_cache,
                                      **{**COMMON, "num_gpu_blocks": COMMON["num_gpu_blocks"] + 37}))
     # In this process Dynamo may reuse its graphs outright (no Inductor call at all); in a new
-    # process every graph is a cache hit (BENCHMARKS.md, warm start). Never a miss.
+    # process every graph is a cache hit (benchmarks/, warm start). Never a miss.
     assert counters["inductor"]["fxgraph_cache_miss"] == misses, "a different pool size recompiled"
     eager, compiled = engines
     prompt = _prompts(compiled, 1, seed=11)[0]

@@ -30,7 +30,7 @@
 # run measures them):
 #   - kernel tests, 2026-11-29 on the H200: 78 passed in 27.6 s; kernel bench --quick: 13.4 s;
 #   - Inductor cold compiles on this project's 2-core CPU machine: the 2-layer graph-test model 83 s
-#     (load 7), a 32-layer 8B-layout model 71 s (BENCHMARKS.md); Dynamo traces ~10 s of that. The
+#     (load 7), a 32-layer 8B-layout model 71 s (benchmarks/); Dynamo traces ~10 s of that. The
 #     device host has 16 cores for Triton's compile workers.
 # So the two 8B engines compile during the tests stage (their compile is the long part; each
 # waits for a go file before it measures anything, on a quiet GPU), the latency stages then only

@@ -12,7 +12,7 @@ process, and records what it decided in one `ProcessSetup`, which the engine rea
   wakes sleeping threads; in a VM a wake-up of an idle vCPU costs tens of microseconds). So kiln
   sets libgomp's GOMP_SPINCOUNT by what it finds: if other processes keep kiln's cores busy at
   start, 1000 rounds of `pause` (~11-50 µs, then sleep), which measured faster than passive
-  waiting with a busy neighbour (BENCHMARKS.md, session 4, and session 16: 0.77x with 10000
+  waiting with a busy neighbour (benchmarks/2026-11-30.md, session 4, and session 16: 0.77x with 10000
   there); on cores that are otherwise idle, 10000 (~0.1-0.5 ms): a decode step at batch 64 is
   ~300 parallel regions with Python between them, and with the short spin the second thread
   slept through most gaps (SmolLM2 bf16 offline 1.32x, session 16). A wait policy or spin count

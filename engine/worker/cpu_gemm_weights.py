@@ -7,7 +7,7 @@ that layout once (`pack_for_gemm`), it does not. On a Sapphire Rapids (AMX-BF16)
 bfloat16 projections of 16-128 rows ran 1.5-2.5x faster that way, with the same bits; float32 ones
 1.1-1.3x (float32 rounding differences from the plain path: another blocking), and SmolLM2 F32
 served at concurrency 16 gave 1.10x the output tok/s and 0.92-0.94x the median inter-token latency
-(two alternating pairs; BENCHMARKS.md, session 14). The copy costs the weights' bytes once more in
+(two alternating pairs; benchmarks/2026-12-03.md, session 14). The copy costs the weights' bytes once more in
 memory, so:
 
 - `auto`: float32 and bfloat16 models on CPUs with AMX (Sapphire Rapids and later, where it was

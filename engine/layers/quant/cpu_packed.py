@@ -112,7 +112,7 @@ def activations_choice(dtype: torch.dtype | None, activations: str = "auto", isa
     AVX2-only CPUs and on Intel's AVX-512 cores the float path's conversions make it compute-bound,
     so int8 there (tools/bench_cpu_gemv.py q4_1-f32 against q4_1-bf16, one row: Zen 3 4.0 against
     9.4 GB/s; Sapphire Rapids 8.4 against 17.7, and SmolLM2 Q4_1 decodes 1.6x faster at batch 1,
-    1.3x at 16: BENCHMARKS.md, session 14)."""
+    1.3x at 16: benchmarks/2026-12-03.md, session 14)."""
     if activations not in ACTIVATIONS:
         raise ValueError(f"cpu_quant_activations: {activations!r} is not one of {ACTIVATIONS}")
     if dtype not in (None, torch.float32):
