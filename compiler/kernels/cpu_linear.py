@@ -5,7 +5,7 @@ Up to cpu_gemv.MAX_DENSE_ROWS rows (decode; per dtype) a float32 / bfloat16 / fl
 compiler/kernels/cpu_gemv.py, which reads the weight once at close to memory speed and splits its rows
 over the threads (tools/bench_cpu_gemv.py: its ratio to F.linear per row count).
 
-Measured on the shared 2-core AMD EPYC (Zen 5, AVX-512) machine (BENCH_cpuops.md): torch's
+Measured on the shared 2-core AMD EPYC (Zen 5, AVX-512) machine (benchmarks/2026-11-30.md, BENCH_cpuops): torch's
 default float32 GEMM (MKL sgemm) runs at ~100 GFLOP/s whatever the size; oneDNN's matmul
 (`torch.ops.mkldnn._linear_pointwise`) runs a prefill's rows 2-3x faster, but it has a fixed
 cost of ~10 µs a call, so a few dozen rows stay on `F.linear`. bfloat16 `F.linear` already goes
@@ -39,7 +39,7 @@ import torch.nn.functional as F
 from compiler.kernels import cpu_gemv
 
 # Rows from which oneDNN beats the default GEMM (measured crossover ~32 rows at one thread, lower
-# at two: BENCH_cpuops.md); decode batches of a few dozen rows gain too.
+# at two: benchmarks/2026-11-30.md, BENCH_cpuops); decode batches of a few dozen rows gain too.
 MIN_ONEDNN_ROWS = 32
 
 _ONEDNN = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")

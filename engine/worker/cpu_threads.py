@@ -9,7 +9,7 @@ Three things decide batch-1 CPU speed on a machine shared with other work:
   the tokenizer; from four cores up kiln leaves one core to them (vLLM's CPU backend does the
   same). On one or two cores it uses them all: leaving one of two idle halves the compute, and
   on a busy shared machine a single compute thread was measured 3-6x slower than two
-  (BENCH_cpu.md; the engine loop is itself one of the compute threads, and with passive
+  (benchmarks/2026-11-29.md, CPU; the engine loop is itself one of the compute threads, and with passive
   waiting an idle thread costs nothing).
 - Where they run. `cpu_bind` pins the process's threads to a list of cores (for a machine
   reserved to kiln); the default leaves placement to the OS, which can move a thread away from
