@@ -224,3 +224,17 @@ def test_every_503_carries_retry_after(app_state):
     for resp, code in ((full, "overloaded"), (draining, "shutting_down"), (health, "shutting_down")):
         assert resp.status_code == 503 and resp.json()["error"]["code"] == code, resp.text
         assert resp.headers["retry-after"] == "3", resp.headers
+
+
+# ---- proxy headers: trusted only from the proxies the operator names ----
+@pytest.mark.parametrize("allow, seen", [(None, "127.0.0.1"), (["127.0.0.1"], "203.0.113.9")])
+def test_forwarded_for_is_trusted_only_from_configured_proxies(app_state, caplog, allow, seen):
+    from engine.config.settings import ServerSettings
+
+    state, app = app_state()
+    settings = ServerSettings(forwarded_allow_ips=allow)
+    with caplog.at_level("INFO", logger="engine.entrypoints.openai.access"), serving(app, settings) as port:
+        resp = httpx.get(f"http://127.0.0.1:{port}/health", headers={"X-Forwarded-For": "203.0.113.9"})
+    assert resp.status_code == 200
+    lines = [r.getMessage() for r in caplog.records if '"GET /health"' in r.getMessage()]
+    assert lines and lines[-1].split()[0] == seen, lines

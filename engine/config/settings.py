@@ -414,10 +414,13 @@ class ServerSettings(_KilnSettings):
     allowed_origins: list[str] | None = Field(
         None, description='CORS origins allowed (JSON list or words, e.g. \'["*"]\'); default: no CORS headers')
     root_path: str | None = Field(None, description="path prefix when served behind a path-based proxy")
+    forwarded_allow_ips: list[str] | None = Field(
+        None, description="proxies whose X-Forwarded-For / X-Forwarded-Proto are trusted (addresses or networks, "
+        "'*' for any); default none: the client is the socket's peer")
     ssl_keyfile: Path | None = Field(None, description="TLS private key (serve HTTPS)")
     ssl_certfile: Path | None = Field(None, description="TLS certificate (serve HTTPS)")
 
-    @field_validator("served_model_name", "allowed_origins", mode="before")
+    @field_validator("served_model_name", "allowed_origins", "forwarded_allow_ips", mode="before")
     @classmethod
     def _parse_lists(cls, v: Any) -> Any:
         return word_list(v)
