@@ -395,6 +395,8 @@ class ServerSettings(_KilnSettings):
     http_header_timeout_s: float = Field(
         10.0, gt=0, description="a request head not complete this long after the connection was free gets a 408")
     http_body_timeout_s: float = Field(30.0, gt=0, description="a request body that stalls this long gets a 408")
+    http_body_deadline_s: float = Field(
+        120.0, gt=0, description="a request body not complete this long after its head gets a 408 (however it trickles)")
     stream_stall_timeout_s: float = Field(
         30.0, ge=0,
         description="a client that reads no output this long: its request is aborted, its connection closed (0: never)")
