@@ -1,4 +1,4 @@
-"""Incremental detokenisation and stop strings, over one sample's own `TextState`.
+"""Incremental detokenisation, over one sample's own `TextState`.
 
 Fast tokenizers (`tokenizers` backed) decode with `tokenizers`' DecodeStream: one decode per
 new token. Other tokenizers decode a short window of ids twice (with and without the newest
@@ -108,19 +108,9 @@ class Detokenizer:
         return detokenize_step(self.tokenizer, state)
 
 
-def find_stop(text: str, stops: list[str], start: int) -> tuple[int, str] | None:
-    """The earliest of `stops` in text[start:]: (where it starts, which), or None."""
-    best: tuple[int, str] | None = None
-    for stop in stops:
-        idx = text.find(stop, start)
-        if idx != -1 and (best is None or idx < best[0]):
-            best = (idx, stop)
-    return best
-
-
-def visible_len(text: str, stops: list[str], finished: bool) -> int:
+def visible_len(text: str, longest_stop: int, finished: bool) -> int:
     """How many characters of `text` are safe to show now: a tail that could still become a stop
-    string is held back until the sample ends."""
-    if finished or not stops:
+    string (of at most `longest_stop` characters) is held back until the sample ends."""
+    if finished or longest_stop == 0:
         return len(text)
-    return max(0, len(text) - (max(len(s) for s in stops) - 1))
+    return max(0, len(text) - (longest_stop - 1))
