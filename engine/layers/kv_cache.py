@@ -7,6 +7,9 @@ K/V scales (`scales`, float32 [layers, 2], on the cache's device; compiler/kerne
 
 from __future__ import annotations
 
+import math
+
+import numpy as np
 import torch
 
 from compiler.kernels.kv_quant import FP8_DTYPE, is_fp8
@@ -27,12 +30,23 @@ def resolve_kv_cache_dtype(setting: str, model_dtype: torch.dtype) -> torch.dtyp
                          f"{', '.join(KV_CACHE_DTYPES)})") from None
 
 
+def untouched_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A zeroed CPU tensor whose pages are not touched until written: calloc (numpy's zeros) takes
+    a large block straight from the OS as zero pages, so the reservation costs no time at start and
+    resident memory grows with the KV actually written (torch.zeros writes every byte)."""
+    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    return torch.from_numpy(np.zeros(nbytes, dtype=np.uint8)).view(dtype).view(shape)
+
+
 class KVCache:
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
                  dtype: torch.dtype, device: torch.device, pin_memory: bool = False,
                  model_dtype: torch.dtype | None = None) -> None:
         shape = (num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim)
-        self.tensor = torch.zeros(shape, dtype=dtype, device=device, pin_memory=pin_memory)
+        if torch.device(device).type == "cpu" and not pin_memory:
+            self.tensor = untouched_zeros(shape, dtype)
+        else:
+            self.tensor = torch.zeros(shape, dtype=dtype, device=device, pin_memory=pin_memory)
         self.num_blocks = num_blocks
         self.block_size = block_size
         # The dtype of the rows the model writes and reads back (the cache's own unless fp8).

@@ -44,10 +44,14 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     from engine.entrypoints.llm import LLM
 
     settings = settings_from_args(args)
-    llm = LLM(**settings.model_dump(exclude_unset=True))
+    given = settings.model_dump(exclude_unset=True)
+    prompts = args.prompt or ["The quick brown fox"]
+    if not given.keys() & {"max_num_seqs", "num_gpu_blocks", "kv_cache_memory_gb"}:
+        # The KV cache is sized for what runs at once: these prompts' samples, not a server's batch.
+        given["max_num_seqs"] = max(1, len(prompts) * args.n)
+    llm = LLM(**given)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                             seed=args.sampling_seed, n=args.n)
-    prompts = args.prompt or ["The quick brown fox"]
     for out in llm.generate(prompts, params, use_tqdm=False):
         for choice in out.outputs:
             if args.json:
