@@ -56,7 +56,8 @@ def accepted_prefix(drafts: list[int], sampled: list[int]) -> int:
 
 
 class SpecDecoder:
-    """Draft proposal limits and draft acceptance for the scheduler, with their counters."""
+    """Draft proposal limits and draft acceptance for the scheduler, with their counters (what the
+    core asks for is engine/core/sched/drafts.py's Drafts; the runtime builder makes this one)."""
 
     def __init__(self, proposer: Proposer, max_model_len: int) -> None:
         self.proposer = proposer
