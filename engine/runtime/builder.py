@@ -20,7 +20,6 @@ from engine.core.kv import kv_sizing
 from engine.core.kv.block_pool import BlockPool
 from engine.core.kv.swap_space import SwapSpace
 from engine.core.sched.scheduler import Scheduler, SchedulerConfig
-from engine.core.sched.spec import DraftLengthPlanner, NgramProposer, SpecDecodeConfig
 from engine.layers.attention.base import BackendSpec
 from engine.layers.attention.selector import get_attention_backend
 from engine.layers.kv_cache import KVCache, KVScales, resolve_kv_cache_dtype
@@ -37,14 +36,15 @@ from engine.models.loader.model_loader import load_model, load_tokenizer
 from engine.resolve.build_target import resolve_device, resolve_dtype, resolve_model_dir
 from engine.resolve.kv_budget import cpu_kv_bytes
 from engine.runtime.startup_phase import Phase
+from engine.spec_decode.draft_model import DraftModelProposer
+from engine.spec_decode.eagle import EagleProposer
+from engine.spec_decode.sched import DraftLengthPlanner, NgramProposer, SpecDecodeConfig, SpecDecoder
 from engine.structured_output.grammars import StructuredOutputCompiler
 from engine.worker.cpu_isa import apply_cpu_isa_limit
 from engine.worker.cpu_threads import apply_cpu_threads
 from engine.worker.memory_profile import free_gpu_bytes_after_profile
 from engine.worker.model_runner import ModelRunner
 from engine.worker.sample.sampler import Sampler
-from engine.worker.spec.draft_model import DraftModelProposer
-from engine.worker.spec.eagle import EagleProposer
 
 logger = logging.getLogger(__name__)
 
@@ -157,7 +157,7 @@ class EngineBuilder:
             reserved_blocks_fraction=settings.reserved_blocks_fraction,
             reserved_priority=settings.reserved_priority,
             eos_token_ids=self.eos_token_ids,
-        ), self.pool, self._make_swap_space(), self._make_proposer())
+        ), self.pool, self._make_swap_space(), self._make_spec_decoder())
         self.sampler = Sampler(self.device, self.eos_token_ids, settings.seed)
         runner_cls = ModelRunner
         if self.executor is not None:
@@ -279,21 +279,24 @@ class EngineBuilder:
         logger.info("KV cache: fp8 e4m3, %d blocks, K/V scales %s", self.num_blocks, source)
         self.backend.use_kv_scales(KVScales(cache.scales, calibrate=s.calculate_kv_scales))
 
-    def _make_proposer(self) -> NgramProposer | DraftLengthPlanner | None:
+    def _make_spec_decoder(self) -> SpecDecoder | None:
         """The scheduler's side of speculative decoding: n-gram drafts, or how many drafts the
-        device proposer makes for each sequence."""
+        device proposer makes for each sequence, limited and accepted by a SpecDecoder."""
         s = self.settings
         if s.speculative_method is None:
             return None
         config = SpecDecodeConfig(s.num_speculative_tokens, s.speculative_method, s.prompt_lookup_max,
                                   s.prompt_lookup_min)
+        proposer: NgramProposer | DraftLengthPlanner
         if not config.device_drafts:
             logger.info("speculative decoding: ngram, up to %d draft tokens (lookup %d..%d tokens)",
                         s.num_speculative_tokens, s.prompt_lookup_min, s.prompt_lookup_max)
-            return NgramProposer(config)
-        logger.info("speculative decoding: %s %s, up to %d draft tokens per step", s.speculative_method,
-                    s.speculative_model, s.num_speculative_tokens)
-        return DraftLengthPlanner(config)
+            proposer = NgramProposer(config)
+        else:
+            logger.info("speculative decoding: %s %s, up to %d draft tokens per step", s.speculative_method,
+                        s.speculative_model, s.num_speculative_tokens)
+            proposer = DraftLengthPlanner(config)
+        return SpecDecoder(proposer, self.max_model_len)
 
     # ---- speculative decoding's draft (a draft model or an EAGLE head) ----
     def _load_draft(self) -> "DraftParts | None":

@@ -34,11 +34,11 @@ from engine.core.outputs import RequestUpdate
 from engine.core.request import LoRARequest, PoolingParams, Request, RequestOutput, SamplingParams
 from engine.core.sched.scheduler import Scheduler
 from engine.core.sched.scheduler_output import SchedulerOutput
-from engine.core.sched.spec.decoder import verify_overlaps
 from engine.lora.adapters import LoRAManager, attach_lora, load_lora, unload_lora
 from engine.runtime.admission import Admission, AdmittedRequest
 from engine.runtime.builder import EngineBuilder
 from engine.runtime.output_processor import OutputProcessor
+from engine.spec_decode.sched.decoder import verify_overlaps
 from engine.structured_output.grammars import StructuredOutputCompiler
 from engine.worker.model_runner import ModelRunner, PendingStep
 from engine.worker.sample.sampler import Sampler
@@ -69,7 +69,7 @@ def _needs_serial(sched: SchedulerOutput) -> bool:
       - a fork (a request with n > 1 at the end of its prompt): its children do not exist until
         the sampled tokens are known; they then decode overlapped like any sequence;
       - n-gram drafts, and model drafts of requests whose sampling reads their history or output
-        position on the host (engine/core/sched/spec/decoder.py verify_overlaps): how many drafts
+        position on the host (engine/spec_decode/sched/decoder.py verify_overlaps): how many drafts
         are accepted decides the next step's tokens and positions. Other model drafts overlap: the
         sequence advances as if all are kept, and the device moves the next step back;
       - a task that reads hidden states (prompt logprobs, embeddings; prompt steps only): an
@@ -119,7 +119,7 @@ class LLMEngine:
         self.sampler: Sampler = parts.sampler
         self.runner: ModelRunner = parts.runner  # (TensorParallelRunner with tensor parallelism)
         # Speculative decoding's draft model or EAGLE head: its runner (driven inside the target
-        # runner's launch, engine/worker/spec/), or None.
+        # runner's launch, engine/spec_decode/), or None.
         self.draft_runner: ModelRunner | None = parts.draft_runner
         self.executor = parts.executor  # engine/executor/tp_executor.py TensorParallelExecutor, or None
         self.compile_seconds: float = parts.compile_seconds

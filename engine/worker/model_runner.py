@@ -26,11 +26,11 @@ from engine.core.outputs import SamplerOutput
 from engine.core.request import SamplingParams
 from engine.core.sched.scheduler_output import SchedulerOutput
 from engine.layers.kv_cache import KVCache
+from engine.spec_decode.verify import verify_outcome
 from engine.worker.decode_graphs import DecodeGraphRunner
 from engine.worker.input_buffers import InputBuffers
 from engine.worker.sample.sampler import Sampler, SampleRow
 from engine.worker.sample.sampler_output import HostCopy, LastSampled, PendingSample
-from engine.worker.spec.verify import verify_outcome
 from engine.worker.step_builder import StepBuilder, StepInputs
 from engine.worker.step_features import StepFeatures
 from engine.worker.task_reads import read_task
@@ -55,7 +55,7 @@ class ModelRunner:
         self.builder = StepBuilder(self.buffers, StepFeatures.for_model(model, max_tokens, device), block_size)
         self.forward_fn = model.forward  # replaced by the compiled forward (compiler/compilation/capture.py)
         self.graph_runner: DecodeGraphRunner | None = None  # set when decode CUDA graphs are captured
-        # A device proposer (engine/worker/spec/: a draft model, an EAGLE head): it drafts inside
+        # A device proposer (engine/spec_decode/: a draft model, an EAGLE head): it drafts inside
         # each launch, before the forward that verifies its drafts.
         self.spec = None
         # Every cache tensor indexed by the scheduler's block ids: a draft's shares them, so a
@@ -237,9 +237,9 @@ class PendingStep:
         self.sample: PendingSample | None = None  # set once sampled
         self.deferred: tuple[torch.Tensor, list[SampleRow]] | None = None  # (logits, rows) not sampled yet
         self.task_results: dict[int, Any] = {}
-        self.proposal = None  # the launch's device drafts (engine/worker/spec/proposal.py)
+        self.proposal = None  # the launch's device drafts (engine/spec_decode/proposal.py)
         self.hidden: torch.Tensor | None = None  # the step's final hidden states, until it is sampled
-        self.verify = None  # its verify records' outcome on the device (engine/worker/spec/verify.py)
+        self.verify = None  # its verify records' outcome on the device (engine/spec_decode/verify.py)
 
     def result(self) -> SamplerOutput:
         out = self.sample.result()

@@ -61,7 +61,7 @@ class StepBuilder:
         self._rows: dict[int, SampleRow] = {}
         self._views: dict[tuple[int, int, int], tuple[torch.Tensor, ...]] = {}  # eager metadata's buffer views
         # Whose last step's verify outcome moves this builder's positions: its own (the target's),
-        # or the target's for a draft model's or head's builder (engine/worker/spec/verify.py).
+        # or the target's for a draft model's or head's builder (engine/spec_decode/verify.py).
         self.shifts_from: StepBuilder = self
         self._arange = np.arange(buffers.max_seqs + 1, dtype=np.int32)
         self._range = list(range(buffers.max_seqs + 1))  # (sliced: a fresh list each time)

@@ -31,8 +31,8 @@ from engine.core.sched.scheduler_output import PLACEHOLDER, sample_row_ranges
 
 if TYPE_CHECKING:
     from engine.core.kv.allocator import KVAllocator
+    from engine.core.sched.drafts import Drafts
     from engine.core.sched.scheduler_output import ScheduledSeq, SchedulerOutput
-    from engine.core.sched.spec.decoder import SpecDecoder
 
 logger = logging.getLogger(__name__)
 
@@ -56,7 +56,7 @@ def token_stop(params: SamplingParams, token: int, num_output: int, num_tokens: 
 
 
 class StepResults:
-    def __init__(self, kv: KVAllocator, spec: SpecDecoder | None,
+    def __init__(self, kv: KVAllocator, spec: Drafts | None,
                  new_child: Callable[[Sequence, int], Sequence],
                  finish_seq: Callable[[Sequence, FinishReason, int | str | None], None],
                  pop_request: Callable[[str], Request | None],

@@ -20,7 +20,7 @@ from __future__ import annotations
 import weakref
 
 from engine.core.request import Sequence
-from engine.core.sched.spec.config import DRAFT, SpecDecodeConfig
+from engine.spec_decode.sched.config import DRAFT, SpecDecodeConfig
 
 DECAY = 0.7  # weight of the past in the counts: about the last 3 steps count
 PRIOR_KEPT, PRIOR_REJECTED = 2.0, 1.0  # a new sequence starts at alpha = 2/3

@@ -6,12 +6,12 @@ it keeps the accepted prefix, advances the sequence, gives back the blocks only 
 drafts reached (`KVAllocator.trim`) and keeps the counters the metrics read (drafts, accepted
 tokens, accepted tokens per draft position as vLLM's spec_decode_num_accepted_tokens_per_pos).
 
-Drafts come from a proposer: n-gram lookup (engine/core/sched/spec/ngram.py, values known when
+Drafts come from a proposer: n-gram lookup (engine/spec_decode/sched/ngram.py, values known when
 scheduled) or a draft model / EAGLE head run on the device inside the step's launch
-(engine/core/sched/spec/draft_length.py decides how many; the step's records get their values
+(engine/spec_decode/sched/draft_length.py decides how many; the step's records get their values
 with its results). Either way the rule is the same (`accepted_prefix`): the sampler gave each
 verified position a token that equals its draft exactly when the draft is accepted
-(engine/worker/sample/rejection.py), so the drafts up to the first mismatch are kept, plus the
+(engine/spec_decode/rejection.py), so the drafts up to the first mismatch are kept, plus the
 token sampled there (or after the last draft).
 """
 
@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Protocol
 
 from engine.core.request import SeqStatus, Sequence
 from engine.core.sched.scheduler_output import PLACEHOLDER, ScheduledSeq
-from engine.core.sched.spec.config import DRAFT, SpecDecodeConfig
+from engine.spec_decode.sched.config import DRAFT, SpecDecodeConfig
 
 if TYPE_CHECKING:
     from engine.core.kv.allocator import KVAllocator
@@ -56,7 +56,8 @@ def accepted_prefix(drafts: list[int], sampled: list[int]) -> int:
 
 
 class SpecDecoder:
-    """Draft proposal limits and draft acceptance for the scheduler, with their counters."""
+    """Draft proposal limits and draft acceptance for the scheduler, with their counters (what the
+    core asks for is engine/core/sched/drafts.py's Drafts; the runtime builder makes this one)."""
 
     def __init__(self, proposer: Proposer, max_model_len: int) -> None:
         self.proposer = proposer
@@ -93,7 +94,7 @@ class SpecDecoder:
         """A verify step of k drafts is on the device: the sequence advances as if every draft and
         the token after them will be kept (placeholders), so that its next step can be scheduled
         before this one's results are on the host; the device shifts that next step's positions
-        by what was really kept (engine/worker/spec/verify.py)."""
+        by what was really kept (engine/spec_decode/verify.py)."""
         seq.token_ids.extend([PLACEHOLDER] * (k + 1))
         seq.num_pending += k + 1
         seq.num_computed_tokens += k + 1

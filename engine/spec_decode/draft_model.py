@@ -16,7 +16,7 @@ computes, at the same positions and slots:
 
 Forwards 1..k are decode-shaped: on a GPU they replay the draft's decode CUDA graphs (as does
 forward 0 of a step of decodes). Drafts are sampled from the draft's processed distribution q
-(engine/worker/sample/rejection.py), in the target's vocabulary.
+(engine/spec_decode/rejection.py), in the target's vocabulary.
 """
 
 from __future__ import annotations
@@ -26,10 +26,10 @@ import dataclasses
 import torch
 
 from engine.core.sched.scheduler_output import PLACEHOLDER, ScheduledSeq, SchedulerOutput
+from engine.spec_decode.proposal import Proposal, VerifySeq, verify_seqs
+from engine.spec_decode.rejection import sample_drafts
 from engine.worker.model_runner import ModelRunner
-from engine.worker.sample.rejection import sample_drafts
 from engine.worker.sample.sampler_output import LastSampled
-from engine.worker.spec.proposal import Proposal, VerifySeq, verify_seqs
 from engine.worker.step_builder import StepBuilder
 
 

@@ -4,7 +4,7 @@ The proposer looks for the latest earlier occurrence of the sequence's last n to
 (n from prompt_lookup_max down to prompt_lookup_min) and proposes the tokens that followed
 it. The drafts are known on the host when the step is scheduled; the verify step samples every
 position as an ordinary row and the scheduler keeps the drafts up to the first one the model did
-not sample (engine/core/sched/spec/decoder.py). The drafts are deterministic, so "sample, then
+not sample (engine/spec_decode/sched/decoder.py). The drafts are deterministic, so "sample, then
 keep the draft if equal" is exactly speculative sampling with a one-hot q.
 
 Search: the token ids as int32 bytes and `bytes.rfind` (C speed, no per-step numpy
@@ -21,7 +21,7 @@ import array
 import weakref
 
 from engine.core.request import Sequence
-from engine.core.sched.spec.config import SpecDecodeConfig
+from engine.spec_decode.sched.config import SpecDecodeConfig
 
 MAX_SKIP = 32
 

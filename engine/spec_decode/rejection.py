@@ -20,7 +20,7 @@ row's token is decided on the device, independently of the others:
   * a greedy request: the draft was q's argmax and the token is p's: kept when equal.
 
 The host keeps the drafts up to the first row whose token differs from its draft, plus that
-row's token (engine/core/sched/spec/decoder.py), which is the rule above for every kind of row.
+row's token (engine/spec_decode/sched/decoder.py), which is the rule above for every kind of row.
 Everything here is tensor work with shapes fixed by the rows: no host synchronisation.
 """
 

@@ -18,7 +18,7 @@ class SpecDecodeConfig:
     prompt_lookup_max: int = 4
     prompt_lookup_min: int = 2
     # Cost of one drafted position relative to a plain decode step, for the per-sequence draft
-    # length (engine/core/sched/spec/draft_length.py); a draft model's or head's few layers.
+    # length (engine/spec_decode/sched/draft_length.py); a draft model's or head's few layers.
     draft_cost: float = 0.1
 
     def __post_init__(self) -> None:

@@ -1,7 +1,7 @@
 """What a device proposer (draft model, EAGLE head) hands the verify step, and how its drafts
 get into the target's inputs, the sampler and the step's records.
 
-A step's sequences with DRAFT markers (engine/core/sched/spec/config.py) were scheduled as
+A step's sequences with DRAFT markers (engine/spec_decode/sched/config.py) were scheduled as
 [last token, DRAFT x k] at positions start..start+k: the proposer fills the k drafts on the
 device before the target's forward (`write_inputs`), the sampler verifies rows whose request
 samples without a seed against the draft's q (`draft_probs`), and the drafts reach the host with
@@ -16,9 +16,9 @@ from functools import cached_property
 import torch
 
 from engine.core.sched.scheduler_output import ScheduledSeq, SchedulerOutput, sample_row_ranges
-from engine.core.sched.spec.config import DRAFT
+from engine.spec_decode.rejection import DraftProbs, DraftRow
+from engine.spec_decode.sched.config import DRAFT
 from engine.worker.input_buffers import InputBuffers
-from engine.worker.sample.rejection import DraftProbs, DraftRow
 from engine.worker.sample.sampler import SampleRow
 from engine.worker.sample.sampler_output import HostCopy
 

@@ -28,7 +28,7 @@ class VerifyOutcome:
 
 def verify_outcome(sched: SchedulerOutput, sampled: torch.Tensor, proposal=None) -> VerifyOutcome | None:
     """The outcome of the step's verify records (None without any). proposal: the launch's device
-    drafts (engine/worker/spec/proposal.py), whose sequences are exactly the verify records;
+    drafts (engine/spec_decode/proposal.py), whose sequences are exactly the verify records;
     otherwise the drafts are the records' own (n-gram, known on the host)."""
     records = [(s, rows.start) for s, rows in sample_row_ranges(sched.seqs) if s.verifies]
     if not records:

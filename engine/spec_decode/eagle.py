@@ -28,10 +28,10 @@ import dataclasses
 import torch
 
 from engine.core.sched.scheduler_output import PLACEHOLDER, SchedulerOutput, sample_row_ranges
+from engine.spec_decode.proposal import Proposal, verify_seqs
+from engine.spec_decode.rejection import sample_drafts
 from engine.worker.model_runner import ModelRunner
-from engine.worker.sample.rejection import sample_drafts
 from engine.worker.sample.sampler_output import LastSampled
-from engine.worker.spec.proposal import Proposal, verify_seqs
 from engine.worker.step_builder import StepBuilder
 
 
