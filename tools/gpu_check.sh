@@ -79,8 +79,6 @@ cd "$(dirname "$0")/.."
 REPO=$PWD
 OUT=${OUT:-/tmp/kiln-gpu-out}
 WORK=${GPU_CHECK_WORK:-/tmp/kiln-gpu-check}
-mkdir -p "$OUT"
-rm -rf "$WORK" && mkdir -p "$WORK"
 export PYTHONUNBUFFERED=1
 PY=${PYTHON:-python3}
 KCACHE=$REPO/build/kernels
@@ -131,6 +129,8 @@ plan() {  # each stage's max/min s, their sum against the deadline (the 8B figur
 }
 plan
 [ -n "$PLAN_ONLY" ] && exit 0
+mkdir -p "$OUT"
+rm -rf "$WORK" && mkdir -p "$WORK"
 START=$(date +%s)
 NO_GPU_REASON=""   # set when the env stage finds no usable CUDA (or fails): GPU stages skip
 WHEELS=${GPU_CHECK_WHEELS:-.whl}  # carried wheels; SITE: where they are installed
