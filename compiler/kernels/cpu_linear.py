@@ -69,11 +69,12 @@ SHAPES = ShapeLog()
 
 
 def uses_onednn(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
-    # (cheapest and likeliest-to-fail checks first: this runs for every projection of every step)
-    return (_ONEDNN and x.dim() == 2 and x.shape[0] >= MIN_ONEDNN_ROWS and x.dtype == torch.float32 and x.is_cpu
+    # (the device and torch.compile before any row count: a shape test traced by Dynamo is a guard,
+    # a recompile at every crossing; then the cheapest and likeliest-to-fail checks)
+    return (_ONEDNN and x.is_cpu and not torch.compiler.is_compiling() and x.dim() == 2
+            and x.shape[0] >= MIN_ONEDNN_ROWS and x.dtype == torch.float32
             and weight.dtype == torch.float32 and weight.dim() == 2 and weight.is_contiguous()
-            and (bias is None or bias.dtype == torch.float32)
-            and not torch.is_grad_enabled() and not torch.compiler.is_compiling())
+            and (bias is None or bias.dtype == torch.float32) and not torch.is_grad_enabled())
 
 
 def _rows_in_storage(x: torch.Tensor, rows: int) -> torch.Tensor | None:
@@ -103,9 +104,9 @@ def pack_for_gemm(weight: torch.Tensor) -> torch.Tensor | None:
 
 
 def _gemm_usable(x: torch.Tensor, gemm_weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
-    return (x.dim() == 2 and x.shape[0] >= MIN_ONEDNN_ROWS and x.dtype == gemm_weight.dtype and x.is_cpu
-            and (bias is None or bias.dtype == x.dtype)
-            and not torch.is_grad_enabled() and not torch.compiler.is_compiling())
+    return (x.is_cpu and not torch.compiler.is_compiling() and x.dim() == 2 and x.shape[0] >= MIN_ONEDNN_ROWS
+            and x.dtype == gemm_weight.dtype and (bias is None or bias.dtype == x.dtype)
+            and not torch.is_grad_enabled())
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
@@ -114,18 +115,30 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     the weight-streaming kernel, float32 ones of MIN_ONEDNN_ROWS rows or more through oneDNN with
     their row count padded to `row_bucket`; gemm_weight (`pack_for_gemm(weight)`): oneDNN reads
     that copy for those rows, float32 or bfloat16."""
+    # The device (and torch.compile) is decided before any row count: under
+    # torch.compile(dynamic=True) a shape test is a guard, and the graph recompiles where the row
+    # count crosses it (a GPU's Linear would recompile at 32 rows).
+    if not x.is_cpu:
+        return F.linear(x, weight, bias)
+    if torch.compiler.is_compiling():
+        return F.linear(x, _widened(x, weight), bias)
     if (x.dim() == 2 and x.shape[0] <= cpu_gemv.MAX_DENSE_ROWS.get(x.dtype, 0)
             and cpu_gemv.dense_usable(x, weight, bias)):
         return cpu_gemv.dense(x, weight, bias)
     if gemm_weight is not None and _gemm_usable(x, gemm_weight, bias):
         return _onednn(x, gemm_weight, bias, weight.shape)
-    if x.dtype == torch.float32 and weight.dtype != x.dtype and weight.dtype in cpu_gemv.DENSE_DTYPES and x.is_cpu:
-        # a 2-byte weight of a float32 model (engine/worker/cpu_half_weights.py): widened for a
-        # GEMM's rows, exactly (it holds 2-byte values); the decode rows above read it as is
-        weight = weight.float()
+    weight = _widened(x, weight)
     if not uses_onednn(x, weight, bias):
         return F.linear(x, weight, bias)
     return _onednn(x, weight, bias, weight.shape)
+
+
+def _widened(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """A 2-byte weight of a float32 model (engine/worker/cpu_half_weights.py) widened for a GEMM's
+    rows, exactly (it holds 2-byte values); the decode rows read it as is. (x is on the CPU.)"""
+    if x.dtype == torch.float32 and weight.dtype != x.dtype and weight.dtype in cpu_gemv.DENSE_DTYPES:
+        return weight.float()
+    return weight
 
 
 def _onednn(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, shape: torch.Size) -> torch.Tensor:

@@ -128,9 +128,21 @@ class ModelRunner:
             self._decode_graph_body, lambda rows, q: self.builder.fill_padding_step(rows, q=q), sizes,
             max_model_len=self.max_model_len,
             device_reads_lengths=device_reads_lengths, hidden_size=self.model.config.hidden_size,
-            dtype=self.kv_cache.model_dtype, device=self.device, simulate=simulate, max_query=max_query)
+            dtype=self.kv_cache.model_dtype, device=self.device, simulate=simulate, max_query=max_query,
+            max_tokens=self.graph_token_capacity())
         self.builder.graph_key = self.graph_runner.key_for
         return self.graph_runner.capture_startup()
+
+    def graph_token_capacity(self) -> int:
+        """The most tokens a captured step may read: the input buffers' rows, and those of the
+        model's static hidden-state buffers (EAGLE-3's aux_hidden on the target, an EAGLE head's
+        hidden_in). A verify bucket (rows * q tokens) can exceed them."""
+        rows = self.buffers.max_tokens
+        for name in ("aux_hidden", "hidden_in"):
+            buffer = getattr(self.model, name, None)
+            if isinstance(buffer, torch.Tensor):
+                rows = min(rows, buffer.shape[0])
+        return rows
 
     def _decode_graph_body(self, rows: int, max_seq_len: int, q: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
         """A decode step of `rows` sequences (a verify step: q tokens each) over the static
