@@ -18,7 +18,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 from engine.core.outputs import RequestUpdate, SeqUpdate
 from engine.core.request import CompletionOutput, FinishReason, RequestOutput
@@ -149,7 +149,7 @@ class OutputProcessor:
         params = state.params
         text = sample.text
         tokens, logprobs = seq.token_ids, seq.logprobs
-        stops = params.stop
+        stops = cast("list[str]", params.stop)  # (SamplingParams.__post_init__ made it a list)
         if logprobs is None and (text is None or (len(tokens) == 1 and not stops and not seq.stop_token)):
             sample.token_ids += tokens  # (the common cases: no text, or one token's text and no stop strings)
             if text is not None:
@@ -160,8 +160,9 @@ class OutputProcessor:
         last = len(tokens) - 1
         for j, token in enumerate(tokens):
             sample.token_ids.append(token)
-            if logprobs is not None and logprobs[j] is not None:
-                chosen, top = logprobs[j]
+            entry_j = logprobs[j] if logprobs is not None else None
+            if entry_j is not None:
+                chosen, top = entry_j
                 sample.cumulative_logprob += chosen
                 entry = dict(top)
                 entry[token] = chosen
@@ -244,7 +245,7 @@ class OutputProcessor:
         text = sample.text
         if text is None:
             return 0
-        stops = state.params.stop
+        stops = cast("list[str]", state.params.stop)  # (SamplingParams.__post_init__ made it a list)
         return visible_len(text.text, stops, sample.finish_reason is not None) if stops else len(text.text)
 
     @staticmethod
@@ -270,7 +271,7 @@ class OutputProcessor:
         if sample.emitted_finish:
             return None
         text = sample.text
-        stops = state.params.stop
+        stops = cast("list[str]", state.params.stop)  # (SamplingParams.__post_init__ made it a list)
         if text is None:
             chars = 0
         elif stops:
