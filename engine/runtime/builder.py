@@ -32,9 +32,9 @@ from engine.lora.adapters import make_lora_manager
 from engine.models.config import ModelConfig
 from engine.models.draft import DraftParts, check_draft_model, load_draft_vocab
 from engine.models.eagle import Eagle3Head, EagleConfig, EagleHead, load_eagle
+from engine.models.llama import LlamaForCausalLM
 from engine.models.loader.gguf_file import is_gguf
 from engine.models.loader.kv_scales import read_kv_scales
-from engine.models.llama import LlamaForCausalLM
 from engine.models.loader.model_loader import load_model, load_tokenizer
 from engine.resolve.build_target import resolve_device, resolve_dtype, resolve_model_dir
 from engine.resolve.kv_budget import cpu_kv_bytes

@@ -40,8 +40,8 @@ from engine.runtime.admission import Admission, AdmittedRequest
 from engine.runtime.builder import EngineBuilder
 from engine.runtime.output_processor import OutputProcessor
 from engine.structured_output.grammars import StructuredOutputCompiler
-from engine.worker.model_runner import ModelRunner, PendingStep
 from engine.worker.cpu_threads import ThreadPlan
+from engine.worker.model_runner import ModelRunner, PendingStep
 from engine.worker.sample.sampler import Sampler
 
 logger = logging.getLogger(__name__)
