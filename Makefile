@@ -54,4 +54,4 @@ typecheck:
 	$(VENV)/bin/mypy $(TYPECHECK_PATHS)
 
 clean:
-	rm -rf $(VENV) .pytest_cache .hypothesis
+	rm -rf $(VENV) .pytest_cache .hypothesis .mypy_cache
