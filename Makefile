@@ -10,7 +10,7 @@ CUDA_EXTRA := $(shell command -v nvidia-smi >/dev/null 2>&1 && echo ",cuda")
 # Arguments for `make serve`, e.g. make serve SERVE_ARGS="/models/llama --max-model-len 8k".
 SERVE_ARGS ?=
 
-.PHONY: venv venv-test serve test bench kernels settings-table clean
+.PHONY: venv venv-test serve test bench kernels settings-table typecheck clean
 
 $(VENV)/.python:
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -48,5 +48,10 @@ kernels: $(VENV)/.runtime
 settings-table: $(VENV)/.runtime
 	$(PY) tools/settings_table.py --write docs/*.md
 
+# Type-check the checked packages (settings in pyproject.toml's [tool.mypy]; mypy from the `lint` extra).
+TYPECHECK_PATHS ?= engine/core engine/config engine/runtime engine/spec_decode
+typecheck:
+	$(VENV)/bin/mypy $(TYPECHECK_PATHS)
+
 clean:
-	rm -rf $(VENV) .pytest_cache .hypothesis
+	rm -rf $(VENV) .pytest_cache .hypothesis .mypy_cache

@@ -226,7 +226,7 @@ class SamplingParams:
             bad("allowed_token_ids must not be empty", "allowed_token_ids")
         if self.output_kind not in OUTPUT_KINDS:
             bad(f"output_kind must be one of {', '.join(OUTPUT_KINDS)}, got {self.output_kind!r}", "output_kind")
-        if any(not s for s in self.stop):
+        if any(not s for s in self.stop or ()):
             bad("stop strings must be non-empty", "stop")
         if any(not callable(p) for p in self.logits_processors or []):
             bad("logits_processors must be callables (output_token_ids, logits_row) -> logits_row",
@@ -238,7 +238,7 @@ class SamplingParams:
         """A request's own copy (its own stop lists), with the engine's `changes` set. Not validated
         again: the params were validated when they were made, and the changes are the engine's."""
         new = copy.copy(self)
-        new.stop, new.stop_token_ids = list(self.stop), list(self.stop_token_ids)
+        new.stop, new.stop_token_ids = list(self.stop or ()), list(self.stop_token_ids or ())
         for name, value in changes.items():
             if name not in self.__dataclass_fields__:
                 raise TypeError(f"SamplingParams has no field {name!r}")
@@ -249,7 +249,7 @@ class SamplingParams:
         """min_tokens bans the stop tokens (EOS and stop_token_ids) until it is reached: an
         allowed_token_ids holding nothing else leaves no token to sample."""
         if self.min_tokens > 0 and self.allowed_token_ids is not None \
-                and set(self.allowed_token_ids) <= {*eos_token_ids, *self.stop_token_ids}:
+                and set(self.allowed_token_ids) <= {*eos_token_ids, *(self.stop_token_ids or ())}:
             raise InvalidRequestError(
                 f"allowed_token_ids: every allowed token is a stop token (EOS or stop_token_ids), which "
                 f"min_tokens={self.min_tokens} forbids until then: no token could be sampled", "allowed_token_ids")
@@ -260,7 +260,7 @@ class SamplingParams:
 
     def token_id_fields(self) -> list[tuple[str, list[int]]]:
         """(parameter, token ids) for every parameter naming tokens (checked against the vocabulary)."""
-        return [("stop_token_ids", self.stop_token_ids), ("logit_bias", list(self.logit_bias or ())),
+        return [("stop_token_ids", self.stop_token_ids or []), ("logit_bias", list(self.logit_bias or ())),
                 ("allowed_token_ids", self.allowed_token_ids or [])]
 
     @property

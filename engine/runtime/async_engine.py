@@ -75,7 +75,7 @@ class AsyncEngine:
         self.max_waiting_requests = (max_waiting_requests if max_waiting_requests is not None
                                      else engine.settings.max_waiting_requests)
         self._idle_poll_s = idle_poll_s
-        self._inbox: collections.deque[AddRequest | AbortRequest] = collections.deque()
+        self._inbox: collections.deque[AddRequest | AbortRequest | FinishSequence | EngineCall] = collections.deque()
         self._wake = threading.Event()
         self._streams: dict[str, RequestStream] = {}  # owned by the output thread
         # step thread -> output thread: ("add", admitted request, stream) | ("out", updates) | ("die", error, updates);

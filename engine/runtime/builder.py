@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
+from typing import TYPE_CHECKING, cast
 
 import torch
 
@@ -29,7 +30,8 @@ from engine.layers.quant.w4a16 import loader_int4_kernel, resolve_int4_kernel
 from engine.lora.adapters import make_lora_manager
 from engine.models.config import ModelConfig
 from engine.models.draft import DraftParts, check_draft_model, load_draft_vocab
-from engine.models.eagle import load_eagle
+from engine.models.eagle import Eagle3Head, EagleConfig, EagleHead, load_eagle
+from engine.models.llama import LlamaForCausalLM
 from engine.models.loader.gguf_file import is_gguf
 from engine.models.loader.kv_scales import read_kv_scales
 from engine.models.loader.model_loader import load_model, load_tokenizer
@@ -46,12 +48,18 @@ from engine.worker.memory_profile import free_gpu_bytes_after_profile
 from engine.worker.model_runner import ModelRunner
 from engine.worker.sample.sampler import Sampler
 
+if TYPE_CHECKING:
+    from engine.executor.tp_executor import MirroredSwapper
+    from engine.worker.block_swapper import BlockSwapper, SwapGroup
+
 logger = logging.getLogger(__name__)
 
 
 class EngineBuilder:
     """Builds every part of an engine from settings; `build()` runs the phases and returns the
     builder, whose attributes LLMEngine takes over (each named in LLMEngine.__init__)."""
+
+    block_swapper: BlockSwapper | SwapGroup | MirroredSwapper | None  # (set by _make_swap_space)
 
     def __init__(self, settings: EngineSettings) -> None:
         self.settings = settings
@@ -60,8 +68,9 @@ class EngineBuilder:
         try:
             return self._build()
         except BaseException:
-            if getattr(self, "executor", None) is not None:  # no worker outlives a failed start
-                self.executor.shutdown()
+            executor = getattr(self, "executor", None)
+            if executor is not None:  # no worker outlives a failed start
+                executor.shutdown()
             raise
 
     def _build(self) -> "EngineBuilder":
@@ -111,7 +120,8 @@ class EngineBuilder:
             kv_cache_dtype=self.kv_dtype if self.kv_dtype != self.dtype else None))
         self.model.set_backend(self.backend)
         if self.executor is not None:
-            self.model = self.executor.wrap_model(self.model)
+            # (ShardedModel stands in for the model: what it does not override goes to the shard)
+            self.model = cast(LlamaForCausalLM, self.executor.wrap_model(self.model))
         self.draft = self._load_draft()  # speculative decoding's draft model or EAGLE head, if any
         with Phase("sizing the KV cache" + (" (profiling a forward)" if self.device.type == "cuda" else "")):
             self.num_blocks = self._num_kv_blocks()
@@ -210,8 +220,9 @@ class EngineBuilder:
         runners = [self.runner] + ([self.draft_runner] if self.draft_runner is not None else [])
         if self.device.type == "cpu":
             for runner in runners:
-                if hasattr(runner.model, "warm_cpu_linear"):  # oneDNN's shapes, built now
-                    runner.model.warm_cpu_linear(s.max_num_batched_tokens, s.max_num_seqs)
+                warm = getattr(runner.model, "warm_cpu_linear", None)
+                if warm is not None:  # oneDNN's shapes, built now
+                    warm(s.max_num_batched_tokens, s.max_num_seqs)
         if s.enforce_eager:
             return 0.0, 0.0
         if self.executor is not None and self.device.type == "cuda":
@@ -224,8 +235,9 @@ class EngineBuilder:
 
             seconds = 0.0
             for runner in runners:
-                if hasattr(runner.model, "use_cpu_fused_ops"):  # fused norms / RoPE / SiLU (compiler/kernels/cpu_fused.py)
-                    runner.model.use_cpu_fused_ops(s.resolved_compile_cache_dir())
+                fuse = getattr(runner.model, "use_cpu_fused_ops", None)
+                if fuse is not None:  # fused norms / RoPE / SiLU (compiler/kernels/cpu_fused.py)
+                    fuse(s.resolved_compile_cache_dir())
                 seconds += warm_cpu_decode(runner.model, runner.kv_cache.tensor, s.resolved_compile_cache_dir(),
                                            s.cpu_decoder_stack)
             if not s.cpu_compile_forward:
@@ -305,11 +317,14 @@ class EngineBuilder:
         s = self.settings
         if s.speculative_method not in ("draft_model", "eagle", "eagle3"):
             return None
+        assert s.speculative_model is not None  # (the settings require one for these methods)
         path = Path(s.speculative_model).expanduser()
         if not path.is_dir() and not (s.speculative_method == "draft_model" and is_gguf(path)):
             raise ValueError(f"speculative_model: {s.speculative_model!r} is not a checkpoint directory"
                              + (" or .gguf file" if s.speculative_method == "draft_model" else ""))
         vocab_ids = None
+        model: LlamaForCausalLM | EagleHead | Eagle3Head
+        config: ModelConfig | EagleConfig
         with Phase(f"loading the {s.speculative_method} draft {path}"):
             if s.speculative_method == "draft_model":
                 config = layers = ModelConfig.from_dir(path)
@@ -334,6 +349,7 @@ class EngineBuilder:
         drives it inside the target runner's launch; the target's block copies cover its cache."""
         if self.draft is None:
             return None
+        assert self.draft_kv is not None  # (made with the draft)
         s = self.settings
         runner = ModelRunner(self.draft.model, self.draft_kv, self.sampler, self.device, s.block_size,
                              s.max_num_seqs, self._token_budget(), self.max_model_len)
@@ -343,6 +359,7 @@ class EngineBuilder:
                                                   self.draft.vocab_ids)
         else:
             head = self.draft.model
+            assert isinstance(head, (EagleHead, Eagle3Head))  # (an EAGLE method's draft is its head)
             head.allocate_inputs(runner.buffers.max_tokens)
             if head.eagle.version == 3:  # the target keeps the hidden states entering the head's layers
                 self.model.aux_layers = head.eagle.aux_layers

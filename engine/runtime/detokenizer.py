@@ -8,6 +8,8 @@ a character split across tokens (UTF-8 bytes in byte-level BPE) appears whole, o
 
 from __future__ import annotations
 
+from typing import Literal
+
 _WINDOW = 6  # ids of context decoded before the new ones (spacing rules need a little)
 
 
@@ -21,7 +23,7 @@ class TextState:
         self.ids = list(prompt_token_ids[-_WINDOW:])
         self.prefix_offset = 0
         self.read_offset = len(self.ids)
-        self.stream = None  # the fast tokenizer's DecodeStream (_Stream); False: gave up, the window method
+        self.stream: _Stream | Literal[False] | None = None  # the fast tokenizer's DecodeStream (_Stream); False: gave up, the window method
         self.text = ""
         self.skip_special_tokens = skip_special_tokens
 
@@ -70,6 +72,7 @@ def stream_step(backend, state: TextState) -> tuple[str, bool]:
         from tokenizers.decoders import DecodeStream
 
         stream = state.stream = _Stream(DecodeStream(ids=context, skip_special_tokens=skip), state.read_offset)
+    assert stream is not False  # (the caller takes the window method once the stream gave up)
     delta = ""
     for i in range(stream.pos, end):
         try:

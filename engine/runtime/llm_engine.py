@@ -40,6 +40,7 @@ from engine.runtime.builder import EngineBuilder
 from engine.runtime.output_processor import OutputProcessor
 from engine.spec_decode.sched.decoder import verify_overlaps
 from engine.structured_output.grammars import StructuredOutputCompiler
+from engine.worker.cpu_threads import ThreadPlan
 from engine.worker.model_runner import ModelRunner, PendingStep
 from engine.worker.sample.sampler import Sampler
 
@@ -125,7 +126,7 @@ class LLMEngine:
         self.compile_seconds: float = parts.compile_seconds
         self.capture_seconds: float = parts.capture_seconds
         self.async_scheduling: bool = parts.async_scheduling
-        self.cpu_threads: int = parts.cpu_threads
+        self.cpu_threads: ThreadPlan = parts.cpu_threads
         self.admission = Admission(self.model_config, self.model_dir.name, self.max_model_len, settings.max_num_seqs,
                                    settings.max_logprobs, parts.tokenizer, self.structured_output, self.eos_token_ids)
         self.outputs = OutputProcessor(parts.tokenizer)  # the inline output side (step)
@@ -175,6 +176,7 @@ class LLMEngine:
                           prompt_token_ids=admitted.prompt_token_ids, params=params,
                           arrival_time=admitted.arrival_time, priority=admitted.priority, task=admitted.task)
         if admitted.grammar is not None:
+            assert params.structured_outputs is not None  # (the grammar was compiled from it)
             request.grammars = self.structured_output.matchers(admitted.grammar, params.structured_outputs,
                                                                params.n, admitted.prompt_token_ids)
         if admitted.lora_request is not None:
@@ -247,10 +249,12 @@ class LLMEngine:
         if self.block_swapper is not None:
             measured = self.block_swapper.measurement()  # an earlier step's copies, if done
             if measured is not None:
+                assert self.swap_space is not None  # (a block swapper is made with the swap space)
                 self.swap_space.observe_swap(*measured)
         if sched.blocks_to_swap_out or sched.blocks_to_swap_in:
             # Queued on the swap stream; the compute stream waits for them before this step's
             # copy-on-write copies and forward (no host sync: the runner's input prep overlaps).
+            assert self.block_swapper is not None  # (the scheduler swaps only with a swap space)
             self.block_swapper.launch(sched.blocks_to_swap_out, sched.blocks_to_swap_in)
             self.block_swapper.wait()
         if defer_sampling:

@@ -164,8 +164,9 @@ class OutputProcessor:
         last = len(tokens) - 1
         for j, token in enumerate(tokens):
             sample.token_ids.append(token)
-            if logprobs is not None and logprobs[j] is not None:
-                chosen, top = logprobs[j]
+            entry_j = logprobs[j] if logprobs is not None else None
+            if entry_j is not None:
+                chosen, top = entry_j
                 sample.cumulative_logprob += chosen
                 entry = dict(top)
                 entry[token] = chosen

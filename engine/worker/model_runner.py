@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
@@ -35,10 +35,23 @@ from engine.worker.step_builder import StepBuilder, StepInputs
 from engine.worker.step_features import StepFeatures
 from engine.worker.task_reads import read_task
 
+if TYPE_CHECKING:
+    from engine.worker.spec.proposal import Proposal
+
 logger = logging.getLogger(__name__)
 
 
+class DeviceProposer(Protocol):
+    """What a launch calls of its device proposer (engine/worker/spec/ DraftModelProposer, EagleProposer)."""
+
+    def propose(self, sched: SchedulerOutput, target: StepBuilder) -> Proposal | None: ...
+
+    def sampled(self, sched: SchedulerOutput, pending: PendingStep) -> None: ...
+
+
 class ModelRunner:
+    executor: Any = None  # the tensor-parallel executor (TensorParallelRunner's), set by the builder
+
     def __init__(self, model: torch.nn.Module, kv_cache: KVCache, sampler: Sampler, device: torch.device,
                  block_size: int, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int) -> None:
         self.model = model
@@ -57,7 +70,7 @@ class ModelRunner:
         self.graph_runner: DecodeGraphRunner | None = None  # set when decode CUDA graphs are captured
         # A device proposer (engine/spec_decode/: a draft model, an EAGLE head): it drafts inside
         # each launch, before the forward that verifies its drafts.
-        self.spec = None
+        self.spec: DeviceProposer | None = None
         # Every cache tensor indexed by the scheduler's block ids: a draft's shares them, so a
         # copy-on-write copies its block too.
         self.block_copy_caches = [kv_cache.tensor]
