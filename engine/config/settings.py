@@ -50,7 +50,7 @@ class EngineSettings(_KilnSettings):
     model_config = SettingsConfigDict(env_prefix="KILN_", extra="forbid", validate_default=True, enable_decoding=False)
 
     # --- model ---
-    model: str | None = Field(None, description="HF checkpoint directory (default: kiln's embedded tiny model)")
+    model: str | None = Field(None, description="an HF checkpoint directory or a GGUF file (default: kiln's embedded tiny model)")
     tokenizer: str | None = Field(None, description="tokenizer directory (default: the model's)")
     chat_template: str | None = Field(
         None, description="Jinja chat template, or the path of a file holding one (default: the tokenizer's)")
@@ -362,7 +362,7 @@ class ServerSettings(_KilnSettings):
         None, description="clients must send Authorization: Bearer <key> on every route but /health and /ping")
     public_metrics: bool = Field(False, description="serve /metrics without the API key (scrapers that send none)")
     served_model_name: list[str] | None = Field(
-        None, description="model names the API answers to; the first is reported (default: the folder's name)")
+        None, description="model names the API answers to; the first is reported (default: the model path as given, as vLLM does)")
     warm_prefixes: Path | None = Field(None, description="file of prompt prefixes to prefill at start-up")
     request_timeout: float | None = Field(None, gt=0, description="seconds before a request is aborted")
     log_level: str = Field("info", description="kiln's log level while serving")

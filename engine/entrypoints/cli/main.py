@@ -159,7 +159,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve = sub.add_parser("serve", help="serve the OpenAI-compatible HTTP API", formatter_class=formatter,
                            description="kiln serve [MODEL] [flags]: vLLM's `vllm serve` flags, plus kiln's")
     serve.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
-                       help="HF checkpoint directory (same as --model)")
+                       help="an HF checkpoint directory or a GGUF file (same as --model)")
     serve.add_argument("--config", metavar="FILE", help="a YAML file of flags (`max-model-len: 4096`); "
                        "flags given on the command line win")
     add_settings_flags(serve)
