@@ -62,7 +62,9 @@ class RequestState:
         self.prompt_token_ids = admitted.prompt_token_ids
         self.params = admitted.params
         # Built once for the request, shared by its samples (each keeps its own place in it).
-        self.stop_matcher = StopMatcher(self.params.stop) if self.params.stop else None
+        stop = self.params.stop
+        assert not isinstance(stop, str)  # (SamplingParams.__post_init__ made it a list)
+        self.stop_matcher = StopMatcher(stop) if stop else None
         self.arrival_time = admitted.arrival_time
         self.text_output = admitted.task.text_output  # False: an embedding
         self.samples: dict[int, SampleState] = {}

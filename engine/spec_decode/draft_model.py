@@ -22,15 +22,25 @@ forward 0 of a step of decodes). Drafts are sampled from the draft's processed d
 from __future__ import annotations
 
 import dataclasses
+from typing import Protocol, cast
 
 import torch
 
 from engine.core.sched.scheduler_output import PLACEHOLDER, ScheduledSeq, SchedulerOutput
 from engine.spec_decode.proposal import Proposal, VerifySeq, verify_seqs
 from engine.spec_decode.rejection import sample_drafts
-from engine.worker.model_runner import ModelRunner
+from engine.worker.model_runner import ModelRunner, PendingStep
 from engine.worker.sample.sampler_output import LastSampled
 from engine.worker.step_builder import StepBuilder
+
+
+class _DraftLM(Protocol):
+    """What the proposer calls of its draft model (engine/models/llama.py LlamaForCausalLM; the
+    runner holds it as a plain nn.Module)."""
+
+    def compute_logits(self, hidden: torch.Tensor, head: torch.Tensor | None = None) -> torch.Tensor: ...
+
+    def head_rows(self, ids: torch.Tensor) -> torch.Tensor: ...
 
 
 def to_vocab(logits: torch.Tensor, vocab: int) -> torch.Tensor:
@@ -61,7 +71,8 @@ class DraftModelProposer:
         self.num_forwards = 0
         # a draft vocabulary (engine/models/draft.py): the LM head's rows of those ids only
         self.vocab_ids = None if vocab_ids is None else vocab_ids.to(runner.device)
-        self.head = None if vocab_ids is None else runner.model.head_rows(self.vocab_ids)
+        model = cast(_DraftLM, runner.model)
+        self.head = None if self.vocab_ids is None else model.head_rows(self.vocab_ids)
 
     def propose(self, sched: SchedulerOutput, target: StepBuilder) -> Proposal | None:
         """Run the draft over the step (forward 0) and draft each verify sequence's tokens."""
@@ -90,16 +101,18 @@ class DraftModelProposer:
                 self._sample(proposal, j, hidden[:len(fed)].index_select(0, pick))
         return proposal
 
-    def sampled(self, sched: SchedulerOutput, pending) -> None:
+    def sampled(self, sched: SchedulerOutput, pending: PendingStep) -> None:
         """(The draft model needs nothing of the target's step once it is sampled.)"""
 
     def _sample(self, proposal: Proposal, j: int, hidden: torch.Tensor) -> None:
         """Draft j + 1 of every member at position j (rows of `hidden`, in order)."""
         members = proposal.members(j)
+        model = cast(_DraftLM, self.runner.model)
         if self.head is None:
-            logits = to_vocab(self.runner.model.compute_logits(hidden), self.vocab)
+            logits = to_vocab(model.compute_logits(hidden), self.vocab)
         else:
-            logits = from_draft_vocab(self.runner.model.compute_logits(hidden, self.head), self.vocab_ids, self.vocab)
+            assert self.vocab_ids is not None  # (the head rows are those of the draft vocabulary)
+            logits = from_draft_vocab(model.compute_logits(hidden, self.head), self.vocab_ids, self.vocab)
         tokens, q = sample_drafts(logits, [v.draft_rows[j] for v in members], self.generator)
         proposal.tokens.append(tokens)
         proposal.q.append(q if any(v.draft_rows[j].uses_q for v in members) else None)

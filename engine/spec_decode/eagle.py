@@ -24,15 +24,35 @@ back in) drafts from a zero seed: its drafts are poor but verified like any othe
 from __future__ import annotations
 
 import dataclasses
+from typing import Protocol, cast
 
 import torch
 
 from engine.core.sched.scheduler_output import PLACEHOLDER, SchedulerOutput, sample_row_ranges
 from engine.spec_decode.proposal import Proposal, verify_seqs
 from engine.spec_decode.rejection import sample_drafts
-from engine.worker.model_runner import ModelRunner
+from engine.worker.model_runner import ModelRunner, PendingStep
 from engine.worker.sample.sampler_output import LastSampled
 from engine.worker.step_builder import StepBuilder
+
+
+class _HeadConfig(Protocol):
+    @property
+    def hidden_size(self) -> int: ...
+
+
+class _Head(Protocol):
+    """What the proposer reads of its head (engine/models/eagle.py EagleHead, Eagle3Head; the runner
+    holds it as a plain nn.Module)."""
+
+    @property
+    def eagle(self) -> _HeadConfig: ...
+
+    hidden_in: torch.Tensor  # h's static input rows (written in place)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor: ...
+
+    def features(self, target_hidden: torch.Tensor, rows: int) -> torch.Tensor: ...
 
 
 class _Seeds:
@@ -47,7 +67,7 @@ class EagleProposer:
     def __init__(self, runner: ModelRunner, target: ModelRunner, generator: torch.Generator) -> None:
         self.runner = runner  # the head's runner: its own buffers, cache tensor, graphs
         self.target = target  # the target's runner: its step's input ids and placeholders
-        self.head = runner.model
+        self.head = cast(_Head, runner.model)
         self.generator = generator
         self.seeds: _Seeds | None = None
         self.unseeded: set[int] = set()  # sequences of the last proposal that drafted from a zero seed
@@ -112,7 +132,7 @@ class EagleProposer:
         return runner.run_model(step)
 
     # ---- after the target's step is sampled ----
-    def sampled(self, sched: SchedulerOutput, pending) -> None:
+    def sampled(self, sched: SchedulerOutput, pending: PendingStep) -> None:
         """The catch-up over the step's rows (see the module docstring) and the next seeds."""
         target_hidden = pending.hidden
         if target_hidden is None or not sched.seqs:
@@ -123,9 +143,12 @@ class EagleProposer:
         rows_total = sum(s.num_tokens for s in sched.seqs)
         # Each row's next token: the input token after it; where the row samples, the sampled one;
         # at the end of a prompt chunk that samples nothing, the prompt's next token (host).
-        shift_rows, shift_from = [], []
-        host_rows, host_tokens = [], []
-        sample_rows, sample_from = [], []
+        shift_rows: list[int] = []
+        shift_from: list[int] = []
+        host_rows: list[int] = []
+        host_tokens: list[int] = []
+        sample_rows: list[int] = []
+        sample_from: list[int] = []
         seed_of: dict[int, int] = {}  # seq id -> its row (non-verify sequences)
         verify = {v.index: v for v in (pending.proposal.seqs if pending.proposal is not None else [])}
         row = 0
@@ -154,6 +177,7 @@ class EagleProposer:
         if host_rows:
             ids[_index(host_rows, device)] = torch.tensor(host_tokens, dtype=torch.int64).to(device)
         if sample_rows:
+            assert sampled is not None  # (rows sample: the step was sampled before this catch-up)
             ids[_index(sample_rows, device)] = sampled[_index(sample_from, device)].clamp(min=0)
         out = self._catch_up(sched, ids, self.head.features(target_hidden, rows_total))
         self.seeds = self._next_seeds(out, seed_of, pending)
@@ -175,7 +199,7 @@ class EagleProposer:
             return runner.graph_runner.replay(step)[0]
         return runner.run_model(step)
 
-    def _next_seeds(self, out: torch.Tensor, seed_of: dict[int, int], pending) -> _Seeds:
+    def _next_seeds(self, out: torch.Tensor, seed_of: dict[int, int], pending: PendingStep) -> _Seeds:
         """Each sampling sequence's last kept row of the catch-up: a verify sequence's is row
         `accepted` (drafts equal to their row's sampled token, counted on the device)."""
         device = out.device
@@ -183,6 +207,7 @@ class EagleProposer:
         ids, rows = list(seed_of), list(seed_of.values())
         picked = [out.index_select(0, _index(rows, device))] if rows else []
         if proposal is not None and proposal.seqs:  # (pending.verify: the same sequences, in order)
+            assert pending.verify is not None  # (verify_outcome of these sequences, set when the step was sampled)
             first = torch.tensor([v.first_row for v in proposal.seqs], dtype=torch.int64, device=device)
             picked.append(out.index_select(0, first + pending.verify.accepted))
             ids.extend(v.record.seq_id for v in proposal.seqs)

@@ -69,7 +69,7 @@ class Proposal:
 
     def flat(self) -> torch.Tensor:
         """Every draft, sequence by sequence ([v0's k0 drafts, v1's k1, ...])."""
-        order = []  # (flat position of draft j of each member), column by column
+        order: list[tuple[int, int]] = []  # (flat position of draft j of each member), column by column
         for j in range(len(self.tokens)):
             order.extend((at, j) for at, v in enumerate(self.seqs) if v.k > j)
         by_seq = sorted(range(len(order)), key=lambda i: order[i])
@@ -79,11 +79,12 @@ class Proposal:
     def padded(self, width: int, fill: int) -> torch.Tensor:
         """[sequences, width]: each verify sequence's drafts, then `fill`."""
         flat = self.flat()
-        index, at = [], 0
+        places: list[list[int]] = []
+        at = 0
         for v in self.seqs:
-            index.append([at + j if j < v.k else -1 for j in range(width)])
+            places.append([at + j if j < v.k else -1 for j in range(width)])
             at += v.k
-        index = torch.tensor(index, dtype=torch.int64, device=flat.device)
+        index = torch.tensor(places, dtype=torch.int64, device=flat.device)
         padded = torch.cat([flat, flat.new_full((1,), fill)])
         return padded[index]
 
@@ -108,7 +109,9 @@ class Proposal:
 
     def draft_probs(self, device: torch.device) -> DraftProbs | None:
         """The sampler rows verified against q: drafts of random requests without a seed."""
-        rows, tokens, qs = [], [], []
+        rows: list[int] = []
+        tokens: list[torch.Tensor] = []
+        qs: list[torch.Tensor] = []
         for j, q in enumerate(self.q):
             if q is None:
                 continue

@@ -26,7 +26,7 @@ from engine.core.outputs import SamplerOutput
 from engine.core.request import SamplingParams
 from engine.core.sched.scheduler_output import SchedulerOutput
 from engine.layers.kv_cache import KVCache
-from engine.spec_decode.verify import verify_outcome
+from engine.spec_decode.verify import VerifyOutcome, verify_outcome
 from engine.worker.decode_graphs import DecodeGraphRunner
 from engine.worker.input_buffers import InputBuffers
 from engine.worker.sample.sampler import Sampler, SampleRow
@@ -36,13 +36,13 @@ from engine.worker.step_features import StepFeatures
 from engine.worker.task_reads import read_task
 
 if TYPE_CHECKING:
-    from engine.worker.spec.proposal import Proposal
+    from engine.spec_decode.proposal import Proposal
 
 logger = logging.getLogger(__name__)
 
 
 class DeviceProposer(Protocol):
-    """What a launch calls of its device proposer (engine/worker/spec/ DraftModelProposer, EagleProposer)."""
+    """What a launch calls of its device proposer (engine/spec_decode/ DraftModelProposer, EagleProposer)."""
 
     def propose(self, sched: SchedulerOutput, target: StepBuilder) -> Proposal | None: ...
 
@@ -262,9 +262,10 @@ class PendingStep:
         self.sample: PendingSample | None = None  # set once sampled
         self.deferred: tuple[torch.Tensor, list[SampleRow]] | None = None  # (logits, rows) not sampled yet
         self.task_results: dict[int, Any] = {}
-        self.proposal = None  # the launch's device drafts (engine/spec_decode/proposal.py)
+        self.proposal: Proposal | None = None  # the launch's device drafts (engine/spec_decode/proposal.py)
         self.hidden: torch.Tensor | None = None  # the step's final hidden states, until it is sampled
-        self.verify = None  # its verify records' outcome on the device (engine/spec_decode/verify.py)
+        # its verify records' outcome on the device (engine/spec_decode/verify.py)
+        self.verify: VerifyOutcome | None = None
 
     def result(self) -> SamplerOutput:
         out = self.sample.result()
