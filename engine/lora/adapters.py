@@ -26,6 +26,7 @@ from pathlib import Path
 
 import torch
 
+from engine.core import admission_rules as rules
 from engine.core.request import InvalidRequestError, LoRARequest
 from engine.models.loader.safetensors_reader import read_tensors
 
@@ -198,14 +199,15 @@ def make_lora_manager(model: torch.nn.Module, settings) -> LoRAManager | None:
     return manager
 
 
-def attach_lora(manager: LoRAManager | None, request, lora_request: LoRARequest) -> None:
-    """Run `request` with this adapter (loaded into a free slot first if it is new)."""
-    if manager is None:
-        raise InvalidRequestError("LoRA adapters need the engine started with enable_lora", "model")
+def attach_lora(manager: LoRAManager, request, lora_request: LoRARequest) -> None:
+    """Run `request` with this adapter (loaded into a free slot first if it is new). Admission
+    found it can run (engine/core/admission_rules.py lora_adapter); a new adapter's files are read
+    only now, between steps, so the loader's verdict on them (or a slot taken since admission)
+    fails this request here."""
     try:
         entry = manager.ensure(lora_request)
     except LoRAError as exc:
-        raise InvalidRequestError(str(exc), "model") from exc
+        raise rules.adapter_unreadable(exc) from exc
     request.lora_request = lora_request
     request.lora_slot = entry.slot
     request.prefix_root = entry.prefix_root
