@@ -363,6 +363,27 @@ def beam_search_alone(stream: bool, constrained: bool) -> None:
                                   "use_beam_search")
 
 
+def constraint_does_not_compile(kind: str, why: Any) -> InvalidRequestError:
+    """The compiler's verdict (engine/structured_output/grammars.py: only compiling tells)."""
+    return InvalidRequestError(f"structured output: the {kind} constraint does not compile: {why}",
+                               "structured_outputs")
+
+
+def constraint_compile_timeout(kind: str, timeout_s: Any) -> InvalidRequestError:
+    return InvalidRequestError(f"structured output: the {kind} constraint did not compile within "
+                               f"grammar_compile_timeout_s={timeout_s}s of CPU time; simplify it (e.g. fewer "
+                               "optional properties)", "structured_outputs")
+
+
+def constraint_compile_cancelled() -> InvalidRequestError:
+    return InvalidRequestError("structured output: the compile was cancelled", "structured_outputs")
+
+
+def constraints_unavailable() -> InvalidRequestError:
+    return InvalidRequestError("structured outputs need the xgrammar package (pip install xgrammar)",
+                               "structured_outputs")
+
+
 def constraint_in_field(name: str, exc: Exception) -> InvalidRequestError:
     """A constraint that does not compile (engine/structured_output/grammars.py's verdict), named by
     the request field it came in."""
