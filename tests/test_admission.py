@@ -161,6 +161,7 @@ def _same_id_twice(llm) -> None:
         llm.engine.abort_request("dup")
 
 
+_SLOTS_FULL = "all max_loras=1 LoRA slots hold adapters (x); unload one first"  # (LoRAManager.why_not's)
 LONG = list(range(1, 65))  # max_model_len tokens: no room left
 CASES = [
     # SamplingParams (as made: offline, by the server from a body, by beam search from its params)
@@ -231,7 +232,7 @@ CASES = [
     Case("lora_adapter", "enable_lora", "model",
          lambda llm, c: llm.generate("hi", use_tqdm=False, lora_request=LoRARequest("a", 1, "/nowhere"))),
     Case("lora_adapter", r"all max_loras=1 LoRA slots hold adapters \(x\); unload one first", "model",
-         unit=lambda a: _with(a, lora=SimpleNamespace(max_loras=1, adapters=[LoRARequest("x", 1, "/x")])).admit(
+         unit=lambda a: _with(a, lora=SimpleNamespace(why_not=lambda r: _SLOTS_FULL)).admit(
              [1], SamplingParams(max_tokens=1), lora_request=LoRARequest("y", 2, "/y"))),
     # the HTTP API's own fields
     Case("prompt_given", "the prompt must not be empty", "prompt", None, lambda c: _completion(prompt=[])),

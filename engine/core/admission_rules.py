@@ -14,7 +14,6 @@ rules that need the engine's state (its limits, KV pool, adapters) take it as ar
 from __future__ import annotations
 
 import json
-from pathlib import Path
 from typing import Any, Callable, Container
 
 
@@ -258,20 +257,15 @@ def request_id_free(request_id: str, in_use: Container[str]) -> None:
 
 # ---- LoRA adapters ----
 def lora_adapter(manager, lora_request) -> None:
-    """The adapter can run: LoRA is on, and it is loaded, or can be (its name is free, a slot is)."""
+    """The adapter can run: LoRA is on, and it is loaded or can be (engine/lora/adapters.py
+    LoRAManager.why_not: its name is not another adapter's, a slot is free)."""
     if lora_request is None:
         return
     if manager is None:
         raise InvalidRequestError("LoRA adapters need the engine started with enable_lora", "model")
-    loaded = {a.lora_name: a for a in manager.adapters}
-    same = loaded.get(lora_request.lora_name)
-    if same is not None:
-        if Path(same.lora_path).expanduser() != Path(lora_request.lora_path).expanduser():
-            raise InvalidRequestError(f"LoRA adapter {lora_request.lora_name!r} is already loaded from "
-                                      f"{same.lora_path}", "model")
-    elif len(loaded) >= manager.max_loras:
-        raise InvalidRequestError(f"all max_loras={manager.max_loras} LoRA slots hold adapters "
-                                  f"({', '.join(loaded)}); unload one first", "model")
+    why = manager.why_not(lora_request)
+    if why is not None:
+        raise InvalidRequestError(why, "model")
 
 
 def adapter_unreadable(exc: Exception) -> InvalidRequestError:

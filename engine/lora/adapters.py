@@ -118,20 +118,30 @@ class LoRAManager:
     def get(self, name: str) -> _Loaded | None:
         return self._loaded.get(name)
 
+    def why_not(self, request: LoRARequest) -> str | None:
+        """Why `request`'s adapter cannot run now (None: it is loaded, or a slot is free for it).
+        Admission refuses with it (engine/core/admission_rules.py lora_adapter)."""
+        entry = self._loaded.get(request.lora_name)
+        if entry is not None:
+            if Path(entry.request.lora_path).expanduser() != Path(request.lora_path).expanduser():
+                return f"LoRA adapter {request.lora_name!r} is already loaded from {entry.request.lora_path}"
+            return None
+        if len(self._loaded) >= self.max_loras:
+            return (f"all max_loras={self.max_loras} LoRA slots hold adapters ({', '.join(self._loaded)}); "
+                    "unload one first")
+        return None
+
     def ensure(self, request: LoRARequest) -> _Loaded:
         """The adapter's slot, loading it into a free one first if needed."""
         with self._lock:
+            why = self.why_not(request)
+            if why is not None:
+                raise LoRAError(why)
             entry = self._loaded.get(request.lora_name)
             if entry is not None:
-                if Path(entry.request.lora_path).expanduser() != Path(request.lora_path).expanduser():
-                    raise LoRAError(f"LoRA adapter {request.lora_name!r} is already loaded from "
-                                    f"{entry.request.lora_path}")
                 return entry
             used = {e.slot for e in self._loaded.values()}
             free = [s for s in range(self.max_loras) if s not in used]
-            if not free:
-                raise LoRAError(f"all max_loras={self.max_loras} LoRA slots hold adapters "
-                                f"({', '.join(self._loaded)}); unload one first")
             weights = read_adapter(request.lora_path, self.max_rank, len(self.model.layers))
             slot = free[0]
             self._write(slot, weights)
