@@ -6,7 +6,8 @@ and chat templates run here too, on the server's tokenising threads, never on th
 The rules every request meets (the params against the engine's limits, token ids against the
 vocabulary, the prompt's length) are the engine's one admission step's
 (engine/runtime/admission.py), called from here step by step, once each; the engine takes the
-admitted request as it is.
+admitted request as it is. Every rule, the server's own included, is written in
+engine/core/admission_rules.py.
 """
 
 from __future__ import annotations

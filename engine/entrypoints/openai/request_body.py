@@ -7,9 +7,10 @@ request body (already capped in bytes by GateMiddleware) is, in order:
    scan; parsing 10 million token ids would hold the interpreter for seconds);
 2. parsed (json.loads: bounded by 1.);
 3. checked for lone surrogates, only when the bytes can hold one (a byte search);
-4. shaped: a token-id prompt longer than max_model_len, more prompts than a request may hold,
+4. shaped: a token-id prompt with no room in max_model_len, more prompts than a request may hold,
    more chat messages than max_model_len, more allowed/stop token ids than the vocabulary: a
-   400 from len() alone, before any per-token work (pydantic's validation included);
+   400 from len() alone, before any per-token work (pydantic's validation included), by the
+   rules of engine/core/admission_rules.py;
 5. validated by FastAPI against the endpoint's model, as usual.
 
 `BoundedJSONRoute` does 1-4 for every JSON endpoint of the API.
