@@ -34,11 +34,9 @@ class BeamSearchParams:
     length_penalty: float = 1.0
 
     def __post_init__(self) -> None:
-        self.sampling_params()  # (the beams are n samples of max_tokens: SamplingParams' rules refuse the rest)
-
-    def sampling_params(self) -> SamplingParams:
-        """What the search asks for, as sampling params: beam_width samples of up to max_tokens."""
-        return SamplingParams(n=self.beam_width, max_tokens=self.max_tokens, ignore_eos=self.ignore_eos)
+        # The search asks for beam_width samples of up to max_tokens: SamplingParams' rules (the
+        # admission table's) refuse what they refuse, with the same messages.
+        SamplingParams(n=self.beam_width, max_tokens=self.max_tokens)
 
     def step_params(self, max_logprobs: int) -> SamplingParams:
         """One step of one beam: a single greedy token and the top 2 x beam_width logprobs (as many
