@@ -187,6 +187,8 @@ CASES = [
     Case("constraint_does_not_compile", "the regex constraint does not compile", "structured_outputs",
          _gen("hi", structured_outputs=StructuredOutputsParams(regex="(")),
          lambda c: _completion(structured_outputs={"regex": "("})),
+    Case("constraint_in_field", "^guided_regex: structured output: the regex constraint does not compile",
+         "guided_regex", http=lambda c: _completion(guided_regex="(")),
     # embeddings and the task
     Case("pooling", "pooling_type must be one of last, mean", "pooling_type",
          lambda llm, c: llm.embed("hi", PoolingParams("max"), use_tqdm=False)),
@@ -277,7 +279,6 @@ ELSEWHERE = {
     "constraint_compile_timeout": "tests/test_offline_grammar_timeout.py",
     "constraint_compile_cancelled": "a compile stopped under a request (the compile pool's tests)",
     "constraints_unavailable": "xgrammar not installed (a declared dependency)",
-    "constraint_in_field": "every server case of a constraint (the field it came in names the error)",
     "template_failed": "a chat template that raises",
 }
 
