@@ -10,7 +10,7 @@ CUDA_EXTRA := $(shell command -v nvidia-smi >/dev/null 2>&1 && echo ",cuda")
 # Arguments for `make serve`, e.g. make serve SERVE_ARGS="/models/llama --max-model-len 8k".
 SERVE_ARGS ?=
 
-.PHONY: venv venv-test serve test bench kernels settings-table clean
+.PHONY: venv venv-test serve test lint format typecheck bench kernels settings-table clean
 
 $(VENV)/.python:
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -25,7 +25,7 @@ $(VENV)/.runtime: pyproject.toml $(VENV)/.python
 # The runtime plus the test tools, and the CUDA extras always: the CUTLASS headers let the
 # suite compile every kernel for sm_90a with nvcc even on a machine without a GPU (CI).
 $(VENV)/.installed: pyproject.toml $(VENV)/.runtime
-	$(PY) -m pip install -q "$(TORCH_PIN)" -e '.[test,cuda]'
+	$(PY) -m pip install -q "$(TORCH_PIN)" -e '.[test,cuda,lint]'
 	touch $@
 
 venv: $(VENV)/.runtime
@@ -48,5 +48,20 @@ kernels: $(VENV)/.runtime
 settings-table: $(VENV)/.runtime
 	$(PY) tools/settings_table.py --write docs/*.md
 
+# Type-check the checked packages (settings in pyproject.toml's [tool.mypy]; mypy from the `lint` extra).
+TYPECHECK_PATHS ?= engine/core engine/config engine/runtime engine/spec_decode
+typecheck: $(VENV)/.installed
+	$(VENV)/bin/mypy $(TYPECHECK_PATHS)
+
+# Lint and format check (rules and versions pinned in pyproject.toml; `make format` applies them).
+LINT_PATHS := engine compiler templates tests tools
+lint: $(VENV)/.installed
+	$(VENV)/bin/ruff check $(LINT_PATHS)
+	$(VENV)/bin/ruff format --check $(LINT_PATHS)
+
+format: $(VENV)/.installed
+	$(VENV)/bin/ruff check --fix --select I $(LINT_PATHS)
+	$(VENV)/bin/ruff format $(LINT_PATHS)
+
 clean:
-	rm -rf $(VENV) .pytest_cache .hypothesis
+	rm -rf $(VENV) .pytest_cache .hypothesis .mypy_cache

@@ -1,20 +1,16 @@
-"""kiln's runtime: the engine, its scheduler and KV cache, the offline API and the server."""
+"""kiln's runtime: the engine, its scheduler and KV cache, the offline API and the server.
 
-from engine.worker.cpu_isa import set_cpu_isa_limit
-from engine.worker.cpu_threads import set_openmp_spin
+Importing it changes nothing in the process: the settings that must precede torch are applied by
+each entry point (engine/config/process_setup.py: prepare_process)."""
 
-# Before anything loads torch (its runtimes read these once): how long idle OpenMP threads spin
-# before sleeping, and KILN_CPU_ISA's limit on torch's kernels.
-set_openmp_spin()
-set_cpu_isa_limit()
-
-from engine.core.request import LoRARequest, RequestOutput, SamplingParams, StructuredOutputsParams  # noqa: E402
+from engine.core.request import LoRARequest, RequestOutput, SamplingParams, StructuredOutputsParams
 
 __all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "LoRARequest", "RequestOutput", "EngineSettings"]
 
 
 def __getattr__(name: str):
-    # Heavy imports (torch, transformers) only when these are used.
+    # Heavy imports (torch, transformers) only when these are used; engine.entrypoints.llm prepares
+    # the process before it imports torch.
     if name == "LLM":
         from engine.entrypoints.llm import LLM
 

@@ -1,4 +1,4 @@
-// Fused element-wise ops of the Llama-family forward on the CPU (compiler/cpu_fused.py builds and
+// Fused element-wise ops of the Llama-family forward on the CPU (compiler/kernels/cpu_fused.py builds and
 // loads this; the eager torch ops in engine/models/llama.py are the definition they are tested
 // against). Each op reads and writes its rows once instead of the 3-8 eager ops it replaces.
 //

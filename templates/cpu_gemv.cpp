@@ -1,5 +1,5 @@
 // Weight-streaming linear layers for the CPU: y = x W^T (+ bias) for a few rows of x, whose cost
-// is reading W once (compiler/cpu_gemv.py builds and loads this; tests/test_cpu_gemv.py checks
+// is reading W once (compiler/kernels/cpu_gemv.py builds and loads this; tests/test_cpu_gemv.py checks
 // every kernel against dequantise-then-matmul).
 //
 // Dense weights (float32 / bfloat16 / float16 [N, K]) are read as they are. Quantised weights are

@@ -1,5 +1,5 @@
 // Paged attention for the CPU: decodes, prefill chunks and mixed steps in one pass over the
-// paged KV cache (compiler/cpu_attention.py builds and loads it; compiler/reference_attention.py
+// paged KV cache (compiler/kernels/cpu_attention.py builds and loads it; compiler/kernels/reference_attention.py
 // is the definition it is tested against), and the cache write (write_kv) in one call.
 //
 // Layouts (the reference's): q / out [T, Hq, D]; kv_cache [layers, 2, blocks, block_size, Hkv, D]
@@ -762,7 +762,7 @@ void paged_attention(const at::Tensor& out, const at::Tensor& q, const at::Tenso
 }
 
 // Cache elements from float values: cast (round to nearest even), or for an fp8 cache x / scale
-// saturated to +-448 (NaN stays NaN), exactly as compiler/kv_quant.py's to_cache.
+// saturated to +-448 (NaN stays NaN), exactly as compiler/kernels/kv_quant.py's to_cache.
 template <typename CT>
 inline CT to_cache(float x, float scale) {
   if constexpr (std::is_same_v<CT, c10::Float8_e4m3fn>) {

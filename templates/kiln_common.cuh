@@ -82,7 +82,7 @@ __device__ __forceinline__ uint4 e4m3x8_to16(const uint2& v) {
 }
 
 // 8 floats -> 8 e4m3 bytes: x / scale rounded to nearest even, saturated to +-448 (NaN stays NaN),
-// as compiler/kv_quant.py quantize_fp8. IEEE division (__fdiv_rn) so the bytes match torch's.
+// as compiler/kernels/kv_quant.py quantize_fp8. IEEE division (__fdiv_rn) so the bytes match torch's.
 __device__ __forceinline__ uint2 pack8_e4m3(const float (&f)[8], float scale) {
   uint32_t w[2];
 #pragma unroll

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from compiler.capture import bucket_for, compile_count, graph_ctx
+from compiler.compilation.capture import bucket_for, compile_count, graph_ctx
 from engine.config.settings import EngineSettings
 from engine.core.request import SamplingParams
 from engine.runtime.llm_engine import LLMEngine
@@ -97,7 +97,7 @@ def _first_divergence(a: list[int], b: list[int]) -> int | None:
 def test_compiles_three_graphs_at_startup(engines):
     _, compiled = engines
     # one token (static), decode-shaped (batch symbolic), general, plus the CPU decode
-    # attention kernel (compiler/cpu_attention.py); fewer if another engine in this process
+    # attention kernel (compiler/kernels/cpu_attention.py); fewer if another engine in this process
     # already compiled the same code with the same guards
     assert compiled.start_graphs <= 4
     # each graph went through AOTAutograd once: no analysis restarted (symbolic float constants
@@ -116,7 +116,7 @@ def test_compile_cache_hit_with_another_pool_size(engines, tiny_llama, compile_c
     other = LLMEngine(EngineSettings(model=str(tiny_llama), enforce_eager=False, compile_cache_dir=compile_cache,
                                      **{**COMMON, "num_gpu_blocks": COMMON["num_gpu_blocks"] + 37}))
     # In this process Dynamo may reuse its graphs outright (no Inductor call at all); in a new
-    # process every graph is a cache hit (BENCHMARKS.md, warm start). Never a miss.
+    # process every graph is a cache hit (benchmarks/, warm start). Never a miss.
     assert counters["inductor"]["fxgraph_cache_miss"] == misses, "a different pool size recompiled"
     eager, compiled = engines
     prompt = _prompts(compiled, 1, seed=11)[0]

@@ -1,4 +1,4 @@
-"""The C++ CPU paged attention (compiler/cpu_attention.py) agrees with the reference on random
+"""The C++ CPU paged attention (compiler/kernels/cpu_attention.py) agrees with the reference on random
 paged inputs: decodes, prefill chunks, mixed steps; GQA/MQA; float32, bfloat16 and fp8 caches;
 sliding windows, soft-capping, padding rows, stale slots and blocks."""
 
@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-import compiler.ops  # noqa: F401
-from compiler.kv_quant import FP8_DTYPE, quantize_fp8
-from compiler.reference_attention import paged_attention_reference
+import compiler.kernels.ops  # noqa: F401
+from compiler.kernels.kv_quant import FP8_DTYPE, quantize_fp8
+from compiler.kernels.reference_attention import paged_attention_reference
 
 
 def _paged(g, lens, q_lens, hq, hkv, d, bs, dtype=torch.float32, layers=2, spare=3):
@@ -221,8 +221,8 @@ def test_engine_softcap_logprobs_match_transformers(tiny_models, make_llm):
                                                  (FP8_DTYPE, torch.bfloat16)])
 def test_write_kv_stores_what_the_reference_stores(cache_dtype, x_dtype):
     """Exactly, fp8 saturation and NaN included; slot -1 writes nothing; strided k/v views."""
-    from compiler.cpu_attention import write_kv_cpu_impl
-    from compiler.reference_attention import write_kv_reference
+    from compiler.kernels.cpu_attention import write_kv_cpu_impl
+    from compiler.kernels.reference_attention import write_kv_reference
 
     g = torch.Generator().manual_seed(29)
     cache = torch.zeros(2, 2, 9, 8, 2, 32, dtype=cache_dtype)

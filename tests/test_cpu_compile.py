@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from compiler.capture import compile_count
-from compiler.cpu_attention import KERNEL, CpuAttentionKernel, cpu_flags
+from compiler.compilation.capture import compile_count
+from compiler.kernels.cpu_attention import KERNEL, CpuAttentionKernel, cpu_flags
 from engine.config.settings import EngineSettings
 from engine.core.request import SamplingParams
 from engine.runtime.llm_engine import LLMEngine

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from compiler import cpu_linear
+from compiler.kernels import cpu_linear
 from engine.layers.attention.base import AttentionMetadata
 from engine.layers.attention.torch_backend import TorchAttentionBackend
 

@@ -1,4 +1,4 @@
-"""compiler/cpu_fused.py: each fused CPU op against the eager ops of engine/models/llama.py it
+"""compiler/kernels/cpu_fused.py: each fused CPU op against the eager ops of engine/models/llama.py it
 replaces (the eager code is the definition), float32 and bfloat16; bad input gets an error."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from compiler.cpu_fused import FUSED
+from compiler.kernels.cpu_fused import FUSED
 from engine.models.glm import apply_interleaved_rope, interleaved_rope_tables
 from engine.models.llama import MLP, FusedRope, RMSNorm, apply_rope
 

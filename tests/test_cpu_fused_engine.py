@@ -1,4 +1,4 @@
-"""The engine with the CPU fused ops (compiler/cpu_fused.py) and oneDNN projections still equals
+"""The engine with the CPU fused ops (compiler/kernels/cpu_fused.py) and oneDNN projections still equals
 transformers' greedy `generate` token for token, on every tiny architecture (GLM's interleaved
 partial rotary included), and the fused ops really ran."""
 
@@ -56,7 +56,7 @@ def test_a_fused_library_that_cannot_build_leaves_the_eager_ops(make_llm, tiny_l
     transformers' own."""
     import logging
 
-    from compiler import cpu_fused
+    from compiler.kernels import cpu_fused
 
     builds = []
 

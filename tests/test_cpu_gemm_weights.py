@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from compiler import cpu_linear
+from compiler.kernels import cpu_linear
 from engine.worker.cpu_gemm_weights import gemm_weights_choice
 
 GB = 10**9

@@ -1,4 +1,4 @@
-"""compiler/cpu_gemv.py: every weight-streaming kernel against dequantise-then-matmul, on every
+"""compiler/kernels/cpu_gemv.py: every weight-streaming kernel against dequantise-then-matmul, on every
 instruction-set level this CPU runs (the generic C++ one always, AVX2 / AVX-VNNI / AVX-512 /
 AVX-512-VNNI where present), both activation paths, float32 and bfloat16 activations.
 
@@ -19,8 +19,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from compiler import cpu_extension, cpu_gemv, cpu_linear
-from compiler.cpu_gemv import GEMV, GGUF_FORMATS, INT4, INT8, LEVELS
+from compiler.kernels import cpu_extension
+from compiler.kernels import cpu_gemv
+from compiler.kernels import cpu_linear
+from compiler.kernels.cpu_gemv import GEMV, GGUF_FORMATS, INT4, INT8, LEVELS
 from engine.layers.quant import gguf_blocks
 from tests.gguf_writer import random_k_blocks
 
@@ -268,7 +270,7 @@ def test_a_library_that_cannot_build_is_logged_and_skipped(monkeypatch, tmp_path
     lib.configure(tmp_path)
     monkeypatch.setattr(cpu_extension, "build", broken)
     monkeypatch.setattr(cpu_gemv, "loaded", lambda: False)
-    with caplog.at_level(logging.WARNING, logger="compiler.cpu_gemv"):
+    with caplog.at_level(logging.WARNING, logger="compiler.kernels.cpu_gemv"):
         assert not lib.ensure() and not lib.ensure()
     assert len(calls) == 1 and lib.state == "failed" and "no C++ compiler" in lib.error
     assert "dequantise on the fly" in caplog.text

@@ -1,4 +1,5 @@
-"""KILN_CPU_ISA: the process runs as a CPU with less than this one has (engine/worker/cpu_isa.py)."""
+"""KILN_CPU_ISA: the process runs as a CPU with less than this one has (engine/config/process_setup.py caps
+torch before it loads, engine/worker/cpu_isa.py kiln's kernels at start-up)."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_the_limit_is_one_of_the_kernel_levels(monkeypatch):
-    from compiler.cpu_gemv import LEVELS
+    from compiler.kernels.cpu_gemv import LEVELS
 
     assert CPU_ISA_LEVELS == LEVELS
     monkeypatch.delenv("KILN_CPU_ISA", raising=False)
@@ -34,10 +35,9 @@ def test_the_limit_is_one_of_the_kernel_levels(monkeypatch):
 ENGINE_CODE = """
 import json, logging, os, sys
 logging.basicConfig(level=logging.INFO)
-import engine
+from engine import LLM  # (before torch: the offline API's module prepares the process)
 import torch
-from compiler import cpu_gemv
-from engine.entrypoints.llm import LLM
+from compiler.kernels import cpu_gemv
 from tests.test_engine_vs_hf import GREEDY, MAX_TOKENS, _prompts, hf_greedy
 llm = LLM(sys.argv[1], device="cpu", enforce_eager=True, cpu_quant_activations="float")
 prompts = _prompts(llm.engine.model_config.vocab_size)
@@ -57,7 +57,7 @@ def _engine_run(model: Path, limit: str) -> subprocess.CompletedProcess:
 
 @pytest.mark.skipif(platform.machine().lower() not in ("x86_64", "amd64"), reason="x86 instruction-set levels")
 def test_an_avx2_limit_runs_kiln_and_torch_at_avx2_and_matches_transformers(tiny_llama):
-    from compiler.cpu_gemv import GEMV
+    from compiler.kernels.cpu_gemv import GEMV
 
     if not GEMV.ensure() or 1 not in GEMV.levels:
         pytest.skip("this CPU has no AVX2")

@@ -1,4 +1,4 @@
-"""compiler/cpu_linear.py: float32 projections through oneDNN agree with F.linear, and the set of
+"""compiler/kernels/cpu_linear.py: float32 projections through oneDNN agree with F.linear, and the set of
 shapes oneDNN sees (one cached primitive each) stays bounded however many row counts arrive."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from compiler import cpu_linear
-from compiler.cpu_linear import MIN_ONEDNN_ROWS, SHAPES, linear, row_bucket
+from compiler.kernels import cpu_linear
+from compiler.kernels.cpu_linear import MIN_ONEDNN_ROWS, SHAPES, linear, row_bucket
 
 pytestmark = pytest.mark.skipif(not cpu_linear._ONEDNN, reason="torch built without oneDNN")
 

@@ -12,10 +12,16 @@ from pathlib import Path
 import pytest
 import torch
 
+from engine.config.process_setup import (
+    QUIET_SPIN_COUNT,
+    SHARED_SPIN_COUNT,
+    available_cores,
+    cores_busy_elsewhere,
+    spin_count_for,
+)
 from engine.config.settings import EngineSettings
 from engine.config.values import parse_core_list
-from engine.worker.cpu_threads import (QUIET_SPIN_COUNT, SHARED_SPIN_COUNT, apply_cpu_threads, available_cores,
-                                       cores_busy_elsewhere, plan_threads, spin_count_for)
+from engine.worker.cpu_threads import apply_cpu_threads, plan_threads
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -65,8 +71,9 @@ def _run(code: str, env_extra: dict[str, str] | None = None) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-SPIN_CODE = ("import json, os, engine, torch; from engine.worker.cpu_threads import wait_policy; "
-             "print(json.dumps([os.environ.get('OMP_WAIT_POLICY'), os.environ.get('GOMP_SPINCOUNT'), wait_policy()]))")
+SPIN_CODE = ("import json, os; from engine.config.process_setup import prepare_process; prepare_process(); "
+             "import torch; print(json.dumps([os.environ.get('OMP_WAIT_POLICY'), os.environ.get('GOMP_SPINCOUNT'), "
+             "prepare_process().wait_policy()]))")
 
 
 def test_the_spin_is_set_before_torch_loads_and_a_user_choice_is_kept():
@@ -76,8 +83,8 @@ def test_the_spin_is_set_before_torch_loads_and_a_user_choice_is_kept():
     assert _run(SPIN_CODE, {"OMP_WAIT_POLICY": "PASSIVE"}) == ["PASSIVE", None, "passive"]
     assert _run(SPIN_CODE, {"OMP_WAIT_POLICY": "ACTIVE"}) == ["ACTIVE", None, "active"]
     assert _run(SPIN_CODE, {"GOMP_SPINCOUNT": "50"}) == [None, "50", "spin 50 then sleep"]
-    late = _run("import json, torch, engine; from engine.worker.cpu_threads import wait_policy; "
-                "print(json.dumps(wait_policy()))")
+    late = _run("import json, torch; from engine.config.process_setup import prepare_process; "
+                "print(json.dumps(prepare_process().wait_policy()))")
     assert "imported before kiln" in late
 
 

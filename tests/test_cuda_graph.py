@@ -10,7 +10,7 @@ and compares logits and tokens, and that rows past the batch are padding.
 
 Targets (each with a graphs engine with overlap on, one with it off, and an eager serial one):
   cpu                 in CI: the CPU backend (torch attention, the C++ decode), float32, and
-                      simulated graphs (compiler.capture.SimulatedGraphSet: each replay runs the
+                      simulated graphs (compiler.compilation.capture.SimulatedGraphSet: each replay runs the
                       graph body over the static buffers, eager forward): the driving logic, the
                       bucketing and the padding exactly as on a GPU, with a GPU's default
                       settings (overlap on, graph buckets, chunked prefill)
@@ -25,7 +25,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from compiler.capture import bucket_for, compile_count, graph_ctx
+from compiler.compilation.capture import bucket_for, compile_count, graph_ctx
 from engine.config.settings import EngineSettings
 from engine.core.request import SamplingParams
 from engine.layers.attention.base import AttentionMetadata

@@ -16,9 +16,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from compiler import cutlass_ops
-from compiler.cutlass_ops import DECODE_GROUPS, AttentionKernels
-from compiler.reference_attention import paged_attention_reference
+from compiler.kernels import cutlass_ops
+from compiler.kernels.cutlass_ops import DECODE_GROUPS, AttentionKernels
+from compiler.kernels.reference_attention import paged_attention_reference
 from engine.layers.attention import cutlass_backend
 from engine.layers.attention.base import BackendSpec
 from engine.layers.attention.selector import get_attention_backend
@@ -63,7 +63,7 @@ def test_every_op_the_engine_calls_is_registered_in_a_fresh_process(backend, ext
 def test_ops_are_defined_in_one_module():
     defining = [p.relative_to(REPO).as_posix() for root in ("engine", "compiler")
                 for p in (REPO / root).rglob("*.py") if "torch.library.custom_op(" in p.read_text()]
-    assert defining == ["compiler/ops.py"]
+    assert defining == ["compiler/kernels/ops.py"]
 
 
 # ---- the launches one call becomes ---------------------------------------------------------------
@@ -198,7 +198,7 @@ def test_declined_inputs_run_the_reference_eagerly_and_raise_inside_capture(monk
     padded[:, 1:] = c["q"].reshape(T, H * D)
     c["q"] = torch.as_strided(padded, (T, H, D), (H * D + 1, D, 1), 1)  # misaligned rows: declined
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
-    with caplog.at_level(logging.WARNING, logger="compiler.cutlass_ops"):
+    with caplog.at_level(logging.WARNING, logger="compiler.kernels.cutlass_ops"):
         out = call(k, c, 0)
     assert k.log == [] and "16-byte" in caplog.text
     ref = paged_attention_reference(c["q"], c["kv"][0, 0], c["kv"][0, 1], c["qsl"], c["lens"], c["table"], 0.125,

@@ -70,7 +70,7 @@ def test_backend_matches_the_reference_greedy(tiny_d64, case):
     lengths = [1, 15, 16, 17, 40, 100, 257, 600]
     prompts = [torch.randint(5, 500, (n,), generator=g).tolist() for n in lengths]
     # The tested engine first: on a GPU its ops must exist without the torch backend having run
-    # (every kiln:: op is registered by compiler/ops.py, imported by engine.layers.attention).
+    # (every kiln:: op is registered by compiler/kernels/ops.py, imported by engine.layers.attention).
     got = _run(tiny_d64, prompts, max_num_batched_tokens=128, async_scheduling=True, enable_chunked_prefill=True,
                **tested)
     ref = _run(tiny_d64, prompts, max_num_batched_tokens=1024, async_scheduling=False, **reference)

@@ -18,7 +18,7 @@ PROMPTS = [[5 + i, 90 + 7 * i, 300 - i, 42] * (1 + i % 3) for i in range(12)]
 
 
 def test_grouped_moe_op_replays_in_a_cuda_graph():
-    from compiler.moe import moe_experts_dense, moe_experts_grouped
+    from compiler.kernels.moe import moe_experts_dense, moe_experts_grouped
 
     e, h, i, k, t = 16, 256, 128, 2, 24
     g = torch.Generator(device="cuda").manual_seed(0)

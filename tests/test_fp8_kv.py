@@ -16,8 +16,8 @@ import shutil
 import pytest
 import torch
 
-from compiler.kv_quant import FP8_DTYPE, FP8_MAX, calibrate_kv_scales, from_cache, quantize_fp8
-from compiler.reference_attention import paged_attention_reference, write_kv_reference
+from compiler.kernels.kv_quant import FP8_DTYPE, FP8_MAX, calibrate_kv_scales, from_cache, quantize_fp8
+from compiler.kernels.reference_attention import paged_attention_reference, write_kv_reference
 from engine.config.settings import EngineSettings
 from engine.core.kv import kv_sizing
 from engine.core.request import SamplingParams
@@ -91,7 +91,7 @@ def test_write_kv_stores_scaled_bytes_and_attention_reads_them_back():
 
 
 def test_compiled_cpu_decode_reads_fp8_like_the_reference():
-    from compiler.cpu_attention import paged_attention_cpu_impl
+    from compiler.kernels.cpu_attention import paged_attention_cpu_impl
 
     torch.manual_seed(0)
     cache = torch.zeros(2, 2, 10, 16, 2, 32, dtype=FP8_DTYPE)
@@ -291,7 +291,7 @@ def test_fp8_cache_within_tolerance_of_the_model_dtype_cache(make_llm, trained_t
     for label, settings in (("fp8 KV, scales 1.0", {}), ("fp8 KV, calibrated", dict(calculate_kv_scales=True))):
         llm = make_llm(model, dtype="bfloat16", kv_cache_dtype="fp8", **settings)
         results[label] = greedy_fidelity(llm, ref)[:3]
-    import compiler.reference_attention as reference
+    import compiler.kernels.reference_attention as reference
 
     read = reference.from_cache
     monkeypatch.setattr(reference, "from_cache", lambda x, dtype, scale: read(x, dtype, scale * 16))
@@ -303,7 +303,7 @@ def test_fp8_cache_within_tolerance_of_the_model_dtype_cache(make_llm, trained_t
     assert results["fp8 KV, scales 1.0"][0] >= GATE and results["fp8 KV, calibrated"][0] >= GATE
     assert results["fp8 KV read x16 (broken)"][0] < 0.5, (
         "the broken cache passed: does the eager CPU attention still read through "
-        "compiler.reference_attention.from_cache (what this control patches)?")
+        "compiler.kernels.reference_attention.from_cache (what this control patches)?")
 
 
 # ---- scales from a checkpoint ----

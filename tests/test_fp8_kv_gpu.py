@@ -1,6 +1,6 @@
 """The fp8 (e4m3) KV cache variants of kiln's CUTLASS kernels against the torch reference, on a GPU.
 
-write_kv must store exactly the bytes of compiler/kv_quant.py's quantize_fp8 (x / scale, RNE,
+write_kv must store exactly the bytes of compiler/kernels/kv_quant.py's quantize_fp8 (x / scale, RNE,
 saturated to +-448); decode and prefill read the same fp8 cache as the reference (which
 dequantizes in float32) to within the kernels' bf16/fp16 tolerance. The scales are read on the
 device: changing them in place changes what a captured CUDA graph computes.
@@ -21,12 +21,12 @@ if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU", allow_module_level=True)
 pytest.importorskip("cuda.bindings.driver")
 
-from compiler import cutlass_ops  # noqa: E402
+from compiler.kernels import cutlass_ops  # noqa: E402
 from compiler.kernels.build import build_kernels, find_nvcc  # noqa: E402
 from compiler.kernels.loader import missing_variants  # noqa: E402
 from compiler.kernels.manifest import attention_variant_names  # noqa: E402
-from compiler.kv_quant import FP8_DTYPE, quantize_fp8  # noqa: E402
-from compiler.reference_attention import paged_attention_reference, write_kv_reference  # noqa: E402
+from compiler.kernels.kv_quant import FP8_DTYPE, quantize_fp8  # noqa: E402
+from compiler.kernels.reference_attention import paged_attention_reference, write_kv_reference  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 CACHE = REPO / "build" / "kernels"

@@ -204,7 +204,7 @@ KEPT = {"llama": _held("Q4_0+Q4_1+Q5_0", "Q5_1", "Q4_K+Q5_K", "Q6_K"), "mistral"
 
 
 def _kinds(llm) -> dict[str, str]:
-    from compiler.cpu_gemv import GGUF_FORMATS
+    from compiler.kernels.cpu_gemv import GGUF_FORMATS
     from engine.layers.quant.cpu_packed import CpuPackedMethod
     from engine.layers.quant.int4_packed import PACKED
 
@@ -262,7 +262,7 @@ def test_gguf_kept_quantised_in_bf16_on_cpu_kernels(types, wide_models, make_llm
     file's dequantised one, and the output stays within 3x the drift of bf16 from float32 of the
     dequantised-at-load run: int8 activations per block of 32 (llama.cpp's arithmetic) round each
     value to amax / 254, ~5x bf16's own rounding of it (measured: ~2x bf16's drift)."""
-    from compiler.cpu_gemv import GEMV
+    from compiler.kernels.cpu_gemv import GEMV
 
     if not GEMV.ensure():
         pytest.skip(f"CPU kernels unavailable: {GEMV.error}")
@@ -373,7 +373,7 @@ def test_gguf_lm_head_kept_in_file_blocks(arch, types, source, fmt, wide_models,
     step of few rows reads it instead of the dense float copy (SmolLM2 Q8_0: 30 MB a step, not
     113 MB); its logits are the dequantised head's to float rounding; steps of GEMM_ROWS rows or
     more, and gguf_dequantize, use the dense weight."""
-    from compiler.cpu_gemv import GEMV, GGUF_FORMATS
+    from compiler.kernels.cpu_gemv import GEMV, GGUF_FORMATS
     from engine.layers.quant.cpu_packed import GEMM_ROWS
 
     if not GEMV.ensure():

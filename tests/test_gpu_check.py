@@ -37,25 +37,24 @@ def run_check(tmp_path, *args, timeout=300, **env):
     return proc, summary["stages"], summary
 
 
-def _table(script: str, name: str) -> dict[str, int]:
-    body = re.search(rf"declare -A {name}=\((.*?)\)\n", script, re.S).group(1)
-    return {k: int(v) for k, v in re.findall(r"\[([a-z0-9-]+)\]=(\d+)", body)}
-
-
-def test_stage_budget_reaches_the_8b_figures():
-    """The stage maxima up to latency-8b fit the default deadline, in the issue's order; the call
-    (deadline + packing) fits the device tool's 600 s per command."""
-    text = SCRIPT.read_text()
-    order = re.search(r"ALL_STAGES=\((.*?)\)", text, re.S).group(1).split()
-    assert order == STAGES
-    max_s, min_s = _table(text, "MAX_S"), _table(text, "MIN_S")
-    assert set(max_s) == set(min_s) >= set(STAGES)
-    deadline = int(re.search(r"DEADLINE_S=\$\{DEADLINE_S:-(\d+)\}", text).group(1))
-    assert sum(max_s[s] for s in order[:order.index("latency-8b") + 1]) <= deadline
-    timeout_s = int(re.search(r"timeout_s=(\d+)", text).group(1))
+def test_stage_budget_reaches_the_8b_figures(tmp_path):
+    """The plan the script prints (--plan; every run prints it first): the stages in the issue's
+    order, their maxima up to latency-8b within the default deadline, the call (deadline + packing)
+    within the device tool's 600 s per command."""
+    proc = subprocess.run(["bash", str(SCRIPT), "--plan"], capture_output=True, text=True, timeout=60,
+                          env=dict(os.environ, OUT=str(tmp_path / "out"), GPU_CHECK_WORK=str(tmp_path / "w")))
+    assert proc.returncode == 0, proc.stderr
+    rows = re.findall(r"^plan: ([a-z0-9-]+) max (\d+)s min (\d+)s$", proc.stdout, re.M)
+    assert [r[0] for r in rows] == STAGES
+    assert all(int(lo) <= int(hi) for _, hi, lo in rows)
+    total = re.search(r"^plan: stage maxima (\d+)s in all, (\d+)s up to latency-8b, DEADLINE_S=(\d+) .*"
+                      r"timeout_s=(\d+) of at most 600$", proc.stdout, re.M)
+    assert total, proc.stdout
+    in_all, to_8b, deadline, timeout_s = map(int, total.groups())
+    assert in_all == sum(int(hi) for _, hi, _ in rows) and deadline == 500
+    assert to_8b == sum(int(hi) for _, hi, _ in rows[:STAGES.index("latency-8b") + 1]) <= deadline
     assert deadline + 60 <= timeout_s <= 600
-    assert all(min_s[s] <= max_s[s] for s in max_s)
-    assert "sed -i" not in text  # the kernel choice is a setting, no source is edited
+    assert not (tmp_path / "out" / "summary.json").exists()  # the plan only: no stage ran
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-CUDA path")
@@ -109,6 +108,7 @@ def test_quant_bench_stage_dry_run(tmp_path):
     assert stages["quant-bench"]["status"] == "ok"
     assert stages["quant-bench"]["order"] == stages["latency-8b"]["order"] + 1
     assert "== quant-bench (limit 90s" in proc.stdout
+    assert "plan: stage maxima 210s in all, 120s up to latency-8b, DEADLINE_S=500" in proc.stdout
     # skipped by the deadline like any stage: 20 s left is under its 30 s minimum
     proc, stages, _ = run_check(tmp_path, "quant-bench", DEADLINE_S=20, GPU_CHECK_SIMULATE_S=1)
     assert stages["quant-bench"]["status"] == "skipped" and stages["quant-bench"]["reason"].startswith("deadline:")
@@ -116,15 +116,30 @@ def test_quant_bench_stage_dry_run(tmp_path):
     assert stages["quant-fp8"]["status"] == stages["quant-tinygemm"]["status"] == "ok"
 
 
-def test_fake_device_run_survives_crashes_and_names_them(tmp_path):
+def _sources() -> dict[str, bytes]:
+    return {str(p): p.read_bytes() for d in ("engine", "compiler", "tests", "tools") for p in (REPO / d).rglob("*.py")}
+
+
+@pytest.fixture(scope="module")
+def fake_run(tmp_path_factory):
+    """One fake-device run: every test group collected with its real arguments, two crashes."""
+    tmp_path = tmp_path_factory.mktemp("fake-run")
+    before = _sources()
+    proc, stages, summary = run_check(
+        tmp_path, "tests", "kernel-bench", "kernel-bench-v2", "latency-8b", "swap-bench", timeout=600,
+        GPU_CHECK_FAKE=1, GPU_CHECK_CRASH="latency-8b,tests:kernels-v2")
+    return tmp_path, proc, stages, summary, before != _sources()
+
+
+def test_fake_device_run_survives_crashes_and_names_them(fake_run):
     """A fake device (GPU_CHECK_FAKE): the latency-8b stage runs the real latency driver on the
     CPU (its engine built in the background during the tests stage) and dies of SIGSEGV at its
     second batch; one test process dies the same way. Every other stage's JSON is written, the
     crashed stage keeps the row it measured, the summary names both crashes, and the unverified
-    kernel generation is not benchmarked."""
-    proc, stages, summary = run_check(
-        tmp_path, "tests", "kernel-bench", "kernel-bench-v2", "latency-8b", "swap-bench", GPU_CHECK_FAKE=1,
-        GPU_CHECK_CRASH="latency-8b,tests:kernels-v2")
+    kernel generation is not benchmarked. No Python source was edited (the kernel choice is a
+    setting, not a sed of the source)."""
+    tmp_path, proc, stages, summary, edited = fake_run
+    assert not edited
     work = tmp_path / "work"
     assert proc.returncode == 0, proc.stderr[-3000:]
     lat = stages["latency-8b"]
@@ -138,7 +153,9 @@ def test_fake_device_run_survives_crashes_and_names_them(tmp_path):
     groups = tests["result"]["groups"]
     assert groups["kernels-v2"]["status"] == "failed" and "SIGSEGV" in groups["kernels-v2"]["crash"]
     assert all(g["status"] == "ok" for name, g in groups.items() if name != "kernels-v2")
-    assert tests["status"] == "failed" and tests["tests"]["passed"] == 2 * (len(groups) - 1)
+    collected = {name: json.loads((work / f"tests-{name}.collect.json").read_text()) for name in groups}
+    assert tests["status"] == "failed"
+    assert tests["tests"]["passed"] == sum(len(c["nodes"]) for name, c in collected.items() if name != "kernels-v2")
     assert stages["kernel-bench"]["status"] == "ok" and stages["kernel-bench"]["result"]["complete"]
     assert stages["kernel-bench-v2"]["status"] == "skipped" and "not verified" in stages["kernel-bench-v2"]["reason"]
     assert stages["swap-bench"]["status"] == "ok" and stages["swap-bench"]["result"]["complete"]
@@ -157,22 +174,55 @@ def test_unknown_stage_is_refused(tmp_path):
     assert proc.returncode == 2 and "unknown stage" in proc.stdout
 
 
-def test_every_gpu_test_file_runs_in_a_group_and_kernel_tests_split_by_generation():
-    """Each gpu-marked test file is run by the tests stage; the kernel tests in two processes whose
-    -k expressions are complementary (newer generations alone), engine tests one per target."""
-    text = SCRIPT.read_text()
-    groups = dict(re.findall(r'^\s*"([a-z0-9-]+)\|(.*)"$', re.search(r"TEST_GROUPS=\((.*?)\n\)", text, re.S).group(1),
-                             re.M))
-    files = {f for args in groups.values() for f in re.findall(r"tests/\S+\.py", args)}
+def test_every_gpu_test_file_runs_in_a_group_and_kernel_tests_split_by_generation(fake_run):
+    """What the fake run's groups collected with their real pytest arguments (as on an sm_90 GPU):
+    every group some tests, each gpu-marked test file in some group, the kernel tests in two
+    processes that share no test (newer generations alone), engine tests one per target; each
+    process under the settings the device needs."""
+    work = fake_run[0] / "work"
+    groups = json.loads((work / "tests.json").read_text())["groups"]
+    collected = {name: json.loads((work / f"tests-{name}.collect.json").read_text()) for name in groups}
+    assert len(collected) >= 10 and all(c["nodes"] and not c["missing"] and not c["errors"] for c in collected.values())
+    files = {node.split("::")[0] for c in collected.values() for node in c["nodes"]}
     gpu = re.compile(r"(@pytest\.mark\.gpu|pytestmark = pytest\.mark\.gpu|marks=pytest\.mark\.gpu)")
     marked = {f"tests/{p.name}" for p in (REPO / "tests").glob("test_*.py") if gpu.search(p.read_text())}
     assert marked <= files, marked - files
-    assert "-k 'not v2 and not wgmma'" in groups["kernels-v1"] and "-k 'v2 or wgmma'" in groups["kernels-v2"]
+    v1, v2 = set(collected["kernels-v1"]["nodes"]), set(collected["kernels-v2"]["nodes"])
+    assert not v1 & v2
+    newer = [any(k in node.split("::")[-1] for k in ("v2", "wgmma")) for node in v1 | v2]
+    assert sum(newer) == len(v2)  # every newer-generation test in kernels-v2, none in kernels-v1
     for f in ("tests/test_kernels_gpu.py", "tests/test_fp8_kv_gpu.py"):
-        assert f in groups["kernels-v1"] and f in groups["kernels-v2"]
+        assert any(n.startswith(f) for n in v1) and any(n.startswith(f) for n in v2)
     for target in ("torch", "cutlass_v1", "cutlass_v2"):
-        assert f"-k {target} tests/test_cuda_graph.py" in groups[f"graph-{target.replace('_', '-')}"]
-    assert "TORCHINDUCTOR_COMPILE_THREADS=2 KILN_NUM_GPU_BLOCKS=1024" in text and "KILN_GPU_CHECK_STRICT=1" in text
+        nodes = collected[f"graph-{target.replace('_', '-')}"]["nodes"]
+        assert nodes and all(n.startswith("tests/test_cuda_graph.py::") and target in n for n in nodes)
+    for c in collected.values():
+        assert c["env"] == {"TORCHINDUCTOR_COMPILE_THREADS": "2", "KILN_NUM_GPU_BLOCKS": "1024",
+                            "KILN_GPU_CHECK_STRICT": "1"}
+
+
+def test_a_group_cut_at_its_limit_keeps_its_finished_verdicts(tmp_path):
+    """A test group that hangs after two tests: its limit (SIGINT) cuts it, and its junit file
+    still holds the two finished tests (SIGTERM would have left none)."""
+    proc, stages, _ = run_check(tmp_path, "tests", GPU_CHECK_FAKE=1, GPU_CHECK_GROUPS="features",
+                                GPU_CHECK_HANG="tests:features", GPU_CHECK_SCALE=5)
+    work = tmp_path / "work"
+    group = stages["tests"]["result"]["groups"]["features"]
+    assert group["status"] == "timeout" and stages["tests"]["status"] == "timeout", group
+    assert group["tests"] == {"passed": 2, "failed": 0, "errors": 0, "skipped": 0}, (work / "tests-features.log").read_text()
+    assert len(gpu_summary.junit_outcomes([str(work / "tests-features.xml")])) == 2
+
+
+@pytest.mark.parametrize("args, problem", [
+    (["-m", "gpu", "tests/test_no_such_file.py"], "no such path: tests/test_no_such_file.py"),
+    (["-m", "gpu", "-k", "no_test_is_named_so", "tests/test_features_gpu.py"], "no test collected")])
+def test_a_stale_group_fails_the_dry_run(tmp_path, args, problem):
+    """A group whose path is gone, or whose -k/-m selects nothing, fails on the fake device."""
+    proc = subprocess.run([sys.executable, str(REPO / "tools" / "gpu_check_fake.py"), "group", str(tmp_path / "g"),
+                           "--", "-q", *args, f"--junitxml={tmp_path / 'g.xml'}"],
+                          capture_output=True, text=True, cwd=REPO, timeout=300)
+    assert proc.returncode == 3 and f"FAKE GROUP FAILED: {problem}" in proc.stdout, proc.stdout + proc.stderr
+    assert not (tmp_path / "g.xml").exists()
 
 
 def test_strict_mode_turns_gpu_skips_into_failures(tmp_path):
@@ -331,11 +381,12 @@ def test_latency_bench_writes_each_row_as_measured(tiny_llama, tmp_path, monkeyp
 
 
 def test_kernel_bench_writes_each_section(tmp_path, monkeypatch):
-    """compiler/kernels/bench.py with its GPU parts replaced: a fault in the prefill section leaves
+    """engine/bench/kernels.py with its GPU parts replaced: a fault in the prefill section leaves
     the copy bandwidth and the decode rows on disk, marked incomplete; only the chosen generation
     is loaded."""
-    from compiler import cutlass_ops
-    from compiler.kernels import bench, loader
+    from compiler.kernels import cutlass_ops
+    from compiler.kernels import loader
+    from engine.bench import kernels as bench
 
     loaded = []
 

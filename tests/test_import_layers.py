@@ -4,6 +4,8 @@ function, or under TYPE_CHECKING):
 - no import circles anywhere in engine/ and compiler/;
 - compiler/ never imports engine/;
 - engine/core/ imports neither torch nor the worker (and nothing above it);
+- the scheduler's side of speculative decoding (engine/spec_decode/sched/) imports neither torch
+  nor the worker either;
 - engine/layers/ never imports engine/models/;
 - each package imports only the packages below it (ALLOWED), and inside the runtime only the
   builder sees the model, its layers and the executor;
@@ -31,19 +33,26 @@ ALLOWED = {
     "layers": {"compiler"},
     "distributed": set(),
     "models": {"compiler", "layers", "distributed"},
-    "worker": {"compiler", "config", "core", "layers", "lora", "structured_output"},
+    # (spec_decode: the sampler accepts drafts with its rejection.py, the runner keeps a verify's outcome
+    # with its verify.py; module by module neither side imports back)
+    "worker": {"compiler", "config", "core", "layers", "lora", "spec_decode", "structured_output"},
+    # The scheduler's side of speculative decoding: plain Python over the core's sequences.
+    "spec_decode.sched": {"core"},
+    # The device side: proposers that drive the worker's runner and sampler.
+    "spec_decode": {"core", "spec_decode.sched", "worker"},
+    "training": {"models"},  # (offline: `kiln make-draft-model`)
     "executor": {"compiler", "config", "distributed", "layers", "models", "worker"},
     # What to build (model directory, device, dtype, the CPU's KV budget): decisions read off the settings,
     # the model's config and the machine, made before the builder assembles anything.
     "resolve": {"config", "core", "layers", "models", "worker"},
-    "runtime": {"compiler", "config", "core", "executor", "layers", "lora", "models", "resolve", "structured_output",
-                "worker"},
-    "entrypoints": {"compiler", "config", "core", "lora", "models", "runtime", "structured_output"},
+    "runtime": {"compiler", "config", "core", "executor", "layers", "lora", "models", "resolve", "spec_decode",
+                "spec_decode.sched", "structured_output", "worker"},
+    "entrypoints": {"compiler", "config", "core", "lora", "models", "runtime", "structured_output", "training"},
     "bench": {"compiler", "config", "core", "engine", "entrypoints", "executor", "models", "runtime", "worker"},
-    "engine": {"config", "core", "entrypoints", "worker"},
+    "engine": {"config", "core", "entrypoints"},
 }
 # Inside the runtime, only the builder assembles the model side.
-BUILDER_ONLY = {"layers", "models", "executor"}
+BUILDER_ONLY = {"layers", "models", "executor", "spec_decode"}
 BUILDER = "engine.runtime.builder"
 
 
@@ -138,6 +147,8 @@ def package_of(module: str) -> str | None:
         return "compiler"
     if parts[0] != "engine":
         return None
+    if parts[1:3] == ["spec_decode", "sched"]:
+        return "spec_decode.sched"  # (a narrower rule than the device side's)
     return parts[1] if len(parts) > 1 else "engine"
 
 
@@ -161,6 +172,15 @@ def layer_violations(graph: dict[str, set[str]]) -> list[str]:
 def torch_importers(root: Path, folder: str) -> list[str]:
     return [str(p.relative_to(root)) for p in sorted((root / folder).rglob("*.py"))
             if any(n == "torch" or n.startswith("torch.") for n in external_imports(p))]
+
+
+def spec_sched_violations(root: Path) -> list[str]:
+    """What under engine/spec_decode/sched/ imports torch or the worker (the scheduler's side of
+    speculative decoding runs with the core, without either)."""
+    bad = torch_importers(root, "engine/spec_decode/sched")
+    bad += [f"{m} -> {d}" for m, ds in sorted(import_graph(root).items()) if m.startswith("engine.spec_decode.sched")
+            for d in sorted(ds) if d.startswith("engine.worker")]
+    return bad
 
 
 def environment_readers(root: Path, folders=("engine", "compiler")) -> list[str]:
@@ -215,10 +235,16 @@ def test_core_imports_no_torch_and_no_worker():
             for d in ds if not d.startswith("engine.core")] == []
 
 
+def test_spec_decode_sched_imports_no_torch_and_no_worker():
+    assert spec_sched_violations(REPO) == []
+
+
 def test_core_runs_without_loading_torch():
-    """Importing the scheduler, the block pool and the request kinds loads no torch (a fresh process)."""
+    """Importing the scheduler, the block pool, the request kinds and the scheduler's side of
+    speculative decoding loads no torch (a fresh process)."""
     code = ("import sys; import engine.core.sched.scheduler, engine.core.kv.allocator, engine.core.request_kinds, "
-            "engine.core.kv.swap_space, engine.core.kv.kv_sizing; print('torch' in sys.modules)")
+            "engine.core.kv.swap_space, engine.core.kv.kv_sizing, engine.spec_decode.sched; "
+            "print('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "False"
@@ -272,6 +298,25 @@ def test_checkers_find_a_circle_and_a_wrong_way_import(tmp_path):
     assert any("engine.layers.l imports engine.models.m" in b for b in bad)
     assert any("only engine.runtime.builder assembles models" in b for b in bad)
     assert torch_importers(root, "engine/core") == ["engine/core/c.py"]
+
+
+def test_spec_sched_checker_finds_torch_and_the_worker(tmp_path):
+    root = _tree(tmp_path, {
+        "engine/__init__.py": "",
+        "engine/worker/__init__.py": "",
+        "engine/worker/runner.py": "R = 1\n",
+        "engine/spec_decode/__init__.py": "",
+        "engine/spec_decode/proposer.py": "import torch\nfrom engine.worker.runner import R\n",  # (device side: fine)
+        "engine/spec_decode/sched/__init__.py": "",
+        "engine/spec_decode/sched/a.py": "import torch.nn\n",
+        "engine/spec_decode/sched/b.py": "def f():\n    from ...worker import runner\n",
+        "engine/spec_decode/sched/c.py": "from engine.spec_decode.proposer import P\n",
+    })
+    assert spec_sched_violations(root) == ["engine/spec_decode/sched/a.py",
+                                           "engine.spec_decode.sched.b -> engine.worker.runner"]
+    assert layer_violations(import_graph(root)) == [
+        "engine.spec_decode.sched.b imports engine.worker.runner (spec_decode.sched may not import worker)",
+        "engine.spec_decode.sched.c imports engine.spec_decode.proposer (spec_decode.sched may not import spec_decode)"]
 
 
 def test_environment_checker_finds_a_reader(tmp_path):

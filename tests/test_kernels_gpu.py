@@ -20,11 +20,11 @@ if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU", allow_module_level=True)
 pytest.importorskip("cuda.bindings.driver")
 
-from compiler import cutlass_ops  # noqa: E402
+from compiler.kernels import cutlass_ops  # noqa: E402
 from compiler.kernels.build import build_kernels, find_nvcc  # noqa: E402
 from compiler.kernels.loader import missing_variants  # noqa: E402
 from compiler.kernels.manifest import attention_variant_names  # noqa: E402
-from compiler.reference_attention import paged_attention_reference  # noqa: E402
+from compiler.kernels.reference_attention import paged_attention_reference  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 CACHE = REPO / "build" / "kernels"

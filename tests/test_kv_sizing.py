@@ -194,3 +194,50 @@ def test_engine_default_budget_is_logged_and_fits_the_need(make_llm, caplog):
     assert "KV cache on the CPU" in caplog.text and "every sequence at the full context" in caplog.text
     explicit = make_llm(kv_cache_memory_gb=0.01)
     assert explicit.engine.kv_cache.num_blocks == int(0.01 * GIB) // (2 * 2 * 16 * 2 * 32 * 4)
+
+
+KV_BY_USE = r"""
+import json, sys
+from engine import LLM, SamplingParams
+
+def rss():
+    for line in open("/proc/self/status"):
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+
+llm = LLM(sys.argv[1], device="cpu", enforce_eager=True, num_gpu_blocks=int(sys.argv[2]), max_num_seqs=4,
+          max_model_len=256, cpu_quant_activations="float")
+built = rss()
+params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+for round in range(6):  # several workloads: freed blocks are reused lowest-first, not the next untouched ones
+    llm.generate([f"prompt {round} {i} " * 8 for i in range(4)], params, use_tqdm=False)
+pool = llm.engine.pool
+print(json.dumps({"built": built, "after": rss(), "kv_bytes": llm.engine.kv_cache.tensor.nbytes,
+                  "highest_block": max(pool._idle, default=0)}))
+"""
+
+
+def test_kv_memory_follows_use_not_the_reservation(tiny_llama, tmp_path):
+    """A reservation of ~1.5 GB is not touched at start, and a workload holding a few hundred
+    tokens at a time leaves the resident KV at what it held (lowest blocks reused), not the whole."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": str(repo)}
+
+    def run(blocks: int) -> dict:
+        out = subprocess.run([sys.executable, "-c", KV_BY_USE, str(tiny_llama), str(blocks)], capture_output=True,
+                             text=True, env=env, timeout=300, cwd=tmp_path)
+        assert out.returncode == 0, out.stderr[-3000:]
+        return json.loads(out.stdout.strip().splitlines()[-1])
+
+    small, large = run(512), run(200_000)
+    assert large["kv_bytes"] > 1_000_000_000 > 50 * small["kv_bytes"]
+    # Resident memory: within 100 MB of the small reservation's, at start and after the workload.
+    assert large["built"] - small["built"] < 100 << 20, (small, large)
+    assert large["after"] - small["after"] < 100 << 20, (small, large)
+    assert large["highest_block"] < 1000, large  # the blocks used stay at the bottom of the pool

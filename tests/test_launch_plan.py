@@ -1,10 +1,10 @@
-"""compiler/launch_plan.py: how a paged-attention call becomes launches (pure Python, any machine)."""
+"""compiler/kernels/launch_plan.py: how a paged-attention call becomes launches (pure Python, any machine)."""
 
 from __future__ import annotations
 
 import pytest
 
-from compiler.launch_plan import (
+from compiler.kernels.launch_plan import (
     GRID_Z_MAX,
     Launch,
     chunk_ranges,

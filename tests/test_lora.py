@@ -5,6 +5,7 @@ namespace; bad adapters and misuse are clear errors; the server selects adapters
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 
 import pytest
 import torch
@@ -183,9 +184,49 @@ def test_runtime_load_and_unload_through_the_server(tiny_llama, adapters):
         r = await http.post("/v1/load_lora_adapter", json={"lora_name": "b", "lora_path": adapters["b"]})
         assert r.status_code == 200
         assert [m.id for m in (await client.models.list()).data] == ["base", "b"]
-    with served(tiny_llama, {"served_model_name": "base", "allow_runtime_lora_updating": True}, enable_lora=True,
+    roots = [str(Path(adapters["a"]).parent)]
+    with served(tiny_llama, {"served_model_name": "base", "allow_runtime_lora_updating": True,
+                             "lora_adapter_roots": roots}, enable_lora=True,
                 max_loras=1, max_lora_rank=8) as (state, http, client):
         asyncio.run(main(state, http, client))
+
+
+def test_runtime_loading_is_confined_to_the_roots(tiny_llama, adapters, tmp_path):
+    """Paths outside the roots, missing, files, too long or looping all get the same 400; names
+    are checked; nothing is loaded; no 500."""
+    from tests.conftest import served
+
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "adapter_config.json").write_text('{"r": 7}')
+    loop = Path(adapters["a"]).parent / "loop"
+    loop.symlink_to(loop)
+    escape = Path(adapters["a"]).parent / "escape"
+    escape.symlink_to(outside)
+    probes = ["/root", "/root/.ssh", "/etc/passwd", str(outside), str(outside / "adapter_config.json"),
+              str(Path(adapters["a"]).parent / "missing"), str(loop), str(escape), "x" * 5000, "/" + "a/" * 3000,
+              str(Path(adapters["a"]) / ".." / ".." / "outside")]
+
+    async def main(state, http):
+        answers = []
+        for path in probes:
+            r = await http.post("/v1/load_lora_adapter", json={"lora_name": "p", "lora_path": path})
+            answers.append((r.status_code, r.json()["error"]["message"], r.json()["error"]["param"]))
+        assert set(answers) == {(400, answers[0][1], "lora_path")}, answers
+        assert "7" not in answers[0][1]
+        for name in ("base", "alias", "two words", "x" * 300):
+            r = await http.post("/v1/load_lora_adapter", json={"lora_name": name, "lora_path": adapters["a"]})
+            assert r.status_code == 400 and r.json()["error"]["param"] == "lora_name", (name, r.text)
+        assert state.engine.lora_adapters() == []
+
+    roots = [str(Path(adapters["a"]).parent)]
+    with served(tiny_llama, {"served_model_name": ["base", "alias"], "allow_runtime_lora_updating": True,
+                             "lora_adapter_roots": roots}, enable_lora=True, max_lora_rank=8) as (state, http, _):
+        asyncio.run(main(state, http))
+    with pytest.raises(ValueError, match="lora_adapter_roots"):
+        from engine.config.settings import ServerSettings
+
+        ServerSettings(allow_runtime_lora_updating=True)
 
 
 def test_unloading_an_adapter_in_use_is_refused(tiny_llama, adapters, make_llm):

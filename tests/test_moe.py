@@ -8,8 +8,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import compiler.ops  # noqa: F401  (registers kiln::moe_experts when this file runs alone)
-from compiler.moe import moe_experts_dense, moe_experts_grouped
+import compiler.kernels.ops  # noqa: F401  (registers kiln::moe_experts when this file runs alone)
+from compiler.kernels.moe import moe_experts_dense, moe_experts_grouped
 from engine import SamplingParams
 from engine.models.config import ModelConfig
 from engine.models.tiny_model import tiny_config

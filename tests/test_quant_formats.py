@@ -13,7 +13,7 @@ import json
 import pytest
 import torch
 
-from compiler import cpu_gemv
+from compiler.kernels import cpu_gemv
 from engine import SamplingParams
 from engine.layers.quant import int4_packed, int_formats
 from engine.layers.quant.cpu_packed import CpuPackedMethod

@@ -130,7 +130,7 @@ def test_float32_model_packed_agrees_with_the_reference(tiny_models, make_llm, t
     """A float32 int4 model with int4_kernel="packed": every int4 layer on the packed kernel, and
     its greedy tokens against the float32 reference path (dequantise on the fly) agree on most
     positions (bf16 activations flip near-ties of tiny random models; the figure is printed and
-    recorded in BENCH_quantmoe.md)."""
+    recorded in benchmarks/2026-11-30.md, quantmoe)."""
     pytest.importorskip("compressed_tensors")
     from engine import SamplingParams
     from tests.quant_checkpoints import write_quantized

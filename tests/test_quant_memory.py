@@ -5,7 +5,7 @@ layouts) and for --quantization fp8 from a bf16 checkpoint (each weight quantise
 Shape: a scaled-down Llama (hidden 2048, intermediate 5632, 4 layers, 16 q / 4 kv heads, vocab
 4096: 180M linear weights, 0.39 GB in bf16) so the test writes and loads in seconds; the 8B shape
 is measured by `kiln bench latency --preset llama-3.1-8b --quantization gptq --load-only`
-(BENCH_quantload.md). The quantised size is the whole loaded model's bytes (parameters and
+(benchmarks/2026-11-30.md, quantload). The quantised size is the whole loaded model's bytes (parameters and
 buffers, the bf16 embeddings and LM head included). The load runs in a fresh subprocess; its
 peak RSS (VmHWM, reset just before) is compared with its RSS before load_model (after a small
 checkpoint's load did the imports), so the interpreter, torch and lazily imported modules do not

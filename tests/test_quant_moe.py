@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from compiler.moe import moe_experts_dense
+from compiler.kernels.moe import moe_experts_dense
 from engine import SamplingParams
 from engine.layers.quant.config import QuantConfig
 from engine.layers.quant.linear import FP8, make_method
@@ -67,7 +67,7 @@ def _fp8_experts(out: int, inp: int, seed: int) -> QuantExperts:
 @pytest.mark.parametrize("num_tokens,k", [(1, 2), (3, 2), (4, 2), (40, 3)])
 def test_routed_experts_equal_the_dense_path_on_dequantised_weights(kind, num_tokens, k):
     """Fewer pairs than experts (1x2, 3x2: only the chosen experts dequantised) and more (4x2,
-    40x3: all of them), against compiler/moe.py's dense path over the dequantised experts."""
+    40x3: all of them), against compiler/kernels/moe.py's dense path over the dequantised experts."""
     if kind == "fp8":
         w13, w2 = _fp8_experts(2 * I, H, 1), _fp8_experts(H, I, 2)
     else:

@@ -27,7 +27,7 @@ from engine.core.kv.swap_space import SwapSpace
 from engine.core.request import InvalidRequestError, Request, SamplingParams, SeqStatus
 from engine.core.sched.scheduler import Scheduler, SchedulerConfig
 from engine.core.sched.scheduler_output import PLACEHOLDER, SchedulerOutput
-from engine.core.sched.spec import NgramProposer, SpecDecodeConfig
+from engine.spec_decode.sched import NgramProposer, SpecDecodeConfig, SpecDecoder
 from tests.test_swap_scheduler import expected_outputs, fake_token
 
 
@@ -183,8 +183,9 @@ def test_integrity_and_no_leaks_under_random_engine_streams(ops, num_blocks, blo
                           block_size=block_size, preemption_mode=mode, reserved_blocks_fraction=reserve)
     pool = BlockPool(num_blocks, block_size, prefix)
     swap = SwapSpace(pool, cpu_blocks, bytes_per_block=100) if cpu_blocks else None
-    proposer = NgramProposer(SpecDecodeConfig(num_speculative_tokens=3, prompt_lookup_min=1)) if spec else None
-    eng = Engine(Scheduler(cfg, pool, swap, proposer))
+    drafts = SpecDecoder(NgramProposer(SpecDecodeConfig(num_speculative_tokens=3, prompt_lookup_min=1)),
+                         cfg.max_model_len) if spec else None
+    eng = Engine(Scheduler(cfg, pool, swap, drafts))
     ids: list[str] = []
     aborted: set[str] = set()
     for op in ops:
@@ -232,7 +233,7 @@ def test_rejected_drafts_give_their_blocks_back_and_the_table_is_rewritten():
     cfg = SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=64, max_model_len=64, block_size=2)
     pool = BlockPool(40, 2, True)
     proposer = NgramProposer(SpecDecodeConfig(num_speculative_tokens=6, prompt_lookup_min=1))
-    sched = Scheduler(cfg, pool, None, proposer)
+    sched = Scheduler(cfg, pool, None, SpecDecoder(proposer, cfg.max_model_len))
     tokens = [1, 2, 3, 4, 5, 6, 7, 1, 2, 3]  # with the next token 4, the tail repeats the start
     sched.add_request(Request("r", None, tokens, SamplingParams(max_tokens=20, temperature=0)))
     out = sched.schedule()

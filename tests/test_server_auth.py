@@ -34,8 +34,10 @@ def concrete(path: str) -> str:
 
 
 @pytest.fixture(scope="module")
-def keyed_app(tiny_llama):
-    with served(tiny_llama, server={"api_key": KEY, "allow_runtime_lora_updating": True}) as (state, http, _):
+def keyed_app(tiny_llama, tmp_path_factory):
+    roots = [str(tmp_path_factory.mktemp("adapters"))]
+    with served(tiny_llama, server={"api_key": KEY, "allow_runtime_lora_updating": True,
+                                    "lora_adapter_roots": roots}) as (state, http, _):
         yield state, http._transport.app
 
 

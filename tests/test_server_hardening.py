@@ -250,7 +250,8 @@ def test_lone_surrogates_are_400_naming_the_field(app_state):
 
 # ---- 4: corrupt LoRA adapters ----
 def test_corrupt_lora_adapter_is_400_naming_the_file(app_state, tmp_path):
-    state, app = app_state(server={"allow_runtime_lora_updating": True}, enable_lora=True, max_lora_rank=8)
+    state, app = app_state(server={"allow_runtime_lora_updating": True, "lora_adapter_roots": [str(tmp_path)]},
+                           enable_lora=True, max_lora_rank=8)
     bad_cfg = tmp_path / "bad_cfg"
     bad_cfg.mkdir()
     (bad_cfg / "adapter_config.json").write_text('{"r": 8, "lora_alpha": ')

@@ -78,6 +78,8 @@ AMBIGUOUS = {
     "TE in HTTP/1.0": b"POST /v1/completions HTTP/1.0\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\n"
                       + SMUGGLED,
     "two Host": b"GET /v1/models HTTP/1.1\r\nHost: x\r\nHost: y\r\n\r\n" + SMUGGLED,
+    "bare LF ends the head": b"GET /v1/models HTTP/1.1\r\nHost: x\r\n\n" + SMUGGLED,
+    "HTTP/2 preface": b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + SMUGGLED,
 }
 
 
@@ -102,6 +104,9 @@ def test_framing_check_on_its_own():
     assert framing_problem(b"\r\nGET / HTTP/1.1\r\nHost: x\r\n\r\n") is None  # an empty line first is allowed
     assert framing_problem(ok.replace(b"Content-Length: 2", b"content-length: 2\r\nTransfer-Encoding: chunked"))
     assert framing_problem(b"GET / HTTP/1.1\r\nHost: x\r\nA: b\rc\r\n\r\n") == "a header line holds a bare CR"
+    assert "closing empty line" in framing_problem(b"GET / HTTP/1.1\r\nHost: x\r\n\n")
+    assert "HTTP/2" in framing_problem(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n")
+    assert framing_problem(b"GET / HTTP/3.0\r\nHost: x\r\n\r\n") == "not an HTTP/1.0 or HTTP/1.1 request line"
 
 
 # ---- 5: timeouts, the body limit ----
@@ -144,6 +149,27 @@ def test_stalled_body_is_answered_408(app_state):
         # A whole request on a fresh connection is still served.
         ok = httpx.post(f"http://127.0.0.1:{port}/v1/completions", json={"prompt": "Hi", "max_tokens": 2})
         assert ok.status_code == 200, ok.text
+
+
+def test_trickled_body_meets_the_deadline(app_state):
+    # A byte every 0.2 s never stalls for http_body_timeout_s, but the whole body has a deadline.
+    state, app = app_state(server={"http_body_timeout_s": 0.5, "http_body_deadline_s": 1.5})
+    with serving(app, state.settings) as port, socket.create_connection(("127.0.0.1", port)) as s:
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  b"Content-Length: 1000\r\n\r\n")
+        t0 = time.monotonic()
+        s.settimeout(0.2)
+        out = b""
+        while time.monotonic() - t0 < 6 and not out:
+            try:
+                s.sendall(b" ")
+                out = s.recv(65536)
+            except TimeoutError:
+                continue
+            except OSError:
+                break
+        assert out.startswith(b"HTTP/1.1 408 ") and b"http_body_deadline_s" in out, out
+        assert 1.4 < time.monotonic() - t0 < 4
 
 
 def test_endless_chunked_body_is_cut_at_the_limit(app_state):
@@ -224,3 +250,17 @@ def test_every_503_carries_retry_after(app_state):
     for resp, code in ((full, "overloaded"), (draining, "shutting_down"), (health, "shutting_down")):
         assert resp.status_code == 503 and resp.json()["error"]["code"] == code, resp.text
         assert resp.headers["retry-after"] == "3", resp.headers
+
+
+# ---- proxy headers: trusted only from the proxies the operator names ----
+@pytest.mark.parametrize("allow, seen", [(None, "127.0.0.1"), (["127.0.0.1"], "203.0.113.9")])
+def test_forwarded_for_is_trusted_only_from_configured_proxies(app_state, caplog, allow, seen):
+    from engine.config.settings import ServerSettings
+
+    state, app = app_state()
+    settings = ServerSettings(forwarded_allow_ips=allow)
+    with caplog.at_level("INFO", logger="engine.entrypoints.openai.access"), serving(app, settings) as port:
+        resp = httpx.get(f"http://127.0.0.1:{port}/health", headers={"X-Forwarded-For": "203.0.113.9"})
+    assert resp.status_code == 200
+    lines = [r.getMessage() for r in caplog.records if '"GET /health"' in r.getMessage()]
+    assert lines and lines[-1].split()[0] == seen, lines

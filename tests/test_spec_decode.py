@@ -9,7 +9,7 @@ import array
 import pytest
 
 from engine import SamplingParams
-from engine.core.sched.spec import NgramProposer, SpecDecodeConfig, find_draft
+from engine.spec_decode.sched import NgramProposer, SpecDecodeConfig, find_draft
 from tests.conftest import run_checked
 from tests.test_engine_vs_hf import hf_greedy
 

@@ -31,7 +31,7 @@ def smollm2():
 def eagle3_head(smollm2, tmp_path_factory):
     """A random EAGLE-3 head for SmolLM2 (draft vocabulary: every 6th token)."""
     from engine.models.config import ModelConfig
-    from engine.models.draft_training import random_eagle
+    from engine.training.eagle_head import random_eagle
 
     cfg = ModelConfig.from_dir(smollm2)
     config = {"hidden_size": cfg.hidden_size, "num_attention_heads": cfg.num_heads,

@@ -16,8 +16,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from engine import LoRARequest, SamplingParams
-from engine.core.sched.spec.decoder import SpecDecoder
-from engine.models.draft_training import TrainableEagle, eagle_config, random_eagle, save_eagle
+from engine.spec_decode.sched.decoder import SpecDecoder
+from engine.training.eagle_head import TrainableEagle, eagle_config, random_eagle, save_eagle
 from tests.conftest import run_checked
 from tests.test_spec_rejection import chi_square_p
 
@@ -205,7 +205,7 @@ def test_draft_vocabulary_drafts_the_argmax_of_its_rows(spec_models, make_llm, m
 @pytest.mark.parametrize("version,overlap", [(1, False), (3, False), (3, True)])
 def test_eagle_drafts_equal_the_reference_head(spec_models, make_llm, monkeypatch, version, overlap):
     """The drafts kiln's head makes equal a reference implementation of the same checkpoint
-    (engine/models/draft_training.py's TrainableEagle, over transformers' hidden states of the
+    (engine/training/eagle_head.py's TrainableEagle, over transformers' hidden states of the
     target): features, the token shift, positions, the head's KV and the chain all line up,
     also after a swap and on prefix-cache hits. (A sequence just swapped back in has no seed
     and drafts poorly: its first drafts are left out.)"""
@@ -337,13 +337,13 @@ def test_sampled_output_follows_the_target(spec_models, make_llm, draft):
     """Unseeded sampling (temperature 1, top-p 0.9) with a sampled draft (rejection sampling with
     its q): the second token, the first one verified (one draft), is distributed as the target
     says (chi-square against transformers' exact marginal, significance 1e-3; the engine's seed is
-    fixed, so CI draws the same). engine/worker/sample/rejection.py's own tests cover more
+    fixed, so CI draws the same). engine/spec_decode/rejection.py's own tests cover more
     settings, chains of drafts, and a broken rule failing."""
     params = SamplingParams(temperature=1.0, top_p=0.9, max_tokens=3, ignore_eos=True)
     from transformers import AutoModelForCausalLM
 
+    from engine.spec_decode.rejection import DraftRow
     from engine.worker.sample.distributions import processed_probs
-    from engine.worker.sample.rejection import DraftRow
 
     prompt = [5, 9, 100, 200, 7]
     llm = make_llm(spec_models["target"], max_num_seqs=64, seed=3, **_spec(spec_models, "draft_model", draft, 1))
@@ -446,7 +446,7 @@ def test_settings_and_metrics(spec_models, make_llm, caplog):
 def _simulated_graphs(engine, sizes=(1, 2, 4)):
     """Every runner of the engine (the target's, the draft model's or head's) replays its decode
     and verify steps as graphs, simulated on the CPU (the body runs again over the static
-    buffers: compiler/capture.py SimulatedGraphSet) with the compiled runner's padding."""
+    buffers: compiler/compilation/capture.py SimulatedGraphSet) with the compiled runner's padding."""
     runners = [(engine.runner, 1 + K)]
     if engine.draft_runner is not None:
         runners.append((engine.draft_runner, 1 if engine.settings.speculative_method == "draft_model" else 1 + K))

@@ -13,9 +13,9 @@ import pytest
 import torch
 
 from engine.core.request import SamplingParams
-from engine.core.sched.spec.decoder import accepted_prefix
+from engine.spec_decode.rejection import DraftProbs, DraftRow, rejection_tokens, sample_drafts
+from engine.spec_decode.sched.decoder import accepted_prefix
 from engine.worker.sample.distributions import processed_probs, race_noise
-from engine.worker.sample.rejection import DraftProbs, DraftRow, rejection_tokens, sample_drafts
 
 ALPHA = 1e-3
 VOCAB = 10

@@ -1,4 +1,4 @@
-"""kiln's W4A16 GEMM on the CPU: the load-time layout (compiler/w4a16_gemm.py: pack_w4a16), read
+"""kiln's W4A16 GEMM on the CPU: the load-time layout (compiler/kernels/w4a16_gemm.py: pack_w4a16), read
 back exactly as templates/w4a16_gemm.cu.j2 reads it, and the int4 kernel choice
 (engine/layers/quant/w4a16.py). The kernel itself runs in tests/test_w4a16_gpu.py."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from compiler.w4a16_gemm import pack_w4a16, unpack_w4a16, w4a16_unsupported
+from compiler.kernels.w4a16_gemm import pack_w4a16, unpack_w4a16, w4a16_unsupported
 from engine.layers.quant import int_formats
 from engine.layers.quant.w4a16 import choose_int4_kernel, kernel_group, loader_int4_kernel
 
@@ -218,9 +218,9 @@ def test_install_falls_back_per_layer():
 
 
 def test_microbench_sizes_and_cpu_refusal(capsys):
-    """compiler/kernels/w4a16_bench.py (run by gpu_check's w4a16-bench stage): the weight bytes it
+    """engine/bench/w4a16.py (run by gpu_check's w4a16-bench stage): the weight bytes it
     divides by, enough copies to defeat a 50 MB L2, and a clean refusal without CUDA."""
-    from compiler.kernels import w4a16_bench
+    from engine.bench import w4a16 as w4a16_bench
 
     assert w4a16_bench.int4_bytes(4096, 4096) == 4096 * 2048 + 4096 * 32 * 5
     assert w4a16_bench.copies_for(w4a16_bench.int4_bytes(4096, 4096)) * 9_043_968 >= 256 << 20

@@ -23,10 +23,10 @@ if torch.cuda.get_device_capability() != (9, 0):
     pytest.skip("kiln's cubins are sm_90a", allow_module_level=True)
 pytest.importorskip("cuda.bindings.driver")
 
-import compiler.ops  # noqa: E402,F401  (registers kiln::w4a16_gemm)
+import compiler.kernels.ops  # noqa: E402,F401  (registers kiln::w4a16_gemm)
 from compiler.kernels.build import build_kernels, find_nvcc  # noqa: E402
 from compiler.kernels.loader import missing_variants  # noqa: E402
-from compiler.w4a16_gemm import W4A16_VARIANT, W4A16Gemm, pack_w4a16  # noqa: E402
+from compiler.kernels.w4a16_gemm import W4A16_VARIANT, W4A16Gemm, pack_w4a16  # noqa: E402
 from engine.layers.quant import int4_packed, int_formats, w4a16  # noqa: E402
 from tests.test_quant_int4 import _act_order_g_idx, _layer  # noqa: E402
 

@@ -1,4 +1,4 @@
-"""CPU attention at `kiln bench throughput`'s shapes: the C++ kernel (compiler/cpu_attention.py)
+"""CPU attention at `kiln bench throughput`'s shapes: the C++ kernel (compiler/kernels/cpu_attention.py)
 against the gather + SDPA reference, and optionally against an older implementation, in one run.
 
     PYTHONPATH=$PWD python tools/bench_cpu_attention.py [--old-module FILE] [--threads N] [--reps N]
@@ -9,7 +9,7 @@ SmolLM2-135M's): decode
 batches of 1, 16 and 64 rows with contexts drawn from 16..128 (prompt 16..64 + up to 64 outputs),
 and the bench's prefill step (64 prompts of 16..64 tokens, ~2600 tokens). --old-module: a Python
 file with an older `paged_attention_cpu_impl` (same arguments), e.g. the AOTInductor kernel:
-    git show 06add57:compiler/cpu_attention.py > /tmp/old_cpu_attention.py
+    git show 06add57:compiler/kernels/cpu_attention.py > /tmp/old_cpu_attention.py
 --dtype: the cache's and queries' dtype (default float32). --layers N: a cache of N layers, the calls
 cycling through them (with 30, SmolLM2's batch-64 cache no longer fits the caches: cold, as in a
 decode step, where a layer's cache was last read a step ago).
@@ -28,8 +28,8 @@ import time
 
 import torch
 
-from compiler.cpu_attention import paged_attention_cpu_impl, write_kv_cpu_impl
-from compiler.reference_attention import paged_attention_reference, write_kv_reference
+from compiler.kernels.cpu_attention import paged_attention_cpu_impl, write_kv_cpu_impl
+from compiler.kernels.reference_attention import paged_attention_reference, write_kv_reference
 
 HQ, HKV, D, BS = 4, 2, 32, 16  # (the default --heads)
 

@@ -1,4 +1,4 @@
-"""The CPU weight-streaming kernels (compiler/cpu_gemv.py) per weight format and row count: GB/s of
+"""The CPU weight-streaming kernels (compiler/kernels/cpu_gemv.py) per weight format and row count: GB/s of
 weights streamed, against the machine's copy bandwidth measured in the same run, and the speed
 ratio to the path kiln took before them. Interleaved repeats (new, old, new, old, ...), medians.
 
@@ -19,7 +19,7 @@ GB/s = the bytes each path streams per pass (its own weight format) / the pass's
 convention). Each format runs in its model dtype:
   float32 models: the float activation path (exact products); bfloat16 models: int8 activations.
 The old path, per format (what kiln did before these kernels):
-  f32, bf16                  F.linear (oneDNN from 32 rows for float32: compiler/cpu_linear.py)
+  f32, bf16                  F.linear (oneDNN from 32 rows for float32: compiler/kernels/cpu_linear.py)
   bf16w/f16w in a f32 model  F.linear on the weights converted to float32 at load
   q8_0, gptq-int8            dequantise on the fly (IntWeightMethod), then F.linear
   q4_0 / q4_1 bf16           torch's packed int4 kernel; float32: F.linear, dequantised at load
@@ -41,9 +41,10 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from compiler import cpu_gemv, cpu_linear
-from compiler.cpu_gemv import GEMV, GGUF_FORMATS, LEVELS
-from compiler.cpu_linear import MIN_ONEDNN_ROWS
+from compiler.kernels import cpu_gemv
+from compiler.kernels import cpu_linear
+from compiler.kernels.cpu_gemv import GEMV, GGUF_FORMATS, LEVELS
+from compiler.kernels.cpu_linear import MIN_ONEDNN_ROWS
 from engine.layers.quant import int_formats
 from engine.layers.quant.config import QuantConfig
 from engine.layers.quant.cpu_packed import GEMM_ROWS
@@ -119,7 +120,7 @@ def _torch_int4(n: int, k: int, gen: torch.Generator, group: int) -> tuple[torch
 
 
 def _dense_old(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """compiler/cpu_linear.py before the kernels: F.linear, oneDNN from MIN_ONEDNN_ROWS float32 rows."""
+    """compiler/kernels/cpu_linear.py before the kernels: F.linear, oneDNN from MIN_ONEDNN_ROWS float32 rows."""
     if x.dtype == F32 and x.shape[0] >= MIN_ONEDNN_ROWS:
         return torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")
     return F.linear(x, w)
@@ -143,7 +144,7 @@ def build(fmt: str, layers: int, seed: int = 0) -> tuple[Path, Path]:
         wdtype = {"f32": F32, "bf16": BF16, "f16": torch.float16}[kind]
         new_w = [torch.randn(n, k, generator=gen).to(wdtype) for n, k in shapes]
         old_w = new_w if wdtype == dtype else [w.to(dtype) for w in new_w]
-        # (what the engine runs now: compiler/cpu_linear.py, the kernel up to MAX_DENSE_ROWS rows)
+        # (what the engine runs now: compiler/kernels/cpu_linear.py, the kernel up to MAX_DENSE_ROWS rows)
         new = Path(lambda x, i: cpu_linear.linear(x, new_w[i]) if wdtype == dtype else cpu_gemv.dense(x, new_w[i]),
                    sum(w.numel() * w.element_size() for w in new_w))
         old = Path(lambda x, i: _dense_old(x, old_w[i]), sum(w.numel() * w.element_size() for w in old_w))

@@ -1,4 +1,4 @@
-"""Per-op CPU microbenchmark: compiler/cpu_fused.py's fused ops and compiler/cpu_linear.py's
+"""Per-op CPU microbenchmark: compiler/kernels/cpu_fused.py's fused ops and compiler/kernels/cpu_linear.py's
 bucketed oneDNN projection against the eager torch ops they replace, timed in the same run.
 
     PYTHONPATH=$PWD python tools/bench_cpu_ops.py [--rows 64,2602] [--threads 2] [--dtype float32]
@@ -23,8 +23,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from compiler.cpu_fused import FUSED
-from compiler.cpu_linear import linear
+from compiler.kernels.cpu_fused import FUSED
+from compiler.kernels.cpu_linear import linear
 from engine.models.llama import RMSNorm, apply_rope
 
 
@@ -88,7 +88,7 @@ def engine_ab(rounds: int, threads: int) -> None:
     import random
     import statistics
 
-    from compiler import cpu_linear
+    from compiler.kernels import cpu_linear
     from engine import SamplingParams
     from engine.config.settings import EngineSettings
     from engine.entrypoints.llm import LLM

@@ -10,7 +10,7 @@
    prompts of `prompt_len` random tokens, `new_tokens` greedy tokens each; auto and fp8
    alternate for `rounds` rounds (the machine may be shared: the ratio of medians measured in
    the same run is the figure).
-3. The decode attention op alone (compiler/cpu_attention.py, compiled ahead of time) and write_kv,
+3. The decode attention op alone (compiler/kernels/cpu_attention.py, compiled ahead of time) and write_kv,
    fp32 cache vs fp8 cache, batch 16 x 1024 context, 8 query / 2 KV heads of 64, alternated.
 4. With --trained: the fidelity gate's figures (tests/test_fp8_kv.py) on tiny llama and qwen3
    models trained `--train-steps` steps on the tokenizer's corpus: greedy token agreement and
@@ -111,8 +111,8 @@ TEXTS = [
  "The ocean covers about seventy percent of the Earth's surface and contains most of the planet's water, as well as countless species.",
 ]
 def _attention_op(rounds: int = 30) -> None:
-    from compiler.cpu_attention import paged_attention_cpu_impl
-    from compiler.reference_attention import write_kv_reference
+    from compiler.kernels.cpu_attention import paged_attention_cpu_impl
+    from compiler.kernels.reference_attention import write_kv_reference
 
     torch.manual_seed(0)
     seqs, ctx, hq, hkv, d, bs = 16, 1024, 8, 2, 64, 16
@@ -191,7 +191,7 @@ OFF_CORPUS = ["Once upon a time there was", "My favourite colour is", "The weath
 
 def _truncating_to_cache(x, cache_dtype, scale):
     """A broken quantiser for the gate's resolution: rounds toward zero instead of to nearest."""
-    from compiler.kv_quant import FP8_MAX, is_fp8
+    from compiler.kernels.kv_quant import FP8_MAX, is_fp8
 
     if not is_fp8(cache_dtype):
         return x.to(cache_dtype)
@@ -203,8 +203,8 @@ def _broken(kind: str):
     """A context manager that breaks the reference cache path one way (eager engines only)."""
     import contextlib
 
-    import compiler.ops
-    import compiler.reference_attention as reference
+    import compiler.kernels.ops
+    import compiler.kernels.reference_attention as reference
     import engine.layers.attention.torch_backend
 
     write, read = reference.write_kv_reference, reference.from_cache
@@ -216,7 +216,7 @@ def _broken(kind: str):
         def bad_write(k, v, kc, vc, slots, ks=None, vs=None):
             return write(v, k, kc, vc, slots, ks, vs) if kind == "K/V swapped" else \
                 write(k, torch.zeros_like(v), kc, vc, slots, ks, vs)
-        patches = [(mod, "write_kv_reference", bad_write) for mod in (compiler.ops, engine.layers.attention.torch_backend)]
+        patches = [(mod, "write_kv_reference", bad_write) for mod in (compiler.kernels.ops, engine.layers.attention.torch_backend)]
 
     @contextlib.contextmanager
     def patched():

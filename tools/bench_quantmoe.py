@@ -20,7 +20,7 @@ import argparse
 import torch
 import torch.nn.functional as F
 
-from compiler.moe import moe_experts_dense
+from compiler.kernels.moe import moe_experts_dense
 from engine.layers.quant import int4_packed
 from engine.layers.quant.config import QuantConfig
 from engine.layers.quant.linear import FP8, make_method

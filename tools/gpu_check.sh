@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # kiln's one device run: the most verified information in one call of under 10 minutes.
 #
-#   tools/gpu_check.sh [--dry-run] [STAGE ...]      default: every stage, in this order
+#   tools/gpu_check.sh [--dry-run | --plan] [STAGE ...]   default: every stage, in this order
+#   (--plan: print the stages' budget against DEADLINE_S and stop; every run prints it first)
 #
 #   stage            max s  min s  what
 #   env                 40     5   wheels from .whl/ into /tmp/site, GPU + versions, import every
@@ -30,7 +31,7 @@
 # run measures them):
 #   - kernel tests, 2026-11-29 on the H200: 78 passed in 27.6 s; kernel bench --quick: 13.4 s;
 #   - Inductor cold compiles on this project's 2-core CPU machine: the 2-layer graph-test model 83 s
-#     (load 7), a 32-layer 8B-layout model 71 s (BENCHMARKS.md); Dynamo traces ~10 s of that. The
+#     (load 7), a 32-layer 8B-layout model 71 s (benchmarks/); Dynamo traces ~10 s of that. The
 #     device host has 16 cores for Triton's compile workers.
 # So the two 8B engines compile during the tests stage (their compile is the long part; each
 # waits for a go file before it measures anything, on a quiet GPU), the latency stages then only
@@ -51,9 +52,13 @@
 # GPU_CHECK_FAKE=1: a fake device. Every stage's command is its CPU equivalent or a stub
 # (tools/gpu_check_fake.py): the latency stages run the real `kiln bench latency` driver on a tiny
 # model on the CPU (a GPU's defaults: overlap on, chunked prefill), swap-bench the real swap bench,
-# the rest stubs that write their stage's JSON as the real command does. GPU_CHECK_CRASH=a,b,...
-# makes those stages, test groups (tests:kernels-v2) or engines (quant-int4) crash midway
-# (SIGSEGV after their first result), as a sticky CUDA fault would.
+# each test group collects its real pytest arguments (`pytest --collect-only`, as on an sm_90 GPU;
+# a missing path or no test collected fails the group) and runs one stand-in test per test
+# collected, under the same timeout and junit file; the rest stubs that write their stage's JSON
+# as the real command does. GPU_CHECK_CRASH=a,b,... makes those stages, test groups
+# (tests:kernels-v2) or engines (quant-int4) crash midway (SIGSEGV after their first result), as a
+# sticky CUDA fault would; GPU_CHECK_HANG=tests:NAME,... makes those groups hang after two tests
+# (their limit cuts them). GPU_CHECK_GROUPS=NAME,...: only those test groups run.
 #
 # The device command sequence (a session with a lent H200, from the repository root of the
 # checkout the device tool sends, i.e. the merged main):
@@ -74,8 +79,6 @@ cd "$(dirname "$0")/.."
 REPO=$PWD
 OUT=${OUT:-/tmp/kiln-gpu-out}
 WORK=${GPU_CHECK_WORK:-/tmp/kiln-gpu-check}
-mkdir -p "$OUT"
-rm -rf "$WORK" && mkdir -p "$WORK"
 export PYTHONUNBUFFERED=1
 PY=${PYTHON:-python3}
 KCACHE=$REPO/build/kernels
@@ -85,6 +88,8 @@ DEADLINE_S=${DEADLINE_S:-500}
 SIMULATE_S=${GPU_CHECK_SIMULATE_S:-}
 FAKE=${GPU_CHECK_FAKE:-}
 CRASH=",${GPU_CHECK_CRASH:-},"
+HANG=",${GPU_CHECK_HANG:-},"
+GROUPS_WANTED=${GPU_CHECK_GROUPS:-}
 ALL_STAGES=(env kernel-cache tests kernel-bench kernel-bench-v2 latency-8b quant-bench w4a16-bench moe-bench
             swap-bench latency-1b)
 OPTIONAL_STAGES=(quant-tinygemm quant-fp8)  # run only when named
@@ -101,14 +106,31 @@ for k in "${!MAX_S[@]}"; do
   MIN_S[$k]=$(( MIN_S[$k] / SCALE > 0 ? MIN_S[$k] / SCALE : 1 ))
 done
 STAGES=()
+PLAN_ONLY=""
 for arg in "$@"; do
   case $arg in
     --dry-run) SIMULATE_S=${SIMULATE_S:-1} ;;
+    --plan) PLAN_ONLY=1 ;;
     *) [ -n "${MAX_S[$arg]:-}" ] || { echo "unknown stage $arg (known: ${ALL_STAGES[*]} ${OPTIONAL_STAGES[*]})"; exit 2; }
        STAGES+=("$arg") ;;
   esac
 done
 [ ${#STAGES[@]} -eq 0 ] && STAGES=("${ALL_STAGES[@]}")
+
+plan() {  # each stage's max/min s, their sum against the deadline (the 8B figures must fit in it)
+  local s total=0 to8b=""
+  for s in "${STAGES[@]}"; do
+    echo "plan: $s max ${MAX_S[$s]}s min ${MIN_S[$s]}s"
+    total=$(( total + MAX_S[$s] ))
+    [ "$s" = latency-8b ] && to8b=$total
+  done
+  echo "plan: stage maxima ${total}s in all${to8b:+, ${to8b}s up to latency-8b}, DEADLINE_S=$DEADLINE_S" \
+       "(the deadline cuts the rest); device call timeout_s=$(( DEADLINE_S + 60 )) of at most 600"
+}
+plan
+[ -n "$PLAN_ONLY" ] && exit 0
+mkdir -p "$OUT"
+rm -rf "$WORK" && mkdir -p "$WORK"
 START=$(date +%s)
 NO_GPU_REASON=""   # set when the env stage finds no usable CUDA (or fails): GPU stages skip
 WHEELS=${GPU_CHECK_WHEELS:-.whl}  # carried wheels; SITE: where they are installed
@@ -118,6 +140,7 @@ export PYTHONPATH=$REPO
 [ -f "$SITE/.kiln-gpu-check" ] && export PYTHONPATH=$REPO:$SITE
 
 crashes() { [[ $CRASH == *",$1,"* ]]; }  # GPU_CHECK_CRASH names this stage (or tests:<group>)
+hangs() { [[ $HANG == *",$1,"* ]]; }  # GPU_CHECK_HANG names this test group (tests:<group>)
 wanted() { [[ " ${STAGES[*]} " == *" $1 "* ]]; }
 
 summarize() {  # the table, after every stage: a kill at the call's limit still leaves one
@@ -302,6 +325,7 @@ stage_tests() {
     wanted "${engine%%:*}" && start_engine "${engine#*:}"
   done
   for entry in "${TEST_GROUPS[@]}"; do
+    [ -n "$GROUPS_WANTED" ] && [[ ",$GROUPS_WANTED," != *",${entry%%|*},"* ]] && continue
     run_group "${entry%%|*}" "${entry#*|}" &
     pids+=($!) names+=("${entry%%|*}")
   done
@@ -316,16 +340,17 @@ stage_tests() {
 }
 
 run_group() {  # NAME PYTEST-ARGS: one process of the tests stage (log, junit, seconds)
-  local name=$1 args=$2 t0=$(date +%s) r
-  if [ -n "$FAKE" ]; then
-    timeout "$LIMIT" $PY tools/gpu_check_fake.py junit "$name" "$WORK/tests-$name.xml" \
-      $(crashes "tests:$name" && echo --crash) >"$WORK/tests-$name.log" 2>&1; r=$?
-  else
-    # (eval: the quoted -k expressions.) One GPU, many processes: an engine that sizes its KV cache
-    # from free memory would take 90% of the card (gpu_memory_utilization) from the others.
-    eval "TORCHINDUCTOR_COMPILE_THREADS=2 KILN_NUM_GPU_BLOCKS=1024 timeout $LIMIT $PY -m pytest -q -p no:cacheprovider $args" \
-      "--junitxml=$WORK/tests-$name.xml" >"$WORK/tests-$name.log" 2>&1; r=$?
+  local name=$1 args=$2 t0=$(date +%s) r runner="$PY -m pytest"
+  if [ -n "$FAKE" ]; then  # the same arguments, collected for real; stand-in tests run (gpu_check_fake.py)
+    runner="$PY tools/gpu_check_fake.py group $(crashes "tests:$name" && echo --crash)"
+    runner+=" $(hangs "tests:$name" && echo --hang) $WORK/tests-$name --"
   fi
+  # (eval: the quoted -k expressions.) One GPU, many processes: an engine that sizes its KV cache
+  # from free memory would take 90% of the card (gpu_memory_utilization) from the others.
+  # SIGINT at the limit, not SIGTERM: pytest stops and still writes the junit of the tests it
+  # finished (SIGKILL 20 s later if it does not).
+  eval "TORCHINDUCTOR_COMPILE_THREADS=2 KILN_NUM_GPU_BLOCKS=1024 timeout -s INT -k 20 $LIMIT $runner" \
+    "-q -p no:cacheprovider $args --junitxml=$WORK/tests-$name.xml" >"$WORK/tests-$name.log" 2>&1; r=$?
   echo $(( $(date +%s) - t0 )) >"$WORK/tests-$name.secs"
   return $r
 }
@@ -335,7 +360,7 @@ stage_kernel_bench() {  # DECODE PREFILL: one generation per process
     timeout "$LIMIT" $PY tools/gpu_check_fake.py kernel-bench "$WORK/$STAGE.json" --decode-kernel "$1" \
       --prefill-kernel "$2" $(crashes "$STAGE" && echo --crash); return
   fi
-  timeout "$LIMIT" $PY -m compiler.kernels.bench --quick --cache-dir "$KCACHE" --decode-kernel "$1" \
+  timeout "$LIMIT" $PY -m engine.bench.kernels --quick --cache-dir "$KCACHE" --decode-kernel "$1" \
     --prefill-kernel "$2" --json "$WORK/$STAGE.json"
 }
 
@@ -398,10 +423,10 @@ for STAGE in "${STAGES[@]}"; do
     quant-fp8)
       run_stage quant-fp8 stage_engine quant-fp8-w8a8 --fp8 "$WORK/quant-fp8-w8a8.json" ;;
     w4a16-bench)
-      run_stage w4a16-bench stage_stub $PY -m compiler.kernels.w4a16_bench --cache-dir "$KCACHE" \
+      run_stage w4a16-bench stage_stub $PY -m engine.bench.w4a16 --cache-dir "$KCACHE" \
         --json "$WORK/w4a16-bench.json" ;;
     moe-bench)
-      run_stage moe-bench stage_stub $PY -m compiler.moe_bench --json "$WORK/moe-bench.json" ;;
+      run_stage moe-bench stage_stub $PY -m engine.bench.moe --json "$WORK/moe-bench.json" ;;
     swap-bench)  # (runs on the CPU as it is: the fake device runs it so)
       run_stage swap-bench $PY -m engine.bench.swap $([ -n "$FAKE" ] && echo --device cpu --blocks 1,6 --iters 2) \
         --json "$WORK/swap-bench.json" ;;

@@ -5,7 +5,12 @@
         the real `kiln bench latency ARGS` driver (--make-model: make the tiny checkpoint first
         unless there, atomically: engines start together); with --crash-at-batch the process kills itself
         with SIGSEGV when batch B starts, after printing a CUDA-style error (a sticky fault)
-    gpu_check_fake.py junit GROUP XML [--crash]       a tests-stage process: two passing cases
+    gpu_check_fake.py group [--crash] [--hang] PREFIX -- PYTEST-ARGS
+        a tests-stage process: its real pytest arguments collected (`--collect-only`, torch.cuda
+        reporting an sm_90 GPU, xdist's -n dropped where xdist is not installed) into
+        PREFIX.collect.json; a missing path, a collection error or no test collected fails it
+        (rc 3). Then pytest runs one stand-in test per test collected into the arguments'
+        --junitxml file; --crash: SIGSEGV in the second one, --hang: the third never ends
     gpu_check_fake.py kernel-cache JSON               the kernel-cache stage's report
     gpu_check_fake.py kernel-bench JSON --decode-kernel K --prefill-kernel K [--crash]
         the kernel bench's JSON, written after each section as the real one writes it; --crash
@@ -21,6 +26,7 @@ stage crashes halfway, and the summary names the crash. The figures are made up 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import shutil
@@ -78,13 +84,94 @@ def cmd_run(args) -> int:
     return latency.main(args.rest)
 
 
-def cmd_junit(args) -> int:
-    if args.crash:
-        crash()
-    cases = "".join(f"<testcase classname='tests.fake' name='test_fake[{args.group}-{i}]' time='0.1'/>" for i in (1, 2))
-    Path(args.xml).write_text(f"<testsuites><testsuite name='pytest'>{cases}</testsuite></testsuites>")
-    print(f"2 passed (fake {args.group})")
-    return 0
+# pytest options of the test groups that take a value (the rest of the words are paths)
+VALUE_OPTIONS = {"-k", "-m", "-n", "-p", "--timeout"}
+# what tools/gpu_check.sh sets for a group's process, recorded with its collection
+GROUP_ENV = ("TORCHINDUCTOR_COMPILE_THREADS", "KILN_NUM_GPU_BLOCKS", "KILN_GPU_CHECK_STRICT")
+
+
+def paths_of(words: list[str]) -> list[str]:
+    paths, skip = [], False
+    for word in words:
+        if skip:
+            skip = False
+        elif word in VALUE_OPTIONS:
+            skip = True
+        elif not word.startswith("-"):
+            paths.append(word)
+    return paths
+
+
+def collect(words: list[str]) -> tuple[int, list[str], list[str]]:
+    """pytest --collect-only of `words` in this process, as on an sm_90 GPU: (rc, node ids,
+    collection errors). (The GPU test modules skip as a whole without CUDA: nothing to count.)"""
+    import pytest
+    import torch
+
+    torch.cuda.is_available = lambda: True
+    torch.cuda.get_device_capability = lambda *a: (9, 0)
+
+    class Collector:
+        def __init__(self) -> None:
+            self.nodes: list[str] = []
+            self.errors: list[str] = []
+
+        def pytest_collectreport(self, report):
+            if report.failed or (report.skipped and report.nodeid.endswith(".py")):
+                self.errors.append(f"{report.nodeid}: {str(report.longrepr)[-300:]}")
+
+        def pytest_collection_finish(self, session):
+            self.nodes = [item.nodeid for item in session.items]
+
+    c = Collector()
+    rc = int(pytest.main(["--collect-only", *words], plugins=[c]))
+    return rc, c.nodes, c.errors
+
+
+STAND_IN = """import os, signal, sys, time
+import pytest
+NODES = {nodes!r}
+
+@pytest.mark.parametrize("node", NODES, ids=NODES)
+def test_stand_in(node):
+    i = NODES.index(node)
+    if {crash!r} and i == 1:
+        print({fault!r}, file=sys.stderr, flush=True)
+        os.kill(os.getpid(), signal.SIGSEGV)
+    if {hang!r} and i == 2:
+        time.sleep(3600)
+"""
+
+
+def cmd_group(args) -> int:
+    words = [w for w in args.rest if not w.startswith("--junitxml=")]
+    junit = next((w.split("=", 1)[1] for w in args.rest if w.startswith("--junitxml=")), None)
+    dropped = []
+    if "-n" in words and importlib.util.find_spec("xdist") is None:  # (installed on the device from .whl/)
+        i = words.index("-n")
+        dropped, words = words[i:i + 2], words[:i] + words[i + 2:]
+    missing = [p for p in paths_of(words) if not Path(p.split("::")[0]).exists()]
+    rc, nodes, errors = (0, [], []) if missing else collect(words)
+    report = {"args": words, "dropped": dropped, "junit": junit, "rc": rc, "nodes": nodes, "errors": errors,
+              "missing": missing, "env": {k: os.environ.get(k) for k in GROUP_ENV}}
+    write(f"{args.prefix}.collect.json", report)
+    problems = ([f"no such path: {p}" for p in missing] + [f"collection error: {e}" for e in errors]
+                + ([f"pytest --collect-only rc={rc}"] if rc not in (0, 5) else [])
+                + ([] if nodes or missing else ["no test collected"]))
+    if problems:
+        print("\n".join(f"FAKE GROUP FAILED: {p}" for p in problems), flush=True)
+        return 3
+    print(f"collected {len(nodes)} tests ({' '.join(words)}); running their stand-ins", flush=True)
+    tmp = Path(f"{args.prefix}.stand-in")
+    tmp.mkdir(parents=True, exist_ok=True)
+    (tmp / "pytest.ini").write_text("[pytest]\n")  # (not the repository's settings and conftest)
+    (tmp / "test_stand_in.py").write_text(STAND_IN.format(nodes=nodes, crash=args.crash, hang=args.hang,
+                                                             fault=FAULT))
+    sys.stdout.flush()
+    # exec: the group's timeout signals pytest itself
+    os.execv(sys.executable, [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-c",
+                              str(tmp / "pytest.ini"), str(tmp / "test_stand_in.py")]
+             + ([f"--junitxml={junit}"] if junit else []))
 
 
 def cmd_kernel_cache(args) -> int:
@@ -124,10 +211,11 @@ def main(argv: list[str]) -> int:
     s.add_argument("--make-model", default=None)
     s.add_argument("--crash-at-batch", type=int, default=None)
     s.add_argument("rest", nargs=argparse.REMAINDER)
-    s = sub.add_parser("junit")
-    s.add_argument("group")
-    s.add_argument("xml")
+    s = sub.add_parser("group")
+    s.add_argument("prefix")
     s.add_argument("--crash", action="store_true")
+    s.add_argument("--hang", action="store_true")
+    s.add_argument("rest", nargs=argparse.REMAINDER)
     s = sub.add_parser("kernel-cache")
     s.add_argument("json")
     s = sub.add_parser("kernel-bench")
@@ -140,9 +228,9 @@ def main(argv: list[str]) -> int:
     s.add_argument("json")
     s.add_argument("--crash", action="store_true")
     args = p.parse_args(argv)
-    if args.cmd == "run" and args.rest[:1] == ["--"]:
+    if args.cmd in ("run", "group") and args.rest[:1] == ["--"]:
         args.rest = args.rest[1:]
-    return {"model": cmd_model, "run": cmd_run, "junit": cmd_junit, "kernel-cache": cmd_kernel_cache,
+    return {"model": cmd_model, "run": cmd_run, "group": cmd_group, "kernel-cache": cmd_kernel_cache,
             "kernel-bench": cmd_kernel_bench, "bench": cmd_bench}[args.cmd](args)
 
 

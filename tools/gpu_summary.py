@@ -58,6 +58,8 @@ def junit_counts(paths: list[str]) -> dict | None:
             continue
         found = True
         for case in root.iter("testcase"):
+            if case.get("name") is None:  # (the test a SIGINT cut: pytest writes it empty, no verdict)
+                continue
             kinds = {child.tag for child in case}
             if "failure" in kinds:
                 counts["failed"] += 1
@@ -79,6 +81,8 @@ def junit_outcomes(paths: list[str]) -> dict[str, str]:
         except (OSError, ET.ParseError):
             continue
         for case in root.iter("testcase"):
+            if case.get("name") is None:  # (cut by a SIGINT: no verdict)
+                continue
             kinds = {child.tag for child in case}
             name = f"{case.get('classname', '')}::{case.get('name', '')}"
             out[name] = ("failed" if kinds & {"failure", "error"} else "skipped" if "skipped" in kinds

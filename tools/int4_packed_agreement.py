@@ -1,7 +1,7 @@
 """Greedy agreement of int4_kernel="packed" (a float32 model's int4 layers on torch's packed kernel, bf16
 activations around it) with the float32 reference path (dequantise on the fly), on tiny int4
 checkpoints written by tests/quant_checkpoints.py: 20 prompts x 32 greedy tokens each, and the mean
-prompt-token log-probability drift. Recorded in BENCH_quantmoe.md.
+prompt-token log-probability drift. Recorded in benchmarks/2026-11-30.md, quantmoe.
 
     PYTHONPATH=. python tools/int4_packed_agreement.py
 """

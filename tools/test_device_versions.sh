@@ -2,7 +2,7 @@
 # Run the CPU test suite under the GPU machine's torch and transformers (torch 2.11, transformers
 # 5.17: /work/.library/device/KINDS.md), before spending device time. Not part of `make test`: it
 # downloads a CUDA build of torch (~3.5 GB; it runs on the CPU). It caught a bug that only
-# torch 2.11 shows (compiler/ops.py: the ops take the whole KV cache and a layer index).
+# torch 2.11 shows (compiler/kernels/ops.py: the ops take the whole KV cache and a layer index).
 #   tools/test_device_versions.sh [pytest args...]
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -202,8 +202,8 @@ def baseline(engine, args) -> dict[str, float]:
 
 def parts(engine, args) -> dict[str, Any]:
     """Compiled vs eager per part, in this run."""
-    from compiler.cpu_attention import paged_attention_cpu_impl
-    from compiler.reference_attention import paged_attention_reference
+    from compiler.kernels.cpu_attention import paged_attention_cpu_impl
+    from compiler.kernels.reference_attention import paged_attention_reference
     from engine.config.settings import EngineSettings
     from engine.runtime.llm_engine import LLMEngine
 
@@ -437,9 +437,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str]) -> int:
+    from engine.config.process_setup import available_cores
     from engine.entrypoints.cli.flags import settings_from_args
     from engine.runtime.llm_engine import LLMEngine
-    from engine.worker.cpu_threads import available_cores, plan_threads
+    from engine.worker.cpu_threads import plan_threads
 
     args = build_parser().parse_args(argv)
     settings = settings_from_args(args)

@@ -41,8 +41,13 @@ import time
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-import torch
+from engine.config.process_setup import prepare_process
+
+# An entry point (`python -m engine.bench.latency`, as tools/gpu_check.sh runs it): before torch loads.
+prepare_process()
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
 
 PRESETS = ("llama-3.2-1b", "llama-3.1-8b", "qwen2.5-7b")
 

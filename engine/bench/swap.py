@@ -23,9 +23,14 @@ import statistics
 import sys
 import time
 
-import torch
+from engine.config.process_setup import prepare_process
 
-from compiler.block_swapper import BlockSwapper
+# An entry point (`python -m engine.bench.swap`, as tools/gpu_check.sh runs it): before torch loads.
+prepare_process()
+
+import torch  # noqa: E402
+
+from engine.worker.block_swapper import BlockSwapper  # noqa: E402
 
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 

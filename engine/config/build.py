@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 from pydantic import ValidationError
+from pydantic_core import ErrorDetails
 from pydantic_settings import BaseSettings
 
 from engine.config.sources import SettingsError, setting_source
@@ -26,7 +27,7 @@ def build_settings(cls: type[BaseSettings], values: dict[str, Any], flags: dict[
         raise SettingsError(str(exc)) from None
 
 
-def _explain(err: dict[str, Any], cls: type[BaseSettings], flags: dict[str, str] | None) -> str:
+def _explain(err: ErrorDetails, cls: type[BaseSettings], flags: dict[str, str] | None) -> str:
     loc = [str(part) for part in err.get("loc", ())]
     msg = err.get("msg", "invalid").removeprefix("Value error, ")
     if not loc:  # a rule over several settings

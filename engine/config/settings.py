@@ -372,6 +372,9 @@ class ServerSettings(_KilnSettings):
         None, description="how tool calls are read from the model's text")
     # POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING).
     allow_runtime_lora_updating: bool = Field(False, description="allow /v1/load_lora_adapter and unload")
+    lora_adapter_roots: list[Path] | None = Field(
+        None, description="directories /v1/load_lora_adapter may load adapters from (needed with "
+        "allow_runtime_lora_updating)")
     # Hardening (issue 12): request bodies, grammar compiles, shutdown.
     max_request_body_mb: float = Field(32.0, gt=0, description="larger request bodies get a 413, unread")
     grammar_compile_timeout_s: float = Field(
@@ -395,6 +398,8 @@ class ServerSettings(_KilnSettings):
     http_header_timeout_s: float = Field(
         10.0, gt=0, description="a request head not complete this long after the connection was free gets a 408")
     http_body_timeout_s: float = Field(30.0, gt=0, description="a request body that stalls this long gets a 408")
+    http_body_deadline_s: float = Field(
+        120.0, gt=0, description="a request body not complete this long after its head gets a 408 (however it trickles)")
     stream_stall_timeout_s: float = Field(
         30.0, ge=0,
         description="a client that reads no output this long: its request is aborted, its connection closed (0: never)")
@@ -414,10 +419,14 @@ class ServerSettings(_KilnSettings):
     allowed_origins: list[str] | None = Field(
         None, description='CORS origins allowed (JSON list or words, e.g. \'["*"]\'); default: no CORS headers')
     root_path: str | None = Field(None, description="path prefix when served behind a path-based proxy")
+    forwarded_allow_ips: list[str] | None = Field(
+        None, description="proxies whose X-Forwarded-For / X-Forwarded-Proto are trusted (addresses or networks, "
+        "'*' for any); default none: the client is the socket's peer")
     ssl_keyfile: Path | None = Field(None, description="TLS private key (serve HTTPS)")
     ssl_certfile: Path | None = Field(None, description="TLS certificate (serve HTTPS)")
 
-    @field_validator("served_model_name", "allowed_origins", mode="before")
+    @field_validator("served_model_name", "allowed_origins", "forwarded_allow_ips", "lora_adapter_roots",
+                     mode="before")
     @classmethod
     def _parse_lists(cls, v: Any) -> Any:
         return word_list(v)
@@ -426,6 +435,9 @@ class ServerSettings(_KilnSettings):
     def _check_combinations(self) -> "ServerSettings":
         if (self.ssl_keyfile is None) != (self.ssl_certfile is None):
             raise ValueError("ssl_keyfile and ssl_certfile go together: give both")
+        if self.allow_runtime_lora_updating and not self.lora_adapter_roots:
+            raise ValueError("allow_runtime_lora_updating needs lora_adapter_roots: the directories adapters may be "
+                             "loaded from (nothing else on the server's disk is reachable through the API)")
         if self.enable_auto_tool_choice and self.tool_call_parser is None:
             raise ValueError("enable_auto_tool_choice needs tool_call_parser (hermes or llama3_json)")
         return self

@@ -67,7 +67,7 @@ SAMPLING: tuple[Row, ...] = (
      lambda p: "allowed_token_ids must not be empty"),
     ("output_kind", lambda p: p.output_kind in OUTPUT_KINDS,
      lambda p: f"output_kind must be one of {', '.join(OUTPUT_KINDS)}, got {p.output_kind!r}"),
-    ("stop", lambda p: all(p.stop), lambda p: "stop strings must be non-empty"),
+    ("stop", lambda p: all(p.stop or ()), lambda p: "stop strings must be non-empty"),
     ("logits_processors", lambda p: all(callable(f) for f in p.logits_processors or []),
      lambda p: "logits_processors must be callables (output_token_ids, logits_row) -> logits_row"),
     ("structured_outputs", lambda p: p.structured_outputs is None or hasattr(p.structured_outputs, "cache_key"),
@@ -101,7 +101,7 @@ def stop_tokens_leave_a_choice(params, eos_token_ids) -> None:
     """min_tokens bans the stop tokens (EOS and stop_token_ids) until it is reached: an
     allowed_token_ids holding nothing else leaves no token to sample."""
     if params.min_tokens > 0 and params.allowed_token_ids is not None \
-            and set(params.allowed_token_ids) <= {*eos_token_ids, *params.stop_token_ids}:
+            and set(params.allowed_token_ids) <= {*eos_token_ids, *(params.stop_token_ids or ())}:
         raise InvalidRequestError(
             f"allowed_token_ids: every allowed token is a stop token (EOS or stop_token_ids), which "
             f"min_tokens={params.min_tokens} forbids until then: no token could be sampled", "allowed_token_ids")

@@ -34,7 +34,7 @@ class SamplerOutput:
 class SeqUpdate(NamedTuple):
     """One sequence's news: output tokens it kept since its previous update, and its end."""
 
-    index: int  # the sample index
+    index: int  # type: ignore[assignment]  # the sample index (the field shadows tuple.index)
     token_ids: list[int]
     logprobs: list[LogprobEntry | None] | None  # one per new token (None: the request asks for none)
     finish_reason: FinishReason | None

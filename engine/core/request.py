@@ -148,7 +148,7 @@ class SamplingParams:
         """A request's own copy (its own stop lists), with the engine's `changes` set. Not validated
         again: the params were validated when they were made, and the changes are the engine's."""
         new = copy.copy(self)
-        new.stop, new.stop_token_ids = list(self.stop), list(self.stop_token_ids)
+        new.stop, new.stop_token_ids = list(self.stop or ()), list(self.stop_token_ids or ())
         for name, value in changes.items():
             if name not in self.__dataclass_fields__:
                 raise TypeError(f"SamplingParams has no field {name!r}")
@@ -161,7 +161,7 @@ class SamplingParams:
 
     def token_id_fields(self) -> list[tuple[str, list[int]]]:
         """(parameter, token ids) for every parameter naming tokens (checked against the vocabulary)."""
-        return [("stop_token_ids", self.stop_token_ids), ("logit_bias", list(self.logit_bias or ())),
+        return [("stop_token_ids", self.stop_token_ids or []), ("logit_bias", list(self.logit_bias or ())),
                 ("allowed_token_ids", self.allowed_token_ids or [])]
 
     @property

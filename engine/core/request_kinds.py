@@ -48,9 +48,12 @@ class StepShare(Protocol):
 class Task:
     """The interface (see the module docstring); Generate, ScorePrompt and Pool implement it."""
 
-    prefix_cacheable: bool = True
     text_output: bool = True  # its outputs are generated text (False: an embedding)
     reads_hidden: bool = False  # plan() names something the worker reads from the step's hidden states
+
+    @property
+    def prefix_cacheable(self) -> bool:
+        return True
 
     def check(self, model_config, model_name: str) -> None:
         """Refuse (InvalidRequestError) a request this model cannot serve with this task."""
@@ -107,6 +110,8 @@ class ScorePrompt(Generate):
 
     def record(self, seq: "Sequence", result: tuple[int, list[dict[int, float]]]) -> bool:
         first, entries = result  # (a prompt recomputed after preemption scores its tokens again)
+        # (the request's list exists: a ScorePrompt request has params.prompt_logprobs set)
+        assert seq.request.prompt_logprobs is not None
         seq.request.prompt_logprobs[first:first + len(entries)] = entries
         return False
 

@@ -7,10 +7,15 @@ from typing import TYPE_CHECKING, Any
 from typing import Sequence as Seq
 
 from engine.config.generation_config import default_sampling_params
+from engine.config.process_setup import prepare_process
 from engine.config.settings import EngineSettings, ServerSettings
 from engine.core.request import LoRARequest, PoolingParams, RequestOutput, SamplingParams
-from engine.runtime.admission import AdmittedRequest
-from engine.runtime.llm_engine import LLMEngine
+
+# An entry point (`from engine import LLM`): the settings torch reads once at load, before the engine imports it.
+prepare_process()
+
+from engine.runtime.admission import AdmittedRequest  # noqa: E402
+from engine.runtime.llm_engine import LLMEngine  # noqa: E402
 
 if TYPE_CHECKING:
     from engine.runtime.beam_search import BeamSearchParams

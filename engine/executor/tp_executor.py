@@ -77,7 +77,8 @@ def per_rank_cpu_threads(settings, world_size: int) -> int | None:
     """On the CPU the ranks share the cores: each gets its share unless cpu_threads is set."""
     if settings.cpu_threads is not None:
         return settings.cpu_threads
-    from engine.worker.cpu_threads import available_cores, plan_threads
+    from engine.config.process_setup import available_cores
+    from engine.worker.cpu_threads import plan_threads
 
     default = plan_threads(None, settings.cpu_bind, available_cores()).threads
     return max(1, default // world_size)

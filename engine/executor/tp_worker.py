@@ -22,10 +22,16 @@ import signal
 import threading
 import traceback
 
-import torch
-import torch.distributed as dist
+from engine.config.process_setup import prepare_process
 
-from engine.executor import step_codec as codec
+# The worker process's entry module (spawned: multiprocessing imports it before the worker's spec,
+# which holds torch types), so it prepares the process before torch loads, as rank 0's entry point did.
+prepare_process()
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+from engine.executor import step_codec as codec  # noqa: E402
 
 logger = logging.getLogger(__name__)
 
@@ -102,7 +108,7 @@ class Worker:
         if self.device.type == "cpu" and hasattr(self.model, "warm_cpu_linear"):  # as rank 0 does
             self.model.warm_cpu_linear(s.max_num_batched_tokens, s.max_num_seqs)
         if self.device.type == "cpu" and not s.enforce_eager:
-            from compiler.cpu_attention import KERNEL
+            from compiler.kernels.cpu_attention import KERNEL
 
             KERNEL.configure(s.resolved_compile_cache_dir())
             if hasattr(self.model, "use_cpu_fused_ops"):
@@ -125,7 +131,7 @@ class Worker:
         self.kv_cache = KVCache(self.config.num_layers, num_blocks, s.block_size, self.kv_heads(),
                                 self.config.head_dim, self.spec.dtype, self.device).tensor
         if num_cpu_blocks > 0:
-            from compiler.block_swapper import BlockSwapper
+            from engine.worker.block_swapper import BlockSwapper
 
             self.swapper = BlockSwapper(self.kv_cache, num_cpu_blocks)
 

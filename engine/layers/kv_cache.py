@@ -2,14 +2,17 @@
 
 A single tensor lets a block be copied or swapped for every layer at once. With
 `kv_cache_dtype = "fp8"` the elements are e4m3 (1 byte) and the cache also holds the per-layer
-K/V scales (`scales`, float32 [layers, 2], on the cache's device; compiler/kv_quant.py).
+K/V scales (`scales`, float32 [layers, 2], on the cache's device; compiler/kernels/kv_quant.py).
 """
 
 from __future__ import annotations
 
+import math
+
+import numpy as np
 import torch
 
-from compiler.kv_quant import FP8_DTYPE, is_fp8
+from compiler.kernels.kv_quant import FP8_DTYPE, is_fp8
 
 # kv_cache_dtype values (engine/config/settings.py validates them) that name an element type; "auto" is
 # the model's dtype. vLLM's "fp8" is e4m3 on NVIDIA GPUs, as here.
@@ -27,12 +30,23 @@ def resolve_kv_cache_dtype(setting: str, model_dtype: torch.dtype) -> torch.dtyp
                          f"{', '.join(KV_CACHE_DTYPES)})") from None
 
 
+def untouched_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A zeroed CPU tensor whose pages are not touched until written: calloc (numpy's zeros) takes
+    a large block straight from the OS as zero pages, so the reservation costs no time at start and
+    resident memory grows with the KV actually written (torch.zeros writes every byte)."""
+    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    return torch.from_numpy(np.zeros(nbytes, dtype=np.uint8)).view(dtype).view(shape)
+
+
 class KVCache:
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
                  dtype: torch.dtype, device: torch.device, pin_memory: bool = False,
                  model_dtype: torch.dtype | None = None) -> None:
         shape = (num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim)
-        self.tensor = torch.zeros(shape, dtype=dtype, device=device, pin_memory=pin_memory)
+        if torch.device(device).type == "cpu" and not pin_memory:
+            self.tensor = untouched_zeros(shape, dtype)
+        else:
+            self.tensor = torch.zeros(shape, dtype=dtype, device=device, pin_memory=pin_memory)
         self.num_blocks = num_blocks
         self.block_size = block_size
         # The dtype of the rows the model writes and reads back (the cache's own unless fp8).
@@ -67,7 +81,7 @@ class KVCache:
 class KVScales:
     """An fp8 cache's K/V scales as the attention backends read them: `tensor` is the cache's
     [layers, 2] scales (shared, updated in place); with `calibrate`, each layer's first write of
-    real rows sets its scales first (compiler/kv_quant.py calibrate_kv_scales: device-only,
+    real rows sets its scales first (compiler/kernels/kv_quant.py calibrate_kv_scales: device-only,
     safe in compiled code and CUDA graphs)."""
 
     def __init__(self, scales: torch.Tensor, calibrate: bool = False) -> None:
@@ -80,7 +94,7 @@ class KVScales:
         scales the write and the attention use."""
         if self.calibrated is not None:
             if eager:
-                from compiler.kv_quant import calibrate_kv_scales
+                from compiler.kernels.kv_quant import calibrate_kv_scales
 
                 calibrate_kv_scales(k, v, slot_mapping, self.tensor, self.calibrated, layer)
             else:

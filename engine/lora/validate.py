@@ -1,6 +1,11 @@
 """Check a PEFT LoRA directory's files before the engine loads them: a corrupt adapter is an
 InvalidRequestError naming the file and what is wrong, never a crash in the loader.
 
+Runtime loading (/v1/load_lora_adapter) is confined first: the path must lie under one of the
+operator's lora_adapter_roots (symlinks resolved), and every path that does not name an adapter
+directory there gets one and the same refusal, which says nothing about the filesystem (not
+whether the path exists, is a file, or is too long). Only inside the roots do refusals name files.
+
 The checks read only adapter_config.json and the safetensors header (not the weights): the
 config must be a JSON object with a positive integer rank; the header must be JSON whose every
 tensor has a known dtype, a shape, and data offsets that match them and lie inside the file.
@@ -14,6 +19,38 @@ from pathlib import Path
 
 from engine.core.request import InvalidRequestError
 from engine.models.loader.safetensors_reader import read_header
+
+
+MAX_PATH_CHARS = 4096
+MAX_NAME_CHARS = 256
+
+
+def _not_loadable() -> InvalidRequestError:
+    return InvalidRequestError("lora_path: not a LoRA adapter directory under the server's lora_adapter_roots",
+                               "lora_path")
+
+
+def confined_adapter_dir(path: str, roots: list[Path]) -> Path:
+    """The directory `path` names, resolved, if it lies under one of `roots` (resolved already);
+    else the one uniform refusal."""
+    if not path or len(path) > MAX_PATH_CHARS or "\0" in path:
+        raise _not_loadable()
+    try:
+        resolved = Path(path).expanduser().resolve()
+        if not any(resolved.is_relative_to(root) for root in roots) or not resolved.is_dir():
+            raise _not_loadable()
+    except (OSError, RuntimeError, ValueError):  # (too long, a symlink loop, ...): the same refusal
+        raise _not_loadable() from None
+    return resolved
+
+
+def check_adapter_name(name: str, reserved: list[str]) -> None:
+    """A runtime adapter's name: printable, no spaces, and not a name the base model answers to."""
+    if not name or len(name) > MAX_NAME_CHARS or not name.isprintable() or any(c.isspace() for c in name):
+        raise InvalidRequestError(f"lora_name: 1 to {MAX_NAME_CHARS} printable characters without spaces",
+                                  "lora_name")
+    if name in reserved:
+        raise InvalidRequestError(f"lora_name: {name!r} is the base model's name", "lora_name")
 
 
 def _bad(file: Path, why: str, param: str = "lora_path") -> InvalidRequestError:

@@ -5,7 +5,7 @@ costs about as much as the weight-streaming projections of a 4-bit model; the st
 kernels in the same order from C++ (the fused norms / RoPE / activation, kiln_cpu_gemv's
 projections, kiln_cpu's KV write and attention), so its output is the eager forward's bit for bit
 (tests/test_cpu_stack.py) at a few µs of host time a layer (batch-1 decode steps 1.2-1.55x faster
-on SmolLM2: BENCHMARKS.md, section BENCH_cpustep, `kiln bench cpu --decoder-stack`).
+on SmolLM2: benchmarks/2026-12-02.md, BENCH_cpustep, `kiln bench cpu --decoder-stack`).
 
 Steps of up to 8 rows (batch-1 decode, spec-decode verifies) run on the stack's own thread team:
 one parallel region for the whole step, each thread its share of every projection's output rows,
@@ -36,7 +36,8 @@ import logging
 
 import torch
 
-from compiler import cpu_fused, cpu_gemv
+from compiler.kernels import cpu_fused
+from compiler.kernels import cpu_gemv
 from engine.layers.attention.base import AttentionBackend, AttentionMetadata
 from engine.layers.quant import cpu_packed
 

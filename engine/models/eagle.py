@@ -24,7 +24,7 @@ A drafting step after the first feeds the head its own output (pre-norm) as h, w
 In kiln both heads take h from a static buffer (`hidden_in`, [tokens, H]; EAGLE-3's fc is
 applied by `project` before it is written), so the head's forward has a model's signature
 (ids, positions, KV cache, metadata) and runs, compiles and replays decode graphs as a model
-does (engine/worker/spec/eagle.py drives it). Its KV cache is its own tensor over the target's
+does (engine/spec_decode/eagle.py drives it). Its KV cache is its own tensor over the target's
 block ids. Heads whose shapes do not fit the target are refused, naming what does not fit.
 """
 
@@ -38,7 +38,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from compiler.cpu_linear import linear
+from compiler.kernels.cpu_linear import linear
 from engine.models.config import ModelConfig
 from engine.models.llama import (
     MLP,

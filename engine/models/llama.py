@@ -17,9 +17,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-import compiler.ops  # noqa: F401 - registers every kiln:: op (kiln::moe_experts here)
-from compiler import cpu_fused, cpu_gemv
-from compiler.cpu_linear import MIN_ONEDNN_ROWS, linear, row_bucket, warm_buckets
+import compiler.kernels.ops  # noqa: F401 - registers every kiln:: op (kiln::moe_experts here)
+from compiler.kernels import cpu_fused
+from compiler.kernels import cpu_gemv
+from compiler.kernels.cpu_linear import MIN_ONEDNN_ROWS, linear, row_bucket, warm_buckets
 from engine.distributed.parallel import TensorParallel, all_reduce
 from engine.distributed.parallel_layers import (
     ParallelLMHead,
@@ -128,7 +129,7 @@ class RotaryEmbedding(nn.Module):
 
 
 def fuse_cpu_ops(model: nn.Module, cache_dir: Path | None) -> bool:
-    """Run `model`'s norms, rotary embeddings and MLP activations through compiler/cpu_fused.py's
+    """Run `model`'s norms, rotary embeddings and MLP activations through compiler/kernels/cpu_fused.py's
     ops (loaded, on the first start built, now). False: the library is not there (cpu_fused logs
     why) and the eager ops stay."""
     if not cpu_fused.FUSED.ensure(cache_dir):
@@ -186,7 +187,7 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | FusedRope, kv_cache: torch.Tensor,
                 meta: AttentionMetadata, backend: AttentionBackend, lora: torch.Tensor | None = None) -> torch.Tensor:
         """rope: (cos, sin) or the fused op's inputs (RotaryEmbedding.forward).
-        kv_cache: the whole cache [layers, 2, blocks, block_size, Hkv, D] (see compiler/ops.py)."""
+        kv_cache: the whole cache [layers, 2, blocks, block_size, Hkv, D] (see compiler/kernels/ops.py)."""
         n = x.shape[0]
         q, k, v = self.qkv_proj(x, lora).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(n, self.num_heads, self.head_dim)
@@ -232,7 +233,7 @@ class MLP(nn.Module):
 
 
 class SparseMoE(nn.Module):
-    """Router + top-k routed experts (kiln::moe_experts, compiler/moe.py), plus Qwen2-MoE's
+    """Router + top-k routed experts (kiln::moe_experts, compiler/kernels/moe.py), plus Qwen2-MoE's
     sigmoid-gated shared expert. Expert weights are stacked: w13 [E, 2I, H] (gate rows, then
     up rows), w2 [E, H, I]; in a quantised model both are QuantExperts (engine/layers/quant/moe.py). Under tp every expert (and the shared one) holds this rank's I/tp
     gate/up rows and down columns, the router is whole, and one all-reduce sums the block."""
@@ -360,7 +361,7 @@ class LlamaForCausalLM(nn.Module):
                 module.enable_lora(num_slots, max_rank)
 
     def use_cpu_fused_ops(self, cache_dir: Path | None) -> float:
-        """Load (first start: build) compiler/cpu_fused.py's ops and run this model's norms, rotary
+        """Load (first start: build) compiler/kernels/cpu_fused.py's ops and run this model's norms, rotary
         embeddings and MLP activations through them on the CPU. Returns the seconds spent. A
         library that cannot be built leaves the eager ops on (cpu_fused logs why)."""
         t0 = time.perf_counter()
@@ -381,7 +382,7 @@ class LlamaForCausalLM(nn.Module):
 
     def padded_rows(self, tokens: int, x: torch.Tensor, lora: torch.Tensor | None) -> int:
         """The rows the eager CPU forward runs: `tokens` rounded up to oneDNN's row bucket
-        (compiler/cpu_linear.py), so that every projection takes its input as is instead of
+        (compiler/kernels/cpu_linear.py), so that every projection takes its input as is instead of
         padding a copy of it (9 copies a step for 2 layers). Padding rows (id 0, position 0) are
         claimed by no sequence: attention writes them as zeros and the caller never sees them."""
         if (not self.pad_cpu_rows or tokens < MIN_ONEDNN_ROWS or lora is not None or x.dtype != torch.float32
@@ -390,7 +391,7 @@ class LlamaForCausalLM(nn.Module):
         return row_bucket(tokens)
 
     def warm_cpu_linear(self, max_tokens: int, max_seqs: int) -> int:
-        """Build oneDNN's primitive for every row bucket (compiler/cpu_linear.py) of the dense float32
+        """Build oneDNN's primitive for every row bucket (compiler/kernels/cpu_linear.py) of the dense float32
         projections (up to max_tokens rows) and the LM head (up to max_seqs sampled rows) now, not
         while serving. Returns the number of shapes built."""
         dense = [(m.weight, m.bias, m.gemm_weight) for m in self.modules() if isinstance(m, Linear) and m.quant is None]

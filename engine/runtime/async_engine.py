@@ -1,14 +1,16 @@
 """AsyncEngine: the step loop behind the server.
 
-One background thread owns the LLMEngine and runs `step()` back to back while there is
-work (model steps are blocking torch calls, so they must not run on the event loop).
-Everything else talks to that thread through a thread-safe inbox (add / abort), which
-the thread drains at the top of every iteration; when idle it sleeps on an event.
+Two background threads: the step thread owns the LLMEngine and runs its core step
+(`core_step`: schedule, launch, the core's one pass over each step's tokens) back to back
+while there is work (model steps are blocking torch calls, so they must not run on the event
+loop); the output thread turns the core's updates into outputs. Everything else talks to the
+step thread through a thread-safe inbox (add / abort / finish a sample), which it drains at the
+top of every iteration; when idle it sleeps on an event.
 
-Each request gets a `RequestStream` bound to the asyncio loop that created it. The step
-thread hands it the newest cumulative `RequestOutput` with `loop.call_soon_threadsafe`;
-the stream keeps only the newest snapshot, so a slow reader never makes the step loop wait
-and never piles up memory: it reads the coalesced difference (a delta) when it gets to it.
+Each request gets a `RequestStream` bound to the asyncio loop that created it. The output
+thread hands it the newest cumulative `RequestOutput` through that loop's mailbox; the stream
+keeps only the newest snapshot, so a slow reader never makes the step loop wait and never piles
+up memory: it reads the coalesced difference (a delta) when it gets to it.
 
 Requests come in admitted (engine/runtime/admission.py: the server admits them itself, step by
 step; `add_request` runs every step). The step thread runs the engine core (`core_step`: the
@@ -74,7 +76,7 @@ class AsyncEngine:
         self.max_waiting_requests = (max_waiting_requests if max_waiting_requests is not None
                                      else engine.settings.max_waiting_requests)
         self._idle_poll_s = idle_poll_s
-        self._inbox: collections.deque[AddRequest | AbortRequest] = collections.deque()
+        self._inbox: collections.deque[AddRequest | AbortRequest | FinishSequence | EngineCall] = collections.deque()
         self._wake = threading.Event()
         self._streams: dict[str, RequestStream] = {}  # owned by the output thread
         # step thread -> output thread: ("add", admitted request, stream) | ("out", updates) | ("die", error, updates);

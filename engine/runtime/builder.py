@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
+from typing import TYPE_CHECKING, cast
 
 import torch
 
@@ -20,7 +21,6 @@ from engine.core.kv import kv_sizing
 from engine.core.kv.block_pool import BlockPool
 from engine.core.kv.swap_space import SwapSpace
 from engine.core.sched.scheduler import Scheduler, SchedulerConfig
-from engine.core.sched.spec import DraftLengthPlanner, NgramProposer, SpecDecodeConfig
 from engine.layers.attention.base import BackendSpec
 from engine.layers.attention.selector import get_attention_backend
 from engine.layers.kv_cache import KVCache, KVScales, resolve_kv_cache_dtype
@@ -30,21 +30,27 @@ from engine.layers.quant.w4a16 import loader_int4_kernel, resolve_int4_kernel
 from engine.lora.adapters import make_lora_manager
 from engine.models.config import ModelConfig
 from engine.models.draft import DraftParts, check_draft_model, load_draft_vocab
-from engine.models.eagle import load_eagle
+from engine.models.eagle import Eagle3Head, EagleConfig, EagleHead, load_eagle
+from engine.models.llama import LlamaForCausalLM
 from engine.models.loader.gguf_file import is_gguf
 from engine.models.loader.kv_scales import read_kv_scales
 from engine.models.loader.model_loader import load_model, load_tokenizer
 from engine.resolve.build_target import resolve_device, resolve_dtype, resolve_model_dir
 from engine.resolve.kv_budget import cpu_kv_bytes
 from engine.runtime.startup_phase import Phase
+from engine.spec_decode.draft_model import DraftModelProposer
+from engine.spec_decode.eagle import EagleProposer
+from engine.spec_decode.sched import DraftLengthPlanner, NgramProposer, SpecDecodeConfig, SpecDecoder
 from engine.structured_output.grammars import StructuredOutputCompiler
 from engine.worker.cpu_isa import apply_cpu_isa_limit
 from engine.worker.cpu_threads import apply_cpu_threads
 from engine.worker.memory_profile import free_gpu_bytes_after_profile
 from engine.worker.model_runner import ModelRunner
 from engine.worker.sample.sampler import Sampler
-from engine.worker.spec.draft_model import DraftModelProposer
-from engine.worker.spec.eagle import EagleProposer
+
+if TYPE_CHECKING:
+    from engine.executor.tp_executor import MirroredSwapper
+    from engine.worker.block_swapper import BlockSwapper, SwapGroup
 
 logger = logging.getLogger(__name__)
 
@@ -53,6 +59,8 @@ class EngineBuilder:
     """Builds every part of an engine from settings; `build()` runs the phases and returns the
     builder, whose attributes LLMEngine takes over (each named in LLMEngine.__init__)."""
 
+    block_swapper: BlockSwapper | SwapGroup | MirroredSwapper | None  # (set by _make_swap_space)
+
     def __init__(self, settings: EngineSettings) -> None:
         self.settings = settings
 
@@ -60,8 +68,9 @@ class EngineBuilder:
         try:
             return self._build()
         except BaseException:
-            if getattr(self, "executor", None) is not None:  # no worker outlives a failed start
-                self.executor.shutdown()
+            executor = getattr(self, "executor", None)
+            if executor is not None:  # no worker outlives a failed start
+                executor.shutdown()
             raise
 
     def _build(self) -> "EngineBuilder":
@@ -111,7 +120,8 @@ class EngineBuilder:
             kv_cache_dtype=self.kv_dtype if self.kv_dtype != self.dtype else None))
         self.model.set_backend(self.backend)
         if self.executor is not None:
-            self.model = self.executor.wrap_model(self.model)
+            # (ShardedModel stands in for the model: what it does not override goes to the shard)
+            self.model = cast(LlamaForCausalLM, self.executor.wrap_model(self.model))
         self.draft = self._load_draft()  # speculative decoding's draft model or EAGLE head, if any
         with Phase("sizing the KV cache" + (" (profiling a forward)" if self.device.type == "cuda" else "")):
             self.num_blocks = self._num_kv_blocks()
@@ -157,7 +167,7 @@ class EngineBuilder:
             reserved_blocks_fraction=settings.reserved_blocks_fraction,
             reserved_priority=settings.reserved_priority,
             eos_token_ids=self.eos_token_ids,
-        ), self.pool, self._make_swap_space(), self._make_proposer())
+        ), self.pool, self._make_swap_space(), self._make_spec_decoder())
         self.sampler = Sampler(self.device, self.eos_token_ids, settings.seed)
         runner_cls = ModelRunner
         if self.executor is not None:
@@ -210,8 +220,9 @@ class EngineBuilder:
         runners = [self.runner] + ([self.draft_runner] if self.draft_runner is not None else [])
         if self.device.type == "cpu":
             for runner in runners:
-                if hasattr(runner.model, "warm_cpu_linear"):  # oneDNN's shapes, built now
-                    runner.model.warm_cpu_linear(s.max_num_batched_tokens, s.max_num_seqs)
+                warm = getattr(runner.model, "warm_cpu_linear", None)
+                if warm is not None:  # oneDNN's shapes, built now
+                    warm(s.max_num_batched_tokens, s.max_num_seqs)
         if s.enforce_eager:
             return 0.0, 0.0
         if self.executor is not None and self.device.type == "cuda":
@@ -224,14 +235,15 @@ class EngineBuilder:
 
             seconds = 0.0
             for runner in runners:
-                if hasattr(runner.model, "use_cpu_fused_ops"):  # fused norms / RoPE / SiLU (compiler/cpu_fused.py)
-                    runner.model.use_cpu_fused_ops(s.resolved_compile_cache_dir())
+                fuse = getattr(runner.model, "use_cpu_fused_ops", None)
+                if fuse is not None:  # fused norms / RoPE / SiLU (compiler/kernels/cpu_fused.py)
+                    fuse(s.resolved_compile_cache_dir())
                 seconds += warm_cpu_decode(runner.model, runner.kv_cache.tensor, s.resolved_compile_cache_dir(),
                                            s.cpu_decoder_stack)
             if not s.cpu_compile_forward:
                 logger.info("CPU: eager forward, C++ paged attention built ahead of time; warm-up %.1fs", seconds)
                 return seconds, 0.0
-        from compiler.capture import compile_count, configure_compile_cache
+        from compiler.compilation.capture import compile_count, configure_compile_cache
 
         cache = configure_compile_cache(*export_compile_cache_dir(s.resolved_compile_cache_dir()))
         graphs_before = compile_count()
@@ -279,21 +291,24 @@ class EngineBuilder:
         logger.info("KV cache: fp8 e4m3, %d blocks, K/V scales %s", self.num_blocks, source)
         self.backend.use_kv_scales(KVScales(cache.scales, calibrate=s.calculate_kv_scales))
 
-    def _make_proposer(self) -> NgramProposer | DraftLengthPlanner | None:
+    def _make_spec_decoder(self) -> SpecDecoder | None:
         """The scheduler's side of speculative decoding: n-gram drafts, or how many drafts the
-        device proposer makes for each sequence."""
+        device proposer makes for each sequence, limited and accepted by a SpecDecoder."""
         s = self.settings
         if s.speculative_method is None:
             return None
         config = SpecDecodeConfig(s.num_speculative_tokens, s.speculative_method, s.prompt_lookup_max,
                                   s.prompt_lookup_min)
+        proposer: NgramProposer | DraftLengthPlanner
         if not config.device_drafts:
             logger.info("speculative decoding: ngram, up to %d draft tokens (lookup %d..%d tokens)",
                         s.num_speculative_tokens, s.prompt_lookup_min, s.prompt_lookup_max)
-            return NgramProposer(config)
-        logger.info("speculative decoding: %s %s, up to %d draft tokens per step", s.speculative_method,
-                    s.speculative_model, s.num_speculative_tokens)
-        return DraftLengthPlanner(config)
+            proposer = NgramProposer(config)
+        else:
+            logger.info("speculative decoding: %s %s, up to %d draft tokens per step", s.speculative_method,
+                        s.speculative_model, s.num_speculative_tokens)
+            proposer = DraftLengthPlanner(config)
+        return SpecDecoder(proposer, self.max_model_len)
 
     # ---- speculative decoding's draft (a draft model or an EAGLE head) ----
     def _load_draft(self) -> "DraftParts | None":
@@ -302,11 +317,14 @@ class EngineBuilder:
         s = self.settings
         if s.speculative_method not in ("draft_model", "eagle", "eagle3"):
             return None
+        assert s.speculative_model is not None  # (the settings require one for these methods)
         path = Path(s.speculative_model).expanduser()
         if not path.is_dir() and not (s.speculative_method == "draft_model" and is_gguf(path)):
             raise ValueError(f"speculative_model: {s.speculative_model!r} is not a checkpoint directory"
                              + (" or .gguf file" if s.speculative_method == "draft_model" else ""))
         vocab_ids = None
+        model: LlamaForCausalLM | EagleHead | Eagle3Head
+        config: ModelConfig | EagleConfig
         with Phase(f"loading the {s.speculative_method} draft {path}"):
             if s.speculative_method == "draft_model":
                 config = layers = ModelConfig.from_dir(path)
@@ -331,6 +349,7 @@ class EngineBuilder:
         drives it inside the target runner's launch; the target's block copies cover its cache."""
         if self.draft is None:
             return None
+        assert self.draft_kv is not None  # (made with the draft)
         s = self.settings
         runner = ModelRunner(self.draft.model, self.draft_kv, self.sampler, self.device, s.block_size,
                              s.max_num_seqs, self._token_budget(), self.max_model_len)
@@ -340,6 +359,7 @@ class EngineBuilder:
                                                   self.draft.vocab_ids)
         else:
             head = self.draft.model
+            assert isinstance(head, (EagleHead, Eagle3Head))  # (an EAGLE method's draft is its head)
             head.allocate_inputs(runner.buffers.max_tokens)
             if head.eagle.version == 3:  # the target keeps the hidden states entering the head's layers
                 self.model.aux_layers = head.eagle.aux_layers
@@ -363,7 +383,7 @@ class EngineBuilder:
             logger.warning("swap_space_gb=%s holds no KV block of %d bytes: preempting by recompute only",
                            s.swap_space_gb, per_block)
             return None
-        from compiler.block_swapper import BlockSwapper, SwapGroup
+        from engine.worker.block_swapper import BlockSwapper, SwapGroup
 
         self.block_swapper = BlockSwapper(self.kv_cache.tensor, num_cpu)
         if self.draft_kv is not None:  # the draft's KV moves with the target's, block for block

@@ -1,4 +1,4 @@
-"""Incremental detokenisation and stop strings, over one sample's own `TextState`.
+"""Incremental detokenisation, over one sample's own `TextState`.
 
 Fast tokenizers (`tokenizers` backed) decode with `tokenizers`' DecodeStream: one decode per
 new token. Other tokenizers decode a short window of ids twice (with and without the newest
@@ -7,6 +7,8 @@ a character split across tokens (UTF-8 bytes in byte-level BPE) appears whole, o
 """
 
 from __future__ import annotations
+
+from typing import Literal
 
 _WINDOW = 6  # ids of context decoded before the new ones (spacing rules need a little)
 
@@ -21,7 +23,7 @@ class TextState:
         self.ids = list(prompt_token_ids[-_WINDOW:])
         self.prefix_offset = 0
         self.read_offset = len(self.ids)
-        self.stream = None  # the fast tokenizer's DecodeStream (_Stream); False: gave up, the window method
+        self.stream: _Stream | Literal[False] | None = None  # the fast tokenizer's DecodeStream (_Stream); False: gave up, the window method
         self.text = ""
         self.skip_special_tokens = skip_special_tokens
 
@@ -70,6 +72,7 @@ def stream_step(backend, state: TextState) -> tuple[str, bool]:
         from tokenizers.decoders import DecodeStream
 
         stream = state.stream = _Stream(DecodeStream(ids=context, skip_special_tokens=skip), state.read_offset)
+    assert stream is not False  # (the caller takes the window method once the stream gave up)
     delta = ""
     for i in range(stream.pos, end):
         try:
@@ -108,19 +111,9 @@ class Detokenizer:
         return detokenize_step(self.tokenizer, state)
 
 
-def find_stop(text: str, stops: list[str], start: int) -> tuple[int, str] | None:
-    """The earliest of `stops` in text[start:]: (where it starts, which), or None."""
-    best: tuple[int, str] | None = None
-    for stop in stops:
-        idx = text.find(stop, start)
-        if idx != -1 and (best is None or idx < best[0]):
-            best = (idx, stop)
-    return best
-
-
-def visible_len(text: str, stops: list[str], finished: bool) -> int:
+def visible_len(text: str, longest_stop: int, finished: bool) -> int:
     """How many characters of `text` are safe to show now: a tail that could still become a stop
-    string is held back until the sample ends."""
-    if finished or not stops:
+    string (of at most `longest_stop` characters) is held back until the sample ends."""
+    if finished or longest_stop == 0:
         return len(text)
-    return max(0, len(text) - (max(len(s) for s in stops) - 1))
+    return max(0, len(text) - (longest_stop - 1))

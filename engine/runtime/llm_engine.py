@@ -35,12 +35,13 @@ from engine.core.outputs import RequestUpdate
 from engine.core.request import LoRARequest, PoolingParams, Request, RequestOutput, SamplingParams
 from engine.core.sched.scheduler import Scheduler
 from engine.core.sched.scheduler_output import SchedulerOutput
-from engine.core.sched.spec.decoder import verify_overlaps
 from engine.lora.adapters import LoRAManager, attach_lora, load_lora, unload_lora
 from engine.runtime.admission import Admission, AdmittedRequest
 from engine.runtime.builder import EngineBuilder
 from engine.runtime.output_processor import OutputProcessor
+from engine.spec_decode.sched.decoder import verify_overlaps
 from engine.structured_output.grammars import StructuredOutputCompiler
+from engine.worker.cpu_threads import ThreadPlan
 from engine.worker.model_runner import ModelRunner, PendingStep
 from engine.worker.sample.sampler import Sampler
 
@@ -70,7 +71,7 @@ def _needs_serial(sched: SchedulerOutput) -> bool:
       - a fork (a request with n > 1 at the end of its prompt): its children do not exist until
         the sampled tokens are known; they then decode overlapped like any sequence;
       - n-gram drafts, and model drafts of requests whose sampling reads their history or output
-        position on the host (engine/core/sched/spec/decoder.py verify_overlaps): how many drafts
+        position on the host (engine/spec_decode/sched/decoder.py verify_overlaps): how many drafts
         are accepted decides the next step's tokens and positions. Other model drafts overlap: the
         sequence advances as if all are kept, and the device moves the next step back;
       - a task that reads hidden states (prompt logprobs, embeddings; prompt steps only): an
@@ -115,18 +116,18 @@ class LLMEngine:
         self.kv_cache = parts.kv_cache  # engine/layers/kv_cache.py KVCache
         self.pool: BlockPool = parts.pool
         self.swap_space: SwapSpace | None = parts.swap_space
-        self.block_swapper = parts.block_swapper  # compiler/block_swapper.py BlockSwapper (or the TP executor's)
+        self.block_swapper = parts.block_swapper  # engine/worker/block_swapper.py BlockSwapper (or the TP executor's)
         self.scheduler: Scheduler = parts.scheduler
         self.sampler: Sampler = parts.sampler
         self.runner: ModelRunner = parts.runner  # (TensorParallelRunner with tensor parallelism)
         # Speculative decoding's draft model or EAGLE head: its runner (driven inside the target
-        # runner's launch, engine/worker/spec/), or None.
+        # runner's launch, engine/spec_decode/), or None.
         self.draft_runner: ModelRunner | None = parts.draft_runner
         self.executor = parts.executor  # engine/executor/tp_executor.py TensorParallelExecutor, or None
         self.compile_seconds: float = parts.compile_seconds
         self.capture_seconds: float = parts.capture_seconds
         self.async_scheduling: bool = parts.async_scheduling
-        self.cpu_threads: int = parts.cpu_threads
+        self.cpu_threads: ThreadPlan = parts.cpu_threads
         self.admission = Admission(self.model_config, self.model_dir.name, self.max_model_len, settings.max_num_seqs,
                                    settings.max_logprobs, parts.tokenizer, self.structured_output, self.eos_token_ids,
                                    kv=self.scheduler.kv, lora=self.lora)
@@ -179,6 +180,7 @@ class LLMEngine:
                           prompt_token_ids=admitted.prompt_token_ids, params=params,
                           arrival_time=admitted.arrival_time, priority=admitted.priority, task=admitted.task)
         if admitted.grammar is not None:
+            assert params.structured_outputs is not None  # (the grammar was compiled from it)
             request.grammars = self.structured_output.matchers(admitted.grammar, params.structured_outputs,
                                                                params.n, admitted.prompt_token_ids)
         if admitted.lora_request is not None:
@@ -251,10 +253,12 @@ class LLMEngine:
         if self.block_swapper is not None:
             measured = self.block_swapper.measurement()  # an earlier step's copies, if done
             if measured is not None:
+                assert self.swap_space is not None  # (a block swapper is made with the swap space)
                 self.swap_space.observe_swap(*measured)
         if sched.blocks_to_swap_out or sched.blocks_to_swap_in:
             # Queued on the swap stream; the compute stream waits for them before this step's
             # copy-on-write copies and forward (no host sync: the runner's input prep overlaps).
+            assert self.block_swapper is not None  # (the scheduler swaps only with a swap space)
             self.block_swapper.launch(sched.blocks_to_swap_out, sched.blocks_to_swap_in)
             self.block_swapper.wait()
         if defer_sampling:

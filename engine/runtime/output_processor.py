@@ -22,7 +22,8 @@ from typing import TYPE_CHECKING
 
 from engine.core.outputs import RequestUpdate, SeqUpdate
 from engine.core.request import CompletionOutput, FinishReason, RequestOutput
-from engine.runtime.detokenizer import Detokenizer, TextState, find_stop, visible_len
+from engine.runtime.detokenizer import Detokenizer, TextState, visible_len
+from engine.runtime.stop_strings import SampleStops, StopMatcher
 
 if TYPE_CHECKING:
     from engine.runtime.admission import AdmittedRequest
@@ -33,11 +34,12 @@ logger = logging.getLogger(__name__)
 class SampleState:
     """One sample's output so far, as handed out."""
 
-    __slots__ = ("index", "token_ids", "logprobs", "cumulative_logprob", "text", "finish_reason", "stop_reason",
-                 "num_preemptions", "emitted_tokens", "emitted_chars", "emitted_finish")
+    __slots__ = ("index", "token_ids", "logprobs", "cumulative_logprob", "text", "stops", "finish_reason",
+                 "stop_reason", "num_preemptions", "emitted_tokens", "emitted_chars", "emitted_finish")
 
-    def __init__(self, index: int, text: TextState | None) -> None:
+    def __init__(self, index: int, text: TextState | None, stops: StopMatcher | None) -> None:
         self.index = index
+        self.stops = SampleStops(stops) if stops is not None and text is not None else None
         self.token_ids: list[int] = []
         self.logprobs: list[dict[int, float]] = []
         self.cumulative_logprob = 0.0
@@ -59,6 +61,8 @@ class RequestState:
         self.prompt = admitted.prompt
         self.prompt_token_ids = admitted.prompt_token_ids
         self.params = admitted.params
+        # Built once for the request, shared by its samples (each keeps its own place in it).
+        self.stop_matcher = StopMatcher(self.params.stop) if self.params.stop else None
         self.arrival_time = admitted.arrival_time
         self.text_output = admitted.task.text_output  # False: an embedding
         self.samples: dict[int, SampleState] = {}
@@ -72,7 +76,7 @@ class RequestState:
         if sample is None:
             params = self.params
             text = TextState(self.prompt_token_ids, params.skip_special_tokens) if params.detokenize else None
-            sample = self.samples[index] = SampleState(index, text)
+            sample = self.samples[index] = SampleState(index, text, self.stop_matcher)
         return sample
 
     def all_ended(self) -> bool:
@@ -149,8 +153,8 @@ class OutputProcessor:
         params = state.params
         text = sample.text
         tokens, logprobs = seq.token_ids, seq.logprobs
-        stops = params.stop
-        if logprobs is None and (text is None or (len(tokens) == 1 and not stops and not seq.stop_token)):
+        stops = sample.stops
+        if logprobs is None and (text is None or (len(tokens) == 1 and stops is None and not seq.stop_token)):
             sample.token_ids += tokens  # (the common cases: no text, or one token's text and no stop strings)
             if text is not None:
                 text.ids += tokens
@@ -160,8 +164,9 @@ class OutputProcessor:
         last = len(tokens) - 1
         for j, token in enumerate(tokens):
             sample.token_ids.append(token)
-            if logprobs is not None and logprobs[j] is not None:
-                chosen, top = logprobs[j]
+            entry_j = logprobs[j] if logprobs is not None else None
+            if entry_j is not None:
+                chosen, top = entry_j
                 sample.cumulative_logprob += chosen
                 entry = dict(top)
                 entry[token] = chosen
@@ -174,12 +179,15 @@ class OutputProcessor:
                     step(text)
                 continue
             text.ids.append(token)
-            if not stops:
+            if stops is None:
                 step(text)
                 continue
             before = len(text.text)
-            if step(text) and len(sample.token_ids) >= params.min_tokens:
-                hit = find_stop(text.text, stops, max(0, before - max(len(s) for s in stops) + 1))
+            if step(text):
+                if len(sample.token_ids) < params.min_tokens:
+                    stops.skip()
+                    continue
+                hit = stops.find(text.text, before)
                 if hit is not None:
                     at, stop = hit
                     text.text = text.text[:at + len(stop)] if params.include_stop_str_in_output else text.text[:at]
@@ -244,8 +252,8 @@ class OutputProcessor:
         text = sample.text
         if text is None:
             return 0
-        stops = state.params.stop
-        return visible_len(text.text, stops, sample.finish_reason is not None) if stops else len(text.text)
+        matcher = state.stop_matcher
+        return visible_len(text.text, matcher.max_len, sample.finish_reason is not None) if matcher else len(text.text)
 
     @staticmethod
     def _choice(state: RequestState, sample: SampleState, tokens_from: int, chars_from: int,
@@ -270,11 +278,11 @@ class OutputProcessor:
         if sample.emitted_finish:
             return None
         text = sample.text
-        stops = state.params.stop
+        matcher = state.stop_matcher
         if text is None:
             chars = 0
-        elif stops:
-            chars = visible_len(text.text, stops, sample.finish_reason is not None)
+        elif matcher is not None:
+            chars = visible_len(text.text, matcher.max_len, sample.finish_reason is not None)
         else:
             chars = len(text.text)
         finished = sample.finish_reason is not None

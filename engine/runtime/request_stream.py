@@ -204,6 +204,7 @@ class DeltaBacklog:
     def take(self) -> RequestOutput:
         if self._only is not None:
             return self._only
+        assert self._latest is not None  # (taken only after a delta was added)
         return dataclasses.replace(self._latest, outputs=[self._choices[i].take() for i in sorted(self._choices)])
 
 
@@ -223,5 +224,6 @@ class _ChoiceBacklog:
 
     def take(self) -> CompletionOutput:
         c = self.last
+        assert c is not None  # (a backlog is made for a choice's first delta)
         return dataclasses.replace(c, text="".join(self.texts), token_ids=self.token_ids,
                                    logprobs=None if c.logprobs is None else self.logprobs)

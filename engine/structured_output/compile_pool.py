@@ -188,6 +188,7 @@ class _Zygote:
         if self.proc is not None and self.proc.poll() is None:
             return
         ours, theirs = socket.socketpair()
+        # (no prepare_process there: it runs one OpenMP thread, and inherits this process's settings)
         env = child_environment(ZYGOTE_THREAD_LIMITS)
         self.proc = subprocess.Popen([sys.executable, "-m", "engine.structured_output.compile_pool",
                                       str(theirs.fileno())], pass_fds=[theirs.fileno()], env=env,

@@ -15,7 +15,7 @@ than float32 weights would have been, and float32 holds bf16 and fp16 values exa
   CPU kernels (weight streaming, paged attention, fused ops, the decoder stack) take float32 and
   bf16 activations, and an fp16 model would run on torch's own ops instead. On a Sapphire Rapids
   (AVX512-FP16, AMX-BF16), SmolLM2's F16 GGUF: fp16 27 tok/s at batch 1 and 186 at batch 16, bf16
-  80 and 366 (float32 with 2-byte weights 68 and 323; BENCHMARKS.md, session 14);
+  80 and 366 (float32 with 2-byte weights 68 and 323; benchmarks/2026-12-03.md, session 14);
 - a quantised checkpoint (GGUF Q8_0, Q4_x, K-quants; GPTQ/AWQ) runs in float32, as llama.cpp
   does: its integer weights stream the same either way, and bf16 scales and activations were
   measured to change SmolLM2 Q4_1's greedy answers (tests/test_real_model.py) where float32 keeps

@@ -1,13 +1,13 @@
 """oneDNN's own blocked copy of the dense weights, for the GEMM rows of CPU steps, where it pays.
 
-Steps of more rows than the weight-streaming kernels take (compiler/cpu_gemv.py: MAX_DENSE_ROWS;
-prefill chunks, decode batches of 32 and more) multiply through oneDNN (compiler/cpu_linear.py).
+Steps of more rows than the weight-streaming kernels take (compiler/kernels/cpu_gemv.py: MAX_DENSE_ROWS;
+prefill chunks, decode batches of 32 and more) multiply through oneDNN (compiler/kernels/cpu_linear.py).
 Handed the plain [out, in] weight, oneDNN reorders it into its blocked layout on every call; given
 that layout once (`pack_for_gemm`), it does not. On a Sapphire Rapids (AMX-BF16), SmolLM2's
 bfloat16 projections of 16-128 rows ran 1.5-2.5x faster that way, with the same bits; float32 ones
 1.1-1.3x (float32 rounding differences from the plain path: another blocking), and SmolLM2 F32
 served at concurrency 16 gave 1.10x the output tok/s and 0.92-0.94x the median inter-token latency
-(two alternating pairs; BENCHMARKS.md, session 14). The copy costs the weights' bytes once more in
+(two alternating pairs; benchmarks/2026-12-03.md, session 14). The copy costs the weights' bytes once more in
 memory, so:
 
 - `auto`: float32 and bfloat16 models on CPUs with AMX (Sapphire Rapids and later, where it was
@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import torch
 
-from compiler.cpu_linear import pack_for_gemm
+from compiler.kernels.cpu_linear import pack_for_gemm
 
 CHOICES = ("auto", "on", "off")
 MEMORY_SHARE = 0.25  # of the memory available now, at most, for the copies

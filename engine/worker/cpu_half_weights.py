@@ -6,7 +6,7 @@ step streams twice the bytes the checkpoint holds. The weight-streaming kernels 
 activations by float16 / bfloat16 weights widened in registers (templates/cpu_gemv_isa.inc), which
 gives exactly the products of the float32 copy, so each projection whose every value is a 2-byte
 value (checked here, weight by weight) keeps that form: half the bytes per decode step, the same
-outputs. The GEMM of a prefill's rows widens the weight per call (compiler/cpu_linear.py).
+outputs. The GEMM of a prefill's rows widens the weight per call (compiler/kernels/cpu_linear.py).
 
 The decoder layers' projections (`quantizable_linears`) are replaced. The embedding table (and a
 tied LM head) stays float32, since the embedding lookup hands its rows to float32 activations as is

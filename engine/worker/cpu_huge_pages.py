@@ -14,7 +14,7 @@ The KV cache is left on its pages: collapsing it would copy all of it at every s
 the test model's default cache), and a decode step reads only its live blocks.
 
 Where the kernel says no (older kernels, THP off, no free huge pages), the pages stay as they were
-and start-up says so. Measured on SmolLM2 F32, two engines in one process: BENCHMARKS.md.
+and start-up says so. Measured on SmolLM2 F32, two engines in one process: benchmarks/.
 """
 
 from __future__ import annotations

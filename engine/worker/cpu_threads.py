@@ -2,24 +2,14 @@
 
 Three things decide batch-1 CPU speed on a machine shared with other work:
 
-- How idle threads wait. OpenMP's default lets a thread spin for a long while after each
-  parallel region; when another process holds the cores, the spinning threads steal the time
-  the working ones need (measured on this 2-core machine: 339 ms per token with spinning, 69 ms
-  passive), and fully passive waiting costs 20-45% on a quiet machine (every parallel region
-  wakes sleeping threads; in a VM a wake-up of an idle vCPU costs tens of microseconds). So kiln
-  sets libgomp's GOMP_SPINCOUNT before torch loads, by what it finds: if other processes keep
-  kiln's cores busy at start, 1000 rounds of `pause` (~11-50 µs, then sleep), which measured
-  faster than passive waiting with a busy neighbour (BENCHMARKS.md, session 4, and session 16:
-  0.77x with 10000 there); on cores that are otherwise idle, 10000 (~0.1-0.5 ms): a decode step
-  at batch 64 is ~300 parallel regions with Python between them, and with the short spin the
-  second thread slept through most gaps (SmolLM2 bf16 offline 1.32x, session 16). The runtime
-  reads this once, when torch loads it, so `set_openmp_spin()` runs from `engine/__init__`,
-  before anything imports torch. A wait policy or spin count the user set is kept.
+- How idle threads wait: libgomp's spin before sleeping, chosen by the load other processes put on
+  kiln's cores, must be set before torch loads (engine/config/process_setup.py: prepare_process);
+  the start-up log says what it chose (apply_cpu_threads).
 - How many threads. The compute threads share the cores with the engine loop, the server and
   the tokenizer; from four cores up kiln leaves one core to them (vLLM's CPU backend does the
   same). On one or two cores it uses them all: leaving one of two idle halves the compute, and
   on a busy shared machine a single compute thread was measured 3-6x slower than two
-  (BENCH_cpu.md; the engine loop is itself one of the compute threads, and with passive
+  (benchmarks/2026-11-29.md, CPU; the engine loop is itself one of the compute threads, and with passive
   waiting an idle thread costs nothing).
 - Where they run. `cpu_bind` pins the process's threads to a list of cores (for a machine
   reserved to kiln); the default leaves placement to the OS, which can move a thread away from
@@ -42,91 +32,15 @@ import ctypes
 import logging
 import os
 import re
-import sys
-import time
 from dataclasses import dataclass
 
+from engine.config.process_setup import available_cores, prepare_process
 from engine.config.values import parse_core_list
 
 logger = logging.getLogger(__name__)
 
-# GOMP_SPINCOUNT (libgomp is the OpenMP runtime of torch's Linux CPU builds): rounds of `pause`, which
-# takes ~11 ns on Intel Sapphire Rapids, ~20 ns on AMD Zen 3, ~50 ns on Intel Skylake-SP.
-QUIET_SPIN_COUNT = "10000"  # kiln's cores otherwise idle at start
-SHARED_SPIN_COUNT = "1000"  # other processes busy on them
-SHARED_FROM_CORES = 0.5  # other processes' load on kiln's cores, in cores, that makes them shared
-PROBE_SECONDS = 0.1  # how long the start-up look at the cores' load takes
 # From this many cores up, one is left to the engine loop, the server and the tokenizer.
 RESERVE_FROM_CORES = 4
-# The wait policy in force, in words, and whether it was set before the OpenMP runtime loaded.
-_WAIT_POLICY_STATE = {"policy": None, "in_time": False}
-
-
-def set_openmp_spin() -> None:
-    """Choose how long idle OpenMP threads spin before sleeping (spin_count_for, from the load other
-    processes put on this process's cores), unless the environment already sets a wait policy or
-    spin count. Effective only before torch is first imported (the runtime reads it at load)."""
-    if _WAIT_POLICY_STATE["policy"] is not None:
-        return
-    from engine.config.process_env import export_openmp_spin, openmp_wait_set_by_user
-
-    in_time = "torch" not in sys.modules  # (too late otherwise: the runtime has read its settings)
-    policy = ""
-    if in_time:
-        count, why = (None, "") if openmp_wait_set_by_user() else spin_count_for(cores_busy_elsewhere())
-        policy = export_openmp_spin(count)
-        if why and policy:
-            policy = f"{policy} ({why})"
-    _WAIT_POLICY_STATE["policy"] = policy
-    _WAIT_POLICY_STATE["in_time"] = in_time
-
-
-def spin_count_for(busy_elsewhere: float | None) -> tuple[str, str]:
-    """GOMP_SPINCOUNT for cores that other processes keep `busy_elsewhere` cores busy (None: not
-    known), and why, in words."""
-    if busy_elsewhere is None:
-        return QUIET_SPIN_COUNT, "the cores' load could not be read"
-    if busy_elsewhere >= SHARED_FROM_CORES:
-        return SHARED_SPIN_COUNT, f"other processes kept {busy_elsewhere:.1f} of kiln's cores busy at start"
-    return QUIET_SPIN_COUNT, "kiln's cores were otherwise idle at start"
-
-
-def cores_busy_elsewhere(seconds: float = PROBE_SECONDS) -> float | None:
-    """How many of this process's cores other processes keep busy, in cores: /proc/stat over
-    `seconds`, less this process's own CPU time. None where /proc/stat cannot be read."""
-    cores = available_cores()
-    t0, own0, before = time.monotonic(), _own_cpu_seconds(), _cpu_ticks(cores)
-    time.sleep(seconds)
-    t1, own1, after = time.monotonic(), _own_cpu_seconds(), _cpu_ticks(cores)
-    if before is None or after is None or after[1] <= before[1] or t1 <= t0:
-        return None
-    busy = len(cores) * (after[0] - before[0]) / (after[1] - before[1])
-    return max(0.0, busy - (own1 - own0) / (t1 - t0))
-
-
-def _cpu_ticks(cores: list[int]) -> tuple[int, int] | None:
-    """(busy, all) clock ticks of `cores` since boot, from /proc/stat."""
-    try:
-        with open("/proc/stat") as f:
-            lines = f.read().splitlines()
-    except OSError:
-        return None
-    wanted = {f"cpu{c}" for c in cores}
-    busy = total = 0
-    for line in lines:
-        fields = line.split()
-        if fields and fields[0] in wanted:
-            ticks = [int(x) for x in fields[1:9]]  # user nice system idle iowait irq softirq steal
-            total += sum(ticks)
-            busy += sum(ticks) - ticks[3] - ticks[4]
-    return (busy, total) if total else None
-
-
-def _own_cpu_seconds() -> float:
-    t = os.times()
-    return t.user + t.system
-
-
 # The OpenMP runtimes torch builds with (libgomp, LLVM's libomp, Intel's libiomp5), as loaded: the
 # wheels' copies carry a hash (libgomp-a34b3233.so.1).
 _OPENMP_LIBRARY = re.compile(r"/lib(gomp|omp|iomp5)([-.][^/]*)?\.so[^/]*$")
@@ -161,22 +75,6 @@ def _loaded_openmp_library() -> str | None:
     return None
 
 
-def wait_policy() -> str:
-    """The OpenMP wait policy in force, in words, for the start-up log."""
-    policy = _WAIT_POLICY_STATE["policy"]
-    if policy is None or not _WAIT_POLICY_STATE["in_time"]:
-        return (f"runtime default (torch was imported before kiln; set GOMP_SPINCOUNT={QUIET_SPIN_COUNT} "
-                f"before starting)")
-    return policy.lower() or "runtime default"
-
-
-def available_cores() -> list[int]:
-    """The cores this process may run on (its affinity mask, which containers and taskset narrow)."""
-    if hasattr(os, "sched_getaffinity"):
-        return sorted(os.sched_getaffinity(0))
-    return list(range(os.cpu_count() or 1))
-
-
 @dataclass(frozen=True)
 class ThreadPlan:
     threads: int
@@ -186,7 +84,7 @@ class ThreadPlan:
     def describe(self) -> str:
         where = f"pinned to cores {_compact(self.cores)}" if self.cores else "not pinned"
         return (f"{self.threads} compute thread{'s' if self.threads != 1 else ''} of {self.available} "
-                f"available core{'s' if self.available != 1 else ''}, {where}, OpenMP wait policy {wait_policy()}")
+                f"available core{'s' if self.available != 1 else ''}, {where}")
 
 
 def plan_threads(cpu_threads: int | None, cpu_bind: str, available: list[int]) -> ThreadPlan:
@@ -224,7 +122,7 @@ def apply_cpu_threads(cpu_threads: int | None, cpu_bind: str) -> ThreadPlan:
         _pin_process(plan.cores)
     if torch.get_num_threads() != plan.threads:
         torch.set_num_threads(plan.threads)
-    logger.info("CPU threads: %s", plan.describe())
+    logger.info("CPU threads: %s, OpenMP wait policy %s", plan.describe(), prepare_process().wait_policy())
     return plan
 
 

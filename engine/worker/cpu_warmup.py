@@ -1,9 +1,9 @@
 """What the engine compiles on the CPU, and the start-up step that makes serving compile nothing.
 
-Measured on the 2-core machine (BENCH_cpu.md, `kiln bench cpu --parts`): compiling the whole
+Measured on the 2-core machine (benchmarks/2026-11-29.md, CPU, `kiln bench cpu --parts`): compiling the whole
 forward with Inductor gives no faster decode than eager (the matmuls are MKL/oneDNN calls either
 way) and costs a minute of cold start and ~15 s warm, and a recompile whenever max_model_len or
-the thread count changes; the C++ paged attention (compiler/cpu_attention.py, BENCH_cpuattn.md) is
+the thread count changes; the C++ paged attention (compiler/kernels/cpu_attention.py, benchmarks/2026-11-29.md, CPU decode attention) is
 many times faster than the gather + SDPA reference. So by default only the attention is compiled,
 ahead of time (a shared library loaded in milliseconds on a warm start), and the forward runs
 eagerly; `cpu_compile_forward` brings back the compiled forward.
@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from compiler.cpu_attention import KERNEL
+from compiler.kernels.cpu_attention import KERNEL
 from engine.layers.attention.base import AttentionMetadata
 from engine.worker.step_features import StepFeatures
 

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Callable
 
 import torch
 
-from compiler.capture import CudaGraphSet, SimulatedGraphSet, bucket_for, graph_ctx
+from compiler.compilation.capture import CudaGraphSet, SimulatedGraphSet, bucket_for, graph_ctx
 
 if TYPE_CHECKING:
     from engine.worker.step_builder import StepInputs
@@ -35,13 +35,13 @@ class DecodeGraphRunner:
     buffers, so the number of graphs does not multiply output memory. The logits stay inside the
     graph (no [rows, vocab] copy per step); a step that samples otherwise than greedily computes
     them again from the hidden states. Keys are (rows, ctx) where ctx is the `max_seq_len` the
-    graph was captured with (compiler.capture.graph_ctx): max_model_len for a backend that reads
+    graph was captured with (compiler.compilation.capture.graph_ctx): max_model_len for a backend that reads
     lengths on the device, else a power-of-two bucket captured on first use.
     """
 
     def __init__(self, body: DecodeBody, pad: Callable[[int, int], None], sizes: list[int], *, max_model_len: int,
                  device_reads_lengths: bool, hidden_size: int, dtype: torch.dtype, device: torch.device,
-                 simulate: bool = False, max_query: int = 1) -> None:
+                 simulate: bool = False, max_query: int = 1, max_tokens: int | None = None) -> None:
         self.body = body
         self.pad = pad
         self.sizes = sizes
@@ -49,6 +49,9 @@ class DecodeGraphRunner:
         self.max_model_len = max_model_len
         self.device_reads_lengths = device_reads_lengths
         self.max_query = max_query  # verify steps: 1 + the most drafts a sequence gets
+        # the rows of the static buffers the body reads (its slices would clip past them): a step of
+        # more tokens (a verify bucket of rows * q) has no graph and runs eagerly
+        self.max_tokens = max_tokens if max_tokens is not None else self.max_batch * max_query
         self.tokens = torch.zeros(self.max_batch * max_query, dtype=torch.int64, device=device)
         self.hidden = torch.zeros(self.max_batch * max_query, hidden_size, dtype=dtype, device=device)
         self.graphs = (SimulatedGraphSet if simulate else CudaGraphSet)(self._graph_body, device)
@@ -58,7 +61,7 @@ class DecodeGraphRunner:
     def key_for(self, num_seqs: int, max_seq_len: int, q: int = 1) -> tuple[int, ...] | None:
         """(bucket, ctx) of a decode step; (bucket, ctx, q) of a verify step of q tokens per row."""
         bucket = bucket_for(num_seqs, self.sizes)
-        if bucket is None or q > self.max_query:
+        if bucket is None or q > self.max_query or bucket * q > self.max_tokens:
             return None
         ctx = graph_ctx(max_seq_len, self.max_model_len, self.device_reads_lengths)
         return (bucket, ctx) if q == 1 else (bucket, ctx, q)
@@ -75,13 +78,18 @@ class DecodeGraphRunner:
     @torch.inference_mode()
     def capture_startup(self) -> float:
         """Capture every bucket at the first context bucket, largest first (and, with drafts, the
-        verify step of the most drafts); returns seconds."""
+        verify step of the most drafts), but those whose rows * q exceed max_tokens; returns seconds."""
         ctx = graph_ctx(1, self.max_model_len, self.device_reads_lengths)
-        self.pad(self.max_batch, 1)
-        seconds = self.graphs.capture_all((b, ctx) for b in self.sizes)
-        if self.max_query > 1:
-            self.pad(self.max_batch, self.max_query)
-            seconds += self.graphs.capture_all((b, ctx, self.max_query) for b in self.sizes)
+        seconds = 0.0
+        for q in sorted({1, self.max_query}):
+            fit = [b for b in self.sizes if b * q <= self.max_tokens]
+            if len(fit) < len(self.sizes):
+                logger.info("no %s CUDA graph for batch %s: %d tokens a row exceed the %d rows of the static "
+                            "input buffers (those steps run eagerly)", "decode" if q == 1 else "verify",
+                            ",".join(str(b) for b in self.sizes if b not in fit), q, self.max_tokens)
+            if fit:
+                self.pad(fit[-1], q)
+                seconds += self.graphs.capture_all((b, ctx) if q == 1 else (b, ctx, q) for b in fit)
         logger.debug("captured %d decode CUDA graphs (batch %s, max_seq_len %d) in %.1fs",
                      len(self.graphs), ",".join(map(str, self.sizes)), ctx, seconds)
         return seconds

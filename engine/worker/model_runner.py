@@ -2,7 +2,7 @@
 
 The step's inputs are written into persistent buffers (engine/worker/input_buffers.py) by the step
 builder (engine/worker/step_builder.py), so captured CUDA graphs (engine/worker/decode_graphs.py,
-compiler/capture.py) replay over the same storage. The forward gets the attention metadata and
+compiler/compilation/capture.py) replay over the same storage. The forward gets the attention metadata and
 the forward context (engine/worker/step_features.py: other features' step inputs). After the forward,
 the sampler picks tokens on the device, and each task that reads hidden states (engine/core/request_kinds.py)
 takes what it needs; `PendingStep` gathers both for the host.
@@ -17,28 +17,41 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
-from compiler.capture import MIN_COMPILED_ROWS, compile_forward, mark_static_dims
+from compiler.compilation.capture import MIN_COMPILED_ROWS, compile_forward, mark_static_dims
 from engine.core.outputs import SamplerOutput
 from engine.core.request import SamplingParams
 from engine.core.sched.scheduler_output import SchedulerOutput
 from engine.layers.kv_cache import KVCache
+from engine.spec_decode.verify import verify_outcome
 from engine.worker.decode_graphs import DecodeGraphRunner
 from engine.worker.input_buffers import InputBuffers
 from engine.worker.sample.sampler import Sampler, SampleRow
 from engine.worker.sample.sampler_output import HostCopy, LastSampled, PendingSample
-from engine.worker.spec.verify import verify_outcome
 from engine.worker.step_builder import StepBuilder, StepInputs
 from engine.worker.step_features import StepFeatures
 from engine.worker.task_reads import read_task
 
+if TYPE_CHECKING:
+    from engine.worker.spec.proposal import Proposal
+
 logger = logging.getLogger(__name__)
 
 
+class DeviceProposer(Protocol):
+    """What a launch calls of its device proposer (engine/worker/spec/ DraftModelProposer, EagleProposer)."""
+
+    def propose(self, sched: SchedulerOutput, target: StepBuilder) -> Proposal | None: ...
+
+    def sampled(self, sched: SchedulerOutput, pending: PendingStep) -> None: ...
+
+
 class ModelRunner:
+    executor: Any = None  # the tensor-parallel executor (TensorParallelRunner's), set by the builder
+
     def __init__(self, model: torch.nn.Module, kv_cache: KVCache, sampler: Sampler, device: torch.device,
                  block_size: int, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int) -> None:
         self.model = model
@@ -53,11 +66,11 @@ class ModelRunner:
         max_tokens = max(max_num_batched_tokens, max_seqs) + MIN_COMPILED_ROWS + 2
         self.buffers = InputBuffers(max_tokens, max_seqs, self.max_blocks_per_seq, device)
         self.builder = StepBuilder(self.buffers, StepFeatures.for_model(model, max_tokens, device), block_size)
-        self.forward_fn = model.forward  # replaced by the compiled forward (compiler/capture.py)
+        self.forward_fn = model.forward  # replaced by the compiled forward (compiler/compilation/capture.py)
         self.graph_runner: DecodeGraphRunner | None = None  # set when decode CUDA graphs are captured
-        # A device proposer (engine/worker/spec/: a draft model, an EAGLE head): it drafts inside
+        # A device proposer (engine/spec_decode/: a draft model, an EAGLE head): it drafts inside
         # each launch, before the forward that verifies its drafts.
-        self.spec = None
+        self.spec: DeviceProposer | None = None
         # Every cache tensor indexed by the scheduler's block ids: a draft's shares them, so a
         # copy-on-write copies its block too.
         self.block_copy_caches = [kv_cache.tensor]
@@ -128,9 +141,21 @@ class ModelRunner:
             self._decode_graph_body, lambda rows, q: self.builder.fill_padding_step(rows, q=q), sizes,
             max_model_len=self.max_model_len,
             device_reads_lengths=device_reads_lengths, hidden_size=self.model.config.hidden_size,
-            dtype=self.kv_cache.model_dtype, device=self.device, simulate=simulate, max_query=max_query)
+            dtype=self.kv_cache.model_dtype, device=self.device, simulate=simulate, max_query=max_query,
+            max_tokens=self.graph_token_capacity())
         self.builder.graph_key = self.graph_runner.key_for
         return self.graph_runner.capture_startup()
+
+    def graph_token_capacity(self) -> int:
+        """The most tokens a captured step may read: the input buffers' rows, and those of the
+        model's static hidden-state buffers (EAGLE-3's aux_hidden on the target, an EAGLE head's
+        hidden_in). A verify bucket (rows * q tokens) can exceed them."""
+        rows = self.buffers.max_tokens
+        for name in ("aux_hidden", "hidden_in"):
+            buffer = getattr(self.model, name, None)
+            if isinstance(buffer, torch.Tensor):
+                rows = min(rows, buffer.shape[0])
+        return rows
 
     def _decode_graph_body(self, rows: int, max_seq_len: int, q: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
         """A decode step of `rows` sequences (a verify step: q tokens each) over the static
@@ -237,9 +262,9 @@ class PendingStep:
         self.sample: PendingSample | None = None  # set once sampled
         self.deferred: tuple[torch.Tensor, list[SampleRow]] | None = None  # (logits, rows) not sampled yet
         self.task_results: dict[int, Any] = {}
-        self.proposal = None  # the launch's device drafts (engine/worker/spec/proposal.py)
+        self.proposal = None  # the launch's device drafts (engine/spec_decode/proposal.py)
         self.hidden: torch.Tensor | None = None  # the step's final hidden states, until it is sampled
-        self.verify = None  # its verify records' outcome on the device (engine/worker/spec/verify.py)
+        self.verify = None  # its verify records' outcome on the device (engine/spec_decode/verify.py)
 
     def result(self) -> SamplerOutput:
         out = self.sample.result()

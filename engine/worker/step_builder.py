@@ -19,7 +19,7 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from compiler.capture import MIN_COMPILED_ROWS, mark_static_dims
+from compiler.compilation.capture import MIN_COMPILED_ROWS, mark_static_dims
 from engine.core.sched.scheduler_output import PLACEHOLDER, ScheduledSeq, SchedulerOutput
 from engine.layers.attention.base import AttentionMetadata
 from engine.layers.forward_context import ForwardContext
@@ -61,7 +61,7 @@ class StepBuilder:
         self._rows: dict[int, SampleRow] = {}
         self._views: dict[tuple[int, int, int], tuple[torch.Tensor, ...]] = {}  # eager metadata's buffer views
         # Whose last step's verify outcome moves this builder's positions: its own (the target's),
-        # or the target's for a draft model's or head's builder (engine/worker/spec/verify.py).
+        # or the target's for a draft model's or head's builder (engine/spec_decode/verify.py).
         self.shifts_from: StepBuilder = self
         self._arange = np.arange(buffers.max_seqs + 1, dtype=np.int32)
         self._range = list(range(buffers.max_seqs + 1))  # (sliced: a fresh list each time)

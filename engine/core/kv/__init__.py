@@ -1,5 +1,2 @@
-"""KV cache: the block pool (pure Python bookkeeping) and the KV tensors."""
-
-from engine.core.kv.block_pool import BlockPool, NoFreeBlocksError
-
-__all__ = ["BlockPool", "NoFreeBlocksError"]
+"""KV cache bookkeeping, plain Python over block ids: the block pool (free, used, cached blocks and
+prefix hashes), the allocator over it, the CPU swap space's accounting and KV sizing."""

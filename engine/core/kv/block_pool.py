@@ -4,7 +4,9 @@ Plain Python over ints; no tensors. Block 0 is the *null block*: never handed ou
 so padded rows of a batch can point their writes and reads at it harmlessly.
 
 Each usable block is in exactly one of three states:
-  free         ref 0, holds nothing reusable          (in `_free`)
+  free         ref 0, holds nothing reusable          (in `_free`, a min-heap: the lowest id is
+               taken first, so the KV pages in use stay at the bottom of the reservation and
+               the memory the cache touches follows the tokens held, not its whole size)
   in use       ref > 0                                 (owned by sequences)
   cached-idle  ref 0, holds a full hashed block        (in `_idle`, LRU order; evicted last)
 
@@ -16,8 +18,9 @@ digest collision can never hand back the wrong KV.
 from __future__ import annotations
 
 import hashlib
+import heapq
 from array import array
-from collections import OrderedDict, deque
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
 NULL_BLOCK = 0
@@ -61,7 +64,7 @@ class BlockPool:
             raise ValueError("a block pool needs at least 2 blocks (one is the null block)")
         self._ref = [0] * self.num_blocks
         self.ref_counts = self._ref  # read-only view by block id (hot loops index it directly)
-        self._free: deque[int] = deque(range(1, self.num_blocks))
+        self._free: list[int] = list(range(1, self.num_blocks))  # (sorted: already a heap)
         self._idle: OrderedDict[int, None] = OrderedDict()
         self._by_digest: dict[bytes, int] = {}
         self._meta: dict[int, _CachedBlock] = {}
@@ -94,7 +97,7 @@ class BlockPool:
     # ---- allocation ----
     def allocate(self) -> int:
         if self._free:
-            block = self._free.popleft()
+            block = heapq.heappop(self._free)
         elif self._idle:
             block, _ = self._idle.popitem(last=False)  # least recently used
             self._forget(block)
@@ -127,7 +130,7 @@ class BlockPool:
             if block_id in self._meta:
                 self._idle[block_id] = None  # most recently used end
             else:
-                self._free.append(block_id)
+                heapq.heappush(self._free, block_id)
 
     def free_all(self, block_ids: list[int]) -> None:
         # Free the tail first, so that a sequence's later blocks are evicted before its prefix.
@@ -195,7 +198,7 @@ class BlockPool:
         for block in list(self._idle):
             del self._idle[block]
             self._forget(block)
-            self._free.append(block)
+            heapq.heappush(self._free, block)
             dropped += 1
         return dropped
 

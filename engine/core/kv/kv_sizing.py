@@ -141,7 +141,7 @@ def _cgroup_dirs() -> list[tuple[str, str]]:
                     own_v1 = path
     except (OSError, ValueError):
         pass
-    dirs = []
+    dirs: list[tuple[str, str]] = []
     for version, root, own in (("v2", "/sys/fs/cgroup", own_v2), ("v1", "/sys/fs/cgroup/memory", own_v1)):
         for d in ([os.path.join(root, own.lstrip("/"))] if own.strip("/") else []) + [root]:
             if d not in (x for _, x in dirs):

@@ -1,7 +1,7 @@
 """SwapSpace: the CPU side of preemption by swap, as plain Python over ints.
 
 A swapped-out sequence's KV lives in a pool of CPU blocks (sized by `swap_space_gb`; the
-tensors and the copies are compiler/block_swapper.py's `BlockSwapper`). This module only decides
+tensors and the copies are engine/worker/block_swapper.py's `BlockSwapper`). This module only decides
 which block goes where and keeps the books; the scheduler turns its answers into
 `SchedulerOutput.blocks_to_swap_out / blocks_to_swap_in`.
 
@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import heapq
 from dataclasses import dataclass
+from typing import cast
 
 from engine.core.kv.block_pool import BlockPool
 from engine.core.request import Sequence
@@ -240,14 +241,14 @@ class SwapSpace:
                 table.append(None)
         fresh = iter(self.gpu_pool.allocate_many(table.count(None)))
         pairs: list[tuple[int, int]] = []
-        for i, block in enumerate(table):
-            if block is None:
+        for i, slot in enumerate(table):
+            if slot is None:
                 gpu = next(fresh)
                 pairs.append((entry.ids[i], gpu))
                 table[i] = gpu
                 self._deferred.append(entry.ids[i])
         del self._entries[seq.seq_id]
-        seq.block_ids = table
+        seq.block_ids = cast("list[int]", table)  # every None was filled from `fresh` above
         self.blocks_in += len(pairs)
         self.bytes_in += len(pairs) * self.bytes_per_block
         return pairs

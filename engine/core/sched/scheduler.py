@@ -13,7 +13,8 @@ them to make room (lower `priority` value = more urgent). A step that preempted 
 sequences strictly more urgent than everything it preempted (no thrash).
 The step's work is a SchedulerOutput (engine/core/sched/scheduler_output.py) that the runner turns into tensors.
 Here is the policy; KV block accounting is engine/core/kv/allocator.py's, draft limits and
-acceptance engine/core/sched/spec/'s, applying a step's results engine/core/sched/step_update.py's.
+acceptance engine/spec_decode/sched/'s (handed in: engine/core/sched/drafts.py), applying a step's
+results engine/core/sched/step_update.py's.
 """
 
 from __future__ import annotations
@@ -32,12 +33,11 @@ from engine.core.request import FinishReason, Request, SeqStatus, Sequence
 from engine.core.request_kinds import task_of
 from engine.core.sched.preemption import Preemptor
 from engine.core.sched.scheduler_output import PLACEHOLDER, ScheduledSeq, SchedulerOutput, sample_row_ranges
-from engine.core.sched.spec.decoder import SpecDecoder
 from engine.core.sched.step_update import StepResults
 
 if TYPE_CHECKING:
     from engine.core.kv.swap_space import SwapSpace
-    from engine.core.sched.spec.decoder import Proposer
+    from engine.core.sched.drafts import Drafts
 
 __all__ = ["PLACEHOLDER", "ScheduledSeq", "Scheduler", "SchedulerConfig", "SchedulerOutput", "sample_row_ranges"]
 
@@ -58,15 +58,14 @@ class SchedulerConfig:
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, pool: BlockPool,
-                 swapper: "SwapSpace | None" = None, proposer: "Proposer | None" = None) -> None:
+                 swapper: "SwapSpace | None" = None, spec: "Drafts | None" = None) -> None:
         self.config = config
         self.pool = pool
         self.swapper = swapper
         self.kv = KVAllocator(pool, reserved_blocks_fraction=config.reserved_blocks_fraction,
                               reserved_priority=config.reserved_priority,
                               watermark_fraction=config.watermark_fraction)
-        self.proposer = proposer  # speculative decoding: drafts for decoding sequences
-        self.spec = SpecDecoder(proposer, config.max_model_len) if proposer is not None else None
+        self.spec = spec  # speculative decoding: drafts for decoding sequences, and their acceptance
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []  # kept in _priority_key order (most urgent first)
         self.swapped: list[Sequence] = []

@@ -34,7 +34,7 @@ class ScheduledSeq:
     task: Task = GENERATE  # what the step is for (engine/core/request_kinds.py)
     seq: Sequence | None = None  # the sequence itself (its state moves on after the step is launched)
     # Scheduled while the sequence's verify step was in flight: its positions are the worst case
-    # (every draft kept), which the device moves back by what was not (engine/worker/spec/verify.py).
+    # (every draft kept), which the device moves back by what was not (engine/spec_decode/verify.py).
     after_verify: bool = False
     # One sampled token at most and no fork, drafts or task results: the scheduler counts the
     # tokens computed, and a placeholder for the sampled one, as soon as the step is launched.
@@ -42,7 +42,7 @@ class ScheduledSeq:
     advances_at_launch: bool = field(init=False)
     # A verify step's record (drafts after the last token): at launch the sequence advances as if
     # every draft will be kept (placeholders for all of them and the token after), and its results
-    # correct that (engine/core/sched/spec/decoder.py accept_launched).
+    # correct that (engine/spec_decode/sched/decoder.py accept_launched).
     verifies: bool = field(init=False)
 
     def __post_init__(self) -> None:

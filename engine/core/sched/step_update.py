@@ -31,8 +31,8 @@ from engine.core.sched.scheduler_output import PLACEHOLDER, sample_row_ranges
 
 if TYPE_CHECKING:
     from engine.core.kv.allocator import KVAllocator
+    from engine.core.sched.drafts import Drafts
     from engine.core.sched.scheduler_output import ScheduledSeq, SchedulerOutput
-    from engine.core.sched.spec.decoder import SpecDecoder
 
 logger = logging.getLogger(__name__)
 
@@ -47,7 +47,7 @@ def token_stop(params: SamplingParams, token: int, num_output: int, num_tokens: 
     if num_output >= params.min_tokens:
         if token in eos_token_ids and not params.ignore_eos:
             return _STOP, None, True
-        if token in params.stop_token_ids:
+        if token in (params.stop_token_ids or ()):
             return _STOP, token, True
     max_tokens = params.max_tokens
     if (max_tokens is not None and num_output >= max_tokens) or num_tokens >= max_model_len:
@@ -56,7 +56,7 @@ def token_stop(params: SamplingParams, token: int, num_output: int, num_tokens: 
 
 
 class StepResults:
-    def __init__(self, kv: KVAllocator, spec: SpecDecoder | None,
+    def __init__(self, kv: KVAllocator, spec: Drafts | None,
                  new_child: Callable[[Sequence, int], Sequence],
                  finish_seq: Callable[[Sequence, FinishReason, int | str | None], None],
                  pop_request: Callable[[str], Request | None],
@@ -75,8 +75,10 @@ class StepResults:
         out.launched = True
         finished = SeqStatus.FINISHED
         for sched in out.seqs:
+            assert sched.seq is not None  # (the scheduler's records carry their sequence)
             if not sched.advances_at_launch:
                 if sched.verifies and sched.seq.status is not finished:
+                    assert self.spec is not None  # (only speculative decoding schedules verify steps)
                     self.spec.launched(sched.seq, len(sched.draft_token_ids))
                 continue
             seq = sched.seq
@@ -228,7 +230,7 @@ class StepResults:
         for seq_id, result in results.items():
             s = by_id.get(seq_id)
             seq = s.seq if s is not None else None
-            if seq is None or seq.is_finished:
+            if s is None or seq is None or seq.is_finished:
                 continue
             if s.task.record(seq, result):
                 self.finish_seq(seq, _STOP, None)
@@ -293,7 +295,8 @@ class StepResults:
                 continue
             new = ids[start:end]
             seqs.append(SeqUpdate(seq.sample_index, new,
-                                  _logprobs_of(seq, request, entries, len(new)) if want_logprobs else None,
+                                  _logprobs_of(seq, request, entries, len(new))
+                                  if want_logprobs and entries is not None else None,
                                   seq.finish_reason, seq.stop_reason, seq.ended_by_stop_token, seq.num_preemptions))
             seq.num_emitted = end - seq.num_prompt_tokens
             seq.finish_emitted = ended

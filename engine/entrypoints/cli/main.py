@@ -11,6 +11,7 @@ import logging
 import sys
 from importlib import import_module
 
+from engine.config.process_setup import prepare_process
 from engine.config.settings import SETTING_NAMES, ServerSettings
 from engine.config.sources import SettingsError, unknown_env_vars
 from engine.entrypoints.cli.flags import (
@@ -29,8 +30,8 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "latency": ("engine.bench.latency", "per-step latency of one batch"),
     "serve": ("engine.bench.serve", "load an OpenAI-compatible server (vLLM's bench serve)"),
     "swap": ("engine.bench.swap", "KV swap to and from CPU memory"),
-    "kernels": ("compiler.kernels.bench", "attention kernels vs the torch reference"),
-    "moe": ("compiler.moe_bench", "mixture-of-experts layer"),
+    "kernels": ("engine.bench.kernels", "attention kernels vs the torch reference"),
+    "moe": ("engine.bench.moe", "mixture-of-experts layer"),
     "spec": ("engine.bench.spec", "speculative decoding (ngram)"),
     "lora": ("engine.bench.lora", "batches mixing LoRA adapters"),
     "overhead": ("engine.bench.overhead", "host time per step with a stub model, serial vs overlapped loop"),
@@ -43,10 +44,14 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     from engine.entrypoints.llm import LLM
 
     settings = settings_from_args(args)
-    llm = LLM(**settings.model_dump(exclude_unset=True))
+    given = settings.model_dump(exclude_unset=True)
+    prompts = args.prompt or ["The quick brown fox"]
+    if not given.keys() & {"max_num_seqs", "num_gpu_blocks", "kv_cache_memory_gb"}:
+        # The KV cache is sized for what runs at once: these prompts' samples, not a server's batch.
+        given["max_num_seqs"] = max(1, len(prompts) * args.n)
+    llm = LLM(**given)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                             seed=args.sampling_seed, n=args.n)
-    prompts = args.prompt or ["The quick brown fox"]
     for out in llm.generate(prompts, params, use_tqdm=False):
         for choice in out.outputs:
             if args.json:
@@ -212,6 +217,7 @@ def _positional_model(args: argparse.Namespace) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    prepare_process()  # (before any command imports torch: its runtimes read these once, at load)
     argv = list(sys.argv[1:] if argv is None else argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     parser = build_parser()

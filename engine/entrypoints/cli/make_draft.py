@@ -182,7 +182,7 @@ def main(argv: list[str]) -> int:
     if (out / "config.json").is_file() and not args.force:
         print(out)
         return 0
-    from engine.models import draft_training
+    from engine.training import draft_training
 
     if args.method == "draft_model":
         t0 = time.perf_counter()

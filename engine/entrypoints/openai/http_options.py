@@ -20,6 +20,12 @@ def uvicorn_options(settings: ServerSettings) -> dict[str, Any]:
                                    http=http_protocol(settings), timeout_keep_alive=settings.http_idle_timeout_s)
     if settings.root_path:
         options["root_path"] = settings.root_path
+    # Proxy headers only from the proxies the operator names: uvicorn trusts 127.0.0.1 by default,
+    # and a local client could then pose as any address (per-client fairness keys on it).
+    if settings.forwarded_allow_ips:
+        options.update(proxy_headers=True, forwarded_allow_ips=list(settings.forwarded_allow_ips))
+    else:
+        options["proxy_headers"] = False
     if settings.ssl_keyfile is not None:
         options.update(ssl_keyfile=str(settings.ssl_keyfile), ssl_certfile=str(settings.ssl_certfile))
     return options

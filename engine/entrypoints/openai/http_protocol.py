@@ -5,13 +5,15 @@ subclass, so the checks below hold whatever is installed:
 
 - Framing (RFC 9112): a request head with both Content-Length and Transfer-Encoding, more than
   one Content-Length (or a list of them), more than one Transfer-Encoding or Host, Transfer-
-  Encoding in an HTTP/1.0 request, an obsolete line fold, or a line not ended by CRLF is a 400
-  and the connection is closed before the request reaches the app (so nothing smuggled behind
-  it is read). h11 rejects the rest (bad chunk sizes, bad header lines) and the connection is
+  Encoding in an HTTP/1.0 request, an obsolete line fold, a line (the head's closing empty line
+  too) not ended by CRLF, or a request that is not HTTP/1.x (an HTTP/2 preface: this port
+  speaks HTTP/1.1 only) is a 400 and the connection is closed before the request reaches the
+  app (so nothing smuggled behind it is read). h11 rejects the rest (bad chunk sizes, bad header lines) and the connection is
   closed the same way.
 - Timeouts: a connection with no request in progress closes after `http_idle_timeout_s`; a
   request head not complete within `http_header_timeout_s` gets a 408; a body that stalls for
-  `http_body_timeout_s` gets a 408; a response the client does not read for
+  `http_body_timeout_s`, or is not complete within `http_body_deadline_s` of its head (a body
+  trickled a byte at a time never stalls), gets a 408; a response the client does not read for
   `stream_stall_timeout_s` (the write buffer stays full) is cut off. Each 4xx here closes the
   connection.
 """
@@ -42,6 +44,7 @@ class HTTPLimits:
     idle_s: float
     header_s: float
     body_s: float
+    body_deadline_s: float
     write_stall_s: float | None
     drain_bytes: int  # after an answer given before the body was read: at most this much more is read
     send_buffer: int | None  # SO_SNDBUF (bytes)
@@ -49,7 +52,7 @@ class HTTPLimits:
     @classmethod
     def of(cls, settings: ServerSettings) -> "HTTPLimits":
         return cls(settings.http_idle_timeout_s, settings.http_header_timeout_s, settings.http_body_timeout_s,
-                   settings.stream_stall_timeout_s or None, int(settings.max_request_body_mb * (1 << 20)),
+                   settings.http_body_deadline_s, settings.stream_stall_timeout_s or None, int(settings.max_request_body_mb * (1 << 20)),
                    (settings.http_send_buffer_kb << 10) or None)
 
 
@@ -64,6 +67,12 @@ def framing_problem(buffered: bytes) -> str | None:
         lines.pop(0)
     if not lines:
         return None  # (h11 refuses a head without a request line)
+    if lines[0].startswith(b"PRI * HTTP/2"):
+        return "an HTTP/2 connection preface (this port speaks HTTP/1.1 only)"
+    if not lines[0].rstrip(b"\r").endswith((b" HTTP/1.1", b" HTTP/1.0")):
+        return "not an HTTP/1.0 or HTTP/1.1 request line"
+    if end.group() != b"\n\r\n":
+        return "the head's closing empty line ends without CRLF"
     counts = {b"content-length": 0, b"transfer-encoding": 0, b"host": 0}
     for i, line in enumerate(lines):
         if not line.endswith(b"\r"):
@@ -129,6 +138,7 @@ class KilnHTTPProtocol(H11Protocol):
         self.protocol_error: str | None = None  # h11 refused the request
         self._head_timer: asyncio.TimerHandle | None = None
         self._body_timer: asyncio.TimerHandle | None = None
+        self._body_deadline: asyncio.TimerHandle | None = None
         self._write_timer: asyncio.TimerHandle | None = None
         self._drained = 0  # body bytes read and dropped after the answer
 
@@ -145,7 +155,7 @@ class KilnHTTPProtocol(H11Protocol):
         self.timeout_keep_alive_task = self.loop.call_later(self.limits.idle_s, self.timeout_keep_alive_handler)
 
     def connection_lost(self, exc) -> None:
-        for name in ("_head_timer", "_body_timer", "_write_timer"):
+        for name in ("_head_timer", "_body_timer", "_body_deadline", "_write_timer"):
             self._cancel(name)
         super().connection_lost(exc)
 
@@ -164,6 +174,7 @@ class KilnHTTPProtocol(H11Protocol):
             self._drained = 0
             if self.conn.their_state is h11.SEND_BODY:
                 self._arm("_body_timer", self.limits.body_s, self._body_timed_out)
+                self._arm("_body_deadline", self.limits.body_deadline_s, self._body_too_slow)
         elif isinstance(event, h11.Data):
             self._arm("_body_timer", self.limits.body_s, self._body_timed_out)
             if self.conn.our_state is not h11.SEND_RESPONSE and self.conn.our_state is not h11.SEND_BODY:
@@ -173,6 +184,7 @@ class KilnHTTPProtocol(H11Protocol):
                     self.transport.close()
         elif isinstance(event, (h11.EndOfMessage, h11.ConnectionClosed)):
             self._cancel("_body_timer")
+            self._cancel("_body_deadline")
 
     # ---- timeouts ----
     def _head_timed_out(self) -> None:
@@ -196,6 +208,16 @@ class KilnHTTPProtocol(H11Protocol):
             self._arm("_body_timer", self.limits.body_s, self._body_timed_out)
             return
         self._reject(408, f"the request body stalled for http_body_timeout_s={self.limits.body_s:g}s")
+
+    def _body_too_slow(self) -> None:
+        self._body_deadline = None
+        if self.transport.is_closing() or self.conn.their_state is not h11.SEND_BODY:
+            return
+        if self.cycle is None or self.cycle.response_complete:
+            self.transport.close()
+            return
+        self._reject(408, f"the request body did not arrive within http_body_deadline_s="
+                          f"{self.limits.body_deadline_s:g}s")
 
     def pause_writing(self) -> None:
         super().pause_writing()

@@ -10,7 +10,7 @@ from engine.entrypoints.openai.metrics import CONTENT_TYPE
 from engine.entrypoints.openai.protocol import ErrorResponse, LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest
 from engine.entrypoints.openai.request_body import BoundedJSONRoute
 from engine.entrypoints.openai.state import kiln_version
-from engine.lora.validate import check_adapter_dir
+from engine.lora.validate import check_adapter_dir, check_adapter_name, confined_adapter_dir
 
 
 def list_models(state) -> dict:
@@ -41,11 +41,19 @@ def router(state) -> APIRouter:
         return list_models(state)
 
     if state.settings.allow_runtime_lora_updating:
+        roots = [root.expanduser().resolve() for root in state.settings.lora_adapter_roots or []]
+
+        def adapter_dir(path: str) -> str:
+            found = str(confined_adapter_dir(path, roots))
+            check_adapter_dir(found)
+            return found
+
         # Applied between two engine steps (AsyncEngine.load_lora): never under a running step.
         @r.post("/v1/load_lora_adapter", responses=ERROR_RESPONSES)
         async def load_lora_adapter(body: LoadLoRAAdapterRequest):
-            await state.off_loop(check_adapter_dir, body.lora_path)
-            await state.engine.load_lora(body.lora_name, body.lora_path)
+            check_adapter_name(body.lora_name, [state.model_name, *state.settings.model_names])
+            path = await state.off_loop(adapter_dir, body.lora_path)
+            await state.engine.load_lora(body.lora_name, path)
             return Response(f"Success: LoRA adapter '{body.lora_name}' added successfully.", media_type="text/plain")
 
         @r.post("/v1/unload_lora_adapter", responses=ERROR_RESPONSES)

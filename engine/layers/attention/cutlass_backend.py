@@ -71,7 +71,7 @@ class CutlassAttentionBackend:
             raise ValueError("attention_backend=cutlass: the model has sliding-window or soft-capped attention, "
                              "which kiln's kernels do not do; use attention_backend=torch (auto picks it) or "
                              "enforce_eager")
-        from compiler.cutlass_ops import AttentionKernels
+        from compiler.kernels.cutlass_ops import AttentionKernels
 
         self.spec = spec
         # Raises MissingKernelError (naming `kiln build-kernels --variants ...`) if not built.

@@ -1,14 +1,14 @@
 """Which attention backend serves a model: `get_attention_backend` resolves the `attention_backend`
 setting (auto, torch or cutlass) for a BackendSpec (engine/layers/attention/base.py).
 
-Importing this module registers every `kiln::` op (compiler/ops.py), whatever the backend.
+Importing this module registers every `kiln::` op (compiler/kernels/ops.py), whatever the backend.
 """
 
 from __future__ import annotations
 
 import logging
 
-import compiler.ops  # noqa: F401  (registers every torch.ops.kiln.* op)
+import compiler.kernels.ops  # noqa: F401  (registers every torch.ops.kiln.* op)
 from engine.layers.attention.base import AttentionBackend, BackendSpec
 
 logger = logging.getLogger(__name__)

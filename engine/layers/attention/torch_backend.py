@@ -4,15 +4,15 @@ from __future__ import annotations
 
 import torch
 
-import compiler.ops  # noqa: F401  (registers torch.ops.kiln.*)
-from compiler.cpu_attention import paged_attention_cpu_impl, write_kv_cpu_impl
+import compiler.kernels.ops  # noqa: F401  (registers torch.ops.kiln.*)
+from compiler.kernels.cpu_attention import paged_attention_cpu_impl, write_kv_cpu_impl
 from engine.layers.attention.base import AttentionMetadata
 from engine.layers.kv_cache import KVScales
 
 
 class TorchAttentionBackend:
     """compiled_cpu_decode (CPU with compilation on): attention (decodes and prefill chunks,
-    windowed and soft-capped too) goes through the C++ kernel of compiler/cpu_attention.py
+    windowed and soft-capped too) goes through the C++ kernel of compiler/kernels/cpu_attention.py
     instead of the gather + SDPA reference; enforce_eager keeps the reference.
     kv_scales: an fp8 cache's scales (use_kv_scales); None reads an fp8 cache with scale 1."""
 

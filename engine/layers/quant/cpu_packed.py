@@ -1,4 +1,4 @@
-"""Quantised linear layers on the CPU through kiln's weight-streaming kernels (compiler/cpu_gemv.py).
+"""Quantised linear layers on the CPU through kiln's weight-streaming kernels (compiler/kernels/cpu_gemv.py).
 
 A layer's weight lives in the kernels' packed layout (templates/cpu_gemv.cpp: 16 rows interleaved,
 the file's block scales kept) as one or more runs of output rows, each its own buffer
@@ -15,7 +15,7 @@ a bfloat16 or float16 model, whose activations are rounded to 8 bits of mantissa
 activations are quantised to int8 per block of 32 for integer dot products, as llama.cpp does
 (1.3-2.4x faster: tools/bench_cpu_gemv.py).
 From GEMM_ROWS rows on (prefill chunks) a layer is instead dequantised into a temporary dense
-weight in the activations' dtype and multiplied by the GEMM of compiler/cpu_linear.py (oneDNN):
+weight in the activations' dtype and multiplied by the GEMM of compiler/kernels/cpu_linear.py (oneDNN):
 there its arithmetic beats the kernels' per-block work (tools/bench_cpu_gemv.py --rows).
 Tolerances against dequantise-then-matmul: docs/models.md.
 """
@@ -27,7 +27,8 @@ import functools
 import torch
 from torch import nn
 
-from compiler import cpu_gemv, cpu_linear
+from compiler.kernels import cpu_gemv
+from compiler.kernels import cpu_linear
 from engine.layers.quant import int4_packed, int_formats
 
 BUFFER = "gemv_packed"
@@ -111,7 +112,7 @@ def activations_choice(dtype: torch.dtype | None, activations: str = "auto", isa
     AVX2-only CPUs and on Intel's AVX-512 cores the float path's conversions make it compute-bound,
     so int8 there (tools/bench_cpu_gemv.py q4_1-f32 against q4_1-bf16, one row: Zen 3 4.0 against
     9.4 GB/s; Sapphire Rapids 8.4 against 17.7, and SmolLM2 Q4_1 decodes 1.6x faster at batch 1,
-    1.3x at 16: BENCHMARKS.md, session 14)."""
+    1.3x at 16: benchmarks/2026-12-03.md, session 14)."""
     if activations not in ACTIVATIONS:
         raise ValueError(f"cpu_quant_activations: {activations!r} is not one of {ACTIVATIONS}")
     if dtype not in (None, torch.float32):

@@ -19,7 +19,7 @@ What the kernels take, and so what stays on the dequantise-on-the-fly reference 
     dequantising on the fly: kiln's float32 CPU default keeps the reference path), unless
     int4_kernel is "packed": then a float32/float16 model's int4 layers are packed with bf16
     scales and zeros and each call rounds its activations to bf16 around the kernel and the
-    output back (`kernel_dtype`; BENCH_quantmoe.md: on a quiet CPU 150-190x faster than the
+    output back (`kernel_dtype`; benchmarks/2026-11-30.md, quantmoe: on a quiet CPU 150-190x faster than the
     reference at batch 1 and 3-8x faster than the dense float32 matmul; the numerics of a bf16
     model's int4 layers);
   - output widths not a multiple of 16 (CPU) or 8 (CUDA); on CUDA input widths not a multiple of

@@ -16,14 +16,14 @@ quantised as the dense layers are.
 
 The forward (`routed_experts`) dequantises on the fly and never loops in Python over experts:
   - fewer (token, expert) pairs than experts (decode): only the chosen experts' weights are
-    dequantised, one copy per pair, and compiler/moe.py's `moe_experts_pairs` runs them as
+    dequantised, one copy per pair, and compiler/kernels/moe.py's `moe_experts_pairs` runs them as
     batched matrix-vector products;
   - otherwise (prefill, large batches): every expert is dequantised once into the activations'
     dtype (a transient of one layer's experts) and kiln::moe_experts runs as for a dense model.
   - int4 experts on the CPU whose model dtype torch's packed int4 kernel takes (bf16, or any with
     int4_kernel="packed"; the rules of engine/layers/quant/int4_packed.py) are repacked after loading
     into that kernel's layout, one packed weight per expert, and kiln::moe_experts_int4 runs each
-    chosen expert's tokens through the kernel (compiler/moe.py): no dequantisation at all.
+    chosen expert's tokens through the kernel (compiler/kernels/moe.py): no dequantisation at all.
 Experts of an FP8 W8A8 checkpoint run weight-only (activations not quantised, as vLLM's Marlin
 fallback runs them on GPUs without fp8): their input_scale tensors are read and not used.
 """
@@ -35,8 +35,8 @@ import re
 import torch
 from torch import nn
 
-import compiler.ops  # noqa: F401 - registers kiln::moe_experts
-from compiler.moe import moe_experts_pairs
+import compiler.kernels.ops  # noqa: F401 - registers kiln::moe_experts
+from compiler.kernels.moe import moe_experts_pairs
 from engine.layers.quant import int4_packed, int_formats
 from engine.layers.quant.config import QuantConfig
 from engine.layers.quant.linear import FP8, Fp8Method, IntWeightMethod, make_method, quantize_fp8_rows

@@ -1,5 +1,5 @@
 """int4 linear layers on kiln's own W4A16 GEMM (templates/w4a16_gemm.cu.j2, launched by
-compiler/w4a16_gemm.py: W4A16Gemm, called through the kiln::w4a16_gemm op).
+compiler/kernels/w4a16_gemm.py: W4A16Gemm, called through the kiln::w4a16_gemm op).
 
 Which int4 kernel runs (setting `int4_kernel`), decided once per engine by `choose_int4_kernel`:
   auto       CUDA sm_90 with the w4a16_gemm cubin built -> kiln; otherwise tinygemm (on the CPU
@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 from compiler.kernels.loader import missing_variants
-from compiler.w4a16_gemm import W4A16_VARIANT, W4A16Gemm, pack_w4a16, unpack_w4a16, w4a16_unsupported
+from compiler.kernels.w4a16_gemm import W4A16_VARIANT, W4A16Gemm, pack_w4a16, unpack_w4a16, w4a16_unsupported
 from engine.layers.quant import int4_packed, int_formats
 from engine.layers.quant.linear import IntWeightMethod
 

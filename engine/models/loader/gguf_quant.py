@@ -1,6 +1,6 @@
 """GGUF linear weights kept quantised in memory instead of dequantised at load.
 
-On the CPU (int4_kernel "auto", the kernels built: compiler/cpu_gemv.py), every block format of
+On the CPU (int4_kernel "auto", the kernels built: compiler/kernels/cpu_gemv.py), every block format of
 the file's attention and MLP projections stays quantised, float32 and bfloat16 models alike:
 Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K, repacked into the weight-streaming kernels'
 layout (engine/layers/quant/cpu_packed.py; a fused projection whose parts differ, as in Q4_K_M
@@ -30,7 +30,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from compiler import cpu_gemv
+from compiler.kernels import cpu_gemv
 from engine.layers.quant import cpu_packed, int4_packed, int_formats
 from engine.layers.quant.config import QuantConfig
 from engine.layers.quant.gguf_blocks import BLOCK_TYPES, QK

@@ -290,7 +290,7 @@ def heap_returned_while_loading():
     large tensor freed and the later temporaries (checkpoint tensors, unpacking, repacking) come
     from its heap, where freed blocks stay resident and fragment: the peak of an int4 load varied
     between 1.27x and 1.60x the quantised model from run to run, against 1.18x with this
-    (BENCH_quantload.md). Afterwards the threshold is left where glibc's own dynamic rule ends up
+    (benchmarks/2026-11-30.md, quantload). Afterwards the threshold is left where glibc's own dynamic rule ends up
     once tensors of 32 MB or more were freed (its maximum), and the trim threshold at twice it,
     as glibc sets them (fixing the threshold turns the dynamic rule off for the process)."""
     libc = _glibc()

@@ -1,5 +1,5 @@
 """The distribution a row samples from, and the noise it samples with: shared by the sampler
-(engine/worker/sample/sampler.py) and draft sampling (engine/worker/sample/rejection.py), so a
+(engine/worker/sample/sampler.py) and draft sampling (engine/spec_decode/rejection.py), so a
 draft's q and the target's p are processed by the same rules and, for seeded requests, raced
 with the same noise.
 
@@ -23,7 +23,7 @@ def row_seed(seed: int, sample_index: int, position: int) -> int:
 def processed_probs(logits: torch.Tensor, rows: Sequence[Any], greedy: list[bool]) -> torch.Tensor:
     """The distribution each row samples from: softmax(logits / temperature) with top-k, top-p and
     min-p applied (greedy rows at temperature 1; masked tokens 0; rows not renormalised). The
-    sampler and a draft model's sampling (engine/worker/sample/rejection.py) share it, so a draft's
+    sampler and a draft model's sampling (engine/spec_decode/rejection.py) share it, so a draft's
     q and the target's p are processed alike."""
     vocab = logits.shape[1]
     device = logits.device

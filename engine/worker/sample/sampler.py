@@ -21,10 +21,10 @@ import torch
 from engine.core.outputs import SamplerOutput
 from engine.core.request import SamplingParams
 from engine.core.sched.scheduler_output import PLACEHOLDER
+from engine.spec_decode.rejection import DraftProbs, rejection_tokens
 from engine.structured_output.grammars import GrammarMatcher, bitmask_words, unpack_bitmask
 from engine.worker.sample.distributions import processed_probs, race_noise
 from engine.worker.sample.logprobs import pack_chosen_and_top
-from engine.worker.sample.rejection import DraftProbs, rejection_tokens
 from engine.worker.sample.sampler_output import HostCopy, LastSampled, PendingSample
 
 
@@ -111,7 +111,7 @@ class Sampler:
         """Sample on the device; the tokens stay there (PendingSample.tokens) and are copied to
         the host without blocking: result() waits for that copy only. `last`: the previous
         launched step's tokens, for rows whose history ends in its PLACEHOLDER. `drafts`: rows
-        that verify a draft model's sampled drafts with its q (engine/worker/sample/rejection.py)."""
+        that verify a draft model's sampled drafts with its q (engine/spec_decode/rejection.py)."""
         if not rows:
             return PendingSample.empty(self.device)
         if all([r.plain for r in rows]):
@@ -302,7 +302,7 @@ class Sampler:
             sampled = torch.where(g, logits.argmax(dim=-1), sampled)
         if drafts is not None and drafts.num_rows:
             # A model's sampled drafts: each row's token is its draft or the residual's sample
-            # (engine/worker/sample/rejection.py); the rest of the row's sample is not used.
+            # (engine/spec_decode/rejection.py); the rest of the row's sample is not used.
             sampled = sampled.index_put((drafts.rows,), rejection_tokens(probs[drafts.rows], drafts, self.generator))
         return sampled
 

@@ -28,7 +28,7 @@ class LastSampled:
         self._seqs = seqs or []  # (read only while the step is in flight: its records are not reused yet)
         self._decode = decode  # seqs[i] sampled row i (one token per sequence, each sampled once)
         self._rows: dict[int, int] | None = None
-        # A verify step's outcome on the device (engine/worker/spec/verify.py VerifyOutcome): which
+        # A verify step's outcome on the device (engine/spec_decode/verify.py VerifyOutcome): which
         # row continues each verifying sequence, and how far its next positions move back.
         self.verify = verify
 

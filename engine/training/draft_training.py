@@ -1,0 +1,400 @@
+"""Training drafts for speculative decoding on the CPU: a small draft model distilled from the
+target's own outputs, and EAGLE / EAGLE-3 heads trained on the target's hidden states. The
+checkpoints are written in the public layouts kiln loads (engine/models/eagle.py, an HF Llama
+directory), so a head made here and one downloaded load by the same code. The head's modules are
+engine/training/eagle_head.py.
+
+The data (token sequences, and for heads the target's hidden states over them) comes from the
+caller (`kiln make-draft-model`, engine/entrypoints/cli/make_draft.py, generates it with kiln).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.training.eagle_head import TrainableEagle, eagle_config, rope_theta, save_eagle
+
+
+# ---- training ----
+def _load_target(target: str):
+    """The target as a transformers model (a GGUF file dequantised), in float32, for its hidden
+    states and weights."""
+    from transformers import AutoModelForCausalLM
+
+    path = Path(target)
+    if path.suffix == ".gguf":
+        model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
+    return model.eval()
+
+
+def _padded(seqs: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """[B, T] ids padded with 0, and each row's length."""
+    longest = max(len(x) for x in seqs)
+    ids = torch.zeros(len(seqs), longest, dtype=torch.int64)
+    for i, x in enumerate(seqs):
+        ids[i, :len(x)] = torch.tensor(x)
+    return ids, torch.tensor([len(x) for x in seqs])
+
+
+def _schedule(opt, total: int):
+    return torch.optim.lr_scheduler.LambdaLR(opt, lambda i: min(1.0, (i + 1) / 20) * max(0.05, 1 - i / total))
+
+
+@dataclass
+class Teacher:
+    """What the target says over the corpus, computed once (transformers, float32) and cached:
+    per sequence its next-token distribution at every position (top-k ids and probabilities,
+    soft labels for distillation), its final hidden states (EAGLE's features) and the hidden
+    states entering the layers EAGLE-3 reads, side by side; plus its config, embeddings and LM head."""
+
+    config: dict
+    embed: torch.Tensor
+    lm_head: torch.Tensor
+    aux_layers: tuple[int, ...]
+    top_ids: list[torch.Tensor]  # [T, k] int32
+    top_p: list[torch.Tensor]  # [T, k] float16
+    final: list[torch.Tensor]  # [T, H] bfloat16
+    aux: list[torch.Tensor]  # [T, len(aux_layers) * H] bfloat16
+
+
+@torch.no_grad()
+def teacher_pass(target: str, seqs: list[list[int]], cache: Path | None = None, top_k: int = 32,
+                 log=print) -> Teacher:
+    if cache is not None and cache.is_file():
+        return Teacher(**torch.load(cache, weights_only=False))
+    model = _load_target(target)
+    config = model.config.to_dict()
+    config.setdefault("head_dim", model.config.hidden_size // model.config.num_attention_heads)
+    n = config["num_hidden_layers"]
+    aux = (2, n // 2, n - 3) if n >= 6 else (0, n // 2, n - 1)
+    t0 = time.perf_counter()
+    top_ids, top_p, final, aux_h = [], [], [], []
+    for ids in seqs:
+        out = model(input_ids=torch.tensor([ids]), output_hidden_states=True)
+        top = out.logits[0].float().log_softmax(-1).topk(top_k, dim=-1)
+        top_ids.append(top.indices.to(torch.int32))
+        top_p.append(top.values.exp().to(torch.float16))
+        hs = out.hidden_states
+        final.append(hs[-1][0].to(torch.bfloat16))
+        aux_h.append(torch.cat([hs[i] for i in aux], dim=-1)[0].to(torch.bfloat16))
+    log(f"  the target over {len(seqs)} sequences in {time.perf_counter() - t0:.0f}s")
+    teacher = Teacher(config, model.get_input_embeddings().weight.detach().clone(),
+                      model.get_output_embeddings().weight.detach().clone(), aux, top_ids, top_p, final, aux_h)
+    if cache is not None:
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        torch.save(teacher.__dict__, cache)
+    return teacher
+
+
+def soft_labels(teacher: Teacher, i: int, start: int, n: int, lookup: torch.Tensor, width: int) -> torch.Tensor:
+    """[n, width] the target's distribution over the next token at positions start..start+n-1 of
+    sequence i, on the columns `lookup` maps token ids to (ids it maps to -100 are dropped),
+    renormalised; zero rows past the sequence's end."""
+    out = torch.zeros(n, width)
+    ids, p = teacher.top_ids[i][start:start + n].long(), teacher.top_p[i][start:start + n].float()
+    cols = lookup[ids]
+    keep = cols >= 0
+    rows = torch.arange(len(ids))[:, None].expand_as(ids)
+    out[rows[keep], cols[keep]] = p[keep]
+    return out / out.sum(-1, keepdim=True).clamp_min(1e-9)
+
+
+def distill_draft_model(target: str, corpus: list[dict], out: Path, layers: int = 4, hidden: int = 256,
+                        draft_vocab: int = 8192, epochs: int = 6, batch: int = 8, lr: float = 3e-3, seed: int = 0,
+                        log=print) -> Path:
+    """A small Llama trained from scratch on the target's own outputs: sequence-level
+    distillation (the target's answers are the text) with the target's own next-token
+    distribution at every answer position as the label (its top-k log-probabilities from the
+    corpus, build_labelled_corpus; cross-entropy against them), which teaches far more per token
+    than the sampled token alone.
+
+    The loss is a softmax over the draft vocabulary (draft_vocabulary: the LM head is most of the
+    cost of a training step), in bfloat16 autocast; the LM head is untied from the embeddings,
+    its rows of other tokens are zero, and draft_vocab.json tells kiln to evaluate only the
+    draft vocabulary's rows (engine/models/draft.py)."""
+    import transformers
+
+    from engine.models.draft import DRAFT_VOCAB_FILE
+    from engine.models.loader.model_loader import load_tokenizer
+
+    torch.manual_seed(seed)
+    tokenizer = load_tokenizer(target)
+    teacher = _load_target(target)
+    tc = teacher.config
+    embed = teacher.get_input_embeddings().weight.detach().clone()
+    del teacher
+    head_dim = 64 if hidden % 64 == 0 else hidden // 4
+    heads = hidden // head_dim
+    config = transformers.LlamaConfig(
+        vocab_size=tc.vocab_size, hidden_size=hidden, intermediate_size=3 * hidden, num_hidden_layers=layers,
+        num_attention_heads=heads, num_key_value_heads=max(1, heads // 2), head_dim=head_dim,
+        max_position_embeddings=tc.max_position_embeddings, rope_theta=rope_theta(tc.to_dict()),
+        rms_norm_eps=tc.rms_norm_eps, tie_word_embeddings=False, bos_token_id=tc.bos_token_id,
+        eos_token_id=tc.eos_token_id, pad_token_id=getattr(tc, "pad_token_id", None), torch_dtype="float32")
+    model = transformers.LlamaForCausalLM(config)
+    vocab_ids = draft_vocabulary(corpus, draft_vocab, tc.vocab_size)
+    lookup = torch.full((tc.vocab_size,), -100, dtype=torch.int64)
+    lookup[vocab_ids] = torch.arange(len(vocab_ids))
+    with torch.no_grad():  # the target's embeddings on their leading principal directions, both ends
+        centred = embed - embed.mean(0)
+        _, _, vh = torch.linalg.svd(centred[vocab_ids], full_matrices=False)
+        proj = centred @ vh[:hidden].T
+        proj = proj * (0.02 / proj[vocab_ids].std())
+        model.get_input_embeddings().weight.copy_(proj)
+        head = model.get_output_embeddings().weight
+        head.zero_()
+        head[vocab_ids] = proj[vocab_ids]
+    log(f"  draft: {layers} layers of width {hidden} from scratch, draft vocabulary {len(vocab_ids)}, "
+        f"{len(corpus)} answers, {sum(len(c['top_ids']) for c in corpus)} labelled positions")
+    t0, loss_value = time.perf_counter(), float("nan")
+    loss_value = _distill(model, lambda h: h @ model.lm_head.weight[vocab_ids].T, corpus, lookup, len(vocab_ids),
+                          epochs, batch, lr, 0.01, seed, log)
+    model.eval()
+    with torch.no_grad():
+        unseen = torch.ones(tc.vocab_size, dtype=torch.bool)
+        unseen[vocab_ids] = False
+        model.lm_head.weight[unseen] = 0.0
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out, safe_serialization=True)
+    tokenizer.save_pretrained(out)
+    (out / DRAFT_VOCAB_FILE).write_text(json.dumps({"token_ids": vocab_ids.tolist()}))
+    (out / "kiln_training.json").write_text(json.dumps({
+        "target": str(target), "method": "draft_model", "init": "scratch", "layers": layers, "hidden_size": hidden,
+        "draft_vocab": len(vocab_ids), "answers": len(corpus),
+        "labelled_positions": sum(len(c["top_ids"]) for c in corpus), "epochs": epochs, "lr": lr, "batch": batch,
+        "final_loss": loss_value, "train_seconds": round(time.perf_counter() - t0)}, indent=2))
+    return out
+
+
+def _distill(model, logits_of, corpus: list[dict], lookup: torch.Tensor, width: int, epochs: int, batch: int,
+             lr: float, weight_decay: float, seed: int, log) -> float:
+    """Train model's trainable parameters to match the corpus's labels (cross-entropy against
+    the target's distribution at every answer position, over `width` draft-vocabulary columns;
+    logits_of(hidden) gives the draft's logits there). Returns the last batch's loss."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay)
+    sched = _schedule(opt, epochs * math.ceil(len(corpus) / batch))
+    gen = torch.Generator().manual_seed(seed)
+    model.train()
+    t0, loss_value = time.perf_counter(), float("nan")
+    for epoch in range(epochs):
+        for idx in _batches(len(corpus), batch, gen):
+            entries = [corpus[i] for i in idx.tolist()]
+            ids, _ = _padded([c["ids"].tolist() for c in entries])
+            n = ids.shape[1]
+            want = torch.zeros(len(entries), n, width)
+            valid = torch.zeros(len(entries), n)
+            for row, c in enumerate(entries):  # position t predicts token t + 1: answers from prompt - 1
+                a, at = len(c["top_ids"]), c["prompt"] - 1
+                want[row, at:at + a] = _answer_labels(c, lookup, width)
+                valid[row, at:at + a] = 1.0
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                logits = logits_of(model.model(input_ids=ids).last_hidden_state)
+            loss = -((want * logits.float().log_softmax(-1)).sum(-1) * valid).sum() / valid.sum()
+            opt.zero_grad()
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(params, 1.0)
+            opt.step()
+            sched.step()
+            loss_value = float(loss.detach())
+        log(f"  epoch {epoch + 1}/{epochs}: loss {loss_value:.3f} ({time.perf_counter() - t0:.0f}s)")
+    model.eval()
+    return loss_value
+
+
+def train_eagle_for(target: str, corpus: list[tuple[list[int], int]], teacher: Teacher, out: Path, version: int,
+                    epochs: int = 4, draft_vocab: int = 8192, seed: int = 0, layers: int = 1, batch: int = 8,
+                    lr: float = 1e-3, unroll: int = 1, log=print) -> Path:
+    """An EAGLE (version 1) or EAGLE-3 head trained on the target's hidden states over the corpus,
+    its labels the target's own next-token distributions (EAGLE-3 over its draft vocabulary: the
+    corpus's most frequent tokens)."""
+    torch.manual_seed(seed)
+    tcfg = teacher.config
+    embed, lm_head = teacher.embed, teacher.lm_head
+    seqs = [ids for ids, _ in corpus]
+    counts = torch.bincount(torch.tensor([t for s in seqs for t in s]), minlength=len(embed))
+    frequent = counts.argsort(descending=True)[:min(draft_vocab, len(embed))].sort().values
+    config = eagle_config(tcfg, version, len(frequent) if version == 3 else 0, layers)
+    config["eagle_aux_hidden_state_layer_ids"] = list(teacher.aux_layers) if version == 3 else None
+    if version == 1:
+        del config["eagle_aux_hidden_state_layer_ids"]
+    head = TrainableEagle(config, version, embed, lm_head, tcfg["hidden_size"], len(teacher.aux_layers))
+    if version == 3:
+        head.set_draft_vocab(frequent)
+    vocab = frequent  # the tokens the loss scores (EAGLE: a subset of the target head, for speed)
+    lookup = torch.full((len(embed),), -100, dtype=torch.int64)
+    lookup[vocab] = torch.arange(len(vocab))
+    feats = teacher.final if version == 1 else teacher.aux
+    gen = torch.Generator().manual_seed(seed)
+    params = [p for p in head.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
+    sched = _schedule(opt, epochs * math.ceil(len(seqs) / batch))
+    head.train()
+    loss_value, t0 = float("nan"), time.perf_counter()
+    for epoch in range(epochs):
+        for idx in _batches(len(seqs), batch, gen):
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = _head_loss(head, teacher, idx.tolist(), seqs, feats, vocab, lookup, unroll)
+            opt.zero_grad()
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(params, 1.0)
+            opt.step()
+            sched.step()
+            loss_value = float(loss.detach()) / (unroll + 1)
+        log(f"  epoch {epoch + 1}/{epochs}: loss {loss_value:.3f} ({time.perf_counter() - t0:.0f}s)")
+    head.eval()
+    save_eagle(head, out)
+    (out / "kiln_training.json").write_text(json.dumps({"target": str(target), "method": f"eagle{version}",
+                                                         "answers": len(seqs), "tokens": sum(map(len, seqs)),
+                                                         "epochs": epochs, "unroll": unroll,
+                                                         "final_loss": loss_value}, indent=2))
+    return out
+
+
+def _head_loss(head: TrainableEagle, teacher: Teacher, idx: list[int], seqs, feats, vocab, lookup,
+               unroll) -> torch.Tensor:
+    """Pass 0 reads the target's features; pass d reads the head's own outputs of pass d - 1
+    (row s: the chain seeded at position s, now at s + d). Each pass scores the token it drafts
+    against the target's distribution there (EAGLE: over the `vocab` rows of the target's LM
+    head; EAGLE-3: its draft vocabulary) and EAGLE the feature it predicts."""
+    ids, lengths = _padded([seqs[i] for i in idx])
+    b, n = ids.shape
+    f = torch.zeros(b, n, feats[idx[0]].shape[-1])
+    final = torch.zeros(b, n, teacher.final[idx[0]].shape[-1])
+    for row, i in enumerate(idx):
+        f[row, :len(feats[i])] = feats[i].float()
+        final[row, :len(teacher.final[i])] = teacher.final[i].float()
+    t = n - 2  # rows s = 0..n-3: read token s + 1, predict token s + 2
+    positions = torch.arange(t)[None].expand(b, t)
+    caches = [[] for _ in range(max(1, len(getattr(head, "layers", [None]))))]
+    h = None
+    loss = torch.zeros(())
+    for depth in range(unroll + 1):
+        src = F.pad(ids[:, 1 + depth:1 + depth + t], (0, depth))[:, :t]
+        h = head.step(src, f[:, :t] if depth == 0 else h, positions + depth, caches)
+        # the token at s + 2 + depth: the target's distribution at position s + 1 + depth
+        want = torch.stack([soft_labels(teacher, i, 1 + depth, t, lookup, len(vocab)) for i in idx])
+        valid = ((torch.arange(t)[None] + 2 + depth) < lengths[:, None]).float()
+        logits = (h @ head.target_head[vocab].T if head.version == 1 else head.logits(h)).float()
+        loss = loss - ((want * logits.log_softmax(-1)).sum(-1) * valid).sum() / valid.sum()
+        if head.version == 1:
+            feat = F.pad(final[:, 1 + depth:1 + depth + t], (0, 0, 0, depth))[:, :t]
+            fvalid = ((torch.arange(t)[None] + 1 + depth) < lengths[:, None])[..., None]
+            loss = loss + 10.0 * F.smooth_l1_loss((h * fvalid).float(), feat * fvalid)
+    return loss
+
+
+def _batches(n: int, batch: int, gen: torch.Generator):
+    order = torch.randperm(n, generator=gen)
+    for i in range(0, n, batch):
+        yield order[i:i + batch]
+
+
+# ---- a draft model cut from the target itself ----
+def draft_vocabulary(corpus: list[dict], size: int, vocab: int) -> torch.Tensor:
+    """The token ids a draft proposes from (ascending): the ones the corpus's answers and the
+    target's labels use, most frequent first, then the lowest ids not yet in (a BPE tokenizer's
+    earliest merges, its commonest pieces), up to `size` (every id when size >= vocab)."""
+    if size >= vocab:
+        return torch.arange(vocab)
+    counts = torch.zeros(vocab, dtype=torch.int64)
+    for c in corpus:
+        counts += torch.bincount(c["ids"][c["prompt"]:].long(), minlength=vocab)
+        counts += torch.bincount(c["top_ids"].flatten().long(), minlength=vocab)
+    ranked = counts.argsort(descending=True, stable=True)
+    chosen = ranked[:min(size, int((counts > 0).sum()))]
+    fill = torch.ones(vocab, dtype=torch.bool)
+    fill[chosen] = False
+    rest = fill.nonzero().flatten()[:size - len(chosen)]
+    return torch.cat([chosen, rest]).sort().values
+
+
+def cut_layers(model, layers: list[int]):
+    """The target (a transformers Llama) with only `layers` (in order), sharing nothing with it."""
+    import copy
+
+    n = model.config.num_hidden_layers
+    if not layers or any(not 0 <= i < n for i in layers) or sorted(set(layers)) != list(layers):
+        raise ValueError(f"draft layers must be ascending, distinct target layers in 0..{n - 1}, got {layers}")
+    draft = copy.deepcopy(model)
+    draft.model.layers = nn.ModuleList(draft.model.layers[i] for i in layers)
+    for j, layer in enumerate(draft.model.layers):
+        layer.self_attn.layer_idx = j
+    draft.config.num_hidden_layers = len(layers)
+    if getattr(draft.config, "layer_types", None) is not None:
+        draft.config.layer_types = [draft.config.layer_types[i] for i in layers]
+    return draft
+
+
+def _answer_labels(c: dict, lookup: torch.Tensor, width: int) -> torch.Tensor:
+    """[A, width] the target's next-token distribution at each answer position of corpus entry
+    c (its top-k, renormalised over the draft vocabulary's columns)."""
+    p = c["top_lp"].float().exp()
+    cols = lookup[c["top_ids"].long()]
+    keep = cols >= 0
+    out = torch.zeros(len(p), width)
+    rows = torch.arange(len(p))[:, None].expand_as(cols)
+    out[rows[keep], cols[keep]] = p[keep]
+    return out / out.sum(-1, keepdim=True).clamp_min(1e-9)
+
+
+def distill_from_target(target: str, corpus: list[dict], out: Path, layers: list[int], draft_vocab: int = 8192,
+                        frozen: int = 0, epochs: int = 2, batch: int = 16, lr: float = 5e-4, seed: int = 0,
+                        log=print) -> Path:
+    """A draft model cut from the target: its embeddings (and tied LM head), final norm and the
+    decoder layers `layers`, the layers (but the first `frozen`, kept exactly the target's: its
+    lower layers are a good feature extractor already, and a frozen prefix costs no backward)
+    and norm then trained to match the target's next-token
+    distribution (its top-k log-probabilities from the corpus, cross-entropy against them) at every
+    answer position of the corpus, over the draft vocabulary (draft_vocabulary), which the draft
+    then proposes from (draft_vocab.json, engine/models/draft.py). The embeddings stay the
+    target's (frozen), so the checkpoint is a plain Llama of the target's width that any runtime
+    loads (and llama.cpp converts)."""
+    from engine.models.draft import DRAFT_VOCAB_FILE
+    from engine.models.loader.model_loader import load_tokenizer
+
+    torch.manual_seed(seed)
+    teacher = _load_target(target)
+    vocab = teacher.config.vocab_size
+    model = cut_layers(teacher, layers)
+    del teacher
+    ids_vocab = draft_vocabulary(corpus, draft_vocab, vocab)
+    lookup = torch.full((vocab,), -100, dtype=torch.int64)
+    lookup[ids_vocab] = torch.arange(len(ids_vocab))
+    model.get_input_embeddings().weight.requires_grad_(False)
+    if model.get_output_embeddings() is not None:
+        model.get_output_embeddings().weight.requires_grad_(False)
+    for layer in model.model.layers[:frozen]:
+        layer.requires_grad_(False)
+    head = model.get_output_embeddings().weight
+    log(f"  draft: target layers {layers} ({frozen} frozen), draft vocabulary {len(ids_vocab)}, "
+        f"{sum(p.numel() for p in model.parameters() if p.requires_grad)} trained parameters, {len(corpus)} answers, "
+        f"{sum(len(c['top_ids']) for c in corpus)} labelled positions")
+    t0 = time.perf_counter()
+    loss_value = _distill(model, lambda h: h @ head[ids_vocab].T, corpus, lookup, len(ids_vocab), epochs, batch, lr,
+                          0.0, seed, log)
+    model.eval()
+    for p in model.parameters():
+        p.requires_grad_(False)
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out, safe_serialization=True)
+    load_tokenizer(target).save_pretrained(out)
+    (out / DRAFT_VOCAB_FILE).write_text(json.dumps({"token_ids": ids_vocab.tolist()}))
+    (out / "kiln_training.json").write_text(json.dumps({
+        "target": str(target), "method": "draft_model", "init": "target", "target_layers": list(layers),
+        "frozen_layers": frozen,
+        "draft_vocab": len(ids_vocab), "answers": len(corpus), "labelled_positions": sum(len(c["top_ids"])
+                                                                                         for c in corpus),
+        "epochs": epochs, "lr": lr, "batch": batch, "final_loss": loss_value,
+        "train_seconds": round(time.perf_counter() - t0)}, indent=2))
+    return out
