@@ -184,6 +184,7 @@ class LLMEngine:
             request.grammars = self.structured_output.matchers(admitted.grammar, params.structured_outputs,
                                                                params.n, admitted.prompt_token_ids)
         if admitted.lora_request is not None:
+            assert self.lora is not None  # (admission refuses an adapter when LoRA is off)
             attach_lora(self.lora, request, admitted.lora_request)
         self.scheduler.add_request(request)
         return request
