@@ -7,6 +7,7 @@ from conftest import sampler_output
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from engine.core import admission_rules as rules
 from engine.core.kv.block_pool import BlockPool
 from engine.core.request import FinishReason, InvalidRequestError, Request, SamplingParams
 from engine.core.sched.scheduler import Scheduler, SchedulerConfig
@@ -45,6 +46,7 @@ def add(sched: Scheduler, rid: str, prompt_len: int, max_tokens: int = 4, priori
     req = Request(rid, None, [(base + i) % 50 + 1 for i in range(prompt_len)],
                   SamplingParams(max_tokens=max_tokens, n=n, temperature=0 if n == 1 else 1.0),
                   priority=priority)
+    rules.kv_capacity(sched.kv, prompt_len + max_tokens, priority)  # (admission's, as the engine's)
     sched.add_request(req)
     return req
 
@@ -69,13 +71,13 @@ def test_priority_then_fcfs_admission():
     assert [sched.requests["high"].seqs[0].seq_id] == [s.seq_id for s in out.seqs]
 
 
-def test_rejects_what_can_never_fit_the_kv_pool():
-    # (prompt lengths against max_model_len are admission's: tests/test_admission.py)
+def test_what_can_never_fit_the_kv_pool_is_admissions_to_refuse():
+    # (the rules are engine/core/admission_rules.py's, applied at admission: tests/test_admission.py)
     sched = make_scheduler(max_model_len=16, num_blocks=3)
     with pytest.raises(InvalidRequestError, match="KV blocks"):
         add(sched, "big", 8, max_tokens=4)  # 12 tokens > 2 usable blocks of 4
     add(sched, "fits", 4, max_tokens=4)
-    with pytest.raises(InvalidRequestError, match="already in use"):
+    with pytest.raises(RuntimeError, match="already in use"):  # (only a race gets here: the request fails)
         add(sched, "fits", 4, max_tokens=4)
     assert len(sched.requests) == 1
 

@@ -21,6 +21,7 @@ from conftest import sampler_output, take_updates
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from engine.core import admission_rules as rules
 from engine.core.kv.block_pool import BlockPool
 from engine.core.kv.swap_space import SwapSpace
 from engine.core.request import InvalidRequestError, Request, SamplingParams, SeqStatus
@@ -93,6 +94,7 @@ class Engine:
         self.done: dict[str, list[list[int]]] = {}
 
     def add(self, rid: str, tokens: list[int], max_tokens: int, priority: int, n: int) -> None:
+        rules.kv_capacity(self.sched.kv, len(tokens) + max_tokens, priority)  # (admission's, as the engine's)
         self.sched.add_request(Request(rid, None, tokens, SamplingParams(max_tokens=max_tokens, n=n, temperature=0),
                                        priority=priority))
         self.expected[rid] = expected_outputs(tokens, max_tokens, n)

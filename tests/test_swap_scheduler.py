@@ -14,6 +14,7 @@ from conftest import sampler_output, take_updates
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from engine.core import admission_rules as rules
 from engine.core.kv.block_pool import BlockPool
 from engine.core.kv.swap_space import SwapSpace
 from engine.core.request import InvalidRequestError, Request, SamplingParams, SeqStatus
@@ -92,6 +93,7 @@ class Driver:
         self.aborted: set[str] = set()
 
     def add(self, rid, prompt, max_tokens=4, priority=0, n=1):
+        rules.kv_capacity(self.sched.kv, len(prompt) + max_tokens, priority)  # (admission's, as the engine's)
         req = Request(rid, None, list(prompt), SamplingParams(max_tokens=max_tokens, n=n, temperature=0),
                       priority=priority)
         self.sched.add_request(req)

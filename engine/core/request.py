@@ -13,26 +13,15 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from engine.core import admission_rules as rules
+from engine.core.admission_rules import InvalidRequestError  # noqa: F401 (re-exported: the refusal every layer catches)
+
 
 class FinishReason(str, enum.Enum):
     STOP = "stop"
     LENGTH = "length"
     ABORT = "abort"
     ERROR = "error"
-
-
-class InvalidRequestError(ValueError):
-    """A request that can never be served as given (bad parameters, too long)."""
-
-    def __init__(self, message: str, param: str | None = None):
-        super().__init__(message)
-        self.param = param
-
-
-OUTPUT_KINDS = ("cumulative", "delta", "final_only")
-
-
-POOLING_TYPES = ("last", "mean")
 
 
 @dataclass(frozen=True)
@@ -47,11 +36,7 @@ class PoolingParams:
     dimensions: int | None = None
 
     def __post_init__(self) -> None:
-        if self.pooling_type not in POOLING_TYPES:
-            raise InvalidRequestError(f"pooling_type must be one of {', '.join(POOLING_TYPES)}, "
-                                      f"got {self.pooling_type!r}", "pooling_type")
-        if self.dimensions is not None and self.dimensions < 1:
-            raise InvalidRequestError(f"dimensions must be at least 1, got {self.dimensions}", "dimensions")
+        rules.pooling(self)
 
 
 @dataclass(frozen=True)
@@ -84,42 +69,17 @@ class StructuredOutputsParams:
 
     def __post_init__(self) -> None:
         if isinstance(self.json, str):
-            import json
-
-            try:
-                self.json = json.loads(self.json)
-            except ValueError as exc:
-                raise InvalidRequestError(f"structured output: the JSON schema is not valid JSON: {exc}",
-                                          "structured_outputs") from exc
+            self.json = rules.schema_from_text(self.json)
         if self.choice is not None:
             self.choice = list(self.choice)
         self.validate()
 
     @property
     def kind(self) -> str:
-        set_ = [name for name in ("json", "regex", "choice", "grammar") if getattr(self, name) is not None]
-        if self.json_object:
-            set_.append("json_object")
-        if len(set_) != 1:
-            raise InvalidRequestError(
-                "structured output: give exactly one of json, json_object, regex, choice or grammar"
-                f" (got {', '.join(set_) or 'none'})", "structured_outputs")
-        return set_[0]
+        return rules.constraint_kind(self)
 
     def validate(self) -> None:
-        kind = self.kind
-        if kind == "json" and not isinstance(self.json, dict):
-            raise InvalidRequestError("structured output: json must be a JSON schema object",
-                                      "structured_outputs")
-        if kind == "choice" and (not self.choice or not all(isinstance(c, str) and c for c in self.choice)):
-            raise InvalidRequestError("structured output: choice must be a non-empty list of non-empty strings",
-                                      "structured_outputs")
-        if kind in ("regex", "grammar") and not (isinstance(getattr(self, kind), str) and getattr(self, kind)):
-            raise InvalidRequestError(f"structured output: {kind} must be a non-empty string", "structured_outputs")
-        if self.reasoning_markers is not None and (len(self.reasoning_markers) != 2 or not all(
-                m and all(isinstance(t, int) for t in m) for m in self.reasoning_markers)):
-            raise InvalidRequestError("structured output: reasoning_markers must be (start token ids, end token ids)",
-                                      "structured_outputs")
+        rules.constraint(self)
 
     def cache_key(self) -> str:
         """Equal constraints, equal keys (compiled grammars are cached by it)."""
@@ -174,65 +134,15 @@ class SamplingParams:
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
         self.logits_processors = list(self.logits_processors or [])
-        try:  # (JSON gives the token ids as strings)
-            self.logit_bias = {int(t): float(b) for t, b in (self.logit_bias or {}).items()} or None
-        except (TypeError, ValueError) as exc:
-            raise InvalidRequestError(f"logit_bias must map token ids to numbers: {exc}", "logit_bias") from exc
+        self.logit_bias = rules.logit_bias_map(self.logit_bias)
         if self.allowed_token_ids is not None:
             self.allowed_token_ids = list(self.allowed_token_ids)
         if isinstance(self.structured_outputs, dict):
-            try:
-                self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
-            except TypeError as exc:
-                raise InvalidRequestError(f"structured_outputs: {exc}", "structured_outputs") from exc
+            self.structured_outputs = rules.constraint_from_fields(StructuredOutputsParams, self.structured_outputs)
         self.validate()
 
     def validate(self) -> None:
-        def bad(msg: str, param: str) -> None:
-            raise InvalidRequestError(msg, param)
-
-        if self.n < 1:
-            bad(f"n must be at least 1, got {self.n}", "n")
-        if self.temperature < 0:
-            bad(f"temperature must be non-negative, got {self.temperature}", "temperature")
-        if not 0.0 < self.top_p <= 1.0:
-            bad(f"top_p must be in (0, 1], got {self.top_p}", "top_p")
-        if self.top_k < -1:
-            bad(f"top_k must be -1 (off) or at least 1, got {self.top_k}", "top_k")
-        if not 0.0 <= self.min_p <= 1.0:
-            bad(f"min_p must be in [0, 1], got {self.min_p}", "min_p")
-        if not -2.0 <= self.presence_penalty <= 2.0:
-            bad(f"presence_penalty must be in [-2, 2], got {self.presence_penalty}", "presence_penalty")
-        if not -2.0 <= self.frequency_penalty <= 2.0:
-            bad(f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}", "frequency_penalty")
-        if self.repetition_penalty <= 0:
-            bad(f"repetition_penalty must be positive, got {self.repetition_penalty}", "repetition_penalty")
-        if self.max_tokens is not None and self.max_tokens < 1:
-            bad(f"max_tokens must be at least 1, got {self.max_tokens}", "max_tokens")
-        if self.min_tokens < 0:
-            bad(f"min_tokens must be non-negative, got {self.min_tokens}", "min_tokens")
-        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
-            bad(f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})", "min_tokens")
-        if self.logprobs is not None and self.logprobs < 0:  # (the upper bound: engine/runtime/admission.py)
-            bad(f"logprobs must be non-negative, got {self.logprobs}", "logprobs")
-        if self.prompt_logprobs is not None and self.prompt_logprobs < 0:
-            bad(f"prompt_logprobs must be non-negative, got {self.prompt_logprobs}", "prompt_logprobs")
-        if self.logit_bias and not all(-100.0 <= b <= 100.0 for b in self.logit_bias.values()):
-            bad("logit_bias values must be in [-100, 100]", "logit_bias")
-        if self.truncate_prompt_tokens is not None and self.truncate_prompt_tokens < 1:
-            bad(f"truncate_prompt_tokens must be at least 1, got {self.truncate_prompt_tokens}",
-                "truncate_prompt_tokens")
-        if self.allowed_token_ids is not None and not self.allowed_token_ids:
-            bad("allowed_token_ids must not be empty", "allowed_token_ids")
-        if self.output_kind not in OUTPUT_KINDS:
-            bad(f"output_kind must be one of {', '.join(OUTPUT_KINDS)}, got {self.output_kind!r}", "output_kind")
-        if any(not s for s in self.stop or ()):
-            bad("stop strings must be non-empty", "stop")
-        if any(not callable(p) for p in self.logits_processors or []):
-            bad("logits_processors must be callables (output_token_ids, logits_row) -> logits_row",
-                "logits_processors")
-        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
-            bad("structured_outputs must be a StructuredOutputsParams", "structured_outputs")  # (which validate themselves)
+        rules.sampling(self)
 
     def clone(self, **changes: Any) -> "SamplingParams":
         """A request's own copy (its own stop lists), with the engine's `changes` set. Not validated
@@ -244,15 +154,6 @@ class SamplingParams:
                 raise TypeError(f"SamplingParams has no field {name!r}")
             setattr(new, name, value)
         return new
-
-    def check_stop_tokens(self, eos_token_ids: tuple[int, ...] | list[int]) -> None:
-        """min_tokens bans the stop tokens (EOS and stop_token_ids) until it is reached: an
-        allowed_token_ids holding nothing else leaves no token to sample."""
-        if self.min_tokens > 0 and self.allowed_token_ids is not None \
-                and set(self.allowed_token_ids) <= {*eos_token_ids, *(self.stop_token_ids or ())}:
-            raise InvalidRequestError(
-                f"allowed_token_ids: every allowed token is a stop token (EOS or stop_token_ids), which "
-                f"min_tokens={self.min_tokens} forbids until then: no token could be sampled", "allowed_token_ids")
 
     @property
     def greedy(self) -> bool:

@@ -23,7 +23,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Protocol
 
-from engine.core.request import InvalidRequestError, PoolingParams, SamplingParams
+from engine.core import admission_rules as rules
+from engine.core.request import PoolingParams, SamplingParams
 
 if TYPE_CHECKING:
     from engine.core.request import Request, Sequence
@@ -78,9 +79,7 @@ class Generate(Task):
     """Sample tokens: one row per sampling sequence, n at a fork point, one per position with drafts."""
 
     def check(self, model_config, model_name: str) -> None:
-        if not model_config.generates:
-            raise InvalidRequestError(f"this checkpoint ({model_name}) has no language-model head: it "
-                                      "serves embeddings only (/v1/embeddings, LLM.embed)", "model")
+        rules.model_generates(model_config, model_name)
 
     def params(self, params: SamplingParams | None) -> SamplingParams:
         return params or SamplingParams()
@@ -134,9 +133,7 @@ class Pool(Task):
         return self.pooling.pooling_type != "mean"  # the mean needs every prompt position computed
 
     def check(self, model_config, model_name: str) -> None:
-        dims, hidden = self.pooling.dimensions, model_config.hidden_size
-        if dims is not None and dims > hidden:
-            raise InvalidRequestError(f"dimensions ({dims}) exceeds the model's hidden size ({hidden})", "dimensions")
+        rules.dimensions_fit(self.pooling.dimensions, model_config.hidden_size)
 
     def params(self, params: SamplingParams | None) -> SamplingParams:
         """(The request's sampling params are ignored: one step per chunk, final output only.)"""

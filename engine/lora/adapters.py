@@ -26,6 +26,7 @@ from pathlib import Path
 
 import torch
 
+from engine.core import admission_rules as rules
 from engine.core.request import InvalidRequestError, LoRARequest
 from engine.models.loader.safetensors_reader import read_tensors
 
@@ -117,20 +118,30 @@ class LoRAManager:
     def get(self, name: str) -> _Loaded | None:
         return self._loaded.get(name)
 
+    def why_not(self, request: LoRARequest) -> str | None:
+        """Why `request`'s adapter cannot run now (None: it is loaded, or a slot is free for it).
+        Admission refuses with it (engine/core/admission_rules.py lora_adapter)."""
+        entry = self._loaded.get(request.lora_name)
+        if entry is not None:
+            if Path(entry.request.lora_path).expanduser() != Path(request.lora_path).expanduser():
+                return f"LoRA adapter {request.lora_name!r} is already loaded from {entry.request.lora_path}"
+            return None
+        if len(self._loaded) >= self.max_loras:
+            return (f"all max_loras={self.max_loras} LoRA slots hold adapters ({', '.join(self._loaded)}); "
+                    "unload one first")
+        return None
+
     def ensure(self, request: LoRARequest) -> _Loaded:
         """The adapter's slot, loading it into a free one first if needed."""
         with self._lock:
+            why = self.why_not(request)
+            if why is not None:
+                raise LoRAError(why)
             entry = self._loaded.get(request.lora_name)
             if entry is not None:
-                if Path(entry.request.lora_path).expanduser() != Path(request.lora_path).expanduser():
-                    raise LoRAError(f"LoRA adapter {request.lora_name!r} is already loaded from "
-                                    f"{entry.request.lora_path}")
                 return entry
             used = {e.slot for e in self._loaded.values()}
             free = [s for s in range(self.max_loras) if s not in used]
-            if not free:
-                raise LoRAError(f"all max_loras={self.max_loras} LoRA slots hold adapters "
-                                f"({', '.join(self._loaded)}); unload one first")
             weights = read_adapter(request.lora_path, self.max_rank, len(self.model.layers))
             slot = free[0]
             self._write(slot, weights)
@@ -198,14 +209,15 @@ def make_lora_manager(model: torch.nn.Module, settings) -> LoRAManager | None:
     return manager
 
 
-def attach_lora(manager: LoRAManager | None, request, lora_request: LoRARequest) -> None:
-    """Run `request` with this adapter (loaded into a free slot first if it is new)."""
-    if manager is None:
-        raise InvalidRequestError("LoRA adapters need the engine started with enable_lora", "model")
+def attach_lora(manager: LoRAManager, request, lora_request: LoRARequest) -> None:
+    """Run `request` with this adapter (loaded into a free slot first if it is new). Admission
+    found it can run (engine/core/admission_rules.py lora_adapter); a new adapter's files are read
+    only now, between steps, so the loader's verdict on them (or a slot taken since admission)
+    fails this request here."""
     try:
         entry = manager.ensure(lora_request)
     except LoRAError as exc:
-        raise InvalidRequestError(str(exc), "model") from exc
+        raise rules.adapter_unreadable(exc) from exc
     request.lora_request = lora_request
     request.lora_slot = entry.slot
     request.prefix_root = entry.prefix_root

@@ -2,17 +2,18 @@
 a LoRA adapter, pooling) into a request the engine runs (`AdmittedRequest`), for the offline
 `LLM` (through LLMEngine.add_request) and the server (engine/entrypoints/openai/) alike.
 
-Each rule is written here once and checked once per request: the task fits the model, the
-params fit the engine's limits (logprobs, n, token ids in the vocabulary), the prompt fits
-max_model_len with room for max_tokens, the structured-output constraint compiles. The compiled
+The rules themselves are engine/core/admission_rules.py's table; here each is applied once per
+request against this engine's state: the task fits the model, the params fit the engine's limits
+(logprobs, n, token ids in the vocabulary), the prompt fits max_model_len with room for
+max_tokens and the KV cache, the adapter can run, the structured-output constraint compiles. The compiled
 grammar travels with the request: the engine makes its matchers from it, it does not compile
 again. SamplingParams check their own rules when they are made (SamplingParams.validate); here
 they are only copied for the request (SamplingParams.clone), never validated again.
 
 The server runs the steps one by one (tokenising off the event loop, compiling in its pool with
 the client's disconnect watched); `admit` / `admit_async` run them in order for everyone else.
-Which adapter a request runs with is settled when the engine takes it (adapters load and
-unload between steps).
+A new adapter's weights are read when the engine takes the request (adapters load and unload
+between steps); whether it can load at all (LoRA on, a free slot, its name) is settled here.
 """
 
 from __future__ import annotations
@@ -22,7 +23,8 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine.core.request import InvalidRequestError, LoRARequest, PoolingParams, SamplingParams
+from engine.core import admission_rules as rules
+from engine.core.request import LoRARequest, PoolingParams, SamplingParams
 from engine.core.request_kinds import Task, make_task
 
 
@@ -46,7 +48,7 @@ class Admission:
     from any thread)."""
 
     def __init__(self, model_config, model_name: str, max_model_len: int, max_num_seqs: int, max_logprobs: int,
-                 tokenizer, grammars, eos_token_ids: tuple[int, ...] = ()) -> None:
+                 tokenizer, grammars, eos_token_ids: tuple[int, ...] = (), kv=None, lora=None) -> None:
         self.model_config = model_config
         self.model_name = model_name
         self.vocab_size = model_config.vocab_size
@@ -56,6 +58,8 @@ class Admission:
         self.tokenizer = tokenizer
         self.grammars = grammars  # the engine's StructuredOutputCompiler
         self.eos_token_ids = tuple(eos_token_ids)
+        self.kv = kv  # the scheduler's KVAllocator (None: no KV rule, as in tests without a cache)
+        self.lora = lora  # the LoRAManager (None: LoRA off)
 
     # ---- the rules ----
     def check_params(self, params: SamplingParams | None,
@@ -65,37 +69,19 @@ class Admission:
         task = make_task(params, pooling)
         task.check(self.model_config, self.model_name)
         params = task.params(params)
-        params.check_stop_tokens(self.eos_token_ids)
+        rules.stop_tokens_leave_a_choice(params, self.eos_token_ids)
         for name in ("logprobs", "prompt_logprobs"):
-            value = getattr(params, name)
-            if value is not None and value > self.max_logprobs:
-                raise InvalidRequestError(f"{name} must be at most {self.max_logprobs} (the server's "
-                                          f"max_logprobs), got {value}", name)
-        if params.n > self.max_num_seqs:
-            raise InvalidRequestError(f"n ({params.n}) exceeds this server's max_num_seqs ({self.max_num_seqs})",
-                                      "n")
+            rules.logprobs_limit(name, getattr(params, name), self.max_logprobs)
+        rules.samples_limit(params.n, self.max_num_seqs)
         for name, ids in params.token_id_fields():
             self.check_token_ids(ids, name)
         return params, task
 
     def check_token_ids(self, ids: list[int], param: str) -> None:
-        """Every id names a token of the model's vocabulary."""
-        vocab = self.vocab_size
-        bad = [t for t in ids if not isinstance(t, int) or not 0 <= t < vocab]
-        if bad:
-            raise InvalidRequestError(f"{param}: token ids must be integers in [0, {vocab}); got {bad[:3]}", param)
+        rules.token_ids(ids, self.vocab_size, param)
 
     def check_length(self, num_prompt_tokens: int, max_tokens: int | None, param: str = "prompt") -> None:
-        """The prompt fits in max_model_len with room for max_tokens (None: at least one token)."""
-        limit = self.max_model_len
-        if num_prompt_tokens == 0:
-            raise InvalidRequestError(f"{param}: the prompt is empty", param)
-        if num_prompt_tokens >= limit:
-            raise InvalidRequestError(f"{param}: the prompt has {num_prompt_tokens} tokens, which leaves no room "
-                                      f"to generate within max_model_len={limit}", param)
-        if max_tokens is not None and num_prompt_tokens + max_tokens > limit:
-            raise InvalidRequestError(f"prompt ({num_prompt_tokens} tokens) + max_tokens ({max_tokens}) = "
-                                      f"{num_prompt_tokens + max_tokens} exceeds max_model_len={limit}", "max_tokens")
+        rules.prompt_length(num_prompt_tokens, max_tokens, self.max_model_len, param)
 
     def fit_prompt(self, text: str | None, ids: list[int], params: SamplingParams,
                    param: str = "prompt") -> tuple[str | None, list[int]]:
@@ -131,11 +117,16 @@ class Admission:
                 request_id: str | None = None, priority: int = 0, arrival_time: float | None = None,
                 lora_request: LoRARequest | None = None, grammar: Any = None,
                 output_kind: str | None = None) -> AdmittedRequest:
-        """The admitted request of checked parts (nothing is checked here): its own params copy,
+        """The admitted request of checked parts, with the rules of the engine's state checked here
+        (the adapter can run, the request fits the KV cache at its priority): its own params copy,
         max_tokens resolved (None: up to max_model_len), output_kind set if given."""
+        rules.lora_adapter(self.lora, lora_request)
         changes: dict[str, Any] = {}
+        max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len - len(ids)
+        if self.kv is not None:
+            rules.kv_capacity(self.kv, len(ids) + max_tokens, priority)
         if params.max_tokens is None:
-            changes["max_tokens"] = self.max_model_len - len(ids)
+            changes["max_tokens"] = max_tokens
         if output_kind is not None:
             changes["output_kind"] = output_kind
         return AdmittedRequest(request_id or uuid.uuid4().hex, text, ids, params.clone(**changes), task, priority,

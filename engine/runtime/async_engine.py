@@ -35,6 +35,7 @@ import threading
 import time
 from typing import Any, AsyncIterator, Callable
 
+from engine.core import admission_rules as rules
 from engine.core.outputs import RequestUpdate
 from engine.core.request import InvalidRequestError, LoRARequest, PoolingParams, RequestOutput, SamplingParams
 from engine.runtime.admission import AdmittedRequest
@@ -183,12 +184,14 @@ class AsyncEngine:
     async def submit(self, admitted: AdmittedRequest) -> RequestStream:
         """Queue an admitted request; returns its stream once the step loop accepted it.
 
-        Raises InvalidRequestError (the engine refused it: e.g. an unknown adapter, too many KV
-        blocks), QueueFullError, EngineDeadError.
+        Raises InvalidRequestError (its id is in use, or a new adapter's files do not load),
+        QueueFullError, EngineDeadError.
         """
         if admitted.params.output_kind != "delta":  # streams hand out deltas (RequestStream)
             admitted.params = admitted.params.clone(output_kind="delta")
         self._raise_if_dead()
+        # (the ids in use: the streams being served; two submits racing with one id fail the second in the scheduler)
+        rules.request_id_free(admitted.request_id, self._streams)
         if self.num_waiting() >= self.max_waiting_requests:
             raise QueueFullError(f"the server is at capacity: {self.num_waiting()} requests waiting "
                                  f"(max_waiting_requests={self.max_waiting_requests}); retry later")

@@ -17,7 +17,7 @@ import inspect
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Awaitable, Callable
 
-from engine.core.request import CompletionOutput, InvalidRequestError, LoRARequest, RequestOutput, SamplingParams
+from engine.core.request import CompletionOutput, LoRARequest, RequestOutput, SamplingParams
 
 if TYPE_CHECKING:
     from engine.runtime.admission import Admission, AdmittedRequest
@@ -34,14 +34,14 @@ class BeamSearchParams:
     length_penalty: float = 1.0
 
     def __post_init__(self) -> None:
-        if self.beam_width < 1:
-            raise InvalidRequestError(f"beam width (n) must be at least 1, got {self.beam_width}", "n")
-        if self.max_tokens < 1:
-            raise InvalidRequestError(f"max_tokens must be at least 1, got {self.max_tokens}", "max_tokens")
+        # The search asks for beam_width samples of up to max_tokens: SamplingParams' rules (the
+        # admission table's) refuse what they refuse, with the same messages.
+        SamplingParams(n=self.beam_width, max_tokens=self.max_tokens)
 
-    def step_params(self) -> SamplingParams:
-        """One step of one beam: a single greedy token and the top 2 x beam_width logprobs."""
-        return SamplingParams(temperature=0.0, max_tokens=1, logprobs=min(2 * self.beam_width, 20),
+    def step_params(self, max_logprobs: int) -> SamplingParams:
+        """One step of one beam: a single greedy token and the top 2 x beam_width logprobs (as many
+        as the engine's max_logprobs allows)."""
+        return SamplingParams(temperature=0.0, max_tokens=1, logprobs=min(2 * self.beam_width, max_logprobs),
                               ignore_eos=True, detokenize=False, output_kind="final_only")
 
 
@@ -107,7 +107,7 @@ class BeamSearch:
             admission.check_length(len(ids), params.max_tokens)
         self.params = params
         self.admission = admission
-        self.step_params, self.task = admission.check_params(params.step_params())
+        self.step_params, self.task = admission.check_params(params.step_params(admission.max_logprobs))
         self.eos_token_ids = eos_token_ids
         self.live = [[Beam(list(ids), len(ids))] for ids in prompts]
         self.finished: list[list[Beam]] = [[] for _ in prompts]

@@ -28,6 +28,7 @@ import torch
 
 from engine.config.generation_config import GenerationDefaults
 from engine.config.settings import EngineSettings
+from engine.core import admission_rules as rules
 from engine.core.kv.block_pool import BlockPool
 from engine.core.kv.swap_space import SwapSpace
 from engine.core.outputs import RequestUpdate
@@ -128,7 +129,8 @@ class LLMEngine:
         self.async_scheduling: bool = parts.async_scheduling
         self.cpu_threads: ThreadPlan = parts.cpu_threads
         self.admission = Admission(self.model_config, self.model_dir.name, self.max_model_len, settings.max_num_seqs,
-                                   settings.max_logprobs, parts.tokenizer, self.structured_output, self.eos_token_ids)
+                                   settings.max_logprobs, parts.tokenizer, self.structured_output, self.eos_token_ids,
+                                   kv=self.scheduler.kv, lora=self.lora)
         self.outputs = OutputProcessor(parts.tokenizer)  # the inline output side (step)
         self._tokenizer = parts.tokenizer
         self._pinned_blocks: set[int] = set()  # warm-prefix blocks (each pinned once)
@@ -164,7 +166,9 @@ class LLMEngine:
         return self.submit(self.admission.admit(prompt, params, request_id, priority, lora_request, pooling))
 
     def submit(self, admitted: AdmittedRequest) -> Request:
-        """Queue an admitted request whose outputs `step` hands out."""
+        """Queue an admitted request whose outputs `step` hands out (its id unused: the caller's thread
+        is the step's, so the scheduler's requests are the ids in use)."""
+        rules.request_id_free(admitted.request_id, self.scheduler.requests)
         request = self.add_admitted(admitted)
         self.outputs.add(admitted)
         return request
@@ -180,6 +184,7 @@ class LLMEngine:
             request.grammars = self.structured_output.matchers(admitted.grammar, params.structured_outputs,
                                                                params.n, admitted.prompt_token_ids)
         if admitted.lora_request is not None:
+            assert self.lora is not None  # (admission refuses an adapter when LoRA is off)
             attach_lora(self.lora, request, admitted.lora_request)
         self.scheduler.add_request(request)
         return request

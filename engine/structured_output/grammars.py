@@ -24,7 +24,8 @@ from typing import Any
 
 import torch
 
-from engine.core.request import InvalidRequestError, StructuredOutputsParams
+from engine.core import admission_rules as rules
+from engine.core.request import StructuredOutputsParams
 from engine.structured_output.compile_pool import (
     CompileCancelled,
     CompileFailed,
@@ -169,8 +170,7 @@ class StructuredOutputCompiler:
                 try:
                     import xgrammar
                 except ImportError as exc:  # pragma: no cover - a declared dependency
-                    raise InvalidRequestError("structured outputs need the xgrammar package "
-                                              "(pip install xgrammar)", "structured_outputs") from exc
+                    raise rules.constraints_unavailable() from exc
                 self._info = xgrammar.TokenizerInfo.from_huggingface(self._tokenizer, vocab_size=self.vocab_size,
                                                                      stop_token_ids=self._stop_token_ids)
                 self._compiler = xgrammar.GrammarCompiler(self._info, cache_enabled=False)
@@ -203,24 +203,19 @@ class StructuredOutputCompiler:
     def _raise_failure(self, spec: StructuredOutputsParams, outcome: CompileFailed) -> None:
         """A worker's failed compile as the request's error."""
         if outcome.status == "timeout":
-            raise InvalidRequestError(
-                f"structured output: the {spec.kind} constraint did not compile within "
-                f"grammar_compile_timeout_s={self._pool_args[1] if self._pool_args else '?'}s of CPU time; "
-                "simplify it (e.g. fewer optional properties)", "structured_outputs")
+            raise rules.constraint_compile_timeout(spec.kind, self._pool_args[1] if self._pool_args else "?")
         if outcome.status == "stopped":
             raise CompileCancelled("the server is stopping; the constraint was not compiled")
         if outcome.status == "cancelled":
-            raise InvalidRequestError("structured output: the compile was cancelled", "structured_outputs")
-        raise InvalidRequestError(f"structured output: the {spec.kind} constraint does not compile: {outcome}",
-                                  "structured_outputs")
+            raise rules.constraint_compile_cancelled()
+        raise rules.constraint_does_not_compile(spec.kind, outcome)
 
     def _compile_here(self, spec: StructuredOutputsParams, source: tuple) -> Any:
         """Compile in this process (cached); the pool's workers have shown it finishes in time."""
         try:
             grammar = compile_with(self._xgrammar_compiler(), *source)
         except RuntimeError as exc:
-            raise InvalidRequestError(f"structured output: the {spec.kind} constraint does not compile: "
-                                      f"{native_message(exc)}", "structured_outputs") from exc
+            raise rules.constraint_does_not_compile(spec.kind, native_message(exc)) from exc
         self.cache.put(source, grammar)
         return grammar
 

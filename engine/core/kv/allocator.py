@@ -19,7 +19,6 @@ import itertools
 from typing import TYPE_CHECKING, Iterable
 
 from engine.core.kv.block_pool import BlockPool
-from engine.core.request import InvalidRequestError
 
 if TYPE_CHECKING:
     from engine.core.request import Sequence
@@ -75,17 +74,14 @@ class KVAllocator:
                 held[b] = held.get(b, 0) + 1
         return sum(1 for b, n in held.items() if self.pool.ref_count(b) == n)
 
-    def check_capacity(self, num_tokens: int, priority: int) -> None:
-        """A request that may grow to num_tokens must fit the cache even when alone in it."""
-        needed = -(-num_tokens // self.block_size)
+    def usable_blocks(self, priority: int) -> int:
+        """The blocks a request of this priority may hold when alone in the cache (admission's KV
+        rule: engine/core/admission_rules.py kv_capacity)."""
         # Pinned (warm-up) blocks are never freed; the reserve is out of reach of less urgent requests.
         usable = self.pool.num_usable - self.pool.num_pinned
         if priority > self.reserved_priority:
             usable -= self.reserved_blocks
-        if needed > usable:
-            raise InvalidRequestError(
-                f"the request needs up to {needed} KV blocks but the cache holds only "
-                f"{usable} for priority {priority}", "max_tokens")
+        return usable
 
     # ---- taking and giving back ----
     def grow(self, seq: Sequence, num_new: int, blocks_to_copy: list[tuple[int, int]]) -> None:

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Literal
 from engine.core.kv.allocator import KVAllocator
 from engine.core.kv.block_pool import BlockPool
 from engine.core.outputs import RequestUpdate, SamplerOutput
-from engine.core.request import FinishReason, InvalidRequestError, Request, SeqStatus, Sequence
+from engine.core.request import FinishReason, Request, SeqStatus, Sequence
 from engine.core.request_kinds import task_of
 from engine.core.sched.preemption import Preemptor
 from engine.core.sched.scheduler_output import PLACEHOLDER, ScheduledSeq, SchedulerOutput, sample_row_ranges
@@ -92,14 +92,13 @@ class Scheduler:
 
     # ---- requests in and out ----
     def add_request(self, request: Request) -> None:
-        """Queue an admitted request (engine/runtime/admission.py checked it: lengths, n, token ids)
-        if it can ever fit the KV pool at its priority."""
+        """Queue an admitted request (engine/runtime/admission.py checked it: lengths, n, token ids,
+        the KV pool at its priority, its id unused)."""
         if request.request_id in self.requests:
-            raise InvalidRequestError(f"request id {request.request_id!r} is already in use", "request_id")
+            # Only two submits racing with one id get here (admission refused the id if it was in use):
+            # not a refusal but this request's failure, as the caller's add (AsyncEngine) reports it.
+            raise RuntimeError(f"request id {request.request_id!r} is already in use")
         params = request.params
-        prompt_len = len(request.prompt_token_ids)
-        max_tokens = params.max_tokens if params.max_tokens is not None else self.config.max_model_len - prompt_len
-        self.kv.check_capacity(prompt_len + max_tokens, request.priority)
         seq = self._new_seq(request, 0, list(request.prompt_token_ids))
         request.seqs = [seq]
         self.requests[request.request_id] = request

@@ -6,7 +6,8 @@ and chat templates run here too, on the server's tokenising threads, never on th
 The rules every request meets (the params against the engine's limits, token ids against the
 vocabulary, the prompt's length) are the engine's one admission step's
 (engine/runtime/admission.py), called from here step by step, once each; the engine takes the
-admitted request as it is.
+admitted request as it is. Every rule, the server's own included, is written in
+engine/core/admission_rules.py.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import json
 import logging
 from typing import Any
 
+from engine.core import admission_rules as rules
 from engine.core.request import InvalidRequestError, LoRARequest, PoolingParams, SamplingParams
 from engine.core.request_kinds import Task
 from engine.entrypoints.openai.errors import APIError, ClientGone
@@ -54,16 +56,10 @@ def text_bound(info: EngineInfo, per_token: int) -> int:
     return info.max_model_len * per_token * _NORMALIZER_SLACK
 
 
-def check_chars(info: EngineInfo, max_chars: int, chars: int, param: str, what: str = "the text") -> None:
-    if chars > max_chars:
-        raise InvalidRequestError(f"{param}: {what} ({chars} characters) is far longer than "
-                                  f"max_model_len={info.max_model_len} tokens", param)
-
-
 def check_text_size(info: EngineInfo, per_token: int, text: str, param: str) -> None:
     """Refuse a text that must be longer than max_model_len tokens without tokenising it: a
     6 MB prompt is refused in microseconds."""
-    check_chars(info, text_bound(info, per_token), len(text), param)
+    rules.text_length(len(text), text_bound(info, per_token), info.max_model_len, param)
 
 
 def conversation_chars(conversation: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> int:
@@ -89,24 +85,16 @@ def chat_prompt_ids(tokenizer, conversation: list[dict[str, Any]], add_generatio
     """The conversation templated and tokenised; a rendered text over `max_chars` is refused
     before tokenising (the template adds text of its own, unbounded by the messages)."""
     if continue_final_message:
-        if add_generation_prompt:
-            raise InvalidRequestError("continue_final_message needs add_generation_prompt=false",
-                                      "continue_final_message")
-        if conversation[-1]["role"] != "assistant":
-            raise InvalidRequestError("continue_final_message needs an assistant message last",
-                                      "continue_final_message")
+        rules.continue_final_message(add_generation_prompt, conversation[-1]["role"])
     kwargs = dict(template_kwargs or {})
-    reserved = set(kwargs) & {"conversation", "tokenize", "add_generation_prompt", "tools", "continue_final_message"}
-    if reserved:
-        raise InvalidRequestError(f"chat_template_kwargs may not set {', '.join(sorted(reserved))}",
-                                  "chat_template_kwargs")
+    rules.template_kwargs(kwargs)
     try:
         text = tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=add_generation_prompt,
                                              tools=tools, continue_final_message=continue_final_message, **kwargs)
     except Exception as exc:  # noqa: BLE001 - template errors are the request's fault
-        raise InvalidRequestError(f"messages: the chat template failed: {exc}", "messages") from exc
+        raise rules.template_failed(exc) from exc
     if max_chars is not None and info is not None:
-        check_chars(info, max_chars, len(text), "messages", "the rendered conversation")
+        rules.text_length(len(text), max_chars, info.max_model_len, "messages", "the rendered conversation")
     return tokenizer.encode(text, add_special_tokens=False)
 
 
@@ -139,13 +127,8 @@ def check_params(state, body, params: SamplingParams | None, num_prompts: int,
     if unknown:
         logger.info("ignoring unknown request fields: %s", ", ".join(unknown))
     params, task = state.admission.check_params(params, pooling)
-    check_batch(state.info, num_prompts * params.n, "prompt" if pooling is None else "input")
+    rules.prompt_count(num_prompts * params.n, max_prompts(state.info), "prompt" if pooling is None else "input")
     return params, task
-
-
-def check_batch(info: EngineInfo, count: int, param: str) -> None:
-    if count > max_prompts(info):
-        raise InvalidRequestError(f"too many prompts or samples in one request ({count})", param)
 
 
 # ---- structured outputs ----
@@ -163,7 +146,7 @@ async def check_constraint(state, body, params: SamplingParams, request) -> Any:
         done = await until_done(state.engine.grammar_compiler.compile_async(params.structured_outputs, tenant),
                                 request, None, "compile")
     except InvalidRequestError as exc:
-        raise InvalidRequestError(f"{name}: {exc}", name) from exc
+        raise rules.constraint_in_field(name, exc) from exc
     if done is None:  # the client left: the compile was stopped with it
         raise ClientGone()
     return done

@@ -7,10 +7,10 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 
+from engine.core import admission_rules as rules
 from engine.core.request import RequestOutput
 from engine.entrypoints.openai.admission import (
     chat_prompt_ids,
-    check_chars,
     check_constraint,
     check_model,
     check_params,
@@ -135,7 +135,7 @@ async def conversation_ids(state, body, add_generation_prompt: bool, tools=None,
     conversation = body.conversation()
     max_chars = text_bound(state.info, state.max_token_chars)
     chars = conversation_chars(conversation, tools)
-    check_chars(state.info, max_chars, chars, "messages", "the conversation")
+    rules.text_length(chars, max_chars, state.info.max_model_len, "messages", "the conversation")
     return await state.off_loop(chat_prompt_ids, state.tokenizer, conversation, add_generation_prompt, tools,
                                 continue_final, template_kwargs, max_chars, state.info, size=chars)
 

@@ -9,7 +9,8 @@ import time
 import uuid
 from typing import Any
 
-from engine.core.request import InvalidRequestError, LoRARequest, SamplingParams
+from engine.core import admission_rules as rules
+from engine.core.request import LoRARequest, SamplingParams
 from engine.core.request_kinds import Task
 from engine.entrypoints.openai.errors import APIError
 from engine.entrypoints.openai.jobs import Choice, Formatter, Job, respond, start_job
@@ -20,11 +21,8 @@ from engine.runtime.beam_search import BeamSearch, BeamSearchParams
 async def beam_search(state, body, kind: str, prompts: list[list[int]], texts: list[str | None],
                       params: SamplingParams, lora: LoRARequest | None) -> tuple[Job, list]:
     """(a job holding the usage, [(choice, output)]) of n beams per prompt, best first."""
-    if body.stream:
-        raise InvalidRequestError("use_beam_search cannot stream", "stream")
-    if params.structured_outputs is not None or getattr(body, "tools", None):
-        raise InvalidRequestError("use_beam_search does not combine with structured outputs or tools",
-                                  "use_beam_search")
+    rules.beam_search_alone(bool(body.stream),
+                            params.structured_outputs is not None or bool(getattr(body, "tools", None)))
     info = state.info
     max_tokens = params.max_tokens or info.max_model_len - max(len(p) for p in prompts)
     search_params = BeamSearchParams(params.n, max_tokens, params.ignore_eos, body.length_penalty)

@@ -1,9 +1,9 @@
 """The OpenAI-compatible request models (pydantic) and their mapping to SamplingParams.
 
 Unknown fields are kept (extra="allow") so the handler can log and ignore them. Ranges
-that the engine checks itself (temperature >= 0, n >= 1, ...) are left to
-SamplingParams.validate so there is one rule and one message for each; the models only
-pin types, and bounds that keep values sane before they reach the engine.
+that the engine checks (temperature >= 0, n >= 1, ...) and the API's own rules (best_of, suffix,
+one constraint field...) are engine/core/admission_rules.py's, so there is one rule and one message
+for each; the models only pin types, and bounds that keep values sane before they reach the engine.
 """
 
 from __future__ import annotations
@@ -13,7 +13,8 @@ from typing import Annotated, Any, Literal, Union
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag
 
 from engine.config.generation_config import GenerationDefaults, apply_generation_defaults
-from engine.core.request import InvalidRequestError, SamplingParams, StructuredOutputsParams
+from engine.core import admission_rules as rules
+from engine.core.request import SamplingParams, StructuredOutputsParams
 from engine.entrypoints.openai.tool_calls import ToolMode, arguments_for_template, resolve_tool_mode
 
 _INT64 = 2 ** 63 - 1
@@ -108,12 +109,7 @@ class _SamplingFields(_Lenient):
         if found is None:
             return None
         name, fields = found
-        try:
-            return StructuredOutputsParams(**fields)
-        except TypeError as exc:  # an unknown key in structured_outputs
-            raise InvalidRequestError(f"{name}: {exc}", name) from exc
-        except InvalidRequestError as exc:
-            raise InvalidRequestError(str(exc), name) from exc
+        return rules.constraint_from_fields(StructuredOutputsParams, fields, name)
 
     def structured_output_field(self) -> tuple[str, dict[str, Any]] | None:
         """(the request field that holds the constraint, its fields), or None."""
@@ -122,9 +118,7 @@ class _SamplingFields(_Lenient):
         if rf is not None and rf.type == "json_object":
             given.append(("response_format", {"json_object": True}))
         elif rf is not None and rf.type == "json_schema":
-            if rf.json_schema is None or rf.json_schema.schema_ is None:
-                raise InvalidRequestError("response_format: type json_schema needs json_schema.schema",
-                                          "response_format")
+            rules.json_schema_given(rf.json_schema.schema_ if rf.json_schema is not None else None)
             given.append(("response_format", {"json": rf.json_schema.schema_}))
         if self.structured_outputs is not None:
             given.append(("structured_outputs", dict(self.structured_outputs)))
@@ -134,9 +128,7 @@ class _SamplingFields(_Lenient):
                 given.append((f"guided_{name}", {name: value}))
         if not given:
             return None
-        if len(given) > 1:
-            raise InvalidRequestError("give one structured-output constraint, not several: "
-                                      + ", ".join(name for name, _ in given), given[1][0])
+        rules.one_constraint_field([name for name, _ in given])
         return given[0]
 
     def _params(self, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None = None,
@@ -182,12 +174,11 @@ class _SamplingFields(_Lenient):
         return self.include_usage and bool(self.stream_options.continuous_usage_stats)
 
 
-def prompt_list(p: str | list) -> list[str | list[int]]:
+def prompt_list(p: str | list, param: str = "prompt") -> list[str | list[int]]:
     """OpenAI's prompt / input field as a list of prompts (text, or token ids)."""
     if isinstance(p, str):
         return [p]
-    if not p:
-        raise InvalidRequestError("the prompt must not be empty", "prompt")
+    rules.prompt_given(len(p), param)
     if all(isinstance(x, int) for x in p):
         return [list(p)]  # one prompt of token ids
     return list(p)
@@ -210,12 +201,8 @@ class CompletionRequest(_SamplingFields):
         return self.echo and self.max_tokens == 0
 
     def sampling_params(self, defaults: GenerationDefaults | None = None) -> SamplingParams:
-        if self.suffix:
-            raise InvalidRequestError("suffix is not supported (fill-in-the-middle needs the model's own prompt "
-                                      "format: put it in the prompt)", "suffix")
-        if self.best_of is not None and self.best_of != self.n:
-            raise InvalidRequestError("best_of is not supported (as in vLLM V1); ask for n samples and their "
-                                      "logprobs instead", "best_of")
+        rules.suffix_unsupported(self.suffix)
+        rules.best_of(self.best_of, self.n)
         # echo with logprobs: the echoed prompt tokens carry their logprobs too (what
         # loglikelihood evaluations read).
         prompt_logprobs = None
@@ -223,9 +210,7 @@ class CompletionRequest(_SamplingFields):
             prompt_logprobs = max(self.logprobs, self.prompt_logprobs or 0)
         max_tokens = self.max_tokens
         if max_tokens == 0:
-            if not self.echo:
-                raise InvalidRequestError("max_tokens must be at least 1 (0 only with echo=true, to score the prompt)",
-                                          "max_tokens")
+            rules.zero_max_tokens(self.echo)
             max_tokens = 1  # the engine computes the prompt and samples one token, which is not returned
         return self._params(max_tokens, self.logprobs, prompt_logprobs, defaults)
 
@@ -264,9 +249,6 @@ class NamedToolChoice(_Lenient):
     function: FunctionName
 
 
-CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
-
-
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage]
     max_tokens: int | None = Field(None, le=_INT64, ge=-_INT64)
@@ -284,10 +266,8 @@ class ChatCompletionRequest(_SamplingFields):
         tools = [t.model_dump() for t in self.tools or []]
         choice = self.tool_choice.model_dump() if isinstance(self.tool_choice, NamedToolChoice) else self.tool_choice
         mode = resolve_tool_mode(tools, choice, auto_parser)
-        if mode.forced and self.structured_output_field() is not None:
-            raise InvalidRequestError(f"tool_choice {mode.kind!r} constrains the output itself; it cannot be "
-                                      "combined with response_format or another structured-output field",
-                                      "tool_choice")
+        if mode.forced:
+            rules.forced_tool_alone(mode.kind, self.structured_output_field() is not None)
         return mode
 
     def template_tools(self) -> list[dict[str, Any]] | None:
@@ -295,21 +275,14 @@ class ChatCompletionRequest(_SamplingFields):
         return [t.model_dump(exclude_none=True) for t in self.tools] if self.tools else None
 
     def conversation(self) -> list[dict[str, Any]]:
-        if not self.messages:
-            raise InvalidRequestError("messages must not be empty", "messages")
+        rules.messages_given(len(self.messages))
         out = []
         for i, m in enumerate(self.messages):
-            if m.role not in CHAT_ROLES:
-                raise InvalidRequestError(
-                    f"messages[{i}].role: unknown role {m.role!r} (expected one of {', '.join(CHAT_ROLES)})",
-                    f"messages[{i}].role")
+            rules.message_role(i, m.role)
             if isinstance(m.content, list):
                 texts = []
                 for part in m.content:
-                    if part.type != "text" or part.text is None:
-                        raise InvalidRequestError(
-                            f"messages[{i}].content: only text parts are supported, got {part.type!r}",
-                            f"messages[{i}].content")
+                    rules.text_part(i, part.type, part.text)
                     texts.append(part.text)
                 content = "".join(texts)
             else:
@@ -327,10 +300,7 @@ class ChatCompletionRequest(_SamplingFields):
     def sampling_params(self, tool_mode: ToolMode | None = None,
                         defaults: GenerationDefaults | None = None) -> SamplingParams:
         """With a forced tool choice, the output is constrained to the call's JSON."""
-        if self.top_logprobs is not None and not self.logprobs:
-            raise InvalidRequestError("top_logprobs requires logprobs=true", "top_logprobs")
-        if self.top_logprobs is not None and not 0 <= self.top_logprobs <= 20:
-            raise InvalidRequestError(f"top_logprobs must be in [0, 20], got {self.top_logprobs}", "top_logprobs")
+        rules.top_logprobs(self.top_logprobs, self.logprobs)
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
         constraint = None
@@ -351,10 +321,7 @@ class EmbeddingRequest(_Lenient):
     normalize: bool = True
 
     def prompts(self) -> list[str | list[int]]:
-        try:
-            return prompt_list(self.input)
-        except InvalidRequestError as exc:
-            raise InvalidRequestError(str(exc).replace("the prompt", "input"), "input") from exc
+        return prompt_list(self.input, "input")
 
 
 class LoadLoRAAdapterRequest(_Lenient):

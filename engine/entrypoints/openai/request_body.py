@@ -7,9 +7,10 @@ request body (already capped in bytes by GateMiddleware) is, in order:
    scan; parsing 10 million token ids would hold the interpreter for seconds);
 2. parsed (json.loads: bounded by 1.);
 3. checked for lone surrogates, only when the bytes can hold one (a byte search);
-4. shaped: a token-id prompt longer than max_model_len, more prompts than a request may hold,
+4. shaped: a token-id prompt with no room in max_model_len, more prompts than a request may hold,
    more chat messages than max_model_len, more allowed/stop token ids than the vocabulary: a
-   400 from len() alone, before any per-token work (pydantic's validation included);
+   400 from len() alone, before any per-token work (pydantic's validation included), by the
+   rules of engine/core/admission_rules.py;
 5. validated by FastAPI against the endpoint's model, as usual.
 
 `BoundedJSONRoute` does 1-4 for every JSON endpoint of the API.
@@ -24,6 +25,7 @@ from fastapi import Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.routing import APIRoute
 
+from engine.core import admission_rules as rules
 from engine.core.request import InvalidRequestError
 from engine.runtime.engine_info import EngineInfo
 
@@ -95,27 +97,19 @@ class JSONValueCounter:
         return self.count
 
 
-def _too_long(info: EngineInfo, ids: list, param: str) -> None:
-    if len(ids) > info.max_model_len:
-        raise InvalidRequestError(f"{param}: the prompt has {len(ids)} token ids, more than "
-                                  f"max_model_len={info.max_model_len}", param)
-
-
 def check_prompt_shape(info: EngineInfo, value: Any, param: str, truncated: bool) -> None:
     """A prompt field (text, texts, token ids, lists of token ids): counts from len() alone."""
     if not isinstance(value, list) or not value:
         return
     if isinstance(value[0], int):  # one prompt of token ids
         if not truncated:
-            _too_long(info, value, param)
+            rules.prompt_length(len(value), None, info.max_model_len, param)
         return
-    limit = max_prompts(info)
-    if len(value) > limit:
-        raise InvalidRequestError(f"{param}: too many prompts in one request ({len(value)}; at most {limit})", param)
+    rules.prompt_count(len(value), max_prompts(info), param)
     if not truncated:
         for i, p in enumerate(value):
-            if isinstance(p, list):
-                _too_long(info, p, f"{param}[{i}]")
+            if isinstance(p, list) and p:  # (an empty one is admission's to refuse, with the rest)
+                rules.prompt_length(len(p), None, info.max_model_len, f"{param}[{i}]")
 
 
 def check_shape(info: EngineInfo, data: Any) -> None:
@@ -127,14 +121,12 @@ def check_shape(info: EngineInfo, data: Any) -> None:
         if field in data:
             check_prompt_shape(info, data[field], field, truncated)
     messages = data.get("messages")
-    if isinstance(messages, list) and len(messages) > info.max_model_len:
-        raise InvalidRequestError(f"messages: {len(messages)} messages cannot fit in max_model_len="
-                                  f"{info.max_model_len} tokens", "messages")
+    if isinstance(messages, list):
+        rules.message_count(len(messages), info.max_model_len)
     for field in ("allowed_token_ids", "stop_token_ids"):
         ids = data.get(field)
-        if isinstance(ids, list) and len(ids) > info.vocab_size:
-            raise InvalidRequestError(f"{field}: {len(ids)} token ids, more than the vocabulary "
-                                      f"({info.vocab_size})", field)
+        if isinstance(ids, list):
+            rules.token_id_count(len(ids), info.vocab_size, field)
 
 
 async def read_body(request: Request, max_values: int) -> tuple[bytes, bool]:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from fastapi import APIRouter
 
-from engine.core.request import InvalidRequestError
+from engine.core import admission_rules as rules
 from engine.entrypoints.openai.admission import check_model, check_text_size, encode
 from engine.entrypoints.openai.chat import conversation_ids
 from engine.entrypoints.openai.errors import ERROR_RESPONSES
@@ -14,8 +14,7 @@ from engine.entrypoints.openai.request_body import BoundedJSONRoute
 
 async def tokenize(state, body: TokenizeRequest) -> dict:
     check_model(state, body.model)
-    if (body.prompt is None) == (body.messages is None):
-        raise InvalidRequestError("give exactly one of prompt or messages", "prompt")
+    rules.one_of_prompt_messages(body.prompt is not None, body.messages is not None)
     if body.messages is not None:
         ids = await conversation_ids(state, ChatCompletionRequest(messages=body.messages), body.add_generation_prompt)
     else:

@@ -19,7 +19,8 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from engine.core.request import InvalidRequestError, StructuredOutputsParams
+from engine.core import admission_rules as rules
+from engine.core.request import StructuredOutputsParams
 
 TOOL_CALL_PARSERS = ("hermes", "llama3_json")
 
@@ -100,27 +101,19 @@ def resolve_tool_mode(tools: list[dict[str, Any]] | None, tool_choice: Any, auto
     by_name: dict[str, dict[str, Any]] = {}
     for i, tool in enumerate(tools or []):
         fn = tool["function"]
-        if fn["name"] in by_name:
-            raise InvalidRequestError(f"tools[{i}]: the function name {fn['name']!r} is used twice", "tools")
+        rules.tool_name_unused(i, fn["name"], by_name)
         params = fn.get("parameters")
         by_name[fn["name"]] = params if params is not None else {"type": "object", "properties": {}}
     if isinstance(tool_choice, dict):
         name = tool_choice["function"]["name"]
-        if name not in by_name:
-            raise InvalidRequestError(f"tool_choice names the function {name!r}, which is not in tools",
-                                      "tool_choice")
+        rules.named_tool_given(name, by_name)
         return ToolMode("named", by_name, name=name)
     if not by_name:
-        if tool_choice not in (None, "none"):
-            raise InvalidRequestError(f"tool_choice {tool_choice!r} needs tools", "tool_choice")
+        rules.tool_choice_needs_tools(tool_choice)
         return ToolMode("none", by_name)
     choice = tool_choice or "auto"
     if choice == "auto":
-        if auto_parser is None:
-            raise InvalidRequestError(
-                'tool_choice "auto" (the default when tools are given) needs the server started with '
-                "--enable-auto-tool-choice and --tool-call-parser (hermes or llama3_json); "
-                'or ask for "required", a named function, or "none"', "tool_choice")
+        rules.auto_tool_parser(auto_parser)
         return ToolMode("auto", by_name, parser=auto_parser)
     return ToolMode(choice, by_name)
 
