@@ -36,6 +36,10 @@ def _check(rows: tuple[Row, ...], value: Any) -> None:
 
 # ---- SamplingParams (checked when made) ----
 OUTPUT_KINDS = ("cumulative", "delta", "final_only")
+# Stop strings: checking them costs one matcher whatever their number (engine/runtime/stop_strings.py);
+# these bound what building it may take (docs/usage.md).
+MAX_STOP_STRINGS = 1024
+MAX_STOP_CHARS = 65536  # all of a request's stop strings together
 
 SAMPLING: tuple[Row, ...] = (
     ("n", lambda p: p.n >= 1, lambda p: f"n must be at least 1, got {p.n}"),
@@ -68,6 +72,10 @@ SAMPLING: tuple[Row, ...] = (
     ("output_kind", lambda p: p.output_kind in OUTPUT_KINDS,
      lambda p: f"output_kind must be one of {', '.join(OUTPUT_KINDS)}, got {p.output_kind!r}"),
     ("stop", lambda p: all(p.stop or ()), lambda p: "stop strings must be non-empty"),
+    ("stop", lambda p: len(p.stop or ()) <= MAX_STOP_STRINGS,
+     lambda p: f"at most {MAX_STOP_STRINGS} stop strings, got {len(p.stop)}"),
+    ("stop", lambda p: sum(map(len, p.stop or ())) <= MAX_STOP_CHARS,
+     lambda p: f"the stop strings hold {sum(map(len, p.stop))} characters, more than {MAX_STOP_CHARS}"),
     ("logits_processors", lambda p: all(callable(f) for f in p.logits_processors or []),
      lambda p: "logits_processors must be callables (output_token_ids, logits_row) -> logits_row"),
     ("structured_outputs", lambda p: p.structured_outputs is None or hasattr(p.structured_outputs, "cache_key"),
