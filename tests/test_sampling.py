@@ -230,3 +230,21 @@ def test_output_kinds_delta_and_final_only_agree_with_cumulative(make_llm):
     assert any(c["finish"] == "stop" for c in cumulative.values())
     assert results["delta"]["count"] <= results["cumulative"]["count"]
     assert_engine_clean(engine)
+
+
+def test_vllm_offline_prompt_forms(make_llm):
+    """vLLM's offline shapes: TextPrompt / TokensPrompt dicts (alone or in lists) give what plain
+    text and token ids give; multi-modal input is a clear error; get_tokenizer() is the tokenizer."""
+    llm = make_llm()
+    assert llm.get_tokenizer() is llm.tokenizer
+    ids = llm.get_tokenizer().encode("Hello there")
+    params = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True)
+    plain = llm.generate(["Hello there", ids], params, use_tqdm=False)
+    dicts = llm.generate([{"prompt": "Hello there"}, {"prompt_token_ids": ids}], params, use_tqdm=False)
+    one = llm.generate({"prompt_token_ids": ids}, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in dicts] == [o.outputs[0].token_ids for o in plain]
+    assert one[0].outputs[0].token_ids == plain[1].outputs[0].token_ids
+    with pytest.raises(ValueError, match="multi_modal_data"):
+        llm.generate({"prompt": "hi", "multi_modal_data": {"image": None}}, params, use_tqdm=False)
+    with pytest.raises(ValueError, match="exactly one of 'prompt'"):
+        llm.generate({"prompt": "hi", "prompt_token_ids": ids}, params, use_tqdm=False)

@@ -159,3 +159,21 @@ def test_chat_prompt_logprobs_and_bad_value(app_state):
     for e in entries[1:]:
         assert 1 <= len(e) <= 2 and all(v["logprob"] <= 0 and isinstance(v["decoded_token"], str) for v in e.values())
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "prompt_logprobs", bad.text
+
+
+def test_models_retrieve_with_the_openai_client(tiny_llama):
+    """`client.models.retrieve(id)` (GET /v1/models/{id}): the served model under each of its names,
+    a 404 the client maps to NotFoundError otherwise."""
+    import openai
+
+    from tests.conftest import served
+
+    async def main(client):
+        got = [await client.models.retrieve(name) for name in ("m", "alias")]
+        with pytest.raises(openai.NotFoundError):
+            await client.models.retrieve("nope")
+        return got
+
+    with served(tiny_llama, {"served_model_name": ["m", "alias"]}) as (state, http, client):
+        got = asyncio.run(main(client))
+    assert [m.id for m in got] == ["m", "m"] and got[0].owned_by == "kiln"

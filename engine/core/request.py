@@ -302,3 +302,29 @@ class RequestOutput:
     metrics: dict[str, Any] = field(default_factory=dict)
     prompt_logprobs: list[dict[int, float] | None] | None = None
     embedding: list[float] | None = None  # embedding requests (PoolingParams)
+
+
+@dataclass
+class EmbeddingOutput:
+    embedding: list[float]
+
+
+@dataclass
+class EmbeddingRequestOutput:
+    """An embedding request's result in vLLM's shape (`.outputs.embedding`); `.embedding` too."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: EmbeddingOutput
+    finished: bool
+    num_cached_tokens: int = 0
+
+    @property
+    def embedding(self) -> list[float]:
+        return self.outputs.embedding
+
+    @classmethod
+    def of(cls, out: "RequestOutput") -> "EmbeddingRequestOutput":
+        return cls(out.request_id, out.prompt, out.prompt_token_ids, EmbeddingOutput(list(out.embedding or [])),
+                   out.finished, out.num_cached_tokens)

@@ -9,7 +9,7 @@ from typing import Sequence as Seq
 from engine.config.generation_config import default_sampling_params
 from engine.config.process_setup import prepare_process
 from engine.config.settings import EngineSettings, ServerSettings
-from engine.core.request import LoRARequest, PoolingParams, RequestOutput, SamplingParams
+from engine.core.request import EmbeddingRequestOutput, LoRARequest, PoolingParams, RequestOutput, SamplingParams
 
 # An entry point (`from engine import LLM`): the settings torch reads once at load, before the engine imports it.
 prepare_process()
@@ -23,6 +23,11 @@ if TYPE_CHECKING:
 
 # The server's grammar-compile settings (engine/config/settings.py ServerSettings) apply offline too.
 GRAMMAR_SETTINGS = ("grammar_compile_timeout_s", "grammar_compile_workers")
+
+
+# A prompt: text, token ids, or vLLM's TextPrompt / TokensPrompt dicts; one or a sequence of them.
+Prompt = str | list[int] | dict[str, Any]
+Prompts = Prompt | Seq[Prompt]
 
 
 class LLM:
@@ -50,6 +55,10 @@ class LLM:
     def tokenizer(self):
         return self.engine.tokenizer
 
+    def get_tokenizer(self):
+        """The tokenizer (vLLM's LLM.get_tokenizer)."""
+        return self.tokenizer
+
     def reset_prefix_cache(self) -> int:
         """Drop the prefix cache's idle blocks; returns how many (engine.reset_prefix_cache)."""
         return self.engine.reset_prefix_cache()
@@ -60,7 +69,7 @@ class LLM:
 
     def generate(
         self,
-        prompts: str | list[int] | Seq[str | list[int]],
+        prompts: Prompts,
         sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
         use_tqdm: bool = True,
         priority: Seq[int] | None = None,
@@ -95,17 +104,18 @@ class LLM:
         token_ids = [self.tokenizer.encode(p, add_special_tokens=False) for p in prompts]
         return self.generate(token_ids, sampling_params, use_tqdm=use_tqdm)
 
-    def embed(self, prompts: str | list[int] | Seq[str | list[int]], pooling_params: PoolingParams | None = None,
-              use_tqdm: bool = True, lora_request: LoRARequest | None = None) -> list[RequestOutput]:
-        """Embeddings of the prompts (RequestOutput.embedding), in input order: the final hidden
-        states pooled as pooling_params says (default: the last token's, L2-normalised)."""
+    def embed(self, prompts: Prompts, pooling_params: PoolingParams | None = None,
+              use_tqdm: bool = True, lora_request: LoRARequest | None = None) -> list[EmbeddingRequestOutput]:
+        """Embeddings of the prompts (`.outputs.embedding`, as vLLM gives them; `.embedding` too), in
+        input order: the final hidden states pooled as pooling_params says (default: the last
+        token's, L2-normalised)."""
         pooling = pooling_params or PoolingParams(self.engine.settings.pooling_type)
         admission = self.engine.admission
         admitted = [admission.admit(prompt, None, self._next_id(), lora_request=lora_request, pooling=pooling)
                     for prompt in _prompt_list(prompts)]
-        return self._run(admitted, use_tqdm)
+        return [EmbeddingRequestOutput.of(out) for out in self._run(admitted, use_tqdm)]
 
-    def beam_search(self, prompts: str | list[int] | Seq[str | list[int]], params: "BeamSearchParams",
+    def beam_search(self, prompts: Prompts, params: "BeamSearchParams",
                     lora_request: LoRARequest | None = None) -> list[RequestOutput]:
         """Beam search (engine/runtime/beam_search.py): per prompt, a RequestOutput whose outputs are the
         best params.beam_width beams, best first."""
@@ -176,8 +186,23 @@ def _grammar_settings(given: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _prompt_list(prompts: str | list[int] | Seq[str | list[int]]) -> list[str | list[int]]:
-    """One prompt (a string or a list of token ids) or several, as a list of prompts."""
-    if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
-        return [prompts]
-    return list(prompts)
+def _prompt_list(prompts: Any) -> list[str | list[int]]:
+    """One prompt or several, as a list of prompts (strings or token-id lists). A prompt may be
+    given as vLLM's TextPrompt ({"prompt": text}) or TokensPrompt ({"prompt_token_ids": ids})."""
+    if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+        prompts = [prompts]
+    return [_plain_prompt(p) for p in prompts]
+
+
+def _plain_prompt(prompt: Any) -> str | list[int]:
+    if not isinstance(prompt, dict):
+        return prompt
+    if "multi_modal_data" in prompt or "multi_modal_uuids" in prompt:
+        raise ValueError("multi_modal_data: kiln serves text-only models (no image, audio or video inputs)")
+    if "prompt_embeds" in prompt:
+        raise ValueError("prompt_embeds: kiln takes text or token ids, not prompt embeddings")
+    kinds = [k for k in ("prompt", "prompt_token_ids") if k in prompt]
+    if len(kinds) != 1:
+        raise ValueError(f"a prompt dict needs exactly one of 'prompt' (TextPrompt) or 'prompt_token_ids' "
+                         f"(TokensPrompt); got keys {sorted(prompt)}")
+    return list(prompt["prompt_token_ids"]) if kinds[0] == "prompt_token_ids" else prompt["prompt"]

@@ -40,6 +40,14 @@ def router(state) -> APIRouter:
     async def models():
         return list_models(state)
 
+    @r.get("/v1/models/{model_id:path}", responses=ERROR_RESPONSES)
+    async def model(model_id: str):
+        for entry in list_models(state)["data"]:
+            if entry["id"] == model_id or (entry["parent"] is None and model_id in state.settings.model_names):
+                return entry
+        return error_response(404, f"the model {model_id!r} does not exist", "invalid_request_error", "model",
+                              "model_not_found")
+
     if state.settings.allow_runtime_lora_updating:
         roots = [root.expanduser().resolve() for root in state.settings.lora_adapter_roots or []]
 
