@@ -14,7 +14,7 @@ from engine import SamplingParams
 from engine.entrypoints.openai.metrics import EngineMetrics
 from tests.conftest import assert_engine_clean, served
 
-DASHBOARD = Path(__file__).resolve().parents[1] / "tools" / "grafana" / "kiln.json"
+DASHBOARD = Path(__file__).resolve().parents[1] / "engine" / "entrypoints" / "openai" / "grafana_dashboard.json"
 
 
 def _samples(metrics: EngineMetrics) -> dict[str, list]:
@@ -100,6 +100,10 @@ def test_every_dashboard_query_uses_an_exported_metric(tiny_llama):
     exported = {s.name for f in text_string_to_metric_families(text) for s in f.samples}
     missing = sorted(_dashboard_metric_names() - exported)
     assert not missing, f"dashboard queries metrics /metrics does not export: {missing}"
+    vllm_dashboard = Path(__file__).resolve().parent / "data" / "vllm_dashboard_series.txt"
+    queried = [line.strip().replace("vllm:", "kiln:", 1) for line in vllm_dashboard.read_text().splitlines()
+               if line.startswith("vllm:")]
+    assert len(queried) >= 20 and not sorted(set(queried) - exported), sorted(set(queried) - exported)
     for name in ("kiln:iteration_tokens_total_bucket", "kiln:request_prompt_tokens_bucket",
                  "kiln:request_generation_tokens_bucket", "kiln:request_prefill_time_seconds_bucket",
                  "kiln:request_decode_time_seconds_bucket", "kiln:request_inference_time_seconds_bucket",

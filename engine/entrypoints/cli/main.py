@@ -71,6 +71,13 @@ def _cmd_make_tiny_model(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_grafana_dashboard(args: argparse.Namespace) -> int:
+    from importlib.resources import files
+
+    print(files("engine.entrypoints.openai") / "grafana_dashboard.json")
+    return 0
+
+
 def _cmd_serve(args: argparse.Namespace) -> int:
     from engine.entrypoints.openai.main import serve
 
@@ -183,6 +190,10 @@ def build_parser() -> argparse.ArgumentParser:
                       help="train the random model this many Adam steps on the tokenizer's corpus (seconds on a "
                            "CPU): peaked, attention-dependent outputs for fidelity gates such as the fp8 KV cache's")
     tiny.set_defaults(func=_cmd_make_tiny_model)
+
+    dash = sub.add_parser("grafana-dashboard", help="print the path of kiln's Grafana dashboard (shipped in the "
+                          "package; it also answers vLLM's example dashboard's queries)")
+    dash.set_defaults(func=_cmd_grafana_dashboard)
 
     sub.add_parser("build-kernels", help="build the CUTLASS attention kernels ahead of time", add_help=False)
     sub.add_parser("bench", help="benchmarks: " + ", ".join(BENCHMARKS), add_help=False)

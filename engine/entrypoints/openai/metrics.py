@@ -71,6 +71,8 @@ class EngineMetrics:
         self.waiting = gauge("num_requests_waiting", "Sequences waiting to be scheduled")
         self.swapped = gauge("num_requests_swapped", "Sequences swapped out to CPU memory")
         self.kv_usage = gauge("kv_cache_usage_perc", "Fraction of KV blocks in use (1 = full)")
+        # vLLM's older name for the same figure, which its example dashboard still queries.
+        self.gpu_usage = gauge("gpu_cache_usage_perc", "Fraction of KV blocks in use (1 = full; kv_cache_usage_perc)")
         self.cpu_usage = gauge("cpu_cache_usage_perc", "Fraction of CPU swap blocks in use (1 = full)")
         self.fragmentation = gauge("kv_cache_fragmentation_ratio",
                                    "Allocated KV slots not holding a computed token / allocated slots")
@@ -97,6 +99,9 @@ class EngineMetrics:
                               _LATENCY_BUCKETS)
         self.itl = histogram("inter_token_latency_seconds", "Gap between successive tokens of a request",
                              _ITL_BUCKETS)
+        # vLLM's older name for the same observations, which its example dashboard still queries.
+        self.tpot = histogram("time_per_output_token_seconds",
+                              "Gap between successive tokens of a request (inter_token_latency_seconds)", _ITL_BUCKETS)
         self.e2e = histogram("e2e_request_latency_seconds", "Arrival to finish", _E2E_BUCKETS)
         self.queue_time = histogram("request_queue_time_seconds", "Arrival to first scheduled",
                                     _LATENCY_BUCKETS)
@@ -178,6 +183,7 @@ class EngineMetrics:
         self.swapped.set(sched.num_requests_swapped)
         self.pinned_blocks.set(pool.num_pinned)
         self.kv_usage.set(pool.usage())
+        self.gpu_usage.set(pool.usage())
         self.blocks_in_use.set(pool.num_in_use)
         self.blocks_total.set(pool.num_usable)
         swap = getattr(engine, "swap_space", None)
@@ -242,6 +248,7 @@ class EngineMetrics:
                 self._tracks[out.request_id] = track
         elif num_tokens > 0:
             self.itl.observe(now - track.last_time)
+            self.tpot.observe(now - track.last_time)
             track.last_time = now
         for choice in out.outputs:
             track.generated[choice.index] = track.generated.get(choice.index, 0) + len(choice.token_ids)
