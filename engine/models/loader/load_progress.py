@@ -62,6 +62,15 @@ class LoadProgress:
             logger.info("loading weights: %s of %s (%.0f%%), %d tensors, %.1fs", self._amount(self.done),
                         self._amount(self.total), 100.0 * self.done / max(self.total, 1), self.tensors, now - self.t0)
 
+    def loaded_elsewhere(self, count: int) -> None:
+        """`count` of the total were loaded by another path (GGUF tensors kept quantised): the bar
+        reaches its end."""
+        if count <= 0:
+            return
+        self.done += count
+        if self.bar is not None:
+            self.bar.update(count)
+
     def finish(self) -> float:
         """Close the bar and log the totals; returns the seconds it took."""
         seconds = time.perf_counter() - self.t0

@@ -376,11 +376,13 @@ def _load_gguf(model: LlamaForCausalLM, path: Path, skip: set[str] = frozenset()
     skip: those engine/models/loader/gguf_quant.py loaded kept quantised."""
     cfg = model.config
     filler = _Filler(model)
-    progress = LoadProgress(str(path), len(gguf_file.read_header(path)[1]), 1, unit="tensors")
+    total = len(gguf_file.read_header(path)[1])
+    progress = LoadProgress(str(path), total, 1, unit="tensors")
     for hf_name, tensor in gguf_file.iter_tensors(path, cfg.num_heads, cfg.num_kv_heads,
                                                   gemma_norms=cfg.norm_weight_offset != 0.0,
                                                   sandwich=cfg.sandwich_norms, skip=skip):
         filler.put(hf_name, tensor)
         progress.advance(tensor.nbytes)
+    progress.loaded_elsewhere(total - progress.tensors)  # (kept quantised: gguf_quant.py loaded them)
     progress.finish()
     filler.check_complete(path)
