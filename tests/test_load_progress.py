@@ -77,14 +77,14 @@ def test_terminal_gets_a_bar(caplog):
     assert lines[-1].startswith("loaded 3 tensors (2.9 KiB) from ckpt in ") and seconds >= 0
 
 
-def test_the_bar_ends_at_its_total_when_tensors_load_elsewhere():
+def test_the_bar_ends_at_its_total_when_tensors_load_elsewhere(caplog):
     """A GGUF whose quantised tensors another path loads: the bar still reaches its total (it
     stopped at 62 of 272 on a Q4 file)."""
-    term = _Terminal()
-    progress = load_progress.LoadProgress("m.gguf", 272, 1, unit="tensors", stream=term)
-    bar = progress.bar
-    for _ in range(62):
-        progress.advance(10)
-    progress.loaded_elsewhere(272 - progress.tensors)
-    assert bar.n == bar.total == 272
-    progress.finish()
+    with caplog.at_level(logging.INFO, logger=LOGGER):
+        progress = load_progress.LoadProgress("m.gguf", 272, 1, unit="tensors", stream=_Terminal())
+        bar = progress.bar
+        for _ in range(62):
+            progress.advance(10)
+        progress.loaded_elsewhere(272 - progress.tensors)
+        assert bar.n == bar.total == 272
+        progress.finish()
