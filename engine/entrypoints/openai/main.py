@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import os
 import signal
@@ -126,6 +127,10 @@ def serve(engine_settings: EngineSettings, server_settings: ServerSettings) -> i
         if server.started:
             base = _url(server_settings.host, port, "https" if server_settings.ssl_keyfile else "http")
             print(f"kiln: serving {state.model_name!r} at {base}/v1 (health: {base}/health)", flush=True)
+            key = " -H 'Authorization: Bearer $KEY'" if server_settings.api_key else ""
+            print(f"kiln: try  curl {base}/v1/completions{key} -H 'Content-Type: application/json' "
+                  f"-d '{{\"model\": {json.dumps(state.model_name)}, \"prompt\": \"Hello\", \"max_tokens\": 16}}'",
+                  flush=True)
         while not task.done() and state.engine.fatal is None:
             await asyncio.wait([task], timeout=0.1)
         if state.engine.fatal is not None:
