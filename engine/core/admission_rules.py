@@ -241,6 +241,27 @@ def message_count(count: int, max_model_len: int) -> None:
                                   "messages")
 
 
+MAX_TOOLS = 1024  # (OpenAI's API takes 128)
+
+
+def tool_count(count: int) -> None:
+    """Tools offered in one chat request (refused from len() alone, before any tool is validated)."""
+    if count > MAX_TOOLS:
+        raise InvalidRequestError(f"tools: {count} tools, more than {MAX_TOOLS}", "tools")
+
+
+def content_part_count(count: int, max_model_len: int) -> None:
+    """Content parts over all messages: each takes at least a token of the context."""
+    if count > max_model_len:
+        raise InvalidRequestError(f"messages: {count} content parts cannot fit in max_model_len={max_model_len} "
+                                  "tokens", "messages")
+
+
+def logit_bias_count(count: int, vocab: int) -> None:
+    if count > vocab:
+        raise InvalidRequestError(f"logit_bias: {count} entries, more than the vocabulary ({vocab})", "logit_bias")
+
+
 def prompt_count(count: int, limit: int, param: str) -> None:
     """Prompts (times samples) in one request."""
     if count > limit:

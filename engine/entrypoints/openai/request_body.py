@@ -123,10 +123,16 @@ def check_shape(info: EngineInfo, data: Any) -> None:
     messages = data.get("messages")
     if isinstance(messages, list):
         rules.message_count(len(messages), info.max_model_len)
+        parts = [m.get("content") for m in messages if isinstance(m, dict)]
+        rules.content_part_count(sum(len(p) for p in parts if isinstance(p, list)), info.max_model_len)
     for field in ("allowed_token_ids", "stop_token_ids"):
         ids = data.get(field)
         if isinstance(ids, list):
             rules.token_id_count(len(ids), info.vocab_size, field)
+    if isinstance(data.get("tools"), list):
+        rules.tool_count(len(data["tools"]))
+    if isinstance(data.get("logit_bias"), dict):
+        rules.logit_bias_count(len(data["logit_bias"]), info.vocab_size)
 
 
 async def read_body(request: Request, max_values: int) -> tuple[bytes, bool]:
