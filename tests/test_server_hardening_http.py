@@ -264,3 +264,43 @@ def test_forwarded_for_is_trusted_only_from_configured_proxies(app_state, caplog
     assert resp.status_code == 200
     lines = [r.getMessage() for r in caplog.records if '"GET /health"' in r.getMessage()]
     assert lines and lines[-1].split()[0] == seen, lines
+
+
+def test_kept_alive_connections_idle_longer_than_a_new_connection_waits_for_its_head(app_state):
+    """A new connection must send its head within http_header_timeout_s; a kept-alive one stays
+    open http_idle_timeout_s after its response (longer than clients' own keep-alive: no client
+    reuses a connection the server is closing), and a head begun there gets the header timeout."""
+    state, app = app_state(server={"http_idle_timeout_s": 2.0, "http_header_timeout_s": 0.5})
+    request = b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n"
+
+    def answer(s) -> bytes:  # one whole /health answer (its head and body may come apart)
+        out = b""
+        while not out.endswith(b"}"):
+            chunk = s.recv(65536)
+            if not chunk:
+                break
+            out += chunk
+        return out
+    with serving(app, state.settings) as port:
+        with socket.create_connection(("127.0.0.1", port)) as s:
+            s.settimeout(5)
+            s.sendall(request)
+            assert answer(s).startswith(b"HTTP/1.1 200 ")
+            time.sleep(1.2)  # past the header timeout, inside the idle one: still open
+            s.sendall(request)
+            assert answer(s).startswith(b"HTTP/1.1 200 ")
+            t0 = time.monotonic()
+            assert s.recv(65536) == b""  # then closed as idle
+            assert 1.5 < time.monotonic() - t0 < 4
+        with socket.create_connection(("127.0.0.1", port)) as s:  # a new connection that says nothing
+            s.settimeout(5)
+            t0 = time.monotonic()
+            assert s.recv(65536) == b"" and time.monotonic() - t0 < 1.5
+        with socket.create_connection(("127.0.0.1", port)) as s:  # a head begun on a kept-alive one
+            s.settimeout(5)
+            s.sendall(request)
+            answer(s)
+            s.sendall(b"GET /health HTTP/1.1\r\nHo")
+            t0 = time.monotonic()
+            out = s.recv(65536)
+            assert out.startswith(b"HTTP/1.1 408 ") and time.monotonic() - t0 < 1.5, out

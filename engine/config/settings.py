@@ -394,9 +394,11 @@ class ServerSettings(_KilnSettings):
         1_000_000, ge=1,
         description="a request body with more JSON values (numbers, strings, ...) gets a 400, unparsed")
     http_idle_timeout_s: float = Field(
-        5.0, gt=0, description="a connection with no request in progress closes after this")
+        75.0, gt=0, description="a kept-alive connection with no request in progress closes after this (longer "
+        "than clients' own keep-alive, so none reuses a connection as it closes)")
     http_header_timeout_s: float = Field(
-        10.0, gt=0, description="a request head not complete this long after the connection was free gets a 408")
+        10.0, gt=0, description="a new connection's request head, or one begun on a kept-alive connection, not "
+        "complete this long after it opened / began gets a 408")
     http_body_timeout_s: float = Field(30.0, gt=0, description="a request body that stalls this long gets a 408")
     http_body_deadline_s: float = Field(
         120.0, gt=0, description="a request body not complete this long after its head gets a 408 (however it trickles)")

@@ -10,8 +10,10 @@ subclass, so the checks below hold whatever is installed:
   speaks HTTP/1.1 only) is a 400 and the connection is closed before the request reaches the
   app (so nothing smuggled behind it is read). h11 rejects the rest (bad chunk sizes, bad header lines) and the connection is
   closed the same way.
-- Timeouts: a connection with no request in progress closes after `http_idle_timeout_s`; a
-  request head not complete within `http_header_timeout_s` gets a 408; a body that stalls for
+- Timeouts: a new connection must send its request head within `http_header_timeout_s`; a
+  kept-alive connection with no request in progress closes after `http_idle_timeout_s` (longer
+  than common clients' keep-alive, so a client never reuses a connection the server is closing);
+  a request head not complete within `http_header_timeout_s` of its first byte gets a 408; a body that stalls for
   `http_body_timeout_s`, or is not complete within `http_body_deadline_s` of its head (a body
   trickled a byte at a time never stalls), gets a 408; a response the client does not read for
   `stream_stall_timeout_s` (the write buffer stays full) is cut off. Each 4xx here closes the
@@ -141,6 +143,7 @@ class KilnHTTPProtocol(H11Protocol):
         self._body_deadline: asyncio.TimerHandle | None = None
         self._write_timer: asyncio.TimerHandle | None = None
         self._drained = 0  # body bytes read and dropped after the answer
+        self._head_on_first_byte = False  # kept alive after a response: the head timer starts with the next byte
 
     # ---- connection life ----
     def connection_made(self, transport) -> None:
@@ -161,8 +164,17 @@ class KilnHTTPProtocol(H11Protocol):
 
     def on_response_complete(self) -> None:
         if not self.transport.is_closing():
-            self._await_request()  # (before uvicorn reads a pipelined request, which disarms it)
+            if self.conn.trailing_data[0]:
+                self._await_request()  # (a pipelined request: before uvicorn reads it, which disarms this)
+            else:
+                self._head_on_first_byte = True  # idle until then: uvicorn's keep-alive timer (idle_s)
         super().on_response_complete()
+
+    def data_received(self, data: bytes) -> None:
+        if self._head_on_first_byte and data:
+            self._head_on_first_byte = False
+            self._await_request()
+        super().data_received(data)
 
     def _await_request(self) -> None:
         self._arm("_head_timer", self.limits.header_s, self._head_timed_out)
@@ -171,6 +183,7 @@ class KilnHTTPProtocol(H11Protocol):
     def on_event(self, event) -> None:
         if isinstance(event, h11.Request):
             self._cancel("_head_timer")
+            self._head_on_first_byte = False
             self._drained = 0
             if self.conn.their_state is h11.SEND_BODY:
                 self._arm("_body_timer", self.limits.body_s, self._body_timed_out)
