@@ -11,8 +11,9 @@ import torch
 import torch.nn.functional as F
 
 from compiler.kernels.cpu_fused import FUSED
-from engine.models.glm import apply_interleaved_rope, interleaved_rope_tables
-from engine.models.llama import MLP, FusedRope, RMSNorm, apply_rope
+from engine.layers.layernorm import RMSNorm
+from engine.layers.mlp import MLP
+from engine.layers.rotary import FusedRope, apply_interleaved_rope, apply_rope, interleaved_rope_tables
 
 DTYPES = [torch.float32, torch.bfloat16]
 
