@@ -1,4 +1,4 @@
-"""compiler/kernels/cpu_fused.py: each fused CPU op against the eager ops of engine/models/llama.py it
+"""compiler/kernels/cpu_fused.py: each fused CPU op against the eager ops of engine/layers/ it
 replaces (the eager code is the definition), float32 and bfloat16; bad input gets an error."""
 
 from __future__ import annotations
