@@ -1,4 +1,4 @@
-"""compiler/kernels/cpu_fused.py: each fused CPU op against the eager ops of engine/models/llama.py it
+"""compiler/kernels/cpu_fused.py: each fused CPU op against the eager ops of engine/layers/ it
 replaces (the eager code is the definition), float32 and bfloat16; bad input gets an error."""
 
 from __future__ import annotations
@@ -11,8 +11,9 @@ import torch
 import torch.nn.functional as F
 
 from compiler.kernels.cpu_fused import FUSED
-from engine.models.glm import apply_interleaved_rope, interleaved_rope_tables
-from engine.models.llama import MLP, FusedRope, RMSNorm, apply_rope
+from engine.layers.layernorm import RMSNorm
+from engine.layers.mlp import MLP
+from engine.layers.rotary import FusedRope, apply_interleaved_rope, apply_rope, interleaved_rope_tables
 
 DTYPES = [torch.float32, torch.bfloat16]
 

@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import pytest
 
-from engine.models.llama import MLP, RMSNorm, RotaryEmbedding
+from engine.layers.layernorm import RMSNorm
+from engine.layers.mlp import MLP
+from engine.layers.rotary import RotaryEmbedding
 from tests.conftest import ARCHS
 from tests.test_engine_vs_hf import GREEDY, MAX_TOKENS, _prompts, hf_greedy
 from tests.test_glm import GLM_CONFIGS

@@ -1,5 +1,5 @@
-"""oneDNN's blocked weight copies for GEMM rows (engine/worker/cpu_gemm_weights.py): the rule, the
-kernel-level agreement with F.linear, and an engine with them giving the same greedy tokens."""
+"""oneDNN's blocked weight copies for GEMM rows (engine/worker/cpu_gemm_weights.py, engine/layers/linear.py):
+the rule, the kernel-level agreement with F.linear, and an engine with them giving the same greedy tokens."""
 
 from __future__ import annotations
 

@@ -19,9 +19,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from compiler.kernels import cpu_extension
-from compiler.kernels import cpu_gemv
-from compiler.kernels import cpu_linear
+from compiler.kernels import cpu_extension, cpu_gemv, cpu_linear
 from compiler.kernels.cpu_gemv import GEMV, GGUF_FORMATS, INT4, INT8, LEVELS
 from engine.layers.quant import gguf_blocks
 from tests.gguf_writer import random_k_blocks
@@ -219,8 +217,8 @@ def test_packed_layer_every_row_count(float_acts):
     """engine/layers/quant/cpu_packed.py: a fused layer of two formats (Q4_K_M's q/k and v) with a
     bias, through the kernels below GEMM_ROWS rows and the GEMM on its dequantised weight above,
     leading dimensions kept; its weight() is the file's."""
+    from engine.layers.linear import Linear
     from engine.layers.quant import cpu_packed
-    from engine.models.llama import Linear
 
     k, parts = 256, [("Q4_K", 48), ("Q6_K", 16)]
     raws = [_gguf_raw(name, n, k, seed=i) for i, (name, n) in enumerate(parts)]

@@ -1,4 +1,4 @@
-"""engine/worker/cpu_half_weights.py: a float32 model's projections that hold only fp16 / bf16
+"""The "half" post-load weight work (engine/layers/linear.py): a float32 model's projections that hold only fp16 / bf16
 values keep two bytes, others stay float32, and the engine's greedy tokens and logprobs do not
 change (the kernels widen the 2-byte values exactly; a prefill's GEMM widens them per call)."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from engine import SamplingParams
-from engine.worker.cpu_half_weights import exact_half
+from engine.layers.linear import exact_half
 from tests.conftest import assert_engine_clean
 
 

@@ -30,7 +30,7 @@ ALLOWED = {
     "config": {"core"},
     "structured_output": {"config", "core"},  # (config: its compile processes' environment)
     "lora": {"core", "models"},
-    "layers": {"compiler"},
+    "layers": {"compiler", "distributed"},  # (distributed: row-parallel o_proj / down_proj, the MoE all-reduce)
     "distributed": set(),
     "models": {"compiler", "layers", "distributed"},
     # (spec_decode: the sampler accepts drafts with its rejection.py, the runner keeps a verify's outcome
@@ -40,7 +40,7 @@ ALLOWED = {
     "spec_decode.sched": {"core"},
     # The device side: proposers that drive the worker's runner and sampler.
     "spec_decode": {"core", "spec_decode.sched", "worker"},
-    "training": {"models"},  # (offline: `kiln make-draft-model`)
+    "training": {"layers", "models"},  # (offline: `kiln make-draft-model`)
     "executor": {"compiler", "config", "distributed", "layers", "models", "worker"},
     # What to build (model directory, device, dtype, the CPU's KV budget): decisions read off the settings,
     # the model's config and the machine, made before the builder assembles anything.

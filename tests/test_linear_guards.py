@@ -9,7 +9,7 @@ import torch
 import torch._dynamo
 from torch._dynamo.testing import CompileCounter
 
-from engine.models.llama import Linear
+from engine.layers.linear import Linear
 
 ROWS = (3, 40, 2048)  # under, across and far past cpu_gemv.MAX_DENSE_ROWS / MIN_ONEDNN_ROWS
 

@@ -16,11 +16,11 @@ import torch.multiprocessing as mp
 
 from engine.distributed.parallel import TensorParallel, init_tensor_parallel
 from engine.layers.attention.base import AttentionMetadata
+from engine.layers.attention.layer import local_heads
 from engine.layers.attention.torch_backend import TorchAttentionBackend
 from engine.layers.kv_cache import KVCache
 from engine.models.config import ModelConfig
 from engine.models.loader.model_loader import load_model
-from engine.models.sharding import local_heads
 
 BLOCK = 8
 PROMPTS = ([5, 17, 33, 2, 9, 41, 7], [12, 3, 60, 61, 62, 8, 9, 10, 11, 99, 100, 101, 102, 103])  # 7 and 14 tokens

@@ -161,9 +161,9 @@ class _FakeGemm:
 
 
 def _kiln_layer(out, inp, group, sym, act=False, seed=0):
+    from engine.layers.linear import Linear
     from engine.layers.quant.config import QuantConfig
     from engine.layers.quant.linear import IntWeightMethod, attach
-    from engine.models.llama import Linear
     from tests.test_quant_int4 import _act_order_g_idx
 
     m = Linear(inp, out, bias=False)

@@ -25,7 +25,8 @@ import torch.nn.functional as F
 
 from compiler.kernels.cpu_fused import FUSED
 from compiler.kernels.cpu_linear import linear
-from engine.models.llama import RMSNorm, apply_rope
+from engine.layers.layernorm import RMSNorm
+from engine.layers.rotary import apply_rope
 
 
 def best_us(fn, repeats: int = 5) -> float:
@@ -92,7 +93,8 @@ def engine_ab(rounds: int, threads: int) -> None:
     from engine import SamplingParams
     from engine.config.settings import EngineSettings
     from engine.entrypoints.llm import LLM
-    from engine.models.llama import MLP, RotaryEmbedding
+    from engine.layers.mlp import MLP
+    from engine.layers.rotary import RotaryEmbedding
     from engine.models.tiny_model import default_model_dir
 
     llm = LLM(str(default_model_dir(EngineSettings().cache_dir)), max_num_seqs=64, cpu_threads=threads)

@@ -25,11 +25,11 @@ import torch.multiprocessing as mp
 
 from engine.distributed.parallel import TensorParallel, all_reduce, init_tensor_parallel
 from engine.layers.attention.base import AttentionMetadata
+from engine.layers.attention.layer import local_heads
 from engine.layers.attention.torch_backend import TorchAttentionBackend
 from engine.layers.kv_cache import KVCache
 from engine.models.config import ModelConfig
 from engine.models.loader.model_loader import load_model
-from engine.models.sharding import local_heads
 
 BLOCK = 16
 

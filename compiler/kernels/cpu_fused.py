@@ -5,9 +5,9 @@ float / pow / mean / add / rsqrt / mul / cast / mul); these ops do each group in
 its rows: `rms_norm`, `add_rms_norm` (residual += delta in place, then its norm), `silu_and_mul`
 (SiLU or tanh-GELU of the gate times up) and `rope_` (rotary embedding applied in place to q and
 k, both Llama's halves and GLM's interleaved pairs, partial rotary too). float32 and bfloat16,
-rounded where the eager ops round (see the source's header); the eager code in
-engine/models/llama.py stays the definition, used on a GPU, under torch.compile, with autograd,
-before the library is loaded and for other dtypes.
+rounded where the eager ops round (see the source's header); the eager code in engine/layers/
+(layernorm.py, mlp.py, rotary.py) stays the definition, used on a GPU, under torch.compile, with
+autograd, before the library is loaded and for other dtypes.
 
 The same library holds `DecoderStack` (templates/cpu_decoder_stack.inc, a torch custom class): a
 model's whole decoder stack as one C++ call over these ops, the weight-streaming projections

@@ -134,7 +134,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 
 def _widened(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """A 2-byte weight of a float32 model (engine/worker/cpu_half_weights.py) widened for a GEMM's
+    """A 2-byte weight of a float32 model (engine/layers/linear.py: "half") widened for a GEMM's
     rows, exactly (it holds 2-byte values); the decode rows read it as is. (x is on the CPU.)"""
     if x.dtype == torch.float32 and weight.dtype != x.dtype and weight.dtype in cpu_gemv.DENSE_DTYPES:
         return weight.float()

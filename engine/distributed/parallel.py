@@ -1,7 +1,7 @@
 """Tensor parallelism: which rank this process is, its process group, the two collectives the
 sharded model needs, and how the attention heads split across ranks.
 
-The model (engine/models/llama.py with engine/distributed/parallel_layers.py) calls `all_reduce` after
+The model (engine/models/llama.py, its layers and engine/distributed/parallel_layers.py) calls `all_reduce` after
 each row-parallel projection and the vocabulary-parallel embedding, and `all_gather_last_dim`
 on the logits; with one rank both are no-ops, so a tp=1 model is the single-GPU model.
 """

@@ -1,7 +1,8 @@
 """The sharded layers of a tensor-parallel model (Megatron-style splits).
 
 - column-parallel (q/k/v, gate/up): each rank holds some output rows; no communication. These
-  are plain `Linear`s of the local width (engine/models/llama.py builds them that size).
+  are plain `Linear`s of the local width (engine/layers/attention/layer.py and engine/layers/mlp.py
+  build them that size).
 - RowParallelLinear (o_proj, down_proj): each rank holds some input columns and computes a
   partial sum; one all-reduce makes the full output. The bias is added by rank 0 only, so the
   sum carries it once.

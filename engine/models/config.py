@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -237,30 +236,3 @@ def _moe_fields(raw: dict[str, Any], model_type: str) -> dict[str, Any]:
                 norm_topk_prob=bool(raw.get("norm_topk_prob", False)),
                 shared_expert_intermediate_size=raw.get("shared_expert_intermediate_size", 0) or 0,
                 sparse_layers=sparse)
-
-
-def rope_inv_freq(config: ModelConfig):
-    """Inverse frequencies for rotary embeddings, with llama3 / linear scaling applied."""
-    import torch
-
-    dim = config.rotary_dim or config.head_dim
-    inv = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
-    scaling = config.rope_scaling
-    if scaling is None:
-        return inv
-    kind = scaling.get("rope_type", scaling.get("type"))
-    if kind == "freq_factors":  # llama.cpp divides each frequency by its factor
-        return inv / torch.tensor(scaling["factors"], dtype=torch.float32)
-    factor = float(scaling["factor"])
-    if kind == "linear":
-        return inv / factor
-    low = float(scaling.get("low_freq_factor", 1.0))
-    high = float(scaling.get("high_freq_factor", 4.0))
-    old_len = float(scaling["original_max_position_embeddings"])
-    low_wavelen, high_wavelen = old_len / low, old_len / high
-    wavelen = 2 * math.pi / inv
-    scaled = torch.where(wavelen > low_wavelen, inv / factor, inv)
-    smooth = (old_len / wavelen - low) / (high - low)
-    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
-    medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
-    return torch.where(medium, smoothed, scaled)

@@ -39,17 +39,13 @@ import torch
 from torch import nn
 
 from compiler.kernels.cpu_linear import linear
+from engine.layers.attention.layer import Attention
+from engine.layers.layernorm import RMSNorm
+from engine.layers.linear import Linear
+from engine.layers.mlp import MLP
+from engine.layers.rotary import RotaryEmbedding
 from engine.models.config import ModelConfig
-from engine.models.llama import (
-    MLP,
-    Attention,
-    DecoderLayer,
-    Linear,
-    LlamaForCausalLM,
-    RMSNorm,
-    RotaryEmbedding,
-    fuse_cpu_ops,
-)
+from engine.models.llama import DecoderLayer, LlamaForCausalLM, fuse_cpu_ops
 
 EAGLE3_ARCHITECTURES = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM")
 

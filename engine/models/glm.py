@@ -3,8 +3,8 @@ original ChatGLM3 / GLM-4-chat checkpoints (model_type "chatglm", `transformer.e
 
 What differs from Llama, and where it lives:
 - rotary embeddings on the first half of each head only, with pairs (x0, x1), (x2, x3), ...
-  rotated together ("interleaved"), as transformers' GLM code does: `apply_interleaved_rope`,
-  selected by ModelConfig.rope_interleaved, over ModelConfig.rotary_dim;
+  rotated together ("interleaved"), as transformers' GLM code does: `apply_interleaved_rope`
+  (engine/layers/rotary.py), selected by ModelConfig.rope_interleaved, over ModelConfig.rotary_dim;
 - q/k/v with biases, o_proj without; gate and up projections already fused in the checkpoint
   (gate rows first: kiln's own layout);
 - GLM-4: a norm after attention and one after the MLP, the shape of Gemma 2's "sandwich": the
@@ -17,8 +17,6 @@ from __future__ import annotations
 
 import re
 from typing import Any
-
-import torch
 
 GLM_MODEL_TYPES = ("glm", "glm4", "chatglm")
 DEFAULT_PARTIAL_ROTARY = 0.5  # GLM rotates half of each head
@@ -96,17 +94,3 @@ def hf_weight_name(name: str, model_type: str) -> str:
         if norm in _GLM4_NORMS and ".layers." in name:
             return f"{prefix}.{_GLM4_NORMS[norm]}.{last}"
     return name
-
-
-def interleaved_rope_tables(freqs: torch.Tensor) -> torch.Tensor:
-    """[positions, rotary_dim / 2] angles -> each angle twice in a row (pairs rotate together)."""
-    return freqs.repeat_interleave(2, dim=-1)
-
-
-def apply_interleaved_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate the first cos.shape[-1] dims of each head pairwise ((x0, x1) -> (-x1, x0) ...); the
-    rest pass through."""
-    rot = cos.shape[-1]
-    x_rot, x_pass = x[..., :rot], x[..., rot:]
-    rotated = torch.stack((-x_rot[..., 1::2], x_rot[..., 0::2]), dim=-1).flatten(-2)
-    return torch.cat([x_rot * cos + rotated * sin, x_pass], dim=-1)

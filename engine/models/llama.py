@@ -11,121 +11,27 @@ from __future__ import annotations
 import dataclasses
 import time
 from pathlib import Path
-from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-import compiler.kernels.ops  # noqa: F401 - registers every kiln:: op (kiln::moe_experts here)
-from compiler.kernels import cpu_fused
-from compiler.kernels import cpu_gemv
-from compiler.kernels.cpu_linear import MIN_ONEDNN_ROWS, linear, row_bucket, warm_buckets
-from engine.distributed.parallel import TensorParallel, all_reduce
-from engine.distributed.parallel_layers import (
-    ParallelLMHead,
-    RowParallelLinear,
-    VocabParallelEmbedding,
-    parallel_logits,
-)
+from compiler.kernels import cpu_fused, cpu_gemv
+from compiler.kernels.cpu_linear import MIN_ONEDNN_ROWS, linear, pack_for_gemm, row_bucket, warm_buckets
+from engine.distributed.parallel import TensorParallel
+from engine.distributed.parallel_layers import ParallelLMHead, VocabParallelEmbedding, parallel_logits
 from engine.layers.attention.base import AttentionBackend, AttentionMetadata
+from engine.layers.attention.layer import Attention
 from engine.layers.forward_context import ForwardContext
+from engine.layers.layernorm import RMSNorm
+from engine.layers.linear import WEIGHT_COPIES, Linear, exact_half
+from engine.layers.mlp import MLP
 from engine.layers.quant.cpu_packed import GEMM_ROWS
-from engine.layers.quant.moe import QuantExperts, routed_experts
+from engine.layers.rotary import RotaryEmbedding
+from engine.layers.sparse_moe import SparseMoE
 from engine.models import cpu_stack
-from engine.models.config import ModelConfig, rope_inv_freq
-from engine.models.glm import apply_interleaved_rope, interleaved_rope_tables
-from engine.models.sharding import check_shardable, local_heads, vocab_rows_per_rank
-
-
-class RMSNorm(nn.Module):
-    """Llama's RMSNorm: weight * norm(x) in x's dtype. With a weight offset (Gemma): the scale is
-    (offset + weight), applied in float32 before the cast back, as Gemma's reference does."""
-
-    def __init__(self, dim: int, eps: float, weight_offset: float = 0.0) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.zeros(dim) if weight_offset else torch.ones(dim))
-        self.eps = eps
-        self.weight_offset = weight_offset
-        self.fused = False  # kiln_cpu_fused ops on the CPU (LlamaForCausalLM.use_cpu_fused_ops)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.fused and cpu_fused.usable(x) and self.weight.dtype == x.dtype:
-            return torch.ops.kiln_cpu_fused.rms_norm(x, self.weight, self.eps, self.weight_offset)
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        if self.weight_offset:
-            return (x * (self.weight_offset + self.weight.float())).to(dtype)
-        return self.weight * x.to(dtype)
-
-    def add_forward(self, residual: torch.Tensor, delta: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-        """(residual + delta, its norm); the fused op adds into residual in place (the residual
-        stream's own tensor, never a caller's). delta None: nothing to add."""
-        if delta is None:
-            return residual, self(residual)
-        if self.fused and cpu_fused.usable(residual) and self.weight.dtype == residual.dtype and residual.is_contiguous():
-            return residual, torch.ops.kiln_cpu_fused.add_rms_norm(residual, delta, self.weight, self.eps,
-                                                                  self.weight_offset)
-        residual = residual + delta
-        return residual, self(residual)
-
-
-class Linear(nn.Linear):
-    """nn.Linear that can carry stacked LoRA adapters (engine/lora/adapters.py): `parts` are the output
-    sizes of the projections fused into it (q/k/v, gate/up), each adapted on its own."""
-
-    def __init__(self, in_features: int, out_features: int, bias: bool, parts: tuple[int, ...] | None = None) -> None:
-        super().__init__(in_features, out_features, bias=bias)
-        sizes = parts or (out_features,)
-        starts = [sum(sizes[:i]) for i in range(len(sizes))]
-        self.lora_parts = list(zip(starts, sizes))  # (first output row, rows) per part
-        self.register_buffer("lora_a", None, persistent=False)  # set by enable_lora
-        self.register_buffer("lora_b", None, persistent=False)
-        self.lora_rank = 0
-        self.quant = None  # a quantised layer's method (engine/layers/quant/linear.py); None: dense weight
-        self.gemm_weight = None  # oneDNN's blocked copy of weight for GEMM rows (engine/worker/cpu_gemm_weights.py)
-
-    def enable_lora(self, num_slots: int, max_rank: int) -> None:
-        width = num_slots * len(self.lora_parts) * max_rank
-        self.lora_rank = max_rank
-        self.register_buffer("lora_a", torch.zeros(width, self.in_features), persistent=False)
-        self.register_buffer("lora_b", torch.zeros(self.out_features, width), persistent=False)
-
-    def forward(self, x: torch.Tensor, lora: torch.Tensor | None = None) -> torch.Tensor:
-        """lora: [T, slots] one-hot of each token's adapter slot (all zero: the base model)."""
-        y = linear(x, self.weight, self.bias, self.gemm_weight) if self.quant is None else self.quant.apply(self, x)
-        if lora is None or self.lora_a is None:
-            return y
-        mask = lora.repeat_interleave(len(self.lora_parts) * self.lora_rank, dim=1)
-        return y + F.linear(F.linear(x, self.lora_a) * mask, self.lora_b)
-
-
-class RotaryEmbedding(nn.Module):
-    """cos/sin tables for every position, looked up by each token's position."""
-
-    def __init__(self, config: ModelConfig, max_positions: int) -> None:
-        super().__init__()
-        self.config = config
-        self.max_positions = max_positions
-        self.fused = False  # kiln_cpu_fused::rope_ on the CPU (LlamaForCausalLM.use_cpu_fused_ops)
-        self.register_buffer("cos_sin", torch.empty(max_positions, (config.rotary_dim or config.head_dim) * 2),
-                             persistent=False)
-
-    def fill(self) -> None:
-        inv = rope_inv_freq(self.config).to(self.cos_sin.device)
-        t = torch.arange(self.max_positions, dtype=torch.float32, device=inv.device)
-        freqs = torch.outer(t, inv)
-        emb = interleaved_rope_tables(freqs) if self.config.rope_interleaved else torch.cat([freqs, freqs], dim=-1)
-        self.cos_sin.copy_(torch.cat([emb.cos(), emb.sin()], dim=-1))
-
-    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | FusedRope:
-        """(cos, sin) [T, 1, rot] in x's dtype for the eager ops; on the fused CPU path the table and
-        positions themselves (the op looks them up)."""
-        if self.fused and cpu_fused.usable(x) and positions.dtype == torch.int64 and self.cos_sin.dtype == torch.float32:
-            return FusedRope(positions, self.cos_sin, self.config.rope_interleaved)
-        cos, sin = self.cos_sin[positions].to(x.dtype).chunk(2, dim=-1)
-        return cos[:, None, :], sin[:, None, :]
+from engine.models.config import ModelConfig
+from engine.models.sharding import check_shardable, vocab_rows_per_rank
 
 
 def fuse_cpu_ops(model: nn.Module, cache_dir: Path | None) -> bool:
@@ -138,133 +44,6 @@ def fuse_cpu_ops(model: nn.Module, cache_dir: Path | None) -> bool:
         if isinstance(module, (RMSNorm, RotaryEmbedding, MLP)):
             module.fused = True
     return True
-
-
-class FusedRope(NamedTuple):
-    """What kiln_cpu_fused::rope_ needs: each token's position and the [positions, 2 * rot] table."""
-    positions: torch.Tensor
-    cos_sin: torch.Tensor
-    interleaved: bool
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    if cos.shape[-1] < x.shape[-1]:  # partial rotary: the rest of each head passes through
-        rot = cos.shape[-1]
-        return torch.cat([apply_rope(x[..., :rot], cos, sin), x[..., rot:]], dim=-1)
-    half = x.shape[-1] // 2
-    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-    return x * cos + rotated * sin
-
-
-def _row_parallel(in_features: int, out_features: int, bias: bool, tp: TensorParallel | None,
-                  reduce: bool = True) -> nn.Module:
-    """o_proj / down_proj: kiln's Linear, or this rank's columns of it (all-reduced) under tp."""
-    if tp is None:
-        return Linear(in_features, out_features, bias)
-    return RowParallelLinear(in_features, out_features, bias, tp, reduce)
-
-
-class Attention(nn.Module):
-    def __init__(self, config: ModelConfig, layer_index: int, tp: TensorParallel | None = None) -> None:
-        super().__init__()
-        self.layer_index = layer_index  # which layer of the whole KV cache this attention owns
-        self.sliding_window = config.layer_windows[layer_index] if config.layer_windows else 0
-        self.softcap = config.attn_softcap
-        # Under tp: this rank's query heads and the KV heads they read (column-parallel q/k/v).
-        self.num_heads, self.num_kv_heads = local_heads(config, tp)
-        self.head_dim = config.head_dim
-        self.q_size = self.num_heads * self.head_dim
-        self.kv_size = self.num_kv_heads * self.head_dim
-        self.scale = config.attn_scale or self.head_dim ** -0.5
-        self.rope = apply_interleaved_rope if config.rope_interleaved else apply_rope
-        self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size, config.qkv_bias,
-                               parts=(self.q_size, self.kv_size, self.kv_size))
-        self.o_proj = _row_parallel(self.q_size, config.hidden_size, config.o_bias, tp)
-        offset = config.norm_weight_offset  # (Gemma 3's q/k norms scale by 1 + weight too)
-        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, offset) if config.qk_norm else None
-        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, offset) if config.qk_norm else None
-
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | FusedRope, kv_cache: torch.Tensor,
-                meta: AttentionMetadata, backend: AttentionBackend, lora: torch.Tensor | None = None) -> torch.Tensor:
-        """rope: (cos, sin) or the fused op's inputs (RotaryEmbedding.forward).
-        kv_cache: the whole cache [layers, 2, blocks, block_size, Hkv, D] (see compiler/kernels/ops.py)."""
-        n = x.shape[0]
-        q, k, v = self.qkv_proj(x, lora).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(n, self.num_heads, self.head_dim)
-        k = k.view(n, self.num_kv_heads, self.head_dim)
-        v = v.view(n, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
-            q = self.q_norm(q)
-            k = self.k_norm(k)
-        if isinstance(rope, FusedRope):  # in place on q and k (views of this step's qkv output)
-            torch.ops.kiln_cpu_fused.rope_(q, k, rope.positions, rope.cos_sin, rope.interleaved)
-        else:
-            q = self.rope(q, *rope)
-            k = self.rope(k, *rope)
-        tokens = meta.slot_mapping.shape[0]
-        if tokens < n:  # the row bucket's padding rows (LlamaForCausalLM.padded_rows): no K/V to write
-            k, v = k[:tokens], v[:tokens]
-        # q/k/v as views of the qkv output: the backend copies them only where its ops need it.
-        out = backend.forward(q, k, v, kv_cache, self.layer_index, meta, self.scale, self.sliding_window,
-                              self.softcap)
-        return self.o_proj(out.view(n, self.q_size), lora)
-
-
-class MLP(nn.Module):
-    def __init__(self, config: ModelConfig, intermediate_size: int | None = None, tp: TensorParallel | None = None,
-                 reduce: bool = True) -> None:
-        """tp: this rank's gate/up rows and down columns; reduce=False leaves down's partial sum."""
-        super().__init__()
-        world = 1 if tp is None else tp.world_size
-        self.intermediate = (intermediate_size or config.intermediate_size) // world
-        self.gate_up_proj = Linear(config.hidden_size, 2 * self.intermediate, config.mlp_bias,
-                                   parts=(self.intermediate, self.intermediate))
-        self.down_proj = _row_parallel(self.intermediate, config.hidden_size, config.mlp_bias, tp, reduce)
-        self.tanh_gelu = config.hidden_act == "gelu_pytorch_tanh"
-        self.fused = False  # kiln_cpu_fused::silu_and_mul on the CPU (LlamaForCausalLM.use_cpu_fused_ops)
-
-    def forward(self, x: torch.Tensor, lora: torch.Tensor | None = None) -> torch.Tensor:
-        gate_up = self.gate_up_proj(x, lora)
-        if self.fused and cpu_fused.usable(gate_up) and gate_up.dim() == 2:
-            return self.down_proj(torch.ops.kiln_cpu_fused.silu_and_mul(gate_up, self.tanh_gelu), lora)
-        gate, up = gate_up.split(self.intermediate, dim=-1)
-        act = F.gelu(gate, approximate="tanh") if self.tanh_gelu else F.silu(gate)
-        return self.down_proj(act * up, lora)
-
-
-class SparseMoE(nn.Module):
-    """Router + top-k routed experts (kiln::moe_experts, compiler/kernels/moe.py), plus Qwen2-MoE's
-    sigmoid-gated shared expert. Expert weights are stacked: w13 [E, 2I, H] (gate rows, then
-    up rows), w2 [E, H, I]; in a quantised model both are QuantExperts (engine/layers/quant/moe.py). Under tp every expert (and the shared one) holds this rank's I/tp
-    gate/up rows and down columns, the router is whole, and one all-reduce sums the block."""
-
-    def __init__(self, config: ModelConfig, tp: TensorParallel | None = None) -> None:
-        super().__init__()
-        self.tp = tp
-        world = 1 if tp is None else tp.world_size
-        e, h, i = config.num_experts, config.hidden_size, config.moe_intermediate_size // world
-        self.top_k = config.num_experts_per_tok
-        self.renormalize = config.norm_topk_prob
-        self.activation = config.hidden_act
-        self.gate = nn.Linear(h, e, bias=False)
-        self.w13 = nn.Parameter(torch.empty(e, 2 * i, h))
-        self.w2 = nn.Parameter(torch.empty(e, h, i))
-        shared = config.shared_expert_intermediate_size
-        self.shared_expert = MLP(config, shared, tp, reduce=False) if shared else None
-        self.shared_expert_gate = nn.Linear(h, 1, bias=False) if shared else None
-
-    def forward(self, x: torch.Tensor, lora: torch.Tensor | None = None) -> torch.Tensor:
-        probs = F.softmax(self.gate(x).float(), dim=-1)
-        weights, ids = probs.topk(self.top_k, dim=-1)
-        if self.renormalize:
-            weights = weights / weights.sum(dim=-1, keepdim=True)
-        if isinstance(self.w13, QuantExperts):  # a quantised checkpoint's experts (engine/layers/quant/moe.py)
-            out = routed_experts(self.w13, self.w2, x, weights, ids, self.activation)
-        else:
-            out = torch.ops.kiln.moe_experts(x, weights, ids, self.w13, self.w2, self.activation)
-        if self.shared_expert is not None:
-            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
-        return out if self.tp is None else all_reduce(out, self.tp)
 
 
 class DecoderLayer(nn.Module):
@@ -322,9 +101,9 @@ class LlamaForCausalLM(nn.Module):
         # packed_head_rows rows (engine/models/loader/gguf_quant.py: pack_head)
         self.packed_head: Linear | None = None
         # An fp16/bf16 checkpoint in float32 on the CPU: the LM head's exact 2-byte copy, for steps
-        # of decode rows (engine/worker/cpu_half_weights.py: keep_half_head)
+        # of decode rows (process_weights_after_loading "half")
         self.half_head: torch.Tensor | None = None
-        # oneDNN's blocked copy of the LM head for GEMM rows (engine/worker/cpu_gemm_weights.py)
+        # oneDNN's blocked copy of the LM head for GEMM rows (process_weights_after_loading "gemm")
         self.gemm_head: torch.Tensor | None = None
         self.backend: AttentionBackend | None = None
         self.lora_slots = 0  # adapters one batch can mix (engine/lora/adapters.py); 0: LoRA off
@@ -399,6 +178,38 @@ class LlamaForCausalLM(nn.Module):
         if self.tp is None:
             built += warm_buckets([(self.head_weight(), None, self.gemm_head)], max_seqs)
         return built
+
+    def process_weights_after_loading(self, dtype: torch.dtype, copy: str) -> tuple[int, int, int]:
+        """Post-load weight work on the CPU (engine/layers/linear.py): each layer's hook, then the LM
+        head's copy. "half": the decoder layers' projections (quantizable_linears) keep exact 2-byte
+        weights; the head gets an exact 2-byte copy beside it (half_head, read by decode rows: the
+        embedding table, maybe tied, stays float32). "gemm": every dense projection and the head
+        (gemm_head) get oneDNN's blocked copy. Returns (layers changed, their bytes saved or copied,
+        the head's bytes; 0: no head copy). The builder decides which copies (and logs them)."""
+        if copy not in WEIGHT_COPIES:
+            raise ValueError(f"process_weights_after_loading: {copy!r} is not one of {WEIGHT_COPIES}")
+        linears = (self.quantizable_linears().values() if copy == "half"
+                   else [m for m in self.modules() if isinstance(m, Linear)])
+        done = [m.process_weights_after_loading(dtype, copy) for m in linears]
+        return sum(1 for b in done if b), sum(done), self._head_copy(dtype, copy)
+
+    def _head_copy(self, dtype: torch.dtype, copy: str) -> int:
+        """The LM head's copy (unsharded, not GGUF-packed): its bytes saved per decode step ("half")
+        or its bytes ("gemm"); 0: none."""
+        if self.tp is not None or self.packed_head is not None or not self.config.generates:
+            return 0
+        head = self.head_weight()
+        if copy == "half":
+            if dtype != torch.float32 or head.dtype != torch.float32 or not head.is_cpu:
+                return 0
+            if (half := exact_half(head.data)) is None:
+                return 0
+            self.half_head = half
+            return head.numel() * (head.element_size() - half.element_size())
+        if head.dtype != dtype or (packed := pack_for_gemm(head.data)) is None:
+            return 0
+        self.gemm_head = packed
+        return head.numel() * head.element_size()
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
                 meta: AttentionMetadata, ctx: ForwardContext | None = None) -> torch.Tensor:

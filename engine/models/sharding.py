@@ -1,35 +1,16 @@
-"""How a model's shape splits over tensor-parallel ranks: the heads, KV heads and vocabulary rows
-each rank holds, and the check that a model's widths divide over the ranks."""
+"""How a model's shape splits over tensor-parallel ranks: the KV heads and vocabulary rows each rank
+holds (its query and KV heads: the attention layer's `local_heads`, engine/layers/attention/layer.py),
+and the check that a model's widths divide over the ranks."""
 
 from __future__ import annotations
 
 from engine.distributed.parallel import TensorParallel
+from engine.layers.attention.layer import local_heads
 from engine.models.config import ModelConfig
 
 
 def _world(tp: TensorParallel | None) -> int:
     return 1 if tp is None else tp.world_size
-
-
-def local_heads(config: ModelConfig, tp: TensorParallel | None) -> tuple[int, int]:
-    """(query heads, KV heads) this rank holds. Query heads split evenly; KV heads split evenly
-    when there are at least as many as ranks, else each rank holds the one KV head its query
-    heads read (replicated on tensor_parallel_size / num_kv_heads ranks).
-    The rank's KV cache has local_heads(config, tp)[1] heads."""
-    world = _world(tp)
-    heads, kv = config.num_heads, config.num_kv_heads
-    if world == 1:
-        return heads, kv
-    if heads % world:
-        raise ValueError(f"tensor_parallel_size={world} does not divide the model's {heads} attention heads")
-    if kv >= world:
-        if kv % world:
-            raise ValueError(f"tensor_parallel_size={world} does not divide the model's {kv} KV heads")
-        return heads // world, kv // world
-    if world % kv:
-        raise ValueError(f"tensor_parallel_size={world} is not a multiple of the model's {kv} KV heads "
-                         f"(fewer KV heads than ranks are replicated, which needs a whole number of ranks per head)")
-    return heads // world, 1
 
 
 def first_kv_head(config: ModelConfig, tp: TensorParallel | None) -> int:

@@ -132,13 +132,12 @@ class EngineBuilder:
             self.draft.config.num_layers, self.num_blocks, settings.block_size, self.draft.config.num_kv_heads,
             self.draft.config.head_dim, self.dtype, self.device)
         if self.device.type == "cpu" and settings.cpu_half_weights and self.executor is None:
-            from engine.worker.cpu_half_weights import keep_half_head, keep_half_weights
-
-            changed, saved = keep_half_weights(self.model, self.dtype)
+            # (the layers' post-load hook: engine/layers/linear.py)
+            changed, saved, head_saved = self.model.process_weights_after_loading(self.dtype, "half")
             if changed:
                 logger.info("%d float32 projection weights hold only 2-byte values: kept in 2 bytes (%.0f MB less "
                             "per decode step; cpu_half_weights)", changed, saved / 1e6)
-            if head_saved := keep_half_head(self.model, self.dtype):
+            if head_saved:
                 logger.info("the LM head holds only 2-byte values: decode steps read a 2-byte copy (%.0f MB less "
                             "per step, as much more in memory; cpu_half_weights)", head_saved / 1e6)
         if self.device.type == "cpu" and self.executor is None:
@@ -185,7 +184,7 @@ class EngineBuilder:
 
     def _keep_gemm_weights(self, setting: str) -> None:
         """oneDNN's blocked weight copies for GEMM rows, where cpu_gemm_packed_weights says so
-        (engine/worker/cpu_gemm_weights.py); the choice and why, logged."""
+        (engine/worker/cpu_gemm_weights.py; made by the layers' hook); the choice and why, logged."""
         from engine.worker import cpu_gemm_weights as gw
 
         wanted = gw.dense_weight_bytes(self.model, self.dtype)
@@ -194,7 +193,8 @@ class EngineBuilder:
         if not keep:
             logger.info("oneDNN weight copies for GEMM rows: off (%s)", why)
             return
-        made, nbytes = gw.keep_gemm_weights(self.model, self.dtype)
+        made, nbytes, head_bytes = self.model.process_weights_after_loading(self.dtype, "gemm")
+        made, nbytes = made + (head_bytes > 0), nbytes + head_bytes
         logger.info("oneDNN weight copies for GEMM rows: %d weights, %.0f MB more in memory (%s)", made, nbytes / 1e6,
                     why)
 

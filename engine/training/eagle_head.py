@@ -12,8 +12,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.layers.rotary import apply_rope
+
 
 class _Norm(nn.Module):
+    """RMSNorm in x's dtype: training runs under bfloat16 autocast, where engine/layers/layernorm.py's
+    RMSNorm (which normalises in float32) would give other numbers."""
+
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
@@ -24,13 +29,13 @@ class _Norm(nn.Module):
 
 
 def _rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
-    """Llama's rotary embedding (halves rotated) of x [B, T, heads, D]."""
+    """Llama's rotary embedding (halves rotated) of x [B, T, heads, D]: the tables per batch row, from
+    the config dict's base (no scaling), the rotation the model's."""
     d = x.shape[-1]
     inv = 1.0 / theta ** (torch.arange(0, d, 2, dtype=torch.float32) / d)
     freqs = positions[..., None].float() * inv
     emb = torch.cat([freqs, freqs], dim=-1)[:, :, None, :]
-    rotated = torch.cat([-x[..., d // 2:], x[..., :d // 2]], dim=-1)
-    return x * emb.cos() + rotated * emb.sin()
+    return apply_rope(x, emb.cos(), emb.sin())
 
 
 class _Attention(nn.Module):

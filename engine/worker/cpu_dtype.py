@@ -11,7 +11,7 @@ than float32 weights would have been, and float32 holds bf16 and fp16 values exa
   (the same numbers, faster there);
 - an fp16 checkpoint runs in bf16 where the CPU has native bf16 (fp16's 10-bit mantissa rounded to
   bf16's 7: vLLM's CPU backend does the same), else in float32 (exact; its weights stay in 2 bytes,
-  engine/worker/cpu_half_weights.py). Never in fp16, even where the CPU has AVX512-FP16: kiln's
+  engine/layers/linear.py "half"). Never in fp16, even where the CPU has AVX512-FP16: kiln's
   CPU kernels (weight streaming, paged attention, fused ops, the decoder stack) take float32 and
   bf16 activations, and an fp16 model would run on torch's own ops instead. On a Sapphire Rapids
   (AVX512-FP16, AMX-BF16), SmolLM2's F16 GGUF: fp16 27 tok/s at batch 1 and 186 at batch 16, bf16
@@ -28,7 +28,6 @@ choice and why at start-up.
 from __future__ import annotations
 
 import platform
-
 from dataclasses import dataclass
 
 

@@ -15,15 +15,15 @@ memory, so:
 - `on`: every float32 / bfloat16 model (the memory check still applies);
 - `off`: never.
 
-The decoder layers' dense projections get `gemm_weight`, the LM head `model.gemm_head`; decode
-rows up to the kernels' limit still read the plain weight. Quantised layers are untouched.
+This module is the policy (which models keep the copies); the copies are the layers' post-load hook
+(engine/layers/linear.py: Linear.process_weights_after_loading "gemm"; the LM head's, the model's):
+the decoder layers' dense projections get `gemm_weight`, the LM head `model.gemm_head`; decode rows up
+to the kernels' limit still read the plain weight. Quantised layers are untouched.
 """
 
 from __future__ import annotations
 
 import torch
-
-from compiler.kernels.cpu_linear import pack_for_gemm
 
 CHOICES = ("auto", "on", "off")
 MEMORY_SHARE = 0.25  # of the memory available now, at most, for the copies
@@ -54,31 +54,12 @@ def gemm_weights_choice(setting: str, dtype: torch.dtype, weight_bytes: int, amx
 
 
 def _dense_linears(model) -> list:
-    """The model's projections with a `gemm_weight` slot (engine/models/llama.py: Linear) and a dense weight."""
+    """The model's projections with a `gemm_weight` slot (engine/layers/linear.py: Linear) and a dense weight."""
     return [m for m in model.modules() if hasattr(m, "gemm_weight") and getattr(m, "quant", None) is None
             and getattr(m, "weight", None) is not None]
 
 
 def dense_weight_bytes(model, dtype: torch.dtype) -> int:
-    """Bytes of the weights `keep_gemm_weights` would copy."""
+    """Bytes of the weights the "gemm" hook may copy (the memory check's side of the choice)."""
     weights = [m.weight for m in _dense_linears(model)] + ([model.head_weight()] if hasattr(model, "gemm_head") else [])
     return sum(w.numel() * w.element_size() for w in weights if w.dtype == dtype and w.is_cpu)
-
-
-def keep_gemm_weights(model, dtype: torch.dtype) -> tuple[int, int]:
-    """Give each dense projection of `model` (weights in the model's dtype, on the CPU) and its LM
-    head (unsharded, not GGUF-packed) oneDNN's blocked copy. Returns (copies made, their bytes)."""
-    made = nbytes = 0
-    for module in _dense_linears(model):
-        weight = module.weight
-        if weight.dtype == dtype and (packed := pack_for_gemm(weight.data)) is not None:
-            module.gemm_weight = packed
-            made, nbytes = made + 1, nbytes + weight.numel() * weight.element_size()
-    if not hasattr(model, "gemm_head"):  # (a model class without compute_logits' GEMM head slot)
-        return made, nbytes
-    head = model.head_weight()
-    if (model.tp is None and model.packed_head is None and model.config.generates and head.dtype == dtype
-            and (packed := pack_for_gemm(head.data)) is not None):
-        model.gemm_head = packed
-        made, nbytes = made + 1, nbytes + head.numel() * head.element_size()
-    return made, nbytes

@@ -31,11 +31,11 @@ import torch
 from torch import nn
 
 from compiler.kernels import cpu_gemv
+from engine.layers.linear import Linear
 from engine.layers.quant import cpu_packed, int4_packed, int_formats
 from engine.layers.quant.config import QuantConfig
 from engine.layers.quant.gguf_blocks import BLOCK_TYPES, QK
 from engine.layers.quant.linear import IntWeightMethod, attach
-from engine.models.llama import Linear
 from engine.models.loader.gguf_file import hf_name, read_header, unpermute_rows
 from engine.models.loader.safetensors_reader import read_exactly_into
 

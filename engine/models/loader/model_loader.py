@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 
 from engine.distributed.parallel import TensorParallel
+from engine.layers.attention.layer import local_heads
 from engine.layers.quant import moe as quant_moe
 from engine.layers.quant.config import QuantConfig, forced, from_hf
 from engine.models.config import ModelConfig
@@ -22,7 +23,7 @@ from engine.models.loader import quant_loading as quant_loading
 from engine.models.loader.kv_scales import is_kv_scale_name
 from engine.models.loader.load_progress import LoadProgress
 from engine.models.loader.safetensors_reader import DTYPE_BYTES, SafetensorsFile
-from engine.models.sharding import first_kv_head, local_heads, vocab_rows_per_rank
+from engine.models.sharding import first_kv_head, vocab_rows_per_rank
 
 logger = logging.getLogger(__name__)
 
