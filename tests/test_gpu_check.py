@@ -416,3 +416,18 @@ def test_kernel_bench_writes_each_section(tmp_path, monkeypatch):
     assert result["complete"] is False and result["copy_GBps"] == 4000.0 and result["decode"][0]["kiln_GBps"] == 3500
     assert "prefill" not in result and (result["decode_kernel"], result["prefill_kernel"]) == ("v2", "wgmma")
     assert loaded == [("v2", "wgmma")]  # one generation per process
+
+
+def test_figures_are_scored_against_the_card_the_run_was_on():
+    """The floors are the H200's; on an H100 each memory-bound bound scales by the bandwidths (the
+    int4 / bf16 ratio does not), and the card is named beside each row."""
+    env = {"env": {"result": {"gpu": "NVIDIA H100 80GB HBM3"}}}
+    h100 = {row["target"]: row for row in gpu_summary.targets(env)}
+    h200 = {row["target"]: row for row in gpu_summary.targets({"env": {"result": {"gpu": "NVIDIA H200"}}})}
+    assert {row["card"] for row in h100.values()} == {"H100"} and {row["card"] for row in h200.values()} == {"H200"}
+    assert h200["8B bf16 batch 1 ms/step"]["bound"] == "<= 4.3"
+    assert h100["8B bf16 batch 1 ms/step"]["bound"] == f"<= {4.3 * 4.8 / 3.35:.4g}"
+    assert h100["1B bf16 batch 1 ms/step"]["bound"] == f"<= {1.0 * 4.8 / 3.35:.4g}"
+    assert h100["8B int4 / bf16 ms/step at batch 1"]["bound"] == h200["8B int4 / bf16 ms/step at batch 1"]["bound"]
+    assert h100["paged decode GB/s at B=64, ctx 2048"]["bound"] == f">= {3500 * 3.35 / 4.8:.4g}"
+    assert gpu_summary.card_of({}) == "H200"  # (no env record: the H200's floors)

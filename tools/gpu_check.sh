@@ -69,8 +69,10 @@
 #                .venv/bin/python -m compiler.kernels.cli --check --no-build --cache-dir build/kernels
 #                    # must say 69/69 hits: the carried cache matches the templates
 #                (.whl/ and build/ are git-ignored, so they travel only as carried paths)
-#   device:      run(command="DEADLINE_S=500 tools/gpu_check.sh", carry=[".whl", "build/kernels"],
-#                    timeout_s=560)   # DEADLINE_S + 60 s for wheels, packing, the table
+#   device:      run(command="DEADLINE_S=500 tools/gpu_check.sh", kind="nvidia-h200",
+#                    carry=[".whl", "build/kernels"], timeout_s=560)   # DEADLINE_S + 60 s for wheels, packing,
+#                    # the table; kind: the floors are the H200's (on an H100 the summary scales each bound
+#                    # by the memory bandwidths and names the card: tools/gpu_summary.py card_bound)
 #   then:        the table is the end of output_tail; summary.json, summary.txt and gpu_check.tar.gz
 #                (every stage's log, JSON and junit file) come back under files_at.
 #   a rerun of some stages, while the machine is warm: run(command="tools/gpu_check.sh tests", ...)
