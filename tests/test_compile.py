@@ -35,9 +35,9 @@ def engines(tiny_llama, compile_cache):
     cache = compile_cache
     from torch._dynamo.utils import counters
 
-    eager = LLMEngine(EngineSettings(model=str(tiny_llama), enforce_eager=True, **COMMON))
+    eager = LLMEngine.from_settings(EngineSettings(model=str(tiny_llama), enforce_eager=True, **COMMON))
     before, aot_before = compile_count(), counters["aot_autograd"]["total"]
-    compiled = LLMEngine(EngineSettings(model=str(tiny_llama), enforce_eager=False, compile_cache_dir=cache,
+    compiled = LLMEngine.from_settings(EngineSettings(model=str(tiny_llama), enforce_eager=False, compile_cache_dir=cache,
                                         **COMMON))
     compiled.start_graphs = compile_count() - before
     compiled.start_aot_compiles = counters["aot_autograd"]["total"] - aot_before
@@ -62,7 +62,7 @@ def _drive(engine, arrivals: dict[int, list[tuple[list[int], int]]], logprobs: i
     batch_sizes = []
     step = 0
     counter = 0
-    while step < max_steps and (engine.has_unfinished_requests() or any(k >= step for k in arrivals)):
+    while step < max_steps and (engine.core.has_unfinished_requests() or any(k >= step for k in arrivals)):
         for prompt, max_tokens in arrivals.get(step, []):
             engine.add_request(prompt, SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True,
                                                       logprobs=logprobs, detokenize=False),
@@ -71,9 +71,9 @@ def _drive(engine, arrivals: dict[int, list[tuple[list[int], int]]], logprobs: i
         for out in engine.step():
             if out.finished:
                 done[out.request_id] = (out.outputs[0].token_ids, out.outputs[0].logprobs)
-        batch_sizes.append(engine.last_step.num_generation_tokens)
+        batch_sizes.append(engine.core.last_step.num_generation_tokens)
         step += 1
-    assert not engine.has_unfinished_requests()
+    assert not engine.core.has_unfinished_requests()
     return done, batch_sizes
 
 
@@ -113,7 +113,7 @@ def test_compile_cache_hit_with_another_pool_size(engines, tiny_llama, compile_c
     from torch._dynamo.utils import counters
 
     misses = counters["inductor"]["fxgraph_cache_miss"]
-    other = LLMEngine(EngineSettings(model=str(tiny_llama), enforce_eager=False, compile_cache_dir=compile_cache,
+    other = LLMEngine.from_settings(EngineSettings(model=str(tiny_llama), enforce_eager=False, compile_cache_dir=compile_cache,
                                      **{**COMMON, "num_gpu_blocks": COMMON["num_gpu_blocks"] + 37}))
     # In this process Dynamo may reuse its graphs outright (no Inductor call at all); in a new
     # process every graph is a cache hit (benchmarks/, warm start). Never a miss.

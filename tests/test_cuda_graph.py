@@ -102,7 +102,7 @@ class ReplayChecker:
 
     def __init__(self, engine: LLMEngine) -> None:
         self.engine = engine
-        self.graph_runner = engine.runner.graph_runner
+        self.graph_runner = engine.core.runner.graph_runner
         self._replay = self.graph_runner.replay
         self.graph_runner.replay = self  # (the runner calls graph_runner.replay(step))
         self.seen: list[dict] = []
@@ -118,14 +118,14 @@ class ReplayChecker:
 
     def _check(self, step, graph_hidden, graph_tokens) -> dict:
         engine = self.engine
-        runner = engine.runner
+        runner = engine.core.runner
         buf = runner.buffers
         n = len(step.rows)
         max_len = int(buf.seq_lens[:n].max())
         bucket = bucket_for(n, SIZES)
         want_key = (bucket, graph_ctx(max_len, engine.max_model_len, self.graph_runner.device_reads_lengths))
         assert step.graph_key == want_key, (step.graph_key, n, max_len)
-        logits, tokens = engine.model.compute_logits(graph_hidden[:n]), graph_tokens[:n].clone()
+        logits, tokens = engine.core.model.compute_logits(graph_hidden[:n]), graph_tokens[:n].clone()
         # rows past the batch are padding on the device: they wrote and read nothing
         assert (buf.seq_lens[n:bucket] == 0).all().item() and (buf.slot_mapping[n:bucket] == -1).all().item(), (
             f"stale rows not masked: seq_lens {buf.seq_lens[n:bucket].tolist()}, "
@@ -133,9 +133,9 @@ class ReplayChecker:
         meta = AttentionMetadata(slot_mapping=buf.slot_mapping[:n], query_start_loc=buf.query_start_loc[:n + 1],
                                  seq_lens=buf.seq_lens[:n], block_tables=buf.block_tables[:n],
                                  max_query_len=1, max_seq_len=max_len, num_decodes=n)
-        hidden = engine.model.forward(buf.input_ids[:n], buf.positions[:n], runner.kv_cache.tensor, meta,
+        hidden = engine.core.model.forward(buf.input_ids[:n], buf.positions[:n], runner.kv_cache.tensor, meta,
                                       runner.builder.features.context(n))  # eager
-        ref = engine.model.compute_logits(hidden)
+        ref = engine.core.model.compute_logits(hidden)
         assert torch.isfinite(logits).all(), f"non-finite logits from the bucket-{bucket} graph"
         diff = (logits - ref).abs().max().item()
         scale = ref.abs().max().item()
@@ -166,15 +166,15 @@ def engines(request, tmp_path_factory):
     cache = tmp_path_factory.mktemp("compile-cache")
     if TARGETS[target][2] == "cutlass":
         _skip_unless_kernels_built(model, target, cache)
-    made = {"eager": LLMEngine(settings(model, target, cache, overlap=False, enforce_eager=True))}
+    made = {"eager": LLMEngine.from_settings(settings(model, target, cache, overlap=False, enforce_eager=True))}
     for name, overlap in (("overlap", True), ("serial", False)):
-        engine = LLMEngine(settings(model, target, cache, overlap=overlap, enforce_eager=False))
-        assert engine.async_scheduling is overlap and engine.backend.name == TARGETS[target][2]
+        engine = LLMEngine.from_settings(settings(model, target, cache, overlap=overlap, enforce_eager=False))
+        assert engine.core.async_scheduling is overlap and engine.core.backend.name == TARGETS[target][2]
         if target == "cpu":
             # Simulated graphs over the eager forward: padded steps and full-width block tables, as
             # the compiled forward takes them (compiling it on the CPU costs minutes: tests/test_compile.py).
-            engine.runner.builder.compiled = True
-            engine.runner.capture_graphs(SIZES, device_reads_lengths=False, simulate=True)
+            engine.core.runner.builder.compiled = True
+            engine.core.runner.capture_graphs(SIZES, device_reads_lengths=False, simulate=True)
         engine.checker = ReplayChecker(engine)
         made[name] = engine
     made["target"] = target
@@ -209,11 +209,11 @@ def step_until_replayed(engine, rows: int, times: int) -> None:
 def drain(engine) -> None:
     """Step until nothing is left: no request and, with overlap on, no launched step unprocessed."""
     for _ in range(MAX_STEPS):
-        if not engine.has_unfinished_requests():
+        if not engine.core.has_unfinished_requests():
             break
         engine.step()
-    engine.check_integrity()
-    assert engine.is_idle_and_free(), "requests, a step in flight or KV blocks left"
+    engine.core.check_integrity()
+    assert engine.core.is_idle_and_free(), "requests, a step in flight or KV blocks left"
 
 
 def _abort(engine, ids) -> None:
@@ -268,7 +268,7 @@ def test_shrink_and_grow_replays_right_bucket(engines, mode):
 
 def _drive(engine, plan, logprobs=None):
     done, step = {}, 0
-    while engine.has_unfinished_requests() or any(k >= step for k in plan):
+    while engine.core.has_unfinished_requests() or any(k >= step for k in plan):
         for i, (prompt, max_tokens) in enumerate(plan.get(step, [])):
             engine.add_request(prompt, _params(max_tokens, logprobs), request_id=f"s{step}-{i}")
         for out in engine.step():
