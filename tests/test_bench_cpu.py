@@ -59,8 +59,9 @@ def test_step_parts_split_a_decode_step(tiny_llama, capsys):
     assert cpu.step_part("kiln_cpu::paged_attention") == "attention"
     assert cpu.step_part("kiln_cpu_fused::rms_norm") == "fused norms/rope/act"
     assert cpu.step_part("aten::add") == "other torch ops"
-    engine = LLMEngine.from_settings(EngineSettings(model=str(tiny_llama), device="cpu", max_model_len=128, num_gpu_blocks=64,
-                                      max_num_seqs=4, log_stats_interval=0, enforce_eager=True))
+    engine = LLMEngine.from_settings(EngineSettings(model=str(tiny_llama), device="cpu", max_model_len=128,
+                                                    num_gpu_blocks=64, max_num_seqs=4, log_stats_interval=0,
+                                                    enforce_eager=True))
     row = cpu.step_parts(engine, batch=2, steps=4, input_len=8)
     assert row["ops_per_step"] > 0 and row["parts_us"]["linear"] > 0 and row["parts_us"]["attention"] > 0
     assert sum(row["parts_us"].values()) >= row["step_us"] * 0.99

@@ -48,7 +48,8 @@ def test_hf_state_dict_covers_transformers_model(tiny_models):
                                  seq_lens=torch.tensor([5], dtype=torch.int32),
                                  block_tables=torch.tensor([[1]], dtype=torch.int32), max_query_len=5, max_seq_len=5)
         with torch.inference_mode():
-            ours = engine.core.model.compute_logits(engine.core.model(ids[0], torch.arange(5), engine.core.kv_cache.tensor, meta))
+            model = engine.core.model
+            ours = model.compute_logits(model(ids[0], torch.arange(5), engine.core.kv_cache.tensor, meta))
             theirs = hf(ids).logits[0].float()
         torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-4)
 

@@ -58,9 +58,9 @@ def _serve(engine, reqs, staggered: bool) -> dict[str, list[int]]:
 
 def test_cpu_default_compiles_only_the_attention(engines):
     _, compiled = engines
-    assert compiled.runner.forward_fn == compiled.model.forward  # eager forward
-    assert compiled.backend.compiled_cpu_decode
-    assert compiled.compile_seconds > 0
+    assert compiled.core.runner.forward_fn == compiled.core.model.forward  # eager forward
+    assert compiled.core.backend.compiled_cpu_decode
+    assert compiled.core.compile_seconds > 0
     assert compiled.settings.resolved_compile_cache_dir() == KERNEL.cache_dir
     assert KERNEL.library_path().is_file()
     assert KERNEL.library_path().is_relative_to(KERNEL.cache_dir / "cpu-attention")

@@ -224,13 +224,13 @@ def _abort(engine, ids) -> None:
 @OVERLAP
 def test_startup_captures_every_bucket(engines, mode):
     graphs, eager = engines[mode], engines["eager"]
-    gr = graphs.runner.graph_runner
-    assert gr is not None and eager.runner.graph_runner is None
+    gr = graphs.core.runner.graph_runner
+    assert gr is not None and eager.core.runner.graph_runner is None
     ctx0 = graph_ctx(1, graphs.max_model_len, gr.device_reads_lengths)
     assert {(b, ctx0) for b in SIZES} <= set(gr.graphs.graphs), sorted(gr.graphs.graphs)
     if engines["target"] != "cpu":  # (the CPU's graphs are simulated, captured after start-up)
-        assert graphs.compile_seconds > 0 and graphs.capture_seconds > 0
-        print(f"compile {graphs.compile_seconds:.1f}s, capture {graphs.capture_seconds:.2f}s")
+        assert graphs.core.compile_seconds > 0 and graphs.core.capture_seconds > 0
+        print(f"compile {graphs.core.compile_seconds:.1f}s, capture {graphs.core.capture_seconds:.2f}s")
 
 
 @OVERLAP
@@ -288,7 +288,7 @@ def test_greedy_tokens_graphs_equal_eager(engines, mode):
     plan: dict[int, list] = {}
     for i, (p, t) in enumerate(zip(prompts, at)):
         plan.setdefault(t, []).append((p, 40 if i == 3 else 5 + (i * 7) % 31))
-    gr = graphs.runner.graph_runner
+    gr = graphs.core.runner.graph_runner
     if "want" not in engines:  # the eager reference, once for both modes
         engines["want"] = _drive(eager, plan, logprobs=1)
         drain(eager)
@@ -324,7 +324,7 @@ def test_the_checker_catches_unmasked_padding_rows(engines, monkeypatch):
     """The checks can fail: with the padding of a graph's spare rows broken, the first replay of a
     shrunk batch (bucket 8, 5 rows) reports the stale rows."""
     graphs = engines["serial"]
-    buf = graphs.runner.buffers
+    buf = graphs.core.runner.buffers
     real = buf.fill_padding
     ids = [graphs.add_request(p, _params(50)).request_id for p in _prompts(8, seed=31)]
     step_until_replayed(graphs, 8, 1)

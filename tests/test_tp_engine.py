@@ -102,7 +102,7 @@ def test_tp2_equals_tp1(tp_engines, tiny_models, arch, mode):
                                                   swap_space_gb=0.01))
     reference = _engine(tiny_models[arch], 1, preemption_mode=mode, swap_space_gb=0.01)
     expected = _run(reference)
-    assert reference.scheduler.preemptions_by_mode[mode] > 0
+    assert reference.core.scheduler.preemptions_by_mode[mode] > 0
     engine.core.scheduler.config = dataclasses.replace(engine.core.scheduler.config, preemption_mode=mode)
     engine.core.scheduler.preemption.mode = mode  # the preemptor keeps its own copy of the mode
     before = engine.core.scheduler.preemptions_by_mode[mode]

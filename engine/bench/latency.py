@@ -400,12 +400,14 @@ def main(argv: list[str]) -> int:
         if tmp is not None:
             tmp.cleanup()
         return 0
-    produced_by = {"model": name, "device": str(engine.core.device), "dtype": str(engine.core.dtype).removeprefix("torch."),
+    produced_by = {"model": name, "device": str(engine.core.device),
+                   "dtype": str(engine.core.dtype).removeprefix("torch."),
                    "backend": engine.core.backend.name, "cuda_graphs": engine.core.runner.graph_runner is not None,
                    "async_scheduling": engine.core.async_scheduling, "enforce_eager": settings.enforce_eager,
                    "decode_kernel": settings.decode_kernel, "prefill_kernel": settings.prefill_kernel,
                    "quantization": settings.quantization}
-    print(f"kiln bench latency: {name} ({produced_by['dtype']}, {engine.core.device}, attention {engine.core.backend.name}, "
+    print(f"kiln bench latency: {name} ({produced_by['dtype']}, {engine.core.device}, "
+          f"attention {engine.core.backend.name}, "
           f"{'eager' if settings.enforce_eager else 'compiled'}"
           f"{', CUDA graphs' if produced_by['cuda_graphs'] else ''}, overlap scheduling "
           f"{'on' if engine.core.async_scheduling else 'off'}), input {args.input_len}, output {args.output_len}")

@@ -91,7 +91,7 @@ def instrument(engine) -> dict[str, float]:
     engine.core.scheduler.schedule = _Timed(engine.core.scheduler.schedule, totals, "schedule")
     engine.core.runner.prepare = _Timed(engine.core.runner.prepare, totals, "prep")
     runner = engine.core.runner
-    if hasattr(engine, "_sample"):  # a step whose sampling waits for the previous step's processing
+    if hasattr(engine.core, "_sample"):  # a step whose sampling waits for the previous step's processing
         engine.core._sample = _Timed(engine.core._sample, totals, "runner")
     if hasattr(runner, "launch"):
         runner.launch = _Timed(runner.launch, totals, "runner")
@@ -127,7 +127,7 @@ def measure(engine, totals: dict[str, float], batch: int, steps: int, overlap: b
             mix: str = "none", offline: bool = False) -> dict[str, float]:
     from engine.core.request import SamplingParams
 
-    if hasattr(engine, "async_scheduling"):
+    if hasattr(engine.core, "async_scheduling"):
         engine.core.async_scheduling = overlap
     elif overlap:
         return {}

@@ -6,8 +6,8 @@ FILE is either
     generation prompt, exactly as a chat request starting with those messages is rendered); or
   * plain text: one prompt per non-empty line.
 At start-up the engine computes these prefixes and pins their full KV blocks in the prefix
-cache (`LLMEngine.warm_prefixes`, run by `EngineCore.warm_prefixes`): they are never evicted, and every request that starts
-with one of them skips its prefill.
+cache (`LLMEngine.warm_prefixes` admits them, `EngineCore.warm_prefixes` runs and pins them): they
+are never evicted, and every request that starts with one of them skips its prefill.
 """
 
 from __future__ import annotations

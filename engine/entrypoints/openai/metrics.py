@@ -144,7 +144,7 @@ class EngineMetrics:
     def set_engine_info(self, engine) -> None:
         """kiln:cache_config_info from the engine's settings and sizing (once)."""
         s = engine.settings
-        swap = getattr(engine, "swap_space", None)
+        swap = engine.core.swap_space
         values = {"block_size": s.block_size, "cache_dtype": s.kv_cache_dtype,
                   "enable_prefix_caching": s.enable_prefix_caching,
                   "gpu_memory_utilization": s.gpu_memory_utilization, "num_gpu_blocks": engine.core.pool.num_usable,
@@ -180,7 +180,7 @@ class EngineMetrics:
         self.kv_usage.set(pool.usage())
         self.blocks_in_use.set(pool.num_in_use)
         self.blocks_total.set(pool.num_usable)
-        swap = getattr(engine, "swap_space", None)
+        swap = engine.core.swap_space
         usage = getattr(swap, "usage", None)
         self.cpu_usage.set(usage() if callable(usage) else 0.0)
         frag = getattr(sched, "fragmentation", None)
@@ -277,7 +277,8 @@ class EngineMetrics:
     def _log(self, engine, totals: dict[str, int], now: float) -> None:
         prev = self._log_prev
         sched = engine.core.scheduler
-        if not engine.core.has_unfinished_requests() and totals["gen"] == prev["gen"] and totals["prompt"] == prev["prompt"]:
+        if (not engine.core.has_unfinished_requests() and totals["gen"] == prev["gen"]
+                and totals["prompt"] == prev["prompt"]):
             prev["t"] = now  # idle since the last line: nothing to say
             return
         dt = max(now - prev["t"], 1e-9)
