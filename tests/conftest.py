@@ -96,10 +96,10 @@ def _isolated_cache_dir(tmp_path_factory, monkeypatch):
 
 def assert_engine_clean(engine) -> None:
     """Block accounting holds and nothing is left referenced: call after every engine test."""
-    engine.check_integrity()
-    assert not engine.has_unfinished_requests(), "requests left unfinished"
-    assert engine.pool.is_fully_free(), (
-        f"KV blocks leaked: {engine.pool.num_in_use} in use after all requests finished")
+    engine.core.check_integrity()
+    assert not engine.core.has_unfinished_requests(), "requests left unfinished"
+    assert engine.core.pool.is_fully_free(), (
+        f"KV blocks leaked: {engine.core.pool.num_in_use} in use after all requests finished")
 
 
 def sampler_output(out, per_seq: list[list[int]]):
@@ -126,11 +126,11 @@ def run_checked(engine) -> dict:
     """Step the engine until every request has finished, checking block accounting after each
     step; returns {request id: final RequestOutput}."""
     done = {}
-    while engine.has_unfinished_requests():
+    while engine.core.has_unfinished_requests():
         for out in engine.step():
             if out.finished:
                 done[out.request_id] = out
-        engine.check_integrity()
+        engine.core.check_integrity()
     return done
 
 

@@ -353,7 +353,7 @@ def test_refused_offline_and_by_beam_search(make_llm, made):
         for how in (case.offline, case.beam):
             if how is not None:
                 _check_refusal(case, made, how, llm, ctx)
-    assert not llm.engine.has_unfinished_requests()
+    assert not llm.engine.core.has_unfinished_requests()
 
 
 def test_refused_at_admission_on_the_stub(made):

@@ -24,7 +24,7 @@ def make_engine(tiny_llama):
         settings = dict(model=str(tiny_llama), device="cpu", enforce_eager=True, max_model_len=128,
                         num_gpu_blocks=64, max_num_seqs=8)
         settings.update(overrides)
-        engine = AsyncEngine(LLMEngine(EngineSettings(**settings)), idle_poll_s=0.05).start()
+        engine = AsyncEngine(LLMEngine.from_settings(EngineSettings(**settings)), idle_poll_s=0.05).start()
         made.append(engine)
         return engine
 
@@ -68,7 +68,7 @@ def test_concurrent_streams_match_offline(make_engine, make_llm):
     offline = make_llm(max_model_len=128, num_gpu_blocks=64).generate(prompts, greedy(12), use_tqdm=False)
     for (text, tokens, finish), ref in zip(results, offline):
         assert tokens == ref.outputs[0].token_ids and text == ref.outputs[0].text and finish == "length"
-    wait_until(lambda: engine.engine.is_idle_and_free())
+    wait_until(lambda: engine.engine.core.is_idle_and_free())
 
 
 def test_abort_frees_blocks_at_next_step(make_engine):
@@ -81,13 +81,13 @@ def test_abort_frees_blocks_at_next_step(make_engine):
             got += 1
             if got == 3:
                 break
-        assert engine.engine.pool.num_in_use > 0
+        assert engine.engine.core.pool.num_in_use > 0
         await gen.aclose()  # the reader goes away: the request is aborted
-        await asyncio.to_thread(wait_until, lambda: engine.engine.is_idle_and_free())  # loop still open
+        await asyncio.to_thread(wait_until, lambda: engine.engine.core.is_idle_and_free())  # loop still open
 
     asyncio.run(main())
     assert engine.is_alive
-    assert engine.engine.num_generation_tokens_total < 100  # cut short, not run to its end
+    assert engine.engine.core.num_generation_tokens_total < 100  # cut short, not run to its end
 
 
 def test_invalid_request_rejected_without_disturbing_others(make_engine):
@@ -124,18 +124,18 @@ def test_slow_reader_never_blocks_the_loop(make_engine):
 def test_queue_limit_and_dead_loop(make_engine):
     engine = make_engine(max_num_seqs=1, max_waiting_requests=1)
     boom = threading.Event()
-    real_step = engine.engine.core_step
+    real_step = engine.engine.core.step
 
     def step():
         if boom.is_set():
             raise RuntimeError("GPU on fire")
         return real_step()
 
-    engine.engine.core_step = step
+    engine.engine.core.step = step
 
     async def main():
         running = await engine.add_request("Hello", greedy(100))
-        await asyncio.to_thread(wait_until, lambda: len(engine.engine.scheduler.running) == 1)
+        await asyncio.to_thread(wait_until, lambda: len(engine.engine.core.scheduler.running) == 1)
         waiting = await engine.add_request("Hello again", greedy(100))  # max_num_seqs=1: it waits
         with pytest.raises(QueueFullError):
             await engine.add_request("one too many", greedy(4))

@@ -36,7 +36,7 @@ def test_beams_equal_transformers(tiny_llama, make_llm):
         assert [c.token_ids for c in out.outputs] == beams
         assert [c.cumulative_logprob / 8 for c in out.outputs] == pytest.approx(scores, abs=1e-4)
         assert all(c.finish_reason == "length" for c in out.outputs)
-    assert llm.engine.pool.counters.prefix_hits > 0  # beams re-read their shared prefix from the cache
+    assert llm.engine.core.pool.counters.prefix_hits > 0  # beams re-read their shared prefix from the cache
 
 
 def test_expand_sets_eos_beams_aside_and_ranks_by_length_penalty():

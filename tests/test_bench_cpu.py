@@ -59,12 +59,13 @@ def test_step_parts_split_a_decode_step(tiny_llama, capsys):
     assert cpu.step_part("kiln_cpu::paged_attention") == "attention"
     assert cpu.step_part("kiln_cpu_fused::rms_norm") == "fused norms/rope/act"
     assert cpu.step_part("aten::add") == "other torch ops"
-    engine = LLMEngine(EngineSettings(model=str(tiny_llama), device="cpu", max_model_len=128, num_gpu_blocks=64,
-                                      max_num_seqs=4, log_stats_interval=0, enforce_eager=True))
+    engine = LLMEngine.from_settings(EngineSettings(model=str(tiny_llama), device="cpu", max_model_len=128,
+                                                    num_gpu_blocks=64, max_num_seqs=4, log_stats_interval=0,
+                                                    enforce_eager=True))
     row = cpu.step_parts(engine, batch=2, steps=4, input_len=8)
     assert row["ops_per_step"] > 0 and row["parts_us"]["linear"] > 0 and row["parts_us"]["attention"] > 0
     assert sum(row["parts_us"].values()) >= row["step_us"] * 0.99
-    assert not engine.has_unfinished_requests() and engine.pool.is_fully_free()
+    assert not engine.core.has_unfinished_requests() and engine.core.pool.is_fully_free()
     assert "torch ops per step" in capsys.readouterr().out
 
 
@@ -76,8 +77,8 @@ def test_decoder_stack_against_op_by_op(tiny_llama, capsys):
 
     common = dict(model=str(tiny_llama), device="cpu", max_model_len=128, num_gpu_blocks=64, max_num_seqs=4,
                   log_stats_interval=0)
-    engine = LLMEngine(EngineSettings(**common))
-    stack = engine.runner.model.cpu_stack
+    engine = LLMEngine.from_settings(EngineSettings(**common))
+    stack = engine.core.runner.model.cpu_stack
     assert stack is not None
     res = cpu.decoder_stack(engine, [1, 2], rounds=2, steps=3, input_len=8)
     assert [r["batch"] for r in res["rows"]] == [1, 2]
@@ -85,9 +86,9 @@ def test_decoder_stack_against_op_by_op(tiny_llama, capsys):
         assert set(r["samples"]) == {"stack", "op by op", "stack, fork/join"}  # (no GGUF-blocks head here)
         assert all(len(v) == 2 for v in r["samples"].values())
         assert r["speedup"] == r["op_by_op_ms"] / r["stack_ms"] > 0 and r["team_speedup"] > 0
-    assert engine.runner.model.cpu_stack is stack and stack.stack.team_rows() == 8
-    assert not engine.has_unfinished_requests() and engine.pool.is_fully_free()
-    off = LLMEngine(EngineSettings(**common, cpu_decoder_stack=False))
+    assert engine.core.runner.model.cpu_stack is stack and stack.stack.team_rows() == 8
+    assert not engine.core.has_unfinished_requests() and engine.core.pool.is_fully_free()
+    off = LLMEngine.from_settings(EngineSettings(**common, cpu_decoder_stack=False))
     assert cpu.decoder_stack(off, [1], rounds=1, steps=2, input_len=8) == {}
     assert "-> " in capsys.readouterr().out
 
@@ -102,7 +103,7 @@ def test_decode_window_opens_on_a_prompt_the_prefix_cache_holds(make_llm):
     prompt = [[(7 * i) % 200 + 5 for i in range(40)]]  # (two full blocks of 16: cached after one run)
     first = run_kiln(engine, prompt, 6, "a")
     again = run_kiln(engine, prompt, 6, "b")
-    assert engine.num_prompt_tokens_total < 2 * 40  # (the second run hit the cache)
+    assert engine.core.num_prompt_tokens_total < 2 * 40  # (the second run hit the cache)
     assert again["tokens"] == first["tokens"]
     for res in (first, again):
         assert res["decode_steps"] == 5 and len(res["step_s"]) == 5 and all(s > 0 for s in res["step_s"])

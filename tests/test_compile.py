@@ -35,13 +35,13 @@ def engines(tiny_llama, compile_cache):
     cache = compile_cache
     from torch._dynamo.utils import counters
 
-    eager = LLMEngine(EngineSettings(model=str(tiny_llama), enforce_eager=True, **COMMON))
+    eager = LLMEngine.from_settings(EngineSettings(model=str(tiny_llama), enforce_eager=True, **COMMON))
     before, aot_before = compile_count(), counters["aot_autograd"]["total"]
-    compiled = LLMEngine(EngineSettings(model=str(tiny_llama), enforce_eager=False, compile_cache_dir=cache,
-                                        **COMMON))
+    compiled = LLMEngine.from_settings(EngineSettings(model=str(tiny_llama), enforce_eager=False,
+                                                      compile_cache_dir=cache, **COMMON))
     compiled.start_graphs = compile_count() - before
     compiled.start_aot_compiles = counters["aot_autograd"]["total"] - aot_before
-    compiled.runner.capture_graphs(SIZES, device_reads_lengths=False, simulate=True)
+    compiled.core.runner.capture_graphs(SIZES, device_reads_lengths=False, simulate=True)
     return eager, compiled
 
 
@@ -62,7 +62,7 @@ def _drive(engine, arrivals: dict[int, list[tuple[list[int], int]]], logprobs: i
     batch_sizes = []
     step = 0
     counter = 0
-    while step < max_steps and (engine.has_unfinished_requests() or any(k >= step for k in arrivals)):
+    while step < max_steps and (engine.core.has_unfinished_requests() or any(k >= step for k in arrivals)):
         for prompt, max_tokens in arrivals.get(step, []):
             engine.add_request(prompt, SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True,
                                                       logprobs=logprobs, detokenize=False),
@@ -71,9 +71,9 @@ def _drive(engine, arrivals: dict[int, list[tuple[list[int], int]]], logprobs: i
         for out in engine.step():
             if out.finished:
                 done[out.request_id] = (out.outputs[0].token_ids, out.outputs[0].logprobs)
-        batch_sizes.append(engine.last_step.num_generation_tokens)
+        batch_sizes.append(engine.core.last_step.num_generation_tokens)
         step += 1
-    assert not engine.has_unfinished_requests()
+    assert not engine.core.has_unfinished_requests()
     return done, batch_sizes
 
 
@@ -103,8 +103,8 @@ def test_compiles_three_graphs_at_startup(engines):
     # each graph went through AOTAutograd once: no analysis restarted (symbolic float constants
     # made Dynamo trace every graph twice; the start-up compile specialises floats)
     assert compiled.start_aot_compiles == compiled.start_graphs
-    assert compiled.compile_seconds > 0
-    assert compiled.capture_seconds == 0.0  # no CUDA graphs on the CPU
+    assert compiled.core.compile_seconds > 0
+    assert compiled.core.capture_seconds == 0.0  # no CUDA graphs on the CPU
 
 
 def test_compile_cache_hit_with_another_pool_size(engines, tiny_llama, compile_cache):
@@ -113,8 +113,9 @@ def test_compile_cache_hit_with_another_pool_size(engines, tiny_llama, compile_c
     from torch._dynamo.utils import counters
 
     misses = counters["inductor"]["fxgraph_cache_miss"]
-    other = LLMEngine(EngineSettings(model=str(tiny_llama), enforce_eager=False, compile_cache_dir=compile_cache,
-                                     **{**COMMON, "num_gpu_blocks": COMMON["num_gpu_blocks"] + 37}))
+    other = LLMEngine.from_settings(EngineSettings(model=str(tiny_llama), enforce_eager=False,
+                                                   compile_cache_dir=compile_cache,
+                                                   **{**COMMON, "num_gpu_blocks": COMMON["num_gpu_blocks"] + 37}))
     # In this process Dynamo may reuse its graphs outright (no Inductor call at all); in a new
     # process every graph is a cache hit (benchmarks/, warm start). Never a miss.
     assert counters["inductor"]["fxgraph_cache_miss"] == misses, "a different pool size recompiled"
@@ -151,7 +152,7 @@ def test_compiled_greedy_matches_eager(engines):
 
 def test_no_recompile_across_200_steps(engines):
     _, compiled = engines
-    graphs = compiled.runner.graph_runner
+    graphs = compiled.core.runner.graph_runner
     before = compile_count()
     replays_before = graphs.num_replays
     steps = 0
@@ -172,7 +173,7 @@ def test_no_recompile_across_200_steps(engines):
 
 def test_buffers_updated_in_place(engines):
     _, compiled = engines
-    runner = compiled.runner
+    runner = compiled.core.runner
     buf = runner.buffers
     names = ["input_ids", "positions", "slot_mapping", "query_start_loc", "seq_lens", "block_tables",
              "input_ids_host", "block_tables_host"]
@@ -206,7 +207,7 @@ def test_buffers_updated_in_place(engines):
 
     runner.launch = checked_launch
     try:
-        while compiled.has_unfinished_requests():
+        while compiled.core.has_unfinished_requests():
             compiled.step()
     finally:
         del runner.launch
@@ -227,7 +228,7 @@ def test_graph_ctx_and_buckets():
 def test_graph_path_defers_to_the_sampler(engines):
     """Rows the graph's argmax cannot serve (logits processors, logprobs) go through the Sampler."""
     _, compiled = engines
-    replays = compiled.runner.graph_runner.num_replays
+    replays = compiled.core.runner.graph_runner.num_replays
 
     def force_42(_ids, row):
         out = torch.full_like(row, -float("inf"))
@@ -240,11 +241,11 @@ def test_graph_path_defers_to_the_sampler(engines):
     compiled.add_request(prompt, SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True, detokenize=False,
                                                 logprobs=2), request_id="lp")
     outs = {}
-    while compiled.has_unfinished_requests():
+    while compiled.core.has_unfinished_requests():
         for o in compiled.step():
             if o.finished:
                 outs[o.request_id] = o.outputs[0]
     assert outs["proc"].token_ids == [42] * 5
     assert len(outs["lp"].logprobs) == 5 and all(len(e) >= 2 for e in outs["lp"].logprobs)
-    assert compiled.runner.graph_runner.num_replays > replays
+    assert compiled.core.runner.graph_runner.num_replays > replays
     assert_engine_clean(compiled)

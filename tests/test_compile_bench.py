@@ -38,7 +38,7 @@ def test_hf_state_dict_covers_transformers_model(tiny_models):
     from engine.runtime.llm_engine import LLMEngine
 
     for arch in ("qwen2", "qwen3"):  # biases, q/k norms, tied embeddings
-        engine = LLMEngine(EngineSettings(model=str(tiny_models[arch]), device="cpu", enforce_eager=True,
+        engine = LLMEngine.from_settings(EngineSettings(model=str(tiny_models[arch]), device="cpu", enforce_eager=True,
                                           num_gpu_blocks=8, max_model_len=64))
         hf = latency.build_hf_model(engine)
         ids = torch.tensor([[5, 6, 7, 8, 9]])
@@ -48,7 +48,8 @@ def test_hf_state_dict_covers_transformers_model(tiny_models):
                                  seq_lens=torch.tensor([5], dtype=torch.int32),
                                  block_tables=torch.tensor([[1]], dtype=torch.int32), max_query_len=5, max_seq_len=5)
         with torch.inference_mode():
-            ours = engine.model.compute_logits(engine.model(ids[0], torch.arange(5), engine.kv_cache.tensor, meta))
+            model = engine.core.model
+            ours = model.compute_logits(model(ids[0], torch.arange(5), engine.core.kv_cache.tensor, meta))
             theirs = hf(ids).logits[0].float()
         torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-4)
 

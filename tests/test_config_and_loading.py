@@ -86,7 +86,7 @@ def test_sharded_bf16_checkpoint_loads_like_the_original(tiny_models, tmp_path, 
     _save_sharded(src, dst, torch.bfloat16)
     a = make_llm(src, dtype="bfloat16")
     b = make_llm(dst, dtype="bfloat16")
-    for (na, pa), (nb, pb) in zip(a.engine.model.named_parameters(), b.engine.model.named_parameters()):
+    for (na, pa), (nb, pb) in zip(a.engine.core.model.named_parameters(), b.engine.core.model.named_parameters()):
         assert na == nb and torch.equal(pa, pb), na
     p = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
     assert a.generate(["Hello"], p, use_tqdm=False)[0].outputs[0].token_ids == \

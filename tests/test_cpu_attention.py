@@ -175,7 +175,7 @@ def test_engine_greedy_matches_transformers(arch, tiny_models, make_llm):
     from tests.test_engine_vs_hf import GREEDY, MAX_TOKENS, _prompts, hf_greedy
 
     llm = make_llm(tiny_models[arch], max_num_seqs=16, enforce_eager=False)
-    assert llm.engine.backend.compiled_cpu_decode
+    assert llm.engine.core.backend.compiled_cpu_decode
     prompts = _prompts(llm.engine.model_config.vocab_size)
     outs = llm.generate(prompts, GREEDY, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == hf_greedy(str(tiny_models[arch]), prompts, MAX_TOKENS)

@@ -19,8 +19,8 @@ COMMON = dict(device="cpu", max_num_seqs=8, num_gpu_blocks=96, max_model_len=256
 @pytest.fixture(scope="module")
 def engines(tiny_llama):
     # The session's kiln cache (conftest): other CPU engines and servers of the session reuse the build.
-    eager = LLMEngine(EngineSettings(model=str(tiny_llama), enforce_eager=True, **COMMON))
-    compiled = LLMEngine(EngineSettings(model=str(tiny_llama), **COMMON))
+    eager = LLMEngine.from_settings(EngineSettings(model=str(tiny_llama), enforce_eager=True, **COMMON))
+    compiled = LLMEngine.from_settings(EngineSettings(model=str(tiny_llama), **COMMON))
     return eager, compiled
 
 
@@ -44,7 +44,7 @@ def _serve(engine, reqs, staggered: bool) -> dict[str, list[int]]:
     params = lambda n: SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, detokenize=False)  # noqa: E731
     done = {}
     pending = list(enumerate(reqs))
-    while pending or engine.has_unfinished_requests():
+    while pending or engine.core.has_unfinished_requests():
         for _ in range(1 if staggered else len(pending)):
             if pending:
                 i, (prompt, n) = pending.pop(0)
@@ -58,9 +58,9 @@ def _serve(engine, reqs, staggered: bool) -> dict[str, list[int]]:
 
 def test_cpu_default_compiles_only_the_attention(engines):
     _, compiled = engines
-    assert compiled.runner.forward_fn == compiled.model.forward  # eager forward
-    assert compiled.backend.compiled_cpu_decode
-    assert compiled.compile_seconds > 0
+    assert compiled.core.runner.forward_fn == compiled.core.model.forward  # eager forward
+    assert compiled.core.backend.compiled_cpu_decode
+    assert compiled.core.compile_seconds > 0
     assert compiled.settings.resolved_compile_cache_dir() == KERNEL.cache_dir
     assert KERNEL.library_path().is_file()
     assert KERNEL.library_path().is_relative_to(KERNEL.cache_dir / "cpu-attention")

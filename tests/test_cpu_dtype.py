@@ -54,10 +54,10 @@ def test_engine_logs_its_choice(tiny_llama, tmp_path, caplog):
     expected, _ = cpu_auto_dtype("bfloat16", cpu_math())
     with caplog.at_level(logging.INFO, logger="engine.resolve"):
         llm = LLM(str(model), device="cpu", enforce_eager=True, max_model_len=64, num_gpu_blocks=16)
-    assert str(llm.engine.dtype) == f"torch.{expected}"
+    assert str(llm.engine.core.dtype) == f"torch.{expected}"
     assert f"dtype auto on the CPU: {expected}" in caplog.text
     assert str(LLM(str(model), device="cpu", enforce_eager=True, max_model_len=64, num_gpu_blocks=16,
-                   dtype="float32").engine.dtype) == "torch.float32"
+                   dtype="float32").engine.core.dtype) == "torch.float32"
 
 
 def test_gguf_weight_types_name_the_checkpoint_dtype(tiny_llama, tmp_path):

@@ -20,7 +20,7 @@ def fused_llm(tiny_llama, tmp_path_factory):
     from engine.entrypoints.llm import LLM
 
     llm = LLM(model=str(tiny_llama), max_num_seqs=64, device="cpu", enforce_eager=True, num_gpu_blocks=512)
-    model = llm.engine.runner.model
+    model = llm.engine.core.runner.model
     model.use_cpu_fused_ops(tmp_path_factory.getbasetemp() / "kiln-cache" / "compile")
     assert model.pad_cpu_rows
     return llm
@@ -40,7 +40,7 @@ def _decode_meta(rows: int, block_size: int, seed: int) -> tuple[AttentionMetada
 @pytest.mark.parametrize("cpp_attention", [True, False], ids=["cpp-attention", "reference-attention"])
 @pytest.mark.parametrize("rows", [33, 41, 64, 70])
 def test_padded_forward_equals_unpadded(fused_llm, rows, cpp_attention):
-    runner = fused_llm.engine.runner
+    runner = fused_llm.engine.core.runner
     model, cache = runner.model, runner.kv_cache.tensor
     model.set_backend(TorchAttentionBackend(compiled_cpu_decode=cpp_attention))
     meta, pos = _decode_meta(rows, cache.shape[3], rows)
@@ -60,7 +60,7 @@ def test_padded_forward_equals_unpadded(fused_llm, rows, cpp_attention):
 
 
 def test_no_padding_where_it_cannot_pay(fused_llm):
-    model = fused_llm.engine.runner.model
+    model = fused_llm.engine.core.runner.model
     w = model.embed_tokens.weight
     assert model.padded_rows(16, w, None) == 16  # F.linear's rows: no bucket
     assert model.padded_rows(64, w, None) == 64  # already a bucket

@@ -18,7 +18,7 @@ def _fused_llm(make_llm, model, tmp_path_factory, **settings):
     """An eager engine (no compiled attention: the fused ops alone differ from test_engine_vs_hf)
     switched to the fused ops as the CPU warm-up does."""
     llm = make_llm(model, max_num_seqs=16, **settings)
-    model_module = llm.engine.runner.model
+    model_module = llm.engine.core.runner.model
     model_module.use_cpu_fused_ops(tmp_path_factory.getbasetemp() / "kiln-cache" / "compile")
     switched = [m for m in model_module.modules() if isinstance(m, (RMSNorm, RotaryEmbedding, MLP))]
     assert switched and all(m.fused for m in switched)
@@ -72,7 +72,7 @@ def test_a_fused_library_that_cannot_build_leaves_the_eager_ops(make_llm, tiny_l
     monkeypatch.setattr(cpu_fused, "FUSED", lib)
     with caplog.at_level(logging.INFO):
         llm = make_llm(enforce_eager=False, max_num_seqs=16)  # (the CPU warm-up loads the fused ops)
-        model = llm.engine.runner.model
+        model = llm.engine.core.runner.model
         model.use_cpu_fused_ops(tmp_path)  # (a second try: not rebuilt, not logged again)
     assert len(builds) == 1 and "no C++ compiler" in lib.error and not lib.ready
     assert caplog.text.count("CPU fused ops unavailable (RuntimeError: no C++ compiler)") == 1

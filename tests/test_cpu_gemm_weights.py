@@ -64,12 +64,12 @@ def test_engine_with_copies_gives_the_same_tokens(tiny_llama, dtype):
 
     settings = dict(device="cpu", dtype=dtype, max_model_len=256, max_num_seqs=8, max_num_batched_tokens=256)
     on, off = (LLM(str(tiny_llama), cpu_gemm_packed_weights=s, **settings) for s in ("on", "off"))
-    copies = [m for m in on.engine.model.modules() if getattr(m, "gemm_weight", None) is not None]
+    copies = [m for m in on.engine.core.model.modules() if getattr(m, "gemm_weight", None) is not None]
     if not copies:
         pytest.skip(f"oneDNN cannot pack {dtype} weights on this CPU")
-    assert on.engine.model.gemm_head is not None
-    assert off.engine.model.gemm_head is None
-    assert not [m for m in off.engine.model.modules() if getattr(m, "gemm_weight", None) is not None]
+    assert on.engine.core.model.gemm_head is not None
+    assert off.engine.core.model.gemm_head is None
+    assert not [m for m in off.engine.core.model.modules() if getattr(m, "gemm_weight", None) is not None]
     gen = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, 200, (n,), generator=gen).tolist() for n in (5, 40, 90, 7)]
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=1)

@@ -30,14 +30,14 @@ def test_gguf_f16_in_float32_keeps_two_bytes_and_the_same_tokens(tiny_llama, tmp
     path = write_gguf(tiny_llama, tmp_path / "m-F16.gguf", "F16")
     settings = dict(device="cpu", dtype="float32", max_model_len=256, max_num_seqs=8, max_num_batched_tokens=256)
     half, full = (LLM(str(path), cpu_half_weights=on, **settings) for on in (True, False))
-    dtypes = {m.weight.dtype for m in half.engine.model.quantizable_linears().values()}
+    dtypes = {m.weight.dtype for m in half.engine.core.model.quantizable_linears().values()}
     assert dtypes == {torch.float16}
-    assert {m.weight.dtype for m in full.engine.model.quantizable_linears().values()} == {torch.float32}
-    assert half.engine.model.cpu_stack is not None
+    assert {m.weight.dtype for m in full.engine.core.model.quantizable_linears().values()} == {torch.float32}
+    assert half.engine.core.model.cpu_stack is not None
     # the LM head too: a 2-byte copy for decode rows beside the float32 table (embedding, GEMM rows)
-    assert half.engine.model.half_head is not None and half.engine.model.half_head.dtype == torch.float16
-    assert full.engine.model.half_head is None
-    assert half.engine.model.embed_tokens.weight.dtype == torch.float32
+    assert half.engine.core.model.half_head is not None and half.engine.core.model.half_head.dtype == torch.float16
+    assert full.engine.core.model.half_head is None
+    assert half.engine.core.model.embed_tokens.weight.dtype == torch.float32
     gen = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, 200, (n,), generator=gen).tolist() for n in (5, 40, 90, 7)]
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=2)

@@ -31,7 +31,7 @@ OFF_ARCHS = {"gemma2": "sandwich norms", "mixtral": "mixture-of-experts"}
 
 
 def _engine(model, **settings) -> LLMEngine:
-    return LLMEngine(EngineSettings(model=str(model), **{**COMMON, **settings}))
+    return LLMEngine.from_settings(EngineSettings(model=str(model), **{**COMMON, **settings}))
 
 
 def _steps(vocab: int, bs: int, prefill: tuple[int, int], decodes: int, seed: int = 0):
@@ -84,9 +84,9 @@ def _run(model, kv: torch.Tensor, steps, stack) -> list[torch.Tensor]:
 
 def _differences(engine, stack, prefill=(17, 12), decodes=3) -> list[str]:
     """Where running `stack` differs from the engine's model op by op (empty: bit for bit equal)."""
-    model = engine.runner.model
+    model = engine.core.runner.model
     steps = _steps(engine.model_config.vocab_size, engine.settings.block_size, prefill, decodes)
-    base = engine.runner.kv_cache.tensor
+    base = engine.core.runner.kv_cache.tensor
     kv_eager, kv_stack = base.clone().zero_(), base.clone().zero_()
     eager = _run(model, kv_eager, steps, None)
     ran = count_calls(stack)
@@ -114,7 +114,7 @@ def engines(tiny_models):
 @pytest.mark.parametrize("name", [*STACK_ARCHS, "llama-bf16"])
 def test_stack_equals_layers_op_by_op(name, engines):
     engine = engines[name]
-    stack = engine.runner.model.cpu_stack
+    stack = engine.core.runner.model.cpu_stack
     assert stack is not None, f"{name}: the stack is off"
     # up to 31 rows on the dense kernels (a 29-row prefill); 2-row decodes on the thread team
     assert _differences(engine, stack, prefill=(17, 12)) == []
@@ -126,11 +126,11 @@ def test_stack_keeps_eagle3_hidden_states(name, engines):
     entering those layers into aux_hidden as the op-by-op forward does, step by step, on the
     thread team (2-row decodes) and on fork/join (the 29-row prefill)."""
     engine = engines[name]
-    model, stack = engine.runner.model, engine.runner.model.cpu_stack
+    model, stack = engine.core.runner.model, engine.core.runner.model.cpu_stack
     width = engine.model_config.hidden_size
     steps = _steps(engine.model_config.vocab_size, engine.settings.block_size, (17, 12), 2)
     aux_layers = (0, 1, 1)
-    kv = engine.runner.kv_cache.tensor.clone().zero_()
+    kv = engine.core.runner.kv_cache.tensor.clone().zero_()
     kept = {}
     ran = count_calls(stack)
     try:
@@ -163,8 +163,8 @@ def test_stack_equals_layers_glm_interleaved_partial_rotary(tmp_path_factory):
                            overrides=dict(GLM_CONFIGS[name], partial_rotary_factor=0.5, attention_bias=True,
                                           rope_scaling=None))
     engine = _engine(path)
-    assert engine.model_config.rope_interleaved and engine.runner.model.cpu_stack is not None
-    assert _differences(engine, engine.runner.model.cpu_stack) == []
+    assert engine.model_config.rope_interleaved and engine.core.runner.model.cpu_stack is not None
+    assert _differences(engine, engine.core.runner.model.cpu_stack) == []
     assert_engine_clean(engine)
 
 
@@ -175,15 +175,15 @@ def test_stack_equals_layers_sliding_window(tmp_path_factory):
     path = make_tiny_model(tmp_path_factory.mktemp("window8-stack"), arch="mistral", seed=7,
                            overrides={"sliding_window": 8})
     engine = _engine(path)
-    assert engine.runner.model.layers[0].self_attn.sliding_window == 8
-    assert _differences(engine, engine.runner.model.cpu_stack, prefill=(13, 3), decodes=4) == []
+    assert engine.core.runner.model.layers[0].self_attn.sliding_window == 8
+    assert _differences(engine, engine.core.runner.model.cpu_stack, prefill=(13, 3), decodes=4) == []
     assert_engine_clean(engine)
 
 
 def test_a_broken_stack_is_caught(engines):
     """Control: a stack built with one layer's post-attention norm 0.1% off differs."""
     engine = engines["llama"]
-    model = engine.runner.model
+    model = engine.core.runner.model
     norm = model.layers[1].post_attention_layernorm
     saved = norm.weight
     norm.weight = torch.nn.Parameter(saved.detach() * 1.001, requires_grad=False)
@@ -199,7 +199,7 @@ def test_a_broken_stack_is_caught(engines):
 def test_default_cpu_engine_matches_transformers(arch, tiny_models, make_llm):
     """The default CPU engine (compiled attention, so the stack) against HF greedy generate."""
     llm = make_llm(tiny_models[arch], max_num_seqs=16, enforce_eager=False)
-    stack = llm.engine.runner.model.cpu_stack
+    stack = llm.engine.core.runner.model.cpu_stack
     assert stack is not None
     ran = count_calls(stack)
     prompts = _prompts(llm.engine.model_config.vocab_size)
@@ -213,14 +213,14 @@ def test_default_cpu_engine_matches_transformers(arch, tiny_models, make_llm):
 def test_uncovered_models_run_op_by_op_and_say_why(arch, tiny_models, caplog):
     with caplog.at_level(logging.INFO, logger="engine.models.cpu_stack"):
         engine = _engine(tiny_models[arch])
-    assert engine.runner.model.cpu_stack is None
+    assert engine.core.runner.model.cpu_stack is None
     assert any(OFF_ARCHS[arch] in r.getMessage() for r in caplog.records)
     assert_engine_clean(engine)
 
 
 def test_setting_turns_it_off(tiny_llama):
     engine = _engine(tiny_llama, cpu_decoder_stack=False)
-    assert engine.runner.model.cpu_stack is None
+    assert engine.core.runner.model.cpu_stack is None
     assert_engine_clean(engine)
 
 
@@ -237,7 +237,7 @@ def test_packed_gguf_stack_equals_layers(dtype):
         pytest.skip(f"SmolLM2 GGUF not available: {exc}")
     # (float32 on the float path as set: auto takes int8 activations on AVX2-only CPUs)
     engine = _engine(path, dtype=dtype, max_model_len=512, cpu_quant_activations="float")
-    stack = engine.runner.model.cpu_stack
+    stack = engine.core.runner.model.cpu_stack
     assert stack is not None and stack.max_rows == (63 if dtype == "float32" else 127)
     assert _differences(engine, stack, prefill=(40, 9), decodes=2) == []
     assert_engine_clean(engine)
@@ -249,7 +249,7 @@ def test_thread_team_equals_one_call_per_projection(engines):
     Both give the eager forward's bits; an error inside the team's region comes back as an
     exception (every thread still meets every barrier: no hang), and the next step runs."""
     engine = engines["llama"]
-    runner = engine.runner.model.cpu_stack
+    runner = engine.core.runner.model.cpu_stack
     if torch.get_num_threads() < 2:
         pytest.skip("one intra-op thread: no team")
     assert runner.stack.team_rows() == 8
@@ -258,10 +258,10 @@ def test_thread_team_equals_one_call_per_projection(engines):
         assert _differences(engine, runner, prefill=(4, 3), decodes=2) == []
     finally:
         runner.stack.set_team_rows(8)
-    model = engine.runner.model
+    model = engine.core.runner.model
     ids, pos, meta = _steps(engine.model_config.vocab_size, engine.settings.block_size, (4, 3), 1)[1]
     x = model.embed_tokens(ids)
-    kv = engine.runner.kv_cache.tensor.clone().zero_()
+    kv = engine.core.runner.kv_cache.tensor.clone().zero_()
     with pytest.raises(RuntimeError):  # (the KV write refuses a cache of another dtype, inside the team)
         runner.forward(x.clone(), pos, kv.double(), meta)
     assert runner.forward(x.clone(), pos, kv, meta).shape == x.shape

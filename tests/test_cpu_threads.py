@@ -169,10 +169,10 @@ def test_engine_start_logs_and_applies_the_thread_choice(tiny_llama, caplog):
     before = torch.get_num_threads()
     try:
         with caplog.at_level(logging.INFO, logger="engine.worker.cpu_threads"):
-            engine = LLMEngine(EngineSettings(model=str(tiny_llama), enforce_eager=True, cpu_threads=1,
+            engine = LLMEngine.from_settings(EngineSettings(model=str(tiny_llama), enforce_eager=True, cpu_threads=1,
                                               max_model_len=256))
         assert torch.get_num_threads() == 1
-        assert engine.cpu_threads.threads == 1
+        assert engine.core.cpu_threads.threads == 1
         assert any("CPU threads: 1 compute thread" in r.getMessage() for r in caplog.records)
     finally:
         torch.set_num_threads(before)

@@ -102,7 +102,7 @@ class ReplayChecker:
 
     def __init__(self, engine: LLMEngine) -> None:
         self.engine = engine
-        self.graph_runner = engine.runner.graph_runner
+        self.graph_runner = engine.core.runner.graph_runner
         self._replay = self.graph_runner.replay
         self.graph_runner.replay = self  # (the runner calls graph_runner.replay(step))
         self.seen: list[dict] = []
@@ -118,14 +118,14 @@ class ReplayChecker:
 
     def _check(self, step, graph_hidden, graph_tokens) -> dict:
         engine = self.engine
-        runner = engine.runner
+        runner = engine.core.runner
         buf = runner.buffers
         n = len(step.rows)
         max_len = int(buf.seq_lens[:n].max())
         bucket = bucket_for(n, SIZES)
         want_key = (bucket, graph_ctx(max_len, engine.max_model_len, self.graph_runner.device_reads_lengths))
         assert step.graph_key == want_key, (step.graph_key, n, max_len)
-        logits, tokens = engine.model.compute_logits(graph_hidden[:n]), graph_tokens[:n].clone()
+        logits, tokens = engine.core.model.compute_logits(graph_hidden[:n]), graph_tokens[:n].clone()
         # rows past the batch are padding on the device: they wrote and read nothing
         assert (buf.seq_lens[n:bucket] == 0).all().item() and (buf.slot_mapping[n:bucket] == -1).all().item(), (
             f"stale rows not masked: seq_lens {buf.seq_lens[n:bucket].tolist()}, "
@@ -133,9 +133,9 @@ class ReplayChecker:
         meta = AttentionMetadata(slot_mapping=buf.slot_mapping[:n], query_start_loc=buf.query_start_loc[:n + 1],
                                  seq_lens=buf.seq_lens[:n], block_tables=buf.block_tables[:n],
                                  max_query_len=1, max_seq_len=max_len, num_decodes=n)
-        hidden = engine.model.forward(buf.input_ids[:n], buf.positions[:n], runner.kv_cache.tensor, meta,
+        hidden = engine.core.model.forward(buf.input_ids[:n], buf.positions[:n], runner.kv_cache.tensor, meta,
                                       runner.builder.features.context(n))  # eager
-        ref = engine.model.compute_logits(hidden)
+        ref = engine.core.model.compute_logits(hidden)
         assert torch.isfinite(logits).all(), f"non-finite logits from the bucket-{bucket} graph"
         diff = (logits - ref).abs().max().item()
         scale = ref.abs().max().item()
@@ -166,15 +166,15 @@ def engines(request, tmp_path_factory):
     cache = tmp_path_factory.mktemp("compile-cache")
     if TARGETS[target][2] == "cutlass":
         _skip_unless_kernels_built(model, target, cache)
-    made = {"eager": LLMEngine(settings(model, target, cache, overlap=False, enforce_eager=True))}
+    made = {"eager": LLMEngine.from_settings(settings(model, target, cache, overlap=False, enforce_eager=True))}
     for name, overlap in (("overlap", True), ("serial", False)):
-        engine = LLMEngine(settings(model, target, cache, overlap=overlap, enforce_eager=False))
-        assert engine.async_scheduling is overlap and engine.backend.name == TARGETS[target][2]
+        engine = LLMEngine.from_settings(settings(model, target, cache, overlap=overlap, enforce_eager=False))
+        assert engine.core.async_scheduling is overlap and engine.core.backend.name == TARGETS[target][2]
         if target == "cpu":
             # Simulated graphs over the eager forward: padded steps and full-width block tables, as
             # the compiled forward takes them (compiling it on the CPU costs minutes: tests/test_compile.py).
-            engine.runner.builder.compiled = True
-            engine.runner.capture_graphs(SIZES, device_reads_lengths=False, simulate=True)
+            engine.core.runner.builder.compiled = True
+            engine.core.runner.capture_graphs(SIZES, device_reads_lengths=False, simulate=True)
         engine.checker = ReplayChecker(engine)
         made[name] = engine
     made["target"] = target
@@ -209,11 +209,11 @@ def step_until_replayed(engine, rows: int, times: int) -> None:
 def drain(engine) -> None:
     """Step until nothing is left: no request and, with overlap on, no launched step unprocessed."""
     for _ in range(MAX_STEPS):
-        if not engine.has_unfinished_requests():
+        if not engine.core.has_unfinished_requests():
             break
         engine.step()
-    engine.check_integrity()
-    assert engine.is_idle_and_free(), "requests, a step in flight or KV blocks left"
+    engine.core.check_integrity()
+    assert engine.core.is_idle_and_free(), "requests, a step in flight or KV blocks left"
 
 
 def _abort(engine, ids) -> None:
@@ -224,13 +224,13 @@ def _abort(engine, ids) -> None:
 @OVERLAP
 def test_startup_captures_every_bucket(engines, mode):
     graphs, eager = engines[mode], engines["eager"]
-    gr = graphs.runner.graph_runner
-    assert gr is not None and eager.runner.graph_runner is None
+    gr = graphs.core.runner.graph_runner
+    assert gr is not None and eager.core.runner.graph_runner is None
     ctx0 = graph_ctx(1, graphs.max_model_len, gr.device_reads_lengths)
     assert {(b, ctx0) for b in SIZES} <= set(gr.graphs.graphs), sorted(gr.graphs.graphs)
     if engines["target"] != "cpu":  # (the CPU's graphs are simulated, captured after start-up)
-        assert graphs.compile_seconds > 0 and graphs.capture_seconds > 0
-        print(f"compile {graphs.compile_seconds:.1f}s, capture {graphs.capture_seconds:.2f}s")
+        assert graphs.core.compile_seconds > 0 and graphs.core.capture_seconds > 0
+        print(f"compile {graphs.core.compile_seconds:.1f}s, capture {graphs.core.capture_seconds:.2f}s")
 
 
 @OVERLAP
@@ -268,7 +268,7 @@ def test_shrink_and_grow_replays_right_bucket(engines, mode):
 
 def _drive(engine, plan, logprobs=None):
     done, step = {}, 0
-    while engine.has_unfinished_requests() or any(k >= step for k in plan):
+    while engine.core.has_unfinished_requests() or any(k >= step for k in plan):
         for i, (prompt, max_tokens) in enumerate(plan.get(step, [])):
             engine.add_request(prompt, _params(max_tokens, logprobs), request_id=f"s{step}-{i}")
         for out in engine.step():
@@ -288,7 +288,7 @@ def test_greedy_tokens_graphs_equal_eager(engines, mode):
     plan: dict[int, list] = {}
     for i, (p, t) in enumerate(zip(prompts, at)):
         plan.setdefault(t, []).append((p, 40 if i == 3 else 5 + (i * 7) % 31))
-    gr = graphs.runner.graph_runner
+    gr = graphs.core.runner.graph_runner
     if "want" not in engines:  # the eager reference, once for both modes
         engines["want"] = _drive(eager, plan, logprobs=1)
         drain(eager)
@@ -324,7 +324,7 @@ def test_the_checker_catches_unmasked_padding_rows(engines, monkeypatch):
     """The checks can fail: with the padding of a graph's spare rows broken, the first replay of a
     shrunk batch (bucket 8, 5 rows) reports the stale rows."""
     graphs = engines["serial"]
-    buf = graphs.runner.buffers
+    buf = graphs.core.runner.buffers
     real = buf.fill_padding
     ids = [graphs.add_request(p, _params(50)).request_id for p in _prompts(8, seed=31)]
     step_until_replayed(graphs, 8, 1)

@@ -79,7 +79,7 @@ def test_trained_draft_loads_with_its_vocabulary_and_output_stays_exact(tiny_mod
     want = [o.outputs[0].token_ids for o in make_llm(target).generate(prompts, greedy, use_tqdm=False)]
     llm = make_llm(target, speculative_method="draft_model", speculative_model=str(out), num_speculative_tokens=2)
     assert [o.outputs[0].token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)] == want
-    assert llm.engine.scheduler.num_draft_tokens > 0
+    assert llm.engine.core.scheduler.num_draft_tokens > 0
     info = json.loads((out / "kiln_training.json").read_text())
     assert info["init"] == init and info["answers"] == len(labelled)
 
@@ -103,7 +103,7 @@ def test_eagle3_head_trained_on_the_labelled_corpus_drafts_and_output_stays_exac
     want = [o.outputs[0].token_ids for o in make_llm(target).generate(prompts, greedy, use_tqdm=False)]
     llm = make_llm(target, speculative_method="eagle3", speculative_model=str(out), num_speculative_tokens=2,
                    enforce_eager=False)  # (the CPU's default: fused ops and the decoder stack)
-    model = llm.engine.runner.model
+    model = llm.engine.core.runner.model
     assert model.aux_layers and model.cpu_stack is not None  # EAGLE-3's target runs as the one C++ call
     assert [o.outputs[0].token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)] == want
-    assert llm.engine.scheduler.num_draft_tokens > 0
+    assert llm.engine.core.scheduler.num_draft_tokens > 0

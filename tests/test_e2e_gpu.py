@@ -54,11 +54,11 @@ def _run(model_dir, prompts, **kw):
         if missing and find_nvcc() is not None:
             build_kernels(KERNEL_CACHE, missing, progress=False)
     llm = LLM(str(model_dir), kernel_cache_dir=str(KERNEL_CACHE), num_gpu_blocks=512, **kw)
-    assert llm.engine.backend.name == kw["attention_backend"]
-    assert llm.engine.async_scheduling is kw["async_scheduling"]
+    assert llm.engine.core.backend.name == kw["attention_backend"]
+    assert llm.engine.core.async_scheduling is kw["async_scheduling"]
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), use_tqdm=False)
-    llm.engine.check_integrity()
-    assert llm.engine.is_idle_and_free()
+    llm.engine.core.check_integrity()
+    assert llm.engine.core.is_idle_and_free()
     return [o.outputs[0].token_ids for o in outs]
 
 

@@ -52,7 +52,7 @@ def test_embeddings_beside_generation_and_under_preemption(tiny_llama, make_llm)
     for i, text in enumerate(texts):
         engine.add_request(text, None, f"emb{i}", pooling=PoolingParams("mean", dimensions=16))
     got = run_checked(engine)
-    assert engine.scheduler.num_preemptions > 0
+    assert engine.core.scheduler.num_preemptions > 0
     for i, ref in enumerate(_hf_embeddings(tiny_llama, llm.tokenizer, texts, "mean")):
         # dimensions: the first 16 values of the (unnormalised) mean, then normalised
         ref16 = torch.nn.functional.normalize(ref[:16], dim=0)

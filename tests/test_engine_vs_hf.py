@@ -73,7 +73,7 @@ def test_greedy_matches_under_constraints(variant, tiny_llama, make_llm):
     expected = hf_greedy(str(tiny_llama), prompts, MAX_TOKENS)
     assert [o.outputs[0].token_ids for o in outs] == expected
     if "num_gpu_blocks" in variant:
-        assert llm.engine.scheduler.num_preemptions > 0, "the pool was meant to be too small to avoid preemption"
+        assert llm.engine.core.scheduler.num_preemptions > 0, "the pool was meant to be too small to avoid preemption"
 
 
 def test_prefix_cache_hits_give_same_tokens(tiny_llama, make_llm):
@@ -82,9 +82,9 @@ def test_prefix_cache_hits_give_same_tokens(tiny_llama, make_llm):
     shared = [rng.randrange(5, 500) for _ in range(70)]
     prompts = [shared + [rng.randrange(5, 500) for _ in range(k)] for k in (1, 5, 20)]
     first = llm.generate(prompts, GREEDY, use_tqdm=False)
-    queries_before = llm.engine.pool.counters.prefix_hits
+    queries_before = llm.engine.core.pool.counters.prefix_hits
     second = llm.generate(prompts, GREEDY, use_tqdm=False)
-    assert llm.engine.pool.counters.prefix_hits > queries_before
+    assert llm.engine.core.pool.counters.prefix_hits > queries_before
     assert [o.outputs[0].token_ids for o in first] == [o.outputs[0].token_ids for o in second]
     assert all(o.num_cached_tokens >= 64 for o in second)
     assert second[0].outputs[0].token_ids == hf_greedy(str(tiny_llama), prompts, MAX_TOKENS)[0]
@@ -92,7 +92,7 @@ def test_prefix_cache_hits_give_same_tokens(tiny_llama, make_llm):
     third = llm.generate(prompts, GREEDY, use_tqdm=False)
     assert all(o.num_cached_tokens == 0 for o in third[:1])
     assert [o.outputs[0].token_ids for o in third] == [o.outputs[0].token_ids for o in first]
-    llm.engine.check_integrity()
+    llm.engine.core.check_integrity()
 
 
 def test_parallel_samples_share_prompt_blocks(tiny_llama, make_llm):
@@ -103,16 +103,16 @@ def test_parallel_samples_share_prompt_blocks(tiny_llama, make_llm):
     request = engine.add_request(prompt, params, "fork")
     allocations_at_fork = None
     out = None
-    while engine.has_unfinished_requests():
+    while engine.core.has_unfinished_requests():
         for done in engine.step():
             out = done if done.finished else out
-        engine.check_integrity()
+        engine.core.check_integrity()
         if request.forked and allocations_at_fork is None:
-            allocations_at_fork = engine.pool.counters.allocations
+            allocations_at_fork = engine.core.pool.counters.allocations
             # 3 prompt blocks shared by all four samples.
-            assert all(engine.pool.ref_count(b) == 4 for b in request.seqs[0].block_ids[:2])
+            assert all(engine.core.pool.ref_count(b) == 4 for b in request.seqs[0].block_ids[:2])
     # After the fork, each sample copied the partial block at most once (copy-on-write).
-    assert engine.pool.counters.allocations - allocations_at_fork <= 3
+    assert engine.core.pool.counters.allocations - allocations_at_fork <= 3
     assert out is not None and out.request_id == "fork"
     assert len(out.outputs) == 4 and all(len(c.token_ids) == 6 for c in out.outputs)
     assert len({tuple(c.token_ids) for c in out.outputs}) > 1, "four samples at temperature 1 all equal"
@@ -132,14 +132,14 @@ def test_mixed_prefill_and_decode_in_one_step(tiny_llama, make_llm):
     llm.reset_prefix_cache()  # (the prompts are computed again, not found)
     engine = llm.engine
     plans = []
-    schedule = engine.scheduler.schedule
+    schedule = engine.core.scheduler.schedule
 
     def recorded():
         plan = schedule()
         plans.append([(s.seq.request.request_id, s.num_tokens) for s in plan.seqs])
         return plan
 
-    engine.scheduler.schedule = recorded
+    engine.core.scheduler.schedule = recorded
     engine.add_request(prompts["a"], GREEDY, "a")
     engine.step()  # a's prefill
     engine.add_request(prompts["b"], GREEDY, "b")
@@ -155,7 +155,7 @@ def test_half_precision_runs_close_to_float32(dtype, tiny_llama, make_llm):
     prompts = _prompts(512)[:6]
     a = llm32.generate(prompts, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
     b = llm16.generate(prompts, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
-    assert llm16.engine.kv_cache.tensor.dtype == getattr(torch, dtype)
+    assert llm16.engine.core.kv_cache.tensor.dtype == getattr(torch, dtype)
     same_first = sum(x.outputs[0].token_ids[0] == y.outputs[0].token_ids[0] for x, y in zip(a, b))
     assert same_first >= 4, "half precision diverged from float32 on most first tokens"
 

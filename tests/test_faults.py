@@ -115,7 +115,7 @@ def test_fail_all_requests_after_a_crash_leaves_nothing_hanging(make_llm):
     outs = eng.fail_all_requests("engine loop crashed: RuntimeError('CUDA error')")
     assert sorted(o.request_id for o in outs) == [f"req-{i}" for i in range(4)]
     assert all(o.finished and o.error and o.outputs[0].finish_reason == "error" for o in outs)
-    assert eng.is_idle_and_free()
+    assert eng.core.is_idle_and_free()
     # The engine keeps serving afterwards.
     assert llm.generate([PROMPTS[0]], greedy(3), use_tqdm=False)[0].outputs[0].finish_reason == "length"
 
@@ -140,6 +140,6 @@ def test_stale_nan_in_reused_blocks_does_not_poison_new_requests(make_llm, eager
     params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
     prompt = list(range(20, 30))
     before = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids
-    llm.engine.kv_cache.tensor[:, :, 1:].fill_(float("nan"))  # every usable block holds NaN
+    llm.engine.core.kv_cache.tensor[:, :, 1:].fill_(float("nan"))  # every usable block holds NaN
     after = llm.generate([prompt], params, use_tqdm=False)[0]
     assert after.error is None and after.outputs[0].token_ids == before

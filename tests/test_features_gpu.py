@@ -75,5 +75,5 @@ def test_lora_spec_decode_and_structured_outputs_with_graphs(tiny_llama, tmp_pat
     outs = graphs.generate(PROMPTS[:4], choice, use_tqdm=False)
     assert all(o.outputs[0].text in ("alpha", "beta gamma") for o in outs)
     for llm in (graphs, eager):
-        llm.engine.check_integrity()
-        assert llm.engine.pool.is_fully_free()
+        llm.engine.core.check_integrity()
+        assert llm.engine.core.pool.is_fully_free()

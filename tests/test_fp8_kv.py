@@ -151,10 +151,10 @@ def test_block_bytes_and_budget_follow_the_cache_dtype():
 def test_engine_block_count_doubles_vs_bf16(make_llm):
     bf16 = make_llm(dtype="bfloat16", kv_cache_memory_gb=0.01, max_model_len=64)
     fp8 = make_llm(dtype="bfloat16", kv_cache_dtype="fp8", kv_cache_memory_gb=0.01, max_model_len=64)
-    assert fp8.engine.kv_cache.tensor.dtype == FP8_DTYPE and fp8.engine.kv_cache.model_dtype == torch.bfloat16
-    assert fp8.engine.kv_cache.num_blocks // 2 == bf16.engine.kv_cache.num_blocks  # twice, to whole blocks
-    assert fp8.engine.pool.num_usable + 1 == fp8.engine.kv_cache.num_blocks
-    t = fp8.engine.kv_cache.tensor
+    assert fp8.engine.core.kv_cache.tensor.dtype == FP8_DTYPE and fp8.engine.core.kv_cache.model_dtype == torch.bfloat16
+    assert fp8.engine.core.kv_cache.num_blocks // 2 == bf16.engine.core.kv_cache.num_blocks  # twice, to whole blocks
+    assert fp8.engine.core.pool.num_usable + 1 == fp8.engine.core.kv_cache.num_blocks
+    t = fp8.engine.core.kv_cache.tensor
     assert t.numel() * t.element_size() <= 0.01 * (1 << 30)  # the budget holds
 
 
@@ -222,7 +222,7 @@ def test_agreement_with_the_model_dtype_cache(make_llm, tiny_models, arch):
               f"max {results[label][2]:.4f}")
     assert results["fp8 KV"][0] >= 0.75
     bad = make_llm(model, kv_cache_dtype="fp8")
-    bad.engine.kv_cache.set_scales(torch.full_like(bad.engine.kv_cache.scales, 1e-4))  # everything saturates
+    bad.engine.core.kv_cache.set_scales(torch.full_like(bad.engine.core.kv_cache.scales, 1e-4))  # everything saturates
     assert _positionwise(seqs, ref, scored(bad))[0] < results["fp8 KV"][0] - 0.2
 
 
@@ -334,7 +334,7 @@ def test_checkpoint_scales_are_read_and_used(make_llm, tiny_llama, tmp_path):
     for name, path in (("one", one), ("two", two)):
         llm = make_llm(path, kv_cache_dtype="fp8", num_gpu_blocks=8, block_size=16, enable_prefix_caching=False)
         llm.generate(["a prompt of a few words"], params, use_tqdm=False)
-        caches[name] = llm.engine.kv_cache
+        caches[name] = llm.engine.core.kv_cache
     assert caches["two"].scales.tolist() == [[2.0, 0.5]] * layers
     k1, k2 = caches["one"].tensor[:, 0].float(), caches["two"].tensor[:, 0].float()
     v1, v2 = caches["one"].tensor[:, 1].float(), caches["two"].tensor[:, 1].float()
@@ -359,14 +359,14 @@ def test_loader_ignores_scales_without_fp8_cache(make_llm, tiny_llama, tmp_path)
 
     path = _with_scales(tiny_llama, tmp_path / "m", 2.0, 2.0, ModelConfig.from_dir(tiny_llama).num_layers)
     llm = make_llm(path)
-    assert llm.engine.kv_cache.scales is None
+    assert llm.engine.core.kv_cache.scales is None
     assert llm.generate(["hi"], SamplingParams(max_tokens=2), use_tqdm=False)[0].outputs[0].token_ids
 
 
 def test_calculate_kv_scales_uses_the_first_prompt(make_llm):
     llm = make_llm(kv_cache_dtype="fp8", calculate_kv_scales=True, enable_prefix_caching=False)
     llm.generate(["the first prompt sets the scales"], SamplingParams(max_tokens=3), use_tqdm=False)
-    cache = llm.engine.kv_cache
+    cache = llm.engine.core.kv_cache
     assert (cache.scales != 1.0).all()
     # Each layer's largest K and V element of that prompt is stored as exactly ±448.
     first = cache.tensor.float().abs().amax(dim=(2, 3, 4, 5))  # [layers, 2]
@@ -391,18 +391,18 @@ def test_swap_under_pressure_matches_fp8_without_pressure(make_llm):
     llm = make_llm(kv_cache_dtype="fp8", max_num_seqs=8, max_model_len=64, block_size=8, num_gpu_blocks=14,
                    preemption_mode="swap", swap_space_gb=0.01, max_num_batched_tokens=64)
     eng = llm.engine
-    assert eng.block_swapper.cpu.element_size() == 1  # the CPU pool holds the fp8 bytes
+    assert eng.core.block_swapper.cpu.element_size() == 1  # the CPU pool holds the fp8 bytes
     for i, p in enumerate(prompts):
         eng.add_request(request_id=str(i), prompt=p, params=params)
     done = run_checked(eng)
     assert [done[str(i)].outputs[0].token_ids for i in range(len(prompts))] == expected
-    assert eng.scheduler.preemptions_by_mode["swap"] > 0
-    space = eng.swap_space
-    assert space.bytes_out == eng.block_swapper.bytes_out > 0 and space.bytes_in == eng.block_swapper.bytes_in
+    assert eng.core.scheduler.preemptions_by_mode["swap"] > 0
+    space = eng.core.swap_space
+    assert space.bytes_out == eng.core.block_swapper.bytes_out > 0 and space.bytes_in == eng.core.block_swapper.bytes_in
     assert space.bytes_per_block == KVCache.bytes_per_block(eng.model_config.num_layers, 8,
                                                             eng.model_config.num_kv_heads,
                                                             eng.model_config.head_dim, FP8_DTYPE)
-    assert space.is_fully_free() and eng.is_idle_and_free()
+    assert space.is_fully_free() and eng.core.is_idle_and_free()
 
 
 def test_prefix_cache_hits_read_fp8_blocks(make_llm):
@@ -414,7 +414,7 @@ def test_prefix_cache_hits_read_fp8_blocks(make_llm):
     llm = make_llm(kv_cache_dtype="fp8", enable_prefix_caching=True)
     got = [llm.generate([p], params, use_tqdm=False)[0].outputs[0].token_ids for p in prompts]
     assert got == expected
-    assert llm.engine.pool.counters.prefix_hits >= 32
+    assert llm.engine.core.pool.counters.prefix_hits >= 32
 
 
 def test_copy_on_write_parallel_sampling_and_beams(make_llm):

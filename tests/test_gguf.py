@@ -185,7 +185,7 @@ def test_gguf_greedy_matches_transformers(arch, types, wide_models, make_llm, tm
                       name="tiny mistral" if arch == "mistral" else None)
     llm = make_llm(path, max_num_seqs=4, cpu_quant_activations="float")  # (auto: int8 on AVX2 / Intel)
     assert _kinds(llm) == KEPT[arch]
-    assert llm.engine.model.layers[0].mlp.down_proj.quant.float_acts  # (float32: the float path)
+    assert llm.engine.core.model.layers[0].mlp.down_proj.quant.float_acts  # (float32: the float path)
     outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
     expected = hf_gguf_greedy(path, PROMPTS)
     assert [o.outputs[0].token_ids for o in outs] == expected
@@ -209,7 +209,7 @@ def _kinds(llm) -> dict[str, str]:
     from engine.layers.quant.int4_packed import PACKED
 
     names = {fmt: name for name, fmt in GGUF_FORMATS.items()}
-    layer = llm.engine.model.layers[0]
+    layer = llm.engine.core.model.layers[0]
     mods = dict(qkv=layer.self_attn.qkv_proj, o=layer.self_attn.o_proj, gate_up=layer.mlp.gate_up_proj,
                 down=layer.mlp.down_proj)
 
@@ -232,10 +232,10 @@ def test_gguf_kept_quantised_in_bf16_with_torch_int4(wide_models, make_llm, tmp_
     dense = make_llm(path, max_num_seqs=4, dtype="bfloat16", gguf_dequantize=True)
     full = make_llm(path, max_num_seqs=4, gguf_dequantize=True)  # float32
     assert set(_kinds(kept).values()) == {"int4"} and set(_kinds(dense).values()) == {"dense"}
-    down = kept.engine.model.layers[0].mlp.down_proj
+    down = kept.engine.core.model.layers[0].mlp.down_proj
     n, k = down.out_features, down.in_features  # half a byte a weight + a bf16 scale and zero per 32
     assert down.quant.weight_bytes(down) == n * k // 2 + (k // 32) * n * 2 * 2  # = 0.3125x bf16
-    w = full.engine.model.layers[0].mlp.down_proj.weight
+    w = full.engine.core.model.layers[0].mlp.down_proj.weight
     torch.testing.assert_close(down.quant.weight(down, torch.float32), w, rtol=0, atol=2e-2 * w.abs().max().item())
     _assert_drift_within_bf16(kept, dense, full)
 
@@ -272,12 +272,12 @@ def test_gguf_kept_quantised_in_bf16_on_cpu_kernels(types, wide_models, make_llm
     full = make_llm(path, max_num_seqs=4, gguf_dequantize=True)  # float32
     kinds = _kinds(kept)
     assert "dense" not in kinds.values() and (kinds["qkv"] == "Q4_K+Q6_K") == ("attn_v" in types), kinds
-    layer = kept.engine.model.layers[0]
+    layer = kept.engine.core.model.layers[0]
     assert not layer.mlp.down_proj.quant.float_acts  # (bf16: the int path)
     for name, m in dict(qkv=layer.self_attn.qkv_proj, down=layer.mlp.down_proj).items():
         file_bytes = sum(n * m.in_features // BLOCK_TYPES[fmt][1] * BLOCK_TYPES[fmt][2] for _, n, fmt, _ in m.gemv_runs)
         assert file_bytes <= m.quant.weight_bytes(m) <= file_bytes * 1.03, name  # (K-quants: 6-bit scales unpacked)
-    w = full.engine.model.layers[0].mlp.down_proj.weight
+    w = full.engine.core.model.layers[0].mlp.down_proj.weight
     down = layer.mlp.down_proj
     torch.testing.assert_close(down.quant.weight(down, torch.float32), w, rtol=0, atol=1e-6 * w.abs().max().item())
     _assert_drift_within_bf16(kept, dense, full, factor=3.0)
@@ -379,8 +379,8 @@ def test_gguf_lm_head_kept_in_file_blocks(arch, types, source, fmt, wide_models,
     if not GEMV.ensure():
         pytest.skip(f"CPU kernels unavailable: {GEMV.error}")
     path = write_gguf(wide_models(arch), tmp_path / "m.gguf", types, name=f"tiny {arch}")
-    model = make_llm(path, max_num_seqs=4, cpu_quant_activations="float").engine.model
-    assert make_llm(path, max_num_seqs=4, gguf_dequantize=True).engine.model.packed_head is None
+    model = make_llm(path, max_num_seqs=4, cpu_quant_activations="float").engine.core.model
+    assert make_llm(path, max_num_seqs=4, gguf_dequantize=True).engine.core.model.packed_head is None
     if source is None:
         assert model.packed_head is None
         return

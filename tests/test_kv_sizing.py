@@ -84,7 +84,7 @@ def test_llm_starts_with_defaults_on_a_model_whose_context_does_not_fit(long_con
     with caplog.at_level(logging.INFO):
         llm = LLM(str(long_context_model), device="cpu", enforce_eager=True, kv_cache_memory_gb=0.25)
     engine = llm.engine
-    assert engine.max_model_len == engine.pool.num_usable * engine.settings.block_size < 1 << 18
+    assert engine.max_model_len == engine.core.pool.num_usable * engine.settings.block_size < 1 << 18
     assert f"serving a context of {engine.max_model_len} tokens" in caplog.text
     out = llm.generate(["hello"], SamplingParams(max_tokens=3, temperature=0.0), use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 3
@@ -190,10 +190,10 @@ def test_engine_default_budget_is_logged_and_fits_the_need(make_llm, caplog):
         llm = make_llm()
     engine = llm.engine
     s = engine.settings
-    assert engine.kv_cache.num_blocks == s.max_num_seqs * (engine.max_model_len // s.block_size) + 1
+    assert engine.core.kv_cache.num_blocks == s.max_num_seqs * (engine.max_model_len // s.block_size) + 1
     assert "KV cache on the CPU" in caplog.text and "every sequence at the full context" in caplog.text
     explicit = make_llm(kv_cache_memory_gb=0.01)
-    assert explicit.engine.kv_cache.num_blocks == int(0.01 * GIB) // (2 * 2 * 16 * 2 * 32 * 4)
+    assert explicit.engine.core.kv_cache.num_blocks == int(0.01 * GIB) // (2 * 2 * 16 * 2 * 32 * 4)
 
 
 KV_BY_USE = r"""
@@ -211,8 +211,8 @@ built = rss()
 params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
 for round in range(6):  # several workloads: freed blocks are reused lowest-first, not the next untouched ones
     llm.generate([f"prompt {round} {i} " * 8 for i in range(4)], params, use_tqdm=False)
-pool = llm.engine.pool
-print(json.dumps({"built": built, "after": rss(), "kv_bytes": llm.engine.kv_cache.tensor.nbytes,
+pool = llm.engine.core.pool
+print(json.dumps({"built": built, "after": rss(), "kv_bytes": llm.engine.core.kv_cache.tensor.nbytes,
                   "highest_block": max(pool._idle, default=0)}))
 """
 

@@ -102,7 +102,7 @@ def test_unload_and_reload_under_the_same_name(tiny_llama, adapters, make_llm):
     llm.generate([prompt], GREEDY, use_tqdm=False, lora_request=LoRARequest("x", 1, adapters["a"]))
     with pytest.raises(InvalidRequestError, match="unload one"):
         llm.generate([prompt], GREEDY, use_tqdm=False, lora_request=_lora(adapters, "b", 2))
-    llm.engine.lora.unload("x")
+    llm.engine.core.lora.unload("x")
     out = llm.generate([prompt], GREEDY, use_tqdm=False, lora_request=LoRARequest("x", 1, adapters["b"]))[0]
     assert out.num_cached_tokens == 0  # a new adapter under an old name gets a new namespace
     assert out.outputs[0].token_ids == _hf_greedy(tiny_llama, adapters["b"], prompt)
@@ -116,7 +116,7 @@ def test_bad_adapters_and_misuse_are_clear_errors(tiny_models, adapters, make_ll
         llm.generate([[1, 2]], GREEDY, use_tqdm=False, lora_request=_lora(adapters, "head"))
     with pytest.raises(InvalidRequestError, match="adapter_config.json"):
         llm.generate([[1, 2]], GREEDY, use_tqdm=False, lora_request=LoRARequest("none", 9, str(tmp_path)))
-    assert not llm.engine.has_unfinished_requests() and llm.engine.lora.adapters == []
+    assert not llm.engine.core.has_unfinished_requests() and llm.engine.core.lora.adapters == []
     plain = make_llm()
     with pytest.raises(InvalidRequestError, match="enable_lora"):
         plain.generate([[1, 2]], GREEDY, use_tqdm=False, lora_request=_lora(adapters, "a"))
@@ -232,11 +232,11 @@ def test_runtime_loading_is_confined_to_the_roots(tiny_llama, adapters, tmp_path
 def test_unloading_an_adapter_in_use_is_refused(tiny_llama, adapters, make_llm):
     llm = make_llm(enable_lora=True, max_loras=1, max_lora_rank=8)
     engine = llm.engine
-    lora = engine.load_lora("a", adapters["a"])
+    lora = engine.core.load_lora("a", adapters["a"])
     engine.add_request(PROMPTS[0], GREEDY, "r", lora_request=lora)
     with pytest.raises(InvalidRequestError, match="in use by 1"):
-        engine.unload_lora("a")
-    while engine.has_unfinished_requests():
+        engine.core.unload_lora("a")
+    while engine.core.has_unfinished_requests():
         engine.step()
-    engine.unload_lora("a")
-    assert engine.lora.adapters == []
+    engine.core.unload_lora("a")
+    assert engine.core.lora.adapters == []

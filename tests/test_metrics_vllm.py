@@ -30,10 +30,10 @@ def _value(samples, name: str) -> float:
 
 
 def _drive(engine, metrics: EngineMetrics) -> None:
-    while engine.has_unfinished_requests():
+    while engine.core.has_unfinished_requests():
         outs = engine.step()
         metrics.on_step(engine, outs, time.monotonic())
-        engine.check_integrity()
+        engine.core.check_integrity()
 
 
 def test_request_histograms_follow_the_engine(make_llm):
@@ -60,10 +60,10 @@ def test_request_histograms_follow_the_engine(make_llm):
         assert _value(m, f"kiln:request_{name}_time_seconds_count") == 3
     assert _value(m, "kiln:request_inference_time_seconds_sum") >= _value(m, "kiln:request_decode_time_seconds_sum")
     assert _value(m, "kiln:iteration_tokens_total_sum") == \
-        engine.num_prompt_tokens_total + engine.num_generation_tokens_total
+        engine.core.num_prompt_tokens_total + engine.core.num_generation_tokens_total
     (info,) = m["kiln:cache_config_info"]
     assert info.labels["block_size"] == str(engine.settings.block_size)
-    assert info.labels["num_gpu_blocks"] == str(engine.pool.num_usable) and info.value == 1
+    assert info.labels["num_gpu_blocks"] == str(engine.core.pool.num_usable) and info.value == 1
     (lora,) = m["kiln:lora_requests_info"]
     assert lora.labels["running_lora_adapters"] == "" and lora.labels["max_lora"] == "0"
 
@@ -77,7 +77,7 @@ def test_spec_decode_num_drafts(make_llm):
     _drive(engine, metrics)
     m = _samples(metrics)
     drafts = _value(m, "kiln:spec_decode_num_drafts_total")
-    assert drafts == engine.scheduler.num_drafts > 0
+    assert drafts == engine.core.scheduler.num_drafts > 0
     assert _value(m, "kiln:spec_decode_num_draft_tokens_total") >= drafts
 
 

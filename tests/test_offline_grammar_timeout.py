@@ -22,7 +22,7 @@ def test_pathological_schema_is_refused_in_time_and_the_llm_goes_on(make_llm):
     assert elapsed < 30, elapsed
     assert err.value.param == "structured_outputs"
     assert "grammar_compile_timeout_s=2.0s" in str(err.value)
-    assert not llm.engine.has_unfinished_requests()
+    assert not llm.engine.core.has_unfinished_requests()
     # The worker was replaced: a simple constraint compiles and is followed.
     ok = SamplingParams(max_tokens=3, structured_outputs=StructuredOutputsParams(regex="[ab]{3}"))
     text = llm.generate(["Hi"], ok, use_tqdm=False)[0].outputs[0].text

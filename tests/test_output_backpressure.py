@@ -56,7 +56,7 @@ def _run(engine: AsyncEngine, stall_s: float = 0.0):
 def test_slow_output_thread_holds_the_step_thread_and_drops_nothing(tiny_llama, make_llm):
     want = make_llm(**SETTINGS).generate(PROMPTS, PARAMS, use_tqdm=False)
     listener = _SlowListener()
-    engine = AsyncEngine(LLMEngine(EngineSettings(model=str(tiny_llama), **SETTINGS)), listener=listener,
+    engine = AsyncEngine(LLMEngine.from_settings(EngineSettings(model=str(tiny_llama), **SETTINGS)), listener=listener,
                          idle_poll_s=0.05, max_pending_steps=2)
     listener.engine = engine
     got = _run(engine)
@@ -77,7 +77,7 @@ def test_stalled_event_loop_gets_merged_deltas(tiny_llama, make_llm, monkeypatch
         deliver(self)
 
     monkeypatch.setattr(LoopMailbox, "_deliver", counted)
-    engine = AsyncEngine(LLMEngine(EngineSettings(model=str(tiny_llama), **SETTINGS)), idle_poll_s=0.05)
+    engine = AsyncEngine(LLMEngine.from_settings(EngineSettings(model=str(tiny_llama), **SETTINGS)), idle_poll_s=0.05)
     got = _run(engine, stall_s=1.0)
     for (ids, text, items), ref in zip(got, want):
         assert ids == list(ref.outputs[0].token_ids) and text == ref.outputs[0].text

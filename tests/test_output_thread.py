@@ -54,7 +54,7 @@ def test_text_is_built_off_the_step_thread_and_equals_offline(tiny_llama, make_l
     want = [_offline(o) for o in offline.generate(PROMPTS, params, use_tqdm=False)]
     assert want[0][0]["finish"] == "stop" and want[1][0]["finish"] == "stop"
 
-    engine = AsyncEngine(LLMEngine(EngineSettings(model=str(tiny_llama), **SETTINGS)), idle_poll_s=0.05)
+    engine = AsyncEngine(LLMEngine.from_settings(EngineSettings(model=str(tiny_llama), **SETTINGS)), idle_poll_s=0.05)
     threads: set[str] = set()
     detok = engine._outputs.detokenizer
     step = detok.step
@@ -82,7 +82,7 @@ def test_text_is_built_off_the_step_thread_and_equals_offline(tiny_llama, make_l
                     assert gd == pytest.approx(wd, abs=1e-4)
         assert threads == {"kiln-outputs"} and not inline
         deadline = time.monotonic() + 10
-        while not engine.engine.is_idle_and_free():  # the stop strings' sequences were finished there too
+        while not engine.engine.core.is_idle_and_free():  # the stop strings' sequences were finished there too
             assert time.monotonic() < deadline, "blocks still held after the streams ended"
             time.sleep(0.01)
     finally:

@@ -48,7 +48,7 @@ def _count_overlapped(llm, fn):
 
     def counted():
         out = step()
-        seen["overlapped"] += engine._inflight is not None
+        seen["overlapped"] += engine.core._inflight is not None
         return out
 
     engine.step = counted
@@ -100,7 +100,7 @@ def test_overlap_equals_serial_under_kv_pressure(make_llm, mode):
     got, overlapped = _count_overlapped(overlap, run)
     assert got == want
     assert overlapped > 5
-    sched = overlap.engine.scheduler
+    sched = overlap.engine.core.scheduler
     assert sched.num_preemptions > 0 and sched.preemptions_by_mode[mode] > 0, "no preemption: no pressure"
     assert_engine_clean(overlap.engine)
 
@@ -123,9 +123,9 @@ def test_overlap_with_aborts_and_prefix_caching(make_llm):
             for out in engine.step():
                 if out.finished:
                     done[out.request_id] = out
-            engine.check_integrity()
+            engine.core.check_integrity()
         done.update(run_checked(engine))
-        assert engine.pool.counters.prefix_hits >= 5 * 48
+        assert engine.core.pool.counters.prefix_hits >= 5 * 48
         return {rid: _summary([o]) for rid, o in done.items() if rid not in ("r2", "r4")}
 
     serial, overlap = _pair(make_llm, max_num_seqs=8)

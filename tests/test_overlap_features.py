@@ -28,7 +28,7 @@ class _CallOrder:
         self.events: list[tuple[str, int, frozenset]] = []
         self._ids: dict[int, int] = {}
         self._keep: list = []  # (the steps stay alive: their ids are not reused)
-        runner, scheduler = engine.runner, engine.scheduler
+        runner, scheduler = engine.core.runner, engine.core.scheduler
         launch, sample, process = runner.launch, runner.sample, scheduler.update_from_output
 
         inside = []  # (launch samples a step that does not defer through the same method)
@@ -231,17 +231,17 @@ def test_features_under_kv_pressure(pressure_pair, mode):
     serial, overlap, order = pressure_pair
     order.events.clear()
     for llm in (serial, overlap):  # (one pair of engines for both modes: the pool has swap space for "swap")
-        llm.engine.scheduler.preemption.mode = mode
+        llm.engine.core.scheduler.preemption.mode = mode
     params = [SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, frequency_penalty=0.6),
               SamplingParams(temperature=0.8, seed=3, max_tokens=30, ignore_eos=True, repetition_penalty=1.3),
               SamplingParams(temperature=0, max_tokens=30, structured_outputs=REGEX, presence_penalty=0.5),
               SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)]
     prompts = [PROMPTS[i] for i in (0, 3, 2, 7, 1, 5)]
-    before = overlap.engine.scheduler.preemptions_by_mode[mode]
+    before = overlap.engine.core.scheduler.preemptions_by_mode[mode]
     want = _generate(serial, prompts, params + params[:2])
     got = _generate(overlap, prompts, params + params[:2])
     assert got == want
-    assert overlap.engine.scheduler.preemptions_by_mode[mode] > before, "no preemption: no pressure"
+    assert overlap.engine.core.scheduler.preemptions_by_mode[mode] > before, "no preemption: no pressure"
     assert order.overlapped("penalties") > 5 and order.overlapped("grammar") > 0
 
 
@@ -254,10 +254,10 @@ def test_penalties_with_prefix_caching(pair):
                             presence_penalty=0.5)
 
     def run(llm):
-        hits = llm.engine.pool.counters.prefix_hits
+        hits = llm.engine.core.pool.counters.prefix_hits
         first = _generate(llm, prompts[:1], params)
         rest = _generate(llm, prompts[1:], params)
-        assert llm.engine.pool.counters.prefix_hits - hits >= 4 * 48
+        assert llm.engine.core.pool.counters.prefix_hits - hits >= 4 * 48
         return first + rest
 
     assert run(overlap) == run(serial)

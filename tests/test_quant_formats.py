@@ -136,7 +136,7 @@ def test_int_checkpoint_equals_dequantised(fmt, opts, tiny_models, make_llm, tmp
     arch = "qwen2" if fmt == "awq" else "llama"  # (qwen2: q/k/v biases next to quantised weights)
     quant_dir, ref_dir = write_quantized(tiny_models[arch], tmp_path, fmt, **opts)
     llm = make_llm(quant_dir)
-    qkv = llm.engine.model.layers[0].self_attn.qkv_proj
+    qkv = llm.engine.core.model.layers[0].self_attn.qkv_proj
     assert qkv.weight is None
     greedy = _greedy(llm)
     assert greedy == _greedy(make_llm(ref_dir))
@@ -148,14 +148,14 @@ def test_int_checkpoint_equals_dequantised(fmt, opts, tiny_models, make_llm, tmp
     assert (qkv.gemv_perm is not None) == (fmt == "gptq" and opts.get("act_order", False)
                                            and 0 < opts["group_size"] < qkv.in_features)
     ref = make_llm(quant_dir, int4_kernel="reference")  # (kiln's layout, dequantised on the fly)
-    r_qkv = ref.engine.model.layers[0].self_attn.qkv_proj
+    r_qkv = ref.engine.core.model.layers[0].self_attn.qkv_proj
     torch.testing.assert_close(qkv.quant.weight(qkv, torch.float32), r_qkv.quant.weight(r_qkv, torch.float32),
                                rtol=1e-6, atol=1e-7)
     # bf16: the int8 activation path, within 3x the drift bf16 itself has from float32 (int8 per
     # block of 32 rounds each activation to amax / 254; greedy tokens of tiny random models flip on
     # near-ties, so the comparison is on prompt log-probabilities)
     kept = make_llm(quant_dir, dtype="bfloat16")
-    k_qkv = kept.engine.model.layers[0].self_attn.qkv_proj
+    k_qkv = kept.engine.core.model.layers[0].self_attn.qkv_proj
     assert isinstance(k_qkv.quant, CpuPackedMethod) and not k_qkv.quant.float_acts
     ref_bf16 = make_llm(quant_dir, dtype="bfloat16", int4_kernel="reference")
     assert _drift(kept, ref_bf16) <= 3 * _drift(ref_bf16, llm) + 0.01
@@ -165,7 +165,7 @@ def test_int_checkpoint_equals_dequantised(fmt, opts, tiny_models, make_llm, tmp
     # scales/zeros and accumulation order move the output off the bf16 reference path by no more
     # than bf16 itself moves the reference off float32
     packed = make_llm(quant_dir, dtype="bfloat16", int4_kernel="packed")
-    p_qkv = packed.engine.model.layers[0].self_attn.qkv_proj
+    p_qkv = packed.engine.core.model.layers[0].self_attn.qkv_proj
     assert p_qkv.quant is int4_packed.PACKED and p_qkv.int4_packed.dtype == torch.uint8
     assert (p_qkv.int4_perm is not None) == (qkv.gemv_perm is not None)
     assert _drift(packed, ref_bf16) <= _drift(ref_bf16, llm) + 0.01  # (measured: 0.034-0.045 against 0.040-0.052)
@@ -175,7 +175,7 @@ def test_int_checkpoint_equals_dequantised(fmt, opts, tiny_models, make_llm, tmp
 def test_fp8_weight_only_checkpoint_equals_dequantised(strategy, acts, tiny_models, make_llm, tmp_path):
     quant_dir, ref_dir = write_fp8(tiny_models["llama"], tmp_path, strategy, acts)
     llm = make_llm(quant_dir)
-    assert llm.engine.model.layers[0].mlp.down_proj.weight_fp8.dtype == FP8
+    assert llm.engine.core.model.layers[0].mlp.down_proj.weight_fp8.dtype == FP8
     assert _greedy(llm) == _greedy(make_llm(ref_dir))
 
 
@@ -199,14 +199,14 @@ def test_fp8_w8a8_checkpoint(strategy, acts, tiny_models, make_llm, tmp_path):
     sensitive: 0.25 nats for the weights; per token 0.25, static calibrated scales 0.33-0.38)."""
     quant_dir, ref_dir = write_fp8(tiny_models["llama"], tmp_path, strategy, acts)
     llm = make_llm(quant_dir)
-    o_proj = llm.engine.model.layers[0].self_attn.o_proj
+    o_proj = llm.engine.core.model.layers[0].self_attn.o_proj
     assert o_proj.quant.activations == acts
     if acts == "static":  # fused q/k/v take the largest of their three input scales
         from safetensors.torch import load_file
 
         t = load_file(str(quant_dir / "model.safetensors"))
         want = max(t[f"model.layers.0.self_attn.{p}_proj.input_scale"].item() for p in "qkv")
-        assert llm.engine.model.layers[0].self_attn.qkv_proj.input_scale.item() == pytest.approx(want)
+        assert llm.engine.core.model.layers[0].self_attn.qkv_proj.input_scale.item() == pytest.approx(want)
     ref = make_llm(ref_dir)
     assert 0.0 < _drift(llm, ref) < 2.0 * _drift(ref, make_llm(tiny_models["llama"]))
 
@@ -219,7 +219,7 @@ def test_fp8_at_load(tiny_models, make_llm, tmp_path):
     from safetensors.torch import load_file
 
     w = load_file(str(src / "model.safetensors"))["model.layers.1.mlp.down_proj.weight"]
-    down = llm.engine.model.layers[1].mlp.down_proj
+    down = llm.engine.core.model.layers[1].mlp.down_proj
     assert down.weight is None and down.weight_fp8.dtype == FP8
     torch.testing.assert_close(down.weight_scale, w.abs().amax(dim=1) / 448)
     deq = down.weight_fp8.float() * down.weight_scale[:, None]

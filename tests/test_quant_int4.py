@@ -138,9 +138,9 @@ def test_float32_model_packed_agrees_with_the_reference(tiny_models, make_llm, t
     quant_dir, _ = write_quantized(tiny_models["llama"], tmp_path, "gptq", bits=4, group_size=32, act_order=True)
     fast = make_llm(quant_dir, int4_kernel="packed")
     ref = make_llm(quant_dir, int4_kernel="reference")
-    qkv = fast.engine.model.layers[0].self_attn.qkv_proj
+    qkv = fast.engine.core.model.layers[0].self_attn.qkv_proj
     assert qkv.quant is int4_packed.PACKED and qkv.int4_scales_zeros.dtype == torch.bfloat16
-    assert ref.engine.model.layers[0].self_attn.qkv_proj.quant is not int4_packed.PACKED
+    assert ref.engine.core.model.layers[0].self_attn.qkv_proj.quant is not int4_packed.PACKED
     greedy = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
     gen = torch.Generator().manual_seed(0)
     prompts = [torch.randint(5, 200, (int(n),), generator=gen).tolist() for n in torch.randint(1, 30, (8,), generator=gen)]

@@ -31,7 +31,7 @@ def _greedy(llm):
 
 
 def _experts(llm, layer: int = 0):
-    moe = llm.engine.model.layers[layer].mlp
+    moe = llm.engine.core.model.layers[layer].mlp
     assert isinstance(moe.w13, QuantExperts) and isinstance(moe.w2, QuantExperts)
     assert not any(n.endswith(("w13", "w2")) for n, _ in moe.named_parameters())  # nothing dense
     return moe
@@ -131,7 +131,7 @@ def test_int_moe_checkpoint_equals_dequantised(arch, fmt, opts, tiny_models, mak
         assert moe.shared_expert.gate_up_proj.weight is None and moe.shared_expert.down_proj.quant is not None
         assert moe.shared_expert_gate.weight.dtype == torch.float32
     if arch == "qwen3_moe":  # its dense layer among the sparse ones
-        assert llm.engine.model.layers[1].mlp.gate_up_proj.weight is None
+        assert llm.engine.core.model.layers[1].mlp.gate_up_proj.weight is None
     assert _greedy(llm) == _greedy(make_llm(ref_dir))
 
 
@@ -172,7 +172,7 @@ def test_fp8_w8a8_moe_checkpoint(tiny_models, make_llm, tmp_path):
     quant_dir, ref_dir = write_fp8(src, tmp_path, "channel", "dynamic")
     llm = make_llm(quant_dir)
     assert _experts(llm).w13.weight_fp8.dtype == FP8
-    assert llm.engine.model.layers[0].self_attn.o_proj.quant.activations == "dynamic"
+    assert llm.engine.core.model.layers[0].self_attn.o_proj.quant.activations == "dynamic"
     ref = make_llm(ref_dir)
     assert 0.0 < _drift(llm, ref) < 2.0 * _drift(ref, make_llm(src))
 
@@ -260,7 +260,7 @@ def test_bf16_moe_model_runs_packed_experts(tiny_models, make_llm, tmp_path):
     moe = _experts(packed)
     assert moe.w13.int4_group == 32 and moe.w2.int4_group == 32 and moe.w13.int4_perm is not None
     ref_bf16 = make_llm(quant_dir, dtype="bfloat16", int4_kernel="reference")
-    assert ref_bf16.engine.model.layers[0].mlp.w13.int4_group == 0
+    assert ref_bf16.engine.core.model.layers[0].mlp.w13.int4_group == 0
     assert _drift(packed, ref_bf16) <= _drift(ref_bf16, make_llm(quant_dir)) + 0.01
 
 
@@ -273,7 +273,7 @@ def test_ignore_list_keeps_the_shared_expert_dense(tiny_models, make_llm, tmp_pa
     moe = _experts(llm)
     assert moe.shared_expert.gate_up_proj.quant is None and moe.shared_expert.gate_up_proj.weight is not None
     assert moe.shared_expert.down_proj.quant is None
-    assert llm.engine.model.layers[0].self_attn.qkv_proj.weight is None  # the rest stays quantised
+    assert llm.engine.core.model.layers[0].self_attn.qkv_proj.weight is None  # the rest stays quantised
     assert _greedy(llm) == _greedy(make_llm(ref_dir))
 
 

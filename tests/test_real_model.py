@@ -55,7 +55,7 @@ def test_greedy_matches_transformers(smollm2, smol_llm):
     from engine.layers.quant.cpu_packed import CpuPackedMethod
 
     # float32: the Q4_1 projections stay Q4_1 on the CPU weight-streaming kernels' float path
-    qkv = smol_llm.engine.model.layers[0].self_attn.qkv_proj
+    qkv = smol_llm.engine.core.model.layers[0].self_attn.qkv_proj
     assert isinstance(qkv.quant, CpuPackedMethod) and qkv.quant.float_acts and qkv.weight is None
     tok = smol_llm.tokenizer
     prompts = [tok.encode(p) for p in PROMPTS]
@@ -78,7 +78,7 @@ def test_default_cpu_engine_runs_the_decoder_stack_with_the_same_tokens(smollm2,
     from tests.test_cpu_stack import count_calls
 
     llm = LLM(str(smollm2), device="cpu", max_model_len=512, max_num_seqs=8, cpu_quant_activations="float")
-    stack = llm.engine.model.cpu_stack
+    stack = llm.engine.core.model.cpu_stack
     assert stack is not None
     ran = count_calls(stack)
     tok = smol_llm.tokenizer
@@ -114,7 +114,7 @@ def test_int4_kept_in_bf16_agrees_with_dequantised(smollm2):
 
     settings = dict(device="cpu", enforce_eager=True, max_model_len=512, max_num_seqs=8, dtype="bfloat16")
     kept = LLM(str(smollm2), **settings)
-    layer = kept.engine.model.layers[0]
+    layer = kept.engine.core.model.layers[0]
     assert all(isinstance(m.quant, CpuPackedMethod) and not m.quant.float_acts and m.weight is None
                for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
                          layer.mlp.down_proj))
@@ -152,10 +152,10 @@ def test_float32_with_int8_activations_agrees_with_the_float_path(smollm2, smol_
     from engine.layers.quant.cpu_packed import CpuPackedMethod
 
     int8 = LLM(str(smollm2), device="cpu", max_model_len=512, max_num_seqs=8, cpu_quant_activations="int8")
-    layer = int8.engine.model.layers[0]
+    layer = int8.engine.core.model.layers[0]
     assert all(isinstance(m.quant, CpuPackedMethod) and not m.quant.float_acts and m.weight is None
                for m in (layer.self_attn.qkv_proj, layer.mlp.down_proj))
-    assert int8.engine.model.cpu_stack is not None
+    assert int8.engine.core.model.cpu_stack is not None
     tok = smol_llm.tokenizer
     prompts = [tok.encode(p) for p in PROMPTS]
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)

@@ -200,7 +200,7 @@ def test_output_kinds_delta_and_final_only_agree_with_cumulative(make_llm):
     first = SamplingParams(temperature=0.8, seed=5, max_tokens=24, ignore_eos=True)  # = sample 0 below
     engine.add_request("Hello", first, request_id="probe")
     text = ""
-    while engine.has_unfinished_requests():
+    while engine.core.has_unfinished_requests():
         for o in engine.step():
             text = o.outputs[0].text
     stop = text[10:13]
@@ -210,7 +210,7 @@ def test_output_kinds_delta_and_final_only_agree_with_cumulative(make_llm):
                                 stop=[stop], output_kind=kind)
         engine.add_request("Hello", params, request_id=kind)
         got = {"count": 0, "choices": {}}
-        while engine.has_unfinished_requests():
+        while engine.core.has_unfinished_requests():
             for o in engine.step():
                 got["count"] += 1
                 for c in o.outputs:

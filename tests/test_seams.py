@@ -98,10 +98,10 @@ def _decode_step(make_llm, **settings):
 
 def test_decode_fast_path_writes_what_the_general_path_writes(make_llm):
     engine = _decode_step(make_llm, async_scheduling=False)
-    sched = engine.scheduler.schedule()
+    sched = engine.core.scheduler.schedule()
     n = len(sched.seqs)
     assert n == 6 and sched.num_prefill_tokens == 0
-    builder = engine.runner.builder
+    builder = engine.core.runner.builder
     general = builder._build_general(sched.seqs)
     want = _host_state(builder.buffers, n)
     builder.buffers.np_input_ids[:n] = 0
@@ -119,13 +119,13 @@ def test_decode_fast_path_writes_what_the_general_path_writes(make_llm):
     assert builder.build(sched).rows[0] is decode.rows[0]  # a decoding sequence's sampler row is kept
     for i in range(6):
         engine.abort_request(f"r{i}")
-    while engine.has_unfinished_requests():
+    while engine.core.has_unfinished_requests():
         engine.step()
     assert_engine_clean(engine)
 
 
 def test_block_table_rows_are_rewritten_only_where_they_changed(make_llm):
-    buf = make_llm(max_num_seqs=8).engine.runner.buffers
+    buf = make_llm(max_num_seqs=8).engine.core.runner.buffers
     a, b = [3, 4], [7, 8, 9]
     buf.write_table_rows([(a, 0, 2), (b, 0, 3)])
     assert buf.np_block_tables[0, :2].tolist() == a and buf.np_block_tables[1, :3].tolist() == b
@@ -155,7 +155,7 @@ def test_lora_slots_reach_the_model_through_replayed_decode_graphs(make_llm, lor
     common = dict(enable_lora=True, max_loras=2, max_lora_rank=8, max_num_seqs=8)
     eager = make_llm(**common)
     graphs = make_llm(**common)
-    runner = graphs.engine.runner
+    runner = graphs.engine.core.runner
     runner.builder.compiled = True  # padded steps, full-width tables: the graph shapes (eager forward)
     runner.capture_graphs([1, 2, 4, 8], device_reads_lengths=False, simulate=True)
     prompts = [[1, 2, 3, 4], [5, 6, 7], [1, 2, 3, 4], [8, 9, 10, 11, 12], [1, 2, 3, 4], [5, 6, 7]]

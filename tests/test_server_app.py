@@ -50,13 +50,13 @@ async def _wait_until(pred, timeout=10.0):
 
 def slow_steps(state, seconds: float) -> None:
     """Every engine step takes at least `seconds` longer (requests stay in flight)."""
-    real_step = state.engine.engine.core_step
+    real_step = state.engine.engine.core.step
 
     def slow_step():
         time.sleep(seconds)
         return real_step()
 
-    state.engine.engine.core_step = slow_step
+    state.engine.engine.core.step = slow_step
 
 
 def _assert_error(resp: httpx.Response, status: int, code: str) -> None:
@@ -67,7 +67,7 @@ def _assert_error(resp: httpx.Response, status: int, code: str) -> None:
 
 def test_503_when_waiting_queue_is_full(app_state):
     state, app = app_state()
-    sched = state.engine.engine.scheduler
+    sched = state.engine.engine.core.scheduler
     body = {"prompt": "Hello", "max_tokens": 100, "ignore_eos": True}
 
     async def main():
@@ -90,21 +90,21 @@ def test_503_when_waiting_queue_is_full(app_state):
 def test_dead_engine_loop_gives_503_and_fails_streams(app_state):
     state, app = app_state(max_num_seqs=4, max_waiting_requests=8)
     boom = threading.Event()
-    real_step = state.engine.engine.core_step
+    real_step = state.engine.engine.core.step
 
     def step():
         if boom.is_set():
             raise RuntimeError("injected failure")
         return real_step()
 
-    state.engine.engine.core_step = step
+    state.engine.engine.core.step = step
 
     async def main():
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as http:
             assert (await http.get("/health")).status_code == 200
             pending = asyncio.ensure_future(http.post("/v1/completions", json={
                 "prompt": "Hello", "max_tokens": 100, "ignore_eos": True, "stream": True}))
-            await _wait_until(lambda: state.engine.engine.pool.num_in_use > 0)
+            await _wait_until(lambda: state.engine.engine.core.pool.num_in_use > 0)
             boom.set()
             streamed = await pending
             assert streamed.status_code == 200  # headers were sent before the failure
@@ -133,7 +133,7 @@ def test_request_timeout_aborts_and_frees(app_state):
             assert len(events) > 3  # some tokens streamed before the deadline
             fast = await http.post("/v1/completions", json={"prompt": "Hello", "max_tokens": 3})
             assert fast.status_code == 200
-        await _wait_until(lambda: state.engine.engine.is_idle_and_free())
+        await _wait_until(lambda: state.engine.engine.core.is_idle_and_free())
 
     asyncio.run(main())
 

@@ -27,7 +27,7 @@ def fuzz_state(tiny_llama):
     state.engine.start()
     yield state
     deadline = time.monotonic() + 20
-    while not state.engine.engine.is_idle_and_free() and time.monotonic() < deadline:
+    while not state.engine.engine.core.is_idle_and_free() and time.monotonic() < deadline:
         time.sleep(0.05)
     assert state.engine.is_alive, state.engine.dead_error
     state.engine.shutdown()

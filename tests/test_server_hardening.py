@@ -308,9 +308,9 @@ def test_drain_ends_streams_and_requests_cleanly(app_state):
     assert _error(refused, 503)["code"] == "shutting_down"
     assert not state.jobs
     deadline = time.monotonic() + 10
-    while not state.engine.engine.is_idle_and_free() and time.monotonic() < deadline:
+    while not state.engine.engine.core.is_idle_and_free() and time.monotonic() < deadline:
         time.sleep(0.02)
-    assert state.engine.engine.is_idle_and_free()
+    assert state.engine.engine.core.is_idle_and_free()
 
 
 # ---- 7: malformed JSON, metrics ----

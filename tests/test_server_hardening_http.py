@@ -223,7 +223,7 @@ def test_declared_oversized_body_gets_413_and_close(app_state):
 def test_every_503_carries_retry_after(app_state):
     state, app = app_state(max_num_seqs=1, max_waiting_requests=1, server={"retry_after_s": 3})
     slow_steps(state, 0.02)
-    sched = state.engine.engine.scheduler
+    sched = state.engine.engine.core.scheduler
     body = {"prompt": "Hello", "max_tokens": 100, "ignore_eos": True}
 
     async def until(pred):

@@ -58,7 +58,7 @@ class StalledClient:
 
 
 def _engine_free(state) -> bool:
-    return state.engine.engine.is_idle_and_free()
+    return state.engine.engine.core.is_idle_and_free()
 
 
 async def _until(pred, timeout: float) -> float:

@@ -52,16 +52,16 @@ def test_soak_swap_recompute_priorities_aborts(make_llm):
     ref = make_llm(max_num_seqs=128, max_model_len=64, block_size=BLOCK, max_num_batched_tokens=2048)
     ref_outs = ref.generate([r["prompt"] for r in reqs], [_params(r, n=1) for r in reqs], use_tqdm=False)
     expected = {r["rid"]: o.outputs[0].token_ids for r, o in zip(reqs, ref_outs)}
-    assert ref.engine.scheduler.num_preemptions == 0
+    assert ref.engine.core.scheduler.num_preemptions == 0
     t_ref = time.perf_counter() - t0
 
     cfg = ref.engine.model_config
-    per_block = KVCache.bytes_per_block(cfg.num_layers, BLOCK, cfg.num_kv_heads, cfg.head_dim, ref.engine.dtype)
+    per_block = KVCache.bytes_per_block(cfg.num_layers, BLOCK, cfg.num_kv_heads, cfg.head_dim, ref.engine.core.dtype)
     llm = make_llm(max_num_seqs=12, max_model_len=64, block_size=BLOCK, num_gpu_blocks=24,
                    max_num_batched_tokens=48, preemption_mode="auto", swap_space_gb=16 * per_block / (1 << 30),
                    reserved_blocks_fraction=0.1, reserved_priority=0)
     eng = llm.engine
-    assert eng.swap_space is not None and eng.swap_space.num_blocks == 16
+    assert eng.core.swap_space is not None and eng.core.swap_space.num_blocks == 16
 
     rng = random.Random(99)
     pending = list(reqs)
@@ -70,7 +70,7 @@ def test_soak_swap_recompute_priorities_aborts(make_llm):
     aborted: set[str] = set()
     steps = 0
     max_swapped = 0
-    while pending or eng.has_unfinished_requests():
+    while pending or eng.core.has_unfinished_requests():
         for _ in range(rng.choice([0, 0, 1, 1, 2, 3])):
             if pending:
                 r = pending.pop(0)
@@ -82,8 +82,8 @@ def test_soak_swap_recompute_priorities_aborts(make_llm):
                 aborted.add(rid)
         outputs = eng.step()
         steps += 1
-        eng.check_integrity()
-        max_swapped = max(max_swapped, eng.scheduler.num_requests_swapped)
+        eng.core.check_integrity()
+        max_swapped = max(max_swapped, eng.core.scheduler.num_requests_swapped)
         for out in outputs:
             if out.finished:
                 assert out.error is None, out.error
@@ -91,21 +91,21 @@ def test_soak_swap_recompute_priorities_aborts(make_llm):
                 live.remove(out.request_id)
         assert steps < 200 * num_requests, "the engine stopped making progress"
 
-    assert eng.is_idle_and_free() and eng.pool.is_fully_free() and eng.swap_space.is_fully_free()
+    assert eng.core.is_idle_and_free() and eng.core.pool.is_fully_free() and eng.core.swap_space.is_fully_free()
     assert set(done) | aborted == {r["rid"] for r in reqs} and not set(done) & aborted
     wrong = [rid for rid, outs in done.items() if any(o != expected[rid] for o in outs)]
     assert not wrong, f"{len(wrong)} requests differ from the unconstrained run, e.g. {wrong[:5]}"
 
-    sched = eng.scheduler
+    sched = eng.core.scheduler
     by_mode = sched.preemptions_by_mode
     summary = (f"{num_requests} requests ({len(aborted)} aborted), {steps} steps, preemptions {by_mode}, "
-               f"swap fallbacks {sched.num_swap_fallbacks}, swapped out {eng.swap_space.bytes_out} B, "
-               f"blocks reused at swap-in {eng.swap_space.blocks_reused}, "
-               f"discarded {eng.swap_space.blocks_discarded}, "
+               f"swap fallbacks {sched.num_swap_fallbacks}, swapped out {eng.core.swap_space.bytes_out} B, "
+               f"blocks reused at swap-in {eng.core.swap_space.blocks_reused}, "
+               f"discarded {eng.core.swap_space.blocks_discarded}, "
                f"max requests swapped {max_swapped}, ref {t_ref:.1f}s, total {time.perf_counter() - t0:.1f}s")
     print(summary)
     assert by_mode["swap"] >= num_requests // 50 and by_mode["recompute"] >= num_requests // 50, summary
-    space = eng.swap_space
+    space = eng.core.swap_space
     # Every block swapped out came back (copied or found still cached), or was dropped with its
     # request (aborted while swapped out, or demoted to recompute).
     assert space.bytes_out == space.bytes_in + (space.blocks_reused + space.blocks_discarded) * \

@@ -53,7 +53,7 @@ def test_greedy_equals_plain_decoding_and_transformers(periodic_model, make_llm)
     spec = _run(spec_llm, PROMPTS, params)
     assert [c.token_ids for c in spec] == [c.token_ids for c in plain]
     assert [c.token_ids for c in spec[:3]] == hf_greedy(str(periodic_model), PROMPTS[:3], 40)
-    sched = spec_llm.engine.scheduler
+    sched = spec_llm.engine.core.scheduler
     assert sched.num_accepted_tokens > 0.8 * sched.num_draft_tokens > 0  # the model repeats: drafts hold
 
 
@@ -69,7 +69,7 @@ def test_seeded_sampling_with_penalties_and_logprobs_is_unchanged(periodic_model
         assert b.token_ids == a.token_ids
         assert b.cumulative_logprob == pytest.approx(a.cumulative_logprob, abs=1e-3)
         assert [sorted(e) for e in b.logprobs] == [sorted(e) for e in a.logprobs]
-    sched = spec_llm.engine.scheduler
+    sched = spec_llm.engine.core.scheduler
     assert 0 < sched.num_accepted_tokens < sched.num_draft_tokens, "want both accepted and rejected drafts"
 
 
@@ -83,7 +83,7 @@ def test_stops_inside_accepted_drafts(periodic_model, make_llm):
     spec_llm = make_llm(periodic_model, max_num_seqs=8, **SPEC)
     # The prompts already hold a cycle: drafts from the first step, accepted 4 at a time.
     prompts = [[8, 9, 10, 11, 12, 13, 14, 15, 8, 9], [100, 8, 9, 10, 11, 12, 13, 14, 15, 8]]
-    sched = spec_llm.engine.scheduler
+    sched = spec_llm.engine.core.scheduler
     for params in cases:
         accepted = sched.num_accepted_tokens
         plain, spec = _run(plain_llm, prompts, params), _run(spec_llm, prompts, params)
@@ -106,7 +106,7 @@ def test_preemption_and_prefix_cache_with_drafts(periodic_model, make_llm):
         engine.add_request(prompt, params, f"r{i}")
     got = {rid: out.outputs[0].token_ids for rid, out in run_checked(engine).items()}
     assert [got[f"r{i}"] for i in range(len(PROMPTS))] == want
-    assert engine.scheduler.num_preemptions > 0 and engine.scheduler.num_accepted_tokens > 0
+    assert engine.core.scheduler.num_preemptions > 0 and engine.core.scheduler.num_accepted_tokens > 0
     again = _run(small, PROMPTS[:4], params)  # prefix-cache hits on blocks that drafts filled
     assert [c.token_ids for c in again] == want[:4]
 
@@ -126,7 +126,7 @@ def test_back_off_when_drafts_keep_failing(tiny_llama, make_llm):
     prompts = [[7, 8, 9, 10, 11] * 6, [40, 41, 42] * 10]
     plain = _run(make_llm(tiny_llama, max_num_seqs=4), prompts, params)
     assert [c.token_ids for c in _run(llm, prompts, params)] == [c.token_ids for c in plain]
-    sched = llm.engine.scheduler
+    sched = llm.engine.core.scheduler
     attempts = sched.num_draft_tokens / SPEC["num_speculative_tokens"]
     assert attempts < 0.25 * 2 * 100, f"{attempts:.0f} verify steps for 200 tokens: no back-off"
 
@@ -165,9 +165,9 @@ def test_metrics_count_drafts_and_generated_tokens(periodic_model, make_llm):
     metrics = EngineMetrics("m", log_stats_interval=0)
     for i, prompt in enumerate(PROMPTS[:4]):
         engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=30, ignore_eos=True), f"r{i}")
-    while engine.has_unfinished_requests():
+    while engine.core.has_unfinished_requests():
         metrics.on_step(engine, engine.step(), time.monotonic())
     m = _samples(metrics)
-    assert m[("kiln:spec_decode_num_draft_tokens_total", ())] == engine.scheduler.num_draft_tokens > 0
-    assert m[("kiln:spec_decode_num_accepted_tokens_total", ())] == engine.scheduler.num_accepted_tokens > 0
+    assert m[("kiln:spec_decode_num_draft_tokens_total", ())] == engine.core.scheduler.num_draft_tokens > 0
+    assert m[("kiln:spec_decode_num_accepted_tokens_total", ())] == engine.core.scheduler.num_accepted_tokens > 0
     assert m[("kiln:generation_tokens_total", ())] == 4 * 30  # every kept token counted once

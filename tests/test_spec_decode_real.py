@@ -75,8 +75,8 @@ def test_smollm2_spec_equals_plain(smollm2, eagle3_head, params):
             engine.add_request(p, params, f"r{i}")
         got = run_checked(engine)
         assert [got[f"r{i}"].outputs[0].token_ids for i in range(len(prompts) + 2)] == want + want[:2], spec
-        assert engine.scheduler.num_preemptions > 0 and engine.pool.counters.prefix_hits > 0
+        assert engine.core.scheduler.num_preemptions > 0 and engine.core.pool.counters.prefix_hits > 0
         assert_engine_clean(engine)
         if spec["speculative_method"] == "draft_model":
-            s = engine.scheduler.spec
+            s = engine.core.scheduler.spec
             assert s.num_accepted_tokens >= 0.9 * s.num_draft_tokens > 0  # (the target drafting for itself)

@@ -118,7 +118,7 @@ def test_greedy_equals_plain_decoding_in_mixed_batches(spec_models, make_llm, me
         engine.add_request(p, params, f"r{i}")
     got = run_checked(engine)
     assert [got[f"r{i}"].outputs[0].token_ids for i in range(len(PROMPTS))] == want
-    assert engine.scheduler.num_draft_tokens > 0
+    assert engine.core.scheduler.num_draft_tokens > 0
 
 
 def test_perfect_draft_keeps_every_draft_and_stops_inside_a_run(spec_models, make_llm):
@@ -130,7 +130,7 @@ def test_perfect_draft_keeps_every_draft_and_stops_inside_a_run(spec_models, mak
     want = _outputs(plain, PROMPTS[:3], greedy)
     got = _outputs(spec, PROMPTS[:3], greedy)
     assert [o.token_ids for o in got] == [o.token_ids for o in want]
-    sched = spec.engine.scheduler
+    sched = spec.engine.core.scheduler
     assert sched.num_accepted_tokens == sched.num_draft_tokens > 0
     assert sched.spec.num_accepted_per_pos == sched.spec.num_drafts_per_pos
     stop_at = want[0].token_ids[13]  # a token inside the 4th run of K + 1
@@ -147,11 +147,11 @@ TIGHT = dict(max_num_batched_tokens=16, num_gpu_blocks=9, block_size=8, max_mode
 
 def _run_twice(llm, params):
     _outputs(llm, PROMPTS[6:8] + PROMPTS[:2], params)
-    assert llm.engine.scheduler.num_preemptions > 0
+    assert llm.engine.core.scheduler.num_preemptions > 0
     _outputs(llm, PROMPTS[6:7], params)
-    hits = llm.engine.pool.counters.prefix_hits
+    hits = llm.engine.core.pool.counters.prefix_hits
     _outputs(llm, PROMPTS[6:7], params)
-    assert llm.engine.pool.counters.prefix_hits > hits
+    assert llm.engine.core.pool.counters.prefix_hits > hits
 
 
 @pytest.mark.parametrize("overlap", [False, True], ids=["serial", "overlap"])
@@ -198,7 +198,7 @@ def test_draft_vocabulary_drafts_the_argmax_of_its_rows(spec_models, make_llm, m
                 ids.append(expect[-1])
             assert drafts == expect
     assert len(seen) > 10 and all(t % 2 == 0 for _, drafts in seen for t in drafts)
-    sched = llm.engine.scheduler
+    sched = llm.engine.core.scheduler
     assert 0 < sched.num_accepted_tokens < sched.num_draft_tokens
 
 
@@ -213,7 +213,7 @@ def test_eagle_drafts_equal_the_reference_head(spec_models, make_llm, monkeypatc
 
     name = "eagle" if version == 1 else "eagle3"
     llm = make_llm(spec_models["target"], **TIGHT, async_scheduling=overlap, **_spec(spec_models, name, name))
-    seen = _record_drafts(monkeypatch, llm.engine.runner.spec)
+    seen = _record_drafts(monkeypatch, llm.engine.core.runner.spec)
     _run_twice(llm, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))
     config = json.loads((spec_models[name] / "config.json").read_text())
     cfg, embed, head = _target_weights(spec_models["target"])
@@ -284,7 +284,7 @@ def test_periodic_eagle_head_is_accepted_and_exact(spec_models, make_llm):
         want = [o.token_ids for o in _outputs(make_llm(periodic, max_num_seqs=8), PROMPTS, params)]
         llm = make_llm(periodic, max_num_seqs=8, **spec)
         assert [o.token_ids for o in _outputs(llm, PROMPTS, params)] == want
-        sched = llm.engine.scheduler
+        sched = llm.engine.core.scheduler
         assert sched.num_accepted_tokens > 0.5 * sched.num_draft_tokens > 0
         per_pos = sched.spec.num_accepted_per_pos
         assert per_pos == sorted(per_pos, reverse=True) and per_pos[-1] > 0
@@ -310,7 +310,7 @@ def test_seeded_sampling_with_penalties_logprobs_and_lora(spec_models, make_llm,
         assert b.token_ids == a.token_ids
         assert b.cumulative_logprob == pytest.approx(a.cumulative_logprob, abs=1e-3)
         assert [sorted(e) for e in b.logprobs] == [sorted(e) for e in a.logprobs]
-    assert spec.engine.scheduler.num_draft_tokens > 0
+    assert spec.engine.core.scheduler.num_draft_tokens > 0
 
 
 @pytest.mark.parametrize("mode,method,draft", [("swap", "draft_model", "small"), ("recompute", "eagle3", "eagle3")])
@@ -329,7 +329,7 @@ def test_preemption_and_prefix_hits(spec_models, make_llm, mode, method, draft):
         engine.add_request(p, params, f"r{i}")
     got = run_checked(engine)
     assert [got[f"r{i}"].outputs[0].token_ids for i in range(len(prompts))] == want
-    assert engine.scheduler.preemptions_by_mode.get(mode, 0) > 0
+    assert engine.core.scheduler.preemptions_by_mode.get(mode, 0) > 0
 
 
 @pytest.mark.parametrize("draft", ["noisy", "noisy_vocab"])
@@ -350,7 +350,7 @@ def test_sampled_output_follows_the_target(spec_models, make_llm, draft):
     many = dataclasses.replace(params, n=64)
     outs = llm.generate([prompt] * 40, many, use_tqdm=False)
     second = torch.tensor([c.token_ids[1] for o in outs for c in o.outputs])
-    sched = llm.engine.scheduler
+    sched = llm.engine.core.scheduler
     assert 0 < sched.num_accepted_tokens < sched.num_draft_tokens  # both branches of the rule ran
     if draft == "noisy_vocab":  # the target's odd tokens come from the residual alone (q is 0 there)
         assert (second % 2 == 1).any()
@@ -374,11 +374,11 @@ def test_draft_length_adapts_per_sequence(spec_models, make_llm):
     greedy = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
     good = make_llm(spec_models["target"], **_spec(spec_models, "draft_model", "target", 4))
     _outputs(good, PROMPTS[:2], greedy)
-    s = good.engine.scheduler.spec
+    s = good.engine.core.scheduler.spec
     assert s.num_draft_tokens >= 4 * s.num_drafts - 2 * 3  # (fewer only where max_tokens leaves less room)
     bad = make_llm(spec_models["target"], **_spec(spec_models, "draft_model", "small", 4))
     _outputs(bad, PROMPTS[:2], greedy)
-    s = bad.engine.scheduler.spec
+    s = bad.engine.core.scheduler.spec
     assert s.num_accepted_tokens <= 0.1 * s.num_draft_tokens
     assert s.num_drafts < 0.4 * 2 * 60, f"{s.num_drafts} verify steps for 120 tokens: no back-off"
     assert s.num_draft_tokens < 2 * s.num_drafts  # mostly one-draft probes
@@ -428,7 +428,7 @@ def test_settings_and_metrics(spec_models, make_llm, caplog):
         EngineSettings(speculative_method="draft_model", num_speculative_tokens=2)
     llm = make_llm(spec_models["target"], **_spec(spec_models, "draft_model", "noisy"))
     _outputs(llm, PROMPTS[:3], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))
-    spec = llm.engine.scheduler.spec
+    spec = llm.engine.core.scheduler.spec
     assert sum(spec.num_accepted_per_pos) == spec.num_accepted_tokens > 0
     metrics = EngineMetrics("m", log_stats_interval=1e-9)
     metrics._log_prev["t"] -= 1
@@ -447,9 +447,9 @@ def _simulated_graphs(engine, sizes=(1, 2, 4)):
     """Every runner of the engine (the target's, the draft model's or head's) replays its decode
     and verify steps as graphs, simulated on the CPU (the body runs again over the static
     buffers: compiler/compilation/capture.py SimulatedGraphSet) with the compiled runner's padding."""
-    runners = [(engine.runner, 1 + K)]
-    if engine.draft_runner is not None:
-        runners.append((engine.draft_runner, 1 if engine.settings.speculative_method == "draft_model" else 1 + K))
+    runners = [(engine.core.runner, 1 + K)]
+    if engine.core.draft_runner is not None:
+        runners.append((engine.core.draft_runner, 1 if engine.settings.speculative_method == "draft_model" else 1 + K))
     for runner, max_query in runners:
         runner.builder.compiled = True  # (full-width tables, padded steps: what graphs read; the forward stays eager)
         runner.capture_graphs(list(sizes), device_reads_lengths=False, simulate=True, max_query=max_query)

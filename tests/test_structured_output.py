@@ -175,7 +175,7 @@ def test_a_constraint_that_does_not_compile_is_a_clear_error(spec, message, make
         llm.engine.add_request("hi", SamplingParams(structured_outputs=StructuredOutputsParams(**spec)))
     assert info.value.param == "structured_outputs"
     assert "/project/" not in str(info.value)  # the native file:line prefix is dropped
-    assert not llm.engine.has_unfinished_requests()
+    assert not llm.engine.core.has_unfinished_requests()
 
 
 @pytest.mark.parametrize("spec, message", [

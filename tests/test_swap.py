@@ -106,24 +106,24 @@ def test_engine_swap_matches_unconstrained_greedy(make_llm, mode, overlap, caplo
         outs = llm.generate(prompts, _greedy(24), use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == expected
     eng = llm.engine
-    by_mode = eng.scheduler.preemptions_by_mode
+    by_mode = eng.core.scheduler.preemptions_by_mode
     assert by_mode["swap"] > 0
-    assert sum(o.outputs[0].num_preemptions for o in outs) == eng.scheduler.num_preemptions
-    space = eng.swap_space
-    assert space.bytes_out == eng.block_swapper.bytes_out > 0 and space.bytes_in == eng.block_swapper.bytes_in
+    assert sum(o.outputs[0].num_preemptions for o in outs) == eng.core.scheduler.num_preemptions
+    space = eng.core.swap_space
+    assert space.bytes_out == eng.core.block_swapper.bytes_out > 0 and space.bytes_in == eng.core.block_swapper.bytes_in
     assert space.bytes_out == space.bytes_in + space.blocks_reused * space.bytes_per_block
-    assert eng.swap_space.is_fully_free() and eng.is_idle_and_free()
+    assert eng.core.swap_space.is_fully_free() and eng.core.is_idle_and_free()
     logged = [r.getMessage() for r in caplog.records if "preempted request" in r.getMessage()]
-    assert len(logged) == eng.scheduler.num_preemptions
+    assert len(logged) == eng.core.scheduler.num_preemptions
     assert any(" by swap: out of KV blocks" in m and "offline-" in m for m in logged)
 
 
 def test_engine_without_swap_space_recomputes(make_llm):
     llm = make_llm(max_num_seqs=8, max_model_len=64, block_size=8, num_gpu_blocks=14, preemption_mode="swap",
                    swap_space_gb=0.0, max_num_batched_tokens=64)
-    assert llm.engine.swap_space is None
+    assert llm.engine.core.swap_space is None
     llm.generate(_prompts(8), _greedy(24), use_tqdm=False)
-    assert llm.engine.scheduler.preemptions_by_mode == {"recompute": llm.engine.scheduler.num_preemptions,
+    assert llm.engine.core.scheduler.preemptions_by_mode == {"recompute": llm.engine.core.scheduler.num_preemptions,
                                                           "swap": 0}
 
 
@@ -155,17 +155,17 @@ def test_warm_prefixes_are_pinned_and_survive_pressure(make_llm):
     eng = llm.engine
     prefix = list(range(10, 43))  # 33 tokens: 4 full blocks
     assert eng.warm_prefixes([prefix, prefix[:16], [1, 2]]) == 4  # shared blocks pinned once; short one skipped
-    assert eng.pool.num_pinned == 4 and eng.is_idle_and_free()
+    assert eng.core.pool.num_pinned == 4 and eng.core.is_idle_and_free()
     # Pressure: many distinct prompts cycle through the rest of the pool (evicting cached blocks).
     llm.generate(_prompts(16, seed=3), _greedy(12), use_tqdm=False)
-    blocks, _ = eng.pool.match_prefix(prefix, 4)
+    blocks, _ = eng.core.pool.match_prefix(prefix, 4)
     assert len(blocks) == 4, "a pinned block was evicted"
     out = llm.generate([prefix + [7, 8, 9]], _greedy(4), use_tqdm=False)[0]
     assert out.num_cached_tokens == 32
     ref = make_llm(max_num_seqs=4, max_model_len=128, enable_prefix_caching=False)
     assert ref.generate([prefix + [7, 8, 9]], _greedy(4), use_tqdm=False)[0].outputs[0].token_ids == \
         out.outputs[0].token_ids
-    eng.check_integrity()
+    eng.core.check_integrity()
 
 
 def test_swap_bench_runs_on_cpu(capsys):

@@ -60,7 +60,7 @@ def _engine(model: Path, tp: int, **extra):
                     num_gpu_blocks=16, max_model_len=128, max_num_batched_tokens=24, max_num_seqs=4,
                     log_stats_interval=0)
     settings.update(extra)
-    return LLMEngine(EngineSettings(**settings))
+    return LLMEngine.from_settings(EngineSettings(**settings))
 
 
 class _OneEngine:
@@ -79,7 +79,7 @@ class _OneEngine:
 
     def close(self) -> None:
         if self.engine is not None:
-            executor = self.engine.executor
+            executor = self.engine.core.executor
             executor.shutdown()
             assert not any(p.is_alive() for p in executor.procs), "a worker outlived shutdown"
             self.engine = self.key = None
@@ -102,12 +102,12 @@ def test_tp2_equals_tp1(tp_engines, tiny_models, arch, mode):
                                                   swap_space_gb=0.01))
     reference = _engine(tiny_models[arch], 1, preemption_mode=mode, swap_space_gb=0.01)
     expected = _run(reference)
-    assert reference.scheduler.preemptions_by_mode[mode] > 0
-    engine.scheduler.config = dataclasses.replace(engine.scheduler.config, preemption_mode=mode)
-    engine.scheduler.preemption.mode = mode  # the preemptor keeps its own copy of the mode
-    before = engine.scheduler.preemptions_by_mode[mode]
+    assert reference.core.scheduler.preemptions_by_mode[mode] > 0
+    engine.core.scheduler.config = dataclasses.replace(engine.core.scheduler.config, preemption_mode=mode)
+    engine.core.scheduler.preemption.mode = mode  # the preemptor keeps its own copy of the mode
+    before = engine.core.scheduler.preemptions_by_mode[mode]
     assert _run(engine) == expected
-    assert engine.scheduler.preemptions_by_mode[mode] > before
+    assert engine.core.scheduler.preemptions_by_mode[mode] > before
 
 
 def test_tp2_spec_decode_structured_output_and_heartbeat(tp_engines, tiny_llama, monkeypatch):
@@ -136,9 +136,9 @@ def test_tp2_spec_decode_structured_output_and_heartbeat(tp_engines, tiny_llama,
 
     expected = run(reference)
     assert run(engine) == expected
-    beats = engine.executor.sent[codec.OP_NOOP]
+    beats = engine.core.executor.sent[codec.OP_NOOP]
     time.sleep(1.5)
-    assert engine.executor.sent[codec.OP_NOOP] > beats  # idle: heartbeats went out, answered by nobody
+    assert engine.core.executor.sent[codec.OP_NOOP] > beats  # idle: heartbeats went out, answered by nobody
     assert run(engine) == expected
 
 
@@ -153,7 +153,7 @@ def test_worker_exits_when_rank0_dies(tiny_llama, tmp_path):
         "if __name__ == '__main__':\n"
         f"    llm = LLM({str(tiny_llama)!r}, device='cpu', enforce_eager=True, tensor_parallel_size=2,\n"
         "              max_model_len=128, num_gpu_blocks=32)\n"
-        "    print(llm.engine.executor.procs[0].pid, flush=True)\n"
+        "    print(llm.engine.core.executor.procs[0].pid, flush=True)\n"
         "    time.sleep(600)\n")
     proc = subprocess.Popen([sys.executable, str(script)], cwd=ROOT, stdout=subprocess.PIPE,
                             stderr=subprocess.DEVNULL, text=True,

@@ -17,7 +17,7 @@ Q = 5  # 1 + 4 drafts
                                                 ("hidden_in", 7, [1])])
 def test_verify_buckets_past_the_buffers_are_skipped(make_llm, caplog, buffer, rows, fit):
     llm = make_llm(max_num_seqs=8, max_num_batched_tokens=16)
-    runner = llm.engine.runner
+    runner = llm.engine.core.runner
     assert runner.buffers.max_tokens == 20  # max(16 tokens, 9 rows) + the compiled steps' padding rows
     model = runner.model
     if buffer is not None:  # (the target's EAGLE-3 states, an EAGLE head's input: fewer rows here)

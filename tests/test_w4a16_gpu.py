@@ -134,10 +134,10 @@ def test_tiny_int4_checkpoint_kiln_against_tinygemm(tiny_models, make_llm, tmp_p
                                          act_order=True)
     common = dict(device="cuda", dtype="bfloat16", enforce_eager=False, kernel_cache_dir=str(CACHE))
     kiln = make_llm(quant_dir, int4_kernel="kiln", **common)
-    qkv = kiln.engine.model.layers[0].self_attn.qkv_proj
+    qkv = kiln.engine.core.model.layers[0].self_attn.qkv_proj
     assert isinstance(qkv.quant, w4a16.KilnInt4Method) and qkv.w4a16_perm is not None
     tiny = make_llm(quant_dir, int4_kernel="tinygemm", **common)
-    assert tiny.engine.model.layers[0].self_attn.qkv_proj.quant is int4_packed.PACKED
+    assert tiny.engine.core.model.layers[0].self_attn.qkv_proj.quant is int4_packed.PACKED
     got, want = _greedy(kiln), _greedy(tiny)
     same = sum(a == b for g, w in zip(got, want) for a, b in zip(g, w))
     print(f"greedy kiln vs tinygemm: {same} of {sum(map(len, want))} tokens equal")

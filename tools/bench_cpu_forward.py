@@ -36,7 +36,7 @@ def measure(model_path: str, rows_list: list[int], iters: int, threads: int) -> 
     from engine.layers.attention.base import AttentionMetadata
 
     llm = LLM(model=model_path, max_num_seqs=max(rows_list))
-    runner = llm.engine.runner
+    runner = llm.engine.core.runner
     model, cache = runner.model, runner.kv_cache.tensor
     block_size = cache.shape[3]
     gen = torch.Generator().manual_seed(0)

@@ -103,7 +103,7 @@ def engine_ab(rounds: int, threads: int) -> None:
     prompts = [[rng.randrange(5, vocab) for _ in range(rng.randint(16, 64))] for _ in range(64)]
     params = [SamplingParams(temperature=0.0, max_tokens=rng.randint(16, 64), ignore_eos=True, detokenize=False)
               for _ in range(64)]
-    fusable = [m for m in llm.engine.runner.model.modules() if isinstance(m, (RMSNorm, RotaryEmbedding, MLP))]
+    fusable = [m for m in llm.engine.core.runner.model.modules() if isinstance(m, (RMSNorm, RotaryEmbedding, MLP))]
     min_rows = cpu_linear.MIN_ONEDNN_ROWS
     configs = {"eager ops, F.linear": (False, 1 << 40), "oneDNN only": (False, min_rows),
                "fused ops only": (True, 1 << 40), "fused ops + oneDNN": (True, min_rows)}

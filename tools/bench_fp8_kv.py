@@ -49,7 +49,7 @@ def _blocks(model: Path, budget: float) -> None:
         for kv in ("auto", "fp8"):
             llm = LLM(str(model), device="cpu", enforce_eager=True, dtype=dtype, kv_cache_dtype=kv,
                       kv_cache_memory_gb=budget, max_model_len=256)
-            counts[kv] = llm.engine.kv_cache.num_blocks
+            counts[kv] = llm.engine.core.kv_cache.num_blocks
             del llm
         print(f"  model {dtype:9s}: auto {counts['auto']:6d} blocks, fp8 {counts['fp8']:6d} blocks, "
               f"ratio {counts['fp8'] / counts['auto']:.3f}")

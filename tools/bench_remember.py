@@ -40,7 +40,7 @@ def main() -> None:
     args = parser.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
     new_remember = ModelRunner._remember
-    engine = LLMEngine(EngineSettings(max_num_seqs=max(batches), enforce_eager=True, cpu_threads=1,
+    engine = LLMEngine.from_settings(EngineSettings(max_num_seqs=max(batches), enforce_eager=True, cpu_threads=1,
                                       num_gpu_blocks=max(batches) * (-(-(32 + args.steps + 80) // 16))))
     stub_model(engine, max(batches))
     totals = instrument(engine)

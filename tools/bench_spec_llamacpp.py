@@ -151,7 +151,7 @@ def main() -> int:
         for server in llama.values():
             server.close()
     med = {k: statistics.median(v) for k, v in rates.items()}
-    spec = kiln["draft"].engine.scheduler.spec
+    spec = kiln["draft"].engine.core.scheduler.spec
     result = {
         "tok_per_s": med, "runs": rates,
         "kiln_speedup": med["kiln:draft"] / med["kiln:plain"],

@@ -159,9 +159,9 @@ def kiln_worker(spec: dict) -> dict:
     settings = EngineSettings(model=spec["model"], device="cpu", dtype=spec["dtype"], cpu_threads=spec["threads"],
                               max_num_seqs=max(batches), max_model_len=p + g, enable_prefix_caching=False,
                               log_stats_interval=0, **spec.get("extra", {}))
-    engine = LLMEngine(settings)
+    engine = LLMEngine.from_settings(settings)
     vocab = engine.model_config.vocab_size
-    out = {"dtype": str(engine.dtype).removeprefix("torch."), "weight_GB": weight_bytes(engine.model) / 1e9}
+    out = {"dtype": str(engine.core.dtype).removeprefix("torch."), "weight_GB": weight_bytes(engine.core.model) / 1e9}
     for b in batches:
         run_kiln(engine, random_prompts(b, p, vocab, 1000 + b), 4, f"warm{b}")
         res = run_kiln(engine, random_prompts(b, p, vocab, b), g, f"b{b}")

@@ -113,11 +113,11 @@ def throughput(engine, args, requests: int | None = None, output_len: int | None
         engine.add_request(p, params, request_id=f"tp{i}")
     t0 = time.perf_counter()
     generated = 0
-    while engine.has_unfinished_requests():
+    while engine.core.has_unfinished_requests():
         engine.step()
-        generated += engine.last_step.num_generation_tokens
+        generated += engine.core.last_step.num_generation_tokens
     seconds = time.perf_counter() - t0
-    engine.check_integrity()
+    engine.core.check_integrity()
     return generated / seconds
 
 
@@ -186,7 +186,7 @@ def baseline(engine, args) -> dict[str, float]:
     for _ in range(args.baseline_rounds):  # interleaved, so load changes hit both alike
         res = run_kiln(engine, prompt, n, "base")
         kiln_ms = res["total_s"] / n * 1e3  # prefill included, as in generate's time
-        hf_s, hf_tokens = run_hf(hf, prompt, n, engine.device)
+        hf_s, hf_tokens = run_hf(hf, prompt, n, engine.core.device)
         hf_ms = hf_s / n * 1e3
         rounds.append((kiln_ms, hf_ms, res["tokens"][0] == hf_tokens[0]))
     kiln_ms = float(np.median([r[0] for r in rounds]))
@@ -243,7 +243,7 @@ def parts(engine, args) -> dict[str, Any]:
             out["attention"].append(row)
             print(f"  decode attention, one layer, batch {batch:3d}, context {ctx:5d}: C++ kernel "
                   f"{row['compiled_ms']:.3f} ms, reference {row['reference_ms']:.3f} ms -> {row['speedup']:.2f}x")
-    eager = LLMEngine(EngineSettings(**{**engine.settings.model_dump(), "enforce_eager": True}))
+    eager = LLMEngine.from_settings(EngineSettings(**{**engine.settings.model_dump(), "enforce_eager": True}))
     ref_ms, ours_ms = batch1(eager, args), batch1(engine, args)
     del eager
     out["batch1_reference_attention_ms"], out["batch1_default_ms"] = ref_ms, ours_ms
@@ -287,12 +287,12 @@ def _start_decoding(engine, batch: int, steps: int, input_len: int, tag: str) ->
         engine.add_request(p, params, request_id=f"{tag}{i}")
     while True:
         engine.step()
-        if engine.last_step.num_prompt_tokens == 0 and engine.last_step.num_generation_tokens > 0:
+        if engine.core.last_step.num_prompt_tokens == 0 and engine.core.last_step.num_generation_tokens > 0:
             return
 
 
 def _drain(engine) -> None:
-    while engine.has_unfinished_requests():
+    while engine.core.has_unfinished_requests():
         engine.step()
 
 
@@ -300,7 +300,7 @@ def decode_step_ms(engine, batch: int, steps: int, input_len: int) -> float:
     """Median wall ms of `steps` decode steps of `batch` sequences (after a warm-up request set)."""
     walls = _timed_decode_steps(engine, batch, steps, input_len, "ds")
     _drain(engine)
-    engine.check_integrity()
+    engine.core.check_integrity()
     return float(np.median(walls)) * 1e3
 
 
@@ -309,7 +309,7 @@ def decoder_stack(engine, batches: list[int], rounds: int, steps: int, input_len
     layers op by op, same engine and weights, interleaved per round; also the stack with its
     thread team off (every projection fork/join on all threads) and, where the model has one, with
     the dense LM head instead of the GGUF-blocks head (`packed_head`)."""
-    model = engine.runner.model
+    model = engine.core.runner.model
     stack = getattr(model, "cpu_stack", None)
     if stack is None:
         print("\ndecoder stack: off for this model (the start-up log says why); nothing to compare")
@@ -359,7 +359,7 @@ def step_parts(engine, batch: int, steps: int, input_len: int) -> dict[str, Any]
         for _ in range(steps):
             engine.step()
     _drain(engine)
-    engine.check_integrity()
+    engine.core.check_integrity()
     wall_us = float(np.median(walls)) * 1e6
     parts: dict[str, float] = {part: 0.0 for part, _ in STEP_PARTS}
     ops = 0
@@ -383,7 +383,7 @@ t0 = time.time()
 from engine import LLM, SamplingParams
 llm = LLM(**{settings!r})
 out = llm.generate(["hello"], SamplingParams(max_tokens=1, temperature=0.0), use_tqdm=False)
-print("FIRST_TOKEN", time.time() - {start!r}, llm.engine.compile_seconds)
+print("FIRST_TOKEN", time.time() - {start!r}, llm.engine.core.compile_seconds)
 """
 
 
@@ -454,7 +454,7 @@ def main(argv: list[str]) -> int:
     if args.startup:
         print("start-up (fresh processes):")
         results["startup_s"] = startup(settings.model_dump(mode="json", exclude_defaults=True))
-    engine = LLMEngine(settings)
+    engine = LLMEngine.from_settings(settings)
     print(f"model {engine.model_dir}, {len(cores)} available cores, default plan {default} threads; "
           f"the machine may be shared with other jobs: compare ratios, not absolute numbers")
     if args.baseline:

@@ -179,10 +179,10 @@ def build_hf_model(engine) -> torch.nn.Module:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     config = AutoConfig.from_pretrained(str(engine.model_dir))
-    with torch.device(engine.device):
-        hf = AutoModelForCausalLM.from_config(config, dtype=engine.dtype, attn_implementation="sdpa")
+    with torch.device(engine.core.device):
+        hf = AutoModelForCausalLM.from_config(config, dtype=engine.core.dtype, attn_implementation="sdpa")
     hf.eval().requires_grad_(False)
-    missing, unexpected = hf.load_state_dict(hf_state_dict_from_kiln(engine.model), strict=False)
+    missing, unexpected = hf.load_state_dict(hf_state_dict_from_kiln(engine.core.model), strict=False)
     tied = getattr(config, "tie_word_embeddings", False)
     missing = [m for m in missing if not (tied and m == "lm_head.weight")]
     if missing or unexpected:
@@ -214,7 +214,7 @@ def run_kiln(engine, prompts: list[list[int]], output_len: int, tag: str) -> dic
     """Generate for `prompts`; time the decode window (see the module's docstring)."""
     from engine.core.request import SamplingParams
 
-    device = engine.device
+    device = engine.core.device
     params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True, detokenize=False)
     for i, p in enumerate(prompts):
         engine.add_request(p, params, request_id=f"{tag}-{i}")
@@ -226,7 +226,7 @@ def run_kiln(engine, prompts: list[list[int]], output_len: int, tag: str) -> dic
     returns: list[float] = []  # host time of each step() return inside the window
     _sync(device)
     t_start = time.perf_counter()
-    while engine.has_unfinished_requests():
+    while engine.core.has_unfinished_requests():
         outs = engine.step()
         now = time.perf_counter()
         for o in outs:
@@ -237,14 +237,14 @@ def run_kiln(engine, prompts: list[list[int]], output_len: int, tag: str) -> dic
         if window_start is not None:
             returns.append(now)
         elif len(started) == len(prompts):  # every prompt token is processed
-            window_start, window_tokens = now, engine.num_generation_tokens_total
+            window_start, window_tokens = now, engine.core.num_generation_tokens_total
     _sync(device)
     t_end = time.perf_counter()
-    engine.check_integrity()
+    engine.core.check_integrity()
     res = {"total_s": t_end - t_start, "tokens": [tokens[f"{tag}-{i}"] for i in range(len(prompts))],
            "decode_steps": len(returns), "window_s": 0.0, "window_tokens": 0, "step_s": []}
     if returns:
-        res.update(window_s=t_end - window_start, window_tokens=engine.num_generation_tokens_total - window_tokens,
+        res.update(window_s=t_end - window_start, window_tokens=engine.core.num_generation_tokens_total - window_tokens,
                    step_s=np.diff([window_start] + returns).tolist())
     return res
 
@@ -253,7 +253,7 @@ def bench_one(engine, batch: int, input_len: int, output_len: int, args, copy_gb
               hf=None) -> dict[str, Any]:
     vocab = engine.model_config.vocab_size
     prompts = random_prompts(batch, input_len, vocab, args.prompt_seed + batch)
-    graphs = engine.runner.graph_runner
+    graphs = engine.core.runner.graph_runner
     if graphs is not None:  # capture now any context bucket the run will need (not mid-measurement)
         graphs.ensure(batch, input_len + output_len)
     run_kiln(engine, random_prompts(batch, input_len, vocab, args.prompt_seed + 7919), args.warmup_steps, "warm")
@@ -262,7 +262,7 @@ def bench_one(engine, batch: int, input_len: int, output_len: int, args, copy_gb
         raise RuntimeError("no decode steps were timed (output_len must be at least 2)")
     ms = res["window_s"] / res["decode_steps"] * 1e3
     steps = np.array(res["step_s"]) * 1e3
-    wbytes = weight_bytes(engine.model)
+    wbytes = weight_bytes(engine.core.model)
     gbps = wbytes / (ms / 1e3) / 1e9
     row: dict[str, Any] = {
         "batch_size": batch, "input_len": input_len, "output_len": output_len,
@@ -279,7 +279,7 @@ def bench_one(engine, batch: int, input_len: int, output_len: int, args, copy_gb
           f"{100 * gbps / copy_gbps:.1f}% of the copy bandwidth ({copy_gbps:.0f} GB/s measured)")
     if hf is not None:
         out_len = min(output_len, args.baseline_max_output_len)
-        hf_s, hf_tokens = run_hf(hf, prompts, out_len, engine.device)
+        hf_s, hf_tokens = run_hf(hf, prompts, out_len, engine.core.device)
         hf_ms = hf_s / out_len * 1e3
         hf_tps = batch * out_len / hf_s
         same_first = sum(a[:1] == b[:1] for a, b in zip(res["tokens"], hf_tokens)) / batch
@@ -296,18 +296,18 @@ def bench_one(engine, batch: int, input_len: int, output_len: int, args, copy_gb
 def memory_report(engine, name: str, rss_before: int, startup: float) -> dict[str, Any]:
     """Weights in memory against the same model in bf16, and how far resident memory grew while
     the engine was built (KV cache included; it is reported apart)."""
-    wbytes = weight_bytes(engine.model)
+    wbytes = weight_bytes(engine.core.model)
     bf16 = engine.model_config.num_parameters() * 2
-    kv = engine.kv_cache.tensor.numel() * engine.kv_cache.tensor.element_size()
+    kv = engine.core.kv_cache.tensor.numel() * engine.core.kv_cache.tensor.element_size()
     growth = peak_rss_bytes() - rss_before
     from engine.models.loader.quant_loading import QUANT_BUFFERS
 
-    linears = [m for m in engine.model.quantizable_linears().values() if getattr(m, "quant", None) is not None]
+    linears = [m for m in engine.core.model.quantizable_linears().values() if getattr(m, "quant", None) is not None]
     packed = sum(b.numel() * b.element_size() for m in linears for n, b in m.named_buffers(recurse=False)
                  if n in QUANT_BUFFERS)
     dense = sum(m.in_features * m.out_features * 2 for m in linears)
     quant = engine.settings.quantization or (engine.model_config.quantization or {}).get("quant_method") or "none"
-    row = {"model": name, "quantization": quant, "dtype": str(engine.dtype).removeprefix("torch."),
+    row = {"model": name, "quantization": quant, "dtype": str(engine.core.dtype).removeprefix("torch."),
            "weight_GB": wbytes / 1e9, "bf16_weight_GB": bf16 / 1e9, "ratio_to_bf16": wbytes / bf16,
            "peak_rss_growth_GB": growth / 1e9, "peak_rss_over_weights": growth / wbytes, "kv_cache_GB": kv / 1e9,
            "startup_s": startup, "linear_ratio_to_bf16": packed / dense if dense else 1.0,
@@ -390,7 +390,7 @@ def main(argv: list[str]) -> int:
 
     rss_before = reset_peak_rss()
     t0 = time.perf_counter()
-    engine = LLMEngine(settings)
+    engine = LLMEngine.from_settings(settings)
     startup = time.perf_counter() - t0
     name = args.preset or str(engine.model_dir)
     if args.load_only:
@@ -400,18 +400,20 @@ def main(argv: list[str]) -> int:
         if tmp is not None:
             tmp.cleanup()
         return 0
-    produced_by = {"model": name, "device": str(engine.device), "dtype": str(engine.dtype).removeprefix("torch."),
-                   "backend": engine.backend.name, "cuda_graphs": engine.runner.graph_runner is not None,
-                   "async_scheduling": engine.async_scheduling, "enforce_eager": settings.enforce_eager,
+    produced_by = {"model": name, "device": str(engine.core.device),
+                   "dtype": str(engine.core.dtype).removeprefix("torch."),
+                   "backend": engine.core.backend.name, "cuda_graphs": engine.core.runner.graph_runner is not None,
+                   "async_scheduling": engine.core.async_scheduling, "enforce_eager": settings.enforce_eager,
                    "decode_kernel": settings.decode_kernel, "prefill_kernel": settings.prefill_kernel,
                    "quantization": settings.quantization}
-    print(f"kiln bench latency: {name} ({produced_by['dtype']}, {engine.device}, attention {engine.backend.name}, "
+    print(f"kiln bench latency: {name} ({produced_by['dtype']}, {engine.core.device}, "
+          f"attention {engine.core.backend.name}, "
           f"{'eager' if settings.enforce_eager else 'compiled'}"
           f"{', CUDA graphs' if produced_by['cuda_graphs'] else ''}, overlap scheduling "
-          f"{'on' if engine.async_scheduling else 'off'}), input {args.input_len}, output {args.output_len}")
-    print(f"  start-up {startup:.1f}s (compile {engine.compile_seconds:.1f}s, "
-          f"capture {engine.capture_seconds:.1f}s)")
-    started = dict(startup_s=startup, compile_s=engine.compile_seconds, capture_s=engine.capture_seconds)
+          f"{'on' if engine.core.async_scheduling else 'off'}), input {args.input_len}, output {args.output_len}")
+    print(f"  start-up {startup:.1f}s (compile {engine.core.compile_seconds:.1f}s, "
+          f"capture {engine.core.capture_seconds:.1f}s)")
+    started = dict(startup_s=startup, compile_s=engine.core.compile_seconds, capture_s=engine.core.capture_seconds)
     rows = [dict(produced_by, batch_size=b, status="pending", **started) for b in batches]
 
     def write() -> None:
@@ -425,7 +427,7 @@ def main(argv: list[str]) -> int:
         while not Path(args.wait_for).exists():
             time.sleep(0.1)
         print(f"  waited {time.perf_counter() - t_wait:.1f}s", flush=True)
-    copy_gbps = copy_bandwidth(engine.device)
+    copy_gbps = copy_bandwidth(engine.core.device)
     hf = build_hf_model(engine) if args.baseline else None
     failed = None
     for row in rows:

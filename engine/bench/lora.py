@@ -85,7 +85,7 @@ def main(argv: list[str]) -> int:
         lora = LLM(**common, enable_lora=True, max_loras=args.adapters, max_lora_rank=args.rank)
         loras = [adapters[i % len(adapters)] for i in range(len(prompts))]
         lora_s, lora_tokens = _run(lora, prompts, loras, args.max_tokens)
-        lora.engine.check_integrity()
+        lora.engine.core.check_integrity()
     result = {"model": model, "adapters": args.adapters, "rank": args.rank,
               "base_tok_per_s": base_tokens / base_s, "lora_tok_per_s": lora_tokens / lora_s,
               "ratio": (lora_tokens / lora_s) / (base_tokens / base_s)}

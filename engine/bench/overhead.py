@@ -79,25 +79,25 @@ def stub_model(engine, max_rows: int) -> None:
 
     cfg = engine.model_config
     gen = torch.Generator().manual_seed(0)
-    fixed = torch.randn(max_rows, cfg.vocab_size, generator=gen).to(engine.device)
+    fixed = torch.randn(max_rows, cfg.vocab_size, generator=gen).to(engine.core.device)
     hidden = torch.zeros(max(max_rows, engine.settings.max_num_batched_tokens) * 4, cfg.hidden_size,
-                         dtype=engine.dtype, device=engine.device)
-    engine.runner.forward_fn = lambda ids, positions, kv, meta, ctx=None: hidden[:ids.shape[0]]
-    engine.model.compute_logits = lambda h: fixed[:h.shape[0]]
+                         dtype=engine.core.dtype, device=engine.core.device)
+    engine.core.runner.forward_fn = lambda ids, positions, kv, meta, ctx=None: hidden[:ids.shape[0]]
+    engine.core.model.compute_logits = lambda h: fixed[:h.shape[0]]
 
 
 def instrument(engine) -> dict[str, float]:
     totals: dict[str, float] = defaultdict(float)
-    engine.scheduler.schedule = _Timed(engine.scheduler.schedule, totals, "schedule")
-    engine.runner.prepare = _Timed(engine.runner.prepare, totals, "prep")
-    runner = engine.runner
-    if hasattr(engine, "_sample"):  # a step whose sampling waits for the previous step's processing
-        engine._sample = _Timed(engine._sample, totals, "runner")
+    engine.core.scheduler.schedule = _Timed(engine.core.scheduler.schedule, totals, "schedule")
+    engine.core.runner.prepare = _Timed(engine.core.runner.prepare, totals, "prep")
+    runner = engine.core.runner
+    if hasattr(engine.core, "_sample"):  # a step whose sampling waits for the previous step's processing
+        engine.core._sample = _Timed(engine.core._sample, totals, "runner")
     if hasattr(runner, "launch"):
         runner.launch = _Timed(runner.launch, totals, "runner")
     else:  # (the serial-only loop, before overlap scheduling)
         runner.execute = _Timed(runner.execute, totals, "runner")
-    engine.runner.sampler = _TimedSampler(engine.runner.sampler, totals)
+    engine.core.runner.sampler = _TimedSampler(engine.core.runner.sampler, totals)
     return totals
 
 
@@ -127,8 +127,8 @@ def measure(engine, totals: dict[str, float], batch: int, steps: int, overlap: b
             mix: str = "none", offline: bool = False) -> dict[str, float]:
     from engine.core.request import SamplingParams
 
-    if hasattr(engine, "async_scheduling"):
-        engine.async_scheduling = overlap
+    if hasattr(engine.core, "async_scheduling"):
+        engine.core.async_scheduling = overlap
     elif overlap:
         return {}
     kind = OFFLINE if offline else STREAMED
@@ -152,7 +152,7 @@ def measure(engine, totals: dict[str, float], batch: int, steps: int, overlap: b
         steps_seen.append(row)
     for rid in ids:
         engine.abort_request(rid)
-    while engine.has_unfinished_requests():
+    while engine.core.has_unfinished_requests():
         engine.step()
     # Medians per phase: a shared machine deschedules the process now and then.
     per_step = {k: statistics.median(r[k] for r in steps_seen) for k in steps_seen[0]}
@@ -186,14 +186,14 @@ def main(argv: list[str]) -> int:
 
     from engine.runtime.llm_engine import LLMEngine
 
-    engine = LLMEngine(settings)
+    engine = LLMEngine.from_settings(settings)
     stub_model(engine, max(batches))
     totals = instrument(engine)
     results = []
     mixed = "" if args.mix == "none" else f", {args.mix} in 1 of every {MIX_EVERY} requests"
     mixed += ", offline (final output only, no detokenisation)" if args.offline else ", streamed (detokenised deltas)"
     print(f"kiln bench overhead: stub model, {args.steps} decode steps per row (medians), "
-          f"device {engine.device}, {torch.get_num_threads()} torch threads{mixed}")
+          f"device {engine.core.device}, {torch.get_num_threads()} torch threads{mixed}")
     print(f"{'batch':>5} {'loop':>8} " + " ".join(f"{p:>9}" for p in PHASES)
           + f" {'critical':>9} | per seq: {'process':>8} {'critical':>8}   (µs)")
     for batch in batches:
@@ -209,7 +209,7 @@ def main(argv: list[str]) -> int:
         over = [x for x in results if x["batch"] == batch and x["loop"] == "overlap"]
         if serial and over:
             print(f"{batch:>5} critical path overlap / serial: {over[0]['critical'] / serial[0]['critical']:.2f}x")
-    engine.check_integrity()
+    engine.core.check_integrity()
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2))
     return 0

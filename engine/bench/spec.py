@@ -53,7 +53,7 @@ def _run(llm, prompts, max_tokens: int) -> tuple[float, int]:
 
 
 def _spec_counts(llm) -> dict[str, float]:
-    spec = llm.engine.scheduler.spec
+    spec = llm.engine.core.scheduler.spec
     if spec is None:
         return {}
     steps = spec.num_drafts
@@ -106,8 +106,8 @@ def _compare(args, base: dict, model: str, settings) -> list[dict]:
                             detokenize=False, seed=0 if args.temperature > 0 else None)
     for llm in engines.values():  # warm-up
         llm.generate(prompts[:1], params, use_tqdm=False)
-        if llm.engine.scheduler.spec is not None:  # (counters from the timed runs only)
-            spec = llm.engine.scheduler.spec
+        if llm.engine.core.scheduler.spec is not None:  # (counters from the timed runs only)
+            spec = llm.engine.core.scheduler.spec
             spec.num_draft_tokens = spec.num_drafts = spec.num_accepted_tokens = 0
             spec.num_accepted_per_pos = [0] * len(spec.num_accepted_per_pos)
             spec.num_drafts_per_pos = [0] * len(spec.num_drafts_per_pos)
@@ -125,7 +125,7 @@ def _compare(args, base: dict, model: str, settings) -> list[dict]:
         ratios = [r / p for r, p in zip(rates[name], rates["plain"])]
         rows.append({"method": name, "tok_per_s": statistics.median(rates[name]), "ratio": statistics.median(ratios),
                      "runs": rates[name], "same_as_plain": outputs[name] == outputs["plain"], **_spec_counts(llm)})
-        llm.engine.check_integrity()
+        llm.engine.core.check_integrity()
     return rows
 
 
@@ -203,10 +203,10 @@ def _ngram_periodic(args, settings) -> int:
         plain_s, plain_tokens = _run(plain, prompts, args.max_tokens)
         del plain
         spec = LLM(**base, max_num_seqs=batch, speculative_method="ngram", num_speculative_tokens=args.draft_tokens)
-        sched = spec.engine.scheduler
+        sched = spec.engine.core.scheduler
         spec_s, spec_tokens = _run(spec, prompts, args.max_tokens)
         drafts, accepted = sched.num_draft_tokens, sched.num_accepted_tokens
-        spec.engine.check_integrity()
+        spec.engine.core.check_integrity()
         row = {"batch": batch, "plain_tok_per_s": plain_tokens / plain_s, "spec_tok_per_s": spec_tokens / spec_s,
                "ratio": (spec_tokens / spec_s) / (plain_tokens / plain_s), "draft_tokens": drafts,
                "accepted_tokens": accepted, "acceptance": accepted / drafts if drafts else 0.0,

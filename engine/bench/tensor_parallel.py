@@ -68,14 +68,14 @@ def compare(settings, reqs, run_kiln: Callable) -> dict[str, Any]:
             engines[tp] = LLM(**(base | {"tensor_parallel_size": tp}))
             run_kiln(engines[tp], warm)  # warm-up
         rates: dict[int, list[float]] = {1: [], world: []}
-        executor = engines[world].engine.executor
+        executor = engines[world].engine.core.executor
         stats: dict[str, list[float]] = defaultdict(list)
         steps = messages = 0
         send_s = 0.0
         for _ in range(ROUNDS):
             for tp, llm in engines.items():
-                if llm.engine.device.type == "cpu":  # the thread count is per process: each engine's own
-                    torch.set_num_threads(llm.engine.cpu_threads.threads)
+                if llm.engine.core.device.type == "cpu":  # the thread count is per process: each engine's own
+                    torch.set_num_threads(llm.engine.core.cpu_threads.threads)
                 if tp == 1:
                     seconds, tokens, _ = run_kiln(llm, reqs)
                 else:
@@ -85,14 +85,14 @@ def compare(settings, reqs, run_kiln: Callable) -> dict[str, Any]:
                     steps += executor.sent[codec.OP_FORWARD] - sent0.get(codec.OP_FORWARD, 0)
                     messages += sum(executor.sent.values()) - sum(sent0.values())
                     send_s += executor.send_seconds - send0
-                llm.engine.check_integrity()
+                llm.engine.core.check_integrity()
                 rates[tp].append(tokens / seconds)
                 print(f"tensor_parallel_size {tp}: {tokens} output tokens in {seconds:.2f}s = "
                       f"{tokens / seconds:.1f} tok/s", flush=True)
     finally:
         for llm in engines.values():
-            if llm.engine.executor is not None:
-                llm.engine.executor.shutdown()
+            if llm.engine.core.executor is not None:
+                llm.engine.core.executor.shutdown()
         engines.clear()
         gc.collect()
     for tp, values in rates.items():

@@ -134,19 +134,19 @@ def main(argv: list[str]) -> int:
     hf = None
     batch = args.baseline_batch_size or settings.max_num_seqs
     if not args.no_baseline:
-        hf = load_transformers(settings.model, llm.engine.device.type, llm.engine.dtype)
-        run_transformers(hf, reqs[:batch][: max(1, len(reqs) // 8)], batch, llm.engine.device.type)  # warm-up
+        hf = load_transformers(settings.model, llm.engine.core.device.type, llm.engine.core.dtype)
+        run_transformers(hf, reqs[:batch][: max(1, len(reqs) // 8)], batch, llm.engine.core.device.type)  # warm-up
     # Repeats alternate kiln and transformers, so a neighbour's load on a shared machine falls on
     # both; the fastest repeat of each is reported (the least disturbed), and the ratio of those.
     kiln_runs, hf_runs = [], []
     for _ in range(args.repeats):
         kiln_runs.append(run_kiln(llm, reqs))
         if hf is not None:
-            hf_runs.append(run_transformers(hf, reqs, batch, llm.engine.device.type))
+            hf_runs.append(run_transformers(hf, reqs, batch, llm.engine.core.device.type))
     kiln_s, kiln_tokens, _ = min(kiln_runs)
     kiln_cpu = min(r.cpu_seconds for r in kiln_runs)
     result = {
-        "model": settings.model, "device": str(llm.engine.device), "dtype": str(llm.engine.dtype),
+        "model": settings.model, "device": str(llm.engine.core.device), "dtype": str(llm.engine.core.dtype),
         "num_requests": len(reqs), "prompt_len": [lo, hi], "output_len": [olo, ohi], "repeats": args.repeats,
         "kiln_seconds": kiln_s, "kiln_output_tokens": kiln_tokens, "kiln_tok_per_s": kiln_tokens / kiln_s,
         "kiln_seconds_all": [r.seconds for r in kiln_runs], "kiln_cpu_seconds": kiln_cpu,
@@ -175,7 +175,7 @@ def main(argv: list[str]) -> int:
         print(f"ratio kiln / transformers: {result['ratio']:.2f}x "
               f"(median of the {args.repeats} back-to-back pairs: {result['median_pair_ratio']:.2f}x; "
               f"per CPU second: {result['cpu_time_ratio']:.2f}x)")
-    llm.engine.check_integrity()
+    llm.engine.core.check_integrity()
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2))
     return 0

@@ -39,7 +39,7 @@ class LLM:
             settings["model"] = model
         grammar = _grammar_settings({name: settings.pop(name) for name in GRAMMAR_SETTINGS if name in settings})
         self.settings = EngineSettings(**settings)
-        self.engine = LLMEngine(self.settings)
+        self.engine = LLMEngine.from_settings(self.settings)
         # Compiles run in killable worker processes (started on the first constrained request):
         # xgrammar cannot be interrupted in-process, and a pathological schema can take minutes.
         self.engine.structured_output.configure(timeout_s=grammar["grammar_compile_timeout_s"],
@@ -61,7 +61,7 @@ class LLM:
 
     def reset_prefix_cache(self) -> int:
         """Drop the prefix cache's idle blocks; returns how many (engine.reset_prefix_cache)."""
-        return self.engine.reset_prefix_cache()
+        return self.engine.core.reset_prefix_cache()
 
     def get_default_sampling_params(self) -> SamplingParams:
         """SamplingParams() with the model's generation_config.json defaults (vLLM's behaviour)."""
@@ -156,7 +156,7 @@ class LLM:
         results: dict[str, RequestOutput] = {}
         bar = tqdm(total=len(ids), desc="generating", disable=not use_tqdm, unit="req")
         try:
-            while self.engine.has_unfinished_requests():
+            while self.engine.core.has_unfinished_requests():
                 for out in self.engine.step():
                     if out.finished:
                         results[out.request_id] = out

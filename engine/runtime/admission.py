@@ -30,7 +30,7 @@ from engine.core.request_kinds import Task, make_task
 
 @dataclass
 class AdmittedRequest:
-    """A request that passed admission, ready for LLMEngine.add_admitted."""
+    """A request that passed admission, ready for EngineCore.add_admitted."""
 
     request_id: str
     prompt: str | None  # the prompt's text (None: given as token ids, or truncated)

@@ -1,7 +1,7 @@
 """AsyncEngine: the step loop behind the server.
 
-Two background threads: the step thread owns the LLMEngine and runs its core step
-(`core_step`: schedule, launch, the core's one pass over each step's tokens) back to back
+Two background threads: the step thread owns the LLMEngine's EngineCore and runs its step
+(`engine.core.step()`: schedule, launch, the core's one pass over each step's tokens) back to back
 while there is work (model steps are blocking torch calls, so they must not run on the event
 loop); the output thread turns the core's updates into outputs. Everything else talks to the
 step thread through a thread-safe inbox (add / abort / finish a sample), which it drains at the
@@ -13,8 +13,9 @@ keeps only the newest snapshot, so a slow reader never makes the step loop wait 
 up memory: it reads the coalesced difference (a delta) when it gets to it.
 
 Requests come in admitted (engine/runtime/admission.py: the server admits them itself, step by
-step; `add_request` runs every step). The step thread runs the engine core (`core_step`: the
-core's one pass over each step's tokens) and hands the RequestUpdates to an output thread,
+step; `add_request` runs every step). The step thread runs the engine core
+(engine/runtime/engine_core.py: the core's one pass over each step's tokens, in token ids) and
+hands the RequestUpdates to an output thread,
 which runs the same OutputProcessor as the offline path (engine/runtime/output_processor.py:
 detokenisation, stop strings, RequestOutputs), feeds the listener and the streams. What the
 output side ended goes back to the step thread through the inbox: a stop string
@@ -99,7 +100,7 @@ class AsyncEngine:
         self.info = EngineInfo.of(engine)
         # Tensor parallelism: a dead worker rank is fatal (the process should exit; serve() does).
         self.fatal: str | None = None
-        executor = getattr(engine, "executor", None)
+        executor = engine.core.executor
         if executor is not None:
             executor.on_death(self._worker_died)
 
@@ -122,7 +123,7 @@ class AsyncEngine:
             self._thread.join(timeout)
         if self._output_thread is not None:
             self._output_thread.join(timeout)
-        executor = getattr(self.engine, "executor", None)
+        executor = self.engine.core.executor
         if executor is not None:
             executor.shutdown()
 
@@ -151,7 +152,7 @@ class AsyncEngine:
 
     def lora_adapters(self) -> list[LoRARequest]:
         """The adapters loaded now (a copy: safe to read from the event loop)."""
-        lora = getattr(self.engine, "lora", None)
+        lora = self.engine.core.lora
         return list(lora.adapters) if lora is not None else []
 
     def find_lora(self, name: str) -> LoRARequest | None:
@@ -159,14 +160,14 @@ class AsyncEngine:
 
     async def load_lora(self, name: str, path: str) -> LoRARequest:
         """Load an adapter between two steps (never under a running step)."""
-        return await self.run_in_engine(lambda e: e.load_lora(name, path))
+        return await self.run_in_engine(lambda e: e.core.load_lora(name, path))
 
     async def unload_lora(self, name: str) -> None:
-        await self.run_in_engine(lambda e: e.unload_lora(name))
+        await self.run_in_engine(lambda e: e.core.unload_lora(name))
 
     def num_waiting(self) -> int:
         """Requests queued but not yet running (including those still in the inbox)."""
-        return len(self.engine.scheduler.waiting) + self._pending_adds
+        return len(self.engine.core.scheduler.waiting) + self._pending_adds
 
     # ---- requests ----
     async def add_request(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None,
@@ -241,7 +242,7 @@ class AsyncEngine:
         self._wake.set()
 
     def status(self) -> EngineStatus:
-        e = self.engine
+        e = self.engine.core
         sched = e.scheduler
         return EngineStatus(alive=self.is_alive, error=repr(self._dead) if self._dead else None,
                             num_running=len(sched.running), num_waiting=len(sched.waiting) + self._pending_adds,
@@ -258,23 +259,23 @@ class AsyncEngine:
 
     # ---- the step thread ----
     def _run(self) -> None:
-        engine = self.engine
+        core = self.engine.core
         try:
             while not self._stop:
                 if self.fatal is not None:
                     raise EngineDeadError(self.fatal)
                 self._wake.clear()
                 updates = self._drain_inbox()
-                busy = engine.has_unfinished_requests()
+                busy = core.has_unfinished_requests()
                 if busy:
-                    updates.extend(engine.core_step())
+                    updates.extend(core.step())
                 self._send(("out", updates))  # (also idle: the listener ticks about once a second)
                 if not busy and not self._inbox:
                     self._wake.wait(self._idle_poll_s)
         except BaseException as exc:  # noqa: BLE001 - anything that stops the loop kills the engine
             logger.exception("engine step loop died")
             self.crashed = True
-            if getattr(engine, "executor", None) is not None and self.fatal is None:
+            if core.executor is not None and self.fatal is None:
                 # A step that failed part-way leaves the tensor-parallel ranks out of step: fatal.
                 self.fatal = f"the engine loop died with tensor parallelism: {exc!r}"
             self._die(exc)
@@ -342,6 +343,7 @@ class AsyncEngine:
     def _drain_inbox(self) -> list[RequestUpdate]:
         """Apply queued adds and aborts; returns the last updates of aborted requests."""
         engine = self.engine
+        core = engine.core
         aborted: list[RequestUpdate] = []
         while self._inbox:
             item = self._inbox.popleft()
@@ -353,12 +355,12 @@ class AsyncEngine:
                 settle_call(item, result, error)
                 continue
             if isinstance(item, AbortRequest):
-                update = engine.core_abort(item.request_id)
+                update = core.abort(item.request_id)
                 if update is not None:
                     aborted.append(update)
                 continue
             if isinstance(item, FinishSequence):
-                engine.finish_by_text(item.request_id, item.index, item.stop)
+                core.finish_by_text(item.request_id, item.index, item.stop)
                 continue
             with self._lock:
                 self._pending_adds -= 1
@@ -368,7 +370,7 @@ class AsyncEngine:
                 continue
             admitted = item.admitted
             try:
-                engine.add_admitted(admitted)
+                core.add_admitted(admitted)
             except InvalidRequestError as exc:
                 self._post(stream, stream._accept, exc)
                 continue
@@ -415,9 +417,7 @@ class AsyncEngine:
         err = self._dead
         failed: list[RequestUpdate] = []
         try:  # release every request's blocks so the pool's accounting stays whole
-            fail_all = getattr(self.engine, "core_fail_all", None)
-            if fail_all is not None:
-                failed = fail_all(str(err)) or []
+            failed = self.engine.core.fail_all(str(err)) or []
         except Exception:  # noqa: BLE001 - the engine is already broken; streams must still fail
             logger.exception("could not fail the engine's requests cleanly")
         # The output thread gives the listener its last word, then fails the streams it holds.

@@ -1,20 +1,23 @@
-"""EngineBuilder: everything an LLMEngine is made of, built and sized once at start-up.
+"""EngineBuilder: everything an engine is made of, built and sized once at start-up.
 
 Model directory, config, device and dtype; tokenizer and stop ids; weights; attention
 backend; the KV cache sized from memory (a profile forward on a GPU); block pool, swap space,
 speculative proposer, scheduler, sampler and runner; then compilation and CUDA-graph capture.
 Each phase is logged with the time it took, so a cold start says what it is doing.
+`build()` returns the parts (`EngineParts`); LLMEngine.from_settings (engine/runtime/llm_engine.py)
+hands them to an EngineCore and its front as constructor arguments.
 """
 
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
-from engine.config.generation_config import load_generation_defaults
+from engine.config.generation_config import GenerationDefaults, load_generation_defaults
 from engine.config.process_env import export_compile_cache_dir
 from engine.config.settings import EngineSettings
 from engine.core.kv import kv_sizing
@@ -27,7 +30,7 @@ from engine.layers.kv_cache import KVCache, KVScales, resolve_kv_cache_dtype
 from engine.layers.quant.cpu_packed import activations_choice, has_packed_layers
 from engine.layers.quant.w4a16 import install as install_w4a16
 from engine.layers.quant.w4a16 import loader_int4_kernel, resolve_int4_kernel
-from engine.lora.adapters import make_lora_manager
+from engine.lora.adapters import LoRAManager, make_lora_manager
 from engine.models.config import ModelConfig
 from engine.models.draft import DraftParts, check_draft_model, load_draft_vocab
 from engine.models.eagle import Eagle3Head, EagleConfig, EagleHead, load_eagle
@@ -43,7 +46,7 @@ from engine.spec_decode.eagle import EagleProposer
 from engine.spec_decode.sched import DraftLengthPlanner, NgramProposer, SpecDecodeConfig, SpecDecoder
 from engine.structured_output.grammars import StructuredOutputCompiler
 from engine.worker.cpu_isa import apply_cpu_isa_limit
-from engine.worker.cpu_threads import apply_cpu_threads
+from engine.worker.cpu_threads import ThreadPlan, apply_cpu_threads
 from engine.worker.memory_profile import free_gpu_bytes_after_profile
 from engine.worker.model_runner import ModelRunner
 from engine.worker.sample.sampler import Sampler
@@ -55,25 +58,67 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
+@dataclass(frozen=True)
+class EngineParts:
+    """What the builder made, each part once: the front's (LLMEngine: admission and start-up facts)
+    and the core's (EngineCore: scheduler, runner, pools, the model side)."""
+
+    model_dir: Path
+    model_config: ModelConfig
+    device: torch.device
+    dtype: torch.dtype
+    max_model_len: int
+    tokenizer: Any
+    eos_token_ids: tuple[int, ...]
+    generation_defaults: GenerationDefaults
+    structured_output: StructuredOutputCompiler
+    model: LlamaForCausalLM  # (a ShardedModel with tensor parallelism)
+    lora: LoRAManager | None
+    backend: Any  # the attention backend (engine/layers/attention/)
+    kv_cache: KVCache
+    num_blocks: int  # (the null block included)
+    pool: BlockPool
+    swap_space: SwapSpace | None
+    block_swapper: BlockSwapper | SwapGroup | MirroredSwapper | None
+    scheduler: Scheduler
+    runner: ModelRunner  # (a TensorParallelRunner with tensor parallelism)
+    draft_runner: ModelRunner | None
+    executor: Any  # engine/executor/tp_executor.py TensorParallelExecutor, or None
+    async_scheduling: bool
+    cpu_threads: ThreadPlan
+    compile_seconds: float
+    capture_seconds: float
+
+
 class EngineBuilder:
-    """Builds every part of an engine from settings; `build()` runs the phases and returns the
-    builder, whose attributes LLMEngine takes over (each named in LLMEngine.__init__)."""
+    """Builds every part of an engine from settings; `build()` runs the phases and returns them
+    (`EngineParts`)."""
 
     block_swapper: BlockSwapper | SwapGroup | MirroredSwapper | None  # (set by _make_swap_space)
 
     def __init__(self, settings: EngineSettings) -> None:
         self.settings = settings
 
-    def build(self) -> "EngineBuilder":
+    def build(self) -> EngineParts:
         try:
-            return self._build()
+            self._build()
+            return EngineParts(
+                model_dir=self.model_dir, model_config=self.model_config, device=self.device, dtype=self.dtype,
+                max_model_len=self.max_model_len, tokenizer=self.tokenizer, eos_token_ids=self.eos_token_ids,
+                generation_defaults=self.generation_defaults, structured_output=self.structured_output,
+                model=self.model, lora=self.lora, backend=self.backend, kv_cache=self.kv_cache,
+                num_blocks=self.num_blocks, pool=self.pool, swap_space=self.swap_space,
+                block_swapper=self.block_swapper, scheduler=self.scheduler, runner=self.runner,
+                draft_runner=self.draft_runner, executor=self.executor, async_scheduling=self.async_scheduling,
+                cpu_threads=self.cpu_threads, compile_seconds=self.compile_seconds,
+                capture_seconds=self.capture_seconds)
         except BaseException:
             executor = getattr(self, "executor", None)
             if executor is not None:  # no worker outlives a failed start
                 executor.shutdown()
             raise
 
-    def _build(self) -> "EngineBuilder":
+    def _build(self) -> None:
         settings = self.settings
         self.model_dir = resolve_model_dir(settings.model, settings.cache_dir)
         self.model_config = cfg = ModelConfig.from_dir(self.model_dir)
@@ -180,7 +225,6 @@ class EngineBuilder:
         self.runner.executor = self.executor
         self.draft_runner = self._make_device_proposer()
         self.compile_seconds, self.capture_seconds = self._compile_and_capture()
-        return self
 
     def _keep_gemm_weights(self, setting: str) -> None:
         """oneDNN's blocked weight copies for GEMM rows, where cpu_gemm_packed_weights says so

@@ -34,7 +34,7 @@ class EngineInfo:
         return cls(str(engine.model_dir), engine.model_config, engine.max_model_len,
                    engine.model_config.vocab_size, s.max_num_seqs, s.block_size, s.pooling_type,
                    bool(engine.model_config.generates), tuple(engine.eos_token_ids), engine.tokenizer,
-                   getattr(engine, "lora", None) is not None, engine.generation_defaults)
+                   engine.core.lora is not None, engine.generation_defaults)
 
 
 @dataclass

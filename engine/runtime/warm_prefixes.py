@@ -6,8 +6,8 @@ FILE is either
     generation prompt, exactly as a chat request starting with those messages is rendered); or
   * plain text: one prompt per non-empty line.
 At start-up the engine computes these prefixes and pins their full KV blocks in the prefix
-cache (`LLMEngine.warm_prefixes`): they are never evicted, and every request that starts
-with one of them skips its prefill.
+cache (`LLMEngine.warm_prefixes` admits them, `EngineCore.warm_prefixes` runs and pins them): they
+are never evicted, and every request that starts with one of them skips its prefill.
 """
 
 from __future__ import annotations
@@ -72,20 +72,22 @@ def warm_up_from_file(engine, path: str | Path) -> int:
 def warm_prefixes(engine, token_id_lists: list[list[int]]) -> int:
     """Compute these prefixes' KV and pin their full blocks in `engine`'s prefix cache for good.
 
-    Call before serving, on an idle engine. Each prefix is run as a one-token request; its
-    full blocks are then pinned (never evicted, shared by every request that starts with
-    them). Returns the number of pinned blocks in the pool (metric: pool.num_pinned).
+    Call before serving, on an idle engine (an LLMEngine: the front admits each prefix as a
+    one-token request, its EngineCore runs them and pins their full blocks: never evicted, shared
+    by every request that starts with them). Returns the number of pinned blocks in the pool
+    (metric: pool.num_pinned).
     """
-    pool = engine.pool
+    core = engine.core
+    pool = core.pool
     if not token_id_lists:
         return pool.num_pinned
     if not engine.settings.enable_prefix_caching:
         logger.warning("warm prefixes ignored: prefix caching is off")
         return pool.num_pinned
-    if engine.has_unfinished_requests():
+    if core.has_unfinished_requests():
         raise RuntimeError("warm_prefixes() needs an idle engine (call it before serving)")
     bs = engine.settings.block_size
-    ids: dict[str, list[int]] = {}
+    admitted = []
     for i, prefix in enumerate(token_id_lists):
         prefix = list(prefix)
         if len(prefix) < bs:
@@ -93,23 +95,8 @@ def warm_prefixes(engine, token_id_lists: list[list[int]]) -> int:
             continue
         rid = f"warm-prefix-{i}-{uuid.uuid4().hex[:8]}"
         try:
-            engine.add_request(prefix, SamplingParams(max_tokens=1, temperature=0.0, detokenize=False,
-                                                      ignore_eos=True), rid)
-        except InvalidRequestError as exc:
-            for other in ids:
-                engine.abort_request(other)
+            admitted.append(engine.admission.admit(prefix, SamplingParams(max_tokens=1, temperature=0.0,
+                                                                          detokenize=False, ignore_eos=True), rid))
+        except InvalidRequestError as exc:  # (nothing was queued yet)
             raise ValueError(f"warm prefix {i}: {exc}") from exc
-        ids[rid] = prefix
-    while engine.has_unfinished_requests():
-        engine.step()
-    newly = 0
-    for prefix in ids.values():
-        blocks, _ = pool.match_prefix(prefix, len(prefix) // bs)
-        for block in blocks:
-            if block not in engine._pinned_blocks:
-                pool.pin(block)
-                engine._pinned_blocks.add(block)
-                newly += 1
-    logger.info("warm prefixes: %d prefixes, %d blocks pinned (%d in all, %.0f%% of the KV cache)",
-                len(ids), newly, pool.num_pinned, 100 * pool.num_pinned / pool.num_usable)
-    return pool.num_pinned
+    return core.warm_prefixes(admitted)

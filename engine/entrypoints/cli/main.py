@@ -130,8 +130,8 @@ def _cmd_warmup(args: argparse.Namespace) -> int:
     from engine.runtime.llm_engine import LLMEngine
 
     t0 = time.perf_counter()
-    engine = LLMEngine(settings_from_args(args))
-    print(f"warm: engine ready in {time.perf_counter() - t0:.1f}s (backend {engine.backend.name})")
+    engine = LLMEngine.from_settings(settings_from_args(args))
+    print(f"warm: engine ready in {time.perf_counter() - t0:.1f}s (backend {engine.core.backend.name})")
     return 0
 
 

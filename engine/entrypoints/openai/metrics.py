@@ -149,17 +149,17 @@ class EngineMetrics:
     def set_engine_info(self, engine) -> None:
         """kiln:cache_config_info from the engine's settings and sizing (once)."""
         s = engine.settings
-        swap = getattr(engine, "swap_space", None)
+        swap = engine.core.swap_space
         values = {"block_size": s.block_size, "cache_dtype": s.kv_cache_dtype,
                   "enable_prefix_caching": s.enable_prefix_caching,
-                  "gpu_memory_utilization": s.gpu_memory_utilization, "num_gpu_blocks": engine.pool.num_usable,
+                  "gpu_memory_utilization": s.gpu_memory_utilization, "num_gpu_blocks": engine.core.pool.num_usable,
                   "num_gpu_blocks_override": s.num_gpu_blocks, "swap_space": s.swap_space_gb,
                   "num_cpu_blocks": getattr(swap, "num_blocks", 0) if swap is not None else 0}
         self._cache_info.labels(self.model_name, *(str(values[k]) for k in _CACHE_INFO_LABELS)).set(1)
         self._cache_info_set = True
 
     def _set_lora_info(self, engine, now: float) -> None:
-        sched = engine.scheduler
+        sched = engine.core.scheduler
 
         def names(seqs) -> str:
             found = {s.request.lora_request.lora_name for s in seqs if s.request.lora_request is not None}
@@ -174,7 +174,7 @@ class EngineMetrics:
 
     # ---- StepListener ----
     def on_step(self, engine, outputs: list[RequestOutput], now: float) -> None:
-        sched, pool = engine.scheduler, engine.pool
+        sched, pool = engine.core.scheduler, engine.core.pool
         if not self._cache_info_set:
             self.set_engine_info(engine)
         self._set_lora_info(engine, now)
@@ -186,16 +186,16 @@ class EngineMetrics:
         self.gpu_usage.set(pool.usage())
         self.blocks_in_use.set(pool.num_in_use)
         self.blocks_total.set(pool.num_usable)
-        swap = getattr(engine, "swap_space", None)
+        swap = engine.core.swap_space
         usage = getattr(swap, "usage", None)
         self.cpu_usage.set(usage() if callable(usage) else 0.0)
         frag = getattr(sched, "fragmentation", None)
         self.fragmentation.set(frag() if callable(frag) else 0.0)
 
         counters = pool.counters
-        swapper = engine.block_swapper
-        totals = {"prompt": engine.num_prompt_tokens_total,
-                  "gen": engine.num_generation_tokens_total, "pq": counters.prefix_queries,
+        swapper = engine.core.block_swapper
+        totals = {"prompt": engine.core.num_prompt_tokens_total,
+                  "gen": engine.core.num_generation_tokens_total, "pq": counters.prefix_queries,
                   "ph": counters.prefix_hits,
                   "swap_out": swapper.bytes_out if swapper is not None else 0,
                   "swap_in": swapper.bytes_in if swapper is not None else 0,
@@ -283,8 +283,9 @@ class EngineMetrics:
 
     def _log(self, engine, totals: dict[str, int], now: float) -> None:
         prev = self._log_prev
-        sched = engine.scheduler
-        if not engine.has_unfinished_requests() and totals["gen"] == prev["gen"] and totals["prompt"] == prev["prompt"]:
+        sched = engine.core.scheduler
+        if (not engine.core.has_unfinished_requests() and totals["gen"] == prev["gen"]
+                and totals["prompt"] == prev["prompt"]):
             prev["t"] = now  # idle since the last line: nothing to say
             return
         dt = max(now - prev["t"], 1e-9)
@@ -293,7 +294,7 @@ class EngineMetrics:
         logger.info(
             "running: %d, waiting: %d, swapped: %d, KV usage: %.1f%%, prompt: %.1f tok/s, generation: %.1f tok/s, "
             "prefix hit rate: %.1f%%%s", len(sched.running), len(sched.waiting),
-            sched.num_requests_swapped, 100 * engine.pool.usage(),
+            sched.num_requests_swapped, 100 * engine.core.pool.usage(),
             (totals["prompt"] - prev["prompt"]) / dt, (totals["gen"] - prev["gen"]) / dt,
             100 * hits / queries if queries else 0.0, spec_summary(totals, prev))
         self._log_prev = {"t": now, **totals}

@@ -122,7 +122,7 @@ def create_state(engine_settings: EngineSettings, server_settings: ServerSetting
     from engine.runtime.llm_engine import LLMEngine
 
     server_settings = server_settings or ServerSettings()
-    llm_engine = LLMEngine(engine_settings)
+    llm_engine = LLMEngine.from_settings(engine_settings)
     if server_settings.warm_prefixes is not None:
         from engine.runtime.warm_prefixes import warm_up_from_file
 
