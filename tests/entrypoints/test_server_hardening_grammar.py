@@ -1,0 +1,84 @@
+"""Structured-output compiles (issue 27, items 3 and 9): the compile pool's fairness keys on the
+client's address, which it cannot multiply (its `user` field only shares out its address's
+turn), and a large but ordinary schema compiles well inside the default time limit (the pool's
+workers no longer hand back a serialised grammar)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import httpx
+import pytest
+
+from tests.support.server import app_states
+
+
+@pytest.fixture
+def app_state(tiny_llama):
+    yield from app_states(tiny_llama, max_model_len=256, num_gpu_blocks=128, max_num_seqs=4)
+
+
+def _client(app, address: str) -> httpx.AsyncClient:
+    return httpx.AsyncClient(transport=httpx.ASGITransport(app=app, client=(address, 40000)), base_url="http://t",
+                             timeout=120)
+
+
+def _slow_schema(tag: str) -> dict:
+    return {"type": "object", "properties": {f"{tag}{i}": {"type": "string"} for i in range(10000)}}
+
+
+def test_compile_fairness_keys_on_the_address_not_the_user_field(app_state):
+    timeout = 4.0
+    state, app = app_state(server={"grammar_compile_timeout_s": timeout, "grammar_compile_workers": 2})
+
+    async def main():
+        async with _client(app, "10.0.0.1") as mallory, _client(app, "10.0.0.2") as alice:
+            warm = await alice.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 2, "guided_regex": "[ab]+"})
+            assert warm.status_code == 200, warm.text  # (the workers start with the first constraint: not timed)
+            slow = [asyncio.ensure_future(mallory.post("/v1/completions", json={
+                "prompt": "x", "max_tokens": 2, "guided_json": _slow_schema(f"u{k}_"), "user": f"user{k}"}))
+                for k in range(6)]  # six `user` values: still one client
+            pool = state.engine.grammar_compiler._pool
+            deadline = time.monotonic() + 10
+            while pool.busy < 1:
+                assert time.monotonic() < deadline
+                await asyncio.sleep(0.01)
+            await asyncio.sleep(0.2)
+            t0 = time.monotonic()
+            small = await alice.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 3,
+                                                              "guided_regex": "[a-z]{3}"})
+            waited = time.monotonic() - t0
+            busy_with_mallory = pool.busy
+            for f in slow:
+                f.cancel()
+            return small, waited, busy_with_mallory
+
+    small, waited, busy = asyncio.run(main())
+    assert small.status_code == 200 and len(small.json()["choices"][0]["text"]) == 3, small.text
+    assert busy <= 1  # one client never holds every worker
+    assert waited < timeout / 2, waited  # not held behind a compile of the other client's
+
+
+def test_large_required_schema_compiles_within_the_default_limit(app_state):
+    state, app = app_state()  # the default grammar_compile_timeout_s (10 s)
+    assert state.settings.grammar_compile_timeout_s == 10.0
+    n = 1500
+    schema = {"type": "object", "properties": {f"field{i}": {"type": "string"} for i in range(n)},
+              "required": [f"field{i}" for i in range(n)]}
+
+    async def main():
+        async with _client(app, "127.0.0.1") as http:
+            # The workers start with kiln serve (here: now, untimed).
+            warm = await http.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 2, "guided_regex": "[ab]+"})
+            assert warm.status_code == 200, warm.text
+            t0 = time.monotonic()
+            resp = await http.post("/v1/chat/completions", json={
+                "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4,
+                "response_format": {"type": "json_schema", "json_schema": {"name": "big", "schema": schema}}})
+            return resp, time.monotonic() - t0
+
+    resp, seconds = asyncio.run(main())
+    assert resp.status_code == 200, resp.text
+    assert resp.json()["choices"][0]["message"]["content"].startswith("{")
+    print(f"{n} required properties: answered in {seconds:.2f}s (limit 10s)")

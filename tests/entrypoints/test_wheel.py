@@ -1,0 +1,116 @@
+"""A wheel that installs: built from the tracked files (as a fresh clone has them), installed
+(not editable) into a new virtual environment, it holds every package and the kernel templates,
+and its `kiln` runs `generate` and serves `/health` from outside the source tree.
+
+The new environment takes its dependencies (torch, transformers, ...) from the test's own
+environment through a path file, so nothing is downloaded; kiln itself comes only from the wheel.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import sysconfig
+import time
+import zipfile
+from pathlib import Path
+
+import httpx
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _tracked_copy(dest: Path) -> Path:
+    """The repository's tracked files (what a fresh clone holds) copied into dest."""
+    files = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, check=True).stdout
+    for name in filter(None, files.decode().split("\0")):
+        src = ROOT / name
+        if src.is_file():
+            target = dest / name
+            target.parent.mkdir(parents=True, exist_ok=True)
+            target.write_bytes(src.read_bytes())
+    return dest
+
+
+@pytest.fixture(scope="module")
+def wheel(tmp_path_factory) -> Path:
+    if subprocess.run(["git", "rev-parse"], cwd=ROOT, capture_output=True).returncode != 0:
+        pytest.skip("not a git checkout")
+    src = _tracked_copy(tmp_path_factory.mktemp("src"))
+    out = tmp_path_factory.mktemp("dist")
+    res = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
+                          "-w", str(out), str(src)], capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    (whl,) = out.glob("kiln_serve-*.whl")
+    return whl
+
+
+@pytest.fixture(scope="module")
+def venv(wheel, tmp_path_factory) -> Path:
+    env_dir = tmp_path_factory.mktemp("venv")
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(env_dir)], check=True, timeout=120)
+    site = Path(subprocess.run([str(env_dir / "bin" / "python"), "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"],
+                               capture_output=True, text=True, check=True).stdout.strip())
+    # Dependencies from this environment (a .pth line is a path, not a site dir: its own .pth files,
+    # among them the editable kiln's finder, are not run).
+    (site / "deps.pth").write_text(sysconfig.get_path("purelib") + "\n")
+    res = subprocess.run([sys.executable, "-m", "pip", "--python", str(env_dir / "bin" / "python"), "install", "-q",
+                          "--no-deps", "--no-index", str(wheel)], capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    return env_dir
+
+
+def _env() -> dict[str, str]:
+    return {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")} | {"PYTHONUNBUFFERED": "1"}
+
+
+def test_wheel_holds_every_package_and_the_templates(wheel):
+    names = zipfile.ZipFile(wheel).namelist()
+    packages = {str(p.parent.relative_to(ROOT)) for p in ROOT.glob("engine/**/__init__.py")}
+    packages |= {str(p.parent.relative_to(ROOT)) for p in ROOT.glob("compiler/**/__init__.py")}
+    for pkg in sorted(packages):
+        assert f"{pkg}/__init__.py" in names, f"{pkg} is missing from the wheel"
+    templates = {p.name for p in (ROOT / "templates").iterdir() if p.suffix in (".cpp", ".cuh", ".inc", ".j2", ".toml")}
+    assert templates and templates <= {Path(n).name for n in names if n.startswith("templates/")}
+
+
+def test_installed_kiln_generates_and_serves(venv, tiny_llama, tmp_path):
+    kiln = str(venv / "bin" / "kiln")
+    where = subprocess.run([str(venv / "bin" / "python"), "-c", "import engine, templates; print(engine.__file__)"],
+                           cwd=tmp_path, capture_output=True, text=True, env=_env(), timeout=120)
+    assert where.returncode == 0, where.stderr
+    assert str(venv) in where.stdout and str(ROOT) not in where.stdout  # the wheel's copy, not the source tree
+
+    res = subprocess.run([kiln, "generate", "Hello", "--max-tokens", "4", "--json", "--model", str(tiny_llama),
+                          "--device", "cpu", "--max-model-len", "128"],
+                         cwd=tmp_path, capture_output=True, text=True, env=_env(), timeout=900)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert json.loads(res.stdout.strip().splitlines()[-1])["prompt"] == "Hello"
+
+    proc = subprocess.Popen([kiln, "serve", "--model", str(tiny_llama), "--port", "0", "--device", "cpu",
+                             "--max-model-len", "128"], cwd=tmp_path, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, env=_env())
+    try:
+        url, seen = None, []
+        deadline = time.monotonic() + 900
+        while url is None and time.monotonic() < deadline:
+            line = proc.stdout.readline()
+            if not line:
+                break
+            seen.append(line)
+            if m := re.match(r"kiln: serving .* at (http://[^/\s]+)", line):
+                url = m.group(1)
+        assert url, "".join(seen)[-3000:]
+        for _ in range(100):
+            health = httpx.get(f"{url}/health", timeout=5)
+            if health.status_code == 200:
+                break
+            time.sleep(0.1)
+        assert health.status_code == 200
+    finally:
+        proc.terminate()
+        proc.wait(60)
