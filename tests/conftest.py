@@ -112,5 +112,3 @@ def make_llm(tiny_llama):
     yield _make
     for llm in made:
         assert_engine_clean(llm.engine)
-
-

@@ -81,18 +81,23 @@ def main() -> None:
         impls["old"] = old.paged_attention_cpu_impl
 
     def reference(out, q, kv, layer, qsl, lens, tables, scale, max_q, max_len, nd):
-        out.copy_(paged_attention_reference(q.float(), kv[layer, 0].float(), kv[layer, 1].float(), qsl, lens, tables,
-                                            scale, max_q, max_len, nd))
+        out.copy_(
+            paged_attention_reference(
+                q.float(), kv[layer, 0].float(), kv[layer, 1].float(), qsl, lens, tables, scale, max_q, max_len, nd
+            )
+        )
 
     impls["reference"] = reference
     g = torch.Generator().manual_seed(0)
-    print(f"one layer's attention, {hq} q heads / {hkv} kv heads, head dim {d}, block {BS}, {args.dtype}, "
-          f"{args.layers} layer(s) cycled, {args.threads} threads, median µs of {args.reps} interleaved calls")
+    print(
+        f"one layer's attention, {hq} q heads / {hkv} kv heads, head dim {d}, block {BS}, {args.dtype}, "
+        f"{args.layers} layer(s) cycled, {args.threads} threads, median µs of {args.reps} interleaved calls"
+    )
     with torch.inference_mode():
         for name, q_lens, lens in cases(g):
             q, kv, qsl, seq_lens, tables = inputs(g, q_lens, lens, hq, hkv, d, dtype, args.layers)
             nd = sum(1 for n in q_lens if n == 1) if max(q_lens) > 1 else len(q_lens)
-            rest = (qsl, seq_lens, tables, d ** -0.5, max(q_lens), max(lens), nd)
+            rest = (qsl, seq_lens, tables, d**-0.5, max(q_lens), max(lens), nd)
             outs = {k: torch.empty_like(q) for k in impls}
             times: dict[str, list[float]] = {k: [] for k in impls}
             for i in range(args.reps + 5):
@@ -114,9 +119,11 @@ def main() -> None:
             print(f"  {name:34s} {parts}")
             # The same step's cache write: one C++ call against the reference's torch ops.
             k, v = torch.randn(q.shape[0], hkv, d, generator=g), torch.randn(q.shape[0], hkv, d, generator=g)
-            slots = torch.randperm(kv.shape[2] * BS, generator=g)[:q.shape[0]]
-            writes = {"C++ write_kv": lambda: write_kv_cpu_impl(k, v, kv, 0, slots),
-                      "reference": lambda: write_kv_reference(k, v, kv[0, 0], kv[0, 1], slots)}
+            slots = torch.randperm(kv.shape[2] * BS, generator=g)[: q.shape[0]]
+            writes = {
+                "C++ write_kv": lambda: write_kv_cpu_impl(k, v, kv, 0, slots),
+                "reference": lambda: write_kv_reference(k, v, kv[0, 0], kv[0, 1], slots),
+            }
             wt: dict[str, list[float]] = {w: [] for w in writes}
             for i in range(args.reps + 5):
                 for w, fn in writes.items():

@@ -6,7 +6,8 @@ prints new / old ratios measured on the same machine at the same time.
     PYTHONPATH=$PWD python tools/bench_cpu_forward.py --baseline /tmp/base
 
 On a machine shared with other jobs, --threads 1 gives steadier numbers (two OpenMP threads
-stall whenever another process holds a core). Each decode row attends a context of 16-128 tokens (seeded), as in `kiln bench throughput`'s
+stall whenever another process holds a core). Each decode row attends a context of 16-128 tokens (seeded), as
+in `kiln bench throughput`'s
 short workload. Prints the best µs per step (the mean of the fastest chunk of 10 steps) over all rounds: the
 machine this runs on is shared, and the fastest chunk is the least disturbed one.
 """
@@ -46,11 +47,19 @@ def measure(model_path: str, rows_list: list[int], iters: int, threads: int) -> 
         blocks_per_seq = (128 + block_size - 1) // block_size
         tables = torch.arange(rows * blocks_per_seq, dtype=torch.int32).view(rows, blocks_per_seq)
         pos = (lens - 1).to(torch.int64)
-        slots = (tables.gather(1, (pos // block_size).view(-1, 1).to(torch.int64)).view(-1).to(torch.int64)
-                 * block_size + pos % block_size)
-        meta = AttentionMetadata(slot_mapping=slots, query_start_loc=torch.arange(rows + 1, dtype=torch.int32),
-                                 seq_lens=lens, block_tables=tables, max_query_len=1,
-                                 max_seq_len=int(lens.max()), num_decodes=rows)
+        slots = (
+            tables.gather(1, (pos // block_size).view(-1, 1).to(torch.int64)).view(-1).to(torch.int64) * block_size
+            + pos % block_size
+        )
+        meta = AttentionMetadata(
+            slot_mapping=slots,
+            query_start_loc=torch.arange(rows + 1, dtype=torch.int32),
+            seq_lens=lens,
+            block_tables=tables,
+            max_query_len=1,
+            max_seq_len=int(lens.max()),
+            num_decodes=rows,
+        )
         ids = torch.randint(0, model.config.vocab_size, (rows,), generator=gen)
 
         def step() -> None:
@@ -72,8 +81,19 @@ def measure(model_path: str, rows_list: list[int], iters: int, threads: int) -> 
 
 def run_tree(tree: str, args) -> dict[str, float]:
     env = dict(os.environ, PYTHONPATH=tree)
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--child", "--model", args.model,
-           "--rows", args.rows, "--iters", str(args.iters), "--threads", str(args.threads)]
+    cmd = [
+        sys.executable,
+        str(Path(__file__).resolve()),
+        "--child",
+        "--model",
+        args.model,
+        "--rows",
+        args.rows,
+        "--iters",
+        str(args.iters),
+        "--threads",
+        str(args.threads),
+    ]
     out = subprocess.run(cmd, cwd=tree, env=env, check=True, capture_output=True, text=True).stdout
     return json.loads(out.strip().splitlines()[-1])
 

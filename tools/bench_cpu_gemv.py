@@ -41,8 +41,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from compiler.kernels import cpu_gemv
-from compiler.kernels import cpu_linear
+from compiler.kernels import cpu_gemv, cpu_linear
 from compiler.kernels.cpu_gemv import GEMV, GGUF_FORMATS, LEVELS
 from compiler.kernels.cpu_linear import MIN_ONEDNN_ROWS
 from engine.layers.quant import int_formats
@@ -55,12 +54,25 @@ SHAPES = [(1536, 1024), (1024, 1024), (5632, 1024), (1024, 2816)]  # (out, in): 
 F32, BF16 = torch.float32, torch.bfloat16
 # name -> (weight kind, model dtype)
 FORMATS = {
-    "f32": ("f32", F32), "bf16": ("bf16", BF16), "bf16w-f32": ("bf16", F32), "f16w-f32": ("f16", F32),
-    "q8_0-f32": ("Q8_0", F32), "q8_0-bf16": ("Q8_0", BF16), "q4_0-f32": ("Q4_0", F32), "q4_0-bf16": ("Q4_0", BF16),
-    "q4_1-f32": ("Q4_1", F32), "q4_1-bf16": ("Q4_1", BF16), "q4_k-f32": ("Q4_K", F32), "q4_k-bf16": ("Q4_K", BF16),
-    "q5_k-bf16": ("Q5_K", BF16), "q6_k-f32": ("Q6_K", F32), "q6_k-bf16": ("Q6_K", BF16),
-    "gptq-int4-f32": ("int4", F32), "gptq-int4-bf16": ("int4", BF16),
-    "gptq-int8-f32": ("int8", F32), "gptq-int8-bf16": ("int8", BF16),
+    "f32": ("f32", F32),
+    "bf16": ("bf16", BF16),
+    "bf16w-f32": ("bf16", F32),
+    "f16w-f32": ("f16", F32),
+    "q8_0-f32": ("Q8_0", F32),
+    "q8_0-bf16": ("Q8_0", BF16),
+    "q4_0-f32": ("Q4_0", F32),
+    "q4_0-bf16": ("Q4_0", BF16),
+    "q4_1-f32": ("Q4_1", F32),
+    "q4_1-bf16": ("Q4_1", BF16),
+    "q4_k-f32": ("Q4_K", F32),
+    "q4_k-bf16": ("Q4_K", BF16),
+    "q5_k-bf16": ("Q5_K", BF16),
+    "q6_k-f32": ("Q6_K", F32),
+    "q6_k-bf16": ("Q6_K", BF16),
+    "gptq-int4-f32": ("int4", F32),
+    "gptq-int4-bf16": ("int4", BF16),
+    "gptq-int8-f32": ("int8", F32),
+    "gptq-int8-bf16": ("int8", BF16),
 }
 DEFAULT = "f32,bf16,bf16w-f32,q8_0-f32,q8_0-bf16,q4_0-bf16,q4_1-f32,q4_1-bf16,q4_k-bf16,q6_k-bf16,gptq-int4-bf16"
 
@@ -90,7 +102,7 @@ def random_blocks(name: str, n: int, k: int, gen: torch.Generator) -> torch.Tens
     raw = torch.randint(0, 256, (n, k // block, nbytes), dtype=torch.uint8, generator=gen)
     scale = torch.full((n, k // block), 1e-3, dtype=torch.float16).view(torch.uint8).reshape(n, -1, 2)
     for at in {"Q6_K": (208,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q4_1": (0, 2), "Q5_1": (0, 2)}.get(name, (0,)):
-        raw[:, :, at:at + 2] = scale
+        raw[:, :, at : at + 2] = scale
     return raw.reshape(n, -1)
 
 
@@ -145,8 +157,10 @@ def build(fmt: str, layers: int, seed: int = 0) -> tuple[Path, Path]:
         new_w = [torch.randn(n, k, generator=gen).to(wdtype) for n, k in shapes]
         old_w = new_w if wdtype == dtype else [w.to(dtype) for w in new_w]
         # (what the engine runs now: compiler/kernels/cpu_linear.py, the kernel up to MAX_DENSE_ROWS rows)
-        new = Path(lambda x, i: cpu_linear.linear(x, new_w[i]) if wdtype == dtype else cpu_gemv.dense(x, new_w[i]),
-                   sum(w.numel() * w.element_size() for w in new_w))
+        new = Path(
+            lambda x, i: cpu_linear.linear(x, new_w[i]) if wdtype == dtype else cpu_gemv.dense(x, new_w[i]),
+            sum(w.numel() * w.element_size() for w in new_w),
+        )
         old = Path(lambda x, i: _dense_old(x, old_w[i]), sum(w.numel() * w.element_size() for w in old_w))
         return new, old
     if kind in ("int4", "int8"):
@@ -157,12 +171,16 @@ def build(fmt: str, layers: int, seed: int = 0) -> tuple[Path, Path]:
         for m in mods:
             q = int_formats.unpack_nibbles(m.qweight) if bits == 4 else m.qweight
             packed.append(cpu_gemv.pack(q.contiguous(), fmt_id, m.in_features, m.scales, m.zeros))
-        new = Path(lambda x, i: _quant_new(x, packed[i], fmt_id, *shapes[i], shapes[i][1] // 128, float_acts),
-                   sum(p.numel() for p in packed))
+        new = Path(
+            lambda x, i: _quant_new(x, packed[i], fmt_id, *shapes[i], shapes[i][1] // 128, float_acts),
+            sum(p.numel() for p in packed),
+        )
         if bits == 4 and dtype == BF16:
             t4 = [_torch_int4(n, k, gen, 128) for n, k in shapes]
-            old = Path(lambda x, i: torch.ops.aten._weight_int4pack_mm_for_cpu(x, t4[i][0], 128, t4[i][1]),
-                       sum(p.numel() * p.element_size() + s.numel() * s.element_size() for p, s in t4))
+            old = Path(
+                lambda x, i: torch.ops.aten._weight_int4pack_mm_for_cpu(x, t4[i][0], 128, t4[i][1]),
+                sum(p.numel() * p.element_size() + s.numel() * s.element_size() for p, s in t4),
+            )
         else:
             old = Path(lambda x, i: mods[i].quant.apply(mods[i], x), sum(m.quant.weight_bytes(m) for m in mods))
         return new, old
@@ -175,16 +193,25 @@ def build(fmt: str, layers: int, seed: int = 0) -> tuple[Path, Path]:
         old = Path(lambda x, i: mods[i].quant.apply(mods[i], x), sum(m.quant.weight_bytes(m) for m in mods))
     elif kind in ("Q4_0", "Q4_1") and dtype == BF16:
         t4 = [_torch_int4(n, k, gen, 32) for n, k in shapes]
-        old = Path(lambda x, i: torch.ops.aten._weight_int4pack_mm_for_cpu(x, t4[i][0], 32, t4[i][1]),
-                   sum(p.numel() * p.element_size() + s.numel() * s.element_size() for p, s in t4))
+        old = Path(
+            lambda x, i: torch.ops.aten._weight_int4pack_mm_for_cpu(x, t4[i][0], 32, t4[i][1]),
+            sum(p.numel() * p.element_size() + s.numel() * s.element_size() for p, s in t4),
+        )
     else:  # dequantised at load
         dense = [torch.randn(n, k, generator=gen).to(dtype) for n, k in shapes]
         old = Path(lambda x, i: _dense_old(x, dense[i]), sum(w.numel() * w.element_size() for w in dense))
     return new, old
 
 
-def measure(new: Path, old: Path, dtype: torch.dtype, rows: int, projections: int, repeats: int,
-            stat: Callable[[list[float]], float] = statistics.median) -> dict:
+def measure(
+    new: Path,
+    old: Path,
+    dtype: torch.dtype,
+    rows: int,
+    projections: int,
+    repeats: int,
+    stat: Callable[[list[float]], float] = statistics.median,
+) -> dict:
     """Seconds per pass of each path (median, or `stat`), passes interleaved."""
     xs = {k: torch.randn(rows, k).to(dtype) for _, k in SHAPES}
 
@@ -192,6 +219,7 @@ def measure(new: Path, old: Path, dtype: torch.dtype, rows: int, projections: in
         def run() -> None:
             for i in range(projections):
                 path.run(xs[SHAPES[i % len(SHAPES)][1]], i)
+
         return run
 
     times: dict[str, list[float]] = {"new": [], "old": []}
@@ -203,8 +231,13 @@ def measure(new: Path, old: Path, dtype: torch.dtype, rows: int, projections: in
             for name, fn in fns.items():
                 times[name].append(_timed(fn))
     t_new, t_old = stat(times["new"]), stat(times["old"])
-    return dict(new_s=t_new, old_s=t_old, new_gbs=new.bytes / t_new / 1e9, old_gbs=old.bytes / t_old / 1e9,
-                speedup=t_old / t_new)
+    return dict(
+        new_s=t_new,
+        old_s=t_old,
+        new_gbs=new.bytes / t_new / 1e9,
+        old_gbs=old.bytes / t_old / 1e9,
+        speedup=t_old / t_new,
+    )
 
 
 def threads_of(args: argparse.Namespace) -> list[int]:
@@ -240,10 +273,12 @@ def main(argv: list[str] | None = None) -> int:
             print(f"bench_cpu_gemv: this CPU cannot run {args.level} (runs {[LEVELS[v] for v in GEMV.levels]})")
             return 2
     results = []
-    print(f"bench_cpu_gemv: {platform.processor() or platform.machine()}, torch {torch.__version__} "
-          f"({torch.backends.cpu.get_cpu_capability()}), kernels {LEVELS[GEMV.level]}, {args.clock} clock, "
-          f"{args.stat} of {args.repeats}, "
-          f"load average {', '.join(f'{v:.1f}' for v in os.getloadavg())}")
+    print(
+        f"bench_cpu_gemv: {platform.processor() or platform.machine()}, torch {torch.__version__} "
+        f"({torch.backends.cpu.get_cpu_capability()}), kernels {LEVELS[GEMV.level]}, {args.clock} clock, "
+        f"{args.stat} of {args.repeats}, "
+        f"load average {', '.join(f'{v:.1f}' for v in os.getloadavg())}"
+    )
     for threads in threads_list:
         torch.set_num_threads(threads)
         copy, read = bandwidth()
@@ -252,14 +287,32 @@ def main(argv: list[str] | None = None) -> int:
         for fmt in formats:
             new, old = build(fmt, args.layers)
             for rows in rows_list:
-                r = measure(new, old, FORMATS[fmt][1], rows, len(SHAPES) * args.layers, args.repeats,
-                            min if args.stat == "min" else statistics.median)
-                r.update(format=fmt, rows=rows, threads=threads, copy_gbs=copy, read_gbs=read, clock=args.clock,
-                         stat=args.stat,
-                         level=LEVELS[GEMV.level], pct_copy=100 * r["new_gbs"] / copy)
+                r = measure(
+                    new,
+                    old,
+                    FORMATS[fmt][1],
+                    rows,
+                    len(SHAPES) * args.layers,
+                    args.repeats,
+                    min if args.stat == "min" else statistics.median,
+                )
+                r.update(
+                    format=fmt,
+                    rows=rows,
+                    threads=threads,
+                    copy_gbs=copy,
+                    read_gbs=read,
+                    clock=args.clock,
+                    stat=args.stat,
+                    level=LEVELS[GEMV.level],
+                    pct_copy=100 * r["new_gbs"] / copy,
+                )
                 results.append(r)
-                print(f"{fmt:<16}{rows:>5}{r['new_gbs']:>10.1f}{r['pct_copy']:>7.0f}%{r['old_gbs']:>10.1f}"
-                      f"{r['speedup']:>8.2f}x", flush=True)
+                print(
+                    f"{fmt:<16}{rows:>5}{r['new_gbs']:>10.1f}{r['pct_copy']:>7.0f}%{r['old_gbs']:>10.1f}"
+                    f"{r['speedup']:>8.2f}x",
+                    flush=True,
+                )
             del new, old
     if args.json:
         with open(args.json, "w") as f:

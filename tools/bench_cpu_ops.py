@@ -51,8 +51,8 @@ def cases(rows: int, hidden: int, inter: int, hq: int, hkv: int, d: int, dtype: 
     x, delta = rnd(rows, hidden), rnd(rows, hidden)
     gate_up = rnd(rows, 2 * inter)
     qkv = rnd(rows, (hq + 2 * hkv) * d)
-    q = qkv[:, :hq * d].view(rows, hq, d)
-    k = qkv[:, hq * d:(hq + hkv) * d].view(rows, hkv, d)
+    q = qkv[:, : hq * d].view(rows, hq, d)
+    k = qkv[:, hq * d : (hq + hkv) * d].view(rows, hkv, d)
     positions = torch.randint(0, 1024, (rows,), generator=g)
     inv = 1.0 / (10000 ** (torch.arange(0, d, 2, dtype=torch.float32) / d))
     freqs = torch.outer(torch.arange(1024, dtype=torch.float32), inv)
@@ -79,8 +79,12 @@ def cases(rows: int, hidden: int, inter: int, hq: int, hkv: int, d: int, dtype: 
     yield "residual add + rms_norm", eager_add_norm, lambda: ops.add_rms_norm(residual, delta, norm.weight, 1e-6, 0.0)
     yield "rope (q and k)", eager_rope, lambda: ops.rope_(q, k, positions, table, False)
     yield "silu_and_mul", eager_silu, lambda: ops.silu_and_mul(gate_up, False)
-    for k_in, n_out, name in [(hidden, (hq + 2 * hkv) * d, "qkv"), (hq * d, hidden, "o"),
-                              (hidden, 2 * inter, "gate_up"), (inter, hidden, "down")]:
+    for k_in, n_out, name in [
+        (hidden, (hq + 2 * hkv) * d, "qkv"),
+        (hq * d, hidden, "o"),
+        (hidden, 2 * inter, "gate_up"),
+        (inter, hidden, "down"),
+    ]:
         w, a = rnd(n_out, k_in), rnd(rows, k_in)
         yield f"linear {name} {k_in}->{n_out}", (lambda a=a, w=w: F.linear(a, w)), (lambda a=a, w=w: linear(a, w))
 
@@ -101,12 +105,18 @@ def engine_ab(rounds: int, threads: int) -> None:
     rng = random.Random(0)
     vocab = llm.engine.model_config.vocab_size
     prompts = [[rng.randrange(5, vocab) for _ in range(rng.randint(16, 64))] for _ in range(64)]
-    params = [SamplingParams(temperature=0.0, max_tokens=rng.randint(16, 64), ignore_eos=True, detokenize=False)
-              for _ in range(64)]
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=rng.randint(16, 64), ignore_eos=True, detokenize=False)
+        for _ in range(64)
+    ]
     fusable = [m for m in llm.engine.core.runner.model.modules() if isinstance(m, (RMSNorm, RotaryEmbedding, MLP))]
     min_rows = cpu_linear.MIN_ONEDNN_ROWS
-    configs = {"eager ops, F.linear": (False, 1 << 40), "oneDNN only": (False, min_rows),
-               "fused ops only": (True, 1 << 40), "fused ops + oneDNN": (True, min_rows)}
+    configs = {
+        "eager ops, F.linear": (False, 1 << 40),
+        "oneDNN only": (False, min_rows),
+        "fused ops only": (True, 1 << 40),
+        "fused ops + oneDNN": (True, min_rows),
+    }
     times: dict[str, list[float]] = {name: [] for name in configs}
     reference = None
     for _ in range(rounds + 1):  # the first round warms every configuration up

@@ -24,8 +24,11 @@ import time
 
 
 def required_schema(n: int, tag: str) -> dict:
-    return {"type": "object", "properties": {f"{tag}{i}": {"type": "string"} for i in range(n)},
-            "required": [f"{tag}{i}" for i in range(n)]}
+    return {
+        "type": "object",
+        "properties": {f"{tag}{i}": {"type": "string"} for i in range(n)},
+        "required": [f"{tag}{i}" for i in range(n)],
+    }
 
 
 def main() -> None:
@@ -48,8 +51,9 @@ def main() -> None:
     if args.gguf is not None:
         import os
 
-        tok = transformers.AutoTokenizer.from_pretrained(os.path.dirname(args.gguf),
-                                                         gguf_file=os.path.basename(args.gguf))
+        tok = transformers.AutoTokenizer.from_pretrained(
+            os.path.dirname(args.gguf), gguf_file=os.path.basename(args.gguf)
+        )
     else:
         model = args.model
         if model is None:
@@ -64,14 +68,20 @@ def main() -> None:
     t0 = time.perf_counter()
     pooled.start_pool()
     pooled.compile(StructuredOutputsParams(regex="warm"))
-    print(f"vocabulary {vocab}; the pool started and answered its first compile in "
-          f"{time.perf_counter() - t0:.2f}s (paid at server start-up, not by a request)")
+    print(
+        f"vocabulary {vocab}; the pool started and answered its first compile in "
+        f"{time.perf_counter() - t0:.2f}s (paid at server start-up, not by a request)"
+    )
 
     specs = {
         "regex email": lambda i: StructuredOutputsParams(regex=f"[a-z]{{1,{10 + i}}}@[a-z]+\\.(com|org)"),
-        "json 10 props": lambda i: StructuredOutputsParams(json={
-            "type": "object", "properties": {f"f{i}_{k}": {"type": "integer"} for k in range(10)},
-            "required": [f"f{i}_{k}" for k in range(5)]}),
+        "json 10 props": lambda i: StructuredOutputsParams(
+            json={
+                "type": "object",
+                "properties": {f"f{i}_{k}": {"type": "integer"} for k in range(10)},
+                "required": [f"f{i}_{k}" for k in range(5)],
+            }
+        ),
         "choice 50": lambda i: StructuredOutputsParams(choice=[f"option {i} {k}" for k in range(50)]),
     }
     print(f"{args.repeat} distinct constraints of each kind (no cache hits)")
@@ -106,8 +116,9 @@ def main() -> None:
         xgrammar.CompiledGrammar.deserialize_json(grammar.serialize_json(), pooled._info)
         return worker + time.perf_counter() - t0
 
-    print(f"\nJSON schemas of N required string properties (the pool's limit: {args.timeout:g}s of the worker's "
-          "CPU time)")
+    print(
+        f"\nJSON schemas of N required string properties (the pool's limit: {args.timeout:g}s of the worker's CPU time)"
+    )
     print(f"{'N':>6}{'inline s':>10}{'pool s':>10}{'worker CPU s':>14}{'old pool s':>12}{'old/new':>9}")
     pool = pooled._pool
     for size in (int(x) for x in args.sizes.split(",")):
@@ -135,8 +146,9 @@ def main() -> None:
         print(f"{size:>6}{t_inline:>10.2f}{t_pool:>10}{cpu:>14}{old_s:>12}{ratio:>9}")
     old.close()
 
-    bad = StructuredOutputsParams(json={"type": "object",
-                                        "properties": {f"p{i}": {"type": "string"} for i in range(5000)}})
+    bad = StructuredOutputsParams(
+        json={"type": "object", "properties": {f"p{i}": {"type": "string"} for i in range(5000)}}
+    )
     t0 = time.perf_counter()
     try:
         pooled.compile(bad)
@@ -155,8 +167,10 @@ def main() -> None:
 
     threading.Thread(target=run, daemon=True).start()
     finished = done.wait(budget)
-    print(f"5000 optional properties, thread: {'finished' if finished else f'still compiling after {budget:.0f}s'} "
-          "(a thread cannot be stopped: it keeps its cores until xgrammar returns)")
+    print(
+        f"5000 optional properties, thread: {'finished' if finished else f'still compiling after {budget:.0f}s'} "
+        "(a thread cannot be stopped: it keeps its cores until xgrammar returns)"
+    )
     pooled.close()
 
 

@@ -23,8 +23,10 @@ def main() -> int:
 
     from engine import LLM, SamplingParams
 
-    llms = {huge: LLM(model=args.model, dtype=args.dtype, device="cpu", max_num_seqs=1, cpu_huge_pages=huge)
-            for huge in (False, True)}
+    llms = {
+        huge: LLM(model=args.model, dtype=args.dtype, device="cpu", max_num_seqs=1, cpu_huge_pages=huge)
+        for huge in (False, True)
+    }
     params = SamplingParams(temperature=0, max_tokens=args.tokens, ignore_eos=True, detokenize=False)
     for llm in llms.values():
         llm.generate([[1, 2, 3, 4]], params, use_tqdm=False)

@@ -21,8 +21,10 @@ from engine.layers.quant import int4_packed
 from engine.layers.quant.config import QuantConfig
 from engine.layers.quant.linear import IntWeightMethod
 
-SHAPES = {"8b": [("qkv", 6144, 4096), ("o", 4096, 4096), ("gate_up", 28672, 4096), ("down", 4096, 14336)],
-          "1b": [("qkv", 3072, 2048), ("o", 2048, 2048), ("gate_up", 16384, 2048), ("down", 2048, 8192)]}
+SHAPES = {
+    "8b": [("qkv", 6144, 4096), ("o", 4096, 4096), ("gate_up", 28672, 4096), ("down", 4096, 14336)],
+    "1b": [("qkv", 3072, 2048), ("o", 2048, 2048), ("gate_up", 16384, 2048), ("down", 2048, 8192)],
+}
 
 
 def _layer(out: int, inp: int, dtype: torch.dtype) -> torch.nn.Linear:
@@ -70,19 +72,28 @@ def main() -> None:
             assert int4_packed.repack(packed, dtype) is None
             x = torch.randn(batch, inp, dtype=dtype)
             with torch.inference_mode():
-                t = _times({"bf16": lambda: F.linear(x, dense), "packed": lambda: packed.quant.apply(packed, x)},
-                           args.iters)
+                t = _times(
+                    {
+                        "bf16": lambda x=x, dense=dense: F.linear(x, dense),
+                        "packed": lambda x=x, packed=packed: packed.quant.apply(packed, x),
+                    },
+                    args.iters,
+                )
                 t_bf16, t_packed = t["bf16"], t["packed"]
-                t_ref = _times({"ref": lambda: ref.quant.apply(ref, x)}, args.reference_iters)["ref"]
+                t_ref = _times({"ref": lambda x=x, ref=ref: ref.quant.apply(ref, x)}, args.reference_iters)["ref"]
             for k, v in (("bf16", t_bf16), ("packed", t_packed), ("reference", t_ref)):
                 totals[(batch, k)] = totals.get((batch, k), 0.0) + v
-            print(f"batch {batch} {name:8s} [{out}x{inp}]: bf16 {t_bf16:8.3f} ms, int4 packed {t_packed:8.3f} ms "
-                  f"({t_packed / t_bf16:.2f}x bf16), reference {t_ref:9.2f} ms ({t_ref / t_bf16:.1f}x bf16, "
-                  f"{t_ref / t_packed:.0f}x packed)")
+            print(
+                f"batch {batch} {name:8s} [{out}x{inp}]: bf16 {t_bf16:8.3f} ms, int4 packed {t_packed:8.3f} ms "
+                f"({t_packed / t_bf16:.2f}x bf16), reference {t_ref:9.2f} ms ({t_ref / t_bf16:.1f}x bf16, "
+                f"{t_ref / t_packed:.0f}x packed)"
+            )
             del ref, dense, packed
         b, pk, rf = totals[(batch, "bf16")], totals[(batch, "packed")], totals[(batch, "reference")]
-        print(f"batch {batch} one layer's projections: bf16 {b:.2f} ms, int4 packed {pk:.2f} ms = {pk / b:.2f}x bf16; "
-              f"reference {rf:.1f} ms = {rf / b:.1f}x bf16 = {rf / pk:.0f}x packed")
+        print(
+            f"batch {batch} one layer's projections: bf16 {b:.2f} ms, int4 packed {pk:.2f} ms = {pk / b:.2f}x bf16; "
+            f"reference {rf:.1f} ms = {rf / b:.1f}x bf16 = {rf / pk:.0f}x packed"
+        )
 
 
 if __name__ == "__main__":

@@ -49,9 +49,18 @@ def main() -> None:
     from engine.models.tiny_model import make_tiny_model
 
     model = make_tiny_model(tempfile.mkdtemp() + "/tiny", arch="llama", seed=1)
-    state = create_state(EngineSettings(model=str(model), device="cpu", enforce_eager=True, max_model_len=1024,
-                                        num_gpu_blocks=256, max_num_seqs=4, log_stats_interval=0),
-                         ServerSettings(served_model_name="m"))
+    state = create_state(
+        EngineSettings(
+            model=str(model),
+            device="cpu",
+            enforce_eager=True,
+            max_model_len=1024,
+            num_gpu_blocks=256,
+            max_num_seqs=4,
+            log_stats_interval=0,
+        ),
+        ServerSettings(served_model_name="m"),
+    )
     state.engine.start()
     text = "hello world " * int(args.mb * (1 << 20) / 12)
     app = build_app(state, manage_engine=False)
@@ -66,8 +75,9 @@ def main() -> None:
                 return f"400 ({str(exc)[:60]}...)"
 
         async def via_server() -> str:
-            async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t",
-                                         timeout=600) as http:
+            async with httpx.AsyncClient(
+                transport=httpx.ASGITransport(app=app), base_url="http://t", timeout=600
+            ) as http:
                 resp = await http.post("/v1/completions", json={"prompt": text, "max_tokens": 4})
                 return f"{resp.status_code} ({resp.json()['error']['message'][:60]}...)"
 

@@ -45,17 +45,23 @@ def bench_linear(iters: int) -> None:
         assert int4_packed.repack(packed, int4_packed.kernel_dtype(torch.float32, "packed")) is None
         for batch in (1, 16, 128):
             x = torch.randn(batch, inp)
-            t_ref, t_packed, t_dense = _medians_ms([lambda: ref.quant.apply(ref, x),
-                                                    lambda: packed.quant.apply(packed, x),
-                                                    lambda: F.linear(x, dense_w)], iters)
+            t_ref, t_packed, t_dense = _medians_ms(
+                [lambda: ref.quant.apply(ref, x), lambda: packed.quant.apply(packed, x), lambda: F.linear(x, dense_w)],
+                iters,
+            )
             err = (packed.quant.apply(packed, x) - F.linear(x, dense_w)).abs().max() / F.linear(x, dense_w).abs().max()
-            print(f"  {out}x{inp} T={batch:<4} ref {t_ref:8.3f}  packed {t_packed:7.3f}  dense {t_dense:7.3f}  "
-                  f"ref/packed {t_ref / t_packed:6.1f}x  dense/packed {t_dense / t_packed:5.2f}x  rel.err {err:.1e}")
+            print(
+                f"  {out}x{inp} T={batch:<4} ref {t_ref:8.3f}  packed {t_packed:7.3f}  dense {t_dense:7.3f}  "
+                f"ref/packed {t_ref / t_packed:6.1f}x  dense/packed {t_dense / t_packed:5.2f}x  rel.err {err:.1e}"
+            )
 
 
 def _experts(kind: str, out: int, inp: int, e: int, gen) -> QuantExperts:
-    config = {"int4": QuantConfig("int", "gptq", 4, 128), "int8": QuantConfig("int", "gptq", 8, -1),
-              "fp8": QuantConfig("fp8", "ct", 8)}[kind]
+    config = {
+        "int4": QuantConfig("int", "gptq", 4, 128),
+        "int8": QuantConfig("int", "gptq", 8, -1),
+        "fp8": QuantConfig("fp8", "ct", 8),
+    }[kind]
     m = QuantExperts(e, out, inp, make_method(config), "cpu")
     if kind == "fp8":
         m.weight_fp8.copy_(torch.randn(m.weight_fp8.shape, generator=gen).to(FP8))
@@ -82,18 +88,27 @@ def bench_moe(iters: int) -> None:
         x = torch.randn(tokens, h, generator=gen)
         ids = torch.stack([torch.randperm(e, generator=gen)[:k] for _ in range(tokens)])
         weights = torch.rand(tokens, k, generator=gen)
-        fns = [lambda: torch.ops.kiln.moe_experts(x, weights, ids, dense13, dense2, "silu"),
-               lambda: routed_experts(*packed, x, weights, ids, "silu")]
+        fns = [
+            lambda: torch.ops.kiln.moe_experts(x, weights, ids, dense13, dense2, "silu"),
+            lambda: routed_experts(*packed, x, weights, ids, "silu"),
+        ]
         for w13, w2 in quant.values():
             fns.append(lambda w13=w13, w2=w2: routed_experts(w13, w2, x, weights, ids, "silu"))
-            fns.append(lambda w13=w13, w2=w2: moe_experts_dense(x, weights, ids, w13.weight(None, x.dtype),
-                                                                w2.weight(None, x.dtype), "silu"))
+            fns.append(
+                lambda w13=w13, w2=w2: moe_experts_dense(
+                    x, weights, ids, w13.weight(None, x.dtype), w2.weight(None, x.dtype), "silu"
+                )
+            )
         t_dense, t_packed, *rest = _medians_ms(fns, iters)
-        print(f"  T={tokens:<3} dense fp32 {t_dense:8.2f} | int4 packed {t_packed:8.2f} "
-              f"(dense/packed {t_dense / t_packed:5.2f}x)")
+        print(
+            f"  T={tokens:<3} dense fp32 {t_dense:8.2f} | int4 packed {t_packed:8.2f} "
+            f"(dense/packed {t_dense / t_packed:5.2f}x)"
+        )
         for kind, t_q, t_all in zip(quant, rest[0::2], rest[1::2]):
-            print(f"        {kind} dequantised {t_q:8.2f} (dense/it {t_dense / t_q:4.2f}x; every expert dequantised "
-                  f"{t_all:8.2f}: {t_all / t_q:4.1f}x slower)")
+            print(
+                f"        {kind} dequantised {t_q:8.2f} (dense/it {t_dense / t_q:4.2f}x; every expert dequantised "
+                f"{t_all:8.2f}: {t_all / t_q:4.1f}x slower)"
+            )
 
 
 def main() -> None:

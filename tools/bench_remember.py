@@ -40,13 +40,21 @@ def main() -> None:
     args = parser.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
     new_remember = ModelRunner._remember
-    engine = LLMEngine.from_settings(EngineSettings(max_num_seqs=max(batches), enforce_eager=True, cpu_threads=1,
-                                      num_gpu_blocks=max(batches) * (-(-(32 + args.steps + 80) // 16))))
+    engine = LLMEngine.from_settings(
+        EngineSettings(
+            max_num_seqs=max(batches),
+            enforce_eager=True,
+            cpu_threads=1,
+            num_gpu_blocks=max(batches) * (-(-(32 + args.steps + 80) // 16)),
+        )
+    )
     stub_model(engine, max(batches))
     totals = instrument(engine)
     print(f"_remember A/B, stub model, {args.steps} decode steps per row (medians), µs per step")
-    print(f"{'batch':>5} {'loop':>8} {'old launch':>11} {'new launch':>11} {'old crit':>9} {'new crit':>9} "
-          f"{'launch new/old':>15}")
+    print(
+        f"{'batch':>5} {'loop':>8} {'old launch':>11} {'new launch':>11} {'old crit':>9} {'new crit':>9} "
+        f"{'launch new/old':>15}"
+    )
     try:
         for batch in batches:
             for overlap in (False, True):
@@ -55,9 +63,11 @@ def main() -> None:
                     ModelRunner._remember = fn
                     runs[name].append(measure(engine, totals, batch, args.steps, overlap))
                 old, new = ({k: sum(r[k] for r in runs[n]) / 2 for k in runs[n][0]} for n in ("old", "new"))
-                print(f"{batch:>5} {'overlap' if overlap else 'serial':>8} {old['launch']:>11.1f} "
-                      f"{new['launch']:>11.1f} {old['critical']:>9.1f} {new['critical']:>9.1f} "
-                      f"{new['launch'] / old['launch']:>15.2f}")
+                print(
+                    f"{batch:>5} {'overlap' if overlap else 'serial':>8} {old['launch']:>11.1f} "
+                    f"{new['launch']:>11.1f} {old['critical']:>9.1f} {new['critical']:>9.1f} "
+                    f"{new['launch'] / old['launch']:>15.2f}"
+                )
     finally:
         ModelRunner._remember = new_remember
 

@@ -41,9 +41,16 @@ def run_policy(policy: str, args, serve_args: list[str], prompts: list[str]) -> 
     import openai
 
     base = _free_port()
-    plan = ReplicaPlan(replicas=args.replicas, host="127.0.0.1", port=_free_port(), replica_port=base + 1,
-                       policy=policy, router_metrics_port=_free_port(), serve_args=serve_args,
-                       log_dir=Path(tempfile.mkdtemp(prefix=f"bench-replicas-{policy}-")))
+    plan = ReplicaPlan(
+        replicas=args.replicas,
+        host="127.0.0.1",
+        port=_free_port(),
+        replica_port=base + 1,
+        policy=policy,
+        router_metrics_port=_free_port(),
+        serve_args=serve_args,
+        log_dir=Path(tempfile.mkdtemp(prefix=f"bench-replicas-{policy}-")),
+    )
     replica_set = ReplicaSet(plan)
     try:
         replica_set.start()
@@ -80,18 +87,23 @@ def main() -> int:
     rng = random.Random(args.seed)
     prompts = []
     for g in range(args.groups):
-        system = f"System prompt {g}: " + " ".join(f"rule {g}.{i} says item {rng.randrange(10**6)} matters;"
-                                                   for i in range(12))
+        system = f"System prompt {g}: " + " ".join(
+            f"rule {g}.{i} says item {rng.randrange(10**6)} matters;" for i in range(12)
+        )
         prompts += [f"{system} Question {q}: what about case {rng.randrange(10**6)}?" for q in range(args.per_group)]
     rng.shuffle(prompts)
     results = {p: run_policy(p, args, serve_args, prompts) for p in ("round_robin", "cache_aware")}
     for policy, r in results.items():
-        print(f"{policy:12s} wall {r['wall_s']:.2f} s  prefix-cache hit rate {100 * r['hit_rate']:.1f}%  "
-              f"requests per replica {[int(x) for x in r['served']]}")
+        print(
+            f"{policy:12s} wall {r['wall_s']:.2f} s  prefix-cache hit rate {100 * r['hit_rate']:.1f}%  "
+            f"requests per replica {[int(x) for x in r['served']]}"
+        )
     rr, ca = results["round_robin"], results["cache_aware"]
     hit_ratio = f"{ca['hit_rate'] / rr['hit_rate']:.2f}x" if rr["hit_rate"] else "n/a (round_robin hit no prefix)"
-    print(f"ratio cache_aware/round_robin: hit rate {hit_ratio}, wall time {ca['wall_s'] / rr['wall_s']:.2f}x "
-          f"({len(prompts)} requests, {args.replicas} replicas)")
+    print(
+        f"ratio cache_aware/round_robin: hit rate {hit_ratio}, wall time {ca['wall_s'] / rr['wall_s']:.2f}x "
+        f"({len(prompts)} requests, {args.replicas} replicas)"
+    )
     return 0
 
 

@@ -30,8 +30,12 @@ def load_baseline(rev: str):
     """The scheduler module at git revision `rev` (None if it cannot be read)."""
     root = Path(__file__).resolve().parent.parent
     try:
-        text = subprocess.run(["git", "-C", str(root), "show", f"{rev}:engine/core/sched/scheduler.py"],
-                              check=True, capture_output=True, text=True).stdout
+        text = subprocess.run(
+            ["git", "-C", str(root), "show", f"{rev}:engine/core/sched/scheduler.py"],
+            check=True,
+            capture_output=True,
+            text=True,
+        ).stdout
     except (subprocess.CalledProcessError, FileNotFoundError):
         return None
     path = Path(tempfile.mkdtemp()) / "baseline_scheduler.py"
@@ -48,8 +52,12 @@ def _make(module, batch: int, steps: int, prefill_len: int):
 
     max_len = 64 + steps + 2 * prefill_len
     blocks = (batch + 4) * (-(-max_len // BLOCK_SIZE)) + 8
-    cfg = module.SchedulerConfig(max_num_seqs=batch + 4, max_num_batched_tokens=max(2048, batch + prefill_len),
-                                 max_model_len=max_len, block_size=BLOCK_SIZE)
+    cfg = module.SchedulerConfig(
+        max_num_seqs=batch + 4,
+        max_num_batched_tokens=max(2048, batch + prefill_len),
+        max_model_len=max_len,
+        block_size=BLOCK_SIZE,
+    )
     return module.Scheduler(cfg, BlockPool(blocks, BLOCK_SIZE, True))
 
 
@@ -113,8 +121,10 @@ def main() -> int:
     base = load_baseline(args.baseline)
     if base is None:
         print(f"(no baseline: git revision {args.baseline!r} unreadable)")
-    print(f"Scheduler.schedule, µs per step (median of {args.steps} steps, best of {args.repeats}); "
-          f"baseline = {args.baseline}")
+    print(
+        f"Scheduler.schedule, µs per step (median of {args.steps} steps, best of {args.repeats}); "
+        f"baseline = {args.baseline}"
+    )
     print(f"{'batch':>5} {'step':>7} {'baseline':>9} {'new':>9} {'new/seq':>8} {'speed-up':>9}")
     for batch in [int(b) for b in args.batches.split(",") if b]:
         for mixed in (False, True):
@@ -127,13 +137,17 @@ def main() -> int:
                 except Exception as exc:  # noqa: BLE001 - an old scheduler.py beside this tree's helpers
                     if name == "new":
                         raise
-                    print(f"(baseline {args.baseline!r} does not run beside this tree's engine/core modules: "
-                          f"{type(exc).__name__}: {exc}; compare with a revision after the same restructuring)")
+                    print(
+                        f"(baseline {args.baseline!r} does not run beside this tree's engine/core modules: "
+                        f"{type(exc).__name__}: {exc}; compare with a revision after the same restructuring)"
+                    )
                     base = None
             b = row.get("baseline")
             n = row["new"]
-            print(f"{batch:>5} {'mixed' if mixed else 'decode':>7} {b if b else float('nan'):>9.1f} {n:>9.1f} "
-                  f"{n / batch:>8.2f} {(b / n if b else float('nan')):>8.2f}x")
+            print(
+                f"{batch:>5} {'mixed' if mixed else 'decode':>7} {b if b else float('nan'):>9.1f} {n:>9.1f} "
+                f"{n / batch:>8.2f} {(b / n if b else float('nan')):>8.2f}x"
+            )
     return 0
 
 

@@ -44,20 +44,56 @@ def convert_draft(draft: Path, llama_cpp: Path, out: Path, out_type: str) -> Pat
     # (llama.cpp's gguf-py first; the caller's PYTHONPATH after it: the converter imports
     # sentencepiece even for a BPE tokenizer, so it must be importable from somewhere.)
     path = os.pathsep.join(filter(None, [str(llama_cpp / "gguf-py"), os.environ.get("PYTHONPATH")]))
-    subprocess.run([sys.executable, str(llama_cpp / "convert_hf_to_gguf.py"), str(draft), "--outfile", str(out),
-                    "--outtype", out_type], check=True, env={**os.environ, "PYTHONPATH": path})
+    subprocess.run(
+        [
+            sys.executable,
+            str(llama_cpp / "convert_hf_to_gguf.py"),
+            str(draft),
+            "--outfile",
+            str(out),
+            "--outtype",
+            out_type,
+        ],
+        check=True,
+        env={**os.environ, "PYTHONPATH": path},
+    )
     return out
 
 
 class Server:
-    def __init__(self, binary: Path, model: Path, port: int, threads: int, draft: Path | None, draft_max: int,
-                 log: Path) -> None:
-        cmd = [str(binary), "-m", str(model), "--port", str(port), "-t", str(threads), "-tb", str(threads),
-               "-c", "4096", "-np", "1", "--no-warmup"]
+    def __init__(
+        self, binary: Path, model: Path, port: int, threads: int, draft: Path | None, draft_max: int, log: Path
+    ) -> None:
+        cmd = [
+            str(binary),
+            "-m",
+            str(model),
+            "--port",
+            str(port),
+            "-t",
+            str(threads),
+            "-tb",
+            str(threads),
+            "-c",
+            "4096",
+            "-np",
+            "1",
+            "--no-warmup",
+        ]
         if draft is not None:
             # (llama.cpp names: --spec-draft-n-max was --draft-max; draft-simple: a draft model)
-            cmd += ["-md", str(draft), "--spec-type", "draft-simple", "--spec-draft-n-max", str(draft_max),
-                    "-td", str(threads), "-tbd", str(threads)]
+            cmd += [
+                "-md",
+                str(draft),
+                "--spec-type",
+                "draft-simple",
+                "--spec-draft-n-max",
+                str(draft_max),
+                "-td",
+                str(threads),
+                "-tbd",
+                str(threads),
+            ]
         self.url = f"http://127.0.0.1:{port}"
         self.log = open(log, "w")
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT)
@@ -74,8 +110,16 @@ class Server:
         raise RuntimeError(f"llama-server did not start: see {log}")
 
     def complete(self, prompt: list[int], max_tokens: int) -> dict:
-        body = json.dumps({"prompt": prompt, "n_predict": max_tokens, "temperature": 0.0, "top_k": 1,
-                           "cache_prompt": False, "seed": 0}).encode()
+        body = json.dumps(
+            {
+                "prompt": prompt,
+                "n_predict": max_tokens,
+                "temperature": 0.0,
+                "top_k": 1,
+                "cache_prompt": False,
+                "seed": 0,
+            }
+        ).encode()
         req = urllib.request.Request(self.url + "/completion", data=body, headers={"Content-Type": "application/json"})
         with urllib.request.urlopen(req, timeout=600) as r:
             return json.loads(r.read())
@@ -94,7 +138,9 @@ def main() -> int:
     parser.add_argument("--target", required=True, type=Path)
     parser.add_argument("--draft", required=True, type=Path, help="the draft model's HF directory")
     parser.add_argument("--llama-cpp", required=True, type=Path, help="llama.cpp's source tree (build/bin inside)")
-    parser.add_argument("--draft-tokens", type=int, default=4, help="kiln num_speculative_tokens, llama.cpp --spec-draft-n-max")
+    parser.add_argument(
+        "--draft-tokens", type=int, default=4, help="kiln num_speculative_tokens, llama.cpp --spec-draft-n-max"
+    )
     parser.add_argument("--draft-gguf-type", default="f32")
     parser.add_argument("--num-prompts", type=int, default=8)
     parser.add_argument("--max-tokens", type=int, default=128)
@@ -110,18 +156,33 @@ def main() -> int:
     from engine.entrypoints.llm import LLM
 
     work = Path(tempfile.mkdtemp(prefix="spec-llamacpp-"))
-    draft_gguf = convert_draft(args.draft, args.llama_cpp, work / f"draft-{args.draft_gguf_type}.gguf",
-                               args.draft_gguf_type)
-    common = dict(device="cpu", dtype=args.dtype, max_model_len=2048, max_num_seqs=1, cpu_threads=args.threads,
-                  gguf_dequantize=args.gguf_dequantize)
-    kiln = {"plain": LLM(str(args.target), **common),
-            "draft": LLM(str(args.target), **common, speculative_method="draft_model",
-                         speculative_model=str(args.draft), num_speculative_tokens=args.draft_tokens)}
-    prompts = [chat_ids(kiln["plain"].tokenizer, p) for p in chat_prompts("test")][:args.num_prompts]
+    draft_gguf = convert_draft(
+        args.draft, args.llama_cpp, work / f"draft-{args.draft_gguf_type}.gguf", args.draft_gguf_type
+    )
+    common = dict(
+        device="cpu",
+        dtype=args.dtype,
+        max_model_len=2048,
+        max_num_seqs=1,
+        cpu_threads=args.threads,
+        gguf_dequantize=args.gguf_dequantize,
+    )
+    kiln = {
+        "plain": LLM(str(args.target), **common),
+        "draft": LLM(
+            str(args.target),
+            **common,
+            speculative_method="draft_model",
+            speculative_model=str(args.draft),
+            num_speculative_tokens=args.draft_tokens,
+        ),
+    }
+    prompts = [chat_ids(kiln["plain"].tokenizer, p) for p in chat_prompts("test")][: args.num_prompts]
     binary = args.llama_cpp / "build" / "bin" / "llama-server"
-    llama = {"plain": Server(binary, args.target, 8391, args.threads, None, args.draft_tokens, work / "plain.log"),
-             "draft": Server(binary, args.target, 8392, args.threads, draft_gguf, args.draft_tokens,
-                             work / "draft.log")}
+    llama = {
+        "plain": Server(binary, args.target, 8391, args.threads, None, args.draft_tokens, work / "plain.log"),
+        "draft": Server(binary, args.target, 8392, args.threads, draft_gguf, args.draft_tokens, work / "draft.log"),
+    }
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, detokenize=False)
     rates: dict[str, list[float]] = {f"{e}:{m}": [] for e in ("kiln", "llama.cpp") for m in ("plain", "draft")}
     accepted: dict[str, list[float]] = {"llama.cpp": []}
@@ -134,8 +195,9 @@ def main() -> int:
             for mode, llm in kiln.items():
                 t0 = time.perf_counter()
                 outs = llm.generate(prompts, params, use_tqdm=False)
-                rates[f"kiln:{mode}"].append(sum(len(o.outputs[0].token_ids) for o in outs)
-                                             / (time.perf_counter() - t0))
+                rates[f"kiln:{mode}"].append(
+                    sum(len(o.outputs[0].token_ids) for o in outs) / (time.perf_counter() - t0)
+                )
             for mode, server in llama.items():
                 tokens = seconds = drafted = kept = 0
                 for p in prompts:
@@ -153,7 +215,8 @@ def main() -> int:
     med = {k: statistics.median(v) for k, v in rates.items()}
     spec = kiln["draft"].engine.core.scheduler.spec
     result = {
-        "tok_per_s": med, "runs": rates,
+        "tok_per_s": med,
+        "runs": rates,
         "kiln_speedup": med["kiln:draft"] / med["kiln:plain"],
         "llama_cpp_speedup": med["llama.cpp:draft"] / med["llama.cpp:plain"],
         "kiln_over_llama_cpp_plain": med["kiln:plain"] / med["llama.cpp:plain"],

@@ -69,16 +69,23 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     StopMatcher(many)
     build_ms = (time.perf_counter() - t0) * 1e3
-    best = {k: min(f(texts, s) for _ in range(args.rounds))
-            for k, f, s in (("matcher 1", matcher_cost, one), (f"matcher {args.strings}", matcher_cost, many),
-                            ("search 1", search_cost, one))}
+    best = {
+        k: min(f(texts, s) for _ in range(args.rounds))
+        for k, f, s in (
+            ("matcher 1", matcher_cost, one),
+            (f"matcher {args.strings}", matcher_cost, many),
+            ("search 1", search_cost, one),
+        )
+    }
     best[f"search {args.strings}"] = min(search_cost(texts, many) for _ in range(max(1, args.rounds // 5)))
     print(f"n={args.n}, {args.tokens} tokens a sample; building the {args.strings}-string automaton: {build_ms:.1f} ms")
     for name, seconds in best.items():
         print(f"  {name:>16} strings: {seconds * 1e6:8.2f} us / token / sample")
     ratio = best[f"matcher {args.strings}"] / best["matcher 1"]
-    print(f"matcher, {args.strings} strings vs 1: {ratio:.2f}x (bar: <= 2x); "
-          f"search every string, {args.strings} vs 1: {best[f'search {args.strings}'] / best['search 1']:.0f}x")
+    print(
+        f"matcher, {args.strings} strings vs 1: {ratio:.2f}x (bar: <= 2x); "
+        f"search every string, {args.strings} vs 1: {best[f'search {args.strings}'] / best['search 1']:.0f}x"
+    )
     return 0 if ratio <= 2.0 else 1
 
 

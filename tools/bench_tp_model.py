@@ -50,6 +50,7 @@ class CollectiveClock:
             finally:
                 self.seconds += time.perf_counter() - t
                 self.calls += 1
+
         return call
 
     def reset(self) -> None:
@@ -64,10 +65,15 @@ def _step_inputs(batch: int, tokens_per_seq: int, context: int) -> tuple[torch.T
     seq = torch.arange(batch).repeat_interleave(tokens_per_seq)
     slots = tables[seq, positions // BLOCK].long() * BLOCK + positions % BLOCK
     starts = torch.arange(batch + 1, dtype=torch.int32) * tokens_per_seq
-    meta = AttentionMetadata(slot_mapping=slots, query_start_loc=starts,
-                             seq_lens=torch.full((batch,), context, dtype=torch.int32), block_tables=tables,
-                             max_query_len=tokens_per_seq, max_seq_len=context,
-                             num_decodes=batch if tokens_per_seq == 1 else 0)
+    meta = AttentionMetadata(
+        slot_mapping=slots,
+        query_start_loc=starts,
+        seq_lens=torch.full((batch,), context, dtype=torch.int32),
+        block_tables=tables,
+        max_query_len=tokens_per_seq,
+        max_seq_len=context,
+        num_decodes=batch if tokens_per_seq == 1 else 0,
+    )
     ids = (torch.arange(batch * tokens_per_seq) * 7) % 100
     return ids, positions, meta
 
@@ -76,8 +82,9 @@ def _median(xs: list[float]) -> float:
     return sorted(xs)[len(xs) // 2]
 
 
-def _time_steps(model, kv, inputs, steps: int, tp: TensorParallel | None,
-                clock: CollectiveClock | None = None) -> tuple[float, float, int]:
+def _time_steps(
+    model, kv, inputs, steps: int, tp: TensorParallel | None, clock: CollectiveClock | None = None
+) -> tuple[float, float, int]:
     """Seconds per forward + logits and seconds of it inside collectives (medians of `steps`
     after two warm-ups), and the collectives per step."""
     ids, positions, meta = inputs
@@ -100,11 +107,13 @@ def _time_steps(model, kv, inputs, steps: int, tp: TensorParallel | None,
 
 def _load(path: Path, dummy: bool, tp: TensorParallel | None, max_len: int):
     config = ModelConfig.from_dir(path)
-    model = load_model(path, config, torch.float32, torch.device("cpu"), max_len,
-                       load_format="dummy" if dummy else "auto", tp=tp)
+    model = load_model(
+        path, config, torch.float32, torch.device("cpu"), max_len, load_format="dummy" if dummy else "auto", tp=tp
+    )
     model.set_backend(TorchAttentionBackend())
-    kv = KVCache(config.num_layers, 256, BLOCK, local_heads(config, tp)[1], config.head_dim, torch.float32,
-                 torch.device("cpu"))
+    kv = KVCache(
+        config.num_layers, 256, BLOCK, local_heads(config, tp)[1], config.head_dim, torch.float32, torch.device("cpu")
+    )
     return model, kv
 
 
@@ -136,14 +145,18 @@ def _rank(rank: int, world: int, init: str, args, path: str) -> None:
         reduce_times[name] = _median(times)
     if rank == 0:
         layers = model.config.num_layers
-        print(f"model {path if args.hidden is None else 'llama (dummy weights)'}: {layers} layers, hidden {hidden}, "
-              f"vocab {model.config.vocab_size}, tp={world} (gloo, 1 thread per rank)")
+        print(
+            f"model {path if args.hidden is None else 'llama (dummy weights)'}: {layers} layers, hidden {hidden}, "
+            f"vocab {model.config.vocab_size}, tp={world} (gloo, 1 thread per rank)"
+        )
         for name, (batch, per_seq, context) in shapes.items():
             a, (b, spent, calls), r = single[name], sharded[name], reduce_times[name]
-            print(f"{name:8s} {batch} x {per_seq} tokens (context {context}): tp=1 {a * 1e3:7.2f} ms  "
-                  f"tp={world} {b * 1e3:7.2f} ms  ratio tp{world}/tp1 {b / a:5.2f}  | {calls} collectives/step, "
-                  f"{spent * 1e3:6.2f} ms in them ({spent / b:4.0%} of the step); "
-                  f"one all-reduce of [{batch * per_seq}x{hidden}] alone {r * 1e6:5.0f} us")
+            print(
+                f"{name:8s} {batch} x {per_seq} tokens (context {context}): tp=1 {a * 1e3:7.2f} ms  "
+                f"tp={world} {b * 1e3:7.2f} ms  ratio tp{world}/tp1 {b / a:5.2f}  | {calls} collectives/step, "
+                f"{spent * 1e3:6.2f} ms in them ({spent / b:4.0%} of the step); "
+                f"one all-reduce of [{batch * per_seq}x{hidden}] alone {r * 1e6:5.0f} us"
+            )
     dist.destroy_process_group()
 
 
@@ -163,9 +176,20 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         if args.hidden is not None:
             h = args.hidden
-            path = make_tiny_model(Path(tmp) / "model", arch="llama", config_only=True, overrides=dict(
-                hidden_size=h, intermediate_size=4 * h, num_hidden_layers=args.layers, num_attention_heads=h // 64,
-                num_key_value_heads=max(h // 256, 2), head_dim=64, vocab_size=32000))
+            path = make_tiny_model(
+                Path(tmp) / "model",
+                arch="llama",
+                config_only=True,
+                overrides=dict(
+                    hidden_size=h,
+                    intermediate_size=4 * h,
+                    num_hidden_layers=args.layers,
+                    num_attention_heads=h // 64,
+                    num_key_value_heads=max(h // 256, 2),
+                    head_dim=64,
+                    vocab_size=32000,
+                ),
+            )
         else:
             path = Path(args.model) if args.model else make_tiny_model(Path(tmp) / "model", arch="llama")
         mp.spawn(_rank, args=(args.world, f"file://{tmp}/rendezvous", args, str(path)), nprocs=args.world)

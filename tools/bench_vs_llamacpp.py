@@ -79,10 +79,15 @@ def machine() -> str:
                 flags = set(line.split(":", 1)[1].split())
     except OSError:
         pass
-    isa = [f for f in ("avx2", "fma", "f16c", "avx512f", "avx512_vnni", "avx512_bf16", "avx_vnni", "amx_bf16",
-                       "amx_int8") if f in flags]
+    isa = [
+        f
+        for f in ("avx2", "fma", "f16c", "avx512f", "avx512_vnni", "avx512_bf16", "avx_vnni", "amx_bf16", "amx_int8")
+        if f in flags
+    ]
     limits = [f"{k}={os.environ[k]}" for k in ("KILN_CPU_ISA", "LD_LIBRARY_PATH") if os.environ.get(k)]
-    return f"{model}, {os.cpu_count()} CPUs, {' '.join(isa) or 'no AVX2'}" + (f" ({', '.join(limits)})" if limits else "")
+    return f"{model}, {os.cpu_count()} CPUs, {' '.join(isa) or 'no AVX2'}" + (
+        f" ({', '.join(limits)})" if limits else ""
+    )
 
 
 def load() -> str:
@@ -121,8 +126,11 @@ def make_models(bin_dir: Path, models_dir: Path, formats: list[str]) -> None:
         out = gguf_path(models_dir, fmt)
         if out.is_file():
             continue
-        done = subprocess.run([str(bin_dir / "llama-quantize"), "--allow-requantize", str(q41), str(out), fmt],
-                              capture_output=True, text=True)
+        done = subprocess.run(
+            [str(bin_dir / "llama-quantize"), "--allow-requantize", str(q41), str(out), fmt],
+            capture_output=True,
+            text=True,
+        )
         if done.returncode != 0:
             raise SystemExit(f"llama-quantize {fmt} failed: {done.stderr[-1500:]}")
         print(f"made {out}")
@@ -133,9 +141,32 @@ def llama_offline(bin_dir: Path, model: Path, a) -> dict:
     """{'pp': tok/s of the batch-1 prompt, 'tg1': batch-1 decode tok/s, 'tgB': batch-B decode tok/s}."""
     threads = str(core_count(a.cores))
     ctx = a.batch * (a.prompt_len + a.gen_len) + 64
-    cmd = ["taskset", "-c", a.cores, str(bin_dir / "llama-batched-bench"), "-m", str(model), "-t", threads,
-           "-tb", threads, "-c", str(ctx), "-b", "2048", "-ub", "512", "-npp", str(a.prompt_len),
-           "-ntg", str(a.gen_len), "-npl", f"1,{a.batch}", "--output-format", "jsonl"] + a.llama_arg
+    cmd = [
+        "taskset",
+        "-c",
+        a.cores,
+        str(bin_dir / "llama-batched-bench"),
+        "-m",
+        str(model),
+        "-t",
+        threads,
+        "-tb",
+        threads,
+        "-c",
+        str(ctx),
+        "-b",
+        "2048",
+        "-ub",
+        "512",
+        "-npp",
+        str(a.prompt_len),
+        "-ntg",
+        str(a.gen_len),
+        "-npl",
+        f"1,{a.batch}",
+        "--output-format",
+        "jsonl",
+    ] + a.llama_arg
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=a.timeout)
     rows = {}
     for line in (done.stdout + done.stderr).splitlines():
@@ -156,9 +187,17 @@ def kiln_worker(spec: dict) -> dict:
     from engine.runtime.llm_engine import LLMEngine
 
     p, g, batches = spec["prompt_len"], spec["gen_len"], spec["batches"]
-    settings = EngineSettings(model=spec["model"], device="cpu", dtype=spec["dtype"], cpu_threads=spec["threads"],
-                              max_num_seqs=max(batches), max_model_len=p + g, enable_prefix_caching=False,
-                              log_stats_interval=0, **spec.get("extra", {}))
+    settings = EngineSettings(
+        model=spec["model"],
+        device="cpu",
+        dtype=spec["dtype"],
+        cpu_threads=spec["threads"],
+        max_num_seqs=max(batches),
+        max_model_len=p + g,
+        enable_prefix_caching=False,
+        log_stats_interval=0,
+        **spec.get("extra", {}),
+    )
     engine = LLMEngine.from_settings(settings)
     vocab = engine.model_config.vocab_size
     out = {"dtype": str(engine.core.dtype).removeprefix("torch."), "weight_GB": weight_bytes(engine.core.model) / 1e9}
@@ -172,53 +211,80 @@ def kiln_worker(spec: dict) -> dict:
 
 
 def kiln_offline(model: Path, dtype: str, a) -> dict:
-    spec = {"model": str(model), "dtype": dtype, "threads": core_count(a.cores), "prompt_len": a.prompt_len,
-            "gen_len": a.gen_len, "batches": [1, a.batch]}
+    spec = {
+        "model": str(model),
+        "dtype": dtype,
+        "threads": core_count(a.cores),
+        "prompt_len": a.prompt_len,
+        "gen_len": a.gen_len,
+        "batches": [1, a.batch],
+    }
     cmd = ["taskset", "-c", a.cores, a.kiln_python, str(Path(__file__).resolve()), "--kiln-worker", json.dumps(spec)]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=a.timeout, cwd=REPO,
-                          env={**os.environ, "PYTHONPATH": str(REPO)})
+    done = subprocess.run(
+        cmd, capture_output=True, text=True, timeout=a.timeout, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}
+    )
     line = [ln for ln in done.stdout.splitlines() if ln.startswith("KILN_RESULT ")]
     if done.returncode != 0 or not line:
         raise SystemExit(f"kiln worker failed ({done.returncode}): {done.stderr[-2500:]}")
     r = json.loads(line[-1].split(" ", 1)[1])
-    return {"pp": r["1"]["pp"], "tg1": r["1"]["tg"], "tgB": r[str(a.batch)]["tg"], "dtype": r["dtype"],
-            "weight_GB": r["weight_GB"]}
+    return {
+        "pp": r["1"]["pp"],
+        "tg1": r["1"]["tg"],
+        "tgB": r[str(a.batch)]["tg"],
+        "dtype": r["dtype"],
+        "weight_GB": r["weight_GB"],
+    }
 
 
 def offline(bin_dir: Path, a) -> dict:
     dtypes = dict(item.split("=", 1) for item in a.kiln_dtype)
     samples: dict[str, dict[str, dict[str, list[float]]]] = {
         f: {"llama": {k: [] for k in ("pp", "tg1", "tgB")}, "kiln": {k: [] for k in ("pp", "tg1", "tgB")}}
-        for f in a.formats}
+        for f in a.formats
+    }
     info: dict[str, dict] = {}
     for r in range(a.rounds):
         for fmt in a.formats:
             model = gguf_path(a.models_dir, fmt)
             order = ("llama", "kiln") if r % 2 == 0 else ("kiln", "llama")  # neither always goes first
             for who in order:
-                res = llama_offline(bin_dir, model, a) if who == "llama" else kiln_offline(
-                    model, dtypes.get(fmt, "auto"), a)
+                res = (
+                    llama_offline(bin_dir, model, a)
+                    if who == "llama"
+                    else kiln_offline(model, dtypes.get(fmt, "auto"), a)
+                )
                 if who == "kiln":
                     info[fmt] = {"dtype": res["dtype"], "weight_GB": res["weight_GB"]}
                 for k in ("pp", "tg1", "tgB"):
                     samples[fmt][who][k].append(res[k])
-                print(f"  round {r + 1} {fmt:5s} {who:5s}: pp {res['pp']:8.1f}  tg b1 {res['tg1']:7.1f}  "
-                      f"tg b{a.batch} {res['tgB']:7.1f} tok/s   load {load()}", flush=True)
+                print(
+                    f"  round {r + 1} {fmt:5s} {who:5s}: pp {res['pp']:8.1f}  tg b1 {res['tg1']:7.1f}  "
+                    f"tg b{a.batch} {res['tgB']:7.1f} tok/s   load {load()}",
+                    flush=True,
+                )
     table = {}
     for fmt in a.formats:
         row = {"kiln_dtype": info[fmt]["dtype"], "kiln_weight_GB": info[fmt]["weight_GB"]}
         for k in ("pp", "tg1", "tgB"):
             lm, km = statistics.median(samples[fmt]["llama"][k]), statistics.median(samples[fmt]["kiln"][k])
-            row[k] = {"llama": lm, "kiln": km, "ratio": km / lm, "llama_runs": samples[fmt]["llama"][k],
-                      "kiln_runs": samples[fmt]["kiln"][k]}
+            row[k] = {
+                "llama": lm,
+                "kiln": km,
+                "ratio": km / lm,
+                "llama_runs": samples[fmt]["llama"][k],
+                "kiln_runs": samples[fmt]["kiln"][k],
+            }
         table[fmt] = row
     print(f"\nmedians of {a.rounds} rounds, tok/s; ratio = kiln / llama.cpp (>= 1.0: kiln at least as fast)")
-    print(f"| weights | kiln dtype | prompt {a.prompt_len}: llama.cpp | kiln | ratio | batch 1: llama.cpp | kiln "
-          f"| ratio | batch {a.batch}: llama.cpp | kiln | ratio |")
+    print(
+        f"| weights | kiln dtype | prompt {a.prompt_len}: llama.cpp | kiln | ratio | batch 1: llama.cpp | kiln "
+        f"| ratio | batch {a.batch}: llama.cpp | kiln | ratio |"
+    )
     print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for fmt, row in table.items():
-        cells = " | ".join(f"{row[k]['llama']:.1f} | {row[k]['kiln']:.1f} | {row[k]['ratio']:.2f}x"
-                           for k in ("pp", "tg1", "tgB"))
+        cells = " | ".join(
+            f"{row[k]['llama']:.1f} | {row[k]['kiln']:.1f} | {row[k]['ratio']:.2f}x" for k in ("pp", "tg1", "tgB")
+        )
         print(f"| {fmt} | {row['kiln_dtype']} | {cells} |")
     return table
 
@@ -227,22 +293,57 @@ def offline(bin_dir: Path, a) -> dict:
 def served_one(name: str, cmd: list[str], env: dict, a, out_dir: Path, i: int) -> dict:
     with running_server(cmd, env, out_dir / f"serve_{name}_{i}.log", a.port, a.start_timeout, REPO):
         result = out_dir / f"serve_{name}_{i}.json"
-        client = [a.kiln_python, "-m", "engine.entrypoints.cli", "bench", "serve", "--base-url",
-                  f"http://127.0.0.1:{a.port}", "--backend", "openai", "--dataset-name", "random",
-                  "--num-prompts", str(a.serve_prompts), "--input-len", str(a.serve_input_len),
-                  "--output-len", str(a.serve_output_len), "--max-concurrency", str(a.serve_concurrency),
-                  "--ignore-eos", "--percentile-metrics", "ttft,tpot,itl", "--metric-percentiles", "50,99",
-                  "--seed", str(i), "--disable-tqdm", "--json", str(result)]
-        done = subprocess.run(client_prefix() + client, capture_output=True, text=True, cwd=REPO, timeout=a.timeout,
-                              env={**os.environ, "PYTHONPATH": str(REPO)})
+        client = [
+            a.kiln_python,
+            "-m",
+            "engine.entrypoints.cli",
+            "bench",
+            "serve",
+            "--base-url",
+            f"http://127.0.0.1:{a.port}",
+            "--backend",
+            "openai",
+            "--dataset-name",
+            "random",
+            "--num-prompts",
+            str(a.serve_prompts),
+            "--input-len",
+            str(a.serve_input_len),
+            "--output-len",
+            str(a.serve_output_len),
+            "--max-concurrency",
+            str(a.serve_concurrency),
+            "--ignore-eos",
+            "--percentile-metrics",
+            "ttft,tpot,itl",
+            "--metric-percentiles",
+            "50,99",
+            "--seed",
+            str(i),
+            "--disable-tqdm",
+            "--json",
+            str(result),
+        ]
+        done = subprocess.run(
+            client_prefix() + client,
+            capture_output=True,
+            text=True,
+            cwd=REPO,
+            timeout=a.timeout,
+            env={**os.environ, "PYTHONPATH": str(REPO)},
+        )
         if done.returncode != 0 or not result.is_file():
             raise SystemExit(f"kiln bench serve against {name} failed: {done.stderr[-2000:]}")
         return flat_metrics(json.loads(result.read_text()))
 
 
-SERVE_METRICS = (("output_throughput", "output tok/s", True), ("median_itl_ms", "ITL median ms", False),
-                 ("median_tpot_ms", "TPOT median ms", False), ("median_ttft_ms", "TTFT median ms", False),
-                 ("p99_itl_ms", "ITL p99 ms", False))
+SERVE_METRICS = (
+    ("output_throughput", "output tok/s", True),
+    ("median_itl_ms", "ITL median ms", False),
+    ("median_tpot_ms", "TPOT median ms", False),
+    ("median_ttft_ms", "TTFT median ms", False),
+    ("p99_itl_ms", "ITL p99 ms", False),
+)
 
 
 def flat_metrics(result: dict) -> dict:
@@ -262,33 +363,94 @@ def serve(bin_dir: Path, a) -> dict:
     ctx = slots * (a.serve_input_len + a.serve_output_len + 64)
     kiln_dtype = dict(item.split("=", 1) for item in a.kiln_dtype).get(a.serve_format, "auto")
     servers = {
-        "llama.cpp": (["taskset", "-c", a.cores, str(bin_dir / "llama-server"), "-m", str(model), "-t", threads,
-                       "-tb", threads, "-np", str(slots), "-c", str(ctx),
-                       "-cb", "--host", "127.0.0.1", "--port", str(a.port), "--alias", "peer", "--no-webui"],
-                      dict(os.environ)),
-        "kiln": (["taskset", "-c", a.cores, a.kiln_python, "-m", "engine.entrypoints.cli", "serve", "--model",
-                  str(model), "--cpu-threads", threads, "--port", str(a.port), "--served-model-name", "peer",
-                  "--dtype", kiln_dtype],
-                 {**os.environ, "PYTHONPATH": str(REPO)}),
+        "llama.cpp": (
+            [
+                "taskset",
+                "-c",
+                a.cores,
+                str(bin_dir / "llama-server"),
+                "-m",
+                str(model),
+                "-t",
+                threads,
+                "-tb",
+                threads,
+                "-np",
+                str(slots),
+                "-c",
+                str(ctx),
+                "-cb",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(a.port),
+                "--alias",
+                "peer",
+                "--no-webui",
+            ],
+            dict(os.environ),
+        ),
+        "kiln": (
+            [
+                "taskset",
+                "-c",
+                a.cores,
+                a.kiln_python,
+                "-m",
+                "engine.entrypoints.cli",
+                "serve",
+                "--model",
+                str(model),
+                "--cpu-threads",
+                threads,
+                "--port",
+                str(a.port),
+                "--served-model-name",
+                "peer",
+                "--dtype",
+                kiln_dtype,
+            ],
+            {**os.environ, "PYTHONPATH": str(REPO)},
+        ),
     }
     if a.vllm_venv:
         if not a.vllm_model:
             raise SystemExit("--vllm-venv needs --vllm-model (an HF directory)")
-        servers["vLLM"] = ([str(Path(a.vllm_venv) / "bin" / "vllm"), "serve", a.vllm_model, "--dtype", a.vllm_dtype,
-                            "--max-num-seqs", str(slots), "--port", str(a.port), "--served-model-name", "peer"],
-                           {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": a.cores, "VLLM_CPU_KVCACHE_SPACE": "4"})
+        servers["vLLM"] = (
+            [
+                str(Path(a.vllm_venv) / "bin" / "vllm"),
+                "serve",
+                a.vllm_model,
+                "--dtype",
+                a.vllm_dtype,
+                "--max-num-seqs",
+                str(slots),
+                "--port",
+                str(a.port),
+                "--served-model-name",
+                "peer",
+            ],
+            {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": a.cores, "VLLM_CPU_KVCACHE_SPACE": "4"},
+        )
     out_dir = Path(tempfile.mkdtemp(prefix="kiln-vs-llamacpp-serve-"))
     runs: dict[str, list[dict]] = {n: [] for n in servers}
     for i in range(a.serve_runs):
         for name, (cmd, env) in servers.items():
             r = served_one(name, cmd, env, a, out_dir, i)
             runs[name].append(r)
-            print(f"  served run {i + 1} {name:9s}: {r['output_throughput']:.1f} output tok/s, ITL median "
-                  f"{r.get('median_itl_ms', float('nan')):.1f} ms   load {load()}", flush=True)
-    table = {n: {k: statistics.median(r[k] for r in rs) for k, _, _ in SERVE_METRICS if all(k in r for r in rs)}
-             for n, rs in runs.items()}
-    print(f"\nserved ({a.serve_format}, {a.serve_prompts} prompts, {a.serve_input_len} in / {a.serve_output_len} out, "
-          f"concurrency {a.serve_concurrency}, client kiln bench serve; medians of {a.serve_runs}; logs in {out_dir})")
+            print(
+                f"  served run {i + 1} {name:9s}: {r['output_throughput']:.1f} output tok/s, ITL median "
+                f"{r.get('median_itl_ms', float('nan')):.1f} ms   load {load()}",
+                flush=True,
+            )
+    table = {
+        n: {k: statistics.median(r[k] for r in rs) for k, _, _ in SERVE_METRICS if all(k in r for r in rs)}
+        for n, rs in runs.items()
+    }
+    print(
+        f"\nserved ({a.serve_format}, {a.serve_prompts} prompts, {a.serve_input_len} in / {a.serve_output_len} out, "
+        f"concurrency {a.serve_concurrency}, client kiln bench serve; medians of {a.serve_runs}; logs in {out_dir})"
+    )
     names = list(servers)
     print("| metric | " + " | ".join(names) + " | " + " | ".join(f"kiln / {n}" for n in names if n != "kiln") + " |")
     print("|---|" + "---:|" * (2 * len(names) - 1))
@@ -297,8 +459,11 @@ def serve(bin_dir: Path, a) -> dict:
             continue
         ratios = [table["kiln"][key] / table[n][key] for n in names if n != "kiln"]
         values = " | ".join(f"{table[n][key]:.1f}" for n in names)
-        print(f"| {label}{'' if higher else ' (lower is better)'} | {values} | "
-              + " | ".join(f"{x:.2f}x" for x in ratios) + " |")
+        print(
+            f"| {label}{'' if higher else ' (lower is better)'} | {values} | "
+            + " | ".join(f"{x:.2f}x" for x in ratios)
+            + " |"
+        )
     return {"medians": table, "runs": runs}
 
 
@@ -306,12 +471,21 @@ def serve(bin_dir: Path, a) -> dict:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--llama-cpp-dir", default=None, help="llama.cpp's binaries (or its build dir); or LLAMA_CPP_DIR")
-    p.add_argument("--models-dir", type=Path, default=Path("/work/peers/models"),
-                   help=f"where {STEM}.FORMAT.gguf files are (default /work/peers/models)")
+    p.add_argument(
+        "--models-dir",
+        type=Path,
+        default=Path("/work/peers/models"),
+        help=f"where {STEM}.FORMAT.gguf files are (default /work/peers/models)",
+    )
     p.add_argument("--make-models", action="store_true", help="write the missing GGUFs with llama-quantize first")
     p.add_argument("--formats", default=",".join(FORMATS), help="weight formats (default F32,F16,Q8_0,Q4_1)")
-    p.add_argument("--kiln-dtype", action="append", default=[], metavar="FMT=DTYPE",
-                   help="kiln's dtype for a format (default: auto), e.g. F16=bfloat16; repeatable")
+    p.add_argument(
+        "--kiln-dtype",
+        action="append",
+        default=[],
+        metavar="FMT=DTYPE",
+        help="kiln's dtype for a format (default: auto), e.g. F16=bfloat16; repeatable",
+    )
     p.add_argument("--llama-arg", action="append", default=[], help="an extra llama-batched-bench flag (repeatable)")
     p.add_argument("--cores", default=f"0-{(os.cpu_count() or 1) - 1}", help="cores both engines run on (default: all)")
     p.add_argument("--rounds", type=int, default=3, help="rounds, engines alternating (default 3)")
@@ -345,8 +519,10 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     bin_dir = find_llama_cpp(a.llama_cpp_dir)
     if bin_dir is None:
-        print("bench_vs_llamacpp: SKIPPED: llama.cpp's binaries were not found (give --llama-cpp-dir or set "
-              "LLAMA_CPP_DIR to a build holding llama-batched-bench, llama-server and llama-quantize)")
+        print(
+            "bench_vs_llamacpp: SKIPPED: llama.cpp's binaries were not found (give --llama-cpp-dir or set "
+            "LLAMA_CPP_DIR to a build holding llama-batched-bench, llama-server and llama-quantize)"
+        )
         return 0
     a.formats = [f.strip() for f in a.formats.split(",") if f.strip()]
     if a.make_models:
@@ -354,8 +530,10 @@ def main(argv: list[str] | None = None) -> int:
     missing = [str(gguf_path(a.models_dir, f)) for f in a.formats if not gguf_path(a.models_dir, f).is_file()]
     if missing:
         raise SystemExit(f"missing GGUF files (run with --make-models): {', '.join(missing)}")
-    print(f"{time.strftime('%Y-%m-%d %H:%M:%S %Z')}; {machine()}; cores {a.cores} "
-          f"({core_count(a.cores)} threads each engine); llama.cpp {bin_dir}; load {load()}")
+    print(
+        f"{time.strftime('%Y-%m-%d %H:%M:%S %Z')}; {machine()}; cores {a.cores} "
+        f"({core_count(a.cores)} threads each engine); llama.cpp {bin_dir}; load {load()}"
+    )
     results: dict = {"machine": machine(), "cores": a.cores, "args": {k: str(v) for k, v in vars(a).items()}}
     if not a.no_offline:
         if not (bin_dir / "llama-batched-bench").is_file():

@@ -60,8 +60,9 @@ def convert_gguf(gguf_file: str, out_dir: str, dtype: str) -> None:
 
     src = Path(gguf_file)
     tok = AutoTokenizer.from_pretrained(src.parent, gguf_file=src.name)
-    model = AutoModelForCausalLM.from_pretrained(src.parent, gguf_file=src.name, dtype=getattr(torch, dtype),
-                                                 quantization_config=GgufConfig(dequantize=True))
+    model = AutoModelForCausalLM.from_pretrained(
+        src.parent, gguf_file=src.name, dtype=getattr(torch, dtype), quantization_config=GgufConfig(dequantize=True)
+    )
     model.save_pretrained(out_dir)
     tok.save_pretrained(out_dir)
     print(f"wrote {out_dir} ({dtype})")
@@ -81,13 +82,25 @@ class Bench:
         self.vllm = str(Path(args.vllm_venv) / "bin" / "vllm")
         # vLLM binds its OpenMP threads to these cores (its default on x86 keeps one core back for
         # its engine-core process; here both engines get the same compute cores).
-        self.vllm_env = _env({"VLLM_CPU_OMP_THREADS_BIND": args.cores,
-                              "VLLM_CPU_KVCACHE_SPACE": str(int(args.kv_cache_gb))})
+        self.vllm_env = _env(
+            {"VLLM_CPU_OMP_THREADS_BIND": args.cores, "VLLM_CPU_KVCACHE_SPACE": str(int(args.kv_cache_gb))}
+        )
         self.kiln_env = _env({"PYTHONPATH": str(REPO)})
         self.kiln = [args.kiln_python, "-m", "engine.entrypoints.cli"]
-        self.kiln_flags = ["--model", args.model, "--dtype", args.dtype, "--max-num-seqs", str(args.max_num_seqs),
-                           "--cpu-bind", args.cores, "--cpu-threads", str(core_count(args.cores)),
-                           "--kv-cache-memory-gb", str(args.kv_cache_gb)] + args.kiln_arg
+        self.kiln_flags = [
+            "--model",
+            args.model,
+            "--dtype",
+            args.dtype,
+            "--max-num-seqs",
+            str(args.max_num_seqs),
+            "--cpu-bind",
+            args.cores,
+            "--cpu-threads",
+            str(core_count(args.cores)),
+            "--kv-cache-memory-gb",
+            str(args.kv_cache_gb),
+        ] + args.kiln_arg
 
     def _run(self, cmd: list[str], env: dict, log: Path) -> None:
         with open(log, "w") as f:
@@ -99,21 +112,59 @@ class Bench:
     def offline_vllm(self, i: int) -> float:
         res = self.out / f"offline_vllm_{i}.json"
         a = self.a
-        self._run([self.vllm, "bench", "throughput", "--model", a.model, "--dtype", a.dtype,
-                   "--dataset-name", "random", "--num-prompts", str(a.num_prompts),
-                   "--random-input-len", str(a.input_len), "--random-output-len", str(a.output_len),
-                   "--max-num-seqs", str(a.max_num_seqs), "--disable-detokenize", "--output-json", str(res)],
-                  self.vllm_env, self.out / f"offline_vllm_{i}.log")
+        self._run(
+            [
+                self.vllm,
+                "bench",
+                "throughput",
+                "--model",
+                a.model,
+                "--dtype",
+                a.dtype,
+                "--dataset-name",
+                "random",
+                "--num-prompts",
+                str(a.num_prompts),
+                "--random-input-len",
+                str(a.input_len),
+                "--random-output-len",
+                str(a.output_len),
+                "--max-num-seqs",
+                str(a.max_num_seqs),
+                "--disable-detokenize",
+                "--output-json",
+                str(res),
+            ],
+            self.vllm_env,
+            self.out / f"offline_vllm_{i}.log",
+        )
         r = json.loads(res.read_text())
         return a.num_prompts * a.output_len / r["elapsed_time"]
 
     def offline_kiln(self, i: int) -> float:
         res = self.out / f"offline_kiln_{i}.json"
         a = self.a
-        self._run(self.kiln + ["bench", "throughput", "--no-baseline", "--repeats", "1",
-                               "--num-prompts", str(a.num_prompts), "--input-len", str(a.input_len),
-                               "--output-len", str(a.output_len), "--json", str(res)] + self.kiln_flags,
-                  self.kiln_env, self.out / f"offline_kiln_{i}.log")
+        self._run(
+            self.kiln
+            + [
+                "bench",
+                "throughput",
+                "--no-baseline",
+                "--repeats",
+                "1",
+                "--num-prompts",
+                str(a.num_prompts),
+                "--input-len",
+                str(a.input_len),
+                "--output-len",
+                str(a.output_len),
+                "--json",
+                str(res),
+            ]
+            + self.kiln_flags,
+            self.kiln_env,
+            self.out / f"offline_kiln_{i}.log",
+        )
         return json.loads(res.read_text())["kiln_tok_per_s"]
 
     # --- served --------------------------------------------------------------------------------
@@ -121,30 +172,76 @@ class Bench:
         a = self.a
         log = self.out / f"serve_{name}_{i}.server.log"
         if name == "vllm":
-            cmd = [self.vllm, "serve", a.model, "--dtype", a.dtype, "--max-num-seqs", str(a.max_num_seqs),
-                   "--port", str(a.port), "--served-model-name", "peer"]
+            cmd = [
+                self.vllm,
+                "serve",
+                a.model,
+                "--dtype",
+                a.dtype,
+                "--max-num-seqs",
+                str(a.max_num_seqs),
+                "--port",
+                str(a.port),
+                "--served-model-name",
+                "peer",
+            ]
             env = self.vllm_env
         else:
             cmd = self.kiln + ["serve", "--port", str(a.port), "--served-model-name", "peer"] + self.kiln_flags
             env = self.kiln_env
         with running_server(cmd, env, log, a.port, a.start_timeout, REPO):
             result = f"serve_{name}_{i}.json"
-            client = [self.vllm, "bench", "serve", "--backend", "openai", "--base-url",
-                      f"http://127.0.0.1:{a.port}", "--model", "peer", "--tokenizer", a.model,
-                      "--dataset-name", "random", "--random-input-len", str(a.input_len),
-                      "--random-output-len", str(a.output_len), "--num-prompts", str(a.serve_prompts),
-                      "--max-concurrency", str(a.max_concurrency), "--request-rate", str(a.request_rate),
-                      "--ignore-eos", "--percentile-metrics", "ttft,tpot,itl", "--metric-percentiles", "50,99",
-                      "--seed", str(i), "--save-result", "--result-dir", str(self.out),
-                      "--result-filename", result, "--disable-tqdm"]
+            client = [
+                self.vllm,
+                "bench",
+                "serve",
+                "--backend",
+                "openai",
+                "--base-url",
+                f"http://127.0.0.1:{a.port}",
+                "--model",
+                "peer",
+                "--tokenizer",
+                a.model,
+                "--dataset-name",
+                "random",
+                "--random-input-len",
+                str(a.input_len),
+                "--random-output-len",
+                str(a.output_len),
+                "--num-prompts",
+                str(a.serve_prompts),
+                "--max-concurrency",
+                str(a.max_concurrency),
+                "--request-rate",
+                str(a.request_rate),
+                "--ignore-eos",
+                "--percentile-metrics",
+                "ttft,tpot,itl",
+                "--metric-percentiles",
+                "50,99",
+                "--seed",
+                str(i),
+                "--save-result",
+                "--result-dir",
+                str(self.out),
+                "--result-filename",
+                result,
+                "--disable-tqdm",
+            ]
             self._run(client_prefix() + client, self.vllm_env, self.out / f"serve_{name}_{i}.client.log")
             return json.loads((self.out / result).read_text())
 
 
-SERVE_METRICS = [("output_throughput", "output tok/s", True), ("median_ttft_ms", "TTFT median ms", False),
-                 ("p99_ttft_ms", "TTFT p99 ms", False), ("median_tpot_ms", "TPOT median ms", False),
-                 ("p99_tpot_ms", "TPOT p99 ms", False), ("median_itl_ms", "ITL median ms", False),
-                 ("p99_itl_ms", "ITL p99 ms", False)]
+SERVE_METRICS = [
+    ("output_throughput", "output tok/s", True),
+    ("median_ttft_ms", "TTFT median ms", False),
+    ("p99_ttft_ms", "TTFT p99 ms", False),
+    ("median_tpot_ms", "TPOT median ms", False),
+    ("p99_tpot_ms", "TPOT p99 ms", False),
+    ("median_itl_ms", "ITL median ms", False),
+    ("p99_itl_ms", "ITL p99 ms", False),
+]
 
 
 def _row(label: str, kiln: float, vllm: float, higher_better: bool) -> str:
@@ -155,8 +252,12 @@ def _row(label: str, kiln: float, vllm: float, higher_better: bool) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--convert-gguf", nargs=2, metavar=("GGUF_FILE", "OUT_DIR"),
-                   help="write an HF checkpoint directory from a GGUF file (in --dtype) and exit")
+    p.add_argument(
+        "--convert-gguf",
+        nargs=2,
+        metavar=("GGUF_FILE", "OUT_DIR"),
+        help="write an HF checkpoint directory from a GGUF file (in --dtype) and exit",
+    )
     p.add_argument("--vllm-venv", help="virtual environment holding vLLM's CPU build")
     p.add_argument("--model", help="HF checkpoint directory both engines load")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
@@ -203,8 +304,14 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"served run {i}: {name} {runs[name][-1]['output_throughput']:.1f} output tok/s", flush=True)
         summary["served"] = {n: [{k: r[k] for k, _, _ in SERVE_METRICS} for r in rs] for n, rs in runs.items()}
         for key, label, higher in SERVE_METRICS:
-            lines.append(_row(label, statistics.median(r[key] for r in runs["kiln"]),
-                              statistics.median(r[key] for r in runs["vllm"]), higher))
+            lines.append(
+                _row(
+                    label,
+                    statistics.median(r[key] for r in runs["kiln"]),
+                    statistics.median(r[key] for r in runs["vllm"]),
+                    higher,
+                )
+            )
     (b.out / "summary.json").write_text(json.dumps(summary, indent=2))
     print("\n".join(lines))
     return 0

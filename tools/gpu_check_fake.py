@@ -149,15 +149,26 @@ def cmd_group(args) -> int:
     dropped = []
     if "-n" in words and importlib.util.find_spec("xdist") is None:  # (installed on the device from .whl/)
         i = words.index("-n")
-        dropped, words = words[i:i + 2], words[:i] + words[i + 2:]
+        dropped, words = words[i : i + 2], words[:i] + words[i + 2 :]
     missing = [p for p in paths_of(words) if not Path(p.split("::")[0]).exists()]
     rc, nodes, errors = (0, [], []) if missing else collect(words)
-    report = {"args": words, "dropped": dropped, "junit": junit, "rc": rc, "nodes": nodes, "errors": errors,
-              "missing": missing, "env": {k: os.environ.get(k) for k in GROUP_ENV}}
+    report = {
+        "args": words,
+        "dropped": dropped,
+        "junit": junit,
+        "rc": rc,
+        "nodes": nodes,
+        "errors": errors,
+        "missing": missing,
+        "env": {k: os.environ.get(k) for k in GROUP_ENV},
+    }
     write(f"{args.prefix}.collect.json", report)
-    problems = ([f"no such path: {p}" for p in missing] + [f"collection error: {e}" for e in errors]
-                + ([f"pytest --collect-only rc={rc}"] if rc not in (0, 5) else [])
-                + ([] if nodes or missing else ["no test collected"]))
+    problems = (
+        [f"no such path: {p}" for p in missing]
+        + [f"collection error: {e}" for e in errors]
+        + ([f"pytest --collect-only rc={rc}"] if rc not in (0, 5) else [])
+        + ([] if nodes or missing else ["no test collected"])
+    )
     if problems:
         print("\n".join(f"FAKE GROUP FAILED: {p}" for p in problems), flush=True)
         return 3
@@ -165,13 +176,24 @@ def cmd_group(args) -> int:
     tmp = Path(f"{args.prefix}.stand-in")
     tmp.mkdir(parents=True, exist_ok=True)
     (tmp / "pytest.ini").write_text("[pytest]\n")  # (not the repository's settings and conftest)
-    (tmp / "test_stand_in.py").write_text(STAND_IN.format(nodes=nodes, crash=args.crash, hang=args.hang,
-                                                             fault=FAULT))
+    (tmp / "test_stand_in.py").write_text(STAND_IN.format(nodes=nodes, crash=args.crash, hang=args.hang, fault=FAULT))
     sys.stdout.flush()
     # exec: the group's timeout signals pytest itself
-    os.execv(sys.executable, [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-c",
-                              str(tmp / "pytest.ini"), str(tmp / "test_stand_in.py")]
-             + ([f"--junitxml={junit}"] if junit else []))
+    os.execv(
+        sys.executable,
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            "-c",
+            str(tmp / "pytest.ini"),
+            str(tmp / "test_stand_in.py"),
+        ]
+        + ([f"--junitxml={junit}"] if junit else []),
+    )
 
 
 def cmd_kernel_cache(args) -> int:
@@ -180,16 +202,24 @@ def cmd_kernel_cache(args) -> int:
 
 
 def cmd_kernel_bench(args) -> int:
-    result = {"fake": True, "decode_kernel": args.decode_kernel, "prefill_kernel": args.prefill_kernel,
-              "backend": "cutlass", "timing": "CUDA-graph replay", "device": "fake", "complete": False,
-              "copy_GBps": 4200.0}
+    result = {
+        "fake": True,
+        "decode_kernel": args.decode_kernel,
+        "prefill_kernel": args.prefill_kernel,
+        "backend": "cutlass",
+        "timing": "CUDA-graph replay",
+        "device": "fake",
+        "complete": False,
+        "copy_GBps": 4200.0,
+    }
     write(args.json, result)
     result["decode"] = [{"kind": "decode", "batch": 64, "ctx": 2048, "kiln_us": 150.0, "kiln_GBps": 3580.0}]
     write(args.json, result)
     if args.crash:
         crash()
-    result.update(prefill=[{"kind": "prefill", "heads": "32/8", "batch": 4, "seq": 4096, "kiln_TFLOPs": 400.0}],
-                  complete=True)
+    result.update(
+        prefill=[{"kind": "prefill", "heads": "32/8", "batch": 4, "seq": 4096, "kiln_TFLOPs": 400.0}], complete=True
+    )
     write(args.json, result)
     return 0
 
@@ -230,8 +260,14 @@ def main(argv: list[str]) -> int:
     args = p.parse_args(argv)
     if args.cmd in ("run", "group") and args.rest[:1] == ["--"]:
         args.rest = args.rest[1:]
-    return {"model": cmd_model, "run": cmd_run, "group": cmd_group, "kernel-cache": cmd_kernel_cache,
-            "kernel-bench": cmd_kernel_bench, "bench": cmd_bench}[args.cmd](args)
+    return {
+        "model": cmd_model,
+        "run": cmd_run,
+        "group": cmd_group,
+        "kernel-cache": cmd_kernel_cache,
+        "kernel-bench": cmd_kernel_bench,
+        "bench": cmd_bench,
+    }[args.cmd](args)
 
 
 if __name__ == "__main__":

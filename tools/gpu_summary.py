@@ -35,8 +35,13 @@ HF_8B_TOK_PER_S_B64 = 2734.0
 TARGETS = (
     # (name, stage, how to read the figure, comparison, bound)
     ("8B bf16 batch 1 ms/step", "latency-8b", ("latency", 1, "ms_per_step"), "<=", 4.3),
-    ("8B bf16 batch 64 tok/s (3x transformers' 2,734)", "latency-8b", ("latency", 64, "decode_tok_per_s"), ">=",
-     3 * HF_8B_TOK_PER_S_B64),
+    (
+        "8B bf16 batch 64 tok/s (3x transformers' 2,734)",
+        "latency-8b",
+        ("latency", 64, "decode_tok_per_s"),
+        ">=",
+        3 * HF_8B_TOK_PER_S_B64,
+    ),
     ("1B bf16 batch 1 ms/step", "latency-1b", ("latency", 1, "ms_per_step"), "<=", 1.0),
     ("paged decode GB/s at B=64, ctx 2048", "kernel-bench", ("decode", 64, 2048), ">=", 3500.0),
     ("paged decode GB/s at B=64, ctx 2048", "kernel-bench-v2", ("decode", 64, 2048), ">=", 3500.0),
@@ -62,8 +67,10 @@ def card_bound(bound: float, op: str, name: str, card: str) -> float:
 
 
 # A line of a log that names what went wrong (the last one is reported).
-_ERROR_LINE = re.compile(r"(\w+(Error|Exception)\b|error:|Traceback|Segmentation fault|Aborted|core dumped|Killed|"
-                         r"illegal|CUDA error|FAILED|ERROR)")
+_ERROR_LINE = re.compile(
+    r"(\w+(Error|Exception)\b|error:|Traceback|Segmentation fault|Aborted|core dumped|Killed|"
+    r"illegal|CUDA error|FAILED|ERROR)"
+)
 
 
 def junit_counts(paths: list[str]) -> dict | None:
@@ -104,8 +111,7 @@ def junit_outcomes(paths: list[str]) -> dict[str, str]:
                 continue
             kinds = {child.tag for child in case}
             name = f"{case.get('classname', '')}::{case.get('name', '')}"
-            out[name] = ("failed" if kinds & {"failure", "error"} else "skipped" if "skipped" in kinds
-                         else "passed")
+            out[name] = "failed" if kinds & {"failure", "error"} else "skipped" if "skipped" in kinds else "passed"
     return out
 
 
@@ -157,8 +163,17 @@ def _test_verdict(entry: dict, counts: dict | None) -> None:
         entry["reason"] = f"all {total} tests skipped" if total else "no test ran"
 
 
-def record(work: Path, stage: str, status: str, rc: str, seconds: float, reason: str | None, result: str | None,
-           junit: list[str], log: str | None = None) -> dict:
+def record(
+    work: Path,
+    stage: str,
+    status: str,
+    rc: str,
+    seconds: float,
+    reason: str | None,
+    result: str | None,
+    junit: list[str],
+    log: str | None = None,
+) -> dict:
     entry = {"stage": stage, "status": status, "rc": rc, "seconds": round(float(seconds), 1)}
     if reason:
         entry["reason"] = reason
@@ -206,6 +221,7 @@ def group(work: Path, name: str, rc: str, seconds: float) -> dict:
 
 # ---- figures and what produced them ----------------------------------------------------------
 
+
 def _rows(result) -> list[dict]:
     return [r for r in (result if isinstance(result, list) else [result]) if isinstance(r, dict)]
 
@@ -246,18 +262,28 @@ def _figure(kind: str, result, a, b) -> tuple[object, str, str | None]:
     if kind == "decode":
         result = result if isinstance(result, dict) else {}
         row = next((r for r in result.get("decode", []) if r.get("batch") == a and r.get("ctx") == b), None)
-        label = (f"{result.get('device', '?')}, {result.get('backend', '?')} {result.get('decode_kernel', '?')}, "
-                 f"{result.get('timing', '?')}")
-        why = ("a fake device" if result.get("fake") else None if result.get("backend") == "cutlass" and "graph" in
-               str(result.get("timing", "")) else "not a CUTLASS kernel timed by graph replay")
+        label = (
+            f"{result.get('device', '?')}, {result.get('backend', '?')} {result.get('decode_kernel', '?')}, "
+            f"{result.get('timing', '?')}"
+        )
+        why = (
+            "a fake device"
+            if result.get("fake")
+            else None
+            if result.get("backend") == "cutlass" and "graph" in str(result.get("timing", ""))
+            else "not a CUTLASS kernel timed by graph replay"
+        )
         return (row or {}).get("kiln_GBps"), label, why
     if kind == "quant":
         result = result if isinstance(result, dict) else {}
         int4, bf16 = result.get("int4_row") or {}, result.get("bf16_row") or {}
         if not (int4 and bf16):
             return result.get(b), "-", "no int4 or no bf16 row"
-        return result.get(b), f"int4: {produced_by(int4)}; bf16: {produced_by(bf16)}", \
-            why_not_scored(int4) or why_not_scored(bf16)
+        return (
+            result.get(b),
+            f"int4: {produced_by(int4)}; bf16: {produced_by(bf16)}",
+            why_not_scored(int4) or why_not_scored(bf16),
+        )
     return None, "-", "unknown figure"
 
 
@@ -274,11 +300,17 @@ def targets(stages: dict[str, dict]) -> list[dict]:
             verdict = f"not scored ({why})"
         else:
             verdict = "MET" if (value <= bound if op == "<=" else value >= bound) else "missed"
-        row = {"target": name, "stage": stage, "bound": f"{op} {bound:.4g}", "card": card, "value": value,
-               "verdict": verdict, "produced_by": label}
+        row = {
+            "target": name,
+            "stage": stage,
+            "bound": f"{op} {bound:.4g}",
+            "card": card,
+            "value": value,
+            "verdict": verdict,
+            "produced_by": label,
+        }
         if name.startswith("8B bf16") and why is None and isinstance(value, (int, float)) and value:
-            row["vs_transformers"] = (HF_8B_MS_PER_STEP_B1 / value if "ms/step" in name
-                                      else value / HF_8B_TOK_PER_S_B64)
+            row["vs_transformers"] = HF_8B_MS_PER_STEP_B1 / value if "ms/step" in name else value / HF_8B_TOK_PER_S_B64
         rows.append(row)
     return rows
 
@@ -299,18 +331,25 @@ def _detail(entry: dict) -> str:
     if isinstance(result, dict) and "notes" in result:  # quant_compare's
         for key, what in (("int4_over_bf16_ms", "int4/bf16 ms/step"), ("fp8_over_bf16_tok_s", "fp8/bf16 tok/s")):
             if key in result:
-                parts.append(f"{what} {result[key]:.3f}" + (f" ({result['int4_verdict']})" if key.startswith("int4")
-                                                              else ""))
+                parts.append(
+                    f"{what} {result[key]:.3f}" + (f" ({result['int4_verdict']})" if key.startswith("int4") else "")
+                )
         parts += [f"missing {note}" for note in result["notes"]]
     if isinstance(result, dict) and result.get("complete") is False:
         parts.append("result incomplete (has " + ", ".join(k for k in result if k not in ("complete", "fake")) + ")")
-    rows = _rows(entry.get("result")) if isinstance(entry.get("result"), list) or (
-        isinstance(entry.get("result"), dict) and "startup_s" in entry["result"]) else []
+    rows = (
+        _rows(entry.get("result"))
+        if isinstance(entry.get("result"), list)
+        or (isinstance(entry.get("result"), dict) and "startup_s" in entry["result"])
+        else []
+    )
     if rows and "startup_s" in rows[0]:
         r = rows[0]
-        parts.append(f"start-up {r['startup_s']:.0f}s (compile {r.get('compile_s', 0):.0f}s, "
-                     f"capture {r.get('capture_s', 0):.1f}s); {produced_by(r)}; rows "
-                     + ", ".join(f"b{x.get('batch_size')} {x.get('status', 'done')}" for x in rows))
+        parts.append(
+            f"start-up {r['startup_s']:.0f}s (compile {r.get('compile_s', 0):.0f}s, "
+            f"capture {r.get('capture_s', 0):.1f}s); {produced_by(r)}; rows "
+            + ", ".join(f"b{x.get('batch_size')} {x.get('status', 'done')}" for x in rows)
+        )
     return "; ".join(parts)
 
 
@@ -322,13 +361,19 @@ def table(work: Path, out: Path | None) -> str:
         except (OSError, ValueError):
             continue
         stages[entry.get("stage", path.stem)] = entry
-    lines = ["================ kiln GPU check summary ================",
-             f"{'stage':<20} {'status':<8} {'rc':>4} {'secs':>6}  detail"]
+    lines = [
+        "================ kiln GPU check summary ================",
+        f"{'stage':<20} {'status':<8} {'rc':>4} {'secs':>6}  detail",
+    ]
     for entry in sorted(stages.values(), key=lambda e: e.get("order", 0)):
-        lines.append(f"{entry['stage']:<20} {entry['status']:<8} {entry['rc']:>4} {entry['seconds']:>6}  "
-                     f"{_detail(entry)}")
-        groups = entry.get("result", {}).get("groups", {}) if entry["stage"] == "tests" and isinstance(
-            entry.get("result"), dict) else {}
+        lines.append(
+            f"{entry['stage']:<20} {entry['status']:<8} {entry['rc']:>4} {entry['seconds']:>6}  {_detail(entry)}"
+        )
+        groups = (
+            entry.get("result", {}).get("groups", {})
+            if entry["stage"] == "tests" and isinstance(entry.get("result"), dict)
+            else {}
+        )
         for name, g in groups.items():
             lines.append(f"  {name:<18} {g['status']:<8} {g['rc']:>4} {g['seconds']:>6}  {_detail(g)}")
     found = targets(stages)
@@ -336,8 +381,10 @@ def table(work: Path, out: Path | None) -> str:
     for row in found:
         value = "-" if row["value"] is None else _fmt(row["value"])
         extra = f"  ({row['vs_transformers']:.2f}x transformers)" if "vs_transformers" in row else ""
-        lines.append(f"{row['target']:<50} {row['bound']:>10}  {value:>10}  {row['verdict']}{extra}  "
-                     f"[{row['stage']}: {row['produced_by']}]")
+        lines.append(
+            f"{row['target']:<50} {row['bound']:>10}  {value:>10}  {row['verdict']}{extra}  "
+            f"[{row['stage']}: {row['produced_by']}]"
+        )
     text = "\n".join(lines)
     if out is not None:
         out.mkdir(parents=True, exist_ok=True)
@@ -370,8 +417,9 @@ def main(argv: list[str]) -> int:
     t.add_argument("--out", type=Path, default=None)
     args = p.parse_args(argv)
     if args.cmd == "record":
-        entry = record(args.work, args.stage, args.status, args.rc, args.seconds, args.reason, args.result,
-                       args.junit, args.log)
+        entry = record(
+            args.work, args.stage, args.status, args.rc, args.seconds, args.reason, args.result, args.junit, args.log
+        )
         print(entry["status"])
     elif args.cmd == "group":
         print(group(args.work, args.name, args.rc, args.seconds)["status"])

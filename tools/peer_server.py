@@ -76,12 +76,15 @@ def stop(proc: subprocess.Popen) -> None:
 
 
 @contextlib.contextmanager
-def running_server(cmd: list[str], env: dict[str, str], log: Path, port: int, start_timeout: float,
-                   cwd: Path) -> Iterator[subprocess.Popen]:
+def running_server(
+    cmd: list[str], env: dict[str, str], log: Path, port: int, start_timeout: float, cwd: Path
+) -> Iterator[subprocess.Popen]:
     """The server `cmd` started (under the normal scheduling policy: server_prefix) and ready on
     `port`; stopped when the block ends."""
     with open(log, "w") as f:
-        proc = subprocess.Popen(server_prefix() + cmd, env=env, stdout=f, stderr=subprocess.STDOUT, cwd=cwd, start_new_session=True)
+        proc = subprocess.Popen(
+            server_prefix() + cmd, env=env, stdout=f, stderr=subprocess.STDOUT, cwd=cwd, start_new_session=True
+        )
     try:
         wait_ready(proc, port, log, start_timeout)
         yield proc

@@ -41,8 +41,10 @@ def settings_table() -> str:
             flag = flag_of(name)
             if field.annotation is bool:
                 flag += f" / --no-{flag[2:]}"
-            rows.append(f"| `{name}` | `{flag}` | `KILN_{name.upper()}` | {_default(field)} | "
-                        f"{_cell(field.description or '')} |")
+            rows.append(
+                f"| `{name}` | `{flag}` | `KILN_{name.upper()}` | {_default(field)} | "
+                f"{_cell(field.description or '')} |"
+            )
     return "\n".join(rows)
 
 
@@ -103,8 +105,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"settings_table: no file holds the generated block(s) {sorted(missing)}", file=sys.stderr)
         return 1
     if args.check and stale:
-        print(f"{', '.join(map(str, stale))}: generated tables are out of date; run `make settings-table`",
-              file=sys.stderr)
+        print(
+            f"{', '.join(map(str, stale))}: generated tables are out of date; run `make settings-table`",
+            file=sys.stderr,
+        )
         return 1
     return 0
 

@@ -77,7 +77,7 @@ def compile_forward(fn: Callable) -> Callable:
 def mark_static_dims(tensors: Iterable[torch.Tensor], dims: Sequence[int] | None = None) -> None:
     """Tell Dynamo these sizes never change (no symbols, no duck-sizing with token counts)."""
     for t in tensors:
-        for d in (range(t.dim()) if dims is None else dims):
+        for d in range(t.dim()) if dims is None else dims:
             torch._dynamo.mark_static(t, d)
 
 

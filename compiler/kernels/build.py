@@ -31,8 +31,15 @@ from compiler.kernels.manifest import Variant, load_manifest, render, select_var
 
 ARCH = "sm_90a"
 NVCC_FLAGS = (
-    "-cubin", "-gencode", "arch=compute_90a,code=sm_90a", "-O3", "-DNDEBUG",
-    "--expt-relaxed-constexpr", "-std=c++17", "-Xptxas", "-v",
+    "-cubin",
+    "-gencode",
+    "arch=compute_90a,code=sm_90a",
+    "-O3",
+    "-DNDEBUG",
+    "--expt-relaxed-constexpr",
+    "-std=c++17",
+    "-Xptxas",
+    "-v",
 )
 INDEX_NAME = "index.json"
 _index_lock = threading.Lock()
@@ -79,6 +86,7 @@ class BuildResult:
 
 # --- toolchain ----------------------------------------------------------------------
 
+
 def find_nvcc(nvcc: str | os.PathLike | None = None) -> str | None:
     if nvcc is not None:
         return str(nvcc) if Path(nvcc).exists() or shutil.which(str(nvcc)) else None
@@ -124,10 +132,17 @@ def cutlass_include_dir() -> Path:
 
 # --- hashing ------------------------------------------------------------------------
 
+
 def source_hash(variant: Variant, text: str, arch: str = ARCH, flags=NVCC_FLAGS) -> str:
     payload = json.dumps(
-        {"text": text, "name": variant.name, "kind": variant.kind,
-         "params": [[k, v] for k, v in variant.params], "arch": arch, "flags": list(flags)},
+        {
+            "text": text,
+            "name": variant.name,
+            "kind": variant.kind,
+            "params": [[k, v] for k, v in variant.params],
+            "arch": arch,
+            "flags": list(flags),
+        },
         sort_keys=True,
     )
     return hashlib.sha256(payload.encode()).hexdigest()
@@ -159,13 +174,13 @@ def parse_ptxas_report(text: str) -> dict[str, FunctionResources]:
         if current is None:
             continue
         r = res[current]
-        if (m := _RE_STACK.search(line)):
+        if m := _RE_STACK.search(line):
             r.stack_bytes, r.spill_stores, r.spill_loads = (int(x) for x in m.groups())
-        if (m := _RE_USED.search(line)):
+        if m := _RE_USED.search(line):
             r.registers = int(m.group(1))
-            if (s := _RE_SMEM.search(line)):
+            if s := _RE_SMEM.search(line):
                 r.shared_bytes = int(s.group(1))
-            if (b := _RE_BAR.search(line)):
+            if b := _RE_BAR.search(line):
                 r.barriers = int(b.group(1))
     return res
 
@@ -179,6 +194,7 @@ def resources_from_json(d: dict) -> dict[str, FunctionResources]:
 
 
 # --- index --------------------------------------------------------------------------
+
 
 def read_index(cache_dir: Path) -> dict:
     p = Path(cache_dir) / INDEX_NAME
@@ -202,6 +218,7 @@ def _update_index(cache_dir: Path, records: dict) -> None:
 
 # --- build --------------------------------------------------------------------------
 
+
 def object_dir(cache_dir: Path, key: str) -> Path:
     return Path(cache_dir) / "objects" / key[:2] / key
 
@@ -210,8 +227,9 @@ def _run_nvcc(cmd: list[str]) -> subprocess.CompletedProcess:
     return subprocess.run(cmd, capture_output=True, text=True)
 
 
-def build_variant(variant: Variant, cache_dir: Path, nvcc: str, templates_dir: Path | None = None,
-                  extra_flags: tuple[str, ...] = ()) -> BuildResult:
+def build_variant(
+    variant: Variant, cache_dir: Path, nvcc: str, templates_dir: Path | None = None, extra_flags: tuple[str, ...] = ()
+) -> BuildResult:
     cache_dir = Path(cache_dir)
     t0 = time.perf_counter()
     flags = NVCC_FLAGS + tuple(extra_flags)
@@ -245,9 +263,16 @@ def build_variant(variant: Variant, cache_dir: Path, nvcc: str, templates_dir: P
     (work / "ptxas.txt").write_text(report)
     res = parse_ptxas_report(report)
     meta = {
-        "variant": variant.name, "kind": variant.kind, "params": dict(variant.params),
-        "source_hash": src_h, "key": key, "nvcc_version": ver, "arch": ARCH, "flags": list(flags),
-        "resources": _resources_to_json(res), "compile_seconds": round(time.perf_counter() - t0, 2),
+        "variant": variant.name,
+        "kind": variant.kind,
+        "params": dict(variant.params),
+        "source_hash": src_h,
+        "key": key,
+        "nvcc_version": ver,
+        "arch": ARCH,
+        "flags": list(flags),
+        "resources": _resources_to_json(res),
+        "compile_seconds": round(time.perf_counter() - t0, 2),
     }
     (work / "meta.json").write_text(json.dumps(meta, indent=1))
     try:
@@ -269,9 +294,15 @@ def _index_record(cache_dir: Path, variant: Variant, r: BuildResult, src_h: str)
     }
 
 
-def build_kernels(cache_dir, variants=None, jobs: int | None = None, progress: bool = True,
-                  nvcc: str | None = None, templates_dir: Path | None = None,
-                  manifest: dict[str, Variant] | None = None) -> list[BuildResult]:
+def build_kernels(
+    cache_dir,
+    variants=None,
+    jobs: int | None = None,
+    progress: bool = True,
+    nvcc: str | None = None,
+    templates_dir: Path | None = None,
+    manifest: dict[str, Variant] | None = None,
+) -> list[BuildResult]:
     """Build `variants` (names or Variant objects; None = the whole manifest) into cache_dir.
 
     Cached variants cost no nvcc call. Raises KernelBuildError (variant name + nvcc's

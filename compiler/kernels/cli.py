@@ -26,14 +26,22 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kiln build-kernels", description="Build kiln's attention kernels (nvcc, sm_90a).")
     p.add_argument("--variants", default=None, help="comma-separated variant names (default: the whole manifest)")
     p.add_argument("--jobs", type=int, default=None, help="parallel nvcc jobs (default: CPU count)")
-    p.add_argument("--cache-dir", type=Path, default=DEFAULT_CACHE_DIR, help=f"kernel cache (default {DEFAULT_CACHE_DIR})")
+    p.add_argument(
+        "--cache-dir", type=Path, default=DEFAULT_CACHE_DIR, help=f"kernel cache (default {DEFAULT_CACHE_DIR})"
+    )
     p.add_argument("--list", action="store_true", help="list the variants and whether they are built; build nothing")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
-    p.add_argument("--check", action="store_true",
-                   help="report cache hits, build only what is missing, load every cubin where a GPU is")
+    p.add_argument(
+        "--check",
+        action="store_true",
+        help="report cache hits, build only what is missing, load every cubin where a GPU is",
+    )
     p.add_argument("--no-build", action="store_true", help="--check: build nothing, only report (exit 1 on a miss)")
-    p.add_argument("--prune", action="store_true",
-                   help="delete cache entries the index does not refer to (after building or checking)")
+    p.add_argument(
+        "--prune",
+        action="store_true",
+        help="delete cache entries the index does not refer to (after building or checking)",
+    )
     p.add_argument("--json", type=Path, default=None, help="--check: also write the report here")
     return p
 
@@ -118,10 +126,12 @@ def _check(names: list[str], cache_dir: Path, args) -> int:
             report["load_error"] = str(e)[:2000]
             ok = False
     loaded = report.get("loaded", "n/a (--no-build)" if args.no_build else "n/a (no GPU)" if not gpu else 0)
-    print(f"kernel cache {cache_dir}: {report['hits']}/{len(names)} hits, built {report.get('built', 0)}, "
-          f"missing {len(missing)}, loaded {loaded}; the index's cubins {report['cubin_bytes'] / 2**20:.1f} MiB, "
-          f"the whole cache {report['cache_bytes'] / 2**20:.1f} MiB ({report['unreferenced_objects']} objects "
-          "the index does not refer to: --prune)")
+    print(
+        f"kernel cache {cache_dir}: {report['hits']}/{len(names)} hits, built {report.get('built', 0)}, "
+        f"missing {len(missing)}, loaded {loaded}; the index's cubins {report['cubin_bytes'] / 2**20:.1f} MiB, "
+        f"the whole cache {report['cache_bytes'] / 2**20:.1f} MiB ({report['unreferenced_objects']} objects "
+        "the index does not refer to: --prune)"
+    )
     if missing:
         print(f"missing or stale (templates changed since the build): {', '.join(missing)}")
     for key in ("build_error", "load_error"):
@@ -141,8 +151,11 @@ def _cache_size(cache_dir: Path) -> dict:
     used = {p.parent for p in cubins}
     objects = [d for d in (cache_dir / "objects").glob("*/*") if d.is_dir()] if (cache_dir / "objects").is_dir() else []
     total = sum(f.stat().st_size for f in cache_dir.rglob("*") if f.is_file()) if cache_dir.is_dir() else 0
-    return {"cubin_bytes": sum(p.stat().st_size for p in cubins if p.exists()), "cache_bytes": total,
-            "unreferenced_objects": sum(d not in used for d in objects)}
+    return {
+        "cubin_bytes": sum(p.stat().st_size for p in cubins if p.exists()),
+        "cache_bytes": total,
+        "unreferenced_objects": sum(d not in used for d in objects),
+    }
 
 
 def _prune(cache_dir: Path, manifest) -> int:
@@ -171,8 +184,10 @@ def _prune(cache_dir: Path, manifest) -> int:
             d.rmdir()
     shutil.rmtree(cache_dir / "failed", ignore_errors=True)
     after = _cache_size(cache_dir)["cache_bytes"]
-    print(f"pruned {cache_dir}: {removed} objects and {len(index) - len(kept)} index entries removed, "
-          f"{before / 2**20:.1f} -> {after / 2**20:.1f} MiB")
+    print(
+        f"pruned {cache_dir}: {removed} objects and {len(index) - len(kept)} index entries removed, "
+        f"{before / 2**20:.1f} -> {after / 2**20:.1f} MiB"
+    )
     return 0
 
 

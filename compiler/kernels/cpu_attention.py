@@ -104,11 +104,22 @@ def loaded() -> bool:
 KERNEL = CpuAttentionKernel()
 
 
-def paged_attention_cpu_impl(out: torch.Tensor, q: torch.Tensor, kv_cache: torch.Tensor, layer: int,
-                             query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor,
-                             scale: float, max_query_len: int, max_seq_len: int, num_decodes: int = 0,
-                             kv_scales: torch.Tensor | None = None, sliding_window: int = 0,
-                             softcap: float = 0.0) -> None:
+def paged_attention_cpu_impl(
+    out: torch.Tensor,
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    layer: int,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    scale: float,
+    max_query_len: int,
+    max_seq_len: int,
+    num_decodes: int = 0,
+    kv_scales: torch.Tensor | None = None,
+    sliding_window: int = 0,
+    softcap: float = 0.0,
+) -> None:
     """kiln::paged_attention_cpu's implementation (compiler/kernels/ops.py), callable without the custom-op
     dispatch from an eager forward: every row (decodes and prefill chunks alike) through the C++
     kernel, which reads only the block-table columns each sequence's length reaches (max_query_len,
@@ -117,12 +128,30 @@ def paged_attention_cpu_impl(out: torch.Tensor, q: torch.Tensor, kv_cache: torch
     if not loaded():
         KERNEL.load()
     k_scale, v_scale = layer_scales(kv_scales, layer)
-    torch.ops.kiln_cpu.paged_attention(out, q, kv_cache, layer, _int32(query_start_loc), _int32(seq_lens),
-                                       _int32(block_tables), scale, sliding_window, softcap, k_scale, v_scale)
+    torch.ops.kiln_cpu.paged_attention(
+        out,
+        q,
+        kv_cache,
+        layer,
+        _int32(query_start_loc),
+        _int32(seq_lens),
+        _int32(block_tables),
+        scale,
+        sliding_window,
+        softcap,
+        k_scale,
+        v_scale,
+    )
 
 
-def write_kv_cpu_impl(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, layer: int,
-                      slot_mapping: torch.Tensor, kv_scales: torch.Tensor | None = None) -> None:
+def write_kv_cpu_impl(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    kv_cache: torch.Tensor,
+    layer: int,
+    slot_mapping: torch.Tensor,
+    kv_scales: torch.Tensor | None = None,
+) -> None:
     """kiln::write_kv's effect in one C++ call (the reference takes ~6 torch ops): rows k/v
     [T, Hkv, D] into their slots of layer `layer` (slot -1: skipped), cast or, for an fp8 cache,
     quantized exactly as compiler/kernels/kv_quant.py's to_cache."""

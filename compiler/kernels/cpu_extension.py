@@ -38,8 +38,13 @@ def isa_flags(capability: str | None = None) -> list[str]:
 
 def cache_key(source: Path, flags: list[str], capability: str | None = None, includes: tuple[Path, ...] = ()) -> str:
     """A key of the source (and the files it includes), the flags, torch's version and the CPU capability."""
-    parts = [source.read_text(), *(p.read_text() for p in includes), repr(flags), torch.__version__,
-             capability or torch.backends.cpu.get_cpu_capability()]
+    parts = [
+        source.read_text(),
+        *(p.read_text() for p in includes),
+        repr(flags),
+        torch.__version__,
+        capability or torch.backends.cpu.get_cpu_capability(),
+    ]
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:20]
 
 
@@ -59,8 +64,15 @@ def build(path: Path, source: Path, flags: list[str]) -> None:
 
     path.parent.mkdir(parents=True, exist_ok=True)
     clear_stale_lock(path.parent)
-    load(name=path.stem, sources=[str(source)], extra_cflags=flags, extra_ldflags=["-fopenmp"],
-         build_directory=str(path.parent), is_python_module=False, verbose=False)
+    load(
+        name=path.stem,
+        sources=[str(source)],
+        extra_cflags=flags,
+        extra_ldflags=["-fopenmp"],
+        build_directory=str(path.parent),
+        is_python_module=False,
+        verbose=False,
+    )
 
 
 def clear_stale_lock(directory: Path, max_age: float = STALE_LOCK_SECONDS) -> bool:

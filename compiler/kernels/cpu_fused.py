@@ -92,9 +92,11 @@ class FusedOpsLibrary:
             self.load(cache_dir)
         except Exception as exc:  # (a compiler missing or failing: the model keeps its eager ops)
             self.error = f"{type(exc).__name__}: {exc}"
-            logger.warning("CPU fused ops unavailable (%s): norms, rotary embeddings and MLP activations run as "
-                           "eager torch ops, and the decoder layers without the C++ decoder stack",
-                           self.error.splitlines()[0])
+            logger.warning(
+                "CPU fused ops unavailable (%s): norms, rotary embeddings and MLP activations run as "
+                "eager torch ops, and the decoder layers without the C++ decoder stack",
+                self.error.splitlines()[0],
+            )
             return False
         return True
 
@@ -108,5 +110,10 @@ FUSED = FusedOpsLibrary()
 
 def usable(x: torch.Tensor) -> bool:
     """Whether the fused ops may replace the eager ones for activations x."""
-    return (FUSED.ready and x.device.type == "cpu" and x.dtype in DTYPES and not torch.is_grad_enabled()
-            and not torch.compiler.is_compiling())
+    return (
+        FUSED.ready
+        and x.device.type == "cpu"
+        and x.dtype in DTYPES
+        and not torch.is_grad_enabled()
+        and not torch.compiler.is_compiling()
+    )

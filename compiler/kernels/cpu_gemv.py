@@ -123,8 +123,11 @@ class GemvLibrary:
             self.load()
         except Exception as exc:  # (a compiler missing or failing: the layers keep their torch paths)
             self.state, self.error = "failed", f"{type(exc).__name__}: {exc}"
-            logger.warning("CPU weight-streaming kernels unavailable (%s): dense layers use F.linear and "
-                           "quantised layers dequantise on the fly", self.error.splitlines()[0])
+            logger.warning(
+                "CPU weight-streaming kernels unavailable (%s): dense layers use F.linear and "
+                "quantised layers dequantise on the fly",
+                self.error.splitlines()[0],
+            )
             return False
         return True
 
@@ -136,8 +139,13 @@ def loaded() -> bool:
     return hasattr(torch.ops, "kiln_cpu_gemv") and hasattr(torch.ops.kiln_cpu_gemv, "linear_quant_out")
 
 
-def dense(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, level: int | None = None,
-          out: torch.Tensor | None = None) -> torch.Tensor:
+def dense(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    level: int | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
     """x [M, K] (float32 / bfloat16, contiguous rows) @ weight [N, K]^T + bias, weight float32,
     bfloat16 or float16; the result in x's dtype (or written into out)."""
     level = GEMV.level if level is None else level
@@ -147,25 +155,43 @@ def dense(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = Non
     return out
 
 
-def pack(data: torch.Tensor, fmt: int, k: int, scales: torch.Tensor | None = None,
-         zeros: torch.Tensor | None = None) -> torch.Tensor:
+def pack(
+    data: torch.Tensor, fmt: int, k: int, scales: torch.Tensor | None = None, zeros: torch.Tensor | None = None
+) -> torch.Tensor:
     """Quantised weights -> the kernels' layout (templates/cpu_gemv.cpp): `data` the GGUF file's
     blocks [N, row bytes] for a GGUF_FORMATS id, or for INT4 / INT8 the values [N, K] (uint8) with
     scales (float32) and zero points (uint8) [N, groups], w = s * (q - z)."""
     return torch.ops.kiln_cpu_gemv.pack(data, fmt, k, scales, zeros)
 
 
-def dequantize(packed: torch.Tensor, fmt: int, n: int, k: int, groups: int = 0,
-               dtype: torch.dtype = torch.float32, level: int | None = None) -> torch.Tensor:
+def dequantize(
+    packed: torch.Tensor,
+    fmt: int,
+    n: int,
+    k: int,
+    groups: int = 0,
+    dtype: torch.dtype = torch.float32,
+    level: int | None = None,
+) -> torch.Tensor:
     """Packed weights -> [N, K] float32 or bfloat16 (w = fma(q, d, m), as the float path computes
     them; bfloat16 rounded from that)."""
-    return torch.ops.kiln_cpu_gemv.dequantize.default(packed, fmt, n, k, groups, dtype,
-                                                      GEMV.level if level is None else level)
+    return torch.ops.kiln_cpu_gemv.dequantize.default(
+        packed, fmt, n, k, groups, dtype, GEMV.level if level is None else level
+    )
 
 
-def quant(x: torch.Tensor, packed: torch.Tensor, fmt: int, n: int, k: int, groups: int = 0,
-          bias: torch.Tensor | None = None, int_acts: bool = True, level: int | None = None,
-          out: torch.Tensor | None = None) -> torch.Tensor:
+def quant(
+    x: torch.Tensor,
+    packed: torch.Tensor,
+    fmt: int,
+    n: int,
+    k: int,
+    groups: int = 0,
+    bias: torch.Tensor | None = None,
+    int_acts: bool = True,
+    level: int | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
     """x [M, K] (float32 / bfloat16, contiguous rows) @ W^T + bias for W packed by `pack`; the
     result in x's dtype (or written into out). int_acts: activations quantised to int8 per block
     of 32, else kept float."""
@@ -179,7 +205,17 @@ def quant(x: torch.Tensor, packed: torch.Tensor, fmt: int, n: int, k: int, group
 def dense_usable(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
     """Whether a dense projection of x goes through the kernel: CPU, float dtypes, no autograd or
     torch.compile, the library loaded (loading it the first time). The caller bounds the rows."""
-    return (x.is_cpu and x.dtype in (torch.float32, torch.bfloat16) and x.dim() == 2 and x.stride(-1) == 1
-            and (weight.dtype == x.dtype or (x.dtype == torch.float32 and weight.dtype in DENSE_DTYPES))
-            and weight.dim() == 2 and weight.is_contiguous() and weight.is_cpu and (bias is None or bias.is_cpu)
-            and not torch.is_grad_enabled() and not torch.compiler.is_compiling() and GEMV.ensure())
+    return (
+        x.is_cpu
+        and x.dtype in (torch.float32, torch.bfloat16)
+        and x.dim() == 2
+        and x.stride(-1) == 1
+        and (weight.dtype == x.dtype or (x.dtype == torch.float32 and weight.dtype in DENSE_DTYPES))
+        and weight.dim() == 2
+        and weight.is_contiguous()
+        and weight.is_cpu
+        and (bias is None or bias.is_cpu)
+        and not torch.is_grad_enabled()
+        and not torch.compiler.is_compiling()
+        and GEMV.ensure()
+    )

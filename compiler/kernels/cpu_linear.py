@@ -71,10 +71,19 @@ SHAPES = ShapeLog()
 def uses_onednn(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
     # (the device and torch.compile before any row count: a shape test traced by Dynamo is a guard,
     # a recompile at every crossing; then the cheapest and likeliest-to-fail checks)
-    return (_ONEDNN and x.is_cpu and not torch.compiler.is_compiling() and x.dim() == 2
-            and x.shape[0] >= MIN_ONEDNN_ROWS and x.dtype == torch.float32
-            and weight.dtype == torch.float32 and weight.dim() == 2 and weight.is_contiguous()
-            and (bias is None or bias.dtype == torch.float32) and not torch.is_grad_enabled())
+    return (
+        _ONEDNN
+        and x.is_cpu
+        and not torch.compiler.is_compiling()
+        and x.dim() == 2
+        and x.shape[0] >= MIN_ONEDNN_ROWS
+        and x.dtype == torch.float32
+        and weight.dtype == torch.float32
+        and weight.dim() == 2
+        and weight.is_contiguous()
+        and (bias is None or bias.dtype == torch.float32)
+        and not torch.is_grad_enabled()
+    )
 
 
 def _rows_in_storage(x: torch.Tensor, rows: int) -> torch.Tensor | None:
@@ -93,8 +102,13 @@ def _rows_in_storage(x: torch.Tensor, rows: int) -> torch.Tensor | None:
 def pack_for_gemm(weight: torch.Tensor) -> torch.Tensor | None:
     """oneDNN's blocked copy of `weight` [out, in] (float32 / bfloat16, CPU) for the GEMM rows of
     `linear(..., gemm_weight=)`; None where oneDNN cannot make one here (the plain path stays)."""
-    if not (_ONEDNN and weight.is_cpu and weight.dim() == 2 and weight.is_contiguous()
-            and weight.dtype in (torch.float32, torch.bfloat16)):
+    if not (
+        _ONEDNN
+        and weight.is_cpu
+        and weight.dim() == 2
+        and weight.is_contiguous()
+        and weight.dtype in (torch.float32, torch.bfloat16)
+    ):
         return None
     try:
         with torch.inference_mode():
@@ -104,13 +118,20 @@ def pack_for_gemm(weight: torch.Tensor) -> torch.Tensor | None:
 
 
 def _gemm_usable(x: torch.Tensor, gemm_weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
-    return (x.is_cpu and not torch.compiler.is_compiling() and x.dim() == 2 and x.shape[0] >= MIN_ONEDNN_ROWS
-            and x.dtype == gemm_weight.dtype and (bias is None or bias.dtype == x.dtype)
-            and not torch.is_grad_enabled())
+    return (
+        x.is_cpu
+        and not torch.compiler.is_compiling()
+        and x.dim() == 2
+        and x.shape[0] >= MIN_ONEDNN_ROWS
+        and x.dtype == gemm_weight.dtype
+        and (bias is None or bias.dtype == x.dtype)
+        and not torch.is_grad_enabled()
+    )
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-           gemm_weight: torch.Tensor | None = None) -> torch.Tensor:
+def linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, gemm_weight: torch.Tensor | None = None
+) -> torch.Tensor:
     """F.linear(x, weight, bias); 2-D CPU inputs of up to cpu_gemv.MAX_DENSE_ROWS rows go through
     the weight-streaming kernel, float32 ones of MIN_ONEDNN_ROWS rows or more through oneDNN with
     their row count padded to `row_bucket`; gemm_weight (`pack_for_gemm(weight)`): oneDNN reads
@@ -122,8 +143,11 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         return F.linear(x, weight, bias)
     if torch.compiler.is_compiling():
         return F.linear(x, _widened(x, weight), bias)
-    if (x.dim() == 2 and x.shape[0] <= cpu_gemv.MAX_DENSE_ROWS.get(x.dtype, 0)
-            and cpu_gemv.dense_usable(x, weight, bias)):
+    if (
+        x.dim() == 2
+        and x.shape[0] <= cpu_gemv.MAX_DENSE_ROWS.get(x.dtype, 0)
+        and cpu_gemv.dense_usable(x, weight, bias)
+    ):
         return cpu_gemv.dense(x, weight, bias)
     if gemm_weight is not None and _gemm_usable(x, gemm_weight, bias):
         return _onednn(x, gemm_weight, bias, weight.shape)
@@ -155,8 +179,7 @@ def _onednn(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, sh
     return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")[:rows]
 
 
-def warm_buckets(layers: Iterable[tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]],
-                 max_rows: int) -> int:
+def warm_buckets(layers: Iterable[tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]], max_rows: int) -> int:
     """Run every bucket up to max_rows once through each distinct (weight shape, bias, dtype) of
     `layers` ((weight, bias, gemm_weight or None)), so that oneDNN builds its primitives (~0.6 MB
     each) at start-up and a server's memory stays flat while it serves (and the weight-streaming
@@ -172,8 +195,13 @@ def warm_buckets(layers: Iterable[tuple[torch.Tensor, torch.Tensor | None, torch
             dtype = gemm_weight.dtype if gemm_weight is not None else weight.dtype
             key = (weight.shape[0], weight.shape[1], bias is not None, dtype)
             probe = weight.new_zeros(MIN_ONEDNN_ROWS, weight.shape[1], dtype=dtype) if weight.dim() == 2 else None
-            if key in seen or probe is None or not (
-                    uses_onednn(probe, weight, bias) if gemm_weight is None else _gemm_usable(probe, gemm_weight, bias)):
+            if (
+                key in seen
+                or probe is None
+                or not (
+                    uses_onednn(probe, weight, bias) if gemm_weight is None else _gemm_usable(probe, gemm_weight, bias)
+                )
+            ):
                 continue
             seen.add(key)
             rows = MIN_ONEDNN_ROWS

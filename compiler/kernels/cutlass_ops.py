@@ -43,6 +43,8 @@ from pathlib import Path
 
 import torch
 
+from compiler.kernels.kv_quant import is_fp8
+from compiler.kernels.launch_plan import ctas_per_sm_from_resources, plan_attention_launches, plan_decode_splits
 from compiler.kernels.loader import F32, I32, I64, PTR, KernelLibrary, Launcher, max_active_ctas_per_sm
 from compiler.kernels.manifest import (
     DECODE_KERNELS,
@@ -54,8 +56,6 @@ from compiler.kernels.manifest import (
     prefill_wgmma_smem_bytes,
     prefill_wgmma_tile,
 )
-from compiler.kernels.kv_quant import is_fp8
-from compiler.kernels.launch_plan import ctas_per_sm_from_resources, plan_attention_launches, plan_decode_splits
 from compiler.kernels.reference_attention import paged_attention_reference, write_kv_reference
 
 logger = logging.getLogger(__name__)
@@ -69,10 +69,54 @@ V1_MIN_TOKENS_PER_SPLIT = DEFAULT_CONSTANTS["min_partition"]
 V2_MIN_TOKENS_PER_SPLIT = 64
 MAX_SPLITS = 64
 _WRITE_KV_TYPES = (PTR, PTR, PTR, PTR, PTR, I32, I32, I32, I32, I64, I64, I64, I64, I64)
-_DECODE_TYPES = (PTR, PTR, PTR, PTR, PTR, PTR, PTR, PTR, PTR, I32, I32, I32, I32,
-                 I64, I64, I64, I64, I64, F32, I32, I32)
-_DECODE_V2_TYPES = (PTR, PTR, PTR, PTR, PTR, PTR, PTR, PTR, PTR, PTR, I32, I32, I32, I32,
-                    I64, I64, I64, I64, I64, F32, I32, I32, I32)
+_DECODE_TYPES = (
+    PTR,
+    PTR,
+    PTR,
+    PTR,
+    PTR,
+    PTR,
+    PTR,
+    PTR,
+    PTR,
+    I32,
+    I32,
+    I32,
+    I32,
+    I64,
+    I64,
+    I64,
+    I64,
+    I64,
+    F32,
+    I32,
+    I32,
+)
+_DECODE_V2_TYPES = (
+    PTR,
+    PTR,
+    PTR,
+    PTR,
+    PTR,
+    PTR,
+    PTR,
+    PTR,
+    PTR,
+    PTR,
+    I32,
+    I32,
+    I32,
+    I32,
+    I64,
+    I64,
+    I64,
+    I64,
+    I64,
+    F32,
+    I32,
+    I32,
+    I32,
+)
 _COMBINE_TYPES = (PTR, PTR, PTR, PTR, PTR, I32, I32, I32, I64, I64)
 _PREFILL_TYPES = (PTR, PTR, PTR, PTR, PTR, PTR, PTR, I32, I32, I32, I64, I64, I64, I64, I64, F32, I32, I32)
 # The fp8 KV variants take one more argument, last: the layer's {k_scale, v_scale} (float32).
@@ -86,8 +130,10 @@ def kernels_by_handle(handle: int) -> "AttentionKernels":
     """The AttentionKernels an op's `handle` names; raises if its owner has let it go."""
     k = _live_kernels.get(int(handle))
     if k is None:
-        raise RuntimeError(f"kiln cutlass kernels #{handle} are not loaded (their backend was released); "
-                           "create an AttentionKernels (the cutlass attention backend does) and pass its handle")
+        raise RuntimeError(
+            f"kiln cutlass kernels #{handle} are not loaded (their backend was released); "
+            "create an AttentionKernels (the cutlass attention backend does) and pass its handle"
+        )
     return k
 
 
@@ -100,8 +146,14 @@ def _vec_ok(t: torch.Tensor) -> bool:
 
 def _cache_ok(c: torch.Tensor, head_dim: int) -> bool:
     nkv = c.shape[2]
-    return (c.dim() == 4 and c.stride(3) == 1 and c.stride(2) == head_dim and c.stride(1) == nkv * head_dim
-            and c.stride(0) % 8 == 0 and c.data_ptr() % 16 == 0)
+    return (
+        c.dim() == 4
+        and c.stride(3) == 1
+        and c.stride(2) == head_dim
+        and c.stride(1) == nkv * head_dim
+        and c.stride(0) % 8 == 0
+        and c.data_ptr() % 16 == 0
+    )
 
 
 def _i32(t: torch.Tensor) -> torch.Tensor:
@@ -134,9 +186,19 @@ class AttentionKernels:
     kv_dtype: torch.dtype | None = None  # the cache's element type (None: dtype)
     kv_fp8 = False
 
-    def __init__(self, cache_dir, device, dtype: torch.dtype, head_dim: int, block_size: int, *,
-                 decode_kernel: str = "v1", prefill_kernel: str = "mma", scratch_floats: int = 1 << 22,
-                 kv_dtype: torch.dtype | None = None):
+    def __init__(
+        self,
+        cache_dir,
+        device,
+        dtype: torch.dtype,
+        head_dim: int,
+        block_size: int,
+        *,
+        decode_kernel: str = "v1",
+        prefill_kernel: str = "mma",
+        scratch_floats: int = 1 << 22,
+        kv_dtype: torch.dtype | None = None,
+    ):
         self.device = torch.device(device)
         if self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
@@ -144,34 +206,46 @@ class AttentionKernels:
         self.decode_kernel, self.prefill_kernel = decode_kernel, prefill_kernel
         self.kv_dtype = kv_dtype if kv_dtype is not None else dtype
         self.kv_fp8 = is_fp8(self.kv_dtype)
-        self.names = attention_variant_names(dtype, head_dim, block_size, decode_kernel, prefill_kernel,
-                                             self.kv_dtype if self.kv_fp8 else None)
+        self.names = attention_variant_names(
+            dtype, head_dim, block_size, decode_kernel, prefill_kernel, self.kv_dtype if self.kv_fp8 else None
+        )
         self.lib = KernelLibrary(Path(cache_dir), list(self.names.values())).load(self.device)
         ctx = self.lib.context
         n = self.names
         extra = _SCALES if self.kv_fp8 else ()
-        self.write_kv_l = Launcher(self.lib.function(n["write_kv"]), 256, 0, _WRITE_KV_TYPES + extra, n["write_kv"],
-                                   ctx)
+        self.write_kv_l = Launcher(
+            self.lib.function(n["write_kv"]), 256, 0, _WRITE_KV_TYPES + extra, n["write_kv"], ctx
+        )
         decode = DECODE_KERNELS[decode_kernel]
         types = (_DECODE_V2_TYPES if decode_kernel == "v2" else _DECODE_TYPES) + extra
-        self.decode_l = {g: Launcher(self.lib.function(n[decode], f"g{g}"), DECODE_THREADS, 0, types,
-                                     f"{n[decode]}_g{g}", ctx) for g in DECODE_GROUPS}
+        self.decode_l = {
+            g: Launcher(self.lib.function(n[decode], f"g{g}"), DECODE_THREADS, 0, types, f"{n[decode]}_g{g}", ctx)
+            for g in DECODE_GROUPS
+        }
         self.combine_l = None
         if decode_kernel == "v1":
-            self.combine_l = Launcher(self.lib.function(n[decode], "combine"), head_dim, 0, _COMBINE_TYPES,
-                                      f"{n[decode]}_combine", ctx)
+            self.combine_l = Launcher(
+                self.lib.function(n[decode], "combine"), head_dim, 0, _COMBINE_TYPES, f"{n[decode]}_combine", ctx
+            )
         prefill = PREFILL_KERNELS[prefill_kernel]
         if prefill_kernel == "wgmma":
             wt = prefill_wgmma_tile(head_dim)
-            self.block_m, threads, smem = 64 * wt["wg_warpgroups"], 128 * wt["wg_warpgroups"], \
-                prefill_wgmma_smem_bytes(head_dim)
+            self.block_m, threads, smem = (
+                64 * wt["wg_warpgroups"],
+                128 * wt["wg_warpgroups"],
+                prefill_wgmma_smem_bytes(head_dim),
+            )
         else:
             self.block_m = prefill_tile(head_dim)["block_m"]
             threads, smem = self.block_m // 16 * 32, prefill_smem_bytes(head_dim)
-        self.prefill_l = Launcher(self.lib.function(n[prefill], None, smem), threads, smem, _PREFILL_TYPES + extra,
-                                  n[prefill], ctx)
-        self._init_state(torch.cuda.get_device_properties(self.device).multi_processor_count,
-                         {g: self._ctas_per_sm(n[decode], g) for g in DECODE_GROUPS}, scratch_floats)
+        self.prefill_l = Launcher(
+            self.lib.function(n[prefill], None, smem), threads, smem, _PREFILL_TYPES + extra, n[prefill], ctx
+        )
+        self._init_state(
+            torch.cuda.get_device_properties(self.device).multi_processor_count,
+            {g: self._ctas_per_sm(n[decode], g) for g in DECODE_GROUPS},
+            scratch_floats,
+        )
 
     def _init_state(self, num_sms: int, occupancy: dict[int, int], scratch_floats: int) -> None:
         """Scratch, plan cache and handle: everything past the kernels themselves."""
@@ -215,11 +289,11 @@ class AttentionKernels:
             raise RuntimeError(
                 f"kiln cutlass {what}: the kernels cannot take these inputs ({reason}), and inside a captured "
                 "CUDA graph the reference would attend over max_model_len positions per sequence; fix the "
-                "inputs, or run with attention_backend=torch or enforce_eager")
+                "inputs, or run with attention_backend=torch or enforce_eager"
+            )
         if reason not in self._warned:
             self._warned.add(reason)
-            logger.warning("kiln cutlass %s: inputs the kernels cannot take (%s): running the reference", what,
-                           reason)
+            logger.warning("kiln cutlass %s: inputs the kernels cannot take (%s): running the reference", what, reason)
 
     def _scales_arg(self, kv_scales: torch.Tensor | None) -> tuple:
         """The fp8 variants' last argument: the layer's {k_scale, v_scale} (float32, contiguous)."""
@@ -227,8 +301,10 @@ class AttentionKernels:
             return ()
         s = self.unit_scales if kv_scales is None else kv_scales
         if s.dtype != torch.float32 or s.numel() != 2 or not s.is_contiguous() or s.device != self.device:
-            raise ValueError(f"kiln cutlass: kv_scales must be one layer's 2 float32 scales on {self.device}, "
-                             f"got {s.dtype} {tuple(s.shape)} on {s.device}")
+            raise ValueError(
+                f"kiln cutlass: kv_scales must be one layer's 2 float32 scales on {self.device}, "
+                f"got {s.dtype} {tuple(s.shape)} on {s.device}"
+            )
         return (s.data_ptr(),)
 
     def write_kv_unsupported(self, k, v, k_cache, v_cache) -> str | None:
@@ -238,8 +314,13 @@ class AttentionKernels:
             return f"dtypes {k.dtype}/{k_cache.dtype}, kernels built for {self.dtype} with a {kv} cache"
         if not (k.dim() == 3 and k.shape[1:] == v.shape[1:] and k.shape[1] == k_cache.shape[2] and k.shape[2] == D):
             return f"k/v shapes {tuple(k.shape)}/{tuple(v.shape)} against the cache {tuple(k_cache.shape)}"
-        if not (_vec_ok(k) and _vec_ok(v) and _cache_ok(k_cache, D) and _cache_ok(v_cache, D)
-                and k_cache.stride(0) == v_cache.stride(0)):
+        if not (
+            _vec_ok(k)
+            and _vec_ok(v)
+            and _cache_ok(k_cache, D)
+            and _cache_ok(v_cache, D)
+            and k_cache.stride(0) == v_cache.stride(0)
+        ):
             return "k/v or cache strides or alignment not 16-byte vectorisable"
         return None
 
@@ -249,11 +330,18 @@ class AttentionKernels:
         if not (q.dtype == out.dtype == self.dtype and k_cache.dtype == v_cache.dtype == kv):
             return f"dtypes {q.dtype}/{k_cache.dtype}, kernels built for {self.dtype} with a {kv} cache"
         if not (q.dim() == 3 and q.shape[2] == D and out.shape == q.shape and k_cache.shape[1] == self.block_size):
-            return f"q shape {tuple(q.shape)} / cache {tuple(k_cache.shape)} against head_dim {D}, block {self.block_size}"
+            return (
+                f"q shape {tuple(q.shape)} / cache {tuple(k_cache.shape)} against head_dim {D}, block {self.block_size}"
+            )
         if q.shape[1] % k_cache.shape[2]:
             return f"{q.shape[1]} query heads do not divide into {k_cache.shape[2]} kv heads"
-        if not (_vec_ok(q) and _vec_ok(out) and _cache_ok(k_cache, D) and _cache_ok(v_cache, D)
-                and k_cache.stride(0) == v_cache.stride(0)):
+        if not (
+            _vec_ok(q)
+            and _vec_ok(out)
+            and _cache_ok(k_cache, D)
+            and _cache_ok(v_cache, D)
+            and k_cache.stride(0) == v_cache.stride(0)
+        ):
             return "q/out or cache strides or alignment not 16-byte vectorisable"
         return None
 
@@ -276,10 +364,25 @@ class AttentionKernels:
         total = T * hkv * (D // 8)
         grid = min((total + 255) // 256, self.num_sms * 16)
         self.write_kv_l(
-            (grid, 1, 1), self._stream(k.device),
-            (k.data_ptr(), v.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), slots.data_ptr(),
-             T, hkv, D, self.block_size, k.stride(0), k.stride(1), v.stride(0), v.stride(1), k_cache.stride(0),
-             *self._scales_arg(kv_scales)),
+            (grid, 1, 1),
+            self._stream(k.device),
+            (
+                k.data_ptr(),
+                v.data_ptr(),
+                k_cache.data_ptr(),
+                v_cache.data_ptr(),
+                slots.data_ptr(),
+                T,
+                hkv,
+                D,
+                self.block_size,
+                k.stride(0),
+                k.stride(1),
+                v.stride(0),
+                v.stride(1),
+                k_cache.stride(0),
+                *self._scales_arg(kv_scales),
+            ),
         )
 
     # ---- split-KV plan ------------------------------------------------------------------
@@ -307,9 +410,21 @@ class AttentionKernels:
         return plan
 
     # ---- attention --------------------------------------------------------------------
-    def attention(self, out, q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale: float,
-                  max_query_len: int, max_seq_len: int, num_decodes: int = 0,
-                  kv_scales: torch.Tensor | None = None) -> None:
+    def attention(
+        self,
+        out,
+        q,
+        k_cache,
+        v_cache,
+        query_start_loc,
+        seq_lens,
+        block_tables,
+        scale: float,
+        max_query_len: int,
+        max_seq_len: int,
+        num_decodes: int = 0,
+        kv_scales: torch.Tensor | None = None,
+    ) -> None:
         """kv_scales: this layer's {k_scale, v_scale} (an fp8 cache; None: 1)."""
         T, Hq, D = q.shape
         B = seq_lens.shape[0]
@@ -321,14 +436,38 @@ class AttentionKernels:
         reason = self.attention_unsupported(out, q, k_cache, v_cache)
         if reason is not None:
             self._decline("paged attention", reason)
-            out.copy_(paged_attention_reference(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables,
-                                                scale, max_query_len, max_seq_len, num_decodes,
-                                                k_scale=_pair(kv_scales)[0], v_scale=_pair(kv_scales)[1]))
+            out.copy_(
+                paged_attention_reference(
+                    q,
+                    k_cache,
+                    v_cache,
+                    query_start_loc,
+                    seq_lens,
+                    block_tables,
+                    scale,
+                    max_query_len,
+                    max_seq_len,
+                    num_decodes,
+                    k_scale=_pair(kv_scales)[0],
+                    v_scale=_pair(kv_scales)[1],
+                )
+            )
             return
         qsl, lens, bt = _i32(query_start_loc), _i32(seq_lens), _table(block_tables)
         stream = self._stream(q.device)
-        common = dict(out=out, q=q, k_cache=k_cache, v_cache=v_cache, qsl=qsl, lens=lens, bt=bt, stream=stream,
-                      scale_log2=float(scale) * LOG2E, num_tokens=T, scales=self._scales_arg(kv_scales))
+        common = dict(
+            out=out,
+            q=q,
+            k_cache=k_cache,
+            v_cache=v_cache,
+            qsl=qsl,
+            lens=lens,
+            bt=bt,
+            stream=stream,
+            scale_log2=float(scale) * LOG2E,
+            num_tokens=T,
+            scales=self._scales_arg(kv_scales),
+        )
         for launch in plan_attention_launches(B, int(max_query_len), int(num_decodes)):
             if launch.kind == "decode":
                 self._launch_decode(launch.seq_start, launch.num_seqs, launch.zero_tail, **common)
@@ -338,11 +477,19 @@ class AttentionKernels:
     def _args(self, start, out, q, k_cache, v_cache, qsl, lens, bt):
         """Pointers of a launch over sequences [start, ...): the per-sequence arrays are offset, the
         token arrays are not (query_start_loc holds absolute token offsets)."""
-        return (out.data_ptr(), q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), qsl.data_ptr() + 4 * start,
-                lens.data_ptr() + 4 * start, bt.data_ptr() + 4 * start * bt.stride(0))
+        return (
+            out.data_ptr(),
+            q.data_ptr(),
+            k_cache.data_ptr(),
+            v_cache.data_ptr(),
+            qsl.data_ptr() + 4 * start,
+            lens.data_ptr() + 4 * start,
+            bt.data_ptr() + 4 * start * bt.stride(0),
+        )
 
-    def _launch_decode(self, start, n, zero_tail, *, out, q, k_cache, v_cache, qsl, lens, bt, stream, scale_log2,
-                       num_tokens, scales):
+    def _launch_decode(
+        self, start, n, zero_tail, *, out, q, k_cache, v_cache, qsl, lens, bt, stream, scale_log2, num_tokens, scales
+    ):
         Hq, hkv, max_blocks = q.shape[1], k_cache.shape[2], bt.shape[1]
         plan = self.decode_plan(n, Hq, hkv, max_blocks)
         ptrs = self._args(start, out, q, k_cache, v_cache, qsl, lens, bt)
@@ -351,24 +498,76 @@ class AttentionKernels:
         grid = (plan.splits, hkv * plan.slices, n)
         scratch = (self.part_out.data_ptr(), self.part_lse.data_ptr())
         if self.decode_kernel == "v2":
-            self.decode_l[plan.group](grid, stream, (*ptrs, *scratch, self.counters.data_ptr(), Hq, hkv, Hq // hkv,
-                                                     max_blocks, *strides, scale_log2, ntok, plan.min_tokens,
-                                                     bt.stride(0), *scales))
+            self.decode_l[plan.group](
+                grid,
+                stream,
+                (
+                    *ptrs,
+                    *scratch,
+                    self.counters.data_ptr(),
+                    Hq,
+                    hkv,
+                    Hq // hkv,
+                    max_blocks,
+                    *strides,
+                    scale_log2,
+                    ntok,
+                    plan.min_tokens,
+                    bt.stride(0),
+                    *scales,
+                ),
+            )
             return
-        self.decode_l[plan.group](grid, stream, (*ptrs, *scratch, Hq, hkv, Hq // hkv, max_blocks, *strides,
-                                                 scale_log2, ntok, bt.stride(0), *scales))
+        self.decode_l[plan.group](
+            grid,
+            stream,
+            (*ptrs, *scratch, Hq, hkv, Hq // hkv, max_blocks, *strides, scale_log2, ntok, bt.stride(0), *scales),
+        )
         if plan.splits > 1:
-            self.combine_l((Hq, n, 1), stream, (out.data_ptr(), ptrs[4], ptrs[5], *scratch, Hq, max_blocks,
-                                                plan.splits, out.stride(0), out.stride(1)))
+            self.combine_l(
+                (Hq, n, 1),
+                stream,
+                (out.data_ptr(), ptrs[4], ptrs[5], *scratch, Hq, max_blocks, plan.splits, out.stride(0), out.stride(1)),
+            )
 
-    def _launch_prefill(self, start, n, zero_tail, max_query_len, *, out, q, k_cache, v_cache, qsl, lens, bt,
-                        stream, scale_log2, num_tokens, scales):
+    def _launch_prefill(
+        self,
+        start,
+        n,
+        zero_tail,
+        max_query_len,
+        *,
+        out,
+        q,
+        k_cache,
+        v_cache,
+        qsl,
+        lens,
+        bt,
+        stream,
+        scale_log2,
+        num_tokens,
+        scales,
+    ):
         Hq, hkv = q.shape[1], k_cache.shape[2]
         self.prefill_l(
-            (-(-max_query_len // self.block_m), Hq, n), stream,
-            (*self._args(start, out, q, k_cache, v_cache, qsl, lens, bt), Hq, hkv, bt.shape[1], q.stride(0),
-             q.stride(1), out.stride(0), out.stride(1), k_cache.stride(0), scale_log2,
-             num_tokens if zero_tail else 0, bt.stride(0), *scales),
+            (-(-max_query_len // self.block_m), Hq, n),
+            stream,
+            (
+                *self._args(start, out, q, k_cache, v_cache, qsl, lens, bt),
+                Hq,
+                hkv,
+                bt.shape[1],
+                q.stride(0),
+                q.stride(1),
+                out.stride(0),
+                out.stride(1),
+                k_cache.stride(0),
+                scale_log2,
+                num_tokens if zero_tail else 0,
+                bt.stride(0),
+                *scales,
+            ),
         )
 
 
@@ -377,10 +576,15 @@ def _pair(kv_scales: torch.Tensor | None) -> tuple[torch.Tensor | None, torch.Te
     return (None, None) if kv_scales is None else (kv_scales[0], kv_scales[1])
 
 
-def required_variants(dtype: torch.dtype, head_dim: int, block_size: int, decode_kernel: str | None = None,
-                      prefill_kernel: str | None = None, kv_dtype: torch.dtype | None = None) -> list[str]:
-    return list(attention_variant_names(dtype, head_dim, block_size, decode_kernel, prefill_kernel,
-                                        kv_dtype).values())
+def required_variants(
+    dtype: torch.dtype,
+    head_dim: int,
+    block_size: int,
+    decode_kernel: str | None = None,
+    prefill_kernel: str | None = None,
+    kv_dtype: torch.dtype | None = None,
+) -> list[str]:
+    return list(attention_variant_names(dtype, head_dim, block_size, decode_kernel, prefill_kernel, kv_dtype).values())
 
 
 __all__ = ["AttentionKernels", "DecodePlan", "kernels_by_handle", "required_variants"]

@@ -58,8 +58,14 @@ def layer_scales(kv_scales: torch.Tensor | None, layer: int) -> tuple[torch.Tens
     return kv_scales[layer, 0], kv_scales[layer, 1]
 
 
-def calibrate_kv_scales(k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor, kv_scales: torch.Tensor,
-                        calibrated: torch.Tensor, layer: int) -> None:
+def calibrate_kv_scales(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    kv_scales: torch.Tensor,
+    calibrated: torch.Tensor,
+    layer: int,
+) -> None:
     """Set layer `layer`'s scales to amax / 448 of the K and V rows this step writes, the first
     time the layer writes any (calibrated[layer] is then set and later calls change nothing);
     what vLLM's `calculate_kv_scales` does on the first forward. Device tensors only: no host
@@ -68,8 +74,9 @@ def calibrate_kv_scales(k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Te
     if k.shape[0] == 0:
         return
     valid = (slot_mapping >= 0)[:, None, None]
-    amax = torch.stack([torch.where(valid, k.float().abs(), 0.0).amax(),
-                        torch.where(valid, v.float().abs(), 0.0).amax()])
+    amax = torch.stack(
+        [torch.where(valid, k.float().abs(), 0.0).amax(), torch.where(valid, v.float().abs(), 0.0).amax()]
+    )
     fresh = torch.where(amax > 0, amax / FP8_MAX, 1.0)  # an all-zero layer keeps scale 1
     take = valid.any() & ~calibrated[layer]
     kv_scales[layer] = torch.where(take, fresh, kv_scales[layer])

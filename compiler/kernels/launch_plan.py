@@ -59,8 +59,9 @@ def chunk_ranges(start: int, count: int, limit: int = GRID_Z_MAX) -> list[tuple[
 
 
 @functools.lru_cache(maxsize=4096)  # called per layer per step with few distinct arguments
-def plan_attention_launches(num_seqs: int, max_query_len: int, num_decodes: int = 0,
-                            grid_limit: int = GRID_Z_MAX) -> tuple[Launch, ...]:
+def plan_attention_launches(
+    num_seqs: int, max_query_len: int, num_decodes: int = 0, grid_limit: int = GRID_Z_MAX
+) -> tuple[Launch, ...]:
     """The launches of one paged-attention call, in stream order: decode chunks, then prefill chunks."""
     nd = decode_rows(num_seqs, max_query_len, num_decodes)
     launches = [Launch("decode", s, n) for s, n in chunk_ranges(0, nd, grid_limit)]
@@ -71,8 +72,9 @@ def plan_attention_launches(num_seqs: int, max_query_len: int, num_decodes: int 
     return tuple(launches)
 
 
-def ctas_per_sm_from_resources(registers: int, threads: int, shared_bytes: int = 0,
-                               launch_bound_min_ctas: int = 0) -> int:
+def ctas_per_sm_from_resources(
+    registers: int, threads: int, shared_bytes: int = 0, launch_bound_min_ctas: int = 0
+) -> int:
     """Resident CTAs per SM on sm_90 for a kernel of `registers` per thread, `threads` per CTA
     and `shared_bytes` of shared memory (static + dynamic): the CPU-side twin of the driver's
     cuOccupancyMaxActiveBlocksPerMultiprocessor, used where no GPU answers."""
@@ -91,9 +93,15 @@ def ctas_per_sm_from_resources(registers: int, threads: int, shared_bytes: int =
 CTA_OVERHEAD_TOKENS = 64  # a split's fixed cost (query load, partial write, merge) in streamed tokens
 
 
-def plan_decode_splits(work_items: int, context_tokens: int, ctas_per_sm: int, num_sms: int,
-                       min_tokens_per_split: int, max_splits: int,
-                       cta_overhead_tokens: int = CTA_OVERHEAD_TOKENS) -> int:
+def plan_decode_splits(
+    work_items: int,
+    context_tokens: int,
+    ctas_per_sm: int,
+    num_sms: int,
+    min_tokens_per_split: int,
+    max_splits: int,
+    cta_overhead_tokens: int = CTA_OVERHEAD_TOKENS,
+) -> int:
     """Splits per (sequence, kv-head slice) for a decode launch of `work_items` such pairs over
     up to `context_tokens` tokens each.
 

@@ -122,14 +122,16 @@ class KernelLibrary:
         fname = f"kiln_{variant}" + (f"_{entry}" if entry else "")
         key = (variant, fname)
         if key not in self._functions:
-            fn = check(drv.cuModuleGetFunction(self._modules[variant], fname.encode()),
-                       f"cuModuleGetFunction({fname})")
+            fn = check(drv.cuModuleGetFunction(self._modules[variant], fname.encode()), f"cuModuleGetFunction({fname})")
             self._functions[key] = fn
         fn = self._functions[key]
         if max_dynamic_smem > 48 * 1024:
-            check(drv.cuFuncSetAttribute(
-                fn, drv.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, max_dynamic_smem),
-                f"cuFuncSetAttribute({fname}, max dynamic smem {max_dynamic_smem})")
+            check(
+                drv.cuFuncSetAttribute(
+                    fn, drv.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, max_dynamic_smem
+                ),
+                f"cuFuncSetAttribute({fname}, max dynamic smem {max_dynamic_smem})",
+            )
         return fn
 
 
@@ -147,8 +149,12 @@ def missing_variants(cache_dir, variants) -> list[str]:
 def max_active_ctas_per_sm(fn, threads: int, dynamic_smem: int = 0) -> int:
     """The driver's occupancy answer for a loaded kernel: CTAs of `threads` threads that fit on one SM."""
     drv = _driver()
-    return int(check(drv.cuOccupancyMaxActiveBlocksPerMultiprocessor(fn, threads, dynamic_smem),
-                     "cuOccupancyMaxActiveBlocksPerMultiprocessor"))
+    return int(
+        check(
+            drv.cuOccupancyMaxActiveBlocksPerMultiprocessor(fn, threads, dynamic_smem),
+            "cuOccupancyMaxActiveBlocksPerMultiprocessor",
+        )
+    )
 
 
 class Launcher:
@@ -164,16 +170,21 @@ class Launcher:
         self._context = context
 
     def __call__(self, grid: tuple[int, int, int], stream: int, args: tuple) -> None:
-        err = self._launch(self.fn, grid[0], grid[1], grid[2], self.block, 1, 1, self.smem, stream,
-                           (args, self.types), 0)
+        err = self._launch(
+            self.fn, grid[0], grid[1], grid[2], self.block, 1, 1, self.smem, stream, (args, self.types), 0
+        )
         err = err[0] if isinstance(err, tuple) else err
         if err != self._ok:
             drv = _driver()
             if err == drv.CUresult.CUDA_ERROR_INVALID_CONTEXT and self._context is not None:
                 # A thread on which torch never bound the primary context: bind it and retry.
                 check(drv.cuCtxSetCurrent(self._context), "cuCtxSetCurrent")
-                check(self._launch(self.fn, grid[0], grid[1], grid[2], self.block, 1, 1, self.smem, stream,
-                                   (args, self.types), 0), f"cuLaunchKernel({self.name})")
+                check(
+                    self._launch(
+                        self.fn, grid[0], grid[1], grid[2], self.block, 1, 1, self.smem, stream, (args, self.types), 0
+                    ),
+                    f"cuLaunchKernel({self.name})",
+                )
                 return
             check((err,), f"cuLaunchKernel({self.name}, grid={grid})")
 

@@ -155,6 +155,7 @@ def render(variant: Variant, templates_dir: Path | None = None) -> str:
 
 # --- names the runtime needs for a given model shape ---------------------------------
 
+
 def dtype_tag(dtype) -> str:
     s = str(dtype)
     if s.endswith("bfloat16"):
@@ -177,16 +178,24 @@ def kv_dtype_tag(kv_dtype) -> str | None:
     raise ValueError(f"kiln kernels support an fp8 (e4m3) KV cache or the model's dtype, not {kv_dtype}")
 
 
-def attention_variant_names(dtype, head_dim: int, block_size: int, decode_kernel: str | None = None,
-                            prefill_kernel: str | None = None, kv_dtype=None) -> dict[str, str]:
+def attention_variant_names(
+    dtype,
+    head_dim: int,
+    block_size: int,
+    decode_kernel: str | None = None,
+    prefill_kernel: str | None = None,
+    kv_dtype=None,
+) -> dict[str, str]:
     """{kind: variant name} of the kernels one model shape needs: write_kv plus the selected decode
     (v1/v2) and prefill (mma/wgmma) generations; None selects every generation (what a build covers).
     kv_dtype: the KV cache's element type when it is not `dtype` (torch.float8_e4m3fn)."""
     t = dtype_tag(dtype)
     kv = kv_dtype_tag(kv_dtype)
     kinds = ["write_kv"]
-    for choice, table, what in ((decode_kernel, DECODE_KERNELS, "decode_kernel"),
-                                (prefill_kernel, PREFILL_KERNELS, "prefill_kernel")):
+    for choice, table, what in (
+        (decode_kernel, DECODE_KERNELS, "decode_kernel"),
+        (prefill_kernel, PREFILL_KERNELS, "prefill_kernel"),
+    ):
         if choice is not None and choice not in table:
             raise ValueError(f"{what}: unknown value {choice!r} (expected one of {', '.join(table)})")
         kinds += list(table.values()) if choice is None else [table[choice]]

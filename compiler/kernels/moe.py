@@ -45,8 +45,9 @@ def grouped_mm_supported(x: torch.Tensor) -> bool:
     return x.dtype in (torch.float32, torch.bfloat16) if x.device.type == "cpu" else x.dtype == torch.bfloat16
 
 
-def moe_experts_grouped(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w13: torch.Tensor,
-                        w2: torch.Tensor, activation: str) -> torch.Tensor:
+def moe_experts_grouped(
+    x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, activation: str
+) -> torch.Tensor:
     num_experts, k = w13.shape[0], ids.shape[1]
     flat = ids.reshape(-1)
     order = flat.argsort(stable=True)
@@ -62,8 +63,9 @@ def moe_experts_grouped(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tenso
     return out.index_add_(0, token, rows).to(x.dtype)
 
 
-def moe_experts_dense(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w13: torch.Tensor,
-                      w2: torch.Tensor, activation: str) -> torch.Tensor:
+def moe_experts_dense(
+    x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, activation: str
+) -> torch.Tensor:
     num_experts = w13.shape[0]
     combine = torch.zeros(x.shape[0], num_experts, dtype=torch.float32, device=x.device)
     combine.scatter_add_(1, ids, weights.float())  # [T, E]: 0 where the expert was not chosen
@@ -73,8 +75,9 @@ def moe_experts_dense(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
     return torch.einsum("eth,te->th", rows.float(), combine).to(x.dtype)
 
 
-def moe_experts_forward(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w13: torch.Tensor,
-                        w2: torch.Tensor, activation: str) -> torch.Tensor:
+def moe_experts_forward(
+    x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, activation: str
+) -> torch.Tensor:
     """The body of kiln::moe_experts (registered in compiler/kernels/ops.py)."""
     if x.shape[0] == 0:
         return torch.zeros_like(x)
@@ -83,8 +86,9 @@ def moe_experts_forward(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tenso
     return moe_experts_dense(x, weights, ids, w13, w2, activation)
 
 
-def moe_experts_pairs(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w13: torch.Tensor,
-                      w2: torch.Tensor, activation: str) -> torch.Tensor:
+def moe_experts_pairs(
+    x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, activation: str
+) -> torch.Tensor:
     """The same sum with one weight per (token, choice) pair, in ids.reshape(-1)'s order:
     w13 [T*k, 2I, H], w2 [T*k, H, I] (pair p is token p // k's choice p % k)."""
     num_tokens, k = ids.shape
@@ -98,10 +102,20 @@ def moe_experts_pairs(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
     return rows.view(num_tokens, k, -1).sum(dim=1).to(x.dtype)
 
 
-def moe_experts_int4_cpu(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w13_packed: torch.Tensor,
-                         w13_sz: torch.Tensor, w2_packed: torch.Tensor, w2_sz: torch.Tensor,
-                         w13_perm: torch.Tensor | None, w2_perm: torch.Tensor | None, group13: int,
-                         group2: int, activation: str) -> torch.Tensor:
+def moe_experts_int4_cpu(
+    x: torch.Tensor,
+    weights: torch.Tensor,
+    ids: torch.Tensor,
+    w13_packed: torch.Tensor,
+    w13_sz: torch.Tensor,
+    w2_packed: torch.Tensor,
+    w2_sz: torch.Tensor,
+    w13_perm: torch.Tensor | None,
+    w2_perm: torch.Tensor | None,
+    group13: int,
+    group2: int,
+    activation: str,
+) -> torch.Tensor:
     """The routed experts' sum with int4 experts packed per expert: w13_packed/w2_packed [E, ...]
     (from _convert_weight_to_int4pack_for_cpu), scales-and-zeros [E, K / group, N, 2] in the
     kernel's activation dtype, act-order column permutations [E, K] or None."""

@@ -23,8 +23,13 @@ from compiler.kernels.kv_quant import byte_view, from_cache, to_cache
 
 
 def write_kv_reference(
-    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-    slot_mapping: torch.Tensor, k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> None:
     """Scatter k/v rows [T, Hkv, D] into their slots (quantized for an fp8 cache).
 
@@ -41,10 +46,20 @@ def write_kv_reference(
 
 
 def paged_attention_reference(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-    query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor,
-    scale: float, max_query_len: int, max_seq_len: int, num_decodes: int = 0, sliding_window: int = 0,
-    softcap: float = 0.0, k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    scale: float,
+    max_query_len: int,
+    max_seq_len: int,
+    num_decodes: int = 0,
+    sliding_window: int = 0,
+    softcap: float = 0.0,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Batched gather + SDPA over the paged cache; returns [num_tokens, num_heads, head_dim].
     An fp8 cache is dequantized with k_scale / v_scale (None: 1) as it is gathered.
@@ -63,14 +78,36 @@ def paged_attention_reference(
         # A mixed step: padding every decode to the longest prefill chunk would multiply the
         # work, so the decodes and the chunks are attended separately.
         nd = num_decodes
-        decodes = paged_attention_reference(q[:nd], k_cache, v_cache, query_start_loc[:nd + 1], seq_lens[:nd],
-                                            block_tables[:nd], scale, 1, max_seq_len,
-                                            sliding_window=sliding_window, softcap=softcap,
-                                            k_scale=k_scale, v_scale=v_scale)
-        chunks = paged_attention_reference(q[nd:], k_cache, v_cache, query_start_loc[nd:] - nd, seq_lens[nd:],
-                                           block_tables[nd:], scale, max_query_len, max_seq_len,
-                                           sliding_window=sliding_window, softcap=softcap,
-                                           k_scale=k_scale, v_scale=v_scale)
+        decodes = paged_attention_reference(
+            q[:nd],
+            k_cache,
+            v_cache,
+            query_start_loc[: nd + 1],
+            seq_lens[:nd],
+            block_tables[:nd],
+            scale,
+            1,
+            max_seq_len,
+            sliding_window=sliding_window,
+            softcap=softcap,
+            k_scale=k_scale,
+            v_scale=v_scale,
+        )
+        chunks = paged_attention_reference(
+            q[nd:],
+            k_cache,
+            v_cache,
+            query_start_loc[nd:] - nd,
+            seq_lens[nd:],
+            block_tables[nd:],
+            scale,
+            max_query_len,
+            max_seq_len,
+            sliding_window=sliding_window,
+            softcap=softcap,
+            k_scale=k_scale,
+            v_scale=v_scale,
+        )
         return torch.cat([decodes, chunks])
     device = q.device
     max_blocks = min(block_tables.shape[1], -(-max(max_seq_len, 1) // block_size))
@@ -98,8 +135,14 @@ def paged_attention_reference(
         empty = lens == 0
         mask = mask | (empty[:, None] & (key_pos[None, :] == 0))
         out = _attend(
-            q[:, :, None, :].to(compute), keys.to(compute), values.to(compute),
-            attn_mask=mask[:, None, None, :], scale=scale, enable_gqa=gqa, softcap=softcap)
+            q[:, :, None, :].to(compute),
+            keys.to(compute),
+            values.to(compute),
+            attn_mask=mask[:, None, None, :],
+            scale=scale,
+            enable_gqa=gqa,
+            softcap=softcap,
+        )
         return out[:, :, 0, :].to(q.dtype).masked_fill(empty[:, None, None], 0.0)
 
     starts = query_start_loc[:-1].long()
@@ -121,8 +164,13 @@ def paged_attention_reference(
     mask = mask | (empty & (key_pos[None, None, :] == 0))
 
     out = _attend(
-        qp.to(compute), keys.to(compute), values.to(compute),
-        attn_mask=mask[:, None, :, :], scale=scale, enable_gqa=gqa, softcap=softcap,
+        qp.to(compute),
+        keys.to(compute),
+        values.to(compute),
+        attn_mask=mask[:, None, :, :],
+        scale=scale,
+        enable_gqa=gqa,
+        softcap=softcap,
     )
     out = out.to(q.dtype).masked_fill(empty[:, None, :, :], 0.0)
     out = out.transpose(1, 2)  # [S, max_q, H, D]
@@ -134,15 +182,23 @@ def paged_attention_reference(
     return padded[:num_tokens]
 
 
-def _gather(cache: torch.Tensor, tables: torch.Tensor, compute: torch.dtype,
-            scale: torch.Tensor | None) -> torch.Tensor:
+def _gather(
+    cache: torch.Tensor, tables: torch.Tensor, compute: torch.dtype, scale: torch.Tensor | None
+) -> torch.Tensor:
     """The blocks `tables` names, as `compute` values (an fp8 cache dequantized)."""
     rows = byte_view(cache).index_select(0, tables)
     return from_cache(rows.view(cache.dtype), compute, scale)
 
 
-def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor, scale: float,
-            enable_gqa: bool, softcap: float = 0.0) -> torch.Tensor:
+def _attend(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    attn_mask: torch.Tensor,
+    scale: float,
+    enable_gqa: bool,
+    softcap: float = 0.0,
+) -> torch.Tensor:
     """SDPA, or with softcap > 0 the same product written out: SDPA has no score capping."""
     if softcap <= 0:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, scale=scale, enable_gqa=enable_gqa)

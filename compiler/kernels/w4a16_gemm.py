@@ -28,8 +28,9 @@ _W4A16_TYPES = (PTR, PTR, PTR, PTR, PTR, I32, I32, I32, I32, I64, I64)
 W4A16_NIBBLE_COLUMN = (0, 2, 4, 6, 1, 3, 5, 7)
 
 
-def pack_w4a16(qweight: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor, group_size: int
-               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def pack_w4a16(
+    qweight: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor, group_size: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """kiln's int4 layer (qweight uint8 [N, K / 2], column 2j in the low nibble of byte j; zeros
     uint8 and scales float32 [N, K / group]) -> the w4a16_gemm kernel's buffers:
 
@@ -46,8 +47,10 @@ def pack_w4a16(qweight: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor,
     if reason is not None:
         raise ValueError(f"w4a16: {reason}")
     if tuple(zeros.shape) != (n, k // group_size) or tuple(scales.shape) != (n, k // group_size):
-        raise ValueError(f"w4a16: zeros {tuple(zeros.shape)} / scales {tuple(scales.shape)} for {n} rows and "
-                         f"{k // group_size} groups")
+        raise ValueError(
+            f"w4a16: zeros {tuple(zeros.shape)} / scales {tuple(scales.shape)} for {n} rows and "
+            f"{k // group_size} groups"
+        )
     if int(zeros.max()) >= 128:
         raise ValueError("w4a16: zero points must be below 128 (the kernel adds them to bf16 128)")
     q = torch.stack([qweight & 0x0F, qweight >> 4], dim=-1).reshape(n, k)
@@ -107,8 +110,17 @@ class W4A16Gemm:
         if self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
         self.lib = KernelLibrary(Path(cache_dir), [W4A16_VARIANT]).load(self.device)
-        self.launch = {mt: Launcher(self.lib.function(W4A16_VARIANT, f"t{mt}"), W4A16_THREADS, 0, _W4A16_TYPES,
-                                    f"{W4A16_VARIANT}_t{mt}", self.lib.context) for mt in W4A16_TOKEN_TILES}
+        self.launch = {
+            mt: Launcher(
+                self.lib.function(W4A16_VARIANT, f"t{mt}"),
+                W4A16_THREADS,
+                0,
+                _W4A16_TYPES,
+                f"{W4A16_VARIANT}_t{mt}",
+                self.lib.context,
+            )
+            for mt in W4A16_TOKEN_TILES
+        }
         self.handle = next(_handles)
         _live_gemms[self.handle] = self
 
@@ -117,21 +129,37 @@ class W4A16Gemm:
         """Why these tensors cannot go to the kernel (None: they can)."""
         m, k = x.shape
         groups, n = scales.shape
-        if not (packed.dtype == torch.uint8 and packed.is_contiguous() and packed.dim() == 4
-                and tuple(packed.shape) == (n // 16, k // 64, 32, 16) and packed.data_ptr() % 16 == 0):
+        if not (
+            packed.dtype == torch.uint8
+            and packed.is_contiguous()
+            and packed.dim() == 4
+            and tuple(packed.shape) == (n // 16, k // 64, 32, 16)
+            and packed.data_ptr() % 16 == 0
+        ):
             return f"packed weight {packed.dtype} {tuple(packed.shape)} for x {tuple(x.shape)} and {n} outputs"
         reason = w4a16_unsupported(n, k, k // groups if groups else 0)
         if reason is not None:
             return reason
-        if not (scales.dtype == torch.float32 and scales.is_contiguous() and zeros.dtype == torch.uint8
-                and zeros.is_contiguous() and zeros.shape == scales.shape):
+        if not (
+            scales.dtype == torch.float32
+            and scales.is_contiguous()
+            and zeros.dtype == torch.uint8
+            and zeros.is_contiguous()
+            and zeros.shape == scales.shape
+        ):
             return f"scales {scales.dtype} / zeros {zeros.dtype} {tuple(zeros.shape)} (contiguous float32 / uint8)"
         if x.dtype != torch.bfloat16:
             return f"{x.dtype} activations (the kernel takes bfloat16)"
         return None
 
-    def __call__(self, x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
-                 out: torch.Tensor | None = None) -> torch.Tensor:
+    def __call__(
+        self,
+        x: torch.Tensor,
+        packed: torch.Tensor,
+        scales: torch.Tensor,
+        zeros: torch.Tensor,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         reason = self.unsupported(x, packed, scales, zeros)
         if reason is not None:
             raise ValueError(f"w4a16_gemm: {reason}")
@@ -146,7 +174,21 @@ class W4A16Gemm:
             return y
         mt = next((t for t in W4A16_TOKEN_TILES if m <= 8 * t), W4A16_TOKEN_TILES[-1])
         stream = torch.cuda.current_stream(x.device).cuda_stream
-        self.launch[mt]((n // 16, 1, -(-m // (8 * mt))), stream,
-                        (x.data_ptr(), packed.data_ptr(), scales.data_ptr(), zeros.data_ptr(), y.data_ptr(),
-                         m, n, k, k // groups, x.stride(0), y.stride(0)))
+        self.launch[mt](
+            (n // 16, 1, -(-m // (8 * mt))),
+            stream,
+            (
+                x.data_ptr(),
+                packed.data_ptr(),
+                scales.data_ptr(),
+                zeros.data_ptr(),
+                y.data_ptr(),
+                m,
+                n,
+                k,
+                k // groups,
+                x.stride(0),
+                y.stride(0),
+            ),
+        )
         return y

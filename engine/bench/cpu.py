@@ -41,8 +41,7 @@ from typing import Any
 import numpy as np
 import torch
 
-BURNER = ("import sys, time\nend = time.time() + float(sys.argv[1])\nx = 0\n"
-          "while time.time() < end:\n    x += 1\n")
+BURNER = "import sys, time\nend = time.time() + float(sys.argv[1])\nx = 0\nwhile time.time() < end:\n    x += 1\n"
 
 
 class Neighbour:
@@ -107,8 +106,9 @@ def throughput(engine, args, requests: int | None = None, output_len: int | None
 
     vocab = engine.model_config.vocab_size
     prompts = _prompts(requests or args.requests, max(1, args.input_len // 2), args.input_len, vocab, 3)
-    params = SamplingParams(temperature=0.0, max_tokens=output_len or args.output_len, ignore_eos=True,
-                            detokenize=False)
+    params = SamplingParams(
+        temperature=0.0, max_tokens=output_len or args.output_len, ignore_eos=True, detokenize=False
+    )
     for i, p in enumerate(prompts):
         engine.add_request(p, params, request_id=f"tp{i}")
     t0 = time.perf_counter()
@@ -130,7 +130,8 @@ def run_settings(engine, settings: list[tuple[str, int]], args, neighbour: bool)
             torch.set_num_threads(n)  # what apply_cpu_threads does without pinning, minus its log line
             ms = batch1(engine, args)
             samples[label]["b1"].append(ms)
-            line = f"  round {r + 1}, {'with' if neighbour else 'no  '} neighbour, threads {label:>11}: batch-1 {ms:8.2f} ms/token"
+            who = "with" if neighbour else "no  "
+            line = f"  round {r + 1}, {who} neighbour, threads {label:>11}: batch-1 {ms:8.2f} ms/token"
             if args.requests > 0:
                 throughput(engine, args, requests=engine.settings.max_num_seqs, output_len=2)  # warm the big batches
                 tps = throughput(engine, args)
@@ -139,8 +140,12 @@ def run_settings(engine, settings: list[tuple[str, int]], args, neighbour: bool)
             print(line, flush=True)
     rows = []
     for label, n in settings:
-        row = {"setting": label, "threads": n, "neighbour": neighbour,
-               "batch1_ms": float(np.median(samples[label]["b1"]))}
+        row = {
+            "setting": label,
+            "threads": n,
+            "neighbour": neighbour,
+            "batch1_ms": float(np.median(samples[label]["b1"])),
+        }
         if args.requests > 0:
             row["throughput_tok_s"] = float(np.median(samples[label]["tp"]))
         rows.append(row)
@@ -157,9 +162,11 @@ def print_table(rows: list[dict[str, Any]]) -> None:
     print("\n| neighbour | threads | batch-1 ms/token | x best | throughput tok/s | x best |")
     print("|---|---|---|---|---|---|")
     for r in rows:
-        tp = (f"{r['throughput_tok_s']:.1f} | {r['throughput_vs_best']:.2f}" if "throughput_tok_s" in r else "- | -")
-        print(f"| {'yes' if r['neighbour'] else 'no'} | {r['setting']} | {r['batch1_ms']:.2f} | "
-              f"{r['batch1_vs_best']:.2f} | {tp} |")
+        tp = f"{r['throughput_tok_s']:.1f} | {r['throughput_vs_best']:.2f}" if "throughput_tok_s" in r else "- | -"
+        print(
+            f"| {'yes' if r['neighbour'] else 'no'} | {r['setting']} | {r['batch1_ms']:.2f} | "
+            f"{r['batch1_vs_best']:.2f} | {tp} |"
+        )
 
 
 def check_default(rows: list[dict[str, Any]]) -> bool:
@@ -169,8 +176,10 @@ def check_default(rows: list[dict[str, Any]]) -> bool:
         if r["neighbour"] and r["setting"].startswith("default"):
             worst = max(r["batch1_vs_best"], r.get("throughput_vs_best", 1.0))
             ok = worst <= 1.3
-            print(f"\ndefault with the neighbour: {worst:.2f}x of the best setting "
-                  f"({'within' if ok else 'NOT within'} 1.3x)")
+            print(
+                f"\ndefault with the neighbour: {worst:.2f}x of the best setting "
+                f"({'within' if ok else 'NOT within'} 1.3x)"
+            )
     return ok
 
 
@@ -191,12 +200,19 @@ def baseline(engine, args) -> dict[str, float]:
         rounds.append((kiln_ms, hf_ms, res["tokens"][0] == hf_tokens[0]))
     kiln_ms = float(np.median([r[0] for r in rounds]))
     hf_ms = float(np.median([r[1] for r in rounds]))
-    out = {"kiln_ms": kiln_ms, "hf_ms": hf_ms, "ratio": hf_ms / kiln_ms, "same_tokens": all(r[2] for r in rounds),
-           "threads": torch.get_num_threads()}
-    print(f"\nbatch 1 vs transformers generate ({torch.get_num_threads()} threads, {n} tokens, median of "
-          f"{len(rounds)} interleaved rounds): kiln {kiln_ms:.2f} ms/token, transformers {hf_ms:.2f} ms/token "
-          f"(both end to end, prefill included, per token) -> kiln {out['ratio']:.2f}x; greedy tokens "
-          f"{'identical' if out['same_tokens'] else 'DIFFER'}")
+    out = {
+        "kiln_ms": kiln_ms,
+        "hf_ms": hf_ms,
+        "ratio": hf_ms / kiln_ms,
+        "same_tokens": all(r[2] for r in rounds),
+        "threads": torch.get_num_threads(),
+    }
+    print(
+        f"\nbatch 1 vs transformers generate ({torch.get_num_threads()} threads, {n} tokens, median of "
+        f"{len(rounds)} interleaved rounds): kiln {kiln_ms:.2f} ms/token, transformers {hf_ms:.2f} ms/token "
+        f"(both end to end, prefill included, per token) -> kiln {out['ratio']:.2f}x; greedy tokens "
+        f"{'identical' if out['same_tokens'] else 'DIFFER'}"
+    )
     return out
 
 
@@ -228,7 +244,7 @@ def parts(engine, args) -> dict[str, Any]:
             tables = torch.arange(1, blocks, dtype=torch.int32).view(batch, -1)
             lens = torch.full((batch,), ctx, dtype=torch.int32)
             qsl = torch.arange(batch + 1, dtype=torch.int32)
-            scale = cfg.head_dim ** -0.5
+            scale = cfg.head_dim**-0.5
 
             out_buf = torch.empty_like(q)
 
@@ -241,23 +257,42 @@ def parts(engine, args) -> dict[str, Any]:
             row = {"batch": batch, "ctx": ctx, "compiled_ms": timed(fused), "reference_ms": timed(reference)}
             row["speedup"] = row["reference_ms"] / row["compiled_ms"]
             out["attention"].append(row)
-            print(f"  decode attention, one layer, batch {batch:3d}, context {ctx:5d}: C++ kernel "
-                  f"{row['compiled_ms']:.3f} ms, reference {row['reference_ms']:.3f} ms -> {row['speedup']:.2f}x")
+            print(
+                f"  decode attention, one layer, batch {batch:3d}, context {ctx:5d}: C++ kernel "
+                f"{row['compiled_ms']:.3f} ms, reference {row['reference_ms']:.3f} ms -> {row['speedup']:.2f}x"
+            )
     eager = LLMEngine.from_settings(EngineSettings(**{**engine.settings.model_dump(), "enforce_eager": True}))
     ref_ms, ours_ms = batch1(eager, args), batch1(engine, args)
     del eager
     out["batch1_reference_attention_ms"], out["batch1_default_ms"] = ref_ms, ours_ms
-    print(f"  whole model, batch 1: eager forward + reference attention {ref_ms:.2f} ms/token, eager forward + "
-          f"compiled attention (default) {ours_ms:.2f} ms/token -> {ref_ms / ours_ms:.2f}x")
+    print(
+        f"  whole model, batch 1: eager forward + reference attention {ref_ms:.2f} ms/token, eager forward + "
+        f"compiled attention (default) {ours_ms:.2f} ms/token -> {ref_ms / ours_ms:.2f}x"
+    )
     return out
 
 
 # Which part of a decode step an op's own time belongs to (by its name; first match wins).
-STEP_PARTS = (("linear", ("aten::mm", "aten::addmm", "aten::bmm", "mkldnn::", "aten::_weight_int", "gemv",
-                          "linear_pointwise", "kiln_quant", "int4", "int8")),
-              ("attention", ("kiln_cpu::", "kiln::paged", "kiln::write_kv", "attention")),
-              ("fused norms/rope/act", ("kiln_cpu_fused::",)),
-              ("other torch ops", ("",)))
+STEP_PARTS = (
+    (
+        "linear",
+        (
+            "aten::mm",
+            "aten::addmm",
+            "aten::bmm",
+            "mkldnn::",
+            "aten::_weight_int",
+            "gemv",
+            "linear_pointwise",
+            "kiln_quant",
+            "int4",
+            "int8",
+        ),
+    ),
+    ("attention", ("kiln_cpu::", "kiln::paged", "kiln::write_kv", "attention")),
+    ("fused norms/rope/act", ("kiln_cpu_fused::",)),
+    ("other torch ops", ("",)),
+)
 
 
 def step_part(name: str) -> str:
@@ -324,8 +359,10 @@ def decoder_stack(engine, batches: list[int], rounds: int, steps: int, input_len
     if head is not None:
         variants["stack, dense head"] = lambda: use(packed=None)
     out: dict[str, Any] = {"rows": []}
-    print(f"\ndecoder stack vs op by op ({torch.get_num_threads()} threads, {steps} decode steps per run, "
-          f"{rounds} interleaved rounds, medians; thread team up to {team_rows} rows):")
+    print(
+        f"\ndecoder stack vs op by op ({torch.get_num_threads()} threads, {steps} decode steps per run, "
+        f"{rounds} interleaved rounds, medians; thread team up to {team_rows} rows):"
+    )
     try:
         for batch in batches:
             ms: dict[str, list[float]] = {label: [] for label in variants}
@@ -333,18 +370,30 @@ def decoder_stack(engine, batches: list[int], rounds: int, steps: int, input_len
                 for label, setup in variants.items():
                     setup()
                     ms[label].append(decode_step_ms(engine, batch, steps, input_len))
-                print(f"  batch {batch}, round {r + 1}: " + ", ".join(f"{k} {v[-1]:.2f}" for k, v in ms.items())
-                      + " ms/step", flush=True)
+                print(
+                    f"  batch {batch}, round {r + 1}: "
+                    + ", ".join(f"{k} {v[-1]:.2f}" for k, v in ms.items())
+                    + " ms/step",
+                    flush=True,
+                )
             med = {k: float(np.median(v)) for k, v in ms.items()}
-            row = {"batch": batch, "stack_ms": med["stack"], "op_by_op_ms": med["op by op"], "samples": ms,
-                   "speedup": med["op by op"] / med["stack"], "team_speedup": med["stack, fork/join"] / med["stack"]}
+            row = {
+                "batch": batch,
+                "stack_ms": med["stack"],
+                "op_by_op_ms": med["op by op"],
+                "samples": ms,
+                "speedup": med["op by op"] / med["stack"],
+                "team_speedup": med["stack, fork/join"] / med["stack"],
+            }
             extra = f", team / fork-join {row['team_speedup']:.2f}x"
             if head is not None:
                 row["packed_head_speedup"] = med["stack, dense head"] / med["stack"]
                 extra += f", GGUF-blocks head / dense head {row['packed_head_speedup']:.2f}x"
             out["rows"].append(row)
-            print(f"  batch {batch}: stack {row['stack_ms']:.2f} ms/step, op by op {row['op_by_op_ms']:.2f} "
-                  f"ms/step -> {row['speedup']:.2f}x{extra}")
+            print(
+                f"  batch {batch}: stack {row['stack_ms']:.2f} ms/step, op by op {row['op_by_op_ms']:.2f} "
+                f"ms/step -> {row['speedup']:.2f}x{extra}"
+            )
     finally:
         use()
     return out
@@ -369,11 +418,17 @@ def step_parts(engine, batch: int, steps: int, input_len: int) -> dict[str, Any]
         ops += ev.count
         parts[step_part(ev.key)] += ev.self_cpu_time_total / steps
     op_us = sum(parts.values())
-    row = {"batch": batch, "step_us": wall_us, "ops_per_step": ops / steps,
-           "parts_us": {**parts, "host (no op)": max(wall_us - op_us, 0.0)}}
-    print(f"  batch {batch}: step {wall_us / 1e3:.2f} ms (median of {steps}, unprofiled), {row['ops_per_step']:.0f} "
-          f"torch ops per step: " + ", ".join(f"{k} {v / 1e3:.2f} ms ({100 * v / wall_us:.0f}%)"
-                                              for k, v in row["parts_us"].items()))
+    row = {
+        "batch": batch,
+        "step_us": wall_us,
+        "ops_per_step": ops / steps,
+        "parts_us": {**parts, "host (no op)": max(wall_us - op_us, 0.0)},
+    }
+    print(
+        f"  batch {batch}: step {wall_us / 1e3:.2f} ms (median of {steps}, unprofiled), {row['ops_per_step']:.0f} "
+        f"torch ops per step: "
+        + ", ".join(f"{k} {v / 1e3:.2f} ms ({100 * v / wall_us:.0f}%)" for k, v in row["parts_us"].items())
+    )
     return row
 
 
@@ -393,23 +448,32 @@ def startup(settings: dict[str, Any]) -> list[float]:
     for i in range(2):
         start = time.time()
         code = STARTUP.format(settings=settings, start=start)
-        res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=1800,
-                             cwd=str(Path(__file__).resolve().parents[2]))
+        res = subprocess.run(
+            [sys.executable, "-c", code],
+            capture_output=True,
+            text=True,
+            timeout=1800,
+            cwd=str(Path(__file__).resolve().parents[2]),
+        )
         line = [ln for ln in res.stdout.splitlines() if ln.startswith("FIRST_TOKEN")]
         if res.returncode != 0 or not line:
             raise RuntimeError(f"start-up run failed: {res.stderr[-2000:]}")
         total, compile_s = map(float, line[0].split()[1:])
         times.append(total)
-        print(f"  start {i + 1} ({'maybe cold' if i == 0 else 'warm cache'}): first token after {total:.2f}s "
-              f"(of which kernel load/build + warm-up {compile_s:.2f}s)", flush=True)
+        print(
+            f"  start {i + 1} ({'maybe cold' if i == 0 else 'warm cache'}): first token after {total:.2f}s "
+            f"(of which kernel load/build + warm-up {compile_s:.2f}s)",
+            flush=True,
+        )
     return times
 
 
 def build_parser() -> argparse.ArgumentParser:
     from engine.entrypoints.cli.flags import add_settings_flags
 
-    p = argparse.ArgumentParser(prog="kiln bench cpu", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="kiln bench cpu", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--threads", default="default,1,2,all", help="settings to compare (default, all, or counts)")
     p.add_argument("--no-neighbour", action="store_true", help="skip the runs next to a CPU-burning process")
     p.add_argument("--neighbour-procs", type=int, default=1, help="busy-loop processes of the neighbour")
@@ -426,8 +490,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--step-parts", action="store_true", help="where a decode step's time goes (profiled)")
     p.add_argument("--step-parts-batch", default="1,16", help="batch sizes for --step-parts (default 1,16)")
     p.add_argument("--step-parts-steps", type=int, default=20, help="decode steps timed per batch size")
-    p.add_argument("--decoder-stack", action="store_true",
-                   help="decode steps with the C++ decoder stack vs the layers op by op, interleaved")
+    p.add_argument(
+        "--decoder-stack",
+        action="store_true",
+        help="decode steps with the C++ decoder stack vs the layers op by op, interleaved",
+    )
     p.add_argument("--decoder-stack-batch", default="1,16", help="batch sizes for --decoder-stack (default 1,16)")
     p.add_argument("--decoder-stack-rounds", type=int, default=5)
     p.add_argument("--decoder-stack-steps", type=int, default=20, help="decode steps timed per run")
@@ -455,19 +522,29 @@ def main(argv: list[str]) -> int:
         print("start-up (fresh processes):")
         results["startup_s"] = startup(settings.model_dump(mode="json", exclude_defaults=True))
     engine = LLMEngine.from_settings(settings)
-    print(f"model {engine.model_dir}, {len(cores)} available cores, default plan {default} threads; "
-          f"the machine may be shared with other jobs: compare ratios, not absolute numbers")
+    print(
+        f"model {engine.model_dir}, {len(cores)} available cores, default plan {default} threads; "
+        f"the machine may be shared with other jobs: compare ratios, not absolute numbers"
+    )
     if args.baseline:
         results["baseline"] = baseline(engine, args)
     if args.parts:
         results["parts"] = parts(engine, args)
     if args.step_parts:
         print(f"\nwhere a decode step's time goes ({torch.get_num_threads()} threads, context {args.input_len}+):")
-        results["step_parts"] = [step_parts(engine, int(b), args.step_parts_steps, args.input_len)
-                                 for b in args.step_parts_batch.split(",") if b.strip()]
+        results["step_parts"] = [
+            step_parts(engine, int(b), args.step_parts_steps, args.input_len)
+            for b in args.step_parts_batch.split(",")
+            if b.strip()
+        ]
     if args.decoder_stack:
-        results["decoder_stack"] = decoder_stack(engine, [int(b) for b in args.decoder_stack_batch.split(",") if b],
-                                                 args.decoder_stack_rounds, args.decoder_stack_steps, args.input_len)
+        results["decoder_stack"] = decoder_stack(
+            engine,
+            [int(b) for b in args.decoder_stack_batch.split(",") if b],
+            args.decoder_stack_rounds,
+            args.decoder_stack_steps,
+            args.input_len,
+        )
     chosen = thread_settings(args.threads, len(cores), default)
     rows = run_settings(engine, chosen, args, neighbour=False)
     ok = True

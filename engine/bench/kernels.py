@@ -136,8 +136,15 @@ def _decode_case(B: int, ctx: int, dtype, kv_bytes: int, kernels_by_path: dict):
     qsl = torch.arange(B + 1, dtype=torch.int32, device="cuda")
     lens = torch.full((B,), ctx, dtype=torch.int32, device="cuda")
     scale = 1 / math.sqrt(D)
-    fns = {path: [lambda kv=kv, bt=bt, h=k.handle: torch.ops.kiln.paged_attention_cutlass(
-        out, q, kv, 0, qsl, lens, bt, scale, 1, ctx, 0, h) for kv, bt in sets] for path, k in kernels_by_path.items()}
+    fns = {
+        path: [
+            lambda kv=kv, bt=bt, h=k.handle: torch.ops.kiln.paged_attention_cutlass(
+                out, q, kv, 0, qsl, lens, bt, scale, 1, ctx, 0, h
+            )
+            for kv, bt in sets
+        ]
+        for path, k in kernels_by_path.items()
+    }
     return sets, q, qsl, lens, scale, fns
 
 
@@ -159,22 +166,33 @@ def bench_decode(kernels_by_path, chosen, batches, ctxs, copy_bw, baselines_max_
             cpg = max(len(sets), 20 if kv_bytes < 1e9 else 4)
             times = {path: _time_graph(f, calls_per_graph=cpg) for path, f in fns.items()}
             t = times[chosen]
-            row = {"kind": "decode", "batch": B, "ctx": ctx, "kiln_us": t * 1e6, "kiln_GBps": kv_bytes / t / 1e9,
-                   "kiln_copy_share": kv_bytes / t / copy_bw, "v1_us": times.get("v1", math.nan) * 1e6,
-                   "v2_us": times.get("v2", math.nan) * 1e6, "path": chosen,
-                   "splits": {p: k.decode_plan(B, HQ, HKV, sets[0][1].shape[1]).splits
-                              for p, k in kernels_by_path.items()}}
+            row = {
+                "kind": "decode",
+                "batch": B,
+                "ctx": ctx,
+                "kiln_us": t * 1e6,
+                "kiln_GBps": kv_bytes / t / 1e9,
+                "kiln_copy_share": kv_bytes / t / copy_bw,
+                "v1_us": times.get("v1", math.nan) * 1e6,
+                "v2_us": times.get("v2", math.nan) * 1e6,
+                "path": chosen,
+                "splits": {
+                    p: k.decode_plan(B, HQ, HKV, sets[0][1].shape[1]).splits for p, k in kernels_by_path.items()
+                },
+            }
             if kv_bytes <= baselines_max_bytes:
                 kv, bt = sets[0]
                 kc, vc = kv[0, 0], kv[0, 1]
-                tr = _time([lambda: paged_attention_reference(q, kc, vc, qsl, lens, bt, scale, 1, ctx)],
-                                 calls_per_graph=3)
+                tr = _time(
+                    [lambda: paged_attention_reference(q, kc, vc, qsl, lens, bt, scale, 1, ctx)], calls_per_graph=3
+                )
                 kd = torch.randn(B, HKV, ctx, D, dtype=dtype, device="cuda")
                 vd = torch.randn_like(kd)
                 qd = q.view(B, HKV, HQ // HKV, D)  # a kv group's query heads as rows: plain MHA SDPA
                 ts = _time([lambda: F.scaled_dot_product_attention(qd, kd, vd, scale=scale)], calls_per_graph=5)
-                row.update(ref_us=tr * 1e6, ref_GBps=kv_bytes / tr / 1e9, sdpa_us=ts * 1e6,
-                           sdpa_GBps=kv_bytes / ts / 1e9)
+                row.update(
+                    ref_us=tr * 1e6, ref_GBps=kv_bytes / tr / 1e9, sdpa_us=ts * 1e6, sdpa_GBps=kv_bytes / ts / 1e9
+                )
                 del kd, vd
             rows.append(row)
             del sets
@@ -182,8 +200,9 @@ def bench_decode(kernels_by_path, chosen, batches, ctxs, copy_bw, baselines_max_
     return rows
 
 
-def bench_decode_sweep(kernels, copy_bw, batches=(1, 16, 64), ctx=2048,
-                       min_tokens=(32, 64, 128, 256, 512), ctas_per_sm=(1, 2, 3, 4, 8)):
+def bench_decode_sweep(
+    kernels, copy_bw, batches=(1, 16, 64), ctx=2048, min_tokens=(32, 64, 128, 256, 512), ctas_per_sm=(1, 2, 3, 4, 8)
+):
     """v2 decode time per (tokens-per-split, CTAs-per-SM) policy setting (`kernels`: the v2 ones)."""
     import torch
 
@@ -199,9 +218,19 @@ def bench_decode_sweep(kernels, copy_bw, batches=(1, 16, 64), ctx=2048,
                     kernels.decode_min_tokens, kernels.decode_ctas_per_sm = mt, cps
                     splits = kernels.decode_plan(B, HQ, HKV, sets[0][1].shape[1]).splits
                     t = _time_graph(fns, calls_per_graph=max(len(fns), 20))
-                    rows.append({"kind": "decode_sweep", "batch": B, "ctx": ctx, "min_tokens": mt,
-                                 "ctas_per_sm": cps, "splits": splits, "us": t * 1e6,
-                                 "GBps": kv_bytes / t / 1e9, "copy_share": kv_bytes / t / copy_bw})
+                    rows.append(
+                        {
+                            "kind": "decode_sweep",
+                            "batch": B,
+                            "ctx": ctx,
+                            "min_tokens": mt,
+                            "ctas_per_sm": cps,
+                            "splits": splits,
+                            "us": t * 1e6,
+                            "GBps": kv_bytes / t / 1e9,
+                            "copy_share": kv_bytes / t / copy_bw,
+                        }
+                    )
         finally:
             kernels.decode_min_tokens = kernels.decode_ctas_per_sm = None
         del sets
@@ -225,16 +254,23 @@ def bench_prefill(kernels_by_path, chosen, seq_lens, head_cfgs, tokens=16384):
             total = B * nblk + 1
             kv = torch.empty(1, 2, total, BS, hkv, D, dtype=dtype, device="cuda").normal_(generator=g)
             kc, vc = kv[0, 0], kv[0, 1]
-            bt = (torch.randperm(total - 1, device="cuda", generator=g).to(torch.int32) + 1)[: B * nblk].view(B, nblk).contiguous()
+            bt = (
+                (torch.randperm(total - 1, device="cuda", generator=g).to(torch.int32) + 1)[: B * nblk]
+                .view(B, nblk)
+                .contiguous()
+            )
             q = torch.randn(B * S, hq, D, dtype=dtype, device="cuda")
             out = torch.empty_like(q)
-            qsl = (torch.arange(B + 1, dtype=torch.int32, device="cuda") * S)
+            qsl = torch.arange(B + 1, dtype=torch.int32, device="cuda") * S
             lens = torch.full((B,), S, dtype=torch.int32, device="cuda")
             scale = 1 / math.sqrt(D)
             times = {}
             for path, k in kernels_by_path.items():
-                fn = [lambda h=k.handle: torch.ops.kiln.paged_attention_cutlass(out, q, kv, 0, qsl, lens, bt, scale,
-                                                                               S, S, 0, h)]
+                fn = [
+                    lambda h=k.handle, out=out, q=q, kv=kv: torch.ops.kiln.paged_attention_cutlass(
+                        out, q, kv, 0, qsl, lens, bt, scale, S, S, 0, h
+                    )
+                ]
                 try:
                     times[path] = _time_graph(fn, calls_per_graph=3)
                 except Exception as e:  # noqa: BLE001 - report, keep benchmarking the rest
@@ -245,11 +281,24 @@ def bench_prefill(kernels_by_path, chosen, seq_lens, head_cfgs, tokens=16384):
             # dense K/V with the kv heads expanded to hq (same FLOPs; SDPA's flash path takes it)
             kd = torch.randn(B, hkv, S, D, dtype=dtype, device="cuda").repeat_interleave(hq // hkv, dim=1)
             vd = torch.randn_like(kd)
-            ts = _time([lambda: F.scaled_dot_product_attention(qd, kd, vd, is_causal=True, scale=scale)],
-                       calls_per_graph=3)
-            rows.append({"kind": "prefill", "heads": f"{hq}/{hkv}", "batch": B, "seq": S, "kiln_ms": t * 1e3,
-                         "kiln_TFLOPs": flops / t / 1e12,
-                         "mma_TFLOPs": flops / t_mma / 1e12, "wgmma_TFLOPs": flops / t_wg / 1e12, "sdpa_ms": ts * 1e3, "sdpa_TFLOPs": flops / ts / 1e12})
+            ts = _time(
+                [lambda qd=qd, kd=kd, vd=vd: F.scaled_dot_product_attention(qd, kd, vd, is_causal=True, scale=scale)],
+                calls_per_graph=3,
+            )
+            rows.append(
+                {
+                    "kind": "prefill",
+                    "heads": f"{hq}/{hkv}",
+                    "batch": B,
+                    "seq": S,
+                    "kiln_ms": t * 1e3,
+                    "kiln_TFLOPs": flops / t / 1e12,
+                    "mma_TFLOPs": flops / t_mma / 1e12,
+                    "wgmma_TFLOPs": flops / t_wg / 1e12,
+                    "sdpa_ms": ts * 1e3,
+                    "sdpa_TFLOPs": flops / ts / 1e12,
+                }
+            )
             del kv, kc, vc, q, out, qd, kd, vd
             torch.cuda.empty_cache()
     return rows
@@ -260,14 +309,28 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true", help="fewer shapes (skips the 32k-context large batches)")
     p.add_argument("--json", type=Path, default=None, help="also write the results as JSON here")
     p.add_argument("--cache-dir", type=Path, default=DEFAULT_CACHE_DIR)
-    p.add_argument("--sweep", action="store_true",
-                   help="also sweep the v2 decode split policy (tokens per split x CTAs per SM), B 1/16/64, ctx 2048")
-    p.add_argument("--decode-kernel", choices=("v1", "v2"), default="v1",
-                   help="the decode generation timed (the decode_kernel setting; default v1)")
-    p.add_argument("--prefill-kernel", choices=("mma", "wgmma"), default="mma",
-                   help="the prefill generation timed (the prefill_kernel setting; default mma)")
-    p.add_argument("--compare", action="store_true",
-                   help="also load and time the other generations (v1/v2, mma/wgmma columns) in this process")
+    p.add_argument(
+        "--sweep",
+        action="store_true",
+        help="also sweep the v2 decode split policy (tokens per split x CTAs per SM), B 1/16/64, ctx 2048",
+    )
+    p.add_argument(
+        "--decode-kernel",
+        choices=("v1", "v2"),
+        default="v1",
+        help="the decode generation timed (the decode_kernel setting; default v1)",
+    )
+    p.add_argument(
+        "--prefill-kernel",
+        choices=("mma", "wgmma"),
+        default="mma",
+        help="the prefill generation timed (the prefill_kernel setting; default mma)",
+    )
+    p.add_argument(
+        "--compare",
+        action="store_true",
+        help="also load and time the other generations (v1/v2, mma/wgmma columns) in this process",
+    )
     args = p.parse_args(argv if argv is not None else sys.argv[1:])
 
     import torch
@@ -283,17 +346,30 @@ def main(argv: list[str] | None = None) -> int:
     missing = missing_variants(cache, cutlass_ops.required_variants(torch.bfloat16, D, BS))
     if missing and find_nvcc() is not None:
         build_kernels(cache, missing, progress=False)
-    chosen = cutlass_ops.AttentionKernels(cache, "cuda", torch.bfloat16, D, BS, decode_kernel=args.decode_kernel,
-                                          prefill_kernel=args.prefill_kernel)
+    chosen = cutlass_ops.AttentionKernels(
+        cache, "cuda", torch.bfloat16, D, BS, decode_kernel=args.decode_kernel, prefill_kernel=args.prefill_kernel
+    )
     decode_by_path, prefill_by_path = {args.decode_kernel: chosen}, {args.prefill_kernel: chosen}
     if args.compare:
-        other = cutlass_ops.AttentionKernels(cache, "cuda", torch.bfloat16, D, BS,
-                                             decode_kernel=_OTHER[args.decode_kernel],
-                                             prefill_kernel=_OTHER[args.prefill_kernel])
+        other = cutlass_ops.AttentionKernels(
+            cache,
+            "cuda",
+            torch.bfloat16,
+            D,
+            BS,
+            decode_kernel=_OTHER[args.decode_kernel],
+            prefill_kernel=_OTHER[args.prefill_kernel],
+        )
         decode_by_path[_OTHER[args.decode_kernel]] = other
         prefill_by_path[_OTHER[args.prefill_kernel]] = other
-    result = {"decode_kernel": args.decode_kernel, "prefill_kernel": args.prefill_kernel, "backend": "cutlass",
-              "timing": "CUDA-graph replay", "device": torch.cuda.get_device_name(), "complete": False}
+    result = {
+        "decode_kernel": args.decode_kernel,
+        "prefill_kernel": args.prefill_kernel,
+        "backend": "cutlass",
+        "timing": "CUDA-graph replay",
+        "device": torch.cuda.get_device_name(),
+        "complete": False,
+    }
 
     def write() -> None:
         if args.json:
@@ -308,23 +384,34 @@ def main(argv: list[str] | None = None) -> int:
     print(f"device: {torch.cuda.get_device_name()}  copy bandwidth {bw / 1e9:.0f} GB/s (read+write)")
     batches = [1, 16, 64, 256]
     ctxs = [128, 2048, 32768]
-    dec = bench_decode(decode_by_path, args.decode_kernel, batches, ctxs, bw,
-                       max_kv_bytes=(5e9 if args.quick else 40e9))
+    dec = bench_decode(
+        decode_by_path, args.decode_kernel, batches, ctxs, bw, max_kv_bytes=(5e9 if args.quick else 40e9)
+    )
     result["decode"] = dec
     write()
     print("\ndecode (32q/8kv, D128, block 16, bf16)")
-    print(f"kiln = decode {args.decode_kernel} (--decode-kernel); v1/v2 columns: both paths; occupancy "
-          f"(CTAs/SM by group) " + ", ".join(f"{p} {k.occupancy}" for p, k in decode_by_path.items()))
-    print(f"{'B':>4} {'ctx':>6} | {'kiln us':>9} {'GB/s':>7} {'%copy':>6} | {'v1 us':>7} {'v2 us':>7} | {'gather+sdpa':>11} {'GB/s':>6} | {'contig sdpa':>11} {'GB/s':>6} | {'x ref':>6} {'x sdpa':>6}")
+    print(
+        f"kiln = decode {args.decode_kernel} (--decode-kernel); v1/v2 columns: both paths; occupancy "
+        f"(CTAs/SM by group) " + ", ".join(f"{p} {k.occupancy}" for p, k in decode_by_path.items())
+    )
+    print(
+        f"{'B':>4} {'ctx':>6} | {'kiln us':>9} {'GB/s':>7} {'%copy':>6} | {'v1 us':>7} {'v2 us':>7} | "
+        f"{'gather+sdpa':>11} {'GB/s':>6} | {'contig sdpa':>11} {'GB/s':>6} | {'x ref':>6} {'x sdpa':>6}"
+    )
     for r in dec:
         extra = ""
         if "ref_us" in r:
-            extra = (f"{r['ref_us']:11.1f} {r['ref_GBps']:6.0f} | {r['sdpa_us']:11.1f} {r['sdpa_GBps']:6.0f} | "
-                     f"{r['ref_us'] / r['kiln_us']:6.2f} {r['sdpa_us'] / r['kiln_us']:6.2f}")
+            extra = (
+                f"{r['ref_us']:11.1f} {r['ref_GBps']:6.0f} | {r['sdpa_us']:11.1f} {r['sdpa_GBps']:6.0f} | "
+                f"{r['ref_us'] / r['kiln_us']:6.2f} {r['sdpa_us'] / r['kiln_us']:6.2f}"
+            )
         else:
             extra = f"{'(skipped: KV too big for baselines)':>40}"
-        print(f"{r['batch']:>4} {r['ctx']:>6} | {r['kiln_us']:9.1f} {r['kiln_GBps']:7.0f} {100 * r['kiln_copy_share']:5.1f}% | "
-              f"{r['v1_us']:7.1f} {r['v2_us']:7.1f} | {extra}")
+        print(
+            f"{r['batch']:>4} {r['ctx']:>6} | {r['kiln_us']:9.1f} {r['kiln_GBps']:7.0f} "
+            f"{100 * r['kiln_copy_share']:5.1f}% | "
+            f"{r['v1_us']:7.1f} {r['v2_us']:7.1f} | {extra}"
+        )
     sweep = []
     if args.sweep and "v2" in decode_by_path:
         sweep = bench_decode_sweep(decode_by_path["v2"], bw)
@@ -334,24 +421,34 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{'B':>4} {'min_tok':>7} {'ctas/SM':>7} {'splits':>6} | {'us':>8} {'GB/s':>7} {'%copy':>6}")
         best = {}
         for r in sweep:
-            print(f"{r['batch']:>4} {r['min_tokens']:>7} {r['ctas_per_sm']:>7} {r['splits']:>6} | {r['us']:8.1f} "
-                  f"{r['GBps']:7.0f} {100 * r['copy_share']:5.1f}%")
+            print(
+                f"{r['batch']:>4} {r['min_tokens']:>7} {r['ctas_per_sm']:>7} {r['splits']:>6} | {r['us']:8.1f} "
+                f"{r['GBps']:7.0f} {100 * r['copy_share']:5.1f}%"
+            )
             if r["batch"] not in best or r["us"] < best[r["batch"]]["us"]:
                 best[r["batch"]] = r
         for b, r in best.items():
-            print(f"best B={b}: min tokens per split {r['min_tokens']}, CTAs per SM {r['ctas_per_sm']} "
-                  f"({r['us']:.1f} us, {r['GBps']:.0f} GB/s)")
-    pre = bench_prefill(prefill_by_path, args.prefill_kernel, [512, 4096] if args.quick else [512, 4096, 16384],
-                        [(32, 32), (32, 8)])
+            print(
+                f"best B={b}: min tokens per split {r['min_tokens']}, CTAs per SM {r['ctas_per_sm']} "
+                f"({r['us']:.1f} us, {r['GBps']:.0f} GB/s)"
+            )
+    pre = bench_prefill(
+        prefill_by_path, args.prefill_kernel, [512, 4096] if args.quick else [512, 4096, 16384], [(32, 32), (32, 8)]
+    )
     result["prefill"] = pre
     write()
     print("\nprefill (causal, D128, bf16)")
     print(f"kiln = prefill {args.prefill_kernel} (--prefill-kernel); mma/wgmma columns: TFLOP/s of both paths")
-    print(f"{'heads':>6} {'B':>3} {'S':>6} | {'kiln ms':>8} {'TFLOP/s':>8} | {'mma':>6} {'wgmma':>6} | {'sdpa ms':>8} {'TFLOP/s':>8} | {'kiln/sdpa':>9}")
+    print(
+        f"{'heads':>6} {'B':>3} {'S':>6} | {'kiln ms':>8} {'TFLOP/s':>8} | {'mma':>6} {'wgmma':>6} | "
+        f"{'sdpa ms':>8} {'TFLOP/s':>8} | {'kiln/sdpa':>9}"
+    )
     for r in pre:
-        print(f"{r['heads']:>6} {r['batch']:>3} {r['seq']:>6} | {r['kiln_ms']:8.3f} {r['kiln_TFLOPs']:8.1f} | "
-              f"{r['mma_TFLOPs']:6.1f} {r['wgmma_TFLOPs']:6.1f} | "
-              f"{r['sdpa_ms']:8.3f} {r['sdpa_TFLOPs']:8.1f} | {r['kiln_TFLOPs'] / r['sdpa_TFLOPs']:9.2f}")
+        print(
+            f"{r['heads']:>6} {r['batch']:>3} {r['seq']:>6} | {r['kiln_ms']:8.3f} {r['kiln_TFLOPs']:8.1f} | "
+            f"{r['mma_TFLOPs']:6.1f} {r['wgmma_TFLOPs']:6.1f} | "
+            f"{r['sdpa_ms']:8.3f} {r['sdpa_TFLOPs']:8.1f} | {r['kiln_TFLOPs'] / r['sdpa_TFLOPs']:9.2f}"
+        )
     print(f"\n(bench took {time.perf_counter() - t0:.1f} s)")
     result.update(prefill=pre, complete=True, seconds=time.perf_counter() - t0)
     write()

@@ -66,8 +66,9 @@ def weight_bytes(model: torch.nn.Module) -> int:
     total = sum(p.numel() * p.element_size() for p in model.parameters())
     for module in model.modules():
         if getattr(module, "quant", None) is not None:
-            total += sum(b.numel() * b.element_size() for n, b in module.named_buffers(recurse=False)
-                         if n in QUANT_BUFFERS)
+            total += sum(
+                b.numel() * b.element_size() for n, b in module.named_buffers(recurse=False) if n in QUANT_BUFFERS
+            )
     return total
 
 
@@ -143,8 +144,10 @@ def hf_state_dict_from_kiln(model) -> dict[str, torch.Tensor]:
     kv = cfg.num_kv_heads * cfg.head_dim
     f = cfg.intermediate_size
     dtype = model.embed_tokens.weight.dtype
-    sd: dict[str, torch.Tensor] = {"model.embed_tokens.weight": model.embed_tokens.weight,
-                                   "model.norm.weight": model.norm.weight}
+    sd: dict[str, torch.Tensor] = {
+        "model.embed_tokens.weight": model.embed_tokens.weight,
+        "model.norm.weight": model.norm.weight,
+    }
     if model.lm_head is not None:
         sd["lm_head.weight"] = model.lm_head.weight
     for i, layer in enumerate(model.layers):
@@ -154,8 +157,8 @@ def hf_state_dict_from_kiln(model) -> dict[str, torch.Tensor]:
             t = _dense(attn.qkv_proj, kind, dtype)
             if t is not None:
                 sd[pre + f"self_attn.q_proj.{kind}"] = t[:q]
-                sd[pre + f"self_attn.k_proj.{kind}"] = t[q:q + kv]
-                sd[pre + f"self_attn.v_proj.{kind}"] = t[q + kv:]
+                sd[pre + f"self_attn.k_proj.{kind}"] = t[q : q + kv]
+                sd[pre + f"self_attn.v_proj.{kind}"] = t[q + kv :]
             t = _dense(attn.o_proj, kind, dtype)
             if t is not None:
                 sd[pre + f"self_attn.o_proj.{kind}"] = t
@@ -186,8 +189,9 @@ def build_hf_model(engine) -> torch.nn.Module:
     tied = getattr(config, "tie_word_embeddings", False)
     missing = [m for m in missing if not (tied and m == "lm_head.weight")]
     if missing or unexpected:
-        raise RuntimeError(f"baseline: weights do not map onto transformers' model: missing {missing[:4]}, "
-                           f"unexpected {unexpected[:4]}")
+        raise RuntimeError(
+            f"baseline: weights do not map onto transformers' model: missing {missing[:4]}, unexpected {unexpected[:4]}"
+        )
     return hf
 
 
@@ -196,8 +200,15 @@ def run_hf(hf, prompts: list[list[int]], output_len: int, device: torch.device) 
     mask = torch.ones_like(ids)
 
     def generate(n: int):
-        return hf.generate(ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n, do_sample=False,
-                           pad_token_id=0, eos_token_id=None)
+        return hf.generate(
+            ids,
+            attention_mask=mask,
+            max_new_tokens=n,
+            min_new_tokens=n,
+            do_sample=False,
+            pad_token_id=0,
+            eos_token_id=None,
+        )
 
     with torch.inference_mode():
         generate(min(4, output_len))  # warm-up (cuBLAS handles, allocator)
@@ -206,7 +217,7 @@ def run_hf(hf, prompts: list[list[int]], output_len: int, device: torch.device) 
         out = generate(output_len)
         _sync(device)
         seconds = time.perf_counter() - t0
-    return seconds, out[:, ids.shape[1]:].tolist()
+    return seconds, out[:, ids.shape[1] :].tolist()
 
 
 # ---- kiln ------------------------------------------------------------------------------------
@@ -241,16 +252,24 @@ def run_kiln(engine, prompts: list[list[int]], output_len: int, tag: str) -> dic
     _sync(device)
     t_end = time.perf_counter()
     engine.core.check_integrity()
-    res = {"total_s": t_end - t_start, "tokens": [tokens[f"{tag}-{i}"] for i in range(len(prompts))],
-           "decode_steps": len(returns), "window_s": 0.0, "window_tokens": 0, "step_s": []}
+    res = {
+        "total_s": t_end - t_start,
+        "tokens": [tokens[f"{tag}-{i}"] for i in range(len(prompts))],
+        "decode_steps": len(returns),
+        "window_s": 0.0,
+        "window_tokens": 0,
+        "step_s": [],
+    }
     if returns:
-        res.update(window_s=t_end - window_start, window_tokens=engine.core.num_generation_tokens_total - window_tokens,
-                   step_s=np.diff([window_start] + returns).tolist())
+        res.update(
+            window_s=t_end - window_start,
+            window_tokens=engine.core.num_generation_tokens_total - window_tokens,
+            step_s=np.diff([window_start] + returns).tolist(),
+        )
     return res
 
 
-def bench_one(engine, batch: int, input_len: int, output_len: int, args, copy_gbps: float,
-              hf=None) -> dict[str, Any]:
+def bench_one(engine, batch: int, input_len: int, output_len: int, args, copy_gbps: float, hf=None) -> dict[str, Any]:
     vocab = engine.model_config.vocab_size
     prompts = random_prompts(batch, input_len, vocab, args.prompt_seed + batch)
     graphs = engine.core.runner.graph_runner
@@ -265,31 +284,50 @@ def bench_one(engine, batch: int, input_len: int, output_len: int, args, copy_gb
     wbytes = weight_bytes(engine.core.model)
     gbps = wbytes / (ms / 1e3) / 1e9
     row: dict[str, Any] = {
-        "batch_size": batch, "input_len": input_len, "output_len": output_len,
-        "ms_per_step": ms, "decode_tok_per_s": res["window_tokens"] / res["window_s"],
-        "step_ms_median": float(np.median(steps)), "step_ms_p99": float(np.percentile(steps, 99)),
+        "batch_size": batch,
+        "input_len": input_len,
+        "output_len": output_len,
+        "ms_per_step": ms,
+        "decode_tok_per_s": res["window_tokens"] / res["window_s"],
+        "step_ms_median": float(np.median(steps)),
+        "step_ms_p99": float(np.percentile(steps, 99)),
         "e2e_tok_per_s": batch * output_len / res["total_s"],
-        "weight_GBps": gbps, "copy_GBps": copy_gbps, "bandwidth_share": gbps / copy_gbps,
-        "decode_steps": res["decode_steps"], "decode_window_s": res["window_s"], "weight_GB": wbytes / 1e9,
+        "weight_GBps": gbps,
+        "copy_GBps": copy_gbps,
+        "bandwidth_share": gbps / copy_gbps,
+        "decode_steps": res["decode_steps"],
+        "decode_window_s": res["window_s"],
+        "weight_GB": wbytes / 1e9,
     }
-    print(f"  batch {batch}: {ms:.3f} ms per decode step over {res['decode_steps']} steps timed together "
-          f"(per step: median {row['step_ms_median']:.3f} ms, p99 {row['step_ms_p99']:.3f} ms); "
-          f"{row['decode_tok_per_s']:.1f} tok/s decoding, {row['e2e_tok_per_s']:.1f} tok/s end to end (with prefill)")
-    print(f"           weights {wbytes / 1e9:.3f} GB per step -> {gbps:.1f} GB/s = "
-          f"{100 * gbps / copy_gbps:.1f}% of the copy bandwidth ({copy_gbps:.0f} GB/s measured)")
+    print(
+        f"  batch {batch}: {ms:.3f} ms per decode step over {res['decode_steps']} steps timed together "
+        f"(per step: median {row['step_ms_median']:.3f} ms, p99 {row['step_ms_p99']:.3f} ms); "
+        f"{row['decode_tok_per_s']:.1f} tok/s decoding, {row['e2e_tok_per_s']:.1f} tok/s end to end (with prefill)"
+    )
+    print(
+        f"           weights {wbytes / 1e9:.3f} GB per step -> {gbps:.1f} GB/s = "
+        f"{100 * gbps / copy_gbps:.1f}% of the copy bandwidth ({copy_gbps:.0f} GB/s measured)"
+    )
     if hf is not None:
         out_len = min(output_len, args.baseline_max_output_len)
         hf_s, hf_tokens = run_hf(hf, prompts, out_len, engine.core.device)
         hf_ms = hf_s / out_len * 1e3
         hf_tps = batch * out_len / hf_s
         same_first = sum(a[:1] == b[:1] for a, b in zip(res["tokens"], hf_tokens)) / batch
-        row.update(hf_ms_per_step=hf_ms, hf_tok_per_s=hf_tps, hf_output_len=out_len,
-                   speedup_per_step=hf_ms / ms, speedup_tok_per_s=row["e2e_tok_per_s"] / hf_tps,
-                   first_token_agreement=same_first)
-        print(f"           transformers generate (eager, sdpa), output {out_len}: {hf_ms:.3f} ms/step, "
-              f"{hf_tps:.1f} tok/s -> kiln {row['speedup_per_step']:.2f}x per decode step, "
-              f"{row['speedup_tok_per_s']:.2f}x tokens/s end to end; first tokens equal in "
-              f"{100 * same_first:.0f}% of rows")
+        row.update(
+            hf_ms_per_step=hf_ms,
+            hf_tok_per_s=hf_tps,
+            hf_output_len=out_len,
+            speedup_per_step=hf_ms / ms,
+            speedup_tok_per_s=row["e2e_tok_per_s"] / hf_tps,
+            first_token_agreement=same_first,
+        )
+        print(
+            f"           transformers generate (eager, sdpa), output {out_len}: {hf_ms:.3f} ms/step, "
+            f"{hf_tps:.1f} tok/s -> kiln {row['speedup_per_step']:.2f}x per decode step, "
+            f"{row['speedup_tok_per_s']:.2f}x tokens/s end to end; first tokens equal in "
+            f"{100 * same_first:.0f}% of rows"
+        )
     return row
 
 
@@ -303,21 +341,33 @@ def memory_report(engine, name: str, rss_before: int, startup: float) -> dict[st
     from engine.models.loader.quant_loading import QUANT_BUFFERS
 
     linears = [m for m in engine.core.model.quantizable_linears().values() if getattr(m, "quant", None) is not None]
-    packed = sum(b.numel() * b.element_size() for m in linears for n, b in m.named_buffers(recurse=False)
-                 if n in QUANT_BUFFERS)
+    packed = sum(
+        b.numel() * b.element_size() for m in linears for n, b in m.named_buffers(recurse=False) if n in QUANT_BUFFERS
+    )
     dense = sum(m.in_features * m.out_features * 2 for m in linears)
     quant = engine.settings.quantization or (engine.model_config.quantization or {}).get("quant_method") or "none"
-    row = {"model": name, "quantization": quant, "dtype": str(engine.core.dtype).removeprefix("torch."),
-           "weight_GB": wbytes / 1e9, "bf16_weight_GB": bf16 / 1e9, "ratio_to_bf16": wbytes / bf16,
-           "peak_rss_growth_GB": growth / 1e9, "peak_rss_over_weights": growth / wbytes, "kv_cache_GB": kv / 1e9,
-           "startup_s": startup, "linear_ratio_to_bf16": packed / dense if dense else 1.0,
-           "peak_rss_over_weights_without_kv": (growth - kv) / wbytes}
-    print(f"kiln bench latency --load-only: {name}, quantization {quant}, {row['dtype']}: weights "
-          f"{row['weight_GB']:.3f} GB = {row['ratio_to_bf16']:.3f}x the bf16 model ({row['bf16_weight_GB']:.3f} GB; "
-          f"linear layers alone {row['linear_ratio_to_bf16']:.3f}x); "
-          f"peak RSS grew {row['peak_rss_growth_GB']:.3f} GB while loading = {row['peak_rss_over_weights']:.2f}x "
-          f"the weights ({row['peak_rss_over_weights_without_kv']:.2f}x without the {kv / 1e9:.3f} GB KV cache); "
-          f"start-up {startup:.1f}s")
+    row = {
+        "model": name,
+        "quantization": quant,
+        "dtype": str(engine.core.dtype).removeprefix("torch."),
+        "weight_GB": wbytes / 1e9,
+        "bf16_weight_GB": bf16 / 1e9,
+        "ratio_to_bf16": wbytes / bf16,
+        "peak_rss_growth_GB": growth / 1e9,
+        "peak_rss_over_weights": growth / wbytes,
+        "kv_cache_GB": kv / 1e9,
+        "startup_s": startup,
+        "linear_ratio_to_bf16": packed / dense if dense else 1.0,
+        "peak_rss_over_weights_without_kv": (growth - kv) / wbytes,
+    }
+    print(
+        f"kiln bench latency --load-only: {name}, quantization {quant}, {row['dtype']}: weights "
+        f"{row['weight_GB']:.3f} GB = {row['ratio_to_bf16']:.3f}x the bf16 model ({row['bf16_weight_GB']:.3f} GB; "
+        f"linear layers alone {row['linear_ratio_to_bf16']:.3f}x); "
+        f"peak RSS grew {row['peak_rss_growth_GB']:.3f} GB while loading = {row['peak_rss_over_weights']:.2f}x "
+        f"the weights ({row['peak_rss_over_weights_without_kv']:.2f}x without the {kv / 1e9:.3f} GB KV cache); "
+        f"start-up {startup:.1f}s"
+    )
     return row
 
 
@@ -325,23 +375,41 @@ def memory_report(engine, name: str, rss_before: int, startup: float) -> dict[st
 def build_parser() -> argparse.ArgumentParser:
     from engine.entrypoints.cli.flags import add_settings_flags
 
-    parser = argparse.ArgumentParser(prog="kiln bench latency", description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="kiln bench latency",
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("--batch-size", default="1", help="B, or B1,B2,... (one engine, run in turn)")
     parser.add_argument("--input-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=128)
-    parser.add_argument("--preset", choices=PRESETS, default=None,
-                        help="a real-size config with random weights (instead of --model DIR)")
+    parser.add_argument(
+        "--preset",
+        choices=PRESETS,
+        default=None,
+        help="a real-size config with random weights (instead of --model DIR)",
+    )
     parser.add_argument("--warmup-steps", type=int, default=8, help="output tokens of the warm-up run")
     parser.add_argument("--baseline", action="store_true", help="also run transformers generate")
-    parser.add_argument("--baseline-max-output-len", type=int, default=128,
-                        help="cap on the baseline's output length (eager transformers is slow)")
+    parser.add_argument(
+        "--baseline-max-output-len",
+        type=int,
+        default=128,
+        help="cap on the baseline's output length (eager transformers is slow)",
+    )
     parser.add_argument("--prompt-seed", type=int, default=0, help="seed of the random prompts")
     parser.add_argument("--json", default=None, help="write the results here")
-    parser.add_argument("--wait-for", default=None, metavar="PATH",
-                        help="after start-up, wait until PATH exists before measuring (a quiet device)")
-    parser.add_argument("--load-only", action="store_true",
-                        help="only build the engine and report weight memory (against bf16) and peak RSS")
+    parser.add_argument(
+        "--wait-for",
+        default=None,
+        metavar="PATH",
+        help="after start-up, wait until PATH exists before measuring (a quiet device)",
+    )
+    parser.add_argument(
+        "--load-only",
+        action="store_true",
+        help="only build the engine and report weight memory (against bf16) and peak RSS",
+    )
     add_settings_flags(parser)
     return parser
 
@@ -384,8 +452,7 @@ def main(argv: list[str]) -> int:
         settings = settings.model_copy(update=defaults)
         settings = type(settings)(**settings.model_dump(exclude_unset=False))  # re-validate
     if settings.max_num_seqs < batches[-1]:
-        print(f"kiln bench latency: max_num_seqs ({settings.max_num_seqs}) < batch size {batches[-1]}",
-              file=sys.stderr)
+        print(f"kiln bench latency: max_num_seqs ({settings.max_num_seqs}) < batch size {batches[-1]}", file=sys.stderr)
         return 2
 
     rss_before = reset_peak_rss()
@@ -400,19 +467,29 @@ def main(argv: list[str]) -> int:
         if tmp is not None:
             tmp.cleanup()
         return 0
-    produced_by = {"model": name, "device": str(engine.core.device),
-                   "dtype": str(engine.core.dtype).removeprefix("torch."),
-                   "backend": engine.core.backend.name, "cuda_graphs": engine.core.runner.graph_runner is not None,
-                   "async_scheduling": engine.core.async_scheduling, "enforce_eager": settings.enforce_eager,
-                   "decode_kernel": settings.decode_kernel, "prefill_kernel": settings.prefill_kernel,
-                   "quantization": settings.quantization}
-    print(f"kiln bench latency: {name} ({produced_by['dtype']}, {engine.core.device}, "
-          f"attention {engine.core.backend.name}, "
-          f"{'eager' if settings.enforce_eager else 'compiled'}"
-          f"{', CUDA graphs' if produced_by['cuda_graphs'] else ''}, overlap scheduling "
-          f"{'on' if engine.core.async_scheduling else 'off'}), input {args.input_len}, output {args.output_len}")
-    print(f"  start-up {startup:.1f}s (compile {engine.core.compile_seconds:.1f}s, "
-          f"capture {engine.core.capture_seconds:.1f}s)")
+    produced_by = {
+        "model": name,
+        "device": str(engine.core.device),
+        "dtype": str(engine.core.dtype).removeprefix("torch."),
+        "backend": engine.core.backend.name,
+        "cuda_graphs": engine.core.runner.graph_runner is not None,
+        "async_scheduling": engine.core.async_scheduling,
+        "enforce_eager": settings.enforce_eager,
+        "decode_kernel": settings.decode_kernel,
+        "prefill_kernel": settings.prefill_kernel,
+        "quantization": settings.quantization,
+    }
+    print(
+        f"kiln bench latency: {name} ({produced_by['dtype']}, {engine.core.device}, "
+        f"attention {engine.core.backend.name}, "
+        f"{'eager' if settings.enforce_eager else 'compiled'}"
+        f"{', CUDA graphs' if produced_by['cuda_graphs'] else ''}, overlap scheduling "
+        f"{'on' if engine.core.async_scheduling else 'off'}), input {args.input_len}, output {args.output_len}"
+    )
+    print(
+        f"  start-up {startup:.1f}s (compile {engine.core.compile_seconds:.1f}s, "
+        f"capture {engine.core.capture_seconds:.1f}s)"
+    )
     started = dict(startup_s=startup, compile_s=engine.core.compile_seconds, capture_s=engine.core.capture_seconds)
     rows = [dict(produced_by, batch_size=b, status="pending", **started) for b in batches]
 
@@ -450,10 +527,27 @@ def main(argv: list[str]) -> int:
 
 
 # The summary keys first (tools/gpu_summary.py and a reader of the JSON see the figures first).
-ROW_ORDER = ["batch_size", "status", "ms_per_step", "decode_tok_per_s", "step_ms_median", "step_ms_p99",
-             "e2e_tok_per_s", "weight_GBps", "bandwidth_share", "backend", "cuda_graphs", "async_scheduling",
-             "hf_ms_per_step", "hf_tok_per_s", "speedup_per_step", "speedup_tok_per_s", "startup_s", "compile_s",
-             "capture_s"]
+ROW_ORDER = [
+    "batch_size",
+    "status",
+    "ms_per_step",
+    "decode_tok_per_s",
+    "step_ms_median",
+    "step_ms_p99",
+    "e2e_tok_per_s",
+    "weight_GBps",
+    "bandwidth_share",
+    "backend",
+    "cuda_graphs",
+    "async_scheduling",
+    "hf_ms_per_step",
+    "hf_tok_per_s",
+    "speedup_per_step",
+    "speedup_tok_per_s",
+    "startup_s",
+    "compile_s",
+    "capture_s",
+]
 
 
 def write_rows(path: Path, rows: list[dict[str, Any]], single: bool) -> None:

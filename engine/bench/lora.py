@@ -25,20 +25,37 @@ def write_random_adapter(config, out_dir: Path, rank: int, seed: int) -> Path:
     gen = torch.Generator().manual_seed(seed)
     d, f = config.hidden_size, config.intermediate_size
     q, kv = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
-    shapes = {"q_proj": (d, q), "k_proj": (d, kv), "v_proj": (d, kv), "o_proj": (q, d),
-              "gate_proj": (d, f), "up_proj": (d, f), "down_proj": (f, d)}
+    shapes = {
+        "q_proj": (d, q),
+        "k_proj": (d, kv),
+        "v_proj": (d, kv),
+        "o_proj": (q, d),
+        "gate_proj": (d, f),
+        "up_proj": (d, f),
+        "down_proj": (f, d),
+    }
     tensors = {}
     for layer in range(config.num_layers):
         for name, (fan_in, fan_out) in shapes.items():
             group = "self_attn" if name in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp"
             prefix = f"base_model.model.model.layers.{layer}.{group}.{name}"
-            tensors[f"{prefix}.lora_A.weight"] = torch.randn(rank, fan_in, generator=gen) * fan_in ** -0.5
+            tensors[f"{prefix}.lora_A.weight"] = torch.randn(rank, fan_in, generator=gen) * fan_in**-0.5
             tensors[f"{prefix}.lora_B.weight"] = torch.randn(fan_out, rank, generator=gen) * 0.01
     out_dir.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(out_dir / "adapter_model.safetensors"))
-    (out_dir / "adapter_config.json").write_text(json.dumps({
-        "peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank, "target_modules": list(PEFT_TARGETS),
-        "bias": "none", "use_rslora": False, "use_dora": False}))
+    (out_dir / "adapter_config.json").write_text(
+        json.dumps(
+            {
+                "peft_type": "LORA",
+                "r": rank,
+                "lora_alpha": 2 * rank,
+                "target_modules": list(PEFT_TARGETS),
+                "bias": "none",
+                "use_rslora": False,
+                "use_dora": False,
+            }
+        )
+    )
     return out_dir
 
 
@@ -79,19 +96,27 @@ def main(argv: list[str]) -> int:
     base_s, base_tokens = _run(base, prompts, [None] * len(prompts), args.max_tokens)
     del base
     with tempfile.TemporaryDirectory() as tmp:
-        adapters = [LoRARequest(f"adapter{i}", i + 1, str(write_random_adapter(config, Path(tmp) / f"a{i}",
-                                                                              args.rank, seed=i)))
-                    for i in range(args.adapters)]
+        adapters = [
+            LoRARequest(f"adapter{i}", i + 1, str(write_random_adapter(config, Path(tmp) / f"a{i}", args.rank, seed=i)))
+            for i in range(args.adapters)
+        ]
         lora = LLM(**common, enable_lora=True, max_loras=args.adapters, max_lora_rank=args.rank)
         loras = [adapters[i % len(adapters)] for i in range(len(prompts))]
         lora_s, lora_tokens = _run(lora, prompts, loras, args.max_tokens)
         lora.engine.core.check_integrity()
-    result = {"model": model, "adapters": args.adapters, "rank": args.rank,
-              "base_tok_per_s": base_tokens / base_s, "lora_tok_per_s": lora_tokens / lora_s,
-              "ratio": (lora_tokens / lora_s) / (base_tokens / base_s)}
+    result = {
+        "model": model,
+        "adapters": args.adapters,
+        "rank": args.rank,
+        "base_tok_per_s": base_tokens / base_s,
+        "lora_tok_per_s": lora_tokens / lora_s,
+        "ratio": (lora_tokens / lora_s) / (base_tokens / base_s),
+    }
     print(f"without LoRA:            {base_tokens} tokens in {base_s:.2f}s = {result['base_tok_per_s']:.1f} tok/s")
-    print(f"{args.adapters} adapters of rank {args.rank}: {lora_tokens} tokens in {lora_s:.2f}s = "
-          f"{result['lora_tok_per_s']:.1f} tok/s")
+    print(
+        f"{args.adapters} adapters of rank {args.rank}: {lora_tokens} tokens in {lora_s:.2f}s = "
+        f"{result['lora_tok_per_s']:.1f} tok/s"
+    )
     print(f"ratio with / without LoRA: {result['ratio']:.2f}x")
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2))

@@ -61,10 +61,12 @@ def main(argv: list[str] | None = None) -> int:
 
     from compiler.kernels.moe import grouped_mm_supported, moe_experts_dense, moe_experts_grouped
 
-    parser = argparse.ArgumentParser(prog="kiln bench moe", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--shape", choices=list(SHAPES), default=None,
-                        help="default: qwen3-30b-a3b on a GPU, small on the CPU")
+    parser = argparse.ArgumentParser(
+        prog="kiln bench moe", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--shape", choices=list(SHAPES), default=None, help="default: qwen3-30b-a3b on a GPU, small on the CPU"
+    )
     parser.add_argument("--tokens", default=None, help="token counts (default: 1,16,64,256,2048 GPU; 1,16,64,256 CPU)")
     parser.add_argument("--reps", type=int, default=10)
     parser.add_argument("--json", default=None)
@@ -78,8 +80,10 @@ def main(argv: list[str] | None = None) -> int:
     g = torch.Generator(device=device).manual_seed(0)
     w13 = (torch.randn(num_experts, 2 * width, hidden, device=device, generator=g) * 0.02).to(dtype)
     w2 = (torch.randn(num_experts, hidden, width, device=device, generator=g) * 0.02).to(dtype)
-    print(f"moe_experts, {shape}: {num_experts} experts, top {k}, hidden {hidden}, width {width}, "
-          f"{str(dtype).removeprefix('torch.')} on {device}")
+    print(
+        f"moe_experts, {shape}: {num_experts} experts, top {k}, hidden {hidden}, width {width}, "
+        f"{str(dtype).removeprefix('torch.')} on {device}"
+    )
     print(f"{'tokens':>7} {'grouped ms':>11} {'dense ms':>9} {'loop ms':>9} {'loop/grouped':>13} {'GB/s':>7}")
     rows = []
     for n in tokens:
@@ -101,11 +105,15 @@ def main(argv: list[str] | None = None) -> int:
 
         def ms(key):
             return f"{row[key] * 1e3:.3f}" if key in row else "-"
-        print(f"{n:>7} {ms('grouped_s'):>11} {ms('dense_s'):>9} {ms('loop_s'):>9} "
-              f"{row['ratio_loop_over_kiln']:>12.2f}x {row['weight_gb_per_s']:>7.0f}")
+
+        print(
+            f"{n:>7} {ms('grouped_s'):>11} {ms('dense_s'):>9} {ms('loop_s'):>9} "
+            f"{row['ratio_loop_over_kiln']:>12.2f}x {row['weight_gb_per_s']:>7.0f}"
+        )
     if args.json:
-        Path(args.json).write_text(json.dumps({"shape": shape, "device": str(device), "dtype": str(dtype),
-                                               "rows": rows}, indent=2))
+        Path(args.json).write_text(
+            json.dumps({"shape": shape, "device": str(device), "dtype": str(dtype), "rows": rows}, indent=2)
+        )
     return 0
 
 

@@ -80,10 +80,14 @@ def stub_model(engine, max_rows: int) -> None:
     cfg = engine.model_config
     gen = torch.Generator().manual_seed(0)
     fixed = torch.randn(max_rows, cfg.vocab_size, generator=gen).to(engine.core.device)
-    hidden = torch.zeros(max(max_rows, engine.settings.max_num_batched_tokens) * 4, cfg.hidden_size,
-                         dtype=engine.core.dtype, device=engine.core.device)
-    engine.core.runner.forward_fn = lambda ids, positions, kv, meta, ctx=None: hidden[:ids.shape[0]]
-    engine.core.model.compute_logits = lambda h: fixed[:h.shape[0]]
+    hidden = torch.zeros(
+        max(max_rows, engine.settings.max_num_batched_tokens) * 4,
+        cfg.hidden_size,
+        dtype=engine.core.dtype,
+        device=engine.core.device,
+    )
+    engine.core.runner.forward_fn = lambda ids, positions, kv, meta, ctx=None: hidden[: ids.shape[0]]
+    engine.core.model.compute_logits = lambda h: fixed[: h.shape[0]]
 
 
 def instrument(engine) -> dict[str, float]:
@@ -119,12 +123,16 @@ def mixed_params(engine, mix: str, max_tokens: int, kind: dict | None = None):
     # A string field the output keeps extending: a bias on one letter keeps the grammar from closing it.
     letter = engine.tokenizer.encode("a", add_special_tokens=False)[-1]
     schema = {"type": "object", "properties": {"s": {"type": "string"}}, "required": ["s"]}
-    return SamplingParams(structured_outputs=StructuredOutputsParams(json=schema, disable_any_whitespace=True),
-                          logit_bias={letter: 30.0}, **base)
+    return SamplingParams(
+        structured_outputs=StructuredOutputsParams(json=schema, disable_any_whitespace=True),
+        logit_bias={letter: 30.0},
+        **base,
+    )
 
 
-def measure(engine, totals: dict[str, float], batch: int, steps: int, overlap: bool,
-            mix: str = "none", offline: bool = False) -> dict[str, float]:
+def measure(
+    engine, totals: dict[str, float], batch: int, steps: int, overlap: bool, mix: str = "none", offline: bool = False
+) -> dict[str, float]:
     from engine.core.request import SamplingParams
 
     if hasattr(engine.core, "async_scheduling"):
@@ -134,9 +142,12 @@ def measure(engine, totals: dict[str, float], batch: int, steps: int, overlap: b
     kind = OFFLINE if offline else STREAMED
     params = SamplingParams(temperature=0.0, max_tokens=steps + 64, ignore_eos=True, **kind)
     special = params if mix == "none" else mixed_params(engine, mix, steps + 64, kind)
-    ids = [engine.add_request(list(range(10 + i % 7, 26 + i % 7)), special if i % MIX_EVERY == 0 else params,
-                              f"ovh-{overlap}-{batch}-{i}").request_id
-           for i in range(batch)]
+    ids = [
+        engine.add_request(
+            list(range(10 + i % 7, 26 + i % 7)), special if i % MIX_EVERY == 0 else params, f"ovh-{overlap}-{batch}-{i}"
+        ).request_id
+        for i in range(batch)
+    ]
     for _ in range(8):  # prefill and a few decodes: every sequence is decoding from here on
         engine.step()
     steps_seen = []
@@ -162,16 +173,22 @@ def measure(engine, totals: dict[str, float], batch: int, steps: int, overlap: b
 def main(argv: list[str]) -> int:
     from engine.entrypoints.cli.flags import add_settings_flags, settings_from_args
 
-    parser = argparse.ArgumentParser(prog="kiln bench overhead", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="kiln bench overhead", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--batches", default="1,64,256", help="batch sizes")
     parser.add_argument("--steps", type=int, default=50, help="decode steps timed per batch size and loop")
     parser.add_argument("--torch-threads", type=int, default=1, help="torch intra-op threads (see above)")
     parser.add_argument("--json", default=None, help="write results here")
-    parser.add_argument("--mix", choices=MIXES, default="none",
-                        help=f"a feature in one request of every {MIX_EVERY}: penalties or a JSON grammar")
-    parser.add_argument("--offline", action="store_true",
-                        help="requests as LLM.generate runs them: final output only, not detokenised")
+    parser.add_argument(
+        "--mix",
+        choices=MIXES,
+        default="none",
+        help=f"a feature in one request of every {MIX_EVERY}: penalties or a JSON grammar",
+    )
+    parser.add_argument(
+        "--offline", action="store_true", help="requests as LLM.generate runs them: final output only, not detokenised"
+    )
     add_settings_flags(parser)
     args = parser.parse_args(argv)
     batches = [int(b) for b in args.batches.split(",") if b]
@@ -192,10 +209,15 @@ def main(argv: list[str]) -> int:
     results = []
     mixed = "" if args.mix == "none" else f", {args.mix} in 1 of every {MIX_EVERY} requests"
     mixed += ", offline (final output only, no detokenisation)" if args.offline else ", streamed (detokenised deltas)"
-    print(f"kiln bench overhead: stub model, {args.steps} decode steps per row (medians), "
-          f"device {engine.core.device}, {torch.get_num_threads()} torch threads{mixed}")
-    print(f"{'batch':>5} {'loop':>8} " + " ".join(f"{p:>9}" for p in PHASES)
-          + f" {'critical':>9} | per seq: {'process':>8} {'critical':>8}   (µs)")
+    print(
+        f"kiln bench overhead: stub model, {args.steps} decode steps per row (medians), "
+        f"device {engine.core.device}, {torch.get_num_threads()} torch threads{mixed}"
+    )
+    print(
+        f"{'batch':>5} {'loop':>8} "
+        + " ".join(f"{p:>9}" for p in PHASES)
+        + f" {'critical':>9} | per seq: {'process':>8} {'critical':>8}   (µs)"
+    )
     for batch in batches:
         for overlap in (False, True):
             r = measure(engine, totals, batch, args.steps, overlap, args.mix, args.offline)
@@ -203,8 +225,11 @@ def main(argv: list[str]) -> int:
                 continue
             loop = "overlap" if overlap else "serial"
             results.append({"batch": batch, "loop": loop, "mix": args.mix, "offline": args.offline, **r})
-            print(f"{batch:>5} {loop:>8} " + " ".join(f"{r[p]:>9.1f}" for p in PHASES)
-                  + f" {r['critical']:>9.1f} | {'':9} {r['process'] / batch:>8.2f} {r['critical'] / batch:>8.2f}")
+            print(
+                f"{batch:>5} {loop:>8} "
+                + " ".join(f"{r[p]:>9.1f}" for p in PHASES)
+                + f" {r['critical']:>9.1f} | {'':9} {r['process'] / batch:>8.2f} {r['critical'] / batch:>8.2f}"
+            )
         serial = [x for x in results if x["batch"] == batch and x["loop"] == "serial"]
         over = [x for x in results if x["batch"] == batch and x["loop"] == "overlap"]
         if serial and over:

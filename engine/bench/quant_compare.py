@@ -23,8 +23,16 @@ from typing import Any
 INT4_TARGET = 0.4  # int4 ms/step at batch 1 over bf16's
 
 
-PRODUCED_BY = ("device", "backend", "cuda_graphs", "async_scheduling", "decode_kernel", "prefill_kernel",
-               "quantization", "status")
+PRODUCED_BY = (
+    "device",
+    "backend",
+    "cuda_graphs",
+    "async_scheduling",
+    "decode_kernel",
+    "prefill_kernel",
+    "quantization",
+    "status",
+)
 
 
 def _row(path: str | None, batch: int) -> dict[str, Any] | None:
@@ -65,16 +73,27 @@ def compare(bf16: str | None, int4: str | None, fp8: str | None) -> dict[str, An
     if b1 and i1:
         ratio = i1["ms_per_step"] / b1["ms_per_step"]
         why = not_scored(i1, b1)
-        out.update(int4_b1_ms=i1["ms_per_step"], bf16_b1_ms=b1["ms_per_step"], int4_over_bf16_ms=ratio,
-                   int4_weight_GB=i1.get("weight_GB"), bf16_weight_GB=b1.get("weight_GB"),
-                   int4_target=f"<= {INT4_TARGET}", int4_row=_produced_by(i1), bf16_row=_produced_by(b1),
-                   int4_verdict=f"not scored: {why}" if why else "MET" if ratio <= INT4_TARGET else "missed")
+        out.update(
+            int4_b1_ms=i1["ms_per_step"],
+            bf16_b1_ms=b1["ms_per_step"],
+            int4_over_bf16_ms=ratio,
+            int4_weight_GB=i1.get("weight_GB"),
+            bf16_weight_GB=b1.get("weight_GB"),
+            int4_target=f"<= {INT4_TARGET}",
+            int4_row=_produced_by(i1),
+            bf16_row=_produced_by(b1),
+            int4_verdict=f"not scored: {why}" if why else "MET" if ratio <= INT4_TARGET else "missed",
+        )
     elif int4:
         out["notes"].append("int4 batch 1: " + ("no bf16 figure" if not b1 else "no int4 figure"))
     if b64 and f64:
-        out.update(fp8_b64_tok_s=f64["decode_tok_per_s"], bf16_b64_tok_s=b64["decode_tok_per_s"],
-                   fp8_over_bf16_tok_s=f64["decode_tok_per_s"] / b64["decode_tok_per_s"], fp8_row=_produced_by(f64),
-                   bf16_b64_row=_produced_by(b64))
+        out.update(
+            fp8_b64_tok_s=f64["decode_tok_per_s"],
+            bf16_b64_tok_s=b64["decode_tok_per_s"],
+            fp8_over_bf16_tok_s=f64["decode_tok_per_s"] / b64["decode_tok_per_s"],
+            fp8_row=_produced_by(f64),
+            bf16_b64_row=_produced_by(b64),
+        )
     elif fp8:
         out["notes"].append("fp8 batch 64: " + ("no bf16 figure" if not b64 else "no fp8 figure"))
     return out
@@ -89,11 +108,15 @@ def main(argv: list[str]) -> int:
     args = p.parse_args(argv)
     res = compare(args.bf16, args.int4, args.fp8)
     if "int4_over_bf16_ms" in res:
-        print(f"int4 batch 1: {res['int4_b1_ms']:.3f} ms/step vs bf16 {res['bf16_b1_ms']:.3f} -> "
-              f"{res['int4_over_bf16_ms']:.3f}x (target {res['int4_target']}: {res['int4_verdict']})")
+        print(
+            f"int4 batch 1: {res['int4_b1_ms']:.3f} ms/step vs bf16 {res['bf16_b1_ms']:.3f} -> "
+            f"{res['int4_over_bf16_ms']:.3f}x (target {res['int4_target']}: {res['int4_verdict']})"
+        )
     if "fp8_over_bf16_tok_s" in res:
-        print(f"fp8 W8A8 batch 64: {res['fp8_b64_tok_s']:.0f} tok/s vs bf16 {res['bf16_b64_tok_s']:.0f} -> "
-              f"{res['fp8_over_bf16_tok_s']:.3f}x")
+        print(
+            f"fp8 W8A8 batch 64: {res['fp8_b64_tok_s']:.0f} tok/s vs bf16 {res['bf16_b64_tok_s']:.0f} -> "
+            f"{res['fp8_over_bf16_tok_s']:.3f}x"
+        )
     for note in res["notes"]:
         print("missing:", note)
     if args.json:

@@ -54,8 +54,12 @@ def base_url(url: str) -> str:
 
 # ---------------------------------------------------------------- requests
 def request_body(cfg: BenchConfig, model: str, req: SampleRequest) -> dict[str, Any]:
-    body: dict[str, Any] = {"model": model, "temperature": cfg.temperature, "stream": True,
-                            "stream_options": {"include_usage": True}}
+    body: dict[str, Any] = {
+        "model": model,
+        "temperature": cfg.temperature,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     if cfg.ignore_eos:
         body["ignore_eos"] = True
     if cfg.backend == "openai-chat":
@@ -74,8 +78,9 @@ def _chunk_text(event: dict[str, Any]) -> bool:
     return False
 
 
-async def one_request(http: httpx.AsyncClient, cfg: BenchConfig, model: str, req: SampleRequest | str | list[int],
-                      headers: dict[str, str]) -> RequestResult:
+async def one_request(
+    http: httpx.AsyncClient, cfg: BenchConfig, model: str, req: SampleRequest | str | list[int], headers: dict[str, str]
+) -> RequestResult:
     if not isinstance(req, SampleRequest):
         req = SampleRequest(req, len(req) if isinstance(req, list) else 0, cfg.output_len)
     res = RequestResult(prompt_len=req.prompt_len)
@@ -83,8 +88,9 @@ async def one_request(http: httpx.AsyncClient, cfg: BenchConfig, model: str, req
     last = start
     chunks = 0
     try:
-        async with http.stream("POST", f"{cfg.url}{cfg.endpoint}", json=request_body(cfg, model, req),
-                               headers=headers) as resp:
+        async with http.stream(
+            "POST", f"{cfg.url}{cfg.endpoint}", json=request_body(cfg, model, req), headers=headers
+        ) as resp:
             if resp.status_code != 200:
                 await resp.aread()
                 res.error = f"HTTP {resp.status_code}"
@@ -121,8 +127,13 @@ async def one_request(http: httpx.AsyncClient, cfg: BenchConfig, model: str, req
     return res
 
 
-async def run(cfg: BenchConfig, api_key: str | None = None, progress: bool = True,
-              percentiles=(99.0,), goodput: dict[str, float] | None = None) -> dict[str, Any]:
+async def run(
+    cfg: BenchConfig,
+    api_key: str | None = None,
+    progress: bool = True,
+    percentiles=(99.0,),
+    goodput: dict[str, float] | None = None,
+) -> dict[str, Any]:
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     async with httpx.AsyncClient(timeout=httpx.Timeout(600.0, connect=30.0), limits=limits) as http:
@@ -177,45 +188,91 @@ def _progress(total: int, enabled: bool):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="kiln bench serve", description=__doc__.split("\n\n")[0],
-                                allow_abbrev=False)
-    p.add_argument("--base-url", "--url", dest="url", default=None,
-                   help="server URL, with or without /v1 (default: http://HOST:PORT)")
+    p = argparse.ArgumentParser(prog="kiln bench serve", description=__doc__.split("\n\n")[0], allow_abbrev=False)
+    p.add_argument(
+        "--base-url",
+        "--url",
+        dest="url",
+        default=None,
+        help="server URL, with or without /v1 (default: http://HOST:PORT)",
+    )
     p.add_argument("--host", default="127.0.0.1", help="(default: 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="(default: 8000)")
-    p.add_argument("--backend", choices=list(BACKENDS), default="openai",
-                   help="openai: /v1/completions; openai-chat: /v1/chat/completions (default: openai)")
+    p.add_argument(
+        "--backend",
+        choices=list(BACKENDS),
+        default="openai",
+        help="openai: /v1/completions; openai-chat: /v1/chat/completions (default: openai)",
+    )
     p.add_argument("--endpoint", default=None, help="API path (default: the backend's)")
     p.add_argument("--model", default=None, help="model name (default: the server's first model)")
     p.add_argument("--api-key", default=None, help="sent as Authorization: Bearer KEY")
     p.add_argument("--dataset-name", choices=["random", "sharegpt"], default="random", help="(default: random)")
     p.add_argument("--dataset-path", default=None, help="ShareGPT-format JSON file (--dataset-name sharegpt)")
-    p.add_argument("--num-prompts", "--num-requests", dest="num_prompts", type=int, default=100,
-                   help="requests to send (default: 100)")
-    p.add_argument("--input-len", "--random-input-len", "--prompt-len", dest="input_len", type=int, default=32,
-                   help="random dataset: prompt tokens (default: 32)")
-    p.add_argument("--output-len", "--random-output-len", dest="output_len", type=int, default=32,
-                   help="random dataset: tokens to generate (default: 32)")
-    p.add_argument("--random-range-ratio", type=float, default=0.0,
-                   help="random dataset: lengths drawn from [len*(1-r), len*(1+r)] (default: 0)")
+    p.add_argument(
+        "--num-prompts",
+        "--num-requests",
+        dest="num_prompts",
+        type=int,
+        default=100,
+        help="requests to send (default: 100)",
+    )
+    p.add_argument(
+        "--input-len",
+        "--random-input-len",
+        "--prompt-len",
+        dest="input_len",
+        type=int,
+        default=32,
+        help="random dataset: prompt tokens (default: 32)",
+    )
+    p.add_argument(
+        "--output-len",
+        "--random-output-len",
+        dest="output_len",
+        type=int,
+        default=32,
+        help="random dataset: tokens to generate (default: 32)",
+    )
+    p.add_argument(
+        "--random-range-ratio",
+        type=float,
+        default=0.0,
+        help="random dataset: lengths drawn from [len*(1-r), len*(1+r)] (default: 0)",
+    )
     p.add_argument("--sharegpt-output-len", type=int, default=None, help="sharegpt: fixed output length")
-    p.add_argument("--request-rate", type=float, default=float("inf"),
-                   help="requests per second, Poisson arrivals (default: inf, all at once)")
+    p.add_argument(
+        "--request-rate",
+        type=float,
+        default=float("inf"),
+        help="requests per second, Poisson arrivals (default: inf, all at once)",
+    )
     p.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of the arrival gaps (1 = Poisson)")
     p.add_argument("--max-concurrency", type=int, default=None, help="at most this many requests in flight")
     p.add_argument("--ignore-eos", action="store_true", help="generate exactly the output length")
     p.add_argument("--temperature", type=float, default=0.0, help="(default: 0, greedy)")
-    p.add_argument("--goodput", nargs="+", default=None, metavar="KEY:MS",
-                   help="SLOs for goodput, e.g. ttft:500 tpot:50 e2el:2000 (milliseconds)")
-    p.add_argument("--percentile-metrics", default="ttft,tpot,itl,e2el",
-                   help="metrics to report percentiles of (default: ttft,tpot,itl,e2el)")
+    p.add_argument(
+        "--goodput",
+        nargs="+",
+        default=None,
+        metavar="KEY:MS",
+        help="SLOs for goodput, e.g. ttft:500 tpot:50 e2el:2000 (milliseconds)",
+    )
+    p.add_argument(
+        "--percentile-metrics",
+        default="ttft,tpot,itl,e2el",
+        help="metrics to report percentiles of (default: ttft,tpot,itl,e2el)",
+    )
     p.add_argument("--metric-percentiles", default="99", help="percentiles to report, e.g. 50,90,99 (default: 99)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--disable-tqdm", action="store_true", help="no progress bar")
     p.add_argument("--save-result", action="store_true", help="write the results as JSON")
     p.add_argument("--result-dir", default=".", help="folder for --save-result (default: .)")
-    p.add_argument("--result-filename", default=None,
-                   help="file name for --save-result (default: BACKEND-RATEqps-MODEL-TIMESTAMP.json)")
+    p.add_argument(
+        "--result-filename",
+        default=None,
+        help="file name for --save-result (default: BACKEND-RATEqps-MODEL-TIMESTAMP.json)",
+    )
     p.add_argument("--json", type=Path, default=None, help="write the results to this file")
     return p
 
@@ -248,14 +305,25 @@ def main(argv: list[str]) -> int:
         return 2
     logging.getLogger("httpx").setLevel(logging.WARNING)  # no log line per request
     url = base_url(args.url or f"http://{args.host}:{args.port}")
-    cfg = BenchConfig(url=url, model=args.model, num_prompts=args.num_prompts,
-                      request_rate=args.request_rate, max_concurrency=args.max_concurrency,
-                      input_len=args.input_len, output_len=args.output_len, seed=args.seed,
-                      burstiness=args.burstiness, backend=args.backend,
-                      endpoint=args.endpoint or BACKENDS[args.backend], dataset_name=args.dataset_name,
-                      dataset_path=args.dataset_path, range_ratio=args.random_range_ratio,
-                      ignore_eos=args.ignore_eos, temperature=args.temperature,
-                      sharegpt_output_len=args.sharegpt_output_len)
+    cfg = BenchConfig(
+        url=url,
+        model=args.model,
+        num_prompts=args.num_prompts,
+        request_rate=args.request_rate,
+        max_concurrency=args.max_concurrency,
+        input_len=args.input_len,
+        output_len=args.output_len,
+        seed=args.seed,
+        burstiness=args.burstiness,
+        backend=args.backend,
+        endpoint=args.endpoint or BACKENDS[args.backend],
+        dataset_name=args.dataset_name,
+        dataset_path=args.dataset_path,
+        range_ratio=args.random_range_ratio,
+        ignore_eos=args.ignore_eos,
+        temperature=args.temperature,
+        sharegpt_output_len=args.sharegpt_output_len,
+    )
     try:
         summary = asyncio.run(run(cfg, args.api_key, not args.disable_tqdm, percentiles, goodput))
     except httpx.HTTPError as exc:
@@ -268,8 +336,10 @@ def main(argv: list[str]) -> int:
     path = args.json
     if args.save_result:
         rate = "inf" if math.isinf(args.request_rate) else f"{args.request_rate:g}"
-        name = args.result_filename or (f"{args.backend}-{rate}qps-{Path(str(summary['model'])).name}-"
-                                        f"{datetime.now().strftime('%Y%m%d-%H%M%S')}.json")
+        name = args.result_filename or (
+            f"{args.backend}-{rate}qps-{Path(str(summary['model'])).name}-"
+            f"{datetime.now().strftime('%Y%m%d-%H%M%S')}.json"
+        )
         path = Path(args.result_dir) / name
     if path is not None:
         cfg_json = dict(summary["config"])

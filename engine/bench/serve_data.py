@@ -12,9 +12,11 @@ from pathlib import Path
 
 import httpx
 
-_WORDS = ("the quick brown fox jumps over lazy dog kiln oven clay pottery brick model token batch block page cache "
-          "memory attention value key step request stream server engine graph kernel hello world paris france "
-          "number text answer question assistant user code data fast slow small large").split()
+_WORDS = (
+    "the quick brown fox jumps over lazy dog kiln oven clay pottery brick model token batch block page cache "
+    "memory attention value key step request stream server engine graph kernel hello world paris france "
+    "number text answer question assistant user code data fast slow small large"
+).split()
 
 
 @dataclass
@@ -129,8 +131,10 @@ def read_sharegpt(path: str | Path) -> list[tuple[str, str]]:
         if len(turns) >= 2 and all(isinstance(t, dict) and "value" in t for t in turns[:2]):
             pairs.append((turns[0]["value"], turns[1]["value"]))
     if not pairs:
-        raise ValueError(f"--dataset-path {path}: no conversation with two turns "
-                         '({"conversations": [{"from": "human", "value": ...}, {"from": "gpt", ...}]})')
+        raise ValueError(
+            f"--dataset-path {path}: no conversation with two turns "
+            '({"conversations": [{"from": "human", "value": ...}, {"from": "gpt", ...}]})'
+        )
     return pairs
 
 
@@ -145,11 +149,13 @@ async def sharegpt_requests(tok: ServerTokenizer, cfg: BenchConfig) -> list[Samp
             break
         prompt_len = await tok.count(prompt)
         output_len = cfg.sharegpt_output_len or await tok.count(reply)
-        if cfg.sharegpt_output_len is None and (prompt_len < 4 or output_len < 4 or prompt_len > 1024
-                                                or prompt_len + output_len > 2048):
+        if cfg.sharegpt_output_len is None and (
+            prompt_len < 4 or output_len < 4 or prompt_len > 1024 or prompt_len + output_len > 2048
+        ):
             continue
         requests.append(SampleRequest(prompt, prompt_len, output_len))
     if len(requests) < cfg.num_prompts:
-        logging.getLogger("engine.bench").warning("the dataset gave %d usable prompts of the %d asked for",
-                                                  len(requests), cfg.num_prompts)
+        logging.getLogger("engine.bench").warning(
+            "the dataset gave %d usable prompts of the %d asked for", len(requests), cfg.num_prompts
+        )
     return requests

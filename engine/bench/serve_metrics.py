@@ -36,9 +36,11 @@ def _label(q: float) -> str:
 
 
 def _stats(values: list[float], percentiles=(99.0,), scale: float = 1000.0) -> dict[str, float]:
-    out = {"mean": scale * sum(values) / len(values) if values else 0.0,
-           "median": scale * percentile(values, 50),
-           "std": scale * _std(values)}
+    out = {
+        "mean": scale * sum(values) / len(values) if values else 0.0,
+        "median": scale * percentile(values, 50),
+        "std": scale * _std(values),
+    }
     for q in percentiles:
         out[_label(q)] = scale * percentile(values, q)
     return out
@@ -61,8 +63,9 @@ def meets_slos(r: RequestResult, slos: dict[str, float]) -> bool:
     return all(values[k] is None or 1000.0 * values[k] <= limit for k, limit in slos.items())
 
 
-def summarize(results: list[RequestResult], duration: float, percentiles=(99.0,),
-              goodput: dict[str, float] | None = None) -> dict[str, Any]:
+def summarize(
+    results: list[RequestResult], duration: float, percentiles=(99.0,), goodput: dict[str, float] | None = None
+) -> dict[str, Any]:
     done = [r for r in results if r.ok]
     out_tokens = sum(r.output_tokens for r in done)
     in_tokens = sum(r.prompt_len for r in done)
@@ -95,19 +98,27 @@ def summarize(results: list[RequestResult], duration: float, percentiles=(99.0,)
 
 
 def format_summary(s: dict[str, Any], metrics=("ttft", "tpot", "itl", "e2el"), percentiles=(99.0,)) -> str:
-    lines = ["============ Serving Benchmark Result ============",
-             f"{'Successful requests:':<40}{s['completed']:>10}",
-             f"{'Failed requests:':<40}{s['failed']:>10}",
-             f"{'Benchmark duration (s):':<40}{s['duration_s']:>10.2f}",
-             f"{'Total input tokens:':<40}{s['total_input_tokens']:>10}",
-             f"{'Total generated tokens:':<40}{s['total_output_tokens']:>10}",
-             f"{'Request throughput (req/s):':<40}{s['request_throughput']:>10.2f}"]
+    lines = [
+        "============ Serving Benchmark Result ============",
+        f"{'Successful requests:':<40}{s['completed']:>10}",
+        f"{'Failed requests:':<40}{s['failed']:>10}",
+        f"{'Benchmark duration (s):':<40}{s['duration_s']:>10.2f}",
+        f"{'Total input tokens:':<40}{s['total_input_tokens']:>10}",
+        f"{'Total generated tokens:':<40}{s['total_output_tokens']:>10}",
+        f"{'Request throughput (req/s):':<40}{s['request_throughput']:>10.2f}",
+    ]
     if "request_goodput" in s:
         lines.append(f"{'Request goodput (req/s):':<40}{s['request_goodput']:>10.2f}")
-    lines += [f"{'Output token throughput (tok/s):':<40}{s['output_throughput']:>10.2f}",
-              f"{'Total token throughput (tok/s):':<40}{s['total_token_throughput']:>10.2f}"]
-    titles = {"ttft": "Time to First Token", "tpot": "Time per Output Token (excl. 1st token)",
-              "itl": "Inter-token Latency", "e2el": "End-to-end Latency"}
+    lines += [
+        f"{'Output token throughput (tok/s):':<40}{s['output_throughput']:>10.2f}",
+        f"{'Total token throughput (tok/s):':<40}{s['total_token_throughput']:>10.2f}",
+    ]
+    titles = {
+        "ttft": "Time to First Token",
+        "tpot": "Time per Output Token (excl. 1st token)",
+        "itl": "Inter-token Latency",
+        "e2el": "End-to-end Latency",
+    }
     for key in metrics:
         short = key.upper()
         stats = s[f"{key}_ms"]

@@ -57,11 +57,15 @@ def _spec_counts(llm) -> dict[str, float]:
     if spec is None:
         return {}
     steps = spec.num_drafts
-    return {"draft_tokens": spec.num_draft_tokens, "accepted_tokens": spec.num_accepted_tokens, "verify_steps": steps,
-            "acceptance": spec.num_accepted_tokens / spec.num_draft_tokens if spec.num_draft_tokens else 0.0,
-            "acceptance_length": 1 + spec.num_accepted_tokens / steps if steps else 1.0,
-            "drafts_per_step": spec.num_draft_tokens / steps if steps else 0.0,
-            "accepted_per_pos": [a / steps if steps else 0.0 for a in spec.num_accepted_per_pos]}
+    return {
+        "draft_tokens": spec.num_draft_tokens,
+        "accepted_tokens": spec.num_accepted_tokens,
+        "verify_steps": steps,
+        "acceptance": spec.num_accepted_tokens / spec.num_draft_tokens if spec.num_draft_tokens else 0.0,
+        "acceptance_length": 1 + spec.num_accepted_tokens / steps if steps else 1.0,
+        "drafts_per_step": spec.num_draft_tokens / steps if steps else 0.0,
+        "accepted_per_pos": [a / steps if steps else 0.0 for a in spec.num_accepted_per_pos],
+    }
 
 
 def _methods(args, model: str, cache_dir: Path) -> dict[str, dict]:
@@ -76,8 +80,10 @@ def _methods(args, model: str, cache_dir: Path) -> dict[str, dict]:
             continue
         path = cache_dir / "drafts" / f"{Path(model).stem}-{method}" if flag == "auto" else Path(flag)
         if not (path / "config.json").is_file():
-            raise SystemExit(f"kiln bench spec: no {method} draft at {path} (make one with `kiln make-draft-model "
-                             f"--target {model} --method {method}`)")
+            raise SystemExit(
+                f"kiln bench spec: no {method} draft at {path} (make one with `kiln make-draft-model "
+                f"--target {model} --method {method}`)"
+            )
         # (several draft models side by side: each row named after its directory)
         name = f"{method}:{path.name}" if method == "draft_model" and len(drafts) > 1 else method
         out[name] = dict(speculative_method=method, speculative_model=str(path), num_speculative_tokens=k)
@@ -99,11 +105,16 @@ def _compare(args, base: dict, model: str, settings) -> list[dict]:
         engines[name] = LLM(**base, max_num_seqs=batch, **spec)
     tok = engines["plain"].tokenizer
     if args.chat_prompts:
-        prompts = [chat_ids(tok, p) for p in chat_prompts(args.prompt_split)][:args.num_prompts]
+        prompts = [chat_ids(tok, p) for p in chat_prompts(args.prompt_split)][: args.num_prompts]
     else:
         prompts = _prompts(args.num_prompts, min(engines["plain"].engine.model_config.vocab_size, len(tok)))
-    params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, ignore_eos=args.ignore_eos,
-                            detokenize=False, seed=0 if args.temperature > 0 else None)
+    params = SamplingParams(
+        temperature=args.temperature,
+        max_tokens=args.max_tokens,
+        ignore_eos=args.ignore_eos,
+        detokenize=False,
+        seed=0 if args.temperature > 0 else None,
+    )
     for llm in engines.values():  # warm-up
         llm.generate(prompts[:1], params, use_tqdm=False)
         if llm.engine.core.scheduler.spec is not None:  # (counters from the timed runs only)
@@ -123,8 +134,16 @@ def _compare(args, base: dict, model: str, settings) -> list[dict]:
     for name in methods:
         llm = engines[name]
         ratios = [r / p for r, p in zip(rates[name], rates["plain"])]
-        rows.append({"method": name, "tok_per_s": statistics.median(rates[name]), "ratio": statistics.median(ratios),
-                     "runs": rates[name], "same_as_plain": outputs[name] == outputs["plain"], **_spec_counts(llm)})
+        rows.append(
+            {
+                "method": name,
+                "tok_per_s": statistics.median(rates[name]),
+                "ratio": statistics.median(ratios),
+                "runs": rates[name],
+                "same_as_plain": outputs[name] == outputs["plain"],
+                **_spec_counts(llm),
+            }
+        )
         llm.engine.core.check_integrity()
     return rows
 
@@ -132,52 +151,81 @@ def _compare(args, base: dict, model: str, settings) -> list[dict]:
 def main(argv: list[str]) -> int:
     from engine.entrypoints.cli.flags import add_settings_flags, settings_from_args
 
-    parser = argparse.ArgumentParser(prog="kiln bench spec", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="kiln bench spec", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--batch-sizes", default="1,16", help="concurrent requests (max_num_seqs) per run")
     parser.add_argument("--requests-per-seat", type=int, default=2)
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--draft-tokens", type=int, default=4, help="num_speculative_tokens")
     parser.add_argument("--random-model", action="store_true", help="the embedded tiny model (never repeats)")
     parser.add_argument("--ngram", action="store_true", help="with --model: n-gram prompt lookup")
-    parser.add_argument("--draft-model", action="append", default=None, metavar="DIR",
-                        help="with --model: a draft model (or auto); repeat to compare several in the same run")
+    parser.add_argument(
+        "--draft-model",
+        action="append",
+        default=None,
+        metavar="DIR",
+        help="with --model: a draft model (or auto); repeat to compare several in the same run",
+    )
     parser.add_argument("--eagle", default=None, metavar="DIR", help="with --model: an EAGLE head (or auto)")
     parser.add_argument("--eagle3", default=None, metavar="DIR", help="with --model: an EAGLE-3 head (or auto)")
-    parser.add_argument("--chat-prompts", action="store_true",
-                        help="with --model: chat prompts through the chat template")
-    parser.add_argument("--prompt-split", choices=["test", "train"], default="test",
-                        help="with --chat-prompts: the topics no draft was trained on (test), or those its corpus "
-                             "was drawn from (train: in-domain, some of these very prompts answered in the corpus)")
+    parser.add_argument(
+        "--chat-prompts", action="store_true", help="with --model: chat prompts through the chat template"
+    )
+    parser.add_argument(
+        "--prompt-split",
+        choices=["test", "train"],
+        default="test",
+        help="with --chat-prompts: the topics no draft was trained on (test), or those its corpus "
+        "was drawn from (train: in-domain, some of these very prompts answered in the corpus)",
+    )
     parser.add_argument("--num-prompts", type=int, default=8, help="with --model: prompts per timed run")
     parser.add_argument("--repeats", type=int, default=3, help="with --model: interleaved timed runs per engine")
     parser.add_argument("--temperature", type=float, default=0.0, help="with --model: sampling temperature")
     parser.add_argument("--ignore-eos", action="store_true", help="with --model: always max_tokens per answer")
     parser.add_argument("--json", default=None)
-    add_settings_flags(parser, skip=("max_num_seqs", "speculative_method", "num_speculative_tokens",
-                                     "speculative_model", "speculative_config"))
+    add_settings_flags(
+        parser,
+        skip=(
+            "max_num_seqs",
+            "speculative_method",
+            "num_speculative_tokens",
+            "speculative_model",
+            "speculative_config",
+        ),
+    )
     args = parser.parse_args(argv)
     settings = settings_from_args(args)
     if settings.model is not None:
         base = settings.model_dump(exclude_unset=True)
         rows = _compare(args, base, settings.model, settings)
-        print(f"model {settings.model}, batch {args.batch_sizes.split(',')[0]}, up to {args.draft_tokens} draft tokens, "
-              f"{args.max_tokens} output tokens, {args.num_prompts} "
-              f"{f'chat ({args.prompt_split} split) ' if args.chat_prompts else ''}prompts, "
-              f"{args.repeats} interleaved runs (median)")
+        print(
+            f"model {settings.model}, batch {args.batch_sizes.split(',')[0]}, up to {args.draft_tokens} draft tokens, "
+            f"{args.max_tokens} output tokens, {args.num_prompts} "
+            f"{f'chat ({args.prompt_split} split) ' if args.chat_prompts else ''}prompts, "
+            f"{args.repeats} interleaved runs (median)"
+        )
         width = max(12, *(len(r["method"]) for r in rows))
-        print(f"{'method':>{width}} {'tok/s':>8} {'ratio':>7} {'accepted':>9} {'accept len':>11} {'drafts/step':>12} "
-              f"{'same':>5}")
+        print(
+            f"{'method':>{width}} {'tok/s':>8} {'ratio':>7} {'accepted':>9} {'accept len':>11} {'drafts/step':>12} "
+            f"{'same':>5}"
+        )
         for r in rows:
-            extra = "" if r["method"] == "plain" else (
-                f"{r['acceptance']:>8.0%} {r['acceptance_length']:>11.2f} {r['drafts_per_step']:>12.2f} "
-                f"{'yes' if r['same_as_plain'] else 'NO':>5}  per position "
-                + " ".join(f"{a:.2f}" for a in r["accepted_per_pos"]))
+            extra = (
+                ""
+                if r["method"] == "plain"
+                else (
+                    f"{r['acceptance']:>8.0%} {r['acceptance_length']:>11.2f} {r['drafts_per_step']:>12.2f} "
+                    f"{'yes' if r['same_as_plain'] else 'NO':>5}  per position "
+                    + " ".join(f"{a:.2f}" for a in r["accepted_per_pos"])
+                )
+            )
             print(f"{r['method']:>{width}} {r['tok_per_s']:>8.2f} {r['ratio']:>6.2f}x {extra}")
             print(f"{'':>{width}} runs (tok/s): " + " ".join(f"{x:.2f}" for x in r["runs"]))
         if args.json:
-            Path(args.json).write_text(json.dumps({"model": settings.model, "args": vars(args), "rows": rows},
-                                                  indent=2))
+            Path(args.json).write_text(
+                json.dumps({"model": settings.model, "args": vars(args), "rows": rows}, indent=2)
+            )
         return 0
     return _ngram_periodic(args, settings)
 
@@ -207,17 +255,27 @@ def _ngram_periodic(args, settings) -> int:
         spec_s, spec_tokens = _run(spec, prompts, args.max_tokens)
         drafts, accepted = sched.num_draft_tokens, sched.num_accepted_tokens
         spec.engine.core.check_integrity()
-        row = {"batch": batch, "plain_tok_per_s": plain_tokens / plain_s, "spec_tok_per_s": spec_tokens / spec_s,
-               "ratio": (spec_tokens / spec_s) / (plain_tokens / plain_s), "draft_tokens": drafts,
-               "accepted_tokens": accepted, "acceptance": accepted / drafts if drafts else 0.0,
-               "tokens_per_verify": (accepted + drafts / args.draft_tokens) / (drafts / args.draft_tokens)
-               if drafts else 0.0}
+        row = {
+            "batch": batch,
+            "plain_tok_per_s": plain_tokens / plain_s,
+            "spec_tok_per_s": spec_tokens / spec_s,
+            "ratio": (spec_tokens / spec_s) / (plain_tokens / plain_s),
+            "draft_tokens": drafts,
+            "accepted_tokens": accepted,
+            "acceptance": accepted / drafts if drafts else 0.0,
+            "tokens_per_verify": (accepted + drafts / args.draft_tokens) / (drafts / args.draft_tokens)
+            if drafts
+            else 0.0,
+        }
         results.append(row)
-        print(f"{batch:>5} {row['plain_tok_per_s']:>12.1f} {row['spec_tok_per_s']:>11.1f} {row['ratio']:>6.2f}x "
-              f"{row['acceptance']:>8.0%} {row['tokens_per_verify']:>14.2f}")
+        print(
+            f"{batch:>5} {row['plain_tok_per_s']:>12.1f} {row['spec_tok_per_s']:>11.1f} {row['ratio']:>6.2f}x "
+            f"{row['acceptance']:>8.0%} {row['tokens_per_verify']:>14.2f}"
+        )
     if args.json:
-        Path(args.json).write_text(json.dumps({"model": model, "draft_tokens": args.draft_tokens, "rows": results},
-                                              indent=2))
+        Path(args.json).write_text(
+            json.dumps({"model": model, "draft_tokens": args.draft_tokens, "rows": results}, indent=2)
+        )
     if tmp is not None:
         tmp.cleanup()
     return 0

@@ -2,7 +2,8 @@
 
 For each block count (default 1 and 512) it times, on the side stream with events exactly as
 the engine runs it (BlockSwapper.launch + wait), moving that many randomly placed GPU blocks
-out to the CPU pool and back in (into consecutive CPU slots, and into scattered ones), and a plain `copy_` of the same number of bytes between one
+out to the CPU pool and back in (into consecutive CPU slots, and into scattered ones), and a plain `copy_` of
+the same number of bytes between one
 contiguous device buffer and one pinned host buffer, in the same run. Before timing, it
 checks that the moved blocks arrive bit-exact, and that a write queued on the compute stream
 right after a swap-out (what the next step's forward does to a freed block) does not reach
@@ -46,8 +47,14 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--blocks", default="1,512", help="comma-separated block counts per swap")
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--staging-mb", type=int, default=128, help="device staging buffer (MiB)")
-    p.add_argument("--json", nargs="?", const="-", default=None, metavar="PATH",
-                   help="write the results as one JSON object to PATH (no PATH: print it instead of the table)")
+    p.add_argument(
+        "--json",
+        nargs="?",
+        const="-",
+        default=None,
+        metavar="PATH",
+        help="write the results as one JSON object to PATH (no PATH: print it instead of the table)",
+    )
     return p.parse_args(argv)
 
 
@@ -77,8 +84,11 @@ class _Timer:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parse(list(sys.argv[1:] if argv is None else argv))
-    device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else
-                          ("cpu" if args.device == "auto" else args.device))
+    device = torch.device(
+        "cuda"
+        if args.device == "auto" and torch.cuda.is_available()
+        else ("cpu" if args.device == "auto" else args.device)
+    )
     cuda = device.type == "cuda"
     layers = args.layers or (32 if cuda else 2)
     heads = args.kv_heads or (8 if cuda else 2)
@@ -113,15 +123,27 @@ def main(argv: list[str] | None = None) -> int:
         print("kiln bench swap: FAILED: swapped blocks differ after a round trip", file=sys.stderr)
         ok = False
 
-    shape = {"layers": layers, "kv_heads": heads, "head_dim": dim, "block_size": args.block_size,
-             "dtype": str(dtype).removeprefix("torch."), "bytes_per_block": per_block}
+    shape = {
+        "layers": layers,
+        "kv_heads": heads,
+        "head_dim": dim,
+        "block_size": args.block_size,
+        "dtype": str(dtype).removeprefix("torch."),
+        "bytes_per_block": per_block,
+    }
     results = []
 
     def snapshot(complete: bool) -> dict:
-        return {"device": torch.cuda.get_device_name(device) if cuda else "cpu", "shape": shape,
-                "staging_blocks": swapper.staging.shape[0], "pinned": swapper.cpu.is_pinned(),
-                "correct": ok, "results": results, "complete": complete,
-                "seconds": round(time.perf_counter() - t_start, 2)}
+        return {
+            "device": torch.cuda.get_device_name(device) if cuda else "cpu",
+            "shape": shape,
+            "staging_blocks": swapper.staging.shape[0],
+            "pinned": swapper.cpu.is_pinned(),
+            "correct": ok,
+            "results": results,
+            "complete": complete,
+            "seconds": round(time.perf_counter() - t_start, 2),
+        }
 
     def write(complete: bool) -> dict:
         result = snapshot(complete)
@@ -166,8 +188,12 @@ def main(argv: list[str] | None = None) -> int:
             fn()
         nbytes = n * per_block
         row = {"blocks": n, "cpu_slots": layout, "bytes": nbytes}
-        for name, fn in (("swap_out", swap_out), ("swap_in", swap_in), ("pinned_d2h", plain_d2h),
-                         ("pinned_h2d", plain_h2d)):
+        for name, fn in (
+            ("swap_out", swap_out),
+            ("swap_in", swap_in),
+            ("pinned_d2h", plain_d2h),
+            ("pinned_h2d", plain_h2d),
+        ):
             seconds = timer(fn, args.iters)
             row[f"{name}_us"] = round(seconds * 1e6, 1)
             row[f"{name}_gbps"] = round(nbytes / seconds / 1e9, 2)
@@ -181,15 +207,22 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(summary))
     else:
         s = summary["shape"]
-        print(f"swap_blocks on {summary['device']}: {s['layers']} layers x {s['kv_heads']} kv heads x D{s['head_dim']}, "
-              f"block {s['block_size']}, {s['dtype']} = {per_block / 2**20:.3f} MiB/block; staging "
-              f"{summary['staging_blocks']} blocks; round trip {'exact' if ok else 'WRONG'}")
-        print(f"{'blocks':>6} {'cpu slots':>9} {'MiB':>8} {'out GB/s':>9} {'pinned':>8} {'ratio':>6} {'in GB/s':>9} {'pinned':>8} "
-              f"{'ratio':>6}")
+        print(
+            f"swap_blocks on {summary['device']}: {s['layers']} layers x {s['kv_heads']} kv heads x D{s['head_dim']}, "
+            f"block {s['block_size']}, {s['dtype']} = {per_block / 2**20:.3f} MiB/block; staging "
+            f"{summary['staging_blocks']} blocks; round trip {'exact' if ok else 'WRONG'}"
+        )
+        print(
+            f"{'blocks':>6} {'cpu slots':>9} {'MiB':>8} {'out GB/s':>9} {'pinned':>8} {'ratio':>6} "
+            f"{'in GB/s':>9} {'pinned':>8} {'ratio':>6}"
+        )
         for r in results:
-            print(f"{r['blocks']:>6} {r['cpu_slots']:>9} {r['bytes'] / 2**20:>8.2f} {r['swap_out_gbps']:>9.2f} {r['pinned_d2h_gbps']:>8.2f} "
-                  f"{r['out_vs_pinned']:>6.2f} {r['swap_in_gbps']:>9.2f} {r['pinned_h2d_gbps']:>8.2f} "
-                  f"{r['in_vs_pinned']:>6.2f}")
+            print(
+                f"{r['blocks']:>6} {r['cpu_slots']:>9} {r['bytes'] / 2**20:>8.2f} {r['swap_out_gbps']:>9.2f} "
+                f"{r['pinned_d2h_gbps']:>8.2f} "
+                f"{r['out_vs_pinned']:>6.2f} {r['swap_in_gbps']:>9.2f} {r['pinned_h2d_gbps']:>8.2f} "
+                f"{r['in_vs_pinned']:>6.2f}"
+            )
         print(f"({summary['seconds']} s)")
     return 0 if ok else 1
 

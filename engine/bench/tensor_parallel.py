@@ -38,6 +38,7 @@ def timed_collectives(stats: dict[str, list[float]]):
                 return fn(*args, **kwargs)
             finally:
                 stats[name].append(time.perf_counter() - t0)
+
         return call
 
     for name, fn in originals.items():
@@ -60,8 +61,12 @@ def compare(settings, reqs, run_kiln: Callable) -> dict[str, Any]:
     world = settings.tensor_parallel_size
     base = settings.model_dump(exclude_unset=True) | {"model": settings.model}
     warm = reqs[: max(1, len(reqs) // 8)]
-    result: dict[str, Any] = {"model": settings.model, "num_requests": len(reqs), "tensor_parallel_size": world,
-                              "rounds": ROUNDS}
+    result: dict[str, Any] = {
+        "model": settings.model,
+        "num_requests": len(reqs),
+        "tensor_parallel_size": world,
+        "rounds": ROUNDS,
+    }
     engines = {}
     try:
         for tp in (1, world):
@@ -87,8 +92,11 @@ def compare(settings, reqs, run_kiln: Callable) -> dict[str, Any]:
                     send_s += executor.send_seconds - send0
                 llm.engine.core.check_integrity()
                 rates[tp].append(tokens / seconds)
-                print(f"tensor_parallel_size {tp}: {tokens} output tokens in {seconds:.2f}s = "
-                      f"{tokens / seconds:.1f} tok/s", flush=True)
+                print(
+                    f"tensor_parallel_size {tp}: {tokens} output tokens in {seconds:.2f}s = "
+                    f"{tokens / seconds:.1f} tok/s",
+                    flush=True,
+                )
     finally:
         for llm in engines.values():
             if llm.engine.core.executor is not None:
@@ -99,18 +107,30 @@ def compare(settings, reqs, run_kiln: Callable) -> dict[str, Any]:
         result[f"tp{tp}_tok_per_s"] = statistics.median(values)
         result[f"tp{tp}_tok_per_s_runs"] = values
     per_step = max(1, steps)
-    result.update(steps_per_run=steps / ROUNDS, messages_per_step=messages / per_step,
-                  broadcast_ms_per_step=send_s * 1e3 / per_step)
-    print(f"tensor_parallel_size {world}, per forward step (medians of {ROUNDS} runs above; these over all "
-          f"{steps} steps): step description {messages / per_step:.2f} messages, "
-          f"{send_s * 1e3 / per_step:.3f} ms (rank 0 broadcasts)")
+    result.update(
+        steps_per_run=steps / ROUNDS,
+        messages_per_step=messages / per_step,
+        broadcast_ms_per_step=send_s * 1e3 / per_step,
+    )
+    print(
+        f"tensor_parallel_size {world}, per forward step (medians of {ROUNDS} runs above; these over all "
+        f"{steps} steps): step description {messages / per_step:.2f} messages, "
+        f"{send_s * 1e3 / per_step:.3f} ms (rank 0 broadcasts)"
+    )
     for name, times in sorted(stats.items()):
         total_ms = sum(times) * 1e3
         per_call = total_ms / max(1, len(times))
-        result.update({f"{name}_calls_per_step": len(times) / per_step, f"{name}_ms_per_call": per_call,
-                       f"{name}_ms_per_step": total_ms / per_step})
-        print(f"  {name}: {len(times) / per_step:.1f} calls per step, {per_call:.3f} ms per call, "
-              f"{total_ms / per_step:.2f} ms per step")
+        result.update(
+            {
+                f"{name}_calls_per_step": len(times) / per_step,
+                f"{name}_ms_per_call": per_call,
+                f"{name}_ms_per_step": total_ms / per_step,
+            }
+        )
+        print(
+            f"  {name}: {len(times) / per_step:.1f} calls per step, {per_call:.3f} ms per call, "
+            f"{total_ms / per_step:.2f} ms per step"
+        )
     result["ratio"] = result[f"tp{world}_tok_per_s"] / result["tp1_tok_per_s"]
     print(f"ratio tensor_parallel_size {world} / 1 (median tok/s): {result['ratio']:.2f}x")
     return result
@@ -124,8 +144,9 @@ def main_tp(args, settings, workload: Callable, length_range: Callable, run_kiln
 
     config = ModelConfig.from_dir(Path(settings.model))
     vocab = min(config.vocab_size, len(load_tokenizer(settings.tokenizer or settings.model)))
-    reqs = workload(args.num_requests, length_range(args.prompt_len), length_range(args.output_len), vocab,
-                    args.workload_seed)
+    reqs = workload(
+        args.num_requests, length_range(args.prompt_len), length_range(args.output_len), vocab, args.workload_seed
+    )
     result = compare(settings, reqs, run_kiln)
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2))

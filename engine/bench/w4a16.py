@@ -62,17 +62,31 @@ def bench(cache_dir: Path, shapes=SHAPES_8B, tokens=TOKENS, reps: int = 5, on_ro
             kiln.append(pack_w4a16(q[:, 0::2] | (q[:, 1::2] << 4), zeros, scales, GROUP))
             tiny.append(_tinygemm(q, zeros, scales, GROUP))
             del q
-        dense = [torch.randn(n, k, device=dev, dtype=torch.bfloat16, generator=gen) * 0.02
-                 for _ in range(copies_for(2 * n * k))]
+        dense = [
+            torch.randn(n, k, device=dev, dtype=torch.bfloat16, generator=gen) * 0.02
+            for _ in range(copies_for(2 * n * k))
+        ]
         for m in tokens:
             x = torch.randn(m, k, device=dev, dtype=torch.bfloat16, generator=gen)
             t_kiln = _time_graph([lambda w=w: gemm(x, *w) for w in kiln], reps)
-            t_tiny = _time_graph([lambda w=w: torch.ops.aten._weight_int4pack_mm(x, w[0], GROUP, w[1]) for w in tiny],
-                                 reps)
+            t_tiny = _time_graph(
+                [lambda w=w: torch.ops.aten._weight_int4pack_mm(x, w[0], GROUP, w[1]) for w in tiny], reps
+            )
             t_bf16 = _time_graph([lambda w=w: torch.nn.functional.linear(x, w) for w in dense], reps)
-            rows.append(dict(shape=name, n=n, k=k, m=m, kiln_us=t_kiln * 1e6, tinygemm_us=t_tiny * 1e6,
-                             bf16_us=t_bf16 * 1e6, kiln_weight_GB_s=nbytes / t_kiln / 1e9,
-                             kiln_over_tinygemm=t_kiln / t_tiny, kiln_over_bf16=t_kiln / t_bf16))
+            rows.append(
+                dict(
+                    shape=name,
+                    n=n,
+                    k=k,
+                    m=m,
+                    kiln_us=t_kiln * 1e6,
+                    tinygemm_us=t_tiny * 1e6,
+                    bf16_us=t_bf16 * 1e6,
+                    kiln_weight_GB_s=nbytes / t_kiln / 1e9,
+                    kiln_over_tinygemm=t_kiln / t_tiny,
+                    kiln_over_bf16=t_kiln / t_bf16,
+                )
+            )
             if on_row is not None:  # (as measured: a stage cut at its limit still shows what ran)
                 on_row(rows[-1])
         del kiln, tiny, dense
@@ -80,14 +94,18 @@ def bench(cache_dir: Path, shapes=SHAPES_8B, tokens=TOKENS, reps: int = 5, on_ro
     return rows
 
 
-HEADER = (f"{'shape':8} {'N':>6} {'K':>6} {'M':>3} {'kiln us':>9} {'tinygemm':>9} {'bf16':>9} {'kiln GB/s':>10} "
-          f"{'/tinygemm':>10} {'/bf16':>7}")
+HEADER = (
+    f"{'shape':8} {'N':>6} {'K':>6} {'M':>3} {'kiln us':>9} {'tinygemm':>9} {'bf16':>9} {'kiln GB/s':>10} "
+    f"{'/tinygemm':>10} {'/bf16':>7}"
+)
 
 
 def row_line(r: dict) -> str:
-    return (f"{r['shape']:8} {r['n']:6d} {r['k']:6d} {r['m']:3d} {r['kiln_us']:9.2f} {r['tinygemm_us']:9.2f} "
-            f"{r['bf16_us']:9.2f} {r['kiln_weight_GB_s']:10.0f} {r['kiln_over_tinygemm']:10.3f} "
-            f"{r['kiln_over_bf16']:7.3f}")
+    return (
+        f"{r['shape']:8} {r['n']:6d} {r['k']:6d} {r['m']:3d} {r['kiln_us']:9.2f} {r['tinygemm_us']:9.2f} "
+        f"{r['bf16_us']:9.2f} {r['kiln_weight_GB_s']:10.0f} {r['kiln_over_tinygemm']:10.3f} "
+        f"{r['kiln_over_bf16']:7.3f}"
+    )
 
 
 def main(argv: list[str]) -> int:
@@ -102,8 +120,11 @@ def main(argv: list[str]) -> int:
         print("w4a16 bench: no CUDA device", file=sys.stderr)
         return 1
     print(HEADER, flush=True)
-    rows = bench(args.cache_dir.expanduser(), tokens=(1,) if args.quick else TOKENS,
-                 on_row=lambda r: print(row_line(r), flush=True))
+    rows = bench(
+        args.cache_dir.expanduser(),
+        tokens=(1,) if args.quick else TOKENS,
+        on_row=lambda r: print(row_line(r), flush=True),
+    )
     if args.json:
         args.json.write_text(json.dumps(rows, indent=1))
     return 0

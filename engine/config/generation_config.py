@@ -15,12 +15,23 @@ from typing import Any, Iterable
 from engine.core.request import SamplingParams
 
 # generation_config.json key -> SamplingParams field (the keys vLLM takes from it).
-SAMPLING_KEYS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
-                 "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens"}
+SAMPLING_KEYS = {
+    "temperature": "temperature",
+    "top_p": "top_p",
+    "top_k": "top_k",
+    "min_p": "min_p",
+    "repetition_penalty": "repetition_penalty",
+    "max_new_tokens": "max_tokens",
+}
 # SamplingParams field -> the OpenAI request fields that set it.
-REQUEST_FIELDS = {"temperature": ("temperature",), "top_p": ("top_p",), "top_k": ("top_k",),
-                  "min_p": ("min_p",), "repetition_penalty": ("repetition_penalty",),
-                  "max_tokens": ("max_tokens", "max_completion_tokens")}
+REQUEST_FIELDS = {
+    "temperature": ("temperature",),
+    "top_p": ("top_p",),
+    "top_k": ("top_k",),
+    "min_p": ("min_p",),
+    "repetition_penalty": ("repetition_penalty",),
+    "max_tokens": ("max_tokens", "max_completion_tokens"),
+}
 
 
 @dataclass(frozen=True)
@@ -36,8 +47,9 @@ def load_generation_defaults(model_dir: str | Path, setting: str = "auto") -> Ge
         return GenerationDefaults()
     folder = Path(model_dir) if setting == "auto" else Path(setting).expanduser()
     if setting != "auto" and not folder.is_dir():
-        raise ValueError(f"generation_config: {setting!r} is not a folder (auto, vllm, or a folder holding "
-                         "generation_config.json)")
+        raise ValueError(
+            f"generation_config: {setting!r} is not a folder (auto, vllm, or a folder holding generation_config.json)"
+        )
     path = folder / "generation_config.json"
     if not path.is_file():
         if setting != "auto":
@@ -60,8 +72,9 @@ def default_sampling_params(defaults: GenerationDefaults) -> SamplingParams:
     return SamplingParams(**defaults.sampling)
 
 
-def apply_generation_defaults(fields: dict[str, Any], defaults: GenerationDefaults,
-                              given: Iterable[str]) -> dict[str, Any]:
+def apply_generation_defaults(
+    fields: dict[str, Any], defaults: GenerationDefaults, given: Iterable[str]
+) -> dict[str, Any]:
     """SamplingParams keyword arguments with the defaults filled in for the fields the request did
     not set (`given`: the request's own field names, e.g. a pydantic model's model_fields_set);
     max_new_tokens caps an unset max_tokens. (The params are then made, and validated, once.)"""

@@ -51,8 +51,10 @@ class ProcessSetup:
     def wait_policy(self) -> str:
         """The OpenMP wait policy in force, in words, for the start-up log."""
         if not self.before_torch:
-            return (f"runtime default (torch was imported before kiln; set GOMP_SPINCOUNT={QUIET_SPIN_COUNT} "
-                    f"before starting)")
+            return (
+                f"runtime default (torch was imported before kiln; set GOMP_SPINCOUNT={QUIET_SPIN_COUNT} "
+                f"before starting)"
+            )
         return self.openmp_wait.lower() or "runtime default"
 
 
@@ -82,9 +84,13 @@ def _decide(before_torch: bool) -> ProcessSetup:
         return ProcessSetup(before_torch=False, cpu_isa=level, cpu_isa_error=error)
     count, why = (None, "") if openmp_wait_set_by_user() else spin_count_for(cores_busy_elsewhere())
     policy = export_openmp_spin(count)
-    return ProcessSetup(before_torch=True, openmp_wait=f"{policy} ({why})" if why and policy else policy,
-                        cpu_isa=level, cpu_isa_error=error,
-                        torch_isa=export_torch_isa_limit(level) if level is not None else {})
+    return ProcessSetup(
+        before_torch=True,
+        openmp_wait=f"{policy} ({why})" if why and policy else policy,
+        cpu_isa=level,
+        cpu_isa_error=error,
+        torch_isa=export_torch_isa_limit(level) if level is not None else {},
+    )
 
 
 def spin_count_for(busy_elsewhere: float | None) -> tuple[str, str]:

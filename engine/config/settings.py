@@ -21,7 +21,8 @@ from engine.config.values import DTYPE_ALIASES, did_you_mean, json_value, parse_
 def default_cache_dir() -> Path:
     """kiln's cache directory (default model, kernels, compile artefacts)."""
     base = os.environ.get("KILN_CACHE_DIR") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "kiln")
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "kiln"
+    )
     return Path(base)
 
 
@@ -29,9 +30,13 @@ def default_cache_dir() -> Path:
 SUPPORTED_QUANTIZATION: tuple[str, ...] = ("fp8", "gptq", "awq", "compressed-tensors")  # engine/layers/quant/config.py
 SUPPORTED_KV_CACHE_DTYPES: tuple[str, ...] = ("auto", "fp8", "fp8_e4m3")  # engine/layers/kv_cache.py
 
-SPECULATIVE_KEYS = {"method": "speculative_method", "model": "speculative_model",
-                    "num_speculative_tokens": "num_speculative_tokens",
-                    "prompt_lookup_max": "prompt_lookup_max", "prompt_lookup_min": "prompt_lookup_min"}
+SPECULATIVE_KEYS = {
+    "method": "speculative_method",
+    "model": "speculative_model",
+    "num_speculative_tokens": "num_speculative_tokens",
+    "prompt_lookup_max": "prompt_lookup_max",
+    "prompt_lookup_min": "prompt_lookup_min",
+}
 
 
 class _KilnSettings(BaseSettings):
@@ -39,8 +44,11 @@ class _KilnSettings(BaseSettings):
 
     @classmethod
     def settings_customise_sources(
-        cls, settings_cls: type[BaseSettings], init_settings: PydanticBaseSettingsSource,
-        env_settings: PydanticBaseSettingsSource, dotenv_settings: PydanticBaseSettingsSource,
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
         file_secret_settings: PydanticBaseSettingsSource,
     ) -> tuple[PydanticBaseSettingsSource, ...]:
         return init_settings, env_settings, ConfigFileSource(settings_cls, SETTING_NAMES)
@@ -50,27 +58,39 @@ class EngineSettings(_KilnSettings):
     model_config = SettingsConfigDict(env_prefix="KILN_", extra="forbid", validate_default=True, enable_decoding=False)
 
     # --- model ---
-    model: str | None = Field(None, description="an HF checkpoint directory or a GGUF file (default: kiln's embedded tiny model)")
+    model: str | None = Field(
+        None, description="an HF checkpoint directory or a GGUF file (default: kiln's embedded tiny model)"
+    )
     tokenizer: str | None = Field(None, description="tokenizer directory (default: the model's)")
     chat_template: str | None = Field(
-        None, description="Jinja chat template, or the path of a file holding one (default: the tokenizer's)")
+        None, description="Jinja chat template, or the path of a file holding one (default: the tokenizer's)"
+    )
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
-        "auto", description="weights and activations (half = float16, float = float32; auto: the checkpoint's; on "
-        "the CPU float32, or bf16 for a bf16/fp16 checkpoint where the CPU multiplies bf16 natively; logged at start-up)")
+        "auto",
+        description="weights and activations (half = float16, float = float32; auto: the checkpoint's; on "
+        "the CPU float32, or bf16 for a bf16/fp16 checkpoint where the CPU multiplies bf16 natively; "
+        "logged at start-up)",
+    )
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto: cuda when a GPU is visible")
     seed: int = Field(0, description="random seed for dummy weights and unseeded sampling")
     load_format: Literal["auto", "dummy"] = Field("auto", description="dummy: random weights from config.json")
-    max_model_len: int | None = Field(None, ge=1, description="context length in tokens; 32k = 32000, 32K = 32768 "
-                                         "(default: the model's max_position_embeddings)")
+    max_model_len: int | None = Field(
+        None,
+        ge=1,
+        description="context length in tokens; 32k = 32000, 32K = 32768 (default: the model's max_position_embeddings)",
+    )
 
     # --- KV cache ---
     block_size: int = Field(16, description="tokens per KV block (8, 16, 32, 64 or 128)")
     num_gpu_blocks: int | None = Field(None, ge=2, description="KV blocks; default: sized from memory settings")
     gpu_memory_utilization: float = Field(0.9, gt=0.0, le=1.0, description="share of GPU memory kiln may use")
     kv_cache_memory_gb: float | None = Field(
-        None, gt=0.0, description="KV cache size on the CPU device, GiB; default: half the memory free once the "
+        None,
+        gt=0.0,
+        description="KV cache size on the CPU device, GiB; default: half the memory free once the "
         "weights are loaded (MemAvailable or the cgroup limit, less 1 GiB and the activations), at most what "
-        "max_num_seqs sequences at the full context fill, at least 0.25")
+        "max_num_seqs sequences at the full context fill, at least 0.25",
+    )
     swap_space_gb: float = Field(1.0, ge=0.0, description="pinned CPU memory for swapped-out KV blocks")
     enable_prefix_caching: bool = Field(True, description="reuse the KV blocks of shared prompt prefixes")
 
@@ -79,23 +99,34 @@ class EngineSettings(_KilnSettings):
     max_num_batched_tokens: int = Field(2048, ge=1, description="tokens in one step at most (prefill chunks + decodes)")
     enable_chunked_prefill: bool = Field(True, description="split long prompts across steps")
     preemption_mode: Literal["auto", "swap", "recompute"] = Field(
-        "recompute", description="what happens to a preempted sequence's KV blocks")
-    reserved_blocks_fraction: float = Field(0.0, ge=0.0, lt=1.0,
-                                            description="pool share kept for priority <= reserved_priority")
+        "recompute", description="what happens to a preempted sequence's KV blocks"
+    )
+    reserved_blocks_fraction: float = Field(
+        0.0, ge=0.0, lt=1.0, description="pool share kept for priority <= reserved_priority"
+    )
     reserved_priority: int = Field(0, description="requests with priority <= this may use the reserved share")
     max_waiting_requests: int = Field(4096, ge=1, description="beyond this the server answers 503")
 
     # --- speculative decoding (vLLM's speculative_config {"method": "ngram", ...}) ---
     speculative_method: Literal["ngram", "draft_model", "eagle", "eagle3"] | None = Field(
-        None, description="drafts verified in one forward: ngram (prompt lookup), draft_model (a small model "
-                          "with the same tokenizer), eagle / eagle3 (an EAGLE head on the model's hidden states)")
+        None,
+        description="drafts verified in one forward: ngram (prompt lookup), draft_model (a small model "
+        "with the same tokenizer), eagle / eagle3 (an EAGLE head on the model's hidden states)",
+    )
     speculative_model: str | None = Field(
-        None, description="draft_model / eagle / eagle3: the draft model's or head's checkpoint directory")
-    num_speculative_tokens: int = Field(0, ge=0, le=16, description="draft tokens per step and sequence (at most: "
-                                        "a model's drafts shrink per sequence when few are accepted)")
+        None, description="draft_model / eagle / eagle3: the draft model's or head's checkpoint directory"
+    )
+    num_speculative_tokens: int = Field(
+        0,
+        ge=0,
+        le=16,
+        description="draft tokens per step and sequence (at most: "
+        "a model's drafts shrink per sequence when few are accepted)",
+    )
     prompt_lookup_max: int = Field(4, ge=1, description="ngram: longest suffix to look up")
-    prompt_lookup_min: int = Field(2, ge=1,
-                                   description="ngram: shortest suffix to look up (1 matches by chance too often)")
+    prompt_lookup_min: int = Field(
+        2, ge=1, description="ngram: shortest suffix to look up (1 matches by chance too often)"
+    )
 
     # --- LoRA adapters (vLLM's --enable-lora, --lora-modules, --max-loras, --max-lora-rank) ---
     enable_lora: bool = Field(False, description="serve LoRA adapters")
@@ -109,96 +140,136 @@ class EngineSettings(_KilnSettings):
     # --- compiler / kernels ---
     enforce_eager: bool = Field(False, description="no torch.compile, no CUDA graphs")
     attention_backend: Literal["auto", "torch", "cutlass"] = Field(
-        "auto", description="auto: cutlass kernels on a GPU, the torch reference on the CPU")
+        "auto", description="auto: cutlass kernels on a GPU, the torch reference on the CPU"
+    )
     cuda_graph_sizes: list[int] | None = Field(None, description="decode batch buckets (default 1,2,4,8,16,...)")
     compile_cache_dir: Path | None = Field(None, description="default: <cache_dir>/compile")
     kernel_cache_dir: Path | None = Field(None, description="default: <cache_dir>/kernels")
-    cache_dir: Path = Field(default_factory=default_cache_dir,
-                            description="kiln's cache root (KILN_CACHE_DIR): kernels, compile artefacts, tiny model")
+    cache_dir: Path = Field(
+        default_factory=default_cache_dir,
+        description="kiln's cache root (KILN_CACHE_DIR): kernels, compile artefacts, tiny model",
+    )
     decode_kernel: Literal["v1", "v2"] = Field(
-        "v1", description="cutlass backend decode kernel: v1 (split-KV + combine launch, verified on an H200) "
-                          "or v2 (warp-streamed blocks, in-kernel merge)")
+        "v1",
+        description="cutlass backend decode kernel: v1 (split-KV + combine launch, verified on an H200) "
+        "or v2 (warp-streamed blocks, in-kernel merge)",
+    )
     prefill_kernel: Literal["mma", "wgmma"] = Field(
-        "mma", description="cutlass backend prefill kernel: mma (mma.sync, verified on an H200) or wgmma "
-                           "(sm_90a warpgroup MMA)")
+        "mma",
+        description="cutlass backend prefill kernel: mma (mma.sync, verified on an H200) or wgmma "
+        "(sm_90a warpgroup MMA)",
+    )
 
     # --- CPU threads (engine/worker/cpu_threads.py) ---
     cpu_threads: int | None = Field(
-        None, ge=1, description="compute threads on the CPU; default: one per available core, minus one "
-                                "(left to the engine loop and the server) from 4 cores up")
+        None,
+        ge=1,
+        description="compute threads on the CPU; default: one per available core, minus one "
+        "(left to the engine loop and the server) from 4 cores up",
+    )
     cpu_bind: str = Field(
-        "auto", description="pin the process to cores: a list like 0-3 or 0,2 (then one thread per core "
-                            "unless cpu_threads says otherwise); auto and none leave placement to the OS")
+        "auto",
+        description="pin the process to cores: a list like 0-3 or 0,2 (then one thread per core "
+        "unless cpu_threads says otherwise); auto and none leave placement to the OS",
+    )
 
     cpu_decoder_stack: bool = Field(
-        True, description="on the CPU, run a Llama-family model's decoder layers as one C++ call per step "
-                          "(the same kernels as the eager forward, without Python's dispatch per op) where "
-                          "every projection runs on the weight-streaming kernels")
+        True,
+        description="on the CPU, run a Llama-family model's decoder layers as one C++ call per step "
+        "(the same kernels as the eager forward, without Python's dispatch per op) where "
+        "every projection runs on the weight-streaming kernels",
+    )
     cpu_quant_activations: Literal["auto", "float", "int8"] = Field(
-        "auto", description="a float32 model's quantised layers (GGUF, GPTQ/AWQ int) on the CPU kernels: float = "
+        "auto",
+        description="a float32 model's quantised layers (GGUF, GPTQ/AWQ int) on the CPU kernels: float = "
         "weights dequantised in registers against float32 activations (dequantise-then-matmul's products); int8 = "
         "activations quantised to int8 per block of 32 for integer dot products, as llama.cpp does; auto = float "
         "on AMD's AVX-512 cores, int8 elsewhere (AVX2-only and Intel CPUs: there the float path is compute-bound, "
         "~2x slower). "
-        "bf16/fp16 models always take int8")
+        "bf16/fp16 models always take int8",
+    )
     cpu_half_weights: bool = Field(
-        True, description="on the CPU, a float32 model's projection weights that hold only fp16 or bf16 values (an "
-                          "fp16/bf16 checkpoint run in float32) stay in 2 bytes: the decode kernels widen them in "
-                          "registers (the same products, half the bytes per step), a prefill's GEMM per call; "
-                          "such an LM head gets a 2-byte copy for decode steps beside its float32 table")
+        True,
+        description="on the CPU, a float32 model's projection weights that hold only fp16 or bf16 values (an "
+        "fp16/bf16 checkpoint run in float32) stay in 2 bytes: the decode kernels widen them in "
+        "registers (the same products, half the bytes per step), a prefill's GEMM per call; "
+        "such an LM head gets a 2-byte copy for decode steps beside its float32 table",
+    )
     cpu_gemm_packed_weights: Literal["auto", "on", "off"] = Field(
-        "auto", description="on the CPU, keep oneDNN's blocked copy of the dense weights for steps of more rows than "
-                            "the weight-streaming kernels take (prefill chunks, batches of 32+): no reorder per "
-                            "call; the weights' bytes once more in memory, at most a quarter of what is free. "
-                            "auto = on CPUs with AMX (bf16 GEMMs 1.5-2.5x faster there, same bits; float32 1.1-1.3x); "
-                            "on = on any CPU")
+        "auto",
+        description="on the CPU, keep oneDNN's blocked copy of the dense weights for steps of more rows than "
+        "the weight-streaming kernels take (prefill chunks, batches of 32+): no reorder per "
+        "call; the weights' bytes once more in memory, at most a quarter of what is free. "
+        "auto = on CPUs with AMX (bf16 GEMMs 1.5-2.5x faster there, same bits; float32 1.1-1.3x); "
+        "on = on any CPU",
+    )
     cpu_huge_pages: bool = Field(
-        True, description="on the CPU, put the weights on 2 MB transparent huge pages once loaded (madvise + "
-                          "collapse; fewer TLB misses as every step streams them)")
+        True,
+        description="on the CPU, put the weights on 2 MB transparent huge pages once loaded (madvise + "
+        "collapse; fewer TLB misses as every step streams them)",
+    )
     cpu_compile_forward: bool = Field(
-        False, description="on the CPU, torch.compile the whole forward too (measured no faster than eager; "
-                           "only the decode attention is compiled by default)")
+        False,
+        description="on the CPU, torch.compile the whole forward too (measured no faster than eager; "
+        "only the decode attention is compiled by default)",
+    )
 
     # --- logging ---
     log_stats_interval: float = Field(10.0, ge=0.0, description="seconds between stats log lines (0 = off)")
 
     # --- engine loop ---
     async_scheduling: bool | None = Field(
-        None, description="overlap scheduling: the host prepares step N+1 while the device runs step N "
-                          "(default: on with a GPU, off on the CPU)")
+        None,
+        description="overlap scheduling: the host prepares step N+1 while the device runs step N "
+        "(default: on with a GPU, off on the CPU)",
+    )
     # --- vLLM-compatible settings (issue 13) ---
     tensor_parallel_size: int = Field(
-        1, ge=1, description="ranks to shard the model over, one process each (GPUs with NCCL; CPU processes "
-                             "with gloo)")
+        1, ge=1, description="ranks to shard the model over, one process each (GPUs with NCCL; CPU processes with gloo)"
+    )
     quantization: str | None = Field(
-        None, description="fp8: quantise a full-precision checkpoint's linear layers at load (per-channel "
-                          "scales); default: the checkpoint's own quantization_config (gptq, awq, compressed-tensors)")
+        None,
+        description="fp8: quantise a full-precision checkpoint's linear layers at load (per-channel "
+        "scales); default: the checkpoint's own quantization_config (gptq, awq, compressed-tensors)",
+    )
     kv_cache_dtype: str = Field(
-        "auto", description="KV cache element type: auto (the model dtype), or fp8 / fp8_e4m3 (1-byte e4m3 with "
-        "per-layer K/V scales from the checkpoint, else 1.0 or calculate_kv_scales): twice the blocks of bf16")
+        "auto",
+        description="KV cache element type: auto (the model dtype), or fp8 / fp8_e4m3 (1-byte e4m3 with "
+        "per-layer K/V scales from the checkpoint, else 1.0 or calculate_kv_scales): twice the blocks of bf16",
+    )
     generation_config: str = Field(
-        "auto", description="auto: sampling defaults and extra EOS ids from the model's generation_config.json; "
-        "vllm: ignore it; or a folder holding one")
+        "auto",
+        description="auto: sampling defaults and extra EOS ids from the model's generation_config.json; "
+        "vllm: ignore it; or a folder holding one",
+    )
     max_logprobs: int = Field(20, ge=0, description="largest logprobs / prompt_logprobs a request may ask for")
     disable_log_stats: bool = Field(False, description="no periodic stats log lines")
     speculative_config: dict[str, Any] | None = Field(
-        None, description='JSON, e.g. {"method": "ngram", "num_speculative_tokens": 4}; sets the speculative_* settings')
+        None, description='JSON, e.g. {"method": "ngram", "num_speculative_tokens": 4}; sets the speculative_* settings'
+    )
     trust_remote_code: bool = Field(
-        False, description="accepted for vLLM command lines; kiln never runs a checkpoint's code (GLM/ChatGLM "
-        "load natively)")
+        False,
+        description="accepted for vLLM command lines; kiln never runs a checkpoint's code (GLM/ChatGLM load natively)",
+    )
     int4_kernel: Literal["auto", "reference", "kiln", "tinygemm", "packed"] = Field(
-        "auto", description="int4 weights: auto = kiln's W4A16 GEMM on sm_90 when its cubin is built, else torch's "
+        "auto",
+        description="int4 weights: auto = kiln's W4A16 GEMM on sm_90 when its cubin is built, else torch's "
         "packed int4 matmul (CPU and CUDA, bf16 models), for every layer whose shape and group size it takes, else "
         "dequantise on the fly; kiln / tinygemm = that kernel (kiln: an error where it cannot run); reference = "
         "always dequantise on the fly; packed = as auto, and float32/float16 models too, their activations rounded "
-        "to bf16 around torch's packed kernel (on the CPU far faster than the reference; a bf16 model's numerics)")
+        "to bf16 around torch's packed kernel (on the CPU far faster than the reference; a bf16 model's numerics)",
+    )
     gguf_dequantize: bool = Field(
-        False, description="GGUF files: dequantise every tensor to the model dtype at load (default: Q4_0/Q4_1 "
+        False,
+        description="GGUF files: dequantise every tensor to the model dtype at load (default: Q4_0/Q4_1 "
         "linear layers of a bf16 model stay int4 in torch's packed layout, Q8_0 ones int8; K-quants are "
-        "dequantised either way)")
+        "dequantised either way)",
+    )
     calculate_kv_scales: bool = Field(
-        False, description="fp8 KV cache: set each layer's K/V scales from the first prompt it sees (amax / 448), "
-        "instead of the checkpoint's (or 1.0)")
+        False,
+        description="fp8 KV cache: set each layer's K/V scales from the first prompt it sees (amax / 448), "
+        "instead of the checkpoint's (or 1.0)",
+    )
 
     @field_validator("block_size")
     @classmethod
@@ -233,19 +304,24 @@ class EngineSettings(_KilnSettings):
     @classmethod
     def _known_quantization(cls, v: str | None) -> str | None:
         if v is not None and v not in SUPPORTED_QUANTIZATION:
-            raise ValueError(f"quantization {v!r} is not supported yet (supported: "
-                             f"{', '.join(SUPPORTED_QUANTIZATION) or 'none; unquantized checkpoints only'})")
+            raise ValueError(
+                f"quantization {v!r} is not supported yet (supported: "
+                f"{', '.join(SUPPORTED_QUANTIZATION) or 'none; unquantized checkpoints only'})"
+            )
         return v
 
     @field_validator("kv_cache_dtype")
     @classmethod
     def _known_kv_dtype(cls, v: str) -> str:
         if v == "fp8_e5m2":
-            raise ValueError("kv_cache_dtype 'fp8_e5m2' is not supported: kiln's fp8 KV cache is e4m3 with "
-                             "per-layer scales; use fp8 (= fp8_e4m3)")
+            raise ValueError(
+                "kv_cache_dtype 'fp8_e5m2' is not supported: kiln's fp8 KV cache is e4m3 with "
+                "per-layer scales; use fp8 (= fp8_e4m3)"
+            )
         if v not in SUPPORTED_KV_CACHE_DTYPES:
-            raise ValueError(f"kv_cache_dtype {v!r} is not supported yet (supported: "
-                             f"{', '.join(SUPPORTED_KV_CACHE_DTYPES)})")
+            raise ValueError(
+                f"kv_cache_dtype {v!r} is not supported yet (supported: {', '.join(SUPPORTED_KV_CACHE_DTYPES)})"
+            )
         return v
 
     @field_validator("speculative_config", mode="before")
@@ -264,8 +340,10 @@ class EngineSettings(_KilnSettings):
             raise ValueError("speculative_config must be a JSON object")
         unknown = sorted(set(config) - set(SPECULATIVE_KEYS))
         if unknown:
-            raise ValueError(f"speculative_config: unsupported key {unknown[0]!r}{did_you_mean(unknown[0], SPECULATIVE_KEYS)}"
-                             f" (supported: {', '.join(SPECULATIVE_KEYS)})")
+            raise ValueError(
+                f"speculative_config: unsupported key {unknown[0]!r}{did_you_mean(unknown[0], SPECULATIVE_KEYS)}"
+                f" (supported: {', '.join(SPECULATIVE_KEYS)})"
+            )
         data = dict(data)
         for key, value in config.items():
             data[SPECULATIVE_KEYS[key]] = value
@@ -277,11 +355,15 @@ class EngineSettings(_KilnSettings):
 
     @model_validator(mode="after")
     def _check_combinations(self) -> "EngineSettings":
-        if self.max_model_len is not None and not self.enable_chunked_prefill \
-                and self.max_num_batched_tokens < self.max_model_len:
+        if (
+            self.max_model_len is not None
+            and not self.enable_chunked_prefill
+            and self.max_num_batched_tokens < self.max_model_len
+        ):
             raise ValueError(
                 f"max_num_batched_tokens ({self.max_num_batched_tokens}) is smaller than max_model_len "
-                f"({self.max_model_len}) with enable_chunked_prefill off: long prompts could never be scheduled")
+                f"({self.max_model_len}) with enable_chunked_prefill off: long prompts could never be scheduled"
+            )
         if self.cuda_graph_sizes is not None and any(s < 1 for s in self.cuda_graph_sizes):
             raise ValueError("cuda_graph_sizes must be positive batch sizes")
         if self.lora_modules and not self.enable_lora:
@@ -290,20 +372,24 @@ class EngineSettings(_KilnSettings):
             if "=" not in item or not item.split("=", 1)[0] or not item.split("=", 1)[1]:
                 raise ValueError(f"lora_modules: expected name=path, got {item!r}")
         if len(self.lora_module_map()) > self.max_loras:
-            raise ValueError(f"lora_modules lists {len(self.lora_module_map())} adapters; "
-                             f"max_loras is {self.max_loras}")
+            raise ValueError(
+                f"lora_modules lists {len(self.lora_module_map())} adapters; max_loras is {self.max_loras}"
+            )
         if self.speculative_method is not None and self.num_speculative_tokens < 1:
             raise ValueError("speculative_method needs num_speculative_tokens >= 1")
         if self.speculative_method in ("draft_model", "eagle", "eagle3") and not self.speculative_model:
-            raise ValueError(f"speculative_method {self.speculative_method!r} needs speculative_model (the draft's "
-                             "checkpoint directory: \"model\" in speculative_config)")
+            raise ValueError(
+                f"speculative_method {self.speculative_method!r} needs speculative_model (the draft's "
+                'checkpoint directory: "model" in speculative_config)'
+            )
         if self.speculative_model and self.speculative_method in (None, "ngram"):
             raise ValueError("speculative_model is for speculative_method draft_model, eagle or eagle3")
         if self.disable_log_stats:
             self.log_stats_interval = 0.0
         if self.prompt_lookup_min > self.prompt_lookup_max:
-            raise ValueError(f"prompt_lookup_min ({self.prompt_lookup_min}) exceeds prompt_lookup_max "
-                             f"({self.prompt_lookup_max})")
+            raise ValueError(
+                f"prompt_lookup_min ({self.prompt_lookup_min}) exceeds prompt_lookup_max ({self.prompt_lookup_max})"
+            )
         return self
 
     def resolved_chat_template(self) -> str | None:
@@ -340,14 +426,22 @@ class EngineSettings(_KilnSettings):
         tp = self.tensor_parallel_size
         if tp == 1:
             return self
-        refused = [name for name, on in (("enable_lora", self.enable_lora),
-                                         ("quantization", self.quantization is not None),
-                                         ("cpu_compile_forward", self.cpu_compile_forward),
-                                         ("kv_cache_dtype", self.kv_cache_dtype != "auto"),
-                                         ("speculative_model", self.speculative_model is not None)) if on]
+        refused = [
+            name
+            for name, on in (
+                ("enable_lora", self.enable_lora),
+                ("quantization", self.quantization is not None),
+                ("cpu_compile_forward", self.cpu_compile_forward),
+                ("kv_cache_dtype", self.kv_cache_dtype != "auto"),
+                ("speculative_model", self.speculative_model is not None),
+            )
+            if on
+        ]
         if refused:
-            raise ValueError(f"tensor_parallel_size={tp}: {', '.join(refused)} is not supported with tensor "
-                             "parallelism yet (use tensor_parallel_size=1)")
+            raise ValueError(
+                f"tensor_parallel_size={tp}: {', '.join(refused)} is not supported with tensor "
+                "parallelism yet (use tensor_parallel_size=1)"
+            )
         return self
 
 
@@ -359,76 +453,106 @@ class ServerSettings(_KilnSettings):
     host: str = Field("127.0.0.1", description="address to listen on (0.0.0.0: every interface)")
     port: int = Field(8000, ge=0, le=65535, description="TCP port (0: any free port)")
     api_key: str | None = Field(
-        None, description="clients must send Authorization: Bearer <key> on every route but /health and /ping")
+        None, description="clients must send Authorization: Bearer <key> on every route but /health and /ping"
+    )
     public_metrics: bool = Field(False, description="serve /metrics without the API key (scrapers that send none)")
     served_model_name: list[str] | None = Field(
-        None, description="model names the API answers to; the first is reported (default: the model path as given, as vLLM does)")
+        None,
+        description="model names the API answers to; the first is reported (default: the model path as given, "
+        "as vLLM does)",
+    )
     warm_prefixes: Path | None = Field(None, description="file of prompt prefixes to prefill at start-up")
     request_timeout: float | None = Field(None, gt=0, description="seconds before a request is aborted")
     log_level: str = Field("info", description="kiln's log level while serving")
     # Tool calling with tool_choice "auto": the model's own call format is parsed (vLLM's flags).
     enable_auto_tool_choice: bool = Field(False, description="let the model call tools on its own")
     tool_call_parser: Literal["hermes", "llama3_json"] | None = Field(
-        None, description="how tool calls are read from the model's text")
+        None, description="how tool calls are read from the model's text"
+    )
     # POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING).
     allow_runtime_lora_updating: bool = Field(False, description="allow /v1/load_lora_adapter and unload")
     lora_adapter_roots: list[Path] | None = Field(
-        None, description="directories /v1/load_lora_adapter may load adapters from (needed with "
-        "allow_runtime_lora_updating)")
+        None,
+        description="directories /v1/load_lora_adapter may load adapters from (needed with "
+        "allow_runtime_lora_updating)",
+    )
     # Hardening (issue 12): request bodies, grammar compiles, shutdown.
     max_request_body_mb: float = Field(32.0, gt=0, description="larger request bodies get a 413, unread")
     grammar_compile_timeout_s: float = Field(
-        10.0, gt=0, description="a structured-output constraint whose compile takes more CPU time is a 400 "
-        "(its wall time may run to 4 times this on a busy machine)")
+        10.0,
+        gt=0,
+        description="a structured-output constraint whose compile takes more CPU time is a 400 "
+        "(its wall time may run to 4 times this on a busy machine)",
+    )
     grammar_compile_workers: int = Field(2, ge=1, description="processes compiling constraints (bounded pool)")
     grammar_cache_entries: int = Field(256, ge=1, description="compiled constraints kept (LRU)")
     grammar_cache_mb: float = Field(256.0, gt=0, description="bytes of compiled constraints kept (LRU)")
     shutdown_timeout: float = Field(
-        30.0, ge=0, description="on SIGTERM/SIGINT: seconds in-flight requests get to finish before they are ended")
+        30.0, ge=0, description="on SIGTERM/SIGINT: seconds in-flight requests get to finish before they are ended"
+    )
     tokenizer_threads: int = Field(4, ge=1, description="threads that tokenise prompts and apply chat templates")
     # Hardening, second round (issue 27): every byte bounded before work, HTTP timeouts, slow readers.
     tokenizer_large_job_chars: int = Field(
-        65536, ge=1, description="texts at least this long are tokenised on their own lane (short ones never wait)")
+        65536, ge=1, description="texts at least this long are tokenised on their own lane (short ones never wait)"
+    )
     tokenizer_large_job_threads: int = Field(1, ge=1, description="threads of the lane for long texts")
     max_request_json_values: int = Field(
-        1_000_000, ge=1,
-        description="a request body with more JSON values (numbers, strings, ...) gets a 400, unparsed")
+        1_000_000, ge=1, description="a request body with more JSON values (numbers, strings, ...) gets a 400, unparsed"
+    )
     http_idle_timeout_s: float = Field(
-        75.0, gt=0, description="a kept-alive connection with no request in progress closes after this (longer "
-        "than clients' own keep-alive, so none reuses a connection as it closes)")
+        75.0,
+        gt=0,
+        description="a kept-alive connection with no request in progress closes after this (longer "
+        "than clients' own keep-alive, so none reuses a connection as it closes)",
+    )
     http_header_timeout_s: float = Field(
-        10.0, gt=0, description="a new connection's request head, or one begun on a kept-alive connection, not "
-        "complete this long after it opened / began gets a 408")
+        10.0,
+        gt=0,
+        description="a new connection's request head, or one begun on a kept-alive connection, not "
+        "complete this long after it opened / began gets a 408",
+    )
     http_body_timeout_s: float = Field(30.0, gt=0, description="a request body that stalls this long gets a 408")
     http_body_deadline_s: float = Field(
-        120.0, gt=0, description="a request body not complete this long after its head gets a 408 (however it trickles)")
+        120.0, gt=0, description="a request body not complete this long after its head gets a 408 (however it trickles)"
+    )
     stream_stall_timeout_s: float = Field(
-        30.0, ge=0,
-        description="a client that reads no output this long: its request is aborted, its connection closed (0: never)")
+        30.0,
+        ge=0,
+        description="a client that reads no output this long: its request is aborted, its connection closed (0: never)",
+    )
     http_send_buffer_kb: int = Field(
-        256, ge=0, description="the kernel's send buffer per connection (bounds what a client that does not read "
-        "holds; 0: the OS's autotuning, up to megabytes)")
+        256,
+        ge=0,
+        description="the kernel's send buffer per connection (bounds what a client that does not read "
+        "holds; 0: the OS's autotuning, up to megabytes)",
+    )
     retry_after_s: int = Field(1, ge=0, description="the Retry-After header of every 503 (overloaded, shutting down)")
     # Split chat answers into reasoning_content and content (vLLM's --reasoning-parser).
     reasoning_parser: Literal["deepseek_r1", "qwen3"] | None = Field(
-        None, description="split chat answers into reasoning_content and content")
+        None, description="split chat answers into reasoning_content and content"
+    )
 
     # --- vLLM-compatible server settings (issue 13) ---
     uvicorn_log_level: Literal["critical", "error", "warning", "info", "debug", "trace"] = Field(
-        "info", description="uvicorn's log level")
+        "info", description="uvicorn's log level"
+    )
     disable_uvicorn_access_log: bool = Field(False, description="no access log line per HTTP request")
-    enable_log_requests: bool = Field(False, description="log each API request's endpoint and body (prompt, sampling parameters)")
+    enable_log_requests: bool = Field(
+        False, description="log each API request's endpoint and body (prompt, sampling parameters)"
+    )
     allowed_origins: list[str] | None = Field(
-        None, description='CORS origins allowed (JSON list or words, e.g. \'["*"]\'); default: no CORS headers')
+        None, description="CORS origins allowed (JSON list or words, e.g. '[\"*\"]'); default: no CORS headers"
+    )
     root_path: str | None = Field(None, description="path prefix when served behind a path-based proxy")
     forwarded_allow_ips: list[str] | None = Field(
-        None, description="proxies whose X-Forwarded-For / X-Forwarded-Proto are trusted (addresses or networks, "
-        "'*' for any); default none: the client is the socket's peer")
+        None,
+        description="proxies whose X-Forwarded-For / X-Forwarded-Proto are trusted (addresses or networks, "
+        "'*' for any); default none: the client is the socket's peer",
+    )
     ssl_keyfile: Path | None = Field(None, description="TLS private key (serve HTTPS)")
     ssl_certfile: Path | None = Field(None, description="TLS certificate (serve HTTPS)")
 
-    @field_validator("served_model_name", "allowed_origins", "forwarded_allow_ips", "lora_adapter_roots",
-                     mode="before")
+    @field_validator("served_model_name", "allowed_origins", "forwarded_allow_ips", "lora_adapter_roots", mode="before")
     @classmethod
     def _parse_lists(cls, v: Any) -> Any:
         return word_list(v)
@@ -438,8 +562,10 @@ class ServerSettings(_KilnSettings):
         if (self.ssl_keyfile is None) != (self.ssl_certfile is None):
             raise ValueError("ssl_keyfile and ssl_certfile go together: give both")
         if self.allow_runtime_lora_updating and not self.lora_adapter_roots:
-            raise ValueError("allow_runtime_lora_updating needs lora_adapter_roots: the directories adapters may be "
-                             "loaded from (nothing else on the server's disk is reachable through the API)")
+            raise ValueError(
+                "allow_runtime_lora_updating needs lora_adapter_roots: the directories adapters may be "
+                "loaded from (nothing else on the server's disk is reachable through the API)"
+            )
         if self.enable_auto_tool_choice and self.tool_call_parser is None:
             raise ValueError("enable_auto_tool_choice needs tool_call_parser (hermes or llama3_json)")
         return self

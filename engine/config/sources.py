@@ -23,8 +23,14 @@ class SettingsError(ValueError):
 
 # KILN_* variables that are not settings fields (read here and by default_cache_dir; the instruction-set
 # limit, read by process_env before torch loads; or by the tests: soak sizes, the GPU check's strict mode).
-OTHER_ENV_VARS = ("KILN_CONFIG", "KILN_CACHE_DIR", "KILN_CPU_ISA", "KILN_SOAK_REQUESTS", "KILN_SERVER_SOAK_STREAMS",
-                  "KILN_GPU_CHECK_STRICT")
+OTHER_ENV_VARS = (
+    "KILN_CONFIG",
+    "KILN_CACHE_DIR",
+    "KILN_CPU_ISA",
+    "KILN_SOAK_REQUESTS",
+    "KILN_SERVER_SOAK_STREAMS",
+    "KILN_GPU_CHECK_STRICT",
+)
 
 
 def config_file_path() -> Path:
@@ -76,8 +82,11 @@ def unknown_env_vars(setting_names: Iterable[str]) -> list[str]:
     """Warnings for KILN_* variables that no setting reads (a misspelling is otherwise silent)."""
     known = {"KILN_" + name.upper() for name in setting_names}
     known.update(OTHER_ENV_VARS)
-    return [f"{name} is not a kiln setting and is ignored{did_you_mean(name, known)}"
-            for name in sorted(os.environ) if name.startswith("KILN_") and name not in known]
+    return [
+        f"{name} is not a kiln setting and is ignored{did_you_mean(name, known)}"
+        for name in sorted(os.environ)
+        if name.startswith("KILN_") and name not in known
+    ]
 
 
 def setting_source(name: str, flags: dict[str, str] | None = None) -> str:

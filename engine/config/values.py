@@ -50,8 +50,12 @@ def word_list(value: Any) -> Any:
         if text.startswith("["):
             return json.loads(text)
         return [x for x in re.split(r"[,\s]+", text) if x]
-    if isinstance(value, list) and len(value) == 1 and isinstance(value[0], str) \
-            and ("," in value[0] or value[0].lstrip().startswith("[")):
+    if (
+        isinstance(value, list)
+        and len(value) == 1
+        and isinstance(value[0], str)
+        and ("," in value[0] or value[0].lstrip().startswith("["))
+    ):
         return word_list(value[0])
     return value
 

@@ -85,8 +85,9 @@ class StructuredOutputsParams:
         """Equal constraints, equal keys (compiled grammars are cached by it)."""
         import json
 
-        return json.dumps([self.kind, self.json, self.regex, self.choice, self.grammar, self.disable_any_whitespace],
-                          sort_keys=True)
+        return json.dumps(
+            [self.kind, self.json, self.regex, self.choice, self.grammar, self.disable_any_whitespace], sort_keys=True
+        )
 
 
 @dataclass
@@ -161,8 +162,11 @@ class SamplingParams:
 
     def token_id_fields(self) -> list[tuple[str, list[int]]]:
         """(parameter, token ids) for every parameter naming tokens (checked against the vocabulary)."""
-        return [("stop_token_ids", self.stop_token_ids or []), ("logit_bias", list(self.logit_bias or ())),
-                ("allowed_token_ids", self.allowed_token_ids or [])]
+        return [
+            ("stop_token_ids", self.stop_token_ids or []),
+            ("logit_bias", list(self.logit_bias or ())),
+            ("allowed_token_ids", self.allowed_token_ids or []),
+        ]
 
     @property
     def restricts_tokens(self) -> bool:
@@ -209,7 +213,7 @@ class Sequence:
 
     @property
     def output_token_ids(self) -> list[int]:
-        return self.token_ids[self.num_prompt_tokens:]
+        return self.token_ids[self.num_prompt_tokens :]
 
     @property
     def num_output_tokens(self) -> int:
@@ -260,8 +264,9 @@ class Request:
         params = self.params
         if params.prompt_logprobs is not None and self.prompt_logprobs is None:
             self.prompt_logprobs = [None] * len(self.prompt_token_ids)
-        self.every_step = (params.output_kind != "final_only" or bool(params.stop and params.detokenize)
-                           or params.logprobs is not None)
+        self.every_step = (
+            params.output_kind != "final_only" or bool(params.stop and params.detokenize) or params.logprobs is not None
+        )
 
     @property
     def is_finished(self) -> bool:
@@ -271,8 +276,9 @@ class Request:
             return seqs[0].status is SeqStatus.FINISHED
         if not self.seqs or not all(s.is_finished for s in self.seqs):
             return False
-        return self.forked or self.params.n == 1 or self.seqs[0].finish_reason in (
-            FinishReason.ABORT, FinishReason.ERROR)
+        return (
+            self.forked or self.params.n == 1 or self.seqs[0].finish_reason in (FinishReason.ABORT, FinishReason.ERROR)
+        )
 
 
 @dataclass
@@ -326,5 +332,11 @@ class EmbeddingRequestOutput:
 
     @classmethod
     def of(cls, out: "RequestOutput") -> "EmbeddingRequestOutput":
-        return cls(out.request_id, out.prompt, out.prompt_token_ids, EmbeddingOutput(list(out.embedding or [])),
-                   out.finished, out.num_cached_tokens)
+        return cls(
+            out.request_id,
+            out.prompt,
+            out.prompt_token_ids,
+            EmbeddingOutput(list(out.embedding or [])),
+            out.finished,
+            out.num_cached_tokens,
+        )

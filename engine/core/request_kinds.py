@@ -106,13 +106,13 @@ class ScorePrompt(Generate):
         last = min(start + s.num_tokens, s.num_prompt_tokens - 1)  # position j predicts prompt token j + 1
         if start >= last:
             return None
-        return row, start + 1, s.all_token_ids[start + 1:last + 1]
+        return row, start + 1, s.all_token_ids[start + 1 : last + 1]
 
     def record(self, seq: "Sequence", result: tuple[int, list[dict[int, float]]]) -> bool:
         first, entries = result  # (a prompt recomputed after preemption scores its tokens again)
         # (the request's list exists: a ScorePrompt request has params.prompt_logprobs set)
         assert seq.request.prompt_logprobs is not None
-        seq.request.prompt_logprobs[first:first + len(entries)] = entries
+        seq.request.prompt_logprobs[first : first + len(entries)] = entries
         return False
 
 
@@ -160,7 +160,7 @@ class Pool(Task):
         if not final:
             return False
         if self.pooling.dimensions is not None:
-            vector = vector[:self.pooling.dimensions]
+            vector = vector[: self.pooling.dimensions]
         if self.pooling.normalize:  # (torch.nn.functional.normalize's rule, with tensor methods)
             vector = vector / vector.norm().clamp_min(1e-12)
         seq.request.embedding = vector.tolist()

@@ -65,6 +65,11 @@ COLLECTIVE_TIMEOUT_S = 300.0
 
 def join_group(rank: int, world_size: int, init_method: str, backend: str) -> TensorParallel:
     """Join the process group (with the collective timeout) as this rank."""
-    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size,
-                            timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S))
+    dist.init_process_group(
+        backend,
+        init_method=init_method,
+        rank=rank,
+        world_size=world_size,
+        timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S),
+    )
     return init_tensor_parallel(rank, world_size, init_method, backend)

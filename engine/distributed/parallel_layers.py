@@ -27,8 +27,9 @@ class RowParallelLinear(nn.Linear):
     sums its routed and shared experts first and reduces once). Takes no LoRA adapters (a sharded
     model refuses enable_lora); `lora` is accepted for the call signature of kiln's Linear."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool, tp: TensorParallel,
-                 reduce: bool = True) -> None:
+    def __init__(
+        self, in_features: int, out_features: int, bias: bool, tp: TensorParallel, reduce: bool = True
+    ) -> None:
         super().__init__(in_features, out_features, bias=bias)
         self.tp = tp
         self.reduce = reduce
@@ -66,8 +67,7 @@ class ParallelLMHead(nn.Module):
         self.weight = nn.Parameter(torch.empty(rows_per_rank, hidden_size))
 
 
-def parallel_logits(hidden: torch.Tensor, weight: torch.Tensor, vocab_size: int,
-                    tp: TensorParallel) -> torch.Tensor:
+def parallel_logits(hidden: torch.Tensor, weight: torch.Tensor, vocab_size: int, tp: TensorParallel) -> torch.Tensor:
     """Full logits [T, vocab_size] on every rank from this rank's vocabulary rows of the head."""
     local = F.linear(hidden, weight)
     return all_gather_last_dim(local, tp)[..., :vocab_size]

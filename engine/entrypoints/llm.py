@@ -42,8 +42,9 @@ class LLM:
         self.engine = LLMEngine.from_settings(self.settings)
         # Compiles run in killable worker processes (started on the first constrained request):
         # xgrammar cannot be interrupted in-process, and a pathological schema can take minutes.
-        self.engine.structured_output.configure(timeout_s=grammar["grammar_compile_timeout_s"],
-                                                workers=grammar["grammar_compile_workers"])
+        self.engine.structured_output.configure(
+            timeout_s=grammar["grammar_compile_timeout_s"], workers=grammar["grammar_compile_workers"]
+        )
         weakref.finalize(self, self.engine.structured_output.close)  # (its worker processes)
         self._counter = 0
 
@@ -88,35 +89,51 @@ class LLM:
         if len(loras) != len(prompts):
             raise ValueError("lora_request must be one LoRARequest or one per prompt")
         admission = self.engine.admission
-        admitted = [admission.admit(prompt, params, self._next_id(), priority[i] if priority else 0, loras[i],
-                                    output_kind="final_only")
-                    for i, (prompt, params) in enumerate(zip(prompts, params_list))]
+        admitted = [
+            admission.admit(
+                prompt, params, self._next_id(), priority[i] if priority else 0, loras[i], output_kind="final_only"
+            )
+            for i, (prompt, params) in enumerate(zip(prompts, params_list))
+        ]
         return self._run(admitted, use_tqdm)
 
-    def chat(self, messages: list[dict[str, str]] | list[list[dict[str, str]]],
-             sampling_params: SamplingParams | None = None, use_tqdm: bool = True,
-             add_generation_prompt: bool = True) -> list[RequestOutput]:
+    def chat(
+        self,
+        messages: list[dict[str, str]] | list[list[dict[str, str]]],
+        sampling_params: SamplingParams | None = None,
+        use_tqdm: bool = True,
+        add_generation_prompt: bool = True,
+    ) -> list[RequestOutput]:
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts = [self.tokenizer.apply_chat_template(conv, tokenize=False,
-                                                      add_generation_prompt=add_generation_prompt)
-                   for conv in conversations]
+        prompts = [
+            self.tokenizer.apply_chat_template(conv, tokenize=False, add_generation_prompt=add_generation_prompt)
+            for conv in conversations
+        ]
         # The template already carries the special tokens: don't let the tokenizer add a second BOS.
         token_ids = [self.tokenizer.encode(p, add_special_tokens=False) for p in prompts]
         return self.generate(token_ids, sampling_params, use_tqdm=use_tqdm)
 
-    def embed(self, prompts: Prompts, pooling_params: PoolingParams | None = None,
-              use_tqdm: bool = True, lora_request: LoRARequest | None = None) -> list[EmbeddingRequestOutput]:
+    def embed(
+        self,
+        prompts: Prompts,
+        pooling_params: PoolingParams | None = None,
+        use_tqdm: bool = True,
+        lora_request: LoRARequest | None = None,
+    ) -> list[EmbeddingRequestOutput]:
         """Embeddings of the prompts (`.outputs.embedding`, as vLLM gives them; `.embedding` too), in
         input order: the final hidden states pooled as pooling_params says (default: the last
         token's, L2-normalised)."""
         pooling = pooling_params or PoolingParams(self.engine.settings.pooling_type)
         admission = self.engine.admission
-        admitted = [admission.admit(prompt, None, self._next_id(), lora_request=lora_request, pooling=pooling)
-                    for prompt in _prompt_list(prompts)]
+        admitted = [
+            admission.admit(prompt, None, self._next_id(), lora_request=lora_request, pooling=pooling)
+            for prompt in _prompt_list(prompts)
+        ]
         return [EmbeddingRequestOutput.of(out) for out in self._run(admitted, use_tqdm)]
 
-    def beam_search(self, prompts: Prompts, params: "BeamSearchParams",
-                    lora_request: LoRARequest | None = None) -> list[RequestOutput]:
+    def beam_search(
+        self, prompts: Prompts, params: "BeamSearchParams", lora_request: LoRARequest | None = None
+    ) -> list[RequestOutput]:
         """Beam search (engine/runtime/beam_search.py): per prompt, a RequestOutput whose outputs are the
         best params.beam_width beams, best first."""
         from engine.runtime.beam_search import BeamSearch
@@ -126,13 +143,16 @@ class LLM:
         search = BeamSearch([ids for _, ids in encoded], params, engine.admission, engine.eos_token_ids)
 
         def run_batch(batch: list[list[int]]) -> list[dict[int, float]]:
-            admitted = [search.step_request(tokens, lora_request=lora_request, request_id=self._next_id(),
-                                            output_kind="final_only") for tokens in batch]
+            admitted = [
+                search.step_request(
+                    tokens, lora_request=lora_request, request_id=self._next_id(), output_kind="final_only"
+                )
+                for tokens in batch
+            ]
             return [out.outputs[0].logprobs[0] for out in self._run(admitted, use_tqdm=False)]
 
         search.run_sync(run_batch)
-        return search.outputs([f"beam-{k}" for k in range(len(encoded))], [text for text, _ in encoded],
-                              self.tokenizer)
+        return search.outputs([f"beam-{k}" for k in range(len(encoded))], [text for text, _ in encoded], self.tokenizer)
 
     def _next_id(self) -> str:
         request_id = f"offline-{self._counter}"
@@ -203,6 +223,8 @@ def _plain_prompt(prompt: Any) -> str | list[int]:
         raise ValueError("prompt_embeds: kiln takes text or token ids, not prompt embeddings")
     kinds = [k for k in ("prompt", "prompt_token_ids") if k in prompt]
     if len(kinds) != 1:
-        raise ValueError(f"a prompt dict needs exactly one of 'prompt' (TextPrompt) or 'prompt_token_ids' "
-                         f"(TokensPrompt); got keys {sorted(prompt)}")
+        raise ValueError(
+            f"a prompt dict needs exactly one of 'prompt' (TextPrompt) or 'prompt_token_ids' "
+            f"(TokensPrompt); got keys {sorted(prompt)}"
+        )
     return list(prompt["prompt_token_ids"]) if kinds[0] == "prompt_token_ids" else prompt["prompt"]

@@ -3,14 +3,16 @@
 Every message is one `dist.broadcast` of a fixed-size byte buffer: an int64 header (`HEADER_LEN`
 values: op code, payload bytes, then op-specific ints) and, inline, the payload tensors' bytes
 when they fit (`INLINE_BYTES`: every decode step and small prefill of a tiny model does); a larger
-payload follows in a second broadcast of exactly its size. No Python object is pickled per step. A forward's arguments (input ids, positions, then the step dataclasses such as
+payload follows in a second broadcast of exactly its size. No Python object is pickled per step. A forward's
+arguments (input ids, positions, then the step dataclasses such as
 AttentionMetadata or a forward context) are described generically from their dataclass fields:
 
   per argument: a type id (an index into the types announced so far; -1 a bare tensor, -2 None)
   per field:    NONE | INT value | FLOAT (float64 bits) | BOOL value | TENSOR dtype ndim dims...
 
 Integer tensors travel as one int64 block of the payload (cast back on arrival); floating-point
-tensors as their own bytes after it (each part aligned to 8 bytes). A dataclass type is announced once, the first time rank 0 sends it (OP_SCHEMA,
+tensors as their own bytes after it (each part aligned to 8 bytes). A dataclass type is announced once, the
+first time rank 0 sends it (OP_SCHEMA,
 its import path as bytes), so new per-step context objects need no change here.
 """
 
@@ -37,12 +39,30 @@ OP_SCHEMA = 6  # a dataclass type used by forward arguments from now on
 OP_NOOP = 7  # heartbeat while idle (keeps the collective timeout for real hangs)
 OP_EXIT = 8  # shut down
 
-OP_NAMES = {OP_FORWARD: "forward", OP_LOGITS: "logits", OP_COPY_BLOCKS: "copy_blocks", OP_SWAP: "swap",
-            OP_LAYOUT: "layout", OP_SCHEMA: "schema", OP_NOOP: "noop", OP_EXIT: "exit"}
+OP_NAMES = {
+    OP_FORWARD: "forward",
+    OP_LOGITS: "logits",
+    OP_COPY_BLOCKS: "copy_blocks",
+    OP_SWAP: "swap",
+    OP_LAYOUT: "layout",
+    OP_SCHEMA: "schema",
+    OP_NOOP: "noop",
+    OP_EXIT: "exit",
+}
 
 _NONE, _INT, _FLOAT, _BOOL, _TENSOR = range(5)
-_DTYPES = [torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool,
-           torch.float32, torch.float16, torch.bfloat16, torch.float64]
+_DTYPES = [
+    torch.int64,
+    torch.int32,
+    torch.int16,
+    torch.int8,
+    torch.uint8,
+    torch.bool,
+    torch.float32,
+    torch.float16,
+    torch.bfloat16,
+    torch.float64,
+]
 _CODE = {d: i for i, d in enumerate(_DTYPES)}
 _BARE = -1  # an argument that is a tensor itself
 _NONE_ARG = -2  # an argument that is None (an optional context the step does not use)
@@ -91,16 +111,16 @@ def pack_message(header: Header, payloads, message: torch.Tensor) -> torch.Tenso
     if len(header.values) > HEADER_LEN:
         raise ValueError(f"step header needs {len(header.values)} ints (limit {HEADER_LEN})")
     head = torch.zeros(HEADER_LEN, dtype=torch.int64)
-    head[:len(header.values)] = torch.tensor(header.values, dtype=torch.int64)
+    head[: len(header.values)] = torch.tensor(header.values, dtype=torch.int64)
     message[:HEADER_BYTES].view(torch.int64).copy_(head)
     extra = None
     if total <= INLINE_BYTES:
-        dest = message[HEADER_BYTES:HEADER_BYTES + total]
+        dest = message[HEADER_BYTES : HEADER_BYTES + total]
     else:
         dest = extra = torch.empty(total, dtype=torch.uint8, device=message.device)
     offset = 0
     for p in parts:
-        dest[offset:offset + p.numel()].copy_(p)
+        dest[offset : offset + p.numel()].copy_(p)
         offset += _aligned(p.numel())
     return extra
 
@@ -117,7 +137,7 @@ class Payload:
         for d in shape:
             numel *= d
         n = numel * torch.empty((), dtype=dtype).element_size()
-        out = self.data[self.pos:self.pos + n].view(dtype).view(shape).clone()
+        out = self.data[self.pos : self.pos + n].view(dtype).view(shape).clone()
         self.pos += _aligned(n)
         return out
 
@@ -143,8 +163,9 @@ class Reader:
         return v
 
 
-def encode_forward(header: Header, args: tuple, type_ids: Callable[[type], int]) -> tuple[list[torch.Tensor],
-                                                                                          list[torch.Tensor]]:
+def encode_forward(
+    header: Header, args: tuple, type_ids: Callable[[type], int]
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """Describe forward arguments into `header`; returns (integer tensors, float tensors) to send."""
     ints: list[torch.Tensor] = []
     floats: list[torch.Tensor] = []
@@ -240,15 +261,14 @@ def int_payload_size(slots: list[_Slot]) -> int:
     return sum(s.numel for s in slots if _is_int(s.dtype))
 
 
-def fill_slots(plan: list[Any], slots: list[_Slot], ints: torch.Tensor | None,
-               floats: list[torch.Tensor]) -> list[Any]:
+def fill_slots(plan: list[Any], slots: list[_Slot], ints: torch.Tensor | None, floats: list[torch.Tensor]) -> list[Any]:
     """The received tensors put in place: the forward's arguments."""
     values: dict[int, torch.Tensor] = {}
     offset = 0
     float_iter = iter(floats)
     for slot in slots:
         if _is_int(slot.dtype):
-            values[id(slot)] = ints[offset:offset + slot.numel].view(slot.shape).to(slot.dtype)
+            values[id(slot)] = ints[offset : offset + slot.numel].view(slot.shape).to(slot.dtype)
             offset += slot.numel
         else:
             values[id(slot)] = next(float_iter)

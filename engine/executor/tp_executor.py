@@ -111,20 +111,31 @@ class TensorParallelExecutor:
 
     # ---- start-up ----
     @classmethod
-    def start(cls, settings, model_dir: Path, device: torch.device, dtype: torch.dtype,
-              max_positions: int) -> "TensorParallelExecutor":
+    def start(
+        cls, settings, model_dir: Path, device: torch.device, dtype: torch.dtype, max_positions: int
+    ) -> "TensorParallelExecutor":
         world = settings.tensor_parallel_size
         backend = "nccl" if device.type == "cuda" else "gloo"
         if dist.is_initialized():
-            raise RuntimeError("tensor_parallel_size: this process already runs a tensor-parallel engine (or "
-                               "another torch.distributed group); one per process")
+            raise RuntimeError(
+                "tensor_parallel_size: this process already runs a tensor-parallel engine (or "
+                "another torch.distributed group); one per process"
+            )
         if device.type == "cuda":
             visible = torch.cuda.device_count()
             if visible < world:
                 raise ValueError(f"tensor_parallel_size={world} needs {world} GPUs; {visible} visible")
             torch.cuda.set_device(0)
-        spec = WorkerSpec(settings, model_dir, dtype, max_positions, world, f"tcp://127.0.0.1:{free_port()}",
-                          backend, per_rank_cpu_threads(settings, world) if device.type == "cpu" else None)
+        spec = WorkerSpec(
+            settings,
+            model_dir,
+            dtype,
+            max_positions,
+            world,
+            f"tcp://127.0.0.1:{free_port()}",
+            backend,
+            per_rank_cpu_threads(settings, world) if device.type == "cpu" else None,
+        )
         from engine.executor.tp_worker import worker_main
 
         ctx = multiprocessing.get_context("spawn")
@@ -136,8 +147,12 @@ class TensorParallelExecutor:
             send.close()
             procs.append(p)
             pipes.append(recv)
-        logger.info("tensor parallel: %d ranks over %s; started workers %s", world, backend,
-                    ", ".join(str(p.pid) for p in procs))
+        logger.info(
+            "tensor parallel: %d ranks over %s; started workers %s",
+            world,
+            backend,
+            ", ".join(str(p.pid) for p in procs),
+        )
         try:
             tp = _join_watching(procs, pipes, lambda: join_group(0, world, spec.init_method, backend))
         except BaseException:
@@ -237,8 +252,9 @@ class TensorParallelExecutor:
         rank, proc = sentinels[ready[0]]
         proc.join(1.0)
         detail = _worker_error(self._error_pipes[rank - 1])
-        self._dead = (f"tensor-parallel worker rank {rank} (pid {proc.pid}) exited with code {proc.exitcode}"
-                      + (f": {detail}" if detail else ""))
+        self._dead = f"tensor-parallel worker rank {rank} (pid {proc.pid}) exited with code {proc.exitcode}" + (
+            f": {detail}" if detail else ""
+        )
         logger.error("%s", self._dead)
         self._died.set()
         self._wake.set()
@@ -323,8 +339,10 @@ def _join_watching(procs: list, pipes: list, join: Callable[[], Any]):
         for rank, (p, pipe) in enumerate(zip(procs, pipes), start=1):
             if not p.is_alive():
                 detail = _worker_error(pipe)
-                raise RuntimeError(f"tensor-parallel worker rank {rank} failed to start (exit code "
-                                   f"{p.exitcode})" + (f": {detail}" if detail else ""))
+                raise RuntimeError(
+                    f"tensor-parallel worker rank {rank} failed to start (exit code "
+                    f"{p.exitcode})" + (f": {detail}" if detail else "")
+                )
         if time.monotonic() > deadline:
             raise RuntimeError(f"tensor-parallel workers did not join within {START_TIMEOUT_S:.0f}s")
     if "error" in result:
@@ -346,8 +364,9 @@ class ShardedModel:
     def __call__(self, *args: Any, **kwargs: Any) -> torch.Tensor:
         return self.forward(*args, **kwargs)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
-                *step: Any) -> torch.Tensor:
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor, *step: Any
+    ) -> torch.Tensor:
         ex = self.executor
         with ex.lock:
             ex.send_forward((input_ids, positions, *step))

@@ -97,13 +97,31 @@ class Worker:
         s = self.spec.settings
         self.config = cfg = ModelConfig.from_dir(self.spec.model_dir)
         torch.manual_seed(s.seed)
-        self.model = load_model(self.spec.model_dir, cfg, self.spec.dtype, self.device, self.spec.max_positions,
-                                s.load_format, s.seed, quantization=s.quantization, tp=self.tp)
-        self.backend = get_attention_backend(s.attention_backend, BackendSpec(
-            device=self.device, dtype=self.spec.dtype, head_dim=cfg.head_dim, block_size=s.block_size,
-            kernel_cache_dir=s.resolved_kernel_cache_dir(), compile=not s.enforce_eager,
-            decode_kernel=s.decode_kernel, prefill_kernel=s.prefill_kernel,
-            windowed_or_capped=any(cfg.layer_windows) or cfg.attn_softcap > 0))
+        self.model = load_model(
+            self.spec.model_dir,
+            cfg,
+            self.spec.dtype,
+            self.device,
+            self.spec.max_positions,
+            s.load_format,
+            s.seed,
+            quantization=s.quantization,
+            tp=self.tp,
+        )
+        self.backend = get_attention_backend(
+            s.attention_backend,
+            BackendSpec(
+                device=self.device,
+                dtype=self.spec.dtype,
+                head_dim=cfg.head_dim,
+                block_size=s.block_size,
+                kernel_cache_dir=s.resolved_kernel_cache_dir(),
+                compile=not s.enforce_eager,
+                decode_kernel=s.decode_kernel,
+                prefill_kernel=s.prefill_kernel,
+                windowed_or_capped=any(cfg.layer_windows) or cfg.attn_softcap > 0,
+            ),
+        )
         self.model.set_backend(self.backend)
         if self.device.type == "cpu" and hasattr(self.model, "warm_cpu_linear"):  # as rank 0 does
             self.model.warm_cpu_linear(s.max_num_batched_tokens, s.max_num_seqs)
@@ -128,8 +146,15 @@ class Worker:
         from engine.layers.kv_cache import KVCache
 
         s = self.spec.settings
-        self.kv_cache = KVCache(self.config.num_layers, num_blocks, s.block_size, self.kv_heads(),
-                                self.config.head_dim, self.spec.dtype, self.device).tensor
+        self.kv_cache = KVCache(
+            self.config.num_layers,
+            num_blocks,
+            s.block_size,
+            self.kv_heads(),
+            self.config.head_dim,
+            self.spec.dtype,
+            self.device,
+        ).tensor
         if num_cpu_blocks > 0:
             from engine.worker.block_swapper import BlockSwapper
 
@@ -139,18 +164,25 @@ class Worker:
         """The 2-block cache of rank 0's start-up profile forward (before the layout is known)."""
         from engine.layers.kv_cache import KVCache
 
-        return KVCache(self.config.num_layers, 2, self.spec.settings.block_size, self.kv_heads(),
-                       self.config.head_dim, self.spec.dtype, self.device).tensor
+        return KVCache(
+            self.config.num_layers,
+            2,
+            self.spec.settings.block_size,
+            self.kv_heads(),
+            self.config.head_dim,
+            self.spec.dtype,
+            self.device,
+        ).tensor
 
     @torch.inference_mode()
     def run(self) -> None:
         message = torch.empty(codec.MESSAGE_BYTES, dtype=torch.uint8, device=self.device)
         while True:
             dist.broadcast(message, 0)
-            r = codec.Reader(message[:codec.HEADER_BYTES].view(torch.int64).tolist())
+            r = codec.Reader(message[: codec.HEADER_BYTES].view(torch.int64).tolist())
             n = r.payload_bytes
             if n <= codec.INLINE_BYTES:
-                data = message[codec.HEADER_BYTES:codec.HEADER_BYTES + n]
+                data = message[codec.HEADER_BYTES : codec.HEADER_BYTES + n]
             else:
                 data = torch.empty(n, dtype=torch.uint8, device=self.device)
                 dist.broadcast(data, 0)

@@ -26,8 +26,9 @@ def resolve_kv_cache_dtype(setting: str, model_dtype: torch.dtype) -> torch.dtyp
     try:
         return KV_CACHE_DTYPES[setting]
     except KeyError:
-        raise ValueError(f"kv_cache_dtype: unknown value {setting!r} (expected auto, "
-                         f"{', '.join(KV_CACHE_DTYPES)})") from None
+        raise ValueError(
+            f"kv_cache_dtype: unknown value {setting!r} (expected auto, {', '.join(KV_CACHE_DTYPES)})"
+        ) from None
 
 
 def untouched_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
@@ -39,9 +40,18 @@ def untouched_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
 
 
 class KVCache:
-    def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device, pin_memory: bool = False,
-                 model_dtype: torch.dtype | None = None) -> None:
+    def __init__(
+        self,
+        num_layers: int,
+        num_blocks: int,
+        block_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        pin_memory: bool = False,
+        model_dtype: torch.dtype | None = None,
+    ) -> None:
         shape = (num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim)
         if torch.device(device).type == "cpu" and not pin_memory:
             self.tensor = untouched_zeros(shape, dtype)
@@ -70,8 +80,7 @@ class KVCache:
         self.scales.copy_(scales.to(torch.float32))
 
     @staticmethod
-    def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int,
-                        dtype: torch.dtype) -> int:
+    def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
         """Bytes of one block of every layer's K and V in a cache of element type `dtype` (1 for
         fp8, 2 for bf16/fp16, 4 for fp32: at a fixed budget fp8 holds twice the blocks of bf16
         and four times those of fp32)."""
@@ -88,8 +97,9 @@ class KVScales:
         self.tensor = scales
         self.calibrated = torch.zeros(scales.shape[0], dtype=torch.bool, device=scales.device) if calibrate else None
 
-    def before_write(self, k: torch.Tensor, v: torch.Tensor, layer: int, slot_mapping: torch.Tensor,
-                     eager: bool = False) -> torch.Tensor:
+    def before_write(
+        self, k: torch.Tensor, v: torch.Tensor, layer: int, slot_mapping: torch.Tensor, eager: bool = False
+    ) -> torch.Tensor:
         """Calibrate if asked (the op, or its implementation directly when `eager`); returns the
         scales the write and the attention use."""
         if self.calibrated is not None:

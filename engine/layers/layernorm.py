@@ -34,9 +34,14 @@ class RMSNorm(nn.Module):
         stream's own tensor, never a caller's). delta None: nothing to add."""
         if delta is None:
             return residual, self(residual)
-        if (self.fused and cpu_fused.usable(residual) and self.weight.dtype == residual.dtype
-                and residual.is_contiguous()):
-            return residual, torch.ops.kiln_cpu_fused.add_rms_norm(residual, delta, self.weight, self.eps,
-                                                                  self.weight_offset)
+        if (
+            self.fused
+            and cpu_fused.usable(residual)
+            and self.weight.dtype == residual.dtype
+            and residual.is_contiguous()
+        ):
+            return residual, torch.ops.kiln_cpu_fused.add_rms_norm(
+                residual, delta, self.weight, self.eps, self.weight_offset
+            )
         residual = residual + delta
         return residual, self(residual)

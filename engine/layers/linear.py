@@ -93,8 +93,9 @@ class Linear(nn.Linear):
         return weight.numel() * weight.element_size()
 
 
-def row_parallel(in_features: int, out_features: int, bias: bool, tp: TensorParallel | None,
-                 reduce: bool = True) -> nn.Module:
+def row_parallel(
+    in_features: int, out_features: int, bias: bool, tp: TensorParallel | None, reduce: bool = True
+) -> nn.Module:
     """o_proj / down_proj: kiln's Linear, or this rank's columns of it (all-reduced) under tp."""
     if tp is None:
         return Linear(in_features, out_features, bias)

@@ -17,14 +17,16 @@ from engine.layers.linear import Linear, row_parallel
 
 
 class MLP(nn.Module):
-    def __init__(self, config: Any, intermediate_size: int | None = None, tp: TensorParallel | None = None,
-                 reduce: bool = True) -> None:
+    def __init__(
+        self, config: Any, intermediate_size: int | None = None, tp: TensorParallel | None = None, reduce: bool = True
+    ) -> None:
         """tp: this rank's gate/up rows and down columns; reduce=False leaves down's partial sum."""
         super().__init__()
         world = 1 if tp is None else tp.world_size
         self.intermediate = (intermediate_size or config.intermediate_size) // world
-        self.gate_up_proj = Linear(config.hidden_size, 2 * self.intermediate, config.mlp_bias,
-                                   parts=(self.intermediate, self.intermediate))
+        self.gate_up_proj = Linear(
+            config.hidden_size, 2 * self.intermediate, config.mlp_bias, parts=(self.intermediate, self.intermediate)
+        )
         self.down_proj = row_parallel(self.intermediate, config.hidden_size, config.mlp_bias, tp, reduce)
         self.tanh_gelu = config.hidden_act == "gelu_pytorch_tanh"
         self.fused = False  # kiln_cpu_fused::silu_and_mul on the CPU (LlamaForCausalLM.use_cpu_fused_ops)

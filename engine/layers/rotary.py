@@ -43,6 +43,7 @@ def rope_inv_freq(config: Any) -> torch.Tensor:
 
 class FusedRope(NamedTuple):
     """What kiln_cpu_fused::rope_ needs: each token's position and the [positions, 2 * rot] table."""
+
     positions: torch.Tensor
     cos_sin: torch.Tensor
     interleaved: bool
@@ -56,8 +57,9 @@ class RotaryEmbedding(nn.Module):
         self.config = config
         self.max_positions = max_positions
         self.fused = False  # kiln_cpu_fused::rope_ on the CPU (LlamaForCausalLM.use_cpu_fused_ops)
-        self.register_buffer("cos_sin", torch.empty(max_positions, (config.rotary_dim or config.head_dim) * 2),
-                             persistent=False)
+        self.register_buffer(
+            "cos_sin", torch.empty(max_positions, (config.rotary_dim or config.head_dim) * 2), persistent=False
+        )
 
     def fill(self) -> None:
         inv = rope_inv_freq(self.config).to(self.cos_sin.device)
@@ -69,8 +71,12 @@ class RotaryEmbedding(nn.Module):
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | FusedRope:
         """(cos, sin) [T, 1, rot] in x's dtype for the eager ops; on the fused CPU path the table and
         positions themselves (the op looks them up)."""
-        if (self.fused and cpu_fused.usable(x) and positions.dtype == torch.int64
-                and self.cos_sin.dtype == torch.float32):
+        if (
+            self.fused
+            and cpu_fused.usable(x)
+            and positions.dtype == torch.int64
+            and self.cos_sin.dtype == torch.float32
+        ):
             return FusedRope(positions, self.cos_sin, self.config.rope_interleaved)
         cos, sin = self.cos_sin[positions].to(x.dtype).chunk(2, dim=-1)
         return cos[:, None, :], sin[:, None, :]

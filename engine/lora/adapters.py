@@ -34,12 +34,18 @@ logger = logging.getLogger(__name__)
 
 # PEFT target name -> (kiln projection inside the layer, which fused part)
 TARGETS = {
-    "q_proj": ("self_attn.qkv_proj", 0), "k_proj": ("self_attn.qkv_proj", 1), "v_proj": ("self_attn.qkv_proj", 2),
+    "q_proj": ("self_attn.qkv_proj", 0),
+    "k_proj": ("self_attn.qkv_proj", 1),
+    "v_proj": ("self_attn.qkv_proj", 2),
     "o_proj": ("self_attn.o_proj", 0),
-    "gate_proj": ("mlp.gate_up_proj", 0), "up_proj": ("mlp.gate_up_proj", 1), "down_proj": ("mlp.down_proj", 0),
+    "gate_proj": ("mlp.gate_up_proj", 0),
+    "up_proj": ("mlp.gate_up_proj", 1),
+    "down_proj": ("mlp.down_proj", 0),
 }
-_KEY = re.compile(r"^(?:base_model\.model\.)?model\.layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)"
-                  r"\.lora_([AB])(?:\.default)?\.weight$")
+_KEY = re.compile(
+    r"^(?:base_model\.model\.)?model\.layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)"
+    r"\.lora_([AB])(?:\.default)?\.weight$"
+)
 
 
 @dataclass
@@ -82,8 +88,9 @@ def read_adapter(path: str | Path, max_rank: int, num_layers: int) -> dict[tuple
     for key, tensor in read_tensors(file).items():
         m = _KEY.match(key)
         if m is None:
-            raise LoRAError(f"LoRA adapter {path}: weight {key} targets a module kiln cannot adapt "
-                            f"(it adapts {', '.join(TARGETS)})")
+            raise LoRAError(
+                f"LoRA adapter {path}: weight {key} targets a module kiln cannot adapt (it adapts {', '.join(TARGETS)})"
+            )
         layer, name, half = int(m.group(1)), m.group(2), m.group(3)
         if name not in TARGETS or layer >= num_layers:
             raise LoRAError(f"LoRA adapter {path}: weight {key} has no place in this model")
@@ -127,8 +134,9 @@ class LoRAManager:
                 return f"LoRA adapter {request.lora_name!r} is already loaded from {entry.request.lora_path}"
             return None
         if len(self._loaded) >= self.max_loras:
-            return (f"all max_loras={self.max_loras} LoRA slots hold adapters ({', '.join(self._loaded)}); "
-                    "unload one first")
+            return (
+                f"all max_loras={self.max_loras} LoRA slots hold adapters ({', '.join(self._loaded)}); unload one first"
+            )
         return None
 
     def ensure(self, request: LoRARequest) -> _Loaded:
@@ -148,8 +156,13 @@ class LoRAManager:
             self._generation += 1
             entry = _Loaded(request, slot, f"lora:{request.lora_name}:{self._generation}".encode())
             self._loaded[request.lora_name] = entry
-            logger.info("LoRA adapter %r loaded from %s into slot %d (%d projections)", request.lora_name,
-                        request.lora_path, slot, len(weights))
+            logger.info(
+                "LoRA adapter %r loaded from %s into slot %d (%d projections)",
+                request.lora_name,
+                request.lora_path,
+                slot,
+                len(weights),
+            )
             return entry
 
     def unload(self, name: str) -> None:
@@ -171,9 +184,11 @@ class LoRAManager:
             proj = self.model.layers[layer].get_submodule(name)
             size = proj.lora_parts[part][1]
             if a.shape[1] != proj.in_features or tuple(b.shape) != (size, a.shape[0]):
-                raise LoRAError(f"LoRA weights for layer {layer} {name} (part {part}) have shapes "
-                                f"{tuple(a.shape)} / {tuple(b.shape)}; this model needs [r, {proj.in_features}] / "
-                                f"[{size}, r]")
+                raise LoRAError(
+                    f"LoRA weights for layer {layer} {name} (part {part}) have shapes "
+                    f"{tuple(a.shape)} / {tuple(b.shape)}; this model needs [r, {proj.in_features}] / "
+                    f"[{size}, r]"
+                )
 
     @torch.no_grad()
     def _write(self, slot: int, weights: dict[tuple[int, str, int], tuple]) -> None:
@@ -191,8 +206,8 @@ class LoRAManager:
                     continue
                 a, b = pair
                 first = (slot * len(parts) + part) * r_max
-                proj.lora_a[first:first + a.shape[0]].copy_(a)
-                proj.lora_b[start:start + size, first:first + a.shape[0]].copy_(b)
+                proj.lora_a[first : first + a.shape[0]].copy_(a)
+                proj.lora_b[start : start + size, first : first + a.shape[0]].copy_(b)
 
 
 # ---- adapter admin for the engine (requests, load / unload between steps) ----
@@ -241,11 +256,13 @@ def unload_lora(manager: LoRAManager | None, requests, name: str) -> None:
     """Unload an adapter that none of `requests` (the unfinished ones) uses (call between steps)."""
     if manager is None or manager.get(name) is None:
         raise InvalidRequestError(f"no LoRA adapter named {name!r} is loaded", "lora_name")
-    users = [r.request_id for r in requests
-             if r.lora_request is not None and r.lora_request.lora_name == name and not r.is_finished]
+    users = [
+        r.request_id
+        for r in requests
+        if r.lora_request is not None and r.lora_request.lora_name == name and not r.is_finished
+    ]
     if users:
-        raise InvalidRequestError(f"LoRA adapter {name!r} is in use by {len(users)} unfinished requests",
-                                  "lora_name")
+        raise InvalidRequestError(f"LoRA adapter {name!r} is in use by {len(users)} unfinished requests", "lora_name")
     manager.unload(name)
 
 
@@ -258,18 +275,19 @@ class LoRASlots:
 
     def __init__(self, max_tokens: int, device: torch.device) -> None:
         self.host = torch.full((max_tokens,), -1, dtype=torch.int64, pin_memory=device.type == "cuda")
-        self.device = self.host if device.type == "cpu" else torch.full((max_tokens,), -1, dtype=torch.int64,
-                                                                        device=device)
+        self.device = (
+            self.host if device.type == "cpu" else torch.full((max_tokens,), -1, dtype=torch.int64, device=device)
+        )
         self.np = self.host.numpy()
 
     def write(self, t: int, n: int, s) -> None:
-        self.np[t:t + n] = s.seq.request.lora_slot
+        self.np[t : t + n] = s.seq.request.lora_slot
 
     def write_decode(self, seqs) -> None:
-        self.np[:len(seqs)] = [s.seq.request.lora_slot for s in seqs]
+        self.np[: len(seqs)] = [s.seq.request.lora_slot for s in seqs]
 
     def pad(self, t: int, count: int) -> None:
-        self.np[t:t + count] = -1
+        self.np[t : t + count] = -1
 
     def upload(self, num_tokens: int) -> None:
         if self.device is not self.host:

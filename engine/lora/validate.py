@@ -20,14 +20,14 @@ from pathlib import Path
 from engine.core.request import InvalidRequestError
 from engine.models.loader.safetensors_reader import read_header
 
-
 MAX_PATH_CHARS = 4096
 MAX_NAME_CHARS = 256
 
 
 def _not_loadable() -> InvalidRequestError:
-    return InvalidRequestError("lora_path: not a LoRA adapter directory under the server's lora_adapter_roots",
-                               "lora_path")
+    return InvalidRequestError(
+        "lora_path: not a LoRA adapter directory under the server's lora_adapter_roots", "lora_path"
+    )
 
 
 def confined_adapter_dir(path: str, roots: list[Path]) -> Path:
@@ -47,8 +47,7 @@ def confined_adapter_dir(path: str, roots: list[Path]) -> Path:
 def check_adapter_name(name: str, reserved: list[str]) -> None:
     """A runtime adapter's name: printable, no spaces, and not a name the base model answers to."""
     if not name or len(name) > MAX_NAME_CHARS or not name.isprintable() or any(c.isspace() for c in name):
-        raise InvalidRequestError(f"lora_name: 1 to {MAX_NAME_CHARS} printable characters without spaces",
-                                  "lora_name")
+        raise InvalidRequestError(f"lora_name: 1 to {MAX_NAME_CHARS} printable characters without spaces", "lora_name")
     if name in reserved:
         raise InvalidRequestError(f"lora_name: {name!r} is the base model's name", "lora_name")
 

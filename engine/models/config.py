@@ -9,8 +9,22 @@ from typing import Any
 
 from engine.models.glm import DEFAULT_PARTIAL_ROTARY, GLM_MODEL_TYPES, chatglm_config
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "phi3", "mixtral",
-                         "qwen2_moe", "qwen3_moe", "glm", "glm4", "chatglm")
+SUPPORTED_MODEL_TYPES = (
+    "llama",
+    "mistral",
+    "qwen2",
+    "qwen3",
+    "gemma",
+    "gemma2",
+    "gemma3_text",
+    "phi3",
+    "mixtral",
+    "qwen2_moe",
+    "qwen3_moe",
+    "glm",
+    "glm4",
+    "chatglm",
+)
 _QWEN2 = ("qwen2", "qwen2_moe")
 _QWEN3 = ("qwen3", "qwen3_moe")
 _GEMMA = ("gemma", "gemma2", "gemma3_text")
@@ -82,16 +96,22 @@ class ModelConfig:
         if model_type == "chatglm":  # the original ChatGLM3 / GLM-4-chat layout
             raw = chatglm_config(raw)
         if model_type == "gemma3":
-            raise ValueError("model: gemma3 checkpoints with a vision tower are not supported; the text-only ones "
-                             "(model_type gemma3_text, Gemma3ForCausalLM) are")
+            raise ValueError(
+                "model: gemma3 checkpoints with a vision tower are not supported; the text-only ones "
+                "(model_type gemma3_text, Gemma3ForCausalLM) are"
+            )
         if model_type not in SUPPORTED_MODEL_TYPES:
-            raise ValueError(f"model: unsupported model_type {model_type!r} "
-                             f"(kiln runs {', '.join(SUPPORTED_MODEL_TYPES)})")
+            raise ValueError(
+                f"model: unsupported model_type {model_type!r} (kiln runs {', '.join(SUPPORTED_MODEL_TYPES)})"
+            )
         gemma = model_type in _GEMMA
         gemma2 = model_type == "gemma2"
         sandwich = model_type in ("gemma2", "gemma3_text", "glm4")  # (GLM-4's extra norms: the same shape)
-        act = (raw.get("hidden_activation") or raw.get("hidden_act") or "gelu_pytorch_tanh") if gemma \
+        act = (
+            (raw.get("hidden_activation") or raw.get("hidden_act") or "gelu_pytorch_tanh")
+            if gemma
             else raw.get("hidden_act", "silu")
+        )
         if gemma and act == "gelu":
             act = "gelu_pytorch_tanh"
         if act not in ACTIVATIONS:
@@ -106,13 +126,17 @@ class ModelConfig:
         if rope and rope.get("rope_type", "default") != "default":
             scaling = dict(rope)
         theta = rope.get("rope_theta", raw.get("rope_theta", 10000.0))
-        partial = rope.get("partial_rotary_factor",
-                           raw.get("partial_rotary_factor", DEFAULT_PARTIAL_ROTARY if model_type in _GLM else 1.0))
+        partial = rope.get(
+            "partial_rotary_factor",
+            raw.get("partial_rotary_factor", DEFAULT_PARTIAL_ROTARY if model_type in _GLM else 1.0),
+        )
         head_dim = raw.get("head_dim") or raw["hidden_size"] // heads
         rotary_dim = int(head_dim * partial)
         if not 0 < rotary_dim <= head_dim or rotary_dim % 2:
-            raise ValueError(f"model: partial_rotary_factor={partial} gives {rotary_dim} rotary dims of "
-                             f"{head_dim}: expected an even number in (0, head_dim]")
+            raise ValueError(
+                f"model: partial_rotary_factor={partial} gives {rotary_dim} rotary dims of "
+                f"{head_dim}: expected an even number in (0, head_dim]"
+            )
         if scaling is not None:
             kind = scaling.get("rope_type", scaling.get("type", "default"))
             if kind == "default":
@@ -196,8 +220,9 @@ def _layer_windows(raw: dict[str, Any], model_type: str) -> tuple[int, ...]:
         return (0,) * num_layers
     if model_type in ("gemma2", "gemma3_text"):  # windowed and full layers mixed by design
         pattern = raw.get("sliding_window_pattern") or (2 if model_type == "gemma2" else 6)
-        kinds = raw.get("layer_types") or ["sliding_attention" if (i + 1) % pattern else "full_attention"
-                                           for i in range(num_layers)]
+        kinds = raw.get("layer_types") or [
+            "sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(num_layers)
+        ]
         return tuple(int(window) if k == "sliding_attention" else 0 for k in kinds)
     if model_type in _QWEN2 + _QWEN3:
         if not raw.get("use_sliding_window", False):
@@ -222,17 +247,24 @@ def _moe_fields(raw: dict[str, Any], model_type: str) -> dict[str, Any]:
     """The MoE fields of ModelConfig for Mixtral and Qwen2/3-MoE configs ({} for dense models)."""
     num_layers = raw["num_hidden_layers"]
     if model_type == "mixtral":  # every layer sparse; experts as wide as intermediate_size; top-k renormalised
-        return dict(num_experts=raw["num_local_experts"], num_experts_per_tok=raw["num_experts_per_tok"],
-                    moe_intermediate_size=raw["intermediate_size"], norm_topk_prob=True,
-                    sparse_layers=tuple(range(num_layers)))
+        return dict(
+            num_experts=raw["num_local_experts"],
+            num_experts_per_tok=raw["num_experts_per_tok"],
+            moe_intermediate_size=raw["intermediate_size"],
+            norm_topk_prob=True,
+            sparse_layers=tuple(range(num_layers)),
+        )
     if model_type not in ("qwen2_moe", "qwen3_moe"):
         return {}
     experts = raw.get("num_experts", raw.get("num_local_experts", 0)) or 0  # (transformers 5 writes the latter)
     step = raw.get("decoder_sparse_step", 1) or 1
     dense_only = set(raw.get("mlp_only_layers") or ())
     sparse = tuple(i for i in range(num_layers) if experts > 0 and i not in dense_only and (i + 1) % step == 0)
-    return dict(num_experts=experts, num_experts_per_tok=raw["num_experts_per_tok"],
-                moe_intermediate_size=raw["moe_intermediate_size"],
-                norm_topk_prob=bool(raw.get("norm_topk_prob", False)),
-                shared_expert_intermediate_size=raw.get("shared_expert_intermediate_size", 0) or 0,
-                sparse_layers=sparse)
+    return dict(
+        num_experts=experts,
+        num_experts_per_tok=raw["num_experts_per_tok"],
+        moe_intermediate_size=raw["moe_intermediate_size"],
+        norm_topk_prob=bool(raw.get("norm_topk_prob", False)),
+        shared_expert_intermediate_size=raw.get("shared_expert_intermediate_size", 0) or 0,
+        sparse_layers=sparse,
+    )

@@ -36,8 +36,7 @@ import logging
 
 import torch
 
-from compiler.kernels import cpu_fused
-from compiler.kernels import cpu_gemv
+from compiler.kernels import cpu_fused, cpu_gemv
 from engine.layers.attention.base import AttentionBackend, AttentionMetadata
 from engine.layers.quant import cpu_packed
 
@@ -49,8 +48,12 @@ def _projection_reason(linear, dtype: torch.dtype) -> str | None:
     quant = linear.quant
     if quant is None:
         w = linear.weight
-        if not (w.is_cpu and w.dim() == 2 and w.is_contiguous()
-                and (w.dtype == dtype or (dtype == torch.float32 and w.dtype in cpu_gemv.DENSE_DTYPES))):
+        if not (
+            w.is_cpu
+            and w.dim() == 2
+            and w.is_contiguous()
+            and (w.dtype == dtype or (dtype == torch.float32 and w.dtype in cpu_gemv.DENSE_DTYPES))
+        ):
             return f"a dense {w.dtype} weight with {dtype} activations"
         return None
     if not hasattr(linear, "gemv_runs"):
@@ -104,9 +107,17 @@ def _add_projection(stack, linear) -> None:
         stack.add_dense(linear.weight, linear.bias)
         return
     runs = linear.gemv_runs
-    stack.add_packed(linear.out_features, linear.in_features, not linear.quant.float_acts, linear.bias,
-                     [r[0] for r in runs], [r[1] for r in runs], [r[2] for r in runs], [r[3] for r in runs],
-                     [getattr(linear, f"gemv_packed{i}") for i in range(len(runs))])
+    stack.add_packed(
+        linear.out_features,
+        linear.in_features,
+        not linear.quant.float_acts,
+        linear.bias,
+        [r[0] for r in runs],
+        [r[1] for r in runs],
+        [r[2] for r in runs],
+        [r[3] for r in runs],
+        [getattr(linear, f"gemv_packed{i}") for i in range(len(runs))],
+    )
 
 
 class StackRunner:
@@ -118,17 +129,38 @@ class StackRunner:
         self.dtype = dtype
 
     def runs(self, rows: int, positions: torch.Tensor, backend: AttentionBackend | None, lora) -> bool:
-        return (rows <= self.max_rows and lora is None and backend is not None
-                and positions.dtype == torch.int64 and getattr(backend, "plain_cpu_kernels", False)
-                and not torch.is_grad_enabled() and not torch.compiler.is_compiling())
+        return (
+            rows <= self.max_rows
+            and lora is None
+            and backend is not None
+            and positions.dtype == torch.int64
+            and getattr(backend, "plain_cpu_kernels", False)
+            and not torch.is_grad_enabled()
+            and not torch.compiler.is_compiling()
+        )
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
-                meta: AttentionMetadata, aux: torch.Tensor | None = None,
-                aux_layers: tuple[int, ...] = ()) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        positions: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        aux: torch.Tensor | None = None,
+        aux_layers: tuple[int, ...] = (),
+    ) -> torch.Tensor:
         """aux_layers (EAGLE-3): the residual stream entering each of these layers is copied into
         its [hidden] columns of aux, side by side (LlamaModel._keep_aux's layout)."""
-        return self.stack.forward(x, positions, kv_cache, meta.slot_mapping, meta.query_start_loc, meta.seq_lens,
-                                  meta.block_tables, aux, list(aux_layers))
+        return self.stack.forward(
+            x,
+            positions,
+            kv_cache,
+            meta.slot_mapping,
+            meta.query_start_loc,
+            meta.seq_lens,
+            meta.block_tables,
+            aux,
+            list(aux_layers),
+        )
 
 
 def build(model, dtype: torch.dtype) -> StackRunner | None:
@@ -139,22 +171,41 @@ def build(model, dtype: torch.dtype) -> StackRunner | None:
         return None
     cfg = model.config
     first = model.layers[0].self_attn
-    projections = [p for layer in model.layers
-                   for p in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
-                             layer.mlp.down_proj)]
+    projections = [
+        p
+        for layer in model.layers
+        for p in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
+    ]
     max_rows = min(_kernel_rows(p, dtype) for p in projections)
     stack = torch.classes.kiln_cpu_fused.DecoderStack(
-        cpu_gemv.GEMV.level, cfg.hidden_size, first.num_heads, first.num_kv_heads, first.head_dim,
-        model.norm.eps, model.norm.weight_offset, model.layers[0].mlp.tanh_gelu, cfg.rope_interleaved,
-        max_rows, model.norm.weight, model.rotary.cos_sin)
+        cpu_gemv.GEMV.level,
+        cfg.hidden_size,
+        first.num_heads,
+        first.num_kv_heads,
+        first.head_dim,
+        model.norm.eps,
+        model.norm.weight_offset,
+        model.layers[0].mlp.tanh_gelu,
+        cfg.rope_interleaved,
+        max_rows,
+        model.norm.weight,
+        model.rotary.cos_sin,
+    )
     for layer in model.layers:
         attn = layer.self_attn
-        stack.add_layer(attn.layer_index, layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
-                        None if attn.q_norm is None else attn.q_norm.weight,
-                        None if attn.k_norm is None else attn.k_norm.weight,
-                        float(attn.scale), int(attn.sliding_window or 0), float(attn.softcap or 0.0))
+        stack.add_layer(
+            attn.layer_index,
+            layer.input_layernorm.weight,
+            layer.post_attention_layernorm.weight,
+            None if attn.q_norm is None else attn.q_norm.weight,
+            None if attn.k_norm is None else attn.k_norm.weight,
+            float(attn.scale),
+            int(attn.sliding_window or 0),
+            float(attn.softcap or 0.0),
+        )
         for proj in (attn.qkv_proj, attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
             _add_projection(stack, proj)
-    logger.info("CPU decoder stack: %d layers as one C++ call per step, steps of up to %d rows", cfg.num_layers,
-                max_rows)
+    logger.info(
+        "CPU decoder stack: %d layers as one C++ call per step, steps of up to %d rows", cfg.num_layers, max_rows
+    )
     return StackRunner(stack, max_rows, dtype)

@@ -40,15 +40,17 @@ def load_draft_vocab(path: Path, draft: ModelConfig, target_vocab: int) -> torch
     try:
         ids = json.loads(file.read_text())["token_ids"]
     except (ValueError, KeyError, TypeError) as e:
-        raise ValueError(f"speculative_model {path}: {DRAFT_VOCAB_FILE} is not {{\"token_ids\": [...]}}: {e}") from None
+        raise ValueError(f'speculative_model {path}: {DRAFT_VOCAB_FILE} is not {{"token_ids": [...]}}: {e}') from None
     if not ids or not all(isinstance(i, int) for i in ids):
         raise ValueError(f"speculative_model {path}: {DRAFT_VOCAB_FILE} must list token ids (integers)")
     out = torch.tensor(ids, dtype=torch.int64)
     if bool((out[1:] <= out[:-1]).any()):
         raise ValueError(f"speculative_model {path}: {DRAFT_VOCAB_FILE}'s token ids must be ascending and distinct")
     if int(out[0]) < 0 or int(out[-1]) >= min(draft.vocab_size, target_vocab):
-        raise ValueError(f"speculative_model {path}: {DRAFT_VOCAB_FILE} names token ids outside the vocabulary "
-                         f"(0..{min(draft.vocab_size, target_vocab) - 1})")
+        raise ValueError(
+            f"speculative_model {path}: {DRAFT_VOCAB_FILE} names token ids outside the vocabulary "
+            f"(0..{min(draft.vocab_size, target_vocab) - 1})"
+        )
     return out
 
 
@@ -58,8 +60,10 @@ def check_draft_model(draft: ModelConfig, target: ModelConfig, tokenizer_len: in
     if not draft.generates:
         raise ValueError(f"speculative_model {path}: the checkpoint has no language-model head (a bare model)")
     if draft.vocab_size < tokenizer_len:
-        raise ValueError(f"speculative_model {path}: its vocabulary ({draft.vocab_size} tokens) does not cover the "
-                         f"target's tokenizer ({tokenizer_len} tokens): a draft model must use the target's "
-                         "tokenizer")
+        raise ValueError(
+            f"speculative_model {path}: its vocabulary ({draft.vocab_size} tokens) does not cover the "
+            f"target's tokenizer ({tokenizer_len} tokens): a draft model must use the target's "
+            "tokenizer"
+        )
     if draft.is_moe:
         raise ValueError(f"speculative_model {path}: a mixture-of-experts draft model is not supported")

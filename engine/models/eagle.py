@@ -94,8 +94,10 @@ def read_eagle_config(path: Path, version: int, target: ModelConfig) -> EagleCon
     aux = tuple(aux) if aux else (2, n // 2, n - 3)
     bad = [i for i in aux if not 0 <= i < n]
     if bad:
-        raise ValueError(f"speculative_model {path}: EAGLE-3 reads the hidden states entering target layers {aux}, "
-                         f"but the target has {n} layers")
+        raise ValueError(
+            f"speculative_model {path}: EAGLE-3 reads the hidden states entering target layers {aux}, "
+            f"but the target has {n} layers"
+        )
     return EagleConfig(3, layer, aux, int(raw.get("draft_vocab_size") or layer.vocab_size))
 
 
@@ -135,8 +137,9 @@ class _EagleBase(nn.Module):
 
     def allocate_inputs(self, max_tokens: int) -> None:
         """The static input buffer of h ([max_tokens, H]), read in place by forward (and graphs)."""
-        self.hidden_in = torch.zeros(max_tokens, self.eagle.hidden_size, dtype=self.hidden_in.dtype,
-                                     device=self.hidden_in.device)
+        self.hidden_in = torch.zeros(
+            max_tokens, self.eagle.hidden_size, dtype=self.hidden_in.dtype, device=self.hidden_in.device
+        )
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         table = self.embed_tokens if self.embed_tokens is not None else self.target.embed_tokens
@@ -151,8 +154,9 @@ class _EagleBase(nn.Module):
 class EagleHead(_EagleBase):
     """EAGLE: fc over [embedding; h], Llama layers (the first without input norm), the target's LM head."""
 
-    def __init__(self, cfg: EagleConfig, target: LlamaForCausalLM, max_positions: int, own_embeddings: bool,
-                 fc_bias: bool) -> None:
+    def __init__(
+        self, cfg: EagleConfig, target: LlamaForCausalLM, max_positions: int, own_embeddings: bool, fc_bias: bool
+    ) -> None:
         super().__init__(cfg, target, own_embeddings)
         h = cfg.hidden_size
         self.fc = nn.Linear(2 * h, h, bias=fc_bias)
@@ -162,8 +166,11 @@ class EagleHead(_EagleBase):
 
     def forward(self, input_ids, positions, kv_cache, meta, ctx=None) -> torch.Tensor:
         tokens = input_ids.shape[0]
-        x = linear(torch.cat([self.embed(input_ids).to(self.hidden_in.dtype), self.hidden_in[:tokens]], dim=-1),
-                   self.fc.weight, self.fc.bias)
+        x = linear(
+            torch.cat([self.embed(input_ids).to(self.hidden_in.dtype), self.hidden_in[:tokens]], dim=-1),
+            self.fc.weight,
+            self.fc.bias,
+        )
         rope = self.rotary(positions, x)
         delta = None
         for layer in self.layers:
@@ -188,8 +195,9 @@ class Eagle3Layer(nn.Module):
         self.post_attention_layernorm = RMSNorm(h, cfg.rms_norm_eps)
         self.self_attn = Attention(cfg, 0)
         attn = self.self_attn
-        attn.qkv_proj = Linear(2 * h, attn.q_size + 2 * attn.kv_size, cfg.qkv_bias,
-                               parts=(attn.q_size, attn.kv_size, attn.kv_size))
+        attn.qkv_proj = Linear(
+            2 * h, attn.q_size + 2 * attn.kv_size, cfg.qkv_bias, parts=(attn.q_size, attn.kv_size, attn.kv_size)
+        )
         self.mlp = MLP(cfg)
 
     def forward(self, emb, hidden, rope, kv_cache, meta, backend) -> torch.Tensor:
@@ -259,9 +267,11 @@ def _fused(tensors: dict[str, torch.Tensor], prefix: str) -> dict[str, torch.Ten
     for name, t in tensors.items():
         if not name.startswith(prefix):
             continue
-        rest = name[len(prefix):]
-        for parts, fused in ((("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), "self_attn.qkv_proj"),
-                             (("mlp.gate_proj", "mlp.up_proj"), "mlp.gate_up_proj")):
+        rest = name[len(prefix) :]
+        for parts, fused in (
+            (("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), "self_attn.qkv_proj"),
+            (("mlp.gate_proj", "mlp.up_proj"), "mlp.gate_up_proj"),
+        ):
             module, _, kind = rest.rpartition(".")
             if module == parts[0]:
                 pieces = [tensors.get(f"{prefix}{p}.{kind}") for p in parts]
@@ -284,44 +294,58 @@ def _fill(module: nn.Module, weights: dict[str, torch.Tensor], where: str) -> No
             raise ValueError(f"speculative_model: the checkpoint lacks {where}{name}")
         w = weights[name]
         if tuple(w.shape) != tuple(param.shape):
-            raise ValueError(f"speculative_model: {where}{name} has shape {tuple(w.shape)}, but the head built for "
-                             f"this target expects {tuple(param.shape)}")
+            raise ValueError(
+                f"speculative_model: {where}{name} has shape {tuple(w.shape)}, but the head built for "
+                f"this target expects {tuple(param.shape)}"
+            )
         param.data.copy_(w)
 
 
-def load_eagle(path: Path, version: int, target: LlamaForCausalLM, dtype: torch.dtype, device: torch.device,
-               max_positions: int) -> EagleHead | Eagle3Head:
+def load_eagle(
+    path: Path, version: int, target: LlamaForCausalLM, dtype: torch.dtype, device: torch.device, max_positions: int
+) -> EagleHead | Eagle3Head:
     """The head of `path`, checked against the target: its width, its features' width (EAGLE-3:
     layers x target hidden), its embeddings' and vocabulary's sizes."""
     tcfg = target.config
     tensors = _read_tensors(path)
     has_mid = any(n.startswith("midlayer.") for n in tensors)
     if version == 3 and not has_mid:
-        raise ValueError(f"speculative_model {path}: no midlayer.* weights: not an EAGLE-3 head (an EAGLE head? use "
-                         "speculative_method eagle)")
+        raise ValueError(
+            f"speculative_model {path}: no midlayer.* weights: not an EAGLE-3 head (an EAGLE head? use "
+            "speculative_method eagle)"
+        )
     if version == 1 and has_mid:
-        raise ValueError(f"speculative_model {path}: midlayer.* weights: an EAGLE-3 head (use speculative_method "
-                         "eagle3)")
+        raise ValueError(
+            f"speculative_model {path}: midlayer.* weights: an EAGLE-3 head (use speculative_method eagle3)"
+        )
     cfg = read_eagle_config(path, version, tcfg)
     h = cfg.hidden_size
     own = "embed_tokens.weight" in tensors
     if own and tuple(tensors["embed_tokens.weight"].shape) != (tcfg.vocab_size, h):
-        raise ValueError(f"speculative_model {path}: embed_tokens has shape {tuple(tensors['embed_tokens.weight'].shape)}"
-                         f"; the target's vocabulary needs ({tcfg.vocab_size}, {h})")
+        raise ValueError(
+            f"speculative_model {path}: embed_tokens has shape {tuple(tensors['embed_tokens.weight'].shape)}"
+            f"; the target's vocabulary needs ({tcfg.vocab_size}, {h})"
+        )
     if not own and h != tcfg.hidden_size:
-        raise ValueError(f"speculative_model {path}: the head is {h} wide and has no embeddings of its own, so it "
-                         f"would read the target's, which are {tcfg.hidden_size} wide")
+        raise ValueError(
+            f"speculative_model {path}: the head is {h} wide and has no embeddings of its own, so it "
+            f"would read the target's, which are {tcfg.hidden_size} wide"
+        )
     fc = tensors.get("fc.weight")
     if fc is None:
         raise ValueError(f"speculative_model {path}: no fc.weight: not an EAGLE head")
     if version == 1:
         if h != tcfg.hidden_size:
-            raise ValueError(f"speculative_model {path}: EAGLE's features are the target's hidden states "
-                             f"({tcfg.hidden_size} wide), but the head is {h} wide")
+            raise ValueError(
+                f"speculative_model {path}: EAGLE's features are the target's hidden states "
+                f"({tcfg.hidden_size} wide), but the head is {h} wide"
+            )
         if tuple(fc.shape) != (h, 2 * h):
-            raise ValueError(f"speculative_model {path}: fc.weight has shape {tuple(fc.shape)}, EAGLE needs "
-                             f"({h}, {2 * h}) ([embedding; feature] -> hidden)"
-                             + (" (an EAGLE-3 head? use speculative_method eagle3)" if fc.shape[1] != 2 * h else ""))
+            raise ValueError(
+                f"speculative_model {path}: fc.weight has shape {tuple(fc.shape)}, EAGLE needs "
+                f"({h}, {2 * h}) ([embedding; feature] -> hidden)"
+                + (" (an EAGLE-3 head? use speculative_method eagle3)" if fc.shape[1] != 2 * h else "")
+            )
         with torch.device("meta"):
             head = EagleHead(cfg, target, max_positions, own, "fc.bias" in tensors)
         weights = {n: t for n, t in tensors.items() if n.startswith(("fc.", "embed_tokens."))}
@@ -330,23 +354,30 @@ def load_eagle(path: Path, version: int, target: LlamaForCausalLM, dtype: torch.
     else:
         width = len(cfg.aux_layers) * tcfg.hidden_size
         if tuple(fc.shape) != (h, width):
-            raise ValueError(f"speculative_model {path}: fc.weight has shape {tuple(fc.shape)}; EAGLE-3 over "
-                             f"{len(cfg.aux_layers)} target layers of {tcfg.hidden_size} needs ({h}, {width})")
+            raise ValueError(
+                f"speculative_model {path}: fc.weight has shape {tuple(fc.shape)}; EAGLE-3 over "
+                f"{len(cfg.aux_layers)} target layers of {tcfg.hidden_size} needs ({h}, {width})"
+            )
         head_w = tensors.get("lm_head.weight")
         if head_w is None or tuple(head_w.shape) != (cfg.draft_vocab_size, h):
-            raise ValueError(f"speculative_model {path}: lm_head.weight is "
-                             f"{None if head_w is None else tuple(head_w.shape)}, expected "
-                             f"({cfg.draft_vocab_size}, {h}) (draft_vocab_size x hidden)")
+            raise ValueError(
+                f"speculative_model {path}: lm_head.weight is "
+                f"{None if head_w is None else tuple(head_w.shape)}, expected "
+                f"({cfg.draft_vocab_size}, {h}) (draft_vocab_size x hidden)"
+            )
         d2t = tensors.get("d2t")
         if d2t is None:
             if cfg.draft_vocab_size != tcfg.vocab_size:
-                raise ValueError(f"speculative_model {path}: no d2t map for a draft vocabulary of "
-                                 f"{cfg.draft_vocab_size} (the target's has {tcfg.vocab_size})")
+                raise ValueError(
+                    f"speculative_model {path}: no d2t map for a draft vocabulary of "
+                    f"{cfg.draft_vocab_size} (the target's has {tcfg.vocab_size})"
+                )
             d2t = torch.zeros(cfg.draft_vocab_size, dtype=torch.int64)
         ids = torch.arange(len(d2t)) + d2t.long()
         if len(d2t) != cfg.draft_vocab_size or int(ids.min()) < 0 or int(ids.max()) >= tcfg.vocab_size:
-            raise ValueError(f"speculative_model {path}: d2t maps draft ids outside the target's vocabulary "
-                             f"of {tcfg.vocab_size}")
+            raise ValueError(
+                f"speculative_model {path}: d2t maps draft ids outside the target's vocabulary of {tcfg.vocab_size}"
+            )
         with torch.device("meta"):
             head = Eagle3Head(cfg, target, max_positions, own)
         weights = {n: t for n, t in tensors.items() if n.startswith(("fc.", "embed_tokens.", "norm.", "lm_head."))}
@@ -364,4 +395,3 @@ def load_eagle(path: Path, version: int, target: LlamaForCausalLM, dtype: torch.
             head.target_ids = torch.zeros(cfg.draft_vocab_size, dtype=torch.int64, device=device)
             head.set_d2t(d2t.long().to(device))
     return head.eval().requires_grad_(False)
-

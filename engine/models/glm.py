@@ -22,9 +22,11 @@ GLM_MODEL_TYPES = ("glm", "glm4", "chatglm")
 DEFAULT_PARTIAL_ROTARY = 0.5  # GLM rotates half of each head
 
 # Glm4 decoder-layer norm -> kiln's (sandwich) name. Order matters: each name is mapped once.
-_GLM4_NORMS = {"post_self_attn_layernorm": "post_attention_layernorm",
-               "post_attention_layernorm": "pre_feedforward_layernorm",
-               "post_mlp_layernorm": "post_feedforward_layernorm"}
+_GLM4_NORMS = {
+    "post_self_attn_layernorm": "post_attention_layernorm",
+    "post_attention_layernorm": "pre_feedforward_layernorm",
+    "post_mlp_layernorm": "post_feedforward_layernorm",
+}
 _CHATGLM_LAYER = re.compile(r"^transformer\.encoder\.layers\.(\d+)\.(.+)$")
 _CHATGLM_IN_LAYER = {
     "input_layernorm": "input_layernorm",
@@ -44,10 +46,15 @@ _CHATGLM_TOP = {
 def chatglm_config(raw: dict[str, Any]) -> dict[str, Any]:
     """A ChatGLM3 / GLM-4-chat config.json in transformers' GLM terms (model_type stays "chatglm"
     so that the loader renames the weights)."""
-    if not raw.get("rmsnorm", True) or raw.get("apply_residual_connection_post_layernorm", False) \
-            or not raw.get("post_layer_norm", True):
-        raise ValueError("model: this ChatGLM variant (LayerNorm or post-norm residuals) is not supported; "
-                         "ChatGLM3 and GLM-4 (RMSNorm, pre-norm) are")
+    if (
+        not raw.get("rmsnorm", True)
+        or raw.get("apply_residual_connection_post_layernorm", False)
+        or not raw.get("post_layer_norm", True)
+    ):
+        raise ValueError(
+            "model: this ChatGLM variant (LayerNorm or post-norm residuals) is not supported; "
+            "ChatGLM3 and GLM-4 (RMSNorm, pre-norm) are"
+        )
     if raw.get("add_bias_linear", False):
         raise ValueError("model: ChatGLM checkpoints with biases on every linear layer are not supported")
     heads = raw["num_attention_heads"]

@@ -57,10 +57,10 @@ class DecoderLayer(nn.Module):
         # each side. Otherwise post_attention_layernorm is the norm before the MLP.
         self.sandwich = config.sandwich_norms
         if self.sandwich:
-            self.pre_feedforward_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps,
-                                                     config.norm_weight_offset)
-            self.post_feedforward_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps,
-                                                      config.norm_weight_offset)
+            self.pre_feedforward_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.norm_weight_offset)
+            self.post_feedforward_layernorm = RMSNorm(
+                config.hidden_size, config.rms_norm_eps, config.norm_weight_offset
+            )
 
     def forward(self, residual, delta, rope, kv_cache, meta, backend, lora=None):
         """The residual stream is carried as (residual, delta not yet added): each add is done by the
@@ -84,19 +84,32 @@ class LlamaForCausalLM(nn.Module):
         tp = self.tp = tp if tp is not None and tp.world_size > 1 else None
         check_shardable(config, tp)
         # No random init (the weights are loaded): on the meta device it would import Dynamo, seconds of start-up.
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size,
-                                         _weight=torch.empty(config.vocab_size, config.hidden_size)) \
-            if tp is None else VocabParallelEmbedding(vocab_rows_per_rank(config, tp), config.hidden_size, tp)
+        self.embed_tokens = (
+            nn.Embedding(
+                config.vocab_size, config.hidden_size, _weight=torch.empty(config.vocab_size, config.hidden_size)
+            )
+            if tp is None
+            else VocabParallelEmbedding(vocab_rows_per_rank(config, tp), config.hidden_size, tp)
+        )
         self.layers = nn.ModuleList(DecoderLayer(config, i, tp) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.norm_weight_offset)
         self.rotary = RotaryEmbedding(config, max_positions)
         # Gemma 3: windowed layers rotate with their own base (and no scaling).
-        self.rotary_local = None if config.local_rope_theta is None else RotaryEmbedding(
-            dataclasses.replace(config, rope_theta=config.local_rope_theta, rope_scaling=None), max_positions)
+        self.rotary_local = (
+            None
+            if config.local_rope_theta is None
+            else RotaryEmbedding(
+                dataclasses.replace(config, rope_theta=config.local_rope_theta, rope_scaling=None), max_positions
+            )
+        )
         # (a bare model has no head: compute_logits then reads the embeddings, only ever for warm-ups)
-        self.lm_head = None if config.tie_word_embeddings or not config.generates else nn.Linear(
-            config.hidden_size, config.vocab_size, bias=False) if tp is None else ParallelLMHead(
-            vocab_rows_per_rank(config, tp), config.hidden_size, tp)
+        self.lm_head = (
+            None
+            if config.tie_word_embeddings or not config.generates
+            else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+            if tp is None
+            else ParallelLMHead(vocab_rows_per_rank(config, tp), config.hidden_size, tp)
+        )
         # GGUF on the CPU: the LM head also in the file's blocks, for steps of fewer than
         # packed_head_rows rows (engine/models/loader/gguf_quant.py: pack_head)
         self.packed_head: Linear | None = None
@@ -148,8 +161,11 @@ class LlamaForCausalLM(nn.Module):
             return time.perf_counter() - t0
         seconds = time.perf_counter() - t0
         # Row buckets end to end pay only where every projection is a dense oneDNN one.
-        self.pad_cpu_rows = (self.tp is None and not self.config.is_moe
-                             and all(m.quant is None for m in self.modules() if isinstance(m, Linear)))
+        self.pad_cpu_rows = (
+            self.tp is None
+            and not self.config.is_moe
+            and all(m.quant is None for m in self.modules() if isinstance(m, Linear))
+        )
         return seconds
 
     def use_cpu_stack(self) -> bool:
@@ -164,8 +180,14 @@ class LlamaForCausalLM(nn.Module):
         (compiler/kernels/cpu_linear.py), so that every projection takes its input as is instead of
         padding a copy of it (9 copies a step for 2 layers). Padding rows (id 0, position 0) are
         claimed by no sequence: attention writes them as zeros and the caller never sees them."""
-        if (not self.pad_cpu_rows or tokens < MIN_ONEDNN_ROWS or lora is not None or x.dtype != torch.float32
-                or not x.is_cpu or torch.compiler.is_compiling()):
+        if (
+            not self.pad_cpu_rows
+            or tokens < MIN_ONEDNN_ROWS
+            or lora is not None
+            or x.dtype != torch.float32
+            or not x.is_cpu
+            or torch.compiler.is_compiling()
+        ):
             return tokens
         return row_bucket(tokens)
 
@@ -188,8 +210,11 @@ class LlamaForCausalLM(nn.Module):
         the head's bytes; 0: no head copy). The builder decides which copies (and logs them)."""
         if copy not in WEIGHT_COPIES:
             raise ValueError(f"process_weights_after_loading: {copy!r} is not one of {WEIGHT_COPIES}")
-        linears = (self.quantizable_linears().values() if copy == "half"
-                   else [m for m in self.modules() if isinstance(m, Linear)])
+        linears = (
+            self.quantizable_linears().values()
+            if copy == "half"
+            else [m for m in self.modules() if isinstance(m, Linear)]
+        )
         done = [m.process_weights_after_loading(dtype, copy) for m in linears]
         return sum(1 for b in done if b), sum(done), self._head_copy(dtype, copy)
 
@@ -211,8 +236,14 @@ class LlamaForCausalLM(nn.Module):
         self.gemm_head = packed
         return head.numel() * head.element_size()
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
-                meta: AttentionMetadata, ctx: ForwardContext | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        ctx: ForwardContext | None = None,
+    ) -> torch.Tensor:
         """ids, positions [T] -> final hidden states [T, hidden]. kv_cache: [layers, 2, blocks, bs, Hkv, D].
         ctx: the step's feature inputs (engine/layers/forward_context.py); None: no feature is used."""
         lora = None
@@ -237,8 +268,9 @@ class LlamaForCausalLM(nn.Module):
         for i, layer in enumerate(self.layers):
             if i in self.aux_layers:
                 self._keep_aux(i, x, delta, tokens)
-            x, delta = layer(x, delta, local if layer.self_attn.sliding_window else rope, kv_cache, meta,
-                             self.backend, lora)
+            x, delta = layer(
+                x, delta, local if layer.self_attn.sliding_window else rope, kv_cache, meta, self.backend, lora
+            )
         hidden = self.norm.add_forward(x, delta)[1]
         return hidden if rows == tokens else hidden[:tokens]
 
@@ -249,7 +281,7 @@ class LlamaForCausalLM(nn.Module):
         h = (x if delta is None else x + delta)[:tokens]
         for k, at in enumerate(self.aux_layers):
             if at == layer:
-                self.aux_hidden[:tokens, k * width:(k + 1) * width].copy_(h)
+                self.aux_hidden[:tokens, k * width : (k + 1) * width].copy_(h)
 
     def head_weight(self) -> torch.Tensor:
         """The LM head's weight [vocab, hidden]: lm_head's, or the embedding table when tied."""
@@ -271,11 +303,17 @@ class LlamaForCausalLM(nn.Module):
         weight = self.head_weight()
         if self.tp is not None:  # this rank's vocabulary rows, gathered: the full logits on every rank
             logits = parallel_logits(hidden, weight, self.config.vocab_size, self.tp).float()
-        elif self.packed_head is not None and hidden.dim() == 2 and hidden.shape[0] < GEMM_ROWS[
-                self.packed_head.quant.float_acts]:
+        elif (
+            self.packed_head is not None
+            and hidden.dim() == 2
+            and hidden.shape[0] < GEMM_ROWS[self.packed_head.quant.float_acts]
+        ):
             logits = self.packed_head(hidden).float()
-        elif (self.half_head is not None and hidden.dim() == 2
-              and hidden.shape[0] <= cpu_gemv.MAX_DENSE_ROWS.get(hidden.dtype, 0)):
+        elif (
+            self.half_head is not None
+            and hidden.dim() == 2
+            and hidden.shape[0] <= cpu_gemv.MAX_DENSE_ROWS.get(hidden.dtype, 0)
+        ):
             logits = linear(hidden, self.half_head).float()  # (more rows: the float32 head's GEMM)
         else:
             logits = linear(hidden, weight, None, self.gemm_head).float()

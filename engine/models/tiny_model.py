@@ -35,66 +35,169 @@ The user asked a question and the assistant answered it clearly, briefly and pol
 """
 
 ARCH_DEFAULTS = {
-    "llama": dict(model_type="llama", architectures=["LlamaForCausalLM"], attention_bias=False,
-                  rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                                "high_freq_factor": 4.0, "original_max_position_embeddings": 256}),
+    "llama": dict(
+        model_type="llama",
+        architectures=["LlamaForCausalLM"],
+        attention_bias=False,
+        rope_scaling={
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 256,
+        },
+    ),
     "mistral": dict(model_type="mistral", architectures=["MistralForCausalLM"], sliding_window=None),
     "qwen2": dict(model_type="qwen2", architectures=["Qwen2ForCausalLM"], tie_word_embeddings=True),
-    "qwen3": dict(model_type="qwen3", architectures=["Qwen3ForCausalLM"], attention_bias=False,
-                  tie_word_embeddings=True),
-    "phi3": dict(model_type="phi3", architectures=["Phi3ForCausalLM"], sliding_window=None,
-                 original_max_position_embeddings=1024),
-    "gemma": dict(model_type="gemma", architectures=["GemmaForCausalLM"], hidden_act="gelu_pytorch_tanh",
-                  tie_word_embeddings=True, head_dim=64),
+    "qwen3": dict(
+        model_type="qwen3", architectures=["Qwen3ForCausalLM"], attention_bias=False, tie_word_embeddings=True
+    ),
+    "phi3": dict(
+        model_type="phi3", architectures=["Phi3ForCausalLM"], sliding_window=None, original_max_position_embeddings=1024
+    ),
+    "gemma": dict(
+        model_type="gemma",
+        architectures=["GemmaForCausalLM"],
+        hidden_act="gelu_pytorch_tanh",
+        tie_word_embeddings=True,
+        head_dim=64,
+    ),
     # Gemma 2: a window of 16 on every other layer (prompts of the tests are longer), capped
     # attention scores and logits, query_pre_attn_scalar unlike head_dim.
-    "gemma2": dict(model_type="gemma2", architectures=["Gemma2ForCausalLM"], hidden_activation="gelu_pytorch_tanh",
-                   tie_word_embeddings=True, sliding_window=16, attn_logit_softcapping=1.5,
-                   final_logit_softcapping=5.0, query_pre_attn_scalar=24),
+    "gemma2": dict(
+        model_type="gemma2",
+        architectures=["Gemma2ForCausalLM"],
+        hidden_activation="gelu_pytorch_tanh",
+        tie_word_embeddings=True,
+        sliding_window=16,
+        attn_logit_softcapping=1.5,
+        final_logit_softcapping=5.0,
+        query_pre_attn_scalar=24,
+    ),
     # Gemma 3 (text): q/k norms, a local rotary base for the windowed layer, no caps.
-    "gemma3": dict(model_type="gemma3_text", architectures=["Gemma3ForCausalLM"], hidden_activation="gelu_pytorch_tanh",
-                   tie_word_embeddings=True, sliding_window=16, query_pre_attn_scalar=24,
-                   layer_types=["sliding_attention", "full_attention"],
-                   rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
-                                    "full_attention": {"rope_type": "default", "rope_theta": 1000000.0}}),
+    "gemma3": dict(
+        model_type="gemma3_text",
+        architectures=["Gemma3ForCausalLM"],
+        hidden_activation="gelu_pytorch_tanh",
+        tie_word_embeddings=True,
+        sliding_window=16,
+        query_pre_attn_scalar=24,
+        layer_types=["sliding_attention", "full_attention"],
+        rope_parameters={
+            "sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
+            "full_attention": {"rope_type": "default", "rope_theta": 1000000.0},
+        },
+    ),
     # Mixtures of experts: every layer sparse (Mixtral); a shared expert (Qwen2-MoE); a dense
     # layer among sparse ones and renormalised top-k (Qwen3-MoE).
-    "mixtral": dict(model_type="mixtral", architectures=["MixtralForCausalLM"], sliding_window=None,
-                    num_local_experts=4, num_experts_per_tok=2, intermediate_size=128),
-    "qwen2_moe": dict(model_type="qwen2_moe", architectures=["Qwen2MoeForCausalLM"], num_experts=4,
-                      num_experts_per_tok=2, moe_intermediate_size=64, shared_expert_intermediate_size=96,
-                      norm_topk_prob=False),
-    "qwen3_moe": dict(model_type="qwen3_moe", architectures=["Qwen3MoeForCausalLM"], attention_bias=False,
-                      num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64, norm_topk_prob=True,
-                      mlp_only_layers=[1]),
+    "mixtral": dict(
+        model_type="mixtral",
+        architectures=["MixtralForCausalLM"],
+        sliding_window=None,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        intermediate_size=128,
+    ),
+    "qwen2_moe": dict(
+        model_type="qwen2_moe",
+        architectures=["Qwen2MoeForCausalLM"],
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=64,
+        shared_expert_intermediate_size=96,
+        norm_topk_prob=False,
+    ),
+    "qwen3_moe": dict(
+        model_type="qwen3_moe",
+        architectures=["Qwen3MoeForCausalLM"],
+        attention_bias=False,
+        num_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=64,
+        norm_topk_prob=True,
+        mlp_only_layers=[1],
+    ),
 }
 
 PRESETS = {
-    "llama-3.2-1b": dict(model_type="llama", architectures=["LlamaForCausalLM"], vocab_size=128256,
-                         hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
-                         num_attention_heads=32, num_key_value_heads=8, head_dim=64,
-                         max_position_embeddings=131072, rms_norm_eps=1e-5, rope_theta=500000.0,
-                         rope_scaling={"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
-                                       "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
-                         tie_word_embeddings=True, torch_dtype="bfloat16"),
-    "llama-3.1-8b": dict(model_type="llama", architectures=["LlamaForCausalLM"], vocab_size=128256,
-                         hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
-                         num_attention_heads=32, num_key_value_heads=8, head_dim=128,
-                         max_position_embeddings=131072, rms_norm_eps=1e-5, rope_theta=500000.0,
-                         rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                                       "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
-                         tie_word_embeddings=False, torch_dtype="bfloat16"),
-    "qwen2.5-7b": dict(model_type="qwen2", architectures=["Qwen2ForCausalLM"], vocab_size=152064,
-                       hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
-                       num_attention_heads=28, num_key_value_heads=4, max_position_embeddings=32768,
-                       rms_norm_eps=1e-6, rope_theta=1000000.0, tie_word_embeddings=False,
-                       torch_dtype="bfloat16"),
+    "llama-3.2-1b": dict(
+        model_type="llama",
+        architectures=["LlamaForCausalLM"],
+        vocab_size=128256,
+        hidden_size=2048,
+        intermediate_size=8192,
+        num_hidden_layers=16,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=64,
+        max_position_embeddings=131072,
+        rms_norm_eps=1e-5,
+        rope_theta=500000.0,
+        rope_scaling={
+            "rope_type": "llama3",
+            "factor": 32.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192,
+        },
+        tie_word_embeddings=True,
+        torch_dtype="bfloat16",
+    ),
+    "llama-3.1-8b": dict(
+        model_type="llama",
+        architectures=["LlamaForCausalLM"],
+        vocab_size=128256,
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=128,
+        max_position_embeddings=131072,
+        rms_norm_eps=1e-5,
+        rope_theta=500000.0,
+        rope_scaling={
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192,
+        },
+        tie_word_embeddings=False,
+        torch_dtype="bfloat16",
+    ),
+    "qwen2.5-7b": dict(
+        model_type="qwen2",
+        architectures=["Qwen2ForCausalLM"],
+        vocab_size=152064,
+        hidden_size=3584,
+        intermediate_size=18944,
+        num_hidden_layers=28,
+        num_attention_heads=28,
+        num_key_value_heads=4,
+        max_position_embeddings=32768,
+        rms_norm_eps=1e-6,
+        rope_theta=1000000.0,
+        tie_word_embeddings=False,
+        torch_dtype="bfloat16",
+    ),
     # SmolLM2-135M's shape (the one real model reachable here ships as GGUF; this is its geometry).
-    "smollm2-135m": dict(model_type="llama", architectures=["LlamaForCausalLM"], vocab_size=49152,
-                         hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
-                         num_attention_heads=9, num_key_value_heads=3, head_dim=64,
-                         max_position_embeddings=8192, rms_norm_eps=1e-5, rope_theta=100000.0,
-                         tie_word_embeddings=True, torch_dtype="bfloat16"),
+    "smollm2-135m": dict(
+        model_type="llama",
+        architectures=["LlamaForCausalLM"],
+        vocab_size=49152,
+        hidden_size=576,
+        intermediate_size=1536,
+        num_hidden_layers=30,
+        num_attention_heads=9,
+        num_key_value_heads=3,
+        head_dim=64,
+        max_position_embeddings=8192,
+        rms_norm_eps=1e-5,
+        rope_theta=100000.0,
+        tie_word_embeddings=True,
+        torch_dtype="bfloat16",
+    ),
 }
 
 
@@ -106,32 +209,62 @@ def train_tokenizer(vocab_size: int = 512):
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
     tok.train_from_iterator([_CORPUS] * 4, trainer=trainer)
     bos = tok.token_to_id("<|bos|>")
-    tok.post_processor = processors.TemplateProcessing(single="<|bos|> $A", pair="<|bos|> $A <|bos|> $B",
-                                                       special_tokens=[("<|bos|>", bos)])
-    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|bos|>", eos_token="<|eos|>",
-                                   pad_token="<|pad|>", chat_template=CHAT_TEMPLATE,
-                                   model_max_length=1 << 20)
+    tok.post_processor = processors.TemplateProcessing(
+        single="<|bos|> $A", pair="<|bos|> $A <|bos|> $B", special_tokens=[("<|bos|>", bos)]
+    )
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token="<|bos|>",
+        eos_token="<|eos|>",
+        pad_token="<|pad|>",
+        chat_template=CHAT_TEMPLATE,
+        model_max_length=1 << 20,
+    )
 
 
 def tiny_config(arch: str, vocab_size: int, bos: int, eos: int, pad: int) -> dict:
     if arch not in ARCH_DEFAULTS:
         raise ValueError(f"--arch must be one of {', '.join(ARCH_DEFAULTS)}")
-    cfg = dict(vocab_size=vocab_size, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-               num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=1024,
-               rms_norm_eps=1e-6, rope_theta=10000.0, tie_word_embeddings=False, initializer_range=0.2,
-               hidden_act="silu", bos_token_id=bos, eos_token_id=eos, pad_token_id=pad,
-               torch_dtype="float32")
+    cfg = dict(
+        vocab_size=vocab_size,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        max_position_embeddings=1024,
+        rms_norm_eps=1e-6,
+        rope_theta=10000.0,
+        tie_word_embeddings=False,
+        initializer_range=0.2,
+        hidden_act="silu",
+        bos_token_id=bos,
+        eos_token_id=eos,
+        pad_token_id=pad,
+        torch_dtype="float32",
+    )
     cfg.update(ARCH_DEFAULTS[arch])
     return cfg
 
 
-def make_tiny_model(out_dir: str | Path, arch: str = "llama", seed: int = 0,
-                    preset: str | None = None, config_only: bool = False,
-                    overrides: dict | None = None, train_steps: int = 0) -> Path:
+def make_tiny_model(
+    out_dir: str | Path,
+    arch: str = "llama",
+    seed: int = 0,
+    preset: str | None = None,
+    config_only: bool = False,
+    overrides: dict | None = None,
+    train_steps: int = 0,
+) -> Path:
     import torch
     import transformers
 
@@ -147,8 +280,13 @@ def make_tiny_model(out_dir: str | Path, arch: str = "llama", seed: int = 0,
     if preset is not None:
         if preset not in PRESETS:
             raise ValueError(f"--preset must be one of {', '.join(PRESETS)}")
-        raw = dict(PRESETS[preset], hidden_act="silu", bos_token_id=ids["bos"], eos_token_id=ids["eos"],
-                   pad_token_id=ids["pad"])
+        raw = dict(
+            PRESETS[preset],
+            hidden_act="silu",
+            bos_token_id=ids["bos"],
+            eos_token_id=ids["eos"],
+            pad_token_id=ids["pad"],
+        )
     else:
         raw = tiny_config(arch, len(tokenizer), ids["bos"], ids["eos"], ids["pad"])
     raw.update(overrides or {})
@@ -170,8 +308,9 @@ def make_tiny_model(out_dir: str | Path, arch: str = "llama", seed: int = 0,
     return out
 
 
-def train_on_corpus(model, tokenizer, steps: int, seed: int, window: int = 64, batch: int = 8,
-                    lr: float = 1e-2) -> float:
+def train_on_corpus(
+    model, tokenizer, steps: int, seed: int, window: int = 64, batch: int = 8, lr: float = 1e-2
+) -> float:
     """`steps` Adam steps of next-token loss on windows of the built-in corpus (bos + `window`
     tokens from a random offset of the repeated text, so every position is seen with and
     without long context); returns the last step's loss. Seeded: the same seed gives the same

@@ -34,8 +34,11 @@ def checkpoint_dtype(model_dir: Path, model_config: ModelConfig) -> str | None:
     if model_config.quantization:
         return "quantized"
     if is_gguf(model_dir):
-        kinds = Counter(BLOCK_TYPES.get(t.type_id, ("?",))[0] for t in read_header(model_dir)[1]
-                        if t.name.startswith("blk.") and len(t.shape) == 2)
+        kinds = Counter(
+            BLOCK_TYPES.get(t.type_id, ("?",))[0]
+            for t in read_header(model_dir)[1]
+            if t.name.startswith("blk.") and len(t.shape) == 2
+        )
         if not kinds:
             return None
         kind = kinds.most_common(1)[0][0]
@@ -43,8 +46,9 @@ def checkpoint_dtype(model_dir: Path, model_config: ModelConfig) -> str | None:
     return model_config.torch_dtype if model_config.torch_dtype in DTYPES else None
 
 
-def resolve_dtype(name: str, model_config: ModelConfig, device: torch.device,
-                  model_dir: Path | None = None) -> torch.dtype:
+def resolve_dtype(
+    name: str, model_config: ModelConfig, device: torch.device, model_dir: Path | None = None
+) -> torch.dtype:
     if name != "auto":
         return DTYPES[name]
     if device.type == "cpu":  # the fastest exact-enough dtype on this CPU (engine/worker/cpu_dtype.py)
@@ -66,6 +70,8 @@ def resolve_model_dir(model: str | None, cache_dir: Path) -> Path:
         return default_model_dir(cache_dir)
     path = Path(model).expanduser()
     if not path.is_dir() and not is_gguf(path):
-        raise ValueError(f"model: {model!r} is neither a directory nor a .gguf file (kiln loads HF "
-                         "checkpoint directories and GGUF files from disk; no model hub is used)")
+        raise ValueError(
+            f"model: {model!r} is neither a directory nor a .gguf file (kiln loads HF "
+            "checkpoint directories and GGUF files from disk; no model hub is used)"
+        )
     return path

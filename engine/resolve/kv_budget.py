@@ -14,8 +14,14 @@ from engine.models.config import ModelConfig
 logger = logging.getLogger(__name__)
 
 
-def cpu_kv_bytes(settings: EngineSettings, cfg: ModelConfig, per_block: int, max_model_len: int,
-                 token_budget: int, dtype: torch.dtype) -> float:
+def cpu_kv_bytes(
+    settings: EngineSettings,
+    cfg: ModelConfig,
+    per_block: int,
+    max_model_len: int,
+    token_budget: int,
+    dtype: torch.dtype,
+) -> float:
     """The budget in bytes, logged with the blocks and tokens it holds and why."""
     s = settings
     if s.kv_cache_memory_gb is not None:
@@ -29,11 +35,22 @@ def cpu_kv_bytes(settings: EngineSettings, cfg: ModelConfig, per_block: int, max
         else:
             width = (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
             activations = kv_sizing.activation_bytes(
-                token_budget, s.max_num_seqs, cfg.hidden_size, cfg.intermediate_size or cfg.hidden_size,
-                width, cfg.vocab_size, torch.finfo(dtype).bits // 8)
+                token_budget,
+                s.max_num_seqs,
+                cfg.hidden_size,
+                cfg.intermediate_size or cfg.hidden_size,
+                width,
+                cfg.vocab_size,
+                torch.finfo(dtype).bits // 8,
+            )
             budget, why = kv_sizing.cpu_kv_budget(free.bytes, activations, needed, s.tensor_parallel_size)
             why += f" ({free.source}); set kv_cache_memory_gb to choose"
     blocks = int(budget // per_block)
-    logger.info("KV cache on the CPU: %.2f GiB, %d blocks = %d tokens: %s", budget / kv_sizing.GIB, blocks,
-                max(blocks - 1, 0) * s.block_size, why)
+    logger.info(
+        "KV cache on the CPU: %.2f GiB, %d blocks = %d tokens: %s",
+        budget / kv_sizing.GIB,
+        blocks,
+        max(blocks - 1, 0) * s.block_size,
+        why,
+    )
     return budget

@@ -47,8 +47,19 @@ class Admission:
     """The engine's limits and the means to check against them (read-only after start-up: safe
     from any thread)."""
 
-    def __init__(self, model_config, model_name: str, max_model_len: int, max_num_seqs: int, max_logprobs: int,
-                 tokenizer, grammars, eos_token_ids: tuple[int, ...] = (), kv=None, lora=None) -> None:
+    def __init__(
+        self,
+        model_config,
+        model_name: str,
+        max_model_len: int,
+        max_num_seqs: int,
+        max_logprobs: int,
+        tokenizer,
+        grammars,
+        eos_token_ids: tuple[int, ...] = (),
+        kv=None,
+        lora=None,
+    ) -> None:
         self.model_config = model_config
         self.model_name = model_name
         self.vocab_size = model_config.vocab_size
@@ -62,8 +73,9 @@ class Admission:
         self.lora = lora  # the LoRAManager (None: LoRA off)
 
     # ---- the rules ----
-    def check_params(self, params: SamplingParams | None,
-                     pooling: PoolingParams | None = None) -> tuple[SamplingParams, Task]:
+    def check_params(
+        self, params: SamplingParams | None, pooling: PoolingParams | None = None
+    ) -> tuple[SamplingParams, Task]:
         """The request's task (from params and pooling: engine/core/request_kinds.py) and the params
         it runs with, checked against the model and the engine's limits."""
         task = make_task(params, pooling)
@@ -83,8 +95,9 @@ class Admission:
     def check_length(self, num_prompt_tokens: int, max_tokens: int | None, param: str = "prompt") -> None:
         rules.prompt_length(num_prompt_tokens, max_tokens, self.max_model_len, param)
 
-    def fit_prompt(self, text: str | None, ids: list[int], params: SamplingParams,
-                   param: str = "prompt") -> tuple[str | None, list[int]]:
+    def fit_prompt(
+        self, text: str | None, ids: list[int], params: SamplingParams, param: str = "prompt"
+    ) -> tuple[str | None, list[int]]:
         """(text, ids) of a tokenised prompt cut to params.truncate_prompt_tokens, its length checked."""
         keep = params.truncate_prompt_tokens
         if keep is not None and len(ids) > keep:
@@ -100,8 +113,9 @@ class Admission:
         self.check_token_ids(ids, param)
         return None, ids
 
-    def prompt_ids(self, prompt: str | list[int], params: SamplingParams,
-                   param: str = "prompt") -> tuple[str | None, list[int]]:
+    def prompt_ids(
+        self, prompt: str | list[int], params: SamplingParams, param: str = "prompt"
+    ) -> tuple[str | None, list[int]]:
         """encode(), then fit_prompt()."""
         text, ids = self.encode(prompt, param)
         return self.fit_prompt(text, ids, params, param)
@@ -113,10 +127,19 @@ class Admission:
         return self.grammars.compile(params.structured_outputs)
 
     # ---- the request ----
-    def request(self, text: str | None, ids: list[int], params: SamplingParams, task: Task,
-                request_id: str | None = None, priority: int = 0, arrival_time: float | None = None,
-                lora_request: LoRARequest | None = None, grammar: Any = None,
-                output_kind: str | None = None) -> AdmittedRequest:
+    def request(
+        self,
+        text: str | None,
+        ids: list[int],
+        params: SamplingParams,
+        task: Task,
+        request_id: str | None = None,
+        priority: int = 0,
+        arrival_time: float | None = None,
+        lora_request: LoRARequest | None = None,
+        grammar: Any = None,
+        output_kind: str | None = None,
+    ) -> AdmittedRequest:
         """The admitted request of checked parts, with the rules of the engine's state checked here
         (the adapter can run, the request fits the KV cache at its priority): its own params copy,
         max_tokens resolved (None: up to max_model_len), output_kind set if given."""
@@ -129,27 +152,53 @@ class Admission:
             changes["max_tokens"] = max_tokens
         if output_kind is not None:
             changes["output_kind"] = output_kind
-        return AdmittedRequest(request_id or uuid.uuid4().hex, text, ids, params.clone(**changes), task, priority,
-                               arrival_time if arrival_time is not None else time.monotonic(), lora_request, grammar)
+        return AdmittedRequest(
+            request_id or uuid.uuid4().hex,
+            text,
+            ids,
+            params.clone(**changes),
+            task,
+            priority,
+            arrival_time if arrival_time is not None else time.monotonic(),
+            lora_request,
+            grammar,
+        )
 
-    def admit(self, prompt: str | list[int], params: SamplingParams | None = None, request_id: str | None = None,
-              priority: int = 0, lora_request: LoRARequest | None = None, pooling: PoolingParams | None = None,
-              output_kind: str | None = None, arrival_time: float | None = None) -> AdmittedRequest:
+    def admit(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+        priority: int = 0,
+        lora_request: LoRARequest | None = None,
+        pooling: PoolingParams | None = None,
+        output_kind: str | None = None,
+        arrival_time: float | None = None,
+    ) -> AdmittedRequest:
         """Every step, in order, on the calling thread (a constraint compiles here)."""
         params, task = self.check_params(params, pooling)
         text, ids = self.prompt_ids(prompt, params)
-        return self.request(text, ids, params, task, request_id, priority, arrival_time, lora_request,
-                            self.compile(params), output_kind)
+        return self.request(
+            text, ids, params, task, request_id, priority, arrival_time, lora_request, self.compile(params), output_kind
+        )
 
-    async def admit_async(self, prompt: str | list[int], params: SamplingParams | None = None,
-                          request_id: str | None = None, priority: int = 0, lora_request: LoRARequest | None = None,
-                          pooling: PoolingParams | None = None, output_kind: str | None = None,
-                          arrival_time: float | None = None) -> AdmittedRequest:
+    async def admit_async(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+        priority: int = 0,
+        lora_request: LoRARequest | None = None,
+        pooling: PoolingParams | None = None,
+        output_kind: str | None = None,
+        arrival_time: float | None = None,
+    ) -> AdmittedRequest:
         """admit() with the constraint compiled off the event loop (StructuredOutputCompiler.compile_async)."""
         params, task = self.check_params(params, pooling)
         text, ids = self.prompt_ids(prompt, params)
         grammar = None
         if params.structured_outputs is not None:
             grammar = await self.grammars.compile_async(params.structured_outputs)
-        return self.request(text, ids, params, task, request_id, priority, arrival_time, lora_request, grammar,
-                            output_kind)
+        return self.request(
+            text, ids, params, task, request_id, priority, arrival_time, lora_request, grammar, output_kind
+        )

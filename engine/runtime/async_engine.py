@@ -67,15 +67,22 @@ WORKER_DEATH_GRACE_S = 2.0
 class AsyncEngine:
     """Runs an LLMEngine in a background step thread; see the module docstring."""
 
-    def __init__(self, engine: LLMEngine, listener: StepListener | None = None,
-                 max_waiting_requests: int | None = None, idle_poll_s: float = 1.0,
-                 max_pending_steps: int = MAX_PENDING_STEPS, stream_stall_timeout_s: float | None = None) -> None:
+    def __init__(
+        self,
+        engine: LLMEngine,
+        listener: StepListener | None = None,
+        max_waiting_requests: int | None = None,
+        idle_poll_s: float = 1.0,
+        max_pending_steps: int = MAX_PENDING_STEPS,
+        stream_stall_timeout_s: float | None = None,
+    ) -> None:
         self.engine = engine
         self.listener = listener
         # A stream whose reader takes nothing this long is aborted (RequestStream); None: never.
         self.stream_stall_timeout_s = stream_stall_timeout_s
-        self.max_waiting_requests = (max_waiting_requests if max_waiting_requests is not None
-                                     else engine.settings.max_waiting_requests)
+        self.max_waiting_requests = (
+            max_waiting_requests if max_waiting_requests is not None else engine.settings.max_waiting_requests
+        )
         self._idle_poll_s = idle_poll_s
         self._inbox: collections.deque[AddRequest | AbortRequest | FinishSequence | EngineCall] = collections.deque()
         self._wake = threading.Event()
@@ -129,8 +136,13 @@ class AsyncEngine:
 
     @property
     def is_alive(self) -> bool:
-        return (self._dead is None and self.fatal is None and self._thread is not None and self._thread.is_alive()
-                and not self._stop)
+        return (
+            self._dead is None
+            and self.fatal is None
+            and self._thread is not None
+            and self._thread.is_alive()
+            and not self._stop
+        )
 
     @property
     def dead_error(self) -> BaseException | None:
@@ -170,16 +182,23 @@ class AsyncEngine:
         return len(self.engine.core.scheduler.waiting) + self._pending_adds
 
     # ---- requests ----
-    async def add_request(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None,
-                          priority: int = 0, arrival_time: float | None = None,
-                          lora_request: LoRARequest | None = None,
-                          pooling: PoolingParams | None = None) -> RequestStream:
+    async def add_request(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams,
+        request_id: str | None = None,
+        priority: int = 0,
+        arrival_time: float | None = None,
+        lora_request: LoRARequest | None = None,
+        pooling: PoolingParams | None = None,
+    ) -> RequestStream:
         """Admit a request (every admission step, here: engine/runtime/admission.py) and submit it.
 
         Raises InvalidRequestError (bad parameters, prompt too long), QueueFullError, EngineDeadError.
         """
-        admitted = await self.admission.admit_async(prompt, params, request_id, priority, lora_request, pooling,
-                                                    arrival_time=arrival_time)
+        admitted = await self.admission.admit_async(
+            prompt, params, request_id, priority, lora_request, pooling, arrival_time=arrival_time
+        )
         return await self.submit(admitted)
 
     async def submit(self, admitted: AdmittedRequest) -> RequestStream:
@@ -194,11 +213,14 @@ class AsyncEngine:
         # (the ids in use: the streams being served; two submits racing with one id fail the second in the scheduler)
         rules.request_id_free(admitted.request_id, self._streams)
         if self.num_waiting() >= self.max_waiting_requests:
-            raise QueueFullError(f"the server is at capacity: {self.num_waiting()} requests waiting "
-                                 f"(max_waiting_requests={self.max_waiting_requests}); retry later")
+            raise QueueFullError(
+                f"the server is at capacity: {self.num_waiting()} requests waiting "
+                f"(max_waiting_requests={self.max_waiting_requests}); retry later"
+            )
         loop = asyncio.get_running_loop()
-        stream = RequestStream(admitted.request_id, loop, on_close=self.abort,
-                               stall_timeout_s=self.stream_stall_timeout_s)
+        stream = RequestStream(
+            admitted.request_id, loop, on_close=self.abort, stall_timeout_s=self.stream_stall_timeout_s
+        )
         with self._lock:
             self._pending_adds += 1
         self._inbox.append(AddRequest(admitted, stream))
@@ -212,8 +234,9 @@ class AsyncEngine:
             raise
         return stream
 
-    async def generate(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None,
-                       priority: int = 0) -> AsyncIterator[RequestOutput]:
+    async def generate(
+        self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None, priority: int = 0
+    ) -> AsyncIterator[RequestOutput]:
         """Add a request and yield its deltas; closing the generator early aborts the request."""
         stream = await self.add_request(prompt, params, request_id, priority)
         try:
@@ -244,10 +267,15 @@ class AsyncEngine:
     def status(self) -> EngineStatus:
         e = self.engine.core
         sched = e.scheduler
-        return EngineStatus(alive=self.is_alive, error=repr(self._dead) if self._dead else None,
-                            num_running=len(sched.running), num_waiting=len(sched.waiting) + self._pending_adds,
-                            num_swapped=len(getattr(sched, "swapped", ()) or ()),
-                            num_blocks_in_use=e.pool.num_in_use, kv_usage=e.pool.usage())
+        return EngineStatus(
+            alive=self.is_alive,
+            error=repr(self._dead) if self._dead else None,
+            num_running=len(sched.running),
+            num_waiting=len(sched.waiting) + self._pending_adds,
+            num_swapped=len(getattr(sched, "swapped", ()) or ()),
+            num_blocks_in_use=e.pool.num_in_use,
+            kv_usage=e.pool.usage(),
+        )
 
     def _raise_if_dead(self) -> None:
         if self._dead is not None:
@@ -412,8 +440,9 @@ class AsyncEngine:
     def _die(self, exc: BaseException, log: bool = True) -> None:
         with self._lock:
             if self._dead is None:
-                self._dead = exc if isinstance(exc, EngineDeadError) else EngineDeadError(
-                    f"the engine loop died: {exc!r}")
+                self._dead = (
+                    exc if isinstance(exc, EngineDeadError) else EngineDeadError(f"the engine loop died: {exc!r}")
+                )
         err = self._dead
         failed: list[RequestUpdate] = []
         try:  # release every request's blocks so the pool's accounting stays whole

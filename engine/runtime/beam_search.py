@@ -41,8 +41,14 @@ class BeamSearchParams:
     def step_params(self, max_logprobs: int) -> SamplingParams:
         """One step of one beam: a single greedy token and the top 2 x beam_width logprobs (as many
         as the engine's max_logprobs allows)."""
-        return SamplingParams(temperature=0.0, max_tokens=1, logprobs=min(2 * self.beam_width, max_logprobs),
-                              ignore_eos=True, detokenize=False, output_kind="final_only")
+        return SamplingParams(
+            temperature=0.0,
+            max_tokens=1,
+            logprobs=min(2 * self.beam_width, max_logprobs),
+            ignore_eos=True,
+            detokenize=False,
+            output_kind="final_only",
+        )
 
 
 @dataclass
@@ -55,32 +61,34 @@ class Beam:
 
     @property
     def output_ids(self) -> list[int]:
-        return self.tokens[self.num_prompt_tokens:]
+        return self.tokens[self.num_prompt_tokens :]
 
     def score(self, length_penalty: float) -> float:
         return self.logprob / max(1, len(self.output_ids)) ** length_penalty
 
 
-def expand(beams: list[Beam], candidates: list[dict[int, float]], params: BeamSearchParams,
-           eos_token_ids: tuple[int, ...]) -> tuple[list[Beam], list[Beam]]:
+def expand(
+    beams: list[Beam], candidates: list[dict[int, float]], params: BeamSearchParams, eos_token_ids: tuple[int, ...]
+) -> tuple[list[Beam], list[Beam]]:
     """(the next live beams, the beams finished this step) from each live beam's {token: logprob}."""
     live, done = [], []
     for beam, options in zip(beams, candidates):
         for token, logprob in options.items():
-            grown = Beam(beam.tokens + [token], beam.num_prompt_tokens, beam.logprob + logprob,
-                         beam.logprobs + [options])
+            grown = Beam(
+                beam.tokens + [token], beam.num_prompt_tokens, beam.logprob + logprob, beam.logprobs + [options]
+            )
             if token in eos_token_ids and not params.ignore_eos:
                 grown.finished = True
                 done.append(grown)
             else:
                 live.append(grown)
     live.sort(key=lambda b: b.logprob, reverse=True)
-    return live[:params.beam_width], done
+    return live[: params.beam_width], done
 
 
 def best(finished: list[Beam], live: list[Beam], params: BeamSearchParams) -> list[Beam]:
     ranked = sorted(finished + live, key=lambda b: b.score(params.length_penalty), reverse=True)
-    return ranked[:params.beam_width]
+    return ranked[: params.beam_width]
 
 
 def to_output(request_id: str, prompt: str | None, beams: list[Beam], tokenizer) -> RequestOutput:
@@ -88,11 +96,18 @@ def to_output(request_id: str, prompt: str | None, beams: list[Beam], tokenizer)
     outs = []
     for i, beam in enumerate(beams):
         ids = beam.output_ids
-        outs.append(CompletionOutput(index=i, text=tokenizer.decode(ids, skip_special_tokens=True), token_ids=ids,
-                                     cumulative_logprob=beam.logprob, logprobs=beam.logprobs,
-                                     finish_reason="stop" if beam.finished else "length"))
+        outs.append(
+            CompletionOutput(
+                index=i,
+                text=tokenizer.decode(ids, skip_special_tokens=True),
+                token_ids=ids,
+                cumulative_logprob=beam.logprob,
+                logprobs=beam.logprobs,
+                finish_reason="stop" if beam.finished else "length",
+            )
+        )
     first = beams[0] if beams else None
-    prompt_ids = first.tokens[:first.num_prompt_tokens] if first else []
+    prompt_ids = first.tokens[: first.num_prompt_tokens] if first else []
     return RequestOutput(request_id, prompt, prompt_ids, outs, True)
 
 
@@ -101,8 +116,9 @@ class BeamSearch:
     `outputs()` gives one RequestOutput per prompt. Admission checks the prompts' room
     (prompt + max_tokens within max_model_len) and the step params once, up front."""
 
-    def __init__(self, prompts: list[list[int]], params: BeamSearchParams, admission: Admission,
-                 eos_token_ids: tuple[int, ...]) -> None:
+    def __init__(
+        self, prompts: list[list[int]], params: BeamSearchParams, admission: Admission, eos_token_ids: tuple[int, ...]
+    ) -> None:
         for ids in prompts:
             admission.check_length(len(ids), params.max_tokens)
         self.params = params
@@ -114,11 +130,13 @@ class BeamSearch:
         self.steps = 0
         self._jobs: list[tuple[int, Beam]] = []
 
-    def step_request(self, tokens: list[int], priority: int = 0, lora_request: LoRARequest | None = None,
-                     **kwargs: Any) -> AdmittedRequest:
+    def step_request(
+        self, tokens: list[int], priority: int = 0, lora_request: LoRARequest | None = None, **kwargs: Any
+    ) -> AdmittedRequest:
         """One beam's one-token request (its params were checked once, in __init__)."""
-        return self.admission.request(None, tokens, self.step_params, self.task, priority=priority,
-                                      lora_request=lora_request, **kwargs)
+        return self.admission.request(
+            None, tokens, self.step_params, self.task, priority=priority, lora_request=lora_request, **kwargs
+        )
 
     async def run(self, run_batch: RunBatch) -> None:
         """The loop: every live beam of every prompt, one step at a time, until max_tokens or no
@@ -151,11 +169,14 @@ class BeamSearch:
             raise ValueError(f"expected {len(self._jobs)} logprob dicts, got {len(options)}")
         for i in range(len(self.live)):
             mine = [k for k, (j, _) in enumerate(self._jobs) if j == i]
-            self.live[i], done = expand([self._jobs[k][1] for k in mine], [options[k] for k in mine], self.params,
-                                        self.eos_token_ids)
+            self.live[i], done = expand(
+                [self._jobs[k][1] for k in mine], [options[k] for k in mine], self.params, self.eos_token_ids
+            )
             self.finished[i] += done
         self.steps += 1
 
     def outputs(self, request_ids: list[str], texts: list[str | None], tokenizer) -> list[RequestOutput]:
-        return [to_output(request_ids[i], texts[i], best(self.finished[i], self.live[i], self.params), tokenizer)
-                for i in range(len(self.live))]
+        return [
+            to_output(request_ids[i], texts[i], best(self.finished[i], self.live[i], self.params), tokenizer)
+            for i in range(len(self.live))
+        ]

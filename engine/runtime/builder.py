@@ -103,15 +103,32 @@ class EngineBuilder:
         try:
             self._build()
             return EngineParts(
-                model_dir=self.model_dir, model_config=self.model_config, device=self.device, dtype=self.dtype,
-                max_model_len=self.max_model_len, tokenizer=self.tokenizer, eos_token_ids=self.eos_token_ids,
-                generation_defaults=self.generation_defaults, structured_output=self.structured_output,
-                model=self.model, lora=self.lora, backend=self.backend, kv_cache=self.kv_cache,
-                num_blocks=self.num_blocks, pool=self.pool, swap_space=self.swap_space,
-                block_swapper=self.block_swapper, scheduler=self.scheduler, runner=self.runner,
-                draft_runner=self.draft_runner, executor=self.executor, async_scheduling=self.async_scheduling,
-                cpu_threads=self.cpu_threads, compile_seconds=self.compile_seconds,
-                capture_seconds=self.capture_seconds)
+                model_dir=self.model_dir,
+                model_config=self.model_config,
+                device=self.device,
+                dtype=self.dtype,
+                max_model_len=self.max_model_len,
+                tokenizer=self.tokenizer,
+                eos_token_ids=self.eos_token_ids,
+                generation_defaults=self.generation_defaults,
+                structured_output=self.structured_output,
+                model=self.model,
+                lora=self.lora,
+                backend=self.backend,
+                kv_cache=self.kv_cache,
+                num_blocks=self.num_blocks,
+                pool=self.pool,
+                swap_space=self.swap_space,
+                block_swapper=self.block_swapper,
+                scheduler=self.scheduler,
+                runner=self.runner,
+                draft_runner=self.draft_runner,
+                executor=self.executor,
+                async_scheduling=self.async_scheduling,
+                cpu_threads=self.cpu_threads,
+                compile_seconds=self.compile_seconds,
+                capture_seconds=self.capture_seconds,
+            )
         except BaseException:
             executor = getattr(self, "executor", None)
             if executor is not None:  # no worker outlives a failed start
@@ -138,31 +155,52 @@ class EngineBuilder:
         if settings.tensor_parallel_size > 1:
             from engine.executor.tp_executor import TensorParallelExecutor
 
-            self.executor = TensorParallelExecutor.start(settings, self.model_dir, self.device, self.dtype,
-                                                         self.max_model_len)
+            self.executor = TensorParallelExecutor.start(
+                settings, self.model_dir, self.device, self.dtype, self.max_model_len
+            )
         int4_kernel = resolve_int4_kernel(settings.int4_kernel, self.device, settings.resolved_kernel_cache_dir())
-        with Phase(f"loading weights of {self.model_dir} ({cfg.model_type}, "
-                    f"{str(self.dtype).removeprefix('torch.')}) onto {self.device}"):
-            self.model = load_model(self.model_dir, cfg, self.dtype, self.device, self.max_model_len,
-                                    settings.load_format, settings.seed,
-                                    lora=(settings.max_loras, settings.max_lora_rank) if settings.enable_lora
-                                    else None, quantization=settings.quantization,
-                                    int4_kernel=loader_int4_kernel(int4_kernel),
-                                    gguf_dequantize=settings.gguf_dequantize, tp=self._model_tp(),
-                                    quant_activations=settings.cpu_quant_activations)
+        with Phase(
+            f"loading weights of {self.model_dir} ({cfg.model_type}, "
+            f"{str(self.dtype).removeprefix('torch.')}) onto {self.device}"
+        ):
+            self.model = load_model(
+                self.model_dir,
+                cfg,
+                self.dtype,
+                self.device,
+                self.max_model_len,
+                settings.load_format,
+                settings.seed,
+                lora=(settings.max_loras, settings.max_lora_rank) if settings.enable_lora else None,
+                quantization=settings.quantization,
+                int4_kernel=loader_int4_kernel(int4_kernel),
+                gguf_dequantize=settings.gguf_dequantize,
+                tp=self._model_tp(),
+                quant_activations=settings.cpu_quant_activations,
+            )
             if self.device.type == "cpu" and has_packed_layers(self.model):
-                logger.info("quantised layers on the CPU kernels: %s",
-                            activations_choice(self.dtype, settings.cpu_quant_activations)[1])
+                logger.info(
+                    "quantised layers on the CPU kernels: %s",
+                    activations_choice(self.dtype, settings.cpu_quant_activations)[1],
+                )
             if int4_kernel == "kiln":  # int4 layers -> kiln's W4A16 GEMM layout
                 install_w4a16(self.model, settings.resolved_kernel_cache_dir(), self.device, self.dtype)
         self.lora = make_lora_manager(self.model, settings)
-        self.backend = get_attention_backend(settings.attention_backend, BackendSpec(
-            device=self.device, dtype=self.dtype, head_dim=cfg.head_dim,
-            block_size=settings.block_size, kernel_cache_dir=settings.resolved_kernel_cache_dir(),
-            compile=not settings.enforce_eager, decode_kernel=settings.decode_kernel,
-            prefill_kernel=settings.prefill_kernel,
-            windowed_or_capped=any(self.model_config.layer_windows) or self.model_config.attn_softcap > 0,
-            kv_cache_dtype=self.kv_dtype if self.kv_dtype != self.dtype else None))
+        self.backend = get_attention_backend(
+            settings.attention_backend,
+            BackendSpec(
+                device=self.device,
+                dtype=self.dtype,
+                head_dim=cfg.head_dim,
+                block_size=settings.block_size,
+                kernel_cache_dir=settings.resolved_kernel_cache_dir(),
+                compile=not settings.enforce_eager,
+                decode_kernel=settings.decode_kernel,
+                prefill_kernel=settings.prefill_kernel,
+                windowed_or_capped=any(self.model_config.layer_windows) or self.model_config.attn_softcap > 0,
+                kv_cache_dtype=self.kv_dtype if self.kv_dtype != self.dtype else None,
+            ),
+        )
         self.model.set_backend(self.backend)
         if self.executor is not None:
             # (ShardedModel stands in for the model: what it does not override goes to the shard)
@@ -170,21 +208,46 @@ class EngineBuilder:
         self.draft = self._load_draft()  # speculative decoding's draft model or EAGLE head, if any
         with Phase("sizing the KV cache" + (" (profiling a forward)" if self.device.type == "cuda" else "")):
             self.num_blocks = self._num_kv_blocks()
-        self.kv_cache = KVCache(cfg.num_layers, self.num_blocks, settings.block_size, self._kv_heads(),
-                                cfg.head_dim, self.kv_dtype, self.device, model_dtype=self.dtype)
+        self.kv_cache = KVCache(
+            cfg.num_layers,
+            self.num_blocks,
+            settings.block_size,
+            self._kv_heads(),
+            cfg.head_dim,
+            self.kv_dtype,
+            self.device,
+            model_dtype=self.dtype,
+        )
         self._set_kv_scales()
-        self.draft_kv = None if self.draft is None else KVCache(  # the draft's KV: the same block ids
-            self.draft.config.num_layers, self.num_blocks, settings.block_size, self.draft.config.num_kv_heads,
-            self.draft.config.head_dim, self.dtype, self.device)
+        self.draft_kv = (
+            None
+            if self.draft is None
+            else KVCache(  # the draft's KV: the same block ids
+                self.draft.config.num_layers,
+                self.num_blocks,
+                settings.block_size,
+                self.draft.config.num_kv_heads,
+                self.draft.config.head_dim,
+                self.dtype,
+                self.device,
+            )
+        )
         if self.device.type == "cpu" and settings.cpu_half_weights and self.executor is None:
             # (the layers' post-load hook: engine/layers/linear.py)
             changed, saved, head_saved = self.model.process_weights_after_loading(self.dtype, "half")
             if changed:
-                logger.info("%d float32 projection weights hold only 2-byte values: kept in 2 bytes (%.0f MB less "
-                            "per decode step; cpu_half_weights)", changed, saved / 1e6)
+                logger.info(
+                    "%d float32 projection weights hold only 2-byte values: kept in 2 bytes (%.0f MB less "
+                    "per decode step; cpu_half_weights)",
+                    changed,
+                    saved / 1e6,
+                )
             if head_saved:
-                logger.info("the LM head holds only 2-byte values: decode steps read a 2-byte copy (%.0f MB less "
-                            "per step, as much more in memory; cpu_half_weights)", head_saved / 1e6)
+                logger.info(
+                    "the LM head holds only 2-byte values: decode steps read a 2-byte copy (%.0f MB less "
+                    "per step, as much more in memory; cpu_half_weights)",
+                    head_saved / 1e6,
+                )
         if self.device.type == "cpu" and self.executor is None:
             self._keep_gemm_weights(settings.cpu_gemm_packed_weights)
         if self.device.type == "cpu" and settings.cpu_huge_pages and self.executor is None:
@@ -200,18 +263,24 @@ class EngineBuilder:
                 f"max_model_len ({self.max_model_len}) is larger than the KV cache can hold "
                 f"({max_tokens_per_seq} tokens in {self.pool.num_usable} blocks of {settings.block_size}); "
                 "lower max_model_len or give the cache more memory (num_gpu_blocks, "
-                "gpu_memory_utilization, kv_cache_memory_gb)")
-        self.scheduler = Scheduler(SchedulerConfig(
-            max_num_seqs=settings.max_num_seqs,
-            max_num_batched_tokens=self._token_budget(),
-            max_model_len=self.max_model_len,
-            block_size=settings.block_size,
-            enable_chunked_prefill=settings.enable_chunked_prefill,
-            preemption_mode=settings.preemption_mode,
-            reserved_blocks_fraction=settings.reserved_blocks_fraction,
-            reserved_priority=settings.reserved_priority,
-            eos_token_ids=self.eos_token_ids,
-        ), self.pool, self._make_swap_space(), self._make_spec_decoder())
+                "gpu_memory_utilization, kv_cache_memory_gb)"
+            )
+        self.scheduler = Scheduler(
+            SchedulerConfig(
+                max_num_seqs=settings.max_num_seqs,
+                max_num_batched_tokens=self._token_budget(),
+                max_model_len=self.max_model_len,
+                block_size=settings.block_size,
+                enable_chunked_prefill=settings.enable_chunked_prefill,
+                preemption_mode=settings.preemption_mode,
+                reserved_blocks_fraction=settings.reserved_blocks_fraction,
+                reserved_priority=settings.reserved_priority,
+                eos_token_ids=self.eos_token_ids,
+            ),
+            self.pool,
+            self._make_swap_space(),
+            self._make_spec_decoder(),
+        )
         self.sampler = Sampler(self.device, self.eos_token_ids, settings.seed)
         runner_cls = ModelRunner
         if self.executor is not None:
@@ -220,8 +289,16 @@ class EngineBuilder:
             runner_cls = TensorParallelRunner
             self.executor.send_layout(self.num_blocks, self.swap_space.num_blocks if self.swap_space else 0)
             self.block_swapper = self.executor.wrap_swapper(self.block_swapper)
-        self.runner = runner_cls(self.model, self.kv_cache, self.sampler, self.device, settings.block_size,
-                                 settings.max_num_seqs, self._token_budget(), self.max_model_len)
+        self.runner = runner_cls(
+            self.model,
+            self.kv_cache,
+            self.sampler,
+            self.device,
+            settings.block_size,
+            settings.max_num_seqs,
+            self._token_budget(),
+            self.max_model_len,
+        )
         self.runner.executor = self.executor
         self.draft_runner = self._make_device_proposer()
         self.compile_seconds, self.capture_seconds = self._compile_and_capture()
@@ -239,8 +316,9 @@ class EngineBuilder:
             return
         made, nbytes, head_bytes = self.model.process_weights_after_loading(self.dtype, "gemm")
         made, nbytes = made + (head_bytes > 0), nbytes + head_bytes
-        logger.info("oneDNN weight copies for GEMM rows: %d weights, %.0f MB more in memory (%s)", made, nbytes / 1e6,
-                    why)
+        logger.info(
+            "oneDNN weight copies for GEMM rows: %d weights, %.0f MB more in memory (%s)", made, nbytes / 1e6, why
+        )
 
     def _load_tokenizer(self) -> None:
         settings = self.settings
@@ -254,8 +332,9 @@ class EngineBuilder:
         if self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)
         self.eos_token_ids = tuple(sorted(eos))
-        self.structured_output = StructuredOutputCompiler(self.tokenizer, self.model_config.vocab_size,
-                                                          self.eos_token_ids)
+        self.structured_output = StructuredOutputCompiler(
+            self.tokenizer, self.model_config.vocab_size, self.eos_token_ids
+        )
 
     def _compile_and_capture(self) -> tuple[float, float]:
         """torch.compile the forward (persistent Inductor cache) and, on a GPU, capture the decode
@@ -271,8 +350,11 @@ class EngineBuilder:
             return 0.0, 0.0
         if self.executor is not None and self.device.type == "cuda":
             # Rank 0's compiled forward would have to hold the step broadcast (a graph break).
-            logger.warning("tensor_parallel_size %d: the forward runs eagerly on every rank (no torch.compile, "
-                           "no CUDA graphs across ranks yet)", s.tensor_parallel_size)
+            logger.warning(
+                "tensor_parallel_size %d: the forward runs eagerly on every rank (no torch.compile, "
+                "no CUDA graphs across ranks yet)",
+                s.tensor_parallel_size,
+            )
             return 0.0, 0.0
         if self.device.type == "cpu":  # what pays on the CPU: engine/worker/cpu_warmup.py
             from engine.worker.cpu_warmup import warm_cpu_decode
@@ -282,8 +364,9 @@ class EngineBuilder:
                 fuse = getattr(runner.model, "use_cpu_fused_ops", None)
                 if fuse is not None:  # fused norms / RoPE / SiLU (compiler/kernels/cpu_fused.py)
                     fuse(s.resolved_compile_cache_dir())
-                seconds += warm_cpu_decode(runner.model, runner.kv_cache.tensor, s.resolved_compile_cache_dir(),
-                                           s.cpu_decoder_stack)
+                seconds += warm_cpu_decode(
+                    runner.model, runner.kv_cache.tensor, s.resolved_compile_cache_dir(), s.cpu_decoder_stack
+                )
             if not s.cpu_compile_forward:
                 logger.info("CPU: eager forward, C++ paged attention built ahead of time; warm-up %.1fs", seconds)
                 return seconds, 0.0
@@ -301,10 +384,17 @@ class EngineBuilder:
             cfg = self.model_config
             reads_lengths = self.backend.name == "cutlass" and not cfg.sliding_window and not cfg.attn_softcap
             sizes = s.capture_sizes()
-            with Phase(f"capturing {len(sizes)} decode CUDA graphs (batch sizes {sizes[0]}..{sizes[-1]})"
-                        if sizes else "capturing no decode CUDA graphs"):
-                capture_s = sum(runner.capture_graphs(sizes, device_reads_lengths=reads_lengths,
-                                                      max_query=self._verify_query(runner)) for runner in runners)
+            with Phase(
+                f"capturing {len(sizes)} decode CUDA graphs (batch sizes {sizes[0]}..{sizes[-1]})"
+                if sizes
+                else "capturing no decode CUDA graphs"
+            ):
+                capture_s = sum(
+                    runner.capture_graphs(
+                        sizes, device_reads_lengths=reads_lengths, max_query=self._verify_query(runner)
+                    )
+                    for runner in runners
+                )
         return compile_s, capture_s
 
     def _verify_query(self, runner: ModelRunner) -> int:
@@ -330,8 +420,13 @@ class EngineBuilder:
             found = read_kv_scales(safetensors_files(self.model_dir), self.model_config.num_layers)
         if found is not None:
             cache.set_scales(found)
-        source = ("calibrated on the first prompt (calculate_kv_scales)" if s.calculate_kv_scales
-                  else "from the checkpoint" if found is not None else "1.0 (the checkpoint has none)")
+        source = (
+            "calibrated on the first prompt (calculate_kv_scales)"
+            if s.calculate_kv_scales
+            else "from the checkpoint"
+            if found is not None
+            else "1.0 (the checkpoint has none)"
+        )
         logger.info("KV cache: fp8 e4m3, %d blocks, K/V scales %s", self.num_blocks, source)
         self.backend.use_kv_scales(KVScales(cache.scales, calibrate=s.calculate_kv_scales))
 
@@ -341,16 +436,25 @@ class EngineBuilder:
         s = self.settings
         if s.speculative_method is None:
             return None
-        config = SpecDecodeConfig(s.num_speculative_tokens, s.speculative_method, s.prompt_lookup_max,
-                                  s.prompt_lookup_min)
+        config = SpecDecodeConfig(
+            s.num_speculative_tokens, s.speculative_method, s.prompt_lookup_max, s.prompt_lookup_min
+        )
         proposer: NgramProposer | DraftLengthPlanner
         if not config.device_drafts:
-            logger.info("speculative decoding: ngram, up to %d draft tokens (lookup %d..%d tokens)",
-                        s.num_speculative_tokens, s.prompt_lookup_min, s.prompt_lookup_max)
+            logger.info(
+                "speculative decoding: ngram, up to %d draft tokens (lookup %d..%d tokens)",
+                s.num_speculative_tokens,
+                s.prompt_lookup_min,
+                s.prompt_lookup_max,
+            )
             proposer = NgramProposer(config)
         else:
-            logger.info("speculative decoding: %s %s, up to %d draft tokens per step", s.speculative_method,
-                        s.speculative_model, s.num_speculative_tokens)
+            logger.info(
+                "speculative decoding: %s %s, up to %d draft tokens per step",
+                s.speculative_method,
+                s.speculative_model,
+                s.num_speculative_tokens,
+            )
             proposer = DraftLengthPlanner(config)
         return SpecDecoder(proposer, self.max_model_len)
 
@@ -364,8 +468,10 @@ class EngineBuilder:
         assert s.speculative_model is not None  # (the settings require one for these methods)
         path = Path(s.speculative_model).expanduser()
         if not path.is_dir() and not (s.speculative_method == "draft_model" and is_gguf(path)):
-            raise ValueError(f"speculative_model: {s.speculative_model!r} is not a checkpoint directory"
-                             + (" or .gguf file" if s.speculative_method == "draft_model" else ""))
+            raise ValueError(
+                f"speculative_model: {s.speculative_model!r} is not a checkpoint directory"
+                + (" or .gguf file" if s.speculative_method == "draft_model" else "")
+            )
         vocab_ids = None
         model: LlamaForCausalLM | EagleHead | Eagle3Head
         config: ModelConfig | EagleConfig
@@ -373,18 +479,41 @@ class EngineBuilder:
             if s.speculative_method == "draft_model":
                 config = layers = ModelConfig.from_dir(path)
                 check_draft_model(config, self.model_config, len(self.tokenizer), path)
-                model = load_model(path, config, self.dtype, self.device, self.max_model_len, s.load_format, s.seed,
-                                   quant_activations=s.cpu_quant_activations)
+                model = load_model(
+                    path,
+                    config,
+                    self.dtype,
+                    self.device,
+                    self.max_model_len,
+                    s.load_format,
+                    s.seed,
+                    quant_activations=s.cpu_quant_activations,
+                )
                 vocab_ids = load_draft_vocab(path, config, self.model_config.vocab_size)
             else:
-                model = load_eagle(path, 3 if s.speculative_method == "eagle3" else 1, self.model, self.dtype,
-                                   self.device, self.max_model_len)
+                model = load_eagle(
+                    path,
+                    3 if s.speculative_method == "eagle3" else 1,
+                    self.model,
+                    self.dtype,
+                    self.device,
+                    self.max_model_len,
+                )
                 config, layers = model.eagle, model.eagle.layer
-        backend = get_attention_backend(s.attention_backend, BackendSpec(
-            device=self.device, dtype=self.dtype, head_dim=config.head_dim, block_size=s.block_size,
-            kernel_cache_dir=s.resolved_kernel_cache_dir(), compile=not s.enforce_eager,
-            decode_kernel=s.decode_kernel, prefill_kernel=s.prefill_kernel,
-            windowed_or_capped=any(layers.layer_windows) or layers.attn_softcap > 0))
+        backend = get_attention_backend(
+            s.attention_backend,
+            BackendSpec(
+                device=self.device,
+                dtype=self.dtype,
+                head_dim=config.head_dim,
+                block_size=s.block_size,
+                kernel_cache_dir=s.resolved_kernel_cache_dir(),
+                compile=not s.enforce_eager,
+                decode_kernel=s.decode_kernel,
+                prefill_kernel=s.prefill_kernel,
+                windowed_or_capped=any(layers.layer_windows) or layers.attn_softcap > 0,
+            ),
+        )
         model.set_backend(backend)
         return DraftParts(model, config, backend, vocab_ids)
 
@@ -395,21 +524,33 @@ class EngineBuilder:
             return None
         assert self.draft_kv is not None  # (made with the draft)
         s = self.settings
-        runner = ModelRunner(self.draft.model, self.draft_kv, self.sampler, self.device, s.block_size,
-                             s.max_num_seqs, self._token_budget(), self.max_model_len)
+        runner = ModelRunner(
+            self.draft.model,
+            self.draft_kv,
+            self.sampler,
+            self.device,
+            s.block_size,
+            s.max_num_seqs,
+            self._token_budget(),
+            self.max_model_len,
+        )
         runner.builder.shifts_from = self.runner.builder  # (a verify step in flight moves its positions too)
         if s.speculative_method == "draft_model":
-            self.runner.spec = DraftModelProposer(runner, self.model_config.vocab_size, self.sampler.generator,
-                                                  self.draft.vocab_ids)
+            self.runner.spec = DraftModelProposer(
+                runner, self.model_config.vocab_size, self.sampler.generator, self.draft.vocab_ids
+            )
         else:
             head = self.draft.model
             assert isinstance(head, (EagleHead, Eagle3Head))  # (an EAGLE method's draft is its head)
             head.allocate_inputs(runner.buffers.max_tokens)
             if head.eagle.version == 3:  # the target keeps the hidden states entering the head's layers
                 self.model.aux_layers = head.eagle.aux_layers
-                self.model.aux_hidden = torch.zeros(self.runner.buffers.max_tokens,
-                                                    len(head.eagle.aux_layers) * self.model_config.hidden_size,
-                                                    dtype=self.dtype, device=self.device)
+                self.model.aux_hidden = torch.zeros(
+                    self.runner.buffers.max_tokens,
+                    len(head.eagle.aux_layers) * self.model_config.hidden_size,
+                    dtype=self.dtype,
+                    device=self.device,
+                )
             self.runner.spec = EagleProposer(runner, self.runner, self.sampler.generator)
         self.runner.block_copy_caches.append(self.draft_kv.tensor)
         return runner
@@ -424,8 +565,11 @@ class EngineBuilder:
         per_block = self._bytes_per_block()
         num_cpu = int(s.swap_space_gb * (1 << 30) // per_block)
         if num_cpu < 1:
-            logger.warning("swap_space_gb=%s holds no KV block of %d bytes: preempting by recompute only",
-                           s.swap_space_gb, per_block)
+            logger.warning(
+                "swap_space_gb=%s holds no KV block of %d bytes: preempting by recompute only",
+                s.swap_space_gb,
+                per_block,
+            )
             return None
         from engine.worker.block_swapper import BlockSwapper, SwapGroup
 
@@ -433,9 +577,13 @@ class EngineBuilder:
         if self.draft_kv is not None:  # the draft's KV moves with the target's, block for block
             self.block_swapper = SwapGroup([self.block_swapper, BlockSwapper(self.draft_kv.tensor, num_cpu)])
         self.swap_space = SwapSpace(self.pool, num_cpu, bytes_per_block=per_block)
-        logger.info("swap space: %d CPU blocks (%.2f GiB%s), preemption mode %s", num_cpu,
-                    num_cpu * per_block / (1 << 30), ", pinned" if self.device.type == "cuda" else "",
-                    s.preemption_mode)
+        logger.info(
+            "swap space: %d CPU blocks (%.2f GiB%s), preemption mode %s",
+            num_cpu,
+            num_cpu * per_block / (1 << 30),
+            ", pinned" if self.device.type == "cuda" else "",
+            s.preemption_mode,
+        )
         return self.swap_space
 
     # ---- tensor parallelism ----
@@ -480,21 +628,30 @@ class EngineBuilder:
         if s.num_gpu_blocks is not None:
             blocks = s.num_gpu_blocks + 1  # plus the null block
         elif self.device.type == "cpu":
-            blocks = kv_sizing.blocks_from_budget(cpu_kv_bytes(s, self.model_config, per_block, self.max_model_len,
-                                                                  self._token_budget(), self.dtype), per_block, "cpu")
+            blocks = kv_sizing.blocks_from_budget(
+                cpu_kv_bytes(s, self.model_config, per_block, self.max_model_len, self._token_budget(), self.dtype),
+                per_block,
+                "cpu",
+            )
         else:
             blocks = kv_sizing.blocks_from_budget(self._free_gpu_bytes_after_profile(), per_block, "cuda")
         # No max_model_len given and the full context does not fit: serve the largest that does.
-        self.max_model_len = kv_sizing.fit_max_model_len(s.max_model_len, self.max_model_len, blocks, s.block_size,
-                                                         per_block, self.device.type, s.num_gpu_blocks is not None)
+        self.max_model_len = kv_sizing.fit_max_model_len(
+            s.max_model_len,
+            self.max_model_len,
+            blocks,
+            s.block_size,
+            per_block,
+            self.device.type,
+            s.num_gpu_blocks is not None,
+        )
         return blocks
 
     def _bytes_per_block(self) -> int:
         """One block of every layer's K and V: the target's (an fp8 cache holds twice the blocks of
         bf16, four times fp32's) plus the draft's, which shares the block ids."""
         s, cfg = self.settings, self.model_config
-        per_block = KVCache.bytes_per_block(cfg.num_layers, s.block_size, self._kv_heads(), cfg.head_dim,
-                                            self.kv_dtype)
+        per_block = KVCache.bytes_per_block(cfg.num_layers, s.block_size, self._kv_heads(), cfg.head_dim, self.kv_dtype)
         if self.draft is not None:
             d = self.draft.config
             per_block += KVCache.bytes_per_block(d.num_layers, s.block_size, d.num_kv_heads, d.head_dim, self.dtype)
@@ -503,7 +660,21 @@ class EngineBuilder:
     def _free_gpu_bytes_after_profile(self) -> float:
         """Memory left for KV under gpu_memory_utilization, after a forward at the largest batch."""
         cfg = self.model_config
-        dummy = KVCache(cfg.num_layers, 2, self.settings.block_size, self._kv_heads(), cfg.head_dim,
-                        self.kv_dtype, self.device, model_dtype=self.dtype)
-        return free_gpu_bytes_after_profile(self.model, dummy.tensor, self._token_budget(), self.settings.max_num_seqs,
-                                            self.settings.gpu_memory_utilization, self.device)
+        dummy = KVCache(
+            cfg.num_layers,
+            2,
+            self.settings.block_size,
+            self._kv_heads(),
+            cfg.head_dim,
+            self.kv_dtype,
+            self.device,
+            model_dtype=self.dtype,
+        )
+        return free_gpu_bytes_after_profile(
+            self.model,
+            dummy.tensor,
+            self._token_budget(),
+            self.settings.max_num_seqs,
+            self.settings.gpu_memory_utilization,
+            self.device,
+        )

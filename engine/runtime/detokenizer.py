@@ -23,7 +23,9 @@ class TextState:
         self.ids = list(prompt_token_ids[-_WINDOW:])
         self.prefix_offset = 0
         self.read_offset = len(self.ids)
-        self.stream: _Stream | Literal[False] | None = None  # the fast tokenizer's DecodeStream (_Stream); False: gave up, the window method
+        self.stream: _Stream | Literal[False] | None = (
+            None  # the fast tokenizer's DecodeStream (_Stream); False: gave up, the window method
+        )
         self.text = ""
         self.skip_special_tokens = skip_special_tokens
 
@@ -35,11 +37,11 @@ def detokenize_step(tokenizer, state: TextState) -> str:
     skip = state.skip_special_tokens
     if state.read_offset >= len(ids):
         return ""
-    prefix = tokenizer.decode(ids[state.prefix_offset:state.read_offset], skip_special_tokens=skip)
-    full = tokenizer.decode(ids[state.prefix_offset:], skip_special_tokens=skip)
+    prefix = tokenizer.decode(ids[state.prefix_offset : state.read_offset], skip_special_tokens=skip)
+    full = tokenizer.decode(ids[state.prefix_offset :], skip_special_tokens=skip)
     if len(full) <= len(prefix) or full.endswith("\ufffd"):
         return ""  # wait for the rest of a split character
-    delta = full[len(prefix):]
+    delta = full[len(prefix) :]
     state.prefix_offset = max(state.read_offset, len(ids) - _WINDOW)
     state.read_offset = len(ids)
     state.text += delta
@@ -65,7 +67,7 @@ def stream_step(backend, state: TextState) -> tuple[str, bool]:
     stream = state.stream
     skip = state.skip_special_tokens
     if stream is None:
-        context = ids[state.prefix_offset:state.read_offset]
+        context = ids[state.prefix_offset : state.read_offset]
         if context and backend.decode(context, skip_special_tokens=skip).endswith("\ufffd"):
             state.stream = False
             return "", False

@@ -99,12 +99,28 @@ def _defers_sampling(sched: SchedulerOutput) -> bool:
 class EngineCore:
     """Schedule -> execute -> update over token ids; see the module docstring."""
 
-    def __init__(self, *, scheduler: Scheduler, runner: ModelRunner, pool: BlockPool,
-                 swap_space: SwapSpace | None, block_swapper: Any, draft_runner: ModelRunner | None,
-                 executor: Any, async_scheduling: bool, structured_output: StructuredOutputCompiler,
-                 lora: LoRAManager | None, model: Any, kv_cache: Any, backend: Any, device: torch.device,
-                 dtype: torch.dtype, cpu_threads: ThreadPlan, compile_seconds: float = 0.0,
-                 capture_seconds: float = 0.0) -> None:
+    def __init__(
+        self,
+        *,
+        scheduler: Scheduler,
+        runner: ModelRunner,
+        pool: BlockPool,
+        swap_space: SwapSpace | None,
+        block_swapper: Any,
+        draft_runner: ModelRunner | None,
+        executor: Any,
+        async_scheduling: bool,
+        structured_output: StructuredOutputCompiler,
+        lora: LoRAManager | None,
+        model: Any,
+        kv_cache: Any,
+        backend: Any,
+        device: torch.device,
+        dtype: torch.dtype,
+        cpu_threads: ThreadPlan,
+        compile_seconds: float = 0.0,
+        capture_seconds: float = 0.0,
+    ) -> None:
         self.scheduler = scheduler
         self.runner = runner  # (TensorParallelRunner with tensor parallelism)
         self.pool = pool
@@ -137,13 +153,20 @@ class EngineCore:
     def add_admitted(self, admitted: AdmittedRequest) -> Request:
         """Queue an admitted request (whoever admitted it builds its outputs from the updates)."""
         params = admitted.params
-        request = Request(request_id=admitted.request_id, prompt=admitted.prompt,
-                          prompt_token_ids=admitted.prompt_token_ids, params=params,
-                          arrival_time=admitted.arrival_time, priority=admitted.priority, task=admitted.task)
+        request = Request(
+            request_id=admitted.request_id,
+            prompt=admitted.prompt,
+            prompt_token_ids=admitted.prompt_token_ids,
+            params=params,
+            arrival_time=admitted.arrival_time,
+            priority=admitted.priority,
+            task=admitted.task,
+        )
         if admitted.grammar is not None:
             assert params.structured_outputs is not None  # (the grammar was compiled from it)
-            request.grammars = self.structured_output.matchers(admitted.grammar, params.structured_outputs,
-                                                               params.n, admitted.prompt_token_ids)
+            request.grammars = self.structured_output.matchers(
+                admitted.grammar, params.structured_outputs, params.n, admitted.prompt_token_ids
+            )
         if admitted.lora_request is not None:
             assert self.lora is not None  # (admission refuses an adapter when LoRA is off)
             attach_lora(self.lora, request, admitted.lora_request)
@@ -226,8 +249,7 @@ class EngineCore:
         updates = self.scheduler.update_from_output(sched, launched.pending.result())
         generated = self.scheduler.num_generated
         self.last_step = StepStats(sched.num_prefill_tokens, generated, time.perf_counter() - launched.t0)
-        if self.swap_space is not None and sched.num_prefill_tokens >= max(MIN_PREFILL_SAMPLE,
-                                                                           sched.num_decode_tokens):
+        if self.swap_space is not None and sched.num_prefill_tokens >= max(MIN_PREFILL_SAMPLE, sched.num_decode_tokens):
             # A prefill-dominated step prices recomputation for auto preemption (SwapSpace).
             self.swap_space.observe_prefill(sched.num_tokens, self.last_step.duration)
         self.num_prompt_tokens_total += sched.num_prefill_tokens
@@ -252,8 +274,13 @@ class EngineCore:
                     pool.pin(block)
                     self._pinned_blocks.add(block)
                     newly += 1
-        logger.info("warm prefixes: %d prefixes, %d blocks pinned (%d in all, %.0f%% of the KV cache)",
-                    len(admitted), newly, pool.num_pinned, 100 * pool.num_pinned / pool.num_usable)
+        logger.info(
+            "warm prefixes: %d prefixes, %d blocks pinned (%d in all, %.0f%% of the KV cache)",
+            len(admitted),
+            newly,
+            pool.num_pinned,
+            100 * pool.num_pinned / pool.num_usable,
+        )
         return pool.num_pinned
 
     def reset_prefix_cache(self) -> int:

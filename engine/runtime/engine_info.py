@@ -31,10 +31,20 @@ class EngineInfo:
     @classmethod
     def of(cls, engine: LLMEngine) -> "EngineInfo":
         s = engine.settings
-        return cls(str(engine.model_dir), engine.model_config, engine.max_model_len,
-                   engine.model_config.vocab_size, s.max_num_seqs, s.block_size, s.pooling_type,
-                   bool(engine.model_config.generates), tuple(engine.eos_token_ids), engine.tokenizer,
-                   engine.core.lora is not None, engine.generation_defaults)
+        return cls(
+            str(engine.model_dir),
+            engine.model_config,
+            engine.max_model_len,
+            engine.model_config.vocab_size,
+            s.max_num_seqs,
+            s.block_size,
+            s.pooling_type,
+            bool(engine.model_config.generates),
+            tuple(engine.eos_token_ids),
+            engine.tokenizer,
+            engine.core.lora is not None,
+            engine.generation_defaults,
+        )
 
 
 @dataclass

@@ -55,12 +55,14 @@ class EngineCall:
 
 def settle_call(call: EngineCall, result: Any, error: BaseException | None) -> None:
     """Hand a EngineCall's outcome to its caller's loop (nothing if the caller gave up or the loop closed)."""
+
     def done() -> None:
         if not call.future.done():
             if error is not None:
                 call.future.set_exception(error)
             else:
                 call.future.set_result(result)
+
     try:
         call.loop.call_soon_threadsafe(done)
     except RuntimeError:

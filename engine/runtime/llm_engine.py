@@ -41,10 +41,21 @@ logger = logging.getLogger(__name__)
 class LLMEngine:
     """The front over an EngineCore: admission in, outputs out; see the module docstring."""
 
-    def __init__(self, core: EngineCore, admission: Admission, tokenizer: Any, *, settings: EngineSettings,
-                 model_dir: Path, model_config: Any, max_model_len: int, eos_token_ids: tuple[int, ...],
-                 generation_defaults: GenerationDefaults, structured_output: StructuredOutputCompiler,
-                 startup_seconds: float = 0.0) -> None:
+    def __init__(
+        self,
+        core: EngineCore,
+        admission: Admission,
+        tokenizer: Any,
+        *,
+        settings: EngineSettings,
+        model_dir: Path,
+        model_config: Any,
+        max_model_len: int,
+        eos_token_ids: tuple[int, ...],
+        generation_defaults: GenerationDefaults,
+        structured_output: StructuredOutputCompiler,
+        startup_seconds: float = 0.0,
+    ) -> None:
         self.core = core
         self.admission = admission
         self.outputs = OutputProcessor(tokenizer)  # the inline output side (step)
@@ -64,26 +75,66 @@ class LLMEngine:
         """Build every part (engine/runtime/builder.py) and wire them into a core and its front."""
         t0 = time.perf_counter()
         parts = EngineBuilder(settings).build()
-        core = EngineCore(scheduler=parts.scheduler, runner=parts.runner, pool=parts.pool,
-                          swap_space=parts.swap_space, block_swapper=parts.block_swapper,
-                          draft_runner=parts.draft_runner, executor=parts.executor,
-                          async_scheduling=parts.async_scheduling, structured_output=parts.structured_output,
-                          lora=parts.lora, model=parts.model, kv_cache=parts.kv_cache, backend=parts.backend,
-                          device=parts.device, dtype=parts.dtype, cpu_threads=parts.cpu_threads,
-                          compile_seconds=parts.compile_seconds, capture_seconds=parts.capture_seconds)
-        admission = Admission(parts.model_config, parts.model_dir.name, parts.max_model_len, settings.max_num_seqs,
-                              settings.max_logprobs, parts.tokenizer, parts.structured_output, parts.eos_token_ids,
-                              kv=parts.scheduler.kv, lora=parts.lora)
+        core = EngineCore(
+            scheduler=parts.scheduler,
+            runner=parts.runner,
+            pool=parts.pool,
+            swap_space=parts.swap_space,
+            block_swapper=parts.block_swapper,
+            draft_runner=parts.draft_runner,
+            executor=parts.executor,
+            async_scheduling=parts.async_scheduling,
+            structured_output=parts.structured_output,
+            lora=parts.lora,
+            model=parts.model,
+            kv_cache=parts.kv_cache,
+            backend=parts.backend,
+            device=parts.device,
+            dtype=parts.dtype,
+            cpu_threads=parts.cpu_threads,
+            compile_seconds=parts.compile_seconds,
+            capture_seconds=parts.capture_seconds,
+        )
+        admission = Admission(
+            parts.model_config,
+            parts.model_dir.name,
+            parts.max_model_len,
+            settings.max_num_seqs,
+            settings.max_logprobs,
+            parts.tokenizer,
+            parts.structured_output,
+            parts.eos_token_ids,
+            kv=parts.scheduler.kv,
+            lora=parts.lora,
+        )
         startup_seconds = time.perf_counter() - t0
-        logger.info("engine ready: %s (%s, %s) on %s, %d KV blocks of %d, max_model_len %d, backend %s, "
-                    "async scheduling %s, %.1fs", parts.model_dir, parts.model_config.model_type,
-                    str(parts.dtype).removeprefix("torch."), parts.device, parts.num_blocks - 1,
-                    settings.block_size, parts.max_model_len, parts.backend.name,
-                    "on" if parts.async_scheduling else "off", startup_seconds)
-        return cls(core, admission, parts.tokenizer, settings=settings, model_dir=parts.model_dir,
-                   model_config=parts.model_config, max_model_len=parts.max_model_len,
-                   eos_token_ids=parts.eos_token_ids, generation_defaults=parts.generation_defaults,
-                   structured_output=parts.structured_output, startup_seconds=startup_seconds)
+        logger.info(
+            "engine ready: %s (%s, %s) on %s, %d KV blocks of %d, max_model_len %d, backend %s, "
+            "async scheduling %s, %.1fs",
+            parts.model_dir,
+            parts.model_config.model_type,
+            str(parts.dtype).removeprefix("torch."),
+            parts.device,
+            parts.num_blocks - 1,
+            settings.block_size,
+            parts.max_model_len,
+            parts.backend.name,
+            "on" if parts.async_scheduling else "off",
+            startup_seconds,
+        )
+        return cls(
+            core,
+            admission,
+            parts.tokenizer,
+            settings=settings,
+            model_dir=parts.model_dir,
+            model_config=parts.model_config,
+            max_model_len=parts.max_model_len,
+            eos_token_ids=parts.eos_token_ids,
+            generation_defaults=parts.generation_defaults,
+            structured_output=parts.structured_output,
+            startup_seconds=startup_seconds,
+        )
 
     @property
     def tokenizer(self):
@@ -97,9 +148,15 @@ class LLMEngine:
         self.outputs.set_tokenizer(tokenizer)
 
     # ---- requests ----
-    def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
-                    request_id: str | None = None, priority: int = 0,
-                    lora_request: LoRARequest | None = None, pooling: PoolingParams | None = None) -> Request:
+    def add_request(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+        priority: int = 0,
+        lora_request: LoRARequest | None = None,
+        pooling: PoolingParams | None = None,
+    ) -> Request:
         """Admit and queue a request whose outputs `step` hands out. Its task comes from params and
         `pooling`: with `pooling` it is an embedding request (RequestOutput.embedding; params are
         ignored). InvalidRequestError if admission refuses it."""

@@ -34,8 +34,20 @@ logger = logging.getLogger(__name__)
 class SampleState:
     """One sample's output so far, as handed out."""
 
-    __slots__ = ("index", "token_ids", "logprobs", "cumulative_logprob", "text", "stops", "finish_reason",
-                 "stop_reason", "num_preemptions", "emitted_tokens", "emitted_chars", "emitted_finish")
+    __slots__ = (
+        "index",
+        "token_ids",
+        "logprobs",
+        "cumulative_logprob",
+        "text",
+        "stops",
+        "finish_reason",
+        "stop_reason",
+        "num_preemptions",
+        "emitted_tokens",
+        "emitted_chars",
+        "emitted_finish",
+    )
 
     def __init__(self, index: int, text: TextState | None, stops: StopMatcher | None) -> None:
         self.index = index
@@ -82,8 +94,7 @@ class RequestState:
         return sample
 
     def all_ended(self) -> bool:
-        return len(self.samples) == self.params.n and all(s.finish_reason is not None
-                                                          for s in self.samples.values())
+        return len(self.samples) == self.params.n and all(s.finish_reason is not None for s in self.samples.values())
 
 
 @dataclass
@@ -192,7 +203,7 @@ class OutputProcessor:
                 hit = stops.find(text.text, before)
                 if hit is not None:
                     at, stop = hit
-                    text.text = text.text[:at + len(stop)] if params.include_stop_str_in_output else text.text[:at]
+                    text.text = text.text[: at + len(stop)] if params.include_stop_str_in_output else text.text[:at]
                     sample.finish_reason, sample.stop_reason = FinishReason.STOP, stop
                     if seq.finish_reason is None:  # the core still runs it
                         stopped.append((state.request_id, seq.index, stop))
@@ -226,10 +237,18 @@ class OutputProcessor:
         if not state.text_output:  # (an embedding: one output, when it is done)
             if not finished:
                 return None
-            return RequestOutput(state.request_id, state.prompt, state.prompt_token_ids, [], True,
-                                 core.num_cached_tokens, state.error or core.error,
-                                 {"arrival_time": state.arrival_time,
-                                  "finished_time": core.finished_time or state.finished_time}, None, core.embedding)
+            return RequestOutput(
+                state.request_id,
+                state.prompt,
+                state.prompt_token_ids,
+                [],
+                True,
+                core.num_cached_tokens,
+                state.error or core.error,
+                {"arrival_time": state.arrival_time, "finished_time": core.finished_time or state.finished_time},
+                None,
+                core.embedding,
+            )
         samples = state.samples
         ordered = samples.values() if len(samples) == 1 else sorted(samples.values(), key=lambda s: s.index)
         if params.output_kind == "delta":
@@ -242,11 +261,25 @@ class OutputProcessor:
                 return None  # new tokens whose text is held back: they come with their text
         else:
             outs = [self._choice(state, s, 0, 0, self._visible(state, s)) for s in ordered]
-        metrics = {"arrival_time": state.arrival_time, "first_scheduled_time": core.first_scheduled_time,
-                   "first_token_time": core.first_token_time, "finished_time": core.finished_time or state.finished_time,
-                   "n": params.n, "max_tokens": params.max_tokens}  # (n, max_tokens: request_params_* metrics)
-        return RequestOutput(state.request_id, state.prompt, state.prompt_token_ids, outs, finished,
-                             core.num_cached_tokens, state.error or core.error, metrics, core.prompt_logprobs)
+        metrics = {
+            "arrival_time": state.arrival_time,
+            "first_scheduled_time": core.first_scheduled_time,
+            "first_token_time": core.first_token_time,
+            "finished_time": core.finished_time or state.finished_time,
+            "n": params.n,
+            "max_tokens": params.max_tokens,
+        }  # (n, max_tokens: request_params_* metrics)
+        return RequestOutput(
+            state.request_id,
+            state.prompt,
+            state.prompt_token_ids,
+            outs,
+            finished,
+            core.num_cached_tokens,
+            state.error or core.error,
+            metrics,
+            core.prompt_logprobs,
+        )
 
     @staticmethod
     def _visible(state: RequestState, sample: SampleState) -> int:
@@ -258,8 +291,9 @@ class OutputProcessor:
         return visible_len(text.text, matcher.max_len, sample.finish_reason is not None) if matcher else len(text.text)
 
     @staticmethod
-    def _choice(state: RequestState, sample: SampleState, tokens_from: int, chars_from: int,
-                chars_to: int) -> CompletionOutput:
+    def _choice(
+        state: RequestState, sample: SampleState, tokens_from: int, chars_from: int, chars_to: int
+    ) -> CompletionOutput:
         """The sample's output tokens from `tokens_from` on, and its text [chars_from, chars_to)."""
         logprobs = state.params.logprobs is not None
         return CompletionOutput(

@@ -32,8 +32,13 @@ class RequestStream:
     deltas of several steps merged into one item.
     """
 
-    def __init__(self, request_id: str, loop: asyncio.AbstractEventLoop,
-                 on_close: Callable[[str], None] | None = None, stall_timeout_s: float | None = None) -> None:
+    def __init__(
+        self,
+        request_id: str,
+        loop: asyncio.AbstractEventLoop,
+        on_close: Callable[[str], None] | None = None,
+        stall_timeout_s: float | None = None,
+    ) -> None:
         self.request_id = request_id
         self.loop = loop
         self._on_close = on_close
@@ -57,15 +62,22 @@ class RequestStream:
         self._backlog.add(delta)
         if delta.finished:
             self.finished = True
-        elif self._stall_timeout_s is not None and not self.stalled \
-                and time.monotonic() - self._unread_since > self._stall_timeout_s:
+        elif (
+            self._stall_timeout_s is not None
+            and not self.stalled
+            and time.monotonic() - self._unread_since > self._stall_timeout_s
+        ):
             self._stall()
         self._event.set()
 
     def _stall(self) -> None:
         self.stalled = True
-        logger.info("request %s: its reader took nothing for stall_timeout_s=%gs (%d tokens unread); aborting",
-                    self.request_id, self._stall_timeout_s, self._backlog.num_tokens if self._backlog else 0)
+        logger.info(
+            "request %s: its reader took nothing for stall_timeout_s=%gs (%d tokens unread); aborting",
+            self.request_id,
+            self._stall_timeout_s,
+            self._backlog.num_tokens if self._backlog else 0,
+        )
         if self._on_close is not None:
             self._on_close(self.request_id)
 
@@ -225,5 +237,9 @@ class _ChoiceBacklog:
     def take(self) -> CompletionOutput:
         c = self.last
         assert c is not None  # (a backlog is made for a choice's first delta)
-        return dataclasses.replace(c, text="".join(self.texts), token_ids=self.token_ids,
-                                   logprobs=None if c.logprobs is None else self.logprobs)
+        return dataclasses.replace(
+            c,
+            text="".join(self.texts),
+            token_ids=self.token_ids,
+            logprobs=None if c.logprobs is None else self.logprobs,
+        )

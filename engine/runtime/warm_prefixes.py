@@ -41,8 +41,9 @@ def _encode_item(item: Any, tokenizer, where: str) -> list[int]:
         text = tokenizer.apply_chat_template(item, tokenize=False, add_generation_prompt=False)
         # The template carries the special tokens itself (as LLM.chat does).
         return list(tokenizer.encode(text, add_special_tokens=False))
-    raise WarmPrefixError(f"{where}: expected a prompt string, a list of token ids or a list of chat "
-                          f"messages, got {type(item).__name__}")
+    raise WarmPrefixError(
+        f"{where}: expected a prompt string, a list of token ids or a list of chat messages, got {type(item).__name__}"
+    )
 
 
 def load_warm_prefixes(path: str | Path, tokenizer) -> list[list[int]]:
@@ -95,8 +96,11 @@ def warm_prefixes(engine, token_id_lists: list[list[int]]) -> int:
             continue
         rid = f"warm-prefix-{i}-{uuid.uuid4().hex[:8]}"
         try:
-            admitted.append(engine.admission.admit(prefix, SamplingParams(max_tokens=1, temperature=0.0,
-                                                                          detokenize=False, ignore_eos=True), rid))
+            admitted.append(
+                engine.admission.admit(
+                    prefix, SamplingParams(max_tokens=1, temperature=0.0, detokenize=False, ignore_eos=True), rid
+                )
+            )
         except InvalidRequestError as exc:  # (nothing was queued yet)
             raise ValueError(f"warm prefix {i}: {exc}") from exc
     return core.warm_prefixes(admitted)

@@ -63,8 +63,9 @@ def from_draft_vocab(logits: torch.Tensor, ids: torch.Tensor, vocab: int) -> tor
 
 
 class DraftModelProposer:
-    def __init__(self, runner: ModelRunner, target_vocab: int, generator: torch.Generator,
-                 vocab_ids: torch.Tensor | None = None) -> None:
+    def __init__(
+        self, runner: ModelRunner, target_vocab: int, generator: torch.Generator, vocab_ids: torch.Tensor | None = None
+    ) -> None:
         self.runner = runner  # the draft model's runner: its own buffers, cache tensor, graphs
         self.vocab = target_vocab
         self.generator = generator  # the target sampler's: one random stream for the engine
@@ -80,9 +81,13 @@ class DraftModelProposer:
         shadow, last_rows = self._shadow(sched, verify)
         # The step's PLACEHOLDER tokens (overlap scheduling) are fed from the target's last step.
         self.runner.builder.last_sampled = target.last_sampled
-        hidden = self._forward(SchedulerOutput(seqs=shadow, num_prefill_tokens=sched.num_prefill_tokens,
-                                               num_decode_tokens=sum(s.num_tokens for s in shadow)
-                                               - sched.num_prefill_tokens))
+        hidden = self._forward(
+            SchedulerOutput(
+                seqs=shadow,
+                num_prefill_tokens=sched.num_prefill_tokens,
+                num_decode_tokens=sum(s.num_tokens for s in shadow) - sched.num_prefill_tokens,
+            )
+        )
         if not verify:
             return None
         proposal = Proposal(verify)
@@ -90,15 +95,17 @@ class DraftModelProposer:
         self._sample(proposal, 0, hidden.index_select(0, rows))
         for j in range(1, max(v.k for v in verify) + 1):
             members = proposal.members(j - 1)  # those that drafted token j: it is fed now
-            fed = [dataclasses.replace(shadow[v.index], token_ids=[PLACEHOLDER],
-                                       start_pos=v.record.start_pos + j) for v in members]
+            fed = [
+                dataclasses.replace(shadow[v.index], token_ids=[PLACEHOLDER], start_pos=v.record.start_pos + j)
+                for v in members
+            ]
             # (row m of draft j's tokens is fed[m]'s: the builder feeds PLACEHOLDER rows from it)
             self.runner.builder.last_sampled = LastSampled(proposal.tokens[j - 1], fed, True)
             hidden = self._forward(SchedulerOutput(seqs=fed, num_decode_tokens=len(fed)))
             want = [m for m, v in enumerate(members) if v.k > j]
             if want:
                 pick = torch.tensor(want, dtype=torch.int64, device=hidden.device)
-                self._sample(proposal, j, hidden[:len(fed)].index_select(0, pick))
+                self._sample(proposal, j, hidden[: len(fed)].index_select(0, pick))
         return proposal
 
     def sampled(self, sched: SchedulerOutput, pending: PendingStep) -> None:
@@ -129,8 +136,9 @@ class DraftModelProposer:
                 row += s.num_tokens
                 continue
             keep = s.num_tokens - v.k
-            shadow.append(dataclasses.replace(s, token_ids=s.token_ids[:keep], draft_token_ids=[], do_sample=True,
-                                              num_samples=1))
+            shadow.append(
+                dataclasses.replace(s, token_ids=s.token_ids[:keep], draft_token_ids=[], do_sample=True, num_samples=1)
+            )
             row += keep
             last_rows.append(row - 1)
         return shadow, last_rows
@@ -144,4 +152,3 @@ class DraftModelProposer:
             hidden, _ = runner.graph_runner.replay(step)
             return hidden
         return runner.run_model(step)
-

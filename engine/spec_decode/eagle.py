@@ -91,10 +91,19 @@ class EagleProposer:
                 fed_tokens = proposal.tokens[j - 1].index_select(0, pick)
             else:
                 fed_tokens = proposal.tokens[j - 1]
-            fed = [dataclasses.replace(v.record, token_ids=[PLACEHOLDER], start_pos=v.record.start_pos + j - 1,
-                                       draft_token_ids=[], do_sample=True, num_samples=1) for v in members]
+            fed = [
+                dataclasses.replace(
+                    v.record,
+                    token_ids=[PLACEHOLDER],
+                    start_pos=v.record.start_pos + j - 1,
+                    draft_token_ids=[],
+                    do_sample=True,
+                    num_samples=1,
+                )
+                for v in members
+            ]
             self.runner.builder.last_sampled = LastSampled(fed_tokens, fed, True)
-            hidden = self._forward(SchedulerOutput(seqs=fed, num_decode_tokens=len(fed)), hidden)[:len(fed)]
+            hidden = self._forward(SchedulerOutput(seqs=fed, num_decode_tokens=len(fed)), hidden)[: len(fed)]
             self._sample(proposal, j, hidden)
         return proposal
 
@@ -125,7 +134,7 @@ class EagleProposer:
         self.num_forwards += 1
         runner = self.runner
         step = runner.prepare(sched)
-        self.head.hidden_in[:hidden.shape[0]].copy_(hidden)
+        self.head.hidden_in[: hidden.shape[0]].copy_(hidden)
         if runner.graph_runner is not None and runner.graph_runner.can_replay(step):
             out, _ = runner.graph_runner.replay(step)
             return out
@@ -192,8 +201,8 @@ class EagleProposer:
         # (ids are written after the build; its PLACEHOLDER feeds, if any, read what the target's did)
         runner.builder.last_sampled = self.target.builder.last_sampled
         step = runner.prepare(sched)
-        runner.buffers.input_ids[:ids.shape[0]].copy_(ids)
-        self.head.hidden_in[:features.shape[0]].copy_(features)
+        runner.buffers.input_ids[: ids.shape[0]].copy_(ids)
+        self.head.hidden_in[: features.shape[0]].copy_(features)
         self.num_forwards += 1
         if runner.graph_runner is not None and runner.graph_runner.can_replay(step):
             return runner.graph_runner.replay(step)[0]
@@ -217,4 +226,3 @@ class EagleProposer:
 
 def _index(rows: list[int], device: torch.device) -> torch.Tensor:
     return torch.tensor(rows, dtype=torch.int64).to(device, non_blocking=True)
-

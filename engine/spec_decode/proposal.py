@@ -103,7 +103,7 @@ class Proposal:
         flat = self._host.tolist() if self._host is not None else []
         out, at = [], 0
         for v in self.seqs:
-            out.append(flat[at:at + v.k])
+            out.append(flat[at : at + v.k])
             at += v.k
         return out
 
@@ -143,4 +143,4 @@ class Proposal:
         sampled tokens)."""
         for v, drafts in zip(self.seqs, self.host_drafts()):
             v.record.draft_token_ids[:] = drafts
-            v.record.token_ids[-v.k:] = drafts
+            v.record.token_ids[-v.k :] = drafts

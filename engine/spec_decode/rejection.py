@@ -63,8 +63,9 @@ class DraftProbs:
         return int(self.rows.shape[0])
 
 
-def sample_drafts(logits: torch.Tensor, rows: list[DraftRow],
-                  generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor | None]:
+def sample_drafts(
+    logits: torch.Tensor, rows: list[DraftRow], generator: torch.Generator
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Draft tokens from a draft's logits [n, vocab] (in the target's vocabulary): q's argmax for
     greedy rows, else the exponential race over q with the row's noise (a seeded row's is the
     target row's own). Returns (tokens [n], q [n, vocab] normalised; greedy rows' q is unused, and

@@ -38,13 +38,15 @@ def verify_outcome(sched: SchedulerOutput, sampled: torch.Tensor, proposal=None)
     if proposal is not None and proposal.seqs:
         drafts = proposal.padded(kmax, fill=-3)
     else:
-        drafts = torch.tensor([s.draft_token_ids + [-3] * (kmax - len(s.draft_token_ids)) for s, _ in records],
-                              dtype=torch.int64, device=device)
+        drafts = torch.tensor(
+            [s.draft_token_ids + [-3] * (kmax - len(s.draft_token_ids)) for s, _ in records],
+            dtype=torch.int64,
+            device=device,
+        )
     ks = torch.tensor([len(s.draft_token_ids) for s, _ in records], dtype=torch.int64, device=device)
     first = torch.tensor([row for _, row in records], dtype=torch.int64, device=device)
     cols = torch.arange(kmax, device=device)
     rows = first[:, None] + torch.minimum(cols[None, :], ks[:, None] - 1)  # (padding repeats the last draft's row)
     agree = (sampled[rows] == drafts).to(torch.int64)
     accepted = agree.cumprod(dim=1).sum(dim=1)
-    return VerifyOutcome({s.seq_id: i for i, (s, _) in enumerate(records)}, accepted, first + accepted,
-                         accepted - ks)
+    return VerifyOutcome({s.seq_id: i for i, (s, _) in enumerate(records)}, accepted, first + accepted, accepted - ks)

@@ -1,1 +1,2 @@
-"""Structured outputs: grammars from JSON schemas, regexes and EBNF (xgrammar), compiled off the server's threads in a worker pool."""
+"""Structured outputs: grammars from JSON schemas, regexes and EBNF (xgrammar), compiled off the server's
+threads in a worker pool."""

@@ -190,9 +190,14 @@ class _Zygote:
         ours, theirs = socket.socketpair()
         # (no prepare_process there: it runs one OpenMP thread, and inherits this process's settings)
         env = child_environment(ZYGOTE_THREAD_LIMITS)
-        self.proc = subprocess.Popen([sys.executable, "-m", "engine.structured_output.compile_pool",
-                                      str(theirs.fileno())], pass_fds=[theirs.fileno()], env=env,
-                                     stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "engine.structured_output.compile_pool", str(theirs.fileno())],
+            pass_fds=[theirs.fileno()],
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
         theirs.close()
         self._control = ours
         ours.settimeout(120.0)
@@ -290,15 +295,18 @@ class CompilePool:
         self.timeout_s = timeout_s
         self._info = tokenizer_info_json
         # address -> user -> queued jobs; both levels in round-robin order
-        self._queues: collections.OrderedDict[str, collections.OrderedDict[str, collections.deque[_CompileJob]]] = \
+        self._queues: collections.OrderedDict[str, collections.OrderedDict[str, collections.deque[_CompileJob]]] = (
             collections.OrderedDict()
+        )
         self._running: collections.Counter[str] = collections.Counter()  # address -> compiles running
         self._cond = threading.Condition()
         self._stopped = False
         self._zygote = _Zygote(tokenizer_info_json)
         self._workers = [_Worker(self._zygote) for _ in range(workers)]
-        self._threads = [threading.Thread(target=self._serve, args=(w,), daemon=True, name="kiln-grammar-pool")
-                         for w in self._workers]
+        self._threads = [
+            threading.Thread(target=self._serve, args=(w,), daemon=True, name="kiln-grammar-pool")
+            for w in self._workers
+        ]
         for t in self._threads:
             t.start()
 
@@ -386,6 +394,7 @@ class CompilePool:
         worker.ensure()
         start, cpu0 = time.monotonic(), worker.cpu_seconds()
         worker.send(list(job.source))
+
         def used() -> float:
             cpu = worker.cpu_seconds()
             job.cpu_seconds = time.monotonic() - start if cpu is None or cpu0 is None else cpu - cpu0

@@ -36,6 +36,7 @@ from engine.structured_output.compile_pool import (
 
 logger = logging.getLogger(__name__)
 
+
 def bitmask_words(vocab_size: int) -> int:
     """int32 words per row of a token bitmask (bit t % 32 of word t // 32: token t is allowed)."""
     return -(-vocab_size // 32)
@@ -69,7 +70,7 @@ class GrammarMatcher:
     def accept(self, token: int) -> bool:
         """Advance by one sampled token; False if the language does not allow it (the matcher is unchanged)."""
         if self.waiting:
-            self._recent = (self._recent + [token])[-len(self._end):]
+            self._recent = (self._recent + [token])[-len(self._end) :]
             self.waiting = tuple(self._recent) != self._end
             return True
         return bool(self._matcher.accept_token(token))
@@ -140,8 +141,14 @@ class StructuredOutputCompiler:
     inline; with one (`use_pool`, the server) they run in killable worker processes under a
     time limit."""
 
-    def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: tuple[int, ...],
-                 cache_entries: int = 256, cache_bytes: int = 256 << 20) -> None:
+    def __init__(
+        self,
+        tokenizer: Any,
+        vocab_size: int,
+        stop_token_ids: tuple[int, ...],
+        cache_entries: int = 256,
+        cache_bytes: int = 256 << 20,
+    ) -> None:
         self._tokenizer = tokenizer
         self.vocab_size = vocab_size
         self._stop_token_ids = list(stop_token_ids)
@@ -152,8 +159,13 @@ class StructuredOutputCompiler:
         self._pool: CompilePool | None = None
         self._pool_args: tuple[int, float] | None = None
 
-    def configure(self, timeout_s: float | None = None, workers: int | None = None,
-                  cache_entries: int | None = None, cache_bytes: int | None = None) -> None:
+    def configure(
+        self,
+        timeout_s: float | None = None,
+        workers: int | None = None,
+        cache_entries: int | None = None,
+        cache_bytes: int | None = None,
+    ) -> None:
         """Server settings: compiles go to `workers` processes, each stopped after `timeout_s`
         (the pool starts on the first constrained request); the cache's bounds."""
         if cache_entries is not None:
@@ -171,11 +183,15 @@ class StructuredOutputCompiler:
                     import xgrammar
                 except ImportError as exc:  # pragma: no cover - a declared dependency
                     raise rules.constraints_unavailable() from exc
-                self._info = xgrammar.TokenizerInfo.from_huggingface(self._tokenizer, vocab_size=self.vocab_size,
-                                                                     stop_token_ids=self._stop_token_ids)
+                self._info = xgrammar.TokenizerInfo.from_huggingface(
+                    self._tokenizer, vocab_size=self.vocab_size, stop_token_ids=self._stop_token_ids
+                )
                 self._compiler = xgrammar.GrammarCompiler(self._info, cache_enabled=False)
-                logger.info("structured outputs: xgrammar ready for a vocabulary of %d in %.1fs",
-                            self.vocab_size, time.perf_counter() - t0)
+                logger.info(
+                    "structured outputs: xgrammar ready for a vocabulary of %d in %.1fs",
+                    self.vocab_size,
+                    time.perf_counter() - t0,
+                )
             return self._compiler
 
     def _compile_pool(self) -> CompilePool | None:
@@ -259,8 +275,9 @@ class StructuredOutputCompiler:
             raise
         return await asyncio.to_thread(self._compile_here, spec, source)
 
-    def matchers(self, compiled: Any, spec: StructuredOutputsParams, n: int,
-                 prompt_ids: list[int] | None = None) -> list[GrammarMatcher]:
+    def matchers(
+        self, compiled: Any, spec: StructuredOutputsParams, n: int, prompt_ids: list[int] | None = None
+    ) -> list[GrammarMatcher]:
         """n fresh matchers of one compiled constraint (`compile`'s result for `spec`), one per
         sample of a request."""
         import xgrammar
@@ -274,7 +291,7 @@ class StructuredOutputCompiler:
 
 def _last_index(ids: list[int], marker: tuple[int, ...]) -> int:
     for i in range(len(ids) - len(marker), -1, -1):
-        if tuple(ids[i:i + len(marker)]) == marker:
+        if tuple(ids[i : i + len(marker)]) == marker:
             return i
     return -1
 
@@ -289,4 +306,3 @@ def closed_in(ids: list[int], start: tuple[int, ...], end: tuple[int, ...]) -> b
 def choice_grammar(choices: list[str]) -> str:
     """EBNF whose language is exactly the given strings (JSON string escapes are EBNF's too)."""
     return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
-

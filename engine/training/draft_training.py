@@ -42,7 +42,7 @@ def _padded(seqs: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
     longest = max(len(x) for x in seqs)
     ids = torch.zeros(len(seqs), longest, dtype=torch.int64)
     for i, x in enumerate(seqs):
-        ids[i, :len(x)] = torch.tensor(x)
+        ids[i, : len(x)] = torch.tensor(x)
     return ids, torch.tensor([len(x) for x in seqs])
 
 
@@ -68,8 +68,7 @@ class Teacher:
 
 
 @torch.no_grad()
-def teacher_pass(target: str, seqs: list[list[int]], cache: Path | None = None, top_k: int = 32,
-                 log=print) -> Teacher:
+def teacher_pass(target: str, seqs: list[list[int]], cache: Path | None = None, top_k: int = 32, log=print) -> Teacher:
     if cache is not None and cache.is_file():
         return Teacher(**torch.load(cache, weights_only=False))
     model = _load_target(target)
@@ -88,8 +87,16 @@ def teacher_pass(target: str, seqs: list[list[int]], cache: Path | None = None, 
         final.append(hs[-1][0].to(torch.bfloat16))
         aux_h.append(torch.cat([hs[i] for i in aux], dim=-1)[0].to(torch.bfloat16))
     log(f"  the target over {len(seqs)} sequences in {time.perf_counter() - t0:.0f}s")
-    teacher = Teacher(config, model.get_input_embeddings().weight.detach().clone(),
-                      model.get_output_embeddings().weight.detach().clone(), aux, top_ids, top_p, final, aux_h)
+    teacher = Teacher(
+        config,
+        model.get_input_embeddings().weight.detach().clone(),
+        model.get_output_embeddings().weight.detach().clone(),
+        aux,
+        top_ids,
+        top_p,
+        final,
+        aux_h,
+    )
     if cache is not None:
         cache.parent.mkdir(parents=True, exist_ok=True)
         torch.save(teacher.__dict__, cache)
@@ -101,7 +108,7 @@ def soft_labels(teacher: Teacher, i: int, start: int, n: int, lookup: torch.Tens
     sequence i, on the columns `lookup` maps token ids to (ids it maps to -100 are dropped),
     renormalised; zero rows past the sequence's end."""
     out = torch.zeros(n, width)
-    ids, p = teacher.top_ids[i][start:start + n].long(), teacher.top_p[i][start:start + n].float()
+    ids, p = teacher.top_ids[i][start : start + n].long(), teacher.top_p[i][start : start + n].float()
     cols = lookup[ids]
     keep = cols >= 0
     rows = torch.arange(len(ids))[:, None].expand_as(ids)
@@ -109,9 +116,19 @@ def soft_labels(teacher: Teacher, i: int, start: int, n: int, lookup: torch.Tens
     return out / out.sum(-1, keepdim=True).clamp_min(1e-9)
 
 
-def distill_draft_model(target: str, corpus: list[dict], out: Path, layers: int = 4, hidden: int = 256,
-                        draft_vocab: int = 8192, epochs: int = 6, batch: int = 8, lr: float = 3e-3, seed: int = 0,
-                        log=print) -> Path:
+def distill_draft_model(
+    target: str,
+    corpus: list[dict],
+    out: Path,
+    layers: int = 4,
+    hidden: int = 256,
+    draft_vocab: int = 8192,
+    epochs: int = 6,
+    batch: int = 8,
+    lr: float = 3e-3,
+    seed: int = 0,
+    log=print,
+) -> Path:
     """A small Llama trained from scratch on the target's own outputs: sequence-level
     distillation (the target's answers are the text) with the target's own next-token
     distribution at every answer position as the label (its top-k log-probabilities from the
@@ -136,11 +153,22 @@ def distill_draft_model(target: str, corpus: list[dict], out: Path, layers: int 
     head_dim = 64 if hidden % 64 == 0 else hidden // 4
     heads = hidden // head_dim
     config = transformers.LlamaConfig(
-        vocab_size=tc.vocab_size, hidden_size=hidden, intermediate_size=3 * hidden, num_hidden_layers=layers,
-        num_attention_heads=heads, num_key_value_heads=max(1, heads // 2), head_dim=head_dim,
-        max_position_embeddings=tc.max_position_embeddings, rope_theta=rope_theta(tc.to_dict()),
-        rms_norm_eps=tc.rms_norm_eps, tie_word_embeddings=False, bos_token_id=tc.bos_token_id,
-        eos_token_id=tc.eos_token_id, pad_token_id=getattr(tc, "pad_token_id", None), torch_dtype="float32")
+        vocab_size=tc.vocab_size,
+        hidden_size=hidden,
+        intermediate_size=3 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=max(1, heads // 2),
+        head_dim=head_dim,
+        max_position_embeddings=tc.max_position_embeddings,
+        rope_theta=rope_theta(tc.to_dict()),
+        rms_norm_eps=tc.rms_norm_eps,
+        tie_word_embeddings=False,
+        bos_token_id=tc.bos_token_id,
+        eos_token_id=tc.eos_token_id,
+        pad_token_id=getattr(tc, "pad_token_id", None),
+        torch_dtype="float32",
+    )
     model = transformers.LlamaForCausalLM(config)
     vocab_ids = draft_vocabulary(corpus, draft_vocab, tc.vocab_size)
     lookup = torch.full((tc.vocab_size,), -100, dtype=torch.int64)
@@ -154,11 +182,24 @@ def distill_draft_model(target: str, corpus: list[dict], out: Path, layers: int 
         head = model.get_output_embeddings().weight
         head.zero_()
         head[vocab_ids] = proj[vocab_ids]
-    log(f"  draft: {layers} layers of width {hidden} from scratch, draft vocabulary {len(vocab_ids)}, "
-        f"{len(corpus)} answers, {sum(len(c['top_ids']) for c in corpus)} labelled positions")
+    log(
+        f"  draft: {layers} layers of width {hidden} from scratch, draft vocabulary {len(vocab_ids)}, "
+        f"{len(corpus)} answers, {sum(len(c['top_ids']) for c in corpus)} labelled positions"
+    )
     t0, loss_value = time.perf_counter(), float("nan")
-    loss_value = _distill(model, lambda h: h @ model.lm_head.weight[vocab_ids].T, corpus, lookup, len(vocab_ids),
-                          epochs, batch, lr, 0.01, seed, log)
+    loss_value = _distill(
+        model,
+        lambda h: h @ model.lm_head.weight[vocab_ids].T,
+        corpus,
+        lookup,
+        len(vocab_ids),
+        epochs,
+        batch,
+        lr,
+        0.01,
+        seed,
+        log,
+    )
     model.eval()
     with torch.no_grad():
         unseen = torch.ones(tc.vocab_size, dtype=torch.bool)
@@ -168,16 +209,42 @@ def distill_draft_model(target: str, corpus: list[dict], out: Path, layers: int 
     model.save_pretrained(out, safe_serialization=True)
     tokenizer.save_pretrained(out)
     (out / DRAFT_VOCAB_FILE).write_text(json.dumps({"token_ids": vocab_ids.tolist()}))
-    (out / "kiln_training.json").write_text(json.dumps({
-        "target": str(target), "method": "draft_model", "init": "scratch", "layers": layers, "hidden_size": hidden,
-        "draft_vocab": len(vocab_ids), "answers": len(corpus),
-        "labelled_positions": sum(len(c["top_ids"]) for c in corpus), "epochs": epochs, "lr": lr, "batch": batch,
-        "final_loss": loss_value, "train_seconds": round(time.perf_counter() - t0)}, indent=2))
+    (out / "kiln_training.json").write_text(
+        json.dumps(
+            {
+                "target": str(target),
+                "method": "draft_model",
+                "init": "scratch",
+                "layers": layers,
+                "hidden_size": hidden,
+                "draft_vocab": len(vocab_ids),
+                "answers": len(corpus),
+                "labelled_positions": sum(len(c["top_ids"]) for c in corpus),
+                "epochs": epochs,
+                "lr": lr,
+                "batch": batch,
+                "final_loss": loss_value,
+                "train_seconds": round(time.perf_counter() - t0),
+            },
+            indent=2,
+        )
+    )
     return out
 
 
-def _distill(model, logits_of, corpus: list[dict], lookup: torch.Tensor, width: int, epochs: int, batch: int,
-             lr: float, weight_decay: float, seed: int, log) -> float:
+def _distill(
+    model,
+    logits_of,
+    corpus: list[dict],
+    lookup: torch.Tensor,
+    width: int,
+    epochs: int,
+    batch: int,
+    lr: float,
+    weight_decay: float,
+    seed: int,
+    log,
+) -> float:
     """Train model's trainable parameters to match the corpus's labels (cross-entropy against
     the target's distribution at every answer position, over `width` draft-vocabulary columns;
     logits_of(hidden) gives the draft's logits there). Returns the last batch's loss."""
@@ -196,8 +263,8 @@ def _distill(model, logits_of, corpus: list[dict], lookup: torch.Tensor, width: 
             valid = torch.zeros(len(entries), n)
             for row, c in enumerate(entries):  # position t predicts token t + 1: answers from prompt - 1
                 a, at = len(c["top_ids"]), c["prompt"] - 1
-                want[row, at:at + a] = _answer_labels(c, lookup, width)
-                valid[row, at:at + a] = 1.0
+                want[row, at : at + a] = _answer_labels(c, lookup, width)
+                valid[row, at : at + a] = 1.0
             with torch.autocast("cpu", dtype=torch.bfloat16):
                 logits = logits_of(model.model(input_ids=ids).last_hidden_state)
             loss = -((want * logits.float().log_softmax(-1)).sum(-1) * valid).sum() / valid.sum()
@@ -212,9 +279,21 @@ def _distill(model, logits_of, corpus: list[dict], lookup: torch.Tensor, width: 
     return loss_value
 
 
-def train_eagle_for(target: str, corpus: list[tuple[list[int], int]], teacher: Teacher, out: Path, version: int,
-                    epochs: int = 4, draft_vocab: int = 8192, seed: int = 0, layers: int = 1, batch: int = 8,
-                    lr: float = 1e-3, unroll: int = 1, log=print) -> Path:
+def train_eagle_for(
+    target: str,
+    corpus: list[tuple[list[int], int]],
+    teacher: Teacher,
+    out: Path,
+    version: int,
+    epochs: int = 4,
+    draft_vocab: int = 8192,
+    seed: int = 0,
+    layers: int = 1,
+    batch: int = 8,
+    lr: float = 1e-3,
+    unroll: int = 1,
+    log=print,
+) -> Path:
     """An EAGLE (version 1) or EAGLE-3 head trained on the target's hidden states over the corpus,
     its labels the target's own next-token distributions (EAGLE-3 over its draft vocabulary: the
     corpus's most frequent tokens)."""
@@ -223,7 +302,7 @@ def train_eagle_for(target: str, corpus: list[tuple[list[int], int]], teacher: T
     embed, lm_head = teacher.embed, teacher.lm_head
     seqs = [ids for ids, _ in corpus]
     counts = torch.bincount(torch.tensor([t for s in seqs for t in s]), minlength=len(embed))
-    frequent = counts.argsort(descending=True)[:min(draft_vocab, len(embed))].sort().values
+    frequent = counts.argsort(descending=True)[: min(draft_vocab, len(embed))].sort().values
     config = eagle_config(tcfg, version, len(frequent) if version == 3 else 0, layers)
     config["eagle_aux_hidden_state_layer_ids"] = list(teacher.aux_layers) if version == 3 else None
     if version == 1:
@@ -254,15 +333,26 @@ def train_eagle_for(target: str, corpus: list[tuple[list[int], int]], teacher: T
         log(f"  epoch {epoch + 1}/{epochs}: loss {loss_value:.3f} ({time.perf_counter() - t0:.0f}s)")
     head.eval()
     save_eagle(head, out)
-    (out / "kiln_training.json").write_text(json.dumps({"target": str(target), "method": f"eagle{version}",
-                                                         "answers": len(seqs), "tokens": sum(map(len, seqs)),
-                                                         "epochs": epochs, "unroll": unroll,
-                                                         "final_loss": loss_value}, indent=2))
+    (out / "kiln_training.json").write_text(
+        json.dumps(
+            {
+                "target": str(target),
+                "method": f"eagle{version}",
+                "answers": len(seqs),
+                "tokens": sum(map(len, seqs)),
+                "epochs": epochs,
+                "unroll": unroll,
+                "final_loss": loss_value,
+            },
+            indent=2,
+        )
+    )
     return out
 
 
-def _head_loss(head: TrainableEagle, teacher: Teacher, idx: list[int], seqs, feats, vocab, lookup,
-               unroll) -> torch.Tensor:
+def _head_loss(
+    head: TrainableEagle, teacher: Teacher, idx: list[int], seqs, feats, vocab, lookup, unroll
+) -> torch.Tensor:
     """Pass 0 reads the target's features; pass d reads the head's own outputs of pass d - 1
     (row s: the chain seeded at position s, now at s + d). Each pass scores the token it drafts
     against the target's distribution there (EAGLE: over the `vocab` rows of the target's LM
@@ -272,15 +362,15 @@ def _head_loss(head: TrainableEagle, teacher: Teacher, idx: list[int], seqs, fea
     f = torch.zeros(b, n, feats[idx[0]].shape[-1])
     final = torch.zeros(b, n, teacher.final[idx[0]].shape[-1])
     for row, i in enumerate(idx):
-        f[row, :len(feats[i])] = feats[i].float()
-        final[row, :len(teacher.final[i])] = teacher.final[i].float()
+        f[row, : len(feats[i])] = feats[i].float()
+        final[row, : len(teacher.final[i])] = teacher.final[i].float()
     t = n - 2  # rows s = 0..n-3: read token s + 1, predict token s + 2
     positions = torch.arange(t)[None].expand(b, t)
     caches = [[] for _ in range(max(1, len(getattr(head, "layers", [None]))))]
     h = None
     loss = torch.zeros(())
     for depth in range(unroll + 1):
-        src = F.pad(ids[:, 1 + depth:1 + depth + t], (0, depth))[:, :t]
+        src = F.pad(ids[:, 1 + depth : 1 + depth + t], (0, depth))[:, :t]
         h = head.step(src, f[:, :t] if depth == 0 else h, positions + depth, caches)
         # the token at s + 2 + depth: the target's distribution at position s + 1 + depth
         want = torch.stack([soft_labels(teacher, i, 1 + depth, t, lookup, len(vocab)) for i in idx])
@@ -288,7 +378,7 @@ def _head_loss(head: TrainableEagle, teacher: Teacher, idx: list[int], seqs, fea
         logits = (h @ head.target_head[vocab].T if head.version == 1 else head.logits(h)).float()
         loss = loss - ((want * logits.log_softmax(-1)).sum(-1) * valid).sum() / valid.sum()
         if head.version == 1:
-            feat = F.pad(final[:, 1 + depth:1 + depth + t], (0, 0, 0, depth))[:, :t]
+            feat = F.pad(final[:, 1 + depth : 1 + depth + t], (0, 0, 0, depth))[:, :t]
             fvalid = ((torch.arange(t)[None] + 1 + depth) < lengths[:, None])[..., None]
             loss = loss + 10.0 * F.smooth_l1_loss((h * fvalid).float(), feat * fvalid)
     return loss
@@ -297,7 +387,7 @@ def _head_loss(head: TrainableEagle, teacher: Teacher, idx: list[int], seqs, fea
 def _batches(n: int, batch: int, gen: torch.Generator):
     order = torch.randperm(n, generator=gen)
     for i in range(0, n, batch):
-        yield order[i:i + batch]
+        yield order[i : i + batch]
 
 
 # ---- a draft model cut from the target itself ----
@@ -309,13 +399,13 @@ def draft_vocabulary(corpus: list[dict], size: int, vocab: int) -> torch.Tensor:
         return torch.arange(vocab)
     counts = torch.zeros(vocab, dtype=torch.int64)
     for c in corpus:
-        counts += torch.bincount(c["ids"][c["prompt"]:].long(), minlength=vocab)
+        counts += torch.bincount(c["ids"][c["prompt"] :].long(), minlength=vocab)
         counts += torch.bincount(c["top_ids"].flatten().long(), minlength=vocab)
     ranked = counts.argsort(descending=True, stable=True)
-    chosen = ranked[:min(size, int((counts > 0).sum()))]
+    chosen = ranked[: min(size, int((counts > 0).sum()))]
     fill = torch.ones(vocab, dtype=torch.bool)
     fill[chosen] = False
-    rest = fill.nonzero().flatten()[:size - len(chosen)]
+    rest = fill.nonzero().flatten()[: size - len(chosen)]
     return torch.cat([chosen, rest]).sort().values
 
 
@@ -348,9 +438,19 @@ def _answer_labels(c: dict, lookup: torch.Tensor, width: int) -> torch.Tensor:
     return out / out.sum(-1, keepdim=True).clamp_min(1e-9)
 
 
-def distill_from_target(target: str, corpus: list[dict], out: Path, layers: list[int], draft_vocab: int = 8192,
-                        frozen: int = 0, epochs: int = 2, batch: int = 16, lr: float = 5e-4, seed: int = 0,
-                        log=print) -> Path:
+def distill_from_target(
+    target: str,
+    corpus: list[dict],
+    out: Path,
+    layers: list[int],
+    draft_vocab: int = 8192,
+    frozen: int = 0,
+    epochs: int = 2,
+    batch: int = 16,
+    lr: float = 5e-4,
+    seed: int = 0,
+    log=print,
+) -> Path:
     """A draft model cut from the target: its embeddings (and tied LM head), final norm and the
     decoder layers `layers`, the layers (but the first `frozen`, kept exactly the target's: its
     lower layers are a good feature extractor already, and a frozen prefix costs no backward)
@@ -377,12 +477,15 @@ def distill_from_target(target: str, corpus: list[dict], out: Path, layers: list
     for layer in model.model.layers[:frozen]:
         layer.requires_grad_(False)
     head = model.get_output_embeddings().weight
-    log(f"  draft: target layers {layers} ({frozen} frozen), draft vocabulary {len(ids_vocab)}, "
+    log(
+        f"  draft: target layers {layers} ({frozen} frozen), draft vocabulary {len(ids_vocab)}, "
         f"{sum(p.numel() for p in model.parameters() if p.requires_grad)} trained parameters, {len(corpus)} answers, "
-        f"{sum(len(c['top_ids']) for c in corpus)} labelled positions")
+        f"{sum(len(c['top_ids']) for c in corpus)} labelled positions"
+    )
     t0 = time.perf_counter()
-    loss_value = _distill(model, lambda h: h @ head[ids_vocab].T, corpus, lookup, len(ids_vocab), epochs, batch, lr,
-                          0.0, seed, log)
+    loss_value = _distill(
+        model, lambda h: h @ head[ids_vocab].T, corpus, lookup, len(ids_vocab), epochs, batch, lr, 0.0, seed, log
+    )
     model.eval()
     for p in model.parameters():
         p.requires_grad_(False)
@@ -390,11 +493,24 @@ def distill_from_target(target: str, corpus: list[dict], out: Path, layers: list
     model.save_pretrained(out, safe_serialization=True)
     load_tokenizer(target).save_pretrained(out)
     (out / DRAFT_VOCAB_FILE).write_text(json.dumps({"token_ids": ids_vocab.tolist()}))
-    (out / "kiln_training.json").write_text(json.dumps({
-        "target": str(target), "method": "draft_model", "init": "target", "target_layers": list(layers),
-        "frozen_layers": frozen,
-        "draft_vocab": len(ids_vocab), "answers": len(corpus), "labelled_positions": sum(len(c["top_ids"])
-                                                                                         for c in corpus),
-        "epochs": epochs, "lr": lr, "batch": batch, "final_loss": loss_value,
-        "train_seconds": round(time.perf_counter() - t0)}, indent=2))
+    (out / "kiln_training.json").write_text(
+        json.dumps(
+            {
+                "target": str(target),
+                "method": "draft_model",
+                "init": "target",
+                "target_layers": list(layers),
+                "frozen_layers": frozen,
+                "draft_vocab": len(ids_vocab),
+                "answers": len(corpus),
+                "labelled_positions": sum(len(c["top_ids"]) for c in corpus),
+                "epochs": epochs,
+                "lr": lr,
+                "batch": batch,
+                "final_loss": loss_value,
+                "train_seconds": round(time.perf_counter() - t0),
+            },
+            indent=2,
+        )
+    )
     return out

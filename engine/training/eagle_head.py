@@ -67,7 +67,7 @@ class _Attention(nn.Module):
             return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
         passes = cache + [(k, v)]
         k0, v0 = passes[0]
-        scale = self.head_dim ** -0.5
+        scale = self.head_dim**-0.5
         first = (q @ k0.transpose(-1, -2)) * scale  # [b, h, t, t]: keys of pass 0 at positions <= s
         first = first.masked_fill(torch.ones(t, t, dtype=torch.bool, device=x.device).triu(1), -float("inf"))
         own = torch.stack([(q * kj).sum(-1) * scale for kj, _ in passes[1:]], dim=-1)  # [b, h, t, d]
@@ -94,8 +94,9 @@ class _Eagle1Layer(nn.Module):
         h = c["hidden_size"]
         if not first:
             self.input_layernorm = _Norm(h, c["rms_norm_eps"])
-        self.self_attn = _Attention(h, h, c["num_attention_heads"], c["num_key_value_heads"], c["head_dim"],
-                                    c["rope_theta"])
+        self.self_attn = _Attention(
+            h, h, c["num_attention_heads"], c["num_key_value_heads"], c["head_dim"], c["rope_theta"]
+        )
         self.post_attention_layernorm = _Norm(h, c["rms_norm_eps"])
         self.mlp = _MLP(h, c["intermediate_size"])
 
@@ -111,8 +112,9 @@ class _Eagle3Layer(nn.Module):
         h = c["hidden_size"]
         self.input_layernorm = _Norm(h, c["rms_norm_eps"])
         self.hidden_norm = _Norm(h, c["rms_norm_eps"])
-        self.self_attn = _Attention(2 * h, h, c["num_attention_heads"], c["num_key_value_heads"], c["head_dim"],
-                                    c["rope_theta"])
+        self.self_attn = _Attention(
+            2 * h, h, c["num_attention_heads"], c["num_key_value_heads"], c["head_dim"], c["rope_theta"]
+        )
         self.post_attention_layernorm = _Norm(h, c["rms_norm_eps"])
         self.mlp = _MLP(h, c["intermediate_size"])
 
@@ -126,8 +128,15 @@ class TrainableEagle(nn.Module):
     """An EAGLE (version 1) or EAGLE-3 head whose state_dict is the public layout. The target's
     embeddings and LM head are given (frozen, not saved): the head reads the target's."""
 
-    def __init__(self, config: dict, version: int, embed: torch.Tensor, lm_head: torch.Tensor,
-                 target_hidden: int, num_aux: int = 3) -> None:
+    def __init__(
+        self,
+        config: dict,
+        version: int,
+        embed: torch.Tensor,
+        lm_head: torch.Tensor,
+        target_hidden: int,
+        num_aux: int = 3,
+    ) -> None:
         super().__init__()
         self.config, self.version = config, version
         h = config["hidden_size"]
@@ -154,8 +163,9 @@ class TrainableEagle(nn.Module):
             if self.lm_head.weight.shape[1] == self.target_head.shape[1]:
                 self.lm_head.weight.copy_(self.target_head[target_ids])
 
-    def step(self, tokens: torch.Tensor, features: torch.Tensor, positions: torch.Tensor,
-             caches: list[list] | None = None) -> torch.Tensor:
+    def step(
+        self, tokens: torch.Tensor, features: torch.Tensor, positions: torch.Tensor, caches: list[list] | None = None
+    ) -> torch.Tensor:
         """One drafting step over whole sequences: tokens [B, T] (the token after each feature),
         features [B, T, width] (EAGLE: the target's final hidden states, or the head's own output;
         EAGLE-3: the captured layers' (3 Ht wide) or the head's own output (H wide)). Returns the
@@ -183,20 +193,27 @@ def rope_theta(config: dict) -> float:
     return float(config.get("rope_theta") or (config.get("rope_parameters") or {}).get("rope_theta") or 10000.0)
 
 
-def eagle_config(target_config: dict, version: int, draft_vocab_size: int = 0, layers: int = 1,
-                 intermediate_size: int | None = None) -> dict:
+def eagle_config(
+    target_config: dict, version: int, draft_vocab_size: int = 0, layers: int = 1, intermediate_size: int | None = None
+) -> dict:
     """A head's config.json for a target's config: the target's width, heads and rotary base."""
     h = target_config["hidden_size"]
     heads = target_config["num_attention_heads"]
     c = {
         "architectures": ["LlamaForCausalLM"] if version == 1 else ["LlamaForCausalLMEagle3"],
-        "model_type": "llama", "hidden_size": h, "num_hidden_layers": layers if version == 1 else 1,
-        "num_attention_heads": heads, "num_key_value_heads": target_config.get("num_key_value_heads", heads),
+        "model_type": "llama",
+        "hidden_size": h,
+        "num_hidden_layers": layers if version == 1 else 1,
+        "num_attention_heads": heads,
+        "num_key_value_heads": target_config.get("num_key_value_heads", heads),
         "head_dim": target_config.get("head_dim") or h // heads,
         "intermediate_size": intermediate_size or target_config["intermediate_size"],
-        "rms_norm_eps": target_config.get("rms_norm_eps", 1e-6), "rope_theta": rope_theta(target_config),
+        "rms_norm_eps": target_config.get("rms_norm_eps", 1e-6),
+        "rope_theta": rope_theta(target_config),
         "max_position_embeddings": target_config.get("max_position_embeddings", 2048),
-        "vocab_size": target_config["vocab_size"], "hidden_act": "silu", "tie_word_embeddings": False,
+        "vocab_size": target_config["vocab_size"],
+        "hidden_act": "silu",
+        "tie_word_embeddings": False,
         "torch_dtype": "float32",
     }
     if version == 3:
@@ -218,8 +235,15 @@ def save_eagle(head: TrainableEagle, out_dir: Path) -> Path:
     return out_dir
 
 
-def random_eagle(out_dir: Path, target_config: dict, embed: torch.Tensor, lm_head: torch.Tensor, version: int,
-                 seed: int = 0, draft_vocab: torch.Tensor | None = None) -> Path:
+def random_eagle(
+    out_dir: Path,
+    target_config: dict,
+    embed: torch.Tensor,
+    lm_head: torch.Tensor,
+    version: int,
+    seed: int = 0,
+    draft_vocab: torch.Tensor | None = None,
+) -> Path:
     """An untrained head (random weights, norms 1) for a target: tests need only its shapes."""
     torch.manual_seed(seed)
     vd = len(draft_vocab) if draft_vocab is not None else target_config["vocab_size"]

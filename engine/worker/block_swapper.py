@@ -62,8 +62,7 @@ def _index(ids: list[int], device: torch.device) -> torch.Tensor:
     return torch.tensor(ids, dtype=torch.int64, pin_memory=True).to(device, non_blocking=True)
 
 
-def swap_blocks(src: torch.Tensor, dst: torch.Tensor, mapping: Mapping | torch.Tensor,
-                staging: torch.Tensor) -> int:
+def swap_blocks(src: torch.Tensor, dst: torch.Tensor, mapping: Mapping | torch.Tensor, staging: torch.Tensor) -> int:
     """Copy blocks src[s] -> dst[d] for (s, d) in mapping (block-major tensors); returns bytes.
 
     One of src/dst must be contiguous (the CPU pool); `staging` is a contiguous
@@ -75,8 +74,9 @@ def swap_blocks(src: torch.Tensor, dst: torch.Tensor, mapping: Mapping | torch.T
     if not mapping:
         return 0
     if src.shape[1:] != dst.shape[1:] or src.dtype != dst.dtype:
-        raise ValueError(f"block shapes differ: {tuple(src.shape[1:])} {src.dtype} vs "
-                         f"{tuple(dst.shape[1:])} {dst.dtype}")
+        raise ValueError(
+            f"block shapes differ: {tuple(src.shape[1:])} {src.dtype} vs {tuple(dst.shape[1:])} {dst.dtype}"
+        )
     src, dst, staging = byte_view(src), byte_view(dst), byte_view(staging)
     cap = staging.shape[0]
     gather = dst.is_contiguous()
@@ -84,7 +84,7 @@ def swap_blocks(src: torch.Tensor, dst: torch.Tensor, mapping: Mapping | torch.T
         raise ValueError("swap_blocks: one side must be the contiguous block pool")
     dev = staging.device
     for lo in range(0, len(mapping), cap):
-        chunk = mapping[lo:lo + cap]
+        chunk = mapping[lo : lo + cap]
         k = len(chunk)
         src_ids = [s for s, _ in chunk]
         dst_ids = [d for _, d in chunk]
@@ -92,10 +92,10 @@ def swap_blocks(src: torch.Tensor, dst: torch.Tensor, mapping: Mapping | torch.T
             index = _index(src_ids, dev)
             torch.index_select(src, 0, index, out=staging[:k])
             for pos, first, n in _runs(dst_ids):
-                dst[first:first + n].copy_(staging[pos:pos + n], non_blocking=True)
+                dst[first : first + n].copy_(staging[pos : pos + n], non_blocking=True)
         else:
             for pos, first, n in _runs(src_ids):
-                staging[pos:pos + n].copy_(src[first:first + n], non_blocking=True)
+                staging[pos : pos + n].copy_(src[first : first + n], non_blocking=True)
             index = _index(dst_ids, dev)
             dst.index_copy_(0, index, staging[:k])
     return len(mapping) * src[0].numel() * src.element_size()
@@ -104,8 +104,9 @@ def swap_blocks(src: torch.Tensor, dst: torch.Tensor, mapping: Mapping | torch.T
 class BlockSwapper:
     """The CPU block pool plus the stream/event machinery that moves blocks to and from it."""
 
-    def __init__(self, cache: torch.Tensor, num_cpu_blocks: int, staging_bytes: int = 128 << 20,
-                 pin_memory: bool | None = None) -> None:
+    def __init__(
+        self, cache: torch.Tensor, num_cpu_blocks: int, staging_bytes: int = 128 << 20, pin_memory: bool | None = None
+    ) -> None:
         self.device = cache.device
         # An fp8 cache moves as its bytes (uint8): the same copies, and CPU index kernels that
         # have no float8 version work on it.

@@ -34,6 +34,7 @@ from dataclasses import dataclass
 @dataclass(frozen=True)
 class CpuMath:
     """The reduced-precision arithmetic this CPU does natively."""
+
     bf16: bool  # AVX512-BF16 or AMX-BF16
     fp16: bool  # AVX512-FP16 or AMX-FP16
     isa: str  # torch's CPU capability, for the log (e.g. AVX512, AVX2)
@@ -66,13 +67,17 @@ def cpu_auto_dtype(checkpoint: str | None, math: CpuMath) -> tuple[str, str]:
     if checkpoint in (None, "float32"):
         return "float32", ("the checkpoint's dtype" if checkpoint else "the checkpoint names no dtype")
     if checkpoint == "quantized":
-        return "float32", ("a quantised checkpoint: its integer weights stream the same in any dtype, and "
-                           "float32 activations and scales keep its outputs those of the reference")
+        return "float32", (
+            "a quantised checkpoint: its integer weights stream the same in any dtype, and "
+            "float32 activations and scales keep its outputs those of the reference"
+        )
     what = {"bfloat16": "a bf16 checkpoint", "float16": "an fp16 checkpoint"}[checkpoint]
     if math.bf16:
         why = f"{what}, and this CPU multiplies bf16 natively: half the bytes of float32 per step"
         if checkpoint == "float16":
             why += " (fp16 weights rounded to bf16: kiln's CPU kernels take float32 or bf16 activations)"
         return "bfloat16", why
-    return "float32", (f"{what}, but this CPU has no native bf16/fp16 dot products: emulated half-precision "
-                       "matmuls are slower than float32, which holds them exactly")
+    return "float32", (
+        f"{what}, but this CPU has no native bf16/fp16 dot products: emulated half-precision "
+        "matmuls are slower than float32, which holds them exactly"
+    )

@@ -31,12 +31,14 @@ MEMORY_SHARE = 0.25  # of the memory available now, at most, for the copies
 
 def has_amx() -> bool:
     """AMX tiles, where torch runs at AVX-512 (not below a KILN_CPU_ISA limit)."""
-    return (bool(getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)())
-            and torch.backends.cpu.get_cpu_capability().startswith("AVX512"))
+    return bool(
+        getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)()
+    ) and torch.backends.cpu.get_cpu_capability().startswith("AVX512")
 
 
-def gemm_weights_choice(setting: str, dtype: torch.dtype, weight_bytes: int, amx: bool,
-                        available: int) -> tuple[bool, str]:
+def gemm_weights_choice(
+    setting: str, dtype: torch.dtype, weight_bytes: int, amx: bool, available: int
+) -> tuple[bool, str]:
     """(keep the copies?, why in words) for a model of `dtype` whose dense weights hold
     `weight_bytes`, on a CPU with or without AMX and `available` bytes of memory free."""
     if setting not in CHOICES:
@@ -48,15 +50,20 @@ def gemm_weights_choice(setting: str, dtype: torch.dtype, weight_bytes: int, amx
     if setting == "auto" and not amx:
         return False, "auto: only on CPUs with AMX"
     if weight_bytes > MEMORY_SHARE * available:
-        return False, (f"the copy ({weight_bytes / 1e9:.2f} GB) would take more than {MEMORY_SHARE:.0%} of the "
-                       f"{available / 1e9:.1f} GB free")
+        return False, (
+            f"the copy ({weight_bytes / 1e9:.2f} GB) would take more than {MEMORY_SHARE:.0%} of the "
+            f"{available / 1e9:.1f} GB free"
+        )
     return True, f"cpu_gemm_packed_weights={setting}" + (" (an AMX CPU)" if setting == "auto" else "")
 
 
 def _dense_linears(model) -> list:
     """The model's projections with a `gemm_weight` slot (engine/layers/linear.py: Linear) and a dense weight."""
-    return [m for m in model.modules() if hasattr(m, "gemm_weight") and getattr(m, "quant", None) is None
-            and getattr(m, "weight", None) is not None]
+    return [
+        m
+        for m in model.modules()
+        if hasattr(m, "gemm_weight") and getattr(m, "quant", None) is None and getattr(m, "weight", None) is not None
+    ]
 
 
 def dense_weight_bytes(model, dtype: torch.dtype) -> int:

@@ -47,8 +47,9 @@ def _anonymous_mappings() -> list[tuple[int, int]]:
     return out
 
 
-def huge_ranges(tensors: list[torch.Tensor], mappings: list[tuple[int, int]],
-                min_bytes: int = MIN_BYTES) -> list[tuple[int, int]]:
+def huge_ranges(
+    tensors: list[torch.Tensor], mappings: list[tuple[int, int]], min_bytes: int = MIN_BYTES
+) -> list[tuple[int, int]]:
     """The whole 2 MB pages that the CPU tensors of at least min_bytes touch, merged and cut to the
     anonymous mappings they lie in (a huge page never straddles a mapping's edge)."""
     spans = []
@@ -103,10 +104,16 @@ def back_with_huge_pages(tensors: list[torch.Tensor], what: str) -> int:
     gained = _anon_huge_bytes() - before
     wanted = sum(hi - lo for lo, hi in ranges)
     if failed:
-        reasons = ", ".join(f"{'MADV_COLLAPSE' if a == MADV_COLLAPSE else 'MADV_HUGEPAGE'}: {os.strerror(e)}"
-                            for a, e in sorted(failed))
-        logger.info("%s: %.0f of %.0f MiB on 2 MB huge pages (the kernel declined some: %s)", what,
-                    gained / 2**20, wanted / 2**20, reasons)
+        reasons = ", ".join(
+            f"{'MADV_COLLAPSE' if a == MADV_COLLAPSE else 'MADV_HUGEPAGE'}: {os.strerror(e)}" for a, e in sorted(failed)
+        )
+        logger.info(
+            "%s: %.0f of %.0f MiB on 2 MB huge pages (the kernel declined some: %s)",
+            what,
+            gained / 2**20,
+            wanted / 2**20,
+            reasons,
+        )
     else:
         logger.info("%s: %.0f of %.0f MiB on 2 MB huge pages", what, gained / 2**20, wanted / 2**20)
     return max(gained, 0)

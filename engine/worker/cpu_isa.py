@@ -34,9 +34,19 @@ def apply_cpu_isa_limit() -> str | None:
     capability = torch.backends.cpu.get_cpu_capability()
     if setup.before_torch:
         torch_vars = ", ".join(f"{k}={v}" for k, v in setup.torch_isa.items())
-        logger.info("KILN_CPU_ISA=%s: kiln's CPU kernels run at most %s; torch's at %s (%s)", level, level,
-                    capability, torch_vars)
+        logger.info(
+            "KILN_CPU_ISA=%s: kiln's CPU kernels run at most %s; torch's at %s (%s)",
+            level,
+            level,
+            capability,
+            torch_vars,
+        )
     else:
-        logger.warning("KILN_CPU_ISA=%s: kiln's CPU kernels run at most %s, but torch was imported before kiln "
-                       "and its own kernels run at %s (set KILN_CPU_ISA before starting)", level, level, capability)
+        logger.warning(
+            "KILN_CPU_ISA=%s: kiln's CPU kernels run at most %s, but torch was imported before kiln "
+            "and its own kernels run at %s (set KILN_CPU_ISA before starting)",
+            level,
+            level,
+            capability,
+        )
     return level

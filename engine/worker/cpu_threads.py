@@ -83,8 +83,10 @@ class ThreadPlan:
 
     def describe(self) -> str:
         where = f"pinned to cores {_compact(self.cores)}" if self.cores else "not pinned"
-        return (f"{self.threads} compute thread{'s' if self.threads != 1 else ''} of {self.available} "
-                f"available core{'s' if self.available != 1 else ''}, {where}")
+        return (
+            f"{self.threads} compute thread{'s' if self.threads != 1 else ''} of {self.available} "
+            f"available core{'s' if self.available != 1 else ''}, {where}"
+        )
 
 
 def plan_threads(cpu_threads: int | None, cpu_bind: str, available: list[int]) -> ThreadPlan:
@@ -101,8 +103,9 @@ def plan_threads(cpu_threads: int | None, cpu_bind: str, available: list[int]) -
         cores = parse_core_list(mode)
         outside = [c for c in cores if c not in available]
         if outside:
-            raise ValueError(f"cpu_bind: cores {outside} are not available to this process "
-                             f"(available: {_compact(available)})")
+            raise ValueError(
+                f"cpu_bind: cores {outside} are not available to this process (available: {_compact(available)})"
+            )
     if cpu_threads is not None:
         threads = cpu_threads
     elif cores is not None:

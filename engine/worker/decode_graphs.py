@@ -39,9 +39,21 @@ class DecodeGraphRunner:
     lengths on the device, else a power-of-two bucket captured on first use.
     """
 
-    def __init__(self, body: DecodeBody, pad: Callable[[int, int], None], sizes: list[int], *, max_model_len: int,
-                 device_reads_lengths: bool, hidden_size: int, dtype: torch.dtype, device: torch.device,
-                 simulate: bool = False, max_query: int = 1, max_tokens: int | None = None) -> None:
+    def __init__(
+        self,
+        body: DecodeBody,
+        pad: Callable[[int, int], None],
+        sizes: list[int],
+        *,
+        max_model_len: int,
+        device_reads_lengths: bool,
+        hidden_size: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        simulate: bool = False,
+        max_query: int = 1,
+        max_tokens: int | None = None,
+    ) -> None:
         self.body = body
         self.pad = pad
         self.sizes = sizes
@@ -68,9 +80,9 @@ class DecodeGraphRunner:
 
     def _graph_body(self, rows: int, max_seq_len: int, q: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
         hidden, logits = self.body(rows, max_seq_len, q)
-        out = self.hidden[:rows * q]
+        out = self.hidden[: rows * q]
         out.copy_(hidden)
-        tokens = self.tokens[:rows * q]
+        tokens = self.tokens[: rows * q]
         torch.argmax(logits, dim=-1, out=tokens)
         tokens.masked_fill_(~torch.isfinite(logits.amax(dim=-1)), -1)  # as the sampler marks such rows
         return out, tokens
@@ -84,14 +96,24 @@ class DecodeGraphRunner:
         for q in sorted({1, self.max_query}):
             fit = [b for b in self.sizes if b * q <= self.max_tokens]
             if len(fit) < len(self.sizes):
-                logger.info("no %s CUDA graph for batch %s: %d tokens a row exceed the %d rows of the static "
-                            "input buffers (those steps run eagerly)", "decode" if q == 1 else "verify",
-                            ",".join(str(b) for b in self.sizes if b not in fit), q, self.max_tokens)
+                logger.info(
+                    "no %s CUDA graph for batch %s: %d tokens a row exceed the %d rows of the static "
+                    "input buffers (those steps run eagerly)",
+                    "decode" if q == 1 else "verify",
+                    ",".join(str(b) for b in self.sizes if b not in fit),
+                    q,
+                    self.max_tokens,
+                )
             if fit:
                 self.pad(fit[-1], q)
                 seconds += self.graphs.capture_all((b, ctx) if q == 1 else (b, ctx, q) for b in fit)
-        logger.debug("captured %d decode CUDA graphs (batch %s, max_seq_len %d) in %.1fs",
-                     len(self.graphs), ",".join(map(str, self.sizes)), ctx, seconds)
+        logger.debug(
+            "captured %d decode CUDA graphs (batch %s, max_seq_len %d) in %.1fs",
+            len(self.graphs),
+            ",".join(map(str, self.sizes)),
+            ctx,
+            seconds,
+        )
         return seconds
 
     @torch.inference_mode()
@@ -110,9 +132,13 @@ class DecodeGraphRunner:
         key = step.graph_key
         if key not in self.graphs:
             captured = self.graphs.capture(key)  # reference attention, a longer context bucket
-            logger.info("captured %s CUDA graph rows=%d max_seq_len=%d in %.2fs",
-                        "decode" if len(key) == 2 else f"verify ({key[2]} tokens a row)", key[0], key[1],
-                        captured.seconds)
+            logger.info(
+                "captured %s CUDA graph rows=%d max_seq_len=%d in %.2fs",
+                "decode" if len(key) == 2 else f"verify ({key[2]} tokens a row)",
+                key[0],
+                key[1],
+                captured.seconds,
+            )
         self.num_replays += 1
         self.replayed[key] = self.replayed.get(key, 0) + 1
         return self.graphs.replay(key)

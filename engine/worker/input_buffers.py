@@ -79,8 +79,8 @@ class InputBuffers:
         self.np_input_ids[t:end] = 0
         self.np_positions[t:end] = 0
         self.np_slot_mapping[t:end] = -1
-        self.np_seq_lens[n:n + count] = 0
-        self.np_query_start_loc[n + 1:n + count + 1] = np.arange(t + q, end + 1, q)
+        self.np_seq_lens[n : n + count] = 0
+        self.np_query_start_loc[n + 1 : n + count + 1] = np.arange(t + q, end + 1, q)
 
     def write_table_rows(self, keys: list[tuple[list[int], int, int]]) -> None:
         """Rows [0, len(keys)) of the block table := keys[i] = (block list, table version, its
@@ -105,11 +105,15 @@ class InputBuffers:
                 # numpy copy of the run (rows below i are not read again), then any new columns.
                 k = j - i
                 end = i + 1
-                while end < n and end + k < len(held) and held[end + k][0] is keys[end][0] \
-                        and held[end + k][1] == keys[end][1]:
+                while (
+                    end < n
+                    and end + k < len(held)
+                    and held[end + k][0] is keys[end][0]
+                    and held[end + k][1] == keys[end][1]
+                ):
                     end += 1
-                self.np_block_tables[i:end] = self.np_block_tables[i + k:end + k]
-                held[i:end] = held[i + k:end + k]
+                self.np_block_tables[i:end] = self.np_block_tables[i + k : end + k]
+                held[i:end] = held[i + k : end + k]
                 self._table_dirty = True  # (the device gets the used region whole)
                 for r in range(i, end):
                     if keys[r] != held[r]:
@@ -142,15 +146,18 @@ class InputBuffers:
             return
         updates, self._table_updates = self._table_updates, []
         dirty, self._table_dirty = self._table_dirty, False
-        for host, dev, n in ((self.input_ids_host, self.input_ids, num_tokens),
-                             (self.positions_host, self.positions, num_tokens),
-                             (self.slot_mapping_host, self.slot_mapping, num_tokens),
-                             (self.query_start_loc_host, self.query_start_loc, num_seqs + 1),
-                             (self.seq_lens_host, self.seq_lens, num_seqs)):
+        for host, dev, n in (
+            (self.input_ids_host, self.input_ids, num_tokens),
+            (self.positions_host, self.positions, num_tokens),
+            (self.slot_mapping_host, self.slot_mapping, num_tokens),
+            (self.query_start_loc_host, self.query_start_loc, num_seqs + 1),
+            (self.seq_lens_host, self.seq_lens, num_seqs),
+        ):
             dev[:n].copy_(host[:n], non_blocking=True)
         if dirty:
             self.block_tables[:num_seqs, :num_block_cols].copy_(
-                self.block_tables_host[:num_seqs, :num_block_cols], non_blocking=True)
+                self.block_tables_host[:num_seqs, :num_block_cols], non_blocking=True
+            )
         elif updates:
             k = len(updates)
             cells = np.array(updates, dtype=np.int64).reshape(k, 2)

@@ -9,8 +9,14 @@ import torch
 from engine.layers.attention.base import AttentionMetadata
 
 
-def free_gpu_bytes_after_profile(model, dummy_cache: torch.Tensor, num_tokens: int, max_num_seqs: int,
-                                 gpu_memory_utilization: float, device: torch.device) -> float:
+def free_gpu_bytes_after_profile(
+    model,
+    dummy_cache: torch.Tensor,
+    num_tokens: int,
+    max_num_seqs: int,
+    gpu_memory_utilization: float,
+    device: torch.device,
+) -> float:
     """`model` runs `num_tokens` tokens (none writes the cache: every slot is -1) and computes the
     logits of `max_num_seqs` of them, on a two-block `dummy_cache`."""
     torch.cuda.synchronize()
@@ -22,7 +28,9 @@ def free_gpu_bytes_after_profile(model, dummy_cache: torch.Tensor, num_tokens: i
         query_start_loc=torch.arange(n + 1, dtype=torch.int32, device=device),
         seq_lens=torch.zeros(n, dtype=torch.int32, device=device),
         block_tables=torch.zeros(n, 1, dtype=torch.int32, device=device),
-        max_query_len=1, max_seq_len=1)
+        max_query_len=1,
+        max_seq_len=1,
+    )
     with torch.inference_mode():
         hidden = model(ids, ids, dummy_cache, meta)
         model.compute_logits(hidden[:max_num_seqs])

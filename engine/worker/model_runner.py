@@ -52,8 +52,17 @@ class DeviceProposer(Protocol):
 class ModelRunner:
     executor: Any = None  # the tensor-parallel executor (TensorParallelRunner's), set by the builder
 
-    def __init__(self, model: torch.nn.Module, kv_cache: KVCache, sampler: Sampler, device: torch.device,
-                 block_size: int, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int) -> None:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        kv_cache: KVCache,
+        sampler: Sampler,
+        device: torch.device,
+        block_size: int,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        max_model_len: int,
+    ) -> None:
         self.model = model
         self.kv_cache = kv_cache
         self.sampler = sampler
@@ -104,8 +113,10 @@ class ModelRunner:
         self.builder.compiled = True
         # Float constants (norm eps, attention scale) specialised up front: left symbolic, Dynamo
         # traces each graph twice (it restarts once they are found to be constants).
-        with torch.fx.experimental._config.patch(use_duck_shape=False), \
-                torch._dynamo.config.patch(specialize_float=True):
+        with (
+            torch.fx.experimental._config.patch(use_duck_shape=False),
+            torch._dynamo.config.patch(specialize_float=True),
+        ):
             self._compile_warmup_steps()
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
@@ -116,11 +127,17 @@ class ModelRunner:
         for num_tokens, num_seqs, max_q in ((1, 1, 1), (3, 3, 1), (5, 2, 4)):
             self.builder.fill_padding_step(num_seqs, num_tokens)
             meta = self.builder.compiled_meta(num_tokens, num_seqs, max_q, max_q)
-            self.forward_fn(buf.input_ids[:num_tokens], buf.positions[:num_tokens], self.kv_cache.tensor, meta,
-                            self.builder.features.context(num_tokens))
+            self.forward_fn(
+                buf.input_ids[:num_tokens],
+                buf.positions[:num_tokens],
+                self.kv_cache.tensor,
+                meta,
+                self.builder.features.context(num_tokens),
+            )
 
-    def capture_graphs(self, sizes: list[int], device_reads_lengths: bool, simulate: bool = False,
-                       max_query: int = 1) -> float:
+    def capture_graphs(
+        self, sizes: list[int], device_reads_lengths: bool, simulate: bool = False, max_query: int = 1
+    ) -> float:
         """Capture one decode graph per batch bucket (CUDA only); returns seconds.
 
         simulate=True (tests on the CPU): no CUDA graphs, each "replay" runs the graph body
@@ -138,11 +155,18 @@ class ModelRunner:
         if sizes[-1] > self.buffers.max_seqs - 1:
             raise ValueError(f"cuda_graph_sizes: {sizes[-1]} is larger than max_num_seqs")
         self.graph_runner = DecodeGraphRunner(
-            self._decode_graph_body, lambda rows, q: self.builder.fill_padding_step(rows, q=q), sizes,
+            self._decode_graph_body,
+            lambda rows, q: self.builder.fill_padding_step(rows, q=q),
+            sizes,
             max_model_len=self.max_model_len,
-            device_reads_lengths=device_reads_lengths, hidden_size=self.model.config.hidden_size,
-            dtype=self.kv_cache.model_dtype, device=self.device, simulate=simulate, max_query=max_query,
-            max_tokens=self.graph_token_capacity())
+            device_reads_lengths=device_reads_lengths,
+            hidden_size=self.model.config.hidden_size,
+            dtype=self.kv_cache.model_dtype,
+            device=self.device,
+            simulate=simulate,
+            max_query=max_query,
+            max_tokens=self.graph_token_capacity(),
+        )
         self.builder.graph_key = self.graph_runner.key_for
         return self.graph_runner.capture_startup()
 
@@ -206,8 +230,11 @@ class ModelRunner:
             if step.rows:
                 n = len(step.sample_indices)
                 # A decode step samples rows 0..n-1 in order: a view, no gather (nor an index upload).
-                picked = hidden[:n] if step.sample_indices == list(range(n)) else hidden[
-                    torch.tensor(step.sample_indices, device=self.device)]
+                picked = (
+                    hidden[:n]
+                    if step.sample_indices == list(range(n))
+                    else hidden[torch.tensor(step.sample_indices, device=self.device)]
+                )
                 pending.deferred = (self.model.compute_logits(picked), step.rows)
             for task, seq_id, plan in step.reads:
                 pending.task_results[seq_id] = read_task(task, self.model, hidden, plan)
@@ -250,8 +277,13 @@ class ModelRunner:
 
     def run_model(self, step: StepInputs) -> torch.Tensor:
         buf = self.buffers
-        return self.forward_fn(buf.input_ids[:step.num_tokens], buf.positions[:step.num_tokens],
-                               self.kv_cache.tensor, step.meta, step.ctx)
+        return self.forward_fn(
+            buf.input_ids[: step.num_tokens],
+            buf.positions[: step.num_tokens],
+            self.kv_cache.tensor,
+            step.meta,
+            step.ctx,
+        )
 
 
 class PendingStep:

@@ -37,15 +37,24 @@ class StepInputs:
     ctx: ForwardContext | None
     sample_indices: list[int]  # rows of the hidden states to sample from (repeated for forks)
     rows: list[SampleRow]
-    graph_key: tuple[int, ...] | None = None  # (rows, ctx) of the decode graph to replay; (rows, ctx, q): a verify graph
+    graph_key: tuple[int, ...] | None = (
+        None  # (rows, ctx) of the decode graph to replay; (rows, ctx, q): a verify graph
+    )
     # Tasks that read this step's hidden states: (task, seq id, its plan) (engine/core/request_kinds.py).
     reads: list[tuple[Any, int, Any]] = field(default_factory=list)
 
 
 def _sample_row(s: ScheduledSeq, k: int = 0, extra: list[int] | None = None) -> SampleRow:
     index = s.sample_index + k
-    return SampleRow(s.params, s.all_token_ids, s.num_prompt_tokens, index,
-                     s.grammars[index] if s.grammars and extra is None else None, extra=extra or [], key=s.seq_id)
+    return SampleRow(
+        s.params,
+        s.all_token_ids,
+        s.num_prompt_tokens,
+        index,
+        s.grammars[index] if s.grammars and extra is None else None,
+        extra=extra or [],
+        key=s.seq_id,
+    )
 
 
 class StepBuilder:
@@ -138,18 +147,24 @@ class StepBuilder:
             buf.np_input_ids[:t] = all_ids
             # token j of sequence i sits at position starts[i] + (j - query_start[i])
             pos = buf.np_positions[:t]
-            np.add(np.arange(t, dtype=np.int64),
-                   np.repeat(np.asarray(starts, dtype=np.int64) - buf.np_query_start_loc[:len(seqs)], counts),
-                   out=pos)
-            row_of = np.repeat(self._arange[:len(seqs)], counts)
-            np.add(buf.np_block_tables[row_of, pos // bs].astype(np.int64) * bs, pos % bs,
-                   out=buf.np_slot_mapping[:t])
+            np.add(
+                np.arange(t, dtype=np.int64),
+                np.repeat(np.asarray(starts, dtype=np.int64) - buf.np_query_start_loc[: len(seqs)], counts),
+                out=pos,
+            )
+            row_of = np.repeat(self._arange[: len(seqs)], counts)
+            np.add(buf.np_block_tables[row_of, pos // bs].astype(np.int64) * bs, pos % bs, out=buf.np_slot_mapping[:t])
         key = None
-        if self.graph_key is not None and seqs and max_q > 1 and all([s.verifies and s.num_tokens == max_q
-                                                                      for s in seqs]):
+        if (
+            self.graph_key is not None
+            and seqs
+            and max_q > 1
+            and all([s.verifies and s.num_tokens == max_q for s in seqs])
+        ):
             key = self.graph_key(len(seqs), max_len, max_q)  # (every sequence verifies max_q tokens)
-        step = self._finish(t, len(seqs), max_q, max_len, max_cols, sample_indices, rows, key, num_decodes,
-                            feed_rows, feed_ids)
+        step = self._finish(
+            t, len(seqs), max_q, max_len, max_cols, sample_indices, rows, key, num_decodes, feed_rows, feed_ids
+        )
         step.reads = reads
         return step
 
@@ -169,7 +184,7 @@ class StepBuilder:
         buf.np_slot_mapping[:n] = [s.block_ids[(p := s.start_pos) // bs] * bs + p % bs for s in seqs]
         max_len = max(positions) + 1
         buf.np_seq_lens[:n] = [p + 1 for p in positions]
-        buf.np_query_start_loc[:n + 1] = self._arange[:n + 1]
+        buf.np_query_start_loc[: n + 1] = self._arange[: n + 1]
         self.features.write_decode(seqs)
         feed_rows: list[int] = []
         feed_ids: list[int] = []
@@ -181,8 +196,19 @@ class StepBuilder:
                 feed_rows = [i for i, token in enumerate(tokens) if token == PLACEHOLDER]
                 feed_ids = [seqs[i].seq_id for i in feed_rows]
         key = self.graph_key(n, max_len) if self.graph_key is not None else None
-        return self._finish(n, n, 1, max_len, max([k[2] for k in keys]), self._range[:n], self._decode_rows(seqs),
-                            key, n, feed_rows, feed_ids)
+        return self._finish(
+            n,
+            n,
+            1,
+            max_len,
+            max([k[2] for k in keys]),
+            self._range[:n],
+            self._decode_rows(seqs),
+            key,
+            n,
+            feed_rows,
+            feed_ids,
+        )
 
     def _decode_rows(self, seqs: list[ScheduledSeq]) -> list[SampleRow]:
         """The sampler rows of a decode step: each sequence's row of its previous step (a
@@ -198,9 +224,20 @@ class StepBuilder:
                 self._rows = {s.seq_id: r for s, r in zip(seqs, rows)}
         return rows
 
-    def _finish(self, t: int, num_seqs: int, max_q: int, max_len: int, max_cols: int,
-                sample_indices: list[int], rows: list[SampleRow], graph_key: tuple[int, int] | None,
-                num_decodes: int, feed_rows: list[int], feed_ids: list[int]) -> StepInputs:
+    def _finish(
+        self,
+        t: int,
+        num_seqs: int,
+        max_q: int,
+        max_len: int,
+        max_cols: int,
+        sample_indices: list[int],
+        rows: list[SampleRow],
+        graph_key: tuple[int, int] | None,
+        num_decodes: int,
+        feed_rows: list[int],
+        feed_ids: list[int],
+    ) -> StepInputs:
         buf = self.buffers
         padded_seqs = num_seqs
         q = 1  # tokens per padding sequence (a verify graph's rows have q each)
@@ -229,8 +266,11 @@ class StepBuilder:
                 if len(self._views) > 1024:
                     self._views.clear()
                 views = self._views[t, num_seqs, max_cols] = (
-                    buf.slot_mapping[:t], buf.query_start_loc[:num_seqs + 1], buf.seq_lens[:num_seqs],
-                    buf.block_tables[:num_seqs, :max_cols])
+                    buf.slot_mapping[:t],
+                    buf.query_start_loc[: num_seqs + 1],
+                    buf.seq_lens[:num_seqs],
+                    buf.block_tables[:num_seqs, :max_cols],
+                )
             meta = AttentionMetadata(*views, max_query_len=max_q, max_seq_len=max_len, num_decodes=num_decodes)
         return StepInputs(t_padded, padded_seqs, meta, self.features.context(t_padded), sample_indices, rows)
 
@@ -305,8 +345,9 @@ class StepBuilder:
         token_rows = [r for i, _ in hit for r in range(int(starts[i]), int(starts[i + 1]))]
         row_seq = [i for i, _ in hit for _ in range(int(starts[i]), int(starts[i + 1]))]
         shift = verify.shift[torch.tensor([v for _, v in hit], dtype=torch.int64).to(device)]
-        per_row = torch.repeat_interleave(shift, torch.tensor([int(starts[i + 1] - starts[i]) for i, _ in hit],
-                                                              dtype=torch.int64).to(device))
+        per_row = torch.repeat_interleave(
+            shift, torch.tensor([int(starts[i + 1] - starts[i]) for i, _ in hit], dtype=torch.int64).to(device)
+        )
         rows = torch.tensor(token_rows, dtype=torch.int64).to(device)
         seq_index = torch.tensor([i for i, _ in hit], dtype=torch.int64).to(device)
         buf.positions.index_add_(0, rows, per_row.to(buf.positions.dtype))
@@ -316,15 +357,16 @@ class StepBuilder:
         blocks = buf.block_tables[torch.tensor(row_seq, dtype=torch.int64).to(device), pos // bs].to(torch.int64)
         buf.slot_mapping[rows] = blocks * bs + pos % bs
 
-    def compiled_meta(self, num_tokens: int, num_seqs: int, max_q: int, max_len: int,
-                      num_decodes: int = 0) -> AttentionMetadata:
+    def compiled_meta(
+        self, num_tokens: int, num_seqs: int, max_q: int, max_len: int, num_decodes: int = 0
+    ) -> AttentionMetadata:
         """Metadata for the compiled forward: full-width (static) block tables, max_seq_len >= 2."""
         buf = self.buffers
         tables = buf.block_tables[:num_seqs]
         mark_static_dims((tables,), (1,))
         return AttentionMetadata(
             slot_mapping=buf.slot_mapping[:num_tokens],
-            query_start_loc=buf.query_start_loc[:num_seqs + 1],
+            query_start_loc=buf.query_start_loc[: num_seqs + 1],
             seq_lens=buf.seq_lens[:num_seqs],
             block_tables=tables,
             max_query_len=max_q,

@@ -28,20 +28,21 @@ def read_task(task: Task, model, hidden: torch.Tensor, plan: Any) -> Any:
     raise TypeError(f"{type(task).__name__} reads nothing from the hidden states")
 
 
-def _prompt_logprobs(task: ScorePrompt, model, hidden: torch.Tensor, plan: tuple[int, int, list[int]]
-                     ) -> tuple[int, list[dict[int, float]]]:
+def _prompt_logprobs(
+    task: ScorePrompt, model, hidden: torch.Tensor, plan: tuple[int, int, list[int]]
+) -> tuple[int, list[dict[int, float]]]:
     row, first, targets = plan
     entries: list[dict[int, float]] = []
     for lo in range(0, len(targets), PROMPT_LOGPROB_ROWS):
-        chunk = targets[lo:lo + PROMPT_LOGPROB_ROWS]
-        logits = model.compute_logits(hidden[row + lo:row + lo + len(chunk)])
+        chunk = targets[lo : lo + PROMPT_LOGPROB_ROWS]
+        logits = model.compute_logits(hidden[row + lo : row + lo + len(chunk)])
         entries += prompt_token_logprobs(logits, chunk, task.top_n)
     return first, entries
 
 
 def _pooled(task: Pool, hidden: torch.Tensor, plan: tuple[int, int, int, bool]) -> tuple[Any, int, int, bool]:
     row, rows, start, final = plan
-    chunk = hidden[row:row + rows].float()
+    chunk = hidden[row : row + rows].float()
     if task.pooling.pooling_type == "mean":
         return chunk.sum(dim=0), rows, start, final
     return chunk[-1], 1, start, final

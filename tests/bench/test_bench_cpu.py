@@ -28,9 +28,29 @@ def test_bench_cpu_runs_every_setting_with_and_without_the_neighbour(tiny_llama,
     before = torch.get_num_threads()
     out = tmp_path / "cpu.json"
     try:
-        rc = cpu.main(["--model", str(tiny_llama), "--enforce-eager", "--threads", "default,1,2", "--rounds", "1",
-                       "--requests", "6", "--output-len", "3", "--batch1-tokens", "4", "--input-len", "8",
-                       "--max-model-len", "128", "--json", str(out)])
+        rc = cpu.main(
+            [
+                "--model",
+                str(tiny_llama),
+                "--enforce-eager",
+                "--threads",
+                "default,1,2",
+                "--rounds",
+                "1",
+                "--requests",
+                "6",
+                "--output-len",
+                "3",
+                "--batch1-tokens",
+                "4",
+                "--input-len",
+                "8",
+                "--max-model-len",
+                "128",
+                "--json",
+                str(out),
+            ]
+        )
     finally:
         torch.set_num_threads(before)
     assert rc == 0
@@ -59,9 +79,17 @@ def test_step_parts_split_a_decode_step(tiny_llama, capsys):
     assert cpu.step_part("kiln_cpu::paged_attention") == "attention"
     assert cpu.step_part("kiln_cpu_fused::rms_norm") == "fused norms/rope/act"
     assert cpu.step_part("aten::add") == "other torch ops"
-    engine = LLMEngine.from_settings(EngineSettings(model=str(tiny_llama), device="cpu", max_model_len=128,
-                                                    num_gpu_blocks=64, max_num_seqs=4, log_stats_interval=0,
-                                                    enforce_eager=True))
+    engine = LLMEngine.from_settings(
+        EngineSettings(
+            model=str(tiny_llama),
+            device="cpu",
+            max_model_len=128,
+            num_gpu_blocks=64,
+            max_num_seqs=4,
+            log_stats_interval=0,
+            enforce_eager=True,
+        )
+    )
     row = cpu.step_parts(engine, batch=2, steps=4, input_len=8)
     assert row["ops_per_step"] > 0 and row["parts_us"]["linear"] > 0 and row["parts_us"]["attention"] > 0
     assert sum(row["parts_us"].values()) >= row["step_us"] * 0.99
@@ -75,8 +103,9 @@ def test_decoder_stack_against_op_by_op(tiny_llama, capsys):
     from engine.config.settings import EngineSettings
     from engine.runtime.llm_engine import LLMEngine
 
-    common = dict(model=str(tiny_llama), device="cpu", max_model_len=128, num_gpu_blocks=64, max_num_seqs=4,
-                  log_stats_interval=0)
+    common = dict(
+        model=str(tiny_llama), device="cpu", max_model_len=128, num_gpu_blocks=64, max_num_seqs=4, log_stats_interval=0
+    )
     engine = LLMEngine.from_settings(EngineSettings(**common))
     stack = engine.core.runner.model.cpu_stack
     assert stack is not None

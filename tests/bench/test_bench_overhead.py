@@ -14,7 +14,8 @@ def _rows(tmp_path, capsys, *args: str) -> tuple[list[dict], str]:
 
 def _check(rows: list[dict], batches: list[int]) -> None:
     assert sorted((r["batch"], r["loop"]) for r in rows) == sorted(
-        (b, loop) for b in batches for loop in ("serial", "overlap"))
+        (b, loop) for b in batches for loop in ("serial", "overlap")
+    )
     for r in rows:  # (medians over the steps: each phase's median is at most the total's)
         assert all(0 <= r[p] <= r["total"] for p in PHASES), r
         assert r["process"] > 0 and r["schedule"] > 0 and r["prep"] > 0, r  # every phase ran and was timed

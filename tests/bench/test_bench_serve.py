@@ -42,9 +42,18 @@ def test_poisson_arrivals_are_seeded_with_the_right_mean():
 def live_server(tiny_llama):
     import uvicorn
 
-    state = create_state(EngineSettings(model=str(tiny_llama), device="cpu", enforce_eager=True, max_model_len=128,
-                                        num_gpu_blocks=128, max_num_seqs=16, log_stats_interval=0),
-                         ServerSettings(served_model_name="bench", api_key="k"))
+    state = create_state(
+        EngineSettings(
+            model=str(tiny_llama),
+            device="cpu",
+            enforce_eager=True,
+            max_model_len=128,
+            num_gpu_blocks=128,
+            max_num_seqs=16,
+            log_stats_interval=0,
+        ),
+        ServerSettings(served_model_name="bench", api_key="k"),
+    )
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
@@ -81,9 +90,16 @@ def test_goodput_counts_requests_meeting_every_slo():
 
 
 def _sharegpt_file(path):
-    convs = [{"id": str(i), "conversations": [
-        {"from": "human", "value": f"question number {i} about kiln and clay ovens please"},
-        {"from": "gpt", "value": "an answer with a few words in it " * (1 + i % 3)}]} for i in range(20)]
+    convs = [
+        {
+            "id": str(i),
+            "conversations": [
+                {"from": "human", "value": f"question number {i} about kiln and clay ovens please"},
+                {"from": "gpt", "value": "an answer with a few words in it " * (1 + i % 3)},
+            ],
+        }
+        for i in range(20)
+    ]
     convs.append({"id": "short", "conversations": [{"from": "human", "value": "hi"}]})
     path.write_text(json.dumps(convs))
     return path
@@ -100,10 +116,34 @@ def test_sharegpt_reader(tmp_path):
 def test_bench_against_live_server(live_server, tmp_path, capsys):
     url, state = live_server
     out = tmp_path / "bench.json"
-    rc = main(["--base-url", url + "/v1", "--api-key", "k", "--num-prompts", "12", "--request-rate", "50",
-               "--input-len", "8", "--output-len", "6", "--max-concurrency", "8", "--ignore-eos",
-               "--save-result", "--result-dir", str(tmp_path), "--result-filename", out.name,
-               "--metric-percentiles", "50,90,99", "--goodput", "e2el:60000"])
+    rc = main(
+        [
+            "--base-url",
+            url + "/v1",
+            "--api-key",
+            "k",
+            "--num-prompts",
+            "12",
+            "--request-rate",
+            "50",
+            "--input-len",
+            "8",
+            "--output-len",
+            "6",
+            "--max-concurrency",
+            "8",
+            "--ignore-eos",
+            "--save-result",
+            "--result-dir",
+            str(tmp_path),
+            "--result-filename",
+            out.name,
+            "--metric-percentiles",
+            "50,90,99",
+            "--goodput",
+            "e2el:60000",
+        ]
+    )
     assert rc == 0
     result = json.loads(out.read_text())
     assert result["request_goodput"] == pytest.approx(result["request_throughput"])
@@ -113,8 +153,13 @@ def test_bench_against_live_server(live_server, tmp_path, capsys):
     assert 0 < result["ttft_ms"]["median"] <= result["e2el_ms"]["median"]
     assert result["tpot_ms"]["mean"] > 0 and result["itl_ms"]["mean"] > 0
     printed = capsys.readouterr()
-    for line in ("Mean TTFT (ms):", "P99 ITL (ms):", "P90 E2EL (ms):", "Request throughput (req/s):",
-                 "Request goodput (req/s):"):
+    for line in (
+        "Mean TTFT (ms):",
+        "P99 ITL (ms):",
+        "P90 E2EL (ms):",
+        "Request throughput (req/s):",
+        "Request goodput (req/s):",
+    ):
         assert line in printed.out
     assert "HTTP Request" not in printed.err  # no log line per request
     # failures are counted, not hidden: a wrong key makes every request fail
@@ -126,9 +171,32 @@ def test_bench_chat_endpoint_with_sharegpt(live_server, tmp_path, capsys):
     url, state = live_server
     data = _sharegpt_file(tmp_path / "sg.json")
     out = tmp_path / "chat.json"
-    rc = main(["--url", url, "--api-key", "k", "--backend", "openai-chat", "--dataset-name", "sharegpt",
-               "--dataset-path", str(data), "--num-prompts", "6", "--max-concurrency", "3", "--request-rate", "40",
-               "--sharegpt-output-len", "5", "--ignore-eos", "--json", str(out), "--disable-tqdm"])
+    rc = main(
+        [
+            "--url",
+            url,
+            "--api-key",
+            "k",
+            "--backend",
+            "openai-chat",
+            "--dataset-name",
+            "sharegpt",
+            "--dataset-path",
+            str(data),
+            "--num-prompts",
+            "6",
+            "--max-concurrency",
+            "3",
+            "--request-rate",
+            "40",
+            "--sharegpt-output-len",
+            "5",
+            "--ignore-eos",
+            "--json",
+            str(out),
+            "--disable-tqdm",
+        ]
+    )
     assert rc == 0
     result = json.loads(out.read_text())
     assert result["completed"] == 6 and result["total_output_tokens"] == 30
@@ -141,8 +209,26 @@ def test_bench_chat_endpoint_with_sharegpt(live_server, tmp_path, capsys):
 def test_bench_random_chat_prompts(live_server, tmp_path):
     url, state = live_server
     out = tmp_path / "rc.json"
-    rc = main(["--url", url, "--api-key", "k", "--backend", "openai-chat", "--num-prompts", "4", "--input-len", "6",
-               "--output-len", "3", "--ignore-eos", "--json", str(out), "--disable-tqdm"])
+    rc = main(
+        [
+            "--url",
+            url,
+            "--api-key",
+            "k",
+            "--backend",
+            "openai-chat",
+            "--num-prompts",
+            "4",
+            "--input-len",
+            "6",
+            "--output-len",
+            "3",
+            "--ignore-eos",
+            "--json",
+            str(out),
+            "--disable-tqdm",
+        ]
+    )
     assert rc == 0 and json.loads(out.read_text())["total_output_tokens"] == 12
 
 
@@ -172,8 +258,17 @@ def test_random_prompts_are_the_same_token_ids_for_a_llama_cpp_server():
         return httpx.Response(200, json={"prompt": " ".join(map(str, body["tokens"]))})
 
     async def draw(handler, backend="openai"):
-        cfg = BenchConfig(url="http://t", model="m", num_prompts=5, request_rate=float("inf"), max_concurrency=None,
-                          input_len=12, output_len=4, seed=3, backend=backend)
+        cfg = BenchConfig(
+            url="http://t",
+            model="m",
+            num_prompts=5,
+            request_rate=float("inf"),
+            max_concurrency=None,
+            input_len=12,
+            output_len=4,
+            seed=3,
+            backend=backend,
+        )
         async with httpx.AsyncClient(transport=httpx.MockTransport(handler), base_url="http://t") as http:
             return [r.prompt for r in await random_requests(ServerTokenizer(http, cfg, {}), cfg)]
 

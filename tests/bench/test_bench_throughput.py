@@ -9,8 +9,26 @@ from engine.bench.throughput import main
 
 def test_bench_throughput_alternates_and_prints_ratios(tiny_llama, tmp_path, capsys):
     out = tmp_path / "tp.json"
-    rc = main(["--model", str(tiny_llama), "--device", "cpu", "--num-requests", "6", "--prompt-len", "4,12",
-               "--output-len", "2,6", "--max-num-seqs", "4", "--repeats", "2", "--json", str(out)])
+    rc = main(
+        [
+            "--model",
+            str(tiny_llama),
+            "--device",
+            "cpu",
+            "--num-requests",
+            "6",
+            "--prompt-len",
+            "4,12",
+            "--output-len",
+            "2,6",
+            "--max-num-seqs",
+            "4",
+            "--repeats",
+            "2",
+            "--json",
+            str(out),
+        ]
+    )
     assert rc == 0
     text = capsys.readouterr().out
     assert "fastest of 2" in text and "ratio kiln / transformers:" in text and "per CPU second" in text

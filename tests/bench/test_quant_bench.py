@@ -15,8 +15,24 @@ pytest.importorskip("compressed_tensors")
 @pytest.mark.parametrize("quantization,linear_ratio", [("gptq", (0.25, 0.30)), ("fp8", (0.50, 0.52))])
 def test_load_only_memory(quantization, linear_ratio, tiny_llama, tmp_path):
     out = tmp_path / "mem.json"
-    rc = latency.main(["--model", str(tiny_llama), "--device", "cpu", "--enforce-eager", "--dtype", "bfloat16",
-                       "--load-format", "dummy", "--quantization", quantization, "--load-only", "--json", str(out)])
+    rc = latency.main(
+        [
+            "--model",
+            str(tiny_llama),
+            "--device",
+            "cpu",
+            "--enforce-eager",
+            "--dtype",
+            "bfloat16",
+            "--load-format",
+            "dummy",
+            "--quantization",
+            quantization,
+            "--load-only",
+            "--json",
+            str(out),
+        ]
+    )
     assert rc == 0
     row = json.loads(out.read_text())
     assert row["quantization"] == quantization
@@ -30,9 +46,26 @@ def test_latency_on_gptq_checkpoint_with_baseline(tiny_llama, tmp_path):
 
     quant_dir, _ = write_quantized(tiny_llama, tmp_path, "gptq", bits=4, group_size=32)
     out = tmp_path / "lat.json"
-    rc = latency.main(["--model", str(quant_dir), "--device", "cpu", "--enforce-eager", "--batch-size", "2",
-                       "--input-len", "8", "--output-len", "4", "--warmup-steps", "2", "--baseline",
-                       "--json", str(out)])
+    rc = latency.main(
+        [
+            "--model",
+            str(quant_dir),
+            "--device",
+            "cpu",
+            "--enforce-eager",
+            "--batch-size",
+            "2",
+            "--input-len",
+            "8",
+            "--output-len",
+            "4",
+            "--warmup-steps",
+            "2",
+            "--baseline",
+            "--json",
+            str(out),
+        ]
+    )
     assert rc == 0
     row = json.loads(out.read_text())
     assert row["first_token_agreement"] == 1.0  # transformers runs the dequantised weights

@@ -21,8 +21,9 @@ def test_bench_scheduler_times_both_schedulers_and_prints_the_ratio(monkeypatch,
     if subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True).returncode:
         pytest.skip("not a git checkout: no baseline revision to load")
     bench = _bench()
-    monkeypatch.setattr(sys, "argv", ["bench_scheduler", "--baseline", "HEAD", "--batches", "1,8",
-                                      "--steps", "12", "--repeats", "1"])
+    monkeypatch.setattr(
+        sys, "argv", ["bench_scheduler", "--baseline", "HEAD", "--batches", "1,8", "--steps", "12", "--repeats", "1"]
+    )
     assert bench.main() == 0
     out = capsys.readouterr().out
     rows = [line.split() for line in out.splitlines() if line.split()[:1] in (["1"], ["8"])]

@@ -18,8 +18,16 @@ from engine.runtime.llm_engine import LLMEngine
 from tests.support.engine import assert_engine_clean
 
 SIZES = [1, 2, 4, 8]
-COMMON = dict(device="cpu", max_num_seqs=12, num_gpu_blocks=160, max_model_len=320, block_size=16,
-              max_num_batched_tokens=96, enable_prefix_caching=False, cpu_compile_forward=True)
+COMMON = dict(
+    device="cpu",
+    max_num_seqs=12,
+    num_gpu_blocks=160,
+    max_model_len=320,
+    block_size=16,
+    max_num_batched_tokens=96,
+    enable_prefix_caching=False,
+    cpu_compile_forward=True,
+)
 # Near-tie allowance: a compiled and an eager run may pick different tokens only where the
 # eager top-2 logprobs are this close (float32, reassociated reductions in Inductor's kernels).
 NEAR_TIE = 1e-3
@@ -37,8 +45,9 @@ def engines(tiny_llama, compile_cache):
 
     eager = LLMEngine.from_settings(EngineSettings(model=str(tiny_llama), enforce_eager=True, **COMMON))
     before, aot_before = compile_count(), counters["aot_autograd"]["total"]
-    compiled = LLMEngine.from_settings(EngineSettings(model=str(tiny_llama), enforce_eager=False,
-                                                      compile_cache_dir=cache, **COMMON))
+    compiled = LLMEngine.from_settings(
+        EngineSettings(model=str(tiny_llama), enforce_eager=False, compile_cache_dir=cache, **COMMON)
+    )
     compiled.start_graphs = compile_count() - before
     compiled.start_aot_compiles = counters["aot_autograd"]["total"] - aot_before
     compiled.core.runner.capture_graphs(SIZES, device_reads_lengths=False, simulate=True)
@@ -52,8 +61,9 @@ def _prompts(engine, n: int, seed: int) -> list[list[int]]:
     return [torch.randint(3, vocab, (ln,), generator=g).tolist() for ln in lengths]
 
 
-def _drive(engine, arrivals: dict[int, list[tuple[list[int], int]]], logprobs: int | None = None,
-           max_steps: int = 1000):
+def _drive(
+    engine, arrivals: dict[int, list[tuple[list[int], int]]], logprobs: int | None = None, max_steps: int = 1000
+):
     """Add (prompt, max_tokens) requests at the given step numbers; run to completion.
 
     Returns ({request id: (token ids, logprob entries)}, [batch size of each step]).
@@ -64,9 +74,13 @@ def _drive(engine, arrivals: dict[int, list[tuple[list[int], int]]], logprobs: i
     counter = 0
     while step < max_steps and (engine.core.has_unfinished_requests() or any(k >= step for k in arrivals)):
         for prompt, max_tokens in arrivals.get(step, []):
-            engine.add_request(prompt, SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True,
-                                                      logprobs=logprobs, detokenize=False),
-                               request_id=f"r{counter}")
+            engine.add_request(
+                prompt,
+                SamplingParams(
+                    temperature=0.0, max_tokens=max_tokens, ignore_eos=True, logprobs=logprobs, detokenize=False
+                ),
+                request_id=f"r{counter}",
+            )
             counter += 1
         for out in engine.step():
             if out.finished:
@@ -113,9 +127,14 @@ def test_compile_cache_hit_with_another_pool_size(engines, tiny_llama, compile_c
     from torch._dynamo.utils import counters
 
     misses = counters["inductor"]["fxgraph_cache_miss"]
-    other = LLMEngine.from_settings(EngineSettings(model=str(tiny_llama), enforce_eager=False,
-                                                   compile_cache_dir=compile_cache,
-                                                   **{**COMMON, "num_gpu_blocks": COMMON["num_gpu_blocks"] + 37}))
+    other = LLMEngine.from_settings(
+        EngineSettings(
+            model=str(tiny_llama),
+            enforce_eager=False,
+            compile_cache_dir=compile_cache,
+            **{**COMMON, "num_gpu_blocks": COMMON["num_gpu_blocks"] + 37},
+        )
+    )
     # In this process Dynamo may reuse its graphs outright (no Inductor call at all); in a new
     # process every graph is a cache hit (benchmarks/, warm start). Never a miss.
     assert counters["inductor"]["fxgraph_cache_miss"] == misses, "a different pool size recompiled"
@@ -143,7 +162,8 @@ def test_compiled_greedy_matches_eager(engines):
         # Only allowed at a near-tie of the eager logits at the first differing position.
         top = sorted(lps[k].values(), reverse=True)
         assert len(top) >= 2 and top[0] - top[1] < NEAR_TIE, (
-            f"{rid}: compiled and eager differ at output {k} without a near-tie: {lps[k]}")
+            f"{rid}: compiled and eager differ at output {k} without a near-tie: {lps[k]}"
+        )
         ties.append(rid)
     assert len(ties) <= 2, f"too many near-tie divergences: {ties}"
     assert_engine_clean(eager)
@@ -175,14 +195,25 @@ def test_buffers_updated_in_place(engines):
     _, compiled = engines
     runner = compiled.core.runner
     buf = runner.buffers
-    names = ["input_ids", "positions", "slot_mapping", "query_start_loc", "seq_lens", "block_tables",
-             "input_ids_host", "block_tables_host"]
+    names = [
+        "input_ids",
+        "positions",
+        "slot_mapping",
+        "query_start_loc",
+        "seq_lens",
+        "block_tables",
+        "input_ids_host",
+        "block_tables_host",
+    ]
     ptrs = {n: getattr(buf, n).data_ptr() for n in names}
     tensors = {n: getattr(buf, n) for n in names}
     out_ptr = runner.graph_runner.tokens.data_ptr()
     for i, p in enumerate(_prompts(compiled, 5, seed=3)):
-        compiled.add_request(p, SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, detokenize=False),
-                             request_id=f"inplace{i}")
+        compiled.add_request(
+            p,
+            SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, detokenize=False),
+            request_id=f"inplace{i}",
+        )
     decode_steps = 0
     launch = runner.launch
 
@@ -198,10 +229,11 @@ def test_buffers_updated_in_place(engines):
             assert buf.positions[:n].tolist() == [s.start_pos for s in sched.seqs]
             assert buf.seq_lens[:n].tolist() == [s.start_pos + 1 for s in sched.seqs]
             assert (buf.seq_lens[n:bucket] == 0).all() and (buf.slot_mapping[n:bucket] == -1).all()
-            assert buf.query_start_loc[:bucket + 1].tolist() == list(range(bucket + 1))
+            assert buf.query_start_loc[: bucket + 1].tolist() == list(range(bucket + 1))
         for name in names:
             assert getattr(buf, name) is tensors[name] and tensors[name].data_ptr() == ptrs[name], (
-                f"{name} was reallocated")
+                f"{name} was reallocated"
+            )
         assert runner.graph_runner.tokens.data_ptr() == out_ptr
         return out
 
@@ -236,10 +268,16 @@ def test_graph_path_defers_to_the_sampler(engines):
         return out
 
     prompt = _prompts(compiled, 1, seed=8)[0]
-    compiled.add_request(prompt, SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True, detokenize=False,
-                                                logits_processors=[force_42]), request_id="proc")
-    compiled.add_request(prompt, SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True, detokenize=False,
-                                                logprobs=2), request_id="lp")
+    compiled.add_request(
+        prompt,
+        SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True, detokenize=False, logits_processors=[force_42]),
+        request_id="proc",
+    )
+    compiled.add_request(
+        prompt,
+        SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True, detokenize=False, logprobs=2),
+        request_id="lp",
+    )
     outs = {}
     while compiled.core.has_unfinished_requests():
         for o in compiled.step():

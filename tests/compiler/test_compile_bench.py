@@ -14,9 +14,26 @@ from engine.models.llama import LlamaForCausalLM
 
 def test_latency_bench_cpu_with_baseline(tiny_llama, tmp_path, capsys):
     out = tmp_path / "lat.json"
-    rc = latency.main(["--model", str(tiny_llama), "--device", "cpu", "--enforce-eager", "--batch-size", "1,3",
-                       "--input-len", "8", "--output-len", "6", "--warmup-steps", "2", "--baseline",
-                       "--json", str(out)])
+    rc = latency.main(
+        [
+            "--model",
+            str(tiny_llama),
+            "--device",
+            "cpu",
+            "--enforce-eager",
+            "--batch-size",
+            "1,3",
+            "--input-len",
+            "8",
+            "--output-len",
+            "6",
+            "--warmup-steps",
+            "2",
+            "--baseline",
+            "--json",
+            str(out),
+        ]
+    )
     assert rc == 0
     rows = json.loads(out.read_text())
     assert [r["batch_size"] for r in rows] == [1, 3]
@@ -38,15 +55,23 @@ def test_hf_state_dict_covers_transformers_model(tiny_models):
     from engine.runtime.llm_engine import LLMEngine
 
     for arch in ("qwen2", "qwen3"):  # biases, q/k norms, tied embeddings
-        engine = LLMEngine.from_settings(EngineSettings(model=str(tiny_models[arch]), device="cpu", enforce_eager=True,
-                                          num_gpu_blocks=8, max_model_len=64))
+        engine = LLMEngine.from_settings(
+            EngineSettings(
+                model=str(tiny_models[arch]), device="cpu", enforce_eager=True, num_gpu_blocks=8, max_model_len=64
+            )
+        )
         hf = latency.build_hf_model(engine)
         ids = torch.tensor([[5, 6, 7, 8, 9]])
         from engine.layers.attention.base import AttentionMetadata
 
-        meta = AttentionMetadata(slot_mapping=torch.arange(16, 21), query_start_loc=torch.tensor([0, 5], dtype=torch.int32),
-                                 seq_lens=torch.tensor([5], dtype=torch.int32),
-                                 block_tables=torch.tensor([[1]], dtype=torch.int32), max_query_len=5, max_seq_len=5)
+        meta = AttentionMetadata(
+            slot_mapping=torch.arange(16, 21),
+            query_start_loc=torch.tensor([0, 5], dtype=torch.int32),
+            seq_lens=torch.tensor([5], dtype=torch.int32),
+            block_tables=torch.tensor([[1]], dtype=torch.int32),
+            max_query_len=5,
+            max_seq_len=5,
+        )
         with torch.inference_mode():
             model = engine.core.model
             ours = model.compute_logits(model(ids[0], torch.arange(5), engine.core.kv_cache.tensor, meta))

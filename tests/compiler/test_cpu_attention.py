@@ -24,8 +24,8 @@ def _paged(g, lens, q_lens, hq, hkv, d, bs, dtype=torch.float32, layers=2, spare
         for c in range(-(-n // bs)):
             tables[row, c] = order.pop()
         if n % bs:
-            kv[:, :, tables[row, n // bs], n % bs:] = float("nan")
-        tables[row, -(-n // bs):] = order[0]  # columns past the last block name a stale block
+            kv[:, :, tables[row, n // bs], n % bs :] = float("nan")
+        tables[row, -(-n // bs) :] = order[0]  # columns past the last block name a stale block
     kv[:, :, order[0]] = float("nan")
     if dtype == FP8_DTYPE:
         kv = quantize_fp8(kv.nan_to_num(nan=448.0) * 8, None)
@@ -36,16 +36,29 @@ def _paged(g, lens, q_lens, hq, hkv, d, bs, dtype=torch.float32, layers=2, spare
     return kv, q, qsl, torch.tensor(lens, dtype=torch.int32), tables
 
 
-def _check(kv, q, qsl, lens, tables, layer=1, scale=0.2, window=0, softcap=0.0, scales=None, num_decodes=0,
-           tol=1e-5):
+def _check(kv, q, qsl, lens, tables, layer=1, scale=0.2, window=0, softcap=0.0, scales=None, num_decodes=0, tol=1e-5):
     max_q = max(1, int((qsl[1:] - qsl[:-1]).max())) if len(lens) else 1
     max_len = max(1, int(lens.max())) if len(lens) else 1
     out = torch.full_like(q, float("nan"))
-    torch.ops.kiln.paged_attention_cpu(out, q, kv, layer, qsl, lens, tables, scale, max_q, max_len, num_decodes,
-                                       window, softcap, kv_scales=scales)
+    torch.ops.kiln.paged_attention_cpu(
+        out, q, kv, layer, qsl, lens, tables, scale, max_q, max_len, num_decodes, window, softcap, kv_scales=scales
+    )
     k_scale, v_scale = (None, None) if scales is None else (scales[layer, 0], scales[layer, 1])
-    ref = paged_attention_reference(q, kv[layer, 0], kv[layer, 1], qsl, lens, tables, scale, max_q, max_len,
-                                    sliding_window=window, softcap=softcap, k_scale=k_scale, v_scale=v_scale)
+    ref = paged_attention_reference(
+        q,
+        kv[layer, 0],
+        kv[layer, 1],
+        qsl,
+        lens,
+        tables,
+        scale,
+        max_q,
+        max_len,
+        sliding_window=window,
+        softcap=softcap,
+        k_scale=k_scale,
+        v_scale=v_scale,
+    )
     assert not out.isnan().any()
     torch.testing.assert_close(out.float(), ref.float(), rtol=tol, atol=tol)
     return out
@@ -65,17 +78,19 @@ def test_decode_matches_reference(hq, hkv, bs):
 def test_head_dims(d):
     g = torch.Generator().manual_seed(d)
     kv, q, qsl, lens, tables = _paged(g, [33, 1, 100], [1, 1, 20], 4, 2, d, 16)
-    _check(kv, q, qsl, lens, tables, scale=d ** -0.5)
+    _check(kv, q, qsl, lens, tables, scale=d**-0.5)
 
 
 def test_prefill_chunks_and_mixed_steps():
     """Whole prompts, chunks continuing a cached context, decodes first, padding tokens at the
     end that no sequence claims (zeros), chunks longer than one row block of the kernel."""
     g = torch.Generator().manual_seed(7)
-    cases = [([5, 17, 1, 20, 4], [1, 1, 1, 9, 4]),   # three decodes, then two chunks
-             ([64, 16, 40], [64, 16, 40]),            # a prefill step of whole prompts
-             ([100, 37], [30, 37]),                   # a chunk continuing 70 cached tokens
-             ([0, 9, 0], [0, 9, 0])]                  # padding sequences with no tokens
+    cases = [
+        ([5, 17, 1, 20, 4], [1, 1, 1, 9, 4]),  # three decodes, then two chunks
+        ([64, 16, 40], [64, 16, 40]),  # a prefill step of whole prompts
+        ([100, 37], [30, 37]),  # a chunk continuing 70 cached tokens
+        ([0, 9, 0], [0, 9, 0]),
+    ]  # padding sequences with no tokens
     for lens, q_lens in cases:
         kv, q, qsl, seq_lens, tables = _paged(g, lens, q_lens, 8, 2, 32, 8)
         q = torch.cat([q, torch.randn(2, 8, 32, generator=g)])  # two unclaimed padding tokens
@@ -116,14 +131,27 @@ def test_many_decodes_read_every_kv_head_at_once(dtype, threads):
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        for hq, hkv, d, window, softcap in [(9, 3, 64, 0, 0.0), (4, 4, 32, 0, 0.0), (8, 2, 128, 50, 0.0),
-                                            (6, 2, 64, 0, 3.0)]:
+        for hq, hkv, d, window, softcap in [
+            (9, 3, 64, 0, 0.0),
+            (4, 4, 32, 0, 0.0),
+            (8, 2, 128, 50, 0.0),
+            (6, 2, 64, 0, 3.0),
+        ]:
             kv, q, qsl, seq_lens, tables = _paged(g, lens, [1] * 20 + [5, 1, 3, 1], hq, hkv, d, 16, dtype=dtype)
             tol = {torch.float32: 1e-5, FP8_DTYPE: 2e-4}.get(dtype, 2e-5)  # (fp8 values reach 448: rounding)
-            _check(kv, q, qsl, seq_lens, tables, scale=d ** -0.5, window=window, softcap=softcap, tol=tol)
+            _check(kv, q, qsl, seq_lens, tables, scale=d**-0.5, window=window, softcap=softcap, tol=tol)
             if dtype != FP8_DTYPE:
-                _check(kv, q.to(dtype), qsl, seq_lens, tables, scale=d ** -0.5, window=window, softcap=softcap,
-                       tol=1e-5 if dtype == torch.float32 else 2e-2)
+                _check(
+                    kv,
+                    q.to(dtype),
+                    qsl,
+                    seq_lens,
+                    tables,
+                    scale=d**-0.5,
+                    window=window,
+                    softcap=softcap,
+                    tol=1e-5 if dtype == torch.float32 else 2e-2,
+                )
     finally:
         torch.set_num_threads(before)
 
@@ -142,16 +170,19 @@ def test_bad_input_is_a_clear_error():
     kv, q, qsl, lens, tables = _paged(g, [9, 30], [9, 1], 4, 2, 32, 8)
     out = torch.empty_like(q)
     with pytest.raises(RuntimeError, match="query_start_loc"):
-        torch.ops.kiln_cpu.paged_attention(out, q, kv, 0, torch.tensor([0, 12, 10], dtype=torch.int32), lens,
-                                           tables, 0.1, 0, 0.0, None, None)
+        torch.ops.kiln_cpu.paged_attention(
+            out, q, kv, 0, torch.tensor([0, 12, 10], dtype=torch.int32), lens, tables, 0.1, 0, 0.0, None, None
+        )
     with pytest.raises(RuntimeError, match="block-table columns"):
-        torch.ops.kiln_cpu.paged_attention(out, q, kv, 0, qsl, torch.tensor([9, 300], dtype=torch.int32),
-                                           tables, 0.1, 0, 0.0, None, None)
+        torch.ops.kiln_cpu.paged_attention(
+            out, q, kv, 0, qsl, torch.tensor([9, 300], dtype=torch.int32), tables, 0.1, 0, 0.0, None, None
+        )
     with pytest.raises(RuntimeError, match="layer"):
         torch.ops.kiln_cpu.paged_attention(out, q, kv, 5, qsl, lens, tables, 0.1, 0, 0.0, None, None)
     with pytest.raises(RuntimeError, match="head_dim"):
-        torch.ops.kiln_cpu.paged_attention(out[..., :16], q[..., :16], kv, 0, qsl, lens, tables, 0.1, 0, 0.0,
-                                           None, None)
+        torch.ops.kiln_cpu.paged_attention(
+            out[..., :16], q[..., :16], kv, 0, qsl, lens, tables, 0.1, 0, 0.0, None, None
+        )
 
 
 def test_random_shapes_against_the_reference():
@@ -168,6 +199,7 @@ def test_random_shapes_against_the_reference():
 
 
 # ---- the engine with the C++ attention (compilation on: the CPU default) against transformers ----
+
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3", "gemma2", "phi3"])
 def test_engine_greedy_matches_transformers(arch, tiny_models, make_llm):
@@ -216,9 +248,16 @@ def test_engine_softcap_logprobs_match_transformers(tiny_models, make_llm):
         assert out.prompt_logprobs[i][prompt[i]] == pytest.approx(ref[i - 1, prompt[i]].item(), abs=1e-4), i
 
 
-@pytest.mark.parametrize("cache_dtype,x_dtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.float32),
-                                                 (torch.bfloat16, torch.bfloat16), (FP8_DTYPE, torch.float32),
-                                                 (FP8_DTYPE, torch.bfloat16)])
+@pytest.mark.parametrize(
+    "cache_dtype,x_dtype",
+    [
+        (torch.float32, torch.float32),
+        (torch.bfloat16, torch.float32),
+        (torch.bfloat16, torch.bfloat16),
+        (FP8_DTYPE, torch.float32),
+        (FP8_DTYPE, torch.bfloat16),
+    ],
+)
 def test_write_kv_stores_what_the_reference_stores(cache_dtype, x_dtype):
     """Exactly, fp8 saturation and NaN included; slot -1 writes nothing; strided k/v views."""
     from compiler.kernels.cpu_attention import write_kv_cpu_impl
@@ -234,8 +273,9 @@ def test_write_kv_stores_what_the_reference_stores(cache_dtype, x_dtype):
     slots = torch.tensor([8, 9, -1, 70, 71, 15, 16, -1, 30, 31, 32, 60, 64])
     scales = torch.tensor([[1.0, 1.0], [0.5, 3.0]]) if cache_dtype == FP8_DTYPE else None
     write_kv_cpu_impl(k, v, cache, 1, slots, scales)
-    write_kv_reference(k, v, want[1, 0], want[1, 1], slots, *((scales[1, 0], scales[1, 1]) if scales is not None
-                                                              else (None, None)))
+    write_kv_reference(
+        k, v, want[1, 0], want[1, 1], slots, *((scales[1, 0], scales[1, 1]) if scales is not None else (None, None))
+    )
     want[1, :, 0] = 0  # the reference routes slot -1 to the null block 0; the kernel skips it
     cache[1, :, 0] = 0
     torch.testing.assert_close(cache.float(), want.float(), rtol=0, atol=0, equal_nan=True)  # exact; NaN stays NaN

@@ -112,10 +112,10 @@ def test_rope_in_place_matches_eager(dtype, rot, interleaved):
     cos, sin = table[positions].to(dtype).chunk(2, dim=-1)
     rope = apply_interleaved_rope if interleaved else apply_rope
     want_q, want_k = rope(q, cos[:, None], sin[:, None]), rope(k, cos[:, None], sin[:, None])
-    v_before = qkv[:, (hq + hkv) * d:].clone()
+    v_before = qkv[:, (hq + hkv) * d :].clone()
     torch.ops.kiln_cpu_fused.rope_(q, k, positions, table, interleaved)
     assert torch.equal(q, want_q) and torch.equal(k, want_k)
-    assert torch.equal(qkv[:, (hq + hkv) * d:], v_before)  # v untouched
+    assert torch.equal(qkv[:, (hq + hkv) * d :], v_before)  # v untouched
     assert FusedRope(positions, table, interleaved).interleaved == interleaved
 
 

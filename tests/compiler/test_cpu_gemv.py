@@ -44,9 +44,9 @@ def _gguf_raw(name: str, n: int, k: int, seed: int = 0) -> torch.Tensor:
 def _int_weights(bits: int, n: int, k: int, group: int, seed: int = 0):
     g = torch.Generator().manual_seed(seed)
     groups = k // group
-    q = torch.randint(0, 2 ** bits, (n, k), dtype=torch.uint8, generator=g)
+    q = torch.randint(0, 2**bits, (n, k), dtype=torch.uint8, generator=g)
     s = torch.rand(n, groups, generator=g) * 0.01 + 0.001
-    z = torch.randint(0, 2 ** bits, (n, groups), dtype=torch.uint8, generator=g)
+    z = torch.randint(0, 2**bits, (n, groups), dtype=torch.uint8, generator=g)
     w = (q.double() - z.double().repeat_interleave(group, 1)) * s.double().repeat_interleave(group, 1)
     return q, s, z, w
 
@@ -59,7 +59,7 @@ def _bound(x: torch.Tensor, w: torch.Tensor, y: torch.Tensor, int_acts: bool) ->
         amax = xd.reshape(x.shape[0], -1, 32).abs().amax(-1).repeat_interleave(32, 1)
         bound += (amax / 254) @ w.abs().T
     if y.dtype == torch.bfloat16:
-        bound += y.double().abs() * 2.0 ** -8
+        bound += y.double().abs() * 2.0**-8
     return bound + 1e-30
 
 
@@ -111,8 +111,12 @@ def test_kiln_int_formats_every_level_and_path(bits, group):
     fmt = INT4 if bits == 4 else INT8
     packed = cpu_gemv.pack(q, fmt, k, s, z)
     for level in GEMV.levels:
-        torch.testing.assert_close(cpu_gemv.dequantize(packed, fmt, n, k, k // group, level=level).double(), w,
-                                   rtol=0, atol=1e-6 * w.abs().max())
+        torch.testing.assert_close(
+            cpu_gemv.dequantize(packed, fmt, n, k, k // group, level=level).double(),
+            w,
+            rtol=0,
+            atol=1e-6 * w.abs().max(),
+        )
     g = torch.Generator().manual_seed(2)
     bias = torch.randn(n, generator=g)
     for rows, dtype, level in _cases():
@@ -152,7 +156,7 @@ def test_dense_one_row_equals_its_row_of_a_batch(wdtype):
             for level in range(GEMV.level + 1):
                 batch = cpu_gemv.dense(x, w, bias, level=level)
                 for i in range(4):
-                    one = cpu_gemv.dense(x[i:i + 1], w, bias, level=level)
+                    one = cpu_gemv.dense(x[i : i + 1], w, bias, level=level)
                     assert torch.equal(one[0], batch[i]), (wdtype, n, k, dtype, LEVELS[level], i)
 
 
@@ -208,8 +212,13 @@ def test_bad_input_is_a_clear_error():
     with pytest.raises(RuntimeError, match="cannot run|does not exist"):
         cpu_gemv.quant(torch.randn(1, 64), packed, fmt, 16, 64, level=7)
     with pytest.raises(RuntimeError, match="int4 values above 15"):
-        cpu_gemv.pack(torch.full((16, 64), 16, dtype=torch.uint8), INT4, 64, torch.ones(16, 1),
-                      torch.zeros(16, 1, dtype=torch.uint8))
+        cpu_gemv.pack(
+            torch.full((16, 64), 16, dtype=torch.uint8),
+            INT4,
+            64,
+            torch.ones(16, 1),
+            torch.zeros(16, 1, dtype=torch.uint8),
+        )
 
 
 @pytest.mark.parametrize("float_acts", [True, False])

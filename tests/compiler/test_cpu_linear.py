@@ -68,7 +68,7 @@ def test_shapes_and_memory_stay_bounded_over_many_row_counts():
         with torch.inference_mode():
             for r in rows:
                 for w in ws:
-                    linear(xs[r][:, :w.shape[1]], w)
+                    linear(xs[r][:, : w.shape[1]], w)
 
     sweep(range(1, 401, 2))
     expected = {(row_bucket(r), w.shape[1], w.shape[0], False) for r in range(MIN_ONEDNN_ROWS, 401) for w in ws}

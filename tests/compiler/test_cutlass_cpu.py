@@ -28,6 +28,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 # ---- 1. every op the engine calls exists, whatever the backend --------------------------------
 
+
 def _ops_the_code_calls() -> set[str]:
     names = set()
     for root in ("engine", "compiler"):
@@ -45,24 +46,43 @@ print(json.dumps(missing))
 """
 
 
-@pytest.mark.parametrize("backend,extra", [
-    ("torch", "from engine.layers.attention.torch_backend import TorchAttentionBackend; TorchAttentionBackend()"),
-    # no GPU here: the cutlass backend's module must import and the ops must be registered anyway
-    ("cutlass", "from engine.layers.attention.cutlass_backend import CutlassAttentionBackend"),
-])
+@pytest.mark.parametrize(
+    "backend,extra",
+    [
+        ("torch", "from engine.layers.attention.torch_backend import TorchAttentionBackend; TorchAttentionBackend()"),
+        # no GPU here: the cutlass backend's module must import and the ops must be registered anyway
+        ("cutlass", "from engine.layers.attention.cutlass_backend import CutlassAttentionBackend"),
+    ],
+)
 def test_every_op_the_engine_calls_is_registered_in_a_fresh_process(backend, extra):
     ops = _ops_the_code_calls()
-    assert {"copy_blocks", "paged_attention", "write_kv", "paged_attention_cpu", "moe_experts", "write_kv_cutlass",
-            "paged_attention_cutlass"} <= ops, ops  # the scan finds the calls
-    proc = subprocess.run([sys.executable, "-c", _CHECK.format(extra=extra), json.dumps(sorted(ops))],
-                          capture_output=True, text=True, cwd=REPO, timeout=240)
+    assert {
+        "copy_blocks",
+        "paged_attention",
+        "write_kv",
+        "paged_attention_cpu",
+        "moe_experts",
+        "write_kv_cutlass",
+        "paged_attention_cutlass",
+    } <= ops, ops  # the scan finds the calls
+    proc = subprocess.run(
+        [sys.executable, "-c", _CHECK.format(extra=extra), json.dumps(sorted(ops))],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=240,
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert json.loads(proc.stdout.strip().splitlines()[-1]) == [], f"{backend}: ops not registered"
 
 
 def test_ops_are_defined_in_one_module():
-    defining = [p.relative_to(REPO).as_posix() for root in ("engine", "compiler")
-                for p in (REPO / root).rglob("*.py") if "torch.library.custom_op(" in p.read_text()]
+    defining = [
+        p.relative_to(REPO).as_posix()
+        for root in ("engine", "compiler")
+        for p in (REPO / root).rglob("*.py")
+        if "torch.library.custom_op(" in p.read_text()
+    ]
     assert defining == ["compiler/kernels/ops.py"]
 
 
@@ -71,8 +91,19 @@ def test_ops_are_defined_in_one_module():
 
 def call(k, c, num_decodes):
     out = torch.zeros_like(c["q"])
-    k.attention(out, c["q"], c["kv"][0, 0], c["kv"][0, 1], c["qsl"], c["lens"], c["table"], 0.125,
-                c["max_q"], c["max_len"], num_decodes)
+    k.attention(
+        out,
+        c["q"],
+        c["kv"][0, 0],
+        c["kv"][0, 1],
+        c["qsl"],
+        c["lens"],
+        c["table"],
+        0.125,
+        c["max_q"],
+        c["max_len"],
+        num_decodes,
+    )
     return out
 
 
@@ -125,9 +156,15 @@ def test_strided_block_table_is_not_copied():
 def test_launches_over_65535_sequences_are_chunked():
     k = fake_kernels("v1")
     B = 66_000
-    c = dict(q=torch.zeros(B, 8, 64, dtype=torch.bfloat16), kv=torch.zeros(1, 2, 4, 16, 2, 64, dtype=torch.bfloat16),
-             qsl=torch.arange(B + 1, dtype=torch.int32), lens=torch.ones(B, dtype=torch.int32),
-             table=torch.ones(B, 1, dtype=torch.int32), max_q=1, max_len=1)
+    c = dict(
+        q=torch.zeros(B, 8, 64, dtype=torch.bfloat16),
+        kv=torch.zeros(1, 2, 4, 16, 2, 64, dtype=torch.bfloat16),
+        qsl=torch.arange(B + 1, dtype=torch.int32),
+        lens=torch.ones(B, dtype=torch.int32),
+        table=torch.ones(B, 1, dtype=torch.int32),
+        max_q=1,
+        max_len=1,
+    )
     call(k, c, num_decodes=0)
     decodes = [x for x in k.log if x[0].startswith("decode")]
     assert [grid[2] for _, grid, _ in decodes] == [65_535, 465]
@@ -147,6 +184,7 @@ def test_split_plan_uses_the_measured_occupancy():
 
 # ---- 6. no silent reference inside graph capture -------------------------------------------------
 
+
 def test_declined_inputs_run_the_reference_eagerly_and_raise_inside_capture(monkeypatch, caplog):
     k = fake_kernels()
     c = make_inputs([(1, 300), (1, 20)])
@@ -158,15 +196,21 @@ def test_declined_inputs_run_the_reference_eagerly_and_raise_inside_capture(monk
     with caplog.at_level(logging.WARNING, logger="compiler.kernels.cutlass_ops"):
         out = call(k, c, 0)
     assert k.log == [] and "16-byte" in caplog.text
-    ref = paged_attention_reference(c["q"], c["kv"][0, 0], c["kv"][0, 1], c["qsl"], c["lens"], c["table"], 0.125,
-                                    1, 300)
+    ref = paged_attention_reference(
+        c["q"], c["kv"][0, 0], c["kv"][0, 1], c["qsl"], c["lens"], c["table"], 0.125, 1, 300
+    )
     assert torch.equal(out, ref)
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
     with pytest.raises(RuntimeError, match="captured CUDA graph"):
         call(k, c, 0)
     with pytest.raises(RuntimeError, match="captured CUDA graph"):
-        k.write_kv(c["q"][:, :2].float(), c["q"][:, :2].float(), c["kv"][0, 0], c["kv"][0, 1],
-                   torch.zeros(c["q"].shape[0], dtype=torch.int64))
+        k.write_kv(
+            c["q"][:, :2].float(),
+            c["q"][:, :2].float(),
+            c["kv"][0, 0],
+            c["kv"][0, 1],
+            torch.zeros(c["q"].shape[0], dtype=torch.int64),
+        )
 
 
 def test_a_released_handle_is_a_clear_error():
@@ -180,35 +224,51 @@ def test_a_released_handle_is_a_clear_error():
 
 # ---- the CPU path: one kernel for decodes and chunks, whatever num_decodes says --------------------
 
-@pytest.mark.parametrize("seqs,num_decodes", [
-    ([(1, 40), (1, 7), (1, 90), (12, 30), (3, 3)], 3),
-    ([(1, 40), (1, 7), (1, 90), (12, 30), (3, 3)], 0),
-    ([(1, 40), (1, 7), (1, 90)], 0),
-])
+
+@pytest.mark.parametrize(
+    "seqs,num_decodes",
+    [
+        ([(1, 40), (1, 7), (1, 90), (12, 30), (3, 3)], 3),
+        ([(1, 40), (1, 7), (1, 90), (12, 30), (3, 3)], 0),
+        ([(1, 40), (1, 7), (1, 90)], 0),
+    ],
+)
 def test_cpu_path_attends_decodes_and_chunks_like_the_reference(seqs, num_decodes):
     c = make_inputs(seqs, seed=3)
     c["q"], c["kv"] = c["q"].float(), c["kv"].float()
     out = torch.zeros_like(c["q"])
-    torch.ops.kiln.paged_attention_cpu(out, c["q"], c["kv"], 0, c["qsl"], c["lens"], c["table"], 0.125, c["max_q"],
-                                       c["max_len"], num_decodes)
-    ref = paged_attention_reference(c["q"], c["kv"][0, 0], c["kv"][0, 1], c["qsl"], c["lens"], c["table"], 0.125,
-                                    c["max_q"], c["max_len"])
+    torch.ops.kiln.paged_attention_cpu(
+        out, c["q"], c["kv"], 0, c["qsl"], c["lens"], c["table"], 0.125, c["max_q"], c["max_len"], num_decodes
+    )
+    ref = paged_attention_reference(
+        c["q"], c["kv"][0, 0], c["kv"][0, 1], c["qsl"], c["lens"], c["table"], 0.125, c["max_q"], c["max_len"]
+    )
     torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4)
 
 
 # ---- 5. capability check, model features and kernel settings at backend choice -------------------
 
+
 def _cuda_spec(tmp_path, **kw):
-    return BackendSpec(device=torch.device("cuda", 0), dtype=torch.bfloat16, head_dim=64, block_size=16,
-                       kernel_cache_dir=tmp_path / "kernels", compile=True, **kw)
+    return BackendSpec(
+        device=torch.device("cuda", 0),
+        dtype=torch.bfloat16,
+        head_dim=64,
+        block_size=16,
+        kernel_cache_dir=tmp_path / "kernels",
+        compile=True,
+        **kw,
+    )
 
 
 @pytest.fixture
 def fake_gpu(monkeypatch):
     """Pretend a CUDA GPU of a given compute capability is present."""
+
     def set_capability(cap):
         monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
         monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: cap)
+
     return set_capability
 
 
@@ -258,14 +318,18 @@ def _fake_cache(cache: Path, names: list[str]) -> None:
 
 def test_only_the_selected_kernel_generation_is_required(tmp_path, fake_gpu):
     fake_gpu((9, 0))
-    _fake_cache(tmp_path / "kernels", ["write_kv_bf16", "paged_decode_v2_bf16_d64_b16",
-                                       "flash_prefill_wgmma_bf16_d64_b16"])
+    _fake_cache(
+        tmp_path / "kernels", ["write_kv_bf16", "paged_decode_v2_bf16_d64_b16", "flash_prefill_wgmma_bf16_d64_b16"]
+    )
     new = _cuda_spec(tmp_path, decode_kernel="v2", prefill_kernel="wgmma")
     assert cutlass_backend.cutlass_unavailable_reason(new) is None
     old = _cuda_spec(tmp_path)  # v1 + mma: not built in this cache
     assert "paged_decode_bf16_d64_b16" in cutlass_backend.cutlass_unavailable_reason(old)
     assert cutlass_ops.required_variants(torch.bfloat16, 64, 16, "v2", "wgmma") == [
-        "write_kv_bf16", "paged_decode_v2_bf16_d64_b16", "flash_prefill_wgmma_bf16_d64_b16"]
+        "write_kv_bf16",
+        "paged_decode_v2_bf16_d64_b16",
+        "flash_prefill_wgmma_bf16_d64_b16",
+    ]
     with pytest.raises(ValueError, match="decode_kernel"):
         cutlass_ops.required_variants(torch.bfloat16, 64, 16, "v3", "mma")
 

@@ -71,7 +71,14 @@ def test_parse_ptxas_report():
     r = parse_ptxas_report(PTXAS_SAMPLE)
     assert set(r) == {"kiln_a", "kiln_b"}
     a, b = r["kiln_a"], r["kiln_b"]
-    assert (a.registers, a.shared_bytes, a.stack_bytes, a.spill_stores, a.spill_loads, a.barriers) == (168, 8320, 16, 8, 4, 1)
+    assert (a.registers, a.shared_bytes, a.stack_bytes, a.spill_stores, a.spill_loads, a.barriers) == (
+        168,
+        8320,
+        16,
+        8,
+        4,
+        1,
+    )
     assert (b.registers, b.shared_bytes, b.spill_stores, b.barriers) == (31, 0, 0, 0)
 
 
@@ -120,7 +127,7 @@ def test_only_cutlass_templates_get_the_cutlass_include_path():
     m = load_manifest()
     needs = {name for name, v in m.items() if kbuild.needs_cutlass(render(v))}
     assert needs == {name for name, v in m.items() if v.kind in ("flash_prefill", "flash_prefill_wgmma")}
-    assert kbuild.needs_cutlass('#include <cute/tensor.hpp>\n') and kbuild.needs_cutlass(' # include "cutlass/x.h"')
+    assert kbuild.needs_cutlass("#include <cute/tensor.hpp>\n") and kbuild.needs_cutlass(' # include "cutlass/x.h"')
     assert not kbuild.needs_cutlass("// #include <cute/tensor.hpp> is not here\n#include <cuda_fp16.h>\n")
 
 
@@ -165,12 +172,15 @@ def test_cli_check_no_build_and_prune(full_build, tmp_path, capsys):
     real = kloader.TEMPLATES_DIR
     kloader.TEMPLATES_DIR = tdir
     try:
-        assert build_main(["--check", "--no-build", "--cache-dir", str(copy), "--variants",
-                           "write_kv_bf16,write_kv_fp16"]) == 1
+        assert (
+            build_main(["--check", "--no-build", "--cache-dir", str(copy), "--variants", "write_kv_bf16,write_kv_fp16"])
+            == 1
+        )
     finally:
         kloader.TEMPLATES_DIR = real
-    assert "missing or stale (templates changed since the build): write_kv_bf16, write_kv_fp16" in \
-        capsys.readouterr().out
+    assert (
+        "missing or stale (templates changed since the build): write_kv_bf16, write_kv_fp16" in capsys.readouterr().out
+    )
 
 
 @needs_nvcc
@@ -236,8 +246,9 @@ def test_template_change_rebuilds_and_loader_detects_stale(full_build, tmp_path)
 
     kbuild._run_nvcc = counting
     try:
-        (r,) = build_kernels(cache, ["write_kv_bf16"], templates_dir=tdir, progress=False,
-                             manifest=load_manifest(tdir / "manifest.toml"))
+        (r,) = build_kernels(
+            cache, ["write_kv_bf16"], templates_dir=tdir, progress=False, manifest=load_manifest(tdir / "manifest.toml")
+        )
     finally:
         kbuild._run_nvcc = real
     assert not r.cached and len(calls) == 1 and r.key != before
@@ -249,7 +260,8 @@ def test_broken_template_reports_nvcc_error_and_variant(tmp_path):
     tdir = tmp_path / "templates"
     tdir.mkdir()
     (tdir / "broken.cu.j2").write_text(
-        'extern "C" __global__ void kiln_{{ name }}(int* p) { p[0] = undeclared_identifier_xyz; }\n')
+        'extern "C" __global__ void kiln_{{ name }}(int* p) { p[0] = undeclared_identifier_xyz; }\n'
+    )
     v = Variant("broken_bf16", "broken", "broken.cu.j2", (("dtype", "bf16"),))
     with pytest.raises(KernelBuildError) as ei:
         build_kernels(tmp_path / "cache", [v], templates_dir=tdir, progress=False)
@@ -285,11 +297,13 @@ def test_cli_check_builds_only_what_is_missing(tmp_path):
     assert build_main(["--variants", "write_kv_fp16", "--cache-dir", str(tmp_path), "--quiet"]) == 0
     assert missing_variants(tmp_path, names) == ["write_kv_bf16"]
     report = tmp_path / "check.json"
-    assert build_main(["--check", "--variants", ",".join(names), "--cache-dir", str(tmp_path), "--json",
-                       str(report)]) == 0
+    assert (
+        build_main(["--check", "--variants", ",".join(names), "--cache-dir", str(tmp_path), "--json", str(report)]) == 0
+    )
     first = json.loads(report.read_text())
     assert (first["hits"], first["missing"], first["built"], first["still_missing"]) == (1, ["write_kv_bf16"], 1, [])
-    assert build_main(["--check", "--variants", ",".join(names), "--cache-dir", str(tmp_path), "--json",
-                       str(report)]) == 0
+    assert (
+        build_main(["--check", "--variants", ",".join(names), "--cache-dir", str(tmp_path), "--json", str(report)]) == 0
+    )
     again = json.loads(report.read_text())
     assert again["hits"] == 2 and "built" not in again

@@ -41,7 +41,7 @@ def kernel_cache():
             for bs in (16, 32):
                 names += attention_variant_names(dt, d, bs).values()
     missing = missing_variants(CACHE, sorted(set(names)))  # a cache hit needs no nvcc (and no build race
-    if missing and find_nvcc() is not None:                # between pytest-xdist workers)
+    if missing and find_nvcc() is not None:  # between pytest-xdist workers)
         build_kernels(CACHE, missing, progress=False)
     return CACHE
 
@@ -55,8 +55,9 @@ def kernels(dtype, d, bs, decode=None, min_tokens=None, ctas_per_sm=None, prefil
     key = (dtype, d, bs, decode or "v1", prefill or "mma")
     k = _LOADED.get(key)
     if k is None:
-        k = _LOADED[key] = cutlass_ops.AttentionKernels(CACHE, DEV, dtype, d, bs, decode_kernel=key[3],
-                                                        prefill_kernel=key[4])
+        k = _LOADED[key] = cutlass_ops.AttentionKernels(
+            CACHE, DEV, dtype, d, bs, decode_kernel=key[3], prefill_kernel=key[4]
+        )
     k.decode_min_tokens = min_tokens
     k.decode_ctas_per_sm = ctas_per_sm
     return k
@@ -68,6 +69,7 @@ PREFILL_PATHS = ["mma", "wgmma"]
 
 # ---- inputs -----------------------------------------------------------------------------
 
+
 def make_case(seqs, hq, hkv, d, bs, dtype, *, extra_cols=3, tail_tokens=0, seed=0):
     """seqs: list of (q_len, seq_len); seq_len 0 = padding row. Blocks randomly permuted."""
     g = torch.Generator(device="cpu").manual_seed(seed)
@@ -78,7 +80,7 @@ def make_case(seqs, hq, hkv, d, bs, dtype, *, extra_cols=3, tail_tokens=0, seed=
     bt = torch.randint(0, total_blocks, (len(seqs), width), generator=g, dtype=torch.int32)  # stale junk
     pos = 0
     for i, n in enumerate(nblk_per):
-        bt[i, :n] = torch.tensor(perm[pos:pos + n], dtype=torch.int32)
+        bt[i, :n] = torch.tensor(perm[pos : pos + n], dtype=torch.int32)
         pos += n
     q_lens = [ql for ql, _ in seqs]
     qsl = torch.tensor([0] + list(torch.tensor(q_lens).cumsum(0).tolist()), dtype=torch.int32)
@@ -98,23 +100,43 @@ def make_case(seqs, hq, hkv, d, bs, dtype, *, extra_cols=3, tail_tokens=0, seed=
 
 def reference(c):
     return paged_attention_reference(
-        c["q"].float(), c["k_cache"].float(), c["v_cache"].float(), c["query_start_loc"], c["seq_lens"],
-        c["block_tables"], c["scale"], c["max_query_len"], c["max_seq_len"])
+        c["q"].float(),
+        c["k_cache"].float(),
+        c["v_cache"].float(),
+        c["query_start_loc"],
+        c["seq_lens"],
+        c["block_tables"],
+        c["scale"],
+        c["max_query_len"],
+        c["max_seq_len"],
+    )
 
 
 def run_kernel(c, k, max_query_len=None, num_decodes=0):
     out = torch.full_like(c["q"], float("nan"))
     torch.ops.kiln.paged_attention_cutlass(
-        out, c["q"], c["kv_cache"], 0, c["query_start_loc"], c["seq_lens"], c["block_tables"],
-        c["scale"], c["max_query_len"] if max_query_len is None else max_query_len, c["max_seq_len"],
-        num_decodes, k.handle)
+        out,
+        c["q"],
+        c["kv_cache"],
+        0,
+        c["query_start_loc"],
+        c["seq_lens"],
+        c["block_tables"],
+        c["scale"],
+        c["max_query_len"] if max_query_len is None else max_query_len,
+        c["max_seq_len"],
+        num_decodes,
+        k.handle,
+    )
     torch.cuda.synchronize()
     return out
 
 
 def check(out, ref, c, label):
     """Per-sequence relative error (so one wrong sequence in a big batch cannot hide)."""
-    assert not torch.isnan(out).any(), f"{label}: NaN in output at rows {torch.isnan(out).any(-1).any(-1).nonzero().flatten()[:10].tolist()}"
+    assert not torch.isnan(out).any(), (
+        f"{label}: NaN in output at rows {torch.isnan(out).any(-1).any(-1).nonzero().flatten()[:10].tolist()}"
+    )
     qsl = c["query_start_loc"].tolist()
     lens = c["seq_lens"].tolist()
     o, r = out.float(), ref.float()
@@ -126,13 +148,16 @@ def check(out, ref, c, label):
             assert torch.all(o[a:b] == 0), f"{label}: padding seq {i} not zero"
             continue
         err = (o[a:b] - r[a:b]).norm() / r[a:b].norm().clamp_min(1e-6)
-        assert err < TOL, (f"{label}: seq {i} (q_len {b - a}, seq_len {lens[i]}) rel err {err:.3e}; "
-                           f"worst head {(o[a:b] - r[a:b]).abs().amax(dim=(0, 2)).argmax().item()}")
+        assert err < TOL, (
+            f"{label}: seq {i} (q_len {b - a}, seq_len {lens[i]}) rel err {err:.3e}; "
+            f"worst head {(o[a:b] - r[a:b]).abs().amax(dim=(0, 2)).argmax().item()}"
+        )
     if qsl[-1] < out.shape[0]:
-        assert torch.all(o[qsl[-1]:] == 0), f"{label}: unclaimed tail tokens not zero"
+        assert torch.all(o[qsl[-1] :] == 0), f"{label}: unclaimed tail tokens not zero"
 
 
 # ---- write_kv ---------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("dt", ["bf16", "fp16"])
 @pytest.mark.parametrize("d,bs", [(128, 16), (64, 32)])
@@ -142,8 +167,8 @@ def test_write_kv_exact(dt, d, bs):
     hkv, T, nblocks = 4, 203, 40
     g = torch.Generator(device="cpu").manual_seed(1)
     qkv = torch.randn(T, (8 + 2 * hkv) * d, generator=g).to(dtype).to(DEV)  # k/v are strided views
-    k = qkv[:, 8 * d:(8 + hkv) * d].view(T, hkv, d)
-    v = qkv[:, (8 + hkv) * d:].view(T, hkv, d)
+    k = qkv[:, 8 * d : (8 + hkv) * d].view(T, hkv, d)
+    v = qkv[:, (8 + hkv) * d :].view(T, hkv, d)
     slots = torch.randperm(nblocks * bs - bs, generator=g)[:T] + bs  # never the null block
     slots[::7] = -1
     slots = slots.to(DEV)
@@ -190,8 +215,9 @@ def test_decode_split_regimes(batch, ctx, path):
 
 # v2's split policy is a run-time parameter: every setting the bench sweeps must be correct,
 # including extreme ones (many tiny splits -> the in-kernel last-split merge does all the work).
-@pytest.mark.parametrize("min_tokens,ctas_per_sm", [(16, 64), (64, 16), (128, 12), (256, 4), (512, 2), (1024, 1),
-                                                    (4096, 8)])
+@pytest.mark.parametrize(
+    "min_tokens,ctas_per_sm", [(16, 64), (64, 16), (128, 12), (256, 4), (512, 2), (1024, 1), (4096, 8)]
+)
 @pytest.mark.parametrize("d,bs,hq,hkv", [(128, 16, 32, 8), (64, 32, 16, 2), (128, 32, 8, 8), (64, 16, 32, 2)])
 def test_decode_v2_split_policies(min_tokens, ctas_per_sm, d, bs, hq, hkv):
     dtype = torch.bfloat16
@@ -216,8 +242,24 @@ def test_decode_padding_and_unclaimed_tokens(path):
 
 # ---- prefill ----------------------------------------------------------------------------
 
-PREFILL_SEQS = [(1, 1), (5, 5), (16, 16), (17, 17), (64, 64), (65, 65), (127, 127), (200, 200),
-                (37, 100), (64, 1000), (1, 50), (130, 163), (1, 17), (0, 0), (1, 0), (3, 33)]
+PREFILL_SEQS = [
+    (1, 1),
+    (5, 5),
+    (16, 16),
+    (17, 17),
+    (64, 64),
+    (65, 65),
+    (127, 127),
+    (200, 200),
+    (37, 100),
+    (64, 1000),
+    (1, 50),
+    (130, 163),
+    (1, 17),
+    (0, 0),
+    (1, 0),
+    (3, 33),
+]
 
 
 @pytest.mark.parametrize("path", PREFILL_PATHS)
@@ -280,8 +322,8 @@ def test_strided_block_table_is_read_in_place(path):
         c = make_case(seqs, 16, 4, d, bs, dtype, seed=41)
         bt = c["block_tables"]
         wide = torch.full((bt.shape[0], bt.shape[1] + 13), 7, dtype=torch.int32, device=DEV)
-        wide[:, :bt.shape[1]] = bt
-        c["block_tables"] = wide[:, :bt.shape[1]]
+        wide[:, : bt.shape[1]] = bt
+        c["block_tables"] = wide[:, : bt.shape[1]]
         assert not c["block_tables"].is_contiguous()
         check(run_kernel(c, kk, num_decodes=1), reference(c), c, f"strided table [{path}] max_q={max_q}")
 
@@ -298,11 +340,21 @@ def test_more_sequences_than_the_grid_holds(path):
     bt = (starts[:, None] + torch.arange(3)[None, :]).to(torch.int32)
     total = int(starts[-1] + 3)
     kv = torch.randn(1, 2, total, bs, 4, d, generator=g).to(dtype)
-    c = dict(q=torch.randn(B, 4, d, generator=g).to(dtype), kv_cache=kv,
-             query_start_loc=torch.arange(B + 1, dtype=torch.int32), seq_lens=lens, block_tables=bt)
+    c = dict(
+        q=torch.randn(B, 4, d, generator=g).to(dtype),
+        kv_cache=kv,
+        query_start_loc=torch.arange(B + 1, dtype=torch.int32),
+        seq_lens=lens,
+        block_tables=bt,
+    )
     c = {k: v.to(DEV) for k, v in c.items()}
-    c.update(k_cache=c["kv_cache"][0, 0], v_cache=c["kv_cache"][0, 1], max_query_len=1, max_seq_len=39,
-             scale=1 / math.sqrt(d))
+    c.update(
+        k_cache=c["kv_cache"][0, 0],
+        v_cache=c["kv_cache"][0, 1],
+        max_query_len=1,
+        max_seq_len=39,
+        scale=1 / math.sqrt(d),
+    )
     out = run_kernel(c, kk)
     ref = reference(c)
     err = (out.float() - ref.float()).norm() / ref.float().norm()
@@ -316,8 +368,20 @@ def test_declined_inputs_raise_inside_graph_capture():
     c = make_case([(1, 40), (1, 70)], 8, 2, d, bs, dtype, seed=2)
     c["q"] = c["q"].float()  # wrong dtype: declined
     out = torch.empty_like(c["q"])
-    args = (out, c["q"], c["kv_cache"], 0, c["query_start_loc"], c["seq_lens"], c["block_tables"], c["scale"], 1,
-            70, 0, kk.handle)
+    args = (
+        out,
+        c["q"],
+        c["kv_cache"],
+        0,
+        c["query_start_loc"],
+        c["seq_lens"],
+        c["block_tables"],
+        c["scale"],
+        1,
+        70,
+        0,
+        kk.handle,
+    )
     torch.ops.kiln.paged_attention_cutlass(*args)  # eager: the reference, with a warning
     graph = torch.cuda.CUDAGraph()
     with pytest.raises(RuntimeError, match="captured CUDA graph"):
@@ -326,6 +390,7 @@ def test_declined_inputs_raise_inside_graph_capture():
 
 
 # ---- CUDA graph + torch.compile ------------------------------------------------------------
+
 
 @pytest.mark.parametrize("path", DECODE_PATHS)
 def test_cuda_graph_replay_after_in_place_updates(path):
@@ -354,7 +419,7 @@ def test_cuda_graph_replay_after_in_place_updates(path):
         perm = torch.randperm(nblocks - 1, generator=gg) + 1
         tab = torch.zeros(B, width, dtype=torch.int32)
         for i in range(B):  # disjoint rows: no two sequences share a block
-            tab[i] = perm[i * width:(i + 1) * width]
+            tab[i] = perm[i * width : (i + 1) * width]
         sl = []
         for i, L in enumerate(new_lens):
             sl.append(-1 if L == 0 else int(tab[i, (L - 1) // bs]) * bs + (L - 1) % bs)
@@ -371,8 +436,17 @@ def test_cuda_graph_replay_after_in_place_updates(path):
         for i, s in enumerate(slots.tolist()):
             if s >= 0:
                 assert torch.equal(flat_k[s], k[i]), f"{label}: write_kv missed seq {i}"
-        c = dict(q=q, k_cache=kc, v_cache=vc, query_start_loc=qsl, seq_lens=lens, block_tables=bt,
-                 max_query_len=1, max_seq_len=int(lens.max()), scale=scale)
+        c = dict(
+            q=q,
+            k_cache=kc,
+            v_cache=vc,
+            query_start_loc=qsl,
+            seq_lens=lens,
+            block_tables=bt,
+            max_query_len=1,
+            max_seq_len=int(lens.max()),
+            scale=scale,
+        )
         check(out.clone(), reference(c), c, label)
 
     set_inputs([16, 100, 1, 0, 37, 64], seed=1)
@@ -384,10 +458,14 @@ def test_cuda_graph_replay_after_in_place_updates(path):
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         step()
-    for n, new in enumerate([[16, 100, 1, 0, 37, 64],          # as captured
-                             [17, 101, 2, 5, 38, 65],          # grow: 16->17 crosses a block boundary
-                             [3000, 4000, 129, 0, 2048, 4095],  # one split -> many splits
-                             [1, 1, 1, 1, 1, 1]]):
+    for n, new in enumerate(
+        [
+            [16, 100, 1, 0, 37, 64],  # as captured
+            [17, 101, 2, 5, 38, 65],  # grow: 16->17 crosses a block boundary
+            [3000, 4000, 129, 0, 2048, 4095],  # one split -> many splits
+            [1, 1, 1, 1, 1, 1],
+        ]
+    ):
         set_inputs(new, seed=10 + n)
         out.fill_(float("nan"))
         graph.replay()
@@ -403,8 +481,9 @@ def test_ops_inside_torch_compile_fullgraph(path):
     k = torch.randn(T, 2, d, device=DEV).to(dtype)
     v = torch.randn(T, 2, d, device=DEV).to(dtype)
     bt = c["block_tables"]
-    slots = torch.tensor([int(bt[i, (L - 1) // bs]) * bs + (L - 1) % bs for i, L in enumerate([70, 300, 5])],
-                         device=DEV)
+    slots = torch.tensor(
+        [int(bt[i, (L - 1) // bs]) * bs + (L - 1) % bs for i, L in enumerate([70, 300, 5])], device=DEV
+    )
 
     def f(q, k, v, kv, slots, qsl, lens, bt):
         torch.ops.kiln.write_kv_cutlass(k, v, kv, 0, slots, kk.handle)

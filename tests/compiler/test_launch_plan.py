@@ -20,15 +20,19 @@ H200_SMS = 132
 
 # ---- rows between the decode and the prefill kernel ------------------------------------------
 
-@pytest.mark.parametrize("num_seqs,max_q,num_decodes,expected", [
-    (8, 1, 0, [Launch("decode", 0, 8, True)]),  # a decode step: everything, whatever num_decodes says
-    (8, 1, 3, [Launch("decode", 0, 8, True)]),
-    (8, 40, 0, [Launch("prefill", 0, 8, True)]),  # unknown decodes: all through the prefill kernel
-    (8, 40, 3, [Launch("decode", 0, 3), Launch("prefill", 3, 5, True)]),
-    (8, 40, 8, [Launch("decode", 0, 8, True)]),
-    (8, 40, 99, [Launch("decode", 0, 8, True)]),  # never more decode rows than sequences
-    (0, 1, 0, []),
-])
+
+@pytest.mark.parametrize(
+    "num_seqs,max_q,num_decodes,expected",
+    [
+        (8, 1, 0, [Launch("decode", 0, 8, True)]),  # a decode step: everything, whatever num_decodes says
+        (8, 1, 3, [Launch("decode", 0, 8, True)]),
+        (8, 40, 0, [Launch("prefill", 0, 8, True)]),  # unknown decodes: all through the prefill kernel
+        (8, 40, 3, [Launch("decode", 0, 3), Launch("prefill", 3, 5, True)]),
+        (8, 40, 8, [Launch("decode", 0, 8, True)]),
+        (8, 40, 99, [Launch("decode", 0, 8, True)]),  # never more decode rows than sequences
+        (0, 1, 0, []),
+    ],
+)
 def test_mixed_step_split(num_seqs, max_q, num_decodes, expected):
     assert list(plan_attention_launches(num_seqs, max_q, num_decodes)) == expected
 
@@ -43,6 +47,7 @@ def test_decode_rows_matches_the_plan():
 
 
 # ---- the grid's z limit ------------------------------------------------------------------------
+
 
 def test_chunks_cover_every_sequence_once():
     assert chunk_ranges(0, 0) == []
@@ -64,21 +69,28 @@ def test_launches_over_the_grid_limit_are_chunked_and_only_the_last_zeroes_the_t
     assert [x.zero_tail for x in plan] == [False, False, True]
     mixed = plan_attention_launches(70_000, 9, 66_000)
     assert [(x.kind, x.seq_start, x.num_seqs) for x in mixed] == [
-        ("decode", 0, 65_535), ("decode", 65_535, 465), ("prefill", 66_000, 4_000)]
+        ("decode", 0, 65_535),
+        ("decode", 65_535, 465),
+        ("prefill", 66_000, 4_000),
+    ]
     assert [x.zero_tail for x in mixed] == [False, False, True]
 
 
 # ---- occupancy ---------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("registers,threads,smem,expected", [
-    (168, 128, 8320, 3),    # decode GQA-4 (ptxas: 168 registers) -> 3 CTAs per SM, as the review found
-    (255, 128, 16640, 2),   # decode GQA-8 (255 registers) -> 2
-    (128, 128, 4160, 4),
-    (126, 128, 2080, 4),
-    (32, 128, 0, 16),       # thread-limited: 2048 threads per SM
-    (16, 32, 0, 32),        # CTA-limited: 32 per SM
-    (64, 256, 100_000, 2),  # shared-memory-limited: 228 KiB per SM
-])
+
+@pytest.mark.parametrize(
+    "registers,threads,smem,expected",
+    [
+        (168, 128, 8320, 3),  # decode GQA-4 (ptxas: 168 registers) -> 3 CTAs per SM, as the review found
+        (255, 128, 16640, 2),  # decode GQA-8 (255 registers) -> 2
+        (128, 128, 4160, 4),
+        (126, 128, 2080, 4),
+        (32, 128, 0, 16),  # thread-limited: 2048 threads per SM
+        (16, 32, 0, 32),  # CTA-limited: 32 per SM
+        (64, 256, 100_000, 2),  # shared-memory-limited: 228 KiB per SM
+    ],
+)
 def test_ctas_per_sm_from_ptxas_resources(registers, threads, smem, expected):
     assert ctas_per_sm_from_resources(registers, threads, smem) == expected
 
@@ -88,17 +100,17 @@ def test_ctas_per_sm_from_ptxas_resources(registers, threads, smem, expected):
 # (batch, context, q heads, kv heads, registers of the decode variant, min tokens per split,
 #  expected splits, expected waves of 132 SMs x occupancy)
 SPLIT_CASES = [
-    (1, 32768, 32, 8, 168, 128, 49, 0.99),   # the review's case: the 12-CTAs/SM plan gave 1.29 waves
-    (1, 32768, 32, 4, 255, 128, 64, 0.97),   # GQA-8, 2 CTAs/SM: the 64-split cap, just under one wave
+    (1, 32768, 32, 8, 168, 128, 49, 0.99),  # the review's case: the 12-CTAs/SM plan gave 1.29 waves
+    (1, 32768, 32, 4, 255, 128, 64, 0.97),  # GQA-8, 2 CTAs/SM: the 64-split cap, just under one wave
     (3, 32000, 32, 8, 168, 128, 16, 0.97),
     (4, 2048, 32, 8, 168, 64, 12, 0.97),
     (16, 2048, 32, 8, 168, 128, 3, 0.97),
-    (64, 2048, 32, 8, 168, 128, 3, 3.88),    # the 8B decode bench point: 4 waves, the last 88% full
+    (64, 2048, 32, 8, 168, 128, 3, 3.88),  # the 8B decode bench point: 4 waves, the last 88% full
     (64, 32768, 32, 8, 168, 128, 10, 12.93),
     (64, 2048, 32, 4, 255, 128, 1, 0.97),
     (256, 32768, 64, 8, 255, 64, 5, 38.79),  # 70B-style GQA-8
-    (16, 4096, 32, 32, 126, 64, 1, 0.97),    # MHA (GQA-1), 4 CTAs/SM
-    (1, 2048, 32, 8, 168, 64, 32, 0.65),     # too short to fill the GPU: every split it may have
+    (16, 4096, 32, 32, 126, 64, 1, 0.97),  # MHA (GQA-1), 4 CTAs/SM
+    (1, 2048, 32, 8, 168, 64, 32, 0.65),  # too short to fill the GPU: every split it may have
     # 2048 CTAs at one split already make 5.17 waves; 100-token splits would cost more in overhead
     (256, 300, 32, 8, 168, 128, 1, 5.17),
 ]

@@ -36,10 +36,14 @@ EXAMPLES: dict[str, tuple] = {
     "--max-num-seqs": (["--max-num-seqs", "8"], 8),
     "--max-num-batched-tokens": (["--max-num-batched-tokens", "8K"], 8192),
     "--enable-chunked-prefill": (["--enable-chunked-prefill"], True, {"KILN_ENABLE_CHUNKED_PREFILL": "false"}),
-    "--no-enable-chunked-prefill": (["--no-enable-chunked-prefill", "--max-num-batched-tokens", "4096",
-                                     "--max-model-len", "4096"], False),
-    "--speculative-config": (["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}'],
-                             {"method": "ngram", "num_speculative_tokens": 3}),
+    "--no-enable-chunked-prefill": (
+        ["--no-enable-chunked-prefill", "--max-num-batched-tokens", "4096", "--max-model-len", "4096"],
+        False,
+    ),
+    "--speculative-config": (
+        ["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}'],
+        {"method": "ngram", "num_speculative_tokens": 3},
+    ),
     "--enable-lora": (["--enable-lora"], True),
     "--lora-modules": (["--enable-lora", "--lora-modules", "a=/x", "b=/y"], ["a=/x", "b=/y"]),
     "--max-loras": (["--max-loras", "2"], 2),
@@ -64,8 +68,10 @@ EXAMPLES: dict[str, tuple] = {
     "--uvicorn-log-level": (["--uvicorn-log-level", "warning"], "warning"),
     "--disable-uvicorn-access-log": (["--disable-uvicorn-access-log"], True),
     "--enable-log-requests": (["--enable-log-requests"], True),
-    "--allowed-origins": (["--allowed-origins", '["http://a.example", "http://b.example"]'],
-                          ["http://a.example", "http://b.example"]),
+    "--allowed-origins": (
+        ["--allowed-origins", '["http://a.example", "http://b.example"]'],
+        ["http://a.example", "http://b.example"],
+    ),
     "--root-path": (["--root-path", "/kiln"], "/kiln"),
     "--ssl-keyfile": (["--ssl-keyfile", "/k.pem", "--ssl-certfile", "/c.pem"], Path("/k.pem")),
     "--ssl-certfile": (["--ssl-keyfile", "/k.pem", "--ssl-certfile", "/c.pem"], Path("/c.pem")),
@@ -100,20 +106,24 @@ def test_vllm_flag_sets_its_setting(flag, monkeypatch):
 
 
 def test_speculative_config_sets_the_speculative_settings():
-    engine, _ = parse_serve_args(["--speculative-config",
-                                  '{"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max": 3}'])
+    engine, _ = parse_serve_args(
+        ["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max": 3}']
+    )
     assert (engine.speculative_method, engine.num_speculative_tokens, engine.prompt_lookup_max) == ("ngram", 5, 3)
     with pytest.raises(SettingsError, match="did you mean 'num_speculative_tokens'"):
         parse_serve_args(["--speculative-config", '{"method": "ngram", "num_speculativ_tokens": 5}'])
 
 
-@pytest.mark.parametrize("args, message", [
-    (["-tp", "2", "--enable-lora"], "enable_lora is not supported with tensor parallelism"),
-    (["--quantization", "bitsandbytes"], "not supported yet"),
-    (["--kv-cache-dtype", "fp8_e5m2"], "not supported: kiln.s fp8 KV cache is e4m3"),
-    (["--kv-cache-dtype", "int8"], "not supported yet"),
-    (["--ssl-keyfile", "/k.pem"], "give both"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["-tp", "2", "--enable-lora"], "enable_lora is not supported with tensor parallelism"),
+        (["--quantization", "bitsandbytes"], "not supported yet"),
+        (["--kv-cache-dtype", "fp8_e5m2"], "not supported: kiln.s fp8 KV cache is e4m3"),
+        (["--kv-cache-dtype", "int8"], "not supported yet"),
+        (["--ssl-keyfile", "/k.pem"], "give both"),
+    ],
+)
 def test_unsupported_values_are_clear_errors(args, message):
     with pytest.raises(SettingsError, match=message):
         parse_serve_args(args)
@@ -145,8 +155,9 @@ def test_old_kiln_flag_names_still_work_with_a_warning(caplog):
 
 def test_yaml_config_of_flags_and_command_line_wins(tmp_path):
     cfg = tmp_path / "cfg.yaml"
-    cfg.write_text("max-model-len: 4096\nmax_num_seqs: 3\nenable-prefix-caching: false\n"
-                   "served-model-name: [x, y]\nport: 9100\n")
+    cfg.write_text(
+        "max-model-len: 4096\nmax_num_seqs: 3\nenable-prefix-caching: false\nserved-model-name: [x, y]\nport: 9100\n"
+    )
     engine, server = parse_serve_args(["--config", str(cfg), "--max-num-seqs", "5"])
     assert (engine.max_model_len, engine.max_num_seqs, engine.enable_prefix_caching) == (4096, 5, False)
     assert (server.served_model_name, server.port) == (["x", "y"], 9100)
@@ -155,8 +166,13 @@ def test_yaml_config_of_flags_and_command_line_wins(tmp_path):
 
 
 def test_help_shows_defaults_choices_and_no_internal_metavars():
-    out = subprocess.run([sys.executable, "-m", "engine.entrypoints.cli", "serve", "--help"], cwd=ROOT, capture_output=True,
-                         text=True, env={**__import__("os").environ, "PYTHONPATH": str(ROOT)}).stdout
+    out = subprocess.run(
+        [sys.executable, "-m", "engine.entrypoints.cli", "serve", "--help"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        env={**__import__("os").environ, "PYTHONPATH": str(ROOT)},
+    ).stdout
     assert "SETTING__" not in out
     assert "(default: 64)" in out and "{hermes,llama3_json}" in out and "--no-enable-prefix-caching" in out
 
@@ -181,19 +197,44 @@ def test_kiln_serve_model_positional_with_server_flags(tiny_llama, tmp_path):
     import httpx
 
     log = tmp_path / "serve.log"
-    cmd = [sys.executable, "-m", "engine.entrypoints.cli", "serve", str(tiny_llama), "--port", "0",
-           "--device", "cpu", "--enforce-eager", "--served-model-name", "first", "second",
-           "--allowed-origins", '["http://ui.example"]', "--enable-log-requests", "--disable-uvicorn-access-log"]
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=open(log, "w"), text=True,
-                            env={**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1"})
+    cmd = [
+        sys.executable,
+        "-m",
+        "engine.entrypoints.cli",
+        "serve",
+        str(tiny_llama),
+        "--port",
+        "0",
+        "--device",
+        "cpu",
+        "--enforce-eager",
+        "--served-model-name",
+        "first",
+        "second",
+        "--allowed-origins",
+        '["http://ui.example"]',
+        "--enable-log-requests",
+        "--disable-uvicorn-access-log",
+    ]
+    proc = subprocess.Popen(
+        cmd,
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=open(log, "w"),
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1"},
+    )
     try:
         line = proc.stdout.readline()
         assert line.startswith("kiln: serving 'first'"), log.read_text()[-2000:]
         url = line.split(" at ", 1)[1].split(" ", 1)[0]
         models = httpx.get(f"{url}/models").json()
         assert models["data"][0]["id"] == "first"
-        r = httpx.post(f"{url}/completions", json={"model": "second", "prompt": "hi", "max_tokens": 2},
-                       headers={"Origin": "http://ui.example"})
+        r = httpx.post(
+            f"{url}/completions",
+            json={"model": "second", "prompt": "hi", "max_tokens": 2},
+            headers={"Origin": "http://ui.example"},
+        )
         assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "http://ui.example"
         time.sleep(0.2)
     finally:
@@ -227,13 +268,51 @@ def test_kiln_serve_over_tls(tiny_llama, tmp_path):
     if shutil.which("openssl") is None:
         pytest.skip("needs the openssl command to make a certificate")
     key, cert = tmp_path / "key.pem", tmp_path / "cert.pem"
-    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out",
-                    str(cert), "-days", "1", "-subj", "/CN=127.0.0.1"], check=True, capture_output=True)
-    cmd = [sys.executable, "-m", "engine.entrypoints.cli", "serve", str(tiny_llama), "--port", "0", "--device", "cpu",
-           "--enforce-eager", "--ssl-keyfile", str(key), "--ssl-certfile", str(cert)]
+    subprocess.run(
+        [
+            "openssl",
+            "req",
+            "-x509",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-keyout",
+            str(key),
+            "-out",
+            str(cert),
+            "-days",
+            "1",
+            "-subj",
+            "/CN=127.0.0.1",
+        ],
+        check=True,
+        capture_output=True,
+    )
+    cmd = [
+        sys.executable,
+        "-m",
+        "engine.entrypoints.cli",
+        "serve",
+        str(tiny_llama),
+        "--port",
+        "0",
+        "--device",
+        "cpu",
+        "--enforce-eager",
+        "--ssl-keyfile",
+        str(key),
+        "--ssl-certfile",
+        str(cert),
+    ]
     log = tmp_path / "serve.log"
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=open(log, "w"), text=True,
-                            env={**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1"})
+    proc = subprocess.Popen(
+        cmd,
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=open(log, "w"),
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1"},
+    )
     try:
         line = proc.stdout.readline()
         assert " at https://" in line, log.read_text()[-2000:]

@@ -89,8 +89,10 @@ def test_sharded_bf16_checkpoint_loads_like_the_original(tiny_models, tmp_path, 
     for (na, pa), (nb, pb) in zip(a.engine.core.model.named_parameters(), b.engine.core.model.named_parameters()):
         assert na == nb and torch.equal(pa, pb), na
     p = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
-    assert a.generate(["Hello"], p, use_tqdm=False)[0].outputs[0].token_ids == \
-        b.generate(["Hello"], p, use_tqdm=False)[0].outputs[0].token_ids
+    assert (
+        a.generate(["Hello"], p, use_tqdm=False)[0].outputs[0].token_ids
+        == b.generate(["Hello"], p, use_tqdm=False)[0].outputs[0].token_ids
+    )
 
 
 def test_missing_weights_are_named(tiny_models, tmp_path):
@@ -131,15 +133,32 @@ def test_default_model_is_made_once(tmp_path):
 
 
 def test_cli_generate_and_flags(tiny_llama):
-    cmd = [sys.executable, "-m", "engine.entrypoints.cli", "generate", "Hello", "--max-tokens", "4", "--json",
-           "--model", str(tiny_llama), "--device", "cpu", "--enforce-eager", "--max-model-len", "128",
-           "--enable-prefix-caching", "false"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "engine.entrypoints.cli",
+        "generate",
+        "Hello",
+        "--max-tokens",
+        "4",
+        "--json",
+        "--model",
+        str(tiny_llama),
+        "--device",
+        "cpu",
+        "--enforce-eager",
+        "--max-model-len",
+        "128",
+        "--enable-prefix-caching",
+        "false",
+    ]
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert res.returncode == 0, res.stderr
     line = json.loads(res.stdout.strip().splitlines()[-1])
     assert line["prompt"] == "Hello" and len(line["token_ids"]) <= 4
-    bad = subprocess.run(cmd[:4] + ["--block-size", "7", "--model", str(tiny_llama)], capture_output=True,
-                         text=True, timeout=120)
+    bad = subprocess.run(
+        cmd[:4] + ["--block-size", "7", "--model", str(tiny_llama)], capture_output=True, text=True, timeout=120
+    )
     assert bad.returncode == 2 and "block_size" in bad.stderr
 
 
@@ -169,17 +188,30 @@ def test_chat_template_setting_inline_or_file(make_llm, tmp_path):
 def test_unsupported_model_features_are_named():
     from engine.models.config import ModelConfig
 
-    base = dict(model_type="phi3", vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                num_attention_heads=2, hidden_act="silu")
+    base = dict(
+        model_type="phi3",
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        hidden_act="silu",
+    )
     ModelConfig.from_dict(base)
     assert ModelConfig.from_dict({**base, "sliding_window": 8}).sliding_window == 8
     assert ModelConfig.from_dict({**base, "model_type": "qwen2", "sliding_window": 8}).sliding_window is None
-    for extra, words in [(dict(partial_rotary_factor=0.0), "partial_rotary_factor"),
-                         (dict(rope_scaling={"rope_type": "longrope", "long_factor": [1.0], "short_factor": [1.0]}),
-                          "longrope"),
-                         (dict(hidden_act="relu"), "hidden_act"), (dict(model_type="gpt2"), "gpt2"),
-                         (dict(model_type="qwen2", num_hidden_layers=2, sliding_window=8, use_sliding_window=True,
-                               max_window_layers=1), "some layers")]:
+    for extra, words in [
+        (dict(partial_rotary_factor=0.0), "partial_rotary_factor"),
+        (dict(rope_scaling={"rope_type": "longrope", "long_factor": [1.0], "short_factor": [1.0]}), "longrope"),
+        (dict(hidden_act="relu"), "hidden_act"),
+        (dict(model_type="gpt2"), "gpt2"),
+        (
+            dict(
+                model_type="qwen2", num_hidden_layers=2, sliding_window=8, use_sliding_window=True, max_window_layers=1
+            ),
+            "some layers",
+        ),
+    ]:
         with pytest.raises(ValueError, match=words):
             ModelConfig.from_dict({**base, **extra})
 

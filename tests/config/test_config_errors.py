@@ -99,8 +99,7 @@ def test_unknown_kiln_variable_is_warned_with_a_suggestion(fake_serve, monkeypat
     monkeypatch.setenv("KILN_MAX_NUM_SEQ", "4")
     with caplog.at_level(logging.WARNING):
         assert main(["serve"]) == 0
-    assert "KILN_MAX_NUM_SEQ is not a kiln setting and is ignored (did you mean 'KILN_MAX_NUM_SEQS'?)" \
-        in caplog.text
+    assert "KILN_MAX_NUM_SEQ is not a kiln setting and is ignored (did you mean 'KILN_MAX_NUM_SEQS'?)" in caplog.text
 
 
 def test_flags_beat_env_beat_toml(fake_serve, monkeypatch, tmp_path):

@@ -24,15 +24,20 @@ def model_with_generation_config(tiny_models, tmp_path_factory):
 
     src = tiny_models["llama"]
     llm = LLM(str(src), device="cpu", enforce_eager=True, generation_config="vllm")
-    tokens = llm.generate([PROMPT], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
-                          use_tqdm=False)[0].outputs[0].token_ids
+    tokens = (
+        llm.generate([PROMPT], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), use_tqdm=False)[0]
+        .outputs[0]
+        .token_ids
+    )
     stop_at = next(i for i in range(2, len(tokens)) if tokens[i] not in tokens[:i])
     dst = tmp_path_factory.mktemp("genconfig") / "model"
     shutil.copytree(src, dst)
     eos = json.loads((src / "config.json").read_text()).get("eos_token_id")
-    (dst / "generation_config.json").write_text(json.dumps({
-        "temperature": 0.6, "top_p": 0.9, "top_k": 0, "do_sample": True,
-        "eos_token_id": [eos, tokens[stop_at]]}))
+    (dst / "generation_config.json").write_text(
+        json.dumps(
+            {"temperature": 0.6, "top_p": 0.9, "top_k": 0, "do_sample": True, "eos_token_id": [eos, tokens[stop_at]]}
+        )
+    )
     return dst, tokens, stop_at
 
 
@@ -67,7 +72,7 @@ def test_offline_defaults_and_extra_eos(make_llm, model_with_generation_config):
     assert (params.temperature, params.top_p, params.top_k) == (0.6, 0.9, -1)
     out = llm.generate([PROMPT], SamplingParams(temperature=0, max_tokens=12), use_tqdm=False)[0].outputs[0]
     assert out.finish_reason == "stop"
-    assert out.token_ids == tokens[:stop_at + 1]
+    assert out.token_ids == tokens[: stop_at + 1]
     # --generation-config vllm: the extra EOS is not a stop token.
     plain = make_llm(model, generation_config="vllm")
     out = plain.generate([PROMPT], SamplingParams(temperature=0, max_tokens=12), use_tqdm=False)[0].outputs[0]
@@ -79,8 +84,9 @@ def test_server_applies_defaults_and_stops_at_extra_eos(model_with_generation_co
 
     async def run():
         with served(model) as (state, http, client):
-            r = await http.post("/v1/completions", json={"model": "m", "prompt": PROMPT, "max_tokens": 12,
-                                                         "temperature": 0})
+            r = await http.post(
+                "/v1/completions", json={"model": "m", "prompt": PROMPT, "max_tokens": 12, "temperature": 0}
+            )
             choice = r.json()["choices"][0]
             assert choice["finish_reason"] == "stop"
             assert r.json()["usage"]["completion_tokens"] == stop_at + 1

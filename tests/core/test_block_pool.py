@@ -33,7 +33,7 @@ def test_prefix_cache_hit_and_lru_eviction():
     blocks = pool.allocate_many(3)
     parent = None
     for i, b in enumerate(blocks):
-        parent = pool.cache_block(b, parent, tokens[2 * i:2 * i + 2])
+        parent = pool.cache_block(b, parent, tokens[2 * i : 2 * i + 2])
     pool.free_all(blocks)  # all three become cached-idle
     assert pool.num_cached_idle == 3 and pool.num_in_use == 0
     hit, _ = pool.match_prefix(tokens, 3)
@@ -137,10 +137,10 @@ def test_match_prefix_only_returns_verified_full_blocks(tokens):
     blocks = pool.allocate_many(len(tokens) // 2)
     parent = None
     for i, b in enumerate(blocks):
-        parent = pool.cache_block(b, parent, tokens[2 * i:2 * i + 2])
+        parent = pool.cache_block(b, parent, tokens[2 * i : 2 * i + 2])
     hit, _ = pool.match_prefix(tokens, 8)
     assert len(hit) <= len(tokens) // 2
     for i, b in enumerate(hit):
-        assert pool._meta[b].tokens == tuple(tokens[2 * i:2 * i + 2])
+        assert pool._meta[b].tokens == tuple(tokens[2 * i : 2 * i + 2])
     pool.free_all(blocks)
     pool.check_integrity({})

@@ -73,8 +73,9 @@ def long_context_model(tmp_path_factory):
     attention kernel built for it is reused."""
     from engine.models.tiny_model import make_tiny_model
 
-    return make_tiny_model(tmp_path_factory.mktemp("long-ctx"), overrides=dict(
-        max_position_embeddings=1 << 18, num_hidden_layers=4))
+    return make_tiny_model(
+        tmp_path_factory.mktemp("long-ctx"), overrides=dict(max_position_embeddings=1 << 18, num_hidden_layers=4)
+    )
 
 
 def test_llm_starts_with_defaults_on_a_model_whose_context_does_not_fit(long_context_model, caplog):
@@ -89,8 +90,7 @@ def test_llm_starts_with_defaults_on_a_model_whose_context_does_not_fit(long_con
     out = llm.generate(["hello"], SamplingParams(max_tokens=3, temperature=0.0), use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 3
     with pytest.raises(ValueError, match="kv_cache_memory_gb to at least 0.50"):
-        LLM(str(long_context_model), device="cpu", enforce_eager=True, max_model_len=1 << 18,
-            kv_cache_memory_gb=0.25)
+        LLM(str(long_context_model), device="cpu", enforce_eager=True, max_model_len=1 << 18, kv_cache_memory_gb=0.25)
 
 
 def test_kiln_serve_starts_with_defaults_and_logs_the_context(long_context_model, tmp_path):
@@ -107,10 +107,25 @@ def test_kiln_serve_starts_with_defaults_and_logs_the_context(long_context_model
     root = Path(__file__).resolve().parents[2]
     log_path = tmp_path / "serve.log"
     with open(log_path, "w") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "engine.entrypoints.cli", "serve", "--model",
-                                 str(long_context_model), "--port", "0", "--kv-cache-memory-gb", "0.25"], cwd=root,
-                                stdout=subprocess.PIPE, stderr=log, text=True,
-                                env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "engine.entrypoints.cli",
+                "serve",
+                "--model",
+                str(long_context_model),
+                "--port",
+                "0",
+                "--kv-cache-memory-gb",
+                "0.25",
+            ],
+            cwd=root,
+            stdout=subprocess.PIPE,
+            stderr=log,
+            text=True,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )
     try:
         url = None
         deadline = time.monotonic() + 600
@@ -230,8 +245,14 @@ def test_kv_memory_follows_use_not_the_reservation(tiny_llama, tmp_path):
     env = {**os.environ, "PYTHONPATH": str(repo)}
 
     def run(blocks: int) -> dict:
-        out = subprocess.run([sys.executable, "-c", KV_BY_USE, str(tiny_llama), str(blocks)], capture_output=True,
-                             text=True, env=env, timeout=300, cwd=tmp_path)
+        out = subprocess.run(
+            [sys.executable, "-c", KV_BY_USE, str(tiny_llama), str(blocks)],
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=300,
+            cwd=tmp_path,
+        )
         assert out.returncode == 0, out.stderr[-3000:]
         return json.loads(out.stdout.strip().splitlines()[-1])
 

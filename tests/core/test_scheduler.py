@@ -13,10 +13,17 @@ from engine.core.sched.scheduler import Scheduler, SchedulerConfig
 from tests.support.engine import sampler_output
 
 
-def make_scheduler(num_blocks=32, block_size=4, max_num_seqs=4, budget=16, max_model_len=64,
-                   chunked=True, prefix=True, **kw) -> Scheduler:
-    cfg = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget, max_model_len=max_model_len,
-                          block_size=block_size, enable_chunked_prefill=chunked, **kw)
+def make_scheduler(
+    num_blocks=32, block_size=4, max_num_seqs=4, budget=16, max_model_len=64, chunked=True, prefix=True, **kw
+) -> Scheduler:
+    cfg = SchedulerConfig(
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=budget,
+        max_model_len=max_model_len,
+        block_size=block_size,
+        enable_chunked_prefill=chunked,
+        **kw,
+    )
     return Scheduler(cfg, BlockPool(num_blocks, block_size, prefix))
 
 
@@ -32,7 +39,7 @@ def run_step(sched: Scheduler) -> list:
     sampled = []
     for s in out.seqs:
         if s.do_sample:
-            base = fake_token(s.all_token_ids[:s.start_pos + s.num_tokens])
+            base = fake_token(s.all_token_ids[: s.start_pos + s.num_tokens])
             sampled.append([(base + k) % 100 for k in range(s.num_samples)])
         else:
             sampled.append([])
@@ -41,11 +48,16 @@ def run_step(sched: Scheduler) -> list:
     return out
 
 
-def add(sched: Scheduler, rid: str, prompt_len: int, max_tokens: int = 4, priority: int = 0, n: int = 1,
-        base: int = 0) -> Request:
-    req = Request(rid, None, [(base + i) % 50 + 1 for i in range(prompt_len)],
-                  SamplingParams(max_tokens=max_tokens, n=n, temperature=0 if n == 1 else 1.0),
-                  priority=priority)
+def add(
+    sched: Scheduler, rid: str, prompt_len: int, max_tokens: int = 4, priority: int = 0, n: int = 1, base: int = 0
+) -> Request:
+    req = Request(
+        rid,
+        None,
+        [(base + i) % 50 + 1 for i in range(prompt_len)],
+        SamplingParams(max_tokens=max_tokens, n=n, temperature=0 if n == 1 else 1.0),
+        priority=priority,
+    )
     rules.kv_capacity(sched.kv, prompt_len + max_tokens, priority)  # (admission's, as the engine's)
     sched.add_request(req)
     return req
@@ -126,21 +138,36 @@ def test_without_chunking_long_prompt_waits_for_room():
 
 # ---- property test: random add / abort / step streams ----
 
-ops = st.lists(st.one_of(
-    st.tuples(st.just("add"), st.integers(1, 30), st.integers(1, 8), st.integers(0, 2), st.integers(1, 3)),
-    st.tuples(st.just("abort"), st.integers(0, 50)),
-    st.tuples(st.just("step"), st.integers(1, 3)),
-), min_size=1, max_size=40)
+ops = st.lists(
+    st.one_of(
+        st.tuples(st.just("add"), st.integers(1, 30), st.integers(1, 8), st.integers(0, 2), st.integers(1, 3)),
+        st.tuples(st.just("abort"), st.integers(0, 50)),
+        st.tuples(st.just("step"), st.integers(1, 3)),
+    ),
+    min_size=1,
+    max_size=40,
+)
 
 
-@given(ops=ops, num_blocks=st.integers(6, 40), block_size=st.sampled_from([2, 4, 8]),
-       budget=st.integers(4, 40), max_num_seqs=st.integers(1, 6), prefix=st.booleans())
+@given(
+    ops=ops,
+    num_blocks=st.integers(6, 40),
+    block_size=st.sampled_from([2, 4, 8]),
+    budget=st.integers(4, 40),
+    max_num_seqs=st.integers(1, 6),
+    prefix=st.booleans(),
+)
 @settings(max_examples=150, deadline=None)
-def test_scheduler_invariants_hold_under_random_workloads(ops, num_blocks, block_size, budget, max_num_seqs,
-                                                          prefix):
+def test_scheduler_invariants_hold_under_random_workloads(ops, num_blocks, block_size, budget, max_num_seqs, prefix):
     max_num_seqs = max(max_num_seqs, 3)
-    sched = make_scheduler(num_blocks=num_blocks, block_size=block_size, budget=budget,
-                           max_num_seqs=max_num_seqs, max_model_len=64, prefix=prefix)
+    sched = make_scheduler(
+        num_blocks=num_blocks,
+        block_size=block_size,
+        budget=budget,
+        max_num_seqs=max_num_seqs,
+        max_model_len=64,
+        prefix=prefix,
+    )
     ids = []
     for op in ops:
         if op[0] == "add":

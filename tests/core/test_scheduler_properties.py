@@ -61,7 +61,7 @@ class DeviceKV:
                 block = s.block_ids[p // bs]
                 assert block != 0, "a sequence writes into the null block"
                 self.gpu.setdefault(block, [None] * bs)[p % bs] = tok
-            history = [fed[s.seq_id] if t == PLACEHOLDER else t for t in s.all_token_ids[:s.start_pos]]
+            history = [fed[s.seq_id] if t == PLACEHOLDER else t for t in s.all_token_ids[: s.start_pos]]
             contexts.append(history + inputs)
         sampled = []
         for s, context in zip(out.seqs, contexts):
@@ -71,7 +71,7 @@ class DeviceKV:
             if not s.do_sample:
                 sampled.append([])
             elif s.draft_token_ids:  # every position is sampled
-                sampled.append([fake_token(context[:s.start_pos + 1 + j]) for j in range(s.num_tokens)])
+                sampled.append([fake_token(context[: s.start_pos + 1 + j]) for j in range(s.num_tokens)])
             elif s.num_samples > 1:
                 base = fake_token(context)
                 sampled.append([(base + k) % 100 for k in range(s.num_samples)])
@@ -95,8 +95,9 @@ class Engine:
 
     def add(self, rid: str, tokens: list[int], max_tokens: int, priority: int, n: int) -> None:
         rules.kv_capacity(self.sched.kv, len(tokens) + max_tokens, priority)  # (admission's, as the engine's)
-        self.sched.add_request(Request(rid, None, tokens, SamplingParams(max_tokens=max_tokens, n=n, temperature=0),
-                                       priority=priority))
+        self.sched.add_request(
+            Request(rid, None, tokens, SamplingParams(max_tokens=max_tokens, n=n, temperature=0), priority=priority)
+        )
         self.expected[rid] = expected_outputs(tokens, max_tokens, n)
 
     def step(self, overlap: bool) -> None:
@@ -162,29 +163,59 @@ class Engine:
         assert not self.sched.has_unfinished(), "requests stuck in the scheduler"
 
 
-ops = st.lists(st.one_of(
-    st.tuples(st.just("add"), st.integers(1, 24), st.integers(1, 12), st.integers(0, 3), st.integers(1, 3),
-              st.integers(0, 3), st.integers(2, 60)),
-    st.tuples(st.just("abort"), st.integers(0, 60)),
-    st.tuples(st.just("stop"), st.integers(0, 60)),
-    st.tuples(st.just("preempt"), st.integers(0, 60)),
-    st.tuples(st.just("step"), st.integers(1, 8)),
-), min_size=12, max_size=60)
+ops = st.lists(
+    st.one_of(
+        st.tuples(
+            st.just("add"),
+            st.integers(1, 24),
+            st.integers(1, 12),
+            st.integers(0, 3),
+            st.integers(1, 3),
+            st.integers(0, 3),
+            st.integers(2, 60),
+        ),
+        st.tuples(st.just("abort"), st.integers(0, 60)),
+        st.tuples(st.just("stop"), st.integers(0, 60)),
+        st.tuples(st.just("preempt"), st.integers(0, 60)),
+        st.tuples(st.just("step"), st.integers(1, 8)),
+    ),
+    min_size=12,
+    max_size=60,
+)
 
 
-@given(ops=ops, num_blocks=st.integers(8, 28), block_size=st.sampled_from([2, 4, 8]), budget=st.integers(4, 40),
-       max_num_seqs=st.integers(3, 6), prefix=st.booleans(), cpu_blocks=st.integers(0, 24),
-       mode=st.sampled_from(["swap", "auto", "recompute"]), overlap=st.booleans(), spec=st.booleans(),
-       reserve=st.sampled_from([0.0, 0.2]))
+@given(
+    ops=ops,
+    num_blocks=st.integers(8, 28),
+    block_size=st.sampled_from([2, 4, 8]),
+    budget=st.integers(4, 40),
+    max_num_seqs=st.integers(3, 6),
+    prefix=st.booleans(),
+    cpu_blocks=st.integers(0, 24),
+    mode=st.sampled_from(["swap", "auto", "recompute"]),
+    overlap=st.booleans(),
+    spec=st.booleans(),
+    reserve=st.sampled_from([0.0, 0.2]),
+)
 @settings(max_examples=150, deadline=None)
-def test_integrity_and_no_leaks_under_random_engine_streams(ops, num_blocks, block_size, budget, max_num_seqs,
-                                                             prefix, cpu_blocks, mode, overlap, spec, reserve):
-    cfg = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget, max_model_len=64,
-                          block_size=block_size, preemption_mode=mode, reserved_blocks_fraction=reserve)
+def test_integrity_and_no_leaks_under_random_engine_streams(
+    ops, num_blocks, block_size, budget, max_num_seqs, prefix, cpu_blocks, mode, overlap, spec, reserve
+):
+    cfg = SchedulerConfig(
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=budget,
+        max_model_len=64,
+        block_size=block_size,
+        preemption_mode=mode,
+        reserved_blocks_fraction=reserve,
+    )
     pool = BlockPool(num_blocks, block_size, prefix)
     swap = SwapSpace(pool, cpu_blocks, bytes_per_block=100) if cpu_blocks else None
-    drafts = SpecDecoder(NgramProposer(SpecDecodeConfig(num_speculative_tokens=3, prompt_lookup_min=1)),
-                         cfg.max_model_len) if spec else None
+    drafts = (
+        SpecDecoder(NgramProposer(SpecDecodeConfig(num_speculative_tokens=3, prompt_lookup_min=1)), cfg.max_model_len)
+        if spec
+        else None
+    )
     eng = Engine(Scheduler(cfg, pool, swap, drafts))
     ids: list[str] = []
     aborted: set[str] = set()
@@ -222,7 +253,7 @@ def test_integrity_and_no_leaks_under_random_engine_streams(ops, num_blocks, blo
             continue
         for got, want in zip(outs, eng.expected[rid]):
             if rid in eng.stopped:
-                assert got == want[:len(got)], f"request {rid}: wrong tokens before its stop"
+                assert got == want[: len(got)], f"request {rid}: wrong tokens before its stop"
             else:
                 assert got == want, f"request {rid}: wrong tokens"
 
@@ -259,8 +290,11 @@ def test_steady_decodes_reuse_records_only_after_their_step_is_processed():
     sched = Scheduler(cfg, BlockPool(20, 16, True))
     rng = random.Random(0)
     for i in range(3):
-        sched.add_request(Request(f"r{i}", None, [rng.randrange(1, 50) for _ in range(5)],
-                                  SamplingParams(max_tokens=30, temperature=0)))
+        sched.add_request(
+            Request(
+                f"r{i}", None, [rng.randrange(1, 50) for _ in range(5)], SamplingParams(max_tokens=30, temperature=0)
+            )
+        )
     first = sched.schedule()
     sched.launched(first)
     sched.update_from_output(first, sampler_output(first, [[7]] * 3))

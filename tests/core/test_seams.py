@@ -26,9 +26,19 @@ def test_task_per_request_kind():
 
 
 def _scheduled(task, **kw) -> ScheduledSeq:
-    base = dict(seq_id=1, token_ids=[5], start_pos=9, block_ids=[0], do_sample=True, num_samples=1,
-                params=SamplingParams(), all_token_ids=list(range(10)), num_prompt_tokens=4, sample_index=0,
-                task=task)
+    base = dict(
+        seq_id=1,
+        token_ids=[5],
+        start_pos=9,
+        block_ids=[0],
+        do_sample=True,
+        num_samples=1,
+        params=SamplingParams(),
+        all_token_ids=list(range(10)),
+        num_prompt_tokens=4,
+        sample_index=0,
+        task=task,
+    )
     return ScheduledSeq(**(base | kw))
 
 
@@ -63,7 +73,7 @@ def test_mean_pool_over_chunks_equals_the_mean_of_all_rows():
     for k, (start, rows) in enumerate(chunks):
         s = _scheduled(task, token_ids=[0] * rows, start_pos=start, do_sample=k == len(chunks) - 1)
         plan = task.plan(s, 0)
-        done.append(task.record(seq, read_task(task, None, hidden[start:start + rows], plan)))
+        done.append(task.record(seq, read_task(task, None, hidden[start : start + rows], plan)))
     assert done == [False, False, True]
     want = torch.nn.functional.normalize(hidden.mean(dim=0)[:4], dim=0)
     assert torch.allclose(torch.tensor(seq.request.embedding), want, atol=1e-6)
@@ -81,9 +91,10 @@ def test_last_pool_reads_only_the_final_chunk():
 
 # ---- the step builder ----
 def _host_state(buf, n):
-    return {name: getattr(buf, name)[:n].copy() for name in
-            ("np_input_ids", "np_positions", "np_slot_mapping", "np_seq_lens")} | {
-        "qsl": buf.np_query_start_loc[:n + 1].copy(), "tables": buf.np_block_tables[:n].copy()}
+    return {
+        name: getattr(buf, name)[:n].copy()
+        for name in ("np_input_ids", "np_positions", "np_slot_mapping", "np_seq_lens")
+    } | {"qsl": buf.np_query_start_loc[: n + 1].copy(), "tables": buf.np_block_tables[:n].copy()}
 
 
 def _decode_step(make_llm, **settings):
@@ -114,7 +125,8 @@ def test_decode_fast_path_writes_what_the_general_path_writes(make_llm):
         assert np.array_equal(got[name], want[name]), name
     assert decode.sample_indices == general.sample_indices == list(range(n))
     assert [(r.key, r.sample_index, r.all_token_ids) for r in decode.rows] == [
-        (r.key, r.sample_index, r.all_token_ids) for r in general.rows]
+        (r.key, r.sample_index, r.all_token_ids) for r in general.rows
+    ]
     assert decode.meta.max_seq_len == general.meta.max_seq_len and decode.meta.num_decodes == n
     assert builder.build(sched).rows[0] is decode.rows[0]  # a decoding sequence's sampler row is kept
     for i in range(6):
@@ -145,8 +157,9 @@ def lora_adapters(tiny_llama, tmp_path):
     from engine.models.config import ModelConfig
 
     config = ModelConfig.from_dir(tiny_llama)
-    return [LoRARequest(f"a{i}", i + 1, str(write_random_adapter(config, tmp_path / f"a{i}", 8, seed=i)))
-            for i in range(2)]
+    return [
+        LoRARequest(f"a{i}", i + 1, str(write_random_adapter(config, tmp_path / f"a{i}", 8, seed=i))) for i in range(2)
+    ]
 
 
 def test_lora_slots_reach_the_model_through_replayed_decode_graphs(make_llm, lora_adapters):

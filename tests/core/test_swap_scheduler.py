@@ -59,10 +59,25 @@ class FakeKV:
         return sampled
 
 
-def make(num_blocks=16, block_size=4, max_num_seqs=4, budget=16, max_model_len=64, cpu_blocks=8,
-         mode="swap", prefix=True, **kw) -> Scheduler:
-    cfg = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget, max_model_len=max_model_len,
-                          block_size=block_size, preemption_mode=mode, **kw)
+def make(
+    num_blocks=16,
+    block_size=4,
+    max_num_seqs=4,
+    budget=16,
+    max_model_len=64,
+    cpu_blocks=8,
+    mode="swap",
+    prefix=True,
+    **kw,
+) -> Scheduler:
+    cfg = SchedulerConfig(
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=budget,
+        max_model_len=max_model_len,
+        block_size=block_size,
+        preemption_mode=mode,
+        **kw,
+    )
     pool = BlockPool(num_blocks, block_size, prefix)
     swap = SwapSpace(pool, cpu_blocks, bytes_per_block=100) if cpu_blocks else None
     return Scheduler(cfg, pool, swap)
@@ -79,8 +94,9 @@ class Driver:
 
     def add(self, rid, prompt, max_tokens=4, priority=0, n=1):
         rules.kv_capacity(self.sched.kv, len(prompt) + max_tokens, priority)  # (admission's, as the engine's)
-        req = Request(rid, None, list(prompt), SamplingParams(max_tokens=max_tokens, n=n, temperature=0),
-                      priority=priority)
+        req = Request(
+            rid, None, list(prompt), SamplingParams(max_tokens=max_tokens, n=n, temperature=0), priority=priority
+        )
         self.sched.add_request(req)
         self.expected[rid] = expected_outputs(prompt, max_tokens, n)
         return req
@@ -115,6 +131,7 @@ class Driver:
 
 # ---- unit tests ----
 
+
 def test_swap_out_and_back_restores_the_kv_exactly():
     d = Driver(make(num_blocks=9, block_size=4, budget=32, max_model_len=32, cpu_blocks=16, prefix=False))
     for i in range(3):
@@ -146,8 +163,7 @@ def test_shared_prefix_blocks_stay_on_the_gpu_with_the_swapped_sequence():
     for blk in shared:
         assert s.pool.ref_count(blk) == 2  # b still holds its reference
     s.check_integrity()
-    d.kv.step(type("O", (), dict(blocks_to_swap_out=out_pairs, blocks_to_swap_in=[], blocks_to_copy=[],
-                                   seqs=[]))())
+    d.kv.step(type("O", (), dict(blocks_to_swap_out=out_pairs, blocks_to_swap_in=[], blocks_to_copy=[], seqs=[]))())
     d.drain()
     assert d.done["b"] == d.expected["b"]
 
@@ -244,8 +260,16 @@ def test_low_priority_does_not_preempt_high_priority():
 
 
 def test_reserved_blocks_are_only_for_urgent_requests():
-    s = make(num_blocks=11, block_size=4, max_num_seqs=8, budget=64, max_model_len=40, cpu_blocks=0,
-             reserved_blocks_fraction=0.5, reserved_priority=0)
+    s = make(
+        num_blocks=11,
+        block_size=4,
+        max_num_seqs=8,
+        budget=64,
+        max_model_len=40,
+        cpu_blocks=0,
+        reserved_blocks_fraction=0.5,
+        reserved_priority=0,
+    )
     d = Driver(s)
     with pytest.raises(InvalidRequestError, match="priority 1"):
         d.add("too-big-for-low", prompt(1, 20), max_tokens=4, priority=1)  # 6 blocks > 10 - 5
@@ -280,24 +304,54 @@ def test_swapped_come_back_before_new_arrivals_of_the_same_priority():
 
 # ---- property test: random add / abort / step streams with swap and priorities ----
 
-ops = st.lists(st.one_of(
-    st.tuples(st.just("add"), st.integers(1, 24), st.integers(1, 10), st.integers(0, 3), st.integers(1, 3),
-              st.integers(0, 3)),
-    st.tuples(st.just("abort"), st.integers(0, 60)),
-    st.tuples(st.just("step"), st.integers(1, 4)),
-), min_size=1, max_size=50)
+ops = st.lists(
+    st.one_of(
+        st.tuples(
+            st.just("add"),
+            st.integers(1, 24),
+            st.integers(1, 10),
+            st.integers(0, 3),
+            st.integers(1, 3),
+            st.integers(0, 3),
+        ),
+        st.tuples(st.just("abort"), st.integers(0, 60)),
+        st.tuples(st.just("step"), st.integers(1, 4)),
+    ),
+    min_size=1,
+    max_size=50,
+)
 
 
-@given(ops=ops, num_blocks=st.integers(8, 40), block_size=st.sampled_from([2, 4, 8]), budget=st.integers(4, 40),
-       max_num_seqs=st.integers(3, 6), prefix=st.booleans(), cpu_blocks=st.integers(0, 24),
-       mode=st.sampled_from(["swap", "auto", "recompute"]), reserve=st.sampled_from([0.0, 0.2]),
-       reserved_priority=st.integers(0, 1))
+@given(
+    ops=ops,
+    num_blocks=st.integers(8, 40),
+    block_size=st.sampled_from([2, 4, 8]),
+    budget=st.integers(4, 40),
+    max_num_seqs=st.integers(3, 6),
+    prefix=st.booleans(),
+    cpu_blocks=st.integers(0, 24),
+    mode=st.sampled_from(["swap", "auto", "recompute"]),
+    reserve=st.sampled_from([0.0, 0.2]),
+    reserved_priority=st.integers(0, 1),
+)
 @settings(max_examples=200, deadline=None)
-def test_swap_and_priority_invariants_under_random_workloads(ops, num_blocks, block_size, budget, max_num_seqs,
-                                                             prefix, cpu_blocks, mode, reserve, reserved_priority):
-    d = Driver(make(num_blocks=num_blocks, block_size=block_size, budget=budget, max_num_seqs=max_num_seqs,
-                    max_model_len=64, prefix=prefix, cpu_blocks=cpu_blocks, mode=mode,
-                    reserved_blocks_fraction=reserve, reserved_priority=reserved_priority))
+def test_swap_and_priority_invariants_under_random_workloads(
+    ops, num_blocks, block_size, budget, max_num_seqs, prefix, cpu_blocks, mode, reserve, reserved_priority
+):
+    d = Driver(
+        make(
+            num_blocks=num_blocks,
+            block_size=block_size,
+            budget=budget,
+            max_num_seqs=max_num_seqs,
+            max_model_len=64,
+            prefix=prefix,
+            cpu_blocks=cpu_blocks,
+            mode=mode,
+            reserved_blocks_fraction=reserve,
+            reserved_priority=reserved_priority,
+        )
+    )
     ids: list[str] = []
     for op in ops:
         if op[0] == "add":
@@ -320,8 +374,16 @@ def test_swap_and_priority_invariants_under_random_workloads(ops, num_blocks, bl
 def test_priority_preemption_never_preempts_for_blocks_it_cannot_free():
     """L shares six of its seven blocks with H: preempting L frees one block, not seven, so an
     urgent W that needs six must wait for room instead of throwing L's progress away."""
-    s = make(num_blocks=13, block_size=4, max_num_seqs=4, budget=64, max_model_len=48, cpu_blocks=0,
-             mode="recompute", watermark_fraction=0.0)
+    s = make(
+        num_blocks=13,
+        block_size=4,
+        max_num_seqs=4,
+        budget=64,
+        max_model_len=48,
+        cpu_blocks=0,
+        mode="recompute",
+        watermark_fraction=0.0,
+    )
     d = Driver(s)
     shared = list(range(1, 25))  # 6 full blocks
     d.add("H", shared + [90], max_tokens=20, priority=0)

@@ -23,8 +23,14 @@ def adapters(tiny_llama, tmp_path_factory):
     root = tmp_path_factory.mktemp("lora")
     return {
         "a": _make_adapter(tiny_llama, root / "a", ["q_proj", "v_proj", "gate_proj", "down_proj"], 4, 1),
-        "b": _make_adapter(tiny_llama, root / "b", ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
-                                                    "down_proj"], 8, 2, rslora=True),
+        "b": _make_adapter(
+            tiny_llama,
+            root / "b",
+            ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+            8,
+            2,
+            rslora=True,
+        ),
         "wide": _make_adapter(tiny_llama, root / "wide", ["q_proj"], 32, 3),
         "head": _make_adapter(tiny_llama, root / "head", ["lm_head"], 4, 4),
     }
@@ -44,9 +50,16 @@ def _hf_greedy(base_dir, adapter_dir, prompt, max_tokens=10):
             model = PeftModel.from_pretrained(model, adapter_dir)
         ids = torch.tensor([prompt])
         with torch.no_grad():
-            out = model.eval().generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens,
-                                        min_new_tokens=max_tokens, do_sample=False, eos_token_id=None, pad_token_id=0)
-        _hf_cache[key] = out[0, len(prompt):].tolist()
+            out = model.eval().generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=max_tokens,
+                min_new_tokens=max_tokens,
+                do_sample=False,
+                eos_token_id=None,
+                pad_token_id=0,
+            )
+        _hf_cache[key] = out[0, len(prompt) :].tolist()
     return _hf_cache[key]
 
 
@@ -59,7 +72,7 @@ def test_mixed_batch_equals_peft(eager, tiny_llama, adapters, make_llm):
     llm = make_llm(enable_lora=True, max_loras=2, max_lora_rank=8, enforce_eager=eager, max_num_seqs=8)
     a, b = _lora(adapters, "a", 1), _lora(adapters, "b", 2)
     loras = [None, a, b, a, b, None, a, b]
-    prompts = (PROMPTS * 2)[:len(loras)]
+    prompts = (PROMPTS * 2)[: len(loras)]
     outs = llm.generate(prompts, GREEDY, use_tqdm=False, lora_request=loras)
     for prompt, lora, out in zip(prompts, loras, outs):
         want = _hf_greedy(tiny_llama, lora.lora_path if lora else None, prompt)
@@ -129,17 +142,27 @@ def test_server_selects_adapters_by_model_name(tiny_llama, adapters):
 
     async def main(state, client):
         models = await client.models.list()
-        assert [(m.id, getattr(m, "parent", None)) for m in models.data] == [("base", None), ("a", "base"),
-                                                                           ("b", "base")]
+        assert [(m.id, getattr(m, "parent", None)) for m in models.data] == [
+            ("base", None),
+            ("a", "base"),
+            ("b", "base"),
+        ]
         for name, path in (("base", None), ("a", adapters["a"]), ("b", adapters["b"])):
-            r = await client.completions.create(model=name, prompt=PROMPTS[0], max_tokens=10, temperature=0,
-                                                extra_body={"ignore_eos": True})
+            r = await client.completions.create(
+                model=name, prompt=PROMPTS[0], max_tokens=10, temperature=0, extra_body={"ignore_eos": True}
+            )
             want = state.tokenizer.decode(_hf_greedy(tiny_llama, path, PROMPTS[0]))
             assert r.choices[0].text == want.rstrip("\ufffd")  # (a split UTF-8 character at the end is held back)
         with pytest.raises(openai.NotFoundError, match="'base', 'a', 'b'"):
             await client.completions.create(model="c", prompt="hi", max_tokens=2)
-    with served(tiny_llama, {"served_model_name": "base"}, enable_lora=True, max_lora_rank=8,
-                lora_modules=[f"a={adapters['a']}", f"b={adapters['b']}"]) as (state, _, client):
+
+    with served(
+        tiny_llama,
+        {"served_model_name": "base"},
+        enable_lora=True,
+        max_lora_rank=8,
+        lora_modules=[f"a={adapters['a']}", f"b={adapters['b']}"],
+    ) as (state, _, client):
         asyncio.run(main(state, client))
 
 
@@ -154,14 +177,16 @@ def test_runtime_load_and_unload_through_the_server(tiny_llama, adapters):
         r = await http.post("/v1/load_lora_adapter", json={"lora_name": "a", "lora_path": adapters["a"]})
         assert r.status_code == 200 and "added" in r.text
         assert "a" in [m.id for m in (await client.models.list()).data]
-        out = await client.completions.create(model="a", prompt=PROMPTS[0], max_tokens=10, temperature=0,
-                                              extra_body={"ignore_eos": True})
+        out = await client.completions.create(
+            model="a", prompt=PROMPTS[0], max_tokens=10, temperature=0, extra_body={"ignore_eos": True}
+        )
         want = state.tokenizer.decode(_hf_greedy(tiny_llama, adapters["a"], PROMPTS[0]))
         assert out.choices[0].text == want.rstrip("\ufffd")
         for path, body, param in [
-                ("/v1/load_lora_adapter", {"lora_name": "b", "lora_path": adapters["b"]}, "lora_path"),  # no slot
-                ("/v1/load_lora_adapter", {"lora_name": "a", "lora_path": adapters["a"]}, "lora_name"),
-                ("/v1/unload_lora_adapter", {"lora_name": "zzz"}, "lora_name")]:
+            ("/v1/load_lora_adapter", {"lora_name": "b", "lora_path": adapters["b"]}, "lora_path"),  # no slot
+            ("/v1/load_lora_adapter", {"lora_name": "a", "lora_path": adapters["a"]}, "lora_name"),
+            ("/v1/unload_lora_adapter", {"lora_name": "zzz"}, "lora_name"),
+        ]:
             bad = await http.post(path, json=body)
             assert bad.status_code == 400 and bad.json()["error"]["param"] == param, bad.text
         r = await http.post("/v1/unload_lora_adapter", json={"lora_name": "a"})
@@ -169,10 +194,15 @@ def test_runtime_load_and_unload_through_the_server(tiny_llama, adapters):
         r = await http.post("/v1/load_lora_adapter", json={"lora_name": "b", "lora_path": adapters["b"]})
         assert r.status_code == 200
         assert [m.id for m in (await client.models.list()).data] == ["base", "b"]
+
     roots = [str(Path(adapters["a"]).parent)]
-    with served(tiny_llama, {"served_model_name": "base", "allow_runtime_lora_updating": True,
-                             "lora_adapter_roots": roots}, enable_lora=True,
-                max_loras=1, max_lora_rank=8) as (state, http, client):
+    with served(
+        tiny_llama,
+        {"served_model_name": "base", "allow_runtime_lora_updating": True, "lora_adapter_roots": roots},
+        enable_lora=True,
+        max_loras=1,
+        max_lora_rank=8,
+    ) as (state, http, client):
         asyncio.run(main(state, http, client))
 
 
@@ -188,9 +218,19 @@ def test_runtime_loading_is_confined_to_the_roots(tiny_llama, adapters, tmp_path
     loop.symlink_to(loop)
     escape = Path(adapters["a"]).parent / "escape"
     escape.symlink_to(outside)
-    probes = ["/root", "/root/.ssh", "/etc/passwd", str(outside), str(outside / "adapter_config.json"),
-              str(Path(adapters["a"]).parent / "missing"), str(loop), str(escape), "x" * 5000, "/" + "a/" * 3000,
-              str(Path(adapters["a"]) / ".." / ".." / "outside")]
+    probes = [
+        "/root",
+        "/root/.ssh",
+        "/etc/passwd",
+        str(outside),
+        str(outside / "adapter_config.json"),
+        str(Path(adapters["a"]).parent / "missing"),
+        str(loop),
+        str(escape),
+        "x" * 5000,
+        "/" + "a/" * 3000,
+        str(Path(adapters["a"]) / ".." / ".." / "outside"),
+    ]
 
     async def main(state, http):
         answers = []
@@ -205,8 +245,12 @@ def test_runtime_loading_is_confined_to_the_roots(tiny_llama, adapters, tmp_path
         assert state.engine.lora_adapters() == []
 
     roots = [str(Path(adapters["a"]).parent)]
-    with served(tiny_llama, {"served_model_name": ["base", "alias"], "allow_runtime_lora_updating": True,
-                             "lora_adapter_roots": roots}, enable_lora=True, max_lora_rank=8) as (state, http, _):
+    with served(
+        tiny_llama,
+        {"served_model_name": ["base", "alias"], "allow_runtime_lora_updating": True, "lora_adapter_roots": roots},
+        enable_lora=True,
+        max_lora_rank=8,
+    ) as (state, http, _):
         asyncio.run(main(state, http))
     with pytest.raises(ValueError, match="lora_adapter_roots"):
         from engine.config.settings import ServerSettings

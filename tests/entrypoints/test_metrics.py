@@ -11,8 +11,9 @@ from tests.support.metrics import _samples
 
 
 def test_preemption_and_swap_metrics_follow_the_engine(make_llm):
-    llm = make_llm(num_gpu_blocks=14, block_size=8, max_num_seqs=6, max_model_len=96,
-                   preemption_mode="swap", swap_space_gb=0.01)
+    llm = make_llm(
+        num_gpu_blocks=14, block_size=8, max_num_seqs=6, max_model_len=96, preemption_mode="swap", swap_space_gb=0.01
+    )
     engine = llm.engine
     metrics = EngineMetrics("tiny", log_stats_interval=0)
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
@@ -26,8 +27,10 @@ def test_preemption_and_swap_metrics_follow_the_engine(make_llm):
     m = _samples(metrics)
     swaps = m[("kiln:num_preemptions_total", (("mode", "swap"),))]
     assert swaps == engine.core.scheduler.preemptions_by_mode["swap"] > 0
-    assert m[("kiln:num_preemptions_total", (("mode", "recompute"),))] == engine.core.scheduler.preemptions_by_mode[
-        "recompute"]
+    assert (
+        m[("kiln:num_preemptions_total", (("mode", "recompute"),))]
+        == engine.core.scheduler.preemptions_by_mode["recompute"]
+    )
     assert m[("kiln:swap_out_bytes_total", ())] == engine.core.block_swapper.bytes_out > 0
     assert m[("kiln:swap_in_bytes_total", ())] == engine.core.block_swapper.bytes_in > 0
     assert m[("kiln:request_success_total", (("finished_reason", "length"),))] == 6

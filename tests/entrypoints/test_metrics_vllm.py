@@ -42,9 +42,11 @@ def test_request_histograms_follow_the_engine(make_llm):
     metrics = EngineMetrics("tiny", log_stats_interval=0)
     metrics.set_engine_info(engine)
     prompts = [list(range(10, 20)), list(range(30, 47)), list(range(60, 65))]
-    params = [SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, output_kind="delta"),
-              SamplingParams(temperature=1.0, seed=1, n=2, max_tokens=9, ignore_eos=True, output_kind="delta"),
-              SamplingParams(temperature=0, max_tokens=3, ignore_eos=True, output_kind="delta")]
+    params = [
+        SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, output_kind="delta"),
+        SamplingParams(temperature=1.0, seed=1, n=2, max_tokens=9, ignore_eos=True, output_kind="delta"),
+        SamplingParams(temperature=0, max_tokens=3, ignore_eos=True, output_kind="delta"),
+    ]
     for i, (p, sp) in enumerate(zip(prompts, params)):
         engine.add_request(p, sp, f"r{i}")
     _drive(engine, metrics)
@@ -59,8 +61,10 @@ def test_request_histograms_follow_the_engine(make_llm):
     for name in ("prefill", "decode", "inference"):
         assert _value(m, f"kiln:request_{name}_time_seconds_count") == 3
     assert _value(m, "kiln:request_inference_time_seconds_sum") >= _value(m, "kiln:request_decode_time_seconds_sum")
-    assert _value(m, "kiln:iteration_tokens_total_sum") == \
-        engine.core.num_prompt_tokens_total + engine.core.num_generation_tokens_total
+    assert (
+        _value(m, "kiln:iteration_tokens_total_sum")
+        == engine.core.num_prompt_tokens_total + engine.core.num_generation_tokens_total
+    )
     (info,) = m["kiln:cache_config_info"]
     assert info.labels["block_size"] == str(engine.settings.block_size)
     assert info.labels["num_gpu_blocks"] == str(engine.core.pool.num_usable) and info.value == 1
@@ -72,8 +76,9 @@ def test_spec_decode_num_drafts(make_llm):
     llm = make_llm(speculative_method="ngram", num_speculative_tokens=3, prompt_lookup_min=1)
     engine = llm.engine
     metrics = EngineMetrics("tiny", log_stats_interval=0)
-    engine.add_request([7, 8, 9, 10] * 8, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True,
-                                                         output_kind="delta"), "s")
+    engine.add_request(
+        [7, 8, 9, 10] * 8, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, output_kind="delta"), "s"
+    )
     _drive(engine, metrics)
     m = _samples(metrics)
     drafts = _value(m, "kiln:spec_decode_num_drafts_total")
@@ -101,13 +106,24 @@ def test_every_dashboard_query_uses_an_exported_metric(tiny_llama):
     missing = sorted(_dashboard_metric_names() - exported)
     assert not missing, f"dashboard queries metrics /metrics does not export: {missing}"
     vllm_dashboard = Path(__file__).resolve().parents[1] / "data" / "vllm_dashboard_series.txt"
-    queried = [line.strip().replace("vllm:", "kiln:", 1) for line in vllm_dashboard.read_text().splitlines()
-               if line.startswith("vllm:")]
+    queried = [
+        line.strip().replace("vllm:", "kiln:", 1)
+        for line in vllm_dashboard.read_text().splitlines()
+        if line.startswith("vllm:")
+    ]
     assert len(queried) >= 20 and not sorted(set(queried) - exported), sorted(set(queried) - exported)
-    for name in ("kiln:iteration_tokens_total_bucket", "kiln:request_prompt_tokens_bucket",
-                 "kiln:request_generation_tokens_bucket", "kiln:request_prefill_time_seconds_bucket",
-                 "kiln:request_decode_time_seconds_bucket", "kiln:request_inference_time_seconds_bucket",
-                 "kiln:request_max_num_generation_tokens_bucket", "kiln:request_params_n_bucket",
-                 "kiln:request_params_max_tokens_bucket", "kiln:cache_config_info", "kiln:lora_requests_info",
-                 "kiln:spec_decode_num_drafts_total"):
+    for name in (
+        "kiln:iteration_tokens_total_bucket",
+        "kiln:request_prompt_tokens_bucket",
+        "kiln:request_generation_tokens_bucket",
+        "kiln:request_prefill_time_seconds_bucket",
+        "kiln:request_decode_time_seconds_bucket",
+        "kiln:request_inference_time_seconds_bucket",
+        "kiln:request_max_num_generation_tokens_bucket",
+        "kiln:request_params_n_bucket",
+        "kiln:request_params_max_tokens_bucket",
+        "kiln:cache_config_info",
+        "kiln:lora_requests_info",
+        "kiln:spec_decode_num_drafts_total",
+    ):
         assert name in exported, name

@@ -13,8 +13,11 @@ DOCS = sorted((ROOT / "docs").glob("*.md"))
 
 
 def test_generated_tables_are_up_to_date():
-    result = subprocess.run([sys.executable, str(ROOT / "tools" / "settings_table.py"), "--check", *map(str, DOCS)],
-                            capture_output=True, text=True)
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "tools" / "settings_table.py"), "--check", *map(str, DOCS)],
+        capture_output=True,
+        text=True,
+    )
     assert result.returncode == 0, result.stderr + " (run `make settings-table`)"
 
 
@@ -22,8 +25,11 @@ def test_the_table_check_fails_on_a_stale_table(tmp_path):
     stale = tmp_path / "settings.md"
     stale.write_text((ROOT / "docs" / "settings.md").read_text().replace("`KILN_MAX_NUM_SEQS`", "`KILN_OLD_NAME`"))
     others = [p for p in DOCS if p.name != "settings.md"]
-    result = subprocess.run([sys.executable, str(ROOT / "tools" / "settings_table.py"), "--check", str(stale),
-                             *map(str, others)], capture_output=True, text=True)
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "tools" / "settings_table.py"), "--check", str(stale), *map(str, others)],
+        capture_output=True,
+        text=True,
+    )
     assert result.returncode == 1 and "out of date" in result.stderr
 
 

@@ -18,14 +18,17 @@ from engine.entrypoints.openai.reasoning import ReasoningParser
 from engine.entrypoints.openai.tool_calls import ToolMode
 
 
-@pytest.mark.parametrize("kind,text,want", [
-    ("deepseek_r1", "plan it</think>\n\nThe answer.", ("plan it", "The answer.")),
-    ("deepseek_r1", "<think>plan</think>done", ("plan", "done")),
-    ("deepseek_r1", "still thinking", ("still thinking", None)),
-    ("qwen3", "<think>\nhmm\n</think>\n\nYes.", ("\nhmm\n", "Yes.")),
-    ("qwen3", "No block at all.", (None, "No block at all.")),
-    ("qwen3", "<think>unterminated", ("unterminated", None)),
-])
+@pytest.mark.parametrize(
+    "kind,text,want",
+    [
+        ("deepseek_r1", "plan it</think>\n\nThe answer.", ("plan it", "The answer.")),
+        ("deepseek_r1", "<think>plan</think>done", ("plan", "done")),
+        ("deepseek_r1", "still thinking", ("still thinking", None)),
+        ("qwen3", "<think>\nhmm\n</think>\n\nYes.", ("\nhmm\n", "Yes.")),
+        ("qwen3", "No block at all.", (None, "No block at all.")),
+        ("qwen3", "<think>unterminated", ("unterminated", None)),
+    ],
+)
 def test_split_whole_answers(kind, text, want):
     assert ReasoningParser(kind).split(text) == want
 
@@ -50,10 +53,21 @@ def _job(reasoning: str | None, tools: ToolMode | None = None) -> _Job:
 
 
 @settings(max_examples=150, deadline=None)
-@given(kind=st.sampled_from(["deepseek_r1", "qwen3"]),
-       text=st.sampled_from(["<think>a<b</think>\nc</think>d", "x</thin", "<think>\n</think>", "<thi", "plain <think>",
-                             "r1 plan</think>answer <tool_call>", "<think>q</think><think>"]),
-       cuts=st.lists(st.integers(0, 40), max_size=6))
+@given(
+    kind=st.sampled_from(["deepseek_r1", "qwen3"]),
+    text=st.sampled_from(
+        [
+            "<think>a<b</think>\nc</think>d",
+            "x</thin",
+            "<think>\n</think>",
+            "<thi",
+            "plain <think>",
+            "r1 plan</think>answer <tool_call>",
+            "<think>q</think><think>",
+        ]
+    ),
+    cuts=st.lists(st.integers(0, 40), max_size=6),
+)
 def test_streamed_pieces_add_up_to_the_whole_split(kind, text, cuts):
     points = sorted({min(c, len(text)) for c in cuts} | {0, len(text)})
     pieces = [text[a:b] for a, b in zip(points, points[1:])] or [""]
@@ -65,13 +79,15 @@ def test_streamed_pieces_add_up_to_the_whole_split(kind, text, cuts):
 def test_reasoning_then_a_tool_call_streamed():
     job = _job("deepseek_r1", ToolMode("auto", {"f": {}}, parser="hermes"))
     text = 'I should call f.</think>\nOK <tool_call>{"name": "f", "arguments": {"x": 1}}</tool_call>'
-    reasoning, content, calls, finish = _stream(job, [text[i:i + 7] for i in range(0, len(text), 7)])
+    reasoning, content, calls, finish = _stream(job, [text[i : i + 7] for i in range(0, len(text), 7)])
     assert reasoning == "I should call f." and content.strip() == "OK" and finish == "tool_calls"
     assert calls[0]["function"]["name"] == "f"
 
 
-TEMPLATE = ("{% if enable_thinking %}THINKING ON{% endif %}{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
-            "{{ m['content'] }}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+TEMPLATE = (
+    "{% if enable_thinking %}THINKING ON{% endif %}{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
+    "{{ m['content'] }}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
 
 
 @pytest.fixture
@@ -101,17 +117,24 @@ def test_server_reasoning_content_and_template_options(client):
         assert constrained.choices[0].message.content is None
         assert constrained.choices[0].message.reasoning_content == message.reasoning_content
 
-        on = await client.chat.completions.create(**{**ask, "max_tokens": 1,
-                                                     "extra_body": {"chat_template_kwargs": {"enable_thinking": True}}})
+        on = await client.chat.completions.create(
+            **{**ask, "max_tokens": 1, "extra_body": {"chat_template_kwargs": {"enable_thinking": True}}}
+        )
         off = await client.chat.completions.create(**{**ask, "max_tokens": 1})
         assert on.usage.prompt_tokens > off.usage.prompt_tokens
         conv = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Once upon"}]
-        cont = await client.chat.completions.create(model="m", messages=conv, max_tokens=1, extra_body={
-            "continue_final_message": True, "add_generation_prompt": False})
+        cont = await client.chat.completions.create(
+            model="m",
+            messages=conv,
+            max_tokens=1,
+            extra_body={"continue_final_message": True, "add_generation_prompt": False},
+        )
         new_turn = await client.chat.completions.create(model="m", messages=conv, max_tokens=1)
         assert cont.usage.prompt_tokens < new_turn.usage.prompt_tokens
-        for extra, param in [({"continue_final_message": True}, "continue_final_message"),
-                             ({"chat_template_kwargs": {"tools": []}}, "chat_template_kwargs")]:
+        for extra, param in [
+            ({"continue_final_message": True}, "continue_final_message"),
+            ({"chat_template_kwargs": {"tools": []}}, "chat_template_kwargs"),
+        ]:
             with pytest.raises(openai.BadRequestError) as info:
                 await client.chat.completions.create(model="m", messages=conv, max_tokens=1, extra_body=extra)
             assert info.value.body["param"] == param
@@ -121,4 +144,5 @@ def test_server_reasoning_content_and_template_options(client):
             assert info.value.body["param"] == param
         ok = await client.completions.create(model="m", prompt="hi", max_tokens=1, n=2, extra_body={"best_of": 2})
         assert len(ok.choices) == 2
+
     asyncio.run(main())

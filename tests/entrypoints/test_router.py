@@ -93,12 +93,39 @@ def cluster(tiny_llama, tmp_path_factory):
     router_port, metrics_port = _free_ports(2)
     replica_port = _free_consecutive_ports(2)
     log_dir = tmp_path_factory.mktemp("replica-logs")
-    cmd = [sys.executable, "-m", "engine.entrypoints.cli", "serve-replicas", "--replicas", "2", "--host", "127.0.0.1",
-           "--port", str(router_port), "--replica-port", str(replica_port), "--router-metrics-port",
-           str(metrics_port), "--log-dir", str(log_dir), "--startup-timeout", "120", "--one-at-a-time",
-           "--router-arg=--health-check-interval-secs=1", "--router-arg=--log-level=warn",
-           str(tiny_llama), "--served-model-name", MODEL, "--device", "cpu", "--enforce-eager",
-           "--max-model-len", "512", "--api-key", API_KEY]
+    cmd = [
+        sys.executable,
+        "-m",
+        "engine.entrypoints.cli",
+        "serve-replicas",
+        "--replicas",
+        "2",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(router_port),
+        "--replica-port",
+        str(replica_port),
+        "--router-metrics-port",
+        str(metrics_port),
+        "--log-dir",
+        str(log_dir),
+        "--startup-timeout",
+        "120",
+        "--one-at-a-time",
+        "--router-arg=--health-check-interval-secs=1",
+        "--router-arg=--log-level=warn",
+        str(tiny_llama),
+        "--served-model-name",
+        MODEL,
+        "--device",
+        "cpu",
+        "--enforce-eager",
+        "--max-model-len",
+        "512",
+        "--api-key",
+        API_KEY,
+    ]
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     lines: list[str] = []
@@ -115,8 +142,9 @@ def cluster(tiny_llama, tmp_path_factory):
         _stop_launcher(proc, lines)
         logs = "".join(p.read_text()[-2000:] for p in log_dir.glob("*.log"))
         pytest.fail("serve-replicas did not come up:\n" + "".join(lines) + logs)
-    replicas = [(int(m.group(1)), m.group(2)) for line in lines
-                if (m := re.search(r"replica \d+ pid (\d+) at (\S+)", line))]
+    replicas = [
+        (int(m.group(1)), m.group(2)) for line in lines if (m := re.search(r"replica \d+ pid (\d+) at (\S+)", line))
+    ]
     assert len(replicas) == 2
     c = Cluster(proc, f"http://127.0.0.1:{router_port}", replicas)
     c.lines = lines
@@ -147,15 +175,36 @@ def test_plan_from_argv_splits_launcher_and_replica_flags():
     from engine.entrypoints.cli.main import parse_serve_args
     from engine.entrypoints.cli.replicas import ReplicaPlan, ReplicaSet, plan_from_argv
 
-    plan = plan_from_argv(["--replicas", "3", "--port", "9000", "--replica-port", "9100", "--gpus", "0,1",
-                           "/models/x", "--max-model-len", "4k", "--router-arg=--health-check-interval-secs=2"])
+    plan = plan_from_argv(
+        [
+            "--replicas",
+            "3",
+            "--port",
+            "9000",
+            "--replica-port",
+            "9100",
+            "--gpus",
+            "0,1",
+            "/models/x",
+            "--max-model-len",
+            "4k",
+            "--router-arg=--health-check-interval-secs=2",
+        ]
+    )
     assert plan.serve_args == ["/models/x", "--max-model-len", "4k"]
     assert plan.replica_urls() == ["http://127.0.0.1:9100", "http://127.0.0.1:9101", "http://127.0.0.1:9102"]
-    assert plan.replica_command(2)[1:7] == ["-m", "engine.entrypoints.cli", "serve", "/models/x", "--max-model-len", "4k"]
+    assert plan.replica_command(2)[1:7] == [
+        "-m",
+        "engine.entrypoints.cli",
+        "serve",
+        "/models/x",
+        "--max-model-len",
+        "4k",
+    ]
     assert plan.replica_command(2)[-4:] == ["--host", "127.0.0.1", "--port", "9102"]
     assert [plan.replica_env(i) for i in range(3)] == [{"CUDA_VISIBLE_DEVICES": g} for g in ("0", "1", "0")]
     router = plan.router_command()
-    assert router[router.index("--worker-urls") + 1:router.index("--policy")] == plan.replica_urls()
+    assert router[router.index("--worker-urls") + 1 : router.index("--policy")] == plan.replica_urls()
     assert router[-1] == "--health-check-interval-secs=2" and router[router.index("--port") + 1] == "9000"
     assert "--api-key" not in router
     keyed = plan_from_argv(["/models/x", "--api-key", "k1"], parse_serve_args).router_command()
@@ -179,8 +228,9 @@ def test_router_lists_the_replicas_model(cluster):
 
 
 def test_streaming_chat_through_router(cluster):
-    stream = cluster.client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
-                                                    max_tokens=6, temperature=0, stream=True)
+    stream = cluster.client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=6, temperature=0, stream=True
+    )
     chunks = list(stream)
     assert chunks[-1].choices[0].finish_reason in ("length", "stop")
     assert sum(bool(c.choices and c.choices[0].delta.content) for c in chunks) >= 1
@@ -205,13 +255,17 @@ def test_many_requests_through_router_all_complete(cluster):
 
 def test_shared_long_prefix_lands_on_one_replica(cluster):
     prefix = " ".join(f"clause {i} of the shared system prompt says something long;" for i in range(10))
-    before = [(_metric(url, "kiln:request_success_total"), _metric(url, "kiln:prefix_cache_hits_total"))
-              for _, url in cluster.replicas]
+    before = [
+        (_metric(url, "kiln:request_success_total"), _metric(url, "kiln:prefix_cache_hits_total"))
+        for _, url in cluster.replicas
+    ]
     n = 8
     for i in range(n):  # one at a time: the router's load-balancing override never triggers
         cluster.complete(prefix + f" question {i}?", max_tokens=2)
-    after = [(_metric(url, "kiln:request_success_total"), _metric(url, "kiln:prefix_cache_hits_total"))
-             for _, url in cluster.replicas]
+    after = [
+        (_metric(url, "kiln:request_success_total"), _metric(url, "kiln:prefix_cache_hits_total"))
+        for _, url in cluster.replicas
+    ]
     served = [a[0] - b[0] for a, b in zip(after, before)]
     hits = [a[1] - b[1] for a, b in zip(after, before)]
     assert sorted(served) == [0, n], f"requests per replica: {served}"
@@ -284,13 +338,20 @@ def test_sigterm_stops_router_and_replicas(cluster):
 def test_children_die_with_a_killed_launcher(tmp_path):
     # A launcher killed by SIGKILL cannot stop its children; the kernel must (no orphaned replica on the GPU).
     script = tmp_path / "launcher.py"
-    script.write_text("import sys, time\n"
-                      "from engine.entrypoints.cli.replicas import ReplicaPlan, ReplicaSet\n"
-                      "p = ReplicaSet(ReplicaPlan())._spawn('x', ['sleep', '300'], {})\n"
-                      "print(p.pid, flush=True)\n"
-                      "time.sleep(300)\n")
-    launcher = subprocess.Popen([sys.executable, str(script)], cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)},
-                                stdout=subprocess.PIPE, text=True)
+    script.write_text(
+        "import sys, time\n"
+        "from engine.entrypoints.cli.replicas import ReplicaPlan, ReplicaSet\n"
+        "p = ReplicaSet(ReplicaPlan())._spawn('x', ['sleep', '300'], {})\n"
+        "print(p.pid, flush=True)\n"
+        "time.sleep(300)\n"
+    )
+    launcher = subprocess.Popen(
+        [sys.executable, str(script)],
+        cwd=REPO,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     child = int(launcher.stdout.readline())
     launcher.kill()
     launcher.wait()

@@ -1,4 +1,5 @@
-"""The real server in a subprocess (`python -m engine.entrypoints.cli serve ...`), driven with the official openai client.
+"""The real server in a subprocess (`python -m engine.entrypoints.cli serve ...`), driven with the official
+openai client.
 
 One server per module. After every test the server must be back to zero running, zero
 waiting and zero KV blocks in use (read from /metrics).
@@ -27,8 +28,9 @@ def post(url: str, path: str, body, key: str | None = API_KEY, **kw) -> httpx.Re
     headers = {"Authorization": f"Bearer {key}"} if key else {}
     headers.update(kw.pop("headers", {}))
     if isinstance(body, (bytes, str)):
-        return httpx.post(f"{url}{path}", content=body, headers={**headers, "content-type": "application/json"},
-                          timeout=60)
+        return httpx.post(
+            f"{url}{path}", content=body, headers={**headers, "content-type": "application/json"}, timeout=60
+        )
     return httpx.post(f"{url}{path}", json=body, headers=headers, timeout=60)
 
 
@@ -39,7 +41,7 @@ def sse_events(resp: httpx.Response) -> list:
         if not block:
             continue
         assert block.startswith("data: "), block
-        payload = block[len("data: "):]
+        payload = block[len("data: ") :]
         events.append(payload if payload == "[DONE]" else json.loads(payload))
     return events
 
@@ -60,8 +62,9 @@ def test_models_health_version_tokenize(url):
 
 def test_completion_non_streaming(client, url):
     n_prompt = post(url, "/tokenize", {"prompt": "The quick brown fox"}).json()["count"]
-    r = client.completions.create(model=MODEL, prompt="The quick brown fox", max_tokens=7, temperature=0,
-                                  extra_body={"ignore_eos": True})
+    r = client.completions.create(
+        model=MODEL, prompt="The quick brown fox", max_tokens=7, temperature=0, extra_body={"ignore_eos": True}
+    )
     assert r.object == "text_completion" and r.model == MODEL and len(r.choices) == 1
     assert r.choices[0].finish_reason == "length" and r.choices[0].text
     assert r.usage.completion_tokens == 7
@@ -74,19 +77,22 @@ def test_greedy_matches_offline_llm(client, make_llm):
     llm = make_llm(max_model_len=MAX_MODEL_LEN, num_gpu_blocks=64)
     from engine.core.request import SamplingParams
 
-    offline = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=0),
-                           use_tqdm=False)
+    offline = llm.generate(
+        prompts, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=0), use_tqdm=False
+    )
     for prompt, ref in zip(prompts, offline):
-        r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0, logprobs=0,
-                                      extra_body={"ignore_eos": True})
+        r = client.completions.create(
+            model=MODEL, prompt=prompt, max_tokens=12, temperature=0, logprobs=0, extra_body={"ignore_eos": True}
+        )
         choice = r.choices[0]
         assert choice.text == ref.outputs[0].text
         expected = [lp[t] for t, lp in zip(ref.outputs[0].token_ids, ref.outputs[0].logprobs)]
         assert choice.logprobs.token_logprobs == pytest.approx(expected, abs=1e-4)
     # token-id prompts give the same thing as the text they encode
     ids = llm.tokenizer.encode(prompts[0])
-    r = client.completions.create(model=MODEL, prompt=ids, max_tokens=12, temperature=0,
-                                  extra_body={"ignore_eos": True})
+    r = client.completions.create(
+        model=MODEL, prompt=ids, max_tokens=12, temperature=0, extra_body={"ignore_eos": True}
+    )
     assert r.choices[0].text == offline[0].outputs[0].text
 
 
@@ -101,16 +107,34 @@ def test_streaming_completion_matches_non_streaming(client, url):
     assert not chunks[-1].choices and chunks[-1].usage.completion_tokens == 10
     assert chunks[-1].usage.prompt_tokens == full.usage.prompt_tokens
     # The raw wire format: data lines, usage chunk, then [DONE]
-    raw = post(url, "/v1/completions", {**{k: v for k, v in args.items() if k != "extra_body"}, "ignore_eos": True,
-                                        "stream": True, "stream_options": {"include_usage": True}})
+    raw = post(
+        url,
+        "/v1/completions",
+        {
+            **{k: v for k, v in args.items() if k != "extra_body"},
+            "ignore_eos": True,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        },
+    )
     assert raw.headers["content-type"].startswith("text/event-stream")
     events = sse_events(raw)
     assert events[-1] == "[DONE]" and events[-2]["choices"] == [] and events[-2]["usage"]["total_tokens"] > 10
     no_usage = sse_events(post(url, "/v1/completions", {"prompt": "A kiln is", "max_tokens": 3, "stream": True}))
     assert no_usage[-1] == "[DONE]" and all("usage" not in e for e in no_usage[:-1])
-    running = sse_events(post(url, "/v1/completions", {"prompt": "A kiln is", "max_tokens": 4, "stream": True,
-                                                       "ignore_eos": True, "stream_options": {
-                                                           "include_usage": True, "continuous_usage_stats": True}}))
+    running = sse_events(
+        post(
+            url,
+            "/v1/completions",
+            {
+                "prompt": "A kiln is",
+                "max_tokens": 4,
+                "stream": True,
+                "ignore_eos": True,
+                "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+            },
+        )
+    )
     counts = [e["usage"]["completion_tokens"] for e in running[:-2] if e["choices"]]
     assert counts == sorted(counts) and counts[-1] == 4 and running[-2]["usage"]["completion_tokens"] == 4
 
@@ -125,14 +149,23 @@ def test_truncate_prompt_tokens(client):
 
 def test_chat_non_streaming_and_streaming(client):
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello, world!"}]
-    r = client.chat.completions.create(model=MODEL, messages=messages, max_completion_tokens=6, temperature=0,
-                                       extra_body={"ignore_eos": True})
+    r = client.chat.completions.create(
+        model=MODEL, messages=messages, max_completion_tokens=6, temperature=0, extra_body={"ignore_eos": True}
+    )
     assert r.object == "chat.completion"
     assert r.choices[0].message.role == "assistant" and r.choices[0].finish_reason == "length"
     assert r.usage.completion_tokens == 6
-    chunks = list(client.chat.completions.create(model=MODEL, messages=messages, max_tokens=6, temperature=0,
-                                                 stream=True, stream_options={"include_usage": True},
-                                                 extra_body={"ignore_eos": True}))
+    chunks = list(
+        client.chat.completions.create(
+            model=MODEL,
+            messages=messages,
+            max_tokens=6,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body={"ignore_eos": True},
+        )
+    )
     assert chunks[0].choices[0].delta.role == "assistant"
     content = [c for c in chunks if c.choices]
     assert "".join(c.choices[0].delta.content or "" for c in content) == r.choices[0].message.content
@@ -141,8 +174,9 @@ def test_chat_non_streaming_and_streaming(client):
 
 
 def test_n2_seed_and_chat_logprobs(client):
-    args = dict(model=MODEL, prompt="Hello", max_tokens=8, temperature=1.0, n=2, seed=7,
-                extra_body={"ignore_eos": True})
+    args = dict(
+        model=MODEL, prompt="Hello", max_tokens=8, temperature=1.0, n=2, seed=7, extra_body={"ignore_eos": True}
+    )
     a = client.completions.create(**args)
     b = client.completions.create(**args)
     assert sorted(c.index for c in a.choices) == [0, 1]
@@ -154,8 +188,16 @@ def test_n2_seed_and_chat_logprobs(client):
         for c in chunk.choices:
             by_index[c.index] = by_index.get(c.index, "") + c.text
     assert [by_index[0], by_index[1]] == [c.text for c in a.choices]
-    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=4,
-                                          logprobs=True, top_logprobs=3, n=2, temperature=0.8, seed=1)
+    chat = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "hi"}],
+        max_tokens=4,
+        logprobs=True,
+        top_logprobs=3,
+        n=2,
+        temperature=0.8,
+        seed=1,
+    )
     assert len(chat.choices) == 2
     for choice in chat.choices:
         assert 1 <= len(choice.logprobs.content) <= 4
@@ -168,7 +210,7 @@ def test_stop_strings_and_max_tokens(client):
     base = client.completions.create(max_tokens=30, **args).choices[0].text
     stop = base[8:10]
     assert stop.strip(), base
-    cut = base[:base.index(stop)]
+    cut = base[: base.index(stop)]
     r = client.completions.create(max_tokens=30, stop=[stop, "never-there"], **args)
     assert r.choices[0].text == cut and r.choices[0].finish_reason == "stop"
     chunks = list(client.completions.create(max_tokens=30, stop=stop, stream=True, **args))
@@ -179,8 +221,15 @@ def test_stop_strings_and_max_tokens(client):
 
 
 def test_echo_and_prompt_lists(client):
-    r = client.completions.create(model=MODEL, prompt=["Hello", "A kiln"], max_tokens=3, temperature=0, echo=True,
-                                  n=2, extra_body={"ignore_eos": True})
+    r = client.completions.create(
+        model=MODEL,
+        prompt=["Hello", "A kiln"],
+        max_tokens=3,
+        temperature=0,
+        echo=True,
+        n=2,
+        extra_body={"ignore_eos": True},
+    )
     assert [c.index for c in r.choices] == [0, 1, 2, 3]
     assert r.choices[0].text.startswith("Hello") and r.choices[2].text.startswith("A kiln")
     assert r.choices[0].text == r.choices[1].text  # greedy: both samples agree
@@ -194,118 +243,208 @@ def test_echo_logprobs_score_the_prompt(client, url):
     gen = client.completions.create(model=MODEL, prompt=prompt, max_tokens=1, temperature=0, logprobs=1)
     token_lp = gen.choices[0].logprobs.token_logprobs[0]
     next_id = post(url, "/tokenize", {"prompt": gen.choices[0].text, "add_special_tokens": False}).json()["tokens"]
-    scored = client.completions.create(model=MODEL, prompt=prompt + next_id[:1], max_tokens=1, temperature=0,
-                                       logprobs=2, echo=True)
+    scored = client.completions.create(
+        model=MODEL, prompt=prompt + next_id[:1], max_tokens=1, temperature=0, logprobs=2, echo=True
+    )
     lp = scored.choices[0].logprobs
     assert len(lp.tokens) == len(prompt) + 2 and lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
     assert all(v is not None and v <= 0 for v in lp.token_logprobs[1:])
     assert all(len(t) >= 2 for t in lp.top_logprobs[1:])
     if len(next_id) == 1:  # the generated text re-tokenises to the generated token
         assert abs(lp.token_logprobs[len(prompt)] - token_lp) < 1e-4
-    stream = client.completions.create(model=MODEL, prompt=prompt + next_id[:1], max_tokens=1, temperature=0,
-                                       logprobs=2, echo=True, stream=True)
+    stream = client.completions.create(
+        model=MODEL, prompt=prompt + next_id[:1], max_tokens=1, temperature=0, logprobs=2, echo=True, stream=True
+    )
     first = next(iter(stream)).choices[0].logprobs
     # Tokens exactly, logprobs to 1e-4: each request's batch forms as requests arrive (another
     # test's aborted stream may still be running), and another batch shape may take another matmul path.
-    assert first.tokens[:len(prompt) + 1] == lp.tokens[:len(prompt) + 1]
-    assert first.token_logprobs[:len(prompt) + 1] == pytest.approx(lp.token_logprobs[:len(prompt) + 1], abs=1e-4)
+    assert first.tokens[: len(prompt) + 1] == lp.tokens[: len(prompt) + 1]
+    assert first.token_logprobs[: len(prompt) + 1] == pytest.approx(lp.token_logprobs[: len(prompt) + 1], abs=1e-4)
     # max_tokens=0 with echo: the prompt scored, nothing generated (and without echo: 400)
     only = client.completions.create(model=MODEL, prompt=prompt + next_id[:1], max_tokens=0, logprobs=2, echo=True)
-    assert only.choices[0].logprobs.tokens == lp.tokens[:len(prompt) + 1]
-    assert only.choices[0].logprobs.token_logprobs == pytest.approx(lp.token_logprobs[:len(prompt) + 1], abs=1e-4)
-    assert only.usage.completion_tokens == 0 and only.choices[0].text == scored.choices[0].text[:len(only.choices[0].text)]
+    assert only.choices[0].logprobs.tokens == lp.tokens[: len(prompt) + 1]
+    assert only.choices[0].logprobs.token_logprobs == pytest.approx(lp.token_logprobs[: len(prompt) + 1], abs=1e-4)
+    assert (
+        only.usage.completion_tokens == 0
+        and only.choices[0].text == scored.choices[0].text[: len(only.choices[0].text)]
+    )
     no_echo = post(url, "/v1/completions", {"model": MODEL, "prompt": prompt, "max_tokens": 0})
     assert no_echo.status_code == 400 and no_echo.json()["error"]["param"] == "max_tokens"
     # vLLM's prompt_logprobs extension gives the same numbers
-    body = post(url, "/v1/completions", {"model": MODEL, "prompt": prompt, "max_tokens": 1, "prompt_logprobs": 0}).json()
+    body = post(
+        url, "/v1/completions", {"model": MODEL, "prompt": prompt, "max_tokens": 1, "prompt_logprobs": 0}
+    ).json()
     entries = body["choices"][0]["prompt_logprobs"]
     assert entries[0] is None and len(entries) == len(prompt)
-    assert [e[str(t)]["logprob"] for t, e in zip(prompt[1:], entries[1:])] == \
-        pytest.approx(lp.token_logprobs[1:len(prompt)], abs=1e-4)
+    assert [e[str(t)]["logprob"] for t, e in zip(prompt[1:], entries[1:])] == pytest.approx(
+        lp.token_logprobs[1 : len(prompt)], abs=1e-4
+    )
 
 
 def test_logit_bias_and_allowed_token_ids(client, url):
-    forced = client.completions.create(model=MODEL, prompt="Hello", max_tokens=3, temperature=0,
-                                       logit_bias={"42": 100}, extra_body={"ignore_eos": True})
+    forced = client.completions.create(
+        model=MODEL,
+        prompt="Hello",
+        max_tokens=3,
+        temperature=0,
+        logit_bias={"42": 100},
+        extra_body={"ignore_eos": True},
+    )
     assert forced.choices[0].text == post(url, "/detokenize", {"tokens": [42, 42, 42]}).json()["prompt"]
-    only = client.completions.create(model=MODEL, prompt="Hello", max_tokens=6, temperature=1.0, seed=1, logprobs=0,
-                                     extra_body={"ignore_eos": True, "allowed_token_ids": [50, 51]})
+    only = client.completions.create(
+        model=MODEL,
+        prompt="Hello",
+        max_tokens=6,
+        temperature=1.0,
+        seed=1,
+        logprobs=0,
+        extra_body={"ignore_eos": True, "allowed_token_ids": [50, 51]},
+    )
     allowed = {post(url, "/detokenize", {"tokens": [t]}).json()["prompt"] for t in (50, 51)}
     assert len(only.choices[0].logprobs.tokens) == 6 and set(only.choices[0].logprobs.tokens) <= allowed
     bad = post(url, "/v1/completions", {"model": MODEL, "prompt": "Hi", "logit_bias": {"99999999": 1}})
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "logit_bias", bad.text
 
 
-PERSON = {"type": "object", "additionalProperties": False, "required": ["name", "age", "pet"],
-          "properties": {"name": {"type": "string", "maxLength": 12}, "age": {"type": "integer", "minimum": 0, "maximum": 120},
-                         "pet": {"enum": ["cat", "dog", "none"]}}}
+PERSON = {
+    "type": "object",
+    "additionalProperties": False,
+    "required": ["name", "age", "pet"],
+    "properties": {
+        "name": {"type": "string", "maxLength": 12},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        "pet": {"enum": ["cat", "dog", "none"]},
+    },
+}
 
 
 def test_response_format_json_schema_and_json_object(client):
     import jsonschema
 
     chat = client.chat.completions.create(
-        model=MODEL, messages=[{"role": "user", "content": "Describe a person."}], max_tokens=200, temperature=0.7,
-        seed=3, n=2, response_format={"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}},
-        extra_body={"structured_outputs": None})
+        model=MODEL,
+        messages=[{"role": "user", "content": "Describe a person."}],
+        max_tokens=200,
+        temperature=0.7,
+        seed=3,
+        n=2,
+        response_format={"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}},
+        extra_body={"structured_outputs": None},
+    )
     for choice in chat.choices:
         assert choice.finish_reason == "stop", choice.message.content
         jsonschema.validate(json.loads(choice.message.content, strict=False), PERSON)
     obj = client.chat.completions.create(
-        model=MODEL, messages=[{"role": "user", "content": "JSON please"}], max_tokens=200, temperature=0,
-        response_format={"type": "json_object"})
+        model=MODEL,
+        messages=[{"role": "user", "content": "JSON please"}],
+        max_tokens=200,
+        temperature=0,
+        response_format={"type": "json_object"},
+    )
     if obj.choices[0].finish_reason == "stop":
         assert isinstance(json.loads(obj.choices[0].message.content, strict=False), dict)
-    text = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=4,
-                                          response_format={"type": "text"})
+    text = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=4, response_format={"type": "text"}
+    )
     assert text.choices[0].message.content is not None
 
 
 def test_vllm_structured_output_fields_and_streaming(client):
     choices = ["alpha", "beta", "gamma delta"]
-    r = client.completions.create(model=MODEL, prompt="Pick one:", max_tokens=20, temperature=1.0, n=3, seed=5,
-                                  extra_body={"guided_choice": choices})
+    r = client.completions.create(
+        model=MODEL,
+        prompt="Pick one:",
+        max_tokens=20,
+        temperature=1.0,
+        n=3,
+        seed=5,
+        extra_body={"guided_choice": choices},
+    )
     assert {c.text for c in r.choices} <= set(choices) and all(c.finish_reason == "stop" for c in r.choices)
-    r = client.completions.create(model=MODEL, prompt="A code:", max_tokens=20, temperature=1.0,
-                                  extra_body={"structured_outputs": {"regex": "[A-Z]{3}-[0-9]{4}"}})
+    r = client.completions.create(
+        model=MODEL,
+        prompt="A code:",
+        max_tokens=20,
+        temperature=1.0,
+        extra_body={"structured_outputs": {"regex": "[A-Z]{3}-[0-9]{4}"}},
+    )
     assert re.fullmatch("[A-Z]{3}-[0-9]{4}", r.choices[0].text), r.choices[0].text
     pieces = []
     for chunk in client.chat.completions.create(
-            model=MODEL, messages=[{"role": "user", "content": "a list"}], max_tokens=60, temperature=0, stream=True,
-            extra_body={"guided_grammar": 'root ::= "[" item ("," item)* "]"\nitem ::= [a-z]+'}):
+        model=MODEL,
+        messages=[{"role": "user", "content": "a list"}],
+        max_tokens=60,
+        temperature=0,
+        stream=True,
+        extra_body={"guided_grammar": 'root ::= "[" item ("," item)* "]"\nitem ::= [a-z]+'},
+    ):
         if chunk.choices and chunk.choices[0].delta.content:
             pieces.append(chunk.choices[0].delta.content)
     text = "".join(pieces)
     assert re.fullmatch(r"\[[a-z]+(,[a-z]+)*\]", text) or re.fullmatch(r"\[[a-z]+(,[a-z]+)*,?[a-z]*", text), text
 
 
-@pytest.mark.parametrize("body,param,message", [
-    ({"response_format": {"type": "json_schema"}}, "response_format", "json_schema.schema"),
-    ({"response_format": {"type": "yaml"}}, "response_format.type", "json_schema"),
-    ({"guided_regex": "(open"}, "guided_regex", "does not compile"),
-    ({"guided_json": {"type": "object", "properties": {"a": {"$ref": "#/missing"}}}}, "guided_json", "does not compile"),
-    ({"guided_choice": ["a"], "guided_regex": "a"}, "guided_choice", "not several"),
-    ({"structured_outputs": {"shape": "round"}}, "structured_outputs", "shape"),
-])
+@pytest.mark.parametrize(
+    "body,param,message",
+    [
+        ({"response_format": {"type": "json_schema"}}, "response_format", "json_schema.schema"),
+        ({"response_format": {"type": "yaml"}}, "response_format.type", "json_schema"),
+        ({"guided_regex": "(open"}, "guided_regex", "does not compile"),
+        (
+            {"guided_json": {"type": "object", "properties": {"a": {"$ref": "#/missing"}}}},
+            "guided_json",
+            "does not compile",
+        ),
+        ({"guided_choice": ["a"], "guided_regex": "a"}, "guided_choice", "not several"),
+        ({"structured_outputs": {"shape": "round"}}, "structured_outputs", "shape"),
+    ],
+)
 def test_bad_structured_output_constraints_400(url, body, param, message):
     err = _error(post(url, "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], **body}), 400)
     assert err["param"] == param and message in err["message"], err
 
 
-WEATHER_TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": {
-    "type": "object", "additionalProperties": False, "required": ["city", "days"],
-    "properties": {"city": {"enum": ["Paris", "Rome"]}, "days": {"type": "integer", "minimum": 1, "maximum": 7}}}}}
-TIME_TOOL = {"type": "function", "function": {"name": "get_time", "parameters": {
-    "type": "object", "additionalProperties": False, "required": ["zone"], "properties": {"zone": {"enum": ["UTC"]}}}}}
+WEATHER_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "parameters": {
+            "type": "object",
+            "additionalProperties": False,
+            "required": ["city", "days"],
+            "properties": {
+                "city": {"enum": ["Paris", "Rome"]},
+                "days": {"type": "integer", "minimum": 1, "maximum": 7},
+            },
+        },
+    },
+}
+TIME_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_time",
+        "parameters": {
+            "type": "object",
+            "additionalProperties": False,
+            "required": ["zone"],
+            "properties": {"zone": {"enum": ["UTC"]}},
+        },
+    },
+}
 
 
 def test_named_and_required_tool_choice(client):
     import jsonschema
 
-    ask = dict(model=MODEL, messages=[{"role": "user", "content": "Weather in Paris?"}], max_tokens=150,
-               temperature=0.7, seed=2, tools=[WEATHER_TOOL, TIME_TOOL])
-    named = client.chat.completions.create(tool_choice={"type": "function", "function": {"name": "get_weather"}},
-                                           **ask)
+    ask = dict(
+        model=MODEL,
+        messages=[{"role": "user", "content": "Weather in Paris?"}],
+        max_tokens=150,
+        temperature=0.7,
+        seed=2,
+        tools=[WEATHER_TOOL, TIME_TOOL],
+    )
+    named = client.chat.completions.create(tool_choice={"type": "function", "function": {"name": "get_weather"}}, **ask)
     choice = named.choices[0]
     assert choice.finish_reason == "stop" and choice.message.content is None  # OpenAI's behaviour for a named call
     (call,) = choice.message.tool_calls
@@ -314,7 +453,8 @@ def test_named_and_required_tool_choice(client):
 
     streamed_args, names, finish = "", set(), None
     for chunk in client.chat.completions.create(
-            tool_choice={"type": "function", "function": {"name": "get_weather"}}, stream=True, **ask):
+        tool_choice={"type": "function", "function": {"name": "get_weather"}}, stream=True, **ask
+    ):
         for tc in chunk.choices[0].delta.tool_calls or [] if chunk.choices else []:
             names.add(tc.function.name)
             streamed_args += tc.function.arguments or ""
@@ -329,18 +469,44 @@ def test_named_and_required_tool_choice(client):
     jsonschema.validate(json.loads(call.function.arguments), tool["function"]["parameters"])
 
 
-@pytest.mark.parametrize("extra,param,message", [
-    ({"tools": [WEATHER_TOOL]}, "tool_choice", "enable-auto-tool-choice"),
-    ({"tools": [WEATHER_TOOL], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice",
-     "not in tools"),
-    ({"tool_choice": "required"}, "tool_choice", "needs tools"),
-    ({"tools": [WEATHER_TOOL], "tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice",
-     "cannot be combined"),
-    ({"tools": [{"type": "function", "function": {"name": "bad name!"}}], "tool_choice": "none"}, "tools.0.function.name",
-     ""),
-    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {
-        "a": {"$ref": "#/gone"}}}}}], "tool_choice": "required"}, "tools", "does not compile"),
-])
+@pytest.mark.parametrize(
+    "extra,param,message",
+    [
+        ({"tools": [WEATHER_TOOL]}, "tool_choice", "enable-auto-tool-choice"),
+        (
+            {"tools": [WEATHER_TOOL], "tool_choice": {"type": "function", "function": {"name": "nope"}}},
+            "tool_choice",
+            "not in tools",
+        ),
+        ({"tool_choice": "required"}, "tool_choice", "needs tools"),
+        (
+            {"tools": [WEATHER_TOOL], "tool_choice": "required", "response_format": {"type": "json_object"}},
+            "tool_choice",
+            "cannot be combined",
+        ),
+        (
+            {"tools": [{"type": "function", "function": {"name": "bad name!"}}], "tool_choice": "none"},
+            "tools.0.function.name",
+            "",
+        ),
+        (
+            {
+                "tools": [
+                    {
+                        "type": "function",
+                        "function": {
+                            "name": "f",
+                            "parameters": {"type": "object", "properties": {"a": {"$ref": "#/gone"}}},
+                        },
+                    }
+                ],
+                "tool_choice": "required",
+            },
+            "tools",
+            "does not compile",
+        ),
+    ],
+)
 def test_bad_tool_requests_400(url, extra, param, message):
     err = _error(post(url, "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], **extra}), 400)
     assert err["param"] == param and message in err["message"], err
@@ -362,23 +528,26 @@ def _error(resp: httpx.Response, status: int) -> dict:
     return body["error"]
 
 
-@pytest.mark.parametrize("path,body,param", [
-    ("/v1/completions", {"prompt": "hi", "temperature": -0.5}, "temperature"),
-    ("/v1/completions", {"prompt": "hi", "n": 0}, "n"),
-    ("/v1/completions", {"prompt": "hi", "max_tokens": 0}, "max_tokens"),
-    ("/v1/completions", {"prompt": "hi", "top_p": 1.5}, "top_p"),
-    ("/v1/completions", {"prompt": "hi", "stop_token_ids": [10 ** 9]}, "stop_token_ids"),
-    ("/v1/completions", {"prompt": [10 ** 9]}, "prompt"),
-    ("/v1/completions", {"prompt": []}, "prompt"),
-    ("/v1/completions", {"prompt": "word " * (MAX_MODEL_LEN + 10)}, "prompt"),
-    ("/v1/completions", {"prompt": "hi", "max_tokens": MAX_MODEL_LEN}, "max_tokens"),
-    ("/v1/completions", {"prompt": "hi", "temperature": "hot"}, "temperature"),
-    ("/v1/completions", {"temperature": 0.5}, "prompt"),
-    ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "hi"}]}, "messages[0].role"),
-    ("/v1/chat/completions", {"messages": []}, "messages"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 3}, "top_logprobs"),
-    ("/v1/chat/completions", {"messages": "hello"}, "messages"),
-])
+@pytest.mark.parametrize(
+    "path,body,param",
+    [
+        ("/v1/completions", {"prompt": "hi", "temperature": -0.5}, "temperature"),
+        ("/v1/completions", {"prompt": "hi", "n": 0}, "n"),
+        ("/v1/completions", {"prompt": "hi", "max_tokens": 0}, "max_tokens"),
+        ("/v1/completions", {"prompt": "hi", "top_p": 1.5}, "top_p"),
+        ("/v1/completions", {"prompt": "hi", "stop_token_ids": [10**9]}, "stop_token_ids"),
+        ("/v1/completions", {"prompt": [10**9]}, "prompt"),
+        ("/v1/completions", {"prompt": []}, "prompt"),
+        ("/v1/completions", {"prompt": "word " * (MAX_MODEL_LEN + 10)}, "prompt"),
+        ("/v1/completions", {"prompt": "hi", "max_tokens": MAX_MODEL_LEN}, "max_tokens"),
+        ("/v1/completions", {"prompt": "hi", "temperature": "hot"}, "temperature"),
+        ("/v1/completions", {"temperature": 0.5}, "prompt"),
+        ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "hi"}]}, "messages[0].role"),
+        ("/v1/chat/completions", {"messages": []}, "messages"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 3}, "top_logprobs"),
+        ("/v1/chat/completions", {"messages": "hello"}, "messages"),
+    ],
+)
 def test_invalid_parameters_400(url, path, body, param):
     err = _error(post(url, path, body), 400)
     assert err["type"] == "invalid_request_error" and err["param"] == param
@@ -417,8 +586,9 @@ def test_client_disconnect_mid_stream_frees_blocks(url):
     before = metrics(url)
     body = {"prompt": "The quick brown fox", "max_tokens": 1000, "ignore_eos": True, "stream": True}
     with httpx.Client(timeout=60) as http:
-        with http.stream("POST", f"{url}/v1/completions", json=body,
-                         headers={"Authorization": f"Bearer {API_KEY}"}) as resp:
+        with http.stream(
+            "POST", f"{url}/v1/completions", json=body, headers={"Authorization": f"Bearer {API_KEY}"}
+        ) as resp:
             lines = resp.iter_lines()
             got = 0
             for line in lines:
@@ -431,19 +601,27 @@ def test_client_disconnect_mid_stream_frees_blocks(url):
             assert during["kiln:num_kv_blocks_in_use"] >= 2 and during["kiln:num_requests_running"] == 1
         # leaving the block closes the connection mid-stream
     after = wait_clean(url, timeout=10)
-    assert after['kiln:request_success_total{finished_reason=abort}'] == \
-        before['kiln:request_success_total{finished_reason=abort}'] + 1
+    assert (
+        after["kiln:request_success_total{finished_reason=abort}"]
+        == before["kiln:request_success_total{finished_reason=abort}"] + 1
+    )
     assert after["kiln:generation_tokens_total"] - before["kiln:generation_tokens_total"] < 1000
 
 
 def test_client_gone_during_non_streaming_request_aborts_it(url):
     before = metrics(url)
     with pytest.raises(httpx.ReadTimeout):  # the client gives up long before 1000 tokens are done
-        httpx.post(f"{url}/v1/completions", json={"prompt": "Hi", "max_tokens": 1000, "ignore_eos": True},
-                   headers={"Authorization": f"Bearer {API_KEY}"}, timeout=httpx.Timeout(0.1, connect=10, write=10))
+        httpx.post(
+            f"{url}/v1/completions",
+            json={"prompt": "Hi", "max_tokens": 1000, "ignore_eos": True},
+            headers={"Authorization": f"Bearer {API_KEY}"},
+            timeout=httpx.Timeout(0.1, connect=10, write=10),
+        )
     after = wait_clean(url, timeout=10)
-    assert after['kiln:request_success_total{finished_reason=abort}'] == \
-        before['kiln:request_success_total{finished_reason=abort}'] + 1
+    assert (
+        after["kiln:request_success_total{finished_reason=abort}"]
+        == before["kiln:request_success_total{finished_reason=abort}"] + 1
+    )
     assert after["kiln:generation_tokens_total"] - before["kiln:generation_tokens_total"] < 1000
 
 
@@ -451,9 +629,15 @@ def test_200_concurrent_streams_all_complete(url):
     before = metrics(url)
 
     async def one(client: openai.AsyncOpenAI, i: int) -> tuple[str, int]:
-        stream = await client.completions.create(model=MODEL, prompt=f"Request number {i}:", max_tokens=8,
-                                                 temperature=0, stream=True, stream_options={"include_usage": True},
-                                                 extra_body={"ignore_eos": True})
+        stream = await client.completions.create(
+            model=MODEL,
+            prompt=f"Request number {i}:",
+            max_tokens=8,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body={"ignore_eos": True},
+        )
         text, usage = "", None
         async for chunk in stream:
             if chunk.choices:
@@ -469,8 +653,11 @@ def test_200_concurrent_streams_all_complete(url):
     results = asyncio.run(run_all())
     assert len(results) == 200 and all(n == 8 for _, n in results)
     after = wait_clean(url)
-    assert after["kiln:request_success_total{finished_reason=length}"] - \
-        before["kiln:request_success_total{finished_reason=length}"] == 200
+    assert (
+        after["kiln:request_success_total{finished_reason=length}"]
+        - before["kiln:request_success_total{finished_reason=length}"]
+        == 200
+    )
     assert after["kiln:generation_tokens_total"] - before["kiln:generation_tokens_total"] == 1600
     assert after["kiln:time_to_first_token_seconds_count"] - before["kiln:time_to_first_token_seconds_count"] == 200
     assert after["kiln:e2e_request_latency_seconds_count"] - before["kiln:e2e_request_latency_seconds_count"] == 200
@@ -480,14 +667,29 @@ def test_200_concurrent_streams_all_complete(url):
 
 def test_metrics_exposition(url):
     text = httpx.get(f"{url}/metrics", headers=AUTH).text
-    for name in ("num_requests_running", "num_requests_waiting", "num_requests_swapped", "kv_cache_usage_perc",
-                 "cpu_cache_usage_perc", "kv_cache_fragmentation_ratio", "num_preemptions_total",
-                 "prompt_tokens_total", "generation_tokens_total", "prefix_cache_queries_total",
-                 "prefix_cache_hits_total", "request_success_total", "time_to_first_token_seconds_bucket",
-                 "inter_token_latency_seconds_bucket", "e2e_request_latency_seconds_bucket",
-                 "request_queue_time_seconds_bucket", "num_kv_blocks_in_use", "swap_out_bytes_total",
-                 "swap_in_bytes_total", "num_pinned_prefix_blocks"):
-        assert f'kiln:{name}{{' in text, name
+    for name in (
+        "num_requests_running",
+        "num_requests_waiting",
+        "num_requests_swapped",
+        "kv_cache_usage_perc",
+        "cpu_cache_usage_perc",
+        "kv_cache_fragmentation_ratio",
+        "num_preemptions_total",
+        "prompt_tokens_total",
+        "generation_tokens_total",
+        "prefix_cache_queries_total",
+        "prefix_cache_hits_total",
+        "request_success_total",
+        "time_to_first_token_seconds_bucket",
+        "inter_token_latency_seconds_bucket",
+        "e2e_request_latency_seconds_bucket",
+        "request_queue_time_seconds_bucket",
+        "num_kv_blocks_in_use",
+        "swap_out_bytes_total",
+        "swap_in_bytes_total",
+        "num_pinned_prefix_blocks",
+    ):
+        assert f"kiln:{name}{{" in text, name
     assert f'model_name="{MODEL}"' in text
     m = metrics(url)
     assert m["kiln:prefix_cache_queries_total"] >= m["kiln:prefix_cache_hits_total"] >= 0

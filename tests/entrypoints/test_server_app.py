@@ -42,8 +42,11 @@ def test_503_when_waiting_queue_is_full(app_state):
             second = asyncio.ensure_future(http.post("/v1/completions", json=body))
             await _wait_until(lambda: len(sched.waiting) == 1)
             _assert_error(await http.post("/v1/completions", json=body), 503, "overloaded")
-            _assert_error(await http.post("/v1/chat/completions",
-                                          json={"messages": [{"role": "user", "content": "x"}]}), 503, "overloaded")
+            _assert_error(
+                await http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}]}),
+                503,
+                "overloaded",
+            )
             # the queued requests are unaffected
             for task in (first, second):
                 resp = await task
@@ -67,8 +70,11 @@ def test_dead_engine_loop_gives_503_and_fails_streams(app_state):
     async def main():
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as http:
             assert (await http.get("/health")).status_code == 200
-            pending = asyncio.ensure_future(http.post("/v1/completions", json={
-                "prompt": "Hello", "max_tokens": 100, "ignore_eos": True, "stream": True}))
+            pending = asyncio.ensure_future(
+                http.post(
+                    "/v1/completions", json={"prompt": "Hello", "max_tokens": 100, "ignore_eos": True, "stream": True}
+                )
+            )
             await _wait_until(lambda: state.engine.engine.core.pool.num_in_use > 0)
             boom.set()
             streamed = await pending
@@ -110,10 +116,10 @@ def test_chat_prompt_logprobs_and_bad_value(app_state):
 
     async def main():
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as http:
-            ok = await http.post("/v1/chat/completions",
-                                 json={"messages": msgs, "max_tokens": 2, "prompt_logprobs": 1})
-            bad = await http.post("/v1/chat/completions",
-                                  json={"messages": msgs, "max_tokens": 2, "prompt_logprobs": 21})
+            ok = await http.post("/v1/chat/completions", json={"messages": msgs, "max_tokens": 2, "prompt_logprobs": 1})
+            bad = await http.post(
+                "/v1/chat/completions", json={"messages": msgs, "max_tokens": 2, "prompt_logprobs": 21}
+            )
             return ok, bad
 
     ok, bad = asyncio.run(main())

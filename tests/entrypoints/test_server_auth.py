@@ -36,8 +36,9 @@ def concrete(path: str) -> str:
 @pytest.fixture(scope="module")
 def keyed_app(tiny_llama, tmp_path_factory):
     roots = [str(tmp_path_factory.mktemp("adapters"))]
-    with served(tiny_llama, server={"api_key": KEY, "allow_runtime_lora_updating": True,
-                                    "lora_adapter_roots": roots}) as (state, http, _):
+    with served(
+        tiny_llama, server={"api_key": KEY, "allow_runtime_lora_updating": True, "lora_adapter_roots": roots}
+    ) as (state, http, _):
         yield state, http._transport.app
 
 
@@ -62,8 +63,11 @@ def _statuses(app, root_path: str, headers: dict) -> dict:
 
 
 @pytest.mark.parametrize("root_path", ["", "/api", "/v1"])
-@pytest.mark.parametrize("headers", [{}, {"Authorization": "Bearer wrong"}, {"x-api-key": "wrong"},
-                                     {"Authorization": f"Basic {KEY}"}], ids=["none", "wrong", "x-wrong", "basic"])
+@pytest.mark.parametrize(
+    "headers",
+    [{}, {"Authorization": "Bearer wrong"}, {"x-api-key": "wrong"}, {"Authorization": f"Basic {KEY}"}],
+    ids=["none", "wrong", "x-wrong", "basic"],
+)
 def test_every_route_needs_the_key(keyed_app, root_path, headers):
     state, app = keyed_app
     statuses = _statuses(app, root_path, headers)
@@ -87,8 +91,10 @@ def test_model_info_names_no_file(keyed_app, tiny_llama):
 
     async def main():
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as http:
-            return [(await http.get(p, headers={"Authorization": f"Bearer {KEY}"})).text
-                    for p in ("/model_info", "/server_info")]
+            return [
+                (await http.get(p, headers={"Authorization": f"Bearer {KEY}"})).text
+                for p in ("/model_info", "/server_info")
+            ]
 
     for text in asyncio.run(main()):
         assert str(tiny_llama) not in text and tiny_llama.name not in text, text
@@ -97,6 +103,7 @@ def test_model_info_names_no_file(keyed_app, tiny_llama):
 
 def test_public_metrics_opens_metrics_only(tiny_llama):
     with served(tiny_llama, server={"api_key": KEY, "public_metrics": True}) as (state, http, _):
+
         async def main():
             return [(await http.get(p)).status_code for p in ("/metrics", "/v1/models", "/version")]
 

@@ -20,9 +20,18 @@ from tests.support.engine import assert_engine_clean
 
 @pytest.fixture(scope="module")
 def fuzz_state(tiny_llama):
-    state = create_state(EngineSettings(model=str(tiny_llama), device="cpu", enforce_eager=True, max_model_len=64,
-                                        num_gpu_blocks=128, max_num_seqs=4, log_stats_interval=0),
-                         ServerSettings(served_model_name="fuzz"))
+    state = create_state(
+        EngineSettings(
+            model=str(tiny_llama),
+            device="cpu",
+            enforce_eager=True,
+            max_model_len=64,
+            num_gpu_blocks=128,
+            max_num_seqs=4,
+            log_stats_interval=0,
+        ),
+        ServerSettings(served_model_name="fuzz"),
+    )
     state.engine._idle_poll_s = 0.05
     state.engine.start()
     yield state
@@ -40,9 +49,17 @@ def app_schema(fuzz_state):
     return schemathesis.openapi.from_asgi("/openapi.json", build_app(fuzz_state, manage_engine=False))
 
 
-OPERATIONS = [("POST", "/v1/completions"), ("POST", "/v1/chat/completions"), ("GET", "/v1/models"),
-              ("GET", "/health"), ("GET", "/metrics"), ("GET", "/version"), ("POST", "/tokenize"),
-              ("POST", "/detokenize"), ("POST", "/v1/embeddings")]
+OPERATIONS = [
+    ("POST", "/v1/completions"),
+    ("POST", "/v1/chat/completions"),
+    ("GET", "/v1/models"),
+    ("GET", "/health"),
+    ("GET", "/metrics"),
+    ("GET", "/version"),
+    ("POST", "/tokenize"),
+    ("POST", "/detokenize"),
+    ("POST", "/v1/embeddings"),
+]
 
 
 def test_schema_lists_every_operation(app_schema):
@@ -51,8 +68,9 @@ def test_schema_lists_every_operation(app_schema):
 
 
 # Negative cases (bodies that break the schema) exist only where there is a body.
-CASES = [(m, p, GenerationMode.POSITIVE) for m, p in OPERATIONS] + \
-        [(m, p, GenerationMode.NEGATIVE) for m, p in OPERATIONS if m == "POST"]
+CASES = [(m, p, GenerationMode.POSITIVE) for m, p in OPERATIONS] + [
+    (m, p, GenerationMode.NEGATIVE) for m, p in OPERATIONS if m == "POST"
+]
 
 
 @pytest.mark.parametrize("method,path,mode", CASES, ids=[f"{m} {p} {g.value}" for m, p, g in CASES])
@@ -60,14 +78,14 @@ def test_openapi_no_server_errors(app_schema, fuzz_state, method, path, mode):
     operation = app_schema[path][method]
 
     @given(case=operation.as_strategy(generation_mode=mode))
-    @settings(max_examples=30, deadline=None, derandomize=True, database=None,
-              suppress_health_check=list(HealthCheck))
+    @settings(max_examples=30, deadline=None, derandomize=True, database=None, suppress_health_check=list(HealthCheck))
     def check(case):
         if mode is GenerationMode.POSITIVE and isinstance(case.body, dict) and "model" in case.body:
             case.body["model"] = "fuzz"  # reach past the model check (404 is tested elsewhere)
         response = case.call()
-        assert response.status_code < 500, f"{case.method} {case.path} {case.body!r} -> {response.status_code} " \
-                                           f"{response.text[:500]}"
+        assert response.status_code < 500, (
+            f"{case.method} {case.path} {case.body!r} -> {response.status_code} {response.text[:500]}"
+        )
         assert fuzz_state.engine.is_alive, fuzz_state.engine.dead_error
         if response.status_code >= 400:
             body = response.json()

@@ -22,8 +22,9 @@ def app_state(tiny_llama):
 
 
 def _client(app, address: str = "127.0.0.1") -> httpx.AsyncClient:
-    return httpx.AsyncClient(transport=httpx.ASGITransport(app=app, client=(address, 123)), base_url="http://t",
-                             timeout=120)
+    return httpx.AsyncClient(
+        transport=httpx.ASGITransport(app=app, client=(address, 123)), base_url="http://t", timeout=120
+    )
 
 
 def _error(resp: httpx.Response, status: int) -> dict:
@@ -60,8 +61,9 @@ def test_oversized_body_is_413_before_parsing(app_state):
     async def main():
         async with _client(app) as http:
             big = b'{"prompt": "' + b"a" * (2 << 20) + b'"}'
-            err = _error(await http.post("/v1/completions", content=big,
-                                         headers={"content-type": "application/json"}), 413)
+            err = _error(
+                await http.post("/v1/completions", content=big, headers={"content-type": "application/json"}), 413
+            )
             assert "max_request_body_mb" in err["message"]
 
             async def chunks():  # no Content-Length: counted as it arrives
@@ -69,8 +71,10 @@ def test_oversized_body_is_413_before_parsing(app_state):
                 for _ in range(40):
                     yield b"a" * 65536
                 yield b'"}'
-            _error(await http.post("/v1/completions", content=chunks(),
-                                   headers={"content-type": "application/json"}), 413)
+
+            _error(
+                await http.post("/v1/completions", content=chunks(), headers={"content-type": "application/json"}), 413
+            )
             ok = await http.post("/v1/completions", json={"prompt": "Hello", "max_tokens": 2})
             assert ok.status_code == 200, ok.text
 
@@ -84,8 +88,7 @@ def test_40mb_body_gets_413_with_default_limit(app_state):
         async with _client(app) as http:
             body = b'{"prompt": "' + b"a" * (40 << 20) + b'"}'
             t0 = time.perf_counter()
-            _error(await http.post("/v1/completions", content=body, headers={"content-type": "application/json"}),
-                   413)
+            _error(await http.post("/v1/completions", content=body, headers={"content-type": "application/json"}), 413)
             return time.perf_counter() - t0
 
     assert asyncio.run(main()) < 5.0
@@ -131,8 +134,12 @@ def test_long_prompt_is_refused_before_the_engine(app_state):
         async with _client(app) as http:
             err = _error(await http.post("/v1/completions", json={"prompt": "word " * 200}), 400)
             assert err["param"] == "prompt"
-            err = _error(await http.post("/v1/chat/completions", json={
-                "messages": [{"role": "user", "content": "word " * 200}]}), 400)
+            err = _error(
+                await http.post(
+                    "/v1/chat/completions", json={"messages": [{"role": "user", "content": "word " * 200}]}
+                ),
+                400,
+            )
             assert err["param"] == "messages"
             err = _error(await http.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 100}), 400)
             assert err["param"] == "max_tokens"
@@ -156,11 +163,20 @@ def test_pathological_schema_is_a_400_in_time_and_others_go_on(app_state):
             warm = await http.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 2, "guided_regex": "[ab]+"})
             assert warm.status_code == 200, warm.text
             t0 = time.perf_counter()
-            bad = asyncio.ensure_future(http.post("/v1/chat/completions", json={
-                "messages": [{"role": "user", "content": "hi"}], "response_format": schema, "user": "mallory"}))
+            bad = asyncio.ensure_future(
+                http.post(
+                    "/v1/chat/completions",
+                    json={
+                        "messages": [{"role": "user", "content": "hi"}],
+                        "response_format": schema,
+                        "user": "mallory",
+                    },
+                )
+            )
             await asyncio.sleep(0.2)
-            good = await other.post("/v1/completions", json={
-                "prompt": "Hi", "max_tokens": 5, "guided_regex": "[a-z]{3}", "user": "alice"})
+            good = await other.post(
+                "/v1/completions", json={"prompt": "Hi", "max_tokens": 5, "guided_regex": "[a-z]{3}", "user": "alice"}
+            )
             assert good.status_code == 200, good.text
             assert len(good.json()["choices"][0]["text"]) == 3
             good_done = time.perf_counter() - t0
@@ -178,8 +194,9 @@ def test_compile_is_stopped_when_the_client_leaves(app_state):
 
     async def main():
         async with _client(app) as http:
-            req = asyncio.ensure_future(http.post("/v1/completions", json={
-                "prompt": "Hi", "guided_json": _optional_properties(15000, "q")}))
+            req = asyncio.ensure_future(
+                http.post("/v1/completions", json={"prompt": "Hi", "guided_json": _optional_properties(15000, "q")})
+            )
             pool = None
             deadline = time.monotonic() + 60
             while time.monotonic() < deadline:
@@ -233,8 +250,11 @@ def test_lone_surrogates_are_400_naming_the_field(app_state):
         async with _client(app) as http:
             cases = [
                 ("/v1/chat/completions", {"messages": [{"role": "user", "content": lone}]}, "messages[0].content"),
-                ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "text", "text": lone}]}]},
-                 "messages[0].content[0].text"),
+                (
+                    "/v1/chat/completions",
+                    {"messages": [{"role": "user", "content": [{"type": "text", "text": lone}]}]},
+                    "messages[0].content[0].text",
+                ),
                 ("/v1/completions", {"prompt": lone}, "prompt"),
                 ("/v1/completions", {"prompt": "hi", "stop": ["x", lone]}, "stop[1]"),
                 ("/tokenize", {"prompt": lone}, "prompt"),
@@ -250,8 +270,11 @@ def test_lone_surrogates_are_400_naming_the_field(app_state):
 
 # ---- 4: corrupt LoRA adapters ----
 def test_corrupt_lora_adapter_is_400_naming_the_file(app_state, tmp_path):
-    state, app = app_state(server={"allow_runtime_lora_updating": True, "lora_adapter_roots": [str(tmp_path)]},
-                           enable_lora=True, max_lora_rank=8)
+    state, app = app_state(
+        server={"allow_runtime_lora_updating": True, "lora_adapter_roots": [str(tmp_path)]},
+        enable_lora=True,
+        max_lora_rank=8,
+    )
     bad_cfg = tmp_path / "bad_cfg"
     bad_cfg.mkdir()
     (bad_cfg / "adapter_config.json").write_text('{"r": 8, "lora_alpha": ')
@@ -270,8 +293,11 @@ def test_corrupt_lora_adapter_is_400_naming_the_file(app_state, tmp_path):
         async with _client(app) as http:
             out = []
             for name, path in (("a", bad_cfg), ("b", garbage), ("c", short_header), ("d", tmp_path / "nope")):
-                out.append(_error(await http.post("/v1/load_lora_adapter",
-                                                  json={"lora_name": name, "lora_path": str(path)}), 400))
+                out.append(
+                    _error(
+                        await http.post("/v1/load_lora_adapter", json={"lora_name": name, "lora_path": str(path)}), 400
+                    )
+                )
             return out
 
     cfg, garbage_err, short_err, missing = asyncio.run(main())
@@ -326,8 +352,16 @@ def test_malformed_json_names_the_field_path(app_state):
             ]
             out = []
             for raw, _ in bodies:
-                out.append(_error(await http.post("/v1/chat/completions" if b"messages" in raw else "/v1/completions",
-                                                  content=raw, headers={"content-type": "application/json"}), 400))
+                out.append(
+                    _error(
+                        await http.post(
+                            "/v1/chat/completions" if b"messages" in raw else "/v1/completions",
+                            content=raw,
+                            headers={"content-type": "application/json"},
+                        ),
+                        400,
+                    )
+                )
             return [(e, want) for e, (_, want) in zip(out, bodies)]
 
     for err, want in asyncio.run(main()):
@@ -375,12 +409,33 @@ def test_real_server_startup_and_sigterm(tmp_path):
     port = _free_port()
     url = f"http://127.0.0.1:{port}"
     log = open(tmp_path / "server.log", "w")
-    proc = subprocess.Popen([sys.executable, "-m", "engine.entrypoints.cli", "serve", "--model", str(model), "--port",
-                             str(port), "--device", "cpu", "--enforce-eager", "--max-model-len", "1024",
-                             "--load-format", "dummy",
-                             "--shutdown-timeout", "1", "--served-model-name", "m"],
-                            cwd=Path(__file__).resolve().parents[2], stdout=log, stderr=subprocess.STDOUT,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "engine.entrypoints.cli",
+            "serve",
+            "--model",
+            str(model),
+            "--port",
+            str(port),
+            "--device",
+            "cpu",
+            "--enforce-eager",
+            "--max-model-len",
+            "1024",
+            "--load-format",
+            "dummy",
+            "--shutdown-timeout",
+            "1",
+            "--served-model-name",
+            "m",
+        ],
+        cwd=Path(__file__).resolve().parents[2],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
     try:
         refused = 0
         deadline = time.monotonic() + 180

@@ -39,8 +39,10 @@ def _post_raw(port: int, body: bytes, out: dict) -> None:
     path = b"/v1/chat/completions" if body.startswith(b'{"messages"') else b"/v1/completions"
     t0 = time.monotonic()
     with socket.create_connection(("127.0.0.1", port)) as s:
-        s.sendall(b"POST " + path + b" HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                  b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+        s.sendall(
+            b"POST " + path + b" HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body
+        )
         s.settimeout(60)
         answer = b""
         while b"\r\n\r\n" not in answer or not answer.endswith(b"}"):
@@ -89,8 +91,10 @@ def _loop_stays_free(state, app, big: bytes) -> tuple[dict, float, float]:
         reader.join(60)
         prober.join(60)
     gaps = [b - a for a, b in zip(arrivals, arrivals[1:])]
-    print(f"{len(big) / 1e6:.0f} MB body answered in {out['seconds']:.2f}s; another stream's longest gap "
-          f"{max(gaps):.3f}s; slowest /health {max(health):.3f}s ({len(health)} probes)")
+    print(
+        f"{len(big) / 1e6:.0f} MB body answered in {out['seconds']:.2f}s; another stream's longest gap "
+        f"{max(gaps):.3f}s; slowest /health {max(health):.3f}s ({len(health)} probes)"
+    )
     return out, max(gaps), max(health)
 
 
@@ -108,8 +112,9 @@ def test_token_id_prompt_over_max_model_len_is_refused_before_validation(app_sta
     state, app = app_state()
     calls = []
     real = Admission.check_token_ids  # the one vocabulary check (engine/runtime/admission.py)
-    monkeypatch.setattr(Admission, "check_token_ids",
-                        lambda self, ids, param: calls.append(len(ids)) or real(self, ids, param))
+    monkeypatch.setattr(
+        Admission, "check_token_ids", lambda self, ids, param: calls.append(len(ids)) or real(self, ids, param)
+    )
 
     async def main():
         async with _client(app) as http:
@@ -128,11 +133,11 @@ def test_token_id_prompt_over_max_model_len_is_refused_before_validation(app_sta
 
 
 def test_json_value_counter_ignores_strings_and_escapes():
-    body = json.dumps({"a": "x, y, [z] {\"q\\\\\"", "b": [1, 2, 3], "c": {"d": ["e,f", "g"]}}).encode()
+    body = json.dumps({"a": 'x, y, [z] {"q\\\\"', "b": [1, 2, 3], "c": {"d": ["e,f", "g"]}}).encode()
     for size in (1, 2, 3, 7, len(body)):  # chunk boundaries anywhere, escapes split included
         counter = JSONValueCounter()
         for i in range(0, len(body), size):
-            counter.feed(body[i:i + size])
+            counter.feed(body[i : i + size])
         assert counter.count == 9, (size, counter.count)  # 5 commas + 2 [ + 2 { outside the strings
 
 
@@ -154,10 +159,12 @@ def test_chat_bound_covers_the_whole_conversation(app_state, monkeypatch):
 
     async def main():
         async with _client(app) as http:
-            many = await http.post("/v1/chat/completions", json={
-                "messages": [{"role": "user", "content": "a" * per_message}] * 6})
-            ok = await http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "Hi"}],
-                                                               "max_tokens": 2})
+            many = await http.post(
+                "/v1/chat/completions", json={"messages": [{"role": "user", "content": "a" * per_message}] * 6}
+            )
+            ok = await http.post(
+                "/v1/chat/completions", json={"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
+            )
             return many, ok
 
     many, ok = asyncio.run(main())
@@ -168,8 +175,9 @@ def test_chat_bound_covers_the_whole_conversation(app_state, monkeypatch):
 
 
 def test_long_texts_tokenise_on_their_own_lane(app_state, monkeypatch):
-    state, app = app_state(server={"tokenizer_threads": 1, "tokenizer_large_job_threads": 1,
-                                   "tokenizer_large_job_chars": 1000})
+    state, app = app_state(
+        server={"tokenizer_threads": 1, "tokenizer_large_job_threads": 1, "tokenizer_large_job_chars": 1000}
+    )
     real = admission.encode
 
     def slow_encode(tokenizer, text, add_special_tokens=True):
@@ -182,8 +190,10 @@ def test_long_texts_tokenise_on_their_own_lane(app_state, monkeypatch):
 
     async def main():
         async with _client(app) as http:
-            big = [asyncio.ensure_future(http.post("/v1/completions", json={"prompt": long, "max_tokens": 1}))
-                   for _ in range(5)]
+            big = [
+                asyncio.ensure_future(http.post("/v1/completions", json={"prompt": long, "max_tokens": 1}))
+                for _ in range(5)
+            ]
             await asyncio.sleep(0.2)
             t0 = time.monotonic()
             short = await http.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 1})
@@ -206,13 +216,23 @@ def test_client_mistakes_are_400_naming_the_field(app_state):
         async with _client(app) as http:
             raw = json.dumps({"prompt": "hi", "max_tokens": 2, "logit_bias": {"\ud800": 5}}).encode()
             surrogate = await http.post("/v1/completions", content=raw, headers={"content-type": "application/json"})
-            only_eos = await http.post("/v1/completions", json={
-                "prompt": "hi", "max_tokens": 8, "min_tokens": 5, "allowed_token_ids": [eos]})
-            only_stop = await http.post("/v1/chat/completions", json={
-                "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8, "min_tokens": 3,
-                "allowed_token_ids": [eos, 7], "stop_token_ids": [7]})
-            fine = await http.post("/v1/completions", json={
-                "prompt": "hi", "max_tokens": 8, "min_tokens": 5, "allowed_token_ids": [eos, 7]})
+            only_eos = await http.post(
+                "/v1/completions", json={"prompt": "hi", "max_tokens": 8, "min_tokens": 5, "allowed_token_ids": [eos]}
+            )
+            only_stop = await http.post(
+                "/v1/chat/completions",
+                json={
+                    "messages": [{"role": "user", "content": "hi"}],
+                    "max_tokens": 8,
+                    "min_tokens": 3,
+                    "allowed_token_ids": [eos, 7],
+                    "stop_token_ids": [7],
+                },
+            )
+            fine = await http.post(
+                "/v1/completions",
+                json={"prompt": "hi", "max_tokens": 8, "min_tokens": 5, "allowed_token_ids": [eos, 7]},
+            )
             return surrogate, only_eos, only_stop, fine
 
     surrogate, only_eos, only_stop, fine = asyncio.run(main())

@@ -20,8 +20,9 @@ def app_state(tiny_llama):
 
 
 def _client(app, address: str) -> httpx.AsyncClient:
-    return httpx.AsyncClient(transport=httpx.ASGITransport(app=app, client=(address, 40000)), base_url="http://t",
-                             timeout=120)
+    return httpx.AsyncClient(
+        transport=httpx.ASGITransport(app=app, client=(address, 40000)), base_url="http://t", timeout=120
+    )
 
 
 def _slow_schema(tag: str) -> dict:
@@ -36,9 +37,20 @@ def test_compile_fairness_keys_on_the_address_not_the_user_field(app_state):
         async with _client(app, "10.0.0.1") as mallory, _client(app, "10.0.0.2") as alice:
             warm = await alice.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 2, "guided_regex": "[ab]+"})
             assert warm.status_code == 200, warm.text  # (the workers start with the first constraint: not timed)
-            slow = [asyncio.ensure_future(mallory.post("/v1/completions", json={
-                "prompt": "x", "max_tokens": 2, "guided_json": _slow_schema(f"u{k}_"), "user": f"user{k}"}))
-                for k in range(6)]  # six `user` values: still one client
+            slow = [
+                asyncio.ensure_future(
+                    mallory.post(
+                        "/v1/completions",
+                        json={
+                            "prompt": "x",
+                            "max_tokens": 2,
+                            "guided_json": _slow_schema(f"u{k}_"),
+                            "user": f"user{k}",
+                        },
+                    )
+                )
+                for k in range(6)
+            ]  # six `user` values: still one client
             pool = state.engine.grammar_compiler._pool
             deadline = time.monotonic() + 10
             while pool.busy < 1:
@@ -46,8 +58,9 @@ def test_compile_fairness_keys_on_the_address_not_the_user_field(app_state):
                 await asyncio.sleep(0.01)
             await asyncio.sleep(0.2)
             t0 = time.monotonic()
-            small = await alice.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 3,
-                                                              "guided_regex": "[a-z]{3}"})
+            small = await alice.post(
+                "/v1/completions", json={"prompt": "Hi", "max_tokens": 3, "guided_regex": "[a-z]{3}"}
+            )
             waited = time.monotonic() - t0
             busy_with_mallory = pool.busy
             for f in slow:
@@ -64,8 +77,11 @@ def test_large_required_schema_compiles_within_the_default_limit(app_state):
     state, app = app_state()  # the default grammar_compile_timeout_s (10 s)
     assert state.settings.grammar_compile_timeout_s == 10.0
     n = 1500
-    schema = {"type": "object", "properties": {f"field{i}": {"type": "string"} for i in range(n)},
-              "required": [f"field{i}" for i in range(n)]}
+    schema = {
+        "type": "object",
+        "properties": {f"field{i}": {"type": "string"} for i in range(n)},
+        "required": [f"field{i}" for i in range(n)],
+    }
 
     async def main():
         async with _client(app, "127.0.0.1") as http:
@@ -73,9 +89,14 @@ def test_large_required_schema_compiles_within_the_default_limit(app_state):
             warm = await http.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 2, "guided_regex": "[ab]+"})
             assert warm.status_code == 200, warm.text
             t0 = time.monotonic()
-            resp = await http.post("/v1/chat/completions", json={
-                "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4,
-                "response_format": {"type": "json_schema", "json_schema": {"name": "big", "schema": schema}}})
+            resp = await http.post(
+                "/v1/chat/completions",
+                json={
+                    "messages": [{"role": "user", "content": "hi"}],
+                    "max_tokens": 4,
+                    "response_format": {"type": "json_schema", "json_schema": {"name": "big", "schema": schema}},
+                },
+            )
             return resp, time.monotonic() - t0
 
     resp, seconds = asyncio.run(main())

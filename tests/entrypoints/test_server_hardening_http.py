@@ -42,18 +42,18 @@ def exchange(port: int, data: bytes, wait: float = 5.0) -> tuple[bytes, bool]:
 SMUGGLED = b"GET /v1/models HTTP/1.1\r\nHost: x\r\n\r\n"
 AMBIGUOUS = {
     "CL and TE": b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 5\r\n"
-                 b"Transfer-Encoding: chunked\r\n\r\n0\r\n\r\n" + SMUGGLED,
+    b"Transfer-Encoding: chunked\r\n\r\n0\r\n\r\n" + SMUGGLED,
     "TE and CL": b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n"
-                 b"Content-Length: 40\r\n\r\n0\r\n\r\n" + SMUGGLED,
+    b"Content-Length: 40\r\n\r\n0\r\n\r\n" + SMUGGLED,
     "two CL": b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\nContent-Length: 2\r\n\r\n{}"
-              + SMUGGLED,
+    + SMUGGLED,
     "CL list": b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 2, 2\r\n\r\n{}" + SMUGGLED,
     "obs-fold": b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nX-Pad: a\r\n Content-Length: 2\r\n\r\n{}" + SMUGGLED,
     "bare LF": b"GET /v1/models HTTP/1.1\nHost: x\n\n" + SMUGGLED,
     "bad chunk size": b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
-                      b"zz\r\n{}\r\n0\r\n\r\n" + SMUGGLED,
+    b"zz\r\n{}\r\n0\r\n\r\n" + SMUGGLED,
     "TE in HTTP/1.0": b"POST /v1/completions HTTP/1.0\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\n"
-                      + SMUGGLED,
+    + SMUGGLED,
     "two Host": b"GET /v1/models HTTP/1.1\r\nHost: x\r\nHost: y\r\n\r\n" + SMUGGLED,
     "bare LF ends the head": b"GET /v1/models HTTP/1.1\r\nHost: x\r\n\n" + SMUGGLED,
     "HTTP/2 preface": b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + SMUGGLED,
@@ -119,8 +119,12 @@ def test_stalled_body_is_answered_408(app_state):
     state, app = app_state(server={"http_body_timeout_s": 0.5})
     with serving(app, state.settings) as port:
         t0 = time.monotonic()
-        out, closed = exchange(port, b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                                     b"Content-Length: 100\r\n\r\n{\"prompt\": \"Hel", wait=5)
+        out, closed = exchange(
+            port,
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b'Content-Length: 100\r\n\r\n{"prompt": "Hel',
+            wait=5,
+        )
         assert out.startswith(b"HTTP/1.1 408 ") and closed, out
         assert time.monotonic() - t0 < 3
         # A whole request on a fresh connection is still served.
@@ -132,8 +136,10 @@ def test_trickled_body_meets_the_deadline(app_state):
     # A byte every 0.2 s never stalls for http_body_timeout_s, but the whole body has a deadline.
     state, app = app_state(server={"http_body_timeout_s": 0.5, "http_body_deadline_s": 1.5})
     with serving(app, state.settings) as port, socket.create_connection(("127.0.0.1", port)) as s:
-        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                  b"Content-Length: 1000\r\n\r\n")
+        s.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Content-Length: 1000\r\n\r\n"
+        )
         t0 = time.monotonic()
         s.settimeout(0.2)
         out = b""
@@ -159,12 +165,15 @@ def test_endless_chunked_body_is_cut_at_the_limit(app_state):
             message = await receive()
             consumed[0] += len(message.get("body", b""))
             return message
+
         await app(scope, counted, send)
 
     with serving(counting, state.settings) as port:
         with socket.create_connection(("127.0.0.1", port)) as s:
-            s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                      b"Transfer-Encoding: chunked\r\n\r\n")
+            s.sendall(
+                b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                b"Transfer-Encoding: chunked\r\n\r\n"
+            )
             stop = threading.Event()
 
             def flood():
@@ -190,8 +199,12 @@ def test_endless_chunked_body_is_cut_at_the_limit(app_state):
 def test_declared_oversized_body_gets_413_and_close(app_state):
     state, app = app_state(server={"max_request_body_mb": 1})
     with serving(app, state.settings) as port:
-        out, closed = exchange(port, b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                                     b"Content-Length: 50000000\r\n\r\n{\"prompt\": \"", wait=5)
+        out, closed = exchange(
+            port,
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b'Content-Length: 50000000\r\n\r\n{"prompt": "',
+            wait=5,
+        )
     assert out.startswith(b"HTTP/1.1 413 ") and closed, out[:300]
     assert b"connection: close" in out.lower()
 
@@ -258,6 +271,7 @@ def test_kept_alive_connections_idle_longer_than_a_new_connection_waits_for_its_
                 break
             out += chunk
         return out
+
     with serving(app, state.settings) as port:
         with socket.create_connection(("127.0.0.1", port)) as s:
             s.settimeout(5)

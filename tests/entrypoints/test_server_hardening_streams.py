@@ -31,10 +31,21 @@ class StalledClient:
         self.gone = asyncio.Event()
         self._reads = reads
         self._sent_body = False
-        scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"}, "http_version": "1.1",
-                 "method": "POST", "scheme": "http", "path": "/v1/completions", "raw_path": b"/v1/completions",
-                 "query_string": b"", "root_path": "", "client": ("127.0.0.1", 50000), "server": ("t", 80),
-                 "headers": [(b"host", b"t"), (b"content-type", b"application/json")], "state": {}}
+        scope = {
+            "type": "http",
+            "asgi": {"version": "3.0", "spec_version": "2.3"},
+            "http_version": "1.1",
+            "method": "POST",
+            "scheme": "http",
+            "path": "/v1/completions",
+            "raw_path": b"/v1/completions",
+            "query_string": b"",
+            "root_path": "",
+            "client": ("127.0.0.1", 50000),
+            "server": ("t", 80),
+            "headers": [(b"host", b"t"), (b"content-type", b"application/json")],
+            "state": {},
+        }
         self.task = asyncio.ensure_future(app(scope, self._receive, self._send))
         self._body = json.dumps(body).encode()
 
@@ -117,8 +128,9 @@ def test_blocks_are_freed_within_a_second_of_the_disconnect(app_state):
 
 
 def _delta(text: str, ids: list[int], logprobs=None, finish=None) -> RequestOutput:
-    return RequestOutput("r", "p", [1], [CompletionOutput(0, text, ids, None, logprobs, finish)],
-                         finished=finish is not None)
+    return RequestOutput(
+        "r", "p", [1], [CompletionOutput(0, text, ids, None, logprobs, finish)], finished=finish is not None
+    )
 
 
 def test_delta_backlog_merges_in_order_and_keeps_one_delta_as_is():

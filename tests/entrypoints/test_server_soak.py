@@ -31,8 +31,16 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from tests.support.server import launch_server, stop_server
 
-PROMPTS = ["The cat", "Once upon a time", "def main():", "1, 2, 3,", "Hello there", "In the beginning",
-           "Paris is", "import numpy"]
+PROMPTS = [
+    "The cat",
+    "Once upon a time",
+    "def main():",
+    "1, 2, 3,",
+    "Hello there",
+    "In the beginning",
+    "Paris is",
+    "import numpy",
+]
 
 
 def _rss_kb(pid: int) -> int:
@@ -44,16 +52,21 @@ def _rss_kb(pid: int) -> int:
 
 def _gauges(url: str) -> dict[str, float]:
     text = httpx.get(f"{url}/metrics").text
-    return {s.name: s.value for fam in text_string_to_metric_families(text) for s in fam.samples
-            if s.name in ("kiln:num_requests_running", "kiln:num_requests_waiting", "kiln:num_kv_blocks_in_use")}
+    return {
+        s.name: s.value
+        for fam in text_string_to_metric_families(text)
+        for s in fam.samples
+        if s.name in ("kiln:num_requests_running", "kiln:num_requests_waiting", "kiln:num_kv_blocks_in_use")
+    }
 
 
 async def _greedy(client: openai.AsyncOpenAI, i: int) -> tuple[str, str]:
     j = i % (2 * len(PROMPTS))  # one of the idle server's requests
     prompt = PROMPTS[j % len(PROMPTS)]
     max_tokens = 4 + (j * 7) % 17
-    stream = await client.completions.create(model="m", prompt=prompt, max_tokens=max_tokens, temperature=0,
-                                             stream=True, extra_body={"ignore_eos": True})
+    stream = await client.completions.create(
+        model="m", prompt=prompt, max_tokens=max_tokens, temperature=0, stream=True, extra_body={"ignore_eos": True}
+    )
     text = ""
     async for chunk in stream:
         if chunk.choices:
@@ -63,8 +76,12 @@ async def _greedy(client: openai.AsyncOpenAI, i: int) -> tuple[str, str]:
 
 async def _dropped(client: openai.AsyncOpenAI, rng: random.Random) -> None:
     stream = await client.chat.completions.create(
-        model="m", messages=[{"role": "user", "content": rng.choice(PROMPTS)}], max_tokens=200, stream=True,
-        extra_body={"ignore_eos": True})
+        model="m",
+        messages=[{"role": "user", "content": rng.choice(PROMPTS)}],
+        max_tokens=200,
+        stream=True,
+        extra_body={"ignore_eos": True},
+    )
     keep = rng.randint(1, 10)
     async for _ in stream:
         keep -= 1
@@ -83,13 +100,14 @@ async def _abuse(http: httpx.AsyncClient, k: int) -> list[int]:
         ("/v1/chat/completions", '{"model": "m", "messages": [{"role": "user", "content": "a\\ud800b"}]}'),
         ("/v1/completions", '{"model": "m", "prompt": "hi", "max_tokens": ,}'),
         ("/v1/completions", json.dumps({"model": "m", "prompt": "hi", "temperature": -1})),
-        ("/v1/completions", json.dumps({"model": "m", "prompt": "hi", "max_tokens": 10 ** 6})),
+        ("/v1/completions", json.dumps({"model": "m", "prompt": "hi", "max_tokens": 10**6})),
         ("/v1/embeddings", json.dumps({"model": "nope", "input": "hi"})),
     ]
     out = []
     for path, body in bodies:
-        resp = await http.post(path, content=body.encode("utf-8", "surrogatepass"),
-                               headers={"content-type": "application/json"})
+        resp = await http.post(
+            path, content=body.encode("utf-8", "surrogatepass"), headers={"content-type": "application/json"}
+        )
         out.append(resp.status_code)
     return out
 
@@ -97,10 +115,24 @@ async def _abuse(http: httpx.AsyncClient, k: int) -> list[int]:
 @pytest.mark.slow
 def test_server_soak_with_openai_client(tiny_llama, tmp_path):
     num_streams = int(os.environ.get("KILN_SERVER_SOAK_STREAMS") or 200)
-    proc, url = launch_server(tiny_llama, tmp_path / "server.log", "--max-model-len", "256", "--max-num-seqs", "64",
-                              "--served-model-name", "m", "--max-request-body-mb", "1",
-                              "--grammar-compile-timeout-s", "1", "--log-level", "warning")
+    proc, url = launch_server(
+        tiny_llama,
+        tmp_path / "server.log",
+        "--max-model-len",
+        "256",
+        "--max-num-seqs",
+        "64",
+        "--served-model-name",
+        "m",
+        "--max-request-body-mb",
+        "1",
+        "--grammar-compile-timeout-s",
+        "1",
+        "--log-level",
+        "warning",
+    )
     try:
+
         async def main():
             limits = httpx.Limits(max_connections=1000, max_keepalive_connections=100)
             async with httpx.AsyncClient(base_url=url, timeout=120, limits=limits) as http:
@@ -145,8 +177,10 @@ def test_server_soak_with_openai_client(tiny_llama, tmp_path):
                 return rss_before, _rss_kb(proc.pid), elapsed, checked
 
         rss_before, rss_after, elapsed, checked = asyncio.run(main())
-        print(f"soak: {num_streams} streams ({checked} compared with the idle server) + 28 bad requests in "
-              f"{elapsed:.1f}s; server RSS {rss_before / 1024:.0f} MB -> {rss_after / 1024:.0f} MB")
+        print(
+            f"soak: {num_streams} streams ({checked} compared with the idle server) + 28 bad requests in "
+            f"{elapsed:.1f}s; server RSS {rss_before / 1024:.0f} MB -> {rss_after / 1024:.0f} MB"
+        )
         assert rss_after <= rss_before * 1.05, (rss_before, rss_after)
     finally:
         stop_server(proc, tmp_path / "server.log")  # exit status 0, no traceback in the log
@@ -159,8 +193,12 @@ def _kv_blocks_in_use(url: str) -> float:
 
 def _aborted(url: str) -> float:
     text = httpx.get(f"{url}/metrics").text
-    return sum(s.value for fam in text_string_to_metric_families(text) for s in fam.samples
-               if s.name == "kiln:request_success_total" and s.labels.get("finished_reason") == "abort")
+    return sum(
+        s.value
+        for fam in text_string_to_metric_families(text)
+        for s in fam.samples
+        if s.name == "kiln:request_success_total" and s.labels.get("finished_reason") == "abort"
+    )
 
 
 def _stalled_stream(port: int, max_tokens: int) -> socket.socket:
@@ -169,10 +207,22 @@ def _stalled_stream(port: int, max_tokens: int) -> socket.socket:
     s = socket.socket()
     s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
     s.connect(("127.0.0.1", port))
-    body = json.dumps({"model": "m", "prompt": "Once upon a time", "max_tokens": max_tokens, "ignore_eos": True,
-                       "stream": True, "logprobs": 5}).encode()
-    s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: "
-              + str(len(body)).encode() + b"\r\n\r\n" + body)
+    body = json.dumps(
+        {
+            "model": "m",
+            "prompt": "Once upon a time",
+            "max_tokens": max_tokens,
+            "ignore_eos": True,
+            "stream": True,
+            "logprobs": 5,
+        }
+    ).encode()
+    s.sendall(
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: "
+        + str(len(body)).encode()
+        + b"\r\n\r\n"
+        + body
+    )
     return s
 
 
@@ -213,8 +263,9 @@ def _stall_while_posting(url: str, big: bytes) -> tuple[float, float, int]:
         t.start()
     _wait(lambda: len(arrivals) > 5, 30)
     t0 = time.monotonic()
-    status = httpx.post(f"{url}/v1/completions", content=big, headers={"content-type": "application/json"},
-                        timeout=120).status_code
+    status = httpx.post(
+        f"{url}/v1/completions", content=big, headers={"content-type": "application/json"}, timeout=120
+    ).status_code
     _wait(lambda: time.monotonic() - t0 > 1.0 and len(arrivals) > 0 and arrivals[-1] > t0, 30)
     done.set()
     for t in threads:
@@ -227,16 +278,31 @@ def _stall_while_posting(url: str, big: bytes) -> tuple[float, float, int]:
 def test_server_soak_slow_readers_and_smuggling(tiny_llama, tmp_path):
     streams = int(os.environ.get("KILN_SERVER_SOAK_STREAMS") or 200) // 4
     stall = 6.0
-    proc, url = launch_server(tiny_llama, tmp_path / "server.log", "--max-model-len", "1024", "--max-num-seqs", "64",
-                              "--served-model-name", "m", "--stream-stall-timeout-s", str(stall),
-                              "--http-send-buffer-kb", "16", "--log-level", "warning")
+    proc, url = launch_server(
+        tiny_llama,
+        tmp_path / "server.log",
+        "--max-model-len",
+        "1024",
+        "--max-num-seqs",
+        "64",
+        "--served-model-name",
+        "m",
+        "--stream-stall-timeout-s",
+        str(stall),
+        "--http-send-buffer-kb",
+        "16",
+        "--log-level",
+        "warning",
+    )
     port = int(url.rsplit(":", 1)[1])
     try:
         # Smuggling: the smuggled request is never answered, and the connection is closed.
         with socket.create_connection(("127.0.0.1", port)) as s:
             s.settimeout(10)
-            s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 5\r\nTransfer-Encoding: chunked"
-                      b"\r\n\r\n0\r\n\r\nGET /v1/models HTTP/1.1\r\nHost: x\r\n\r\n")
+            s.sendall(
+                b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 5\r\nTransfer-Encoding: chunked"
+                b"\r\n\r\n0\r\n\r\nGET /v1/models HTTP/1.1\r\nHost: x\r\n\r\n"
+            )
             out = b""
             while chunk := s.recv(65536):
                 out += chunk
@@ -248,8 +314,11 @@ def test_server_soak_slow_readers_and_smuggling(tiny_llama, tmp_path):
             socks = [_stalled_stream(port, 1000) for _ in range(streams)]
             t0 = time.monotonic()
             _wait(lambda: _gauges(url)["kiln:num_requests_running"] > 0, 30)
-            _wait(lambda: not any(_gauges(url).values()), stall + 40,  # (once the send buffers are full)
-                  show=lambda: f"{_gauges(url)}, {_aborted(url) - aborts} aborted")
+            _wait(
+                lambda: not any(_gauges(url).values()),
+                stall + 40,  # (once the send buffers are full)
+                show=lambda: f"{_gauges(url)}, {_aborted(url) - aborts} aborted",
+            )
             seconds = time.monotonic() - t0
             assert _aborted(url) - aborts == streams  # (not finished: the clients read too little for that)
             for s in socks:
@@ -258,12 +327,15 @@ def test_server_soak_slow_readers_and_smuggling(tiny_llama, tmp_path):
 
         # 30 MB bodies (a token-id prompt, a chat) while another stream runs and /health is asked:
         # measured from this process, the server's event loop never stalls for a second.
-        for big in (b'{"model": "m", "prompt": [' + b"12," * 10_000_000 + b'12], "max_tokens": 4}',
-                    json.dumps({"model": "m", "messages": [{"role": "user", "content": "word " * 4800}] * 1250}
-                               ).encode()):
+        for big in (
+            b'{"model": "m", "prompt": [' + b"12," * 10_000_000 + b'12], "max_tokens": 4}',
+            json.dumps({"model": "m", "messages": [{"role": "user", "content": "word " * 4800}] * 1250}).encode(),
+        ):
             gap, health, status = _stall_while_posting(url, big)
-            print(f"{len(big) / 1e6:.0f} MB body: {status}; another stream's longest gap {gap:.2f}s, "
-                  f"slowest /health {health:.2f}s")
+            print(
+                f"{len(big) / 1e6:.0f} MB body: {status}; another stream's longest gap {gap:.2f}s, "
+                f"slowest /health {health:.2f}s"
+            )
             assert status == 400 and gap < 1.0 and health < 1.0, (status, gap, health)
 
         for _ in range(2):  # warm-up: the same work, so that memory reaches its plateau first
@@ -282,9 +354,11 @@ def test_server_soak_slow_readers_and_smuggling(tiny_llama, tmp_path):
         aborted = stalled_round()
         time.sleep(1.0)
         rss_after = _rss_kb(proc.pid)
-        print(f"slow readers: {streams} streams; blocks free {freed:.2f}s after the clients left; stalled streams "
-              f"aborted within {aborted:.1f}s (stall timeout {stall:g}s); server RSS {rss_before / 1024:.0f} MB -> "
-              f"{rss_after / 1024:.0f} MB")
+        print(
+            f"slow readers: {streams} streams; blocks free {freed:.2f}s after the clients left; stalled streams "
+            f"aborted within {aborted:.1f}s (stall timeout {stall:g}s); server RSS {rss_before / 1024:.0f} MB -> "
+            f"{rss_after / 1024:.0f} MB"
+        )
         assert freed < 1.0, freed
         assert rss_after <= rss_before * 1.05, (rss_before, rss_after)
     finally:

@@ -19,32 +19,59 @@ from engine.entrypoints.openai.tool_calls import (
     resolve_tool_mode,
 )
 
-WEATHER = {"type": "function", "function": {
-    "name": "get_weather", "description": "Weather in a city",
-    "parameters": {"type": "object", "properties": {"city": {"enum": ["Paris", "Rome"]},
-                                                    "days": {"type": "integer", "minimum": 1, "maximum": 7}},
-                   "required": ["city", "days"], "additionalProperties": False}}}
-TIME = {"type": "function", "function": {"name": "get_time", "parameters": {
-    "type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]}}, "required": ["zone"],
-    "additionalProperties": False}}}
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Weather in a city",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "city": {"enum": ["Paris", "Rome"]},
+                "days": {"type": "integer", "minimum": 1, "maximum": 7},
+            },
+            "required": ["city", "days"],
+            "additionalProperties": False,
+        },
+    },
+}
+TIME = {
+    "type": "function",
+    "function": {
+        "name": "get_time",
+        "parameters": {
+            "type": "object",
+            "properties": {"zone": {"enum": ["UTC", "CET"]}},
+            "required": ["zone"],
+            "additionalProperties": False,
+        },
+    },
+}
 
 
 # ---------------------------------------------------------------- parsers
 def test_hermes_finds_calls_and_keeps_the_text_before_them():
-    text = 'Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n' \
-           '<tool_call>{"name": "get_time", "arguments": {"zone": "UTC"}}</tool_call>'
+    text = (
+        'Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
+        '<tool_call>{"name": "get_time", "arguments": {"zone": "UTC"}}</tool_call>'
+    )
     content, calls = parse_hermes(text)
     assert content == "Let me check."
-    assert [(c.name, json.loads(c.arguments)) for c in calls] == [("get_weather", {"city": "Paris"}),
-                                                                   ("get_time", {"zone": "UTC"})]
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == [
+        ("get_weather", {"city": "Paris"}),
+        ("get_time", {"zone": "UTC"}),
+    ]
     assert len({c.id for c in calls}) == 2 and all(c.id.startswith("call_") for c in calls)
 
 
-@pytest.mark.parametrize("text", [
-    "no calls here",
-    "<tool_call>{not json}</tool_call>",
-    '<tool_call>{"arguments": {}}</tool_call>',  # no name
-])
+@pytest.mark.parametrize(
+    "text",
+    [
+        "no calls here",
+        "<tool_call>{not json}</tool_call>",
+        '<tool_call>{"arguments": {}}</tool_call>',  # no name
+    ],
+)
 def test_hermes_leaves_anything_else_as_content(text):
     assert parse_hermes(text) == (text, [])
 
@@ -70,7 +97,7 @@ def test_streamable_prefix_holds_back_what_may_be_a_call():
     assert hermes.streamable("Hello <tool_call>{") == len("Hello ")
     assert hermes.streamable("a < b") == len("a < b")
     llama = ToolMode("auto", {}, parser="llama3_json")
-    assert llama.streamable("  {\"name") == 0 and llama.streamable("<|pyth") == 0 and llama.streamable("") == 0
+    assert llama.streamable('  {"name') == 0 and llama.streamable("<|pyth") == 0 and llama.streamable("") == 0
     assert llama.streamable("Sure, here") == len("Sure, here")
     assert ToolMode("required", {}).streamable("[{") == 0
 
@@ -102,16 +129,20 @@ def test_required_output_that_does_not_parse_stays_content():
 
 
 def test_tool_call_arguments_become_mappings_for_templates():
-    calls = [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": '{"a": 1}'}},
-             {"id": "c2", "type": "function", "function": {"name": "g", "arguments": "not json"}}]
+    calls = [
+        {"id": "c1", "type": "function", "function": {"name": "f", "arguments": '{"a": 1}'}},
+        {"id": "c2", "type": "function", "function": {"name": "g", "arguments": "not json"}},
+    ]
     out = arguments_for_template(calls)
     assert out[0]["function"]["arguments"] == {"a": 1} and out[1]["function"]["arguments"] == "not json"
     assert calls[0]["function"]["arguments"] == '{"a": 1}'  # the request itself is left alone
 
 
 # ---------------------------------------------------------------- auto mode, whole path
-HERMES_CALL = (r'Checking\. <tool_call>\n\{"name": "get_weather", "arguments": \{"city": "(Paris|Rome)", '
-               r'"days": [1-7]\}\}\n</tool_call>')
+HERMES_CALL = (
+    r'Checking\. <tool_call>\n\{"name": "get_weather", "arguments": \{"city": "(Paris|Rome)", '
+    r'"days": [1-7]\}\}\n</tool_call>'
+)
 LLAMA_CALL = r'\{"name": "get_time", "parameters": \{"zone": "(UTC|CET)"\}\}'
 
 
@@ -120,14 +151,22 @@ def auto_server(tiny_llama):
     from tests.support.engine import served
 
     with contextlib.ExitStack() as stack:
-        yield lambda parser: stack.enter_context(served(
-            tiny_llama, {"enable_auto_tool_choice": True, "tool_call_parser": parser}))[2]
+        yield lambda parser: stack.enter_context(
+            served(tiny_llama, {"enable_auto_tool_choice": True, "tool_call_parser": parser})
+        )[2]
 
 
 def test_auto_hermes_calls_non_streaming_and_streaming(auto_server):
     client = auto_server("hermes")
-    ask = dict(model="m", messages=[{"role": "user", "content": "Weather?"}], tools=[WEATHER, TIME],
-               max_tokens=200, temperature=0.8, seed=1, extra_body={"guided_regex": HERMES_CALL})
+    ask = dict(
+        model="m",
+        messages=[{"role": "user", "content": "Weather?"}],
+        tools=[WEATHER, TIME],
+        max_tokens=200,
+        temperature=0.8,
+        seed=1,
+        extra_body={"guided_regex": HERMES_CALL},
+    )
 
     async def main():
         r = await client.chat.completions.create(**ask)
@@ -152,10 +191,16 @@ def test_auto_hermes_calls_non_streaming_and_streaming(auto_server):
         assert finish == "tool_calls" and calls[0]["name"] == "get_weather"
         assert json.loads(calls[0]["arguments"]) == args  # same seed, same call
 
-        plain = await client.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}],
-                                                     tools=[WEATHER], max_tokens=5, temperature=0,
-                                                     extra_body={"guided_regex": "[a-z ]{5}"})
+        plain = await client.chat.completions.create(
+            model="m",
+            messages=[{"role": "user", "content": "hi"}],
+            tools=[WEATHER],
+            max_tokens=5,
+            temperature=0,
+            extra_body={"guided_regex": "[a-z ]{5}"},
+        )
         assert plain.choices[0].message.tool_calls in (None, []) and plain.choices[0].finish_reason != "tool_calls"
+
     asyncio.run(main())
 
 
@@ -164,15 +209,27 @@ def test_auto_llama3_json_and_a_follow_up_turn_with_the_tool_result(auto_server)
 
     async def main():
         r = await client.chat.completions.create(
-            model="m", messages=[{"role": "user", "content": "Time?"}], tools=[TIME], max_tokens=120,
-            temperature=0, extra_body={"guided_regex": LLAMA_CALL})
+            model="m",
+            messages=[{"role": "user", "content": "Time?"}],
+            tools=[TIME],
+            max_tokens=120,
+            temperature=0,
+            extra_body={"guided_regex": LLAMA_CALL},
+        )
         (call,) = r.choices[0].message.tool_calls
         assert r.choices[0].message.content is None and r.choices[0].finish_reason == "tool_calls"
         assert call.function.name == "get_time"
-        follow = await client.chat.completions.create(model="m", max_tokens=5, tools=[TIME], tool_choice="none",
-                                                      messages=[
-            {"role": "user", "content": "Time?"},
-            {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
-            {"role": "tool", "tool_call_id": call.id, "content": "12:00"}])
+        follow = await client.chat.completions.create(
+            model="m",
+            max_tokens=5,
+            tools=[TIME],
+            tool_choice="none",
+            messages=[
+                {"role": "user", "content": "Time?"},
+                {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+                {"role": "tool", "tool_call_id": call.id, "content": "12:00"},
+            ],
+        )
         assert follow.choices[0].message.content and not follow.choices[0].message.tool_calls
+
     asyncio.run(main())

@@ -42,8 +42,12 @@ def wheel(tmp_path_factory) -> Path:
         pytest.skip("not a git checkout")
     src = _tracked_copy(tmp_path_factory.mktemp("src"))
     out = tmp_path_factory.mktemp("dist")
-    res = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
-                          "-w", str(out), str(src)], capture_output=True, text=True, timeout=600)
+    res = subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(out), str(src)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert res.returncode == 0, res.stderr[-3000:]
     (whl,) = out.glob("kiln_serve-*.whl")
     return whl
@@ -53,13 +57,34 @@ def wheel(tmp_path_factory) -> Path:
 def venv(wheel, tmp_path_factory) -> Path:
     env_dir = tmp_path_factory.mktemp("venv")
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(env_dir)], check=True, timeout=120)
-    site = Path(subprocess.run([str(env_dir / "bin" / "python"), "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"],
-                               capture_output=True, text=True, check=True).stdout.strip())
+    site = Path(
+        subprocess.run(
+            [str(env_dir / "bin" / "python"), "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
+    )
     # Dependencies from this environment (a .pth line is a path, not a site dir: its own .pth files,
     # among them the editable kiln's finder, are not run).
     (site / "deps.pth").write_text(sysconfig.get_path("purelib") + "\n")
-    res = subprocess.run([sys.executable, "-m", "pip", "--python", str(env_dir / "bin" / "python"), "install", "-q",
-                          "--no-deps", "--no-index", str(wheel)], capture_output=True, text=True, timeout=600)
+    res = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "--python",
+            str(env_dir / "bin" / "python"),
+            "install",
+            "-q",
+            "--no-deps",
+            "--no-index",
+            str(wheel),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert res.returncode == 0, res.stderr[-3000:]
     return env_dir
 
@@ -80,20 +105,49 @@ def test_wheel_holds_every_package_and_the_templates(wheel):
 
 def test_installed_kiln_generates_and_serves(venv, tiny_llama, tmp_path):
     kiln = str(venv / "bin" / "kiln")
-    where = subprocess.run([str(venv / "bin" / "python"), "-c", "import engine, templates; print(engine.__file__)"],
-                           cwd=tmp_path, capture_output=True, text=True, env=_env(), timeout=120)
+    where = subprocess.run(
+        [str(venv / "bin" / "python"), "-c", "import engine, templates; print(engine.__file__)"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        env=_env(),
+        timeout=120,
+    )
     assert where.returncode == 0, where.stderr
     assert str(venv) in where.stdout and str(ROOT) not in where.stdout  # the wheel's copy, not the source tree
 
-    res = subprocess.run([kiln, "generate", "Hello", "--max-tokens", "4", "--json", "--model", str(tiny_llama),
-                          "--device", "cpu", "--max-model-len", "128"],
-                         cwd=tmp_path, capture_output=True, text=True, env=_env(), timeout=900)
+    res = subprocess.run(
+        [
+            kiln,
+            "generate",
+            "Hello",
+            "--max-tokens",
+            "4",
+            "--json",
+            "--model",
+            str(tiny_llama),
+            "--device",
+            "cpu",
+            "--max-model-len",
+            "128",
+        ],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        env=_env(),
+        timeout=900,
+    )
     assert res.returncode == 0, res.stderr[-3000:]
     assert json.loads(res.stdout.strip().splitlines()[-1])["prompt"] == "Hello"
 
-    proc = subprocess.Popen([kiln, "serve", "--model", str(tiny_llama), "--port", "0", "--device", "cpu",
-                             "--max-model-len", "128"], cwd=tmp_path, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, env=_env())
+    proc = subprocess.Popen(
+        [kiln, "serve", "--model", str(tiny_llama), "--port", "0", "--device", "cpu", "--max-model-len", "128"],
+        cwd=tmp_path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=_env(),
+    )
     try:
         url, seen = None, []
         deadline = time.monotonic() + 900

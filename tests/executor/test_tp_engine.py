@@ -29,16 +29,24 @@ TP_ARCHS = ("llama", "qwen3", "gemma2", "qwen3_moe")
 
 def _prompts() -> list[list[int]]:
     shared = [(7 * i + 3) % 400 + 20 for i in range(40)]  # a long shared prefix: prefix-cache hits
-    return [shared + [11, 12, 13], shared + [21, 22], [(5 * i + 1) % 300 + 30 for i in range(70)],
-            [40, 41, 42, 43], shared[:20] + [5, 6, 7, 8, 9]]
+    return [
+        shared + [11, 12, 13],
+        shared + [21, 22],
+        [(5 * i + 1) % 300 + 30 for i in range(70)],
+        [40, 41, 42, 43],
+        shared[:20] + [5, 6, 7, 8, 9],
+    ]
 
 
 def _params() -> list[SamplingParams]:
     greedy = dict(temperature=0.0, max_tokens=10, ignore_eos=True)
-    return [SamplingParams(**greedy), SamplingParams(**greedy),
-            SamplingParams(n=2, temperature=0.9, seed=1234, max_tokens=8, ignore_eos=True),  # fork + seeded
-            SamplingParams(**greedy), SamplingParams(temperature=0.7, top_p=0.9, seed=7, max_tokens=10,
-                                                     ignore_eos=True)]
+    return [
+        SamplingParams(**greedy),
+        SamplingParams(**greedy),
+        SamplingParams(n=2, temperature=0.9, seed=1234, max_tokens=8, ignore_eos=True),  # fork + seeded
+        SamplingParams(**greedy),
+        SamplingParams(temperature=0.7, top_p=0.9, seed=7, max_tokens=10, ignore_eos=True),
+    ]
 
 
 def _run(engine) -> dict[str, list[list[int]]]:
@@ -56,9 +64,18 @@ def _engine(model: Path, tp: int, **extra):
 
     # 16 blocks of 8 tokens for ~200 tokens of prompts + output: sequences are preempted;
     # 24-token chunks: prompts are split over steps.
-    settings = dict(model=str(model), device="cpu", enforce_eager=True, tensor_parallel_size=tp, block_size=8,
-                    num_gpu_blocks=16, max_model_len=128, max_num_batched_tokens=24, max_num_seqs=4,
-                    log_stats_interval=0)
+    settings = dict(
+        model=str(model),
+        device="cpu",
+        enforce_eager=True,
+        tensor_parallel_size=tp,
+        block_size=8,
+        num_gpu_blocks=16,
+        max_model_len=128,
+        max_num_batched_tokens=24,
+        max_num_seqs=4,
+        log_stats_interval=0,
+    )
     settings.update(extra)
     return LLMEngine.from_settings(EngineSettings(**settings))
 
@@ -94,12 +111,20 @@ def tp_engines():
 
 # Both preemption modes for a dense and a MoE model, one each for the others (a TP run is slow:
 # every step waits on the collectives of two processes sharing the cores).
-@pytest.mark.parametrize("arch,mode", [("llama", "swap"), ("llama", "recompute"), ("qwen3", "recompute"),
-                                       ("gemma2", "swap"), ("qwen3_moe", "swap"), ("qwen3_moe", "recompute")])
+@pytest.mark.parametrize(
+    "arch,mode",
+    [
+        ("llama", "swap"),
+        ("llama", "recompute"),
+        ("qwen3", "recompute"),
+        ("gemma2", "swap"),
+        ("qwen3_moe", "swap"),
+        ("qwen3_moe", "recompute"),
+    ],
+)
 def test_tp2_equals_tp1(tp_engines, tiny_models, arch, mode):
     """Greedy, n=2 seeded and top-p seeded requests; preemption by `mode` happens in both runs."""
-    engine = tp_engines.get(arch, lambda: _engine(tiny_models[arch], 2, preemption_mode="swap",
-                                                  swap_space_gb=0.01))
+    engine = tp_engines.get(arch, lambda: _engine(tiny_models[arch], 2, preemption_mode="swap", swap_space_gb=0.01))
     reference = _engine(tiny_models[arch], 1, preemption_mode=mode, swap_space_gb=0.01)
     expected = _run(reference)
     assert reference.core.scheduler.preemptions_by_mode[mode] > 0
@@ -123,9 +148,13 @@ def test_tp2_spec_decode_structured_output_and_heartbeat(tp_engines, tiny_llama,
     reference = _engine(tiny_llama, 1, **spec)
     repetitive = [30, 31, 32, 33, 34] * 6
     schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
-    reqs = [(repetitive, SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)),
-            ("Numbers: 0 1 2", SamplingParams(temperature=0.0, max_tokens=24,
-                                              structured_outputs=StructuredOutputsParams(json=schema)))]
+    reqs = [
+        (repetitive, SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)),
+        (
+            "Numbers: 0 1 2",
+            SamplingParams(temperature=0.0, max_tokens=24, structured_outputs=StructuredOutputsParams(json=schema)),
+        ),
+    ]
 
     def run(e):
         for i, (prompt, params) in enumerate(reqs):
@@ -154,10 +183,16 @@ def test_worker_exits_when_rank0_dies(tiny_llama, tmp_path):
         f"    llm = LLM({str(tiny_llama)!r}, device='cpu', enforce_eager=True, tensor_parallel_size=2,\n"
         "              max_model_len=128, num_gpu_blocks=32)\n"
         "    print(llm.engine.core.executor.procs[0].pid, flush=True)\n"
-        "    time.sleep(600)\n")
-    proc = subprocess.Popen([sys.executable, str(script)], cwd=ROOT, stdout=subprocess.PIPE,
-                            stderr=subprocess.DEVNULL, text=True,
-                            env={**os.environ, "PYTHONPATH": str(ROOT)})
+        "    time.sleep(600)\n"
+    )
+    proc = subprocess.Popen(
+        [sys.executable, str(script)],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
     try:
         worker = psutil.Process(int(proc.stdout.readline()))
         proc.kill()
@@ -192,23 +227,46 @@ def test_killed_worker_ends_the_server(tiny_llama, tmp_path):
     import psutil
 
     log = tmp_path / "serve.log"
-    cmd = [sys.executable, "-m", "engine.entrypoints.cli", "serve", str(tiny_llama), "-tp", "2", "--port", "0",
-           "--device", "cpu", "--enforce-eager", "--max-model-len", "512", "--disable-uvicorn-access-log"]
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=open(log, "w"), text=True,
-                            env={**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1"})
+    cmd = [
+        sys.executable,
+        "-m",
+        "engine.entrypoints.cli",
+        "serve",
+        str(tiny_llama),
+        "-tp",
+        "2",
+        "--port",
+        "0",
+        "--device",
+        "cpu",
+        "--enforce-eager",
+        "--max-model-len",
+        "512",
+        "--disable-uvicorn-access-log",
+    ]
+    proc = subprocess.Popen(
+        cmd,
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=open(log, "w"),
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1"},
+    )
     try:
         line = proc.stdout.readline()
         assert line.startswith("kiln: serving"), log.read_text()[-3000:]
         url = line.split(" at ", 1)[1].split(" ", 1)[0]
         base = url.removesuffix("/v1")
         assert httpx.get(f"{base}/health").status_code == 200
-        workers = [c for c in psutil.Process(proc.pid).children(recursive=True)
-                   if c.pid != proc.pid and "spawn_main" in " ".join(c.cmdline())]
+        workers = [
+            c
+            for c in psutil.Process(proc.pid).children(recursive=True)
+            if c.pid != proc.pid and "spawn_main" in " ".join(c.cmdline())
+        ]
         assert len(workers) == 1, [c.cmdline() for c in psutil.Process(proc.pid).children(recursive=True)]
         events: list[str] = []
         with httpx.Client(timeout=20) as client:
-            body = {"model": str(tiny_llama), "prompt": "Hello", "max_tokens": 400, "ignore_eos": True,
-                    "stream": True}
+            body = {"model": str(tiny_llama), "prompt": "Hello", "max_tokens": 400, "ignore_eos": True, "stream": True}
             with client.stream("POST", f"{url}/completions", json=body) as r:
                 assert r.status_code == 200
                 killed_at = None
@@ -248,11 +306,15 @@ def test_step_codec_round_trip():
     from engine.layers.attention.base import AttentionMetadata
 
     for tokens in (5, 3000):  # 3000 tokens: the payload no longer fits the message
-        meta = AttentionMetadata(slot_mapping=torch.arange(tokens, dtype=torch.int64) - 1,
-                                 query_start_loc=torch.tensor([0, 2, tokens], dtype=torch.int32),
-                                 seq_lens=torch.tensor([7, tokens + 4], dtype=torch.int32),
-                                 block_tables=torch.arange(12, dtype=torch.int32).view(2, 6)[:, :4],
-                                 max_query_len=tokens - 2, max_seq_len=tokens + 4, num_decodes=0)
+        meta = AttentionMetadata(
+            slot_mapping=torch.arange(tokens, dtype=torch.int64) - 1,
+            query_start_loc=torch.tensor([0, 2, tokens], dtype=torch.int32),
+            seq_lens=torch.tensor([7, tokens + 4], dtype=torch.int32),
+            block_tables=torch.arange(12, dtype=torch.int32).view(2, 6)[:, :4],
+            max_query_len=tokens - 2,
+            max_seq_len=tokens + 4,
+            num_decodes=0,
+        )
         ids, positions = torch.arange(tokens) * 3, torch.arange(tokens) + 4
         hidden = torch.randn(2, 8)
         types: list[type] = []
@@ -267,13 +329,14 @@ def test_step_codec_round_trip():
         message = torch.zeros(codec.MESSAGE_BYTES, dtype=torch.uint8)
         extra = codec.pack_message(header, [codec.pack_ints(ints, torch.device("cpu")), *floats, hidden], message)
         assert (extra is None) == (tokens == 5)
-        r = codec.Reader(message[:codec.HEADER_BYTES].view(torch.int64).tolist())
+        r = codec.Reader(message[: codec.HEADER_BYTES].view(torch.int64).tolist())
         assert r.op == codec.OP_FORWARD
-        data = message[codec.HEADER_BYTES:codec.HEADER_BYTES + r.payload_bytes] if extra is None else extra
+        data = message[codec.HEADER_BYTES : codec.HEADER_BYTES + r.payload_bytes] if extra is None else extra
         payload = codec.Payload(data)
         plan, slots = codec.decode_forward(r, types)
-        got_ids, got_pos, got_meta, got_ctx = codec.fill_slots(plan, slots, payload.take((codec.int_payload_size(slots),),
-                                                                                 torch.int64), [])
+        got_ids, got_pos, got_meta, got_ctx = codec.fill_slots(
+            plan, slots, payload.take((codec.int_payload_size(slots),), torch.int64), []
+        )
         assert torch.equal(got_ids, ids) and torch.equal(got_pos, positions) and got_ctx is None
         for name in ("slot_mapping", "query_start_loc", "seq_lens", "block_tables"):
             want, got = getattr(meta, name), getattr(got_meta, name)
@@ -289,10 +352,31 @@ def test_bench_throughput_tensor_parallel_prints_the_ratio(tiny_llama):
     import sys
     from pathlib import Path
 
-    out = subprocess.run([sys.executable, "-m", "engine.entrypoints.cli", "bench", "throughput", "--tensor-parallel-size", "2",
-                          "--model", str(tiny_llama), "--device", "cpu", "--num-prompts", "8", "--input-len", "8,32",
-                          "--output-len", "4,8"], cwd=Path(__file__).resolve().parents[2], capture_output=True,
-                         text=True, timeout=300)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "engine.entrypoints.cli",
+            "bench",
+            "throughput",
+            "--tensor-parallel-size",
+            "2",
+            "--model",
+            str(tiny_llama),
+            "--device",
+            "cpu",
+            "--num-prompts",
+            "8",
+            "--input-len",
+            "8,32",
+            "--output-len",
+            "4,8",
+        ],
+        cwd=Path(__file__).resolve().parents[2],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
     assert "ratio tensor_parallel_size 2 / 1 (median tok/s):" in out.stdout, out.stdout[-2000:]
     assert "all_reduce:" in out.stdout and "calls per step" in out.stdout

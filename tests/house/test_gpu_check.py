@@ -22,15 +22,32 @@ SCRIPT = REPO / "tools" / "gpu_check.sh"
 sys.path.insert(0, str(REPO / "tools"))
 import gpu_summary  # noqa: E402
 
-STAGES = ["env", "kernel-cache", "tests", "kernel-bench", "kernel-bench-v2", "latency-8b", "quant-bench",
-          "w4a16-bench", "moe-bench", "swap-bench", "latency-1b"]
+STAGES = [
+    "env",
+    "kernel-cache",
+    "tests",
+    "kernel-bench",
+    "kernel-bench-v2",
+    "latency-8b",
+    "quant-bench",
+    "w4a16-bench",
+    "moe-bench",
+    "swap-bench",
+    "latency-1b",
+]
 
 
 def run_check(tmp_path, *args, timeout=300, **env):
     # no wheels unless given: this machine has the engine's dependencies (.whl/ holds the device's cp312 builds)
-    full = dict(os.environ, OUT=str(tmp_path / "out"), GPU_CHECK_WORK=str(tmp_path / "work"), PYTHON=sys.executable,
-                KILN_CACHE_DIR=str(tmp_path / "cache"), GPU_CHECK_WHEELS=str(tmp_path / "no-wheels"),
-                GPU_CHECK_SITE=str(tmp_path / "site"))
+    full = dict(
+        os.environ,
+        OUT=str(tmp_path / "out"),
+        GPU_CHECK_WORK=str(tmp_path / "work"),
+        PYTHON=sys.executable,
+        KILN_CACHE_DIR=str(tmp_path / "cache"),
+        GPU_CHECK_WHEELS=str(tmp_path / "no-wheels"),
+        GPU_CHECK_SITE=str(tmp_path / "site"),
+    )
     full.update({k: str(v) for k, v in env.items()})
     proc = subprocess.run(["bash", str(SCRIPT), *args], capture_output=True, text=True, env=full, timeout=timeout)
     summary = json.loads((tmp_path / "out" / "summary.json").read_text())
@@ -41,18 +58,27 @@ def test_stage_budget_reaches_the_8b_figures(tmp_path):
     """The plan the script prints (--plan; every run prints it first): the stages in the issue's
     order, their maxima up to latency-8b within the default deadline, the call (deadline + packing)
     within the device tool's 600 s per command."""
-    proc = subprocess.run(["bash", str(SCRIPT), "--plan"], capture_output=True, text=True, timeout=60,
-                          env=dict(os.environ, OUT=str(tmp_path / "out"), GPU_CHECK_WORK=str(tmp_path / "w")))
+    proc = subprocess.run(
+        ["bash", str(SCRIPT), "--plan"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=dict(os.environ, OUT=str(tmp_path / "out"), GPU_CHECK_WORK=str(tmp_path / "w")),
+    )
     assert proc.returncode == 0, proc.stderr
     rows = re.findall(r"^plan: ([a-z0-9-]+) max (\d+)s min (\d+)s$", proc.stdout, re.M)
     assert [r[0] for r in rows] == STAGES
     assert all(int(lo) <= int(hi) for _, hi, lo in rows)
-    total = re.search(r"^plan: stage maxima (\d+)s in all, (\d+)s up to latency-8b, DEADLINE_S=(\d+) .*"
-                      r"timeout_s=(\d+) of at most 600$", proc.stdout, re.M)
+    total = re.search(
+        r"^plan: stage maxima (\d+)s in all, (\d+)s up to latency-8b, DEADLINE_S=(\d+) .*"
+        r"timeout_s=(\d+) of at most 600$",
+        proc.stdout,
+        re.M,
+    )
     assert total, proc.stdout
     in_all, to_8b, deadline, timeout_s = map(int, total.groups())
     assert in_all == sum(int(hi) for _, hi, _ in rows) and deadline == 500
-    assert to_8b == sum(int(hi) for _, hi, _ in rows[:STAGES.index("latency-8b") + 1]) <= deadline
+    assert to_8b == sum(int(hi) for _, hi, _ in rows[: STAGES.index("latency-8b") + 1]) <= deadline
     assert deadline + 60 <= timeout_s <= 600
     assert not (tmp_path / "out" / "summary.json").exists()  # the plan only: no stage ran
 
@@ -126,8 +152,16 @@ def fake_run(tmp_path_factory):
     tmp_path = tmp_path_factory.mktemp("fake-run")
     before = _sources()
     proc, stages, summary = run_check(
-        tmp_path, "tests", "kernel-bench", "kernel-bench-v2", "latency-8b", "swap-bench", timeout=600,
-        GPU_CHECK_FAKE=1, GPU_CHECK_CRASH="latency-8b,tests:kernels-v2")
+        tmp_path,
+        "tests",
+        "kernel-bench",
+        "kernel-bench-v2",
+        "latency-8b",
+        "swap-bench",
+        timeout=600,
+        GPU_CHECK_FAKE=1,
+        GPU_CHECK_CRASH="latency-8b,tests:kernels-v2",
+    )
     return tmp_path, proc, stages, summary, before != _sources()
 
 
@@ -169,8 +203,13 @@ def test_fake_device_run_survives_crashes_and_names_them(fake_run):
 
 
 def test_unknown_stage_is_refused(tmp_path):
-    proc = subprocess.run(["bash", str(SCRIPT), "no-such-stage"], capture_output=True, text=True, timeout=60,
-                          env=dict(os.environ, OUT=str(tmp_path), GPU_CHECK_WORK=str(tmp_path / "w")))
+    proc = subprocess.run(
+        ["bash", str(SCRIPT), "no-such-stage"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=dict(os.environ, OUT=str(tmp_path), GPU_CHECK_WORK=str(tmp_path / "w")),
+    )
     assert proc.returncode == 2 and "unknown stage" in proc.stdout
 
 
@@ -185,7 +224,11 @@ def test_every_gpu_test_file_runs_in_a_group_and_kernel_tests_split_by_generatio
     assert len(collected) >= 10 and all(c["nodes"] and not c["missing"] and not c["errors"] for c in collected.values())
     files = {node.split("::")[0] for c in collected.values() for node in c["nodes"]}
     gpu = re.compile(r"(@pytest\.mark\.gpu|pytestmark = pytest\.mark\.gpu|marks=pytest\.mark\.gpu)")
-    marked = {f"tests/{p.relative_to(REPO / 'tests')}" for p in (REPO / "tests").rglob("test_*.py") if gpu.search(p.read_text())}
+    marked = {
+        f"tests/{p.relative_to(REPO / 'tests')}"
+        for p in (REPO / "tests").rglob("test_*.py")
+        if gpu.search(p.read_text())
+    }
     assert marked <= files, marked - files
     v1, v2 = set(collected["kernels-v1"]["nodes"]), set(collected["kernels-v2"]["nodes"])
     assert not v1 & v2
@@ -197,30 +240,58 @@ def test_every_gpu_test_file_runs_in_a_group_and_kernel_tests_split_by_generatio
         nodes = collected[f"graph-{target.replace('_', '-')}"]["nodes"]
         assert nodes and all(n.startswith("tests/worker/test_cuda_graph.py::") and target in n for n in nodes)
     for c in collected.values():
-        assert c["env"] == {"TORCHINDUCTOR_COMPILE_THREADS": "2", "KILN_NUM_GPU_BLOCKS": "1024",
-                            "KILN_GPU_CHECK_STRICT": "1"}
+        assert c["env"] == {
+            "TORCHINDUCTOR_COMPILE_THREADS": "2",
+            "KILN_NUM_GPU_BLOCKS": "1024",
+            "KILN_GPU_CHECK_STRICT": "1",
+        }
 
 
 def test_a_group_cut_at_its_limit_keeps_its_finished_verdicts(tmp_path):
     """A test group that hangs after two tests: its limit (SIGINT) cuts it, and its junit file
     still holds the two finished tests (SIGTERM would have left none)."""
-    proc, stages, _ = run_check(tmp_path, "tests", GPU_CHECK_FAKE=1, GPU_CHECK_GROUPS="features",
-                                GPU_CHECK_HANG="tests:features", GPU_CHECK_SCALE=5)
+    proc, stages, _ = run_check(
+        tmp_path,
+        "tests",
+        GPU_CHECK_FAKE=1,
+        GPU_CHECK_GROUPS="features",
+        GPU_CHECK_HANG="tests:features",
+        GPU_CHECK_SCALE=5,
+    )
     work = tmp_path / "work"
     group = stages["tests"]["result"]["groups"]["features"]
     assert group["status"] == "timeout" and stages["tests"]["status"] == "timeout", group
-    assert group["tests"] == {"passed": 2, "failed": 0, "errors": 0, "skipped": 0}, (work / "tests-features.log").read_text()
+    assert group["tests"] == {"passed": 2, "failed": 0, "errors": 0, "skipped": 0}, (
+        work / "tests-features.log"
+    ).read_text()
     assert len(gpu_summary.junit_outcomes([str(work / "tests-features.xml")])) == 2
 
 
-@pytest.mark.parametrize("args, problem", [
-    (["-m", "gpu", "tests/test_no_such_file.py"], "no such path: tests/test_no_such_file.py"),
-    (["-m", "gpu", "-k", "no_test_is_named_so", "tests/runtime/test_features_gpu.py"], "no test collected")])
+@pytest.mark.parametrize(
+    "args, problem",
+    [
+        (["-m", "gpu", "tests/test_no_such_file.py"], "no such path: tests/test_no_such_file.py"),
+        (["-m", "gpu", "-k", "no_test_is_named_so", "tests/runtime/test_features_gpu.py"], "no test collected"),
+    ],
+)
 def test_a_stale_group_fails_the_dry_run(tmp_path, args, problem):
     """A group whose path is gone, or whose -k/-m selects nothing, fails on the fake device."""
-    proc = subprocess.run([sys.executable, str(REPO / "tools" / "gpu_check_fake.py"), "group", str(tmp_path / "g"),
-                           "--", "-q", *args, f"--junitxml={tmp_path / 'g.xml'}"],
-                          capture_output=True, text=True, cwd=REPO, timeout=300)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(REPO / "tools" / "gpu_check_fake.py"),
+            "group",
+            str(tmp_path / "g"),
+            "--",
+            "-q",
+            *args,
+            f"--junitxml={tmp_path / 'g.xml'}",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=300,
+    )
     assert proc.returncode == 3 and f"FAKE GROUP FAILED: {problem}" in proc.stdout, proc.stdout + proc.stderr
     assert not (tmp_path / "g.xml").exists()
 
@@ -228,15 +299,34 @@ def test_a_stale_group_fails_the_dry_run(tmp_path, args, problem):
 def test_strict_mode_turns_gpu_skips_into_failures(tmp_path):
     """KILN_GPU_CHECK_STRICT=1: a gpu-marked test that skips (no GPU here) and a module that skips
     as a whole fail; without it they skip."""
-    args = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "gpu",
-            "--continue-on-collection-errors", "tests/runtime/test_e2e_gpu.py", "tests/compiler/test_kernels_gpu.py", f"--junitxml={tmp_path / 'j.xml'}"]
+    args = [
+        sys.executable,
+        "-m",
+        "pytest",
+        "-q",
+        "-p",
+        "no:cacheprovider",
+        "-m",
+        "gpu",
+        "--continue-on-collection-errors",
+        "tests/runtime/test_e2e_gpu.py",
+        "tests/compiler/test_kernels_gpu.py",
+        f"--junitxml={tmp_path / 'j.xml'}",
+    ]
     if torch.cuda.is_available():
         pytest.skip("needs a machine without CUDA (the GPU tests would run)")
-    plain = subprocess.run(args, capture_output=True, text=True, cwd=REPO, timeout=120,
-                           env={k: v for k, v in os.environ.items() if k != "KILN_GPU_CHECK_STRICT"})
+    plain = subprocess.run(
+        args,
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=120,
+        env={k: v for k, v in os.environ.items() if k != "KILN_GPU_CHECK_STRICT"},
+    )
     assert plain.returncode == 0 and gpu_summary.junit_counts([str(tmp_path / "j.xml")])["skipped"] >= 2
-    strict = subprocess.run(args, capture_output=True, text=True, cwd=REPO, timeout=120,
-                            env=dict(os.environ, KILN_GPU_CHECK_STRICT="1"))
+    strict = subprocess.run(
+        args, capture_output=True, text=True, cwd=REPO, timeout=120, env=dict(os.environ, KILN_GPU_CHECK_STRICT="1")
+    )
     assert strict.returncode != 0
     counts = gpu_summary.junit_counts([str(tmp_path / "j.xml")])
     assert counts["skipped"] == 0 and counts["passed"] == 0 and counts["errors"] + counts["failed"] >= 3
@@ -245,35 +335,66 @@ def test_strict_mode_turns_gpu_skips_into_failures(tmp_path):
 
 # ---- gpu_summary.py ----------------------------------------------------------------------------
 
+
 def _junit(path: Path, cases: dict[str, str]) -> str:
     body = []
     for name, outcome in cases.items():
-        inner = {"passed": "", "failed": "<failure message='x'/>", "skipped": "<skipped/>",
-                 "error": "<error message='x'/>"}[outcome]
+        inner = {
+            "passed": "",
+            "failed": "<failure message='x'/>",
+            "skipped": "<skipped/>",
+            "error": "<error message='x'/>",
+        }[outcome]
         body.append(f"<testcase classname='tests.compiler.test_kernels_gpu' name='{name}'>{inner}</testcase>")
     path.write_text(f"<testsuites><testsuite>{''.join(body)}</testsuite></testsuites>")
     return str(path)
 
 
-GPU_ROW = dict(device="cuda", backend="cutlass", cuda_graphs=True, async_scheduling=True, decode_kernel="v1",
-               prefill_kernel="mma", status="done")
+GPU_ROW = dict(
+    device="cuda",
+    backend="cutlass",
+    cuda_graphs=True,
+    async_scheduling=True,
+    decode_kernel="v1",
+    prefill_kernel="mma",
+    status="done",
+)
 
 
 def test_summary_scores_only_cutlass_figures_with_graphs(tmp_path):
     """A figure is MET or missed only when measured on a GPU on the cutlass backend with CUDA
     graphs, to the end; every target line names what produced it."""
     work = tmp_path / "work"
-    (tmp_path / "lat8.json").write_text(json.dumps([
-        dict(GPU_ROW, batch_size=1, ms_per_step=4.1, decode_tok_per_s=243.0),
-        dict(GPU_ROW, batch_size=64, ms_per_step=9.0, decode_tok_per_s=7100.0)]))
-    (tmp_path / "lat1.json").write_text(json.dumps([
-        dict(GPU_ROW, batch_size=1, ms_per_step=0.8, backend="torch"),  # the fallback backend: never scored
-        dict(GPU_ROW, batch_size=64, ms_per_step=3.0)]))
-    (tmp_path / "kb.json").write_text(json.dumps({"decode": [{"batch": 64, "ctx": 2048, "kiln_GBps": 3600.0}],
-                                                  "backend": "cutlass", "timing": "CUDA-graph replay",
-                                                  "decode_kernel": "v1", "device": "NVIDIA H200"}))
-    junit = _junit(tmp_path / "t.xml", {"test_a[v1]": "passed", "test_b[v2]": "failed", "test_c": "skipped",
-                                        "test_d": "error"})
+    (tmp_path / "lat8.json").write_text(
+        json.dumps(
+            [
+                dict(GPU_ROW, batch_size=1, ms_per_step=4.1, decode_tok_per_s=243.0),
+                dict(GPU_ROW, batch_size=64, ms_per_step=9.0, decode_tok_per_s=7100.0),
+            ]
+        )
+    )
+    (tmp_path / "lat1.json").write_text(
+        json.dumps(
+            [
+                dict(GPU_ROW, batch_size=1, ms_per_step=0.8, backend="torch"),  # the fallback backend: never scored
+                dict(GPU_ROW, batch_size=64, ms_per_step=3.0),
+            ]
+        )
+    )
+    (tmp_path / "kb.json").write_text(
+        json.dumps(
+            {
+                "decode": [{"batch": 64, "ctx": 2048, "kiln_GBps": 3600.0}],
+                "backend": "cutlass",
+                "timing": "CUDA-graph replay",
+                "decode_kernel": "v1",
+                "device": "NVIDIA H200",
+            }
+        )
+    )
+    junit = _junit(
+        tmp_path / "t.xml", {"test_a[v1]": "passed", "test_b[v2]": "failed", "test_c": "skipped", "test_d": "error"}
+    )
     gpu_summary.record(work, "tests", "ok", "0", 120, None, None, [junit])
     gpu_summary.record(work, "kernel-bench", "ok", "0", 50, None, str(tmp_path / "kb.json"), [])
     gpu_summary.record(work, "latency-8b", "ok", "0", 140, None, str(tmp_path / "lat8.json"), [])
@@ -294,12 +415,16 @@ def test_summary_scores_only_cutlass_figures_with_graphs(tmp_path):
     assert "[latency-8b: cuda, cutlass v1/mma, CUDA graphs, overlap on]" in text
     assert "[latency-1b: cuda, torch, CUDA graphs, overlap on]" in text
     # the same figures without graphs, from the CPU, or cut off before the end: never MET
-    for change, why in ((dict(cuda_graphs=False), "no CUDA graphs"), (dict(device="cpu"), "device cpu"),
-                        (dict(status="running"), "status running")):
+    for change, why in (
+        (dict(cuda_graphs=False), "no CUDA graphs"),
+        (dict(device="cpu"), "device cpu"),
+        (dict(status="running"), "status running"),
+    ):
         (tmp_path / "lat8.json").write_text(json.dumps([dict(GPU_ROW, batch_size=1, ms_per_step=4.1, **change)]))
         gpu_summary.record(work, "latency-8b", "ok", "0", 140, None, str(tmp_path / "lat8.json"), [])
-        row = next(t for t in gpu_summary.targets({"latency-8b": json.loads((work / "latency-8b.stage.json")
-                                                                            .read_text())}))
+        row = next(
+            t for t in gpu_summary.targets({"latency-8b": json.loads((work / "latency-8b.stage.json").read_text())})
+        )
         assert row["verdict"] == f"not scored ({why})" and "vs_transformers" not in row
     # recorded again: a stage keeps its place in the order
     assert json.loads((work / "latency-8b.stage.json").read_text())["order"] == 2
@@ -317,11 +442,20 @@ def test_a_stage_whose_tests_all_skipped_fails(tmp_path):
 
 
 def test_kernel_env_needs_every_test_of_a_generation_to_pass(tmp_path):
-    ok = _junit(tmp_path / "a.xml", {"test_decode[v2-bf16]": "passed", "test_decode[v1-bf16]": "failed",
-                                     "test_prefill[wgmma]": "passed", "test_prefill[mma]": "passed"})
+    ok = _junit(
+        tmp_path / "a.xml",
+        {
+            "test_decode[v2-bf16]": "passed",
+            "test_decode[v1-bf16]": "failed",
+            "test_prefill[wgmma]": "passed",
+            "test_prefill[mma]": "passed",
+        },
+    )
     assert gpu_summary.kernel_env([ok]) == ["KILN_DECODE_KERNEL=v2", "KILN_PREFILL_KERNEL=wgmma"]
-    bad = _junit(tmp_path / "b.xml", {"test_decode[v2-bf16]": "passed", "test_policy[v2-x]": "failed",
-                                      "test_prefill[wgmma]": "skipped"})
+    bad = _junit(
+        tmp_path / "b.xml",
+        {"test_decode[v2-bf16]": "passed", "test_policy[v2-x]": "failed", "test_prefill[wgmma]": "skipped"},
+    )
     assert gpu_summary.kernel_env([bad]) == []  # a failed v2 test, and wgmma never ran
     assert gpu_summary.kernel_env([str(tmp_path / "missing.xml")]) == []
 
@@ -330,8 +464,14 @@ def test_quant_compare_ratios_scoring_and_missing_figures(tmp_path):
     from engine.bench import quant_compare
 
     bf16, int4, fp8 = tmp_path / "bf16.json", tmp_path / "int4.json", tmp_path / "fp8.json"
-    bf16.write_text(json.dumps([dict(GPU_ROW, batch_size=1, ms_per_step=5.0, weight_GB=16.0),
-                                dict(GPU_ROW, batch_size=64, ms_per_step=20.0, decode_tok_per_s=3200.0)]))
+    bf16.write_text(
+        json.dumps(
+            [
+                dict(GPU_ROW, batch_size=1, ms_per_step=5.0, weight_GB=16.0),
+                dict(GPU_ROW, batch_size=64, ms_per_step=20.0, decode_tok_per_s=3200.0),
+            ]
+        )
+    )
     int4.write_text(json.dumps(dict(GPU_ROW, batch_size=1, ms_per_step=1.8, weight_GB=5.2, quantization="gptq")))
     fp8.write_text(json.dumps(dict(GPU_ROW, batch_size=64, ms_per_step=15.0, decode_tok_per_s=4800.0)))
     out = tmp_path / "q.json"
@@ -342,8 +482,11 @@ def test_quant_compare_ratios_scoring_and_missing_figures(tmp_path):
     assert r["fp8_over_bf16_tok_s"] == pytest.approx(1.5) and r["notes"] == []
     work = tmp_path / "work"
     gpu_summary.record(work, "quant-bench", "ok", "0", 60, None, str(out), [])
-    (row,) = [t for t in gpu_summary.targets({"quant-bench": json.loads((work / "quant-bench.stage.json").read_text())})
-              if t["stage"] == "quant-bench"]
+    (row,) = [
+        t
+        for t in gpu_summary.targets({"quant-bench": json.loads((work / "quant-bench.stage.json").read_text())})
+        if t["stage"] == "quant-bench"
+    ]
     assert (row["value"], row["verdict"]) == (pytest.approx(0.36), "MET")
     int4.write_text(json.dumps(dict(GPU_ROW, batch_size=1, ms_per_step=1.8, backend="torch")))
     assert quant_compare.compare(str(bf16), str(int4), None)["int4_verdict"] == "not scored: torch backend"
@@ -354,6 +497,7 @@ def test_quant_compare_ratios_scoring_and_missing_figures(tmp_path):
 
 
 # ---- the benchmarks' drivers keep what they measured -------------------------------------------
+
 
 def test_latency_bench_writes_each_row_as_measured(tiny_llama, tmp_path, monkeypatch):
     """A GPU's defaults on the CPU (overlap on, chunked prefill): a fault in the second batch leaves
@@ -370,9 +514,28 @@ def test_latency_bench_writes_each_row_as_measured(tiny_llama, tmp_path, monkeyp
     monkeypatch.setattr(latency, "bench_one", failing)
     out = tmp_path / "lat.json"
     with pytest.raises(RuntimeError, match="illegal memory access"):
-        latency.main(["--model", str(tiny_llama), "--device", "cpu", "--batch-size", "1,3,5", "--input-len", "8",
-                      "--output-len", "4", "--warmup-steps", "2", "--async-scheduling", "true",
-                      "--max-num-batched-tokens", "16", "--json", str(out)])
+        latency.main(
+            [
+                "--model",
+                str(tiny_llama),
+                "--device",
+                "cpu",
+                "--batch-size",
+                "1,3,5",
+                "--input-len",
+                "8",
+                "--output-len",
+                "4",
+                "--warmup-steps",
+                "2",
+                "--async-scheduling",
+                "true",
+                "--max-num-batched-tokens",
+                "16",
+                "--json",
+                str(out),
+            ]
+        )
     rows = json.loads(out.read_text())
     assert [(r["batch_size"], r["status"]) for r in rows] == [(1, "done"), (3, "error"), (5, "pending")]
     assert rows[0]["ms_per_step"] > 0 and rows[0]["decode_steps"] == 3 and rows[0]["async_scheduling"] is True
@@ -404,8 +567,15 @@ def test_kernel_bench_writes_each_section(tmp_path, monkeypatch):
     monkeypatch.setattr(cutlass_ops, "AttentionKernels", Kernels)
     monkeypatch.setattr(loader, "missing_variants", lambda *a: [])
     monkeypatch.setattr(bench, "copy_bandwidth", lambda: 4.0e12)
-    row = {"batch": 64, "ctx": 2048, "kiln_us": 150.0, "kiln_GBps": 3500.0, "kiln_copy_share": 0.8, "v1_us": 150.0,
-           "v2_us": float("nan")}
+    row = {
+        "batch": 64,
+        "ctx": 2048,
+        "kiln_us": 150.0,
+        "kiln_GBps": 3500.0,
+        "kiln_copy_share": 0.8,
+        "v1_us": 150.0,
+        "v2_us": float("nan"),
+    }
     monkeypatch.setattr(bench, "bench_decode", lambda *a, **kw: [row])
     monkeypatch.setattr(bench, "bench_prefill", prefill_fault)
     out = tmp_path / "kb.json"

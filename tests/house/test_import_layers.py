@@ -45,8 +45,20 @@ ALLOWED = {
     # What to build (model directory, device, dtype, the CPU's KV budget): decisions read off the settings,
     # the model's config and the machine, made before the builder assembles anything.
     "resolve": {"config", "core", "layers", "models", "worker"},
-    "runtime": {"compiler", "config", "core", "executor", "layers", "lora", "models", "resolve", "spec_decode",
-                "spec_decode.sched", "structured_output", "worker"},
+    "runtime": {
+        "compiler",
+        "config",
+        "core",
+        "executor",
+        "layers",
+        "lora",
+        "models",
+        "resolve",
+        "spec_decode",
+        "spec_decode.sched",
+        "structured_output",
+        "worker",
+    },
     "entrypoints": {"compiler", "config", "core", "lora", "models", "runtime", "structured_output", "training"},
     "bench": {"compiler", "config", "core", "engine", "entrypoints", "executor", "models", "runtime", "worker"},
     "engine": {"config", "core", "entrypoints"},
@@ -81,7 +93,7 @@ def import_graph(root: Path, folders=("engine", "compiler")) -> dict[str, set[st
                 base = node.module or ""
                 if node.level:  # relative import
                     pkg = mod.split(".") if path.name == "__init__.py" else mod.split(".")[:-1]
-                    pkg = pkg[:len(pkg) - node.level + 1]
+                    pkg = pkg[: len(pkg) - node.level + 1]
                     base = ".".join(pkg + ([node.module] if node.module else []))
                 targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in files else base for a in node.names]
             elif isinstance(node, ast.Import):
@@ -170,16 +182,24 @@ def layer_violations(graph: dict[str, set[str]]) -> list[str]:
 
 
 def torch_importers(root: Path, folder: str) -> list[str]:
-    return [str(p.relative_to(root)) for p in sorted((root / folder).rglob("*.py"))
-            if any(n == "torch" or n.startswith("torch.") for n in external_imports(p))]
+    return [
+        str(p.relative_to(root))
+        for p in sorted((root / folder).rglob("*.py"))
+        if any(n == "torch" or n.startswith("torch.") for n in external_imports(p))
+    ]
 
 
 def spec_sched_violations(root: Path) -> list[str]:
     """What under engine/spec_decode/sched/ imports torch or the worker (the scheduler's side of
     speculative decoding runs with the core, without either)."""
     bad = torch_importers(root, "engine/spec_decode/sched")
-    bad += [f"{m} -> {d}" for m, ds in sorted(import_graph(root).items()) if m.startswith("engine.spec_decode.sched")
-            for d in sorted(ds) if d.startswith("engine.worker")]
+    bad += [
+        f"{m} -> {d}"
+        for m, ds in sorted(import_graph(root).items())
+        if m.startswith("engine.spec_decode.sched")
+        for d in sorted(ds)
+        if d.startswith("engine.worker")
+    ]
     return bad
 
 
@@ -193,15 +213,23 @@ def environment_readers(root: Path, folders=("engine", "compiler")) -> list[str]
             if path.relative_to(root).parts[:2] == ("engine", "config"):
                 continue
             for node in ast.walk(ast.parse(path.read_text())):
-                if (isinstance(node, ast.Attribute) and node.attr in names and isinstance(node.value, ast.Name)
-                        and node.value.id == "os") or (isinstance(node, ast.ImportFrom) and node.module == "os"
-                                                       and any(a.name in names for a in node.names)):
+                if (
+                    isinstance(node, ast.Attribute)
+                    and node.attr in names
+                    and isinstance(node.value, ast.Name)
+                    and node.value.id == "os"
+                ) or (
+                    isinstance(node, ast.ImportFrom)
+                    and node.module == "os"
+                    and any(a.name in names for a in node.names)
+                ):
                     found.append(str(path.relative_to(root)))
                     break
     return found
 
 
 # ---- the rules on kiln's tree ----
+
 
 def test_only_config_touches_the_environment():
     """Settings are read in one place: nothing outside engine/config reads or writes os.environ
@@ -224,15 +252,21 @@ def test_packages_import_only_downwards():
 
 def test_compiler_does_not_import_engine():
     graph = import_graph(REPO)
-    assert [f"{m} -> {d}" for m, ds in graph.items() if m.startswith("compiler")
-            for d in ds if d.startswith("engine")] == []
+    assert [
+        f"{m} -> {d}" for m, ds in graph.items() if m.startswith("compiler") for d in ds if d.startswith("engine")
+    ] == []
 
 
 def test_core_imports_no_torch_and_no_worker():
     assert torch_importers(REPO, "engine/core") == []
     graph = import_graph(REPO)
-    assert [f"{m} -> {d}" for m, ds in graph.items() if m.startswith("engine.core")
-            for d in ds if not d.startswith("engine.core")] == []
+    assert [
+        f"{m} -> {d}"
+        for m, ds in graph.items()
+        if m.startswith("engine.core")
+        for d in ds
+        if not d.startswith("engine.core")
+    ] == []
 
 
 def test_spec_decode_sched_imports_no_torch_and_no_worker():
@@ -242,9 +276,11 @@ def test_spec_decode_sched_imports_no_torch_and_no_worker():
 def test_core_runs_without_loading_torch():
     """Importing the scheduler, the block pool, the request kinds and the scheduler's side of
     speculative decoding loads no torch (a fresh process)."""
-    code = ("import sys; import engine.core.sched.scheduler, engine.core.kv.allocator, engine.core.request_kinds, "
-            "engine.core.kv.swap_space, engine.core.kv.kv_sizing, engine.spec_decode.sched; "
-            "print('torch' in sys.modules)")
+    code = (
+        "import sys; import engine.core.sched.scheduler, engine.core.kv.allocator, engine.core.request_kinds, "
+        "engine.core.kv.swap_space, engine.core.kv.kv_sizing, engine.spec_decode.sched; "
+        "print('torch' in sys.modules)"
+    )
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "False"
@@ -252,18 +288,28 @@ def test_core_runs_without_loading_torch():
 
 def test_layers_never_import_models():
     graph = import_graph(REPO)
-    assert [f"{m} -> {d}" for m, ds in graph.items() if m.startswith("engine.layers")
-            for d in ds if d.startswith("engine.models")] == []
+    assert [
+        f"{m} -> {d}"
+        for m, ds in graph.items()
+        if m.startswith("engine.layers")
+        for d in ds
+        if d.startswith("engine.models")
+    ] == []
 
 
 def test_benchmarks_and_server_do_not_import_the_cli():
     graph = import_graph(REPO)
-    assert [f"{m} -> {d}" for m, ds in graph.items()
-            if m.startswith(("engine.bench", "engine.entrypoints.openai"))
-            for d in ds if d == "engine.entrypoints.cli.main"] == []
+    assert [
+        f"{m} -> {d}"
+        for m, ds in graph.items()
+        if m.startswith(("engine.bench", "engine.entrypoints.openai"))
+        for d in ds
+        if d == "engine.entrypoints.cli.main"
+    ] == []
 
 
 # ---- the checkers fail on a broken tree ----
+
 
 def _tree(tmp_path: Path, files: dict[str, str]) -> Path:
     for name, text in files.items():
@@ -276,21 +322,26 @@ def _tree(tmp_path: Path, files: dict[str, str]) -> Path:
 
 
 def test_checkers_find_a_circle_and_a_wrong_way_import(tmp_path):
-    root = _tree(tmp_path, {
-        "engine/__init__.py": "",
-        "engine/core/__init__.py": "",
-        "engine/core/a.py": "from engine.core import b\n",
-        "engine/core/b.py": "def f():\n    from engine.core.a import x\n",  # (lazy: still a circle)
-        "engine/core/c.py": "import torch\nfrom engine.worker.runner import R\n",
-        "engine/worker/__init__.py": "",
-        "engine/worker/runner.py": "R = 1\n",
-        "engine/layers/__init__.py": "",
-        "engine/layers/l.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from engine.models.m import M\n",
-        "engine/models/__init__.py": "",
-        "engine/models/m.py": "M = 1\n",
-        "engine/runtime/__init__.py": "",
-        "engine/runtime/loop.py": "from engine.models.m import M\n",
-    })
+    root = _tree(
+        tmp_path,
+        {
+            "engine/__init__.py": "",
+            "engine/core/__init__.py": "",
+            "engine/core/a.py": "from engine.core import b\n",
+            "engine/core/b.py": "def f():\n    from engine.core.a import x\n",  # (lazy: still a circle)
+            "engine/core/c.py": "import torch\nfrom engine.worker.runner import R\n",
+            "engine/worker/__init__.py": "",
+            "engine/worker/runner.py": "R = 1\n",
+            "engine/layers/__init__.py": "",
+            "engine/layers/l.py": (
+                "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from engine.models.m import M\n"
+            ),
+            "engine/models/__init__.py": "",
+            "engine/models/m.py": "M = 1\n",
+            "engine/runtime/__init__.py": "",
+            "engine/runtime/loop.py": "from engine.models.m import M\n",
+        },
+    )
     graph = import_graph(root)
     assert cycles(graph) == [["engine.core.a", "engine.core.b"]]
     bad = layer_violations(graph)
@@ -301,30 +352,40 @@ def test_checkers_find_a_circle_and_a_wrong_way_import(tmp_path):
 
 
 def test_spec_sched_checker_finds_torch_and_the_worker(tmp_path):
-    root = _tree(tmp_path, {
-        "engine/__init__.py": "",
-        "engine/worker/__init__.py": "",
-        "engine/worker/runner.py": "R = 1\n",
-        "engine/spec_decode/__init__.py": "",
-        "engine/spec_decode/proposer.py": "import torch\nfrom engine.worker.runner import R\n",  # (device side: fine)
-        "engine/spec_decode/sched/__init__.py": "",
-        "engine/spec_decode/sched/a.py": "import torch.nn\n",
-        "engine/spec_decode/sched/b.py": "def f():\n    from ...worker import runner\n",
-        "engine/spec_decode/sched/c.py": "from engine.spec_decode.proposer import P\n",
-    })
-    assert spec_sched_violations(root) == ["engine/spec_decode/sched/a.py",
-                                           "engine.spec_decode.sched.b -> engine.worker.runner"]
+    root = _tree(
+        tmp_path,
+        {
+            "engine/__init__.py": "",
+            "engine/worker/__init__.py": "",
+            "engine/worker/runner.py": "R = 1\n",
+            "engine/spec_decode/__init__.py": "",
+            # (the device side: fine)
+            "engine/spec_decode/proposer.py": "import torch\nfrom engine.worker.runner import R\n",
+            "engine/spec_decode/sched/__init__.py": "",
+            "engine/spec_decode/sched/a.py": "import torch.nn\n",
+            "engine/spec_decode/sched/b.py": "def f():\n    from ...worker import runner\n",
+            "engine/spec_decode/sched/c.py": "from engine.spec_decode.proposer import P\n",
+        },
+    )
+    assert spec_sched_violations(root) == [
+        "engine/spec_decode/sched/a.py",
+        "engine.spec_decode.sched.b -> engine.worker.runner",
+    ]
     assert layer_violations(import_graph(root)) == [
         "engine.spec_decode.sched.b imports engine.worker.runner (spec_decode.sched may not import worker)",
-        "engine.spec_decode.sched.c imports engine.spec_decode.proposer (spec_decode.sched may not import spec_decode)"]
+        "engine.spec_decode.sched.c imports engine.spec_decode.proposer (spec_decode.sched may not import spec_decode)",
+    ]
 
 
 def test_environment_checker_finds_a_reader(tmp_path):
-    root = _tree(tmp_path, {
-        "engine/config/settings.py": "import os\nX = os.environ.get('KILN_X')\n",
-        "engine/worker/a.py": "import os\nenv = {**os.environ, 'OMP_NUM_THREADS': '1'}\n",
-        "engine/worker/b.py": "from os import getenv\n",
-        "compiler/c.py": "import os\nos.putenv('A', '1')\n",
-        "engine/worker/d.py": "import os\nos.path.join('a', 'b')\n",
-    })
+    root = _tree(
+        tmp_path,
+        {
+            "engine/config/settings.py": "import os\nX = os.environ.get('KILN_X')\n",
+            "engine/worker/a.py": "import os\nenv = {**os.environ, 'OMP_NUM_THREADS': '1'}\n",
+            "engine/worker/b.py": "from os import getenv\n",
+            "compiler/c.py": "import os\nos.putenv('A', '1')\n",
+            "engine/worker/d.py": "import os\nos.path.join('a', 'b')\n",
+        },
+    )
     assert environment_readers(root) == ["engine/worker/a.py", "engine/worker/b.py", "compiler/c.py"]

@@ -35,6 +35,12 @@ def test_server_is_ready_then_stopped(tmp_path):
 
 def test_a_server_that_dies_at_start_up_is_an_error(tmp_path):
     with pytest.raises(SystemExit, match=r"server exited \(3\) before it was ready"):
-        with running_server([sys.executable, "-c", "raise SystemExit(3)"], dict(os.environ), tmp_path / "server.log",
-                            _free_port(), 30, tmp_path):
+        with running_server(
+            [sys.executable, "-c", "raise SystemExit(3)"],
+            dict(os.environ),
+            tmp_path / "server.log",
+            _free_port(),
+            30,
+            tmp_path,
+        ):
             pass

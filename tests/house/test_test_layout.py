@@ -7,8 +7,20 @@ import ast
 from pathlib import Path
 
 TESTS = Path(__file__).resolve().parents[1]
-FOLDERS = {"bench", "compiler", "config", "core", "entrypoints", "executor", "house", "layers", "models", "runtime",
-           "spec_decode", "worker"}
+FOLDERS = {
+    "bench",
+    "compiler",
+    "config",
+    "core",
+    "entrypoints",
+    "executor",
+    "house",
+    "layers",
+    "models",
+    "runtime",
+    "spec_decode",
+    "worker",
+}
 
 
 def test_every_test_module_is_in_a_package_folder():
@@ -21,8 +33,13 @@ def test_every_test_module_is_in_a_package_folder():
 def imported_test_modules(path: Path) -> list[str]:
     out = []
     for node in ast.walk(ast.parse(path.read_text())):
-        names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
-            [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+        names = (
+            [a.name for a in node.names]
+            if isinstance(node, ast.Import)
+            else [node.module or ""]
+            if isinstance(node, ast.ImportFrom)
+            else []
+        )
         out += [n for n in names if n.split(".")[-1].startswith("test_") or n.split(".")[-1] == "conftest"]
     return out
 
@@ -34,5 +51,7 @@ def test_no_test_module_imports_another():
 
 def test_the_rule_sees_an_import(tmp_path):
     bad = tmp_path / "test_x.py"
-    bad.write_text("from tests.runtime.test_overlap import PROMPTS\nimport conftest\nfrom tests.support.engine import served\n")
+    bad.write_text(
+        "from tests.runtime.test_overlap import PROMPTS\nimport conftest\nfrom tests.support.engine import served\n"
+    )
     assert imported_test_modules(bad) == ["tests.runtime.test_overlap", "conftest"]

@@ -27,6 +27,7 @@ from tests.support.engine import run_checked
 
 # ---- the element format ----
 
+
 def test_quantize_and_dequantize_by_hand():
     x = torch.tensor([1.0, 3.3, 500.0, -1000.0, 0.0004, -0.7, float("nan")])
     q = quantize_fp8(x, torch.tensor(2.0))
@@ -39,8 +40,9 @@ def test_quantize_and_dequantize_by_hand():
     back = from_cache(q, torch.float32, torch.tensor(2.0))
     assert torch.equal(back[:-1], 2 * expected[:-1])
     # Scale 1 (None): e4m3 as is; a bf16 read keeps every e4m3 value exactly.
-    assert torch.equal(from_cache(quantize_fp8(x[:4], None), torch.bfloat16, None).float(),
-                       torch.tensor([1.0, 3.25, 448.0, -448.0]))
+    assert torch.equal(
+        from_cache(quantize_fp8(x[:4], None), torch.bfloat16, None).float(), torch.tensor([1.0, 3.25, 448.0, -448.0])
+    )
 
 
 def test_quantize_is_round_to_nearest_even_with_subnormals_and_saturation():
@@ -53,10 +55,17 @@ def test_quantize_is_round_to_nearest_even_with_subnormals_and_saturation():
     grid, codes = grid[finite], codes[finite]
     order = grid.argsort()
     grid, codes = grid[order], codes[order]
-    assert grid[grid > 0].min() == 2 ** -9 and grid.max() == FP8_MAX
+    assert grid[grid > 0].min() == 2**-9 and grid.max() == FP8_MAX
     ties = (grid[1:] + grid[:-1]) / 2  # exactly representable in float32
-    x = torch.cat([ties, torch.nextafter(ties, ties + 1), torch.nextafter(ties, ties - 1),
-                   torch.randn(20000) * torch.logspace(-4, 3, 20000), torch.tensor([449.0, 1e9, -float("inf")])])
+    x = torch.cat(
+        [
+            ties,
+            torch.nextafter(ties, ties + 1),
+            torch.nextafter(ties, ties - 1),
+            torch.randn(20000) * torch.logspace(-4, 3, 20000),
+            torch.tensor([449.0, 1e9, -float("inf")]),
+        ]
+    )
     hi = torch.searchsorted(grid, x.clamp(-FP8_MAX, FP8_MAX)).clamp(1, len(grid) - 1)
     lo = hi - 1
     xc = x.clamp(-FP8_MAX, FP8_MAX)
@@ -84,9 +93,19 @@ def test_write_kv_stores_scaled_bytes_and_attention_reads_them_back():
     assert torch.equal(vc[1, 0, 0].float(), torch.tensor([4.0, 14.0, -448.0, 0.5]))  # -1800 saturates
     assert kc.float().count_nonzero() == 4  # nothing else written
     # One key: attention returns its value, dequantized (x * v_scale).
-    out = paged_attention_reference(torch.ones(1, 1, 4), kc, vc, torch.tensor([0, 1], dtype=torch.int32),
-                                    torch.tensor([1], dtype=torch.int32), torch.tensor([[1]], dtype=torch.int32),
-                                    0.5, 1, 1, k_scale=torch.tensor(2.0), v_scale=torch.tensor(0.5))
+    out = paged_attention_reference(
+        torch.ones(1, 1, 4),
+        kc,
+        vc,
+        torch.tensor([0, 1], dtype=torch.int32),
+        torch.tensor([1], dtype=torch.int32),
+        torch.tensor([[1]], dtype=torch.int32),
+        0.5,
+        1,
+        1,
+        k_scale=torch.tensor(2.0),
+        v_scale=torch.tensor(0.5),
+    )
     assert torch.equal(out[0, 0], torch.tensor([2.0, 7.0, -224.0, 0.25]))
 
 
@@ -99,8 +118,15 @@ def test_compiled_cpu_decode_reads_fp8_like_the_reference():
     k, v = torch.randn(40, 2, 32), torch.randn(40, 2, 32)
     write_kv_reference(k, v, cache[1, 0], cache[1, 1], torch.arange(16, 56), scales[1, 0], scales[1, 1])
     q = torch.randn(2, 4, 32)
-    args = (torch.tensor([0, 1, 2], dtype=torch.int32), torch.tensor([40, 20], dtype=torch.int32),
-            torch.tensor([[1, 2, 3], [1, 2, 0]], dtype=torch.int32), 0.2, 1, 40, 2)
+    args = (
+        torch.tensor([0, 1, 2], dtype=torch.int32),
+        torch.tensor([40, 20], dtype=torch.int32),
+        torch.tensor([[1, 2, 3], [1, 2, 0]], dtype=torch.int32),
+        0.2,
+        1,
+        40,
+        2,
+    )
     out = torch.empty_like(q)
     paged_attention_cpu_impl(out, q, cache, 1, *args, scales)
     ref = paged_attention_reference(q, cache[1, 0], cache[1, 1], *args, k_scale=scales[1, 0], v_scale=scales[1, 1])
@@ -125,6 +151,7 @@ def test_calibration_takes_the_first_real_rows_once():
 
 
 # ---- settings and sizing ----
+
 
 @pytest.mark.parametrize("name", ["fp8", "fp8_e4m3"])
 def test_kv_cache_dtype_accepts_vllm_e4m3_names(name):
@@ -159,6 +186,7 @@ def test_engine_block_count_doubles_vs_bf16(make_llm):
 
 
 # ---- output quality ----
+
 
 def token_agreement(a, b):
     pairs = [(x, y) for oa, ob in zip(a, b) for x, y in zip(oa.outputs[0].token_ids, ob.outputs[0].token_ids)]
@@ -210,16 +238,20 @@ def test_agreement_with_the_model_dtype_cache(make_llm, tiny_models, arch):
 
     ref = scored(base)
     results = {}
-    for label, settings in (("fp8 KV", dict(kv_cache_dtype="fp8", calculate_kv_scales=True)),
-                            ("bf16 model", dict(dtype="bfloat16"))):
+    for label, settings in (
+        ("fp8 KV", dict(kv_cache_dtype="fp8", calculate_kv_scales=True)),
+        ("bf16 model", dict(dtype="bfloat16")),
+    ):
         llm = make_llm(model, enforce_eager=False, **settings)
         gen = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
         greedy, (mean, worst) = token_agreement(ref_gen, gen), logprob_drift(ref_gen, gen)
         results[label] = _positionwise(seqs, ref, scored(llm))
-        print(f"{arch}: {label} vs fp32 KV, 20 prompts x 32 tokens: greedy token agreement {greedy:.4f}, "
-              f"logprob drift mean {mean:.4f} max {worst:.4f} (until the first difference); position-wise "
-              f"top-1 agreement {results[label][0]:.4f}, drift mean {results[label][1]:.4f} "
-              f"max {results[label][2]:.4f}")
+        print(
+            f"{arch}: {label} vs fp32 KV, 20 prompts x 32 tokens: greedy token agreement {greedy:.4f}, "
+            f"logprob drift mean {mean:.4f} max {worst:.4f} (until the first difference); position-wise "
+            f"top-1 agreement {results[label][0]:.4f}, drift mean {results[label][1]:.4f} "
+            f"max {results[label][2]:.4f}"
+        )
     assert results["fp8 KV"][0] >= 0.75
     bad = make_llm(model, kv_cache_dtype="fp8")
     bad.engine.core.kv_cache.set_scales(torch.full_like(bad.engine.core.kv_cache.scales, 1e-4))  # everything saturates
@@ -231,12 +263,25 @@ def test_agreement_with_the_model_dtype_cache(make_llm, tiny_models, arch):
 # a piece of it; 32 greedy tokens each. (On text that never meets the corpus the trained models
 # are as unsure as random ones: tools/bench_fp8_kv.py prints those figures.)
 FIDELITY_PROMPTS = [
-    "The quick brown fox", "A kiln is a thermally insulated", "Kilns have been used for", "Large language models generate",
-    "Paged attention stores the keys", "Continuous batching lets new", "Hello, world! How are", "Numbers: 0 1 2 3",
-    "The user asked a question and", "What is the capital of",
-    "Yesterday I learnt that a kiln is a", "Grandma said: the quick brown", "For the exam: paged attention stores",
-    "Breaking news! Continuous batching lets", "My notes say large language models", "Ok so, hello, world! How",
-    "In short, kilns have been used", "Dear sir, the user asked a", "Read this: numbers: 0 1 2",
+    "The quick brown fox",
+    "A kiln is a thermally insulated",
+    "Kilns have been used for",
+    "Large language models generate",
+    "Paged attention stores the keys",
+    "Continuous batching lets new",
+    "Hello, world! How are",
+    "Numbers: 0 1 2 3",
+    "The user asked a question and",
+    "What is the capital of",
+    "Yesterday I learnt that a kiln is a",
+    "Grandma said: the quick brown",
+    "For the exam: paged attention stores",
+    "Breaking news! Continuous batching lets",
+    "My notes say large language models",
+    "Ok so, hello, world! How",
+    "In short, kilns have been used",
+    "Dear sir, the user asked a",
+    "Read this: numbers: 0 1 2",
     "Quiz time. What is the capital",
 ]
 GATE = 0.95
@@ -260,7 +305,10 @@ def test_make_tiny_model_train_steps(tmp_path, capsys):
 
     assert main(["make-tiny-model", str(tmp_path / "t"), "--train-steps", "2"]) == 0
     make_tiny_model(tmp_path / "r", seed=0)
-    trained, plain = load_file(str(tmp_path / "t" / "model.safetensors")), load_file(str(tmp_path / "r" / "model.safetensors"))
+    trained, plain = (
+        load_file(str(tmp_path / "t" / "model.safetensors")),
+        load_file(str(tmp_path / "r" / "model.safetensors")),
+    )
     assert trained.keys() == plain.keys() and not torch.equal(trained["lm_head.weight"], plain["lm_head.weight"])
     import copy
 
@@ -298,15 +346,19 @@ def test_fp8_cache_within_tolerance_of_the_model_dtype_cache(make_llm, trained_t
     wrong = make_llm(model, dtype="bfloat16", kv_cache_dtype="fp8", calculate_kv_scales=True)
     results["fp8 KV read x16 (broken)"] = greedy_fidelity(wrong, ref)[:3]
     for label, (agree, mean, worst) in results.items():
-        print(f"trained tiny {arch}, bf16 model: {label} vs bf16 KV, 20 prompts x 32 greedy tokens: token agreement "
-              f"{agree:.4f}, logprob drift mean {mean:.4f} max {worst:.4f} (until the first difference)")
+        print(
+            f"trained tiny {arch}, bf16 model: {label} vs bf16 KV, 20 prompts x 32 greedy tokens: token agreement "
+            f"{agree:.4f}, logprob drift mean {mean:.4f} max {worst:.4f} (until the first difference)"
+        )
     assert results["fp8 KV, scales 1.0"][0] >= GATE and results["fp8 KV, calibrated"][0] >= GATE
     assert results["fp8 KV read x16 (broken)"][0] < 0.5, (
         "the broken cache passed: does the eager CPU attention still read through "
-        "compiler.kernels.reference_attention.from_cache (what this control patches)?")
+        "compiler.kernels.reference_attention.from_cache (what this control patches)?"
+    )
 
 
 # ---- scales from a checkpoint ----
+
 
 def _with_scales(src, dst, k_scale, v_scale, layers):
     from safetensors.torch import load_file, save_file
@@ -345,8 +397,8 @@ def test_checkpoint_scales_are_read_and_used(make_llm, tiny_llama, tmp_path):
     # scale wherever both values are normal e4m3 numbers (> 2^-6) and unsaturated, so the
     # elements are exactly halved / doubled; later layers read back scaled values and agree to
     # within e4m3's rounding.
-    k_normal = k1[0].abs() > 2 ** -5  # (a value rounded up to 2^-6 may have come from the subnormals)
-    v_normal = (v1[0].abs() > 2 ** -6) & (v1[0].abs() <= FP8_MAX / 2)
+    k_normal = k1[0].abs() > 2**-5  # (a value rounded up to 2^-6 may have come from the subnormals)
+    v_normal = (v1[0].abs() > 2**-6) & (v1[0].abs() <= FP8_MAX / 2)
     assert k_normal.sum() > 100 and v_normal.sum() > 100
     assert torch.equal(k2[0][k_normal], k1[0][k_normal] / 2)
     assert torch.equal(v2[0][v_normal], v1[0][v_normal] * 2)
@@ -378,6 +430,7 @@ def test_calculate_kv_scales_uses_the_first_prompt(make_llm):
 
 # ---- swap, prefix caching, copy-on-write ----
 
+
 def _prompts(n, seed=0):
     rng = random.Random(seed)
     return [[rng.randrange(5, 500) for _ in range(rng.randint(6, 30))] for _ in range(n)]
@@ -388,8 +441,16 @@ def test_swap_under_pressure_matches_fp8_without_pressure(make_llm):
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, detokenize=False)
     ref = make_llm(kv_cache_dtype="fp8", max_num_seqs=16, max_model_len=128)
     expected = [o.outputs[0].token_ids for o in ref.generate(prompts, params, use_tqdm=False)]
-    llm = make_llm(kv_cache_dtype="fp8", max_num_seqs=8, max_model_len=64, block_size=8, num_gpu_blocks=14,
-                   preemption_mode="swap", swap_space_gb=0.01, max_num_batched_tokens=64)
+    llm = make_llm(
+        kv_cache_dtype="fp8",
+        max_num_seqs=8,
+        max_model_len=64,
+        block_size=8,
+        num_gpu_blocks=14,
+        preemption_mode="swap",
+        swap_space_gb=0.01,
+        max_num_batched_tokens=64,
+    )
     eng = llm.engine
     assert eng.core.block_swapper.cpu.element_size() == 1  # the CPU pool holds the fp8 bytes
     for i, p in enumerate(prompts):
@@ -399,9 +460,9 @@ def test_swap_under_pressure_matches_fp8_without_pressure(make_llm):
     assert eng.core.scheduler.preemptions_by_mode["swap"] > 0
     space = eng.core.swap_space
     assert space.bytes_out == eng.core.block_swapper.bytes_out > 0 and space.bytes_in == eng.core.block_swapper.bytes_in
-    assert space.bytes_per_block == KVCache.bytes_per_block(eng.model_config.num_layers, 8,
-                                                            eng.model_config.num_kv_heads,
-                                                            eng.model_config.head_dim, FP8_DTYPE)
+    assert space.bytes_per_block == KVCache.bytes_per_block(
+        eng.model_config.num_layers, 8, eng.model_config.num_kv_heads, eng.model_config.head_dim, FP8_DTYPE
+    )
     assert space.is_fully_free() and eng.core.is_idle_and_free()
 
 
@@ -422,8 +483,15 @@ def test_copy_on_write_parallel_sampling_and_beams(make_llm):
     params = SamplingParams(n=3, temperature=0.9, seed=11, max_tokens=20, ignore_eos=True, detokenize=False)
     ref = make_llm(kv_cache_dtype="fp8", max_num_seqs=16)
     expected = [[c.token_ids for c in o.outputs] for o in ref.generate(prompts, params, use_tqdm=False)]
-    tight = make_llm(kv_cache_dtype="fp8", max_num_seqs=16, block_size=8, num_gpu_blocks=24, max_model_len=64,
-                     preemption_mode="swap", swap_space_gb=0.01)
+    tight = make_llm(
+        kv_cache_dtype="fp8",
+        max_num_seqs=16,
+        block_size=8,
+        num_gpu_blocks=24,
+        max_model_len=64,
+        preemption_mode="swap",
+        swap_space_gb=0.01,
+    )
     eng = tight.engine
     for i, p in enumerate(prompts):
         eng.add_request(request_id=str(i), prompt=p, params=params)
@@ -449,6 +517,7 @@ def test_metrics_report_the_cache_dtype(make_llm):
 
 # ---- the CUTLASS launches (recorded, no GPU) ----
 
+
 @pytest.mark.parametrize("decode_kernel", ["v1", "v2"])
 def test_cutlass_fp8_launches_pass_the_layer_scales_last(decode_kernel):
     from tests.support.cutlass_fakes import fake_kernels, make_inputs
@@ -459,8 +528,20 @@ def test_cutlass_fp8_launches_pass_the_layer_scales_last(decode_kernel):
     cache = c["kv"].float().to(FP8_DTYPE)
     scales = torch.tensor([[0.5, 0.25], [2.0, 3.0]])  # [layers, 2]: layer 1's pair is passed
     out = torch.zeros_like(c["q"])
-    k.attention(out, c["q"], cache[0, 0], cache[0, 1], c["qsl"], c["lens"], c["table"], 0.125, c["max_q"],
-                c["max_len"], 2, scales[1])
+    k.attention(
+        out,
+        c["q"],
+        cache[0, 0],
+        cache[0, 1],
+        c["qsl"],
+        c["lens"],
+        c["table"],
+        0.125,
+        c["max_q"],
+        c["max_len"],
+        2,
+        scales[1],
+    )
     launches = [x for x in k.log if x[0] != "combine"]
     assert [name for name, _, _ in launches] == ["decode_g4", "prefill"]
     assert all(args[-1] == scales[1].data_ptr() for _, _, args in launches)

@@ -38,8 +38,12 @@ TOL = 1e-2
 
 @pytest.fixture(scope="module", autouse=True)
 def kernel_cache():
-    names = {n for dt in DTYPES.values() for d, bs in SHAPES
-             for n in attention_variant_names(dt, d, bs, kv_dtype=FP8_DTYPE).values()}
+    names = {
+        n
+        for dt in DTYPES.values()
+        for d, bs in SHAPES
+        for n in attention_variant_names(dt, d, bs, kv_dtype=FP8_DTYPE).values()
+    }
     missing = missing_variants(CACHE, sorted(names))
     if missing and find_nvcc() is not None:
         build_kernels(CACHE, missing, progress=False)
@@ -52,8 +56,9 @@ _LOADED: dict[tuple, cutlass_ops.AttentionKernels] = {}
 def kernels(dtype, d, bs, decode="v1", prefill="mma"):
     key = (dtype, d, bs, decode, prefill)
     if key not in _LOADED:
-        _LOADED[key] = cutlass_ops.AttentionKernels(CACHE, DEV, dtype, d, bs, decode_kernel=decode,
-                                                    prefill_kernel=prefill, kv_dtype=FP8_DTYPE)
+        _LOADED[key] = cutlass_ops.AttentionKernels(
+            CACHE, DEV, dtype, d, bs, decode_kernel=decode, prefill_kernel=prefill, kv_dtype=FP8_DTYPE
+        )
     return _LOADED[key]
 
 
@@ -68,34 +73,61 @@ def make_case(seqs, hq, hkv, d, bs, dtype, scales=(0.004, 0.006), seed=0):
     bt = torch.randint(0, total, (len(seqs), width), generator=g, dtype=torch.int32)
     pos = 0
     for i, n in enumerate(nblk):
-        bt[i, :n] = torch.tensor(perm[pos:pos + n], dtype=torch.int32)
+        bt[i, :n] = torch.tensor(perm[pos : pos + n], dtype=torch.int32)
         pos += n
     q_lens = [ql for ql, _ in seqs]
     qsl = torch.tensor([0] + torch.tensor(q_lens).cumsum(0).tolist(), dtype=torch.int32)
     sc = torch.tensor([list(scales)], dtype=torch.float32)
     kc = quantize_fp8(torch.randn(total, bs, hkv, d, generator=g) * 0.5, sc[0, 0])
     vc = quantize_fp8(torch.randn(total, bs, hkv, d, generator=g), sc[0, 1])
-    c = dict(q=torch.randn(int(qsl[-1]), hq, d, generator=g).to(dtype), kv_cache=torch.stack([kc, vc])[None],
-             query_start_loc=qsl, seq_lens=torch.tensor([s for _, s in seqs], dtype=torch.int32),
-             block_tables=bt, kv_scales=sc)
+    c = dict(
+        q=torch.randn(int(qsl[-1]), hq, d, generator=g).to(dtype),
+        kv_cache=torch.stack([kc, vc])[None],
+        query_start_loc=qsl,
+        seq_lens=torch.tensor([s for _, s in seqs], dtype=torch.int32),
+        block_tables=bt,
+        kv_scales=sc,
+    )
     c = {k: v.to(DEV) for k, v in c.items()}
-    c.update(max_query_len=max(q_lens, default=1), max_seq_len=max((s for _, s in seqs), default=1),
-             scale=1.0 / math.sqrt(d))
+    c.update(
+        max_query_len=max(q_lens, default=1), max_seq_len=max((s for _, s in seqs), default=1), scale=1.0 / math.sqrt(d)
+    )
     return c
 
 
 def reference(c):
     return paged_attention_reference(
-        c["q"].float(), c["kv_cache"][0, 0], c["kv_cache"][0, 1], c["query_start_loc"], c["seq_lens"],
-        c["block_tables"], c["scale"], c["max_query_len"], c["max_seq_len"],
-        k_scale=c["kv_scales"][0, 0], v_scale=c["kv_scales"][0, 1])
+        c["q"].float(),
+        c["kv_cache"][0, 0],
+        c["kv_cache"][0, 1],
+        c["query_start_loc"],
+        c["seq_lens"],
+        c["block_tables"],
+        c["scale"],
+        c["max_query_len"],
+        c["max_seq_len"],
+        k_scale=c["kv_scales"][0, 0],
+        v_scale=c["kv_scales"][0, 1],
+    )
 
 
 def run_kernel(c, k, num_decodes=0):
     out = torch.full_like(c["q"], float("nan"))
     torch.ops.kiln.paged_attention_cutlass(
-        out, c["q"], c["kv_cache"], 0, c["query_start_loc"], c["seq_lens"], c["block_tables"], c["scale"],
-        c["max_query_len"], c["max_seq_len"], num_decodes, k.handle, c["kv_scales"])
+        out,
+        c["q"],
+        c["kv_cache"],
+        0,
+        c["query_start_loc"],
+        c["seq_lens"],
+        c["block_tables"],
+        c["scale"],
+        c["max_query_len"],
+        c["max_seq_len"],
+        num_decodes,
+        k.handle,
+        c["kv_scales"],
+    )
     torch.cuda.synchronize()
     return out
 
@@ -124,8 +156,8 @@ def test_write_kv_fp8_bytes_equal_the_reference(dt, d, bs):
     g = torch.Generator(device="cpu").manual_seed(1)
     qkv = (torch.randn(T, (8 + 2 * hkv) * d, generator=g) * 3).to(dtype).to(DEV)  # k/v are strided views
     qkv[5, 8 * d] = 1e4  # saturates
-    k = qkv[:, 8 * d:(8 + hkv) * d].view(T, hkv, d)
-    v = qkv[:, (8 + hkv) * d:].view(T, hkv, d)
+    k = qkv[:, 8 * d : (8 + hkv) * d].view(T, hkv, d)
+    v = qkv[:, (8 + hkv) * d :].view(T, hkv, d)
     slots = (torch.randperm(nblocks * bs - bs, generator=g)[:T] + bs).to(DEV)
     slots[::7] = -1
     cache = torch.zeros(2, 2, nblocks, bs, hkv, d, dtype=FP8_DTYPE, device=DEV)
@@ -173,8 +205,20 @@ def test_scales_are_read_on_the_device_in_graph_replay(path):
     kk = kernels(torch.bfloat16, 128, 16, decode=path)
     out = torch.zeros_like(c["q"])
     run = lambda: torch.ops.kiln.paged_attention_cutlass(  # noqa: E731
-        out, c["q"], c["kv_cache"], 0, c["query_start_loc"], c["seq_lens"], c["block_tables"], c["scale"], 1,
-        c["max_seq_len"], 2, kk.handle, c["kv_scales"])
+        out,
+        c["q"],
+        c["kv_cache"],
+        0,
+        c["query_start_loc"],
+        c["seq_lens"],
+        c["block_tables"],
+        c["scale"],
+        1,
+        c["max_seq_len"],
+        2,
+        kk.handle,
+        c["kv_scales"],
+    )
     run()
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()

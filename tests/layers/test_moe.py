@@ -14,7 +14,7 @@ from engine import SamplingParams
 from engine.models.config import ModelConfig
 from engine.models.tiny_model import tiny_config
 
-E, H, I = 8, 64, 32
+E, H, I = 8, 64, 32  # noqa: E741 (experts, hidden, intermediate: the papers' names)
 
 
 def _weights(dtype=torch.float32):
@@ -36,8 +36,7 @@ def _naive(x, weights, ids, w13, w2, activation="silu"):
 def _routing(num_tokens: int, k: int, seed: int, skip_expert: int | None = None):
     g = torch.Generator().manual_seed(seed)
     experts = [e for e in range(E) if e != skip_expert]
-    ids = torch.stack([torch.tensor(experts)[torch.randperm(len(experts), generator=g)[:k]]
-                       for _ in range(num_tokens)])
+    ids = torch.stack([torch.tensor(experts)[torch.randperm(len(experts), generator=g)[:k]] for _ in range(num_tokens)])
     return torch.rand(num_tokens, k, generator=g), ids
 
 
@@ -59,13 +58,17 @@ def test_moe_experts_bf16_and_under_compile():
     want = _naive(x, weights, ids, w13, w2)
     for impl in (moe_experts_grouped, moe_experts_dense):
         torch.testing.assert_close(impl(x, weights, ids, w13, w2, "silu").float(), want, rtol=3e-2, atol=3e-2)
-    fn = torch.compile(lambda x, w, i: torch.ops.kiln.moe_experts(x, w, i, w13.float(), w2.float(), "silu"),
-                       fullgraph=True, dynamic=True)
+    fn = torch.compile(
+        lambda x, w, i: torch.ops.kiln.moe_experts(x, w, i, w13.float(), w2.float(), "silu"),
+        fullgraph=True,
+        dynamic=True,
+    )
     for n in (3, 9):
         x = torch.randn(n, H)
         weights, ids = _routing(n, 2, seed=n)
-        torch.testing.assert_close(fn(x, weights, ids), _naive(x, weights, ids, w13.float(), w2.float()),
-                                   rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(
+            fn(x, weights, ids), _naive(x, weights, ids, w13.float(), w2.float()), rtol=1e-4, atol=1e-4
+        )
 
 
 def test_moe_config_fields():

@@ -25,6 +25,7 @@ pytest.importorskip("compressed_tensors")
 
 # --- unpacking, on hand-made words ------------------------------------------------------------
 
+
 def _word(values, bits, order=None):
     """One int32 word holding `values` (value k at bits k*bits, or at the slot given by order)."""
     w = 0
@@ -49,8 +50,9 @@ def test_gptq_unpack_hand_made():
     q8 = [[(17 * o + 31 * i) % 256 for i in range(4)] for o in range(4)]
     qweight = torch.tensor([[_word(q8[o], 8) for o in range(4)]], dtype=torch.int32)
     qzeros = torch.tensor([[_word([127] * 4, 8)]], dtype=torch.int32)
-    c = int_formats.from_gptq(dict(qweight=qweight, qzeros=qzeros, scales=torch.ones(1, 4, dtype=torch.float16)),
-                              8, -1, v1_zeros=True)
+    c = int_formats.from_gptq(
+        dict(qweight=qweight, qzeros=qzeros, scales=torch.ones(1, 4, dtype=torch.float16)), 8, -1, v1_zeros=True
+    )
     w = int_formats.dequantize(c["qweight"], c["zeros"], c["scales"], c["g_idx"], 8)
     assert torch.equal(w, torch.tensor(q8, dtype=torch.float32) - 128)
 
@@ -72,8 +74,12 @@ def test_compressed_tensors_unpack_hand_made():
 
     signed = torch.tensor([[(o * 8 + i) % 16 - 8 for i in range(8)] for o in range(8)], dtype=torch.int8)
     zp = torch.tensor([[o % 4 - 2] for o in range(8)], dtype=torch.int8)
-    t = dict(weight_packed=pack_to_int32(signed, 4), weight_scale=torch.full((8, 1), 0.5),
-             weight_zero_point=pack_to_int32(zp, 4, packed_dim=0), weight_shape=torch.tensor([8, 8]))
+    t = dict(
+        weight_packed=pack_to_int32(signed, 4),
+        weight_scale=torch.full((8, 1), 0.5),
+        weight_zero_point=pack_to_int32(zp, 4, packed_dim=0),
+        weight_shape=torch.tensor([8, 8]),
+    )
     # the packed word is the definition's: value i at bits 4i, offset by 8
     assert t["weight_packed"][0, 0].item() == _word([v + 8 for v in signed[0].tolist()], 4)
     c = int_formats.from_compressed_tensors(t, 4, -1)
@@ -122,9 +128,15 @@ INT_CASES = [
 ]
 
 
-@pytest.mark.parametrize("fmt,opts", INT_CASES,
-                         ids=[f"{f}-int{o['bits']}-g{o['group_size']}-{'sym' if o['sym'] else 'asym'}"
-                              f"{'-actorder' if o.get('act_order') else ''}" for f, o in INT_CASES])
+@pytest.mark.parametrize(
+    "fmt,opts",
+    INT_CASES,
+    ids=[
+        f"{f}-int{o['bits']}-g{o['group_size']}-{'sym' if o['sym'] else 'asym'}"
+        f"{'-actorder' if o.get('act_order') else ''}"
+        for f, o in INT_CASES
+    ],
+)
 def test_int_checkpoint_equals_dequantised(fmt, opts, tiny_models, make_llm, tmp_path):
     arch = "qwen2" if fmt == "awq" else "llama"  # (qwen2: q/k/v biases next to quantised weights)
     quant_dir, ref_dir = write_quantized(tiny_models[arch], tmp_path, fmt, **opts)
@@ -138,12 +150,14 @@ def test_int_checkpoint_equals_dequantised(fmt, opts, tiny_models, make_llm, tmp
     assert isinstance(qkv.quant, CpuPackedMethod) and qkv.quant.float_acts
     assert qkv.gemv_runs[0][2] == (cpu_gemv.INT4 if opts["bits"] == 4 else cpu_gemv.INT8)
     # (GPTQ act-order with several groups has a real permutation; compressed-tensors' keeps groups in order)
-    assert (qkv.gemv_perm is not None) == (fmt == "gptq" and opts.get("act_order", False)
-                                           and 0 < opts["group_size"] < qkv.in_features)
+    assert (qkv.gemv_perm is not None) == (
+        fmt == "gptq" and opts.get("act_order", False) and 0 < opts["group_size"] < qkv.in_features
+    )
     ref = make_llm(quant_dir, int4_kernel="reference")  # (kiln's layout, dequantised on the fly)
     r_qkv = ref.engine.core.model.layers[0].self_attn.qkv_proj
-    torch.testing.assert_close(qkv.quant.weight(qkv, torch.float32), r_qkv.quant.weight(r_qkv, torch.float32),
-                               rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(
+        qkv.quant.weight(qkv, torch.float32), r_qkv.quant.weight(r_qkv, torch.float32), rtol=1e-6, atol=1e-7
+    )
     # bf16: the int8 activation path, within 3x the drift bf16 itself has from float32 (int8 per
     # block of 32 rounds each activation to amax / 254; greedy tokens of tiny random models flip on
     # near-ties, so the comparison is on prompt log-probabilities)

@@ -53,7 +53,8 @@ def test_packing_in_row_chunks_equals_whole(monkeypatch):
     m = _layer(208, 256, 64, sym=False)
     perm = torch.randperm(256)
     whole = torch.ops.aten._convert_weight_to_int4pack_for_cpu(
-        int_formats.unpack_nibbles(m.qweight)[:, perm].to(torch.int32).contiguous(), 1)
+        int_formats.unpack_nibbles(m.qweight)[:, perm].to(torch.int32).contiguous(), 1
+    )
     monkeypatch.setattr(int4_packed, "ROW_CHUNK", 64)  # 64 + 64 + 64 + a ragged 16
     assert torch.equal(int4_packed.convert(m.qweight, perm, torch.device("cpu")), whole)
 
@@ -77,6 +78,7 @@ def test_what_stays_on_the_reference_path():
 
 
 # ---- float32 models on the CPU: int4_kernel="packed" (bf16 activations around the kernel) -------
+
 
 @pytest.mark.parametrize("out,inp,group,sym,act", CASES[:3])
 def test_float32_layer_through_the_bf16_kernel(out, inp, group, sym, act):
@@ -112,7 +114,9 @@ def test_float32_model_packed_agrees_with_the_reference(tiny_models, make_llm, t
     assert ref.engine.core.model.layers[0].self_attn.qkv_proj.quant is not int4_packed.PACKED
     greedy = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
     gen = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(5, 200, (int(n),), generator=gen).tolist() for n in torch.randint(1, 30, (8,), generator=gen)]
+    prompts = [
+        torch.randint(5, 200, (int(n),), generator=gen).tolist() for n in torch.randint(1, 30, (8,), generator=gen)
+    ]
     a = [o.outputs[0].token_ids for o in fast.generate(prompts, greedy, use_tqdm=False)]
     b = [o.outputs[0].token_ids for o in ref.generate(prompts, greedy, use_tqdm=False)]
     # agreement up to the first divergence (after it the continuations differ by construction)
@@ -124,9 +128,12 @@ def test_float32_model_packed_agrees_with_the_reference(tiny_models, make_llm, t
 
 # ---- CUDA: torch's tinygemm kernel (_weight_int4pack_mm) -------------------------------------
 
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("out,inp,group,sym,act", [(4096, 4096, 128, True, False), (1024, 2048, 64, False, True),
-                                                   (6144, 4096, -1, False, False)])
+@pytest.mark.parametrize(
+    "out,inp,group,sym,act",
+    [(4096, 4096, 128, True, False), (1024, 2048, 64, False, True), (6144, 4096, -1, False, False)],
+)
 def test_cuda_packed_matmul_matches_dequantised_and_replays_in_a_graph(out, inp, group, sym, act):
     """bf16 activations (the only dtype the CUDA kernel takes): within 2e-2 of the output's scale
     of the dequantised matmul, and the same inside a CUDA graph replayed on new inputs."""
@@ -144,9 +151,12 @@ def test_cuda_packed_matmul_matches_dequantised_and_replays_in_a_graph(out, inp,
     with torch.cuda.graph(graph):
         static_y = m.quant.apply(m, static_x)
     for seed in range(2):
-        static_x.copy_(torch.randn(1, inp, device=dev, dtype=torch.bfloat16, generator=torch.Generator(dev).manual_seed(seed)))
+        static_x.copy_(
+            torch.randn(1, inp, device=dev, dtype=torch.bfloat16, generator=torch.Generator(dev).manual_seed(seed))
+        )
         graph.replay()
         _close(static_y, (static_x.float() @ w.t()).bfloat16(), 2e-2)
 
 
-# kiln's own W4A16 kernel (templates/w4a16_gemm.cu.j2): tests/layers/test_w4a16.py (CPU) and tests/layers/test_w4a16_gpu.py.
+# kiln's own W4A16 kernel (templates/w4a16_gemm.cu.j2): tests/layers/test_w4a16.py (CPU) and
+# tests/layers/test_w4a16_gpu.py.

@@ -23,23 +23,48 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-CONFIG = dict(architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=2048, intermediate_size=5632,
-              num_hidden_layers=4, num_attention_heads=16, num_key_value_heads=4, vocab_size=4096,
-              max_position_embeddings=256, rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=False,
-              torch_dtype="bfloat16")
-SMALL = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=1, num_attention_heads=4,
-             num_key_value_heads=2, vocab_size=256)
+CONFIG = dict(
+    architectures=["LlamaForCausalLM"],
+    model_type="llama",
+    hidden_size=2048,
+    intermediate_size=5632,
+    num_hidden_layers=4,
+    num_attention_heads=16,
+    num_key_value_heads=4,
+    vocab_size=4096,
+    max_position_embeddings=256,
+    rms_norm_eps=1e-5,
+    rope_theta=10000.0,
+    tie_word_embeddings=False,
+    torch_dtype="bfloat16",
+)
+SMALL = dict(
+    hidden_size=256,
+    intermediate_size=512,
+    num_hidden_layers=1,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=256,
+)
 GROUP = 128
 QUANT_CONFIGS = {
     "gptq": dict(quant_method="gptq", bits=4, group_size=GROUP, sym=True, desc_act=False),
-    "ct": dict(quant_method="compressed-tensors", format="pack-quantized", ignore=["lm_head"],
-               config_groups={"group_0": {"targets": ["Linear"], "weights": {
-                   "num_bits": 4, "type": "int", "symmetric": True, "strategy": "group", "group_size": GROUP}}}),
+    "ct": dict(
+        quant_method="compressed-tensors",
+        format="pack-quantized",
+        ignore=["lm_head"],
+        config_groups={
+            "group_0": {
+                "targets": ["Linear"],
+                "weights": {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group", "group_size": GROUP},
+            }
+        },
+    ),
 }
 
 
 def _random_words(gen: torch.Generator, *shape: int) -> torch.Tensor:
-    return torch.randint(-2 ** 31, 2 ** 31 - 1, shape, generator=gen, dtype=torch.int32)
+    return torch.randint(-(2**31), 2**31 - 1, shape, generator=gen, dtype=torch.int32)
 
 
 def write_checkpoint(out: Path, cfg: dict, layout: str) -> None:
@@ -48,11 +73,20 @@ def write_checkpoint(out: Path, cfg: dict, layout: str) -> None:
     gen = torch.Generator().manual_seed(0)
     h, f, v = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
     kv = cfg["num_key_value_heads"] * h // cfg["num_attention_heads"]
-    shapes = {"self_attn.q_proj": (h, h), "self_attn.k_proj": (kv, h), "self_attn.v_proj": (kv, h),
-              "self_attn.o_proj": (h, h), "mlp.gate_proj": (f, h), "mlp.up_proj": (f, h), "mlp.down_proj": (h, f)}
-    t = {"model.embed_tokens.weight": torch.randn(v, h, generator=gen).bfloat16() * 0.02,
-         "lm_head.weight": torch.randn(v, h, generator=gen).bfloat16() * 0.02,
-         "model.norm.weight": torch.ones(h, dtype=torch.bfloat16)}
+    shapes = {
+        "self_attn.q_proj": (h, h),
+        "self_attn.k_proj": (kv, h),
+        "self_attn.v_proj": (kv, h),
+        "self_attn.o_proj": (h, h),
+        "mlp.gate_proj": (f, h),
+        "mlp.up_proj": (f, h),
+        "mlp.down_proj": (h, f),
+    }
+    t = {
+        "model.embed_tokens.weight": torch.randn(v, h, generator=gen).bfloat16() * 0.02,
+        "lm_head.weight": torch.randn(v, h, generator=gen).bfloat16() * 0.02,
+        "model.norm.weight": torch.ones(h, dtype=torch.bfloat16),
+    }
     for layer in range(cfg["num_hidden_layers"]):
         pre = f"model.layers.{layer}."
         t[pre + "input_layernorm.weight"] = torch.ones(h, dtype=torch.bfloat16)
@@ -106,13 +140,21 @@ def test_quantized_load_peak_rss_under_1_5x(layout, quantization, bf16_over, tmp
     small = tmp_path / f"{layout}-256"  # loaded first, so that imports done on the way are not counted
     write_checkpoint(small, {**CONFIG, **SMALL}, layout)
     root = Path(__file__).resolve().parents[2]
-    proc = subprocess.run([sys.executable, "-c", MEASURE, str(ckpt), str(small), quantization], capture_output=True,
-                          text=True, cwd=root, env={"PYTHONPATH": str(root), "PATH": "/usr/bin:/bin"}, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-c", MEASURE, str(ckpt), str(small), quantization],
+        capture_output=True,
+        text=True,
+        cwd=root,
+        env={"PYTHONPATH": str(root), "PATH": "/usr/bin:/bin"},
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     r = json.loads(proc.stdout.strip().splitlines()[-1])
-    print(f"{layout} {quantization}: quantised {r['quantized'] / 1e6:.0f} MB, bf16 {r['bf16'] / 1e6:.0f} MB, "
-          f"peak RSS growth while loading {r['growth'] / 1e6:.0f} MB = {r['growth'] / r['quantized']:.2f}x "
-          "the quantised size")
+    print(
+        f"{layout} {quantization}: quantised {r['quantized'] / 1e6:.0f} MB, bf16 {r['bf16'] / 1e6:.0f} MB, "
+        f"peak RSS growth while loading {r['growth'] / 1e6:.0f} MB = {r['growth'] / r['quantized']:.2f}x "
+        "the quantised size"
+    )
     assert r["linear_params"] == 4 * (2 * 2048 * 2048 + 2 * 512 * 2048 + 3 * 2048 * 5632)  # every layer quantised
     assert r["bf16"] > bf16_over * r["quantized"]  # so a bf16 copy of the model could not hide under the bound
     assert 0 < r["growth"] < 1.5 * r["quantized"]

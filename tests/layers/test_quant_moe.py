@@ -39,7 +39,7 @@ def _experts(llm, layer: int = 0):
 
 # --- the expert path itself, on hand-made quantised experts ------------------------------------
 
-E, H, I = 8, 64, 32
+E, H, I = 8, 64, 32  # noqa: E741 (experts, hidden, intermediate: the papers' names)
 
 
 def _int_experts(out: int, inp: int, bits: int, group: int, act_order: bool, seed: int) -> QuantExperts:
@@ -71,8 +71,9 @@ def test_routed_experts_equal_the_dense_path_on_dequantised_weights(kind, num_to
     if kind == "fp8":
         w13, w2 = _fp8_experts(2 * I, H, 1), _fp8_experts(H, I, 2)
     else:
-        bits, group, act = {"int4-g32": (4, 32, False), "int4-actorder": (4, 16, True),
-                            "int8-channel": (8, -1, False)}[kind]
+        bits, group, act = {"int4-g32": (4, 32, False), "int4-actorder": (4, 16, True), "int8-channel": (8, -1, False)}[
+            kind
+        ]
         w13, w2 = _int_experts(2 * I, H, bits, group, act, 1), _int_experts(H, I, bits, group, act, 2)
     gen = torch.Generator().manual_seed(num_tokens)
     x = torch.randn(num_tokens, H, generator=gen)
@@ -116,9 +117,15 @@ INT_CASES = [
 ]
 
 
-@pytest.mark.parametrize("arch,fmt,opts", INT_CASES,
-                         ids=[f"{a}-{f}-int{o['bits']}-g{o['group_size']}-{'sym' if o['sym'] else 'asym'}"
-                              f"{'-actorder' if o.get('act_order') else ''}" for a, f, o in INT_CASES])
+@pytest.mark.parametrize(
+    "arch,fmt,opts",
+    INT_CASES,
+    ids=[
+        f"{a}-{f}-int{o['bits']}-g{o['group_size']}-{'sym' if o['sym'] else 'asym'}"
+        f"{'-actorder' if o.get('act_order') else ''}"
+        for a, f, o in INT_CASES
+    ],
+)
 def test_int_moe_checkpoint_equals_dequantised(arch, fmt, opts, tiny_models, make_llm, tmp_path):
     quant_dir, ref_dir = write_quantized(tiny_models[arch], tmp_path, fmt, **opts)
     llm = make_llm(quant_dir)
@@ -197,8 +204,9 @@ def test_dummy_quantised_moe_runs(tiny_models, make_llm):
     """load_format=dummy with a forced layout (benchmarks): random int4 experts, a finite output."""
     llm = make_llm(tiny_models["qwen2_moe"], load_format="dummy", quantization="gptq")
     assert _experts(llm).w13.qweight.dtype == torch.uint8
-    out = llm.generate([PROMPTS[0]], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, logprobs=1),
-                       use_tqdm=False)[0].outputs[0]
+    out = llm.generate(
+        [PROMPTS[0]], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, logprobs=1), use_tqdm=False
+    )[0].outputs[0]
     assert len(out.token_ids) == 4
 
 
@@ -224,6 +232,7 @@ def test_compiled_quantised_moe_equals_eager(tiny_models, make_llm, tmp_path):
 
 
 # --- int4 experts on torch's packed CPU kernel (kiln::moe_experts_int4) ------------------------
+
 
 @pytest.mark.parametrize("act_order", [False, True])
 @pytest.mark.parametrize("num_tokens,k", [(1, 2), (40, 3)])
@@ -267,8 +276,14 @@ def test_bf16_moe_model_runs_packed_experts(tiny_models, make_llm, tmp_path):
 def test_ignore_list_keeps_the_shared_expert_dense(tiny_models, make_llm, tmp_path):
     """compressed-tensors' ignore list: a Qwen2-MoE whose shared expert was left unquantised loads
     it dense (the experts quantised), and equals the run on the dequantised weights."""
-    quant_dir, ref_dir = write_quantized(tiny_models["qwen2_moe"], tmp_path, "ct", bits=4, group_size=32,
-                                         keep_dense=r".*mlp\.shared_expert\.(gate|up|down)_proj$")
+    quant_dir, ref_dir = write_quantized(
+        tiny_models["qwen2_moe"],
+        tmp_path,
+        "ct",
+        bits=4,
+        group_size=32,
+        keep_dense=r".*mlp\.shared_expert\.(gate|up|down)_proj$",
+    )
     llm = make_llm(quant_dir)
     moe = _experts(llm)
     assert moe.shared_expert.gate_up_proj.quant is None and moe.shared_expert.gate_up_proj.weight is not None
@@ -280,7 +295,8 @@ def test_ignore_list_keeps_the_shared_expert_dense(tiny_models, make_llm, tmp_pa
 def test_ignore_list_must_cover_a_fused_layer_whole(tiny_models, tmp_path):
     from engine.entrypoints.llm import LLM
 
-    quant_dir, _ = write_quantized(tiny_models["qwen2_moe"], tmp_path, "ct", bits=4, group_size=32,
-                                   keep_dense=r".*mlp\.shared_expert\.gate_proj$")
+    quant_dir, _ = write_quantized(
+        tiny_models["qwen2_moe"], tmp_path, "ct", bits=4, group_size=32, keep_dense=r".*mlp\.shared_expert\.gate_proj$"
+    )
     with pytest.raises(ValueError, match="only some of the projections fused"):
         LLM(str(quant_dir), device="cpu", enforce_eager=True)

@@ -18,8 +18,11 @@ def _int4(out: int, inp: int, group: int, sym: bool, seed: int = 0):
     groups = inp // group
     qweight = torch.randint(0, 256, (out, inp // 2), generator=gen, dtype=torch.uint8)
     scales = (torch.rand(out, groups, generator=gen) * 0.02 + 0.001).half().float()
-    zeros = torch.full((out, groups), 8, dtype=torch.uint8) if sym else \
-        torch.randint(0, 17, (out, groups), generator=gen, dtype=torch.uint8)  # (GPTQ v1 zeros reach 16)
+    zeros = (
+        torch.full((out, groups), 8, dtype=torch.uint8)
+        if sym
+        else torch.randint(0, 17, (out, groups), generator=gen, dtype=torch.uint8)
+    )  # (GPTQ v1 zeros reach 16)
     return qweight, zeros, scales
 
 
@@ -69,8 +72,9 @@ def _kernel_fragments(packed: torch.Tensor, scales: torch.Tensor, zeros: torch.T
     return frag, col, scale
 
 
-@pytest.mark.parametrize("out,inp,group,sym", [(32, 256, 64, False), (48, 512, 128, True), (16, 384, 128, False),
-                                               (32, 256, 256, False)])
+@pytest.mark.parametrize(
+    "out,inp,group,sym", [(32, 256, 64, False), (48, 512, 128, True), (16, 384, 128, False), (32, 256, 256, False)]
+)
 def test_layout_read_as_the_kernel_reads_it_is_the_dequantised_weight(out, inp, group, sym):
     """Bit for bit: (q - z) from the kernel's nibble/zero arithmetic, placed at the column its MMA
     slot stands for, times its group's scale (float32) == int_formats.dequantize."""
@@ -81,7 +85,7 @@ def test_layout_read_as_the_kernel_reads_it_is_the_dequantised_weight(out, inp, 
     w = torch.empty(out, inp)
     for ch in range(inp // 64):
         for s in range(4):
-            w[:, 64 * ch + col[s]] = frag[:, ch, s].float() * scale[:, ch:ch + 1]
+            w[:, 64 * ch + col[s]] = frag[:, ch, s].float() * scale[:, ch : ch + 1]
     want = int_formats.dequantize(qweight, zeros, scales, None, 4)
     assert torch.equal(w, want)
     assert torch.equal(unpack_w4a16(packed, scales_t, zeros_t), want)
@@ -122,22 +126,27 @@ def test_pack_refuses_what_the_kernel_cannot_take():
     assert kernel_group(4096, -1) == 128 and kernel_group(320, -1) == 64 and kernel_group(4096, 64) == 64
 
 
-@pytest.mark.parametrize("setting,device,cap,built,want", [
-    ("auto", "cuda", (9, 0), True, "kiln"),
-    ("auto", "cuda", (9, 0), False, "tinygemm"),
-    ("auto", "cuda", (8, 0), True, "tinygemm"),
-    ("auto", "cuda", (10, 0), True, "tinygemm"),
-    ("auto", "cpu", None, False, "tinygemm"),
-    ("tinygemm", "cuda", (9, 0), True, "tinygemm"),
-    ("reference", "cuda", (9, 0), True, "reference"),
-    ("kiln", "cuda", (9, 0), True, "kiln"),
-])
+@pytest.mark.parametrize(
+    "setting,device,cap,built,want",
+    [
+        ("auto", "cuda", (9, 0), True, "kiln"),
+        ("auto", "cuda", (9, 0), False, "tinygemm"),
+        ("auto", "cuda", (8, 0), True, "tinygemm"),
+        ("auto", "cuda", (10, 0), True, "tinygemm"),
+        ("auto", "cpu", None, False, "tinygemm"),
+        ("tinygemm", "cuda", (9, 0), True, "tinygemm"),
+        ("reference", "cuda", (9, 0), True, "reference"),
+        ("kiln", "cuda", (9, 0), True, "kiln"),
+    ],
+)
 def test_int4_kernel_choice(setting, device, cap, built, want):
     assert choose_int4_kernel(setting, device, cap, built) == want
 
 
-@pytest.mark.parametrize("device,cap,built,why", [("cpu", None, False, "not CUDA"), ("cuda", (8, 9), True, "sm_89"),
-                                                  ("cuda", (9, 0), False, "not built")])
+@pytest.mark.parametrize(
+    "device,cap,built,why",
+    [("cpu", None, False, "not CUDA"), ("cuda", (8, 9), True, "sm_89"), ("cuda", (9, 0), False, "not built")],
+)
 def test_int4_kernel_kiln_where_it_cannot_run_is_a_clear_error(device, cap, built, why):
     with pytest.raises(ValueError, match=why):
         choose_int4_kernel("kiln", device, cap, built)
@@ -152,6 +161,7 @@ def test_loader_keeps_its_values():
 
 
 # ---- engine/layers/quant/w4a16.py: a layer moved into the kernel's layout (no kernel launched here) ----
+
 
 class _FakeGemm:
     handle = 7
@@ -176,8 +186,10 @@ def _kiln_layer(out, inp, group, sym, act=False, seed=0):
     return m
 
 
-@pytest.mark.parametrize("out,inp,group,sym,act", [(64, 512, 128, False, True), (32, 256, 64, True, False),
-                                                   (48, 384, -1, False, False), (32, 4096, -1, True, False)])
+@pytest.mark.parametrize(
+    "out,inp,group,sym,act",
+    [(64, 512, 128, False, True), (32, 256, 64, True, False), (48, 384, -1, False, False), (32, 4096, -1, True, False)],
+)
 def test_repack_layer_keeps_the_weight(out, inp, group, sym, act):
     """act-order becomes a column permutation of the packed weight (x is gathered the same way),
     per-channel scales repeat over kernel groups of 128 (64): the dense weight is unchanged, bit for bit."""

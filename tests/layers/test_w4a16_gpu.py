@@ -53,22 +53,34 @@ def _weights(n: int, k: int, group: int, sym: bool, seed: int = 0):
     gen = torch.Generator().manual_seed(seed)
     qweight = torch.randint(0, 256, (n, k // 2), generator=gen, dtype=torch.uint8)
     scales = (torch.rand(n, k // group, generator=gen) * 0.02 + 0.001).half().float()
-    zeros = torch.full_like(scales, 8, dtype=torch.uint8) if sym else \
-        torch.randint(0, 16, scales.shape, generator=gen, dtype=torch.uint8)
+    zeros = (
+        torch.full_like(scales, 8, dtype=torch.uint8)
+        if sym
+        else torch.randint(0, 16, scales.shape, generator=gen, dtype=torch.uint8)
+    )
     qweight, zeros, scales = qweight.to(DEV), zeros.to(DEV), scales.to(DEV)  # (packing on the GPU: quicker)
     return pack_w4a16(qweight, zeros, scales, group), int_formats.dequantize(qweight, zeros, scales, None, 4)
 
 
 SHAPES = [  # (tokens, N, K, group, symmetric): decode (8B projections: qkv, o, gate_up, down) and prefill
-    (1, 6144, 4096, 128, True), (1, 4096, 4096, 128, False), (1, 28672, 4096, 64, False),
-    (1, 4096, 14336, 128, True), (3, 1024, 4096, 64, True), (8, 4096, 4096, 128, False),
-    (9, 2048, 2048, 64, False), (16, 512, 1024, 128, True), (33, 4096, 4096, 128, False),
-    (64, 1024, 14336, 64, False), (300, 1024, 2048, 128, False), (2048, 512, 4096, 64, True),
+    (1, 6144, 4096, 128, True),
+    (1, 4096, 4096, 128, False),
+    (1, 28672, 4096, 64, False),
+    (1, 4096, 14336, 128, True),
+    (3, 1024, 4096, 64, True),
+    (8, 4096, 4096, 128, False),
+    (9, 2048, 2048, 64, False),
+    (16, 512, 1024, 128, True),
+    (33, 4096, 4096, 128, False),
+    (64, 1024, 14336, 64, False),
+    (300, 1024, 2048, 128, False),
+    (2048, 512, 4096, 64, True),
 ]
 
 
-@pytest.mark.parametrize("m,n,k,group,sym", SHAPES, ids=[f"m{s[0]}-n{s[1]}-k{s[2]}-g{s[3]}-{'sym' if s[4] else 'asym'}"
-                                                          for s in SHAPES])
+@pytest.mark.parametrize(
+    "m,n,k,group,sym", SHAPES, ids=[f"m{s[0]}-n{s[1]}-k{s[2]}-g{s[3]}-{'sym' if s[4] else 'asym'}" for s in SHAPES]
+)
 def test_kernel_matches_dequantised_matmul(gemm, m, n, k, group, sym):
     (packed, scales, zeros), w = _weights(n, k, group, sym)
     x = torch.randn(m, k, device=DEV, dtype=torch.bfloat16)
@@ -81,8 +93,15 @@ def test_kernel_matches_dequantised_matmul(gemm, m, n, k, group, sym):
     assert torch.equal(torch.ops.kiln.w4a16_gemm(wide[:, 64:], packed, scales, zeros, gemm.handle), y)
 
 
-@pytest.mark.parametrize("out,inp,group,sym,act", [(512, 1024, 128, False, True), (256, 2048, 64, True, True),
-                                                   (384, 1024, -1, False, False), (256, 512, 32, True, False)])
+@pytest.mark.parametrize(
+    "out,inp,group,sym,act",
+    [
+        (512, 1024, 128, False, True),
+        (256, 2048, 64, True, True),
+        (384, 1024, -1, False, False),
+        (256, 512, 32, True, False),
+    ],
+)
 def test_layer_repack_act_order_and_per_channel(gemm, out, inp, group, sym, act):
     """engine/layers/quant/w4a16.repack on kiln's unpacked layer: act-order as a column permutation,
     per-channel scales over groups of 128; group 32 is refused (the caller falls back to tinygemm)."""
@@ -130,8 +149,9 @@ def test_tiny_int4_checkpoint_kiln_against_tinygemm(tiny_models, make_llm, tmp_p
     from tests.support.quant import _drift, _greedy
     from tests.support.quant_checkpoints import write_quantized
 
-    quant_dir, ref_dir = write_quantized(tiny_models["llama"], tmp_path, "gptq", bits=4, group_size=64, sym=False,
-                                         act_order=True)
+    quant_dir, ref_dir = write_quantized(
+        tiny_models["llama"], tmp_path, "gptq", bits=4, group_size=64, sym=False, act_order=True
+    )
     common = dict(device="cuda", dtype="bfloat16", enforce_eager=False, kernel_cache_dir=str(CACHE))
     kiln = make_llm(quant_dir, int4_kernel="kiln", **common)
     qkv = kiln.engine.core.model.layers[0].self_attn.qkv_proj

@@ -41,9 +41,12 @@ def test_fused_engine_matches_transformers(arch, tiny_models, make_llm, tmp_path
 def test_fused_engine_matches_transformers_glm(name, make_llm, tmp_path_factory):
     from engine.models.tiny_model import make_tiny_model
 
-    model = make_tiny_model(tmp_path_factory.mktemp(name), arch="llama", seed=11,
-                            overrides=dict(GLM_CONFIGS[name], partial_rotary_factor=0.5, attention_bias=True,
-                                           rope_scaling=None))
+    model = make_tiny_model(
+        tmp_path_factory.mktemp(name),
+        arch="llama",
+        seed=11,
+        overrides=dict(GLM_CONFIGS[name], partial_rotary_factor=0.5, attention_bias=True, rope_scaling=None),
+    )
     _check(_fused_llm(make_llm, model, tmp_path_factory), model, name)
 
 

@@ -49,16 +49,24 @@ def _steps(vocab: int, bs: int, prefill: tuple[int, int], decodes: int, seed: in
     meta = AttentionMetadata(
         slot_mapping=torch.tensor(slots(0, 0, prefill[0]) + slots(1, 0, prefill[1])),
         query_start_loc=torch.tensor([0, prefill[0], sum(prefill)], dtype=torch.int32),
-        seq_lens=torch.tensor(lens, dtype=torch.int32), block_tables=tables,
-        max_query_len=max(prefill), max_seq_len=max(prefill), num_decodes=0)
+        seq_lens=torch.tensor(lens, dtype=torch.int32),
+        block_tables=tables,
+        max_query_len=max(prefill),
+        max_seq_len=max(prefill),
+        num_decodes=0,
+    )
     steps = [(torch.randint(3, vocab, (sum(prefill),), generator=g), pos, meta)]
     for _ in range(decodes):
         pos = torch.tensor(lens)
         meta = AttentionMetadata(
             slot_mapping=torch.tensor(slots(0, lens[0], 1) + slots(1, lens[1], 1)),
             query_start_loc=torch.tensor([0, 1, 2], dtype=torch.int32),
-            seq_lens=torch.tensor([n + 1 for n in lens], dtype=torch.int32), block_tables=tables,
-            max_query_len=1, max_seq_len=max(lens) + 1, num_decodes=2)
+            seq_lens=torch.tensor([n + 1 for n in lens], dtype=torch.int32),
+            block_tables=tables,
+            max_query_len=1,
+            max_seq_len=max(lens) + 1,
+            num_decodes=2,
+        )
         lens = [n + 1 for n in lens]
         steps.append((torch.randint(3, vocab, (2,), generator=g), pos, meta))
     return steps
@@ -88,8 +96,11 @@ def _differences(engine, stack, prefill=(17, 12), decodes=3) -> list[str]:
     finally:
         del stack.forward
     assert len(ran) == len(steps), "the stack did not run every step"
-    out = [f"step {i}: max |diff| {(a.float() - b.float()).abs().max():.3g}"
-           for i, (a, b) in enumerate(zip(got, eager)) if not torch.equal(a, b)]
+    out = [
+        f"step {i}: max |diff| {(a.float() - b.float()).abs().max():.3g}"
+        for i, (a, b) in enumerate(zip(got, eager))
+        if not torch.equal(a, b)
+    ]
     if not torch.equal(kv_stack, kv_eager):
         out.append("KV cache")
     return out
@@ -142,8 +153,8 @@ def test_stack_keeps_eagle3_hidden_states(name, engines):
     for i, (a, b) in enumerate(zip(kept["stack"], kept["eager"])):
         assert torch.equal(a, b), f"step {i}: max |diff| {(a.float() - b.float()).abs().max():.3g}"
     rows = steps[0][0].shape[0]
-    assert not torch.equal(kept["stack"][0][:rows, :width], kept["stack"][0][:rows, width:2 * width])
-    assert torch.equal(kept["stack"][0][:rows, width:2 * width], kept["stack"][0][:rows, 2 * width:])
+    assert not torch.equal(kept["stack"][0][:rows, :width], kept["stack"][0][:rows, width : 2 * width])
+    assert torch.equal(kept["stack"][0][:rows, width : 2 * width], kept["stack"][0][:rows, 2 * width :])
     assert (kept["stack"][0][rows:] == 7).all()  # rows past the step's tokens untouched
 
 
@@ -152,9 +163,12 @@ def test_stack_equals_layers_glm_interleaved_partial_rotary(tmp_path_factory):
     from tests.support.glm import GLM_CONFIGS
 
     name = sorted(GLM_CONFIGS)[0]
-    path = make_tiny_model(tmp_path_factory.mktemp("glm-stack"), arch="llama", seed=11,
-                           overrides=dict(GLM_CONFIGS[name], partial_rotary_factor=0.5, attention_bias=True,
-                                          rope_scaling=None))
+    path = make_tiny_model(
+        tmp_path_factory.mktemp("glm-stack"),
+        arch="llama",
+        seed=11,
+        overrides=dict(GLM_CONFIGS[name], partial_rotary_factor=0.5, attention_bias=True, rope_scaling=None),
+    )
     engine = _engine(path)
     assert engine.model_config.rope_interleaved and engine.core.runner.model.cpu_stack is not None
     assert _differences(engine, engine.core.runner.model.cpu_stack) == []
@@ -165,8 +179,9 @@ def test_stack_equals_layers_sliding_window(tmp_path_factory):
     """Mistral-style window of 8 positions: a 13-token prefill and decodes past the window."""
     from engine.models.tiny_model import make_tiny_model
 
-    path = make_tiny_model(tmp_path_factory.mktemp("window8-stack"), arch="mistral", seed=7,
-                           overrides={"sliding_window": 8})
+    path = make_tiny_model(
+        tmp_path_factory.mktemp("window8-stack"), arch="mistral", seed=7, overrides={"sliding_window": 8}
+    )
     engine = _engine(path)
     assert engine.core.runner.model.layers[0].self_attn.sliding_window == 8
     assert _differences(engine, engine.core.runner.model.cpu_stack, prefill=(13, 3), decodes=4) == []

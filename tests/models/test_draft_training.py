@@ -15,8 +15,12 @@ from engine.training.draft_training import cut_layers, distill_draft_model, dist
 
 
 def _entry(ids: list[int], prompt: int, top_ids: list[list[int]]) -> dict:
-    return {"ids": torch.tensor(ids), "prompt": prompt, "top_ids": torch.tensor(top_ids, dtype=torch.int32),
-            "top_lp": torch.full((len(top_ids), len(top_ids[0])), -1.0, dtype=torch.float16)}
+    return {
+        "ids": torch.tensor(ids),
+        "prompt": prompt,
+        "top_ids": torch.tensor(top_ids, dtype=torch.int32),
+        "top_lp": torch.full((len(top_ids), len(top_ids[0])), -1.0, dtype=torch.float16),
+    }
 
 
 def test_draft_vocabulary_takes_the_used_tokens_then_the_lowest_ids():
@@ -38,11 +42,13 @@ def labelled(tiny_models):
     with torch.no_grad():
         for i in range(6):
             prompt = [10 + i, 20 + 3 * i, 30 + i, 7]
-            ids = hf.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False, eos_token_id=None,
-                              pad_token_id=0)[0]
-            lp = hf(ids[None]).logits[0, len(prompt) - 1:-1].log_softmax(-1).topk(8)
-            corpus.append({"ids": ids, "prompt": len(prompt), "top_ids": lp.indices.to(torch.int32),
-                           "top_lp": lp.values.half()})
+            ids = hf.generate(
+                torch.tensor([prompt]), max_new_tokens=12, do_sample=False, eos_token_id=None, pad_token_id=0
+            )[0]
+            lp = hf(ids[None]).logits[0, len(prompt) - 1 : -1].log_softmax(-1).topk(8)
+            corpus.append(
+                {"ids": ids, "prompt": len(prompt), "top_ids": lp.indices.to(torch.int32), "top_lp": lp.values.half()}
+            )
     return corpus
 
 
@@ -60,16 +66,19 @@ def test_cut_layers_keeps_the_target_layers_asked_for(tiny_models):
 
 
 @pytest.mark.parametrize("init", ["scratch", "target"])
-def test_trained_draft_loads_with_its_vocabulary_and_output_stays_exact(tiny_models, labelled, make_llm, tmp_path,
-                                                                        init):
+def test_trained_draft_loads_with_its_vocabulary_and_output_stays_exact(
+    tiny_models, labelled, make_llm, tmp_path, init
+):
     target = tiny_models["llama"]
     out = tmp_path / "draft"
     if init == "scratch":
-        distill_draft_model(str(target), labelled, out, layers=1, hidden=64, draft_vocab=64, epochs=1, batch=4,
-                            log=lambda _: None)
+        distill_draft_model(
+            str(target), labelled, out, layers=1, hidden=64, draft_vocab=64, epochs=1, batch=4, log=lambda _: None
+        )
     else:
-        distill_from_target(str(target), labelled, out, [0, 1], draft_vocab=64, frozen=1, epochs=1, batch=4,
-                            log=lambda _: None)
+        distill_from_target(
+            str(target), labelled, out, [0, 1], draft_vocab=64, frozen=1, epochs=1, batch=4, log=lambda _: None
+        )
     vocab = json.loads((out / "draft_vocab.json").read_text())["token_ids"]
     assert len(vocab) == 64 and vocab == sorted(vocab)
     used = {int(t) for c in labelled for t in c["top_ids"].flatten()}
@@ -84,8 +93,9 @@ def test_trained_draft_loads_with_its_vocabulary_and_output_stays_exact(tiny_mod
     assert info["init"] == init and info["answers"] == len(labelled)
 
 
-def test_eagle3_head_trained_on_the_labelled_corpus_drafts_and_output_stays_exact(tiny_models, labelled, make_llm,
-                                                                                 tmp_path):
+def test_eagle3_head_trained_on_the_labelled_corpus_drafts_and_output_stays_exact(
+    tiny_models, labelled, make_llm, tmp_path
+):
     """kiln make-draft-model's EAGLE-3 path on the tiny llama: the teacher pass over the labelled
     corpus's sequences, one epoch of training, and the head loaded by kiln: the target (on the CPU
     decoder stack, which hands the head its hidden states) keeps plain decoding's greedy output."""
@@ -94,15 +104,25 @@ def test_eagle3_head_trained_on_the_labelled_corpus_drafts_and_output_stays_exac
     target = tiny_models["llama"]
     corpus = [(c["ids"].tolist(), c["prompt"]) for c in labelled]
     teacher = teacher_pass(str(target), [ids for ids, _ in corpus], tmp_path / "teacher.pt", log=lambda _: None)
-    out = train_eagle_for(str(target), corpus, teacher, tmp_path / "eagle3", version=3, epochs=1, draft_vocab=64,
-                          batch=4, log=lambda _: None)
+    out = train_eagle_for(
+        str(target),
+        corpus,
+        teacher,
+        tmp_path / "eagle3",
+        version=3,
+        epochs=1,
+        draft_vocab=64,
+        batch=4,
+        log=lambda _: None,
+    )
     config = json.loads((out / "config.json").read_text())
     assert config["draft_vocab_size"] == 64 and config["eagle_aux_hidden_state_layer_ids"] == list(teacher.aux_layers)
     greedy = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
     prompts = [[11, 25, 31, 7], [40, 41, 42]]
     want = [o.outputs[0].token_ids for o in make_llm(target).generate(prompts, greedy, use_tqdm=False)]
-    llm = make_llm(target, speculative_method="eagle3", speculative_model=str(out), num_speculative_tokens=2,
-                   enforce_eager=False)  # (the CPU's default: fused ops and the decoder stack)
+    llm = make_llm(
+        target, speculative_method="eagle3", speculative_model=str(out), num_speculative_tokens=2, enforce_eager=False
+    )  # (the CPU's default: fused ops and the decoder stack)
     model = llm.engine.core.runner.model
     assert model.aux_layers and model.cpu_stack is not None  # EAGLE-3's target runs as the one C++ call
     assert [o.outputs[0].token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)] == want

@@ -25,6 +25,7 @@ WIDE = dict(hidden_size=256, intermediate_size=512, head_dim=64)
 
 # --- ggml's reference dequantisation, written out value by value (ggml-quants.c) -------------
 
+
 def _h(b: bytes, o: int) -> float:
     return struct.unpack_from("<e", b, o)[0]
 
@@ -79,7 +80,7 @@ def reference_block(name: str, b: bytes) -> list[float]:
                 q2 = ((c & 0xF) | (((h >> 2) & 3) << 4)) - 32
                 q3 = ((a >> 4) | (((h >> 4) & 3) << 4)) - 32
                 q4 = ((c >> 4) | (((h >> 6) & 3) << 4)) - 32
-                base, scs = 128 * n, sc[8 * n:]
+                base, scs = 128 * n, sc[8 * n :]
                 y[base + lo] = d * scs[s] * q1
                 y[base + lo + 32] = d * scs[s + 2] * q2
                 y[base + lo + 64] = d * scs[s + 4] * q3
@@ -92,7 +93,7 @@ def _random_blocks(name: str, n: int, rng: np.random.Generator) -> np.ndarray:
     raw = rng.integers(0, 256, size=(n, nbytes), dtype=np.uint8)
     halves = {"Q6_K": [208]}.get(name, [0, 2] if name in ("Q4_1", "Q5_1", "Q4_K", "Q5_K") else [0])
     for o in halves:  # finite scales (random bytes could be inf/NaN halves)
-        raw[:, o:o + 2] = rng.uniform(-2, 2, size=n).astype(np.float16).view(np.uint8).reshape(n, 2)
+        raw[:, o : o + 2] = rng.uniform(-2, 2, size=n).astype(np.float16).view(np.uint8).reshape(n, 2)
     return raw
 
 
@@ -135,6 +136,7 @@ def test_float_types_and_errors():
 
 # --- whole files -------------------------------------------------------------------------------
 
+
 @pytest.fixture(scope="module")
 def wide_models(tmp_path_factory):
     from engine.models.tiny_model import make_tiny_model
@@ -162,27 +164,48 @@ def hf_gguf_greedy(path, prompts, max_tokens=10):
     with torch.no_grad():
         for p in prompts:
             ids = torch.tensor([p])
-            gen = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens,
-                                 min_new_tokens=max_tokens, do_sample=False, eos_token_id=None, pad_token_id=0)
-            outs.append(gen[0, len(p):].tolist())
+            gen = model.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=max_tokens,
+                min_new_tokens=max_tokens,
+                do_sample=False,
+                eos_token_id=None,
+                pad_token_id=0,
+            )
+            outs.append(gen[0, len(p) :].tolist())
     return outs
 
 
-ALL_TYPES = {"attn_q": "Q4_0", "attn_k": "Q4_1", "attn_v": "Q5_0", "attn_output": "Q5_1", "ffn_gate": "Q4_K",
-             "ffn_up": "Q5_K", "ffn_down": "Q6_K", "token_embd": "Q8_0", "output": "BF16"}
+ALL_TYPES = {
+    "attn_q": "Q4_0",
+    "attn_k": "Q4_1",
+    "attn_v": "Q5_0",
+    "attn_output": "Q5_1",
+    "ffn_gate": "Q4_K",
+    "ffn_up": "Q5_K",
+    "ffn_down": "Q6_K",
+    "token_embd": "Q8_0",
+    "output": "BF16",
+}
 
 
-@pytest.mark.parametrize("arch,types", [
-    ("llama", ALL_TYPES),  # every block type in one file
-    ("mistral", {"attn": "Q5_1", "ffn": "Q4_0", "token_embd": "F16", "output": "Q8_0"}),
-    ("qwen2", "Q8_0"),
-    ("qwen3", {"attn": "Q6_K", "ffn": "Q4_K", "token_embd": "Q5_0", "output": "F16"}),
-    ("gemma2", {"attn": "Q5_K", "ffn": "Q4_1", "token_embd": "BF16"}),
-    ("gemma3", {"attn": "Q4_0", "ffn": "Q6_K", "token_embd": "Q8_0"}),
-], ids=["llama-all-types", "mistral", "qwen2", "qwen3", "gemma2", "gemma3"])
+@pytest.mark.parametrize(
+    "arch,types",
+    [
+        ("llama", ALL_TYPES),  # every block type in one file
+        ("mistral", {"attn": "Q5_1", "ffn": "Q4_0", "token_embd": "F16", "output": "Q8_0"}),
+        ("qwen2", "Q8_0"),
+        ("qwen3", {"attn": "Q6_K", "ffn": "Q4_K", "token_embd": "Q5_0", "output": "F16"}),
+        ("gemma2", {"attn": "Q5_K", "ffn": "Q4_1", "token_embd": "BF16"}),
+        ("gemma3", {"attn": "Q4_0", "ffn": "Q6_K", "token_embd": "Q8_0"}),
+    ],
+    ids=["llama-all-types", "mistral", "qwen2", "qwen3", "gemma2", "gemma3"],
+)
 def test_gguf_greedy_matches_transformers(arch, types, wide_models, make_llm, tmp_path):
-    path = write_gguf(wide_models(arch), tmp_path / f"{arch}.gguf", types,
-                      name="tiny mistral" if arch == "mistral" else None)
+    path = write_gguf(
+        wide_models(arch), tmp_path / f"{arch}.gguf", types, name="tiny mistral" if arch == "mistral" else None
+    )
     llm = make_llm(path, max_num_seqs=4, cpu_quant_activations="float")  # (auto: int8 on AVX2 / Intel)
     assert _kinds(llm) == KEPT[arch]
     assert llm.engine.core.model.layers[0].mlp.down_proj.quant.float_acts  # (float32: the float path)
@@ -198,9 +221,14 @@ def _held(qkv, o, gate_up, down):
     return dict(qkv=qkv, o=o, gate_up=gate_up, down=down)
 
 
-KEPT = {"llama": _held("Q4_0+Q4_1+Q5_0", "Q5_1", "Q4_K+Q5_K", "Q6_K"), "mistral": _held("Q5_1", "Q5_1", "Q4_0", "Q4_0"),
-        "qwen2": _held("Q8_0", "Q8_0", "Q8_0", "Q8_0"), "qwen3": _held("Q6_K", "Q6_K", "Q4_K", "Q4_K"),
-        "gemma2": _held("Q5_K", "Q5_K", "Q4_1", "Q4_1"), "gemma3": _held("Q4_0", "Q4_0", "Q6_K", "Q6_K")}
+KEPT = {
+    "llama": _held("Q4_0+Q4_1+Q5_0", "Q5_1", "Q4_K+Q5_K", "Q6_K"),
+    "mistral": _held("Q5_1", "Q5_1", "Q4_0", "Q4_0"),
+    "qwen2": _held("Q8_0", "Q8_0", "Q8_0", "Q8_0"),
+    "qwen3": _held("Q6_K", "Q6_K", "Q4_K", "Q4_K"),
+    "gemma2": _held("Q5_K", "Q5_K", "Q4_1", "Q4_1"),
+    "gemma3": _held("Q4_0", "Q4_0", "Q6_K", "Q6_K"),
+}
 
 
 def _kinds(llm) -> dict[str, str]:
@@ -210,8 +238,9 @@ def _kinds(llm) -> dict[str, str]:
 
     names = {fmt: name for name, fmt in GGUF_FORMATS.items()}
     layer = llm.engine.core.model.layers[0]
-    mods = dict(qkv=layer.self_attn.qkv_proj, o=layer.self_attn.o_proj, gate_up=layer.mlp.gate_up_proj,
-                down=layer.mlp.down_proj)
+    mods = dict(
+        qkv=layer.self_attn.qkv_proj, o=layer.self_attn.o_proj, gate_up=layer.mlp.gate_up_proj, down=layer.mlp.down_proj
+    )
 
     def kind(m) -> str:
         if isinstance(m.quant, CpuPackedMethod):
@@ -226,8 +255,12 @@ def test_gguf_kept_quantised_in_bf16_with_torch_int4(wide_models, make_llm, tmp_
     Q4_0 attention and Q4_1 MLP stay int4 (torch's packed layout: scale d, zero m + 8 d); their
     weight is the file's dequantised one up to bf16 rounding of d and m + 8 d, and the output
     stays as close to the dequantised-at-load run (gguf_dequantize) as bf16 is to float32."""
-    path = write_gguf(wide_models("mistral"), tmp_path / "m.gguf", {"attn": "Q4_0", "ffn": "Q4_1", "token_embd": "Q8_0"},
-                      name="tiny mistral")
+    path = write_gguf(
+        wide_models("mistral"),
+        tmp_path / "m.gguf",
+        {"attn": "Q4_0", "ffn": "Q4_1", "token_embd": "Q8_0"},
+        name="tiny mistral",
+    )
     kept = make_llm(path, max_num_seqs=4, dtype="bfloat16", int4_kernel="packed")
     dense = make_llm(path, max_num_seqs=4, dtype="bfloat16", gguf_dequantize=True)
     full = make_llm(path, max_num_seqs=4, gguf_dequantize=True)  # float32
@@ -243,6 +276,7 @@ def test_gguf_kept_quantised_in_bf16_with_torch_int4(wide_models, make_llm, tmp_
 def _assert_drift_within_bf16(kept, dense, full, factor: float = 1.0) -> None:
     """Mean |logprob difference| of kept vs dequantised-at-load (both bf16) <= factor times that of
     bf16 vs float32 (+ 0.01)."""
+
     def logprobs(llm):
         outs = llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0), use_tqdm=False)
         return torch.tensor([lp[t] for o in outs for t, lp in zip(o.prompt_token_ids, o.prompt_logprobs) if lp])
@@ -253,9 +287,14 @@ def _assert_drift_within_bf16(kept, dense, full, factor: float = 1.0) -> None:
     assert drift <= factor * floor + 0.01
 
 
-@pytest.mark.parametrize("types", [{"attn": "Q4_1", "ffn": "Q8_0", "token_embd": "Q8_0"},
-                                   {"attn_v": "Q6_K", "attn": "Q4_K", "ffn": "Q5_K", "token_embd": "Q8_0"}],
-                         ids=["q4_1-q8_0", "k-quants"])
+@pytest.mark.parametrize(
+    "types",
+    [
+        {"attn": "Q4_1", "ffn": "Q8_0", "token_embd": "Q8_0"},
+        {"attn_v": "Q6_K", "attn": "Q4_K", "ffn": "Q5_K", "token_embd": "Q8_0"},
+    ],
+    ids=["q4_1-q8_0", "k-quants"],
+)
 def test_gguf_kept_quantised_in_bf16_on_cpu_kernels(types, wide_models, make_llm, tmp_path):
     """bf16 on the CPU weight-streaming kernels (int8 activations): every projection stays in its
     file format at the file's size (Q4_K_M-like mixes: one run per format), its weight is the
@@ -297,14 +336,24 @@ def test_f32_gguf_equals_its_hf_checkpoint(arch, make_llm, tmp_path):
     text = "Hello, world! café 日本語"
     assert from_gguf.tokenizer.encode(text) == from_dir.tokenizer.encode(text)
     a_cfg, b_cfg = from_gguf.engine.model_config, from_dir.engine.model_config
-    for field in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
-                  "num_kv_heads", "head_dim", "rope_theta", "tie_word_embeddings", "eos_token_ids"):
+    for field in (
+        "vocab_size",
+        "hidden_size",
+        "intermediate_size",
+        "num_layers",
+        "num_heads",
+        "num_kv_heads",
+        "head_dim",
+        "rope_theta",
+        "tie_word_embeddings",
+        "eos_token_ids",
+    ):
         assert getattr(a_cfg, field) == getattr(b_cfg, field), field
     if arch == "llama":  # rope from per-frequency divisors rounds differently (1e-7): compare logprobs
         scored = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0)
         a, b = (llm.generate(PROMPTS, scored, use_tqdm=False) for llm in (from_gguf, from_dir))
         lp = [torch.tensor([d[t] for t, d in zip(o.prompt_token_ids, o.prompt_logprobs) if d]) for o in a + b]
-        for x, y in zip(lp[:len(PROMPTS)], lp[len(PROMPTS):]):
+        for x, y in zip(lp[: len(PROMPTS)], lp[len(PROMPTS) :]):
             torch.testing.assert_close(x, y, rtol=1e-4, atol=1e-4)
     else:
         a = from_gguf.generate(PROMPTS, GREEDY, use_tqdm=False)
@@ -363,11 +412,15 @@ def test_real_model_fetch_helpers(tmp_path):
     assert (tmp_path / "b").read_bytes() == b"sdist bytes"
 
 
-@pytest.mark.parametrize("arch,types,source,fmt", [
-    ("qwen2", {"attn": "Q4_1", "ffn": "Q4_1", "token_embd": "Q8_0"}, "token_embd", "Q8_0"),  # tied: the embeddings'
-    ("mistral", {"attn": "Q8_0", "ffn": "Q8_0", "token_embd": "F16", "output": "Q5_0"}, "output", "Q5_0"),
-    ("mistral", {"attn": "Q8_0", "ffn": "Q8_0", "token_embd": "Q8_0", "output": "F16"}, None, None),  # float head
-], ids=["tied-q8_0", "output-q5_0", "float-head"])
+@pytest.mark.parametrize(
+    "arch,types,source,fmt",
+    [
+        ("qwen2", {"attn": "Q4_1", "ffn": "Q4_1", "token_embd": "Q8_0"}, "token_embd", "Q8_0"),  # tied: the embeddings'
+        ("mistral", {"attn": "Q8_0", "ffn": "Q8_0", "token_embd": "F16", "output": "Q5_0"}, "output", "Q5_0"),
+        ("mistral", {"attn": "Q8_0", "ffn": "Q8_0", "token_embd": "Q8_0", "output": "F16"}, None, None),  # float head
+    ],
+    ids=["tied-q8_0", "output-q5_0", "float-head"],
+)
 def test_gguf_lm_head_kept_in_file_blocks(arch, types, source, fmt, wide_models, make_llm, tmp_path):
     """On the CPU kernels the LM head is also kept in the file's blocks (gguf_quant.pack_head): a
     step of few rows reads it instead of the dense float copy (SmolLM2 Q8_0: 30 MB a step, not

@@ -19,10 +19,15 @@ def glm_models(tmp_path_factory):
     from engine.models.tiny_model import make_tiny_model
 
     root = tmp_path_factory.mktemp("glm")
-    return {name: make_tiny_model(root / name, arch="llama", seed=11 + i,
-                                  overrides=dict(cfg, partial_rotary_factor=0.5, attention_bias=True,
-                                                 rope_scaling=None))
-            for i, (name, cfg) in enumerate(GLM_CONFIGS.items())}
+    return {
+        name: make_tiny_model(
+            root / name,
+            arch="llama",
+            seed=11 + i,
+            overrides=dict(cfg, partial_rotary_factor=0.5, attention_bias=True, rope_scaling=None),
+        )
+        for i, (name, cfg) in enumerate(GLM_CONFIGS.items())
+    }
 
 
 @pytest.mark.parametrize("name", list(GLM_CONFIGS))
@@ -50,23 +55,30 @@ def test_chatglm_layout_gives_the_same_tokens(glm_models, make_llm, tmp_path):
 
 
 def test_weight_names():
-    assert hf_weight_name("transformer.encoder.layers.3.self_attention.query_key_value.bias", "chatglm") == \
-        "model.layers.3.self_attn.qkv_proj.bias"
+    assert (
+        hf_weight_name("transformer.encoder.layers.3.self_attention.query_key_value.bias", "chatglm")
+        == "model.layers.3.self_attn.qkv_proj.bias"
+    )
     assert hf_weight_name("transformer.output_layer.weight", "chatglm") == "lm_head.weight"
-    assert hf_weight_name("model.layers.0.post_attention_layernorm.weight", "glm4") == \
-        "model.layers.0.pre_feedforward_layernorm.weight"
-    assert hf_weight_name("model.layers.0.post_self_attn_layernorm.weight", "glm4") == \
-        "model.layers.0.post_attention_layernorm.weight"
-    assert hf_weight_name("model.layers.0.post_attention_layernorm.weight", "glm") == \
-        "model.layers.0.post_attention_layernorm.weight"
+    assert (
+        hf_weight_name("model.layers.0.post_attention_layernorm.weight", "glm4")
+        == "model.layers.0.pre_feedforward_layernorm.weight"
+    )
+    assert (
+        hf_weight_name("model.layers.0.post_self_attn_layernorm.weight", "glm4")
+        == "model.layers.0.post_attention_layernorm.weight"
+    )
+    assert (
+        hf_weight_name("model.layers.0.post_attention_layernorm.weight", "glm")
+        == "model.layers.0.post_attention_layernorm.weight"
+    )
 
 
 def test_partial_rotary_without_interleaving_matches_transformers(make_llm, tmp_path):
     """The partial rotary path on its own (Phi-4-mini's partial_rotary_factor 0.75, rotate-half)."""
     from engine.models.tiny_model import make_tiny_model
 
-    model = make_tiny_model(tmp_path / "phi3-partial", arch="phi3", seed=3,
-                            overrides={"partial_rotary_factor": 0.75})
+    model = make_tiny_model(tmp_path / "phi3-partial", arch="phi3", seed=3, overrides={"partial_rotary_factor": 0.75})
     llm = make_llm(model)
     config = llm.engine.model_config
     assert (config.rotary_dim, config.rope_interleaved) == (config.head_dim * 3 // 4, False)

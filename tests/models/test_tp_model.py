@@ -53,11 +53,15 @@ def greedy_run(model, tp: TensorParallel | None) -> tuple[list[torch.Tensor], li
                 slots.append(int(tables[i, pos // BLOCK]) * BLOCK + pos % BLOCK)
             starts.append(len(ids))
         lens = [len(s) for s in seqs]
-        meta = AttentionMetadata(slot_mapping=torch.tensor(slots),
-                                 query_start_loc=torch.tensor(starts, dtype=torch.int32),
-                                 seq_lens=torch.tensor(lens, dtype=torch.int32), block_tables=tables,
-                                 max_query_len=max(b - a for a, b in zip(starts, starts[1:])), max_seq_len=max(lens),
-                                 num_decodes=2 if done[0] else 0)
+        meta = AttentionMetadata(
+            slot_mapping=torch.tensor(slots),
+            query_start_loc=torch.tensor(starts, dtype=torch.int32),
+            seq_lens=torch.tensor(lens, dtype=torch.int32),
+            block_tables=tables,
+            max_query_len=max(b - a for a, b in zip(starts, starts[1:])),
+            max_seq_len=max(lens),
+            num_decodes=2 if done[0] else 0,
+        )
         hidden = model(torch.tensor(ids), torch.tensor(positions), kv.tensor, meta)
         logits = model.compute_logits(hidden[torch.tensor(starts[1:]) - 1])
         logits_per_step.append(logits)
@@ -78,9 +82,10 @@ def _rank_main(rank: int, world: int, init_method: str, models: dict[str, str], 
         fmt = "dummy" if name.endswith("-dummy") else "auto"
         model = _load(Path(path), tp, fmt)
         logits, tokens = greedy_run(model, tp)
-        torch.save({"logits": logits, "tokens": tokens,
-                    "shapes": {n: tuple(p.shape) for n, p in model.named_parameters()}},
-                   Path(out_dir) / f"{name}-{rank}.pt")
+        torch.save(
+            {"logits": logits, "tokens": tokens, "shapes": {n: tuple(p.shape) for n, p in model.named_parameters()}},
+            Path(out_dir) / f"{name}-{rank}.pt",
+        )
     # Both ranks are done with every collective before either tears gloo down: a rank that exits
     # while its peer's gloo threads still talk to it can abort ("terminate called without an
     # active exception").
@@ -98,15 +103,20 @@ def tp_models(tiny_models, tmp_path_factory) -> dict[str, Path]:
     from engine.models.tiny_model import make_tiny_model
 
     root = tmp_path_factory.mktemp("tp-models")
-    extra = make_tiny_model(root / "llama-kv1", arch="llama", seed=7,
-                            overrides={"num_key_value_heads": 1, "vocab_size": 517})  # 517: padded to 2 x 259
+    extra = make_tiny_model(
+        root / "llama-kv1", arch="llama", seed=7, overrides={"num_key_value_heads": 1, "vocab_size": 517}
+    )  # 517: padded to 2 x 259
     models = {arch: tiny_models[arch] for arch in ("llama", "qwen3", "gemma2", "qwen2_moe", "qwen3_moe")}
     models["llama-kv1"] = extra
     # q/k/v and gate/up fused in the checkpoint (ChatGLM): each rank reads its rows of every part.
     from tests.support.glm import GLM_CONFIGS, to_chatglm_layout
 
-    glm = make_tiny_model(root / "glm", arch="llama", seed=11, overrides=dict(
-        GLM_CONFIGS["glm"], partial_rotary_factor=0.5, attention_bias=True, rope_scaling=None))
+    glm = make_tiny_model(
+        root / "glm",
+        arch="llama",
+        seed=11,
+        overrides=dict(GLM_CONFIGS["glm"], partial_rotary_factor=0.5, attention_bias=True, rope_scaling=None),
+    )
     models["chatglm"] = to_chatglm_layout(glm, root / "chatglm")
     # GGUF: tensors dequantised whole, then sliced.
     from tests.support.gguf_writer import write_gguf
@@ -118,8 +128,12 @@ def tp_models(tiny_models, tmp_path_factory) -> dict[str, Path]:
 
 def test_tp2_matches_unsharded(tp_models, tmp_path):
     world = 2
-    mp.spawn(_rank_main, args=(world, f"file://{tmp_path / 'rendezvous'}", {k: str(v) for k, v in tp_models.items()},
-                               str(tmp_path)), nprocs=world, join=True)
+    mp.spawn(
+        _rank_main,
+        args=(world, f"file://{tmp_path / 'rendezvous'}", {k: str(v) for k, v in tp_models.items()}, str(tmp_path)),
+        nprocs=world,
+        join=True,
+    )
     for name, path in tp_models.items():
         ref_model = _load(path, None, "dummy" if name.endswith("-dummy") else "auto")
         ref_logits, ref_tokens = greedy_run(ref_model, None)

@@ -21,8 +21,14 @@ def make_engine(tiny_llama):
     made: list[AsyncEngine] = []
 
     def _make(**overrides) -> AsyncEngine:
-        settings = dict(model=str(tiny_llama), device="cpu", enforce_eager=True, max_model_len=128,
-                        num_gpu_blocks=64, max_num_seqs=8)
+        settings = dict(
+            model=str(tiny_llama),
+            device="cpu",
+            enforce_eager=True,
+            max_model_len=128,
+            num_gpu_blocks=64,
+            max_num_seqs=8,
+        )
         settings.update(overrides)
         engine = AsyncEngine(LLMEngine.from_settings(EngineSettings(**settings)), idle_poll_s=0.05).start()
         made.append(engine)
@@ -99,7 +105,7 @@ def test_invalid_request_rejected_without_disturbing_others(make_engine):
             await engine.add_request("word " * 200, greedy(4))  # longer than max_model_len
         assert info.value.param == "prompt"
         with pytest.raises(InvalidRequestError):
-            await engine.add_request([10 ** 9], greedy(4))
+            await engine.add_request([10**9], greedy(4))
         return await good
 
     text, tokens, finish = asyncio.run(main())

@@ -20,11 +20,22 @@ def _hf_beams(model_dir, prompt, width, max_tokens):
     model = transformers.AutoModelForCausalLM.from_pretrained(model_dir).eval()
     ids = torch.tensor([prompt])
     with torch.no_grad():
-        g = model.generate(ids, attention_mask=torch.ones_like(ids), num_beams=width, num_return_sequences=width,
-                           max_new_tokens=max_tokens, min_new_tokens=max_tokens, do_sample=False, eos_token_id=None,
-                           pad_token_id=0, length_penalty=1.0, early_stopping=False, output_scores=True,
-                           return_dict_in_generate=True)
-    return [s[len(prompt):].tolist() for s in g.sequences], g.sequences_scores.tolist()
+        g = model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            num_beams=width,
+            num_return_sequences=width,
+            max_new_tokens=max_tokens,
+            min_new_tokens=max_tokens,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=0,
+            length_penalty=1.0,
+            early_stopping=False,
+            output_scores=True,
+            return_dict_in_generate=True,
+        )
+    return [s[len(prompt) :].tolist() for s in g.sequences], g.sequences_scores.tolist()
 
 
 def test_beams_equal_transformers(tiny_llama, make_llm):
@@ -57,19 +68,32 @@ def test_server_use_beam_search(tiny_llama):
     from tests.support.engine import served
 
     async def main(state, client):
-        r = await client.completions.create(model="m", prompt=PROMPTS[:2], max_tokens=6, n=2, logprobs=1,
-                                            extra_body={"use_beam_search": True, "ignore_eos": True})
+        r = await client.completions.create(
+            model="m",
+            prompt=PROMPTS[:2],
+            max_tokens=6,
+            n=2,
+            logprobs=1,
+            extra_body={"use_beam_search": True, "ignore_eos": True},
+        )
         assert len(r.choices) == 4 and r.usage.completion_tokens == 24
         for k, prompt in enumerate(PROMPTS[:2]):
             beams, _ = _hf_beams(tiny_llama, prompt, 2, 6)
             texts = [state.tokenizer.decode(b) for b in beams]
-            assert [c.text for c in r.choices[2 * k:2 * k + 2]] == texts
-            assert all(len(c.logprobs.tokens) == 6 for c in r.choices[2 * k:2 * k + 2])
-        chat = await client.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}],
-                                                    max_tokens=4, n=2, extra_body={"use_beam_search": True})
+            assert [c.text for c in r.choices[2 * k : 2 * k + 2]] == texts
+            assert all(len(c.logprobs.tokens) == 6 for c in r.choices[2 * k : 2 * k + 2])
+        chat = await client.chat.completions.create(
+            model="m",
+            messages=[{"role": "user", "content": "hi"}],
+            max_tokens=4,
+            n=2,
+            extra_body={"use_beam_search": True},
+        )
         assert len(chat.choices) == 2
         with pytest.raises(openai.BadRequestError):
-            await client.completions.create(model="m", prompt="hi", max_tokens=4, stream=True,
-                                            extra_body={"use_beam_search": True})
+            await client.completions.create(
+                model="m", prompt="hi", max_tokens=4, stream=True, extra_body={"use_beam_search": True}
+            )
+
     with served(tiny_llama, max_num_seqs=8) as (state, _, client):
         asyncio.run(main(state, client))

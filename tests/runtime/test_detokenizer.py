@@ -39,10 +39,10 @@ def assert_full_decode(tokenizer, prompt: list[int], stream: list[int], skip: bo
     the prompt's own text ends inside a character, the output completes it: no oracle there.)"""
     head = tokenizer.decode(prompt, skip_special_tokens=skip)
     for k, text in enumerate(texts):
-        full = tokenizer.decode(prompt + stream[:k + 1], skip_special_tokens=skip)
+        full = tokenizer.decode(prompt + stream[: k + 1], skip_special_tokens=skip)
         if head.endswith("\ufffd") or not full.startswith(head):
             continue
-        want = full[len(head):]
+        want = full[len(head) :]
         if full.endswith("\ufffd"):
             assert want.startswith(text), (k, text, want)
         else:
@@ -64,7 +64,13 @@ def test_incremental_text_is_the_full_decode(tokenizer, data):
 
 
 # (A literal U+FFFD is held back by both methods: it looks like a split character.)
-@given(text=st.text(alphabet=st.characters(codec="utf-8", exclude_categories=["Cs"], exclude_characters="\ufffd"), min_size=1, max_size=30))
+@given(
+    text=st.text(
+        alphabet=st.characters(codec="utf-8", exclude_categories=["Cs"], exclude_characters="\ufffd"),
+        min_size=1,
+        max_size=30,
+    )
+)
 @settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @example(text="<|bos|>")  # a special token's spelling (found by hypothesis)
 def test_split_characters_appear_whole_once(tokenizer, text):
@@ -75,7 +81,7 @@ def test_split_characters_appear_whole_once(tokenizer, text):
     assert state.stream, "the stream gave up on text encoded by the tokenizer itself"
     # skip=True above: a text that spells a special token ("<|bos|>") decodes to nothing
     whole = tokenizer.decode(prompt + ids, skip_special_tokens=True)
-    assert fast[-1] == whole[len(tokenizer.decode(prompt, skip_special_tokens=True)):]
+    assert fast[-1] == whole[len(tokenizer.decode(prompt, skip_special_tokens=True)) :]
     assert not any(t.endswith("\ufffd") for t in fast)
 
 

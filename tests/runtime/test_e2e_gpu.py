@@ -22,14 +22,32 @@ KERNEL_CACHE = Path(__file__).resolve().parents[2] / "build" / "kernels"
 
 # case -> (settings of the engine under test, settings of the reference)
 CASES = {
-    "cpu": (dict(device="cpu", dtype="float32", attention_backend="torch", enforce_eager=False),
-            dict(device="cpu", dtype="float32", attention_backend="torch", enforce_eager=True)),
-    "cutlass_v1": (dict(device="cuda", dtype="bfloat16", attention_backend="cutlass", decode_kernel="v1",
-                        prefill_kernel="mma", enforce_eager=True),
-                   dict(device="cuda", dtype="bfloat16", attention_backend="torch", enforce_eager=True)),
-    "cutlass_v2": (dict(device="cuda", dtype="bfloat16", attention_backend="cutlass", decode_kernel="v2",
-                        prefill_kernel="wgmma", enforce_eager=True),
-                   dict(device="cuda", dtype="bfloat16", attention_backend="torch", enforce_eager=True)),
+    "cpu": (
+        dict(device="cpu", dtype="float32", attention_backend="torch", enforce_eager=False),
+        dict(device="cpu", dtype="float32", attention_backend="torch", enforce_eager=True),
+    ),
+    "cutlass_v1": (
+        dict(
+            device="cuda",
+            dtype="bfloat16",
+            attention_backend="cutlass",
+            decode_kernel="v1",
+            prefill_kernel="mma",
+            enforce_eager=True,
+        ),
+        dict(device="cuda", dtype="bfloat16", attention_backend="torch", enforce_eager=True),
+    ),
+    "cutlass_v2": (
+        dict(
+            device="cuda",
+            dtype="bfloat16",
+            attention_backend="cutlass",
+            decode_kernel="v2",
+            prefill_kernel="wgmma",
+            enforce_eager=True,
+        ),
+        dict(device="cuda", dtype="bfloat16", attention_backend="torch", enforce_eager=True),
+    ),
 }
 
 
@@ -38,9 +56,14 @@ def tiny_d64(tmp_path_factory):
     from engine.models.tiny_model import make_tiny_model
 
     # head_dim 64: a size the kernels are built for (the default tiny model uses 32).
-    return make_tiny_model(tmp_path_factory.mktemp("d64"), arch="qwen2", seed=5,
-                           overrides=dict(hidden_size=256, num_attention_heads=4, num_key_value_heads=2,
-                                          head_dim=64, intermediate_size=512))
+    return make_tiny_model(
+        tmp_path_factory.mktemp("d64"),
+        arch="qwen2",
+        seed=5,
+        overrides=dict(
+            hidden_size=256, num_attention_heads=4, num_key_value_heads=2, head_dim=64, intermediate_size=512
+        ),
+    )
 
 
 def _run(model_dir, prompts, **kw):
@@ -62,8 +85,10 @@ def _run(model_dir, prompts, **kw):
     return [o.outputs[0].token_ids for o in outs]
 
 
-@pytest.mark.parametrize("case", ["cpu", pytest.param("cutlass_v1", marks=pytest.mark.gpu),
-                                  pytest.param("cutlass_v2", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize(
+    "case",
+    ["cpu", pytest.param("cutlass_v1", marks=pytest.mark.gpu), pytest.param("cutlass_v2", marks=pytest.mark.gpu)],
+)
 def test_backend_matches_the_reference_greedy(tiny_d64, case):
     tested, reference = CASES[case]
     g = torch.Generator().manual_seed(0)
@@ -71,8 +96,9 @@ def test_backend_matches_the_reference_greedy(tiny_d64, case):
     prompts = [torch.randint(5, 500, (n,), generator=g).tolist() for n in lengths]
     # The tested engine first: on a GPU its ops must exist without the torch backend having run
     # (every kiln:: op is registered by compiler/kernels/ops.py, imported by engine.layers.attention).
-    got = _run(tiny_d64, prompts, max_num_batched_tokens=128, async_scheduling=True, enable_chunked_prefill=True,
-               **tested)
+    got = _run(
+        tiny_d64, prompts, max_num_batched_tokens=128, async_scheduling=True, enable_chunked_prefill=True, **tested
+    )
     ref = _run(tiny_d64, prompts, max_num_batched_tokens=1024, async_scheduling=False, **reference)
     assert all(a[0] == b[0] for a, b in zip(ref, got)), "first tokens differ"
     same = sum(a == b for a, b in zip(ref, got))

@@ -12,7 +12,12 @@ import torch
 from engine.core.request import InvalidRequestError, PoolingParams
 from tests.support.engine import assert_engine_clean, run_checked
 
-TEXTS = ["hello world", "the quick brown fox jumps over the lazy dog " * 6, "x", "A kiln is a thermally insulated chamber"]
+TEXTS = [
+    "hello world",
+    "the quick brown fox jumps over the lazy dog " * 6,
+    "x",
+    "A kiln is a thermally insulated chamber",
+]
 
 
 def _hf_embeddings(model_dir, tokenizer, texts, kind):
@@ -46,8 +51,9 @@ def test_embeddings_beside_generation_and_under_preemption(tiny_llama, make_llm)
     llm = make_llm(num_gpu_blocks=12, block_size=8, max_num_seqs=6, max_model_len=96)
     engine = llm.engine
     for i in range(4):
-        engine.add_request(list(range(10 + i, 50 + i)), SamplingParams(temperature=0, max_tokens=40, ignore_eos=True),
-                           f"gen{i}")
+        engine.add_request(
+            list(range(10 + i, 50 + i)), SamplingParams(temperature=0, max_tokens=40, ignore_eos=True), f"gen{i}"
+        )
     texts = [t[:80] for t in TEXTS]
     for i, text in enumerate(texts):
         engine.add_request(text, None, f"emb{i}", pooling=PoolingParams("mean", dimensions=16))
@@ -83,16 +89,19 @@ def test_embeddings_endpoint(tiny_llama):
         for d, ref in zip(r.data, want):
             torch.testing.assert_close(torch.tensor(d.embedding), ref, rtol=1e-4, atol=1e-5)
         assert r.usage.prompt_tokens == sum(len(state.tokenizer.encode(t)) for t in TEXTS[:3])
-        raw = await http.post("/v1/embeddings", json={"input": TEXTS[0], "encoding_format": "base64",
-                                                      "dimensions": 8})
+        raw = await http.post("/v1/embeddings", json={"input": TEXTS[0], "encoding_format": "base64", "dimensions": 8})
         vec = np.frombuffer(base64.b64decode(raw.json()["data"][0]["embedding"]), dtype=np.float32)
         assert vec.shape == (8,) and abs(float(np.linalg.norm(vec)) - 1) < 1e-5
         ids = await client.embeddings.create(model="m", input=[[5, 6, 7], [8, 9]])
         assert len(ids.data) == 2
-        for body, param in [({"input": []}, "input"), ({"input": "hi", "dimensions": 4096}, "dimensions"),
-                            ({"input": [10 ** 9]}, "input")]:
+        for body, param in [
+            ({"input": []}, "input"),
+            ({"input": "hi", "dimensions": 4096}, "dimensions"),
+            ({"input": [10**9]}, "input"),
+        ]:
             resp = await http.post("/v1/embeddings", json=body)
             assert resp.status_code == 400 and resp.json()["error"]["param"] == param, resp.text
+
     with served(tiny_llama) as (state, http, client):
         asyncio.run(main(state, http, client))
 

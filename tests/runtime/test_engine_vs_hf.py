@@ -25,13 +25,16 @@ def test_greedy_matches_transformers(arch, tiny_models, make_llm):
         assert out.outputs[0].finish_reason == "length"
 
 
-@pytest.mark.parametrize("variant", [
-    dict(enable_prefix_caching=False),
-    dict(max_num_batched_tokens=32),  # long prompts are chunked across steps
-    dict(num_gpu_blocks=24, max_num_seqs=16, max_model_len=256),  # preemption by recompute
-    dict(block_size=8, max_num_seqs=3),
-    dict(block_size=32),
-])
+@pytest.mark.parametrize(
+    "variant",
+    [
+        dict(enable_prefix_caching=False),
+        dict(max_num_batched_tokens=32),  # long prompts are chunked across steps
+        dict(num_gpu_blocks=24, max_num_seqs=16, max_model_len=256),  # preemption by recompute
+        dict(block_size=8, max_num_seqs=3),
+        dict(block_size=32),
+    ],
+)
 def test_greedy_matches_under_constraints(variant, tiny_llama, make_llm):
     llm = make_llm(tiny_llama, **variant)
     prompts = _prompts(llm.engine.model_config.vocab_size)
@@ -83,8 +86,7 @@ def test_parallel_samples_share_prompt_blocks(tiny_llama, make_llm):
     assert len(out.outputs) == 4 and all(len(c.token_ids) == 6 for c in out.outputs)
     assert len({tuple(c.token_ids) for c in out.outputs}) > 1, "four samples at temperature 1 all equal"
     # Greedy n=2 gives two identical continuations equal to n=1.
-    outs = llm.generate([prompt], SamplingParams(n=2, temperature=0, max_tokens=6, ignore_eos=True),
-                        use_tqdm=False)
+    outs = llm.generate([prompt], SamplingParams(n=2, temperature=0, max_tokens=6, ignore_eos=True), use_tqdm=False)
     single = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True), use_tqdm=False)
     assert outs[0].outputs[0].token_ids == outs[0].outputs[1].token_ids == single[0].outputs[0].token_ids
 

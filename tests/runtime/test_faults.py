@@ -39,11 +39,14 @@ def baseline(tiny_llama):
     return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, greedy(), use_tqdm=False)]
 
 
-@pytest.mark.parametrize("processor, message", [
-    (raise_on_third, "logits processor failed: RuntimeError: boom"),
-    (nan_row, "non-finite logits"),
-    (wrong_shape, "logits processor failed: TypeError"),
-])
+@pytest.mark.parametrize(
+    "processor, message",
+    [
+        (raise_on_third, "logits processor failed: RuntimeError: boom"),
+        (nan_row, "non-finite logits"),
+        (wrong_shape, "logits processor failed: TypeError"),
+    ],
+)
 def test_a_failing_row_fails_only_its_request(make_llm, baseline, processor, message):
     llm = make_llm(max_model_len=64)
     params = [greedy() for _ in PROMPTS]
@@ -60,8 +63,7 @@ def test_a_failing_row_fails_only_its_request(make_llm, baseline, processor, mes
 def test_failing_sample_of_n_fails_its_whole_request(make_llm, baseline):
     llm = make_llm(max_model_len=64)
     params = [greedy() for _ in PROMPTS]
-    params[2] = SamplingParams(n=3, temperature=0.0, max_tokens=8, ignore_eos=True,
-                               logits_processors=[raise_on_third])
+    params[2] = SamplingParams(n=3, temperature=0.0, max_tokens=8, ignore_eos=True, logits_processors=[raise_on_third])
     outs = llm.generate(PROMPTS, params, use_tqdm=False)
     assert all(c.finish_reason == "error" for c in outs[2].outputs) and "boom" in outs[2].error
     assert [outs[i].outputs[0].token_ids for i in (0, 1, 3)] == [baseline[i] for i in (0, 1, 3)]

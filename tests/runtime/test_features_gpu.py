@@ -42,8 +42,15 @@ def test_grouped_moe_op_replays_in_a_cuda_graph():
 def _engine_pair(model: str, **kw):
     from engine.entrypoints.llm import LLM
 
-    common = dict(model=model, device="cuda", dtype="float32", max_num_seqs=8, max_model_len=256,
-                  num_gpu_blocks=256, cuda_graph_sizes=[1, 2, 4, 8])
+    common = dict(
+        model=model,
+        device="cuda",
+        dtype="float32",
+        max_num_seqs=8,
+        max_model_len=256,
+        num_gpu_blocks=256,
+        cuda_graph_sizes=[1, 2, 4, 8],
+    )
     return LLM(**common, **kw), LLM(**common, enforce_eager=True)
 
 
@@ -60,18 +67,33 @@ def test_lora_spec_decode_and_structured_outputs_with_graphs(tiny_llama, tmp_pat
     from engine.models.config import ModelConfig
 
     config = ModelConfig.from_dir(tiny_llama)
-    adapters = [LoRARequest(f"a{i}", i + 1, str(write_random_adapter(config, tmp_path / f"a{i}", 8, seed=i)))
-                for i in range(2)]
-    common = dict(model=str(tiny_llama), device="cuda", dtype="float32", max_num_seqs=8, max_model_len=256,
-                  num_gpu_blocks=256, cuda_graph_sizes=[1, 2, 4, 8], enable_lora=True, max_loras=2, max_lora_rank=8)
+    adapters = [
+        LoRARequest(f"a{i}", i + 1, str(write_random_adapter(config, tmp_path / f"a{i}", 8, seed=i))) for i in range(2)
+    ]
+    common = dict(
+        model=str(tiny_llama),
+        device="cuda",
+        dtype="float32",
+        max_num_seqs=8,
+        max_model_len=256,
+        num_gpu_blocks=256,
+        cuda_graph_sizes=[1, 2, 4, 8],
+        enable_lora=True,
+        max_loras=2,
+        max_lora_rank=8,
+    )
     graphs = LLM(**common, speculative_method="ngram", num_speculative_tokens=3)
     eager = LLM(**common, enforce_eager=True)
     loras = [None, adapters[0], adapters[1]] * 4
     a = graphs.generate(PROMPTS, GREEDY, use_tqdm=False, lora_request=loras)
     b = eager.generate(PROMPTS, GREEDY, use_tqdm=False, lora_request=loras)
     assert [o.outputs[0].token_ids for o in a] == [o.outputs[0].token_ids for o in b]
-    choice = SamplingParams(temperature=0.8, seed=1, max_tokens=40,
-                            structured_outputs=StructuredOutputsParams(choice=["alpha", "beta gamma"]))
+    choice = SamplingParams(
+        temperature=0.8,
+        seed=1,
+        max_tokens=40,
+        structured_outputs=StructuredOutputsParams(choice=["alpha", "beta gamma"]),
+    )
     outs = graphs.generate(PROMPTS[:4], choice, use_tqdm=False)
     assert all(o.outputs[0].text in ("alpha", "beta gamma") for o in outs)
     for llm in (graphs, eager):

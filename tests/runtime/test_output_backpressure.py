@@ -44,6 +44,7 @@ async def _read(engine: AsyncEngine, prompt: str, stall_s: float = 0.0) -> tuple
 def _run(engine: AsyncEngine, stall_s: float = 0.0):
     engine.start()
     try:
+
         async def main():
             return await asyncio.gather(*(_read(engine, p, stall_s) for p in PROMPTS))
 
@@ -55,8 +56,12 @@ def _run(engine: AsyncEngine, stall_s: float = 0.0):
 def test_slow_output_thread_holds_the_step_thread_and_drops_nothing(tiny_llama, make_llm):
     want = make_llm(**SETTINGS).generate(PROMPTS, PARAMS, use_tqdm=False)
     listener = _SlowListener()
-    engine = AsyncEngine(LLMEngine.from_settings(EngineSettings(model=str(tiny_llama), **SETTINGS)), listener=listener,
-                         idle_poll_s=0.05, max_pending_steps=2)
+    engine = AsyncEngine(
+        LLMEngine.from_settings(EngineSettings(model=str(tiny_llama), **SETTINGS)),
+        listener=listener,
+        idle_poll_s=0.05,
+        max_pending_steps=2,
+    )
     listener.engine = engine
     got = _run(engine)
     for (ids, text, _), ref in zip(got, want):
@@ -87,8 +92,13 @@ def test_stalled_event_loop_gets_merged_deltas(tiny_llama, make_llm, monkeypatch
 
 
 def _out(text: str, ids: list[int], finished: bool = False) -> RequestOutput:
-    return RequestOutput("r", "", [], [CompletionOutput(0, text, ids, None, None, finish_reason="length" if finished else None)],
-                         finished=finished)
+    return RequestOutput(
+        "r",
+        "",
+        [],
+        [CompletionOutput(0, text, ids, None, None, finish_reason="length" if finished else None)],
+        finished=finished,
+    )
 
 
 def test_mailbox_merges_per_stream_and_schedules_one_callback():

@@ -34,8 +34,16 @@ async def _collect(engine: AsyncEngine, prompt, params):
 
 
 def _offline(out):
-    return [{"text": c.text, "ids": list(c.token_ids), "lps": list(c.logprobs or []), "finish": c.finish_reason,
-             "stop": c.stop_reason} for c in sorted(out.outputs, key=lambda c: c.index)]
+    return [
+        {
+            "text": c.text,
+            "ids": list(c.token_ids),
+            "lps": list(c.logprobs or []),
+            "finish": c.finish_reason,
+            "stop": c.stop_reason,
+        }
+        for c in sorted(out.outputs, key=lambda c: c.index)
+    ]
 
 
 def _without_lps(choices_per_prompt):
@@ -46,11 +54,14 @@ def test_text_is_built_off_the_step_thread_and_equals_offline(tiny_llama, make_l
     offline = make_llm(**SETTINGS)
     ref = offline.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=20, ignore_eos=True), use_tqdm=False)
     stops = [r.outputs[0].text[4:6] for r in ref]  # each hit a few tokens in
-    params = [SamplingParams(temperature=0, max_tokens=20, stop=[stops[0]], ignore_eos=True),
-              SamplingParams(temperature=0, max_tokens=20, stop=[stops[1]], include_stop_str_in_output=True, ignore_eos=True,
-                             logprobs=2),
-              SamplingParams(n=2, temperature=1.0, seed=3, max_tokens=12, stop=[stops[2]]),
-              SamplingParams(temperature=0, max_tokens=20, stop=[stops[3]], min_tokens=8)]
+    params = [
+        SamplingParams(temperature=0, max_tokens=20, stop=[stops[0]], ignore_eos=True),
+        SamplingParams(
+            temperature=0, max_tokens=20, stop=[stops[1]], include_stop_str_in_output=True, ignore_eos=True, logprobs=2
+        ),
+        SamplingParams(n=2, temperature=1.0, seed=3, max_tokens=12, stop=[stops[2]]),
+        SamplingParams(temperature=0, max_tokens=20, stop=[stops[3]], min_tokens=8),
+    ]
     want = [_offline(o) for o in offline.generate(PROMPTS, params, use_tqdm=False)]
     assert want[0][0]["finish"] == "stop" and want[1][0]["finish"] == "stop"
 
@@ -68,6 +79,7 @@ def test_text_is_built_off_the_step_thread_and_equals_offline(tiny_llama, make_l
     engine.engine.outputs.process = lambda updates: inline.append(updates)
     engine.start()
     try:
+
         async def main():
             return await asyncio.gather(*(_collect(engine, p, q) for p, q in zip(PROMPTS, params)))
 

@@ -67,8 +67,10 @@ def test_overlap_equals_serial_across_features(make_llm):
 def test_overlap_equals_serial_under_kv_pressure(make_llm, mode):
     settings = dict(num_gpu_blocks=14, max_model_len=128, max_num_seqs=8, preemption_mode=mode, swap_space_gb=0.01)
     serial, overlap = _pair(make_llm, **settings)
-    params = [SamplingParams(temperature=0, max_tokens=40, ignore_eos=True),
-              SamplingParams(temperature=0.8, seed=3, max_tokens=40, ignore_eos=True)] * 4
+    params = [
+        SamplingParams(temperature=0, max_tokens=40, ignore_eos=True),
+        SamplingParams(temperature=0.8, seed=3, max_tokens=40, ignore_eos=True),
+    ] * 4
 
     def run(llm):
         return _summary(llm.generate(PROMPTS, params, use_tqdm=False))
@@ -113,8 +115,10 @@ def test_overlap_with_aborts_and_prefix_caching(make_llm):
 def test_overlap_with_spec_decode_and_structured_outputs(make_llm):
     settings = dict(max_num_seqs=4, speculative_method="ngram", num_speculative_tokens=3)
     serial, overlap = _pair(make_llm, **settings)
-    params = [SamplingParams(temperature=0, max_tokens=16, ignore_eos=True),
-              SamplingParams(temperature=0, max_tokens=12, structured_outputs=StructuredOutputsParams(regex="[ab]{3,8}"))]
+    params = [
+        SamplingParams(temperature=0, max_tokens=16, ignore_eos=True),
+        SamplingParams(temperature=0, max_tokens=12, structured_outputs=StructuredOutputsParams(regex="[ab]{3,8}")),
+    ]
 
     def run(llm):
         return _summary(llm.generate([[44] * 12 + [45, 44, 45], PROMPTS[2]], params, use_tqdm=False))
@@ -126,13 +130,13 @@ def test_overlap_with_structured_outputs_and_beam_search(make_llm):
     from engine.runtime.beam_search import BeamSearchParams
 
     serial, overlap = _pair(make_llm, max_num_seqs=8)
-    constrained = SamplingParams(temperature=0, max_tokens=12,
-                                 structured_outputs=StructuredOutputsParams(regex="(ab|c)+d"))
+    constrained = SamplingParams(
+        temperature=0, max_tokens=12, structured_outputs=StructuredOutputsParams(regex="(ab|c)+d")
+    )
     free = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 
     def run(llm):
-        outs = _summary(llm.generate([PROMPTS[0], PROMPTS[1], PROMPTS[3]], [constrained, free, free],
-                                     use_tqdm=False))
+        outs = _summary(llm.generate([PROMPTS[0], PROMPTS[1], PROMPTS[3]], [constrained, free, free], use_tqdm=False))
         beams = llm.beam_search([PROMPTS[2]], BeamSearchParams(beam_width=2, max_tokens=5))
         return outs, [[tuple(c.token_ids) for c in b.outputs] for b in beams]
 

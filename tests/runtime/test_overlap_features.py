@@ -13,8 +13,12 @@ from engine.core.request import StructuredOutputsParams
 from tests.support.engine import assert_engine_clean
 from tests.support.overlap import PROMPTS, _summary
 
-SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "string", "maxLength": 4}},
-          "required": ["a", "b"], "additionalProperties": False}
+SCHEMA = {
+    "type": "object",
+    "properties": {"a": {"type": "integer"}, "b": {"type": "string", "maxLength": 4}},
+    "required": ["a", "b"],
+    "additionalProperties": False,
+}
 REGEX = StructuredOutputsParams(regex=r"[a-c]{2,4}-\d{2}")
 JSON = StructuredOutputsParams(json=SCHEMA, disable_any_whitespace=True)
 CHOICE = StructuredOutputsParams(choice=["yes", "no"])
@@ -122,8 +126,9 @@ def pair(shared_pair):
 
 @pytest.fixture(scope="module")
 def pressure_pair(tiny_llama):
-    return _pair(tiny_llama, num_gpu_blocks=12, max_model_len=96, max_num_seqs=6, preemption_mode="swap",
-                 swap_space_gb=0.01)
+    return _pair(
+        tiny_llama, num_gpu_blocks=12, max_model_len=96, max_num_seqs=6, preemption_mode="swap", swap_space_gb=0.01
+    )
 
 
 def _generate(llm, prompts, params):
@@ -138,8 +143,15 @@ def test_penalties_overlap_and_equal_serial(pair):
         SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, frequency_penalty=0.7),
         SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, presence_penalty=1.2),
         SamplingParams(temperature=0, max_tokens=18, ignore_eos=True, repetition_penalty=1.6),
-        SamplingParams(temperature=0.9, seed=4, max_tokens=22, ignore_eos=True, frequency_penalty=0.5,
-                       presence_penalty=0.4, repetition_penalty=1.2),
+        SamplingParams(
+            temperature=0.9,
+            seed=4,
+            max_tokens=22,
+            ignore_eos=True,
+            frequency_penalty=0.5,
+            presence_penalty=0.4,
+            repetition_penalty=1.2,
+        ),
         SamplingParams(temperature=0, max_tokens=16, ignore_eos=True),  # plain, beside them
         SamplingParams(temperature=0.8, seed=9, max_tokens=12, ignore_eos=True, logprobs=2),
         SamplingParams(n=2, temperature=1.0, seed=1, max_tokens=10, ignore_eos=True, frequency_penalty=0.9),
@@ -185,10 +197,16 @@ def test_invalid_token_under_a_grammar_fails_alike(pair):
     serial, overlap, _ = pair
     tokenizer = serial.engine.tokenizer
     digits = [tokenizer.convert_tokens_to_ids(str(d)) for d in range(10)]
-    params = [SamplingParams(temperature=0, max_tokens=20, ignore_eos=True),
-              SamplingParams(temperature=0, max_tokens=20, structured_outputs=StructuredOutputsParams(regex="[a-c]+x"),
-                             allowed_token_ids=[t for t in digits if t is not None]),
-              SamplingParams(temperature=0, max_tokens=20, structured_outputs=REGEX)]
+    params = [
+        SamplingParams(temperature=0, max_tokens=20, ignore_eos=True),
+        SamplingParams(
+            temperature=0,
+            max_tokens=20,
+            structured_outputs=StructuredOutputsParams(regex="[a-c]+x"),
+            allowed_token_ids=[t for t in digits if t is not None],
+        ),
+        SamplingParams(temperature=0, max_tokens=20, structured_outputs=REGEX),
+    ]
 
     def run(llm):
         outs = llm.generate(PROMPTS[:3], params, use_tqdm=False)
@@ -203,22 +221,25 @@ def test_invalid_token_under_a_grammar_fails_alike(pair):
 def test_logits_processors_overlap_and_see_the_serial_history(pair):
     """A user processor reads the output token ids on the host: with overlap it is called after
     the previous step was processed, so it sees exactly the serial loop's histories."""
+
     def make(seen):
         def proc(out_ids, row):
             seen.append(tuple(out_ids))
             row = row.clone()
             row[out_ids[-1] if out_ids else 0] -= 5.0  # no immediate repeats
             return row
+
         return proc
 
     serial, overlap, order = pair
     histories = {}
     for name, llm in (("serial", serial), ("overlap", overlap)):
         seen = histories[name] = []
-        params = [SamplingParams(temperature=0, max_tokens=14, ignore_eos=True, logits_processors=[make(seen)]),
-                  SamplingParams(temperature=0, max_tokens=20, ignore_eos=True),
-                  SamplingParams(temperature=0.5, seed=2, max_tokens=9, ignore_eos=True,
-                                 logits_processors=[make(seen)])]
+        params = [
+            SamplingParams(temperature=0, max_tokens=14, ignore_eos=True, logits_processors=[make(seen)]),
+            SamplingParams(temperature=0, max_tokens=20, ignore_eos=True),
+            SamplingParams(temperature=0.5, seed=2, max_tokens=9, ignore_eos=True, logits_processors=[make(seen)]),
+        ]
         histories[name + "_out"] = _generate(llm, PROMPTS[:3], params)
     assert histories["overlap_out"] == histories["serial_out"]
     assert sorted(histories["overlap"]) == sorted(histories["serial"])
@@ -232,10 +253,12 @@ def test_features_under_kv_pressure(pressure_pair, mode):
     order.events.clear()
     for llm in (serial, overlap):  # (one pair of engines for both modes: the pool has swap space for "swap")
         llm.engine.core.scheduler.preemption.mode = mode
-    params = [SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, frequency_penalty=0.6),
-              SamplingParams(temperature=0.8, seed=3, max_tokens=30, ignore_eos=True, repetition_penalty=1.3),
-              SamplingParams(temperature=0, max_tokens=30, structured_outputs=REGEX, presence_penalty=0.5),
-              SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)]
+    params = [
+        SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, frequency_penalty=0.6),
+        SamplingParams(temperature=0.8, seed=3, max_tokens=30, ignore_eos=True, repetition_penalty=1.3),
+        SamplingParams(temperature=0, max_tokens=30, structured_outputs=REGEX, presence_penalty=0.5),
+        SamplingParams(temperature=0, max_tokens=30, ignore_eos=True),
+    ]
     prompts = [PROMPTS[i] for i in (0, 3, 2, 7, 1, 5)]
     before = overlap.engine.core.scheduler.preemptions_by_mode[mode]
     want = _generate(serial, prompts, params + params[:2])
@@ -250,8 +273,7 @@ def test_penalties_with_prefix_caching(pair):
     serial, overlap, order = pair
     shared = list(range(10, 58))
     prompts = [shared + [100 + i] for i in range(5)]
-    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, repetition_penalty=1.5,
-                            presence_penalty=0.5)
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, repetition_penalty=1.5, presence_penalty=0.5)
 
     def run(llm):
         hits = llm.engine.core.pool.counters.prefix_hits
@@ -282,10 +304,13 @@ def test_penalty_counts_take_the_in_flight_token_on_the_device():
     known, fed = Sampler(torch.device("cpu"), (0,)), Sampler(torch.device("cpu"), (0,))
     for step in range(1, 5):
         rows_known = [SampleRow(params, prompts[k] + outputs[k][:step], 3, 0, key=k) for k in (7, 9)]
-        rows_fed = [SampleRow(params, prompts[k] + outputs[k][:step - 1] + [PLACEHOLDER], 3, 0, key=k) for k in (7, 9)]
+        rows_fed = [SampleRow(params, prompts[k] + outputs[k][: step - 1] + [PLACEHOLDER], 3, 0, key=k) for k in (7, 9)]
         # the previous step's tokens: seq 9 sampled row 0 and seq 7 row 1 (another order than this step's)
-        last = LastSampled(torch.tensor([outputs[9][step - 1], outputs[7][step - 1]]),
-                           [SimpleNamespace(seq_id=9), SimpleNamespace(seq_id=7)], decode=True)
+        last = LastSampled(
+            torch.tensor([outputs[9][step - 1], outputs[7][step - 1]]),
+            [SimpleNamespace(seq_id=9), SimpleNamespace(seq_id=7)],
+            decode=True,
+        )
         want = known._apply_penalties(logits, rows_known, None)
         got = fed._apply_penalties(logits, rows_fed, last)
         torch.testing.assert_close(got, want)

@@ -18,10 +18,17 @@ def rows_for(params_list, prompt=(1, 2, 3), outputs=()):
 
 
 def test_invalid_params_are_rejected_with_the_field_named():
-    for kwargs, field in [(dict(temperature=-1), "temperature"), (dict(n=0), "n"), (dict(top_p=0), "top_p"),
-                          (dict(top_k=-5), "top_k"), (dict(max_tokens=0), "max_tokens"),
-                          (dict(min_tokens=5, max_tokens=2), "min_tokens"), (dict(logprobs=-1), "logprobs"),
-                          (dict(stop=[""]), "stop"), (dict(repetition_penalty=0), "repetition_penalty")]:
+    for kwargs, field in [
+        (dict(temperature=-1), "temperature"),
+        (dict(n=0), "n"),
+        (dict(top_p=0), "top_p"),
+        (dict(top_k=-5), "top_k"),
+        (dict(max_tokens=0), "max_tokens"),
+        (dict(min_tokens=5, max_tokens=2), "min_tokens"),
+        (dict(logprobs=-1), "logprobs"),
+        (dict(stop=[""]), "stop"),
+        (dict(repetition_penalty=0), "repetition_penalty"),
+    ]:
         with pytest.raises(InvalidRequestError) as info:
             SamplingParams(**kwargs)
         assert info.value.param == field
@@ -30,9 +37,13 @@ def test_invalid_params_are_rejected_with_the_field_named():
 def test_top_k_and_top_p_and_min_p_restrict_the_support():
     sampler = Sampler(torch.device("cpu"), eos_token_ids=(0,), seed=0)
     logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]])).repeat(400, 1)
-    for params, allowed in [(SamplingParams(top_k=2), {0, 1}), (SamplingParams(top_p=0.7), {0, 1}),
-                            (SamplingParams(top_p=0.5), {0}), (SamplingParams(min_p=0.5), {0, 1}),
-                            (SamplingParams(top_k=3, top_p=0.99), {0, 1, 2})]:
+    for params, allowed in [
+        (SamplingParams(top_k=2), {0, 1}),
+        (SamplingParams(top_p=0.7), {0, 1}),
+        (SamplingParams(top_p=0.5), {0}),
+        (SamplingParams(min_p=0.5), {0, 1}),
+        (SamplingParams(top_k=3, top_p=0.99), {0, 1, 2}),
+    ]:
         out = sampler(logits, rows_for([params] * 400))
         assert set(out.token_ids) == allowed, params
 
@@ -52,8 +63,9 @@ def test_seeded_rows_do_not_depend_on_the_batch():
     logits = torch.randn(5, 50)
     seeded = SamplingParams(temperature=1.0, seed=1234)
     alone = sampler(logits[2:3], rows_for([seeded])).token_ids[0]
-    mixed = sampler(logits, rows_for([SamplingParams(temperature=0.7)] * 2 + [seeded] +
-                                     [SamplingParams(temperature=0)] * 2)).token_ids[2]
+    mixed = sampler(
+        logits, rows_for([SamplingParams(temperature=0.7)] * 2 + [seeded] + [SamplingParams(temperature=0)] * 2)
+    ).token_ids[2]
     assert alone == mixed
 
 
@@ -62,9 +74,11 @@ def test_penalties_push_down_seen_tokens():
     logits = torch.tensor([[1.0, 2.0, 1.9, 0.5]])
     greedy = SamplingParams(temperature=0)
     assert sampler(logits, rows_for([greedy], prompt=(3,), outputs=(1,))).token_ids == [1]
-    for p in (SamplingParams(temperature=0, presence_penalty=0.5),
-              SamplingParams(temperature=0, frequency_penalty=0.5),
-              SamplingParams(temperature=0, repetition_penalty=1.2)):
+    for p in (
+        SamplingParams(temperature=0, presence_penalty=0.5),
+        SamplingParams(temperature=0, frequency_penalty=0.5),
+        SamplingParams(temperature=0, repetition_penalty=1.2),
+    ):
         assert sampler(logits, rows_for([p], prompt=(3,), outputs=(1,))).token_ids == [2], p
     # repetition penalty also covers prompt tokens
     p = SamplingParams(temperature=0, repetition_penalty=1.2)
@@ -83,16 +97,24 @@ def test_logit_bias_and_allowed_token_ids():
     sampler = Sampler(torch.device("cpu"), eos_token_ids=(0,), seed=0)
     logits = torch.tensor([[1.0, 3.0, 2.0, 0.0]]).repeat(3, 1)
     greedy = SamplingParams(temperature=0)
-    rows = rows_for([SamplingParams(temperature=0, logit_bias={"3": 5}), greedy,
-                     SamplingParams(temperature=0, logit_bias={1: -100}, logprobs=1)])
+    rows = rows_for(
+        [
+            SamplingParams(temperature=0, logit_bias={"3": 5}),
+            greedy,
+            SamplingParams(temperature=0, logit_bias={1: -100}, logprobs=1),
+        ]
+    )
     out = sampler(logits, rows)
     assert out.token_ids == [3, 1, 2]  # the unbiased row in the same batch is untouched
     assert out.logprobs[2][0] == pytest.approx(torch.log_softmax(logits[0], 0)[2].item())  # logprobs: raw logits
     allowed = SamplingParams(temperature=1.0, allowed_token_ids=[0, 3], seed=3)
     picks = sampler(logits, rows_for([allowed] * 3)).token_ids
     assert set(picks) <= {0, 3}
-    for kwargs, field in [(dict(logit_bias={1: 101}), "logit_bias"), (dict(logit_bias={"x": 1}), "logit_bias"),
-                          (dict(allowed_token_ids=[]), "allowed_token_ids")]:
+    for kwargs, field in [
+        (dict(logit_bias={1: 101}), "logit_bias"),
+        (dict(logit_bias={"x": 1}), "logit_bias"),
+        (dict(allowed_token_ids=[]), "allowed_token_ids"),
+    ]:
         with pytest.raises(InvalidRequestError) as info:
             SamplingParams(**kwargs)
         assert info.value.param == field
@@ -110,6 +132,7 @@ def test_logprobs_are_normalised_and_include_the_chosen_token():
 
 # ---- end to end through the engine ----
 
+
 def test_same_seed_same_output_whatever_the_batch(make_llm):
     llm = make_llm()
     p = SamplingParams(temperature=0.9, top_p=0.95, seed=42, max_tokens=10, ignore_eos=True)
@@ -117,29 +140,40 @@ def test_same_seed_same_output_whatever_the_batch(make_llm):
     noise = SamplingParams(temperature=1.0, max_tokens=10, ignore_eos=True)
     batch = llm.generate(["Hello", "A kiln is", "The quick"], [noise, p, noise], use_tqdm=False)
     assert batch[1].outputs[0].token_ids == alone
-    other = llm.generate(["A kiln is"], SamplingParams(temperature=0.9, top_p=0.95, seed=43, max_tokens=10,
-                                                       ignore_eos=True), use_tqdm=False)
+    other = llm.generate(
+        ["A kiln is"],
+        SamplingParams(temperature=0.9, top_p=0.95, seed=43, max_tokens=10, ignore_eos=True),
+        use_tqdm=False,
+    )
     assert other[0].outputs[0].token_ids != alone
 
 
 def test_stop_strings_and_stop_token_ids(make_llm):
     llm = make_llm()
-    base = llm.generate(["Hello"], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True),
-                        use_tqdm=False)[0].outputs[0]
+    base = llm.generate(["Hello"], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True), use_tqdm=False)[
+        0
+    ].outputs[0]
     text = base.text
     stop = text[5:8]
     assert stop and stop in text
-    out = llm.generate(["Hello"], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, stop=[stop]),
-                       use_tqdm=False)[0].outputs[0]
+    out = llm.generate(
+        ["Hello"], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, stop=[stop]), use_tqdm=False
+    )[0].outputs[0]
     assert out.finish_reason == "stop" and out.stop_reason == stop
-    assert out.text == text[:text.index(stop)]
-    kept = llm.generate(["Hello"], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, stop=[stop],
-                                                  include_stop_str_in_output=True), use_tqdm=False)[0].outputs[0]
-    assert kept.text == text[:text.index(stop) + len(stop)]
+    assert out.text == text[: text.index(stop)]
+    kept = llm.generate(
+        ["Hello"],
+        SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, stop=[stop], include_stop_str_in_output=True),
+        use_tqdm=False,
+    )[0].outputs[0]
+    assert kept.text == text[: text.index(stop) + len(stop)]
     stop_id = base.token_ids[3]
-    out = llm.generate(["Hello"], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True,
-                                                 stop_token_ids=[stop_id]), use_tqdm=False)[0].outputs[0]
-    assert out.token_ids == base.token_ids[:base.token_ids.index(stop_id) + 1]
+    out = llm.generate(
+        ["Hello"],
+        SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, stop_token_ids=[stop_id]),
+        use_tqdm=False,
+    )[0].outputs[0]
+    assert out.token_ids == base.token_ids[: base.token_ids.index(stop_id) + 1]
     assert out.finish_reason == "stop" and out.stop_reason == stop_id
 
 
@@ -175,8 +209,11 @@ def test_incremental_detokenisation_of_split_multibyte_characters(make_llm):
 
 def test_logprobs_and_n_through_generate(make_llm):
     llm = make_llm()
-    out = llm.generate(["Hello"], SamplingParams(n=3, temperature=0.8, seed=1, max_tokens=4, logprobs=3,
-                                                 ignore_eos=True), use_tqdm=False)[0]
+    out = llm.generate(
+        ["Hello"],
+        SamplingParams(n=3, temperature=0.8, seed=1, max_tokens=4, logprobs=3, ignore_eos=True),
+        use_tqdm=False,
+    )[0]
     assert [c.index for c in out.outputs] == [0, 1, 2]
     for c in out.outputs:
         assert len(c.logprobs) == 4
@@ -187,8 +224,7 @@ def test_logprobs_and_n_through_generate(make_llm):
 
 def test_chat_uses_the_template(make_llm):
     llm = make_llm()
-    out = llm.chat([{"role": "user", "content": "hi"}], SamplingParams(temperature=0, max_tokens=3),
-                   use_tqdm=False)[0]
+    out = llm.chat([{"role": "user", "content": "hi"}], SamplingParams(temperature=0, max_tokens=3), use_tqdm=False)[0]
     text = llm.tokenizer.decode(out.prompt_token_ids)
     assert text.startswith("<|im_start|>user\nhi<|im_end|>") and text.endswith("<|im_start|>assistant\n")
 
@@ -206,8 +242,9 @@ def test_output_kinds_delta_and_final_only_agree_with_cumulative(make_llm):
     stop = text[10:13]
     results: dict[str, dict] = {}
     for kind in ("cumulative", "delta", "final_only"):
-        params = SamplingParams(temperature=0.8, seed=5, n=2, max_tokens=24, ignore_eos=True, logprobs=1,
-                                stop=[stop], output_kind=kind)
+        params = SamplingParams(
+            temperature=0.8, seed=5, n=2, max_tokens=24, ignore_eos=True, logprobs=1, stop=[stop], output_kind=kind
+        )
         engine.add_request("Hello", params, request_id=kind)
         got = {"count": 0, "choices": {}}
         while engine.core.has_unfinished_requests():

@@ -30,17 +30,23 @@ def _workload(num_requests: int, seed: int):
     for i in range(num_requests):
         prompt = list(rng.choice(system)) if rng.random() < 0.6 else []
         prompt += [rng.randrange(5, 500) for _ in range(rng.randint(1, 14))]
-        reqs.append(dict(
-            rid=f"soak-{i}", prompt=prompt, max_tokens=rng.randint(1, 14),
-            n=rng.choice([1, 1, 1, 1, 2, 3]), priority=rng.choice([0, 1, 1, 2, 2, 3]),
-            detokenize=rng.random() < 0.1,
-        ))
+        reqs.append(
+            dict(
+                rid=f"soak-{i}",
+                prompt=prompt,
+                max_tokens=rng.randint(1, 14),
+                n=rng.choice([1, 1, 1, 1, 2, 3]),
+                priority=rng.choice([0, 1, 1, 2, 2, 3]),
+                detokenize=rng.random() < 0.1,
+            )
+        )
     return reqs
 
 
 def _params(r, n=None):
-    return SamplingParams(n=r["n"] if n is None else n, temperature=0.0, max_tokens=r["max_tokens"],
-                          detokenize=r["detokenize"])
+    return SamplingParams(
+        n=r["n"] if n is None else n, temperature=0.0, max_tokens=r["max_tokens"], detokenize=r["detokenize"]
+    )
 
 
 def test_soak_swap_recompute_priorities_aborts(make_llm):
@@ -57,9 +63,17 @@ def test_soak_swap_recompute_priorities_aborts(make_llm):
 
     cfg = ref.engine.model_config
     per_block = KVCache.bytes_per_block(cfg.num_layers, BLOCK, cfg.num_kv_heads, cfg.head_dim, ref.engine.core.dtype)
-    llm = make_llm(max_num_seqs=12, max_model_len=64, block_size=BLOCK, num_gpu_blocks=24,
-                   max_num_batched_tokens=48, preemption_mode="auto", swap_space_gb=16 * per_block / (1 << 30),
-                   reserved_blocks_fraction=0.1, reserved_priority=0)
+    llm = make_llm(
+        max_num_seqs=12,
+        max_model_len=64,
+        block_size=BLOCK,
+        num_gpu_blocks=24,
+        max_num_batched_tokens=48,
+        preemption_mode="auto",
+        swap_space_gb=16 * per_block / (1 << 30),
+        reserved_blocks_fraction=0.1,
+        reserved_priority=0,
+    )
     eng = llm.engine
     assert eng.core.swap_space is not None and eng.core.swap_space.num_blocks == 16
 
@@ -98,16 +112,19 @@ def test_soak_swap_recompute_priorities_aborts(make_llm):
 
     sched = eng.core.scheduler
     by_mode = sched.preemptions_by_mode
-    summary = (f"{num_requests} requests ({len(aborted)} aborted), {steps} steps, preemptions {by_mode}, "
-               f"swap fallbacks {sched.num_swap_fallbacks}, swapped out {eng.core.swap_space.bytes_out} B, "
-               f"blocks reused at swap-in {eng.core.swap_space.blocks_reused}, "
-               f"discarded {eng.core.swap_space.blocks_discarded}, "
-               f"max requests swapped {max_swapped}, ref {t_ref:.1f}s, total {time.perf_counter() - t0:.1f}s")
+    summary = (
+        f"{num_requests} requests ({len(aborted)} aborted), {steps} steps, preemptions {by_mode}, "
+        f"swap fallbacks {sched.num_swap_fallbacks}, swapped out {eng.core.swap_space.bytes_out} B, "
+        f"blocks reused at swap-in {eng.core.swap_space.blocks_reused}, "
+        f"discarded {eng.core.swap_space.blocks_discarded}, "
+        f"max requests swapped {max_swapped}, ref {t_ref:.1f}s, total {time.perf_counter() - t0:.1f}s"
+    )
     print(summary)
     assert by_mode["swap"] >= num_requests // 50 and by_mode["recompute"] >= num_requests // 50, summary
     space = eng.core.swap_space
     # Every block swapped out came back (copied or found still cached), or was dropped with its
     # request (aborted while swapped out, or demoted to recompute).
-    assert space.bytes_out == space.bytes_in + (space.blocks_reused + space.blocks_discarded) * \
-        space.bytes_per_block > 0
+    assert (
+        space.bytes_out == space.bytes_in + (space.blocks_reused + space.blocks_discarded) * space.bytes_per_block > 0
+    )
     assert len(aborted) >= num_requests // 100

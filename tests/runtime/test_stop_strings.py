@@ -50,9 +50,11 @@ alphabet = st.sampled_from("abc")
 
 
 @settings(max_examples=400, deadline=None, derandomize=True, database=None)
-@given(pieces=st.lists(st.text(alphabet, max_size=4), max_size=12),
-       stops=st.lists(st.text(alphabet, min_size=1, max_size=5), min_size=1, max_size=6),
-       skip_first=st.integers(0, 3))
+@given(
+    pieces=st.lists(st.text(alphabet, max_size=4), max_size=12),
+    stops=st.lists(st.text(alphabet, min_size=1, max_size=5), min_size=1, max_size=6),
+    skip_first=st.integers(0, 3),
+)
 def test_matcher_agrees_with_searching_every_string(pieces, stops, skip_first):
     got, want = check_stream(pieces, stops, skip_first)
     assert got == want

@@ -54,7 +54,7 @@ SPECS = {
     "json_compact": StructuredOutputsParams(json=SCHEMA, disable_any_whitespace=True),
     "json_object": StructuredOutputsParams(json_object=True, disable_any_whitespace=True),
     "regex": StructuredOutputsParams(regex=r"[a-c]{2,4}-\d{2}"),
-    "choice": StructuredOutputsParams(choice=["yes", "no", "it depends, \"really\"\n"]),
+    "choice": StructuredOutputsParams(choice=["yes", "no", 'it depends, "really"\n']),
     "grammar": StructuredOutputsParams(grammar='root ::= "(" num ("," num)* ")"\nnum ::= [0-9] | [1-9] [0-9]'),
 }
 
@@ -110,8 +110,9 @@ def test_greedy_equals_transformers_with_the_same_grammar(make_llm, tiny_llama):
     params = _constrained(spec, temperature=0.0, max_tokens=40)
     outs = llm.generate(PROMPTS, params, use_tqdm=False)
     for prompt, out in zip(PROMPTS, outs):
-        want = _hf_constrained_greedy(str(tiny_llama), engine.tokenizer, engine.eos_token_ids,
-                                      out.prompt_token_ids, spec, 40)
+        want = _hf_constrained_greedy(
+            str(tiny_llama), engine.tokenizer, engine.eos_token_ids, out.prompt_token_ids, spec, 40
+        )
         assert out.outputs[0].token_ids == want, prompt
 
 
@@ -122,8 +123,9 @@ def test_preemption_keeps_the_matchers_in_step(mode, make_llm):
     prompts = [f"{p} {i} " * (1 + i % 3) for i, p in enumerate(PROMPTS * 3)]
     params = _constrained(spec, temperature=0.0, max_tokens=48, ignore_eos=True)
     want = [o.outputs[0].token_ids for o in make_llm(max_num_seqs=12).generate(prompts, params, use_tqdm=False)]
-    small = make_llm(max_num_seqs=12, num_gpu_blocks=24, block_size=8, preemption_mode=mode,
-                     swap_space_gb=0.01, max_model_len=128)
+    small = make_llm(
+        max_num_seqs=12, num_gpu_blocks=24, block_size=8, preemption_mode=mode, swap_space_gb=0.01, max_model_len=128
+    )
     outs = small.generate(prompts, params, use_tqdm=False)
     assert sum(c.num_preemptions for o in outs for c in o.outputs) > 0, "the pool never ran short"
     assert [o.outputs[0].token_ids for o in outs] == want
@@ -134,8 +136,11 @@ def test_preemption_keeps_the_matchers_in_step(mode, make_llm):
 def test_ignore_eos_still_ends_a_complete_output(make_llm):
     """The grammar's stop token ends the output even with ignore_eos (there is nothing else to sample)."""
     spec = SPECS["choice"]
-    out = make_llm().generate(["hi"], _constrained(spec, temperature=0.0, ignore_eos=True, max_tokens=50),
-                              use_tqdm=False)[0].outputs[0]
+    out = (
+        make_llm()
+        .generate(["hi"], _constrained(spec, temperature=0.0, ignore_eos=True, max_tokens=50), use_tqdm=False)[0]
+        .outputs[0]
+    )
     assert out.finish_reason == "stop"
     assert out.text in spec.choice
     assert len(out.token_ids) < 50
@@ -143,8 +148,9 @@ def test_ignore_eos_still_ends_a_complete_output(make_llm):
 
 def test_min_tokens_gives_way_to_a_grammar_that_can_only_stop(make_llm):
     spec = StructuredOutputsParams(choice=["a"])
-    out = make_llm().generate(["hi"], _constrained(spec, temperature=0.0, min_tokens=10, max_tokens=20),
-                              use_tqdm=False)[0]
+    out = make_llm().generate(
+        ["hi"], _constrained(spec, temperature=0.0, min_tokens=10, max_tokens=20), use_tqdm=False
+    )[0]
     assert out.error is None
     assert out.outputs[0].text == "a" and out.outputs[0].finish_reason == "stop"
 
@@ -164,11 +170,14 @@ def test_constrained_and_free_requests_share_a_batch(make_llm):
     assert_engine_clean(engine)
 
 
-@pytest.mark.parametrize("spec, message", [
-    (dict(json={"type": "object", "properties": {"a": {"$ref": "#/nowhere"}}}), "does not compile"),
-    (dict(regex="(unclosed"), "regex constraint does not compile"),
-    (dict(grammar="root ::= undefined_rule"), "grammar constraint does not compile"),
-])
+@pytest.mark.parametrize(
+    "spec, message",
+    [
+        (dict(json={"type": "object", "properties": {"a": {"$ref": "#/nowhere"}}}), "does not compile"),
+        (dict(regex="(unclosed"), "regex constraint does not compile"),
+        (dict(grammar="root ::= undefined_rule"), "grammar constraint does not compile"),
+    ],
+)
 def test_a_constraint_that_does_not_compile_is_a_clear_error(spec, message, make_llm):
     llm = make_llm()
     with pytest.raises(InvalidRequestError, match=message) as info:
@@ -178,13 +187,16 @@ def test_a_constraint_that_does_not_compile_is_a_clear_error(spec, message, make
     assert not llm.engine.core.has_unfinished_requests()
 
 
-@pytest.mark.parametrize("spec, message", [
-    (dict(), "exactly one"),
-    (dict(regex="a", choice=["a"]), "exactly one"),
-    (dict(choice=[]), "non-empty list"),
-    (dict(json="{not json"), "not valid JSON"),
-    (dict(json=[1, 2]), "JSON schema object"),
-])
+@pytest.mark.parametrize(
+    "spec, message",
+    [
+        (dict(), "exactly one"),
+        (dict(regex="a", choice=["a"]), "exactly one"),
+        (dict(choice=[]), "non-empty list"),
+        (dict(json="{not json"), "not valid JSON"),
+        (dict(json=[1, 2]), "JSON schema object"),
+    ],
+)
 def test_malformed_constraints_are_refused(spec, message):
     with pytest.raises(InvalidRequestError, match=message):
         SamplingParams(structured_outputs=StructuredOutputsParams(**spec))
@@ -202,8 +214,8 @@ def test_unpack_bitmask_reads_bit_t_mod_32_of_word_t_div_32():
 
     vocab = 100
     gen = torch.Generator().manual_seed(0)
-    mask = torch.randint(-2 ** 31, 2 ** 31 - 1, (3, bitmask_words(vocab)), dtype=torch.int32, generator=gen)
-    mask[0, 0] = -2 ** 31  # only bit 31 set: the sign bit
+    mask = torch.randint(-(2**31), 2**31 - 1, (3, bitmask_words(vocab)), dtype=torch.int32, generator=gen)
+    mask[0, 0] = -(2**31)  # only bit 31 set: the sign bit
     got = unpack_bitmask(mask, vocab)
     assert got.shape == (3, vocab)
     for r in range(3):
@@ -228,13 +240,17 @@ def test_constraint_starts_after_the_reasoning_block(make_llm):
         return row
 
     spec = StructuredOutputsParams(choice=["yes", "no way"], reasoning_markers=(start, end))
-    out = llm.generate(["Question?"], SamplingParams(temperature=0.0, max_tokens=40, logits_processors=[think_first],
-                                                     structured_outputs=spec), use_tqdm=False)[0].outputs[0]
+    out = llm.generate(
+        ["Question?"],
+        SamplingParams(temperature=0.0, max_tokens=40, logits_processors=[think_first], structured_outputs=spec),
+        use_tqdm=False,
+    )[0].outputs[0]
     answer = out.text.split("</think>", 1)[1]
     assert out.text.startswith("hmm, well</think>") and answer in ("yes", "no way") and out.finish_reason == "stop"
     closed = tok.encode("Question?<think></think>", add_special_tokens=False)
-    out = llm.generate([closed], SamplingParams(temperature=0.0, max_tokens=40, structured_outputs=spec),
-                       use_tqdm=False)[0].outputs[0]
+    out = llm.generate(
+        [closed], SamplingParams(temperature=0.0, max_tokens=40, structured_outputs=spec), use_tqdm=False
+    )[0].outputs[0]
     assert out.text in ("yes", "no way")
 
 
@@ -253,10 +269,15 @@ def test_compile_pool_zygote_runs_one_thread(tiny_llama):
     try:
         assert compiler.compile(StructuredOutputsParams(regex="ab[0-9]+")) is not None  # (through the pool)
         zygote = compiler._pool._zygote.proc
-        environ = dict(item.split("=", 1) for item in
-                       open(f"/proc/{zygote.pid}/environ", "rb").read().decode(errors="replace").split("\0") if "=" in item)
+        environ = dict(
+            item.split("=", 1)
+            for item in open(f"/proc/{zygote.pid}/environ", "rb").read().decode(errors="replace").split("\0")
+            if "=" in item
+        )
         assert {k: environ.get(k) for k in ZYGOTE_THREAD_LIMITS} == ZYGOTE_THREAD_LIMITS
-        threads = [line for line in open(f"/proc/{zygote.pid}/status").read().splitlines() if line.startswith("Threads:")]
+        threads = [
+            line for line in open(f"/proc/{zygote.pid}/status").read().splitlines() if line.startswith("Threads:")
+        ]
         assert threads == ["Threads:\t1"]
     finally:
         compiler.close()

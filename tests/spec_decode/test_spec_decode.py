@@ -60,8 +60,15 @@ def test_greedy_equals_plain_decoding_and_transformers(periodic_model, make_llm)
 def test_seeded_sampling_with_penalties_and_logprobs_is_unchanged(periodic_model, make_llm):
     """Hot sampling rejects many drafts; every sampled token, logprob and cumulative logprob
     equals plain decoding's (each position is a row with its own seed and history)."""
-    params = SamplingParams(temperature=2.5, seed=11, max_tokens=48, ignore_eos=True, logprobs=2,
-                            repetition_penalty=1.2, frequency_penalty=0.3)
+    params = SamplingParams(
+        temperature=2.5,
+        seed=11,
+        max_tokens=48,
+        ignore_eos=True,
+        logprobs=2,
+        repetition_penalty=1.2,
+        frequency_penalty=0.3,
+    )
     plain = _run(make_llm(periodic_model, max_num_seqs=8), PROMPTS, params)
     spec_llm = make_llm(periodic_model, max_num_seqs=8, **SPEC)
     spec = _run(spec_llm, PROMPTS, params)
@@ -76,9 +83,11 @@ def test_seeded_sampling_with_penalties_and_logprobs_is_unchanged(periodic_model
 def test_stops_inside_accepted_drafts(periodic_model, make_llm):
     """A stop token, a stop string or max_tokens reached in the middle of an accepted run ends
     the output exactly where plain decoding ends it."""
-    cases = [SamplingParams(temperature=0, max_tokens=37, ignore_eos=True),
-             SamplingParams(temperature=0, max_tokens=60, stop_token_ids=[13]),
-             SamplingParams(temperature=0, max_tokens=60, stop_token_ids=[12], include_stop_str_in_output=True)]
+    cases = [
+        SamplingParams(temperature=0, max_tokens=37, ignore_eos=True),
+        SamplingParams(temperature=0, max_tokens=60, stop_token_ids=[13]),
+        SamplingParams(temperature=0, max_tokens=60, stop_token_ids=[12], include_stop_str_in_output=True),
+    ]
     plain_llm = make_llm(periodic_model, max_num_seqs=8)
     spec_llm = make_llm(periodic_model, max_num_seqs=8, **SPEC)
     # The prompts already hold a cycle: drafts from the first step, accepted 4 at a time.
@@ -87,8 +96,9 @@ def test_stops_inside_accepted_drafts(periodic_model, make_llm):
     for params in cases:
         accepted = sched.num_accepted_tokens
         plain, spec = _run(plain_llm, prompts, params), _run(spec_llm, prompts, params)
-        assert [(c.token_ids, c.finish_reason, c.stop_reason) for c in spec] == \
-               [(c.token_ids, c.finish_reason, c.stop_reason) for c in plain]
+        assert [(c.token_ids, c.finish_reason, c.stop_reason) for c in spec] == [
+            (c.token_ids, c.finish_reason, c.stop_reason) for c in plain
+        ]
         assert sched.num_accepted_tokens > accepted
         # One token from the prefill step, then steps of 5 (4 drafts + 1): a stop inside a step.
         assert all((len(c.token_ids) - 1) % 5 for c in spec), [len(c.token_ids) for c in spec]

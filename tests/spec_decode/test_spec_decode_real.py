@@ -15,8 +15,12 @@ from engine.config.settings import default_cache_dir
 from tests.support.engine import assert_engine_clean, run_checked
 from tests.support.real_model import Unavailable, fetch_smollm2
 
-QUESTIONS = ["What is the capital of France?", "Write a haiku about the sea.",
-             "Explain recursion in one sentence.", "List three colours."]
+QUESTIONS = [
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "Explain recursion in one sentence.",
+    "List three colours.",
+]
 
 
 @pytest.fixture(scope="module")
@@ -34,14 +38,28 @@ def eagle3_head(smollm2, tmp_path_factory):
     from engine.training.eagle_head import random_eagle
 
     cfg = ModelConfig.from_dir(smollm2)
-    config = {"hidden_size": cfg.hidden_size, "num_attention_heads": cfg.num_heads,
-              "num_key_value_heads": cfg.num_kv_heads, "head_dim": cfg.head_dim,
-              "intermediate_size": cfg.intermediate_size, "rms_norm_eps": cfg.rms_norm_eps,
-              "rope_theta": cfg.rope_theta, "max_position_embeddings": 2048, "vocab_size": cfg.vocab_size,
-              "num_hidden_layers": cfg.num_layers}
+    config = {
+        "hidden_size": cfg.hidden_size,
+        "num_attention_heads": cfg.num_heads,
+        "num_key_value_heads": cfg.num_kv_heads,
+        "head_dim": cfg.head_dim,
+        "intermediate_size": cfg.intermediate_size,
+        "rms_norm_eps": cfg.rms_norm_eps,
+        "rope_theta": cfg.rope_theta,
+        "max_position_embeddings": 2048,
+        "vocab_size": cfg.vocab_size,
+        "num_hidden_layers": cfg.num_layers,
+    }
     table = torch.randn(cfg.vocab_size, cfg.hidden_size) * 0.02
-    return random_eagle(tmp_path_factory.mktemp("smol-eagle3") / "head", config, table, table, 3, seed=0,
-                        draft_vocab=torch.arange(0, cfg.vocab_size, 6))
+    return random_eagle(
+        tmp_path_factory.mktemp("smol-eagle3") / "head",
+        config,
+        table,
+        table,
+        3,
+        seed=0,
+        draft_vocab=torch.arange(0, cfg.vocab_size, 6),
+    )
 
 
 def _llm(smollm2, **settings):
@@ -50,25 +68,52 @@ def _llm(smollm2, **settings):
     # (the float activation path: with int8 activations (auto without AVX-512) a prompt chunk of
     # GEMM_ROWS rows or more runs float on the dequantised weight, smaller ones int8, so tokens
     # would also depend on how the scheduler chunks prefills, which speculation changes)
-    return LLM(str(smollm2), **{**dict(device="cpu", dtype="float32", enforce_eager=True, max_model_len=512,
-                                       max_num_seqs=4, cpu_quant_activations="float"), **settings})
+    return LLM(
+        str(smollm2),
+        **{
+            **dict(
+                device="cpu",
+                dtype="float32",
+                enforce_eager=True,
+                max_model_len=512,
+                max_num_seqs=4,
+                cpu_quant_activations="float",
+            ),
+            **settings,
+        },
+    )
 
 
-@pytest.mark.parametrize("params", [SamplingParams(temperature=0, max_tokens=24, ignore_eos=True),
-                                    SamplingParams(temperature=0.8, seed=7, max_tokens=24, ignore_eos=True)],
-                         ids=["greedy", "seeded"])
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(temperature=0, max_tokens=24, ignore_eos=True),
+        SamplingParams(temperature=0.8, seed=7, max_tokens=24, ignore_eos=True),
+    ],
+    ids=["greedy", "seeded"],
+)
 def test_smollm2_spec_equals_plain(smollm2, eagle3_head, params):
     plain = _llm(smollm2)
-    prompts = [plain.tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True)
-               for q in QUESTIONS]
+    prompts = [
+        plain.tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True)
+        for q in QUESTIONS
+    ]
     prompts = [list(p["input_ids"] if hasattr(p, "keys") else p) for p in prompts]
     want = [o.outputs[0].token_ids for o in plain.generate(prompts, params, use_tqdm=False)]
     assert_engine_clean(plain.engine)
     # A small pool (preemption) and a small token budget (chunked prompts beside verify steps).
-    tight = dict(num_gpu_blocks=10, block_size=16, max_model_len=128, max_num_batched_tokens=32,
-                 preemption_mode="swap", swap_space_gb=0.05)
-    for spec in (dict(speculative_method="draft_model", speculative_model=str(smollm2), num_speculative_tokens=3),
-                 dict(speculative_method="eagle3", speculative_model=str(eagle3_head), num_speculative_tokens=3)):
+    tight = dict(
+        num_gpu_blocks=10,
+        block_size=16,
+        max_model_len=128,
+        max_num_batched_tokens=32,
+        preemption_mode="swap",
+        swap_space_gb=0.05,
+    )
+    for spec in (
+        dict(speculative_method="draft_model", speculative_model=str(smollm2), num_speculative_tokens=3),
+        dict(speculative_method="eagle3", speculative_model=str(eagle3_head), num_speculative_tokens=3),
+    ):
         llm = _llm(smollm2, **tight, **spec)
         engine = llm.engine
         for i, p in enumerate(prompts + prompts[:2]):  # (the repeats hit the prefix cache)

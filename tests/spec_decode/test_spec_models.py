@@ -82,20 +82,30 @@ def spec_models(tiny_llama, tmp_path_factory):
         # drafts only even token ids: the target's odd ones are never drafted, always the residual's
         "noisy_vocab": _with_draft_vocab(noisy, root / "noisy-vocab", range(0, cfg["vocab_size"], 2)),
         # Another geometry: its own KV tensor of 1 layer x 1 head x 32, over the same block ids.
-        "small": make_tiny_model(root / "small", seed=7, overrides=dict(
-            num_hidden_layers=1, hidden_size=64, intermediate_size=128, num_attention_heads=2,
-            num_key_value_heads=1)),
+        "small": make_tiny_model(
+            root / "small",
+            seed=7,
+            overrides=dict(
+                num_hidden_layers=1, hidden_size=64, intermediate_size=128, num_attention_heads=2, num_key_value_heads=1
+            ),
+        ),
         "eagle": random_eagle(root / "eagle", cfg, embed, head, 1, seed=1),
-        "eagle3": random_eagle(root / "eagle3", cfg, embed, head, 3, seed=2,
-                               draft_vocab=torch.arange(0, cfg["vocab_size"], 3)),
+        "eagle3": random_eagle(
+            root / "eagle3", cfg, embed, head, 3, seed=2, draft_vocab=torch.arange(0, cfg["vocab_size"], 3)
+        ),
         "periodic": periodic,
         "periodic_eagle": _succ_eagle(periodic, root / "periodic-eagle"),
     }
 
 
 # (method, draft) pairs run against the tiny target
-METHODS = [("draft_model", "noisy"), ("draft_model", "noisy_vocab"), ("draft_model", "small"), ("eagle", "eagle"),
-           ("eagle3", "eagle3")]
+METHODS = [
+    ("draft_model", "noisy"),
+    ("draft_model", "noisy_vocab"),
+    ("draft_model", "small"),
+    ("eagle", "eagle"),
+    ("eagle3", "eagle3"),
+]
 
 
 def _spec(models, method, draft, k=K):
@@ -135,14 +145,21 @@ def test_perfect_draft_keeps_every_draft_and_stops_inside_a_run(spec_models, mak
     assert sched.spec.num_accepted_per_pos == sched.spec.num_drafts_per_pos
     stop_at = want[0].token_ids[13]  # a token inside the 4th run of K + 1
     params = SamplingParams(temperature=0, max_tokens=30, stop_token_ids=[stop_at])
-    assert [(o.token_ids, o.finish_reason) for o in _outputs(spec, PROMPTS[:1], params)] == \
-           [(o.token_ids, o.finish_reason) for o in _outputs(plain, PROMPTS[:1], params)]
+    assert [(o.token_ids, o.finish_reason) for o in _outputs(spec, PROMPTS[:1], params)] == [
+        (o.token_ids, o.finish_reason) for o in _outputs(plain, PROMPTS[:1], params)
+    ]
 
 
 # A small pool (sequences are swapped out and back) and a second run of the same prompts (prefix
 # hits): the draft's KV must survive both, block for block with the target's.
-TIGHT = dict(max_num_batched_tokens=16, num_gpu_blocks=9, block_size=8, max_model_len=64, preemption_mode="swap",
-             swap_space_gb=0.01)
+TIGHT = dict(
+    max_num_batched_tokens=16,
+    num_gpu_blocks=9,
+    block_size=8,
+    max_model_len=64,
+    preemption_mode="swap",
+    swap_space_gb=0.01,
+)
 
 
 def _run_twice(llm, params):
@@ -163,16 +180,23 @@ def test_draft_model_drafts_are_its_own_greedy_continuation(spec_models, make_ll
     from transformers import AutoModelForCausalLM
 
     seen = _record_drafts(monkeypatch)
-    llm = make_llm(spec_models["target"], **TIGHT, async_scheduling=overlap,
-                   **_spec(spec_models, "draft_model", "small"))
+    llm = make_llm(
+        spec_models["target"], **TIGHT, async_scheduling=overlap, **_spec(spec_models, "draft_model", "small")
+    )
     _run_twice(llm, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))
     hf = AutoModelForCausalLM.from_pretrained(str(spec_models["small"]), dtype=torch.float32).eval()
     with torch.no_grad():
         for tokens, drafts in seen:
             ids = torch.tensor([tokens])
-            out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=len(drafts),
-                              do_sample=False, eos_token_id=None, pad_token_id=0)
-            assert drafts == out[0, len(tokens):].tolist()
+            out = hf.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=len(drafts),
+                do_sample=False,
+                eos_token_id=None,
+                pad_token_id=0,
+            )
+            assert drafts == out[0, len(tokens) :].tolist()
     assert len(seen) > 10
 
 
@@ -225,7 +249,7 @@ def test_eagle_drafts_equal_the_reference_head(spec_models, make_llm, monkeypatc
         for tokens, drafts in seen:
             hs = hf(torch.tensor([tokens]), output_hidden_states=True).hidden_states
             feats = hs[-1] if version == 1 else torch.cat([hs[i] for i in aux], dim=-1)
-            assert drafts == _reference_chain(ref, tokens, feats[:, :len(tokens) - 1], len(drafts))
+            assert drafts == _reference_chain(ref, tokens, feats[:, : len(tokens) - 1], len(drafts))
     assert len(seen) > 10
 
 
@@ -265,7 +289,7 @@ def _record_drafts(monkeypatch, eagle=None):
 
     def recording(self, seq, drafts, sampled, kv):
         if eagle is None or seeded[seq.seq_id].pop(0):
-            seen.append((seq.token_ids[:len(seq.token_ids) - seq.num_pending], list(drafts)))
+            seen.append((seq.token_ids[: len(seq.token_ids) - seq.num_pending], list(drafts)))
         return accept(self, seq, drafts, sampled, kv)
 
     monkeypatch.setattr(SpecDecoder, "accept_launched", recording)
@@ -277,10 +301,13 @@ def test_periodic_eagle_head_is_accepted_and_exact(spec_models, make_llm):
     of the verify steps; seeded sampling (which breaks the cycle now and then) is still plain
     decoding's, token for token."""
     periodic = spec_models["periodic"]
-    spec = dict(speculative_method="eagle", speculative_model=str(spec_models["periodic_eagle"]),
-                num_speculative_tokens=4)
-    for params in (SamplingParams(temperature=0, max_tokens=40, ignore_eos=True),
-                   SamplingParams(temperature=1.0, seed=5, max_tokens=40, ignore_eos=True)):
+    spec = dict(
+        speculative_method="eagle", speculative_model=str(spec_models["periodic_eagle"]), num_speculative_tokens=4
+    )
+    for params in (
+        SamplingParams(temperature=0, max_tokens=40, ignore_eos=True),
+        SamplingParams(temperature=1.0, seed=5, max_tokens=40, ignore_eos=True),
+    ):
         want = [o.token_ids for o in _outputs(make_llm(periodic, max_num_seqs=8), PROMPTS, params)]
         llm = make_llm(periodic, max_num_seqs=8, **spec)
         assert [o.token_ids for o in _outputs(llm, PROMPTS, params)] == want
@@ -296,11 +323,19 @@ def test_seeded_sampling_with_penalties_logprobs_and_lora(spec_models, make_llm,
     tokens, logprobs and cumulative logprobs equal plain decoding's."""
     from tests.support.lora import _make_adapter
 
-    adapter = _make_adapter(spec_models["target"], spec_models["target"].parent / f"lora-{method}",
-                            ["q_proj", "v_proj"], 4, 1)
+    adapter = _make_adapter(
+        spec_models["target"], spec_models["target"].parent / f"lora-{method}", ["q_proj", "v_proj"], 4, 1
+    )
     lora = LoRARequest("a", 1, adapter)
-    params = SamplingParams(temperature=1.0, seed=11, max_tokens=20, ignore_eos=True, logprobs=2,
-                            repetition_penalty=1.2, frequency_penalty=0.3)
+    params = SamplingParams(
+        temperature=1.0,
+        seed=11,
+        max_tokens=20,
+        ignore_eos=True,
+        logprobs=2,
+        repetition_penalty=1.2,
+        frequency_penalty=0.3,
+    )
     settings = dict(max_num_seqs=8, enable_lora=True, max_loras=1, max_lora_rank=8)
     plain = make_llm(spec_models["target"], **settings)
     spec = make_llm(spec_models["target"], **settings, **_spec(spec_models, method, draft))
@@ -321,9 +356,16 @@ def test_preemption_and_prefix_hits(spec_models, make_llm, mode, method, draft):
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
     prompts = PROMPTS + PROMPTS[:4]
     want = [o.token_ids for o in _outputs(make_llm(spec_models["target"], max_num_seqs=16), prompts, params)]
-    llm = make_llm(spec_models["target"], max_num_seqs=16, num_gpu_blocks=40, block_size=8, max_model_len=128,
-                   preemption_mode=mode, swap_space_gb=0.01 if mode == "swap" else 0,
-                   **_spec(spec_models, method, draft))
+    llm = make_llm(
+        spec_models["target"],
+        max_num_seqs=16,
+        num_gpu_blocks=40,
+        block_size=8,
+        max_model_len=128,
+        preemption_mode=mode,
+        swap_space_gb=0.01 if mode == "swap" else 0,
+        **_spec(spec_models, method, draft),
+    )
     engine = llm.engine
     for i, p in enumerate(prompts):
         engine.add_request(p, params, f"r{i}")
@@ -387,8 +429,13 @@ def test_draft_length_adapts_per_sequence(spec_models, make_llm):
 def test_misfit_heads_and_drafts_are_refused(spec_models, make_llm, tmp_path):
     cfg, embed, head = _target_weights(spec_models["target"])
     wide = dict(cfg, hidden_size=2 * cfg["hidden_size"])
-    random_eagle(tmp_path / "wide", wide, torch.zeros(cfg["vocab_size"], 2 * cfg["hidden_size"]),
-                 torch.zeros(cfg["vocab_size"], 2 * cfg["hidden_size"]), 1)
+    random_eagle(
+        tmp_path / "wide",
+        wide,
+        torch.zeros(cfg["vocab_size"], 2 * cfg["hidden_size"]),
+        torch.zeros(cfg["vocab_size"], 2 * cfg["hidden_size"]),
+        1,
+    )
     cases = [
         (("eagle", tmp_path / "wide"), "no embeddings of its own"),
         (("eagle", spec_models["eagle3"]), "an EAGLE-3 head"),
@@ -404,13 +451,17 @@ def test_misfit_heads_and_drafts_are_refused(spec_models, make_llm, tmp_path):
 
     other = make_tiny_model(tmp_path / "other-vocab", seed=3, overrides=dict(vocab_size=300))
     cases.append((("draft_model", other), "does not cover the target's tokenizer"))
-    for name, ids, message in [("unsorted", [5, 3], "ascending"), ("outside", [1, 10 ** 6], "outside the vocabulary"),
-                               ("empty", [], "must list token ids")]:
+    for name, ids, message in [
+        ("unsorted", [5, 3], "ascending"),
+        ("outside", [1, 10**6], "outside the vocabulary"),
+        ("empty", [], "must list token ids"),
+    ]:
         cases.append((("draft_model", _with_draft_vocab(spec_models["noisy"], tmp_path / name, ids)), message))
     for (method, path), message in cases:
         with pytest.raises(ValueError, match=message):
-            make_llm(spec_models["target"], speculative_method=method, speculative_model=str(path),
-                     num_speculative_tokens=2)
+            make_llm(
+                spec_models["target"], speculative_method=method, speculative_model=str(path), num_speculative_tokens=2
+            )
 
 
 def test_settings_and_metrics(spec_models, make_llm, caplog):
@@ -456,8 +507,10 @@ def _simulated_graphs(engine, sizes=(1, 2, 4)):
     return [r for r, _ in runners]
 
 
-@pytest.mark.parametrize("method,draft,overlap", [("draft_model", "noisy", False), ("draft_model", "target", True),
-                                                   ("eagle3", "eagle3", True)])
+@pytest.mark.parametrize(
+    "method,draft,overlap",
+    [("draft_model", "noisy", False), ("draft_model", "target", True), ("eagle3", "eagle3", True)],
+)
 def test_draft_and_verify_steps_replay_graphs(spec_models, make_llm, method, draft, overlap):
     """With graphs (simulated), verify steps replay the target's verify graphs (q = 1 + drafts
     tokens a row, keyed (rows, ctx, q)), the draft model's forwards and the head's drafting steps
@@ -465,8 +518,7 @@ def test_draft_and_verify_steps_replay_graphs(spec_models, make_llm, method, dra
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     prompts = PROMPTS[:4]
     want = [o.token_ids for o in _outputs(make_llm(spec_models["target"]), prompts, params)]
-    llm = make_llm(spec_models["target"], async_scheduling=overlap, max_num_seqs=4,
-                   **_spec(spec_models, method, draft))
+    llm = make_llm(spec_models["target"], async_scheduling=overlap, max_num_seqs=4, **_spec(spec_models, method, draft))
     target, drafter = _simulated_graphs(llm.engine)
     assert [o.token_ids for o in _outputs(llm, prompts, params)] == want
     verify = [key for key in target.graph_runner.replayed if len(key) == 3]

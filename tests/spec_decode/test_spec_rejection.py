@@ -43,7 +43,9 @@ def _one_position(params: SamplingParams, broken: bool = False) -> tuple[torch.T
     drafts = DraftProbs(torch.arange(N), tokens, q)
     if broken:  # the classic mistake: on rejection, draw from p instead of the residual
         pn = p / p.sum(-1, keepdim=True)
-        accept = torch.rand(N, generator=gen) * q.gather(1, tokens[:, None])[:, 0] <= pn.gather(1, tokens[:, None])[:, 0]
+        accept = (
+            torch.rand(N, generator=gen) * q.gather(1, tokens[:, None])[:, 0] <= pn.gather(1, tokens[:, None])[:, 0]
+        )
         out = torch.where(accept, tokens, (pn / torch.empty_like(pn).exponential_(generator=gen)).argmax(-1))
     else:
         out = rejection_tokens(p, drafts, gen)
@@ -120,7 +122,7 @@ def _chain_samples(params: SamplingParams, trials: int, length: int, seed: int) 
         s_host = torch.stack(sampled, 1).tolist()
         for i in range(trials):
             a = accepted_prefix(d_host[i], s_host[i])
-            out[i].extend(s_host[i][:a + 1])
+            out[i].extend(s_host[i][: a + 1])
             last[i] = out[i][-1]
     return torch.tensor([o[:length] for o in out])
 
@@ -133,8 +135,8 @@ def test_a_chain_of_drafts_keeps_the_joint_distribution():
     target = processed_probs(_markov(10, 1.3), _rows(params, CHAIN_V), [False] * CHAIN_V)
     target = target / target.sum(-1, keepdim=True)
     joint = target[0][:, None, None] * target[:, :, None] * target[None, :, :]
-    index = samples[:, 0] * CHAIN_V ** 2 + samples[:, 1] * CHAIN_V + samples[:, 2]
-    counts = torch.bincount(index, minlength=CHAIN_V ** 3)
+    index = samples[:, 0] * CHAIN_V**2 + samples[:, 1] * CHAIN_V + samples[:, 2]
+    counts = torch.bincount(index, minlength=CHAIN_V**3)
     assert chi_square_p(counts, joint.flatten()) > ALPHA
 
 

@@ -15,8 +15,16 @@ class Recorder:
         self.log.append((self.name, grid, args))
 
 
-def fake_kernels(decode_kernel="v1", prefill_kernel="mma", head_dim=64, block_size=16, num_sms=132,
-                 occupancy=None, dtype=torch.bfloat16, monkeypatch=None):
+def fake_kernels(
+    decode_kernel="v1",
+    prefill_kernel="mma",
+    head_dim=64,
+    block_size=16,
+    num_sms=132,
+    occupancy=None,
+    dtype=torch.bfloat16,
+    monkeypatch=None,
+):
     """An AttentionKernels whose launchers record instead of launching (CPU tensors, stream 0)."""
     k = AttentionKernels.__new__(AttentionKernels)
     k.device = torch.device("cpu")
@@ -46,6 +54,12 @@ def make_inputs(seqs, hq=8, hkv=2, d=64, bs=16, tail=0, table_pad=0, seed=0):
     qsl = torch.tensor([0] + torch.tensor([q for q, _ in seqs]).cumsum(0).tolist(), dtype=torch.int32)
     T = int(qsl[-1]) + tail
     kv = torch.randn(1, 2, nxt + 1, bs, hkv, d, generator=g).to(torch.bfloat16)
-    return dict(q=torch.randn(T, hq, d, generator=g).to(torch.bfloat16), kv=kv, qsl=qsl,
-                lens=torch.tensor([s for _, s in seqs], dtype=torch.int32), table=table[:, :width],
-                max_q=max(q for q, _ in seqs), max_len=max(s for _, s in seqs))
+    return dict(
+        q=torch.randn(T, hq, d, generator=g).to(torch.bfloat16),
+        kv=kv,
+        qsl=qsl,
+        lens=torch.tensor([s for _, s in seqs], dtype=torch.int32),
+        table=table[:, :width],
+        max_q=max(q for q, _ in seqs),
+        max_len=max(s for _, s in seqs),
+    )

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import contextlib
 
-ARCHS = ("llama", "qwen2", "qwen3", "mistral", "gemma", "gemma2", "gemma3", "phi3", "mixtral", "qwen2_moe",
-         "qwen3_moe")
+ARCHS = ("llama", "qwen2", "qwen3", "mistral", "gemma", "gemma2", "gemma3", "phi3", "mixtral", "qwen2_moe", "qwen3_moe")
 
 
 def assert_engine_clean(engine) -> None:
@@ -13,7 +12,8 @@ def assert_engine_clean(engine) -> None:
     engine.core.check_integrity()
     assert not engine.core.has_unfinished_requests(), "requests left unfinished"
     assert engine.core.pool.is_fully_free(), (
-        f"KV blocks leaked: {engine.core.pool.num_in_use} in use after all requests finished")
+        f"KV blocks leaked: {engine.core.pool.num_in_use} in use after all requests finished"
+    )
 
 
 def sampler_output(out, per_seq: list[list[int]]):
@@ -59,8 +59,15 @@ def served(model, server: dict | None = None, **engine):
     from engine.config.settings import EngineSettings, ServerSettings
     from engine.entrypoints.openai.app import build_app, create_state
 
-    settings = dict(model=str(model), device="cpu", enforce_eager=True, max_model_len=256, num_gpu_blocks=128,
-                    max_num_seqs=4, log_stats_interval=0)
+    settings = dict(
+        model=str(model),
+        device="cpu",
+        enforce_eager=True,
+        max_model_len=256,
+        num_gpu_blocks=128,
+        max_num_seqs=4,
+        log_stats_interval=0,
+    )
     settings.update(engine)
     state = create_state(EngineSettings(**settings), ServerSettings(**({"served_model_name": "m"} | (server or {}))))
     state.engine.start()

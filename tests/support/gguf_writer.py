@@ -18,20 +18,41 @@ import torch
 from safetensors.torch import load_file
 
 # HF model_type -> GGUF general.architecture
-GGUF_ARCH = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma2": "gemma2",
-             "gemma3_text": "gemma3"}
-_LAYER = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
-          "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
-          "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
-          "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm"}
-_SANDWICH = {"pre_feedforward_layernorm": "ffn_norm", "post_attention_layernorm": "post_attention_norm",
-             "post_feedforward_layernorm": "post_ffw_norm"}
+GGUF_ARCH = {
+    "llama": "llama",
+    "mistral": "llama",
+    "qwen2": "qwen2",
+    "qwen3": "qwen3",
+    "gemma2": "gemma2",
+    "gemma3_text": "gemma3",
+}
+_LAYER = {
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "self_attn.q_norm": "attn_q_norm",
+    "self_attn.k_norm": "attn_k_norm",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+    "input_layernorm": "attn_norm",
+    "post_attention_layernorm": "ffn_norm",
+}
+_SANDWICH = {
+    "pre_feedforward_layernorm": "ffn_norm",
+    "post_attention_layernorm": "post_attention_norm",
+    "post_feedforward_layernorm": "post_ffw_norm",
+}
 _K_QUANTS = {"Q2_K", "Q4_K", "Q5_K", "Q6_K"}
 
 
 def gguf_name(hf: str, sandwich: bool) -> str:
-    top = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
-           "lm_head.weight": "output.weight"}
+    top = {
+        "model.embed_tokens.weight": "token_embd.weight",
+        "model.norm.weight": "output_norm.weight",
+        "lm_head.weight": "output.weight",
+    }
     if hf in top:
         return top[hf]
     _, _, layer, rest = hf.split(".", 3)
@@ -54,7 +75,7 @@ def random_k_blocks(qtype: str, rows: int, cols: int, rng: np.random.Generator) 
 
     def f16(offset: int, lo: float, hi: float) -> None:
         vals = rng.uniform(lo, hi, size=raw.shape[:2]).astype(np.float16)
-        raw[:, :, offset:offset + 2] = vals.view(np.uint8).reshape(*raw.shape[:2], 2)
+        raw[:, :, offset : offset + 2] = vals.view(np.uint8).reshape(*raw.shape[:2], 2)
 
     if qtype == "Q2_K":  # (a type kiln refuses: only its layout matters)
         pass
@@ -83,8 +104,9 @@ def llama3_freq_factors(scaling: dict, head_dim: int, theta: float) -> np.ndarra
     return np.array(out, dtype=np.float32)
 
 
-def write_gguf(model_dir: Path, out: Path, types: dict[str, str] | str = "F32", name: str | None = None,
-               seed: int = 0) -> Path:
+def write_gguf(
+    model_dir: Path, out: Path, types: dict[str, str] | str = "F32", name: str | None = None, seed: int = 0
+) -> Path:
     """types: one GGML type name for every matrix, or {substring of the GGUF name: type} (first match;
     norms and biases always F32)."""
     import gguf
@@ -132,8 +154,11 @@ def write_gguf(model_dir: Path, out: Path, types: dict[str, str] | str = "F32", 
             t = _permute(t, kv_heads)
         if gemma and g.endswith("norm.weight"):
             t = t + 1.0
-        qtype = "F32" if t.dim() == 1 else (
-            types if isinstance(types, str) else next((q for k, q in types.items() if k in g), "F32"))
+        qtype = (
+            "F32"
+            if t.dim() == 1
+            else (types if isinstance(types, str) else next((q for k, q in types.items() if k in g), "F32"))
+        )
         arr = t.numpy()
         if qtype in _K_QUANTS:
             data = random_k_blocks(qtype, *arr.shape, rng)

@@ -35,10 +35,16 @@ def hf_greedy(model_dir, prompts: list[list[int]], max_tokens: int) -> list[list
         with torch.no_grad():
             for p in prompts:
                 ids = torch.tensor([p])
-                gen = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens,
-                                     min_new_tokens=max_tokens, do_sample=False, eos_token_id=None,
-                                     pad_token_id=0)
-                outs.append(gen[0, len(p):].tolist())
+                gen = model.generate(
+                    ids,
+                    attention_mask=torch.ones_like(ids),
+                    max_new_tokens=max_tokens,
+                    min_new_tokens=max_tokens,
+                    do_sample=False,
+                    eos_token_id=None,
+                    pad_token_id=0,
+                )
+                outs.append(gen[0, len(p) :].tolist())
         _hf_cache[key] = outs
     return _hf_cache[key]
 

@@ -11,8 +11,9 @@ def _make_adapter(base_dir, out_dir, targets, rank, seed, rslora=False):
 
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_pretrained(base_dir)
-    peft_model = get_peft_model(model, LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=targets,
-                                                  lora_dropout=0.0, use_rslora=rslora))
+    peft_model = get_peft_model(
+        model, LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=targets, lora_dropout=0.0, use_rslora=rslora)
+    )
     with torch.no_grad():
         for name, p in peft_model.named_parameters():
             if "lora_" in name:

@@ -2,8 +2,16 @@
 
 from __future__ import annotations
 
-PROMPTS = [list(range(10, 30)), list(range(10, 30)) + [7, 8, 9], [5, 9, 100, 200, 7], list(range(60, 100)),
-           [300, 301], list(range(10, 26)), [44] * 12, list(range(200, 240))]
+PROMPTS = [
+    list(range(10, 30)),
+    list(range(10, 30)) + [7, 8, 9],
+    [5, 9, 100, 200, 7],
+    list(range(60, 100)),
+    [300, 301],
+    list(range(10, 26)),
+    [44] * 12,
+    list(range(200, 240)),
+]
 
 
 class _Close(float):
@@ -21,7 +29,17 @@ class _Close(float):
 
 
 def _summary(outs):
-    return [[(c.index, tuple(c.token_ids), c.text, c.finish_reason, c.stop_reason,
-              None if c.logprobs is None else [sorted((t, _Close(v)) for t, v in e.items()) for e in c.logprobs])
-             for c in o.outputs]
-            for o in outs]
+    return [
+        [
+            (
+                c.index,
+                tuple(c.token_ids),
+                c.text,
+                c.finish_reason,
+                c.stop_reason,
+                None if c.logprobs is None else [sorted((t, _Close(v)) for t, v in e.items()) for e in c.logprobs],
+            )
+            for c in o.outputs
+        ]
+        for o in outs
+    ]

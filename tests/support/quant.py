@@ -31,8 +31,15 @@ def _drift(llm, ref) -> float:
     return drift
 
 
-def _layer(out: int, inp: int, group: int, sym: bool = True, g_idx: torch.Tensor | None = None,
-           bias: bool = False, seed: int = 0) -> torch.nn.Linear:
+def _layer(
+    out: int,
+    inp: int,
+    group: int,
+    sym: bool = True,
+    g_idx: torch.Tensor | None = None,
+    bias: bool = False,
+    seed: int = 0,
+) -> torch.nn.Linear:
     """A linear layer in kiln's int4 layout with random levels, scales and zero points."""
     gen = torch.Generator().manual_seed(seed)
     m = torch.nn.Linear(inp, out, bias=bias)

@@ -21,8 +21,9 @@ AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
 _LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
-def rtn(w: torch.Tensor, bits: int, group_size: int, sym: bool, g_idx: torch.Tensor,
-        min_zero: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def rtn(
+    w: torch.Tensor, bits: int, group_size: int, sym: bool, g_idx: torch.Tensor, min_zero: int = 0
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """w [out, in] -> unsigned q [out, in], unsigned zero points [out, G], fp16 scales [out, G]."""
     out, inp = w.shape
     groups = int(g_idx.max()) + 1
@@ -52,7 +53,7 @@ def dequant(q, zeros, scales, g_idx) -> torch.Tensor:
 
 
 def _to_int32(word: torch.Tensor) -> torch.Tensor:
-    return torch.where(word >= 2 ** 31, word - 2 ** 32, word).to(torch.int32)
+    return torch.where(word >= 2**31, word - 2**32, word).to(torch.int32)
 
 
 def pack_along(vals: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
@@ -120,12 +121,28 @@ def _input_perm(perms: dict, name: str, inp: int, seed: int) -> torch.Tensor:
     return perms[key]
 
 
-_INPUT_KIND = {"q_proj": "attn_in", "k_proj": "attn_in", "v_proj": "attn_in", "o_proj": "o_in",
-               "gate_proj": "mlp_in", "up_proj": "mlp_in", "down_proj": "down_in"}
+_INPUT_KIND = {
+    "q_proj": "attn_in",
+    "k_proj": "attn_in",
+    "v_proj": "attn_in",
+    "o_proj": "o_in",
+    "gate_proj": "mlp_in",
+    "up_proj": "mlp_in",
+    "down_proj": "down_in",
+}
 
 
-def write_quantized(src: Path, out: Path, fmt: str, bits: int = 4, group_size: int = 32, sym: bool = True,
-                    act_order: bool = False, seed: int = 0, keep_dense: str | None = None) -> tuple[Path, Path]:
+def write_quantized(
+    src: Path,
+    out: Path,
+    fmt: str,
+    bits: int = 4,
+    group_size: int = 32,
+    sym: bool = True,
+    act_order: bool = False,
+    seed: int = 0,
+    keep_dense: str | None = None,
+) -> tuple[Path, Path]:
     """fmt: gptq | awq | ct (compressed-tensors pack-quantized). Returns (quantised checkpoint,
     full-precision checkpoint of the dequantised weights). keep_dense (ct): a regex of module
     names left unquantised and added to the ignore list as "re:<regex>"."""
@@ -180,23 +197,45 @@ def write_quantized(src: Path, out: Path, fmt: str, bits: int = 4, group_size: i
     return quant_dir, ref_dir
 
 
-def _quant_config(fmt: str, bits: int, group_size: int, sym: bool, act_order: bool,
-                  ignore: list[str] | None = None) -> dict:
+def _quant_config(
+    fmt: str, bits: int, group_size: int, sym: bool, act_order: bool, ignore: list[str] | None = None
+) -> dict:
     if fmt == "gptq":
-        return {"quant_method": "gptq", "bits": bits, "group_size": group_size, "sym": sym, "desc_act": act_order,
-                "checkpoint_format": "gptq", "damp_percent": 0.01, "true_sequential": True}
+        return {
+            "quant_method": "gptq",
+            "bits": bits,
+            "group_size": group_size,
+            "sym": sym,
+            "desc_act": act_order,
+            "checkpoint_format": "gptq",
+            "damp_percent": 0.01,
+            "true_sequential": True,
+        }
     if fmt == "awq":
-        return {"quant_method": "awq", "bits": 4, "group_size": group_size, "zero_point": not sym, "version": "gemm",
-                "modules_to_not_convert": None}
+        return {
+            "quant_method": "awq",
+            "bits": 4,
+            "group_size": group_size,
+            "zero_point": not sym,
+            "version": "gemm",
+            "modules_to_not_convert": None,
+        }
     from compressed_tensors.quantization import QuantizationArgs, QuantizationConfig, QuantizationScheme
 
-    weights = QuantizationArgs(num_bits=bits, type="int", symmetric=sym,
-                               strategy="group" if group_size > 0 else "channel",
-                               group_size=group_size if group_size > 0 else None,
-                               actorder="weight" if act_order else None)
-    config = QuantizationConfig(config_groups={"group_0": QuantizationScheme(targets=["Linear"], weights=weights)},
-                                format="pack-quantized", ignore=ignore or ["lm_head"],
-                                quantization_status="compressed")
+    weights = QuantizationArgs(
+        num_bits=bits,
+        type="int",
+        symmetric=sym,
+        strategy="group" if group_size > 0 else "channel",
+        group_size=group_size if group_size > 0 else None,
+        actorder="weight" if act_order else None,
+    )
+    config = QuantizationConfig(
+        config_groups={"group_0": QuantizationScheme(targets=["Linear"], weights=weights)},
+        format="pack-quantized",
+        ignore=ignore or ["lm_head"],
+        quantization_status="compressed",
+    )
     return config.model_dump(mode="json")
 
 
@@ -211,8 +250,10 @@ def _calibrate(src: Path, num_prompts: int = 8) -> dict[str, torch.Tensor]:
     hooks = []
     for name, module in model.named_modules():
         if isinstance(module, torch.nn.Linear) and name.rsplit(".", 1)[-1] in _LINEARS:
+
             def hook(mod, args, name=name):
                 amax[name] = torch.maximum(amax.get(name, torch.tensor(0.0)), args[0].abs().max())
+
             hooks.append(module.register_forward_pre_hook(hook))
     gen = torch.Generator().manual_seed(0)
     for _ in range(num_prompts):
@@ -222,8 +263,9 @@ def _calibrate(src: Path, num_prompts: int = 8) -> dict[str, torch.Tensor]:
     return amax
 
 
-def write_fp8(src: Path, out: Path, weight_strategy: str = "channel", activations: str | None = "dynamic"
-              ) -> tuple[Path, Path]:
+def write_fp8(
+    src: Path, out: Path, weight_strategy: str = "channel", activations: str | None = "dynamic"
+) -> tuple[Path, Path]:
     """compressed-tensors float-quantized (FP8 W8A8, or W8A16 with activations None)."""
     from compressed_tensors.quantization import QuantizationArgs, QuantizationConfig, QuantizationScheme
 
@@ -248,14 +290,30 @@ def write_fp8(src: Path, out: Path, weight_strategy: str = "channel", activation
             qt[prefix + ".input_scale"] = (input_amax[prefix] / fmax).reshape(1)
     save_file(qt, str(quant_dir / "model.safetensors"), metadata={"format": "pt"})
     save_file(ref, str(ref_dir / "model.safetensors"), metadata={"format": "pt"})
-    acts = None if activations is None else QuantizationArgs(
-        num_bits=8, type="float", symmetric=True, strategy="token" if activations == "dynamic" else "tensor",
-        dynamic=activations == "dynamic")
-    config = QuantizationConfig(config_groups={"group_0": QuantizationScheme(
-        targets=["Linear"], input_activations=acts,
-        weights=QuantizationArgs(num_bits=8, type="float", symmetric=True, strategy=weight_strategy))},
-        format="float-quantized", ignore=MOE_IGNORE if any(".experts." in n for n in tensors) else ["lm_head"],
-        quantization_status="compressed")
-    (quant_dir / "config.json").write_text(json.dumps(dict(cfg, quantization_config=config.model_dump(mode="json")),
-                                                      indent=2))
+    acts = (
+        None
+        if activations is None
+        else QuantizationArgs(
+            num_bits=8,
+            type="float",
+            symmetric=True,
+            strategy="token" if activations == "dynamic" else "tensor",
+            dynamic=activations == "dynamic",
+        )
+    )
+    config = QuantizationConfig(
+        config_groups={
+            "group_0": QuantizationScheme(
+                targets=["Linear"],
+                input_activations=acts,
+                weights=QuantizationArgs(num_bits=8, type="float", symmetric=True, strategy=weight_strategy),
+            )
+        },
+        format="float-quantized",
+        ignore=MOE_IGNORE if any(".experts." in n for n in tensors) else ["lm_head"],
+        quantization_status="compressed",
+    )
+    (quant_dir / "config.json").write_text(
+        json.dumps(dict(cfg, quantization_config=config.model_dump(mode="json")), indent=2)
+    )
     return quant_dir, ref_dir

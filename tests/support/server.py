@@ -91,11 +91,24 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def launch_server(model_dir: Path, log_path: Path, *extra: str) -> tuple[subprocess.Popen, str]:
     """Start `kiln serve` on a free loopback port (port 0; the URL is read from its stdout)."""
-    cmd = [sys.executable, "-m", "engine.entrypoints.cli", "serve", "--model", str(model_dir), "--port", "0",
-           "--device", "cpu", "--enforce-eager", *extra]
+    cmd = [
+        sys.executable,
+        "-m",
+        "engine.entrypoints.cli",
+        "serve",
+        "--model",
+        str(model_dir),
+        "--port",
+        "0",
+        "--device",
+        "cpu",
+        "--enforce-eager",
+        *extra,
+    ]
     log = open(log_path, "w")
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=log, text=True,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    proc = subprocess.Popen(
+        cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=log, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"}
+    )
     url = None
     deadline = time.monotonic() + 180
     while time.monotonic() < deadline:
@@ -146,21 +159,39 @@ def wait_clean(url: str, timeout: float = 20.0) -> dict[str, float]:
     deadline = time.monotonic() + timeout
     while True:
         m = metrics(url)
-        if (m["kiln:num_requests_running"], m["kiln:num_requests_waiting"], m["kiln:num_kv_blocks_in_use"]) \
-                == (0, 0, 0):
+        if (m["kiln:num_requests_running"], m["kiln:num_requests_waiting"], m["kiln:num_kv_blocks_in_use"]) == (
+            0,
+            0,
+            0,
+        ):
             return m
         if time.monotonic() > deadline:
-            raise AssertionError(f"server not clean: running={m['kiln:num_requests_running']} "
-                                 f"waiting={m['kiln:num_requests_waiting']} blocks={m['kiln:num_kv_blocks_in_use']}")
+            raise AssertionError(
+                f"server not clean: running={m['kiln:num_requests_running']} "
+                f"waiting={m['kiln:num_requests_waiting']} blocks={m['kiln:num_kv_blocks_in_use']}"
+            )
         time.sleep(0.05)
 
 
 @pytest.fixture(scope="module")
 def server(tiny_llama, tmp_path_factory):
     log_path = tmp_path_factory.mktemp("server") / "server.log"
-    proc, url = launch_server(tiny_llama, log_path, "--api-key", API_KEY, "--served-model-name", MODEL,
-                              "--max-model-len", str(MAX_MODEL_LEN), "--num-gpu-blocks", "1024",
-                              "--max-num-seqs", "64", "--log-stats-interval", "1")
+    proc, url = launch_server(
+        tiny_llama,
+        log_path,
+        "--api-key",
+        API_KEY,
+        "--served-model-name",
+        MODEL,
+        "--max-model-len",
+        str(MAX_MODEL_LEN),
+        "--num-gpu-blocks",
+        "1024",
+        "--max-num-seqs",
+        "64",
+        "--log-stats-interval",
+        "1",
+    )
     yield url
     stop_server(proc, log_path)
     log = log_path.read_text()

@@ -15,7 +15,7 @@ def expected_outputs(prompt: list[int], max_tokens: int, n: int) -> list[list[in
         toks.append((first + k) % 100 if n > 1 else first)
         while len(toks) - len(prompt) < max_tokens:
             toks.append(fake_token(toks))
-        outs.append(toks[len(prompt):])
+        outs.append(toks[len(prompt) :])
     return outs
 
 

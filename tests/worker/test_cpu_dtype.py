@@ -14,12 +14,22 @@ ZEN4 = CpuMath(bf16=True, fp16=False, isa="AVX512")  # AVX512-BF16, no FP16
 SPR = CpuMath(bf16=True, fp16=True, isa="AVX512")  # AMX-BF16 and AVX512-FP16: fp16 still runs in bf16
 
 
-@pytest.mark.parametrize("checkpoint, math, expected", [
-    ("float32", AVX2, "float32"), ("float32", SPR, "float32"), (None, ZEN4, "float32"),
-    ("bfloat16", AVX2, "float32"), ("bfloat16", ZEN4, "bfloat16"), ("bfloat16", SPR, "bfloat16"),
-    ("float16", AVX2, "float32"), ("float16", ZEN4, "bfloat16"), ("float16", SPR, "bfloat16"),
-    ("quantized", AVX2, "float32"), ("quantized", SPR, "float32"),
-])
+@pytest.mark.parametrize(
+    "checkpoint, math, expected",
+    [
+        ("float32", AVX2, "float32"),
+        ("float32", SPR, "float32"),
+        (None, ZEN4, "float32"),
+        ("bfloat16", AVX2, "float32"),
+        ("bfloat16", ZEN4, "bfloat16"),
+        ("bfloat16", SPR, "bfloat16"),
+        ("float16", AVX2, "float32"),
+        ("float16", ZEN4, "bfloat16"),
+        ("float16", SPR, "bfloat16"),
+        ("quantized", AVX2, "float32"),
+        ("quantized", SPR, "float32"),
+    ],
+)
 def test_rule(checkpoint, math, expected):
     dtype, why = cpu_auto_dtype(checkpoint, math)
     assert dtype == expected and why
@@ -56,8 +66,14 @@ def test_engine_logs_its_choice(tiny_llama, tmp_path, caplog):
         llm = LLM(str(model), device="cpu", enforce_eager=True, max_model_len=64, num_gpu_blocks=16)
     assert str(llm.engine.core.dtype) == f"torch.{expected}"
     assert f"dtype auto on the CPU: {expected}" in caplog.text
-    assert str(LLM(str(model), device="cpu", enforce_eager=True, max_model_len=64, num_gpu_blocks=16,
-                   dtype="float32").engine.core.dtype) == "torch.float32"
+    assert (
+        str(
+            LLM(
+                str(model), device="cpu", enforce_eager=True, max_model_len=64, num_gpu_blocks=16, dtype="float32"
+            ).engine.core.dtype
+        )
+        == "torch.float32"
+    )
 
 
 def test_gguf_weight_types_name_the_checkpoint_dtype(tiny_llama, tmp_path):
@@ -71,11 +87,16 @@ def test_gguf_weight_types_name_the_checkpoint_dtype(tiny_llama, tmp_path):
         assert checkpoint_dtype(path, ModelConfig.from_dir(path)) == expected
 
 
-@pytest.mark.parametrize("isa, vendor, float_path", [
-    ("AVX512", "AuthenticAMD", True),  # Zen 4/5: the float path keeps up with memory
-    ("AVX512", "GenuineIntel", False),  # Sapphire Rapids: it is compute-bound, int8 ~2x faster
-    ("AVX2", "AuthenticAMD", False), ("AVX2", "GenuineIntel", False), ("AVX512", "", False),
-])
+@pytest.mark.parametrize(
+    "isa, vendor, float_path",
+    [
+        ("AVX512", "AuthenticAMD", True),  # Zen 4/5: the float path keeps up with memory
+        ("AVX512", "GenuineIntel", False),  # Sapphire Rapids: it is compute-bound, int8 ~2x faster
+        ("AVX2", "AuthenticAMD", False),
+        ("AVX2", "GenuineIntel", False),
+        ("AVX512", "", False),
+    ],
+)
 def test_quantised_activations_auto(isa, vendor, float_path):
     """cpu_quant_activations=auto for a float32 model's quantised layers: float only where measured
     to stream at memory speed; an explicit choice and a reduced-precision model are kept as they are."""

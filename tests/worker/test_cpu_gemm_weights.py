@@ -13,12 +13,19 @@ from engine.worker.cpu_gemm_weights import gemm_weights_choice
 GB = 10**9
 
 
-@pytest.mark.parametrize("setting, dtype, amx, keep", [
-    ("auto", torch.bfloat16, True, True), ("auto", torch.bfloat16, False, False),
-    ("auto", torch.float32, True, True), ("auto", torch.float32, False, False), ("on", torch.float32, False, True),
-    ("on", torch.bfloat16, False, True),
-    ("off", torch.bfloat16, True, False), ("on", torch.float16, True, False),
-])
+@pytest.mark.parametrize(
+    "setting, dtype, amx, keep",
+    [
+        ("auto", torch.bfloat16, True, True),
+        ("auto", torch.bfloat16, False, False),
+        ("auto", torch.float32, True, True),
+        ("auto", torch.float32, False, False),
+        ("on", torch.float32, False, True),
+        ("on", torch.bfloat16, False, True),
+        ("off", torch.bfloat16, True, False),
+        ("on", torch.float16, True, False),
+    ],
+)
 def test_choice(setting, dtype, amx, keep):
     chosen, why = gemm_weights_choice(setting, dtype, 1 * GB, amx, 16 * GB)
     assert chosen is keep and why

@@ -15,7 +15,7 @@ def test_exact_half_picks_a_dtype_that_holds_every_value():
     w = torch.randn(8, 16)
     assert exact_half(w) is None  # random float32 values: neither 2-byte dtype holds them
     assert exact_half(w.half().float()).dtype == torch.float16
-    bf = w.bfloat16().float() * 2.0 ** 20  # bf16 values, most out of fp16's range
+    bf = w.bfloat16().float() * 2.0**20  # bf16 values, most out of fp16's range
     assert exact_half(bf).dtype == torch.bfloat16
     assert torch.equal(exact_half(bf).float(), bf)
 

@@ -39,8 +39,11 @@ def test_huge_ranges_merge_round_out_and_stay_inside_the_mappings():
         _At(base + 20 * HUGE_PAGE + 8192, 3 * MB),  # pages 20-21; the mapping starts inside page 20
     ]
     got = huge_ranges(tensors, mappings)
-    assert got == [(base, base + 3 * HUGE_PAGE), (base + 9 * HUGE_PAGE, base + 10 * HUGE_PAGE),
-                   (base + 21 * HUGE_PAGE, base + 22 * HUGE_PAGE)]
+    assert got == [
+        (base, base + 3 * HUGE_PAGE),
+        (base + 9 * HUGE_PAGE, base + 10 * HUGE_PAGE),
+        (base + 21 * HUGE_PAGE, base + 22 * HUGE_PAGE),
+    ]
     assert huge_ranges(tensors, []) == []
 
 

@@ -43,7 +43,8 @@ llm = LLM(sys.argv[1], device="cpu", enforce_eager=True, cpu_quant_activations="
 prompts = _prompts(llm.engine.model_config.vocab_size)
 outs = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
 print(json.dumps({"capability": torch.backends.cpu.get_cpu_capability(), "onednn": os.environ.get("ONEDNN_MAX_CPU_ISA"),
-                  "level": cpu_gemv.LEVELS[cpu_gemv.GEMV.level], "matches": outs == hf_greedy(sys.argv[1], prompts, MAX_TOKENS)}))
+                  "level": cpu_gemv.LEVELS[cpu_gemv.GEMV.level], "matches": outs == hf_greedy(sys.argv[1],
+                  prompts, MAX_TOKENS)}))
 """
 
 
@@ -51,8 +52,9 @@ def _engine_run(model: Path, limit: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "KILN_CPU_ISA": limit, "PYTHONPATH": str(ROOT)}
     for name in ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS"):
         env.pop(name, None)
-    return subprocess.run([sys.executable, "-c", ENGINE_CODE, str(model)], env=env, cwd=ROOT, capture_output=True,
-                          text=True, timeout=600)
+    return subprocess.run(
+        [sys.executable, "-c", ENGINE_CODE, str(model)], env=env, cwd=ROOT, capture_output=True, text=True, timeout=600
+    )
 
 
 @pytest.mark.skipif(platform.machine().lower() not in ("x86_64", "amd64"), reason="x86 instruction-set levels")

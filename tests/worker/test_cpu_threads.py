@@ -65,15 +65,16 @@ def test_settings_validate_cpu_bind():
 def _run(code: str, env_extra: dict[str, str] | None = None) -> dict:
     env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
     env.update(env_extra or {}, PYTHONPATH=str(ROOT))
-    out = subprocess.run([sys.executable, "-c", code], env=env, cwd=ROOT, capture_output=True, text=True,
-                         timeout=120)
+    out = subprocess.run([sys.executable, "-c", code], env=env, cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-SPIN_CODE = ("import json, os; from engine.config.process_setup import prepare_process; prepare_process(); "
-             "import torch; print(json.dumps([os.environ.get('OMP_WAIT_POLICY'), os.environ.get('GOMP_SPINCOUNT'), "
-             "prepare_process().wait_policy()]))")
+SPIN_CODE = (
+    "import json, os; from engine.config.process_setup import prepare_process; prepare_process(); "
+    "import torch; print(json.dumps([os.environ.get('OMP_WAIT_POLICY'), os.environ.get('GOMP_SPINCOUNT'), "
+    "prepare_process().wait_policy()]))"
+)
 
 
 def test_the_spin_is_set_before_torch_loads_and_a_user_choice_is_kept():
@@ -83,8 +84,10 @@ def test_the_spin_is_set_before_torch_loads_and_a_user_choice_is_kept():
     assert _run(SPIN_CODE, {"OMP_WAIT_POLICY": "PASSIVE"}) == ["PASSIVE", None, "passive"]
     assert _run(SPIN_CODE, {"OMP_WAIT_POLICY": "ACTIVE"}) == ["ACTIVE", None, "active"]
     assert _run(SPIN_CODE, {"GOMP_SPINCOUNT": "50"}) == [None, "50", "spin 50 then sleep"]
-    late = _run("import json, torch; from engine.config.process_setup import prepare_process; "
-                "print(json.dumps(prepare_process().wait_policy()))")
+    late = _run(
+        "import json, torch; from engine.config.process_setup import prepare_process; "
+        "print(json.dumps(prepare_process().wait_policy()))"
+    )
     assert "imported before kiln" in late
 
 
@@ -136,16 +139,19 @@ print(json.dumps([released, out[0]]))
 """
 
 
-@pytest.mark.skipif(len(available_cores()) < 2 or not sys.platform.startswith("linux"),
-                    reason="needs two cores and Linux's /proc")
+@pytest.mark.skipif(
+    len(available_cores()) < 2 or not sys.platform.startswith("linux"), reason="needs two cores and Linux's /proc"
+)
 def test_the_builder_thread_gives_its_openmp_team_back():
     """With two teams on two cores libgomp throttles the spin and the idle threads sleep between
     regions; once the main thread gave its team back they spin through the 30 µs gaps."""
+
     def run(mode: str) -> list:
         env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
         env.update(GOMP_SPINCOUNT="1000000", PYTHONPATH=str(ROOT))  # (~10 ms: no sleeps but throttled ones)
-        out = subprocess.run([sys.executable, "-c", TEAMS_CODE, mode], env=env, cwd=ROOT, capture_output=True,
-                             text=True, timeout=120)
+        out = subprocess.run(
+            [sys.executable, "-c", TEAMS_CODE, mode], env=env, cwd=ROOT, capture_output=True, text=True, timeout=120
+        )
         assert out.returncode == 0, out.stderr
         return json.loads(out.stdout.strip().splitlines()[-1])
 
@@ -157,9 +163,11 @@ def test_the_builder_thread_gives_its_openmp_team_back():
 
 def test_pinning_applies_to_the_process():
     core = available_cores()[-1]
-    got = _run(f"import json, os, torch; from engine.worker.cpu_threads import apply_cpu_threads; "
-               f"p = apply_cpu_threads(None, '{core}'); "
-               f"print(json.dumps([sorted(os.sched_getaffinity(0)), torch.get_num_threads(), p.threads]))")
+    got = _run(
+        f"import json, os, torch; from engine.worker.cpu_threads import apply_cpu_threads; "
+        f"p = apply_cpu_threads(None, '{core}'); "
+        f"print(json.dumps([sorted(os.sched_getaffinity(0)), torch.get_num_threads(), p.threads]))"
+    )
     assert got == [[core], 1, 1]
 
 
@@ -169,8 +177,9 @@ def test_engine_start_logs_and_applies_the_thread_choice(tiny_llama, caplog):
     before = torch.get_num_threads()
     try:
         with caplog.at_level(logging.INFO, logger="engine.worker.cpu_threads"):
-            engine = LLMEngine.from_settings(EngineSettings(model=str(tiny_llama), enforce_eager=True, cpu_threads=1,
-                                              max_model_len=256))
+            engine = LLMEngine.from_settings(
+                EngineSettings(model=str(tiny_llama), enforce_eager=True, cpu_threads=1, max_model_len=256)
+            )
         assert torch.get_num_threads() == 1
         assert engine.core.cpu_threads.threads == 1
         assert any("CPU threads: 1 compute thread" in r.getMessage() for r in caplog.records)

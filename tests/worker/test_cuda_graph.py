@@ -72,10 +72,22 @@ def settings(model: str, target: str, cache, *, overlap: bool, **kw) -> EngineSe
     """A GPU's defaults as far as the tests need them (graph buckets, chunked prefill at a 512-token
     budget) with async_scheduling always given explicitly: its default differs between devices."""
     device, dtype, backend, kernels = TARGETS[target]
-    base = dict(model=model, device=device, dtype=dtype, attention_backend=backend, max_num_seqs=SIZES[-1],
-                cuda_graph_sizes=SIZES, max_model_len=MAX_MODEL_LEN, num_gpu_blocks=600, block_size=16,
-                max_num_batched_tokens=512, enable_chunked_prefill=True, enable_prefix_caching=False,
-                async_scheduling=overlap, **kernels)
+    base = dict(
+        model=model,
+        device=device,
+        dtype=dtype,
+        attention_backend=backend,
+        max_num_seqs=SIZES[-1],
+        cuda_graph_sizes=SIZES,
+        max_model_len=MAX_MODEL_LEN,
+        num_gpu_blocks=600,
+        block_size=16,
+        max_num_batched_tokens=512,
+        enable_chunked_prefill=True,
+        enable_prefix_caching=False,
+        async_scheduling=overlap,
+        **kernels,
+    )
     if device == "cuda":
         base["compile_cache_dir"] = cache  # (on the CPU: the session's cache, where the C++ decode is built once)
     base.update(kw)
@@ -88,11 +100,18 @@ def _skip_unless_kernels_built(model: str, target: str, cache) -> None:
 
     kernels = TARGETS[target][3]
     s = settings(model, target, cache, overlap=False)
-    spec = BackendSpec(device=torch.device("cuda"), dtype=torch.bfloat16, head_dim=64, block_size=16,
-                       kernel_cache_dir=s.resolved_kernel_cache_dir(), **kernels)
+    spec = BackendSpec(
+        device=torch.device("cuda"),
+        dtype=torch.bfloat16,
+        head_dim=64,
+        block_size=16,
+        kernel_cache_dir=s.resolved_kernel_cache_dir(),
+        **kernels,
+    )
     if not cutlass_available(spec):
-        pytest.skip(f"cutlass kernels {kernels or 'v1/mma'} for bf16/head_dim 64/block 16 are not built "
-                    "(kiln build-kernels)")
+        pytest.skip(
+            f"cutlass kernels {kernels or 'v1/mma'} for bf16/head_dim 64/block 16 are not built (kiln build-kernels)"
+        )
 
 
 class ReplayChecker:
@@ -129,19 +148,28 @@ class ReplayChecker:
         # rows past the batch are padding on the device: they wrote and read nothing
         assert (buf.seq_lens[n:bucket] == 0).all().item() and (buf.slot_mapping[n:bucket] == -1).all().item(), (
             f"stale rows not masked: seq_lens {buf.seq_lens[n:bucket].tolist()}, "
-            f"slots {buf.slot_mapping[n:bucket].tolist()}")
-        meta = AttentionMetadata(slot_mapping=buf.slot_mapping[:n], query_start_loc=buf.query_start_loc[:n + 1],
-                                 seq_lens=buf.seq_lens[:n], block_tables=buf.block_tables[:n],
-                                 max_query_len=1, max_seq_len=max_len, num_decodes=n)
-        hidden = engine.core.model.forward(buf.input_ids[:n], buf.positions[:n], runner.kv_cache.tensor, meta,
-                                      runner.builder.features.context(n))  # eager
+            f"slots {buf.slot_mapping[n:bucket].tolist()}"
+        )
+        meta = AttentionMetadata(
+            slot_mapping=buf.slot_mapping[:n],
+            query_start_loc=buf.query_start_loc[: n + 1],
+            seq_lens=buf.seq_lens[:n],
+            block_tables=buf.block_tables[:n],
+            max_query_len=1,
+            max_seq_len=max_len,
+            num_decodes=n,
+        )
+        hidden = engine.core.model.forward(
+            buf.input_ids[:n], buf.positions[:n], runner.kv_cache.tensor, meta, runner.builder.features.context(n)
+        )  # eager
         ref = engine.core.model.compute_logits(hidden)
         assert torch.isfinite(logits).all(), f"non-finite logits from the bucket-{bucket} graph"
         diff = (logits - ref).abs().max().item()
         scale = ref.abs().max().item()
         assert diff <= REL_TOL * scale + 1e-2, (
             f"bucket {bucket} (batch {n}, key {step.graph_key}): graph vs eager logits max |diff| {diff:.4f}, "
-            f"max |logit| {scale:.3f}")
+            f"max |logit| {scale:.3f}"
+        )
         assert torch.equal(tokens, logits.argmax(-1))
         top2 = ref.topk(2, dim=-1).values
         clear = (top2[:, 0] - top2[:, 1]) > 2 * (REL_TOL * scale + 1e-2)
@@ -152,12 +180,15 @@ class ReplayChecker:
         return sum(1 for s in self.seen[since:] if s["rows"] == rows)
 
 
-@pytest.fixture(scope="module", params=[
-    "cpu",
-    pytest.param("torch", marks=pytest.mark.gpu),
-    pytest.param("cutlass_v1", marks=pytest.mark.gpu),
-    pytest.param("cutlass_v2", marks=pytest.mark.gpu),
-])
+@pytest.fixture(
+    scope="module",
+    params=[
+        "cpu",
+        pytest.param("torch", marks=pytest.mark.gpu),
+        pytest.param("cutlass_v1", marks=pytest.mark.gpu),
+        pytest.param("cutlass_v2", marks=pytest.mark.gpu),
+    ],
+)
 def engines(request, tmp_path_factory):
     """{"overlap": graphs engine (async_scheduling on), "serial": graphs engine (off), "eager": the
     reference (enforce_eager, serial)}, each graphs engine with its ReplayChecker as `.checker`."""
@@ -185,8 +216,7 @@ OVERLAP = pytest.mark.parametrize("mode", ["overlap", "serial"])
 
 
 def _params(max_tokens: int, logprobs: int | None = None) -> SamplingParams:
-    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, detokenize=False,
-                          logprobs=logprobs)
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, detokenize=False, logprobs=logprobs)
 
 
 def _prompts(n: int, seed: int, lo: int = 3, hi: int = 60) -> list[list[int]]:
@@ -202,8 +232,10 @@ def step_until_replayed(engine, rows: int, times: int) -> None:
         if checker.count(rows, mark) >= times:
             return
         engine.step()
-    raise AssertionError(f"no {times} replays of {rows} rows in {MAX_STEPS} steps; replays seen: "
-                         f"{[s['rows'] for s in checker.seen[mark:]]}")
+    raise AssertionError(
+        f"no {times} replays of {rows} rows in {MAX_STEPS} steps; replays seen: "
+        f"{[s['rows'] for s in checker.seen[mark:]]}"
+    )
 
 
 def drain(engine) -> None:
@@ -313,7 +345,8 @@ def test_greedy_tokens_graphs_equal_eager(engines, mode):
             continue
         top = sorted(lps[k].values(), reverse=True)
         assert len(top) >= 2 and top[0] - top[1] < NEAR_TIE, (
-            f"{rid}: graphs and eager differ at output {k} ({mine[k]} vs {tokens[k]}) without a near-tie: {lps[k]}")
+            f"{rid}: graphs and eager differ at output {k} ({mine[k]} vs {tokens[k]}) without a near-tie: {lps[k]}"
+        )
         ties.append((rid, k))
     assert len(ties) <= len(want) // 4, f"too many divergences (near-ties): {ties}"
     drain(graphs)

@@ -24,7 +24,7 @@ class _Seq:
 
 def _check(buf: InputBuffers, seqs: list[_Seq]) -> None:
     for i, s in enumerate(seqs):
-        assert buf.np_block_tables[i, :len(s.blocks)].tolist() == s.blocks, f"row {i}"
+        assert buf.np_block_tables[i, : len(s.blocks)].tolist() == s.blocks, f"row {i}"
 
 
 def test_block_table_rows_follow_their_sequences_through_random_steps():
@@ -49,7 +49,7 @@ def test_block_table_rows_follow_their_sequences_through_random_steps():
                 s.blocks[rng.randrange(len(s.blocks))] = _Seq._new(counter)
                 s.version += 1
             if rng.random() < 0.02 and len(s.blocks) > 1:  # rejected drafts: blocks trimmed
-                del s.blocks[rng.randint(1, len(s.blocks) - 1):]
+                del s.blocks[rng.randint(1, len(s.blocks) - 1) :]
                 s.version += 1
         buf.write_table_rows([(s.blocks, s.version, len(s.blocks)) for s in seqs])
         _check(buf, seqs)

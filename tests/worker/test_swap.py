@@ -84,6 +84,7 @@ def test_block_swapper_orders_copies_against_the_compute_stream():
 
 # ---- the engine preempting by swap ----
 
+
 def _greedy(max_tokens):
     return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, detokenize=False)
 
@@ -100,8 +101,17 @@ def test_engine_swap_matches_unconstrained_greedy(make_llm, mode, overlap, caplo
     prompts = _prompts(12)
     ref = make_llm(max_num_seqs=16, max_model_len=128)
     expected = [o.outputs[0].token_ids for o in ref.generate(prompts, _greedy(24), use_tqdm=False)]
-    llm = make_llm(max_num_seqs=8, max_model_len=64, block_size=8, num_gpu_blocks=14, preemption_mode=mode,
-                   swap_space_gb=0.01, max_num_batched_tokens=64, async_scheduling=overlap, enforce_eager=not overlap)
+    llm = make_llm(
+        max_num_seqs=8,
+        max_model_len=64,
+        block_size=8,
+        num_gpu_blocks=14,
+        preemption_mode=mode,
+        swap_space_gb=0.01,
+        max_num_batched_tokens=64,
+        async_scheduling=overlap,
+        enforce_eager=not overlap,
+    )
     with caplog.at_level(logging.INFO, logger="engine.core.sched.scheduler"):
         outs = llm.generate(prompts, _greedy(24), use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == expected
@@ -119,15 +129,25 @@ def test_engine_swap_matches_unconstrained_greedy(make_llm, mode, overlap, caplo
 
 
 def test_engine_without_swap_space_recomputes(make_llm):
-    llm = make_llm(max_num_seqs=8, max_model_len=64, block_size=8, num_gpu_blocks=14, preemption_mode="swap",
-                   swap_space_gb=0.0, max_num_batched_tokens=64)
+    llm = make_llm(
+        max_num_seqs=8,
+        max_model_len=64,
+        block_size=8,
+        num_gpu_blocks=14,
+        preemption_mode="swap",
+        swap_space_gb=0.0,
+        max_num_batched_tokens=64,
+    )
     assert llm.engine.core.swap_space is None
     llm.generate(_prompts(8), _greedy(24), use_tqdm=False)
-    assert llm.engine.core.scheduler.preemptions_by_mode == {"recompute": llm.engine.core.scheduler.num_preemptions,
-                                                          "swap": 0}
+    assert llm.engine.core.scheduler.preemptions_by_mode == {
+        "recompute": llm.engine.core.scheduler.num_preemptions,
+        "swap": 0,
+    }
 
 
 # ---- warm prefixes ----
+
 
 def test_load_warm_prefixes_formats(tmp_path, tiny_llama):
     from transformers import AutoTokenizer
@@ -163,8 +183,10 @@ def test_warm_prefixes_are_pinned_and_survive_pressure(make_llm):
     out = llm.generate([prefix + [7, 8, 9]], _greedy(4), use_tqdm=False)[0]
     assert out.num_cached_tokens == 32
     ref = make_llm(max_num_seqs=4, max_model_len=128, enable_prefix_caching=False)
-    assert ref.generate([prefix + [7, 8, 9]], _greedy(4), use_tqdm=False)[0].outputs[0].token_ids == \
-        out.outputs[0].token_ids
+    assert (
+        ref.generate([prefix + [7, 8, 9]], _greedy(4), use_tqdm=False)[0].outputs[0].token_ids
+        == out.outputs[0].token_ids
+    )
     eng.core.check_integrity()
 
 

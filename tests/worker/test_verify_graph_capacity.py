@@ -13,8 +13,9 @@ SIZES = [1, 2, 4, 8]
 Q = 5  # 1 + 4 drafts
 
 
-@pytest.mark.parametrize("buffer, rows, fit", [(None, None, [1, 2, 4]), ("aux_hidden", 12, [1, 2]),
-                                                ("hidden_in", 7, [1])])
+@pytest.mark.parametrize(
+    "buffer, rows, fit", [(None, None, [1, 2, 4]), ("aux_hidden", 12, [1, 2]), ("hidden_in", 7, [1])]
+)
 def test_verify_buckets_past_the_buffers_are_skipped(make_llm, caplog, buffer, rows, fit):
     llm = make_llm(max_num_seqs=8, max_num_batched_tokens=16)
     runner = llm.engine.core.runner

@@ -25,8 +25,14 @@ if TYPE_CHECKING:
 
 
 class KVAllocator:
-    def __init__(self, pool: BlockPool, *, reserved_blocks_fraction: float = 0.0, reserved_priority: int = 0,
-                 watermark_fraction: float = 0.01) -> None:
+    def __init__(
+        self,
+        pool: BlockPool,
+        *,
+        reserved_blocks_fraction: float = 0.0,
+        reserved_priority: int = 0,
+        watermark_fraction: float = 0.01,
+    ) -> None:
         self.pool = pool
         self.block_size = pool.block_size
         self.reserved_priority = reserved_priority
@@ -63,8 +69,9 @@ class KVAllocator:
         return self.watermark_blocks if any_running else 0
 
     def can_admit(self, seq: Sequence, num_new: int, any_running: bool) -> bool:
-        return (self.blocks_needed(seq, num_new)
-                <= self.available_for(seq.request.priority) - self.watermark(any_running))
+        return self.blocks_needed(seq, num_new) <= self.available_for(seq.request.priority) - self.watermark(
+            any_running
+        )
 
     def blocks_freed_by(self, victims: Iterable[Sequence]) -> int:
         """GPU blocks releasing all of `victims` would free: those no one else references."""
@@ -166,7 +173,7 @@ class KVAllocator:
         while len(digests) < full:
             i = len(digests)
             parent = digests[-1] if digests else seq.request.prefix_root
-            digests.append(self.pool.cache_block(seq.block_ids[i], parent, seq.token_ids[i * bs:(i + 1) * bs]))
+            digests.append(self.pool.cache_block(seq.block_ids[i], parent, seq.token_ids[i * bs : (i + 1) * bs]))
 
     # ---- books ----
     def references(self, seqs: Iterable[Sequence], swapped_refs: dict[int, int] | None = None) -> dict[int, int]:
@@ -177,15 +184,21 @@ class KVAllocator:
                 refs[block] = refs.get(block, 0) + 1
         return refs
 
-    def check_integrity(self, running: list[Sequence], waiting: list[Sequence], swapped: list[Sequence],
-                        swapped_refs: dict[int, int] | None = None) -> None:
+    def check_integrity(
+        self,
+        running: list[Sequence],
+        waiting: list[Sequence],
+        swapped: list[Sequence],
+        swapped_refs: dict[int, int] | None = None,
+    ) -> None:
         """The pool's invariants, every reference held by a live sequence, each running
         sequence's table covering its computed tokens, no digests kept for a finished one."""
         self.pool.check_integrity(self.references(itertools.chain(running, waiting), swapped_refs))
         live = {s.seq_id for s in itertools.chain(running, waiting, swapped)}
         for seq in running:
             assert len(seq.block_ids) * self.block_size >= seq.num_computed_tokens, (
-                f"seq {seq.seq_id}: {len(seq.block_ids)} blocks for {seq.num_computed_tokens} computed tokens")
+                f"seq {seq.seq_id}: {len(seq.block_ids)} blocks for {seq.num_computed_tokens} computed tokens"
+            )
         for seq_id in self.digests:
             assert seq_id in live, f"digests kept for seq {seq_id}, which is not queued"
 

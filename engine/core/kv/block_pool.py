@@ -138,8 +138,9 @@ class BlockPool:
             self.free(block)
 
     # ---- prefix cache ----
-    def match_prefix(self, token_ids: list[int], max_blocks: int,
-                     root: bytes | None = None) -> tuple[list[int], list[bytes]]:
+    def match_prefix(
+        self, token_ids: list[int], max_blocks: int, root: bytes | None = None
+    ) -> tuple[list[int], list[bytes]]:
         """Longest run of cached full blocks at the start of `token_ids` (at most max_blocks),
         in the namespace `root` (the first block's parent: None for the base model, an adapter's
         own root for its requests).
@@ -153,7 +154,7 @@ class BlockPool:
         digests: list[bytes] = []
         parent: bytes | None = root
         for i in range(max_blocks):
-            tokens = tuple(token_ids[i * bs:(i + 1) * bs])
+            tokens = tuple(token_ids[i * bs : (i + 1) * bs])
             if len(tokens) < bs:
                 break
             digest = chain_digest(parent, tokens)
@@ -225,8 +226,8 @@ class BlockPool:
         in_use = {b for b in range(1, self.num_blocks) if self._ref[b] > 0}
         assert not (in_use & (free | idle)), "a referenced block is on a free list"
         assert len(free) + len(idle) + len(in_use) == self.num_usable, (
-            f"block accounting broken: free {len(free)} + idle {len(idle)} + in use {len(in_use)} "
-            f"!= {self.num_usable}")
+            f"block accounting broken: free {len(free)} + idle {len(idle)} + in use {len(in_use)} != {self.num_usable}"
+        )
         assert self._ref[NULL_BLOCK] == 0 and NULL_BLOCK not in free | idle, "null block escaped"
         assert all(self._ref[b] >= 0 for b in range(self.num_blocks)), "negative ref count"
         for b in idle:

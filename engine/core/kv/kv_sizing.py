@@ -48,8 +48,10 @@ def blocks_from_budget(budget_bytes: float, bytes_per_block: int, device_type: s
     """KV blocks (the null block included) that fit in a byte budget; at least 2 or an error."""
     blocks = int(max(budget_bytes, 0) // bytes_per_block)
     if blocks < 2:
-        raise ValueError(f"the KV cache gets {budget_bytes / (1 << 20):.0f} MiB, not enough for 2 blocks of "
-                         f"{bytes_per_block} bytes: raise {budget_setting(device_type, False)}")
+        raise ValueError(
+            f"the KV cache gets {budget_bytes / (1 << 20):.0f} MiB, not enough for 2 blocks of "
+            f"{bytes_per_block} bytes: raise {budget_setting(device_type, False)}"
+        )
     return blocks
 
 
@@ -58,8 +60,15 @@ def tokens_per_sequence(num_blocks: int, block_size: int) -> int:
     return (num_blocks - 1) * block_size
 
 
-def fit_max_model_len(requested: int | None, model_limit: int, num_blocks: int, block_size: int,
-                      bytes_per_block: int, device_type: str, explicit_blocks: bool) -> int:
+def fit_max_model_len(
+    requested: int | None,
+    model_limit: int,
+    num_blocks: int,
+    block_size: int,
+    bytes_per_block: int,
+    device_type: str,
+    explicit_blocks: bool,
+) -> int:
     """The context length to serve: `requested` (already checked against the model's limit)
     if it fits, else an error naming the setting to raise; with none requested, the model's
     limit or the largest whole-block context that fits."""
@@ -69,9 +78,15 @@ def fit_max_model_len(requested: int | None, model_limit: int, num_blocks: int, 
         return want
     setting = budget_setting(device_type, explicit_blocks)
     if requested is None:
-        logger.warning("the model's full context (%d tokens) does not fit the KV cache (%d blocks of %d tokens): "
-                       "serving a context of %d tokens (max_model_len); raise %s for more", model_limit,
-                       num_blocks - 1, block_size, capacity, setting)
+        logger.warning(
+            "the model's full context (%d tokens) does not fit the KV cache (%d blocks of %d tokens): "
+            "serving a context of %d tokens (max_model_len); raise %s for more",
+            model_limit,
+            num_blocks - 1,
+            block_size,
+            capacity,
+            setting,
+        )
         return capacity
     needed_blocks = -(-requested // block_size) + 1
     if explicit_blocks:
@@ -80,15 +95,18 @@ def fit_max_model_len(requested: int | None, model_limit: int, num_blocks: int, 
         how = f"kv_cache_memory_gb to at least {needed_blocks * bytes_per_block / GIB:.2f}"
     else:
         how = "gpu_memory_utilization"
-    raise ValueError(f"max_model_len ({requested}) is larger than the KV cache can hold ({capacity} tokens in "
-                     f"{num_blocks - 1} blocks of {block_size}); raise {how}, or lower max_model_len "
-                     f"(or leave it unset: kiln then serves the largest context that fits)")
+    raise ValueError(
+        f"max_model_len ({requested}) is larger than the KV cache can hold ({capacity} tokens in "
+        f"{num_blocks - 1} blocks of {block_size}); raise {how}, or lower max_model_len "
+        f"(or leave it unset: kiln then serves the largest context that fits)"
+    )
 
 
 # ---- the CPU default budget: from the memory actually free --------------------------------------
 @dataclass(frozen=True)
 class FreeMemory:
     """Bytes this process can still take, and where that figure came from (for the log line)."""
+
     bytes: int
     source: str
 
@@ -160,11 +178,17 @@ def read_free_memory() -> FreeMemory | None:
     best = FreeMemory(available, "MemAvailable") if available is not None else None
     for version, d in _cgroup_dirs():
         if version == "v2":
-            left = cgroup_headroom(_read_int(f"{d}/memory.max"), _read_int(f"{d}/memory.current"),
-                                   _stat_value(f"{d}/memory.stat", ("inactive_file",)))
+            left = cgroup_headroom(
+                _read_int(f"{d}/memory.max"),
+                _read_int(f"{d}/memory.current"),
+                _stat_value(f"{d}/memory.stat", ("inactive_file",)),
+            )
         else:
-            left = cgroup_headroom(_read_int(f"{d}/memory.limit_in_bytes"), _read_int(f"{d}/memory.usage_in_bytes"),
-                                   _stat_value(f"{d}/memory.stat", ("total_inactive_file", "inactive_file")))
+            left = cgroup_headroom(
+                _read_int(f"{d}/memory.limit_in_bytes"),
+                _read_int(f"{d}/memory.usage_in_bytes"),
+                _stat_value(f"{d}/memory.stat", ("total_inactive_file", "inactive_file")),
+            )
         if left is not None:
             if best is None or left < best.bytes:
                 best = FreeMemory(left, f"the cgroup memory limit ({d})")
@@ -172,8 +196,15 @@ def read_free_memory() -> FreeMemory | None:
     return best
 
 
-def activation_bytes(max_num_batched_tokens: int, max_num_seqs: int, hidden: int, intermediate: int,
-                     qkv_width: int, vocab: int, element_size: int) -> int:
+def activation_bytes(
+    max_num_batched_tokens: int,
+    max_num_seqs: int,
+    hidden: int,
+    intermediate: int,
+    qkv_width: int,
+    vocab: int,
+    element_size: int,
+) -> int:
     """A generous bound on one step's activations: a few hidden-sized tensors, the q/k/v and
     gate/up outputs for every token of the step, and float32 logits (plus their softmax) of every
     sampled row."""

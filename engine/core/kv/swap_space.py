@@ -52,8 +52,9 @@ class _Swapped:
 class SwapSpace:
     """CPU block accounting for swapped-out sequences (no tensors here)."""
 
-    def __init__(self, gpu_pool: BlockPool, num_cpu_blocks: int, bytes_per_block: int = 0,
-                 auto_min_tokens: int | None = None) -> None:
+    def __init__(
+        self, gpu_pool: BlockPool, num_cpu_blocks: int, bytes_per_block: int = 0, auto_min_tokens: int | None = None
+    ) -> None:
         if num_cpu_blocks < 1:
             raise ValueError("a swap space needs at least one CPU block")
         self.gpu_pool = gpu_pool
@@ -111,7 +112,7 @@ class SwapSpace:
         bs = self.block_size
         computed = seq.num_computed_tokens
         blocks = tokens = 0
-        for i, block in enumerate(seq.block_ids[:self._kept_prefix(seq)]):
+        for i, block in enumerate(seq.block_ids[: self._kept_prefix(seq)]):
             if self.gpu_pool.ref_count(block) == 1:
                 blocks += 1
                 tokens += min(bs, computed - i * bs)
@@ -145,8 +146,10 @@ class SwapSpace:
         if self.swap_seconds_per_byte is None or self.recompute_seconds_per_token is None:
             return None
         movable, movable_tokens = self._movable(seq)
-        return (2 * movable * self.bytes_per_block * self.swap_seconds_per_byte,
-                movable_tokens * self.recompute_seconds_per_token)
+        return (
+            2 * movable * self.bytes_per_block * self.swap_seconds_per_byte,
+            movable_tokens * self.recompute_seconds_per_token,
+        )
 
     # ---- measured rates (auto mode's cost model) ----
     def observe_swap(self, num_bytes: int, seconds: float) -> None:
@@ -157,15 +160,17 @@ class SwapSpace:
     def observe_prefill(self, num_tokens: int, seconds: float) -> None:
         """A step that computed `num_tokens` tokens, mostly prefill, took `seconds`."""
         if num_tokens > 0 and seconds > 0:
-            self.recompute_seconds_per_token = _moving_average(self.recompute_seconds_per_token,
-                                                               seconds / num_tokens)
+            self.recompute_seconds_per_token = _moving_average(self.recompute_seconds_per_token, seconds / num_tokens)
 
     def blocks_needed(self, seq: Sequence) -> int:
         """GPU blocks a swap-in takes from the available ones (kept or still-shared blocks need none)."""
         entry = self._entries[seq.seq_id]
         cached = self._still_cached(seq, entry)
-        return sum(1 for i, on_gpu in enumerate(entry.on_gpu)
-                   if not on_gpu and not (i < len(cached) and self.gpu_pool.ref_count(cached[i]) > 0))
+        return sum(
+            1
+            for i, on_gpu in enumerate(entry.on_gpu)
+            if not on_gpu and not (i < len(cached) and self.gpu_pool.ref_count(cached[i]) > 0)
+        )
 
     def _still_cached(self, seq: Sequence, entry: _Swapped) -> list[int]:
         """GPU blocks that still hold this sequence's leading full blocks in the prefix cache."""
@@ -181,8 +186,12 @@ class SwapSpace:
         need = self.blocks_needed(seq)
         total = -(-(seq.num_computed_tokens + num_new) // self.block_size)
         need += max(0, total - len(entry.ids))
-        if seq.num_computed_tokens % self.block_size and entry.ids and entry.on_gpu[-1] \
-                and self.gpu_pool.ref_count(entry.ids[-1]) > 1:
+        if (
+            seq.num_computed_tokens % self.block_size
+            and entry.ids
+            and entry.on_gpu[-1]
+            and self.gpu_pool.ref_count(entry.ids[-1]) > 1
+        ):
             need += 1  # its partial last block is shared: the first write copies it
         return need
 
@@ -280,20 +289,21 @@ class SwapSpace:
 
     def check_integrity(self, swapped: list[Sequence]) -> None:
         ids = {s.seq_id for s in swapped}
-        assert ids == set(self._entries), (
-            f"swapped sequences {sorted(ids)} != swap entries {sorted(self._entries)}")
+        assert ids == set(self._entries), f"swapped sequences {sorted(ids)} != swap entries {sorted(self._entries)}"
         for seq in swapped:
             assert not seq.block_ids, f"swapped seq {seq.seq_id} still has a GPU block table"
             entry = self._entries[seq.seq_id]
             assert len(entry.ids) == len(entry.on_gpu) == self._kept_prefix(seq), (
-                f"swapped seq {seq.seq_id}: {len(entry.ids)} blocks for {seq.num_computed_tokens} tokens")
+                f"swapped seq {seq.seq_id}: {len(entry.ids)} blocks for {seq.num_computed_tokens} tokens"
+            )
         used = [b for e in self._entries.values() for g, b in zip(e.on_gpu, e.ids) if not g]
         free = list(self._free)
         everything = used + free + self._deferred
         assert len(everything) == len(set(everything)), "a CPU block is in two places"
         assert len(everything) == self.num_blocks, (
             f"CPU block accounting broken: used {len(used)} + free {len(free)} + deferred "
-            f"{len(self._deferred)} != {self.num_blocks}")
+            f"{len(self._deferred)} != {self.num_blocks}"
+        )
         assert all(0 <= b < self.num_blocks for b in everything), "CPU block id out of range"
 
 

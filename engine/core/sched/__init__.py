@@ -1,1 +1,2 @@
-"""Continuous batching: the scheduler, preemption, the plan of one step (SchedulerOutput) and how a step's results update its sequences."""
+"""Continuous batching: the scheduler, preemption, the plan of one step (SchedulerOutput) and how a step's
+results update its sequences."""

@@ -33,9 +33,15 @@ PreemptionMode = Literal["auto", "swap", "recompute"]
 
 
 class Preemptor:
-    def __init__(self, mode: PreemptionMode, kv: KVAllocator, swapper: SwapSpace | None,
-                 running: list[Sequence], swapped: list[Sequence],
-                 to_waiting: Callable[[Sequence], None]) -> None:
+    def __init__(
+        self,
+        mode: PreemptionMode,
+        kv: KVAllocator,
+        swapper: SwapSpace | None,
+        running: list[Sequence],
+        swapped: list[Sequence],
+        to_waiting: Callable[[Sequence], None],
+    ) -> None:
         self.mode = mode
         self.kv = kv
         self.swapper = swapper
@@ -56,8 +62,14 @@ class Preemptor:
         """Who gives way when blocks run out: `running` is kept most urgent first."""
         return self.running[-1]
 
-    def make_room(self, head: Sequence, budget: int, out: SchedulerOutput, fits: Callable[[], bool],
-                  seats_suffice: Callable[[list[Sequence]], bool]) -> None:
+    def make_room(
+        self,
+        head: Sequence,
+        budget: int,
+        out: SchedulerOutput,
+        fits: Callable[[], bool],
+        seats_suffice: Callable[[list[Sequence]], bool],
+    ) -> None:
         """Preempt running sequences less urgent than `head`, least urgent first, until it fits;
         only if preempting all of them could make room at all (their seats, their unshared
         blocks): never preempt for nothing."""
@@ -124,8 +136,15 @@ class Preemptor:
             self.to_waiting(seq)
             if self.mode != "recompute" and self.swapper is not None:
                 reason += f"; not swapped ({self.swapper.num_free} CPU blocks free, {self.mode} mode)"
-        logger.info("preempted request %s (seq %d, priority %d, %d tokens of KV) by %s: %s",
-                    seq.request.request_id, seq.seq_id, prio, computed, mode, reason)
+        logger.info(
+            "preempted request %s (seq %d, priority %d, %d tokens of KV) by %s: %s",
+            seq.request.request_id,
+            seq.seq_id,
+            prio,
+            computed,
+            mode,
+            reason,
+        )
         if self.on_preempt is not None:
             self.on_preempt(seq, mode, reason)
 
@@ -146,6 +165,10 @@ class Preemptor:
             self.to_waiting(seq)
             self.num_swap_fallbacks += 1
             demoted = True
-            logger.info("swapped request %s (seq %d) falls back to recompute: its shared GPU blocks "
-                        "are needed to make progress", seq.request.request_id, seq.seq_id)
+            logger.info(
+                "swapped request %s (seq %d) falls back to recompute: its shared GPU blocks "
+                "are needed to make progress",
+                seq.request.request_id,
+                seq.seq_id,
+            )
         return demoted

@@ -57,22 +57,34 @@ class SchedulerConfig:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, pool: BlockPool,
-                 swapper: "SwapSpace | None" = None, spec: "Drafts | None" = None) -> None:
+    def __init__(
+        self, config: SchedulerConfig, pool: BlockPool, swapper: "SwapSpace | None" = None, spec: "Drafts | None" = None
+    ) -> None:
         self.config = config
         self.pool = pool
         self.swapper = swapper
-        self.kv = KVAllocator(pool, reserved_blocks_fraction=config.reserved_blocks_fraction,
-                              reserved_priority=config.reserved_priority,
-                              watermark_fraction=config.watermark_fraction)
+        self.kv = KVAllocator(
+            pool,
+            reserved_blocks_fraction=config.reserved_blocks_fraction,
+            reserved_priority=config.reserved_priority,
+            watermark_fraction=config.watermark_fraction,
+        )
         self.spec = spec  # speculative decoding: drafts for decoding sequences, and their acceptance
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []  # kept in _priority_key order (most urgent first)
         self.swapped: list[Sequence] = []
-        self.preemption = Preemptor(config.preemption_mode, self.kv, swapper, self.running, self.swapped,
-                                    self._insert_waiting)
-        self.results = StepResults(self.kv, self.spec, self._new_child, self.finish_seq, self.pop_finished_request,
-                                   config.eos_token_ids, config.max_model_len)
+        self.preemption = Preemptor(
+            config.preemption_mode, self.kv, swapper, self.running, self.swapped, self._insert_waiting
+        )
+        self.results = StepResults(
+            self.kv,
+            self.spec,
+            self._new_child,
+            self.finish_seq,
+            self.pop_finished_request,
+            config.eos_token_ids,
+            config.max_model_len,
+        )
         self.requests: dict[str, Request] = {}
         self._seq_ids = itertools.count()
         self._arrival = itertools.count()
@@ -107,8 +119,13 @@ class Scheduler:
         self._insert_waiting(seq)
 
     def _new_seq(self, request: Request, index: int, tokens: list[int]) -> Sequence:
-        seq = Sequence(seq_id=next(self._seq_ids), request=request, sample_index=index,
-                       token_ids=tokens, num_prompt_tokens=len(request.prompt_token_ids))
+        seq = Sequence(
+            seq_id=next(self._seq_ids),
+            request=request,
+            sample_index=index,
+            token_ids=tokens,
+            num_prompt_tokens=len(request.prompt_token_ids),
+        )
         self._order[seq.seq_id] = next(self._arrival)
         return seq
 
@@ -156,7 +173,7 @@ class Scheduler:
             return
         self._remove_from_queues(seq)
         if seq.num_pending:  # tokens of launched steps that will never be shown
-            del seq.token_ids[len(seq.token_ids) - seq.num_pending:]
+            del seq.token_ids[len(seq.token_ids) - seq.num_pending :]
             seq.num_pending = 0
         self.preemption.release(seq)
         self._unforked.pop(seq.seq_id, None)
@@ -212,8 +229,11 @@ class Scheduler:
 
     def _seats_used(self) -> int:
         # No pass over the running queue: only unforked n > 1 requests hold extra seats.
-        return len(self.running) + sum(s.request.params.n - 1 for s in self._unforked.values()
-                                       if s.status is SeqStatus.RUNNING and not s.request.forked)
+        return len(self.running) + sum(
+            s.request.params.n - 1
+            for s in self._unforked.values()
+            if s.status is SeqStatus.RUNNING and not s.request.forked
+        )
 
     # ---- the step ----
     def schedule(self) -> SchedulerOutput:
@@ -262,17 +282,24 @@ class Scheduler:
                 continue
             if seq.num_pending:  # one whose launched step ends it by length gets no extra token
                 max_tokens = seq.request.params.max_tokens
-                if len(tokens) >= max_len or (max_tokens is not None
-                                              and len(tokens) - seq.num_prompt_tokens >= max_tokens):
+                if len(tokens) >= max_len or (
+                    max_tokens is not None and len(tokens) - seq.num_prompt_tokens >= max_tokens
+                ):
                     i += 1
                     continue
             # The steady state: a decode whose token fits its private last block (nothing to
             # allocate or copy), written into a record of an earlier, processed step.
-            if (num_new == 1 and plain and start % bs and start >= seq.num_prompt_tokens
-                    and ref[seq.block_ids[start // bs]] == 1 and seq.seq_id in spare
-                    and (no_reserve or self.kv.can_grow(seq, 1))):
+            if (
+                num_new == 1
+                and plain
+                and start % bs
+                and start >= seq.num_prompt_tokens
+                and ref[seq.block_ids[start // bs]] == 1
+                and seq.seq_id in spare
+                and (no_reserve or self.kv.can_grow(seq, 1))
+            ):
                 record = spare.pop(seq.seq_id)
-                record.token_ids = tokens[start:start + 1]
+                record.token_ids = tokens[start : start + 1]
                 record.start_pos = start
                 record.block_ids = seq.block_ids
                 emitted.append(record)
@@ -354,15 +381,25 @@ class Scheduler:
         drafts = drafts or []
         do_sample = start + num_new - len(drafts) == seq.num_tokens
         fork = do_sample and request.params.n > 1 and not request.forked
-        out.seqs.append(ScheduledSeq(
-            seq_id=seq.seq_id, token_ids=seq.token_ids[start:start + num_new - len(drafts)] + drafts,
-            start_pos=start, block_ids=seq.block_ids, do_sample=do_sample,
-            num_samples=request.params.n if fork else 1, params=request.params,
-            all_token_ids=seq.token_ids, num_prompt_tokens=seq.num_prompt_tokens,
-            sample_index=seq.sample_index, grammars=request.grammars, draft_token_ids=drafts,
-            task=task_of(request),
-            seq=seq, after_verify=self.spec is not None and self.spec.verifying(seq),
-        ))
+        out.seqs.append(
+            ScheduledSeq(
+                seq_id=seq.seq_id,
+                token_ids=seq.token_ids[start : start + num_new - len(drafts)] + drafts,
+                start_pos=start,
+                block_ids=seq.block_ids,
+                do_sample=do_sample,
+                num_samples=request.params.n if fork else 1,
+                params=request.params,
+                all_token_ids=seq.token_ids,
+                num_prompt_tokens=seq.num_prompt_tokens,
+                sample_index=seq.sample_index,
+                grammars=request.grammars,
+                draft_token_ids=drafts,
+                task=task_of(request),
+                seq=seq,
+                after_verify=self.spec is not None and self.spec.verifying(seq),
+            )
+        )
         if num_new != 1:
             self._prefills = True
         if drafts:
@@ -388,8 +425,13 @@ class Scheduler:
         """Preempt less urgent running sequences so that the most urgent queued one can start."""
         head = next(iter(self._queue()))
         seats_left = self.config.max_num_seqs - self._seats_used() - self._seats(head)
-        self.preemption.make_room(head, budget, out, lambda: self._fits(head, budget),
-                                  lambda victims: sum(self._seats(v) for v in victims) >= -seats_left)
+        self.preemption.make_room(
+            head,
+            budget,
+            out,
+            lambda: self._fits(head, budget),
+            lambda victims: sum(self._seats(v) for v in victims) >= -seats_left,
+        )
 
     def _try_swap_in(self, seq: Sequence, out: SchedulerOutput, budget: int) -> int | None:
         """Bring one swapped sequence back (and schedule its next tokens); None if it can't."""
@@ -441,12 +483,16 @@ class Scheduler:
             self.swapper.check_integrity(self.swapped)
         ids = [s.seq_id for s in itertools.chain(self.waiting, self.running, self.swapped)]
         assert len(ids) == len(set(ids)), "a sequence is queued twice"
-        for queue, status in ((self.running, SeqStatus.RUNNING), (self.waiting, SeqStatus.WAITING),
-                              (self.swapped, SeqStatus.SWAPPED)):
+        for queue, status in (
+            (self.running, SeqStatus.RUNNING),
+            (self.waiting, SeqStatus.WAITING),
+            (self.swapped, SeqStatus.SWAPPED),
+        ):
             assert all(s.status is status for s in queue), f"a sequence in the {status.value} queue is not"
         assert self._seats_used() <= self.config.max_num_seqs, "more running seats than max_num_seqs"
-        assert set(self._spare) <= {s.seq_id for s in itertools.chain(self.running, self.waiting, self.swapped)}, \
+        assert set(self._spare) <= {s.seq_id for s in itertools.chain(self.running, self.waiting, self.swapped)}, (
             "a reusable record kept for a finished sequence"
+        )
 
     def fragmentation(self) -> float:
         """Allocated slots not holding a computed token / allocated slots."""

@@ -86,5 +86,4 @@ class SchedulerOutput:
 
     @property
     def is_empty(self) -> bool:
-        return (not self.seqs and not self.blocks_to_copy and not self.blocks_to_swap_out
-                and not self.blocks_to_swap_in)
+        return not self.seqs and not self.blocks_to_copy and not self.blocks_to_swap_out and not self.blocks_to_swap_in

@@ -40,8 +40,14 @@ _STOP, _LENGTH = FinishReason.STOP, FinishReason.LENGTH
 _FINISHED = SeqStatus.FINISHED
 
 
-def token_stop(params: SamplingParams, token: int, num_output: int, num_tokens: int,
-               eos_token_ids: tuple[int, ...], max_model_len: int) -> tuple[FinishReason, int | None, bool] | None:
+def token_stop(
+    params: SamplingParams,
+    token: int,
+    num_output: int,
+    num_tokens: int,
+    eos_token_ids: tuple[int, ...],
+    max_model_len: int,
+) -> tuple[FinishReason, int | None, bool] | None:
     """Does `token`, the sequence's output token number `num_output` (its token number
     `num_tokens` in all), end it? (reason, stop_reason, ended by a stop token) or None."""
     if num_output >= params.min_tokens:
@@ -56,11 +62,16 @@ def token_stop(params: SamplingParams, token: int, num_output: int, num_tokens: 
 
 
 class StepResults:
-    def __init__(self, kv: KVAllocator, spec: Drafts | None,
-                 new_child: Callable[[Sequence, int], Sequence],
-                 finish_seq: Callable[[Sequence, FinishReason, int | str | None], None],
-                 pop_request: Callable[[str], Request | None],
-                 eos_token_ids: tuple[int, ...], max_model_len: int) -> None:
+    def __init__(
+        self,
+        kv: KVAllocator,
+        spec: Drafts | None,
+        new_child: Callable[[Sequence, int], Sequence],
+        finish_seq: Callable[[Sequence, FinishReason, int | str | None], None],
+        pop_request: Callable[[str], Request | None],
+        eos_token_ids: tuple[int, ...],
+        max_model_len: int,
+    ) -> None:
         self.kv = kv
         self.spec = spec
         self.new_child = new_child  # (parent, sample index) -> a running child sharing nothing yet
@@ -153,8 +164,7 @@ class StepResults:
         self.num_generated = generated
         return self._updates(news, sampled.logprobs, out, now)
 
-    def _took(self, seq: Sequence, first: int, news: dict[str, Request], failed: dict[int, str],
-              now: float) -> int:
+    def _took(self, seq: Sequence, first: int, news: dict[str, Request], failed: dict[int, str], now: float) -> int:
         """seq got tokens (token_ids[first:], placeholders aside): check them; its request has news
         if its output side wants every step or seq ended. Returns how many tokens seq keeps."""
         request = seq.request
@@ -178,16 +188,18 @@ class StepResults:
         ids = seq.token_ids
         end = len(ids) - seq.num_pending
         if end - first == 1 and not request.grammars:  # (the common case: one token, no grammar)
-            stop = token_stop(request.params, ids[first], end - seq.num_prompt_tokens, end, self.eos_token_ids,
-                              self.max_model_len)
+            stop = token_stop(
+                request.params, ids[first], end - seq.num_prompt_tokens, end, self.eos_token_ids, self.max_model_len
+            )
             if stop is not None:
                 self._end(seq, stop)
             return 1
         matcher = request.grammars[seq.sample_index] if request.grammars else None
         for i in range(first, end):
             token = ids[i]
-            stop = token_stop(request.params, token, i + 1 - seq.num_prompt_tokens, i + 1, self.eos_token_ids,
-                              self.max_model_len)
+            stop = token_stop(
+                request.params, token, i + 1 - seq.num_prompt_tokens, i + 1, self.eos_token_ids, self.max_model_len
+            )
             if matcher is not None:
                 # The sampler only allows tokens the matcher accepts, so a refusal is a bug.
                 if not matcher.accept(token):
@@ -196,7 +208,7 @@ class StepResults:
                     stop = (_STOP, None, False)
             if stop is not None:
                 if i + 1 < end:  # (drafts after the end: their KV goes with the sequence's blocks)
-                    del ids[i + 1:end]
+                    del ids[i + 1 : end]
                     seq.num_new_tokens -= end - i - 1
                 self._end(seq, stop)
                 return i + 1 - first
@@ -259,8 +271,9 @@ class StepResults:
                 self.finish_seq(seq, FinishReason.ERROR, None)
 
     # ---- what goes out ----
-    def _updates(self, news: dict[str, Request], flat_logprobs: list, out: SchedulerOutput,
-                 now: float) -> list[RequestUpdate]:
+    def _updates(
+        self, news: dict[str, Request], flat_logprobs: list, out: SchedulerOutput, now: float
+    ) -> list[RequestUpdate]:
         """The updates of the requests with news; a finished request leaves the scheduler here.
         A request whose output side wants only the end (Request.every_step) gets none before."""
         if not news:
@@ -279,8 +292,9 @@ class StepResults:
         return updates
 
     @staticmethod
-    def update_of(request: Request, entries: dict[int, list] | None = None,
-                  finished: bool | None = None) -> RequestUpdate:
+    def update_of(
+        request: Request, entries: dict[int, list] | None = None, finished: bool | None = None
+    ) -> RequestUpdate:
         """What the output side has not been told about `request` yet (`entries`: this step's
         logprob rows by seq id; a request that asks for logprobs gets an update every step, so
         its new tokens are this step's; `finished`: request.is_finished, if known)."""
@@ -294,21 +308,36 @@ class StepResults:
             if end == start and (not ended or seq.finish_emitted):
                 continue
             new = ids[start:end]
-            seqs.append(SeqUpdate(seq.sample_index, new,
-                                  _logprobs_of(seq, request, entries, len(new))
-                                  if want_logprobs and entries is not None else None,
-                                  seq.finish_reason, seq.stop_reason, seq.ended_by_stop_token, seq.num_preemptions))
+            seqs.append(
+                SeqUpdate(
+                    seq.sample_index,
+                    new,
+                    _logprobs_of(seq, request, entries, len(new)) if want_logprobs and entries is not None else None,
+                    seq.finish_reason,
+                    seq.stop_reason,
+                    seq.ended_by_stop_token,
+                    seq.num_preemptions,
+                )
+            )
             seq.num_emitted = end - seq.num_prompt_tokens
             seq.finish_emitted = ended
-        return RequestUpdate(request.request_id, seqs, request.is_finished if finished is None else finished,
-                             request.error, request.seqs[0].num_cached_tokens if request.seqs else 0,
-                             request.first_scheduled_time, request.first_token_time, request.finished_time,
-                             request.prompt_logprobs, request.embedding)
+        return RequestUpdate(
+            request.request_id,
+            seqs,
+            request.is_finished if finished is None else finished,
+            request.error,
+            request.seqs[0].num_cached_tokens if request.seqs else 0,
+            request.first_scheduled_time,
+            request.first_token_time,
+            request.finished_time,
+            request.prompt_logprobs,
+            request.embedding,
+        )
 
     @staticmethod
     def _split_logprobs(out: SchedulerOutput, flat: list) -> dict[int, list]:
         """seq id -> the logprob rows it sampled this step (n at a fork, one per position with drafts)."""
-        return {s.seq_id: flat[rows.start:rows.stop] for s, rows in sample_row_ranges(out.seqs) if rows}
+        return {s.seq_id: flat[rows.start : rows.stop] for s, rows in sample_row_ranges(out.seqs) if rows}
 
 
 def _logprobs_of(seq: Sequence, request: Request, entries: dict[int, list], count: int) -> list:

@@ -84,8 +84,7 @@ VLLM_FLAGS: dict[str, str] = {
     "--ssl-certfile": "ssl_certfile",
 }
 
-_BOOL_WORDS = {"1": True, "true": True, "yes": True, "on": True, "0": False, "false": False, "no": False,
-               "off": False}
+_BOOL_WORDS = {"1": True, "true": True, "yes": True, "on": True, "0": False, "false": False, "no": False, "off": False}
 
 
 def flag_of(name: str) -> str:
@@ -98,8 +97,9 @@ def _is_bool(annotation: Any) -> bool:
 
 
 def _is_list(annotation: Any) -> bool:
-    return typing.get_origin(annotation) is list or any(typing.get_origin(a) is list
-                                                        for a in typing.get_args(annotation))
+    return typing.get_origin(annotation) is list or any(
+        typing.get_origin(a) is list for a in typing.get_args(annotation)
+    )
 
 
 def _choices(name: str, annotation: Any) -> list[str] | None:
@@ -146,18 +146,22 @@ class _SettingAction(argparse.Action):
         setattr(namespace, self.dest, values)
 
 
-def add_settings_flags(parser: argparse.ArgumentParser, model_cls=EngineSettings,
-                       skip: tuple[str, ...] = ()) -> None:
+def add_settings_flags(parser: argparse.ArgumentParser, model_cls=EngineSettings, skip: tuple[str, ...] = ()) -> None:
     """One flag per setting of `model_cls` (descriptions, defaults and choices in --help)."""
     title = {"EngineSettings": "engine settings", "ServerSettings": "server settings"}.get(
-        model_cls.__name__, model_cls.__name__)
+        model_cls.__name__, model_cls.__name__
+    )
     group = parser.add_argument_group(f"{title} (also KILN_<NAME> variables and kiln.toml)")
     for name, field in model_cls.model_fields.items():
         if name in skip:
             continue
         ann = field.annotation
-        kwargs: dict[str, Any] = dict(dest=DEST_PREFIX + name, default=argparse.SUPPRESS, action=_SettingAction,
-                                      help=(field.description or name.replace("_", " ")) + _help_default(field))
+        kwargs: dict[str, Any] = dict(
+            dest=DEST_PREFIX + name,
+            default=argparse.SUPPRESS,
+            action=_SettingAction,
+            help=(field.description or name.replace("_", " ")) + _help_default(field),
+        )
         names = [flag_of(name)] + ([SHORT_FLAGS[name]] if name in SHORT_FLAGS else [])
         if _is_bool(ann):
             names.append("--no-" + flag_of(name).removeprefix("--"))
@@ -176,8 +180,13 @@ def add_settings_flags(parser: argparse.ArgumentParser, model_cls=EngineSettings
 
 def normalize_argv(argv: list[str], parser: argparse.ArgumentParser) -> list[str]:
     """Accept `--flag true|false` / `--flag=false` for boolean flags (kiln's older spelling)."""
-    bool_flags = {opt for action in _all_actions(parser) if isinstance(action, _SettingAction) and action.nargs == 0
-                  for opt in action.option_strings if not opt.startswith("--no-")}
+    bool_flags = {
+        opt
+        for action in _all_actions(parser)
+        if isinstance(action, _SettingAction) and action.nargs == 0
+        for opt in action.option_strings
+        if not opt.startswith("--no-")
+    }
     out: list[str] = []
     i = 0
     while i < len(argv):
@@ -259,8 +268,11 @@ class SuggestingParser(argparse.ArgumentParser):
     def error(self, message: str) -> typing.NoReturn:
         if message.startswith("unrecognized arguments:"):
             known = [opt for action in _all_actions(self) for opt in action.option_strings]
-            hints = [f"{word}{did_you_mean(word, known)}" for word in message.split(":", 1)[1].split()
-                     if word.startswith("-")]
+            hints = [
+                f"{word}{did_you_mean(word, known)}"
+                for word in message.split(":", 1)[1].split()
+                if word.startswith("-")
+            ]
             if hints:
                 message = "unrecognized arguments: " + ", ".join(hints)
         super().error(message)

@@ -50,13 +50,22 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         # The KV cache is sized for what runs at once: these prompts' samples, not a server's batch.
         given["max_num_seqs"] = max(1, len(prompts) * args.n)
     llm = LLM(**given)
-    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-                            seed=args.sampling_seed, n=args.n)
+    params = SamplingParams(
+        max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, seed=args.sampling_seed, n=args.n
+    )
     for out in llm.generate(prompts, params, use_tqdm=False):
         for choice in out.outputs:
             if args.json:
-                print(json.dumps({"prompt": out.prompt, "text": choice.text, "token_ids": choice.token_ids,
-                                  "finish_reason": choice.finish_reason}))
+                print(
+                    json.dumps(
+                        {
+                            "prompt": out.prompt,
+                            "text": choice.text,
+                            "token_ids": choice.token_ids,
+                            "finish_reason": choice.finish_reason,
+                        }
+                    )
+                )
             else:
                 print(f"{out.prompt!r} -> {choice.text!r} [{choice.finish_reason}]")
     return 0
@@ -65,8 +74,14 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 def _cmd_make_tiny_model(args: argparse.Namespace) -> int:
     from engine.models.tiny_model import make_tiny_model
 
-    path = make_tiny_model(args.dir, arch=args.arch, seed=args.seed, preset=args.preset,
-                           config_only=args.config_only, train_steps=args.train_steps)
+    path = make_tiny_model(
+        args.dir,
+        arch=args.arch,
+        seed=args.seed,
+        preset=args.preset,
+        config_only=args.config_only,
+        train_steps=args.train_steps,
+    )
     print(path)
     return 0
 
@@ -103,9 +118,11 @@ def _cmd_build_kernels(argv: list[str]) -> int:
     pre.add_argument("--kernel-cache-dir", dest=DEST_PREFIX + "kernel_cache_dir", default=argparse.SUPPRESS)
     args, rest = pre.parse_known_args(argv)
     if "-h" in rest or "--help" in rest:
-        print("kiln build-kernels: --cache-dir DIR is kiln's cache root (default: KILN_CACHE_DIR or ~/.cache/kiln;"
-              " kernels go to DIR/kernels, where `kiln serve` looks); --kernel-cache-dir DIR names the kernel"
-              " folder itself.\n")
+        print(
+            "kiln build-kernels: --cache-dir DIR is kiln's cache root (default: KILN_CACHE_DIR or ~/.cache/kiln;"
+            " kernels go to DIR/kernels, where `kiln serve` looks); --kernel-cache-dir DIR names the kernel"
+            " folder itself.\n"
+        )
     settings = settings_from_args(args, EngineSettings)
     return kernels_cli.build_main([*rest, "--cache-dir", str(settings.resolved_kernel_cache_dir())])
 
@@ -147,8 +164,13 @@ def _version() -> str:
 def build_parser() -> argparse.ArgumentParser:
     parser = SuggestingParser(prog="kiln", description="kiln: a compiler-driven LLM serving engine")
     parser.add_argument("--version", action="version", version=f"kiln {_version()}")
-    parser.add_argument("--log-level", default=None, type=str.upper,
-                        choices=["CRITICAL", "ERROR", "WARNING", "INFO", "DEBUG"], help="log level (default: INFO)")
+    parser.add_argument(
+        "--log-level",
+        default=None,
+        type=str.upper,
+        choices=["CRITICAL", "ERROR", "WARNING", "INFO", "DEBUG"],
+        help="log level (default: INFO)",
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     formatter = argparse.RawDescriptionHelpFormatter
 
@@ -163,12 +185,24 @@ def build_parser() -> argparse.ArgumentParser:
     add_settings_flags(gen)
     gen.set_defaults(func=_cmd_generate)
 
-    serve = sub.add_parser("serve", help="serve the OpenAI-compatible HTTP API", formatter_class=formatter,
-                           description="kiln serve [MODEL] [flags]: vLLM's `vllm serve` flags, plus kiln's")
-    serve.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
-                       help="an HF checkpoint directory or a GGUF file (same as --model)")
-    serve.add_argument("--config", metavar="FILE", help="a YAML file of flags (`max-model-len: 4096`); "
-                       "flags given on the command line win")
+    serve = sub.add_parser(
+        "serve",
+        help="serve the OpenAI-compatible HTTP API",
+        formatter_class=formatter,
+        description="kiln serve [MODEL] [flags]: vLLM's `vllm serve` flags, plus kiln's",
+    )
+    serve.add_argument(
+        "model_tag",
+        nargs="?",
+        default=None,
+        metavar="MODEL",
+        help="an HF checkpoint directory or a GGUF file (same as --model)",
+    )
+    serve.add_argument(
+        "--config",
+        metavar="FILE",
+        help="a YAML file of flags (`max-model-len: 4096`); flags given on the command line win",
+    )
     add_settings_flags(serve)
     add_settings_flags(serve, ServerSettings)
     serve.set_defaults(func=_cmd_serve)
@@ -186,20 +220,31 @@ def build_parser() -> argparse.ArgumentParser:
     tiny.add_argument("--seed", type=int, default=0)
     tiny.add_argument("--preset", default=None, choices=list(PRESETS))
     tiny.add_argument("--config-only", action="store_true", help="config + tokenizer only (load_format=dummy)")
-    tiny.add_argument("--train-steps", type=int, default=0,
-                      help="train the random model this many Adam steps on the tokenizer's corpus (seconds on a "
-                           "CPU): peaked, attention-dependent outputs for fidelity gates such as the fp8 KV cache's")
+    tiny.add_argument(
+        "--train-steps",
+        type=int,
+        default=0,
+        help="train the random model this many Adam steps on the tokenizer's corpus (seconds on a "
+        "CPU): peaked, attention-dependent outputs for fidelity gates such as the fp8 KV cache's",
+    )
     tiny.set_defaults(func=_cmd_make_tiny_model)
 
-    dash = sub.add_parser("grafana-dashboard", help="print the path of kiln's Grafana dashboard (shipped in the "
-                          "package; it also answers vLLM's example dashboard's queries)")
+    dash = sub.add_parser(
+        "grafana-dashboard",
+        help="print the path of kiln's Grafana dashboard (shipped in the "
+        "package; it also answers vLLM's example dashboard's queries)",
+    )
     dash.set_defaults(func=_cmd_grafana_dashboard)
 
     sub.add_parser("build-kernels", help="build the CUTLASS attention kernels ahead of time", add_help=False)
     sub.add_parser("bench", help="benchmarks: " + ", ".join(BENCHMARKS), add_help=False)
     sub.add_parser("serve-replicas", help="N `kiln serve` replicas behind sglang-router", add_help=False)
-    sub.add_parser("make-draft-model", help="train a draft model or EAGLE head for speculative decoding from the "
-                   "target's own outputs (CPU, minutes; cached)", add_help=False)
+    sub.add_parser(
+        "make-draft-model",
+        help="train a draft model or EAGLE head for speculative decoding from the "
+        "target's own outputs (CPU, minutes; cached)",
+        add_help=False,
+    )
     return parser
 
 
@@ -207,9 +252,9 @@ def _expand_config(argv: list[str]) -> list[str]:
     """`--config FILE` becomes the file's flags, placed before the command line's (which win)."""
     for i, token in enumerate(argv):
         if token == "--config" and i + 1 < len(argv):
-            path, rest = argv[i + 1], argv[:i] + argv[i + 2:]
+            path, rest = argv[i + 1], argv[:i] + argv[i + 2 :]
         elif token.startswith("--config="):
-            path, rest = token.split("=", 1)[1], argv[:i] + argv[i + 1:]
+            path, rest = token.split("=", 1)[1], argv[:i] + argv[i + 1 :]
         else:
             continue
         command = _command_index(rest) + 1
@@ -243,15 +288,17 @@ def main(argv: list[str] | None = None) -> int:
     try:
         # Subcommands that own their flags.
         if command == "build-kernels":
-            return _cmd_build_kernels(argv[command_at + 1:])
+            return _cmd_build_kernels(argv[command_at + 1 :])
         if command == "bench":
-            return _cmd_bench(argv[command_at + 1:])
+            return _cmd_bench(argv[command_at + 1 :])
         if command == "serve-replicas":
             from engine.entrypoints.cli.replicas import main as serve_replicas
-            return serve_replicas(argv[command_at + 1:], parse_serve_args)
+
+            return serve_replicas(argv[command_at + 1 :], parse_serve_args)
         if command == "make-draft-model":
             from engine.entrypoints.cli.make_draft import main as make_draft_model
-            return make_draft_model(argv[command_at + 1:])
+
+            return make_draft_model(argv[command_at + 1 :])
         argv = normalize_argv(_expand_config(argv), parser)
         args = parser.parse_args(argv)
         _positional_model(args)

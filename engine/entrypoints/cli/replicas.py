@@ -54,21 +54,46 @@ class ReplicaPlan:
         return [f"http://127.0.0.1:{self.replica_port + i}" for i in range(self.replicas)]
 
     def replica_command(self, i: int) -> list[str]:
-        return [sys.executable, "-m", "engine.entrypoints.cli", "serve", *self.serve_args,
-                "--host", "127.0.0.1", "--port", str(self.replica_port + i)]
+        return [
+            sys.executable,
+            "-m",
+            "engine.entrypoints.cli",
+            "serve",
+            *self.serve_args,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.replica_port + i),
+        ]
 
     def replica_env(self, i: int) -> dict[str, str]:
         """Environment additions for replica i (one GPU per replica when --gpus is given)."""
         return {"CUDA_VISIBLE_DEVICES": self.gpus[i % len(self.gpus)]} if self.gpus else {}
 
     def router_command(self) -> list[str]:
-        return [sys.executable, "-m", ROUTER_MODULE, "--host", self.host, "--port", str(self.port),
-                "--worker-urls", *self.replica_urls(), "--policy", self.policy,
-                "--prometheus-host", "127.0.0.1", "--prometheus-port", str(self.router_metrics_port),
-                # The router's default (60 s x 3 failures) keeps a dead replica listed for minutes;
-                # --router-arg comes after this, so the user's value wins.
-                "--health-check-interval-secs", "5", *(["--api-key", self.api_key] if self.api_key else []),
-                *self.router_args]
+        return [
+            sys.executable,
+            "-m",
+            ROUTER_MODULE,
+            "--host",
+            self.host,
+            "--port",
+            str(self.port),
+            "--worker-urls",
+            *self.replica_urls(),
+            "--policy",
+            self.policy,
+            "--prometheus-host",
+            "127.0.0.1",
+            "--prometheus-port",
+            str(self.router_metrics_port),
+            # The router's default (60 s x 3 failures) keeps a dead replica listed for minutes;
+            # --router-arg comes after this, so the user's value wins.
+            "--health-check-interval-secs",
+            "5",
+            *(["--api-key", self.api_key] if self.api_key else []),
+            *self.router_args,
+        ]
 
 
 def _die_with_launcher() -> None:
@@ -102,8 +127,10 @@ class ReplicaSet:
             raise ValueError(f"--replicas must be at least 1, got {plan.replicas}")
         for flag in OWNED_SERVE_FLAGS:
             if any(a == flag or a.startswith(flag + "=") for a in plan.serve_args):
-                raise ValueError(f"{flag} is set by serve-replicas for each replica (router: --host/--port, "
-                                 f"replicas: --replica-port); do not pass it to the replicas")
+                raise ValueError(
+                    f"{flag} is set by serve-replicas for each replica (router: --host/--port, "
+                    f"replicas: --replica-port); do not pass it to the replicas"
+                )
         if importlib.util.find_spec("sglang_router") is None:
             raise ValueError("serve-replicas needs the router: pip install sglang-router")
         self.plan = plan
@@ -124,9 +151,14 @@ class ReplicaSet:
             self._logs.append(out)
         env = child_environment(env_extra) if env_extra else None  # None: inherit the launcher's
         # Own session: the launcher decides the stop order (router first), not the terminal's Ctrl-C.
-        return subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT if out else None,
-                                start_new_session=True,
-                                preexec_fn=_die_with_launcher if sys.platform == "linux" else None)
+        return subprocess.Popen(
+            cmd,
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT if out else None,
+            start_new_session=True,
+            preexec_fn=_die_with_launcher if sys.platform == "linux" else None,
+        )
 
     def start(self) -> None:
         plan = self.plan
@@ -141,9 +173,11 @@ class ReplicaSet:
         self.router = self._spawn("router", plan.router_command(), {})
         self._wait_router_ready()
         url = f"http://{_probe_host(plan.host)}:{plan.port}"
-        print(f"kiln serve-replicas: router pid {self.router.pid} serving {plan.replicas} replicas at {url}/v1 "
-              f"(policy {plan.policy}; router metrics http://127.0.0.1:{plan.router_metrics_port}/metrics)",
-              flush=True)
+        print(
+            f"kiln serve-replicas: router pid {self.router.pid} serving {plan.replicas} replicas at {url}/v1 "
+            f"(policy {plan.policy}; router metrics http://127.0.0.1:{plan.router_metrics_port}/metrics)",
+            flush=True,
+        )
 
     def _wait_replicas_healthy(self, only: list[int] | None = None) -> None:
         deadline = time.monotonic() + self.plan.startup_timeout
@@ -153,8 +187,9 @@ class ReplicaSet:
             self._check_stop()
             for i, url in list(pending.items()):
                 if self.replicas[i].poll() is not None:
-                    raise RuntimeError(f"replica {i} exited with status {self.replicas[i].returncode} "
-                                       f"while starting (see its log)")
+                    raise RuntimeError(
+                        f"replica {i} exited with status {self.replicas[i].returncode} while starting (see its log)"
+                    )
                 if _get(url + "/health")[0] == 200:
                     del pending[i]
             if pending and time.monotonic() > deadline:
@@ -214,29 +249,60 @@ class ReplicaSet:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="kiln serve-replicas", allow_abbrev=False,
+        prog="kiln serve-replicas",
+        allow_abbrev=False,
         description="Launch N `kiln serve` replicas on loopback ports and sglang-router in front of them. "
-                    "Every flag not listed here (MODEL, --max-model-len, --gpu-memory-utilization, ...) goes "
-                    "to each replica's `kiln serve`.")
+        "Every flag not listed here (MODEL, --max-model-len, --gpu-memory-utilization, ...) goes "
+        "to each replica's `kiln serve`.",
+    )
     parser.add_argument("--replicas", type=int, default=2, help="number of kiln serve processes (default: 2)")
     parser.add_argument("--host", default="0.0.0.0", help="the router's address (default: 0.0.0.0)")
     parser.add_argument("--port", type=int, default=8000, help="the router's port (default: 8000)")
-    parser.add_argument("--replica-port", type=int, default=8100,
-                        help="replica i listens on 127.0.0.1:REPLICA_PORT+i (default: 8100)")
-    parser.add_argument("--policy", default="cache_aware", choices=ROUTER_POLICIES,
-                        help="the router's policy (default: cache_aware, prefix-cache-aware)")
-    parser.add_argument("--gpus", default="", help="comma-separated GPU ids; replica i gets "
-                        "CUDA_VISIBLE_DEVICES=GPUS[i %% len] (default: inherit; replicas share the GPUs)")
-    parser.add_argument("--router-metrics-port", type=int, default=29000,
-                        help="the router's Prometheus port on 127.0.0.1 (default: 29000)")
-    parser.add_argument("--router-arg", action="append", default=[], metavar="ARG",
-                        help="one more flag for sglang-router, repeatable: --router-arg=--health-check-interval-secs=2")
-    parser.add_argument("--startup-timeout", type=float, default=600.0,
-                        help="seconds to wait for the replicas to load and become healthy (default: 600)")
-    parser.add_argument("--one-at-a-time", action="store_true",
-                        help="start each replica once the previous one is healthy (replicas sharing one GPU)")
-    parser.add_argument("--log-dir", type=Path, default=None,
-                        help="write replicaN.log and router.log here (default: the launcher's own output)")
+    parser.add_argument(
+        "--replica-port", type=int, default=8100, help="replica i listens on 127.0.0.1:REPLICA_PORT+i (default: 8100)"
+    )
+    parser.add_argument(
+        "--policy",
+        default="cache_aware",
+        choices=ROUTER_POLICIES,
+        help="the router's policy (default: cache_aware, prefix-cache-aware)",
+    )
+    parser.add_argument(
+        "--gpus",
+        default="",
+        help="comma-separated GPU ids; replica i gets "
+        "CUDA_VISIBLE_DEVICES=GPUS[i %% len] (default: inherit; replicas share the GPUs)",
+    )
+    parser.add_argument(
+        "--router-metrics-port",
+        type=int,
+        default=29000,
+        help="the router's Prometheus port on 127.0.0.1 (default: 29000)",
+    )
+    parser.add_argument(
+        "--router-arg",
+        action="append",
+        default=[],
+        metavar="ARG",
+        help="one more flag for sglang-router, repeatable: --router-arg=--health-check-interval-secs=2",
+    )
+    parser.add_argument(
+        "--startup-timeout",
+        type=float,
+        default=600.0,
+        help="seconds to wait for the replicas to load and become healthy (default: 600)",
+    )
+    parser.add_argument(
+        "--one-at-a-time",
+        action="store_true",
+        help="start each replica once the previous one is healthy (replicas sharing one GPU)",
+    )
+    parser.add_argument(
+        "--log-dir",
+        type=Path,
+        default=None,
+        help="write replicaN.log and router.log here (default: the launcher's own output)",
+    )
     return parser
 
 
@@ -244,12 +310,21 @@ def plan_from_argv(argv: list[str], parse_serve_args=None) -> ReplicaPlan:
     """The plan for `kiln serve-replicas ARGV`; parse_serve_args (the CLI's `kiln serve` parser)
     resolves the replicas' settings, to learn the API key they will require."""
     args, serve_args = build_parser().parse_known_args(argv)
-    return ReplicaPlan(replicas=args.replicas, host=args.host, port=args.port, replica_port=args.replica_port,
-                       policy=args.policy, gpus=[g for g in args.gpus.split(",") if g.strip()],
-                       router_metrics_port=args.router_metrics_port, router_args=list(args.router_arg),
-                       serve_args=serve_args, startup_timeout=args.startup_timeout,
-                       one_at_a_time=args.one_at_a_time, log_dir=args.log_dir,
-                       api_key=_replicas_api_key(serve_args, parse_serve_args))
+    return ReplicaPlan(
+        replicas=args.replicas,
+        host=args.host,
+        port=args.port,
+        replica_port=args.replica_port,
+        policy=args.policy,
+        gpus=[g for g in args.gpus.split(",") if g.strip()],
+        router_metrics_port=args.router_metrics_port,
+        router_args=list(args.router_arg),
+        serve_args=serve_args,
+        startup_timeout=args.startup_timeout,
+        one_at_a_time=args.one_at_a_time,
+        log_dir=args.log_dir,
+        api_key=_replicas_api_key(serve_args, parse_serve_args),
+    )
 
 
 def _replicas_api_key(serve_args: list[str], parse_serve_args) -> str | None:
@@ -267,8 +342,9 @@ def main(argv: list[str], parse_serve_args=None) -> int:
     replica_set = ReplicaSet(plan)
     stop: list[int] = []
     replica_set.stop_requested = lambda: bool(stop)
-    previous = {sig: signal.signal(sig, lambda signum, frame: stop.append(signum))
-                for sig in (signal.SIGINT, signal.SIGTERM)}
+    previous = {
+        sig: signal.signal(sig, lambda signum, frame: stop.append(signum)) for sig in (signal.SIGINT, signal.SIGTERM)
+    }
     try:
         replica_set.start()
         status = replica_set.watch(replica_set.stop_requested)

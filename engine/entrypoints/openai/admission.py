@@ -39,8 +39,13 @@ def check_model(state, model: str | None) -> LoRARequest | None:
     if adapter is not None:
         return adapter
     served = ", ".join(repr(m) for m in [state.model_name, *(a.lora_name for a in state.adapters())])
-    raise APIError(404, f"the model {model!r} does not exist; this server serves {served}",
-                   "invalid_request_error", "model", "model_not_found")
+    raise APIError(
+        404,
+        f"the model {model!r} does not exist; this server serves {served}",
+        "invalid_request_error",
+        "model",
+        "model_not_found",
+    )
 
 
 # ---- text ----
@@ -78,10 +83,16 @@ def encode(tokenizer, text: str, add_special_tokens: bool = True) -> list[int]:
     return tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
 
-def chat_prompt_ids(tokenizer, conversation: list[dict[str, Any]], add_generation_prompt: bool = True,
-                    tools: list[dict[str, Any]] | None = None, continue_final_message: bool = False,
-                    template_kwargs: dict[str, Any] | None = None, max_chars: int | None = None,
-                    info: EngineInfo | None = None) -> list[int]:
+def chat_prompt_ids(
+    tokenizer,
+    conversation: list[dict[str, Any]],
+    add_generation_prompt: bool = True,
+    tools: list[dict[str, Any]] | None = None,
+    continue_final_message: bool = False,
+    template_kwargs: dict[str, Any] | None = None,
+    max_chars: int | None = None,
+    info: EngineInfo | None = None,
+) -> list[int]:
     """The conversation templated and tokenised; a rendered text over `max_chars` is refused
     before tokenising (the template adds text of its own, unbounded by the messages)."""
     if continue_final_message:
@@ -89,8 +100,14 @@ def chat_prompt_ids(tokenizer, conversation: list[dict[str, Any]], add_generatio
     kwargs = dict(template_kwargs or {})
     rules.template_kwargs(kwargs)
     try:
-        text = tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=add_generation_prompt,
-                                             tools=tools, continue_final_message=continue_final_message, **kwargs)
+        text = tokenizer.apply_chat_template(
+            conversation,
+            tokenize=False,
+            add_generation_prompt=add_generation_prompt,
+            tools=tools,
+            continue_final_message=continue_final_message,
+            **kwargs,
+        )
     except Exception as exc:  # noqa: BLE001 - template errors are the request's fault
         raise rules.template_failed(exc) from exc
     if max_chars is not None and info is not None:
@@ -115,12 +132,15 @@ async def prompt_ids(state, prompts: list[str | list[int]], param: str) -> list[
 # ---- lengths and parameters ----
 def fit_prompts(state, ids: list[list[int]], params: SamplingParams, param: str) -> list[list[int]]:
     """Each prompt's ids cut to truncate_prompt_tokens, its length checked (Admission.fit_prompt)."""
-    return [state.admission.fit_prompt(None, p, params, param if len(ids) == 1 else f"{param}[{i}]")[1]
-            for i, p in enumerate(ids)]
+    return [
+        state.admission.fit_prompt(None, p, params, param if len(ids) == 1 else f"{param}[{i}]")[1]
+        for i, p in enumerate(ids)
+    ]
 
 
-def check_params(state, body, params: SamplingParams | None, num_prompts: int,
-                 pooling: PoolingParams | None = None) -> tuple[SamplingParams, Task]:
+def check_params(
+    state, body, params: SamplingParams | None, num_prompts: int, pooling: PoolingParams | None = None
+) -> tuple[SamplingParams, Task]:
     """The params and task the request runs with, checked against the engine's limits
     (Admission.check_params), and the number of prompts and samples against the server's."""
     unknown = body.unknown_fields()
@@ -143,8 +163,9 @@ async def check_constraint(state, body, params: SamplingParams, request) -> Any:
     name = found[0] if found is not None else "tools"
     tenant = tenant_of(request, body)
     try:
-        done = await until_done(state.engine.grammar_compiler.compile_async(params.structured_outputs, tenant),
-                                request, None, "compile")
+        done = await until_done(
+            state.engine.grammar_compiler.compile_async(params.structured_outputs, tenant), request, None, "compile"
+        )
     except InvalidRequestError as exc:
         raise rules.constraint_in_field(name, exc) from exc
     if done is None:  # the client left: the compile was stopped with it

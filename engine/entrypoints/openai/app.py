@@ -36,13 +36,20 @@ def build_app(state: ServerState, manage_engine: bool = True) -> FastAPI:
                 await asyncio.to_thread(state.close)  # (may wait for the grammar compiler's start-up)
                 state.engine.shutdown()
 
-    app = FastAPI(title="kiln", version=kiln_version(), lifespan=lifespan,
-                  description="OpenAI-compatible completions and chat served by kiln")
+    app = FastAPI(
+        title="kiln",
+        version=kiln_version(),
+        lifespan=lifespan,
+        description="OpenAI-compatible completions and chat served by kiln",
+    )
     app.state.kiln = state
     app.add_middleware(GateMiddleware, state=state)
-    app.add_middleware(RequestContextMiddleware, api_key=state.settings.api_key,  # outermost: logs every request
-                       public_routes=PublicRoutes(state.settings.public_metrics),
-                       retry_after_s=state.settings.retry_after_s)
+    app.add_middleware(
+        RequestContextMiddleware,
+        api_key=state.settings.api_key,  # outermost: logs every request
+        public_routes=PublicRoutes(state.settings.public_metrics),
+        retry_after_s=state.settings.retry_after_s,
+    )
     install_error_handlers(app)
     for module in (completions, chat, embeddings, tokenize, models):
         app.include_router(module.router(state))

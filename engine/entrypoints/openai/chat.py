@@ -52,16 +52,16 @@ def chat_stream_delta(job: Job, ch: Choice, piece: str, finish: str | None) -> t
     reasoning, content = split_answer(job, ch.text, final)
     delta: dict[str, Any] = {}
     if reasoning and len(reasoning) > ch.reasoning_sent:
-        delta["reasoning_content"] = reasoning[ch.reasoning_sent:]
+        delta["reasoning_content"] = reasoning[ch.reasoning_sent :]
         ch.reasoning_sent = len(reasoning)
     mode = job.tool_mode
     if mode is None:
         if len(content) > ch.streamed:
-            delta["content"] = content[ch.streamed:]
+            delta["content"] = content[ch.streamed :]
             ch.streamed = len(content)
         return delta, finish
     if mode.kind == "named":
-        new, ch.streamed = content[ch.streamed:], len(content)
+        new, ch.streamed = content[ch.streamed :], len(content)
         if ch.call is None:
             ch.call = ToolCall(mode.name, new)
             delta["tool_calls"] = [ch.call.to_openai(0)]
@@ -72,12 +72,12 @@ def chat_stream_delta(job: Job, ch: Choice, piece: str, finish: str | None) -> t
     if not final:
         safe = mode.streamable(content)
         if safe > ch.streamed:
-            delta["content"] = content[ch.streamed:safe]
+            delta["content"] = content[ch.streamed : safe]
             ch.streamed = safe
         return delta, None
     answer, calls = mode.calls(content)
-    sent = content[:ch.streamed]
-    rest = (answer or "")[len(sent):] if (answer or "").startswith(sent) else ""
+    sent = content[: ch.streamed]
+    rest = (answer or "")[len(sent) :] if (answer or "").startswith(sent) else ""
     if rest:
         delta["content"] = rest
     if calls:
@@ -89,16 +89,19 @@ class ChatFormat(FormatBase):
     chunk_object = "chat.completion.chunk"
 
     def first_chunks(self, job: Job) -> list[dict[str, Any]]:
-        return [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
-                for i in range(len(job.streams) * job.n)]
+        return [
+            {"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+            for i in range(len(job.streams) * job.n)
+        ]
 
     def _logprobs(self, job: Job, token_ids: list[int], entries: list[dict[int, float]]) -> dict | None:
         if job.params.logprobs is None:
             return None
         return {"content": self.lp.chat(token_ids, entries, job.params.logprobs)}
 
-    def stream_choice(self, job: Job, ch: Choice, idx: int, pidx: int, c, delta: RequestOutput,
-                      first: bool) -> dict[str, Any]:
+    def stream_choice(
+        self, job: Job, ch: Choice, idx: int, pidx: int, c, delta: RequestOutput, first: bool
+    ) -> dict[str, Any]:
         lp = self._logprobs(job, c.token_ids, c.logprobs or [])
         if job.tool_mode is not None or job.reasoning is not None:
             msg, finish = chat_stream_delta(job, ch, c.text, c.finish_reason)
@@ -120,39 +123,75 @@ class ChatFormat(FormatBase):
                 if calls:
                     message["tool_calls"] = [c.to_openai() for c in calls]
                 finish = tool_finish_reason(job.tool_mode, calls, finish)
-            choices.append({"index": i, "message": message, "logprobs": self._logprobs(job, ch.token_ids, ch.logprobs),
-                            "finish_reason": finish, "stop_reason": ch.stop_reason})
+            choices.append(
+                {
+                    "index": i,
+                    "message": message,
+                    "logprobs": self._logprobs(job, ch.token_ids, ch.logprobs),
+                    "finish_reason": finish,
+                    "stop_reason": ch.stop_reason,
+                }
+            )
         body = envelope(job, "chat.completion", self.state.model_name, choices)
         if job.params.prompt_logprobs is not None:
             body["prompt_logprobs"] = self.lp.prompt(results[0][1] if results else None)
         return body
 
 
-async def conversation_ids(state, body, add_generation_prompt: bool, tools=None, continue_final: bool = False,
-                           template_kwargs=None) -> list[int]:
+async def conversation_ids(
+    state, body, add_generation_prompt: bool, tools=None, continue_final: bool = False, template_kwargs=None
+) -> list[int]:
     """The chat-templated prompt's ids, made on the tokenising threads. The whole conversation
     is bounded before templating, the rendered text before tokenising."""
     conversation = body.conversation()
     max_chars = text_bound(state.info, state.max_token_chars)
     chars = conversation_chars(conversation, tools)
     rules.text_length(chars, max_chars, state.info.max_model_len, "messages", "the conversation")
-    return await state.off_loop(chat_prompt_ids, state.tokenizer, conversation, add_generation_prompt, tools,
-                                continue_final, template_kwargs, max_chars, state.info, size=chars)
+    return await state.off_loop(
+        chat_prompt_ids,
+        state.tokenizer,
+        conversation,
+        add_generation_prompt,
+        tools,
+        continue_final,
+        template_kwargs,
+        max_chars,
+        state.info,
+        size=chars,
+    )
 
 
 async def create_chat_completion(state, body: ChatCompletionRequest, request: Request):
     lora = check_model(state, body.model)
     tool_mode = body.tool_mode(state.settings.auto_tool_parser)
     params, task = check_params(state, body, body.sampling_params(tool_mode, state.info.generation_defaults), 1)
-    ids = await conversation_ids(state, body, body.add_generation_prompt, body.template_tools(),
-                                 body.continue_final_message, body.chat_template_kwargs)
+    ids = await conversation_ids(
+        state,
+        body,
+        body.add_generation_prompt,
+        body.template_tools(),
+        body.continue_final_message,
+        body.chat_template_kwargs,
+    )
     ids = fit_prompts(state, [ids], params, "messages")
     grammar = await check_constraint(state, body, params, request)
     with_reasoning_markers(state, params)
     reasoning = state.settings.reasoning_parser
-    return await generate(state, body, request, ChatFormat(state), "chat", ids, [None], params, task, grammar, lora,
-                          tool_mode=tool_mode if tool_mode.kind != "none" else None,
-                          reasoning=ReasoningParser(reasoning) if reasoning is not None else None)
+    return await generate(
+        state,
+        body,
+        request,
+        ChatFormat(state),
+        "chat",
+        ids,
+        [None],
+        params,
+        task,
+        grammar,
+        lora,
+        tool_mode=tool_mode if tool_mode.kind != "none" else None,
+        reasoning=ReasoningParser(reasoning) if reasoning is not None else None,
+    )
 
 
 def router(state) -> APIRouter:

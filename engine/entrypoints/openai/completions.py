@@ -30,15 +30,21 @@ class CompletionFormat(FormatBase):
             lp = self.lp.echo(out.prompt_token_ids, out.prompt_logprobs, prefix, lp)
         return prefix + text, lp
 
-    def stream_choice(self, job: Job, ch: Choice, idx: int, pidx: int, c, delta: RequestOutput,
-                      first: bool) -> dict[str, Any]:
+    def stream_choice(
+        self, job: Job, ch: Choice, idx: int, pidx: int, c, delta: RequestOutput, first: bool
+    ) -> dict[str, Any]:
         text, lp = c.text, None
         if job.params.logprobs is not None:
             lp = self.lp.completion(ch, c.token_ids, c.logprobs or [])
         if first and job.echo:
             text, lp = self._with_echo(job, pidx, delta, text, lp)
-        return {"index": idx, "text": text, "logprobs": lp, "finish_reason": c.finish_reason,
-                "stop_reason": c.stop_reason}
+        return {
+            "index": idx,
+            "text": text,
+            "logprobs": lp,
+            "finish_reason": c.finish_reason,
+            "stop_reason": c.stop_reason,
+        }
 
     def final_body(self, job: Job, results: list[tuple[Choice, RequestOutput | None]]) -> dict[str, Any]:
         choices = []
@@ -48,8 +54,13 @@ class CompletionFormat(FormatBase):
                 lp = self.lp.completion(ch, ch.token_ids, ch.logprobs)
             if job.echo and out is not None:
                 text, lp = self._with_echo(job, i // job.n, out, text, lp)
-            choice = {"index": i, "text": text, "logprobs": lp, "finish_reason": ch.finish_reason,
-                      "stop_reason": ch.stop_reason}
+            choice = {
+                "index": i,
+                "text": text,
+                "logprobs": lp,
+                "finish_reason": ch.finish_reason,
+                "stop_reason": ch.stop_reason,
+            }
             if job.params.prompt_logprobs is not None:
                 choice["prompt_logprobs"] = self.lp.prompt(out)
             choices.append(choice)
@@ -63,8 +74,21 @@ async def create_completion(state, body: CompletionRequest, request: Request):
     ids = fit_prompts(state, await prompt_ids(state, prompts, "prompt"), params, "prompt")
     grammar = await check_constraint(state, body, params, request)
     texts = [p if isinstance(p, str) else None for p in prompts]
-    return await generate(state, body, request, CompletionFormat(state), "completion", ids, texts, params, task,
-                          grammar, lora, echo=body.echo, prompt_only=body.prompt_only)
+    return await generate(
+        state,
+        body,
+        request,
+        CompletionFormat(state),
+        "completion",
+        ids,
+        texts,
+        params,
+        task,
+        grammar,
+        lora,
+        echo=body.echo,
+        prompt_only=body.prompt_only,
+    )
 
 
 def router(state) -> APIRouter:

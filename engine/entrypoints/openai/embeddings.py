@@ -30,8 +30,14 @@ def embedding_body(body: EmbeddingRequest, job_id: str, model: str, outs: list[R
             vector = base64.b64encode(array.array("f", vector).tobytes()).decode()
         data.append({"object": "embedding", "index": i, "embedding": vector})
     tokens = sum(len(o.prompt_token_ids) for o in outs)
-    return {"id": job_id, "object": "list", "created": int(time.time()), "model": body.model or model,
-            "data": data, "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
+    return {
+        "id": job_id,
+        "object": "list",
+        "created": int(time.time()),
+        "model": body.model or model,
+        "data": data,
+        "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
+    }
 
 
 async def create_embedding(state, body: EmbeddingRequest, request: Request):
@@ -44,9 +50,13 @@ async def create_embedding(state, body: EmbeddingRequest, request: Request):
     arrival = time.monotonic()
     job_id = f"embd-{uuid.uuid4().hex}"
     admission = state.admission
-    results = await asyncio.gather(*(
-        state.engine.submit(admission.request(None, p, params, task, f"{job_id}-{i}", body.priority, arrival, lora))
-        for i, p in enumerate(ids)), return_exceptions=True)
+    results = await asyncio.gather(
+        *(
+            state.engine.submit(admission.request(None, p, params, task, f"{job_id}-{i}", body.priority, arrival, lora))
+            for i, p in enumerate(ids)
+        ),
+        return_exceptions=True,
+    )
     streams = [r for r in results if isinstance(r, RequestStream)]
     errors = [r for r in results if isinstance(r, BaseException)]
     try:
@@ -59,8 +69,9 @@ async def create_embedding(state, body: EmbeddingRequest, request: Request):
                 pass
             return out
 
-        outs = await until_done(asyncio.gather(*(last(s) for s in streams)), request,
-                                state.settings.request_timeout, job_id)
+        outs = await until_done(
+            asyncio.gather(*(last(s) for s in streams)), request, state.settings.request_timeout, job_id
+        )
     finally:
         for s in streams:
             s.close()

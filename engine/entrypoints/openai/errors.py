@@ -24,12 +24,19 @@ from engine.structured_output.grammars import CompileCancelled
 logger = logging.getLogger("engine.entrypoints.openai")
 
 ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
-    code: {"model": ErrorResponse} for code in (400, 401, 404, 413, 503)}
+    code: {"model": ErrorResponse} for code in (400, 401, 404, 413, 503)
+}
 
 
 class APIError(Exception):
-    def __init__(self, status: int, message: str, type_: str = "invalid_request_error",
-                 param: str | None = None, code: str | None = None) -> None:
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        type_: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+    ) -> None:
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
 
@@ -58,14 +65,21 @@ def _encodable(text: str | None) -> str | None:
         return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
-def error_response(status: int, message: str, type_: str, param: str | None = None,
-                   code: str | int | None = None, headers: dict[str, str] | None = None) -> JSONResponse:
+def error_response(
+    status: int,
+    message: str,
+    type_: str,
+    param: str | None = None,
+    code: str | int | None = None,
+    headers: dict[str, str] | None = None,
+) -> JSONResponse:
     return JSONResponse(error_body(message, type_, param, code), status_code=status, headers=headers)
 
 
 def timeout_error(timeout: float | None) -> APIError:
-    return APIError(504, f"the request did not finish within request_timeout={timeout}s and was aborted",
-                    "timeout", None, "timeout")
+    return APIError(
+        504, f"the request did not finish within request_timeout={timeout}s and was aborted", "timeout", None, "timeout"
+    )
 
 
 def engine_failed(detail: str) -> APIError:
@@ -73,8 +87,9 @@ def engine_failed(detail: str) -> APIError:
 
 
 def shutting_down() -> APIError:
-    return APIError(503, "the server is shutting down; the request was not finished", "service_unavailable",
-                    None, "shutting_down")
+    return APIError(
+        503, "the server is shutting down; the request was not finished", "service_unavailable", None, "shutting_down"
+    )
 
 
 def stream_error_body(exc: BaseException, timeout: float | None) -> dict:
@@ -92,7 +107,7 @@ def stream_error_body(exc: BaseException, timeout: float | None) -> dict:
 def _json_error_path(body: str, offset: int) -> str | None:
     """The field path (e.g. "messages[0].content") at character `offset` of a malformed JSON
     body: scans the prefix, keeping a stack of the object keys and array indices it is inside."""
-    text = body[:max(offset, 0)]
+    text = body[: max(offset, 0)]
     stack: list[Any] = []  # per open container: [key or None] for objects, [index] for arrays
     kinds: list[str] = []
     i, n, last_string = 0, len(text), None
@@ -140,8 +155,9 @@ async def validation_message(exc: RequestValidationError, request: Request) -> t
             where = _json_error_path(body, offset)
             detail = (err.get("ctx") or {}).get("error") or "malformed JSON"
             line = body[:offset].count("\n") + 1
-            parts.append(f"the request body is not valid JSON ({detail} at line {line}"
-                         + (f", in {where})" if where else ")"))
+            parts.append(
+                f"the request body is not valid JSON ({detail} at line {line}" + (f", in {where})" if where else ")")
+            )
             first = first or where or "body"
             continue
         loc = [str(x) for x in err.get("loc", ()) if x != "body"]
@@ -155,13 +171,15 @@ async def validation_message(exc: RequestValidationError, request: Request) -> t
 
 def post_route(router, path: str, body_type: type, handler, state) -> None:
     """POST `path`: the body parsed as `body_type`, then handler(state, body, request)."""
+
     async def endpoint(body, request: Request):
         return await handler(state, body, request)
 
     endpoint.__annotations__ = {"body": body_type, "request": Request}
     endpoint.__name__ = handler.__name__
-    router.add_api_route(path, endpoint, methods=["POST"], responses=ERROR_RESPONSES,
-                         route_class_override=BoundedJSONRoute)
+    router.add_api_route(
+        path, endpoint, methods=["POST"], responses=ERROR_RESPONSES, route_class_override=BoundedJSONRoute
+    )
 
 
 def install_error_handlers(app: FastAPI) -> None:
@@ -204,4 +222,3 @@ def install_error_handlers(app: FastAPI) -> None:
     async def _internal(request: Request, exc: Exception):
         logger.exception("internal error")
         return error_response(500, f"internal server error: {type(exc).__name__}", "server_error")
-

@@ -16,8 +16,12 @@ def uvicorn_options(settings: ServerSettings) -> dict[str, Any]:
     """Keyword arguments for uvicorn.Config: kiln's HTTP/1.1 protocol (h11 with strict framing
     and timeouts, http_protocol.py) whatever parser is installed; kiln writes its own access
     log, so uvicorn's is off."""
-    options: dict[str, Any] = dict(log_level=settings.uvicorn_log_level, access_log=False,
-                                   http=http_protocol(settings), timeout_keep_alive=settings.http_idle_timeout_s)
+    options: dict[str, Any] = dict(
+        log_level=settings.uvicorn_log_level,
+        access_log=False,
+        http=http_protocol(settings),
+        timeout_keep_alive=settings.http_idle_timeout_s,
+    )
     if settings.root_path:
         options["root_path"] = settings.root_path
     # Proxy headers only from the proxies the operator names: uvicorn trusts 127.0.0.1 by default,
@@ -38,8 +42,13 @@ def add_http_middleware(app, settings: ServerSettings) -> None:
     if settings.allowed_origins:
         from fastapi.middleware.cors import CORSMiddleware
 
-        app.add_middleware(CORSMiddleware, allow_origins=settings.allowed_origins, allow_credentials=False,
-                           allow_methods=["*"], allow_headers=["*"])
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=settings.allowed_origins,
+            allow_credentials=False,
+            allow_methods=["*"],
+            allow_headers=["*"],
+        )
     if settings.enable_log_requests:
         app.add_middleware(RequestLogMiddleware)
 
@@ -66,8 +75,9 @@ class RequestLogMiddleware:
                 if not message.get("more_body"):
                     body = b"".join(chunks)[:_LOGGED_BODY_CHARS].decode("utf-8", "replace")
                     more = "..." if size[0] > _LOGGED_BODY_CHARS else ""
-                    request_logger.info("request %s %s (%d bytes): %s%s", scope["method"], scope.get("path"),
-                                        size[0], body, more)
+                    request_logger.info(
+                        "request %s %s (%d bytes): %s%s", scope["method"], scope.get("path"), size[0], body, more
+                    )
             return message
 
         await self.app(scope, logging_receive, send)

@@ -8,7 +8,8 @@ subclass, so the checks below hold whatever is installed:
   Encoding in an HTTP/1.0 request, an obsolete line fold, a line (the head's closing empty line
   too) not ended by CRLF, or a request that is not HTTP/1.x (an HTTP/2 preface: this port
   speaks HTTP/1.1 only) is a 400 and the connection is closed before the request reaches the
-  app (so nothing smuggled behind it is read). h11 rejects the rest (bad chunk sizes, bad header lines) and the connection is
+  app (so nothing smuggled behind it is read). h11 rejects the rest (bad chunk sizes, bad header lines) and
+  the connection is
   closed the same way.
 - Timeouts: a new connection must send its request head within `http_header_timeout_s`; a
   kept-alive connection with no request in progress closes after `http_idle_timeout_s` (longer
@@ -53,9 +54,15 @@ class HTTPLimits:
 
     @classmethod
     def of(cls, settings: ServerSettings) -> "HTTPLimits":
-        return cls(settings.http_idle_timeout_s, settings.http_header_timeout_s, settings.http_body_timeout_s,
-                   settings.http_body_deadline_s, settings.stream_stall_timeout_s or None, int(settings.max_request_body_mb * (1 << 20)),
-                   (settings.http_send_buffer_kb << 10) or None)
+        return cls(
+            settings.http_idle_timeout_s,
+            settings.http_header_timeout_s,
+            settings.http_body_timeout_s,
+            settings.http_body_deadline_s,
+            settings.stream_stall_timeout_s or None,
+            int(settings.max_request_body_mb * (1 << 20)),
+            (settings.http_send_buffer_kb << 10) or None,
+        )
 
 
 def framing_problem(buffered: bytes) -> str | None:
@@ -64,7 +71,7 @@ def framing_problem(buffered: bytes) -> str | None:
     end = _HEAD_END.search(buffered)
     if end is None:
         return None
-    lines = buffered[:end.start() + 1].split(b"\n")[:-1]
+    lines = buffered[: end.start() + 1].split(b"\n")[:-1]
     while lines and lines[0] in (b"", b"\r"):  # empty lines before the request line (RFC 9112 2.2)
         lines.pop(0)
     if not lines:
@@ -205,8 +212,7 @@ class KilnHTTPProtocol(H11Protocol):
         if self.transport.is_closing() or self.conn.their_state is not h11.IDLE:
             return
         if self.conn.trailing_data[0]:
-            self._reject(408, f"the request head did not arrive within http_header_timeout_s="
-                              f"{self.limits.header_s:g}s")
+            self._reject(408, f"the request head did not arrive within http_header_timeout_s={self.limits.header_s:g}s")
         else:
             self.transport.close()
 
@@ -229,8 +235,9 @@ class KilnHTTPProtocol(H11Protocol):
         if self.cycle is None or self.cycle.response_complete:
             self.transport.close()
             return
-        self._reject(408, f"the request body did not arrive within http_body_deadline_s="
-                          f"{self.limits.body_deadline_s:g}s")
+        self._reject(
+            408, f"the request body did not arrive within http_body_deadline_s={self.limits.body_deadline_s:g}s"
+        )
 
     def pause_writing(self) -> None:
         super().pause_writing()
@@ -244,8 +251,11 @@ class KilnHTTPProtocol(H11Protocol):
     def _write_stalled(self) -> None:
         self._write_timer = None
         if not self.transport.is_closing():
-            logger.info("%s: the client read nothing for stream_stall_timeout_s=%gs; closing its connection",
-                        _peer(self.client), self.limits.write_stall_s)
+            logger.info(
+                "%s: the client read nothing for stream_stall_timeout_s=%gs; closing its connection",
+                _peer(self.client),
+                self.limits.write_stall_s,
+            )
             self.transport.abort()
 
     # ---- refusing ----
@@ -270,8 +280,10 @@ class KilnHTTPProtocol(H11Protocol):
                 return
         type_ = "timeout" if status == 408 else "invalid_request_error"
         body = json.dumps({"error": {"message": message, "type": type_, "param": None, "code": code}}).encode()
-        head = (f"HTTP/1.1 {status} {_REASONS[status]}\r\ncontent-type: application/json\r\n"
-                f"content-length: {len(body)}\r\nconnection: close\r\n\r\n").encode()
+        head = (
+            f"HTTP/1.1 {status} {_REASONS[status]}\r\ncontent-type: application/json\r\n"
+            f"content-length: {len(body)}\r\nconnection: close\r\n\r\n"
+        ).encode()
         self.transport.write(head + body)
         self.transport.close()
 

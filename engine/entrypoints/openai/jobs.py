@@ -95,9 +95,12 @@ class Job:
         return sum((s.final_output.num_cached_tokens if s.final_output else 0) for s in self.streams)
 
     def usage(self) -> dict[str, Any]:
-        return {"prompt_tokens": self.num_prompt_tokens, "completion_tokens": self.num_completion_tokens,
-                "total_tokens": self.num_prompt_tokens + self.num_completion_tokens,
-                "prompt_tokens_details": {"cached_tokens": self.cached_tokens()}}
+        return {
+            "prompt_tokens": self.num_prompt_tokens,
+            "completion_tokens": self.num_completion_tokens,
+            "total_tokens": self.num_prompt_tokens + self.num_completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": self.cached_tokens()},
+        }
 
     def account(self, pidx: int, delta: RequestOutput, seen_prompts: set[int]) -> None:
         if pidx not in seen_prompts:
@@ -110,9 +113,19 @@ class Job:
         job without the token it generated."""
         async for pidx, delta in self._mux():
             if self.prompt_only:
-                delta = dataclasses.replace(delta, outputs=[dataclasses.replace(
-                    c, text="", token_ids=[], logprobs=None if c.logprobs is None else [],
-                    cumulative_logprob=None if c.cumulative_logprob is None else 0.0) for c in delta.outputs])
+                delta = dataclasses.replace(
+                    delta,
+                    outputs=[
+                        dataclasses.replace(
+                            c,
+                            text="",
+                            token_ids=[],
+                            logprobs=None if c.logprobs is None else [],
+                            cumulative_logprob=None if c.cumulative_logprob is None else 0.0,
+                        )
+                        for c in delta.outputs
+                    ],
+                )
             yield pidx, delta
 
     async def _mux(self) -> AsyncIterator[tuple[int, RequestOutput]]:
@@ -149,8 +162,9 @@ class Formatter(Protocol):
     def first_chunks(self, job: Job) -> list[dict[str, Any]]:
         """Choices sent before any output (chat: the assistant role)."""
 
-    def stream_choice(self, job: Job, ch: Choice, idx: int, pidx: int, c, delta: RequestOutput,
-                      first: bool) -> dict[str, Any]:
+    def stream_choice(
+        self, job: Job, ch: Choice, idx: int, pidx: int, c, delta: RequestOutput, first: bool
+    ) -> dict[str, Any]:
         """One streamed choice of a delta."""
 
     def final_body(self, job: Job, results: list[tuple[Choice, RequestOutput | None]]) -> dict[str, Any]:
@@ -166,8 +180,15 @@ class FormatBase:
 
 
 def envelope(job: Job, object_: str, model: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
-    return {"id": job.id, "object": object_, "created": int(time.time()), "model": model, "choices": choices,
-            "usage": job.usage(), "system_fingerprint": None}
+    return {
+        "id": job.id,
+        "object": object_,
+        "created": int(time.time()),
+        "model": model,
+        "choices": choices,
+        "usage": job.usage(),
+        "system_fingerprint": None,
+    }
 
 
 def sse(payload: dict | str) -> str:
@@ -175,8 +196,9 @@ def sse(payload: dict | str) -> str:
     return f"data: {payload if isinstance(payload, str) else json.dumps(payload)}\n\n"
 
 
-async def start_job(engine, registry: set, job_id: str, kind: str, admitted: list[AdmittedRequest],
-                    texts: list, params: SamplingParams) -> Job:
+async def start_job(
+    engine, registry: set, job_id: str, kind: str, admitted: list[AdmittedRequest], texts: list, params: SamplingParams
+) -> Job:
     """Submit every prompt's admitted request (together: they are admitted in the same step)."""
     if getattr(registry, "closed", False):
         raise shutting_down()
@@ -207,8 +229,9 @@ async def collect(job: Job) -> list[tuple[Choice, RequestOutput | None]]:
             ch.logprobs += c.logprobs or []
             if c.finish_reason:
                 ch.finish_reason, ch.stop_reason = c.finish_reason, c.stop_reason
-    return [(choices.get(i, Choice(finish_reason="abort")), last.get(i // job.n))
-            for i in range(len(job.streams) * job.n)]
+    return [
+        (choices.get(i, Choice(finish_reason="abort")), last.get(i // job.n)) for i in range(len(job.streams) * job.n)
+    ]
 
 
 async def wait_disconnect(request: Request) -> None:
@@ -239,11 +262,22 @@ async def until_done(work, request: Request, timeout: float | None, job_id: str)
             t.cancel()
 
 
-async def respond(job: Job, fmt: Formatter, model: str, stream: bool | None, include_usage: bool,
-                  request: Request, timeout: float | None, continuous_usage: bool = False):
+async def respond(
+    job: Job,
+    fmt: Formatter,
+    model: str,
+    stream: bool | None,
+    include_usage: bool,
+    request: Request,
+    timeout: float | None,
+    continuous_usage: bool = False,
+):
     if stream:
-        return StreamingResponse(stream_events(job, fmt, model, include_usage, timeout, continuous_usage),
-                                 media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        return StreamingResponse(
+            stream_events(job, fmt, model, include_usage, timeout, continuous_usage),
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache"},
+        )
     try:
         results = await until_done(collect(job), request, timeout, job.id)
     finally:
@@ -251,8 +285,9 @@ async def respond(job: Job, fmt: Formatter, model: str, stream: bool | None, inc
     return Response(status_code=499) if results is None else fmt.final_body(job, results)
 
 
-async def stream_events(job: Job, fmt: Formatter, model: str, include_usage: bool, timeout: float | None,
-                        continuous_usage: bool = False) -> AsyncIterator[str]:
+async def stream_events(
+    job: Job, fmt: Formatter, model: str, include_usage: bool, timeout: float | None, continuous_usage: bool = False
+) -> AsyncIterator[str]:
     """The job as SSE: chunks, the usage chunk if asked, then [DONE]; a job that cannot finish
     (engine error, time limit, dead engine, shutdown) ends with an error event and [DONE]."""
     base = {"id": job.id, "object": fmt.chunk_object, "created": int(time.time()), "model": model}

@@ -63,6 +63,7 @@ def _server_class():
 def _start_grammar_workers(state: ServerState) -> None:
     """Start the structured-output compile workers beside the server's start (not on the first
     constrained request, which would wait for them)."""
+
     def start() -> None:
         try:
             state.engine.grammar_compiler.start_pool()
@@ -99,13 +100,15 @@ def serve(engine_settings: EngineSettings, server_settings: ServerSettings) -> i
     try:
         sock = _bind(server_settings.host, server_settings.port)
     except OSError as exc:
-        print(f"kiln: error: cannot listen on {server_settings.host}:{server_settings.port}: {exc}",
-              file=sys.stderr)
+        print(f"kiln: error: cannot listen on {server_settings.host}:{server_settings.port}: {exc}", file=sys.stderr)
         return 1
     port = sock.getsockname()[1]
     if server_settings.host not in ("127.0.0.1", "::1", "localhost"):
-        logger.warning("listening on %s: the API is reachable from other machines%s", server_settings.host,
-                       "" if server_settings.api_key else " and no --api-key is set")
+        logger.warning(
+            "listening on %s: the API is reachable from other machines%s",
+            server_settings.host,
+            "" if server_settings.api_key else " and no --api-key is set",
+        )
     try:
         state = create_state(engine_settings, server_settings)
     except BaseException:
@@ -115,8 +118,12 @@ def serve(engine_settings: EngineSettings, server_settings: ServerSettings) -> i
     add_http_middleware(app, server_settings)
     _start_grammar_workers(state)
     # uvicorn's own limit is a backstop: ServerState.drain ends every request within shutdown_timeout.
-    config = uvicorn.Config(app, timeout_graceful_shutdown=server_settings.shutdown_timeout + 10, log_config=None,
-                            **uvicorn_options(server_settings))
+    config = uvicorn.Config(
+        app,
+        timeout_graceful_shutdown=server_settings.shutdown_timeout + 10,
+        log_config=None,
+        **uvicorn_options(server_settings),
+    )
     server = _server_class()(config, state)
     sock.listen(2048)
 
@@ -128,9 +135,11 @@ def serve(engine_settings: EngineSettings, server_settings: ServerSettings) -> i
             base = _url(server_settings.host, port, "https" if server_settings.ssl_keyfile else "http")
             print(f"kiln: serving {state.model_name!r} at {base}/v1 (health: {base}/health)", flush=True)
             key = " -H 'Authorization: Bearer $KEY'" if server_settings.api_key else ""
-            print(f"kiln: try  curl {base}/v1/completions{key} -H 'Content-Type: application/json' "
-                  f"-d '{{\"model\": {json.dumps(state.model_name)}, \"prompt\": \"Hello\", \"max_tokens\": 16}}'",
-                  flush=True)
+            print(
+                f"kiln: try  curl {base}/v1/completions{key} -H 'Content-Type: application/json' "
+                f'-d \'{{"model": {json.dumps(state.model_name)}, "prompt": "Hello", "max_tokens": 16}}\'',
+                flush=True,
+            )
         while not task.done() and state.engine.fatal is None:
             await asyncio.wait([task], timeout=0.1)
         if state.engine.fatal is not None:

@@ -14,8 +14,8 @@ import secrets
 import time
 import uuid
 
-from starlette.exceptions import HTTPException
 from starlette._utils import get_route_path
+from starlette.exceptions import HTTPException
 
 from engine.entrypoints.openai.errors import error_response
 
@@ -62,22 +62,32 @@ class RequestContextMiddleware:
 
         path = scope.get("path", "")
         try:
-            if self.api_key is not None and not self.public_routes.is_public(scope) \
-                    and not self._authorized(headers):
-                resp = error_response(401, "invalid or missing API key (send 'Authorization: Bearer <key>')",
-                                      "authentication_error", None, "invalid_api_key")
+            if self.api_key is not None and not self.public_routes.is_public(scope) and not self._authorized(headers):
+                resp = error_response(
+                    401,
+                    "invalid or missing API key (send 'Authorization: Bearer <key>')",
+                    "authentication_error",
+                    None,
+                    "invalid_api_key",
+                )
                 await resp(scope, receive, send_with_id)
                 return
             await self.app(scope, receive, send_with_id)
         finally:
             client = scope.get("client") or ("-", 0)
-            access_logger.info('%s "%s %s" %d %.1fms request_id=%s', client[0], scope.get("method"), path,
-                               status[0] or 499, 1000 * (time.perf_counter() - t0), rid)
+            access_logger.info(
+                '%s "%s %s" %d %.1fms request_id=%s',
+                client[0],
+                scope.get("method"),
+                path,
+                status[0] or 499,
+                1000 * (time.perf_counter() - t0),
+                rid,
+            )
 
     def _authorized(self, headers: dict[bytes, bytes]) -> bool:
         auth = headers.get(b"authorization", b"").decode("latin-1")
-        token = auth[7:].strip() if auth[:7].lower() == "bearer " else headers.get(b"x-api-key", b"").decode(
-            "latin-1")
+        token = auth[7:].strip() if auth[:7].lower() == "bearer " else headers.get(b"x-api-key", b"").decode("latin-1")
         return secrets.compare_digest(token.encode("latin-1"), self.api_key.encode("utf-8"))
 
 
@@ -123,8 +133,9 @@ class GateMiddleware:
             await self.app(scope, receive, send)
             return
         if self.state.draining and not PublicRoutes.serves_while_draining(scope):
-            await error_response(503, "the server is shutting down", "service_unavailable", None,
-                                 "shutting_down")(scope, receive, send)
+            await error_response(503, "the server is shutting down", "service_unavailable", None, "shutting_down")(
+                scope, receive, send
+            )
             return
         length = dict(scope.get("headers", [])).get(b"content-length")
         if length is not None and length.isdigit() and int(length) > self.limit:
@@ -159,8 +170,7 @@ class GateMiddleware:
                 return
 
     def _message(self) -> str:
-        return (f"the request body is larger than max_request_body_mb={self.state.settings.max_request_body_mb:g} "
-                "MB")
+        return f"the request body is larger than max_request_body_mb={self.state.settings.max_request_body_mb:g} MB"
 
     def _too_large(self):
         return error_response(413, self._message(), "invalid_request_error", None, "request_too_large", CLOSE)

@@ -17,7 +17,7 @@ from engine.core import admission_rules as rules
 from engine.core.request import SamplingParams, StructuredOutputsParams
 from engine.entrypoints.openai.tool_calls import ToolMode, arguments_for_template, resolve_tool_mode
 
-_INT64 = 2 ** 63 - 1
+_INT64 = 2**63 - 1
 
 
 def _prompt_form(value: Any) -> str:
@@ -34,10 +34,15 @@ def _prompt_form(value: Any) -> str:
 
 
 # A prompt: text, texts, token ids or lists of token ids (tags named as errors.py drops them from paths).
-PromptInput = Annotated[Union[Annotated[str, Tag("str")], Annotated[list[str], Tag("list[str]")],
-                              Annotated[list[int], Tag("list[int]")],
-                              Annotated[list[list[int]], Tag("list[list[int]]")]],
-                        Discriminator(_prompt_form)]
+PromptInput = Annotated[
+    Union[
+        Annotated[str, Tag("str")],
+        Annotated[list[str], Tag("list[str]")],
+        Annotated[list[int], Tag("list[int]")],
+        Annotated[list[list[int]], Tag("list[list[int]]")],
+    ],
+    Discriminator(_prompt_form),
+]
 
 
 class _Lenient(BaseModel):
@@ -131,9 +136,14 @@ class _SamplingFields(_Lenient):
         rules.one_constraint_field([name for name, _ in given])
         return given[0]
 
-    def _params(self, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None = None,
-                defaults: GenerationDefaults | None = None,
-                structured_outputs: StructuredOutputsParams | None = None) -> SamplingParams:
+    def _params(
+        self,
+        max_tokens: int | None,
+        logprobs: int | None,
+        prompt_logprobs: int | None = None,
+        defaults: GenerationDefaults | None = None,
+        structured_outputs: StructuredOutputsParams | None = None,
+    ) -> SamplingParams:
         """The request's SamplingParams, made (and so validated) once: with the model's defaults
         (generation_config.json) for the fields the request left out."""
         own = self.structured_output_params()  # (checked even when a forced tool call replaces it)
@@ -297,8 +307,9 @@ class ChatCompletionRequest(_SamplingFields):
             out.append(message)
         return out
 
-    def sampling_params(self, tool_mode: ToolMode | None = None,
-                        defaults: GenerationDefaults | None = None) -> SamplingParams:
+    def sampling_params(
+        self, tool_mode: ToolMode | None = None, defaults: GenerationDefaults | None = None
+    ) -> SamplingParams:
         """With a forced tool choice, the output is constrained to the call's JSON."""
         rules.top_logprobs(self.top_logprobs, self.logprobs)
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
@@ -357,5 +368,6 @@ class ErrorResponse(BaseModel):
     error: ErrorDetail
 
 
-ErrorType = Literal["invalid_request_error", "authentication_error", "not_found_error", "server_error",
-                    "service_unavailable", "timeout"]
+ErrorType = Literal[
+    "invalid_request_error", "authentication_error", "not_found_error", "server_error", "service_unavailable", "timeout"
+]

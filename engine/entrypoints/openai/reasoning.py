@@ -41,12 +41,12 @@ class ReasoningParser:
                     return None, None  # "<thi": may be the block starting
                 return None, text
         if body.startswith(_OPEN):
-            body = body[len(_OPEN):]
+            body = body[len(_OPEN) :]
         elif not final and body and _OPEN.startswith(body):
             return None, None
         end = body.find(_CLOSE)
         if end < 0:
-            reasoning = body if final else body[:len(body) - _held(body, _CLOSE)]
+            reasoning = body if final else body[: len(body) - _held(body, _CLOSE)]
             return reasoning or None, None
-        content = body[end + len(_CLOSE):].lstrip("\n")
+        content = body[end + len(_CLOSE) :].lstrip("\n")
         return body[:end] or None, content or None

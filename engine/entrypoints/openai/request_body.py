@@ -90,7 +90,7 @@ class JSONValueCounter:
                 chunk, self._escaped = chunk[:-1], True
             chunk = chunk.replace(b'\\"', b"")
         parts = chunk.split(b'"')
-        outside = b"".join(parts[1 if self._in_string else 0::2])
+        outside = b"".join(parts[1 if self._in_string else 0 :: 2])
         if len(parts) % 2 == 0:
             self._in_string = not self._in_string
         self.count += outside.count(b",") + outside.count(b"[") + outside.count(b"{")
@@ -150,8 +150,7 @@ async def read_body(request: Request, max_values: int) -> tuple[bytes, bool]:
             if counter.feed(chunk) > max_values:
                 chunks = None
     if chunks is None:
-        raise InvalidRequestError(f"the request body holds more than max_request_json_values={max_values} "
-                                  "JSON values")
+        raise InvalidRequestError(f"the request body holds more than max_request_json_values={max_values} JSON values")
     return b"".join(chunks), surrogates
 
 
@@ -161,8 +160,7 @@ def parse_body(body: bytes, info: EngineInfo, may_hold_surrogates: bool = True) 
     if may_hold_surrogates:
         path = lone_surrogate_path(data)
         if path is not None:
-            raise InvalidRequestError(f"{path}: the text is not valid Unicode (it holds a lone UTF-16 surrogate)",
-                                      path)
+            raise InvalidRequestError(f"{path}: the text is not valid Unicode (it holds a lone UTF-16 surrogate)", path)
     check_shape(info, data)
     return data
 
@@ -206,15 +204,26 @@ class BoundedJSONRoute(APIRoute):
             try:
                 data = parse_body(body, state.info, surrogates)
             except json.JSONDecodeError as exc:  # (as FastAPI reports it: errors.py names the field)
-                raise RequestValidationError([{"type": "json_invalid", "loc": ("body", exc.pos),
-                                               "msg": "JSON decode error", "input": {},
-                                               "ctx": {"error": exc.msg}}], body=exc.doc) from exc
+                raise RequestValidationError(
+                    [
+                        {
+                            "type": "json_invalid",
+                            "loc": ("body", exc.pos),
+                            "msg": "JSON decode error",
+                            "input": {},
+                            "ctx": {"error": exc.msg},
+                        }
+                    ],
+                    body=exc.doc,
+                ) from exc
             except UnicodeDecodeError as exc:
-                raise InvalidRequestError(f"the request body is not valid JSON: it is not UTF-8 ({exc.reason} at "
-                                          f"byte {exc.start})", None) from exc
+                raise InvalidRequestError(
+                    f"the request body is not valid JSON: it is not UTF-8 ({exc.reason} at byte {exc.start})", None
+                ) from exc
             except RecursionError as exc:
-                raise InvalidRequestError("the request body is not valid JSON here: it is nested too deeply",
-                                          None) from exc
+                raise InvalidRequestError(
+                    "the request body is not valid JSON here: it is nested too deeply", None
+                ) from exc
             return await handler(_ParsedRequest(request, body, data))
 
         return bounded

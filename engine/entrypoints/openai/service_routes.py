@@ -14,10 +14,16 @@ from engine.lora.validate import check_adapter_dir, check_adapter_name, confined
 
 
 def list_models(state) -> dict:
-    base = {"id": state.model_name, "object": "model", "created": state.created, "owned_by": "kiln",
-            "root": state.model_root, "parent": None, "max_model_len": state.info.max_model_len}
-    adapters = [{**base, "id": a.lora_name, "root": a.lora_path, "parent": state.model_name}
-                for a in state.adapters()]
+    base = {
+        "id": state.model_name,
+        "object": "model",
+        "created": state.created,
+        "owned_by": "kiln",
+        "root": state.model_root,
+        "parent": None,
+        "max_model_len": state.info.max_model_len,
+    }
+    adapters = [{**base, "id": a.lora_name, "root": a.lora_path, "parent": state.model_name} for a in state.adapters()]
     return {"object": "list", "data": [base, *adapters]}
 
 
@@ -28,8 +34,13 @@ def health(state) -> Response:
         return error_response(503, "the server is shutting down", "service_unavailable", None, "shutting_down")
     if not state.engine.is_alive:
         err = state.engine.dead_error
-        return error_response(503, f"the engine loop is not running: {err}" if err else
-                              "the engine loop is not running", "service_unavailable", None, "engine_dead")
+        return error_response(
+            503,
+            f"the engine loop is not running: {err}" if err else "the engine loop is not running",
+            "service_unavailable",
+            None,
+            "engine_dead",
+        )
     return Response('{"status": "ready"}', media_type="application/json")
 
 
@@ -45,8 +56,9 @@ def router(state) -> APIRouter:
         for entry in list_models(state)["data"]:
             if entry["id"] == model_id or (entry["parent"] is None and model_id in state.settings.model_names):
                 return entry
-        return error_response(404, f"the model {model_id!r} does not exist", "invalid_request_error", "model",
-                              "model_not_found")
+        return error_response(
+            404, f"the model {model_id!r} does not exist", "invalid_request_error", "model", "model_not_found"
+        )
 
     if state.settings.allow_runtime_lora_updating:
         roots = [root.expanduser().resolve() for root in state.settings.lora_adapter_roots or []]
@@ -67,8 +79,7 @@ def router(state) -> APIRouter:
         @r.post("/v1/unload_lora_adapter", responses=ERROR_RESPONSES)
         async def unload_lora_adapter(body: UnloadLoRAAdapterRequest):
             await state.engine.unload_lora(body.lora_name)
-            return Response(f"Success: LoRA adapter '{body.lora_name}' removed successfully.",
-                            media_type="text/plain")
+            return Response(f"Success: LoRA adapter '{body.lora_name}' removed successfully.", media_type="text/plain")
 
     @r.get("/health", responses={503: {"model": ErrorResponse}})
     async def health_route():
@@ -88,10 +99,15 @@ def router(state) -> APIRouter:
         # The served name where SGLang gives paths: a router needs the id it routes, not where the
         # server's files are.
         info = state.info
-        return {"model_path": state.model_name, "served_model_name": state.model_name,
-                "tokenizer_path": state.model_name, "is_generation": info.generates,
-                "max_context_length": info.max_model_len, "vocab_size": info.vocab_size,
-                "eos_token_ids": list(info.eos_token_ids)}
+        return {
+            "model_path": state.model_name,
+            "served_model_name": state.model_name,
+            "tokenizer_path": state.model_name,
+            "is_generation": info.generates,
+            "max_context_length": info.max_model_len,
+            "vocab_size": info.vocab_size,
+            "eos_token_ids": list(info.eos_token_ids),
+        }
 
     # sglang-router reads these when a replica registers: the model id it routes and lists under.
     # Router plumbing, not part of the OpenAI API: kept out of /openapi.json.

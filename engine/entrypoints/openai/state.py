@@ -85,7 +85,8 @@ class ServerState:
         if pool is None:
             threads = self.settings.tokenizer_large_job_threads if lane == "large" else self.settings.tokenizer_threads
             pool = self._pools[lane] = concurrent.futures.ThreadPoolExecutor(
-                threads, thread_name_prefix=f"kiln-tokenize-{lane}")
+                threads, thread_name_prefix=f"kiln-tokenize-{lane}"
+            )
         return pool
 
     async def drain(self, timeout: float) -> None:
@@ -131,10 +132,13 @@ def create_state(engine_settings: EngineSettings, server_settings: ServerSetting
     name = (server_settings.model_names or [None])[0] or default_model_name(engine_settings, llm_engine.model_dir)
     metrics = EngineMetrics(name, engine_settings.log_stats_interval)
     metrics.set_engine_info(llm_engine)
-    engine = AsyncEngine(llm_engine, listener=metrics,
-                         stream_stall_timeout_s=server_settings.stream_stall_timeout_s or None)  # (0: never)
+    engine = AsyncEngine(
+        llm_engine, listener=metrics, stream_stall_timeout_s=server_settings.stream_stall_timeout_s or None
+    )  # (0: never)
     engine.grammar_compiler.configure(
-        timeout_s=server_settings.grammar_compile_timeout_s, workers=server_settings.grammar_compile_workers,
+        timeout_s=server_settings.grammar_compile_timeout_s,
+        workers=server_settings.grammar_compile_workers,
         cache_entries=server_settings.grammar_cache_entries,
-        cache_bytes=int(server_settings.grammar_cache_mb * (1 << 20)))
+        cache_bytes=int(server_settings.grammar_cache_mb * (1 << 20)),
+    )
     return ServerState(engine, metrics, server_settings, name, engine.info.model_dir)

@@ -19,8 +19,7 @@ async def tokenize(state, body: TokenizeRequest) -> dict:
         ids = await conversation_ids(state, ChatCompletionRequest(messages=body.messages), body.add_generation_prompt)
     else:
         check_text_size(state.info, state.max_token_chars, body.prompt, "prompt")
-        ids = await state.off_loop(encode, state.tokenizer, body.prompt, body.add_special_tokens,
-                                   size=len(body.prompt))
+        ids = await state.off_loop(encode, state.tokenizer, body.prompt, body.add_special_tokens, size=len(body.prompt))
     return {"tokens": ids, "count": len(ids), "max_model_len": state.info.max_model_len}
 
 

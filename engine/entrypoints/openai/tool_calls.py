@@ -35,8 +35,11 @@ class ToolCall:
         self.id = self.id or f"call_{uuid.uuid4().hex[:24]}"
 
     def to_openai(self, index: int | None = None) -> dict[str, Any]:
-        out: dict[str, Any] = {"id": self.id, "type": "function",
-                               "function": {"name": self.name, "arguments": self.arguments}}
+        out: dict[str, Any] = {
+            "id": self.id,
+            "type": "function",
+            "function": {"name": self.name, "arguments": self.arguments},
+        }
         if index is not None:  # stream deltas carry the call's position
             out = {"index": index, **out}
         return out
@@ -62,11 +65,20 @@ class ToolMode:
         if self.kind == "named":
             return StructuredOutputsParams(json=self.tools[self.name], disable_any_whitespace=True)
         if self.kind == "required":
-            one_of = [{"type": "object", "additionalProperties": False, "required": ["name", "parameters"],
-                       "properties": {"name": {"enum": [name]}, "parameters": schema}}
-                      for name, schema in self.tools.items()]
-            array: dict[str, Any] = {"type": "array", "minItems": 1,
-                                     "items": one_of[0] if len(one_of) == 1 else {"anyOf": one_of}}
+            one_of = [
+                {
+                    "type": "object",
+                    "additionalProperties": False,
+                    "required": ["name", "parameters"],
+                    "properties": {"name": {"enum": [name]}, "parameters": schema},
+                }
+                for name, schema in self.tools.items()
+            ]
+            array: dict[str, Any] = {
+                "type": "array",
+                "minItems": 1,
+                "items": one_of[0] if len(one_of) == 1 else {"anyOf": one_of},
+            }
             if not parallel:
                 array["maxItems"] = 1
             return StructuredOutputsParams(json=array, disable_any_whitespace=True)
@@ -152,7 +164,7 @@ def parse_hermes(text: str) -> tuple[str | None, list[ToolCall]]:
     pos = start
     while (pos := text.find(_HERMES_OPEN, pos)) >= 0:
         end = text.find(_HERMES_CLOSE, pos)
-        body = text[pos + len(_HERMES_OPEN):end if end >= 0 else len(text)]
+        body = text[pos + len(_HERMES_OPEN) : end if end >= 0 else len(text)]
         try:
             call = _call_from(json.loads(body.strip(), strict=False))
         except ValueError:
@@ -183,7 +195,7 @@ _PYTHON_TAG = "<|python_tag|>"
 def parse_llama3_json(text: str) -> tuple[str | None, list[ToolCall]]:
     body = text.strip()
     if body.startswith(_PYTHON_TAG):
-        body = body[len(_PYTHON_TAG):].lstrip()
+        body = body[len(_PYTHON_TAG) :].lstrip()
     if not body.startswith("{"):
         return text, []
     decoder = json.JSONDecoder(strict=False)
@@ -211,7 +223,7 @@ def parse_llama3_json(text: str) -> tuple[str | None, list[ToolCall]]:
 
 def _llama3_streamable(text: str) -> int:
     body = text.lstrip()
-    if not body or body.startswith("{") or _PYTHON_TAG.startswith(body[:len(_PYTHON_TAG)]):
+    if not body or body.startswith("{") or _PYTHON_TAG.startswith(body[: len(_PYTHON_TAG)]):
         return 0  # a call may be starting: hold it all
     return len(text)
 

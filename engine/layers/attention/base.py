@@ -40,8 +40,15 @@ class AttentionBackend(Protocol):
     name: str
 
     def forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-        kv_cache: torch.Tensor, layer: int, meta: AttentionMetadata, scale: float, sliding_window: int = 0,
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: torch.Tensor,
+        layer: int,
+        meta: AttentionMetadata,
+        scale: float,
+        sliding_window: int = 0,
         softcap: float = 0.0,
     ) -> torch.Tensor:
         """Write k/v [T, Hkv, D] into layer `layer` of the whole cache

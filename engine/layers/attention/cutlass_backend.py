@@ -20,8 +20,11 @@ KERNEL_ARCH = (9, 0)  # the cubins are built for sm_90a and carry no PTX for oth
 def _required(spec: BackendSpec) -> list[str]:
     from compiler.kernels.manifest import attention_variant_names
 
-    return list(attention_variant_names(spec.dtype, spec.head_dim, spec.block_size, spec.decode_kernel,
-                                        spec.prefill_kernel, spec.kv_cache_dtype).values())
+    return list(
+        attention_variant_names(
+            spec.dtype, spec.head_dim, spec.block_size, spec.decode_kernel, spec.prefill_kernel, spec.kv_cache_dtype
+        ).values()
+    )
 
 
 def _capability(device: torch.device) -> tuple[int, int]:
@@ -35,8 +38,7 @@ def cutlass_unavailable_reason(spec: BackendSpec) -> str | None:
         return "no CUDA device"
     cap = _capability(spec.device)
     if cap != KERNEL_ARCH:
-        return (f"the GPU is sm_{cap[0]}{cap[1]}, kiln's cutlass kernels are built for sm_90a only "
-                "(H100/H200)")
+        return f"the GPU is sm_{cap[0]}{cap[1]}, kiln's cutlass kernels are built for sm_90a only (H100/H200)"
     if spec.windowed_or_capped:
         return "the model has sliding-window or soft-capped attention, which kiln's kernels do not do"
     try:
@@ -63,21 +65,32 @@ class CutlassAttentionBackend:
     def __init__(self, spec: BackendSpec):
         cap = _capability(spec.device)
         if cap != KERNEL_ARCH:
-            raise RuntimeError(f"attention_backend=cutlass: the GPU is sm_{cap[0]}{cap[1]}; kiln's cutlass kernels "
-                               "are built for sm_90a only (H100/H200): use attention_backend=torch or auto")
+            raise RuntimeError(
+                f"attention_backend=cutlass: the GPU is sm_{cap[0]}{cap[1]}; kiln's cutlass kernels "
+                "are built for sm_90a only (H100/H200): use attention_backend=torch or auto"
+            )
         if spec.windowed_or_capped and spec.compile:
             # Those layers would run the reference inside the captured decode graphs, over
             # max_model_len positions per sequence: refuse rather than serve that slowly.
-            raise ValueError("attention_backend=cutlass: the model has sliding-window or soft-capped attention, "
-                             "which kiln's kernels do not do; use attention_backend=torch (auto picks it) or "
-                             "enforce_eager")
+            raise ValueError(
+                "attention_backend=cutlass: the model has sliding-window or soft-capped attention, "
+                "which kiln's kernels do not do; use attention_backend=torch (auto picks it) or "
+                "enforce_eager"
+            )
         from compiler.kernels.cutlass_ops import AttentionKernels
 
         self.spec = spec
         # Raises MissingKernelError (naming `kiln build-kernels --variants ...`) if not built.
-        self.kernels = AttentionKernels(spec.kernel_cache_dir, spec.device, spec.dtype, spec.head_dim,
-                                        spec.block_size, decode_kernel=spec.decode_kernel,
-                                        prefill_kernel=spec.prefill_kernel, kv_dtype=spec.kv_cache_dtype)
+        self.kernels = AttentionKernels(
+            spec.kernel_cache_dir,
+            spec.device,
+            spec.dtype,
+            spec.head_dim,
+            spec.block_size,
+            decode_kernel=spec.decode_kernel,
+            prefill_kernel=spec.prefill_kernel,
+            kv_dtype=spec.kv_cache_dtype,
+        )
         self.handle = self.kernels.handle
         self.kv_scales: KVScales | None = None
 
@@ -85,8 +98,18 @@ class CutlassAttentionBackend:
         """An fp8 cache's scales (None: an fp8 cache is read and written with scale 1)."""
         self.kv_scales = kv_scales
 
-    def forward(self, q, k, v, kv_cache, layer: int, meta: AttentionMetadata, scale: float,
-                sliding_window: int = 0, softcap: float = 0.0) -> torch.Tensor:
+    def forward(
+        self,
+        q,
+        k,
+        v,
+        kv_cache,
+        layer: int,
+        meta: AttentionMetadata,
+        scale: float,
+        sliding_window: int = 0,
+        softcap: float = 0.0,
+    ) -> torch.Tensor:
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()  # (the model hands views of its qkv output)
         scales = None if self.kv_scales is None else self.kv_scales.before_write(k, v, layer, meta.slot_mapping)
         torch.ops.kiln.write_kv_cutlass(k, v, kv_cache, layer, meta.slot_mapping, self.handle, scales)
@@ -96,14 +119,40 @@ class CutlassAttentionBackend:
             # in eager mode only (the constructor refuses such models when graphs are on). A spec
             # that did not declare them must not reach a captured graph: refuse here too.
             if self.spec.compile and not self.spec.windowed_or_capped:
-                raise ValueError("attention_backend=cutlass: a sliding-window or soft-capped layer, but the "
-                                 "BackendSpec did not declare windowed_or_capped; use attention_backend=torch")
-            torch.ops.kiln.paged_attention(out, q, kv_cache, layer, meta.query_start_loc, meta.seq_lens,
-                                           meta.block_tables, scale, meta.max_query_len, meta.max_seq_len,
-                                           meta.num_decodes, sliding_window, softcap, scales)
+                raise ValueError(
+                    "attention_backend=cutlass: a sliding-window or soft-capped layer, but the "
+                    "BackendSpec did not declare windowed_or_capped; use attention_backend=torch"
+                )
+            torch.ops.kiln.paged_attention(
+                out,
+                q,
+                kv_cache,
+                layer,
+                meta.query_start_loc,
+                meta.seq_lens,
+                meta.block_tables,
+                scale,
+                meta.max_query_len,
+                meta.max_seq_len,
+                meta.num_decodes,
+                sliding_window,
+                softcap,
+                scales,
+            )
             return out
         torch.ops.kiln.paged_attention_cutlass(
-            out, q, kv_cache, layer, meta.query_start_loc, meta.seq_lens, meta.block_tables,
-            scale, meta.max_query_len, meta.max_seq_len, meta.num_decodes, self.handle, scales,
+            out,
+            q,
+            kv_cache,
+            layer,
+            meta.query_start_loc,
+            meta.seq_lens,
+            meta.block_tables,
+            scale,
+            meta.max_query_len,
+            meta.max_seq_len,
+            meta.num_decodes,
+            self.handle,
+            scales,
         )
         return out

@@ -35,8 +35,10 @@ def local_heads(config: Any, tp: TensorParallel | None) -> tuple[int, int]:
             raise ValueError(f"tensor_parallel_size={world} does not divide the model's {kv} KV heads")
         return heads // world, kv // world
     if world % kv:
-        raise ValueError(f"tensor_parallel_size={world} is not a multiple of the model's {kv} KV heads "
-                         f"(fewer KV heads than ranks are replicated, which needs a whole number of ranks per head)")
+        raise ValueError(
+            f"tensor_parallel_size={world} is not a multiple of the model's {kv} KV heads "
+            f"(fewer KV heads than ranks are replicated, which needs a whole number of ranks per head)"
+        )
     return heads // world, 1
 
 
@@ -51,17 +53,28 @@ class Attention(nn.Module):
         self.head_dim = config.head_dim
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        self.scale = config.attn_scale or self.head_dim ** -0.5
+        self.scale = config.attn_scale or self.head_dim**-0.5
         self.rope = apply_interleaved_rope if config.rope_interleaved else apply_rope
-        self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size, config.qkv_bias,
-                               parts=(self.q_size, self.kv_size, self.kv_size))
+        self.qkv_proj = Linear(
+            config.hidden_size,
+            self.q_size + 2 * self.kv_size,
+            config.qkv_bias,
+            parts=(self.q_size, self.kv_size, self.kv_size),
+        )
         self.o_proj = row_parallel(self.q_size, config.hidden_size, config.o_bias, tp)
         offset = config.norm_weight_offset  # (Gemma 3's q/k norms scale by 1 + weight too)
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, offset) if config.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, offset) if config.qk_norm else None
 
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | FusedRope, kv_cache: torch.Tensor,
-                meta: AttentionMetadata, backend: AttentionBackend, lora: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor] | FusedRope,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        backend: AttentionBackend,
+        lora: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """rope: (cos, sin) or the fused op's inputs (RotaryEmbedding.forward).
         kv_cache: the whole cache [layers, 2, blocks, block_size, Hkv, D] (see compiler/kernels/ops.py)."""
         n = x.shape[0]
@@ -81,6 +94,5 @@ class Attention(nn.Module):
         if tokens < n:  # the row bucket's padding rows (LlamaForCausalLM.padded_rows): no K/V to write
             k, v = k[:tokens], v[:tokens]
         # q/k/v as views of the qkv output: the backend copies them only where its ops need it.
-        out = backend.forward(q, k, v, kv_cache, self.layer_index, meta, self.scale, self.sliding_window,
-                              self.softcap)
+        out = backend.forward(q, k, v, kv_cache, self.layer_index, meta, self.scale, self.sliding_window, self.softcap)
         return self.o_proj(out.view(n, self.q_size), lora)

@@ -31,12 +31,21 @@ class TorchAttentionBackend:
         with no KV scales: what the CPU decoder stack (engine/models/cpu_stack.py) calls itself."""
         return self.compiled_cpu_decode and self.kv_scales is None
 
-    def forward(self, q, k, v, kv_cache, layer: int, meta: AttentionMetadata, scale: float,
-                sliding_window: int = 0, softcap: float = 0.0) -> torch.Tensor:
+    def forward(
+        self,
+        q,
+        k,
+        v,
+        kv_cache,
+        layer: int,
+        meta: AttentionMetadata,
+        scale: float,
+        sliding_window: int = 0,
+        softcap: float = 0.0,
+    ) -> torch.Tensor:
         fused_cpu = self.compiled_cpu_decode
         eager = fused_cpu and not torch.compiler.is_compiling()
-        scales = None if self.kv_scales is None else self.kv_scales.before_write(k, v, layer, meta.slot_mapping,
-                                                                                   eager)
+        scales = None if self.kv_scales is None else self.kv_scales.before_write(k, v, layer, meta.slot_mapping, eager)
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         if eager:
             # Eager forward on the CPU: the ops' implementations called directly; the custom-op
@@ -44,9 +53,22 @@ class TorchAttentionBackend:
             # Both C++ ops read strided q/k/v rows (no copies), and q's padding rows past k's
             # (the model's row bucket) are claimed by no sequence: the kernel writes them as zeros.
             write_kv_cpu_impl(k, v, kv_cache, layer, meta.slot_mapping, scales)
-            paged_attention_cpu_impl(out, q, kv_cache, layer, meta.query_start_loc, meta.seq_lens,
-                                     meta.block_tables, scale, meta.max_query_len, meta.max_seq_len, meta.num_decodes,
-                                     scales, sliding_window, softcap)
+            paged_attention_cpu_impl(
+                out,
+                q,
+                kv_cache,
+                layer,
+                meta.query_start_loc,
+                meta.seq_lens,
+                meta.block_tables,
+                scale,
+                meta.max_query_len,
+                meta.max_seq_len,
+                meta.num_decodes,
+                scales,
+                sliding_window,
+                softcap,
+            )
             return out
         result, tokens = out, k.shape[0]
         if q.shape[0] != tokens:  # padding rows (an eager CPU forward's row bucket): zeros
@@ -55,6 +77,20 @@ class TorchAttentionBackend:
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
         torch.ops.kiln.write_kv(k, v, kv_cache, layer, meta.slot_mapping, scales)
         op = torch.ops.kiln.paged_attention_cpu if fused_cpu else torch.ops.kiln.paged_attention
-        op(out, q, kv_cache, layer, meta.query_start_loc, meta.seq_lens, meta.block_tables,
-           scale, meta.max_query_len, meta.max_seq_len, meta.num_decodes, sliding_window, softcap, kv_scales=scales)
+        op(
+            out,
+            q,
+            kv_cache,
+            layer,
+            meta.query_start_loc,
+            meta.seq_lens,
+            meta.block_tables,
+            scale,
+            meta.max_query_len,
+            meta.max_seq_len,
+            meta.num_decodes,
+            sliding_window,
+            softcap,
+            kv_scales=scales,
+        )
         return result

@@ -44,15 +44,28 @@ def from_hf(raw: dict[str, Any]) -> QuantConfig:
         fmt = raw.get("checkpoint_format", "gptq")
         if fmt not in ("gptq", "gptq_v2"):
             raise ValueError(f"quantization: GPTQ checkpoint_format {fmt!r} is not supported (gptq, gptq_v2)")
-        return QuantConfig("int", "gptq", bits, int(raw.get("group_size", 128)), bool(raw.get("sym", True)),
-                           bool(raw.get("desc_act", False)), gptq_v1_zeros=fmt == "gptq")
+        return QuantConfig(
+            "int",
+            "gptq",
+            bits,
+            int(raw.get("group_size", 128)),
+            bool(raw.get("sym", True)),
+            bool(raw.get("desc_act", False)),
+            gptq_v1_zeros=fmt == "gptq",
+        )
     if method == "awq":
         version = str(raw.get("version", "gemm")).lower()
         if int(raw.get("bits", raw.get("w_bit", 4))) != 4 or version != "gemm":
-            raise ValueError(f"quantization: AWQ {raw.get('bits')}-bit version {version!r} is not supported "
-                             "(4-bit GEMM layout)")
-        return QuantConfig("int", "awq", 4, int(raw.get("group_size", raw.get("q_group_size", 128))),
-                           sym=not raw.get("zero_point", True))
+            raise ValueError(
+                f"quantization: AWQ {raw.get('bits')}-bit version {version!r} is not supported (4-bit GEMM layout)"
+            )
+        return QuantConfig(
+            "int",
+            "awq",
+            4,
+            int(raw.get("group_size", raw.get("q_group_size", 128))),
+            sym=not raw.get("zero_point", True),
+        )
     if method == "compressed-tensors":
         return _compressed_tensors(raw)
     raise ValueError(f"quantization: quant_method {method!r} is not supported (kiln reads {', '.join(METHODS)})")
@@ -83,15 +96,23 @@ def _compressed_tensors(raw: dict[str, Any]) -> QuantConfig:
                 raise ValueError("quantization: static fp8 activation scales must be per tensor")
         return QuantConfig("fp8", "ct", 8, weight_strategy=strategy, activations=acts, ignore=ignore)
     if fmt != "pack-quantized":
-        raise ValueError(f"quantization: compressed-tensors format {fmt!r} is not supported "
-                         "(pack-quantized, float-quantized)")
+        raise ValueError(
+            f"quantization: compressed-tensors format {fmt!r} is not supported (pack-quantized, float-quantized)"
+        )
     if a:
         raise ValueError("quantization: compressed-tensors integer activations (W8A8 int) are not supported")
     bits = int(w.get("num_bits", 4))
     strategy = w.get("strategy", "group")
     group_size = int(w.get("group_size") or -1) if strategy == "group" else -1
-    return QuantConfig("int", "ct", bits, group_size, bool(w.get("symmetric", True)),
-                       desc_act=w.get("actorder") == "group", ignore=ignore)
+    return QuantConfig(
+        "int",
+        "ct",
+        bits,
+        group_size,
+        bool(w.get("symmetric", True)),
+        desc_act=w.get("actorder") == "group",
+        ignore=ignore,
+    )
 
 
 def forced(name: str, dummy: bool = False) -> QuantConfig:
@@ -101,5 +122,7 @@ def forced(name: str, dummy: bool = False) -> QuantConfig:
         return QuantConfig("fp8", "fp8", 8, weight_strategy="channel", activations="dynamic", quantize_at_load=True)
     if dummy and name in ("gptq", "awq", "compressed-tensors"):
         return QuantConfig("int", {"compressed-tensors": "ct"}.get(name, name), 4, 128, sym=True)
-    raise ValueError(f"quantization: {name!r} cannot be applied at load (only 'fp8'); the checkpoint's own "
-                     "quantization_config selects gptq, awq or compressed-tensors")
+    raise ValueError(
+        f"quantization: {name!r} cannot be applied at load (only 'fp8'); the checkpoint's own "
+        "quantization_config selects gptq, awq or compressed-tensors"
+    )

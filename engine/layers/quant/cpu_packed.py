@@ -27,8 +27,7 @@ import functools
 import torch
 from torch import nn
 
-from compiler.kernels import cpu_gemv
-from compiler.kernels import cpu_linear
+from compiler.kernels import cpu_gemv, cpu_linear
 from engine.layers.quant import int4_packed, int_formats
 
 BUFFER = "gemv_packed"
@@ -66,9 +65,18 @@ class CpuPackedMethod:
         else:
             y = x2.new_empty(x2.shape[0], module.out_features)
             for i, (start, n, fmt, groups) in enumerate(runs):
-                bias = None if module.bias is None else module.bias[start:start + n]
-                cpu_gemv.quant(x2, getattr(module, f"{BUFFER}{i}"), fmt, n, k, groups, bias, not self.float_acts,
-                               out=y[:, start:start + n])
+                bias = None if module.bias is None else module.bias[start : start + n]
+                cpu_gemv.quant(
+                    x2,
+                    getattr(module, f"{BUFFER}{i}"),
+                    fmt,
+                    n,
+                    k,
+                    groups,
+                    bias,
+                    not self.float_acts,
+                    out=y[:, start : start + n],
+                )
         if y.dtype != dtype:
             y = y.to(dtype)
         return y.reshape(*shape[:-1], -1)
@@ -78,8 +86,10 @@ class CpuPackedMethod:
         """The dense weight [out, in] in float32 or bfloat16, its columns in the packed order
         (act-order: permuted, as the activations are gathered)."""
         wdtype = torch.bfloat16 if dtype == torch.bfloat16 else torch.float32
-        parts = [cpu_gemv.dequantize(getattr(module, f"{BUFFER}{i}"), fmt, n, module.in_features, groups, wdtype)
-                 for i, (_, n, fmt, groups) in enumerate(module.gemv_runs)]
+        parts = [
+            cpu_gemv.dequantize(getattr(module, f"{BUFFER}{i}"), fmt, n, module.in_features, groups, wdtype)
+            for i, (_, n, fmt, groups) in enumerate(module.gemv_runs)
+        ]
         return torch.cat(parts) if len(parts) > 1 else parts[0]
 
     def weight(self, module: nn.Module, dtype: torch.dtype) -> torch.Tensor:
@@ -101,8 +111,9 @@ def float_acts_for(dtype: torch.dtype | None, activations: str = "auto") -> bool
     return activations_choice(dtype, activations)[0]
 
 
-def activations_choice(dtype: torch.dtype | None, activations: str = "auto", isa: str | None = None,
-                       vendor: str | None = None) -> tuple[bool, str]:
+def activations_choice(
+    dtype: torch.dtype | None, activations: str = "auto", isa: str | None = None, vendor: str | None = None
+) -> tuple[bool, str]:
     """(float path?, why in words) for a model of `dtype` and the setting cpu_quant_activations, on a
     CPU of torch capability `isa` and /proc/cpuinfo `vendor` (default: this one's).
 
@@ -123,9 +134,11 @@ def activations_choice(dtype: torch.dtype | None, activations: str = "auto", isa
     vendor = cpu_vendor() if vendor is None else vendor
     if isa == "AVX512" and vendor == "AuthenticAMD":
         return True, "float32 activations (auto: AMD AVX-512 here, dequantised in registers at memory speed)"
-    return False, (f"int8 activations per block of 32, as llama.cpp (auto: {isa} on {vendor or 'an unknown CPU'}, "
-                   "where the float path is compute-bound; cpu_quant_activations=float keeps dequantise-then-"
-                   "matmul's products)")
+    return False, (
+        f"int8 activations per block of 32, as llama.cpp (auto: {isa} on {vendor or 'an unknown CPU'}, "
+        "where the float path is compute-bound; cpu_quant_activations=float keeps dequantise-then-"
+        "matmul's products)"
+    )
 
 
 @functools.cache
@@ -155,8 +168,13 @@ def usable(device: torch.device) -> bool:
     return device.type == "cpu" and cpu_gemv.GEMV.ensure()
 
 
-def install(module: nn.Module, runs: list[tuple[int, int, int, int]], packed: list[torch.Tensor],
-            perm: torch.Tensor | None, float_acts: bool) -> None:
+def install(
+    module: nn.Module,
+    runs: list[tuple[int, int, int, int]],
+    packed: list[torch.Tensor],
+    perm: torch.Tensor | None,
+    float_acts: bool,
+) -> None:
     """Give a linear layer its packed runs (and drop any other weight buffers it had)."""
     if len(runs) > MAX_RUNS:
         raise ValueError(f"cpu_packed: {len(runs)} runs of formats in one layer (at most {MAX_RUNS})")
@@ -181,7 +199,7 @@ def gguf_runs(parts: list[tuple[int, str, torch.Tensor]], k: int) -> tuple[list,
         j = i
         while j + 1 < len(parts) and parts[j + 1][1] == parts[i][1]:
             j += 1
-        raw = torch.cat([p[2] for p in parts[i:j + 1]]) if j > i else parts[i][2]
+        raw = torch.cat([p[2] for p in parts[i : j + 1]]) if j > i else parts[i][2]
         fmt = cpu_gemv.GGUF_FORMATS[parts[i][1]]
         runs.append((parts[i][0], raw.shape[0], fmt, 0))
         packed.append(cpu_gemv.pack(raw.contiguous(), fmt, k))
@@ -201,8 +219,10 @@ def unsupported_int(module: nn.Module) -> str | None:
     if bits not in (4, 8):
         return f"{bits}-bit weights"
     if k % group or group % 32:
-        return f"group size {module.quant.group_size} with {k} input columns (the CPU kernels take groups of a " \
-               "multiple of 32 columns that divide the row)"
+        return (
+            f"group size {module.quant.group_size} with {k} input columns (the CPU kernels take groups of a "
+            "multiple of 32 columns that divide the row)"
+        )
     return None
 
 

@@ -17,9 +17,17 @@ QK_K = 256  # values per super-block of the k-quants
 
 # ggml type id -> (name, values per block, bytes per block); the types kiln reads.
 BLOCK_TYPES: dict[int, tuple[str, int, int]] = {
-    0: ("F32", 1, 4), 1: ("F16", 1, 2), 30: ("BF16", 1, 2),
-    2: ("Q4_0", QK, 18), 3: ("Q4_1", QK, 20), 6: ("Q5_0", QK, 22), 7: ("Q5_1", QK, 24), 8: ("Q8_0", QK, 34),
-    12: ("Q4_K", QK_K, 144), 13: ("Q5_K", QK_K, 176), 14: ("Q6_K", QK_K, 210),
+    0: ("F32", 1, 4),
+    1: ("F16", 1, 2),
+    30: ("BF16", 1, 2),
+    2: ("Q4_0", QK, 18),
+    3: ("Q4_1", QK, 20),
+    6: ("Q5_0", QK, 22),
+    7: ("Q5_1", QK, 24),
+    8: ("Q8_0", QK, 34),
+    12: ("Q4_K", QK_K, 144),
+    13: ("Q5_K", QK_K, 176),
+    14: ("Q6_K", QK_K, 210),
 }
 
 
@@ -126,8 +134,14 @@ def dequant_q6_k(raw: torch.Tensor) -> torch.Tensor:
 
 
 _DEQUANT: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
-    "Q4_0": dequant_q4_0, "Q4_1": dequant_q4_1, "Q5_0": dequant_q5_0, "Q5_1": dequant_q5_1,
-    "Q8_0": dequant_q8_0, "Q4_K": dequant_q4_k, "Q5_K": dequant_q5_k, "Q6_K": dequant_q6_k,
+    "Q4_0": dequant_q4_0,
+    "Q4_1": dequant_q4_1,
+    "Q5_0": dequant_q5_0,
+    "Q5_1": dequant_q5_1,
+    "Q8_0": dequant_q8_0,
+    "Q4_K": dequant_q4_k,
+    "Q5_K": dequant_q5_k,
+    "Q6_K": dequant_q6_k,
 }
 
 
@@ -135,8 +149,10 @@ def dequantize(raw: torch.Tensor, type_id: int, shape: tuple[int, ...]) -> torch
     """raw: a tensor's bytes (uint8, any shape) or its values (F32/F16/BF16 stored as such) ->
     float32 values of `shape` (row-major, torch order: the last dimension is ggml's first)."""
     if type_id not in BLOCK_TYPES:
-        raise ValueError(f"gguf: tensor type {type_id} is not supported (kiln reads "
-                         f"{', '.join(n for n, _, _ in BLOCK_TYPES.values())})")
+        raise ValueError(
+            f"gguf: tensor type {type_id} is not supported (kiln reads "
+            f"{', '.join(n for n, _, _ in BLOCK_TYPES.values())})"
+        )
     name, block, block_bytes = BLOCK_TYPES[type_id]
     if name in ("F32", "F16", "BF16"):
         dtype = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}[name]

@@ -59,8 +59,9 @@ def inner_k_tiles(in_features: int) -> int | None:
     return next((t for t in (INNER_K_TILES, 4, 2) if in_features % (t * 16) == 0), None)
 
 
-def unsupported(out_features: int, in_features: int, bits: int, group_size: int, device: torch.device,
-                dtype: torch.dtype) -> str | None:
+def unsupported(
+    out_features: int, in_features: int, bits: int, group_size: int, device: torch.device, dtype: torch.dtype
+) -> str | None:
     """Why a layer must stay on the reference path (None: it can be packed)."""
     if bits != 4:
         return f"{bits}-bit weights"
@@ -94,8 +95,9 @@ def act_order_perm(g_idx: torch.Tensor, group: int) -> torch.Tensor | None:
     return perm
 
 
-def scales_and_zeros(scales: torch.Tensor, offsets: torch.Tensor, group: int, in_features: int,
-                     dtype: torch.dtype) -> torch.Tensor:
+def scales_and_zeros(
+    scales: torch.Tensor, offsets: torch.Tensor, group: int, in_features: int, dtype: torch.dtype
+) -> torch.Tensor:
     """W = q * scales + offsets per (row, checkpoint group) -> the kernels' [K / group, N, 2]
     (scale, zero) with zero = offset + 8 * scale; a per-channel scale repeats over the groups."""
     s, b = scales.float(), offsets.float()
@@ -111,7 +113,7 @@ def convert(qweight: torch.Tensor, perm: torch.Tensor | None, device: torch.devi
     made of 64-row blocks), so the temporaries stay a few times one chunk."""
     chunks = []
     for r in range(0, qweight.shape[0], ROW_CHUNK):
-        q = int_formats.unpack_nibbles(qweight[r:r + ROW_CHUNK])
+        q = int_formats.unpack_nibbles(qweight[r : r + ROW_CHUNK])
         if perm is not None:
             q = q.index_select(1, perm)
         if device.type == "cuda":
@@ -140,8 +142,9 @@ class Int4PackedMethod:
         if x.is_cuda:
             y = torch.ops.aten._weight_int4pack_mm(x2, module.int4_packed, module.int4_group, module.int4_scales_zeros)
         else:
-            y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, module.int4_packed, module.int4_group,
-                                                           module.int4_scales_zeros)
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(
+                x2, module.int4_packed, module.int4_group, module.int4_scales_zeros
+            )
         y = y.to(x.dtype)
         if module.bias is not None:
             y = y + module.bias
@@ -156,7 +159,7 @@ class Int4PackedMethod:
         cols = []
         for c in range(0, k, chunk):
             eye = torch.zeros(min(chunk, k - c), k, dtype=sz.dtype, device=sz.device)
-            eye[:, c:c + eye.shape[0]].fill_diagonal_(1)
+            eye[:, c : c + eye.shape[0]].fill_diagonal_(1)
             cols.append(mm(eye, module.int4_packed, module.int4_group, sz).t())
         wp = torch.cat(cols, dim=1)
         if module.int4_perm is None:

@@ -61,7 +61,7 @@ def _store(q: torch.Tensor, bits: int) -> torch.Tensor:
 
 def from_gptq(t: dict[str, torch.Tensor], bits: int, group_size: int, v1_zeros: bool) -> dict[str, torch.Tensor]:
     q = unpack_int32(t["qweight"], bits, dim=0).t().contiguous()  # [out, in]
-    zeros = unpack_int32(t["qzeros"], bits, dim=1)[:, :q.shape[0]].t().to(torch.int32)
+    zeros = unpack_int32(t["qzeros"], bits, dim=1)[:, : q.shape[0]].t().to(torch.int32)
     if v1_zeros:
         zeros = zeros + 1
     scales = t["scales"].float().t().contiguous()
@@ -99,8 +99,14 @@ def from_compressed_tensors(t: dict[str, torch.Tensor], bits: int, group_size: i
     return dict(qweight=_store(q, bits), zeros=zeros.to(torch.uint8).contiguous(), scales=scales, g_idx=g_idx)
 
 
-def dequantize(qweight: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor, g_idx: torch.Tensor | None,
-               bits: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+def dequantize(
+    qweight: torch.Tensor,
+    zeros: torch.Tensor,
+    scales: torch.Tensor,
+    g_idx: torch.Tensor | None,
+    bits: int,
+    dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
     """kiln's layout -> the dense weight [out, in] in `dtype` (computed in float32). g_idx None:
     groups are runs of consecutive columns (no act-order), which skips the per-column gather.
     Stacked experts work the same with a leading dimension: qweight [E, out, ...], zeros and

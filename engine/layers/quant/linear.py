@@ -97,8 +97,14 @@ class Fp8Method:
         x2 = x.reshape(-1, shape[-1])
         xq, xs = quantize_fp8_acts(x2, module.input_scale if self.activations == "static" else None)
         if x.is_cuda and torch.cuda.get_device_capability(x.device) >= (8, 9):  # (untested here: no GPU)
-            y = torch._scaled_mm(xq, module.weight_fp8.t(), scale_a=xs, scale_b=module.weight_scale[None, :],
-                                 out_dtype=x.dtype, bias=module.bias)
+            y = torch._scaled_mm(
+                xq,
+                module.weight_fp8.t(),
+                scale_a=xs,
+                scale_b=module.weight_scale[None, :],
+                out_dtype=x.dtype,
+                bias=module.bias,
+            )
         else:
             xd = (xq.float() * xs).to(x.dtype)
             y = F.linear(xd, self.weight(module, x.dtype), module.bias)

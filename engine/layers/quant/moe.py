@@ -75,6 +75,7 @@ class QuantExperts(nn.Module):
     def weight(self, experts: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
         """The dense weights [n, out, in] of the experts at indices `experts` (repeats allowed),
         or [E, out, in] of all of them (None)."""
+
         def pick(b: torch.Tensor) -> torch.Tensor:
             return b if experts is None else b.index_select(0, experts)
 
@@ -85,8 +86,9 @@ class QuantExperts(nn.Module):
         if isinstance(self.quant, Fp8Method):
             return (pick(self.weight_fp8).float() * pick(self.weight_scale)[..., None]).to(dtype)
         g_idx = pick(self.g_idx) if self.act_order else None
-        return int_formats.dequantize(pick(self.qweight), pick(self.zeros), pick(self.scales), g_idx,
-                                      self.quant.bits, dtype)
+        return int_formats.dequantize(
+            pick(self.qweight), pick(self.zeros), pick(self.scales), g_idx, self.quant.bits, dtype
+        )
 
     @torch.no_grad()
     def fill(self, index: tuple, canon: dict[str, torch.Tensor], hf_name: str) -> None:
@@ -100,15 +102,18 @@ class QuantExperts(nn.Module):
             if key == "g_idx":  # gate and up share the expert's input: one permutation
                 default = int_formats.default_g_idx(self.in_features, self.quant.group_size, value.device)
                 if self.rows_seen.get(e) and not torch.equal(self.g_idx[e], value.to(self.g_idx.device)):
-                    raise ValueError(f"quantization: {hf_name} has a g_idx unlike its expert's other projection "
-                                     "(act-order permutations of gate and up must match)")
+                    raise ValueError(
+                        f"quantization: {hf_name} has a g_idx unlike its expert's other projection "
+                        "(act-order permutations of gate and up must match)"
+                    )
                 self.g_idx[e].copy_(value)
                 self.act_order = self.act_order or not torch.equal(value.to(default.device), default)
                 continue
             dest = getattr(self, key)[e][rows]
             if tuple(dest.shape) != tuple(value.shape):
-                raise ValueError(f"quantization: {hf_name} gives {key} of shape {tuple(value.shape)}, "
-                                 f"expected {tuple(dest.shape)}")
+                raise ValueError(
+                    f"quantization: {hf_name} gives {key} of shape {tuple(value.shape)}, expected {tuple(dest.shape)}"
+                )
             dest.copy_(value.to(dest.dtype))
         part = canon["weight_fp8" if "weight_fp8" in canon else "qweight"].shape[0]
         self.rows_seen[e] = self.rows_seen.get(e, 0) + part
@@ -122,8 +127,9 @@ class QuantExperts(nn.Module):
             return "not unpacked int4 experts"
         if self.qweight.device.type != "cpu":  # (the op reads the routing on the host)
             return "experts on a GPU (the packed expert path is CPU only)"
-        reason = int4_packed.unsupported(self.out_features, self.in_features, self.quant.bits, self.quant.group_size,
-                                         self.qweight.device, dtype)
+        reason = int4_packed.unsupported(
+            self.out_features, self.in_features, self.quant.bits, self.quant.group_size, self.qweight.device, dtype
+        )
         if reason is None and self.act_order and any(p is None for p in self._perms()):
             return "act-order groups that are not runs of one group size"
         return reason
@@ -164,18 +170,29 @@ class _PackedExpert:
         self.int4_group = experts.int4_group
 
 
-def routed_experts(w13: QuantExperts, w2: QuantExperts, x: torch.Tensor, weights: torch.Tensor,
-                   ids: torch.Tensor, activation: str) -> torch.Tensor:
+def routed_experts(
+    w13: QuantExperts, w2: QuantExperts, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, activation: str
+) -> torch.Tensor:
     """SparseMoE's routed experts over quantised weights (see the module docstring)."""
     if w13.int4_group:
-        return torch.ops.kiln.moe_experts_int4(x, weights, ids, w13.int4_packed, w13.int4_scales_zeros, w2.int4_packed,
-                                               w2.int4_scales_zeros, w13.int4_perm, w2.int4_perm, w13.int4_group,
-                                               w2.int4_group, activation)
+        return torch.ops.kiln.moe_experts_int4(
+            x,
+            weights,
+            ids,
+            w13.int4_packed,
+            w13.int4_scales_zeros,
+            w2.int4_packed,
+            w2.int4_scales_zeros,
+            w13.int4_perm,
+            w2.int4_perm,
+            w13.int4_group,
+            w2.int4_group,
+            activation,
+        )
     if ids.numel() < w13.num_experts:
         flat = ids.reshape(-1)
         return moe_experts_pairs(x, weights, ids, w13.weight(flat, x.dtype), w2.weight(flat, x.dtype), activation)
-    return torch.ops.kiln.moe_experts(x, weights, ids, w13.weight(None, x.dtype), w2.weight(None, x.dtype),
-                                      activation)
+    return torch.ops.kiln.moe_experts(x, weights, ids, w13.weight(None, x.dtype), w2.weight(None, x.dtype), activation)
 
 
 def _replace(moe: nn.Module, method, device) -> None:
@@ -214,8 +231,10 @@ def ignored_linears(linears: dict[str, nn.Module], config: QuantConfig) -> set[s
         if all(hits):
             dense.add(name)
         elif any(hits):
-            raise ValueError(f"quantization: the ignore list leaves only some of the projections fused in {name} "
-                             "unquantised (kiln fuses them: all or none)")
+            raise ValueError(
+                f"quantization: the ignore list leaves only some of the projections fused in {name} "
+                "unquantised (kiln fuses them: all or none)"
+            )
     return dense
 
 
@@ -230,8 +249,13 @@ def experts_named(model: nn.Module, name: str) -> QuantExperts | None:
 
 def unfilled(model: nn.Module) -> list[str]:
     """The quantised expert weights the checkpoint did not fill completely (names)."""
-    return [f"{name} expert {e}" for name, m in model.named_modules() if isinstance(m, QuantExperts)
-            for e in range(m.num_experts) if m.rows_seen.get(e, 0) != m.out_features]
+    return [
+        f"{name} expert {e}"
+        for name, m in model.named_modules()
+        if isinstance(m, QuantExperts)
+        for e in range(m.num_experts)
+        if m.rows_seen.get(e, 0) != m.out_features
+    ]
 
 
 def repack(model: nn.Module, dtype: torch.dtype, left: dict[str, list[str]]) -> None:
@@ -276,8 +300,11 @@ def init_dummy(moe_layers: list[nn.Module], seed: int) -> None:
                 experts.qweight.random_(0, 256, generator=gen)
                 experts.zeros.fill_(1 << (experts.quant.bits - 1))
                 experts.scales.fill_(0.02 / (1 << (experts.quant.bits - 2)))
-                experts.g_idx.copy_(int_formats.default_g_idx(experts.in_features, experts.quant.group_size)
-                                    .expand(experts.num_experts, -1))
+                experts.g_idx.copy_(
+                    int_formats.default_g_idx(experts.in_features, experts.quant.group_size).expand(
+                        experts.num_experts, -1
+                    )
+                )
             else:
                 experts.weight_fp8.copy_(torch.randn(experts.weight_fp8.shape, generator=gen).clamp(-8, 8).to(FP8))
                 experts.weight_scale.fill_(0.02)

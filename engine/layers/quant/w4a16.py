@@ -40,8 +40,7 @@ BUFFERS = ("w4a16_packed", "w4a16_scales", "w4a16_zeros", "w4a16_perm")
 ROW_CHUNK = 2048  # rows packed at a time (a multiple of 16): bounds the temporaries of a load
 
 
-def choose_int4_kernel(setting: str, device_type: str, capability: tuple[int, int] | None,
-                       cubin_built: bool) -> str:
+def choose_int4_kernel(setting: str, device_type: str, capability: tuple[int, int] | None, cubin_built: bool) -> str:
     """The int4 kernel for `setting` on a device of this type and compute capability, with the
     w4a16_gemm cubin built or not: "kiln", "tinygemm", "reference" or "packed"."""
     if setting not in KERNELS:
@@ -92,8 +91,7 @@ class KilnInt4Method:
         x2 = x.reshape(-1, shape[-1])
         if module.w4a16_perm is not None:
             x2 = x2.index_select(1, module.w4a16_perm)
-        y = torch.ops.kiln.w4a16_gemm(x2, module.w4a16_packed, module.w4a16_scales, module.w4a16_zeros,
-                                      self.handle)
+        y = torch.ops.kiln.w4a16_gemm(x2, module.w4a16_packed, module.w4a16_scales, module.w4a16_zeros, self.handle)
         if module.bias is not None:
             y = y + module.bias
         return y.reshape(*shape[:-1], -1)
@@ -141,10 +139,12 @@ def pack_layer(module: nn.Module) -> tuple[torch.Tensor, torch.Tensor, torch.Ten
     perm = int4_packed.act_order_perm(module.g_idx, group) if module.act_order else None
     parts = []
     for r in range(0, module.out_features, ROW_CHUNK):
-        q = module.qweight[r:r + ROW_CHUNK]
+        q = module.qweight[r : r + ROW_CHUNK]
         if perm is not None:
             q = int_formats.pack_nibbles(int_formats.unpack_nibbles(q).index_select(1, perm))
-        parts.append(pack_w4a16(q, zeros[r:r + ROW_CHUNK].contiguous(), scales[r:r + ROW_CHUNK].contiguous(), group))
+        parts.append(
+            pack_w4a16(q, zeros[r : r + ROW_CHUNK].contiguous(), scales[r : r + ROW_CHUNK].contiguous(), group)
+        )
     packed = torch.cat([p[0] for p in parts])
     scales_t = torch.cat([p[1] for p in parts], dim=1).contiguous()
     zeros_t = torch.cat([p[2] for p in parts], dim=1).contiguous()
@@ -167,14 +167,18 @@ def repack(module: nn.Module, gemm: W4A16Gemm, dtype: torch.dtype) -> str | None
     return None
 
 
-def install(model: nn.Module, kernel_cache_dir: Path, device: torch.device, dtype: torch.dtype,
-            load_gemm=W4A16Gemm) -> dict[str, list[str]]:
+def install(
+    model: nn.Module, kernel_cache_dir: Path, device: torch.device, dtype: torch.dtype, load_gemm=W4A16Gemm
+) -> dict[str, list[str]]:
     """After loading with int4_kernel "kiln" (the model on its CUDA device): every int4 layer to the
     kiln kernel (loaded once, by `load_gemm(kernel_cache_dir, device)`), or (when it cannot take the
     layer) to tinygemm, or else left dequantising on the fly. Returns {reason: [layers]} of the
     layers not on the kiln kernel (logged)."""
-    layers = [(n, m) for n, m in model.quantizable_linears().items()
-              if isinstance(getattr(m, "quant", None), IntWeightMethod) and m.quant.bits == 4 and hasattr(m, "qweight")]
+    layers = [
+        (n, m)
+        for n, m in model.quantizable_linears().items()
+        if isinstance(getattr(m, "quant", None), IntWeightMethod) and m.quant.bits == 4 and hasattr(m, "qweight")
+    ]
     left: dict[str, list[str]] = {}
     if not layers:
         return left
@@ -186,8 +190,9 @@ def install(model: nn.Module, kernel_cache_dir: Path, device: torch.device, dtyp
             done += 1
             continue
         fallback = int4_packed.repack(module, dtype)
-        left.setdefault(f"{reason}: " + ("tinygemm" if fallback is None else f"dequantised ({fallback})"),
-                        []).append(name)
+        left.setdefault(f"{reason}: " + ("tinygemm" if fallback is None else f"dequantised ({fallback})"), []).append(
+            name
+        )
     logger.info("int4: %d of %d layers on kiln's w4a16 GEMM", done, len(layers))
     for reason, names in left.items():
         logger.info("int4: %d layers not on kiln's kernel (%s), e.g. %s", len(names), reason, names[0])

@@ -21,16 +21,29 @@ from engine.layers.quant.gguf_blocks import BLOCK_TYPES, dequantize
 
 # llama.cpp tensor name inside a block -> HF name inside model.layers.N
 _LAYER_NAMES = {
-    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
-    "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
-    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
 }
 # Gemma 2/3 have four norms per layer; llama.cpp's ffn_norm is then the one before the MLP.
-_SANDWICH_NAMES = {"ffn_norm": "pre_feedforward_layernorm", "post_attention_norm": "post_attention_layernorm",
-                   "post_ffw_norm": "post_feedforward_layernorm"}
-_TOP_NAMES = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
-              "output.weight": "lm_head.weight"}
+_SANDWICH_NAMES = {
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_attention_norm": "post_attention_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+}
+_TOP_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
 _BLOCK = re.compile(r"^blk\.(\d+)\.([a-z0-9_]+)\.(weight|bias)$")
 # Tensors llama.cpp stores that kiln derives itself (rope_freqs: llama3 rope factors, from the config).
 _SKIPPED = ("rope_freqs.weight",)
@@ -143,8 +156,10 @@ def read_header(path: str | Path) -> tuple[dict[str, Any], list[TensorInfo]]:
     tensors = []
     for name, shape, type_id, offset in infos:
         if type_id not in BLOCK_TYPES:
-            raise ValueError(f"model: GGUF tensor {name} has type {type_id}, which kiln does not read "
-                             f"(it reads {', '.join(n for n, _, _ in BLOCK_TYPES.values())})")
+            raise ValueError(
+                f"model: GGUF tensor {name} has type {type_id}, which kiln does not read "
+                f"(it reads {', '.join(n for n, _, _ in BLOCK_TYPES.values())})"
+            )
         _, block, block_bytes = BLOCK_TYPES[type_id]
         numel = 1
         for s in shape:
@@ -162,8 +177,10 @@ def hf_name(gguf_name: str, sandwich: bool) -> str | None:
     m = _BLOCK.match(gguf_name)
     part = m and ((_SANDWICH_NAMES.get(m.group(2)) if sandwich else None) or _LAYER_NAMES.get(m.group(2)))
     if not part:
-        raise ValueError(f"model: GGUF tensor {gguf_name!r} has no place in kiln's models "
-                         "(mixture-of-experts GGUF files are not supported)")
+        raise ValueError(
+            f"model: GGUF tensor {gguf_name!r} has no place in kiln's models "
+            "(mixture-of-experts GGUF files are not supported)"
+        )
     return f"model.layers.{m.group(1)}.{part}.{m.group(3)}"
 
 
@@ -173,9 +190,14 @@ def unpermute_rows(w: torch.Tensor, n_head: int) -> torch.Tensor:
     return w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
 
 
-def iter_tensors(path: str | Path, num_heads: int, num_kv_heads: int,
-                 gemma_norms: bool, sandwich: bool, skip: frozenset[str] | set[str] = frozenset()
-                 ) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_tensors(
+    path: str | Path,
+    num_heads: int,
+    num_kv_heads: int,
+    gemma_norms: bool,
+    sandwich: bool,
+    skip: frozenset[str] | set[str] = frozenset(),
+) -> Iterator[tuple[str, torch.Tensor]]:
     """(HF name, float32 tensor) for each weight, one at a time (peak memory: one tensor).
     gemma_norms: norm weights are stored as 1 + w (Gemma); sandwich: Gemma 2/3's four norms;
     skip: GGUF tensor names loaded elsewhere (kept quantised: engine/models/loader/gguf_quant.py)."""

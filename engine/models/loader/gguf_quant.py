@@ -45,8 +45,15 @@ INT8 = QuantConfig("int", "gguf", 8, QK)
 Target = Callable[[str], "tuple[str, tuple | None] | None"]
 
 
-def prepare(model: nn.Module, path, target: Target, dtype: torch.dtype, device: torch.device,
-            int4_kernel: str = "auto", activations: str = "auto") -> dict[str, tuple[str, slice | None]]:
+def prepare(
+    model: nn.Module,
+    path,
+    target: Target,
+    dtype: torch.dtype,
+    device: torch.device,
+    int4_kernel: str = "auto",
+    activations: str = "auto",
+) -> dict[str, tuple[str, slice | None]]:
     """On the meta-built model: the linear layers whose GGUF tensors are all Q4_x (or all Q8_0)
     lose their dense weight (so it is never allocated) and get the quantised form. Returns
     {GGUF tensor name: (kiln layer name, its rows in the layer or None)} of the tensors to load so."""
@@ -79,7 +86,8 @@ def prepare(model: nn.Module, path, target: Target, dtype: torch.dtype, device: 
         if kind == "int4":
             kernel = int4_packed.kernel_dtype(dtype, int4_kernel)
             if int4_kernel == "reference" or int4_packed.unsupported(
-                    module.out_features, module.in_features, 4, QK, device, kernel):
+                module.out_features, module.in_features, 4, QK, device, kernel
+            ):
                 continue
             del module.weight
             module.register_parameter("weight", None)
@@ -116,8 +124,9 @@ def _int8(raw: torch.Tensor, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 @torch.no_grad()
-def load(model: nn.Module, path, plan: dict[str, tuple[str, slice | None]], dtype: torch.dtype,
-         device: torch.device) -> set[str]:
+def load(
+    model: nn.Module, path, plan: dict[str, tuple[str, slice | None]], dtype: torch.dtype, device: torch.device
+) -> set[str]:
     """Fill the layers `prepare` made quantised from the file's raw blocks. Returns the GGUF tensor
     names it consumed (the rest load dequantised as before)."""
     if not plan:
@@ -148,8 +157,9 @@ def load(model: nn.Module, path, plan: dict[str, tuple[str, slice | None]], dtyp
                     raw = unpermute_rows(raw, heads)
                 staged.setdefault(layer, []).append((start, kind, raw))
                 if sum(p[2].shape[0] for p in staged[layer]) == module.out_features:
-                    runs, packed = cpu_packed.gguf_runs(sorted(staged.pop(layer), key=lambda p: p[0]),
-                                                        module.in_features)
+                    runs, packed = cpu_packed.gguf_runs(
+                        sorted(staged.pop(layer), key=lambda p: p[0]), module.in_features
+                    )
                     cpu_packed.install(module, runs, packed, None, module.quant.float_acts)
                 continue
             if KIND[kind] == "int4":
@@ -174,8 +184,14 @@ def load(model: nn.Module, path, plan: dict[str, tuple[str, slice | None]], dtyp
 
 
 @torch.no_grad()
-def pack_head(model: nn.Module, path, dtype: torch.dtype, device: torch.device, int4_kernel: str = "auto",
-              activations: str = "auto") -> bool:
+def pack_head(
+    model: nn.Module,
+    path,
+    dtype: torch.dtype,
+    device: torch.device,
+    int4_kernel: str = "auto",
+    activations: str = "auto",
+) -> bool:
     """On the CPU with the kernels: give `model` a `packed_head` holding the file's LM head (its
     output.weight, or token_embd.weight when tied) in the kernels' layout, for compute_logits at
     few rows. Returns whether it did (not when the head is stored as floats)."""
@@ -204,6 +220,7 @@ def pack_head(model: nn.Module, path, dtype: torch.dtype, device: torch.device, 
 def _install_int4(module: nn.Module, parts: list, dtype: torch.dtype, device: torch.device) -> None:
     q = torch.cat([p[1] for p in parts])
     scale, offset = torch.cat([p[2] for p in parts]), torch.cat([p[3] for p in parts])
-    sz = int4_packed.scales_and_zeros(scale, offset, QK, module.in_features,
-                                      getattr(module, "int4_kernel_dtype", dtype)).to(device)
+    sz = int4_packed.scales_and_zeros(
+        scale, offset, QK, module.in_features, getattr(module, "int4_kernel_dtype", dtype)
+    ).to(device)
     int4_packed.install(module, int4_packed.convert(int_formats.pack_nibbles(q), None, device), sz, None, QK)

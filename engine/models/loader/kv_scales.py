@@ -25,11 +25,12 @@ from engine.models.loader.safetensors_reader import SafetensorsFile
 
 logger = logging.getLogger(__name__)
 
-_SCALE = re.compile(r"^(?:model\.)?layers\.(\d+)\.self_attn\.(?:attn\.)?"
-                    r"(k_scale|v_scale|kv_scale|q_scale|prob_scale|[kqv]_proj\.output_scale)$")
+_SCALE = re.compile(
+    r"^(?:model\.)?layers\.(\d+)\.self_attn\.(?:attn\.)?"
+    r"(k_scale|v_scale|kv_scale|q_scale|prob_scale|[kqv]_proj\.output_scale)$"
+)
 # Which of (K, V) each name sets; q_scale, prob_scale and q_proj.output_scale set neither.
-_SETS = {"k_scale": (0,), "v_scale": (1,), "kv_scale": (0, 1), "k_proj.output_scale": (0,),
-         "v_proj.output_scale": (1,)}
+_SETS = {"k_scale": (0,), "v_scale": (1,), "kv_scale": (0, 1), "k_proj.output_scale": (0,), "v_proj.output_scale": (1,)}
 
 
 def is_kv_scale_name(hf_name: str) -> bool:
@@ -55,8 +56,9 @@ def read_kv_scales(files: list[Path], num_layers: int) -> torch.Tensor | None:
                 if t.numel() == 0 or not bool(torch.isfinite(t).all()) or bool((t <= 0).any()):
                     raise ValueError(f"kv scales: {path.name}: {name} must hold finite positive values, got {t}")
                 if t.numel() > 1:
-                    logger.warning("kv scales: %s has %d values; kiln keeps one scale per layer (their largest)",
-                                   name, t.numel())
+                    logger.warning(
+                        "kv scales: %s has %d values; kiln keeps one scale per layer (their largest)", name, t.numel()
+                    )
                 for which in _SETS[m.group(2)]:
                     scales[layer, which] = t.max()
                 found = True
@@ -64,6 +66,7 @@ def read_kv_scales(files: list[Path], num_layers: int) -> torch.Tensor | None:
         return None
     missing = int(torch.isnan(scales).any(dim=1).sum())
     if missing:
-        logger.warning("kv scales: %d of %d layers have no K or V scale in the checkpoint: those use 1.0",
-                       missing, num_layers)
+        logger.warning(
+            "kv scales: %d of %d layers have no K or V scale in the checkpoint: those use 1.0", missing, num_layers
+        )
     return torch.nan_to_num(scales, nan=1.0)

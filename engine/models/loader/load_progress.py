@@ -29,8 +29,9 @@ def _size(n: float) -> str:
 class LoadProgress:
     """Counts what was loaded against `total` (bytes, or tensors with unit="tensors")."""
 
-    def __init__(self, source: str, total: int, num_files: int, unit: str = "bytes",
-                 stream: TextIO | None = None) -> None:
+    def __init__(
+        self, source: str, total: int, num_files: int, unit: str = "bytes", stream: TextIO | None = None
+    ) -> None:
         self.source, self.total, self.unit = source, max(total, 0), unit
         self.done = 0
         self.tensors = 0
@@ -43,9 +44,16 @@ class LoadProgress:
         if logger.isEnabledFor(logging.INFO) and getattr(stream, "isatty", lambda: False)():
             from tqdm import tqdm
 
-            self.bar = tqdm(total=self.total, desc="loading weights", file=stream, leave=False, dynamic_ncols=True,
-                            **({"unit": "B", "unit_scale": True, "unit_divisor": 1024} if unit == "bytes"
-                               else {"unit": " tensors"}))
+            self.bar = tqdm(
+                total=self.total,
+                desc="loading weights",
+                file=stream,
+                leave=False,
+                dynamic_ncols=True,
+                **(
+                    {"unit": "B", "unit_scale": True, "unit_divisor": 1024} if unit == "bytes" else {"unit": " tensors"}
+                ),
+            )
 
     def advance(self, nbytes: int) -> None:
         """One tensor of nbytes (as stored in the checkpoint) was loaded."""
@@ -59,8 +67,14 @@ class LoadProgress:
         now = time.perf_counter()
         if now - self.last >= PROGRESS_INTERVAL_S:
             self.last = now
-            logger.info("loading weights: %s of %s (%.0f%%), %d tensors, %.1fs", self._amount(self.done),
-                        self._amount(self.total), 100.0 * self.done / max(self.total, 1), self.tensors, now - self.t0)
+            logger.info(
+                "loading weights: %s of %s (%.0f%%), %d tensors, %.1fs",
+                self._amount(self.done),
+                self._amount(self.total),
+                100.0 * self.done / max(self.total, 1),
+                self.tensors,
+                now - self.t0,
+            )
 
     def loaded_elsewhere(self, count: int) -> None:
         """`count` of the total were loaded by another path (GGUF tensors kept quantised): the bar
@@ -77,8 +91,14 @@ class LoadProgress:
         if self.bar is not None:
             self.bar.close()
             self.bar = None
-        logger.info("loaded %d tensors (%s) from %s in %.1fs (%s/s)", self.tensors, _size(self.nbytes), self.source,
-                    seconds, _size(self.nbytes / max(seconds, 1e-9)))
+        logger.info(
+            "loaded %d tensors (%s) from %s in %.1fs (%s/s)",
+            self.tensors,
+            _size(self.nbytes),
+            self.source,
+            seconds,
+            _size(self.nbytes / max(seconds, 1e-9)),
+        )
         return seconds
 
     def _amount(self, n: int) -> str:

@@ -41,11 +41,21 @@ _FUSED = {
 # One expert's matrix (Mixtral: w1 gate, w3 up, w2 down; Qwen-MoE: gate/up/down_proj) -> its
 # place in the stacked w13 [E, 2I, H] (half 0: gate, 1: up) or w2 [E, H, I].
 _EXPERT = re.compile(r"^(?:block_sparse_moe|mlp)\.experts\.(\d+)\.(w1|w2|w3|gate_proj|up_proj|down_proj)\.weight$")
-_EXPERT_PART = {"w1": ("w13", 0), "gate_proj": ("w13", 0), "w3": ("w13", 1), "up_proj": ("w13", 1),
-                "w2": ("w2", None), "down_proj": ("w2", None)}
+_EXPERT_PART = {
+    "w1": ("w13", 0),
+    "gate_proj": ("w13", 0),
+    "w3": ("w13", 1),
+    "up_proj": ("w13", 1),
+    "w2": ("w2", None),
+    "down_proj": ("w2", None),
+}
 # Checkpoints written with the experts already stacked (transformers 5's in-memory layout).
-_STACKED = {"mlp.experts.gate_up_proj": "mlp.w13", "mlp.experts.down_proj": "mlp.w2",
-            "block_sparse_moe.experts.gate_up_proj": "mlp.w13", "block_sparse_moe.experts.down_proj": "mlp.w2"}
+_STACKED = {
+    "mlp.experts.gate_up_proj": "mlp.w13",
+    "mlp.experts.down_proj": "mlp.w2",
+    "block_sparse_moe.experts.gate_up_proj": "mlp.w13",
+    "block_sparse_moe.experts.down_proj": "mlp.w2",
+}
 
 
 def safetensors_files(model_dir: Path) -> list[Path]:
@@ -181,11 +191,21 @@ def _read(hf_name: str, shape: tuple[int, ...], read, source: Source | None) -> 
 
 
 @quant_loading.heap_returned_while_loading()
-def load_model(model_dir: Path, config: ModelConfig, dtype: torch.dtype, device: torch.device,
-               max_positions: int, load_format: str = "auto", seed: int = 0,
-               lora: tuple[int, int] | None = None, quantization: str | None = None,
-               int4_kernel: str = "auto", gguf_dequantize: bool = False,
-               tp: TensorParallel | None = None, quant_activations: str = "auto") -> LlamaForCausalLM:
+def load_model(
+    model_dir: Path,
+    config: ModelConfig,
+    dtype: torch.dtype,
+    device: torch.device,
+    max_positions: int,
+    load_format: str = "auto",
+    seed: int = 0,
+    lora: tuple[int, int] | None = None,
+    quantization: str | None = None,
+    int4_kernel: str = "auto",
+    gguf_dequantize: bool = False,
+    tp: TensorParallel | None = None,
+    quant_activations: str = "auto",
+) -> LlamaForCausalLM:
     """lora: (slots, max rank) to make room for LoRA adapters (engine/lora/adapters.py), or None.
     quantization: the `quantization` setting (None: the checkpoint's own quantization_config).
     tp: this rank's place in a tensor-parallel group: the model is this rank's shard, and only
@@ -195,8 +215,9 @@ def load_model(model_dir: Path, config: ModelConfig, dtype: torch.dtype, device:
     if tp is not None and tp.world_size > 1:
         gguf_dequantize = True
         if quant is not None:
-            raise ValueError(f"quantization: quantised models ({quant.name}) are not supported with "
-                             f"tensor_parallel_size > 1 yet")
+            raise ValueError(
+                f"quantization: quantised models ({quant.name}) are not supported with tensor_parallel_size > 1 yet"
+            )
         if lora is not None:
             raise ValueError("enable_lora: LoRA adapters are not supported with tensor_parallel_size > 1 yet")
     if quant is not None and quant.quantize_at_load and load_format != "dummy" and gguf_file.is_gguf(model_dir):
@@ -207,9 +228,13 @@ def load_model(model_dir: Path, config: ModelConfig, dtype: torch.dtype, device:
             model.enable_lora(*lora)
         if quant is not None:  # (fp8 at load too: each weight is quantised as it is read)
             quant_loading.prepare(model, quant, dtype, int4_kernel, quant_activations)
-        gguf_kept = gguf_quant.prepare(model, model_dir, lambda n: _target(model, n), dtype, device, int4_kernel,
-                                     quant_activations) \
-            if quant is None and load_format != "dummy" and gguf_file.is_gguf(model_dir) and not gguf_dequantize else {}
+        gguf_kept = (
+            gguf_quant.prepare(
+                model, model_dir, lambda n: _target(model, n), dtype, device, int4_kernel, quant_activations
+            )
+            if quant is None and load_format != "dummy" and gguf_file.is_gguf(model_dir) and not gguf_dequantize
+            else {}
+        )
     model = model.to_empty(device=device)
     quant_loading.cast_except_quantized(model, dtype)
     for name, buffer in model.named_buffers():
@@ -229,7 +254,9 @@ def load_model(model_dir: Path, config: ModelConfig, dtype: torch.dtype, device:
     else:
         _load_safetensors(model, model_dir, quant, dtype)
     if quant is not None and quant.quantize_at_load:
-        quant_moe.quantize_loaded(model.moe_layers(), quant)  # MoE experts load dense, then become e4m3 (dense ones only: a peak)
+        quant_moe.quantize_loaded(
+            model.moe_layers(), quant
+        )  # MoE experts load dense, then become e4m3 (dense ones only: a peak)
     quant_loading.finish(model, dtype, int4_kernel)  # int4 layers -> the packed int4 kernels' layout
     return model.eval().requires_grad_(False)
 
@@ -243,8 +270,10 @@ def quant_config(config: ModelConfig, setting: str | None, load_format: str = "a
     if own is not None:
         known = {"gptq": "gptq", "awq": "awq", "ct": "compressed-tensors"}.get(own.layout)
         if setting != known:
-            raise ValueError(f"quantization: the checkpoint is already quantised ({own.name}); "
-                             f"quantization={setting!r} cannot apply (leave it unset)")
+            raise ValueError(
+                f"quantization: the checkpoint is already quantised ({own.name}); "
+                f"quantization={setting!r} cannot apply (leave it unset)"
+            )
         return own
     return forced(setting, dummy=load_format == "dummy")
 
@@ -265,10 +294,11 @@ def _init_dummy(model: LlamaForCausalLM, seed: int, max_positions: int) -> None:
             param.data.normal_(0.0, 0.02, generator=gen)
         else:
             full = torch.empty(whole[name].shape, dtype=param.dtype, device=param.device).normal_(
-                0.0, 0.02, generator=gen)
+                0.0, 0.02, generator=gen
+            )
             part = _read(name, full.shape, full.__getitem__, _source(model, name, None))
             param.data.zero_()  # (vocabulary padding rows)
-            param.data[:part.shape[0]].copy_(part)
+            param.data[: part.shape[0]].copy_(part)
 
 
 def load_tokenizer(path: str | Path):
@@ -293,8 +323,9 @@ class _Filler:
         self.sizes.update((n, m.out_features * m.in_features) for n, m in self.at_load.items())
         self.seen: dict[str, int] = {}
 
-    def put(self, hf_name: str, tensor: torch.Tensor | None = None, reader=None,
-            file: SafetensorsFile | None = None) -> None:
+    def put(
+        self, hf_name: str, tensor: torch.Tensor | None = None, reader=None, file: SafetensorsFile | None = None
+    ) -> None:
         """The whole checkpoint tensor; or a reader of it (a safetensors slice: under tp only this
         rank's part is read); or the file holding it (read straight into its parameter)."""
         target = _target(self.model, hf_name)
@@ -303,8 +334,9 @@ class _Filler:
         name, index = target
         if name in self.at_load:
             tensor = file.read(hf_name) if tensor is None else tensor
-            quant_loading.quantize_rows_into(self.at_load[name], index[0] if index else None, tensor, hf_name,
-                                             self.dtype)
+            quant_loading.quantize_rows_into(
+                self.at_load[name], index[0] if index else None, tensor, hf_name, self.dtype
+            )
             self.seen[name] = self.seen.get(name, 0) + tensor.numel()
             return
         if name not in self.params:
@@ -313,12 +345,16 @@ class _Filler:
         dest = param.data if index is None else param.data[index]
         if self.model.tp is not None:
             shape = tuple(tensor.shape) if reader is None else tuple(reader.get_shape())
-            tensor = _read(hf_name, shape, tensor.__getitem__ if reader is None else reader.__getitem__,
-                           _source(self.model, name, index))
+            tensor = _read(
+                hf_name,
+                shape,
+                tensor.__getitem__ if reader is None else reader.__getitem__,
+                _source(self.model, name, index),
+            )
             if name in _VOCAB and tensor.shape[0] < dest.shape[0]:  # the last rank's padding rows
-                dest[tensor.shape[0]:].zero_()
-                self.seen[name] = self.seen.get(name, 0) + dest[tensor.shape[0]:].numel()
-                dest = dest[:tensor.shape[0]]
+                dest[tensor.shape[0] :].zero_()
+                self.seen[name] = self.seen.get(name, 0) + dest[tensor.shape[0] :].numel()
+                dest = dest[: tensor.shape[0]]
         shape = tuple(tensor.shape) if tensor is not None else file.shape(hf_name)
         if tuple(dest.shape) != shape:
             raise ValueError(f"model: {hf_name} has shape {shape}, expected {tuple(dest.shape)}")
@@ -331,13 +367,15 @@ class _Filler:
     def check_complete(self, source: Path) -> None:
         missing = [n for n, size in self.sizes.items() if self.seen.get(n, 0) != size]
         if missing:
-            raise ValueError(f"model: checkpoint in {source} lacks weights for {missing[:5]}"
-                             f"{' ...' if len(missing) > 5 else ''}")
+            raise ValueError(
+                f"model: checkpoint in {source} lacks weights for {missing[:5]}{' ...' if len(missing) > 5 else ''}"
+            )
 
 
 @torch.no_grad()
-def _load_safetensors(model: LlamaForCausalLM, model_dir: Path, quant: QuantConfig | None = None,
-                      dtype: torch.dtype | None = None) -> None:
+def _load_safetensors(
+    model: LlamaForCausalLM, model_dir: Path, quant: QuantConfig | None = None, dtype: torch.dtype | None = None
+) -> None:
     """quant: the model's quantisation (a quantised checkpoint's layers are filled by engine/layers/quant
     first). Each tensor is read with explicit reads into its parameter (safetensors_reader.py), so
     the file's pages never count in the process's memory; under tp, this rank's slices are read."""
@@ -360,9 +398,14 @@ def _load_safetensors(model: LlamaForCausalLM, model_dir: Path, quant: QuantConf
         where = {name: f for f in opened for name in f.keys()}
         consumed: set[str] = set()
         if quant is not None and not quant.quantize_at_load:
-            consumed = quant_loading.load_quantized(model, quant, list(where), lambda n: where[n].read(n),
-                                                    lambda n: _target(model, n),
-                                                    on_tensor=lambda t: progress.advance(t.nbytes))
+            consumed = quant_loading.load_quantized(
+                model,
+                quant,
+                list(where),
+                lambda n: where[n].read(n),
+                lambda n: _target(model, n),
+                on_tensor=lambda t: progress.advance(t.nbytes),
+            )
         for hf_name, f in where.items():
             if hf_name not in consumed and _target(model, hf_name) is not None:
                 filler.put(hf_name, file=f)
@@ -379,9 +422,14 @@ def _load_gguf(model: LlamaForCausalLM, path: Path, skip: set[str] = frozenset()
     filler = _Filler(model)
     total = len(gguf_file.read_header(path)[1])
     progress = LoadProgress(str(path), total, 1, unit="tensors")
-    for hf_name, tensor in gguf_file.iter_tensors(path, cfg.num_heads, cfg.num_kv_heads,
-                                                  gemma_norms=cfg.norm_weight_offset != 0.0,
-                                                  sandwich=cfg.sandwich_norms, skip=skip):
+    for hf_name, tensor in gguf_file.iter_tensors(
+        path,
+        cfg.num_heads,
+        cfg.num_kv_heads,
+        gemma_norms=cfg.norm_weight_offset != 0.0,
+        sandwich=cfg.sandwich_norms,
+        skip=skip,
+    ):
         filler.put(hf_name, tensor)
         progress.advance(tensor.nbytes)
     progress.loaded_elsewhere(total - progress.tensors)  # (kept quantised: gguf_quant.py loaded them)

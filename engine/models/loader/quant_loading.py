@@ -29,8 +29,17 @@ SUFFIXES = {
     "ct-int": ("weight_packed", "weight_scale", "weight_zero_point", "weight_shape", "weight_g_idx"),
     "fp8": ("weight", "weight_scale", "input_scale"),
 }
-QUANT_BUFFERS = ("qweight", "zeros", "scales", "g_idx", "weight_fp8", "weight_scale", "input_scale",
-                 *int4_packed.BUFFERS, *cpu_packed.BUFFERS)
+QUANT_BUFFERS = (
+    "qweight",
+    "zeros",
+    "scales",
+    "g_idx",
+    "weight_fp8",
+    "weight_scale",
+    "input_scale",
+    *int4_packed.BUFFERS,
+    *cpu_packed.BUFFERS,
+)
 
 
 def suffixes(config: QuantConfig) -> tuple[str, ...]:
@@ -39,8 +48,13 @@ def suffixes(config: QuantConfig) -> tuple[str, ...]:
     return SUFFIXES["ct-int" if config.layout == "ct" else config.layout]
 
 
-def prepare(model: nn.Module, config: QuantConfig, dtype: torch.dtype | None = None,
-            int4_kernel: str = "auto", activations: str = "auto") -> None:
+def prepare(
+    model: nn.Module,
+    config: QuantConfig,
+    dtype: torch.dtype | None = None,
+    int4_kernel: str = "auto",
+    activations: str = "auto",
+) -> None:
     """On the meta-built model: quantised layers get their buffers instead of a dense weight.
     int4_kernel "auto": int4 and int8 layers on the CPU move to the weight-streaming kernels'
     layout (engine/layers/quant/cpu_packed.py) as soon as each is loaded; elsewhere (dtype given,
@@ -93,8 +107,14 @@ def _fp8_canonical(t: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 
 @torch.no_grad()
-def fill_module(module: nn.Module, rows: slice | None, config: QuantConfig, tensors: dict[str, torch.Tensor],
-                hf_name: str, seen: dict) -> None:
+def fill_module(
+    module: nn.Module,
+    rows: slice | None,
+    config: QuantConfig,
+    tensors: dict[str, torch.Tensor],
+    hf_name: str,
+    seen: dict,
+) -> None:
     """Convert one HF module's checkpoint tensors to kiln's layout and copy them into its rows of
     the (possibly fused) kiln module. seen counts the rows each kiln module received (and notes
     which already hold a g_idx)."""
@@ -102,8 +122,10 @@ def fill_module(module: nn.Module, rows: slice | None, config: QuantConfig, tens
     for key, value in canon.items():
         if key == "g_idx":  # one per input column: fused projections must agree
             if (id(module), key) in seen and not torch.equal(module.g_idx, value.to(module.g_idx.device)):
-                raise ValueError(f"quantization: {hf_name} has a g_idx unlike the other projections fused "
-                                 "with it (act-order permutations of q/k/v or gate/up must match)")
+                raise ValueError(
+                    f"quantization: {hf_name} has a g_idx unlike the other projections fused "
+                    "with it (act-order permutations of q/k/v or gate/up must match)"
+                )
             module.g_idx.copy_(value)
             seen[(id(module), key)] = 1
             default = int_formats.default_g_idx(module.in_features, module.quant.group_size, value.device)
@@ -114,16 +136,22 @@ def fill_module(module: nn.Module, rows: slice | None, config: QuantConfig, tens
             dest = getattr(module, key)
             dest = dest if rows is None else dest[rows]
             if tuple(dest.shape) != tuple(value.shape):
-                raise ValueError(f"quantization: {hf_name} gives {key} of shape {tuple(value.shape)}, "
-                                 f"expected {tuple(dest.shape)}")
+                raise ValueError(
+                    f"quantization: {hf_name} gives {key} of shape {tuple(value.shape)}, expected {tuple(dest.shape)}"
+                )
             dest.copy_(value.to(dest.dtype))
     part = canon["weight_fp8" if config.kind == "fp8" else "qweight"].shape[0]
     seen[id(module)] = seen.get(id(module), 0) + part
 
 
-def load_quantized(model: nn.Module, config: QuantConfig, names: list[str], read: Callable[[str], torch.Tensor],
-                   target: Callable[[str], tuple[str, tuple] | None],
-                   on_tensor: Callable[[torch.Tensor], None] | None = None) -> set[str]:
+def load_quantized(
+    model: nn.Module,
+    config: QuantConfig,
+    names: list[str],
+    read: Callable[[str], torch.Tensor],
+    target: Callable[[str], tuple[str, tuple] | None],
+    on_tensor: Callable[[torch.Tensor], None] | None = None,
+) -> set[str]:
     """Fill every quantised layer from the checkpoint; names: its tensors, read(name) one of them.
     Returns the tensor names consumed (the rest load as usual). on_tensor sees each tensor read
     (progress)."""
@@ -151,7 +179,9 @@ def load_quantized(model: nn.Module, config: QuantConfig, names: list[str], read
             if on_tensor is not None:
                 on_tensor(tensors[suffix])
         if isinstance(module, quant_moe.QuantExperts):  # one expert's projection (engine/layers/quant/moe.py)
-            module.fill(idx, _fp8_canonical(tensors) if config.kind == "fp8" else _int_canonical(config, tensors), prefix)
+            module.fill(
+                idx, _fp8_canonical(tensors) if config.kind == "fp8" else _int_canonical(config, tensors), prefix
+            )
             consumed.update(names.values())
             continue
         fill_module(module, idx[0] if idx else None, config, tensors, prefix, seen)
@@ -163,23 +193,28 @@ def load_quantized(model: nn.Module, config: QuantConfig, names: list[str], read
             _return_freed_memory()  # (this module's checkpoint tensors and conversion temporaries)
     missing = [n for n, m in linears.items() if seen.get(id(m), 0) != m.out_features] + quant_moe.unfilled(model)
     if missing:
-        raise ValueError(f"quantization: the checkpoint lacks quantised weights for {missing[:4]}"
-                         f"{' ...' if len(missing) > 4 else ''} ({config.name})")
+        raise ValueError(
+            f"quantization: the checkpoint lacks quantised weights for {missing[:4]}"
+            f"{' ...' if len(missing) > 4 else ''} ({config.name})"
+        )
     _log_left(left)
     return consumed
 
 
 def quantized_at_load(model: nn.Module) -> dict[str, nn.Module]:
     """The layers --quantization fp8 quantises from the full-precision checkpoint's weights."""
-    return {n: m for n, m in model.quantizable_linears().items() if getattr(getattr(m, "quant", None), "at_load", False)}
+    return {
+        n: m for n, m in model.quantizable_linears().items() if getattr(getattr(m, "quant", None), "at_load", False)
+    }
 
 
 FP8_ROW_CHUNK = 1024  # rows quantised at a time: the float32 temporaries stay a few times a chunk
 
 
 @torch.no_grad()
-def quantize_rows_into(module: nn.Module, rows: slice | None, w: torch.Tensor, hf_name: str,
-                       dtype: torch.dtype | None = None) -> None:
+def quantize_rows_into(
+    module: nn.Module, rows: slice | None, w: torch.Tensor, hf_name: str, dtype: torch.dtype | None = None
+) -> None:
     """--quantization fp8: one checkpoint weight (all the layer's rows, or its `rows` of a fused
     layer) -> e4m3 rows with a scale per row, written into the layer. dtype: the model's, which
     the weight is rounded to first (as if loaded dense and then quantised)."""
@@ -188,10 +223,10 @@ def quantize_rows_into(module: nn.Module, rows: slice | None, w: torch.Tensor, h
     if tuple(w.shape) != tuple(q_dest.shape):
         raise ValueError(f"model: {hf_name} has shape {tuple(w.shape)}, expected {tuple(q_dest.shape)}")
     for r in range(0, w.shape[0], FP8_ROW_CHUNK):
-        part = w[r:r + FP8_ROW_CHUNK].to(q_dest.device)
+        part = w[r : r + FP8_ROW_CHUNK].to(q_dest.device)
         q, scale = quantize_fp8_rows(part if dtype is None else part.to(dtype))
-        q_dest[r:r + FP8_ROW_CHUNK].copy_(q)
-        s_dest[r:r + FP8_ROW_CHUNK].copy_(scale)
+        q_dest[r : r + FP8_ROW_CHUNK].copy_(q)
+        s_dest[r : r + FP8_ROW_CHUNK].copy_(scale)
     if _on_cpu(module):
         _return_freed_memory()
 
@@ -236,8 +271,11 @@ def _cpu_kernels(module: nn.Module) -> bool:
 def _repackable(module: nn.Module) -> bool:
     """Whether a loaded int layer in kiln's layout moves to a kernel's layout (CPU kernels, or
     torch's packed int4)."""
-    return isinstance(getattr(module, "quant", None), IntWeightMethod) and not getattr(module, "kept_reference", False) \
+    return (
+        isinstance(getattr(module, "quant", None), IntWeightMethod)
+        and not getattr(module, "kept_reference", False)
         and (module.quant.repack_dtype is not None or _cpu_kernels(module))
+    )
 
 
 def _repack(module: nn.Module, name: str, left: dict[str, list[str]]) -> None:

@@ -18,11 +18,34 @@ from pathlib import Path
 import torch
 
 # Bytes per element, by safetensors dtype name (the formats kiln reads).
-DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1,
-               "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1}
-DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-          "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-          "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}
+DTYPE_BYTES = {
+    "F64": 8,
+    "F32": 4,
+    "F16": 2,
+    "BF16": 2,
+    "I64": 8,
+    "I32": 4,
+    "I16": 2,
+    "I8": 1,
+    "U8": 1,
+    "BOOL": 1,
+    "F8_E4M3": 1,
+    "F8_E5M2": 1,
+}
+DTYPES = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
+}
 
 
 class SafetensorsFile:
@@ -65,13 +88,21 @@ class SafetensorsFile:
     def read_into(self, name: str, dest: torch.Tensor) -> None:
         """Read the tensor into `dest`: a contiguous CPU tensor of its dtype and element count."""
         begin, end = self._entries[name]["data_offsets"]
-        if dest.dtype != self.dtype(name) or dest.numel() != math.prod(self.shape(name)) or \
-                not dest.is_contiguous() or dest.device.type != "cpu":
-            raise ValueError(f"model: cannot read {name} ({self.dtype(name)}, {self.shape(name)}) into a "
-                             f"{dest.dtype} tensor of shape {tuple(dest.shape)} on {dest.device}")
+        if (
+            dest.dtype != self.dtype(name)
+            or dest.numel() != math.prod(self.shape(name))
+            or not dest.is_contiguous()
+            or dest.device.type != "cpu"
+        ):
+            raise ValueError(
+                f"model: cannot read {name} ({self.dtype(name)}, {self.shape(name)}) into a "
+                f"{dest.dtype} tensor of shape {tuple(dest.shape)} on {dest.device}"
+            )
         if end - begin != dest.numel() * dest.element_size():
-            raise ValueError(f"model: {self.path} tensor {name} has {end - begin} bytes for shape "
-                             f"{self.shape(name)} ({self.dtype(name)})")
+            raise ValueError(
+                f"model: {self.path} tensor {name} has {end - begin} bytes for shape "
+                f"{self.shape(name)} ({self.dtype(name)})"
+            )
         if end == begin:
             return
         self._file.seek(self._start + begin)
@@ -140,8 +171,12 @@ def read_header(file, size: int) -> tuple[dict[str, dict], int]:
             raise ValueError(f"is corrupt: tensor {name!r} has an unknown dtype {dtype!r}")
         if not isinstance(shape, list) or not all(isinstance(d, int) and d >= 0 for d in shape):
             raise ValueError(f"is corrupt: tensor {name!r} has a malformed shape")
-        if (not isinstance(offsets, list) or len(offsets) != 2 or not all(isinstance(o, int) for o in offsets)
-                or not 0 <= offsets[0] <= offsets[1] <= data):
+        if (
+            not isinstance(offsets, list)
+            or len(offsets) != 2
+            or not all(isinstance(o, int) for o in offsets)
+            or not 0 <= offsets[0] <= offsets[1] <= data
+        ):
             raise ValueError(f"is corrupt: tensor {name!r} lies outside the file")
         if offsets[1] - offsets[0] != math.prod(shape) * DTYPE_BYTES[dtype]:
             raise ValueError(f"is corrupt: tensor {name!r}'s size does not match its shape")

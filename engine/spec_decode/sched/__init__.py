@@ -7,5 +7,13 @@ from engine.spec_decode.sched.decoder import SpecDecoder, accepted_prefix
 from engine.spec_decode.sched.draft_length import DraftLengthPlanner
 from engine.spec_decode.sched.ngram import NgramProposer, find_draft
 
-__all__ = ["DRAFT", "METHODS", "DraftLengthPlanner", "NgramProposer", "SpecDecodeConfig", "SpecDecoder",
-           "accepted_prefix", "find_draft"]
+__all__ = [
+    "DRAFT",
+    "METHODS",
+    "DraftLengthPlanner",
+    "NgramProposer",
+    "SpecDecodeConfig",
+    "SpecDecoder",
+    "accepted_prefix",
+    "find_draft",
+]

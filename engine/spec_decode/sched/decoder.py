@@ -118,7 +118,7 @@ class SpecDecoder:
             self._verifying[seq] = left
         ids = seq.token_ids
         first = len(ids) - seq.num_pending  # (this step's placeholders come first among the pending)
-        ids[first:first + k + 1] = sampled[:accepted + 1]
+        ids[first : first + k + 1] = sampled[: accepted + 1]
         seq.num_pending -= k + 1
         seq.num_new_tokens = accepted + 1
         if seq.status is not SeqStatus.WAITING:  # (one preempted for recompute meanwhile has none left)

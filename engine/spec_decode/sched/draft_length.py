@@ -82,6 +82,6 @@ class DraftLengthPlanner:
         state.rejected = DECAY * state.rejected + (num_accepted < num_proposed)
         if best_length(state.alpha, self.config.num_speculative_tokens, self.config.draft_cost) == 0:
             state.misses += 1
-            state.skip = min(2 ** state.misses, MAX_SKIP)
+            state.skip = min(2**state.misses, MAX_SKIP)
         else:
             state.misses = 0

@@ -38,8 +38,8 @@ class _SeqState:
 
     def sync(self, tokens: list[int]) -> bytes:
         if len(self.ids) > len(tokens):  # (never expected: tokens are only appended)
-            del self.ids[len(tokens):]
-        self.ids.extend(tokens[len(self.ids):])
+            del self.ids[len(tokens) :]
+        self.ids.extend(tokens[len(self.ids) :])
         return self.ids.tobytes()
 
 
@@ -72,7 +72,7 @@ class NgramProposer:
             state.misses = 0
         else:
             state.misses += 1
-            state.skip = min(2 ** state.misses, MAX_SKIP)
+            state.skip = min(2**state.misses, MAX_SKIP)
 
 
 def find_draft(data: bytes, length: int, k: int, n_min: int, n_max: int) -> list[int]:
@@ -80,11 +80,11 @@ def find_draft(data: bytes, length: int, k: int, n_min: int, n_max: int) -> list
     the last n tokens, for the largest n in [n_min, n_max] that matches."""
     width = 4
     for n in range(min(n_max, length - 1), n_min - 1, -1):
-        pattern = data[(length - n) * width:]
+        pattern = data[(length - n) * width :]
         limit = (length - 1) * width  # tokens i..i+n-1 of a match end before the last token
         while (at := data.rfind(pattern, 0, limit)) >= 0:
             if at % width == 0:
                 start = at // width + n
-                return list(array.array("i", data[start * width:(start + k) * width]))
+                return list(array.array("i", data[start * width : (start + k) * width]))
             limit = at + len(pattern) - 1  # straddles token boundaries: look further back
     return []

@@ -52,8 +52,9 @@ def processed_probs(logits: torch.Tensor, rows: Sequence[Any], greedy: list[bool
     return probs
 
 
-def race_noise(probs: torch.Tensor, rows: Sequence[Any], greedy: list[bool],
-               generator: torch.Generator) -> torch.Tensor:
+def race_noise(
+    probs: torch.Tensor, rows: Sequence[Any], greedy: list[bool], generator: torch.Generator
+) -> torch.Tensor:
     """Exp(1) noise for the exponential race (argmax of probs / noise samples probs): from
     `generator`, except a seeded row's, drawn from its own generator seeded by (seed, sample
     index, output position). A draft sampled with its row's seeded noise picks the target's own
@@ -63,6 +64,7 @@ def race_noise(probs: torch.Tensor, rows: Sequence[Any], greedy: list[bool],
     for i, r in enumerate(rows):
         if r.params.seed is not None and not greedy[i]:
             gen = torch.Generator(device=probs.device).manual_seed(
-                row_seed(r.params.seed, r.sample_index, r.num_output_tokens))
+                row_seed(r.params.seed, r.sample_index, r.num_output_tokens)
+            )
             noise[i].exponential_(generator=gen)
     return noise

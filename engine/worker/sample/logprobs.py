@@ -18,14 +18,20 @@ def pack_chosen_and_top(logits: torch.Tensor, chosen: torch.Tensor, top_n: int) 
     return torch.cat(columns, dim=1)
 
 
-def unpack_chosen_and_top(host: list[list[float]], top_n: int
-                           ) -> tuple[list[int], list[float], list[list[float]], list[list[int]]]:
-    return ([int(r[0]) for r in host], [r[1] for r in host], [r[2:2 + top_n] for r in host],
-            [[int(t) for t in r[2 + top_n:]] for r in host])
+def unpack_chosen_and_top(
+    host: list[list[float]], top_n: int
+) -> tuple[list[int], list[float], list[list[float]], list[list[int]]]:
+    return (
+        [int(r[0]) for r in host],
+        [r[1] for r in host],
+        [r[2 : 2 + top_n] for r in host],
+        [[int(t) for t in r[2 + top_n :]] for r in host],
+    )
 
 
-def _chosen_and_top(logits: torch.Tensor, chosen: torch.Tensor, top_n: int
-                    ) -> tuple[list[int], list[float], list[list[float]], list[list[int]]]:
+def _chosen_and_top(
+    logits: torch.Tensor, chosen: torch.Tensor, top_n: int
+) -> tuple[list[int], list[float], list[list[float]], list[list[int]]]:
     return unpack_chosen_and_top(pack_chosen_and_top(logits, chosen, top_n).tolist(), top_n)
 
 

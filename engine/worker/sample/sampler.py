@@ -46,23 +46,28 @@ class SampleRow:
 
     def __post_init__(self) -> None:
         p = self.params
-        self.plain = (p.greedy and not p.logits_processors and not p.restricts_tokens and self.grammar is None
-                      and (p.min_tokens == 0 or self.num_output_tokens >= p.min_tokens)
-                      and not p.needs_penalties and p.logprobs is None)
+        self.plain = (
+            p.greedy
+            and not p.logits_processors
+            and not p.restricts_tokens
+            and self.grammar is None
+            and (p.min_tokens == 0 or self.num_output_tokens >= p.min_tokens)
+            and not p.needs_penalties
+            and p.logprobs is None
+        )
 
     @property
     def num_output_tokens(self) -> int:
         return len(self.all_token_ids) + len(self.extra) - self.num_prompt_tokens
 
     def output_token_ids(self) -> list[int]:
-        return self.all_token_ids[self.num_prompt_tokens:] + self.extra
+        return self.all_token_ids[self.num_prompt_tokens :] + self.extra
 
 
 class _BatchNeeds:
     """What a batch's sampling needs beyond argmax, from one pass over its rows."""
 
-    __slots__ = ("processors", "restricts", "grammar", "min_tokens", "penalties", "logprobs", "greedy",
-                 "all_greedy")
+    __slots__ = ("processors", "restricts", "grammar", "min_tokens", "penalties", "logprobs", "greedy", "all_greedy")
 
     def __init__(self, rows: list[SampleRow]) -> None:
         processors = restricts = grammar = min_tokens = penalties = logprobs = False
@@ -106,8 +111,13 @@ class Sampler:
         """logits: float32 [len(rows), vocab]."""
         return self.launch(logits, rows).result()
 
-    def launch(self, logits: torch.Tensor, rows: list[SampleRow], last: "LastSampled | None" = None,
-               drafts: DraftProbs | None = None) -> "PendingSample":
+    def launch(
+        self,
+        logits: torch.Tensor,
+        rows: list[SampleRow],
+        last: "LastSampled | None" = None,
+        drafts: DraftProbs | None = None,
+    ) -> "PendingSample":
         """Sample on the device; the tokens stay there (PendingSample.tokens) and are copied to
         the host without blocking: result() waits for that copy only. `last`: the previous
         launched step's tokens, for rows whose history ends in its PLACEHOLDER. `drafts`: rows
@@ -124,7 +134,9 @@ class Sampler:
         raw_logits = logits
         if needs.restricts:
             logits = self._apply_bias(logits, rows)
-        grammar_mask, must_stop = self._grammar_bitmask(rows, logits.shape[1], errors) if needs.grammar else (None, set())
+        grammar_mask, must_stop = (
+            self._grammar_bitmask(rows, logits.shape[1], errors) if needs.grammar else (None, set())
+        )
         if needs.min_tokens:
             logits = self._apply_min_tokens(logits, rows, must_stop)
         if needs.penalties:
@@ -142,8 +154,9 @@ class Sampler:
             return PendingSample(tokens, HostCopy(tokens, owned=True), errors)
         want_logprobs = [r.params.logprobs for r in rows]
         top_n = max(n or 0 for n in want_logprobs)
-        return PendingSample(tokens, HostCopy(pack_chosen_and_top(raw_logits, tokens, top_n), owned=True),
-                             errors, want_logprobs, top_n)
+        return PendingSample(
+            tokens, HostCopy(pack_chosen_and_top(raw_logits, tokens, top_n), owned=True), errors, want_logprobs, top_n
+        )
 
     def _apply_processors(self, logits: torch.Tensor, rows: list[SampleRow], errors: dict[int, str]) -> torch.Tensor:
         """Run each row's logits processors on that row; an exception fails only that row."""
@@ -157,9 +170,11 @@ class Sampler:
                 for proc in r.params.logits_processors:
                     row = proc(out_ids, row)
                     if not isinstance(row, torch.Tensor) or row.shape != logits[i].shape:
-                        raise TypeError(f"a logits processor returned {type(row).__name__} "
-                                        f"{getattr(row, 'shape', '')}, expected a tensor of shape "
-                                        f"{tuple(logits[i].shape)}")
+                        raise TypeError(
+                            f"a logits processor returned {type(row).__name__} "
+                            f"{getattr(row, 'shape', '')}, expected a tensor of shape "
+                            f"{tuple(logits[i].shape)}"
+                        )
                 logits[i] = row
             except Exception as exc:  # noqa: BLE001 - user code: isolate it to its request
                 errors[i] = f"logits processor failed: {type(exc).__name__}: {exc}"
@@ -179,8 +194,11 @@ class Sampler:
                 allow_rows.append(i)
                 allow_ids.append(t)
         if bias_rows:
-            logits.index_put_((torch.tensor(bias_rows, device=self.device), torch.tensor(bias_ids, device=self.device)),
-                              torch.tensor(bias_vals, device=self.device, dtype=logits.dtype), accumulate=True)
+            logits.index_put_(
+                (torch.tensor(bias_rows, device=self.device), torch.tensor(bias_ids, device=self.device)),
+                torch.tensor(bias_vals, device=self.device, dtype=logits.dtype),
+                accumulate=True,
+            )
         restricted = sorted({i for i, r in enumerate(rows) if r.params.allowed_token_ids is not None})
         if restricted:
             keep = torch.zeros_like(logits, dtype=torch.bool)
@@ -190,8 +208,9 @@ class Sampler:
             logits = torch.where(keep | unrestricted[:, None], logits, -float("inf"))
         return logits
 
-    def _grammar_bitmask(self, rows: list[SampleRow], vocab: int, errors: dict[int, str]
-                         ) -> tuple[torch.Tensor | None, set[int]]:
+    def _grammar_bitmask(
+        self, rows: list[SampleRow], vocab: int, errors: dict[int, str]
+    ) -> tuple[torch.Tensor | None, set[int]]:
         """The allowed-token bitmask of every row (all ones for rows without a grammar), filled on
         the host, and the rows whose grammar allows nothing but a stop token now. A matcher that
         raises fails its row only."""
@@ -208,7 +227,7 @@ class Sampler:
                 errors[i] = f"structured output failed: {type(exc).__name__}: {exc}"
                 continue
             if r.num_output_tokens < r.params.min_tokens:  # min_tokens would ban the only way out
-                allowed = unpack_bitmask(mask[i:i + 1], vocab)[0]
+                allowed = unpack_bitmask(mask[i : i + 1], vocab)[0]
                 allowed[[t for t in (*self.eos_token_ids, *r.params.stop_token_ids) if t < vocab]] = False
                 if not bool(allowed.any()):
                     must_stop.add(i)
@@ -238,7 +257,9 @@ class Sampler:
         if not banned_rows:
             return logits
         logits = logits.clone()
-        logits[torch.tensor(banned_rows, device=self.device), torch.tensor(banned_ids, device=self.device)] = -float("inf")
+        logits[torch.tensor(banned_rows, device=self.device), torch.tensor(banned_ids, device=self.device)] = -float(
+            "inf"
+        )
         return logits
 
     def _apply_penalties(self, logits: torch.Tensor, rows: list[SampleRow], last: "LastSampled | None") -> torch.Tensor:
@@ -258,7 +279,7 @@ class Sampler:
             key = r.key if r.key is not None else id(r)
             state = states.get(key) or self._penalty_states.get(key)
             if state is None or state.counted > r.num_output_tokens - len(r.extra):
-                state = _PenaltyState(r.all_token_ids[:r.num_prompt_tokens], vocab, self.device)
+                state = _PenaltyState(r.all_token_ids[: r.num_prompt_tokens], vocab, self.device)
             states[key] = state
             counts, in_flight = state.counts_for(r)
             if in_flight:
@@ -274,8 +295,9 @@ class Sampler:
             index = torch.tensor([[j for j, _, _ in fed], src], device=self.device)
             # (-1, a failed row, counts as token 0: that request is failed and this step discarded)
             tokens = last.tokens.index_select(0, index[1]).clamp(min=0)
-            counts.index_put_((index[0], tokens), torch.ones(len(fed), dtype=counts.dtype, device=self.device),
-                              accumulate=True)
+            counts.index_put_(
+                (index[0], tokens), torch.ones(len(fed), dtype=counts.dtype, device=self.device), accumulate=True
+            )
             for j, _, state in fed:
                 state.counts = counts[j]  # (a view: later steps add to it in place)
         in_prompt = torch.stack(prompt_rows)
@@ -293,8 +315,9 @@ class Sampler:
         logits[torch.tensor(picked, device=self.device)] = sub
         return logits
 
-    def _sample_random(self, logits: torch.Tensor, rows: list[SampleRow], greedy: list[bool],
-                       drafts: DraftProbs | None = None) -> torch.Tensor:
+    def _sample_random(
+        self, logits: torch.Tensor, rows: list[SampleRow], greedy: list[bool], drafts: DraftProbs | None = None
+    ) -> torch.Tensor:
         probs = processed_probs(logits, rows, greedy)
         sampled = (probs / race_noise(probs, rows, greedy, self.generator)).argmax(dim=-1)
         if any(greedy):
@@ -331,7 +354,7 @@ class _PenaltyState:
         base = r.num_output_tokens - len(r.extra)
         in_flight = False
         if base > self.counted:
-            new = r.all_token_ids[r.num_prompt_tokens + self.counted:r.num_prompt_tokens + base]
+            new = r.all_token_ids[r.num_prompt_tokens + self.counted : r.num_prompt_tokens + base]
             in_flight = new[-1] == PLACEHOLDER
             if in_flight:
                 new = new[:-1]

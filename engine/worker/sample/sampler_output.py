@@ -22,8 +22,9 @@ class LastSampled:
 
     __slots__ = ("tokens", "_seqs", "_decode", "_rows", "verify")
 
-    def __init__(self, tokens: torch.Tensor, seqs: list[ScheduledSeq] | None = None, decode: bool = False,
-                 verify: Any = None) -> None:
+    def __init__(
+        self, tokens: torch.Tensor, seqs: list[ScheduledSeq] | None = None, decode: bool = False, verify: Any = None
+    ) -> None:
         self.tokens = tokens
         self._seqs = seqs or []  # (read only while the step is in flight: its records are not reused yet)
         self._decode = decode  # seqs[i] sampled row i (one token per sequence, each sampled once)
@@ -73,8 +74,14 @@ class HostCopy:
 class PendingSample:
     """Tokens sampled on the device (`tokens`, -1 in failed rows) on their way to the host."""
 
-    def __init__(self, tokens: torch.Tensor, copy: HostCopy | None, errors: dict[int, str],
-                 want_logprobs: list[int | None] | None = None, top_n: int = 0) -> None:
+    def __init__(
+        self,
+        tokens: torch.Tensor,
+        copy: HostCopy | None,
+        errors: dict[int, str],
+        want_logprobs: list[int | None] | None = None,
+        top_n: int = 0,
+    ) -> None:
         self.tokens = tokens
         self._copy = copy
         self._errors = errors
@@ -92,8 +99,13 @@ class PendingSample:
             out = SamplerOutput(self._copy.tolist(), [None] * len(self.tokens))
         else:
             ids, chosen, vals, top_ids = unpack_chosen_and_top(self._copy.tolist(), self._top_n)
-            out = SamplerOutput(ids, [None if n is None else (chosen[i], {top_ids[i][j]: vals[i][j] for j in range(n)})
-                                      for i, n in enumerate(self._want)])
+            out = SamplerOutput(
+                ids,
+                [
+                    None if n is None else (chosen[i], {top_ids[i][j]: vals[i][j] for j in range(n)})
+                    for i, n in enumerate(self._want)
+                ],
+            )
         errors = dict(self._errors)
         if out.token_ids and min(out.token_ids) < 0:
             for i, token in enumerate(out.token_ids):
