@@ -13,7 +13,6 @@ import time
 from pathlib import Path
 
 import httpx
-import pytest
 import uvicorn
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -171,38 +170,6 @@ def wait_clean(url: str, timeout: float = 20.0) -> dict[str, float]:
                 f"waiting={m['kiln:num_requests_waiting']} blocks={m['kiln:num_kv_blocks_in_use']}"
             )
         time.sleep(0.05)
-
-
-@pytest.fixture(scope="module")
-def server(tiny_llama, tmp_path_factory):
-    log_path = tmp_path_factory.mktemp("server") / "server.log"
-    proc, url = launch_server(
-        tiny_llama,
-        log_path,
-        "--api-key",
-        API_KEY,
-        "--served-model-name",
-        MODEL,
-        "--max-model-len",
-        str(MAX_MODEL_LEN),
-        "--num-gpu-blocks",
-        "1024",
-        "--max-num-seqs",
-        "64",
-        "--log-stats-interval",
-        "1",
-    )
-    yield url
-    stop_server(proc, log_path)
-    log = log_path.read_text()
-    assert "request_id=" in log  # access log lines
-    assert "prefix hit rate" in log  # the periodic stats line
-
-
-@pytest.fixture
-def url(server):
-    yield server
-    wait_clean(server)
 
 
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
