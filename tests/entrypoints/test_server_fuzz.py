@@ -53,6 +53,7 @@ OPERATIONS = [
     ("POST", "/v1/completions"),
     ("POST", "/v1/chat/completions"),
     ("GET", "/v1/models"),
+    ("GET", "/v1/models/{model_id}"),
     ("GET", "/health"),
     ("GET", "/metrics"),
     ("GET", "/version"),
