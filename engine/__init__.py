@@ -3,7 +3,8 @@
 Importing it changes nothing in the process: the settings that must precede torch are applied by
 each entry point (engine/config/process_setup.py: prepare_process)."""
 
-from engine.core.request import LoRARequest, RequestOutput, SamplingParams, StructuredOutputsParams
+from engine.core.outputs import RequestOutput
+from engine.core.params import LoRARequest, SamplingParams, StructuredOutputsParams
 
 __all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "LoRARequest", "RequestOutput", "EngineSettings"]
 

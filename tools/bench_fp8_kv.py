@@ -77,7 +77,7 @@ def _blocks(model: Path, budget: float) -> None:
 
 
 def _throughput(model: Path, batch: int, prompt_len: int, new_tokens: int, rounds: int) -> None:
-    from engine.core.request import SamplingParams
+    from engine.core.params import SamplingParams
     from engine.entrypoints.llm import LLM
 
     rng = random.Random(0)
@@ -199,7 +199,7 @@ GREEDY_PROMPTS = [t.split(" is ")[0] + " is" for t in TEXTS]
 
 
 def _smollm2(path: Path) -> None:
-    from engine.core.request import SamplingParams
+    from engine.core.params import SamplingParams
     from engine.entrypoints.llm import LLM
 
     score = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=1)

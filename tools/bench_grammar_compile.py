@@ -44,7 +44,7 @@ def main() -> None:
     import transformers
     import xgrammar
 
-    from engine.core.request import StructuredOutputsParams
+    from engine.core.params import StructuredOutputsParams
     from engine.structured_output.compile_pool import CompilePool, compile_with
     from engine.structured_output.grammars import StructuredOutputCompiler, _grammar_source
 

@@ -16,7 +16,7 @@ import time
 
 
 async def _largest_gap(state, send_big) -> tuple[float, str]:
-    from engine.core.request import SamplingParams
+    from engine.core.params import SamplingParams
 
     arrivals: list[float] = []
 
@@ -44,7 +44,8 @@ def main() -> None:
     import httpx
 
     from engine.config.settings import EngineSettings, ServerSettings
-    from engine.core.request import InvalidRequestError, SamplingParams
+    from engine.core.admission_rules import InvalidRequestError
+    from engine.core.params import SamplingParams
     from engine.entrypoints.openai.app import build_app, create_state
     from engine.models.tiny_model import make_tiny_model
 

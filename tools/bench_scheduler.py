@@ -70,7 +70,7 @@ def _advance(sched, out, token_of) -> None:
         ids = [token_of(s) for s in out.seqs if s.do_sample]
         sched.update_from_output(out, SamplerOutput(ids, [None] * len(ids)))
         return
-    from engine.core.request import FinishReason
+    from engine.core.outputs import FinishReason
 
     touched = sched.update(out, [[token_of(s)] if s.do_sample else [] for s in out.seqs])
     for seq in touched:
@@ -86,7 +86,8 @@ def _step(sched, token: int) -> None:
 
 
 def measure(module, batch: int, steps: int, mixed: bool) -> float:
-    from engine.core.request import Request, SamplingParams
+    from engine.core.params import SamplingParams
+    from engine.core.request import Request
 
     prefill = 96
     sched = _make(module, batch, steps, prefill)

@@ -102,7 +102,7 @@ def batch1(engine, args) -> float:
 
 def throughput(engine, args, requests: int | None = None, output_len: int | None = None) -> float:
     """Generated tokens per second for --requests requests, all queued at once."""
-    from engine.core.request import SamplingParams
+    from engine.core.params import SamplingParams
 
     vocab = engine.model_config.vocab_size
     prompts = _prompts(requests or args.requests, max(1, args.input_len // 2), args.input_len, vocab, 3)
@@ -315,7 +315,7 @@ def _timed_decode_steps(engine, batch: int, steps: int, input_len: int, tag: str
 
 def _start_decoding(engine, batch: int, steps: int, input_len: int, tag: str) -> None:
     """Queue `batch` requests and step through their prefill, to the first decode-only step."""
-    from engine.core.request import SamplingParams
+    from engine.core.params import SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=2 * steps + 4, ignore_eos=True, detokenize=False)
     for i, p in enumerate(_prompts(batch, input_len, input_len, engine.model_config.vocab_size, 7)):

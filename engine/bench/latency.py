@@ -223,7 +223,7 @@ def run_hf(hf, prompts: list[list[int]], output_len: int, device: torch.device) 
 # ---- kiln ------------------------------------------------------------------------------------
 def run_kiln(engine, prompts: list[list[int]], output_len: int, tag: str) -> dict[str, Any]:
     """Generate for `prompts`; time the decode window (see the module's docstring)."""
-    from engine.core.request import SamplingParams
+    from engine.core.params import SamplingParams
 
     device = engine.core.device
     params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True, detokenize=False)

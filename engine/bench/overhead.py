@@ -115,7 +115,7 @@ OFFLINE = dict(output_kind="final_only", detokenize=False)  # LLM.generate's, as
 
 def mixed_params(engine, mix: str, max_tokens: int, kind: dict | None = None):
     """The --mix feature's SamplingParams (greedy, never ending early; `kind`: STREAMED or OFFLINE)."""
-    from engine.core.request import SamplingParams, StructuredOutputsParams
+    from engine.core.params import SamplingParams, StructuredOutputsParams
 
     base = dict(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, **(kind or STREAMED))
     if mix == "penalties":
@@ -133,7 +133,7 @@ def mixed_params(engine, mix: str, max_tokens: int, kind: dict | None = None):
 def measure(
     engine, totals: dict[str, float], batch: int, steps: int, overlap: bool, mix: str = "none", offline: bool = False
 ) -> dict[str, float]:
-    from engine.core.request import SamplingParams
+    from engine.core.params import SamplingParams
 
     if hasattr(engine.core, "async_scheduling"):
         engine.core.async_scheduling = overlap

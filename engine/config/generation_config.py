@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable
 
-from engine.core.request import SamplingParams
+from engine.core.params import SamplingParams
 
 # generation_config.json key -> SamplingParams field (the keys vLLM takes from it).
 SAMPLING_KEYS = {

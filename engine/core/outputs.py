@@ -5,17 +5,25 @@ Out: a `RequestUpdate` per request that has something new, made by the core's on
 the step (engine/core/sched/step_update.py): the tokens it kept, how each sequence ended. The
 output side (engine/runtime/output_processor.py) turns updates into RequestOutputs; it never
 reads the core's Request, so it may run on another thread.
+And what the API hands users: `RequestOutput` / `CompletionOutput` (vLLM's shapes), an embedding's
+`EmbeddingRequestOutput`, and how a sample ended (`FinishReason`).
 """
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
-from engine.core.request import FinishReason
-
 # A sampled row's logprobs: (the chosen token's logprob, {token: logprob} for the top N).
 LogprobEntry = tuple[float, dict[int, float]]
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"
+    LENGTH = "length"
+    ABORT = "abort"
+    ERROR = "error"
 
 
 @dataclass
@@ -60,3 +68,64 @@ class RequestUpdate(NamedTuple):
     # Prompt logprobs (complete once the first token exists; the core's list, not copied per step).
     prompt_logprobs: list[dict[int, float] | None] | None = None
     embedding: list[float] | None = None  # an embedding request's result
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    cumulative_logprob: float | None
+    logprobs: list[dict[int, float]] | None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    num_preemptions: int = 0
+
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    num_cached_tokens: int = 0
+    error: str | None = None
+    metrics: dict[str, Any] = field(default_factory=dict)
+    prompt_logprobs: list[dict[int, float] | None] | None = None
+    embedding: list[float] | None = None  # embedding requests (PoolingParams)
+
+
+@dataclass
+class EmbeddingOutput:
+    embedding: list[float]
+
+
+@dataclass
+class EmbeddingRequestOutput:
+    """An embedding request's result in vLLM's shape (`.outputs.embedding`); `.embedding` too."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: EmbeddingOutput
+    finished: bool
+    num_cached_tokens: int = 0
+
+    @property
+    def embedding(self) -> list[float]:
+        return self.outputs.embedding
+
+    @classmethod
+    def of(cls, out: "RequestOutput") -> "EmbeddingRequestOutput":
+        return cls(
+            out.request_id,
+            out.prompt,
+            out.prompt_token_ids,
+            EmbeddingOutput(list(out.embedding or [])),
+            out.finished,
+            out.num_cached_tokens,
+        )

@@ -24,7 +24,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, Protocol
 
 from engine.core import admission_rules as rules
-from engine.core.request import PoolingParams, SamplingParams
+from engine.core.params import PoolingParams, SamplingParams
 
 if TYPE_CHECKING:
     from engine.core.request import Request, Sequence

@@ -9,7 +9,8 @@ from typing import Sequence as Seq
 from engine.config.generation_config import default_sampling_params
 from engine.config.process_setup import prepare_process
 from engine.config.settings import EngineSettings, ServerSettings
-from engine.core.request import EmbeddingRequestOutput, LoRARequest, PoolingParams, RequestOutput, SamplingParams
+from engine.core.outputs import EmbeddingRequestOutput, RequestOutput
+from engine.core.params import LoRARequest, PoolingParams, SamplingParams
 
 # An entry point (`from engine import LLM`): the settings torch reads once at load, before the engine imports it.
 prepare_process()

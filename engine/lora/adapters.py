@@ -27,7 +27,8 @@ from pathlib import Path
 import torch
 
 from engine.core import admission_rules as rules
-from engine.core.request import InvalidRequestError, LoRARequest
+from engine.core.admission_rules import InvalidRequestError
+from engine.core.params import LoRARequest
 from engine.models.loader.safetensors_reader import read_tensors
 
 logger = logging.getLogger(__name__)

@@ -17,7 +17,7 @@ import json
 import math
 from pathlib import Path
 
-from engine.core.request import InvalidRequestError
+from engine.core.admission_rules import InvalidRequestError
 from engine.models.loader.safetensors_reader import read_header
 
 MAX_PATH_CHARS = 4096

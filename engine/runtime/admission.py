@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from engine.core import admission_rules as rules
-from engine.core.request import LoRARequest, PoolingParams, SamplingParams
+from engine.core.params import LoRARequest, PoolingParams, SamplingParams
 from engine.core.request_kinds import Task, make_task
 
 

@@ -37,8 +37,9 @@ import time
 from typing import Any, AsyncIterator, Callable
 
 from engine.core import admission_rules as rules
-from engine.core.outputs import RequestUpdate
-from engine.core.request import InvalidRequestError, LoRARequest, PoolingParams, RequestOutput, SamplingParams
+from engine.core.admission_rules import InvalidRequestError
+from engine.core.outputs import RequestOutput, RequestUpdate
+from engine.core.params import LoRARequest, PoolingParams, SamplingParams
 from engine.runtime.admission import AdmittedRequest
 from engine.runtime.engine_info import EngineInfo, EngineStatus
 from engine.runtime.errors import EngineDeadError, QueueFullError

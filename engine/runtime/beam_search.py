@@ -17,7 +17,8 @@ import inspect
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Awaitable, Callable
 
-from engine.core.request import CompletionOutput, LoRARequest, RequestOutput, SamplingParams
+from engine.core.outputs import CompletionOutput, RequestOutput
+from engine.core.params import LoRARequest, SamplingParams
 
 if TYPE_CHECKING:
     from engine.runtime.admission import Admission, AdmittedRequest

@@ -35,7 +35,8 @@ import torch
 from engine.core.kv.block_pool import BlockPool
 from engine.core.kv.swap_space import SwapSpace
 from engine.core.outputs import RequestUpdate
-from engine.core.request import LoRARequest, Request
+from engine.core.params import LoRARequest
+from engine.core.request import Request
 from engine.core.sched.scheduler import Scheduler
 from engine.core.sched.scheduler_output import SchedulerOutput
 from engine.lora.adapters import LoRAManager, attach_lora, load_lora, unload_lora

@@ -8,7 +8,7 @@ import asyncio
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Protocol
 
-from engine.core.request import RequestOutput
+from engine.core.outputs import RequestOutput
 
 if TYPE_CHECKING:
     from engine.runtime.admission import AdmittedRequest

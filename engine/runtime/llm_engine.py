@@ -27,8 +27,9 @@ from typing import Any
 from engine.config.generation_config import GenerationDefaults
 from engine.config.settings import EngineSettings
 from engine.core import admission_rules as rules
-from engine.core.outputs import RequestUpdate
-from engine.core.request import LoRARequest, PoolingParams, Request, RequestOutput, SamplingParams
+from engine.core.outputs import RequestOutput, RequestUpdate
+from engine.core.params import LoRARequest, PoolingParams, SamplingParams
+from engine.core.request import Request
 from engine.runtime.admission import Admission, AdmittedRequest
 from engine.runtime.builder import EngineBuilder
 from engine.runtime.engine_core import EngineCore

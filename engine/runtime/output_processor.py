@@ -20,8 +20,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from engine.core.outputs import RequestUpdate, SeqUpdate
-from engine.core.request import CompletionOutput, FinishReason, RequestOutput
+from engine.core.outputs import CompletionOutput, FinishReason, RequestOutput, RequestUpdate, SeqUpdate
 from engine.runtime.detokenizer import Detokenizer, TextState, visible_len
 from engine.runtime.stop_strings import SampleStops, StopMatcher
 

@@ -17,7 +17,7 @@ import threading
 import time
 from typing import Callable
 
-from engine.core.request import CompletionOutput, RequestOutput
+from engine.core.outputs import CompletionOutput, RequestOutput
 
 logger = logging.getLogger(__name__)
 

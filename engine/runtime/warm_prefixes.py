@@ -18,7 +18,8 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from engine.core.request import InvalidRequestError, SamplingParams
+from engine.core.admission_rules import InvalidRequestError
+from engine.core.params import SamplingParams
 
 logger = logging.getLogger(__name__)
 

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.core.request import SamplingParams
+from engine.core.params import SamplingParams
 from engine.worker.sample.distributions import processed_probs, race_noise
 
 

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from engine.core import admission_rules as rules
-from engine.core.request import StructuredOutputsParams
+from engine.core.params import StructuredOutputsParams
 from engine.structured_output.compile_pool import (
     CompileCancelled,
     CompileFailed,

@@ -23,7 +23,7 @@ import torch
 
 from compiler.compilation.capture import MIN_COMPILED_ROWS, compile_forward, mark_static_dims
 from engine.core.outputs import SamplerOutput
-from engine.core.request import SamplingParams
+from engine.core.params import SamplingParams
 from engine.core.sched.scheduler_output import SchedulerOutput
 from engine.layers.kv_cache import KVCache
 from engine.spec_decode.verify import VerifyOutcome, verify_outcome

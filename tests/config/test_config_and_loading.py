@@ -11,7 +11,7 @@ import torch
 from pydantic import ValidationError
 
 from engine.config.settings import EngineSettings
-from engine.core.request import SamplingParams
+from engine.core.params import SamplingParams
 
 
 def test_settings_sources_in_priority_order(tmp_path, monkeypatch):
@@ -44,7 +44,7 @@ def test_max_model_len_beyond_the_kv_cache_fails_at_start(make_llm, tiny_llama):
 
 def test_prompt_beyond_max_model_len_is_rejected_and_nothing_leaks(make_llm):
     from engine import SamplingParams
-    from engine.core.request import InvalidRequestError
+    from engine.core.admission_rules import InvalidRequestError
 
     llm = make_llm(max_model_len=64)
     with pytest.raises(InvalidRequestError, match="max_model_len"):
@@ -164,7 +164,7 @@ def test_cli_generate_and_flags(tiny_llama):
 
 def test_out_of_vocab_stop_token_ids_are_rejected(make_llm):
     from engine import SamplingParams
-    from engine.core.request import InvalidRequestError
+    from engine.core.admission_rules import InvalidRequestError
 
     llm = make_llm()
     with pytest.raises(InvalidRequestError) as info:

@@ -9,7 +9,7 @@ import shutil
 import pytest
 
 from engine.config.generation_config import load_generation_defaults
-from engine.core.request import SamplingParams
+from engine.core.params import SamplingParams
 from engine.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
 from tests.support.engine import served
 
@@ -95,7 +95,7 @@ def test_server_applies_defaults_and_stops_at_extra_eos(model_with_generation_co
 
 
 def test_max_logprobs_bounds_requests(make_llm):
-    from engine.core.request import InvalidRequestError
+    from engine.core.admission_rules import InvalidRequestError
 
     llm = make_llm(max_logprobs=2)
     with pytest.raises(InvalidRequestError, match="max_logprobs"):

@@ -23,7 +23,8 @@ from typing import Any, Callable
 
 import pytest
 
-from engine.core.request import InvalidRequestError, LoRARequest, PoolingParams, SamplingParams, StructuredOutputsParams
+from engine.core.admission_rules import InvalidRequestError
+from engine.core.params import LoRARequest, PoolingParams, SamplingParams, StructuredOutputsParams
 from engine.runtime.admission import Admission
 from engine.runtime.beam_search import BeamSearchParams
 from tests.support.engine import served

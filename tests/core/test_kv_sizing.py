@@ -79,7 +79,7 @@ def long_context_model(tmp_path_factory):
 
 
 def test_llm_starts_with_defaults_on_a_model_whose_context_does_not_fit(long_context_model, caplog):
-    from engine.core.request import SamplingParams
+    from engine.core.params import SamplingParams
     from engine.entrypoints.llm import LLM
 
     with caplog.at_level(logging.INFO):

@@ -7,8 +7,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from engine.core import admission_rules as rules
+from engine.core.admission_rules import InvalidRequestError
 from engine.core.kv.block_pool import BlockPool
-from engine.core.request import FinishReason, InvalidRequestError, Request, SamplingParams
+from engine.core.outputs import FinishReason
+from engine.core.params import SamplingParams
+from engine.core.request import Request
 from engine.core.sched.scheduler import Scheduler, SchedulerConfig
 from tests.support.engine import sampler_output
 

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 import torch
 
-from engine.core.request import LoRARequest, PoolingParams, SamplingParams
+from engine.core.params import LoRARequest, PoolingParams, SamplingParams
 from engine.core.request_kinds import GENERATE, Generate, Pool, ScorePrompt, make_task
 from engine.core.sched.scheduler_output import ScheduledSeq
 from engine.worker.task_reads import read_task

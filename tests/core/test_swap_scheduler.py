@@ -14,9 +14,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from engine.core import admission_rules as rules
+from engine.core.admission_rules import InvalidRequestError
 from engine.core.kv.block_pool import BlockPool
 from engine.core.kv.swap_space import SwapSpace
-from engine.core.request import InvalidRequestError, Request, SamplingParams, SeqStatus
+from engine.core.params import SamplingParams
+from engine.core.request import Request, SeqStatus
 from engine.core.sched.scheduler import Scheduler, SchedulerConfig
 from tests.support.engine import sampler_output, take_updates
 from tests.support.swap import expected_outputs, fake_token, prompt

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from engine import LoRARequest, SamplingParams
-from engine.core.request import InvalidRequestError
+from engine.core.admission_rules import InvalidRequestError
 from tests.support.lora import _make_adapter
 
 GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)

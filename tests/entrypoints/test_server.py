@@ -107,7 +107,7 @@ def test_completion_non_streaming(client, url):
 def test_greedy_matches_offline_llm(client, make_llm):
     prompts = ["The quick brown fox", "Paged attention stores", "Hello"]
     llm = make_llm(max_model_len=MAX_MODEL_LEN, num_gpu_blocks=64)
-    from engine.core.request import SamplingParams
+    from engine.core.params import SamplingParams
 
     offline = llm.generate(
         prompts, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=0), use_tqdm=False

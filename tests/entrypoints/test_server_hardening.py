@@ -12,7 +12,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from engine.core.request import SamplingParams
+from engine.core.params import SamplingParams
 from tests.support.server import app_states, slow_steps
 
 
@@ -216,7 +216,7 @@ def test_compile_is_stopped_when_the_client_leaves(app_state):
 def test_grammar_cache_is_bounded(tiny_llama):
     import transformers
 
-    from engine.core.request import StructuredOutputsParams
+    from engine.core.params import StructuredOutputsParams
     from engine.structured_output.grammars import GrammarCache, StructuredOutputCompiler
 
     tok = transformers.AutoTokenizer.from_pretrained(tiny_llama)

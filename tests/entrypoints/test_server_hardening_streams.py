@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from engine.core.request import CompletionOutput, RequestOutput
+from engine.core.outputs import CompletionOutput, RequestOutput
 from engine.runtime.request_stream import DeltaBacklog
 from tests.support.server import app_states, slow_steps
 

@@ -10,7 +10,7 @@ import json
 
 import pytest
 
-from engine.core.request import InvalidRequestError
+from engine.core.admission_rules import InvalidRequestError
 from engine.entrypoints.openai.tool_calls import (
     ToolMode,
     arguments_for_template,

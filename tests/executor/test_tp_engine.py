@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from engine.core.request import SamplingParams
+from engine.core.params import SamplingParams
 from tests.support.engine import assert_engine_clean, run_checked
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -138,7 +138,7 @@ def test_tp2_equals_tp1(tp_engines, tiny_models, arch, mode):
 def test_tp2_spec_decode_structured_output_and_heartbeat(tp_engines, tiny_llama, monkeypatch):
     """Speculative decoding (ngram drafts verified in one forward) and a JSON-schema constrained
     request give TP 1's tokens; an idle engine keeps its workers with heartbeats and still runs."""
-    from engine.core.request import StructuredOutputsParams
+    from engine.core.params import StructuredOutputsParams
     from engine.executor import step_codec as codec
     from engine.executor import tp_executor as executor_module
 

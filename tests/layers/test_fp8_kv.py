@@ -20,7 +20,7 @@ from compiler.kernels.kv_quant import FP8_DTYPE, FP8_MAX, calibrate_kv_scales, f
 from compiler.kernels.reference_attention import paged_attention_reference, write_kv_reference
 from engine.config.settings import EngineSettings
 from engine.core.kv import kv_sizing
-from engine.core.request import SamplingParams
+from engine.core.params import SamplingParams
 from engine.layers.kv_cache import KVCache, resolve_kv_cache_dtype
 from engine.models.loader.kv_scales import is_kv_scale_name, read_kv_scales
 from tests.support.engine import run_checked

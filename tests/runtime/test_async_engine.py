@@ -9,7 +9,8 @@ import time
 import pytest
 
 from engine.config.settings import EngineSettings
-from engine.core.request import InvalidRequestError, SamplingParams
+from engine.core.admission_rules import InvalidRequestError
+from engine.core.params import SamplingParams
 from engine.runtime.async_engine import AsyncEngine
 from engine.runtime.errors import EngineDeadError, QueueFullError
 from engine.runtime.llm_engine import LLMEngine

@@ -8,7 +8,7 @@ import asyncio
 import pytest
 import torch
 
-from engine.core.request import InvalidRequestError
+from engine.core.admission_rules import InvalidRequestError
 from engine.runtime.beam_search import Beam, BeamSearchParams, best, expand
 
 PROMPTS = [[5, 9, 100, 200, 7], [40, 41, 42, 43], list(range(60, 90))]

@@ -9,7 +9,8 @@ import asyncio
 import pytest
 import torch
 
-from engine.core.request import InvalidRequestError, PoolingParams
+from engine.core.admission_rules import InvalidRequestError
+from engine.core.params import PoolingParams
 from tests.support.engine import assert_engine_clean, run_checked
 
 TEXTS = [

@@ -7,7 +7,9 @@ import math
 import pytest
 import torch
 
-from engine.core.request import FinishReason, InvalidRequestError, SamplingParams
+from engine.core.admission_rules import InvalidRequestError
+from engine.core.outputs import FinishReason
+from engine.core.params import SamplingParams
 from engine.worker.sample.sampler import Sampler, SampleRow
 
 PROMPTS = [[11, 12, 13, 14, 15], [21, 22, 23], [31, 32, 33, 34, 35, 36, 37], [41, 42, 43, 44]]

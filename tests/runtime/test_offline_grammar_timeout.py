@@ -4,7 +4,8 @@ import time
 
 import pytest
 
-from engine.core.request import InvalidRequestError, SamplingParams, StructuredOutputsParams
+from engine.core.admission_rules import InvalidRequestError
+from engine.core.params import SamplingParams, StructuredOutputsParams
 
 
 def _optional_properties(n: int) -> dict:

@@ -7,7 +7,8 @@ import asyncio
 import time
 
 from engine.config.settings import EngineSettings
-from engine.core.request import CompletionOutput, RequestOutput, SamplingParams
+from engine.core.outputs import CompletionOutput, RequestOutput
+from engine.core.params import SamplingParams
 from engine.runtime.async_engine import AsyncEngine
 from engine.runtime.llm_engine import LLMEngine
 from engine.runtime.request_stream import LoopMailbox, RequestStream

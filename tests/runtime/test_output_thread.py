@@ -11,7 +11,7 @@ import time
 import pytest
 
 from engine.config.settings import EngineSettings
-from engine.core.request import SamplingParams
+from engine.core.params import SamplingParams
 from engine.runtime.async_engine import AsyncEngine
 from engine.runtime.llm_engine import LLMEngine
 from tests.support.engine import assert_engine_clean

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 
 from engine import SamplingParams
-from engine.core.request import StructuredOutputsParams
+from engine.core.params import StructuredOutputsParams
 from tests.support.engine import assert_engine_clean
 from tests.support.overlap import PROMPTS, _summary
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from engine import SamplingParams
-from engine.core.request import InvalidRequestError
+from engine.core.admission_rules import InvalidRequestError
 from engine.worker.sample.sampler import Sampler, SampleRow
 from tests.support.engine import assert_engine_clean
 

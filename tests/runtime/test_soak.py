@@ -17,7 +17,7 @@ import os
 import random
 import time
 
-from engine.core.request import SamplingParams
+from engine.core.params import SamplingParams
 from engine.layers.kv_cache import KVCache
 
 BLOCK = 8

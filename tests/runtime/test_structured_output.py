@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from engine import SamplingParams
-from engine.core.request import InvalidRequestError, StructuredOutputsParams
+from engine.core.admission_rules import InvalidRequestError
+from engine.core.params import StructuredOutputsParams
 from tests.support.engine import assert_engine_clean, run_checked
 
 SCHEMA = {

@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.core.request import SamplingParams
+from engine.core.params import SamplingParams
 from engine.spec_decode.rejection import DraftProbs, DraftRow, rejection_tokens, sample_drafts
 from engine.spec_decode.sched.decoder import accepted_prefix
 from engine.worker.sample.distributions import processed_probs, race_noise

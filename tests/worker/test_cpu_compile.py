@@ -9,7 +9,7 @@ import torch
 from compiler.compilation.capture import compile_count
 from compiler.kernels.cpu_attention import KERNEL, CpuAttentionKernel, cpu_flags
 from engine.config.settings import EngineSettings
-from engine.core.request import SamplingParams
+from engine.core.params import SamplingParams
 from engine.runtime.llm_engine import LLMEngine
 from tests.support.engine import assert_engine_clean, run_checked
 

@@ -65,7 +65,7 @@ def test_linear_reads_the_copy_for_gemm_rows(dtype):
 def test_engine_with_copies_gives_the_same_tokens(tiny_llama, dtype):
     """cpu_gemm_packed_weights=on against off: the same greedy tokens and close logprobs, prompts long
     enough for the GEMM path (more rows than the kernels take), the copies really made."""
-    from engine.core.request import SamplingParams
+    from engine.core.params import SamplingParams
     from engine.entrypoints.llm import LLM
     from tests.support.engine import assert_engine_clean
 

@@ -27,7 +27,7 @@ import torch
 
 from compiler.compilation.capture import bucket_for, compile_count, graph_ctx
 from engine.config.settings import EngineSettings
-from engine.core.request import SamplingParams
+from engine.core.params import SamplingParams
 from engine.layers.attention.base import AttentionMetadata
 from engine.runtime.llm_engine import LLMEngine
 

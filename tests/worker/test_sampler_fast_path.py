@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch.overrides import TorchFunctionMode
 
-from engine.core.request import SamplingParams
+from engine.core.params import SamplingParams
 from engine.worker.sample.sampler import Sampler, SampleRow
 
 

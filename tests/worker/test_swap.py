@@ -9,7 +9,7 @@ import random
 import pytest
 import torch
 
-from engine.core.request import SamplingParams
+from engine.core.params import SamplingParams
 from engine.runtime.warm_prefixes import WarmPrefixError, load_warm_prefixes
 from engine.worker.block_swapper import BlockSwapper, _runs, block_major, swap_blocks
 

@@ -28,8 +28,8 @@ from typing import TYPE_CHECKING, Literal
 
 from engine.core.kv.allocator import KVAllocator
 from engine.core.kv.block_pool import BlockPool
-from engine.core.outputs import RequestUpdate, SamplerOutput
-from engine.core.request import FinishReason, Request, SeqStatus, Sequence
+from engine.core.outputs import FinishReason, RequestUpdate, SamplerOutput
+from engine.core.request import Request, SeqStatus, Sequence
 from engine.core.request_kinds import task_of
 from engine.core.sched.preemption import Preemptor
 from engine.core.sched.scheduler_output import PLACEHOLDER, ScheduledSeq, SchedulerOutput, sample_row_ranges

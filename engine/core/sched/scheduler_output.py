@@ -10,7 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from engine.core.request import SamplingParams, Sequence
+from engine.core.params import SamplingParams
+from engine.core.request import Sequence
 from engine.core.request_kinds import GENERATE, Task
 
 

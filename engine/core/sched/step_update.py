@@ -25,8 +25,9 @@ import logging
 import time
 from typing import TYPE_CHECKING, Callable
 
-from engine.core.outputs import RequestUpdate, SamplerOutput, SeqUpdate
-from engine.core.request import FinishReason, Request, SamplingParams, SeqStatus, Sequence
+from engine.core.outputs import FinishReason, RequestUpdate, SamplerOutput, SeqUpdate
+from engine.core.params import SamplingParams
+from engine.core.request import Request, SeqStatus, Sequence
 from engine.core.sched.scheduler_output import PLACEHOLDER, sample_row_ranges
 
 if TYPE_CHECKING:

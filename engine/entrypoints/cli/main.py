@@ -40,7 +40,7 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:
-    from engine.core.request import SamplingParams
+    from engine.core.params import SamplingParams
     from engine.entrypoints.llm import LLM
 
     settings = settings_from_args(args)

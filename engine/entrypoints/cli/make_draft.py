@@ -247,7 +247,7 @@ def build_labelled_corpus(
     file = cache / f"corpus-{Path(target).stem}-{key.hexdigest()[:12]}.pt"
     if file.is_file():
         return torch.load(file, weights_only=True)
-    from engine.core.request import SamplingParams
+    from engine.core.params import SamplingParams
     from engine.entrypoints.llm import LLM
 
     prompts = chat_prompts("train-wide")

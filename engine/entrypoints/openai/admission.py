@@ -17,7 +17,8 @@ import logging
 from typing import Any
 
 from engine.core import admission_rules as rules
-from engine.core.request import InvalidRequestError, LoRARequest, PoolingParams, SamplingParams
+from engine.core.admission_rules import InvalidRequestError
+from engine.core.params import LoRARequest, PoolingParams, SamplingParams
 from engine.core.request_kinds import Task
 from engine.entrypoints.openai.errors import APIError, ClientGone
 from engine.entrypoints.openai.jobs import until_done

@@ -8,7 +8,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 
 from engine.core import admission_rules as rules
-from engine.core.request import RequestOutput
+from engine.core.outputs import RequestOutput
 from engine.entrypoints.openai.admission import (
     chat_prompt_ids,
     check_constraint,

@@ -6,7 +6,7 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 
-from engine.core.request import RequestOutput
+from engine.core.outputs import RequestOutput
 from engine.entrypoints.openai.admission import check_constraint, check_model, check_params, fit_prompts, prompt_ids
 from engine.entrypoints.openai.errors import post_route
 from engine.entrypoints.openai.generation import generate

@@ -12,7 +12,8 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
-from engine.core.request import PoolingParams, RequestOutput
+from engine.core.outputs import RequestOutput
+from engine.core.params import PoolingParams
 from engine.entrypoints.openai.admission import check_model, check_params, fit_prompts, prompt_ids
 from engine.entrypoints.openai.errors import engine_failed, post_route
 from engine.entrypoints.openai.jobs import until_done

@@ -15,7 +15,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
-from engine.core.request import InvalidRequestError
+from engine.core.admission_rules import InvalidRequestError
 from engine.entrypoints.openai.protocol import ErrorResponse
 from engine.entrypoints.openai.request_body import BoundedJSONRoute
 from engine.runtime.errors import EngineDeadError, QueueFullError

@@ -10,7 +10,7 @@ import uuid
 from typing import Any
 
 from engine.core import admission_rules as rules
-from engine.core.request import LoRARequest, SamplingParams
+from engine.core.params import LoRARequest, SamplingParams
 from engine.core.request_kinds import Task
 from engine.entrypoints.openai.errors import APIError
 from engine.entrypoints.openai.jobs import Choice, Formatter, Job, respond, start_job

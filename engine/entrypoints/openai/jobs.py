@@ -18,7 +18,8 @@ from typing import Any, AsyncIterator, Protocol
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 
-from engine.core.request import RequestOutput, SamplingParams
+from engine.core.outputs import RequestOutput
+from engine.core.params import SamplingParams
 from engine.entrypoints.openai.errors import (
     RequestFailed,
     engine_failed,

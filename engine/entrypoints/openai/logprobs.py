@@ -3,7 +3,7 @@ vLLM's prompt_logprobs."""
 
 from __future__ import annotations
 
-from engine.core.request import RequestOutput
+from engine.core.outputs import RequestOutput
 
 
 class LogprobFormat:

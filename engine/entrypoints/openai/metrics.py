@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from engine.core.request import RequestOutput
+from engine.core.outputs import RequestOutput
 
 logger = logging.getLogger("engine.entrypoints.openai.stats")
 

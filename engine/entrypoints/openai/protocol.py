@@ -14,7 +14,7 @@ from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag
 
 from engine.config.generation_config import GenerationDefaults, apply_generation_defaults
 from engine.core import admission_rules as rules
-from engine.core.request import SamplingParams, StructuredOutputsParams
+from engine.core.params import SamplingParams, StructuredOutputsParams
 from engine.entrypoints.openai.tool_calls import ToolMode, arguments_for_template, resolve_tool_mode
 
 _INT64 = 2**63 - 1

@@ -26,7 +26,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.routing import APIRoute
 
 from engine.core import admission_rules as rules
-from engine.core.request import InvalidRequestError
+from engine.core.admission_rules import InvalidRequestError
 from engine.runtime.engine_info import EngineInfo
 
 

@@ -15,7 +15,7 @@ from importlib import metadata
 from typing import Any, Callable
 
 from engine.config.settings import EngineSettings, ServerSettings
-from engine.core.request import LoRARequest
+from engine.core.params import LoRARequest
 from engine.entrypoints.openai.metrics import EngineMetrics
 from engine.runtime.admission import Admission
 from engine.runtime.async_engine import AsyncEngine

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from engine.core import admission_rules as rules
-from engine.core.request import StructuredOutputsParams
+from engine.core.params import StructuredOutputsParams
 
 TOOL_CALL_PARSERS = ("hermes", "llama3_json")
 

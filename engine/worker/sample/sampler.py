@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from engine.core.outputs import SamplerOutput
-from engine.core.request import SamplingParams
+from engine.core.params import SamplingParams
 from engine.core.sched.scheduler_output import PLACEHOLDER
 from engine.spec_decode.rejection import DraftProbs, rejection_tokens
 from engine.structured_output.grammars import GrammarMatcher, bitmask_words, unpack_bitmask
