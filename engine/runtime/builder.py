@@ -20,7 +20,6 @@ import torch
 from engine.config.generation_config import GenerationDefaults, load_generation_defaults
 from engine.config.process_env import export_compile_cache_dir
 from engine.config.settings import EngineSettings
-from engine.core.kv import kv_sizing
 from engine.core.kv.block_pool import BlockPool
 from engine.core.kv.swap_space import SwapSpace
 from engine.core.sched.scheduler import Scheduler, SchedulerConfig
@@ -39,15 +38,14 @@ from engine.models.loader.gguf_file import is_gguf
 from engine.models.loader.kv_scales import read_kv_scales
 from engine.models.loader.model_loader import load_model, load_tokenizer
 from engine.resolve.build_target import resolve_device, resolve_dtype, resolve_model_dir
-from engine.resolve.kv_budget import cpu_kv_bytes
 from engine.runtime.startup_phase import Phase
 from engine.spec_decode.draft_model import DraftModelProposer
 from engine.spec_decode.eagle import EagleProposer
 from engine.spec_decode.sched import DraftLengthPlanner, NgramProposer, SpecDecodeConfig, SpecDecoder
 from engine.structured_output.grammars import StructuredOutputCompiler
+from engine.worker import kv_sizing
 from engine.worker.cpu_isa import apply_cpu_isa_limit
 from engine.worker.cpu_threads import ThreadPlan, apply_cpu_threads
-from engine.worker.memory_profile import free_gpu_bytes_after_profile
 from engine.worker.model_runner import ModelRunner
 from engine.worker.sample.sampler import Sampler
 
@@ -629,7 +627,9 @@ class EngineBuilder:
             blocks = s.num_gpu_blocks + 1  # plus the null block
         elif self.device.type == "cpu":
             blocks = kv_sizing.blocks_from_budget(
-                cpu_kv_bytes(s, self.model_config, per_block, self.max_model_len, self._token_budget(), self.dtype),
+                kv_sizing.cpu_kv_bytes(
+                    s, self.model_config, per_block, self.max_model_len, self._token_budget(), self.dtype
+                ),
                 per_block,
                 "cpu",
             )
@@ -670,7 +670,7 @@ class EngineBuilder:
             self.device,
             model_dtype=self.dtype,
         )
-        return free_gpu_bytes_after_profile(
+        return kv_sizing.free_gpu_bytes_after_profile(
             self.model,
             dummy.tensor,
             self._token_budget(),

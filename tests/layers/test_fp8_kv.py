@@ -19,10 +19,10 @@ import torch
 from compiler.kernels.kv_quant import FP8_DTYPE, FP8_MAX, calibrate_kv_scales, from_cache, quantize_fp8
 from compiler.kernels.reference_attention import paged_attention_reference, write_kv_reference
 from engine.config.settings import EngineSettings
-from engine.core.kv import kv_sizing
 from engine.core.params import SamplingParams
 from engine.layers.kv_cache import KVCache, resolve_kv_cache_dtype
 from engine.models.loader.kv_scales import is_kv_scale_name, read_kv_scales
+from engine.worker import kv_sizing
 from tests.support.engine import run_checked
 
 # ---- the element format ----

@@ -8,7 +8,7 @@ import logging
 
 import pytest
 
-from engine.core.kv.kv_sizing import (
+from engine.worker.kv_sizing import (
     CPU_HEADROOM,
     CPU_KV_FLOOR,
     GIB,
@@ -33,7 +33,7 @@ def test_full_context_is_kept_when_it_fits():
 
 
 def test_unset_context_shrinks_to_whole_blocks_that_fit(caplog):
-    with caplog.at_level(logging.WARNING, logger="engine.core.kv.kv_sizing"):
+    with caplog.at_level(logging.WARNING, logger="engine.worker.kv_sizing"):
         got = fit_max_model_len(None, 8192, 364, 16, BLOCK, "cpu", False)
     assert got == 363 * 16 and got % 16 == 0
     assert "serving a context of 5808 tokens" in caplog.text and "kv_cache_memory_gb" in caplog.text
@@ -201,7 +201,7 @@ def test_free_memory_reads_this_machine():
 def test_engine_default_budget_is_logged_and_fits_the_need(make_llm, caplog):
     """Default settings on the tiny llama: the cache holds every sequence at the full context
     (64 x 1024 tokens, far below half the free memory) and the start-up log says so."""
-    with caplog.at_level(logging.INFO, logger="engine.resolve"):
+    with caplog.at_level(logging.INFO, logger="engine.worker.kv_sizing"):
         llm = make_llm()
     engine = llm.engine
     s = engine.settings

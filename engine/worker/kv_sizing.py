@@ -1,6 +1,8 @@
-"""Start-up sizing of the KV cache and of the context length it can serve.
+"""Start-up sizing of the KV cache and of the context length it can serve: every rule in one place.
 
-Plain functions over ints, so the rules are tested without building an engine:
+Plain functions over ints, so the rules are tested without building an engine (and the two that
+measure the machine: `cpu_kv_bytes` reads the free memory, `free_gpu_bytes_after_profile` runs a
+profiled forward):
 
 - the block count comes from an explicit `num_gpu_blocks`, or from a byte budget: on a GPU,
   what `gpu_memory_utilization` leaves after a profiled forward; on the CPU `kv_cache_memory_gb`
@@ -19,6 +21,12 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from engine.config.settings import EngineSettings
+from engine.layers.attention.base import AttentionMetadata
 
 logger = logging.getLogger(__name__)
 
@@ -27,7 +35,7 @@ MIB = 1 << 20
 
 # The CPU default: this share of the memory left free after the weights, once the headroom below
 # is set aside. The rest stays with the page cache, other processes and the allocator's slack:
-# the KV cache is allocated zeroed, so every byte of it is really taken.
+# a KV cache its sequences fill takes every byte of it (its pages are touched as tokens arrive).
 CPU_KV_SHARE = 0.5
 # Set aside before the share: the OS, the HTTP server, tokenizer threads, oneDNN's primitives.
 CPU_HEADROOM = 1 * GIB
@@ -231,3 +239,81 @@ def cpu_kv_budget(free_bytes: int, activations: int, needed_bytes: int, ranks: i
     if share < CPU_KV_FLOOR:
         return min(CPU_KV_FLOOR, needed_bytes), f"the {CPU_KV_FLOOR / GIB:.2f} GiB floor: memory is short ({of})"
     return share, of
+
+
+# ---- the CPU budget in bytes (kv_cache_memory_gb, or the share above of what is free) ----
+def cpu_kv_bytes(
+    settings: EngineSettings,
+    cfg: Any,  # engine/models/config.py ModelConfig (its shape fields)
+    per_block: int,
+    max_model_len: int,
+    token_budget: int,
+    dtype: torch.dtype,
+) -> float:
+    """The budget in bytes, logged with the blocks and tokens it holds and why."""
+    s = settings
+    if s.kv_cache_memory_gb is not None:
+        budget, why = s.kv_cache_memory_gb * GIB, "kv_cache_memory_gb"
+    else:
+        blocks_per_seq = -(-max_model_len // s.block_size)
+        needed = (s.max_num_seqs * blocks_per_seq + 1) * per_block
+        free = read_free_memory()
+        if free is None:
+            budget, why = CPU_KV_FLOOR, "the floor: this system does not say how much memory is free"
+        else:
+            width = (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
+            activations = activation_bytes(
+                token_budget,
+                s.max_num_seqs,
+                cfg.hidden_size,
+                cfg.intermediate_size or cfg.hidden_size,
+                width,
+                cfg.vocab_size,
+                torch.finfo(dtype).bits // 8,
+            )
+            budget, why = cpu_kv_budget(free.bytes, activations, needed, s.tensor_parallel_size)
+            why += f" ({free.source}); set kv_cache_memory_gb to choose"
+    blocks = int(budget // per_block)
+    logger.info(
+        "KV cache on the CPU: %.2f GiB, %d blocks = %d tokens: %s",
+        budget / GIB,
+        blocks,
+        max(blocks - 1, 0) * s.block_size,
+        why,
+    )
+    return budget
+
+
+# ---- the GPU budget: what a profiled forward leaves of gpu_memory_utilization ----
+def free_gpu_bytes_after_profile(
+    model,
+    dummy_cache: torch.Tensor,
+    num_tokens: int,
+    max_num_seqs: int,
+    gpu_memory_utilization: float,
+    device: torch.device,
+) -> float:
+    """`model` runs `num_tokens` tokens (none writes the cache: every slot is -1) and computes the
+    logits of `max_num_seqs` of them, on a two-block `dummy_cache`."""
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    n = num_tokens
+    ids = torch.zeros(n, dtype=torch.int64, device=device)
+    meta = AttentionMetadata(
+        slot_mapping=torch.full((n,), -1, dtype=torch.int64, device=device),
+        query_start_loc=torch.arange(n + 1, dtype=torch.int32, device=device),
+        seq_lens=torch.zeros(n, dtype=torch.int32, device=device),
+        block_tables=torch.zeros(n, 1, dtype=torch.int32, device=device),
+        max_query_len=1,
+        max_seq_len=1,
+    )
+    with torch.inference_mode():
+        hidden = model(ids, ids, dummy_cache, meta)
+        model.compute_logits(hidden[:max_num_seqs])
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated()
+    del hidden
+    torch.cuda.empty_cache()
+    free, total = torch.cuda.mem_get_info()
+    used_by_others = total - free - torch.cuda.memory_reserved()
+    return total * gpu_memory_utilization - used_by_others - peak
