@@ -64,6 +64,10 @@ def build(path: Path, source: Path, flags: list[str]) -> None:
 
     path.parent.mkdir(parents=True, exist_ok=True)
     clear_stale_lock(path.parent)
+    if not path.exists():  # (a cached library loads in milliseconds: say only when compiling)
+        logger.info(
+            "compiling %s for this CPU (once per machine and kiln version; cached in %s)", source.name, path.parent
+        )
     load(
         name=path.stem,
         sources=[str(source)],

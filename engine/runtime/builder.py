@@ -366,7 +366,7 @@ class EngineBuilder:
                     runner.model, runner.kv_cache.tensor, s.resolved_compile_cache_dir(), s.cpu_decoder_stack
                 )
             if not s.cpu_compile_forward:
-                logger.info("CPU: eager forward, C++ paged attention built ahead of time; warm-up %.1fs", seconds)
+                logger.info("CPU: eager forward, C++ paged attention; warm-up %.1fs", seconds)
                 return seconds, 0.0
         from compiler.compilation.capture import compile_count, configure_compile_cache
 
