@@ -485,6 +485,9 @@ class ServerSettings(_KilnSettings):
         "(its wall time may run to 4 times this on a busy machine)",
     )
     grammar_compile_workers: int = Field(2, ge=1, description="processes compiling constraints (bounded pool)")
+    grammar_compile_queue_per_client: int = Field(
+        8, ge=1, description="constraints one client address may have waiting to compile; more get a 429"
+    )
     grammar_cache_entries: int = Field(256, ge=1, description="compiled constraints kept (LRU)")
     grammar_cache_mb: float = Field(256.0, gt=0, description="bytes of compiled constraints kept (LRU)")
     shutdown_timeout: float = Field(

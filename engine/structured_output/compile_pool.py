@@ -289,10 +289,15 @@ class CompilePool:
     across addresses, and within one address round-robin across its `user` sub-keys (which it
     chooses freely, so they only share out that address's turn); and one address never holds more
     than workers - 1 workers, so a pile of pathological constraints from one client leaves
-    another client a worker at once (at the price of one worker for a client alone)."""
+    another client a worker at once (at the price of one worker for a client alone). An address
+    may queue at most `max_queued_per_client` compiles (more are refused at once, CompileQueueFull):
+    the queue, and the memory it holds, stays bounded whatever one client sends."""
 
-    def __init__(self, tokenizer_info_json: str, workers: int, timeout_s: float) -> None:
+    def __init__(
+        self, tokenizer_info_json: str, workers: int, timeout_s: float, max_queued_per_client: int = 8
+    ) -> None:
         self.timeout_s = timeout_s
+        self.max_queued_per_client = max_queued_per_client
         self._info = tokenizer_info_json
         # address -> user -> queued jobs; both levels in round-robin order
         self._queues: collections.OrderedDict[str, collections.OrderedDict[str, collections.deque[_CompileJob]]] = (
@@ -317,6 +322,13 @@ class CompilePool:
                 job.future.set_exception(CompileFailed("stopped", "the compile pool was closed"))
                 return job
             address, user = tenant
+            queued = sum(len(q) for q in self._queues.get(address, {}).values())
+            if queued >= self.max_queued_per_client:
+                raise CompileQueueFull(
+                    f"structured output: this client already has {queued} constraints waiting to "
+                    f"compile (grammar_compile_queue_per_client={self.max_queued_per_client}); retry "
+                    "when they are done"
+                )
             users = self._queues.setdefault(address, collections.OrderedDict())
             users.setdefault(user, collections.deque()).append(job)
             self._cond.notify()
@@ -433,6 +445,10 @@ class CompilePool:
         self._zygote.shutdown()  # running or starting workers die with it (their threads then exit)
         for t in self._threads:
             t.join(5)
+
+
+class CompileQueueFull(RuntimeError):
+    """One client has as many constraints queued as it may (the server answers 429)."""
 
 
 class CompileCancelled(RuntimeError):

@@ -157,7 +157,7 @@ class StructuredOutputCompiler:
         self._lock = threading.Lock()
         self.cache = GrammarCache(cache_entries, cache_bytes)
         self._pool: CompilePool | None = None
-        self._pool_args: tuple[int, float] | None = None
+        self._pool_args: tuple[int, float, int] | None = None
 
     def configure(
         self,
@@ -165,15 +165,17 @@ class StructuredOutputCompiler:
         workers: int | None = None,
         cache_entries: int | None = None,
         cache_bytes: int | None = None,
+        queue_per_client: int = 8,
     ) -> None:
         """Server settings: compiles go to `workers` processes, each stopped after `timeout_s`
-        (the pool starts on the first constrained request); the cache's bounds."""
+        (the pool starts on the first constrained request), at most `queue_per_client` waiting
+        per client address; the cache's bounds."""
         if cache_entries is not None:
             self.cache.max_entries = cache_entries
         if cache_bytes is not None:
             self.cache.max_bytes = cache_bytes
         if timeout_s is not None and workers:
-            self._pool_args = (workers, timeout_s)
+            self._pool_args = (workers, timeout_s, queue_per_client)
 
     def _xgrammar_compiler(self) -> Any:
         with self._lock:
@@ -200,8 +202,8 @@ class StructuredOutputCompiler:
         self._xgrammar_compiler()
         with self._lock:
             if self._pool is None:
-                workers, timeout_s = self._pool_args
-                self._pool = CompilePool(self._info.serialize_json(), workers, timeout_s)
+                workers, timeout_s, queue_per_client = self._pool_args
+                self._pool = CompilePool(self._info.serialize_json(), workers, timeout_s, queue_per_client)
             return self._pool
 
     def start_pool(self) -> None:

@@ -73,6 +73,38 @@ def test_compile_fairness_keys_on_the_address_not_the_user_field(app_state):
     assert waited < timeout / 2, waited  # not held behind a compile of the other client's
 
 
+def test_one_client_may_queue_only_so_many_compiles(app_state):
+    state, app = app_state(
+        server={"grammar_compile_timeout_s": 4.0, "grammar_compile_workers": 2, "grammar_compile_queue_per_client": 2}
+    )
+
+    async def main():
+        async with _client(app, "10.0.0.3") as mallory:
+            warm = await mallory.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 2, "guided_regex": "[ab]"})
+            assert warm.status_code == 200, warm.text
+            body = {"prompt": "x", "max_tokens": 2}
+            slow = [
+                asyncio.ensure_future(
+                    mallory.post("/v1/completions", json={**body, "guided_json": _slow_schema(f"q{k}_")})
+                )
+                for k in range(6)
+            ]
+            deadline = time.monotonic() + 10
+            while sum(f.done() for f in slow) < 3:  # 1 compiling + 2 waiting at most: 3 or more refused
+                assert time.monotonic() < deadline
+                await asyncio.sleep(0.01)
+            refused = [f.result() for f in slow if f.done()]
+            for f in slow:
+                f.cancel()
+            return refused
+
+    refused = asyncio.run(main())
+    assert refused and all(r.status_code == 429 for r in refused), [r.text for r in refused]
+    error = refused[0].json()["error"]
+    assert error["code"] == "too_many_compiles" and "grammar_compile_queue_per_client=2" in error["message"]
+    assert refused[0].headers["retry-after"] == "1"
+
+
 def test_large_required_schema_compiles_within_the_default_limit(app_state):
     state, app = app_state()  # the default grammar_compile_timeout_s (10 s)
     assert state.settings.grammar_compile_timeout_s == 10.0

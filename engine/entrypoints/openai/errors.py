@@ -19,12 +19,13 @@ from engine.core.admission_rules import InvalidRequestError
 from engine.entrypoints.openai.protocol import ErrorResponse
 from engine.entrypoints.openai.request_body import BoundedJSONRoute
 from engine.runtime.errors import EngineDeadError, QueueFullError
+from engine.structured_output.compile_pool import CompileQueueFull
 from engine.structured_output.grammars import CompileCancelled
 
 logger = logging.getLogger("engine.entrypoints.openai")
 
 ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
-    code: {"model": ErrorResponse} for code in (400, 401, 404, 413, 503)
+    code: {"model": ErrorResponse} for code in (400, 401, 404, 413, 429, 503)
 }
 
 
@@ -207,6 +208,12 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(CompileCancelled)
     async def _compile_stopped(request: Request, exc: CompileCancelled):
         return error_response(503, str(exc), "service_unavailable", None, "shutting_down")
+
+    @app.exception_handler(CompileQueueFull)
+    async def _compile_queue_full(request: Request, exc: CompileQueueFull):
+        return error_response(
+            429, str(exc), "rate_limit_error", "structured_outputs", "too_many_compiles", {"Retry-After": "1"}
+        )
 
     @app.exception_handler(ClientGone)
     @app.exception_handler(ClientDisconnect)  # (gone while its body was being read)

@@ -140,5 +140,6 @@ def create_state(engine_settings: EngineSettings, server_settings: ServerSetting
         workers=server_settings.grammar_compile_workers,
         cache_entries=server_settings.grammar_cache_entries,
         cache_bytes=int(server_settings.grammar_cache_mb * (1 << 20)),
+        queue_per_client=server_settings.grammar_compile_queue_per_client,
     )
     return ServerState(engine, metrics, server_settings, name, engine.info.model_dir)
