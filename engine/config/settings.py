@@ -508,6 +508,12 @@ class ServerSettings(_KilnSettings):
         description="a kept-alive connection with no request in progress closes after this (longer "
         "than clients' own keep-alive, so none reuses a connection as it closes)",
     )
+    http_max_connections: int = Field(
+        1000,
+        ge=1,
+        description="open connections at most: a new one beyond it closes the longest-idle kept-alive "
+        "connection, or gets a 503 if none is idle (idle floods cannot hold the port)",
+    )
     http_header_timeout_s: float = Field(
         10.0,
         gt=0,

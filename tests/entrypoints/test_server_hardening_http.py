@@ -295,3 +295,29 @@ def test_kept_alive_connections_idle_longer_than_a_new_connection_waits_for_its_
             t0 = time.monotonic()
             out = s.recv(65536)
             assert out.startswith(b"HTTP/1.1 408 ") and time.monotonic() - t0 < 1.5, out
+
+
+def test_connection_cap_closes_the_longest_idle_then_refuses(app_state):
+    state, app = app_state(server={"http_max_connections": 8, "http_header_timeout_s": 30.0})
+    with serving(app, state.settings) as port:
+        idle = []
+        for _ in range(8):
+            idle.append(socket.create_connection(("127.0.0.1", port)))
+            time.sleep(0.02)  # (the server sees them open in this order)
+        # A new client beyond the cap is served: the longest-idle connection makes room.
+        ok = httpx.post(f"http://127.0.0.1:{port}/v1/completions", json={"prompt": "Hi", "max_tokens": 2})
+        assert ok.status_code == 200, ok.text
+        idle[0].settimeout(5)
+        assert idle[0].recv(64) == b""  # closed, without an answer
+        # Every connection busy (a request head begun): a new one gets a 503 and is closed.
+        for s in idle[1:]:
+            s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Le")
+        busy = [socket.create_connection(("127.0.0.1", port)) for _ in range(2)]
+        for s in busy:
+            s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Le")
+        time.sleep(0.2)
+        out, closed = exchange(port, b"GET /v1/models HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert out.startswith(b"HTTP/1.1 503 ") and closed, out[:200]
+        assert b"http_max_connections=8" in out and b"retry-after: 1" in out.lower()
+        for s in idle + busy:
+            s.close()

@@ -19,6 +19,10 @@ subclass, so the checks below hold whatever is installed:
   trickled a byte at a time never stalls), gets a 408; a response the client does not read for
   `stream_stall_timeout_s` (the write buffer stays full) is cut off. Each 4xx here closes the
   connection.
+- A connection cap: at most `http_max_connections` open; a new connection beyond it closes the
+  connection that has been idle (kept alive, no request begun) longest, or, when none is idle,
+  its request gets a 503 and it is closed. A flood of idle connections cannot keep new clients out, and the
+  long idle timeout costs no protection.
 """
 
 from __future__ import annotations
@@ -39,7 +43,7 @@ from engine.config.settings import ServerSettings
 logger = logging.getLogger("engine.entrypoints.openai")
 
 _HEAD_END = re.compile(rb"\n\r?\n")
-_REASONS = {400: "Bad Request", 408: "Request Timeout"}
+_REASONS = {400: "Bad Request", 408: "Request Timeout", 503: "Service Unavailable"}
 
 
 @dataclass(frozen=True)
@@ -51,6 +55,8 @@ class HTTPLimits:
     write_stall_s: float | None
     drain_bytes: int  # after an answer given before the body was read: at most this much more is read
     send_buffer: int | None  # SO_SNDBUF (bytes)
+    max_connections: int
+    retry_after_s: int  # the Retry-After of the cap's 503 (as every 503's)
 
     @classmethod
     def of(cls, settings: ServerSettings) -> "HTTPLimits":
@@ -62,6 +68,8 @@ class HTTPLimits:
             settings.stream_stall_timeout_s or None,
             int(settings.max_request_body_mb * (1 << 20)),
             (settings.http_send_buffer_kb << 10) or None,
+            settings.http_max_connections,
+            settings.retry_after_s,
         )
 
 
@@ -151,6 +159,8 @@ class KilnHTTPProtocol(H11Protocol):
         self._write_timer: asyncio.TimerHandle | None = None
         self._drained = 0  # body bytes read and dropped after the answer
         self._head_on_first_byte = False  # kept alive after a response: the head timer starts with the next byte
+        self.idle_since: float | None = None  # (loop time) open with no request begun: the cap may close it
+        self._over_cap = False  # opened over the cap with no connection idle: its request gets a 503
 
     # ---- connection life ----
     def connection_made(self, transport) -> None:
@@ -163,8 +173,26 @@ class KilnHTTPProtocol(H11Protocol):
         self._await_request()
         # uvicorn arms its keep-alive (idle) timer only after a response: a fresh connection gets one too.
         self.timeout_keep_alive_task = self.loop.call_later(self.limits.idle_s, self.timeout_keep_alive_handler)
+        self.idle_since = self.loop.time()
+        if len(self.server_state.connections) > self.limits.max_connections:
+            self._make_room()
+
+    def _make_room(self) -> None:
+        """Over the cap: close the longest-idle other connection, or refuse this one."""
+        idle = [
+            c for c in self.server_state.connections if c is not self and getattr(c, "idle_since", None) is not None
+        ]
+        if idle:
+            oldest = min(idle, key=lambda c: c.idle_since)
+            oldest.idle_since = None
+            oldest.transport.close()
+            return
+        # Answered once its request arrives: a 503 written at once would be lost to the reset its
+        # request then meets (data sent to a closed socket).
+        self._over_cap = True
 
     def connection_lost(self, exc) -> None:
+        self.idle_since = None
         for name in ("_head_timer", "_body_timer", "_body_deadline", "_write_timer"):
             self._cancel(name)
         super().connection_lost(exc)
@@ -175,9 +203,23 @@ class KilnHTTPProtocol(H11Protocol):
                 self._await_request()  # (a pipelined request: before uvicorn reads it, which disarms this)
             else:
                 self._head_on_first_byte = True  # idle until then: uvicorn's keep-alive timer (idle_s)
+                self.idle_since = self.loop.time()
         super().on_response_complete()
 
     def data_received(self, data: bytes) -> None:
+        if data:
+            self.idle_since = None
+        if self._over_cap:
+            self._over_cap = False
+            logger.info(
+                "%s: http_max_connections=%d reached, none idle: 503", _peer(self.client), self.limits.max_connections
+            )
+            self._reject(
+                503,
+                f"the server has http_max_connections={self.limits.max_connections} connections open; retry later",
+                "too_many_connections",
+            )
+            return
         if self._head_on_first_byte and data:
             self._head_on_first_byte = False
             self._await_request()
@@ -278,10 +320,11 @@ class KilnHTTPProtocol(H11Protocol):
             if cycle.response_started:  # too late for a status line: only close
                 self.transport.close()
                 return
-        type_ = "timeout" if status == 408 else "invalid_request_error"
+        type_ = {408: "timeout", 503: "service_unavailable"}.get(status, "invalid_request_error")
         body = json.dumps({"error": {"message": message, "type": type_, "param": None, "code": code}}).encode()
+        retry = f"retry-after: {self.limits.retry_after_s}\r\n" if status == 503 else ""
         head = (
-            f"HTTP/1.1 {status} {_REASONS[status]}\r\ncontent-type: application/json\r\n"
+            f"HTTP/1.1 {status} {_REASONS[status]}\r\ncontent-type: application/json\r\n{retry}"
             f"content-length: {len(body)}\r\nconnection: close\r\n\r\n"
         ).encode()
         self.transport.write(head + body)
