@@ -529,6 +529,12 @@ class ServerSettings(_KilnSettings):
         ge=0,
         description="a client that reads no output this long: its request is aborted, its connection closed (0: never)",
     )
+    stream_pause_tokens: int = Field(
+        256,
+        ge=0,
+        description="a stream with this many tokens its client has not read pauses its request (not "
+        "scheduled, KV kept) until the client reads (0: never pause)",
+    )
     http_send_buffer_kb: int = Field(
         256,
         ge=0,

@@ -86,6 +86,9 @@ class Request:
     grammars: list[Any] | None = None
     embedding: list[float] | None = None  # an embedding request's result (engine/core/request_kinds.py Pool)
     lora_request: LoRARequest | None = None
+    # Its reader is behind (back-pressure from a client that does not read): its sequences are not
+    # scheduled, and keep their KV, until it reads (Scheduler.set_paused).
+    paused: bool = False
     lora_slot: int = -1  # the adapter's slot in the model (-1: the base model)
     prefix_root: bytes | None = None  # prefix-cache namespace (an adapter's KV is its own)
     # With params.prompt_logprobs: one entry per prompt token, the first None (nothing before it),

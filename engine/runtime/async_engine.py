@@ -43,7 +43,15 @@ from engine.core.params import LoRARequest, PoolingParams, SamplingParams
 from engine.runtime.admission import AdmittedRequest
 from engine.runtime.engine_info import EngineInfo, EngineStatus
 from engine.runtime.errors import EngineDeadError, QueueFullError
-from engine.runtime.inbox import AbortRequest, AddRequest, EngineCall, FinishSequence, StepListener, settle_call
+from engine.runtime.inbox import (
+    AbortRequest,
+    AddRequest,
+    EngineCall,
+    FinishSequence,
+    PauseRequest,
+    StepListener,
+    settle_call,
+)
 from engine.runtime.llm_engine import LLMEngine
 from engine.runtime.output_processor import OutputProcessor
 from engine.runtime.request_stream import LoopMailbox, RequestStream
@@ -61,6 +69,10 @@ logger = logging.getLogger(__name__)
 MAX_PENDING_STEPS = 64
 
 
+# A step that could run nothing (its requests paused by back-pressure) is retried after this
+# long, or at once when the inbox wakes the loop (a reader caught up, a request came).
+STALLED_POLL_S = 0.05
+
 # After a tensor-parallel worker died, how long the step thread gets to fail on its own.
 WORKER_DEATH_GRACE_S = 2.0
 
@@ -76,16 +88,21 @@ class AsyncEngine:
         idle_poll_s: float = 1.0,
         max_pending_steps: int = MAX_PENDING_STEPS,
         stream_stall_timeout_s: float | None = None,
+        stream_pause_tokens: int | None = None,
     ) -> None:
         self.engine = engine
         self.listener = listener
         # A stream whose reader takes nothing this long is aborted (RequestStream); None: never.
         self.stream_stall_timeout_s = stream_stall_timeout_s
+        # A stream with this many tokens unread pauses its request until it is read; None: never.
+        self.stream_pause_tokens = stream_pause_tokens
         self.max_waiting_requests = (
             max_waiting_requests if max_waiting_requests is not None else engine.settings.max_waiting_requests
         )
         self._idle_poll_s = idle_poll_s
-        self._inbox: collections.deque[AddRequest | AbortRequest | FinishSequence | EngineCall] = collections.deque()
+        self._inbox: collections.deque[AddRequest | AbortRequest | PauseRequest | FinishSequence | EngineCall] = (
+            collections.deque()
+        )
         self._wake = threading.Event()
         self._streams: dict[str, RequestStream] = {}  # owned by the output thread
         # step thread -> output thread: ("add", admitted request, stream) | ("out", updates) | ("die", error, updates);
@@ -220,7 +237,12 @@ class AsyncEngine:
             )
         loop = asyncio.get_running_loop()
         stream = RequestStream(
-            admitted.request_id, loop, on_close=self.abort, stall_timeout_s=self.stream_stall_timeout_s
+            admitted.request_id,
+            loop,
+            on_close=self.abort,
+            stall_timeout_s=self.stream_stall_timeout_s,
+            on_pause=self.pause,
+            pause_tokens=self.stream_pause_tokens,
         )
         with self._lock:
             self._pending_adds += 1
@@ -265,6 +287,13 @@ class AsyncEngine:
         self._inbox.append(AbortRequest(request_id))
         self._wake.set()
 
+    def pause(self, request_id: str, paused: bool) -> None:
+        """Pause a request whose reader is behind, or resume it (its blocks stay). Thread-safe."""
+        if self._dead is not None:
+            return
+        self._inbox.append(PauseRequest(request_id, paused))
+        self._wake.set()
+
     def status(self) -> EngineStatus:
         e = self.engine.core
         sched = e.scheduler
@@ -299,8 +328,11 @@ class AsyncEngine:
                 if busy:
                     updates.extend(core.step())
                 self._send(("out", updates))  # (also idle: the listener ticks about once a second)
-                if not busy and not self._inbox:
-                    self._wake.wait(self._idle_poll_s)
+                if not self._inbox:
+                    if not busy:
+                        self._wake.wait(self._idle_poll_s)
+                    elif core.stalled:  # (every running request paused, say): not a busy loop
+                        self._wake.wait(STALLED_POLL_S)
         except BaseException as exc:  # noqa: BLE001 - anything that stops the loop kills the engine
             logger.exception("engine step loop died")
             self.crashed = True
@@ -387,6 +419,9 @@ class AsyncEngine:
                 update = core.abort(item.request_id)
                 if update is not None:
                     aborted.append(update)
+                continue
+            if isinstance(item, PauseRequest):
+                core.scheduler.set_paused(item.request_id, item.paused)
                 continue
             if isinstance(item, FinishSequence):
                 core.finish_by_text(item.request_id, item.index, item.stop)

@@ -146,6 +146,7 @@ class EngineCore:
         self.capture_seconds = capture_seconds
         self._pinned_blocks: set[int] = set()  # warm-prefix blocks (each pinned once)
         self._inflight: _Launched | None = None  # overlap scheduling: launched, not yet processed
+        self.stalled = False  # the last step launched nothing and had nothing in flight
         self.last_step = StepStats()
         self.num_generation_tokens_total = 0
         self.num_prompt_tokens_total = 0
@@ -208,6 +209,8 @@ class EngineCore:
         previous = self._inflight
         defer = previous is not None and _defers_sampling(sched)
         launched = None if sched.is_empty else self._launch(sched, defer)
+        # Nothing ran and nothing is in flight (e.g. every running request paused): the loop may wait.
+        self.stalled = launched is None and previous is None
         self._inflight = launched
         updates = self._process(previous) if previous is not None else []
         if launched is None:

@@ -36,6 +36,14 @@ class AbortRequest:
 
 
 @dataclass
+class PauseRequest:
+    """A stream's reader fell behind (paused) or caught up: pause or resume its request."""
+
+    request_id: str
+    paused: bool
+
+
+@dataclass
 class FinishSequence:
     """The output thread found a stop string: finish that sequence in the engine."""
 

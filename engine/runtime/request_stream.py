@@ -5,7 +5,9 @@ only what the reader has not read yet, merged (DeltaBacklog: pieces appended, jo
 read), so a slow reader never makes the engine wait and costs memory only for its unread output.
 A reader that takes nothing for `stall_timeout_s` while output waits is not reading (its client
 has stopped): the request is aborted, which frees its KV blocks; the reader, should it come
-back, reads what was made and the abort.
+back, reads what was made and the abort. Before that, back-pressure reaches generation: with
+`pause_tokens` tokens unread the request is paused (not scheduled, its KV kept) until the reader
+takes them, so a slow client slows only its own request and holds little unread output.
 """
 
 from __future__ import annotations
@@ -38,11 +40,17 @@ class RequestStream:
         loop: asyncio.AbstractEventLoop,
         on_close: Callable[[str], None] | None = None,
         stall_timeout_s: float | None = None,
+        on_pause: Callable[[str, bool], None] | None = None,
+        pause_tokens: int | None = None,
     ) -> None:
         self.request_id = request_id
         self.loop = loop
         self._on_close = on_close
         self._stall_timeout_s = stall_timeout_s
+        self._on_pause: Callable[[str, bool], None] = on_pause or (lambda request_id, paused: None)
+        self._pause_tokens = pause_tokens if on_pause is not None else None
+        self.paused = False  # its request is paused until the reader takes what waits
+        self.pauses = 0  # times it was paused
         self._backlog: DeltaBacklog | None = None  # deltas not yet read, merged
         self._unread_since = 0.0  # when the oldest unread delta came
         self._last: RequestOutput | None = None
@@ -62,12 +70,17 @@ class RequestStream:
         self._backlog.add(delta)
         if delta.finished:
             self.finished = True
-        elif (
-            self._stall_timeout_s is not None
-            and not self.stalled
-            and time.monotonic() - self._unread_since > self._stall_timeout_s
-        ):
-            self._stall()
+        else:
+            if self._pause_tokens is not None and not self.paused and self._backlog.num_tokens >= self._pause_tokens:
+                self.paused = True
+                self.pauses += 1
+                self._on_pause(self.request_id, True)
+            if (
+                self._stall_timeout_s is not None
+                and not self.stalled
+                and time.monotonic() - self._unread_since > self._stall_timeout_s
+            ):
+                self._stall()
         self._event.set()
 
     def _stall(self) -> None:
@@ -115,6 +128,10 @@ class RequestStream:
                 raise StopAsyncIteration
             if self._backlog is not None:
                 delta, self._backlog = self._backlog.take(), None
+                if self.paused:
+                    self.paused = False
+                    if not self.finished and not self.closed:
+                        self._on_pause(self.request_id, False)
                 self._last = delta
                 if delta.finished:
                     self.done = True

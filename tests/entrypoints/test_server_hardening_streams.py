@@ -127,6 +127,57 @@ def test_blocks_are_freed_within_a_second_of_the_disconnect(app_state):
     assert freed < 1.0, freed
 
 
+class LateReader(StalledClient):
+    """Reads `reads` chunks, stops reading until `resume` is set, then reads everything."""
+
+    def __init__(self, app, body: dict, reads: int = 3) -> None:
+        self.resume = asyncio.Event()
+        super().__init__(app, body, reads)
+
+    async def _send(self, message) -> None:
+        if message["type"] != "http.response.body":
+            return
+        self.chunks.append(message.get("body", b""))
+        if len(self.chunks) == self._reads:
+            self.blocked.set()
+            await self.resume.wait()
+
+    def usage(self) -> dict:
+        events = [json.loads(line[6:]) for line in b"".join(self.chunks).decode().splitlines() if line[6:7] == "{"]
+        return [e for e in events if e.get("usage")][-1]["usage"]
+
+
+def test_a_client_that_does_not_read_pauses_its_own_generation(app_state):
+    state, app = app_state(server={"stream_stall_timeout_s": 0, "stream_pause_tokens": 16})  # (no abort)
+    slow_steps(state, 0.002)
+    sched = state.engine.engine.core.scheduler
+    body = {**LONG, "max_tokens": 120, "stream_options": {"include_usage": True}}
+
+    def generated() -> int:
+        return sum(s.num_output_tokens for r in sched.requests.values() for s in r.seqs)
+
+    async def main():
+        clients = [LateReader(app, body) for _ in range(4)]
+        for c in clients:
+            await asyncio.wait_for(c.blocked.wait(), 30)
+        await _until(lambda: all(r.paused for r in sched.requests.values()), 30)
+        await asyncio.sleep(0.2)  # (a step launched as they paused ends)
+        before = generated()
+        await asyncio.sleep(0.5)  # paused: nothing more is generated for them
+        after = generated()
+        unread = [s.unread_tokens for job in state.jobs for s in job.streams]
+        for c in clients:
+            c.resume.set()
+        await asyncio.wait_for(asyncio.gather(*(c.task for c in clients)), 60)
+        await _until(lambda: _engine_free(state), 10)
+        return before, after, unread, [c.usage() for c in clients]
+
+    before, after, unread, usages = asyncio.run(main())
+    assert before == after, (before, after)
+    assert before < 4 * 120 // 2 and all(16 <= u < 32 for u in unread), (before, unread)  # long before the end
+    assert all(u["completion_tokens"] == 120 for u in usages), usages  # resumed, nothing lost
+
+
 def _delta(text: str, ids: list[int], logprobs=None, finish=None) -> RequestOutput:
     return RequestOutput(
         "r", "p", [1], [CompletionOutput(0, text, ids, None, logprobs, finish)], finished=finish is not None

@@ -162,6 +162,13 @@ class Scheduler:
             request.finished_time = time.monotonic()
             self.pop_finished_request(request_id)
 
+    def set_paused(self, request_id: str, paused: bool) -> None:
+        """Pause or resume a request's sequences (its reader has fallen behind / caught up): a
+        paused one is skipped by every step, keeping its KV blocks (preemption may still take them)."""
+        request = self.requests.get(request_id)
+        if request is not None:
+            request.paused = paused
+
     def _final_update(self, request: Request) -> RequestUpdate:
         request.finished_time = request.finished_time or time.monotonic()
         self.pop_finished_request(request.request_id)
@@ -277,7 +284,7 @@ class Scheduler:
             tokens = seq.token_ids
             start = seq.num_computed_tokens
             num_new = len(tokens) - start
-            if num_new <= 0:
+            if num_new <= 0 or seq.request.paused:
                 i += 1
                 continue
             if seq.num_pending:  # one whose launched step ends it by length gets no extra token
@@ -335,6 +342,8 @@ class Scheduler:
                 break  # this step preempted something at least as urgent: don't take its room
             if budget <= 0 or self._seats_used() + self._seats(seq) > self.config.max_num_seqs:
                 break
+            if seq.request.paused:
+                continue  # (preempted while its reader is behind: back when it reads)
             if seq.status is SeqStatus.SWAPPED:
                 left = self._try_swap_in(seq, out, budget)
             else:

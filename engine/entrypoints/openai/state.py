@@ -133,8 +133,11 @@ def create_state(engine_settings: EngineSettings, server_settings: ServerSetting
     metrics = EngineMetrics(name, engine_settings.log_stats_interval)
     metrics.set_engine_info(llm_engine)
     engine = AsyncEngine(
-        llm_engine, listener=metrics, stream_stall_timeout_s=server_settings.stream_stall_timeout_s or None
-    )  # (0: never)
+        llm_engine,
+        listener=metrics,
+        stream_stall_timeout_s=server_settings.stream_stall_timeout_s or None,  # (0: never)
+        stream_pause_tokens=server_settings.stream_pause_tokens or None,
+    )
     engine.grammar_compiler.configure(
         timeout_s=server_settings.grammar_compile_timeout_s,
         workers=server_settings.grammar_compile_workers,
