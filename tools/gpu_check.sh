@@ -134,6 +134,7 @@ plan
 mkdir -p "$OUT"
 rm -rf "$WORK" && mkdir -p "$WORK"
 START=$(date +%s)
+QUIET_WAIT_S=${GPU_CHECK_QUIET_WAIT_S:-30}  # the most a timed stage waits for background engines to build
 NO_GPU_REASON=""   # set when the env stage finds no usable CUDA (or fails): GPU stages skip
 WHEELS=${GPU_CHECK_WHEELS:-.whl}  # carried wheels; SITE: where they are installed
 SITE=${GPU_CHECK_SITE:-/tmp/site}
@@ -192,6 +193,7 @@ run_stage() {
   local junits=("$WORK/$name"*.xml)
   [ -e "${junits[0]}" ] && extra+=(--junit "${junits[@]}")
   [ "$status" = timeout ] && extra+=(--reason "cut at ${LIMIT}s")
+  [ -f "$WORK/$name.engines" ] && extra+=(--engines "$(cat "$WORK/$name.engines")")
   record "$name" "$status" "$rc" "$secs" "${extra[@]}"
   echo "== $name $status rc=$rc (${secs}s)"; tail -n 15 "$WORK/$name.log"
   LAST_STATUS=$status
@@ -253,6 +255,28 @@ run_engine() {  # NAME (inside a stage): build it now unless built ahead, let it
   unset "ENGINE_PID[$name]"
   cat "$WORK/$name.engine.log"
   return $rc
+}
+
+# quiet_gpu [TIMED-ENGINE]: before a timed stage, wait (at most QUIET_WAIT_S, within the stage's
+# limit) for every other live background engine to finish building (compiling, capturing, Triton
+# autotuning all use the GPU); an engine has built once its JSON rows exist (status pending). What
+# was found goes beside the stage's figures (WORK/STAGE.engines -> the stage JSON's "engines").
+quiet_gpu() {
+  local skip=${1:-} name state found=() t0=$(date +%s) wait_s=$QUIET_WAIT_S
+  [ "$wait_s" -gt $(( LIMIT / 3 )) ] && wait_s=$(( LIMIT / 3 ))
+  for name in "${!ENGINE_PID[@]}"; do
+    [ "$name" = "$skip" ] && continue
+    while kill -0 "${ENGINE_PID[$name]}" 2>/dev/null && [ ! -f "$WORK/$name.json" ] \
+        && [ $(( $(date +%s) - t0 )) -lt "$wait_s" ]; do
+      sleep 0.5
+    done
+    if [ -f "$WORK/$name.json" ] && kill -0 "${ENGINE_PID[$name]}" 2>/dev/null; then state=built-idle
+    elif kill -0 "${ENGINE_PID[$name]}" 2>/dev/null; then state=still-building
+    else state=exited; fi
+    found+=("$name=$state")
+  done
+  echo "background engines before timing: ${found[*]:-none} (waited $(( $(date +%s) - t0 ))s)"
+  echo "${found[*]:-none}" >"$WORK/$STAGE.engines"
 }
 
 stop_engines() {  # engines whose stage never ran (skipped, cut): end them with the script
@@ -358,6 +382,7 @@ run_group() {  # NAME PYTEST-ARGS: one process of the tests stage (log, junit, s
 }
 
 stage_kernel_bench() {  # DECODE PREFILL: one generation per process
+  quiet_gpu
   if [ -n "$FAKE" ]; then
     timeout "$LIMIT" $PY tools/gpu_check_fake.py kernel-bench "$WORK/$STAGE.json" --decode-kernel "$1" \
       --prefill-kernel "$2" $(crashes "$STAGE" && echo --crash); return
@@ -369,6 +394,7 @@ stage_kernel_bench() {  # DECODE PREFILL: one generation per process
 stage_engine() {  # ENGINE [COMPARE-ARGS...]: time a latency engine; the stage JSON is the engine's rows, or
   # for a quantised engine (its name unlike the stage's) quant_compare's against latency-8b
   local engine=$1 r; shift
+  quiet_gpu "$engine"
   run_engine "$engine"; r=$?
   if [ $# -gt 0 ]; then  # a quantised engine: against latency-8b's bf16 figures of this run
     $PY -m engine.bench.quant_compare --bf16 "$WORK/latency-8b.json" "$@" --json "$WORK/$STAGE.json"

@@ -1,9 +1,11 @@
 """The bookkeeping half of tools/gpu_check.sh: one JSON per stage, the table printed last.
 
     gpu_summary.py record WORK STAGE STATUS RC SECONDS [--reason R] [--result F] [--junit F ...] [--log F]
+                          [--engines "NAME=STATE ..."]
         write WORK/STAGE.stage.json: status (ok, failed, timeout, skipped), exit code, seconds, why
-        skipped, pytest counts from the junit files (a stage whose tests all skipped fails), the
-        crash (the signal, the last error line of the log) and the stage's own JSON result if any
+        skipped, the background engines' state as it began timing, pytest counts from the junit
+        files (a stage whose tests all skipped fails), the crash (the signal, the last error line
+        of the log) and the stage's own JSON result if any
     gpu_summary.py group WORK NAME RC SECONDS
         one process of the tests stage (WORK/tests-NAME.{xml,log}) into WORK/tests.json
     gpu_summary.py kernel-env JUNIT...
@@ -13,7 +15,8 @@
         print one line per stage (in run order; the tests stage's processes under it) and the
         targets against the figures found, each naming what produced it (backend, CUDA graphs,
         overlap scheduling); a figure is scored (MET / missed) only if it was measured on the
-        cutlass backend with CUDA graphs. Write DIR/summary.json with all of it. Never fails on
+        cutlass backend with CUDA graphs, every forward of its timed window replayed a graph and
+        nothing compiled there. Write DIR/summary.json with all of it. Never fails on
         missing data.
 Standard library only: it must run where the engine's dependencies failed to install.
 """
@@ -173,10 +176,13 @@ def record(
     result: str | None,
     junit: list[str],
     log: str | None = None,
+    engines: str | None = None,
 ) -> dict:
     entry = {"stage": stage, "status": status, "rc": rc, "seconds": round(float(seconds), 1)}
     if reason:
         entry["reason"] = reason
+    if engines:  # the background engines' state when the stage began timing (gpu_check.sh quiet_gpu)
+        entry["engines"] = engines
     _test_verdict(entry, junit_counts(junit))
     if status in ("failed", "timeout"):
         crash = crash_of(rc, log)
@@ -233,6 +239,8 @@ def _latency_row(result, batch: int) -> dict | None:
 def produced_by(row: dict) -> str:
     """What measured a latency row: device, backend, CUDA graphs, overlap scheduling."""
     graphs = "CUDA graphs" if row.get("cuda_graphs") else "no CUDA graphs"
+    if row.get("forwards") is not None and row.get("graph_replays") is not None:
+        graphs += f" ({row['graph_replays']}/{row['forwards']} replayed, {row.get('recompiles', '?')} compiles)"
     overlap = {True: "overlap on", False: "overlap off"}.get(row.get("async_scheduling"), "overlap ?")
     kernels = f" {row.get('decode_kernel')}/{row.get('prefill_kernel')}" if row.get("backend") == "cutlass" else ""
     return f"{row.get('device', '?')}, {row.get('backend', '?')}{kernels}, {graphs}, {overlap}"
@@ -249,6 +257,13 @@ def why_not_scored(row: dict) -> str | None:
         return f"{row.get('backend', 'unknown')} backend"
     if not row.get("cuda_graphs"):
         return "no CUDA graphs"
+    # Graphs captured is not graphs replayed: the timed window must have replayed one for every
+    # forward and compiled nothing (rows from before these were recorded are taken as they are).
+    forwards, replays, recompiles = row.get("forwards"), row.get("graph_replays"), row.get("recompiles")
+    if recompiles:
+        return f"{recompiles} recompiles in the timed window"
+    if forwards is not None and replays is not None and replays != forwards:
+        return f"{replays} graph replays for {forwards} forwards in the timed window"
     return None
 
 
@@ -327,6 +342,8 @@ def _detail(entry: dict) -> str:
     for key in ("reason", "crash"):
         if entry.get(key):
             parts.append(("CRASH: " if key == "crash" else "") + entry[key])
+    if entry.get("engines"):
+        parts.append(f"background engines: {entry['engines']}")
     result = entry.get("result")
     if isinstance(result, dict) and "notes" in result:  # quant_compare's
         for key, what in (("int4_over_bf16_ms", "int4/bf16 ms/step"), ("fp8_over_bf16_tok_s", "fp8/bf16 tok/s")):
@@ -405,6 +422,7 @@ def main(argv: list[str]) -> int:
     r.add_argument("--result", default=None)
     r.add_argument("--junit", nargs="*", default=[])
     r.add_argument("--log", default=None)
+    r.add_argument("--engines", default=None)
     g = sub.add_parser("group")
     g.add_argument("work", type=Path)
     g.add_argument("name")
@@ -418,7 +436,16 @@ def main(argv: list[str]) -> int:
     args = p.parse_args(argv)
     if args.cmd == "record":
         entry = record(
-            args.work, args.stage, args.status, args.rc, args.seconds, args.reason, args.result, args.junit, args.log
+            args.work,
+            args.stage,
+            args.status,
+            args.rc,
+            args.seconds,
+            args.reason,
+            args.result,
+            args.junit,
+            args.log,
+            args.engines,
         )
         print(entry["status"])
     elif args.cmd == "group":

@@ -49,6 +49,8 @@ prepare_process()
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
+from compiler.compilation.capture import compile_count  # noqa: E402
+
 PRESETS = ("llama-3.2-1b", "llama-3.1-8b", "qwen2.5-7b")
 
 
@@ -235,6 +237,9 @@ def run_kiln(engine, prompts: list[list[int]], output_len: int, tag: str) -> dic
     started: set[str] = set()
     window_start = window_tokens = None
     returns: list[float] = []  # host time of each step() return inside the window
+    runner = engine.core.runner
+    graphs = runner.graph_runner
+    replays0 = compiles0 = forwards0 = 0  # at the window's start: what the window ran, replayed, compiled
     _sync(device)
     t_start = time.perf_counter()
     while engine.core.has_unfinished_requests():
@@ -249,6 +254,8 @@ def run_kiln(engine, prompts: list[list[int]], output_len: int, tag: str) -> dic
             returns.append(now)
         elif len(started) == len(prompts):  # every prompt token is processed
             window_start, window_tokens = now, engine.core.num_generation_tokens_total
+            replays0, compiles0 = (graphs.num_replays if graphs else 0), compile_count()
+            forwards0 = runner.num_forwards
     _sync(device)
     t_end = time.perf_counter()
     engine.core.check_integrity()
@@ -265,6 +272,9 @@ def run_kiln(engine, prompts: list[list[int]], output_len: int, tag: str) -> dic
             window_s=t_end - window_start,
             window_tokens=engine.core.num_generation_tokens_total - window_tokens,
             step_s=np.diff([window_start] + returns).tolist(),
+            forwards=runner.num_forwards - forwards0,
+            graph_replays=graphs.num_replays - replays0 if graphs else None,
+            recompiles=compile_count() - compiles0,
         )
     return res
 
@@ -298,6 +308,11 @@ def bench_one(engine, batch: int, input_len: int, output_len: int, args, copy_gb
         "decode_steps": res["decode_steps"],
         "decode_window_s": res["window_s"],
         "weight_GB": wbytes / 1e9,
+        # What the timed window ran, replayed and compiled: a figure stands for graph replay only
+        # when every forward in it replayed a graph and nothing compiled (tools/gpu_summary.py checks).
+        "forwards": res.get("forwards"),
+        "graph_replays": res.get("graph_replays"),
+        "recompiles": res.get("recompiles"),
     }
     print(
         f"  batch {batch}: {ms:.3f} ms per decode step over {res['decode_steps']} steps timed together "

@@ -77,6 +77,7 @@ class ModelRunner:
         self.builder = StepBuilder(self.buffers, StepFeatures.for_model(model, max_tokens, device), block_size)
         self.forward_fn = model.forward  # replaced by the compiled forward (compiler/compilation/capture.py)
         self.graph_runner: DecodeGraphRunner | None = None  # set when decode CUDA graphs are captured
+        self.num_forwards = 0  # steps launched with rows (graph replays among them: graph_runner.num_replays)
         # A device proposer (engine/spec_decode/: a draft model, an EAGLE head): it drafts inside
         # each launch, before the forward that verifies its drafts.
         self.spec: DeviceProposer | None = None
@@ -210,6 +211,7 @@ class ModelRunner:
             pending.sample = PendingSample.empty(self.device)
             return pending
         step = self.prepare(sched)
+        self.num_forwards += 1
         if self.spec is not None:
             pending.proposal = self.spec.propose(sched, self.builder)
             if pending.proposal is not None:

@@ -287,3 +287,15 @@ def test_graph_path_defers_to_the_sampler(engines):
     assert len(outs["lp"].logprobs) == 5 and all(len(e) >= 2 for e in outs["lp"].logprobs)
     assert compiled.core.runner.graph_runner.num_replays > replays
     assert_engine_clean(compiled)
+
+
+def test_latency_window_counts_replays_forwards_and_compiles(engines):
+    """The figures tools/gpu_summary.py scores: in the timed decode window of `kiln bench latency`,
+    every forward replays a graph (simulated here) and nothing compiles."""
+    from engine.bench.latency import run_kiln
+
+    _, compiled = engines
+    res = run_kiln(compiled, _prompts(compiled, 3, seed=11), 8, "window")
+    assert res["decode_steps"] >= 6 and res["forwards"] >= res["decode_steps"] - 1, res
+    assert res["graph_replays"] == res["forwards"] and res["recompiles"] == 0, res
+    assert_engine_clean(compiled)

@@ -191,10 +191,15 @@ def test_fake_device_run_survives_crashes_and_names_them(fake_run):
     assert tests["status"] == "failed"
     assert tests["tests"]["passed"] == sum(len(c["nodes"]) for name, c in collected.items() if name != "kernels-v2")
     assert stages["kernel-bench"]["status"] == "ok" and stages["kernel-bench"]["result"]["complete"]
+    # the GPU is checked quiet before timing: the 8B engine built in the background is polled, and
+    # its state goes beside the figures (the timed engine's own stage polls none other)
+    assert stages["kernel-bench"]["engines"] in ("latency-8b=built-idle", "latency-8b=still-building")
+    assert stages["latency-8b"]["engines"] == "none"
     assert stages["kernel-bench-v2"]["status"] == "skipped" and "not verified" in stages["kernel-bench-v2"]["reason"]
     assert stages["swap-bench"]["status"] == "ok" and stages["swap-bench"]["result"]["complete"]
     text = (tmp_path / "out" / "summary.txt").read_text()
     assert "CRASH: killed by SIGSEGV" in text and "kernels-v2" in text
+    assert "background engines: latency-8b=" in text
     verdicts = {(t["stage"], t["target"]): t["verdict"] for t in summary["targets"]}
     assert verdicts["latency-8b", "8B bf16 batch 1 ms/step"] == "not scored (device cpu)"
     assert verdicts["latency-8b", "8B bf16 batch 64 tok/s (3x transformers' 2,734)"] == "no figure"
@@ -419,6 +424,8 @@ def test_summary_scores_only_cutlass_figures_with_graphs(tmp_path):
         (dict(cuda_graphs=False), "no CUDA graphs"),
         (dict(device="cpu"), "device cpu"),
         (dict(status="running"), "status running"),
+        (dict(forwards=10, graph_replays=9, recompiles=0), "9 graph replays for 10 forwards in the timed window"),
+        (dict(forwards=10, graph_replays=10, recompiles=2), "2 recompiles in the timed window"),
     ):
         (tmp_path / "lat8.json").write_text(json.dumps([dict(GPU_ROW, batch_size=1, ms_per_step=4.1, **change)]))
         gpu_summary.record(work, "latency-8b", "ok", "0", 140, None, str(tmp_path / "lat8.json"), [])
@@ -541,6 +548,7 @@ def test_latency_bench_writes_each_row_as_measured(tiny_llama, tmp_path, monkeyp
     assert rows[0]["ms_per_step"] > 0 and rows[0]["decode_steps"] == 3 and rows[0]["async_scheduling"] is True
     assert "illegal memory access" in rows[1]["error"]
     assert all(r["backend"] == "torch" and r["cuda_graphs"] is False and "startup_s" in r for r in rows)
+    assert rows[0]["forwards"] >= 2 and rows[0]["graph_replays"] is None and rows[0]["recompiles"] == 0
 
 
 def test_kernel_bench_writes_each_section(tmp_path, monkeypatch):
