@@ -502,6 +502,12 @@ class ServerSettings(_KilnSettings):
     max_request_json_values: int = Field(
         1_000_000, ge=1, description="a request body with more JSON values (numbers, strings, ...) gets a 400, unparsed"
     )
+    max_request_json_objects: int = Field(
+        100_000,
+        ge=1,
+        description="a request body with more JSON objects gets a 400, unparsed (an object costs ~50 "
+        "numbers to parse: the bound keeps one body's parse off other streams' latency)",
+    )
     http_idle_timeout_s: float = Field(
         75.0,
         gt=0,

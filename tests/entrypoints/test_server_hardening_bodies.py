@@ -108,6 +108,16 @@ def test_30mb_token_id_prompt_does_not_stall_the_loop(app_state):
     assert gap < 1.0 and health < 1.0, (gap, health)
 
 
+def test_a_body_of_many_small_objects_is_refused_before_parsing(app_state):
+    state, app = app_state()
+    tool = b'{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}'
+    big = b'{"messages": [{"role": "user", "content": "hi"}], "tools": [' + b",".join([tool] * 240_000) + b"]}"
+    out, gap, health = _loop_stays_free(state, app, big)
+    assert out["status"].startswith(b"HTTP/1.1 400"), out["answer"][:300]
+    assert b"max_request_json_objects=100000" in out["answer"]
+    assert gap < 1.0 and health < 0.25, (gap, health)
+
+
 def test_token_id_prompt_over_max_model_len_is_refused_before_validation(app_state, monkeypatch):
     state, app = app_state()
     calls = []

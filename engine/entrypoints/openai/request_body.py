@@ -3,8 +3,9 @@
 The event loop serves every stream, so nothing that grows with a body may run long there. A
 request body (already capped in bytes by GateMiddleware) is, in order:
 
-1. counted: more than max_request_json_values JSON values is a 400 before parsing (a C-speed
-   scan; parsing 10 million token ids would hold the interpreter for seconds);
+1. counted: more than max_request_json_values JSON values, or max_request_json_objects objects,
+   is a 400 before parsing (a C-speed scan; parsing 10 million token ids, or 240,000 tool
+   definitions, would hold the interpreter for seconds: objects cost ~50x a number to build);
 2. parsed (json.loads: bounded by 1.);
 3. checked for lone surrogates, only when the bytes can hold one (a byte search);
 4. shaped: a token-id prompt with no room in max_model_len, more prompts than a request may hold,
@@ -78,6 +79,7 @@ class JSONValueCounter:
 
     def __init__(self) -> None:
         self.count = 0
+        self.objects = 0  # of those, objects (`{`): the costly values to parse
         self._in_string = False
         self._escaped = False  # the previous chunk ended inside a string on an unpaired backslash
 
@@ -93,7 +95,9 @@ class JSONValueCounter:
         outside = b"".join(parts[1 if self._in_string else 0 :: 2])
         if len(parts) % 2 == 0:
             self._in_string = not self._in_string
-        self.count += outside.count(b",") + outside.count(b"[") + outside.count(b"{")
+        objects = outside.count(b"{")
+        self.objects += objects
+        self.count += outside.count(b",") + outside.count(b"[") + objects
         return self.count
 
 
@@ -135,10 +139,11 @@ def check_shape(info: EngineInfo, data: Any) -> None:
         rules.logit_bias_count(len(data["logit_bias"]), info.vocab_size)
 
 
-async def read_body(request: Request, max_values: int) -> tuple[bytes, bool]:
+async def read_body(request: Request, max_values: int, max_objects: int | None = None) -> tuple[bytes, bool]:
     """(the body, whether it may hold a lone surrogate), both found as it arrives (step 1 of
-    the module docstring). Past `max_values` JSON values the rest is read and dropped (the body
-    limit bounds it), so the client reads the 400 on a healthy connection."""
+    the module docstring). Past `max_values` JSON values or `max_objects` objects the rest is
+    read and dropped (the body limit bounds it), so the client reads the 400 on a healthy
+    connection."""
     counter = JSONValueCounter()
     chunks: list[bytes] | None = []
     surrogates, tail = False, b""
@@ -147,10 +152,16 @@ async def read_body(request: Request, max_values: int) -> tuple[bytes, bool]:
             chunks.append(chunk)
             surrogates = surrogates or _may_hold_surrogates(tail + chunk[:2]) or _may_hold_surrogates(chunk)
             tail = chunk[-2:]
-            if counter.feed(chunk) > max_values:
+            if counter.feed(chunk) > max_values or (max_objects is not None and counter.objects > max_objects):
                 chunks = None
     if chunks is None:
-        raise InvalidRequestError(f"the request body holds more than max_request_json_values={max_values} JSON values")
+        if counter.count > max_values:
+            raise InvalidRequestError(
+                f"the request body holds more than max_request_json_values={max_values} JSON values"
+            )
+        raise InvalidRequestError(
+            f"the request body holds more than max_request_json_objects={max_objects} JSON objects"
+        )
     return b"".join(chunks), surrogates
 
 
@@ -198,7 +209,10 @@ class BoundedJSONRoute(APIRoute):
             if not _is_json(request.headers.get("content-type")):
                 return await handler(request)  # (FastAPI refuses it without parsing)
             state = request.app.state.kiln
-            body, surrogates = await read_body(request, state.settings.max_request_json_values)
+            settings = state.settings
+            body, surrogates = await read_body(
+                request, settings.max_request_json_values, settings.max_request_json_objects
+            )
             if not body:
                 return await handler(_ParsedRequest(request, body, None))
             try:
