@@ -1,6 +1,7 @@
 """The OpenAI-compatible request models (pydantic) and their mapping to SamplingParams.
 
-Unknown fields are kept (extra="allow") so the handler can log and ignore them. Ranges
+A request body is parsed once, into one of these models; unknown fields are kept (extra="allow")
+and logged there, at parse time, then ignored. Ranges
 that the engine checks (temperature >= 0, n >= 1, ...) and the API's own rules (best_of, suffix,
 one constraint field...) are engine/core/admission_rules.py's, so there is one rule and one message
 for each; the models only pin types, and bounds that keep values sane before they reach the engine.
@@ -8,6 +9,7 @@ for each; the models only pin types, and bounds that keep values sane before the
 
 from __future__ import annotations
 
+import logging
 from typing import Annotated, Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag
@@ -16,6 +18,8 @@ from engine.config.generation_config import GenerationDefaults, apply_generation
 from engine.core import admission_rules as rules
 from engine.core.params import SamplingParams, StructuredOutputsParams
 from engine.entrypoints.openai.tool_calls import ToolMode, arguments_for_template, resolve_tool_mode
+
+logger = logging.getLogger("engine.entrypoints.openai")
 
 _INT64 = 2**63 - 1
 
@@ -52,6 +56,15 @@ class _Lenient(BaseModel):
         return sorted((self.model_extra or {}).keys())
 
 
+class _RequestBody(_Lenient):
+    """A whole request body: its unknown top-level fields are logged once, as it is parsed."""
+
+    def model_post_init(self, context: Any) -> None:
+        unknown = self.unknown_fields()
+        if unknown:
+            logger.info("ignoring unknown request fields: %s", ", ".join(unknown))
+
+
 class StreamOptions(_Lenient):
     include_usage: bool = False
     continuous_usage_stats: bool = False  # vLLM: usage so far in every chunk
@@ -71,7 +84,7 @@ class ResponseFormat(_Lenient):
     json_schema: JSONSchemaFormat | None = None
 
 
-class _SamplingFields(_Lenient):
+class _SamplingFields(_RequestBody):
     model: str | None = None
     temperature: float | None = None
     top_p: float | None = None
@@ -115,6 +128,11 @@ class _SamplingFields(_Lenient):
             return None
         name, fields = found
         return rules.constraint_from_fields(StructuredOutputsParams, fields, name)
+
+    def constraint_field(self) -> str:
+        """The field a constraint came in, to name in a compile error (a forced tool call's: tools)."""
+        found = self.structured_output_field()
+        return found[0] if found is not None else "tools"
 
     def structured_output_field(self) -> tuple[str, dict[str, Any]] | None:
         """(the request field that holds the constraint, its fields), or None."""
@@ -175,6 +193,11 @@ class _SamplingFields(_Lenient):
             fields = apply_generation_defaults(fields, defaults, self.model_fields_set)
         return SamplingParams(**fields)
 
+    def check_beam_search(self, with_tools: bool) -> None:
+        """use_beam_search returns whole beams: no stream, no constraint, no tools."""
+        if self.use_beam_search:
+            rules.beam_search_alone(bool(self.stream), self.structured_output_field() is not None or with_tools)
+
     @property
     def include_usage(self) -> bool:
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
@@ -213,6 +236,7 @@ class CompletionRequest(_SamplingFields):
     def sampling_params(self, defaults: GenerationDefaults | None = None) -> SamplingParams:
         rules.suffix_unsupported(self.suffix)
         rules.best_of(self.best_of, self.n)
+        self.check_beam_search(with_tools=False)
         # echo with logprobs: the echoed prompt tokens carry their logprobs too (what
         # loglikelihood evaluations read).
         prompt_logprobs = None
@@ -285,33 +309,14 @@ class ChatCompletionRequest(_SamplingFields):
         return [t.model_dump(exclude_none=True) for t in self.tools] if self.tools else None
 
     def conversation(self) -> list[dict[str, Any]]:
-        rules.messages_given(len(self.messages))
-        out = []
-        for i, m in enumerate(self.messages):
-            rules.message_role(i, m.role)
-            if isinstance(m.content, list):
-                texts = []
-                for part in m.content:
-                    rules.text_part(i, part.type, part.text)
-                    texts.append(part.text)
-                content = "".join(texts)
-            else:
-                content = m.content or ""
-            message: dict[str, Any] = {"role": m.role, "content": content}
-            if m.tool_calls:
-                message["tool_calls"] = arguments_for_template(m.tool_calls)
-            if m.tool_call_id is not None:
-                message["tool_call_id"] = m.tool_call_id
-            if m.name is not None:
-                message["name"] = m.name
-            out.append(message)
-        return out
+        return conversation(self.messages)
 
     def sampling_params(
         self, tool_mode: ToolMode | None = None, defaults: GenerationDefaults | None = None
     ) -> SamplingParams:
         """With a forced tool choice, the output is constrained to the call's JSON."""
         rules.top_logprobs(self.top_logprobs, self.logprobs)
+        self.check_beam_search(with_tools=bool(self.tools))
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
         constraint = None
@@ -320,7 +325,32 @@ class ChatCompletionRequest(_SamplingFields):
         return self._params(max_tokens, logprobs, defaults=defaults, structured_outputs=constraint)
 
 
-class EmbeddingRequest(_Lenient):
+def conversation(messages: list[ChatMessage]) -> list[dict[str, Any]]:
+    """The messages as chat templates take them: text parts joined, tool calls' arguments as dicts."""
+    rules.messages_given(len(messages))
+    out = []
+    for i, m in enumerate(messages):
+        rules.message_role(i, m.role)
+        if isinstance(m.content, list):
+            texts = []
+            for part in m.content:
+                rules.text_part(i, part.type, part.text)
+                texts.append(part.text)
+            content = "".join(texts)
+        else:
+            content = m.content or ""
+        message: dict[str, Any] = {"role": m.role, "content": content}
+        if m.tool_calls:
+            message["tool_calls"] = arguments_for_template(m.tool_calls)
+        if m.tool_call_id is not None:
+            message["tool_call_id"] = m.tool_call_id
+        if m.name is not None:
+            message["name"] = m.name
+        out.append(message)
+    return out
+
+
+class EmbeddingRequest(_RequestBody):
     """OpenAI's /v1/embeddings (plus vLLM's priority and normalize)."""
 
     model: str | None = None
@@ -344,7 +374,7 @@ class UnloadLoRAAdapterRequest(_Lenient):
     lora_name: str = Field(min_length=1)
 
 
-class TokenizeRequest(_Lenient):
+class TokenizeRequest(_RequestBody):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
@@ -352,7 +382,7 @@ class TokenizeRequest(_Lenient):
     add_generation_prompt: bool = True
 
 
-class DetokenizeRequest(_Lenient):
+class DetokenizeRequest(_RequestBody):
     model: str | None = None
     tokens: list[int]
 
