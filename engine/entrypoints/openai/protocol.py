@@ -21,7 +21,7 @@ from engine.entrypoints.openai.tool_calls import ToolMode, arguments_for_templat
 
 logger = logging.getLogger("engine.entrypoints.openai")
 
-_INT64 = 2**63 - 1
+INT64 = 2**63 - 1
 
 
 def _prompt_form(value: Any) -> str:
@@ -49,14 +49,14 @@ PromptInput = Annotated[
 ]
 
 
-class _Lenient(BaseModel):
+class Lenient(BaseModel):
     model_config = ConfigDict(extra="allow", allow_inf_nan=False)
 
     def unknown_fields(self) -> list[str]:
         return sorted((self.model_extra or {}).keys())
 
 
-class _RequestBody(_Lenient):
+class RequestBody(Lenient):
     """A whole request body: its unknown top-level fields are logged once, as it is parsed."""
 
     def model_post_init(self, context: Any) -> None:
@@ -65,32 +65,32 @@ class _RequestBody(_Lenient):
             logger.info("ignoring unknown request fields: %s", ", ".join(unknown))
 
 
-class StreamOptions(_Lenient):
+class StreamOptions(Lenient):
     include_usage: bool = False
     continuous_usage_stats: bool = False  # vLLM: usage so far in every chunk
 
 
-class JSONSchemaFormat(_Lenient):
+class JSONSchemaFormat(Lenient):
     name: str | None = None
     description: str | None = None
     schema_: dict[str, Any] | None = Field(None, alias="schema")
     strict: bool | None = None
 
 
-class ResponseFormat(_Lenient):
+class ResponseFormat(Lenient):
     """OpenAI's response_format: "text", "json_object" (any JSON object) or "json_schema"."""
 
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JSONSchemaFormat | None = None
 
 
-class _SamplingFields(_RequestBody):
+class _SamplingFields(RequestBody):
     model: str | None = None
     temperature: float | None = None
     top_p: float | None = None
-    n: int = Field(1, le=_INT64, ge=-_INT64)
+    n: int = Field(1, le=INT64, ge=-INT64)
     stop: str | list[str] | None = None
-    seed: int | None = Field(None, le=_INT64, ge=-_INT64)
+    seed: int | None = Field(None, le=INT64, ge=-INT64)
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     stream: bool | None = False
@@ -98,18 +98,18 @@ class _SamplingFields(_RequestBody):
     user: str | None = None
     logit_bias: dict[str, float] | None = None
     # Extensions (vLLM users rely on these).
-    top_k: int | None = Field(None, le=_INT64, ge=-_INT64)
+    top_k: int | None = Field(None, le=INT64, ge=-INT64)
     min_p: float | None = None
     repetition_penalty: float | None = None
-    min_tokens: int = Field(0, le=_INT64, ge=-_INT64)
+    min_tokens: int = Field(0, le=INT64, ge=-INT64)
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
-    priority: int = Field(0, le=_INT64, ge=-_INT64)
-    prompt_logprobs: int | None = Field(None, le=_INT64, ge=-_INT64)
+    priority: int = Field(0, le=INT64, ge=-INT64)
+    prompt_logprobs: int | None = Field(None, le=INT64, ge=-INT64)
     allowed_token_ids: list[int] | None = None
-    truncate_prompt_tokens: int | None = Field(None, le=_INT64, ge=-_INT64)  # vLLM: keep the last N prompt tokens
+    truncate_prompt_tokens: int | None = Field(None, le=INT64, ge=-INT64)  # vLLM: keep the last N prompt tokens
     use_beam_search: bool = False  # vLLM: n beams instead of n samples (engine/runtime/beam_search.py)
     length_penalty: float = 1.0
     # Structured outputs: OpenAI's response_format, vLLM's structured_outputs object and its
@@ -219,11 +219,11 @@ def prompt_list(p: str | list, param: str = "prompt") -> list[str | list[int]]:
 
 class CompletionRequest(_SamplingFields):
     prompt: PromptInput
-    max_tokens: int | None = Field(16, le=_INT64, ge=-_INT64)
-    logprobs: int | None = Field(None, le=_INT64, ge=-_INT64)
+    max_tokens: int | None = Field(16, le=INT64, ge=-INT64)
+    logprobs: int | None = Field(None, le=INT64, ge=-INT64)
     echo: bool = False
     suffix: str | None = None  # refused: fill-in-the-middle needs a model-specific prompt format
-    best_of: int | None = Field(None, le=_INT64, ge=-_INT64)  # refused unless equal to n (as vLLM V1)
+    best_of: int | None = Field(None, le=INT64, ge=-INT64)  # refused unless equal to n (as vLLM V1)
 
     def prompts(self) -> list[str | list[int]]:
         return prompt_list(self.prompt)
@@ -249,12 +249,12 @@ class CompletionRequest(_SamplingFields):
         return self._params(max_tokens, self.logprobs, prompt_logprobs, defaults)
 
 
-class ContentPart(_Lenient):
+class ContentPart(Lenient):
     type: str
     text: str | None = None
 
 
-class ChatMessage(_Lenient):
+class ChatMessage(Lenient):
     role: str
     content: str | list[ContentPart] | None = None
     name: str | None = None
@@ -262,33 +262,33 @@ class ChatMessage(_Lenient):
     tool_call_id: str | None = None  # a tool turn: which call it answers
 
 
-class FunctionDefinition(_Lenient):
+class FunctionDefinition(Lenient):
     name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.\-]+$")
     description: str | None = None
     parameters: dict[str, Any] | None = None
     strict: bool | None = None
 
 
-class ChatTool(_Lenient):
+class ChatTool(Lenient):
     type: Literal["function"]
     function: FunctionDefinition
 
 
-class FunctionName(_Lenient):
+class FunctionName(Lenient):
     name: str
 
 
-class NamedToolChoice(_Lenient):
+class NamedToolChoice(Lenient):
     type: Literal["function"]
     function: FunctionName
 
 
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage]
-    max_tokens: int | None = Field(None, le=_INT64, ge=-_INT64)
-    max_completion_tokens: int | None = Field(None, le=_INT64, ge=-_INT64)
+    max_tokens: int | None = Field(None, le=INT64, ge=-INT64)
+    max_completion_tokens: int | None = Field(None, le=INT64, ge=-INT64)
     logprobs: bool | None = False
-    top_logprobs: int | None = Field(None, le=_INT64, ge=-_INT64)
+    top_logprobs: int | None = Field(None, le=INT64, ge=-INT64)
     add_generation_prompt: bool = True
     continue_final_message: bool = False  # continue the last (assistant) message instead of a new turn
     chat_template_kwargs: dict[str, Any] | None = None  # extra template variables (e.g. enable_thinking)
@@ -350,31 +350,31 @@ def conversation(messages: list[ChatMessage]) -> list[dict[str, Any]]:
     return out
 
 
-class EmbeddingRequest(_RequestBody):
+class EmbeddingRequest(RequestBody):
     """OpenAI's /v1/embeddings (plus vLLM's priority and normalize)."""
 
     model: str | None = None
     input: PromptInput
     encoding_format: Literal["float", "base64"] = "float"
-    dimensions: int | None = Field(None, le=_INT64, ge=-_INT64)
+    dimensions: int | None = Field(None, le=INT64, ge=-INT64)
     user: str | None = None
-    priority: int = Field(0, le=_INT64, ge=-_INT64)
+    priority: int = Field(0, le=INT64, ge=-INT64)
     normalize: bool = True
 
     def prompts(self) -> list[str | list[int]]:
         return prompt_list(self.input, "input")
 
 
-class LoadLoRAAdapterRequest(_Lenient):
+class LoadLoRAAdapterRequest(Lenient):
     lora_name: str = Field(min_length=1)
     lora_path: str = Field(min_length=1)
 
 
-class UnloadLoRAAdapterRequest(_Lenient):
+class UnloadLoRAAdapterRequest(Lenient):
     lora_name: str = Field(min_length=1)
 
 
-class TokenizeRequest(_RequestBody):
+class TokenizeRequest(RequestBody):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
@@ -382,7 +382,7 @@ class TokenizeRequest(_RequestBody):
     add_generation_prompt: bool = True
 
 
-class DetokenizeRequest(_RequestBody):
+class DetokenizeRequest(RequestBody):
     model: str | None = None
     tokens: list[int]
 
