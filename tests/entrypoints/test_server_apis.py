@@ -1,5 +1,5 @@
-"""The Messages API (Anthropic's) against the served tiny model,
-driven with the official `anthropic` SDK. Each answer is checked against the chat
+"""The Messages API (Anthropic's) and the Responses API (OpenAI's) against the served tiny model,
+driven with the official `anthropic` and `openai` SDKs. Each answer is checked against the chat
 route's answer to the same conversation (greedy: token for token), so the translation is what
 is tested, on the server the OpenAI tests use (tests/entrypoints/conftest.py)."""
 
@@ -9,6 +9,7 @@ import json
 
 import httpx
 import jsonschema
+import openai
 import pytest
 
 from tests.support.server import API_KEY, MODEL
@@ -175,3 +176,125 @@ def test_messages_errors_in_anthropic_shape(url, claude):
     with pytest.raises(anthropic.BadRequestError, match="only text parts"):
         claude.messages.create(model=MODEL, messages=[{"role": "user", "content": [image]}], max_tokens=4)
 
+
+# ---- /v1/responses ----
+WEATHER_FUNCTION = {"type": "function", "name": "get_weather", "parameters": WEATHER["input_schema"]}
+
+
+def test_responses_plain_matches_chat(client, url):
+    resp = client.responses.create(model=MODEL, instructions=SYSTEM, input=ASK, max_output_tokens=12, temperature=0)
+    choice, usage = chat_answer(
+        client, [{"role": "system", "content": SYSTEM}, {"role": "user", "content": ASK}], max_tokens=12
+    )
+    assert resp.object == "response" and resp.output_text == choice.message.content
+    assert resp.status == ("incomplete" if choice.finish_reason == "length" else "completed")
+    assert [item.type for item in resp.output] == ["message"] and resp.output[0].role == "assistant"
+    assert resp.usage.input_tokens == usage.prompt_tokens and resp.usage.output_tokens == usage.completion_tokens
+    # A list of message items, with input_text parts, is the same conversation.
+    items = client.responses.create(
+        model=MODEL,
+        input=[
+            {"role": "system", "content": SYSTEM},
+            {"type": "message", "role": "user", "content": [{"type": "input_text", "text": ASK}]},
+        ],
+        max_output_tokens=12,
+        temperature=0,
+    )
+    assert items.output_text == resp.output_text
+    # Stored: read back with the same key, then deleted.
+    assert client.responses.retrieve(resp.id).output_text == resp.output_text
+    by_x_api_key = httpx.get(f"{url}/v1/responses/{resp.id}", headers={"x-api-key": API_KEY})  # the same key
+    assert by_x_api_key.json()["output"][0]["content"][0]["text"] == resp.output_text
+    client.responses.delete(resp.id)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(resp.id)
+
+
+def test_responses_streamed_events(client):
+    ask = dict(model=MODEL, instructions=SYSTEM, input=ASK, max_output_tokens=12, temperature=0)
+    whole = client.responses.create(**ask)
+    events = list(client.responses.create(stream=True, **ask))
+    kinds = [e.type for e in events]
+    assert kinds[:4] == [
+        "response.created",
+        "response.in_progress",
+        "response.output_item.added",
+        "response.content_part.added",
+    ]
+    assert kinds[-4:] == [
+        "response.output_text.done",
+        "response.content_part.done",
+        "response.output_item.done",
+        "response.completed" if whole.status == "completed" else "response.incomplete",
+    ]
+    assert set(kinds[4:-4]) == {"response.output_text.delta"}
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == whole.output_text
+    final = events[-1].response
+    assert final.output_text == whole.output_text and final.usage.output_tokens == whole.usage.output_tokens
+    # The SDK's own accumulation checks each event against the snapshot it builds (its
+    # get_final_response wants response.completed; a 12-token answer of the tiny model is incomplete).
+    with client.responses.stream(**ask) as stream:
+        deltas = [e.delta for e in stream if e.type == "response.output_text.delta"]
+    assert "".join(deltas) == whole.output_text
+
+
+def test_responses_function_call_and_previous_response(client):
+    first = client.responses.create(
+        model=MODEL,
+        input="Weather in Paris?",
+        tools=[WEATHER_FUNCTION],
+        tool_choice={"type": "function", "name": "get_weather"},
+        max_output_tokens=100,
+        temperature=0,
+    )
+    (call,) = first.output
+    assert call.type == "function_call" and call.name == "get_weather" and call.call_id
+    jsonschema.validate(json.loads(call.arguments), WEATHER["input_schema"])
+
+    events = list(
+        client.responses.create(
+            model=MODEL,
+            input="Weather in Paris?",
+            tools=[WEATHER_FUNCTION],
+            tool_choice={"type": "function", "name": "get_weather"},
+            max_output_tokens=100,
+            temperature=0,
+            stream=True,
+        )
+    )
+    done = [e for e in events if e.type == "response.function_call_arguments.done"]
+    assert len(done) == 1 and json.loads(done[0].arguments) == json.loads(call.arguments)
+    assert events[-1].response.output[0].type == "function_call"
+
+    # The next turn sends the call's output after the stored turn: the same as the chat route
+    # given the whole conversation.
+    second = client.responses.create(
+        model=MODEL,
+        previous_response_id=first.id,
+        input=[{"type": "function_call_output", "call_id": call.call_id, "output": "Sunny, 21 C"}],
+        tools=[WEATHER_FUNCTION],
+        tool_choice="none",
+        max_output_tokens=8,
+        temperature=0,
+    )
+    assert second.previous_response_id == first.id
+    tool_call = {"id": call.call_id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}
+    choice, usage = chat_answer(
+        client,
+        [
+            {"role": "user", "content": "Weather in Paris?"},
+            {"role": "assistant", "content": "", "tool_calls": [tool_call]},
+            {"role": "tool", "tool_call_id": call.call_id, "content": "Sunny, 21 C"},
+        ],
+        max_tokens=8,
+        tools=[{"type": "function", "function": {"name": "get_weather", "parameters": WEATHER["input_schema"]}}],
+        tool_choice="none",
+    )
+    assert second.output_text == choice.message.content and second.usage.input_tokens == usage.prompt_tokens
+
+    # A turn that was not stored cannot be continued.
+    unstored = client.responses.create(model=MODEL, input="hi", max_output_tokens=2, store=False)
+    with pytest.raises(openai.NotFoundError) as err:
+        client.responses.create(model=MODEL, previous_response_id=unstored.id, input="more", max_output_tokens=2)
+    assert err.value.body["param"] == "previous_response_id"
