@@ -87,6 +87,9 @@ def test_openapi_no_server_errors(app_schema, fuzz_state, method, path, mode):
     def check(case):
         if mode is GenerationMode.POSITIVE and isinstance(case.body, dict) and "model" in case.body:
             case.body["model"] = "fuzz"  # reach past the model check (404 is tested elsewhere)
+        if mode is GenerationMode.POSITIVE and isinstance(case.body, dict) and path == "/v1/responses":
+            # (valid inputs are easy to make here: keep each answer short, as the other routes' are)
+            case.body["max_output_tokens"] = min(case.body.get("max_output_tokens") or 4, 4)
         response = case.call()
         assert response.status_code < 500, (
             f"{case.method} {case.path} {case.body!r} -> {response.status_code} {response.text[:500]}"
