@@ -1,16 +1,18 @@
 """The Responses API's store: bounded in count, bytes and age (oldest dropped first), each entry
-visible only to its owner (the hashed API key); and, through the app, a turn stored with one key
-is neither read, continued nor deleted with another."""
+visible only to its owner (the hashed API key); and, through the app in-process, a turn stored
+with one key is neither read, continued nor deleted with another, and a stream of either API
+that cannot finish ends with that API's error event."""
 
 from __future__ import annotations
 
 import asyncio
+import json
 
 import httpx
 import pytest
 
 from engine.entrypoints.openai.response_store import ResponseStore, owner_of
-from tests.support.server import app_states
+from tests.support.server import app_states, slow_steps
 
 A, B = owner_of("key-a"), owner_of("key-b")
 
@@ -80,3 +82,29 @@ def test_stored_turns_are_visible_only_with_their_key(app_state):
     assert made.status_code == 200, made.text
     assert [r.status_code for r in other] == [404, 404, 404, 404]
     assert own.status_code == 200 and own.json() == made.json()
+
+
+def test_streams_that_cannot_finish_end_with_each_apis_error_event(app_state):
+    state, app = app_state(server={"request_timeout": 0.3})
+    slow_steps(state, 0.05)
+    bodies = {
+        "/v1/messages": {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 100, "stream": True},
+        "/v1/responses": {"input": "hi", "max_output_tokens": 100, "stream": True},
+    }
+
+    async def main():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as http:
+            return {path: await http.post(path, json={**body, "temperature": 0}) for path, body in bodies.items()}
+
+    out = asyncio.run(main())
+    messages = [e for e in out["/v1/messages"].text.split("\n\n") if e]
+    assert messages[0].startswith("event: message_start") and messages[-1].startswith("event: error\n"), messages
+    error = json.loads(messages[-1].split("data: ", 1)[1])
+    assert error == {"type": "error", "error": {"type": "timeout_error", "message": error["error"]["message"]}}
+    assert "request_timeout=0.3s" in error["error"]["message"]
+
+    responses = [e for e in out["/v1/responses"].text.split("\n\n") if e]
+    assert responses[0].startswith("event: response.created") and responses[-1].startswith("event: error\n")
+    event = json.loads(responses[-1].split("data: ", 1)[1])
+    assert event["type"] == "error" and event["code"] == "timeout" and event["sequence_number"] == len(responses) - 1
+    assert state.responses.get(json.loads(responses[0].split("data: ", 1)[1])["response"]["id"], owner_of("")) is None
