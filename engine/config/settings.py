@@ -490,6 +490,10 @@ class ServerSettings(_KilnSettings):
     )
     grammar_cache_entries: int = Field(256, ge=1, description="compiled constraints kept (LRU)")
     grammar_cache_mb: float = Field(256.0, gt=0, description="bytes of compiled constraints kept (LRU)")
+    # The Responses API's stored responses (`store`, `previous_response_id`): in memory, oldest dropped first.
+    response_store_entries: int = Field(1000, ge=0, description="stored responses kept (0: none are stored)")
+    response_store_mb: float = Field(64.0, gt=0, description="bytes of stored responses kept")
+    response_store_max_age_s: float = Field(3600.0, gt=0, description="seconds a stored response is kept")
     shutdown_timeout: float = Field(
         30.0, ge=0, description="on SIGTERM/SIGINT: seconds in-flight requests get to finish before they are ended"
     )

@@ -1,7 +1,8 @@
 """The real server in a subprocess (`python -m engine.entrypoints.cli serve ...`), driven with the official
 openai client.
 
-One server per module. After every test the server must be back to zero running, zero
+One server for this module and test_server_apis.py (tests/entrypoints/conftest.py). After
+every test the server must be back to zero running, zero
 waiting and zero KV blocks in use (read from /metrics).
 """
 
@@ -15,45 +16,7 @@ import httpx
 import openai
 import pytest
 
-from tests.support.server import API_KEY, AUTH, MAX_MODEL_LEN, MODEL, launch_server, metrics, stop_server, wait_clean
-
-
-@pytest.fixture(scope="module")
-def server(tiny_llama, tmp_path_factory):
-    log_path = tmp_path_factory.mktemp("server") / "server.log"
-    proc, url = launch_server(
-        tiny_llama,
-        log_path,
-        "--api-key",
-        API_KEY,
-        "--served-model-name",
-        MODEL,
-        "--max-model-len",
-        str(MAX_MODEL_LEN),
-        "--num-gpu-blocks",
-        "1024",
-        "--max-num-seqs",
-        "64",
-        "--log-stats-interval",
-        "1",
-    )
-    yield url
-    stop_server(proc, log_path)
-    log = log_path.read_text()
-    assert "request_id=" in log  # access log lines
-    assert "prefix hit rate" in log  # the periodic stats line
-
-
-@pytest.fixture
-def url(server):
-    yield server
-    wait_clean(server)
-
-
-@pytest.fixture
-def client(url):
-    with openai.OpenAI(base_url=f"{url}/v1", api_key=API_KEY, max_retries=0, timeout=60) as c:
-        yield c
+from tests.support.server import API_KEY, AUTH, MAX_MODEL_LEN, MODEL, metrics, wait_clean
 
 
 def post(url: str, path: str, body, key: str | None = API_KEY, **kw) -> httpx.Response:

@@ -13,7 +13,6 @@ engine/core/admission_rules.py.
 from __future__ import annotations
 
 import json
-import logging
 from typing import Any
 
 from engine.core import admission_rules as rules
@@ -24,8 +23,6 @@ from engine.entrypoints.openai.errors import APIError, ClientGone
 from engine.entrypoints.openai.jobs import until_done
 from engine.entrypoints.openai.request_body import max_prompts
 from engine.runtime.engine_info import EngineInfo
-
-logger = logging.getLogger("engine.entrypoints.openai")
 
 # A tokenizer normalizer can shorten text a little (strip, collapse): leave room for it.
 _NORMALIZER_SLACK = 2
@@ -140,35 +137,29 @@ def fit_prompts(state, ids: list[list[int]], params: SamplingParams, param: str)
 
 
 def check_params(
-    state, body, params: SamplingParams | None, num_prompts: int, pooling: PoolingParams | None = None
+    state, params: SamplingParams | None, num_prompts: int, pooling: PoolingParams | None = None
 ) -> tuple[SamplingParams, Task]:
     """The params and task the request runs with, checked against the engine's limits
     (Admission.check_params), and the number of prompts and samples against the server's."""
-    unknown = body.unknown_fields()
-    if unknown:
-        logger.info("ignoring unknown request fields: %s", ", ".join(unknown))
     params, task = state.admission.check_params(params, pooling)
     rules.prompt_count(num_prompts * params.n, max_prompts(state.info), "prompt" if pooling is None else "input")
     return params, task
 
 
 # ---- structured outputs ----
-async def check_constraint(state, body, params: SamplingParams, request) -> Any:
+async def check_constraint(state, params: SamplingParams, field: str, tenant: tuple[str, str], request) -> Any:
     """Compile the request's constraint in the server's compile pool (time-limited, stopped if
     the client goes away) so that one that does not compile, or not in time, is a 400 naming the
-    field it came in. Returns the compiled grammar (None without a constraint): it travels with
+    `field` it came in. Returns the compiled grammar (None without a constraint): it travels with
     the admitted request, and the engine makes the matchers from it."""
     if params.structured_outputs is None:
         return None
-    found = body.structured_output_field()
-    name = found[0] if found is not None else "tools"
-    tenant = tenant_of(request, body)
     try:
         done = await until_done(
             state.engine.grammar_compiler.compile_async(params.structured_outputs, tenant), request, None, "compile"
         )
     except InvalidRequestError as exc:
-        raise rules.constraint_in_field(name, exc) from exc
+        raise rules.constraint_in_field(field, exc) from exc
     if done is None:  # the client left: the compile was stopped with it
         raise ClientGone()
     return done
@@ -183,10 +174,10 @@ def with_reasoning_markers(state, params: SamplingParams) -> None:
     params.structured_outputs.reasoning_markers = markers  # (the request's own constraint; not compiled in)
 
 
-def tenant_of(request, body) -> tuple[str, str]:
+def tenant_of(request, user: str | None) -> tuple[str, str]:
     """Who a request is from, for fair sharing of the compile pool: (the connection's address,
     OpenAI's `user` field). The address is what the client cannot multiply; `user`, which it
     sets freely, only shares out its address's turn. (kiln has one API key for every client,
     so the key would not tell clients apart.)"""
     client = request.client
-    return (client.host if client else "-"), (getattr(body, "user", None) or "")
+    return (client.host if client else "-"), (user or "")

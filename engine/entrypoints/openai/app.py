@@ -12,7 +12,7 @@ import contextlib
 
 from fastapi import FastAPI
 
-from engine.entrypoints.openai import chat, completions, embeddings, tokenize
+from engine.entrypoints.openai import chat, completions, embeddings, messages, responses, tokenize
 from engine.entrypoints.openai import service_routes as models
 from engine.entrypoints.openai.errors import install_error_handlers
 from engine.entrypoints.openai.middleware import GateMiddleware, PublicRoutes, RequestContextMiddleware
@@ -51,6 +51,6 @@ def build_app(state: ServerState, manage_engine: bool = True) -> FastAPI:
         retry_after_s=state.settings.retry_after_s,
     )
     install_error_handlers(app)
-    for module in (completions, chat, embeddings, tokenize, models):
+    for module in (completions, chat, messages, responses, embeddings, tokenize, models):
         app.include_router(module.router(state))
     return app

@@ -16,11 +16,13 @@ from engine.entrypoints.openai.admission import (
     check_params,
     conversation_chars,
     fit_prompts,
+    tenant_of,
     text_bound,
     with_reasoning_markers,
 )
 from engine.entrypoints.openai.errors import post_route
 from engine.entrypoints.openai.generation import generate
+from engine.entrypoints.openai.generation_request import GenerationRequest
 from engine.entrypoints.openai.jobs import Choice, FormatBase, Job, envelope
 from engine.entrypoints.openai.protocol import ChatCompletionRequest
 from engine.entrypoints.openai.reasoning import ReasoningParser
@@ -139,11 +141,15 @@ class ChatFormat(FormatBase):
 
 
 async def conversation_ids(
-    state, body, add_generation_prompt: bool, tools=None, continue_final: bool = False, template_kwargs=None
+    state,
+    conversation: list[dict[str, Any]],
+    add_generation_prompt: bool,
+    tools: list[dict[str, Any]] | None = None,
+    continue_final: bool = False,
+    template_kwargs: dict[str, Any] | None = None,
 ) -> list[int]:
     """The chat-templated prompt's ids, made on the tokenising threads. The whole conversation
     is bounded before templating, the rendered text before tokenising."""
-    conversation = body.conversation()
     max_chars = text_bound(state.info, state.max_token_chars)
     chars = conversation_chars(conversation, tools)
     rules.text_length(chars, max_chars, state.info.max_model_len, "messages", "the conversation")
@@ -161,27 +167,23 @@ async def conversation_ids(
     )
 
 
-async def create_chat_completion(state, body: ChatCompletionRequest, request: Request):
+async def chat_generation(state, body: ChatCompletionRequest, request: Request) -> GenerationRequest:
+    """The body's parts checked in order (model, tools, params, the templated prompt, the
+    constraint) into the one generation request they make (the Messages and Responses APIs
+    come here too, their bodies written as a chat request)."""
     lora = check_model(state, body.model)
     tool_mode = body.tool_mode(state.settings.auto_tool_parser)
-    params, task = check_params(state, body, body.sampling_params(tool_mode, state.info.generation_defaults), 1)
+    params, task = check_params(state, body.sampling_params(tool_mode, state.info.generation_defaults), 1)
+    conversation = body.conversation()
+    tools = body.template_tools()
     ids = await conversation_ids(
-        state,
-        body,
-        body.add_generation_prompt,
-        body.template_tools(),
-        body.continue_final_message,
-        body.chat_template_kwargs,
+        state, conversation, body.add_generation_prompt, tools, body.continue_final_message, body.chat_template_kwargs
     )
     ids = fit_prompts(state, [ids], params, "messages")
-    grammar = await check_constraint(state, body, params, request)
+    grammar = await check_constraint(state, params, body.constraint_field(), tenant_of(request, body.user), request)
     with_reasoning_markers(state, params)
     reasoning = state.settings.reasoning_parser
-    return await generate(
-        state,
-        body,
-        request,
-        ChatFormat(state),
+    return GenerationRequest(
         "chat",
         ids,
         [None],
@@ -189,9 +191,19 @@ async def create_chat_completion(state, body: ChatCompletionRequest, request: Re
         task,
         grammar,
         lora,
+        priority=body.priority,
+        stream=bool(body.stream),
+        include_usage=body.include_usage,
+        continuous_usage=body.continuous_usage,
+        use_beam_search=body.use_beam_search,
+        length_penalty=body.length_penalty,
         tool_mode=tool_mode if tool_mode.kind != "none" else None,
         reasoning=ReasoningParser(reasoning) if reasoning is not None else None,
     )
+
+
+async def create_chat_completion(state, body: ChatCompletionRequest, request: Request):
+    return await generate(state, await chat_generation(state, body, request), ChatFormat(state), request)
 
 
 def router(state) -> APIRouter:

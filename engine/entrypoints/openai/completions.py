@@ -7,9 +7,17 @@ from typing import Any
 from fastapi import APIRouter, Request
 
 from engine.core.outputs import RequestOutput
-from engine.entrypoints.openai.admission import check_constraint, check_model, check_params, fit_prompts, prompt_ids
+from engine.entrypoints.openai.admission import (
+    check_constraint,
+    check_model,
+    check_params,
+    fit_prompts,
+    prompt_ids,
+    tenant_of,
+)
 from engine.entrypoints.openai.errors import post_route
 from engine.entrypoints.openai.generation import generate
+from engine.entrypoints.openai.generation_request import GenerationRequest
 from engine.entrypoints.openai.jobs import Choice, FormatBase, Job, envelope
 from engine.entrypoints.openai.protocol import CompletionRequest
 
@@ -68,27 +76,31 @@ class CompletionFormat(FormatBase):
 
 
 async def create_completion(state, body: CompletionRequest, request: Request):
+    """Check the body's parts in order (model, params, prompts, the constraint), then run the one
+    generation request they make."""
     lora = check_model(state, body.model)
     prompts = body.prompts()
-    params, task = check_params(state, body, body.sampling_params(state.info.generation_defaults), len(prompts))
+    params, task = check_params(state, body.sampling_params(state.info.generation_defaults), len(prompts))
     ids = fit_prompts(state, await prompt_ids(state, prompts, "prompt"), params, "prompt")
-    grammar = await check_constraint(state, body, params, request)
-    texts = [p if isinstance(p, str) else None for p in prompts]
-    return await generate(
-        state,
-        body,
-        request,
-        CompletionFormat(state),
+    grammar = await check_constraint(state, params, body.constraint_field(), tenant_of(request, body.user), request)
+    gen = GenerationRequest(
         "completion",
         ids,
-        texts,
+        [p if isinstance(p, str) else None for p in prompts],
         params,
         task,
         grammar,
         lora,
+        priority=body.priority,
+        stream=bool(body.stream),
+        include_usage=body.include_usage,
+        continuous_usage=body.continuous_usage,
+        use_beam_search=body.use_beam_search,
+        length_penalty=body.length_penalty,
         echo=body.echo,
         prompt_only=body.prompt_only,
     )
+    return await generate(state, gen, CompletionFormat(state), request)
 
 
 def router(state) -> APIRouter:

@@ -46,7 +46,7 @@ async def create_embedding(state, body: EmbeddingRequest, request: Request):
     lora = check_model(state, body.model)
     prompts = body.prompts()
     pooling = PoolingParams(state.info.pooling_type, body.normalize, body.dimensions)
-    params, task = check_params(state, body, None, len(prompts), pooling)
+    params, task = check_params(state, None, len(prompts), pooling)
     ids = fit_prompts(state, await prompt_ids(state, prompts, "input"), params, "input")
     arrival = time.monotonic()
     job_id = f"embd-{uuid.uuid4().hex}"

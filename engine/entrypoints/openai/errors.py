@@ -12,6 +12,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
+from starlette._utils import get_route_path
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
@@ -54,6 +55,28 @@ def error_body(message: str, type_: str, param: str | None = None, code: str | i
     return {"error": {"message": _encodable(message), "type": type_, "param": _encodable(param), "code": code}}
 
 
+# Anthropic's routes answer errors in Anthropic's shape: {"type": "error", "error": {"type", "message"}}.
+ANTHROPIC_ROUTES = ("/v1/messages",)
+_ANTHROPIC_TYPES = {
+    "server_error": "api_error",
+    "service_unavailable": "overloaded_error",
+    "timeout": "timeout_error",
+    "request_too_large": "request_too_large",
+}
+
+
+def anthropic_error_body(openai_body: dict) -> dict:
+    """An OpenAI error body (error_body) in Anthropic's shape (the param joins the message)."""
+    err = openai_body["error"]
+    kind = _ANTHROPIC_TYPES.get(err.get("code"), _ANTHROPIC_TYPES.get(err["type"], err["type"]))
+    message = err["message"] if not err.get("param") else f"{err['param']}: {err['message']}"
+    return {"type": "error", "error": {"type": kind, "message": message}}
+
+
+def is_anthropic_route(scope) -> bool:
+    return get_route_path(scope) in ANTHROPIC_ROUTES
+
+
 def _encodable(text: str | None) -> str | None:
     """The text with anything UTF-8 cannot encode (a client's lone surrogate, echoed in a
     message) escaped: an error about bad Unicode must not itself fail to encode."""
@@ -73,8 +96,13 @@ def error_response(
     param: str | None = None,
     code: str | int | None = None,
     headers: dict[str, str] | None = None,
+    scope=None,
 ) -> JSONResponse:
-    return JSONResponse(error_body(message, type_, param, code), status_code=status, headers=headers)
+    """The error as JSON: OpenAI's shape, or Anthropic's when `scope` is a request to its routes."""
+    body = error_body(message, type_, param, code)
+    if scope is not None and is_anthropic_route(scope):
+        body = anthropic_error_body(body)
+    return JSONResponse(body, status_code=status, headers=headers)
 
 
 def timeout_error(timeout: float | None) -> APIError:
@@ -186,28 +214,28 @@ def post_route(router, path: str, body_type: type, handler, state) -> None:
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError):
-        return error_response(exc.status, exc.message, exc.type, exc.param, exc.code)
+        return error_response(exc.status, exc.message, exc.type, exc.param, exc.code, scope=request.scope)
 
     @app.exception_handler(InvalidRequestError)
     async def _invalid(request: Request, exc: InvalidRequestError):
-        return error_response(400, str(exc), "invalid_request_error", exc.param)
+        return error_response(400, str(exc), "invalid_request_error", exc.param, scope=request.scope)
 
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError):
         message, param = await validation_message(exc, request)
-        return error_response(400, message, "invalid_request_error", param)
+        return error_response(400, message, "invalid_request_error", param, scope=request.scope)
 
     @app.exception_handler(QueueFullError)
     async def _full(request: Request, exc: QueueFullError):
-        return error_response(503, str(exc), "service_unavailable", None, "overloaded")
+        return error_response(503, str(exc), "service_unavailable", None, "overloaded", scope=request.scope)
 
     @app.exception_handler(EngineDeadError)
     async def _dead(request: Request, exc: EngineDeadError):
-        return error_response(503, str(exc), "service_unavailable", None, "engine_dead")
+        return error_response(503, str(exc), "service_unavailable", None, "engine_dead", scope=request.scope)
 
     @app.exception_handler(CompileCancelled)
     async def _compile_stopped(request: Request, exc: CompileCancelled):
-        return error_response(503, str(exc), "service_unavailable", None, "shutting_down")
+        return error_response(503, str(exc), "service_unavailable", None, "shutting_down", scope=request.scope)
 
     @app.exception_handler(CompileQueueFull)
     async def _compile_queue_full(request: Request, exc: CompileQueueFull):
@@ -223,9 +251,9 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException):
         type_ = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
-        return error_response(exc.status_code, str(exc.detail), type_, headers=exc.headers)
+        return error_response(exc.status_code, str(exc.detail), type_, headers=exc.headers, scope=request.scope)
 
     @app.exception_handler(Exception)
     async def _internal(request: Request, exc: Exception):
         logger.exception("internal error")
-        return error_response(500, f"internal server error: {type(exc).__name__}", "server_error")
+        return error_response(500, f"internal server error: {type(exc).__name__}", "server_error", scope=request.scope)

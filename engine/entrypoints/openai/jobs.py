@@ -27,6 +27,7 @@ from engine.entrypoints.openai.errors import (
     stream_error_body,
     timeout_error,
 )
+from engine.entrypoints.openai.generation_request import GenerationRequest
 from engine.entrypoints.openai.logprobs import LogprobFormat
 from engine.entrypoints.openai.reasoning import ReasoningParser
 from engine.entrypoints.openai.tool_calls import ToolCall, ToolMode
@@ -197,9 +198,7 @@ def sse(payload: dict | str) -> str:
     return f"data: {payload if isinstance(payload, str) else json.dumps(payload)}\n\n"
 
 
-async def start_job(
-    engine, registry: set, job_id: str, kind: str, admitted: list[AdmittedRequest], texts: list, params: SamplingParams
-) -> Job:
+async def start_job(engine, registry: set, job_id: str, admitted: list[AdmittedRequest], gen: GenerationRequest) -> Job:
     """Submit every prompt's admitted request (together: they are admitted in the same step)."""
     if getattr(registry, "closed", False):
         raise shutting_down()
@@ -210,7 +209,19 @@ async def start_job(
         for s in streams:
             s.close()
         raise errors[0]
-    return Job(job_id, kind, streams, params.n, texts, params, registry=registry)
+    return Job(
+        job_id,
+        gen.kind,
+        streams,
+        gen.params.n,
+        gen.texts,
+        gen.params,
+        echo=gen.echo,
+        prompt_only=gen.prompt_only,
+        tool_mode=gen.tool_mode,
+        reasoning=gen.reasoning,
+        registry=registry,
+    )
 
 
 async def collect(job: Job) -> list[tuple[Choice, RequestOutput | None]]:
@@ -263,19 +274,65 @@ async def until_done(work, request: Request, timeout: float | None, job_id: str)
             t.cancel()
 
 
+class EventWriter(Protocol):
+    """How an API frames a job's stream as server-sent events (OpenAI's chunks below;
+    Anthropic's and the Responses API's events in messages.py and responses.py)."""
+
+    def opening(self, job: Job) -> list[str]:
+        """Events before any output."""
+
+    def choice(self, job: Job, ch: Choice, idx: int, pidx: int, c, delta: RequestOutput, first: bool) -> list[str]:
+        """The events of one choice's delta (ch holds what came before)."""
+
+    def closing(self, job: Job) -> list[str]:
+        """Events once every stream has finished."""
+
+    def failure(self, job: Job, error: dict[str, Any]) -> list[str]:
+        """The events that end a stream which could not finish (error: an OpenAI error body)."""
+
+
+class ChunkEvents:
+    """OpenAI's streamed chunks: the formatter's choices, the usage chunk if asked, then [DONE]."""
+
+    def __init__(self, fmt: Formatter, model: str, gen: GenerationRequest) -> None:
+        self.fmt, self.model, self.gen = fmt, model, gen
+        self.base: dict[str, Any] = {}
+
+    def _chunk(self, job: Job, choices: list[dict]) -> str:
+        usage: dict[str, Any] = {"usage": None} if self.gen.include_usage else {}
+        if self.gen.continuous_usage:  # (vLLM's continuous_usage_stats)
+            usage = {"usage": job.usage()}
+        return sse({**self.base, "choices": choices, **usage})
+
+    def opening(self, job: Job) -> list[str]:
+        self.base = {"id": job.id, "object": self.fmt.chunk_object, "created": int(time.time()), "model": self.model}
+        return [self._chunk(job, [first]) for first in self.fmt.first_chunks(job)]
+
+    def choice(self, job: Job, ch: Choice, idx: int, pidx: int, c, delta: RequestOutput, first: bool) -> list[str]:
+        return [self._chunk(job, [self.fmt.stream_choice(job, ch, idx, pidx, c, delta, first)])]
+
+    def closing(self, job: Job) -> list[str]:
+        usage = [sse({**self.base, "choices": [], "usage": job.usage()})] if self.gen.include_usage else []
+        return [*usage, sse("[DONE]")]
+
+    def failure(self, job: Job, error: dict[str, Any]) -> list[str]:
+        return [sse(error), sse("[DONE]")]
+
+
 async def respond(
     job: Job,
     fmt: Formatter,
     model: str,
-    stream: bool | None,
-    include_usage: bool,
+    gen: GenerationRequest,
     request: Request,
     timeout: float | None,
-    continuous_usage: bool = False,
+    events: EventWriter | None = None,
 ):
-    if stream:
+    """The job's SSE stream (OpenAI's chunks unless `events` frames it), or its body once
+    collected (a 499 if the client left first)."""
+    if gen.stream:
         return StreamingResponse(
-            stream_events(job, fmt, model, include_usage, timeout, continuous_usage),
+            stream_events(job, events or ChunkEvents(fmt, model, gen), timeout),
             media_type="text/event-stream",
             headers={"Cache-Control": "no-cache"},
         )
@@ -286,23 +343,14 @@ async def respond(
     return Response(status_code=499) if results is None else fmt.final_body(job, results)
 
 
-async def stream_events(
-    job: Job, fmt: Formatter, model: str, include_usage: bool, timeout: float | None, continuous_usage: bool = False
-) -> AsyncIterator[str]:
-    """The job as SSE: chunks, the usage chunk if asked, then [DONE]; a job that cannot finish
-    (engine error, time limit, dead engine, shutdown) ends with an error event and [DONE]."""
-    base = {"id": job.id, "object": fmt.chunk_object, "created": int(time.time()), "model": model}
-    usage_field = {"usage": None} if include_usage else {}
-
-    def chunk(choices: list[dict]) -> str:
-        usage = {"usage": job.usage()} if continuous_usage else usage_field  # (vLLM's continuous_usage_stats)
-        return sse({**base, "choices": choices, **usage})
-
+async def stream_events(job: Job, events: EventWriter, timeout: float | None) -> AsyncIterator[str]:
+    """The job as SSE, framed by `events`; a job that cannot finish (engine error, time limit,
+    dead engine, shutdown) ends with the writer's failure events."""
     choices: dict[int, Choice] = {}
     seen: set[int] = set()
     try:
-        for first in fmt.first_chunks(job):
-            yield chunk([first])
+        for event in events.opening(job):
+            yield event
         async with _maybe_timeout(timeout):
             async for pidx, delta in job.deltas():
                 job.account(pidx, delta, seen)
@@ -312,14 +360,17 @@ async def stream_events(
                     idx = pidx * job.n + c.index
                     first = idx not in choices
                     ch = choices.setdefault(idx, Choice())
-                    yield chunk([fmt.stream_choice(job, ch, idx, pidx, c, delta, first)])
-        if include_usage:
-            yield sse({**base, "choices": [], "usage": job.usage()})
+                    for event in events.choice(job, ch, idx, pidx, c, delta, first):
+                        yield event
+        ending = events.closing(job)
     except (EngineDeadError, TimeoutError, RequestFailed, ShuttingDown) as exc:
-        yield sse(stream_error_body(shutting_down() if isinstance(exc, ShuttingDown) else exc, timeout))
+        ending = events.failure(
+            job, stream_error_body(shutting_down() if isinstance(exc, ShuttingDown) else exc, timeout)
+        )
     finally:
         job.close()
-    yield sse("[DONE]")
+    for event in ending:
+        yield event
 
 
 @contextlib.asynccontextmanager

@@ -65,10 +65,11 @@ class RequestContextMiddleware:
             if self.api_key is not None and not self.public_routes.is_public(scope) and not self._authorized(headers):
                 resp = error_response(
                     401,
-                    "invalid or missing API key (send 'Authorization: Bearer <key>')",
+                    "invalid or missing API key (send 'Authorization: Bearer <key>' or 'x-api-key: <key>')",
                     "authentication_error",
                     None,
                     "invalid_api_key",
+                    scope=scope,
                 )
                 await resp(scope, receive, send_with_id)
                 return
@@ -86,9 +87,15 @@ class RequestContextMiddleware:
             )
 
     def _authorized(self, headers: dict[bytes, bytes]) -> bool:
-        auth = headers.get(b"authorization", b"").decode("latin-1")
-        token = auth[7:].strip() if auth[:7].lower() == "bearer " else headers.get(b"x-api-key", b"").decode("latin-1")
+        token = presented_key(headers.get(b"authorization", b""), headers.get(b"x-api-key", b""))
         return secrets.compare_digest(token.encode("latin-1"), self.api_key.encode("utf-8"))
+
+
+def presented_key(authorization: bytes, x_api_key: bytes) -> str:
+    """The key a request presents: OpenAI's `Authorization: Bearer KEY`, else Anthropic's
+    `x-api-key: KEY` ("" without either)."""
+    auth = authorization.decode("latin-1")
+    return auth[7:].strip() if auth[:7].lower() == "bearer " else x_api_key.decode("latin-1")
 
 
 class PublicRoutes:
@@ -133,15 +140,15 @@ class GateMiddleware:
             await self.app(scope, receive, send)
             return
         if self.state.draining and not PublicRoutes.serves_while_draining(scope):
-            await error_response(503, "the server is shutting down", "service_unavailable", None, "shutting_down")(
-                scope, receive, send
-            )
+            await error_response(
+                503, "the server is shutting down", "service_unavailable", None, "shutting_down", scope=scope
+            )(scope, receive, send)
             return
         length = dict(scope.get("headers", [])).get(b"content-length")
         if length is not None and length.isdigit() and int(length) > self.limit:
             if int(length) <= 8 * self.limit:  # (a larger one is not read at all)
                 await self._discard(receive, int(length))
-            await self._too_large()(scope, receive, send)
+            await self._too_large(scope)(scope, receive, send)
             return
         received = 0
 
@@ -172,5 +179,5 @@ class GateMiddleware:
     def _message(self) -> str:
         return f"the request body is larger than max_request_body_mb={self.state.settings.max_request_body_mb:g} MB"
 
-    def _too_large(self):
-        return error_response(413, self._message(), "invalid_request_error", None, "request_too_large", CLOSE)
+    def _too_large(self, scope):
+        return error_response(413, self._message(), "invalid_request_error", None, "request_too_large", CLOSE, scope)

@@ -1,13 +1,15 @@
 """The OpenAI-compatible request models (pydantic) and their mapping to SamplingParams.
 
-Unknown fields are kept (extra="allow") so the handler can log and ignore them. Ranges
-that the engine checks (temperature >= 0, n >= 1, ...) and the API's own rules (best_of, suffix,
-one constraint field...) are engine/core/admission_rules.py's, so there is one rule and one message
-for each; the models only pin types, and bounds that keep values sane before they reach the engine.
+A request body is parsed once, into one of these models (RequestBody); its unknown fields are
+kept (extra="allow"), logged as it is parsed, and ignored. Ranges that the engine checks
+(temperature >= 0, n >= 1, ...) and the API's own rules (best_of, suffix, one constraint
+field...) are engine/core/admission_rules.py's, so there is one rule and one message for each;
+the models only pin types, and bounds that keep values sane before they reach the engine.
 """
 
 from __future__ import annotations
 
+import logging
 from typing import Annotated, Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag
@@ -17,7 +19,9 @@ from engine.core import admission_rules as rules
 from engine.core.params import SamplingParams, StructuredOutputsParams
 from engine.entrypoints.openai.tool_calls import ToolMode, arguments_for_template, resolve_tool_mode
 
-_INT64 = 2**63 - 1
+logger = logging.getLogger("engine.entrypoints.openai")
+
+INT64 = 2**63 - 1
 
 
 def _prompt_form(value: Any) -> str:
@@ -45,39 +49,48 @@ PromptInput = Annotated[
 ]
 
 
-class _Lenient(BaseModel):
+class Lenient(BaseModel):
     model_config = ConfigDict(extra="allow", allow_inf_nan=False)
 
     def unknown_fields(self) -> list[str]:
         return sorted((self.model_extra or {}).keys())
 
 
-class StreamOptions(_Lenient):
+class RequestBody(Lenient):
+    """A whole request body: its unknown top-level fields are logged once, as it is parsed."""
+
+    def model_post_init(self, context: Any) -> None:
+        unknown = self.unknown_fields()
+        if unknown:
+            logger.info("ignoring unknown request fields: %s", ", ".join(unknown))
+
+
+class StreamOptions(Lenient):
     include_usage: bool = False
     continuous_usage_stats: bool = False  # vLLM: usage so far in every chunk
 
 
-class JSONSchemaFormat(_Lenient):
+class JSONSchemaFormat(Lenient):
     name: str | None = None
     description: str | None = None
     schema_: dict[str, Any] | None = Field(None, alias="schema")
     strict: bool | None = None
 
 
-class ResponseFormat(_Lenient):
+class ResponseFormat(Lenient):
     """OpenAI's response_format: "text", "json_object" (any JSON object) or "json_schema"."""
 
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JSONSchemaFormat | None = None
 
 
-class _SamplingFields(_Lenient):
+class _SamplingFields(RequestBody):
     model: str | None = None
     temperature: float | None = None
     top_p: float | None = None
-    n: int = Field(1, le=_INT64, ge=-_INT64)
+    n: int = Field(1, le=INT64, ge=-INT64)
     stop: str | list[str] | None = None
-    seed: int | None = Field(None, le=_INT64, ge=-_INT64)
+    seed: int | None = Field(None, le=INT64, ge=-INT64)
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     stream: bool | None = False
@@ -85,18 +98,18 @@ class _SamplingFields(_Lenient):
     user: str | None = None
     logit_bias: dict[str, float] | None = None
     # Extensions (vLLM users rely on these).
-    top_k: int | None = Field(None, le=_INT64, ge=-_INT64)
+    top_k: int | None = Field(None, le=INT64, ge=-INT64)
     min_p: float | None = None
     repetition_penalty: float | None = None
-    min_tokens: int = Field(0, le=_INT64, ge=-_INT64)
+    min_tokens: int = Field(0, le=INT64, ge=-INT64)
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
-    priority: int = Field(0, le=_INT64, ge=-_INT64)
-    prompt_logprobs: int | None = Field(None, le=_INT64, ge=-_INT64)
+    priority: int = Field(0, le=INT64, ge=-INT64)
+    prompt_logprobs: int | None = Field(None, le=INT64, ge=-INT64)
     allowed_token_ids: list[int] | None = None
-    truncate_prompt_tokens: int | None = Field(None, le=_INT64, ge=-_INT64)  # vLLM: keep the last N prompt tokens
+    truncate_prompt_tokens: int | None = Field(None, le=INT64, ge=-INT64)  # vLLM: keep the last N prompt tokens
     use_beam_search: bool = False  # vLLM: n beams instead of n samples (engine/runtime/beam_search.py)
     length_penalty: float = 1.0
     # Structured outputs: OpenAI's response_format, vLLM's structured_outputs object and its
@@ -115,6 +128,11 @@ class _SamplingFields(_Lenient):
             return None
         name, fields = found
         return rules.constraint_from_fields(StructuredOutputsParams, fields, name)
+
+    def constraint_field(self) -> str:
+        """The field a constraint came in, to name in a compile error (a forced tool call's: tools)."""
+        found = self.structured_output_field()
+        return found[0] if found is not None else "tools"
 
     def structured_output_field(self) -> tuple[str, dict[str, Any]] | None:
         """(the request field that holds the constraint, its fields), or None."""
@@ -175,6 +193,11 @@ class _SamplingFields(_Lenient):
             fields = apply_generation_defaults(fields, defaults, self.model_fields_set)
         return SamplingParams(**fields)
 
+    def check_beam_search(self, with_tools: bool) -> None:
+        """use_beam_search returns whole beams: no stream, no constraint, no tools."""
+        if self.use_beam_search:
+            rules.beam_search_alone(bool(self.stream), self.structured_output_field() is not None or with_tools)
+
     @property
     def include_usage(self) -> bool:
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
@@ -196,11 +219,11 @@ def prompt_list(p: str | list, param: str = "prompt") -> list[str | list[int]]:
 
 class CompletionRequest(_SamplingFields):
     prompt: PromptInput
-    max_tokens: int | None = Field(16, le=_INT64, ge=-_INT64)
-    logprobs: int | None = Field(None, le=_INT64, ge=-_INT64)
+    max_tokens: int | None = Field(16, le=INT64, ge=-INT64)
+    logprobs: int | None = Field(None, le=INT64, ge=-INT64)
     echo: bool = False
     suffix: str | None = None  # refused: fill-in-the-middle needs a model-specific prompt format
-    best_of: int | None = Field(None, le=_INT64, ge=-_INT64)  # refused unless equal to n (as vLLM V1)
+    best_of: int | None = Field(None, le=INT64, ge=-INT64)  # refused unless equal to n (as vLLM V1)
 
     def prompts(self) -> list[str | list[int]]:
         return prompt_list(self.prompt)
@@ -213,6 +236,7 @@ class CompletionRequest(_SamplingFields):
     def sampling_params(self, defaults: GenerationDefaults | None = None) -> SamplingParams:
         rules.suffix_unsupported(self.suffix)
         rules.best_of(self.best_of, self.n)
+        self.check_beam_search(with_tools=False)
         # echo with logprobs: the echoed prompt tokens carry their logprobs too (what
         # loglikelihood evaluations read).
         prompt_logprobs = None
@@ -225,12 +249,12 @@ class CompletionRequest(_SamplingFields):
         return self._params(max_tokens, self.logprobs, prompt_logprobs, defaults)
 
 
-class ContentPart(_Lenient):
+class ContentPart(Lenient):
     type: str
     text: str | None = None
 
 
-class ChatMessage(_Lenient):
+class ChatMessage(Lenient):
     role: str
     content: str | list[ContentPart] | None = None
     name: str | None = None
@@ -238,33 +262,33 @@ class ChatMessage(_Lenient):
     tool_call_id: str | None = None  # a tool turn: which call it answers
 
 
-class FunctionDefinition(_Lenient):
+class FunctionDefinition(Lenient):
     name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.\-]+$")
     description: str | None = None
     parameters: dict[str, Any] | None = None
     strict: bool | None = None
 
 
-class ChatTool(_Lenient):
+class ChatTool(Lenient):
     type: Literal["function"]
     function: FunctionDefinition
 
 
-class FunctionName(_Lenient):
+class FunctionName(Lenient):
     name: str
 
 
-class NamedToolChoice(_Lenient):
+class NamedToolChoice(Lenient):
     type: Literal["function"]
     function: FunctionName
 
 
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage]
-    max_tokens: int | None = Field(None, le=_INT64, ge=-_INT64)
-    max_completion_tokens: int | None = Field(None, le=_INT64, ge=-_INT64)
+    max_tokens: int | None = Field(None, le=INT64, ge=-INT64)
+    max_completion_tokens: int | None = Field(None, le=INT64, ge=-INT64)
     logprobs: bool | None = False
-    top_logprobs: int | None = Field(None, le=_INT64, ge=-_INT64)
+    top_logprobs: int | None = Field(None, le=INT64, ge=-INT64)
     add_generation_prompt: bool = True
     continue_final_message: bool = False  # continue the last (assistant) message instead of a new turn
     chat_template_kwargs: dict[str, Any] | None = None  # extra template variables (e.g. enable_thinking)
@@ -285,33 +309,14 @@ class ChatCompletionRequest(_SamplingFields):
         return [t.model_dump(exclude_none=True) for t in self.tools] if self.tools else None
 
     def conversation(self) -> list[dict[str, Any]]:
-        rules.messages_given(len(self.messages))
-        out = []
-        for i, m in enumerate(self.messages):
-            rules.message_role(i, m.role)
-            if isinstance(m.content, list):
-                texts = []
-                for part in m.content:
-                    rules.text_part(i, part.type, part.text)
-                    texts.append(part.text)
-                content = "".join(texts)
-            else:
-                content = m.content or ""
-            message: dict[str, Any] = {"role": m.role, "content": content}
-            if m.tool_calls:
-                message["tool_calls"] = arguments_for_template(m.tool_calls)
-            if m.tool_call_id is not None:
-                message["tool_call_id"] = m.tool_call_id
-            if m.name is not None:
-                message["name"] = m.name
-            out.append(message)
-        return out
+        return conversation(self.messages)
 
     def sampling_params(
         self, tool_mode: ToolMode | None = None, defaults: GenerationDefaults | None = None
     ) -> SamplingParams:
         """With a forced tool choice, the output is constrained to the call's JSON."""
         rules.top_logprobs(self.top_logprobs, self.logprobs)
+        self.check_beam_search(with_tools=bool(self.tools))
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
         constraint = None
@@ -320,31 +325,56 @@ class ChatCompletionRequest(_SamplingFields):
         return self._params(max_tokens, logprobs, defaults=defaults, structured_outputs=constraint)
 
 
-class EmbeddingRequest(_Lenient):
+def conversation(messages: list[ChatMessage]) -> list[dict[str, Any]]:
+    """The messages as chat templates take them: text parts joined, tool calls' arguments as dicts."""
+    rules.messages_given(len(messages))
+    out = []
+    for i, m in enumerate(messages):
+        rules.message_role(i, m.role)
+        if isinstance(m.content, list):
+            texts = []
+            for part in m.content:
+                rules.text_part(i, part.type, part.text)
+                texts.append(part.text)
+            content = "".join(texts)
+        else:
+            content = m.content or ""
+        message: dict[str, Any] = {"role": m.role, "content": content}
+        if m.tool_calls:
+            message["tool_calls"] = arguments_for_template(m.tool_calls)
+        if m.tool_call_id is not None:
+            message["tool_call_id"] = m.tool_call_id
+        if m.name is not None:
+            message["name"] = m.name
+        out.append(message)
+    return out
+
+
+class EmbeddingRequest(RequestBody):
     """OpenAI's /v1/embeddings (plus vLLM's priority and normalize)."""
 
     model: str | None = None
     input: PromptInput
     encoding_format: Literal["float", "base64"] = "float"
-    dimensions: int | None = Field(None, le=_INT64, ge=-_INT64)
+    dimensions: int | None = Field(None, le=INT64, ge=-INT64)
     user: str | None = None
-    priority: int = Field(0, le=_INT64, ge=-_INT64)
+    priority: int = Field(0, le=INT64, ge=-INT64)
     normalize: bool = True
 
     def prompts(self) -> list[str | list[int]]:
         return prompt_list(self.input, "input")
 
 
-class LoadLoRAAdapterRequest(_Lenient):
+class LoadLoRAAdapterRequest(Lenient):
     lora_name: str = Field(min_length=1)
     lora_path: str = Field(min_length=1)
 
 
-class UnloadLoRAAdapterRequest(_Lenient):
+class UnloadLoRAAdapterRequest(Lenient):
     lora_name: str = Field(min_length=1)
 
 
-class TokenizeRequest(_Lenient):
+class TokenizeRequest(RequestBody):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
@@ -352,7 +382,7 @@ class TokenizeRequest(_Lenient):
     add_generation_prompt: bool = True
 
 
-class DetokenizeRequest(_Lenient):
+class DetokenizeRequest(RequestBody):
     model: str | None = None
     tokens: list[int]
 

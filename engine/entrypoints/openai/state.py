@@ -17,6 +17,7 @@ from typing import Any, Callable
 from engine.config.settings import EngineSettings, ServerSettings
 from engine.core.params import LoRARequest
 from engine.entrypoints.openai.metrics import EngineMetrics
+from engine.entrypoints.openai.response_store import ResponseStore
 from engine.runtime.admission import Admission
 from engine.runtime.async_engine import AsyncEngine
 from engine.runtime.engine_info import EngineInfo
@@ -47,6 +48,7 @@ class ServerState:
     created: int = dataclasses.field(default_factory=lambda: int(time.time()))
     jobs: "JobRegistry" = dataclasses.field(default_factory=lambda: JobRegistry())  # live jobs, for shutdown
     draining: bool = False  # shutting down: new requests get a 503
+    responses: ResponseStore = dataclasses.field(default_factory=ResponseStore)  # the Responses API's `store`
     _pools: dict[str, concurrent.futures.ThreadPoolExecutor] = dataclasses.field(default_factory=dict)
 
     @property
@@ -145,4 +147,9 @@ def create_state(engine_settings: EngineSettings, server_settings: ServerSetting
         cache_bytes=int(server_settings.grammar_cache_mb * (1 << 20)),
         queue_per_client=server_settings.grammar_compile_queue_per_client,
     )
-    return ServerState(engine, metrics, server_settings, name, engine.info.model_dir)
+    store = ResponseStore(
+        server_settings.response_store_entries,
+        int(server_settings.response_store_mb * (1 << 20)),
+        server_settings.response_store_max_age_s,
+    )
+    return ServerState(engine, metrics, server_settings, name, engine.info.model_dir, responses=store)

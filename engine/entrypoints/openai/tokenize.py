@@ -8,7 +8,7 @@ from engine.core import admission_rules as rules
 from engine.entrypoints.openai.admission import check_model, check_text_size, encode
 from engine.entrypoints.openai.chat import conversation_ids
 from engine.entrypoints.openai.errors import ERROR_RESPONSES
-from engine.entrypoints.openai.protocol import ChatCompletionRequest, DetokenizeRequest, TokenizeRequest
+from engine.entrypoints.openai.protocol import DetokenizeRequest, TokenizeRequest, conversation
 from engine.entrypoints.openai.request_body import BoundedJSONRoute
 
 
@@ -16,7 +16,7 @@ async def tokenize(state, body: TokenizeRequest) -> dict:
     check_model(state, body.model)
     rules.one_of_prompt_messages(body.prompt is not None, body.messages is not None)
     if body.messages is not None:
-        ids = await conversation_ids(state, ChatCompletionRequest(messages=body.messages), body.add_generation_prompt)
+        ids = await conversation_ids(state, conversation(body.messages), body.add_generation_prompt)
     else:
         check_text_size(state.info, state.max_token_chars, body.prompt, "prompt")
         ids = await state.off_loop(encode, state.tokenizer, body.prompt, body.add_special_tokens, size=len(body.prompt))
