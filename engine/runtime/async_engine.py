@@ -131,6 +131,8 @@ class AsyncEngine:
             self._thread.join(timeout)
         if self._output_thread is not None:
             self._output_thread.join(timeout)
+        if self._thread is None or not self._thread.is_alive():  # (the step thread no longer touches the pool)
+            self.engine.core.close()
         executor = self.engine.core.executor
         if executor is not None:
             executor.shutdown()

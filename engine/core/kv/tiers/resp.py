@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import socket
 import threading
+from typing import Any
 from urllib.parse import urlparse
 
 
@@ -28,7 +29,7 @@ class RespClient:
         self.host, self.port, self.db = parse_url(url)
         self.timeout = timeout
         self._sock: socket.socket | None = None
-        self._file = None
+        self._file: Any = None  # (the socket's buffered reader)
         self._lock = threading.Lock()
 
     def _connect(self) -> None:

@@ -46,6 +46,7 @@ class TierStore:
         self.fingerprint = fingerprint
         self.payload_bytes = payload_bytes
         self.dropped = 0  # saves not queued (the writer was behind)
+        self._closed = False
         self._seen: OrderedDict[str, None] = OrderedDict()
         self._seen_lock = threading.Lock()
         self._queue: queue.Queue = queue.Queue(max_queued)
@@ -171,6 +172,9 @@ class TierStore:
         return None
 
     def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
         self._queue.put(None)
         self._writer.join(timeout=30)
         for tier in self.tiers:
