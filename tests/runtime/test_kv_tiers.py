@@ -63,6 +63,15 @@ def test_evicted_prefix_comes_back_from_disk_equal(make_llm, model, reference, t
     assert tokens == [reference[0]]
     assert cached[0] == 144 and counters.blocks_loaded >= 1 and stats["disk"].hits >= 1
     assert llm.engine.core.pool.counters.evictions > 0
+    # /metrics shows the tier's work.
+    from engine.entrypoints.openai.metrics import EngineMetrics
+
+    metrics = EngineMetrics("m", log_stats_interval=0)
+    metrics.on_step(llm.engine, [], 0.0)
+    text = metrics.render().decode()
+    assert f'kiln:kv_tier_hits_total{{model_name="m",tier="disk"}} {float(stats["disk"].hits)}' in text
+    assert f'kiln:kv_tier_blocks_loaded_total{{model_name="m"}} {float(counters.blocks_loaded)}' in text
+    assert 'kiln:kv_tier_hits_total{model_name="m",tier="remote"} 0.0' in text
 
 
 def test_restart_and_a_second_engine_on_the_same_directory(make_llm, model, reference, tmp_path):
