@@ -9,24 +9,7 @@ import shutil
 import pytest
 
 from engine import LoRARequest, SamplingParams
-
-GREEDY = SamplingParams(temperature=0, max_tokens=6)
-BS = 16
-SMALL = dict(max_model_len=160, num_gpu_blocks=16, max_num_seqs=4)  # 15 blocks: two long prompts evict each other
-
-
-def prompt(seed: int, n: int = 150) -> list[int]:
-    return [(seed * 131 + i * 7) % 480 + 10 for i in range(n)]
-
-
-def run(llm, prompts, params=GREEDY, **kw):
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False, **kw)
-    return [o.outputs[0].token_ids for o in outs], [o.num_cached_tokens for o in outs]
-
-
-def tier_stats(llm):
-    tiers = llm.engine.core.kv_tiers
-    return tiers.counters, {t.name: t.stats for t in tiers.store.tiers}
+from tests.support.kv_tiers import BS, SMALL, prompt, run, tier_stats
 
 
 def flush(llm):
@@ -191,3 +174,28 @@ def test_under_preemption_by_swap_equal(make_llm, model, reference, tmp_path):
     again = make_llm(model, kv_disk_path=str(tmp_path), **tight)
     tokens, cached = run(again, [prompt(s, 100) for s in range(4)], params)
     assert tokens == want and sum(cached) > 0
+
+
+def test_host_tier_alone_serves_an_evicted_prefix(make_llm, model, reference):
+    llm = make_llm(model, kv_offloading_size=0.01, **SMALL)
+    run(llm, [prompt(0)])
+    run(llm, [prompt(1)])
+    flush(llm)
+    tokens, cached = run(llm, [prompt(0)])
+    counters, stats = tier_stats(llm)
+    assert tokens == [reference[0]] and cached == [144] and stats["host"].hits == counters.blocks_loaded > 0
+
+
+def test_an_aborted_request_waiting_for_its_load_leaves_nothing(make_llm, model, tmp_path):
+    first = make_llm(model, kv_disk_path=str(tmp_path), **SMALL)
+    run(first, [prompt(0)])
+    first.close()
+    llm = make_llm(model, kv_disk_path=str(tmp_path), **SMALL)
+    engine = llm.engine
+    engine.add_request(prompt(0), SamplingParams(temperature=0, max_tokens=4), request_id="r")
+    assert engine.core.kv_tiers.loading  # held for its load
+    engine.abort_request("r")
+    while engine.core.has_unfinished_requests():
+        engine.step()
+    engine.core.check_integrity()
+    assert engine.core.pool.num_cached_idle == 9  # (the loaded blocks stay, as cache)
