@@ -199,3 +199,14 @@ def test_an_aborted_request_waiting_for_its_load_leaves_nothing(make_llm, model,
         engine.step()
     engine.core.check_integrity()
     assert engine.core.pool.num_cached_idle == 9  # (the loaded blocks stay, as cache)
+
+
+def test_warm_prefixes_load_from_the_disk_tier(make_llm, model, reference, tmp_path):
+    first = make_llm(model, kv_disk_path=str(tmp_path), **SMALL)
+    run(first, [prompt(0)])
+    first.close()
+    llm = make_llm(model, kv_disk_path=str(tmp_path), **SMALL)
+    assert llm.engine.warm_prefixes([prompt(0)[:64]]) == 4  # pinned, loaded rather than prefilled
+    assert tier_stats(llm)[0].blocks_loaded == 3 and llm.engine.core.num_prompt_tokens_total == 16
+    tokens, cached = run(llm, [prompt(0)])
+    assert tokens == [reference[0]] and cached == [144]
