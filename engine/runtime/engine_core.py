@@ -305,7 +305,10 @@ class EngineCore:
 
     def reset_prefix_cache(self) -> int:
         """Forget every cached-idle KV block (blocks in use keep theirs): later prompts recompute
-        their prefixes. Returns how many blocks were dropped (vLLM's `reset_prefix_cache`)."""
+        their prefixes (from the KV tiers, when they are on). Returns how many blocks were dropped
+        (vLLM's `reset_prefix_cache`)."""
+        if self.kv_tiers is not None:
+            self.kv_tiers.drain_saves()  # (what leaves the cache goes down first)
         return self.pool.reset_prefix_cache()
 
     def close(self) -> None:

@@ -75,6 +75,7 @@ class KVTiers:
         pool = self.pool
         if not pool.enable_prefix_caching or not task_of(request).prefix_cacheable:
             return False
+        self.drain_saves()  # (blocks that just turned idle are findable from now on)
         bs = pool.block_size
         tokens = request.prompt_token_ids
         max_blocks = (len(tokens) - 1) // bs  # (one token is always computed, for its logits)

@@ -49,6 +49,9 @@ class TierStore:
         self._closed = False
         self._seen: OrderedDict[str, None] = OrderedDict()
         self._seen_lock = threading.Lock()
+        # Queued, not yet written: served from here meanwhile (a prefix may return at once).
+        self._pending: dict[str, bytes] = {}
+        self.pending_hits = 0
         self._queue: queue.Queue = queue.Queue(max_queued)
         self._writer = threading.Thread(target=self._write_loop, name="kiln-kv-tier-writer", daemon=True)
         self._writer.start()
@@ -63,7 +66,7 @@ class TierStore:
     def held_locally(self, digest: bytes) -> bool:
         """A local tier (host, disk) holds this block (no round trip: asked at admission)."""
         key = self.key(digest)
-        return any(t.local and t.contains(key) for t in self.tiers)
+        return key in self._pending or any(t.local and t.contains(key) for t in self.tiers)
 
     def _mark_seen(self, key: str) -> bool:
         """Remember key; False if it was known already."""
@@ -84,9 +87,11 @@ class TierStore:
         key = self.key(block.digest)
         if not self._mark_seen(key):
             return False
+        self._pending[key] = payload
         try:
             self._queue.put_nowait((key, block, payload))
         except queue.Full:
+            self._pending.pop(key, None)
             self.dropped += 1
             with self._seen_lock:
                 self._seen.pop(key, None)
@@ -111,6 +116,7 @@ class TierStore:
                     except Exception as exc:  # a full disk, a lost server: the block just isn't kept there
                         tier.stats.errors += 1
                         logger.warning("KV %s tier: writing a block failed: %s", tier.name, exc)
+                self._pending.pop(key, None)
             finally:
                 self._queue.task_done()
 
@@ -131,6 +137,10 @@ class TierStore:
 
     def _read_one(self, block: BlockRef) -> bytes | None:
         key = self.key(block.digest)
+        pending = self._pending.get(key)
+        if pending is not None:
+            self.pending_hits += 1
+            return pending
         missed: list[Tier] = []
         for tier in self.tiers:
             t0 = time.perf_counter()
