@@ -114,12 +114,12 @@ class KVTiers:
             except Exception as exc:
                 self.counters.load_errors += 1
                 logger.warning("KV tiers: loading a prefix failed (%s): it is prefilled", exc)
-                payloads = []
+                payloads = []  # (an empty run)
             self._install(load.request, load.blocks[: len(payloads)], payloads)
             self.counters.load_wait_seconds += time.perf_counter() - load.t0
             self.scheduler.release_held(load.request)
 
-    def _install(self, request: Request, blocks: list[BlockRef], payloads: list[bytes]) -> None:
+    def _install(self, request: Request, blocks: list[BlockRef], payloads: list[bytes | memoryview]) -> None:
         pool = self.pool
         if not payloads:
             return

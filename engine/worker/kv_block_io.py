@@ -9,6 +9,7 @@ steps that wrote the blocks); writes upload once and scatter.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from engine.worker.block_swapper import block_major
@@ -33,7 +34,7 @@ class KVBlockIO:
         flat = gathered.view(len(block_ids), -1).numpy()
         return [row.tobytes() for row in flat]
 
-    def write(self, block_ids: list[int], payloads: list[bytes]) -> None:
+    def write(self, block_ids: list[int], payloads) -> None:
         """Fill these blocks with these bytes (one payload each)."""
         if not block_ids:
             return
@@ -41,6 +42,9 @@ class KVBlockIO:
             raise ValueError(
                 f"KV tier load: {len(payloads)} payloads for {len(block_ids)} blocks of {self.bytes_per_block} bytes"
             )
-        data = torch.frombuffer(bytearray(b"".join(payloads)), dtype=torch.uint8)
-        data = data.view(len(block_ids), *self.block_shape).to(self.device)
+        host = torch.empty((len(block_ids), self.bytes_per_block), dtype=torch.uint8)
+        rows = host.numpy()
+        for i, payload in enumerate(payloads):  # (one copy each, straight from the record's bytes)
+            rows[i] = np.frombuffer(payload, dtype=np.uint8)
+        data = host.view(len(block_ids), *self.block_shape).to(self.device)
         self.blocks.index_copy_(0, self._index(block_ids), data)

@@ -6,7 +6,8 @@
              u16 parent length + parent (the previous block's digest, or the prefix root),
              u32 token count + tokens (int64 each), u64 payload length
     payload  the block's bytes (every layer's K and V, as the cache holds them)
-    checksum blake2b-128 of everything before it
+    checksum CRC-32 of everything before it (u32; 2.4x blake2b's speed here, and the header's exact
+             match, not the checksum, is what tells one block from another)
 
 `decode` refuses (BadRecord) anything that is not exactly the block asked for: another model, another
 digest, parent or tokens (a digest collision), a payload of the wrong size, a torn or flipped byte.
@@ -14,12 +15,12 @@ digest, parent or tokens (a digest collision), a payload of the wrong size, a to
 
 from __future__ import annotations
 
-import hashlib
 import struct
+import zlib
 from array import array
 
 MAGIC = b"KILNKV01"
-CHECKSUM_BYTES = 16
+CHECKSUM_BYTES = 4
 
 
 class BadRecord(ValueError):
@@ -27,7 +28,7 @@ class BadRecord(ValueError):
 
 
 def _checksum(data: bytes | memoryview) -> bytes:
-    return hashlib.blake2b(data, digest_size=CHECKSUM_BYTES).digest()
+    return struct.pack("<I", zlib.crc32(data))
 
 
 def _header(fingerprint: bytes, digest: bytes, parent: bytes | None, tokens, payload_len: int) -> bytes:

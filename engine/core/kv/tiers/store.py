@@ -125,9 +125,9 @@ class TierStore:
         self._queue.join()
 
     # ---- reading ----
-    def read_run(self, blocks: list[BlockRef]) -> list[bytes]:
+    def read_run(self, blocks: list[BlockRef]) -> list[bytes | memoryview]:
         """The payloads of the longest run of `blocks`, from the start, that some tier holds intact."""
-        payloads: list[bytes] = []
+        payloads: list[bytes | memoryview] = []
         for block in blocks:
             payload = self._read_one(block)
             if payload is None:
@@ -135,7 +135,7 @@ class TierStore:
             payloads.append(payload)
         return payloads
 
-    def _read_one(self, block: BlockRef) -> bytes | None:
+    def _read_one(self, block: BlockRef) -> bytes | memoryview | None:
         key = self.key(block.digest)
         pending = self._pending.get(key)
         if pending is not None:
@@ -155,10 +155,8 @@ class TierStore:
                 missed.append(tier)
                 continue
             try:
-                payload = bytes(
-                    block_record.decode(
-                        record, self.fingerprint, block.digest, block.parent, block.tokens, self.payload_bytes
-                    )
+                payload = block_record.decode(
+                    record, self.fingerprint, block.digest, block.parent, block.tokens, self.payload_bytes
                 )
             except block_record.BadRecord as exc:
                 tier.stats.errors += 1
