@@ -122,7 +122,9 @@ class Scheduler:
 
     def release_held(self, request: Request) -> None:
         """Queue a request added with held=True (unless it finished meanwhile: aborted)."""
-        seq = request.seqs[0]
+        seq = request.seqs[0] if request.seqs else None
+        if seq is None or self.requests.get(request.request_id) is not request:
+            return  # (its add failed, or it finished and was handed out)
         if not seq.is_finished and seq not in self.waiting:
             self._insert_waiting(seq)
 
