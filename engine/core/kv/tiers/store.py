@@ -26,7 +26,8 @@ from engine.core.kv.tiers.base import Tier
 
 logger = logging.getLogger(__name__)
 
-SEEN_KEYS = 1 << 20  # keys this process knows are stored (saves of them are skipped)
+SEEN_KEYS = 1 << 18  # keys this process knows are stored (saves of them are skipped): ~40 MB at most
+QUEUED_BYTES = 256 << 20  # blocks waiting for the writer, at most (more are dropped, not waited for)
 
 
 @dataclass(frozen=True)
@@ -39,7 +40,9 @@ class BlockRef:
 
 
 class TierStore:
-    def __init__(self, tiers: list[Tier], fingerprint: bytes, payload_bytes: int, max_queued: int = 256) -> None:
+    def __init__(
+        self, tiers: list[Tier], fingerprint: bytes, payload_bytes: int, max_queued_bytes: int = QUEUED_BYTES
+    ) -> None:
         if not tiers:
             raise ValueError("a tier store needs at least one tier")
         self.tiers = tiers
@@ -52,7 +55,7 @@ class TierStore:
         # Queued, not yet written: served from here meanwhile (a prefix may return at once).
         self._pending: dict[str, bytes] = {}
         self.pending_hits = 0
-        self._queue: queue.Queue = queue.Queue(max_queued)
+        self._queue: queue.Queue = queue.Queue(max(4, max_queued_bytes // payload_bytes))
         self._writer = threading.Thread(target=self._write_loop, name="kiln-kv-tier-writer", daemon=True)
         self._writer.start()
 
