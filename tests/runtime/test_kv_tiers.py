@@ -164,7 +164,7 @@ def test_lora_prefixes_keyed_by_the_adapter(make_llm, model, tmp_path):
 
 def test_under_preemption_by_swap_equal(make_llm, model, reference, tmp_path):
     tight = dict(SMALL, num_gpu_blocks=30, preemption_mode="swap", swap_space_gb=0.01)
-    params = SamplingParams(temperature=0, max_tokens=40)
+    params = SamplingParams(temperature=0, max_tokens=24)
     plain = make_llm(model, **tight)
     want, _ = run(plain, [prompt(s, 100) for s in range(4)], params)
     llm = make_llm(model, kv_disk_path=str(tmp_path), **tight)
