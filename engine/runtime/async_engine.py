@@ -181,8 +181,11 @@ class AsyncEngine:
         await self.run_in_engine(lambda e: e.core.unload_lora(name))
 
     def num_waiting(self) -> int:
-        """Requests queued but not yet running (including those still in the inbox)."""
-        return len(self.engine.core.scheduler.waiting) + self._pending_adds
+        """Requests queued but not yet running (including those still in the inbox, and those
+        waiting for a KV tier load)."""
+        tiers = self.engine.core.kv_tiers
+        loading = tiers.num_loading if tiers is not None else 0
+        return len(self.engine.core.scheduler.waiting) + self._pending_adds + loading
 
     # ---- requests ----
     async def add_request(

@@ -68,6 +68,11 @@ class KVTiers:
     def loading(self) -> bool:
         return bool(self._loads)
 
+    @property
+    def num_loading(self) -> int:
+        """Requests held for their loads."""
+        return len(self._loads)
+
     # ---- up: admission ----
     def hold(self, request: Request) -> bool:
         """Start loading the prompt's blocks past the pool's hits that the tiers hold; True if the

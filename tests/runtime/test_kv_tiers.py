@@ -192,7 +192,7 @@ def test_an_aborted_request_waiting_for_its_load_leaves_nothing(make_llm, model,
     llm = make_llm(model, kv_disk_path=str(tmp_path), **SMALL)
     engine = llm.engine
     engine.add_request(prompt(0), SamplingParams(temperature=0, max_tokens=4), request_id="r")
-    assert engine.core.kv_tiers.loading  # held for its load
+    assert engine.core.kv_tiers.loading and engine.core.kv_tiers.num_loading == 1  # held for its load
     engine.abort_request("r")
     while engine.core.has_unfinished_requests():
         engine.step()
