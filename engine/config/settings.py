@@ -93,6 +93,26 @@ class EngineSettings(_KilnSettings):
     )
     swap_space_gb: float = Field(1.0, ge=0.0, description="pinned CPU memory for swapped-out KV blocks")
     enable_prefix_caching: bool = Field(True, description="reuse the KV blocks of shared prompt prefixes")
+    # KV tiers under the block pool (docs/kv_tiers.md): off unless a size, path or URL is set.
+    kv_offloading_size: float | None = Field(
+        None,
+        gt=0.0,
+        description="KV tiers: GiB of host memory that keeps prefix blocks evicted from the KV cache (vLLM's "
+        "--kv-offloading-size; default: no host tier)",
+    )
+    kv_disk_path: Path | None = Field(
+        None,
+        description="KV tiers: a directory that keeps prefix blocks on disk, shared by processes of the same "
+        "model and kept across restarts (LMCache's local_disk; default: no disk tier)",
+    )
+    kv_disk_size_gb: float = Field(
+        32.0, gt=0.0, description="KV tiers: GB the disk tier may hold (LMCache's max_local_disk_size)"
+    )
+    kv_remote_url: str | None = Field(
+        None,
+        description="KV tiers: redis://HOST:PORT[/DB] of a Redis or Valkey server that replicas share prefix "
+        "blocks through (LMCache's remote_url; default: no remote tier)",
+    )
 
     # --- scheduling ---
     max_num_seqs: int = Field(64, ge=1, description="sequences in one batch at most")
@@ -419,6 +439,35 @@ class EngineSettings(_KilnSettings):
     def resolved_async_scheduling(self, device_type: str) -> bool:
         """async_scheduling as set, else on exactly when the device is a GPU."""
         return self.async_scheduling if self.async_scheduling is not None else device_type == "cuda"
+
+    @property
+    def kv_tiers_enabled(self) -> bool:
+        return self.kv_offloading_size is not None or self.kv_disk_path is not None or self.kv_remote_url is not None
+
+    @model_validator(mode="after")
+    def _check_kv_tiers(self) -> "EngineSettings":
+        """What the KV tiers cannot keep correctly is refused at start-up, by name."""
+        if not self.kv_tiers_enabled:
+            return self
+        refused = [
+            name
+            for name, on in (
+                ("enable_prefix_caching off", not self.enable_prefix_caching),
+                ("calculate_kv_scales (scales set after blocks may have loaded)", self.calculate_kv_scales),
+                ("tensor_parallel_size > 1", self.tensor_parallel_size > 1),
+                ("a draft model or EAGLE head (its KV is not kept)", self.speculative_model is not None),
+            )
+            if on
+        ]
+        if refused:
+            raise ValueError(
+                f"KV tiers (kv_offloading_size, kv_disk_path, kv_remote_url) do not work with {', '.join(refused)}"
+            )
+        if self.kv_remote_url is not None:
+            from engine.core.kv.tiers.resp import parse_url
+
+            parse_url(self.kv_remote_url)
+        return self
 
     @model_validator(mode="after")
     def _check_tensor_parallel(self) -> "EngineSettings":

@@ -47,11 +47,15 @@ class LLM:
             timeout_s=grammar["grammar_compile_timeout_s"], workers=grammar["grammar_compile_workers"]
         )
         weakref.finalize(self, self.engine.structured_output.close)  # (its worker processes)
+        if self.engine.core.kv_tiers is not None:  # (blocks still queued reach the tiers at exit)
+            weakref.finalize(self, self.engine.core.kv_tiers.close)
         self._counter = 0
 
     def close(self) -> None:
-        """Stop the grammar compile workers now (they also stop when the LLM is collected)."""
+        """Stop the grammar compile workers now and hand the KV tiers what they still queue (both also
+        happen when the LLM is collected)."""
         self.engine.structured_output.close()
+        self.engine.core.close()
 
     @property
     def tokenizer(self):

@@ -16,6 +16,7 @@ Loading writes into the same buffers in place, so captured graphs see new adapte
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import math
@@ -58,6 +59,17 @@ class _Loaded:
 
 class LoRAError(ValueError):
     pass
+
+
+def adapter_root(path: str | Path) -> bytes:
+    """The prefix-cache namespace of an adapter's KV: a hash of its files' bytes, so the same adapter
+    shares its KV across reloads and processes (the KV tiers key by it) and any other never does."""
+    h = hashlib.blake2b(digest_size=16)
+    root = Path(path).expanduser()
+    for file in sorted(p for p in root.rglob("*") if p.is_file()):
+        h.update(str(file.relative_to(root)).encode() + b"\0")
+        h.update(file.read_bytes())
+    return b"lora:" + h.digest()
 
 
 def read_adapter(path: str | Path, max_rank: int, num_layers: int) -> dict[tuple[int, str, int], tuple]:
@@ -116,7 +128,6 @@ class LoRAManager:
         self.max_loras = max_loras
         self.max_rank = max_rank
         self._loaded: dict[str, _Loaded] = {}
-        self._generation = 0
         self._lock = threading.Lock()
 
     @property
@@ -154,8 +165,7 @@ class LoRAManager:
             weights = read_adapter(request.lora_path, self.max_rank, len(self.model.layers))
             slot = free[0]
             self._write(slot, weights)
-            self._generation += 1
-            entry = _Loaded(request, slot, f"lora:{request.lora_name}:{self._generation}".encode())
+            entry = _Loaded(request, slot, adapter_root(request.lora_path))
             self._loaded[request.lora_name] = entry
             logger.info(
                 "LoRA adapter %r loaded from %s into slot %d (%d projections)",

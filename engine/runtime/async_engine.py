@@ -148,6 +148,8 @@ class AsyncEngine:
             self._thread.join(timeout)
         if self._output_thread is not None:
             self._output_thread.join(timeout)
+        if self._thread is None or not self._thread.is_alive():  # (the step thread no longer touches the pool)
+            self.engine.core.close()
         executor = self.engine.core.executor
         if executor is not None:
             executor.shutdown()
@@ -196,8 +198,11 @@ class AsyncEngine:
         await self.run_in_engine(lambda e: e.core.unload_lora(name))
 
     def num_waiting(self) -> int:
-        """Requests queued but not yet running (including those still in the inbox)."""
-        return len(self.engine.core.scheduler.waiting) + self._pending_adds
+        """Requests queued but not yet running (including those still in the inbox, and those
+        waiting for a KV tier load)."""
+        tiers = self.engine.core.kv_tiers
+        loading = tiers.num_loading if tiers is not None else 0
+        return len(self.engine.core.scheduler.waiting) + self._pending_adds + loading
 
     # ---- requests ----
     async def add_request(

@@ -38,6 +38,8 @@ from engine.models.loader.gguf_file import is_gguf
 from engine.models.loader.kv_scales import read_kv_scales
 from engine.models.loader.model_loader import load_model, load_tokenizer
 from engine.resolve.build_target import resolve_device, resolve_dtype, resolve_model_dir
+from engine.runtime.kv_tiers import KVTiers
+from engine.runtime.kv_tiers_setup import build_kv_tiers
 from engine.runtime.startup_phase import Phase
 from engine.spec_decode.draft_model import DraftModelProposer
 from engine.spec_decode.eagle import EagleProposer
@@ -78,6 +80,7 @@ class EngineParts:
     pool: BlockPool
     swap_space: SwapSpace | None
     block_swapper: BlockSwapper | SwapGroup | MirroredSwapper | None
+    kv_tiers: KVTiers | None
     scheduler: Scheduler
     runner: ModelRunner  # (a TensorParallelRunner with tensor parallelism)
     draft_runner: ModelRunner | None
@@ -118,6 +121,7 @@ class EngineBuilder:
                 pool=self.pool,
                 swap_space=self.swap_space,
                 block_swapper=self.block_swapper,
+                kv_tiers=self.kv_tiers,
                 scheduler=self.scheduler,
                 runner=self.runner,
                 draft_runner=self.draft_runner,
@@ -278,6 +282,16 @@ class EngineBuilder:
             self.pool,
             self._make_swap_space(),
             self._make_spec_decoder(),
+        )
+        self.kv_tiers = build_kv_tiers(
+            settings,
+            self.model_dir,
+            self.kv_cache.tensor,
+            self.kv_cache.scales,
+            self.dtype,
+            self.device,
+            self.pool,
+            self.scheduler,
         )
         self.sampler = Sampler(self.device, self.eos_token_ids, settings.seed)
         runner_cls = ModelRunner

@@ -41,6 +41,7 @@ from engine.core.sched.scheduler import Scheduler
 from engine.core.sched.scheduler_output import SchedulerOutput
 from engine.lora.adapters import LoRAManager, attach_lora, load_lora, unload_lora
 from engine.runtime.admission import AdmittedRequest
+from engine.runtime.kv_tiers import KVTiers
 from engine.spec_decode.sched.decoder import verify_overlaps
 from engine.structured_output.grammars import StructuredOutputCompiler
 from engine.worker.cpu_threads import ThreadPlan
@@ -121,6 +122,7 @@ class EngineCore:
         cpu_threads: ThreadPlan,
         compile_seconds: float = 0.0,
         capture_seconds: float = 0.0,
+        kv_tiers: KVTiers | None = None,
     ) -> None:
         self.scheduler = scheduler
         self.runner = runner  # (TensorParallelRunner with tensor parallelism)
@@ -144,6 +146,8 @@ class EngineCore:
         self.cpu_threads = cpu_threads
         self.compile_seconds = compile_seconds
         self.capture_seconds = capture_seconds
+        # The KV tiers under the pool (engine/runtime/kv_tiers.py), or None (the default: off).
+        self.kv_tiers = kv_tiers
         self._pinned_blocks: set[int] = set()  # warm-prefix blocks (each pinned once)
         self._inflight: _Launched | None = None  # overlap scheduling: launched, not yet processed
         self.stalled = False  # the last step launched nothing and had nothing in flight
@@ -172,7 +176,8 @@ class EngineCore:
         if admitted.lora_request is not None:
             assert self.lora is not None  # (admission refuses an adapter when LoRA is off)
             attach_lora(self.lora, request, admitted.lora_request)
-        self.scheduler.add_request(request)
+        held = self.kv_tiers is not None and self.kv_tiers.hold(request)  # (its prefix loads first)
+        self.scheduler.add_request(request, held=held)
         return request
 
     def abort(self, request_id: str) -> RequestUpdate | None:
@@ -188,10 +193,16 @@ class EngineCore:
         """Fail every unfinished request with an error (after an engine-loop crash): no one hangs.
         Returns their last updates; the pools are left fully free."""
         self._inflight = None  # its results are not wanted any more
+        if self.kv_tiers is not None:
+            self.kv_tiers.cancel_all()
         return self.scheduler.fail_all(message)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished() or self._inflight is not None
+        return (
+            self.scheduler.has_unfinished()
+            or self._inflight is not None
+            or (self.kv_tiers is not None and self.kv_tiers.loading)
+        )
 
     def load_lora(self, name: str, path: str) -> LoRARequest:
         """Load a LoRA adapter into a free slot (call between steps)."""
@@ -205,7 +216,15 @@ class EngineCore:
     def step(self) -> list[RequestUpdate]:
         """Schedule and launch the next step, then process the previous one's results (or, in the
         serial loop, this one's); returns the requests' updates."""
+        tiers = self.kv_tiers
+        if tiers is not None:
+            # Blocks that turned idle are copied out before loads or this step may overwrite them;
+            # finished loads go into the pool (waiting for one when nothing else can run).
+            tiers.drain_saves()
+            tiers.install_ready(wait=self._inflight is None and not self.scheduler.has_unfinished())
         sched = self.scheduler.schedule()
+        if tiers is not None:
+            tiers.drain_saves()  # (blocks this schedule preempted or evicted)
         previous = self._inflight
         defer = previous is not None and _defers_sampling(sched)
         launched = None if sched.is_empty else self._launch(sched, defer)
@@ -289,8 +308,17 @@ class EngineCore:
 
     def reset_prefix_cache(self) -> int:
         """Forget every cached-idle KV block (blocks in use keep theirs): later prompts recompute
-        their prefixes. Returns how many blocks were dropped (vLLM's `reset_prefix_cache`)."""
+        their prefixes (from the KV tiers, when they are on). Returns how many blocks were dropped
+        (vLLM's `reset_prefix_cache`)."""
+        if self.kv_tiers is not None:
+            self.kv_tiers.drain_saves()  # (what leaves the cache goes down first)
         return self.pool.reset_prefix_cache()
+
+    def close(self) -> None:
+        """Hand what the KV tiers still queue to them and stop their threads (shutdown)."""
+        if self.kv_tiers is not None:
+            self.kv_tiers.close()
+            self.kv_tiers = None
 
     # ---- invariants ----
     def check_integrity(self) -> None:

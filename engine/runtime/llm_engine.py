@@ -95,6 +95,7 @@ class LLMEngine:
             cpu_threads=parts.cpu_threads,
             compile_seconds=parts.compile_seconds,
             capture_seconds=parts.capture_seconds,
+            kv_tiers=parts.kv_tiers,
         )
         admission = Admission(
             parts.model_config,

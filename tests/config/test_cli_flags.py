@@ -54,6 +54,7 @@ EXAMPLES: dict[str, tuple] = {
     "-tp": (["-tp", "2"], 2),
     "--quantization": (["--quantization", "fp8"], "fp8"),  # (methods not implemented: refused, tested below)
     "--kv-cache-dtype": (["--kv-cache-dtype", "fp8"], "fp8"),
+    "--kv-offloading-size": (["--kv-offloading-size", "2"], 2.0),
     "--generation-config": (["--generation-config", "vllm"], "vllm"),
     "--max-logprobs": (["--max-logprobs", "5"], 5),
     "--disable-log-stats": (["--disable-log-stats"], True),
@@ -321,3 +322,18 @@ def test_kiln_serve_over_tls(tiny_llama, tmp_path):
     finally:
         proc.terminate()
         proc.wait(timeout=30)
+
+
+def test_kv_tier_flags_and_what_they_refuse():
+    engine, _ = parse_serve_args(
+        ["--kv-disk-path", "/tmp/kv", "--kv-disk-size-gb", "5", "--kv-remote-url", "redis://127.0.0.1:6380/1"]
+    )
+    assert engine.kv_tiers_enabled and engine.kv_disk_size_gb == 5.0 and str(engine.kv_disk_path) == "/tmp/kv"
+    assert not parse_serve_args([])[0].kv_tiers_enabled  # off by default
+    for argv, why in (
+        (["--kv-remote-url", "http://x"], "expected redis://"),
+        (["--kv-disk-path", "/tmp/kv", "--calculate-kv-scales", "--kv-cache-dtype", "fp8"], "calculate_kv_scales"),
+        (["--kv-offloading-size", "1", "--no-enable-prefix-caching"], "enable_prefix_caching off"),
+    ):
+        with pytest.raises(SettingsError, match=why):
+            parse_serve_args(argv)

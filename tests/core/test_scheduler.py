@@ -197,3 +197,30 @@ def test_scheduler_invariants_hold_under_random_workloads(ops, num_blocks, block
     assert not sched.has_unfinished(), "requests stuck in the scheduler"
     assert sched.pool.is_fully_free()
     sched.check_integrity()
+
+
+def test_a_held_request_is_known_but_queued_only_when_released():
+    """(KV tiers: a request waits, held, while its prefix loads.) Held: its id is taken and it can
+    be aborted, but it is not scheduled; released, it runs; released after an abort, nothing."""
+    from engine.core.kv.block_pool import BlockPool
+    from engine.core.params import SamplingParams
+    from engine.core.request import Request
+    from engine.core.sched.scheduler import Scheduler, SchedulerConfig
+
+    config = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=64, block_size=4)
+    sched = Scheduler(config, BlockPool(32, 4))
+
+    def request(rid: str) -> Request:
+        return Request(rid, None, list(range(1, 10)), SamplingParams(max_tokens=2), arrival_time=0.0)
+
+    held, aborted = request("held"), request("aborted")
+    sched.add_request(held, held=True)
+    sched.add_request(aborted, held=True)
+    assert "held" in sched.requests and not sched.waiting and not sched.has_unfinished()
+    assert sched.schedule().is_empty
+    sched.abort_request("aborted")
+    sched.release_held(aborted)
+    sched.release_held(held)
+    assert [s.request.request_id for s in sched.waiting] == ["held"]
+    assert [s.seq_id for s in sched.schedule().seqs] == [held.seqs[0].seq_id]
+    sched.check_integrity()

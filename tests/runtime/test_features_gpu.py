@@ -99,3 +99,37 @@ def test_lora_spec_decode_and_structured_outputs_with_graphs(tiny_llama, tmp_pat
     for llm in (graphs, eager):
         llm.engine.core.check_integrity()
         assert llm.engine.core.pool.is_fully_free()
+
+
+def test_kv_tiers_host_and_disk_with_graphs(tiny_llama, tmp_path):
+    """The KV tiers on the device: blocks copied out of the GPU cache (under async scheduling),
+    held in the host tier and on disk; after eviction and after a restart they load back into the
+    cache and the tokens equal the first run's (float32)."""
+    from engine.entrypoints.llm import LLM
+
+    common = dict(
+        model=str(tiny_llama),
+        device="cuda",
+        dtype="float32",
+        max_num_seqs=8,
+        max_model_len=256,
+        num_gpu_blocks=256,
+        cuda_graph_sizes=[1, 2, 4, 8],
+        kv_offloading_size=0.05,
+        kv_disk_path=str(tmp_path),
+    )
+    prompts = [[(s * 131 + i * 7) % 480 + 10 for i in range(150)] for s in range(3)]
+    llm = LLM(**common)
+    want = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
+    llm.reset_prefix_cache()  # every idle block leaves the cache
+    again = llm.generate(prompts, GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in again] == want
+    assert [o.num_cached_tokens for o in again] == [144] * 3
+    host = llm.engine.core.kv_tiers.store.tiers[0]
+    assert host.name == "host" and host.stats.hits == 27
+    llm.close()
+    restarted = LLM(**common)
+    out = restarted.generate(prompts, GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in out] == want and [o.num_cached_tokens for o in out] == [144] * 3
+    assert restarted.engine.core.kv_tiers.store.tiers[1].stats.hits == 27
+    restarted.close()

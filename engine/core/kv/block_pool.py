@@ -69,6 +69,10 @@ class BlockPool:
         self._by_digest: dict[bytes, int] = {}
         self._meta: dict[int, _CachedBlock] = {}
         self._pinned: set[int] = set()
+        # KV tiers (engine/runtime/kv_tiers.py) set this to a list: each hashed block that turns
+        # cached-idle is logged (id, digest, parent, tokens) so its bytes can be kept below the pool
+        # before anything overwrites it.
+        self.idle_log: list[tuple[int, bytes, bytes | None, tuple[int, ...]]] | None = None
 
     # ---- capacity ----
     @property
@@ -127,8 +131,11 @@ class BlockPool:
             raise AssertionError(f"double free of block {block_id}")
         self._ref[block_id] -= 1
         if self._ref[block_id] == 0:
-            if block_id in self._meta:
+            meta = self._meta.get(block_id)
+            if meta is not None:
                 self._idle[block_id] = None  # most recently used end
+                if self.idle_log is not None:
+                    self.idle_log.append((block_id, meta.digest, meta.parent, meta.tokens))
             else:
                 heapq.heappush(self._free, block_id)
 

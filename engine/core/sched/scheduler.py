@@ -103,9 +103,10 @@ class Scheduler:
     num_accepted_tokens = property(lambda self: self.spec.num_accepted_tokens if self.spec else 0)
 
     # ---- requests in and out ----
-    def add_request(self, request: Request) -> None:
+    def add_request(self, request: Request, held: bool = False) -> None:
         """Queue an admitted request (engine/runtime/admission.py checked it: lengths, n, token ids,
-        the KV pool at its priority, its id unused)."""
+        the KV pool at its priority, its id unused). `held`: known (its id taken, abortable) but not
+        queued until `release_held` (its prefix is loading from the KV tiers)."""
         if request.request_id in self.requests:
             # Only two submits racing with one id get here (admission refused the id if it was in use):
             # not a refusal but this request's failure, as the caller's add (AsyncEngine) reports it.
@@ -116,7 +117,16 @@ class Scheduler:
         self.requests[request.request_id] = request
         if params.n > 1:
             self._unforked[seq.seq_id] = seq
-        self._insert_waiting(seq)
+        if not held:
+            self._insert_waiting(seq)
+
+    def release_held(self, request: Request) -> None:
+        """Queue a request added with held=True (unless it finished meanwhile: aborted)."""
+        seq = request.seqs[0] if request.seqs else None
+        if seq is None or self.requests.get(request.request_id) is not request:
+            return  # (its add failed, or it finished and was handed out)
+        if not seq.is_finished and seq not in self.waiting:
+            self._insert_waiting(seq)
 
     def _new_seq(self, request: Request, index: int, tokens: list[int]) -> Sequence:
         seq = Sequence(

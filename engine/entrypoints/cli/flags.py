@@ -64,6 +64,7 @@ VLLM_FLAGS: dict[str, str] = {
     "-tp": "tensor_parallel_size",
     "--quantization": "quantization",
     "--kv-cache-dtype": "kv_cache_dtype",
+    "--kv-offloading-size": "kv_offloading_size",
     "--generation-config": "generation_config",
     "--max-logprobs": "max_logprobs",
     "--disable-log-stats": "disable_log_stats",

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from engine.core.outputs import RequestOutput
+from engine.entrypoints.openai.kv_tier_metrics import KVTierMetrics
 
 logger = logging.getLogger("engine.entrypoints.openai.stats")
 
@@ -237,6 +238,7 @@ class EngineMetrics:
             "preempt:recompute": 0,
         }
         self._log_prev = {"t": time.monotonic(), "prompt": 0, "gen": 0, "pq": 0, "ph": 0}
+        self.kv_tiers = KVTierMetrics(r, model_name)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
@@ -334,6 +336,7 @@ class EngineMetrics:
             self.iteration_tokens.observe(step_tokens)
         self._prev = totals
 
+        self.kv_tiers.update(engine.core.kv_tiers)
         for out in outputs:
             self._observe_request(out, now)
         if self.log_stats_interval > 0 and now - self._log_prev["t"] >= self.log_stats_interval:
