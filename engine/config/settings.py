@@ -30,6 +30,9 @@ def default_cache_dir() -> Path:
 SUPPORTED_QUANTIZATION: tuple[str, ...] = ("fp8", "gptq", "awq", "compressed-tensors")  # engine/layers/quant/config.py
 SUPPORTED_KV_CACHE_DTYPES: tuple[str, ...] = ("auto", "fp8", "fp8_e4m3")  # engine/layers/kv_cache.py
 
+# --load-format values kiln reads (vLLM's others: pt, npcache, tensorizer, sharded_state, bitsandbytes, ...).
+LOAD_FORMATS: tuple[str, ...] = ("auto", "safetensors", "gguf", "dummy")
+
 SPECULATIVE_KEYS = {
     "method": "speculative_method",
     "model": "speculative_model",
@@ -73,7 +76,11 @@ class EngineSettings(_KilnSettings):
     )
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto: cuda when a GPU is visible")
     seed: int = Field(0, description="random seed for dummy weights and unseeded sampling")
-    load_format: Literal["auto", "dummy"] = Field("auto", description="dummy: random weights from config.json")
+    load_format: str = Field(
+        "auto",
+        description="auto: the checkpoint's safetensors or GGUF file; safetensors / gguf: that format (an "
+        "error where the checkpoint is the other); dummy: random weights from config.json",
+    )
     max_model_len: int | None = Field(
         None,
         ge=1,
@@ -271,6 +278,25 @@ class EngineSettings(_KilnSettings):
         "instead of the checkpoint's (or 1.0)",
     )
 
+    # --- vLLM flags, second round (issue 44) ---
+    override_generation_config: dict[str, Any] | None = Field(
+        None,
+        description='JSON of sampling defaults over generation_config.json\'s, e.g. {"temperature": 0.5} '
+        "(vLLM's keys: temperature, top_p, top_k, min_p, repetition_penalty, max_new_tokens, ...)",
+    )
+
+    @field_validator("load_format")
+    @classmethod
+    def _check_load_format(cls, v: str) -> str:
+        if v not in LOAD_FORMATS:
+            raise ValueError(f"load format {v!r} is not supported: kiln reads {', '.join(LOAD_FORMATS)}")
+        return v
+
+    @field_validator("override_generation_config", mode="before")
+    @classmethod
+    def _parse_override(cls, v: Any) -> Any:
+        return json_value(v, "override_generation_config")
+
     @field_validator("block_size")
     @classmethod
     def _check_block_size(cls, v: int) -> int:
@@ -294,6 +320,11 @@ class EngineSettings(_KilnSettings):
     @classmethod
     def _parse_sizes(cls, v: Any) -> Any:
         return parse_human_int(v)
+
+    @field_validator("max_model_len", mode="before")
+    @classmethod
+    def _auto_model_len(cls, v: Any) -> Any:
+        return None if v in ("auto", "-1", -1) else v  # vLLM's spellings of "the model's own"
 
     @field_validator("dtype", mode="before")
     @classmethod
@@ -566,8 +597,20 @@ class ServerSettings(_KilnSettings):
     )
     ssl_keyfile: Path | None = Field(None, description="TLS private key (serve HTTPS)")
     ssl_certfile: Path | None = Field(None, description="TLS certificate (serve HTTPS)")
+    # --- vLLM flags, second round (issue 44): the rest of CORS ---
+    allow_credentials: bool = Field(False, description="CORS: allow credentials (cookies, Authorization)")
+    allowed_methods: list[str] = Field(["*"], description="CORS: HTTP methods allowed (JSON list or words)")
+    allowed_headers: list[str] = Field(["*"], description="CORS: request headers allowed (JSON list or words)")
 
-    @field_validator("served_model_name", "allowed_origins", "forwarded_allow_ips", "lora_adapter_roots", mode="before")
+    @field_validator(
+        "served_model_name",
+        "allowed_origins",
+        "forwarded_allow_ips",
+        "lora_adapter_roots",
+        "allowed_methods",
+        "allowed_headers",
+        mode="before",
+    )
     @classmethod
     def _parse_lists(cls, v: Any) -> Any:
         return word_list(v)

@@ -93,7 +93,8 @@ def flag_of(name: str) -> str:
 
 
 def _is_bool(annotation: Any) -> bool:
-    return annotation is bool
+    """bool, or bool | None (unset: kiln decides, e.g. async_scheduling): both are --x / --no-x."""
+    return annotation is bool or (set(typing.get_args(annotation)) == {bool, type(None)})
 
 
 def _is_list(annotation: Any) -> bool:
@@ -169,7 +170,9 @@ def add_settings_flags(parser: argparse.ArgumentParser, model_cls=EngineSettings
         elif _is_list(ann):
             kwargs.update(nargs="+", metavar=_metavar(ann))
         elif (choices := _choices(name, ann)) is not None:
-            kwargs.update(choices=choices, metavar="{" + ",".join(choices) + "}")
+            # (Shown, not enforced here: the setting's check names the value and its flag, and a
+            # vLLM value kiln lacks is that clear error rather than argparse's "invalid choice".)
+            kwargs["metavar"] = "{" + ",".join(choices) + "}"
         else:
             kwargs["metavar"] = _metavar(ann)
         group.add_argument(*names, **kwargs)

@@ -23,6 +23,7 @@ from engine.entrypoints.cli.flags import (
     print_error,
     settings_from_args,
 )
+from engine.entrypoints.cli.vllm_compat import add_vllm_flags, check_vllm_flags, log_no_effect
 
 # `kiln bench NAME`: the module whose main(argv) runs it, and a one-line description.
 BENCHMARKS: dict[str, tuple[str, str]] = {
@@ -104,6 +105,7 @@ def parse_serve_args(argv: list[str]) -> tuple:
     parser = build_parser()
     args = parser.parse_args(normalize_argv(_expand_config(["serve", *argv]), parser))
     _positional_model(args)
+    log_no_effect(check_vllm_flags(args))
     return settings_from_args(args), settings_from_args(args, ServerSettings)
 
 
@@ -189,7 +191,8 @@ def build_parser() -> argparse.ArgumentParser:
         "serve",
         help="serve the OpenAI-compatible HTTP API",
         formatter_class=formatter,
-        description="kiln serve [MODEL] [flags]: vLLM's `vllm serve` flags, plus kiln's",
+        description="kiln serve [MODEL] [flags]: vLLM's `vllm serve` flags, plus kiln's (every vLLM 0.32 flag "
+        "is accepted: docs/vllm_flags.md says which kiln implements, which have no effect, which it refuses)",
     )
     serve.add_argument(
         "model_tag",
@@ -205,6 +208,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_settings_flags(serve)
     add_settings_flags(serve, ServerSettings)
+    add_vllm_flags(serve)  # (the rest of vLLM's flags: docs/vllm_flags.md says what kiln does with each)
     serve.set_defaults(func=_cmd_serve)
 
     warm = sub.add_parser("warmup", help="load, compile and capture without serving")
@@ -302,6 +306,8 @@ def main(argv: list[str] | None = None) -> int:
         argv = normalize_argv(_expand_config(argv), parser)
         args = parser.parse_args(argv)
         _positional_model(args)
+        if args.command == "serve":
+            log_no_effect(check_vllm_flags(args))
         if args.command == "serve" and log_level and not hasattr(args, DEST_PREFIX + "log_level"):
             setattr(args, DEST_PREFIX + "log_level", log_level.lower())
         return args.func(args)

@@ -45,9 +45,9 @@ def add_http_middleware(app, settings: ServerSettings) -> None:
         app.add_middleware(
             CORSMiddleware,
             allow_origins=settings.allowed_origins,
-            allow_credentials=False,
-            allow_methods=["*"],
-            allow_headers=["*"],
+            allow_credentials=settings.allow_credentials,
+            allow_methods=settings.allowed_methods,
+            allow_headers=settings.allowed_headers,
         )
     if settings.enable_log_requests:
         app.add_middleware(RequestLogMiddleware)

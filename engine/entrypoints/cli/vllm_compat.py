@@ -1,0 +1,153 @@
+"""vLLM's `vllm serve` flags on `kiln serve`: each is parsed with vLLM's value shape and answered
+as vllm_flag_table.py says (implemented / no effect / refused).
+
+Flags that are kiln settings already come from flags.py; this adds the rest: vLLM spellings of
+kiln settings (stored as the setting), and flags kiln does not use (recorded, then checked once
+after parsing by `check_vllm_flags`: refused ones raise, no-effect ones are logged once).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+from typing import Any
+
+from engine.config.sources import SettingsError
+from engine.config.values import parse_human_int
+from engine.entrypoints.cli.vllm_flag_table import IMPLEMENTED, REFUSED, VLLM_ALIASES, VLLM_FLAGS_TABLE, VllmFlag
+
+logger = logging.getLogger("engine.entrypoints.cli.flags")
+
+DEST_PREFIX = "setting__"  # (flags.py's; repeated here so the import stays one-way)
+GIVEN = "vllm_flags_given"  # namespace attribute: [(flag, value), ...] of flags kiln does not use
+
+NARGS = {"b": 0, "s": 0, "v": None, "+": "+", "?": "?", "a": None}
+
+# vLLM spellings whose value kiln's setting takes in another unit or sense.
+CONVERT = {
+    "--kv-cache-memory-bytes": lambda v: _bytes_to_gib(parse_human_int(v)),
+    "--disable-log-requests": lambda v: not v,  # older vLLM: off-switch of enable_log_requests
+}
+# Options of structured_outputs_config that change outputs and that kiln's grammar engine lacks.
+STRUCTURED_OUTPUT_OPTIONS = ("disable_any_whitespace", "disable_additional_properties", "enable_in_reasoning")
+
+
+def _bytes_to_gib(value: Any) -> Any:
+    return value / 2**30 if isinstance(value, int) else value  # (not a number: the setting's check names it)
+
+
+class _VllmAction(argparse.Action):
+    """A vLLM flag that is not a kiln setting flag: a kiln setting under vLLM's spelling, or a flag
+    kiln does not use (recorded for check_vllm_flags)."""
+
+    def __init__(self, *args: Any, flag: str, entry: VllmFlag, **kwargs: Any) -> None:
+        self.flag, self.entry = flag, entry
+        super().__init__(*args, **kwargs)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        if self.nargs == 0:
+            values = not (option_string or "").startswith("--no-")
+        if self.entry.kind == IMPLEMENTED:
+            assert self.entry.setting is not None
+            convert = CONVERT.get(self.flag)
+            setattr(namespace, DEST_PREFIX + self.entry.setting, convert(values) if convert else values)
+            return
+        given = list(getattr(namespace, GIVEN, []))
+        setattr(namespace, GIVEN, [*given, (self.flag, values)])
+
+
+def add_vllm_flags(parser: argparse.ArgumentParser) -> None:
+    """Every vLLM flag the parser lacks, with vLLM's value shape (help: docs/vllm_flags.md)."""
+    known = {opt for action in parser._actions for opt in action.option_strings}
+    aliases: dict[str, list[str]] = {}
+    for alias, flag in VLLM_ALIASES.items():
+        aliases.setdefault(flag, []).append(alias)
+    for flag, entry in VLLM_FLAGS_TABLE.items():
+        names = [flag, *aliases.get(flag, [])]
+        if entry.shape == "b":
+            names.insert(1, "--no-" + flag.removeprefix("--"))
+        names = [n for n in names if n not in known]
+        if not names:
+            continue
+        parser.add_argument(
+            *names,
+            action=_VllmAction,
+            flag=flag,
+            entry=entry,
+            nargs=NARGS[entry.shape],
+            dest=GIVEN if entry.kind != IMPLEMENTED else DEST_PREFIX + str(entry.setting),
+            default=argparse.SUPPRESS,
+            help=argparse.SUPPRESS,
+        )
+
+
+def _text(value: Any) -> str:
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    return str(value).strip()
+
+
+def _asks_nothing(value: Any, ok: tuple[str, ...]) -> bool:
+    """Whether a value is one of the entry's accepted ones (lists: every element; numbers by value)."""
+    if isinstance(value, list):
+        return all(_asks_nothing(v, ok) for v in value)
+    text = _text(value).replace(" ", "")
+    if text in ok:
+        return True
+    try:
+        return any(float(text) == float(o) for o in ok if o)
+    except ValueError:
+        return False
+
+
+def _structured_outputs_refusal(value: Any) -> str | None:
+    """--structured-outputs-config: any backend name is served by kiln's grammar engine; the
+    options that change outputs are refused when on."""
+    text = _text(value)
+    if text in ("", "none", "None", "null"):
+        return None
+    try:
+        config = json.loads(text)
+    except json.JSONDecodeError:
+        return f"--structured-outputs-config: {text!r} is not JSON"
+    if not isinstance(config, dict):
+        return "--structured-outputs-config: expected a JSON object"
+    asked = [k for k in STRUCTURED_OUTPUT_OPTIONS if config.get(k)]
+    if asked:
+        return f"--structured-outputs-config: {', '.join(asked)} is not supported by kiln's grammar engine"
+    return None
+
+
+def _refusal(flag: str, entry: VllmFlag, value: Any) -> str | None:
+    if flag == "--structured-outputs-config":
+        return _structured_outputs_refusal(value)
+    if entry.kind != REFUSED or _asks_nothing(value, entry.ok):
+        return None
+    shown = flag if value is True else " ".join([flag, *map(_text, value if isinstance(value, list) else [value])])
+    return f"{shown}: kiln does not support {entry.what}"
+
+
+def check_vllm_flags(args: argparse.Namespace) -> list[str]:
+    """Raise SettingsError for a refused flag's value; return the flags given that have no effect
+    in kiln (the caller logs them once). vLLM's attention backend names are among them."""
+    no_effect: list[str] = []
+    for flag, value in getattr(args, GIVEN, []):
+        message = _refusal(flag, VLLM_FLAGS_TABLE[flag], value)
+        if message:
+            raise SettingsError(message)
+        if flag not in no_effect:
+            no_effect.append(flag)
+    backend = getattr(args, DEST_PREFIX + "attention_backend", None)
+    if isinstance(backend, str) and backend.isupper():  # vLLM's names (FLASH_ATTN, ...); kiln's are lower case
+        delattr(args, DEST_PREFIX + "attention_backend")
+        no_effect.append(f"--attention-backend {backend}")
+    return no_effect
+
+
+def log_no_effect(flags: list[str]) -> None:
+    if flags:
+        logger.warning(
+            "vLLM flags with no effect in kiln (docs/vllm_flags.md says why): %s",
+            ", ".join(flags),
+        )

@@ -1,0 +1,246 @@
+"""Every `vllm serve` flag (vLLM 0.32.0's parser, tests/data/vllm_serve_flags.json, made by
+tools/vllm_flags_dump.py) parses on `kiln serve` with a value of vLLM's shape, and is answered as
+engine/entrypoints/cli/vllm_flag_table.py says: implemented (its setting is set), no effect (parsed
+and logged), or refused (a one-line error naming the capability). Parse only: no engine starts."""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from engine.config.settings import ServerSettings
+from engine.config.sources import SettingsError
+from engine.entrypoints.cli.flags import DEST_PREFIX, normalize_argv, settings_from_args
+from engine.entrypoints.cli.main import build_parser
+from engine.entrypoints.cli.vllm_compat import GIVEN, check_vllm_flags, log_no_effect
+from engine.entrypoints.cli.vllm_flag_table import (
+    IMPLEMENTED,
+    NO_EFFECT,
+    OLDER_FLAGS,
+    REFUSED,
+    VLLM_ALIASES,
+    VLLM_FLAGS_TABLE,
+)
+
+ROOT = Path(__file__).resolve().parents[2]
+DUMP = json.loads((ROOT / "tests" / "data" / "vllm_serve_flags.json").read_text())
+FLAGS = {f["options"][0]: f for f in DUMP["flags"]}
+JSON_TYPES = {"loads", "parse_dataclass", "union_dict_and_str", "_parse_type"}
+# vLLM-valid values where the generic rule below would not give one (no default, no choices).
+EXAMPLES = {
+    "--tool-call-parser": "hermes",
+    "--reasoning-parser": "qwen3",
+    "--quantization": "fp8",
+    "--attention-backend": "FLASH_ATTN",
+    "--block-size": "16",
+    "--tokenizer": "/models/tok",
+    "--chat-template": "{{ messages }}",
+    "--spec-method": "ngram",
+    "--spec-model": "/models/draft",
+    "--served-model-name": "m",
+    "--lora-modules": "a=/x",
+    "--api-key": "sk-1",
+    "--host": "0.0.0.0",
+    "--root-path": "/kiln",
+    "--log-level": "INFO",
+    "--kv-cache-memory-bytes": "2G",
+}
+# (args, setting, value) for the spellings older vLLM releases had (absent from 0.32's parser).
+OLDER = {
+    "--disable-log-requests": (["--disable-log-requests"], "enable_log_requests", False),
+    "--guided-decoding-backend": (["--guided-decoding-backend", "xgrammar"], None, None),
+    "--max-seq-len-to-capture": (["--max-seq-len-to-capture", "8192"], None, None),
+    "--disable-frontend-multiprocessing": (["--disable-frontend-multiprocessing"], None, None),
+}
+
+
+@pytest.fixture(autouse=True)
+def _no_config(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # no stray kiln.toml
+    for name in list(__import__("os").environ):
+        if name.startswith("KILN_") and name != "KILN_CACHE_DIR":
+            monkeypatch.delenv(name)
+
+
+@pytest.fixture(scope="module")
+def parser():
+    return build_parser()  # (once: a parse is then well under a millisecond)
+
+
+def vllm_values(flag: dict) -> list[list[str]]:
+    """Values of vLLM's shape for a flag: bools bare and --no-; each choice; else the default or
+    an example; JSON configs {}."""
+    name, action, default = flag["options"][0], flag["action"], flag["default"]
+    if action == "BooleanOptionalAction":
+        return [[name], ["--no-" + name.removeprefix("--")]]
+    if flag["nargs"] == 0:
+        return [[name]]
+    if flag["choices"]:
+        return [[name, choice] for choice in flag["choices"]]
+    if name in EXAMPLES:
+        value = EXAMPLES[name]
+    elif flag["type"] in JSON_TYPES:
+        value = '["*"]' if str(default).startswith("[") else "{}"
+    elif flag["type"] in ("int", "float") or isinstance(default, (int, float)) and not isinstance(default, bool):
+        value = str(default) if isinstance(default, (int, float)) else "1"
+    elif flag["type"] in ("human_readable_int", "human_readable_int_or_auto"):
+        value = "1k"
+    elif isinstance(default, str) and default and not default.startswith(("<", "[", "set(", "==")):
+        value = default
+    else:
+        value = "x"
+    return [[name, value]]
+
+
+def asking_value(name: str) -> list[str]:
+    """A value of a refused flag that asks for what kiln lacks (bools: the bare flag)."""
+    flag = FLAGS.get(name, {"options": [name], "nargs": None, "type": None})
+    if flag["nargs"] == 0 or flag.get("action") == "BooleanOptionalAction":
+        return [name]
+    if flag["type"] in JSON_TYPES or name.endswith("-config"):
+        return [name, '{"disable_any_whitespace": true, "x": 1}']
+    if flag["type"] in ("int", "float"):
+        return [name, "2"]
+    return [name, "some-value"]
+
+
+def outcome(parser, argv: list[str]):
+    """(kind seen, detail, namespace): a parse error fails here, as an unrecognized flag would."""
+    args = parser.parse_args(normalize_argv(["serve", *argv], parser))
+    try:
+        no_effect = check_vllm_flags(args)
+    except SettingsError as exc:
+        return REFUSED, str(exc), args
+    try:
+        settings_from_args(args), settings_from_args(args, ServerSettings)
+    except SettingsError as exc:
+        return "error", str(exc), args
+    return NO_EFFECT if no_effect else IMPLEMENTED, no_effect, args
+
+
+def test_every_vllm_flag_has_an_answer_and_the_counts_per_kind():
+    assert DUMP["vllm"] == "0.32.0" and len(FLAGS) == 316
+    assert set(FLAGS) | set(OLDER_FLAGS) == set(VLLM_FLAGS_TABLE)
+    assert set(OLDER) == set(OLDER_FLAGS)
+    kinds = Counter(VLLM_FLAGS_TABLE[name].kind for name in FLAGS)
+    assert kinds == {IMPLEMENTED: 56, NO_EFFECT: 165, REFUSED: 95}
+    for name, flag in FLAGS.items():  # vLLM's other spellings are known
+        for option in flag["options"][1:]:
+            assert option.startswith("--no-") or VLLM_ALIASES[option] == name
+
+
+# Flags that change outputs or capacity: never "no effect" (a sample the table must keep so).
+MUST_NOT_BE_NO_EFFECT = [
+    "--pipeline-parallel-size", "--enable-prompt-embeds", "--max-model-len", "--data-parallel-size",
+    "--max-num-seqs", "--kv-cache-dtype", "--quantization", "--disable-sliding-window", "--logprobs-mode",
+    "--cpu-offload-gb", "--kv-offloading-size", "--tokenizer-mode", "--chat-template-content-format",
+    "--override-generation-config", "--response-role", "--enable-expert-parallel", "--kv-transfer-config",
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("name", MUST_NOT_BE_NO_EFFECT)
+def test_flags_that_change_outputs_or_capacity_are_never_no_effect(name):
+    assert VLLM_FLAGS_TABLE[name].kind != NO_EFFECT
+
+
+def test_each_flag_parses_with_vllm_values_and_gets_its_answer(parser, caplog):
+    seen = Counter()
+    for name, flag in FLAGS.items():
+        entry = VLLM_FLAGS_TABLE[name]
+        cases = vllm_values(flag) + ([asking_value(name)] if entry.kind == REFUSED else [])
+        for argv in cases:
+            caplog.clear()
+            kind, detail, args = outcome(parser, argv)
+            where = f"{' '.join(argv)}: {detail}"
+            if entry.kind == IMPLEMENTED:
+                if name == "--attention-backend":  # vLLM's backend names have no effect; kiln's are set
+                    assert kind == NO_EFFECT, where
+                    continue
+                if name != "--config":
+                    assert hasattr(args, DEST_PREFIX + str(entry.setting)), where
+                # A value kiln's setting cannot take is a clear error naming the setting.
+                assert kind == IMPLEMENTED or (kind == "error" and str(entry.setting) in detail), where
+            elif entry.kind == NO_EFFECT:
+                assert kind == NO_EFFECT and name in detail, where
+                log_no_effect(detail)
+                assert name in caplog.text, where
+            else:
+                value = argv[1:] or [argv[0]]
+                asks = argv == asking_value(name) or kind == REFUSED
+                if asks and name != "--structured-outputs-config":
+                    assert kind == REFUSED and entry.what in detail and "\n" not in detail, where
+                    assert detail.startswith(argv[0]), where
+                else:
+                    assert kind in (NO_EFFECT, REFUSED), (where, value)
+            seen[kind] += 1
+    assert seen[REFUSED] >= 95 and seen[NO_EFFECT] >= 165
+
+
+def test_no_effect_flags_are_logged_once_at_start(parser, caplog):
+    with caplog.at_level(logging.WARNING, logger="engine.entrypoints.cli.flags"):
+        _, no_effect, _ = outcome(
+            parser, ["--compilation-config", '{"level": 3}', "--disable-custom-all-reduce", "-cc", "{}"]
+        )
+        log_no_effect(no_effect)
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 1 and "--compilation-config, --disable-custom-all-reduce" in lines[0]
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["-pp", "2"], "--pipeline-parallel-size 2: kiln does not support pipeline parallelism"),
+        (["-dp", "4"], "kiln serve-replicas"),
+        (["--enable-prompt-embeds"], "--enable-prompt-embeds: kiln does not support prompt embeddings"),
+        (["--kv-offloading-size", "8"], "KV offloading (not in this build)"),
+        (["--tokenizer-mode", "mistral"], "tokenizers other than"),
+        (["--structured-outputs-config", '{"disable_any_whitespace": true}'], "disable_any_whitespace"),
+        (["--load-format", "tensorizer"], "load format 'tensorizer' is not supported: kiln reads auto"),
+    ],
+)
+def test_refusals_name_the_capability(parser, argv, message):
+    kind, detail, _ = outcome(parser, argv)
+    assert kind in (REFUSED, "error") and message in detail
+
+
+@pytest.mark.parametrize(
+    "argv, neutral",
+    [(["-pp", "1"], True), (["--no-enable-prompt-embeds"], True), (["--tokenizer-mode", "hf"], True),
+     (["--structured-outputs-config", '{"backend": "xgrammar"}'], True), (["--cpu-offload-gb", "0"], True)],
+)  # fmt: skip
+def test_values_that_ask_for_nothing_kiln_lacks_are_accepted(parser, argv, neutral):
+    kind, _, _ = outcome(parser, argv)
+    assert kind == NO_EFFECT
+
+
+def test_vllm_spellings_set_kiln_settings(parser):
+    from engine.entrypoints.cli.main import parse_serve_args
+
+    engine, server = parse_serve_args(
+        ["--kv-cache-memory-bytes", "2G", "--max-model-len", "auto", "--spec-method", "ngram", "--spec-tokens", "3"]
+        + ["-q", "fp8", "--max-num-queued-reqs", "10", "--cudagraph-capture-sizes", "1", "2", "--async-scheduling"]
+        + ["--allow-credentials", "--allowed-methods", '["GET"]', "--allowed-headers", "X-A", "--load-format", "gguf"]
+        + ["--override-generation-config", '{"temperature": 0.5}', "--device-memory-utilization", "0.5"]
+    )
+    assert (engine.kv_cache_memory_gb, engine.max_model_len, engine.speculative_method) == (2.0, None, "ngram")
+    assert (engine.num_speculative_tokens, engine.quantization, engine.max_waiting_requests) == (3, "fp8", 10)
+    assert (engine.cuda_graph_sizes, engine.async_scheduling, engine.load_format) == ([1, 2], True, "gguf")
+    assert (engine.override_generation_config, engine.gpu_memory_utilization) == ({"temperature": 0.5}, 0.5)
+    assert (server.allow_credentials, server.allowed_methods, server.allowed_headers) == (True, ["GET"], ["X-A"])
+    engine, _ = parse_serve_args(["--async-scheduling", "false"])
+    assert engine.async_scheduling is False
+
+
+@pytest.mark.parametrize("name", sorted(OLDER))
+def test_older_vllm_spellings(parser, name):
+    argv, setting, value = OLDER[name]
+    kind, detail, args = outcome(parser, argv)
+    if setting is None:
+        assert kind == NO_EFFECT and name in detail
+    else:
+        assert kind == IMPLEMENTED and getattr(args, DEST_PREFIX + setting) == value
+    assert not getattr(args, GIVEN, []) or kind == NO_EFFECT
