@@ -244,3 +244,14 @@ def test_older_vllm_spellings(parser, name):
     else:
         assert kind == IMPLEMENTED and getattr(args, DEST_PREFIX + setting) == value
     assert not getattr(args, GIVEN, []) or kind == NO_EFFECT
+
+
+def test_override_generation_config_goes_over_the_files_defaults():
+    from engine.config.generation_config import GenerationDefaults, with_overrides
+
+    base = GenerationDefaults({"temperature": 0.7, "top_p": 0.9}, (2,))
+    merged = with_overrides(base, {"temperature": 0.5, "max_new_tokens": 64, "top_k": 0})
+    assert merged.sampling == {"temperature": 0.5, "top_p": 0.9, "max_tokens": 64, "top_k": -1}
+    assert merged.eos_token_ids == (2,) and with_overrides(base, None) is base
+    with pytest.raises(ValueError, match="unknown key"):
+        with_overrides(base, {"temprature": 0.5})

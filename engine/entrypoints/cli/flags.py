@@ -32,8 +32,8 @@ SHORT_FLAGS = {"tensor_parallel_size": "-tp"}
 # kiln's earlier flag names: still accepted for one release, with a warning naming the new flag.
 DEPRECATED_FLAGS = {"--swap-space-gb": "swap_space_gb", "--num-gpu-blocks": "num_gpu_blocks"}
 
-# The vLLM flags kiln supports (`vllm serve` spelling) and the setting each one sets. The tests
-# parse every entry; the README's table is generated from it.
+# vLLM flags that set a kiln setting (`vllm serve` spelling), each with an example in
+# tests/config/test_cli_flags.py. Every other vLLM flag: vllm_flag_table.py / vllm_compat.py.
 VLLM_FLAGS: dict[str, str] = {
     "MODEL": "model",  # the positional argument: `kiln serve /path/to/model`
     "--model": "model",
