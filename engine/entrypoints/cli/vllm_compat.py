@@ -50,6 +50,8 @@ class _VllmAction(argparse.Action):
             values = not (option_string or "").startswith("--no-")
         if self.entry.kind == IMPLEMENTED:
             assert self.entry.setting is not None
+            if values == "None":  # (vLLM's spelling of "unset" for its optional values)
+                return
             convert = CONVERT.get(self.flag)
             setattr(namespace, DEST_PREFIX + self.entry.setting, convert(values) if convert else values)
             return
