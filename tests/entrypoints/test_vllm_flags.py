@@ -16,7 +16,7 @@ from engine.config.settings import ServerSettings
 from engine.config.sources import SettingsError
 from engine.entrypoints.cli.flags import DEST_PREFIX, normalize_argv, settings_from_args
 from engine.entrypoints.cli.main import build_parser
-from engine.entrypoints.cli.vllm_compat import GIVEN, check_vllm_flags, log_no_effect
+from engine.entrypoints.cli.vllm_compat import DATA_PARALLEL, GIVEN, check_vllm_flags, log_no_effect, replicas_argv
 from engine.entrypoints.cli.vllm_flag_table import (
     IMPLEMENTED,
     NO_EFFECT,
@@ -107,7 +107,6 @@ ASKING = {
     "--device-ids": "0,1",
     "--decode-context-parallel-size": "2",
     "--prefill-context-parallel-size": "2",
-    "--data-parallel-size": "2",
     "--worker-cls": "a.B",
     "--worker-extension-cls": "a.B",
     "--kv-cache-dtype-skip-layers": "0",
@@ -223,7 +222,7 @@ def test_every_vllm_flag_has_an_answer_and_the_counts_per_kind():
     assert set(FLAGS) | set(OLDER_FLAGS) == set(VLLM_FLAGS_TABLE)
     assert set(OLDER) == set(OLDER_FLAGS)
     kinds = Counter(VLLM_FLAGS_TABLE[name].kind for name in FLAGS)
-    assert kinds == {IMPLEMENTED: 56, NO_EFFECT: 165, REFUSED: 95}
+    assert kinds == {IMPLEMENTED: 57, NO_EFFECT: 165, REFUSED: 94}
     for name, flag in FLAGS.items():  # vLLM's other spellings are known
         for option in flag["options"][1:]:
             assert option.startswith("--no-") or VLLM_ALIASES[option] == name
@@ -260,8 +259,9 @@ def test_each_flag_parses_with_vllm_values_and_gets_its_answer(parser, caplog):
                 if name == "--attention-backend":  # vLLM's backend names have no effect; kiln's are set
                     assert kind == NO_EFFECT, where
                     continue
+                dest = DEST_PREFIX + str(entry.setting) if entry.setting else DATA_PARALLEL
                 if name != "--config" and argv[1:] != ["None"]:  # ("None": vLLM's "unset")
-                    assert hasattr(args, DEST_PREFIX + str(entry.setting)), where
+                    assert hasattr(args, dest), where
                 # A value kiln's setting cannot take is a clear error naming the setting.
                 assert kind == IMPLEMENTED or (kind == "error" and str(entry.setting) in detail), where
             elif entry.kind == NO_EFFECT:
@@ -297,7 +297,7 @@ def test_no_effect_flags_are_logged_once_at_start(parser, caplog):
     "argv, message",
     [
         (["-pp", "2"], "--pipeline-parallel-size 2: kiln does not support pipeline parallelism"),
-        (["-dp", "4"], "kiln serve-replicas"),
+        (["-dp", "0"], "--data-parallel-size 0: must be at least 1"),
         (["--enable-prompt-embeds"], "--enable-prompt-embeds: kiln does not support prompt embeddings"),
         (["--kv-offloading-size", "8"], "KV offloading (not in this build)"),
         (["--tokenizer-mode", "mistral"], "tokenizers other than"),
@@ -358,6 +358,36 @@ def test_override_generation_config_goes_over_the_files_defaults():
     assert merged.eos_token_ids == (2,) and with_overrides(base, None) is base
     with pytest.raises(ValueError, match="unknown key"):
         with_overrides(base, {"temprature": 0.5})
+
+
+def test_data_parallel_size_serves_replicas_behind_a_router(monkeypatch):
+    import engine.entrypoints.cli.replicas
+    from engine.entrypoints.cli.main import main
+
+    seen = {}
+    monkeypatch.setattr(engine.entrypoints.cli.replicas, "main", lambda argv, parse: seen.update(argv=argv) or 0)
+    argv = ["serve", "/models/m", "-dp", "3", "--port", "9000", "--host=0.0.0.0", "--max-num-seqs", "4"]
+    assert main(argv) == 0
+    assert seen["argv"] == [
+        "--replicas",
+        "3",
+        "--host",
+        "0.0.0.0",
+        "--port",
+        "9000",
+        "/models/m",
+        "--max-num-seqs",
+        "4",
+    ]
+    import engine.entrypoints.openai.main
+
+    seen.clear()
+    monkeypatch.setattr(engine.entrypoints.openai.main, "serve", lambda e, s: seen.update(serve=s.port) or 0)
+    assert main(["serve", "--data-parallel-size=1", "--port", "9001"]) == 0
+    assert seen == {"serve": 9001}  # (one: a plain serve)
+    assert replicas_argv(["--data-parallel-size=2", "m", "--port=1"], 2, "h", 5) == [
+        "--replicas", "2", "--host", "h", "--port", "5", "m"
+    ]  # fmt: skip
 
 
 def all_values() -> list[list[str]]:

@@ -23,7 +23,13 @@ from engine.entrypoints.cli.flags import (
     print_error,
     settings_from_args,
 )
-from engine.entrypoints.cli.vllm_compat import add_vllm_flags, check_vllm_flags, log_no_effect
+from engine.entrypoints.cli.vllm_compat import (
+    DATA_PARALLEL,
+    add_vllm_flags,
+    check_vllm_flags,
+    log_no_effect,
+    replicas_argv,
+)
 
 # `kiln bench NAME`: the module whose main(argv) runs it, and a one-line description.
 BENCHMARKS: dict[str, tuple[str, str]] = {
@@ -308,12 +314,29 @@ def main(argv: list[str] | None = None) -> int:
         _positional_model(args)
         if args.command == "serve":
             log_no_effect(check_vllm_flags(args))
+            if getattr(args, DATA_PARALLEL, 1) > 1:  # vLLM's data parallelism: kiln's replicas
+                return _serve_data_parallel(args, argv[_command_index(argv) + 1 :])
         if args.command == "serve" and log_level and not hasattr(args, DEST_PREFIX + "log_level"):
             setattr(args, DEST_PREFIX + "log_level", log_level.lower())
         return args.func(args)
     except (SettingsError, ValueError, FileNotFoundError) as exc:
         print_error(exc)
         return 2
+
+
+def _serve_data_parallel(args: argparse.Namespace, serve_argv: list[str]) -> int:
+    from engine.entrypoints.cli.replicas import main as serve_replicas
+
+    server = settings_from_args(args, ServerSettings)
+    replicas = getattr(args, DATA_PARALLEL)
+    logging.getLogger("engine").info(
+        "--data-parallel-size %d: serving %d replicas behind a router at %s:%d (kiln serve-replicas)",
+        replicas,
+        replicas,
+        server.host,
+        server.port,
+    )
+    return serve_replicas(replicas_argv(serve_argv, replicas, server.host, server.port), parse_serve_args)
 
 
 def _global_log_level(head: list[str]) -> str | None:

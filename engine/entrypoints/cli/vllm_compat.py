@@ -21,6 +21,8 @@ logger = logging.getLogger("engine.entrypoints.cli.flags")
 
 DEST_PREFIX = "setting__"  # (flags.py's; repeated here so the import stays one-way)
 GIVEN = "vllm_flags_given"  # namespace attribute: [(flag, value), ...] of flags kiln does not use
+DATA_PARALLEL = "data_parallel_size"  # namespace attribute: --data-parallel-size (replicas)
+DATA_PARALLEL_FLAGS = ("--data-parallel-size", "-dp")
 
 NARGS = {"b": 0, "s": 0, "v": None, "+": "+", "?": "?", "a": None}
 
@@ -48,6 +50,9 @@ class _VllmAction(argparse.Action):
     def __call__(self, parser, namespace, values, option_string=None):
         if self.nargs == 0:
             values = not (option_string or "").startswith("--no-")
+        if self.flag == "--data-parallel-size":
+            setattr(namespace, DATA_PARALLEL, values)
+            return
         if self.entry.kind == IMPLEMENTED:
             assert self.entry.setting is not None
             if values == "None":  # (vLLM's spelling of "unset" for its optional values)
@@ -72,13 +77,14 @@ def add_vllm_flags(parser: argparse.ArgumentParser) -> None:
         names = [n for n in names if n not in known]
         if not names:
             continue
+        extra = {"type": int, "dest": DATA_PARALLEL} if flag == "--data-parallel-size" else {}
         parser.add_argument(
             *names,
             action=_VllmAction,
             flag=flag,
             entry=entry,
             nargs=NARGS[entry.shape],
-            dest=GIVEN if entry.kind != IMPLEMENTED else DEST_PREFIX + str(entry.setting),
+            **({"dest": GIVEN if entry.kind != IMPLEMENTED else DEST_PREFIX + str(entry.setting)} | extra),
             default=argparse.SUPPRESS,
             help=argparse.SUPPRESS,
         )
@@ -140,11 +146,29 @@ def check_vllm_flags(args: argparse.Namespace) -> list[str]:
             raise SettingsError(message)
         if flag not in no_effect:
             no_effect.append(flag)
+    if getattr(args, DATA_PARALLEL, 1) < 1:
+        raise SettingsError(f"--data-parallel-size {getattr(args, DATA_PARALLEL)}: must be at least 1")
     backend = getattr(args, DEST_PREFIX + "attention_backend", None)
     if isinstance(backend, str) and backend.isupper():  # vLLM's names (FLASH_ATTN, ...); kiln's are lower case
         delattr(args, DEST_PREFIX + "attention_backend")
         no_effect.append(f"--attention-backend {backend}")
     return no_effect
+
+
+def replicas_argv(serve_argv: list[str], replicas: int, host: str, port: int) -> list[str]:
+    """`kiln serve ARGV --data-parallel-size N` as `kiln serve-replicas` arguments: N replicas of
+    the same serve line behind a router that listens where the serve line would have."""
+    owned = (*DATA_PARALLEL_FLAGS, "--host", "--port")
+    rest: list[str] = []
+    skip = False
+    for token in serve_argv:
+        if skip:
+            skip = False
+        elif token in owned:
+            skip = True  # (and its value)
+        elif not token.startswith(tuple(f"{flag}=" for flag in owned)):
+            rest.append(token)
+    return ["--replicas", str(replicas), "--host", host, "--port", str(port), *rest]
 
 
 def log_no_effect(flags: list[str]) -> None:

@@ -25,7 +25,7 @@ class VllmFlag(NamedTuple):
     kind: str
     what: str  # implemented: what kiln does; no effect: what it tunes in vLLM; refused: the capability
     shape: str = "v"
-    setting: str | None = None  # implemented: the kiln setting it sets
+    setting: str | None = None  # implemented: the kiln setting it sets (None: handled by the CLI)
     ok: tuple[str, ...] = ()  # refused: values accepted (bool flags: "off" for --no-x)
 
 
@@ -46,7 +46,7 @@ def refuse(what: str, shape: str = "v", ok: tuple[str, ...] = ()) -> VllmFlag:
 NONE = ("", "none", "None", "null", "{}", "[]")  # "nothing asked for" in a config or list flag
 MM = "multimodal input tuning (kiln serves text models)"
 MAMBA = "Mamba/SSM tuning (kiln runs no Mamba models)"
-DP = "data-parallel plumbing (only with --data-parallel-size > 1, which kiln refuses)"
+DP = "vLLM's data-parallel plumbing (kiln's --data-parallel-size runs replicas behind a router)"
 MOE = "mixture-of-experts kernel and placement tuning"
 
 VLLM_FLAGS_TABLE: dict[str, VllmFlag] = {
@@ -205,8 +205,10 @@ VLLM_FLAGS_TABLE: dict[str, VllmFlag] = {
     "--dcp-kv-cache-interleave-size": noop("context-parallel KV layout"),
     "--cp-kv-cache-interleave-size": noop("context-parallel KV layout"),
     "--prefill-context-parallel-size": refuse("prefill context parallelism", ok=("1",)),
-    "--data-parallel-size": refuse(
-        "data parallelism in one server (run `kiln serve-replicas`: N servers behind a router)", ok=("1",)
+    "--data-parallel-size": VllmFlag(
+        IMPLEMENTED,
+        "N > 1: `kiln serve` runs `kiln serve-replicas`, N servers behind a router on --host/--port "
+        "(needs sglang-router)",
     ),
     "--data-parallel-rank": noop(DP),
     "--data-parallel-start-rank": noop(DP),
