@@ -601,6 +601,16 @@ class ServerSettings(_KilnSettings):
     allow_credentials: bool = Field(False, description="CORS: allow credentials (cookies, Authorization)")
     allowed_methods: list[str] = Field(["*"], description="CORS: HTTP methods allowed (JSON list or words)")
     allowed_headers: list[str] = Field(["*"], description="CORS: request headers allowed (JSON list or words)")
+    ssl_ca_certs: Path | None = Field(
+        None, description="TLS: CA certificates that client certificates are checked against"
+    )
+    ssl_cert_reqs: int = Field(
+        0,
+        ge=0,
+        le=2,
+        description="TLS client certificates (with ssl_ca_certs): 0 not asked, 1 checked if sent, 2 required",
+    )
+    ssl_ciphers: str | None = Field(None, description="TLS: OpenSSL cipher list (default: Python's)")
 
     @field_validator(
         "served_model_name",
@@ -619,6 +629,10 @@ class ServerSettings(_KilnSettings):
     def _check_combinations(self) -> "ServerSettings":
         if (self.ssl_keyfile is None) != (self.ssl_certfile is None):
             raise ValueError("ssl_keyfile and ssl_certfile go together: give both")
+        if self.ssl_keyfile is None and (self.ssl_ca_certs or self.ssl_cert_reqs or self.ssl_ciphers):
+            raise ValueError("ssl_ca_certs, ssl_cert_reqs and ssl_ciphers need ssl_keyfile and ssl_certfile (HTTPS)")
+        if self.ssl_cert_reqs and self.ssl_ca_certs is None:
+            raise ValueError("ssl_cert_reqs needs ssl_ca_certs: the CAs client certificates are checked against")
         if self.allow_runtime_lora_updating and not self.lora_adapter_roots:
             raise ValueError(
                 "allow_runtime_lora_updating needs lora_adapter_roots: the directories adapters may be "

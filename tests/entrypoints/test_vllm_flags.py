@@ -84,9 +84,6 @@ ASKING = {
     "--fingerprint-value": "abc",
     "--grpc-port": "50051",
     "--uds": "/tmp/kiln.sock",
-    "--ssl-ca-certs": "ca.pem",
-    "--ssl-cert-reqs": "2",
-    "--ssl-ciphers": "HIGH",
     "--middleware": "a.b",
     "--hf-config-path": "/x",
     "--revision": "main",
@@ -222,7 +219,7 @@ def test_every_vllm_flag_has_an_answer_and_the_counts_per_kind():
     assert set(FLAGS) | set(OLDER_FLAGS) == set(VLLM_FLAGS_TABLE)
     assert set(OLDER) == set(OLDER_FLAGS)
     kinds = Counter(VLLM_FLAGS_TABLE[name].kind for name in FLAGS)
-    assert kinds == {IMPLEMENTED: 57, NO_EFFECT: 165, REFUSED: 94}
+    assert kinds == {IMPLEMENTED: 60, NO_EFFECT: 165, REFUSED: 91}
     for name, flag in FLAGS.items():  # vLLM's other spellings are known
         for option in flag["options"][1:]:
             assert option.startswith("--no-") or VLLM_ALIASES[option] == name
@@ -399,6 +396,21 @@ def all_values() -> list[list[str]]:
         asking = asking_value(name) if VLLM_FLAGS_TABLE[name].kind == REFUSED else None
         cases += [asking] if asking and asking not in cases else []
     return cases
+
+
+def test_tls_client_certificates_and_ciphers_reach_uvicorn():
+    from engine.entrypoints.cli.main import parse_serve_args
+    from engine.entrypoints.openai.http_options import uvicorn_options
+
+    tls = ["--ssl-keyfile", "k.pem", "--ssl-certfile", "c.pem"]
+    _, server = parse_serve_args([*tls, "--ssl-ca-certs", "ca.pem", "--ssl-cert-reqs", "2", "--ssl-ciphers", "HIGH"])
+    options = uvicorn_options(server)
+    assert (options["ssl_ca_certs"], options["ssl_cert_reqs"], options["ssl_ciphers"]) == ("ca.pem", 2, "HIGH")
+    assert "ssl_ca_certs" not in uvicorn_options(parse_serve_args(tls)[1])
+    with pytest.raises(SettingsError, match="need ssl_keyfile"):
+        parse_serve_args(["--ssl-ca-certs", "ca.pem"])
+    with pytest.raises(SettingsError, match="ssl_cert_reqs needs ssl_ca_certs"):
+        parse_serve_args([*tls, "--ssl-cert-reqs", "2"])
 
 
 if __name__ == "__main__":

@@ -32,6 +32,10 @@ def uvicorn_options(settings: ServerSettings) -> dict[str, Any]:
         options["proxy_headers"] = False
     if settings.ssl_keyfile is not None:
         options.update(ssl_keyfile=str(settings.ssl_keyfile), ssl_certfile=str(settings.ssl_certfile))
+        if settings.ssl_ca_certs is not None:
+            options.update(ssl_ca_certs=str(settings.ssl_ca_certs), ssl_cert_reqs=settings.ssl_cert_reqs)
+        if settings.ssl_ciphers:
+            options["ssl_ciphers"] = settings.ssl_ciphers
     return options
 
 
