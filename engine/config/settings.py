@@ -611,6 +611,22 @@ class ServerSettings(_KilnSettings):
         description="TLS client certificates (with ssl_ca_certs): 0 not asked, 1 checked if sent, 2 required",
     )
     ssl_ciphers: str | None = Field(None, description="TLS: OpenSSL cipher list (default: Python's)")
+    default_chat_template_kwargs: dict[str, Any] | None = Field(
+        None,
+        description='JSON of chat template variables for every request, e.g. {"enable_thinking": false} '
+        "(a request's chat_template_kwargs win)",
+    )
+
+    @field_validator("default_chat_template_kwargs", mode="before")
+    @classmethod
+    def _parse_template_kwargs(cls, v: Any) -> Any:
+        value = json_value(v, "default_chat_template_kwargs")
+        if isinstance(value, dict):
+            from engine.core.admission_rules import RESERVED_TEMPLATE_KWARGS  # (kiln sets these itself)
+
+            if reserved := sorted(set(value) & RESERVED_TEMPLATE_KWARGS):
+                raise ValueError(f"may not set {', '.join(reserved)}")
+        return value
 
     @field_validator(
         "served_model_name",

@@ -76,7 +76,6 @@ JSON_FLAGS = ("--mm-processor-kwargs", "--default-mm-loras")  # (JSON, though th
 # flag; choice flags: a choice outside the accepted ones). --quantization-config and
 # --diffusion-config have none here (no non-empty value of theirs was found that vLLM parses alone).
 ASKING = {
-    "--default-chat-template-kwargs": '{"enable_thinking": false}',
     "--response-role": "user",
     "--tool-parser-plugin": "p.py",
     "--tool-server": "localhost:8000",
@@ -219,7 +218,7 @@ def test_every_vllm_flag_has_an_answer_and_the_counts_per_kind():
     assert set(FLAGS) | set(OLDER_FLAGS) == set(VLLM_FLAGS_TABLE)
     assert set(OLDER) == set(OLDER_FLAGS)
     kinds = Counter(VLLM_FLAGS_TABLE[name].kind for name in FLAGS)
-    assert kinds == {IMPLEMENTED: 60, NO_EFFECT: 165, REFUSED: 91}
+    assert kinds == {IMPLEMENTED: 61, NO_EFFECT: 165, REFUSED: 90}
     for name, flag in FLAGS.items():  # vLLM's other spellings are known
         for option in flag["options"][1:]:
             assert option.startswith("--no-") or VLLM_ALIASES[option] == name

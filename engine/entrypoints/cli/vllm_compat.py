@@ -77,16 +77,18 @@ def add_vllm_flags(parser: argparse.ArgumentParser) -> None:
         names = [n for n in names if n not in known]
         if not names:
             continue
-        extra = {"type": int, "dest": DATA_PARALLEL} if flag == "--data-parallel-size" else {}
+        kwargs: dict[str, Any] = {"dest": GIVEN if entry.kind != IMPLEMENTED else DEST_PREFIX + str(entry.setting)}
+        if flag == "--data-parallel-size":
+            kwargs.update(type=int, dest=DATA_PARALLEL)
         parser.add_argument(
             *names,
             action=_VllmAction,
             flag=flag,
             entry=entry,
             nargs=NARGS[entry.shape],
-            **({"dest": GIVEN if entry.kind != IMPLEMENTED else DEST_PREFIX + str(entry.setting)} | extra),
             default=argparse.SUPPRESS,
             help=argparse.SUPPRESS,
+            **kwargs,
         )
 
 

@@ -62,9 +62,7 @@ VLLM_FLAGS_TABLE: dict[str, VllmFlag] = {
     ),
     "--trust-request-chat-template": refuse("chat templates sent in requests", "b"),
     "--trust-request-mm-kwargs": noop(MM, "b"),
-    "--default-chat-template-kwargs": refuse(
-        "server-wide chat template arguments (send chat_template_kwargs per request)", ok=NONE
-    ),
+    "--default-chat-template-kwargs": impl("default_chat_template_kwargs"),
     "--response-role": refuse("a response role other than assistant", ok=("assistant",)),
     "--return-tokens-as-token-ids": refuse("token ids in place of token text in logprobs", "b"),
     "--enable-auto-tool-choice": impl("enable_auto_tool_choice", shape="b"),

@@ -142,7 +142,11 @@ async def conversation_ids(
     state, body, add_generation_prompt: bool, tools=None, continue_final: bool = False, template_kwargs=None
 ) -> list[int]:
     """The chat-templated prompt's ids, made on the tokenising threads. The whole conversation
-    is bounded before templating, the rendered text before tokenising."""
+    is bounded before templating, the rendered text before tokenising. The server's
+    --default-chat-template-kwargs sit under the request's own."""
+    defaults = state.settings.default_chat_template_kwargs
+    if defaults:
+        template_kwargs = {**defaults, **(template_kwargs or {})}
     conversation = body.conversation()
     max_chars = text_bound(state.info, state.max_token_chars)
     chars = conversation_chars(conversation, tools)
