@@ -386,6 +386,39 @@ def test_data_parallel_size_serves_replicas_behind_a_router(monkeypatch):
     ]  # fmt: skip
 
 
+def test_vllm_command_line_spellings():
+    from engine.entrypoints.cli.main import parse_serve_args
+    from engine.entrypoints.cli.vllm_compat import vllm_argv
+
+    argv = ["m", "--max_model_len=4k", "-O3", "--compilation-config.mode", "3", "-cc.pass_config.x=true"]
+    argv += ["--served-model-name", "my_model", "--x.on", "--port", "1", "--seed", "-1", "--spec.a=-0.5"]
+    assert vllm_argv(argv) == [
+        "m", "--max-model-len=4k", "--optimization-level", "3", "--served-model-name", "my_model", "--port", "1",
+        "--seed", "-1", "--compilation-config", '{"mode": 3, "pass_config": {"x": true}}', "--x", '{"on": true}',
+        "--spec", '{"a": -0.5}',
+    ]  # fmt: skip
+    engine, _ = parse_serve_args(
+        ["--max_num_seqs", "8", "--speculative-config.method", "ngram", "-sc.num_speculative_tokens=3"]
+    )
+    assert (engine.max_num_seqs, engine.speculative_method, engine.num_speculative_tokens) == (8, "ngram", 3)
+
+
+def test_kiln_serve_logs_no_effect_flags_once_at_start(monkeypatch, caplog):
+    import engine.entrypoints.openai.main
+    from engine.entrypoints.cli.main import main
+
+    monkeypatch.setattr(engine.entrypoints.openai.main, "serve", lambda e, s: 0)
+    argv = ["serve", "--port", "0", "--disable-custom-all-reduce", "-O3", "--compilation_config.mode=3", "-pp", "1"]
+    with caplog.at_level(logging.WARNING, logger="engine.entrypoints.cli.flags"):
+        assert main(argv) == 0
+    lines = [r.getMessage() for r in caplog.records if "no effect in kiln" in r.getMessage()]
+    assert lines == [
+        "vLLM flags with no effect in kiln (docs/vllm_flags.md says why): --disable-custom-all-reduce, "
+        "--optimization-level, --pipeline-parallel-size, --compilation-config"
+    ]
+    assert main(["serve", "--port", "0", "--enable-prompt-embeds"]) == 2  # (refused: kiln: error: ...)
+
+
 def all_values() -> list[list[str]]:
     """Every argument list the test above parses (tools/vllm_flags_dump.py --check runs them
     through vLLM's own parser: all 668 are vLLM-valid for 0.32.0)."""

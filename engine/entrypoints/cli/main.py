@@ -29,6 +29,7 @@ from engine.entrypoints.cli.vllm_compat import (
     check_vllm_flags,
     log_no_effect,
     replicas_argv,
+    vllm_argv,
 )
 
 # `kiln bench NAME`: the module whose main(argv) runs it, and a one-line description.
@@ -109,7 +110,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 def parse_serve_args(argv: list[str]) -> tuple:
     """`kiln serve ARGV` parsed into (EngineSettings, ServerSettings) without serving (tests, tools)."""
     parser = build_parser()
-    args = parser.parse_args(normalize_argv(_expand_config(["serve", *argv]), parser))
+    args = parser.parse_args(normalize_argv(_expand_config(["serve", *vllm_argv(argv)]), parser))
     _positional_model(args)
     log_no_effect(check_vllm_flags(args))
     return settings_from_args(args), settings_from_args(args, ServerSettings)
@@ -309,6 +310,8 @@ def main(argv: list[str] | None = None) -> int:
             from engine.entrypoints.cli.make_draft import main as make_draft_model
 
             return make_draft_model(argv[command_at + 1 :])
+        if command == "serve":
+            argv = argv[: command_at + 1] + vllm_argv(argv[command_at + 1 :])
         argv = normalize_argv(_expand_config(argv), parser)
         args = parser.parse_args(argv)
         _positional_model(args)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import re
 from typing import Any
 
 from engine.config.sources import SettingsError
@@ -90,6 +91,50 @@ def add_vllm_flags(parser: argparse.ArgumentParser) -> None:
             help=argparse.SUPPRESS,
             **kwargs,
         )
+
+
+def vllm_argv(argv: list[str]) -> list[str]:
+    """vLLM's command-line spellings in kiln's: `--max_model_len` (underscores), `-O3` (the
+    optimization level), and a JSON flag's keys given one by one (`--compilation-config.mode 3`,
+    `-cc.mode=3`: gathered into one JSON object)."""
+    out: list[str] = []
+    gathered: dict[str, dict[str, Any]] = {}
+    i = 0
+    while i < len(argv):
+        token = argv[i]
+        name, eq, inline = token.partition("=")
+        flag, dot, path = name.partition(".")
+        if token.startswith("--") and "_" in flag:  # (the flag's name only: not a JSON key, not a value)
+            flag = flag.replace("_", "-")
+            name = flag + dot + path
+            token = name + eq + inline
+        if token.startswith("-O") and token[2:].lstrip("=").isdigit():
+            out += ["--optimization-level", token[2:].lstrip("=")]
+        elif dot and path and re.match(r"--?[A-Za-z]", flag):
+            if not eq and i + 1 < len(argv) and not _is_flag(argv[i + 1]):
+                inline, i = argv[i + 1], i + 1
+            target = gathered.setdefault(VLLM_ALIASES.get(flag, flag), {})
+            *parents, leaf = path.split(".")
+            for key in parents:
+                target = target.setdefault(key, {})
+            target[leaf] = _json_or_text(inline) if (eq or inline) else True
+        else:
+            out.append(token)
+        i += 1
+    for flag, value in gathered.items():
+        out += [flag, json.dumps(value)]
+    return out
+
+
+def _is_flag(token: str) -> bool:
+    return re.match(r"--?[A-Za-z]", token) is not None
+
+
+def _json_or_text(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return text
 
 
 def _text(value: Any) -> str:
