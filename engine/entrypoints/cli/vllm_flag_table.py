@@ -142,7 +142,9 @@ VLLM_FLAGS_TABLE: dict[str, VllmFlag] = {
     "--return-sampling-mask": refuse("returning sampling masks", "b"),
     "--max-logprobs": impl("max_logprobs"),
     "--logprobs-mode": refuse(
-        "logprobs of logits or raw values (kiln returns processed logprobs)", ok=("processed_logprobs",)
+        "logits, or logprobs after temperature and top-k/top-p, as logprobs (kiln returns the model's own "
+        "logprobs: raw_logprobs)",
+        ok=("raw_logprobs",),
     ),
     "--use-fp64-gumbel": refuse("fp64 Gumbel sampling", "b"),
     "--enable-trace-replay": noop("vLLM's trace replay debugging", "b"),
