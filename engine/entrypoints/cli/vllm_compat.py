@@ -31,9 +31,19 @@ NARGS = {"b": 0, "s": 0, "v": None, "+": "+", "?": "?", "a": None}
 CONVERT = {
     "--kv-cache-memory-bytes": lambda v: _bytes_to_gib(parse_human_int(v)),
     "--disable-log-requests": lambda v: not v,  # older vLLM: off-switch of enable_log_requests
+    "--pooler-config": lambda v: _pooling_type(v),
 }
 # Options of structured_outputs_config that change outputs and that kiln's grammar engine lacks.
 STRUCTURED_OUTPUT_OPTIONS = ("disable_any_whitespace", "disable_additional_properties", "enable_in_reasoning")
+
+
+def _pooling_type(value: str) -> str | None:
+    """--pooler-config's pooling_type (LAST / MEAN) as kiln's pooling_type; its other options are
+    not kiln's."""
+    config = _json_or_text(value) if value.strip() not in ("", "None", "null") else {}
+    if not isinstance(config, dict) or set(config) - {"pooling_type"}:
+        raise SettingsError(f"--pooler-config {value}: kiln takes only pooling_type (LAST or MEAN)")
+    return str(config["pooling_type"]).lower() if config.get("pooling_type") else None
 
 
 def _bytes_to_gib(value: Any) -> Any:
@@ -59,7 +69,9 @@ class _VllmAction(argparse.Action):
             if values == "None":  # (vLLM's spelling of "unset" for its optional values)
                 return
             convert = CONVERT.get(self.flag)
-            setattr(namespace, DEST_PREFIX + self.entry.setting, convert(values) if convert else values)
+            value = convert(values) if convert else values
+            if value is not None:
+                setattr(namespace, DEST_PREFIX + self.entry.setting, value)
             return
         given = list(getattr(namespace, GIVEN, []))
         setattr(namespace, GIVEN, [*given, (self.flag, values)])

@@ -157,7 +157,7 @@ VLLM_FLAGS_TABLE: dict[str, VllmFlag] = {
     "--hf-token": noop("Hub token (kiln reads local paths and downloads nothing)", "?"),
     "--hf-overrides": refuse("model config overrides", ok=NONE),
     "--model-class-overrides": refuse("model class overrides", ok=NONE),
-    "--pooler-config": refuse("pooler configuration (kiln: --pooling-type)", ok=NONE),
+    "--pooler-config": impl("pooling_type", "its pooling_type (LAST, MEAN); other options a clear error"),
     "--generation-config": impl("generation_config"),
     "--override-generation-config": impl("override_generation_config", "sampling defaults over generation_config.json"),
     "--enable-sleep-mode": refuse("sleep mode", "b"),
