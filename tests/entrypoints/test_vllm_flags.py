@@ -337,6 +337,28 @@ def test_vllm_spellings_set_kiln_settings(parser):
     assert (server.allow_credentials, server.allowed_methods, server.allowed_headers) == (True, ["GET"], ["X-A"])
     engine, _ = parse_serve_args(["--async-scheduling", "false"])
     assert engine.async_scheduling is False
+    engine, _ = parse_serve_args(["--async-scheduling", "/models/m"])  # (bare: the MODEL is not its value)
+    assert (engine.async_scheduling, engine.model) == (True, "/models/m")
+
+
+def test_optional_bools_take_a_value_where_argv_is_not_normalized():
+    """Benchmarks parse with plain argparse (tools/gpu_check.sh passes `--async-scheduling true`)."""
+    import argparse
+
+    from engine.entrypoints.cli.flags import add_settings_flags
+
+    plain = argparse.ArgumentParser()
+    add_settings_flags(plain)
+    values = [
+        getattr(plain.parse_args(a), DEST_PREFIX + "async_scheduling")
+        for a in (
+            ["--async-scheduling", "true"],
+            ["--async-scheduling"],
+            ["--async-scheduling=false"],
+            ["--no-async-scheduling"],
+        )
+    ]
+    assert values == [True, True, False, False]
 
 
 @pytest.mark.parametrize("name", sorted(OLDER))
@@ -426,7 +448,7 @@ def test_kiln_serve_logs_no_effect_flags_once_at_start(monkeypatch, caplog):
 
 def all_values() -> list[list[str]]:
     """Every argument list the test above parses (tools/vllm_flags_dump.py --check runs them
-    through vLLM's own parser: all 668 are vLLM-valid for 0.32.0)."""
+    through vLLM's own parser: every one is vLLM-valid for 0.32.0)."""
     cases = []
     for name, flag in FLAGS.items():
         cases += vllm_values(flag)

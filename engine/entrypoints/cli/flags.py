@@ -142,8 +142,10 @@ class _SettingAction(argparse.Action):
     def __call__(self, parser, namespace, values, option_string=None):
         if option_string in DEPRECATED_FLAGS:
             logger.warning("%s is deprecated; use %s", option_string, flag_of(DEPRECATED_FLAGS[option_string]))
-        if self.nargs == 0:
-            values = not (option_string or "").startswith("--no-")
+        if (option_string or "").startswith("--no-"):
+            values = False
+        elif self.nargs == 0:
+            values = True
         setattr(namespace, self.dest, values)
 
 
@@ -167,6 +169,8 @@ def add_settings_flags(parser: argparse.ArgumentParser, model_cls=EngineSettings
         if _is_bool(ann):
             names.append("--no-" + flag_of(name).removeprefix("--"))
             kwargs["nargs"] = 0
+            if ann is not bool:  # bool | None: also `--x true|false`, for parsers that skip normalize_argv
+                kwargs.update(nargs="?", const=True, type=_bool_word, metavar="true|false")
         elif _is_list(ann):
             kwargs.update(nargs="+", metavar=_metavar(ann))
         elif (choices := _choices(name, ann)) is not None:
@@ -181,26 +185,42 @@ def add_settings_flags(parser: argparse.ArgumentParser, model_cls=EngineSettings
                 group.add_argument(old, **{**kwargs, "help": argparse.SUPPRESS})
 
 
+def _bool_word(text: str) -> bool:
+    if text.lower() not in _BOOL_WORDS:
+        raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
+    return _BOOL_WORDS[text.lower()]
+
+
 def normalize_argv(argv: list[str], parser: argparse.ArgumentParser) -> list[str]:
-    """Accept `--flag true|false` / `--flag=false` for boolean flags (kiln's older spelling)."""
-    bool_flags = {
-        opt
+    """Accept `--flag true|false` / `--flag=false` for boolean flags (kiln's older spelling).
+    Optional booleans (nargs "?") come out as `--flag=true|false`, so a bare one never takes the
+    word after it (a MODEL) for its value."""
+    kinds = {
+        opt: action.nargs
         for action in _all_actions(parser)
-        if isinstance(action, _SettingAction) and action.nargs == 0
+        if isinstance(action, _SettingAction) and action.nargs in (0, "?")
         for opt in action.option_strings
-        if not opt.startswith("--no-")
     }
     out: list[str] = []
     i = 0
     while i < len(argv):
         token = argv[i]
         flag, _, inline = token.partition("=")
-        if flag in bool_flags:
+        if flag in kinds and not flag.startswith("--no-"):
             value = inline if inline else (argv[i + 1] if i + 1 < len(argv) else "")
-            if value.lower() in _BOOL_WORDS:
-                out.append(flag if _BOOL_WORDS[value.lower()] else "--no-" + flag.removeprefix("--"))
-                i += 1 if inline else 2
-                continue
+            on = _BOOL_WORDS.get(value.lower(), None)
+            step = 1 if inline or on is None else 2
+            on = True if on is None else on
+            if kinds[flag] == "?":
+                out.append(f"{flag}={'true' if on else 'false'}")
+            else:
+                out.append(flag if on else "--no-" + flag.removeprefix("--"))
+            i += step
+            continue
+        if flag in kinds and kinds[flag] == "?" and not inline:  # `--no-x`
+            out.append("--" + flag.removeprefix("--no-") + "=false")
+            i += 1
+            continue
         out.append(token)
         i += 1
     return out
