@@ -1,5 +1,5 @@
-"""vLLM flags kiln implements, seen from a client: --default-chat-template-kwargs,
---override-generation-config and the CORS flags on one served tiny model."""
+"""vLLM flags kiln implements, seen from a client or the loader: --default-chat-template-kwargs,
+--override-generation-config, the CORS flags, --load-format safetensors|gguf."""
 
 from __future__ import annotations
 
@@ -68,3 +68,17 @@ def test_template_defaults_may_not_set_what_kiln_sets():
     with pytest.raises(Exception, match="may not set tools"):
         ServerSettings(default_chat_template_kwargs={"tools": []})
     assert issubclass(SettingsError, ValueError)
+
+
+def test_load_format_names_the_checkpoint_format(tiny_llama):
+    import torch
+
+    from engine.models.config import ModelConfig
+    from engine.models.loader.model_loader import load_model
+
+    config = ModelConfig.from_dir(tiny_llama)
+    with pytest.raises(ValueError, match="is not a gguf checkpoint"):
+        load_model(tiny_llama, config, torch.float32, torch.device("cpu"), 16, load_format="gguf")
+    model = load_model(tiny_llama, config, torch.float32, torch.device("cpu"), 16, load_format="safetensors")
+    reference = load_model(tiny_llama, config, torch.float32, torch.device("cpu"), 16)
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), reference.state_dict().values()))
