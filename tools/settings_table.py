@@ -49,10 +49,27 @@ def settings_table() -> str:
 
 
 def vllm_flags_table() -> str:
-    from engine.entrypoints.cli.flags import VLLM_FLAGS
+    from engine.config.settings import SETTING_NAMES
+    from engine.entrypoints.cli.vllm_flag_table import IMPLEMENTED, NO_EFFECT, VLLM_ALIASES, VLLM_FLAGS_TABLE
 
-    rows = ["| vLLM flag | kiln setting |", "| --- | --- |"]
-    rows += [f"| `{flag}` | `{name}` |" for flag, name in VLLM_FLAGS.items()]
+    aliases: dict[str, list[str]] = {}
+    for alias, flag in VLLM_ALIASES.items():
+        aliases.setdefault(flag, []).append(alias)
+    rows = ["| vLLM flag | kind | what kiln does |", "| --- | --- | --- |"]
+    for flag, entry in VLLM_FLAGS_TABLE.items():
+        names = " ".join(f"`{n}`" for n in [flag, *aliases.get(flag, [])])
+        if entry.shape == "b":
+            names += f" / `--no-{flag[2:]}`"
+        if entry.kind == IMPLEMENTED:
+            text = f"`{entry.setting}`" if entry.setting in SETTING_NAMES else ""
+            if not entry.what.startswith("sets "):
+                text += (": " if text else "") + entry.what
+        elif entry.kind == NO_EFFECT:
+            text = f"logged, ignored: {entry.what}"
+        else:
+            ok = {"b": "`--no-` form", "s": ""}.get(entry.shape, ", ".join(f"`{v}`" for v in entry.ok if v))
+            text = f"one-line error: kiln lacks {entry.what}" + (f" (accepted: {ok})" if ok else "")
+        rows.append(f"| {names} | {entry.kind} | {_cell(text)} |")
     return "\n".join(rows)
 
 

@@ -67,6 +67,20 @@ def load_generation_defaults(model_dir: str | Path, setting: str = "auto") -> Ge
     return GenerationDefaults(sampling, eos_ids, path)
 
 
+def with_overrides(defaults: GenerationDefaults, overrides: dict[str, Any] | None) -> GenerationDefaults:
+    """--override-generation-config: its sampling keys over the file's (vLLM merges them the same way)."""
+    if not overrides:
+        return defaults
+    unknown = sorted(set(overrides) - set(SAMPLING_KEYS))
+    if unknown:
+        raise ValueError(f"override_generation_config: unknown key(s) {unknown}; kiln takes {', '.join(SAMPLING_KEYS)}")
+    sampling = dict(defaults.sampling)
+    sampling.update({SAMPLING_KEYS[k]: v for k, v in overrides.items() if v is not None})
+    if sampling.get("top_k") == 0:
+        sampling["top_k"] = -1
+    return GenerationDefaults(sampling, defaults.eos_token_ids, defaults.source)
+
+
 def default_sampling_params(defaults: GenerationDefaults) -> SamplingParams:
     """SamplingParams() with the model's recommended values (what `LLM.generate(prompts)` uses)."""
     return SamplingParams(**defaults.sampling)

@@ -30,6 +30,9 @@ def default_cache_dir() -> Path:
 SUPPORTED_QUANTIZATION: tuple[str, ...] = ("fp8", "gptq", "awq", "compressed-tensors")  # engine/layers/quant/config.py
 SUPPORTED_KV_CACHE_DTYPES: tuple[str, ...] = ("auto", "fp8", "fp8_e4m3")  # engine/layers/kv_cache.py
 
+# --load-format values kiln reads (vLLM's others: pt, npcache, tensorizer, sharded_state, bitsandbytes, ...).
+LOAD_FORMATS: tuple[str, ...] = ("auto", "safetensors", "gguf", "dummy")
+
 SPECULATIVE_KEYS = {
     "method": "speculative_method",
     "model": "speculative_model",
@@ -73,7 +76,11 @@ class EngineSettings(_KilnSettings):
     )
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto: cuda when a GPU is visible")
     seed: int = Field(0, description="random seed for dummy weights and unseeded sampling")
-    load_format: Literal["auto", "dummy"] = Field("auto", description="dummy: random weights from config.json")
+    load_format: str = Field(
+        "auto",
+        description="auto: the checkpoint's safetensors or GGUF file; safetensors / gguf: that format (an "
+        "error where the checkpoint is the other); dummy: random weights from config.json",
+    )
     max_model_len: int | None = Field(
         None,
         ge=1,
@@ -291,6 +298,25 @@ class EngineSettings(_KilnSettings):
         "instead of the checkpoint's (or 1.0)",
     )
 
+    # --- vLLM flags, second round (issue 44) ---
+    override_generation_config: dict[str, Any] | None = Field(
+        None,
+        description='JSON of sampling defaults over generation_config.json\'s, e.g. {"temperature": 0.5} '
+        "(vLLM's keys: temperature, top_p, top_k, min_p, repetition_penalty, max_new_tokens, ...)",
+    )
+
+    @field_validator("load_format")
+    @classmethod
+    def _check_load_format(cls, v: str) -> str:
+        if v not in LOAD_FORMATS:
+            raise ValueError(f"load format {v!r} is not supported: kiln reads {', '.join(LOAD_FORMATS)}")
+        return v
+
+    @field_validator("override_generation_config", mode="before")
+    @classmethod
+    def _parse_override(cls, v: Any) -> Any:
+        return json_value(v, "override_generation_config")
+
     @field_validator("block_size")
     @classmethod
     def _check_block_size(cls, v: int) -> int:
@@ -314,6 +340,11 @@ class EngineSettings(_KilnSettings):
     @classmethod
     def _parse_sizes(cls, v: Any) -> Any:
         return parse_human_int(v)
+
+    @field_validator("max_model_len", mode="before")
+    @classmethod
+    def _auto_model_len(cls, v: Any) -> Any:
+        return None if v in ("auto", "-1", -1) else v  # vLLM's spellings of "the model's own"
 
     @field_validator("dtype", mode="before")
     @classmethod
@@ -625,8 +656,46 @@ class ServerSettings(_KilnSettings):
     )
     ssl_keyfile: Path | None = Field(None, description="TLS private key (serve HTTPS)")
     ssl_certfile: Path | None = Field(None, description="TLS certificate (serve HTTPS)")
+    # --- vLLM flags, second round (issue 44): the rest of CORS ---
+    allow_credentials: bool = Field(False, description="CORS: allow credentials (cookies, Authorization)")
+    allowed_methods: list[str] = Field(["*"], description="CORS: HTTP methods allowed (JSON list or words)")
+    allowed_headers: list[str] = Field(["*"], description="CORS: request headers allowed (JSON list or words)")
+    ssl_ca_certs: Path | None = Field(
+        None, description="TLS: CA certificates that client certificates are checked against"
+    )
+    ssl_cert_reqs: int = Field(
+        0,
+        ge=0,
+        le=2,
+        description="TLS client certificates (with ssl_ca_certs): 0 not asked, 1 checked if sent, 2 required",
+    )
+    ssl_ciphers: str | None = Field(None, description="TLS: OpenSSL cipher list (default: Python's)")
+    default_chat_template_kwargs: dict[str, Any] | None = Field(
+        None,
+        description='JSON of chat template variables for every request, e.g. {"enable_thinking": false} '
+        "(a request's chat_template_kwargs win)",
+    )
 
-    @field_validator("served_model_name", "allowed_origins", "forwarded_allow_ips", "lora_adapter_roots", mode="before")
+    @field_validator("default_chat_template_kwargs", mode="before")
+    @classmethod
+    def _parse_template_kwargs(cls, v: Any) -> Any:
+        value = json_value(v, "default_chat_template_kwargs")
+        if isinstance(value, dict):
+            from engine.core.admission_rules import RESERVED_TEMPLATE_KWARGS  # (kiln sets these itself)
+
+            if reserved := sorted(set(value) & RESERVED_TEMPLATE_KWARGS):
+                raise ValueError(f"may not set {', '.join(reserved)}")
+        return value
+
+    @field_validator(
+        "served_model_name",
+        "allowed_origins",
+        "forwarded_allow_ips",
+        "lora_adapter_roots",
+        "allowed_methods",
+        "allowed_headers",
+        mode="before",
+    )
     @classmethod
     def _parse_lists(cls, v: Any) -> Any:
         return word_list(v)
@@ -635,6 +704,10 @@ class ServerSettings(_KilnSettings):
     def _check_combinations(self) -> "ServerSettings":
         if (self.ssl_keyfile is None) != (self.ssl_certfile is None):
             raise ValueError("ssl_keyfile and ssl_certfile go together: give both")
+        if self.ssl_keyfile is None and (self.ssl_ca_certs or self.ssl_cert_reqs or self.ssl_ciphers):
+            raise ValueError("ssl_ca_certs, ssl_cert_reqs and ssl_ciphers need ssl_keyfile and ssl_certfile (HTTPS)")
+        if self.ssl_cert_reqs and self.ssl_ca_certs is None:
+            raise ValueError("ssl_cert_reqs needs ssl_ca_certs: the CAs client certificates are checked against")
         if self.allow_runtime_lora_updating and not self.lora_adapter_roots:
             raise ValueError(
                 "allow_runtime_lora_updating needs lora_adapter_roots: the directories adapters may be "

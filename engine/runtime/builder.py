@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
-from engine.config.generation_config import GenerationDefaults, load_generation_defaults
+from engine.config.generation_config import GenerationDefaults, load_generation_defaults, with_overrides
 from engine.config.process_env import export_compile_cache_dir
 from engine.config.settings import EngineSettings
 from engine.core.kv.block_pool import BlockPool
@@ -339,7 +339,9 @@ class EngineBuilder:
         if template is not None:
             self.tokenizer.chat_template = template
         eos = set(self.model_config.eos_token_ids)
-        self.generation_defaults = load_generation_defaults(self.model_dir, settings.generation_config)
+        self.generation_defaults = with_overrides(
+            load_generation_defaults(self.model_dir, settings.generation_config), settings.override_generation_config
+        )
         eos.update(self.generation_defaults.eos_token_ids)  # stop tokens listed only in generation_config
         if self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)

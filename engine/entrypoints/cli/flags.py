@@ -32,8 +32,8 @@ SHORT_FLAGS = {"tensor_parallel_size": "-tp"}
 # kiln's earlier flag names: still accepted for one release, with a warning naming the new flag.
 DEPRECATED_FLAGS = {"--swap-space-gb": "swap_space_gb", "--num-gpu-blocks": "num_gpu_blocks"}
 
-# The vLLM flags kiln supports (`vllm serve` spelling) and the setting each one sets. The tests
-# parse every entry; the README's table is generated from it.
+# vLLM flags that set a kiln setting (`vllm serve` spelling), each with an example in
+# tests/config/test_cli_flags.py. Every other vLLM flag: vllm_flag_table.py / vllm_compat.py.
 VLLM_FLAGS: dict[str, str] = {
     "MODEL": "model",  # the positional argument: `kiln serve /path/to/model`
     "--model": "model",
@@ -94,7 +94,8 @@ def flag_of(name: str) -> str:
 
 
 def _is_bool(annotation: Any) -> bool:
-    return annotation is bool
+    """bool, or bool | None (unset: kiln decides, e.g. async_scheduling): both are --x / --no-x."""
+    return annotation is bool or (set(typing.get_args(annotation)) == {bool, type(None)})
 
 
 def _is_list(annotation: Any) -> bool:
@@ -142,8 +143,10 @@ class _SettingAction(argparse.Action):
     def __call__(self, parser, namespace, values, option_string=None):
         if option_string in DEPRECATED_FLAGS:
             logger.warning("%s is deprecated; use %s", option_string, flag_of(DEPRECATED_FLAGS[option_string]))
-        if self.nargs == 0:
-            values = not (option_string or "").startswith("--no-")
+        if (option_string or "").startswith("--no-"):
+            values = False
+        elif self.nargs == 0:
+            values = True
         setattr(namespace, self.dest, values)
 
 
@@ -167,10 +170,14 @@ def add_settings_flags(parser: argparse.ArgumentParser, model_cls=EngineSettings
         if _is_bool(ann):
             names.append("--no-" + flag_of(name).removeprefix("--"))
             kwargs["nargs"] = 0
+            if ann is not bool:  # bool | None: also `--x true|false`, for parsers that skip normalize_argv
+                kwargs.update(nargs="?", const=True, type=_bool_word, metavar="true|false")
         elif _is_list(ann):
             kwargs.update(nargs="+", metavar=_metavar(ann))
         elif (choices := _choices(name, ann)) is not None:
-            kwargs.update(choices=choices, metavar="{" + ",".join(choices) + "}")
+            # (Shown, not enforced here: the setting's check names the value and its flag, and a
+            # vLLM value kiln lacks is that clear error rather than argparse's "invalid choice".)
+            kwargs["metavar"] = "{" + ",".join(choices) + "}"
         else:
             kwargs["metavar"] = _metavar(ann)
         group.add_argument(*names, **kwargs)
@@ -179,26 +186,42 @@ def add_settings_flags(parser: argparse.ArgumentParser, model_cls=EngineSettings
                 group.add_argument(old, **{**kwargs, "help": argparse.SUPPRESS})
 
 
+def _bool_word(text: str) -> bool:
+    if text.lower() not in _BOOL_WORDS:
+        raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
+    return _BOOL_WORDS[text.lower()]
+
+
 def normalize_argv(argv: list[str], parser: argparse.ArgumentParser) -> list[str]:
-    """Accept `--flag true|false` / `--flag=false` for boolean flags (kiln's older spelling)."""
-    bool_flags = {
-        opt
+    """Accept `--flag true|false` / `--flag=false` for boolean flags (kiln's older spelling).
+    Optional booleans (nargs "?") come out as `--flag=true|false`, so a bare one never takes the
+    word after it (a MODEL) for its value."""
+    kinds = {
+        opt: action.nargs
         for action in _all_actions(parser)
-        if isinstance(action, _SettingAction) and action.nargs == 0
+        if isinstance(action, _SettingAction) and action.nargs in (0, "?")
         for opt in action.option_strings
-        if not opt.startswith("--no-")
     }
     out: list[str] = []
     i = 0
     while i < len(argv):
         token = argv[i]
         flag, _, inline = token.partition("=")
-        if flag in bool_flags:
+        if flag in kinds and not flag.startswith("--no-"):
             value = inline if inline else (argv[i + 1] if i + 1 < len(argv) else "")
-            if value.lower() in _BOOL_WORDS:
-                out.append(flag if _BOOL_WORDS[value.lower()] else "--no-" + flag.removeprefix("--"))
-                i += 1 if inline else 2
-                continue
+            on = _BOOL_WORDS.get(value.lower(), None)
+            step = 1 if inline or on is None else 2
+            on = True if on is None else on
+            if kinds[flag] == "?":
+                out.append(f"{flag}={'true' if on else 'false'}")
+            else:
+                out.append(flag if on else "--no-" + flag.removeprefix("--"))
+            i += step
+            continue
+        if flag in kinds and kinds[flag] == "?" and not inline:  # `--no-x`
+            out.append("--" + flag.removeprefix("--no-") + "=false")
+            i += 1
+            continue
         out.append(token)
         i += 1
     return out

@@ -23,6 +23,14 @@ from engine.entrypoints.cli.flags import (
     print_error,
     settings_from_args,
 )
+from engine.entrypoints.cli.vllm_compat import (
+    DATA_PARALLEL,
+    add_vllm_flags,
+    check_vllm_flags,
+    log_no_effect,
+    replicas_argv,
+    vllm_argv,
+)
 
 # `kiln bench NAME`: the module whose main(argv) runs it, and a one-line description.
 BENCHMARKS: dict[str, tuple[str, str]] = {
@@ -102,8 +110,9 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 def parse_serve_args(argv: list[str]) -> tuple:
     """`kiln serve ARGV` parsed into (EngineSettings, ServerSettings) without serving (tests, tools)."""
     parser = build_parser()
-    args = parser.parse_args(normalize_argv(_expand_config(["serve", *argv]), parser))
+    args = parser.parse_args(normalize_argv(_expand_config(["serve", *vllm_argv(argv)]), parser))
     _positional_model(args)
+    log_no_effect(check_vllm_flags(args))
     return settings_from_args(args), settings_from_args(args, ServerSettings)
 
 
@@ -189,7 +198,8 @@ def build_parser() -> argparse.ArgumentParser:
         "serve",
         help="serve the OpenAI-compatible HTTP API",
         formatter_class=formatter,
-        description="kiln serve [MODEL] [flags]: vLLM's `vllm serve` flags, plus kiln's",
+        description="kiln serve [MODEL] [flags]: vLLM's `vllm serve` flags, plus kiln's (every vLLM 0.32 flag "
+        "is accepted: docs/vllm_flags.md says which kiln implements, which have no effect, which it refuses)",
     )
     serve.add_argument(
         "model_tag",
@@ -205,6 +215,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_settings_flags(serve)
     add_settings_flags(serve, ServerSettings)
+    add_vllm_flags(serve)  # (the rest of vLLM's flags: docs/vllm_flags.md says what kiln does with each)
     serve.set_defaults(func=_cmd_serve)
 
     warm = sub.add_parser("warmup", help="load, compile and capture without serving")
@@ -299,15 +310,36 @@ def main(argv: list[str] | None = None) -> int:
             from engine.entrypoints.cli.make_draft import main as make_draft_model
 
             return make_draft_model(argv[command_at + 1 :])
+        if command == "serve":
+            argv = argv[: command_at + 1] + vllm_argv(argv[command_at + 1 :])
         argv = normalize_argv(_expand_config(argv), parser)
         args = parser.parse_args(argv)
         _positional_model(args)
+        if args.command == "serve":
+            log_no_effect(check_vllm_flags(args))
+            if getattr(args, DATA_PARALLEL, 1) > 1:  # vLLM's data parallelism: kiln's replicas
+                return _serve_data_parallel(args, argv[_command_index(argv) + 1 :])
         if args.command == "serve" and log_level and not hasattr(args, DEST_PREFIX + "log_level"):
             setattr(args, DEST_PREFIX + "log_level", log_level.lower())
         return args.func(args)
     except (SettingsError, ValueError, FileNotFoundError) as exc:
         print_error(exc)
         return 2
+
+
+def _serve_data_parallel(args: argparse.Namespace, serve_argv: list[str]) -> int:
+    from engine.entrypoints.cli.replicas import main as serve_replicas
+
+    server = settings_from_args(args, ServerSettings)
+    replicas = getattr(args, DATA_PARALLEL)
+    logging.getLogger("engine").info(
+        "--data-parallel-size %d: serving %d replicas behind a router at %s:%d (kiln serve-replicas)",
+        replicas,
+        replicas,
+        server.host,
+        server.port,
+    )
+    return serve_replicas(replicas_argv(serve_argv, replicas, server.host, server.port), parse_serve_args)
 
 
 def _global_log_level(head: list[str]) -> str | None:

@@ -149,7 +149,11 @@ async def conversation_ids(
     template_kwargs: dict[str, Any] | None = None,
 ) -> list[int]:
     """The chat-templated prompt's ids, made on the tokenising threads. The whole conversation
-    is bounded before templating, the rendered text before tokenising."""
+    is bounded before templating, the rendered text before tokenising. The server's
+    --default-chat-template-kwargs sit under the request's own."""
+    defaults = state.settings.default_chat_template_kwargs
+    if defaults:
+        template_kwargs = {**defaults, **(template_kwargs or {})}
     max_chars = text_bound(state.info, state.max_token_chars)
     chars = conversation_chars(conversation, tools)
     rules.text_length(chars, max_chars, state.info.max_model_len, "messages", "the conversation")

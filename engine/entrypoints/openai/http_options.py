@@ -32,6 +32,10 @@ def uvicorn_options(settings: ServerSettings) -> dict[str, Any]:
         options["proxy_headers"] = False
     if settings.ssl_keyfile is not None:
         options.update(ssl_keyfile=str(settings.ssl_keyfile), ssl_certfile=str(settings.ssl_certfile))
+        if settings.ssl_ca_certs is not None:
+            options.update(ssl_ca_certs=str(settings.ssl_ca_certs), ssl_cert_reqs=settings.ssl_cert_reqs)
+        if settings.ssl_ciphers:
+            options["ssl_ciphers"] = settings.ssl_ciphers
     return options
 
 
@@ -45,9 +49,9 @@ def add_http_middleware(app, settings: ServerSettings) -> None:
         app.add_middleware(
             CORSMiddleware,
             allow_origins=settings.allowed_origins,
-            allow_credentials=False,
-            allow_methods=["*"],
-            allow_headers=["*"],
+            allow_credentials=settings.allow_credentials,
+            allow_methods=settings.allowed_methods,
+            allow_headers=settings.allowed_headers,
         )
     if settings.enable_log_requests:
         app.add_middleware(RequestLogMiddleware)

@@ -211,6 +211,8 @@ def load_model(
     tp: this rank's place in a tensor-parallel group: the model is this rank's shard, and only
     this rank's slice of each weight is read from the checkpoint (a GGUF file's tensors are then
     dequantised: quantised blocks are not sliced)."""
+    if load_format in ("safetensors", "gguf") and gguf_file.is_gguf(model_dir) != (load_format == "gguf"):
+        raise ValueError(f"load_format {load_format}: {model_dir} is not a {load_format} checkpoint")
     quant = quant_config(config, quantization, load_format)
     if tp is not None and tp.world_size > 1:
         gguf_dequantize = True
