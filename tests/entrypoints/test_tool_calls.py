@@ -1,6 +1,6 @@
-"""Tool calling: the auto parsers (hermes, llama3_json) on their own, and the whole path in
-process with the official openai client (auto mode: a constraint makes the tiny random model
-write a call in the parser's format)."""
+"""Tool calling: the auto parsers hermes and llama3_json on their own (the others:
+test_tool_parsers.py), and the whole path in process with the official openai client (auto
+mode: a constraint makes the tiny random model write a call in the parser's format)."""
 
 from __future__ import annotations
 
@@ -93,8 +93,8 @@ def test_llama3_json_single_several_and_python_tag():
 def test_streamable_prefix_holds_back_what_may_be_a_call():
     hermes = ToolMode("auto", {}, parser="hermes")
     assert hermes.streamable("Hello") == 5
-    assert hermes.streamable("Hello <tool") == len("Hello ")
-    assert hermes.streamable("Hello <tool_call>{") == len("Hello ")
+    assert hermes.streamable("Hello <tool") == len("Hello")  # (the space too: content before a call is stripped)
+    assert hermes.streamable("Hello <tool_call>{") == len("Hello")
     assert hermes.streamable("a < b") == len("a < b")
     llama = ToolMode("auto", {}, parser="llama3_json")
     assert llama.streamable('  {"name') == 0 and llama.streamable("<|pyth") == 0 and llama.streamable("") == 0
