@@ -269,3 +269,17 @@ def test_no_prefix_of_a_call_is_streamed_as_content(parser):
         streamable = REGISTRY[parser].streamable
         for end in range(len(text) + 1):
             assert streamable(text[:end]) <= len(content or "")
+
+
+def test_the_settings_offer_exactly_the_registered_parsers():
+    from typing import get_args
+
+    from engine.config.settings import ServerSettings
+    from engine.entrypoints.openai.reasoning import REASONING_PARSERS
+
+    def choices(field: str) -> set[str]:
+        literal = next(a for a in get_args(ServerSettings.model_fields[field].annotation) if a is not type(None))
+        return set(get_args(literal))
+
+    assert choices("tool_call_parser") == set(TOOL_CALL_PARSERS)
+    assert choices("reasoning_parser") == set(REASONING_PARSERS)
