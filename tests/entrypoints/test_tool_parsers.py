@@ -283,3 +283,24 @@ def test_the_settings_offer_exactly_the_registered_parsers():
 
     assert choices("tool_call_parser") == set(TOOL_CALL_PARSERS)
     assert choices("reasoning_parser") == set(REASONING_PARSERS)
+
+
+@pytest.mark.parametrize(
+    "parser,reasoning,keep",
+    [
+        ("hermes", None, False),
+        ("mistral", None, True),
+        ("openai", None, True),
+        ("deepseek_v3", None, True),
+        ("hermes", "gpt_oss", True),
+        ("hermes", "qwen3", False),
+        (None, "mistral", True),
+    ],
+)
+def test_parsers_whose_markers_are_special_tokens_keep_them_in_the_text(parser, reasoning, keep):
+    from engine.entrypoints.openai.chat import keeps_special_tokens
+
+    mode = ToolMode("auto", {}, parser=parser) if parser else ToolMode("none", {})
+    assert keeps_special_tokens(mode, reasoning) is keep
+    if parser:  # a named or required call is constrained JSON: the auto parser plays no part
+        assert keeps_special_tokens(ToolMode("required", {}, parser=None), None) is False
