@@ -529,6 +529,8 @@ class ServerSettings(_KilnSettings):
             "qwen3_xml",
             "deepseek_v3",
             "deepseek_v31",
+            "glm45",
+            "kimi_k2",
             "openai",
         ]
         | None

@@ -147,6 +147,27 @@ CASES: dict[str, list[tuple[str, str | None, list[tuple[str, dict]]]]] = {
         ),
     ],
 }
+CASES["glm45"] = [
+    (
+        "Checking.\n<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Paris</arg_value>\n"
+        "<arg_key>days</arg_key>\n<arg_value>3</arg_value>\n</tool_call>\n<tool_call>search\n"
+        "<arg_key>query</arg_key>\n<arg_value>" + S[1]["query"] + "</arg_value>\n<arg_key>filters</arg_key>\n"
+        "<arg_value>" + json.dumps(S[1]["filters"]) + "</arg_value>\n</tool_call>",
+        "Checking.",
+        [W, S],
+    ),
+]
+CASES["kimi_k2"] = [
+    (
+        "Checking.<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0<|tool_call_argument_begin|>"
+        + json.dumps(W[1])
+        + "<|tool_call_end|><|tool_call_begin|>functions.search:1<|tool_call_argument_begin|>"
+        + S_JSON
+        + "<|tool_call_end|><|tool_calls_section_end|>",
+        "Checking.",
+        [W, S],
+    ),
+]
 CASES["qwen3_xml"] = CASES["qwen3_coder"]
 
 # Output that is not a well-formed call: all of it is content.
@@ -176,6 +197,14 @@ MALFORMED: dict[str, list[str]] = {
     "deepseek_v3": [
         "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>f\n```json\n{oops}\n```<｜tool▁call▁end｜>",
         "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>no separator<｜tool▁call▁end｜>",
+    ],
+    "glm45": [
+        "<tool_call>f\n<arg_key>a</arg_key>\n</tool_call>",
+        "<tool_call>\n<arg_key>a</arg_key><arg_value>1</arg_value></tool_call>",
+    ],
+    "kimi_k2": [
+        "<|tool_calls_section_begin|><|tool_call_begin|>functions.f:0<|tool_call_argument_begin|>{x<|tool_call_end|>",
+        "<|tool_calls_section_begin|><|tool_call_begin|>functions.f:0{}<|tool_call_end|>",
     ],
     "openai": [
         "<|channel|>commentary to=functions.f <|constrain|>json<|message|>{bad<|call|>",
@@ -213,6 +242,11 @@ def test_mistral_ids_are_nine_alphanumerics_and_keep_the_models_own():
     assert all(len(c.id) == 9 and c.id.isalnum() for c in calls)
     _, calls = REGISTRY["mistral"].parse(CASES["mistral"][2][0], SCHEMAS)
     assert calls[0].id == "a1b2c3d4e"
+
+
+def test_kimi_k2_keeps_the_models_call_ids():
+    _, calls = REGISTRY["kimi_k2"].parse(CASES["kimi_k2"][0][0], SCHEMAS)
+    assert [c.id for c in calls] == ["functions.get_weather:0", "functions.search:1"]
 
 
 def test_qwen3_values_are_typed_from_the_schema_else_json_else_text():
