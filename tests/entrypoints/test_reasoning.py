@@ -50,6 +50,12 @@ from engine.entrypoints.openai.tool_calls import ToolMode
             ("plan", "<|start|>assistant<|channel|>commentary to=functions.f <|constrain|>json<|message|>{}<|call|>"),
         ),
         ("gpt_oss", "no harmony at all", (None, "no harmony at all")),
+        (
+            "gpt_oss",
+            "<|channel|>commentary<|message|>Checking. <|end|><|start|>assistant to=functions.f<|channel|>commentary"
+            "<|message|>{}<|call|>",
+            (None, "Checking. <|start|>assistant to=functions.f<|channel|>commentary<|message|>{}<|call|>"),
+        ),
     ],
 )
 def test_split_whole_answers(kind, text, want):
@@ -112,6 +118,9 @@ def test_gpt_oss_reasoning_then_an_openai_tool_call_streamed():
     )
     reasoning, content, calls, finish = _stream(job, [text[i : i + 5] for i in range(0, len(text), 5)])
     assert reasoning == "Call f." and content == "" and finish == "tool_calls"
+    text = text.replace("<|end|>", "<|end|><|start|>assistant<|channel|>commentary<|message|>Calling f.<|end|>", 1)
+    reasoning, content, calls, finish = _stream(job, [text[i : i + 3] for i in range(0, len(text), 3)])
+    assert reasoning == "Call f." and content == "Calling f." and finish == "tool_calls" and len(calls) == 1
     assert [(c["function"]["name"], c["function"]["arguments"]) for c in calls] == [("f", '{"x": 1}')]
 
 

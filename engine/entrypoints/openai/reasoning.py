@@ -13,8 +13,8 @@ Most families mark the thinking with a pair of tags:
 - `granite` (Granite 3.2+): "Here is my thought process:" … "Here is my response:".
 
 - `gpt_oss`: harmony (harmony.py): the analysis channel is reasoning, the final channel's text
-  is content, and any other message (a commentary tool call) stays as written, for the
-  `openai` tool-call parser.
+  (and commentary preambles) is content, and a message addressed to a tool stays as written,
+  for the `openai` tool-call parser.
 
 `split(text, final)` is used both for whole answers and, on the growing text, for streams:
 with final=False it holds back a tail that may be the start of a tag, so nothing streamed
@@ -125,8 +125,8 @@ def _split_harmony(text: str, final: bool) -> tuple[str | None, str | None]:
         body = msg.body if msg.done or final else msg.body[: len(msg.body) - harmony.held_end(msg.body)]
         if msg.channel == "analysis":
             reasoning.append(body)
-        elif msg.channel == "final" and msg.recipient is None:
+        elif msg.recipient is None:  # the answer, or a commentary preamble to tool calls
             content.append(body)
-        else:  # a tool call or a preamble: as written, for the tool-call parser
+        else:  # a tool call: as written, for the tool-call parser
             content.append(msg.raw)
     return "".join(reasoning) or None, "".join(content) or None
