@@ -546,9 +546,26 @@ class ServerSettings(_KilnSettings):
     log_level: str = Field("info", description="kiln's log level while serving")
     # Tool calling with tool_choice "auto": the model's own call format is parsed (vLLM's flags).
     enable_auto_tool_choice: bool = Field(False, description="let the model call tools on its own")
-    tool_call_parser: Literal["hermes", "llama3_json"] | None = Field(
-        None, description="how tool calls are read from the model's text"
-    )
+    tool_call_parser: (
+        Literal[
+            "hermes",
+            "llama3_json",
+            "llama4_json",
+            "granite",
+            "internlm",
+            "mistral",
+            "pythonic",
+            "llama4_pythonic",
+            "qwen3_coder",
+            "qwen3_xml",
+            "deepseek_v3",
+            "deepseek_v31",
+            "glm45",
+            "kimi_k2",
+            "openai",
+        ]
+        | None
+    ) = Field(None, description="how tool calls are read from the model's text (its family's call format)")
     # POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING).
     allow_runtime_lora_updating: bool = Field(False, description="allow /v1/load_lora_adapter and unload")
     lora_adapter_roots: list[Path] | None = Field(
@@ -633,9 +650,10 @@ class ServerSettings(_KilnSettings):
     )
     retry_after_s: int = Field(1, ge=0, description="the Retry-After header of every 503 (overloaded, shutting down)")
     # Split chat answers into reasoning_content and content (vLLM's --reasoning-parser).
-    reasoning_parser: Literal["deepseek_r1", "qwen3"] | None = Field(
-        None, description="split chat answers into reasoning_content and content"
-    )
+    reasoning_parser: (
+        Literal["deepseek_r1", "qwen3", "deepseek_v3", "glm45", "step3", "hunyuan", "mistral", "granite", "gpt_oss"]
+        | None
+    ) = Field(None, description="split chat answers into reasoning_content and content")
 
     # --- vLLM-compatible server settings (issue 13) ---
     uvicorn_log_level: Literal["critical", "error", "warning", "info", "debug", "trace"] = Field(
@@ -714,7 +732,9 @@ class ServerSettings(_KilnSettings):
                 "loaded from (nothing else on the server's disk is reachable through the API)"
             )
         if self.enable_auto_tool_choice and self.tool_call_parser is None:
-            raise ValueError("enable_auto_tool_choice needs tool_call_parser (hermes or llama3_json)")
+            raise ValueError(
+                "enable_auto_tool_choice needs tool_call_parser (the model family's call format, e.g. hermes)"
+            )
         return self
 
     @property

@@ -563,7 +563,7 @@ def auto_tool_parser(parser: str | None) -> None:
     if parser is None:
         raise InvalidRequestError(
             'tool_choice "auto" (the default when tools are given) needs the server started with '
-            "--enable-auto-tool-choice and --tool-call-parser (hermes or llama3_json); "
+            "--enable-auto-tool-choice and --tool-call-parser (the model family's call format, e.g. hermes); "
             'or ask for "required", a named function, or "none"',
             "tool_choice",
         )

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from engine.entrypoints.openai.chat import chat_stream_delta as _chat_stream_delta
 from engine.entrypoints.openai.jobs import Choice as _Choice
 from engine.entrypoints.openai.jobs import Job as _Job
-from engine.entrypoints.openai.reasoning import ReasoningParser
+from engine.entrypoints.openai.reasoning import REASONING_PARSERS, ReasoningParser
 from engine.entrypoints.openai.tool_calls import ToolMode
 
 
@@ -27,6 +27,35 @@ from engine.entrypoints.openai.tool_calls import ToolMode
         ("qwen3", "<think>\nhmm\n</think>\n\nYes.", ("\nhmm\n", "Yes.")),
         ("qwen3", "No block at all.", (None, "No block at all.")),
         ("qwen3", "<think>unterminated", ("unterminated", None)),
+        ("deepseek_v3", "plan</think>Done.", ("plan", "Done.")),
+        ("step3", "<think>plan</think>\nDone.", ("plan", "Done.")),
+        ("glm45", "<think>plan</think>Done.", ("plan", "Done.")),
+        ("glm45", "Done.", (None, "Done.")),
+        ("hunyuan", "<think>\nplan\n</think>\n<answer>\nDone.\n</answer>", ("\nplan\n", "Done.")),
+        ("hunyuan", "<answer>Done.", (None, "Done.")),
+        ("hunyuan", "Plain.", (None, "Plain.")),
+        ("mistral", "[THINK]a [b] c[/THINK]Done.", ("a [b] c", "Done.")),
+        ("mistral", "Done. [THINK]", (None, "Done. [THINK]")),
+        ("granite", "Here is my thought process:\nplan\nHere is my response:\nDone.", ("\nplan\n", "Done.")),
+        ("granite", "Here is the answer.", (None, "Here is the answer.")),
+        (
+            "gpt_oss",
+            "<|channel|>analysis<|message|>plan<|end|><|start|>assistant<|channel|>final<|message|>Done.<|return|>",
+            ("plan", "Done."),
+        ),
+        (
+            "gpt_oss",
+            "<|channel|>analysis<|message|>plan<|end|><|start|>assistant<|channel|>commentary to=functions.f "
+            "<|constrain|>json<|message|>{}<|call|>",
+            ("plan", "<|start|>assistant<|channel|>commentary to=functions.f <|constrain|>json<|message|>{}<|call|>"),
+        ),
+        ("gpt_oss", "no harmony at all", (None, "no harmony at all")),
+        (
+            "gpt_oss",
+            "<|channel|>commentary<|message|>Checking. <|end|><|start|>assistant to=functions.f<|channel|>commentary"
+            "<|message|>{}<|call|>",
+            (None, "Checking. <|start|>assistant to=functions.f<|channel|>commentary<|message|>{}<|call|>"),
+        ),
     ],
 )
 def test_split_whole_answers(kind, text, want):
@@ -54,7 +83,7 @@ def _job(reasoning: str | None, tools: ToolMode | None = None) -> _Job:
 
 @settings(max_examples=150, deadline=None)
 @given(
-    kind=st.sampled_from(["deepseek_r1", "qwen3"]),
+    kind=st.sampled_from(REASONING_PARSERS),
     text=st.sampled_from(
         [
             "<think>a<b</think>\nc</think>d",
@@ -64,6 +93,11 @@ def _job(reasoning: str | None, tools: ToolMode | None = None) -> _Job:
             "plain <think>",
             "r1 plan</think>answer <tool_call>",
             "<think>q</think><think>",
+            "<think>p</think>\n<answer>\nA <b>\n</answer>",
+            "[THINK]a[/THINK]b [/THINK]",
+            "Here is my thought process: p Here is my response: r",
+            "<|channel|>analysis<|message|>p <|e<|end|><|start|>assistant<|channel|>final<|message|>A<|return|>",
+            "<|channel|>analysis<|message|>p<|end|><|start|>assistant to=functions.f<|channel|>commentary<|message|>{}",
         ]
     ),
     cuts=st.lists(st.integers(0, 40), max_size=6),
@@ -74,6 +108,20 @@ def test_streamed_pieces_add_up_to_the_whole_split(kind, text, cuts):
     reasoning, content, _, _ = _stream(_job(kind), pieces)
     want_r, want_c = ReasoningParser(kind).split(text)
     assert (reasoning, content) == (want_r or "", want_c or "")
+
+
+def test_gpt_oss_reasoning_then_an_openai_tool_call_streamed():
+    job = _job("gpt_oss", ToolMode("auto", {"f": {}}, parser="openai"))
+    text = (
+        "<|channel|>analysis<|message|>Call f.<|end|><|start|>assistant<|channel|>commentary to=functions.f "
+        '<|constrain|>json<|message|>{"x": 1}<|call|>'
+    )
+    reasoning, content, calls, finish = _stream(job, [text[i : i + 5] for i in range(0, len(text), 5)])
+    assert reasoning == "Call f." and content == "" and finish == "tool_calls"
+    text = text.replace("<|end|>", "<|end|><|start|>assistant<|channel|>commentary<|message|>Calling f.<|end|>", 1)
+    reasoning, content, calls, finish = _stream(job, [text[i : i + 3] for i in range(0, len(text), 3)])
+    assert reasoning == "Call f." and content == "Calling f." and finish == "tool_calls" and len(calls) == 1
+    assert [(c["function"]["name"], c["function"]["arguments"]) for c in calls] == [("f", '{"x": 1}')]
 
 
 def test_reasoning_then_a_tool_call_streamed():

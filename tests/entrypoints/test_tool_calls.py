@@ -1,6 +1,6 @@
-"""Tool calling: the auto parsers (hermes, llama3_json) on their own, and the whole path in
-process with the official openai client (auto mode: a constraint makes the tiny random model
-write a call in the parser's format)."""
+"""Tool calling: the auto parsers hermes and llama3_json on their own (the others:
+test_tool_parsers.py), and the whole path in process with the official openai client (auto
+mode: a constraint makes the tiny random model write a call in the parser's format)."""
 
 from __future__ import annotations
 
@@ -93,8 +93,8 @@ def test_llama3_json_single_several_and_python_tag():
 def test_streamable_prefix_holds_back_what_may_be_a_call():
     hermes = ToolMode("auto", {}, parser="hermes")
     assert hermes.streamable("Hello") == 5
-    assert hermes.streamable("Hello <tool") == len("Hello ")
-    assert hermes.streamable("Hello <tool_call>{") == len("Hello ")
+    assert hermes.streamable("Hello <tool") == len("Hello")  # (the space too: content before a call is stripped)
+    assert hermes.streamable("Hello <tool_call>{") == len("Hello")
     assert hermes.streamable("a < b") == len("a < b")
     llama = ToolMode("auto", {}, parser="llama3_json")
     assert llama.streamable('  {"name') == 0 and llama.streamable("<|pyth") == 0 and llama.streamable("") == 0
@@ -231,5 +231,47 @@ def test_auto_llama3_json_and_a_follow_up_turn_with_the_tool_result(auto_server)
             ],
         )
         assert follow.choices[0].message.content and not follow.choices[0].message.tool_calls
+
+    asyncio.run(main())
+
+
+QWEN3_XML_CALL = (
+    r"Let me see\.\n<tool_call>\n<function=get_weather>\n<parameter=city>\n(Paris|Rome)\n</parameter>\n"
+    r"<parameter=days>\n[1-7]\n</parameter>\n</function>\n</tool_call>"
+)
+
+
+def test_auto_qwen3_coder_typed_arguments_streamed_and_not(auto_server):
+    """A parser from tool_parsers/ end to end: the XML values come back typed by the tool's
+    schema (days an integer), and the stream's content and calls match the whole answer's."""
+    client = auto_server("qwen3_coder")
+    ask = dict(
+        model="m",
+        messages=[{"role": "user", "content": "Weather?"}],
+        tools=[WEATHER],
+        max_tokens=120,
+        temperature=0.8,
+        seed=3,
+        extra_body={"guided_regex": QWEN3_XML_CALL},
+    )
+
+    async def main():
+        r = await client.chat.completions.create(**ask)
+        choice = r.choices[0]
+        assert choice.finish_reason == "tool_calls" and choice.message.content == "Let me see."
+        (call,) = choice.message.tool_calls
+        args = json.loads(call.function.arguments)
+        assert call.function.name == "get_weather" and args["city"] in ("Paris", "Rome")
+        assert isinstance(args["days"], int) and 1 <= args["days"] <= 7
+
+        content, names, arguments, finish = "", [], [], None
+        async for chunk in await client.chat.completions.create(stream=True, **ask):
+            delta = chunk.choices[0].delta
+            content += delta.content or ""
+            names += [tc.function.name for tc in delta.tool_calls or []]
+            arguments += [tc.function.arguments for tc in delta.tool_calls or []]
+            finish = chunk.choices[0].finish_reason or finish
+        assert content == "Let me see." and finish == "tool_calls"
+        assert names == ["get_weather"] and json.loads(arguments[0]) == args
 
     asyncio.run(main())

@@ -21,6 +21,7 @@ from engine.core.params import LoRARequest, PoolingParams, SamplingParams
 from engine.core.request_kinds import Task
 from engine.entrypoints.openai.errors import APIError, ClientGone
 from engine.entrypoints.openai.jobs import until_done
+from engine.entrypoints.openai.reasoning import ReasoningParser
 from engine.entrypoints.openai.request_body import max_prompts
 from engine.runtime.engine_info import EngineInfo
 
@@ -170,7 +171,8 @@ def with_reasoning_markers(state, params: SamplingParams) -> None:
     if state.settings.reasoning_parser is None or params.structured_outputs is None:
         return
     tok = state.tokenizer
-    markers = tuple(tuple(tok.encode(m, add_special_tokens=False)) for m in ("<think>", "</think>"))
+    tags = ReasoningParser(state.settings.reasoning_parser).markers
+    markers = tuple(tuple(tok.encode(m, add_special_tokens=False)) for m in tags)
     params.structured_outputs.reasoning_markers = markers  # (the request's own constraint; not compiled in)
 
 

@@ -25,8 +25,9 @@ from engine.entrypoints.openai.generation import generate
 from engine.entrypoints.openai.generation_request import GenerationRequest
 from engine.entrypoints.openai.jobs import Choice, FormatBase, Job, envelope
 from engine.entrypoints.openai.protocol import ChatCompletionRequest
-from engine.entrypoints.openai.reasoning import ReasoningParser
+from engine.entrypoints.openai.reasoning import KEEP_SPECIAL_TOKENS, ReasoningParser
 from engine.entrypoints.openai.tool_calls import ToolCall, ToolMode
+from engine.entrypoints.openai.tool_parsers import REGISTRY
 
 
 def tool_finish_reason(mode: ToolMode, calls: list[ToolCall], finish: str | None) -> str | None:
@@ -35,6 +36,13 @@ def tool_finish_reason(mode: ToolMode, calls: list[ToolCall], finish: str | None
     if calls and finish == "stop" and mode.kind != "named":
         return "tool_calls"
     return finish
+
+
+def keeps_special_tokens(mode: ToolMode, reasoning: str | None) -> bool:
+    """Whether the output's text must keep special tokens: the auto tool parser's or the
+    reasoning parser's markers are special tokens (Mistral's [TOOL_CALLS], harmony's channels)."""
+    tools = mode.kind == "auto" and mode.parser is not None and REGISTRY[mode.parser].keep_special_tokens
+    return tools or (reasoning is not None and reasoning in KEEP_SPECIAL_TOKENS)
 
 
 def split_answer(job: Job, text: str, final: bool) -> tuple[str | None, str]:
@@ -178,6 +186,8 @@ async def chat_generation(state, body: ChatCompletionRequest, request: Request) 
     lora = check_model(state, body.model)
     tool_mode = body.tool_mode(state.settings.auto_tool_parser)
     params, task = check_params(state, body.sampling_params(tool_mode, state.info.generation_defaults), 1)
+    if keeps_special_tokens(tool_mode, state.settings.reasoning_parser):
+        params.skip_special_tokens = False  # the parser's markers are special tokens
     conversation = body.conversation()
     tools = body.template_tools()
     ids = await conversation_ids(

@@ -1,0 +1,133 @@
+"""Formats built from the model's own special tokens:
+
+- `deepseek_v3` (DeepSeek V3 / R1-0528): `<｜tool▁calls▁begin｜>` and then, per call,
+  `<｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME` + a ```json fenced block of the arguments +
+  `<｜tool▁call▁end｜>`, and `<｜tool▁calls▁end｜>`. `deepseek_v31` (V3.1): per call
+  `<｜tool▁call▁begin｜>NAME<｜tool▁sep｜>{arguments}<｜tool▁call▁end｜>`. Each parser reads both.
+- `kimi_k2` (Kimi K2): `<|tool_calls_section_begin|>` and per call
+  `<|tool_call_begin|>functions.NAME:INDEX<|tool_call_argument_begin|>{arguments}<|tool_call_end|>`;
+  the model's `functions.NAME:INDEX` is kept as the call's id (Kimi's template writes it back).
+- `openai` (gpt-oss, harmony): a commentary message addressed `to=functions.NAME` whose body is
+  the arguments; final-channel text and preambles are content, analysis (reasoning) is dropped.
+"""
+
+from __future__ import annotations
+
+import json
+
+from engine.entrypoints.openai import harmony
+from engine.entrypoints.openai.tool_parsers.base import (
+    Parsed,
+    Schemas,
+    ToolCall,
+    ToolParser,
+    before,
+    first_marker,
+    marker_streamable,
+)
+
+_CALLS_BEGIN, _CALL_BEGIN = "<｜tool▁calls▁begin｜>", "<｜tool▁call▁begin｜>"
+_SEP, _CALL_END = "<｜tool▁sep｜>", "<｜tool▁call▁end｜>"
+_DEEPSEEK_MARKERS = (_CALLS_BEGIN, _CALL_BEGIN)
+
+
+def _object_text(body: str) -> str | None:
+    """The arguments of a call: a JSON object, maybe in a ```json fence; None if not one."""
+    body = body.strip()
+    if body.startswith("```"):
+        body = body[3:].removeprefix("json").strip()
+        body = body.removesuffix("```").strip()
+    try:
+        value = json.loads(body, strict=False)
+    except ValueError:
+        return None
+    return json.dumps(value, ensure_ascii=False) if isinstance(value, dict) else None
+
+
+def _deepseek_call(segment: str) -> ToolCall | None:
+    head, sep, rest = segment.partition(_SEP)
+    if not sep:
+        return None
+    if rest.lstrip().startswith("{"):  # V3.1: NAME<sep>{...}
+        name, args = head.strip(), _object_text(rest)
+    else:  # V3: function<sep>NAME\n```json ...```
+        name, _, body = rest.partition("\n")
+        name, args = name.strip(), _object_text(body)
+    return ToolCall(name, args) if name and args is not None else None
+
+
+def parse_deepseek(text: str, schemas: Schemas | None = None) -> Parsed:
+    start = first_marker(text, _DEEPSEEK_MARKERS)
+    if start < 0:
+        return text, []
+    calls: list[ToolCall] = []
+    pos = start
+    while (pos := text.find(_CALL_BEGIN, pos)) >= 0:
+        end = text.find(_CALL_END, pos)
+        call = _deepseek_call(text[pos + len(_CALL_BEGIN) : end if end >= 0 else len(text)])
+        if call is None:
+            return text, []
+        calls.append(call)
+        if end < 0:
+            break
+        pos = end + len(_CALL_END)
+    return (before(text, start), calls) if calls else (text, [])
+
+
+_KIMI_SECTION, _KIMI_BEGIN = "<|tool_calls_section_begin|>", "<|tool_call_begin|>"
+_KIMI_ARGS, _KIMI_END = "<|tool_call_argument_begin|>", "<|tool_call_end|>"
+_KIMI_MARKERS = (_KIMI_SECTION, _KIMI_BEGIN)
+
+
+def _kimi_call(segment: str) -> ToolCall | None:
+    head, sep, body = segment.partition(_KIMI_ARGS)
+    call_id = head.strip()
+    name = call_id.removeprefix("functions.").rsplit(":", 1)[0]
+    args = _object_text(body) if sep else None
+    return ToolCall(name, args, call_id) if name and " " not in call_id and args is not None else None
+
+
+def parse_kimi_k2(text: str, schemas: Schemas | None = None) -> Parsed:
+    start = first_marker(text, _KIMI_MARKERS)
+    if start < 0:
+        return text, []
+    calls: list[ToolCall] = []
+    pos = start
+    while (pos := text.find(_KIMI_BEGIN, pos)) >= 0:
+        end = text.find(_KIMI_END, pos)
+        call = _kimi_call(text[pos + len(_KIMI_BEGIN) : end if end >= 0 else len(text)])
+        if call is None:
+            return text, []
+        calls.append(call)
+        if end < 0:
+            break
+        pos = end + len(_KIMI_END)
+    return (before(text, start), calls) if calls else (text, [])
+
+
+def parse_harmony(text: str, schemas: Schemas | None = None) -> Parsed:
+    lead, msgs = harmony.messages(text)
+    if not msgs:
+        return text, []
+    calls: list[ToolCall] = []
+    content = [lead.rstrip()]
+    for msg in msgs:
+        if not msg.opened:
+            return text, []
+        recipient = msg.recipient
+        if recipient is not None:
+            args = _object_text(msg.body)
+            if not recipient.startswith("functions.") or args is None:
+                return text, []
+            calls.append(ToolCall(recipient.removeprefix("functions."), args))
+        elif msg.channel != "analysis":  # the answer, or a preamble to calls
+            content.append(msg.body)
+    return "".join(content) or None, calls
+
+
+TAGGED_PARSERS = {
+    "deepseek_v3": ToolParser(parse_deepseek, marker_streamable(_DEEPSEEK_MARKERS), keep_special_tokens=True),
+    "deepseek_v31": ToolParser(parse_deepseek, marker_streamable(_DEEPSEEK_MARKERS), keep_special_tokens=True),
+    "kimi_k2": ToolParser(parse_kimi_k2, marker_streamable(_KIMI_MARKERS), keep_special_tokens=True),
+    "openai": ToolParser(parse_harmony, marker_streamable(harmony.MARKERS), keep_special_tokens=True),
+}
