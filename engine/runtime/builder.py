@@ -312,7 +312,8 @@ class EngineBuilder:
         if not keep:
             logger.info("oneDNN weight copies for GEMM rows: off (%s)", why)
             return
-        made, nbytes, head_bytes = self.model.process_weights_after_loading(self.dtype, "gemm")
+        with Phase("packing oneDNN weight copies for GEMM rows"):
+            made, nbytes, head_bytes = self.model.process_weights_after_loading(self.dtype, "gemm")
         made, nbytes = made + (head_bytes > 0), nbytes + head_bytes
         logger.info(
             "oneDNN weight copies for GEMM rows: %d weights, %.0f MB more in memory (%s)", made, nbytes / 1e6, why

@@ -235,8 +235,10 @@ def load_model(
             if quant is None and load_format != "dummy" and gguf_file.is_gguf(model_dir) and not gguf_dequantize
             else {}
         )
+        # (cast while still on meta: to_empty then allocates each tensor once, in its final dtype,
+        # not a float32 one converted beside it; issue 40)
+        quant_loading.cast_except_quantized(model, dtype)
     model = model.to_empty(device=device)
-    quant_loading.cast_except_quantized(model, dtype)
     for name, buffer in model.named_buffers():
         if ".lora_" in name:
             buffer.zero_()  # empty slots: no adapter
