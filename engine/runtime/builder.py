@@ -309,12 +309,14 @@ class EngineBuilder:
         wanted = gw.dense_weight_bytes(self.model, self.dtype)
         free = kv_sizing.read_free_memory()  # (MemAvailable, or less under a cgroup limit)
         keep, why = gw.gemm_weights_choice(setting, self.dtype, wanted, gw.has_amx(), free.bytes if free else 0)
+        self.gemm_copy_bytes = 0  # (a second copy of weights in memory: the log and /metrics say so)
         if not keep:
             logger.info("oneDNN weight copies for GEMM rows: off (%s)", why)
             return
         with Phase("packing oneDNN weight copies for GEMM rows"):
             made, nbytes, head_bytes = self.model.process_weights_after_loading(self.dtype, "gemm")
         made, nbytes = made + (head_bytes > 0), nbytes + head_bytes
+        self.gemm_copy_bytes = nbytes
         logger.info(
             "oneDNN weight copies for GEMM rows: %d weights, %.0f MB more in memory (%s)", made, nbytes / 1e6, why
         )

@@ -8,11 +8,18 @@ bfloat16 projections of 16-128 rows ran 1.5-2.5x faster that way, with the same 
 1.1-1.3x (float32 rounding differences from the plain path: another blocking), and SmolLM2 F32
 served at concurrency 16 gave 1.10x the output tok/s and 0.92-0.94x the median inter-token latency
 (two alternating pairs; benchmarks/2026-12-03.md, session 14). The copy costs the weights' bytes once more in
-memory, so:
+memory, and on a CPU memory decides which model a user can run at all (issue 40: a 1.7B F16 model
+peaked at 2.18x llama.cpp's RSS with the copy). Measured on a Llama-3.2-1B-shaped bf16 model (2.47 GB
+of weights; one process, copies on and off alternating, a 2-core machine under heavy load): a 4096-token
+prefill runs as fast without the copy (1.0x: the per-call reorder is spread over 2048-row chunks), a
+128-token one at 0.38x, decode at batch 1 and 16 (the weight-streaming kernels) is the same. So the
+copy pays for short prefills and decode batches past the kernels' rows, and costs as much memory as
+the model itself:
 
 - `auto`: float32 and bfloat16 models on CPUs with AMX (Sapphire Rapids and later, where it was
-  measured), when the copy fits in a quarter of the memory free now;
-- `on`: every float32 / bfloat16 model (the memory check still applies);
+  measured), only when the copy is small: at most AUTO_MEMORY_SHARE of the memory free now (a
+  135M-360M model's copy, not a 1B model's: memory wins there);
+- `on`: every float32 / bfloat16 model, when the copy fits in MEMORY_SHARE of the memory free now;
 - `off`: never.
 
 This module is the policy (which models keep the copies); the copies are the layers' post-load hook
@@ -26,7 +33,8 @@ from __future__ import annotations
 import torch
 
 CHOICES = ("auto", "on", "off")
-MEMORY_SHARE = 0.25  # of the memory available now, at most, for the copies
+MEMORY_SHARE = 0.25  # of the memory available now, at most, for the copies (`on`)
+AUTO_MEMORY_SHARE = 0.08  # `auto`: only a small copy (1 GB of 12 GB free; a 1B bf16 model's is 2.5 GB)
 
 
 def has_amx() -> bool:
@@ -37,7 +45,7 @@ def has_amx() -> bool:
 
 
 def gemm_weights_choice(
-    setting: str, dtype: torch.dtype, weight_bytes: int, amx: bool, available: int
+    setting: str, dtype: torch.dtype, weight_bytes: float, amx: bool, available: float
 ) -> tuple[bool, str]:
     """(keep the copies?, why in words) for a model of `dtype` whose dense weights hold
     `weight_bytes`, on a CPU with or without AMX and `available` bytes of memory free."""
@@ -49,10 +57,11 @@ def gemm_weights_choice(
         return False, f"a {str(dtype).removeprefix('torch.')} model (oneDNN's packed GEMM takes float32 / bfloat16)"
     if setting == "auto" and not amx:
         return False, "auto: only on CPUs with AMX"
-    if weight_bytes > MEMORY_SHARE * available:
+    share = AUTO_MEMORY_SHARE if setting == "auto" else MEMORY_SHARE
+    if weight_bytes > share * available:
         return False, (
-            f"the copy ({weight_bytes / 1e9:.2f} GB) would take more than {MEMORY_SHARE:.0%} of the "
-            f"{available / 1e9:.1f} GB free"
+            f"the copy ({weight_bytes / 1e9:.2f} GB) would take more than {share:.0%} of the "
+            f"{available / 1e9:.1f} GB free" + ("; cpu_gemm_packed_weights=on keeps it" if setting == "auto" else "")
         )
     return True, f"cpu_gemm_packed_weights={setting}" + (" (an AMX CPU)" if setting == "auto" else "")
 
