@@ -79,3 +79,13 @@ def dense_weight_bytes(model, dtype: torch.dtype) -> int:
     """Bytes of the weights the "gemm" hook may copy (the memory check's side of the choice)."""
     weights = [m.weight for m in _dense_linears(model)] + ([model.head_weight()] if hasattr(model, "gemm_head") else [])
     return sum(w.numel() * w.element_size() for w in weights if w.dtype == dtype and w.is_cpu)
+
+
+def packed_copy_bytes(model) -> int:
+    """Bytes of the packed copies the model holds now (the second copy /metrics reports; 0 for a
+    model without kiln's layers, e.g. a tensor-parallel wrapper)."""
+    if not hasattr(model, "modules"):
+        return 0
+    copies = [m.gemm_weight for m in model.modules() if getattr(m, "gemm_weight", None) is not None]
+    head = getattr(model, "gemm_head", None)
+    return sum(t.numel() * t.element_size() for t in copies + ([head] if head is not None else []))

@@ -13,6 +13,7 @@ import torch
 from safetensors.torch import save_file
 
 from engine.runtime.startup_phase import resident_memory
+from engine.worker.cpu_gemm_weights import packed_copy_bytes
 
 SHAPE = dict(hidden_size=1024, intermediate_size=4096, num_hidden_layers=6, vocab_size=16384)
 
@@ -72,12 +73,24 @@ def test_bf16_engine_holds_one_copy_of_its_weights(tmp_path, tiny_llama):
     gc.collect()
     _reset_peak()
     before, _ = resident_memory()
-    llm = LLM(str(tmp_path / "model"), device="cpu", dtype="bfloat16", max_model_len=256, max_num_seqs=2)
+    # (cpu_gemm_packed_weights=off: the small model's copy would be kept by `auto`; the copies are
+    # bounded by the choice's own test, tests/worker/test_cpu_gemm_weights.py)
+    llm = LLM(
+        str(tmp_path / "model"),
+        device="cpu",
+        dtype="bfloat16",
+        max_model_len=256,
+        max_num_seqs=2,
+        cpu_gemm_packed_weights="off",
+    )
     _, peak = resident_memory()
     grown = peak - before
-    # 2 copies (the packed GEMM copies kiln kept by default on AMX CPUs before issue 40) would be 2.0x
-    assert grown <= 1.25 * file_bytes, (
-        f"loading grew the peak RSS by {grown / 1e6:.0f} MB for a {file_bytes / 1e6:.0f} MB file"
+    copies = packed_copy_bytes(llm.engine.core.model)  # (a second copy kept on purpose, and reported)
+    # one copy of the weights, and what the engine reports beside them; unreported copies (the packed
+    # GEMM copies a 1B model kept before issue 40, a float32 skeleton) would be 2.0x
+    assert grown <= 1.2 * file_bytes + copies, (
+        f"loading grew the peak RSS by {grown / 1e6:.0f} MB for a {file_bytes / 1e6:.0f} MB file "
+        f"and {copies / 1e6:.0f} MB of reported copies"
     )
     out = llm.generate([[5, 6, 7]], use_tqdm=False)
     assert out[0].outputs[0].token_ids

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from engine.core.outputs import RequestOutput
+from engine.worker.cpu_gemm_weights import packed_copy_bytes
 
 logger = logging.getLogger("engine.entrypoints.openai.stats")
 
@@ -259,7 +260,7 @@ class EngineMetrics:
             "num_cpu_blocks": getattr(swap, "num_blocks", 0) if swap is not None else 0,
         }
         self._cache_info.labels(self.model_name, *(str(values[k]) for k in _CACHE_INFO_LABELS)).set(1)
-        self.weight_copy_bytes.set(getattr(engine.core, "gemm_copy_bytes", 0))
+        self.weight_copy_bytes.set(packed_copy_bytes(engine.core.model))
         self._cache_info_set = True
 
     def _set_lora_info(self, engine, now: float) -> None:
