@@ -10,11 +10,12 @@ served at concurrency 16 gave 1.10x the output tok/s and 0.92-0.94x the median i
 (two alternating pairs; benchmarks/2026-12-03.md, session 14). The copy costs the weights' bytes once more in
 memory, and on a CPU memory decides which model a user can run at all (issue 40: a 1.7B F16 model
 peaked at 2.18x llama.cpp's RSS with the copy). Measured on a Llama-3.2-1B-shaped bf16 model (2.47 GB
-of weights; one process, copies on and off alternating, a 2-core machine under heavy load): a 4096-token
-prefill runs as fast without the copy (1.0x: the per-call reorder is spread over 2048-row chunks), a
-128-token one at 0.38x, decode at batch 1 and 16 (the weight-streaming kernels) is the same. So the
-copy pays for short prefills and decode batches past the kernels' rows, and costs as much memory as
-the model itself:
+of weights; one process, copies on and off alternating, two rounds, a 2-core machine under heavy
+load; benchmarks/2026-12-05.md, "One copy of the weights"): a 4096-token prefill ran at 0.91x without the
+copy (1.03x and 0.81x: the per-call reorder is spread over 2048-row chunks), a 128-token one at 0.57x
+(0.38x and 0.92x), decode at batch 1 and 16 takes the weight-streaming kernels either way (the same
+code; the loaded machine's noise gave 0.82x and 0.98x). So the copy pays for short prefills and decode
+batches past the kernels' rows, and costs as much memory as the model itself:
 
 - `auto`: float32 and bfloat16 models on CPUs with AMX (Sapphire Rapids and later, where it was
   measured), only when the copy is small: at most AUTO_MEMORY_SHARE of the memory free now (a
