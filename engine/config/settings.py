@@ -227,13 +227,14 @@ class EngineSettings(_KilnSettings):
         description="on the CPU, keep oneDNN's blocked copy of the dense weights for steps of more rows than "
         "the weight-streaming kernels take (prefill chunks, batches of 32+): no reorder per "
         "call; the weights' bytes once more in memory, at most a quarter of what is free. "
-        "auto = on CPUs with AMX (bf16 GEMMs 1.5-2.5x faster there, same bits; float32 1.1-1.3x); "
-        "on = on any CPU",
+        "auto = on CPUs with AMX (bf16 GEMMs 1.5-2.5x faster there, same bits; float32 1.1-1.3x), "
+        "only for a copy of at most 8% of the free memory (memory wins for a 1B+ model: "
+        "long prefills lose little without it); on = on any CPU",
     )
     cpu_huge_pages: bool = Field(
         True,
-        description="on the CPU, put the weights on 2 MB transparent huge pages once loaded (madvise + "
-        "collapse; fewer TLB misses as every step streams them)",
+        description="on the CPU, put the weights on 2 MB transparent huge pages (advised before the "
+        "load writes them, collapsed after; fewer TLB misses as every step streams them)",
     )
     cpu_compile_forward: bool = Field(
         False,

@@ -149,7 +149,8 @@ class EngineBuilder:
         self.kv_dtype = resolve_kv_cache_dtype(settings.kv_cache_dtype, self.dtype)
         self.max_model_len = self._resolve_max_model_len()
         self.async_scheduling = settings.resolved_async_scheduling(self.device.type)
-        self._load_tokenizer()
+        with Phase("loading the tokenizer"):
+            self._load_tokenizer()
         torch.manual_seed(settings.seed)
         if settings.enable_lora and cfg.is_moe:
             raise ValueError("enable_lora: LoRA adapters are not supported for mixture-of-experts models")
@@ -179,6 +180,7 @@ class EngineBuilder:
                 gguf_dequantize=settings.gguf_dequantize,
                 tp=self._model_tp(),
                 quant_activations=settings.cpu_quant_activations,
+                on_allocated=self._advise_huge_pages if self._huge_pages() else None,
             )
             if self.device.type == "cpu" and has_packed_layers(self.model):
                 logger.info(
@@ -252,7 +254,7 @@ class EngineBuilder:
                 )
         if self.device.type == "cpu" and self.executor is None:
             self._keep_gemm_weights(settings.cpu_gemm_packed_weights)
-        if self.device.type == "cpu" and settings.cpu_huge_pages and self.executor is None:
+        if self._huge_pages():
             from engine.worker.cpu_huge_pages import back_with_huge_pages
 
             # (the weights only: collapsing a KV cache copies all of it at every start, for little)
@@ -315,6 +317,16 @@ class EngineBuilder:
         self.draft_runner = self._make_device_proposer()
         self.compile_seconds, self.capture_seconds = self._compile_and_capture()
 
+    def _huge_pages(self) -> bool:
+        return self.device.type == "cpu" and self.settings.cpu_huge_pages and self.executor is None
+
+    @staticmethod
+    def _advise_huge_pages(model: torch.nn.Module) -> None:
+        """Before the weights are written: their pages fault in as huge pages (no collapse copy later)."""
+        from engine.worker.cpu_huge_pages import advise_huge_pages
+
+        advise_huge_pages([*model.parameters(), *model.buffers()])
+
     def _keep_gemm_weights(self, setting: str) -> None:
         """oneDNN's blocked weight copies for GEMM rows, where cpu_gemm_packed_weights says so
         (engine/worker/cpu_gemm_weights.py; made by the layers' hook); the choice and why, logged."""
@@ -326,7 +338,8 @@ class EngineBuilder:
         if not keep:
             logger.info("oneDNN weight copies for GEMM rows: off (%s)", why)
             return
-        made, nbytes, head_bytes = self.model.process_weights_after_loading(self.dtype, "gemm")
+        with Phase("packing oneDNN weight copies for GEMM rows"):
+            made, nbytes, head_bytes = self.model.process_weights_after_loading(self.dtype, "gemm")
         made, nbytes = made + (head_bytes > 0), nbytes + head_bytes
         logger.info(
             "oneDNN weight copies for GEMM rows: %d weights, %.0f MB more in memory (%s)", made, nbytes / 1e6, why

@@ -683,6 +683,7 @@ def test_metrics_exposition(url):
         "swap_out_bytes_total",
         "swap_in_bytes_total",
         "num_pinned_prefix_blocks",
+        "weight_copy_bytes",
     ):
         assert f"kiln:{name}{{" in text, name
     assert f'model_name="{MODEL}"' in text

@@ -39,6 +39,14 @@ def test_choice_leaves_memory_alone():
         gemm_weights_choice("always", torch.bfloat16, GB, True, 16 * GB)
 
 
+def test_auto_keeps_only_a_small_copy():
+    """auto: a 1B bf16 model's copy (2.5 GB) with 12 GB free is not kept (memory wins, issue 40), a
+    135M model's (0.27 GB) is; `on` still keeps the large one."""
+    assert not gemm_weights_choice("auto", torch.bfloat16, 2.5 * GB, True, 12 * GB)[0]
+    assert gemm_weights_choice("auto", torch.bfloat16, 0.27 * GB, True, 12 * GB)[0]
+    assert gemm_weights_choice("on", torch.bfloat16, 2.5 * GB, True, 12 * GB)[0]
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_linear_reads_the_copy_for_gemm_rows(dtype):
     """Rows above the kernels' limit go through the packed copy (a new oneDNN shape is recorded) and

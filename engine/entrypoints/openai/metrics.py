@@ -15,6 +15,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 
 from engine.core.outputs import RequestOutput
 from engine.entrypoints.openai.kv_tier_metrics import KVTierMetrics
+from engine.worker.cpu_gemm_weights import packed_copy_bytes
 
 logger = logging.getLogger("engine.entrypoints.openai.stats")
 
@@ -159,6 +160,9 @@ class EngineMetrics:
             self._preemptions.labels(model_name, mode)
         self.swap_bytes_out = counter("swap_out_bytes", "KV bytes copied from the GPU to CPU swap space")
         self.swap_bytes_in = counter("swap_in_bytes", "KV bytes copied back from CPU swap space")
+        self.weight_copy_bytes = gauge(
+            "weight_copy_bytes", "Bytes of second weight copies kept in memory (CPU: oneDNN's packed GEMM copies)"
+        )
         self.pinned_blocks = gauge("num_pinned_prefix_blocks", "KV blocks pinned by prefix warm-up")
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens computed (prefill)")
         self.generation_tokens = counter("generation_tokens", "Tokens generated")
@@ -258,6 +262,7 @@ class EngineMetrics:
             "num_cpu_blocks": getattr(swap, "num_blocks", 0) if swap is not None else 0,
         }
         self._cache_info.labels(self.model_name, *(str(values[k]) for k in _CACHE_INFO_LABELS)).set(1)
+        self.weight_copy_bytes.set(packed_copy_bytes(engine.core.model))
         self._cache_info_set = True
 
     def _set_lora_info(self, engine, now: float) -> None:

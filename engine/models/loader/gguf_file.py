@@ -3,7 +3,8 @@
 The config and the tokenizer (with its chat template) come from the file's metadata through
 transformers' GGUF support, so kiln sees the same config a transformers user would. Tensors are
 read one at a time from the memory-mapped file, renamed from llama.cpp's names to HF's and
-dequantised (engine/layers/quant/gguf_blocks.py) to float32, undoing what llama.cpp's converter did to
+dequantised (engine/layers/quant/gguf_blocks.py) to float32 (plain F32/F16/BF16 values kept as
+they are), undoing what llama.cpp's converter did to
 them: the rotary row permutation of Llama-architecture q/k, Gemma's +1 on norm weights.
 """
 
@@ -198,7 +199,9 @@ def iter_tensors(
     sandwich: bool,
     skip: frozenset[str] | set[str] = frozenset(),
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """(HF name, float32 tensor) for each weight, one at a time (peak memory: one tensor).
+    """(HF name, tensor) for each weight, one at a time (peak memory: one tensor): quantised blocks
+    dequantised to float32; F32 / F16 / BF16 tensors in their own dtype, as read (the caller's copy
+    into the parameter converts them: no float32 tensor beside a 2-byte one, issue 40).
     gemma_norms: norm weights are stored as 1 + w (Gemma); sandwich: Gemma 2/3's four norms;
     skip: GGUF tensor names loaded elsewhere (kept quantised: engine/models/loader/gguf_quant.py)."""
     meta, tensors = read_header(path)
@@ -209,12 +212,19 @@ def iter_tensors(
             if name is None or t.name in skip:
                 continue
             f.seek(t.offset)
-            raw = torch.frombuffer(bytearray(f.read(t.nbytes)), dtype=torch.uint8)
-            w = dequantize(raw, t.type_id, t.shape)
+            raw = torch.empty(t.nbytes, dtype=torch.uint8)
+            if f.readinto(memoryview(raw.numpy())) != t.nbytes:
+                raise ValueError(f"gguf: {path} ends inside tensor {t.name}")
+            plain = _PLAIN_DTYPES.get(BLOCK_TYPES[t.type_id][0]) if t.type_id in BLOCK_TYPES else None
+            w = raw.view(plain).reshape(t.shape) if plain is not None else dequantize(raw, t.type_id, t.shape)
             if permuted and ".self_attn.q_proj." in name:
                 w = unpermute_rows(w, num_heads)
             elif permuted and ".self_attn.k_proj." in name:
                 w = unpermute_rows(w, num_kv_heads)
             if gemma_norms and name.endswith("norm.weight"):
-                w = w - 1.0
+                w = w.float() - 1.0
             yield name, w
+
+
+# GGUF tensor types whose bytes are plain values, read as such
+_PLAIN_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}

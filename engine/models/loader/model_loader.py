@@ -8,6 +8,7 @@ import math
 import re
 from contextlib import ExitStack
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -205,12 +206,15 @@ def load_model(
     gguf_dequantize: bool = False,
     tp: TensorParallel | None = None,
     quant_activations: str = "auto",
+    on_allocated: Callable[[LlamaForCausalLM], None] | None = None,
 ) -> LlamaForCausalLM:
     """lora: (slots, max rank) to make room for LoRA adapters (engine/lora/adapters.py), or None.
     quantization: the `quantization` setting (None: the checkpoint's own quantization_config).
     tp: this rank's place in a tensor-parallel group: the model is this rank's shard, and only
     this rank's slice of each weight is read from the checkpoint (a GGUF file's tensors are then
-    dequantised: quantised blocks are not sliced)."""
+    dequantised: quantised blocks are not sliced).
+    on_allocated: called with the model once its tensors are allocated, before any is written
+    (the builder advises huge pages there: engine/worker/cpu_huge_pages.py)."""
     if load_format in ("safetensors", "gguf") and gguf_file.is_gguf(model_dir) != (load_format == "gguf"):
         raise ValueError(f"load_format {load_format}: {model_dir} is not a {load_format} checkpoint")
     quant = quant_config(config, quantization, load_format)
@@ -237,8 +241,12 @@ def load_model(
             if quant is None and load_format != "dummy" and gguf_file.is_gguf(model_dir) and not gguf_dequantize
             else {}
         )
+        # (cast while still on meta: to_empty then allocates each tensor once, in its final dtype,
+        # not a float32 one converted beside it; issue 40)
+        quant_loading.cast_except_quantized(model, dtype)
     model = model.to_empty(device=device)
-    quant_loading.cast_except_quantized(model, dtype)
+    if on_allocated is not None:
+        on_allocated(model)
     for name, buffer in model.named_buffers():
         if ".lora_" in name:
             buffer.zero_()  # empty slots: no adapter
