@@ -31,6 +31,9 @@ measured occupancy; the live split count of each sequence is derived on the devi
 Inputs the kernels cannot take (unaligned or odd strides, mismatched dtypes, head counts that do
 not divide) run the reference with a logged warning in eager mode, and raise inside CUDA-graph
 capture, where the reference would attend over max_model_len positions per sequence.
+
+The launches' argument type tables and tuples, the split constants and the input checks are
+compiler/kernels/cutlass_launch_args.py's; this module holds the loaded kernels and their state.
 """
 
 from __future__ import annotations
@@ -38,17 +41,39 @@ from __future__ import annotations
 import itertools
 import logging
 import weakref
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from compiler.kernels.cutlass_launch_args import (
+    COMBINE_TYPES,
+    DECODE_GROUPS,
+    DECODE_THREADS,
+    DECODE_TYPES,
+    DECODE_V2_TYPES,
+    LOG2E,
+    MAX_SPLITS,
+    PREFILL_TYPES,
+    SCALES_TYPES,
+    V1_MIN_TOKENS_PER_SPLIT,
+    V2_MIN_TOKENS_PER_SPLIT,
+    WRITE_KV_TYPES,
+    DecodePlan,
+    as_block_table,
+    as_i32,
+    cache_ok,
+    combine_args,
+    decode_args,
+    prefill_args,
+    scale_pair,
+    sequence_pointers,
+    vec_ok,
+)
 from compiler.kernels.kv_quant import is_fp8
 from compiler.kernels.launch_plan import ctas_per_sm_from_resources, plan_attention_launches, plan_decode_splits
-from compiler.kernels.loader import F32, I32, I64, PTR, KernelLibrary, Launcher, max_active_ctas_per_sm
+from compiler.kernels.loader import KernelLibrary, Launcher, max_active_ctas_per_sm
 from compiler.kernels.manifest import (
     DECODE_KERNELS,
-    DEFAULT_CONSTANTS,
     PREFILL_KERNELS,
     attention_variant_names,
     prefill_smem_bytes,
@@ -60,67 +85,6 @@ from compiler.kernels.reference_attention import paged_attention_reference, writ
 
 logger = logging.getLogger(__name__)
 
-LOG2E = 1.4426950408889634
-DECODE_GROUPS = (1, 2, 4, 8)
-DECODE_THREADS = 128
-# v1 derives each sequence's split count in the kernel with its compile-time MIN_PART.
-V1_MIN_TOKENS_PER_SPLIT = DEFAULT_CONSTANTS["min_partition"]
-# v2 takes the smallest split as an argument: small enough that a batch of one fills the GPU.
-V2_MIN_TOKENS_PER_SPLIT = 64
-MAX_SPLITS = 64
-_WRITE_KV_TYPES = (PTR, PTR, PTR, PTR, PTR, I32, I32, I32, I32, I64, I64, I64, I64, I64)
-_DECODE_TYPES = (
-    PTR,
-    PTR,
-    PTR,
-    PTR,
-    PTR,
-    PTR,
-    PTR,
-    PTR,
-    PTR,
-    I32,
-    I32,
-    I32,
-    I32,
-    I64,
-    I64,
-    I64,
-    I64,
-    I64,
-    F32,
-    I32,
-    I32,
-)
-_DECODE_V2_TYPES = (
-    PTR,
-    PTR,
-    PTR,
-    PTR,
-    PTR,
-    PTR,
-    PTR,
-    PTR,
-    PTR,
-    PTR,
-    I32,
-    I32,
-    I32,
-    I32,
-    I64,
-    I64,
-    I64,
-    I64,
-    I64,
-    F32,
-    I32,
-    I32,
-    I32,
-)
-_COMBINE_TYPES = (PTR, PTR, PTR, PTR, PTR, I32, I32, I32, I64, I64)
-_PREFILL_TYPES = (PTR, PTR, PTR, PTR, PTR, PTR, PTR, I32, I32, I32, I64, I64, I64, I64, I64, F32, I32, I32)
-# The fp8 KV variants take one more argument, last: the layer's {k_scale, v_scale} (float32).
-_SCALES = (PTR,)
 
 _live_kernels: "weakref.WeakValueDictionary[int, AttentionKernels]" = weakref.WeakValueDictionary()
 _handles = itertools.count(1)
@@ -135,49 +99,6 @@ def kernels_by_handle(handle: int) -> "AttentionKernels":
             "create an AttentionKernels (the cutlass attention backend does) and pass its handle"
         )
     return k
-
-
-def _vec_ok(t: torch.Tensor) -> bool:
-    """16-byte vector access possible along the last dim of every row."""
-    if t.stride(-1) != 1 or t.data_ptr() % 16:
-        return False
-    return all(s % 8 == 0 for s in t.stride()[:-1])
-
-
-def _cache_ok(c: torch.Tensor, head_dim: int) -> bool:
-    nkv = c.shape[2]
-    return (
-        c.dim() == 4
-        and c.stride(3) == 1
-        and c.stride(2) == head_dim
-        and c.stride(1) == nkv * head_dim
-        and c.stride(0) % 8 == 0
-        and c.data_ptr() % 16 == 0
-    )
-
-
-def _i32(t: torch.Tensor) -> torch.Tensor:
-    if t.dtype != torch.int32:
-        t = t.to(torch.int32)
-    return t if t.is_contiguous() else t.contiguous()
-
-
-def _table(t: torch.Tensor) -> torch.Tensor:
-    """The block table as the kernels read it: int32 rows of unit column stride, any row stride
-    (the runner passes a column slice of its wider buffer; no copy is made for it)."""
-    if t.dtype != torch.int32:
-        t = t.to(torch.int32)
-    if t.dim() != 2 or t.stride(1) != 1 or (t.shape[0] > 1 and t.stride(0) < t.shape[1]):
-        t = t.contiguous()
-    return t
-
-
-@dataclass(frozen=True)
-class DecodePlan:
-    group: int  # packed query heads per CTA (the g<G> entry point)
-    slices: int  # CTAs per kv head along its query heads
-    splits: int  # max splits per (sequence, slice): the grid's x
-    min_tokens: int  # smallest split (v2 passes it to the kernel)
 
 
 class AttentionKernels:
@@ -212,12 +133,10 @@ class AttentionKernels:
         self.lib = KernelLibrary(Path(cache_dir), list(self.names.values())).load(self.device)
         ctx = self.lib.context
         n = self.names
-        extra = _SCALES if self.kv_fp8 else ()
-        self.write_kv_l = Launcher(
-            self.lib.function(n["write_kv"]), 256, 0, _WRITE_KV_TYPES + extra, n["write_kv"], ctx
-        )
+        extra = SCALES_TYPES if self.kv_fp8 else ()
+        self.write_kv_l = Launcher(self.lib.function(n["write_kv"]), 256, 0, WRITE_KV_TYPES + extra, n["write_kv"], ctx)
         decode = DECODE_KERNELS[decode_kernel]
-        types = (_DECODE_V2_TYPES if decode_kernel == "v2" else _DECODE_TYPES) + extra
+        types = (DECODE_V2_TYPES if decode_kernel == "v2" else DECODE_TYPES) + extra
         self.decode_l = {
             g: Launcher(self.lib.function(n[decode], f"g{g}"), DECODE_THREADS, 0, types, f"{n[decode]}_g{g}", ctx)
             for g in DECODE_GROUPS
@@ -225,7 +144,7 @@ class AttentionKernels:
         self.combine_l = None
         if decode_kernel == "v1":
             self.combine_l = Launcher(
-                self.lib.function(n[decode], "combine"), head_dim, 0, _COMBINE_TYPES, f"{n[decode]}_combine", ctx
+                self.lib.function(n[decode], "combine"), head_dim, 0, COMBINE_TYPES, f"{n[decode]}_combine", ctx
             )
         prefill = PREFILL_KERNELS[prefill_kernel]
         if prefill_kernel == "wgmma":
@@ -239,7 +158,7 @@ class AttentionKernels:
             self.block_m = prefill_tile(head_dim)["block_m"]
             threads, smem = self.block_m // 16 * 32, prefill_smem_bytes(head_dim)
         self.prefill_l = Launcher(
-            self.lib.function(n[prefill], None, smem), threads, smem, _PREFILL_TYPES + extra, n[prefill], ctx
+            self.lib.function(n[prefill], None, smem), threads, smem, PREFILL_TYPES + extra, n[prefill], ctx
         )
         self._init_state(
             torch.cuda.get_device_properties(self.device).multi_processor_count,
@@ -315,10 +234,10 @@ class AttentionKernels:
         if not (k.dim() == 3 and k.shape[1:] == v.shape[1:] and k.shape[1] == k_cache.shape[2] and k.shape[2] == D):
             return f"k/v shapes {tuple(k.shape)}/{tuple(v.shape)} against the cache {tuple(k_cache.shape)}"
         if not (
-            _vec_ok(k)
-            and _vec_ok(v)
-            and _cache_ok(k_cache, D)
-            and _cache_ok(v_cache, D)
+            vec_ok(k)
+            and vec_ok(v)
+            and cache_ok(k_cache, D)
+            and cache_ok(v_cache, D)
             and k_cache.stride(0) == v_cache.stride(0)
         ):
             return "k/v or cache strides or alignment not 16-byte vectorisable"
@@ -336,10 +255,10 @@ class AttentionKernels:
         if q.shape[1] % k_cache.shape[2]:
             return f"{q.shape[1]} query heads do not divide into {k_cache.shape[2]} kv heads"
         if not (
-            _vec_ok(q)
-            and _vec_ok(out)
-            and _cache_ok(k_cache, D)
-            and _cache_ok(v_cache, D)
+            vec_ok(q)
+            and vec_ok(out)
+            and cache_ok(k_cache, D)
+            and cache_ok(v_cache, D)
             and k_cache.stride(0) == v_cache.stride(0)
         ):
             return "q/out or cache strides or alignment not 16-byte vectorisable"
@@ -354,7 +273,7 @@ class AttentionKernels:
         reason = self.write_kv_unsupported(k, v, k_cache, v_cache)
         if reason is not None:
             self._decline("write_kv", reason)
-            write_kv_reference(k, v, k_cache, v_cache, slot_mapping, *_pair(kv_scales))
+            write_kv_reference(k, v, k_cache, v_cache, slot_mapping, *scale_pair(kv_scales))
             return
         D = self.head_dim
         slots = slot_mapping
@@ -448,12 +367,12 @@ class AttentionKernels:
                     max_query_len,
                     max_seq_len,
                     num_decodes,
-                    k_scale=_pair(kv_scales)[0],
-                    v_scale=_pair(kv_scales)[1],
+                    k_scale=scale_pair(kv_scales)[0],
+                    v_scale=scale_pair(kv_scales)[1],
                 )
             )
             return
-        qsl, lens, bt = _i32(query_start_loc), _i32(seq_lens), _table(block_tables)
+        qsl, lens, bt = as_i32(query_start_loc), as_i32(seq_lens), as_block_table(block_tables)
         stream = self._stream(q.device)
         common = dict(
             out=out,
@@ -474,61 +393,19 @@ class AttentionKernels:
             else:
                 self._launch_prefill(launch.seq_start, launch.num_seqs, launch.zero_tail, max_query_len, **common)
 
-    def _args(self, start, out, q, k_cache, v_cache, qsl, lens, bt):
-        """Pointers of a launch over sequences [start, ...): the per-sequence arrays are offset, the
-        token arrays are not (query_start_loc holds absolute token offsets)."""
-        return (
-            out.data_ptr(),
-            q.data_ptr(),
-            k_cache.data_ptr(),
-            v_cache.data_ptr(),
-            qsl.data_ptr() + 4 * start,
-            lens.data_ptr() + 4 * start,
-            bt.data_ptr() + 4 * start * bt.stride(0),
-        )
-
     def _launch_decode(
         self, start, n, zero_tail, *, out, q, k_cache, v_cache, qsl, lens, bt, stream, scale_log2, num_tokens, scales
     ):
         Hq, hkv, max_blocks = q.shape[1], k_cache.shape[2], bt.shape[1]
         plan = self.decode_plan(n, Hq, hkv, max_blocks)
-        ptrs = self._args(start, out, q, k_cache, v_cache, qsl, lens, bt)
-        strides = (q.stride(0), q.stride(1), out.stride(0), out.stride(1), k_cache.stride(0))
+        ptrs = sequence_pointers(start, out, q, k_cache, v_cache, qsl, lens, bt)
         ntok = num_tokens if zero_tail else 0  # only the call's last launch zeroes the padding rows
-        grid = (plan.splits, hkv * plan.slices, n)
         scratch = (self.part_out.data_ptr(), self.part_lse.data_ptr())
-        if self.decode_kernel == "v2":
-            self.decode_l[plan.group](
-                grid,
-                stream,
-                (
-                    *ptrs,
-                    *scratch,
-                    self.counters.data_ptr(),
-                    Hq,
-                    hkv,
-                    Hq // hkv,
-                    max_blocks,
-                    *strides,
-                    scale_log2,
-                    ntok,
-                    plan.min_tokens,
-                    bt.stride(0),
-                    *scales,
-                ),
-            )
-            return
-        self.decode_l[plan.group](
-            grid,
-            stream,
-            (*ptrs, *scratch, Hq, hkv, Hq // hkv, max_blocks, *strides, scale_log2, ntok, bt.stride(0), *scales),
-        )
-        if plan.splits > 1:
-            self.combine_l(
-                (Hq, n, 1),
-                stream,
-                (out.data_ptr(), ptrs[4], ptrs[5], *scratch, Hq, max_blocks, plan.splits, out.stride(0), out.stride(1)),
-            )
+        counters = self.counters.data_ptr() if self.decode_kernel == "v2" else None
+        args = decode_args(ptrs, scratch, counters, plan, q, out, k_cache, bt, scale_log2, ntok, scales)
+        self.decode_l[plan.group]((plan.splits, hkv * plan.slices, n), stream, args)
+        if counters is None and plan.splits > 1:  # v1 merges the splits in a second launch
+            self.combine_l((Hq, n, 1), stream, combine_args(out, ptrs, scratch, Hq, max_blocks, plan.splits))
 
     def _launch_prefill(
         self,
@@ -549,31 +426,9 @@ class AttentionKernels:
         num_tokens,
         scales,
     ):
-        Hq, hkv = q.shape[1], k_cache.shape[2]
-        self.prefill_l(
-            (-(-max_query_len // self.block_m), Hq, n),
-            stream,
-            (
-                *self._args(start, out, q, k_cache, v_cache, qsl, lens, bt),
-                Hq,
-                hkv,
-                bt.shape[1],
-                q.stride(0),
-                q.stride(1),
-                out.stride(0),
-                out.stride(1),
-                k_cache.stride(0),
-                scale_log2,
-                num_tokens if zero_tail else 0,
-                bt.stride(0),
-                *scales,
-            ),
-        )
-
-
-def _pair(kv_scales: torch.Tensor | None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """One layer's {k_scale, v_scale} as two 0-d tensors for the reference (None: scale 1)."""
-    return (None, None) if kv_scales is None else (kv_scales[0], kv_scales[1])
+        ptrs = sequence_pointers(start, out, q, k_cache, v_cache, qsl, lens, bt)
+        args = prefill_args(ptrs, q, out, k_cache, bt, scale_log2, num_tokens if zero_tail else 0, scales)
+        self.prefill_l((-(-max_query_len // self.block_m), q.shape[1], n), stream, args)
 
 
 def required_variants(

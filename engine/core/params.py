@@ -1,6 +1,6 @@
 """What a request asks for: its sampling parameters (vLLM's SamplingParams), an embedding's pooling,
 a structured-output constraint and a LoRA adapter. Each checks itself against the admission table
-(engine/core/admission_rules.py) when made."""
+(engine/core/admission_rules/) when made."""
 
 from __future__ import annotations
 

@@ -139,7 +139,7 @@ class LoRAManager:
 
     def why_not(self, request: LoRARequest) -> str | None:
         """Why `request`'s adapter cannot run now (None: it is loaded, or a slot is free for it).
-        Admission refuses with it (engine/core/admission_rules.py lora_adapter)."""
+        Admission refuses with it (engine/core/admission_rules/engine_limits.py lora_adapter)."""
         entry = self._loaded.get(request.lora_name)
         if entry is not None:
             if Path(entry.request.lora_path).expanduser() != Path(request.lora_path).expanduser():
@@ -237,7 +237,7 @@ def make_lora_manager(model: torch.nn.Module, settings) -> LoRAManager | None:
 
 def attach_lora(manager: LoRAManager, request, lora_request: LoRARequest) -> None:
     """Run `request` with this adapter (loaded into a free slot first if it is new). Admission
-    found it can run (engine/core/admission_rules.py lora_adapter); a new adapter's files are read
+    found it can run (engine/core/admission_rules/engine_limits.py lora_adapter); a new adapter's files are read
     only now, between steps, so the loader's verdict on them (or a slot taken since admission)
     fails this request here."""
     try:

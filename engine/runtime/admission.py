@@ -2,7 +2,7 @@
 a LoRA adapter, pooling) into a request the engine runs (`AdmittedRequest`), for the offline
 `LLM` (through LLMEngine.add_request) and the server (engine/entrypoints/openai/) alike.
 
-The rules themselves are engine/core/admission_rules.py's table; here each is applied once per
+The rules themselves are engine/core/admission_rules/'s table; here each is applied once per
 request against this engine's state: the task fits the model, the params fit the engine's limits
 (logprobs, n, token ids in the vocabulary), the prompt fits max_model_len with room for
 max_tokens and the KV cache, the adapter can run, the structured-output constraint compiles. The compiled

@@ -1,5 +1,5 @@
 """An EAGLE / EAGLE-3 head in the public layout (engine/models/eagle.py loads it), as torch modules
-that train: its config.json for a target, and writing it out. engine/training/draft_training.py
+that train: its config.json for a target, and writing it out. engine/training/eagle_training.py
 trains it; tests make untrained ones (random_eagle).
 """
 

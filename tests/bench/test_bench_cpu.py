@@ -8,19 +8,21 @@ import json
 import torch
 
 from engine.bench import cpu
+from engine.bench.cpu_step_parts import decoder_stack, step_part, step_parts
+from engine.bench.cpu_threads_under_load import Neighbour, thread_settings
 
 
 def test_thread_settings_fold_repeats():
-    assert cpu.thread_settings("default,1,2,all", 2, 1) == [("default (1)", 1), ("2", 2)]
-    assert cpu.thread_settings("default,1,2,all", 8, 7) == [("default (7)", 7), ("1", 1), ("2", 2), ("all (8)", 8)]
+    assert thread_settings("default,1,2,all", 2, 1) == [("default (1)", 1), ("2", 2)]
+    assert thread_settings("default,1,2,all", 8, 7) == [("default (7)", 7), ("1", 1), ("2", 2), ("all (8)", 8)]
 
 
 def test_neighbour_is_bounded_and_stopped():
-    with cpu.Neighbour(1, seconds=60) as n:
+    with Neighbour(1, seconds=60) as n:
         procs = list(n.running)
         assert all(p.poll() is None for p in procs)
     assert all(p.poll() is not None for p in procs)
-    with cpu.Neighbour(1, seconds=0.1) as n:  # ends by itself
+    with Neighbour(1, seconds=0.1) as n:  # ends by itself
         n.running[0].wait(timeout=30)
 
 
@@ -75,10 +77,10 @@ def test_step_parts_split_a_decode_step(tiny_llama, capsys):
     from engine.config.settings import EngineSettings
     from engine.runtime.llm_engine import LLMEngine
 
-    assert cpu.step_part("aten::mm") == "linear" and cpu.step_part("aten::addmm") == "linear"
-    assert cpu.step_part("kiln_cpu::paged_attention") == "attention"
-    assert cpu.step_part("kiln_cpu_fused::rms_norm") == "fused norms/rope/act"
-    assert cpu.step_part("aten::add") == "other torch ops"
+    assert step_part("aten::mm") == "linear" and step_part("aten::addmm") == "linear"
+    assert step_part("kiln_cpu::paged_attention") == "attention"
+    assert step_part("kiln_cpu_fused::rms_norm") == "fused norms/rope/act"
+    assert step_part("aten::add") == "other torch ops"
     engine = LLMEngine.from_settings(
         EngineSettings(
             model=str(tiny_llama),
@@ -90,7 +92,7 @@ def test_step_parts_split_a_decode_step(tiny_llama, capsys):
             enforce_eager=True,
         )
     )
-    row = cpu.step_parts(engine, batch=2, steps=4, input_len=8)
+    row = step_parts(engine, batch=2, steps=4, input_len=8)
     assert row["ops_per_step"] > 0 and row["parts_us"]["linear"] > 0 and row["parts_us"]["attention"] > 0
     assert sum(row["parts_us"].values()) >= row["step_us"] * 0.99
     assert not engine.core.has_unfinished_requests() and engine.core.pool.is_fully_free()
@@ -109,7 +111,7 @@ def test_decoder_stack_against_op_by_op(tiny_llama, capsys):
     engine = LLMEngine.from_settings(EngineSettings(**common))
     stack = engine.core.runner.model.cpu_stack
     assert stack is not None
-    res = cpu.decoder_stack(engine, [1, 2], rounds=2, steps=3, input_len=8)
+    res = decoder_stack(engine, [1, 2], rounds=2, steps=3, input_len=8)
     assert [r["batch"] for r in res["rows"]] == [1, 2]
     for r in res["rows"]:
         assert set(r["samples"]) == {"stack", "op by op", "stack, fork/join"}  # (no GGUF-blocks head here)
@@ -118,7 +120,7 @@ def test_decoder_stack_against_op_by_op(tiny_llama, capsys):
     assert engine.core.runner.model.cpu_stack is stack and stack.stack.team_rows() == 8
     assert not engine.core.has_unfinished_requests() and engine.core.pool.is_fully_free()
     off = LLMEngine.from_settings(EngineSettings(**common, cpu_decoder_stack=False))
-    assert cpu.decoder_stack(off, [1], rounds=1, steps=2, input_len=8) == {}
+    assert decoder_stack(off, [1], rounds=1, steps=2, input_len=8) == {}
     assert "-> " in capsys.readouterr().out
 
 

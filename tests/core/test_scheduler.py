@@ -87,7 +87,7 @@ def test_priority_then_fcfs_admission():
 
 
 def test_what_can_never_fit_the_kv_pool_is_admissions_to_refuse():
-    # (the rules are engine/core/admission_rules.py's, applied at admission: tests/core/test_admission.py)
+    # (the rules are engine/core/admission_rules/'s, applied at admission: tests/core/test_admission.py)
     sched = make_scheduler(max_model_len=16, num_blocks=3)
     with pytest.raises(InvalidRequestError, match="KV blocks"):
         add(sched, "big", 8, max_tokens=4)  # 12 tokens > 2 usable blocks of 4

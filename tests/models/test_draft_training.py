@@ -1,4 +1,4 @@
-"""`kiln make-draft-model`'s draft models (engine/training/draft_training.py): the draft vocabulary
+"""`kiln make-draft-model`'s draft models (engine/training/draft_distill.py, eagle_training.py): the draft vocabulary
 it picks, and drafts trained on a labelled corpus (the target's top-k log-probabilities at each
 answer position, as build_labelled_corpus records them) that kiln loads as draft models with
 their draft vocabulary, whose greedy output stays plain decoding's. Tiny models, seconds."""
@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from engine import SamplingParams
-from engine.training.draft_training import cut_layers, distill_draft_model, distill_from_target, draft_vocabulary
+from engine.training.draft_distill import cut_layers, distill_draft_model, distill_from_target, draft_vocabulary
 
 
 def _entry(ids: list[int], prompt: int, top_ids: list[list[int]]) -> dict:
@@ -99,7 +99,8 @@ def test_eagle3_head_trained_on_the_labelled_corpus_drafts_and_output_stays_exac
     """kiln make-draft-model's EAGLE-3 path on the tiny llama: the teacher pass over the labelled
     corpus's sequences, one epoch of training, and the head loaded by kiln: the target (on the CPU
     decoder stack, which hands the head its hidden states) keeps plain decoding's greedy output."""
-    from engine.training.draft_training import teacher_pass, train_eagle_for
+    from engine.training.eagle_training import train_eagle_for
+    from engine.training.teacher import teacher_pass
 
     target = tiny_models["llama"]
     corpus = [(c["ids"].tolist(), c["prompt"]) for c in labelled]

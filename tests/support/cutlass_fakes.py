@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from compiler.kernels.cutlass_ops import DECODE_GROUPS, AttentionKernels
+from compiler.kernels.cutlass_launch_args import DECODE_GROUPS
+from compiler.kernels.cutlass_ops import AttentionKernels
 
 
 class Recorder:

@@ -83,7 +83,7 @@ class KVAllocator:
 
     def usable_blocks(self, priority: int) -> int:
         """The blocks a request of this priority may hold when alone in the cache (admission's KV
-        rule: engine/core/admission_rules.py kv_capacity)."""
+        rule: engine/core/admission_rules/engine_limits.py kv_capacity)."""
         # Pinned (warm-up) blocks are never freed; the reserve is out of reach of less urgent requests.
         usable = self.pool.num_usable - self.pool.num_pinned
         if priority > self.reserved_priority:

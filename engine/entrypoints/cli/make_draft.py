@@ -338,14 +338,16 @@ def main(argv: list[str]) -> int:
     if (out / "config.json").is_file() and not args.force:
         print(out)
         return 0
-    from engine.training import draft_training
+    from engine.training.draft_distill import distill_draft_model, distill_from_target
+    from engine.training.eagle_training import train_eagle_for
+    from engine.training.teacher import teacher_pass
 
     if args.method == "draft_model":
         t0 = time.perf_counter()
         labelled = build_labelled_corpus(args.target, cache, args.prompts or 1024, args.max_tokens or 128, args.seed)
         if args.init == "target":
             layers = [int(x) for x in args.target_layers.split(",")]
-            draft_training.distill_from_target(
+            distill_from_target(
                 args.target,
                 labelled,
                 out,
@@ -358,7 +360,7 @@ def main(argv: list[str]) -> int:
                 log=logger.info,
             )
         else:
-            draft_training.distill_draft_model(
+            distill_draft_model(
                 args.target,
                 labelled,
                 out,
@@ -378,10 +380,10 @@ def main(argv: list[str]) -> int:
     corpus = [(c["ids"].tolist(), int(c["prompt"])) for c in labelled]
     key = hashlib.sha1(json.dumps(corpus).encode()).hexdigest()[:12]
     t0 = time.perf_counter()
-    teacher = draft_training.teacher_pass(
+    teacher = teacher_pass(
         args.target, [ids for ids, _ in corpus], cache / f"teacher-{Path(args.target).stem}-{key}.pt", log=logger.info
     )
-    draft_training.train_eagle_for(
+    train_eagle_for(
         args.target,
         corpus,
         teacher,

@@ -7,7 +7,7 @@ The rules every request meets (the params against the engine's limits, token ids
 vocabulary, the prompt's length) are the engine's one admission step's
 (engine/runtime/admission.py), called from here step by step, once each; the engine takes the
 admitted request as it is. Every rule, the server's own included, is written in
-engine/core/admission_rules.py.
+engine/core/admission_rules/.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 A request body is parsed once, into one of these models (RequestBody); its unknown fields are
 kept (extra="allow"), logged as it is parsed, and ignored. Ranges that the engine checks
 (temperature >= 0, n >= 1, ...) and the API's own rules (best_of, suffix, one constraint
-field...) are engine/core/admission_rules.py's, so there is one rule and one message for each;
+field...) are engine/core/admission_rules/'s, so there is one rule and one message for each;
 the models only pin types, and bounds that keep values sane before they reach the engine.
 """
 

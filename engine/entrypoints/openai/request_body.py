@@ -11,7 +11,7 @@ request body (already capped in bytes by GateMiddleware) is, in order:
 4. shaped: a token-id prompt with no room in max_model_len, more prompts than a request may hold,
    more chat messages than max_model_len, more allowed/stop token ids than the vocabulary: a
    400 from len() alone, before any per-token work (pydantic's validation included), by the
-   rules of engine/core/admission_rules.py;
+   rules of engine/core/admission_rules/;
 5. validated by FastAPI against the endpoint's model, as usual.
 
 `BoundedJSONRoute` does 1-4 for every JSON endpoint of the API.

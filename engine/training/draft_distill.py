@@ -1,10 +1,9 @@
-"""Training drafts for speculative decoding on the CPU: a small draft model distilled from the
-target's own outputs, and EAGLE / EAGLE-3 heads trained on the target's hidden states. The
-checkpoints are written in the public layouts kiln loads (engine/models/eagle.py, an HF Llama
-directory), so a head made here and one downloaded load by the same code. The head's modules are
-engine/training/eagle_head.py.
+"""Draft models distilled on the CPU from the target's own outputs: a small Llama trained from
+scratch (distill_draft_model), or one cut from the target's own layers (distill_from_target), both
+over a draft vocabulary. The checkpoint is an HF Llama directory, so kiln and other runtimes load it.
+EAGLE heads are engine/training/eagle_training.py's.
 
-The data (token sequences, and for heads the target's hidden states over them) comes from the
+The data (token sequences and the target's top-k next-token labels over them) comes from the
 caller (`kiln make-draft-model`, engine/entrypoints/cli/make_draft.py, generates it with kiln).
 """
 
@@ -13,107 +12,13 @@ from __future__ import annotations
 import json
 import math
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from engine.training.eagle_head import TrainableEagle, eagle_config, rope_theta, save_eagle
-
-
-# ---- training ----
-def _load_target(target: str):
-    """The target as a transformers model (a GGUF file dequantised), in float32, for its hidden
-    states and weights."""
-    from transformers import AutoModelForCausalLM
-
-    path = Path(target)
-    if path.suffix == ".gguf":
-        model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
-    else:
-        model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
-    return model.eval()
-
-
-def _padded(seqs: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
-    """[B, T] ids padded with 0, and each row's length."""
-    longest = max(len(x) for x in seqs)
-    ids = torch.zeros(len(seqs), longest, dtype=torch.int64)
-    for i, x in enumerate(seqs):
-        ids[i, : len(x)] = torch.tensor(x)
-    return ids, torch.tensor([len(x) for x in seqs])
-
-
-def _schedule(opt, total: int):
-    return torch.optim.lr_scheduler.LambdaLR(opt, lambda i: min(1.0, (i + 1) / 20) * max(0.05, 1 - i / total))
-
-
-@dataclass
-class Teacher:
-    """What the target says over the corpus, computed once (transformers, float32) and cached:
-    per sequence its next-token distribution at every position (top-k ids and probabilities,
-    soft labels for distillation), its final hidden states (EAGLE's features) and the hidden
-    states entering the layers EAGLE-3 reads, side by side; plus its config, embeddings and LM head."""
-
-    config: dict
-    embed: torch.Tensor
-    lm_head: torch.Tensor
-    aux_layers: tuple[int, ...]
-    top_ids: list[torch.Tensor]  # [T, k] int32
-    top_p: list[torch.Tensor]  # [T, k] float16
-    final: list[torch.Tensor]  # [T, H] bfloat16
-    aux: list[torch.Tensor]  # [T, len(aux_layers) * H] bfloat16
-
-
-@torch.no_grad()
-def teacher_pass(target: str, seqs: list[list[int]], cache: Path | None = None, top_k: int = 32, log=print) -> Teacher:
-    if cache is not None and cache.is_file():
-        return Teacher(**torch.load(cache, weights_only=False))
-    model = _load_target(target)
-    config = model.config.to_dict()
-    config.setdefault("head_dim", model.config.hidden_size // model.config.num_attention_heads)
-    n = config["num_hidden_layers"]
-    aux = (2, n // 2, n - 3) if n >= 6 else (0, n // 2, n - 1)
-    t0 = time.perf_counter()
-    top_ids, top_p, final, aux_h = [], [], [], []
-    for ids in seqs:
-        out = model(input_ids=torch.tensor([ids]), output_hidden_states=True)
-        top = out.logits[0].float().log_softmax(-1).topk(top_k, dim=-1)
-        top_ids.append(top.indices.to(torch.int32))
-        top_p.append(top.values.exp().to(torch.float16))
-        hs = out.hidden_states
-        final.append(hs[-1][0].to(torch.bfloat16))
-        aux_h.append(torch.cat([hs[i] for i in aux], dim=-1)[0].to(torch.bfloat16))
-    log(f"  the target over {len(seqs)} sequences in {time.perf_counter() - t0:.0f}s")
-    teacher = Teacher(
-        config,
-        model.get_input_embeddings().weight.detach().clone(),
-        model.get_output_embeddings().weight.detach().clone(),
-        aux,
-        top_ids,
-        top_p,
-        final,
-        aux_h,
-    )
-    if cache is not None:
-        cache.parent.mkdir(parents=True, exist_ok=True)
-        torch.save(teacher.__dict__, cache)
-    return teacher
-
-
-def soft_labels(teacher: Teacher, i: int, start: int, n: int, lookup: torch.Tensor, width: int) -> torch.Tensor:
-    """[n, width] the target's distribution over the next token at positions start..start+n-1 of
-    sequence i, on the columns `lookup` maps token ids to (ids it maps to -100 are dropped),
-    renormalised; zero rows past the sequence's end."""
-    out = torch.zeros(n, width)
-    ids, p = teacher.top_ids[i][start : start + n].long(), teacher.top_p[i][start : start + n].float()
-    cols = lookup[ids]
-    keep = cols >= 0
-    rows = torch.arange(len(ids))[:, None].expand_as(ids)
-    out[rows[keep], cols[keep]] = p[keep]
-    return out / out.sum(-1, keepdim=True).clamp_min(1e-9)
+from engine.training.eagle_head import rope_theta
+from engine.training.loop_helpers import load_target, lr_schedule, padded, shuffled_batches
 
 
 def distill_draft_model(
@@ -146,7 +51,7 @@ def distill_draft_model(
 
     torch.manual_seed(seed)
     tokenizer = load_tokenizer(target)
-    teacher = _load_target(target)
+    teacher = load_target(target)
     tc = teacher.config
     embed = teacher.get_input_embeddings().weight.detach().clone()
     del teacher
@@ -250,14 +155,14 @@ def _distill(
     logits_of(hidden) gives the draft's logits there). Returns the last batch's loss."""
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay)
-    sched = _schedule(opt, epochs * math.ceil(len(corpus) / batch))
+    sched = lr_schedule(opt, epochs * math.ceil(len(corpus) / batch))
     gen = torch.Generator().manual_seed(seed)
     model.train()
     t0, loss_value = time.perf_counter(), float("nan")
     for epoch in range(epochs):
-        for idx in _batches(len(corpus), batch, gen):
+        for idx in shuffled_batches(len(corpus), batch, gen):
             entries = [corpus[i] for i in idx.tolist()]
-            ids, _ = _padded([c["ids"].tolist() for c in entries])
+            ids, _ = padded([c["ids"].tolist() for c in entries])
             n = ids.shape[1]
             want = torch.zeros(len(entries), n, width)
             valid = torch.zeros(len(entries), n)
@@ -277,117 +182,6 @@ def _distill(
         log(f"  epoch {epoch + 1}/{epochs}: loss {loss_value:.3f} ({time.perf_counter() - t0:.0f}s)")
     model.eval()
     return loss_value
-
-
-def train_eagle_for(
-    target: str,
-    corpus: list[tuple[list[int], int]],
-    teacher: Teacher,
-    out: Path,
-    version: int,
-    epochs: int = 4,
-    draft_vocab: int = 8192,
-    seed: int = 0,
-    layers: int = 1,
-    batch: int = 8,
-    lr: float = 1e-3,
-    unroll: int = 1,
-    log=print,
-) -> Path:
-    """An EAGLE (version 1) or EAGLE-3 head trained on the target's hidden states over the corpus,
-    its labels the target's own next-token distributions (EAGLE-3 over its draft vocabulary: the
-    corpus's most frequent tokens)."""
-    torch.manual_seed(seed)
-    tcfg = teacher.config
-    embed, lm_head = teacher.embed, teacher.lm_head
-    seqs = [ids for ids, _ in corpus]
-    counts = torch.bincount(torch.tensor([t for s in seqs for t in s]), minlength=len(embed))
-    frequent = counts.argsort(descending=True)[: min(draft_vocab, len(embed))].sort().values
-    config = eagle_config(tcfg, version, len(frequent) if version == 3 else 0, layers)
-    config["eagle_aux_hidden_state_layer_ids"] = list(teacher.aux_layers) if version == 3 else None
-    if version == 1:
-        del config["eagle_aux_hidden_state_layer_ids"]
-    head = TrainableEagle(config, version, embed, lm_head, tcfg["hidden_size"], len(teacher.aux_layers))
-    if version == 3:
-        head.set_draft_vocab(frequent)
-    vocab = frequent  # the tokens the loss scores (EAGLE: a subset of the target head, for speed)
-    lookup = torch.full((len(embed),), -100, dtype=torch.int64)
-    lookup[vocab] = torch.arange(len(vocab))
-    feats = teacher.final if version == 1 else teacher.aux
-    gen = torch.Generator().manual_seed(seed)
-    params = [p for p in head.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
-    sched = _schedule(opt, epochs * math.ceil(len(seqs) / batch))
-    head.train()
-    loss_value, t0 = float("nan"), time.perf_counter()
-    for epoch in range(epochs):
-        for idx in _batches(len(seqs), batch, gen):
-            with torch.autocast("cpu", dtype=torch.bfloat16):
-                loss = _head_loss(head, teacher, idx.tolist(), seqs, feats, vocab, lookup, unroll)
-            opt.zero_grad()
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(params, 1.0)
-            opt.step()
-            sched.step()
-            loss_value = float(loss.detach()) / (unroll + 1)
-        log(f"  epoch {epoch + 1}/{epochs}: loss {loss_value:.3f} ({time.perf_counter() - t0:.0f}s)")
-    head.eval()
-    save_eagle(head, out)
-    (out / "kiln_training.json").write_text(
-        json.dumps(
-            {
-                "target": str(target),
-                "method": f"eagle{version}",
-                "answers": len(seqs),
-                "tokens": sum(map(len, seqs)),
-                "epochs": epochs,
-                "unroll": unroll,
-                "final_loss": loss_value,
-            },
-            indent=2,
-        )
-    )
-    return out
-
-
-def _head_loss(
-    head: TrainableEagle, teacher: Teacher, idx: list[int], seqs, feats, vocab, lookup, unroll
-) -> torch.Tensor:
-    """Pass 0 reads the target's features; pass d reads the head's own outputs of pass d - 1
-    (row s: the chain seeded at position s, now at s + d). Each pass scores the token it drafts
-    against the target's distribution there (EAGLE: over the `vocab` rows of the target's LM
-    head; EAGLE-3: its draft vocabulary) and EAGLE the feature it predicts."""
-    ids, lengths = _padded([seqs[i] for i in idx])
-    b, n = ids.shape
-    f = torch.zeros(b, n, feats[idx[0]].shape[-1])
-    final = torch.zeros(b, n, teacher.final[idx[0]].shape[-1])
-    for row, i in enumerate(idx):
-        f[row, : len(feats[i])] = feats[i].float()
-        final[row, : len(teacher.final[i])] = teacher.final[i].float()
-    t = n - 2  # rows s = 0..n-3: read token s + 1, predict token s + 2
-    positions = torch.arange(t)[None].expand(b, t)
-    caches = [[] for _ in range(max(1, len(getattr(head, "layers", [None]))))]
-    h = None
-    loss = torch.zeros(())
-    for depth in range(unroll + 1):
-        src = F.pad(ids[:, 1 + depth : 1 + depth + t], (0, depth))[:, :t]
-        h = head.step(src, f[:, :t] if depth == 0 else h, positions + depth, caches)
-        # the token at s + 2 + depth: the target's distribution at position s + 1 + depth
-        want = torch.stack([soft_labels(teacher, i, 1 + depth, t, lookup, len(vocab)) for i in idx])
-        valid = ((torch.arange(t)[None] + 2 + depth) < lengths[:, None]).float()
-        logits = (h @ head.target_head[vocab].T if head.version == 1 else head.logits(h)).float()
-        loss = loss - ((want * logits.log_softmax(-1)).sum(-1) * valid).sum() / valid.sum()
-        if head.version == 1:
-            feat = F.pad(final[:, 1 + depth : 1 + depth + t], (0, 0, 0, depth))[:, :t]
-            fvalid = ((torch.arange(t)[None] + 1 + depth) < lengths[:, None])[..., None]
-            loss = loss + 10.0 * F.smooth_l1_loss((h * fvalid).float(), feat * fvalid)
-    return loss
-
-
-def _batches(n: int, batch: int, gen: torch.Generator):
-    order = torch.randperm(n, generator=gen)
-    for i in range(0, n, batch):
-        yield order[i : i + batch]
 
 
 # ---- a draft model cut from the target itself ----
@@ -464,7 +258,7 @@ def distill_from_target(
     from engine.models.loader.model_loader import load_tokenizer
 
     torch.manual_seed(seed)
-    teacher = _load_target(target)
+    teacher = load_target(target)
     vocab = teacher.config.vocab_size
     model = cut_layers(teacher, layers)
     del teacher
