@@ -172,6 +172,12 @@ class LLMEngine:
         self.outputs.add(admitted)
         return request
 
+    def weight_copy_bytes(self) -> int:
+        """Bytes of the second (packed GEMM) copies of weights the model holds (/metrics)."""
+        from engine.worker.cpu_gemm_weights import packed_copy_bytes
+
+        return packed_copy_bytes(self.core.model)
+
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Stop a request now; its final output (None: no such request)."""
         update = self.core.abort(request_id)

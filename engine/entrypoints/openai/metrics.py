@@ -15,7 +15,6 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 
 from engine.core.outputs import RequestOutput
 from engine.entrypoints.openai.kv_tier_metrics import KVTierMetrics
-from engine.worker.cpu_gemm_weights import packed_copy_bytes
 
 logger = logging.getLogger("engine.entrypoints.openai.stats")
 
@@ -262,7 +261,7 @@ class EngineMetrics:
             "num_cpu_blocks": getattr(swap, "num_blocks", 0) if swap is not None else 0,
         }
         self._cache_info.labels(self.model_name, *(str(values[k]) for k in _CACHE_INFO_LABELS)).set(1)
-        self.weight_copy_bytes.set(packed_copy_bytes(engine.core.model))
+        self.weight_copy_bytes.set(engine.weight_copy_bytes())
         self._cache_info_set = True
 
     def _set_lora_info(self, engine, now: float) -> None:
