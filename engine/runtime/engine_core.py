@@ -242,8 +242,11 @@ class EngineCore:
     def _sample(self, launched: _Launched) -> None:
         """Sample a step launched with its sampling deferred, then advance its sequences (after
         the previous step's processing, so the rows saw exactly the serial loop's history)."""
-        self.runner.sample(launched.sched, launched.pending)
-        self.scheduler.launched(launched.sched)
+        sched = launched.sched
+        seq_of = self.scheduler.seqs_by_id.get
+        finished = {s.seq_id for s in sched.seqs if (seq := seq_of(s.seq_id)) is None or seq.is_finished}
+        self.runner.sample(sched, launched.pending, finished)
+        self.scheduler.launched(sched)
 
     def _process(self, launched: _Launched) -> list[RequestUpdate]:
         sched = launched.sched

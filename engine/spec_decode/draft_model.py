@@ -84,6 +84,7 @@ class DraftModelProposer:
         hidden = self._forward(
             SchedulerOutput(
                 seqs=shadow,
+                dropped_tables=sched.dropped_tables,
                 num_prefill_tokens=sched.num_prefill_tokens,
                 num_decode_tokens=sum(s.num_tokens for s in shadow) - sched.num_prefill_tokens,
             )

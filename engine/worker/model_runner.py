@@ -242,11 +242,11 @@ class ModelRunner:
         return pending if defer_sampling else self._sample(sched, pending, ())
 
     @torch.inference_mode()
-    def sample(self, sched: SchedulerOutput, pending: "PendingStep") -> "PendingStep":
+    def sample(self, sched: SchedulerOutput, pending: "PendingStep", finished: set[int] = frozenset()) -> "PendingStep":
         """Sample a launched step's logits. A sequence that finished since the launch (deferred
-        sampling: the previous step's tokens ended it) gets a plain argmax row instead of its own:
-        its token is discarded, and its grammar or logits processors are not asked again."""
-        finished = {s.seq_id for s in sched.seqs if s.seq is not None and s.seq.is_finished}
+        sampling: the previous step's tokens ended it; the core names them in `finished`) gets a
+        plain argmax row instead of its own: its token is discarded, and its grammar or logits
+        processors are not asked again."""
         return self._sample(sched, pending, finished)
 
     def _sample(self, sched: SchedulerOutput, pending: "PendingStep", finished) -> "PendingStep":

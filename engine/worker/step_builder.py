@@ -23,6 +23,7 @@ from compiler.compilation.capture import MIN_COMPILED_ROWS, mark_static_dims
 from engine.core.sched.scheduler_output import PLACEHOLDER, ScheduledSeq, SchedulerOutput
 from engine.layers.attention.base import AttentionMetadata
 from engine.layers.forward_context import ForwardContext
+from engine.worker.block_tables import BlockTables
 from engine.worker.input_buffers import InputBuffers
 from engine.worker.sample.sampler import SampleRow
 from engine.worker.sample.sampler_output import LastSampled
@@ -62,6 +63,7 @@ class StepBuilder:
         self.buffers = buffers
         self.features = features
         self.block_size = block_size
+        self.tables = BlockTables()  # each sequence's block table, kept from the messages' deltas
         self.compiled = False  # the forward is torch.compile'd: pad steps, full-width block tables
         self.graph_key: Callable[..., tuple[int, ...] | None] | None = None  # set with decode graphs
         # The last launched step's sampled tokens (device), for the next step's placeholders.
@@ -78,6 +80,8 @@ class StepBuilder:
     def build(self, sched: SchedulerOutput) -> StepInputs:
         self.buffers.wait_staging()
         seqs = sched.seqs
+        if sched.dropped_tables:
+            self.tables.drop(sched.dropped_tables)
         # No prefill token and one decode token per sequence: each computes one token past its
         # prompt and samples it once (a request forks where its prompt ends, a prefill step), and
         # no task reads it (tasks read prompt positions only, engine/core/request_kinds.py).
@@ -108,6 +112,7 @@ class StepBuilder:
         all_ids: list[int] = []
         starts: list[int] = []
         counts: list[int] = []
+        apply_delta = self.tables.apply
         for i, s in enumerate(seqs):
             n = s.num_tokens
             if n == 1 and num_decodes == i:
@@ -121,8 +126,7 @@ class StepBuilder:
                 feed_rows.append(t)
                 feed_ids.append(s.seq_id)
             self.features.write(t, n, s)
-            version = s.seq.table_version if s.seq is not None else 0
-            max_cols = max(max_cols, buf.write_table_row(i, s.block_ids, version))
+            max_cols = max(max_cols, buf.write_table_row(i, apply_delta(s)))
             buf.np_seq_lens[i] = end
             if s.task.reads_hidden:
                 plan = s.task.plan(s, t)
@@ -175,13 +179,21 @@ class StepBuilder:
         n = len(seqs)
         # Plain lists from one pass each, then one numpy fill per buffer (small numpy calls cost
         # microseconds each: fewer of them beats vectorising the arithmetic).
-        keys = [(s.block_ids, s.seq.table_version, len(s.block_ids)) for s in seqs]
+        held = self.tables.tables
+        apply_delta = self.tables.apply
+        # (the steady state: no new block, the table held as it is)
+        tables = [
+            t if (t := held.get(s.seq_id)) is not None and s.blocks_from == len(t) and not s.new_block_ids
+            else apply_delta(s)
+            for s in seqs
+        ]
+        keys = [(t, len(t)) for t in tables]
         buf.write_table_rows(keys)
         tokens = [s.token_ids[0] for s in seqs]
         positions = [s.start_pos for s in seqs]
         buf.np_input_ids[:n] = tokens
         buf.np_positions[:n] = positions
-        buf.np_slot_mapping[:n] = [s.block_ids[(p := s.start_pos) // bs] * bs + p % bs for s in seqs]
+        buf.np_slot_mapping[:n] = [t[(p := s.start_pos) // bs] * bs + p % bs for s, t in zip(seqs, tables)]
         max_len = max(positions) + 1
         buf.np_seq_lens[:n] = [p + 1 for p in positions]
         buf.np_query_start_loc[: n + 1] = self._arange[: n + 1]
@@ -201,7 +213,7 @@ class StepBuilder:
             n,
             1,
             max_len,
-            max([k[2] for k in keys]),
+            max([k[1] for k in keys]),
             self._range[:n],
             self._decode_rows(seqs),
             key,

@@ -30,7 +30,8 @@ def _scheduled(task, **kw) -> ScheduledSeq:
         seq_id=1,
         token_ids=[5],
         start_pos=9,
-        block_ids=[0],
+        blocks_from=0,
+        new_block_ids=[0],
         do_sample=True,
         num_samples=1,
         params=SamplingParams(),
@@ -118,7 +119,7 @@ def test_decode_fast_path_writes_what_the_general_path_writes(make_llm):
     builder.buffers.np_input_ids[:n] = 0
     builder.buffers.np_slot_mapping[:n] = 0
     builder.buffers.np_block_tables[:n] = 0  # (the rows stay known: only changed rows are rewritten...)
-    builder.buffers._rows = [(None, 0, 0)] * len(builder.buffers._rows)  # (...so forget them)
+    builder.buffers._rows = [(None, 0)] * len(builder.buffers._rows)  # (...so forget them)
     decode = builder.build(sched)
     got = _host_state(builder.buffers, n)
     for name in want:
@@ -139,14 +140,15 @@ def test_decode_fast_path_writes_what_the_general_path_writes(make_llm):
 def test_block_table_rows_are_rewritten_only_where_they_changed(make_llm):
     buf = make_llm(max_num_seqs=8).engine.core.runner.buffers
     a, b = [3, 4], [7, 8, 9]
-    buf.write_table_rows([(a, 0, 2), (b, 0, 3)])
+    buf.write_table_rows([(a, 2), (b, 3)])
     assert buf.np_block_tables[0, :2].tolist() == a and buf.np_block_tables[1, :3].tolist() == b
     buf.np_block_tables[0, :2] = -5  # were row 0 rewritten, this would be gone
     b.append(11)  # row 1's sequence took a new block
-    buf.write_table_rows([(a, 0, 2), (b, 0, 4)])
+    buf.write_table_rows([(a, 2), (b, 4)])
     assert buf.np_block_tables[0, :2].tolist() == [-5, -5]
     assert buf.np_block_tables[1, :4].tolist() == [7, 8, 9, 11]
-    buf.write_table_rows([(a, 1, 2), (b, 0, 4)])  # copy-on-write replaced an entry of row 0
+    a = [3, 5]  # copy-on-write replaced an entry of row 0: the worker's table is a new list
+    buf.write_table_rows([(a, 2), (b, 4)])
     assert buf.np_block_tables[0, :2].tolist() == a
 
 

@@ -34,6 +34,7 @@ from engine.core.request_kinds import task_of
 from engine.core.sched.preemption import Preemptor
 from engine.core.sched.scheduler_output import PLACEHOLDER, ScheduledSeq, SchedulerOutput, sample_row_ranges
 from engine.core.sched.step_update import StepResults
+from engine.core.sched.table_deltas import TableDeltas
 
 if TYPE_CHECKING:
     from engine.core.kv.swap_space import SwapSpace
@@ -70,6 +71,8 @@ class Scheduler:
             watermark_fraction=config.watermark_fraction,
         )
         self.spec = spec  # speculative decoding: drafts for decoding sequences, and their acceptance
+        self.seqs_by_id: dict[int, Sequence] = {}  # every sequence of an unfinished request
+        self.tables = TableDeltas()  # what the worker holds of each block table
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []  # kept in _priority_key order (most urgent first)
         self.swapped: list[Sequence] = []
@@ -84,6 +87,7 @@ class Scheduler:
             self.pop_finished_request,
             config.eos_token_ids,
             config.max_model_len,
+            self.seqs_by_id,
         )
         self.requests: dict[str, Request] = {}
         self._seq_ids = itertools.count()
@@ -127,6 +131,7 @@ class Scheduler:
             num_prompt_tokens=len(request.prompt_token_ids),
         )
         self._order[seq.seq_id] = next(self._arrival)
+        self.seqs_by_id[seq.seq_id] = seq
         return seq
 
     def abort_request(self, request_id: str) -> RequestUpdate | None:
@@ -178,6 +183,7 @@ class Scheduler:
         self.preemption.release(seq)
         self._unforked.pop(seq.seq_id, None)
         self._spare.pop(seq.seq_id, None)
+        self.tables.drop(seq.seq_id)
         seq.status = SeqStatus.FINISHED
         seq.finish_reason = reason
         seq.stop_reason = stop_reason
@@ -188,6 +194,7 @@ class Scheduler:
             del self.requests[request_id]
             for seq in request.seqs:
                 self._order.pop(seq.seq_id, None)
+                self.seqs_by_id.pop(seq.seq_id, None)
             return request
         return None
 
@@ -259,6 +266,10 @@ class Scheduler:
         if self._prefills:
             # One-token sequences first: backends attend decodes and prefill chunks separately.
             out.seqs.sort(key=lambda s: s.num_tokens != 1)
+        for seq_id in out.preempted:
+            self.tables.drop(seq_id)
+        if out.seqs:  # (the worker builds only a message with sequences: drops wait for one)
+            out.dropped_tables = self.tables.take_dropped()
         return out
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
@@ -301,7 +312,7 @@ class Scheduler:
                 record = spare.pop(seq.seq_id)
                 record.token_ids = tokens[start : start + 1]
                 record.start_pos = start
-                record.block_ids = seq.block_ids
+                record.blocks_from, record.new_block_ids = self.tables.delta(seq)
                 emitted.append(record)
                 decodes += 1
                 budget -= 1
@@ -381,12 +392,14 @@ class Scheduler:
         drafts = drafts or []
         do_sample = start + num_new - len(drafts) == seq.num_tokens
         fork = do_sample and request.params.n > 1 and not request.forked
+        blocks_from, new_block_ids = self.tables.delta(seq)
         out.seqs.append(
             ScheduledSeq(
                 seq_id=seq.seq_id,
                 token_ids=seq.token_ids[start : start + num_new - len(drafts)] + drafts,
                 start_pos=start,
-                block_ids=seq.block_ids,
+                blocks_from=blocks_from,
+                new_block_ids=new_block_ids,
                 do_sample=do_sample,
                 num_samples=request.params.n if fork else 1,
                 params=request.params,
@@ -396,7 +409,7 @@ class Scheduler:
                 grammars=request.grammars,
                 draft_token_ids=drafts,
                 task=task_of(request),
-                seq=seq,
+                lora_slot=request.lora_slot,
                 after_verify=self.spec is not None and self.spec.verifying(seq),
             )
         )
