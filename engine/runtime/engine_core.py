@@ -43,6 +43,7 @@ from engine.lora.adapters import LoRAManager, attach_lora, load_lora, unload_lor
 from engine.runtime.admission import AdmittedRequest
 from engine.spec_decode.sched.decoder import verify_overlaps
 from engine.structured_output.grammars import StructuredOutputCompiler
+from engine.structured_output.step_bitmask import StepBitmask, step_bitmask
 from engine.worker.cpu_threads import ThreadPlan
 from engine.worker.model_runner import ModelRunner, PendingStep
 
@@ -92,7 +93,7 @@ def _defers_sampling(sched: SchedulerOutput) -> bool:
     output token ids). The forward is launched at once, sampling after the previous step is
     processed: the device computes while the host works."""
     for s in sched.seqs:
-        if s.grammars or s.params.logits_processors:
+        if s.constrained or s.params.logits_processors:
             return True
     return False
 
@@ -235,7 +236,7 @@ class EngineCore:
         if defer_sampling:
             pending = self.runner.launch(sched, defer_sampling=True)
         else:
-            pending = self.runner.launch(sched)
+            pending = self.runner.launch(sched, bitmask=self._bitmask(sched))
             self.scheduler.launched(sched)
         return _Launched(sched, pending, t0)
 
@@ -245,8 +246,19 @@ class EngineCore:
         sched = launched.sched
         seq_of = self.scheduler.seqs_by_id.get
         finished = {s.seq_id for s in sched.seqs if (seq := seq_of(s.seq_id)) is None or seq.is_finished}
-        self.runner.sample(sched, launched.pending, finished)
+        self.runner.sample(sched, launched.pending, finished, self._bitmask(sched, finished))
         self.scheduler.launched(sched)
+
+    def _bitmask(self, sched: SchedulerOutput, finished: set[int] | frozenset[int] = frozenset()) -> StepBitmask | None:
+        """The grammar bitmask of the step's constrained rows, from the requests' matchers as they
+        stand now (None: nothing in the step is constrained)."""
+        seqs = self.scheduler.seqs_by_id
+        return step_bitmask(
+            sched,
+            lambda seq_id: seqs[seq_id].request.grammars,
+            self.structured_output.vocab_size,
+            finished,
+        )
 
     def _process(self, launched: _Launched) -> list[RequestUpdate]:
         sched = launched.sched

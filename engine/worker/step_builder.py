@@ -52,7 +52,7 @@ def _sample_row(s: ScheduledSeq, k: int = 0, extra: list[int] | None = None) -> 
         s.all_token_ids,
         s.num_prompt_tokens,
         index,
-        s.grammars[index] if s.grammars and extra is None else None,
+        s.constrained and extra is None,
         extra=extra or [],
         key=s.seq_id,
     )

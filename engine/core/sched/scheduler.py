@@ -406,7 +406,7 @@ class Scheduler:
                 all_token_ids=seq.token_ids,
                 num_prompt_tokens=seq.num_prompt_tokens,
                 sample_index=seq.sample_index,
-                grammars=request.grammars,
+                constrained=bool(request.grammars),
                 draft_token_ids=drafts,
                 task=task_of(request),
                 lora_slot=request.lora_slot,

@@ -37,7 +37,9 @@ class ScheduledSeq:
     all_token_ids: list[int]  # prompt + output so far (for penalties)
     num_prompt_tokens: int
     sample_index: int
-    grammars: list | None = None  # the request's grammar matchers, by sample index (structured outputs)
+    # Structured outputs: the request has grammar matchers (the core's); the core fills this
+    # record's rows of the step's bitmask (engine/structured_output/step_bitmask.py).
+    constrained: bool = False
     # Speculative decoding: token_ids is [last token, *drafts]; every position is sampled.
     draft_token_ids: list[int] = field(default_factory=list)
     task: Task = GENERATE  # what the step is for (engine/core/request_kinds.py)

@@ -149,7 +149,8 @@ class StepResults:
                 if toks:  # (a failed row keeps its placeholders: its request is failed below)
                     assert self.spec is not None
                     at = len(seq.token_ids) - seq.num_pending  # (this step's placeholders come first)
-                    self.spec.accept_launched(seq, sched.draft_token_ids, toks, self.kv)
+                    drafts = sampled.drafts.get(sched.seq_id) if sampled.drafts else None
+                    self.spec.accept_launched(seq, drafts or sched.draft_token_ids, toks, self.kv)
                     generated += took(seq, at, news, failed, now)
             elif seq.status is not running:
                 continue
