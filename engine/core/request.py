@@ -85,6 +85,7 @@ class Request:
     # advanced by its sample's tokens (engine/structured_output/grammars.py).
     grammars: list[Any] | None = None
     embedding: list[float] | None = None  # an embedding request's result (engine/core/request_kinds.py Pool)
+    pooled: tuple[Any, int] | None = None  # a mean pool's running (sum of hidden states, rows) until then
     lora_request: LoRARequest | None = None
     lora_slot: int = -1  # the adapter's slot in the model (-1: the base model)
     prefix_root: bytes | None = None  # prefix-cache namespace (an adapter's KV is its own)

@@ -246,7 +246,11 @@ class EngineCore:
         sched = launched.sched
         seq_of = self.scheduler.seqs_by_id.get
         finished = {s.seq_id for s in sched.seqs if (seq := seq_of(s.seq_id)) is None or seq.is_finished}
-        self.runner.sample(sched, launched.pending, finished, self._bitmask(sched, finished))
+        # The rows read the tokens as they stand now (the previous step's, known since the launch).
+        deltas = self.scheduler.deltas
+        seqs = self.scheduler.seqs_by_id
+        histories = [(s.seq_id, *deltas.history(seqs[s.seq_id])) for s in sched.seqs if s.seq_id not in finished]
+        self.runner.sample(sched, launched.pending, finished, self._bitmask(sched, finished), histories)
         self.scheduler.launched(sched)
 
     def _bitmask(self, sched: SchedulerOutput, finished: set[int] | frozenset[int] = frozenset()) -> StepBitmask | None:

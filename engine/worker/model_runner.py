@@ -252,11 +252,16 @@ class ModelRunner:
         pending: "PendingStep",
         finished: set[int] | frozenset[int] = frozenset(),
         bitmask: StepBitmask | None = None,
+        histories: list[tuple[int, int, list[int]]] = (),
     ) -> "PendingStep":
         """Sample a launched step's logits. A sequence that finished since the launch (deferred
         sampling: the previous step's tokens ended it; the core names them in `finished`) gets a
         plain argmax row instead of its own: its token is discarded, and its grammar or logits
-        processors are not asked again."""
+        processors are not asked again. histories: (seq id, from, tokens) deltas of the rows'
+        histories since the launch (the core learnt the previous step's tokens meanwhile)."""
+        states = self.builder.states
+        for seq_id, start, tokens in histories:
+            states.update_history(seq_id, start, tokens)
         return self._sample(sched, pending, finished, bitmask)
 
     def _sample(

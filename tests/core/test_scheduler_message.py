@@ -18,8 +18,7 @@ from tests.support.engine import sampler_output
 # Fields that still carry an object the core holds, and why they may (item 5 of issue 38):
 STILL_SHARED = {
     "params": "the request's SamplingParams: set at admission, never written after",
-    "task": "the request's kind (engine/core/request_kinds.py): the worker calls its plan()",
-    "all_token_ids": "not yet: the sequence's token list, read for penalties, processors, prompt logprobs",
+    "task": "the request's kind (engine/core/request_kinds.py): no state, the worker calls its plan()",
 }
 
 

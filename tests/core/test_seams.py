@@ -22,7 +22,7 @@ def test_task_per_request_kind():
     last, mean = make_task(None, PoolingParams("last")), make_task(SamplingParams(), PoolingParams("mean"))
     assert isinstance(last, Pool) and last.prefix_cacheable and not last.text_output
     assert isinstance(mean, Pool) and not mean.prefix_cacheable  # the mean needs every prompt position
-    assert last is not make_task(None, PoolingParams("last"))  # (a pool task keeps its request's sums)
+    assert last is not make_task(None, PoolingParams("last"))  # (one per request)
 
 
 def _scheduled(task, **kw) -> ScheduledSeq:
@@ -35,7 +35,8 @@ def _scheduled(task, **kw) -> ScheduledSeq:
         do_sample=True,
         num_samples=1,
         params=SamplingParams(),
-        all_token_ids=list(range(10)),
+        history_from=0,
+        new_history=list(range(10)),
         num_prompt_tokens=4,
         sample_index=0,
         task=task,
@@ -55,14 +56,15 @@ def test_sample_rows():
 def test_score_prompt_plans_only_prompt_positions():
     task = ScorePrompt(1)
     # positions 0..5 of a 4-token prompt: positions 0, 1, 2 predict prompt tokens 1, 2, 3
-    row, first, targets = task.plan(_scheduled(task, token_ids=list(range(6)), start_pos=0), 7)
+    row, first, targets = task.plan(_scheduled(task, token_ids=list(range(6)), start_pos=0), 7, list(range(10)))
     assert (row, first, targets) == (7, 1, [1, 2, 3])
-    assert task.plan(_scheduled(task, token_ids=[9], start_pos=9), 0) is None  # a decode scores nothing
+    decode = _scheduled(task, token_ids=[9], start_pos=9)
+    assert task.plan(decode, 0, list(range(10))) is None  # a decode scores nothing
 
 
 class _Seq:
     def __init__(self):
-        self.request = type("R", (), {"embedding": None})()
+        self.request = type("R", (), {"embedding": None, "pooled": None})()
 
 
 def test_mean_pool_over_chunks_equals_the_mean_of_all_rows():
@@ -73,7 +75,7 @@ def test_mean_pool_over_chunks_equals_the_mean_of_all_rows():
     done = []
     for k, (start, rows) in enumerate(chunks):
         s = _scheduled(task, token_ids=[0] * rows, start_pos=start, do_sample=k == len(chunks) - 1)
-        plan = task.plan(s, 0)
+        plan = task.plan(s, 0, [0] * 10)
         done.append(task.record(seq, read_task(task, None, hidden[start : start + rows], plan)))
     assert done == [False, False, True]
     want = torch.nn.functional.normalize(hidden.mean(dim=0)[:4], dim=0)
@@ -82,10 +84,10 @@ def test_mean_pool_over_chunks_equals_the_mean_of_all_rows():
 
 def test_last_pool_reads_only_the_final_chunk():
     task = Pool(PoolingParams("last", normalize=False))
-    assert task.plan(_scheduled(task, token_ids=[0] * 4, start_pos=0, do_sample=False), 0) is None
+    assert task.plan(_scheduled(task, token_ids=[0] * 4, start_pos=0, do_sample=False), 0, [0] * 7) is None
     hidden = torch.randn(3, 5)
     seq = _Seq()
-    plan = task.plan(_scheduled(task, token_ids=[0] * 3, start_pos=4, do_sample=True), 0)
+    plan = task.plan(_scheduled(task, token_ids=[0] * 3, start_pos=4, do_sample=True), 0, [0] * 7)
     assert task.record(seq, read_task(task, None, hidden, plan))
     assert torch.allclose(torch.tensor(seq.request.embedding), hidden[-1])
 

@@ -31,10 +31,10 @@ from engine.core.kv.block_pool import BlockPool
 from engine.core.outputs import FinishReason, RequestUpdate, SamplerOutput
 from engine.core.request import Request, SeqStatus, Sequence
 from engine.core.request_kinds import task_of
+from engine.core.sched.deltas import SeqDeltas
 from engine.core.sched.preemption import Preemptor
 from engine.core.sched.scheduler_output import PLACEHOLDER, ScheduledSeq, SchedulerOutput, sample_row_ranges
 from engine.core.sched.step_update import StepResults
-from engine.core.sched.table_deltas import TableDeltas
 
 if TYPE_CHECKING:
     from engine.core.kv.swap_space import SwapSpace
@@ -72,7 +72,7 @@ class Scheduler:
         )
         self.spec = spec  # speculative decoding: drafts for decoding sequences, and their acceptance
         self.seqs_by_id: dict[int, Sequence] = {}  # every sequence of an unfinished request
-        self.tables = TableDeltas()  # what the worker holds of each block table
+        self.deltas = SeqDeltas()  # what the worker holds of each sequence (block table, tokens)
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []  # kept in _priority_key order (most urgent first)
         self.swapped: list[Sequence] = []
@@ -183,7 +183,7 @@ class Scheduler:
         self.preemption.release(seq)
         self._unforked.pop(seq.seq_id, None)
         self._spare.pop(seq.seq_id, None)
-        self.tables.drop(seq.seq_id)
+        self.deltas.drop(seq.seq_id)
         seq.status = SeqStatus.FINISHED
         seq.finish_reason = reason
         seq.stop_reason = stop_reason
@@ -267,9 +267,9 @@ class Scheduler:
             # One-token sequences first: backends attend decodes and prefill chunks separately.
             out.seqs.sort(key=lambda s: s.num_tokens != 1)
         for seq_id in out.preempted:
-            self.tables.drop(seq_id)
+            self.deltas.drop(seq_id)
         if out.seqs:  # (the worker builds only a message with sequences: drops wait for one)
-            out.dropped_tables = self.tables.take_dropped()
+            out.dropped_seqs = self.deltas.take_dropped()
         return out
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
@@ -312,7 +312,9 @@ class Scheduler:
                 record = spare.pop(seq.seq_id)
                 record.token_ids = tokens[start : start + 1]
                 record.start_pos = start
-                record.blocks_from, record.new_block_ids = self.tables.delta(seq)
+                record.blocks_from, record.new_block_ids, record.history_from, record.new_history = self.deltas.delta(
+                    seq
+                )
                 emitted.append(record)
                 decodes += 1
                 budget -= 1
@@ -392,7 +394,7 @@ class Scheduler:
         drafts = drafts or []
         do_sample = start + num_new - len(drafts) == seq.num_tokens
         fork = do_sample and request.params.n > 1 and not request.forked
-        blocks_from, new_block_ids = self.tables.delta(seq)
+        blocks_from, new_block_ids, history_from, new_history = self.deltas.delta(seq)
         out.seqs.append(
             ScheduledSeq(
                 seq_id=seq.seq_id,
@@ -403,7 +405,8 @@ class Scheduler:
                 do_sample=do_sample,
                 num_samples=request.params.n if fork else 1,
                 params=request.params,
-                all_token_ids=seq.token_ids,
+                history_from=history_from,
+                new_history=new_history,
                 num_prompt_tokens=seq.num_prompt_tokens,
                 sample_index=seq.sample_index,
                 constrained=bool(request.grammars),

@@ -2,13 +2,15 @@
 no live core object (no Sequence, no list the core goes on writing).
 
 `SchedulerOutput` lists each sequence's share of the step (`ScheduledSeq`) and the block
-copies to queue before the forward (copy-on-write, swap out, swap in). Block tables travel as
-deltas: a record says from which column its sequence's table changed since the last message
-that carried it (`blocks_from`) and the table from there (`new_block_ids`); the worker keeps its
-own table per sequence (engine/worker/block_tables.py) and drops those of the sequences the
-message lists (finished or preempted). What the step computes (sampled tokens, a device
-proposer's drafts) comes back in the runner's output (engine/core/outputs.py SamplerOutput),
-and the core applies it. The scheduler reuses a decode's record object in a later step once
+copies to queue before the forward (copy-on-write, swap out, swap in). Block tables and token
+histories travel as deltas (engine/core/sched/deltas.py): a record says from which column its
+sequence's table changed since the last message that carried it and the table from there,
+and the same of its tokens; the worker keeps its own copy of each sequence (engine/worker/
+seq_states.py) and drops those the message lists (finished or preempted). What the step
+computes (sampled tokens, a device proposer's drafts) comes back in the runner's output
+(engine/core/outputs.py SamplerOutput), and the core applies it; what the worker needs of the
+core's state at sampling time it is handed then (a grammar's bitmask, the tokens learnt since
+the launch). The scheduler reuses a decode's record object in a later step once
 the step that held it has been processed: the worker keeps nothing of a message.
 """
 
@@ -28,13 +30,16 @@ class ScheduledSeq:
     token_ids: list[int]
     start_pos: int
     # The block table as a delta: the worker's table[blocks_from:] = new_block_ids (a copy; 0 and
-    # the whole table for a sequence the worker has no table of, or whose table changed in place).
+    # the whole table for a sequence the worker has no copy of, or whose table changed in place).
     blocks_from: int
     new_block_ids: list[int]
     do_sample: bool  # the chunk reaches the end of the sequence: sample the next token
     num_samples: int  # n > 1 at a request's fork point, else 1
     params: SamplingParams
-    all_token_ids: list[int]  # prompt + output so far (for penalties)
+    # Prompt + output so far as a delta: the worker's history[history_from:] = new_history (a copy;
+    # PLACEHOLDER for tokens of launched steps; read for penalties, processors, prompt logprobs).
+    history_from: int
+    new_history: list[int]
     num_prompt_tokens: int
     sample_index: int
     # Structured outputs: the request has grammar matchers (the core's); the core fills this
@@ -87,9 +92,9 @@ class SchedulerOutput:
     blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)  # gpu -> cpu
     blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)  # cpu -> gpu
     preempted: list[int] = field(default_factory=list)  # seq ids
-    # Seq ids whose block tables the worker drops (finished or preempted since the last message
-    # with sequences), before it applies this message's deltas.
-    dropped_tables: list[int] = field(default_factory=list)
+    # Seq ids whose copies (block table, tokens) the worker drops (finished or preempted since the
+    # last message with sequences), before it applies this message's deltas.
+    dropped_seqs: list[int] = field(default_factory=list)
     num_prefill_tokens: int = 0
     num_decode_tokens: int = 0
     launched: bool = False  # Scheduler.launched() has advanced its sequences
