@@ -256,6 +256,8 @@ class EngineCore:
     def _bitmask(self, sched: SchedulerOutput, finished: set[int] | frozenset[int] = frozenset()) -> StepBitmask | None:
         """The grammar bitmask of the step's constrained rows, from the requests' matchers as they
         stand now (None: nothing in the step is constrained)."""
+        if not any([s.constrained for s in sched.seqs]):
+            return None
         seqs = self.scheduler.seqs_by_id
         return step_bitmask(
             sched,

@@ -51,7 +51,7 @@ class InputBuffers:
         self.np_feed_src = self.feed_src_host.numpy()
         # What each block-table row holds on the host: (the sequence's block list, columns
         # written); a row is rewritten only from the first column that changed. The lists are the
-        # worker's own tables (engine/worker/block_tables.py): only ever extended in place, so a
+        # worker's own tables (engine/worker/seq_states.py): only ever extended in place, so a
         # list and its length name what a row holds.
         self._rows: list[tuple[list[int] | None, int]] = [(None, 0)] * max_seqs
         self._table_updates: list[tuple[int, int]] = []

@@ -122,7 +122,7 @@ class Engine:
             assert held[s.seq_id] == seq.block_ids and held[s.seq_id] is not seq.block_ids
             assert histories[s.seq_id] == seq.token_ids and histories[s.seq_id] is not seq.token_ids
         # It holds a copy of each sequence it was sent, and no other (drops wait for a message).
-        assert set(held) == set(histories) == sched.deltas.sent() | set(sched.deltas.pending_drops())
+        assert set(held) == set(histories) == sched.deltas.sent() | set(sched.deltas.dropped)
         sched.launched(out)
         self.fed = {s.seq_id: tokens[0] for s, tokens in zip(out.seqs, sampled) if len(tokens) == 1}
         previous, self.inflight = self.inflight, (out, sampled)

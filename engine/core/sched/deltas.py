@@ -27,22 +27,21 @@ class SeqDeltas:
         # seq id -> [table list sent, its table_version then, columns sent, token list sent,
         #            tokens known (not placeholders) when sent]
         self._sent: dict[int, list] = {}
-        self._dropped: list[int] = []  # sent sequences finished or preempted since the last message
+        self.dropped: list[int] = []  # sent sequences finished or preempted since the last message
 
     def delta(self, seq: Sequence) -> tuple[int, list[int], int, list[int]]:
         """(blocks_from, new_block_ids, history_from, new_history) for seq's record in the
         message being built."""
         blocks, ids = seq.block_ids, seq.token_ids
-        known = len(ids) - seq.num_pending
         sent = self._sent.get(seq.seq_id)
         if sent is None or sent[3] is not ids:
-            self._sent[seq.seq_id] = [blocks, seq.table_version, len(blocks), ids, known]
+            self._sent[seq.seq_id] = [blocks, seq.table_version, len(blocks), ids, len(ids) - seq.num_pending]
             return 0, blocks[:], 0, ids[:]
         start = sent[4]
-        sent[4] = known
+        sent[4] = len(ids) - seq.num_pending
+        b = sent[2]
         if sent[0] is blocks and sent[1] == seq.table_version:
-            b = sent[2]
-            if b == len(blocks):
+            if b == len(blocks):  # (the steady state: no new block)
                 return b, [], start, ids[start:]
         else:
             b = 0
@@ -63,15 +62,11 @@ class SeqDeltas:
         """The sequence finished or was preempted: the next message that the worker builds tells
         it to drop its copy (a preempted one comes back whole)."""
         if self._sent.pop(seq_id, None) is not None:
-            self._dropped.append(seq_id)
+            self.dropped.append(seq_id)
 
     def take_dropped(self) -> list[int]:
-        dropped, self._dropped = self._dropped, []
+        dropped, self.dropped = self.dropped, []
         return dropped
-
-    def pending_drops(self) -> list[int]:
-        """Drops that no message has carried yet."""
-        return list(self._dropped)
 
     def sent(self) -> set[int]:
         """The sequences the worker holds a copy of, once it has built the messages so far."""

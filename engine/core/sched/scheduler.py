@@ -268,7 +268,7 @@ class Scheduler:
             out.seqs.sort(key=lambda s: s.num_tokens != 1)
         for seq_id in out.preempted:
             self.deltas.drop(seq_id)
-        if out.seqs:  # (the worker builds only a message with sequences: drops wait for one)
+        if self.deltas.dropped and out.seqs:  # (the worker builds only a message with sequences)
             out.dropped_seqs = self.deltas.take_dropped()
         return out
 
