@@ -281,6 +281,7 @@ class Scheduler:
         emitted = out.seqs
         plain = self.spec is None  # no drafts to propose: a decode can take the fast path
         no_reserve = self.kv.reserved_blocks == 0
+        delta = self.deltas.delta
         decodes = 0
         i = 0
         while i < len(running) and budget > 0:
@@ -312,9 +313,7 @@ class Scheduler:
                 record = spare.pop(seq.seq_id)
                 record.token_ids = tokens[start : start + 1]
                 record.start_pos = start
-                record.blocks_from, record.new_block_ids, record.history_from, record.new_history = self.deltas.delta(
-                    seq
-                )
+                record.blocks_from, record.new_block_ids, record.history_from, record.new_history = delta(seq)
                 emitted.append(record)
                 decodes += 1
                 budget -= 1
