@@ -36,6 +36,9 @@ class SamplerOutput:
     errors: dict[int, str] = field(default_factory=dict)
     # What tasks read off this step's hidden states: seq id -> result (engine/core/request_kinds.py).
     task_results: dict[int, Any] = field(default_factory=dict)
+    # A device proposer's drafts (a draft model, an EAGLE head: made inside the launch, so the
+    # message held only markers): seq id -> the drafts its verify rows checked.
+    drafts: dict[int, list[int]] = field(default_factory=dict)
 
 
 # (The updates are NamedTuples: made for every sequence every step, read once, never changed.)

@@ -85,6 +85,7 @@ class Request:
     # advanced by its sample's tokens (engine/structured_output/grammars.py).
     grammars: list[Any] | None = None
     embedding: list[float] | None = None  # an embedding request's result (engine/core/request_kinds.py Pool)
+    pooled: tuple[Any, int] | None = None  # a mean pool's running (sum of hidden states, rows) until then
     lora_request: LoRARequest | None = None
     # Its reader is behind (back-pressure from a client that does not read): its sequences are not
     # scheduled, and keep their KV, until it reads (Scheduler.set_paused).

@@ -8,8 +8,9 @@ The scheduler, runner, sampler and output processor call a task through this int
 never branch on the feature themselves:
   - `sample_rows(s)`: how many sampler rows a scheduled sequence takes this step;
   - `prefix_cacheable`: may the prompt skip blocks found in the prefix cache;
-  - `plan(s, row)` while the step's inputs are built: what the task takes from the step's hidden
-    states (None: nothing); the worker reads it once the forward ran (engine/worker/task_reads.py,
+  - `plan(s, row, history)` while the step's inputs are built (history: the worker's copy of the
+    sequence's tokens): what the task takes from the step's hidden states (None: nothing); the
+    worker reads it once the forward ran (engine/worker/task_reads.py,
     the device half of the kinds). Tasks read prompt positions only: a step of decodes alone is
     built without asking them;
   - `record(seq, result)` on the host: fold that into the request; True when the request is done;
@@ -39,7 +40,6 @@ class StepShare(Protocol):
     draft_token_ids: list[int]
     start_pos: int
     num_prompt_tokens: int
-    all_token_ids: list[int]
 
     @property
     def num_tokens(self) -> int: ...
@@ -66,9 +66,9 @@ class Task:
     def sample_rows(s: StepShare) -> int:
         raise NotImplementedError
 
-    def plan(self, s: StepShare, row: int) -> Any:
-        """While the step is built (s's tokens start at hidden row `row`): what the worker's read
-        will need, or None when there is nothing to read this step."""
+    def plan(self, s: StepShare, row: int, history: list[int]) -> Any:
+        """While the step is built (s's tokens start at hidden row `row`; history: the sequence's
+        tokens): what the worker's read will need, or None when there is nothing to read this step."""
         return None
 
     def record(self, seq: "Sequence", result: Any) -> bool:
@@ -101,12 +101,12 @@ class ScorePrompt(Generate):
     def __init__(self, top_n: int) -> None:
         self.top_n = top_n
 
-    def plan(self, s: StepShare, row: int) -> tuple[int, int, list[int]] | None:
+    def plan(self, s: StepShare, row: int, history: list[int]) -> tuple[int, int, list[int]] | None:
         start = s.start_pos
         last = min(start + s.num_tokens, s.num_prompt_tokens - 1)  # position j predicts prompt token j + 1
         if start >= last:
             return None
-        return row, start + 1, s.all_token_ids[start + 1 : last + 1]
+        return row, start + 1, history[start + 1 : last + 1]
 
     def record(self, seq: "Sequence", result: tuple[int, list[dict[int, float]]]) -> bool:
         first, entries = result  # (a prompt recomputed after preemption scores its tokens again)
@@ -124,9 +124,7 @@ class Pool(Task):
     reads_hidden = True
 
     def __init__(self, pooling: PoolingParams) -> None:
-        self.pooling = pooling
-        self._sum: Any = None  # mean: the sum of the hidden states computed so far (a tensor)
-        self._count = 0
+        self.pooling = pooling  # (nothing else: the running mean is the request's, Request.pooled)
 
     @property
     def prefix_cacheable(self) -> bool:
@@ -143,7 +141,7 @@ class Pool(Task):
     def sample_rows(s: StepShare) -> int:
         return 0
 
-    def plan(self, s: StepShare, row: int) -> tuple[int, int, int, bool] | None:
+    def plan(self, s: StepShare, row: int, history: list[int]) -> tuple[int, int, int, bool] | None:
         final = s.do_sample  # the chunk ends the prompt
         if self.pooling.pooling_type != "mean" and not final:
             return None
@@ -151,20 +149,21 @@ class Pool(Task):
 
     def record(self, seq: "Sequence", result: tuple[Any, int, int, bool]) -> bool:
         vector, rows, start, final = result
+        request = seq.request
         if self.pooling.pooling_type == "mean":
-            if start == 0:  # (again, after a preemption by recompute)
-                self._sum, self._count = None, 0
-            self._sum = vector if self._sum is None else self._sum + vector
-            self._count += rows
-            vector = self._sum / self._count
+            total, count = (None, 0) if start == 0 or request.pooled is None else request.pooled  # (start 0: again,
+            total = vector if total is None else total + vector  # after a preemption by recompute)
+            count += rows
+            request.pooled = (total, count)
+            vector = total / count
         if not final:
             return False
         if self.pooling.dimensions is not None:
             vector = vector[: self.pooling.dimensions]
         if self.pooling.normalize:  # (torch.nn.functional.normalize's rule, with tensor methods)
             vector = vector / vector.norm().clamp_min(1e-12)
-        seq.request.embedding = vector.tolist()
-        self._sum = None
+        request.embedding = vector.tolist()
+        request.pooled = None
         return True
 
 

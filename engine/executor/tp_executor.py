@@ -400,7 +400,7 @@ class TensorParallelRunner(ModelRunner):
 
     executor: TensorParallelExecutor
 
-    def launch(self, sched, defer_sampling: bool = False):
+    def launch(self, sched, defer_sampling: bool = False, bitmask=None):
         if sched.blocks_to_copy:
             self.executor.copy_blocks(sched.blocks_to_copy)
-        return super().launch(sched, defer_sampling)
+        return super().launch(sched, defer_sampling, bitmask)

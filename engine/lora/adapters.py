@@ -292,10 +292,10 @@ class LoRASlots:
         self.np = self.host.numpy()
 
     def write(self, t: int, n: int, s) -> None:
-        self.np[t : t + n] = s.seq.request.lora_slot
+        self.np[t : t + n] = s.lora_slot
 
     def write_decode(self, seqs) -> None:
-        self.np[: len(seqs)] = [s.seq.request.lora_slot for s in seqs]
+        self.np[: len(seqs)] = [s.lora_slot for s in seqs]
 
     def pad(self, t: int, count: int) -> None:
         self.np[t : t + count] = -1

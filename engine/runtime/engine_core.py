@@ -44,6 +44,7 @@ from engine.runtime.admission import AdmittedRequest
 from engine.runtime.kv_tiers import KVTiers
 from engine.spec_decode.sched.decoder import verify_overlaps
 from engine.structured_output.grammars import StructuredOutputCompiler
+from engine.structured_output.step_bitmask import StepBitmask, step_bitmask
 from engine.worker.cpu_threads import ThreadPlan
 from engine.worker.model_runner import ModelRunner, PendingStep
 
@@ -93,7 +94,7 @@ def _defers_sampling(sched: SchedulerOutput) -> bool:
     output token ids). The forward is launched at once, sampling after the previous step is
     processed: the device computes while the host works."""
     for s in sched.seqs:
-        if s.grammars or s.params.logits_processors:
+        if s.constrained or s.params.logits_processors:
             return True
     return False
 
@@ -257,15 +258,35 @@ class EngineCore:
         if defer_sampling:
             pending = self.runner.launch(sched, defer_sampling=True)
         else:
-            pending = self.runner.launch(sched)
+            pending = self.runner.launch(sched, bitmask=self._bitmask(sched))
             self.scheduler.launched(sched)
         return _Launched(sched, pending, t0)
 
     def _sample(self, launched: _Launched) -> None:
         """Sample a step launched with its sampling deferred, then advance its sequences (after
         the previous step's processing, so the rows saw exactly the serial loop's history)."""
-        self.runner.sample(launched.sched, launched.pending)
-        self.scheduler.launched(launched.sched)
+        sched = launched.sched
+        seq_of = self.scheduler.seqs_by_id.get
+        finished = {s.seq_id for s in sched.seqs if (seq := seq_of(s.seq_id)) is None or seq.is_finished}
+        # The rows read the tokens as they stand now (the previous step's, known since the launch).
+        deltas = self.scheduler.deltas
+        seqs = self.scheduler.seqs_by_id
+        histories = [(s.seq_id, *deltas.history(seqs[s.seq_id])) for s in sched.seqs if s.seq_id not in finished]
+        self.runner.sample(sched, launched.pending, finished, self._bitmask(sched, finished), histories)
+        self.scheduler.launched(sched)
+
+    def _bitmask(self, sched: SchedulerOutput, finished: set[int] | frozenset[int] = frozenset()) -> StepBitmask | None:
+        """The grammar bitmask of the step's constrained rows, from the requests' matchers as they
+        stand now (None: nothing in the step is constrained)."""
+        if not any([s.constrained for s in sched.seqs]):
+            return None
+        seqs = self.scheduler.seqs_by_id
+        return step_bitmask(
+            sched,
+            lambda seq_id: seqs[seq_id].request.grammars,
+            self.structured_output.vocab_size,
+            finished,
+        )
 
     def _process(self, launched: _Launched) -> list[RequestUpdate]:
         sched = launched.sched

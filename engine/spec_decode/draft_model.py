@@ -79,11 +79,14 @@ class DraftModelProposer:
         """Run the draft over the step (forward 0) and draft each verify sequence's tokens."""
         verify = verify_seqs(sched)
         shadow, last_rows = self._shadow(sched, verify)
+        if self.runner.builder.states is not target.states:  # (one copy of each sequence per worker)
+            self.runner.builder.share_states(target)
         # The step's PLACEHOLDER tokens (overlap scheduling) are fed from the target's last step.
         self.runner.builder.last_sampled = target.last_sampled
         hidden = self._forward(
             SchedulerOutput(
                 seqs=shadow,
+                dropped_seqs=sched.dropped_seqs,
                 num_prefill_tokens=sched.num_prefill_tokens,
                 num_decode_tokens=sum(s.num_tokens for s in shadow) - sched.num_prefill_tokens,
             )

@@ -67,6 +67,7 @@ class EagleProposer:
     def __init__(self, runner: ModelRunner, target: ModelRunner, generator: torch.Generator) -> None:
         self.runner = runner  # the head's runner: its own buffers, cache tensor, graphs
         self.target = target  # the target's runner: its step's input ids and placeholders
+        runner.builder.share_states(target.builder)  # (one copy of each sequence per worker)
         self.head = cast(_Head, runner.model)
         self.generator = generator
         self.seeds: _Seeds | None = None
@@ -160,6 +161,7 @@ class EagleProposer:
         sample_from: list[int] = []
         seed_of: dict[int, int] = {}  # seq id -> its row (non-verify sequences)
         verify = {v.index: v for v in (pending.proposal.seqs if pending.proposal is not None else [])}
+        histories = self.target.builder.states.histories
         row = 0
         for i, (s, rows) in enumerate(sample_row_ranges(sched.seqs)):
             n = s.num_tokens
@@ -177,7 +179,8 @@ class EagleProposer:
                 else:
                     end = s.start_pos + n
                     host_rows.append(row + n - 1)
-                    host_tokens.append(s.all_token_ids[end] if end < len(s.all_token_ids) else 0)
+                    history = histories[s.seq_id]
+                    host_tokens.append(history[end] if end < len(history) else 0)
             row += n
         ids = torch.zeros(rows_total, dtype=torch.int64, device=device)
         target_ids = self._target_ids(rows_total)

@@ -5,7 +5,8 @@ A step's sequences with DRAFT markers (engine/spec_decode/sched/config.py) were 
 [last token, DRAFT x k] at positions start..start+k: the proposer fills the k drafts on the
 device before the target's forward (`write_inputs`), the sampler verifies rows whose request
 samples without a seed against the draft's q (`draft_probs`), and the drafts reach the host with
-the step's results (`fill_records`), where the scheduler keeps the accepted prefix.
+the step's results (`drafts_by_seq`, in the runner's output), where the core keeps the accepted
+prefix.
 """
 
 from __future__ import annotations
@@ -138,9 +139,7 @@ class Proposal:
             for j in range(1, v.k + 1):
                 rows[v.first_sample + j].extra = drafts[v.index][:j]
 
-    def fill_records(self) -> None:
-        """The step's records get their drafts' values (the scheduler compares them with the
-        sampled tokens)."""
-        for v, drafts in zip(self.seqs, self.host_drafts()):
-            v.record.draft_token_ids[:] = drafts
-            v.record.token_ids[-v.k :] = drafts
+    def drafts_by_seq(self) -> dict[int, list[int]]:
+        """seq id -> its drafts, for the runner's output (the core compares them with the sampled
+        tokens; the step's message keeps its markers)."""
+        return {v.record.seq_id: drafts for v, drafts in zip(self.seqs, self.host_drafts())}

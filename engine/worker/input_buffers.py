@@ -49,9 +49,11 @@ class InputBuffers:
         self.np_block_tables = self.block_tables_host.numpy()
         self.np_feed_dst = self.feed_dst_host.numpy()
         self.np_feed_src = self.feed_src_host.numpy()
-        # What each block-table row holds on the host: (the sequence's block list, its table
-        # version, columns written); a row is rewritten only from the first column that changed.
-        self._rows: list[tuple[list[int] | None, int, int]] = [(None, 0, 0)] * max_seqs
+        # What each block-table row holds on the host: (the sequence's block list, columns
+        # written); a row is rewritten only from the first column that changed. The lists are the
+        # worker's own tables (engine/worker/seq_states.py): only ever extended in place, so a
+        # list and its length name what a row holds.
+        self._rows: list[tuple[list[int] | None, int]] = [(None, 0)] * max_seqs
         self._table_updates: list[tuple[int, int]] = []
         self._max_table_updates = max_seqs * 2  # (the cells table_idx / table_val hold)
         # On the CPU the host table is the device table: no changed cells to send anywhere.
@@ -82,10 +84,10 @@ class InputBuffers:
         self.np_seq_lens[n : n + count] = 0
         self.np_query_start_loc[n + 1 : n + count + 1] = np.arange(t + q, end + 1, q)
 
-    def write_table_rows(self, keys: list[tuple[list[int], int, int]]) -> None:
-        """Rows [0, len(keys)) of the block table := keys[i] = (block list, table version, its
-        length): only the rows that differ from what the host holds are written (in a decode
-        step, the few sequences that just took a new block)."""
+    def write_table_rows(self, keys: list[tuple[list[int], int]]) -> None:
+        """Rows [0, len(keys)) of the block table := keys[i] = (block list, its length): only the
+        rows that differ from what the host holds are written (in a decode step, the few
+        sequences that just took a new block)."""
         held = self._rows
         n = len(keys)
         if keys == held[:n]:  # (lists compare by identity first: no element walk when unchanged)
@@ -93,45 +95,40 @@ class InputBuffers:
         where: dict[int, int] | None = None  # id(block list) -> a row holding (a prefix of) it
         i = 0
         while i < n:
-            blocks, version, _ = keys[i]
+            blocks = keys[i][0]
             if keys[i] == held[i]:
                 i += 1
                 continue
             if where is None:
                 where = {id(h[0]): j for j, h in enumerate(held) if h[0] is not None}
             j = where.get(id(blocks), -1)
-            if j > i and held[j][0] is blocks and held[j][1] == version:
+            if j > i and held[j][0] is blocks:
                 # Sequences before this one left the batch: a run of rows moved up by j - i. One
                 # numpy copy of the run (rows below i are not read again), then any new columns.
                 k = j - i
                 end = i + 1
-                while (
-                    end < n
-                    and end + k < len(held)
-                    and held[end + k][0] is keys[end][0]
-                    and held[end + k][1] == keys[end][1]
-                ):
+                while end < n and end + k < len(held) and held[end + k][0] is keys[end][0]:
                     end += 1
                 self.np_block_tables[i:end] = self.np_block_tables[i + k : end + k]
                 held[i:end] = held[i + k : end + k]
                 self._table_dirty = True  # (the device gets the used region whole)
                 for r in range(i, end):
                     if keys[r] != held[r]:
-                        self.write_table_row(r, keys[r][0], keys[r][1])
+                        self.write_table_row(r, keys[r][0])
                 i = end
                 continue
-            self.write_table_row(i, blocks, version)
+            self.write_table_row(i, blocks)
             i += 1
 
-    def write_table_row(self, i: int, blocks: list[int], version: int) -> int:
+    def write_table_row(self, i: int, blocks: list[int]) -> int:
         """Row i of the block table := blocks (the columns not written there already); returns
         the row's width."""
-        held, held_version, written = self._rows[i]
+        held, written = self._rows[i]
         cols = len(blocks)
-        start = written if held is blocks and held_version == version and written <= cols else 0
+        start = written if held is blocks and written <= cols else 0
         if start < cols:
             self.np_block_tables[i, start:cols] = blocks[start:]
-            self._rows[i] = (blocks, version, cols)
+            self._rows[i] = (blocks, cols)
             if not self._table_dirty:
                 if len(self._table_updates) + cols - start > self._max_table_updates:
                     self._table_dirty = True

@@ -27,6 +27,7 @@ from engine.core.params import SamplingParams
 from engine.core.sched.scheduler_output import SchedulerOutput
 from engine.layers.kv_cache import KVCache
 from engine.spec_decode.verify import VerifyOutcome, verify_outcome
+from engine.structured_output.step_bitmask import StepBitmask
 from engine.worker.decode_graphs import DecodeGraphRunner
 from engine.worker.input_buffers import InputBuffers
 from engine.worker.sample.sampler import Sampler, SampleRow
@@ -194,13 +195,16 @@ class ModelRunner:
 
     # ---- the step ----
     @torch.inference_mode()
-    def launch(self, sched: SchedulerOutput, defer_sampling: bool = False) -> "PendingStep":
+    def launch(
+        self, sched: SchedulerOutput, defer_sampling: bool = False, bitmask: StepBitmask | None = None
+    ) -> "PendingStep":
         """Queue one step on the device; its sampled tokens stay there (they feed the next step's
         placeholders) and come to the host when PendingStep.result() is called.
 
         defer_sampling: queue the forward and the logits only; `sample(sched, pending)` samples
         later (overlap scheduling: a grammar's bitmask needs the previous step's tokens, which the
-        host processes while the device runs this forward)."""
+        host processes while the device runs this forward). bitmask: the constrained rows'
+        allowed tokens, which the core fills (engine/structured_output/step_bitmask.py)."""
         if sched.blocks_to_copy:
             src = torch.tensor([a for a, _ in sched.blocks_to_copy], device=self.device)
             dst = torch.tensor([b for _, b in sched.blocks_to_copy], device=self.device)
@@ -241,17 +245,30 @@ class ModelRunner:
             for task, seq_id, plan in step.reads:
                 pending.task_results[seq_id] = read_task(task, self.model, hidden, plan)
         # (sampled at once: nothing of this step can have finished since it was scheduled)
-        return pending if defer_sampling else self._sample(sched, pending, ())
+        return pending if defer_sampling else self._sample(sched, pending, (), bitmask)
 
     @torch.inference_mode()
-    def sample(self, sched: SchedulerOutput, pending: "PendingStep") -> "PendingStep":
+    def sample(
+        self,
+        sched: SchedulerOutput,
+        pending: "PendingStep",
+        finished: set[int] | frozenset[int] = frozenset(),
+        bitmask: StepBitmask | None = None,
+        histories: list[tuple[int, int, list[int]]] = (),
+    ) -> "PendingStep":
         """Sample a launched step's logits. A sequence that finished since the launch (deferred
-        sampling: the previous step's tokens ended it) gets a plain argmax row instead of its own:
-        its token is discarded, and its grammar or logits processors are not asked again."""
-        finished = {s.seq_id for s in sched.seqs if s.seq is not None and s.seq.is_finished}
-        return self._sample(sched, pending, finished)
+        sampling: the previous step's tokens ended it; the core names them in `finished`) gets a
+        plain argmax row instead of its own: its token is discarded, and its grammar or logits
+        processors are not asked again. histories: (seq id, from, tokens) deltas of the rows'
+        histories since the launch (the core learnt the previous step's tokens meanwhile)."""
+        states = self.builder.states
+        for seq_id, start, tokens in histories:
+            states.update_history(seq_id, start, tokens)
+        return self._sample(sched, pending, finished, bitmask)
 
-    def _sample(self, sched: SchedulerOutput, pending: "PendingStep", finished) -> "PendingStep":
+    def _sample(
+        self, sched: SchedulerOutput, pending: "PendingStep", finished, bitmask: StepBitmask | None = None
+    ) -> "PendingStep":
         if pending.deferred is None:
             pending.sample = PendingSample.empty(self.device)
             return self._remember(sched, pending)
@@ -260,7 +277,7 @@ class ModelRunner:
         if finished:
             rows = [_DISCARDED if r.key in finished else r for r in rows]
         drafts = pending.proposal.draft_probs(self.device) if pending.proposal is not None else None
-        pending.sample = self.sampler.launch(logits, rows, self.builder.last_sampled, drafts)
+        pending.sample = self.sampler.launch(logits, rows, self.builder.last_sampled, drafts, bitmask)
         return self._remember(sched, pending)
 
     def _remember(self, sched: SchedulerOutput, pending: "PendingStep") -> "PendingStep":
@@ -304,8 +321,8 @@ class PendingStep:
     def result(self) -> SamplerOutput:
         out = self.sample.result()
         out.task_results = self.task_results
-        if self.proposal is not None:  # (the scheduler compares the drafts with the sampled tokens)
-            self.proposal.fill_records()
+        if self.proposal is not None:  # (the core compares the drafts with the sampled tokens)
+            out.drafts = self.proposal.drafts_by_seq()
         return out
 
 

@@ -26,6 +26,7 @@ from engine.layers.forward_context import ForwardContext
 from engine.worker.input_buffers import InputBuffers
 from engine.worker.sample.sampler import SampleRow
 from engine.worker.sample.sampler_output import LastSampled
+from engine.worker.seq_states import SeqStates
 from engine.worker.step_features import StepFeatures
 
 
@@ -44,14 +45,14 @@ class StepInputs:
     reads: list[tuple[Any, int, Any]] = field(default_factory=list)
 
 
-def _sample_row(s: ScheduledSeq, k: int = 0, extra: list[int] | None = None) -> SampleRow:
+def _sample_row(s: ScheduledSeq, history: list[int], k: int = 0, extra: list[int] | None = None) -> SampleRow:
     index = s.sample_index + k
     return SampleRow(
         s.params,
-        s.all_token_ids,
+        history,
         s.num_prompt_tokens,
         index,
-        s.grammars[index] if s.grammars and extra is None else None,
+        s.constrained and extra is None,
         extra=extra or [],
         key=s.seq_id,
     )
@@ -62,6 +63,12 @@ class StepBuilder:
         self.buffers = buffers
         self.features = features
         self.block_size = block_size
+        # The worker's copy of each sequence (block table, tokens), kept from the messages' deltas.
+        # A draft model's or head's builder reads its target's (`share_states`) and applies none:
+        # it builds from records the target's builder applied already, some after the core
+        # refreshed a history (a deferred sampling), which applying them again would undo.
+        self.states = SeqStates()
+        self.applies_deltas = True
         self.compiled = False  # the forward is torch.compile'd: pad steps, full-width block tables
         self.graph_key: Callable[..., tuple[int, ...] | None] | None = None  # set with decode graphs
         # The last launched step's sampled tokens (device), for the next step's placeholders.
@@ -78,6 +85,11 @@ class StepBuilder:
     def build(self, sched: SchedulerOutput) -> StepInputs:
         self.buffers.wait_staging()
         seqs = sched.seqs
+        if sched.dropped_seqs:
+            if self.applies_deltas:
+                self.states.drop(sched.dropped_seqs)
+            for seq_id in sched.dropped_seqs:
+                self._rows.pop(seq_id, None)
         # No prefill token and one decode token per sequence: each computes one token past its
         # prompt and samples it once (a request forks where its prompt ends, a prefill step), and
         # no task reads it (tasks read prompt positions only, engine/core/request_kinds.py).
@@ -108,6 +120,8 @@ class StepBuilder:
         all_ids: list[int] = []
         starts: list[int] = []
         counts: list[int] = []
+        states = self.states
+        table_of, history_of = (states.table, states.history) if self.applies_deltas else states.held()
         for i, s in enumerate(seqs):
             n = s.num_tokens
             if n == 1 and num_decodes == i:
@@ -121,11 +135,11 @@ class StepBuilder:
                 feed_rows.append(t)
                 feed_ids.append(s.seq_id)
             self.features.write(t, n, s)
-            version = s.seq.table_version if s.seq is not None else 0
-            max_cols = max(max_cols, buf.write_table_row(i, s.block_ids, version))
+            max_cols = max(max_cols, buf.write_table_row(i, table_of(s)))
+            history = history_of(s)
             buf.np_seq_lens[i] = end
             if s.task.reads_hidden:
-                plan = s.task.plan(s, t)
+                plan = s.task.plan(s, t, history)
                 if plan is not None:
                     reads.append((s.task, s.seq_id, plan))
             t += n
@@ -138,11 +152,11 @@ class StepBuilder:
                 # sequence, then the drafts before that position).
                 for j in range(n):
                     sample_indices.append(t - n + j)
-                    rows.append(_sample_row(s, extra=s.draft_token_ids[:j]))
+                    rows.append(_sample_row(s, history, extra=s.draft_token_ids[:j]))
             else:
                 for k in range(num_rows):
                     sample_indices.append(t - 1)
-                    rows.append(_sample_row(s, k))
+                    rows.append(_sample_row(s, history, k))
         if seqs:
             buf.np_input_ids[:t] = all_ids
             # token j of sequence i sits at position starts[i] + (j - query_start[i])
@@ -175,13 +189,29 @@ class StepBuilder:
         n = len(seqs)
         # Plain lists from one pass each, then one numpy fill per buffer (small numpy calls cost
         # microseconds each: fewer of them beats vectorising the arithmetic).
-        keys = [(s.block_ids, s.seq.table_version, len(s.block_ids)) for s in seqs]
+        states = self.states
+        held, histories = states.tables, states.histories
+        if not self.applies_deltas:
+            tables = [held[s.seq_id] for s in seqs]
+        else:
+            tables = []
+            for s in seqs:  # the deltas: in the steady state no new block, the tokens since the last step
+                t = held.get(s.seq_id)
+                if t is None or s.new_block_ids or s.blocks_from != len(t):
+                    t = states.table(s)
+                tables.append(t)
+                h = histories.get(s.seq_id)
+                if h is not None and s.history_from <= len(h):
+                    h[s.history_from :] = s.new_history
+                else:
+                    states.history(s)
+        keys = [(t, len(t)) for t in tables]
         buf.write_table_rows(keys)
         tokens = [s.token_ids[0] for s in seqs]
         positions = [s.start_pos for s in seqs]
         buf.np_input_ids[:n] = tokens
         buf.np_positions[:n] = positions
-        buf.np_slot_mapping[:n] = [s.block_ids[(p := s.start_pos) // bs] * bs + p % bs for s in seqs]
+        buf.np_slot_mapping[:n] = [t[(p := s.start_pos) // bs] * bs + p % bs for s, t in zip(seqs, tables)]
         max_len = max(positions) + 1
         buf.np_seq_lens[:n] = [p + 1 for p in positions]
         buf.np_query_start_loc[: n + 1] = self._arange[: n + 1]
@@ -201,7 +231,7 @@ class StepBuilder:
             n,
             1,
             max_len,
-            max([k[2] for k in keys]),
+            max([k[1] for k in keys]),
             self._range[:n],
             self._decode_rows(seqs),
             key,
@@ -210,16 +240,22 @@ class StepBuilder:
             feed_ids,
         )
 
+    def share_states(self, target: "StepBuilder") -> None:
+        """Read the target builder's copies of the sequences (a draft model's or head's builder)."""
+        self.states = target.states
+        self.applies_deltas = False
+
     def _decode_rows(self, seqs: list[ScheduledSeq]) -> list[SampleRow]:
         """The sampler rows of a decode step: each sequence's row of its previous step (a
         sequence's params, token list (never replaced, only appended to), sample index and
-        grammar are its own for good)."""
+        grammar are its own for good; its history is the worker's copy, updated in place)."""
         known = self._rows
         rows = [known.get(s.seq_id) for s in seqs]  # (seq ids are never reused)
         missing = [i for i, r in enumerate(rows) if r is None]
         if missing:
+            histories = self.states.histories
             for i in missing:
-                rows[i] = known[seqs[i].seq_id] = _sample_row(seqs[i])
+                rows[i] = known[seqs[i].seq_id] = _sample_row(seqs[i], histories[seqs[i].seq_id])
             if len(known) > 2 * len(seqs) + 64:  # forget finished sequences now and then
                 self._rows = {s.seq_id: r for s, r in zip(seqs, rows)}
         return rows

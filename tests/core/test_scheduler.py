@@ -42,7 +42,7 @@ def run_step(sched: Scheduler) -> list:
     sampled = []
     for s in out.seqs:
         if s.do_sample:
-            base = fake_token(s.all_token_ids[: s.start_pos + s.num_tokens])
+            base = fake_token(sched.seqs_by_id[s.seq_id].token_ids[: s.start_pos + s.num_tokens])
             sampled.append([(base + k) % 100 for k in range(s.num_samples)])
         else:
             sampled.append([])

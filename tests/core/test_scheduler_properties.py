@@ -9,7 +9,10 @@ n-gram speculative decoding. A fake model keeps the KV *contents* per block and 
 every token a sequence attends to is in its blocks (so a stale block table in a reused step
 record, a wrong copy-on-write or a swap mapping would show), and computes each token from
 the sequence so far (so outputs can be compared with an unconstrained run). After every
-operation `check_integrity()` holds; at the end every request is done, every GPU and CPU
+operation `check_integrity()` holds; the fake device reads block tables and token histories
+that it keeps itself from the messages' deltas (engine/worker/seq_states.py), and each step
+they equal the core's;
+at the end every request is done, every GPU and CPU
 block is free, and every output is right (a prefix of it, for requests stopped early).
 """
 
@@ -29,6 +32,7 @@ from engine.core.request import Request, SeqStatus
 from engine.core.sched.scheduler import Scheduler, SchedulerConfig
 from engine.core.sched.scheduler_output import PLACEHOLDER, SchedulerOutput
 from engine.spec_decode.sched import NgramProposer, SpecDecodeConfig, SpecDecoder
+from engine.worker.seq_states import SeqStates
 from tests.support.engine import sampler_output, take_updates
 from tests.support.swap import expected_outputs, fake_token
 
@@ -45,10 +49,15 @@ class DeviceKV:
         self.bs = block_size
         self.gpu: dict[int, list] = {}
         self.cpu: dict[int, list] = {}
+        self.states = SeqStates()  # the worker's own copies, from the messages' deltas
 
     def step(self, out: SchedulerOutput, fed: dict[int, int]) -> list[list[int]]:
         """fed: seq id -> the token the previous launched step sampled for it (a placeholder's id)."""
         bs = self.bs
+        if out.seqs:  # (as the runner: a message without sequences is not built)
+            self.states.drop(out.dropped_seqs)
+        tables = {s.seq_id: self.states.table(s) for s in out.seqs}
+        histories = {s.seq_id: self.states.history(s) for s in out.seqs}
         for g, c in out.blocks_to_swap_out:
             self.cpu[c] = list(self.gpu[g])
         for c, g in out.blocks_to_swap_in:
@@ -60,15 +69,15 @@ class DeviceKV:
             inputs = [fed[s.seq_id] if t == PLACEHOLDER else t for t in s.token_ids]
             for k, tok in enumerate(inputs):
                 p = s.start_pos + k
-                block = s.block_ids[p // bs]
+                block = tables[s.seq_id][p // bs]
                 assert block != 0, "a sequence writes into the null block"
                 self.gpu.setdefault(block, [None] * bs)[p % bs] = tok
-            history = [fed[s.seq_id] if t == PLACEHOLDER else t for t in s.all_token_ids[: s.start_pos]]
+            history = [fed[s.seq_id] if t == PLACEHOLDER else t for t in histories[s.seq_id][: s.start_pos]]
             contexts.append(history + inputs)
         sampled = []
         for s, context in zip(out.seqs, contexts):
             end = s.start_pos + s.num_tokens
-            seen = [self.gpu.get(s.block_ids[p // bs], [None] * bs)[p % bs] for p in range(end)]
+            seen = [self.gpu.get(tables[s.seq_id][p // bs], [None] * bs)[p % bs] for p in range(end)]
             assert seen == context, f"seq {s.seq_id} reads the wrong KV"
             if not s.do_sample:
                 sampled.append([])
@@ -107,6 +116,13 @@ class Engine:
         out = sched.schedule()
         assert out.num_tokens <= sched.config.max_num_batched_tokens
         sampled = self.kv.step(out, self.fed)
+        held, histories = self.kv.states.tables, self.kv.states.histories
+        for s in out.seqs:  # the worker's copies are the core's, copied, not shared
+            seq = sched.seqs_by_id[s.seq_id]
+            assert held[s.seq_id] == seq.block_ids and held[s.seq_id] is not seq.block_ids
+            assert histories[s.seq_id] == seq.token_ids and histories[s.seq_id] is not seq.token_ids
+        # It holds a copy of each sequence it was sent, and no other (drops wait for a message).
+        assert set(held) == set(histories) == sched.deltas.sent() | set(sched.deltas.dropped)
         sched.launched(out)
         self.fed = {s.seq_id: tokens[0] for s, tokens in zip(out.seqs, sampled) if len(tokens) == 1}
         previous, self.inflight = self.inflight, (out, sampled)

@@ -22,7 +22,7 @@ def test_task_per_request_kind():
     last, mean = make_task(None, PoolingParams("last")), make_task(SamplingParams(), PoolingParams("mean"))
     assert isinstance(last, Pool) and last.prefix_cacheable and not last.text_output
     assert isinstance(mean, Pool) and not mean.prefix_cacheable  # the mean needs every prompt position
-    assert last is not make_task(None, PoolingParams("last"))  # (a pool task keeps its request's sums)
+    assert last is not make_task(None, PoolingParams("last"))  # (one per request)
 
 
 def _scheduled(task, **kw) -> ScheduledSeq:
@@ -30,11 +30,13 @@ def _scheduled(task, **kw) -> ScheduledSeq:
         seq_id=1,
         token_ids=[5],
         start_pos=9,
-        block_ids=[0],
+        blocks_from=0,
+        new_block_ids=[0],
         do_sample=True,
         num_samples=1,
         params=SamplingParams(),
-        all_token_ids=list(range(10)),
+        history_from=0,
+        new_history=list(range(10)),
         num_prompt_tokens=4,
         sample_index=0,
         task=task,
@@ -54,14 +56,15 @@ def test_sample_rows():
 def test_score_prompt_plans_only_prompt_positions():
     task = ScorePrompt(1)
     # positions 0..5 of a 4-token prompt: positions 0, 1, 2 predict prompt tokens 1, 2, 3
-    row, first, targets = task.plan(_scheduled(task, token_ids=list(range(6)), start_pos=0), 7)
+    row, first, targets = task.plan(_scheduled(task, token_ids=list(range(6)), start_pos=0), 7, list(range(10)))
     assert (row, first, targets) == (7, 1, [1, 2, 3])
-    assert task.plan(_scheduled(task, token_ids=[9], start_pos=9), 0) is None  # a decode scores nothing
+    decode = _scheduled(task, token_ids=[9], start_pos=9)
+    assert task.plan(decode, 0, list(range(10))) is None  # a decode scores nothing
 
 
 class _Seq:
     def __init__(self):
-        self.request = type("R", (), {"embedding": None})()
+        self.request = type("R", (), {"embedding": None, "pooled": None})()
 
 
 def test_mean_pool_over_chunks_equals_the_mean_of_all_rows():
@@ -72,7 +75,7 @@ def test_mean_pool_over_chunks_equals_the_mean_of_all_rows():
     done = []
     for k, (start, rows) in enumerate(chunks):
         s = _scheduled(task, token_ids=[0] * rows, start_pos=start, do_sample=k == len(chunks) - 1)
-        plan = task.plan(s, 0)
+        plan = task.plan(s, 0, [0] * 10)
         done.append(task.record(seq, read_task(task, None, hidden[start : start + rows], plan)))
     assert done == [False, False, True]
     want = torch.nn.functional.normalize(hidden.mean(dim=0)[:4], dim=0)
@@ -81,10 +84,10 @@ def test_mean_pool_over_chunks_equals_the_mean_of_all_rows():
 
 def test_last_pool_reads_only_the_final_chunk():
     task = Pool(PoolingParams("last", normalize=False))
-    assert task.plan(_scheduled(task, token_ids=[0] * 4, start_pos=0, do_sample=False), 0) is None
+    assert task.plan(_scheduled(task, token_ids=[0] * 4, start_pos=0, do_sample=False), 0, [0] * 7) is None
     hidden = torch.randn(3, 5)
     seq = _Seq()
-    plan = task.plan(_scheduled(task, token_ids=[0] * 3, start_pos=4, do_sample=True), 0)
+    plan = task.plan(_scheduled(task, token_ids=[0] * 3, start_pos=4, do_sample=True), 0, [0] * 7)
     assert task.record(seq, read_task(task, None, hidden, plan))
     assert torch.allclose(torch.tensor(seq.request.embedding), hidden[-1])
 
@@ -118,7 +121,7 @@ def test_decode_fast_path_writes_what_the_general_path_writes(make_llm):
     builder.buffers.np_input_ids[:n] = 0
     builder.buffers.np_slot_mapping[:n] = 0
     builder.buffers.np_block_tables[:n] = 0  # (the rows stay known: only changed rows are rewritten...)
-    builder.buffers._rows = [(None, 0, 0)] * len(builder.buffers._rows)  # (...so forget them)
+    builder.buffers._rows = [(None, 0)] * len(builder.buffers._rows)  # (...so forget them)
     decode = builder.build(sched)
     got = _host_state(builder.buffers, n)
     for name in want:
@@ -139,14 +142,15 @@ def test_decode_fast_path_writes_what_the_general_path_writes(make_llm):
 def test_block_table_rows_are_rewritten_only_where_they_changed(make_llm):
     buf = make_llm(max_num_seqs=8).engine.core.runner.buffers
     a, b = [3, 4], [7, 8, 9]
-    buf.write_table_rows([(a, 0, 2), (b, 0, 3)])
+    buf.write_table_rows([(a, 2), (b, 3)])
     assert buf.np_block_tables[0, :2].tolist() == a and buf.np_block_tables[1, :3].tolist() == b
     buf.np_block_tables[0, :2] = -5  # were row 0 rewritten, this would be gone
     b.append(11)  # row 1's sequence took a new block
-    buf.write_table_rows([(a, 0, 2), (b, 0, 4)])
+    buf.write_table_rows([(a, 2), (b, 4)])
     assert buf.np_block_tables[0, :2].tolist() == [-5, -5]
     assert buf.np_block_tables[1, :4].tolist() == [7, 8, 9, 11]
-    buf.write_table_rows([(a, 1, 2), (b, 0, 4)])  # copy-on-write replaced an entry of row 0
+    a = [3, 5]  # copy-on-write replaced an entry of row 0: the worker's table is a new list
+    buf.write_table_rows([(a, 2), (b, 4)])
     assert buf.np_block_tables[0, :2].tolist() == a
 
 

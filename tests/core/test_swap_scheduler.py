@@ -20,6 +20,8 @@ from engine.core.kv.swap_space import SwapSpace
 from engine.core.params import SamplingParams
 from engine.core.request import Request, SeqStatus
 from engine.core.sched.scheduler import Scheduler, SchedulerConfig
+from engine.core.sched.scheduler_output import SchedulerOutput
+from engine.worker.seq_states import SeqStates
 from tests.support.engine import sampler_output, take_updates
 from tests.support.swap import expected_outputs, fake_token, prompt
 
@@ -31,9 +33,13 @@ class FakeKV:
         self.cpu: dict[int, list] = {}
         self.swapped_out = 0
         self.swapped_in = 0
+        self.states = SeqStates()  # the worker's own copies, from the messages' deltas
 
     def step(self, out) -> list[list[int]]:
         bs = self.bs
+        self.states.drop(out.dropped_seqs)
+        tables = {s.seq_id: self.states.table(s) for s in out.seqs}
+        histories = {s.seq_id: self.states.history(s) for s in out.seqs}
         for g, c in out.blocks_to_swap_out:
             self.cpu[c] = list(self.gpu[g])
         for c, g in out.blocks_to_swap_in:
@@ -45,16 +51,16 @@ class FakeKV:
         for s in out.seqs:  # every write of the step first (a layer writes all K/V, then attends)
             for k, tok in enumerate(s.token_ids):
                 p = s.start_pos + k
-                block = s.block_ids[p // bs]
+                block = tables[s.seq_id][p // bs]
                 assert block != 0, "a sequence writes into the null block"
                 self.gpu.setdefault(block, [None] * bs)[p % bs] = tok
         sampled = []
         for s in out.seqs:
             end = s.start_pos + s.num_tokens
-            seen = [self.gpu.get(s.block_ids[p // bs], [None] * bs)[p % bs] for p in range(end)]
-            assert seen == s.all_token_ids[:end], f"seq {s.seq_id} reads the wrong KV"
+            seen = [self.gpu.get(tables[s.seq_id][p // bs], [None] * bs)[p % bs] for p in range(end)]
+            assert seen == histories[s.seq_id][:end], f"seq {s.seq_id} reads the wrong KV"
             if s.do_sample:
-                base = fake_token(s.all_token_ids[:end])
+                base = fake_token(histories[s.seq_id][:end])
                 sampled.append([(base + k) % 100 for k in range(s.num_samples)] if s.num_samples > 1 else [base])
             else:
                 sampled.append([])
@@ -165,7 +171,7 @@ def test_shared_prefix_blocks_stay_on_the_gpu_with_the_swapped_sequence():
     for blk in shared:
         assert s.pool.ref_count(blk) == 2  # b still holds its reference
     s.check_integrity()
-    d.kv.step(type("O", (), dict(blocks_to_swap_out=out_pairs, blocks_to_swap_in=[], blocks_to_copy=[], seqs=[]))())
+    d.kv.step(SchedulerOutput(blocks_to_swap_out=out_pairs))
     d.drain()
     assert d.done["b"] == d.expected["b"]
 

@@ -47,10 +47,10 @@ class _CallOrder:
             finally:
                 inside.pop()
 
-        def sampled(sched, pending):
+        def sampled(sched, pending, *args):
             if not inside:
                 self._log("sample", sched)
-            return sample(sched, pending)
+            return sample(sched, pending, *args)
 
         def processed(sched, out):
             self._log("process", sched)
@@ -64,7 +64,7 @@ class _CallOrder:
             p = s.params
             if p.needs_penalties:
                 features.add("penalties")
-            if s.grammars:
+            if s.constrained:
                 features.add("grammar")
             if p.logits_processors:
                 features.add("processors")

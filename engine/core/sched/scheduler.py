@@ -31,6 +31,7 @@ from engine.core.kv.block_pool import BlockPool
 from engine.core.outputs import FinishReason, RequestUpdate, SamplerOutput
 from engine.core.request import Request, SeqStatus, Sequence
 from engine.core.request_kinds import task_of
+from engine.core.sched.deltas import SeqDeltas
 from engine.core.sched.preemption import Preemptor
 from engine.core.sched.scheduler_output import PLACEHOLDER, ScheduledSeq, SchedulerOutput, sample_row_ranges
 from engine.core.sched.step_update import StepResults
@@ -70,6 +71,8 @@ class Scheduler:
             watermark_fraction=config.watermark_fraction,
         )
         self.spec = spec  # speculative decoding: drafts for decoding sequences, and their acceptance
+        self.seqs_by_id: dict[int, Sequence] = {}  # every sequence of an unfinished request
+        self.deltas = SeqDeltas()  # what the worker holds of each sequence (block table, tokens)
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []  # kept in _priority_key order (most urgent first)
         self.swapped: list[Sequence] = []
@@ -84,6 +87,7 @@ class Scheduler:
             self.pop_finished_request,
             config.eos_token_ids,
             config.max_model_len,
+            self.seqs_by_id,
         )
         self.requests: dict[str, Request] = {}
         self._seq_ids = itertools.count()
@@ -137,6 +141,7 @@ class Scheduler:
             num_prompt_tokens=len(request.prompt_token_ids),
         )
         self._order[seq.seq_id] = next(self._arrival)
+        self.seqs_by_id[seq.seq_id] = seq
         return seq
 
     def abort_request(self, request_id: str) -> RequestUpdate | None:
@@ -195,6 +200,7 @@ class Scheduler:
         self.preemption.release(seq)
         self._unforked.pop(seq.seq_id, None)
         self._spare.pop(seq.seq_id, None)
+        self.deltas.drop(seq.seq_id)
         seq.status = SeqStatus.FINISHED
         seq.finish_reason = reason
         seq.stop_reason = stop_reason
@@ -205,6 +211,7 @@ class Scheduler:
             del self.requests[request_id]
             for seq in request.seqs:
                 self._order.pop(seq.seq_id, None)
+                self.seqs_by_id.pop(seq.seq_id, None)
             return request
         return None
 
@@ -276,6 +283,10 @@ class Scheduler:
         if self._prefills:
             # One-token sequences first: backends attend decodes and prefill chunks separately.
             out.seqs.sort(key=lambda s: s.num_tokens != 1)
+        for seq_id in out.preempted:
+            self.deltas.drop(seq_id)
+        if self.deltas.dropped and out.seqs:  # (the worker builds only a message with sequences)
+            out.dropped_seqs = self.deltas.take_dropped()
         return out
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
@@ -287,6 +298,7 @@ class Scheduler:
         emitted = out.seqs
         plain = self.spec is None  # no drafts to propose: a decode can take the fast path
         no_reserve = self.kv.reserved_blocks == 0
+        delta = self.deltas.delta
         decodes = 0
         i = 0
         while i < len(running) and budget > 0:
@@ -318,7 +330,7 @@ class Scheduler:
                 record = spare.pop(seq.seq_id)
                 record.token_ids = tokens[start : start + 1]
                 record.start_pos = start
-                record.block_ids = seq.block_ids
+                record.blocks_from, record.new_block_ids, record.history_from, record.new_history = delta(seq)
                 emitted.append(record)
                 decodes += 1
                 budget -= 1
@@ -400,22 +412,25 @@ class Scheduler:
         drafts = drafts or []
         do_sample = start + num_new - len(drafts) == seq.num_tokens
         fork = do_sample and request.params.n > 1 and not request.forked
+        blocks_from, new_block_ids, history_from, new_history = self.deltas.delta(seq)
         out.seqs.append(
             ScheduledSeq(
                 seq_id=seq.seq_id,
                 token_ids=seq.token_ids[start : start + num_new - len(drafts)] + drafts,
                 start_pos=start,
-                block_ids=seq.block_ids,
+                blocks_from=blocks_from,
+                new_block_ids=new_block_ids,
                 do_sample=do_sample,
                 num_samples=request.params.n if fork else 1,
                 params=request.params,
-                all_token_ids=seq.token_ids,
+                history_from=history_from,
+                new_history=new_history,
                 num_prompt_tokens=seq.num_prompt_tokens,
                 sample_index=seq.sample_index,
-                grammars=request.grammars,
+                constrained=bool(request.grammars),
                 draft_token_ids=drafts,
                 task=task_of(request),
-                seq=seq,
+                lora_slot=request.lora_slot,
                 after_verify=self.spec is not None and self.spec.verifying(seq),
             )
         )

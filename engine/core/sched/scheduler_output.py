@@ -1,9 +1,17 @@
-"""One step's plan, as the scheduler hands it to the runner: plain values, no tensors.
+"""One step's plan, as the scheduler hands it to the runner: a plain message, no tensors and
+no live core object (no Sequence, no list the core goes on writing).
 
 `SchedulerOutput` lists each sequence's share of the step (`ScheduledSeq`) and the block
-copies to queue before the forward (copy-on-write, swap out, swap in). The scheduler reuses
-a decode's record in a later step once the step that held it has been processed
-(`Scheduler.update`): read a step's records until then, don't keep them.
+copies to queue before the forward (copy-on-write, swap out, swap in). Block tables and token
+histories travel as deltas (engine/core/sched/deltas.py): a record says from which column its
+sequence's table changed since the last message that carried it and the table from there,
+and the same of its tokens; the worker keeps its own copy of each sequence (engine/worker/
+seq_states.py) and drops those the message lists (finished or preempted). What the step
+computes (sampled tokens, a device proposer's drafts) comes back in the runner's output
+(engine/core/outputs.py SamplerOutput), and the core applies it; what the worker needs of the
+core's state at sampling time it is handed then (a grammar's bitmask, the tokens learnt since
+the launch). The scheduler reuses a decode's record object in a later step once
+the step that held it has been processed: the worker keeps nothing of a message.
 """
 
 from __future__ import annotations
@@ -11,7 +19,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from engine.core.params import SamplingParams
-from engine.core.request import Sequence
 from engine.core.request_kinds import GENERATE, Task
 
 
@@ -22,18 +29,26 @@ class ScheduledSeq:
     seq_id: int
     token_ids: list[int]
     start_pos: int
-    block_ids: list[int]  # the whole block table (shared list; read it, don't keep it)
+    # The block table as a delta: the worker's table[blocks_from:] = new_block_ids (a copy; 0 and
+    # the whole table for a sequence the worker has no copy of, or whose table changed in place).
+    blocks_from: int
+    new_block_ids: list[int]
     do_sample: bool  # the chunk reaches the end of the sequence: sample the next token
     num_samples: int  # n > 1 at a request's fork point, else 1
     params: SamplingParams
-    all_token_ids: list[int]  # prompt + output so far (for penalties)
+    # Prompt + output so far as a delta: the worker's history[history_from:] = new_history (a copy;
+    # PLACEHOLDER for tokens of launched steps; read for penalties, processors, prompt logprobs).
+    history_from: int
+    new_history: list[int]
     num_prompt_tokens: int
     sample_index: int
-    grammars: list | None = None  # the request's grammar matchers, by sample index (structured outputs)
+    # Structured outputs: the request has grammar matchers (the core's); the core fills this
+    # record's rows of the step's bitmask (engine/structured_output/step_bitmask.py).
+    constrained: bool = False
     # Speculative decoding: token_ids is [last token, *drafts]; every position is sampled.
     draft_token_ids: list[int] = field(default_factory=list)
     task: Task = GENERATE  # what the step is for (engine/core/request_kinds.py)
-    seq: Sequence | None = None  # the sequence itself (its state moves on after the step is launched)
+    lora_slot: int = -1  # the request's LoRA adapter slot (-1: the base model)
     # Scheduled while the sequence's verify step was in flight: its positions are the worst case
     # (every draft kept), which the device moves back by what was not (engine/spec_decode/verify.py).
     after_verify: bool = False
@@ -77,6 +92,9 @@ class SchedulerOutput:
     blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)  # gpu -> cpu
     blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)  # cpu -> gpu
     preempted: list[int] = field(default_factory=list)  # seq ids
+    # Seq ids whose copies (block table, tokens) the worker drops (finished or preempted since the
+    # last message with sequences), before it applies this message's deltas.
+    dropped_seqs: list[int] = field(default_factory=list)
     num_prefill_tokens: int = 0
     num_decode_tokens: int = 0
     launched: bool = False  # Scheduler.launched() has advanced its sequences

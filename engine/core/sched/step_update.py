@@ -72,6 +72,7 @@ class StepResults:
         pop_request: Callable[[str], Request | None],
         eos_token_ids: tuple[int, ...],
         max_model_len: int,
+        seqs_by_id: dict[int, Sequence],
     ) -> None:
         self.kv = kv
         self.spec = spec
@@ -80,22 +81,24 @@ class StepResults:
         self.pop_request = pop_request
         self.eos_token_ids = eos_token_ids
         self.max_model_len = max_model_len
+        # The scheduler's: the message names sequences by id, the core looks them up here.
+        self.seqs_by_id = seqs_by_id
         self.spare: dict[int, ScheduledSeq] = {}  # seq id -> a processed decode record to reuse
         self.num_generated = 0  # output tokens the last update kept
 
     def launched(self, out: SchedulerOutput) -> None:
         out.launched = True
         finished = SeqStatus.FINISHED
+        seq_of = self.seqs_by_id.get
         for sched in out.seqs:
-            assert sched.seq is not None  # (the scheduler's records carry their sequence)
-            if not sched.advances_at_launch:
-                if sched.verifies and sched.seq.status is not finished:
-                    assert self.spec is not None  # (only speculative decoding schedules verify steps)
-                    self.spec.launched(sched.seq, len(sched.draft_token_ids))
-                continue
-            seq = sched.seq
-            if seq.status is finished:
+            seq = seq_of(sched.seq_id)
+            if seq is None or seq.status is finished:
                 continue  # (deferred sampling: the previous step ended it; its token here is discarded)
+            if not sched.advances_at_launch:
+                if sched.verifies:
+                    assert self.spec is not None  # (only speculative decoding schedules verify steps)
+                    self.spec.launched(seq, len(sched.draft_token_ids))
+                continue
             seq.num_computed_tokens += len(sched.token_ids)
             if sched.do_sample:
                 seq.token_ids.append(PLACEHOLDER)
@@ -120,9 +123,10 @@ class StepResults:
         cache_full_blocks = self.kv.cache_full_blocks
         took = self._took
         running, finished = SeqStatus.RUNNING, SeqStatus.FINISHED
+        seq_of = self.seqs_by_id.get
         generated = 0
         for sched, toks in zip(out.seqs, tokens):
-            seq = sched.seq
+            seq = seq_of(sched.seq_id)
             if seq is None or seq.status is finished:
                 continue  # finished or aborted meanwhile
             if failed and sched.seq_id in failed:
@@ -145,7 +149,8 @@ class StepResults:
                 if toks:  # (a failed row keeps its placeholders: its request is failed below)
                     assert self.spec is not None
                     at = len(seq.token_ids) - seq.num_pending  # (this step's placeholders come first)
-                    self.spec.accept_launched(seq, sched.draft_token_ids, toks, self.kv)
+                    drafts = sampled.drafts.get(sched.seq_id) if sampled.drafts else None
+                    self.spec.accept_launched(seq, drafts or sched.draft_token_ids, toks, self.kv)
                     generated += took(seq, at, news, failed, now)
             elif seq.status is not running:
                 continue
@@ -242,7 +247,7 @@ class StepResults:
         by_id = {s.seq_id: s for s in out.seqs}
         for seq_id, result in results.items():
             s = by_id.get(seq_id)
-            seq = s.seq if s is not None else None
+            seq = self.seqs_by_id.get(seq_id)
             if s is None or seq is None or seq.is_finished:
                 continue
             if s.task.record(seq, result):
@@ -256,7 +261,7 @@ class StepResults:
         return {s.seq_id: errors[r] for s, rows in sample_row_ranges(out.seqs) for r in rows if r in errors}
 
     def _fail_rows(self, out: SchedulerOutput, failed: dict[int, str], news: dict[str, Request]) -> None:
-        seqs = [s.seq for s in out.seqs if s.seq is not None]
+        seqs = [seq for s in out.seqs if (seq := self.seqs_by_id.get(s.seq_id)) is not None]
         seqs += [c for s in seqs for c in s.request.seqs if c.seq_id in failed]  # (a fork's children)
         for seq in seqs:
             if seq.seq_id in failed and not seq.request.is_finished:

@@ -22,7 +22,8 @@ from engine.core.outputs import SamplerOutput
 from engine.core.params import SamplingParams
 from engine.core.sched.scheduler_output import PLACEHOLDER
 from engine.spec_decode.rejection import DraftProbs, rejection_tokens
-from engine.structured_output.grammars import GrammarMatcher, bitmask_words, unpack_bitmask
+from engine.structured_output.grammars import bitmask_words, unpack_bitmask
+from engine.structured_output.step_bitmask import StepBitmask
 from engine.worker.sample.distributions import processed_probs, race_noise
 from engine.worker.sample.logprobs import pack_chosen_and_top
 from engine.worker.sample.sampler_output import HostCopy, LastSampled, PendingSample
@@ -34,7 +35,8 @@ class SampleRow:
     all_token_ids: list[int]
     num_prompt_tokens: int
     sample_index: int
-    grammar: GrammarMatcher | None = None  # structured outputs: the sample's matcher
+    # Structured outputs: a grammar constrains the row (the core fills its bitmask row).
+    constrained: bool = False
     # Speculative decoding: the drafts before this row's position, after all_token_ids (kept
     # apart so that a row does not copy a long sequence; joined only where history is read).
     extra: list[int] = field(default_factory=list)
@@ -50,7 +52,7 @@ class SampleRow:
             p.greedy
             and not p.logits_processors
             and not p.restricts_tokens
-            and self.grammar is None
+            and not self.constrained
             and (p.min_tokens == 0 or self.num_output_tokens >= p.min_tokens)
             and not p.needs_penalties
             and p.logprobs is None
@@ -76,7 +78,7 @@ class _BatchNeeds:
             p = r.params
             processors = processors or bool(p.logits_processors)
             restricts = restricts or p.restricts_tokens
-            grammar = grammar or r.grammar is not None
+            grammar = grammar or r.constrained
             min_tokens = min_tokens or (p.min_tokens > 0 and r.num_output_tokens < p.min_tokens)
             penalties = penalties or p.needs_penalties
             logprobs = logprobs or p.logprobs is not None
@@ -117,11 +119,13 @@ class Sampler:
         rows: list[SampleRow],
         last: "LastSampled | None" = None,
         drafts: DraftProbs | None = None,
+        bitmask: StepBitmask | None = None,
     ) -> "PendingSample":
         """Sample on the device; the tokens stay there (PendingSample.tokens) and are copied to
         the host without blocking: result() waits for that copy only. `last`: the previous
         launched step's tokens, for rows whose history ends in its PLACEHOLDER. `drafts`: rows
-        that verify a draft model's sampled drafts with its q (engine/spec_decode/rejection.py)."""
+        that verify a draft model's sampled drafts with its q (engine/spec_decode/rejection.py).
+        `bitmask`: the constrained rows' allowed tokens, as the core's matchers filled them."""
         if not rows:
             return PendingSample.empty(self.device)
         if all([r.plain for r in rows]):
@@ -135,7 +139,7 @@ class Sampler:
         if needs.restricts:
             logits = self._apply_bias(logits, rows)
         grammar_mask, must_stop = (
-            self._grammar_bitmask(rows, logits.shape[1], errors) if needs.grammar else (None, set())
+            self._grammar_bitmask(rows, logits.shape[1], errors, bitmask) if needs.grammar else (None, set())
         )
         if needs.min_tokens:
             logits = self._apply_min_tokens(logits, rows, must_stop)
@@ -209,22 +213,22 @@ class Sampler:
         return logits
 
     def _grammar_bitmask(
-        self, rows: list[SampleRow], vocab: int, errors: dict[int, str]
+        self, rows: list[SampleRow], vocab: int, errors: dict[int, str], bitmask: StepBitmask | None
     ) -> tuple[torch.Tensor | None, set[int]]:
-        """The allowed-token bitmask of every row (all ones for rows without a grammar), filled on
-        the host, and the rows whose grammar allows nothing but a stop token now. A matcher that
-        raises fails its row only."""
-        if not any(r.grammar is not None for r in rows):
-            return None, set()
-        mask = torch.full((len(rows), bitmask_words(vocab)), -1, dtype=torch.int32)
+        """The allowed-token bitmask of every row (the core's, all ones for rows without a
+        grammar), and the rows whose grammar allows nothing but a stop token now. A row whose
+        matcher failed fails alone."""
+        if bitmask is None:
+            raise RuntimeError("a constrained row is sampled without the core's grammar bitmask")
+        mask = bitmask.mask
+        if mask.shape != (len(rows), bitmask_words(vocab)):
+            raise RuntimeError(f"grammar bitmask of shape {tuple(mask.shape)} for {len(rows)} rows of {vocab} tokens")
         must_stop: set[int] = set()
         for i, r in enumerate(rows):
-            if r.grammar is None:
+            if not r.constrained:
                 continue
-            try:
-                r.grammar.fill_bitmask(mask, i)
-            except Exception as exc:  # noqa: BLE001 - isolate a matcher failure to its request
-                errors[i] = f"structured output failed: {type(exc).__name__}: {exc}"
+            if i in bitmask.errors:
+                errors[i] = bitmask.errors[i]
                 continue
             if r.num_output_tokens < r.params.min_tokens:  # min_tokens would ban the only way out
                 allowed = unpack_bitmask(mask[i : i + 1], vocab)[0]
@@ -235,7 +239,7 @@ class Sampler:
 
     def _apply_grammar(self, logits: torch.Tensor, rows: list[SampleRow], mask: torch.Tensor) -> torch.Tensor:
         """-inf where the rows' grammars forbid the token (only grammar rows are unpacked)."""
-        constrained = [i for i, r in enumerate(rows) if r.grammar is not None]
+        constrained = [i for i, r in enumerate(rows) if r.constrained]
         if len(constrained) == len(rows):
             allowed = unpack_bitmask(mask.to(self.device, non_blocking=True), logits.shape[1])
             return logits.masked_fill(~allowed, -float("inf"))
