@@ -294,6 +294,8 @@ TORCH_LIBRARY(kiln_cpu_fused, m) {
       .def("num_layers", &stack::DecoderStack::num_layers)
       .def("set_team_rows", &stack::DecoderStack::set_team_rows)
       .def("team_rows", &stack::DecoderStack::team_rows)
+      .def("set_team_max_keys", &stack::DecoderStack::set_team_max_keys)
+      .def("team_max_keys", &stack::DecoderStack::team_max_keys)
       .def("forward", &stack::DecoderStack::forward);
 }
 

@@ -29,8 +29,8 @@
 #include <type_traits>
 #include <vector>
 
-#if defined(__AVX2__) && !defined(__AVX512F__)
-#include <immintrin.h>  // (transpose_sum's 8-lane form)
+#if defined(__F16C__) || defined(__AVX512F__)
+#include <immintrin.h>  // (transpose_sum's 8-lane form; float16 conversions)
 #endif
 
 namespace {
@@ -46,6 +46,7 @@ constexpr int64_t kLanes = 16;          // partial sums per dot product: one AVX
 #endif
 constexpr double kSerialWork = 2.0e5;   // below this many multiply-adds one thread does it all
 constexpr int64_t kAhead = 2;          // K / V blocks prefetched ahead of the one computed
+constexpr int64_t kSplitKeys = 256;     // fewest keys in a chunk of a split decode row
 
 // Every e4m3 byte as a float: a lookup the compiler can vectorise, unlike the bit arithmetic.
 struct Fp8Table {
@@ -71,7 +72,13 @@ inline void to_float(const c10::BFloat16* src, float* dst, int64_t n) {
 }
 
 inline void to_float(const c10::Half* src, float* dst, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<float>(src[i]);
+  int64_t i = 0;
+#if defined(__F16C__)
+  for (; i + 8 <= n; i += 8) {  // (c10's conversion is bit arithmetic that does not vectorise)
+    _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i))));
+  }
+#endif
+  for (; i < n; ++i) dst[i] = static_cast<float>(src[i]);
 }
 
 inline void to_float(const c10::Float8_e4m3fn* src, float* dst, int64_t n) {
@@ -330,8 +337,16 @@ inline void take_keys_vec(const float* qv, const float* k0, const float* v0, int
 }
 
 // Rows [row0, row0 + rows) of sequence `seq` for KV heads [kv_head, kv_head + heads) and their query heads.
+// A chunk of a split decode row (part >= 0) sees only keys [key_lo, key_hi) and leaves its partial
+// softmax state in part slot `part` for combine().
 struct Item {
   int64_t seq, kv_head, row0, rows, cost, heads;
+  int64_t key_lo = 0, key_hi = 0, part = -1;
+};
+
+// A decode row whose keys were split into `parts` chunks (part slots part0 ..): its token row `tok`.
+struct Split {
+  int64_t tok, part0, parts;
 };
 
 struct Problem {
@@ -467,6 +482,15 @@ inline vf load_as_float(const CT* p) {
     const vi wide = __builtin_convertvector(h, vi) << 16;
     return reinterpret_cast<const vf&>(wide);
   } else {
+#if defined(__AVX512F__)
+    if constexpr (std::is_same_v<CT, c10::Half> && kLanes == 16) {
+      return vf(_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))));
+    }
+#elif defined(__F16C__)
+    if constexpr (std::is_same_v<CT, c10::Half> && kLanes == 8) {
+      return vf(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+    }
+#endif
     float tmp[kLanes];
     to_float(p, tmp, kLanes);
     return loadv(tmp);
@@ -481,7 +505,8 @@ inline vf load_as_float(const CT* p) {
 // sums stay in registers.
 template <typename QT, typename CT, int64_t kD>
 void attend_decode(const Problem& P, const Item& it, int64_t tok0, int64_t lo, int64_t hi, const QT* q,
-                   const CT* kc, const CT* vc, const int32_t* table, QT* out, std::vector<float>& scratch) {
+                   const CT* kc, const CT* vc, const int32_t* table, QT* out, std::vector<float>& scratch,
+                   float* part) {
   constexpr int64_t kV = kD / kLanes;
   constexpr int64_t kGS = std::max<int64_t>(1, (kLanes == 16 ? 24 : 12) / kV);
   const int64_t G = P.group, H = it.heads, F = H * G, bs = P.block_size, n_all = hi - lo;
@@ -582,6 +607,10 @@ void attend_decode(const Problem& P, const Item& it, int64_t tok0, int64_t lo, i
       }
     }
     for (int64_t g = 0; g < fs; ++g) {
+      if (part != nullptr) {  // a chunk of a split row: the unnormalised sums
+        std::memcpy(part + (f0 + g) * kD, acc[g], sizeof acc[g]);
+        continue;
+      }
       QT* dst = out + tok0 * P.o_tok + (q0 + f0 + g) * P.o_head;
       if (L[f0 + g] > 0.f) {
         float res[kD];
@@ -592,11 +621,49 @@ void attend_decode(const Problem& P, const Item& it, int64_t tok0, int64_t lo, i
       }
     }
   }
+  if (part != nullptr) {  // then each head's max and sum (NaN where the unsplit row gives NaN)
+    for (int64_t f = 0; f < F; ++f) {
+      part[F * kD + f] = M[f];
+      part[F * kD + F + f] = M[f] > -std::numeric_limits<float>::infinity()
+                                 ? L[f] : std::numeric_limits<float>::quiet_NaN();
+    }
+  }
+}
+
+// A split decode row from its chunks' parts (each [F, D] unnormalised sums, then F maxima, F sums;
+// F = every query head): out = v_mul sum_c acc_c e^(M_c - M) / sum_c L_c e^(M_c - M), M = max_c M_c.
+template <typename QT>
+void combine(const Problem& P, const Split& s, const float* parts, QT* out) {
+  const int64_t F = P.num_heads, D = P.head_dim, stride = F * (D + 2);
+  std::vector<float> acc(static_cast<size_t>(D));
+  for (int64_t f = 0; f < F; ++f) {
+    float M = -std::numeric_limits<float>::infinity(), L = 0.f;
+    for (int64_t c = 0; c < s.parts; ++c) M = std::max(M, parts[(s.part0 + c) * stride + F * D + f]);
+    std::fill(acc.begin(), acc.end(), 0.f);
+    for (int64_t c = 0; c < s.parts; ++c) {
+      const float* pc = parts + (s.part0 + c) * stride;
+      const float Mc = pc[F * D + f], Lc = pc[F * D + F + f];
+      if (!(Mc > -std::numeric_limits<float>::infinity())) {
+        L += Lc;  // (NaN: a chunk of NaN scores, which makes the row NaN as unsplit)
+        continue;
+      }
+      const float w = std::exp(Mc - M);
+      L += Lc * w;
+      for (int64_t d = 0; d < D; ++d) acc[d] += w * pc[f * D + d];
+    }
+    QT* dst = out + s.tok * P.o_tok + f * P.o_head;
+    if (L > 0.f) {
+      from_float(acc.data(), dst, D, P.v_mul / L);
+    } else {
+      std::fill(dst, dst + D, static_cast<QT>(std::numeric_limits<float>::quiet_NaN()));
+    }
+  }
 }
 
 template <typename QT, typename CT>
 void run(const Problem& P, const at::Tensor& out, const at::Tensor& q, const at::Tensor& kv_layer,
-         const std::vector<Item>& items, const int32_t* qsl, const int32_t* lens, const int32_t* table) {
+         const std::vector<Item>& items, const std::vector<Split>& splits, const int32_t* qsl, const int32_t* lens,
+         const int32_t* table) {
   const QT* qp = q.data_ptr<QT>();
   QT* op = out.data_ptr<QT>();
   const CT* kc = kv_layer[0].data_ptr<CT>();
@@ -606,6 +673,10 @@ void run(const Problem& P, const at::Tensor& out, const at::Tensor& q, const at:
   work *= static_cast<double>(P.group * P.head_dim);
   const int64_t threads = std::min<int64_t>(at::get_num_threads(), static_cast<int64_t>(items.size()));
   const int64_t workers = work < kSerialWork ? 1 : std::max<int64_t>(threads, 1);
+  const int64_t part_stride = P.num_heads * (P.head_dim + 2);
+  int64_t num_parts = 0;
+  for (const Split& s : splits) num_parts += s.parts;
+  std::vector<float> parts(static_cast<size_t>(num_parts * part_stride));
   std::atomic<size_t> next{0};
   at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
     std::vector<float> scratch;
@@ -615,15 +686,17 @@ void run(const Problem& P, const at::Tensor& out, const at::Tensor& q, const at:
       const int64_t len = lens[item.seq];
       const int64_t tok0 = qsl[item.seq] + item.row0, pos0 = len - q_len + item.row0;
       // A single row with keys to see (a decode): the two-pass path for the vector head dims.
-      const int64_t hi = std::min(pos0 + 1, len);
-      const int64_t lo = P.window > 0 ? std::max<int64_t>(0, pos0 - P.window + 1) : 0;
+      const bool chunk = item.part >= 0;  // (a chunk of a split row: its keys only)
+      const int64_t hi = chunk ? item.key_hi : std::min(pos0 + 1, len);
+      const int64_t lo = chunk ? item.key_lo : P.window > 0 ? std::max<int64_t>(0, pos0 - P.window + 1) : 0;
       if (item.rows == 1 && hi > lo) {
+        float* part = chunk ? parts.data() + item.part * part_stride : nullptr;
         bool done = true;
         switch (P.head_dim) {
-          case 32: attend_decode<QT, CT, 32>(P, item, tok0, lo, hi, qp, kc, vc, table, op, scratch); break;
-          case 64: attend_decode<QT, CT, 64>(P, item, tok0, lo, hi, qp, kc, vc, table, op, scratch); break;
-          case 128: attend_decode<QT, CT, 128>(P, item, tok0, lo, hi, qp, kc, vc, table, op, scratch); break;
-          case 256: attend_decode<QT, CT, 256>(P, item, tok0, lo, hi, qp, kc, vc, table, op, scratch); break;
+          case 32: attend_decode<QT, CT, 32>(P, item, tok0, lo, hi, qp, kc, vc, table, op, scratch, part); break;
+          case 64: attend_decode<QT, CT, 64>(P, item, tok0, lo, hi, qp, kc, vc, table, op, scratch, part); break;
+          case 128: attend_decode<QT, CT, 128>(P, item, tok0, lo, hi, qp, kc, vc, table, op, scratch, part); break;
+          case 256: attend_decode<QT, CT, 256>(P, item, tok0, lo, hi, qp, kc, vc, table, op, scratch, part); break;
           default: done = false;
         }
         if (done) continue;
@@ -643,6 +716,7 @@ void run(const Problem& P, const at::Tensor& out, const at::Tensor& q, const at:
       }
     }
   });
+  for (const Split& s : splits) combine(P, s, parts.data(), op);
 }
 
 void paged_attention(const at::Tensor& out, const at::Tensor& q, const at::Tensor& kv_cache, int64_t layer,
@@ -720,11 +794,44 @@ void paged_attention(const at::Tensor& out, const at::Tensor& q, const at::Tenso
       items.push_back({s, 0, row0, rows, (rows * keys + 1) * P.num_kv_heads, P.num_kv_heads});
     }
   }
-  if (static_cast<int64_t>(items.size()) < 4 * at::get_num_threads()) {
-    // Too few (sequence, row block) items to keep every thread busy: one item per KV head instead.
+  // (Called inside a parallel region -- the decoder stack's team -- the kernel runs on this thread alone.)
+  const int64_t threads = at::in_parallel_region() ? 1 : at::get_num_threads();
+  std::vector<Split> splits;
+  if (static_cast<int64_t>(items.size()) < 4 * threads) {
+    // Too few (sequence, row block) items to keep every thread busy: one item per KV head instead,
+    // and a decode row with a long context split into chunks of keys (every head of a chunk read
+    // in one contiguous pass), combined once all are done -- one long sequence alone is read by
+    // every thread, not one thread per KV head.
+    double work = 0;
+    int64_t decodes = 0;
+    for (const Item& it : items) {
+      work += static_cast<double>(it.cost) * static_cast<double>(P.group * P.head_dim);
+      decodes += it.rows == 1;
+    }
+    const bool split = threads > 1 && work >= kSerialWork &&
+                       (P.head_dim == 32 || P.head_dim == 64 || P.head_dim == 128 || P.head_dim == 256);
+    const int64_t want = (4 * threads + std::max<int64_t>(decodes, 1) - 1) / std::max<int64_t>(decodes, 1);
     std::vector<Item> per_head;
     per_head.reserve(items.size() * static_cast<size_t>(P.num_kv_heads));
+    int64_t num_parts = 0;
     for (const Item& it : items) {
+      if (split && it.rows == 1) {
+        const int64_t q_len = qsl[it.seq + 1] - qsl[it.seq], len = lens[it.seq];
+        const int64_t pos = len - q_len + it.row0, hi = std::min(pos + 1, len);
+        const int64_t lo = P.window > 0 ? std::max<int64_t>(0, pos - P.window + 1) : 0;
+        const int64_t chunks = std::min(want, (hi - lo) / kSplitKeys);
+        if (chunks >= 2) {
+          const int64_t step = ((hi - lo + chunks - 1) / chunks + P.block_size - 1) / P.block_size * P.block_size;
+          const int64_t part0 = num_parts;
+          for (int64_t a = lo; a < hi;) {  // chunk ends on block boundaries
+            const int64_t b = std::min(hi, (a + step) / P.block_size * P.block_size);
+            per_head.push_back({it.seq, 0, it.row0, 1, (b - a) * P.num_kv_heads + 1, P.num_kv_heads, a, b, num_parts++});
+            a = b;
+          }
+          splits.push_back({qsl[it.seq] + it.row0, part0, num_parts - part0});
+          continue;
+        }
+      }
       for (int64_t h = 0; h < it.heads; ++h) per_head.push_back({it.seq, h, it.row0, it.rows, it.cost / it.heads, 1});
     }
     items.swap(per_head);
@@ -743,7 +850,7 @@ void paged_attention(const at::Tensor& out, const at::Tensor& q, const at::Tenso
   const auto qt = q.scalar_type();
   TORCH_CHECK(qt == at::kFloat || qt == at::kBFloat16 || qt == at::kHalf,
               "kiln_cpu::paged_attention: q must be float32, bfloat16 or float16, got ", qt);
-#define KILN_CACHE_CASE(QT, CT) run<QT, CT>(P, out, q, kv, items, qsl, lens, table)
+#define KILN_CACHE_CASE(QT, CT) run<QT, CT>(P, out, q, kv, items, splits, qsl, lens, table)
 #define KILN_Q_CASE(QT)                                                                               \
   if (cache == at::kFloat) KILN_CACHE_CASE(QT, float);                                                \
   else if (cache == at::kBFloat16) KILN_CACHE_CASE(QT, c10::BFloat16);                                \
@@ -774,6 +881,21 @@ inline CT to_cache(float x, float scale) {
   }
 }
 
+// A row of `n` float values into cache elements (to_cache), float16 eight at a time where F16C is there.
+template <typename CT>
+inline void store_row(const float* src, CT* dst, int64_t n, float scale) {
+  int64_t i = 0;
+#if defined(__F16C__)
+  if constexpr (std::is_same_v<CT, c10::Half>) {  // round to nearest even, as c10's conversion
+    for (; i + 8 <= n; i += 8) {
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + i),
+                       _mm256_cvtps_ph(_mm256_loadu_ps(src + i), _MM_FROUND_TO_NEAREST_INT));
+    }
+  }
+#endif
+  for (; i < n; ++i) dst[i] = to_cache<CT>(src[i], scale);
+}
+
 template <typename XT, typename CT>
 void write_rows(const at::Tensor& k, const at::Tensor& v, const at::Tensor& kv, const int64_t* slots, float k_scale,
                 float v_scale) {
@@ -794,8 +916,10 @@ void write_rows(const at::Tensor& k, const at::Tensor& v, const at::Tensor& kv, 
       CT* vd = vc + base + h * kv.stride(3);
       const XT* ks = kp + t * k.stride(0) + h * k.stride(1);
       const XT* vs = vp + t * v.stride(0) + h * v.stride(1);
-      for (int64_t d = 0; d < D; ++d) kd[d] = to_cache<CT>(static_cast<float>(ks[d]), k_scale);
-      for (int64_t d = 0; d < D; ++d) vd[d] = to_cache<CT>(static_cast<float>(vs[d]), v_scale);
+      to_float(ks, row.data(), D);
+      store_row(row.data(), kd, D, k_scale);
+      to_float(vs, row.data(), D);
+      store_row(row.data(), vd, D, v_scale);
     }
   }
 }

@@ -2,6 +2,10 @@
 
     kiln bench latency --preset llama-3.1-8b --batch-size 1,64 --input-len 128 --output-len 128 --baseline
     kiln bench latency --model DIR --batch-size 8 --input-len 32 --output-len 16 --json out.json
+    kiln bench latency --preset smollm2-135m --context-depth 0,4k,16k,32k --output-len 32
+
+--context-depth: decode and prefill tokens per second at batch 1 and each depth, against a
+float32-KV baseline in the same run (engine/bench/long_context.py).
 
 B requests of I random prompt tokens each generate exactly O tokens (greedy, ignore_eos,
 no detokenisation), driven step by step through LLMEngine as serving drives it: nothing
@@ -51,7 +55,7 @@ import torch  # noqa: E402
 
 from compiler.compilation.capture import compile_count  # noqa: E402
 
-PRESETS = ("llama-3.2-1b", "llama-3.1-8b", "qwen2.5-7b")
+PRESETS = ("llama-3.2-1b", "llama-3.1-8b", "qwen2.5-7b", "smollm2-135m")
 
 
 # ---- helpers --------------------------------------------------------------------------------
@@ -405,6 +409,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="a real-size config with random weights (instead of --model DIR)",
     )
     parser.add_argument("--warmup-steps", type=int, default=8, help="output tokens of the warm-up run")
+    parser.add_argument(
+        "--context-depth",
+        default=None,
+        help="depths like 0,4k,16k,32k: batch-1 decode and prefill at each, against a float32-KV baseline "
+        "(engine/bench/long_context.py; --batch-size and --input-len do not apply)",
+    )
+    parser.add_argument("--rounds", type=int, default=3, help="--context-depth: interleaved rounds (medians)")
     parser.add_argument("--baseline", action="store_true", help="also run transformers generate")
     parser.add_argument(
         "--baseline-max-output-len",
@@ -439,6 +450,15 @@ def main(argv: list[str]) -> int:
         print("kiln bench latency: need batch sizes >= 1, --input-len >= 1, --output-len >= 2", file=sys.stderr)
         return 2
     explicit = {k.removeprefix("setting__") for k in vars(args) if k.startswith("setting__")}
+    depths = None
+    if args.context_depth is not None:
+        from engine.bench import long_context
+
+        try:
+            depths = long_context.parse_depths(args.context_depth)
+        except ValueError as e:
+            print(f"kiln bench latency: {e}", file=sys.stderr)
+            return 2
     tmp = None
     extra: dict[str, Any] = {}
     if args.preset is not None:
@@ -448,10 +468,20 @@ def main(argv: list[str]) -> int:
         from engine.models.tiny_model import make_tiny_model
 
         tmp = tempfile.TemporaryDirectory(prefix="kiln-latency-")
-        extra["model"] = str(make_tiny_model(Path(tmp.name) / args.preset, preset=args.preset, config_only=True))
+        # (--context-depth: the preset's context stretched to the deepest depth, for speed only)
+        longer = {} if depths is None else {"max_position_embeddings": max(32768, max(depths) + args.output_len + 1)}
+        extra["model"] = str(
+            make_tiny_model(Path(tmp.name) / args.preset, preset=args.preset, config_only=True, overrides=longer)
+        )
         if "load_format" not in explicit:
             extra["load_format"] = "dummy"
     settings = settings_from_args(args, **extra)
+    if depths is not None:
+        try:
+            return long_context.run(settings, depths, args.output_len, args.rounds, args.json)
+        finally:
+            if tmp is not None:
+                tmp.cleanup()
     # Size the engine for this benchmark unless told otherwise: KV for the largest batch only
     # (leaves the GPU memory to the baseline), max_model_len = input + output.
     need_len = args.input_len + args.output_len

@@ -28,7 +28,14 @@ def default_cache_dir() -> Path:
 
 # Quantization methods and KV cache dtypes the engine implements (the quantization work extends these).
 SUPPORTED_QUANTIZATION: tuple[str, ...] = ("fp8", "gptq", "awq", "compressed-tensors")  # engine/layers/quant/config.py
-SUPPORTED_KV_CACHE_DTYPES: tuple[str, ...] = ("auto", "fp8", "fp8_e4m3")  # engine/layers/kv_cache.py
+SUPPORTED_KV_CACHE_DTYPES: tuple[str, ...] = (  # engine/layers/kv_cache.py
+    "auto",
+    "fp8",
+    "fp8_e4m3",
+    "bfloat16",
+    "float16",
+    "float32",
+)
 
 # --load-format values kiln reads (vLLM's others: pt, npcache, tensorizer, sharded_state, bitsandbytes, ...).
 LOAD_FORMATS: tuple[str, ...] = ("auto", "safetensors", "gguf", "dummy")
@@ -262,7 +269,8 @@ class EngineSettings(_KilnSettings):
     )
     kv_cache_dtype: str = Field(
         "auto",
-        description="KV cache element type: auto (the model dtype), or fp8 / fp8_e4m3 (1-byte e4m3 with "
+        description="KV cache element type: auto (the model dtype; on the CPU a float32 model's cache is "
+        "float16, see docs/models.md), bfloat16, float16, float32, or fp8 / fp8_e4m3 (1-byte e4m3 with "
         "per-layer K/V scales from the checkpoint, else 1.0 or calculate_kv_scales): twice the blocks of bf16",
     )
     generation_config: str = Field(

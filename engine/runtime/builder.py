@@ -146,7 +146,9 @@ class EngineBuilder:
         if self.device.type == "cpu":
             apply_cpu_isa_limit()  # (before the weights load: the decoder stack takes its kernel level)
         self.dtype = resolve_dtype(settings.dtype, self.model_config, self.device, self.model_dir)
-        self.kv_dtype = resolve_kv_cache_dtype(settings.kv_cache_dtype, self.dtype)
+        self.kv_dtype = resolve_kv_cache_dtype(
+            settings.kv_cache_dtype, self.dtype, self.device.type, settings.tensor_parallel_size
+        )
         self.max_model_len = self._resolve_max_model_len()
         self.async_scheduling = settings.resolved_async_scheduling(self.device.type)
         with Phase("loading the tokenizer"):

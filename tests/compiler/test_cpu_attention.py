@@ -156,6 +156,25 @@ def test_many_decodes_read_every_kv_head_at_once(dtype, threads):
         torch.set_num_threads(before)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_long_decodes_split_across_threads(dtype):
+    """One or two decode rows with long contexts (fewer work items than 4 x threads): on 2 threads
+    each row's keys are split into chunks on block boundaries, every KV head of a chunk read in one
+    pass, and the chunks merged by their softmax maxima and sums; on 1 thread nothing is split.
+    Either way the reference's result, windows (a chunk starting mid-block) and soft-capping too."""
+    g = torch.Generator().manual_seed(31)
+    before = torch.get_num_threads()
+    try:
+        for threads in (2, 1):
+            torch.set_num_threads(threads)
+            for lens, window, softcap in [([5000], 0, 0.0), ([3000, 17], 0, 0.0), ([2100], 700, 0.0), ([1500], 0, 4.0)]:
+                kv, q, qsl, seq_lens, tables = _paged(g, lens, [1] * len(lens), 9, 3, 64, 16, dtype=dtype)
+                tol = 1e-5 if dtype == torch.float32 else 2e-5
+                _check(kv, q, qsl, seq_lens, tables, scale=0.125, window=window, softcap=softcap, tol=tol)
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_strided_query_and_output_views():
     """q is a view of the fused qkv projection in the model: its rows are strided."""
     g = torch.Generator().manual_seed(17)
@@ -206,7 +225,7 @@ def test_engine_greedy_matches_transformers(arch, tiny_models, make_llm):
     """Prompts of 1..200 tokens crossing many blocks, 16 at once: prefill steps, then decode batches."""
     from tests.support.hf_reference import GREEDY, MAX_TOKENS, _prompts, hf_greedy
 
-    llm = make_llm(tiny_models[arch], max_num_seqs=16, enforce_eager=False)
+    llm = make_llm(tiny_models[arch], max_num_seqs=16, enforce_eager=False, kv_cache_dtype="float32")
     assert llm.engine.core.backend.compiled_cpu_decode
     prompts = _prompts(llm.engine.model_config.vocab_size)
     outs = llm.generate(prompts, GREEDY, use_tqdm=False)
@@ -221,7 +240,9 @@ def test_engine_sliding_window_matches_transformers(tmp_path_factory, make_llm):
     path = tmp_path_factory.getbasetemp() / "mistral-window16"
     if not (path / "config.json").is_file():
         make_tiny_model(path, arch="mistral", seed=7, overrides={"sliding_window": 16})
-    llm = make_llm(path, max_num_seqs=16, max_num_batched_tokens=32, block_size=8, enforce_eager=False)
+    llm = make_llm(
+        path, max_num_seqs=16, max_num_batched_tokens=32, block_size=8, enforce_eager=False, kv_cache_dtype="float32"
+    )
     prompts = _prompts(llm.engine.model_config.vocab_size, seed=5)
     outs = llm.generate(prompts, GREEDY, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == hf_greedy(str(path), prompts, MAX_TOKENS)
@@ -242,7 +263,7 @@ def test_engine_softcap_logprobs_match_transformers(tiny_models, make_llm):
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="eager")
     with torch.no_grad():
         ref = model.eval()(torch.tensor([prompt])).logits[0].log_softmax(-1)
-    llm = make_llm(model_dir, max_num_batched_tokens=24, enforce_eager=False)
+    llm = make_llm(model_dir, max_num_batched_tokens=24, enforce_eager=False, kv_cache_dtype="float32")
     out = llm.generate([prompt], SamplingParams(max_tokens=1, prompt_logprobs=3, temperature=0), use_tqdm=False)[0]
     for i in range(1, len(prompt)):
         assert out.prompt_logprobs[i][prompt[i]] == pytest.approx(ref[i - 1, prompt[i]].item(), abs=1e-4), i
@@ -254,6 +275,8 @@ def test_engine_softcap_logprobs_match_transformers(tiny_models, make_llm):
         (torch.float32, torch.float32),
         (torch.bfloat16, torch.float32),
         (torch.bfloat16, torch.bfloat16),
+        (torch.float16, torch.float32),
+        (torch.float16, torch.bfloat16),
         (FP8_DTYPE, torch.float32),
         (FP8_DTYPE, torch.bfloat16),
     ],

@@ -17,7 +17,7 @@ from tests.support.hf_reference import GREEDY, MAX_TOKENS, _prompts, hf_greedy
 def _fused_llm(make_llm, model, tmp_path_factory, **settings):
     """An eager engine (no compiled attention: the fused ops alone differ from test_engine_vs_hf)
     switched to the fused ops as the CPU warm-up does."""
-    llm = make_llm(model, max_num_seqs=16, **settings)
+    llm = make_llm(model, max_num_seqs=16, kv_cache_dtype="float32", **settings)  # (exact: float32 KV)
     model_module = llm.engine.core.runner.model
     model_module.use_cpu_fused_ops(tmp_path_factory.getbasetemp() / "kiln-cache" / "compile")
     switched = [m for m in model_module.modules() if isinstance(m, (RMSNorm, RotaryEmbedding, MLP))]
@@ -74,7 +74,7 @@ def test_a_fused_library_that_cannot_build_leaves_the_eager_ops(make_llm, tiny_l
     lib.library_path = lambda cache_dir: tmp_path / "never-built.so"  # (the session's cache may hold a built one)
     monkeypatch.setattr(cpu_fused, "FUSED", lib)
     with caplog.at_level(logging.INFO):
-        llm = make_llm(enforce_eager=False, max_num_seqs=16)  # (the CPU warm-up loads the fused ops)
+        llm = make_llm(enforce_eager=False, max_num_seqs=16, kv_cache_dtype="float32")  # (warm-up loads the fused ops)
         model = llm.engine.core.runner.model
         model.use_cpu_fused_ops(tmp_path)  # (a second try: not rebuilt, not logged again)
     assert len(builds) == 1 and "no C++ compiler" in lib.error and not lib.ready

@@ -206,7 +206,7 @@ def test_a_broken_stack_is_caught(engines):
 @pytest.mark.parametrize("arch", STACK_ARCHS)
 def test_default_cpu_engine_matches_transformers(arch, tiny_models, make_llm):
     """The default CPU engine (compiled attention, so the stack) against HF greedy generate."""
-    llm = make_llm(tiny_models[arch], max_num_seqs=16, enforce_eager=False)
+    llm = make_llm(tiny_models[arch], max_num_seqs=16, enforce_eager=False, kv_cache_dtype="float32")
     stack = llm.engine.core.runner.model.cpu_stack
     assert stack is not None
     ran = count_calls(stack)

@@ -33,7 +33,7 @@ def glm_models(tmp_path_factory):
 @pytest.mark.parametrize("name", list(GLM_CONFIGS))
 def test_glm_greedy_matches_transformers(name, glm_models, make_llm):
     model = glm_models[name]
-    llm = make_llm(model, max_num_seqs=16)
+    llm = make_llm(model, max_num_seqs=16, kv_cache_dtype="float32")
     config = llm.engine.model_config
     assert (config.rotary_dim, config.rope_interleaved) == (config.head_dim // 2, True)
     assert config.qkv_bias and not config.o_bias and config.sandwich_norms == (name == "glm4")
@@ -46,7 +46,7 @@ def test_glm_greedy_matches_transformers(name, glm_models, make_llm):
 
 def test_chatglm_layout_gives_the_same_tokens(glm_models, make_llm, tmp_path):
     chatglm = to_chatglm_layout(glm_models["glm"], tmp_path / "chatglm")
-    llm = make_llm(chatglm, max_num_seqs=16)
+    llm = make_llm(chatglm, max_num_seqs=16, kv_cache_dtype="float32")
     assert llm.engine.model_config.model_type == "chatglm"
     prompts = _prompts(llm.engine.model_config.vocab_size)[::2]
     outs = llm.generate(prompts, GREEDY, use_tqdm=False)
@@ -79,7 +79,7 @@ def test_partial_rotary_without_interleaving_matches_transformers(make_llm, tmp_
     from engine.models.tiny_model import make_tiny_model
 
     model = make_tiny_model(tmp_path / "phi3-partial", arch="phi3", seed=3, overrides={"partial_rotary_factor": 0.75})
-    llm = make_llm(model)
+    llm = make_llm(model, kv_cache_dtype="float32")
     config = llm.engine.model_config
     assert (config.rotary_dim, config.rope_interleaved) == (config.head_dim * 3 // 4, False)
     prompts = _prompts(config.vocab_size)[::4]

@@ -37,8 +37,15 @@ def smol_llm(smollm2):
     from engine.entrypoints.llm import LLM
 
     # (the float activation path pinned: auto takes int8 activations on AVX2-only and Intel CPUs, test below)
+    # (float32 KV pinned: the tests below hold it token for token to transformers)
     llm = LLM(
-        str(smollm2), device="cpu", enforce_eager=True, max_model_len=512, max_num_seqs=8, cpu_quant_activations="float"
+        str(smollm2),
+        device="cpu",
+        enforce_eager=True,
+        max_model_len=512,
+        max_num_seqs=8,
+        cpu_quant_activations="float",
+        kv_cache_dtype="float32",
     )
     yield llm
     assert_engine_clean(llm.engine)
@@ -97,7 +104,14 @@ def test_default_cpu_engine_runs_the_decoder_stack_with_the_same_tokens(smollm2,
     from engine.entrypoints.llm import LLM
     from tests.support.calls import count_calls
 
-    llm = LLM(str(smollm2), device="cpu", max_model_len=512, max_num_seqs=8, cpu_quant_activations="float")
+    llm = LLM(
+        str(smollm2),
+        device="cpu",
+        max_model_len=512,
+        max_num_seqs=8,
+        cpu_quant_activations="float",
+        kv_cache_dtype="float32",
+    )
     stack = llm.engine.core.model.cpu_stack
     assert stack is not None
     ran = count_calls(stack)

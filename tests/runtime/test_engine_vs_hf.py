@@ -15,7 +15,7 @@ from tests.support.hf_reference import GREEDY, MAX_TOKENS, _prompts, hf_greedy
 @pytest.mark.parametrize("arch", ARCHS)
 def test_greedy_matches_transformers(arch, tiny_models, make_llm):
     model = tiny_models[arch]
-    llm = make_llm(model, max_num_seqs=16)
+    llm = make_llm(model, max_num_seqs=16, kv_cache_dtype="float32")
     prompts = _prompts(llm.engine.model_config.vocab_size)
     outs = llm.generate(prompts, GREEDY, use_tqdm=False)
     expected = hf_greedy(str(model), prompts, MAX_TOKENS)
@@ -36,7 +36,7 @@ def test_greedy_matches_transformers(arch, tiny_models, make_llm):
     ],
 )
 def test_greedy_matches_under_constraints(variant, tiny_llama, make_llm):
-    llm = make_llm(tiny_llama, **variant)
+    llm = make_llm(tiny_llama, kv_cache_dtype="float32", **variant)
     prompts = _prompts(llm.engine.model_config.vocab_size)
     outs = llm.generate(prompts, GREEDY, use_tqdm=False)
     expected = hf_greedy(str(tiny_llama), prompts, MAX_TOKENS)
@@ -46,7 +46,7 @@ def test_greedy_matches_under_constraints(variant, tiny_llama, make_llm):
 
 
 def test_prefix_cache_hits_give_same_tokens(tiny_llama, make_llm):
-    llm = make_llm(tiny_llama)
+    llm = make_llm(tiny_llama, kv_cache_dtype="float32")
     rng = random.Random(3)
     shared = [rng.randrange(5, 500) for _ in range(70)]
     prompts = [shared + [rng.randrange(5, 500) for _ in range(k)] for k in (1, 5, 20)]
@@ -142,7 +142,7 @@ def hf_prompt_logprobs(model_dir, prompt: list[int]) -> torch.Tensor:
 def test_prompt_logprobs_match_transformers(variant, tiny_llama, make_llm):
     """Every prompt token's logprob (and the top 3) as transformers computes them; with chunked
     prefill the chunks' boundaries are scored too, and a cached prefix is recomputed, not skipped."""
-    llm = make_llm(tiny_llama, **variant)
+    llm = make_llm(tiny_llama, kv_cache_dtype="float32", **variant)
     prompts = [p for p in _prompts(llm.engine.model_config.vocab_size, seed=3) if len(p) in (1, 2, 33, 150)]
     llm.generate([prompts[2]], GREEDY, use_tqdm=False)  # fills the prefix cache with one prompt
     params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True, prompt_logprobs=3)
@@ -173,7 +173,7 @@ def test_sliding_window_matches_transformers(variant, tmp_path_factory, make_llm
     path = tmp_path_factory.getbasetemp() / "mistral-window16"
     if not (path / "config.json").is_file():
         make_tiny_model(path, arch="mistral", seed=7, overrides={"sliding_window": 16})
-    llm = make_llm(path, max_num_seqs=16, **variant)
+    llm = make_llm(path, max_num_seqs=16, kv_cache_dtype="float32", **variant)
     assert llm.engine.max_model_len == 1024  # the window no longer caps the context
     prompts = _prompts(llm.engine.model_config.vocab_size, seed=5)
     outs = llm.generate(prompts, GREEDY, use_tqdm=False)
@@ -195,7 +195,7 @@ def test_gemma2_and_3_logprobs_match_transformers(arch, tiny_models, make_llm):
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="eager")
     with torch.no_grad():
         ref = model.eval()(torch.tensor([prompt])).logits[0].log_softmax(-1)
-    llm = make_llm(model_dir, max_num_batched_tokens=24)  # chunked: windows span chunks
+    llm = make_llm(model_dir, max_num_batched_tokens=24, kv_cache_dtype="float32")  # chunked: windows span chunks
     out = llm.generate([prompt], SamplingParams(max_tokens=1, prompt_logprobs=3, temperature=0), use_tqdm=False)[0]
     for i in range(1, len(prompt)):
         entry = out.prompt_logprobs[i]

@@ -39,7 +39,7 @@ from engine import LLM  # (before torch: the offline API's module prepares the p
 import torch
 from compiler.kernels import cpu_gemv
 from tests.support.hf_reference import GREEDY, MAX_TOKENS, _prompts, hf_greedy
-llm = LLM(sys.argv[1], device="cpu", enforce_eager=True, cpu_quant_activations="float")
+llm = LLM(sys.argv[1], device="cpu", enforce_eager=True, cpu_quant_activations="float", kv_cache_dtype="float32")
 prompts = _prompts(llm.engine.model_config.vocab_size)
 outs = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
 print(json.dumps({"capability": torch.backends.cpu.get_cpu_capability(), "onednn": os.environ.get("ONEDNN_MAX_CPU_ISA"),

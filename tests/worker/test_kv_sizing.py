@@ -69,8 +69,9 @@ def test_budget_too_small_for_two_blocks():
 @pytest.fixture(scope="module")
 def long_context_model(tmp_path_factory):
     """A tiny llama whose full context (2**18 positions x 2 KiB of KV per token: four layers) is
-    twice a CPU KV budget of 0.25 GiB. Same attention layout as tiny_llama, so the CPU
-    attention kernel built for it is reused."""
+    twice a CPU KV budget of 0.25 GiB with a float32 cache (the tests pin it: the CPU default is
+    float16, half of that). Same attention layout as tiny_llama, so the CPU attention kernel built
+    for it is reused."""
     from engine.models.tiny_model import make_tiny_model
 
     return make_tiny_model(
@@ -83,14 +84,23 @@ def test_llm_starts_with_defaults_on_a_model_whose_context_does_not_fit(long_con
     from engine.entrypoints.llm import LLM
 
     with caplog.at_level(logging.INFO):
-        llm = LLM(str(long_context_model), device="cpu", enforce_eager=True, kv_cache_memory_gb=0.25)
+        llm = LLM(
+            str(long_context_model), device="cpu", enforce_eager=True, kv_cache_memory_gb=0.25, kv_cache_dtype="float32"
+        )
     engine = llm.engine
     assert engine.max_model_len == engine.core.pool.num_usable * engine.settings.block_size < 1 << 18
     assert f"serving a context of {engine.max_model_len} tokens" in caplog.text
     out = llm.generate(["hello"], SamplingParams(max_tokens=3, temperature=0.0), use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 3
     with pytest.raises(ValueError, match="kv_cache_memory_gb to at least 0.50"):
-        LLM(str(long_context_model), device="cpu", enforce_eager=True, max_model_len=1 << 18, kv_cache_memory_gb=0.25)
+        LLM(
+            str(long_context_model),
+            device="cpu",
+            enforce_eager=True,
+            max_model_len=1 << 18,
+            kv_cache_memory_gb=0.25,
+            kv_cache_dtype="float32",
+        )
 
 
 def test_kiln_serve_starts_with_defaults_and_logs_the_context(long_context_model, tmp_path):
@@ -119,6 +129,8 @@ def test_kiln_serve_starts_with_defaults_and_logs_the_context(long_context_model
                 "0",
                 "--kv-cache-memory-gb",
                 "0.25",
+                "--kv-cache-dtype",
+                "float32",
             ],
             cwd=root,
             stdout=subprocess.PIPE,
@@ -208,7 +220,8 @@ def test_engine_default_budget_is_logged_and_fits_the_need(make_llm, caplog):
     assert engine.core.kv_cache.num_blocks == s.max_num_seqs * (engine.max_model_len // s.block_size) + 1
     assert "KV cache on the CPU" in caplog.text and "every sequence at the full context" in caplog.text
     explicit = make_llm(kv_cache_memory_gb=0.01)
-    assert explicit.engine.core.kv_cache.num_blocks == int(0.01 * GIB) // (2 * 2 * 16 * 2 * 32 * 4)
+    # (2-byte elements: the CPU's default cache for a float32 model is float16)
+    assert explicit.engine.core.kv_cache.num_blocks == int(0.01 * GIB) // (2 * 2 * 16 * 2 * 32 * 2)
 
 
 KV_BY_USE = r"""
