@@ -182,7 +182,8 @@ def llama_offline(bin_dir: Path, model: Path, a) -> dict:
 # ---- kiln ----------------------------------------------------------------------------------------
 def kiln_worker(spec: dict) -> dict:
     """Runs in a fresh process: one engine on the GGUF file, batch 1 then batch B."""
-    from engine.bench.latency import random_prompts, run_kiln, weight_bytes
+    from engine.bench.latency import random_prompts, run_kiln
+    from engine.bench.memory_report import weight_bytes
     from engine.config.settings import EngineSettings
     from engine.runtime.llm_engine import LLMEngine
 

@@ -17,7 +17,8 @@ from engine.bench.cpu_threads_under_load import batch1, random_prompts
 
 def baseline(engine, args) -> dict[str, float]:
     """transformers generate vs kiln, batch 1, same weights and threads, in this process."""
-    from engine.bench.latency import build_hf_model, run_hf, run_kiln
+    from engine.bench.hf_baseline import build_hf_model, run_hf
+    from engine.bench.latency import run_kiln
 
     hf = build_hf_model(engine)
     vocab = engine.model_config.vocab_size

@@ -54,6 +54,8 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from compiler.compilation.capture import compile_count  # noqa: E402
+from engine.bench.hf_baseline import build_hf_model, run_hf  # noqa: E402
+from engine.bench.memory_report import memory_report, reset_peak_rss, weight_bytes  # noqa: E402
 
 PRESETS = ("llama-3.2-1b", "llama-3.1-8b", "qwen2.5-7b", "smollm2-135m")
 
@@ -62,54 +64,6 @@ PRESETS = ("llama-3.2-1b", "llama-3.1-8b", "qwen2.5-7b", "smollm2-135m")
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-
-
-def weight_bytes(model: torch.nn.Module) -> int:
-    """Bytes of all (unique) parameters, quantised layers' packed weights and scales included:
-    what one decode step streams from memory."""
-    from engine.models.loader.quant_loading import QUANT_BUFFERS
-
-    total = sum(p.numel() * p.element_size() for p in model.parameters())
-    for module in model.modules():
-        if getattr(module, "quant", None) is not None:
-            total += sum(
-                b.numel() * b.element_size() for n, b in module.named_buffers(recurse=False) if n in QUANT_BUFFERS
-            )
-    return total
-
-
-def peak_rss_bytes() -> int:
-    """This process's peak resident memory since the last reset_peak_rss() (Linux: VmHWM), or
-    since it started where the peak cannot be reset (getrusage)."""
-    try:
-        return _proc_status("VmHWM")
-    except (OSError, StopIteration):
-        import resource
-
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # (Linux reports kilobytes)
-
-
-def reset_peak_rss() -> int:
-    """Reset the peak resident memory to the current one (Linux) and return the current one: the
-    growth measured from here is the load's own, not an earlier peak's (imports, a previous model)."""
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        return _proc_status("VmRSS")
-    except (OSError, StopIteration):
-        return peak_rss_bytes()
-
-
-def _proc_status(key: str) -> int:
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) * 1024 for line in f if line.startswith(key + ":"))
-
-
-def _dense(module: torch.nn.Module, kind: str, dtype: torch.dtype) -> torch.Tensor | None:
-    """A linear layer's weight or bias; a quantised layer's weight dequantised (for the baseline)."""
-    if kind == "weight" and getattr(module, "quant", None) is not None:
-        return module.quant.weight(module, dtype)
-    return getattr(module, kind)
 
 
 def copy_bandwidth(device: torch.device, nbytes: int | None = None, iters: int = 10) -> float:
@@ -141,89 +95,6 @@ def copy_bandwidth(device: torch.device, nbytes: int | None = None, iters: int =
 def random_prompts(batch: int, length: int, vocab: int, seed: int) -> list[list[int]]:
     rng = np.random.default_rng(seed)
     return rng.integers(5, vocab, size=(batch, length)).tolist()
-
-
-def hf_state_dict_from_kiln(model) -> dict[str, torch.Tensor]:
-    """kiln's parameters under transformers' names (views; fused q/k/v and gate/up split)."""
-    cfg = model.config
-    q = cfg.num_heads * cfg.head_dim
-    kv = cfg.num_kv_heads * cfg.head_dim
-    f = cfg.intermediate_size
-    dtype = model.embed_tokens.weight.dtype
-    sd: dict[str, torch.Tensor] = {
-        "model.embed_tokens.weight": model.embed_tokens.weight,
-        "model.norm.weight": model.norm.weight,
-    }
-    if model.lm_head is not None:
-        sd["lm_head.weight"] = model.lm_head.weight
-    for i, layer in enumerate(model.layers):
-        pre = f"model.layers.{i}."
-        attn, mlp = layer.self_attn, layer.mlp
-        for kind in ("weight", "bias"):
-            t = _dense(attn.qkv_proj, kind, dtype)
-            if t is not None:
-                sd[pre + f"self_attn.q_proj.{kind}"] = t[:q]
-                sd[pre + f"self_attn.k_proj.{kind}"] = t[q : q + kv]
-                sd[pre + f"self_attn.v_proj.{kind}"] = t[q + kv :]
-            t = _dense(attn.o_proj, kind, dtype)
-            if t is not None:
-                sd[pre + f"self_attn.o_proj.{kind}"] = t
-            t = _dense(mlp.gate_up_proj, kind, dtype)
-            if t is not None:
-                sd[pre + f"mlp.gate_proj.{kind}"] = t[:f]
-                sd[pre + f"mlp.up_proj.{kind}"] = t[f:]
-            t = _dense(mlp.down_proj, kind, dtype)
-            if t is not None:
-                sd[pre + f"mlp.down_proj.{kind}"] = t
-        if attn.q_norm is not None:
-            sd[pre + "self_attn.q_norm.weight"] = attn.q_norm.weight
-            sd[pre + "self_attn.k_norm.weight"] = attn.k_norm.weight
-        sd[pre + "input_layernorm.weight"] = layer.input_layernorm.weight
-        sd[pre + "post_attention_layernorm.weight"] = layer.post_attention_layernorm.weight
-    return sd
-
-
-def build_hf_model(engine) -> torch.nn.Module:
-    """transformers' model for the engine's config.json, on the engine's device, with kiln's weights."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    config = AutoConfig.from_pretrained(str(engine.model_dir))
-    with torch.device(engine.core.device):
-        hf = AutoModelForCausalLM.from_config(config, dtype=engine.core.dtype, attn_implementation="sdpa")
-    hf.eval().requires_grad_(False)
-    missing, unexpected = hf.load_state_dict(hf_state_dict_from_kiln(engine.core.model), strict=False)
-    tied = getattr(config, "tie_word_embeddings", False)
-    missing = [m for m in missing if not (tied and m == "lm_head.weight")]
-    if missing or unexpected:
-        raise RuntimeError(
-            f"baseline: weights do not map onto transformers' model: missing {missing[:4]}, unexpected {unexpected[:4]}"
-        )
-    return hf
-
-
-def run_hf(hf, prompts: list[list[int]], output_len: int, device: torch.device) -> tuple[float, list[list[int]]]:
-    ids = torch.tensor(prompts, dtype=torch.long, device=device)
-    mask = torch.ones_like(ids)
-
-    def generate(n: int):
-        return hf.generate(
-            ids,
-            attention_mask=mask,
-            max_new_tokens=n,
-            min_new_tokens=n,
-            do_sample=False,
-            pad_token_id=0,
-            eos_token_id=None,
-        )
-
-    with torch.inference_mode():
-        generate(min(4, output_len))  # warm-up (cuBLAS handles, allocator)
-        _sync(device)
-        t0 = time.perf_counter()
-        out = generate(output_len)
-        _sync(device)
-        seconds = time.perf_counter() - t0
-    return seconds, out[:, ids.shape[1] :].tolist()
 
 
 # ---- kiln ------------------------------------------------------------------------------------
@@ -347,46 +218,6 @@ def bench_one(engine, batch: int, input_len: int, output_len: int, args, copy_gb
             f"{row['speedup_tok_per_s']:.2f}x tokens/s end to end; first tokens equal in "
             f"{100 * same_first:.0f}% of rows"
         )
-    return row
-
-
-def memory_report(engine, name: str, rss_before: int, startup: float) -> dict[str, Any]:
-    """Weights in memory against the same model in bf16, and how far resident memory grew while
-    the engine was built (KV cache included; it is reported apart)."""
-    wbytes = weight_bytes(engine.core.model)
-    bf16 = engine.model_config.num_parameters() * 2
-    kv = engine.core.kv_cache.tensor.numel() * engine.core.kv_cache.tensor.element_size()
-    growth = peak_rss_bytes() - rss_before
-    from engine.models.loader.quant_loading import QUANT_BUFFERS
-
-    linears = [m for m in engine.core.model.quantizable_linears().values() if getattr(m, "quant", None) is not None]
-    packed = sum(
-        b.numel() * b.element_size() for m in linears for n, b in m.named_buffers(recurse=False) if n in QUANT_BUFFERS
-    )
-    dense = sum(m.in_features * m.out_features * 2 for m in linears)
-    quant = engine.settings.quantization or (engine.model_config.quantization or {}).get("quant_method") or "none"
-    row = {
-        "model": name,
-        "quantization": quant,
-        "dtype": str(engine.core.dtype).removeprefix("torch."),
-        "weight_GB": wbytes / 1e9,
-        "bf16_weight_GB": bf16 / 1e9,
-        "ratio_to_bf16": wbytes / bf16,
-        "peak_rss_growth_GB": growth / 1e9,
-        "peak_rss_over_weights": growth / wbytes,
-        "kv_cache_GB": kv / 1e9,
-        "startup_s": startup,
-        "linear_ratio_to_bf16": packed / dense if dense else 1.0,
-        "peak_rss_over_weights_without_kv": (growth - kv) / wbytes,
-    }
-    print(
-        f"kiln bench latency --load-only: {name}, quantization {quant}, {row['dtype']}: weights "
-        f"{row['weight_GB']:.3f} GB = {row['ratio_to_bf16']:.3f}x the bf16 model ({row['bf16_weight_GB']:.3f} GB; "
-        f"linear layers alone {row['linear_ratio_to_bf16']:.3f}x); "
-        f"peak RSS grew {row['peak_rss_growth_GB']:.3f} GB while loading = {row['peak_rss_over_weights']:.2f}x "
-        f"the weights ({row['peak_rss_over_weights_without_kv']:.2f}x without the {kv / 1e9:.3f} GB KV cache); "
-        f"start-up {startup:.1f}s"
-    )
     return row
 
 
