@@ -217,9 +217,9 @@ def test_buffers_updated_in_place(engines):
     decode_steps = 0
     launch = runner.launch
 
-    def checked_launch(sched):
+    def checked_launch(sched, *args, **kwargs):
         nonlocal decode_steps
-        out = launch(sched)
+        out = launch(sched, *args, **kwargs)
         if sched.seqs and all(s.num_tokens == 1 for s in sched.seqs):
             decode_steps += 1
             n = len(sched.seqs)

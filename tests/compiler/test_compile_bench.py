@@ -57,7 +57,12 @@ def test_hf_state_dict_covers_transformers_model(tiny_models):
     for arch in ("qwen2", "qwen3"):  # biases, q/k norms, tied embeddings
         engine = LLMEngine.from_settings(
             EngineSettings(
-                model=str(tiny_models[arch]), device="cpu", enforce_eager=True, num_gpu_blocks=8, max_model_len=64
+                model=str(tiny_models[arch]),
+                device="cpu",
+                enforce_eager=True,
+                num_gpu_blocks=8,
+                max_model_len=64,
+                kv_cache_dtype="float32",
             )
         )
         hf = latency.build_hf_model(engine)

@@ -175,7 +175,8 @@ def test_help_shows_defaults_choices_and_no_internal_metavars():
         env={**__import__("os").environ, "PYTHONPATH": str(ROOT)},
     ).stdout
     assert "SETTING__" not in out
-    assert "(default: 64)" in out and "{hermes,llama3_json}" in out and "--no-enable-prefix-caching" in out
+    assert "(default: 64)" in out and "{hermes,llama3_json," in out and "--no-enable-prefix-caching" in out
+    assert "8% of the free memory" in out  # (a % in a description is not a format directive)
 
 
 def test_every_setting_has_a_description():

@@ -24,6 +24,7 @@ from engine.layers.kv_cache import KVCache, resolve_kv_cache_dtype
 from engine.models.loader.kv_scales import is_kv_scale_name, read_kv_scales
 from engine.worker import kv_sizing
 from tests.support.engine import run_checked
+from tests.support.kv_fidelity import FIDELITY_PROMPTS, token_agreement
 
 # ---- the element format ----
 
@@ -188,11 +189,6 @@ def test_engine_block_count_doubles_vs_bf16(make_llm):
 # ---- output quality ----
 
 
-def token_agreement(a, b):
-    pairs = [(x, y) for oa, ob in zip(a, b) for x, y in zip(oa.outputs[0].token_ids, ob.outputs[0].token_ids)]
-    return sum(x == y for x, y in pairs) / len(pairs)
-
-
 def logprob_drift(a, b):
     """|logprob difference| of the chosen token at each position both runs agree on so far."""
     d = []
@@ -262,28 +258,6 @@ def test_agreement_with_the_model_dtype_cache(make_llm, tiny_models, arch):
 # Half the prompts are pieces of the corpus, half are text the model never saw that leads into
 # a piece of it; 32 greedy tokens each. (On text that never meets the corpus the trained models
 # are as unsure as random ones: tools/bench_fp8_kv.py prints those figures.)
-FIDELITY_PROMPTS = [
-    "The quick brown fox",
-    "A kiln is a thermally insulated",
-    "Kilns have been used for",
-    "Large language models generate",
-    "Paged attention stores the keys",
-    "Continuous batching lets new",
-    "Hello, world! How are",
-    "Numbers: 0 1 2 3",
-    "The user asked a question and",
-    "What is the capital of",
-    "Yesterday I learnt that a kiln is a",
-    "Grandma said: the quick brown",
-    "For the exam: paged attention stores",
-    "Breaking news! Continuous batching lets",
-    "My notes say large language models",
-    "Ok so, hello, world! How",
-    "In short, kilns have been used",
-    "Dear sir, the user asked a",
-    "Read this: numbers: 0 1 2",
-    "Quiz time. What is the capital",
-]
 GATE = 0.95
 
 

@@ -12,7 +12,7 @@ import torch
 from engine.config.settings import EngineSettings
 from engine.core.params import SamplingParams
 from engine.layers.kv_cache import CPU_AUTO_KV_DTYPE, resolve_kv_cache_dtype
-from tests.layers.test_fp8_kv import FIDELITY_PROMPTS, token_agreement
+from tests.support.kv_fidelity import FIDELITY_PROMPTS, token_agreement
 
 GATE = 0.99
 

@@ -39,7 +39,7 @@ def _hf_beams(model_dir, prompt, width, max_tokens):
 
 
 def test_beams_equal_transformers(tiny_llama, make_llm):
-    llm = make_llm(max_num_seqs=8)
+    llm = make_llm(max_num_seqs=8, kv_cache_dtype="float32")
     params = BeamSearchParams(beam_width=3, max_tokens=8, ignore_eos=True)
     outs = llm.beam_search(PROMPTS, params)
     for prompt, out in zip(PROMPTS, outs):

@@ -35,7 +35,7 @@ def _hf_embeddings(model_dir, tokenizer, texts, kind):
 
 @pytest.mark.parametrize("kind", ["last", "mean"])
 def test_embeddings_equal_transformers(kind, tiny_llama, make_llm):
-    llm = make_llm(max_num_batched_tokens=32, max_num_seqs=3)  # the long text is chunked
+    llm = make_llm(max_num_batched_tokens=32, max_num_seqs=3, kv_cache_dtype="float32")  # the long text is chunked
     outs = llm.embed(TEXTS, PoolingParams(kind), use_tqdm=False)
     want = _hf_embeddings(tiny_llama, llm.tokenizer, TEXTS, kind)
     for out, ref in zip(outs, want):
@@ -49,7 +49,7 @@ def test_embeddings_equal_transformers(kind, tiny_llama, make_llm):
 def test_embeddings_beside_generation_and_under_preemption(tiny_llama, make_llm):
     from engine import SamplingParams
 
-    llm = make_llm(num_gpu_blocks=12, block_size=8, max_num_seqs=6, max_model_len=96)
+    llm = make_llm(num_gpu_blocks=12, block_size=8, max_num_seqs=6, max_model_len=96, kv_cache_dtype="float32")
     engine = llm.engine
     for i in range(4):
         engine.add_request(
@@ -69,7 +69,7 @@ def test_embeddings_beside_generation_and_under_preemption(tiny_llama, make_llm)
 
 
 def test_bad_pooling_requests(make_llm):
-    llm = make_llm()
+    llm = make_llm(kv_cache_dtype="float32")
     with pytest.raises(InvalidRequestError, match="pooling_type"):
         PoolingParams("max")
     with pytest.raises(InvalidRequestError, match="hidden size"):
@@ -103,7 +103,7 @@ def test_embeddings_endpoint(tiny_llama):
             resp = await http.post("/v1/embeddings", json=body)
             assert resp.status_code == 400 and resp.json()["error"]["param"] == param, resp.text
 
-    with served(tiny_llama) as (state, http, client):
+    with served(tiny_llama, kv_cache_dtype="float32") as (state, http, client):
         asyncio.run(main(state, http, client))
 
 
@@ -122,7 +122,7 @@ def test_bare_model_checkpoint_serves_embeddings_only(tmp_path, make_llm):
     torch.manual_seed(5)
     transformers.AutoModel.from_config(config).save_pretrained(tmp_path)
     assert "LlamaModel" in (tmp_path / "config.json").read_text()
-    llm = make_llm(tmp_path)
+    llm = make_llm(tmp_path, kv_cache_dtype="float32")
     out = llm.embed(TEXTS[:2], use_tqdm=False)
     for o, ref in zip(out, _hf_embeddings(tmp_path, llm.tokenizer, TEXTS[:2], "last")):
         torch.testing.assert_close(torch.tensor(o.embedding), ref, rtol=1e-4, atol=1e-5)

@@ -104,7 +104,8 @@ def test_mixed_prefill_and_decode_in_one_step(tiny_llama, make_llm):
 
     def recorded():
         plan = schedule()
-        plans.append([(s.seq.request.request_id, s.num_tokens) for s in plan.seqs])
+        seqs = engine.core.scheduler.seqs_by_id
+        plans.append([(seqs[s.seq_id].request.request_id, s.num_tokens) for s in plan.seqs])
         return plan
 
     engine.core.scheduler.schedule = recorded

@@ -62,7 +62,9 @@ def test_soak_swap_recompute_priorities_aborts(make_llm):
     t_ref = time.perf_counter() - t0
 
     cfg = ref.engine.model_config
-    per_block = KVCache.bytes_per_block(cfg.num_layers, BLOCK, cfg.num_kv_heads, cfg.head_dim, ref.engine.core.dtype)
+    per_block = KVCache.bytes_per_block(
+        cfg.num_layers, BLOCK, cfg.num_kv_heads, cfg.head_dim, ref.engine.core.kv_cache.tensor.dtype
+    )
     llm = make_llm(
         max_num_seqs=12,
         max_model_len=64,

@@ -164,7 +164,7 @@ def add_settings_flags(parser: argparse.ArgumentParser, model_cls=EngineSettings
             dest=DEST_PREFIX + name,
             default=argparse.SUPPRESS,
             action=_SettingAction,
-            help=(field.description or name.replace("_", " ")) + _help_default(field),
+            help=(field.description or name.replace("_", " ")).replace("%", "%%") + _help_default(field),
         )
         names = [flag_of(name)] + ([SHORT_FLAGS[name]] if name in SHORT_FLAGS else [])
         if _is_bool(ann):

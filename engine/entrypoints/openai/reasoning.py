@@ -108,7 +108,10 @@ def _unwrap(tags: _Tags, content: str, final: bool) -> str | None:
     end = body.find(close)
     if end >= 0:
         return body[:end].rstrip("\n") or None
-    return (body if final else body[: len(body) - _held(body, close)]) or None
+    if final:
+        return body or None
+    # (newlines held back too: the closing tag, should it come, drops those before it)
+    return body[: len(body) - _held(body, close)].rstrip("\n") or None
 
 
 def _split_harmony(text: str, final: bool) -> tuple[str | None, str | None]:
