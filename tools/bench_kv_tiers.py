@@ -9,8 +9,13 @@ Runs, one engine at a time, on one prompt of --tokens random token ids (max_toke
   restart   a new engine on the same directory: its index rebuilt, the prefix loaded
 and checks that the first token is the same in every run. Prints each TTFT and off / on ratios.
 
+With --llama-cpp-dir (llama.cpp's binaries) and --model a GGUF file, llama-server runs the same
+prompt through its own answer, slot files saved and restored across a restart
+(tools/kv_tiers_llamacpp.py), and a table sets the two side by side.
+
     PYTHONPATH=$PWD python tools/bench_kv_tiers.py --preset llama-3.2-1b --tokens 4096
     PYTHONPATH=$PWD python tools/bench_kv_tiers.py --model /path/to/model.gguf --tokens 2048
+    PYTHONPATH=$PWD python tools/bench_kv_tiers.py --model m.gguf --dtype float32 --llama-cpp-dir LLAMA_CPP/build/bin
 
 --preset makes a real-size config with random weights (load_format=dummy): the prefill costs what
 the real model's does; no hub is needed.
@@ -20,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import os
 import random
 import tempfile
 import time
@@ -48,7 +54,12 @@ def main() -> None:
         help="as the setting (a quantised model's int8 activations make a prefix-cache hit's last chunk differ "
         "from a one-shot prefill's; float keeps them equal)",
     )
+    ap.add_argument("--llama-cpp-dir", help="llama.cpp's binaries: also llama-server's slot files (a GGUF --model)")
+    ap.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="llama-server's threads")
+    ap.add_argument("--port", type=int, default=8031, help="llama-server's port")
     args = ap.parse_args()
+    if args.llama_cpp_dir and not (args.model or "").endswith(".gguf"):
+        ap.error("--llama-cpp-dir needs --model naming a .gguf file (the same weights for both)")
 
     from engine.entrypoints.llm import LLM
 
@@ -80,6 +91,7 @@ def main() -> None:
     llm, _ = engine()
     vocab = llm.engine.model_config.vocab_size
     prompt = [rng.randrange(10, min(vocab, 32000)) for _ in range(args.tokens)]
+    rows: dict[str, float] = {}
     off, tok_off, _ = ttft(llm, prompt)
     print(f"off          TTFT {off:8.2f} s  (recompute)")
     del llm
@@ -114,6 +126,16 @@ def main() -> None:
     print(f"tier hits equal the pool's prefix-cache hit: {same}; equal to recompute: {tok_off == tok_ev == tok_re}")
     print(f"ratio off / on after eviction: {off / evicted:.1f}x;  off / on after a restart: {off / restart:.1f}x")
     print(f"tiers-on cold vs off: {cold / off:.3f} (1.0 = no cost)")
+    rows.update({"off": off, "on/cold": cold, "pool hit": pool_hit, "on/evicted": evicted, "restart": restart})
+    if args.llama_cpp_dir:
+        from tools.kv_tiers_llamacpp import run_llama_server
+
+        peer = run_llama_server(Path(args.llama_cpp_dir), args.model, prompt, args.threads, args.port)
+        print(f"\n{'TTFT, s':<12}{'kiln':>9}{'llama-server':>14}{'ratio':>8}  ({args.tokens} tokens)")
+        for key in ("off", "on/cold", "pool hit", "restart"):
+            theirs = peer[key] + (peer["restore"] if key == "restart" else 0.0)
+            print(f"{key:<12}{rows[key]:>9.2f}{theirs:>14.2f}{theirs / rows[key]:>7.2f}x")
+        print("(llama-server's restart row: its slot restore call plus the request; ratio > 1: kiln faster)")
     if not same:
         raise SystemExit("tokens differ")
 
