@@ -43,7 +43,8 @@ def main() -> None:
 
     import httpx
 
-    from engine.config.settings import EngineSettings, ServerSettings
+    from engine.config.server_settings import ServerSettings
+    from engine.config.settings import EngineSettings
     from engine.core.admission_rules import InvalidRequestError
     from engine.core.params import SamplingParams
     from engine.entrypoints.openai.app import build_app, create_state

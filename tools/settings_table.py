@@ -32,7 +32,8 @@ def _cell(text: str) -> str:
 
 
 def settings_table() -> str:
-    from engine.config.settings import EngineSettings, ServerSettings
+    from engine.config.server_settings import ServerSettings
+    from engine.config.settings import EngineSettings
     from engine.entrypoints.cli.flags import flag_of
 
     rows = ["| setting | flag | environment | default | what it does |", "| --- | --- | --- | --- | --- |"]

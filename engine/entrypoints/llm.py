@@ -8,7 +8,8 @@ from typing import Sequence as Seq
 
 from engine.config.generation_config import default_sampling_params
 from engine.config.process_setup import prepare_process
-from engine.config.settings import EngineSettings, ServerSettings
+from engine.config.server_settings import ServerSettings
+from engine.config.settings import EngineSettings
 from engine.core.outputs import EmbeddingRequestOutput, RequestOutput
 from engine.core.params import LoRARequest, PoolingParams, SamplingParams
 

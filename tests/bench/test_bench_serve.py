@@ -12,7 +12,8 @@ import pytest
 from engine.bench.serve import base_url, main
 from engine.bench.serve_data import arrival_gaps, read_sharegpt
 from engine.bench.serve_metrics import RequestResult, meets_slos, parse_goodput, percentile, summarize
-from engine.config.settings import EngineSettings, ServerSettings
+from engine.config.server_settings import ServerSettings
+from engine.config.settings import EngineSettings
 from engine.entrypoints.openai.app import build_app, create_state
 from tests.support.engine import assert_engine_clean
 

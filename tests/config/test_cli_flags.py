@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from engine.config.settings import EngineSettings, ServerSettings
+from engine.config.server_settings import ServerSettings
+from engine.config.settings import EngineSettings
 from engine.config.sources import SettingsError
 from engine.entrypoints.cli.flags import VLLM_FLAGS
 from engine.entrypoints.cli.main import main, parse_serve_args

@@ -253,7 +253,7 @@ def test_runtime_loading_is_confined_to_the_roots(tiny_llama, adapters, tmp_path
     ) as (state, http, _):
         asyncio.run(main(state, http))
     with pytest.raises(ValueError, match="lora_adapter_roots"):
-        from engine.config.settings import ServerSettings
+        from engine.config.server_settings import ServerSettings
 
         ServerSettings(allow_runtime_lora_updating=True)
 

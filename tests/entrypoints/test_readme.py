@@ -34,7 +34,8 @@ def test_the_table_check_fails_on_a_stale_table(tmp_path):
 
 
 def test_docs_name_every_setting():
-    from engine.config.settings import EngineSettings, ServerSettings
+    from engine.config.server_settings import ServerSettings
+    from engine.config.settings import EngineSettings
 
     text = (ROOT / "docs" / "settings.md").read_text()
     for cls in (EngineSettings, ServerSettings):

@@ -13,7 +13,8 @@ import schemathesis
 from hypothesis import HealthCheck, given, settings
 from schemathesis import GenerationMode
 
-from engine.config.settings import EngineSettings, ServerSettings
+from engine.config.server_settings import ServerSettings
+from engine.config.settings import EngineSettings
 from engine.entrypoints.openai.app import build_app, create_state
 from tests.support.engine import assert_engine_clean
 

@@ -245,7 +245,7 @@ def test_every_503_carries_retry_after(app_state):
 # ---- proxy headers: trusted only from the proxies the operator names ----
 @pytest.mark.parametrize("allow, seen", [(None, "127.0.0.1"), (["127.0.0.1"], "203.0.113.9")])
 def test_forwarded_for_is_trusted_only_from_configured_proxies(app_state, caplog, allow, seen):
-    from engine.config.settings import ServerSettings
+    from engine.config.server_settings import ServerSettings
 
     state, app = app_state()
     settings = ServerSettings(forwarded_allow_ips=allow)

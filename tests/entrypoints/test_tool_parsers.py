@@ -308,7 +308,7 @@ def test_no_prefix_of_a_call_is_streamed_as_content(parser):
 def test_the_settings_offer_exactly_the_registered_parsers():
     from typing import get_args
 
-    from engine.config.settings import ServerSettings
+    from engine.config.server_settings import ServerSettings
     from engine.entrypoints.openai.reasoning import REASONING_PARSERS
 
     def choices(field: str) -> set[str]:

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from engine.config.settings import ServerSettings
+from engine.config.server_settings import ServerSettings
 from engine.config.sources import SettingsError
 from engine.entrypoints.cli.flags import DEST_PREFIX, normalize_argv, settings_from_args
 from engine.entrypoints.cli.main import build_parser

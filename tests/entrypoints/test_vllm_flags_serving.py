@@ -7,7 +7,7 @@ import asyncio
 
 import pytest
 
-from engine.config.settings import ServerSettings
+from engine.config.server_settings import ServerSettings
 from engine.config.sources import SettingsError
 
 TEMPLATE = (

@@ -236,7 +236,7 @@ def test_setting_turns_it_off(tiny_llama):
 def test_packed_gguf_stack_equals_layers(dtype):
     """SmolLM2's Q4_1 GGUF kept packed (float activations in float32, int8 ones in bfloat16): the
     stack runs up to the rows where prefill chunks go to the GEMM (63 / 127), here a 49-row step."""
-    from engine.config.settings import default_cache_dir
+    from engine.config.settings_base import default_cache_dir
     from tests.support.real_model import Unavailable, fetch_smollm2
 
     try:

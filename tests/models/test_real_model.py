@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from engine import SamplingParams
-from engine.config.settings import default_cache_dir
+from engine.config.settings_base import default_cache_dir
 from tests.support.engine import assert_engine_clean
 from tests.support.real_model import Unavailable, fetch_smollm2
 

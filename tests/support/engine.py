@@ -56,7 +56,8 @@ def served(model, server: dict | None = None, **engine):
     import httpx
     import openai
 
-    from engine.config.settings import EngineSettings, ServerSettings
+    from engine.config.server_settings import ServerSettings
+    from engine.config.settings import EngineSettings
     from engine.entrypoints.openai.app import build_app, create_state
 
     settings = dict(

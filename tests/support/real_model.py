@@ -86,6 +86,6 @@ def _extract(archive: Path, dest: Path) -> None:
 
 
 if __name__ == "__main__":
-    from engine.config.settings import default_cache_dir
+    from engine.config.settings_base import default_cache_dir
 
     print(fetch_smollm2(Path(sys.argv[1]) if len(sys.argv) > 1 else default_cache_dir()))

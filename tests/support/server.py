@@ -16,7 +16,8 @@ import httpx
 import uvicorn
 from prometheus_client.parser import text_string_to_metric_families
 
-from engine.config.settings import EngineSettings, ServerSettings
+from engine.config.server_settings import ServerSettings
+from engine.config.settings import EngineSettings
 from engine.entrypoints.openai.app import build_app, create_state
 from engine.entrypoints.openai.http_options import uvicorn_options
 from tests.support.engine import assert_engine_clean

@@ -12,7 +12,8 @@ import sys
 from importlib import import_module
 
 from engine.config.process_setup import prepare_process
-from engine.config.settings import SETTING_NAMES, ServerSettings
+from engine.config.server_settings import ServerSettings
+from engine.config.settings import SETTING_NAMES
 from engine.config.sources import SettingsError, unknown_env_vars
 from engine.entrypoints.cli.flags import (
     DEST_PREFIX,

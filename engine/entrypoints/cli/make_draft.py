@@ -289,7 +289,7 @@ def build_labelled_corpus(
 
 
 def main(argv: list[str]) -> int:
-    from engine.config.settings import default_cache_dir
+    from engine.config.settings_base import default_cache_dir
 
     parser = argparse.ArgumentParser(
         prog="kiln make-draft-model", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter

@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from engine.config.settings import ServerSettings
+from engine.config.server_settings import ServerSettings
 from engine.entrypoints.openai.http_protocol import http_protocol
 
 request_logger = logging.getLogger("engine.entrypoints.openai.requests")

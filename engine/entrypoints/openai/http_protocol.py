@@ -38,7 +38,7 @@ import h11
 from h11._connection import DEFAULT_MAX_INCOMPLETE_EVENT_SIZE
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from engine.config.settings import ServerSettings
+from engine.config.server_settings import ServerSettings
 
 logger = logging.getLogger("engine.entrypoints.openai")
 

@@ -11,7 +11,8 @@ import socket
 import sys
 import threading
 
-from engine.config.settings import EngineSettings, ServerSettings
+from engine.config.server_settings import ServerSettings
+from engine.config.settings import EngineSettings
 from engine.entrypoints.openai.app import ServerState, build_app, create_state
 from engine.entrypoints.openai.http_options import add_http_middleware, uvicorn_options
 

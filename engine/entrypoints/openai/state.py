@@ -14,7 +14,8 @@ from dataclasses import dataclass
 from importlib import metadata
 from typing import Any, Callable
 
-from engine.config.settings import EngineSettings, ServerSettings
+from engine.config.server_settings import ServerSettings
+from engine.config.settings import EngineSettings
 from engine.core.params import LoRARequest
 from engine.entrypoints.openai.metrics import EngineMetrics
 from engine.entrypoints.openai.response_store import ResponseStore
