@@ -35,13 +35,18 @@ venv-test: $(VENV)/.installed
 serve: $(VENV)/.runtime
 	$(KILN) serve $(SERVE_ARGS)
 
-# The remote KV tier's test starts a real redis-server (Debian's package): installed when missing and
-# we are root with apt-get; otherwise the test says what to install (and fails under CI).
+# The remote KV tier's test starts a real redis-server, the chat page's test a headless chromium (Debian's
+# packages): installed when missing and we are root with apt-get; otherwise the tests say what to
+# install (and fail under CI).
 test-services:
 	@command -v redis-server >/dev/null 2>&1 || { \
 	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
 	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server >/dev/null; \
 	  else echo "redis-server is not installed: apt-get install redis-server (the remote KV tier's test needs it)"; fi; }
+	@command -v chromium >/dev/null 2>&1 || { \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; \
+	  else echo "chromium is not installed: apt-get install chromium (the chat page's browser test needs it)"; fi; }
 
 test: $(VENV)/.installed test-services
 	$(PY) -m pytest -q $(PYTEST_ARGS)

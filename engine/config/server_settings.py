@@ -21,7 +21,9 @@ class ServerSettings(KilnSettingsBase):
     host: str = Field("127.0.0.1", description="address to listen on (0.0.0.0: every interface)")
     port: int = Field(8000, ge=0, le=65535, description="TCP port (0: any free port)")
     api_key: str | None = Field(
-        None, description="clients must send Authorization: Bearer <key> on every route but /health and /ping"
+        None,
+        description="clients must send Authorization: Bearer <key> on every route but /health, /ping and the "
+        "chat page at /",
     )
     public_metrics: bool = Field(False, description="serve /metrics without the API key (scrapers that send none)")
     served_model_name: list[str] | None = Field(

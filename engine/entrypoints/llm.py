@@ -117,7 +117,10 @@ class LLM:
         ]
         # The template already carries the special tokens: don't let the tokenizer add a second BOS.
         token_ids = [self.tokenizer.encode(p, add_special_tokens=False) for p in prompts]
-        return self.generate(token_ids, sampling_params, use_tqdm=use_tqdm)
+        outputs = self.generate(token_ids, sampling_params, use_tqdm=use_tqdm)
+        for out, text in zip(outputs, prompts):
+            out.prompt = text  # (vLLM's chat outputs carry the rendered conversation)
+        return outputs
 
     def embed(
         self,

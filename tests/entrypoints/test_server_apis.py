@@ -155,6 +155,32 @@ def test_messages_tool_use_and_result(claude, client):
     assert answer.usage.input_tokens + answer.usage.cache_read_input_tokens > msg.usage.input_tokens
 
 
+def test_messages_count_tokens_is_the_prompt_messages_runs(claude):
+    import anthropic
+
+    for ask in (
+        dict(system=SYSTEM, messages=[{"role": "user", "content": ASK}]),
+        dict(
+            tools=[WEATHER],
+            tool_choice={"type": "none"},
+            messages=[
+                {"role": "user", "content": "Weather in Paris?"},
+                {
+                    "role": "assistant",
+                    "content": [{"type": "tool_use", "id": "t1", "name": "get_weather", "input": {}}],
+                },
+                {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1", "content": "Sunny"}]},
+            ],
+        ),
+    ):
+        counted = claude.messages.count_tokens(model=MODEL, **ask)
+        ran = claude.messages.create(model=MODEL, max_tokens=1, **ask).usage
+        assert counted.input_tokens == ran.input_tokens + ran.cache_read_input_tokens > 0
+    with pytest.raises(anthropic.NotFoundError) as unknown:
+        claude.messages.count_tokens(model="nope", messages=[{"role": "user", "content": ASK}])
+    assert unknown.value.body["type"] == "error"  # (Anthropic's error shape on this route too)
+
+
 def test_messages_errors_in_anthropic_shape(url, claude):
     import anthropic
 

@@ -165,6 +165,7 @@ def test_installed_kiln_generates_and_serves(venv, tiny_llama, tmp_path):
                 break
             time.sleep(0.1)
         assert health.status_code == 200
+        assert "<title>kiln chat</title>" in httpx.get(f"{url}/", timeout=5).text  # (package data)
     finally:
         proc.terminate()
         proc.wait(60)

@@ -80,6 +80,18 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_chat(args: argparse.Namespace) -> int:
+    from engine.entrypoints.cli.chat import run
+
+    def engine_settings() -> dict:
+        given = settings_from_args(args).model_dump(exclude_unset=True)
+        if not given.keys() & {"max_num_seqs", "num_gpu_blocks", "kv_cache_memory_gb"}:
+            given["max_num_seqs"] = 1  # (the KV cache is sized for one conversation, not a server's batch)
+        return given
+
+    return run(args, engine_settings)
+
+
 def _cmd_make_tiny_model(args: argparse.Namespace) -> int:
     from engine.models.tiny_model import make_tiny_model
 
@@ -194,6 +206,19 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--json", action="store_true", help="one JSON line per output")
     add_settings_flags(gen)
     gen.set_defaults(func=_cmd_generate)
+
+    from engine.entrypoints.cli.chat import HELP as CHAT_HELP
+    from engine.entrypoints.cli.chat import add_chat_args
+
+    chat = sub.add_parser(
+        "chat",
+        help="chat in the terminal, streamed: with MODEL in this process, or with a running server (--url)",
+        formatter_class=formatter,
+        description=f"kiln chat [MODEL] [flags]: the model's chat template, the history kept. {CHAT_HELP}.",
+    )
+    add_chat_args(chat)
+    add_settings_flags(chat)
+    chat.set_defaults(func=_cmd_chat)
 
     serve = sub.add_parser(
         "serve",

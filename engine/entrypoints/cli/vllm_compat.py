@@ -35,6 +35,9 @@ CONVERT = {
 }
 # Options of structured_outputs_config that change outputs and that kiln's grammar engine lacks.
 STRUCTURED_OUTPUT_OPTIONS = ("disable_any_whitespace", "disable_additional_properties", "enable_in_reasoning")
+# vLLM 0.32's StructuredOutputsConfig: its backends (all served by kiln's grammar engine) and keys.
+STRUCTURED_OUTPUT_BACKENDS = ("auto", "xgrammar", "guidance", "outlines", "lm-format-enforcer")
+STRUCTURED_OUTPUT_KEYS = ("backend", *STRUCTURED_OUTPUT_OPTIONS, "reasoning_parser", "reasoning_parser_plugin")
 
 
 def _pooling_type(value: str) -> str | None:
@@ -180,6 +183,21 @@ def _structured_outputs_refusal(value: Any) -> str | None:
         return f"--structured-outputs-config: {text!r} is not JSON"
     if not isinstance(config, dict):
         return "--structured-outputs-config: expected a JSON object"
+    unknown = [k for k in config if k not in STRUCTURED_OUTPUT_KEYS]
+    if unknown:
+        return (
+            f"--structured-outputs-config: unknown key {', '.join(map(repr, unknown))} "
+            f"(vLLM's keys: {', '.join(STRUCTURED_OUTPUT_KEYS)})"
+        )
+    if config.get("backend", "auto") not in STRUCTURED_OUTPUT_BACKENDS:
+        return (
+            f"--structured-outputs-config: backend {config['backend']!r} is not one of "
+            f"{', '.join(STRUCTURED_OUTPUT_BACKENDS)}"
+        )
+    if config.get("reasoning_parser"):
+        return "--structured-outputs-config: give the reasoning parser as --reasoning-parser NAME"
+    if config.get("reasoning_parser_plugin"):
+        return "--structured-outputs-config: reasoning_parser_plugin: kiln does not load parser plugins"
     asked = [k for k in STRUCTURED_OUTPUT_OPTIONS if config.get(k)]
     if asked:
         return f"--structured-outputs-config: {', '.join(asked)} is not supported by kiln's grammar engine"

@@ -1,6 +1,6 @@
-"""Anthropic's Messages API (POST /v1/messages): the request model, and the request written as
-the chat request it asks for, so that every rule, the chat template, tools and sampling are the
-chat route's own (chat.py); the answer is written back in messages.py.
+"""Anthropic's Messages API (POST /v1/messages, /v1/messages/count_tokens): the request models,
+and the request written as the chat request it asks for, so that every rule, the chat template,
+tools and sampling are the chat route's own (chat.py); the answer is written back in messages.py.
 
 What maps where: `system` (text or text blocks) is a system message; `text` blocks are text;
 an assistant's `tool_use` blocks are its tool calls; a user's `tool_result` blocks are tool
@@ -55,33 +55,21 @@ class AnthropicMetadata(Lenient):
     user_id: str | None = None
 
 
-class MessagesRequest(RequestBody):
+class MessagesPrompt(RequestBody):
+    """What makes a Messages request's prompt: POST /v1/messages/count_tokens takes just this."""
+
     model: str | None = None
     messages: list[AnthropicMessage]
-    max_tokens: int = Field(le=INT64, ge=-INT64)
     system: str | list[AnthropicBlock] | None = None
-    stop_sequences: list[str] | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = Field(None, le=INT64, ge=-INT64)
-    stream: bool = False
     tools: list[AnthropicTool] | None = None
     tool_choice: AnthropicToolChoice | None = None
-    metadata: AnthropicMetadata | None = None
 
     def as_chat(self) -> ChatCompletionRequest:
         """The chat request this one asks for (a field that does not fit is a 400 naming it)."""
-        fields: dict[str, Any] = {
-            "model": self.model,
-            "messages": chat_messages(self.system, self.messages),
-            "max_tokens": self.max_tokens,
-            "stop": self.stop_sequences,
-            "temperature": self.temperature,
-            "top_p": self.top_p,
-            "top_k": self.top_k,
-            "stream": self.stream,
-            "user": self.metadata.user_id if self.metadata is not None else None,
-        }
+        return chat_request({k: v for k, v in self.chat_fields().items() if v is not None})
+
+    def chat_fields(self) -> dict[str, Any]:
+        fields: dict[str, Any] = {"model": self.model, "messages": chat_messages(self.system, self.messages)}
         if self.tools:
             fields["tools"] = [
                 {
@@ -99,7 +87,29 @@ class MessagesRequest(RequestBody):
             )
             if choice.disable_parallel_tool_use:
                 fields["parallel_tool_calls"] = False
-        return chat_request({k: v for k, v in fields.items() if v is not None})
+        return fields
+
+
+class MessagesRequest(MessagesPrompt):
+    max_tokens: int = Field(le=INT64, ge=-INT64)
+    stop_sequences: list[str] | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = Field(None, le=INT64, ge=-INT64)
+    stream: bool = False
+    metadata: AnthropicMetadata | None = None
+
+    def chat_fields(self) -> dict[str, Any]:
+        return {
+            **super().chat_fields(),
+            "max_tokens": self.max_tokens,
+            "stop": self.stop_sequences,
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "top_k": self.top_k,
+            "stream": self.stream,
+            "user": self.metadata.user_id if self.metadata is not None else None,
+        }
 
 
 def chat_request(fields: dict[str, Any]) -> ChatCompletionRequest:

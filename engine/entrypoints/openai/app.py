@@ -1,5 +1,5 @@
 """The FastAPI app: wires the serving modules (completions, chat, embeddings, tokenize,
-models/admin) to one ServerState, behind the middleware and the error handlers.
+models/admin, the chat page at /) to one ServerState, behind the middleware and the error handlers.
 
 `build_app(state)` makes the app; `create_state(engine_settings, server_settings)` (state.py)
 builds the state. Nothing here is module-level state: two apps in one process share nothing.
@@ -12,7 +12,7 @@ import contextlib
 
 from fastapi import FastAPI
 
-from engine.entrypoints.openai import chat, completions, embeddings, messages, responses, tokenize
+from engine.entrypoints.openai import chat, chat_page, completions, embeddings, messages, responses, tokenize
 from engine.entrypoints.openai import service_routes as models
 from engine.entrypoints.openai.errors import install_error_handlers
 from engine.entrypoints.openai.middleware import GateMiddleware, PublicRoutes, RequestContextMiddleware
@@ -51,6 +51,6 @@ def build_app(state: ServerState, manage_engine: bool = True) -> FastAPI:
         retry_after_s=state.settings.retry_after_s,
     )
     install_error_handlers(app)
-    for module in (completions, chat, messages, responses, embeddings, tokenize, models):
+    for module in (completions, chat, messages, responses, embeddings, tokenize, models, chat_page):
         app.include_router(module.router(state))
     return app

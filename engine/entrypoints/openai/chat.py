@@ -56,7 +56,8 @@ def split_answer(job: Job, text: str, final: bool) -> tuple[str | None, str]:
 def chat_stream_delta(job: Job, ch: Choice, piece: str, finish: str | None) -> tuple[dict[str, Any], str | None]:
     """The delta of one streamed chat choice with a reasoning parser or tools. Reasoning streams
     as reasoning_content; a named call streams its arguments as they come; auto streams content
-    up to where a call may start; calls are sent when the output ends."""
+    up to where a call may start, and each call as it is written where the parser can tell
+    (tool_parsers/streaming.py), else whole when the output ends."""
     ch.text += piece
     final = finish is not None
     reasoning, content = split_answer(job, ch.text, final)
@@ -84,14 +85,20 @@ def chat_stream_delta(job: Job, ch: Choice, piece: str, finish: str | None) -> t
         if safe > ch.streamed:
             delta["content"] = content[ch.streamed : safe]
             ch.streamed = safe
+        if called := ch.calls.update(mode.progress(content)):
+            delta["tool_calls"] = called
         return delta, None
     answer, calls = mode.calls(content)
+    if ch.calls.sent and not calls:
+        # Calls went out, and the whole output does not parse as calls (cut short by max_tokens, or
+        # malformed): they stay as sent (as OpenAI's stream leaves a cut call), their text is no content.
+        answer = content[: mode.streamable(content)]
     sent = content[: ch.streamed]
     rest = (answer or "")[len(sent) :] if (answer or "").startswith(sent) else ""
     if rest:
         delta["content"] = rest
-    if calls:
-        delta["tool_calls"] = [c.to_openai(k) for k, c in enumerate(calls)]
+    if called := ch.calls.finish(calls):
+        delta["tool_calls"] = called
     return delta, tool_finish_reason(mode, calls, finish)
 
 

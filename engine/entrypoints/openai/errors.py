@@ -56,7 +56,7 @@ def error_body(message: str, type_: str, param: str | None = None, code: str | i
 
 
 # Anthropic's routes answer errors in Anthropic's shape: {"type": "error", "error": {"type", "message"}}.
-ANTHROPIC_ROUTES = ("/v1/messages",)
+ANTHROPIC_ROUTES = ("/v1/messages", "/v1/messages/count_tokens")
 _ANTHROPIC_TYPES = {
     "server_error": "api_error",
     "service_unavailable": "overloaded_error",

@@ -31,6 +31,7 @@ from engine.entrypoints.openai.generation_request import GenerationRequest
 from engine.entrypoints.openai.logprobs import LogprobFormat
 from engine.entrypoints.openai.reasoning import ReasoningParser
 from engine.entrypoints.openai.tool_calls import ToolCall, ToolMode
+from engine.entrypoints.openai.tool_parsers.streaming import StreamedCalls
 from engine.runtime.admission import AdmittedRequest
 from engine.runtime.errors import EngineDeadError
 from engine.runtime.request_stream import RequestStream
@@ -53,6 +54,7 @@ class Choice:
     streamed: int = 0  # chat with tools or reasoning: chars of the content already sent
     reasoning_sent: int = 0  # chat with a reasoning parser: chars of the reasoning already sent
     call: ToolCall | None = None  # a streamed named tool call (its id stays the same)
+    calls: StreamedCalls = dataclasses.field(default_factory=StreamedCalls)  # streamed auto tool calls
 
 
 @dataclass(eq=False)  # identity: jobs live in a set

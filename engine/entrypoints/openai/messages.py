@@ -13,9 +13,10 @@ from typing import Any
 from fastapi import APIRouter, Request
 
 from engine.core.outputs import RequestOutput
+from engine.entrypoints.openai.admission import check_model
 from engine.entrypoints.openai.answer_blocks import AnswerBlocks
-from engine.entrypoints.openai.anthropic_protocol import MessagesRequest
-from engine.entrypoints.openai.chat import ChatFormat, chat_generation
+from engine.entrypoints.openai.anthropic_protocol import MessagesPrompt, MessagesRequest
+from engine.entrypoints.openai.chat import ChatFormat, chat_generation, conversation_ids
 from engine.entrypoints.openai.errors import anthropic_error_body, post_route
 from engine.entrypoints.openai.generation import generate
 from engine.entrypoints.openai.generation_request import GenerationRequest
@@ -151,7 +152,17 @@ async def create_message(state, body: MessagesRequest, request: Request):
     return await generate(state, gen, MessageFormat(state), request, MessageEvents(state.model_name, gen))
 
 
+async def count_tokens(state, body: MessagesPrompt, request: Request) -> dict[str, int]:
+    """Anthropic's token count: the prompt /v1/messages would run (the same chat template, tools
+    and generation prompt), so it equals that request's input_tokens + cache_read_input_tokens."""
+    check_model(state, body.model)
+    chat = body.as_chat()
+    ids = await conversation_ids(state, chat.conversation(), chat.add_generation_prompt, chat.template_tools())
+    return {"input_tokens": len(ids)}
+
+
 def router(state) -> APIRouter:
     r = APIRouter()
     post_route(r, "/v1/messages", MessagesRequest, create_message, state)
+    post_route(r, "/v1/messages/count_tokens", MessagesPrompt, count_tokens, state)
     return r

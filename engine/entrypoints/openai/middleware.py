@@ -21,8 +21,9 @@ from engine.entrypoints.openai.errors import error_response
 
 access_logger = logging.getLogger("engine.entrypoints.openai.access")
 
-# The routes answered without the API key: liveness probes only (the documented allow-list).
-PUBLIC_ROUTES = frozenset({"/health", "/ping"})
+# The routes answered without the API key (the documented allow-list): the liveness probes, and
+# the static chat page (chat_page.py: it holds nothing, and the API calls it makes carry the key).
+PUBLIC_ROUTES = frozenset({"/health", "/ping", "/"})
 METRICS_ROUTE = "/metrics"
 # The routes still answered while the server drains for shutdown (they start no work).
 DRAIN_SERVED_ROUTES = PUBLIC_ROUTES | {METRICS_ROUTE, "/version"}

@@ -22,6 +22,7 @@ from engine.core.params import StructuredOutputsParams
 from engine.entrypoints.openai.tool_parsers import REGISTRY, TOOL_CALL_PARSERS, ToolCall
 from engine.entrypoints.openai.tool_parsers.json_formats import parse_hermes
 from engine.entrypoints.openai.tool_parsers.json_formats import parse_llama_json as parse_llama3_json
+from engine.entrypoints.openai.tool_parsers.streaming import CallInProgress
 
 __all__ = [
     "TOOL_CALL_PARSERS",
@@ -86,6 +87,12 @@ class ToolMode:
         if self.kind == "auto":
             return REGISTRY[self.parser].parse(text, self.tools)
         return text, []
+
+    def progress(self, text: str) -> list[CallInProgress]:
+        """The calls of an unfinished output as written so far (auto, with a parser that streams
+        arguments: tool_parsers/streaming.py); [] otherwise."""
+        found = REGISTRY[self.parser].progress if self.kind == "auto" else None
+        return found(text) if found is not None else []
 
     def streamable(self, text: str) -> int:
         """How much of an unfinished output can be streamed as content now (auto: everything

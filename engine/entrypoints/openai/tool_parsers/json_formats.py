@@ -32,6 +32,7 @@ from engine.entrypoints.openai.tool_parsers.base import (
     json_sequence,
     marker_streamable,
 )
+from engine.entrypoints.openai.tool_parsers.streaming import CallInProgress, after_marker, between_markers, json_calls
 
 _HERMES_OPEN, _HERMES_CLOSE = "<tool_call>", "</tool_call>"
 
@@ -151,13 +152,48 @@ def parse_mistral(text: str, schemas: Schemas | None = None) -> Parsed:
     return (before(text, start), calls) if calls else (text, [])
 
 
+def mistral_progress(text: str) -> list[CallInProgress]:
+    """parse_mistral's calls as written so far (streaming.py)."""
+    start = text.find(_TOOL_CALLS)
+    if start < 0:
+        return []
+    rest = text[start + len(_TOOL_CALLS) :]
+    if rest.lstrip()[:1] in ("[", "{"):
+        return [call._replace(id=mistral_id()) for call in json_calls(rest)]
+    out, pos = [], 0
+    while head := _MISTRAL_NAME.match(rest, pos):
+        args = rest[head.end() :].lstrip()
+        out.append(CallInProgress(head.group(1), args if args.startswith("{") else None, head.group(2) or mistral_id()))
+        found = json_prefix(rest[head.end() :])
+        if found is None:
+            break
+        pos = head.end() + found[1]
+        tail = rest[pos:].lstrip()
+        pos = len(rest) - len(tail) + (len(_TOOL_CALLS) if tail.startswith(_TOOL_CALLS) else 0)
+    return out
+
+
+def llama_progress(text: str) -> list[CallInProgress]:
+    body = text.lstrip().removeprefix(_PYTHON_TAG)
+    return json_calls(body) if body.lstrip().startswith("{") else []
+
+
 _llama_streamable = hold_if_starts(("{", _PYTHON_TAG))
 
 JSON_PARSERS = {
-    "hermes": ToolParser(parse_hermes, marker_streamable((_HERMES_OPEN,))),
-    "llama3_json": ToolParser(parse_llama_json, _llama_streamable),
-    "llama4_json": ToolParser(parse_llama_json, _llama_streamable),
-    "granite": ToolParser(parse_granite, marker_streamable(_GRANITE_MARKERS)),
-    "internlm": ToolParser(parse_internlm, marker_streamable((_ACTION_OPEN,)), keep_special_tokens=True),
-    "mistral": ToolParser(parse_mistral, marker_streamable((_TOOL_CALLS,)), keep_special_tokens=True),
+    "hermes": ToolParser(
+        parse_hermes, marker_streamable((_HERMES_OPEN,)), progress=between_markers(_HERMES_OPEN, _HERMES_CLOSE)
+    ),
+    "llama3_json": ToolParser(parse_llama_json, _llama_streamable, progress=llama_progress),
+    "llama4_json": ToolParser(parse_llama_json, _llama_streamable, progress=llama_progress),
+    "granite": ToolParser(parse_granite, marker_streamable(_GRANITE_MARKERS), progress=after_marker(_GRANITE_MARKERS)),
+    "internlm": ToolParser(
+        parse_internlm,
+        marker_streamable((_ACTION_OPEN,)),
+        keep_special_tokens=True,
+        progress=between_markers(_ACTION_OPEN, _ACTION_CLOSE),
+    ),
+    "mistral": ToolParser(
+        parse_mistral, marker_streamable((_TOOL_CALLS,)), keep_special_tokens=True, progress=mistral_progress
+    ),
 }
