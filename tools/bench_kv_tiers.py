@@ -128,6 +128,9 @@ def main() -> None:
     print(f"tiers-on cold vs off: {cold / off:.3f} (1.0 = no cost)")
     rows.update({"off": off, "on/cold": cold, "pool hit": pool_hit, "on/evicted": evicted, "restart": restart})
     if args.llama_cpp_dir:
+        import sys
+
+        sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # (tools/ as a package, run as a script)
         from tools.kv_tiers_llamacpp import run_llama_server
 
         peer = run_llama_server(Path(args.llama_cpp_dir), args.model, prompt, args.threads, args.port)

@@ -3,7 +3,7 @@ its slot files (`--slot-save-path`, POST /slots/0?action=save|restore), on the s
 the same prompt of token ids.
 
   off      cache_prompt false: the prompt computed (every return without a saved slot)
-  on/cold  cache_prompt true on an empty slot: prefill (the slot then holds the prefix)
+  on/cold  cache_prompt true on an erased slot: prefill (the slot then holds the prefix)
   pool hit the same prompt again: the slot's KV reused (llama-server's floor)
   restart  the slot saved to a file, the server stopped and started again, the slot restored
            (restore time reported apart: llama-server does not restore by itself, a client must
@@ -83,6 +83,7 @@ def run_llama_server(bin_dir: Path, model: str, prompt: list[int], threads: int,
     with running_server(cmd, env, work / "server1.log", port, 600.0, work):
         _ttft(port, prompt[:32], cache=False)  # (first-call costs out of the timings)
         rows["off"], tok_off, _ = _ttft(port, prompt, cache=False)
+        _post(port, "/slots/0?action=erase", {})  # (the slot keeps the uncached run's KV: start empty)
         rows["on/cold"], _, _ = _ttft(port, prompt, cache=True)
         rows["pool hit"], tok_hit, reused = _ttft(port, prompt, cache=True)
         t0 = time.perf_counter()
