@@ -6,12 +6,17 @@ request body (already capped in bytes by GateMiddleware) is, in order:
 1. counted: more than max_request_json_values JSON values, or max_request_json_objects objects,
    is a 400 before parsing (a C-speed scan; parsing 10 million token ids, or 240,000 tool
    definitions, would hold the interpreter for seconds: objects cost ~50x a number to build);
-2. parsed (json.loads: bounded by 1.);
+2. parsed (json.loads: bounded by 1.); a body of OFF_LOOP_BYTES or more is parsed, and steps
+   3-4 run, on the server's JSON thread, by a decoder whose hooks are Python functions (every
+   object and number calls one), so the thread hands the GIL back to the loop every switch
+   interval: a plain json.loads holds it from start to end (a 99,000-object body: ~0.35 s with a
+   server-sized heap);
 3. checked for lone surrogates, only when the bytes can hold one (a byte search);
 4. shaped: a token-id prompt with no room in max_model_len, more prompts than a request may hold,
-   more chat messages than max_model_len, more allowed/stop token ids than the vocabulary: a
-   400 from len() alone, before any per-token work (pydantic's validation included), by the
-   rules of engine/core/admission_rules/;
+   more chat messages than max_model_len, more allowed/stop token ids than the vocabulary, more
+   stop strings (or characters in them) than a request may hold: a 400 from len() alone, before
+   any per-token work (pydantic's validation included), by the rules of
+   engine/core/admission_rules/;
 5. validated by FastAPI against the endpoint's model, as usual.
 
 `BoundedJSONRoute` does 1-4 for every JSON endpoint of the API.
@@ -137,6 +142,10 @@ def check_shape(info: EngineInfo, data: Any) -> None:
         rules.tool_count(len(data["tools"]))
     if isinstance(data.get("logit_bias"), dict):
         rules.logit_bias_count(len(data["logit_bias"]), info.vocab_size)
+    for field in ("stop", "stop_sequences"):  # (stop_sequences: the Messages API's)
+        stops = data.get(field)
+        if isinstance(stops, list):
+            rules.stop_string_count(stops, field)
 
 
 async def read_body(request: Request, max_values: int, max_objects: int | None = None) -> tuple[bytes, bool]:
@@ -165,9 +174,28 @@ async def read_body(request: Request, max_values: int, max_objects: int | None =
     return b"".join(chunks), surrogates
 
 
-def parse_body(body: bytes, info: EngineInfo, may_hold_surrogates: bool = True) -> Any:
-    """Steps 2-4 of the module docstring; a malformed body raises json.JSONDecodeError."""
-    data = json.loads(body)
+OFF_LOOP_BYTES = 64 << 10  # (parsing this much takes ~1 ms: below it, a thread hop would cost more)
+
+
+def _object(pairs: list) -> dict:
+    return dict(pairs)  # (what json builds itself; as a Python function, a point where the GIL can pass)
+
+
+def _int(text: str) -> int:
+    return int(text)
+
+
+def _float(text: str) -> float:
+    return float(text)
+
+
+def parse_body(body: bytes, info: EngineInfo, may_hold_surrogates: bool = True, yielding: bool = False) -> Any:
+    """Steps 2-4 of the module docstring; a malformed body raises json.JSONDecodeError.
+    `yielding`: parse with Python hooks (for a thread beside the event loop: see step 2)."""
+    if yielding:
+        data = json.loads(body, object_pairs_hook=_object, parse_int=_int, parse_float=_float)
+    else:
+        data = json.loads(body)
     if may_hold_surrogates:
         path = lone_surrogate_path(data)
         if path is not None:
@@ -216,7 +244,10 @@ class BoundedJSONRoute(APIRoute):
             if not body:
                 return await handler(_ParsedRequest(request, body, None))
             try:
-                data = parse_body(body, state.info, surrogates)
+                if len(body) >= OFF_LOOP_BYTES:
+                    data = await state.parse_off_loop(parse_body, body, state.info, surrogates, True)
+                else:
+                    data = parse_body(body, state.info, surrogates)
             except json.JSONDecodeError as exc:  # (as FastAPI reports it: errors.py names the field)
                 raise RequestValidationError(
                     [
@@ -237,6 +268,12 @@ class BoundedJSONRoute(APIRoute):
             except RecursionError as exc:
                 raise InvalidRequestError(
                     "the request body is not valid JSON here: it is nested too deeply", None
+                ) from exc
+            except InvalidRequestError:
+                raise
+            except ValueError as exc:  # (after its subclasses above): an integer of over 4,300 digits
+                raise InvalidRequestError(
+                    "the request body is not valid JSON here: a number in it has too many digits", None
                 ) from exc
             return await handler(_ParsedRequest(request, body, data))
 
