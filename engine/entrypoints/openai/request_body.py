@@ -8,9 +8,9 @@ request body (already capped in bytes by GateMiddleware) is, in order:
    definitions, would hold the interpreter for seconds: objects cost ~50x a number to build);
 2. parsed (json.loads: bounded by 1.); a body of OFF_LOOP_BYTES or more is parsed, and steps
    3-4 run, on the server's JSON thread, by a decoder whose hooks are Python functions (every
-   object and number calls one), so the thread hands the GIL back to the loop every switch
-   interval: a plain json.loads holds it from start to end (a 99,000-object body: ~0.35 s with a
-   server-sized heap);
+   object and number calls one) that rest the thread regularly (_YieldingHooks), so it hands
+   the GIL to the loop and the step thread within a millisecond: a plain json.loads holds it
+   from start to end (a 99,000-object body: ~0.35 s with a server-sized heap);
 3. checked for lone surrogates, only when the bytes can hold one (a byte search);
 4. shaped: a token-id prompt with no room in max_model_len, more prompts than a request may hold,
    more chat messages than max_model_len, more allowed/stop token ids than the vocabulary, more
@@ -25,6 +25,7 @@ request body (already capped in bytes by GateMiddleware) is, in order:
 from __future__ import annotations
 
 import json
+import time
 from typing import Any, Callable
 
 from fastapi import Request
@@ -175,25 +176,43 @@ async def read_body(request: Request, max_values: int, max_objects: int | None =
 
 
 OFF_LOOP_BYTES = 64 << 10  # (parsing this much takes ~1 ms: below it, a thread hop would cost more)
+WORK_S, REST_S = 0.001, 0.001  # the JSON thread's duty cycle while it parses
 
 
-def _object(pairs: list) -> dict:
-    return dict(pairs)  # (what json builds itself; as a Python function, a point where the GIL can pass)
+class _YieldingHooks:
+    """json.loads' hooks for objects and numbers as Python functions, which give the GIL a
+    point to pass at, and which sleep REST_S after every WORK_S of parsing. Passing at the
+    switch interval alone (5 ms) is not enough: the step thread gives the GIL up around every
+    torch op and waited up to 5 ms to get it back each time (a convoy); now it waits at most
+    WORK_S, and runs freely while the parser rests."""
 
+    def __init__(self) -> None:
+        self.rest_at = time.perf_counter() + WORK_S
 
-def _int(text: str) -> int:
-    return int(text)
+    def _tick(self) -> None:
+        if time.perf_counter() >= self.rest_at:
+            time.sleep(REST_S)
+            self.rest_at = time.perf_counter() + WORK_S
 
+    def object(self, pairs: list) -> dict:
+        self._tick()
+        return dict(pairs)  # (what json builds itself)
 
-def _float(text: str) -> float:
-    return float(text)
+    def integer(self, text: str) -> int:
+        self._tick()
+        return int(text)
+
+    def real(self, text: str) -> float:
+        self._tick()
+        return float(text)
 
 
 def parse_body(body: bytes, info: EngineInfo, may_hold_surrogates: bool = True, yielding: bool = False) -> Any:
     """Steps 2-4 of the module docstring; a malformed body raises json.JSONDecodeError.
-    `yielding`: parse with Python hooks (for a thread beside the event loop: see step 2)."""
+    `yielding`: parse with _YieldingHooks (on a thread beside the event loop: see step 2)."""
     if yielding:
-        data = json.loads(body, object_pairs_hook=_object, parse_int=_int, parse_float=_float)
+        hooks = _YieldingHooks()
+        data = json.loads(body, object_pairs_hook=hooks.object, parse_int=hooks.integer, parse_float=hooks.real)
     else:
         data = json.loads(body)
     if may_hold_surrogates:
