@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import random
 import socket
 import threading
 import time
@@ -150,6 +151,45 @@ def test_json_value_counter_ignores_strings_and_escapes():
         for i in range(0, len(body), size):
             counter.feed(body[i : i + size])
         assert counter.count == 9, (size, counter.count)  # 5 commas + 2 [ + 2 { outside the strings
+
+
+def _separators_outside_strings(text: bytes) -> int:
+    """The counter's reference: commas and opening brackets outside strings, byte by byte."""
+    count, in_string, escaped = 0, False, False
+    for byte in text:
+        if escaped:
+            escaped = False
+        elif in_string:
+            in_string, escaped = byte != ord('"'), byte == ord("\\")
+        else:
+            in_string = byte == ord('"')
+            count += byte in b",[{"
+    return count
+
+
+def test_json_value_counter_agrees_with_a_byte_by_byte_count():
+    rng = random.Random(5)
+    pieces = ["a", ",", "[", "{", '"', "\\", "\\\\", '\\"', "\\u00e9", "é", " ", "}", "]"]
+
+    def value(depth: int):
+        kind = rng.randrange(6 if depth < 4 else 3)
+        if kind == 0:
+            return "".join(rng.choice(pieces) for _ in range(rng.randrange(8)))
+        if kind == 1:
+            return rng.randrange(-5, 99)
+        if kind == 2:
+            return None
+        if kind == 3:
+            return [value(depth + 1) for _ in range(rng.randrange(5))]
+        return {"".join(rng.choice(pieces) for _ in range(3)): value(depth + 1) for _ in range(rng.randrange(5))}
+
+    for _ in range(300):
+        body = json.dumps(value(0), ensure_ascii=rng.random() < 0.5).encode()
+        size = rng.choice([1, 2, 3, 5, 64, len(body) or 1])
+        counter = JSONValueCounter()
+        for i in range(0, len(body), size):
+            counter.feed(body[i : i + size])
+        assert counter.count == _separators_outside_strings(body), (body, size)
 
 
 # ---- 2: chats ----
