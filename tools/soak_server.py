@@ -48,7 +48,7 @@ PROMPTS = ["The cat", "Once upon a time", "def main():", "1, 2, 3,", "Hello ther
 def server_flags(lora_root: Path) -> list[str]:
     return [
         "--api-key", KEY, "--root-path", ROOT, "--served-model-name", "m",
-        "--max-model-len", "1024", "--max-num-seqs", "32", "--num-gpu-blocks", "512",
+        "--max-model-len", "1024", "--max-num-seqs", "96", "--num-gpu-blocks", "2560",
         "--grammar-compile-timeout-s", str(COMPILE_TIMEOUT_S), "--grammar-compile-workers", "2",
         "--stream-stall-timeout-s", str(STALL_S), "--stream-pause-tokens", "64", "--http-send-buffer-kb", "16",
         "--enable-lora", "--max-lora-rank", "8", "--allow-runtime-lora-updating",
@@ -258,7 +258,7 @@ async def _lora_probes(http: httpx.AsyncClient, out: Round) -> list[tuple[int, s
     return answers
 
 
-def _unread_stream(port: int, max_tokens: int) -> socket.socket:
+def _unread_stream(port: int, max_tokens: int, n: int) -> socket.socket:
     s = socket.socket()
     s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
     s.connect(("127.0.0.1", port))
@@ -267,6 +267,7 @@ def _unread_stream(port: int, max_tokens: int) -> socket.socket:
             "model": "m",
             "prompt": "Once upon a time",
             "max_tokens": max_tokens,
+            "n": n,
             "ignore_eos": True,
             "stream": True,
             "logprobs": 5,
@@ -302,28 +303,37 @@ def _read_to_end(s: socket.socket) -> tuple[int, bytes]:
     return int(head.split(b" ", 2)[1]), body
 
 
-async def _pausing(url: str, port: int, count: int, out: Round) -> None:
-    """`count` streams whose clients read nothing for a while: they pause (still running long
-    after a fast reader of the same length finished), then read to the end: every token arrives."""
+async def _pausing(url: str, port: int, count: int, n: int, out: Round) -> None:
+    """`count` streams of n samples whose clients read nothing for a while: they pause (still
+    running at 1.5x the time the same requests took read at once), then read to the end: every
+    token arrives."""
     max_tokens = PAUSING_TOKENS
     t0 = time.monotonic()
     async with httpx.AsyncClient(base_url=url, headers=AUTH, timeout=120) as http:
-        body = {"model": "m", "prompt": "Once upon a time", "max_tokens": max_tokens, "ignore_eos": True,
+        body = {"model": "m", "prompt": "Once upon a time", "max_tokens": max_tokens, "n": n, "ignore_eos": True,
                 "logprobs": 5}  # fmt: skip
-        resp = await http.post("/v1/completions", json=body)
-        out.statuses.append(resp.status_code)
+        answers = await asyncio.gather(*(http.post("/v1/completions", json=body) for _ in range(count)))
+        out.statuses += [resp.status_code for resp in answers]
     fast = time.monotonic() - t0
-    socks = [_unread_stream(port, max_tokens) for _ in range(count)]
-    await asyncio.sleep(min(max(2 * fast, 1.5), STALL_S / 3))
-    out.paused_still_running = gauges(url)["kiln:num_requests_running"] == count  # (nothing else runs now)
-    answers = await asyncio.gather(*(asyncio.to_thread(_read_to_end, s) for s in socks))
-    for status, body in answers:
+    socks = [_unread_stream(port, max_tokens, n) for _ in range(count)]
+    await asyncio.sleep(min(max(1.5 * fast, 1.5), STALL_S / 2))
+    # (the gauge counts sequences; nothing else runs now)
+    out.paused_still_running = gauges(url)["kiln:num_requests_running"] == count * n
+    read = await asyncio.gather(*(asyncio.to_thread(_read_to_end, s) for s in socks))
+    for status, text in read:
         out.statuses.append(status)
-        events = [json.loads(line[6:]) for line in body.splitlines() if line.startswith(b"data: {")]
-        out.unread_tokens.append(next((e["usage"]["completion_tokens"] for e in events if e.get("usage")), -1))
+        try:
+            events = [json.loads(line[6:]) for line in text.splitlines() if line.startswith(b"data: {")]
+        except json.JSONDecodeError:  # (cut short: counted as lost below)
+            events = []
+            out.mismatches.append(f"an unread stream was cut short: ...{text[-200:]!r}")
+        usage = next((e["usage"]["completion_tokens"] for e in events if e.get("usage")), -1)
+        out.unread_tokens.append(usage // n if usage == max_tokens * n else -1)
 
 
-async def soak_round(url: str, port: int, idle: dict[str, str], rnd: int, streams: int) -> Round:
+async def soak_round(
+    url: str, port: int, idle: dict[str, str], rnd: int, streams: int, unread: tuple[int, int]
+) -> Round:
     out = Round()
     limits = httpx.Limits(max_connections=500, max_keepalive_connections=100)
     async with httpx.AsyncClient(base_url=url, headers=AUTH, timeout=120, limits=limits) as http:
@@ -337,7 +347,7 @@ async def soak_round(url: str, port: int, idle: dict[str, str], rnd: int, stream
             _compiles(url, rnd, out),
             _lora_probes(http, out),
         )
-    await _pausing(url, port, 4, out)  # (alone: the running gauge then counts its streams only)
+    await _pausing(url, port, *unread, out)  # (alone: the running gauge then counts its streams only)
     for key, text in results[:streams]:
         if idle[key] != text:
             out.mismatches.append(f"{key}: {text!r} != {idle[key]!r}")
@@ -388,9 +398,12 @@ class Soak:
         )
 
 
-def soak(proc, url: str, duration: float, warm_rounds: int = 2, streams: int = 24) -> Soak:
+def soak(
+    proc, url: str, duration: float, warm_rounds: int = 2, streams: int = 24, unread: tuple[int, int] = (20, 4)
+) -> Soak:
     """Rounds until `duration` seconds have passed (at least warm_rounds + 1); RSS is read after
-    the warm-up rounds and at the end, both with the server idle (no request, no KV block)."""
+    the warm-up rounds and at the end, both with the server idle (no request, no KV block).
+    `unread`: (requests, samples each) of the streams that stop reading."""
     port = int(url.rsplit(":", 1)[1])
     result = Soak()
     t0 = time.monotonic()
@@ -405,7 +418,7 @@ def soak(proc, url: str, duration: float, warm_rounds: int = 2, streams: int = 2
     idle = asyncio.run(idle_answers())
     rnd = 0
     while rnd < warm_rounds + 1 or time.monotonic() - t0 < duration:
-        out = asyncio.run(soak_round(url, port, idle, rnd, streams))
+        out = asyncio.run(soak_round(url, port, idle, rnd, streams, unread))
         wait_idle(url)
         rnd += 1
         result.rounds = rnd
@@ -430,6 +443,7 @@ def main() -> int:
     parser.add_argument("--model", type=Path, help="a checkpoint to serve (default: a tiny random Llama)")
     parser.add_argument("--streams", type=int, default=24, help="greedy streams a round (and a third as many dropped)")
     parser.add_argument("--copies", type=int, default=4, help="concurrent copies of each flood body")
+    parser.add_argument("--unread", type=int, default=20, help="streams (n=4 each) that stop reading, a round")
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="kiln-soak-"))
     model = args.model
@@ -449,7 +463,7 @@ def main() -> int:
                     f"{name} x{copies}: statuses {sorted(set(statuses))}; another stream's longest gap {gap:.3f}s, "
                     f"slowest /health {health:.3f}s ({'under' if ok else 'OVER'} 0.25 s)"
                 )
-        result = soak(proc, url, args.duration, streams=args.streams)
+        result = soak(proc, url, args.duration, streams=args.streams, unread=(args.unread, 4))
         print(f"soak: {result.summary()}")
         failures = result.failures()
         for failure in failures:

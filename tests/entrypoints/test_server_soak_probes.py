@@ -52,7 +52,7 @@ def test_floods_of_large_bodies_leave_health_and_streams_moving(soak_server_url)
 @pytest.mark.slow
 def test_bounded_soak_of_every_probe(soak_server_url):
     proc, url = soak_server_url
-    result = soak_server.soak(proc, url, duration=0.0, warm_rounds=1, streams=12)
+    result = soak_server.soak(proc, url, duration=0.0, warm_rounds=1, streams=12, unread=(4, 2))
     print(f"\nsoak: {result.summary()}")
     assert result.rounds == 2 and result.requests > 100, result
     assert not result.failures(), result.failures()
