@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import concurrent.futures
 import json
 import socket
 import sys
@@ -40,7 +41,7 @@ KEY = "soak-key"
 ROOT = "/api"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 COMPILE_TIMEOUT_S = 1.0
-STALL_S = 20.0
+STALL_S = 30.0
 PAUSING_TOKENS = 400  # (enough to fill the small socket buffers, then 64 unread: they pause)
 PROMPTS = ["The cat", "Once upon a time", "def main():", "1, 2, 3,", "Hello there", "Paris is"]
 
@@ -316,10 +317,13 @@ async def _pausing(url: str, port: int, count: int, n: int, out: Round) -> None:
         out.statuses += [resp.status_code for resp in answers]
     fast = time.monotonic() - t0
     socks = [_unread_stream(port, max_tokens, n) for _ in range(count)]
-    await asyncio.sleep(min(max(1.5 * fast, 1.5), STALL_S / 2))
+    await asyncio.sleep(min(max(1.5 * fast, 1.5), STALL_S / 3))
     # (the gauge counts sequences; nothing else runs now)
     out.paused_still_running = gauges(url)["kiln:num_requests_running"] == count * n
-    read = await asyncio.gather(*(asyncio.to_thread(_read_to_end, s) for s in socks))
+    # A thread for each (the default executor's few would leave the rest unread past the stall timeout).
+    with concurrent.futures.ThreadPoolExecutor(len(socks)) as readers:
+        loop = asyncio.get_running_loop()
+        read = await asyncio.gather(*(loop.run_in_executor(readers, _read_to_end, s) for s in socks))
     for status, text in read:
         out.statuses.append(status)
         try:
