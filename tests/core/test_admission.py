@@ -189,13 +189,27 @@ CASES = [
         "at most 1024 stop strings, got 1025",
         "stop",
         _gen("hi", stop=[f"s{i}" for i in range(1025)]),
-        lambda c: _completion(stop=[f"s{i}" for i in range(1025)]),
+        None,  # (the server refuses it before validating the strings: stop_string_count)
     ),
     Case(
         "sampling",
         "the stop strings hold 70000 characters, more than 65536",
         "stop",
         _gen("hi", stop=["x" * 35000, "y" * 35000]),
+        None,
+    ),
+    Case(
+        "stop_string_count",
+        "at most 1024 stop strings, got 1025",
+        "stop",
+        None,
+        lambda c: _completion(stop=[f"s{i}" for i in range(1025)]),
+    ),
+    Case(
+        "stop_string_count",
+        "the stop strings hold 70000 characters, more than 65536",
+        "stop",
+        None,
         lambda c: _chat(stop=["x" * 35000, "y" * 35000]),
     ),
     Case(

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import random
 import socket
 import threading
 import time
@@ -14,7 +15,8 @@ import time
 import httpx
 import pytest
 
-from engine.entrypoints.openai import admission, chat
+from engine.core.admission_rules.params import MAX_STOP_CHARS, MAX_STOP_STRINGS
+from engine.entrypoints.openai import admission, chat, request_body
 from engine.entrypoints.openai.request_body import JSONValueCounter
 from engine.runtime.admission import Admission
 from tests.support.server import app_states, serving, slow_steps
@@ -151,6 +153,45 @@ def test_json_value_counter_ignores_strings_and_escapes():
         assert counter.count == 9, (size, counter.count)  # 5 commas + 2 [ + 2 { outside the strings
 
 
+def _separators_outside_strings(text: bytes) -> int:
+    """The counter's reference: commas and opening brackets outside strings, byte by byte."""
+    count, in_string, escaped = 0, False, False
+    for byte in text:
+        if escaped:
+            escaped = False
+        elif in_string:
+            in_string, escaped = byte != ord('"'), byte == ord("\\")
+        else:
+            in_string = byte == ord('"')
+            count += byte in b",[{"
+    return count
+
+
+def test_json_value_counter_agrees_with_a_byte_by_byte_count():
+    rng = random.Random(5)
+    pieces = ["a", ",", "[", "{", '"', "\\", "\\\\", '\\"', "\\u00e9", "é", " ", "}", "]"]
+
+    def value(depth: int):
+        kind = rng.randrange(6 if depth < 4 else 3)
+        if kind == 0:
+            return "".join(rng.choice(pieces) for _ in range(rng.randrange(8)))
+        if kind == 1:
+            return rng.randrange(-5, 99)
+        if kind == 2:
+            return None
+        if kind == 3:
+            return [value(depth + 1) for _ in range(rng.randrange(5))]
+        return {"".join(rng.choice(pieces) for _ in range(3)): value(depth + 1) for _ in range(rng.randrange(5))}
+
+    for _ in range(300):
+        body = json.dumps(value(0), ensure_ascii=rng.random() < 0.5).encode()
+        size = rng.choice([1, 2, 3, 5, 64, len(body) or 1])
+        counter = JSONValueCounter()
+        for i in range(0, len(body), size):
+            counter.feed(body[i : i + size])
+        assert counter.count == _separators_outside_strings(body), (body, size)
+
+
 # ---- 2: chats ----
 def test_30mb_chat_does_not_stall_the_loop(app_state):
     state, app = app_state()
@@ -252,3 +293,68 @@ def test_client_mistakes_are_400_naming_the_field(app_state):
         err = _error(resp)
         assert err["param"] == "allowed_token_ids" and "min_tokens" in err["message"], err
     assert fine.status_code == 200, fine.text
+
+
+# ---- issue 39: large bodies parsed off the event loop, stop strings counted before validation ----
+def test_yielding_parse_reads_bodies_as_json_loads_does(app_state):
+    state, _ = app_state()
+    bodies = [
+        b'{"prompt": [1, 2, -3], "temperature": 0.5, "top_p": 1e-3, "n": 2, "x": {"a": 1, "a": 2}}',
+        json.dumps({"messages": [{"role": "user", "content": [{"type": "text", "text": "\u6771\u4eac \\"}]}]}).encode(),
+        b'{"a": [[], {}, [[{}]], null, true, false, 12345678901234567890, -0.0, 1E400, "\\u00e9"]}',
+    ]
+    for body in bodies:
+        assert request_body.parse_body(body, state.info, True, yielding=True) == json.loads(body), body
+
+
+def test_large_bodies_parse_on_the_json_thread(app_state, monkeypatch):
+    state, app = app_state()
+    threads = []
+    real = request_body.parse_body
+    monkeypatch.setattr(
+        request_body, "parse_body", lambda *a: threads.append(threading.current_thread().name) or real(*a)
+    )
+    big = {"prompt": "hi", "max_tokens": 1, "user": "u" * request_body.OFF_LOOP_BYTES}
+
+    async def main():
+        async with _client(app) as http:
+            small = await http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 1})
+            large = await http.post("/v1/completions", json=big)
+            return small, large
+
+    small, large = asyncio.run(main())
+    assert small.status_code == 200 and large.status_code == 200, (small.text, large.text)
+    assert threads[0] == threading.main_thread().name and threads[1].startswith("kiln-json"), threads
+
+
+def test_stop_strings_and_huge_numbers_refused_before_validation(app_state):
+    state, app = app_state()
+    cap = MAX_STOP_STRINGS
+
+    async def main():
+        async with _client(app) as http:
+            many = await http.post("/v1/completions", json={"prompt": "hi", "stop": ["x"] * (cap + 1)})
+            long = await http.post("/v1/completions", json={"prompt": "hi", "stop": ["x" * (MAX_STOP_CHARS + 1)]})
+            messages = await http.post(
+                "/v1/messages",
+                json={
+                    "model": "m",
+                    "max_tokens": 2,
+                    "messages": [{"role": "user", "content": "hi"}],
+                    "stop_sequences": ["x"] * (cap + 1),
+                },
+            )
+            digits = await http.post(
+                "/v1/completions",
+                content=b'{"prompt": "hi", "max_tokens": 1' + b"0" * 5000 + b"}",
+                headers={"content-type": "application/json"},
+            )
+            ok = await http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2, "stop": ["x"] * cap})
+            return many, long, messages, digits, ok
+
+    many, long, messages, digits, ok = asyncio.run(main())
+    assert _error(many)["param"] == "stop" and f"at most {cap} stop strings" in _error(many)["message"]
+    assert _error(long)["param"] == "stop"
+    assert messages.status_code == 400 and "stop strings" in messages.text, messages.text
+    assert "too many digits" in _error(digits)["message"]
+    assert ok.status_code == 200, ok.text

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Container
 
+from engine.core.admission_rules.params import MAX_STOP_CHARS, MAX_STOP_STRINGS
 from engine.core.admission_rules.refusal import InvalidRequestError
 
 
@@ -84,6 +85,16 @@ def content_part_count(count: int, max_model_len: int) -> None:
         raise InvalidRequestError(
             f"messages: {count} content parts cannot fit in max_model_len={max_model_len} tokens", "messages"
         )
+
+
+def stop_string_count(stops: list, param: str) -> None:
+    """A request's stop strings before they are validated one by one (the server's body parser):
+    SamplingParams' stop rows, checked from len() first."""
+    if len(stops) > MAX_STOP_STRINGS:
+        raise InvalidRequestError(f"at most {MAX_STOP_STRINGS} stop strings, got {len(stops)}", param)
+    chars = sum(len(s) for s in stops if isinstance(s, str))
+    if chars > MAX_STOP_CHARS:
+        raise InvalidRequestError(f"the stop strings hold {chars} characters, more than {MAX_STOP_CHARS}", param)
 
 
 def logit_bias_count(count: int, vocab: int) -> None:

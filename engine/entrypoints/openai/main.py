@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 import logging
 import os
@@ -117,6 +118,11 @@ def serve(engine_settings: EngineSettings, server_settings: ServerSettings) -> i
         raise
     app = build_app(state)
     add_http_middleware(app, server_settings)
+    # Start-up's objects (torch, transformers, the tokenizer: ~350,000 for the tiny model) out of
+    # the collector's reach: a full collection walked them all, ~0.3 s holding the GIL, and any
+    # request that makes many objects (a large body) triggers one. Cycles made later are collected.
+    gc.collect()
+    gc.freeze()
     _start_grammar_workers(state)
     # uvicorn's own limit is a backstop: ServerState.drain ends every request within shutdown_timeout.
     config = uvicorn.Config(

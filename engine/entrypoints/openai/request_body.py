@@ -6,12 +6,17 @@ request body (already capped in bytes by GateMiddleware) is, in order:
 1. counted: more than max_request_json_values JSON values, or max_request_json_objects objects,
    is a 400 before parsing (a C-speed scan; parsing 10 million token ids, or 240,000 tool
    definitions, would hold the interpreter for seconds: objects cost ~50x a number to build);
-2. parsed (json.loads: bounded by 1.);
+2. parsed (json.loads: bounded by 1.); a body of OFF_LOOP_BYTES or more is parsed, and steps
+   3-4 run, on the server's JSON thread, by a decoder whose hooks are Python functions (every
+   object and number calls one) that rest the thread regularly (_YieldingHooks), so it hands
+   the GIL to the loop and the step thread within a millisecond: a plain json.loads holds it
+   from start to end (a 99,000-object body: ~0.35 s with a server-sized heap);
 3. checked for lone surrogates, only when the bytes can hold one (a byte search);
 4. shaped: a token-id prompt with no room in max_model_len, more prompts than a request may hold,
-   more chat messages than max_model_len, more allowed/stop token ids than the vocabulary: a
-   400 from len() alone, before any per-token work (pydantic's validation included), by the
-   rules of engine/core/admission_rules/;
+   more chat messages than max_model_len, more allowed/stop token ids than the vocabulary, more
+   stop strings (or characters in them) than a request may hold: a 400 from len() alone, before
+   any per-token work (pydantic's validation included), by the rules of
+   engine/core/admission_rules/;
 5. validated by FastAPI against the endpoint's model, as usual.
 
 `BoundedJSONRoute` does 1-4 for every JSON endpoint of the API.
@@ -20,6 +25,7 @@ request body (already capped in bytes by GateMiddleware) is, in order:
 from __future__ import annotations
 
 import json
+import time
 from typing import Any, Callable
 
 from fastapi import Request
@@ -34,7 +40,9 @@ from engine.runtime.engine_info import EngineInfo
 def _may_hold_surrogates(body: bytes) -> bool:
     """What can decode to a lone surrogate: a \\uD800-\\uDFFF escape, or its raw (invalid UTF-8)
     bytes, which start with 0xED (byte searches: a regex would be ten times slower)."""
-    return b"\\ud" in body or b"\\uD" in body or b"\xed" in body
+    if b"\xed" in body:
+        return True
+    return b"\\" in body and (b"\\ud" in body or b"\\uD" in body)  # (a backslash first: a byte's search)
 
 
 def max_prompts(info: EngineInfo) -> int:
@@ -71,6 +79,9 @@ def lone_surrogate_path(value: Any, path: str = "") -> str | None:
     return None
 
 
+_UNCOUNTED = bytes(sorted(set(range(256)) - set(b'"{[,')))
+
+
 class JSONValueCounter:
     """Counts, chunk by chunk as a body arrives, the separators of a JSON text outside its
     strings: every array element and object member but the first of each follows a comma and
@@ -91,6 +102,10 @@ class JSONValueCounter:
             if chunk.endswith(b"\\"):
                 chunk, self._escaped = chunk[:-1], True
             chunk = chunk.replace(b'\\"', b"")
+        # Only quotes and what is counted matter; two adjacent quotes cancel (the characters
+        # around them keep their side of every string): a body of many short strings leaves
+        # few parts to split, not one Python object per string.
+        chunk = chunk.translate(None, _UNCOUNTED).replace(b'""', b"")
         parts = chunk.split(b'"')
         outside = b"".join(parts[1 if self._in_string else 0 :: 2])
         if len(parts) % 2 == 0:
@@ -137,6 +152,10 @@ def check_shape(info: EngineInfo, data: Any) -> None:
         rules.tool_count(len(data["tools"]))
     if isinstance(data.get("logit_bias"), dict):
         rules.logit_bias_count(len(data["logit_bias"]), info.vocab_size)
+    for field in ("stop", "stop_sequences"):  # (stop_sequences: the Messages API's)
+        stops = data.get(field)
+        if isinstance(stops, list):
+            rules.stop_string_count(stops, field)
 
 
 async def read_body(request: Request, max_values: int, max_objects: int | None = None) -> tuple[bytes, bool]:
@@ -165,9 +184,46 @@ async def read_body(request: Request, max_values: int, max_objects: int | None =
     return b"".join(chunks), surrogates
 
 
-def parse_body(body: bytes, info: EngineInfo, may_hold_surrogates: bool = True) -> Any:
-    """Steps 2-4 of the module docstring; a malformed body raises json.JSONDecodeError."""
-    data = json.loads(body)
+OFF_LOOP_BYTES = 64 << 10  # (parsing this much takes ~1 ms: below it, a thread hop would cost more)
+WORK_S, REST_S = 0.001, 0.001  # the JSON thread's duty cycle while it parses
+
+
+class _YieldingHooks:
+    """json.loads' hooks for objects and numbers as Python functions, which give the GIL a
+    point to pass at, and which sleep REST_S after every WORK_S of parsing. Passing at the
+    switch interval alone (5 ms) is not enough: the step thread gives the GIL up around every
+    torch op and waited up to 5 ms to get it back each time (a convoy); now it waits at most
+    WORK_S, and runs freely while the parser rests."""
+
+    def __init__(self) -> None:
+        self.rest_at = time.perf_counter() + WORK_S
+
+    def _tick(self) -> None:
+        if time.perf_counter() >= self.rest_at:
+            time.sleep(REST_S)
+            self.rest_at = time.perf_counter() + WORK_S
+
+    def object(self, pairs: list) -> dict:
+        self._tick()
+        return dict(pairs)  # (what json builds itself)
+
+    def integer(self, text: str) -> int:
+        self._tick()
+        return int(text)
+
+    def real(self, text: str) -> float:
+        self._tick()
+        return float(text)
+
+
+def parse_body(body: bytes, info: EngineInfo, may_hold_surrogates: bool = True, yielding: bool = False) -> Any:
+    """Steps 2-4 of the module docstring; a malformed body raises json.JSONDecodeError.
+    `yielding`: parse with _YieldingHooks (on a thread beside the event loop: see step 2)."""
+    if yielding:
+        hooks = _YieldingHooks()
+        data = json.loads(body, object_pairs_hook=hooks.object, parse_int=hooks.integer, parse_float=hooks.real)
+    else:
+        data = json.loads(body)
     if may_hold_surrogates:
         path = lone_surrogate_path(data)
         if path is not None:
@@ -216,7 +272,10 @@ class BoundedJSONRoute(APIRoute):
             if not body:
                 return await handler(_ParsedRequest(request, body, None))
             try:
-                data = parse_body(body, state.info, surrogates)
+                if len(body) >= OFF_LOOP_BYTES:
+                    data = await state.parse_off_loop(parse_body, body, state.info, surrogates, True)
+                else:
+                    data = parse_body(body, state.info, surrogates)
             except json.JSONDecodeError as exc:  # (as FastAPI reports it: errors.py names the field)
                 raise RequestValidationError(
                     [
@@ -237,6 +296,12 @@ class BoundedJSONRoute(APIRoute):
             except RecursionError as exc:
                 raise InvalidRequestError(
                     "the request body is not valid JSON here: it is nested too deeply", None
+                ) from exc
+            except InvalidRequestError:
+                raise
+            except ValueError as exc:  # (after its subclasses above): an integer of over 4,300 digits
+                raise InvalidRequestError(
+                    "the request body is not valid JSON here: a number in it has too many digits", None
                 ) from exc
             return await handler(_ParsedRequest(request, body, data))
 

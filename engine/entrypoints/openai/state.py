@@ -83,12 +83,19 @@ class ServerState:
         large = size >= self.settings.tokenizer_large_job_chars
         return await asyncio.get_running_loop().run_in_executor(self._pool("large" if large else "small"), fn, *args)
 
+    async def parse_off_loop(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """fn(*args) on the JSON thread: large request bodies parse there (request_body.py), one
+        at a time, so four floods take one thread's share of the CPU, not four."""
+        return await asyncio.get_running_loop().run_in_executor(self._pool("json"), fn, *args)
+
     def _pool(self, lane: str) -> concurrent.futures.ThreadPoolExecutor:
         pool = self._pools.get(lane)
         if pool is None:
-            threads = self.settings.tokenizer_large_job_threads if lane == "large" else self.settings.tokenizer_threads
+            threads = {"large": self.settings.tokenizer_large_job_threads, "json": 1}.get(
+                lane, self.settings.tokenizer_threads
+            )
             pool = self._pools[lane] = concurrent.futures.ThreadPoolExecutor(
-                threads, thread_name_prefix=f"kiln-tokenize-{lane}"
+                threads, thread_name_prefix="kiln-json" if lane == "json" else f"kiln-tokenize-{lane}"
             )
         return pool
 
