@@ -9,7 +9,8 @@
 #                                  engine/compiler module (fail fast: nothing else runs without it)
 #   kernel-cache        20     5   the carried build/kernels: hits, build only misses, load every cubin
 #   tests              220    60   GPU tests in parallel processes, one per kernel generation and
-#                                  engine target (see TEST_GROUPS); meanwhile the 8B engines of
+#                                  engine target (see TEST_GROUPS; speculative decoding under graphs:
+#                                  spec-torch, spec-cutlass); meanwhile the 8B engines of
 #                                  latency-8b and quant-bench are built in the background
 #   kernel-bench        45    20   decode/prefill kernels (v1 / mma, verified) vs torch, quiet GPU
 #   kernel-bench-v2     35    15   the same for decode v2 / wgmma prefill, in a process of its own,
@@ -24,7 +25,8 @@
 #   swap-bench          20    10   KV swap GB/s
 #   latency-1b          90    60   Llama-3.2-1B shape, batch 1 and 64 (built and compiled here)
 #
-# Budget: DEADLINE_S (default 500) for all stages; a stage runs for min(its max, what is left) and
+# Each test group's engine builds (GROUP_BUILDS) and their estimated seconds print beside the tests
+# stage's limit in the plan. Budget: DEADLINE_S (default 500) for all stages; a stage runs for min(its max, what is left) and
 # is skipped when less than its min is left. The maxima up to latency-8b add up to 480 s, so the
 # 8B figures are always reached. What the budget rests on (no cold compile has been timed on the
 # H200 yet; every engine stage now records its start-up, compile and capture seconds, so the next
@@ -119,12 +121,49 @@ for arg in "$@"; do
 done
 [ ${#STAGES[@]} -eq 0 ] && STAGES=("${ALL_STAGES[@]}")
 
+# The tests stage's processes: NAME|pytest arguments. Kernel tests are split by generation so a
+# fault in a newer one (sticky: it ends the CUDA context, and every later test of that process
+# errors) cannot spoil the older generation's verdicts; engine-level tests run one process per
+# backend and kernel generation (each a cold compile-and-capture cycle).
+TEST_GROUPS=(
+  "kernels-v1|-n 3 --timeout 120 -k 'not v2 and not wgmma' tests/compiler/test_kernels_gpu.py tests/layers/test_fp8_kv_gpu.py"
+  "kernels-v2|-n 3 --timeout 120 -k 'v2 or wgmma' tests/compiler/test_kernels_gpu.py tests/layers/test_fp8_kv_gpu.py"
+  "int4|-m gpu --timeout 120 tests/layers/test_w4a16_gpu.py tests/layers/test_quant_int4.py"
+  "graph-torch|-m gpu --timeout 200 -k torch tests/worker/test_cuda_graph.py"
+  "graph-cutlass-v1|-m gpu --timeout 200 -k cutlass_v1 tests/worker/test_cuda_graph.py"
+  "graph-cutlass-v2|-m gpu --timeout 200 -k cutlass_v2 tests/worker/test_cuda_graph.py"
+  "e2e-v1|-m gpu --timeout 150 -k cutlass_v1 tests/runtime/test_e2e_gpu.py"
+  "e2e-v2|-m gpu --timeout 150 -k cutlass_v2 tests/runtime/test_e2e_gpu.py"
+  "swap|-m gpu --timeout 150 tests/worker/test_swap.py"
+  "features|-m gpu --timeout 200 tests/runtime/test_features_gpu.py"
+  "spec-torch|-m gpu --timeout 200 -k torch tests/spec_decode/test_spec_gpu.py"
+  "spec-cutlass|-m gpu --timeout 200 -k cutlass tests/spec_decode/test_spec_gpu.py"
+)
+# What each group builds, ENGINES:COLD, counted from its test files: engines made, and of their
+# compiled models those that miss the group's Inductor cache (a model the group compiled already, or
+# a draft model of the target's shapes, only traces again; an eager engine compiles nothing). A
+# speculative engine compiles two models (target and draft). The plan prints each group's builds
+# and the estimate COLD_COMPILE_S * cold + WARM_BUILD_S * (engines - cold) beside the stage's limit
+# (the groups run side by side, each within the tests stage's limit).
+declare -A GROUP_BUILDS=([kernels-v1]=0:0 [kernels-v2]=0:0 [int4]=3:2 [graph-torch]=3:1 [graph-cutlass-v1]=3:1
+                         [graph-cutlass-v2]=3:1 [e2e-v1]=2:0 [e2e-v2]=2:0 [swap]=0:0 [features]=6:2
+                         [spec-torch]=4:3 [spec-cutlass]=3:2)
+COLD_COMPILE_S=45  # a 2-layer model's cold compile and capture with 2 compile threads (estimate: not timed yet)
+WARM_BUILD_S=10    # an engine whose graphs hit the cache (Dynamo traces again), or an eager one
+
 plan() {  # each stage's max/min s, their sum against the deadline (the 8B figures must fit in it)
-  local s total=0 to8b=""
+  local s total=0 to8b="" entry name engines cold est
   for s in "${STAGES[@]}"; do
     echo "plan: $s max ${MAX_S[$s]}s min ${MIN_S[$s]}s"
     total=$(( total + MAX_S[$s] ))
     [ "$s" = latency-8b ] && to8b=$total
+    [ "$s" = tests ] || continue
+    for entry in "${TEST_GROUPS[@]}"; do  # each test group's engine builds beside the stage's limit
+      name=${entry%%|*} engines=${GROUP_BUILDS[${entry%%|*}]%%:*} cold=${GROUP_BUILDS[${entry%%|*}]##*:}
+      est=$(( cold * COLD_COMPILE_S + (engines - cold) * WARM_BUILD_S ))
+      echo "plan:   group $name: $engines engine builds ($cold cold compiles), ~${est}s of builds," \
+           "limit ${MAX_S[tests]}s$([ "$est" -gt "${MAX_S[tests]}" ] && echo " OVER")"
+    done
   done
   echo "plan: stage maxima ${total}s in all${to8b:+, ${to8b}s up to latency-8b}, DEADLINE_S=$DEADLINE_S" \
        "(the deadline cuts the rest); device call timeout_s=$(( DEADLINE_S + 60 )) of at most 600"
@@ -328,22 +367,6 @@ stage_kernel_cache() {
   timeout "$LIMIT" $PY -m compiler.kernels.cli --check --cache-dir "$KCACHE" --json "$WORK/kernel-cache.json"
 }
 
-# The tests stage's processes: NAME|pytest arguments. Kernel tests are split by generation so a
-# fault in a newer one (sticky: it ends the CUDA context, and every later test of that process
-# errors) cannot spoil the older generation's verdicts; engine-level tests run one process per
-# backend and kernel generation (each a cold compile-and-capture cycle).
-TEST_GROUPS=(
-  "kernels-v1|-n 3 --timeout 120 -k 'not v2 and not wgmma' tests/compiler/test_kernels_gpu.py tests/layers/test_fp8_kv_gpu.py"
-  "kernels-v2|-n 3 --timeout 120 -k 'v2 or wgmma' tests/compiler/test_kernels_gpu.py tests/layers/test_fp8_kv_gpu.py"
-  "int4|-m gpu --timeout 120 tests/layers/test_w4a16_gpu.py tests/layers/test_quant_int4.py"
-  "graph-torch|-m gpu --timeout 200 -k torch tests/worker/test_cuda_graph.py"
-  "graph-cutlass-v1|-m gpu --timeout 200 -k cutlass_v1 tests/worker/test_cuda_graph.py"
-  "graph-cutlass-v2|-m gpu --timeout 200 -k cutlass_v2 tests/worker/test_cuda_graph.py"
-  "e2e-v1|-m gpu --timeout 150 -k cutlass_v1 tests/runtime/test_e2e_gpu.py"
-  "e2e-v2|-m gpu --timeout 150 -k cutlass_v2 tests/runtime/test_e2e_gpu.py"
-  "swap|-m gpu --timeout 150 tests/worker/test_swap.py"
-  "features|-m gpu --timeout 200 tests/runtime/test_features_gpu.py"
-)
 
 stage_tests() {
   local pids=() names=() rc=0 r i entry engine

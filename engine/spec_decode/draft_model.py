@@ -27,8 +27,9 @@ from typing import Protocol, cast
 import torch
 
 from engine.core.sched.scheduler_output import PLACEHOLDER, ScheduledSeq, SchedulerOutput
-from engine.spec_decode.proposal import Proposal, VerifySeq, verify_seqs
+from engine.spec_decode.proposal import STAGING_SLOTS, Proposal, VerifySeq, verify_seqs
 from engine.spec_decode.rejection import sample_drafts
+from engine.worker.host_upload import upload
 from engine.worker.model_runner import ModelRunner, PendingStep
 from engine.worker.sample.sampler_output import LastSampled
 from engine.worker.step_builder import StepBuilder
@@ -67,6 +68,8 @@ class DraftModelProposer:
         self, runner: ModelRunner, target_vocab: int, generator: torch.Generator, vocab_ids: torch.Tensor | None = None
     ) -> None:
         self.runner = runner  # the draft model's runner: its own buffers, cache tensor, graphs
+        runner.hidden_only = True  # (its graphs stop at the hidden states: logits are computed here, once)
+        runner.buffers.use_staging_ring(STAGING_SLOTS)
         self.vocab = target_vocab
         self.generator = generator  # the target sampler's: one random stream for the engine
         self.num_forwards = 0
@@ -94,7 +97,7 @@ class DraftModelProposer:
         if not verify:
             return None
         proposal = Proposal(verify)
-        rows = torch.tensor(last_rows, dtype=torch.int64, device=hidden.device)
+        rows = upload(last_rows, torch.int64, hidden.device)
         self._sample(proposal, 0, hidden.index_select(0, rows))
         for j in range(1, max(v.k for v in verify) + 1):
             members = proposal.members(j - 1)  # those that drafted token j: it is fed now
@@ -107,7 +110,7 @@ class DraftModelProposer:
             hidden = self._forward(SchedulerOutput(seqs=fed, num_decode_tokens=len(fed)))
             want = [m for m, v in enumerate(members) if v.k > j]
             if want:
-                pick = torch.tensor(want, dtype=torch.int64, device=hidden.device)
+                pick = upload(want, torch.int64, hidden.device)
                 self._sample(proposal, j, hidden[: len(fed)].index_select(0, pick))
         return proposal
 

@@ -29,8 +29,9 @@ from typing import Protocol, cast
 import torch
 
 from engine.core.sched.scheduler_output import PLACEHOLDER, SchedulerOutput, sample_row_ranges
-from engine.spec_decode.proposal import Proposal, verify_seqs
+from engine.spec_decode.proposal import STAGING_SLOTS, Proposal, verify_seqs
 from engine.spec_decode.rejection import sample_drafts
+from engine.worker.host_upload import upload
 from engine.worker.model_runner import ModelRunner, PendingStep
 from engine.worker.sample.sampler_output import LastSampled
 from engine.worker.step_builder import StepBuilder
@@ -66,6 +67,8 @@ class _Seeds:
 class EagleProposer:
     def __init__(self, runner: ModelRunner, target: ModelRunner, generator: torch.Generator) -> None:
         self.runner = runner  # the head's runner: its own buffers, cache tensor, graphs
+        runner.hidden_only = True  # (its graphs stop at the hidden states: logits are computed here, once)
+        runner.buffers.use_staging_ring(STAGING_SLOTS)
         self.target = target  # the target's runner: its step's input ids and placeholders
         runner.builder.share_states(target.builder)  # (one copy of each sequence per worker)
         self.head = cast(_Head, runner.model)
@@ -87,7 +90,7 @@ class EagleProposer:
             previous = proposal.members(j - 1)
             keep = [m for m, v in enumerate(previous) if v.k > j]
             if len(keep) < len(previous):
-                pick = torch.tensor(keep, dtype=torch.int64, device=hidden.device)
+                pick = upload(keep, torch.int64, hidden.device)
                 hidden = hidden.index_select(0, pick)
                 fed_tokens = proposal.tokens[j - 1].index_select(0, pick)
             else:
@@ -116,7 +119,7 @@ class EagleProposer:
             return torch.zeros(len(seq_ids), width, dtype=self.head.hidden_in.dtype, device=self.head.hidden_in.device)
         rows = [seeds.rows.get(i, -1) for i in seq_ids]
         if all(r >= 0 for r in rows):
-            return seeds.hidden.index_select(0, torch.tensor(rows, dtype=torch.int64, device=seeds.hidden.device))
+            return seeds.hidden.index_select(0, upload(rows, torch.int64, seeds.hidden.device))
         out = torch.zeros(len(seq_ids), width, dtype=seeds.hidden.dtype, device=seeds.hidden.device)
         for m, r in enumerate(rows):
             if r >= 0:
@@ -187,7 +190,7 @@ class EagleProposer:
         if shift_rows:
             ids[_index(shift_rows, device)] = target_ids[_index(shift_from, device)]
         if host_rows:
-            ids[_index(host_rows, device)] = torch.tensor(host_tokens, dtype=torch.int64).to(device)
+            ids[_index(host_rows, device)] = upload(host_tokens, torch.int64, device)
         if sample_rows:
             assert sampled is not None  # (rows sample: the step was sampled before this catch-up)
             ids[_index(sample_rows, device)] = sampled[_index(sample_from, device)].clamp(min=0)
@@ -220,7 +223,7 @@ class EagleProposer:
         picked = [out.index_select(0, _index(rows, device))] if rows else []
         if proposal is not None and proposal.seqs:  # (pending.verify: the same sequences, in order)
             assert pending.verify is not None  # (verify_outcome of these sequences, set when the step was sampled)
-            first = torch.tensor([v.first_row for v in proposal.seqs], dtype=torch.int64, device=device)
+            first = upload([v.first_row for v in proposal.seqs], torch.int64, device)
             picked.append(out.index_select(0, first + pending.verify.accepted))
             ids.extend(v.record.seq_id for v in proposal.seqs)
         hidden = torch.cat(picked) if picked else out[:0]
@@ -228,4 +231,4 @@ class EagleProposer:
 
 
 def _index(rows: list[int], device: torch.device) -> torch.Tensor:
-    return torch.tensor(rows, dtype=torch.int64).to(device, non_blocking=True)
+    return upload(rows, torch.int64, device)

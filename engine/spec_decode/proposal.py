@@ -19,9 +19,14 @@ import torch
 from engine.core.sched.scheduler_output import ScheduledSeq, SchedulerOutput, sample_row_ranges
 from engine.spec_decode.rejection import DraftProbs, DraftRow
 from engine.spec_decode.sched.config import DRAFT
+from engine.worker.host_upload import upload
 from engine.worker.input_buffers import InputBuffers
 from engine.worker.sample.sampler import SampleRow
 from engine.worker.sample.sampler_output import HostCopy
+
+# Host staging slots of a proposer's runner: it queues k + 1 forwards a step, and with one set of
+# staging the host would wait for each before building the next (engine/worker/input_buffers.py).
+STAGING_SLOTS = 8
 
 
 @dataclass
@@ -75,7 +80,7 @@ class Proposal:
             order.extend((at, j) for at, v in enumerate(self.seqs) if v.k > j)
         by_seq = sorted(range(len(order)), key=lambda i: order[i])
         flat = torch.cat(self.tokens) if self.tokens else torch.zeros(0, dtype=torch.int64)
-        return flat[torch.tensor(by_seq, dtype=torch.int64, device=flat.device)]
+        return flat[upload(by_seq, torch.int64, flat.device)]
 
     def padded(self, width: int, fill: int) -> torch.Tensor:
         """[sequences, width]: each verify sequence's drafts, then `fill`."""
@@ -85,7 +90,7 @@ class Proposal:
         for v in self.seqs:
             places.append([at + j if j < v.k else -1 for j in range(width)])
             at += v.k
-        index = torch.tensor(places, dtype=torch.int64, device=flat.device)
+        index = upload(places, torch.int64, flat.device)
         padded = torch.cat([flat, flat.new_full((1,), fill)])
         return padded[index]
 
@@ -95,7 +100,7 @@ class Proposal:
         if not rows:
             return
         flat = self.flat()
-        index = torch.tensor(rows, dtype=torch.int64).to(buffers.device, non_blocking=True)
+        index = upload(rows, torch.int64, buffers.device)
         buffers.input_ids.index_copy_(0, index, flat.to(buffers.input_ids.dtype))
         self._host = HostCopy(flat, owned=True)
 
@@ -121,12 +126,12 @@ class Proposal:
             if not pick:
                 continue
             rows.extend(members[m].first_sample + j for m in pick)
-            index = torch.tensor(pick, dtype=torch.int64, device=device)
+            index = upload(pick, torch.int64, device)
             tokens.append(self.tokens[j].index_select(0, index))
             qs.append(q.index_select(0, index))
         if not rows:
             return None
-        return DraftProbs(torch.tensor(rows, dtype=torch.int64, device=device), torch.cat(tokens), torch.cat(qs))
+        return DraftProbs(upload(rows, torch.int64, device), torch.cat(tokens), torch.cat(qs))
 
     def patch_rows(self, rows: list[SampleRow]) -> None:
         """Rows whose sampling reads their history on the host (penalties, logits processors) get

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.core.params import SamplingParams
+from engine.worker.host_upload import upload
 from engine.worker.sample.distributions import processed_probs, race_noise
 
 
@@ -77,7 +78,7 @@ def sample_drafts(
     q = probs / probs.sum(dim=-1, keepdim=True).clamp_min(1e-30)
     tokens = (q / race_noise(q, rows, greedy, generator)).argmax(dim=-1)
     if any(greedy):
-        tokens = torch.where(torch.tensor(greedy, device=logits.device), logits.argmax(dim=-1), tokens)
+        tokens = torch.where(upload(greedy, torch.bool, logits.device), logits.argmax(dim=-1), tokens)
     return tokens, q
 
 

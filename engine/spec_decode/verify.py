@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.core.sched.scheduler_output import SchedulerOutput, sample_row_ranges
+from engine.worker.host_upload import upload
 
 
 @dataclass
@@ -38,13 +39,11 @@ def verify_outcome(sched: SchedulerOutput, sampled: torch.Tensor, proposal=None)
     if proposal is not None and proposal.seqs:
         drafts = proposal.padded(kmax, fill=-3)
     else:
-        drafts = torch.tensor(
-            [s.draft_token_ids + [-3] * (kmax - len(s.draft_token_ids)) for s, _ in records],
-            dtype=torch.int64,
-            device=device,
+        drafts = upload(
+            [s.draft_token_ids + [-3] * (kmax - len(s.draft_token_ids)) for s, _ in records], torch.int64, device
         )
-    ks = torch.tensor([len(s.draft_token_ids) for s, _ in records], dtype=torch.int64, device=device)
-    first = torch.tensor([row for _, row in records], dtype=torch.int64, device=device)
+    ks = upload([len(s.draft_token_ids) for s, _ in records], torch.int64, device)
+    first = upload([row for _, row in records], torch.int64, device)
     cols = torch.arange(kmax, device=device)
     rows = first[:, None] + torch.minimum(cols[None, :], ks[:, None] - 1)  # (padding repeats the last draft's row)
     agree = (sampled[rows] == drafts).to(torch.int64)

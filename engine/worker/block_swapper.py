@@ -35,6 +35,7 @@ from typing import Sequence
 import torch
 
 from compiler.kernels.kv_quant import byte_view
+from engine.worker.host_upload import upload
 
 Mapping = Sequence[tuple[int, int]]
 
@@ -57,9 +58,7 @@ def _runs(ids: list[int]) -> list[tuple[int, int, int]]:
 
 def _index(ids: list[int], device: torch.device) -> torch.Tensor:
     """Block ids as an int64 tensor on `device`; via pinned memory, so the upload is async."""
-    if device.type != "cuda":
-        return torch.tensor(ids, dtype=torch.int64)
-    return torch.tensor(ids, dtype=torch.int64, pin_memory=True).to(device, non_blocking=True)
+    return upload(ids, torch.int64, device)
 
 
 def swap_blocks(src: torch.Tensor, dst: torch.Tensor, mapping: Mapping | torch.Tensor, staging: torch.Tensor) -> int:

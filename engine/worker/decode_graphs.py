@@ -3,8 +3,16 @@
 One graph per batch bucket (and, for a backend that bakes the context length in, per context
 bucket): compiled forward + logits + greedy argmax, reading the InputBuffers and the forward
 context's buffers in place and writing two shared output buffers. Speculative decoding's verify
-steps (every sequence the same q = 1 + drafts tokens) have graphs of their own, keyed
-(rows, ctx, q): the same body over rows * q tokens.
+steps have graphs of their own, keyed (rows, ctx, q): the same body over rows * q tokens, for
+every q = 2..1 + drafts, all captured at start-up. A verify step whose sequences have up to q
+tokens each (adaptive draft lengths: not all the same) replays the q graph: its tokens come first,
+then padding sequences of q tokens, then unclaimed padding rows up to rows * q (every attention
+backend zeroes rows no sequence claims; their slot is -1). A verify graph has at least
+MIN_COMPILED_ROWS rows, as a compiled step of several tokens has (one sequence would make Dynamo
+specialise, a compile more).
+
+A proposer's runner (a draft model, an EAGLE head) needs only the hidden states: its graphs hold
+no logits (`logits=False`), and the proposer computes the logits it samples from, once.
 """
 
 from __future__ import annotations
@@ -14,16 +22,16 @@ from typing import TYPE_CHECKING, Callable
 
 import torch
 
-from compiler.compilation.capture import CudaGraphSet, SimulatedGraphSet, bucket_for, graph_ctx
+from compiler.compilation.capture import MIN_COMPILED_ROWS, CudaGraphSet, SimulatedGraphSet, bucket_for, graph_ctx
 
 if TYPE_CHECKING:
     from engine.worker.step_builder import StepInputs
 
 logger = logging.getLogger(__name__)
 
-# (rows, max_seq_len, q) -> the step's final hidden states [rows * q, hidden] and logits
-# [rows * q, vocab], computed from the static input buffers the graph reads in place.
-DecodeBody = Callable[[int, int, int], "tuple[torch.Tensor, torch.Tensor]"]
+# (rows, max_seq_len, q, logits) -> the step's final hidden states [rows * q, hidden] and, when
+# asked, its logits [rows * q, vocab] (else None), from the static input buffers read in place.
+DecodeBody = Callable[[int, int, int, bool], "tuple[torch.Tensor, torch.Tensor | None]"]
 
 
 class DecodeGraphRunner:
@@ -53,11 +61,14 @@ class DecodeGraphRunner:
         simulate: bool = False,
         max_query: int = 1,
         max_tokens: int | None = None,
+        logits: bool = True,
     ) -> None:
         self.body = body
         self.pad = pad
         self.sizes = sizes
-        self.max_batch = sizes[-1]
+        self.logits = logits  # False: a proposer's runner (hidden states only; `tokens` is never written)
+        # (a verify graph's rows: at least MIN_COMPILED_ROWS)
+        self.max_batch = max(sizes[-1], MIN_COMPILED_ROWS if max_query > 1 else 1)
         self.max_model_len = max_model_len
         self.device_reads_lengths = device_reads_lengths
         self.max_query = max_query  # verify steps: 1 + the most drafts a sequence gets
@@ -68,33 +79,43 @@ class DecodeGraphRunner:
         self.hidden = torch.zeros(self.max_batch * max_query, hidden_size, dtype=dtype, device=device)
         self.graphs = (SimulatedGraphSet if simulate else CudaGraphSet)(self._graph_body, device)
         self.num_replays = 0
-        self.replayed: dict[tuple[int, int], int] = {}
+        self.replayed: dict[tuple[int, ...], int] = {}
+
+    def rows_for(self, bucket: int, q: int) -> int:
+        """A bucket's graph rows: a verify graph's at least MIN_COMPILED_ROWS."""
+        return max(bucket, MIN_COMPILED_ROWS) if q > 1 else bucket
 
     def key_for(self, num_seqs: int, max_seq_len: int, q: int = 1) -> tuple[int, ...] | None:
-        """(bucket, ctx) of a decode step; (bucket, ctx, q) of a verify step of q tokens per row."""
+        """(bucket, ctx) of a decode step; (rows, ctx, q) of a verify step of at most q tokens a
+        sequence (rows: the bucket, at least MIN_COMPILED_ROWS)."""
         bucket = bucket_for(num_seqs, self.sizes)
-        if bucket is None or q > self.max_query or bucket * q > self.max_tokens:
+        if bucket is None or q > self.max_query:
+            return None
+        rows = self.rows_for(bucket, q)
+        if rows * q > self.max_tokens:
             return None
         ctx = graph_ctx(max_seq_len, self.max_model_len, self.device_reads_lengths)
-        return (bucket, ctx) if q == 1 else (bucket, ctx, q)
+        return (rows, ctx) if q == 1 else (rows, ctx, q)
 
     def _graph_body(self, rows: int, max_seq_len: int, q: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
-        hidden, logits = self.body(rows, max_seq_len, q)
+        hidden, logits = self.body(rows, max_seq_len, q, self.logits)
         out = self.hidden[: rows * q]
         out.copy_(hidden)
         tokens = self.tokens[: rows * q]
-        torch.argmax(logits, dim=-1, out=tokens)
-        tokens.masked_fill_(~torch.isfinite(logits.amax(dim=-1)), -1)  # as the sampler marks such rows
+        if logits is not None:
+            torch.argmax(logits, dim=-1, out=tokens)
+            tokens.masked_fill_(~torch.isfinite(logits.amax(dim=-1)), -1)  # as the sampler marks such rows
         return out, tokens
 
     @torch.inference_mode()
     def capture_startup(self) -> float:
-        """Capture every bucket at the first context bucket, largest first (and, with drafts, the
-        verify step of the most drafts), but those whose rows * q exceed max_tokens; returns seconds."""
+        """Capture every bucket at the first context bucket, largest first, and with drafts the
+        verify steps of every q = 2..max_query (none mid-serving), but those whose rows * q exceed
+        max_tokens; returns seconds."""
         ctx = graph_ctx(1, self.max_model_len, self.device_reads_lengths)
         seconds = 0.0
-        for q in sorted({1, self.max_query}):
-            fit = [b for b in self.sizes if b * q <= self.max_tokens]
+        for q in range(1, self.max_query + 1):
+            fit = [b for b in self.sizes if self.rows_for(b, q) * q <= self.max_tokens]
             if len(fit) < len(self.sizes):
                 logger.info(
                     "no %s CUDA graph for batch %s: %d tokens a row exceed the %d rows of the static "
@@ -105,8 +126,9 @@ class DecodeGraphRunner:
                     self.max_tokens,
                 )
             if fit:
-                self.pad(fit[-1], q)
-                seconds += self.graphs.capture_all((b, ctx) if q == 1 else (b, ctx, q) for b in fit)
+                rows = sorted({self.rows_for(b, q) for b in fit})
+                self.pad(rows[-1], q)
+                seconds += self.graphs.capture_all((r, ctx) if q == 1 else (r, ctx, q) for r in rows)
         logger.debug(
             "captured %d decode CUDA graphs (batch %s, max_seq_len %d) in %.1fs",
             len(self.graphs),

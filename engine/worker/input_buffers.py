@@ -4,6 +4,15 @@ A step fills the host side (numpy views), then `upload` copies the used prefix t
 without blocking; block-table rows are rewritten only where they changed, and only the changed
 cells go to the device. Compiled steps and captured CUDA graphs read the device tensors in
 place, so nothing here is ever reallocated.
+
+On a GPU the host side of a step's arrays is pinned staging that the host may refill only once
+the copies reading it have run. With one set of staging (the target's runner: one step at a
+time) the next build waits for the previous upload. A runner that queues several forwards a step
+(a draft model's or an EAGLE head's: k + 1) takes a ring of staging slots (`use_staging_ring`):
+each build fills the next slot and waits only for the copies of the build that used it `slots`
+builds ago, so the host runs ahead of the device. The block table's host side stays one mirror
+(only changed cells are sent, through the slot's staging); a whole-table copy from it, rare, is
+waited for before the mirror changes again.
 """
 
 from __future__ import annotations
@@ -11,44 +20,109 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+# The host arrays each build refills (one set per staging slot); the block table's mirror is apart.
+_STAGED = (
+    ("input_ids", "max_tokens", torch.int64),
+    ("positions", "max_tokens", torch.int64),
+    ("slot_mapping", "max_tokens", torch.int64),
+    ("query_start_loc", "seqs_plus_one", torch.int32),
+    ("seq_lens", "max_seqs", torch.int32),
+    ("table_idx", "two_per_seq", torch.int64),  # block-table cells changed since the last upload
+    ("table_val", "two_per_seq", torch.int32),
+    ("feed_dst", "max_seqs", torch.int64),  # overlap scheduling: input rows fed the previous step's
+    ("feed_src", "max_seqs", torch.int64),  # sampled rows
+)
+_NUMPY_VIEWS = ("input_ids", "positions", "slot_mapping", "query_start_loc", "seq_lens", "feed_dst", "feed_src")
+
+
+class StagingRing:
+    """Slots of host staging, each with the event its last copies recorded: `take()` moves to
+    the next slot and waits (only) for that slot's copies if they have not run yet."""
+
+    def __init__(self, slots: list[dict[str, torch.Tensor]], make_event) -> None:
+        self.slots = slots
+        self.events = [make_event() for _ in slots] if make_event is not None else None
+        self.pending = [False] * len(slots)
+        self.current = 0
+        self.waits = 0  # times the host waited for a slot's copies (a test reads it)
+
+    def take(self) -> dict[str, torch.Tensor]:
+        self.current = (self.current + 1) % len(self.slots)
+        i = self.current
+        if self.pending[i]:
+            assert self.events is not None  # (pending only where events are recorded)
+            if not self.events[i].query():
+                self.waits += 1
+                self.events[i].synchronize()
+            self.pending[i] = False
+        return self.slots[i]
+
+    def in_use(self) -> None:
+        """Copies queued since the slot was taken read it: record when they have run."""
+        if self.events is not None:
+            self.events[self.current].record()
+            self.pending[self.current] = True
+
 
 class InputBuffers:
     """Every static input of a step, host staging + device tensor, sized for the largest step."""
+
+    # Device tensors (_STAGED: set in __init__, never replaced) and the current staging slot's host
+    # arrays and their numpy views (rebound per build by _bind).
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    slot_mapping: torch.Tensor
+    query_start_loc: torch.Tensor
+    seq_lens: torch.Tensor
+    table_idx: torch.Tensor
+    table_val: torch.Tensor
+    feed_dst: torch.Tensor
+    feed_src: torch.Tensor
+    input_ids_host: torch.Tensor
+    positions_host: torch.Tensor
+    slot_mapping_host: torch.Tensor
+    query_start_loc_host: torch.Tensor
+    seq_lens_host: torch.Tensor
+    table_idx_host: torch.Tensor
+    table_val_host: torch.Tensor
+    feed_dst_host: torch.Tensor
+    feed_src_host: torch.Tensor
+    np_input_ids: np.ndarray
+    np_positions: np.ndarray
+    np_slot_mapping: np.ndarray
+    np_query_start_loc: np.ndarray
+    np_seq_lens: np.ndarray
+    np_feed_dst: np.ndarray
+    np_feed_src: np.ndarray
 
     def __init__(self, max_tokens: int, max_seqs: int, max_blocks_per_seq: int, device: torch.device) -> None:
         self.max_tokens = max_tokens
         self.max_seqs = max_seqs
         self.max_blocks_per_seq = max_blocks_per_seq
         self.device = device
-        pin = device.type == "cuda"
-
-        def pair(shape, dtype):
-            host = torch.zeros(shape, dtype=dtype, pin_memory=pin)
-            dev = host if device.type == "cpu" else torch.zeros(shape, dtype=dtype, device=device)
-            return host, dev
-
-        self.input_ids_host, self.input_ids = pair(max_tokens, torch.int64)
-        self.positions_host, self.positions = pair(max_tokens, torch.int64)
-        self.slot_mapping_host, self.slot_mapping = pair(max_tokens, torch.int64)
-        self.query_start_loc_host, self.query_start_loc = pair(max_seqs + 1, torch.int32)
-        self.seq_lens_host, self.seq_lens = pair(max_seqs, torch.int32)
-        self.block_tables_host, self.block_tables = pair((max_seqs, max_blocks_per_seq), torch.int32)
-        # Block-table cells changed since the last upload (flat index, block id): only those go to
-        # the device, unless a step changes more than a row's worth per sequence.
-        self.table_idx_host, self.table_idx = pair(max_seqs * 2, torch.int64)
-        self.table_val_host, self.table_val = pair(max_seqs * 2, torch.int32)
-        # Overlap scheduling: input rows whose token is the previous step's sampled row.
-        self.feed_dst_host, self.feed_dst = pair(max_seqs, torch.int64)
-        self.feed_src_host, self.feed_src = pair(max_seqs, torch.int64)
-        # numpy views of the host side for fast filling
-        self.np_input_ids = self.input_ids_host.numpy()
-        self.np_positions = self.positions_host.numpy()
-        self.np_slot_mapping = self.slot_mapping_host.numpy()
-        self.np_query_start_loc = self.query_start_loc_host.numpy()
-        self.np_seq_lens = self.seq_lens_host.numpy()
+        self._pin = device.type == "cuda"
+        on_cpu = device.type == "cpu"
+        self._sizes = {
+            "max_tokens": max_tokens,
+            "seqs_plus_one": max_seqs + 1,
+            "max_seqs": max_seqs,
+            "two_per_seq": max_seqs * 2,
+        }
+        host = self._host_set()
+        # On the CPU the host staging is the device tensor (nothing to copy, and no ring).
+        for name, size, dtype in _STAGED:
+            dev = host[name] if on_cpu else torch.zeros(self._sizes[size], dtype=dtype, device=device)
+            setattr(self, name, dev)
+        self.block_tables_host = torch.zeros((max_seqs, max_blocks_per_seq), dtype=torch.int32, pin_memory=self._pin)
+        self.block_tables = (
+            self.block_tables_host
+            if on_cpu
+            else torch.zeros((max_seqs, max_blocks_per_seq), dtype=torch.int32, device=device)
+        )
         self.np_block_tables = self.block_tables_host.numpy()
-        self.np_feed_dst = self.feed_dst_host.numpy()
-        self.np_feed_src = self.feed_src_host.numpy()
+        self._ring = StagingRing([host], torch.cuda.Event if device.type == "cuda" else None)
+        self._views: dict[int, dict[str, object]] = {}  # id(slot) -> its attributes (_bind)
+        self._bind(host)
         # What each block-table row holds on the host: (the sequence's block list, columns
         # written); a row is rewritten only from the first column that changed. The lists are the
         # worker's own tables (engine/worker/seq_states.py): only ever extended in place, so a
@@ -57,20 +131,56 @@ class InputBuffers:
         self._table_updates: list[tuple[int, int]] = []
         self._max_table_updates = max_seqs * 2  # (the cells table_idx / table_val hold)
         # On the CPU the host table is the device table: no changed cells to send anywhere.
-        self._table_dirty = device.type == "cpu"  # too many changes: copy the used table region whole
-        # Host staging may be refilled only once the previous step's async copies have read it.
-        self._copied = torch.cuda.Event() if device.type == "cuda" else None
-        self._pending = False
+        self._table_dirty = on_cpu  # too many changes: copy the used table region whole
+        # A whole-table copy reads the mirror: it may change again only once that copy has run.
+        self._mirror_copied = torch.cuda.Event() if device.type == "cuda" else None
+        self._mirror_pending = False
+
+    def _host_set(self) -> dict[str, torch.Tensor]:
+        return {
+            name: torch.zeros(self._sizes[size], dtype=dtype, pin_memory=self._pin) for name, size, dtype in _STAGED
+        }
+
+    def _bind(self, host: dict[str, torch.Tensor]) -> None:
+        """The builder fills `<name>_host` / `np_<name>`: point them at this slot's arrays."""
+        views = self._views.get(id(host))
+        if views is None:
+            views = {f"{name}_host": tensor for name, tensor in host.items()}
+            views.update({f"np_{name}": host[name].numpy() for name in _NUMPY_VIEWS})
+            self._views[id(host)] = views
+        self.__dict__.update(views)
+
+    def use_staging_ring(self, slots: int) -> None:
+        """Give the host side `slots` staging slots (a GPU runner that queues several forwards a
+        step); on the CPU there is nothing to stage."""
+        if self.device.type != "cuda" or slots <= len(self._ring.slots):
+            return
+        self.wait_staging()  # (the current slot's copies, before its arrays join the ring)
+        current = self._ring.slots[self._ring.current]
+        ring = [current] + [self._host_set() for _ in range(slots - 1)]
+        self._ring = StagingRing(ring, torch.cuda.Event)
+        self._bind(current)
+
+    @property
+    def staging_waits(self) -> int:
+        return self._ring.waits
 
     def wait_staging(self) -> None:
-        if self._pending:
-            self._copied.synchronize()
-            self._pending = False
+        """Before a build fills the host side: the next staging slot, once its copies have run
+        (and the block-table mirror, after a whole-table copy)."""
+        ring = self._ring
+        if len(ring.slots) > 1:
+            self._bind(ring.take())
+        elif ring.pending[0]:
+            ring.take()
+        if self._mirror_pending:
+            assert self._mirror_copied is not None  # (pending only on a GPU)
+            self._mirror_copied.synchronize()
+            self._mirror_pending = False
 
     def staging_in_use(self) -> None:
         """Copies queued since upload() read the host staging too: wait for them as well."""
-        self._copied.record()
-        self._pending = True
+        self._ring.in_use()
 
     def fill_padding(self, t: int, n: int, count: int, q: int = 1) -> None:
         """Host sequences [n, n+count), q tokens each from row t (a verify graph's rows: q > 1):
@@ -83,6 +193,12 @@ class InputBuffers:
         self.np_slot_mapping[t:end] = -1
         self.np_seq_lens[n : n + count] = 0
         self.np_query_start_loc[n + 1 : n + count + 1] = np.arange(t + q, end + 1, q)
+
+    def fill_tail(self, start: int, end: int) -> None:
+        """Host token rows [start, end) as rows no sequence claims: token 0, position 0, slot -1."""
+        self.np_input_ids[start:end] = 0
+        self.np_positions[start:end] = 0
+        self.np_slot_mapping[start:end] = -1
 
     def write_table_rows(self, keys: list[tuple[list[int], int]]) -> None:
         """Rows [0, len(keys)) of the block table := keys[i] = (block list, its length): only the
@@ -155,6 +271,9 @@ class InputBuffers:
             self.block_tables[:num_seqs, :num_block_cols].copy_(
                 self.block_tables_host[:num_seqs, :num_block_cols], non_blocking=True
             )
+            assert self._mirror_copied is not None  # (uploads happen on a GPU only)
+            self._mirror_copied.record()
+            self._mirror_pending = True
         elif updates:
             k = len(updates)
             cells = np.array(updates, dtype=np.int64).reshape(k, 2)

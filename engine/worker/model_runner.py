@@ -29,6 +29,7 @@ from engine.layers.kv_cache import KVCache
 from engine.spec_decode.verify import VerifyOutcome, verify_outcome
 from engine.structured_output.step_bitmask import StepBitmask
 from engine.worker.decode_graphs import DecodeGraphRunner
+from engine.worker.host_upload import upload
 from engine.worker.input_buffers import InputBuffers
 from engine.worker.sample.sampler import Sampler, SampleRow
 from engine.worker.sample.sampler_output import HostCopy, LastSampled, PendingSample
@@ -82,6 +83,9 @@ class ModelRunner:
         # A device proposer (engine/spec_decode/: a draft model, an EAGLE head): it drafts inside
         # each launch, before the forward that verifies its drafts.
         self.spec: DeviceProposer | None = None
+        # A proposer's own runner (a draft model's, an EAGLE head's): its graphs end at the hidden
+        # states, the proposer computes the logits it samples from (set by the proposer).
+        self.hidden_only = False
         # Every cache tensor indexed by the scheduler's block ids: a draft's shares them, so a
         # copy-on-write copies its block too.
         self.block_copy_caches = [kv_cache.tensor]
@@ -168,6 +172,7 @@ class ModelRunner:
             simulate=simulate,
             max_query=max_query,
             max_tokens=self.graph_token_capacity(),
+            logits=not self.hidden_only,
         )
         self.builder.graph_key = self.graph_runner.key_for
         return self.graph_runner.capture_startup()
@@ -183,15 +188,18 @@ class ModelRunner:
                 rows = min(rows, buffer.shape[0])
         return rows
 
-    def _decode_graph_body(self, rows: int, max_seq_len: int, q: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
-        """A decode step of `rows` sequences (a verify step: q tokens each) over the static
-        buffers, as a graph captures it: compiled forward, then logits (final hidden states, logits)."""
+    def _decode_graph_body(
+        self, rows: int, max_seq_len: int, q: int = 1, logits: bool = True
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """A decode step of `rows` sequences (a verify step: up to q tokens each) over the static
+        buffers, as a graph captures it: compiled forward, then (unless logits=False: a
+        proposer's runner) logits. Returns (final hidden states, logits or None)."""
         buf = self.buffers
         tokens = rows * q
         meta = self.builder.compiled_meta(tokens, rows, q, max_seq_len, num_decodes=rows if q == 1 else 0)
         ctx = self.builder.features.context(tokens)  # (static buffers too: the graph reads them in place)
         hidden = self.forward_fn(buf.input_ids[:tokens], buf.positions[:tokens], self.kv_cache.tensor, meta, ctx)
-        return hidden, self.model.compute_logits(hidden)
+        return hidden, self.model.compute_logits(hidden) if logits else None
 
     # ---- the step ----
     @torch.inference_mode()
@@ -206,8 +214,8 @@ class ModelRunner:
         host processes while the device runs this forward). bitmask: the constrained rows'
         allowed tokens, which the core fills (engine/structured_output/step_bitmask.py)."""
         if sched.blocks_to_copy:
-            src = torch.tensor([a for a, _ in sched.blocks_to_copy], device=self.device)
-            dst = torch.tensor([b for _, b in sched.blocks_to_copy], device=self.device)
+            src = upload([a for a, _ in sched.blocks_to_copy], torch.int64, self.device)
+            dst = upload([b for _, b in sched.blocks_to_copy], torch.int64, self.device)
             for cache in self.block_copy_caches:
                 torch.ops.kiln.copy_blocks(cache, src, dst)
         pending = PendingStep()
@@ -239,7 +247,7 @@ class ModelRunner:
                 picked = (
                     hidden[:n]
                     if step.sample_indices == list(range(n))
-                    else hidden[torch.tensor(step.sample_indices, device=self.device)]
+                    else hidden[upload(step.sample_indices, torch.int64, self.device)]
                 )
                 pending.deferred = (self.model.compute_logits(picked), step.rows)
             for task, seq_id, plan in step.reads:

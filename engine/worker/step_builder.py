@@ -23,6 +23,7 @@ from compiler.compilation.capture import MIN_COMPILED_ROWS, mark_static_dims
 from engine.core.sched.scheduler_output import PLACEHOLDER, ScheduledSeq, SchedulerOutput
 from engine.layers.attention.base import AttentionMetadata
 from engine.layers.forward_context import ForwardContext
+from engine.worker.host_upload import upload
 from engine.worker.input_buffers import InputBuffers
 from engine.worker.sample.sampler import SampleRow
 from engine.worker.sample.sampler_output import LastSampled
@@ -38,9 +39,8 @@ class StepInputs:
     ctx: ForwardContext | None
     sample_indices: list[int]  # rows of the hidden states to sample from (repeated for forks)
     rows: list[SampleRow]
-    graph_key: tuple[int, ...] | None = (
-        None  # (rows, ctx) of the decode graph to replay; (rows, ctx, q): a verify graph
-    )
+    # (rows, ctx) of the decode graph to replay; (rows, ctx, q): a verify graph (up to q tokens a sequence)
+    graph_key: tuple[int, ...] | None = None
     # Tasks that read this step's hidden states: (task, seq id, its plan) (engine/core/request_kinds.py).
     reads: list[tuple[Any, int, Any]] = field(default_factory=list)
 
@@ -169,13 +169,10 @@ class StepBuilder:
             row_of = np.repeat(self._arange[: len(seqs)], counts)
             np.add(buf.np_block_tables[row_of, pos // bs].astype(np.int64) * bs, pos % bs, out=buf.np_slot_mapping[:t])
         key = None
-        if (
-            self.graph_key is not None
-            and seqs
-            and max_q > 1
-            and all([s.verifies and s.num_tokens == max_q for s in seqs])
-        ):
-            key = self.graph_key(len(seqs), max_len, max_q)  # (every sequence verifies max_q tokens)
+        # Every row sampled once, in order (verify sequences of up to max_q tokens, one-token
+        # decodes): a verify graph's output rows are then the sampler's rows.
+        if self.graph_key is not None and seqs and max_q > 1 and not reads and sample_indices == list(range(t)):
+            key = self.graph_key(len(seqs), max_len, max_q)
         step = self._finish(
             t, len(seqs), max_q, max_len, max_cols, sample_indices, rows, key, num_decodes, feed_rows, feed_ids
         )
@@ -269,7 +266,7 @@ class StepBuilder:
         max_cols: int,
         sample_indices: list[int],
         rows: list[SampleRow],
-        graph_key: tuple[int, int] | None,
+        graph_key: tuple[int, ...] | None,
         num_decodes: int,
         feed_rows: list[int],
         feed_ids: list[int],
@@ -286,8 +283,13 @@ class StepBuilder:
             padded_seqs = max(num_seqs, MIN_COMPILED_ROWS)
         extra = padded_seqs - num_seqs
         buf.fill_padding(t, num_seqs, extra, q)
-        self.features.pad(t, extra * q)
         t_padded = t + extra * q
+        if graph_key is not None and q > 1:
+            # A verify graph reads rows * q tokens: its sequences' shortfall (fewer drafts than q - 1)
+            # is left as rows no sequence claims (attention zeroes them, slot -1 writes nothing).
+            buf.fill_tail(t_padded, padded_seqs * q)
+            t_padded = padded_seqs * q
+        self.features.pad(t, t_padded - t)
         self.features.upload(t_padded)
         buf.upload(t_padded, padded_seqs, max_cols)
         if feed_rows:
@@ -363,11 +365,11 @@ class StepBuilder:
         device = self.buffers.device
         plain = [i for i in seq_ids if i not in verify.index]
         known = dict(zip(plain, last.rows_of(plain))) if plain else {}
-        src = torch.tensor([known.get(i, 0) for i in seq_ids], dtype=torch.int64).to(device)
+        src = upload([known.get(i, 0) for i in seq_ids], torch.int64, device)
         at = [m for m, i in enumerate(seq_ids) if i in verify.index]
-        which = torch.tensor([verify.index[seq_ids[m]] for m in at], dtype=torch.int64).to(device)
-        src[torch.tensor(at, dtype=torch.int64).to(device)] = verify.feed_rows[which]
-        dst = torch.tensor(rows, dtype=torch.int64).to(device)
+        which = upload([verify.index[seq_ids[m]] for m in at], torch.int64, device)
+        src[upload(at, torch.int64, device)] = verify.feed_rows[which]
+        dst = upload(rows, torch.int64, device)
         self.buffers.input_ids.index_copy_(0, dst, last.tokens.index_select(0, src).clamp(min=0))
 
     def _shift_positions(self, seqs: list[ScheduledSeq], verify) -> None:
@@ -380,17 +382,19 @@ class StepBuilder:
         starts = buf.np_query_start_loc
         token_rows = [r for i, _ in hit for r in range(int(starts[i]), int(starts[i + 1]))]
         row_seq = [i for i, _ in hit for _ in range(int(starts[i]), int(starts[i + 1]))]
-        shift = verify.shift[torch.tensor([v for _, v in hit], dtype=torch.int64).to(device)]
+        shift = verify.shift[upload([v for _, v in hit], torch.int64, device)]
         per_row = torch.repeat_interleave(
-            shift, torch.tensor([int(starts[i + 1] - starts[i]) for i, _ in hit], dtype=torch.int64).to(device)
+            shift,
+            upload([int(starts[i + 1] - starts[i]) for i, _ in hit], torch.int64, device),
+            output_size=len(token_rows),  # (known here: no device-to-host read of the total)
         )
-        rows = torch.tensor(token_rows, dtype=torch.int64).to(device)
-        seq_index = torch.tensor([i for i, _ in hit], dtype=torch.int64).to(device)
+        rows = upload(token_rows, torch.int64, device)
+        seq_index = upload([i for i, _ in hit], torch.int64, device)
         buf.positions.index_add_(0, rows, per_row.to(buf.positions.dtype))
         buf.seq_lens.index_add_(0, seq_index, shift.to(buf.seq_lens.dtype))
         pos = buf.positions[rows]
         bs = self.block_size
-        blocks = buf.block_tables[torch.tensor(row_seq, dtype=torch.int64).to(device), pos // bs].to(torch.int64)
+        blocks = buf.block_tables[upload(row_seq, torch.int64, device), pos // bs].to(torch.int64)
         buf.slot_mapping[rows] = blocks * bs + pos % bs
 
     def compiled_meta(

@@ -247,6 +247,45 @@ def test_buffers_updated_in_place(engines):
     assert_engine_clean(compiled)
 
 
+def test_verify_graphs_compile_only_at_capture(engines):
+    """The verify graphs a speculative engine captures at start-up (every q = 2..5, each bucket;
+    bucket 1 padded to two rows, as compiled steps of several tokens are) may compile at capture,
+    and then replay with nothing compiled: a verify step mid-serving compiles nothing."""
+    from engine.worker.decode_graphs import DecodeGraphRunner
+
+    _, compiled = engines
+    runner = compiled.core.runner
+    graphs = DecodeGraphRunner(
+        runner._decode_graph_body,
+        lambda rows, q: runner.builder.fill_padding_step(rows, q=q),
+        SIZES,
+        max_model_len=compiled.max_model_len,
+        device_reads_lengths=False,
+        hidden_size=runner.model.config.hidden_size,
+        dtype=runner.kv_cache.model_dtype,
+        device=runner.device,
+        simulate=True,
+        max_query=5,
+        max_tokens=runner.graph_token_capacity(),
+    )
+    graphs.capture_startup()
+    keys = sorted(k for k in graphs.graphs.graphs if len(k) == 3)
+    assert keys and {k[2] for k in keys} == {2, 3, 4, 5} and min(k[0] for k in keys) == 2, keys
+
+    def run_all() -> None:  # (simulated: each replay runs the body, the compiled forward)
+        for rows, ctx, q in keys:
+            runner.builder.fill_padding_step(rows, q=q)
+            hidden, _ = graphs.graphs.replay((rows, ctx, q))
+            assert hidden.shape[0] == rows * q
+
+    start = compile_count()
+    run_all()  # what a CUDA graph capture runs at start-up
+    at_capture = compile_count() - start
+    run_all()  # serving
+    assert compile_count() == start + at_capture, "a verify graph compiled again after its capture"
+    print(f"verify shapes q=2..5 compiled {at_capture} graphs at capture")
+
+
 def test_graph_ctx_and_buckets():
     assert bucket_for(1, SIZES) == 1 and bucket_for(3, SIZES) == 4 and bucket_for(9, SIZES) is None
     assert graph_ctx(10, 4096, device_reads_lengths=True) == 4096

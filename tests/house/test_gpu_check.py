@@ -81,6 +81,19 @@ def test_stage_budget_reaches_the_8b_figures(tmp_path):
     assert to_8b == sum(int(hi) for _, hi, _ in rows[: STAGES.index("latency-8b") + 1]) <= deadline
     assert deadline + 60 <= timeout_s <= 600
     assert not (tmp_path / "out" / "summary.json").exists()  # the plan only: no stage ran
+    # each test group's engine builds beside the tests stage's limit, their estimate within it
+    groups = re.findall(
+        r"^plan:   group ([a-z0-9-]+): (\d+) engine builds \((\d+) cold compiles\), ~(\d+)s of builds, "
+        r"limit (\d+)s(.*)$",
+        proc.stdout,
+        re.M,
+    )
+    script = SCRIPT.read_text()
+    names = re.findall(r'^  "([a-z0-9-]+)\|', script[script.index("TEST_GROUPS=(") :], re.M)
+    assert [g[0] for g in groups] == names and {"spec-torch", "spec-cutlass"} <= set(names), proc.stdout
+    limit = dict((r[0], int(r[1])) for r in rows)["tests"]
+    for name, engines, cold, est, group_limit, over in groups:
+        assert int(cold) <= int(engines) and int(group_limit) == limit and int(est) <= limit and not over, name
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-CUDA path")

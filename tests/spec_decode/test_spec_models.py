@@ -507,20 +507,70 @@ def _simulated_graphs(engine, sizes=(1, 2, 4)):
     return [r for r, _ in runners]
 
 
+class GraphSpy:
+    """Wraps a runner's graph replays: each verify replay's key and its real sequences' token
+    counts (read off the host staging: rows with a length), and whether the model's
+    compute_logits ran inside a replay (a proposer's graphs hold no logits)."""
+
+    def __init__(self, runner) -> None:
+        self.runner, self.replays, self.logits_in_graph, self.logits_calls = runner, [], 0, 0
+        self._replay, self._inside = runner.graph_runner.replay, False
+        runner.graph_runner.replay = self.replay
+        self._logits = runner.model.compute_logits
+        runner.model.compute_logits = self.compute_logits
+
+    def replay(self, step):
+        key = step.graph_key
+        if len(key) == 3:
+            buf = self.runner.buffers
+            starts, lens = buf.np_query_start_loc[: key[0] + 1], buf.np_seq_lens[: key[0]]
+            self.replays.append((key, [int(starts[i + 1] - starts[i]) for i in range(key[0]) if lens[i] > 0]))
+        self._inside = True
+        try:
+            return self._replay(step)
+        finally:
+            self._inside = False
+
+    def compute_logits(self, *args, **kw):
+        self.logits_calls += 1
+        self.logits_in_graph += self._inside
+        return self._logits(*args, **kw)
+
+
 @pytest.mark.parametrize(
-    "method,draft,overlap",
-    [("draft_model", "noisy", False), ("draft_model", "target", True), ("eagle3", "eagle3", True)],
+    "method,draft,overlap,k",
+    [
+        ("draft_model", "noisy", False, K),
+        ("draft_model", "target", True, K),
+        ("draft_model", "noisy", True, 4),  # draft lengths adapt: they differ between sequences
+        ("eagle", "eagle", False, K),
+        ("eagle3", "eagle3", True, K),
+    ],
 )
-def test_draft_and_verify_steps_replay_graphs(spec_models, make_llm, method, draft, overlap):
-    """With graphs (simulated), verify steps replay the target's verify graphs (q = 1 + drafts
-    tokens a row, keyed (rows, ctx, q)), the draft model's forwards and the head's drafting steps
-    replay their own decode graphs, and the output is plain eager decoding's."""
+def test_draft_and_verify_steps_replay_graphs(spec_models, make_llm, method, draft, overlap, k):
+    """With graphs (simulated), verify steps replay the target's verify graphs (keyed (rows, ctx,
+    q), every q = 2..1 + drafts captured at start-up and none later; sequences with fewer drafts
+    than q in one step, the adaptive lengths, replay the q graph too; a verify graph has at least
+    two rows), the draft model's forwards and the head's drafting steps replay their own graphs,
+    which compute no logits (the proposer computes them once), and the output is plain eager
+    decoding's."""
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     prompts = PROMPTS[:4]
     want = [o.token_ids for o in _outputs(make_llm(spec_models["target"]), prompts, params)]
-    llm = make_llm(spec_models["target"], async_scheduling=overlap, max_num_seqs=4, **_spec(spec_models, method, draft))
+    llm = make_llm(
+        spec_models["target"], async_scheduling=overlap, max_num_seqs=4, **_spec(spec_models, method, draft, k)
+    )
     target, drafter = _simulated_graphs(llm.engine)
+    ctx = target.graph_runner.key_for(1, 1)[1]
+    captured = set(target.graph_runner.graphs.graphs)
+    assert {(r, ctx, q) for r in (2, 4) for q in range(2, K + 2)} <= captured, sorted(captured)
+    assert not any(key[0] < 2 for key in captured if len(key) == 3)
+    spy, drafter_spy = GraphSpy(target), GraphSpy(drafter)
     assert [o.token_ids for o in _outputs(llm, prompts, params)] == want
-    verify = [key for key in target.graph_runner.replayed if len(key) == 3]
-    assert verify and all(key[2] >= 2 for key in verify), target.graph_runner.replayed
-    assert drafter.graph_runner.num_replays > 0
+    assert set(target.graph_runner.graphs.graphs) == captured  # (nothing captured mid-serving)
+    assert spy.replays and all(key[2] >= 2 and max(qs) <= key[2] for key, qs in spy.replays), spy.replays
+    assert drafter.graph_runner.num_replays > 0 and not drafter.graph_runner.logits
+    assert drafter_spy.logits_in_graph == 0 and drafter_spy.logits_calls > 0
+    assert spy.logits_in_graph == target.graph_runner.num_replays  # (the target's graphs do hold them)
+    if k == 4:  # some verify step replayed a graph with sequences of different draft lengths
+        assert any(len(set(qs)) > 1 for _, qs in spy.replays), spy.replays

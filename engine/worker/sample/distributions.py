@@ -14,6 +14,8 @@ from typing import Any, Sequence
 
 import torch
 
+from engine.worker.host_upload import upload
+
 
 def row_seed(seed: int, sample_index: int, position: int) -> int:
     digest = hashlib.blake2b(f"{seed}:{sample_index}:{position}".encode(), digest_size=8).digest()
@@ -27,18 +29,18 @@ def processed_probs(logits: torch.Tensor, rows: Sequence[Any], greedy: list[bool
     q and the target's p are processed alike."""
     vocab = logits.shape[1]
     device = logits.device
-    temp = torch.tensor([1.0 if g else r.params.temperature for r, g in zip(rows, greedy)], device=device)[:, None]
+    temp = upload([1.0 if g else r.params.temperature for r, g in zip(rows, greedy)], torch.float32, device)[:, None]
     scaled = logits / temp
     top_k = [r.params.top_k if r.params.top_k > 0 else vocab for r in rows]
     if any(k < vocab for k in top_k):
-        k_tensor = torch.tensor(top_k, device=device)[:, None].clamp(max=vocab)
+        k_tensor = upload(top_k, torch.int64, device)[:, None].clamp(max=vocab)
         sorted_desc = scaled.sort(dim=-1, descending=True).values
         kth = sorted_desc.gather(1, k_tensor - 1)
         scaled = scaled.masked_fill(scaled < kth, -float("inf"))
     probs = scaled.softmax(dim=-1)
     top_p = [r.params.top_p for r in rows]
     if any(p < 1.0 for p in top_p):
-        p_tensor = torch.tensor(top_p, device=device)[:, None]
+        p_tensor = upload(top_p, torch.float32, device)[:, None]
         sorted_probs, order = probs.sort(dim=-1, descending=True)
         cum = sorted_probs.cumsum(dim=-1)
         # Drop a token when the mass before it already reaches top_p (the top token always stays).
@@ -47,7 +49,7 @@ def processed_probs(logits: torch.Tensor, rows: Sequence[Any], greedy: list[bool
         probs = probs.masked_fill(drop, 0.0)
     min_p = [r.params.min_p for r in rows]
     if any(m > 0 for m in min_p):
-        m_tensor = torch.tensor(min_p, device=device)[:, None]
+        m_tensor = upload(min_p, torch.float32, device)[:, None]
         probs = probs.masked_fill(probs < m_tensor * probs.max(dim=-1, keepdim=True).values, 0.0)
     return probs
 

@@ -24,6 +24,7 @@ from engine.core.sched.scheduler_output import PLACEHOLDER
 from engine.spec_decode.rejection import DraftProbs, rejection_tokens
 from engine.structured_output.grammars import bitmask_words, unpack_bitmask
 from engine.structured_output.step_bitmask import StepBitmask
+from engine.worker.host_upload import upload
 from engine.worker.sample.distributions import processed_probs, race_noise
 from engine.worker.sample.logprobs import pack_chosen_and_top
 from engine.worker.sample.sampler_output import HostCopy, LastSampled, PendingSample
@@ -199,16 +200,16 @@ class Sampler:
                 allow_ids.append(t)
         if bias_rows:
             logits.index_put_(
-                (torch.tensor(bias_rows, device=self.device), torch.tensor(bias_ids, device=self.device)),
-                torch.tensor(bias_vals, device=self.device, dtype=logits.dtype),
+                (upload(bias_rows, torch.int64, self.device), upload(bias_ids, torch.int64, self.device)),
+                upload(bias_vals, logits.dtype, self.device),
                 accumulate=True,
             )
         restricted = sorted({i for i, r in enumerate(rows) if r.params.allowed_token_ids is not None})
         if restricted:
             keep = torch.zeros_like(logits, dtype=torch.bool)
-            keep[torch.tensor(allow_rows, device=self.device), torch.tensor(allow_ids, device=self.device)] = True
+            keep[upload(allow_rows, torch.int64, self.device), upload(allow_ids, torch.int64, self.device)] = True
             unrestricted = torch.ones(len(rows), dtype=torch.bool, device=self.device)
-            unrestricted[torch.tensor(restricted, device=self.device)] = False
+            unrestricted[upload(restricted, torch.int64, self.device)] = False
             logits = torch.where(keep | unrestricted[:, None], logits, -float("inf"))
         return logits
 
@@ -243,7 +244,7 @@ class Sampler:
         if len(constrained) == len(rows):
             allowed = unpack_bitmask(mask.to(self.device, non_blocking=True), logits.shape[1])
             return logits.masked_fill(~allowed, -float("inf"))
-        index = torch.tensor(constrained, device=self.device)
+        index = upload(constrained, torch.int64, self.device)
         allowed = unpack_bitmask(mask[constrained].to(self.device, non_blocking=True), logits.shape[1])
         logits = logits.clone()
         logits[index] = logits[index].masked_fill(~allowed, -float("inf"))
@@ -261,9 +262,8 @@ class Sampler:
         if not banned_rows:
             return logits
         logits = logits.clone()
-        logits[torch.tensor(banned_rows, device=self.device), torch.tensor(banned_ids, device=self.device)] = -float(
-            "inf"
-        )
+        index = (upload(banned_rows, torch.int64, self.device), upload(banned_ids, torch.int64, self.device))
+        logits[index] = -float("inf")
         return logits
 
     def _apply_penalties(self, logits: torch.Tensor, rows: list[SampleRow], last: "LastSampled | None") -> torch.Tensor:
@@ -296,7 +296,7 @@ class Sampler:
             if last is None:
                 raise RuntimeError("a penalty row's last token is in flight but no launched step holds it")
             src = last.rows_of([key for _, key, _ in fed])
-            index = torch.tensor([[j for j, _, _ in fed], src], device=self.device)
+            index = upload([[j for j, _, _ in fed], src], torch.int64, self.device)
             # (-1, a failed row, counts as token 0: that request is failed and this step discarded)
             tokens = last.tokens.index_select(0, index[1]).clamp(min=0)
             counts.index_put_(
@@ -305,18 +305,18 @@ class Sampler:
             for j, _, state in fed:
                 state.counts = counts[j]  # (a view: later steps add to it in place)
         in_prompt = torch.stack(prompt_rows)
-        rep = torch.tensor([r.params.repetition_penalty for r in rows_p], device=self.device)[:, None]
-        freq = torch.tensor([r.params.frequency_penalty for r in rows_p], device=self.device)[:, None]
-        pres = torch.tensor([r.params.presence_penalty for r in rows_p], device=self.device)[:, None]
+        rep = upload([r.params.repetition_penalty for r in rows_p], torch.float32, self.device)[:, None]
+        freq = upload([r.params.frequency_penalty for r in rows_p], torch.float32, self.device)[:, None]
+        pres = upload([r.params.presence_penalty for r in rows_p], torch.float32, self.device)[:, None]
         whole = len(picked) == len(rows)
-        sub = logits if whole else logits[torch.tensor(picked, device=self.device)]
+        sub = logits if whole else logits[upload(picked, torch.int64, self.device)]
         seen = in_prompt | (counts > 0)
         sub = torch.where(seen, torch.where(sub > 0, sub / rep, sub * rep), sub)
         sub = sub - freq * counts - pres * (counts > 0).float()
         if whole:
             return sub
         logits = logits.clone()
-        logits[torch.tensor(picked, device=self.device)] = sub
+        logits[upload(picked, torch.int64, self.device)] = sub
         return logits
 
     def _sample_random(
@@ -325,7 +325,7 @@ class Sampler:
         probs = processed_probs(logits, rows, greedy)
         sampled = (probs / race_noise(probs, rows, greedy, self.generator)).argmax(dim=-1)
         if any(greedy):
-            g = torch.tensor(greedy, device=self.device)
+            g = upload(greedy, torch.bool, self.device)
             sampled = torch.where(g, logits.argmax(dim=-1), sampled)
         if drafts is not None and drafts.num_rows:
             # A model's sampled drafts: each row's token is its draft or the residual's sample
@@ -342,13 +342,13 @@ class _PenaltyState:
         self.device = device
         self.in_prompt = torch.zeros(vocab, dtype=torch.bool, device=device)
         if prompt:
-            self.in_prompt[torch.tensor(prompt, device=device)] = True
+            self.in_prompt[upload(prompt, torch.int64, device)] = True
         self.counts = torch.zeros(vocab, dtype=torch.float32, device=device)
         self.counted = 0
 
     def _add(self, counts: torch.Tensor, tokens: list[int]) -> None:
         if tokens:
-            ids = torch.tensor(tokens, device=self.device)
+            ids = upload(tokens, torch.int64, self.device)
             counts.index_add_(0, ids, torch.ones(len(tokens), dtype=counts.dtype, device=self.device))
 
     def counts_for(self, r: SampleRow) -> tuple[torch.Tensor, bool]:
