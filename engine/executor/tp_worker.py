@@ -95,7 +95,7 @@ class Worker:
         from engine.models.loader.model_loader import load_model
 
         s = self.spec.settings
-        self.config = cfg = ModelConfig.from_dir(self.spec.model_dir)
+        self.config = cfg = ModelConfig.from_dir(self.spec.model_dir, s.cache_dir)
         torch.manual_seed(s.seed)
         self.model = load_model(
             self.spec.model_dir,

@@ -140,7 +140,7 @@ class EngineBuilder:
     def _build(self) -> None:
         settings = self.settings
         self.model_dir = resolve_model_dir(settings.model, settings.cache_dir)
-        self.model_config = cfg = ModelConfig.from_dir(self.model_dir)
+        self.model_config = cfg = ModelConfig.from_dir(self.model_dir, settings.cache_dir)
         self.device = resolve_device(settings.device)
         self.cpu_threads = apply_cpu_threads(self._cpu_threads(), settings.cpu_bind)
         if self.device.type == "cpu":
@@ -349,7 +349,7 @@ class EngineBuilder:
 
     def _load_tokenizer(self) -> None:
         settings = self.settings
-        self.tokenizer = load_tokenizer(settings.tokenizer or self.model_dir)
+        self.tokenizer = load_tokenizer(settings.tokenizer or self.model_dir, settings.cache_dir)
         template = settings.resolved_chat_template()
         if template is not None:
             self.tokenizer.chat_template = template
@@ -506,7 +506,7 @@ class EngineBuilder:
         config: ModelConfig | EagleConfig
         with Phase(f"loading the {s.speculative_method} draft {path}"):
             if s.speculative_method == "draft_model":
-                config = layers = ModelConfig.from_dir(path)
+                config = layers = ModelConfig.from_dir(path, s.cache_dir)
                 check_draft_model(config, self.model_config, len(self.tokenizer), path)
                 model = load_model(
                     path,
