@@ -10,7 +10,7 @@ CUDA_EXTRA := $(shell command -v nvidia-smi >/dev/null 2>&1 && echo ",cuda")
 # Arguments for `make serve`, e.g. make serve SERVE_ARGS="/models/llama --max-model-len 8k".
 SERVE_ARGS ?=
 
-.PHONY: venv venv-test test-services serve test lint format typecheck bench kernels settings-table clean
+.PHONY: venv venv-test test-services serve test lint format typecheck bench kernels wheel settings-table clean
 
 $(VENV)/.python:
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -18,8 +18,11 @@ $(VENV)/.python:
 	touch $@
 
 # The runtime only: what `kiln serve` needs.
+# Then the C++ CPU kernels, built here as a visible step (one line per library) rather than by the
+# first `kiln serve`; a failed build is not fatal (a start compiles it, or runs the torch paths).
 $(VENV)/.runtime: pyproject.toml $(VENV)/.python
 	$(PY) -m pip install -q "$(TORCH_PIN)" -e '.$(if $(CUDA_EXTRA),[cuda],)'
+	$(KILN) build-kernels --cpu || echo "kiln: some CPU kernels were not built; the first start compiles them"
 	touch $@
 
 # The runtime plus the test tools, and the CUDA extras always: the CUTLASS headers let the
@@ -56,6 +59,12 @@ bench: $(VENV)/.runtime
 
 kernels: $(VENV)/.runtime
 	$(KILN) build-kernels
+
+# A wheel that ships the C++ CPU libraries of every ISA level kiln dispatches to (DEFAULT, AVX2,
+# AVX512; built against this venv's torch, whose version is in their key).
+wheel: $(VENV)/.runtime
+	$(PY) -m compiler.kernels.cpu_prebuild --all --into compiler/kernels/prebuilt
+	$(PY) -m pip wheel --no-deps --no-build-isolation -w dist .
 
 # Regenerate the docs' settings, flags and metrics tables from the code.
 settings-table: $(VENV)/.runtime

@@ -66,18 +66,17 @@ class CpuAttentionKernel:
         """Make torch.ops.kiln_cpu.paged_attention exist: load the cached build, or build it
         (first start only). A process that already holds the library (from another cache
         directory) copies it into this one rather than building it again."""
-        path = self.library_path()
+        path = cpu_extension.find_library(self.cache_dir, "cpu-attention", self.key())
         if loaded():
             if not path.is_file():
                 _copy_loaded_library(path)
             return
         if not path.is_file():
             t0 = time.perf_counter()
-            logger.info("compiling the CPU paged attention (first start only, cached in %s)", path.parent)
+            cpu_extension.log_runtime_build("the CPU paged attention", path)
             self._build(path)
             self.builds += 1
             self.build_seconds += time.perf_counter() - t0
-            logger.info("compiled the CPU paged attention in %.1fs", time.perf_counter() - t0)
         if not loaded():
             torch.ops.load_library(str(path))
 

@@ -4,6 +4,10 @@ One place for what the CPU attention (compiler/kernels/cpu_attention.py) and the
 (compiler/kernels/cpu_fused.py) share: the ISA flags, which follow torch's own CPU capability (never
 -march=native, so one cache serves every machine of that capability), the cache key of everything
 that changes the binary, where the library lives in the compile cache, and the build itself.
+
+The libraries are built at install (compiler/kernels/cpu_prebuild.py: `make venv` builds this
+CPU's, a wheel ships every ISA level's in compiler/kernels/prebuilt/); a start that finds neither
+the shipped library nor a cached one compiles it, once, and says so in one line.
 """
 
 from __future__ import annotations
@@ -48,12 +52,35 @@ def cache_key(source: Path, flags: list[str], capability: str | None = None, inc
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:20]
 
 
+# Libraries a wheel ships (cpu_prebuild.py --all --into this folder), found before the cache.
+SHIPPED_DIR = Path(__file__).resolve().parent / "prebuilt"
+
+
 def library_path(cache_dir: Path | None, kind: str, key: str) -> Path:
     """<cache_dir>/<kind>/kiln_<kind>_<key>/kiln_<kind>_<key>.so (a per-user temp dir without a
     cache dir); kind like "cpu-attention"."""
     directory = Path(cache_dir) if cache_dir else Path(tempfile.gettempdir()) / f"kiln-{kind}-{os.getuid()}"
     name = f"kiln_{kind.replace('-', '_')}_{key}"
     return directory / kind / name / f"{name}.so"
+
+
+def find_library(cache_dir: Path | None, kind: str, key: str) -> Path:
+    """The library to load: the one the package ships for this key, else the cache's (which the
+    caller builds when it is missing)."""
+    shipped = library_path(SHIPPED_DIR, kind, key)
+    return shipped if shipped.is_file() else library_path(cache_dir, kind, key)
+
+
+def log_runtime_build(what: str, path: Path) -> None:
+    """The one line a start that compiles a library logs (the install step did not build it)."""
+    logger.info(
+        "compiling %s now: no library built at install for this CPU (%s) and torch %s "
+        "(`make venv` or `python -m compiler.kernels.cpu_prebuild` builds them); cached in %s",
+        what,
+        torch.backends.cpu.get_cpu_capability(),
+        torch.__version__,
+        path.parent,
+    )
 
 
 def build(path: Path, source: Path, flags: list[str]) -> None:
@@ -64,10 +91,6 @@ def build(path: Path, source: Path, flags: list[str]) -> None:
 
     path.parent.mkdir(parents=True, exist_ok=True)
     clear_stale_lock(path.parent)
-    if not path.exists():  # (a cached library loads in milliseconds: say only when compiling)
-        logger.info(
-            "compiling %s for this CPU (once per machine and kiln version; cached in %s)", source.name, path.parent
-        )
     load(
         name=path.stem,
         sources=[str(source)],

@@ -58,12 +58,12 @@ class FusedOpsLibrary:
         self.error = ""
 
     @staticmethod
-    def key() -> str:
-        return cpu_extension.cache_key(SOURCE, cpu_flags(), includes=INCLUDES)
+    def key(capability: str | None = None) -> str:
+        return cpu_extension.cache_key(SOURCE, cpu_flags(capability), capability, includes=INCLUDES)
 
     @classmethod
     def library_path(cls, cache_dir: Path | None) -> Path:
-        return cpu_extension.library_path(cache_dir, "cpu-fused", cls.key())
+        return cpu_extension.find_library(cache_dir, "cpu-fused", cls.key())
 
     def load(self, cache_dir: Path | None) -> float:
         """Make torch.ops.kiln_cpu_fused exist (build it on the first start) and turn the fused
@@ -72,10 +72,9 @@ class FusedOpsLibrary:
         if not self.ready:
             path = self.library_path(cache_dir)
             if not path.is_file():
-                logger.info("compiling the CPU fused ops (first start only, cached in %s)", path.parent)
+                cpu_extension.log_runtime_build("the CPU fused ops", path)
                 self._build(path)
                 self.builds += 1
-                logger.info("compiled the CPU fused ops in %.1fs", time.perf_counter() - t0)
             if not hasattr(torch.ops.kiln_cpu_fused, "rope_"):
                 torch.ops.load_library(str(path))
             self.ready = True

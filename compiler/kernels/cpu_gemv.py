@@ -36,7 +36,7 @@ SOURCE = TEMPLATES / "cpu_gemv.cpp"
 INCLUDES = (TEMPLATES / "cpu_gemv_isa.inc", TEMPLATES / "cpu_bits.inc")
 
 # No -march and no -m ISA flags: each level's code carries its own target (see the module doc).
-_FLAGS = ["-O3", "-std=c++17", "-fopenmp", "-fno-math-errno", "-fno-trapping-math", "-Wno-psabi"]
+FLAGS = ["-O3", "-std=c++17", "-fopenmp", "-fno-math-errno", "-fno-trapping-math", "-Wno-psabi"]
 
 LEVELS = ("generic", "avx2", "avx2_vnni", "avx512", "avx512_vnni")
 
@@ -86,10 +86,10 @@ class GemvLibrary:
     def key() -> str:
         # (not torch's CPU capability, as the other libraries: this one holds every level, whatever
         # torch runs at, e.g. below a KILN_CPU_ISA limit)
-        return cpu_extension.cache_key(SOURCE, _FLAGS, capability="every level", includes=INCLUDES)
+        return cpu_extension.cache_key(SOURCE, FLAGS, capability="every level", includes=INCLUDES)
 
     def library_path(self) -> Path:
-        return cpu_extension.library_path(self.cache_dir, "cpu-gemv", self.key())
+        return cpu_extension.find_library(self.cache_dir, "cpu-gemv", self.key())
 
     def load(self) -> float:
         """Load the library (build it on the first use). Returns the seconds spent; raises when it
@@ -100,10 +100,9 @@ class GemvLibrary:
         if not loaded():
             path = self.library_path()
             if not path.is_file():
-                logger.info("compiling the CPU weight-streaming kernels (first use only, cached in %s)", path.parent)
-                cpu_extension.build(path, SOURCE, _FLAGS)
+                cpu_extension.log_runtime_build("the CPU weight-streaming kernels", path)
+                cpu_extension.build(path, SOURCE, FLAGS)
                 self.builds += 1
-                logger.info("compiled the CPU weight-streaming kernels in %.1fs", time.perf_counter() - t0)
             if not loaded():
                 torch.ops.load_library(str(path))
         self.levels = tuple(int(v) for v in torch.ops.kiln_cpu_gemv.levels())

@@ -95,7 +95,11 @@ class Worker:
         from engine.models.loader.model_loader import load_model
 
         s = self.spec.settings
-        self.config = cfg = ModelConfig.from_dir(self.spec.model_dir)
+        if self.device.type == "cpu":  # (kiln's compile cache, not a temp dir, as rank 0)
+            from compiler.kernels.cpu_gemv import GEMV
+
+            GEMV.configure(s.resolved_compile_cache_dir())
+        self.config = cfg = ModelConfig.from_dir(self.spec.model_dir, s.cache_dir)
         torch.manual_seed(s.seed)
         self.model = load_model(
             self.spec.model_dir,

@@ -188,12 +188,13 @@ class ModelConfig:
         )
 
     @classmethod
-    def from_dir(cls, path: str | Path) -> "ModelConfig":
-        """From an HF checkpoint directory's config.json, or a GGUF file's metadata."""
+    def from_dir(cls, path: str | Path, cache_dir: Path | None = None) -> "ModelConfig":
+        """From an HF checkpoint directory's config.json, or a GGUF file's metadata (what transformers
+        derives from it kept under cache_dir, if given: engine/models/loader/gguf_cache.py)."""
         from engine.models.loader import gguf_file
 
         if gguf_file.is_gguf(path):
-            return cls.from_dict(gguf_file.hf_config(path))
+            return cls.from_dict(gguf_file.hf_config(path, cache_dir))
         file = Path(path) / "config.json"
         if not file.is_file():
             raise FileNotFoundError(f"model: no config.json in {path}")

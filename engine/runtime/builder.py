@@ -3,7 +3,9 @@
 Model directory, config, device and dtype; tokenizer and stop ids; weights; attention
 backend; the KV cache sized from memory (a profile forward on a GPU); block pool, swap space,
 speculative proposer, scheduler, sampler and runner; then compilation and CUDA-graph capture.
-Each phase is logged with the time it took, so a cold start says what it is doing.
+Each phase is logged with the time it took, so a cold start says what it is doing. The tokenizer
+loads on a thread beside the weights. Speculative decoding's parts are made in builder_draft.py, the
+CPU's weight finishing and warm-up in builder_cpu.py, the KV scales and swap space in builder_kv.py.
 `build()` returns the parts (`EngineParts`); LLMEngine.from_settings (engine/runtime/llm_engine.py)
 hands them to an EngineCore and its front as constructor arguments.
 """
@@ -11,12 +13,14 @@ hands them to an EngineCore and its front as constructor arguments.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any, Callable, cast
 
 import torch
 
+from compiler.kernels.cpu_gemv import GEMV
 from engine.config.generation_config import GenerationDefaults, load_generation_defaults, with_overrides
 from engine.config.process_env import export_compile_cache_dir
 from engine.config.settings import EngineSettings
@@ -25,25 +29,19 @@ from engine.core.kv.swap_space import SwapSpace
 from engine.core.sched.scheduler import Scheduler, SchedulerConfig
 from engine.layers.attention.base import BackendSpec
 from engine.layers.attention.selector import get_attention_backend
-from engine.layers.kv_cache import KVCache, KVScales, resolve_kv_cache_dtype
+from engine.layers.kv_cache import KVCache, resolve_kv_cache_dtype
 from engine.layers.quant.cpu_packed import activations_choice, has_packed_layers
 from engine.layers.quant.w4a16 import install as install_w4a16
 from engine.layers.quant.w4a16 import loader_int4_kernel, resolve_int4_kernel
 from engine.lora.adapters import LoRAManager, make_lora_manager
 from engine.models.config import ModelConfig
-from engine.models.draft import DraftParts, check_draft_model, load_draft_vocab
-from engine.models.eagle import Eagle3Head, EagleConfig, EagleHead, load_eagle
 from engine.models.llama import LlamaForCausalLM
-from engine.models.loader.gguf_file import is_gguf
-from engine.models.loader.kv_scales import read_kv_scales
 from engine.models.loader.model_loader import load_model, load_tokenizer
 from engine.resolve.build_target import resolve_device, resolve_dtype, resolve_model_dir
+from engine.runtime import builder_cpu, builder_draft, builder_kv
 from engine.runtime.kv_tiers import KVTiers
 from engine.runtime.kv_tiers_setup import build_kv_tiers
 from engine.runtime.startup_phase import Phase
-from engine.spec_decode.draft_model import DraftModelProposer
-from engine.spec_decode.eagle import EagleProposer
-from engine.spec_decode.sched import DraftLengthPlanner, NgramProposer, SpecDecodeConfig, SpecDecoder
 from engine.structured_output.grammars import StructuredOutputCompiler
 from engine.worker import kv_sizing
 from engine.worker.cpu_isa import apply_cpu_isa_limit
@@ -56,6 +54,15 @@ if TYPE_CHECKING:
     from engine.worker.block_swapper import BlockSwapper, SwapGroup
 
 logger = logging.getLogger(__name__)
+
+
+def _in_background(fn: Callable[[], Any], name: str) -> Future:
+    """fn() on its own thread; the future holds its result or its exception."""
+    pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=name)
+    try:
+        return pool.submit(fn)
+    finally:
+        pool.shutdown(wait=False)  # (the thread ends when fn returns)
 
 
 @dataclass(frozen=True)
@@ -95,7 +102,7 @@ class EngineBuilder:
     """Builds every part of an engine from settings; `build()` runs the phases and returns them
     (`EngineParts`)."""
 
-    block_swapper: BlockSwapper | SwapGroup | MirroredSwapper | None  # (set by _make_swap_space)
+    block_swapper: BlockSwapper | SwapGroup | MirroredSwapper | None  # (engine/runtime/builder_kv.py)
 
     def __init__(self, settings: EngineSettings) -> None:
         self.settings = settings
@@ -103,34 +110,7 @@ class EngineBuilder:
     def build(self) -> EngineParts:
         try:
             self._build()
-            return EngineParts(
-                model_dir=self.model_dir,
-                model_config=self.model_config,
-                device=self.device,
-                dtype=self.dtype,
-                max_model_len=self.max_model_len,
-                tokenizer=self.tokenizer,
-                eos_token_ids=self.eos_token_ids,
-                generation_defaults=self.generation_defaults,
-                structured_output=self.structured_output,
-                model=self.model,
-                lora=self.lora,
-                backend=self.backend,
-                kv_cache=self.kv_cache,
-                num_blocks=self.num_blocks,
-                pool=self.pool,
-                swap_space=self.swap_space,
-                block_swapper=self.block_swapper,
-                kv_tiers=self.kv_tiers,
-                scheduler=self.scheduler,
-                runner=self.runner,
-                draft_runner=self.draft_runner,
-                executor=self.executor,
-                async_scheduling=self.async_scheduling,
-                cpu_threads=self.cpu_threads,
-                compile_seconds=self.compile_seconds,
-                capture_seconds=self.capture_seconds,
-            )
+            return EngineParts(**{f.name: getattr(self, f.name) for f in fields(EngineParts)})
         except BaseException:
             executor = getattr(self, "executor", None)
             if executor is not None:  # no worker outlives a failed start
@@ -140,19 +120,22 @@ class EngineBuilder:
     def _build(self) -> None:
         settings = self.settings
         self.model_dir = resolve_model_dir(settings.model, settings.cache_dir)
-        self.model_config = cfg = ModelConfig.from_dir(self.model_dir)
+        self.model_config = cfg = ModelConfig.from_dir(self.model_dir, settings.cache_dir)
         self.device = resolve_device(settings.device)
         self.cpu_threads = apply_cpu_threads(self._cpu_threads(), settings.cpu_bind)
         if self.device.type == "cpu":
             apply_cpu_isa_limit()  # (before the weights load: the decoder stack takes its kernel level)
+            GEMV.configure(settings.resolved_compile_cache_dir())  # (kiln's compile cache, not a temp dir)
+        self.library_builds = builder_cpu.library_builds()
         self.dtype = resolve_dtype(settings.dtype, self.model_config, self.device, self.model_dir)
         self.kv_dtype = resolve_kv_cache_dtype(
             settings.kv_cache_dtype, self.dtype, self.device.type, settings.tensor_parallel_size
         )
         self.max_model_len = self._resolve_max_model_len()
         self.async_scheduling = settings.resolved_async_scheduling(self.device.type)
-        with Phase("loading the tokenizer"):
-            self._load_tokenizer()
+        # The tokenizer loads on a thread while the weights load (transformers' import and the
+        # tokenizer's files: about a second of a warm start, issue 40); joined before its first use.
+        tokenizer = _in_background(self._read_tokenizer, "kiln-tokenizer")
         torch.manual_seed(settings.seed)
         if settings.enable_lora and cfg.is_moe:
             raise ValueError("enable_lora: LoRA adapters are not supported for mixture-of-experts models")
@@ -163,6 +146,7 @@ class EngineBuilder:
             self.executor = TensorParallelExecutor.start(
                 settings, self.model_dir, self.device, self.dtype, self.max_model_len
             )
+        huge_pages = self.device.type == "cpu" and settings.cpu_huge_pages and self.executor is None
         int4_kernel = resolve_int4_kernel(settings.int4_kernel, self.device, settings.resolved_kernel_cache_dir())
         with Phase(
             f"loading weights of {self.model_dir} ({cfg.model_type}, "
@@ -182,7 +166,7 @@ class EngineBuilder:
                 gguf_dequantize=settings.gguf_dequantize,
                 tp=self._model_tp(),
                 quant_activations=settings.cpu_quant_activations,
-                on_allocated=self._advise_huge_pages if self._huge_pages() else None,
+                on_allocated=builder_cpu.advise_huge_pages if huge_pages else None,
             )
             if self.device.type == "cpu" and has_packed_layers(self.model):
                 logger.info(
@@ -211,7 +195,11 @@ class EngineBuilder:
         if self.executor is not None:
             # (ShardedModel stands in for the model: what it does not override goes to the shard)
             self.model = cast(LlamaForCausalLM, self.executor.wrap_model(self.model))
-        self.draft = self._load_draft()  # speculative decoding's draft model or EAGLE head, if any
+        self._finish_tokenizer(tokenizer)
+        # speculative decoding's draft model or EAGLE head, if any
+        self.draft = builder_draft.load_draft(
+            settings, self.model, cfg, len(self.tokenizer), self.dtype, self.device, self.max_model_len
+        )
         with Phase("sizing the KV cache" + (" (profiling a forward)" if self.device.type == "cuda" else "")):
             self.num_blocks = self._num_kv_blocks()
         self.kv_cache = KVCache(
@@ -224,7 +212,7 @@ class EngineBuilder:
             self.device,
             model_dtype=self.dtype,
         )
-        self._set_kv_scales()
+        builder_kv.set_kv_scales(settings, self.kv_cache, self.backend, self.model_dir, cfg.num_layers, self.num_blocks)
         self.draft_kv = (
             None
             if self.draft is None
@@ -238,30 +226,14 @@ class EngineBuilder:
                 self.device,
             )
         )
-        if self.device.type == "cpu" and settings.cpu_half_weights and self.executor is None:
-            # (the layers' post-load hook: engine/layers/linear.py)
-            changed, saved, head_saved = self.model.process_weights_after_loading(self.dtype, "half")
-            if changed:
-                logger.info(
-                    "%d float32 projection weights hold only 2-byte values: kept in 2 bytes (%.0f MB less "
-                    "per decode step; cpu_half_weights)",
-                    changed,
-                    saved / 1e6,
-                )
-            if head_saved:
-                logger.info(
-                    "the LM head holds only 2-byte values: decode steps read a 2-byte copy (%.0f MB less "
-                    "per step, as much more in memory; cpu_half_weights)",
-                    head_saved / 1e6,
-                )
         if self.device.type == "cpu" and self.executor is None:
-            self._keep_gemm_weights(settings.cpu_gemm_packed_weights)
-        if self._huge_pages():
-            from engine.worker.cpu_huge_pages import back_with_huge_pages
-
-            # (the weights only: collapsing a KV cache copies all of it at every start, for little)
-            models = [self.model] + ([self.draft.model] if self.draft is not None else [])
-            back_with_huge_pages([t for m in models for t in (*m.parameters(), *m.buffers())], "weights")
+            builder_cpu.finish_weights(
+                settings,
+                self.model,
+                self.dtype,
+                [self.draft.model] if self.draft is not None else [],
+                huge_pages=settings.cpu_huge_pages,
+            )
         self.pool = BlockPool(self.num_blocks, settings.block_size, settings.enable_prefix_caching)
         max_tokens_per_seq = self.pool.num_usable * settings.block_size
         if self.max_model_len > max_tokens_per_seq:
@@ -271,6 +243,13 @@ class EngineBuilder:
                 "lower max_model_len or give the cache more memory (num_gpu_blocks, "
                 "gpu_memory_utilization, kv_cache_memory_gb)"
             )
+        self.swap_space, self.block_swapper = builder_kv.make_swap_space(
+            settings,
+            self.pool,
+            [self.kv_cache] + ([self.draft_kv] if self.draft_kv is not None else []),
+            self._bytes_per_block(),
+            pinned=self.device.type == "cuda",
+        )
         self.scheduler = Scheduler(
             SchedulerConfig(
                 max_num_seqs=settings.max_num_seqs,
@@ -284,8 +263,8 @@ class EngineBuilder:
                 eos_token_ids=self.eos_token_ids,
             ),
             self.pool,
-            self._make_swap_space(),
-            self._make_spec_decoder(),
+            self.swap_space,
+            builder_draft.make_spec_decoder(settings, self.max_model_len),
         )
         self.kv_tiers = build_kv_tiers(
             settings,
@@ -316,40 +295,32 @@ class EngineBuilder:
             self.max_model_len,
         )
         self.runner.executor = self.executor
-        self.draft_runner = self._make_device_proposer()
+        self.draft_runner = None
+        if self.draft is not None:
+            assert self.draft_kv is not None  # (made with the draft)
+            self.draft_runner = builder_draft.make_device_proposer(
+                settings,
+                self.draft,
+                self.draft_kv,
+                self.model,
+                self.runner,
+                cfg,
+                self.sampler,
+                self.dtype,
+                self.device,
+                self._token_budget(),
+                self.max_model_len,
+            )
         self.compile_seconds, self.capture_seconds = self._compile_and_capture()
 
-    def _huge_pages(self) -> bool:
-        return self.device.type == "cpu" and self.settings.cpu_huge_pages and self.executor is None
+    def _read_tokenizer(self) -> Any:
+        with Phase("loading the tokenizer"):
+            return load_tokenizer(self.settings.tokenizer or self.model_dir, self.settings.cache_dir)
 
-    @staticmethod
-    def _advise_huge_pages(model: torch.nn.Module) -> None:
-        """Before the weights are written: their pages fault in as huge pages (no collapse copy later)."""
-        from engine.worker.cpu_huge_pages import advise_huge_pages
-
-        advise_huge_pages([*model.parameters(), *model.buffers()])
-
-    def _keep_gemm_weights(self, setting: str) -> None:
-        """oneDNN's blocked weight copies for GEMM rows, where cpu_gemm_packed_weights says so
-        (engine/worker/cpu_gemm_weights.py; made by the layers' hook); the choice and why, logged."""
-        from engine.worker import cpu_gemm_weights as gw
-
-        wanted = gw.dense_weight_bytes(self.model, self.dtype)
-        free = kv_sizing.read_free_memory()  # (MemAvailable, or less under a cgroup limit)
-        keep, why = gw.gemm_weights_choice(setting, self.dtype, wanted, gw.has_amx(), free.bytes if free else 0)
-        if not keep:
-            logger.info("oneDNN weight copies for GEMM rows: off (%s)", why)
-            return
-        with Phase("packing oneDNN weight copies for GEMM rows"):
-            made, nbytes, head_bytes = self.model.process_weights_after_loading(self.dtype, "gemm")
-        made, nbytes = made + (head_bytes > 0), nbytes + head_bytes
-        logger.info(
-            "oneDNN weight copies for GEMM rows: %d weights, %.0f MB more in memory (%s)", made, nbytes / 1e6, why
-        )
-
-    def _load_tokenizer(self) -> None:
+    def _finish_tokenizer(self, loading: Future) -> None:
+        """The tokenizer (waited for), its chat template, the stop ids, structured outputs."""
         settings = self.settings
-        self.tokenizer = load_tokenizer(settings.tokenizer or self.model_dir)
+        self.tokenizer = loading.result()
         template = settings.resolved_chat_template()
         if template is not None:
             self.tokenizer.chat_template = template
@@ -371,10 +342,7 @@ class EngineBuilder:
         s = self.settings
         runners = [self.runner] + ([self.draft_runner] if self.draft_runner is not None else [])
         if self.device.type == "cpu":
-            for runner in runners:
-                warm = getattr(runner.model, "warm_cpu_linear", None)
-                if warm is not None:  # oneDNN's shapes, built now
-                    warm(s.max_num_batched_tokens, s.max_num_seqs)
+            builder_cpu.warm_cpu_linear(s, runners)
         if s.enforce_eager:
             return 0.0, 0.0
         if self.executor is not None and self.device.type == "cuda":
@@ -386,18 +354,13 @@ class EngineBuilder:
             )
             return 0.0, 0.0
         if self.device.type == "cpu":  # what pays on the CPU: engine/worker/cpu_warmup.py
-            from engine.worker.cpu_warmup import warm_cpu_decode
-
-            seconds = 0.0
-            for runner in runners:
-                fuse = getattr(runner.model, "use_cpu_fused_ops", None)
-                if fuse is not None:  # fused norms / RoPE / SiLU (compiler/kernels/cpu_fused.py)
-                    fuse(s.resolved_compile_cache_dir())
-                seconds += warm_cpu_decode(
-                    runner.model, runner.kv_cache.tensor, s.resolved_compile_cache_dir(), s.cpu_decoder_stack
-                )
+            seconds = builder_cpu.warm_cpu_kernels(s, runners)
             if not s.cpu_compile_forward:
-                logger.info("CPU: eager forward, C++ paged attention; warm-up %.1fs", seconds)
+                logger.info(
+                    "CPU: eager forward, C++ paged attention; warm-up %.1fs%s",
+                    seconds,
+                    builder_cpu.compiled_since(self.library_builds),
+                )
                 return seconds, 0.0
         from compiler.compilation.capture import compile_count, configure_compile_cache
 
@@ -420,200 +383,13 @@ class EngineBuilder:
             ):
                 capture_s = sum(
                     runner.capture_graphs(
-                        sizes, device_reads_lengths=reads_lengths, max_query=self._verify_query(runner)
+                        sizes,
+                        device_reads_lengths=reads_lengths,
+                        max_query=builder_draft.verify_query(s, runner is self.draft_runner),
                     )
                     for runner in runners
                 )
         return compile_s, capture_s
-
-    def _verify_query(self, runner: ModelRunner) -> int:
-        """Tokens per sequence of the verify steps a runner replays as graphs: the target's and an
-        EAGLE head's catch-up (1 + the most drafts); a draft model's forwards are decode steps."""
-        s = self.settings
-        if s.speculative_method is None or (runner is self.draft_runner and s.speculative_method == "draft_model"):
-            return 1
-        return 1 + s.num_speculative_tokens
-
-    def _set_kv_scales(self) -> None:
-        """An fp8 cache's K/V scales: calibrated on the first prompt (calculate_kv_scales), else the
-        checkpoint's k_scale / v_scale, else 1.0; handed to the attention backend."""
-        s, cache = self.settings, self.kv_cache
-        if cache.scales is None:
-            if s.calculate_kv_scales:
-                logger.warning("calculate_kv_scales applies to an fp8 KV cache only (kv_cache_dtype=fp8): ignored")
-            return
-        from engine.models.loader.model_loader import safetensors_files
-
-        found = None
-        if self.model_dir.is_dir() and s.load_format != "dummy" and any(self.model_dir.glob("*.safetensors")):
-            found = read_kv_scales(safetensors_files(self.model_dir), self.model_config.num_layers)
-        if found is not None:
-            cache.set_scales(found)
-        source = (
-            "calibrated on the first prompt (calculate_kv_scales)"
-            if s.calculate_kv_scales
-            else "from the checkpoint"
-            if found is not None
-            else "1.0 (the checkpoint has none)"
-        )
-        logger.info("KV cache: fp8 e4m3, %d blocks, K/V scales %s", self.num_blocks, source)
-        self.backend.use_kv_scales(KVScales(cache.scales, calibrate=s.calculate_kv_scales))
-
-    def _make_spec_decoder(self) -> SpecDecoder | None:
-        """The scheduler's side of speculative decoding: n-gram drafts, or how many drafts the
-        device proposer makes for each sequence, limited and accepted by a SpecDecoder."""
-        s = self.settings
-        if s.speculative_method is None:
-            return None
-        config = SpecDecodeConfig(
-            s.num_speculative_tokens, s.speculative_method, s.prompt_lookup_max, s.prompt_lookup_min
-        )
-        proposer: NgramProposer | DraftLengthPlanner
-        if not config.device_drafts:
-            logger.info(
-                "speculative decoding: ngram, up to %d draft tokens (lookup %d..%d tokens)",
-                s.num_speculative_tokens,
-                s.prompt_lookup_min,
-                s.prompt_lookup_max,
-            )
-            proposer = NgramProposer(config)
-        else:
-            logger.info(
-                "speculative decoding: %s %s, up to %d draft tokens per step",
-                s.speculative_method,
-                s.speculative_model,
-                s.num_speculative_tokens,
-            )
-            proposer = DraftLengthPlanner(config)
-        return SpecDecoder(proposer, self.max_model_len)
-
-    # ---- speculative decoding's draft (a draft model or an EAGLE head) ----
-    def _load_draft(self) -> "DraftParts | None":
-        """The draft model (or EAGLE head) with its own attention backend; its KV cache is made
-        with the target's once the pool is sized (the same block ids index both)."""
-        s = self.settings
-        if s.speculative_method not in ("draft_model", "eagle", "eagle3"):
-            return None
-        assert s.speculative_model is not None  # (the settings require one for these methods)
-        path = Path(s.speculative_model).expanduser()
-        if not path.is_dir() and not (s.speculative_method == "draft_model" and is_gguf(path)):
-            raise ValueError(
-                f"speculative_model: {s.speculative_model!r} is not a checkpoint directory"
-                + (" or .gguf file" if s.speculative_method == "draft_model" else "")
-            )
-        vocab_ids = None
-        model: LlamaForCausalLM | EagleHead | Eagle3Head
-        config: ModelConfig | EagleConfig
-        with Phase(f"loading the {s.speculative_method} draft {path}"):
-            if s.speculative_method == "draft_model":
-                config = layers = ModelConfig.from_dir(path)
-                check_draft_model(config, self.model_config, len(self.tokenizer), path)
-                model = load_model(
-                    path,
-                    config,
-                    self.dtype,
-                    self.device,
-                    self.max_model_len,
-                    s.load_format,
-                    s.seed,
-                    quant_activations=s.cpu_quant_activations,
-                )
-                vocab_ids = load_draft_vocab(path, config, self.model_config.vocab_size)
-            else:
-                model = load_eagle(
-                    path,
-                    3 if s.speculative_method == "eagle3" else 1,
-                    self.model,
-                    self.dtype,
-                    self.device,
-                    self.max_model_len,
-                )
-                config, layers = model.eagle, model.eagle.layer
-        backend = get_attention_backend(
-            s.attention_backend,
-            BackendSpec(
-                device=self.device,
-                dtype=self.dtype,
-                head_dim=config.head_dim,
-                block_size=s.block_size,
-                kernel_cache_dir=s.resolved_kernel_cache_dir(),
-                compile=not s.enforce_eager,
-                decode_kernel=s.decode_kernel,
-                prefill_kernel=s.prefill_kernel,
-                windowed_or_capped=any(layers.layer_windows) or layers.attn_softcap > 0,
-            ),
-        )
-        model.set_backend(backend)
-        return DraftParts(model, config, backend, vocab_ids)
-
-    def _make_device_proposer(self) -> ModelRunner | None:
-        """The draft's runner (its own input buffers, cache tensor and graphs) and the proposer that
-        drives it inside the target runner's launch; the target's block copies cover its cache."""
-        if self.draft is None:
-            return None
-        assert self.draft_kv is not None  # (made with the draft)
-        s = self.settings
-        runner = ModelRunner(
-            self.draft.model,
-            self.draft_kv,
-            self.sampler,
-            self.device,
-            s.block_size,
-            s.max_num_seqs,
-            self._token_budget(),
-            self.max_model_len,
-        )
-        runner.builder.shifts_from = self.runner.builder  # (a verify step in flight moves its positions too)
-        if s.speculative_method == "draft_model":
-            self.runner.spec = DraftModelProposer(
-                runner, self.model_config.vocab_size, self.sampler.generator, self.draft.vocab_ids
-            )
-        else:
-            head = self.draft.model
-            assert isinstance(head, (EagleHead, Eagle3Head))  # (an EAGLE method's draft is its head)
-            head.allocate_inputs(runner.buffers.max_tokens)
-            if head.eagle.version == 3:  # the target keeps the hidden states entering the head's layers
-                self.model.aux_layers = head.eagle.aux_layers
-                self.model.aux_hidden = torch.zeros(
-                    self.runner.buffers.max_tokens,
-                    len(head.eagle.aux_layers) * self.model_config.hidden_size,
-                    dtype=self.dtype,
-                    device=self.device,
-                )
-            self.runner.spec = EagleProposer(runner, self.runner, self.sampler.generator)
-        self.runner.block_copy_caches.append(self.draft_kv.tensor)
-        return runner
-
-    def _make_swap_space(self) -> SwapSpace | None:
-        """The CPU block pool for preemption by swap (none in recompute mode or with no swap space)."""
-        s = self.settings
-        self.swap_space: SwapSpace | None = None
-        self.block_swapper = None
-        if s.preemption_mode == "recompute" or s.swap_space_gb <= 0:
-            return None
-        per_block = self._bytes_per_block()
-        num_cpu = int(s.swap_space_gb * (1 << 30) // per_block)
-        if num_cpu < 1:
-            logger.warning(
-                "swap_space_gb=%s holds no KV block of %d bytes: preempting by recompute only",
-                s.swap_space_gb,
-                per_block,
-            )
-            return None
-        from engine.worker.block_swapper import BlockSwapper, SwapGroup
-
-        self.block_swapper = BlockSwapper(self.kv_cache.tensor, num_cpu)
-        if self.draft_kv is not None:  # the draft's KV moves with the target's, block for block
-            self.block_swapper = SwapGroup([self.block_swapper, BlockSwapper(self.draft_kv.tensor, num_cpu)])
-        self.swap_space = SwapSpace(self.pool, num_cpu, bytes_per_block=per_block)
-        logger.info(
-            "swap space: %d CPU blocks (%.2f GiB%s), preemption mode %s",
-            num_cpu,
-            num_cpu * per_block / (1 << 30),
-            ", pinned" if self.device.type == "cuda" else "",
-            s.preemption_mode,
-        )
-        return self.swap_space
 
     # ---- tensor parallelism ----
     def _cpu_threads(self) -> int | None:

@@ -131,3 +131,13 @@ def test_build_kernels_uses_the_cache_root_serve_uses(monkeypatch, tmp_path):
     assert calls[-1] == ["--jobs", "2", "--cache-dir", str(tmp_path / "other" / "kernels")]
     assert main(["build-kernels", "--kernel-cache-dir", str(tmp_path / "k")]) == 0
     assert calls[-1] == ["--cache-dir", str(tmp_path / "k")]
+    # --cpu: the C++ CPU libraries, into the compile cache serve loads them from
+    import compiler.kernels.cpu_prebuild
+
+    cpu_calls = []
+    monkeypatch.setattr(compiler.kernels.cpu_prebuild, "main", lambda argv: cpu_calls.append(argv) or 0)
+    assert main(["build-kernels", "--cpu", "--all"]) == 0 and len(calls) == 3
+    assert cpu_calls[-1] == ["--all", "--into", str(tmp_path / "root" / "compile")]
+    assert EngineSettings().resolved_compile_cache_dir() == tmp_path / "root" / "compile"
+    assert main(["build-kernels", "--cpu", "--compile-cache-dir", str(tmp_path / "c")]) == 0
+    assert cpu_calls[-1] == ["--into", str(tmp_path / "c")]

@@ -131,21 +131,30 @@ def parse_serve_args(argv: list[str]) -> tuple:
 
 def _cmd_build_kernels(argv: list[str]) -> int:
     """Kernels go where `kiln serve` looks: --cache-dir is kiln's cache root (KILN_CACHE_DIR, as for
-    every command) and the kernels its kernels/ folder, unless --kernel-cache-dir names another."""
+    every command) and the kernels its kernels/ folder, unless --kernel-cache-dir names another;
+    with --cpu, the C++ CPU libraries go to its compile/ folder (or --compile-cache-dir)."""
     from compiler.kernels import cli as kernels_cli
     from engine.config.settings import EngineSettings
 
     pre = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
     pre.add_argument("--cache-dir", dest=DEST_PREFIX + "cache_dir", default=argparse.SUPPRESS)
     pre.add_argument("--kernel-cache-dir", dest=DEST_PREFIX + "kernel_cache_dir", default=argparse.SUPPRESS)
+    pre.add_argument("--compile-cache-dir", dest=DEST_PREFIX + "compile_cache_dir", default=argparse.SUPPRESS)
+    pre.add_argument("--cpu", action="store_true")
     args, rest = pre.parse_known_args(argv)
     if "-h" in rest or "--help" in rest:
         print(
             "kiln build-kernels: --cache-dir DIR is kiln's cache root (default: KILN_CACHE_DIR or ~/.cache/kiln;"
             " kernels go to DIR/kernels, where `kiln serve` looks); --kernel-cache-dir DIR names the kernel"
-            " folder itself.\n"
+            " folder itself. --cpu builds the C++ CPU libraries instead (this CPU's; --all: every ISA level)"
+            " into the compile cache (--compile-cache-dir).\n"
         )
+    cpu = args.__dict__.pop("cpu")
     settings = settings_from_args(args, EngineSettings)
+    if cpu:  # the C++ CPU libraries, where `kiln serve` looks (compiler/kernels/cpu_prebuild.py)
+        from compiler.kernels import cpu_prebuild
+
+        return cpu_prebuild.main([*rest, "--into", str(settings.resolved_compile_cache_dir())])
     return kernels_cli.build_main([*rest, "--cache-dir", str(settings.resolved_kernel_cache_dir())])
 
 

@@ -10,15 +10,17 @@ them: the rotary row permutation of Llama-architecture q/k, Gemma's +1 on norm w
 
 from __future__ import annotations
 
+import mmap
 import re
 import struct
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, BinaryIO, Iterator
+from typing import Any, Iterator
 
 import torch
 
 from engine.layers.quant.gguf_blocks import BLOCK_TYPES, dequantize
+from engine.models.loader import gguf_cache
 
 # llama.cpp tensor name inside a block -> HF name inside model.layers.N
 _LAYER_NAMES = {
@@ -55,17 +57,12 @@ def is_gguf(path: str | Path) -> bool:
     return p.suffix.lower() == ".gguf" and p.is_file()
 
 
-def hf_config(path: str | Path) -> dict[str, Any]:
-    """The HF config dict transformers derives from the file's metadata."""
-    from transformers import AutoConfig
-
+def hf_config(path: str | Path, cache_dir: Path | None = None) -> dict[str, Any]:
+    """The HF config dict transformers derives from the file's metadata (kept under cache_dir:
+    engine/models/loader/gguf_cache.py), with what transformers leaves out of it."""
     p = Path(path)
-    try:
-        config = AutoConfig.from_pretrained(str(p.parent), gguf_file=p.name)
-    except ValueError as exc:  # e.g. an architecture transformers' GGUF mapping lacks
-        raise ValueError(f"model: cannot read the config of GGUF file {p}: {exc}") from exc
-    raw = config.to_dict()
     meta, tensors = read_header(p)
+    raw = gguf_cache.cached_config(p, _header_end(p, tensors), cache_dir, lambda: _transformers_config(p))
     # transformers ignores some architectures' key_length (Qwen3: its default head_dim 128 instead)
     key_length = meta.get(f"{meta.get('general.architecture')}.attention.key_length")
     if key_length:
@@ -82,12 +79,33 @@ def hf_config(path: str | Path) -> dict[str, Any]:
     return raw
 
 
-def load_tokenizer(path: str | Path):
-    """The tokenizer (vocabulary, merges, special tokens, chat template) stored in the file."""
+def _transformers_config(p: Path) -> dict[str, Any]:
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(str(p.parent), gguf_file=p.name).to_dict()
+    except ValueError as exc:  # e.g. an architecture transformers' GGUF mapping lacks
+        raise ValueError(f"model: cannot read the config of GGUF file {p}: {exc}") from exc
+
+
+def load_tokenizer(path: str | Path, cache_dir: Path | None = None):
+    """The tokenizer (vocabulary, merges, special tokens, chat template) stored in the file;
+    converted once and kept under cache_dir (engine/models/loader/gguf_cache.py)."""
     from transformers import AutoTokenizer
 
     p = Path(path)
-    return AutoTokenizer.from_pretrained(str(p.parent), gguf_file=p.name)
+    _, tensors = read_header(p)
+    return gguf_cache.cached_tokenizer(
+        p,
+        _header_end(p, tensors),
+        cache_dir,
+        lambda: AutoTokenizer.from_pretrained(str(p.parent), gguf_file=p.name),
+    )
+
+
+def _header_end(p: Path, tensors: list[TensorInfo]) -> int:
+    """Where the header ends: the first tensor's data (the whole file without tensors)."""
+    return min((t.offset for t in tensors), default=p.stat().st_size)
 
 
 # GGUF metadata value types: struct format of the scalars; 8 is a string, 9 an array.
@@ -103,15 +121,29 @@ class TensorInfo:
     nbytes: int
 
 
+_U64 = struct.Struct("<Q")
+
+
 class _Cursor:
-    def __init__(self, f: BinaryIO) -> None:
-        self.f = f
+    """Reads the header from a mapping of the file: struct.unpack_from at an offset, so skipping a
+    150k-token vocabulary walks its lengths without a read call per string (issue 40: start-up)."""
+
+    def __init__(self, buf) -> None:
+        self.buf = buf
+        self.pos = 0
 
     def unpack(self, fmt: str):
-        return struct.unpack(fmt, self.f.read(struct.calcsize(fmt)))[0]
+        value = struct.unpack_from(fmt, self.buf, self.pos)[0]
+        self.pos += struct.calcsize(fmt)
+        return value
 
     def string(self) -> str:
-        return self.f.read(self.unpack("<Q")).decode("utf-8", errors="replace")
+        n = self.unpack("<Q")
+        if self.pos + n > len(self.buf):
+            raise ValueError("gguf: the header ends inside a string")
+        text = bytes(self.buf[self.pos : self.pos + n]).decode("utf-8", errors="replace")
+        self.pos += n
+        return text
 
     def value(self, vtype: int, keep: bool = True) -> Any:
         if vtype in _SCALARS:
@@ -122,38 +154,56 @@ class _Cursor:
             raise ValueError(f"gguf: unknown metadata value type {vtype}")
         item, count = self.unpack("<I"), self.unpack("<Q")
         if not keep and item in _SCALARS:  # skip without decoding (token scores, types, ...)
-            self.f.seek(count * struct.calcsize(_SCALARS[item]), 1)
+            self.pos += count * struct.calcsize(_SCALARS[item])
+            return None
+        if not keep and item == 8:  # skip strings (the vocabulary, merges): their lengths only
+            length, buf, pos = _U64.unpack_from, self.buf, self.pos
+            for _ in range(count):
+                pos += 8 + length(buf, pos)[0]
+            self.pos = pos
             return None
         values = [self.value(item, keep) for _ in range(count)]
         return values if keep else None
+
+
+def _parse(cur: _Cursor, path: str | Path) -> tuple[dict[str, Any], list[tuple], int]:
+    """(metadata, (name, shape, type id, offset) per tensor, where the tensor data starts)."""
+    version = cur.unpack("<I")
+    if version not in (2, 3):
+        raise ValueError(f"model: GGUF version {version} of {path} is not supported (2 or 3)")
+    n_tensors, n_kv = cur.unpack("<Q"), cur.unpack("<Q")
+    meta: dict[str, Any] = {}
+    for _ in range(n_kv):
+        key = cur.string()
+        vtype = cur.unpack("<I")
+        value = cur.value(vtype, keep=vtype != 9)
+        if vtype != 9:
+            meta[key] = value
+    infos = []
+    for _ in range(n_tensors):
+        name = cur.string()
+        dims = [cur.unpack("<Q") for _ in range(cur.unpack("<I"))]
+        type_id, offset = cur.unpack("<I"), cur.unpack("<Q")
+        infos.append((name, tuple(reversed(dims)), type_id, offset))
+    align = int(meta.get("general.alignment", 32))
+    return meta, infos, (cur.pos + align - 1) // align * align
 
 
 def read_header(path: str | Path) -> tuple[dict[str, Any], list[TensorInfo]]:
     """The file's scalar and string metadata (arrays such as the vocabulary are skipped) and where
     each tensor's bytes are. Reads only the header: the tensors stay on disk."""
     with open(path, "rb") as f:
-        cur = _Cursor(f)
         if f.read(4) != b"GGUF":
             raise ValueError(f"model: {path} is not a GGUF file (bad magic)")
-        version = cur.unpack("<I")
-        if version not in (2, 3):
-            raise ValueError(f"model: GGUF version {version} of {path} is not supported (2 or 3)")
-        n_tensors, n_kv = cur.unpack("<Q"), cur.unpack("<Q")
-        meta: dict[str, Any] = {}
-        for _ in range(n_kv):
-            key = cur.string()
-            vtype = cur.unpack("<I")
-            value = cur.value(vtype, keep=vtype != 9)
-            if vtype != 9:
-                meta[key] = value
-        infos = []
-        for _ in range(n_tensors):
-            name = cur.string()
-            dims = [cur.unpack("<Q") for _ in range(cur.unpack("<I"))]
-            type_id, offset = cur.unpack("<I"), cur.unpack("<Q")
-            infos.append((name, tuple(reversed(dims)), type_id, offset))
-        align = int(meta.get("general.alignment", 32))
-        start = (f.tell() + align - 1) // align * align
+        with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
+            cur = _Cursor(memoryview(mapped))
+            cur.pos = 4  # (past the magic)
+            try:
+                meta, infos, start = _parse(cur, path)
+            except struct.error as exc:
+                raise ValueError(f"model: {path} ends inside its GGUF header") from exc
+            finally:
+                cur.buf.release()
     tensors = []
     for name, shape, type_id, offset in infos:
         if type_id not in BLOCK_TYPES:

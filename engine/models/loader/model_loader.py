@@ -244,7 +244,7 @@ def load_model(
         # (cast while still on meta: to_empty then allocates each tensor once, in its final dtype,
         # not a float32 one converted beside it; issue 40)
         quant_loading.cast_except_quantized(model, dtype)
-    model = model.to_empty(device=device)
+    model = _allocate(model, device)
     if on_allocated is not None:
         on_allocated(model)
     for name, buffer in model.named_buffers():
@@ -269,6 +269,13 @@ def load_model(
         )  # MoE experts load dense, then become e4m3 (dense ones only: a peak)
     quant_loading.finish(model, dtype, int4_kernel)  # int4 layers -> the packed int4 kernels' layout
     return model.eval().requires_grad_(False)
+
+
+def _allocate(model: LlamaForCausalLM, device: torch.device) -> LlamaForCausalLM:
+    """Module.to_empty, with empty_strided: to_empty's empty_like of a meta tensor goes through
+    torch's Python reference ops, whose first use imports sympy and torch.fx (about 1 s of every
+    start: issue 40). Same shapes, strides and dtypes."""
+    return model._apply(lambda t: torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=device))
 
 
 def quant_config(config: ModelConfig, setting: str | None, load_format: str = "auto") -> QuantConfig | None:
@@ -311,10 +318,11 @@ def _init_dummy(model: LlamaForCausalLM, seed: int, max_positions: int) -> None:
             param.data[: part.shape[0]].copy_(part)
 
 
-def load_tokenizer(path: str | Path):
-    """The tokenizer of an HF checkpoint directory (or tokenizer directory), or of a GGUF file."""
+def load_tokenizer(path: str | Path, cache_dir: Path | None = None):
+    """The tokenizer of an HF checkpoint directory (or tokenizer directory), or of a GGUF file
+    (converted once, kept under cache_dir if given: engine/models/loader/gguf_cache.py)."""
     if gguf_file.is_gguf(path):
-        return gguf_file.load_tokenizer(path)
+        return gguf_file.load_tokenizer(path, cache_dir)
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(str(path))

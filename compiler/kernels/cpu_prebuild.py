@@ -1,0 +1,129 @@
+"""Build kiln's C++ CPU libraries at install, so no start compiles: `make venv` runs it for this
+CPU into kiln's compile cache; a wheel build runs it with --all into compiler/kernels/prebuilt/,
+which the loaders look in first (compiler/kernels/cpu_extension.py: find_library).
+
+    kiln build-kernels --cpu [--all] [--jobs N]        (into kiln's compile cache)
+    python -m compiler.kernels.cpu_prebuild --into DIR [--all] [--jobs N]
+
+The libraries: the paged attention and the fused element-wise ops, one build per torch CPU
+capability (their flags follow it: DEFAULT, AVX2, AVX512 on x86-64), and the weight-streaming
+kernels, one build holding every ISA level (each level under its own target pragma, picked at
+run time). A library already there is not built again. Each build runs in its own process (a
+process can load one library of an op namespace), `--jobs` at a time, and prints one line when
+it ends: this is the visible install step the issue asks for (issue 40, item 4).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor, as_completed
+from dataclasses import dataclass
+from pathlib import Path
+
+# torch's CPU capabilities kiln's per-capability libraries are built for (x86-64).
+X86_CAPABILITIES = ("DEFAULT", "AVX2", "AVX512")
+
+
+@dataclass(frozen=True)
+class Job:
+    kind: str  # "cpu-attention" | "cpu-fused" | "cpu-gemv"
+    capability: str  # torch's CPU capability the flags follow ("every level": the gemv library)
+
+    @property
+    def label(self) -> str:
+        return f"{self.kind} ({self.capability})"
+
+
+def _spec(job: Job) -> tuple[Path, list[str], str]:
+    """(source, flags, cache key) of a job's library: the loaders' own (one definition each)."""
+    from compiler.kernels import cpu_attention, cpu_fused, cpu_gemv
+
+    cap = job.capability
+    if job.kind == "cpu-attention":
+        return cpu_attention.SOURCE, cpu_attention.cpu_flags(cap), cpu_attention.KERNEL.key(cap)
+    if job.kind == "cpu-fused":
+        return cpu_fused.SOURCE, cpu_fused.cpu_flags(cap), cpu_fused.FUSED.key(cap)
+    return cpu_gemv.SOURCE, cpu_gemv.FLAGS, cpu_gemv.GEMV.key()
+
+
+def jobs(every_level: bool) -> list[Job]:
+    """Every library this CPU's starts load, or (every_level) every capability's on x86-64."""
+    import platform
+
+    import torch
+
+    here = torch.backends.cpu.get_cpu_capability()
+    x86 = platform.machine().lower() in ("x86_64", "amd64")
+    caps = X86_CAPABILITIES if every_level and x86 else (here,)
+    per_cap = [Job(kind, cap) for cap in caps for kind in ("cpu-attention", "cpu-fused")]
+    return [Job("cpu-gemv", "every level"), *per_cap]  # (the longest build first)
+
+
+def library(job: Job, root: Path) -> Path:
+    from compiler.kernels import cpu_extension
+
+    return cpu_extension.library_path(root, job.kind, _spec(job)[2])
+
+
+def build_one(job: Job, root: Path) -> None:
+    """Build one library (in this process: it loads it, as torch's builder does)."""
+    from compiler.kernels import cpu_extension
+
+    source, flags, _ = _spec(job)
+    cpu_extension.build(library(job, root), source, flags)
+
+
+def prebuild(root: Path, every_level: bool = False, jobs_at_once: int | None = None, out=print) -> int:
+    """Build what is missing under `root`; one line per library. Returns the number that failed."""
+    todo = jobs(every_level)
+    missing = [j for j in todo if not library(j, root).is_file()]
+    for j in todo:
+        if j not in missing:
+            out(f"kiln CPU kernels: {j.label} already built ({library(j, root).parent})")
+    if not missing:
+        return 0
+    workers = jobs_at_once or max(1, min(len(missing), os.cpu_count() or 1))
+    out(
+        f"kiln CPU kernels: building {len(missing)} C++ libraries into {root} ({workers} at a time; "
+        "a few minutes on 2 cores, once per install) ..."
+    )
+
+    def run(job: Job) -> tuple[Job, int, float, str]:
+        t0 = time.perf_counter()
+        cmd = [sys.executable, "-m", "compiler.kernels.cpu_prebuild", "--one", f"{job.kind}:{job.capability}"]
+        proc = subprocess.run([*cmd, "--into", str(root)], capture_output=True, text=True)
+        return job, proc.returncode, time.perf_counter() - t0, (proc.stderr or proc.stdout)[-2000:]
+
+    failed = 0
+    with ThreadPoolExecutor(workers) as pool:
+        for done in as_completed([pool.submit(run, job) for job in missing]):  # (a line as each ends)
+            job, rc, seconds, tail = done.result()
+            if rc == 0:
+                out(f"kiln CPU kernels: {job.label} built in {seconds:.0f}s")
+            else:
+                failed += 1
+                out(f"kiln CPU kernels: {job.label} FAILED after {seconds:.0f}s (a start compiles it instead):\n{tail}")
+    return failed
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m compiler.kernels.cpu_prebuild", description=__doc__.split("\n\n")[0])
+    p.add_argument("--all", action="store_true", help="every ISA level kiln dispatches to (a wheel), not this CPU's")
+    p.add_argument("--into", type=Path, required=True, help="the compile cache (kiln build-kernels --cpu: kiln's)")
+    p.add_argument("--jobs", type=int, default=None, help="builds at once (default: the CPU count)")
+    p.add_argument("--one", default=None, help=argparse.SUPPRESS)  # KIND:CAPABILITY, in a child process
+    args = p.parse_args(argv)
+    root = args.into.expanduser()
+    if args.one:
+        kind, _, capability = args.one.partition(":")
+        build_one(Job(kind, capability), root)
+        return 0
+    return 1 if prebuild(root, args.all, args.jobs) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,90 @@
+"""The install step's CPU libraries (compiler/kernels/cpu_prebuild.py) are the ones a start loads:
+the same paths and keys as the loaders', every ISA level with --all, nothing rebuilt that is
+there, and a library a wheel ships found before the cache. (The compiles themselves are the
+loaders' builds, which tests/worker/test_cpu_compile.py runs.)"""
+
+from __future__ import annotations
+
+import platform
+import subprocess
+
+import pytest
+import torch
+
+from compiler.kernels import cpu_extension, cpu_prebuild
+from compiler.kernels.cpu_attention import KERNEL
+from compiler.kernels.cpu_fused import FUSED
+from compiler.kernels.cpu_gemv import GEMV
+
+
+def test_this_cpus_jobs_are_what_a_start_loads(tmp_path):
+    here = torch.backends.cpu.get_cpu_capability()
+    jobs = cpu_prebuild.jobs(every_level=False)
+    assert {(j.kind, j.capability) for j in jobs} == {
+        ("cpu-gemv", "every level"),
+        ("cpu-attention", here),
+        ("cpu-fused", here),
+    }
+    paths = {j.kind: cpu_prebuild.library(j, tmp_path) for j in jobs}
+    assert paths["cpu-attention"] == cpu_extension.library_path(tmp_path, "cpu-attention", KERNEL.key())
+    assert paths["cpu-fused"] == cpu_extension.library_path(tmp_path, "cpu-fused", FUSED.key())
+    assert paths["cpu-gemv"] == cpu_extension.library_path(tmp_path, "cpu-gemv", GEMV.key())
+
+
+@pytest.mark.skipif(platform.machine().lower() not in ("x86_64", "amd64"), reason="x86-64's ISA levels")
+def test_every_level_has_its_own_flags_and_key(tmp_path):
+    jobs = cpu_prebuild.jobs(every_level=True)
+    caps = {j.capability for j in jobs if j.kind == "cpu-attention"}
+    assert caps == {"DEFAULT", "AVX2", "AVX512"} == {j.capability for j in jobs if j.kind == "cpu-fused"}
+    assert len(jobs) == 7
+    assert len({cpu_prebuild.library(j, tmp_path) for j in jobs}) == 7
+    _, flags, _ = cpu_prebuild._spec(cpu_prebuild.Job("cpu-attention", "AVX512"))
+    assert "-mavx512f" in flags and "-mavx512f" not in cpu_prebuild._spec(cpu_prebuild.Job("cpu-fused", "AVX2"))[1]
+
+
+def test_nothing_is_rebuilt_that_is_there(tmp_path, monkeypatch):
+    for job in cpu_prebuild.jobs(every_level=False):
+        path = cpu_prebuild.library(job, tmp_path)
+        path.parent.mkdir(parents=True)
+        path.write_bytes(b"")
+
+    def no_build(*args, **kwargs):
+        raise AssertionError("a library already built was built again")
+
+    monkeypatch.setattr(subprocess, "run", no_build)
+    lines: list[str] = []
+    assert cpu_prebuild.prebuild(tmp_path, out=lines.append) == 0
+    assert len(lines) == 3 and all("already built" in line for line in lines)
+
+
+def test_a_failed_build_is_reported_not_hidden(tmp_path, monkeypatch):
+    def failing(cmd, **kwargs):
+        return subprocess.CompletedProcess(cmd, 1, stdout="", stderr="c++: error: no compiler here")
+
+    monkeypatch.setattr(subprocess, "run", failing)
+    lines: list[str] = []
+    assert cpu_prebuild.prebuild(tmp_path, jobs_at_once=1, out=lines.append) == 3
+    assert lines[0].startswith("kiln CPU kernels: building 3 C++ libraries")
+    assert sum("FAILED" in line and "no compiler here" in line for line in lines) == 3
+
+
+def test_a_shipped_library_is_found_before_the_cache(tmp_path, monkeypatch):
+    monkeypatch.setattr(cpu_extension, "SHIPPED_DIR", tmp_path / "prebuilt")
+    cache = tmp_path / "cache"
+    assert cpu_extension.find_library(cache, "cpu-fused", "k1") == cpu_extension.library_path(cache, "cpu-fused", "k1")
+    shipped = cpu_extension.library_path(tmp_path / "prebuilt", "cpu-fused", "k1")
+    shipped.parent.mkdir(parents=True)
+    shipped.write_bytes(b"")
+    assert cpu_extension.find_library(cache, "cpu-fused", "k1") == shipped
+    assert FUSED.library_path(cache) != shipped  # (another key: its own source and flags)
+
+
+def test_the_warm_up_line_says_what_this_start_compiled(monkeypatch):
+    from engine.runtime import builder_cpu
+
+    before = builder_cpu.library_builds()
+    assert builder_cpu.compiled_since(before) == ""  # (nothing compiled: nothing said)
+    monkeypatch.setattr(KERNEL, "builds", KERNEL.builds + 1)
+    monkeypatch.setattr(GEMV, "builds", GEMV.builds + 1)
+    said = builder_cpu.compiled_since(before)
+    assert said.startswith("; 2 C++ libraries compiled by this start") and "ahead of time" not in said
