@@ -180,13 +180,15 @@ class LlamaForCausalLM(nn.Module):
         (compiler/kernels/cpu_linear.py), so that every projection takes its input as is instead of
         padding a copy of it (9 copies a step for 2 layers). Padding rows (id 0, position 0) are
         claimed by no sequence: attention writes them as zeros and the caller never sees them."""
+        # The compiled and device tests come before any test of `tokens`: under torch.compile a
+        # comparison with a symbolic row count is a shape guard (a recompile at 32 rows).
         if (
-            not self.pad_cpu_rows
-            or tokens < MIN_ONEDNN_ROWS
+            torch.compiler.is_compiling()
+            or not x.is_cpu
+            or not self.pad_cpu_rows
             or lora is not None
             or x.dtype != torch.float32
-            or not x.is_cpu
-            or torch.compiler.is_compiling()
+            or tokens < MIN_ONEDNN_ROWS
         ):
             return tokens
         return row_bucket(tokens)
