@@ -140,6 +140,12 @@ class EngineSettings(_KilnSettings):
     )
     reserved_priority: int = Field(0, description="requests with priority <= this may use the reserved share")
     max_waiting_requests: int = Field(4096, ge=1, description="beyond this the server answers 503")
+    target_itl_ms: float | None = Field(
+        None,
+        gt=0,
+        description="CPU: inter-token latency target; prefill chunks that ride with decodes are cut to what a "
+        "cost model learnt from measured steps says fits (default: none, the token budget alone)",
+    )
 
     # --- speculative decoding (vLLM's speculative_config {"method": "ngram", ...}) ---
     speculative_method: Literal["ngram", "draft_model", "eagle", "eagle3"] | None = Field(
@@ -251,6 +257,11 @@ class EngineSettings(_KilnSettings):
 
     # --- logging ---
     log_stats_interval: float = Field(10.0, ge=0.0, description="seconds between stats log lines (0 = off)")
+    step_timeline: Path | None = Field(
+        None,
+        description="write one JSON line per engine step here: token counts, model / host time, output "
+        "delays, GC pauses (docs/benchmarks.md; kiln bench timeline FILE reads it)",
+    )
 
     # --- engine loop ---
     async_scheduling: bool | None = Field(

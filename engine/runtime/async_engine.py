@@ -105,7 +105,8 @@ class AsyncEngine:
         )
         self._wake = threading.Event()
         self._streams: dict[str, RequestStream] = {}  # owned by the output thread
-        # step thread -> output thread: ("add", admitted request, stream) | ("out", updates) | ("die", error, updates);
+        # step thread -> output thread: ("add", admitted request, stream) | ("out", updates, timeline step
+        # or None) | ("die", error, updates);
         # bounded (MAX_PENDING_STEPS): a full queue makes the step thread wait (_send)
         if max_pending_steps < 1:
             raise ValueError(f"max_pending_steps must be at least 1, got {max_pending_steps}")
@@ -332,7 +333,9 @@ class AsyncEngine:
                 busy = core.has_unfinished_requests()
                 if busy:
                     updates.extend(core.step())
-                self._send(("out", updates))  # (also idle: the listener ticks about once a second)
+                # (also idle: the listener ticks about once a second); the step's number for the timeline
+                timeline = core.timeline
+                self._send(("out", updates, timeline.last_step if busy and timeline is not None else None))
                 if not self._inbox:
                     if not busy:
                         self._wake.wait(self._idle_poll_s)
@@ -389,6 +392,9 @@ class AsyncEngine:
                 self._dispatch(outputs)
             except Exception:  # noqa: BLE001 - this thread must keep serving the other streams
                 logger.exception("handing out outputs failed")
+            timeline = self.engine.core.timeline
+            if timeline is not None and args[1] is not None and outputs:
+                timeline.delivered(args[1], list(self._mailboxes))
 
     def _process(self, updates: list[RequestUpdate]) -> list[RequestOutput]:
         """The outputs of a batch of updates; what the output side ended goes back to the core."""
