@@ -6,8 +6,9 @@
 Reads the JSON lines the step_timeline setting writes (engine/core/sched/step_timeline.py). For
 each step that decoded, the gap its tokens saw at the client side of the server is the time
 between this step's outputs reaching the event loop and the previous step's (a step ends at
-`t + interval_ms - gap_ms`; it is delivered output_ms + loop_ms later). The slowest --top
-percent of those gaps are each put down to the part that exceeds the typical step the most:
+`t + interval_ms - gap_ms`; it is delivered output_ms + loop_ms later). Each step counts once per
+decoding sequence (as a client's inter-token latencies do: its percentiles are the ITL's), and the
+steps in the slowest --top percent are each put down to the part that exceeds the typical step the most:
 
   prefill chunk   model time above a decode-only step of as many sequences, with prefill in the step
   model (decode)  the same without prefill: the forward itself was slow (contention, the OS)
@@ -34,11 +35,18 @@ def load(path: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-def _pct(values: list[float], q: float) -> float:
+def _pct(values: list[float], q: float, weights: list[int] | None = None) -> float:
+    """The q-th percentile (nearest rank) of values, each counted weights[i] times."""
     if not values:
         return float("nan")
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q / 100 * len(ordered)))]
+    pairs = sorted(zip(values, weights or [1] * len(values)))
+    total = sum(w for _, w in pairs)
+    rank = min(total - 1, int(q / 100 * total))
+    for value, w in pairs:
+        rank -= w
+        if rank < 0:
+            return value
+    return pairs[-1][0]
 
 
 def _median(values: list[float]) -> float:
@@ -76,8 +84,9 @@ def analyse(steps: list[dict[str, Any]], top: float = 2.0) -> dict[str, Any]:
     host_med = _median([s["schedule_ms"] + s["update_ms"] for s in decode_only])
     gap_med = _median([s["gap_ms"] for s in decode_only if s["gap_ms"] is not None])
     seen = [g for _, g, _ in gaps]
-    typical_gap = _median(seen)
-    threshold = _pct(seen, 100 - top)
+    weights = [s["decode_seqs"] for s, _, _ in gaps]
+    typical_gap = _pct(seen, 50, weights)
+    threshold = _pct(seen, 100 - top, weights)
     slow = [i for i, (_, g, _) in enumerate(gaps) if g >= threshold]
     causes: dict[str, list[float]] = {c: [] for c in CAUSES}
     examples: dict[str, dict[str, Any]] = {}
@@ -93,20 +102,25 @@ def analyse(steps: list[dict[str, Any]], top: float = 2.0) -> dict[str, Any]:
             "output path": delay - before,
         }
         cause = "python gc" if s["gc_ms"] >= 0.5 * max(excess, 1e-9) else max(parts, key=lambda k: parts[k])
-        causes[cause].append(excess)
+        causes[cause] += [excess] * s["decode_seqs"]
         if cause not in examples or excess > examples[cause]["excess_ms"]:
             examples[cause] = {
                 "step": s["step"],
                 "excess_ms": round(excess, 2),
                 **{k: round(v, 2) for k, v in parts.items()},
             }
+    slow_tokens = sum(len(v) for v in causes.values())
     by_kind: dict[str, list[float]] = defaultdict(list)
     for s, g, _ in gaps:
         by_kind[s["kind"]].append(g)
     return {
         "steps": len(steps),
         "decode_steps": len(gaps),
-        "gap_ms": {"median": round(typical_gap, 2), "p90": round(_pct(seen, 90), 2), "p99": round(_pct(seen, 99), 2)},
+        "gap_ms": {
+            "median": round(typical_gap, 2),
+            "p90": round(_pct(seen, 90, weights), 2),
+            "p99": round(_pct(seen, 99, weights), 2),
+        },
         "gap_ms_by_kind": {
             k: {"n": len(v), "median": round(_median(v), 2), "p99": round(_pct(v, 99), 2)} for k, v in by_kind.items()
         },
@@ -117,7 +131,7 @@ def analyse(steps: list[dict[str, Any]], top: float = 2.0) -> dict[str, Any]:
         },
         "slow_threshold_ms": round(threshold, 2),
         "causes": {
-            c: {"steps": len(v), "share": round(len(v) / len(slow), 3), "median_excess_ms": round(_median(v), 2)}
+            c: {"tokens": len(v), "share": round(len(v) / slow_tokens, 3), "median_excess_ms": round(_median(v), 2)}
             for c, v in causes.items()
             if v
         },
@@ -130,17 +144,17 @@ def render(report: dict[str, Any], top: float) -> str:
         return f"{report['steps']} steps, none with decodes: nothing to analyse"
     g = report["gap_ms"]
     lines = [
-        f"{report['steps']} steps, {report['decode_steps']} with decodes; gap the decodes saw (ms): "
+        f"{report['steps']} steps, {report['decode_steps']} with decodes; gap the decoded tokens saw (ms): "
         f"median {g['median']}, p90 {g['p90']}, p99 {g['p99']}",
-        "by step kind: "
+        "by step kind (steps): "
         + ", ".join(f"{k} n={v['n']} median {v['median']} p99 {v['p99']}" for k, v in report["gap_ms_by_kind"].items()),
         f"python gc: {report['gc']['collections']} collections, {report['gc']['pause_ms_total']} ms in all, "
         f"longest {report['gc']['pause_ms_max']} ms",
-        f"slowest {top}% (gap >= {report['slow_threshold_ms']} ms), by cause:",
+        f"slowest {top}% of decoded tokens (gap >= {report['slow_threshold_ms']} ms), by cause:",
     ]
-    for cause, c in sorted(report["causes"].items(), key=lambda kv: -kv[1]["steps"]):
+    for cause, c in sorted(report["causes"].items(), key=lambda kv: -kv[1]["tokens"]):
         lines.append(
-            f"  {cause:<15} {c['steps']:>4} steps ({c['share']:.0%}), median excess {c['median_excess_ms']} ms"
+            f"  {cause:<15} {c['tokens']:>5} tokens ({c['share']:.0%}), median excess {c['median_excess_ms']} ms"
         )
     return "\n".join(lines)
 
