@@ -146,6 +146,12 @@ class EngineSettings(_KilnSettings):
         description="CPU: inter-token latency target; prefill chunks that ride with decodes are cut to what a "
         "cost model learnt from measured steps says fits (default: none, the token budget alone)",
     )
+    long_prefill_token_threshold: int = Field(
+        0,
+        ge=0,
+        description="with chunked prefill, one prompt's tokens in a step at most, so that short prompts queued "
+        "behind a long one start beside it (vLLM's flag; 0: the step's token budget)",
+    )
 
     # --- speculative decoding (vLLM's speculative_config {"method": "ngram", ...}) ---
     speculative_method: Literal["ngram", "draft_model", "eagle", "eagle3"] | None = Field(

@@ -284,6 +284,7 @@ class EngineBuilder:
                 eos_token_ids=self.eos_token_ids,
                 # (CPU only: on a GPU, new prefill chunk sizes would be new step shapes to compile)
                 target_itl_ms=settings.target_itl_ms if self.device.type == "cpu" else None,
+                long_prefill_token_threshold=settings.long_prefill_token_threshold,
             ),
             self.pool,
             self._make_swap_space(),

@@ -70,3 +70,29 @@ def test_scheduler_keeps_mixed_steps_within_the_target(target):
         assert max(mixed) > 12.0 + one_block  # without a target a 150-token chunk rides with the decodes
     else:
         assert max(mixed) <= target + one_block
+
+
+def test_long_prefill_threshold_lets_short_prompts_start_beside_a_long_one():
+    def first_tokens(threshold):
+        sched = make_scheduler(
+            num_blocks=256,
+            block_size=4,
+            max_num_seqs=4,
+            budget=64,
+            max_model_len=256,
+            long_prefill_token_threshold=threshold,
+        )
+        add(sched, "long", 200, max_tokens=2)
+        shorts = [add(sched, f"short{i}", 8, max_tokens=2, base=i + 1) for i in range(2)]
+        steps = 0
+        while not all(r.seqs[0].num_output_tokens for r in shorts):
+            out = run_step(sched)
+            steps += 1
+            assert all(s.num_tokens <= (threshold or 64) for s in out.seqs)
+        while sched.has_unfinished():
+            run_step(sched)
+        assert sched.pool.is_fully_free()
+        return steps
+
+    assert first_tokens(0) == 4  # FCFS without a cap: the long prompt takes the first 3 steps' budget
+    assert first_tokens(32) == 1  # one 32-token piece of it per step: the short prompts start at once

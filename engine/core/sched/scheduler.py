@@ -35,7 +35,7 @@ from engine.core.sched.deltas import SeqDeltas
 from engine.core.sched.integrity import check_scheduler
 from engine.core.sched.preemption import Preemptor, preempt_for_priority
 from engine.core.sched.scheduler_output import SchedulerOutput, scheduled_seq
-from engine.core.sched.step_budget import StepBudget
+from engine.core.sched.step_budget import StepBudget, chunk_cap
 from engine.core.sched.step_update import StepResults
 
 if TYPE_CHECKING:
@@ -59,6 +59,7 @@ class SchedulerConfig:
     eos_token_ids: tuple[int, ...] = ()  # the model's end-of-sequence tokens (a token-level stop)
     # Inter-token target (ms): prefill beside decodes is cut to fit it (engine/core/sched/step_budget.py).
     target_itl_ms: float | None = None
+    long_prefill_token_threshold: int = 0  # a prompt's tokens in one step at most (0: the step's budget)
 
 
 class Scheduler:
@@ -101,12 +102,10 @@ class Scheduler:
         self._spare = self.results.spare  # decode records of processed steps, for the next decode
         self._prefills = False  # this step emitted a record of more than one token
         # The latency target's prefill allowance (None: no target; chunking is what enforces it).
-        self.step_budget = (
-            StepBudget(config.target_itl_ms, config.max_num_batched_tokens, config.block_size)
-            if config.target_itl_ms and config.enable_chunked_prefill
-            else None
-        )
+        self.step_budget = StepBudget.of(config)  # None: no latency target
         self._prefill_left = 0  # prefill tokens this step may still take
+        # One prompt's share of a step (chunked prefill): short prompts queued behind a long one start beside it.
+        self._chunk_cap = chunk_cap(config)
 
     # ---- counters (metrics) ----
     num_preemptions = property(lambda self: self.preemption.num_preemptions)
@@ -354,7 +353,7 @@ class Scheduler:
                 if self._prefill_left <= 0:
                     i += 1
                     continue
-                num_new = min(num_new, self._prefill_left)
+                num_new = min(num_new, self._prefill_left, self._chunk_cap)
                 self._prefill_left -= num_new
             drafts = self.spec.drafts(seq, budget) if num_new == 1 and self.spec is not None else []
             if drafts and self.kv.can_grow(seq, 1 + len(drafts)):
@@ -405,7 +404,7 @@ class Scheduler:
                 return None  # wait for a step with room for the whole prompt
             if remaining > self.config.max_num_batched_tokens:
                 raise AssertionError("unchunkable prompt beyond the token budget passed validation")
-        num_new = min(remaining, budget, self._prefill_left)
+        num_new = min(remaining, budget, self._prefill_left, self._chunk_cap)
         if num_new <= 0 or not self.kv.can_admit(seq, num_new, bool(self.running)):
             self.kv.drop_prefix_hits(seq)
             return None

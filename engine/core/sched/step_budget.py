@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from engine.core.request import Sequence
+    from engine.core.sched.scheduler import SchedulerConfig
 
 # A step needs this many prefill tokens before its time prices a prefill token (fewer: noise).
 MIN_PREFILL_SAMPLE = 16
@@ -85,6 +86,13 @@ class StepBudget:
         self.block_size = block_size
         self.cost = StepCostModel()
 
+    @classmethod
+    def of(cls, config: "SchedulerConfig") -> "StepBudget | None":
+        """The scheduler's budget: None without a target, or without chunked prefill (nothing to cut)."""
+        if not config.target_itl_ms or not config.enable_chunked_prefill:
+            return None
+        return cls(config.target_itl_ms, config.max_num_batched_tokens, config.block_size)
+
     def observe(self, prefill_tokens: int, decode_seqs: int, model_ms: float) -> None:
         self.cost.observe(prefill_tokens, decode_seqs, model_ms)
 
@@ -104,3 +112,11 @@ class StepBudget:
         tokens = int(spare_ms / rate) // self.block_size * self.block_size
         allowance = min(max(tokens, self.block_size), full)
         return max(allowance, 1)
+
+
+def chunk_cap(config: "SchedulerConfig") -> int:
+    """One prompt's tokens in a step at most (long_prefill_token_threshold, with chunked prefill):
+    short prompts queued behind a long one start in the same step instead of after it."""
+    if config.enable_chunked_prefill and config.long_prefill_token_threshold > 0:
+        return config.long_prefill_token_threshold
+    return config.max_num_batched_tokens
