@@ -7,34 +7,36 @@ from __future__ import annotations
 
 import pytest
 
-from engine.core.sched.step_budget import MIN_PREFILL_SAMPLE, StepBudget, StepCostModel
+from engine.core.sched.step_budget import WINDOW, StepBudget, StepCostModel
 from tests.core.test_scheduler import add, make_scheduler, run_step
 
 
 def test_cost_model_learns_decode_and_prefill_costs():
     cost = StepCostModel()
     assert cost.decode_ms(4) == 0.0 and cost.ms_per_prefill_token is None
-    cost.observe(0, 4, 20.0)  # 4 decodes: 20 ms
-    cost.observe(100, 4, 70.0)  # the same plus 100 prefill tokens: 0.5 ms a token
-    assert cost.decode_ms(4) == 20.0
-    assert cost.ms_per_prefill_token == pytest.approx(0.5)
-    assert cost.decode_ms(8) == pytest.approx(40.0)  # scaled up from the nearest smaller batch
-    assert cost.decode_ms(2) == pytest.approx(20.0)  # nothing smaller: the nearest larger batch's
-    cost.observe(MIN_PREFILL_SAMPLE - 1, 4, 500.0)  # too few prefill tokens to price one: ignored
-    assert cost.ms_per_prefill_token == pytest.approx(0.5)
-    cost.observe(100, 4, 120.0)  # 1.0 ms a token now: the running average moves a tenth of the way
-    assert cost.ms_per_prefill_token == pytest.approx(0.55)
+    truth = lambda p, d: 5.0 + 2.0 * d + 0.5 * p  # noqa: E731 - the fake clock
+    # Every step mixed (as when requests trickle in): per-kind averages could not split these.
+    for d, p in [(2, 32), (3, 48), (4, 32), (6, 64), (8, 48), (9, 16)]:
+        cost.observe(p, d, truth(p, d))
+    assert cost.ms_per_prefill_token == pytest.approx(0.5, rel=1e-3)
+    assert cost.decode_ms(16) == pytest.approx(37.0, rel=1e-3)
+    for _ in range(WINDOW + 5):  # a long run of decodes: the prefill rate is not forgotten
+        cost.observe(0, 16, truth(0, 16) + 3.0)  # (slower now: the newest steps move the line)
+    assert cost.ms_per_prefill_token == pytest.approx(0.5, rel=0.05)
+    assert cost.decode_ms(16) == pytest.approx(40.0, rel=0.02)
+    cost.observe(0, 0, 12.0)  # an empty step teaches nothing
+    cost.observe(16, 0, 0.0)
+    assert cost.decode_ms(16) == pytest.approx(40.0, rel=0.02)
 
 
 def test_allowance_from_the_target():
     budget = StepBudget(target_ms=50.0, max_tokens=512, block_size=16)
     assert budget.prefill_tokens(4) == 512 - 4  # no prefill measured yet: the token budget stands
-    budget.observe(0, 4, 20.0)
-    budget.observe(100, 4, 70.0)
+    for d, p in [(4, 0), (8, 0), (4, 100), (2, 60)]:
+        budget.observe(p, d, 4.0 + 4.0 * d + 0.5 * p)
     assert budget.prefill_tokens(4) == 48  # (50 - 20) / 0.5 = 60 tokens, whole blocks: 48
     assert budget.prefill_tokens(0) == 512  # no decodes to protect: everything
-    budget.observe(0, 16, 60.0)  # the decodes alone overrun the target: still one block of progress
-    assert budget.prefill_tokens(16) == 16
+    assert budget.prefill_tokens(16) == 16  # the decodes alone overrun the target: one block of progress
     with pytest.raises(ValueError):
         StepBudget(target_ms=0.0, max_tokens=512, block_size=16)
 

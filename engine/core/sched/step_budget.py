@@ -7,72 +7,97 @@ how many prefill tokens fit beside the step's decodes:
     allowance = (target - decode_ms(decodes)) / ms_per_prefill_token
 
 from an online cost model (`StepCostModel`) that learns from each step's measured model time
-(EngineCore feeds it): decode_ms(d) is a running average per decode batch size d, the prefill
-rate a running average over steps that carried at least MIN_PREFILL_SAMPLE prefill tokens, after
-taking out their decodes' share. The allowance is rounded down to whole KV blocks (few step
-shapes) and never below one block (a prompt always progresses); a step with no decodes has no
-gap to protect and keeps the full token budget (the first token of an idle server is not slowed).
+(EngineCore feeds it): a least-squares line ms ~ base + a * decodes + b * prefill tokens over the
+last WINDOW decode-only steps and the last WINDOW steps with prefill (two windows, so that a long
+run of decodes does not forget the prefill rate; a fit over both separates the decodes' share of
+a mixed step from its prefill's, which per-kind averages cannot when every step is mixed). The
+allowance is rounded down to whole KV blocks (few step shapes) and never below one block (a
+prompt always progresses); a step with no decodes has no gap to protect and keeps the full token
+budget (the first token of an idle server is not slowed).
 Until the model has seen a prefill, the full budget stands: the first prefill teaches it.
 Pure Python, no clock of its own: the caller passes measured milliseconds.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from collections import deque
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from engine.core.request import Sequence
     from engine.core.sched.scheduler import SchedulerConfig
 
-# A step needs this many prefill tokens before its time prices a prefill token (fewer: noise).
-MIN_PREFILL_SAMPLE = 16
-# Weight of the newest measurement in the running averages (about the last 10 steps count).
-EWMA_WEIGHT = 0.1
+# Steps of each kind (decode-only, with prefill) the fit remembers.
+WINDOW = 32
+# Keeps the fit solvable before both kinds were seen (tiny next to the counts' squares).
+RIDGE = 1e-3
 
 
-def _blend(old: float | None, new: float) -> float:
-    return new if old is None else old + EWMA_WEIGHT * (new - old)
+def _solve3(a: list[list[float]], y: list[float]) -> list[float]:
+    """a x = y for a 3x3 system (Gaussian elimination with partial pivoting)."""
+    m = [row[:] + [v] for row, v in zip(a, y)]
+    for col in range(3):
+        pivot = max(range(col, 3), key=lambda r: abs(m[r][col]))
+        m[col], m[pivot] = m[pivot], m[col]
+        for r in range(col + 1, 3):
+            f = m[r][col] / m[col][col]
+            for c in range(col, 4):
+                m[r][c] -= f * m[col][c]
+    x = [0.0, 0.0, 0.0]
+    for r in (2, 1, 0):
+        x[r] = (m[r][3] - sum(m[r][c] * x[c] for c in range(r + 1, 3))) / m[r][r]
+    return x
 
 
-@dataclass
 class StepCostModel:
-    """ms of a step's model time ~ decode_ms(decode_seqs) + prefill_tokens * ms_per_prefill_token."""
+    """ms of a step's model time ~ base + per_decode * decodes + per_prefill_token * prefill tokens."""
 
-    decode_ms_by_seqs: dict[int, float] = field(default_factory=dict)
-    ms_per_prefill_token: float | None = None
-
-    def decode_ms(self, seqs: int) -> float:
-        """Predicted time of a step of `seqs` decodes: measured, else scaled from the nearest
-        smaller measured batch (linear: an overestimate, which errs on the latency side), else
-        from the nearest larger one, else 0."""
-        if seqs <= 0:
-            return 0.0
-        known = self.decode_ms_by_seqs.get(seqs)
-        if known is not None:
-            return known
-        smaller = [d for d in self.decode_ms_by_seqs if d < seqs]
-        if smaller:
-            d = max(smaller)
-            return self.decode_ms_by_seqs[d] * seqs / d
-        larger = [d for d in self.decode_ms_by_seqs if d > seqs]
-        if larger:
-            d = min(larger)
-            return self.decode_ms_by_seqs[d]
-        return 0.0
+    def __init__(self) -> None:
+        self._decodes: deque[tuple[float, float, float]] = deque()  # (decodes, 0, ms) of decode-only steps
+        self._prefills: deque[tuple[float, float, float]] = deque()  # (decodes, prefill, ms) of the others
+        # The normal equations' sums over both windows, kept as rows come and go (no pass per step).
+        self._xtx = [[RIDGE if i == j else 0.0 for j in range(3)] for i in range(3)]
+        self._xty = [0.0, 0.0, 0.0]
+        self._theta: list[float] | None = None  # (base, per decode, per prefill token), fitted lazily
 
     def observe(self, prefill_tokens: int, decode_seqs: int, model_ms: float) -> None:
         """Take in one step's measured model time."""
-        if model_ms <= 0:
+        if model_ms <= 0 or prefill_tokens + decode_seqs == 0:
             return
-        if prefill_tokens == 0:
-            if decode_seqs > 0:
-                self.decode_ms_by_seqs[decode_seqs] = _blend(self.decode_ms_by_seqs.get(decode_seqs), model_ms)
-            return
-        if prefill_tokens < MIN_PREFILL_SAMPLE:
-            return
-        rest = max(model_ms - self.decode_ms(decode_seqs), 0.0)
-        self.ms_per_prefill_token = _blend(self.ms_per_prefill_token, rest / prefill_tokens)
+        window = self._prefills if prefill_tokens else self._decodes
+        row = (float(decode_seqs), float(prefill_tokens), model_ms)
+        window.append(row)
+        self._account(row, 1.0)
+        if len(window) > WINDOW:
+            self._account(window.popleft(), -1.0)
+        self._theta = None
+
+    def _account(self, row: tuple[float, float, float], sign: float) -> None:
+        d, p, ms = row
+        x = (1.0, d, p)
+        for i in range(3):
+            self._xty[i] += sign * x[i] * ms
+            for j in range(3):
+                self._xtx[i][j] += sign * x[i] * x[j]
+
+    def _fit(self) -> list[float]:
+        if self._theta is None:
+            self._theta = _solve3(self._xtx, self._xty)
+        return self._theta
+
+    @property
+    def ms_per_prefill_token(self) -> float | None:
+        """None until a step with prefill was seen; never below a microsecond (a noisy fit)."""
+        if not self._prefills:
+            return None
+        return max(self._fit()[2], 1e-3)
+
+    def decode_ms(self, seqs: int) -> float:
+        """Predicted model time of a step of `seqs` decodes and no prefill (0 before any step)."""
+        if seqs <= 0 or not (self._decodes or self._prefills):
+            return 0.0
+        base, per_decode, _ = self._fit()
+        return max(base + per_decode * seqs, 0.0)
 
 
 class StepBudget:
