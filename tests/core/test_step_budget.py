@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from engine.core.sched.step_budget import WINDOW, StepBudget, StepCostModel
-from tests.core.test_scheduler import add, make_scheduler, run_step
+from tests.support.scheduler import add, make_scheduler, run_step
 
 
 def test_cost_model_learns_decode_and_prefill_costs():

@@ -8,25 +8,27 @@ from typing import TYPE_CHECKING
 from engine.core.request import SeqStatus
 
 if TYPE_CHECKING:
-    from engine.core.sched.scheduler import Scheduler
+    from engine.core.kv.allocator import KVAllocator
+    from engine.core.kv.swap_space import SwapSpace
+    from engine.core.request import Sequence
 
 
-def check_scheduler(sched: "Scheduler") -> None:
+def check_queues(
+    kv: "KVAllocator",
+    swapper: "SwapSpace | None",
+    running: "list[Sequence]",
+    waiting: "list[Sequence]",
+    swapped: "list[Sequence]",
+    spare: dict,
+) -> None:
     """The pool's own invariants plus: every reference is held by a live sequence, each sequence
-    is queued once under its status, seats and reusable records agree with the queues."""
-    swapped = sched.swapper.gpu_references() if sched.swapper is not None else None
-    sched.kv.check_integrity(sched.running, sched.waiting, sched.swapped, swapped)
-    if sched.swapper is not None:
-        sched.swapper.check_integrity(sched.swapped)
-    ids = [s.seq_id for s in itertools.chain(sched.waiting, sched.running, sched.swapped)]
+    is queued once under its status, reusable decode records (`spare`) belong to live sequences."""
+    swapped_refs = swapper.gpu_references() if swapper is not None else None
+    kv.check_integrity(running, waiting, swapped, swapped_refs)
+    if swapper is not None:
+        swapper.check_integrity(swapped)
+    ids = [s.seq_id for s in itertools.chain(waiting, running, swapped)]
     assert len(ids) == len(set(ids)), "a sequence is queued twice"
-    for queue, status in (
-        (sched.running, SeqStatus.RUNNING),
-        (sched.waiting, SeqStatus.WAITING),
-        (sched.swapped, SeqStatus.SWAPPED),
-    ):
+    for queue, status in ((running, SeqStatus.RUNNING), (waiting, SeqStatus.WAITING), (swapped, SeqStatus.SWAPPED)):
         assert all(s.status is status for s in queue), f"a sequence in the {status.value} queue is not"
-    assert sched._seats_used() <= sched.config.max_num_seqs, "more running seats than max_num_seqs"
-    assert set(sched._spare) <= {s.seq_id for s in itertools.chain(sched.running, sched.waiting, sched.swapped)}, (
-        "a reusable record kept for a finished sequence"
-    )
+    assert set(spare) <= set(ids), "a reusable record kept for a finished sequence"

@@ -25,7 +25,6 @@ from engine.core.request import SeqStatus, Sequence
 if TYPE_CHECKING:
     from engine.core.kv.allocator import KVAllocator
     from engine.core.kv.swap_space import SwapSpace
-    from engine.core.sched.scheduler import Scheduler
     from engine.core.sched.scheduler_output import SchedulerOutput
 
 logger = logging.getLogger("engine.core.sched.scheduler")  # (the log lines users know come from the scheduler)
@@ -174,21 +173,26 @@ class Preemptor:
             )
         return demoted
 
+    def make_room_for_head(
+        self,
+        head: Sequence,
+        budget: int,
+        out: "SchedulerOutput",
+        seats_used: Callable[[], int],
+        seats: Callable[[Sequence], int],
+        max_num_seqs: int,
+    ) -> None:
+        """Preempt less urgent running sequences so that `head`, the most urgent queued one, can
+        start (seats: running slots a sequence stands for; seats_used: those taken now)."""
+        seats_left = max_num_seqs - seats_used() - seats(head)
 
-def preempt_for_priority(sched: "Scheduler", out: "SchedulerOutput", budget: int) -> None:
-    """Preempt less urgent running sequences so that the scheduler's most urgent queued one can start."""
-    head = next(iter(sched._queue()))
-    seats_left = sched.config.max_num_seqs - sched._seats_used() - sched._seats(head)
+        def fits() -> bool:
+            """Could `head` start now (seats and blocks; prefix hits ignored)?"""
+            if seats_used() + seats(head) > max_num_seqs:
+                return False
+            available = self.kv.available_for(head.request.priority)
+            if head.status is not SeqStatus.SWAPPED:
+                available -= self.kv.watermark(bool(self.running))
+            return self.blocks_to_start(head, budget) <= available
 
-    def fits() -> bool:
-        """Could `head` start now (seats and blocks; prefix hits ignored)?"""
-        if sched._seats_used() + sched._seats(head) > sched.config.max_num_seqs:
-            return False
-        available = sched.kv.available_for(head.request.priority)
-        if head.status is not SeqStatus.SWAPPED:
-            available -= sched.kv.watermark(bool(sched.running))
-        return sched.preemption.blocks_to_start(head, budget) <= available
-
-    sched.preemption.make_room(
-        head, budget, out, fits, lambda victims: sum(sched._seats(v) for v in victims) >= -seats_left
-    )
+        self.make_room(head, budget, out, fits, lambda victims: sum(seats(v) for v in victims) >= -seats_left)

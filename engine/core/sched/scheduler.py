@@ -23,8 +23,7 @@ import bisect
 import heapq
 import itertools
 import time
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING
 
 from engine.core.kv.allocator import KVAllocator
 from engine.core.kv.block_pool import BlockPool
@@ -32,8 +31,9 @@ from engine.core.outputs import FinishReason, RequestUpdate, SamplerOutput
 from engine.core.request import Request, SeqStatus, Sequence
 from engine.core.request_kinds import task_of
 from engine.core.sched.deltas import SeqDeltas
-from engine.core.sched.integrity import check_scheduler
-from engine.core.sched.preemption import Preemptor, preempt_for_priority
+from engine.core.sched.integrity import check_queues
+from engine.core.sched.preemption import Preemptor
+from engine.core.sched.scheduler_config import SchedulerConfig
 from engine.core.sched.scheduler_output import SchedulerOutput, scheduled_seq
 from engine.core.sched.step_budget import StepBudget, chunk_cap
 from engine.core.sched.step_update import StepResults
@@ -43,23 +43,6 @@ if TYPE_CHECKING:
     from engine.core.sched.drafts import Drafts
 
 __all__ = ["Scheduler", "SchedulerConfig", "SchedulerOutput"]
-
-
-@dataclass(frozen=True)
-class SchedulerConfig:
-    max_num_seqs: int
-    max_num_batched_tokens: int
-    max_model_len: int
-    block_size: int
-    enable_chunked_prefill: bool = True
-    preemption_mode: Literal["auto", "swap", "recompute"] = "recompute"
-    reserved_blocks_fraction: float = 0.0
-    reserved_priority: int = 0
-    watermark_fraction: float = 0.01
-    eos_token_ids: tuple[int, ...] = ()  # the model's end-of-sequence tokens (a token-level stop)
-    # Inter-token target (ms): prefill beside decodes is cut to fit it (engine/core/sched/step_budget.py).
-    target_itl_ms: float | None = None
-    long_prefill_token_threshold: int = 0  # a prompt's tokens in one step at most (0: the step's budget)
 
 
 class Scheduler:
@@ -281,7 +264,10 @@ class Scheduler:
         queued = bool(self.waiting or self.swapped)
         if queued and self.running:
             # 0. A more urgent waiting or swapped sequence may preempt less urgent running ones.
-            preempt_for_priority(self, out, budget)
+            head = next(iter(self._queue()))
+            self.preemption.make_room_for_head(
+                head, budget, out, self._seats_used, self._seats, self.config.max_num_seqs
+            )
         # 1. Running sequences, highest priority first; preempt from the back when short of blocks.
         budget = self._schedule_running(out, budget)
         if queued:
@@ -489,7 +475,8 @@ class Scheduler:
 
     def check_integrity(self) -> None:
         """The pool's own invariants plus the queues' (engine/core/sched/integrity.py)."""
-        check_scheduler(self)
+        check_queues(self.kv, self.swapper, self.running, self.waiting, self.swapped, self._spare)
+        assert self._seats_used() <= self.config.max_num_seqs, "more running seats than max_num_seqs"
 
     def fragmentation(self) -> float:
         """Allocated slots not holding a computed token / allocated slots."""

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from engine.core.request import Sequence
-    from engine.core.sched.scheduler import SchedulerConfig
+    from engine.core.sched.scheduler_config import SchedulerConfig
 
 # Steps of each kind (decode-only, with prefill) the fit remembers.
 WINDOW = 32
