@@ -275,6 +275,11 @@ class EngineSettings(_KilnSettings):
         description="overlap scheduling: the host prepares step N+1 while the device runs step N "
         "(default: on with a GPU, off on the CPU)",
     )
+    step_waits_for_outputs: bool = Field(
+        False,
+        description="served: the next step starts once the previous one's outputs were handed out (their "
+        "detokenising and streaming then run between steps, not beside a forward on the same cores)",
+    )
     # --- vLLM-compatible settings (issue 13) ---
     tensor_parallel_size: int = Field(
         1, ge=1, description="ranks to shard the model over, one process each (GPUs with NCCL; CPU processes with gloo)"

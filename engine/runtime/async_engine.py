@@ -53,6 +53,7 @@ from engine.runtime.inbox import (
     settle_call,
 )
 from engine.runtime.llm_engine import LLMEngine
+from engine.runtime.output_gate import OutputGate
 from engine.runtime.output_processor import OutputProcessor
 from engine.runtime.request_stream import LoopMailbox, RequestStream
 from engine.worker.cpu_threads import release_openmp_team
@@ -116,6 +117,7 @@ class AsyncEngine:
         self.backpressure_seconds = 0.0
         self.admission = engine.admission  # (read-only: the API side admits requests with it)
         self._outputs = OutputProcessor(engine.tokenizer)  # owned by the output thread
+        self._gate = OutputGate(engine.settings.step_waits_for_outputs)  # (off: no-op calls)
         self._output_thread: threading.Thread | None = None
         self._lock = threading.Lock()  # guards _pending_adds and dead-state transitions
         self._pending_adds = 0
@@ -335,7 +337,10 @@ class AsyncEngine:
                     updates.extend(core.step())
                 # (also idle: the listener ticks about once a second); the step's number for the timeline
                 timeline = core.timeline
+                self._gate.before_send()
                 self._send(("out", updates, timeline.last_step if busy and timeline is not None else None))
+                if busy:  # (step_waits_for_outputs: the hand-out runs between the steps, engine/runtime/output_gate.py)
+                    self._gate.wait(lambda: self._output_thread is not None and self._output_thread.is_alive())
                 if not self._inbox:
                     if not busy:
                         self._wake.wait(self._idle_poll_s)
@@ -395,6 +400,7 @@ class AsyncEngine:
             timeline = self.engine.core.timeline
             if timeline is not None and args[1] is not None and outputs:
                 timeline.delivered(args[1], list(self._mailboxes))
+            self._gate.delivered(list(self._mailboxes) if outputs else [])
 
     def _process(self, updates: list[RequestUpdate]) -> list[RequestOutput]:
         """The outputs of a batch of updates; what the output side ended goes back to the core."""
