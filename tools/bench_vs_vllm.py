@@ -387,7 +387,8 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--vllm-venv and --model are required")
     b = Bench(a)
     summary: dict = {"args": vars(a)}
-    lines = [f"{'':<22} {'kiln':>10} {'vLLM':>10} {'kiln/vLLM':>9}"]
+    header = f"{'':<22} {'kiln':>10} {'vLLM':>10} {'kiln/vLLM':>9}"
+    lines = [] if a.skip_offline and (a.skip_vllm_serve or a.kiln_variant) else [header]
     if not a.skip_offline:
         kiln_runs, vllm_runs = [], []
         for i in range(a.runs):
