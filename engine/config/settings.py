@@ -144,7 +144,8 @@ class EngineSettings(_KilnSettings):
         None,
         gt=0,
         description="CPU: inter-token latency target; prefill chunks that ride with decodes are cut to what a "
-        "cost model learnt from measured steps says fits (default: none, the token budget alone)",
+        "cost model learnt from measured steps says fits: a bounded ITL tail for later first tokens and less "
+        "throughput (docs/benchmarks.md, latency under load; default: none, the token budget alone)",
     )
     long_prefill_token_threshold: int = Field(
         0,
