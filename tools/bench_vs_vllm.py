@@ -24,6 +24,19 @@ through VLLM_CPU_OMP_THREADS_BIND, kiln through --cpu-bind/--cpu-threads) and th
    --serve-prompts requests at --max-concurrency and --request-rate). Output tokens/s, TTFT,
    TPOT and ITL median and p99, and the ratios.
 
+Kiln against itself (a setting's before / after, issue 41): `--kiln-variant NAME=FLAGS` (repeatable)
+serves kiln once per variant with those extra flags, runs interleaved (run 0 of every server, then
+run 1, ...), and the table gains each variant's ratio to the first; `--skip-vllm-serve` leaves vLLM's
+server out (its client still measures). `--step-timeline` has each kiln run write its step timeline
+(the step_timeline setting) next to the results and prints `kiln bench timeline`'s causes of the slow
+steps. `--serve-dataset mixed` replaces the random prompts by a mix (`vllm bench serve`'s custom
+dataset, written to --out-dir): --serve-input-len-token prompts plus a --mix-long-fraction share of
+long ones, their lengths uniform in --mix-long-len (default 1024,4096), --output-len tokens out each.
+
+    python tools/bench_vs_vllm.py --vllm-venv $V --model $M --dtype float32 --skip-offline --skip-vllm-serve \
+        --max-num-seqs 16 --max-concurrency 16 --serve-prompts 100 --input-len 64 --output-len 64 \
+        --serve-runs 3 --kiln-variant base= --kiln-variant itl80="--target-itl-ms 80" --step-timeline
+
 Both engines start from their own caches (vLLM's torch.compile cache, kiln's kernel cache); the
 first start of each may take minutes. Results go to --out-dir as JSON, and a table is printed.
 Start-up time is not measured. vLLM's offline benchmark samples at temperature 1.0; kiln's is
@@ -42,6 +55,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import statistics
 import subprocess
 import sys
@@ -87,6 +101,9 @@ class Bench:
         )
         self.kiln_env = _env({"PYTHONPATH": str(REPO)})
         self.kiln = [args.kiln_python, "-m", "engine.entrypoints.cli"]
+        # kiln's served variants: name -> extra flags (default: one, "kiln", with none)
+        self.variants = {"kiln": []} if not args.kiln_variant else dict(_variant(v) for v in args.kiln_variant)
+        self._mixed: Path | None = None
         self.kiln_flags = [
             "--model",
             args.model,
@@ -168,9 +185,55 @@ class Bench:
         return json.loads(res.read_text())["kiln_tok_per_s"]
 
     # --- served --------------------------------------------------------------------------------
+    def mixed_dataset(self) -> Path:
+        """The mixed workload as `vllm bench serve`'s custom dataset (JSON lines of {"prompt": ...}):
+        random token ids of the model's vocabulary, decoded (their re-tokenised length is close to,
+        not exactly, the drawn one); the same file for every server and run."""
+        import random
+
+        from transformers import AutoTokenizer
+
+        a = self.a
+        path = self.out / "mixed_prompts.jsonl"
+        tok = AutoTokenizer.from_pretrained(a.model)
+        rng = random.Random(0)
+        lo, hi = (int(x) for x in a.mix_long_len.split(","))
+        special = set(tok.all_special_ids)
+        vocab = [t for t in range(tok.vocab_size) if t not in special]
+        lines = []
+        for k in range(a.serve_prompts):
+            n = rng.randint(lo, hi) if rng.random() < a.mix_long_fraction else a.input_len
+            lines.append(json.dumps({"prompt": tok.decode([rng.choice(vocab) for _ in range(n)])}))
+        path.write_text("\n".join(lines) + "\n")
+        return path
+
+    def dataset_args(self) -> list[str]:
+        a = self.a
+        if a.serve_dataset == "mixed":
+            if self._mixed is None:
+                self._mixed = self.mixed_dataset()
+            return [
+                "--dataset-name",
+                "custom",
+                "--dataset-path",
+                str(self._mixed),
+                "--custom-output-len",
+                str(a.output_len),
+                "--skip-chat-template",
+            ]
+        return [
+            "--dataset-name",
+            "random",
+            "--random-input-len",
+            str(a.input_len),
+            "--random-output-len",
+            str(a.output_len),
+        ]
+
     def served(self, name: str, i: int) -> dict:
         a = self.a
         log = self.out / f"serve_{name}_{i}.server.log"
+        timeline = self.out / f"serve_{name}_{i}.steps.jsonl"
         if name == "vllm":
             cmd = [
                 self.vllm,
@@ -188,6 +251,9 @@ class Bench:
             env = self.vllm_env
         else:
             cmd = self.kiln + ["serve", "--port", str(a.port), "--served-model-name", "peer"] + self.kiln_flags
+            cmd += self.variants[name]
+            if a.step_timeline:
+                cmd += ["--step-timeline", str(timeline)]
             env = self.kiln_env
         with running_server(cmd, env, log, a.port, a.start_timeout, REPO):
             result = f"serve_{name}_{i}.json"
@@ -203,12 +269,9 @@ class Bench:
                 "peer",
                 "--tokenizer",
                 a.model,
-                "--dataset-name",
-                "random",
-                "--random-input-len",
-                str(a.input_len),
-                "--random-output-len",
-                str(a.output_len),
+            ]
+            client += self.dataset_args()
+            client += [
                 "--num-prompts",
                 str(a.serve_prompts),
                 "--max-concurrency",
@@ -230,7 +293,26 @@ class Bench:
                 "--disable-tqdm",
             ]
             self._run(client_prefix() + client, self.vllm_env, self.out / f"serve_{name}_{i}.client.log")
-            return json.loads((self.out / result).read_text())
+        r = json.loads((self.out / result).read_text())
+        if name != "vllm" and a.step_timeline:  # (written at the server's shutdown)
+            from engine.bench.timeline_report import analyse, load, render
+
+            report = analyse(load(timeline), top=2.0)
+            print(f"  {name} run {i}: {render(report, 2.0)}", flush=True)
+            r["timeline"] = report
+        return r
+
+
+def _variant_table(runs: dict[str, list[dict]], names: list[str]) -> str:
+    """Medians per server and each one's ratio to the first (the baseline)."""
+    base = names[0]
+    head = f"{'':<16}" + "".join(f"{n:>12}" for n in names) + "".join(f"{n + '/' + base:>16}" for n in names[1:])
+    rows = [head]
+    for key, label, _ in SERVE_METRICS:
+        med = {n: statistics.median(r[key] for r in runs[n]) for n in names}
+        ratios = "".join(f"{med[n] / med[base]:>15.2f}x" for n in names[1:])
+        rows.append(f"{label:<16}" + "".join(f"{med[n]:>12.1f}" for n in names) + ratios)
+    return "\n".join(rows) + f"\n(medians of {len(runs[base])} interleaved runs each)"
 
 
 SERVE_METRICS = [
@@ -242,6 +324,13 @@ SERVE_METRICS = [
     ("median_itl_ms", "ITL median ms", False),
     ("p99_itl_ms", "ITL p99 ms", False),
 ]
+
+
+def _variant(text: str) -> tuple[str, list[str]]:
+    name, _, flags = text.partition("=")
+    if not name or name == "vllm":
+        raise SystemExit(f"--kiln-variant {text!r}: NAME=FLAGS, NAME not empty nor 'vllm'")
+    return name, shlex.split(flags)
 
 
 def _row(label: str, kiln: float, vllm: float, higher_better: bool) -> str:
@@ -279,6 +368,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--kiln-python", default=sys.executable, help="python of kiln's environment")
     p.add_argument("--kiln-arg", action="append", default=[], help="an extra flag for kiln (repeatable)")
     p.add_argument("--out-dir", default="bench_vs_vllm_out")
+    p.add_argument(
+        "--kiln-variant",
+        action="append",
+        default=[],
+        help="NAME=FLAGS: a kiln server with these extra flags (repeatable; served runs interleave them)",
+    )
+    p.add_argument("--skip-vllm-serve", action="store_true", help="served: kiln's variants only")
+    p.add_argument("--step-timeline", action="store_true", help="kiln's served runs write and analyse a step timeline")
+    p.add_argument("--serve-dataset", default="random", choices=["random", "mixed"])
+    p.add_argument("--mix-long-fraction", type=float, default=0.25, help="mixed: share of long prompts (default 0.25)")
+    p.add_argument("--mix-long-len", default="1024,4096", help="mixed: long prompts' length range (default 1024,4096)")
     a = p.parse_args(argv)
     if a.convert_gguf:
         convert_gguf(*a.convert_gguf, a.dtype)
@@ -287,7 +387,8 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--vllm-venv and --model are required")
     b = Bench(a)
     summary: dict = {"args": vars(a)}
-    lines = [f"{'':<22} {'kiln':>10} {'vLLM':>10} {'kiln/vLLM':>9}"]
+    header = f"{'':<22} {'kiln':>10} {'vLLM':>10} {'kiln/vLLM':>9}"
+    lines = [] if a.skip_offline and (a.skip_vllm_serve or a.kiln_variant) else [header]
     if not a.skip_offline:
         kiln_runs, vllm_runs = [], []
         for i in range(a.runs):
@@ -297,13 +398,19 @@ def main(argv: list[str] | None = None) -> int:
         summary["offline"] = {"kiln": kiln_runs, "vllm": vllm_runs}
         lines.append(_row("offline output tok/s", statistics.median(kiln_runs), statistics.median(vllm_runs), True))
     if not a.skip_serve:
-        runs = {"kiln": [], "vllm": []}
+        names = list(b.variants) + ([] if a.skip_vllm_serve else ["vllm"])
+        runs: dict[str, list[dict]] = {n: [] for n in names}
         for i in range(a.serve_runs):
-            for name in ("vllm", "kiln"):
+            for name in names:
                 runs[name].append(b.served(name, i))
                 print(f"served run {i}: {name} {runs[name][-1]['output_throughput']:.1f} output tok/s", flush=True)
-        summary["served"] = {n: [{k: r[k] for k, _, _ in SERVE_METRICS} for r in rs] for n, rs in runs.items()}
-        for key, label, higher in SERVE_METRICS:
+        summary["served"] = {
+            n: [{k: r[k] for k, _, _ in SERVE_METRICS} | {"timeline": r.get("timeline")} for r in rs]
+            for n, rs in runs.items()
+        }
+        if a.skip_vllm_serve or len(b.variants) > 1:
+            lines.append(_variant_table(runs, names))
+        for key, label, higher in SERVE_METRICS if names[-2:] == ["kiln", "vllm"] else []:
             lines.append(
                 _row(
                     label,

@@ -103,6 +103,19 @@ class EngineSettings(KilnSettingsBase):
     )
     reserved_priority: int = Field(0, description="requests with priority <= this may use the reserved share")
     max_waiting_requests: int = Field(4096, ge=1, description="beyond this the server answers 503")
+    target_itl_ms: float | None = Field(
+        None,
+        gt=0,
+        description="CPU: inter-token latency target; prefill chunks that ride with decodes are cut to what a "
+        "cost model learnt from measured steps says fits: a bounded ITL tail for later first tokens and less "
+        "throughput (docs/benchmarks.md, latency under load; default: none, the token budget alone)",
+    )
+    long_prefill_token_threshold: int = Field(
+        0,
+        ge=0,
+        description="with chunked prefill, one prompt's tokens in a step at most, so that short prompts queued "
+        "behind a long one start beside it (vLLM's flag; 0: the step's token budget)",
+    )
 
     # --- speculative decoding (vLLM's speculative_config {"method": "ngram", ...}) ---
     speculative_method: Literal["ngram", "draft_model", "eagle", "eagle3"] | None = Field(
@@ -214,12 +227,22 @@ class EngineSettings(KilnSettingsBase):
 
     # --- logging ---
     log_stats_interval: float = Field(10.0, ge=0.0, description="seconds between stats log lines (0 = off)")
+    step_timeline: Path | None = Field(
+        None,
+        description="write one JSON line per engine step here: token counts, model / host time, output "
+        "delays, GC pauses (docs/benchmarks.md; kiln bench timeline FILE reads it)",
+    )
 
     # --- engine loop ---
     async_scheduling: bool | None = Field(
         None,
         description="overlap scheduling: the host prepares step N+1 while the device runs step N "
         "(default: on with a GPU, off on the CPU)",
+    )
+    step_waits_for_outputs: bool = Field(
+        False,
+        description="served: the next step starts once the previous one's outputs were handed out (their "
+        "detokenising and streaming then run between steps, not beside a forward on the same cores)",
     )
     # --- vLLM-compatible settings (issue 13) ---
     tensor_parallel_size: int = Field(

@@ -53,6 +53,7 @@ from engine.runtime.inbox import (
     settle_call,
 )
 from engine.runtime.llm_engine import LLMEngine
+from engine.runtime.output_gate import OutputGate
 from engine.runtime.output_processor import OutputProcessor
 from engine.runtime.request_stream import LoopMailbox, RequestStream
 from engine.worker.cpu_threads import release_openmp_team
@@ -105,7 +106,8 @@ class AsyncEngine:
         )
         self._wake = threading.Event()
         self._streams: dict[str, RequestStream] = {}  # owned by the output thread
-        # step thread -> output thread: ("add", admitted request, stream) | ("out", updates) | ("die", error, updates);
+        # step thread -> output thread: ("add", admitted request, stream) | ("out", updates, timeline step
+        # or None) | ("die", error, updates);
         # bounded (MAX_PENDING_STEPS): a full queue makes the step thread wait (_send)
         if max_pending_steps < 1:
             raise ValueError(f"max_pending_steps must be at least 1, got {max_pending_steps}")
@@ -115,6 +117,7 @@ class AsyncEngine:
         self.backpressure_seconds = 0.0
         self.admission = engine.admission  # (read-only: the API side admits requests with it)
         self._outputs = OutputProcessor(engine.tokenizer)  # owned by the output thread
+        self._gate = OutputGate(engine.settings.step_waits_for_outputs)  # (off: no-op calls)
         self._output_thread: threading.Thread | None = None
         self._lock = threading.Lock()  # guards _pending_adds and dead-state transitions
         self._pending_adds = 0
@@ -332,7 +335,12 @@ class AsyncEngine:
                 busy = core.has_unfinished_requests()
                 if busy:
                     updates.extend(core.step())
-                self._send(("out", updates))  # (also idle: the listener ticks about once a second)
+                # (also idle: the listener ticks about once a second); the step's number for the timeline
+                timeline = core.timeline
+                self._gate.before_send()
+                self._send(("out", updates, timeline.last_step if busy and timeline is not None else None))
+                if busy:  # (step_waits_for_outputs: the hand-out runs between the steps, engine/runtime/output_gate.py)
+                    self._gate.wait(lambda: self._output_thread is not None and self._output_thread.is_alive())
                 if not self._inbox:
                     if not busy:
                         self._wake.wait(self._idle_poll_s)
@@ -389,6 +397,10 @@ class AsyncEngine:
                 self._dispatch(outputs)
             except Exception:  # noqa: BLE001 - this thread must keep serving the other streams
                 logger.exception("handing out outputs failed")
+            timeline = self.engine.core.timeline
+            if timeline is not None and args[1] is not None and outputs:
+                timeline.delivered(args[1], list(self._mailboxes))
+            self._gate.delivered(list(self._mailboxes) if outputs else [])
 
     def _process(self, updates: list[RequestUpdate]) -> list[RequestOutput]:
         """The outputs of a batch of updates; what the output side ended goes back to the core."""

@@ -261,6 +261,9 @@ class EngineBuilder:
                 reserved_blocks_fraction=settings.reserved_blocks_fraction,
                 reserved_priority=settings.reserved_priority,
                 eos_token_ids=self.eos_token_ids,
+                # (CPU only: on a GPU, new prefill chunk sizes would be new step shapes to compile)
+                target_itl_ms=settings.target_itl_ms if self.device.type == "cpu" else None,
+                long_prefill_token_threshold=settings.long_prefill_token_threshold,
             ),
             self.pool,
             self.swap_space,

@@ -39,6 +39,7 @@ from engine.core.params import LoRARequest
 from engine.core.request import Request
 from engine.core.sched.scheduler import Scheduler
 from engine.core.sched.scheduler_output import SchedulerOutput
+from engine.core.sched.step_timeline import StepTimeline
 from engine.lora.adapters import LoRAManager, attach_lora, load_lora, unload_lora
 from engine.runtime.admission import AdmittedRequest
 from engine.runtime.kv_tiers import KVTiers
@@ -124,6 +125,7 @@ class EngineCore:
         compile_seconds: float = 0.0,
         capture_seconds: float = 0.0,
         kv_tiers: KVTiers | None = None,
+        timeline: StepTimeline | None = None,
     ) -> None:
         self.scheduler = scheduler
         self.runner = runner  # (TensorParallelRunner with tensor parallelism)
@@ -149,6 +151,7 @@ class EngineCore:
         self.capture_seconds = capture_seconds
         # The KV tiers under the pool (engine/runtime/kv_tiers.py), or None (the default: off).
         self.kv_tiers = kv_tiers
+        self.timeline = timeline  # the step timeline (engine/core/sched/step_timeline.py), or None: off
         self._pinned_blocks: set[int] = set()  # warm-prefix blocks (each pinned once)
         self._inflight: _Launched | None = None  # overlap scheduling: launched, not yet processed
         self.stalled = False  # the last step launched nothing and had nothing in flight
@@ -218,12 +221,17 @@ class EngineCore:
         """Schedule and launch the next step, then process the previous one's results (or, in the
         serial loop, this one's); returns the requests' updates."""
         tiers = self.kv_tiers
+        timeline = self.timeline
+        if timeline is not None:
+            timeline.begin()
         if tiers is not None:
             # Blocks that turned idle are copied out before loads or this step may overwrite them;
             # finished loads go into the pool (waiting for one when nothing else can run).
             tiers.drain_saves()
             tiers.install_ready(wait=self._inflight is None and not self.scheduler.has_unfinished())
         sched = self.scheduler.schedule()
+        if timeline is not None:
+            timeline.scheduled(sched)
         if tiers is not None:
             tiers.drain_saves()  # (blocks this schedule preempted or evicted)
         previous = self._inflight
@@ -233,13 +241,14 @@ class EngineCore:
         self.stalled = launched is None and previous is None
         self._inflight = launched
         updates = self._process(previous) if previous is not None else []
-        if launched is None:
-            return updates
-        if defer:  # the previous step's tokens have advanced the grammars: sample now
-            self._sample(launched)
-        if not self.async_scheduling or _needs_serial(sched):
-            self._inflight = None
-            updates += self._process(launched)
+        if launched is not None:
+            if defer:  # the previous step's tokens have advanced the grammars: sample now
+                self._sample(launched)
+            if not self.async_scheduling or _needs_serial(sched):
+                self._inflight = None
+                updates += self._process(launched)
+        if timeline is not None:
+            timeline.end()
         return updates
 
     def _launch(self, sched: SchedulerOutput, defer_sampling: bool = False) -> _Launched:
@@ -290,9 +299,17 @@ class EngineCore:
 
     def _process(self, launched: _Launched) -> list[RequestUpdate]:
         sched = launched.sched
-        updates = self.scheduler.update_from_output(sched, launched.pending.result())
+        sampled = launched.pending.result()
+        t_result = time.perf_counter()
+        updates = self.scheduler.update_from_output(sched, sampled)
         generated = self.scheduler.num_generated
-        self.last_step = StepStats(sched.num_prefill_tokens, generated, time.perf_counter() - launched.t0)
+        t_done = time.perf_counter()
+        self.last_step = StepStats(sched.num_prefill_tokens, generated, t_done - launched.t0)
+        if self.timeline is not None:
+            self.timeline.processed(launched.t0, t_result, t_done)
+        budget = self.scheduler.step_budget
+        if budget is not None:  # (the latency target's cost model learns each step's model time)
+            budget.observe(sched.num_prefill_tokens, sched.num_decode_tokens, (t_result - launched.t0) * 1e3)
         if self.swap_space is not None and sched.num_prefill_tokens >= max(MIN_PREFILL_SAMPLE, sched.num_decode_tokens):
             # A prefill-dominated step prices recomputation for auto preemption (SwapSpace).
             self.swap_space.observe_prefill(sched.num_tokens, self.last_step.duration)
@@ -340,6 +357,8 @@ class EngineCore:
         if self.kv_tiers is not None:
             self.kv_tiers.close()
             self.kv_tiers = None
+        if self.timeline is not None:
+            self.timeline.close()
 
     # ---- invariants ----
     def check_integrity(self) -> None:

@@ -30,6 +30,7 @@ from engine.core import admission_rules as rules
 from engine.core.outputs import RequestOutput, RequestUpdate
 from engine.core.params import LoRARequest, PoolingParams, SamplingParams
 from engine.core.request import Request
+from engine.core.sched.step_timeline import StepTimeline
 from engine.runtime.admission import Admission, AdmittedRequest
 from engine.runtime.builder import EngineBuilder
 from engine.runtime.engine_core import EngineCore
@@ -96,6 +97,7 @@ class LLMEngine:
             compile_seconds=parts.compile_seconds,
             capture_seconds=parts.capture_seconds,
             kv_tiers=parts.kv_tiers,
+            timeline=StepTimeline(settings.step_timeline) if settings.step_timeline is not None else None,
         )
         admission = Admission(
             parts.model_config,

@@ -172,3 +172,27 @@ class Preemptor:
                 seq.seq_id,
             )
         return demoted
+
+    def make_room_for_head(
+        self,
+        head: Sequence,
+        budget: int,
+        out: "SchedulerOutput",
+        seats_used: Callable[[], int],
+        seats: Callable[[Sequence], int],
+        max_num_seqs: int,
+    ) -> None:
+        """Preempt less urgent running sequences so that `head`, the most urgent queued one, can
+        start (seats: running slots a sequence stands for; seats_used: those taken now)."""
+        seats_left = max_num_seqs - seats_used() - seats(head)
+
+        def fits() -> bool:
+            """Could `head` start now (seats and blocks; prefix hits ignored)?"""
+            if seats_used() + seats(head) > max_num_seqs:
+                return False
+            available = self.kv.available_for(head.request.priority)
+            if head.status is not SeqStatus.SWAPPED:
+                available -= self.kv.watermark(bool(self.running))
+            return self.blocks_to_start(head, budget) <= available
+
+        self.make_room(head, budget, out, fits, lambda victims: sum(seats(v) for v in victims) >= -seats_left)

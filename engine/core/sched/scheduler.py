@@ -23,8 +23,7 @@ import bisect
 import heapq
 import itertools
 import time
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING
 
 from engine.core.kv.allocator import KVAllocator
 from engine.core.kv.block_pool import BlockPool
@@ -32,29 +31,18 @@ from engine.core.outputs import FinishReason, RequestUpdate, SamplerOutput
 from engine.core.request import Request, SeqStatus, Sequence
 from engine.core.request_kinds import task_of
 from engine.core.sched.deltas import SeqDeltas
+from engine.core.sched.integrity import check_queues
 from engine.core.sched.preemption import Preemptor
-from engine.core.sched.scheduler_output import PLACEHOLDER, ScheduledSeq, SchedulerOutput, sample_row_ranges
+from engine.core.sched.scheduler_config import SchedulerConfig
+from engine.core.sched.scheduler_output import SchedulerOutput, scheduled_seq
+from engine.core.sched.step_budget import StepBudget, chunk_cap
 from engine.core.sched.step_update import StepResults
 
 if TYPE_CHECKING:
     from engine.core.kv.swap_space import SwapSpace
     from engine.core.sched.drafts import Drafts
 
-__all__ = ["PLACEHOLDER", "ScheduledSeq", "Scheduler", "SchedulerConfig", "SchedulerOutput", "sample_row_ranges"]
-
-
-@dataclass(frozen=True)
-class SchedulerConfig:
-    max_num_seqs: int
-    max_num_batched_tokens: int
-    max_model_len: int
-    block_size: int
-    enable_chunked_prefill: bool = True
-    preemption_mode: Literal["auto", "swap", "recompute"] = "recompute"
-    reserved_blocks_fraction: float = 0.0
-    reserved_priority: int = 0
-    watermark_fraction: float = 0.01
-    eos_token_ids: tuple[int, ...] = ()  # the model's end-of-sequence tokens (a token-level stop)
+__all__ = ["Scheduler", "SchedulerConfig", "SchedulerOutput"]
 
 
 class Scheduler:
@@ -96,6 +84,11 @@ class Scheduler:
         self._unforked: dict[int, Sequence] = {}  # n > 1 requests not forked yet: they hold n seats
         self._spare = self.results.spare  # decode records of processed steps, for the next decode
         self._prefills = False  # this step emitted a record of more than one token
+        # The latency target's prefill allowance (None: no target; chunking is what enforces it).
+        self.step_budget = StepBudget.of(config)  # None: no latency target
+        self._prefill_left = 0  # prefill tokens this step may still take
+        # One prompt's share of a step (chunked prefill): short prompts queued behind a long one start beside it.
+        self._chunk_cap = chunk_cap(config)
 
     # ---- counters (metrics) ----
     num_preemptions = property(lambda self: self.preemption.num_preemptions)
@@ -263,6 +256,7 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
+        self._prefill_left = budget if self.step_budget is None else self.step_budget.allowance(self.running)
         self.preemption.begin_step()
         self._prefills = False
         if self.swapper is not None:
@@ -270,7 +264,10 @@ class Scheduler:
         queued = bool(self.waiting or self.swapped)
         if queued and self.running:
             # 0. A more urgent waiting or swapped sequence may preempt less urgent running ones.
-            self._preempt_for_priority(out, budget)
+            head = next(iter(self._queue()))
+            self.preemption.make_room_for_head(
+                head, budget, out, self._seats_used, self._seats, self.config.max_num_seqs
+            )
         # 1. Running sequences, highest priority first; preempt from the back when short of blocks.
         budget = self._schedule_running(out, budget)
         if queued:
@@ -338,6 +335,12 @@ class Scheduler:
                 continue
             if num_new > budget:
                 num_new = budget
+            if num_new > 1:  # a prefill piece: within the step's prefill allowance
+                if self._prefill_left <= 0:
+                    i += 1
+                    continue
+                num_new = min(num_new, self._prefill_left, self._chunk_cap)
+                self._prefill_left -= num_new
             drafts = self.spec.drafts(seq, budget) if num_new == 1 and self.spec is not None else []
             if drafts and self.kv.can_grow(seq, 1 + len(drafts)):
                 num_new = 1 + len(drafts)  # drafts only where blocks are free: they never preempt
@@ -387,8 +390,8 @@ class Scheduler:
                 return None  # wait for a step with room for the whole prompt
             if remaining > self.config.max_num_batched_tokens:
                 raise AssertionError("unchunkable prompt beyond the token budget passed validation")
-        num_new = min(remaining, budget)
-        if not self.kv.can_admit(seq, num_new, bool(self.running)):
+        num_new = min(remaining, budget, self._prefill_left, self._chunk_cap)
+        if num_new <= 0 or not self.kv.can_admit(seq, num_new, bool(self.running)):
             self.kv.drop_prefix_hits(seq)
             return None
         if seq.num_output_tokens == 0 and seq.num_preemptions == 0:
@@ -397,6 +400,7 @@ class Scheduler:
         self.waiting.remove(seq)
         self._insert_running(seq)
         self._emit(seq, num_new, out)
+        self._prefill_left -= num_new
         return budget - num_new
 
     def _take_prefix_hits(self, seq: Sequence) -> int:
@@ -410,28 +414,9 @@ class Scheduler:
         request = seq.request
         start = seq.num_computed_tokens
         drafts = drafts or []
-        do_sample = start + num_new - len(drafts) == seq.num_tokens
-        fork = do_sample and request.params.n > 1 and not request.forked
-        blocks_from, new_block_ids, history_from, new_history = self.deltas.delta(seq)
         out.seqs.append(
-            ScheduledSeq(
-                seq_id=seq.seq_id,
-                token_ids=seq.token_ids[start : start + num_new - len(drafts)] + drafts,
-                start_pos=start,
-                blocks_from=blocks_from,
-                new_block_ids=new_block_ids,
-                do_sample=do_sample,
-                num_samples=request.params.n if fork else 1,
-                params=request.params,
-                history_from=history_from,
-                new_history=new_history,
-                num_prompt_tokens=seq.num_prompt_tokens,
-                sample_index=seq.sample_index,
-                constrained=bool(request.grammars),
-                draft_token_ids=drafts,
-                task=task_of(request),
-                lora_slot=request.lora_slot,
-                after_verify=self.spec is not None and self.spec.verifying(seq),
+            scheduled_seq(
+                seq, start, num_new, drafts, self.deltas.delta(seq), self.spec is not None and self.spec.verifying(seq)
             )
         )
         if num_new != 1:
@@ -445,28 +430,7 @@ class Scheduler:
         if request.first_scheduled_time is None:
             request.first_scheduled_time = time.monotonic()
 
-    # ---- preemption (engine/core/sched/preemption.py) ----
-    def _fits(self, seq: Sequence, budget: int) -> bool:
-        """Could this waiting or swapped sequence start now (seats and blocks; prefix hits ignored)?"""
-        if self._seats_used() + self._seats(seq) > self.config.max_num_seqs:
-            return False
-        available = self.kv.available_for(seq.request.priority)
-        if seq.status is SeqStatus.SWAPPED:
-            return self.preemption.blocks_to_start(seq, budget) <= available
-        return self.preemption.blocks_to_start(seq, budget) <= available - self.kv.watermark(bool(self.running))
-
-    def _preempt_for_priority(self, out: SchedulerOutput, budget: int) -> None:
-        """Preempt less urgent running sequences so that the most urgent queued one can start."""
-        head = next(iter(self._queue()))
-        seats_left = self.config.max_num_seqs - self._seats_used() - self._seats(head)
-        self.preemption.make_room(
-            head,
-            budget,
-            out,
-            lambda: self._fits(head, budget),
-            lambda victims: sum(self._seats(v) for v in victims) >= -seats_left,
-        )
-
+    # ---- swap in (preemption: engine/core/sched/preemption.py) ----
     def _try_swap_in(self, seq: Sequence, out: SchedulerOutput, budget: int) -> int | None:
         """Bring one swapped sequence back (and schedule its next tokens); None if it can't."""
         assert self.swapper is not None
@@ -510,23 +474,9 @@ class Scheduler:
                 queue.remove(seq)
 
     def check_integrity(self) -> None:
-        """The pool's own invariants plus: every reference is held by a live sequence."""
-        swapped = self.swapper.gpu_references() if self.swapper is not None else None
-        self.kv.check_integrity(self.running, self.waiting, self.swapped, swapped)
-        if self.swapper is not None:
-            self.swapper.check_integrity(self.swapped)
-        ids = [s.seq_id for s in itertools.chain(self.waiting, self.running, self.swapped)]
-        assert len(ids) == len(set(ids)), "a sequence is queued twice"
-        for queue, status in (
-            (self.running, SeqStatus.RUNNING),
-            (self.waiting, SeqStatus.WAITING),
-            (self.swapped, SeqStatus.SWAPPED),
-        ):
-            assert all(s.status is status for s in queue), f"a sequence in the {status.value} queue is not"
+        """The pool's own invariants plus the queues' (engine/core/sched/integrity.py)."""
+        check_queues(self.kv, self.swapper, self.running, self.waiting, self.swapped, self._spare)
         assert self._seats_used() <= self.config.max_num_seqs, "more running seats than max_num_seqs"
-        assert set(self._spare) <= {s.seq_id for s in itertools.chain(self.running, self.waiting, self.swapped)}, (
-            "a reusable record kept for a finished sequence"
-        )
 
     def fragmentation(self) -> float:
         """Allocated slots not holding a computed token / allocated slots."""

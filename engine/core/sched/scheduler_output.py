@@ -17,9 +17,13 @@ the step that held it has been processed: the worker keeps nothing of a message.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from engine.core.params import SamplingParams
-from engine.core.request_kinds import GENERATE, Task
+from engine.core.request_kinds import GENERATE, Task, task_of
+
+if TYPE_CHECKING:
+    from engine.core.request import Sequence
 
 
 @dataclass
@@ -78,6 +82,36 @@ def sample_row_ranges(seqs: list[ScheduledSeq]):
         n = s.task.sample_rows(s)
         yield s, range(k, k + n)
         k += n
+
+
+def scheduled_seq(
+    seq: "Sequence", start: int, num_new: int, drafts: list[int], delta: tuple, after_verify: bool
+) -> ScheduledSeq:
+    """The record of `num_new` tokens of `seq` from position `start` (the last len(drafts) of them
+    drafts); `delta`: its block table's and tokens' change since the worker's copy (SeqDeltas.delta)."""
+    request = seq.request
+    do_sample = start + num_new - len(drafts) == seq.num_tokens
+    fork = do_sample and request.params.n > 1 and not request.forked
+    blocks_from, new_block_ids, history_from, new_history = delta
+    return ScheduledSeq(
+        seq_id=seq.seq_id,
+        token_ids=seq.token_ids[start : start + num_new - len(drafts)] + drafts,
+        start_pos=start,
+        blocks_from=blocks_from,
+        new_block_ids=new_block_ids,
+        do_sample=do_sample,
+        num_samples=request.params.n if fork else 1,
+        params=request.params,
+        history_from=history_from,
+        new_history=new_history,
+        num_prompt_tokens=seq.num_prompt_tokens,
+        sample_index=seq.sample_index,
+        constrained=bool(request.grammars),
+        draft_token_ids=drafts,
+        task=task_of(request),
+        lora_slot=request.lora_slot,
+        after_verify=after_verify,
+    )
 
 
 # Stand-in for a token a launched step samples, until the host learns it (overlap scheduling);

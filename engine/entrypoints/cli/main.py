@@ -45,6 +45,7 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "lora": ("engine.bench.lora", "batches mixing LoRA adapters"),
     "overhead": ("engine.bench.overhead", "host time per step with a stub model, serial vs overlapped loop"),
     "cpu": ("engine.bench.cpu", "CPU thread settings with and without a busy neighbour"),
+    "timeline": ("engine.bench.timeline_report", "the slow steps of a step timeline (step_timeline), by cause"),
 }
 
 

@@ -337,7 +337,7 @@ VLLM_FLAGS_TABLE: dict[str, VllmFlag] = {
     "--max-num-active-seqs": refuse("an active-sequence cap apart from --max-num-seqs", ok=NONE),
     "--max-num-queued-reqs": impl("max_waiting_requests"),
     "--max-num-queued-tokens": refuse("a cap on queued tokens", ok=NONE),
-    "--long-prefill-token-threshold": noop("long-prefill chunking heuristics"),
+    "--long-prefill-token-threshold": impl("long_prefill_token_threshold"),
     "--long-prefill-token-threshold-adaptive": noop("long-prefill chunking heuristics", "b"),
     "--scheduling-policy": refuse("priority scheduling", ok=("fcfs",)),
     "--enable-chunked-prefill": impl("enable_chunked_prefill", shape="b"),

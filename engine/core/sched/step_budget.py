@@ -1,0 +1,147 @@
+"""The step's prefill allowance under an inter-token latency target (the target_itl_ms setting).
+
+Every decoding sequence waits for the whole step, so a prefill chunk that rides along with
+decodes stretches their inter-token gap by its own cost. With a target, the scheduler asks here
+how many prefill tokens fit beside the step's decodes:
+
+    allowance = (target - decode_ms(decodes)) / ms_per_prefill_token
+
+from an online cost model (`StepCostModel`) that learns from each step's measured model time
+(EngineCore feeds it): a least-squares line ms ~ base + a * decodes + b * prefill tokens over the
+last WINDOW decode-only steps and the last WINDOW steps with prefill (two windows, so that a long
+run of decodes does not forget the prefill rate; a fit over both separates the decodes' share of
+a mixed step from its prefill's, which per-kind averages cannot when every step is mixed). The
+allowance is rounded down to whole KV blocks (few step shapes) and never below one block (a
+prompt always progresses); a step with no decodes has no gap to protect and keeps the full token
+budget (the first token of an idle server is not slowed).
+Until the model has seen a prefill, the full budget stands: the first prefill teaches it.
+Pure Python, no clock of its own: the caller passes measured milliseconds.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from engine.core.request import Sequence
+    from engine.core.sched.scheduler_config import SchedulerConfig
+
+# Steps of each kind (decode-only, with prefill) the fit remembers.
+WINDOW = 32
+# Keeps the fit solvable before both kinds were seen (tiny next to the counts' squares).
+RIDGE = 1e-3
+
+
+def _solve3(a: list[list[float]], y: list[float]) -> list[float]:
+    """a x = y for a 3x3 system (Gaussian elimination with partial pivoting)."""
+    m = [row[:] + [v] for row, v in zip(a, y)]
+    for col in range(3):
+        pivot = max(range(col, 3), key=lambda r: abs(m[r][col]))
+        m[col], m[pivot] = m[pivot], m[col]
+        for r in range(col + 1, 3):
+            f = m[r][col] / m[col][col]
+            for c in range(col, 4):
+                m[r][c] -= f * m[col][c]
+    x = [0.0, 0.0, 0.0]
+    for r in (2, 1, 0):
+        x[r] = (m[r][3] - sum(m[r][c] * x[c] for c in range(r + 1, 3))) / m[r][r]
+    return x
+
+
+class StepCostModel:
+    """ms of a step's model time ~ base + per_decode * decodes + per_prefill_token * prefill tokens."""
+
+    def __init__(self) -> None:
+        self._decodes: deque[tuple[float, float, float]] = deque()  # (decodes, 0, ms) of decode-only steps
+        self._prefills: deque[tuple[float, float, float]] = deque()  # (decodes, prefill, ms) of the others
+        # The normal equations' sums over both windows, kept as rows come and go (no pass per step).
+        self._xtx = [[RIDGE if i == j else 0.0 for j in range(3)] for i in range(3)]
+        self._xty = [0.0, 0.0, 0.0]
+        self._theta: list[float] | None = None  # (base, per decode, per prefill token), fitted lazily
+
+    def observe(self, prefill_tokens: int, decode_seqs: int, model_ms: float) -> None:
+        """Take in one step's measured model time."""
+        if model_ms <= 0 or prefill_tokens + decode_seqs == 0:
+            return
+        window = self._prefills if prefill_tokens else self._decodes
+        row = (float(decode_seqs), float(prefill_tokens), model_ms)
+        window.append(row)
+        self._account(row, 1.0)
+        if len(window) > WINDOW:
+            self._account(window.popleft(), -1.0)
+        self._theta = None
+
+    def _account(self, row: tuple[float, float, float], sign: float) -> None:
+        d, p, ms = row
+        x = (1.0, d, p)
+        for i in range(3):
+            self._xty[i] += sign * x[i] * ms
+            for j in range(3):
+                self._xtx[i][j] += sign * x[i] * x[j]
+
+    def _fit(self) -> list[float]:
+        if self._theta is None:
+            self._theta = _solve3(self._xtx, self._xty)
+        return self._theta
+
+    @property
+    def ms_per_prefill_token(self) -> float | None:
+        """None until a step with prefill was seen; never below a microsecond (a noisy fit)."""
+        if not self._prefills:
+            return None
+        return max(self._fit()[2], 1e-3)
+
+    def decode_ms(self, seqs: int) -> float:
+        """Predicted model time of a step of `seqs` decodes and no prefill (0 before any step)."""
+        if seqs <= 0 or not (self._decodes or self._prefills):
+            return 0.0
+        base, per_decode, _ = self._fit()
+        return max(base + per_decode * seqs, 0.0)
+
+
+class StepBudget:
+    """Prefill tokens a step may carry beside its decodes so that it stays within target_ms."""
+
+    def __init__(self, target_ms: float, max_tokens: int, block_size: int) -> None:
+        if target_ms <= 0:
+            raise ValueError(f"target_itl_ms must be positive, got {target_ms}")
+        self.target_ms = target_ms
+        self.max_tokens = max_tokens  # max_num_batched_tokens: the hard cap stays
+        self.block_size = block_size
+        self.cost = StepCostModel()
+
+    @classmethod
+    def of(cls, config: "SchedulerConfig") -> "StepBudget | None":
+        """The scheduler's budget: None without a target, or without chunked prefill (nothing to cut)."""
+        if not config.target_itl_ms or not config.enable_chunked_prefill:
+            return None
+        return cls(config.target_itl_ms, config.max_num_batched_tokens, config.block_size)
+
+    def observe(self, prefill_tokens: int, decode_seqs: int, model_ms: float) -> None:
+        self.cost.observe(prefill_tokens, decode_seqs, model_ms)
+
+    def allowance(self, running: "list[Sequence]") -> int:
+        """The prefill allowance of a step over these running sequences: those with one token to run
+        (not paused) are its decodes."""
+        decodes = sum(1 for s in running if len(s.token_ids) - s.num_computed_tokens == 1 and not s.request.paused)
+        return self.prefill_tokens(decodes)
+
+    def prefill_tokens(self, decode_seqs: int) -> int:
+        """The step's prefill allowance next to `decode_seqs` decodes (see the module docstring)."""
+        full = self.max_tokens - decode_seqs
+        rate = self.cost.ms_per_prefill_token
+        if decode_seqs == 0 or rate is None or rate <= 0:
+            return full
+        spare_ms = self.target_ms - self.cost.decode_ms(decode_seqs)
+        tokens = int(spare_ms / rate) // self.block_size * self.block_size
+        allowance = min(max(tokens, self.block_size), full)
+        return max(allowance, 1)
+
+
+def chunk_cap(config: "SchedulerConfig") -> int:
+    """One prompt's tokens in a step at most (long_prefill_token_threshold, with chunked prefill):
+    short prompts queued behind a long one start in the same step instead of after it."""
+    if config.enable_chunked_prefill and config.long_prefill_token_threshold > 0:
+        return config.long_prefill_token_threshold
+    return config.max_num_batched_tokens
