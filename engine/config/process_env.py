@@ -71,3 +71,9 @@ def export_torch_isa_limit(level: str) -> dict[str, str]:
     for name, value in zip(TORCH_ISA_VARIABLES, TORCH_ISA_LIMITS[level]):
         os.environ.setdefault(name, value)
     return {name: os.environ[name] for name in TORCH_ISA_VARIABLES}
+
+
+def client_api_key() -> str | None:
+    """The API key a client of a kiln server sends when none is given (`kiln chat --url`):
+    KILN_API_KEY, else OPENAI_API_KEY, as the openai client reads it."""
+    return os.environ.get("KILN_API_KEY") or os.environ.get("OPENAI_API_KEY")

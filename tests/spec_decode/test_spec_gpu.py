@@ -25,7 +25,7 @@ import torch
 from compiler.compilation.capture import compile_count
 from engine import SamplingParams
 from engine.worker.host_upload import BlockingUploads
-from tests.worker.test_cuda_graph import NEAR_TIE, _skip_unless_kernels_built, make_model
+from tests.support.cuda_graph import NEAR_TIE, make_model, skip_unless_kernels_built
 
 pytestmark = pytest.mark.gpu
 
@@ -57,14 +57,14 @@ def models(tmp_path_factory):
     """The head_dim-64 target of the graph tests, a draft model (the target with noise on its
     layers: it agrees often, not always) and EAGLE / EAGLE-3 heads for it."""
     from engine.training.eagle_head import random_eagle
-    from tests.spec_decode.test_spec_models import _noisy_copy, _target_weights
+    from tests.support.spec_models import noisy_copy, target_weights
 
     root = tmp_path_factory.mktemp("spec-gpu")
     target = make_model(root / "target")
-    cfg, embed, head = _target_weights(root / "target")
+    cfg, embed, head = target_weights(root / "target")
     return {
         "target": target,
-        "draft_model": str(_noisy_copy(root / "target", root / "noisy", 0.05)),
+        "draft_model": str(noisy_copy(root / "target", root / "noisy", 0.05)),
         "eagle": str(random_eagle(root / "eagle", cfg, embed, head, 1, seed=1)),
         "eagle3": str(random_eagle(root / "eagle3", cfg, embed, head, 3, seed=2)),
         "cache": tmp_path_factory.mktemp("spec-gpu-compile"),
@@ -107,7 +107,7 @@ def _reference(models, target: str) -> dict:
 def spec_engine(request, models):
     target, method = request.param
     if TARGETS[target][1] == "cutlass":
-        _skip_unless_kernels_built(models["target"], "cutlass_v1", models["cache"])
+        skip_unless_kernels_built(models["target"], "cutlass_v1", models["cache"])
     from engine.entrypoints.llm import LLM
 
     llm = LLM(

@@ -13,103 +13,14 @@ import shutil
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from engine import LoRARequest, SamplingParams
 from engine.spec_decode.sched.decoder import SpecDecoder
-from engine.training.eagle_head import TrainableEagle, eagle_config, random_eagle, save_eagle
+from engine.training.eagle_head import TrainableEagle, random_eagle
 from tests.support.engine import run_checked
+from tests.support.spec_models import METHODS, PROMPTS, K, spec_settings, target_weights, with_draft_vocab
 from tests.support.stats import chi_square_p
-
-K = 3
-PROMPTS = [[10 + i, 200 + 3 * i, 30 + 2 * i] for i in range(6)] + [list(range(40, 75)), [5, 6, 7, 8, 9] * 4]
-
-
-def _target_weights(path):
-    w = load_file(str(path / "model.safetensors"))
-    embed = w["model.embed_tokens.weight"]
-    return json.loads((path / "config.json").read_text()), embed, w.get("lm_head.weight", embed)
-
-
-def _noisy_copy(src, dst, scale: float, seed: int = 0):
-    """The target with noise on its layer weights: a draft that agrees with it often, not always."""
-    shutil.copytree(src, dst)
-    w = load_file(str(dst / "model.safetensors"))
-    gen = torch.Generator().manual_seed(seed)
-    for name, t in w.items():
-        if ".layers." in name and name.endswith("weight") and "norm" not in name:
-            w[name] = t + scale * t.std() * torch.randn(t.shape, generator=gen)
-    save_file(w, str(dst / "model.safetensors"), metadata={"format": "pt"})
-    return dst
-
-
-def _succ_eagle(periodic, out):
-    """An EAGLE head for the periodic model (engine/models/tiny_model.py make_periodic_model) that
-    drafts what it will say: fc passes the embedding of the token through and the layer adds
-    nothing, so the target's LM head reads that embedding and picks its successor."""
-    cfg, embed, head = _target_weights(periodic)
-    config = eagle_config(cfg, 1)
-    h = cfg["hidden_size"]
-    eagle = TrainableEagle(config, 1, embed, head, h)
-    with torch.no_grad():
-        for p in eagle.parameters():
-            p.zero_()
-        eagle.fc.weight[:, :h] = torch.eye(h)
-        for name, p in eagle.named_parameters():
-            if "norm" in name:
-                p.fill_(1.0)
-    return save_eagle(eagle, out)
-
-
-def _with_draft_vocab(src, dst, token_ids):
-    """A copy of draft model src that drafts from token_ids only (draft_vocab.json)."""
-    shutil.copytree(src, dst)
-    (dst / "draft_vocab.json").write_text(json.dumps({"token_ids": list(token_ids)}))
-    return dst
-
-
-@pytest.fixture(scope="module")
-def spec_models(tiny_llama, tmp_path_factory):
-    from engine.models.tiny_model import make_periodic_model, make_tiny_model
-
-    root = tmp_path_factory.mktemp("spec-models")
-    cfg, embed, head = _target_weights(tiny_llama)
-    periodic = make_periodic_model(root / "periodic")
-    noisy = _noisy_copy(tiny_llama, root / "noisy", 0.1)
-    return {
-        "target": tiny_llama,
-        "noisy": noisy,
-        # drafts only even token ids: the target's odd ones are never drafted, always the residual's
-        "noisy_vocab": _with_draft_vocab(noisy, root / "noisy-vocab", range(0, cfg["vocab_size"], 2)),
-        # Another geometry: its own KV tensor of 1 layer x 1 head x 32, over the same block ids.
-        "small": make_tiny_model(
-            root / "small",
-            seed=7,
-            overrides=dict(
-                num_hidden_layers=1, hidden_size=64, intermediate_size=128, num_attention_heads=2, num_key_value_heads=1
-            ),
-        ),
-        "eagle": random_eagle(root / "eagle", cfg, embed, head, 1, seed=1),
-        "eagle3": random_eagle(
-            root / "eagle3", cfg, embed, head, 3, seed=2, draft_vocab=torch.arange(0, cfg["vocab_size"], 3)
-        ),
-        "periodic": periodic,
-        "periodic_eagle": _succ_eagle(periodic, root / "periodic-eagle"),
-    }
-
-
-# (method, draft) pairs run against the tiny target
-METHODS = [
-    ("draft_model", "noisy"),
-    ("draft_model", "noisy_vocab"),
-    ("draft_model", "small"),
-    ("eagle", "eagle"),
-    ("eagle3", "eagle3"),
-]
-
-
-def _spec(models, method, draft, k=K):
-    return dict(speculative_method=method, speculative_model=str(models[draft]), num_speculative_tokens=k)
 
 
 def _outputs(llm, prompts, params):
@@ -123,7 +34,7 @@ def test_greedy_equals_plain_decoding_in_mixed_batches(spec_models, make_llm, me
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     common = dict(max_num_seqs=8, max_num_batched_tokens=24)
     want = [o.token_ids for o in _outputs(make_llm(spec_models["target"], **common), PROMPTS, params)]
-    engine = make_llm(spec_models["target"], **common, **_spec(spec_models, method, draft)).engine
+    engine = make_llm(spec_models["target"], **common, **spec_settings(spec_models, method, draft)).engine
     for i, p in enumerate(PROMPTS):
         engine.add_request(p, params, f"r{i}")
     got = run_checked(engine)
@@ -135,7 +46,7 @@ def test_perfect_draft_keeps_every_draft_and_stops_inside_a_run(spec_models, mak
     """The target as its own draft: every draft is kept, each verify step adds K + 1 tokens, and
     max_tokens / a stop token inside a run end the output where plain decoding ends it."""
     target = spec_models["target"]
-    plain, spec = make_llm(target), make_llm(target, **_spec(spec_models, "draft_model", "target"))
+    plain, spec = make_llm(target), make_llm(target, **spec_settings(spec_models, "draft_model", "target"))
     greedy = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
     want = _outputs(plain, PROMPTS[:3], greedy)
     got = _outputs(spec, PROMPTS[:3], greedy)
@@ -181,7 +92,7 @@ def test_draft_model_drafts_are_its_own_greedy_continuation(spec_models, make_ll
 
     seen = _record_drafts(monkeypatch)
     llm = make_llm(
-        spec_models["target"], **TIGHT, async_scheduling=overlap, **_spec(spec_models, "draft_model", "small")
+        spec_models["target"], **TIGHT, async_scheduling=overlap, **spec_settings(spec_models, "draft_model", "small")
     )
     _run_twice(llm, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))
     hf = AutoModelForCausalLM.from_pretrained(str(spec_models["small"]), dtype=torch.float32).eval()
@@ -209,7 +120,7 @@ def test_draft_vocabulary_drafts_the_argmax_of_its_rows(spec_models, make_llm, m
     seen = _record_drafts(monkeypatch)
     greedy = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
     want = [o.token_ids for o in _outputs(make_llm(spec_models["target"]), PROMPTS[:4], greedy)]
-    llm = make_llm(spec_models["target"], **_spec(spec_models, "draft_model", "noisy_vocab"))
+    llm = make_llm(spec_models["target"], **spec_settings(spec_models, "draft_model", "noisy_vocab"))
     assert [o.token_ids for o in _outputs(llm, PROMPTS[:4], greedy)] == want
     hf = AutoModelForCausalLM.from_pretrained(str(spec_models["noisy"]), dtype=torch.float32).eval()
     odd = torch.zeros(hf.config.vocab_size)
@@ -236,11 +147,11 @@ def test_eagle_drafts_equal_the_reference_head(spec_models, make_llm, monkeypatc
     from transformers import AutoModelForCausalLM
 
     name = "eagle" if version == 1 else "eagle3"
-    llm = make_llm(spec_models["target"], **TIGHT, async_scheduling=overlap, **_spec(spec_models, name, name))
+    llm = make_llm(spec_models["target"], **TIGHT, async_scheduling=overlap, **spec_settings(spec_models, name, name))
     seen = _record_drafts(monkeypatch, llm.engine.core.runner.spec)
     _run_twice(llm, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))
     config = json.loads((spec_models[name] / "config.json").read_text())
-    cfg, embed, head = _target_weights(spec_models["target"])
+    cfg, embed, head = target_weights(spec_models["target"])
     ref = TrainableEagle(config, version, embed, head, cfg["hidden_size"])
     ref.load_state_dict(load_file(str(spec_models[name] / "model.safetensors")))
     hf = AutoModelForCausalLM.from_pretrained(str(spec_models["target"]), dtype=torch.float32).eval()
@@ -338,7 +249,7 @@ def test_seeded_sampling_with_penalties_logprobs_and_lora(spec_models, make_llm,
     )
     settings = dict(max_num_seqs=8, enable_lora=True, max_loras=1, max_lora_rank=8)
     plain = make_llm(spec_models["target"], **settings)
-    spec = make_llm(spec_models["target"], **settings, **_spec(spec_models, method, draft))
+    spec = make_llm(spec_models["target"], **settings, **spec_settings(spec_models, method, draft))
     for llm in (plain, spec):
         llm.outs = [o.outputs[0] for o in llm.generate(PROMPTS, params, use_tqdm=False, lora_request=lora)]
     for a, b in zip(plain.outs, spec.outs):
@@ -364,7 +275,7 @@ def test_preemption_and_prefix_hits(spec_models, make_llm, mode, method, draft):
         max_model_len=128,
         preemption_mode=mode,
         swap_space_gb=0.01 if mode == "swap" else 0,
-        **_spec(spec_models, method, draft),
+        **spec_settings(spec_models, method, draft),
     )
     engine = llm.engine
     for i, p in enumerate(prompts):
@@ -388,7 +299,9 @@ def test_sampled_output_follows_the_target(spec_models, make_llm, draft):
     from engine.worker.sample.distributions import processed_probs
 
     prompt = [5, 9, 100, 200, 7]
-    llm = make_llm(spec_models["target"], max_num_seqs=64, seed=3, **_spec(spec_models, "draft_model", draft, 1))
+    llm = make_llm(
+        spec_models["target"], max_num_seqs=64, seed=3, **spec_settings(spec_models, "draft_model", draft, 1)
+    )
     many = dataclasses.replace(params, n=64)
     outs = llm.generate([prompt] * 40, many, use_tqdm=False)
     second = torch.tensor([c.token_ids[1] for o in outs for c in o.outputs])
@@ -414,11 +327,11 @@ def test_draft_length_adapts_per_sequence(spec_models, make_llm):
     """A draft the target always follows drafts K every step; one it never follows backs off to
     few verify steps (a random head on a periodic target)."""
     greedy = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
-    good = make_llm(spec_models["target"], **_spec(spec_models, "draft_model", "target", 4))
+    good = make_llm(spec_models["target"], **spec_settings(spec_models, "draft_model", "target", 4))
     _outputs(good, PROMPTS[:2], greedy)
     s = good.engine.core.scheduler.spec
     assert s.num_draft_tokens >= 4 * s.num_drafts - 2 * 3  # (fewer only where max_tokens leaves less room)
-    bad = make_llm(spec_models["target"], **_spec(spec_models, "draft_model", "small", 4))
+    bad = make_llm(spec_models["target"], **spec_settings(spec_models, "draft_model", "small", 4))
     _outputs(bad, PROMPTS[:2], greedy)
     s = bad.engine.core.scheduler.spec
     assert s.num_accepted_tokens <= 0.1 * s.num_draft_tokens
@@ -427,7 +340,7 @@ def test_draft_length_adapts_per_sequence(spec_models, make_llm):
 
 
 def test_misfit_heads_and_drafts_are_refused(spec_models, make_llm, tmp_path):
-    cfg, embed, head = _target_weights(spec_models["target"])
+    cfg, embed, head = target_weights(spec_models["target"])
     wide = dict(cfg, hidden_size=2 * cfg["hidden_size"])
     random_eagle(
         tmp_path / "wide",
@@ -456,7 +369,7 @@ def test_misfit_heads_and_drafts_are_refused(spec_models, make_llm, tmp_path):
         ("outside", [1, 10**6], "outside the vocabulary"),
         ("empty", [], "must list token ids"),
     ]:
-        cases.append((("draft_model", _with_draft_vocab(spec_models["noisy"], tmp_path / name, ids)), message))
+        cases.append((("draft_model", with_draft_vocab(spec_models["noisy"], tmp_path / name, ids)), message))
     for (method, path), message in cases:
         with pytest.raises(ValueError, match=message):
             make_llm(
@@ -477,7 +390,7 @@ def test_settings_and_metrics(spec_models, make_llm, caplog):
     assert (s.speculative_method, s.speculative_model, s.num_speculative_tokens) == ("eagle3", "/x", 3)
     with pytest.raises(ValueError, match="needs speculative_model"):
         EngineSettings(speculative_method="draft_model", num_speculative_tokens=2)
-    llm = make_llm(spec_models["target"], **_spec(spec_models, "draft_model", "noisy"))
+    llm = make_llm(spec_models["target"], **spec_settings(spec_models, "draft_model", "noisy"))
     _outputs(llm, PROMPTS[:3], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))
     spec = llm.engine.core.scheduler.spec
     assert sum(spec.num_accepted_per_pos) == spec.num_accepted_tokens > 0
@@ -558,7 +471,7 @@ def test_draft_and_verify_steps_replay_graphs(spec_models, make_llm, method, dra
     prompts = PROMPTS[:4]
     want = [o.token_ids for o in _outputs(make_llm(spec_models["target"]), prompts, params)]
     llm = make_llm(
-        spec_models["target"], async_scheduling=overlap, max_num_seqs=4, **_spec(spec_models, method, draft, k)
+        spec_models["target"], async_scheduling=overlap, max_num_seqs=4, **spec_settings(spec_models, method, draft, k)
     )
     target, drafter = _simulated_graphs(llm.engine)
     ctx = target.graph_runner.key_for(1, 1)[1]

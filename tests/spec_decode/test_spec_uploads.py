@@ -12,7 +12,7 @@ import torch
 
 from engine import SamplingParams
 from engine.worker.host_upload import BlockingUploads, upload
-from tests.spec_decode.test_spec_models import PROMPTS, _spec, spec_models  # noqa: F401 (the fixture)
+from tests.support.spec_models import PROMPTS, spec_settings
 
 
 def _count_uploads(runner) -> list[list[str]]:
@@ -45,7 +45,9 @@ def test_spec_steps_make_no_blocking_upload(spec_models, make_llm, method, draft
     """Greedy, seeded and unseeded random requests with penalties, top-k/top-p and logit bias side
     by side (rejection sampling with q, the seeded race, penalties over drafts): no step, draft
     or verify, counts a blocking upload."""
-    llm = make_llm(spec_models["target"], async_scheduling=overlap, max_num_seqs=4, **_spec(spec_models, method, draft))
+    llm = make_llm(
+        spec_models["target"], async_scheduling=overlap, max_num_seqs=4, **spec_settings(spec_models, method, draft)
+    )
     seen = _count_uploads(llm.engine.core.runner)
     params = [
         SamplingParams(temperature=0, max_tokens=16, ignore_eos=True),

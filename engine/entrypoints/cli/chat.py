@@ -11,13 +11,14 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import os
 import signal
 import sys
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
+
+from engine.config.process_env import client_api_key
 
 HELP = "/exit (or Ctrl-D) quits, /reset starts over, /system TEXT sets the system prompt, Ctrl-C stops an answer"
 STOPPED = " [stopped]"
@@ -230,7 +231,7 @@ def add_chat_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--url", help="a running kiln (or any OpenAI-compatible) server, e.g. http://127.0.0.1:8000")
     parser.add_argument(
         "--api-key",
-        default=os.environ.get("KILN_API_KEY") or os.environ.get("OPENAI_API_KEY"),
+        default=client_api_key(),
         help="the server's API key, with --url (default: KILN_API_KEY or OPENAI_API_KEY)",
     )
     parser.add_argument("--served-model", help="the model to ask for, with --url (default: the server's first)")
