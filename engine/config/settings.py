@@ -24,6 +24,7 @@ from engine.config.settings_base import (
     KilnSettingsBase,
     default_cache_dir,
 )
+from engine.config.settings_checks import check_combinations, check_kv_tiers, check_tensor_parallel
 from engine.config.values import DTYPE_ALIASES, did_you_mean, json_value, parse_core_list, parse_human_int, word_list
 
 
@@ -401,41 +402,12 @@ class EngineSettings(KilnSettingsBase):
 
     @model_validator(mode="after")
     def _check_combinations(self) -> "EngineSettings":
-        if (
-            self.max_model_len is not None
-            and not self.enable_chunked_prefill
-            and self.max_num_batched_tokens < self.max_model_len
-        ):
-            raise ValueError(
-                f"max_num_batched_tokens ({self.max_num_batched_tokens}) is smaller than max_model_len "
-                f"({self.max_model_len}) with enable_chunked_prefill off: long prompts could never be scheduled"
-            )
-        if self.cuda_graph_sizes is not None and any(s < 1 for s in self.cuda_graph_sizes):
-            raise ValueError("cuda_graph_sizes must be positive batch sizes")
-        if self.lora_modules and not self.enable_lora:
-            raise ValueError("lora_modules needs enable_lora")
-        for item in self.lora_modules or []:
-            if "=" not in item or not item.split("=", 1)[0] or not item.split("=", 1)[1]:
-                raise ValueError(f"lora_modules: expected name=path, got {item!r}")
-        if len(self.lora_module_map()) > self.max_loras:
-            raise ValueError(
-                f"lora_modules lists {len(self.lora_module_map())} adapters; max_loras is {self.max_loras}"
-            )
-        if self.speculative_method is not None and self.num_speculative_tokens < 1:
-            raise ValueError("speculative_method needs num_speculative_tokens >= 1")
-        if self.speculative_method in ("draft_model", "eagle", "eagle3") and not self.speculative_model:
-            raise ValueError(
-                f"speculative_method {self.speculative_method!r} needs speculative_model (the draft's "
-                'checkpoint directory: "model" in speculative_config)'
-            )
-        if self.speculative_model and self.speculative_method in (None, "ngram"):
-            raise ValueError("speculative_model is for speculative_method draft_model, eagle or eagle3")
+        """Settings that cannot work together are refused at start-up, by name (settings_checks.py)."""
         if self.disable_log_stats:
             self.log_stats_interval = 0.0
-        if self.prompt_lookup_min > self.prompt_lookup_max:
-            raise ValueError(
-                f"prompt_lookup_min ({self.prompt_lookup_min}) exceeds prompt_lookup_max ({self.prompt_lookup_max})"
-            )
+        check_combinations(self)
+        check_kv_tiers(self)
+        check_tensor_parallel(self)
         return self
 
     def resolved_chat_template(self) -> str | None:
@@ -469,55 +441,6 @@ class EngineSettings(KilnSettingsBase):
     @property
     def kv_tiers_enabled(self) -> bool:
         return self.kv_offloading_size is not None or self.kv_disk_path is not None or self.kv_remote_url is not None
-
-    @model_validator(mode="after")
-    def _check_kv_tiers(self) -> "EngineSettings":
-        """What the KV tiers cannot keep correctly is refused at start-up, by name."""
-        if not self.kv_tiers_enabled:
-            return self
-        refused = [
-            name
-            for name, on in (
-                ("enable_prefix_caching off", not self.enable_prefix_caching),
-                ("calculate_kv_scales (scales set after blocks may have loaded)", self.calculate_kv_scales),
-                ("tensor_parallel_size > 1", self.tensor_parallel_size > 1),
-                ("a draft model or EAGLE head (its KV is not kept)", self.speculative_model is not None),
-            )
-            if on
-        ]
-        if refused:
-            raise ValueError(
-                f"KV tiers (kv_offloading_size, kv_disk_path, kv_remote_url) do not work with {', '.join(refused)}"
-            )
-        if self.kv_remote_url is not None:
-            from engine.core.kv.tiers.resp import parse_url
-
-            parse_url(self.kv_remote_url)
-        return self
-
-    @model_validator(mode="after")
-    def _check_tensor_parallel(self) -> "EngineSettings":
-        """What tensor parallelism does not support yet is refused at start-up, by name."""
-        tp = self.tensor_parallel_size
-        if tp == 1:
-            return self
-        refused = [
-            name
-            for name, on in (
-                ("enable_lora", self.enable_lora),
-                ("quantization", self.quantization is not None),
-                ("cpu_compile_forward", self.cpu_compile_forward),
-                ("kv_cache_dtype", self.kv_cache_dtype != "auto"),
-                ("speculative_model", self.speculative_model is not None),
-            )
-            if on
-        ]
-        if refused:
-            raise ValueError(
-                f"tensor_parallel_size={tp}: {', '.join(refused)} is not supported with tensor "
-                "parallelism yet (use tensor_parallel_size=1)"
-            )
-        return self
 
 
 # Every setting's name: a kiln.toml key or KILN_* variable naming none of them is refused / warned of.

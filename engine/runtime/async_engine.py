@@ -15,9 +15,9 @@ up memory: it reads the coalesced difference (a delta) when it gets to it.
 Requests come in admitted (engine/runtime/admission.py: the server admits them itself, step by
 step; `add_request` runs every step). The step thread runs the engine core
 (engine/runtime/engine_core.py: the core's one pass over each step's tokens, in token ids) and
-hands the RequestUpdates to an output thread,
-which runs the same OutputProcessor as the offline path (engine/runtime/output_processor.py:
-detokenisation, stop strings, RequestOutputs), feeds the listener and the streams. What the
+hands the RequestUpdates to an output thread (engine/runtime/output_thread.py), which runs the same
+OutputProcessor as the offline path (engine/runtime/output_processor.py: detokenisation, stop
+strings, RequestOutputs), feeds the listener and the streams. What the
 output side ended goes back to the step thread through the inbox: a stop string
 (`FinishSequence`) finishes that sample in the core and frees its blocks; a request whose
 output could not be built is aborted.
@@ -54,8 +54,8 @@ from engine.runtime.inbox import (
 )
 from engine.runtime.llm_engine import LLMEngine
 from engine.runtime.output_gate import OutputGate
-from engine.runtime.output_processor import OutputProcessor
-from engine.runtime.request_stream import LoopMailbox, RequestStream
+from engine.runtime.output_thread import OutputThread, post
+from engine.runtime.request_stream import RequestStream
 from engine.worker.cpu_threads import release_openmp_team
 
 logger = logging.getLogger(__name__)
@@ -105,19 +105,18 @@ class AsyncEngine:
             collections.deque()
         )
         self._wake = threading.Event()
-        self._streams: dict[str, RequestStream] = {}  # owned by the output thread
         # step thread -> output thread: ("add", admitted request, stream) | ("out", updates, timeline step
         # or None) | ("die", error, updates);
         # bounded (MAX_PENDING_STEPS): a full queue makes the step thread wait (_send)
         if max_pending_steps < 1:
             raise ValueError(f"max_pending_steps must be at least 1, got {max_pending_steps}")
         self._outbox: queue.Queue = queue.Queue(maxsize=max_pending_steps)
-        self._mailboxes: dict[asyncio.AbstractEventLoop, LoopMailbox] = {}  # owned by the output thread
         self.backpressure_waits = 0  # times the step thread waited for the output thread
         self.backpressure_seconds = 0.0
         self.admission = engine.admission  # (read-only: the API side admits requests with it)
-        self._outputs = OutputProcessor(engine.tokenizer)  # owned by the output thread
         self._gate = OutputGate(engine.settings.step_waits_for_outputs)  # (off: no-op calls)
+        # (its state - streams, mailboxes, the OutputProcessor - is owned by the output thread)
+        self._output_side = OutputThread(engine, listener, self._outbox, self._gate, self._to_core)
         self._output_thread: threading.Thread | None = None
         self._lock = threading.Lock()  # guards _pending_adds and dead-state transitions
         self._pending_adds = 0
@@ -138,7 +137,7 @@ class AsyncEngine:
             # The step thread is to be the process's one OpenMP user: a team left on this thread (it
             # built the engine) would make libgomp cut every idle thread's spin (cpu_threads).
             release_openmp_team()
-            self._output_thread = threading.Thread(target=self._run_outputs, name="kiln-outputs", daemon=True)
+            self._output_thread = threading.Thread(target=self._output_side.run, name="kiln-outputs", daemon=True)
             self._output_thread.start()
             self._thread = threading.Thread(target=self._run, name="kiln-step-loop", daemon=True)
             self._thread.start()
@@ -237,7 +236,7 @@ class AsyncEngine:
             admitted.params = admitted.params.clone(output_kind="delta")
         self._raise_if_dead()
         # (the ids in use: the streams being served; two submits racing with one id fail the second in the scheduler)
-        rules.request_id_free(admitted.request_id, self._streams)
+        rules.request_id_free(admitted.request_id, self._output_side.streams)
         if self.num_waiting() >= self.max_waiting_requests:
             raise QueueFullError(
                 f"the server is at capacity: {self.num_waiting()} requests waiting "
@@ -372,51 +371,10 @@ class AsyncEngine:
         timer.daemon = True
         timer.start()
 
-    # ---- the output thread ----
-    def _run_outputs(self) -> None:
-        """Updates -> RequestOutputs (text, stop strings) -> listener and streams, off the step thread."""
-        while True:
-            kind, *args = self._outbox.get()
-            if kind == "add":
-                admitted, stream = args
-                self._outputs.add(admitted)
-                self._streams[admitted.request_id] = stream
-                continue
-            if kind == "die":
-                err, updates = args
-                self._notify_stopped(self._process(updates))
-                self._fail_streams(err)
-                return
-            outputs = self._process(args[0])
-            if self.listener is not None:
-                try:
-                    self.listener.on_step(self.engine, outputs, time.monotonic())
-                except Exception:  # noqa: BLE001 - metrics must not stop the outputs
-                    logger.exception("step listener failed")
-            try:
-                self._dispatch(outputs)
-            except Exception:  # noqa: BLE001 - this thread must keep serving the other streams
-                logger.exception("handing out outputs failed")
-            timeline = self.engine.core.timeline
-            if timeline is not None and args[1] is not None and outputs:
-                timeline.delivered(args[1], list(self._mailboxes))
-            self._gate.delivered(list(self._mailboxes) if outputs else [])
-
-    def _process(self, updates: list[RequestUpdate]) -> list[RequestOutput]:
-        """The outputs of a batch of updates; what the output side ended goes back to the core."""
-        processed = self._outputs.process(updates)
-        if processed.stopped or processed.failed:
-            for request_id, index, stop in processed.stopped:
-                self._inbox.append(FinishSequence(request_id, index, stop))
-            for request_id in processed.failed:
-                self._inbox.append(AbortRequest(request_id))
-            self._wake.set()
-        return processed.outputs
-
-    def _fail_streams(self, err: BaseException) -> None:
-        for stream in list(self._streams.values()):
-            self._post(stream, stream._fail, err)
-        self._streams.clear()
+    def _to_core(self, items: list[AbortRequest | FinishSequence]) -> None:
+        """(output thread) What the output side ended, back to the step thread."""
+        self._inbox.extend(items)
+        self._wake.set()
 
     def _drain_inbox(self) -> list[RequestUpdate]:
         """Apply queued adds and aborts; returns the last updates of aborted requests."""
@@ -447,48 +405,21 @@ class AsyncEngine:
                 self._pending_adds -= 1
             stream = item.stream
             if stream.closed:  # the reader gave up before we got here
-                self._post(stream, stream._accept, EngineDeadError("request cancelled"))
+                post(stream, stream._accept, EngineDeadError("request cancelled"))
                 continue
             admitted = item.admitted
             try:
                 core.add_admitted(admitted)
             except InvalidRequestError as exc:
-                self._post(stream, stream._accept, exc)
+                post(stream, stream._accept, exc)
                 continue
             except Exception as exc:  # noqa: BLE001 - one bad request must not stop the loop
                 logger.exception("add_request failed for %s", admitted.request_id)
-                self._post(stream, stream._accept, InvalidRequestError(f"could not add the request: {exc}"))
+                post(stream, stream._accept, InvalidRequestError(f"could not add the request: {exc}"))
                 continue
             self._send(("add", admitted, stream))
-            self._post(stream, stream._accept, None)
+            post(stream, stream._accept, None)
         return aborted
-
-    def _dispatch(self, outputs: list[RequestOutput]) -> None:
-        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[RequestStream, RequestOutput]]] = {}
-        for out in outputs:
-            stream = self._streams.get(out.request_id)
-            if stream is None:
-                continue
-            if out.finished:
-                del self._streams[out.request_id]
-            by_loop.setdefault(stream.loop, []).append((stream, out))
-        for loop, items in by_loop.items():
-            mailbox = self._mailboxes.get(loop)
-            if mailbox is None:
-                mailbox = self._mailboxes[loop] = LoopMailbox(loop)
-            lost = mailbox.post(items)
-            if lost:  # that loop is closed: its readers are gone
-                del self._mailboxes[loop]
-                for stream in lost:
-                    self._inbox.append(AbortRequest(stream.request_id))
-                self._wake.set()
-
-    @staticmethod
-    def _post(stream: RequestStream, fn: Callable, arg: Any) -> None:
-        try:
-            stream.loop.call_soon_threadsafe(fn, arg)
-        except RuntimeError:
-            pass  # loop closed
 
     def _die(self, exc: BaseException, log: bool = True) -> None:
         with self._lock:
@@ -527,19 +458,6 @@ class AsyncEngine:
         self.backpressure_waits += 1
         self.backpressure_seconds += time.monotonic() - t0
 
-    def _notify_stopped(self, failed: list[RequestOutput]) -> None:
-        """Last word to the listener: the failed requests, and that nothing runs any more (the
-        metrics' gauges go to zero even when the engine is too broken to report)."""
-        if self.listener is None:
-            return
-        try:
-            self.listener.on_step(self.engine, failed, time.monotonic())
-        except Exception:  # noqa: BLE001 - a broken engine may not report; the gauges still reset
-            logger.debug("listener could not read the stopped engine", exc_info=True)
-        stopped = getattr(self.listener, "on_engine_stopped", None)
-        if stopped is not None:
-            stopped()
-
     def _fail_inbox(self) -> None:
         err = self._dead
         while True:
@@ -550,6 +468,6 @@ class AsyncEngine:
             if isinstance(item, AddRequest):
                 with self._lock:
                     self._pending_adds -= 1
-                self._post(item.stream, item.stream._fail, err)
+                post(item.stream, item.stream._fail, err)
             elif isinstance(item, EngineCall):
                 settle_call(item, None, err)

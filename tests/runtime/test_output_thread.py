@@ -67,7 +67,7 @@ def test_text_is_built_off_the_step_thread_and_equals_offline(tiny_llama, make_l
 
     engine = AsyncEngine(LLMEngine.from_settings(EngineSettings(model=str(tiny_llama), **SETTINGS)), idle_poll_s=0.05)
     threads: set[str] = set()
-    detok = engine._outputs.detokenizer
+    detok = engine._output_side.outputs.detokenizer
     step = detok.step
 
     def recorded(state):
