@@ -140,33 +140,37 @@ def make_models(bin_dir: Path, models_dir: Path, formats: list[str]) -> None:
 def llama_offline(bin_dir: Path, model: Path, a) -> dict:
     """{'pp': tok/s of the batch-1 prompt, 'tg1': batch-1 decode tok/s, 'tgB': batch-B decode tok/s}."""
     threads = str(core_count(a.cores))
-    ctx = a.batch * (a.prompt_len + a.gen_len) + 64
-    cmd = [
-        "taskset",
-        "-c",
-        a.cores,
-        str(bin_dir / "llama-batched-bench"),
-        "-m",
-        str(model),
-        "-t",
-        threads,
-        "-tb",
-        threads,
-        "-c",
-        str(ctx),
-        "-b",
-        "2048",
-        "-ub",
-        "512",
-        "-npp",
-        str(a.prompt_len),
-        "-ntg",
-        str(a.gen_len),
-        "-npl",
-        f"1,{a.batch}",
-        "--output-format",
-        "jsonl",
-    ] + a.llama_arg
+    ctx = (a.prompt_len + a.batch * a.gen_len if a.shared_prompt else a.batch * (a.prompt_len + a.gen_len)) + 64
+    cmd = (
+        [
+            "taskset",
+            "-c",
+            a.cores,
+            str(bin_dir / "llama-batched-bench"),
+            "-m",
+            str(model),
+            "-t",
+            threads,
+            "-tb",
+            threads,
+            "-c",
+            str(ctx),
+            "-b",
+            "2048",
+            "-ub",
+            "512",
+            "-npp",
+            str(a.prompt_len),
+            "-ntg",
+            str(a.gen_len),
+            "-npl",
+            f"1,{a.batch}",
+            "--output-format",
+            "jsonl",
+        ]
+        + (["-pps"] if a.shared_prompt else [])
+        + a.llama_arg
+    )
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=a.timeout)
     rows = {}
     for line in (done.stdout + done.stderr).splitlines():
@@ -195,7 +199,7 @@ def kiln_worker(spec: dict) -> dict:
         cpu_threads=spec["threads"],
         max_num_seqs=max(batches),
         max_model_len=p + g,
-        enable_prefix_caching=False,
+        enable_prefix_caching=spec.get("shared_prompt", False),
         log_stats_interval=0,
         **spec.get("extra", {}),
     )
@@ -203,8 +207,15 @@ def kiln_worker(spec: dict) -> dict:
     vocab = engine.model_config.vocab_size
     out = {"dtype": str(engine.core.dtype).removeprefix("torch."), "weight_GB": weight_bytes(engine.core.model) / 1e9}
     for b in batches:
-        run_kiln(engine, random_prompts(b, p, vocab, 1000 + b), 4, f"warm{b}")
-        res = run_kiln(engine, random_prompts(b, p, vocab, b), g, f"b{b}")
+        if spec.get("shared_prompt") and b > 1:
+            # one prompt for every sequence (llama-batched-bench -pps): its KV is computed once and its
+            # blocks shared; the warm-up fills the prefix cache, so this batch's figure is decode only
+            prompts = random_prompts(1, p, vocab, b) * b
+            run_kiln(engine, prompts, 4, f"warm{b}")
+        else:
+            run_kiln(engine, random_prompts(b, p, vocab, 1000 + b), 4, f"warm{b}")
+            prompts = random_prompts(b, p, vocab, b)
+        res = run_kiln(engine, prompts, g, f"b{b}")
         # the decode window (every prompt token processed) as llama-batched-bench's S_TG; the rest is prompt
         decode = res["window_s"]
         out[str(b)] = {"pp": b * p / (res["total_s"] - decode), "tg": res["window_tokens"] / decode}
@@ -219,6 +230,7 @@ def kiln_offline(model: Path, dtype: str, a) -> dict:
         "prompt_len": a.prompt_len,
         "gen_len": a.gen_len,
         "batches": [1, a.batch],
+        "shared_prompt": a.shared_prompt,
     }
     cmd = ["taskset", "-c", a.cores, a.kiln_python, str(Path(__file__).resolve()), "--kiln-worker", json.dumps(spec)]
     done = subprocess.run(
@@ -493,6 +505,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--gen-len", type=int, default=128)
     p.add_argument("--batch", type=int, default=16, help="the batched run's sequences (default 16)")
+    p.add_argument(
+        "--shared-prompt",
+        action="store_true",
+        help="the batched run's sequences share one prompt (llama-batched-bench -pps; kiln with prefix caching): "
+        "decode at depth without B separate prefills (its prompt column is then batch 1's)",
+    )
     p.add_argument("--no-offline", action="store_true", help="skip the offline table")
     p.add_argument("--serve", action="store_true", help="also the served comparison")
     p.add_argument("--serve-format", default="F32")
