@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 from pathlib import Path
 
 import pytest
@@ -81,6 +82,23 @@ def trained_tiny_model(tmp_path_factory):
 @pytest.fixture(scope="session")
 def tiny_llama(tiny_models) -> Path:
     return tiny_models["llama"]
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _installed_cpu_libraries(tmp_path_factory):
+    """The C++ CPU libraries the install step built (`kiln build-kernels --cpu`, run by `make venv`)
+    copied into the session's cache, which would otherwise compile them again in every pytest run
+    (1-2 min on 2 cores). Their folder names hash the source, flags, torch version and ISA, so a
+    copy is never stale: a changed kernel has a new name and is built as before."""
+    from engine.config.settings_base import default_cache_dir
+
+    installed = default_cache_dir() / "compile"
+    session = tmp_path_factory.getbasetemp() / "kiln-cache" / "compile"
+    for library in installed.glob("cpu-*/kiln_*/kiln_*.so"):
+        copy = session / library.relative_to(installed)
+        if not copy.exists():
+            copy.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(library, copy)
 
 
 @pytest.fixture(autouse=True)
