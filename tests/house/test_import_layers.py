@@ -422,7 +422,8 @@ def test_device_side_checker_finds_an_import_of_core_state(tmp_path):
             "engine/spec_decode/__init__.py": "",
             "engine/spec_decode/eagle.py": "from engine.core.request import Sequence\n",
             "engine/spec_decode/sched/__init__.py": "",
-            "engine/spec_decode/sched/ngram.py": "from engine.core.request import Sequence\n",  # (the core's side: fine)
+            # (the core's side: fine)
+            "engine/spec_decode/sched/ngram.py": "from engine.core.request import Sequence\n",
         },
     )
     assert device_core_imports(import_graph(root)) == [
