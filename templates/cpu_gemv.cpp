@@ -1,5 +1,5 @@
 // Weight-streaming linear layers for the CPU: y = x W^T (+ bias) for a few rows of x, whose cost
-// is reading W once (compiler/kernels/cpu_gemv.py builds and loads this; tests/test_cpu_gemv.py checks
+// is reading W once (compiler/kernels/cpu_gemv.py builds and loads this; tests/compiler/test_cpu_gemv.py checks
 // every kernel against dequantise-then-matmul).
 //
 // Dense weights (float32 / bfloat16 / float16 [N, K]) are read as they are. Quantised weights are
@@ -128,9 +128,9 @@ bool cpu_has_bf16_dot() {
 }
 
 // One activation row (batch-1 decode) of dense weights: one sequential weight stream per thread
-// (row_dense) on AMD, where it beat the tiles by 1.2x (Zen 5, BENCHMARKS.md session 11); tiles of
+// (row_dense) on AMD, where it beat the tiles by 1.2x (Zen 5, benchmarks/2026-12-02.md session 11); tiles of
 // kRows rows on Intel, where the tiles (each prefetching the next into every cache level) stream
-// 1.15-1.35x faster than the single stream (Sapphire Rapids, session 14). The same sums either way.
+// 1.15-1.35x faster than the single stream (Sapphire Rapids, benchmarks/2026-12-03.md session 14). The same sums either way.
 bool one_row_as_tiles() {
 #if KILN_X86
   static const bool intel = __builtin_cpu_is("intel");

@@ -20,56 +20,13 @@ V1_MIN_TOKENS_PER_SPLIT = DEFAULT_CONSTANTS["min_partition"]
 V2_MIN_TOKENS_PER_SPLIT = 64
 MAX_SPLITS = 64
 WRITE_KV_TYPES = (PTR, PTR, PTR, PTR, PTR, I32, I32, I32, I32, I64, I64, I64, I64, I64)
-DECODE_TYPES = (
-    PTR,
-    PTR,
-    PTR,
-    PTR,
-    PTR,
-    PTR,
-    PTR,
-    PTR,
-    PTR,
-    I32,
-    I32,
-    I32,
-    I32,
-    I64,
-    I64,
-    I64,
-    I64,
-    I64,
-    F32,
-    I32,
-    I32,
-)
-DECODE_V2_TYPES = (
-    PTR,
-    PTR,
-    PTR,
-    PTR,
-    PTR,
-    PTR,
-    PTR,
-    PTR,
-    PTR,
-    PTR,
-    I32,
-    I32,
-    I32,
-    I32,
-    I64,
-    I64,
-    I64,
-    I64,
-    I64,
-    F32,
-    I32,
-    I32,
-    I32,
-)
+# The argument type tables follow decode_args / prefill_args below: pointers, then int32 sizes, int64
+# strides (q, q head, out, out head, cache block), the log2 scale, the token count, the table's row stride.
+_STRIDES = (I64,) * 5
+DECODE_TYPES = ((PTR,) * 9) + ((I32,) * 4) + _STRIDES + (F32, I32, I32)  # (7 sequence pointers + 2 scratch)
+DECODE_V2_TYPES = ((PTR,) * 10) + ((I32,) * 4) + _STRIDES + (F32, I32, I32, I32)  # (+ counters, min_tokens)
 COMBINE_TYPES = (PTR, PTR, PTR, PTR, PTR, I32, I32, I32, I64, I64)
-PREFILL_TYPES = (PTR, PTR, PTR, PTR, PTR, PTR, PTR, I32, I32, I32, I64, I64, I64, I64, I64, F32, I32, I32)
+PREFILL_TYPES = ((PTR,) * 7) + ((I32,) * 3) + _STRIDES + (F32, I32, I32)
 # The fp8 KV variants take one more argument, last: the layer's {k_scale, v_scale} (float32).
 SCALES_TYPES = (PTR,)
 

@@ -52,7 +52,7 @@ TORCH_ISA_LIMITS = {  # level: ATEN_CPU_CAPABILITY, ONEDNN_MAX_CPU_ISA, MKL_ENAB
     "avx512": ("avx512", "AVX512_CORE", "AVX512"),
     "avx512_vnni": ("avx512", "AVX512_CORE_VNNI", "AVX512"),
 }
-CPU_ISA_LEVELS = tuple(TORCH_ISA_LIMITS)  # (compiler/cpu_gemv.LEVELS, in order)
+CPU_ISA_LEVELS = tuple(TORCH_ISA_LIMITS)  # (compiler/kernels/cpu_gemv.py LEVELS, in order)
 TORCH_ISA_VARIABLES = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS")
 
 

@@ -5,13 +5,57 @@ at start-up, by name, before anything is built. Called by EngineSettings' one af
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from engine.config.settings import EngineSettings
+from typing import Protocol
 
 
-def check_combinations(s: EngineSettings) -> None:
+class CheckedSettings(Protocol):
+    """What the checks read of EngineSettings (read through this, not an import of settings.py, which
+    imports this module: no import circle, and mypy still checks each read at the caller)."""
+
+    @property
+    def max_model_len(self) -> int | None: ...
+    @property
+    def enable_chunked_prefill(self) -> bool: ...
+    @property
+    def max_num_batched_tokens(self) -> int: ...
+    @property
+    def cuda_graph_sizes(self) -> list[int] | None: ...
+    @property
+    def enable_lora(self) -> bool: ...
+    @property
+    def lora_modules(self) -> list[str] | None: ...
+    @property
+    def max_loras(self) -> int: ...
+    def lora_module_map(self) -> dict[str, str]: ...
+    @property
+    def speculative_method(self) -> str | None: ...
+    @property
+    def speculative_model(self) -> str | None: ...
+    @property
+    def num_speculative_tokens(self) -> int: ...
+    @property
+    def prompt_lookup_min(self) -> int: ...
+    @property
+    def prompt_lookup_max(self) -> int: ...
+    @property
+    def kv_tiers_enabled(self) -> bool: ...
+    @property
+    def enable_prefix_caching(self) -> bool: ...
+    @property
+    def calculate_kv_scales(self) -> bool: ...
+    @property
+    def kv_remote_url(self) -> str | None: ...
+    @property
+    def tensor_parallel_size(self) -> int: ...
+    @property
+    def quantization(self) -> str | None: ...
+    @property
+    def cpu_compile_forward(self) -> bool: ...
+    @property
+    def kv_cache_dtype(self) -> str: ...
+
+
+def check_combinations(s: CheckedSettings) -> None:
     """Scheduling, LoRA and speculative settings that contradict each other."""
     if s.max_model_len is not None and not s.enable_chunked_prefill and s.max_num_batched_tokens < s.max_model_len:
         raise ValueError(
@@ -45,7 +89,7 @@ def refused_names(reasons: tuple[tuple[str, bool], ...]) -> list[str]:
     return [name for name, on in reasons if on]
 
 
-def check_kv_tiers(s: EngineSettings) -> None:
+def check_kv_tiers(s: CheckedSettings) -> None:
     """What the KV tiers cannot keep correctly."""
     if not s.kv_tiers_enabled:
         return
@@ -67,7 +111,7 @@ def check_kv_tiers(s: EngineSettings) -> None:
         parse_url(s.kv_remote_url)
 
 
-def check_tensor_parallel(s: EngineSettings) -> None:
+def check_tensor_parallel(s: CheckedSettings) -> None:
     """What tensor parallelism does not support yet."""
     tp = s.tensor_parallel_size
     if tp == 1:

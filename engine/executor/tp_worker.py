@@ -89,8 +89,7 @@ class Worker:
         self.types: list[type] = []
 
     def _load(self) -> None:
-        from engine.layers.attention.base import BackendSpec
-        from engine.layers.attention.selector import get_attention_backend
+        from engine.layers.attention.selector import attention_backend_for
         from engine.models.config import ModelConfig
         from engine.models.loader.model_loader import load_model
 
@@ -112,20 +111,7 @@ class Worker:
             quantization=s.quantization,
             tp=self.tp,
         )
-        self.backend = get_attention_backend(
-            s.attention_backend,
-            BackendSpec(
-                device=self.device,
-                dtype=self.spec.dtype,
-                head_dim=cfg.head_dim,
-                block_size=s.block_size,
-                kernel_cache_dir=s.resolved_kernel_cache_dir(),
-                compile=not s.enforce_eager,
-                decode_kernel=s.decode_kernel,
-                prefill_kernel=s.prefill_kernel,
-                windowed_or_capped=any(cfg.layer_windows) or cfg.attn_softcap > 0,
-            ),
-        )
+        self.backend = attention_backend_for(s, cfg, self.device, self.spec.dtype)
         self.model.set_backend(self.backend)
         if self.device.type == "cpu" and hasattr(self.model, "warm_cpu_linear"):  # as rank 0 does
             self.model.warm_cpu_linear(s.max_num_batched_tokens, s.max_num_seqs)

@@ -27,8 +27,7 @@ from engine.config.settings import EngineSettings
 from engine.core.kv.block_pool import BlockPool
 from engine.core.kv.swap_space import SwapSpace
 from engine.core.sched.scheduler import Scheduler, SchedulerConfig
-from engine.layers.attention.base import BackendSpec
-from engine.layers.attention.selector import get_attention_backend
+from engine.layers.attention.selector import attention_backend_for
 from engine.layers.kv_cache import KVCache, resolve_kv_cache_dtype
 from engine.layers.quant.cpu_packed import activations_choice, has_packed_layers
 from engine.layers.quant.w4a16 import install as install_w4a16
@@ -176,20 +175,8 @@ class EngineBuilder:
             if int4_kernel == "kiln":  # int4 layers -> kiln's W4A16 GEMM layout
                 install_w4a16(self.model, settings.resolved_kernel_cache_dir(), self.device, self.dtype)
         self.lora = make_lora_manager(self.model, settings)
-        self.backend = get_attention_backend(
-            settings.attention_backend,
-            BackendSpec(
-                device=self.device,
-                dtype=self.dtype,
-                head_dim=cfg.head_dim,
-                block_size=settings.block_size,
-                kernel_cache_dir=settings.resolved_kernel_cache_dir(),
-                compile=not settings.enforce_eager,
-                decode_kernel=settings.decode_kernel,
-                prefill_kernel=settings.prefill_kernel,
-                windowed_or_capped=any(self.model_config.layer_windows) or self.model_config.attn_softcap > 0,
-                kv_cache_dtype=self.kv_dtype if self.kv_dtype != self.dtype else None,
-            ),
+        self.backend = attention_backend_for(
+            settings, cfg, self.device, self.dtype, self.kv_dtype if self.kv_dtype != self.dtype else None
         )
         self.model.set_backend(self.backend)
         if self.executor is not None:

@@ -10,8 +10,7 @@ from pathlib import Path
 import torch
 
 from engine.config.settings import EngineSettings
-from engine.layers.attention.base import BackendSpec
-from engine.layers.attention.selector import get_attention_backend
+from engine.layers.attention.selector import attention_backend_for
 from engine.layers.kv_cache import KVCache
 from engine.models.config import ModelConfig
 from engine.models.draft import DraftParts, check_draft_model, load_draft_vocab
@@ -105,20 +104,7 @@ def load_draft(
         else:
             model = load_eagle(path, 3 if s.speculative_method == "eagle3" else 1, target, dtype, device, max_model_len)
             config, layers = model.eagle, model.eagle.layer
-    backend = get_attention_backend(
-        s.attention_backend,
-        BackendSpec(
-            device=device,
-            dtype=dtype,
-            head_dim=config.head_dim,
-            block_size=s.block_size,
-            kernel_cache_dir=s.resolved_kernel_cache_dir(),
-            compile=not s.enforce_eager,
-            decode_kernel=s.decode_kernel,
-            prefill_kernel=s.prefill_kernel,
-            windowed_or_capped=any(layers.layer_windows) or layers.attn_softcap > 0,
-        ),
-    )
+    backend = attention_backend_for(s, layers, device, dtype)
     model.set_backend(backend)
     return DraftParts(model, config, backend, vocab_ids)
 

@@ -46,7 +46,6 @@ def distill_draft_model(
     draft vocabulary's rows (engine/models/draft.py)."""
     import transformers
 
-    from engine.models.draft import DRAFT_VOCAB_FILE
     from engine.models.loader.model_loader import load_tokenizer
 
     torch.manual_seed(seed)
@@ -76,8 +75,7 @@ def distill_draft_model(
     )
     model = transformers.LlamaForCausalLM(config)
     vocab_ids = draft_vocabulary(corpus, draft_vocab, tc.vocab_size)
-    lookup = torch.full((tc.vocab_size,), -100, dtype=torch.int64)
-    lookup[vocab_ids] = torch.arange(len(vocab_ids))
+    lookup = _column_lookup(vocab_ids, tc.vocab_size)
     with torch.no_grad():  # the target's embeddings on their leading principal directions, both ends
         centred = embed - embed.mean(0)
         _, _, vh = torch.linalg.svd(centred[vocab_ids], full_matrices=False)
@@ -89,9 +87,9 @@ def distill_draft_model(
         head[vocab_ids] = proj[vocab_ids]
     log(
         f"  draft: {layers} layers of width {hidden} from scratch, draft vocabulary {len(vocab_ids)}, "
-        f"{len(corpus)} answers, {sum(len(c['top_ids']) for c in corpus)} labelled positions"
+        f"{len(corpus)} answers, {_labelled_positions(corpus)} labelled positions"
     )
-    t0, loss_value = time.perf_counter(), float("nan")
+    t0 = time.perf_counter()
     loss_value = _distill(
         model,
         lambda h: h @ model.lm_head.weight[vocab_ids].T,
@@ -110,30 +108,44 @@ def distill_draft_model(
         unseen = torch.ones(tc.vocab_size, dtype=torch.bool)
         unseen[vocab_ids] = False
         model.lm_head.weight[unseen] = 0.0
+    how = {"init": "scratch", "layers": layers, "hidden_size": hidden}
+    trained = {"epochs": epochs, "lr": lr, "batch": batch, "final_loss": loss_value}
+    return _save_draft(out, model, tokenizer, vocab_ids, target, corpus, how, trained, t0)
+
+
+def _column_lookup(vocab_ids: torch.Tensor, vocab: int) -> torch.Tensor:
+    """Token id -> its column among the draft vocabulary's (-100: not in it)."""
+    lookup = torch.full((vocab,), -100, dtype=torch.int64)
+    lookup[vocab_ids] = torch.arange(len(vocab_ids))
+    return lookup
+
+
+def _labelled_positions(corpus: list[dict]) -> int:
+    return sum(len(c["top_ids"]) for c in corpus)
+
+
+def _save_draft(
+    out: Path, model, tokenizer, vocab_ids: torch.Tensor, target: str, corpus: list[dict], how: dict, trained: dict, t0
+) -> Path:
+    """The draft as kiln loads it (an HF Llama directory with the target's tokenizer and
+    draft_vocab.json) and kiln_training.json: how it was made (`how`, `trained`) from what."""
+    from engine.models.draft import DRAFT_VOCAB_FILE
+
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out, safe_serialization=True)
     tokenizer.save_pretrained(out)
     (out / DRAFT_VOCAB_FILE).write_text(json.dumps({"token_ids": vocab_ids.tolist()}))
-    (out / "kiln_training.json").write_text(
-        json.dumps(
-            {
-                "target": str(target),
-                "method": "draft_model",
-                "init": "scratch",
-                "layers": layers,
-                "hidden_size": hidden,
-                "draft_vocab": len(vocab_ids),
-                "answers": len(corpus),
-                "labelled_positions": sum(len(c["top_ids"]) for c in corpus),
-                "epochs": epochs,
-                "lr": lr,
-                "batch": batch,
-                "final_loss": loss_value,
-                "train_seconds": round(time.perf_counter() - t0),
-            },
-            indent=2,
-        )
-    )
+    record = {
+        "target": str(target),
+        "method": "draft_model",
+        **how,
+        "draft_vocab": len(vocab_ids),
+        "answers": len(corpus),
+        "labelled_positions": _labelled_positions(corpus),
+        **trained,
+        "train_seconds": round(time.perf_counter() - t0),
+    }
+    (out / "kiln_training.json").write_text(json.dumps(record, indent=2))
     return out
 
 
@@ -254,7 +266,6 @@ def distill_from_target(
     then proposes from (draft_vocab.json, engine/models/draft.py). The embeddings stay the
     target's (frozen), so the checkpoint is a plain Llama of the target's width that any runtime
     loads (and llama.cpp converts)."""
-    from engine.models.draft import DRAFT_VOCAB_FILE
     from engine.models.loader.model_loader import load_tokenizer
 
     torch.manual_seed(seed)
@@ -263,8 +274,7 @@ def distill_from_target(
     model = cut_layers(teacher, layers)
     del teacher
     ids_vocab = draft_vocabulary(corpus, draft_vocab, vocab)
-    lookup = torch.full((vocab,), -100, dtype=torch.int64)
-    lookup[ids_vocab] = torch.arange(len(ids_vocab))
+    lookup = _column_lookup(ids_vocab, vocab)
     model.get_input_embeddings().weight.requires_grad_(False)
     if model.get_output_embeddings() is not None:
         model.get_output_embeddings().weight.requires_grad_(False)
@@ -274,7 +284,7 @@ def distill_from_target(
     log(
         f"  draft: target layers {layers} ({frozen} frozen), draft vocabulary {len(ids_vocab)}, "
         f"{sum(p.numel() for p in model.parameters() if p.requires_grad)} trained parameters, {len(corpus)} answers, "
-        f"{sum(len(c['top_ids']) for c in corpus)} labelled positions"
+        f"{_labelled_positions(corpus)} labelled positions"
     )
     t0 = time.perf_counter()
     loss_value = _distill(
@@ -283,28 +293,6 @@ def distill_from_target(
     model.eval()
     for p in model.parameters():
         p.requires_grad_(False)
-    out.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(out, safe_serialization=True)
-    load_tokenizer(target).save_pretrained(out)
-    (out / DRAFT_VOCAB_FILE).write_text(json.dumps({"token_ids": ids_vocab.tolist()}))
-    (out / "kiln_training.json").write_text(
-        json.dumps(
-            {
-                "target": str(target),
-                "method": "draft_model",
-                "init": "target",
-                "target_layers": list(layers),
-                "frozen_layers": frozen,
-                "draft_vocab": len(ids_vocab),
-                "answers": len(corpus),
-                "labelled_positions": sum(len(c["top_ids"]) for c in corpus),
-                "epochs": epochs,
-                "lr": lr,
-                "batch": batch,
-                "final_loss": loss_value,
-                "train_seconds": round(time.perf_counter() - t0),
-            },
-            indent=2,
-        )
-    )
-    return out
+    how = {"init": "target", "target_layers": list(layers), "frozen_layers": frozen}
+    trained = {"epochs": epochs, "lr": lr, "batch": batch, "final_loss": loss_value}
+    return _save_draft(out, model, load_tokenizer(target), ids_vocab, target, corpus, how, trained, t0)

@@ -249,7 +249,7 @@ def test_packed_layer_every_row_count(float_acts):
 
 
 def test_dense_dispatch_in_cpu_linear():
-    """compiler/cpu_linear.linear: up to MAX_DENSE_ROWS rows through the kernel (as F.linear to
+    """compiler/kernels/cpu_linear.py linear: up to MAX_DENSE_ROWS rows through the kernel (as F.linear to
     float32 rounding), not under autograd; oneDNN / F.linear above."""
     w, b = torch.randn(40, 96), torch.randn(40)
     top = cpu_gemv.MAX_DENSE_ROWS[torch.float32]

@@ -115,3 +115,31 @@ def test_a_core_object_in_the_message_is_caught():
         except AssertionError:
             continue
         raise AssertionError(f"{type(leak).__name__} in a record went unnoticed")
+
+
+def test_a_steady_decode_carries_only_what_changed():
+    """The speed guard of the plain message (issue 38): a running sequence's record carries its
+    block table and tokens whole once, then only what changed: no block ids while it decodes
+    inside its blocks, the one new block id when it takes one, and its newest token."""
+    bs = 4
+    sched = Scheduler(
+        SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=64, max_model_len=64, block_size=bs),
+        BlockPool(16, bs, True),
+    )
+    sched.add_request(Request("r", None, [3, 4, 5, 6, 7, 8], SamplingParams(max_tokens=12, temperature=0)))
+    seq = sched.requests["r"].seqs[0]
+    first = sched.schedule()
+    (rec,) = first.seqs
+    assert (rec.blocks_from, rec.new_block_ids) == (0, seq.block_ids) and len(rec.new_block_ids) == 2
+    assert (rec.history_from, rec.new_history) == (0, [3, 4, 5, 6, 7, 8])
+    sched.update_from_output(first, sampler_output(first, [[9]]))
+    for step in range(10):
+        out = sched.schedule()
+        (rec,) = out.seqs
+        held = len(seq.block_ids)
+        grew = rec.start_pos % bs == 0  # (this step's token is the first of a new block)
+        assert rec.blocks_from == (held - 1 if grew else held), step
+        assert rec.new_block_ids == (seq.block_ids[-1:] if grew else []), step
+        assert rec.new_history == [9 + step] and rec.history_from == rec.start_pos, step
+        sched.update_from_output(out, sampler_output(out, [[10 + step]]))
+    sched.check_integrity()

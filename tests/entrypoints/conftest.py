@@ -1,5 +1,6 @@
 """The served tiny model that the server tests share: one `kiln serve` process per session
-(test_server.py: the OpenAI API; test_server_apis.py: the Responses and Messages APIs)."""
+(test_server.py, test_server_structured.py, test_server_load.py: the OpenAI API; test_server_apis.py:
+the Responses and Messages APIs)."""
 
 from __future__ import annotations
 

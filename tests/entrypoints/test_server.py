@@ -1,44 +1,19 @@
 """The real server in a subprocess (`python -m engine.entrypoints.cli serve ...`), driven with the official
-openai client.
+openai client: the OpenAI completions and chat APIs' basics, and their errors.
 
-One server for this module and test_server_apis.py (tests/entrypoints/conftest.py). After
-every test the server must be back to zero running, zero
+One server for every module of the served API (tests/entrypoints/conftest.py: this one, test_server_structured.py,
+test_server_load.py, test_server_apis.py). After every test the server must be back to zero running, zero
 waiting and zero KV blocks in use (read from /metrics).
 """
 
 from __future__ import annotations
 
-import asyncio
-import json
-import re
-
 import httpx
 import openai
 import pytest
 
-from tests.support.server import API_KEY, AUTH, MAX_MODEL_LEN, MODEL, metrics, wait_clean
-
-
-def post(url: str, path: str, body, key: str | None = API_KEY, **kw) -> httpx.Response:
-    headers = {"Authorization": f"Bearer {key}"} if key else {}
-    headers.update(kw.pop("headers", {}))
-    if isinstance(body, (bytes, str)):
-        return httpx.post(
-            f"{url}{path}", content=body, headers={**headers, "content-type": "application/json"}, timeout=60
-        )
-    return httpx.post(f"{url}{path}", json=body, headers=headers, timeout=60)
-
-
-def sse_events(resp: httpx.Response) -> list:
-    """Parse a raw SSE body strictly: every event is one `data: ...` line and a blank line."""
-    events = []
-    for block in resp.text.split("\n\n"):
-        if not block:
-            continue
-        assert block.startswith("data: "), block
-        payload = block[len("data: ") :]
-        events.append(payload if payload == "[DONE]" else json.loads(payload))
-    return events
+from tests.support.openai_http import error_body, post, sse_events
+from tests.support.server import API_KEY, AUTH, MAX_MODEL_LEN, MODEL
 
 
 # ------------------------------------------------------------------ basics
@@ -301,212 +276,6 @@ def test_logit_bias_and_allowed_token_ids(client, url):
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "logit_bias", bad.text
 
 
-PERSON = {
-    "type": "object",
-    "additionalProperties": False,
-    "required": ["name", "age", "pet"],
-    "properties": {
-        "name": {"type": "string", "maxLength": 12},
-        "age": {"type": "integer", "minimum": 0, "maximum": 120},
-        "pet": {"enum": ["cat", "dog", "none"]},
-    },
-}
-
-
-def test_response_format_json_schema_and_json_object(client):
-    import jsonschema
-
-    chat = client.chat.completions.create(
-        model=MODEL,
-        messages=[{"role": "user", "content": "Describe a person."}],
-        max_tokens=200,
-        temperature=0.7,
-        seed=3,
-        n=2,
-        response_format={"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}},
-        extra_body={"structured_outputs": None},
-    )
-    for choice in chat.choices:
-        assert choice.finish_reason == "stop", choice.message.content
-        jsonschema.validate(json.loads(choice.message.content, strict=False), PERSON)
-    obj = client.chat.completions.create(
-        model=MODEL,
-        messages=[{"role": "user", "content": "JSON please"}],
-        max_tokens=200,
-        temperature=0,
-        response_format={"type": "json_object"},
-    )
-    if obj.choices[0].finish_reason == "stop":
-        assert isinstance(json.loads(obj.choices[0].message.content, strict=False), dict)
-    text = client.chat.completions.create(
-        model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=4, response_format={"type": "text"}
-    )
-    assert text.choices[0].message.content is not None
-
-
-def test_vllm_structured_output_fields_and_streaming(client):
-    choices = ["alpha", "beta", "gamma delta"]
-    r = client.completions.create(
-        model=MODEL,
-        prompt="Pick one:",
-        max_tokens=20,
-        temperature=1.0,
-        n=3,
-        seed=5,
-        extra_body={"guided_choice": choices},
-    )
-    assert {c.text for c in r.choices} <= set(choices) and all(c.finish_reason == "stop" for c in r.choices)
-    r = client.completions.create(
-        model=MODEL,
-        prompt="A code:",
-        max_tokens=20,
-        temperature=1.0,
-        extra_body={"structured_outputs": {"regex": "[A-Z]{3}-[0-9]{4}"}},
-    )
-    assert re.fullmatch("[A-Z]{3}-[0-9]{4}", r.choices[0].text), r.choices[0].text
-    pieces = []
-    for chunk in client.chat.completions.create(
-        model=MODEL,
-        messages=[{"role": "user", "content": "a list"}],
-        max_tokens=60,
-        temperature=0,
-        stream=True,
-        extra_body={"guided_grammar": 'root ::= "[" item ("," item)* "]"\nitem ::= [a-z]+'},
-    ):
-        if chunk.choices and chunk.choices[0].delta.content:
-            pieces.append(chunk.choices[0].delta.content)
-    text = "".join(pieces)
-    assert re.fullmatch(r"\[[a-z]+(,[a-z]+)*\]", text) or re.fullmatch(r"\[[a-z]+(,[a-z]+)*,?[a-z]*", text), text
-
-
-@pytest.mark.parametrize(
-    "body,param,message",
-    [
-        ({"response_format": {"type": "json_schema"}}, "response_format", "json_schema.schema"),
-        ({"response_format": {"type": "yaml"}}, "response_format.type", "json_schema"),
-        ({"guided_regex": "(open"}, "guided_regex", "does not compile"),
-        (
-            {"guided_json": {"type": "object", "properties": {"a": {"$ref": "#/missing"}}}},
-            "guided_json",
-            "does not compile",
-        ),
-        ({"guided_choice": ["a"], "guided_regex": "a"}, "guided_choice", "not several"),
-        ({"structured_outputs": {"shape": "round"}}, "structured_outputs", "shape"),
-    ],
-)
-def test_bad_structured_output_constraints_400(url, body, param, message):
-    err = _error(post(url, "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], **body}), 400)
-    assert err["param"] == param and message in err["message"], err
-
-
-WEATHER_TOOL = {
-    "type": "function",
-    "function": {
-        "name": "get_weather",
-        "parameters": {
-            "type": "object",
-            "additionalProperties": False,
-            "required": ["city", "days"],
-            "properties": {
-                "city": {"enum": ["Paris", "Rome"]},
-                "days": {"type": "integer", "minimum": 1, "maximum": 7},
-            },
-        },
-    },
-}
-TIME_TOOL = {
-    "type": "function",
-    "function": {
-        "name": "get_time",
-        "parameters": {
-            "type": "object",
-            "additionalProperties": False,
-            "required": ["zone"],
-            "properties": {"zone": {"enum": ["UTC"]}},
-        },
-    },
-}
-
-
-def test_named_and_required_tool_choice(client):
-    import jsonschema
-
-    ask = dict(
-        model=MODEL,
-        messages=[{"role": "user", "content": "Weather in Paris?"}],
-        max_tokens=150,
-        temperature=0.7,
-        seed=2,
-        tools=[WEATHER_TOOL, TIME_TOOL],
-    )
-    named = client.chat.completions.create(tool_choice={"type": "function", "function": {"name": "get_weather"}}, **ask)
-    choice = named.choices[0]
-    assert choice.finish_reason == "stop" and choice.message.content is None  # OpenAI's behaviour for a named call
-    (call,) = choice.message.tool_calls
-    assert call.function.name == "get_weather" and call.id.startswith("call_")
-    jsonschema.validate(json.loads(call.function.arguments), WEATHER_TOOL["function"]["parameters"])
-
-    streamed_args, names, finish = "", set(), None
-    for chunk in client.chat.completions.create(
-        tool_choice={"type": "function", "function": {"name": "get_weather"}}, stream=True, **ask
-    ):
-        for tc in chunk.choices[0].delta.tool_calls or [] if chunk.choices else []:
-            names.add(tc.function.name)
-            streamed_args += tc.function.arguments or ""
-        finish = (chunk.choices[0].finish_reason if chunk.choices else None) or finish
-    assert names - {None} == {"get_weather"} and streamed_args == call.function.arguments and finish == "stop"
-
-    required = client.chat.completions.create(tool_choice="required", parallel_tool_calls=False, **ask)
-    choice = required.choices[0]
-    assert choice.finish_reason == "tool_calls", choice
-    (call,) = choice.message.tool_calls
-    tool = {"get_weather": WEATHER_TOOL, "get_time": TIME_TOOL}[call.function.name]
-    jsonschema.validate(json.loads(call.function.arguments), tool["function"]["parameters"])
-
-
-@pytest.mark.parametrize(
-    "extra,param,message",
-    [
-        ({"tools": [WEATHER_TOOL]}, "tool_choice", "enable-auto-tool-choice"),
-        (
-            {"tools": [WEATHER_TOOL], "tool_choice": {"type": "function", "function": {"name": "nope"}}},
-            "tool_choice",
-            "not in tools",
-        ),
-        ({"tool_choice": "required"}, "tool_choice", "needs tools"),
-        (
-            {"tools": [WEATHER_TOOL], "tool_choice": "required", "response_format": {"type": "json_object"}},
-            "tool_choice",
-            "cannot be combined",
-        ),
-        (
-            {"tools": [{"type": "function", "function": {"name": "bad name!"}}], "tool_choice": "none"},
-            "tools.0.function.name",
-            "",
-        ),
-        (
-            {
-                "tools": [
-                    {
-                        "type": "function",
-                        "function": {
-                            "name": "f",
-                            "parameters": {"type": "object", "properties": {"a": {"$ref": "#/gone"}}},
-                        },
-                    }
-                ],
-                "tool_choice": "required",
-            },
-            "tools",
-            "does not compile",
-        ),
-    ],
-)
-def test_bad_tool_requests_400(url, extra, param, message):
-    err = _error(post(url, "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], **extra}), 400)
-    assert err["param"] == param and message in err["message"], err
-
-
 def test_prefix_cache_reports_cached_tokens(client):
     prompt = "Continuous batching lets new requests join a running batch at every step instead of waiting. " * 2
     client.completions.create(model=MODEL, prompt=prompt, max_tokens=2)
@@ -515,14 +284,6 @@ def test_prefix_cache_reports_cached_tokens(client):
 
 
 # ------------------------------------------------------------------ errors
-def _error(resp: httpx.Response, status: int) -> dict:
-    assert resp.status_code == status, resp.text
-    body = resp.json()
-    assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "param", "code"}, body
-    assert body["error"]["message"]
-    return body["error"]
-
-
 @pytest.mark.parametrize(
     "path,body,param",
     [
@@ -544,21 +305,21 @@ def _error(resp: httpx.Response, status: int) -> dict:
     ],
 )
 def test_invalid_parameters_400(url, path, body, param):
-    err = _error(post(url, path, body), 400)
+    err = error_body(post(url, path, body), 400)
     assert err["type"] == "invalid_request_error" and err["param"] == param
     assert "pydantic" not in err["message"] and "errors.pydantic" not in err["message"]
 
 
 def test_error_statuses(url, client):
-    assert _error(post(url, "/v1/completions", b'{"prompt": "hi",'), 400)["message"].find("not valid JSON") >= 0
-    err = _error(post(url, "/v1/completions", {"prompt": "hi"}, key=None), 401)
+    assert error_body(post(url, "/v1/completions", b'{"prompt": "hi",'), 400)["message"].find("not valid JSON") >= 0
+    err = error_body(post(url, "/v1/completions", {"prompt": "hi"}, key=None), 401)
     assert err["type"] == "authentication_error"
-    _error(post(url, "/v1/completions", {"prompt": "hi"}, key="wrong"), 401)
-    _error(httpx.get(f"{url}/v1/models"), 401)
-    err = _error(post(url, "/v1/completions", {"model": "gpt-9", "prompt": "hi"}), 404)
+    error_body(post(url, "/v1/completions", {"prompt": "hi"}, key="wrong"), 401)
+    error_body(httpx.get(f"{url}/v1/models"), 401)
+    err = error_body(post(url, "/v1/completions", {"model": "gpt-9", "prompt": "hi"}), 404)
     assert err["code"] == "model_not_found" and err["param"] == "model"
-    _error(httpx.get(f"{url}/no/such/route", headers=AUTH), 404)
-    _error(httpx.get(f"{url}/no/such/route"), 401)
+    error_body(httpx.get(f"{url}/no/such/route", headers=AUTH), 404)
+    error_body(httpx.get(f"{url}/no/such/route"), 401)
     # The openai client maps them to its exception types
     with pytest.raises(openai.BadRequestError):
         client.completions.create(model=MODEL, prompt="hi", temperature=-1)
@@ -574,119 +335,3 @@ def test_request_id_echoed_or_generated(url):
     assert r.headers["x-request-id"] == "abc-123"
     r2 = httpx.get(f"{url}/health")
     assert len(r2.headers["x-request-id"]) >= 16
-
-
-# ------------------------------------------------------------------ load, disconnects, metrics
-def test_client_disconnect_mid_stream_frees_blocks(url):
-    before = metrics(url)
-    body = {"prompt": "The quick brown fox", "max_tokens": 1000, "ignore_eos": True, "stream": True}
-    with httpx.Client(timeout=60) as http:
-        with http.stream(
-            "POST", f"{url}/v1/completions", json=body, headers={"Authorization": f"Bearer {API_KEY}"}
-        ) as resp:
-            lines = resp.iter_lines()
-            got = 0
-            for line in lines:
-                if line.startswith("data: {"):
-                    got += 1
-                    assert json.loads(line[6:])["choices"][0]["finish_reason"] is None
-                if got == 3:
-                    break
-            during = metrics(url)
-            assert during["kiln:num_kv_blocks_in_use"] >= 2 and during["kiln:num_requests_running"] == 1
-        # leaving the block closes the connection mid-stream
-    after = wait_clean(url, timeout=10)
-    assert (
-        after["kiln:request_success_total{finished_reason=abort}"]
-        == before["kiln:request_success_total{finished_reason=abort}"] + 1
-    )
-    assert after["kiln:generation_tokens_total"] - before["kiln:generation_tokens_total"] < 1000
-
-
-def test_client_gone_during_non_streaming_request_aborts_it(url):
-    before = metrics(url)
-    with pytest.raises(httpx.ReadTimeout):  # the client gives up long before 1000 tokens are done
-        httpx.post(
-            f"{url}/v1/completions",
-            json={"prompt": "Hi", "max_tokens": 1000, "ignore_eos": True},
-            headers={"Authorization": f"Bearer {API_KEY}"},
-            timeout=httpx.Timeout(0.1, connect=10, write=10),
-        )
-    after = wait_clean(url, timeout=10)
-    assert (
-        after["kiln:request_success_total{finished_reason=abort}"]
-        == before["kiln:request_success_total{finished_reason=abort}"] + 1
-    )
-    assert after["kiln:generation_tokens_total"] - before["kiln:generation_tokens_total"] < 1000
-
-
-def test_200_concurrent_streams_all_complete(url):
-    before = metrics(url)
-
-    async def one(client: openai.AsyncOpenAI, i: int) -> tuple[str, int]:
-        stream = await client.completions.create(
-            model=MODEL,
-            prompt=f"Request number {i}:",
-            max_tokens=8,
-            temperature=0,
-            stream=True,
-            stream_options={"include_usage": True},
-            extra_body={"ignore_eos": True},
-        )
-        text, usage = "", None
-        async for chunk in stream:
-            if chunk.choices:
-                text += chunk.choices[0].text
-            if chunk.usage:
-                usage = chunk.usage
-        return text, usage.completion_tokens
-
-    async def run_all():
-        async with openai.AsyncOpenAI(base_url=f"{url}/v1", api_key=API_KEY, max_retries=0, timeout=120) as client:
-            return await asyncio.gather(*(one(client, i) for i in range(200)))
-
-    results = asyncio.run(run_all())
-    assert len(results) == 200 and all(n == 8 for _, n in results)
-    after = wait_clean(url)
-    assert (
-        after["kiln:request_success_total{finished_reason=length}"]
-        - before["kiln:request_success_total{finished_reason=length}"]
-        == 200
-    )
-    assert after["kiln:generation_tokens_total"] - before["kiln:generation_tokens_total"] == 1600
-    assert after["kiln:time_to_first_token_seconds_count"] - before["kiln:time_to_first_token_seconds_count"] == 200
-    assert after["kiln:e2e_request_latency_seconds_count"] - before["kiln:e2e_request_latency_seconds_count"] == 200
-    assert after["kiln:inter_token_latency_seconds_count"] > before["kiln:inter_token_latency_seconds_count"]
-    assert after["kiln:prompt_tokens_total"] > before["kiln:prompt_tokens_total"]
-
-
-def test_metrics_exposition(url):
-    text = httpx.get(f"{url}/metrics", headers=AUTH).text
-    for name in (
-        "num_requests_running",
-        "num_requests_waiting",
-        "num_requests_swapped",
-        "kv_cache_usage_perc",
-        "cpu_cache_usage_perc",
-        "kv_cache_fragmentation_ratio",
-        "num_preemptions_total",
-        "prompt_tokens_total",
-        "generation_tokens_total",
-        "prefix_cache_queries_total",
-        "prefix_cache_hits_total",
-        "request_success_total",
-        "time_to_first_token_seconds_bucket",
-        "inter_token_latency_seconds_bucket",
-        "e2e_request_latency_seconds_bucket",
-        "request_queue_time_seconds_bucket",
-        "num_kv_blocks_in_use",
-        "swap_out_bytes_total",
-        "swap_in_bytes_total",
-        "num_pinned_prefix_blocks",
-        "weight_copy_bytes",
-    ):
-        assert f"kiln:{name}{{" in text, name
-    assert f'model_name="{MODEL}"' in text
-    m = metrics(url)
-    assert m["kiln:prefix_cache_queries_total"] >= m["kiln:prefix_cache_hits_total"] >= 0
-    assert m["kiln:num_kv_blocks_total"] == 1024

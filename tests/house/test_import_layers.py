@@ -6,6 +6,8 @@ function, or under TYPE_CHECKING):
 - engine/core/ imports neither torch nor the worker (and nothing above it);
 - the scheduler's side of speculative decoding (engine/spec_decode/sched/) imports neither torch
   nor the worker either;
+- the device side (worker, device proposers, executor, model) imports of the core only the step's
+  message and the plain values in it, nothing that holds or changes the core's state;
 - engine/layers/ never imports engine/models/;
 - each package imports only the packages below it (ALLOWED), and inside the runtime only the
   builder sees the model, its layers and the executor;
@@ -66,6 +68,17 @@ ALLOWED = {
 # Inside the runtime, only the builder (and its parts: builder_*.py) assembles the model side.
 BUILDER_ONLY = {"layers", "models", "executor", "spec_decode"}
 BUILDER = "engine.runtime.builder"
+# The device side's packages, and what of engine/core they may import: the step's plain message
+# (SchedulerOutput, the runner's SamplerOutput) and the values it carries, never the scheduler, the
+# block pool, the allocator or a Sequence (engine/core/sched/scheduler_output.py: the worker keeps
+# its own copies, engine/worker/seq_states.py).
+DEVICE_SIDE = {"worker", "spec_decode", "executor", "layers", "models", "distributed"}
+CORE_MESSAGES = {
+    "engine.core.params",
+    "engine.core.outputs",
+    "engine.core.request_kinds",
+    "engine.core.sched.scheduler_output",
+}
 
 
 def module_name(path: Path, root: Path) -> str:
@@ -181,6 +194,17 @@ def layer_violations(graph: dict[str, set[str]]) -> list[str]:
     return bad
 
 
+def device_core_imports(graph: dict[str, set[str]]) -> list[str]:
+    """Imports of the core's state (anything of engine/core but CORE_MESSAGES) by the device side."""
+    return [
+        f"{m} -> {d}"
+        for m, ds in sorted(graph.items())
+        if package_of(m) in DEVICE_SIDE
+        for d in sorted(ds)
+        if d.startswith("engine.core") and d not in CORE_MESSAGES
+    ]
+
+
 def torch_importers(root: Path, folder: str) -> list[str]:
     return [
         str(p.relative_to(root))
@@ -271,6 +295,10 @@ def test_core_imports_no_torch_and_no_worker():
 
 def test_spec_decode_sched_imports_no_torch_and_no_worker():
     assert spec_sched_violations(REPO) == []
+
+
+def test_the_device_side_imports_only_the_cores_messages():
+    assert device_core_imports(import_graph(REPO)) == []
 
 
 def test_core_runs_without_loading_torch():
@@ -374,6 +402,33 @@ def test_spec_sched_checker_finds_torch_and_the_worker(tmp_path):
     assert layer_violations(import_graph(root)) == [
         "engine.spec_decode.sched.b imports engine.worker.runner (spec_decode.sched may not import worker)",
         "engine.spec_decode.sched.c imports engine.spec_decode.proposer (spec_decode.sched may not import spec_decode)",
+    ]
+
+
+def test_device_side_checker_finds_an_import_of_core_state(tmp_path):
+    root = _tree(
+        tmp_path,
+        {
+            "engine/__init__.py": "",
+            "engine/core/__init__.py": "",
+            "engine/core/params.py": "",
+            "engine/core/request.py": "",
+            "engine/core/sched/__init__.py": "",
+            "engine/core/sched/scheduler.py": "",
+            "engine/core/sched/scheduler_output.py": "",
+            "engine/worker/__init__.py": "",
+            "engine/worker/ok.py": "from engine.core.params import P\nfrom engine.core.sched import scheduler_output\n",
+            "engine/worker/bad.py": "def f():\n    from engine.core.sched.scheduler import Scheduler\n",
+            "engine/spec_decode/__init__.py": "",
+            "engine/spec_decode/eagle.py": "from engine.core.request import Sequence\n",
+            "engine/spec_decode/sched/__init__.py": "",
+            # (the core's side: fine)
+            "engine/spec_decode/sched/ngram.py": "from engine.core.request import Sequence\n",
+        },
+    )
+    assert device_core_imports(import_graph(root)) == [
+        "engine.spec_decode.eagle -> engine.core.request",
+        "engine.worker.bad -> engine.core.sched.scheduler",
     ]
 
 

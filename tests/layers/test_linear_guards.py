@@ -1,6 +1,6 @@
 """The model's Linear under torch.compile(dynamic=True): no row-count guard, so no recompile as the
 batch grows, on the path a GPU takes (inputs on the meta device: the non-CPU branch, run here) and
-on the CPU's compiled path. compiler/cpu_linear.py decides the device before any shape test."""
+on the CPU's compiled path. compiler/kernels/cpu_linear.py decides the device before any shape test."""
 
 from __future__ import annotations
 

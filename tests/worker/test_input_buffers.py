@@ -1,7 +1,7 @@
 """InputBuffers.write_table_rows: after every step each row of the host block table holds its
 sequence's blocks, whatever changed in between (rows shifting up as sequences leave, tables
 growing, copy-on-write replacing an entry, new sequences, reordering). As the worker's own
-tables (engine/worker/block_tables.py), a table grows in place and is otherwise a new list."""
+tables (engine/worker/seq_states.py), a table grows in place and is otherwise a new list."""
 
 from __future__ import annotations
 

@@ -4,7 +4,7 @@ A refusal is an InvalidRequestError naming the request field at fault (the serve
 `param`). Every caller meets the same rules through this table: the offline `LLM`, the server
 (engine/entrypoints/openai/), beam search (its params are SamplingParams, checked as any other),
 and the params' own constructors (SamplingParams, PoolingParams, StructuredOutputsParams check
-themselves with the rows below when made). tests/core/test_admission.py fails on any refusal
+themselves with the rows below when made). tests/core/test_admission_sites.py fails on any refusal
 written elsewhere in engine/ (but a short allow-list: malformed JSON, a grammar's compile...).
 
 The table lives in core (plain Python, no engine imports) because core's params use it; the

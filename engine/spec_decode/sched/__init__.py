@@ -2,18 +2,15 @@
 a sequence gets and which of them a verify step keeps. The device side is the rest of
 engine/spec_decode/ (draft model, EAGLE heads, acceptance of sampled drafts)."""
 
-from engine.spec_decode.sched.config import DRAFT, METHODS, SpecDecodeConfig
-from engine.spec_decode.sched.decoder import SpecDecoder, accepted_prefix
+from engine.spec_decode.sched.config import SpecDecodeConfig
+from engine.spec_decode.sched.decoder import SpecDecoder
 from engine.spec_decode.sched.draft_length import DraftLengthPlanner
 from engine.spec_decode.sched.ngram import NgramProposer, find_draft
 
 __all__ = [
-    "DRAFT",
-    "METHODS",
     "DraftLengthPlanner",
     "NgramProposer",
     "SpecDecodeConfig",
     "SpecDecoder",
-    "accepted_prefix",
     "find_draft",
 ]
