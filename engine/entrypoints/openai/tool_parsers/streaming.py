@@ -7,7 +7,13 @@ arguments' `{` on). The raw text is not what the finished call carries: the whol
 re-serialises the arguments (json.dumps, ensure_ascii=False). So what streams is the canonical
 form of the raw prefix: every token that is complete, written as json.dumps writes it (strings
 char by char, numbers and literals once they end). Its pieces add up to the finished call's
-arguments exactly. Formats without such text (pythonic, XML) send each call whole at the end.
+arguments exactly.
+
+A format that writes no JSON (Python calls, XML parameters) gives the JSON of what it has
+revealed (`object_text`): each argument once its value is complete, and a string value as it is
+written where the format leaves no doubt that the value is a string and what its text is (a
+Python string literal; an XML value whose schema type is "string"); other values (numbers,
+objects, values with no schema) only show what they are at their end, so they go whole.
 """
 
 from __future__ import annotations
@@ -18,7 +24,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
-from engine.entrypoints.openai.tool_parsers.base import ToolCall
+from engine.entrypoints.openai.tool_parsers.base import Schemas, ToolCall
 
 
 class CallInProgress(NamedTuple):
@@ -27,7 +33,7 @@ class CallInProgress(NamedTuple):
     id: str | None = None  # the model's own call id, where the format has one
 
 
-Progress = Callable[[str], list[CallInProgress]]
+Progress = Callable[[str, Schemas], list[CallInProgress]]
 
 _SCALAR = re.compile(r"[-+0-9.eE]+|true|false|null|[A-Za-z]+")
 _ESCAPES = {'"': '"', "\\": "\\", "/": "/", "b": "\b", "f": "\f", "n": "\n", "r": "\r", "t": "\t"}
@@ -183,7 +189,7 @@ def json_calls(raw: str) -> list[CallInProgress]:
 def between_markers(open_marker: str, close_marker: str) -> Progress:
     """Calls each in its own open ... close block, a JSON call object inside."""
 
-    def progress(text: str) -> list[CallInProgress]:
+    def progress(text: str, schemas: Schemas | None = None) -> list[CallInProgress]:
         out, pos = [], 0
         while (pos := text.find(open_marker, pos)) >= 0:
             end = text.find(close_marker, pos)
@@ -199,7 +205,7 @@ def between_markers(open_marker: str, close_marker: str) -> Progress:
 def after_marker(markers: tuple[str, ...]) -> Progress:
     """Calls after the first of the markers: call objects, or a JSON list of them."""
 
-    def progress(text: str) -> list[CallInProgress]:
+    def progress(text: str, schemas: Schemas | None = None) -> list[CallInProgress]:
         found = [(i, m) for m in markers if (i := text.find(m)) >= 0]
         if not found:
             return []
@@ -207,6 +213,26 @@ def after_marker(markers: tuple[str, ...]) -> Progress:
         return json_calls(text[start + len(marker) :])
 
     return progress
+
+
+def object_text(
+    members: list[tuple[str, Any]], open_string: tuple[str, str] | None = None, closed: bool = False
+) -> str:
+    """The arguments of a call in a format that writes no JSON, as far as they are known: the
+    members whose values are complete, then a string value still being written (its key and text
+    so far: its quote stays open), then "}" once the call has ended. Written as json.dumps writes
+    the whole object, so its canonical_prefix is where the finished call's arguments begin."""
+    parts = [f"{_dumps(k)}: {_dumps(v)}" for k, v in members]
+    if open_string is not None:
+        parts.append(f"{_dumps(open_string[0])}: {_dumps(open_string[1])[:-1]}")
+    text = "{" + ", ".join(parts)
+    if open_string is None:
+        text += "}" if closed else " "  # (the space: a number at the end has ended)
+    return text
+
+
+def _dumps(value: Any) -> str:
+    return json.dumps(value, ensure_ascii=False)
 
 
 def new_call_id() -> str:
