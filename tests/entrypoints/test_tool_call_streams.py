@@ -1,4 +1,5 @@
-"""Tool-call arguments streamed as they are written, for every auto parser. Random arguments
+"""Tool-call arguments streamed as they are written, for every auto parser and through the
+Responses and Messages streams (engine/entrypoints/openai/answer_blocks.py). Random arguments
 (strings full of quotes, escapes, markers and non-ASCII; numbers; nested values) are written in
 each parser's format and fed in random pieces: the pieces add up, exactly, to the non-streamed
 arguments, and a string argument arrives while it is being written."""
@@ -7,14 +8,19 @@ from __future__ import annotations
 
 import json
 import random
+import re
 from typing import Any
 
 import pytest
 
+from engine.entrypoints.openai.answer_blocks import AnswerBlocks, json_text
 from engine.entrypoints.openai.chat import chat_stream_delta
 from engine.entrypoints.openai.jobs import Choice, Job
+from engine.entrypoints.openai.messages import MessageEvents
+from engine.entrypoints.openai.responses import ResponseEvents
 from engine.entrypoints.openai.tool_calls import ToolMode
 from engine.entrypoints.openai.tool_parsers import REGISTRY, TOOL_CALL_PARSERS
+from engine.entrypoints.openai.tool_parsers.streaming import CanonicalJSON, canonical_prefix
 
 TYPES = {"text": "string", "note": "string", "count": "integer", "ratio": "number", "on": "boolean", "opts": "object"}
 SCHEMAS = {"lookup": {"type": "object", "properties": {k: {"type": t} for k, t in TYPES.items()}}}
@@ -178,3 +184,95 @@ def test_python_escapes_stream_once_they_are_complete():
         first = "".join(streamed_arguments(deltas[:1])[0]) if streamed_arguments(deltas[:1]) else ""
         assert want.startswith(first), (end, first)
         assert "".join(streamed_arguments(deltas)[0]) == want
+
+
+def test_canonical_json_fed_in_pieces_is_the_canonical_prefix_of_what_came():
+    """CanonicalJSON (made as the text comes, each character once) says what canonical_prefix
+    says of all the text so far, after every piece; whole, it is json.dumps's form."""
+    rng = random.Random(5)
+    spaced = r'{ "q" :"caf\u00e9 \ud83d\ude00 \"x\"\n\/" ,"n":1.50, "e": 1E2, "ok":true,"l":[ null ,{}] }'
+    for k in range(150):
+        whole = spaced if k == 0 else json.dumps(random_arguments(rng), ensure_ascii=k % 2 == 0, indent=k % 3 or None)
+        raw = whole if k % 4 else whole[: rng.randint(1, len(whole))]  # (every fourth cut short)
+        canonical, out, fed = CanonicalJSON(), "", 0
+        for piece in random_pieces(raw, rng):
+            out += canonical.feed(piece)
+            fed += len(piece)
+            assert out == canonical_prefix(raw[:fed])
+        if raw == whole:
+            assert out == json.dumps(json.loads(whole), ensure_ascii=False)
+
+
+# ---- the Responses and Messages streams (answer_blocks.py) ----
+def sse(events: list[str]) -> list[dict]:
+    return [json.loads(e.split("data: ", 1)[1]) for e in events]
+
+
+class Output:
+    def __init__(self, text: str, finish: str | None) -> None:
+        self.text, self.finish_reason, self.stop_reason = text, finish, None
+
+
+def feed_blocks(blocks: AnswerBlocks, mode: ToolMode, pieces: list[str]) -> list[dict]:
+    job = Job("id", "chat", [], 1, [None], None)
+    job.tool_mode = mode
+    ch, out = Choice(), []
+    for i, piece in enumerate(pieces):
+        out += blocks.feed(job, ch, Output(piece, "stop" if i == len(pieces) - 1 else None))
+    return sse(out + blocks.close())
+
+
+NAMED = ToolMode("named", {"lookup": SCHEMAS["lookup"]}, name="lookup")
+
+
+def _named_texts(rng: random.Random) -> list[str]:
+    """A named call's constrained output: compact JSON (raw control characters allowed in its
+    strings, as a grammar may let through), and one cut short by max_tokens."""
+    args = random_arguments(rng)
+    whole = json.dumps(args, ensure_ascii=False, separators=(",", ":"))
+    whole = re.sub(r"\\\\|\\n", lambda m: "\n" if m.group() == "\\n" else m.group(), whole)  # \n written raw
+    return [whole, whole[: rng.randint(1, len(whole) - 1)]]
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_responses_stream_a_named_calls_arguments_in_pieces_that_add_up(seed):
+    rng = random.Random(seed)
+    whole, cut = _named_texts(rng)
+    for text in (whole, cut):
+        events = feed_blocks(ResponseEvents(None, None), NAMED, random_pieces(text, rng))
+        kinds = [e["type"] for e in events]
+        assert kinds[0] == "response.output_item.added" and events[0]["item"]["type"] == "function_call"
+        assert kinds[-2:] == ["response.function_call_arguments.done", "response.output_item.done"]
+        assert set(kinds[1:-2]) <= {"response.function_call_arguments.delta"}
+        deltas = "".join(e["delta"] for e in events if e["type"] == "response.function_call_arguments.delta")
+        done = events[-2]["arguments"]
+        assert deltas == done == events[-1]["item"]["arguments"]
+        if text is whole:  # the non-streamed answer's arguments (ResponseFormat: json_text)
+            assert done == json_text(text) and json.loads(done) == json.loads(text, strict=False)
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_messages_stream_a_named_calls_arguments_as_input_json_deltas(seed):
+    rng = random.Random(seed)
+    text = _named_texts(rng)[0]
+    events = feed_blocks(MessageEvents("m", None), NAMED, random_pieces(text, rng))
+    assert events[0]["type"] == "content_block_start" and events[0]["content_block"]["type"] == "tool_use"
+    assert events[-1] == {"type": "content_block_stop", "index": 0}
+    pieces = [e["delta"]["partial_json"] for e in events[1:-1]]
+    assert all(e["delta"]["type"] == "input_json_delta" for e in events[1:-1])
+    assert "".join(pieces) == json_text(text)
+
+
+def test_blocks_stream_auto_calls_as_the_chat_route_does():
+    """hermes through the Messages stream: text block, then one tool_use block per call, each
+    call's input_json_delta pieces adding up to the whole parse's arguments."""
+    rng = random.Random(7)
+    text = write_call("hermes", random_arguments(rng), rng) + write_call("hermes", {"text": LONG}, rng)[5:]
+    _, calls = REGISTRY["hermes"].parse(text, SCHEMAS)
+    mode = ToolMode("auto", SCHEMAS, parser="hermes")
+    events = feed_blocks(MessageEvents("m", None), mode, random_pieces(text, rng))
+    starts = [e["content_block"] for e in events if e["type"] == "content_block_start"]
+    assert [b["type"] for b in starts] == ["text", "tool_use", "tool_use"]
+    for index, call in enumerate(calls, start=1):
+        pieces = [e["delta"]["partial_json"] for e in events if e.get("index") == index and "delta" in e]
+        assert len(pieces) > 1 and "".join(pieces) == call.arguments

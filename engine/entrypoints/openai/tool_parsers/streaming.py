@@ -63,57 +63,80 @@ def _escape(raw: str, i: int) -> tuple[str | None, int]:
     return chr(code), i + 6
 
 
-def canonical_prefix(raw: str) -> str:
-    """The part of the JSON value starting raw (an object, maybe unfinished) that is certain,
-    written as json.dumps(value, ensure_ascii=False) writes it. Stops at anything malformed."""
-    out: list[str] = []
-    stack: list[str] = []
-    i, n = 0, len(raw)
-    try:
-        while i < n:
-            c = raw[i]
-            if c in " \t\r\n":
-                i += 1
-                continue
-            if out and not stack:
-                break  # the value has ended
-            if c in "{[":
-                stack.append(c)
-                out.append(c)
-                i += 1
-            elif c in "}]":
-                if not stack or (stack.pop() == "{") != (c == "}"):
-                    break
-                out.append(c)
-                i += 1
-            elif c in ":,":
-                out.append(c + " ")
-                i += 1
-            elif c == '"':
-                out.append('"')
-                i += 1
-                while i < n and raw[i] != '"':
-                    if raw[i] == "\\":
-                        decoded, i = _escape(raw, i)
-                        if decoded is None:
-                            return "".join(out)
-                        out.append(_char(decoded))
-                    else:
-                        out.append(_char(raw[i]))
+class CanonicalJSON:
+    """The certain part of a JSON value (an object, maybe unfinished) written as
+    json.dumps(value, ensure_ascii=False) writes it, made as the raw text comes: feed(piece)
+    returns what the piece adds (a token split across pieces goes once it is whole), so a stream
+    costs its length once. Stops for good at anything malformed, or where the value has ended."""
+
+    def __init__(self) -> None:
+        self._rest = ""  # raw text not consumed yet: the start of a token still being written
+        self._stack: list[str] = []  # the open objects and arrays
+        self._in_string = False
+        self._started = False
+        self._stopped = False
+
+    def feed(self, piece: str) -> str:
+        raw, out, i = self._rest + piece, [], 0
+        n = len(raw)
+        try:
+            while i < n and not self._stopped:
+                c = raw[i]
+                if self._in_string:
+                    if c == '"':
+                        out.append('"')
+                        self._in_string = False
                         i += 1
-                if i == n:
-                    return "".join(out)  # a string still being written
-                out.append('"')
+                    elif c == "\\":
+                        decoded, end = _escape(raw, i)
+                        if decoded is None:
+                            break  # (its end is on its way)
+                        out.append(_char(decoded))
+                        i = end
+                    else:
+                        out.append(_char(c))
+                        i += 1
+                    continue
+                if c in " \t\r\n":
+                    i += 1
+                    continue
+                if self._started and not self._stack:
+                    self._stopped = True  # the value has ended
+                    break
+                self._started = True
+                if c in "{[":
+                    self._stack.append(c)
+                    out.append(c)
+                elif c in "}]":
+                    if not self._stack or (self._stack.pop() == "{") != (c == "}"):
+                        self._stopped = True
+                        break
+                    out.append(c)
+                elif c in ":,":
+                    out.append(c + " ")
+                elif c == '"':
+                    out.append('"')
+                    self._in_string = True
+                else:
+                    m = _SCALAR.match(raw, i)
+                    if m is None:
+                        self._stopped = True
+                        break
+                    if m.end() == n:
+                        break  # a number or literal that may go on
+                    out.append(json.dumps(json.loads(m.group())))
+                    i = m.end()
+                    continue
                 i += 1
-            else:
-                m = _SCALAR.match(raw, i)
-                if m is None or m.end() == n:
-                    break  # malformed, or a number or literal that may go on
-                out.append(json.dumps(json.loads(m.group())))
-                i = m.end()
-    except ValueError:
-        pass  # (a malformed number or escape: what came before stands)
-    return "".join(out)
+        except ValueError:
+            self._stopped = True  # (a malformed number or escape: what came before stands)
+        self._rest = "" if self._stopped else raw[i:]
+        return "".join(out)
+
+
+def canonical_prefix(raw: str) -> str:
+    """CanonicalJSON's output for the whole of raw at once."""
+    return CanonicalJSON().feed(raw)
 
 
 _DECODER = json.JSONDecoder(strict=False)
@@ -225,10 +248,8 @@ def object_text(
     parts = [f"{_dumps(k)}: {_dumps(v)}" for k, v in members]
     if open_string is not None:
         parts.append(f"{_dumps(open_string[0])}: {_dumps(open_string[1])[:-1]}")
-    text = "{" + ", ".join(parts)
-    if open_string is None:
-        text += "}" if closed else " "  # (the space: a number at the end has ended)
-    return text
+    # (It only grows as the call goes on; a number at its end goes once the next member or "}" comes.)
+    return "{" + ", ".join(parts) + ("}" if closed and open_string is None else "")
 
 
 def _dumps(value: Any) -> str:
