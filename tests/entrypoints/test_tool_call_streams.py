@@ -20,7 +20,12 @@ from engine.entrypoints.openai.messages import MessageEvents
 from engine.entrypoints.openai.responses import ResponseEvents
 from engine.entrypoints.openai.tool_calls import ToolMode
 from engine.entrypoints.openai.tool_parsers import REGISTRY, TOOL_CALL_PARSERS
-from engine.entrypoints.openai.tool_parsers.streaming import CanonicalJSON, canonical_prefix
+from engine.entrypoints.openai.tool_parsers.streaming import (
+    CallInProgress,
+    CanonicalJSON,
+    StreamedCalls,
+    canonical_prefix,
+)
 
 TYPES = {"text": "string", "note": "string", "count": "integer", "ratio": "number", "on": "boolean", "opts": "object"}
 SCHEMAS = {"lookup": {"type": "object", "properties": {k: {"type": t} for k, t in TYPES.items()}}}
@@ -201,6 +206,20 @@ def test_canonical_json_fed_in_pieces_is_the_canonical_prefix_of_what_came():
             assert out == canonical_prefix(raw[:fed])
         if raw == whole:
             assert out == json.dumps(json.loads(whole), ensure_ascii=False)
+
+
+def test_streamed_calls_start_over_where_a_calls_raw_text_is_rewritten():
+    """StreamedCalls makes each call's raw arguments canonical as they grow; raw text that does
+    not go on from the last (a format that rewrites its JSON) is read afresh, and only what
+    extends what was sent goes out."""
+    calls = StreamedCalls()
+    first = calls.update([CallInProgress("f", '{"a": "xy')])
+    assert first[0]["function"] == {"name": "f", "arguments": '{"a": "xy'}
+    assert calls.update([CallInProgress("f", '{ "a":"xyz')]) == [{"index": 0, "function": {"arguments": "z"}}]
+    assert calls.update([CallInProgress("f", '{"b": 1')]) == []  # (not an extension of what was sent)
+    assert calls.update([CallInProgress("f", '{"a": "xyz", "b": 2}')]) == [
+        {"index": 0, "function": {"arguments": '", "b": 2}'}}
+    ]
 
 
 # ---- the Responses and Messages streams (answer_blocks.py) ----

@@ -262,10 +262,29 @@ def new_call_id() -> str:
 
 @dataclass
 class StreamedCalls:
-    """What a streamed choice has sent of its calls: per call, its id and its arguments so far."""
+    """What a streamed choice has sent of its calls: per call, its id and its arguments so far.
+    Each call's raw arguments are made canonical as they grow (CanonicalJSON, fed only what is
+    new), so a long argument costs its length once, not once per delta."""
 
     ids: list[str] = field(default_factory=list)
     sent: list[str] = field(default_factory=list)
+    _raw: list[str] = field(default_factory=list)  # per call: the raw arguments made canonical so far
+    _canonical: list[tuple[CanonicalJSON, str]] = field(default_factory=list)  # per call: the maker, its output
+
+    def _canonical_prefix(self, i: int, raw: str) -> str:
+        """canonical_prefix(raw) of call i, from what its last raw text gave where raw goes on from
+        it (a format whose raw text is rewritten, not extended, starts over)."""
+        if i == len(self._raw):
+            self._raw.append("")
+            self._canonical.append((CanonicalJSON(), ""))
+        maker, made = self._canonical[i]
+        if raw.startswith(self._raw[i]):
+            made += maker.feed(raw[len(self._raw[i]) :])
+        else:
+            maker = CanonicalJSON()
+            made = maker.feed(raw)
+        self._raw[i], self._canonical[i] = raw, (maker, made)
+        return made
 
     def update(self, calls: list[CallInProgress], make_id: Callable[[], str] = new_call_id) -> list[dict[str, Any]]:
         """The tool_calls deltas that bring the client up to `calls` (calls go out in order: one
@@ -280,7 +299,7 @@ class StreamedCalls:
                 self.sent.append("")
                 delta = {"index": i, "id": self.ids[i], "type": "function", "function": {"name": call.name}}
             if call.arguments is not None:
-                now = canonical_prefix(call.arguments)
+                now = self._canonical_prefix(i, call.arguments)
                 if len(now) > len(self.sent[i]) and now.startswith(self.sent[i]):
                     delta["function"]["arguments"] = now[len(self.sent[i]) :]
                     self.sent[i] = now
