@@ -9,8 +9,8 @@ The list is read with `ast` and nothing is evaluated: each element must be a cal
 (or dotted) name with keyword arguments whose values are literals (strings, numbers, lists,
 dicts, tuples, True/False/None, and JSON's true/false/null).
 
-Streamed (python_progress.py): a call once its name and "(" are written, a string argument
-('...' or "...") as it is written, any other argument once its value has ended.
+Streamed (python_progress.py): a call once its name and its first keyword (or its ")") are
+written, a string argument ('...' or "...") as it is written, any other once its value has ended.
 """
 
 from __future__ import annotations

@@ -34,6 +34,21 @@ _SEP, _CALL_END = "<｜tool▁sep｜>", "<｜tool▁call▁end｜>"
 _DEEPSEEK_MARKERS = (_CALLS_BEGIN, _CALL_BEGIN)
 
 
+def _segments(text: str, markers: tuple[str, ...], begin: str, end_marker: str) -> list[str]:
+    """The text of each call (from its begin marker to its end marker, or on to the end of the
+    text for the last one still being written), once one of the markers has come."""
+    if first_marker(text, markers) < 0:
+        return []
+    out, pos = [], 0
+    while (pos := text.find(begin, pos)) >= 0:
+        end = text.find(end_marker, pos)
+        out.append(text[pos + len(begin) : end if end >= 0 else len(text)])
+        if end < 0:
+            break
+        pos = end + len(end_marker)
+    return out
+
+
 def _object_text(body: str) -> str | None:
     """The arguments of a call: a JSON object, maybe in a ```json fence; None if not one."""
     body = body.strip()
@@ -61,20 +76,9 @@ def _deepseek_call(segment: str) -> ToolCall | None:
 
 def parse_deepseek(text: str, schemas: Schemas | None = None) -> Parsed:
     start = first_marker(text, _DEEPSEEK_MARKERS)
-    if start < 0:
-        return text, []
-    calls: list[ToolCall] = []
-    pos = start
-    while (pos := text.find(_CALL_BEGIN, pos)) >= 0:
-        end = text.find(_CALL_END, pos)
-        call = _deepseek_call(text[pos + len(_CALL_BEGIN) : end if end >= 0 else len(text)])
-        if call is None:
-            return text, []
-        calls.append(call)
-        if end < 0:
-            break
-        pos = end + len(_CALL_END)
-    return (before(text, start), calls) if calls else (text, [])
+    found = [_deepseek_call(segment) for segment in _segments(text, _DEEPSEEK_MARKERS, _CALL_BEGIN, _CALL_END)]
+    calls = [call for call in found if call is not None]
+    return (before(text, start), calls) if calls and len(calls) == len(found) else (text, [])
 
 
 _KIMI_SECTION, _KIMI_BEGIN = "<|tool_calls_section_begin|>", "<|tool_call_begin|>"
@@ -92,20 +96,9 @@ def _kimi_call(segment: str) -> ToolCall | None:
 
 def parse_kimi_k2(text: str, schemas: Schemas | None = None) -> Parsed:
     start = first_marker(text, _KIMI_MARKERS)
-    if start < 0:
-        return text, []
-    calls: list[ToolCall] = []
-    pos = start
-    while (pos := text.find(_KIMI_BEGIN, pos)) >= 0:
-        end = text.find(_KIMI_END, pos)
-        call = _kimi_call(text[pos + len(_KIMI_BEGIN) : end if end >= 0 else len(text)])
-        if call is None:
-            return text, []
-        calls.append(call)
-        if end < 0:
-            break
-        pos = end + len(_KIMI_END)
-    return (before(text, start), calls) if calls else (text, [])
+    found = [_kimi_call(segment) for segment in _segments(text, _KIMI_MARKERS, _KIMI_BEGIN, _KIMI_END)]
+    calls = [call for call in found if call is not None]
+    return (before(text, start), calls) if calls and len(calls) == len(found) else (text, [])
 
 
 def parse_harmony(text: str, schemas: Schemas | None = None) -> Parsed:
@@ -126,21 +119,6 @@ def parse_harmony(text: str, schemas: Schemas | None = None) -> Parsed:
         elif msg.channel != "analysis":  # the answer, or a preamble to calls
             content.append(msg.body)
     return "".join(content) or None, calls
-
-
-def _segments(text: str, markers: tuple[str, ...], begin: str, end_marker: str) -> list[str]:
-    """The text of each call (from its begin marker to its end marker, or on to the end of the
-    text for the last one still being written), once one of the markers has come."""
-    if first_marker(text, markers) < 0:
-        return []
-    out, pos = [], 0
-    while (pos := text.find(begin, pos)) >= 0:
-        end = text.find(end_marker, pos)
-        out.append(text[pos + len(begin) : end if end >= 0 else len(text)])
-        if end < 0:
-            break
-        pos = end + len(end_marker)
-    return out
 
 
 def _object_start(body: str) -> str | None:
