@@ -34,6 +34,9 @@ class ServerSettings(KilnSettingsBase):
     warm_prefixes: Path | None = Field(None, description="file of prompt prefixes to prefill at start-up")
     request_timeout: float | None = Field(None, gt=0, description="seconds before a request is aborted")
     log_level: str = Field("info", description="kiln's log level while serving")
+    serve_chat_page: bool = Field(
+        True, description="serve kiln's chat page at / (--no-serve-chat-page: nothing at /, as vLLM)"
+    )
     # Tool calling with tool_choice "auto": the model's own call format is parsed (vLLM's flags).
     enable_auto_tool_choice: bool = Field(False, description="let the model call tools on its own")
     tool_call_parser: (

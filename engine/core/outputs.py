@@ -6,7 +6,7 @@ the step (engine/core/sched/step_update.py): the tokens it kept, how each sequen
 output side (engine/runtime/output_processor.py) turns updates into RequestOutputs; it never
 reads the core's Request, so it may run on another thread.
 And what the API hands users: `RequestOutput` / `CompletionOutput` (vLLM's shapes), an embedding's
-`EmbeddingRequestOutput`, and how a sample ended (`FinishReason`).
+`EmbeddingRequestOutput`, a pair's `ScoringRequestOutput`, and how a sample ended (`FinishReason`).
 """
 
 from __future__ import annotations
@@ -132,3 +132,18 @@ class EmbeddingRequestOutput:
             out.finished,
             out.num_cached_tokens,
         )
+
+
+@dataclass
+class ScoringOutput:
+    score: float
+
+
+@dataclass
+class ScoringRequestOutput:
+    """A pair's score in vLLM's shape (`.outputs.score`): LLM.score."""
+
+    request_id: str
+    prompt_token_ids: list[int]  # the two prompts' ids, one after the other
+    outputs: ScoringOutput
+    finished: bool = True

@@ -10,7 +10,7 @@ from engine.config.generation_config import default_sampling_params
 from engine.config.process_setup import prepare_process
 from engine.config.server_settings import ServerSettings
 from engine.config.settings import EngineSettings
-from engine.core.outputs import EmbeddingRequestOutput, RequestOutput
+from engine.core.outputs import EmbeddingRequestOutput, RequestOutput, ScoringOutput, ScoringRequestOutput
 from engine.core.params import LoRARequest, PoolingParams, SamplingParams
 
 # An entry point (`from engine import LLM`): the settings torch reads once at load, before the engine imports it.
@@ -139,6 +139,41 @@ class LLM:
             for prompt in _prompt_list(prompts)
         ]
         return [EmbeddingRequestOutput.of(out) for out in self._run(admitted, use_tqdm)]
+
+    def score(
+        self,
+        data_1: Prompts,
+        data_2: Prompts,
+        use_tqdm: bool = True,
+        lora_request: LoRARequest | None = None,
+    ) -> list[ScoringRequestOutput]:
+        """vLLM's LLM.score with an embedding model: the cosine similarity of each pair's embeddings
+        (LLM.embed's, default pooling). One prompt in data_1 is paired with each of data_2; else
+        the two pair up in order and must be as many."""
+        first, second = _prompt_list(data_1), _prompt_list(data_2)
+        if not second or len(first) not in (1, len(second)):
+            raise ValueError(f"score: data_1 is one prompt or as many as data_2 ({len(first)} and {len(second)} given)")
+        first = first * len(second) if len(first) == 1 else first
+        embedded = self.embed([*first, *second], use_tqdm=use_tqdm, lora_request=lora_request)
+        out = []
+        for a, b in zip(embedded[: len(first)], embedded[len(first) :]):
+            dot = sum(x * y for x, y in zip(a.embedding, b.embedding))
+            norms = (sum(x * x for x in a.embedding) * sum(y * y for y in b.embedding)) ** 0.5
+            out.append(
+                ScoringRequestOutput(
+                    f"{a.request_id}-{b.request_id}",
+                    a.prompt_token_ids + b.prompt_token_ids,
+                    ScoringOutput(dot / norms if norms else 0.0),
+                )
+            )
+        return out
+
+    def classify(self, prompts: Prompts, *args: Any, **kwargs: Any) -> list:
+        """vLLM's LLM.classify needs a sequence-classification head, which kiln does not load."""
+        raise ValueError(
+            "LLM.classify: kiln loads no sequence-classification models; with an embedding model, "
+            "LLM.embed and LLM.score work"
+        )
 
     def beam_search(
         self, prompts: Prompts, params: "BeamSearchParams", lora_request: LoRARequest | None = None

@@ -6,14 +6,20 @@ engine steps, its request aborted and its KV blocks freed, the partial answer ke
 from __future__ import annotations
 
 import io
+import json
 import os
 import signal
+from types import SimpleNamespace
 
 import pytest
 
+from engine.core.params import SamplingParams
+from engine.entrypoints.cli import chat as chat_cli
 from engine.entrypoints.cli.chat import STOPPED, LocalChat, Sampling, repl
 from engine.entrypoints.cli.main import main
-from tests.support.server import API_KEY, MAX_MODEL_LEN, MODEL
+from tests.support.server import API_KEY, MAX_MODEL_LEN, MODEL, metrics, wait_clean
+
+ABORTED = "kiln:request_success_total{finished_reason=abort}"
 
 GREEDY = ["--temperature", "0", "--max-tokens", "8"]
 
@@ -59,7 +65,7 @@ def test_server_errors_are_shown_and_the_turn_dropped(url, monkeypatch, capsys):
     assert "401" in capsys.readouterr().err
 
 
-def test_ctrl_c_stops_the_answer_and_frees_its_blocks(make_llm):
+def test_ctrl_c_stops_the_answer_and_a_second_quits_freeing_its_blocks(make_llm):
     llm = make_llm(max_model_len=256, max_num_seqs=1)
     backend = LocalChat(llm)
     asked: list[list[dict]] = []
@@ -93,6 +99,57 @@ def test_ctrl_c_stops_the_answer_and_frees_its_blocks(make_llm):
         {"role": "assistant", "content": partial},
         {"role": "user", "content": "Go on"},
     ]
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+    # A second Ctrl-C before the answer has stopped (a long step) quits: KeyboardInterrupt,
+    # raised inside the step, after its forward and before its results are applied (the worst
+    # place). On the way out the request is aborted: no request left, every block free, and the
+    # engine answers the next request as before.
+    greedy = SamplingParams(temperature=0, max_tokens=6)
+    want = [o.outputs[0].token_ids for o in llm.generate(["Once upon a time"], greedy)]
+    scheduler = llm.engine.core.scheduler
+    real_update = scheduler.update_from_output
+
+    def update(*args, **kwargs):
+        if len(written) > 2:  # mid-answer
+            os.kill(os.getpid(), signal.SIGINT)  # stops the answer at its next piece ...
+            os.kill(os.getpid(), signal.SIGINT)  # ... unless a second comes first: raised here
+        return real_update(*args, **kwargs)
+
+    scheduler.update_from_output = update
+    written.clear()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            repl(backend, Sampling(temperature=0, max_tokens=200), read=lambda prompt: "Tell me a story", write=write)
+    finally:
+        del scheduler.update_from_output
+    assert STOPPED not in written and len(written) <= 4
+    assert not llm.engine.core.has_unfinished_requests() and llm.engine.core.pool.is_fully_free()
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    assert [o.outputs[0].token_ids for o in llm.generate(["Once upon a time"], greedy)] == want
+
+
+def test_a_second_ctrl_c_quits_and_the_server_frees_the_request(url, monkeypatch, capsys):
+    """With --url: Ctrl-C twice while an answer streams (the second before the first has stopped
+    it, raised inside the stream's read) ends `kiln chat` with status 130; the connection closes on
+    the way out, so the server aborts the request and frees its blocks."""
+    aborted = metrics(url).get(ABORTED, 0)
+    chunks: list[str] = []
+
+    def loads(text: str):
+        chunks.append(text)
+        if len(chunks) == 3:  # two pieces of the answer shown
+            os.kill(os.getpid(), signal.SIGINT)
+            os.kill(os.getpid(), signal.SIGINT)
+        return json.loads(text)
+
+    monkeypatch.setattr(chat_cli, "json", SimpleNamespace(loads=loads))
+    monkeypatch.setattr("sys.stdin", io.StringIO("Tell me a long story\n/exit\n"))
+    argv = ["chat", "--url", url, "--api-key", API_KEY, "--temperature", "0", "--max-tokens", "500"]
+    assert main(argv) == 130
+    assert STOPPED not in capsys.readouterr().out and len(chunks) == 3
+    wait_clean(url)  # nothing running, waiting or holding KV blocks
+    assert metrics(url)[ABORTED] == aborted + 1
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
 
 

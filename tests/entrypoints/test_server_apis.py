@@ -130,7 +130,12 @@ def test_messages_tool_use_and_result(claude, client):
     )
     assert json.loads(choice.message.tool_calls[0].function.arguments, strict=False) == call.input
 
-    with claude.messages.stream(**ask) as stream:
+    # Streamed, the arguments come as they are written: input_json_delta pieces adding up to them.
+    events = list(claude.messages.create(stream=True, **ask))
+    pieces = [e.delta.partial_json for e in events if e.type == "content_block_delta"]
+    assert all(e.delta.type == "input_json_delta" for e in events if e.type == "content_block_delta")
+    assert len(pieces) > 1 and json.loads("".join(pieces)) == call.input, pieces
+    with claude.messages.stream(**ask) as stream:  # the SDK's own accumulation (a partial parse per piece)
         streamed = stream.get_final_message()
     (scall,) = [b for b in streamed.content if b.type == "tool_use"]
     assert scall.input == call.input and streamed.stop_reason == "tool_use"
@@ -278,20 +283,25 @@ def test_responses_function_call_and_previous_response(client):
     assert call.type == "function_call" and call.name == "get_weather" and call.call_id
     jsonschema.validate(json.loads(call.arguments), WEATHER["input_schema"])
 
-    events = list(
-        client.responses.create(
-            model=MODEL,
-            input="Weather in Paris?",
-            tools=[WEATHER_FUNCTION],
-            tool_choice={"type": "function", "name": "get_weather"},
-            max_output_tokens=100,
-            temperature=0,
-            stream=True,
-        )
+    ask = dict(
+        model=MODEL,
+        input="Weather in Paris?",
+        tools=[WEATHER_FUNCTION],
+        tool_choice={"type": "function", "name": "get_weather"},
+        max_output_tokens=100,
+        temperature=0,
     )
+    events = list(client.responses.create(stream=True, **ask))
+    # The arguments stream as they are written, and add up to the whole answer's, exactly.
+    deltas = [e.delta for e in events if e.type == "response.function_call_arguments.delta"]
     done = [e for e in events if e.type == "response.function_call_arguments.done"]
-    assert len(done) == 1 and json.loads(done[0].arguments) == json.loads(call.arguments)
+    assert len(done) == 1 and len(deltas) > 1 and "".join(deltas) == done[0].arguments == call.arguments
     assert events[-1].response.output[0].type == "function_call"
+    assert events[-1].response.output[0].arguments == call.arguments
+    with client.responses.stream(**ask) as stream:  # the SDK's own accumulation
+        snapshots = [e.snapshot for e in stream if e.type == "response.function_call_arguments.delta"]
+        final = stream.get_final_response()
+    assert snapshots[-1] == call.arguments and final.output[0].arguments == call.arguments
 
     # The next turn sends the call's output after the stored turn: the same as the chat route
     # given the whole conversation.

@@ -5,11 +5,14 @@ wrong one, with and without a root path; only the documented public routes answe
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import re
 
 import httpx
 import pytest
 
+from engine.entrypoints.cli.main import parse_serve_args
+from engine.entrypoints.openai.app import build_app
 from engine.entrypoints.openai.middleware import PUBLIC_ROUTES
 from tests.support.engine import served
 
@@ -108,3 +111,23 @@ def test_public_metrics_opens_metrics_only(tiny_llama):
             return [(await http.get(p)).status_code for p in ("/metrics", "/v1/models", "/version")]
 
         assert asyncio.run(main()) == [200, 401, 401]
+
+
+def test_the_chat_page_can_be_left_out(keyed_app, monkeypatch):
+    """--no-serve-chat-page: nothing at / (a 404 with the key or without, as in vLLM), and the
+    key's rule unchanged: the API needs it, the probes do not. (The same engine, a second app.)"""
+    state, app = keyed_app
+    monkeypatch.delenv("KILN_SERVE_CHAT_PAGE", raising=False)
+    assert parse_serve_args([])[1].serve_chat_page is True
+    assert parse_serve_args(["--no-serve-chat-page"])[1].serve_chat_page is False
+    settings = state.settings.model_copy(update={"serve_chat_page": False})
+    off = build_app(dataclasses.replace(state, settings=settings), manage_engine=False)
+    assert ("/", "GET") in set(app_routes(app.routes)) and ("/", "GET") not in set(app_routes(off.routes))
+    key = {"Authorization": f"Bearer {KEY}"}
+
+    async def main():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=off), base_url="http://t") as http:
+            asks = [("/", {}), ("/", key), ("/v1/models", {}), ("/v1/models", key), ("/health", {}), ("/ping", {})]
+            return [(await http.get(path, headers=headers)).status_code for path, headers in asks]
+
+    assert asyncio.run(main()) == [404, 404, 401, 200, 200, 200]

@@ -101,6 +101,8 @@ def test_wheel_holds_every_package_and_the_templates(wheel):
         assert f"{pkg}/__init__.py" in names, f"{pkg} is missing from the wheel"
     templates = {p.name for p in (ROOT / "templates").iterdir() if p.suffix in (".cpp", ".cuh", ".inc", ".j2", ".toml")}
     assert templates and templates <= {Path(n).name for n in names if n.startswith("templates/")}
+    for data in ("grafana_dashboard.json", "chat_page.html"):  # (package data: the dashboard, the chat page)
+        assert f"engine/entrypoints/openai/{data}" in names, data
 
 
 def test_installed_kiln_generates_and_serves(venv, tiny_llama, tmp_path):
@@ -139,6 +141,11 @@ def test_installed_kiln_generates_and_serves(venv, tiny_llama, tmp_path):
     )
     assert res.returncode == 0, res.stderr[-3000:]
     assert json.loads(res.stdout.strip().splitlines()[-1])["prompt"] == "Hello"
+
+    # `kiln grafana-dashboard` prints where the installed dashboard is.
+    dash = subprocess.run([kiln, "grafana-dashboard"], cwd=tmp_path, capture_output=True, text=True, env=_env())
+    path = Path(dash.stdout.strip())
+    assert dash.returncode == 0 and str(venv) in str(path) and json.loads(path.read_text())["panels"], dash
 
     proc = subprocess.Popen(
         [kiln, "serve", "--model", str(tiny_llama), "--port", "0", "--device", "cpu", "--max-model-len", "128"],

@@ -44,6 +44,18 @@ def test_embeddings_equal_transformers(kind, tiny_llama, make_llm):
     again = llm.embed(TEXTS[1:2], PoolingParams(kind), use_tqdm=False)[0]  # a prefix-cache hit for "last"
     assert (again.num_cached_tokens > 0) == (kind == "last")
     torch.testing.assert_close(torch.tensor(again.embedding), want[1], rtol=1e-4, atol=1e-5)
+    if kind == "last":  # LLM.score (vLLM's, with an embedding model): the cosine of the pair's embeddings
+        cosine = [float(torch.dot(want[0], ref)) for ref in want[1:]]
+        one_to_many = llm.score(TEXTS[0], TEXTS[1:], use_tqdm=False)
+        assert [s.outputs.score for s in one_to_many] == pytest.approx(cosine, abs=1e-4)
+        pairwise = llm.score(TEXTS[:2], TEXTS[2:], use_tqdm=False)
+        assert [s.outputs.score for s in pairwise] == pytest.approx(
+            [float(torch.dot(want[0], want[2])), float(torch.dot(want[1], want[3]))], abs=1e-4
+        )
+        with pytest.raises(ValueError, match="one prompt or as many"):
+            llm.score(TEXTS[:2], TEXTS[:3])
+        with pytest.raises(ValueError, match="classification"):
+            llm.classify(TEXTS)
 
 
 def test_embeddings_beside_generation_and_under_preemption(tiny_llama, make_llm):

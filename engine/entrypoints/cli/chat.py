@@ -4,7 +4,9 @@
 running server's /v1/chat/completions instead. Either way the model's chat template renders the
 conversation (here through the server's own chat_prompt_ids; there, by the server), the history
 is sent with every turn, and Ctrl-C stops an answer where it is (the partial answer is kept; a
-second Ctrl-C quits)."""
+second Ctrl-C before it has stopped, or one at the prompt, quits: status 130 for the former; the
+answer's request is aborted on the way out, here or by the server as the connection closes, so
+no KV blocks stay held)."""
 
 from __future__ import annotations
 
@@ -195,7 +197,9 @@ def repl(
 @contextlib.contextmanager
 def _first_interrupt_stops():
     """While an answer streams, the first Ctrl-C sets the event (the answer stops at its next piece,
-    between two engine steps, never inside one); a second raises KeyboardInterrupt as usual."""
+    between two engine steps, never inside one); a second raises KeyboardInterrupt as usual, maybe
+    inside a step: the stream's own cleanup (LocalChat's abort, RemoteChat's closed connection)
+    frees the request's blocks as the exception passes."""
     stop = threading.Event()
     if threading.current_thread() is not threading.main_thread():
         yield stop

@@ -4,7 +4,10 @@ its reasoning, its text, each tool call. The split itself is chat.py's (chat_str
 every API finds reasoning and calls the same way.
 
 A subclass says what starting a block, a piece of its text and its end look like. A call's
-arguments reach `stopped` whole: they are sent as strict JSON, which needs them whole."""
+arguments stream as they are written, in the form the whole answer carries them (strict JSON,
+json.dumps's spacing: streaming.CanonicalJSON of what came so far), so the pieces add up to
+the arguments `stopped` gets: the non-streamed answer's (json_text). Each API sends them strict,
+which a named call's constrained text (compact, maybe raw control characters) is not as written."""
 
 from __future__ import annotations
 
@@ -13,6 +16,7 @@ from typing import Any
 
 from engine.entrypoints.openai.chat import chat_stream_delta
 from engine.entrypoints.openai.jobs import Choice, Job
+from engine.entrypoints.openai.tool_parsers.streaming import CanonicalJSON
 
 
 def json_text(arguments: str) -> str:
@@ -39,7 +43,9 @@ class AnswerBlocks:
     def __init__(self) -> None:
         self.index = -1  # the open (or last) block's number
         self.kind: str | None = None  # the open block's kind; None when none is open
-        self.text = ""  # the open block's text (a call: its arguments) so far
+        self.text = ""  # the open block's text (a call: its arguments as the chat deltas gave them) so far
+        self.args_sent = ""  # the open call's arguments as streamed (canonical JSON of self.text)
+        self.canonical = CanonicalJSON()  # the open call's arguments made canonical as they come
         self.call: dict[str, Any] | None = None  # the open call's {"id", "name"}
         self.called = False  # the answer holds a call
         self.finish: tuple[str | None, int | str | None] = (None, None)  # (finish_reason, stop_reason)
@@ -72,7 +78,11 @@ class AnswerBlocks:
                 out += self.close()
                 self.call = {"id": call["id"], "name": fn.get("name")}
                 out += self._open("call")
-            self.text += fn.get("arguments") or ""
+            if arguments := fn.get("arguments"):
+                self.text += arguments
+                if more := self.canonical.feed(arguments):
+                    self.args_sent += more
+                    out += self.delta("call", more)
         return out
 
     def close(self) -> list[str]:
@@ -81,10 +91,19 @@ class AnswerBlocks:
             return []
         kind, text = self.kind, self.text
         self.kind = None
-        return self.stopped(kind, json_text(text) if kind == "call" else text)
+        if kind != "call":
+            return self.stopped(kind, text)
+        whole, sent = json_text(text), self.args_sent
+        if not whole.startswith(sent):
+            # (not JSON as a whole: cut short by max_tokens, or keys written twice): the call's
+            # arguments are what its pieces added up to
+            return self.stopped(kind, sent)
+        rest = self.delta(kind, whole[len(sent) :]) if len(whole) > len(sent) else []
+        return [*rest, *self.stopped(kind, whole)]
 
     def _open(self, kind: str) -> list[str]:
-        self.index, self.kind, self.text = self.index + 1, kind, ""
+        self.index, self.kind, self.text, self.args_sent = self.index + 1, kind, "", ""
+        self.canonical = CanonicalJSON()
         return self.started(kind)
 
     def _add(self, kind: str, text: str) -> list[str]:

@@ -51,6 +51,8 @@ def build_app(state: ServerState, manage_engine: bool = True) -> FastAPI:
         retry_after_s=state.settings.retry_after_s,
     )
     install_error_handlers(app)
-    for module in (completions, chat, messages, responses, embeddings, tokenize, models, chat_page):
+    for module in (completions, chat, messages, responses, embeddings, tokenize, models):
         app.include_router(module.router(state))
+    if state.settings.serve_chat_page:
+        app.include_router(chat_page.router(state))
     return app

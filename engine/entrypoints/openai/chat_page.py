@@ -1,5 +1,6 @@
 """GET /: kiln's chat page (chat_page.html, shipped in the package), a static page that talks to
-this server's /v1/models and /v1/chat/completions.
+this server's /v1/models and /v1/chat/completions. `--no-serve-chat-page` leaves it out (/ is
+then a 404, as in vLLM).
 
 The page is on the API key's public list (middleware.PUBLIC_ROUTES): it holds no data and starts
 no work, and every request it makes carries the key the user types into it. Its Content-Security-

@@ -92,7 +92,7 @@ def event(name: str, data: dict[str, Any]) -> str:
 class MessageEvents(AnswerBlocks):
     """Anthropic's stream: message_start, then per block of the answer (thinking, text,
     tool_use) content_block_start, its deltas and content_block_stop; then message_delta and
-    message_stop. A call's arguments go as one input_json_delta as its block ends."""
+    message_stop. A call's arguments stream as input_json_delta pieces as they are written."""
 
     def __init__(self, model: str, gen: GenerationRequest) -> None:
         super().__init__()
@@ -108,16 +108,14 @@ class MessageEvents(AnswerBlocks):
     def delta(self, kind: str, text: str) -> list[str]:
         if kind == "reasoning":
             piece = {"type": "thinking_delta", "thinking": text}
+        elif kind == "call":
+            piece = {"type": "input_json_delta", "partial_json": text}
         else:
             piece = {"type": "text_delta", "text": text}
         return [event("content_block_delta", {"index": self.index, "delta": piece})]
 
     def stopped(self, kind: str, text: str) -> list[str]:
-        out = []
-        if kind == "call" and text:
-            piece = {"type": "input_json_delta", "partial_json": text}
-            out.append(event("content_block_delta", {"index": self.index, "delta": piece}))
-        return [*out, event("content_block_stop", {"index": self.index})]
+        return [event("content_block_stop", {"index": self.index})]
 
     def opening(self, job: Job) -> list[str]:
         prompt = sum(len(p) for p in self.gen.prompts)

@@ -176,6 +176,8 @@ class ResponseEvents(AnswerBlocks):
         return out
 
     def delta(self, kind: str, text: str) -> list[str]:
+        if kind == "call":
+            return [self._event("response.function_call_arguments.delta", **self._where(), delta=text)]
         name = "response.reasoning_text.delta" if kind == "reasoning" else "response.output_text.delta"
         extra = {"logprobs": []} if kind == "text" else {}
         return [self._event(name, **self._where(), content_index=0, delta=text, **extra)]
@@ -184,7 +186,6 @@ class ResponseEvents(AnswerBlocks):
         where, out = self._where(), []
         if kind == "call":
             item = call_item(self.item["call_id"], self.item["name"], text, id_=self.item["id"])
-            out.append(self._event("response.function_call_arguments.delta", **where, delta=text))
             out.append(self._event("response.function_call_arguments.done", **where, arguments=text))
         elif kind == "reasoning":
             item = reasoning_item(text, id_=self.item["id"])

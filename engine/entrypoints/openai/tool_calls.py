@@ -92,7 +92,7 @@ class ToolMode:
         """The calls of an unfinished output as written so far (auto, with a parser that streams
         arguments: tool_parsers/streaming.py); [] otherwise."""
         found = REGISTRY[self.parser].progress if self.kind == "auto" else None
-        return found(text) if found is not None else []
+        return found(text, self.tools) if found is not None else []
 
     def streamable(self, text: str) -> int:
         """How much of an unfinished output can be streamed as content now (auto: everything

@@ -46,7 +46,8 @@ class ToolParser:
     rest, so nothing of a call (not even a marker's first characters) leaks into content. The
     content parse returns starts with every such prefix, so a stream's content deltas add up
     to it. keep_special_tokens: the markers are special tokens, which the text must keep.
-    progress(text): the calls written so far, for streaming them as they come (streaming.py).
+    progress(text, schemas): the calls written so far, for streaming them as they come
+    (streaming.py).
     """
 
     parse: Callable[[str, Schemas], Parsed]
@@ -54,7 +55,7 @@ class ToolParser:
     keep_special_tokens: bool = False
     # The calls of an unfinished output as written so far (streaming.CallInProgress), for a
     # format whose arguments stream as they are written; None: each call goes whole at the end.
-    progress: Callable[[str], list[Any]] | None = None
+    progress: Callable[[str, Schemas], list[Any]] | None = None
 
 
 def arguments_json(args: Any) -> str:

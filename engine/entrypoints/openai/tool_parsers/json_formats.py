@@ -152,7 +152,7 @@ def parse_mistral(text: str, schemas: Schemas | None = None) -> Parsed:
     return (before(text, start), calls) if calls else (text, [])
 
 
-def mistral_progress(text: str) -> list[CallInProgress]:
+def mistral_progress(text: str, schemas: Schemas | None = None) -> list[CallInProgress]:
     """parse_mistral's calls as written so far (streaming.py)."""
     start = text.find(_TOOL_CALLS)
     if start < 0:
@@ -173,7 +173,7 @@ def mistral_progress(text: str) -> list[CallInProgress]:
     return out
 
 
-def llama_progress(text: str) -> list[CallInProgress]:
+def llama_progress(text: str, schemas: Schemas | None = None) -> list[CallInProgress]:
     body = text.lstrip().removeprefix(_PYTHON_TAG)
     return json_calls(body) if body.lstrip().startswith("{") else []
 

@@ -8,6 +8,9 @@
 The list is read with `ast` and nothing is evaluated: each element must be a call of a plain
 (or dotted) name with keyword arguments whose values are literals (strings, numbers, lists,
 dicts, tuples, True/False/None, and JSON's true/false/null).
+
+Streamed (python_progress.py): a call once its name and its first keyword (or its ")") are
+written, a string argument ('...' or "...") as it is written, any other once its value has ended.
 """
 
 from __future__ import annotations
@@ -17,6 +20,8 @@ import json
 from typing import Any
 
 from engine.entrypoints.openai.tool_parsers.base import Parsed, Schemas, ToolCall, ToolParser, before, held_tail
+from engine.entrypoints.openai.tool_parsers.python_progress import calls_so_far
+from engine.entrypoints.openai.tool_parsers.streaming import CallInProgress, object_text
 
 
 class _NotLiteral(ValueError):
@@ -54,6 +59,11 @@ def _dotted(node: ast.AST) -> str:
     if isinstance(node, ast.Attribute):
         return f"{_dotted(node.value)}.{node.attr}"
     raise _NotLiteral()
+
+
+def literal_source(source: str) -> Any:
+    """The value of a literal's source text (_NotLiteral or SyntaxError for anything else)."""
+    return _literal(ast.parse(source.strip(), mode="eval").body)
 
 
 def python_calls(source: str) -> list[ToolCall] | None:
@@ -118,7 +128,42 @@ def _llama4_streamable(text: str) -> int:
     return len(text[:end].rstrip())
 
 
+def calls_in_progress(src: str) -> list[CallInProgress]:
+    """The calls of a call list (the text after its "[") as written so far, their arguments as
+    far as they are known (streaming.object_text). A value that is no literal, or a keyword given
+    twice, stops the stream there (the whole parse decides)."""
+    out: list[CallInProgress] = []
+    for call in calls_so_far(src):
+        members: list[tuple[str, Any]] = []
+        for key, source in call.values:
+            try:
+                value = literal_source(source)
+            except (_NotLiteral, SyntaxError, ValueError, RecursionError, MemoryError):
+                return [*out, CallInProgress(call.name, object_text(members))]
+            if key in dict(members):
+                return [*out, CallInProgress(call.name, object_text(members))]
+            members.append((key, value))
+        open_string = call.open_string if call.open_string and call.open_string[0] not in dict(members) else None
+        out.append(CallInProgress(call.name, object_text(members, open_string, closed=call.ended)))
+    return out
+
+
+def pythonic_progress(text: str, schemas: Schemas | None = None) -> list[CallInProgress]:
+    """parse_pythonic's calls as written so far (streaming.py)."""
+    body = text.lstrip()
+    body = body.removeprefix(_PYTHON_TAG).lstrip() if body.startswith(_PYTHON_TAG) else body
+    return calls_in_progress(body[1:]) if body.startswith("[") else []
+
+
+def llama4_pythonic_progress(text: str, schemas: Schemas | None = None) -> list[CallInProgress]:
+    start = text.find(_START)
+    if start < 0:
+        return pythonic_progress(text)
+    body = text[start + len(_START) :].lstrip()
+    return calls_in_progress(body[1:] if body.startswith("[") else body)
+
+
 PYTHONIC_PARSERS = {
-    "pythonic": ToolParser(parse_pythonic, _pythonic_streamable),
-    "llama4_pythonic": ToolParser(parse_llama4_pythonic, _llama4_streamable),
+    "pythonic": ToolParser(parse_pythonic, _pythonic_streamable, progress=pythonic_progress),
+    "llama4_pythonic": ToolParser(parse_llama4_pythonic, _llama4_streamable, progress=llama4_pythonic_progress),
 }

@@ -11,6 +11,9 @@
 Values are text; each is typed from the tool's JSON schema where it gives the parameter's type
 (a string stays as written; numbers, booleans, objects and arrays are read as JSON), else read
 as JSON where it parses and kept as a string where it does not.
+
+Streamed: a value whose schema type is "string" as it is written; any other once it has ended
+(its type shows only then).
 """
 
 from __future__ import annotations
@@ -25,8 +28,10 @@ from engine.entrypoints.openai.tool_parsers.base import (
     ToolParser,
     before,
     first_marker,
+    held_tail,
     marker_streamable,
 )
+from engine.entrypoints.openai.tool_parsers.streaming import CallInProgress, object_text
 
 _MARKERS = ("<tool_call>", "<function=")
 _FUNC, _PARAM, _PARAM_END, _FUNC_END = "<function=", "<parameter=", "</parameter>", "</function>"
@@ -39,10 +44,21 @@ def _json_or_text(raw: str) -> Any:
         return raw
 
 
-def typed_value(raw: str, schema: Any) -> Any:
+def _kind(schema: Any) -> Any:
     kind = schema.get("type") if isinstance(schema, dict) else None
     if isinstance(kind, list):  # ["integer", "null"]: the first type that is not null
         kind = next((k for k in kind if k != "null"), None)
+    return kind
+
+
+def is_text(schema: Any) -> bool:
+    """Whether typed_value keeps a value under this schema as the text written (a stream can
+    send it as it comes)."""
+    return _kind(schema) == "string"
+
+
+def typed_value(raw: str, schema: Any) -> Any:
+    kind = _kind(schema)
     if kind == "string":
         return raw
     if kind is None:
@@ -120,7 +136,57 @@ def parse_qwen3_xml(text: str, schemas: Schemas | None = None) -> Parsed:
     return (before(text, start), calls) if calls else (text, [])
 
 
+def open_text_value(raw: str, end_tag: str) -> str:
+    """The certain text of a string value still being written: less a tail that may be its end
+    tag arriving."""
+    return raw[: len(raw) - held_tail(raw, end_tag)]
+
+
+def _function_progress(body: str, pos: int, schemas: Schemas) -> tuple[CallInProgress | None, int]:
+    """The call whose `<function=` tag starts at pos as written so far, and where it ends (-1:
+    not yet); (None, -1) while its name is unfinished."""
+    close = body.find(">", pos)
+    name = body[pos + len(_FUNC) : close].strip() if close >= 0 else ""
+    if not name or "\n" in name:
+        return None, -1
+    props = (schemas.get(name) or {}).get("properties") or {}
+    members: list[tuple[str, Any]] = []
+    pos = close + 1
+    while True:
+        pos = len(body) - len(body[pos:].lstrip())
+        if body.startswith(_FUNC_END, pos):
+            return CallInProgress(name, object_text(members, closed=True)), pos + len(_FUNC_END)
+        tag_end = body.find(">", pos) if body.startswith(_PARAM, pos) else -1
+        key = body[pos + len(_PARAM) : tag_end].strip()
+        if tag_end < 0 or key in dict(members):  # unfinished (or a key written twice: no more streams)
+            return CallInProgress(name, object_text(members)), -1
+        end = body.find(_PARAM_END, tag_end)
+        if end < 0:
+            raw = open_text_value(body[tag_end + 1 :], _PARAM_END)
+            raw = raw.removeprefix("\n").removesuffix("\n")  # (as _trim: the last may be the one it drops)
+            open_string = (key, raw) if is_text(props.get(key)) else None
+            return CallInProgress(name, object_text(members, open_string)), -1
+        members.append((key, typed_value(_trim(body[tag_end + 1 : end]), props.get(key))))
+        pos = end + len(_PARAM_END)
+
+
+def qwen3_xml_progress(text: str, schemas: Schemas | None = None) -> list[CallInProgress]:
+    """parse_qwen3_xml's calls as written so far (streaming.py)."""
+    start = first_marker(text, _MARKERS)
+    out: list[CallInProgress] = []
+    pos = _skip_wrappers(text, start) if start >= 0 else len(text)
+    while text.startswith(_FUNC, pos):
+        call, end = _function_progress(text, pos, schemas or {})
+        if call is None:
+            break
+        out.append(call)
+        if end < 0:
+            break
+        pos = _skip_wrappers(text, end)
+    return out
+
+
 QWEN3_XML_PARSERS = {
-    "qwen3_coder": ToolParser(parse_qwen3_xml, marker_streamable(_MARKERS)),
-    "qwen3_xml": ToolParser(parse_qwen3_xml, marker_streamable(_MARKERS)),
+    "qwen3_coder": ToolParser(parse_qwen3_xml, marker_streamable(_MARKERS), progress=qwen3_xml_progress),
+    "qwen3_xml": ToolParser(parse_qwen3_xml, marker_streamable(_MARKERS), progress=qwen3_xml_progress),
 }

@@ -7,7 +7,13 @@ arguments' `{` on). The raw text is not what the finished call carries: the whol
 re-serialises the arguments (json.dumps, ensure_ascii=False). So what streams is the canonical
 form of the raw prefix: every token that is complete, written as json.dumps writes it (strings
 char by char, numbers and literals once they end). Its pieces add up to the finished call's
-arguments exactly. Formats without such text (pythonic, XML) send each call whole at the end.
+arguments exactly.
+
+A format that writes no JSON (Python calls, XML parameters) gives the JSON of what it has
+revealed (`object_text`): each argument once its value is complete, and a string value as it is
+written where the format leaves no doubt that the value is a string and what its text is (a
+Python string literal; an XML value whose schema type is "string"); other values (numbers,
+objects, values with no schema) only show what they are at their end, so they go whole.
 """
 
 from __future__ import annotations
@@ -18,7 +24,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
-from engine.entrypoints.openai.tool_parsers.base import ToolCall
+from engine.entrypoints.openai.tool_parsers.base import Schemas, ToolCall
 
 
 class CallInProgress(NamedTuple):
@@ -27,7 +33,7 @@ class CallInProgress(NamedTuple):
     id: str | None = None  # the model's own call id, where the format has one
 
 
-Progress = Callable[[str], list[CallInProgress]]
+Progress = Callable[[str, Schemas], list[CallInProgress]]
 
 _SCALAR = re.compile(r"[-+0-9.eE]+|true|false|null|[A-Za-z]+")
 _ESCAPES = {'"': '"', "\\": "\\", "/": "/", "b": "\b", "f": "\f", "n": "\n", "r": "\r", "t": "\t"}
@@ -57,57 +63,80 @@ def _escape(raw: str, i: int) -> tuple[str | None, int]:
     return chr(code), i + 6
 
 
-def canonical_prefix(raw: str) -> str:
-    """The part of the JSON value starting raw (an object, maybe unfinished) that is certain,
-    written as json.dumps(value, ensure_ascii=False) writes it. Stops at anything malformed."""
-    out: list[str] = []
-    stack: list[str] = []
-    i, n = 0, len(raw)
-    try:
-        while i < n:
-            c = raw[i]
-            if c in " \t\r\n":
-                i += 1
-                continue
-            if out and not stack:
-                break  # the value has ended
-            if c in "{[":
-                stack.append(c)
-                out.append(c)
-                i += 1
-            elif c in "}]":
-                if not stack or (stack.pop() == "{") != (c == "}"):
-                    break
-                out.append(c)
-                i += 1
-            elif c in ":,":
-                out.append(c + " ")
-                i += 1
-            elif c == '"':
-                out.append('"')
-                i += 1
-                while i < n and raw[i] != '"':
-                    if raw[i] == "\\":
-                        decoded, i = _escape(raw, i)
-                        if decoded is None:
-                            return "".join(out)
-                        out.append(_char(decoded))
-                    else:
-                        out.append(_char(raw[i]))
+class CanonicalJSON:
+    """The certain part of a JSON value (an object, maybe unfinished) written as
+    json.dumps(value, ensure_ascii=False) writes it, made as the raw text comes: feed(piece)
+    returns what the piece adds (a token split across pieces goes once it is whole), so a stream
+    costs its length once. Stops for good at anything malformed, or where the value has ended."""
+
+    def __init__(self) -> None:
+        self._rest = ""  # raw text not consumed yet: the start of a token still being written
+        self._stack: list[str] = []  # the open objects and arrays
+        self._in_string = False
+        self._started = False
+        self._stopped = False
+
+    def feed(self, piece: str) -> str:
+        raw, out, i = self._rest + piece, [], 0
+        n = len(raw)
+        try:
+            while i < n and not self._stopped:
+                c = raw[i]
+                if self._in_string:
+                    if c == '"':
+                        out.append('"')
+                        self._in_string = False
                         i += 1
-                if i == n:
-                    return "".join(out)  # a string still being written
-                out.append('"')
+                    elif c == "\\":
+                        decoded, end = _escape(raw, i)
+                        if decoded is None:
+                            break  # (its end is on its way)
+                        out.append(_char(decoded))
+                        i = end
+                    else:
+                        out.append(_char(c))
+                        i += 1
+                    continue
+                if c in " \t\r\n":
+                    i += 1
+                    continue
+                if self._started and not self._stack:
+                    self._stopped = True  # the value has ended
+                    break
+                self._started = True
+                if c in "{[":
+                    self._stack.append(c)
+                    out.append(c)
+                elif c in "}]":
+                    if not self._stack or (self._stack.pop() == "{") != (c == "}"):
+                        self._stopped = True
+                        break
+                    out.append(c)
+                elif c in ":,":
+                    out.append(c + " ")
+                elif c == '"':
+                    out.append('"')
+                    self._in_string = True
+                else:
+                    m = _SCALAR.match(raw, i)
+                    if m is None:
+                        self._stopped = True
+                        break
+                    if m.end() == n:
+                        break  # a number or literal that may go on
+                    out.append(json.dumps(json.loads(m.group())))
+                    i = m.end()
+                    continue
                 i += 1
-            else:
-                m = _SCALAR.match(raw, i)
-                if m is None or m.end() == n:
-                    break  # malformed, or a number or literal that may go on
-                out.append(json.dumps(json.loads(m.group())))
-                i = m.end()
-    except ValueError:
-        pass  # (a malformed number or escape: what came before stands)
-    return "".join(out)
+        except ValueError:
+            self._stopped = True  # (a malformed number or escape: what came before stands)
+        self._rest = "" if self._stopped else raw[i:]
+        return "".join(out)
+
+
+def canonical_prefix(raw: str) -> str:
+    """CanonicalJSON's output for the whole of raw at once."""
+    return CanonicalJSON().feed(raw)
 
 
 _DECODER = json.JSONDecoder(strict=False)
@@ -183,7 +212,7 @@ def json_calls(raw: str) -> list[CallInProgress]:
 def between_markers(open_marker: str, close_marker: str) -> Progress:
     """Calls each in its own open ... close block, a JSON call object inside."""
 
-    def progress(text: str) -> list[CallInProgress]:
+    def progress(text: str, schemas: Schemas | None = None) -> list[CallInProgress]:
         out, pos = [], 0
         while (pos := text.find(open_marker, pos)) >= 0:
             end = text.find(close_marker, pos)
@@ -199,7 +228,7 @@ def between_markers(open_marker: str, close_marker: str) -> Progress:
 def after_marker(markers: tuple[str, ...]) -> Progress:
     """Calls after the first of the markers: call objects, or a JSON list of them."""
 
-    def progress(text: str) -> list[CallInProgress]:
+    def progress(text: str, schemas: Schemas | None = None) -> list[CallInProgress]:
         found = [(i, m) for m in markers if (i := text.find(m)) >= 0]
         if not found:
             return []
@@ -209,16 +238,53 @@ def after_marker(markers: tuple[str, ...]) -> Progress:
     return progress
 
 
+def object_text(
+    members: list[tuple[str, Any]], open_string: tuple[str, str] | None = None, closed: bool = False
+) -> str:
+    """The arguments of a call in a format that writes no JSON, as far as they are known: the
+    members whose values are complete, then a string value still being written (its key and text
+    so far: its quote stays open), then "}" once the call has ended. Written as json.dumps writes
+    the whole object, so its canonical_prefix is where the finished call's arguments begin."""
+    parts = [f"{_dumps(k)}: {_dumps(v)}" for k, v in members]
+    if open_string is not None:
+        parts.append(f"{_dumps(open_string[0])}: {_dumps(open_string[1])[:-1]}")
+    # (It only grows as the call goes on; a number at its end goes once the next member or "}" comes.)
+    return "{" + ", ".join(parts) + ("}" if closed and open_string is None else "")
+
+
+def _dumps(value: Any) -> str:
+    return json.dumps(value, ensure_ascii=False)
+
+
 def new_call_id() -> str:
     return ToolCall("", "").id
 
 
 @dataclass
 class StreamedCalls:
-    """What a streamed choice has sent of its calls: per call, its id and its arguments so far."""
+    """What a streamed choice has sent of its calls: per call, its id and its arguments so far.
+    Each call's raw arguments are made canonical as they grow (CanonicalJSON, fed only what is
+    new), so a long argument costs its length once, not once per delta."""
 
     ids: list[str] = field(default_factory=list)
     sent: list[str] = field(default_factory=list)
+    _raw: list[str] = field(default_factory=list)  # per call: the raw arguments made canonical so far
+    _canonical: list[tuple[CanonicalJSON, str]] = field(default_factory=list)  # per call: the maker, its output
+
+    def _canonical_prefix(self, i: int, raw: str) -> str:
+        """canonical_prefix(raw) of call i, from what its last raw text gave where raw goes on from
+        it (a format whose raw text is rewritten, not extended, starts over)."""
+        if i == len(self._raw):
+            self._raw.append("")
+            self._canonical.append((CanonicalJSON(), ""))
+        maker, made = self._canonical[i]
+        if raw.startswith(self._raw[i]):
+            made += maker.feed(raw[len(self._raw[i]) :])
+        else:
+            maker = CanonicalJSON()
+            made = maker.feed(raw)
+        self._raw[i], self._canonical[i] = raw, (maker, made)
+        return made
 
     def update(self, calls: list[CallInProgress], make_id: Callable[[], str] = new_call_id) -> list[dict[str, Any]]:
         """The tool_calls deltas that bring the client up to `calls` (calls go out in order: one
@@ -233,7 +299,7 @@ class StreamedCalls:
                 self.sent.append("")
                 delta = {"index": i, "id": self.ids[i], "type": "function", "function": {"name": call.name}}
             if call.arguments is not None:
-                now = canonical_prefix(call.arguments)
+                now = self._canonical_prefix(i, call.arguments)
                 if len(now) > len(self.sent[i]) and now.startswith(self.sent[i]):
                     delta["function"]["arguments"] = now[len(self.sent[i]) :]
                     self.sent[i] = now
