@@ -18,7 +18,7 @@ Servers, one at a time on the same cores (each started fresh, then stopped):
   kiln+disk/restart  a new server on that directory, the workload again (the prefixes from disk)
   llama-server    (--llama-cpp-dir) a pool of --pool-tokens, with its host prompt cache (--cache-ram, its default)
   llama-server/no-ram  the same with --cache-ram 0
-  vLLM            (--vllm-venv, --vllm-model) prefix caching, VLLM_CPU_KVCACHE_SPACE sized to --pool-tokens
+  vLLM            (--vllm-venv, --vllm-model) prefix caching, a pool of --pool-tokens (--num-gpu-blocks-override)
 
 Prints, per server and workload: TTFT median and p99 of the returning requests (a document's
 second round on, a conversation's second turn on), TTFT median of the first visits, the prompt
@@ -178,10 +178,11 @@ def servers(a, work: Path) -> list[tuple[str, list[str], dict[str, str]]]:
             ("llama-server/no-ram", llama + ["--cache-ram", "0"], dict(os.environ)),
         ]
     if a.vllm_venv:
-        # VLLM_CPU_KVCACHE_SPACE is in GiB: the pool's tokens at the model's KV bytes per token
+        # the pool: --num-gpu-blocks-override, as kiln's; VLLM_CPU_KVCACHE_SPACE (whole GiB) leaves room for it
         space = max(1, round(a.pool_tokens * a.kv_bytes_per_token / 2**30))
         vllm = [str(Path(a.vllm_venv) / "bin" / "vllm"), "serve", a.vllm_model, "--port", str(a.port)]
         vllm += ["--served-model-name", "peer", "--max-model-len", ctx, "--max-num-seqs", "4"]
+        vllm += ["--block-size", str(block), "--num-gpu-blocks-override", str(a.pool_tokens // block)]
         out.append(
             ("vLLM", vllm, {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": a.cores, "VLLM_CPU_KVCACHE_SPACE": str(space)})
         )
