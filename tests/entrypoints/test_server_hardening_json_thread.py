@@ -1,0 +1,143 @@
+"""Large request bodies on the JSON thread (issue 39, third round): parsed and validated in pieces
+that rest (engine/entrypoints/openai/json_thread.py), arrays of plain strings included, and tool
+definitions bounded in size and depth before they are validated, on every API that takes tools."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+
+import httpx
+import pytest
+
+from engine.core.admission_rules import MAX_TOOL_DEPTH, MAX_TOOL_VALUES, MAX_TOOLS_VALUES
+from engine.entrypoints.openai import json_thread, request_body
+from engine.entrypoints.openai.request_body import JSONValueCounter
+from tests.support.server import app_states
+
+
+@pytest.fixture
+def app_state(tiny_llama):
+    yield from app_states(tiny_llama, max_model_len=128, num_gpu_blocks=64, max_num_seqs=2)
+
+
+def _client(app) -> httpx.AsyncClient:
+    return httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t", timeout=60)
+
+
+def _counted(body: bytes) -> JSONValueCounter:
+    counter = JSONValueCounter()
+    for i in range(0, len(body), 65536):
+        counter.feed(body[i : i + 65536])
+    return counter
+
+
+def test_plain_values_are_parsed_with_a_rest_point_each(monkeypatch):
+    """Past C_SCAN_MAX_HOOKLESS strings/arrays/literals the parse rests at every value (the C
+    parser would build them all in one piece); below it, at objects and numbers only; both read
+    the body as json.loads does."""
+    ticks = []
+    monkeypatch.setattr(json_thread.DutyCycle, "tick", lambda self: ticks.append(1))
+    n = json_thread.C_SCAN_MAX_HOOKLESS + 1000
+    cases = {
+        "strings": json.dumps({"stop": [f"s{i}" for i in range(n)], "user": 'a "quoted" \\ é'}).encode(),
+        "literals": json.dumps({"x": [None, True, False] * (n // 3)}).encode(),
+        "arrays": json.dumps({"x": [[]] * n, "y": [1.5, -2, {"k": "v"}]}).encode(),
+    }
+    for name, body in cases.items():
+        counter = _counted(body)
+        assert counter.hookless > json_thread.C_SCAN_MAX_HOOKLESS, (name, counter.hookless)
+        ticks.clear()
+        assert json_thread.loads(body, json_thread.DutyCycle(), counter.hookless) == json.loads(body), name
+        if name != "literals":  # (literals rest at the interpreter's switch interval only)
+            assert len(ticks) >= n, (name, len(ticks))
+    small = json.dumps({"stop": ["s"] * 100, "n": 2}).encode()
+    ticks.clear()
+    assert json_thread.loads(small, json_thread.DutyCycle(), _counted(small).hookless) == json.loads(small)
+    assert len(ticks) == 2  # (the number and the object)
+
+
+def test_large_bodies_are_validated_on_the_json_thread(app_state, monkeypatch):
+    """A large body's validation runs on the JSON thread, item by item, and gives what FastAPI's
+    would: 200 for a valid one, the same 400 (message and field) as the small body's for an
+    invalid one."""
+    state, app = app_state()
+    threads = []
+    real = json_thread.validate
+    monkeypatch.setattr(json_thread, "validate", lambda *a: threads.append(threading.current_thread().name) or real(*a))
+    filler = "x" * request_body.OFF_LOOP_BYTES
+    messages = [{"role": "system", "content": "be brief"}] * 3 + [{"role": "user", "content": "hi"}]
+    tools = [{"type": "function", "function": {"name": f"f{i}", "parameters": {"type": "object"}}} for i in range(3)]
+
+    async def main():
+        async with _client(app) as http:
+            big = {"messages": messages, "tools": tools, "tool_choice": "none", "max_tokens": 2, "user": filler}
+            ok = await http.post("/v1/chat/completions", json=big)
+            bad = [*messages[:2], {"role": "user", "content": 5}]
+            invalid_big = await http.post("/v1/chat/completions", json={**big, "messages": bad})
+            invalid_small = await http.post("/v1/chat/completions", json={"messages": bad, "max_tokens": 2})
+            return ok, invalid_big, invalid_small
+
+    ok, invalid_big, invalid_small = asyncio.run(main())
+    assert ok.status_code == 200, ok.text
+    assert invalid_big.status_code == 400 and invalid_big.json() == invalid_small.json(), invalid_big.text
+    assert invalid_big.json()["error"]["param"] == "messages.2.content", invalid_big.text
+    assert threads and all(t.startswith("kiln-json") for t in threads), threads
+
+
+def _nested(depth: int) -> dict:
+    schema: dict = {"type": "string"}
+    for _ in range(depth):
+        schema = {"type": "object", "properties": {"a": schema}}
+    return schema
+
+
+@pytest.mark.parametrize("api", ["chat", "responses", "messages"])
+def test_tool_definitions_are_bounded_in_size_and_depth(app_state, api):
+    state, app = app_state()
+
+    def tool(name: str, schema: dict) -> dict:
+        if api == "chat":
+            return {"type": "function", "function": {"name": name, "parameters": schema}}
+        if api == "responses":
+            return {"type": "function", "name": name, "parameters": schema}
+        return {"name": name, "input_schema": schema}
+
+    def body(tools: list) -> tuple[str, dict]:
+        hi = [{"role": "user", "content": "hi"}]
+        if api == "chat":
+            return "/v1/chat/completions", {"messages": hi, "max_tokens": 2, "tools": tools, "tool_choice": "none"}
+        if api == "responses":
+            return "/v1/responses", {"input": "hi", "max_output_tokens": 2, "tools": tools, "tool_choice": "none"}
+        return "/v1/messages", {"max_tokens": 2, "messages": hi, "tools": tools, "tool_choice": {"type": "none"}}
+
+    wide = {"type": "object", "enum": list(range(MAX_TOOL_VALUES))}  # (over the bound with the tool around it)
+    share = {"type": "object", "enum": list(range(MAX_TOOL_VALUES // 2))}
+    cases = {
+        "deep": ([tool("ok", _nested(2)), tool("deep", _nested(MAX_TOOL_DEPTH))], "tools[1]", "levels deep"),
+        "wide": ([tool("wide", wide)], "tools[0]", f"more than {MAX_TOOL_VALUES} JSON values"),
+        "in all": (
+            [tool(f"t{i}", share) for i in range(MAX_TOOLS_VALUES // (MAX_TOOL_VALUES // 2))],
+            "tools",
+            "together",
+        ),
+    }
+
+    async def main():
+        async with _client(app) as http:
+            answers = {}
+            for name, (tools, _, _) in cases.items():
+                path, data = body(tools)
+                answers[name] = await http.post(path, json=data)
+            path, data = body([tool("fine", _nested(8))])
+            answers["fine"] = await http.post(path, json=data)
+            return answers
+
+    answers = asyncio.run(main())
+    for name, (_, param, message) in cases.items():
+        resp = answers[name]
+        assert resp.status_code == 400, (name, resp.text)
+        text = resp.text
+        assert message in text and param in text, (name, text)
+    assert answers["fine"].status_code == 200, answers["fine"].text
