@@ -141,3 +141,24 @@ def test_tool_definitions_are_bounded_in_size_and_depth(app_state, api):
         text = resp.text
         assert message in text and param in text, (name, text)
     assert answers["fine"].status_code == 200, answers["fine"].text
+
+
+def test_every_body_taking_route_reads_its_body_with_the_bounds(app_state):
+    """Count limits, the JSON thread and validation in pieces apply to every body kiln accepts
+    (Responses and Messages included), and to routes added later: each route that takes a body
+    is a BoundedJSONRoute, and each single-model one validates large bodies there."""
+    from fastapi.routing import APIRoute
+
+    state, app = app_state()
+
+    def api_routes(routes):  # (through FastAPI's included routers)
+        for route in routes:
+            inner = getattr(route, "original_router", None)
+            yield from api_routes(inner.routes) if inner is not None else [route]
+
+    taking = [r for r in api_routes(app.routes) if isinstance(r, APIRoute) and r.body_field is not None]
+    paths = {r.path for r in taking}
+    assert {"/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/messages", "/v1/embeddings"} <= paths
+    assert {"/tokenize", "/detokenize", "/v1/messages/count_tokens"} <= paths, paths
+    assert [r.path for r in taking if not isinstance(r, request_body.BoundedJSONRoute)] == []
+    assert [r.path for r in taking if len(r.dependant.body_params) != 1 or r._embed_body_fields] == []
