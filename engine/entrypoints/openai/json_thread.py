@@ -7,9 +7,10 @@ Both steps are C code that holds the GIL from start to end unless it calls back 
 
 - json.loads calls a hook for every object and number (DutyCycle rests there), but builds
   strings, arrays and true/false/null with no call: an array of a million strings is ~20 ms in
-  one piece. A body with more than C_SCAN_MAX_HOOKLESS such values (request_body.py counts them
-  as the body arrives) is parsed by json's Python scanner instead, resting at every value: a few
-  times slower, on this thread only.
+  one piece. A body with more than C_SCAN_MAX_HOOKLESS strings and arrays (request_body.py
+  counts them as the body arrives) is parsed by json's Python scanner instead, resting at every
+  value: a few times slower, on this thread only. (Literals are not counted: a million cost
+  ~10 ms in one piece, within max_request_json_values.)
 - pydantic validates a whole body in one call. Lists of models (chat messages, tools, content
   parts) are validated item by item here, resting between items; the finished items are model
   instances, which the final whole-body validation (and FastAPI's, after it) takes as they are.
@@ -28,8 +29,7 @@ from typing import Any, Callable
 from pydantic import BaseModel, ValidationError
 
 WORK_S, REST_S = 0.001, 0.001  # the JSON thread's duty cycle
-# Values json's C parser builds without a Python call (strings, arrays, literals) that it may
-# build in one piece: ~1 ms of them.
+# Strings and arrays json's C parser may build in one piece, with no Python call: ~1 ms of them.
 C_SCAN_MAX_HOOKLESS = 50_000
 
 
@@ -67,8 +67,8 @@ def _hooks(duty: DutyCycle) -> dict[str, Callable]:
 
 
 def loads(body: bytes | bytearray, duty: DutyCycle, hookless: int) -> Any:
-    """json.loads(body), resting as it goes; `hookless`: how many strings, arrays and literals
-    the body holds at most (the Python scanner past C_SCAN_MAX_HOOKLESS)."""
+    """json.loads(body), resting as it goes; `hookless`: how many strings and arrays the body
+    holds (the Python scanner past C_SCAN_MAX_HOOKLESS)."""
     hooks = _hooks(duty)
     if hookless <= C_SCAN_MAX_HOOKLESS:
         return json.loads(body, **hooks)
