@@ -1,6 +1,7 @@
-"""Large request bodies on the JSON thread (issue 39, third round): parsed and validated in pieces
-that rest (engine/entrypoints/openai/json_thread.py), arrays of plain strings included, and tool
-definitions bounded in size and depth before they are validated, on every API that takes tools."""
+"""Large request bodies (issue 39, third round): string values and arrays counted before parsing,
+validation on the JSON thread in pieces that rest (engine/entrypoints/openai/json_thread.py), and
+tool definitions bounded in size and depth before they are validated, on every API that takes
+tools."""
 
 from __future__ import annotations
 
@@ -26,35 +27,32 @@ def _client(app) -> httpx.AsyncClient:
     return httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t", timeout=60)
 
 
-def _counted(body: bytes) -> JSONValueCounter:
-    counter = JSONValueCounter()
-    for i in range(0, len(body), 65536):
-        counter.feed(body[i : i + 65536])
-    return counter
+def test_string_values_and_arrays_are_counted_before_parsing(app_state):
+    """Strings and arrays are what json's C parser builds with no point for the JSON thread to
+    rest at: past max_request_json_strings (string values and arrays; object keys, which come
+    with a value that rests, not counted) a body is a 400 before it is parsed."""
+    body = json.dumps({"stop": ["a,:[{", "b"], "k": {"x": "y", "z": [1, [2]]}}).encode()
+    for size in (1, 2, 3, 7, len(body)):  # (chunk boundaries anywhere)
+        counter = JSONValueCounter()
+        for i in range(0, len(body), size):
+            counter.feed(body[i : i + size])
+        assert counter.strings_and_arrays == 3 + 3, (size, counter.strings_and_arrays)
 
+    state, app = app_state(server={"max_request_json_strings": 1000})
 
-def test_plain_values_are_parsed_with_a_rest_point_each(monkeypatch):
-    """Past C_SCAN_MAX_HOOKLESS strings and arrays the parse rests at every value (the C parser
-    would build them all in one piece); below it, at objects and numbers only; both read the body
-    as json.loads does."""
-    ticks = []
-    monkeypatch.setattr(json_thread.DutyCycle, "tick", lambda self: ticks.append(1))
-    n = json_thread.C_SCAN_MAX_HOOKLESS + 1000
-    cases = {
-        "strings": json.dumps({"stop": [f"s{i}" for i in range(n)], "user": 'a "quoted" \\ é'}).encode(),
-        "mixed": json.dumps({"x": [None, "s", True, [], False] * (n // 2)}).encode(),
-        "arrays": json.dumps({"x": [[]] * n, "y": [1.5, -2, {"k": "v"}]}).encode(),
-    }
-    for name, body in cases.items():
-        counter = _counted(body)
-        assert counter.hookless > json_thread.C_SCAN_MAX_HOOKLESS, (name, counter.hookless)
-        ticks.clear()
-        assert json_thread.loads(body, json_thread.DutyCycle(), counter.hookless) == json.loads(body), name
-        assert len(ticks) >= n, (name, len(ticks))
-    small = json.dumps({"stop": ["s"] * 100, "n": 2}).encode()
-    ticks.clear()
-    assert json_thread.loads(small, json_thread.DutyCycle(), _counted(small).hookless) == json.loads(small)
-    assert len(ticks) == 2  # (the number and the object)
+    def stops(n: int) -> dict:  # n + 1 string values and one array
+        return {"prompt": "hi", "max_tokens": 1, "stop": ["s"] * n}
+
+    keyed = {"prompt": "hi", "max_tokens": 1, "logit_bias": {str(i): 1.0 for i in range(5000)}}
+
+    async def main():
+        async with _client(app) as http:
+            return [await http.post("/v1/completions", json=body) for body in (stops(998), stops(999), keyed)]
+
+    at_bound, over, many_keys = asyncio.run(main())
+    assert at_bound.status_code == 200, at_bound.text
+    assert over.status_code == 400 and "max_request_json_strings=1000" in over.text, over.text
+    assert "max_request_json_strings" not in many_keys.text, many_keys.text
 
 
 def test_large_bodies_are_validated_on_the_json_thread(app_state, monkeypatch):

@@ -6,11 +6,9 @@ holds.
 Both steps are C code that holds the GIL from start to end unless it calls back into Python:
 
 - json.loads calls a hook for every object and number (DutyCycle rests there), but builds
-  strings, arrays and true/false/null with no call: an array of a million strings is ~20 ms in
-  one piece. A body with more than C_SCAN_MAX_HOOKLESS strings and arrays (request_body.py
-  counts them as the body arrives) is parsed by json's Python scanner instead, resting at every
-  value: a few times slower, on this thread only. (Literals are not counted: a million cost
-  ~10 ms in one piece, within max_request_json_values.)
+  strings, arrays and literals with no call: request_body.py bounds them before parsing
+  (max_request_json_strings: 100,000 strings, ~2 ms; json's Python scanner, resting at every
+  value, was tried and let other streams wait longer: ~1 s of work instead of 20 ms a million).
 - pydantic validates a whole body in one call. Lists of models (chat messages, tools, content
   parts) are validated item by item here, resting between items; the finished items are model
   instances, which the final whole-body validation (and FastAPI's, after it) takes as they are.
@@ -19,8 +17,6 @@ Both steps are C code that holds the GIL from start to end unless it calls back 
 from __future__ import annotations
 
 import json
-import json.decoder
-import json.scanner
 import time
 import types
 import typing
@@ -29,8 +25,6 @@ from typing import Any, Callable
 from pydantic import BaseModel, ValidationError
 
 WORK_S, REST_S = 0.001, 0.001  # the JSON thread's duty cycle
-# Strings and arrays json's C parser may build in one piece, with no Python call: ~1 ms of them.
-C_SCAN_MAX_HOOKLESS = 50_000
 
 
 class DutyCycle:
@@ -66,27 +60,9 @@ def _hooks(duty: DutyCycle) -> dict[str, Callable]:
     return {"object_pairs_hook": object_pairs, "parse_int": integer, "parse_float": real}
 
 
-def loads(body: bytes | bytearray, duty: DutyCycle, hookless: int) -> Any:
-    """json.loads(body), resting as it goes; `hookless`: how many strings and arrays the body
-    holds (the Python scanner past C_SCAN_MAX_HOOKLESS)."""
-    hooks = _hooks(duty)
-    if hookless <= C_SCAN_MAX_HOOKLESS:
-        return json.loads(body, **hooks)
-    decoder = json.JSONDecoder(**hooks)
-
-    def ticking(parse: Callable) -> Callable:
-        def parse_resting(*args):
-            duty.tick()
-            return parse(*args)
-
-        return parse_resting
-
-    # (py_make_scanner reads these from the decoder; literals rest at the switch interval)
-    decoder.parse_string = ticking(json.decoder.scanstring)
-    decoder.parse_array = ticking(json.decoder.JSONArray)
-    decoder.parse_object = ticking(json.decoder.JSONObject)
-    decoder.scan_once = json.scanner.py_make_scanner(decoder)
-    return decoder.decode(body.decode(json.detect_encoding(body), "surrogatepass"))
+def loads(body: bytes | bytearray, duty: DutyCycle) -> Any:
+    """json.loads(body), resting at every object and number."""
+    return json.loads(body, **_hooks(duty))
 
 
 def _model_list_item(annotation: Any) -> type[BaseModel] | None:

@@ -3,9 +3,11 @@
 The event loop serves every stream, so nothing that grows with a body may run long there. A
 request body (already capped in bytes by GateMiddleware) is, in order:
 
-1. counted: more than max_request_json_values JSON values, or max_request_json_objects objects,
-   is a 400 before parsing (a C-speed scan; parsing 10 million token ids, or 240,000 tool
-   definitions, would hold the interpreter for seconds: objects cost ~50x a number to build);
+1. counted: more than max_request_json_values JSON values, max_request_json_objects objects,
+   or max_request_json_strings string values and arrays, is a 400 before parsing (a C-speed
+   scan; parsing 10 million token ids, or 240,000 tool definitions, would hold the interpreter
+   for seconds: objects cost ~50x a number to build; strings and arrays are built with no point
+   for the JSON thread to rest at, a million ~20 ms in one piece);
 2. parsed (json.loads: bounded by 1.); a body of OFF_LOOP_BYTES or more is parsed, and steps
    3-5 run, on the server's JSON thread, in pieces that rest the thread regularly
    (json_thread.py), so it hands the GIL to the loop and the step thread within about a
@@ -81,7 +83,7 @@ def lone_surrogate_path(value: Any, path: str = "") -> str | None:
     return None
 
 
-_UNCOUNTED = bytes(sorted(set(range(256)) - set(b'"{[,')))
+_UNCOUNTED = bytes(sorted(set(range(256)) - set(b'"{[,:')))
 
 
 class JSONValueCounter:
@@ -94,16 +96,18 @@ class JSONValueCounter:
         self.count = 0
         self.objects = 0  # of those, objects (`{`): the costly values to parse
         self._quotes = 0
+        self._keys = 0  # (a key's closing quote is followed by a colon)
         self._arrays = 0
         self._in_string = False
         self._escaped = False  # the previous chunk ended inside a string on an unpaired backslash
 
     @property
-    def hookless(self) -> int:
-        """Strings and arrays: what json's C parser builds with no Python call, but for literals
-        (true/false/null: ~10x cheaper than strings, a million ~10 ms; counting them here would
-        cost the loop a pass over every byte)."""
-        return self._quotes // 2 + self._arrays
+    def strings_and_arrays(self) -> int:
+        """String values (object keys not counted) and arrays: what json's C parser builds with no
+        Python call, so with no point for the JSON thread to rest at (json_thread.py). Literals
+        (true/false/null) are not counted: ~10x cheaper than strings (a million ~10 ms), and
+        counting them would cost the loop a pass over every byte."""
+        return self._quotes // 2 - self._keys + self._arrays
 
     def feed(self, chunk: bytes) -> int:
         if self._escaped:
@@ -125,6 +129,7 @@ class JSONValueCounter:
         objects, arrays = outside.count(b"{"), outside.count(b"[")
         self.objects += objects
         self._arrays += arrays
+        self._keys += outside.count(b":")
         self.count += outside.count(b",") + arrays + objects
         return self.count
 
@@ -174,13 +179,13 @@ def check_shape(info: EngineInfo, data: Any, tick: Callable[[], None] | None = N
 
 
 async def read_body(
-    request: Request, max_values: int, max_objects: int | None = None
-) -> tuple[bytearray, bool, JSONValueCounter]:
-    """(the body, whether it may hold a lone surrogate, its counts), all found as it arrives
-    (step 1 of the module docstring). Past `max_values` JSON values or `max_objects` objects the
-    rest is read and dropped (the body limit bounds it), so the client reads the 400 on a
-    healthy connection. The body grows in place (no join of the pieces at the end: a 30 MB
-    copy in one piece on the loop)."""
+    request: Request, max_values: int, max_objects: int | None = None, max_strings: int | None = None
+) -> tuple[bytearray, bool]:
+    """(the body, whether it may hold a lone surrogate), both found as it arrives (step 1 of
+    the module docstring). Past `max_values` JSON values, `max_objects` objects or `max_strings`
+    string values and arrays the rest is read and dropped (the body limit bounds it), so the
+    client reads the 400 on a healthy connection. The body grows in place (no join of the
+    pieces at the end)."""
     counter = JSONValueCounter()
     body: bytearray | None = bytearray()
     surrogates, tail = False, b""
@@ -189,17 +194,25 @@ async def read_body(
             body += chunk
             surrogates = surrogates or _may_hold_surrogates(tail + chunk[:2]) or _may_hold_surrogates(chunk)
             tail = chunk[-2:]
-            if counter.feed(chunk) > max_values or (max_objects is not None and counter.objects > max_objects):
+            if (
+                counter.feed(chunk) > max_values
+                or (max_objects is not None and counter.objects > max_objects)
+                or (max_strings is not None and counter.strings_and_arrays > max_strings)
+            ):
                 body = None
     if body is None:
         if counter.count > max_values:
             raise InvalidRequestError(
                 f"the request body holds more than max_request_json_values={max_values} JSON values"
             )
+        if max_objects is not None and counter.objects > max_objects:
+            raise InvalidRequestError(
+                f"the request body holds more than max_request_json_objects={max_objects} JSON objects"
+            )
         raise InvalidRequestError(
-            f"the request body holds more than max_request_json_objects={max_objects} JSON objects"
+            f"the request body holds more than max_request_json_strings={max_strings} JSON strings and arrays"
         )
-    return body, surrogates, counter
+    return body, surrogates
 
 
 OFF_LOOP_BYTES = 64 << 10  # (parsing this much takes ~1 ms: below it, a thread hop would cost more)
@@ -210,15 +223,14 @@ def parse_body(
     info: EngineInfo,
     may_hold_surrogates: bool = True,
     yielding: bool = False,
-    hookless: int = 0,
     body_field: Any = None,
 ) -> Any:
     """Steps 2-4 of the module docstring; a malformed body raises json.JSONDecodeError.
-    `yielding`: in resting pieces (on the JSON thread: see step 2; `hookless`: the counter's),
+    `yielding`: in resting pieces (on the JSON thread: see step 2),
     and then validated against `body_field` (the route's, when it has one body model: step 5;
     RequestValidationError as FastAPI raises it), the validated model returned."""
     duty = json_thread.DutyCycle() if yielding else None
-    data = json_thread.loads(body, duty, hookless) if duty is not None else json.loads(body)
+    data = json_thread.loads(body, duty) if duty is not None else json.loads(body)
     if may_hold_surrogates:
         path = lone_surrogate_path(data)
         if path is not None:
@@ -269,16 +281,17 @@ class BoundedJSONRoute(APIRoute):
                 return await handler(request)  # (FastAPI refuses it without parsing)
             state = request.app.state.kiln
             settings = state.settings
-            body, surrogates, counts = await read_body(
-                request, settings.max_request_json_values, settings.max_request_json_objects
+            body, surrogates = await read_body(
+                request,
+                settings.max_request_json_values,
+                settings.max_request_json_objects,
+                settings.max_request_json_strings,
             )
             if not body:
                 return await handler(_ParsedRequest(request, body, None))
             try:
                 if len(body) >= OFF_LOOP_BYTES:
-                    data = await state.parse_off_loop(
-                        parse_body, body, state.info, surrogates, True, counts.hookless, body_field
-                    )
+                    data = await state.parse_off_loop(parse_body, body, state.info, surrogates, True, body_field)
                 else:
                     data = parse_body(body, state.info, surrogates)
             except json.JSONDecodeError as exc:  # (as FastAPI reports it: errors.py names the field)
