@@ -7,14 +7,17 @@ level after the warm-up rounds (both read with no request in flight and no block
 One round, all at once: greedy streams (checked token for token against the idle server's
 answers), streams their clients drop half-way, auth probes (no key, a wrong key, with and
 without --root-path's prefix: every one a 401), oversized bodies (240,000 tools, 100,000 stop
-strings with n=32, a 99,000-object body under the object cap: 400s), six slow schemas from one
+strings with n=32, a 99,000-object body under the object cap: 400s), malformed and invalid
+requests (each a 4xx), six slow schemas from one
 address under six forged X-Forwarded-For values and six `user`s while another address
-(127.0.0.2) asks for a small regex (it waits at most one compile), LoRA path probes (the same
+(127.0.0.2) asks for a small regex (it waits at most one compile; then the first slow schema's
+400 and the other five clients leave, their compiles stopped), LoRA path probes (the same
 400 for every path), and streams whose clients stop reading (they pause: still running when a
 fast reader of the same length has long finished) and then read them to the end (every token
 arrives). `flood_gaps` measures /health's slowest answer and another stream's longest gap while
 floods of large bodies arrive (the tool prints them against the quiet baseline; the strict
-0.25 s bound is the tool's, tests/entrypoints/test_server_soak_probes.py checks a looser one).
+0.25 s bound is the tool's, tests/entrypoints/test_server_soak.py checks a looser one on the same
+server as the rest of its soak).
 """
 
 from __future__ import annotations
@@ -41,26 +44,27 @@ KEY = "soak-key"
 ROOT = "/api"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 COMPILE_TIMEOUT_S = 1.0
-STALL_S = 30.0
+STALL_S = 30.0  # (the tool's; the CI test's server uses a shorter one: at least PAUSE_LOOK_S * 3)
+PAUSE_LOOK_S = 2.5  # the longest the pausing probe leaves its streams unread before it looks
 PAUSING_TOKENS = 400  # (enough to fill the small socket buffers, then 64 unread: they pause)
 PROMPTS = ["The cat", "Once upon a time", "def main():", "1, 2, 3,", "Hello there", "Paris is"]
 
 
-def server_flags(lora_root: Path) -> list[str]:
+def server_flags(lora_root: Path, stall_s: float = STALL_S) -> list[str]:
     return [
         "--api-key", KEY, "--root-path", ROOT, "--served-model-name", "m",
         "--max-model-len", "1024", "--max-num-seqs", "96", "--num-gpu-blocks", "2560",
         "--grammar-compile-timeout-s", str(COMPILE_TIMEOUT_S), "--grammar-compile-workers", "2",
-        "--stream-stall-timeout-s", str(STALL_S), "--stream-pause-tokens", "64", "--http-send-buffer-kb", "16",
+        "--stream-stall-timeout-s", str(stall_s), "--stream-pause-tokens", "64", "--http-send-buffer-kb", "16",
         "--enable-lora", "--max-lora-rank", "8", "--allow-runtime-lora-updating",
         "--lora-adapter-roots", str(lora_root), "--log-level", "warning",
     ]  # fmt: skip
 
 
-def start(model_dir: Path, work: Path):
+def start(model_dir: Path, work: Path, stall_s: float = STALL_S):
     """(process, url) of a `kiln serve` with the soak's flags (its log in work/server.log)."""
     (work / "adapters").mkdir(parents=True, exist_ok=True)
-    return launch_server(model_dir, work / "server.log", *server_flags(work / "adapters"))
+    return launch_server(model_dir, work / "server.log", *server_flags(work / "adapters", stall_s))
 
 
 def rss_kb(pid: int) -> int:
@@ -79,11 +83,30 @@ def gauges(url: str) -> dict[str, float]:
 
 
 def wait_idle(url: str, timeout: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout
-    while any(gauges(url).values()):
-        if time.monotonic() > deadline:
-            raise AssertionError(f"not idle after {timeout:g}s: {gauges(url)}")
-        time.sleep(0.1)
+    wait_for(lambda: not any(gauges(url).values()), timeout, 0.1, lambda: str(gauges(url)))
+
+
+def wait_for(pred, timeout: float, step: float = 0.05, show=lambda: "") -> float:
+    """Seconds until pred() holds (an AssertionError, with show(), past `timeout`)."""
+    t0 = time.monotonic()
+    while not pred():
+        if time.monotonic() - t0 > timeout:
+            raise AssertionError(f"not so after {timeout:g}s: {show()}")
+        time.sleep(step)
+    return time.monotonic() - t0
+
+
+def aborted_requests(url: str) -> float:
+    """Requests the server has ended as aborted (its client gone or stalled)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(f"{url}/metrics", headers=AUTH).text
+    return sum(
+        s.value
+        for fam in text_string_to_metric_families(text)
+        for s in fam.samples
+        if s.name == "kiln:request_success_total" and s.labels.get("finished_reason") == "abort"
+    )
 
 
 # ---- the bodies ----
@@ -214,13 +237,33 @@ async def _floods(http: httpx.AsyncClient, out: Round) -> None:
         out.statuses.append(resp.status_code)
 
 
+BAD_REQUESTS = [  # (path, body): each must be a 4xx
+    ("/v1/completions", b'{"model": "m", "prompt": "' + b"a" * (2 << 20) + b'"}'),  # (longer than max_model_len)
+    ("/v1/chat/completions", '{"model": "m", "messages": [{"role": "user", "content": "a\\ud800b"}]}'.encode()),
+    ("/v1/completions", b'{"model": "m", "prompt": "hi", "max_tokens": ,}'),
+    ("/v1/completions", json.dumps({"model": "m", "prompt": "hi", "temperature": -1}).encode()),
+    ("/v1/completions", json.dumps({"model": "m", "prompt": "hi", "max_tokens": 10**6}).encode()),
+    ("/v1/embeddings", json.dumps({"model": "nope", "input": "hi"}).encode()),
+]
+
+
+async def _bad_requests(http: httpx.AsyncClient, out: Round) -> None:
+    for path, body in BAD_REQUESTS:
+        resp = await http.post(path, content=body, headers={"content-type": "application/json"})
+        out.statuses.append(resp.status_code)
+        if not 400 <= resp.status_code < 500:
+            out.mismatches.append(f"a bad request to {path} answered {resp.status_code}: {resp.text[:200]}")
+
+
 def _slow_schema(tag: str) -> dict:
     return {"type": "object", "properties": {f"{tag}{i}": {"type": "string"} for i in range(10000)}}
 
 
 async def _compiles(url: str, rnd: int, out: Round) -> None:
     """Six slow schemas from 127.0.0.1 under six forged X-Forwarded-For and six `user`s; a small
-    regex from 127.0.0.2 meanwhile waits at most about one compile."""
+    regex from 127.0.0.2 meanwhile waits at most about one compile. Then the first slow schema's
+    answer (a 400: over the compile limit) and the other five clients leave (their compiles are
+    stopped: the next round's regex would wait behind them otherwise)."""
     async with httpx.AsyncClient(base_url=url, headers=AUTH, timeout=120) as mallory:
         other = httpx.AsyncHTTPTransport(local_address="127.0.0.2")
         async with httpx.AsyncClient(base_url=url, headers=AUTH, timeout=120, transport=other) as alice:
@@ -230,6 +273,8 @@ async def _compiles(url: str, rnd: int, out: Round) -> None:
                 headers = {"X-Forwarded-For": f"10.9.{rnd % 250}.{k}"}
                 resp = await mallory.post("/v1/completions", json={**body, "user": f"u{k}"}, headers=headers)
                 out.statuses.append(resp.status_code)
+                if resp.status_code != 400:
+                    out.mismatches.append(f"a slow schema answered {resp.status_code}, not 400: {resp.text[:200]}")
 
             async def timed(body: dict) -> float:
                 t0 = time.monotonic()
@@ -244,7 +289,10 @@ async def _compiles(url: str, rnd: int, out: Round) -> None:
                 timed({**plain, "guided_regex": f"[a-z]{{3}}{rnd % 7}"}), timed(plain)
             )  # (the control: the same request without a constraint, at the same time)
             out.small_regex_wait = max(0.0, regex - control)
-            await asyncio.gather(*tasks)
+            await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
 
 
 async def _lora_probes(http: httpx.AsyncClient, out: Round) -> list[tuple[int, str]]:
@@ -259,7 +307,9 @@ async def _lora_probes(http: httpx.AsyncClient, out: Round) -> list[tuple[int, s
     return answers
 
 
-def _unread_stream(port: int, max_tokens: int, n: int) -> socket.socket:
+def unread_stream(port: int, max_tokens: int, n: int) -> socket.socket:
+    """A streaming request (n samples, logprobs 5) over a plain socket whose client then reads
+    nothing (small socket buffers on both ends, so the server's writes back up soon)."""
     s = socket.socket()
     s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
     s.connect(("127.0.0.1", port))
@@ -316,8 +366,8 @@ async def _pausing(url: str, port: int, count: int, n: int, out: Round) -> None:
         answers = await asyncio.gather(*(http.post("/v1/completions", json=body) for _ in range(count)))
         out.statuses += [resp.status_code for resp in answers]
     fast = time.monotonic() - t0
-    socks = [_unread_stream(port, max_tokens, n) for _ in range(count)]
-    await asyncio.sleep(min(max(1.5 * fast, 1.5), STALL_S / 3))
+    socks = [unread_stream(port, max_tokens, n) for _ in range(count)]
+    await asyncio.sleep(min(max(1.5 * fast, 1.5), PAUSE_LOOK_S))
     # (the gauge counts sequences; nothing else runs now)
     out.paused_still_running = gauges(url)["kiln:num_requests_running"] == count * n
     # A thread for each (the default executor's few would leave the rest unread past the stall timeout).
@@ -348,6 +398,7 @@ async def soak_round(
             *dropped,
             _auth_probes(url, out),
             _floods(http, out),
+            _bad_requests(http, out),
             _compiles(url, rnd, out),
             _lora_probes(http, out),
         )
@@ -356,7 +407,7 @@ async def soak_round(
         if idle[key] != text:
             out.mismatches.append(f"{key}: {text!r} != {idle[key]!r}")
     auth = results[streams + len(dropped)]
-    lora = results[streams + len(dropped) + 3]
+    lora = results[streams + len(dropped) + 4]
     if set(auth) != {401}:
         out.mismatches.append(f"auth probes answered {sorted(set(auth))}, not only 401")
     if len(set(lora)) != 1 or lora[0][0] != 400:

@@ -142,6 +142,13 @@ class ServerSettings(KilnSettingsBase):
         "holds; 0: the OS's autotuning, up to megabytes)",
     )
     retry_after_s: int = Field(1, ge=0, description="the Retry-After header of every 503 (overloaded, shutting down)")
+    # Hardening, third round (issue 39).
+    max_request_json_strings: int = Field(
+        100_000,
+        ge=1,
+        description="a request body with more JSON string values and arrays (object keys not counted) "
+        "gets a 400, unparsed (they are built with no pause: a million hold the interpreter ~20 ms)",
+    )
     # Split chat answers into reasoning_content and content (vLLM's --reasoning-parser).
     reasoning_parser: (
         Literal["deepseek_r1", "qwen3", "deepseek_v3", "glm45", "step3", "hunyuan", "mistral", "granite", "gpt_oss"]

@@ -200,6 +200,8 @@ class _Zygote:
         )
         theirs.close()
         self._control = ours
+        if self._shut:  # (shut down while it started: close() may have missed it; fork() closes it now)
+            raise OSError("the grammar compile pool is closing")
         ours.settimeout(120.0)
         ours.sendall((json.dumps(self._info) + "\n").encode())
         if ours.recv(16) != b"ready\n":

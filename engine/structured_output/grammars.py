@@ -158,6 +158,7 @@ class StructuredOutputCompiler:
         self.cache = GrammarCache(cache_entries, cache_bytes)
         self._pool: CompilePool | None = None
         self._pool_args: tuple[int, float, int] | None = None
+        self._closed = False  # close() ran: no pool starts again, and no compile runs unbounded here
 
     def configure(
         self,
@@ -197,23 +198,35 @@ class StructuredOutputCompiler:
             return self._compiler
 
     def _compile_pool(self) -> CompilePool | None:
-        if self._pool_args is None:
+        """The pool (started on first use), None without one; CompileCancelled once closed."""
+        if self._pool_args is None and not self._closed:
             return None
-        self._xgrammar_compiler()
+        if not self._closed:
+            self._xgrammar_compiler()
         with self._lock:
-            if self._pool is None:
+            # Judged (again) under the lock: close() may have run while xgrammar loaded (a server
+            # stopped as it starts), and then no pool may start.
+            if self._closed:
+                raise CompileCancelled("the server is stopping; the constraint was not compiled")
+            if self._pool is None and self._pool_args is not None:
                 workers, timeout_s, queue_per_client = self._pool_args
                 self._pool = CompilePool(self._info.serialize_json(), workers, timeout_s, queue_per_client)
             return self._pool
 
     def start_pool(self) -> None:
         """Start the compile workers now (the server, at start-up) rather than on the first
-        constrained request; nothing without a configured pool."""
-        self._compile_pool()
+        constrained request; nothing without a configured pool, or once closed (a server stopped
+        while it starts)."""
+        try:
+            self._compile_pool()
+        except CompileCancelled:
+            pass
 
     def close(self) -> None:
-        """Stop the compile workers (running compiles are killed)."""
+        """Stop the compile workers (running compiles are killed); compiles asked for later
+        raise CompileCancelled (waiting for a pool that starts still to finish)."""
         with self._lock:
+            self._closed = self._closed or self._pool_args is not None  # (first: _compile_pool reads it second)
             pool, self._pool, self._pool_args = self._pool, None, None
         if pool is not None:
             pool.close()

@@ -135,3 +135,88 @@ def test_large_required_schema_compiles_within_the_default_limit(app_state):
     assert resp.status_code == 200, resp.text
     assert resp.json()["choices"][0]["message"]["content"].startswith("{")
     print(f"{n} required properties: answered in {seconds:.2f}s (limit 10s)")
+
+
+# ---- issue 39: a server stopped as it starts (its grammar workers still starting) ----
+def _zygotes() -> set[int]:
+    """This process's live compile-pool zygotes."""
+    import os
+    from pathlib import Path
+
+    found = set()
+    for proc in Path("/proc").iterdir():
+        try:
+            if proc.name.isdigit() and f"PPid:\t{os.getpid()}\n" in (proc / "status").read_text():
+                if b"engine.structured_output.compile_pool" in (proc / "cmdline").read_bytes():
+                    found.add(int(proc.name))
+        except OSError:
+            continue
+    return found
+
+
+def test_closing_while_the_grammar_workers_start_is_clean(tiny_llama):
+    """close() (the server's shutdown) while start_pool() (its start-up thread) is on its way:
+    no error in either thread (it was `cannot unpack non-iterable NoneType` when close ran while
+    xgrammar loaded), no compile pool left behind, and a compile asked for afterwards is
+    refused as the server stopping, not run unbounded here."""
+    import threading
+
+    import transformers
+
+    from engine.core.params import StructuredOutputsParams
+    from engine.structured_output.compile_pool import CompileCancelled
+    from engine.structured_output.grammars import StructuredOutputCompiler
+
+    tok = transformers.AutoTokenizer.from_pretrained(tiny_llama)
+    before = _zygotes()
+    # Exactly the race: close() runs while the start-up thread loads xgrammar.
+    for delay in (None, 0.0, 0.05, 0.3, 1.0):  # (then close at several points of a real start)
+        compiler = StructuredOutputCompiler(tok, len(tok), (tok.eos_token_id,))
+        compiler.configure(timeout_s=5.0, workers=2)
+        errors: list[BaseException] = []
+        loading, closed = threading.Event(), threading.Event()
+        if delay is None:
+            real = compiler._xgrammar_compiler
+
+            def slow_load(real=real):
+                loading.set()
+                closed.wait(10)
+                return real()
+
+            compiler._xgrammar_compiler = slow_load
+
+        def start(compiler=compiler, errors=errors):
+            try:
+                compiler.start_pool()
+            except BaseException as exc:  # noqa: BLE001 - what the test looks for
+                errors.append(exc)
+
+        thread = threading.Thread(target=start)
+        thread.start()
+        if delay is None:
+            assert loading.wait(10)
+        else:
+            time.sleep(delay)
+        compiler.close()
+        closed.set()
+        thread.join(30)
+        assert not thread.is_alive() and not errors, errors
+        assert compiler._pool is None
+        with pytest.raises(CompileCancelled):
+            compiler.compile(StructuredOutputsParams(regex="ab[0-9]+"))
+    deadline = time.monotonic() + 10
+    while _zygotes() - before and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not _zygotes() - before  # (every zygote started here is gone)
+
+
+@pytest.mark.slow
+def test_kiln_serve_stopped_as_soon_as_it_is_ready_stops_cleanly(tiny_llama, tmp_path):
+    """`kiln serve` stopped (SIGTERM) the moment /health answers, while its grammar workers are
+    still starting, three times: exit status 0 and no traceback in its log."""
+    from tests.support.server import launch_server, stop_server
+
+    for i in range(3):
+        log = tmp_path / f"server{i}.log"
+        proc, _ = launch_server(tiny_llama, log, "--max-model-len", "256", "--grammar-compile-workers", "2")
+        stop_server(proc, log)  # exit status 0, no traceback in the log

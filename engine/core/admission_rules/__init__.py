@@ -16,7 +16,10 @@ API's fields, chat templates, tools). Callers use this package's names (`rules.p
 """
 
 from engine.core.admission_rules.engine_limits import (
+    MAX_TOOL_DEPTH,
+    MAX_TOOL_VALUES,
     MAX_TOOLS,
+    MAX_TOOLS_VALUES,
     adapter_unreadable,
     content_part_count,
     kv_capacity,
@@ -33,6 +36,7 @@ from engine.core.admission_rules.engine_limits import (
     token_id_count,
     token_ids,
     tool_count,
+    tool_definition_size,
 )
 from engine.core.admission_rules.http_fields import (
     CHAT_ROLES,
@@ -92,7 +96,10 @@ __all__ = [
     "InvalidRequestError",
     "MAX_STOP_CHARS",
     "MAX_STOP_STRINGS",
+    "MAX_TOOL_DEPTH",
+    "MAX_TOOL_VALUES",
     "MAX_TOOLS",
+    "MAX_TOOLS_VALUES",
     "OUTPUT_KINDS",
     "POOLING",
     "POOLING_TYPES",
@@ -147,6 +154,7 @@ __all__ = [
     "token_ids",
     "tool_choice_needs_tools",
     "tool_count",
+    "tool_definition_size",
     "tool_name_unused",
     "top_logprobs",
     "zero_max_tokens",

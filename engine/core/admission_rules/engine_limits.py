@@ -3,7 +3,7 @@ request ids in use) and its LoRA adapters, each taken as an argument: core holds
 
 from __future__ import annotations
 
-from typing import Container
+from typing import Any, Callable, Container
 
 from engine.core.admission_rules.params import MAX_STOP_CHARS, MAX_STOP_STRINGS
 from engine.core.admission_rules.refusal import InvalidRequestError
@@ -77,6 +77,57 @@ def tool_count(count: int) -> None:
     """Tools offered in one chat request (refused from len() alone, before any tool is validated)."""
     if count > MAX_TOOLS:
         raise InvalidRequestError(f"tools: {count} tools, more than {MAX_TOOLS}", "tools")
+
+
+# A tool's definition (its name, description and JSON schema) is rendered into the prompt by the
+# chat template and may be compiled into a grammar: bounded in JSON values, nesting and in all.
+MAX_TOOL_VALUES = 10_000  # one tool's definition
+MAX_TOOL_DEPTH = 32  # containers inside one another, the tool's own object counted
+MAX_TOOLS_VALUES = 50_000  # all of a request's tools together
+
+
+def _json_size(value: Any, max_values: int, max_depth: int, tick: Callable[[], None] | None) -> tuple[int, int]:
+    """(values, deepest nesting) of a parsed JSON value, the walk stopped as soon as either
+    passes its bound (the work is bounded by them, not by what was sent)."""
+    values, deepest = 0, 0
+    stack = [(value, 1)]
+    while stack and values <= max_values and deepest <= max_depth:
+        item, depth = stack.pop()
+        values += 1
+        if isinstance(item, (dict, list)) and len(item) > max_values:
+            return values + len(item), max(deepest, depth)  # (too many at once: no need to walk them)
+        if isinstance(item, dict):
+            deepest = max(deepest, depth)
+            stack.extend((v, depth + 1) for v in item.values())
+            values += len(item)  # (the keys)
+        elif isinstance(item, list):
+            deepest = max(deepest, depth)
+            stack.extend((v, depth + 1) for v in item)
+        if tick is not None and values & 1023 == 0:
+            tick()
+    return values, deepest
+
+
+def tool_definition_size(tools: list, tick: Callable[[], None] | None = None) -> None:
+    """Each tool's definition within MAX_TOOL_VALUES JSON values (keys counted) and MAX_TOOL_DEPTH
+    levels of nesting, and all of them within MAX_TOOLS_VALUES (the server's body parser, before
+    validation; `tick`: called every 1,024 values)."""
+    total = 0
+    for i, tool in enumerate(tools):
+        values, depth = _json_size(tool, MAX_TOOL_VALUES, MAX_TOOL_DEPTH, tick)
+        if depth > MAX_TOOL_DEPTH:
+            raise InvalidRequestError(
+                f"tools[{i}]: the definition is nested more than {MAX_TOOL_DEPTH} levels deep", f"tools[{i}]"
+            )
+        if values > MAX_TOOL_VALUES:
+            raise InvalidRequestError(
+                f"tools[{i}]: the definition holds more than {MAX_TOOL_VALUES} JSON values", f"tools[{i}]"
+            )
+        total += values
+        if total > MAX_TOOLS_VALUES:
+            raise InvalidRequestError(
+                f"tools: the definitions hold more than {MAX_TOOLS_VALUES} JSON values together", "tools"
+            )
 
 
 def content_part_count(count: int, max_model_len: int) -> None:

@@ -3,29 +3,32 @@
 The event loop serves every stream, so nothing that grows with a body may run long there. A
 request body (already capped in bytes by GateMiddleware) is, in order:
 
-1. counted: more than max_request_json_values JSON values, or max_request_json_objects objects,
-   is a 400 before parsing (a C-speed scan; parsing 10 million token ids, or 240,000 tool
-   definitions, would hold the interpreter for seconds: objects cost ~50x a number to build);
+1. counted: more than max_request_json_values JSON values, max_request_json_objects objects,
+   or max_request_json_strings string values and arrays, is a 400 before parsing (a C-speed
+   scan; parsing 10 million token ids, or 240,000 tool definitions, would hold the interpreter
+   for seconds: objects cost ~50x a number to build; strings and arrays are built with no point
+   for the JSON thread to rest at, a million ~20 ms in one piece);
 2. parsed (json.loads: bounded by 1.); a body of OFF_LOOP_BYTES or more is parsed, and steps
-   3-4 run, on the server's JSON thread, by a decoder whose hooks are Python functions (every
-   object and number calls one) that rest the thread regularly (_YieldingHooks), so it hands
-   the GIL to the loop and the step thread within a millisecond: a plain json.loads holds it
-   from start to end (a 99,000-object body: ~0.35 s with a server-sized heap);
+   3-5 run, on the server's JSON thread, in pieces that rest the thread regularly
+   (json_thread.py), so it hands the GIL to the loop and the step thread within about a
+   millisecond: a plain json.loads holds it from start to end (a 99,000-object body: ~0.35 s
+   with a server-sized heap), and so does pydantic's validation of a whole body;
 3. checked for lone surrogates, only when the bytes can hold one (a byte search);
 4. shaped: a token-id prompt with no room in max_model_len, more prompts than a request may hold,
    more chat messages than max_model_len, more allowed/stop token ids than the vocabulary, more
-   stop strings (or characters in them) than a request may hold: a 400 from len() alone, before
-   any per-token work (pydantic's validation included), by the rules of
-   engine/core/admission_rules/;
-5. validated by FastAPI against the endpoint's model, as usual.
+   stop strings (or characters in them) than a request may hold, tools whose definitions are
+   too large or too deep: a 400 from len() and bounded walks alone, before any per-token work
+   (pydantic's validation included), by the rules of engine/core/admission_rules/;
+5. validated against the endpoint's model: a large body on the JSON thread (json_thread.py:
+   item by item), then by FastAPI, which takes the validated model as it is; a small one by
+   FastAPI, as usual.
 
-`BoundedJSONRoute` does 1-4 for every JSON endpoint of the API.
+`BoundedJSONRoute` does 1-5 for every JSON endpoint of the API.
 """
 
 from __future__ import annotations
 
 import json
-import time
 from typing import Any, Callable
 
 from fastapi import Request
@@ -34,6 +37,7 @@ from fastapi.routing import APIRoute
 
 from engine.core import admission_rules as rules
 from engine.core.admission_rules import InvalidRequestError
+from engine.entrypoints.openai import json_thread
 from engine.runtime.engine_info import EngineInfo
 
 
@@ -79,7 +83,7 @@ def lone_surrogate_path(value: Any, path: str = "") -> str | None:
     return None
 
 
-_UNCOUNTED = bytes(sorted(set(range(256)) - set(b'"{[,')))
+_UNCOUNTED = bytes(sorted(set(range(256)) - set(b'"{[,:')))
 
 
 class JSONValueCounter:
@@ -91,8 +95,19 @@ class JSONValueCounter:
     def __init__(self) -> None:
         self.count = 0
         self.objects = 0  # of those, objects (`{`): the costly values to parse
+        self._quotes = 0
+        self._keys = 0  # (a key's closing quote is followed by a colon)
+        self._arrays = 0
         self._in_string = False
         self._escaped = False  # the previous chunk ended inside a string on an unpaired backslash
+
+    @property
+    def strings_and_arrays(self) -> int:
+        """String values (object keys not counted) and arrays: what json's C parser builds with no
+        Python call, so with no point for the JSON thread to rest at (json_thread.py). Literals
+        (true/false/null) are not counted: ~10x cheaper than strings (a million ~10 ms), and
+        counting them would cost the loop a pass over every byte."""
+        return self._quotes // 2 - self._keys + self._arrays
 
     def feed(self, chunk: bytes) -> int:
         if self._escaped:
@@ -105,14 +120,17 @@ class JSONValueCounter:
         # Only quotes and what is counted matter; two adjacent quotes cancel (the characters
         # around them keep their side of every string): a body of many short strings leaves
         # few parts to split, not one Python object per string.
-        chunk = chunk.translate(None, _UNCOUNTED).replace(b'""', b"")
-        parts = chunk.split(b'"')
+        chunk = chunk.translate(None, _UNCOUNTED)
+        self._quotes += chunk.count(b'"')
+        parts = chunk.replace(b'""', b"").split(b'"')
         outside = b"".join(parts[1 if self._in_string else 0 :: 2])
         if len(parts) % 2 == 0:
             self._in_string = not self._in_string
-        objects = outside.count(b"{")
+        objects, arrays = outside.count(b"{"), outside.count(b"[")
         self.objects += objects
-        self.count += outside.count(b",") + outside.count(b"[") + objects
+        self._arrays += arrays
+        self._keys += outside.count(b":")
+        self.count += outside.count(b",") + arrays + objects
         return self.count
 
 
@@ -131,8 +149,9 @@ def check_prompt_shape(info: EngineInfo, value: Any, param: str, truncated: bool
                 rules.prompt_length(len(p), None, info.max_model_len, f"{param}[{i}]")
 
 
-def check_shape(info: EngineInfo, data: Any) -> None:
-    """Step 4 of the module docstring, on the parsed body."""
+def check_shape(info: EngineInfo, data: Any, tick: Callable[[], None] | None = None) -> None:
+    """Step 4 of the module docstring, on the parsed body (`tick`: a point to rest at, on the
+    JSON thread)."""
     if not isinstance(data, dict):
         return
     truncated = data.get("truncate_prompt_tokens") is not None
@@ -150,6 +169,7 @@ def check_shape(info: EngineInfo, data: Any) -> None:
             rules.token_id_count(len(ids), info.vocab_size, field)
     if isinstance(data.get("tools"), list):
         rules.tool_count(len(data["tools"]))
+        rules.tool_definition_size(data["tools"], tick)
     if isinstance(data.get("logit_bias"), dict):
         rules.logit_bias_count(len(data["logit_bias"]), info.vocab_size)
     for field in ("stop", "stop_sequences"):  # (stop_sequences: the Messages API's)
@@ -158,77 +178,69 @@ def check_shape(info: EngineInfo, data: Any) -> None:
             rules.stop_string_count(stops, field)
 
 
-async def read_body(request: Request, max_values: int, max_objects: int | None = None) -> tuple[bytes, bool]:
+async def read_body(
+    request: Request, max_values: int, max_objects: int | None = None, max_strings: int | None = None
+) -> tuple[bytearray, bool]:
     """(the body, whether it may hold a lone surrogate), both found as it arrives (step 1 of
-    the module docstring). Past `max_values` JSON values or `max_objects` objects the rest is
-    read and dropped (the body limit bounds it), so the client reads the 400 on a healthy
-    connection."""
+    the module docstring). Past `max_values` JSON values, `max_objects` objects or `max_strings`
+    string values and arrays the rest is read and dropped (the body limit bounds it), so the
+    client reads the 400 on a healthy connection. The body grows in place (no join of the
+    pieces at the end)."""
     counter = JSONValueCounter()
-    chunks: list[bytes] | None = []
+    body: bytearray | None = bytearray()
     surrogates, tail = False, b""
     async for chunk in request.stream():
-        if chunks is not None:
-            chunks.append(chunk)
+        if body is not None:
+            body += chunk
             surrogates = surrogates or _may_hold_surrogates(tail + chunk[:2]) or _may_hold_surrogates(chunk)
             tail = chunk[-2:]
-            if counter.feed(chunk) > max_values or (max_objects is not None and counter.objects > max_objects):
-                chunks = None
-    if chunks is None:
+            if (
+                counter.feed(chunk) > max_values
+                or (max_objects is not None and counter.objects > max_objects)
+                or (max_strings is not None and counter.strings_and_arrays > max_strings)
+            ):
+                body = None
+    if body is None:
         if counter.count > max_values:
             raise InvalidRequestError(
                 f"the request body holds more than max_request_json_values={max_values} JSON values"
             )
+        if max_objects is not None and counter.objects > max_objects:
+            raise InvalidRequestError(
+                f"the request body holds more than max_request_json_objects={max_objects} JSON objects"
+            )
         raise InvalidRequestError(
-            f"the request body holds more than max_request_json_objects={max_objects} JSON objects"
+            f"the request body holds more than max_request_json_strings={max_strings} JSON strings and arrays"
         )
-    return b"".join(chunks), surrogates
+    return body, surrogates
 
 
 OFF_LOOP_BYTES = 64 << 10  # (parsing this much takes ~1 ms: below it, a thread hop would cost more)
-WORK_S, REST_S = 0.001, 0.001  # the JSON thread's duty cycle while it parses
 
 
-class _YieldingHooks:
-    """json.loads' hooks for objects and numbers as Python functions, which give the GIL a
-    point to pass at, and which sleep REST_S after every WORK_S of parsing. Passing at the
-    switch interval alone (5 ms) is not enough: the step thread gives the GIL up around every
-    torch op and waited up to 5 ms to get it back each time (a convoy); now it waits at most
-    WORK_S, and runs freely while the parser rests."""
-
-    def __init__(self) -> None:
-        self.rest_at = time.perf_counter() + WORK_S
-
-    def _tick(self) -> None:
-        if time.perf_counter() >= self.rest_at:
-            time.sleep(REST_S)
-            self.rest_at = time.perf_counter() + WORK_S
-
-    def object(self, pairs: list) -> dict:
-        self._tick()
-        return dict(pairs)  # (what json builds itself)
-
-    def integer(self, text: str) -> int:
-        self._tick()
-        return int(text)
-
-    def real(self, text: str) -> float:
-        self._tick()
-        return float(text)
-
-
-def parse_body(body: bytes, info: EngineInfo, may_hold_surrogates: bool = True, yielding: bool = False) -> Any:
+def parse_body(
+    body: bytes | bytearray,
+    info: EngineInfo,
+    may_hold_surrogates: bool = True,
+    yielding: bool = False,
+    body_field: Any = None,
+) -> Any:
     """Steps 2-4 of the module docstring; a malformed body raises json.JSONDecodeError.
-    `yielding`: parse with _YieldingHooks (on a thread beside the event loop: see step 2)."""
-    if yielding:
-        hooks = _YieldingHooks()
-        data = json.loads(body, object_pairs_hook=hooks.object, parse_int=hooks.integer, parse_float=hooks.real)
-    else:
-        data = json.loads(body)
+    `yielding`: in resting pieces (on the JSON thread: see step 2),
+    and then validated against `body_field` (the route's, when it has one body model: step 5;
+    RequestValidationError as FastAPI raises it), the validated model returned."""
+    duty = json_thread.DutyCycle() if yielding else None
+    data = json_thread.loads(body, duty) if duty is not None else json.loads(body)
     if may_hold_surrogates:
         path = lone_surrogate_path(data)
         if path is not None:
             raise InvalidRequestError(f"{path}: the text is not valid Unicode (it holds a lone UTF-16 surrogate)", path)
-    check_shape(info, data)
+    check_shape(info, data, duty.tick if duty is not None else None)
+    if duty is not None and body_field is not None:
+        value, errors = json_thread.validate(body_field, data, duty)
+        if errors:
+            raise RequestValidationError(errors, body=data)
+        return value
     return data
 
 
@@ -243,7 +255,7 @@ def _is_json(content_type: str | None) -> bool:
 class _ParsedRequest(Request):
     """A request whose JSON body kiln has read and parsed already (FastAPI reads it from here)."""
 
-    def __init__(self, request: Request, body: bytes, data: Any) -> None:
+    def __init__(self, request: Request, body: bytes | bytearray, data: Any) -> None:
         super().__init__(request.scope, request.receive)
         self._kiln_body, self._kiln_data = body, data
 
@@ -260,6 +272,9 @@ class BoundedJSONRoute(APIRoute):
 
     def get_route_handler(self) -> Callable:
         handler = super().get_route_handler()
+        # One body model, not embedded: a large body is validated on the JSON thread too.
+        one_model = len(self.dependant.body_params) == 1 and not getattr(self, "_embed_body_fields", True)
+        body_field = self.body_field if one_model else None
 
         async def bounded(request: Request):
             if not _is_json(request.headers.get("content-type")):
@@ -267,13 +282,16 @@ class BoundedJSONRoute(APIRoute):
             state = request.app.state.kiln
             settings = state.settings
             body, surrogates = await read_body(
-                request, settings.max_request_json_values, settings.max_request_json_objects
+                request,
+                settings.max_request_json_values,
+                settings.max_request_json_objects,
+                settings.max_request_json_strings,
             )
             if not body:
                 return await handler(_ParsedRequest(request, body, None))
             try:
                 if len(body) >= OFF_LOOP_BYTES:
-                    data = await state.parse_off_loop(parse_body, body, state.info, surrogates, True)
+                    data = await state.parse_off_loop(parse_body, body, state.info, surrogates, True, body_field)
                 else:
                     data = parse_body(body, state.info, surrogates)
             except json.JSONDecodeError as exc:  # (as FastAPI reports it: errors.py names the field)
