@@ -265,6 +265,13 @@ CASES = [
     ),
     Case("tool_count", "tools: 1025 tools, more than 1024", "tools", None, lambda c: chat(tools=[TOOL] * 1025)),
     Case(
+        "tool_definition_size",
+        r"tools\[1\]: the definition holds more than 10000 JSON values",
+        "tools[1]",
+        None,
+        lambda c: chat(tools=[TOOL, {"type": "function", "function": {"name": "g", "enum": [0] * 10_000}}]),
+    ),
+    Case(
         "content_part_count",
         "65 content parts cannot fit",
         "messages",
