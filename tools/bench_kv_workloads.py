@@ -189,6 +189,26 @@ def servers(a, work: Path) -> list[tuple[str, list[str], dict[str, str]]]:
     return out
 
 
+def run_server(name: str, cmd: list[str], env: dict[str, str], work: Path, a) -> dict[str, dict]:
+    """Every workload on one freshly started server."""
+    out: dict[str, dict] = {}
+    log = work / f"{name.replace('/', '-')}.log"
+    with running_server(["taskset", "-c", a.cores] + cmd, env, log, a.port, 900.0, REPO):
+        with httpx.Client(base_url=f"http://127.0.0.1:{a.port}", timeout=3600.0) as http:
+            stream_ttft(http, "warm up " * 8, 2)  # (first-call costs out of the timings)
+            for workload in a.workloads.split(","):
+                run = run_documents if workload == "documents" else run_chat
+                out[workload] = r = run(http, a)
+                load = " ".join(Path("/proc/loadavg").read_text().split()[:3])
+                print(
+                    f"  {name:20s} {workload:9s}: return TTFT median {r['return_ttft_median_s']:.2f} s, "
+                    f"p99 {r['return_ttft_p99_s']:.2f} s, first visit {r['first_ttft_median_s']:.2f} s, "
+                    f"cached {r['return_cached_tokens_median']}, {r['output_tok_s']:.1f} tok/s   load {load}",
+                    flush=True,
+                )
+    return out
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", required=True, help="a GGUF file (kiln and llama-server) or checkpoint directory")
@@ -227,27 +247,18 @@ def main() -> None:
     for name, cmd, env in servers(a, work):
         if only is not None and name not in only:
             continue
-        log = work / f"{name.replace('/', '-')}.log"
-        with running_server(["taskset", "-c", a.cores] + cmd, env, log, a.port, 900.0, REPO):
-            with httpx.Client(base_url=f"http://127.0.0.1:{a.port}", timeout=3600.0) as http:
-                stream_ttft(http, "warm up " * 8, 2)  # (first-call costs out of the timings)
-                results[name] = {}
-                for workload in a.workloads.split(","):
-                    run = run_documents if workload == "documents" else run_chat
-                    results[name][workload] = r = run(http, a)
-                    load = " ".join(Path("/proc/loadavg").read_text().split()[:3])
-                    print(
-                        f"  {name:20s} {workload:9s}: return TTFT median {r['return_ttft_median_s']:.2f} s, "
-                        f"p99 {r['return_ttft_p99_s']:.2f} s, first visit {r['first_ttft_median_s']:.2f} s, "
-                        f"cached {r['return_cached_tokens_median']}, {r['output_tok_s']:.1f} tok/s   load {load}",
-                        flush=True,
-                    )
+        try:
+            results[name] = run_server(name, cmd, env, work, a)
+        except (SystemExit, httpx.HTTPError) as exc:  # one server's failure must not lose the others' figures
+            print(f"  {name}: failed ({exc}); see {work}", flush=True)
     print(f"\n(logs in {work}; ratios against 'kiln', the pool alone)")
     for workload in a.workloads.split(","):
         base = results.get("kiln", {}).get(workload)
         print(f"\n{workload}:\n| server | return TTFT median s | p99 s | first visit s | output tok/s | x kiln TTFT |")
         print("|---|---:|---:|---:|---:|---:|")
         for name, rs in results.items():
+            if workload not in rs:
+                continue
             r = rs[workload]
             ratio = base["return_ttft_median_s"] / r["return_ttft_median_s"] if base else float("nan")
             print(
