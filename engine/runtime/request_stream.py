@@ -55,6 +55,7 @@ class RequestStream:
         self._unread_since = 0.0  # when the oldest unread delta came
         self._last: RequestOutput | None = None
         self._error: BaseException | None = None
+        self._interrupt: BaseException | None = None  # raised by the next read, ahead of any output
         self._event = asyncio.Event()
         self.accepted: asyncio.Future = loop.create_future()
         self.finished = False  # the engine reported the request finished
@@ -114,6 +115,12 @@ class RequestStream:
             self.accepted.set_exception(exc)
 
     # ---- reader side ----
+    def interrupt(self, exc: BaseException) -> None:
+        """Make the reader's next (or waiting) read raise exc at once, output waiting or not (the
+        server's shutdown ending a job); called on the stream's loop."""
+        self._interrupt = exc
+        self._event.set()
+
     @property
     def final_output(self) -> RequestOutput | None:
         """The last item the reader got (request-level fields: cached tokens, metrics, error)."""
@@ -124,6 +131,8 @@ class RequestStream:
 
     async def __anext__(self) -> RequestOutput:
         while True:
+            if self._interrupt is not None:
+                raise self._interrupt
             if self.done:
                 raise StopAsyncIteration
             if self._backlog is not None:

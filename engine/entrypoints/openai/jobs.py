@@ -75,7 +75,6 @@ class Job:
     num_completion_tokens: int = 0
     registry: set | None = None  # the server's live jobs (ServerState.jobs)
     ended: bool = False  # the server ended it (shutdown)
-    _ending: asyncio.Future | None = None  # set by end() while the job is being read
 
     def __post_init__(self) -> None:
         if self.registry is not None:
@@ -84,10 +83,10 @@ class Job:
                 self.ended = True
 
     def end(self) -> None:
-        """Shutdown: make the reader stop with ShuttingDown."""
+        """Shutdown: make the reader stop with ShuttingDown (its streams' reads raise it)."""
         self.ended = True
-        if self._ending is not None and not self._ending.done():
-            self._ending.set_result(None)
+        for s in self.streams:
+            s.interrupt(ShuttingDown())
 
     def close(self) -> None:
         for s in self.streams:
@@ -135,16 +134,18 @@ class Job:
     async def _mux(self) -> AsyncIterator[tuple[int, RequestOutput]]:
         """The streams read as one, on demand: each stream has at most one delta taken and not yet
         yielded, so what a slow consumer has not read stays merged in its stream (bounded), never
-        queued here step by step."""
+        queued here step by step. One stream (the common case) is read directly: no task and no
+        wait per delta."""
         if self.ended:
             raise ShuttingDown()
-        self._ending = asyncio.get_running_loop().create_future()
+        if len(self.streams) == 1:
+            async for d in self.streams[0]:
+                yield 0, d
+            return
         reads = {asyncio.ensure_future(anext(s)): i for i, s in enumerate(self.streams)}
         try:
             while reads:
-                done, _ = await asyncio.wait([*reads, self._ending], return_when=asyncio.FIRST_COMPLETED)
-                if self._ending.done():
-                    raise ShuttingDown()
+                done, _ = await asyncio.wait(reads, return_when=asyncio.FIRST_COMPLETED)
                 for task in sorted(done, key=reads.__getitem__):  # (in prompt order)
                     i = reads.pop(task)
                     try:
@@ -294,20 +295,26 @@ class EventWriter(Protocol):
 
 
 class ChunkEvents:
-    """OpenAI's streamed chunks: the formatter's choices, the usage chunk if asked, then [DONE]."""
+    """OpenAI's streamed chunks: the formatter's choices, the usage chunk if asked, then [DONE].
+
+    A chunk is its job's constant fields, the choices and the usage; the constant head and the
+    tail are serialised once per job and the chunk's text is exactly json.dumps of the whole
+    (this runs once per token per stream)."""
 
     def __init__(self, fmt: Formatter, model: str, gen: GenerationRequest) -> None:
         self.fmt, self.model, self.gen = fmt, model, gen
         self.base: dict[str, Any] = {}
+        self._head = 'data: {"choices": '  # json.dumps(base) less its closing brace, then the choices key
+        self._tail = ', "usage": null}\n\n' if gen.include_usage else "}\n\n"
 
     def _chunk(self, job: Job, choices: list[dict]) -> str:
-        usage: dict[str, Any] = {"usage": None} if self.gen.include_usage else {}
         if self.gen.continuous_usage:  # (vLLM's continuous_usage_stats)
-            usage = {"usage": job.usage()}
-        return sse({**self.base, "choices": choices, **usage})
+            return f'{self._head}{json.dumps(choices)}, "usage": {json.dumps(job.usage())}}}\n\n'
+        return f"{self._head}{json.dumps(choices)}{self._tail}"
 
     def opening(self, job: Job) -> list[str]:
         self.base = {"id": job.id, "object": self.fmt.chunk_object, "created": int(time.time()), "model": self.model}
+        self._head = f'data: {json.dumps(self.base)[:-1]}, "choices": '
         return [self._chunk(job, [first]) for first in self.fmt.first_chunks(job)]
 
     def choice(self, job: Job, ch: Choice, idx: int, pidx: int, c, delta: RequestOutput, first: bool) -> list[str]:
