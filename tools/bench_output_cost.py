@@ -4,7 +4,7 @@ machine, and shows in the inter-token tail).
 
     python tools/bench_output_cost.py MODEL [--tree DIR ...] [--rounds 3] [--prompts 160] \
         [--concurrency 16] [--input-len 64] [--output-len 64] [--backend openai-chat] \
-        [--sample-to DIR] [-- extra kiln serve flags]
+        [--profile-to DIR] [-- extra kiln serve flags]
 
 Each tree's server runs from that directory (its code wins over the installed one) through
 tools/serve_with_thread_names.py, which gives each Python thread's name to its OS thread. All
@@ -14,13 +14,15 @@ prompts, --ignore-eos, greedy) after a warm-up. Per thread group, the CPU time t
 during the load (/proc/PID/task/*/schedstat: nanoseconds on a CPU) divided by the output tokens
 the client received: `kiln-step-loop` (schedules, launches the forward, updates the requests),
 `kiln-outputs` (detokenising, stop strings, RequestOutputs, metrics), `event loop` (the main
-thread: HTTP, delta merging, SSE), `team` (the other threads named after the process: the
-forward's native thread team), and every other named thread; `all` is the whole process
+thread: HTTP, delta merging, SSE), `team` (native threads started by the step thread or the main
+thread: the forward's OpenMP team beside the step thread), and every other Python thread by name
+(the tokenizing pool...); `all` is the whole process
 (/proc/PID/stat, threads that ended included). Also output tok/s and ITL p50/p99 (client side).
 Medians over rounds; the last table gives each tree's ratio to the first.
 
---sample-to DIR: the servers also sample their Python threads' stacks during each measured load
-(costs time: use it for where the time goes, not for the figures) into DIR/TREE-ROUND.txt.
+--profile-to DIR: the servers also run cProfile on the event loop (during each measured load) and
+on the output thread (from its start), written to DIR/TREE-ROUND-{loop,outputs}.prof (costs time:
+use it for where the time goes, not for the figures).
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import urllib.request
@@ -46,7 +49,7 @@ from engine.bench.serve_data import BenchConfig  # noqa: E402
 from engine.bench.serve_metrics import percentile  # noqa: E402
 
 TICK_S = 1.0 / os.sysconf("SC_CLK_TCK")
-NAMED = {"kiln-step-loop": "step", "kiln-outputs": "outputs"}
+GROUPS = {"kiln-step-loop": "step", "kiln-outputs": "outputs", "event loop": "event loop"}
 
 
 def _free_port() -> int:
@@ -56,13 +59,14 @@ def _free_port() -> int:
 
 
 class Server:
-    def __init__(self, tree: Path, model: str, extra: list[str], sample_to: Path | None) -> None:
+    def __init__(self, tree: Path, model: str, extra: list[str], profile_to: Path | None) -> None:
         self.tree, self.port = tree, _free_port()
-        cmd = [sys.executable, str(HERE / "serve_with_thread_names.py")]
-        self.sample_file: Path | None = None
-        if sample_to is not None:
-            self.sample_file = sample_to / f"{tree.name}-samples.txt"
-            cmd += ["--sample-to", str(self.sample_file)]
+        self.threads_file = Path(tempfile.mkdtemp()) / "threads.tsv"
+        cmd = [sys.executable, str(HERE / "serve_with_thread_names.py"), str(self.threads_file)]
+        self.profile: Path | None = None
+        if profile_to is not None:
+            self.profile = profile_to / tree.name
+            cmd += ["--profile-to", str(self.profile)]
         cmd += ["--", "serve", model, "--port", str(self.port), *extra]
         self.log: list[str] = []
         self.proc = subprocess.Popen(cmd, cwd=tree, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -94,6 +98,10 @@ class Server:
     def cpu_by_thread(self) -> dict[str, float]:
         """Seconds on a CPU so far, per thread group, and 'all' for the process."""
         pid = self.proc.pid
+        named = {}  # Python threads by native id (the launcher lists them)
+        for line in self.threads_file.read_text().splitlines():
+            tid, name = line.split("\t", 1)
+            named[int(tid)] = name
         out: dict[str, float] = {}
         for tid in os.listdir(f"/proc/{pid}/task"):
             try:
@@ -101,16 +109,18 @@ class Server:
                 ns = int(Path(f"/proc/{pid}/task/{tid}/schedstat").read_text().split()[0])
             except OSError:
                 continue  # (ended meanwhile)
-            group = "event loop" if int(tid) == pid else NAMED.get(comm, comm)
-            if group == comm and not comm.startswith("kiln-"):
-                group = "team" if comm.startswith("python") else f"other: {comm}"
+            name = named.get(int(tid))
+            if name is None:  # a native thread: it inherited the name of the thread that started it
+                group = "team" if comm.startswith(("kiln-step-loop", "python")) else f"other: {comm}"
+            else:
+                group = GROUPS.get(name, f"other: {name.rstrip('_0123456789')}")
             out[group] = out.get(group, 0.0) + ns / 1e9
         fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
         out["all"] = (int(fields[11]) + int(fields[12])) * TICK_S  # (threads that ended included)
         return out
 
     def signal(self, sig: int) -> None:
-        if self.sample_file is not None:
+        if self.profile is not None:
             self.proc.send_signal(sig)
 
     def stop(self) -> None:
@@ -138,17 +148,19 @@ def config(server: Server, args: argparse.Namespace, prompts: int, seed: int) ->
     )
 
 
-def measure(server: Server, args: argparse.Namespace, round_: int, sample_to: Path | None) -> dict[str, float]:
+def measure(server: Server, args: argparse.Namespace, round_: int) -> dict[str, float]:
     asyncio.run(load(config(server, args, args.concurrency, seed=1000 + round_), progress=False))  # warm-up
     server.signal(signal.SIGUSR1)
     before, t0, load_before = server.cpu_by_thread(), time.monotonic(), os.getloadavg()[0]
     summary = asyncio.run(load(config(server, args, args.prompts, seed=round_), progress=False))
     after, wall = server.cpu_by_thread(), time.monotonic() - t0
     server.signal(signal.SIGUSR2)
-    if sample_to is not None and server.sample_file is not None:
-        time.sleep(1.0)  # (the server writes its samples)
-        if server.sample_file.exists():
-            server.sample_file.rename(sample_to / f"{server.tree.name}-{round_}.txt")
+    if server.profile is not None:
+        time.sleep(2.0)  # (the server writes its profiles)
+        for part in ("loop", "outputs"):
+            got = Path(f"{server.profile}-{part}.prof")
+            if got.exists():
+                got.rename(f"{server.profile}-{round_}-{part}.prof")
     errors = [e for e in summary["request_errors"] if e]
     if errors:
         raise SystemExit(f"{server.tree}: {len(errors)} requests failed: {errors[:3]}")
@@ -179,19 +191,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--input-len", type=int, default=64)
     p.add_argument("--output-len", type=int, default=64)
     p.add_argument("--backend", choices=("openai", "openai-chat"), default="openai-chat")
-    p.add_argument("--sample-to", type=Path, help="also sample the servers' Python stacks into this directory")
+    p.add_argument("--profile-to", type=Path, help="also profile the servers' output side into this directory")
     args = p.parse_args(argv)
     trees = [t.resolve() for t in (args.tree or [HERE.parent])]
-    if args.sample_to is not None:
-        args.sample_to.mkdir(parents=True, exist_ok=True)
-    servers = [Server(tree, args.model, extra, args.sample_to) for tree in trees]
+    if args.profile_to is not None:
+        args.profile_to.mkdir(parents=True, exist_ok=True)
+    servers = [Server(tree, args.model, extra, args.profile_to) for tree in trees]
     rows: dict[Path, list[dict[str, float]]] = {tree: [] for tree in trees}
     try:
         for server in servers:
             server.wait_ready()
         for r in range(args.rounds):
             for server in servers if r % 2 == 0 else servers[::-1]:  # (alternating order too)
-                row = measure(server, args, r, args.sample_to)
+                row = measure(server, args, r)
                 rows[server.tree].append(row)
                 print(
                     f"round {r + 1} {server.tree}: "

@@ -1,99 +1,86 @@
 """Run `python -m engine.entrypoints.cli ...` from the current directory with each Python thread's
 name given to its OS thread (so /proc/PID/task/*/comm tells kiln-outputs from kiln-step-loop),
-and optionally a sampling profiler of the Python threads: tools/bench_output_cost.py's launcher.
+and optionally cProfile of the output side: tools/bench_output_cost.py's launcher.
 
-    python tools/serve_with_thread_names.py [--sample-to FILE] -- serve MODEL ...
+    python tools/serve_with_thread_names.py THREADS_FILE [--profile-to PREFIX] -- serve MODEL ...
 
-With --sample-to, SIGUSR1 starts sampling (every 2 ms, each thread's Python stack while the OS
-says it is running) and SIGUSR2 stops it and writes FILE: one line per thread and stack,
-"thread;outer;...;inner count" (collapsed stacks, as flame-graph tools read them).
+With --profile-to, SIGUSR1 starts profiling the event loop and SIGUSR2 writes PREFIX-loop.prof
+and PREFIX-outputs.prof (see Profiles).
 """
 
 from __future__ import annotations
 
+import cProfile
 import ctypes
 import os
+import pstats
 import runpy
 import signal
 import sys
 import threading
-import time
-from collections import Counter
 
 _PR_SET_NAME = 15
 
 
-def name_os_threads() -> None:
-    """Every Python thread started from now on names its OS thread (15 bytes at most, prctl's limit)."""
+def name_os_threads(threads_to: str) -> None:
+    """Every Python thread started from now on names its OS thread (15 bytes at most, prctl's
+    limit) and appends "native id<TAB>name" to threads_to (threads it starts natively, such as
+    its OpenMP team, inherit the OS name but are not listed)."""
     libc = ctypes.CDLL(None, use_errno=True)
     original = threading.Thread._bootstrap_inner  # type: ignore[attr-defined]
+    with open(threads_to, "w") as f:
+        f.write(f"{threading.main_thread().native_id}\tevent loop\n")
 
     def bootstrap(self) -> None:
         libc.prctl(_PR_SET_NAME, self.name.encode()[:15], 0, 0, 0)
+        with open(threads_to, "a") as f:
+            f.write(f"{threading.get_native_id()}\t{self.name}\n")
         original(self)
 
     threading.Thread._bootstrap_inner = bootstrap  # type: ignore[attr-defined]
 
 
-class Sampler:
-    """Python stacks of the threads that are on a CPU, counted."""
+class Profiles:
+    """cProfile of the event loop (the main thread) between SIGUSR1 and SIGUSR2, and of the output
+    thread (from its start: cProfile profiles only the thread that enables it), written at SIGUSR2
+    to PREFIX-loop.prof and PREFIX-outputs.prof (pstats files)."""
 
-    def __init__(self, path: str, interval_s: float = 0.002) -> None:
-        self.path, self.interval_s = path, interval_s
-        self.on = threading.Event()
-        self.counts: Counter[str] = Counter()
-        self.pid = os.getpid()
-        signal.signal(signal.SIGUSR1, lambda *_: self.start())
-        signal.signal(signal.SIGUSR2, lambda *_: self.stop())
-        threading.Thread(target=self.run, name="sampler", daemon=True).start()
+    def __init__(self, prefix: str) -> None:
+        self.prefix = prefix
+        self.loop = cProfile.Profile()
+        self.outputs: cProfile.Profile | None = None
+        signal.signal(signal.SIGUSR1, lambda *_: self.loop.enable())
+        signal.signal(signal.SIGUSR2, lambda *_: self.dump())
+        original = threading.Thread.run
 
-    def running(self, native_id: int) -> bool:
-        try:
-            with open(f"/proc/{self.pid}/task/{native_id}/stat", "rb") as f:
-                return f.read().rsplit(b")", 1)[1].split()[0] == b"R"
-        except OSError:
-            return False
+        def run(thread: threading.Thread) -> None:
+            if thread.name != "kiln-outputs":
+                return original(thread)
+            self.outputs = cProfile.Profile()
+            self.outputs.enable()
+            original(thread)
 
-    def run(self) -> None:
-        me = threading.get_ident()
-        while True:
-            self.on.wait()
-            frames = sys._current_frames()
-            for thread in threading.enumerate():
-                frame = frames.get(thread.ident or -1)
-                if frame is None or thread.ident == me or thread.native_id is None:
-                    continue
-                if not self.running(thread.native_id):
-                    continue
-                stack = []
-                while frame is not None:
-                    code = frame.f_code
-                    stack.append(f"{os.path.basename(code.co_filename)}:{code.co_name}")
-                    frame = frame.f_back
-                self.counts[";".join([thread.name, *reversed(stack)])] += 1
-            time.sleep(self.interval_s)
+        threading.Thread.run = run  # type: ignore[method-assign]
 
-    def start(self) -> None:
-        self.counts.clear()
-        self.on.set()
-
-    def stop(self) -> None:
-        self.on.clear()
-        with open(self.path, "w") as f:
-            for stack, count in self.counts.most_common():
-                f.write(f"{stack} {count}\n")
+    def dump(self) -> None:
+        self.loop.disable()
+        self.loop.dump_stats(f"{self.prefix}-loop.prof")
+        self.loop = cProfile.Profile()
+        if self.outputs is not None:
+            self.outputs.snapshot_stats()  # (still enabled in its own thread)
+            pstats.Stats(self.outputs).dump_stats(f"{self.prefix}-outputs.prof")
 
 
 def main() -> None:
-    argv = sys.argv[1:]
-    sample_to = None
-    if argv[:1] == ["--sample-to"]:
-        sample_to, argv = argv[1], argv[2:]
+    threads_to, argv = sys.argv[1], sys.argv[2:]
+    profile_to = None
+    if argv[:1] == ["--profile-to"]:
+        profile_to, argv = argv[1], argv[2:]
     if argv[:1] == ["--"]:
         argv = argv[1:]
-    name_os_threads()
-    if sample_to:
-        Sampler(sample_to)
+    name_os_threads(threads_to)
+    if profile_to:
+        Profiles(profile_to)
     sys.path.insert(0, os.getcwd())  # the tree being measured, not this file's
     sys.argv = ["kiln", *argv]
     runpy.run_module("engine.entrypoints.cli", run_name="__main__", alter_sys=True)
