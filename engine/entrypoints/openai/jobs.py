@@ -111,25 +111,27 @@ class Job:
             self.num_prompt_tokens += len(delta.prompt_token_ids)
         self.num_completion_tokens += sum(len(c.token_ids) for c in delta.outputs)
 
-    async def deltas(self) -> AsyncIterator[tuple[int, RequestOutput]]:
+    def deltas(self) -> AsyncIterator[tuple[int, RequestOutput]]:
         """(prompt index, delta) from all of the job's streams as they come; for a prompt-only
         job without the token it generated."""
-        async for pidx, delta in self._mux():
-            if self.prompt_only:
-                delta = dataclasses.replace(
-                    delta,
-                    outputs=[
-                        dataclasses.replace(
-                            c,
-                            text="",
-                            token_ids=[],
-                            logprobs=None if c.logprobs is None else [],
-                            cumulative_logprob=None if c.cumulative_logprob is None else 0.0,
-                        )
-                        for c in delta.outputs
-                    ],
+        return self._prompt_only(self._mux()) if self.prompt_only else self._mux()
+
+    @staticmethod
+    async def _prompt_only(
+        deltas: AsyncIterator[tuple[int, RequestOutput]],
+    ) -> AsyncIterator[tuple[int, RequestOutput]]:
+        async for pidx, delta in deltas:
+            outputs = [
+                dataclasses.replace(
+                    c,
+                    text="",
+                    token_ids=[],
+                    logprobs=None if c.logprobs is None else [],
+                    cumulative_logprob=None if c.cumulative_logprob is None else 0.0,
                 )
-            yield pidx, delta
+                for c in delta.outputs
+            ]
+            yield pidx, dataclasses.replace(delta, outputs=outputs)
 
     async def _mux(self) -> AsyncIterator[tuple[int, RequestOutput]]:
         """The streams read as one, on demand: each stream has at most one delta taken and not yet
@@ -238,7 +240,9 @@ async def collect(job: Job) -> list[tuple[Choice, RequestOutput | None]]:
         for c in delta.outputs:
             if c.finish_reason == "error":
                 raise engine_failed(delta.error or "unknown error")
-            ch = choices.setdefault(pidx * job.n + c.index, Choice())
+            ch = choices.get(pidx * job.n + c.index)
+            if ch is None:  # (not setdefault: that would build a Choice per delta)
+                ch = choices[pidx * job.n + c.index] = Choice()
             ch.text += c.text
             ch.token_ids += c.token_ids
             ch.logprobs += c.logprobs or []
@@ -367,8 +371,10 @@ async def stream_events(job: Job, events: EventWriter, timeout: float | None) ->
                     if c.finish_reason == "error":
                         raise RequestFailed(delta.error or "unknown error")
                     idx = pidx * job.n + c.index
-                    first = idx not in choices
-                    ch = choices.setdefault(idx, Choice())
+                    ch = choices.get(idx)
+                    first = ch is None
+                    if ch is None:  # (not setdefault: that would build a Choice per delta)
+                        ch = choices[idx] = Choice()
                     for event in events.choice(job, ch, idx, pidx, c, delta, first):
                         yield event
         ending = events.closing(job)
