@@ -215,6 +215,8 @@ class DeltaBacklog:
     concatenated; everything else from the newest. Pieces are appended as they come and joined
     once, when taken (merging delta by delta would copy the whole backlog every step)."""
 
+    __slots__ = ("_only", "_latest", "_choices", "num_tokens")
+
     def __init__(self) -> None:
         self._only: RequestOutput | None = None  # the one delta so far (taken as it is)
         self._latest: RequestOutput | None = None
@@ -222,7 +224,8 @@ class DeltaBacklog:
         self.num_tokens = 0
 
     def add(self, delta: RequestOutput) -> None:
-        self.num_tokens += sum(len(c.token_ids) for c in delta.outputs)
+        for c in delta.outputs:  # (a loop, not sum() over a generator: this runs per token)
+            self.num_tokens += len(c.token_ids)
         if self._latest is None:
             self._only = self._latest = delta
             return
@@ -247,6 +250,8 @@ class DeltaBacklog:
 
 
 class _ChoiceBacklog:
+    __slots__ = ("texts", "token_ids", "logprobs", "last")
+
     def __init__(self) -> None:
         self.texts: list[str] = []
         self.token_ids: list[int] = []
