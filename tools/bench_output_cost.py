@@ -171,7 +171,9 @@ def measure(server: Server, args: argparse.Namespace, round_: int) -> dict[str, 
         {
             "output tok/s": tokens / wall,
             "ITL p50 ms": 1000 * percentile(itls, 50),
+            "ITL p90 ms": 1000 * percentile(itls, 90),
             "ITL p99 ms": 1000 * percentile(itls, 99),
+            "TTFT p50 ms": 1000 * percentile([t for t in summary["ttfts"] if t], 50),
             "load avg": (load_before + os.getloadavg()[0]) / 2,
         }
     )
@@ -233,7 +235,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _order(key: str) -> tuple[int, str]:
-    ranks = ["step", "outputs", "event loop", "team", "all", "output tok/s", "ITL p50", "ITL p99", "load"]
+    ranks = ["step", "outputs", "event loop", "team", "all", "output tok/s", "ITL", "TTFT", "load"]
     return next((i for i, r in enumerate(ranks) if key.startswith(r)), len(ranks) - 1), key
 
 
