@@ -136,14 +136,11 @@ class Job:
     async def _mux(self) -> AsyncIterator[tuple[int, RequestOutput]]:
         """The streams read as one, on demand: each stream has at most one delta taken and not yet
         yielded, so what a slow consumer has not read stays merged in its stream (bounded), never
-        queued here step by step. One stream (the common case) is read directly: no task and no
-        wait per delta."""
+        queued here step by step. (Reading a one-stream job directly, without the task and the
+        wait per delta, took 0.8x the loop's CPU per token but raised the ITL median ~5% in three
+        interleaved served runs: docs/benchmarks.md, the output side's CPU per token.)"""
         if self.ended:
             raise ShuttingDown()
-        if len(self.streams) == 1:
-            async for d in self.streams[0]:
-                yield 0, d
-            return
         reads = {asyncio.ensure_future(anext(s)): i for i, s in enumerate(self.streams)}
         try:
             while reads:
