@@ -112,7 +112,10 @@ class OutputThread:
                 continue
             if out.finished:
                 del self.streams[out.request_id]
-            by_loop.setdefault(stream.loop, []).append((stream, out))
+            items = by_loop.get(stream.loop)
+            if items is None:  # (not setdefault: that would build a list per output)
+                items = by_loop[stream.loop] = []
+            items.append((stream, out))
         for loop, items in by_loop.items():
             mailbox = self.mailboxes.get(loop)
             if mailbox is None:

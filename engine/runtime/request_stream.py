@@ -55,6 +55,7 @@ class RequestStream:
         self._unread_since = 0.0  # when the oldest unread delta came
         self._last: RequestOutput | None = None
         self._error: BaseException | None = None
+        self._interrupt: BaseException | None = None  # raised by the next read, ahead of any output
         self._event = asyncio.Event()
         self.accepted: asyncio.Future = loop.create_future()
         self.finished = False  # the engine reported the request finished
@@ -114,6 +115,12 @@ class RequestStream:
             self.accepted.set_exception(exc)
 
     # ---- reader side ----
+    def interrupt(self, exc: BaseException) -> None:
+        """Make the reader's next (or waiting) read raise exc at once, output waiting or not (the
+        server's shutdown ending a job); called on the stream's loop."""
+        self._interrupt = exc
+        self._event.set()
+
     @property
     def final_output(self) -> RequestOutput | None:
         """The last item the reader got (request-level fields: cached tokens, metrics, error)."""
@@ -124,6 +131,8 @@ class RequestStream:
 
     async def __anext__(self) -> RequestOutput:
         while True:
+            if self._interrupt is not None:
+                raise self._interrupt
             if self.done:
                 raise StopAsyncIteration
             if self._backlog is not None:
@@ -206,6 +215,8 @@ class DeltaBacklog:
     concatenated; everything else from the newest. Pieces are appended as they come and joined
     once, when taken (merging delta by delta would copy the whole backlog every step)."""
 
+    __slots__ = ("_only", "_latest", "_choices", "num_tokens")
+
     def __init__(self) -> None:
         self._only: RequestOutput | None = None  # the one delta so far (taken as it is)
         self._latest: RequestOutput | None = None
@@ -213,7 +224,8 @@ class DeltaBacklog:
         self.num_tokens = 0
 
     def add(self, delta: RequestOutput) -> None:
-        self.num_tokens += sum(len(c.token_ids) for c in delta.outputs)
+        for c in delta.outputs:  # (a loop, not sum() over a generator: this runs per token)
+            self.num_tokens += len(c.token_ids)
         if self._latest is None:
             self._only = self._latest = delta
             return
@@ -238,6 +250,8 @@ class DeltaBacklog:
 
 
 class _ChoiceBacklog:
+    __slots__ = ("texts", "token_ids", "logprobs", "last")
+
     def __init__(self) -> None:
         self.texts: list[str] = []
         self.token_ids: list[int] = []

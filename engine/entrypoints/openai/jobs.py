@@ -75,7 +75,6 @@ class Job:
     num_completion_tokens: int = 0
     registry: set | None = None  # the server's live jobs (ServerState.jobs)
     ended: bool = False  # the server ended it (shutdown)
-    _ending: asyncio.Future | None = None  # set by end() while the job is being read
 
     def __post_init__(self) -> None:
         if self.registry is not None:
@@ -84,10 +83,10 @@ class Job:
                 self.ended = True
 
     def end(self) -> None:
-        """Shutdown: make the reader stop with ShuttingDown."""
+        """Shutdown: make the reader stop with ShuttingDown (its streams' reads raise it)."""
         self.ended = True
-        if self._ending is not None and not self._ending.done():
-            self._ending.set_result(None)
+        for s in self.streams:
+            s.interrupt(ShuttingDown())
 
     def close(self) -> None:
         for s in self.streams:
@@ -112,39 +111,40 @@ class Job:
             self.num_prompt_tokens += len(delta.prompt_token_ids)
         self.num_completion_tokens += sum(len(c.token_ids) for c in delta.outputs)
 
-    async def deltas(self) -> AsyncIterator[tuple[int, RequestOutput]]:
+    def deltas(self) -> AsyncIterator[tuple[int, RequestOutput]]:
         """(prompt index, delta) from all of the job's streams as they come; for a prompt-only
         job without the token it generated."""
-        async for pidx, delta in self._mux():
-            if self.prompt_only:
-                delta = dataclasses.replace(
-                    delta,
-                    outputs=[
-                        dataclasses.replace(
-                            c,
-                            text="",
-                            token_ids=[],
-                            logprobs=None if c.logprobs is None else [],
-                            cumulative_logprob=None if c.cumulative_logprob is None else 0.0,
-                        )
-                        for c in delta.outputs
-                    ],
+        return self._prompt_only(self._mux()) if self.prompt_only else self._mux()
+
+    @staticmethod
+    async def _prompt_only(
+        deltas: AsyncIterator[tuple[int, RequestOutput]],
+    ) -> AsyncIterator[tuple[int, RequestOutput]]:
+        async for pidx, delta in deltas:
+            outputs = [
+                dataclasses.replace(
+                    c,
+                    text="",
+                    token_ids=[],
+                    logprobs=None if c.logprobs is None else [],
+                    cumulative_logprob=None if c.cumulative_logprob is None else 0.0,
                 )
-            yield pidx, delta
+                for c in delta.outputs
+            ]
+            yield pidx, dataclasses.replace(delta, outputs=outputs)
 
     async def _mux(self) -> AsyncIterator[tuple[int, RequestOutput]]:
         """The streams read as one, on demand: each stream has at most one delta taken and not yet
         yielded, so what a slow consumer has not read stays merged in its stream (bounded), never
-        queued here step by step."""
+        queued here step by step. (Reading a one-stream job directly, without the task and the
+        wait per delta, took 0.8x the loop's CPU per token but raised the ITL median ~5% in three
+        interleaved served runs: docs/benchmarks.md, the output side's CPU per token.)"""
         if self.ended:
             raise ShuttingDown()
-        self._ending = asyncio.get_running_loop().create_future()
         reads = {asyncio.ensure_future(anext(s)): i for i, s in enumerate(self.streams)}
         try:
             while reads:
-                done, _ = await asyncio.wait([*reads, self._ending], return_when=asyncio.FIRST_COMPLETED)
-                if self._ending.done():
-                    raise ShuttingDown()
+                done, _ = await asyncio.wait(reads, return_when=asyncio.FIRST_COMPLETED)
                 for task in sorted(done, key=reads.__getitem__):  # (in prompt order)
                     i = reads.pop(task)
                     try:
@@ -237,7 +237,9 @@ async def collect(job: Job) -> list[tuple[Choice, RequestOutput | None]]:
         for c in delta.outputs:
             if c.finish_reason == "error":
                 raise engine_failed(delta.error or "unknown error")
-            ch = choices.setdefault(pidx * job.n + c.index, Choice())
+            ch = choices.get(pidx * job.n + c.index)
+            if ch is None:  # (not setdefault: that would build a Choice per delta)
+                ch = choices[pidx * job.n + c.index] = Choice()
             ch.text += c.text
             ch.token_ids += c.token_ids
             ch.logprobs += c.logprobs or []
@@ -294,20 +296,26 @@ class EventWriter(Protocol):
 
 
 class ChunkEvents:
-    """OpenAI's streamed chunks: the formatter's choices, the usage chunk if asked, then [DONE]."""
+    """OpenAI's streamed chunks: the formatter's choices, the usage chunk if asked, then [DONE].
+
+    A chunk is its job's constant fields, the choices and the usage; the constant head and the
+    tail are serialised once per job and the chunk's text is exactly json.dumps of the whole
+    (this runs once per token per stream)."""
 
     def __init__(self, fmt: Formatter, model: str, gen: GenerationRequest) -> None:
         self.fmt, self.model, self.gen = fmt, model, gen
         self.base: dict[str, Any] = {}
+        self._head = 'data: {"choices": '  # json.dumps(base) less its closing brace, then the choices key
+        self._tail = ', "usage": null}\n\n' if gen.include_usage else "}\n\n"
 
     def _chunk(self, job: Job, choices: list[dict]) -> str:
-        usage: dict[str, Any] = {"usage": None} if self.gen.include_usage else {}
         if self.gen.continuous_usage:  # (vLLM's continuous_usage_stats)
-            usage = {"usage": job.usage()}
-        return sse({**self.base, "choices": choices, **usage})
+            return f'{self._head}{json.dumps(choices)}, "usage": {json.dumps(job.usage())}}}\n\n'
+        return f"{self._head}{json.dumps(choices)}{self._tail}"
 
     def opening(self, job: Job) -> list[str]:
         self.base = {"id": job.id, "object": self.fmt.chunk_object, "created": int(time.time()), "model": self.model}
+        self._head = f'data: {json.dumps(self.base)[:-1]}, "choices": '
         return [self._chunk(job, [first]) for first in self.fmt.first_chunks(job)]
 
     def choice(self, job: Job, ch: Choice, idx: int, pidx: int, c, delta: RequestOutput, first: bool) -> list[str]:
@@ -360,8 +368,10 @@ async def stream_events(job: Job, events: EventWriter, timeout: float | None) ->
                     if c.finish_reason == "error":
                         raise RequestFailed(delta.error or "unknown error")
                     idx = pidx * job.n + c.index
-                    first = idx not in choices
-                    ch = choices.setdefault(idx, Choice())
+                    ch = choices.get(idx)
+                    first = ch is None
+                    if ch is None:  # (not setdefault: that would build a Choice per delta)
+                        ch = choices[idx] = Choice()
                     for event in events.choice(job, ch, idx, pidx, c, delta, first):
                         yield event
         ending = events.closing(job)
