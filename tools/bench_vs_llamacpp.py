@@ -26,7 +26,13 @@ Offline (default): for every format, every round, llama.cpp then kiln, each a fr
 
 Reported per format: prompt processing (tok/s, the batch-1 prompt), decode tok/s at batch 1 and at
 batch B (llama.cpp: B x G / the decode time; kiln: B x decode steps / their time), medians over
-the rounds, and the ratio kiln / llama.cpp (>= 1.0: kiln at least as fast).
+the rounds, and the ratio kiln / llama.cpp (>= 1.0: kiln at least as fast). Beside them, measured
+the same way for both (tools/peer_process.py): each run's peak RSS (the process's high-water mark:
+llama.cpp's mapped file counts as much as kiln's copies) and its time from start to ready (kiln: the
+engine built; llama.cpp: its first result's arrival less the run it reports). --ctx N gives both
+the same context, N tokens in all (llama.cpp -c N; kiln a KV cache of N tokens, max_model_len N).
+Another model than SmolLM2: --stem NAME reads NAME.FORMAT.gguf (made by llama-quantize from its
+F16 file, e.g. `llama-quantize NAME.F16.gguf NAME.Q4_K_M.gguf Q4_K_M`).
 
 --serve: `llama-server`, `kiln serve` and (with --vllm-venv) `vllm serve`, one after the other on
 the same cores, each loaded by the same client, `kiln bench serve` (random prompts drawn from the
@@ -49,7 +55,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import shutil
 import statistics
 import subprocess
@@ -61,41 +66,11 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from tools.peer_process import Measured, load, machine, run_measured  # noqa: E402
 from tools.peer_server import client_prefix, core_count, running_server  # noqa: E402
 
 STEM = "SmolLM2-135M-Instruct"
 FORMATS = ("F32", "F16", "Q8_0", "Q4_1")
-
-
-# ---- the machine --------------------------------------------------------------------------------
-def machine() -> str:
-    """CPU model and the ISA extensions that matter here, from /proc/cpuinfo."""
-    model, flags = platform.processor() or "?", set()
-    try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("model name") and model in ("?", "", "x86_64"):
-                model = line.split(":", 1)[1].strip()
-            elif line.startswith("flags"):
-                flags = set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    isa = [
-        f
-        for f in ("avx2", "fma", "f16c", "avx512f", "avx512_vnni", "avx512_bf16", "avx_vnni", "amx_bf16", "amx_int8")
-        if f in flags
-    ]
-    limits = [f"{k}={os.environ[k]}" for k in ("KILN_CPU_ISA", "LD_LIBRARY_PATH") if os.environ.get(k)]
-    return f"{model}, {os.cpu_count()} CPUs, {' '.join(isa) or 'no AVX2'}" + (
-        f" ({', '.join(limits)})" if limits else ""
-    )
-
-
-def load() -> str:
-    try:
-        with open("/proc/loadavg") as f:
-            return " ".join(f.read().split()[:3])
-    except OSError:
-        return "?"
 
 
 def find_llama_cpp(given: str | None) -> Path | None:
@@ -109,8 +84,8 @@ def find_llama_cpp(given: str | None) -> Path | None:
     return None
 
 
-def gguf_path(models_dir: Path, fmt: str) -> Path:
-    return models_dir / f"{STEM}.{fmt}.gguf"
+def gguf_path(models_dir: Path, fmt: str, stem: str = STEM) -> Path:
+    return models_dir / f"{stem}.{fmt}.gguf"
 
 
 def make_models(bin_dir: Path, models_dir: Path, formats: list[str]) -> None:
@@ -138,9 +113,10 @@ def make_models(bin_dir: Path, models_dir: Path, formats: list[str]) -> None:
 
 # ---- llama.cpp -----------------------------------------------------------------------------------
 def llama_offline(bin_dir: Path, model: Path, a) -> dict:
-    """{'pp': tok/s of the batch-1 prompt, 'tg1': batch-1 decode tok/s, 'tgB': batch-B decode tok/s}."""
+    """{'pp': tok/s of the batch-1 prompt, 'tg1': batch-1 decode tok/s, 'tgB': batch-B decode tok/s,
+    'rss_GB': peak RSS, 'ready_s': start to ready}."""
     threads = str(core_count(a.cores))
-    ctx = a.batch * (a.prompt_len + a.gen_len) + 64
+    ctx = a.ctx or a.batch * (a.prompt_len + a.gen_len) + 64
     cmd = [
         "taskset",
         "-c",
@@ -167,7 +143,8 @@ def llama_offline(bin_dir: Path, model: Path, a) -> dict:
         "--output-format",
         "jsonl",
     ] + a.llama_arg
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=a.timeout)
+    # ready: the first result's arrival less the run it reports (model, context and its 16-token warm-up done)
+    done = run_measured(cmd, _llama_ready, a.timeout)
     rows = {}
     for line in (done.stdout + done.stderr).splitlines():
         line = line.strip()
@@ -176,7 +153,16 @@ def llama_offline(bin_dir: Path, model: Path, a) -> dict:
             rows[int(r["pl"])] = r
     if done.returncode != 0 or 1 not in rows or a.batch not in rows:
         raise SystemExit(f"llama-batched-bench failed ({done.returncode}): {(done.stderr or done.stdout)[-1500:]}")
-    return {"pp": rows[1]["speed_pp"], "tg1": rows[1]["speed_tg"], "tgB": rows[a.batch]["speed_tg"]}
+    return {"pp": rows[1]["speed_pp"], "tg1": rows[1]["speed_tg"], "tgB": rows[a.batch]["speed_tg"], **_memory(done)}
+
+
+def _llama_ready(line: str, at: float) -> float | None:
+    line = line.strip()
+    return at - json.loads(line)["t"] if line.startswith("{") and '"speed_tg"' in line else None
+
+
+def _memory(done: Measured) -> dict:
+    return {"rss_GB": done.peak_rss / 1e9, "ready_s": done.ready_s if done.ready_s is not None else float("nan")}
 
 
 # ---- kiln ----------------------------------------------------------------------------------------
@@ -194,12 +180,15 @@ def kiln_worker(spec: dict) -> dict:
         dtype=spec["dtype"],
         cpu_threads=spec["threads"],
         max_num_seqs=max(batches),
-        max_model_len=p + g,
+        max_model_len=spec.get("ctx") or p + g,
+        # --ctx: the KV cache holds that many tokens in all, as llama.cpp's -c
+        num_gpu_blocks=-(-spec["ctx"] // 16) if spec.get("ctx") else None,
         enable_prefix_caching=False,
         log_stats_interval=0,
         **spec.get("extra", {}),
     )
     engine = LLMEngine.from_settings(settings)
+    print("KILN_READY", flush=True)
     vocab = engine.model_config.vocab_size
     out = {"dtype": str(engine.core.dtype).removeprefix("torch."), "weight_GB": weight_bytes(engine.core.model) / 1e9}
     for b in batches:
@@ -219,10 +208,15 @@ def kiln_offline(model: Path, dtype: str, a) -> dict:
         "prompt_len": a.prompt_len,
         "gen_len": a.gen_len,
         "batches": [1, a.batch],
+        "ctx": a.ctx,
     }
     cmd = ["taskset", "-c", a.cores, a.kiln_python, str(Path(__file__).resolve()), "--kiln-worker", json.dumps(spec)]
-    done = subprocess.run(
-        cmd, capture_output=True, text=True, timeout=a.timeout, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}
+    done = run_measured(
+        cmd,
+        lambda line, at: at if line.startswith("KILN_READY") else None,
+        a.timeout,
+        cwd=REPO,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
     )
     line = [ln for ln in done.stdout.splitlines() if ln.startswith("KILN_RESULT ")]
     if done.returncode != 0 or not line:
@@ -234,19 +228,19 @@ def kiln_offline(model: Path, dtype: str, a) -> dict:
         "tgB": r[str(a.batch)]["tg"],
         "dtype": r["dtype"],
         "weight_GB": r["weight_GB"],
+        **_memory(done),
     }
 
 
 def offline(bin_dir: Path, a) -> dict:
     dtypes = dict(item.split("=", 1) for item in a.kiln_dtype)
     samples: dict[str, dict[str, dict[str, list[float]]]] = {
-        f: {"llama": {k: [] for k in ("pp", "tg1", "tgB")}, "kiln": {k: [] for k in ("pp", "tg1", "tgB")}}
-        for f in a.formats
+        f: {who: {k: [] for k in MEASURES} for who in ("llama", "kiln")} for f in a.formats
     }
     info: dict[str, dict] = {}
     for r in range(a.rounds):
         for fmt in a.formats:
-            model = gguf_path(a.models_dir, fmt)
+            model = gguf_path(a.models_dir, fmt, a.stem)
             order = ("llama", "kiln") if r % 2 == 0 else ("kiln", "llama")  # neither always goes first
             for who in order:
                 res = (
@@ -256,17 +250,18 @@ def offline(bin_dir: Path, a) -> dict:
                 )
                 if who == "kiln":
                     info[fmt] = {"dtype": res["dtype"], "weight_GB": res["weight_GB"]}
-                for k in ("pp", "tg1", "tgB"):
+                for k in MEASURES:
                     samples[fmt][who][k].append(res[k])
                 print(
                     f"  round {r + 1} {fmt:5s} {who:5s}: pp {res['pp']:8.1f}  tg b1 {res['tg1']:7.1f}  "
-                    f"tg b{a.batch} {res['tgB']:7.1f} tok/s   load {load()}",
+                    f"tg b{a.batch} {res['tgB']:7.1f} tok/s  peak RSS {res['rss_GB']:.3f} GB  "
+                    f"ready {res['ready_s']:.1f} s   load {load()}",
                     flush=True,
                 )
     table = {}
     for fmt in a.formats:
         row = {"kiln_dtype": info[fmt]["dtype"], "kiln_weight_GB": info[fmt]["weight_GB"]}
-        for k in ("pp", "tg1", "tgB"):
+        for k in MEASURES:
             lm, km = statistics.median(samples[fmt]["llama"][k]), statistics.median(samples[fmt]["kiln"][k])
             row[k] = {
                 "llama": lm,
@@ -287,7 +282,24 @@ def offline(bin_dir: Path, a) -> dict:
             f"{row[k]['llama']:.1f} | {row[k]['kiln']:.1f} | {row[k]['ratio']:.2f}x" for k in ("pp", "tg1", "tgB")
         )
         print(f"| {fmt} | {row['kiln_dtype']} | {cells} |")
+    ctx = a.ctx or a.batch * (a.prompt_len + a.gen_len) + 64
+    print(
+        f"\npeak RSS of each whole run (batch 1 and {a.batch}; context {ctx} tokens: llama.cpp -c, kiln's KV "
+        "cache and max_model_len) and start to ready, medians; ratio = kiln / llama.cpp (<= 1.0: kiln lighter)"
+    )
+    print("| weights | peak RSS GB: llama.cpp | kiln | ratio | ready s: llama.cpp | kiln | ratio |")
+    print("|---|---:|---:|---:|---:|---:|---:|")
+    for fmt, row in table.items():
+        cells = " | ".join(
+            f"{row[k]['llama']:.{d}f} | {row[k]['kiln']:.{d}f} | {row[k]['ratio']:.2f}x"
+            for k, d in (("rss_GB", 3), ("ready_s", 1))
+        )
+        print(f"| {fmt} | {cells} |")
     return table
+
+
+# what each offline run measures: tok/s (prompt, decode at batch 1 and B), peak RSS (GB), ready (s)
+MEASURES = ("pp", "tg1", "tgB", "rss_GB", "ready_s")
 
 
 # ---- served ----------------------------------------------------------------------------------------
@@ -358,7 +370,7 @@ def flat_metrics(result: dict) -> dict:
 
 
 def serve(bin_dir: Path, a) -> dict:
-    model = gguf_path(a.models_dir, a.serve_format)
+    model = gguf_path(a.models_dir, a.serve_format, a.stem)
     threads = str(core_count(a.cores))
     slots = a.serve_concurrency
     ctx = slots * (a.serve_input_len + a.serve_output_len + 64)
@@ -478,6 +490,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=Path("/work/peers/models"),
         help=f"where {STEM}.FORMAT.gguf files are (default /work/peers/models)",
     )
+    p.add_argument("--stem", default=STEM, help=f"the GGUF files' name before .FORMAT.gguf (default {STEM})")
     p.add_argument("--make-models", action="store_true", help="write the missing GGUFs with llama-quantize first")
     p.add_argument("--formats", default=",".join(FORMATS), help="weight formats (default F32,F16,Q8_0,Q4_1)")
     p.add_argument(
@@ -493,6 +506,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--gen-len", type=int, default=128)
     p.add_argument("--batch", type=int, default=16, help="the batched run's sequences (default 16)")
+    p.add_argument(
+        "--ctx",
+        type=int,
+        default=0,
+        help="context both hold, tokens in all (llama.cpp -c; kiln's KV cache and max_model_len), so that "
+        "peak RSS compares the same (default: batch x (prompt + gen) + 64, kiln prompt + gen)",
+    )
     p.add_argument("--no-offline", action="store_true", help="skip the offline table")
     p.add_argument("--serve", action="store_true", help="also the served comparison")
     p.add_argument("--serve-format", default="F32")
@@ -528,7 +548,8 @@ def main(argv: list[str] | None = None) -> int:
     a.formats = [f.strip() for f in a.formats.split(",") if f.strip()]
     if a.make_models:
         make_models(bin_dir, a.models_dir, a.formats)
-    missing = [str(gguf_path(a.models_dir, f)) for f in a.formats if not gguf_path(a.models_dir, f).is_file()]
+    paths = [gguf_path(a.models_dir, f, a.stem) for f in a.formats]
+    missing = [str(p) for p in paths if not p.is_file()]
     if missing:
         raise SystemExit(f"missing GGUF files (run with --make-models): {', '.join(missing)}")
     print(
