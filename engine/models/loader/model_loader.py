@@ -241,11 +241,6 @@ def load_model(
             if quant is None and load_format != "dummy" and gguf_file.is_gguf(model_dir) and not gguf_dequantize
             else {}
         )
-        embedding = (
-            gguf_quant.embed_from_blocks(model, model_dir, dtype, device, int4_kernel)
-            if quant is None and load_format != "dummy" and gguf_file.is_gguf(model_dir) and not gguf_dequantize
-            else None
-        )
         # (cast while still on meta: to_empty then allocates each tensor once, in its final dtype,
         # not a float32 one converted beside it; issue 40)
         quant_loading.cast_except_quantized(model, dtype)
@@ -263,11 +258,7 @@ def load_model(
         _init_dummy(model, seed, max_positions)
         quant_loading.init_dummy(model, seed)
     elif gguf_file.is_gguf(model_dir):
-        skip = gguf_quant.load(model, model_dir, gguf_kept, dtype, device)
-        if embedding is not None:
-            gguf_quant.map_embedding(model, model_dir, embedding)
-            skip.add(embedding.name)
-        _load_gguf(model, model_dir, skip)
+        _load_gguf(model, model_dir, gguf_quant.load(model, model_dir, gguf_kept, dtype, device))
         if not gguf_dequantize and quant is None:
             gguf_quant.pack_head(model, model_dir, dtype, device, int4_kernel, quant_activations)
     else:
