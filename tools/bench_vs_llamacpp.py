@@ -26,12 +26,19 @@ Offline (default): for every format, every round, llama.cpp then kiln, each a fr
 
 Reported per format: prompt processing (tok/s, the batch-1 prompt), decode tok/s at batch 1 and at
 batch B (llama.cpp: B x G / the decode time; kiln: B x decode steps / their time), medians over
-the rounds, and the ratio kiln / llama.cpp (>= 1.0: kiln at least as fast).
+the rounds, and the ratio kiln / llama.cpp (>= 1.0: kiln at least as fast). Beside them, measured
+the same way for both (tools/peer_process.py): each run's peak RSS (the process's high-water mark:
+llama.cpp's mapped file counts as much as kiln's copies) and its time from start to ready (kiln: the
+engine built; llama.cpp: its first result's arrival less the run it reports). --ctx N gives both
+the same context, N tokens in all (llama.cpp -c N; kiln a KV cache of N tokens, max_model_len N).
+Another model than SmolLM2: --stem NAME reads NAME.FORMAT.gguf (made by llama-quantize from its
+F16 file, e.g. `llama-quantize NAME.F16.gguf NAME.Q4_K_M.gguf Q4_K_M`).
 
 --serve: `llama-server`, `kiln serve` and (with --vllm-venv) `vllm serve`, one after the other on
 the same cores, each loaded by the same client, `kiln bench serve` (random prompts drawn from the
 server's own vocabulary with a fixed seed, --serve-input-len in / --serve-output-len out, EOS
-ignored, --serve-concurrency in flight): output tok/s and median ITL/TPOT/TTFT, and kiln's ratios.
+ignored, --serve-concurrency in flight): output tok/s and median ITL/TPOT/TTFT, and kiln's ratios
+(tools/bench_vs_llamacpp_serve.py).
 Run under `chrt -f`, the servers still run under the normal policy and the client above them
 (tools/peer_server.py: at one real-time priority llama-server's tokens left in bursts).
 llama-server and kiln load --serve-format's GGUF; vLLM loads --vllm-model (an HF directory: make
@@ -49,53 +56,22 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import shutil
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from tools.peer_server import client_prefix, core_count, running_server  # noqa: E402
+from tools.bench_vs_llamacpp_serve import serve  # noqa: E402
+from tools.peer_process import Measured, load, machine, run_measured  # noqa: E402
+from tools.peer_server import core_count  # noqa: E402
 
 STEM = "SmolLM2-135M-Instruct"
 FORMATS = ("F32", "F16", "Q8_0", "Q4_1")
-
-
-# ---- the machine --------------------------------------------------------------------------------
-def machine() -> str:
-    """CPU model and the ISA extensions that matter here, from /proc/cpuinfo."""
-    model, flags = platform.processor() or "?", set()
-    try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("model name") and model in ("?", "", "x86_64"):
-                model = line.split(":", 1)[1].strip()
-            elif line.startswith("flags"):
-                flags = set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    isa = [
-        f
-        for f in ("avx2", "fma", "f16c", "avx512f", "avx512_vnni", "avx512_bf16", "avx_vnni", "amx_bf16", "amx_int8")
-        if f in flags
-    ]
-    limits = [f"{k}={os.environ[k]}" for k in ("KILN_CPU_ISA", "LD_LIBRARY_PATH") if os.environ.get(k)]
-    return f"{model}, {os.cpu_count()} CPUs, {' '.join(isa) or 'no AVX2'}" + (
-        f" ({', '.join(limits)})" if limits else ""
-    )
-
-
-def load() -> str:
-    try:
-        with open("/proc/loadavg") as f:
-            return " ".join(f.read().split()[:3])
-    except OSError:
-        return "?"
 
 
 def find_llama_cpp(given: str | None) -> Path | None:
@@ -109,8 +85,8 @@ def find_llama_cpp(given: str | None) -> Path | None:
     return None
 
 
-def gguf_path(models_dir: Path, fmt: str) -> Path:
-    return models_dir / f"{STEM}.{fmt}.gguf"
+def gguf_path(models_dir: Path, fmt: str, stem: str = STEM) -> Path:
+    return models_dir / f"{stem}.{fmt}.gguf"
 
 
 def make_models(bin_dir: Path, models_dir: Path, formats: list[str]) -> None:
@@ -138,9 +114,11 @@ def make_models(bin_dir: Path, models_dir: Path, formats: list[str]) -> None:
 
 # ---- llama.cpp -----------------------------------------------------------------------------------
 def llama_offline(bin_dir: Path, model: Path, a) -> dict:
-    """{'pp': tok/s of the batch-1 prompt, 'tg1': batch-1 decode tok/s, 'tgB': batch-B decode tok/s}."""
+    """{'pp': tok/s of the batch-1 prompt, 'tg1': batch-1 decode tok/s, 'tgB': batch-B decode tok/s,
+    'rss_GB': peak RSS, 'ready_s': start to ready}."""
     threads = str(core_count(a.cores))
-    ctx = (a.prompt_len + a.batch * a.gen_len if a.shared_prompt else a.batch * (a.prompt_len + a.gen_len)) + 64
+    together = a.prompt_len + a.batch * a.gen_len if a.shared_prompt else a.batch * (a.prompt_len + a.gen_len)
+    ctx = a.ctx or together + 64
     cmd = (
         [
             "taskset",
@@ -171,7 +149,8 @@ def llama_offline(bin_dir: Path, model: Path, a) -> dict:
         + (["-pps"] if a.shared_prompt else [])
         + a.llama_arg
     )
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=a.timeout)
+    # ready: the first result's arrival less the run it reports (model, context and its 16-token warm-up done)
+    done = run_measured(cmd, _llama_ready, a.timeout)
     rows = {}
     for line in (done.stdout + done.stderr).splitlines():
         line = line.strip()
@@ -180,7 +159,16 @@ def llama_offline(bin_dir: Path, model: Path, a) -> dict:
             rows[int(r["pl"])] = r
     if done.returncode != 0 or 1 not in rows or a.batch not in rows:
         raise SystemExit(f"llama-batched-bench failed ({done.returncode}): {(done.stderr or done.stdout)[-1500:]}")
-    return {"pp": rows[1]["speed_pp"], "tg1": rows[1]["speed_tg"], "tgB": rows[a.batch]["speed_tg"]}
+    return {"pp": rows[1]["speed_pp"], "tg1": rows[1]["speed_tg"], "tgB": rows[a.batch]["speed_tg"], **_memory(done)}
+
+
+def _llama_ready(line: str, at: float) -> float | None:
+    line = line.strip()
+    return at - json.loads(line)["t"] if line.startswith("{") and '"speed_tg"' in line else None
+
+
+def _memory(done: Measured) -> dict:
+    return {"rss_GB": done.peak_rss / 1e9, "ready_s": done.ready_s if done.ready_s is not None else float("nan")}
 
 
 # ---- kiln ----------------------------------------------------------------------------------------
@@ -198,12 +186,15 @@ def kiln_worker(spec: dict) -> dict:
         dtype=spec["dtype"],
         cpu_threads=spec["threads"],
         max_num_seqs=max(batches),
-        max_model_len=p + g,
+        max_model_len=spec.get("ctx") or p + g,
+        # --ctx: the KV cache holds that many tokens in all, as llama.cpp's -c
+        num_gpu_blocks=-(-spec["ctx"] // 16) if spec.get("ctx") else None,
         enable_prefix_caching=spec.get("shared_prompt", False),
         log_stats_interval=0,
         **spec.get("extra", {}),
     )
     engine = LLMEngine.from_settings(settings)
+    print("KILN_READY", flush=True)
     vocab = engine.model_config.vocab_size
     out = {"dtype": str(engine.core.dtype).removeprefix("torch."), "weight_GB": weight_bytes(engine.core.model) / 1e9}
     for b in batches:
@@ -231,10 +222,15 @@ def kiln_offline(model: Path, dtype: str, a) -> dict:
         "gen_len": a.gen_len,
         "batches": [1, a.batch],
         "shared_prompt": a.shared_prompt,
+        "ctx": a.ctx,
     }
     cmd = ["taskset", "-c", a.cores, a.kiln_python, str(Path(__file__).resolve()), "--kiln-worker", json.dumps(spec)]
-    done = subprocess.run(
-        cmd, capture_output=True, text=True, timeout=a.timeout, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}
+    done = run_measured(
+        cmd,
+        lambda line, at: at if line.startswith("KILN_READY") else None,
+        a.timeout,
+        cwd=REPO,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
     )
     line = [ln for ln in done.stdout.splitlines() if ln.startswith("KILN_RESULT ")]
     if done.returncode != 0 or not line:
@@ -246,19 +242,19 @@ def kiln_offline(model: Path, dtype: str, a) -> dict:
         "tgB": r[str(a.batch)]["tg"],
         "dtype": r["dtype"],
         "weight_GB": r["weight_GB"],
+        **_memory(done),
     }
 
 
 def offline(bin_dir: Path, a) -> dict:
     dtypes = dict(item.split("=", 1) for item in a.kiln_dtype)
     samples: dict[str, dict[str, dict[str, list[float]]]] = {
-        f: {"llama": {k: [] for k in ("pp", "tg1", "tgB")}, "kiln": {k: [] for k in ("pp", "tg1", "tgB")}}
-        for f in a.formats
+        f: {who: {k: [] for k in MEASURES} for who in ("llama", "kiln")} for f in a.formats
     }
     info: dict[str, dict] = {}
     for r in range(a.rounds):
         for fmt in a.formats:
-            model = gguf_path(a.models_dir, fmt)
+            model = gguf_path(a.models_dir, fmt, a.stem)
             order = ("llama", "kiln") if r % 2 == 0 else ("kiln", "llama")  # neither always goes first
             for who in order:
                 res = (
@@ -268,17 +264,18 @@ def offline(bin_dir: Path, a) -> dict:
                 )
                 if who == "kiln":
                     info[fmt] = {"dtype": res["dtype"], "weight_GB": res["weight_GB"]}
-                for k in ("pp", "tg1", "tgB"):
+                for k in MEASURES:
                     samples[fmt][who][k].append(res[k])
                 print(
                     f"  round {r + 1} {fmt:5s} {who:5s}: pp {res['pp']:8.1f}  tg b1 {res['tg1']:7.1f}  "
-                    f"tg b{a.batch} {res['tgB']:7.1f} tok/s   load {load()}",
+                    f"tg b{a.batch} {res['tgB']:7.1f} tok/s  peak RSS {res['rss_GB']:.3f} GB  "
+                    f"ready {res['ready_s']:.1f} s   load {load()}",
                     flush=True,
                 )
     table = {}
     for fmt in a.formats:
         row = {"kiln_dtype": info[fmt]["dtype"], "kiln_weight_GB": info[fmt]["weight_GB"]}
-        for k in ("pp", "tg1", "tgB"):
+        for k in MEASURES:
             lm, km = statistics.median(samples[fmt]["llama"][k]), statistics.median(samples[fmt]["kiln"][k])
             row[k] = {
                 "llama": lm,
@@ -299,185 +296,24 @@ def offline(bin_dir: Path, a) -> dict:
             f"{row[k]['llama']:.1f} | {row[k]['kiln']:.1f} | {row[k]['ratio']:.2f}x" for k in ("pp", "tg1", "tgB")
         )
         print(f"| {fmt} | {row['kiln_dtype']} | {cells} |")
+    ctx = a.ctx or a.batch * (a.prompt_len + a.gen_len) + 64
+    print(
+        f"\npeak RSS of each whole run (batch 1 and {a.batch}; context {ctx} tokens: llama.cpp -c, kiln's KV "
+        "cache and max_model_len) and start to ready, medians; ratio = kiln / llama.cpp (<= 1.0: kiln lighter)"
+    )
+    print("| weights | peak RSS GB: llama.cpp | kiln | ratio | ready s: llama.cpp | kiln | ratio |")
+    print("|---|---:|---:|---:|---:|---:|---:|")
+    for fmt, row in table.items():
+        cells = " | ".join(
+            f"{row[k]['llama']:.{d}f} | {row[k]['kiln']:.{d}f} | {row[k]['ratio']:.2f}x"
+            for k, d in (("rss_GB", 3), ("ready_s", 1))
+        )
+        print(f"| {fmt} | {cells} |")
     return table
 
 
-# ---- served ----------------------------------------------------------------------------------------
-def served_one(name: str, cmd: list[str], env: dict, a, out_dir: Path, i: int) -> dict:
-    with running_server(cmd, env, out_dir / f"serve_{name}_{i}.log", a.port, a.start_timeout, REPO):
-        result = out_dir / f"serve_{name}_{i}.json"
-        client = [
-            a.kiln_python,
-            "-m",
-            "engine.entrypoints.cli",
-            "bench",
-            "serve",
-            "--base-url",
-            f"http://127.0.0.1:{a.port}",
-            "--backend",
-            "openai",
-            "--dataset-name",
-            "random",
-            "--num-prompts",
-            str(a.serve_prompts),
-            "--input-len",
-            str(a.serve_input_len),
-            "--output-len",
-            str(a.serve_output_len),
-            "--max-concurrency",
-            str(a.serve_concurrency),
-            "--ignore-eos",
-            "--percentile-metrics",
-            "ttft,tpot,itl",
-            "--metric-percentiles",
-            "50,99",
-            "--seed",
-            str(i),
-            "--disable-tqdm",
-            "--json",
-            str(result),
-        ]
-        done = subprocess.run(
-            client_prefix() + client,
-            capture_output=True,
-            text=True,
-            cwd=REPO,
-            timeout=a.timeout,
-            env={**os.environ, "PYTHONPATH": str(REPO)},
-        )
-        if done.returncode != 0 or not result.is_file():
-            raise SystemExit(f"kiln bench serve against {name} failed: {done.stderr[-2000:]}")
-        return flat_metrics(json.loads(result.read_text()))
-
-
-SERVE_METRICS = (
-    ("output_throughput", "output tok/s", True),
-    ("median_itl_ms", "ITL median ms", False),
-    ("median_tpot_ms", "TPOT median ms", False),
-    ("median_ttft_ms", "TTFT median ms", False),
-    ("p99_itl_ms", "ITL p99 ms", False),
-)
-
-
-def flat_metrics(result: dict) -> dict:
-    """kiln bench serve's JSON ({"itl_ms": {"median": ..., "p99": ...}}) with vLLM's flat keys added
-    (median_itl_ms, p99_itl_ms, ...)."""
-    flat = dict(result)
-    for metric in ("ttft", "tpot", "itl", "e2el"):
-        for stat, value in (result.get(f"{metric}_ms") or {}).items():
-            flat[f"{stat}_{metric}_ms"] = value
-    return flat
-
-
-def serve(bin_dir: Path, a) -> dict:
-    model = gguf_path(a.models_dir, a.serve_format)
-    threads = str(core_count(a.cores))
-    slots = a.serve_concurrency
-    ctx = slots * (a.serve_input_len + a.serve_output_len + 64)
-    kiln_dtype = dict(item.split("=", 1) for item in a.kiln_dtype).get(a.serve_format, "auto")
-    servers = {
-        "llama.cpp": (
-            [
-                "taskset",
-                "-c",
-                a.cores,
-                str(bin_dir / "llama-server"),
-                "-m",
-                str(model),
-                "-t",
-                threads,
-                "-tb",
-                threads,
-                "-np",
-                str(slots),
-                "-c",
-                str(ctx),
-                "-cb",
-                "--host",
-                "127.0.0.1",
-                "--port",
-                str(a.port),
-                "--alias",
-                "peer",
-                "--no-webui",
-            ],
-            dict(os.environ),
-        ),
-        "kiln": (
-            [
-                "taskset",
-                "-c",
-                a.cores,
-                a.kiln_python,
-                "-m",
-                "engine.entrypoints.cli",
-                "serve",
-                "--model",
-                str(model),
-                "--cpu-threads",
-                threads,
-                "--port",
-                str(a.port),
-                "--served-model-name",
-                "peer",
-                "--dtype",
-                kiln_dtype,
-            ],
-            {**os.environ, "PYTHONPATH": str(REPO)},
-        ),
-    }
-    if a.vllm_venv:
-        if not a.vllm_model:
-            raise SystemExit("--vllm-venv needs --vllm-model (an HF directory)")
-        servers["vLLM"] = (
-            [
-                str(Path(a.vllm_venv) / "bin" / "vllm"),
-                "serve",
-                a.vllm_model,
-                "--dtype",
-                a.vllm_dtype,
-                "--max-num-seqs",
-                str(slots),
-                "--port",
-                str(a.port),
-                "--served-model-name",
-                "peer",
-            ],
-            {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": a.cores, "VLLM_CPU_KVCACHE_SPACE": "4"},
-        )
-    out_dir = Path(tempfile.mkdtemp(prefix="kiln-vs-llamacpp-serve-"))
-    runs: dict[str, list[dict]] = {n: [] for n in servers}
-    for i in range(a.serve_runs):
-        for name, (cmd, env) in servers.items():
-            r = served_one(name, cmd, env, a, out_dir, i)
-            runs[name].append(r)
-            print(
-                f"  served run {i + 1} {name:9s}: {r['output_throughput']:.1f} output tok/s, ITL median "
-                f"{r.get('median_itl_ms', float('nan')):.1f} ms   load {load()}",
-                flush=True,
-            )
-    table = {
-        n: {k: statistics.median(r[k] for r in rs) for k, _, _ in SERVE_METRICS if all(k in r for r in rs)}
-        for n, rs in runs.items()
-    }
-    print(
-        f"\nserved ({a.serve_format}, {a.serve_prompts} prompts, {a.serve_input_len} in / {a.serve_output_len} out, "
-        f"concurrency {a.serve_concurrency}, client kiln bench serve; medians of {a.serve_runs}; logs in {out_dir})"
-    )
-    names = list(servers)
-    print("| metric | " + " | ".join(names) + " | " + " | ".join(f"kiln / {n}" for n in names if n != "kiln") + " |")
-    print("|---|" + "---:|" * (2 * len(names) - 1))
-    for key, label, higher in SERVE_METRICS:
-        if not all(key in table[n] for n in names):
-            continue
-        ratios = [table["kiln"][key] / table[n][key] for n in names if n != "kiln"]
-        values = " | ".join(f"{table[n][key]:.1f}" for n in names)
-        print(
-            f"| {label}{'' if higher else ' (lower is better)'} | {values} | "
-            + " | ".join(f"{x:.2f}x" for x in ratios)
-            + " |"
-        )
-    return {"medians": table, "runs": runs}
+# what each offline run measures: tok/s (prompt, decode at batch 1 and B), peak RSS (GB), ready (s)
+MEASURES = ("pp", "tg1", "tgB", "rss_GB", "ready_s")
 
 
 # ---- entry point -------------------------------------------------------------------------------------
@@ -490,6 +326,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=Path("/work/peers/models"),
         help=f"where {STEM}.FORMAT.gguf files are (default /work/peers/models)",
     )
+    p.add_argument("--stem", default=STEM, help=f"the GGUF files' name before .FORMAT.gguf (default {STEM})")
     p.add_argument("--make-models", action="store_true", help="write the missing GGUFs with llama-quantize first")
     p.add_argument("--formats", default=",".join(FORMATS), help="weight formats (default F32,F16,Q8_0,Q4_1)")
     p.add_argument(
@@ -510,6 +347,13 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="the batched run's sequences share one prompt (llama-batched-bench -pps; kiln with prefix caching): "
         "decode at depth without B separate prefills (its prompt column is then batch 1's)",
+    )
+    p.add_argument(
+        "--ctx",
+        type=int,
+        default=0,
+        help="context both hold, tokens in all (llama.cpp -c; kiln's KV cache and max_model_len), so that "
+        "peak RSS compares the same (default: batch x (prompt + gen) + 64, kiln prompt + gen)",
     )
     p.add_argument("--no-offline", action="store_true", help="skip the offline table")
     p.add_argument("--serve", action="store_true", help="also the served comparison")
@@ -546,7 +390,8 @@ def main(argv: list[str] | None = None) -> int:
     a.formats = [f.strip() for f in a.formats.split(",") if f.strip()]
     if a.make_models:
         make_models(bin_dir, a.models_dir, a.formats)
-    missing = [str(gguf_path(a.models_dir, f)) for f in a.formats if not gguf_path(a.models_dir, f).is_file()]
+    paths = [gguf_path(a.models_dir, f, a.stem) for f in a.formats]
+    missing = [str(p) for p in paths if not p.is_file()]
     if missing:
         raise SystemExit(f"missing GGUF files (run with --make-models): {', '.join(missing)}")
     print(
@@ -560,7 +405,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"offline: prompt {a.prompt_len}, {a.gen_len} tokens generated, batch 1 and {a.batch}")
         results["offline"] = offline(bin_dir, a)
     if a.serve:
-        results["served"] = serve(bin_dir, a)
+        results["served"] = serve(bin_dir, gguf_path(a.models_dir, a.serve_format, a.stem), a)
     print(f"load at the end {load()}")
     if a.json:
         a.json.write_text(json.dumps(results, indent=2))
