@@ -146,7 +146,9 @@ def llama_offline(bin_dir: Path, model: Path, a) -> dict:
             "--output-format",
             "jsonl",
         ]
-        + (["-pps"] if a.shared_prompt else [])
+        # a shared prompt lives in one KV buffer for all sequences (-kvu): llama.cpp's default splits the
+        # context into a slice per sequence, and the prompt would not fit one slice
+        + (["-pps", "-kvu"] if a.shared_prompt else [])
         + a.llama_arg
     )
     # ready: the first result's arrival less the run it reports (model, context and its 16-token warm-up done)
