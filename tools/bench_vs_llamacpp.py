@@ -113,12 +113,17 @@ def make_models(bin_dir: Path, models_dir: Path, formats: list[str]) -> None:
 
 
 # ---- llama.cpp -----------------------------------------------------------------------------------
+def llama_context(a) -> int:
+    """llama.cpp's -c: --ctx, else what the batched run holds at once (a shared prompt once)."""
+    together = a.prompt_len + a.batch * a.gen_len if a.shared_prompt else a.batch * (a.prompt_len + a.gen_len)
+    return a.ctx or together + 64
+
+
 def llama_offline(bin_dir: Path, model: Path, a) -> dict:
     """{'pp': tok/s of the batch-1 prompt, 'tg1': batch-1 decode tok/s, 'tgB': batch-B decode tok/s,
     'rss_GB': peak RSS, 'ready_s': start to ready}."""
     threads = str(core_count(a.cores))
-    together = a.prompt_len + a.batch * a.gen_len if a.shared_prompt else a.batch * (a.prompt_len + a.gen_len)
-    ctx = a.ctx or together + 64
+    ctx = llama_context(a)
     cmd = (
         [
             "taskset",
@@ -298,10 +303,10 @@ def offline(bin_dir: Path, a) -> dict:
             f"{row[k]['llama']:.1f} | {row[k]['kiln']:.1f} | {row[k]['ratio']:.2f}x" for k in ("pp", "tg1", "tgB")
         )
         print(f"| {fmt} | {row['kiln_dtype']} | {cells} |")
-    ctx = a.ctx or a.batch * (a.prompt_len + a.gen_len) + 64
+    kiln_ctx = "kiln's KV cache and max_model_len" if a.ctx else "kiln: its default KV cache (--ctx sets both)"
     print(
-        f"\npeak RSS of each whole run (batch 1 and {a.batch}; context {ctx} tokens: llama.cpp -c, kiln's KV "
-        "cache and max_model_len) and start to ready, medians; ratio = kiln / llama.cpp (<= 1.0: kiln lighter)"
+        f"\npeak RSS of each whole run (batch 1 and {a.batch}; context {llama_context(a)} tokens: llama.cpp -c, "
+        f"{kiln_ctx}) and start to ready, medians; ratio = kiln / llama.cpp (<= 1.0: kiln lighter)"
     )
     print("| weights | peak RSS GB: llama.cpp | kiln | ratio | ready s: llama.cpp | kiln | ratio |")
     print("|---|---:|---:|---:|---:|---:|---:|")
