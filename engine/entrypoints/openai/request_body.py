@@ -90,6 +90,7 @@ _KEPT = b'"{[,:'
 _LITERAL_LETTERS = b"tfn"
 _TABLE = bytes.maketrans(_LITERAL_LETTERS, b"ttt")
 _UNCOUNTED = bytes(sorted(set(range(256)) - set(_KEPT) - set(_LITERAL_LETTERS)))
+_RUNS = (b"t" * 64, b"t" * 8, b"tt")
 
 
 class JSONValueCounter:
@@ -129,8 +130,9 @@ class JSONValueCounter:
         # letter stands between separators, so a `"t"` is always a string's content.
         chunk = chunk.translate(_TABLE, _UNCOUNTED)
         self._quotes += chunk.count(b'"')
-        while b"tt" in chunk:
-            chunk = chunk.replace(b"tt", b"t")
+        for run in _RUNS:  # (long runs first: a text's letters collapse in a few passes)
+            while run in chunk:
+                chunk = chunk.replace(run, b"t")
         parts = chunk.replace(b'"t"', b"").replace(b'""', b"").split(b'"')
         outside = b"".join(parts[1 if self._in_string else 0 :: 2])
         if len(parts) % 2 == 0:
