@@ -47,6 +47,7 @@ sys.path.insert(0, str(HERE.parent))  # the client: this tree's kiln bench serve
 from engine.bench.serve import run as load  # noqa: E402
 from engine.bench.serve_data import BenchConfig  # noqa: E402
 from engine.bench.serve_metrics import percentile  # noqa: E402
+from tools.peer_process import split_passthrough  # noqa: E402
 
 TICK_S = 1.0 / os.sysconf("SC_CLK_TCK")
 GROUPS = {"kiln-step-loop": "step", "kiln-outputs": "outputs", "event loop": "event loop"}
@@ -182,8 +183,7 @@ def measure(server: Server, args: argparse.Namespace, round_: int) -> dict[str, 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    extra = argv[argv.index("--") + 1 :] if "--" in argv else []
-    argv = argv[: argv.index("--")] if "--" in argv else argv
+    argv, extra = split_passthrough(argv)
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("model")
     p.add_argument("--tree", action="append", type=Path, help="a checkout (repeat; default: this one)")

@@ -26,6 +26,10 @@ import time
 import urllib.request
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # (run as a script from the checkout)
+
+from tools.peer_process import split_passthrough  # noqa: E402
+
 
 def _free_port() -> int:
     with socket.socket() as s:
@@ -91,8 +95,7 @@ def run_once(tree: Path, model: str, extra: list[str], timeout: float = 300.0) -
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    extra = argv[argv.index("--") + 1 :] if "--" in argv else []
-    argv = argv[: argv.index("--")] if "--" in argv else argv
+    argv, extra = split_passthrough(argv)
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("model")
     p.add_argument("--tree", action="append", type=Path, help="a checkout (repeat; default: this one)")

@@ -90,6 +90,14 @@ def run_measured(
     )
 
 
+def split_passthrough(argv: list[str]) -> tuple[list[str], list[str]]:
+    """(the tool's own arguments, those after `--`: passed as they are to every server it starts)."""
+    if "--" not in argv:
+        return argv, []
+    cut = argv.index("--")
+    return argv[:cut], argv[cut + 1 :]
+
+
 # ---- the machine it ran on --------------------------------------------------------------------------------
 def machine() -> str:
     """CPU model and the ISA extensions that matter here, from /proc/cpuinfo."""

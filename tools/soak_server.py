@@ -38,6 +38,7 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # (run as a script from the checkout)
 
+from tests.support.server import ROOT as ROOT_DIR  # noqa: E402
 from tests.support.server import launch_server, stop_server  # noqa: E402
 
 KEY = "soak-key"
@@ -61,10 +62,12 @@ def server_flags(lora_root: Path, stall_s: float = STALL_S) -> list[str]:
     ]  # fmt: skip
 
 
-def start(model_dir: Path, work: Path, stall_s: float = STALL_S):
-    """(process, url) of a `kiln serve` with the soak's flags (its log in work/server.log)."""
+def start(model_dir: Path, work: Path, stall_s: float = STALL_S, tree: Path | None = None):
+    """(process, url) of a `kiln serve` with the soak's flags (its log in work/server.log), from
+    the checkout `tree` (default: this one)."""
     (work / "adapters").mkdir(parents=True, exist_ok=True)
-    return launch_server(model_dir, work / "server.log", *server_flags(work / "adapters", stall_s))
+    flags = server_flags(work / "adapters", stall_s)
+    return launch_server(model_dir, work / "server.log", *flags, cwd=tree or ROOT_DIR)
 
 
 def rss_kb(pid: int) -> int:

@@ -146,8 +146,9 @@ class ServerSettings(KilnSettingsBase):
     max_request_json_strings: int = Field(
         100_000,
         ge=1,
-        description="a request body with more JSON string values and arrays (object keys not counted) "
-        "gets a 400, unparsed (they are built with no pause: a million hold the interpreter ~20 ms)",
+        description="a request body with more JSON string values, arrays and true/false/null literals (object "
+        "keys not counted) gets a 400, unparsed (they are built with no pause: a million strings hold the "
+        "interpreter ~20 ms)",
     )
     # Split chat answers into reasoning_content and content (vLLM's --reasoning-parser).
     reasoning_parser: (

@@ -28,15 +28,16 @@ def _client(app) -> httpx.AsyncClient:
 
 
 def test_string_values_and_arrays_are_counted_before_parsing(app_state):
-    """Strings and arrays are what json's C parser builds with no point for the JSON thread to
-    rest at: past max_request_json_strings (string values and arrays; object keys, which come
-    with a value that rests, not counted) a body is a 400 before it is parsed."""
-    body = json.dumps({"stop": ["a,:[{", "b"], "k": {"x": "y", "z": [1, [2]]}}).encode()
+    """Strings, arrays and literals are what json's C parser builds with no point for the JSON
+    thread to rest at: past max_request_json_strings (string values, arrays, true/false/null;
+    object keys, which come with a value that rests, not counted) a body is a 400 before it is
+    parsed."""
+    body = json.dumps({"stop": ["a,:[{", "b"], "k": {"x": "y", "z": [1, [2], True, None]}, "f": False}).encode()
     for size in (1, 2, 3, 7, len(body)):  # (chunk boundaries anywhere)
         counter = JSONValueCounter()
         for i in range(0, len(body), size):
             counter.feed(body[i : i + size])
-        assert counter.strings_and_arrays == 3 + 3, (size, counter.strings_and_arrays)
+        assert counter.unrested == 3 + 3 + 3, (size, counter.unrested)
 
     state, app = app_state(server={"max_request_json_strings": 1000})
 

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from tools.peer_process import run_measured
+from tools.peer_process import run_measured, split_passthrough
 
 MB = 1 << 20
 # prints READY, then touches 200 MB (bytes * n writes every page; bytearray(n) may not)
@@ -31,3 +31,12 @@ def test_ready_rule_may_date_back_and_timeout_kills():
     assert got.ready_s is not None and got.ready_s < got.wall_s - 0.4
     with pytest.raises(TimeoutError):
         run_measured([sys.executable, "-c", "import time; time.sleep(30)"], None, 0.5)
+
+
+def test_split_passthrough_gives_the_servers_flags_after_the_first_double_dash():
+    assert split_passthrough(["m", "--runs", "2"]) == (["m", "--runs", "2"], [])
+    assert split_passthrough(["m", "--", "--max-model-len", "8k", "--", "x"]) == (
+        ["m"],
+        ["--max-model-len", "8k", "--", "x"],
+    )
+    assert split_passthrough(["--"]) == ([], [])

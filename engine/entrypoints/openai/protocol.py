@@ -212,8 +212,8 @@ def prompt_list(p: str | list, param: str = "prompt") -> list[str | list[int]]:
     if isinstance(p, str):
         return [p]
     rules.prompt_given(len(p), param)
-    if all(isinstance(x, int) for x in p):
-        return [list(p)]  # one prompt of token ids
+    if isinstance(p[0], int):  # one prompt of token ids (validated: its first item picked the form)
+        return [p]
     return list(p)
 
 
