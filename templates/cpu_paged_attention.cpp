@@ -8,12 +8,14 @@
 // length N sits at position p = N - L + i and sees keys 0 ..= p (with a sliding window W > 0 only
 // keys > p - W). Rows that see no key, and rows no sequence claims, are written as zeros.
 //
-// Work item = (sequence, block of up to kRows query rows, its KV heads: all of them, or one each
-// when there are too few items for the threads). A decode row (attend_decode) reads each K row of
-// all the item's heads once, contiguously, and serves every query head from it; other rows
-// (attend, one KV head at a time) serve every query head of the GQA group and every row of the
-// block from one read of each K/V row, converted to float once, with an online softmax one cache
-// block at a time. Items are handed out dynamically to the intra-op threads, the costliest first.
+// Work item = (sequence, block of query rows, its KV heads: all of them, or one each when there are
+// too few items for the threads). A decode row (attend_decode) reads each K row of all the item's
+// heads once, contiguously, and serves every query head from it; other rows (one KV head at a time)
+// serve every query head of the GQA group and every row of the block from one read of each K/V
+// row, converted to float once, with an online softmax: for the common head dims as tiles, a block
+// of keys against all the item's query vectors in two small matrix products (attend_tiles,
+// cpu_prefill_tiles.inc), for any other one a row at a time over each cache block (attend). Items
+// are handed out dynamically to the intra-op threads, the costliest first.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
@@ -35,7 +37,7 @@
 
 namespace {
 
-constexpr int64_t kRows = 16;           // query rows per work item (prefill chunks)
+constexpr int64_t kRows = 16;           // query rows per work item (prefill chunks, generic head dims)
 #if defined(__AVX2__) && !defined(__AVX512F__)
 // Partial sums per dot product, and the width of the vectors below: one register. (With 256-bit
 // registers only, GCC lowers 64-byte generic vectors half by half and their two-source shuffles
@@ -114,18 +116,13 @@ inline float fold_sum(float* lanes) {
   return lanes[0];
 }
 
-// kN > 0: the length is a compile-time constant (the head dim), loops unroll and stay in registers.
-template <int64_t kN = 0>
 inline float dot(const float* a, const float* b, int64_t n) {
-  if constexpr (kN > 0) n = kN;
   float lanes[kLanes] = {0};
   int64_t i = 0;
   for (; i + kLanes <= n; i += kLanes) {
     for (int64_t l = 0; l < kLanes; ++l) lanes[l] += a[i + l] * b[i + l];
   }
-  if (kN == 0 || kN % kLanes) {
-    for (int64_t l = 0; i + l < n; ++l) lanes[l] += a[i + l] * b[i + l];
-  }
+  for (int64_t l = 0; i + l < n; ++l) lanes[l] += a[i + l] * b[i + l];
   return fold_sum(lanes);
 }
 
@@ -174,12 +171,10 @@ inline float exp_nonpositive(float x) {
 }
 
 // One query head of one row over keys k0[t], v0[t] (t < n, rows `stride` floats apart): the online
-// softmax state (M, L, acc[D]) takes them in. kD > 0: compile-time head dim, acc kept in registers.
-template <int64_t kD>
+// softmax state (M, L, acc[D]) takes them in.
 inline void take_keys(const float* qv, const float* k0, const float* v0, int64_t stride, int64_t n, int64_t D,
                       float softcap, float* sc, float& M, float& L, float* acc) {
-  if constexpr (kD > 0) D = kD;
-  for (int64_t t = 0; t < n; ++t) sc[t] = dot<kD>(qv, k0 + t * stride, D);
+  for (int64_t t = 0; t < n; ++t) sc[t] = dot(qv, k0 + t * stride, D);
   if (softcap > 0.f) {
     for (int64_t t = 0; t < n; ++t) sc[t] = softcap * std::tanh(sc[t] / softcap);
   }
@@ -192,27 +187,20 @@ inline void take_keys(const float* qv, const float* k0, const float* v0, int64_t
   }
   for (int64_t t = 0; t < n; ++t) sc[t] = exp_nonpositive(sc[t] - M);
   L += sum(sc, n);
-  float local[kD > 0 ? kD : 1];
-  float* a = kD > 0 ? local : acc;
-  if constexpr (kD > 0) {
-    for (int64_t d = 0; d < kD; ++d) local[d] = acc[d] * alpha;
-  } else if (alpha != 1.f) {
+  if (alpha != 1.f) {
     for (int64_t d = 0; d < D; ++d) acc[d] *= alpha;
   }
   for (int64_t t = 0; t < n; ++t) {
     const float p = sc[t];
     const float* vv = v0 + t * stride;
-    for (int64_t d = 0; d < D; ++d) a[d] += p * vv[d];
-  }
-  if constexpr (kD > 0) {
-    for (int64_t d = 0; d < kD; ++d) acc[d] = local[d];
+    for (int64_t d = 0; d < D; ++d) acc[d] += p * vv[d];
   }
 }
 
-// The same on whole vectors of kLanes floats (GCC vector extensions: one AVX-512 or AVX2 register,
-// four SSE ones on a CPU with neither; the compiler picks the instructions for the flags), for a head dim
-// that is a multiple of kLanes and up to kLanes keys. The keys' dot products are reduced together by
-// a shuffle tree (transpose_sum): ~3 operations a key instead of a horizontal sum each.
+// Whole vectors of kLanes floats (GCC vector extensions: one AVX-512 or AVX2 register, four SSE
+// ones on a CPU with neither; the compiler picks the instructions for the flags). A decode row's
+// scores against up to kLanes keys (head dim a multiple of kLanes) are reduced together by a shuffle
+// tree (transpose_sum): ~3 operations a key instead of a horizontal sum each.
 typedef float vf __attribute__((vector_size(4 * kLanes)));
 typedef int32_t vi __attribute__((vector_size(4 * kLanes)));
 
@@ -311,31 +299,6 @@ inline vf scores(const float* qv, const float* rows, int64_t stride, int64_t n, 
   return lane_index() < static_cast<int32_t>(n) ? s : none;
 }
 
-template <int64_t kD>
-inline void take_keys_vec(const float* qv, const float* k0, const float* v0, int64_t stride, int64_t n,
-                          float softcap, float& M, float& L, float* acc) {
-  constexpr int64_t kV = kD / kLanes;
-  vf a[kV];
-  const vf s = scores<kD>(qv, k0, stride, n, softcap);
-  const vi lane = lane_index();
-  const vf zero = {};
-  const float new_max = std::max(M, lane_max(s));
-  float alpha = 1.f;
-  if (new_max > M) {  // rescale what came before (nothing on the first block: M = -inf)
-    alpha = exp_nonpositive(M - new_max);
-    M = new_max;
-  }
-  vf p = exp_nonpositive(s - M);
-  p = lane < static_cast<int32_t>(n) ? p : zero;  // the lanes past n are no keys
-  L = L * alpha + lane_sum(p);
-  for (int64_t i = 0; i < kV; ++i) a[i] = loadv(acc + i * kLanes) * alpha;
-  for (int64_t t = 0; t < n; ++t) {
-    const float w = p[t];
-    for (int64_t i = 0; i < kV; ++i) a[i] += w * loadv(v0 + t * stride + i * kLanes);
-  }
-  std::memcpy(acc, a, sizeof a);
-}
-
 // Rows [row0, row0 + rows) of sequence `seq` for KV heads [kv_head, kv_head + heads) and their query heads.
 // A chunk of a split decode row (part >= 0) sees only keys [key_lo, key_hi) and leaves its partial
 // softmax state in part slot `part` for combine().
@@ -367,11 +330,12 @@ inline int64_t block_base(const Problem& P, const Item& it, const int32_t* table
 }
 
 // One item: rows [row0, row0 + rows) of sequence `seq` (absolute token index `tok0` of row 0,
-// position `pos0` of row 0, context `len`), all query heads of KV head `kv_head`.
-template <typename QT, typename CT, typename OT, int64_t kD>
+// position `pos0` of row 0, context `len`), all query heads of KV head `kv_head`, any head dim (the
+// common ones go through attend_tiles), a row at a time over each cache block.
+template <typename QT, typename CT>
 void attend(const Problem& P, const Item& it, int64_t tok0, int64_t pos0, int64_t len, const QT* q, const CT* kc,
-            const CT* vc, const int32_t* table, OT* out, std::vector<float>& scratch) {
-  const int64_t G = P.group, D = kD > 0 ? kD : P.head_dim, bs = P.block_size, R = it.rows;
+            const CT* vc, const int32_t* table, QT* out, std::vector<float>& scratch) {
+  const int64_t G = P.group, D = P.head_dim, bs = P.block_size, R = it.rows;
   // scratch: q [R, G, D] | acc [R, G, D] | k, v rows of one block [bs, D] x 2 | scores [bs] | max, sum [R, G] x 2
   const size_t need = static_cast<size_t>(2 * R * G * D + 2 * bs * D + bs + 2 * R * G);
   if (scratch.size() < need) scratch.resize(need);
@@ -445,26 +409,19 @@ void attend(const Problem& P, const Item& it, int64_t tok0, int64_t pos0, int64_
       for (int64_t g = 0; g < G; ++g) {
         const float* qv = qf + (r * G + g) * D;
         float* a = acc + (r * G + g) * D;
-        if constexpr (kD > 0 && kD % kLanes == 0) {
-          for (int64_t t = 0; t < n; t += kLanes) {
-            take_keys_vec<kD>(qv, k0 + t * row_stride, v0 + t * row_stride, row_stride,
-                              std::min(kLanes, n - t), P.softcap, row_max[r * G + g], row_sum[r * G + g], a);
-          }
-        } else {
-          take_keys<kD>(qv, k0, v0, row_stride, n, D, P.softcap, sc, row_max[r * G + g], row_sum[r * G + g], a);
-        }
+        take_keys(qv, k0, v0, row_stride, n, D, P.softcap, sc, row_max[r * G + g], row_sum[r * G + g], a);
       }
     }
   }
 
   for (int64_t r = 0; r < R; ++r) {
     for (int64_t g = 0; g < G; ++g) {
-      OT* dst = out + (tok0 + r) * P.o_tok + (it.kv_head * G + g) * P.o_head;
+      QT* dst = out + (tok0 + r) * P.o_tok + (it.kv_head * G + g) * P.o_head;
       const float L = row_sum[r * G + g];
       if (L > 0.f) {
         from_float(acc + (r * G + g) * D, dst, D, P.v_mul / L);
       } else {  // nothing to see (padding row, empty window)
-        std::fill(dst, dst + D, static_cast<OT>(0.f));
+        std::fill(dst, dst + D, static_cast<QT>(0.f));
       }
     }
   }
@@ -660,6 +617,8 @@ void combine(const Problem& P, const Split& s, const float* parts, QT* out) {
   }
 }
 
+#include "cpu_prefill_tiles.inc"
+
 template <typename QT, typename CT>
 void run(const Problem& P, const at::Tensor& out, const at::Tensor& q, const at::Tensor& kv_layer,
          const std::vector<Item>& items, const std::vector<Split>& splits, const int32_t* qsl, const int32_t* lens,
@@ -706,12 +665,12 @@ void run(const Problem& P, const at::Tensor& out, const at::Tensor& q, const at:
         it.kv_head += h;
         it.heads = 1;
         switch (P.head_dim) {  // the common head dims compiled for their size, any other one generically
-          case 32: attend<QT, CT, QT, 32>(P, it, tok0, pos0, len, qp, kc, vc, table, op, scratch); break;
-          case 64: attend<QT, CT, QT, 64>(P, it, tok0, pos0, len, qp, kc, vc, table, op, scratch); break;
-          case 96: attend<QT, CT, QT, 96>(P, it, tok0, pos0, len, qp, kc, vc, table, op, scratch); break;
-          case 128: attend<QT, CT, QT, 128>(P, it, tok0, pos0, len, qp, kc, vc, table, op, scratch); break;
-          case 256: attend<QT, CT, QT, 256>(P, it, tok0, pos0, len, qp, kc, vc, table, op, scratch); break;
-          default: attend<QT, CT, QT, 0>(P, it, tok0, pos0, len, qp, kc, vc, table, op, scratch);
+          case 32: attend_tiles<QT, CT, 32>(P, it, tok0, pos0, len, qp, kc, vc, table, op, scratch); break;
+          case 64: attend_tiles<QT, CT, 64>(P, it, tok0, pos0, len, qp, kc, vc, table, op, scratch); break;
+          case 96: attend_tiles<QT, CT, 96>(P, it, tok0, pos0, len, qp, kc, vc, table, op, scratch); break;
+          case 128: attend_tiles<QT, CT, 128>(P, it, tok0, pos0, len, qp, kc, vc, table, op, scratch); break;
+          case 256: attend_tiles<QT, CT, 256>(P, it, tok0, pos0, len, qp, kc, vc, table, op, scratch); break;
+          default: attend<QT, CT>(P, it, tok0, pos0, len, qp, kc, vc, table, op, scratch);
         }
       }
     }
@@ -776,6 +735,10 @@ void paged_attention(const at::Tensor& out, const at::Tensor& q, const at::Tenso
   std::vector<Item> items;
   items.reserve(static_cast<size_t>(S * P.num_kv_heads));
   int64_t claimed_lo = T, claimed_hi = 0;
+  // Prefill rows per item: kRows for the generic head dims (attend), whole register blocks of query
+  // vectors for the compiled ones (attend_tiles).
+  const bool tiled = P.head_dim == 32 || P.head_dim == 64 || P.head_dim == 96 || P.head_dim == 128 || P.head_dim == 256;
+  const int64_t rows_per_item = tiled ? tile_rows(P.group) : kRows;
   for (int64_t s = 0; s < S; ++s) {
     const int64_t begin = qsl[s], end = qsl[s + 1], len = lens[s];
     TORCH_CHECK(0 <= begin && begin <= end && end <= T, "kiln_cpu::paged_attention: query_start_loc must be "
@@ -787,8 +750,8 @@ void paged_attention(const at::Tensor& out, const at::Tensor& q, const at::Tenso
       claimed_lo = std::min(claimed_lo, begin);
       claimed_hi = std::max(claimed_hi, end);
     }
-    for (int64_t row0 = 0; row0 < end - begin; row0 += kRows) {
-      const int64_t rows = std::min(kRows, end - begin - row0);
+    for (int64_t row0 = 0; row0 < end - begin; row0 += rows_per_item) {
+      const int64_t rows = std::min(rows_per_item, end - begin - row0);
       const int64_t last_pos = len - (end - begin) + row0 + rows;  // keys the last row sees
       const int64_t keys = std::max<int64_t>(0, P.window > 0 ? std::min(last_pos, P.window) : last_pos);
       items.push_back({s, 0, row0, rows, (rows * keys + 1) * P.num_kv_heads, P.num_kv_heads});

@@ -5,16 +5,23 @@ end), the two interleaved so that load hits them alike. Prints the best of --rep
 ratio, and the kernel's GFLOP/s (QK^T and PV over the keys each row sees).
 
     PYTHONPATH=$PWD python tools/bench_cpu_prefill_attention.py [--ctx 4096,16384] [--rows 2048]
-        [--heads 9,3,64] [--threads 2] [--dtype float16,float32]
+        [--heads 9,3,64] [--threads 2] [--dtype float16,float32] [--old REV]
 
 How the kernel's time grows with the keys shows whether it reuses a block of keys across the
 chunk's rows: linear in the keys when it does, worse when every row streams them again.
+--old REV: also the kernel of git revision REV (its templates/cpu_paged_attention.cpp and the .inc
+files it includes, built once into /tmp under the op namespace kiln_cpu_old), interleaved with the
+other two, and its time against the current kernel's.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
+import re
+import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -22,8 +29,37 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from compiler.kernels.cpu_attention import paged_attention_cpu_impl  # noqa: E402
+from compiler.kernels import cpu_extension  # noqa: E402
+from compiler.kernels.cpu_attention import cpu_flags, paged_attention_cpu_impl  # noqa: E402
 from tools.bench_cpu_attention import BS, inputs  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def load_old_kernel(rev: str):
+    """torch.ops.kiln_cpu_old.paged_attention: the kernel source of git revision `rev`, its library
+    namespace renamed so that it loads beside the current one."""
+
+    def show(name: str) -> str:
+        cmd = ["git", "show", f"{rev}:templates/{name}"]
+        return subprocess.run(cmd, cwd=ROOT, check=True, capture_output=True, text=True).stdout
+
+    files = {"cpu_paged_attention.cpp": show("cpu_paged_attention.cpp")}
+    files.update({inc: show(inc) for inc in re.findall(r'#include "(\w+\.inc)"', files["cpu_paged_attention.cpp"])})
+    files["cpu_paged_attention.cpp"] = re.sub(
+        r"TORCH_LIBRARY(_IMPL)?\(kiln_cpu,", r"TORCH_LIBRARY\1(kiln_cpu_old,", files["cpu_paged_attention.cpp"]
+    )
+    key = hashlib.sha256(repr(sorted(files.items())).encode() + repr(cpu_flags()).encode()).hexdigest()[:16]
+    work = Path(tempfile.gettempdir()) / f"kiln-bench-old-attention-{key}"
+    work.mkdir(exist_ok=True)
+    for name, text in files.items():
+        (work / name).write_text(text)
+    lib = work / "build" / f"kiln_old_attention_{key}.so"
+    if lib.is_file():
+        torch.ops.load_library(str(lib))
+    else:
+        cpu_extension.build(lib, work / "cpu_paged_attention.cpp", cpu_flags())
+    return torch.ops.kiln_cpu_old.paged_attention
 
 
 def main() -> None:
@@ -34,7 +70,9 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=torch.get_num_threads())
     p.add_argument("--dtype", default="float16,float32", help="KV cache dtypes (comma-separated)")
     p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--old", metavar="REV", help="also time the kernel of this git revision (e.g. main)")
     a = p.parse_args()
+    old = load_old_kernel(a.old) if a.old else None
     torch.set_num_threads(a.threads)
     hq, hkv, d = (int(x) for x in a.heads.split(","))
     g = torch.Generator().manual_seed(0)
@@ -49,21 +87,30 @@ def main() -> None:
             k, v = (x.repeat_interleave(hq // hkv, 0) for x in (k, v))
             qf = q.float().transpose(0, 1)
             mask = torch.ones(a.rows, ctx, dtype=torch.bool).tril(ctx - a.rows)
-            kiln, sdpa = [], []
+            kiln, sdpa, before = [], [], []
             for _ in range(a.reps):
                 t0 = time.perf_counter()
                 paged_attention_cpu_impl(out, q, kv, 0, qsl, lens, tables, d**-0.5, a.rows, ctx)
                 kiln.append(time.perf_counter() - t0)
                 t0 = time.perf_counter()
-                torch.nn.functional.scaled_dot_product_attention(qf, k, v, attn_mask=mask)
+                want = torch.nn.functional.scaled_dot_product_attention(qf, k, v, attn_mask=mask)
                 sdpa.append(time.perf_counter() - t0)
+                if old is not None:
+                    out_old = torch.empty_like(q)
+                    t0 = time.perf_counter()
+                    old(out_old, q, kv, 0, qsl, lens, tables, d**-0.5, 0, 0.0, None, None)
+                    before.append(time.perf_counter() - t0)
             seen = sum(ctx - a.rows + r + 1 for r in range(a.rows))  # keys each causal row sees
             flops = 4 * seen * hq * d
-            print(
+            err = (out.float() - want.transpose(0, 1)).abs().max().item()
+            line = (
                 f"ctx {ctx:6d} KV {name:8s}: kiln {min(kiln) * 1e3:8.1f} ms ({flops / min(kiln) / 1e9:5.1f} GFLOP/s), "
-                f"SDPA {min(sdpa) * 1e3:8.1f} ms, kiln / SDPA time {min(kiln) / min(sdpa):.2f}",
-                flush=True,
+                f"SDPA {min(sdpa) * 1e3:8.1f} ms, kiln / SDPA time {min(kiln) / min(sdpa):.2f}, "
+                f"max |kiln - SDPA| {err:.1e}"
             )
+            if before:
+                line += f"; {a.old} {min(before) * 1e3:8.1f} ms, {a.old} / kiln time {min(before) / min(kiln):.2f}"
+            print(line, flush=True)
 
 
 if __name__ == "__main__":

@@ -2,10 +2,11 @@
 
 templates/cpu_paged_attention.cpp attends decodes, prefill chunks and mixed steps straight
 from the paged cache in one pass: one work item per (sequence, KV head, block of query rows),
-every query head of a GQA group served by one read of each K/V row, online softmax one cache
-block at a time, float32 / bfloat16 / fp8 (e4m3, per-layer scales) caches, sliding windows and
-logit soft-capping, padding rows (length 0) and unclaimed tokens written as zeros. It registers
-`torch.ops.kiln_cpu.paged_attention`, a plain torch op (a few µs to call from Python, no Dynamo),
+every query head of a GQA group served by one read of each K/V row, online softmax (prefill
+chunks as tiles: a block of keys widened once against all the item's query vectors,
+templates/cpu_prefill_tiles.inc), float32 / bfloat16 / fp8 (e4m3, per-layer scales) caches,
+sliding windows and logit soft-capping, padding rows (length 0) and unclaimed tokens written as
+zeros. It registers `torch.ops.kiln_cpu.paged_attention`, a plain torch op (a few µs to call from Python, no Dynamo),
 and `torch.ops.kiln_cpu.write_kv`, the cache write in one call.
 
 It is built with torch.utils.cpp_extension into the compile cache (`compile_cache_dir`) under a
@@ -31,7 +32,9 @@ from compiler.kernels.kv_quant import layer_scales
 
 logger = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).resolve().parents[2] / "templates" / "cpu_paged_attention.cpp"
+TEMPLATES = Path(__file__).resolve().parents[2] / "templates"
+SOURCE = TEMPLATES / "cpu_paged_attention.cpp"
+INCLUDES = (TEMPLATES / "cpu_prefill_tiles.inc",)  # (in the cache key: a change rebuilds)
 
 # No -ffast-math: it would change NaN handling and rounding; these two change no result.
 _BASE_FLAGS = ["-O3", "-fopenmp", "-fno-math-errno", "-fno-trapping-math", "-Wno-psabi"]
@@ -57,7 +60,7 @@ class CpuAttentionKernel:
 
     @staticmethod
     def key(capability: str | None = None) -> str:
-        return cpu_extension.cache_key(SOURCE, cpu_flags(capability), capability)
+        return cpu_extension.cache_key(SOURCE, cpu_flags(capability), capability, includes=INCLUDES)
 
     def library_path(self) -> Path:
         return cpu_extension.library_path(self.cache_dir, "cpu-attention", self.key())
