@@ -117,6 +117,12 @@ class EngineSettings(KilnSettingsBase):
         description="with chunked prefill, one prompt's tokens in a step at most, so that short prompts queued "
         "behind a long one start beside it (vLLM's flag; 0: the step's token budget)",
     )
+    whole_prompts_first: bool = Field(
+        False,
+        description="with chunked prefill, waiting prompts that fit whole in a step go before the next piece of a "
+        "running long prompt (which keeps at least half the step), so that a short prompt queued behind a long "
+        "one has its first token a step later instead of after the long prefill (docs/benchmarks.md)",
+    )
 
     # --- speculative decoding (vLLM's speculative_config {"method": "ngram", ...}) ---
     speculative_method: Literal["ngram", "draft_model", "eagle", "eagle3"] | None = Field(

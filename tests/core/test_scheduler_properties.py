@@ -214,10 +214,11 @@ ops = st.lists(
     overlap=st.booleans(),
     spec=st.booleans(),
     reserve=st.sampled_from([0.0, 0.2]),
+    whole_first=st.booleans(),
 )
 @settings(max_examples=150, deadline=None)
 def test_integrity_and_no_leaks_under_random_engine_streams(
-    ops, num_blocks, block_size, budget, max_num_seqs, prefix, cpu_blocks, mode, overlap, spec, reserve
+    ops, num_blocks, block_size, budget, max_num_seqs, prefix, cpu_blocks, mode, overlap, spec, reserve, whole_first
 ):
     cfg = SchedulerConfig(
         max_num_seqs=max_num_seqs,
@@ -226,6 +227,7 @@ def test_integrity_and_no_leaks_under_random_engine_streams(
         block_size=block_size,
         preemption_mode=mode,
         reserved_blocks_fraction=reserve,
+        whole_prompts_first=whole_first,
     )
     pool = BlockPool(num_blocks, block_size, prefix)
     swap = SwapSpace(pool, cpu_blocks, bytes_per_block=100) if cpu_blocks else None

@@ -7,7 +7,8 @@ Pure CPU over ints and lists (no torch). Each step:
   2. then swapped-out and waiting sequences, most urgent first (priority, swapped before
      waiting at equal priority, then arrival order): swapped ones come back, waiting ones are
      admitted, their prompts chunked to fit the token budget; prefix-cache hits skip the
-     blocks already computed.
+     blocks already computed. With whole_prompts_first, 1. leaves waiting prompts that fit whole
+     room before a running prompt's next piece (engine/core/sched/step_budget.py).
 Before 1., a waiting or swapped sequence more urgent than some running ones may preempt
 them to make room (lower `priority` value = more urgent). A step that preempted admits only
 sequences strictly more urgent than everything it preempted (no thrash).
@@ -35,7 +36,7 @@ from engine.core.sched.integrity import check_queues
 from engine.core.sched.preemption import Preemptor
 from engine.core.sched.scheduler_config import SchedulerConfig
 from engine.core.sched.scheduler_output import SchedulerOutput, scheduled_seq
-from engine.core.sched.step_budget import StepBudget, chunk_cap
+from engine.core.sched.step_budget import StepBudget, chunk_cap, num_decodes, whole_prompts_reserve
 from engine.core.sched.step_update import StepResults
 
 if TYPE_CHECKING:
@@ -87,6 +88,7 @@ class Scheduler:
         # The latency target's prefill allowance (None: no target; chunking is what enforces it).
         self.step_budget = StepBudget.of(config)  # None: no latency target
         self._prefill_left = 0  # prefill tokens this step may still take
+        self._held = 0  # of those, held back from running prompts for waiting ones (whole_prompts_first)
         # One prompt's share of a step (chunked prefill): short prompts queued behind a long one start beside it.
         self._chunk_cap = chunk_cap(config)
 
@@ -262,6 +264,10 @@ class Scheduler:
         if self.swapper is not None:
             self.swapper.begin_step()
         queued = bool(self.waiting or self.swapped)
+        self._held = 0
+        if self.waiting and self.running and self.config.whole_prompts_first and self.config.enable_chunked_prefill:
+            seats_left = self.config.max_num_seqs - self._seats_used()
+            self._held = whole_prompts_reserve(self.running, self.waiting, seats_left, self._prefill_left, self._seats)
         if queued and self.running:
             # 0. A more urgent waiting or swapped sequence may preempt less urgent running ones.
             head = next(iter(self._queue()))
@@ -336,10 +342,13 @@ class Scheduler:
             if num_new > budget:
                 num_new = budget
             if num_new > 1:  # a prefill piece: within the step's prefill allowance
-                if self._prefill_left <= 0:
+                room = min(self._prefill_left, budget)
+                if self._held:  # (whole_prompts_first: leave room for waiting prompts and later decodes)
+                    room -= self._held + num_decodes(running[i + 1 :])
+                if room <= 0:
                     i += 1
                     continue
-                num_new = min(num_new, self._prefill_left, self._chunk_cap)
+                num_new = min(num_new, room, self._chunk_cap)
                 self._prefill_left -= num_new
             drafts = self.spec.drafts(seq, budget) if num_new == 1 and self.spec is not None else []
             if drafts and self.kv.can_grow(seq, 1 + len(drafts)):

@@ -16,6 +16,8 @@ prompt always progresses); a step with no decodes has no gap to protect and keep
 budget (the first token of an idle server is not slowed).
 Until the model has seen a prefill, the full budget stands: the first prefill teaches it.
 Pure Python, no clock of its own: the caller passes measured milliseconds.
+The step's other prefill limits are here too: one prompt's share (`chunk_cap`) and the tokens held
+back from running prompts for waiting ones that fit whole (`whole_prompts_reserve`).
 """
 
 from __future__ import annotations
@@ -24,6 +26,8 @@ from collections import deque
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from engine.core.request import Sequence
     from engine.core.sched.scheduler_config import SchedulerConfig
 
@@ -124,8 +128,7 @@ class StepBudget:
     def allowance(self, running: "list[Sequence]") -> int:
         """The prefill allowance of a step over these running sequences: those with one token to run
         (not paused) are its decodes."""
-        decodes = sum(1 for s in running if len(s.token_ids) - s.num_computed_tokens == 1 and not s.request.paused)
-        return self.prefill_tokens(decodes)
+        return self.prefill_tokens(num_decodes(running))
 
     def prefill_tokens(self, decode_seqs: int) -> int:
         """The step's prefill allowance next to `decode_seqs` decodes (see the module docstring)."""
@@ -139,9 +142,47 @@ class StepBudget:
         return max(allowance, 1)
 
 
+def num_decodes(running: "list[Sequence]") -> int:
+    """Running sequences with one token to run (not paused): the step's decodes."""
+    return sum(1 for s in running if len(s.token_ids) - s.num_computed_tokens == 1 and not s.request.paused)
+
+
 def chunk_cap(config: "SchedulerConfig") -> int:
     """One prompt's tokens in a step at most (long_prefill_token_threshold, with chunked prefill):
     short prompts queued behind a long one start in the same step instead of after it."""
     if config.enable_chunked_prefill and config.long_prefill_token_threshold > 0:
         return config.long_prefill_token_threshold
     return config.max_num_batched_tokens
+
+
+def whole_prompts_reserve(
+    running: "list[Sequence]",
+    waiting: "list[Sequence]",
+    seats_left: int,
+    allowance: int,
+    seats: "Callable[[Sequence], int]",
+) -> int:
+    """Prefill tokens a step holds back from running prompts' next pieces for waiting prompts that fit
+    whole (the whole_prompts_first setting): without it a long prompt's pieces take each step's budget
+    first and a short prompt queued behind it waits for its whole prefill (on 2 CPU cores, minutes).
+    Counted from the head of `waiting` (priority, then arrival: nothing jumps the queue within it),
+    only prompts at least as urgent as every running prompt, as many as the free seats take, and at
+    most half the allowance, so that a running prompt keeps at least the other half of every step."""
+    urgency = None
+    for s in running:
+        if len(s.token_ids) - s.num_computed_tokens > 1 and not s.request.paused:
+            p = s.request.priority
+            urgency = p if urgency is None or p < urgency else urgency
+    if urgency is None:
+        return 0  # no running prompt to hold back
+    cap = allowance // 2
+    held = 0
+    for s in waiting:
+        if s.request.paused:
+            continue  # (skipped by admission too)
+        need = s.num_tokens - s.num_computed_tokens
+        if s.request.priority > urgency or held + need > cap or seats(s) > seats_left:
+            break
+        held += need
+        seats_left -= seats(s)
+    return held
