@@ -199,7 +199,8 @@ def served_one(name: str, cmd: list[str], env: dict, a, out_dir: Path, i: int) -
 def _servers(bin_dir: Path, model: Path, a) -> dict[str, tuple[list[str], dict]]:
     threads = str(core_count(a.cores))
     slots = a.serve_concurrency
-    longest = int(a.mix_long_len.split(",")[1]) if a.serve_dataset == "mixed" else a.serve_input_len
+    # (the mixed prompts' words are sized by a tokens-per-word average: a tenth more room for them)
+    longest = int(int(a.mix_long_len.split(",")[1]) * 1.1) if a.serve_dataset == "mixed" else a.serve_input_len
     slot_ctx = longest + a.serve_output_len + 64
     kiln_dtype = dict(item.split("=", 1) for item in a.kiln_dtype).get(a.serve_format, "auto")
     servers: dict[str, tuple[list[str], dict]] = {}
