@@ -186,3 +186,38 @@ def whole_prompts_reserve(
         held += need
         seats_left -= seats(s)
     return held
+
+
+class MicroSteps:
+    """A CPU step's rows kept within what its fastest kernels take (the cpu_micro_batch_tokens
+    setting), as llama.cpp splits a batch into micro-batches: a step of more rows runs the quantised
+    layers as a GEMM on a dequantised float32 weight, at 1.6-3x the per-token cost of the
+    weight-streaming kernels below that (docs/benchmarks.md, first token under load). Where the
+    decodes plus the prompts to run exceed `tokens`, the step becomes prefill-only pieces of at most
+    `tokens` that stop one token short of each prompt's end (no decode, nothing sampled: `hold`);
+    the decodes and the prompts' last tokens run together once the pieces are done, or once
+    `max_tokens` of prefill (one ordinary step's budget) ran since the decodes last did, so that a
+    decoding sequence waits for no more prefill than one ordinary step would make it wait for."""
+
+    def __init__(self, tokens: int, max_tokens: int) -> None:
+        self.tokens = tokens
+        self.max_tokens = max_tokens
+        self.held_prefill = 0  # prefill tokens run in held steps since the decodes last ran
+
+    def plan(self, running: "list[Sequence]", waiting: "list[Sequence]", seats_left: int) -> tuple[bool, int]:
+        """(hold the decodes?, the step's prefill allowance) for a step over these queues."""
+        decodes = num_decodes(running)
+        if not decodes:
+            return False, self.tokens  # (nothing to hold: prompts run in steps of `tokens`)
+        work = sum(n - 1 for s in running if (n := len(s.token_ids) - s.num_computed_tokens) > 1)
+        for s in waiting:
+            if seats_left <= 0:
+                break
+            if not s.request.paused:
+                work += s.num_tokens - s.num_computed_tokens - 1
+                seats_left -= 1
+        hold = decodes + work > self.tokens and self.held_prefill + self.tokens <= self.max_tokens
+        return hold, self.tokens if hold else max(self.tokens - decodes, 0)
+
+    def ran(self, held: bool, prefill_tokens: int) -> None:
+        self.held_prefill = self.held_prefill + prefill_tokens if held else 0
