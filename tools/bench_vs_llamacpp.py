@@ -66,7 +66,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from tools.bench_vs_llamacpp_serve import serve  # noqa: E402
+from tools.bench_vs_llamacpp_serve import add_serve_args, serve  # noqa: E402
 from tools.peer_process import Measured, load, machine, run_measured  # noqa: E402
 from tools.peer_server import core_count  # noqa: E402
 
@@ -366,18 +366,7 @@ def build_parser() -> argparse.ArgumentParser:
         "peak RSS compares the same (default: batch x (prompt + gen) + 64, kiln prompt + gen)",
     )
     p.add_argument("--no-offline", action="store_true", help="skip the offline table")
-    p.add_argument("--serve", action="store_true", help="also the served comparison")
-    p.add_argument("--serve-format", default="F32")
-    p.add_argument("--serve-prompts", type=int, default=100)
-    p.add_argument("--serve-input-len", type=int, default=64)
-    p.add_argument("--serve-output-len", type=int, default=64)
-    p.add_argument("--serve-concurrency", type=int, default=16)
-    p.add_argument("--serve-runs", type=int, default=1)
-    p.add_argument("--vllm-venv", default=None, help="a virtual environment holding vLLM's CPU build")
-    p.add_argument("--vllm-model", default=None, help="HF directory vLLM serves (same weights)")
-    p.add_argument("--vllm-dtype", default="float32", choices=["float32", "bfloat16"])
-    p.add_argument("--port", type=int, default=8021)
-    p.add_argument("--start-timeout", type=float, default=900.0)
+    add_serve_args(p)
     p.add_argument("--timeout", type=float, default=3600.0, help="seconds one benchmark process may take")
     p.add_argument("--kiln-python", default=sys.executable, help="python of kiln's environment")
     p.add_argument("--json", type=Path, default=None, help="write all results here")

@@ -1,42 +1,162 @@
 """The served half of tools/bench_vs_llamacpp.py (--serve): llama-server, `kiln serve` and (with
 --vllm-venv) `vllm serve` on the same cores, one at a time, under one client (`kiln bench serve`),
-in rounds; prints each run and a table of medians with kiln's ratios."""
+in interleaved rounds; prints each run (with the load) and a table of medians with kiln's ratios.
+
+Both serve --serve-concurrency sequences at once: llama-server with that many slots (-np) and a
+context of slots x (the longest prompt + output + 64) tokens (-c; without a unified KV cache each
+slot gets its share), kiln with max_num_seqs = slots and max_model_len = one slot's context.
+
+Kiln against itself beside llama-server (issue 41): `--kiln-variant NAME=FLAGS` (repeatable) serves
+kiln once per variant with those extra flags (the first is the baseline the table divides by);
+`--no-llama-server` leaves llama-server out; `--step-timeline` has each kiln run write its step
+timeline (the step_timeline setting) and prints `kiln bench timeline`'s causes of the slowest
+decoded tokens. `--serve-dataset mixed`: --serve-input-len-token prompts plus a --mix-long-fraction
+share of long ones, their lengths uniform in --mix-long-len (default 1024,4096), as a ShareGPT file
+of words (sized with the first server's /tokenize: the same text, so the same tokens, for both),
+--serve-output-len tokens out each.
+"""
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
+import random
+import re
+import shlex
 import statistics
 import subprocess
 import tempfile
+import urllib.request
 from pathlib import Path
 
 from tools.peer_process import load
 from tools.peer_server import client_prefix, core_count, running_server
 
 REPO = Path(__file__).resolve().parent.parent
+LLAMA = "llama.cpp"
+
+SERVE_METRICS = (
+    ("output_throughput", "output tok/s", True),
+    ("median_ttft_ms", "TTFT median ms", False),
+    ("p99_ttft_ms", "TTFT p99 ms", False),
+    ("median_tpot_ms", "TPOT median ms", False),
+    ("median_itl_ms", "ITL median ms", False),
+    ("p99_itl_ms", "ITL p99 ms", False),
+)
 
 
+def add_serve_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--serve", action="store_true", help="also the served comparison")
+    p.add_argument("--serve-format", default="F32")
+    p.add_argument("--serve-prompts", type=int, default=100)
+    p.add_argument("--serve-input-len", type=int, default=64)
+    p.add_argument("--serve-output-len", type=int, default=64)
+    p.add_argument("--serve-concurrency", type=int, default=16)
+    p.add_argument("--serve-runs", type=int, default=1, help="interleaved rounds (>= 3 for medians worth reading)")
+    p.add_argument("--serve-dataset", default="random", choices=["random", "mixed"])
+    p.add_argument("--mix-long-fraction", type=float, default=0.25, help="mixed: share of long prompts (default 0.25)")
+    p.add_argument("--mix-long-len", default="1024,4096", help="mixed: long prompts' length range (default 1024,4096)")
+    p.add_argument(
+        "--kiln-variant",
+        action="append",
+        default=[],
+        metavar="NAME=FLAGS",
+        help="serve kiln once per variant with these extra flags (repeatable; the first is the baseline)",
+    )
+    p.add_argument("--no-llama-server", action="store_true", help="leave llama-server out (kiln variants only)")
+    p.add_argument("--step-timeline", action="store_true", help="kiln runs write and analyse their step timeline")
+    p.add_argument("--vllm-venv", default=None, help="a virtual environment holding vLLM's CPU build")
+    p.add_argument("--vllm-model", default=None, help="HF directory vLLM serves (same weights)")
+    p.add_argument("--vllm-dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--port", type=int, default=8021)
+    p.add_argument("--start-timeout", type=float, default=900.0)
+
+
+def _variant(text: str) -> tuple[str, list[str]]:
+    name, _, flags = text.partition("=")
+    if not name or name in (LLAMA, "vLLM"):
+        raise SystemExit(f"--kiln-variant {text!r}: NAME=FLAGS, NAME not empty nor a peer's")
+    return name, shlex.split(flags)
+
+
+def flat_metrics(result: dict) -> dict:
+    """kiln bench serve's JSON ({"itl_ms": {"median": ..., "p99": ...}}) with vLLM's flat keys added
+    (median_itl_ms, p99_itl_ms, ...)."""
+    flat = dict(result)
+    for metric in ("ttft", "tpot", "itl", "e2el"):
+        for stat, value in (result.get(f"{metric}_ms") or {}).items():
+            flat[f"{stat}_{metric}_ms"] = value
+    return flat
+
+
+# ---- the mixed workload -----------------------------------------------------------------------
+WORDS = (
+    "the quick brown fox jumps over a lazy dog while clay pots bake in the kiln and the model reads "
+    "each token of every page in its cache before the server streams an answer to the user"
+).split()
+
+
+def tokens_per_word(port: int) -> float:
+    """Tokens per word of WORDS-text by the running server's /tokenize (kiln's body, else llama-server's)."""
+    text = " ".join(random.Random(1).choice(WORDS) for _ in range(2000))
+    for body in ({"prompt": text, "add_special_tokens": False}, {"content": text, "add_special": False}):
+        req = urllib.request.Request(
+            f"http://127.0.0.1:{port}/tokenize",
+            data=json.dumps(body).encode(),
+            headers={"Content-Type": "application/json"},
+        )
+        try:
+            with urllib.request.urlopen(req, timeout=60) as r:
+                tokens = json.loads(r.read()).get("tokens")
+        except OSError:
+            continue
+        if tokens:
+            return len(tokens) / 2000
+    raise SystemExit("the server has no /tokenize: cannot size the mixed prompts")
+
+
+def mixed_dataset(a, port: int, path: Path) -> Path:
+    """A ShareGPT file: --serve-prompts prompts of about --serve-input-len tokens, a --mix-long-fraction
+    share of them --mix-long-len tokens (uniform); the same file for every server and run."""
+    lo, hi = (int(x) for x in a.mix_long_len.split(","))
+    per_word = tokens_per_word(port)
+    rng = random.Random(0)
+    convs = []
+    for _ in range(a.serve_prompts):
+        n = rng.randint(lo, hi) if rng.random() < a.mix_long_fraction else a.serve_input_len
+        text = " ".join(rng.choice(WORDS) for _ in range(max(1, round(n / per_word))))
+        convs.append({"conversations": [{"from": "human", "value": text}, {"from": "gpt", "value": "ok"}]})
+    path.write_text(json.dumps(convs))
+    return path
+
+
+def _dataset_args(a, port: int, out_dir: Path) -> list[str]:
+    if a.serve_dataset == "random":
+        return ["--dataset-name", "random", "--input-len", str(a.serve_input_len)]
+    path = out_dir / "mixed_prompts.json"
+    if not path.is_file():
+        mixed_dataset(a, port, path)
+    return ["--dataset-name", "sharegpt", "--dataset-path", str(path)]
+
+
+# ---- one run ------------------------------------------------------------------------------------
 def served_one(name: str, cmd: list[str], env: dict, a, out_dir: Path, i: int) -> dict:
-    with running_server(cmd, env, out_dir / f"serve_{name}_{i}.log", a.port, a.start_timeout, REPO):
+    timeline = out_dir / f"serve_{name}_{i}.steps.jsonl"
+    if a.step_timeline and name not in (LLAMA, "vLLM"):
+        cmd = cmd + ["--step-timeline", str(timeline)]
+    log = out_dir / f"serve_{name}_{i}.log"
+    with running_server(cmd, env, log, a.port, a.start_timeout, REPO):
         result = out_dir / f"serve_{name}_{i}.json"
-        client = [
-            a.kiln_python,
-            "-m",
-            "engine.entrypoints.cli",
-            "bench",
-            "serve",
-            "--base-url",
-            f"http://127.0.0.1:{a.port}",
-            "--backend",
-            "openai",
-            "--dataset-name",
-            "random",
+        client = [a.kiln_python, "-m", "engine.entrypoints.cli", "bench", "serve"]
+        client += ["--base-url", f"http://127.0.0.1:{a.port}", "--backend", "openai"]
+        client += _dataset_args(a, a.port, out_dir)
+        client += [
             "--num-prompts",
             str(a.serve_prompts),
-            "--input-len",
-            str(a.serve_input_len),
             "--output-len",
+            str(a.serve_output_len),
+            "--sharegpt-output-len",
             str(a.serve_output_len),
             "--max-concurrency",
             str(a.serve_concurrency),
@@ -61,104 +181,56 @@ def served_one(name: str, cmd: list[str], env: dict, a, out_dir: Path, i: int) -
         )
         if done.returncode != 0 or not result.is_file():
             raise SystemExit(f"kiln bench serve against {name} failed: {done.stderr[-2000:]}")
-        return flat_metrics(json.loads(result.read_text()))
+    r = flat_metrics(json.loads(result.read_text()))
+    if name == LLAMA and i == 0:
+        slots = re.search(r"n_slots = (\d+), n_ctx_slot = (\d+)", log.read_text(errors="replace"))
+        print(f"  llama-server: {'%s slots of %s tokens' % slots.groups() if slots else 'slots not in its log'}")
+    if a.step_timeline and timeline.is_file():  # (written at the server's shutdown)
+        from engine.bench.timeline_report import analyse, render
+        from engine.bench.timeline_report import load as load_timeline
+
+        report = analyse(load_timeline(timeline), top=2.0)
+        print(f"  {name} run {i + 1} timeline: {render(report, 2.0)}", flush=True)
+        r["timeline"] = report
+    return r
 
 
-SERVE_METRICS = (
-    ("output_throughput", "output tok/s", True),
-    ("median_itl_ms", "ITL median ms", False),
-    ("median_tpot_ms", "TPOT median ms", False),
-    ("median_ttft_ms", "TTFT median ms", False),
-    ("p99_itl_ms", "ITL p99 ms", False),
-)
-
-
-def flat_metrics(result: dict) -> dict:
-    """kiln bench serve's JSON ({"itl_ms": {"median": ..., "p99": ...}}) with vLLM's flat keys added
-    (median_itl_ms, p99_itl_ms, ...)."""
-    flat = dict(result)
-    for metric in ("ttft", "tpot", "itl", "e2el"):
-        for stat, value in (result.get(f"{metric}_ms") or {}).items():
-            flat[f"{stat}_{metric}_ms"] = value
-    return flat
-
-
-def serve(bin_dir: Path, model: Path, a) -> dict:
-    """The served comparison on `model` (the --serve-format GGUF)."""
+# ---- the servers ----------------------------------------------------------------------------------
+def _servers(bin_dir: Path, model: Path, a) -> dict[str, tuple[list[str], dict]]:
     threads = str(core_count(a.cores))
     slots = a.serve_concurrency
-    ctx = slots * (a.serve_input_len + a.serve_output_len + 64)
+    # (the mixed prompts' words are sized by a tokens-per-word average: a tenth more room for them)
+    longest = int(int(a.mix_long_len.split(",")[1]) * 1.1) if a.serve_dataset == "mixed" else a.serve_input_len
+    slot_ctx = longest + a.serve_output_len + 64
     kiln_dtype = dict(item.split("=", 1) for item in a.kiln_dtype).get(a.serve_format, "auto")
-    servers = {
-        "llama.cpp": (
-            [
-                "taskset",
-                "-c",
-                a.cores,
-                str(bin_dir / "llama-server"),
-                "-m",
-                str(model),
-                "-t",
-                threads,
-                "-tb",
-                threads,
-                "-np",
-                str(slots),
-                "-c",
-                str(ctx),
-                "-cb",
-                "--host",
-                "127.0.0.1",
-                "--port",
-                str(a.port),
-                "--alias",
-                "peer",
-                "--no-webui",
-            ],
+    servers: dict[str, tuple[list[str], dict]] = {}
+    if not a.no_llama_server:
+        servers[LLAMA] = (
+            ["taskset", "-c", a.cores, str(bin_dir / "llama-server"), "-m", str(model), "-t", threads, "-tb", threads]
+            + ["-np", str(slots), "-c", str(slots * slot_ctx), "-cb", "--host", "127.0.0.1", "--port", str(a.port)]
+            + ["--alias", "peer", "--no-webui"],
             dict(os.environ),
-        ),
-        "kiln": (
-            [
-                "taskset",
-                "-c",
-                a.cores,
-                a.kiln_python,
-                "-m",
-                "engine.entrypoints.cli",
-                "serve",
-                "--model",
-                str(model),
-                "--cpu-threads",
-                threads,
-                "--port",
-                str(a.port),
-                "--served-model-name",
-                "peer",
-                "--dtype",
-                kiln_dtype,
-            ],
-            {**os.environ, "PYTHONPATH": str(REPO)},
-        ),
-    }
+        )
+    kiln = ["taskset", "-c", a.cores, a.kiln_python, "-m", "engine.entrypoints.cli", "serve", "--model", str(model)]
+    kiln += ["--cpu-threads", threads, "--port", str(a.port), "--served-model-name", "peer", "--dtype", kiln_dtype]
+    kiln += ["--max-num-seqs", str(slots), "--max-model-len", str(slot_ctx)]
+    variants = dict(_variant(v) for v in a.kiln_variant) if a.kiln_variant else {"kiln": []}
+    for name, flags in variants.items():
+        servers[name] = (kiln + flags, {**os.environ, "PYTHONPATH": str(REPO)})
     if a.vllm_venv:
         if not a.vllm_model:
             raise SystemExit("--vllm-venv needs --vllm-model (an HF directory)")
         servers["vLLM"] = (
-            [
-                str(Path(a.vllm_venv) / "bin" / "vllm"),
-                "serve",
-                a.vllm_model,
-                "--dtype",
-                a.vllm_dtype,
-                "--max-num-seqs",
-                str(slots),
-                "--port",
-                str(a.port),
-                "--served-model-name",
-                "peer",
-            ],
+            [str(Path(a.vllm_venv) / "bin" / "vllm"), "serve", a.vllm_model, "--dtype", a.vllm_dtype]
+            + ["--max-num-seqs", str(slots), "--port", str(a.port), "--served-model-name", "peer"],
             {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": a.cores, "VLLM_CPU_KVCACHE_SPACE": "4"},
         )
+    return servers
+
+
+def serve(bin_dir: Path, model: Path, a) -> dict:
+    """The served comparison on `model` (the --serve-format GGUF)."""
+    servers = _servers(bin_dir, model, a)
     out_dir = Path(tempfile.mkdtemp(prefix="kiln-vs-llamacpp-serve-"))
     runs: dict[str, list[dict]] = {n: [] for n in servers}
     for i in range(a.serve_runs):
@@ -166,29 +238,42 @@ def serve(bin_dir: Path, model: Path, a) -> dict:
             r = served_one(name, cmd, env, a, out_dir, i)
             runs[name].append(r)
             print(
-                f"  served run {i + 1} {name:9s}: {r['output_throughput']:.1f} output tok/s, ITL median "
-                f"{r.get('median_itl_ms', float('nan')):.1f} ms   load {load()}",
+                f"  served run {i + 1} {name:9s}: {r['output_throughput']:.1f} output tok/s, TTFT median / p99 "
+                f"{r.get('median_ttft_ms', float('nan')):.0f} / {r.get('p99_ttft_ms', float('nan')):.0f} ms, "
+                f"ITL median / p99 {r.get('median_itl_ms', float('nan')):.1f} / "
+                f"{r.get('p99_itl_ms', float('nan')):.1f} ms   load {load()}",
                 flush=True,
             )
-    table = {
+    print(
+        f"\nserved ({a.serve_format}, {a.serve_dataset}: {a.serve_prompts} prompts, {a.serve_input_len} in"
+        + (f" (a {a.mix_long_fraction} share {a.mix_long_len})" if a.serve_dataset == "mixed" else "")
+        + f" / {a.serve_output_len} out, concurrency {a.serve_concurrency}, client kiln bench serve; medians of "
+        f"{a.serve_runs} interleaved runs; logs in {out_dir})"
+    )
+    print(table(runs))
+    return {"medians": medians(runs), "runs": runs}
+
+
+def medians(runs: dict[str, list[dict]]) -> dict[str, dict[str, float]]:
+    return {
         n: {k: statistics.median(r[k] for r in rs) for k, _, _ in SERVE_METRICS if all(k in r for r in rs)}
         for n, rs in runs.items()
     }
-    print(
-        f"\nserved ({a.serve_format}, {a.serve_prompts} prompts, {a.serve_input_len} in / {a.serve_output_len} out, "
-        f"concurrency {a.serve_concurrency}, client kiln bench serve; medians of {a.serve_runs}; logs in {out_dir})"
-    )
-    names = list(servers)
-    print("| metric | " + " | ".join(names) + " | " + " | ".join(f"kiln / {n}" for n in names if n != "kiln") + " |")
-    print("|---|" + "---:|" * (2 * len(names) - 1))
+
+
+def table(runs: dict[str, list[dict]]) -> str:
+    """Medians per server; every kiln variant's ratio to llama-server and to the first variant."""
+    med = medians(runs)
+    names = list(runs)
+    kilns = [n for n in names if n not in (LLAMA, "vLLM")]
+    pairs = [(k, p) for k in kilns for p in names if p in (LLAMA, "vLLM")]
+    pairs += [(k, kilns[0]) for k in kilns[1:]]
+    lines = ["| metric | " + " | ".join(names) + "".join(f" | {k} / {p}" for k, p in pairs) + " |"]
+    lines.append("|---|" + "---:|" * (len(names) + len(pairs)))
     for key, label, higher in SERVE_METRICS:
-        if not all(key in table[n] for n in names):
+        if not all(key in med[n] for n in names):
             continue
-        ratios = [table["kiln"][key] / table[n][key] for n in names if n != "kiln"]
-        values = " | ".join(f"{table[n][key]:.1f}" for n in names)
-        print(
-            f"| {label}{'' if higher else ' (lower is better)'} | {values} | "
-            + " | ".join(f"{x:.2f}x" for x in ratios)
-            + " |"
-        )
-    return {"medians": table, "runs": runs}
+        values = " | ".join(f"{med[n][key]:.1f}" for n in names)
+        ratios = "".join(f" | {med[k][key] / med[p][key]:.2f}x" for k, p in pairs)
+        lines.append(f"| {label}{'' if higher else ' (lower is better)'} | {values}{ratios} |")
+    return "\n".join(lines)

@@ -117,6 +117,20 @@ class EngineSettings(KilnSettingsBase):
         description="with chunked prefill, one prompt's tokens in a step at most, so that short prompts queued "
         "behind a long one start beside it (vLLM's flag; 0: the step's token budget)",
     )
+    whole_prompts_first: bool = Field(
+        False,
+        description="with chunked prefill, waiting prompts that fit whole in a step go before the next piece of a "
+        "running long prompt (which keeps at least half the step), so that a short prompt queued behind a long "
+        "one has its first token a step later instead of after the long prefill (docs/benchmarks.md)",
+    )
+    cpu_micro_batch_tokens: int = Field(
+        0,
+        ge=0,
+        description="CPU: where prefill meets decodes, steps of at most this many rows, prefill-only until the "
+        "prompts' last tokens run with the decodes (as llama.cpp's micro-batches; 127 keeps a quantised model's "
+        "layers on its int8 kernels, from 128 rows a float32 GEMM at 1.6-3x the cost per token: "
+        "docs/benchmarks.md, first token under load; 0: off)",
+    )
 
     # --- speculative decoding (vLLM's speculative_config {"method": "ngram", ...}) ---
     speculative_method: Literal["ngram", "draft_model", "eagle", "eagle3"] | None = Field(

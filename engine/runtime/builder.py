@@ -251,6 +251,8 @@ class EngineBuilder:
                 # (CPU only: on a GPU, new prefill chunk sizes would be new step shapes to compile)
                 target_itl_ms=settings.target_itl_ms if self.device.type == "cpu" else None,
                 long_prefill_token_threshold=settings.long_prefill_token_threshold,
+                whole_prompts_first=settings.whole_prompts_first,
+                micro_batch_tokens=settings.cpu_micro_batch_tokens if self.device.type == "cpu" else 0,
             ),
             self.pool,
             self.swap_space,

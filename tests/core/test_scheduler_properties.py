@@ -214,10 +214,24 @@ ops = st.lists(
     overlap=st.booleans(),
     spec=st.booleans(),
     reserve=st.sampled_from([0.0, 0.2]),
+    whole_first=st.booleans(),
+    micro=st.sampled_from([0, 0, 6, 12]),
 )
 @settings(max_examples=150, deadline=None)
-def test_integrity_and_no_leaks_under_random_engine_streams(
-    ops, num_blocks, block_size, budget, max_num_seqs, prefix, cpu_blocks, mode, overlap, spec, reserve
+def test_integrity_and_no_leaks_under_random_engine_streams(  # noqa: PLR0913 - hypothesis draws each
+    ops,
+    num_blocks,
+    block_size,
+    budget,
+    max_num_seqs,
+    prefix,
+    cpu_blocks,
+    mode,
+    overlap,
+    spec,
+    reserve,
+    whole_first,
+    micro,
 ):
     cfg = SchedulerConfig(
         max_num_seqs=max_num_seqs,
@@ -226,6 +240,8 @@ def test_integrity_and_no_leaks_under_random_engine_streams(
         block_size=block_size,
         preemption_mode=mode,
         reserved_blocks_fraction=reserve,
+        whole_prompts_first=whole_first,
+        micro_batch_tokens=micro,
     )
     pool = BlockPool(num_blocks, block_size, prefix)
     swap = SwapSpace(pool, cpu_blocks, bytes_per_block=100) if cpu_blocks else None

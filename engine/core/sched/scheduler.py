@@ -7,7 +7,8 @@ Pure CPU over ints and lists (no torch). Each step:
   2. then swapped-out and waiting sequences, most urgent first (priority, swapped before
      waiting at equal priority, then arrival order): swapped ones come back, waiting ones are
      admitted, their prompts chunked to fit the token budget; prefix-cache hits skip the
-     blocks already computed.
+     blocks already computed. With whole_prompts_first, 1. leaves waiting prompts that fit whole
+     room before a running prompt's next piece (engine/core/sched/step_budget.py).
 Before 1., a waiting or swapped sequence more urgent than some running ones may preempt
 them to make room (lower `priority` value = more urgent). A step that preempted admits only
 sequences strictly more urgent than everything it preempted (no thrash).
@@ -35,7 +36,7 @@ from engine.core.sched.integrity import check_queues
 from engine.core.sched.preemption import Preemptor
 from engine.core.sched.scheduler_config import SchedulerConfig
 from engine.core.sched.scheduler_output import SchedulerOutput, scheduled_seq
-from engine.core.sched.step_budget import StepBudget, chunk_cap
+from engine.core.sched.step_budget import MicroSteps, StepBudget, chunk_cap, num_decodes, whole_prompts_reserve
 from engine.core.sched.step_update import StepResults
 
 if TYPE_CHECKING:
@@ -87,8 +88,12 @@ class Scheduler:
         # The latency target's prefill allowance (None: no target; chunking is what enforces it).
         self.step_budget = StepBudget.of(config)  # None: no latency target
         self._prefill_left = 0  # prefill tokens this step may still take
+        self._held = 0  # of those, held back from running prompts for waiting ones (whole_prompts_first)
         # One prompt's share of a step (chunked prefill): short prompts queued behind a long one start beside it.
         self._chunk_cap = chunk_cap(config)
+        mb = config.micro_batch_tokens if config.enable_chunked_prefill and spec is None else 0
+        self.micro = MicroSteps(mb, config.max_num_batched_tokens) if mb else None  # (CPU: cpu_micro_batch_tokens)
+        self._hold = False  # this step holds the decodes (MicroSteps)
 
     # ---- counters (metrics) ----
     num_preemptions = property(lambda self: self.preemption.num_preemptions)
@@ -262,6 +267,31 @@ class Scheduler:
         if self.swapper is not None:
             self.swapper.begin_step()
         queued = bool(self.waiting or self.swapped)
+        self._held, self._hold = 0, False
+        seats_left = self.config.max_num_seqs - self._seats_used()
+        if self.waiting and self.running and self.config.whole_prompts_first and self.config.enable_chunked_prefill:
+            self._held = whole_prompts_reserve(self.running, self.waiting, seats_left, self._prefill_left, self._seats)
+        if self.micro is not None:
+            self._hold, allowance = self.micro.plan(self.running, self.waiting, seats_left)
+            self._prefill_left = min(self._prefill_left, allowance)
+        out = self._fill(out, budget, queued)
+        if self._hold and not out.seqs:  # (nothing could run held: run the decodes now)
+            assert self.micro is not None
+            self._hold = False
+            self._prefill_left = min(self._prefill_left, max(self.micro.tokens - num_decodes(self.running), 0))
+            out = self._fill(out, budget, bool(self.waiting or self.swapped))
+        if self.micro is not None:
+            self.micro.ran(self._hold, out.num_prefill_tokens)
+        if self._prefills:
+            # One-token sequences first: backends attend decodes and prefill chunks separately.
+            out.seqs.sort(key=lambda s: s.num_tokens != 1)
+        for seq_id in out.preempted:
+            self.deltas.drop(seq_id)
+        if self.deltas.dropped and out.seqs:  # (the worker builds only a message with sequences)
+            out.dropped_seqs = self.deltas.take_dropped()
+        return out
+
+    def _fill(self, out: SchedulerOutput, budget: int, queued: bool) -> SchedulerOutput:
         if queued and self.running:
             # 0. A more urgent waiting or swapped sequence may preempt less urgent running ones.
             head = next(iter(self._queue()))
@@ -277,13 +307,6 @@ class Scheduler:
                 # Nothing can run: the GPU blocks that swapped sequences kept may be what is missing.
                 if self.preemption.demote_swapped(self._admit_key):
                     budget = self._admit(out, budget)
-        if self._prefills:
-            # One-token sequences first: backends attend decodes and prefill chunks separately.
-            out.seqs.sort(key=lambda s: s.num_tokens != 1)
-        for seq_id in out.preempted:
-            self.deltas.drop(seq_id)
-        if self.deltas.dropped and out.seqs:  # (the worker builds only a message with sequences)
-            out.dropped_seqs = self.deltas.take_dropped()
         return out
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
@@ -296,6 +319,7 @@ class Scheduler:
         plain = self.spec is None  # no drafts to propose: a decode can take the fast path
         no_reserve = self.kv.reserved_blocks == 0
         delta = self.deltas.delta
+        hold = self._hold  # (MicroSteps: decodes and prompts' last tokens wait; pieces stop one short)
         decodes = 0
         i = 0
         while i < len(running) and budget > 0:
@@ -303,7 +327,7 @@ class Scheduler:
             tokens = seq.token_ids
             start = seq.num_computed_tokens
             num_new = len(tokens) - start
-            if num_new <= 0 or seq.request.paused:
+            if num_new <= 0 or seq.request.paused or (hold and num_new == 1):
                 i += 1
                 continue
             if seq.num_pending:  # one whose launched step ends it by length gets no extra token
@@ -336,10 +360,13 @@ class Scheduler:
             if num_new > budget:
                 num_new = budget
             if num_new > 1:  # a prefill piece: within the step's prefill allowance
-                if self._prefill_left <= 0:
+                room = min(self._prefill_left, budget)
+                if self._held:  # (whole_prompts_first: leave room for waiting prompts and later decodes)
+                    room -= self._held + num_decodes(running[i + 1 :])
+                if room <= 0:
                     i += 1
                     continue
-                num_new = min(num_new, self._prefill_left, self._chunk_cap)
+                num_new = min(num_new, room, self._chunk_cap, len(tokens) - start - 1 if hold else num_new)
                 self._prefill_left -= num_new
             drafts = self.spec.drafts(seq, budget) if num_new == 1 and self.spec is not None else []
             if drafts and self.kv.can_grow(seq, 1 + len(drafts)):
@@ -370,6 +397,8 @@ class Scheduler:
             if seq.request.paused:
                 continue  # (preempted while its reader is behind: back when it reads)
             if seq.status is SeqStatus.SWAPPED:
+                if self._hold:
+                    break  # (it comes back to decode: with the decodes)
                 left = self._try_swap_in(seq, out, budget)
             else:
                 left = self._try_admit(seq, out, budget)
@@ -383,7 +412,7 @@ class Scheduler:
         hit_tokens = 0
         if seq.num_computed_tokens == 0 and not seq.block_ids:
             hit_tokens = self._take_prefix_hits(seq)
-        remaining = seq.num_tokens - seq.num_computed_tokens
+        remaining = seq.num_tokens - seq.num_computed_tokens - (1 if self._hold else 0)
         if not self.config.enable_chunked_prefill and remaining > budget:
             if out.seqs:
                 self.kv.drop_prefix_hits(seq)

@@ -21,3 +21,5 @@ class SchedulerConfig:
     # Inter-token target (ms): prefill beside decodes is cut to fit it (engine/core/sched/step_budget.py).
     target_itl_ms: float | None = None
     long_prefill_token_threshold: int = 0  # a prompt's tokens in one step at most (0: the step's budget)
+    whole_prompts_first: bool = False  # waiting prompts that fit whole go before running prompts' pieces
+    micro_batch_tokens: int = 0  # CPU: a step's rows at most where prefill meets decodes (step_budget.MicroSteps)

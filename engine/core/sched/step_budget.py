@@ -16,6 +16,8 @@ prompt always progresses); a step with no decodes has no gap to protect and keep
 budget (the first token of an idle server is not slowed).
 Until the model has seen a prefill, the full budget stands: the first prefill teaches it.
 Pure Python, no clock of its own: the caller passes measured milliseconds.
+The step's other prefill limits are here too: one prompt's share (`chunk_cap`) and the tokens held
+back from running prompts for waiting ones that fit whole (`whole_prompts_reserve`).
 """
 
 from __future__ import annotations
@@ -24,6 +26,8 @@ from collections import deque
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from engine.core.request import Sequence
     from engine.core.sched.scheduler_config import SchedulerConfig
 
@@ -124,8 +128,7 @@ class StepBudget:
     def allowance(self, running: "list[Sequence]") -> int:
         """The prefill allowance of a step over these running sequences: those with one token to run
         (not paused) are its decodes."""
-        decodes = sum(1 for s in running if len(s.token_ids) - s.num_computed_tokens == 1 and not s.request.paused)
-        return self.prefill_tokens(decodes)
+        return self.prefill_tokens(num_decodes(running))
 
     def prefill_tokens(self, decode_seqs: int) -> int:
         """The step's prefill allowance next to `decode_seqs` decodes (see the module docstring)."""
@@ -139,9 +142,82 @@ class StepBudget:
         return max(allowance, 1)
 
 
+def num_decodes(running: "list[Sequence]") -> int:
+    """Running sequences with one token to run (not paused): the step's decodes."""
+    return sum(1 for s in running if len(s.token_ids) - s.num_computed_tokens == 1 and not s.request.paused)
+
+
 def chunk_cap(config: "SchedulerConfig") -> int:
     """One prompt's tokens in a step at most (long_prefill_token_threshold, with chunked prefill):
     short prompts queued behind a long one start in the same step instead of after it."""
     if config.enable_chunked_prefill and config.long_prefill_token_threshold > 0:
         return config.long_prefill_token_threshold
     return config.max_num_batched_tokens
+
+
+def whole_prompts_reserve(
+    running: "list[Sequence]",
+    waiting: "list[Sequence]",
+    seats_left: int,
+    allowance: int,
+    seats: "Callable[[Sequence], int]",
+) -> int:
+    """Prefill tokens a step holds back from running prompts' next pieces for waiting prompts that fit
+    whole (the whole_prompts_first setting): without it a long prompt's pieces take each step's budget
+    first and a short prompt queued behind it waits for its whole prefill (on 2 CPU cores, minutes).
+    Counted from the head of `waiting` (priority, then arrival: nothing jumps the queue within it),
+    only prompts at least as urgent as every running prompt, as many as the free seats take, and at
+    most half the allowance, so that a running prompt keeps at least the other half of every step."""
+    urgency = None
+    for s in running:
+        if len(s.token_ids) - s.num_computed_tokens > 1 and not s.request.paused:
+            p = s.request.priority
+            urgency = p if urgency is None or p < urgency else urgency
+    if urgency is None:
+        return 0  # no running prompt to hold back
+    cap = allowance // 2
+    held = 0
+    for s in waiting:
+        if s.request.paused:
+            continue  # (skipped by admission too)
+        need = s.num_tokens - s.num_computed_tokens
+        if s.request.priority > urgency or held + need > cap or seats(s) > seats_left:
+            break
+        held += need
+        seats_left -= seats(s)
+    return held
+
+
+class MicroSteps:
+    """A CPU step's rows kept within what its fastest kernels take (the cpu_micro_batch_tokens
+    setting), as llama.cpp splits a batch into micro-batches: a step of more rows runs the quantised
+    layers as a GEMM on a dequantised float32 weight, at 1.6-3x the per-token cost of the
+    weight-streaming kernels below that (docs/benchmarks.md, first token under load). Where the
+    decodes plus the prompts to run exceed `tokens`, the step becomes prefill-only pieces of at most
+    `tokens` that stop one token short of each prompt's end (no decode, nothing sampled: `hold`);
+    the decodes and the prompts' last tokens run together once the pieces are done, or once
+    `max_tokens` of prefill (one ordinary step's budget) ran since the decodes last did, so that a
+    decoding sequence waits for no more prefill than one ordinary step would make it wait for."""
+
+    def __init__(self, tokens: int, max_tokens: int) -> None:
+        self.tokens = tokens
+        self.max_tokens = max_tokens
+        self.held_prefill = 0  # prefill tokens run in held steps since the decodes last ran
+
+    def plan(self, running: "list[Sequence]", waiting: "list[Sequence]", seats_left: int) -> tuple[bool, int]:
+        """(hold the decodes?, the step's prefill allowance) for a step over these queues."""
+        decodes = num_decodes(running)
+        if not decodes:
+            return False, self.tokens  # (nothing to hold: prompts run in steps of `tokens`)
+        work = sum(n - 1 for s in running if (n := len(s.token_ids) - s.num_computed_tokens) > 1)
+        for s in waiting:
+            if seats_left <= 0:
+                break
+            if not s.request.paused:
+                work += s.num_tokens - s.num_computed_tokens - 1
+                seats_left -= 1
+        hold = decodes + work > self.tokens and self.held_prefill + self.tokens <= self.max_tokens
+        return hold, self.tokens if hold else max(self.tokens - decodes, 0)
+
+    def ran(self, held: bool, prefill_tokens: int) -> None:
+        self.held_prefill = self.held_prefill + prefill_tokens if held else 0
