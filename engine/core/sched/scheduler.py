@@ -35,6 +35,7 @@ from engine.core.sched.deltas import SeqDeltas
 from engine.core.sched.integrity import check_queues
 from engine.core.sched.preemption import Preemptor
 from engine.core.sched.scheduler_config import SchedulerConfig
+from engine.core.sched.scheduler_metrics import SchedulerMetrics
 from engine.core.sched.scheduler_output import SchedulerOutput, scheduled_seq
 from engine.core.sched.step_budget import MicroSteps, StepBudget, chunk_cap, num_decodes, whole_prompts_reserve
 from engine.core.sched.step_update import StepResults
@@ -46,7 +47,7 @@ if TYPE_CHECKING:
 __all__ = ["Scheduler", "SchedulerConfig", "SchedulerOutput"]
 
 
-class Scheduler:
+class Scheduler(SchedulerMetrics):
     def __init__(
         self, config: SchedulerConfig, pool: BlockPool, swapper: "SwapSpace | None" = None, spec: "Drafts | None" = None
     ) -> None:
@@ -94,15 +95,6 @@ class Scheduler:
         mb = config.micro_batch_tokens if config.enable_chunked_prefill and spec is None else 0
         self.micro = MicroSteps(mb, config.max_num_batched_tokens) if mb else None  # (CPU: cpu_micro_batch_tokens)
         self._hold = False  # this step holds the decodes (MicroSteps)
-
-    # ---- counters (metrics) ----
-    num_preemptions = property(lambda self: self.preemption.num_preemptions)
-    num_generated = property(lambda self: self.results.num_generated)  # output tokens the last update kept
-    preemptions_by_mode = property(lambda self: self.preemption.by_mode)
-    num_swap_fallbacks = property(lambda self: self.preemption.num_swap_fallbacks)
-    num_draft_tokens = property(lambda self: self.spec.num_draft_tokens if self.spec else 0)
-    num_drafts = property(lambda self: self.spec.num_drafts if self.spec else 0)  # (sequence, step) pairs
-    num_accepted_tokens = property(lambda self: self.spec.num_accepted_tokens if self.spec else 0)
 
     # ---- requests in and out ----
     def add_request(self, request: Request, held: bool = False) -> None:
@@ -215,11 +207,6 @@ class Scheduler:
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running or self.swapped)
-
-    @property
-    def num_requests_swapped(self) -> int:
-        """Requests with at least one sequence swapped out (metric num_requests_swapped)."""
-        return len({s.request.request_id for s in self.swapped})
 
     # ---- queues ----
     def _priority_key(self, seq: Sequence) -> tuple[int, int]:
