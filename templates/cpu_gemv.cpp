@@ -594,19 +594,30 @@ at::Tensor pack(const at::Tensor& data, int64_t format, int64_t k, const c10::op
   return out;
 }
 
-// The packed weights as [N, K] float32 (or bfloat16: rounded to nearest even), each value
-// fma(q, d, m) as the float path computes it, at ISA level `isa`.
-at::Tensor dequantize(const at::Tensor& packed, int64_t format, int64_t n, int64_t k, int64_t groups,
-                      c10::optional<at::ScalarType> dtype, int64_t isa) {
+// The packed weights as [N, K] float32 (or bfloat16: rounded to nearest even) into `out`, each
+// value fma(q, d, m) as the float path computes it, at ISA level `isa`. `packed` may be a slice of
+// whole row groups of a larger layer (its rows 16 g0 .. 16 g0 + N): a GEMM over a layer's rows
+// in slices dequantises each slice into one reused scratch, not the whole layer at once.
+void dequantize_out(const at::Tensor& packed, int64_t format, int64_t n, int64_t k, int64_t groups, int64_t isa,
+                    at::Tensor out) {
   const Geometry g = geometry(format, n, k, groups);
   TORCH_CHECK(packed.device().is_cpu() && packed.scalar_type() == at::kByte && packed.is_contiguous() &&
                   packed.dim() == 2 && packed.size(0) == (n + kGroup - 1) / kGroup && packed.size(1) == group_bytes(g),
               "kiln_cpu_gemv: packed weights of the wrong shape for this format");
+  const bool bf16 = out.scalar_type() == at::kBFloat16;
+  TORCH_CHECK(out.device().is_cpu() && (bf16 || out.scalar_type() == at::kFloat) && out.is_contiguous() &&
+                  out.dim() == 2 && out.size(0) == n && out.size(1) == k,
+              "kiln_cpu_gemv: dequantize into a contiguous float32 or bfloat16 [", n, ", ", k, "] tensor");
+  const int64_t grain = std::max<int64_t>(1, kMinBytesPerThread / std::max<int64_t>(1, group_bytes(g)));
+  level_of(isa).dequant(format, packed.data_ptr<uint8_t>(), g, static_cast<char*>(out.data_ptr()), bf16, grain);
+}
+
+at::Tensor dequantize(const at::Tensor& packed, int64_t format, int64_t n, int64_t k, int64_t groups,
+                      c10::optional<at::ScalarType> dtype, int64_t isa) {
   const bool bf16 = dtype.has_value() && *dtype == at::kBFloat16;
   TORCH_CHECK(!dtype.has_value() || bf16 || *dtype == at::kFloat, "kiln_cpu_gemv: dequantize to float32 or bfloat16");
   at::Tensor out = at::empty({n, k}, packed.options().dtype(bf16 ? at::kBFloat16 : at::kFloat));
-  const int64_t grain = std::max<int64_t>(1, kMinBytesPerThread / std::max<int64_t>(1, group_bytes(g)));
-  level_of(isa).dequant(format, packed.data_ptr<uint8_t>(), g, static_cast<char*>(out.data_ptr()), bf16, grain);
+  dequantize_out(packed, format, n, k, groups, isa, out);
   return out;
 }
 
@@ -664,6 +675,7 @@ TORCH_LIBRARY(kiln_cpu_gemv, m) {
   m.def("linear_dense_out(Tensor x, Tensor weight, Tensor? bias, int isa, Tensor(a!) out) -> ()");
   m.def("pack(Tensor data, int format, int k, Tensor? scales, Tensor? zeros) -> Tensor");
   m.def("dequantize(Tensor packed, int format, int n, int k, int groups, ScalarType? dtype=None, int isa=0) -> Tensor");
+  m.def("dequantize_out(Tensor packed, int format, int n, int k, int groups, int isa, Tensor(a!) out) -> ()");
   m.def("linear_quant(Tensor x, Tensor packed, int format, int n, int k, int groups, Tensor? bias, int isa, "
         "bool int_acts) -> Tensor");
   m.def("linear_quant_out(Tensor x, Tensor packed, int format, int n, int k, int groups, Tensor? bias, int isa, "
@@ -675,6 +687,7 @@ TORCH_LIBRARY_IMPL(kiln_cpu_gemv, CPU, m) {
   m.impl("linear_dense_out", &kiln_gemv::linear_dense_out);
   m.impl("pack", &kiln_gemv::pack);
   m.impl("dequantize", &kiln_gemv::dequantize);
+  m.impl("dequantize_out", &kiln_gemv::dequantize_out);
   m.impl("linear_quant", &kiln_gemv::linear_quant);
   m.impl("linear_quant_out", &kiln_gemv::linear_quant_out);
 }

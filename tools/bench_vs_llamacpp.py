@@ -233,6 +233,7 @@ def kiln_offline(model: Path, dtype: str, a) -> dict:
         "batches": [1, a.batch],
         "shared_prompt": a.shared_prompt,
         "ctx": a.ctx,
+        "extra": {k: json.loads(v) for k, v in (item.split("=", 1) for item in a.kiln_setting)},
     }
     cmd = ["taskset", "-c", a.cores, a.kiln_python, str(Path(__file__).resolve()), "--kiln-worker", json.dumps(spec)]
     done = run_measured(
@@ -347,6 +348,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="kiln's dtype for a format (default: auto), e.g. F16=bfloat16; repeatable",
     )
     p.add_argument("--llama-arg", action="append", default=[], help="an extra llama-batched-bench flag (repeatable)")
+    p.add_argument(
+        "--kiln-setting",
+        action="append",
+        default=[],
+        metavar="NAME=JSON",
+        help="an engine setting for kiln's runs, e.g. max_num_batched_tokens=512 (llama.cpp's -ub); repeatable",
+    )
     p.add_argument("--cores", default=f"0-{(os.cpu_count() or 1) - 1}", help="cores both engines run on (default: all)")
     p.add_argument("--rounds", type=int, default=3, help="rounds, engines alternating (default 3)")
     p.add_argument("--prompt-len", type=int, default=128)

@@ -171,12 +171,16 @@ def dequantize(
     groups: int = 0,
     dtype: torch.dtype = torch.float32,
     level: int | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Packed weights -> [N, K] float32 or bfloat16 (w = fma(q, d, m), as the float path computes
-    them; bfloat16 rounded from that)."""
-    return torch.ops.kiln_cpu_gemv.dequantize.default(
-        packed, fmt, n, k, groups, dtype, GEMV.level if level is None else level
-    )
+    them; bfloat16 rounded from that). `packed` may be whole row groups of a layer (its rows
+    16 g0 .. 16 g0 + N: `packed[g0:g1]`); out: written there instead (its dtype, not `dtype`)."""
+    level = GEMV.level if level is None else level
+    if out is None:
+        return torch.ops.kiln_cpu_gemv.dequantize.default(packed, fmt, n, k, groups, dtype, level)
+    torch.ops.kiln_cpu_gemv.dequantize_out.default(packed, fmt, n, k, groups, level, out)
+    return out
 
 
 def quant(

@@ -14,6 +14,7 @@ from torch import nn
 from compiler.kernels import cpu_fused
 from engine.distributed.parallel import TensorParallel
 from engine.layers.linear import Linear, row_parallel
+from engine.layers.quant import cpu_packed
 
 
 class MLP(nn.Module):
@@ -32,9 +33,17 @@ class MLP(nn.Module):
         self.fused = False  # kiln_cpu_fused::silu_and_mul on the CPU (LlamaForCausalLM.use_cpu_fused_ops)
 
     def forward(self, x: torch.Tensor, lora: torch.Tensor | None = None) -> torch.Tensor:
-        gate_up = self.gate_up_proj(x, lora)
+        if lora is None and isinstance(self.gate_up_proj.quant, cpu_packed.CpuPackedMethod):
+            # (a prefill's rows on a packed layer: gate/up and the activation slice by slice)
+            act = cpu_packed.gated_in_slices(self.gate_up_proj, x, self.intermediate, self._act)
+            if act is not None:
+                return self.down_proj(act, lora)
+        return self.down_proj(self._act(self.gate_up_proj(x, lora)), lora)
+
+    def _act(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """[..., gate | up] -> act(gate) * up."""
         if self.fused and cpu_fused.usable(gate_up) and gate_up.dim() == 2:
-            return self.down_proj(torch.ops.kiln_cpu_fused.silu_and_mul(gate_up, self.tanh_gelu), lora)
-        gate, up = gate_up.split(self.intermediate, dim=-1)
+            return torch.ops.kiln_cpu_fused.silu_and_mul(gate_up, self.tanh_gelu)
+        gate, up = gate_up.split(gate_up.shape[-1] // 2, dim=-1)
         act = F.gelu(gate, approximate="tanh") if self.tanh_gelu else F.silu(gate)
-        return self.down_proj(act * up, lora)
+        return act * up

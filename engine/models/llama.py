@@ -27,6 +27,7 @@ from engine.layers.layernorm import RMSNorm
 from engine.layers.linear import WEIGHT_COPIES, Linear, exact_half
 from engine.layers.mlp import MLP
 from engine.layers.quant.cpu_packed import GEMM_ROWS
+from engine.layers.quant.gguf_embedding import BlockEmbedding
 from engine.layers.rotary import RotaryEmbedding
 from engine.layers.sparse_moe import SparseMoE
 from engine.models import cpu_stack
@@ -172,7 +173,7 @@ class LlamaForCausalLM(nn.Module):
         """Run the decoder layers as one C++ call per step where they can (engine/models/cpu_stack.py;
         after use_cpu_fused_ops, with the CPU attention and weight-streaming kernels loaded). Returns
         whether it is on (the reason it is not is logged)."""
-        self.cpu_stack = cpu_stack.build(self, self.embed_tokens.weight.dtype)
+        self.cpu_stack = cpu_stack.build(self, self.dtype_of_embeddings())
         return self.cpu_stack is not None
 
     def padded_rows(self, tokens: int, x: torch.Tensor, lora: torch.Tensor | None) -> int:
@@ -199,8 +200,8 @@ class LlamaForCausalLM(nn.Module):
         while serving. Returns the number of shapes built."""
         dense = [(m.weight, m.bias, m.gemm_weight) for m in self.modules() if isinstance(m, Linear) and m.quant is None]
         built = warm_buckets(dense, max_tokens)
-        if self.tp is None:
-            built += warm_buckets([(self.head_weight(), None, self.gemm_head)], max_seqs)
+        if self.tp is None and (head := self.head_weight()) is not None:
+            built += warm_buckets([(head, None, self.gemm_head)], max_seqs)
         return built
 
     def process_weights_after_loading(self, dtype: torch.dtype, copy: str) -> tuple[int, int, int]:
@@ -251,9 +252,10 @@ class LlamaForCausalLM(nn.Module):
         lora = None
         if self.lora_slots and ctx is not None and ctx.lora_slots is not None:  # one-hot of each token's slot
             slots = torch.arange(self.lora_slots, device=input_ids.device)
-            lora = (ctx.lora_slots[:, None] == slots).to(self.embed_tokens.weight.dtype)
+            lora = (ctx.lora_slots[:, None] == slots).to(self.dtype_of_embeddings())
         tokens = input_ids.shape[0]
-        rows = self.padded_rows(tokens, self.embed_tokens.weight, lora)
+        table = self.embed_tokens  # (the file's blocks go with the kernels' projections: no oneDNN row buckets)
+        rows = tokens if isinstance(table, BlockEmbedding) else self.padded_rows(tokens, table.weight, lora)
         if rows != tokens:
             input_ids = F.pad(input_ids, (0, rows - tokens))
             positions = F.pad(positions, (0, rows - tokens))
@@ -285,15 +287,24 @@ class LlamaForCausalLM(nn.Module):
             if at == layer:
                 self.aux_hidden[:tokens, k * width : (k + 1) * width].copy_(h)
 
-    def head_weight(self) -> torch.Tensor:
-        """The LM head's weight [vocab, hidden]: lm_head's, or the embedding table when tied."""
-        return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+    def dtype_of_embeddings(self) -> torch.dtype:
+        table = self.embed_tokens
+        return table.dtype if isinstance(table, BlockEmbedding) else table.weight.dtype
+
+    def head_weight(self) -> torch.Tensor | None:
+        """The LM head's dense weight [vocab, hidden]: lm_head's, or the embedding table when tied;
+        None when tied to a GGUF embedding kept in the file's blocks (the head is packed_head)."""
+        if self.lm_head is not None:
+            return self.lm_head.weight
+        return None if isinstance(self.embed_tokens, BlockEmbedding) else self.embed_tokens.weight
 
     def head_rows(self, ids: torch.Tensor) -> torch.Tensor:
         """The LM head's rows of token ids `ids` (a copy), for compute_logits(head=...)."""
         if self.tp is not None:
             raise ValueError("a draft vocabulary needs an unsharded model")
         weight = self.head_weight()
+        if weight is None:  # (tied to the file's blocks: the same rows, dequantised)
+            return self.embed_tokens(ids).contiguous()
         return weight.index_select(0, ids.to(weight.device)).contiguous()
 
     def compute_logits(self, hidden: torch.Tensor, head: torch.Tensor | None = None) -> torch.Tensor:
@@ -303,7 +314,10 @@ class LlamaForCausalLM(nn.Module):
             cap = self.config.final_softcap
             return cap * torch.tanh(logits / cap) if cap else logits
         weight = self.head_weight()
-        if self.tp is not None:  # this rank's vocabulary rows, gathered: the full logits on every rank
+        if weight is None:  # only the file's blocks: the kernels, or from GEMM_ROWS rows their GEMM in slices
+            assert self.packed_head is not None
+            logits = self.packed_head(hidden).float()
+        elif self.tp is not None:  # this rank's vocabulary rows, gathered: the full logits on every rank
             logits = parallel_logits(hidden, weight, self.config.vocab_size, self.tp).float()
         elif (
             self.packed_head is not None

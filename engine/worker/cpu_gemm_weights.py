@@ -79,7 +79,7 @@ def _dense_linears(model) -> list:
 def dense_weight_bytes(model, dtype: torch.dtype) -> int:
     """Bytes of the weights the "gemm" hook may copy (the memory check's side of the choice)."""
     weights = [m.weight for m in _dense_linears(model)] + ([model.head_weight()] if hasattr(model, "gemm_head") else [])
-    return sum(w.numel() * w.element_size() for w in weights if w.dtype == dtype and w.is_cpu)
+    return sum(w.numel() * w.element_size() for w in weights if w is not None and w.dtype == dtype and w.is_cpu)
 
 
 def packed_copy_bytes(model) -> int:

@@ -94,6 +94,12 @@ def test_gguf_formats_every_level_and_path(name):
         torch.testing.assert_close(got, w, rtol=0, atol=1e-6 * w.abs().max())
     bf16 = cpu_gemv.dequantize(packed, fmt, n, k, dtype=torch.bfloat16)
     assert bf16.dtype == torch.bfloat16 and torch.equal(bf16, got.float().bfloat16())  # (rounded to nearest even)
+    # whole row groups of it (packed[g0:g1]) into a given tensor: the same rows, bit for bit
+    out = torch.full((n - 16, k), float("nan"))
+    assert cpu_gemv.dequantize(packed[1:], fmt, n - 16, k, out=out) is out
+    assert torch.equal(out, cpu_gemv.dequantize(packed, fmt, n, k)[16:])
+    with pytest.raises(RuntimeError, match="dequantize into"):
+        cpu_gemv.dequantize(packed[1:], fmt, n - 16, k, out=torch.empty(n - 16, k + 32))
     g = torch.Generator().manual_seed(1)
     for rows, dtype, level in _cases():
         x = torch.randn(rows, k, generator=g).to(dtype)

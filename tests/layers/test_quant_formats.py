@@ -12,6 +12,7 @@ import json
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from compiler.kernels import cpu_gemv
 from engine.layers.quant import int4_packed, int_formats
@@ -250,3 +251,79 @@ def test_compiled_forward_equals_eager(tiny_models, make_llm, tmp_path):
     quant_dir, _ = write_quantized(tiny_models["llama"], tmp_path, "gptq", bits=4, group_size=32, act_order=True)
     compiled = make_llm(quant_dir, enforce_eager=False, cache_dir=str(tmp_path / "cache"))
     assert _greedy(compiled) == _greedy(make_llm(quant_dir))
+
+
+# --- the GEMM rows of a layer in the CPU kernels' layout ----------------------------------------
+
+
+def _packed_layer(formats: tuple[str, ...], sizes: tuple[int, ...], k: int, bias: bool):
+    """A Linear in the CPU kernels' layout from random GGUF blocks: one run per (format, rows) part."""
+    import numpy as np
+
+    from engine.layers.linear import Linear
+    from engine.layers.quant import cpu_packed
+    from tests.support.gguf_writer import random_k_blocks
+
+    if not cpu_gemv.GEMV.ensure():
+        pytest.skip(f"CPU kernels unavailable: {cpu_gemv.GEMV.error}")
+    rng = np.random.default_rng(0)
+    starts = [sum(sizes[:i]) for i in range(len(sizes))]
+    parts = [
+        (at, f, torch.from_numpy(random_k_blocks(f, n, k, rng)).reshape(n, -1))
+        for at, f, n in zip(starts, formats, sizes)
+    ]
+    runs, packed = cpu_packed.gguf_runs(parts, k)
+    with torch.device("meta"):
+        layer = Linear(k, sum(sizes), bias)
+    cpu_packed.install(layer, runs, packed, None, float_acts=False)
+    if bias:
+        layer.bias = torch.nn.Parameter(torch.randn(sum(sizes)), requires_grad=False)
+    return layer
+
+
+TOLERANCE = {torch.float32: {"rtol": 1e-5, "atol": 1e-5}, torch.bfloat16: {"rtol": 1e-2, "atol": 1e-2}}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gemm_rows_dequantise_in_slices(dtype):
+    """From GEMM_ROWS rows (a prefill chunk) a packed layer runs its GEMM slice by slice of output
+    rows (cpu_packed.gemm_in_slices), each slice dequantised into one reused scratch: the product of
+    the whole dequantised weight, whatever the slice (a row group of 16; runs of two formats whose
+    row counts leave padded groups, as a Q4_K_M file's fused q/k/v), bias included."""
+    from engine.layers.quant import cpu_packed
+
+    k = 256
+    layer = _packed_layer(("Q4_K", "Q6_K"), (40, 56), k, bias=True)
+    layer.bias.data = layer.bias.data.to(dtype)  # (a model's bias is in its dtype)
+    x = torch.randn(cpu_packed.GEMM_ROWS[False] + 3, k).to(dtype)
+    w = CpuPackedMethod.packed_order_weight(layer, dtype)
+    whole = F.linear(x, w, layer.bias)
+    group = cpu_packed.ROW_GROUP * k * w.element_size()
+    for budget in (group, 3 * group, cpu_packed.GEMM_SLICE_BYTES):  # (one group a slice; three; one slice a run)
+        torch.testing.assert_close(cpu_packed.gemm_in_slices(layer, x, budget), whole, **TOLERANCE[dtype])
+    torch.testing.assert_close(layer.quant.apply(layer, x), whole, **TOLERANCE[dtype])  # (the layer's own GEMM rows)
+    assert cpu_packed.slice_rows(2048, 4) == 1024 and cpu_packed.slice_rows(1 << 20, 4) == cpu_packed.ROW_GROUP
+
+
+@pytest.mark.parametrize("formats", [("Q4_K",), ("Q4_K", "Q6_K")], ids=["one-run", "gate-up-runs"])
+def test_gate_up_rows_activated_in_slices(formats):
+    """A fused gate/up layer's GEMM rows with the activation applied per slice (gated_in_slices:
+    never the whole [M, 2 I] product) equal act(gate) * up of the whole layer's product; it
+    declines (None) below GEMM_ROWS and where runs do not split at the gate/up boundary."""
+    from engine.layers.quant import cpu_packed
+
+    k, half = 256, 48
+
+    def act(gu):
+        gate, up = gu.split(gu.shape[-1] // 2, dim=-1)
+        return F.silu(gate) * up
+
+    sizes = (2 * half,) if len(formats) == 1 else (half, half)
+    layer = _packed_layer(formats, sizes, k, bias=False)
+    x = torch.randn(cpu_packed.GEMM_ROWS[False] + 3, k)
+    whole = act(x @ CpuPackedMethod.packed_order_weight(layer, torch.float32).T)
+    group = cpu_packed.ROW_GROUP * k * 4
+    for budget in (2 * group, 6 * group, cpu_packed.GEMM_SLICE_BYTES):
+        torch.testing.assert_close(cpu_packed.gated_in_slices(layer, x, half, act, budget), whole, **TOLERANCE[x.dtype])
+    assert cpu_packed.gated_in_slices(layer, x[: cpu_packed.GEMM_ROWS[False] - 1], half, act) is None
+    assert cpu_packed.gated_in_slices(_packed_layer(("Q4_K", "Q6_K"), (32, 64), k, False), x, half, act) is None

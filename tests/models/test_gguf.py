@@ -4,6 +4,7 @@ same file, token for token."""
 
 from __future__ import annotations
 
+import json
 import struct
 
 import numpy as np
@@ -135,6 +136,38 @@ def test_float_types_and_errors():
 
 
 # --- whole files -------------------------------------------------------------------------------
+
+
+def test_plain_tensors_read_into_their_parameters(wide_models, tmp_path, monkeypatch):
+    """iter_tensors(into=): a plain tensor that needs no rework is read straight into the tensor
+    `into` names, converted a slice at a time where the dtypes differ (an F16 file into a bfloat16
+    model: never the whole F16 table beside the parameter), the same values as the whole read;
+    q/k (un-permuted rows) and what `into` declines come whole as before."""
+    from engine.models.loader import gguf_file
+
+    src = wide_models("llama")
+    path = write_gguf(src, tmp_path / "f16.gguf", "F16")
+    hf = json.loads((src / "config.json").read_text())
+    cfg = (hf["num_attention_heads"], hf["num_key_value_heads"])  # (q/k's row order needs them)
+    whole = dict(gguf_file.iter_tensors(path, *cfg, gemma_norms=False, sandwich=False))
+    dests: dict[str, torch.Tensor] = {}
+
+    def into(name, shape):
+        if "q_proj" in name or name.endswith("v_proj.weight"):  # (declined: read whole)
+            return None
+        dests[name] = torch.full(shape, float("nan"), dtype=torch.bfloat16)
+        return dests[name]
+
+    monkeypatch.setattr(gguf_file, "READ_SLICE_BYTES", 1000)  # (many slices per tensor)
+    got = dict(gguf_file.iter_tensors(path, *cfg, gemma_norms=False, sandwich=False, into=into))
+    assert got.keys() == whole.keys()
+    assert not any("q_proj" in n or "k_proj" in n for n in dests)  # (rows reworked: never read in place)
+    assert "model.embed_tokens.weight" in dests and any(n.endswith("v_proj.weight") for n in whole)
+    for name, w in got.items():
+        if name in dests:
+            assert w is dests[name] and torch.equal(w, whole[name].to(torch.bfloat16)), name
+        else:
+            assert torch.equal(w, whole[name]), name
 
 
 @pytest.fixture(scope="module")
@@ -425,28 +458,46 @@ def test_gguf_lm_head_kept_in_file_blocks(arch, types, source, fmt, wide_models,
     """On the CPU kernels the LM head is also kept in the file's blocks (gguf_quant.pack_head): a
     step of few rows reads it instead of the dense float copy (SmolLM2 Q8_0: 30 MB a step, not
     113 MB); its logits are the dequantised head's to float rounding; steps of GEMM_ROWS rows or
-    more, and gguf_dequantize, use the dense weight."""
+    more, and gguf_dequantize, use the dense weight. An embedding table in blocks stays in the
+    mapped file (gguf_quant.embed_from_blocks): lookups equal the dequantised table's rows, and a
+    head tied to it has no dense copy at all: every step's rows go to the packed head."""
     from compiler.kernels.cpu_gemv import GEMV, GGUF_FORMATS
     from engine.layers.quant.cpu_packed import GEMM_ROWS
+    from engine.layers.quant.gguf_embedding import BlockEmbedding
 
     if not GEMV.ensure():
         pytest.skip(f"CPU kernels unavailable: {GEMV.error}")
     path = write_gguf(wide_models(arch), tmp_path / "m.gguf", types, name=f"tiny {arch}")
     model = make_llm(path, max_num_seqs=4, cpu_quant_activations="float").engine.core.model
-    assert make_llm(path, max_num_seqs=4, gguf_dequantize=True).engine.core.model.packed_head is None
+    ref = make_llm(path, max_num_seqs=4, gguf_dequantize=True).engine.core.model
+    assert ref.packed_head is None and not isinstance(ref.embed_tokens, BlockEmbedding)
+    in_blocks = types["token_embd"] not in ("F16", "BF16", "F32")
+    assert isinstance(model.embed_tokens, BlockEmbedding) == in_blocks
+    vocab, hidden = ref.embed_tokens.weight.shape
+    ids = torch.tensor([[0, 7, vocab - 1], [7, 3, 0]])
+    assert torch.equal(model.embed_tokens(ids), ref.embed_tokens.weight[ids])  # (the same values, bit for bit)
+    if in_blocks and model.lm_head is None:  # (tied: no dense table anywhere in the model)
+        assert all(p.shape != (vocab, hidden) for p in model.parameters())
     if source is None:
         assert model.packed_head is None
         return
     head = model.packed_head
-    dense = model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
-    assert (model.lm_head is None) == (source == "token_embd")
+    dense = ref.head_weight()
+    tied = model.lm_head is None
+    assert tied == (source == "token_embd") and (model.head_weight() is None) == tied
     assert [r[2] for r in head.gemv_runs] == [GGUF_FORMATS[fmt]] and head.quant.float_acts
     assert head.quant.weight_bytes(head) < dense.numel() * dense.element_size() / 3  # (file blocks, not float32)
     torch.testing.assert_close(head.quant.weight(head, torch.float32), dense, rtol=0, atol=1e-6)
     gen = torch.Generator().manual_seed(0)
-    few, many = (torch.randn(n, dense.shape[1], generator=gen) for n in (3, GEMM_ROWS[True]))
+    few, many = (torch.randn(n, dense.shape[1], generator=gen) for n in (3, 2 * GEMM_ROWS[True] + 1))
     torch.testing.assert_close(model.compute_logits(few), few @ dense.T, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(model.compute_logits(many), many @ dense.T, rtol=1e-5, atol=1e-5)
+    if tied:
+        assert torch.equal(model.head_rows(ids[0]), dense[ids[0]])  # (a draft vocabulary's rows)
     # (control: a zeroed packed head shows where each step's logits come from)
     head.gemv_packed0.zero_()
     assert model.compute_logits(few).abs().max() == 0
-    torch.testing.assert_close(model.compute_logits(many), many @ dense.T, rtol=1e-5, atol=1e-5)
+    if tied:
+        assert model.compute_logits(many).abs().max() == 0
+    else:
+        torch.testing.assert_close(model.compute_logits(many), many @ dense.T, rtol=1e-5, atol=1e-5)

@@ -14,15 +14,19 @@ output is the dense model's); elsewhere that float path is compute-bound, so the
 a bfloat16 or float16 model, whose activations are rounded to 8 bits of mantissa anyway) the
 activations are quantised to int8 per block of 32 for integer dot products, as llama.cpp does
 (1.3-2.4x faster: tools/bench_cpu_gemv.py).
-From GEMM_ROWS rows on (prefill chunks) a layer is instead dequantised into a temporary dense
-weight in the activations' dtype and multiplied by the GEMM of compiler/kernels/cpu_linear.py (oneDNN):
-there its arithmetic beats the kernels' per-block work (tools/bench_cpu_gemv.py --rows).
+From GEMM_ROWS rows on (prefill chunks) a layer is instead dequantised into a dense weight in the
+activations' dtype and multiplied by the GEMM of compiler/kernels/cpu_linear.py (oneDNN): there its
+arithmetic beats the kernels' per-block work (tools/bench_cpu_gemv.py --rows). It is dequantised in
+slices of output rows (GEMM_SLICE_BYTES each) into one scratch reused slice after slice, each slice
+a GEMM of its own columns of the output: never a whole float copy of the weight (gate_up of a 1B
+model is 134 MB in float32; a 128k-row LM head 1 GB; issue 40).
 Tolerances against dequantise-then-matmul: docs/models.md.
 """
 
 from __future__ import annotations
 
 import functools
+from typing import Callable
 
 import torch
 from torch import nn
@@ -35,6 +39,9 @@ MAX_RUNS = 3  # runs per layer: at most one per fused part (q / k / v)
 BUFFERS = (*(f"{BUFFER}{i}" for i in range(MAX_RUNS)), "gemv_perm")
 # Rows from which the GEMM on the dequantised weight runs instead (float path, int path)
 GEMM_ROWS = {True: 64, False: 128}
+# The dequantised weight's bytes per GEMM slice: 1,024 rows of K = 2048 in float32
+GEMM_SLICE_BYTES = 8 << 20
+ROW_GROUP = 16  # output rows per group of the packed layout (templates/cpu_gemv.cpp): slices are whole groups
 
 
 class CpuPackedMethod:
@@ -58,7 +65,7 @@ class CpuPackedMethod:
         k = module.in_features
         runs = module.gemv_runs
         if x2.shape[0] >= GEMM_ROWS[self.float_acts]:
-            y = cpu_linear.linear(x2, self.packed_order_weight(module, x2.dtype), module.bias)
+            y = gemm_in_slices(module, x2)
         elif len(runs) == 1:
             _, n, fmt, groups = runs[0]
             y = cpu_gemv.quant(x2, module.gemv_packed0, fmt, n, k, groups, module.bias, not self.float_acts)
@@ -103,6 +110,88 @@ class CpuPackedMethod:
 
     def weight_bytes(self, module: nn.Module) -> int:
         return sum(getattr(module, f"{BUFFER}{i}").numel() for i in range(len(module.gemv_runs)))
+
+
+def slice_rows(k: int, element_size: int, budget: int = GEMM_SLICE_BYTES) -> int:
+    """Output rows per GEMM slice of a layer of `k` input columns: whole row groups within `budget`
+    bytes of dequantised weight (at least one group)."""
+    return max(1, budget // (k * element_size * ROW_GROUP)) * ROW_GROUP
+
+
+def gemm_in_slices(module: nn.Module, x: torch.Tensor, budget: int = GEMM_SLICE_BYTES) -> torch.Tensor:
+    """x [M, K] (float32 / bfloat16, columns in the packed order) @ W^T + bias through the GEMM,
+    the packed weight dequantised slice by slice of output rows into one scratch of at most
+    `budget` bytes: the same values as the whole dense weight (packed_order_weight), each output
+    column from the same row of it."""
+    wdtype = torch.bfloat16 if x.dtype == torch.bfloat16 else torch.float32
+    k, bias = module.in_features, module.bias
+    step = slice_rows(k, wdtype.itemsize, budget)
+    runs = module.gemv_runs
+    if len(runs) == 1 and runs[0][1] <= step:  # (one slice: the layer's own output, no column copies)
+        return cpu_linear.linear(x, CpuPackedMethod.packed_order_weight(module, wdtype), bias)
+    y = x.new_empty(x.shape[0], module.out_features)
+    scratch = torch.empty(min(step, max(r[1] for r in runs)), k, dtype=wdtype)
+    for i, (start, n, fmt, groups) in enumerate(runs):
+        packed = getattr(module, f"{BUFFER}{i}")
+        for first in range(0, n, step):
+            rows = min(step, n - first)
+            w = cpu_gemv.dequantize(
+                packed[first // ROW_GROUP : -(-(first + rows) // ROW_GROUP)], fmt, rows, k, groups, out=scratch[:rows]
+            )
+            cols = slice(start + first, start + first + rows)
+            y[:, cols] = cpu_linear.linear(x, w, None if bias is None else bias[cols])
+    return y
+
+
+def gated_in_slices(
+    module: nn.Module,
+    x: torch.Tensor,
+    half: int,
+    act: Callable[[torch.Tensor], torch.Tensor],
+    budget: int = GEMM_SLICE_BYTES,
+) -> torch.Tensor | None:
+    """A fused gate/up layer's GEMM rows with the activation applied slice by slice: act(g | u)
+    [M, half] where g, u are x's products with the gate's rows [0, half) and the up's [half, 2 half)
+    (act: gate | up columns -> act(gate) * up). Each slice dequantises a run of gate rows and the
+    same run of up rows into one scratch, multiplies them in one GEMM and keeps only act's output:
+    the [M, 2 half] product never exists whole (a 2048-row step of a 1B model: 134 MB in float32).
+    None where it does not apply (fewer than GEMM_ROWS rows, a bias, act-order, runs that do not
+    split at the gate/up boundary, a half not of whole row groups): the layer then runs as it is."""
+    if (
+        x.dim() != 2
+        or x.dtype not in (torch.float32, torch.bfloat16)
+        or x.shape[0] < GEMM_ROWS[module.quant.float_acts]
+        or module.bias is not None
+        or module.gemv_perm is not None
+        or half % ROW_GROUP
+        or any(edge not in (0, half, 2 * half) for start, n, _, _ in module.gemv_runs for edge in (start, start + n))
+    ):
+        return None
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    k = module.in_features
+    step = min(half, slice_rows(k, x.element_size(), budget // 2))  # (a slice of gate rows and one of up rows)
+    scratch = torch.empty(2 * step, k, dtype=x.dtype)
+    out = x.new_empty(x.shape[0], half)
+    for first in range(0, half, step):
+        rows = min(step, half - first)
+        w = scratch[: 2 * rows]
+        _dequantize_rows(module, first, w[:rows])
+        _dequantize_rows(module, half + first, w[rows:])
+        out[:, first : first + rows] = act(cpu_linear.linear(x, w))
+    return out
+
+
+def _dequantize_rows(module: nn.Module, first: int, out: torch.Tensor) -> None:
+    """Rows [first, first + len(out)) of a packed layer (within one run, from a row group's start)
+    dequantised into out."""
+    k = module.in_features
+    for i, (start, n, fmt, groups) in enumerate(module.gemv_runs):
+        if start <= first < start + n:
+            at = first - start
+            packed = getattr(module, f"{BUFFER}{i}")[at // ROW_GROUP : -(-(at + out.shape[0]) // ROW_GROUP)]
+            cpu_gemv.dequantize(packed, fmt, out.shape[0], k, groups, out=out)
+            return
+    raise ValueError(f"cpu_packed: row {first} is outside the layer's {module.out_features} rows")
 
 
 def float_acts_for(dtype: torch.dtype | None, activations: str = "auto") -> bool:

@@ -15,7 +15,7 @@ import re
 import struct
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -248,12 +248,16 @@ def iter_tensors(
     gemma_norms: bool,
     sandwich: bool,
     skip: frozenset[str] | set[str] = frozenset(),
+    into: Callable[[str, tuple[int, ...]], torch.Tensor | None] | None = None,
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """(HF name, tensor) for each weight, one at a time (peak memory: one tensor): quantised blocks
     dequantised to float32; F32 / F16 / BF16 tensors in their own dtype, as read (the caller's copy
     into the parameter converts them: no float32 tensor beside a 2-byte one, issue 40).
     gemma_norms: norm weights are stored as 1 + w (Gemma); sandwich: Gemma 2/3's four norms;
-    skip: GGUF tensor names loaded elsewhere (kept quantised: engine/models/loader/gguf_quant.py)."""
+    skip: GGUF tensor names loaded elsewhere (kept quantised: engine/models/loader/gguf_quant.py);
+    into(HF name, shape): the tensor a plain one that needs no rework lands in (its parameter), or
+    None: it is read there a slice at a time and yielded as that tensor, never whole beside it
+    (an F16 file's 128k-vocabulary embedding table is 0.5 GB)."""
     meta, tensors = read_header(path)
     permuted = meta.get("general.architecture") == "llama"  # (Mistral GGUFs are written as llama too)
     with open(path, "rb") as f:
@@ -262,10 +266,17 @@ def iter_tensors(
             if name is None or t.name in skip:
                 continue
             f.seek(t.offset)
+            plain = _PLAIN_DTYPES.get(BLOCK_TYPES[t.type_id][0]) if t.type_id in BLOCK_TYPES else None
+            reworked = (permuted and re.search(r"\.self_attn\.[qk]_proj\.", name)) or (
+                gemma_norms and name.endswith("norm.weight")
+            )
+            if plain is not None and into is not None and not reworked and (dest := into(name, t.shape)) is not None:
+                _read_plain_into(f, plain, dest, f"{path}: tensor {t.name}")
+                yield name, dest
+                continue
             raw = torch.empty(t.nbytes, dtype=torch.uint8)
             if f.readinto(memoryview(raw.numpy())) != t.nbytes:
                 raise ValueError(f"gguf: {path} ends inside tensor {t.name}")
-            plain = _PLAIN_DTYPES.get(BLOCK_TYPES[t.type_id][0]) if t.type_id in BLOCK_TYPES else None
             w = raw.view(plain).reshape(t.shape) if plain is not None else dequantize(raw, t.type_id, t.shape)
             if permuted and ".self_attn.q_proj." in name:
                 w = unpermute_rows(w, num_heads)
@@ -278,3 +289,29 @@ def iter_tensors(
 
 # GGUF tensor types whose bytes are plain values, read as such
 _PLAIN_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
+# A plain tensor converted on its way into a parameter of another dtype is read this much at a time
+READ_SLICE_BYTES = 16 << 20
+
+
+def _read_plain_into(f, dtype: torch.dtype, dest: torch.Tensor, what: str) -> None:
+    """The file's next dest.numel() values of `dtype` into the contiguous CPU tensor `dest`: read
+    in place where dest has that dtype, else a slice at a time into one buffer and converted."""
+    flat = dest.view(-1)
+    if dest.dtype == dtype:
+        slices = [flat]
+        buf = None
+    else:
+        step = max(1, READ_SLICE_BYTES // dtype.itemsize)
+        slices = [flat[a : a + step] for a in range(0, flat.numel(), step)]
+        buf = torch.empty(min(step, flat.numel()), dtype=dtype)
+    for part in slices:
+        target = part if buf is None else buf[: part.numel()]
+        view = memoryview(target.view(torch.uint8).numpy())
+        done = 0
+        while done < len(view):  # (a raw read may return fewer bytes than asked)
+            got = f.readinto(view[done:])
+            if not got:
+                raise ValueError(f"gguf: {what} ends inside the file")
+            done += got
+        if buf is not None:
+            part.copy_(target)

@@ -19,7 +19,10 @@ Float tensors, the embeddings and the LM head load dense (kiln quantises only th
 projections). On the CPU the LM head is in addition kept in the file's blocks (`pack_head`) for
 steps of few rows: at batch 1 a dense float32 head of SmolLM2 (49152 x 576, 113 MB) is read every
 step, more than all 30 layers of a Q4_1 file; the dense copy serves the embedding lookups and the
-large batches, where the GEMM beats the kernels. `gguf_dequantize` turns all of this off
+large batches, where the GEMM beats the kernels; where the file's embedding table is itself in
+such blocks, that dense copy is not made at all (`embed_from_blocks`: lookups read the mapped file,
+engine/layers/quant/gguf_embedding.py; every logits row goes to the packed head). `gguf_dequantize`
+turns all of this off
 (llama.cpp's and vLLM's dequantise-at-load behaviour).
 """
 
@@ -35,8 +38,9 @@ from engine.layers.linear import Linear
 from engine.layers.quant import cpu_packed, int4_packed, int_formats
 from engine.layers.quant.config import QuantConfig
 from engine.layers.quant.gguf_blocks import BLOCK_TYPES, QK
+from engine.layers.quant.gguf_embedding import BlockEmbedding
 from engine.layers.quant.linear import IntWeightMethod, attach
-from engine.models.loader.gguf_file import hf_name, read_header, unpermute_rows
+from engine.models.loader.gguf_file import TensorInfo, hf_name, read_header, unpermute_rows
 from engine.models.loader.safetensors_reader import read_exactly_into
 
 KIND = {"Q4_0": "int4", "Q4_1": "int4", "Q8_0": "int8"}
@@ -100,6 +104,39 @@ def prepare(
             attach(module, IntWeightMethod(INT8), "meta")
         plan.update({gguf: (layer, rows) for gguf, _, rows in items})
     return plan
+
+
+EMBEDDING = "token_embd.weight"
+
+
+def embed_from_blocks(
+    model: nn.Module, path, dtype: torch.dtype, device: torch.device, int4_kernel: str = "auto"
+) -> TensorInfo | None:
+    """On the meta-built model, where `pack_head` will hold the file's LM head in the kernels'
+    layout: give it an embedding that reads the file's blocks (BlockEmbedding, mapped by `map_embedding`
+    once the model is allocated) instead of a dense table. Returns the file's embedding tensor, or
+    None where the dense table stays (floats in the file, LoRA, tensor parallel, no CPU kernels)."""
+    if int4_kernel != "auto" or getattr(model, "tp", None) is not None or model.lora_slots:
+        return None
+    if not cpu_packed.usable(device):
+        return None
+    _, tensors = read_header(path)
+    by_name = {t.name: t for t in tensors}
+    t = by_name.get(EMBEDDING)
+    cfg = model.config
+    if t is None or BLOCK_TYPES[t.type_id][0] not in cpu_gemv.GGUF_FORMATS:
+        return None
+    if t.shape != (cfg.vocab_size, cfg.hidden_size):
+        return None
+    head = by_name.get("output.weight", t)  # (tied: the embedding is the head)
+    if model.lm_head is None and BLOCK_TYPES[head.type_id][0] not in cpu_gemv.GGUF_FORMATS:
+        return None  # (pack_head would not make the head the dense table was)
+    model.embed_tokens = BlockEmbedding(cfg.vocab_size, cfg.hidden_size, dtype)
+    return t
+
+
+def map_embedding(model: nn.Module, path, t: TensorInfo) -> None:
+    model.embed_tokens.map_file(path, t.offset, t.nbytes, t.type_id)
 
 
 def _affine_int4(raw: torch.Tensor, kind: str, rows: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -203,18 +240,40 @@ def pack_head(
     kind = BLOCK_TYPES[t.type_id][0] if t is not None else None
     if kind not in cpu_gemv.GGUF_FORMATS or t.shape != (model.config.vocab_size, model.config.hidden_size):
         return False
-    raw = torch.empty(t.nbytes, dtype=torch.uint8)
-    with open(path, "rb") as f:
-        f.seek(t.offset)
-        if not read_exactly_into(f, raw):
-            raise ValueError(f"gguf: {path} ends inside tensor {t.name}")
     vocab, hidden = t.shape
-    runs, packed = cpu_packed.gguf_runs([(0, kind, raw.reshape(vocab, -1))], hidden)
+    fmt = cpu_gemv.GGUF_FORMATS[kind]
+    packed = _pack_in_chunks(path, t, fmt)
     with torch.device("meta"):
         head = Linear(hidden, vocab, False)
-    cpu_packed.install(head, runs, packed, None, cpu_packed.float_acts_for(dtype, activations))
+    cpu_packed.install(head, [(0, vocab, fmt, 0)], [packed], None, cpu_packed.float_acts_for(dtype, activations))
     model.packed_head = head
     return True
+
+
+PACK_CHUNK_ROWS = 4096  # rows of the file read and packed at a time (a whole number of the layout's row groups)
+
+
+def _pack_in_chunks(path, t: TensorInfo, fmt: int) -> torch.Tensor:
+    """A GGUF tensor [rows, K] of blocks -> the kernels' packed layout, read and packed
+    PACK_CHUNK_ROWS rows at a time: the packed tensor and one chunk of the file in memory, not the
+    tensor's raw bytes beside its packed copy (a 128k-vocabulary Q6_K head: 215 MB)."""
+    rows, k = t.shape
+    row_bytes = t.nbytes // rows
+    raw = torch.empty(min(rows, PACK_CHUNK_ROWS), row_bytes, dtype=torch.uint8)
+    packed: torch.Tensor | None = None
+    with open(path, "rb") as f:
+        f.seek(t.offset)
+        for first in range(0, rows, PACK_CHUNK_ROWS):
+            part = raw[: min(PACK_CHUNK_ROWS, rows - first)]
+            if not read_exactly_into(f, part):
+                raise ValueError(f"gguf: {path} ends inside tensor {t.name}")
+            chunk = cpu_gemv.pack(part, fmt, k)
+            if packed is None:
+                packed = chunk.new_empty(-(-rows // cpu_packed.ROW_GROUP), chunk.shape[1])
+            at = first // cpu_packed.ROW_GROUP
+            packed[at : at + chunk.shape[0]] = chunk
+    assert packed is not None
+    return packed
 
 
 def _install_int4(module: nn.Module, parts: list, dtype: torch.dtype, device: torch.device) -> None:

@@ -241,6 +241,11 @@ def load_model(
             if quant is None and load_format != "dummy" and gguf_file.is_gguf(model_dir) and not gguf_dequantize
             else {}
         )
+        embedding = (
+            gguf_quant.embed_from_blocks(model, model_dir, dtype, device, int4_kernel)
+            if quant is None and load_format != "dummy" and gguf_file.is_gguf(model_dir) and not gguf_dequantize
+            else None
+        )
         # (cast while still on meta: to_empty then allocates each tensor once, in its final dtype,
         # not a float32 one converted beside it; issue 40)
         quant_loading.cast_except_quantized(model, dtype)
@@ -258,7 +263,11 @@ def load_model(
         _init_dummy(model, seed, max_positions)
         quant_loading.init_dummy(model, seed)
     elif gguf_file.is_gguf(model_dir):
-        _load_gguf(model, model_dir, gguf_quant.load(model, model_dir, gguf_kept, dtype, device))
+        skip = gguf_quant.load(model, model_dir, gguf_kept, dtype, device)
+        if embedding is not None:
+            gguf_quant.map_embedding(model, model_dir, embedding)
+            skip.add(embedding.name)
+        _load_gguf(model, model_dir, skip)
         if not gguf_dequantize and quant is None:
             gguf_quant.pack_head(model, model_dir, dtype, device, int4_kernel, quant_activations)
     else:
@@ -341,6 +350,18 @@ class _Filler:
         self.sizes.update((n, m.out_features * m.in_features) for n, m in self.at_load.items())
         self.seen: dict[str, int] = {}
 
+    def whole_parameter(self, hf_name: str, shape: tuple[int, ...]) -> torch.Tensor | None:
+        """The parameter a checkpoint tensor of `shape` fills whole, as is (a contiguous CPU tensor a
+        reader may write the file's values into, then hand to `put`); None where it is a part, is
+        sharded, quantised at load or shaped otherwise."""
+        target = _target(self.model, hf_name)
+        if target is None or target[1] is not None or target[0] in self.at_load or self.model.tp is not None:
+            return None
+        param = self.params.get(target[0])
+        if param is None or tuple(param.shape) != tuple(shape) or not param.is_cpu or not param.is_contiguous():
+            return None
+        return param.data
+
     def put(
         self, hf_name: str, tensor: torch.Tensor | None = None, reader=None, file: SafetensorsFile | None = None
     ) -> None:
@@ -378,6 +399,8 @@ class _Filler:
             raise ValueError(f"model: {hf_name} has shape {shape}, expected {tuple(dest.shape)}")
         if tensor is None and dest.device.type == "cpu" and dest.is_contiguous() and dest.dtype == file.dtype(hf_name):
             file.read_into(hf_name, dest)  # (no copy: the file's bytes land in the parameter)
+        elif tensor is not None and tensor.data_ptr() == dest.data_ptr() and tensor.dtype == dest.dtype:
+            pass  # (read into the parameter already: whole_parameter)
         else:
             dest.copy_(file.read(hf_name) if tensor is None else tensor)
         self.seen[name] = self.seen.get(name, 0) + dest.numel()
@@ -447,6 +470,7 @@ def _load_gguf(model: LlamaForCausalLM, path: Path, skip: set[str] = frozenset()
         gemma_norms=cfg.norm_weight_offset != 0.0,
         sandwich=cfg.sandwich_norms,
         skip=skip,
+        into=filler.whole_parameter,
     ):
         filler.put(hf_name, tensor)
         progress.advance(tensor.nbytes)
