@@ -134,7 +134,7 @@ TEST_GROUPS=(
   "graph-cutlass-v2|-m gpu --timeout 200 -k cutlass_v2 tests/worker/test_cuda_graph.py"
   "e2e-v1|-m gpu --timeout 150 -k cutlass_v1 tests/runtime/test_e2e_gpu.py"
   "e2e-v2|-m gpu --timeout 150 -k cutlass_v2 tests/runtime/test_e2e_gpu.py"
-  "swap|-m gpu --timeout 150 tests/worker/test_swap.py"
+  "swap|-m gpu --timeout 150 tests/worker/test_swap.py tests/runtime/test_kv_tiers_gpu.py"
   "features|-m gpu --timeout 200 tests/runtime/test_features_gpu.py"
   "spec-torch|-m gpu --timeout 200 -k torch tests/spec_decode/test_spec_gpu.py"
   "spec-cutlass|-m gpu --timeout 200 -k cutlass tests/spec_decode/test_spec_gpu.py"
@@ -146,7 +146,7 @@ TEST_GROUPS=(
 # and the estimate COLD_COMPILE_S * cold + WARM_BUILD_S * (engines - cold) beside the stage's limit
 # (the groups run side by side, each within the tests stage's limit).
 declare -A GROUP_BUILDS=([kernels-v1]=0:0 [kernels-v2]=0:0 [int4]=3:2 [graph-torch]=3:1 [graph-cutlass-v1]=3:1
-                         [graph-cutlass-v2]=3:1 [e2e-v1]=2:0 [e2e-v2]=2:0 [swap]=0:0 [features]=6:2
+                         [graph-cutlass-v2]=3:1 [e2e-v1]=2:0 [e2e-v2]=2:0 [swap]=1:0 [features]=6:2
                          [spec-torch]=4:3 [spec-cutlass]=3:2)
 COLD_COMPILE_S=45  # a 2-layer model's cold compile and capture with 2 compile threads (estimate: not timed yet)
 WARM_BUILD_S=10    # an engine whose graphs hit the cache (Dynamo traces again), or an eager one

@@ -17,11 +17,11 @@ from engine.core.kv.tiers import block_record
 from engine.core.kv.tiers.base import Tier
 from engine.core.kv.tiers.disk import DiskTier
 from engine.core.kv.tiers.fingerprint import model_fingerprint
-from engine.core.kv.tiers.host import HostTier
 from engine.core.kv.tiers.remote import RemoteTier
 from engine.core.kv.tiers.store import TierStore
 from engine.core.sched.scheduler import Scheduler
 from engine.runtime.kv_tiers import KVTiers
+from engine.runtime.pinned_host_tier import host_tier
 from engine.worker.kv_block_io import KVBlockIO
 
 logger = logging.getLogger(__name__)
@@ -95,7 +95,7 @@ def build_kv_tiers(
     io = KVBlockIO(cache)
     tiers: list[Tier] = []
     if settings.kv_offloading_size is not None:
-        tiers.append(HostTier(int(settings.kv_offloading_size * (1 << 30))))
+        tiers.append(host_tier(int(settings.kv_offloading_size * (1 << 30)), device))
     if settings.kv_disk_path is not None:
         # A whole record's size: the parent is a 16-byte digest, or the root (none, or an adapter's).
         lo = block_record.record_size(None, settings.block_size, io.bytes_per_block)

@@ -59,7 +59,7 @@ def record_size(parent: bytes | None, num_tokens: int, payload_len: int) -> int:
 
 
 def decode(
-    record: bytes, fingerprint: bytes, digest: bytes, parent: bytes | None, tokens, payload_len: int
+    record: bytes | memoryview, fingerprint: bytes, digest: bytes, parent: bytes | None, tokens, payload_len: int
 ) -> memoryview:
     """The payload of `record` if it is exactly this block of this model; else BadRecord."""
     view = memoryview(record)

@@ -1,4 +1,7 @@
-"""The host tier: records in this process's memory, least recently used dropped past a capacity."""
+"""The host tier: records in this process's memory, least recently used dropped past a capacity.
+
+How a record is kept is `_keep`'s choice: bytes here; on a GPU, pinned host memory
+(engine/runtime/pinned_host_tier.py), which the loads copy from without a pageable bounce."""
 
 from __future__ import annotations
 
@@ -18,7 +21,7 @@ class HostTier:
         self.capacity_bytes = capacity_bytes
         self.stats = TierStats()
         self.num_bytes = 0
-        self._records: OrderedDict[str, bytes] = OrderedDict()
+        self._records: OrderedDict[str, bytes | memoryview] = OrderedDict()
         self._lock = threading.Lock()  # (the writer and loader threads and the step thread share it)
 
     def __len__(self) -> int:
@@ -27,21 +30,29 @@ class HostTier:
     def contains(self, key: str) -> bool:
         return key in self._records
 
-    def get(self, key: str) -> bytes | None:
+    def _keep(self, record: bytes | memoryview) -> bytes | memoryview:
+        """The record as this tier holds it (what `get` hands back)."""
+        return bytes(record)
+
+    def get(self, key: str) -> bytes | memoryview | None:
         with self._lock:
             record = self._records.get(key)
             if record is not None:
                 self._records.move_to_end(key)
             return record
 
-    def put(self, key: str, record: bytes) -> None:
+    def put(self, key: str, record: bytes | memoryview) -> None:
         if len(record) > self.capacity_bytes:
             return
         with self._lock:
             if key in self._records:
                 self._records.move_to_end(key)
                 return
-            self._records[key] = record
+        kept = self._keep(record)  # (outside the lock: a copy the loads need not wait for)
+        with self._lock:
+            if key in self._records:
+                return
+            self._records[key] = kept
             self.num_bytes += len(record)
             self.stats.bytes_out += len(record)
             while self.num_bytes > self.capacity_bytes:

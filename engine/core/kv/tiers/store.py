@@ -175,7 +175,7 @@ class TierStore:
             tier.stats.load_seconds += time.perf_counter() - t0
             for upper in missed:  # (copied up: the next read is nearer)
                 try:
-                    upper.put(key, record)
+                    upper.put(key, bytes(record))  # (a lower tier's record: bytes already, not copied)
                 except Exception:
                     upper.stats.errors += 1
             self._mark_seen(key)
