@@ -239,6 +239,14 @@ class EngineSettings(KilnSettingsBase):
         description="on the CPU, torch.compile the whole forward too (measured no faster than eager; "
         "only the decode attention is compiled by default)",
     )
+    cpu_quant_gemm_rows: int | None = Field(
+        None,
+        ge=1,
+        description="on the CPU, steps of at least this many rows run a quantised layer as a GEMM on its "
+        "dequantised weight instead of the weight-streaming kernels; default: the crossover measured on this "
+        "machine per kernel family and activation path (`kiln build-kernels --cpu` measures and caches it), "
+        "or 64 rows (float activations) / 128 (int8) where not measured",
+    )
 
     # --- logging ---
     log_stats_interval: float = Field(10.0, ge=0.0, description="seconds between stats log lines (0 = off)")
