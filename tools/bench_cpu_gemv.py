@@ -5,7 +5,7 @@ ratio to the path kiln took before them. Interleaved repeats (new, old, new, old
     PYTHONPATH=. python tools/bench_cpu_gemv.py [--formats f32,bf16,q8_0,q4_1,...] [--rows 1,4,16,64]
         [--threads 1,2] [--repeats 5] [--layers 16] [--level avx2] [--clock wall|cpu] [--stat median|min]
         [--json out.json]
-    PYTHONPATH=. python tools/bench_cpu_gemv.py --crossover [--threads 2] [--level avx2] [--write]
+    PYTHONPATH=. python tools/bench_cpu_gemv.py --crossover [--threads 1] [--level avx2] [--write]
 
 --crossover: per kernel family and activation path, the kernels against the GEMM on the dequantised
 weight per row count (µs per row, interleaved, best of --repeats), and the row count from which the
@@ -331,9 +331,10 @@ def _crossover(threads_list: list[int], repeats: int, write: bool) -> int:
         f"best of {repeats}, load average {', '.join(f'{v:.1f}' for v in os.getloadavg())}"
     )
     for threads in threads_list:
-        torch.set_num_threads(threads)
-        print(f"\n{threads} thread(s):")
-        rows = cpu_crossover.measure(repeats=repeats, report=print)
+        # (one thread: its CPU time, as kiln build-kernels --cpu measures; more: wall time)
+        clock = time.thread_time if threads == 1 else time.perf_counter
+        print(f"\n{threads} thread(s), {'CPU' if threads == 1 else 'wall'} time:")
+        rows = cpu_crossover.measure(repeats=repeats, report=print, threads=threads, clock=clock)
         print(f"GEMM from: {cpu_crossover.Crossover(rows).describe()} rows")
         if write:
             print(f"cached for kiln: {cpu_crossover.save(default_cache_dir(), rows, threads)}")

@@ -59,7 +59,7 @@ def test_the_measured_step_is_two_gemm_wins_in_a_row(kernels, monkeypatch):
         ({16: 1.0, 32: 1.0}, 16, 2),  # (stops after two wins)
         ({256: 1.0}, 256, 5),  # (the last point)
         ({}, cc.NEVER, 5),
-        ({128: 0.96 * 128, 256: 0.5}, cc.NEVER, 5),  # (within the margin at 128: not a win; 256 alone)
+        ({128: 0.96 * 128, 256: 0.96 * 256}, cc.NEVER, 5),  # (within the margin: no win)
     ]
     for gemm, want, points in cases:
         monkeypatch.setattr(cc, "time_point", scripted(gemm))

@@ -9,8 +9,9 @@ somewhere: on an Intel Sapphire Rapids the int8 kernels ran 1.6-3.1x faster per 
 GEMM up to ~900 rows while the old constant switched at 128 (docs/benchmarks.md).
 
 `measure` times both paths on one layer per kernel family and activation mode, interleaved, at
-row counts GRID, and takes the first row count from which the GEMM wins at two grid points in a
-row (NEVER: the kernels won everywhere measured). `kiln build-kernels --cpu` measures and
+row counts GRID (one thread, its CPU time: robust to neighbours on a shared machine), and takes
+the first row count from which the GEMM wins at two grid points in a row (NEVER: the kernels won
+everywhere measured). `kiln build-kernels --cpu` measures and
 caches it under kiln's cache dir, keyed by the CPU model, the kernels' ISA level and build,
 torch's capability and version (`cache_key`), so start-up only reads a small JSON file; where
 nothing is cached the defaults (cpu_packed.GEMM_ROWS) hold, and the setting cpu_quant_gemm_rows
@@ -85,11 +86,7 @@ class Crossover:
 
     def summary(self, smallest: int) -> str:
         """The start-up log line, for a model whose layers' smallest row count is `smallest`."""
-        when = (
-            "at no step size (the kernels were faster at every row count measured)"
-            if smallest >= NEVER
-            else f"from {smallest} rows"
-        )
+        when = "at no step size (the kernels take every step)" if smallest >= NEVER else f"from {smallest} rows"
         return f"quantised layers run as a GEMM on their dequantised weight {when} ({self.source})"
 
     def describe(self) -> str:
@@ -151,7 +148,7 @@ def measure_one(
     mode: str,
     grid: tuple[int, ...] = GRID,
     repeats: int = 3,
-    clock: Callable[[], float] = time.perf_counter,
+    clock: Callable[[], float] = time.thread_time,
     report: Callable[[str], None] | None = None,
 ) -> tuple[int, list[Point]]:
     """The crossover of one family and mode, and the points measured (the sweep stops once the
@@ -180,14 +177,26 @@ def measure(
     modes: tuple[str, ...] = tuple(MODES),
     repeats: int = 3,
     report: Callable[[str], None] | None = None,
+    threads: int = 1,
+    clock: Callable[[], float] = time.thread_time,
 ) -> dict[str, int]:
-    """Every family x mode's crossover on this machine (the kernels loaded)."""
+    """Every family x mode's crossover on this machine (the kernels loaded). By default on one
+    thread, timed in its CPU time: a call of tens of ms on a machine whose cores other processes
+    share is often preempted, and wall time then decides by who ran beside it (a first try on this
+    2-core VM at load 8, two threads, wall clock: per-row costs jumping 5-10x between neighbouring
+    row counts); one thread's CPU time leaves that out, and both paths split over threads alike
+    (whole row groups; oneDNN's blocks), so their ratio, hence the crossover, carries over."""
     if not cpu_gemv.GEMV.ensure():
         raise RuntimeError(f"cpu_crossover: the CPU kernels are not available ({cpu_gemv.GEMV.error})")
-    rows = {}
-    for family in families:
-        for mode in modes:
-            rows[f"{family}/{mode}"], _ = measure_one(family, mode, repeats=repeats, report=report)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        rows = {}
+        for family in families:
+            for mode in modes:
+                rows[f"{family}/{mode}"], _ = measure_one(family, mode, repeats=repeats, clock=clock, report=report)
+    finally:
+        torch.set_num_threads(before)
     return rows
 
 
@@ -290,7 +299,7 @@ def measure_and_save(cache_dir: Path, report: Callable[[str], None] = print) -> 
     t0 = time.perf_counter()
     report(f"measuring where quantised layers leave the CPU kernels for a GEMM ({cpu_model()})")
     rows = measure(report=report)
-    path = save(cache_dir, rows, torch.get_num_threads())
+    path = save(cache_dir, rows, threads=1)
     summary = Crossover(rows).describe()
     report(f"quantised layers' GEMM from: {summary} rows ({time.perf_counter() - t0:.1f}s; {path})")
     return path
