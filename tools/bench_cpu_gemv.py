@@ -5,6 +5,12 @@ ratio to the path kiln took before them. Interleaved repeats (new, old, new, old
     PYTHONPATH=. python tools/bench_cpu_gemv.py [--formats f32,bf16,q8_0,q4_1,...] [--rows 1,4,16,64]
         [--threads 1,2] [--repeats 5] [--layers 16] [--level avx2] [--clock wall|cpu] [--stat median|min]
         [--json out.json]
+    PYTHONPATH=. python tools/bench_cpu_gemv.py --crossover [--threads 1] [--level avx2] [--write]
+
+--crossover: per kernel family and activation path, the kernels against the GEMM on the dequantised
+weight per row count (µs per row, interleaved, best of --repeats), and the row count from which the
+GEMM wins (engine/layers/quant/cpu_crossover.py, what `kiln build-kernels --cpu` measures); --write
+caches it for `kiln serve` on this machine (kiln's cache dir).
 
 Weights: `--layers` decoder layers of a 1024-wide model (q/k/v 1536x1024, o 1024x1024,
 gate/up 5632x1024, down 1024x2816: every format's blocks fit), random values (they do not change
@@ -44,10 +50,10 @@ import torch.nn.functional as F
 from compiler.kernels import cpu_gemv, cpu_linear
 from compiler.kernels.cpu_gemv import GEMV, GGUF_FORMATS, LEVELS
 from compiler.kernels.cpu_linear import MIN_ONEDNN_ROWS
-from engine.layers.quant import int_formats
+from engine.config.settings_base import default_cache_dir
+from engine.layers.quant import cpu_crossover, int_formats
 from engine.layers.quant.config import QuantConfig
-from engine.layers.quant.cpu_packed import GEMM_ROWS
-from engine.layers.quant.gguf_blocks import BLOCK_TYPES
+from engine.layers.quant.cpu_crossover import random_blocks
 from engine.layers.quant.linear import IntWeightMethod
 
 SHAPES = [(1536, 1024), (1024, 1024), (5632, 1024), (1024, 2816)]  # (out, in): q/k/v, o, gate/up, down
@@ -86,6 +92,7 @@ def bandwidth(mb: int = 256, repeats: int = 5) -> tuple[float, float]:
     return 2 * a.numel() * 4 / copy / 1e9, a.numel() * 4 / read / 1e9
 
 
+CROSSOVER = cpu_crossover.Crossover()  # (main: this machine's, where measured)
 CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
 CLOCK = CLOCKS["wall"]
 
@@ -94,16 +101,6 @@ def _timed(fn: Callable[[], object]) -> float:
     t0 = CLOCK()
     fn()
     return CLOCK() - t0
-
-
-def random_blocks(name: str, n: int, k: int, gen: torch.Generator) -> torch.Tensor:
-    """Random bytes in GGUF blocks of `name` with small finite float16 scales."""
-    _, block, nbytes = BLOCK_TYPES[GGUF_FORMATS[name]]
-    raw = torch.randint(0, 256, (n, k // block, nbytes), dtype=torch.uint8, generator=gen)
-    scale = torch.full((n, k // block), 1e-3, dtype=torch.float16).view(torch.uint8).reshape(n, -1, 2)
-    for at in {"Q6_K": (208,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q4_1": (0, 2), "Q5_1": (0, 2)}.get(name, (0,)):
-        raw[:, :, at : at + 2] = scale
-    return raw.reshape(n, -1)
 
 
 @dataclass
@@ -139,9 +136,10 @@ def _dense_old(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 
 def _quant_new(x: torch.Tensor, packed: torch.Tensor, fmt: int, n: int, k: int, groups: int, float_acts: bool):
-    """What a quantised layer runs now (engine/layers/quant/cpu_packed.py): the kernel, or from
-    GEMM_ROWS rows the GEMM on the weight dequantised for the call."""
-    if x.shape[0] >= GEMM_ROWS[float_acts]:
+    """What a quantised layer runs now (engine/layers/quant/cpu_packed.py): the kernel, or from this
+    machine's crossover (cpu_crossover.py: measured and cached, else GEMM_ROWS) the GEMM on the
+    weight dequantised for the call."""
+    if x.shape[0] >= CROSSOVER.gemm_rows([fmt], x.dtype, float_acts):
         return cpu_linear.linear(x, cpu_gemv.dequantize(packed, fmt, n, k, groups, x.dtype))
     return cpu_gemv.quant(x, packed, fmt, n, k, groups, int_acts=not float_acts)
 
@@ -255,8 +253,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--clock", choices=CLOCKS, default="wall", help="wall time, or this process's CPU time")
     p.add_argument("--stat", choices=("median", "min"), default="median", help="per path over the repeats")
     p.add_argument("--json", help="write the rows here")
+    p.add_argument("--crossover", action="store_true", help="measure where the GEMM beats the kernels, per family")
+    p.add_argument("--write", action="store_true", help="with --crossover: cache it for kiln on this machine")
     args = p.parse_args(argv)
-    global CLOCK
+    global CLOCK, CROSSOVER
     CLOCK = CLOCKS[args.clock]
     if args.clock == "cpu" and threads_of(args) != [1]:
         print("bench_cpu_gemv: --clock cpu measures one thread (--threads 1)")
@@ -272,7 +272,11 @@ def main(argv: list[str] | None = None) -> int:
         if GEMV.level not in GEMV.levels:
             print(f"bench_cpu_gemv: this CPU cannot run {args.level} (runs {[LEVELS[v] for v in GEMV.levels]})")
             return 2
+    if args.crossover:
+        return _crossover(threads_list, args.repeats, args.write)
+    CROSSOVER = cpu_crossover.resolve(None, default_cache_dir())
     results = []
+    print(f"bench_cpu_gemv: quantised layers' GEMM from: {CROSSOVER.describe()} rows ({CROSSOVER.source})")
     print(
         f"bench_cpu_gemv: {platform.processor() or platform.machine()}, torch {torch.__version__} "
         f"({torch.backends.cpu.get_cpu_capability()}), kernels {LEVELS[GEMV.level]}, {args.clock} clock, "
@@ -317,6 +321,23 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)
+    return 0
+
+
+def _crossover(threads_list: list[int], repeats: int, write: bool) -> int:
+    print(
+        f"bench_cpu_gemv --crossover: {cpu_crossover.cpu_model()}, kernels {LEVELS[GEMV.level]}, "
+        f"torch {torch.__version__} ({torch.backends.cpu.get_cpu_capability()}), layer {cpu_crossover.SHAPE}, "
+        f"best of {repeats}, load average {', '.join(f'{v:.1f}' for v in os.getloadavg())}"
+    )
+    for threads in threads_list:
+        # (one thread: its CPU time, as kiln build-kernels --cpu measures; more: wall time)
+        clock = time.thread_time if threads == 1 else time.perf_counter
+        print(f"\n{threads} thread(s), {'CPU' if threads == 1 else 'wall'} time:")
+        rows = cpu_crossover.measure(repeats=repeats, report=print, threads=threads, clock=clock)
+        print(f"GEMM from: {cpu_crossover.Crossover(rows).describe()} rows")
+        if write:
+            print(f"cached for kiln: {cpu_crossover.save(default_cache_dir(), rows, threads)}")
     return 0
 
 

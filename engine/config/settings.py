@@ -127,9 +127,9 @@ class EngineSettings(KilnSettingsBase):
         0,
         ge=0,
         description="CPU: where prefill meets decodes, steps of at most this many rows, prefill-only until the "
-        "prompts' last tokens run with the decodes (as llama.cpp's micro-batches; 127 keeps a quantised model's "
-        "layers on its int8 kernels, from 128 rows a float32 GEMM at 1.6-3x the cost per token: "
-        "docs/benchmarks.md, first token under load; 0: off)",
+        "prompts' last tokens run with the decodes (as llama.cpp's micro-batches; 127 kept a quantised model's "
+        "layers on its int8 kernels where they switched to a GEMM at 128 rows, at 1.6-3x the cost per token; that "
+        "switch is now measured per machine, cpu_quant_gemm_rows: docs/benchmarks.md, first token under load; 0: off)",
     )
 
     # --- speculative decoding (vLLM's speculative_config {"method": "ngram", ...}) ---
@@ -238,6 +238,14 @@ class EngineSettings(KilnSettingsBase):
         False,
         description="on the CPU, torch.compile the whole forward too (measured no faster than eager; "
         "only the decode attention is compiled by default)",
+    )
+    cpu_quant_gemm_rows: int | None = Field(
+        None,
+        ge=1,
+        description="on the CPU, steps of at least this many rows run a quantised layer as a GEMM on its "
+        "dequantised weight instead of the weight-streaming kernels; default: the crossover measured on this "
+        "machine per kernel family and activation path (`kiln build-kernels --cpu` measures and caches it), "
+        "or 64 rows (float activations) / 128 (int8) where not measured",
     )
 
     # --- logging ---

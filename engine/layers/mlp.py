@@ -34,10 +34,16 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor, lora: torch.Tensor | None = None) -> torch.Tensor:
         if lora is None and isinstance(self.gate_up_proj.quant, cpu_packed.CpuPackedMethod):
-            # (a prefill's rows on a packed layer: gate/up and the activation slice by slice)
+            # (a prefill's rows on a packed layer: gate/up and the activation slice by slice through
+            # the GEMM, or on the kernels a few hundred rows at a time)
             act = cpu_packed.gated_in_slices(self.gate_up_proj, x, self.intermediate, self._act)
             if act is not None:
                 return self.down_proj(act, lora)
+            rows = x.shape[0] if x.dim() == 2 else 0
+            if cpu_packed.on_kernels(self.gate_up_proj, rows) and cpu_packed.on_kernels(self.down_proj, rows):
+                y = cpu_packed.gated_rows_in_pieces(self.gate_up_proj, self.down_proj, self._act, x)
+                if y is not None:
+                    return y
         return self.down_proj(self._act(self.gate_up_proj(x, lora)), lora)
 
     def _act(self, gate_up: torch.Tensor) -> torch.Tensor:

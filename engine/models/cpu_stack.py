@@ -26,8 +26,12 @@ without an act-order permutation). Not covered (the eager forward runs them): mi
 tensor parallelism, LoRA, Gemma 2/3's sandwich norms and local rotary base, other quantised
 methods. `StackRunner.runs` decides per step: only as many rows as every projection runs on the
 kernels in the eager forward too (dense: cpu_gemv.MAX_DENSE_ROWS for the dtype, more go to oneDNN;
-packed: below cpu_packed.GEMM_ROWS, from there prefill chunks run the GEMM on a dequantised
-weight), the backend's plain C++ attention (no fp8 KV scales), no autograd, no torch.compile.
+packed: below each layer's gemm_rows, this machine's measured crossover (cpu_crossover.py), from
+there prefill chunks run the GEMM on a dequantised weight), and at most cpu_packed.MLP_PIECE_ROWS
+(the stack's MLP product is [rows, 2 x intermediate] whole, where the eager forward runs larger
+steps in pieces of that many rows; at a few hundred rows a step is seconds, and the host time the
+stack saves, a few ms, no longer counts), the backend's plain C++ attention (no fp8 KV scales), no
+autograd, no torch.compile.
 """
 
 from __future__ import annotations
@@ -99,7 +103,7 @@ def _kernel_rows(linear, dtype: torch.dtype) -> int:
     """The most rows of `dtype` activations that the eager forward runs `linear` with on the kernels."""
     if linear.quant is None:
         return cpu_gemv.MAX_DENSE_ROWS.get(dtype, 0)
-    return cpu_packed.GEMM_ROWS[linear.quant.float_acts] - 1
+    return min(linear.quant.gemm_rows - 1, cpu_packed.MLP_PIECE_ROWS)
 
 
 def _add_projection(stack, linear) -> None:

@@ -26,7 +26,6 @@ from engine.layers.forward_context import ForwardContext
 from engine.layers.layernorm import RMSNorm
 from engine.layers.linear import WEIGHT_COPIES, Linear, exact_half
 from engine.layers.mlp import MLP
-from engine.layers.quant.cpu_packed import GEMM_ROWS
 from engine.layers.quant.gguf_embedding import BlockEmbedding
 from engine.layers.rotary import RotaryEmbedding
 from engine.layers.sparse_moe import SparseMoE
@@ -314,16 +313,12 @@ class LlamaForCausalLM(nn.Module):
             cap = self.config.final_softcap
             return cap * torch.tanh(logits / cap) if cap else logits
         weight = self.head_weight()
-        if weight is None:  # only the file's blocks: the kernels, or from GEMM_ROWS rows their GEMM in slices
+        if weight is None:  # only the file's blocks: the kernels, or from its gemm_rows rows their GEMM in slices
             assert self.packed_head is not None
             logits = self.packed_head(hidden).float()
         elif self.tp is not None:  # this rank's vocabulary rows, gathered: the full logits on every rank
             logits = parallel_logits(hidden, weight, self.config.vocab_size, self.tp).float()
-        elif (
-            self.packed_head is not None
-            and hidden.dim() == 2
-            and hidden.shape[0] < GEMM_ROWS[self.packed_head.quant.float_acts]
-        ):
+        elif self.packed_head is not None and hidden.dim() == 2 and hidden.shape[0] < self.packed_head.quant.gemm_rows:
             logits = self.packed_head(hidden).float()
         elif (
             self.half_head is not None

@@ -29,6 +29,7 @@ from engine.core.kv.swap_space import SwapSpace
 from engine.core.sched.scheduler import Scheduler, SchedulerConfig
 from engine.layers.attention.selector import attention_backend_for
 from engine.layers.kv_cache import KVCache, resolve_kv_cache_dtype
+from engine.layers.quant import cpu_crossover
 from engine.layers.quant.cpu_packed import activations_choice, has_packed_layers
 from engine.layers.quant.w4a16 import install as install_w4a16
 from engine.layers.quant.w4a16 import loader_int4_kernel, resolve_int4_kernel
@@ -172,6 +173,8 @@ class EngineBuilder:
                     "quantised layers on the CPU kernels: %s",
                     activations_choice(self.dtype, settings.cpu_quant_activations)[1],
                 )
+                crossover = cpu_crossover.resolve(settings.cpu_quant_gemm_rows, settings.cache_dir)
+                logger.info(crossover.summary(cpu_crossover.apply(self.model, crossover, self.dtype)))
             if int4_kernel == "kiln":  # int4 layers -> kiln's W4A16 GEMM layout
                 install_w4a16(self.model, settings.resolved_kernel_cache_dir(), self.device, self.dtype)
         self.lora = make_lora_manager(self.model, settings)

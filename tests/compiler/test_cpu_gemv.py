@@ -227,11 +227,13 @@ def test_bad_input_is_a_clear_error():
         )
 
 
+@pytest.mark.parametrize("gemm_rows", [None, 20, 1 << 40], ids=["default", "measured-20", "never"])
 @pytest.mark.parametrize("float_acts", [True, False])
-def test_packed_layer_every_row_count(float_acts):
+def test_packed_layer_every_row_count(float_acts, gemm_rows):
     """engine/layers/quant/cpu_packed.py: a fused layer of two formats (Q4_K_M's q/k and v) with a
-    bias, through the kernels below GEMM_ROWS rows and the GEMM on its dequantised weight above,
-    leading dimensions kept; its weight() is the file's."""
+    bias, through the kernels below its gemm_rows rows (the default GEMM_ROWS, or a machine's
+    measured crossover: engine/layers/quant/cpu_crossover.py) and the GEMM on its dequantised
+    weight from there, leading dimensions kept; its weight() is the file's."""
     from engine.layers.linear import Linear
     from engine.layers.quant import cpu_packed
 
@@ -244,9 +246,13 @@ def test_packed_layer_every_row_count(float_acts):
     cpu_packed.install(layer, runs, packed, None, float_acts)
     assert layer.weight is None and [r[2] for r in layer.gemv_runs] == [GGUF_FORMATS["Q4_K"], GGUF_FORMATS["Q6_K"]]
     torch.testing.assert_close(layer.quant.weight(layer, torch.float32), w, rtol=0, atol=1e-6 * w.abs().max())
-    gemm_from = cpu_packed.GEMM_ROWS[float_acts]
+    assert layer.quant.gemm_rows == cpu_packed.GEMM_ROWS[float_acts]
+    if gemm_rows is not None:
+        layer.quant.gemm_rows = gemm_rows
+    gemm_from = layer.quant.gemm_rows
+    default = cpu_packed.GEMM_ROWS[float_acts]
     with torch.inference_mode():
-        for rows in (1, 5, gemm_from - 1, gemm_from, 2 * gemm_from + 3):
+        for rows in sorted({1, 5, *(r for r in (gemm_from - 1, gemm_from) if r < 1 << 20), default, 2 * default + 3}):
             x = torch.randn(1, rows, k)
             y = layer(x)
             assert y.shape == (1, rows, 64)

@@ -133,11 +133,16 @@ def test_build_kernels_uses_the_cache_root_serve_uses(monkeypatch, tmp_path):
     assert calls[-1] == ["--cache-dir", str(tmp_path / "k")]
     # --cpu: the C++ CPU libraries, into the compile cache serve loads them from
     import compiler.kernels.cpu_prebuild
+    from engine.layers.quant import cpu_crossover
 
-    cpu_calls = []
+    cpu_calls, measured = [], []
     monkeypatch.setattr(compiler.kernels.cpu_prebuild, "main", lambda argv: cpu_calls.append(argv) or 0)
+    monkeypatch.setattr(cpu_crossover, "measure_for_build", lambda *dirs: measured.append(dirs) or 0)
     assert main(["build-kernels", "--cpu", "--all"]) == 0 and len(calls) == 3
     assert cpu_calls[-1] == ["--all", "--into", str(tmp_path / "root" / "compile")]
+    assert measured == []  # (a wheel's build for every level: no machine to measure)
     assert EngineSettings().resolved_compile_cache_dir() == tmp_path / "root" / "compile"
     assert main(["build-kernels", "--cpu", "--compile-cache-dir", str(tmp_path / "c")]) == 0
     assert cpu_calls[-1] == ["--into", str(tmp_path / "c")]
+    # then this machine's crossover from the kernels to the GEMM, cached in kiln's cache root
+    assert measured == [(tmp_path / "c", tmp_path / "root")]

@@ -247,6 +247,27 @@ def test_gguf_greedy_matches_transformers(arch, types, wide_models, make_llm, tm
     assert [o.outputs[0].token_ids for o in outs] == expected
 
 
+@pytest.mark.parametrize("gemm_rows", [1, 1 << 30], ids=["gemm-every-step", "kernels-every-step"])
+def test_gguf_greedy_either_side_of_the_crossover(gemm_rows, wide_models, make_llm, tmp_path, caplog):
+    """cpu_quant_gemm_rows moves every packed layer's switch from the kernels to the GEMM on its
+    dequantised weight (engine/layers/quant/cpu_crossover.py: by default this machine's measured
+    crossover; the start-up log says which): greedy tokens equal transformers' on the file with
+    every step on the GEMM, and with every step (the 50-token prompt's too) on the kernels."""
+    import logging
+
+    from engine.layers.quant.cpu_packed import CpuPackedMethod
+
+    types = {"attn": "Q6_K", "ffn": "Q4_K", "token_embd": "Q5_0", "output": "F16"}
+    path = write_gguf(wide_models("qwen3"), tmp_path / "qwen3.gguf", types)
+    with caplog.at_level(logging.INFO, logger="engine.runtime.builder"):
+        llm = make_llm(path, max_num_seqs=4, cpu_quant_gemm_rows=gemm_rows)
+    layers = [m for m in llm.engine.core.model.modules() if isinstance(getattr(m, "quant", None), CpuPackedMethod)]
+    assert layers and {m.quant.gemm_rows for m in layers} == {gemm_rows}
+    assert f"cpu_quant_gemm_rows={gemm_rows}" in caplog.text
+    outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == hf_gguf_greedy(path, PROMPTS)
+
+
 # How each projection of layer 0 is held in these float32 CPU runs: every GGUF block format
 # stays quantised for the CPU weight-streaming kernels (engine/layers/quant/cpu_packed.py), a
 # fused projection of mixed formats as one run per format, on the float activation path (float32).
@@ -457,12 +478,11 @@ def test_real_model_fetch_helpers(tmp_path):
 def test_gguf_lm_head_kept_in_file_blocks(arch, types, source, fmt, wide_models, make_llm, tmp_path):
     """On the CPU kernels the LM head is also kept in the file's blocks (gguf_quant.pack_head): a
     step of few rows reads it instead of the dense float copy (SmolLM2 Q8_0: 30 MB a step, not
-    113 MB); its logits are the dequantised head's to float rounding; steps of GEMM_ROWS rows or
-    more, and gguf_dequantize, use the dense weight. An embedding table in blocks stays in the
+    113 MB); its logits are the dequantised head's to float rounding; steps of the head's
+    gemm_rows rows or more, and gguf_dequantize, use the dense weight. An embedding table in blocks stays in the
     mapped file (gguf_quant.embed_from_blocks): lookups equal the dequantised table's rows, and a
     head tied to it has no dense copy at all: every step's rows go to the packed head."""
     from compiler.kernels.cpu_gemv import GEMV, GGUF_FORMATS
-    from engine.layers.quant.cpu_packed import GEMM_ROWS
     from engine.layers.quant.gguf_embedding import BlockEmbedding
 
     if not GEMV.ensure():
@@ -489,7 +509,7 @@ def test_gguf_lm_head_kept_in_file_blocks(arch, types, source, fmt, wide_models,
     assert head.quant.weight_bytes(head) < dense.numel() * dense.element_size() / 3  # (file blocks, not float32)
     torch.testing.assert_close(head.quant.weight(head, torch.float32), dense, rtol=0, atol=1e-6)
     gen = torch.Generator().manual_seed(0)
-    few, many = (torch.randn(n, dense.shape[1], generator=gen) for n in (3, 2 * GEMM_ROWS[True] + 1))
+    few, many = (torch.randn(n, dense.shape[1], generator=gen) for n in (3, 2 * head.quant.gemm_rows + 1))
     torch.testing.assert_close(model.compute_logits(few), few @ dense.T, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(model.compute_logits(many), many @ dense.T, rtol=1e-5, atol=1e-5)
     if tied:

@@ -14,9 +14,13 @@ output is the dense model's); elsewhere that float path is compute-bound, so the
 a bfloat16 or float16 model, whose activations are rounded to 8 bits of mantissa anyway) the
 activations are quantised to int8 per block of 32 for integer dot products, as llama.cpp does
 (1.3-2.4x faster: tools/bench_cpu_gemv.py).
-From GEMM_ROWS rows on (prefill chunks) a layer is instead dequantised into a dense weight in the
-activations' dtype and multiplied by the GEMM of compiler/kernels/cpu_linear.py (oneDNN): there its
-arithmetic beats the kernels' per-block work (tools/bench_cpu_gemv.py --rows). It is dequantised in
+From a layer's `gemm_rows` rows on (prefill chunks) it is instead dequantised into a dense weight in
+the activations' dtype and multiplied by the GEMM of compiler/kernels/cpu_linear.py (oneDNN), where
+that arithmetic beats the kernels' per-row work. Where that is depends on the machine, the format
+and the activations' path: cpu_crossover.py measures it once per machine (`kiln build-kernels
+--cpu`) and the builder gives each layer its row count; GEMM_ROWS are the defaults where nothing
+was measured (on an Intel Sapphire Rapids the int8 kernels win at every row count up to 2048:
+docs/benchmarks.md). It is dequantised in
 slices of output rows (GEMM_SLICE_BYTES each) into one scratch reused slice after slice, each slice
 a GEMM of its own columns of the output: never a whole float copy of the weight (gate_up of a 1B
 model is 134 MB in float32; a 128k-row LM head 1 GB; issue 40).
@@ -37,8 +41,12 @@ from engine.layers.quant import int4_packed, int_formats
 BUFFER = "gemv_packed"
 MAX_RUNS = 3  # runs per layer: at most one per fused part (q / k / v)
 BUFFERS = (*(f"{BUFFER}{i}" for i in range(MAX_RUNS)), "gemv_perm")
-# Rows from which the GEMM on the dequantised weight runs instead (float path, int path)
+# Rows from which the GEMM on the dequantised weight runs instead (float path, int path), where this
+# machine's crossover was not measured (cpu_crossover.py)
 GEMM_ROWS = {True: 64, False: 128}
+# Above this many rows on the kernels a gated MLP runs its rows in pieces of this many
+# (gated_rows_in_pieces): the [rows, 2 x intermediate] product never exists whole
+MLP_PIECE_ROWS = 256
 # The dequantised weight's bytes per GEMM slice: 1,024 rows of K = 2048 in float32
 GEMM_SLICE_BYTES = 8 << 20
 ROW_GROUP = 16  # output rows per group of the packed layout (templates/cpu_gemv.cpp): slices are whole groups
@@ -47,10 +55,12 @@ ROW_GROUP = 16  # output rows per group of the packed layout (templates/cpu_gemv
 class CpuPackedMethod:
     """A linear layer whose weight is in the CPU kernels' layout: runs (first output row, rows,
     format, groups) on the module (`gemv_runs`), buffers gemv_packed0.. and gemv_perm (act-order
-    column order, or None)."""
+    column order, or None). From `gemm_rows` rows a call runs the GEMM on the dequantised weight
+    (default GEMM_ROWS; the builder sets this machine's: cpu_crossover.apply)."""
 
-    def __init__(self, float_acts: bool) -> None:
+    def __init__(self, float_acts: bool, gemm_rows: int | None = None) -> None:
         self.float_acts = float_acts
+        self.gemm_rows = GEMM_ROWS[float_acts] if gemm_rows is None else gemm_rows
 
     def apply(self, module: nn.Module, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
@@ -64,7 +74,7 @@ class CpuPackedMethod:
             x2 = x2.contiguous()
         k = module.in_features
         runs = module.gemv_runs
-        if x2.shape[0] >= GEMM_ROWS[self.float_acts]:
+        if x2.shape[0] >= self.gemm_rows:
             y = gemm_in_slices(module, x2)
         elif len(runs) == 1:
             _, n, fmt, groups = runs[0]
@@ -155,12 +165,12 @@ def gated_in_slices(
     (act: gate | up columns -> act(gate) * up). Each slice dequantises a run of gate rows and the
     same run of up rows into one scratch, multiplies them in one GEMM and keeps only act's output:
     the [M, 2 half] product never exists whole (a 2048-row step of a 1B model: 134 MB in float32).
-    None where it does not apply (fewer than GEMM_ROWS rows, a bias, act-order, runs that do not
-    split at the gate/up boundary, a half not of whole row groups): the layer then runs as it is."""
+    None where it does not apply (fewer than the layer's gemm_rows rows, a bias, act-order, runs that
+    do not split at the gate/up boundary, a half not of whole row groups): the layer then runs as it is."""
     if (
         x.dim() != 2
         or x.dtype not in (torch.float32, torch.bfloat16)
-        or x.shape[0] < GEMM_ROWS[module.quant.float_acts]
+        or x.shape[0] < module.quant.gemm_rows
         or module.bias is not None
         or module.gemv_perm is not None
         or half % ROW_GROUP
@@ -179,6 +189,30 @@ def gated_in_slices(
         _dequantize_rows(module, half + first, w[rows:])
         out[:, first : first + rows] = act(cpu_linear.linear(x, w))
     return out
+
+
+def on_kernels(module: nn.Module, rows: int) -> bool:
+    """Whether `module` is a packed layer that runs `rows` rows on the kernels (below its gemm_rows)."""
+    quant = getattr(module, "quant", None)
+    return isinstance(quant, CpuPackedMethod) and rows < quant.gemm_rows
+
+
+def gated_rows_in_pieces(
+    gate_up: Callable[[torch.Tensor], torch.Tensor],
+    down: Callable[[torch.Tensor], torch.Tensor],
+    act: Callable[[torch.Tensor], torch.Tensor],
+    x: torch.Tensor,
+    piece: int = MLP_PIECE_ROWS,
+) -> torch.Tensor | None:
+    """down(act(gate_up(x))) for a step of more than `piece` rows on the kernels (on_kernels for
+    both layers: the caller checks), `piece` rows at a time: each row's output is its own (the
+    kernels compute every row alone, so the result is the same bits), and the
+    [rows, 2 x intermediate] product of a 2048-row prefill step (134 MB for a 1B model in float32)
+    is never whole. None for `piece` rows or fewer (the caller runs it in one go)."""
+    if x.dim() != 2 or x.shape[0] <= piece:
+        return None
+    parts = [down(act(gate_up(x[at : at + piece]))) for at in range(0, x.shape[0], piece)]
+    return torch.cat(parts)
 
 
 def _dequantize_rows(module: nn.Module, first: int, out: torch.Tensor) -> None:
@@ -276,7 +310,7 @@ def install(
         module.register_buffer(f"{BUFFER}{i}", p)
     module.register_buffer("gemv_perm", perm)
     module.gemv_runs = runs
-    module.quant = CpuPackedMethod(float_acts)
+    module.quant = CpuPackedMethod(float_acts)  # (the default row count: the builder gives this machine's)
 
 
 def gguf_runs(parts: list[tuple[int, str, torch.Tensor]], k: int) -> tuple[list, list[torch.Tensor]]:
