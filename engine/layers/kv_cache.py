@@ -8,8 +8,8 @@ K/V scales (`scales`, float32 [layers, 2], on the cache's device; compiler/kerne
 from __future__ import annotations
 
 import math
+import mmap
 
-import numpy as np
 import torch
 
 from compiler.kernels.kv_quant import FP8_DTYPE, is_fp8
@@ -49,11 +49,20 @@ def resolve_kv_cache_dtype(
 
 
 def untouched_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """A zeroed CPU tensor whose pages are not touched until written: calloc (numpy's zeros) takes
-    a large block straight from the OS as zero pages, so the reservation costs no time at start and
-    resident memory grows with the KV actually written (torch.zeros writes every byte)."""
+    """A zeroed CPU tensor whose pages are not touched until written: an anonymous mapping of its
+    own, zero pages from the OS, so the reservation costs no time at start and resident memory
+    grows with the KV actually written (torch.zeros writes every byte). On 4 KB pages, never
+    transparent huge pages: a block written then costs its own pages, not the 2 MB around it (numpy's
+    zeros, used before, advises huge pages on large arrays, and the first token written to each
+    layer's K and V made 2 MB of it resident: SmolLM2's whole cache on its first step, issue 40)."""
     nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
-    return torch.from_numpy(np.zeros(nbytes, dtype=np.uint8)).view(dtype).view(shape)
+    if nbytes == 0:
+        return torch.zeros(shape, dtype=dtype)
+    pages = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    if hasattr(mmap, "MADV_NOHUGEPAGE"):  # (Linux; also under transparent_hugepage=always)
+        pages.madvise(mmap.MADV_NOHUGEPAGE)
+    # (the tensor keeps the mapping alive)
+    return torch.frombuffer(pages, dtype=torch.uint8, count=nbytes).view(dtype).view(shape)
 
 
 class KVCache:

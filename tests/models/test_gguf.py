@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import struct
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -480,7 +481,8 @@ def test_gguf_lm_head_kept_in_file_blocks(arch, types, source, fmt, wide_models,
     step of few rows reads it instead of the dense float copy (SmolLM2 Q8_0: 30 MB a step, not
     113 MB); its logits are the dequantised head's to float rounding; steps of the head's
     gemm_rows rows or more, and gguf_dequantize, use the dense weight. An embedding table in blocks stays in the
-    mapped file (gguf_quant.embed_from_blocks): lookups equal the dequantised table's rows, and a
+    file (gguf_quant.embed_from_blocks), read a row per lookup and never mapped (its pages would
+    count in RSS): lookups equal the dequantised table's rows, an id outside it is refused, and a
     head tied to it has no dense copy at all: every step's rows go to the packed head."""
     from compiler.kernels.cpu_gemv import GEMV, GGUF_FORMATS
     from engine.layers.quant.gguf_embedding import BlockEmbedding
@@ -496,6 +498,12 @@ def test_gguf_lm_head_kept_in_file_blocks(arch, types, source, fmt, wide_models,
     vocab, hidden = ref.embed_tokens.weight.shape
     ids = torch.tensor([[0, 7, vocab - 1], [7, 3, 0]])
     assert torch.equal(model.embed_tokens(ids), ref.embed_tokens.weight[ids])  # (the same values, bit for bit)
+    if in_blocks:
+        maps = Path("/proc/self/maps")
+        assert not maps.is_file() or str(path) not in maps.read_text()  # (read, not mapped)
+        for bad in (vocab, -1):
+            with pytest.raises(IndexError, match="outside the embedding table"):
+                model.embed_tokens(torch.tensor([3, bad]))
     if in_blocks and model.lm_head is None:  # (tied: no dense table anywhere in the model)
         assert all(p.shape != (vocab, hidden) for p in model.parameters())
     if source is None:

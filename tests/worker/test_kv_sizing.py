@@ -275,3 +275,40 @@ def test_kv_memory_follows_use_not_the_reservation(tiny_llama, tmp_path):
     assert large["built"] - small["built"] < 100 << 20, (small, large)
     assert large["after"] - small["after"] < 100 << 20, (small, large)
     assert large["highest_block"] < 1000, large  # the blocks used stay at the bottom of the pool
+
+
+def _resident_bytes(start: int, nbytes: int) -> int | None:
+    """Resident bytes of the mappings over [start, start + nbytes) (Linux /proc/self/smaps; None
+    elsewhere). Several mappings: an madvise over part of one splits it."""
+    try:
+        lines = open("/proc/self/smaps").read().splitlines()
+    except OSError:
+        return None
+    inside, total = False, 0
+    for line in lines:
+        head = line.split()[0]
+        if "-" in head and not head.endswith(":"):
+            lo, hi = (int(x, 16) for x in head.split("-"))
+            inside = lo < start + nbytes and hi > start
+        elif inside and head == "Rss:":
+            total += int(line.split()[1]) * 1024
+    return total
+
+
+def test_kv_blocks_become_resident_one_at_a_time():
+    """The CPU cache is reserved untouched, and writing one block of every layer makes about those
+    blocks resident, not the 2 MB huge page around each: numpy's zeros (the cache's allocation before)
+    advised huge pages, and SmolLM2's first token made its whole cache resident (30 layers' K and V,
+    2 MB each)."""
+    import torch
+
+    from engine.layers.kv_cache import KVCache
+
+    kv = KVCache(30, 512, 16, 3, 64, torch.float16, torch.device("cpu"))  # SmolLM2's layout: 189 MB
+    span = (kv.tensor.data_ptr(), kv.tensor.nbytes)
+    if _resident_bytes(*span) is None:
+        pytest.skip("needs /proc/self/smaps")
+    assert _resident_bytes(*span) < 1 << 20  # (reserved, not touched)
+    kv.tensor[:, :, 1] = 1.0  # block 1 of every layer's K and V: 60 x 6 KB
+    assert _resident_bytes(*span) < 4 << 20, "a written block took more than its own pages"
+    assert kv.tensor[:, :, 1].eq(1).all() and kv.tensor[:, :, 2].eq(0).all()

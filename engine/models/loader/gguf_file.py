@@ -2,7 +2,7 @@
 
 The config and the tokenizer (with its chat template) come from the file's metadata through
 transformers' GGUF support, so kiln sees the same config a transformers user would. Tensors are
-read one at a time from the memory-mapped file, renamed from llama.cpp's names to HF's and
+read one at a time from the file, renamed from llama.cpp's names to HF's and
 dequantised (engine/layers/quant/gguf_blocks.py) to float32 (plain F32/F16/BF16 values kept as
 they are), undoing what llama.cpp's converter did to
 them: the rotary row permutation of Llama-architecture q/k, Gemma's +1 on norm weights.

@@ -20,8 +20,8 @@ projections). On the CPU the LM head is in addition kept in the file's blocks (`
 steps of few rows: at batch 1 a dense float32 head of SmolLM2 (49152 x 576, 113 MB) is read every
 step, more than all 30 layers of a Q4_1 file; the dense copy serves the embedding lookups and the
 large batches, where the GEMM beats the kernels; where the file's embedding table is itself in
-such blocks, that dense copy is not made at all (`embed_from_blocks`: lookups read the mapped file,
-engine/layers/quant/gguf_embedding.py; every logits row goes to the packed head). `gguf_dequantize`
+such blocks, that dense copy is not made at all (`embed_from_blocks`: lookups read their rows from the
+file, engine/layers/quant/gguf_embedding.py; every logits row goes to the packed head). `gguf_dequantize`
 turns all of this off
 (llama.cpp's and vLLM's dequantise-at-load behaviour).
 """
@@ -113,8 +113,8 @@ def embed_from_blocks(
     model: nn.Module, path, dtype: torch.dtype, device: torch.device, int4_kernel: str = "auto"
 ) -> TensorInfo | None:
     """On the meta-built model, where `pack_head` will hold the file's LM head in the kernels'
-    layout: give it an embedding that reads the file's blocks (BlockEmbedding, mapped by `map_embedding`
-    once the model is allocated) instead of a dense table. Returns the file's embedding tensor, or
+    layout: give it an embedding that reads the file's blocks (BlockEmbedding, pointed at the file by
+    `embedding_from_file` once the model is allocated) instead of a dense table. Returns the file's embedding tensor, or
     None where the dense table stays (floats in the file, LoRA, tensor parallel, no CPU kernels)."""
     if int4_kernel != "auto" or getattr(model, "tp", None) is not None or model.lora_slots:
         return None
@@ -135,8 +135,8 @@ def embed_from_blocks(
     return t
 
 
-def map_embedding(model: nn.Module, path, t: TensorInfo) -> None:
-    model.embed_tokens.map_file(path, t.offset, t.nbytes, t.type_id)
+def embedding_from_file(model: nn.Module, path, t: TensorInfo) -> None:
+    model.embed_tokens.read_from(path, t.offset, t.nbytes, t.type_id)
 
 
 def _affine_int4(raw: torch.Tensor, kind: str, rows: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

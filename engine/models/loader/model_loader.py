@@ -265,7 +265,7 @@ def load_model(
     elif gguf_file.is_gguf(model_dir):
         skip = gguf_quant.load(model, model_dir, gguf_kept, dtype, device)
         if embedding is not None:
-            gguf_quant.map_embedding(model, model_dir, embedding)
+            gguf_quant.embedding_from_file(model, model_dir, embedding)
             skip.add(embedding.name)
         _load_gguf(model, model_dir, skip)
         if not gguf_dequantize and quant is None:
