@@ -186,8 +186,10 @@ class StructuredOutputCompiler:
                     import xgrammar
                 except ImportError as exc:  # pragma: no cover - a declared dependency
                     raise rules.constraints_unavailable() from exc
+                # (kiln's fast form of a tokenizer hands xgrammar transformers' own, loaded now)
+                hf = getattr(self._tokenizer, "transformers_tokenizer", self._tokenizer)
                 self._info = xgrammar.TokenizerInfo.from_huggingface(
-                    self._tokenizer, vocab_size=self.vocab_size, stop_token_ids=self._stop_token_ids
+                    hf, vocab_size=self.vocab_size, stop_token_ids=self._stop_token_ids
                 )
                 self._compiler = xgrammar.GrammarCompiler(self._info, cache_enabled=False)
                 logger.info(

@@ -62,9 +62,20 @@ def _server_class():
     return DrainingServer
 
 
+def _after_ready(state: ServerState) -> None:
+    """What the server loads once it answers, on threads: transformers' tokenizer behind kiln's fast
+    form (chat templates; engine/models/loader/fast_tokenizer.py) and the structured-output compile
+    workers (xgrammar: seconds to import). Not on the first request that needs them, and not before
+    ready, where they held the GIL while uvicorn started (issue 40)."""
+    load_tokenizer = getattr(state.tokenizer, "load_full_in_background", None)
+    if load_tokenizer is not None:
+        load_tokenizer()
+    _start_grammar_workers(state)
+
+
 def _start_grammar_workers(state: ServerState) -> None:
-    """Start the structured-output compile workers beside the server's start (not on the first
-    constrained request, which would wait for them)."""
+    """Start the structured-output compile workers (not on the first constrained request, which
+    would wait for them)."""
 
     def start() -> None:
         try:
@@ -123,7 +134,6 @@ def serve(engine_settings: EngineSettings, server_settings: ServerSettings) -> i
     # request that makes many objects (a large body) triggers one. Cycles made later are collected.
     gc.collect()
     gc.freeze()
-    _start_grammar_workers(state)
     # uvicorn's own limit is a backstop: ServerState.drain ends every request within shutdown_timeout.
     config = uvicorn.Config(
         app,
@@ -139,6 +149,7 @@ def serve(engine_settings: EngineSettings, server_settings: ServerSettings) -> i
         while not server.started and not task.done():
             await asyncio.sleep(0.02)
         if server.started:
+            _after_ready(state)
             base = _url(server_settings.host, port, "https" if server_settings.ssl_keyfile else "http")
             print(f"kiln: serving {state.model_name!r} at {base}/v1 (health: {base}/health)", flush=True)
             key = " -H 'Authorization: Bearer $KEY'" if server_settings.api_key else ""
