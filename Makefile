@@ -17,14 +17,14 @@ $(VENV)/.python:
 	$(PY) -m pip install -q --upgrade pip
 	touch $@
 
-# The runtime only: what `kiln serve` needs. torch first: the C++ CPU kernels need nothing else, so
-# they build (a visible step, one line per library) while pip installs the rest, into
-# compiler/kernels/prebuilt/, where the loaders look first (for an editable install, the package's
-# own folder, as a wheel ships them); a failed build is not fatal (a start compiles it, or runs the
-# torch paths).
+# The runtime only: what `kiln serve` needs. torch (and numpy, which it warns without) first: the
+# C++ CPU kernels need nothing else, so they build (a visible step, one line per library) while pip
+# installs the rest, into compiler/kernels/prebuilt/, where the loaders look first (for an editable
+# install, the package's own folder, as a wheel ships them); a failed build is not fatal (a start
+# compiles it, or runs the torch paths).
 CPU_KERNELS := compiler/kernels/prebuilt
 $(VENV)/.runtime: pyproject.toml $(VENV)/.python
-	$(PY) -m pip install -q "$(TORCH_PIN)"
+	$(PY) -m pip install -q "$(TORCH_PIN)" numpy
 	$(PY) -m compiler.kernels.cpu_prebuild --into $(CPU_KERNELS) & kernels=$$!; \
 	$(PY) -m pip install -q "$(TORCH_PIN)" -e '.$(if $(CUDA_EXTRA),[cuda],)' || { kill $$kernels; exit 1; }; \
 	wait $$kernels || echo "kiln: some CPU kernels were not built; the first start compiles them"

@@ -13,7 +13,7 @@ wall time. Best (lowest-wall) run of each tree.
 
 Each tree's Python files are byte-compiled first, as an install leaves them: a checkout run with
 PYTHONDONTWRITEBYTECODE set (as some shells and CI have it) would otherwise compile kiln's modules
-again at every start (about half a second of CPU), which no installed kiln does.
+again at every start, which no installed kiln does.
 """
 
 from __future__ import annotations
