@@ -102,7 +102,8 @@ def test_a_warm_engine_generates_without_importing_transformers(tiny_llama):
         "import json, sys\n"
         "from engine import LLM, SamplingParams\n"
         f"llm = LLM({str(tiny_llama)!r}, device='cpu', enforce_eager=True, max_model_len=128, max_num_seqs=1)\n"
-        "out = llm.generate(['Hello there'], SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)[0].outputs[0]\n"
+        "params = SamplingParams(max_tokens=4, ignore_eos=True)\n"
+        "out = llm.generate(['Hello there'], params, use_tqdm=False)[0].outputs[0]\n"
         "print(json.dumps({'ids': out.token_ids, 'text': out.text, 'transformers': 'transformers' in sys.modules}))\n"
     )
     res = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=600)

@@ -63,27 +63,23 @@ def _server_class():
 
 
 def _after_ready(state: ServerState) -> None:
-    """What the server loads once it answers, on threads: transformers' tokenizer behind kiln's fast
-    form (chat templates; engine/models/loader/fast_tokenizer.py) and the structured-output compile
-    workers (xgrammar: seconds to import). Not on the first request that needs them, and not before
-    ready, where they held the GIL while uvicorn started (issue 40)."""
-    load_tokenizer = getattr(state.tokenizer, "load_full_in_background", None)
-    if load_tokenizer is not None:
-        load_tokenizer()
-    _start_grammar_workers(state)
+    """What the server loads once it answers, on one thread, in order: transformers' tokenizer
+    behind kiln's fast form (chat templates; engine/models/loader/fast_tokenizer.py), then the
+    structured-output compile workers (xgrammar, which imports transformers too: two threads
+    importing it at once fail). Not on the first request that needs them, and not before ready,
+    where they held the GIL while uvicorn started (issue 40)."""
 
-
-def _start_grammar_workers(state: ServerState) -> None:
-    """Start the structured-output compile workers (not on the first constrained request, which
-    would wait for them)."""
-
-    def start() -> None:
+    def load() -> None:
+        try:
+            getattr(state.tokenizer, "transformers_tokenizer", None)
+        except Exception:  # noqa: BLE001 - retried by the first request that needs it
+            logger.exception("could not load transformers' tokenizer")
         try:
             state.engine.grammar_compiler.start_pool()
         except Exception:  # noqa: BLE001 - retried by the first constrained request
             logger.exception("could not start the grammar compile workers")
 
-    threading.Thread(target=start, name="kiln-grammar-start", daemon=True).start()
+    threading.Thread(target=load, name="kiln-after-ready", daemon=True).start()
 
 
 def _url(host: str, port: int, scheme: str = "http") -> str:
