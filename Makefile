@@ -56,8 +56,9 @@ test-services:
 	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; \
 	  else echo "chromium is not installed: apt-get install chromium (the chat page's browser test needs it)"; fi; }
 
+# --durations=25: the slowest tests' times in every log (CI's suite must stay under 20 minutes).
 test: $(VENV)/.installed test-services
-	$(PY) -m pytest -q $(PYTEST_ARGS)
+	$(PY) -m pytest -q --durations=25 $(PYTEST_ARGS)
 
 bench: $(VENV)/.runtime
 	$(KILN) bench throughput

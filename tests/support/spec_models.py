@@ -60,8 +60,9 @@ def with_draft_vocab(src, dst, token_ids):
     return dst
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def spec_models(tiny_llama, tmp_path_factory):
+    """The drafts and heads, made once for the session: every module only reads them."""
     from engine.models.tiny_model import make_periodic_model, make_tiny_model
 
     root = tmp_path_factory.mktemp("spec-models")
