@@ -1,7 +1,13 @@
 """A server under benchmark (kiln, llama-server, vLLM), for the tools that compare kiln with its
-peers (bench_vs_llamacpp.py, bench_vs_vllm.py): started in a process group of its own with its
-output in a log file, ready once GET /v1/models answers 200, stopped with SIGINT (SIGKILL if it
-has not exited within a minute), whatever happens in between."""
+peers (bench_vs_llamacpp.py, bench_vs_vllm.py, bench_kv_workloads.py): started in a process group
+of its own with its output in a log file, ready once GET /v1/models answers 200, stopped with
+SIGINT (SIGKILL if it has not exited within a minute), whatever happens in between.
+
+Measured the same way for every server (issue 40: memory and time to ready beside tok/s): the
+seconds from its start to the first 200 of /v1/models, and before it is stopped, the peak resident
+set (VmHWM) of every process in its group, summed: a server of several processes (vLLM's API
+server and engine core) counts them all; file pages two of them map count twice, so the sum is an
+upper bound of what they held together at any moment."""
 
 from __future__ import annotations
 
@@ -12,6 +18,7 @@ import subprocess
 import time
 import urllib.request
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 
@@ -58,8 +65,49 @@ def wait_ready(proc: subprocess.Popen, port: int, log: Path, timeout: float) -> 
                     return
         except OSError:
             pass
-        time.sleep(1.0)
+        time.sleep(0.2)  # (the ready time's resolution)
     raise SystemExit(f"server not ready after {timeout}s; see {log}")
+
+
+def group_peak_rss(pgid: int) -> tuple[int, int]:
+    """(bytes: the sum of VmHWM over the live processes of process group `pgid`, how many)."""
+    total, count = 0, 0
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            # /proc/PID/stat: "pid (comm) state ppid pgrp ..."; comm may hold spaces and parentheses
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            if int(fields[2]) != pgid:
+                continue
+            status = (entry / "status").read_text()
+        except (OSError, IndexError, ValueError):
+            continue  # (gone meanwhile, or not ours to read)
+        for line in status.splitlines():
+            if line.startswith("VmHWM:"):
+                total += int(line.split()[1]) * 1024
+                count += 1
+    return total, count
+
+
+@dataclass
+class Server:
+    """A running server: its process (the group's leader), seconds from its start to ready, and
+    (filled in as it is stopped) its processes' summed peak RSS."""
+
+    proc: subprocess.Popen
+    ready_s: float
+    peak_rss: int = 0  # bytes
+    processes: int = 0
+
+    def measure(self) -> None:
+        rss, n = group_peak_rss(self.proc.pid)
+        if n:  # (a server that already exited keeps the last figure)
+            self.peak_rss, self.processes = rss, n
+
+    def describe(self) -> str:
+        procs = f" ({self.processes} processes)" if self.processes > 1 else ""
+        return f"ready {self.ready_s:.1f} s, peak RSS {self.peak_rss / 1e9:.3f} GB{procs}"
 
 
 def stop(proc: subprocess.Popen) -> None:
@@ -78,15 +126,20 @@ def stop(proc: subprocess.Popen) -> None:
 @contextlib.contextmanager
 def running_server(
     cmd: list[str], env: dict[str, str], log: Path, port: int, start_timeout: float, cwd: Path
-) -> Iterator[subprocess.Popen]:
+) -> Iterator[Server]:
     """The server `cmd` started (under the normal scheduling policy: server_prefix) and ready on
-    `port`; stopped when the block ends."""
+    `port`; its peak RSS read, then it is stopped, when the block ends."""
+    t0 = time.perf_counter()
     with open(log, "w") as f:
         proc = subprocess.Popen(
             server_prefix() + cmd, env=env, stdout=f, stderr=subprocess.STDOUT, cwd=cwd, start_new_session=True
         )
+    server = None
     try:
         wait_ready(proc, port, log, start_timeout)
-        yield proc
+        server = Server(proc, time.perf_counter() - t0)
+        yield server
     finally:
+        if server is not None:
+            server.measure()
         stop(proc)
