@@ -300,7 +300,8 @@ def serve(bin_dir: Path, model: Path, a) -> dict:
                     f"tok/s, TTFT median / p99 {r.get('median_ttft_ms', float('nan')):.0f} / "
                     f"{r.get('p99_ttft_ms', float('nan')):.0f} ms, ITL median / p99 "
                     f"{r.get('median_itl_ms', float('nan')):.1f} / {r.get('p99_itl_ms', float('nan')):.1f} ms, "
-                    f"{r.get('total_input_tokens', '?')} prompt tokens   load {load()}",
+                    f"{r.get('total_input_tokens', '?')} prompt tokens, {r.get('completed', '?')} done / "
+                    f"{r.get('failed', '?')} failed   load {load()}",
                     flush=True,
                 )
             m = got["server"]
@@ -353,6 +354,9 @@ def table(runs: dict[str, list[dict]], metrics=SERVE_METRICS) -> str:
         if not all(key in med[n] for n in names):
             continue
         values = " | ".join(f"{med[n][key]:.{3 if key == 'peak_rss_GB' else 1}f}" for n in names)
-        ratios = "".join(f" | {med[k][key] / med[p][key]:.2f}x" for k, p in pairs)
+        ratios = "".join(f" | {med[k][key] / med[p][key]:.2f}x" if med[p][key] else " | -" for k, p in pairs)
         lines.append(f"| {label}{'' if higher else ' (lower is better)'} | {values}{ratios} |")
+    if metrics is SERVE_METRICS:  # (both clients count failed requests: any is a run to read with care)
+        failed = " | ".join(str(sum(int(r.get("failed") or 0) for r in runs[n])) for n in names)
+        lines.append(f"| failed requests, all runs | {failed}" + " | -" * len(pairs) + " |")
     return "\n".join(lines)

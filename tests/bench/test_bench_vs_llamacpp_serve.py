@@ -62,3 +62,11 @@ def test_server_table_gives_kilns_ratios():
     rows = {line.split("|")[1].strip(): line for line in table(runs, SERVER_METRICS).splitlines()[2:]}
     assert list(rows) == ["ready s (lower is better)"]
     assert rows["ready s (lower is better)"].replace(" ", "").endswith("|2.0|4.0|2.00x|")
+
+
+def test_served_table_sums_failed_requests_over_the_runs():
+    run = {"output_throughput": 100.0, "median_itl_ms": 50.0, "failed": 0}
+    runs = {"llama.cpp": [run, {**run, "failed": 3}, run], "kiln": [{**run, "output_throughput": 120.0}] * 3}
+    rows = {line.split("|")[1].strip(): line.replace(" ", "") for line in table(runs).splitlines()[2:]}
+    assert rows["output tok/s"].endswith("|100.0|120.0|1.20x|")
+    assert rows["failed requests, all runs"].endswith("|3|0|-|")  # (a median would hide the failed run)
