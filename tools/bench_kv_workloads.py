@@ -239,7 +239,7 @@ def run_server(name: str, cmd: list[str], env: dict[str, str], work: Path, a) ->
                     f"{r['output_tok_s']:.1f} tok/s   load {load}",
                     flush=True,
                 )
-    out["server"] = {"ready_s": server.ready_s, "peak_rss_GB": server.peak_rss / 1e9, "processes": server.processes}
+    out["server"] = server.figures()
     print(f"  {name:20s} {server.describe()}", flush=True)
     return out
 
@@ -312,11 +312,11 @@ def main() -> None:
                 f"{r['first_ttft_median_s']:.2f} | {r['output_tok_s']:.1f} | {ratio:.2f}x | "
                 f"{'-' if cached is None else f'{cached:.0f}'} | {r['prompt_tokens']} |"
             )
-    print("\n| server | ready s | peak RSS GB (all its processes) |\n|---|---:|---:|")
+    print("\n| server | ready s | peak PSS GB | peak RSS GB | processes |\n|---|---:|---:|---:|---|")
     for name, rs in results.items():
         m = rs["server"]
-        procs = f" ({m['processes']})" if m["processes"] > 1 else ""
-        print(f"| {name} | {m['ready_s']:.1f} | {m['peak_rss_GB']:.3f}{procs} |")
+        names = ", ".join(m["names"])
+        print(f"| {name} | {m['ready_s']:.1f} | {m['peak_pss_GB']:.3f} | {m['peak_rss_GB']:.3f} | {names} |")
     if a.json:
         Path(a.json).write_text(json.dumps({"args": vars(a), "results": results}, indent=1))
 

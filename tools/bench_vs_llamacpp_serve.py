@@ -4,7 +4,7 @@ server, then round 2, ...), each loaded by the clients of --serve-client: `vllm 
 own client, from --vllm-venv, with --vllm-model's tokenizer: issue 41's measure) and `kiln bench
 serve`, one after the other on the same server start (vLLM's first), after one warm-up request.
 Prints each run (with the prompt tokens the server counted, and the load), then per client a
-table of medians with kiln's ratios, and each server's time to ready and peak RSS (tools/peer_server.py).
+table of medians with kiln's ratios, and each server's time to ready and memory (tools/peer_server.py).
 
 Both serve --serve-concurrency sequences at once: llama-server with that many slots (-np) and a
 context of slots x (the longest prompt + output + 64) tokens (-c; without a unified KV cache each
@@ -235,7 +235,7 @@ def served_one(name: str, cmd: list[str], env: dict, a, out_dir: Path, i: int) -
             if done.returncode != 0 or not result.is_file():
                 raise SystemExit(f"{client} bench serve against {name} failed: {(done.stderr or done.stdout)[-2000:]}")
             out[client] = flat_metrics(json.loads(result.read_text()))
-    out["server"] = {"ready_s": server.ready_s, "peak_rss_GB": server.peak_rss / 1e9, "processes": server.processes}
+    out["server"] = server.figures()
     if name == LLAMA and i == 0:
         slots = re.search(r"n_slots = (\d+), n_ctx_slot = (\d+)", log.read_text(errors="replace"))
         print(f"  llama-server: {'%s slots of %s tokens' % slots.groups() if slots else 'slots not in its log'}")
@@ -305,9 +305,9 @@ def serve(bin_dir: Path, model: Path, a) -> dict:
                     flush=True,
                 )
             m = got["server"]
-            procs = f" ({m['processes']} processes)" if m["processes"] > 1 else ""
             print(
-                f"  served run {i + 1} {name:9s} ready {m['ready_s']:.1f} s, peak RSS {m['peak_rss_GB']:.3f} GB{procs}",
+                f"  served run {i + 1} {name:9s} ready {m['ready_s']:.1f} s, peak PSS {m['peak_pss_GB']:.3f} GB, "
+                f"peak RSS {m['peak_rss_GB']:.3f} GB ({', '.join(m['names'])})",
                 flush=True,
             )
     shape = (
@@ -321,7 +321,7 @@ def serve(bin_dir: Path, model: Path, a) -> dict:
             f"logs in {out_dir})"
         )
         print(table(runs[client]))
-    print(f"\nservers (medians of {a.serve_runs} starts; peak RSS: every process of the server, summed)")
+    print(f"\nservers (medians of {a.serve_runs} starts; memory: every process of the server, tools/peer_server.py)")
     print(table(runs["server"], SERVER_METRICS))
     return {
         "clients": order,
@@ -331,7 +331,11 @@ def serve(bin_dir: Path, model: Path, a) -> dict:
     }
 
 
-SERVER_METRICS = (("ready_s", "ready s", False), ("peak_rss_GB", "peak RSS GB", False))
+SERVER_METRICS = (
+    ("ready_s", "ready s", False),
+    ("peak_pss_GB", "peak PSS GB", False),  # (all the server's processes, shared pages once)
+    ("peak_rss_GB", "peak RSS GB", False),  # (the sum of its processes' own peaks)
+)
 
 
 def medians(runs: dict[str, list[dict]], metrics=SERVE_METRICS) -> dict[str, dict[str, float]]:
@@ -353,7 +357,7 @@ def table(runs: dict[str, list[dict]], metrics=SERVE_METRICS) -> str:
     for key, label, higher in metrics:
         if not all(key in med[n] for n in names):
             continue
-        values = " | ".join(f"{med[n][key]:.{3 if key == 'peak_rss_GB' else 1}f}" for n in names)
+        values = " | ".join(f"{med[n][key]:.{3 if key.endswith('_GB') else 1}f}" for n in names)
         ratios = "".join(f" | {med[k][key] / med[p][key]:.2f}x" if med[p][key] else " | -" for k, p in pairs)
         lines.append(f"| {label}{'' if higher else ' (lower is better)'} | {values}{ratios} |")
     if metrics is SERVE_METRICS:  # (both clients count failed requests: any is a run to read with care)

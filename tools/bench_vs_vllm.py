@@ -22,8 +22,8 @@ through VLLM_CPU_OMP_THREADS_BIND, kiln through --cpu-bind/--cpu-threads) and th
 2. served: `vllm serve` then `kiln serve` on the same port and max_num_seqs, each measured with
    `vllm bench serve` (the same client: random dataset, streaming /v1/completions, --ignore-eos,
    --serve-prompts requests at --max-concurrency and --request-rate). Output tokens/s, TTFT,
-   TPOT and ITL median and p99, each server's time to ready and peak RSS (the sum over its
-   processes: vLLM's API server and engine core), and the ratios.
+   TPOT and ITL median and p99, each server's time to ready and memory (all its processes:
+   vLLM's API server and engine core; tools/peer_server.py), and the ratios.
 
 Kiln against itself (a setting's before / after, issue 41): `--kiln-variant NAME=FLAGS` (repeatable)
 serves kiln once per variant with those extra flags, runs interleaved (run 0 of every server, then
@@ -296,7 +296,7 @@ class Bench:
             ]
             self._run(client_prefix() + client, self.vllm_env, self.out / f"serve_{name}_{i}.client.log")
         r = json.loads((self.out / result).read_text())
-        r["ready_s"], r["peak_rss_GB"] = server.ready_s, server.peak_rss / 1e9
+        r.update({k: v for k, v in server.figures().items() if k in ("ready_s", "peak_pss_GB", "peak_rss_GB")})
         if name != "vllm" and a.step_timeline:  # (written at the server's shutdown)
             from engine.bench.timeline_report import analyse, load, render
 
@@ -326,8 +326,9 @@ SERVE_METRICS = [
     ("p99_tpot_ms", "TPOT p99 ms", False),
     ("median_itl_ms", "ITL median ms", False),
     ("p99_itl_ms", "ITL p99 ms", False),
-    # the server's start (tools/peer_server.py): to ready, and its processes' summed peak RSS
+    # the server's start (tools/peer_server.py): to ready, and its processes' memory
     ("ready_s", "ready s", False),
+    ("peak_pss_GB", "peak PSS GB", False),
     ("peak_rss_GB", "peak RSS GB", False),
 ]
 

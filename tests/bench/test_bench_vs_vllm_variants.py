@@ -27,6 +27,7 @@ def test_variant_flags_and_table():
         "median_itl_ms": 10.0,
         "p99_itl_ms": 40.0,
         "ready_s": 12.0,
+        "peak_pss_GB": 1.2,
         "peak_rss_GB": 1.5,
     }
     runs = {"base": [metrics, {**metrics, "p99_itl_ms": 60.0}, metrics], "new": [{**metrics, "p99_itl_ms": 20.0}] * 3}
