@@ -213,9 +213,11 @@ def servers(a, work: Path) -> list[tuple[str, list[str], dict[str, str]]]:
         space = max(1, round(a.pool_tokens * a.kv_bytes_per_token / 2**30))
         vllm = [str(Path(a.vllm_venv) / "bin" / "vllm"), "serve", a.vllm_model, "--port", str(a.port)]
         vllm += ["--served-model-name", "peer", "--max-model-len", ctx, "--max-num-seqs", "4"]
-        # (+1: vLLM keeps one block of the pool aside, its null block, and refuses to start unless the rest
-        # holds max_model_len: "estimated maximum model length is 8176" with 512 blocks for 8192)
-        vllm += ["--block-size", str(block), "--num-gpu-blocks-override", str(a.pool_tokens // block + 1)]
+        # vLLM-CPU's attention takes blocks of a multiple of 32 tokens only ("No common block size for 16"),
+        # and it keeps one block of the pool aside (its null block: with 8,192 tokens in all it refused
+        # max_model_len 8192), so: blocks of 32, one more of them
+        vblock = 32
+        vllm += ["--block-size", str(vblock), "--num-gpu-blocks-override", str(a.pool_tokens // vblock + 1)]
         vllm += ["--enable-prompt-tokens-details"]  # (usage's cached_tokens, as kiln and llama-server give it)
         out.append(
             ("vLLM", vllm, {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": a.cores, "VLLM_CPU_KVCACHE_SPACE": str(space)})

@@ -56,7 +56,8 @@ def test_peer_command_lines():
     ]
     assert names["kiln"][names["kiln"].index("--tokenizer") + 1] == "/hf"
     assert "--enable-prompt-tokens-details" in names["vLLM"] and "/hf" in names["vLLM"]
-    # the same usable pool of 8,192 tokens: kiln's 512 blocks, vLLM's 512 and its null block
+    # the same usable pool of 8,192 tokens: kiln's 512 blocks of 16, vLLM's 256 of 32 and its null block
     assert names["kiln"][names["kiln"].index("--num-gpu-blocks-override") + 1] == "512"
-    assert names["vLLM"][names["vLLM"].index("--num-gpu-blocks-override") + 1] == "513"
+    assert names["vLLM"][names["vLLM"].index("--num-gpu-blocks-override") + 1] == "257"
+    assert names["vLLM"][names["vLLM"].index("--block-size") + 1] == "32"
     assert names["llama-server/no-ram"][-2:] == ["--cache-ram", "0"]
