@@ -66,6 +66,12 @@ def cpu_isa_limit() -> str | None:
     return value
 
 
+def onednn_isa_limit() -> str:
+    """ONEDNN_MAX_CPU_ISA as the process has it ("" where unset): part of what a measurement of
+    oneDNN's speed on this machine depends on."""
+    return os.environ.get("ONEDNN_MAX_CPU_ISA", "")
+
+
 def export_torch_isa_limit(level: str) -> dict[str, str]:
     """Cap torch's kernels at `level` (a variable the user set is kept). Returns the variables in force."""
     for name, value in zip(TORCH_ISA_VARIABLES, TORCH_ISA_LIMITS[level]):

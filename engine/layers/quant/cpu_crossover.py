@@ -33,6 +33,7 @@ import torch
 from torch import nn
 
 from compiler.kernels import cpu_gemv
+from engine.config.process_env import onednn_isa_limit
 from engine.layers.quant import cpu_packed
 from engine.layers.quant.gguf_blocks import BLOCK_TYPES
 
@@ -222,7 +223,7 @@ def machine() -> dict[str, str]:
         "kernels_build": cpu_gemv.GEMV.key(),
         "torch": torch.__version__,
         "torch_isa": torch.backends.cpu.get_cpu_capability(),
-        "onednn_isa": os.environ.get("ONEDNN_MAX_CPU_ISA", ""),
+        "onednn_isa": onednn_isa_limit(),
     }
 
 
