@@ -9,7 +9,7 @@ ratio to the path kiln took before them. Interleaved repeats (new, old, new, old
 
 --crossover: per kernel family and activation path, the kernels against the GEMM on the dequantised
 weight per row count (µs per row, interleaved, best of --repeats), and the row count from which the
-GEMM wins (engine/layers/quant/cpu_crossover.py, what `kiln build-kernels --cpu` measures); --write
+GEMM wins (engine/runtime/builder_cpu_crossover.py, what `kiln build-kernels --cpu` measures); --write
 caches it for `kiln serve` on this machine (kiln's cache dir).
 
 Weights: `--layers` decoder layers of a 1024-wide model (q/k/v 1536x1024, o 1024x1024,
@@ -51,10 +51,11 @@ from compiler.kernels import cpu_gemv, cpu_linear
 from compiler.kernels.cpu_gemv import GEMV, GGUF_FORMATS, LEVELS
 from compiler.kernels.cpu_linear import MIN_ONEDNN_ROWS
 from engine.config.settings_base import default_cache_dir
-from engine.layers.quant import cpu_crossover, int_formats
+from engine.layers.quant import int_formats
 from engine.layers.quant.config import QuantConfig
-from engine.layers.quant.cpu_crossover import random_blocks
 from engine.layers.quant.linear import IntWeightMethod
+from engine.runtime import builder_cpu_crossover as cpu_crossover
+from engine.runtime.builder_cpu_crossover import random_blocks
 
 SHAPES = [(1536, 1024), (1024, 1024), (5632, 1024), (1024, 2816)]  # (out, in): q/k/v, o, gate/up, down
 F32, BF16 = torch.float32, torch.bfloat16

@@ -29,7 +29,6 @@ from engine.core.kv.swap_space import SwapSpace
 from engine.core.sched.scheduler import Scheduler, SchedulerConfig
 from engine.layers.attention.selector import attention_backend_for
 from engine.layers.kv_cache import KVCache, resolve_kv_cache_dtype
-from engine.layers.quant import cpu_crossover
 from engine.layers.quant.cpu_packed import activations_choice, has_packed_layers
 from engine.layers.quant.w4a16 import install as install_w4a16
 from engine.layers.quant.w4a16 import loader_int4_kernel, resolve_int4_kernel
@@ -39,6 +38,7 @@ from engine.models.llama import LlamaForCausalLM
 from engine.models.loader.model_loader import load_model, load_tokenizer
 from engine.resolve.build_target import resolve_device, resolve_dtype, resolve_model_dir
 from engine.runtime import builder_cpu, builder_draft, builder_kv
+from engine.runtime import builder_cpu_crossover as cpu_crossover
 from engine.runtime.kv_tiers import KVTiers
 from engine.runtime.kv_tiers_setup import build_kv_tiers
 from engine.runtime.startup_phase import Phase

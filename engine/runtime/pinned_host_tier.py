@@ -29,7 +29,7 @@ class PinnedHostTier(HostTier):
         held = torch.empty(len(record), dtype=torch.uint8, pin_memory=self.pin)
         rows = held.numpy()  # (shares the tensor's memory and keeps it alive while a view is out)
         rows[:] = np.frombuffer(record, dtype=np.uint8)
-        return memoryview(rows)
+        return rows.data  # (a memoryview of the tensor's bytes)
 
     def is_pinned(self, key: str) -> bool:
         """Whether this record's memory is page-locked (a test's check)."""

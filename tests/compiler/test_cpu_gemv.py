@@ -232,7 +232,7 @@ def test_bad_input_is_a_clear_error():
 def test_packed_layer_every_row_count(float_acts, gemm_rows):
     """engine/layers/quant/cpu_packed.py: a fused layer of two formats (Q4_K_M's q/k and v) with a
     bias, through the kernels below its gemm_rows rows (the default GEMM_ROWS, or a machine's
-    measured crossover: engine/layers/quant/cpu_crossover.py) and the GEMM on its dequantised
+    measured crossover: engine/runtime/builder_cpu_crossover.py) and the GEMM on its dequantised
     weight from there, leading dimensions kept; its weight() is the file's."""
     from engine.layers.linear import Linear
     from engine.layers.quant import cpu_packed

@@ -133,7 +133,7 @@ def test_build_kernels_uses_the_cache_root_serve_uses(monkeypatch, tmp_path):
     assert calls[-1] == ["--cache-dir", str(tmp_path / "k")]
     # --cpu: the C++ CPU libraries, into the compile cache serve loads them from
     import compiler.kernels.cpu_prebuild
-    from engine.layers.quant import cpu_crossover
+    from engine.runtime import builder_cpu_crossover as cpu_crossover
 
     cpu_calls, measured = [], []
     monkeypatch.setattr(compiler.kernels.cpu_prebuild, "main", lambda argv: cpu_calls.append(argv) or 0)

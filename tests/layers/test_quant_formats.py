@@ -18,7 +18,7 @@ from compiler.kernels import cpu_gemv
 from engine.layers.quant import int4_packed, int_formats
 from engine.layers.quant.cpu_packed import CpuPackedMethod
 from engine.layers.quant.linear import FP8, Fp8Method, quantize_fp8_acts
-from tests.support.quant import _drift, _greedy
+from tests.support.quant import _drift, _greedy, packed_gguf_layer
 from tests.support.quant_checkpoints import write_fp8, write_quantized
 
 pytest.importorskip("compressed_tensors")
@@ -256,31 +256,6 @@ def test_compiled_forward_equals_eager(tiny_models, make_llm, tmp_path):
 # --- the GEMM rows of a layer in the CPU kernels' layout ----------------------------------------
 
 
-def _packed_layer(formats: tuple[str, ...], sizes: tuple[int, ...], k: int, bias: bool):
-    """A Linear in the CPU kernels' layout from random GGUF blocks: one run per (format, rows) part."""
-    import numpy as np
-
-    from engine.layers.linear import Linear
-    from engine.layers.quant import cpu_packed
-    from tests.support.gguf_writer import random_k_blocks
-
-    if not cpu_gemv.GEMV.ensure():
-        pytest.skip(f"CPU kernels unavailable: {cpu_gemv.GEMV.error}")
-    rng = np.random.default_rng(0)
-    starts = [sum(sizes[:i]) for i in range(len(sizes))]
-    parts = [
-        (at, f, torch.from_numpy(random_k_blocks(f, n, k, rng)).reshape(n, -1))
-        for at, f, n in zip(starts, formats, sizes)
-    ]
-    runs, packed = cpu_packed.gguf_runs(parts, k)
-    with torch.device("meta"):
-        layer = Linear(k, sum(sizes), bias)
-    cpu_packed.install(layer, runs, packed, None, float_acts=False)
-    if bias:
-        layer.bias = torch.nn.Parameter(torch.randn(sum(sizes)), requires_grad=False)
-    return layer
-
-
 TOLERANCE = {torch.float32: {"rtol": 1e-5, "atol": 1e-5}, torch.bfloat16: {"rtol": 1e-2, "atol": 1e-2}}
 
 
@@ -293,7 +268,7 @@ def test_gemm_rows_dequantise_in_slices(dtype):
     from engine.layers.quant import cpu_packed
 
     k = 256
-    layer = _packed_layer(("Q4_K", "Q6_K"), (40, 56), k, bias=True)
+    layer = packed_gguf_layer(("Q4_K", "Q6_K"), (40, 56), k, bias=True)
     layer.bias.data = layer.bias.data.to(dtype)  # (a model's bias is in its dtype)
     x = torch.randn(cpu_packed.GEMM_ROWS[False] + 3, k).to(dtype)
     w = CpuPackedMethod.packed_order_weight(layer, dtype)
@@ -319,11 +294,11 @@ def test_gate_up_rows_activated_in_slices(formats):
         return F.silu(gate) * up
 
     sizes = (2 * half,) if len(formats) == 1 else (half, half)
-    layer = _packed_layer(formats, sizes, k, bias=False)
+    layer = packed_gguf_layer(formats, sizes, k, bias=False)
     x = torch.randn(cpu_packed.GEMM_ROWS[False] + 3, k)
     whole = act(x @ CpuPackedMethod.packed_order_weight(layer, torch.float32).T)
     group = cpu_packed.ROW_GROUP * k * 4
     for budget in (2 * group, 6 * group, cpu_packed.GEMM_SLICE_BYTES):
         torch.testing.assert_close(cpu_packed.gated_in_slices(layer, x, half, act, budget), whole, **TOLERANCE[x.dtype])
     assert cpu_packed.gated_in_slices(layer, x[: cpu_packed.GEMM_ROWS[False] - 1], half, act) is None
-    assert cpu_packed.gated_in_slices(_packed_layer(("Q4_K", "Q6_K"), (32, 64), k, False), x, half, act) is None
+    assert cpu_packed.gated_in_slices(packed_gguf_layer(("Q4_K", "Q6_K"), (32, 64), k, False), x, half, act) is None

@@ -16,7 +16,7 @@ import pytest
 
 from engine.models.loader import fast_tokenizer
 from engine.models.loader.model_loader import load_tokenizer
-from tests.models.test_gguf_cache import TEXTS, assert_same_tokenizer
+from tests.support.tokenizers import TEXTS, assert_same_tokenizer
 
 ROOT = Path(__file__).resolve().parents[2]
 

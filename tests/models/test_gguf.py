@@ -251,7 +251,7 @@ def test_gguf_greedy_matches_transformers(arch, types, wide_models, make_llm, tm
 @pytest.mark.parametrize("gemm_rows", [1, 1 << 30], ids=["gemm-every-step", "kernels-every-step"])
 def test_gguf_greedy_either_side_of_the_crossover(gemm_rows, wide_models, make_llm, tmp_path, caplog):
     """cpu_quant_gemm_rows moves every packed layer's switch from the kernels to the GEMM on its
-    dequantised weight (engine/layers/quant/cpu_crossover.py: by default this machine's measured
+    dequantised weight (engine/runtime/builder_cpu_crossover.py: by default this machine's measured
     crossover; the start-up log says which): greedy tokens equal transformers' on the file with
     every step on the GEMM, and with every step (the 50-token prompt's too) on the kernels."""
     import logging

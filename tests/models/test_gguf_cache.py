@@ -13,17 +13,9 @@ import pytest
 
 from engine.models.loader import fast_tokenizer, gguf_cache, gguf_file
 from tests.support.gguf_writer import write_gguf
+from tests.support.tokenizers import assert_same_tokenizer
 
 gguf = pytest.importorskip("gguf")
-
-TEXTS = [
-    "hello world",
-    "  spaces\n\nand a tab\tthen more",
-    "Ünïcödé 日本語 🙂",
-    "",
-    "kiln " * 40,
-]
-CONV = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi there"}]
 
 
 @pytest.fixture(scope="module")
@@ -40,21 +32,6 @@ def _no_conversion(monkeypatch):
 
     monkeypatch.setattr(AutoTokenizer, "from_pretrained", refuse)
     monkeypatch.setattr(AutoConfig, "from_pretrained", refuse)
-
-
-def assert_same_tokenizer(a, b) -> None:
-    for text in TEXTS + [a.all_special_tokens[0] + "x" + a.all_special_tokens[-1]]:
-        ids = a(text).input_ids
-        assert b(text).input_ids == ids, text
-        assert b.encode(text, add_special_tokens=False) == a.encode(text, add_special_tokens=False)
-        assert b.decode(ids) == a.decode(ids)
-        assert b.decode(ids, skip_special_tokens=True) == a.decode(ids, skip_special_tokens=True)
-    assert b.get_vocab() == a.get_vocab() and len(b) == len(a)
-    for attr in ("bos_token_id", "eos_token_id", "pad_token_id", "unk_token_id", "all_special_ids", "chat_template"):
-        assert getattr(b, attr) == getattr(a, attr), attr
-    assert b.apply_chat_template(CONV, add_generation_prompt=True, tokenize=False) == a.apply_chat_template(
-        CONV, add_generation_prompt=True, tokenize=False
-    )
 
 
 def test_tokenizer_and_config_round_trip(gguf_path, tmp_path, monkeypatch):

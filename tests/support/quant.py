@@ -65,3 +65,30 @@ def _act_order_g_idx(inp: int, group: int, seed: int = 1) -> torch.Tensor:
     g = torch.empty(inp, dtype=torch.int32)
     g[perm] = (torch.arange(inp) // group).to(torch.int32)
     return g
+
+
+def packed_gguf_layer(formats: tuple[str, ...], sizes: tuple[int, ...], k: int, bias: bool):
+    """A Linear in the CPU kernels' layout from random GGUF blocks: one run per (format, rows) part."""
+    import numpy as np
+    import pytest
+
+    from compiler.kernels import cpu_gemv
+    from engine.layers.linear import Linear
+    from engine.layers.quant import cpu_packed
+    from tests.support.gguf_writer import random_k_blocks
+
+    if not cpu_gemv.GEMV.ensure():
+        pytest.skip(f"CPU kernels unavailable: {cpu_gemv.GEMV.error}")
+    rng = np.random.default_rng(0)
+    starts = [sum(sizes[:i]) for i in range(len(sizes))]
+    parts = [
+        (at, f, torch.from_numpy(random_k_blocks(f, n, k, rng)).reshape(n, -1))
+        for at, f, n in zip(starts, formats, sizes)
+    ]
+    runs, packed = cpu_packed.gguf_runs(parts, k)
+    with torch.device("meta"):
+        layer = Linear(k, sum(sizes), bias)
+    cpu_packed.install(layer, runs, packed, None, float_acts=False)
+    if bias:
+        layer.bias = torch.nn.Parameter(torch.randn(sum(sizes)), requires_grad=False)
+    return layer

@@ -157,10 +157,8 @@ def _cmd_build_kernels(argv: list[str]) -> int:
 
         code = cpu_prebuild.main([*rest, "--into", str(settings.resolved_compile_cache_dir())])
         if code == 0 and not {"--all", "-h", "--help"} & set(rest):  # (then this machine's crossover: cached)
-            from engine.layers.quant import cpu_crossover
-            from engine.worker.cpu_isa import apply_cpu_isa_limit
+            from engine.runtime import builder_cpu_crossover as cpu_crossover
 
-            apply_cpu_isa_limit()  # (measured at the level the engine will run)
             code = cpu_crossover.measure_for_build(settings.resolved_compile_cache_dir(), settings.cache_dir)
         return code
     return kernels_cli.build_main([*rest, "--cache-dir", str(settings.resolved_kernel_cache_dir())])

@@ -1,4 +1,4 @@
-"""engine/layers/quant/cpu_crossover.py: where quantised layers leave the CPU kernels for a GEMM,
+"""engine/runtime/builder_cpu_crossover.py: where quantised layers leave the CPU kernels for a GEMM,
 measured per machine, cached, overridden by the setting, given to each layer; and the MLP's rows
 in pieces on the kernels (cpu_packed.gated_rows_in_pieces)."""
 
@@ -11,8 +11,8 @@ import torch
 import torch.nn.functional as F
 
 from compiler.kernels import cpu_gemv
-from engine.layers.quant import cpu_crossover as cc
 from engine.layers.quant import cpu_packed
+from engine.runtime import builder_cpu_crossover as cc
 
 Q4_K, Q6_K, Q8_0 = (cpu_gemv.GGUF_FORMATS[f] for f in ("Q4_K", "Q6_K", "Q8_0"))
 
@@ -97,10 +97,10 @@ def test_cache_round_trip_setting_and_defaults(kernels, tmp_path):
 
 def _mlp_layers(k: int, inter: int):
     """A gated MLP's packed layers: gate/up [2 inter, k] in Q4_K, down [k, inter] in Q6_K."""
-    from tests.layers.test_quant_formats import _packed_layer
+    from tests.support.quant import packed_gguf_layer
 
-    gate_up = _packed_layer(("Q4_K",), (2 * inter,), k, bias=False)
-    down = _packed_layer(("Q6_K",), (k,), inter, bias=False)
+    gate_up = packed_gguf_layer(("Q4_K",), (2 * inter,), k, bias=False)
+    down = packed_gguf_layer(("Q6_K",), (k,), inter, bias=False)
     return gate_up, down
 
 

@@ -28,6 +28,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -131,7 +132,7 @@ class Point:
 
 def time_point(layer: nn.Module, x: torch.Tensor, repeats: int, clock: Callable[[], float]) -> Point:
     """Both paths on `layer` with activations x, interleaved, the best of `repeats` each."""
-    quant = layer.quant
+    quant: Any = layer.quant
     best = {"kernels": float("inf"), "gemm": float("inf")}
     with torch.inference_mode():
         for i in range(repeats + 1):  # (the first round warms: oneDNN's primitive, first touches)
@@ -159,7 +160,7 @@ def measure_one(
     points: list[Point] = []
     gen = torch.Generator().manual_seed(1)
     for rows in grid:
-        x = torch.randn(rows, layer.in_features, generator=gen).to(dtype)
+        x = torch.randn(rows, int(layer.in_features), generator=gen).to(dtype)  # type: ignore[arg-type]
         points.append(time_point(layer, x, repeats, clock))
         if report:
             p = points[-1]
@@ -277,15 +278,19 @@ def apply(model: nn.Module, crossover: Crossover, dtype: torch.dtype) -> int:
     for m in model.modules():
         quant = getattr(m, "quant", None)
         if isinstance(quant, cpu_packed.CpuPackedMethod):
-            quant.gemm_rows = crossover.gemm_rows([r[2] for r in m.gemv_runs], act_dtype, quant.float_acts)
+            runs: Any = m.gemv_runs
+            quant.gemm_rows = crossover.gemm_rows([r[2] for r in runs], act_dtype, quant.float_acts)
             smallest = min(smallest, quant.gemm_rows)
     return smallest
 
 
 def measure_for_build(compile_cache_dir: Path, cache_dir: Path) -> int:
-    """`kiln build-kernels --cpu`'s last step, with the kernels just built into compile_cache_dir
-    (the caller applied KILN_CPU_ISA's limit, as the engine does): measure and cache. Returns the
-    exit code."""
+    """`kiln build-kernels --cpu`'s last step, with the kernels just built into compile_cache_dir:
+    measure at the level the engine will run (KILN_CPU_ISA's limit applied, as the engine does)
+    and cache. Returns the exit code."""
+    from engine.worker.cpu_isa import apply_cpu_isa_limit
+
+    apply_cpu_isa_limit()
     cpu_gemv.GEMV.configure(compile_cache_dir)
     try:
         measure_and_save(cache_dir)
