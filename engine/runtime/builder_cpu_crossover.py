@@ -204,14 +204,7 @@ def measure(
 
 def cpu_model() -> str:
     """This CPU's model name from /proc/cpuinfo (the platform's processor string elsewhere)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
+    return cpu_packed.cpuinfo_field("model name") or platform.processor() or platform.machine()
 
 
 def machine() -> dict[str, str]:

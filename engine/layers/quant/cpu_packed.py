@@ -264,17 +264,22 @@ def activations_choice(
     )
 
 
-@functools.cache
-def cpu_vendor() -> str:
-    """This CPU's vendor string (GenuineIntel, AuthenticAMD...) from /proc/cpuinfo; '' elsewhere."""
+def cpuinfo_field(name: str) -> str:
+    """The first `name` field of /proc/cpuinfo ('' where there is none, or no such file)."""
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
-                if line.startswith("vendor_id"):
+                if line.startswith(name):
                     return line.split(":", 1)[1].strip()
     except OSError:
         pass
     return ""
+
+
+@functools.cache
+def cpu_vendor() -> str:
+    """This CPU's vendor string (GenuineIntel, AuthenticAMD...) from /proc/cpuinfo; '' elsewhere."""
+    return cpuinfo_field("vendor_id")
 
 
 ACTIVATIONS = ("auto", "float", "int8")
