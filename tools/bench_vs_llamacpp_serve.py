@@ -71,6 +71,7 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         help="serve kiln once per variant with these extra flags (repeatable; the first is the baseline)",
     )
     p.add_argument("--no-llama-server", action="store_true", help="leave llama-server out (kiln variants only)")
+    p.add_argument("--no-vllm-server", action="store_true", help="with --vllm-venv: use its client only, serve no vLLM")
     p.add_argument("--step-timeline", action="store_true", help="kiln runs write and analyse their step timeline")
     p.add_argument("--vllm-venv", default=None, help="a virtual environment holding vLLM's CPU build")
     p.add_argument("--vllm-model", default=None, help="HF directory vLLM serves (same weights)")
@@ -194,6 +195,9 @@ def vllm_client(a, out_dir: Path, result: Path, i: int) -> list[str]:
         client += ["--custom-output-len", str(a.serve_output_len)]
     client += ["--ignore-eos", "--percentile-metrics", "ttft,tpot,itl", "--metric-percentiles", "50,99"]
     client += ["--seed", str(i), "--disable-tqdm", "--save-result", "--result-dir", str(result.parent)]
+    # A new connection per request, for every server: llama-server closes each connection after its
+    # stream, and the client's reuse of a closed one failed 9-22% of its requests.
+    client += ["--header", "Connection=close"]
     return client + ["--result-filename", result.name]
 
 
@@ -271,7 +275,7 @@ def _servers(bin_dir: Path, model: Path, a) -> dict[str, tuple[list[str], dict]]
     variants = dict(_variant(v) for v in a.kiln_variant) if a.kiln_variant else {"kiln": []}
     for name, flags in variants.items():
         servers[name] = (kiln + flags, {**os.environ, "PYTHONPATH": str(REPO)})
-    if a.vllm_venv:
+    if a.vllm_venv and not a.no_vllm_server:
         if not a.vllm_model:
             raise SystemExit("--vllm-venv needs --vllm-model (an HF directory)")
         servers["vLLM"] = (

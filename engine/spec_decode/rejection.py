@@ -32,7 +32,7 @@ import torch
 
 from engine.core.params import SamplingParams
 from engine.worker.host_upload import upload
-from engine.worker.sample.distributions import processed_probs, race_noise
+from engine.worker.sample.distributions import exp_noise, processed_probs, race_noise
 
 
 @dataclass
@@ -97,6 +97,6 @@ def rejection_tokens(p: torch.Tensor, drafts: DraftProbs, generator: torch.Gener
     # p == q up to rounding leaves no residual mass: then p itself is the distribution to draw.
     empty = residual.sum(dim=-1, keepdim=True) <= 0
     residual = torch.where(empty, p, residual)
-    noise = torch.empty_like(residual).exponential_(generator=generator)
+    noise = exp_noise(residual, generator)
     resampled = (residual / noise).argmax(dim=-1)
     return torch.where(accept, drafts.tokens, resampled)
