@@ -169,9 +169,10 @@ def test_top_values_is_topk(m):
     assert all(len(set(r)) == m for r in ids.tolist())
 
 
-def test_race_noise_draws_seeded_rows_in_place():
-    """A seeded row's noise is its own generator's -log(U), the other rows' the batch generator's
-    as if no row were seeded; a batch of seeded rows leaves the batch generator untouched."""
+def test_race_noise_of_seeded_rows_depends_on_their_seed_only():
+    """A seeded row's noise is a function of (seed, sample index, output position) alone, whatever
+    the batch and its generator; the other rows get the batch generator's noise as if no row were
+    seeded; a batch of seeded rows leaves the batch generator untouched. All of it Exp(1)-shaped."""
     vocab = 1000
     probs = torch.rand(4, vocab)
     rows = [_row(seed=5), _row(), _row(seed=9), _row()]
@@ -180,11 +181,12 @@ def test_race_noise_draws_seeded_rows_in_place():
     noise = distributions.race_noise(probs, rows, [False] * 4, torch.Generator().manual_seed(1))
     plain = distributions.exp_noise(probs, torch.Generator().manual_seed(1))
     assert torch.equal(noise[[1, 3]], plain[[1, 3]])
-    for i, seed in ((0, 5), (2, 9)):
-        gen = torch.Generator().manual_seed(distributions.row_seed(seed, i, 3 + i))
-        assert torch.equal(noise[i], distributions.exp_noise(torch.empty(vocab), gen))
+    alone = distributions.race_noise(probs[:2], [rows[2], rows[0]], [False, False], torch.Generator().manual_seed(7))
+    assert torch.equal(alone, noise[[2, 0]])
+    assert not torch.equal(noise[0], noise[2]) and not torch.equal(noise[0], plain[0])
     gen = torch.Generator().manual_seed(1)
     before = gen.get_state()
-    seeded = [rows[0], rows[2]]
-    distributions.race_noise(probs[:2], seeded, [False, False], gen)
+    distributions.race_noise(probs[:2], [rows[0], rows[2]], [False, False], gen)
     assert torch.equal(gen.get_state(), before)
+    big = distributions.exp_noise(torch.empty(200, vocab), torch.Generator().manual_seed(3))
+    assert float(big.min()) > 0 and abs(float(big.mean()) - 1.0) < 0.01 and abs(float(big.var()) - 1.0) < 0.03
