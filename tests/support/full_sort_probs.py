@@ -39,3 +39,25 @@ def full_sort_probs(logits: torch.Tensor, rows: Sequence[Any], greedy: list[bool
         m_tensor = torch.tensor(min_p, dtype=torch.float32, device=logits.device)[:, None]
         probs = probs.masked_fill(probs < m_tensor * probs.max(dim=-1, keepdim=True).values, 0.0)
     return probs
+
+
+def torch_uniform_race_noise(
+    probs: torch.Tensor, rows: Sequence[Any], greedy: list[bool], generator: torch.Generator
+) -> torch.Tensor:
+    """The race's noise as kiln drew it before numpy's PCG64 (main at 1ae5d20): -log(U) from torch's
+    uniform_ for the batch, each seeded row's again from its own torch generator. The baseline
+    tools/bench_sampler.py times."""
+    from engine.worker.sample.distributions import row_seed
+
+    def exp_noise(like: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
+        u = torch.empty_like(like, dtype=torch.float32).uniform_(generator=gen)
+        return u.clamp_min_(2.0**-25).log_().neg_().to(like.dtype)
+
+    noise = exp_noise(probs, generator)
+    for i, r in enumerate(rows):
+        if r.params.seed is not None and not greedy[i]:
+            gen = torch.Generator(device=probs.device).manual_seed(
+                row_seed(r.params.seed, r.sample_index, r.num_output_tokens)
+            )
+            noise[i] = exp_noise(noise[i], gen)
+    return noise
