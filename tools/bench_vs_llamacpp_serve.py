@@ -83,6 +83,14 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         help="the load's client: vllm bench serve (needs --vllm-venv and --vllm-model), kiln bench serve, or both "
         "on each server start (default: both with --vllm-venv, else kiln)",
     )
+    p.add_argument(
+        "--serve-sampling",
+        nargs="+",
+        default=[],
+        metavar="NAME=VALUE",
+        help="sampling parameters both clients send, e.g. temperature=0.8 top_p=0.95 top_k=40 min_p=0.05 "
+        "(default: none: kiln's client greedy, vLLM's the server's defaults)",
+    )
     p.add_argument("--port", type=int, default=8021)
     p.add_argument("--start-timeout", type=float, default=900.0)
 
@@ -181,7 +189,22 @@ def kiln_client(a, out_dir: Path, result: Path, i: int) -> list[str]:
     client += ["--num-prompts", str(a.serve_prompts), "--output-len", str(a.serve_output_len)]
     client += ["--sharegpt-output-len", str(a.serve_output_len), "--max-concurrency", str(a.serve_concurrency)]
     client += ["--ignore-eos", "--percentile-metrics", "ttft,tpot,itl", "--metric-percentiles", "50,99"]
+    client += _sampling_args(a)
     return client + ["--seed", str(i), "--disable-tqdm", "--json", str(result)]
+
+
+_SAMPLING = ("temperature", "top_p", "top_k", "min_p")
+
+
+def _sampling_args(a) -> list[str]:
+    """--serve-sampling as either client's flags (both take --temperature, --top-p, --top-k, --min-p)."""
+    out = []
+    for item in a.serve_sampling:
+        name, _, value = item.partition("=")
+        if name not in _SAMPLING or not value:
+            raise SystemExit(f"--serve-sampling: {item!r} is not NAME=VALUE with NAME one of {', '.join(_SAMPLING)}")
+        out += [f"--{name.replace('_', '-')}", value]
+    return out
 
 
 def vllm_client(a, out_dir: Path, result: Path, i: int) -> list[str]:
@@ -194,6 +217,7 @@ def vllm_client(a, out_dir: Path, result: Path, i: int) -> list[str]:
     else:
         client += ["--custom-output-len", str(a.serve_output_len)]
     client += ["--ignore-eos", "--percentile-metrics", "ttft,tpot,itl", "--metric-percentiles", "50,99"]
+    client += _sampling_args(a)
     client += ["--seed", str(i), "--disable-tqdm", "--save-result", "--result-dir", str(result.parent)]
     # A new connection per request, for every server: llama-server closes each connection after its
     # stream, and the client's reuse of a closed one failed 9-22% of its requests.

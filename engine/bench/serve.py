@@ -60,6 +60,9 @@ def request_body(cfg: BenchConfig, model: str, req: SampleRequest) -> dict[str, 
         "stream": True,
         "stream_options": {"include_usage": True},
     }
+    for name in ("top_p", "top_k", "min_p"):
+        if getattr(cfg, name) is not None:
+            body[name] = getattr(cfg, name)
     if cfg.ignore_eos:
         body["ignore_eos"] = True
     if cfg.backend == "openai-chat":
@@ -251,6 +254,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-concurrency", type=int, default=None, help="at most this many requests in flight")
     p.add_argument("--ignore-eos", action="store_true", help="generate exactly the output length")
     p.add_argument("--temperature", type=float, default=0.0, help="(default: 0, greedy)")
+    p.add_argument("--top-p", type=float, default=None, help="sent when given (default: the server's)")
+    p.add_argument("--top-k", type=int, default=None, help="sent when given (default: the server's)")
+    p.add_argument("--min-p", type=float, default=None, help="sent when given (default: the server's)")
     p.add_argument(
         "--goodput",
         nargs="+",
@@ -322,6 +328,9 @@ def main(argv: list[str]) -> int:
         range_ratio=args.random_range_ratio,
         ignore_eos=args.ignore_eos,
         temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        min_p=args.min_p,
         sharegpt_output_len=args.sharegpt_output_len,
     )
     try:

@@ -44,6 +44,10 @@ class BenchConfig:
     range_ratio: float = 0.0
     ignore_eos: bool = False
     temperature: float = 0.0
+    # Sent only when set (vLLM's client's --top-p/--top-k/--min-p): the server's defaults otherwise.
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
     sharegpt_output_len: int | None = None
 
 

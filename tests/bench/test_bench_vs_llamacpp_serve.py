@@ -9,7 +9,9 @@ import json
 
 import pytest
 
-from tools.bench_vs_llamacpp_serve import SERVER_METRICS, add_serve_args, clients, table, vllm_client
+from engine.bench.serve import request_body
+from engine.bench.serve_data import BenchConfig, SampleRequest
+from tools.bench_vs_llamacpp_serve import SERVER_METRICS, add_serve_args, clients, kiln_client, table, vllm_client
 
 
 def _args(*argv: str) -> argparse.Namespace:
@@ -41,6 +43,20 @@ def test_vllm_client_runs_the_issues_load(tmp_path):
     assert flag("--random-output-len") == "64" and flag("--num-prompts") == "100"
     assert flag("--max-concurrency") == "16" and flag("--tokenizer") == "/m" and flag("--seed") == "2"
     assert "--ignore-eos" in argv and flag("--result-filename") == "r.json" and flag("--result-dir") == str(tmp_path)
+
+
+def test_sampling_parameters_reach_both_clients_and_the_request(tmp_path):
+    sampling = ("temperature=0.8", "top_p=0.95", "top_k=40")
+    a = _args("--vllm-venv", "/v", "--vllm-model", "/m", "--serve-sampling", *sampling)
+    for argv in (vllm_client(a, tmp_path, tmp_path / "r.json", 0), kiln_client(a, tmp_path, tmp_path / "r.json", 0)):
+        assert [argv[argv.index(f) + 1] for f in ("--temperature", "--top-p", "--top-k")] == ["0.8", "0.95", "40"]
+        assert "--min-p" not in argv
+    assert "--top-p" not in vllm_client(_args("--vllm-venv", "/v", "--vllm-model", "/m"), tmp_path, tmp_path / "r", 0)
+    with pytest.raises(SystemExit, match="NAME=VALUE"):
+        kiln_client(_args("--serve-sampling", "top_q=1"), tmp_path, tmp_path / "r.json", 0)
+    cfg = BenchConfig("http://x", None, 1, 1.0, None, 4, 4, 0, temperature=0.8, top_p=0.95, top_k=40)
+    body = request_body(cfg, "m", SampleRequest("hi", 1, 4))
+    assert (body["temperature"], body["top_p"], body["top_k"]) == (0.8, 0.95, 40) and "min_p" not in body
 
 
 def test_mixed_texts_are_the_same_for_both_clients(tmp_path):
