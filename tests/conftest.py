@@ -84,8 +84,15 @@ def tiny_llama(tiny_models) -> Path:
     return tiny_models["llama"]
 
 
+@pytest.fixture(scope="session")
+def kiln_cache_dir(tmp_path_factory) -> Path:
+    """The session's kiln cache: every test's KILN_CACHE_DIR, holding the installed CPU libraries
+    (a test's subprocess given another cache compiles them again: a minute or more)."""
+    return tmp_path_factory.getbasetemp() / "kiln-cache"
+
+
 @pytest.fixture(scope="session", autouse=True)
-def _installed_cpu_libraries(tmp_path_factory):
+def _installed_cpu_libraries(kiln_cache_dir):
     """The C++ CPU libraries the install step built (`kiln build-kernels --cpu`, run by `make venv`)
     copied into the session's cache, which would otherwise compile them again in every pytest run
     (1-2 min on 2 cores). Their folder names hash the source, flags, torch version and ISA, so a
@@ -93,7 +100,7 @@ def _installed_cpu_libraries(tmp_path_factory):
     from engine.config.settings_base import default_cache_dir
 
     installed = default_cache_dir() / "compile"
-    session = tmp_path_factory.getbasetemp() / "kiln-cache" / "compile"
+    session = kiln_cache_dir / "compile"
     for library in installed.glob("cpu-*/kiln_*/kiln_*.so"):
         copy = session / library.relative_to(installed)
         if not copy.exists():
@@ -102,10 +109,9 @@ def _installed_cpu_libraries(tmp_path_factory):
 
 
 @pytest.fixture(autouse=True)
-def _isolated_cache_dir(tmp_path_factory, monkeypatch):
+def _isolated_cache_dir(kiln_cache_dir, monkeypatch):
     """Keep tests out of the user's ~/.cache/kiln (the default model is made once per session)."""
-    cache = tmp_path_factory.getbasetemp() / "kiln-cache"
-    monkeypatch.setenv("KILN_CACHE_DIR", str(cache))
+    monkeypatch.setenv("KILN_CACHE_DIR", str(kiln_cache_dir))
     yield
 
 
