@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.support import kernel_build
 from tests.support.engine import ARCHS, assert_engine_clean
 
 # Under tools/gpu_check.sh (KILN_GPU_CHECK_STRICT=1) a skipped GPU test is a failure, and so is a
@@ -18,6 +19,9 @@ STRICT_GPU = os.environ.get("KILN_GPU_CHECK_STRICT") == "1"
 
 
 def pytest_collection_modifyitems(config, items):
+    # the tests that read the nvcc build of every kernel variant run last: by then the build, started
+    # in the background at the session's start, is done (tests/support/kernel_build.py)
+    items.sort(key=kernel_build.uses_the_build)  # (stable: every other test keeps its order)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU")
@@ -106,6 +110,20 @@ def _installed_cpu_libraries(kiln_cache_dir):
         if not copy.exists():
             copy.parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(library, copy)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def kernel_build_in_background(request, tmp_path_factory):
+    """The nvcc build of every kernel variant, started with the session when a collected test reads
+    it (and nvcc is here), niced onto the idle core; None otherwise. Stopped if the session ends first."""
+    from compiler.kernels.build import find_nvcc
+
+    if find_nvcc() is None or not any(kernel_build.uses_the_build(item) for item in request.session.items):
+        yield None
+        return
+    build = kernel_build.start(tmp_path_factory.mktemp("sm90-build"))
+    yield build
+    build.stop()
 
 
 @pytest.fixture(autouse=True)
