@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.support import kernel_build
 from tests.support.engine import ARCHS, assert_engine_clean
 
 # Under tools/gpu_check.sh (KILN_GPU_CHECK_STRICT=1) a skipped GPU test is a failure, and so is a
@@ -18,6 +19,9 @@ STRICT_GPU = os.environ.get("KILN_GPU_CHECK_STRICT") == "1"
 
 
 def pytest_collection_modifyitems(config, items):
+    # the tests that read the nvcc build of every kernel variant run last: by then the build, started
+    # in the background at the session's start, is done (tests/support/kernel_build.py)
+    items.sort(key=kernel_build.uses_the_build)  # (stable: every other test keeps its order)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU")
@@ -84,8 +88,15 @@ def tiny_llama(tiny_models) -> Path:
     return tiny_models["llama"]
 
 
+@pytest.fixture(scope="session")
+def kiln_cache_dir(tmp_path_factory) -> Path:
+    """The session's kiln cache: every test's KILN_CACHE_DIR, holding the installed CPU libraries
+    (a test's subprocess given another cache compiles them again: a minute or more)."""
+    return tmp_path_factory.getbasetemp() / "kiln-cache"
+
+
 @pytest.fixture(scope="session", autouse=True)
-def _installed_cpu_libraries(tmp_path_factory):
+def _installed_cpu_libraries(kiln_cache_dir):
     """The C++ CPU libraries the install step built (`kiln build-kernels --cpu`, run by `make venv`)
     copied into the session's cache, which would otherwise compile them again in every pytest run
     (1-2 min on 2 cores). Their folder names hash the source, flags, torch version and ISA, so a
@@ -93,7 +104,7 @@ def _installed_cpu_libraries(tmp_path_factory):
     from engine.config.settings_base import default_cache_dir
 
     installed = default_cache_dir() / "compile"
-    session = tmp_path_factory.getbasetemp() / "kiln-cache" / "compile"
+    session = kiln_cache_dir / "compile"
     for library in installed.glob("cpu-*/kiln_*/kiln_*.so"):
         copy = session / library.relative_to(installed)
         if not copy.exists():
@@ -101,11 +112,24 @@ def _installed_cpu_libraries(tmp_path_factory):
             shutil.copy2(library, copy)
 
 
+@pytest.fixture(scope="session", autouse=True)
+def kernel_build_in_background(request, tmp_path_factory):
+    """The nvcc build of every kernel variant, started with the session when a collected test reads
+    it (and nvcc is here), niced onto the idle core; None otherwise. Stopped if the session ends first."""
+    from compiler.kernels.build import find_nvcc
+
+    if find_nvcc() is None or not any(kernel_build.uses_the_build(item) for item in request.session.items):
+        yield None
+        return
+    build = kernel_build.start(tmp_path_factory.mktemp("sm90-build"))
+    yield build
+    build.stop()
+
+
 @pytest.fixture(autouse=True)
-def _isolated_cache_dir(tmp_path_factory, monkeypatch):
+def _isolated_cache_dir(kiln_cache_dir, monkeypatch):
     """Keep tests out of the user's ~/.cache/kiln (the default model is made once per session)."""
-    cache = tmp_path_factory.getbasetemp() / "kiln-cache"
-    monkeypatch.setenv("KILN_CACHE_DIR", str(cache))
+    monkeypatch.setenv("KILN_CACHE_DIR", str(kiln_cache_dir))
     yield
 
 

@@ -50,13 +50,15 @@
 #
 # Without CUDA every GPU stage is skipped ("no CUDA device"), so the script is testable on a CPU
 # (tests/house/test_gpu_check.py). --dry-run / GPU_CHECK_SIMULATE_S=N replace every stage's command by
-# `sleep N` to exercise the deadline logic; GPU_CHECK_SCALE=N shrinks the limits.
+# `sleep N` to exercise the deadline logic; GPU_CHECK_SCALE=N shrinks the limits, GPU_CHECK_MAX_S=STAGE=N,...
+# sets some.
 # GPU_CHECK_FAKE=1: a fake device. Every stage's command is its CPU equivalent or a stub
 # (tools/gpu_check_fake.py): the latency stages run the real `kiln bench latency` driver on a tiny
 # model on the CPU (a GPU's defaults: overlap on, chunked prefill), swap-bench the real swap bench,
-# each test group collects its real pytest arguments (`pytest --collect-only`, as on an sm_90 GPU;
-# a missing path or no test collected fails the group) and runs one stand-in test per test
-# collected, under the same timeout and junit file; the rest stubs that write their stage's JSON
+# each test group's real pytest arguments are collected (`pytest --collect-only`, as on an sm_90 GPU;
+# every group's in one process first, one torch import and not twelve; a missing path or no test
+# collected fails the group) and the group runs one stand-in test per test collected, under the same
+# timeout and junit file; the rest stubs that write their stage's JSON
 # as the real command does. GPU_CHECK_CRASH=a,b,... makes those stages, test groups
 # (tests:kernels-v2) or engines (quant-int4) crash midway (SIGSEGV after their first result), as a
 # sticky CUDA fault would; GPU_CHECK_HANG=tests:NAME,... makes those groups hang after two tests
@@ -108,6 +110,16 @@ SCALE=${GPU_CHECK_SCALE:-1}
 for k in "${!MAX_S[@]}"; do
   MAX_S[$k]=$(( MAX_S[$k] / SCALE > 0 ? MAX_S[$k] / SCALE : 1 ))
   MIN_S[$k]=$(( MIN_S[$k] / SCALE > 0 ? MIN_S[$k] / SCALE : 1 ))
+done
+# GPU_CHECK_MAX_S=STAGE=N,...: those stages' maxima in seconds, after the scale (a min above its max comes
+# down to it), so a CPU test waits out a limit of seconds, or gives a stage it does not test room under load.
+IFS=, read -ra LIMIT_OVERRIDES <<<"${GPU_CHECK_MAX_S:-}"
+for kv in "${LIMIT_OVERRIDES[@]}"; do
+  k=${kv%%=*} v=${kv#*=}
+  { [ -n "${MAX_S[$k]:-}" ] && [[ $v =~ ^[0-9]+$ ]] && [ "$v" -gt 0 ]; } || {
+    echo "GPU_CHECK_MAX_S: '$kv' is not STAGE=SECONDS (stages: ${!MAX_S[*]})"; exit 2; }
+  MAX_S[$k]=$v
+  [ "${MIN_S[$k]}" -gt "$v" ] && MIN_S[$k]=$v
 done
 STAGES=()
 PLAN_ONLY=""
@@ -368,13 +380,24 @@ stage_kernel_cache() {
 }
 
 
+GROUP_PYTEST_ARGS="-q -p no:cacheprovider"  # before each group's own arguments
+
 stage_tests() {
-  local pids=() names=() rc=0 r i entry engine
+  local pids=() names=() rc=0 r i entry engine entries=() left
   for engine in latency-8b:latency-8b quant-bench:quant-int4; do  # stage:engine, built while the tests run
     wanted "${engine%%:*}" && start_engine "${engine#*:}"
   done
   for entry in "${TEST_GROUPS[@]}"; do
     [ -n "$GROUPS_WANTED" ] && [[ ",$GROUPS_WANTED," != *",${entry%%|*},"* ]] && continue
+    entries+=("$entry")
+  done
+  if [ -n "$FAKE" ]; then  # every group's arguments collected in one process (a group whose collection is
+    # missing or differs collects its own); bounded by the deadline, not by the groups' limit
+    left=$(( DEADLINE_S - ($(date +%s) - START) ))
+    TORCHINDUCTOR_COMPILE_THREADS=2 KILN_NUM_GPU_BLOCKS=1024 timeout $(( left > 1 ? left : 1 )) \
+      $PY tools/gpu_check_fake.py collect "$WORK/tests" -- "${entries[@]/|/|$GROUP_PYTEST_ARGS }"
+  fi
+  for entry in "${entries[@]}"; do
     run_group "${entry%%|*}" "${entry#*|}" &
     pids+=($!) names+=("${entry%%|*}")
   done
@@ -399,7 +422,7 @@ run_group() {  # NAME PYTEST-ARGS: one process of the tests stage (log, junit, s
   # SIGINT at the limit, not SIGTERM: pytest stops and still writes the junit of the tests it
   # finished (SIGKILL 20 s later if it does not).
   eval "TORCHINDUCTOR_COMPILE_THREADS=2 KILN_NUM_GPU_BLOCKS=1024 timeout -s INT -k 20 $LIMIT $runner" \
-    "-q -p no:cacheprovider $args --junitxml=$WORK/tests-$name.xml" >"$WORK/tests-$name.log" 2>&1; r=$?
+    "$GROUP_PYTEST_ARGS $args --junitxml=$WORK/tests-$name.xml" >"$WORK/tests-$name.log" 2>&1; r=$?
   echo $(( $(date +%s) - t0 )) >"$WORK/tests-$name.secs"
   return $r
 }

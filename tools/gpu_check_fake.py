@@ -5,11 +5,14 @@
         the real `kiln bench latency ARGS` driver (--make-model: make the tiny checkpoint first
         unless there, atomically: engines start together); with --crash-at-batch the process kills itself
         with SIGSEGV when batch B starts, after printing a CUDA-style error (a sticky fault)
+    gpu_check_fake.py collect PREFIX -- NAME|PYTEST-ARGS ...
+        every test group's real pytest arguments collected (`--collect-only`, torch.cuda reporting
+        an sm_90 GPU, xdist's -n dropped where xdist is not installed) in this one process, into
+        PREFIX-NAME.collect.json
     gpu_check_fake.py group [--crash] [--hang] PREFIX -- PYTEST-ARGS
-        a tests-stage process: its real pytest arguments collected (`--collect-only`, torch.cuda
-        reporting an sm_90 GPU, xdist's -n dropped where xdist is not installed) into
-        PREFIX.collect.json; a missing path, a collection error or no test collected fails it
-        (rc 3). Then pytest runs one stand-in test per test collected into the arguments'
+        a tests-stage process: its collection (PREFIX.collect.json, made by `collect` for the same
+        arguments, or here), with this process's settings added; a missing path, a collection error
+        or no test collected fails it (rc 3). Then pytest runs one stand-in test per test collected into the arguments'
         --junitxml file; --crash: SIGSEGV in the second one, --hang: the third never ends
     gpu_check_fake.py kernel-cache JSON               the kernel-cache stage's report
     gpu_check_fake.py kernel-bench JSON --decode-kernel K --prefill-kernel K [--crash]
@@ -29,6 +32,7 @@ import argparse
 import importlib.util
 import json
 import os
+import shlex
 import shutil
 import signal
 import sys
@@ -143,26 +147,44 @@ def test_stand_in(node):
 """
 
 
-def cmd_group(args) -> int:
-    words = [w for w in args.rest if not w.startswith("--junitxml=")]
-    junit = next((w.split("=", 1)[1] for w in args.rest if w.startswith("--junitxml=")), None)
-    dropped = []
+def group_words(rest: list[str]) -> tuple[list[str], list[str]]:
+    """A group's pytest words as collected: no --junitxml, xdist's -n dropped where xdist is not
+    installed; (words, what was dropped)."""
+    words = [w for w in rest if not w.startswith("--junitxml=")]
     if "-n" in words and importlib.util.find_spec("xdist") is None:  # (installed on the device from .whl/)
         i = words.index("-n")
-        dropped, words = words[i : i + 2], words[:i] + words[i + 2 :]
+        return words[:i] + words[i + 2 :], words[i : i + 2]
+    return words, []
+
+
+def collect_group(words: list[str], dropped: list[str]) -> dict:
+    """A group's collection report (its paths checked first: a missing one is not collected)."""
     missing = [p for p in paths_of(words) if not Path(p.split("::")[0]).exists()]
     rc, nodes, errors = (0, [], []) if missing else collect(words)
-    report = {
-        "args": words,
-        "dropped": dropped,
-        "junit": junit,
-        "rc": rc,
-        "nodes": nodes,
-        "errors": errors,
-        "missing": missing,
-        "env": {k: os.environ.get(k) for k in GROUP_ENV},
-    }
-    write(f"{args.prefix}.collect.json", report)
+    return {"args": words, "dropped": dropped, "rc": rc, "nodes": nodes, "errors": errors, "missing": missing}
+
+
+def cmd_collect(args) -> int:
+    """Every group's collection in this one process (torch and the test modules imported once, not
+    once per group): PREFIX-NAME.collect.json for each NAME|PYTEST-ARGS, read by `group`."""
+    for entry in args.entries:
+        name, _, line = entry.partition("|")
+        report = collect_group(*group_words(shlex.split(line)))
+        write(f"{args.prefix}-{name}.collect.json", dict(report, shared=True))
+    return 0
+
+
+def cmd_group(args) -> int:
+    words, dropped = group_words(args.rest)
+    junit = next((w.split("=", 1)[1] for w in args.rest if w.startswith("--junitxml=")), None)
+    path = Path(f"{args.prefix}.collect.json")
+    report = json.loads(path.read_text()) if path.exists() else None
+    if report is None or report["args"] != words:  # not collected by `collect` for these words: here
+        report = dict(collect_group(words, dropped), shared=False)
+    # what this process (the one that runs the tests) was given
+    report.update(junit=junit, env={k: os.environ.get(k) for k in GROUP_ENV})
+    write(str(path), report)
+    nodes, errors, missing, rc = report["nodes"], report["errors"], report["missing"], report["rc"]
     problems = (
         [f"no such path: {p}" for p in missing]
         + [f"collection error: {e}" for e in errors]
@@ -178,8 +200,9 @@ def cmd_group(args) -> int:
     (tmp / "pytest.ini").write_text("[pytest]\n")  # (not the repository's settings and conftest)
     (tmp / "test_stand_in.py").write_text(STAND_IN.format(nodes=nodes, crash=args.crash, hang=args.hang, fault=FAULT))
     sys.stdout.flush()
-    # exec: the group's timeout signals pytest itself
-    os.execv(
+    # exec: the group's timeout signals pytest itself. No plugin but pytest's own: the stand-ins need
+    # none, and the installed ones (hypothesis, schemathesis...) cost ~2 s of CPU per group to import.
+    os.execve(
         sys.executable,
         [
             sys.executable,
@@ -193,6 +216,7 @@ def cmd_group(args) -> int:
             str(tmp / "test_stand_in.py"),
         ]
         + ([f"--junitxml={junit}"] if junit else []),
+        dict(os.environ, PYTEST_DISABLE_PLUGIN_AUTOLOAD="1"),
     )
 
 
@@ -241,6 +265,9 @@ def main(argv: list[str]) -> int:
     s.add_argument("--make-model", default=None)
     s.add_argument("--crash-at-batch", type=int, default=None)
     s.add_argument("rest", nargs=argparse.REMAINDER)
+    s = sub.add_parser("collect")
+    s.add_argument("prefix")
+    s.add_argument("entries", nargs=argparse.REMAINDER)
     s = sub.add_parser("group")
     s.add_argument("prefix")
     s.add_argument("--crash", action="store_true")
@@ -260,9 +287,12 @@ def main(argv: list[str]) -> int:
     args = p.parse_args(argv)
     if args.cmd in ("run", "group") and args.rest[:1] == ["--"]:
         args.rest = args.rest[1:]
+    if args.cmd == "collect" and args.entries[:1] == ["--"]:
+        args.entries = args.entries[1:]
     return {
         "model": cmd_model,
         "run": cmd_run,
+        "collect": cmd_collect,
         "group": cmd_group,
         "kernel-cache": cmd_kernel_cache,
         "kernel-bench": cmd_kernel_bench,

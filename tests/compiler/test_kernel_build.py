@@ -98,27 +98,17 @@ def test_cli_rejects_unknown_variant(capsys):
 
 
 @pytest.fixture(scope="module")
-def full_build(tmp_path_factory):
-    """Every manifest variant, built once for this module (~4 min of CPU time on 2 cores); the
-    nvcc command lines are kept in `full_build_commands`."""
-    if kbuild.find_nvcc() is None:
+def full_build(kernel_build_in_background):
+    """Every manifest variant, built once per session by nvcc (~3 min of CPU on 2 cores), in the
+    background from the session's start (tests/support/kernel_build.py; these tests run last):
+    (cache, results, the nvcc command lines)."""
+    if kernel_build_in_background is None:
         pytest.skip("nvcc not on PATH")
-    cache = tmp_path_factory.mktemp("kernel-cache")
-    real = kbuild._run_nvcc
-
-    def recording(cmd):
-        full_build_commands.append(cmd)
-        return real(cmd)
-
-    kbuild._run_nvcc = recording
-    try:
-        results = build_kernels(cache, None, jobs=None, progress=False)
-    finally:
-        kbuild._run_nvcc = real
-    return cache, results
-
-
-full_build_commands: list[list[str]] = []
+    cache, commands, built = kernel_build_in_background.wait()
+    assert sorted(b["name"] for b in built) == sorted(load_manifest()) and not any(b["cached"] for b in built)
+    results = build_kernels(cache, None, progress=False)  # every one a hit now: the results as built
+    assert [(r.name, r.key) for r in results] == [(b["name"], b["key"]) for b in built]
+    return cache, results, commands
 
 
 def test_only_cutlass_templates_get_the_cutlass_include_path():
@@ -133,11 +123,11 @@ def test_only_cutlass_templates_get_the_cutlass_include_path():
 
 @needs_nvcc
 def test_every_build_without_cutlass_headers_ran_without_the_include_path(full_build):
-    cache, results = full_build
+    cache, results, commands = full_build
     keys = {r.key[:12]: r.name for r in results}
     manifest = load_manifest()
     seen = set()
-    for cmd in full_build_commands:
+    for cmd in commands:
         out = Path(cmd[cmd.index("-o") + 1])
         name = keys[out.parent.name[1:13]]  # (built in <cache>/objects/xx/.<key[:12]>.*/)
         seen.add(name)
@@ -152,7 +142,7 @@ def test_cli_check_no_build_and_prune(full_build, tmp_path, capsys):
     and builds nothing; --prune drops objects the index does not refer to."""
     from compiler.kernels.cli import build_main
 
-    cache, _ = full_build
+    cache, _, _ = full_build
     copy = tmp_path / "cache"
     shutil.copytree(cache, copy)
     stale = copy / "objects" / "zz" / ("z" * 64)
@@ -185,7 +175,7 @@ def test_cli_check_no_build_and_prune(full_build, tmp_path, capsys):
 
 @needs_nvcc
 def test_every_variant_compiles_without_spills(full_build):
-    cache, results = full_build
+    cache, results, _ = full_build
     manifest = load_manifest()
     assert {r.name for r in results} == set(manifest)
     index = read_index(cache)
@@ -212,7 +202,7 @@ def test_every_variant_compiles_without_spills(full_build):
 
 @needs_nvcc
 def test_second_build_is_a_cache_hit(full_build, monkeypatch):
-    cache, _ = full_build
+    cache, _, _ = full_build
 
     def no_nvcc(cmd):
         raise AssertionError(f"nvcc was called on a cache hit: {cmd}")
@@ -228,7 +218,7 @@ def test_second_build_is_a_cache_hit(full_build, monkeypatch):
 
 @needs_nvcc
 def test_template_change_rebuilds_and_loader_detects_stale(full_build, tmp_path):
-    cache, results = full_build
+    cache, results, _ = full_build
     before = {r.name: r.key for r in results}["write_kv_bf16"]
     tdir = tmp_path / "templates"
     shutil.copytree(TEMPLATES_DIR, tdir)

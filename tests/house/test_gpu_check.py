@@ -34,14 +34,15 @@ STAGES = [
 ]
 
 
-def run_check(tmp_path, *args, timeout=300, **env):
-    # no wheels unless given: this machine has the engine's dependencies (.whl/ holds the device's cp312 builds)
+def run_check(tmp_path, *args, timeout=300, cache=None, **env):
+    # no wheels unless given: this machine has the engine's dependencies (.whl/ holds the device's cp312 builds);
+    # cache: a kiln cache that holds the CPU libraries, for a run that starts an engine
     full = dict(
         os.environ,
         OUT=str(tmp_path / "out"),
         GPU_CHECK_WORK=str(tmp_path / "work"),
         PYTHON=sys.executable,
-        KILN_CACHE_DIR=str(tmp_path / "cache"),
+        KILN_CACHE_DIR=str(cache or tmp_path / "cache"),
         GPU_CHECK_WHEELS=str(tmp_path / "no-wheels"),
         GPU_CHECK_SITE=str(tmp_path / "site"),
     )
@@ -122,15 +123,19 @@ def test_a_failed_wheel_install_fails_fast(tmp_path):
 
 
 def test_the_deadline_cuts_and_skips_stages(tmp_path):
-    """Simulated stages of 5 s under limits divided by 10 and a 20 s deadline."""
-    proc, stages, _ = run_check(tmp_path, DEADLINE_S=20, GPU_CHECK_SCALE=10, GPU_CHECK_SIMULATE_S=5)
+    """Simulated stages of 2 s under limits divided by 20 (env and kernel-cache set to 1 s) and a
+    10 s deadline."""
+    proc, stages, _ = run_check(
+        tmp_path, DEADLINE_S=10, GPU_CHECK_SCALE=20, GPU_CHECK_SIMULATE_S=2, GPU_CHECK_MAX_S="env=1,kernel-cache=1"
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert list(sorted(stages, key=lambda s: stages[s]["order"])) == STAGES  # every stage has its record, in order
-    # env and kernel-cache may run 4 and 2 s (40 / 10, 20 / 10): a 5 s stage is cut at its own limit
+    assert "plan: env max 1s min 1s" in proc.stdout and "plan: tests max 11s min 3s" in proc.stdout
+    # a 2 s stage is cut at its own limit
     assert stages["env"]["status"] == stages["kernel-cache"]["status"] == "timeout"
-    assert stages["tests"]["status"] == "ok"  # 22 s allowed
+    assert stages["tests"]["status"] == "ok"  # 11 s allowed
     ran = [s for s in STAGES if stages[s]["status"] != "skipped"]
-    assert sum(stages[s]["seconds"] for s in ran) <= 20 + 1
+    assert sum(stages[s]["seconds"] for s in ran) <= 10 + 1
     skipped = [s for s in STAGES if stages[s]["status"] == "skipped"]
     assert "latency-1b" in skipped and all(stages[s]["reason"].startswith("deadline:") for s in skipped)
     assert "kiln GPU check summary" in proc.stdout
@@ -157,8 +162,10 @@ def _sources() -> dict[str, bytes]:
 
 
 @pytest.fixture(scope="module")
-def fake_run(tmp_path_factory):
-    """One fake-device run: every test group collected with its real arguments, two crashes."""
+def fake_run(tmp_path_factory, kiln_cache_dir):
+    """One fake-device run: every test group collected with its real arguments, two crashes. The
+    limits of the stages it runs for real on the CPU are wide (a loaded machine must not turn a
+    crash into a timeout: the deadline's cuts are test_the_deadline_cuts_and_skips_stages')."""
     tmp_path = tmp_path_factory.mktemp("fake-run")
     before = _sources()
     proc, stages, summary = run_check(
@@ -168,7 +175,10 @@ def fake_run(tmp_path_factory):
         "kernel-bench-v2",
         "latency-8b",
         "swap-bench",
-        timeout=600,
+        timeout=1800,
+        cache=kiln_cache_dir,  # (the latency engines' C++ CPU libraries: not compiled again)
+        DEADLINE_S=1700,
+        GPU_CHECK_MAX_S="tests=600,latency-8b=600,swap-bench=300",
         GPU_CHECK_FAKE=1,
         GPU_CHECK_CRASH="latency-8b,tests:kernels-v2",
     )
@@ -226,17 +236,27 @@ def test_unknown_stage_is_refused(tmp_path):
         env=dict(os.environ, OUT=str(tmp_path), GPU_CHECK_WORK=str(tmp_path / "w")),
     )
     assert proc.returncode == 2 and "unknown stage" in proc.stdout
+    for bad in ("tests=0", "tests=ten", "no-such-stage=5"):
+        proc = subprocess.run(
+            ["bash", str(SCRIPT), "--plan"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            env=dict(os.environ, OUT=str(tmp_path), GPU_CHECK_WORK=str(tmp_path / "w"), GPU_CHECK_MAX_S=bad),
+        )
+        assert proc.returncode == 2 and f"GPU_CHECK_MAX_S: '{bad}' is not STAGE=SECONDS" in proc.stdout, bad
 
 
 def test_every_gpu_test_file_runs_in_a_group_and_kernel_tests_split_by_generation(fake_run):
     """What the fake run's groups collected with their real pytest arguments (as on an sm_90 GPU):
     every group some tests, each gpu-marked test file in some group, the kernel tests in two
     processes that share no test (newer generations alone), engine tests one per target; each
-    process under the settings the device needs."""
+    process under the settings the device needs; every group's collection made in one process."""
     work = fake_run[0] / "work"
     groups = json.loads((work / "tests.json").read_text())["groups"]
     collected = {name: json.loads((work / f"tests-{name}.collect.json").read_text()) for name in groups}
     assert len(collected) >= 10 and all(c["nodes"] and not c["missing"] and not c["errors"] for c in collected.values())
+    assert all(c["shared"] for c in collected.values())  # (one torch import for all, not one per group)
     files = {node.split("::")[0] for c in collected.values() for node in c["nodes"]}
     gpu = re.compile(r"(@pytest\.mark\.gpu|pytestmark = pytest\.mark\.gpu|marks=pytest\.mark\.gpu)")
     marked = {
@@ -264,14 +284,15 @@ def test_every_gpu_test_file_runs_in_a_group_and_kernel_tests_split_by_generatio
 
 def test_a_group_cut_at_its_limit_keeps_its_finished_verdicts(tmp_path):
     """A test group that hangs after two tests: its limit (SIGINT) cuts it, and its junit file
-    still holds the two finished tests (SIGTERM would have left none)."""
+    still holds the two finished tests (SIGTERM would have left none). The limit is 10 s: the group
+    was collected before it started, it only runs its stand-ins."""
     proc, stages, _ = run_check(
         tmp_path,
         "tests",
         GPU_CHECK_FAKE=1,
         GPU_CHECK_GROUPS="features",
         GPU_CHECK_HANG="tests:features",
-        GPU_CHECK_SCALE=5,
+        GPU_CHECK_MAX_S="tests=10",
     )
     work = tmp_path / "work"
     group = stages["tests"]["result"]["groups"]["features"]
@@ -280,6 +301,7 @@ def test_a_group_cut_at_its_limit_keeps_its_finished_verdicts(tmp_path):
         work / "tests-features.log"
     ).read_text()
     assert len(gpu_summary.junit_outcomes([str(work / "tests-features.xml")])) == 2
+    assert json.loads((work / "tests-features.collect.json").read_text())["shared"]
 
 
 @pytest.mark.parametrize(
@@ -309,6 +331,7 @@ def test_a_stale_group_fails_the_dry_run(tmp_path, args, problem):
     )
     assert proc.returncode == 3 and f"FAKE GROUP FAILED: {problem}" in proc.stdout, proc.stdout + proc.stderr
     assert not (tmp_path / "g.xml").exists()
+    assert not json.loads((tmp_path / "g.collect.json").read_text())["shared"]  # (collected by the group itself)
 
 
 def test_strict_mode_turns_gpu_skips_into_failures(tmp_path):
