@@ -42,7 +42,13 @@ def test_every_level_has_its_own_flags_and_key(tmp_path):
     assert "-mavx512f" in flags and "-mavx512f" not in cpu_prebuild._spec(cpu_prebuild.Job("cpu-fused", "AVX2"))[1]
 
 
-def test_nothing_is_rebuilt_that_is_there(tmp_path, monkeypatch):
+@pytest.fixture
+def nothing_shipped(tmp_path, monkeypatch):
+    """An empty package folder (a checkout's compiler/kernels/prebuilt/ may hold `make venv`'s builds)."""
+    monkeypatch.setattr(cpu_extension, "SHIPPED_DIR", tmp_path / "shipped")
+
+
+def test_nothing_is_rebuilt_that_is_there(tmp_path, monkeypatch, nothing_shipped):
     for job in cpu_prebuild.jobs(every_level=False):
         path = cpu_prebuild.library(job, tmp_path)
         path.parent.mkdir(parents=True)
@@ -57,7 +63,20 @@ def test_nothing_is_rebuilt_that_is_there(tmp_path, monkeypatch):
     assert len(lines) == 3 and all("already built" in line for line in lines)
 
 
-def test_a_failed_build_is_reported_not_hidden(tmp_path, monkeypatch):
+def test_a_library_the_package_ships_is_not_built_into_the_cache(tmp_path, monkeypatch, nothing_shipped):
+    (job, *_) = cpu_prebuild.jobs(every_level=False)
+    shipped = cpu_prebuild.library(job, cpu_extension.SHIPPED_DIR)
+    shipped.parent.mkdir(parents=True)
+    shipped.write_bytes(b"")
+    monkeypatch.setattr(
+        subprocess, "run", lambda cmd, **kwargs: subprocess.CompletedProcess(cmd, 1, stdout="", stderr="no compiler")
+    )
+    lines: list[str] = []
+    assert cpu_prebuild.prebuild(tmp_path / "cache", jobs_at_once=1, out=lines.append) == 2  # (the other two)
+    assert f"{job.label} already built ({shipped.parent})" in lines[0]
+
+
+def test_a_failed_build_is_reported_not_hidden(tmp_path, monkeypatch, nothing_shipped):
     def failing(cmd, **kwargs):
         return subprocess.CompletedProcess(cmd, 1, stdout="", stderr="c++: error: no compiler here")
 
