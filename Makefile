@@ -17,12 +17,17 @@ $(VENV)/.python:
 	$(PY) -m pip install -q --upgrade pip
 	touch $@
 
-# The runtime only: what `kiln serve` needs.
-# Then the C++ CPU kernels, built here as a visible step (one line per library) rather than by the
-# first `kiln serve`; a failed build is not fatal (a start compiles it, or runs the torch paths).
+# The runtime only: what `kiln serve` needs. torch (and numpy, which it warns without) first: the
+# C++ CPU kernels need nothing else, so they build (a visible step, one line per library) while pip
+# installs the rest, into compiler/kernels/prebuilt/, where the loaders look first (for an editable
+# install, the package's own folder, as a wheel ships them); a failed build is not fatal (a start
+# compiles it, or runs the torch paths).
+CPU_KERNELS := compiler/kernels/prebuilt
 $(VENV)/.runtime: pyproject.toml $(VENV)/.python
-	$(PY) -m pip install -q "$(TORCH_PIN)" -e '.$(if $(CUDA_EXTRA),[cuda],)'
-	$(KILN) build-kernels --cpu || echo "kiln: some CPU kernels were not built; the first start compiles them"
+	$(PY) -m pip install -q "$(TORCH_PIN)" numpy
+	$(PY) -m compiler.kernels.cpu_prebuild --into $(CPU_KERNELS) & kernels=$$!; \
+	$(PY) -m pip install -q "$(TORCH_PIN)" -e '.$(if $(CUDA_EXTRA),[cuda],)' || { kill $$kernels; exit 1; }; \
+	wait $$kernels || echo "kiln: some CPU kernels were not built; the first start compiles them"
 	touch $@
 
 # The runtime plus the test tools, and the CUDA extras always: the CUTLASS headers let the
@@ -64,7 +69,7 @@ kernels: $(VENV)/.runtime
 # A wheel that ships the C++ CPU libraries of every ISA level kiln dispatches to (DEFAULT, AVX2,
 # AVX512; built against this venv's torch, whose version is in their key).
 wheel: $(VENV)/.runtime
-	$(PY) -m compiler.kernels.cpu_prebuild --all --into compiler/kernels/prebuilt
+	$(PY) -m compiler.kernels.cpu_prebuild --all --into $(CPU_KERNELS)
 	$(PY) -m pip wheel --no-deps --no-build-isolation -w dist .
 
 # Regenerate the docs' settings, flags and metrics tables from the code.

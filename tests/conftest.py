@@ -97,19 +97,22 @@ def kiln_cache_dir(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session", autouse=True)
 def _installed_cpu_libraries(kiln_cache_dir):
-    """The C++ CPU libraries the install step built (`kiln build-kernels --cpu`, run by `make venv`)
-    copied into the session's cache, which would otherwise compile them again in every pytest run
-    (1-2 min on 2 cores). Their folder names hash the source, flags, torch version and ISA, so a
-    copy is never stale: a changed kernel has a new name and is built as before."""
+    """The C++ CPU libraries the install step built (`make venv`: the package's prebuilt folder;
+    `kiln build-kernels --cpu`: kiln's cache) copied into the session's cache, so the tests that
+    hide the prebuilt folder (of the runtime build: tests/support/prebuilt_kernels.py) do not
+    compile them again in every pytest run (1-2 min on 2 cores). Their folder names hash the
+    source, flags, torch version and ISA, so a copy is never stale: a changed kernel has a new
+    name and is built as before."""
+    from compiler.kernels.cpu_extension import SHIPPED_DIR
     from engine.config.settings_base import default_cache_dir
 
-    installed = default_cache_dir() / "compile"
     session = kiln_cache_dir / "compile"
-    for library in installed.glob("cpu-*/kiln_*/kiln_*.so"):
-        copy = session / library.relative_to(installed)
-        if not copy.exists():
-            copy.parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(library, copy)
+    for installed in (SHIPPED_DIR, default_cache_dir() / "compile"):
+        for library in installed.glob("cpu-*/kiln_*/kiln_*.so"):
+            copy = session / library.relative_to(installed)
+            if not copy.exists():
+                copy.parent.mkdir(parents=True, exist_ok=True)
+                shutil.copy2(library, copy)
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -6,7 +6,7 @@ One place for what the CPU attention (compiler/kernels/cpu_attention.py) and the
 that changes the binary, where the library lives in the compile cache, and the build itself.
 
 The libraries are built at install (compiler/kernels/cpu_prebuild.py: `make venv` builds this
-CPU's, a wheel ships every ISA level's in compiler/kernels/prebuilt/); a start that finds neither
+CPU's into compiler/kernels/prebuilt/, a wheel ships every ISA level's there); a start that finds neither
 the shipped library nor a cached one compiles it, once, and says so in one line.
 """
 

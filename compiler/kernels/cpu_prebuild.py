@@ -1,6 +1,8 @@
 """Build kiln's C++ CPU libraries at install, so no start compiles: `make venv` runs it for this
-CPU into kiln's compile cache; a wheel build runs it with --all into compiler/kernels/prebuilt/,
-which the loaders look in first (compiler/kernels/cpu_extension.py: find_library).
+CPU into compiler/kernels/prebuilt/ (while pip installs what is not torch: it needs torch alone),
+`make wheel` with --all, and the wheel ships them there; the loaders look there first
+(compiler/kernels/cpu_extension.py: find_library). A library found there is not built again
+into another folder either.
 
     kiln build-kernels --cpu [--all] [--jobs N]        (into kiln's compile cache)
     python -m compiler.kernels.cpu_prebuild --into DIR [--all] [--jobs N]
@@ -69,6 +71,18 @@ def library(job: Job, root: Path) -> Path:
     return cpu_extension.library_path(root, job.kind, _spec(job)[2])
 
 
+def built(job: Job, root: Path) -> Path | None:
+    """Where the job's library already is: under `root`, or among the package's own (a wheel's, or
+    an editable install's compiler/kernels/prebuilt/), which the loaders look in first."""
+    from compiler.kernels import cpu_extension
+
+    for where in (root, cpu_extension.SHIPPED_DIR):
+        path = library(job, where)
+        if path.is_file():
+            return path
+    return None
+
+
 def build_one(job: Job, root: Path) -> None:
     """Build one library (in this process: it loads it, as torch's builder does)."""
     from compiler.kernels import cpu_extension
@@ -80,10 +94,11 @@ def build_one(job: Job, root: Path) -> None:
 def prebuild(root: Path, every_level: bool = False, jobs_at_once: int | None = None, out=print) -> int:
     """Build what is missing under `root`; one line per library. Returns the number that failed."""
     todo = jobs(every_level)
-    missing = [j for j in todo if not library(j, root).is_file()]
+    found = {j: built(j, root) for j in todo}
+    missing = [j for j in todo if found[j] is None]
     for j in todo:
         if j not in missing:
-            out(f"kiln CPU kernels: {j.label} already built ({library(j, root).parent})")
+            out(f"kiln CPU kernels: {j.label} already built ({found[j].parent})")
     if not missing:
         return 0
     workers = jobs_at_once or max(1, min(len(missing), os.cpu_count() or 1))

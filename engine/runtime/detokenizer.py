@@ -98,10 +98,12 @@ class Detokenizer:
 
     def __init__(self, tokenizer, use_stream: bool | None = None) -> None:
         self.tokenizer = tokenizer
-        from transformers import PreTrainedTokenizerFast
+        from tokenizers import Tokenizer
 
-        fast = isinstance(tokenizer, PreTrainedTokenizerFast) and use_stream is not False
-        self.backend = tokenizer.backend_tokenizer if fast else None  # a `tokenizers.Tokenizer`
+        # A fast tokenizer's `tokenizers.Tokenizer` (transformers' or kiln's own form: asked by
+        # attribute, so this imports no transformers).
+        backend = getattr(tokenizer, "backend_tokenizer", None) if use_stream is not False else None
+        self.backend = backend if isinstance(backend, Tokenizer) else None
 
     def step(self, state: TextState) -> str:
         """Decode the state's ids not decoded yet; returns the new text."""

@@ -182,12 +182,15 @@ class StructuredOutputCompiler:
         with self._lock:
             if self._compiler is None:
                 t0 = time.perf_counter()
+                # kiln's fast form of a tokenizer hands xgrammar transformers' own, loaded first:
+                # xgrammar imports transformers too, and two threads importing it at once fail.
+                hf = getattr(self._tokenizer, "transformers_tokenizer", self._tokenizer)
                 try:
                     import xgrammar
                 except ImportError as exc:  # pragma: no cover - a declared dependency
                     raise rules.constraints_unavailable() from exc
                 self._info = xgrammar.TokenizerInfo.from_huggingface(
-                    self._tokenizer, vocab_size=self.vocab_size, stop_token_ids=self._stop_token_ids
+                    hf, vocab_size=self.vocab_size, stop_token_ids=self._stop_token_ids
                 )
                 self._compiler = xgrammar.GrammarCompiler(self._info, cache_enabled=False)
                 logger.info(

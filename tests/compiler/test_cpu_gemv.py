@@ -23,6 +23,7 @@ from compiler.kernels import cpu_extension, cpu_gemv, cpu_linear
 from compiler.kernels.cpu_gemv import GEMV, GGUF_FORMATS, INT4, INT8, LEVELS
 from engine.layers.quant import gguf_blocks
 from tests.support.gguf_writer import random_k_blocks
+from tests.support.prebuilt_kernels import prebuilt_dir
 
 gguf = pytest.importorskip("gguf")
 
@@ -276,9 +277,16 @@ def test_dense_dispatch_in_cpu_linear():
     assert x.grad is not None
 
 
-def test_a_library_that_cannot_build_is_logged_and_skipped(monkeypatch, tmp_path, caplog):
-    """No compiler: ensure() says so once (with the path taken instead) and the callers keep their
-    torch paths; it is not retried."""
+@pytest.fixture
+def nothing_prebuilt(tmp_path):
+    """No library in the package's prebuilt folder (a checkout's holds `make venv`'s): the runtime build."""
+    with prebuilt_dir(tmp_path / "prebuilt") as folder:
+        yield folder
+
+
+def test_a_library_that_cannot_build_is_logged_and_skipped(monkeypatch, tmp_path, caplog, nothing_prebuilt):
+    """No compiler (and no library built at install): ensure() says so once (with the path taken
+    instead) and the callers keep their torch paths; it is not retried."""
     calls = []
 
     def broken(*args):
@@ -286,7 +294,7 @@ def test_a_library_that_cannot_build_is_logged_and_skipped(monkeypatch, tmp_path
         raise RuntimeError("no C++ compiler")
 
     lib = cpu_gemv.GemvLibrary()
-    lib.configure(tmp_path)
+    lib.configure(tmp_path / "cache")
     monkeypatch.setattr(cpu_extension, "build", broken)
     monkeypatch.setattr(cpu_gemv, "loaded", lambda: False)
     with caplog.at_level(logging.WARNING, logger="compiler.kernels.cpu_gemv"):

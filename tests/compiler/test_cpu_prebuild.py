@@ -5,8 +5,13 @@ loaders' builds, which tests/worker/test_cpu_compile.py runs.)"""
 
 from __future__ import annotations
 
+import json
+import os
 import platform
+import shutil
 import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -15,6 +20,9 @@ from compiler.kernels import cpu_extension, cpu_prebuild
 from compiler.kernels.cpu_attention import KERNEL
 from compiler.kernels.cpu_fused import FUSED
 from compiler.kernels.cpu_gemv import GEMV
+from tests.support.prebuilt_kernels import prebuilt_dir
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_this_cpus_jobs_are_what_a_start_loads(tmp_path):
@@ -42,7 +50,14 @@ def test_every_level_has_its_own_flags_and_key(tmp_path):
     assert "-mavx512f" in flags and "-mavx512f" not in cpu_prebuild._spec(cpu_prebuild.Job("cpu-fused", "AVX2"))[1]
 
 
-def test_nothing_is_rebuilt_that_is_there(tmp_path, monkeypatch):
+@pytest.fixture
+def nothing_shipped(tmp_path):
+    """An empty package folder (a checkout's compiler/kernels/prebuilt/ may hold `make venv`'s builds)."""
+    with prebuilt_dir(tmp_path / "shipped") as folder:
+        yield folder
+
+
+def test_nothing_is_rebuilt_that_is_there(tmp_path, monkeypatch, nothing_shipped):
     for job in cpu_prebuild.jobs(every_level=False):
         path = cpu_prebuild.library(job, tmp_path)
         path.parent.mkdir(parents=True)
@@ -57,7 +72,20 @@ def test_nothing_is_rebuilt_that_is_there(tmp_path, monkeypatch):
     assert len(lines) == 3 and all("already built" in line for line in lines)
 
 
-def test_a_failed_build_is_reported_not_hidden(tmp_path, monkeypatch):
+def test_a_library_the_package_ships_is_not_built_into_the_cache(tmp_path, monkeypatch, nothing_shipped):
+    (job, *_) = cpu_prebuild.jobs(every_level=False)
+    shipped = cpu_prebuild.library(job, cpu_extension.SHIPPED_DIR)
+    shipped.parent.mkdir(parents=True)
+    shipped.write_bytes(b"")
+    monkeypatch.setattr(
+        subprocess, "run", lambda cmd, **kwargs: subprocess.CompletedProcess(cmd, 1, stdout="", stderr="no compiler")
+    )
+    lines: list[str] = []
+    assert cpu_prebuild.prebuild(tmp_path / "cache", jobs_at_once=1, out=lines.append) == 2  # (the other two)
+    assert f"{job.label} already built ({shipped.parent})" in lines[0]
+
+
+def test_a_failed_build_is_reported_not_hidden(tmp_path, monkeypatch, nothing_shipped):
     def failing(cmd, **kwargs):
         return subprocess.CompletedProcess(cmd, 1, stdout="", stderr="c++: error: no compiler here")
 
@@ -88,3 +116,51 @@ def test_the_warm_up_line_says_what_this_start_compiled(monkeypatch):
     monkeypatch.setattr(GEMV, "builds", GEMV.builds + 1)
     said = builder_cpu.compiled_since(before)
     assert said.startswith("; 2 C++ libraries compiled by this start") and "ahead of time" not in said
+
+
+# A fresh process (each library loads once per process) with an empty cache and the package's
+# prebuilt folder at argv[1]: loads every library this CPU's starts load, any compile an error.
+_START = """
+import json, sys
+from pathlib import Path
+import torch
+from compiler.kernels import cpu_extension
+cpu_extension.SHIPPED_DIR = Path(sys.argv[1])
+def no_build(path, *args):
+    raise AssertionError(f"compiled at start: {path}")
+cpu_extension.build = no_build
+from compiler.kernels.cpu_attention import KERNEL
+from compiler.kernels.cpu_fused import FUSED
+from compiler.kernels.cpu_gemv import GEMV
+cache = Path(sys.argv[2])
+KERNEL.configure(cache)
+KERNEL.load()
+assert FUSED.ensure(cache), FUSED.error
+GEMV.configure(cache)
+assert GEMV.ensure(), GEMV.error
+print(json.dumps(sorted(p for p in torch.ops.loaded_libraries if Path(p).name.startswith("kiln_"))))
+"""
+
+
+def test_a_start_after_the_install_step_loads_its_libraries_and_compiles_nothing(tmp_path):
+    """What `make venv` leaves in the package's prebuilt folder is what a start loads: every
+    library from there, no compile, nothing written into the (empty) cache."""
+    session = Path(os.environ["KILN_CACHE_DIR"]) / "compile"
+    # The install step's libraries: a checkout's (make venv's) or this session's; built into the
+    # session's cache only where neither has one (the build a later test would otherwise pay).
+    assert cpu_prebuild.prebuild(session, jobs_at_once=1, out=lambda line: None) == 0
+    prebuilt = tmp_path / "prebuilt"
+    for job in cpu_prebuild.jobs(every_level=False):
+        found = cpu_prebuild.built(job, session)
+        assert found is not None, job
+        copy = cpu_prebuild.library(job, prebuilt)
+        copy.parent.mkdir(parents=True)
+        shutil.copy2(found, copy)
+    cache = tmp_path / "cache"
+    res = subprocess.run(
+        [sys.executable, "-c", _START, str(prebuilt), str(cache)], cwd=ROOT, capture_output=True, text=True, timeout=300
+    )
+    assert res.returncode == 0, res.stderr[-3000:]
+    loaded = [Path(p) for p in json.loads(res.stdout.strip().splitlines()[-1])]
+    assert len(loaded) == 3 and all(p.is_relative_to(prebuilt) for p in loaded), loaded
+    assert not list(cache.rglob("*.so")), "a start wrote a library into the cache"

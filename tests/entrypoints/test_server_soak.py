@@ -35,7 +35,10 @@ import pytest
 from tools import soak_server
 from tools.soak_server import gauges, rss_kb, unread_stream, wait_for
 
-STALL_S = 6.0  # (the server's stream_stall_timeout_s: short, for the stalled readers' test)
+# The server's stream_stall_timeout_s: short, for the stalled readers' test, and PAUSE_LOOK_S * 3 as the
+# tool asks: the soak's unread streams are read ~2.5-3 s after their request, and at 6 s a loaded CI
+# machine once left one unread past it (cut off mid-event, as the stall cut-off closes a stream).
+STALL_S = 3 * soak_server.PAUSE_LOOK_S
 
 
 @pytest.fixture(scope="module")

@@ -36,11 +36,24 @@ def _tracked_copy(dest: Path) -> Path:
     return dest
 
 
+def _prebuilt_libraries(src: Path) -> list[Path]:
+    """Stand-ins at the paths where `make wheel` (compiler/kernels/cpu_prebuild.py --all) puts the
+    C++ CPU libraries of every ISA level, under the tree `src`: a key of their own, so the
+    installed kiln below never loads one."""
+    from compiler.kernels import cpu_extension
+
+    kinds = ("cpu-attention", "cpu-fused", "cpu-gemv")
+    return [cpu_extension.library_path(src / "compiler/kernels/prebuilt", kind, "stand-in") for kind in kinds]
+
+
 @pytest.fixture(scope="module")
 def wheel(tmp_path_factory) -> Path:
     if subprocess.run(["git", "rev-parse"], cwd=ROOT, capture_output=True).returncode != 0:
         pytest.skip("not a git checkout")
     src = _tracked_copy(tmp_path_factory.mktemp("src"))
+    for library in _prebuilt_libraries(src):
+        library.parent.mkdir(parents=True, exist_ok=True)
+        library.write_bytes(b"not a library")
     out = tmp_path_factory.mktemp("dist")
     res = subprocess.run(
         [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(out), str(src)],
@@ -103,6 +116,9 @@ def test_wheel_holds_every_package_and_the_templates(wheel):
     assert templates and templates <= {Path(n).name for n in names if n.startswith("templates/")}
     for data in ("grafana_dashboard.json", "chat_page.html"):  # (package data: the dashboard, the chat page)
         assert f"engine/entrypoints/openai/{data}" in names, data
+    # the CPU libraries `make wheel` builds, where the loaders look first (compiler/kernels/cpu_extension.py)
+    shipped = [str(p.relative_to("/src")) for p in _prebuilt_libraries(Path("/src"))]
+    assert shipped and set(shipped) <= set(names), sorted(set(shipped) - set(names))
 
 
 def test_installed_kiln_generates_and_serves(venv, tiny_llama, tmp_path):

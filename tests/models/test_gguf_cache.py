@@ -1,4 +1,5 @@
-"""The GGUF file's derived config and tokenizer kept on disk (engine/models/loader/gguf_cache.py):
+"""The GGUF file's derived config and tokenizer kept on disk (engine/models/loader/gguf_cache.py,
+with kiln's fast form of the tokenizer beside it: engine/models/loader/fast_tokenizer.py):
 read back they encode, decode and template exactly as transformers' conversion of the file does;
 an edited file gets a new entry; a broken entry is rebuilt. And the header reader that keys it
 reads what the gguf package reads."""
@@ -10,7 +11,7 @@ import shutil
 
 import pytest
 
-from engine.models.loader import gguf_cache, gguf_file
+from engine.models.loader import fast_tokenizer, gguf_cache, gguf_file
 from tests.support.gguf_writer import write_gguf
 from tests.support.tokenizers import assert_same_tokenizer
 
@@ -45,7 +46,8 @@ def test_tokenizer_and_config_round_trip(gguf_path, tmp_path, monkeypatch):
     assert_same_tokenizer(converted, first)
     _no_conversion(monkeypatch)
     again = gguf_file.load_tokenizer(gguf_path, cache)
-    assert type(again) is type(converted)
+    assert isinstance(again, fast_tokenizer.KilnTokenizer)  # (kiln's form, the first load wrote it)
+    assert type(again.transformers_tokenizer) is type(converted)
     assert_same_tokenizer(converted, again)
     assert gguf_file.hf_config(gguf_path, cache) == config
     # a copy of the same file (another path, another mtime) finds the same entry
@@ -85,6 +87,7 @@ def test_a_broken_entry_is_rebuilt(gguf_path, tmp_path, caplog):
     gguf_file.hf_config(gguf_path, cache)
     (entry,) = (cache / "gguf").iterdir()
     (entry / "tokenizer" / "tokenizer.json").write_text("{not json")
+    shutil.rmtree(entry / "fast-tokenizer")  # (transformers' entry is what this test breaks)
     (entry / "config" / "config.json").write_text("{not json")
     with caplog.at_level("WARNING"):
         rebuilt = gguf_file.load_tokenizer(gguf_path, cache)

@@ -88,25 +88,50 @@ def test_processors_must_be_callable():
         SamplingParams(logits_processors=["not callable"])
 
 
-def test_tokenizer_failure_fails_only_that_request(make_llm, baseline):
+def _failing_backend(backend, marker: int):
+    """A copy of a fast tokenizer's `tokenizers.Tokenizer` whose decoder fails on any text holding
+    the token `marker`, wherever it is decoded from (DecodeStream or decode)."""
+    from tokenizers import Tokenizer
+    from tokenizers.decoders import Decoder
+
+    broken = Tokenizer.from_str(backend.to_str())
+    real, piece = broken.decoder, broken.id_to_token(marker)
+
+    class Failing:
+        def decode_chain(self, tokens: list[str]) -> list[str]:
+            if piece in tokens:
+                raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "invalid start byte")
+            return [real.decode(tokens)]
+
+    broken.decoder = Decoder.custom(Failing())
+    return broken
+
+
+@pytest.mark.parametrize("path", ["stream", "window"])
+def test_tokenizer_failure_fails_only_that_request(make_llm, baseline, path):
+    """A tokenizer that fails on one request's text fails only that request, on either path the
+    output side decodes by: a fast tokenizer's (kiln's own form or transformers') DecodeStream
+    over its `tokenizers.Tokenizer`, which requests take, or the window method's decode (a
+    tokenizer without one)."""
     llm = make_llm(max_model_len=64)
     tok = llm.engine.tokenizer
-    real_decode = tok.decode
-    marker = PROMPTS[3][-1]
+    backend = _failing_backend(tok.backend_tokenizer, marker=PROMPTS[3][-1])
 
     class Broken:
+        backend_tokenizer = backend if path == "stream" else None
+
         def __getattr__(self, name):
             return getattr(tok, name)
 
-        def decode(self, ids, **kw):
-            if marker in ids:
-                raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "invalid start byte")
-            return real_decode(ids, **kw)
+        def decode(self, ids, skip_special_tokens=False):
+            return backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
     llm.engine.tokenizer = Broken()
+    assert (llm.engine.outputs.detokenizer.backend is backend) == (path == "stream")
     outs = llm.generate(PROMPTS, greedy(), use_tqdm=False)
     assert outs[3].outputs[0].finish_reason == "error" and "UnicodeDecodeError" in outs[3].error
     assert [outs[i].outputs[0].token_ids for i in range(3)] == baseline[:3]
+    assert all(outs[i].error is None for i in range(3))
 
 
 def test_fail_all_requests_after_a_crash_leaves_nothing_hanging(make_llm):

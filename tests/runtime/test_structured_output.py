@@ -5,7 +5,9 @@ constraints are clear errors."""
 from __future__ import annotations
 
 import json
+import os
 import re
+from pathlib import Path
 
 import jsonschema
 import pytest
@@ -105,15 +107,23 @@ def _hf_constrained_greedy(model_dir, tokenizer, eos_ids, prompt_ids: list[int],
 
 
 def test_greedy_equals_transformers_with_the_same_grammar(make_llm, tiny_llama):
+    """The engine on kiln's fast form of the tokenizer (as every warm start: the grammar compiler
+    gets transformers' tokenizer behind it), the reference on transformers' own."""
+    from transformers import AutoTokenizer
+
+    from engine.models.loader.fast_tokenizer import KilnTokenizer
+    from engine.models.loader.model_loader import load_tokenizer
+
+    load_tokenizer(tiny_llama, Path(os.environ["KILN_CACHE_DIR"]))  # (the first start's: it writes the form)
     spec = SPECS["json"]
     llm = make_llm(max_num_seqs=4)
     engine = llm.engine
+    assert isinstance(engine.tokenizer, KilnTokenizer)
     params = _constrained(spec, temperature=0.0, max_tokens=40)
     outs = llm.generate(PROMPTS, params, use_tqdm=False)
+    reference = AutoTokenizer.from_pretrained(str(tiny_llama))
     for prompt, out in zip(PROMPTS, outs):
-        want = _hf_constrained_greedy(
-            str(tiny_llama), engine.tokenizer, engine.eos_token_ids, out.prompt_token_ids, spec, 40
-        )
+        want = _hf_constrained_greedy(str(tiny_llama), reference, engine.eos_token_ids, out.prompt_token_ids, spec, 40)
         assert out.outputs[0].token_ids == want, prompt
 
 

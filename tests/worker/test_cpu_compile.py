@@ -12,12 +12,22 @@ from engine.config.settings import EngineSettings
 from engine.core.params import SamplingParams
 from engine.runtime.llm_engine import LLMEngine
 from tests.support.engine import assert_engine_clean, run_checked
+from tests.support.prebuilt_kernels import prebuilt_dir
 
 COMMON = dict(device="cpu", max_num_seqs=8, num_gpu_blocks=96, max_model_len=256, max_num_batched_tokens=64)
 
 
 @pytest.fixture(scope="module")
-def engines(tiny_llama):
+def nothing_prebuilt(tmp_path_factory):
+    """The package's prebuilt folder empty (a checkout's holds `make venv`'s libraries, found before
+    any cache): these tests are of the compile cache, what a machine the install did not cover uses.
+    (tests/compiler/test_cpu_prebuild.py: a start after the install step compiles nothing.)"""
+    with prebuilt_dir(tmp_path_factory.mktemp("prebuilt")) as folder:
+        yield folder
+
+
+@pytest.fixture(scope="module")
+def engines(tiny_llama, nothing_prebuilt):
     # The session's kiln cache (conftest): other CPU engines and servers of the session reuse the build.
     eager = LLMEngine.from_settings(EngineSettings(model=str(tiny_llama), enforce_eager=True, **COMMON))
     compiled = LLMEngine.from_settings(EngineSettings(model=str(tiny_llama), **COMMON))

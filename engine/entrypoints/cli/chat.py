@@ -104,6 +104,10 @@ class LocalChat:
         self.llm = llm
         self.model = llm.settings.model
         self._turns = 0
+        # The chat template is transformers' (behind kiln's fast tokenizer): loaded while the user types.
+        load_template = getattr(llm.engine.tokenizer, "load_full_in_background", None)
+        if load_template is not None:
+            load_template()
 
     def stream(self, messages: list[dict[str, str]], sampling: Sampling) -> Iterator[str]:
         from engine.core.admission_rules.refusal import InvalidRequestError

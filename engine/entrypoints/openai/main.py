@@ -62,17 +62,24 @@ def _server_class():
     return DrainingServer
 
 
-def _start_grammar_workers(state: ServerState) -> None:
-    """Start the structured-output compile workers beside the server's start (not on the first
-    constrained request, which would wait for them)."""
+def _after_ready(state: ServerState) -> None:
+    """What the server loads once it answers, on one thread, in order: transformers' tokenizer
+    behind kiln's fast form (chat templates; engine/models/loader/fast_tokenizer.py), then the
+    structured-output compile workers (xgrammar, which imports transformers too: two threads
+    importing it at once fail). Not on the first request that needs them, and not before ready,
+    where they held the GIL while uvicorn started (issue 40)."""
 
-    def start() -> None:
+    def load() -> None:
+        try:
+            getattr(state.tokenizer, "transformers_tokenizer", None)
+        except Exception:  # noqa: BLE001 - retried by the first request that needs it
+            logger.exception("could not load transformers' tokenizer")
         try:
             state.engine.grammar_compiler.start_pool()
         except Exception:  # noqa: BLE001 - retried by the first constrained request
             logger.exception("could not start the grammar compile workers")
 
-    threading.Thread(target=start, name="kiln-grammar-start", daemon=True).start()
+    threading.Thread(target=load, name="kiln-after-ready", daemon=True).start()
 
 
 def _url(host: str, port: int, scheme: str = "http") -> str:
@@ -121,9 +128,10 @@ def serve(engine_settings: EngineSettings, server_settings: ServerSettings) -> i
     # Start-up's objects (torch, transformers, the tokenizer: ~350,000 for the tiny model) out of
     # the collector's reach: a full collection walked them all, ~0.3 s holding the GIL, and any
     # request that makes many objects (a large body) triggers one. Cycles made later are collected.
-    gc.collect()
+    # Only the young generations first: a full collection here walked them all too (0.15 s of a
+    # warm start, issue 40) and found about ten unreachable objects to spare from freezing.
+    gc.collect(1)
     gc.freeze()
-    _start_grammar_workers(state)
     # uvicorn's own limit is a backstop: ServerState.drain ends every request within shutdown_timeout.
     config = uvicorn.Config(
         app,
@@ -139,6 +147,7 @@ def serve(engine_settings: EngineSettings, server_settings: ServerSettings) -> i
         while not server.started and not task.done():
             await asyncio.sleep(0.02)
         if server.started:
+            _after_ready(state)
             base = _url(server_settings.host, port, "https" if server_settings.ssl_keyfile else "http")
             print(f"kiln: serving {state.model_name!r} at {base}/v1 (health: {base}/health)", flush=True)
             key = " -H 'Authorization: Bearer $KEY'" if server_settings.api_key else ""

@@ -20,7 +20,7 @@ from typing import Any, Callable, Iterator
 import torch
 
 from engine.layers.quant.gguf_blocks import BLOCK_TYPES, dequantize
-from engine.models.loader import gguf_cache
+from engine.models.loader import fast_tokenizer, gguf_cache
 
 # llama.cpp tensor name inside a block -> HF name inside model.layers.N
 _LAYER_NAMES = {
@@ -90,17 +90,21 @@ def _transformers_config(p: Path) -> dict[str, Any]:
 
 def load_tokenizer(path: str | Path, cache_dir: Path | None = None):
     """The tokenizer (vocabulary, merges, special tokens, chat template) stored in the file;
-    converted once and kept under cache_dir (engine/models/loader/gguf_cache.py)."""
-    from transformers import AutoTokenizer
-
+    converted once and kept under cache_dir (engine/models/loader/gguf_cache.py), with kiln's fast
+    form beside it (engine/models/loader/fast_tokenizer.py: no transformers import on a warm start)."""
     p = Path(path)
     _, tensors = read_header(p)
-    return gguf_cache.cached_tokenizer(
-        p,
-        _header_end(p, tensors),
-        cache_dir,
-        lambda: AutoTokenizer.from_pretrained(str(p.parent), gguf_file=p.name),
-    )
+    end = _header_end(p, tensors)
+
+    def transformers_tokenizer():
+        from transformers import AutoTokenizer
+
+        return gguf_cache.cached_tokenizer(
+            p, end, cache_dir, lambda: AutoTokenizer.from_pretrained(str(p.parent), gguf_file=p.name)
+        )
+
+    entry = None if cache_dir is None else gguf_cache.entry_dir(p, end, cache_dir) / "fast-tokenizer"
+    return fast_tokenizer.load(entry, transformers_tokenizer, str(p))
 
 
 def _header_end(p: Path, tensors: list[TensorInfo]) -> int:

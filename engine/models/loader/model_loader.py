@@ -19,7 +19,7 @@ from engine.layers.quant.config import QuantConfig, forced, from_hf
 from engine.models.config import ModelConfig
 from engine.models.glm import hf_weight_name
 from engine.models.llama import LlamaForCausalLM
-from engine.models.loader import gguf_file, gguf_quant
+from engine.models.loader import fast_tokenizer, gguf_file, gguf_quant
 from engine.models.loader import quant_loading as quant_loading
 from engine.models.loader.kv_scales import is_kv_scale_name
 from engine.models.loader.load_progress import LoadProgress
@@ -329,12 +329,18 @@ def _init_dummy(model: LlamaForCausalLM, seed: int, max_positions: int) -> None:
 
 def load_tokenizer(path: str | Path, cache_dir: Path | None = None):
     """The tokenizer of an HF checkpoint directory (or tokenizer directory), or of a GGUF file
-    (converted once, kept under cache_dir if given: engine/models/loader/gguf_cache.py)."""
+    (converted once, kept under cache_dir if given: engine/models/loader/gguf_cache.py); from kiln's
+    fast form where an earlier start kept one (engine/models/loader/fast_tokenizer.py)."""
     if gguf_file.is_gguf(path):
         return gguf_file.load_tokenizer(path, cache_dir)
-    from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(str(path))
+    def transformers_tokenizer():
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(str(path))
+
+    entry = None if cache_dir is None else fast_tokenizer.dir_entry(path, cache_dir)
+    return fast_tokenizer.load(entry, transformers_tokenizer, str(path))
 
 
 class _Filler:
