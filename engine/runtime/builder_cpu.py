@@ -17,11 +17,11 @@ from engine.worker import kv_sizing
 logger = logging.getLogger(__name__)
 
 
-def advise_huge_pages(model: torch.nn.Module) -> None:
+def advise_huge_pages(tensors: list[torch.Tensor]) -> None:
     """Before the weights are written: their pages fault in as huge pages (no collapse copy later)."""
     from engine.worker.cpu_huge_pages import advise_huge_pages as advise
 
-    advise([*model.parameters(), *model.buffers()])
+    advise(tensors)
 
 
 def finish_weights(
