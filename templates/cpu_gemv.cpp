@@ -538,10 +538,9 @@ void pack_superblock(int64_t format, const Geometry& g, const Decoded* rows, uin
   }
 }
 
-// GGUF blocks [N, K / block * block bytes] or kiln int values [N, K] (uint8, with scales float32
-// and zeros uint8 [N, groups]) -> the packed layout [ceil(N / 16), group bytes].
-at::Tensor pack(const at::Tensor& data, int64_t format, int64_t k, const c10::optional<at::Tensor>& scales,
-                const c10::optional<at::Tensor>& zeros) {
+// Checks pack's inputs (below); returns the layout's geometry.
+Geometry pack_geometry(const at::Tensor& data, int64_t format, int64_t k, const c10::optional<at::Tensor>& scales,
+                       const c10::optional<at::Tensor>& zeros) {
   TORCH_CHECK(data.device().is_cpu() && data.scalar_type() == at::kByte && data.dim() == 2 && data.is_contiguous(),
               "kiln_cpu_gemv: data must be a contiguous CPU uint8 [N, row bytes] tensor");
   const bool kiln_int = format == kInt4 || format == kInt8;
@@ -564,22 +563,64 @@ at::Tensor pack(const at::Tensor& data, int64_t format, int64_t k, const c10::op
     TORCH_CHECK(data.size(1) == row_bytes, "kiln_cpu_gemv: GGUF rows of ", data.size(1), " bytes, expected ",
                 row_bytes, " for K = ", k);
   }
+  return g;
+}
+
+// GGUF blocks [N, K / block * block bytes] or kiln int values [N, K] (uint8, with scales float32
+// and zeros uint8 [N, groups]) -> the packed layout [ceil(N / 16), group bytes], written into `out`
+// (uint8, contiguous, that shape: the caller's buffer, e.g. one advised onto huge pages before any
+// byte of it is written, or whole row groups of a larger layer's).
+void pack_out(const at::Tensor& data, int64_t format, int64_t k, const c10::optional<at::Tensor>& scales,
+              const c10::optional<at::Tensor>& zeros, at::Tensor out) {
+  const Geometry g = pack_geometry(data, format, k, scales, zeros);
+  const bool kiln_int = format == kInt4 || format == kInt8;
+  const int64_t n = g.n, groups = kiln_int ? scales->size(1) : 0;
   const int64_t ngroups = (n + kGroup - 1) / kGroup;
-  at::Tensor out = at::empty({ngroups, group_bytes(g)}, data.options());
+  TORCH_CHECK(out.device().is_cpu() && out.scalar_type() == at::kByte && out.is_contiguous() && out.dim() == 2 &&
+                  out.size(0) == ngroups && out.size(1) == group_bytes(g),
+              "kiln_cpu_gemv: pack into a contiguous uint8 [", ngroups, ", ", group_bytes(g), "] tensor");
+  uint8_t* dst = out.data_ptr<uint8_t>();
   const uint8_t* src = data.data_ptr<uint8_t>();
   const int64_t row_stride = data.size(1);
   const float* s = kiln_int ? scales->data_ptr<float>() : nullptr;
   const uint8_t* z = kiln_int ? zeros->data_ptr<uint8_t>() : nullptr;
+  if (format == kQ8_0) {  // (the file's bytes moved straight into place: pack_superblock's layout, no decoding)
+    at::parallel_for(0, ngroups, 1, [&](int64_t g0, int64_t g1) {
+      for (int64_t gi = g0; gi < g1; ++gi)
+        for (int64_t sb = 0; sb < g.nsb; ++sb) {
+          uint8_t* o = dst + gi * group_bytes(g) + sb * g.sb_bytes;
+          for (int r = 0; r < kGroup; ++r) {
+            const int64_t row = gi * kGroup + r;
+            const uint8_t* b = row < n ? src + row * row_stride + sb * 34 : nullptr;
+            o[2 * r] = b ? b[0] : 0;  // d (f16)
+            o[2 * r + 1] = b ? b[1] : 0;
+            for (int kk = 0; kk < 8; ++kk)
+              for (int i = 0; i < 4; ++i) o[g.head_bytes + 64 * kk + 4 * r + i] = b ? b[2 + 4 * kk + i] ^ 0x80 : 0;
+          }
+        }
+    });
+    return;
+  }
   at::parallel_for(0, ngroups, 1, [&](int64_t g0, int64_t g1) {
+    // One decoded super-block per row, allocated once per thread: decoding a real row rewrites every
+    // field pack_superblock reads for its format, so only padding rows are cleared (a fresh vector per
+    // row and super-block was most of the load's packing time: issue 40)
     std::vector<Decoded> rows(kGroup);
+    for (Decoded& d : rows) d.q.assign(std::max(256, 32 * g.sub), 0);
     for (int64_t gi = g0; gi < g1; ++gi)
       for (int64_t sb = 0; sb < g.nsb; ++sb) {
         for (int r = 0; r < kGroup; ++r) {
           Decoded& d = rows[r];
-          d = Decoded{};
-          d.q.assign(std::max(256, 32 * g.sub), 0);
           const int64_t row = gi * kGroup + r;
-          if (row >= n) continue;  // (padding rows: zero scales, zero values)
+          if (row >= n) {  // (padding rows: zero scales, zero values)
+            std::fill(d.q.begin(), d.q.end(), uint8_t{0});
+            d.d16 = d.m16 = 0;
+            std::memset(d.sc, 0, sizeof d.sc);
+            std::memset(d.mn, 0, sizeof d.mn);
+            d.s = 0.f;
+            d.z = 0;
+            continue;
+          }
           if (!kiln_int) {
             decode_gguf(format, src + row * row_stride, sb, d);
           } else {
@@ -588,9 +629,22 @@ at::Tensor pack(const at::Tensor& data, int64_t format, int64_t k, const c10::op
             d.z = z[row * groups + sb];
           }
         }
-        pack_superblock(format, g, rows.data(), out.data_ptr<uint8_t>() + gi * group_bytes(g) + sb * g.sb_bytes);
+        pack_superblock(format, g, rows.data(), dst + gi * group_bytes(g) + sb * g.sb_bytes);
       }
   });
+}
+
+// Bytes of one packed row group (16 rows) of K columns in `format`: pack's output is [ceil(N / 16), this].
+int64_t packed_group_bytes(int64_t format, int64_t k, int64_t groups) {
+  return group_bytes(geometry(format, kGroup, k, groups));
+}
+
+// pack_out into a new tensor.
+at::Tensor pack(const at::Tensor& data, int64_t format, int64_t k, const c10::optional<at::Tensor>& scales,
+                const c10::optional<at::Tensor>& zeros) {
+  const Geometry g = pack_geometry(data, format, k, scales, zeros);
+  at::Tensor out = at::empty({(g.n + kGroup - 1) / kGroup, group_bytes(g)}, data.options());
+  pack_out(data, format, k, scales, zeros, out);
   return out;
 }
 
@@ -674,6 +728,8 @@ TORCH_LIBRARY(kiln_cpu_gemv, m) {
   m.def("linear_dense(Tensor x, Tensor weight, Tensor? bias, int isa) -> Tensor");
   m.def("linear_dense_out(Tensor x, Tensor weight, Tensor? bias, int isa, Tensor(a!) out) -> ()");
   m.def("pack(Tensor data, int format, int k, Tensor? scales, Tensor? zeros) -> Tensor");
+  m.def("packed_group_bytes(int format, int k, int groups) -> int", &kiln_gemv::packed_group_bytes);
+  m.def("pack_out(Tensor data, int format, int k, Tensor? scales, Tensor? zeros, Tensor(a!) out) -> ()");
   m.def("dequantize(Tensor packed, int format, int n, int k, int groups, ScalarType? dtype=None, int isa=0) -> Tensor");
   m.def("dequantize_out(Tensor packed, int format, int n, int k, int groups, int isa, Tensor(a!) out) -> ()");
   m.def("linear_quant(Tensor x, Tensor packed, int format, int n, int k, int groups, Tensor? bias, int isa, "
@@ -686,6 +742,7 @@ TORCH_LIBRARY_IMPL(kiln_cpu_gemv, CPU, m) {
   m.impl("linear_dense", &kiln_gemv::linear_dense);
   m.impl("linear_dense_out", &kiln_gemv::linear_dense_out);
   m.impl("pack", &kiln_gemv::pack);
+  m.impl("pack_out", &kiln_gemv::pack_out);
   m.impl("dequantize", &kiln_gemv::dequantize);
   m.impl("dequantize_out", &kiln_gemv::dequantize_out);
   m.impl("linear_quant", &kiln_gemv::linear_quant);

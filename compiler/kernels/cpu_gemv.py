@@ -155,12 +155,26 @@ def dense(
 
 
 def pack(
-    data: torch.Tensor, fmt: int, k: int, scales: torch.Tensor | None = None, zeros: torch.Tensor | None = None
+    data: torch.Tensor,
+    fmt: int,
+    k: int,
+    scales: torch.Tensor | None = None,
+    zeros: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Quantised weights -> the kernels' layout (templates/cpu_gemv.cpp): `data` the GGUF file's
     blocks [N, row bytes] for a GGUF_FORMATS id, or for INT4 / INT8 the values [N, K] (uint8) with
-    scales (float32) and zero points (uint8) [N, groups], w = s * (q - z)."""
-    return torch.ops.kiln_cpu_gemv.pack(data, fmt, k, scales, zeros)
+    scales (float32) and zero points (uint8) [N, groups], w = s * (q - z). out: written there
+    instead (uint8, contiguous, of `packed_shape`)."""
+    if out is None:
+        return torch.ops.kiln_cpu_gemv.pack(data, fmt, k, scales, zeros)
+    torch.ops.kiln_cpu_gemv.pack_out(data, fmt, k, scales, zeros, out)
+    return out
+
+
+def packed_shape(fmt: int, n: int, k: int, groups: int = 0) -> tuple[int, int]:
+    """The shape of `pack`'s output for N rows of K columns in `fmt` (uint8: row groups of 16, bytes of each)."""
+    return -(-n // 16), int(torch.ops.kiln_cpu_gemv.packed_group_bytes(fmt, k, groups))
 
 
 def dequantize(

@@ -94,7 +94,12 @@ class EngineSettings(KilnSettingsBase):
 
     # --- scheduling ---
     max_num_seqs: int = Field(64, ge=1, description="sequences in one batch at most")
-    max_num_batched_tokens: int = Field(2048, ge=1, description="tokens in one step at most (prefill chunks + decodes)")
+    max_num_batched_tokens: int = Field(
+        2048,
+        ge=1,
+        description="tokens in one step at most (prefill chunks + decodes); on the CPU 512 where not set "
+        "(llama.cpp's micro-batch: a step's activations are rows of every token in it)",
+    )
     enable_chunked_prefill: bool = Field(True, description="split long prompts across steps")
     preemption_mode: Literal["auto", "swap", "recompute"] = Field(
         "recompute", description="what happens to a preempted sequence's KV blocks"

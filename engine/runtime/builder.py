@@ -418,9 +418,10 @@ class EngineBuilder:
 
     def _token_budget(self) -> int:
         s = self.settings
+        budget = builder_cpu.step_token_budget(s) if self.device.type == "cpu" else s.max_num_batched_tokens
         if not s.enable_chunked_prefill:
-            return max(s.max_num_batched_tokens, self.max_model_len)
-        return s.max_num_batched_tokens
+            return max(budget, self.max_model_len)
+        return budget
 
     def _num_kv_blocks(self) -> int:
         s = self.settings

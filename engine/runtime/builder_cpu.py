@@ -16,12 +16,27 @@ from engine.worker import kv_sizing
 
 logger = logging.getLogger(__name__)
 
+# A CPU step's token budget where max_num_batched_tokens is not set (its default, 2048, is a GPU's), as
+# llama.cpp's micro-batch (-ub 512): a step's activations are rows of every token in it, and 16 prompts of
+# 128 tokens in one 2048-token step peaked 0.14-0.16 GB higher on a 1.2B GGUF model (issue 40: F16 3.13 ->
+# 2.99 GB, 1.10x llama.cpp's). The trade: a dense bfloat16 model's GEMMs run more, smaller calls (its
+# prompts of 16 x 128 tokens ~0.75x as fast, still ~4x llama.cpp's); quantised layers on the kernels cost
+# per row either way (docs/benchmarks.md, "Memory beside the peers", session 24)
+CPU_STEP_TOKENS = 512
 
-def advise_huge_pages(model: torch.nn.Module) -> None:
+
+def step_token_budget(s: EngineSettings) -> int:
+    """The most tokens in one CPU step: max_num_batched_tokens where it was set, else CPU_STEP_TOKENS."""
+    if "max_num_batched_tokens" in s.model_fields_set:
+        return s.max_num_batched_tokens
+    return min(s.max_num_batched_tokens, CPU_STEP_TOKENS)
+
+
+def advise_huge_pages(tensors: list[torch.Tensor]) -> None:
     """Before the weights are written: their pages fault in as huge pages (no collapse copy later)."""
     from engine.worker.cpu_huge_pages import advise_huge_pages as advise
 
-    advise([*model.parameters(), *model.buffers()])
+    advise(tensors)
 
 
 def finish_weights(
@@ -76,7 +91,7 @@ def warm_cpu_linear(s: EngineSettings, runners: list[Any]) -> None:
     for runner in runners:
         warm = getattr(runner.model, "warm_cpu_linear", None)
         if warm is not None:
-            warm(s.max_num_batched_tokens, s.max_num_seqs)
+            warm(step_token_budget(s), s.max_num_seqs)
 
 
 def warm_cpu_kernels(s: EngineSettings, runners: list[Any]) -> float:

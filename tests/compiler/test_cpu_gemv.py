@@ -12,6 +12,7 @@ the file's dequantised weights, with S = sum_k |w_k x_k|:
 
 from __future__ import annotations
 
+import hashlib
 import logging
 
 import numpy as np
@@ -21,7 +22,7 @@ import torch.nn.functional as F
 
 from compiler.kernels import cpu_extension, cpu_gemv, cpu_linear
 from compiler.kernels.cpu_gemv import GEMV, GGUF_FORMATS, INT4, INT8, LEVELS
-from engine.layers.quant import gguf_blocks
+from engine.layers.quant import cpu_packed, gguf_blocks
 from tests.support.gguf_writer import random_k_blocks
 from tests.support.prebuilt_kernels import prebuilt_dir
 
@@ -186,6 +187,73 @@ def test_runs_into_a_slice_of_the_output_and_threads_agree():
     finally:
         torch.set_num_threads(before)
     assert torch.equal(one, two) and torch.equal(one, out[:, :n])
+
+
+# sha256 (first 16 hex digits) of pack's output for random bytes of every format, 40 rows (a padded
+# row group) of K = 512, as main at 644d2e9 packed them: a faster pack must write the same bytes
+PACKED_DIGESTS = {
+    "Q4_0": "b25f9094e3b6d97f",
+    "Q4_1": "ec0ca780d42cef07",
+    "Q5_0": "953a6d0bd7124fba",
+    "Q5_1": "ed079f6c5d62943f",
+    "Q8_0": "3a9bbac9af5ce9b2",
+    "Q4_K": "f58dcd77bef0af07",
+    "Q5_K": "9732278abd3ae630",
+    "Q6_K": "c34497b5cdfaa2f8",
+    "int4": "90184d872976a490",
+    "int8": "252a43af9b0e6561",
+}
+GGUF_BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q5_0": 22, "Q5_1": 24, "Q8_0": 34, "Q4_K": 144, "Q5_K": 176, "Q6_K": 210}
+
+
+def _random_pack_input(name: str, n: int = 40, k: int = 512):
+    """(data, format, scales, zeros) of random bytes for `pack` (any bytes are a valid block: pack copies bits)."""
+    if name in GGUF_FORMATS:
+        fmt = GGUF_FORMATS[name]
+        values = 256 if name.endswith("_K") else 32
+        rng = np.random.default_rng(fmt)
+        data = rng.integers(0, 256, size=(n, k // values * GGUF_BLOCK_BYTES[name]), dtype=np.uint8)
+        return torch.from_numpy(data), fmt, None, None
+    bits, fmt = (4, INT4) if name == "int4" else (8, INT8)
+    rng = np.random.default_rng(fmt)
+    q = rng.integers(0, 2**bits, size=(n, k), dtype=np.uint8)
+    s = rng.random((n, 4), dtype=np.float32)
+    z = rng.integers(0, 2**bits, size=(n, 4), dtype=np.uint8)
+    return torch.from_numpy(q), fmt, torch.from_numpy(s), torch.from_numpy(z)
+
+
+@pytest.mark.parametrize("name", [*GGUF_FORMATS, "int4", "int8"])
+def test_pack_writes_the_same_bytes_as_before(name):
+    data, fmt, scales, zeros = _random_pack_input(name)
+    packed = cpu_gemv.pack(data, fmt, 512, scales, zeros)
+    assert hashlib.sha256(packed.numpy().tobytes()).hexdigest()[:16] == PACKED_DIGESTS[name]
+    # into a given buffer (every byte written, whatever was there) and of its packed_shape
+    out = torch.full(cpu_gemv.packed_shape(fmt, 40, 512, 0 if scales is None else 4), 0xAB, dtype=torch.uint8)
+    assert cpu_gemv.pack(data, fmt, 512, scales, zeros, out=out) is out and torch.equal(out, packed)
+    with pytest.raises(RuntimeError, match="pack into"):
+        cpu_gemv.pack(data, fmt, 512, scales, zeros, out=out[1:])
+
+
+def test_fused_parts_pack_into_their_row_groups():
+    """gguf_runs packs each part of a run into its row groups of one buffer (no concatenated copy)
+    where the parts before it are whole row groups: the same bytes as packing them concatenated;
+    each buffer is shown to on_allocated before it is written."""
+    k = 256
+    q, kk, v = (_gguf_raw("Q8_0", n, k, seed) for n, seed in ((32, 0), (16, 1), (20, 2)))
+    odd = _gguf_raw("Q8_0", 20, k, 3)
+    seen: list[torch.Tensor] = []
+
+    def on_allocated(tensors):
+        for t in tensors:
+            t.fill_(0xAB)  # (what pack finds there must not matter)
+        seen.extend(tensors)
+
+    fmt = GGUF_FORMATS["Q8_0"]
+    for parts in ([q, kk, v], [odd, q]):  # (whole row groups first; a padded group first: concatenated)
+        starts = [sum(p.shape[0] for p in parts[:i]) for i in range(len(parts))]
+        runs, packed = cpu_packed.gguf_runs([(at, "Q8_0", p) for at, p in zip(starts, parts)], k, on_allocated)
+        assert runs == [(0, sum(p.shape[0] for p in parts), fmt, 0)] and packed[0] is seen[-1]
+        assert torch.equal(packed[0], cpu_gemv.pack(torch.cat(parts), fmt, k))
 
 
 def test_a_broken_weight_fails_the_check():

@@ -318,19 +318,39 @@ def install(
     module.quant = CpuPackedMethod(float_acts)  # (the default row count: the builder gives this machine's)
 
 
-def gguf_runs(parts: list[tuple[int, str, torch.Tensor]], k: int) -> tuple[list, list[torch.Tensor]]:
+def gguf_runs(
+    parts: list[tuple[int, str, torch.Tensor]],
+    k: int,
+    on_allocated: Callable[[list[torch.Tensor]], None] | None = None,
+) -> tuple[list, list[torch.Tensor]]:
     """A fused layer's GGUF parts (first row, format name, raw blocks [rows, row bytes]) in row
-    order -> its runs and packed buffers: consecutive parts of one format packed together."""
+    order -> its runs and packed buffers: consecutive parts of one format packed together, each
+    part straight into its row groups of the run's buffer where the parts before it are whole row
+    groups (q, k and v of a fused projection: no concatenated copy of their blocks).
+    on_allocated: called with each packed buffer before anything is written to it (the builder
+    advises huge pages there, so the buffer faults in on them: no collapse copy later)."""
     runs, packed = [], []
     i = 0
     while i < len(parts):
         j = i
         while j + 1 < len(parts) and parts[j + 1][1] == parts[i][1]:
             j += 1
-        raw = torch.cat([p[2] for p in parts[i : j + 1]]) if j > i else parts[i][2]
+        group = parts[i : j + 1]
         fmt = cpu_gemv.GGUF_FORMATS[parts[i][1]]
-        runs.append((parts[i][0], raw.shape[0], fmt, 0))
-        packed.append(cpu_gemv.pack(raw.contiguous(), fmt, k))
+        rows = sum(p[2].shape[0] for p in group)
+        out = torch.empty(cpu_gemv.packed_shape(fmt, rows, k), dtype=torch.uint8)
+        if on_allocated is not None:
+            on_allocated([out])
+        if all(p[2].shape[0] % ROW_GROUP == 0 for p in group[:-1]):
+            at = 0
+            for _, _, raw in group:
+                n = -(-raw.shape[0] // ROW_GROUP)
+                cpu_gemv.pack(raw.contiguous(), fmt, k, out=out[at : at + n])
+                at += n
+        else:
+            cpu_gemv.pack(torch.cat([p[2] for p in group]).contiguous(), fmt, k, out=out)
+        runs.append((parts[i][0], rows, fmt, 0))
+        packed.append(out)
         i = j + 1
     return runs, packed
 

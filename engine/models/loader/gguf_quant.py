@@ -162,10 +162,16 @@ def _int8(raw: torch.Tensor, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 @torch.no_grad()
 def load(
-    model: nn.Module, path, plan: dict[str, tuple[str, slice | None]], dtype: torch.dtype, device: torch.device
+    model: nn.Module,
+    path,
+    plan: dict[str, tuple[str, slice | None]],
+    dtype: torch.dtype,
+    device: torch.device,
+    on_allocated: Callable[[list[torch.Tensor]], None] | None = None,
 ) -> set[str]:
     """Fill the layers `prepare` made quantised from the file's raw blocks. Returns the GGUF tensor
-    names it consumed (the rest load dequantised as before)."""
+    names it consumed (the rest load dequantised as before). on_allocated: called with each new
+    packed buffer before it is written (cpu_packed.gguf_runs)."""
     if not plan:
         return set()
 
@@ -195,7 +201,7 @@ def load(
                 staged.setdefault(layer, []).append((start, kind, raw))
                 if sum(p[2].shape[0] for p in staged[layer]) == module.out_features:
                     runs, packed = cpu_packed.gguf_runs(
-                        sorted(staged.pop(layer), key=lambda p: p[0]), module.in_features
+                        sorted(staged.pop(layer), key=lambda p: p[0]), module.in_features, on_allocated
                     )
                     cpu_packed.install(module, runs, packed, None, module.quant.float_acts)
                 continue
@@ -228,10 +234,12 @@ def pack_head(
     device: torch.device,
     int4_kernel: str = "auto",
     activations: str = "auto",
+    on_allocated: Callable[[list[torch.Tensor]], None] | None = None,
 ) -> bool:
     """On the CPU with the kernels: give `model` a `packed_head` holding the file's LM head (its
     output.weight, or token_embd.weight when tied) in the kernels' layout, for compute_logits at
-    few rows. Returns whether it did (not when the head is stored as floats)."""
+    few rows. Returns whether it did (not when the head is stored as floats). on_allocated: called
+    with the packed buffer before it is written."""
     if int4_kernel != "auto" or getattr(model, "tp", None) is not None or not cpu_packed.usable(device):
         return False
     _, tensors = read_header(path)
@@ -242,7 +250,7 @@ def pack_head(
         return False
     vocab, hidden = t.shape
     fmt = cpu_gemv.GGUF_FORMATS[kind]
-    packed = _pack_in_chunks(path, t, fmt)
+    packed = _pack_in_chunks(path, t, fmt, on_allocated)
     with torch.device("meta"):
         head = Linear(hidden, vocab, False)
     cpu_packed.install(head, [(0, vocab, fmt, 0)], [packed], None, cpu_packed.float_acts_for(dtype, activations))
@@ -253,26 +261,28 @@ def pack_head(
 PACK_CHUNK_ROWS = 4096  # rows of the file read and packed at a time (a whole number of the layout's row groups)
 
 
-def _pack_in_chunks(path, t: TensorInfo, fmt: int) -> torch.Tensor:
+def _pack_in_chunks(
+    path, t: TensorInfo, fmt: int, on_allocated: Callable[[list[torch.Tensor]], None] | None = None
+) -> torch.Tensor:
     """A GGUF tensor [rows, K] of blocks -> the kernels' packed layout, read and packed
-    PACK_CHUNK_ROWS rows at a time: the packed tensor and one chunk of the file in memory, not the
-    tensor's raw bytes beside its packed copy (a 128k-vocabulary Q6_K head: 215 MB)."""
+    PACK_CHUNK_ROWS rows at a time, each chunk straight into its row groups of the packed tensor:
+    the packed tensor and one chunk of the file in memory, not the tensor's raw bytes beside its
+    packed copy (a 128k-vocabulary Q6_K head: 215 MB)."""
     rows, k = t.shape
     row_bytes = t.nbytes // rows
     raw = torch.empty(min(rows, PACK_CHUNK_ROWS), row_bytes, dtype=torch.uint8)
-    packed: torch.Tensor | None = None
+    packed = torch.empty(cpu_gemv.packed_shape(fmt, rows, k), dtype=torch.uint8)
+    if on_allocated is not None:
+        on_allocated([packed])
     with open(path, "rb") as f:
         f.seek(t.offset)
         for first in range(0, rows, PACK_CHUNK_ROWS):
             part = raw[: min(PACK_CHUNK_ROWS, rows - first)]
             if not read_exactly_into(f, part):
                 raise ValueError(f"gguf: {path} ends inside tensor {t.name}")
-            chunk = cpu_gemv.pack(part, fmt, k)
-            if packed is None:
-                packed = chunk.new_empty(-(-rows // cpu_packed.ROW_GROUP), chunk.shape[1])
             at = first // cpu_packed.ROW_GROUP
-            packed[at : at + chunk.shape[0]] = chunk
-    assert packed is not None
+            groups = -(-part.shape[0] // cpu_packed.ROW_GROUP)
+            cpu_gemv.pack(part, fmt, k, out=packed[at : at + groups])
     return packed
 
 

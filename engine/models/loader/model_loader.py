@@ -206,15 +206,16 @@ def load_model(
     gguf_dequantize: bool = False,
     tp: TensorParallel | None = None,
     quant_activations: str = "auto",
-    on_allocated: Callable[[LlamaForCausalLM], None] | None = None,
+    on_allocated: Callable[[list[torch.Tensor]], None] | None = None,
 ) -> LlamaForCausalLM:
     """lora: (slots, max rank) to make room for LoRA adapters (engine/lora/adapters.py), or None.
     quantization: the `quantization` setting (None: the checkpoint's own quantization_config).
     tp: this rank's place in a tensor-parallel group: the model is this rank's shard, and only
     this rank's slice of each weight is read from the checkpoint (a GGUF file's tensors are then
     dequantised: quantised blocks are not sliced).
-    on_allocated: called with the model once its tensors are allocated, before any is written
-    (the builder advises huge pages there: engine/worker/cpu_huge_pages.py)."""
+    on_allocated: called with the model's tensors once they are allocated, before any is written,
+    and with each buffer the load allocates later (the CPU kernels' packed weights) before it is
+    written (the builder advises huge pages there: engine/worker/cpu_huge_pages.py)."""
     if load_format in ("safetensors", "gguf") and gguf_file.is_gguf(model_dir) != (load_format == "gguf"):
         raise ValueError(f"load_format {load_format}: {model_dir} is not a {load_format} checkpoint")
     quant = quant_config(config, quantization, load_format)
@@ -251,7 +252,7 @@ def load_model(
         quant_loading.cast_except_quantized(model, dtype)
     model = _allocate(model, device)
     if on_allocated is not None:
-        on_allocated(model)
+        on_allocated([*model.parameters(), *model.buffers()])
     for name, buffer in model.named_buffers():
         if ".lora_" in name:
             buffer.zero_()  # empty slots: no adapter
@@ -263,13 +264,13 @@ def load_model(
         _init_dummy(model, seed, max_positions)
         quant_loading.init_dummy(model, seed)
     elif gguf_file.is_gguf(model_dir):
-        skip = gguf_quant.load(model, model_dir, gguf_kept, dtype, device)
+        skip = gguf_quant.load(model, model_dir, gguf_kept, dtype, device, on_allocated)
         if embedding is not None:
             gguf_quant.embedding_from_file(model, model_dir, embedding)
             skip.add(embedding.name)
         _load_gguf(model, model_dir, skip)
         if not gguf_dequantize and quant is None:
-            gguf_quant.pack_head(model, model_dir, dtype, device, int4_kernel, quant_activations)
+            gguf_quant.pack_head(model, model_dir, dtype, device, int4_kernel, quant_activations, on_allocated)
     else:
         _load_safetensors(model, model_dir, quant, dtype)
     if quant is not None and quant.quantize_at_load:
