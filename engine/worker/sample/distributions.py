@@ -219,25 +219,26 @@ _TINY_UNIFORM = 2.0**-25
 
 def exp_noise(like: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
     """Exp(1) samples shaped like `like`, as -log(U) (torch's exponential_ draws each value on its
-    own on the CPU: ~14 ms for 16 rows of a 49k vocabulary on one core, a quarter of a decode step).
-    On the CPU the uniforms come from numpy's PCG64, seeded by one draw from `generator`: torch's
-    uniform_ there runs a Mersenne twister value by value (~5 ms for those rows, PCG64 ~1.3)."""
-    if like.device.type != "cpu":
-        u = torch.empty_like(like, dtype=torch.float32).uniform_(generator=generator)
-    else:
-        u = torch.from_numpy(_pcg_uniform(_draw_seed(generator), tuple(like.shape)))
+    own on the CPU: ~14 ms for 16 rows of a 49k vocabulary on one core, a quarter of a decode step)."""
+    u = _uniform_(torch.empty_like(like, dtype=torch.float32), generator=generator)
     return _neg_log(u).to(like.dtype)
 
 
-def _draw_seed(generator: torch.Generator) -> int:
+def _uniform_(u: torch.Tensor, generator: torch.Generator | None = None, seed: int | None = None) -> torch.Tensor:
+    """Fill float32 `u` with U(0, 1) draws from `generator`, or from the stream `seed` names. On the
+    CPU the draws come from numpy's PCG64 (seeded by one draw from `generator` when no seed is given):
+    torch's uniform_ there runs a Mersenne twister value by value (~5 ms for 16 rows of a 49k
+    vocabulary, PCG64 ~1.3)."""
+    if u.device.type == "cpu":
+        rng = np.random.Generator(np.random.PCG64(_draw_seed(generator) if seed is None else seed))
+        rng.random(out=u.numpy(), dtype=np.float32)
+    else:
+        u.uniform_(generator=generator if seed is None else torch.Generator(device=u.device).manual_seed(seed))
+    return u
+
+
+def _draw_seed(generator: torch.Generator | None) -> int:
     return int(torch.randint(0, 2**62, (1,), generator=generator))
-
-
-def _pcg_uniform(seed: int, shape: tuple[int, ...], out: np.ndarray | None = None) -> np.ndarray:
-    rng = np.random.Generator(np.random.PCG64(seed))
-    if out is None:
-        return rng.random(shape, dtype=np.float32)
-    return rng.random(out=out, dtype=np.float32)
 
 
 def _neg_log(u: torch.Tensor) -> torch.Tensor:
@@ -257,19 +258,10 @@ def race_noise(
     seeded = [i for i, r in enumerate(rows) if r.params.seed is not None and not greedy[i]]
     if not seeded:
         return exp_noise(probs, generator)
-    on_cpu = probs.device.type == "cpu"
     u = torch.empty_like(probs, dtype=torch.float32)
-    host = u.numpy() if on_cpu else None
     if len(seeded) < len(rows):  # (every row, the seeded too: the others' draws stay as they were)
-        if host is not None:
-            _pcg_uniform(_draw_seed(generator), host.shape, out=host)
-        else:
-            u.uniform_(generator=generator)
+        _uniform_(u, generator=generator)
     for i in seeded:
         r = rows[i]
-        seed = row_seed(r.params.seed, r.sample_index, r.num_output_tokens)
-        if host is not None:
-            _pcg_uniform(seed, host.shape[1:], out=host[i])
-        else:
-            u[i].uniform_(generator=torch.Generator(device=probs.device).manual_seed(seed))
+        _uniform_(u[i], seed=row_seed(r.params.seed, r.sample_index, r.num_output_tokens))
     return _neg_log(u).to(probs.dtype)
