@@ -67,9 +67,10 @@ kernels: $(VENV)/.runtime
 	$(KILN) build-kernels
 
 # A wheel that ships the C++ CPU libraries of every ISA level kiln dispatches to (DEFAULT, AVX2,
-# AVX512; built against this venv's torch, whose version is in their key).
+# AVX512; built against this venv's torch, whose version is in their key): setup.py's build hook
+# builds them (compiler/kernels/wheel_build.py) where torch is importable, so no build isolation.
 wheel: $(VENV)/.runtime
-	$(PY) -m compiler.kernels.cpu_prebuild --all --into $(CPU_KERNELS)
+	$(PY) -m pip install -q "setuptools>=70.1"
 	$(PY) -m pip wheel --no-deps --no-build-isolation -w dist .
 
 # Regenerate the docs' settings, flags and metrics tables from the code.

@@ -1,11 +1,15 @@
 """Build kiln's C++ CPU libraries at install, so no start compiles: `make venv` runs it for this
 CPU into compiler/kernels/prebuilt/ (while pip installs what is not torch: it needs torch alone),
-`make wheel` with --all, and the wheel ships them there; the loaders look there first
+a wheel build with --all (setup.py's hook, compiler/kernels/wheel_build.py), and the wheel ships
+them there; the loaders look there first
 (compiler/kernels/cpu_extension.py: find_library). A library found there is not built again
 into another folder either.
 
     kiln build-kernels --cpu [--all] [--jobs N]        (into kiln's compile cache)
-    python -m compiler.kernels.cpu_prebuild --into DIR [--all] [--jobs N]
+    python -m compiler.kernels.cpu_prebuild --into DIR [--all] [--jobs N] [--manifest FILE]
+
+`--manifest` writes where each library is (JSON: its path under a prebuilt folder -> the file), for
+the wheel's build hook (compiler/kernels/wheel_build.py), which runs without torch and copies them.
 
 The libraries: the paged attention and the fused element-wise ops, one build per torch CPU
 capability (their flags follow it: DEFAULT, AVX2, AVX512 on x86-64), and the weight-streaming
@@ -18,6 +22,7 @@ it ends: this is the visible install step the issue asks for (issue 40, item 4).
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import subprocess
 import sys
@@ -25,6 +30,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass
 from pathlib import Path
+
+PACKAGE_ROOT = Path(__file__).resolve().parents[2]
 
 # torch's CPU capabilities kiln's per-capability libraries are built for (x86-64).
 X86_CAPABILITIES = ("DEFAULT", "AVX2", "AVX512")
@@ -83,6 +90,13 @@ def built(job: Job, root: Path) -> Path | None:
     return None
 
 
+def manifest(root: Path, every_level: bool) -> dict[str, str]:
+    """Each library built (under `root` or the package's folder): its path inside a prebuilt
+    folder (<kind>/<name>/<name>.so, as the loaders look it up) -> where the file is now."""
+    found = {job: built(job, root) for job in jobs(every_level)}
+    return {path.relative_to(path.parents[2]).as_posix(): str(path) for path in found.values() if path is not None}
+
+
 def build_one(job: Job, root: Path) -> None:
     """Build one library (in this process: it loads it, as torch's builder does)."""
     from compiler.kernels import cpu_extension
@@ -110,7 +124,8 @@ def prebuild(root: Path, every_level: bool = False, jobs_at_once: int | None = N
     def run(job: Job) -> tuple[Job, int, float, str]:
         t0 = time.perf_counter()
         cmd = [sys.executable, "-m", "compiler.kernels.cpu_prebuild", "--one", f"{job.kind}:{job.capability}"]
-        proc = subprocess.run([*cmd, "--into", str(root)], capture_output=True, text=True)
+        # (from the folder above compiler/: a checkout's, a wheel build's or site-packages)
+        proc = subprocess.run([*cmd, "--into", str(root)], capture_output=True, text=True, cwd=PACKAGE_ROOT)
         return job, proc.returncode, time.perf_counter() - t0, (proc.stderr or proc.stdout)[-2000:]
 
     failed = 0
@@ -130,6 +145,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--all", action="store_true", help="every ISA level kiln dispatches to (a wheel), not this CPU's")
     p.add_argument("--into", type=Path, required=True, help="the compile cache (kiln build-kernels --cpu: kiln's)")
     p.add_argument("--jobs", type=int, default=None, help="builds at once (default: the CPU count)")
+    p.add_argument("--manifest", type=Path, default=None, help="write the built libraries' paths here (JSON)")
     p.add_argument("--one", default=None, help=argparse.SUPPRESS)  # KIND:CAPABILITY, in a child process
     args = p.parse_args(argv)
     root = args.into.expanduser()
@@ -137,7 +153,10 @@ def main(argv: list[str] | None = None) -> int:
         kind, _, capability = args.one.partition(":")
         build_one(Job(kind, capability), root)
         return 0
-    return 1 if prebuild(root, args.all, args.jobs) else 0
+    failed = prebuild(root, args.all, args.jobs)
+    if args.manifest is not None:
+        args.manifest.write_text(json.dumps(manifest(root, args.all), indent=1))
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":
