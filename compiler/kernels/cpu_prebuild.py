@@ -15,8 +15,8 @@ The libraries: the paged attention and the fused element-wise ops, one build per
 capability (their flags follow it: DEFAULT, AVX2, AVX512 on x86-64), and the weight-streaming
 kernels, one build holding every ISA level (each level under its own target pragma, picked at
 run time). A library already there is not built again. Each build runs in its own process (a
-process can load one library of an op namespace), `--jobs` at a time, and prints one line when
-it ends: this is the visible install step the issue asks for (issue 40, item 4).
+process can load one library of an op namespace), `--jobs` at a time (one more than cores), and
+prints one line when it ends: this is the visible install step the issue asks for (issue 40, item 4).
 """
 
 from __future__ import annotations
@@ -105,6 +105,13 @@ def build_one(job: Job, root: Path) -> None:
     cpu_extension.build(library(job, root), source, flags)
 
 
+def default_workers(builds: int, cores: int | None = None) -> int:
+    """One build more than cores: with a build per core, the short one (the fused ops, ~15 s) waited
+    for a core and ran alone at the end (on 2 cores: 65 s + 16 s); beside the two long ones it
+    shares the cores and all three end together, ~the CPU-seconds / 2."""
+    return max(1, min(builds, (cores or os.cpu_count() or 1) + 1))
+
+
 def prebuild(root: Path, every_level: bool = False, jobs_at_once: int | None = None, out=print) -> int:
     """Build what is missing under `root`; one line per library. Returns the number that failed."""
     todo = jobs(every_level)
@@ -115,36 +122,58 @@ def prebuild(root: Path, every_level: bool = False, jobs_at_once: int | None = N
             out(f"kiln CPU kernels: {j.label} already built ({found[j].parent})")
     if not missing:
         return 0
-    workers = jobs_at_once or max(1, min(len(missing), os.cpu_count() or 1))
+    workers = jobs_at_once or default_workers(len(missing))
     out(
         f"kiln CPU kernels: building {len(missing)} C++ libraries into {root} ({workers} at a time; "
         "a few minutes on 2 cores, once per install) ..."
     )
 
-    def run(job: Job) -> tuple[Job, int, float, str]:
+    def run(job: Job) -> tuple[Job, int, float, float, str]:
         t0 = time.perf_counter()
         cmd = [sys.executable, "-m", "compiler.kernels.cpu_prebuild", "--one", f"{job.kind}:{job.capability}"]
         # (from the folder above compiler/: a checkout's, a wheel build's or site-packages)
         proc = subprocess.run([*cmd, "--into", str(root)], capture_output=True, text=True, cwd=PACKAGE_ROOT)
-        return job, proc.returncode, time.perf_counter() - t0, (proc.stderr or proc.stdout)[-2000:]
+        tail = (proc.stderr or proc.stdout)[-2000:]
+        return job, proc.returncode, time.perf_counter() - t0, _cpu_seconds(proc.stdout), tail
 
-    failed = 0
+    failed, cpu = 0, 0.0
+    t0 = time.perf_counter()
     with ThreadPoolExecutor(workers) as pool:
         for done in as_completed([pool.submit(run, job) for job in missing]):  # (a line as each ends)
-            job, rc, seconds, tail = done.result()
+            job, rc, seconds, cpu_s, tail = done.result()
+            cpu += cpu_s
             if rc == 0:
-                out(f"kiln CPU kernels: {job.label} built in {seconds:.0f}s")
+                out(f"kiln CPU kernels: {job.label} built in {seconds:.0f}s ({cpu_s:.0f} CPU-s)")
             else:
                 failed += 1
                 out(f"kiln CPU kernels: {job.label} FAILED after {seconds:.0f}s (a start compiles it instead):\n{tail}")
+    out(f"kiln CPU kernels: {len(missing) - failed} built in {time.perf_counter() - t0:.0f}s, {cpu:.0f} CPU-s")
     return failed
+
+
+_CPU_MARK = "kiln-build-cpu-seconds:"
+
+
+def _cpu_seconds(stdout: str) -> float:
+    """The CPU-seconds a child build reported (its own and its compilers'; 0 if it said none)."""
+    for line in reversed(stdout.splitlines()):
+        if line.startswith(_CPU_MARK):
+            return float(line.removeprefix(_CPU_MARK))
+    return 0.0
+
+
+def _report_cpu_seconds() -> None:
+    import resource
+
+    used = [resource.getrusage(who) for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)]
+    print(f"{_CPU_MARK}{sum(u.ru_utime + u.ru_stime for u in used):.2f}", flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m compiler.kernels.cpu_prebuild", description=__doc__.split("\n\n")[0])
     p.add_argument("--all", action="store_true", help="every ISA level kiln dispatches to (a wheel), not this CPU's")
     p.add_argument("--into", type=Path, required=True, help="the compile cache (kiln build-kernels --cpu: kiln's)")
-    p.add_argument("--jobs", type=int, default=None, help="builds at once (default: the CPU count)")
+    p.add_argument("--jobs", type=int, default=None, help="builds at once (default: the CPU count + 1)")
     p.add_argument("--manifest", type=Path, default=None, help="write the built libraries' paths here (JSON)")
     p.add_argument("--one", default=None, help=argparse.SUPPRESS)  # KIND:CAPABILITY, in a child process
     args = p.parse_args(argv)
@@ -152,6 +181,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.one:
         kind, _, capability = args.one.partition(":")
         build_one(Job(kind, capability), root)
+        _report_cpu_seconds()  # (the compilers ran as this process's waited-for children)
         return 0
     failed = prebuild(root, args.all, args.jobs)
     if args.manifest is not None:
