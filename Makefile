@@ -12,9 +12,10 @@ SERVE_ARGS ?=
 
 .PHONY: venv venv-test test-services serve test lint format typecheck bench kernels wheel settings-table clean
 
+# (Python 3.11's own pip does all kiln needs, editable installs included: upgrading it cost 18 s of a
+# fresh `make serve`, mostly the index's round trips, for nothing the install uses.)
 $(VENV)/.python:
 	test -x $(PY) || python3 -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
 	touch $@
 
 # The runtime only: what `kiln serve` needs. torch (and numpy, which it warns without) first: the
