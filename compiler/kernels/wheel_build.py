@@ -78,7 +78,9 @@ def build(stage: Path = STAGE, run: Runner = _run) -> dict[str, Path]:
 
 
 def ship(libraries: dict[str, Path], build_lib: Path) -> list[Path]:
-    """Copy the library files (not their object files or ninja state) into the wheel's tree."""
+    """Copy the library files (not their object files or ninja state) into the wheel's tree, in
+    place of any an earlier build left there (setuptools keeps build/lib: a stale key would ship)."""
+    shutil.rmtree(build_lib / IN_WHEEL, ignore_errors=True)
     shipped = []
     for rel, path in sorted(libraries.items()):
         target = build_lib / IN_WHEEL / rel

@@ -63,6 +63,16 @@ def test_a_build_ships_the_libraries_alone_where_the_loaders_look(tmp_path, caps
     assert "2 C++ libraries in the wheel" in capsys.readouterr().out
 
 
+def test_a_library_an_earlier_build_left_in_build_lib_is_not_shipped(tmp_path):
+    stage, build_lib = tmp_path / "stage", tmp_path / "build_lib"
+    stale = build_lib / wheel_build.IN_WHEEL / "cpu-fused" / "kiln_cpu_fused_old" / "kiln_cpu_fused_old.so"
+    stale.parent.mkdir(parents=True)
+    stale.write_bytes(b"")
+    fake = FakeBuilder(stage, ["kiln_cpu_fused_new"])
+    wheel_build.kernels_for_wheel(build_lib, editable=False, has_torch=True, run=fake, stage=stage)
+    assert [p.name for p in build_lib.rglob("*.so")] == ["kiln_cpu_fused_new.so"]
+
+
 def test_an_editable_install_builds_nothing(tmp_path, capsys):
     fake = FakeBuilder(tmp_path / "stage", ["kiln_cpu_fused_aaa"])
     assert wheel_build.kernels_for_wheel(tmp_path / "lib", editable=True, has_torch=True, run=fake) == []
