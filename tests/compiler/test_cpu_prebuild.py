@@ -164,3 +164,21 @@ def test_a_start_after_the_install_step_loads_its_libraries_and_compiles_nothing
     loaded = [Path(p) for p in json.loads(res.stdout.strip().splitlines()[-1])]
     assert len(loaded) == 3 and all(p.is_relative_to(prebuilt) for p in loaded), loaded
     assert not list(cache.rglob("*.so")), "a start wrote a library into the cache"
+
+
+def test_one_build_more_than_cores_and_each_builds_cpu_seconds_said(tmp_path, monkeypatch, nothing_shipped):
+    # 3 libraries on 2 cores: all at once (the short one shares the cores instead of running last).
+    assert cpu_prebuild.default_workers(3, cores=2) == 3
+    assert cpu_prebuild.default_workers(7, cores=2) == 3 and cpu_prebuild.default_workers(1, cores=8) == 1
+    seen = []
+
+    def child(cmd, **kwargs):
+        seen.append(kwargs.get("cwd"))
+        return subprocess.CompletedProcess(cmd, 0, stdout="ninja says things\nkiln-build-cpu-seconds:12.5\n", stderr="")
+
+    monkeypatch.setattr(subprocess, "run", child)
+    lines: list[str] = []
+    assert cpu_prebuild.prebuild(tmp_path, jobs_at_once=1, out=lines.append) == 0
+    assert seen == [cpu_prebuild.PACKAGE_ROOT] * 3  # (the package importable whatever the caller's folder)
+    assert sum(line.endswith("(12 CPU-s)") for line in lines) == 3  # (12.5 rounds to even)
+    assert lines[-1].startswith("kiln CPU kernels: 3 built in") and lines[-1].endswith(", 38 CPU-s")
