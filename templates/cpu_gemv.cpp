@@ -396,15 +396,6 @@ Geometry geometry(int64_t format, int64_t n, int64_t k, int64_t groups) {
 
 int64_t group_bytes(const Geometry& g) { return g.nsb * g.sb_bytes; }
 
-// One row's super-block, decoded: its values (unsigned) and header fields.
-struct Decoded {
-  std::vector<uint8_t> q;  // 256 values, or a kiln int group's
-  uint16_t d16 = 0, m16 = 0;  // basic formats; K-quants: d, dmin; Q6_K: d
-  uint8_t sc[16] = {}, mn[8] = {};
-  float s = 0.f;
-  uint8_t z = 0;
-};
-
 int64_t gguf_block_bytes(int64_t format) {
   switch (format) {
     case kQ4_0: return 18;
@@ -419,123 +410,141 @@ int64_t gguf_block_bytes(int64_t format) {
   }
 }
 
-uint16_t u16_at(const uint8_t* p) {
-  uint16_t v;
-  std::memcpy(&v, p, 2);
+constexpr int kGroup = 16;  // output rows interleaved per row group
+
+inline uint32_t u32_at(const uint8_t* p) {
+  uint32_t v;
+  std::memcpy(&v, p, 4);
   return v;
 }
 
-// Super-block sb of a GGUF row (its raw blocks) as values and header fields (ggml's layouts, as
-// engine/layers/quant/gguf_blocks.py dequantises them).
-void decode_gguf(int64_t format, const uint8_t* row, int64_t sb, Decoded& o) {
-  const uint8_t* b = row + sb * gguf_block_bytes(format);
-  auto nibbles = [&](const uint8_t* qs) {
-    for (int j = 0; j < 16; ++j) { o.q[j] = qs[j] & 15; o.q[j + 16] = qs[j] >> 4; }
-  };
-  auto fifth = [&](const uint8_t* qh) {
-    uint32_t bits;
-    std::memcpy(&bits, qh, 4);
-    for (int j = 0; j < 32; ++j) o.q[j] |= ((bits >> j) & 1) << 4;
-  };
-  switch (format) {
-    case kQ4_0: o.d16 = u16_at(b); nibbles(b + 2); break;
-    case kQ4_1: o.d16 = u16_at(b); o.m16 = u16_at(b + 2); nibbles(b + 4); break;
-    case kQ5_0: o.d16 = u16_at(b); nibbles(b + 6); fifth(b + 2); break;
-    case kQ5_1: o.d16 = u16_at(b); o.m16 = u16_at(b + 2); nibbles(b + 8); fifth(b + 4); break;
-    case kQ8_0:
-      o.d16 = u16_at(b);
-      for (int j = 0; j < 32; ++j) o.q[j] = b[2 + j] ^ 0x80;  // q + 128
-      break;
-    case kQ4_K:
-    case kQ5_K: {
-      o.d16 = u16_at(b);
-      o.m16 = u16_at(b + 2);
-      const uint8_t* sc = b + 4;  // ggml's get_scale_min_k4
-      for (int j = 0; j < 8; ++j) {
-        if (j < 4) {
-          o.sc[j] = sc[j] & 63;
-          o.mn[j] = sc[j + 4] & 63;
-        } else {
-          o.sc[j] = (sc[j + 4] & 0xF) | ((sc[j - 4] >> 6) << 4);
-          o.mn[j] = (sc[j + 4] >> 4) | ((sc[j] >> 6) << 4);
+// Row r (of the 16 of a row group) of one super-block, straight from its source into the packed
+// layout (this file's header) at `out`, the super-block of the 16 rows: `b` the GGUF row's blocks
+// of this super-block (ggml's layouts, as engine/layers/quant/gguf_blocks.py dequantises them), or
+// for kiln's int formats the row's 32 * sub values with its scale s and zero point z. Every byte of
+// the row's fields and plane bytes is written, so a padding row passes zeros (zero scales, zero
+// values). Whole bytes moved, nibbles swapped and bit planes gathered 4 bytes at a time, no
+// value-by-value decoding (that was most of a K-quant model's load: issue 40).
+template <int64_t F>
+void pack_row(const Geometry& g, const uint8_t* b, int r, uint8_t* out, float s = 0.f, uint8_t z = 0) {
+  constexpr bool kquant = F == kQ4_K || F == kQ5_K || F == kQ6_K;
+  constexpr int bits = F == kQ5_0 || F == kQ5_1 || F == kQ5_K ? 5 : F == kQ6_K ? 6 : F == kInt8 ? 8 : 4;
+  constexpr int qb = bits == 4 ? 256 : bits == 5 ? 320 : bits == 6 ? 384 : 512;  // (qbytes_of)
+  uint8_t* h = out;
+  auto put16 = [&](int at, const uint8_t* from) { std::memcpy(h + at + 2 * r, from, 2); };
+  const uint8_t* qs = b;  // 4-bit planes' source
+  const uint8_t* qh = nullptr;  // fifth / sixth bits' source
+  if constexpr (F == kQ4_0) {
+    put16(0, b);
+    qs = b + 2;
+  } else if constexpr (F == kQ4_1) {
+    put16(0, b);
+    put16(32, b + 2);
+    qs = b + 4;
+  } else if constexpr (F == kQ5_0) {
+    put16(0, b);
+    qh = b + 2;
+    qs = b + 6;
+  } else if constexpr (F == kQ5_1) {
+    put16(0, b);
+    put16(32, b + 2);
+    qh = b + 4;
+    qs = b + 8;
+  } else if constexpr (F == kQ4_K || F == kQ5_K) {
+    put16(0, b);
+    put16(32, b + 2);
+    const uint8_t* sc = b + 4;  // ggml's get_scale_min_k4
+    for (int j = 0; j < 8; ++j) {
+      const bool low = j < 4;
+      h[64 + 32 * j + r] = low ? sc[j] & 63 : (sc[j + 4] & 0xF) | ((sc[j - 4] >> 6) << 4);
+      h[80 + 32 * j + r] = low ? sc[j + 4] & 63 : (sc[j + 4] >> 4) | ((sc[j] >> 6) << 4);
+    }
+    qh = b + 16;
+    qs = b + (F == kQ4_K ? 16 : 48);
+  } else if constexpr (F == kQ6_K) {
+    put16(0, b + 208);
+    for (int j = 0; j < 8; ++j) {
+      h[32 + 32 * j + r] = b[192 + 2 * j];
+      h[48 + 32 * j + r] = b[192 + 2 * j + 1];
+    }
+    qh = b + 128;  // (qs: ql, at b)
+  } else {  // kiln int: b holds the values
+    std::memcpy(h + 4 * r, &s, 4);
+    h[64 + r] = z;
+  }
+  uint8_t* p = out + g.head_bytes;
+  for (int j = 0; j < g.sub; ++j, p += qb) {
+    if constexpr (F == kInt8) {  // byte 4r + i of V[kk]: value 4 kk + i
+      for (int kk = 0; kk < 8; ++kk) std::memcpy(p + 64 * kk + 4 * r, b + 32 * j + 4 * kk, 4);
+      continue;
+    }
+    // t[x]: value x in the low nibble, value 16 + x in the high one; byte 4r + i of V[c] / V[c + 4]
+    // is value 4c + i / 16 + 4c + i, so t goes in runs of 4 bytes, one per 64-byte vector
+    uint8_t t[16];
+    const uint8_t* q = qs;  // this block's 32 bytes of nibbles, `nib` the one of them its values are in
+    int nib = 2;  // 0: low, 1: high, 2: both (value x low, 16 + x high: the bytes as they are)
+    if constexpr (kquant) {
+      const int run = F == kQ6_K ? j % 4 : j;  // Q6_K: value 128 half + 32 run + l is in ql[64 half + 32 (run % 2) + l]
+      q = F == kQ6_K ? qs + 64 * (j / 4) + 32 * (run & 1) : qs + 32 * (j / 2);  // Q4_K / Q5_K: byte 32 (j / 2) + l
+      nib = F == kQ6_K ? run >> 1 : j & 1;
+    } else if constexpr (F == kInt4) {
+      q = b + 32 * j;
+    }
+    if (nib == 2) {
+      if constexpr (F == kInt4) {
+        for (int x = 0; x < 16; ++x) t[x] = q[x] | (q[16 + x] << 4);
+      } else {
+        std::memcpy(t, q, 16);
+      }
+    } else if (nib == 1) {
+      for (int x = 0; x < 16; ++x) t[x] = (q[x] >> 4) | (q[16 + x] & 0xF0);
+    } else {
+      for (int x = 0; x < 16; ++x) t[x] = (q[x] & 15) | (q[16 + x] << 4);
+    }
+    for (int c = 0; c < 4; ++c) std::memcpy(p + 64 * c + 4 * r, t + 4 * c, 4);
+    if constexpr (bits == 5) {  // bit kk of byte 4r + i: the fifth bit of value 4 kk + i
+      uint32_t v = 0;
+      for (int kk = 0; kk < 8; ++kk) {
+        uint32_t w;  // byte i: value 4 kk + i's fifth bit
+        if constexpr (F == kQ5_K) {
+          w = (u32_at(qh + 4 * kk) >> j) & 0x01010101u;
+        } else {  // Q5_0 / Q5_1: bit l of a 32-bit field
+          const uint32_t nibble = (u32_at(qh) >> (4 * kk)) & 15;
+          w = (nibble & 1) | ((nibble >> 1 & 1) << 8) | ((nibble >> 2 & 1) << 16) | ((nibble >> 3 & 1) << 24);
         }
+        v |= w << kk;
       }
-      const uint8_t* qs = b + (format == kQ4_K ? 16 : 48);
-      for (int v = 0; v < 256; ++v) {
-        const int j = v / 32, l = v % 32;
-        const uint8_t byte = qs[32 * (j / 2) + l];
-        o.q[v] = (j & 1) ? byte >> 4 : byte & 15;
-        if (format == kQ5_K) o.q[v] |= ((b[16 + l] >> j) & 1) << 4;
+      std::memcpy(p + 256 + 4 * r, &v, 4);
+    } else if constexpr (bits == 6) {  // bits 2m, 2m + 1 of byte 4r + i of plane hh: bits 4, 5 of value 16 hh + 4m + i
+      const int half = j / 4, shift = 2 * (j % 4);  // (bits 4, 5 of value 32 run + l: qh[32 half + l] >> 2 run)
+      for (int hh = 0; hh < 2; ++hh) {
+        uint32_t v = 0;
+        for (int m = 0; m < 4; ++m) v |= ((u32_at(qh + 32 * half + 16 * hh + 4 * m) >> shift) & 0x03030303u) << (2 * m);
+        std::memcpy(p + 256 + 64 * hh + 4 * r, &v, 4);
       }
-      break;
     }
-    case kQ6_K: {
-      const uint8_t *ql = b, *qh = b + 128;
-      std::memcpy(o.sc, b + 192, 16);
-      o.d16 = u16_at(b + 208);
-      for (int v = 0; v < 256; ++v) {
-        const int half = v / 128, run = (v % 128) / 32, l = v % 32;
-        const uint8_t byte = ql[64 * half + 32 * (run & 1) + l];
-        const uint8_t low = run < 2 ? byte & 15 : byte >> 4;
-        o.q[v] = low | (((qh[32 * half + l] >> (2 * run)) & 3) << 4);
-      }
-      break;
-    }
-    default: TORCH_CHECK(false, "kiln_cpu_gemv: not a GGUF format: ", format);
   }
 }
 
-constexpr int kGroup = 16;  // output rows interleaved per row group
-
-// Writes the 16 rows' decoded super-block sb in the packed layout (this file's header).
-void pack_superblock(int64_t format, const Geometry& g, const Decoded* rows, uint8_t* out) {
-  uint8_t* h = out;
-  auto put16 = [&](int at, auto field) {
-    for (int r = 0; r < kGroup; ++r) { const uint16_t v = field(rows[r]); std::memcpy(h + at + 2 * r, &v, 2); }
-  };
-  switch (format) {
-    case kQ4_1:
-    case kQ5_1: put16(32, [](const Decoded& d) { return d.m16; }); [[fallthrough]];
-    case kQ4_0:
-    case kQ5_0:
-    case kQ8_0: put16(0, [](const Decoded& d) { return d.d16; }); break;
-    case kQ4_K:
-    case kQ5_K:
-      put16(0, [](const Decoded& d) { return d.d16; });
-      put16(32, [](const Decoded& d) { return d.m16; });
-      for (int j = 0; j < 8; ++j)
-        for (int r = 0; r < kGroup; ++r) { h[64 + 32 * j + r] = rows[r].sc[j]; h[80 + 32 * j + r] = rows[r].mn[j]; }
-      break;
-    case kQ6_K:
-      put16(0, [](const Decoded& d) { return d.d16; });
-      for (int j = 0; j < 8; ++j)
-        for (int r = 0; r < kGroup; ++r) {
-          h[32 + 32 * j + r] = rows[r].sc[2 * j];
-          h[48 + 32 * j + r] = rows[r].sc[2 * j + 1];
-        }
-      break;
-    default:  // kiln int
-      for (int r = 0; r < kGroup; ++r) { std::memcpy(h + 4 * r, &rows[r].s, 4); h[64 + r] = rows[r].z; }
-  }
-  uint8_t* p = out + g.head_bytes;
-  const int qb = qbytes_of(g.bits);
-  for (int j = 0; j < g.sub; ++j, p += qb) {
-    uint8_t V[8][64];  // byte b of V[kk]: value 4 kk + b % 4 of row b / 4
-    for (int kk = 0; kk < 8; ++kk)
-      for (int b = 0; b < 64; ++b) V[kk][b] = rows[b / 4].q[32 * j + 4 * kk + b % 4];
-    std::memset(p, 0, qb);
-    for (int b = 0; b < 64; ++b) {
-      if (g.bits == 8) {
-        for (int kk = 0; kk < 8; ++kk) p[64 * kk + b] = V[kk][b];
-        continue;
-      }
-      for (int c = 0; c < 4; ++c) p[64 * c + b] = (V[c][b] & 15) | ((V[c + 4][b] & 15) << 4);
-      for (int kk = 0; kk < 8; ++kk) {
-        if (g.bits == 5) p[256 + b] |= ((V[kk][b] >> 4) & 1) << kk;
-        if (g.bits == 6) p[256 + 64 * (kk / 4) + b] |= ((V[kk][b] >> 4) & 3) << (2 * (kk % 4));
+// pack_row of every row of row groups [g0, g1) of a layer of n rows, each row's super-blocks
+// block_bytes apart in its source row (row_stride bytes); padding rows from zeros.
+template <int64_t F>
+void pack_groups(const Geometry& g, const uint8_t* src, int64_t row_stride, int64_t block_bytes, const float* s,
+                 const uint8_t* z, int64_t groups, uint8_t* dst, int64_t g0, int64_t g1) {
+  const std::vector<uint8_t> zero(std::max<int64_t>(block_bytes, 256), 0);  // a padding row's source
+  for (int64_t gi = g0; gi < g1; ++gi)
+    for (int r = 0; r < kGroup; ++r) {  // (row by row: each row's source read once, in order)
+      const int64_t row = gi * kGroup + r;
+      const bool real = row < g.n;
+      for (int64_t sb = 0; sb < g.nsb; ++sb) {
+        const uint8_t* b = real ? src + row * row_stride + sb * block_bytes : zero.data();
+        uint8_t* o = dst + gi * group_bytes(g) + sb * g.sb_bytes;
+        if (s != nullptr)
+          pack_row<F>(g, b, r, o, real ? s[row * groups + sb] : 0.f, real ? z[row * groups + sb] : 0);
+        else
+          pack_row<F>(g, b, r, o);
       }
     }
-  }
 }
 
 // Checks pack's inputs (below); returns the layout's geometry.
@@ -584,7 +593,7 @@ void pack_out(const at::Tensor& data, int64_t format, int64_t k, const c10::opti
   const int64_t row_stride = data.size(1);
   const float* s = kiln_int ? scales->data_ptr<float>() : nullptr;
   const uint8_t* z = kiln_int ? zeros->data_ptr<uint8_t>() : nullptr;
-  if (format == kQ8_0) {  // (the file's bytes moved straight into place: pack_superblock's layout, no decoding)
+  if (format == kQ8_0) {  // (the file's bytes moved straight into place: pack_row's layout, no decoding)
     at::parallel_for(0, ngroups, 1, [&](int64_t g0, int64_t g1) {
       for (int64_t gi = g0; gi < g1; ++gi)
         for (int64_t sb = 0; sb < g.nsb; ++sb) {
@@ -601,36 +610,20 @@ void pack_out(const at::Tensor& data, int64_t format, int64_t k, const c10::opti
     });
     return;
   }
+  const int64_t block_bytes = kiln_int ? 32 * g.sub : gguf_block_bytes(format);  // source bytes per super-block
   at::parallel_for(0, ngroups, 1, [&](int64_t g0, int64_t g1) {
-    // One decoded super-block per row, allocated once per thread: decoding a real row rewrites every
-    // field pack_superblock reads for its format, so only padding rows are cleared (a fresh vector per
-    // row and super-block was most of the load's packing time: issue 40)
-    std::vector<Decoded> rows(kGroup);
-    for (Decoded& d : rows) d.q.assign(std::max(256, 32 * g.sub), 0);
-    for (int64_t gi = g0; gi < g1; ++gi)
-      for (int64_t sb = 0; sb < g.nsb; ++sb) {
-        for (int r = 0; r < kGroup; ++r) {
-          Decoded& d = rows[r];
-          const int64_t row = gi * kGroup + r;
-          if (row >= n) {  // (padding rows: zero scales, zero values)
-            std::fill(d.q.begin(), d.q.end(), uint8_t{0});
-            d.d16 = d.m16 = 0;
-            std::memset(d.sc, 0, sizeof d.sc);
-            std::memset(d.mn, 0, sizeof d.mn);
-            d.s = 0.f;
-            d.z = 0;
-            continue;
-          }
-          if (!kiln_int) {
-            decode_gguf(format, src + row * row_stride, sb, d);
-          } else {
-            std::memcpy(d.q.data(), src + row * row_stride + sb * 32 * g.sub, 32 * g.sub);
-            d.s = s[row * groups + sb];
-            d.z = z[row * groups + sb];
-          }
-        }
-        pack_superblock(format, g, rows.data(), dst + gi * group_bytes(g) + sb * g.sb_bytes);
-      }
+    auto run = [&](auto f) { pack_groups<decltype(f)::value>(g, src, row_stride, block_bytes, s, z, groups, dst, g0, g1); };
+    switch (format) {
+      case kQ4_0: run(std::integral_constant<int64_t, kQ4_0>{}); break;
+      case kQ4_1: run(std::integral_constant<int64_t, kQ4_1>{}); break;
+      case kQ5_0: run(std::integral_constant<int64_t, kQ5_0>{}); break;
+      case kQ5_1: run(std::integral_constant<int64_t, kQ5_1>{}); break;
+      case kQ4_K: run(std::integral_constant<int64_t, kQ4_K>{}); break;
+      case kQ5_K: run(std::integral_constant<int64_t, kQ5_K>{}); break;
+      case kQ6_K: run(std::integral_constant<int64_t, kQ6_K>{}); break;
+      case kInt4: run(std::integral_constant<int64_t, kInt4>{}); break;
+      default: run(std::integral_constant<int64_t, kInt8>{});
+    }
   });
 }
 

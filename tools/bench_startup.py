@@ -9,7 +9,9 @@ log line (imports, settings, the model's config), the tokenizer and the weights 
 "done in" lines; the tokenizer loads beside the weights where the code does so), from the weights
 to "engine ready" (KV, packing, huge pages, kernels, warm-up) and from there to health 200. CPU is
 the process's user + system seconds at that moment: on a busy machine it varies less than the
-wall time. Best (lowest-wall) run of each tree.
+wall time; the CPU columns give it at the first log line (read from /proc as the line arrives:
+the imports' share), for the weights phase (its log line's own CPU figure) and at health 200.
+Best (lowest-CPU) run of each tree, and each tree's median CPU over its runs.
 
 Each tree's Python files are byte-compiled first, as an install leaves them: a checkout run with
 PYTHONDONTWRITEBYTECODE set (as some shells and CI have it) would otherwise compile kiln's modules
@@ -24,6 +26,7 @@ import os
 import re
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import threading
@@ -42,17 +45,29 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def process_cpu(pid: int) -> float | None:
+    """User + system CPU seconds of a running process (None once it is gone)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def run_once(tree: Path, model: str, extra: list[str], timeout: float = 300.0) -> dict[str, float]:
     port = _free_port()
     t0 = time.perf_counter()
     cmd = [sys.executable, "-m", "engine.entrypoints.cli", "serve", model, "--port", str(port), *extra]
     proc = subprocess.Popen(cmd, cwd=tree, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     lines: list[tuple[float, str]] = []
+    first_log_cpu: list[float | None] = []
 
     def pump() -> None:
         assert proc.stdout is not None
         for line in proc.stdout:
             lines.append((time.perf_counter() - t0, line.rstrip()))
+            if not first_log_cpu and re.search(r" INFO engine\.", line):
+                first_log_cpu.append(process_cpu(proc.pid))
 
     threading.Thread(target=pump, daemon=True).start()
     ready = cpu = None
@@ -61,8 +76,7 @@ def run_once(tree: Path, model: str, extra: list[str], timeout: float = 300.0) -
             with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1) as r:
                 if r.status == 200:
                     ready = time.perf_counter() - t0
-                    fields = Path(f"/proc/{proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
-                    cpu = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+                    cpu = process_cpu(proc.pid)
                     break
         except OSError:
             pass
@@ -79,9 +93,9 @@ def run_once(tree: Path, model: str, extra: list[str], timeout: float = 300.0) -
     def at(pattern: str) -> float:
         return next(t for t, text in lines if re.search(pattern, text))
 
-    def took(pattern: str) -> float:
+    def took(pattern: str, what: str = r"done in ([0-9.]+)s") -> float:
         for _, text in lines:
-            m = re.search(pattern + r".*done in ([0-9.]+)s", text)
+            m = re.search(pattern + r".*" + what, text)
             if m:
                 return float(m.group(1))
         return float("nan")
@@ -94,6 +108,8 @@ def run_once(tree: Path, model: str, extra: list[str], timeout: float = 300.0) -
         "weights -> engine ready": engine_ready - weights_done,
         "engine ready -> health": ready - engine_ready,
         "ready (wall)": ready,
+        "first log (CPU)": (first_log_cpu or [None])[0] or float("nan"),
+        "weights (CPU)": took(r"loading weights of", r"done in [0-9.]+s \(CPU ([0-9.]+)s"),
         "ready (CPU)": cpu or 0.0,
     }
 
@@ -111,18 +127,30 @@ def main(argv: list[str] | None = None) -> int:
         for package in ("engine", "compiler", "tools"):
             compileall.compile_dir(str(tree / package), quiet=1)
     best: dict[Path, dict[str, float]] = {}
+    cpus: dict[Path, list[float]] = {tree: [] for tree in trees}
+    print(f"load before: {_load()}", flush=True)
     for r in range(args.runs):
         for tree in trees:  # (alternating: both see the same load)
             got = run_once(tree, args.model, extra)
             wall, cpu = got["ready (wall)"], got["ready (CPU)"]
-            print(f"run {r + 1} {tree}: ready {wall:.2f}s wall, {cpu:.2f}s CPU", flush=True)
-            if tree not in best or got["ready (wall)"] < best[tree]["ready (wall)"]:
+            print(f"run {r + 1} {tree}: ready {wall:.2f}s wall, {cpu:.2f}s CPU (load {_load()})", flush=True)
+            cpus[tree].append(cpu)
+            if tree not in best or got["ready (CPU)"] < best[tree]["ready (CPU)"]:
                 best[tree] = got
     names = list(next(iter(best.values())))
-    print("\n| tree | " + " | ".join(names) + " |\n|" + " --- |" * (len(names) + 1))
+    print("\n| tree | " + " | ".join(names) + " | median ready (CPU) |\n|" + " --- |" * (len(names) + 2))
     for tree, got in best.items():
-        print(f"| {tree} | " + " | ".join(f"{got[n]:.2f}" for n in names) + " |")
+        median = statistics.median(cpus[tree])
+        print(f"| {tree} | " + " | ".join(f"{got[n]:.2f}" for n in names) + f" | {median:.2f} |")
+    if len(trees) > 1:
+        base = statistics.median(cpus[trees[0]])
+        ratios = ", ".join(f"{statistics.median(cpus[t]) / base:.2f}x" for t in trees[1:])
+        print(f"median ready CPU, each tree / the first: {ratios}")
     return 0
+
+
+def _load() -> str:
+    return " ".join(Path("/proc/loadavg").read_text().split()[:3])
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
-"""A start-up phase, logged when it starts and with how long it took and the process's resident
-memory (now and at its peak) when it ends, so a cold start says what it is doing and where the
-memory goes (issue 40: weights, conversion, packing, KV, each phase's share)."""
+"""A start-up phase, logged when it starts and with how long it took, the process's CPU seconds in
+it (all threads: on a busy machine the wall time says more about the neighbours than about kiln)
+and its resident memory (now and at its peak) when it ends, so a cold start says what it is doing
+and where the time and memory go (issue 40: weights, conversion, packing, KV, each phase's share)."""
 
 from __future__ import annotations
 
@@ -32,11 +33,18 @@ class Phase:
 
     def __enter__(self) -> "Phase":
         logger.info("%s ...", self.what)
-        self.t0 = time.perf_counter()
+        self.t0, self.cpu0 = time.perf_counter(), time.process_time()
         return self
 
     def __exit__(self, *exc) -> None:
         self.seconds = time.perf_counter() - self.t0
+        self.cpu_seconds = time.process_time() - self.cpu0
         if exc[0] is None:
             memory = describe_memory()
-            logger.info("%s: done in %.1fs%s", self.what, self.seconds, f" ({memory})" if memory else "")
+            logger.info(
+                "%s: done in %.1fs (CPU %.1fs%s)",
+                self.what,
+                self.seconds,
+                self.cpu_seconds,
+                f"; {memory}" if memory else "",
+            )

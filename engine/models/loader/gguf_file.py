@@ -20,7 +20,7 @@ from typing import Any, Callable, Iterator
 import torch
 
 from engine.layers.quant.gguf_blocks import BLOCK_TYPES, dequantize
-from engine.models.loader import fast_tokenizer, gguf_cache
+from engine.models.loader import convert, fast_tokenizer, gguf_cache
 
 # llama.cpp tensor name inside a block -> HF name inside model.layers.N
 _LAYER_NAMES = {
@@ -318,4 +318,4 @@ def _read_plain_into(f, dtype: torch.dtype, dest: torch.Tensor, what: str) -> No
                 raise ValueError(f"gguf: {what} ends inside the file")
             done += got
         if buf is not None:
-            part.copy_(target)
+            convert.copy_into(part, target)

@@ -19,7 +19,7 @@ from engine.layers.quant.config import QuantConfig, forced, from_hf
 from engine.models.config import ModelConfig
 from engine.models.glm import hf_weight_name
 from engine.models.llama import LlamaForCausalLM
-from engine.models.loader import fast_tokenizer, gguf_file, gguf_quant
+from engine.models.loader import convert, fast_tokenizer, gguf_file, gguf_quant
 from engine.models.loader import quant_loading as quant_loading
 from engine.models.loader.kv_scales import is_kv_scale_name
 from engine.models.loader.load_progress import LoadProgress
@@ -409,7 +409,7 @@ class _Filler:
         elif tensor is not None and tensor.data_ptr() == dest.data_ptr() and tensor.dtype == dest.dtype:
             pass  # (read into the parameter already: whole_parameter)
         else:
-            dest.copy_(file.read(hf_name) if tensor is None else tensor)
+            convert.copy_into(dest, file.read(hf_name) if tensor is None else tensor)
         self.seen[name] = self.seen.get(name, 0) + dest.numel()
 
     def check_complete(self, source: Path) -> None:
