@@ -287,7 +287,7 @@ class Scheduler(SchedulerMetrics):
         if self.micro is not None:
             self.micro.ran(self._hold, out.num_prefill_tokens)
         if self.wave is not None:
-            self.wave.ran(self._hold_last and not self._hold, out.num_prefill_tokens)
+            self.wave.ran(self._hold_last, out.num_prefill_tokens)  # (a MicroSteps hold counts too)
         if self._prefills:
             # One-token sequences first: backends attend decodes and prefill chunks separately.
             out.seqs.sort(key=lambda s: s.num_tokens != 1)
