@@ -137,6 +137,16 @@ class EngineSettings(KilnSettingsBase):
         "switch is now measured per machine, cpu_quant_gemm_rows: docs/benchmarks.md, first token under load; 0: off)",
     )
 
+    cpu_prefill_wave_tokens: int = Field(
+        2048,
+        ge=0,
+        description="CPU: prompts in flight together have their first tokens together, up to this many prompt rows "
+        "(llama.cpp's -b 2048 over -ub 512): their pieces stop one token short until the rest fits one step, so a "
+        "sequence with its first token does not wait a whole step for the others' prefill (the ITL p99 of a c16 "
+        "wave on a 1.2B model: docs/benchmarks.md, latency under load); decodes run every step as before; 0 or "
+        "not above the step's token budget: off",
+    )
+
     # --- speculative decoding (vLLM's speculative_config {"method": "ngram", ...}) ---
     speculative_method: Literal["ngram", "draft_model", "eagle", "eagle3"] | None = Field(
         None,

@@ -256,6 +256,7 @@ class EngineBuilder:
                 long_prefill_token_threshold=settings.long_prefill_token_threshold,
                 whole_prompts_first=settings.whole_prompts_first,
                 micro_batch_tokens=settings.cpu_micro_batch_tokens if self.device.type == "cpu" else 0,
+                prefill_wave_tokens=settings.cpu_prefill_wave_tokens if self.device.type == "cpu" else 0,
             ),
             self.pool,
             self.swap_space,

@@ -10,7 +10,7 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tests.support.scheduler import add, make_scheduler, run_step
+from tests.support.scheduler import add, arrival_steps, make_scheduler, run_step
 
 
 def test_a_wave_of_prompts_runs_in_micro_steps_and_starts_together():
@@ -56,19 +56,9 @@ def test_held_steps_stay_small_and_decodes_wait_at_most_one_step_of_prefill(arri
         max_model_len=128,
         micro_batch_tokens=tokens,
     )
-    pending = list(arrivals)
-    requests = []
+    requests: list = []
     waited: dict[int, int] = {}  # decoding seq id -> prefill tokens run since its last token
-    for _ in range(3000):
-        while pending and pending[0][0] == 0:
-            _, plen, max_tokens = pending.pop(0)
-            requests.append(add(sched, f"r{len(requests)}", plen, max_tokens, base=len(requests)))
-        if pending:
-            pending[0] = (pending[0][0] - 1, *pending[0][1:])
-        if not sched.has_unfinished():
-            if not pending:
-                break
-            continue
+    for _ in arrival_steps(sched, arrivals, requests):
         decoding = {s.seq_id for s in sched.running if s.num_output_tokens and s.num_tokens - s.num_computed_tokens < 2}
         out = run_step(sched)
         if out.num_decode_tokens == 0 and any(s.num_tokens > 1 for s in out.seqs) and decoding:

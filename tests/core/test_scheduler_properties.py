@@ -216,6 +216,7 @@ ops = st.lists(
     reserve=st.sampled_from([0.0, 0.2]),
     whole_first=st.booleans(),
     micro=st.sampled_from([0, 0, 6, 12]),
+    wave=st.sampled_from([0, 0, 24, 64]),
 )
 @settings(max_examples=150, deadline=None)
 def test_integrity_and_no_leaks_under_random_engine_streams(  # noqa: PLR0913 - hypothesis draws each
@@ -232,6 +233,7 @@ def test_integrity_and_no_leaks_under_random_engine_streams(  # noqa: PLR0913 - 
     reserve,
     whole_first,
     micro,
+    wave,
 ):
     cfg = SchedulerConfig(
         max_num_seqs=max_num_seqs,
@@ -242,6 +244,7 @@ def test_integrity_and_no_leaks_under_random_engine_streams(  # noqa: PLR0913 - 
         reserved_blocks_fraction=reserve,
         whole_prompts_first=whole_first,
         micro_batch_tokens=micro,
+        prefill_wave_tokens=wave,
     )
     pool = BlockPool(num_blocks, block_size, prefix)
     swap = SwapSpace(pool, cpu_blocks, bytes_per_block=100) if cpu_blocks else None

@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from engine.core.request import Sequence
-from tests.support.scheduler import add, make_scheduler, run_step
+from tests.support.scheduler import add, arrival_steps, make_scheduler, run_step
 
 
 def _first_token_steps(whole_first: bool) -> tuple[int, int]:
@@ -82,18 +82,8 @@ def test_running_prompts_keep_half_and_waiting_heads_start_whole(arrivals, budge
         prefix=False,  # (a prefix hit would start a prompt with fewer tokens than it has)
         whole_prompts_first=True,
     )
-    pending = list(arrivals)
-    requests = []
-    for _ in range(2000):
-        while pending and pending[0][0] == 0:  # (the first field: steps to wait before it arrives)
-            _, plen, max_tokens, priority = pending.pop(0)
-            requests.append(add(sched, f"r{len(requests)}", plen, max_tokens, priority, base=len(requests)))
-        if pending:
-            pending[0] = (pending[0][0] - 1, *pending[0][1:])
-        if not sched.has_unfinished():
-            if not pending:
-                break
-            continue
+    requests: list = []
+    for _ in arrival_steps(sched, arrivals, requests, steps=2000):
         mid = {s.seq_id: len(s.token_ids) - s.num_computed_tokens for s in sched.running}
         mid = {k: v for k, v in mid.items() if v > 1}
         head = _head_that_fits(sched, budget)

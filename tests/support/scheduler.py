@@ -59,3 +59,22 @@ def add(
     rules.kv_capacity(sched.kv, prompt_len + max_tokens, priority)  # (admission's, as the engine's)
     sched.add_request(req)
     return req
+
+
+def arrival_steps(sched: Scheduler, arrivals: list[tuple], requests: list[Request], steps: int = 3000, base=None):
+    """Random arrivals for property tests: each of `arrivals` is (steps to wait after the previous one,
+    prompt length, max_tokens[, priority]); added to `requests` as it arrives. Yields before each step
+    the caller is to run, until everything arrived and finished (or `steps` ran out)."""
+    pending = list(arrivals)
+    for _ in range(steps):
+        while pending and pending[0][0] == 0:
+            _, plen, max_tokens, *priority = pending.pop(0)
+            n = len(requests)
+            requests.append(add(sched, f"r{n}", plen, max_tokens, *priority, base=n if base is None else base(n)))
+        if pending:
+            pending[0] = (pending[0][0] - 1, *pending[0][1:])
+        if not sched.has_unfinished():
+            if not pending:
+                return
+            continue
+        yield

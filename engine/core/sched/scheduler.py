@@ -37,7 +37,14 @@ from engine.core.sched.preemption import Preemptor
 from engine.core.sched.scheduler_config import SchedulerConfig
 from engine.core.sched.scheduler_metrics import SchedulerMetrics
 from engine.core.sched.scheduler_output import SchedulerOutput, scheduled_seq
-from engine.core.sched.step_budget import MicroSteps, StepBudget, chunk_cap, num_decodes, whole_prompts_reserve
+from engine.core.sched.step_budget import (
+    MicroSteps,
+    PrefillWave,
+    StepBudget,
+    chunk_cap,
+    num_decodes,
+    whole_prompts_reserve,
+)
 from engine.core.sched.step_update import StepResults
 
 if TYPE_CHECKING:
@@ -95,6 +102,10 @@ class Scheduler(SchedulerMetrics):
         mb = config.micro_batch_tokens if config.enable_chunked_prefill and spec is None else 0
         self.micro = MicroSteps(mb, config.max_num_batched_tokens) if mb else None  # (CPU: cpu_micro_batch_tokens)
         self._hold = False  # this step holds the decodes (MicroSteps)
+        wave = config.prefill_wave_tokens if config.enable_chunked_prefill and spec is None else 0
+        # (CPU: cpu_prefill_wave_tokens; a wave no larger than a step holds nothing)
+        self.wave = PrefillWave(config.max_num_batched_tokens, wave) if wave > config.max_num_batched_tokens else None
+        self._hold_last = False  # this step holds its prompts' last tokens, not its decodes (PrefillWave)
 
     # ---- requests in and out ----
     def add_request(self, request: Request, held: bool = False) -> None:
@@ -261,14 +272,22 @@ class Scheduler(SchedulerMetrics):
         if self.micro is not None:
             self._hold, allowance = self.micro.plan(self.running, self.waiting, seats_left)
             self._prefill_left = min(self._prefill_left, allowance)
+        self._hold_last = self._hold or (
+            self.wave is not None and self.wave.plan(self.running, self.waiting, seats_left)
+        )
         out = self._fill(out, budget, queued)
         if self._hold and not out.seqs:  # (nothing could run held: run the decodes now)
             assert self.micro is not None
-            self._hold = False
+            self._hold = self._hold_last = False
             self._prefill_left = min(self._prefill_left, max(self.micro.tokens - num_decodes(self.running), 0))
+            out = self._fill(out, budget, bool(self.waiting or self.swapped))
+        elif self._hold_last and not out.seqs:  # (only last tokens were left to run: run them)
+            self._hold_last = False
             out = self._fill(out, budget, bool(self.waiting or self.swapped))
         if self.micro is not None:
             self.micro.ran(self._hold, out.num_prefill_tokens)
+        if self.wave is not None:
+            self.wave.ran(self._hold_last, out.num_prefill_tokens)  # (a MicroSteps hold counts too)
         if self._prefills:
             # One-token sequences first: backends attend decodes and prefill chunks separately.
             out.seqs.sort(key=lambda s: s.num_tokens != 1)
@@ -307,6 +326,7 @@ class Scheduler(SchedulerMetrics):
         no_reserve = self.kv.reserved_blocks == 0
         delta = self.deltas.delta
         hold = self._hold  # (MicroSteps: decodes and prompts' last tokens wait; pieces stop one short)
+        hold_last = self._hold_last  # (PrefillWave, and MicroSteps: prompts' last tokens wait)
         decodes = 0
         i = 0
         while i < len(running) and budget > 0:
@@ -314,7 +334,11 @@ class Scheduler(SchedulerMetrics):
             tokens = seq.token_ids
             start = seq.num_computed_tokens
             num_new = len(tokens) - start
-            if num_new <= 0 or seq.request.paused or (hold and num_new == 1):
+            if (
+                num_new <= 0
+                or seq.request.paused
+                or (num_new == 1 and (hold or (hold_last and start < seq.num_prompt_tokens)))
+            ):
                 i += 1
                 continue
             if seq.num_pending:  # one whose launched step ends it by length gets no extra token
@@ -353,7 +377,7 @@ class Scheduler(SchedulerMetrics):
                 if room <= 0:
                     i += 1
                     continue
-                num_new = min(num_new, room, self._chunk_cap, len(tokens) - start - 1 if hold else num_new)
+                num_new = min(num_new, room, self._chunk_cap, len(tokens) - start - 1 if hold_last else num_new)
                 self._prefill_left -= num_new
             drafts = self.spec.drafts(seq, budget) if num_new == 1 and self.spec is not None else []
             if drafts and self.kv.can_grow(seq, 1 + len(drafts)):
@@ -399,7 +423,7 @@ class Scheduler(SchedulerMetrics):
         hit_tokens = 0
         if seq.num_computed_tokens == 0 and not seq.block_ids:
             hit_tokens = self._take_prefix_hits(seq)
-        remaining = seq.num_tokens - seq.num_computed_tokens - (1 if self._hold else 0)
+        remaining = seq.num_tokens - seq.num_computed_tokens - (1 if self._hold_last else 0)
         if not self.config.enable_chunked_prefill and remaining > budget:
             if out.seqs:
                 self.kv.drop_prefix_hits(seq)
@@ -407,6 +431,9 @@ class Scheduler(SchedulerMetrics):
             if remaining > self.config.max_num_batched_tokens:
                 raise AssertionError("unchunkable prompt beyond the token budget passed validation")
         num_new = min(remaining, budget, self._prefill_left, self._chunk_cap)
+        if remaining == 0 and self._hold_last and budget > 0:
+            self.kv.drop_prefix_hits(seq)
+            return budget  # (its last token waits for the release: the prompts behind it may start)
         if num_new <= 0 or not self.kv.can_admit(seq, num_new, bool(self.running)):
             self.kv.drop_prefix_hits(seq)
             return None

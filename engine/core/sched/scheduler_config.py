@@ -23,3 +23,5 @@ class SchedulerConfig:
     long_prefill_token_threshold: int = 0  # a prompt's tokens in one step at most (0: the step's budget)
     whole_prompts_first: bool = False  # waiting prompts that fit whole go before running prompts' pieces
     micro_batch_tokens: int = 0  # CPU: a step's rows at most where prefill meets decodes (step_budget.MicroSteps)
+    # CPU: prompt rows whose first tokens come together (step_budget.PrefillWave; 0, or not above the budget: off)
+    prefill_wave_tokens: int = 0

@@ -221,3 +221,53 @@ class MicroSteps:
 
     def ran(self, held: bool, prefill_tokens: int) -> None:
         self.held_prefill = self.held_prefill + prefill_tokens if held else 0
+
+
+class PrefillWave:
+    """Prompts that arrive together have their first tokens together (the cpu_prefill_wave_tokens
+    setting), as llama.cpp's batch of micro-batches (-b 2048 over -ub 512) does: where the prompts in
+    flight need more rows than a step leaves beside its decodes, their pieces stop one token short of
+    each prompt's end (nothing sampled for them) until what is left of them fits one step. Without it
+    the prompts done in the first step start decoding and then wait a whole step (~2 s for a 1.2B
+    model on 2 cores) for the others' prefill: on a c16 wave of 64-token prompts that gap is the ITL
+    p99 (docs/benchmarks.md, latency under load). Decodes run in every step as before, so none waits
+    longer than it did; steps keep their rows (memory, kernels). The wave is the running prompts,
+    then the waiting ones (the order steps take them in), as far as their rows plus those already run
+    in held steps stay within `wave_tokens`: a prompt's first token waits for at most that much
+    prefill, and a long prompt that does not fit leaves the steps as they were."""
+
+    def __init__(self, step_tokens: int, wave_tokens: int) -> None:
+        self.step_tokens = step_tokens
+        self.wave_tokens = wave_tokens
+        self.held_prefill = 0  # prefill rows run in held steps since the wave's first tokens last came
+
+    def plan(self, running: "list[Sequence]", waiting: "list[Sequence]", seats_left: int) -> bool:
+        """Whether this step holds its prompts' last tokens."""
+        decodes = 0
+        rows = 0  # the wave's rows still to run
+        cap = self.wave_tokens - self.held_prefill
+        full = False  # a prompt beyond the wave: the ones after it are not in it either
+        for s in running:
+            n = len(s.token_ids) - s.num_computed_tokens
+            if n <= 0 or s.request.paused:
+                continue
+            if n == 1 and s.num_computed_tokens >= s.num_prompt_tokens:
+                decodes += 1
+            elif not full and rows + n <= cap:
+                rows += n
+            else:
+                full = True
+        for s in waiting:
+            if full or seats_left <= 0:
+                break
+            if s.request.paused:
+                continue
+            n = s.num_tokens - s.num_computed_tokens
+            if rows + n > cap:
+                break
+            rows += n
+            seats_left -= 1
+        return rows > self.step_tokens - decodes
+
+    def ran(self, held: bool, prefill_tokens: int) -> None:
+        self.held_prefill = self.held_prefill + prefill_tokens if held else 0
