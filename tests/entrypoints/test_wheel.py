@@ -37,23 +37,40 @@ def _tracked_copy(dest: Path) -> Path:
 
 
 def _prebuilt_libraries(src: Path) -> list[Path]:
-    """Stand-ins at the paths where `make wheel` (compiler/kernels/cpu_prebuild.py --all) puts the
-    C++ CPU libraries of every ISA level, under the tree `src`: a key of their own, so the
-    installed kiln below never loads one."""
-    from compiler.kernels import cpu_extension
+    """Every ISA level's C++ CPU libraries at the paths where the wheel's build hook
+    (compiler/kernels/wheel_build.py: cpu_prebuild --all) finds them under the tree `src`, put there
+    first so the hook builds none (minutes): this CPU's are the session's real libraries (the
+    installed kiln below loads them), the other levels' are stand-ins it never loads."""
+    from compiler.kernels import cpu_prebuild
 
-    kinds = ("cpu-attention", "cpu-fused", "cpu-gemv")
-    return [cpu_extension.library_path(src / "compiler/kernels/prebuilt", kind, "stand-in") for kind in kinds]
+    placed = []
+    for job in cpu_prebuild.jobs(every_level=True):
+        target = cpu_prebuild.library(job, src / "compiler/kernels/prebuilt")
+        real = cpu_prebuild.built(job, ROOT / "compiler/kernels/prebuilt")
+        target.parent.mkdir(parents=True, exist_ok=True)
+        if real is not None:
+            target.write_bytes(real.read_bytes())
+        elif job.kind != "cpu-gemv" and job.capability != torch_capability():
+            target.write_bytes(b"not a library")
+        else:
+            continue  # (one this CPU loads, not built by the install step: the hook builds it)
+        placed.append(target)
+    return placed
+
+
+def torch_capability() -> str:
+    import torch
+
+    return torch.backends.cpu.get_cpu_capability()
 
 
 @pytest.fixture(scope="module")
-def wheel(tmp_path_factory) -> Path:
+def built_wheel(tmp_path_factory) -> tuple[Path, list[str]]:
+    """The wheel, and the CPU libraries placed for its build hook (paths inside the package)."""
     if subprocess.run(["git", "rev-parse"], cwd=ROOT, capture_output=True).returncode != 0:
         pytest.skip("not a git checkout")
     src = _tracked_copy(tmp_path_factory.mktemp("src"))
-    for library in _prebuilt_libraries(src):
-        library.parent.mkdir(parents=True, exist_ok=True)
-        library.write_bytes(b"not a library")
+    placed = _prebuilt_libraries(src)
     out = tmp_path_factory.mktemp("dist")
     res = subprocess.run(
         [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(out), str(src)],
@@ -63,7 +80,12 @@ def wheel(tmp_path_factory) -> Path:
     )
     assert res.returncode == 0, res.stderr[-3000:]
     (whl,) = out.glob("kiln_serve-*.whl")
-    return whl
+    return whl, [str(p.relative_to(src)) for p in placed]
+
+
+@pytest.fixture(scope="module")
+def wheel(built_wheel) -> Path:
+    return built_wheel[0]
 
 
 @pytest.fixture(scope="module")
@@ -106,7 +128,8 @@ def _env() -> dict[str, str]:
     return {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")} | {"PYTHONUNBUFFERED": "1"}
 
 
-def test_wheel_holds_every_package_and_the_templates(wheel):
+def test_wheel_holds_every_package_and_the_templates(built_wheel):
+    wheel, shipped = built_wheel
     names = zipfile.ZipFile(wheel).namelist()
     packages = {str(p.parent.relative_to(ROOT)) for p in ROOT.glob("engine/**/__init__.py")}
     packages |= {str(p.parent.relative_to(ROOT)) for p in ROOT.glob("compiler/**/__init__.py")}
@@ -116,8 +139,7 @@ def test_wheel_holds_every_package_and_the_templates(wheel):
     assert templates and templates <= {Path(n).name for n in names if n.startswith("templates/")}
     for data in ("grafana_dashboard.json", "chat_page.html"):  # (package data: the dashboard, the chat page)
         assert f"engine/entrypoints/openai/{data}" in names, data
-    # the CPU libraries `make wheel` builds, where the loaders look first (compiler/kernels/cpu_extension.py)
-    shipped = [str(p.relative_to("/src")) for p in _prebuilt_libraries(Path("/src"))]
+    # every ISA level's CPU libraries (the build hook's), where the loaders look first (cpu_extension.py)
     assert shipped and set(shipped) <= set(names), sorted(set(shipped) - set(names))
 
 
