@@ -138,7 +138,7 @@ def _dense_old(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 def _quant_new(x: torch.Tensor, packed: torch.Tensor, fmt: int, n: int, k: int, groups: int, float_acts: bool):
     """What a quantised layer runs now (engine/layers/quant/cpu_packed.py): the kernel, or from this
-    machine's crossover (cpu_crossover.py: measured and cached, else GEMM_ROWS) the GEMM on the
+    machine's crossover (cpu_crossover.py: measured and cached, else cpu_packed.default_gemm_rows) the GEMM on the
     weight dequantised for the call."""
     if x.shape[0] >= CROSSOVER.gemm_rows([fmt], x.dtype, float_acts):
         return cpu_linear.linear(x, cpu_gemv.dequantize(packed, fmt, n, k, groups, x.dtype))

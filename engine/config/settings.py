@@ -224,8 +224,8 @@ class EngineSettings(KilnSettingsBase):
         description="a float32 model's quantised layers (GGUF, GPTQ/AWQ int) on the CPU kernels: float = "
         "weights dequantised in registers against float32 activations (dequantise-then-matmul's products); int8 = "
         "activations quantised to int8 per block of 32 for integer dot products, as llama.cpp does; auto = float "
-        "on AMD's AVX-512 cores, int8 elsewhere (AVX2-only and Intel CPUs: there the float path is compute-bound, "
-        "~2x slower). "
+        "on AMD Zen 5, int8 elsewhere (Zen 4, AVX2-only and Intel CPUs: there the float path is compute-bound, "
+        "1.5-2.5x slower). "
         "bf16/fp16 models always take int8",
     )
     cpu_half_weights: bool = Field(

@@ -14,7 +14,7 @@ the first row count from which the GEMM wins at two grid points in a row (NEVER:
 everywhere measured). `kiln build-kernels --cpu` measures and
 caches it under kiln's cache dir, keyed by the CPU model, the kernels' ISA level and build,
 torch's capability and version (`cache_key`), so start-up only reads a small JSON file; where
-nothing is cached the defaults (cpu_packed.GEMM_ROWS) hold, and the setting cpu_quant_gemm_rows
+nothing is cached the defaults (cpu_packed.default_gemm_rows) hold, and the setting cpu_quant_gemm_rows
 overrides both. `resolve` says which, for the start-up log.
 """
 
@@ -49,7 +49,7 @@ MEASURED = {"q8": "Q8_0", "q4": "Q4_0", "k": "Q4_K"}
 # Activation modes: the activations' dtype on the packed layer (float32 / bfloat16) and their path.
 MODES = {"f32-float": (torch.float32, True), "f32-int8": (torch.float32, False), "bf16-int8": (torch.bfloat16, False)}
 GRID = (16, 32, 64, 128, 256, 512, 1024, 2048)
-NEVER = 1 << 40  # "from this many rows": never, the kernels at every row count
+NEVER = cpu_packed.GEMM_NEVER  # "from this many rows": never, the kernels at every row count
 SHAPE = (1024, 2048)  # (out, in) of the layer measured: a 1B model's o_proj transposed, 2M weights
 MARGIN = 0.95  # the GEMM must take under this share of the kernels' time to count as a win
 VERSION = 1  # of the cache file's content
@@ -83,7 +83,7 @@ class Crossover:
         """For a layer of packed `formats` (its runs): the smallest of theirs, so that a fused
         layer (Q4_K_M's q/k in Q4_K, v in Q6_K) leaves the kernels as a whole."""
         mode = mode_of(dtype, float_acts)
-        default = cpu_packed.GEMM_ROWS[float_acts]
+        default = cpu_packed.default_gemm_rows(float_acts)
         return min(self.rows.get(f"{family_of(f)}/{mode}", default) for f in formats)
 
     def summary(self, smallest: int) -> str:
@@ -93,7 +93,8 @@ class Crossover:
 
     def describe(self) -> str:
         parts = [f"{k} {'never' if v >= NEVER else v}" for k, v in sorted(self.rows.items())]
-        defaults = f"float path {cpu_packed.GEMM_ROWS[True]}, int8 {cpu_packed.GEMM_ROWS[False]}"
+        int8 = cpu_packed.default_gemm_rows(False)
+        defaults = f"float path {cpu_packed.GEMM_ROWS[True]}, int8 {'never' if int8 >= NEVER else int8}"
         return ", ".join(parts) if parts else defaults
 
 

@@ -235,7 +235,10 @@ def test_setting_turns_it_off(tiny_llama):
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_packed_gguf_stack_equals_layers(dtype):
     """SmolLM2's Q4_1 GGUF kept packed (float activations in float32, int8 ones in bfloat16): the
-    stack runs up to the rows where prefill chunks go to the GEMM (63 / 127), here a 49-row step."""
+    stack runs up to the rows where prefill chunks go to the GEMM (63; int8: 127, or on VNNI kernels
+    the MLP's row pieces, 256), here a 49-row step."""
+    from engine.layers.quant import cpu_packed
+
     from engine.config.settings_base import default_cache_dir
     from tests.support.real_model import Unavailable, fetch_smollm2
 
@@ -246,7 +249,9 @@ def test_packed_gguf_stack_equals_layers(dtype):
     # (float32 on the float path as set: auto takes int8 activations on AVX2-only CPUs)
     engine = _engine(path, dtype=dtype, max_model_len=512, cpu_quant_activations="float")
     stack = engine.core.runner.model.cpu_stack
-    assert stack is not None and stack.max_rows == (63 if dtype == "float32" else 127)
+    float_acts = dtype == "float32"
+    expected = min(cpu_packed.default_gemm_rows(float_acts) - 1, cpu_packed.MLP_PIECE_ROWS)
+    assert stack is not None and stack.max_rows == expected
     assert _differences(engine, stack, prefill=(40, 9), decodes=2) == []
     assert_engine_clean(engine)
 

@@ -32,7 +32,7 @@ def test_rows_per_family_mode_and_defaults():
     assert crossover.gemm_rows([Q8_0, Q4_K], torch.float32, False) == 512
     assert crossover.gemm_rows([Q4_K], torch.bfloat16, False) == 96
     assert crossover.gemm_rows([Q4_K], torch.float32, True) == cpu_packed.GEMM_ROWS[True]  # (not measured)
-    assert crossover.gemm_rows([cpu_gemv.INT4], torch.float32, False) == cpu_packed.GEMM_ROWS[False]
+    assert crossover.gemm_rows([cpu_gemv.INT4], torch.float32, False) == cpu_packed.default_gemm_rows(False)
     assert cc.family_of(cpu_gemv.INT8) == "q8" and cc.family_of(cpu_gemv.GGUF_FORMATS["Q5_1"]) == "q4"
     with pytest.raises(ValueError, match="no kernel family"):
         cc.family_of(999)
@@ -113,7 +113,22 @@ def test_apply_gives_each_packed_layer_its_rows(kernels):
     assert cc.apply(model, crossover, torch.float32) == 640
     assert gate_up.quant.gemm_rows == down.quant.gemm_rows == 640
     assert cc.apply(model, crossover, torch.bfloat16) == 320
-    assert cc.apply(model, cc.Crossover(), torch.float32) == cpu_packed.GEMM_ROWS[False]
+    assert cc.apply(model, cc.Crossover(), torch.float32) == cpu_packed.default_gemm_rows(False)
+
+
+def test_default_rows_per_kernel_level(kernels):
+    """Unmeasured, the int8 path leaves the kernels at GEMM_ROWS[False] rows on kernels without VNNI
+    and never on VNNI kernels (they beat the GEMM at every row count measured); the float path at
+    GEMM_ROWS[True] on any level."""
+    before = cpu_gemv.GEMV.max_level
+    try:
+        for name in [n for n in cpu_gemv.LEVELS if cpu_gemv.LEVELS.index(n) in cpu_gemv.GEMV.levels]:
+            cpu_gemv.GEMV.limit(name)
+            vnni = cpu_gemv.LEVELS[cpu_gemv.GEMV.level].endswith("_vnni")
+            assert cpu_packed.default_gemm_rows(False) == (cc.NEVER if vnni else cpu_packed.GEMM_ROWS[False]), name
+            assert cpu_packed.default_gemm_rows(True) == cpu_packed.GEMM_ROWS[True]
+    finally:
+        cpu_gemv.GEMV.limit(cpu_gemv.LEVELS[before])
 
 
 def test_gated_rows_in_pieces_are_the_whole_steps_bits(kernels, monkeypatch):

@@ -89,6 +89,7 @@ def packed_gguf_layer(formats: tuple[str, ...], sizes: tuple[int, ...], k: int, 
     with torch.device("meta"):
         layer = Linear(k, sum(sizes), bias)
     cpu_packed.install(layer, runs, packed, None, float_acts=False)
+    layer.quant.gemm_rows = cpu_packed.GEMM_ROWS[False]  # (a fixed crossover, whatever this CPU's default)
     if bias:
         layer.bias = torch.nn.Parameter(torch.randn(sum(sizes)), requires_grad=False)
     return layer

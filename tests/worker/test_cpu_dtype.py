@@ -88,26 +88,28 @@ def test_gguf_weight_types_name_the_checkpoint_dtype(tiny_llama, tmp_path):
 
 
 @pytest.mark.parametrize(
-    "isa, vendor, float_path",
+    "isa, vendor, family, float_path",
     [
-        ("AVX512", "AuthenticAMD", True),  # Zen 4/5: the float path keeps up with memory
-        ("AVX512", "GenuineIntel", False),  # Sapphire Rapids: it is compute-bound, int8 ~2x faster
-        ("AVX2", "AuthenticAMD", False),
-        ("AVX2", "GenuineIntel", False),
-        ("AVX512", "", False),
+        ("AVX512", "AuthenticAMD", 26, True),  # Zen 5: the float path keeps up with memory
+        ("AVX512", "AuthenticAMD", 25, False),  # Zen 4: compute-bound, int8 1.5-2.5x faster
+        ("AVX512", "GenuineIntel", 6, False),  # Sapphire Rapids: compute-bound, int8 ~2x faster
+        ("AVX2", "AuthenticAMD", 25, False),
+        ("AVX2", "GenuineIntel", 6, False),
+        ("AVX512", "", 0, False),
     ],
 )
-def test_quantised_activations_auto(isa, vendor, float_path):
+def test_quantised_activations_auto(isa, vendor, family, float_path):
     """cpu_quant_activations=auto for a float32 model's quantised layers: float only where measured
     to stream at memory speed; an explicit choice and a reduced-precision model are kept as they are."""
     import torch
 
     from engine.layers.quant.cpu_packed import activations_choice
 
-    chosen, why = activations_choice(torch.float32, "auto", isa=isa, vendor=vendor)
+    cpu = {"isa": isa, "vendor": vendor, "family": family}
+    chosen, why = activations_choice(torch.float32, "auto", **cpu)
     assert chosen is float_path and ("float32 activations" if float_path else "int8 activations") in why
-    assert activations_choice(torch.float32, "float", isa=isa, vendor=vendor)[0] is True
-    assert activations_choice(torch.float32, "int8", isa=isa, vendor=vendor)[0] is False
-    assert activations_choice(torch.bfloat16, "auto", isa=isa, vendor=vendor)[0] is False
+    assert activations_choice(torch.float32, "float", **cpu)[0] is True
+    assert activations_choice(torch.float32, "int8", **cpu)[0] is False
+    assert activations_choice(torch.bfloat16, "auto", **cpu)[0] is False
     with pytest.raises(ValueError, match="cpu_quant_activations"):
-        activations_choice(torch.float32, "int4", isa=isa, vendor=vendor)
+        activations_choice(torch.float32, "int4", **cpu)

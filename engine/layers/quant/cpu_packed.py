@@ -9,7 +9,7 @@ per group), act-order columns permuted so that each group is contiguous (`gemv_p
 activations gathered the same way per call).
 
 Which activation path (`activations_choice`, setting cpu_quant_activations): a float32 model keeps
-its activations float on AMD's AVX-512 cores (the products of dequantise-then-matmul, so its greedy
+its activations float on AMD Zen 5 (the products of dequantise-then-matmul, so its greedy
 output is the dense model's); elsewhere that float path is compute-bound, so there (and always for
 a bfloat16 or float16 model, whose activations are rounded to 8 bits of mantissa anyway) the
 activations are quantised to int8 per block of 32 for integer dot products, as llama.cpp does
@@ -42,8 +42,9 @@ BUFFER = "gemv_packed"
 MAX_RUNS = 3  # runs per layer: at most one per fused part (q / k / v)
 BUFFERS = (*(f"{BUFFER}{i}" for i in range(MAX_RUNS)), "gemv_perm")
 # Rows from which the GEMM on the dequantised weight runs instead (float path, int path), where this
-# machine's crossover was not measured (cpu_crossover.py)
+# machine's crossover was not measured (cpu_crossover.py); `default_gemm_rows` says which applies
 GEMM_ROWS = {True: 64, False: 128}
+GEMM_NEVER = 1 << 40  # "from this many rows": never, the kernels take every row count
 # Above this many rows on the kernels a gated MLP runs its rows in pieces of this many
 # (gated_rows_in_pieces): the [rows, 2 x intermediate] product never exists whole
 MLP_PIECE_ROWS = 256
@@ -52,15 +53,27 @@ GEMM_SLICE_BYTES = 8 << 20
 ROW_GROUP = 16  # output rows per group of the packed layout (templates/cpu_gemv.cpp): slices are whole groups
 
 
+def default_gemm_rows(float_acts: bool) -> int:
+    """Rows from which a packed layer runs the GEMM where this machine's crossover was not measured:
+    GEMM_ROWS per path, except the int8 path on kernels with VNNI (vpdpbusd), which beat the GEMM at
+    every row count measured up to 2048 rows wherever they ran (Intel Sapphire Rapids: docs/benchmarks.md;
+    AMD Zen 4, session 26: 8.8 against 27 µs per row at 128 rows, 9.1 against 20.5 at 2048), so
+    never there: a 128-token prompt of the 1.2B model's Q4_K_M in float32 ran at 0.7x llama.cpp
+    through the GEMM."""
+    if not float_acts and cpu_gemv.GEMV.ensure() and cpu_gemv.LEVELS[cpu_gemv.GEMV.level].endswith("_vnni"):
+        return GEMM_NEVER
+    return GEMM_ROWS[float_acts]
+
+
 class CpuPackedMethod:
     """A linear layer whose weight is in the CPU kernels' layout: runs (first output row, rows,
     format, groups) on the module (`gemv_runs`), buffers gemv_packed0.. and gemv_perm (act-order
     column order, or None). From `gemm_rows` rows a call runs the GEMM on the dequantised weight
-    (default GEMM_ROWS; the builder sets this machine's: cpu_crossover.apply)."""
+    (default `default_gemm_rows`; the builder sets this machine's: cpu_crossover.apply)."""
 
     def __init__(self, float_acts: bool, gemm_rows: int | None = None) -> None:
         self.float_acts = float_acts
-        self.gemm_rows = GEMM_ROWS[float_acts] if gemm_rows is None else gemm_rows
+        self.gemm_rows = default_gemm_rows(float_acts) if gemm_rows is None else gemm_rows
 
     def apply(self, module: nn.Module, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
@@ -235,18 +248,23 @@ def float_acts_for(dtype: torch.dtype | None, activations: str = "auto") -> bool
 
 
 def activations_choice(
-    dtype: torch.dtype | None, activations: str = "auto", isa: str | None = None, vendor: str | None = None
+    dtype: torch.dtype | None,
+    activations: str = "auto",
+    isa: str | None = None,
+    vendor: str | None = None,
+    family: int | None = None,
 ) -> tuple[bool, str]:
     """(float path?, why in words) for a model of `dtype` and the setting cpu_quant_activations, on a
-    CPU of torch capability `isa` and /proc/cpuinfo `vendor` (default: this one's).
+    CPU of torch capability `isa`, /proc/cpuinfo `vendor` and `cpu family` (default: this one's).
 
     Only a float32 model has the choice (bf16/fp16 activations are rounded to 8 bits of mantissa
     anyway: int8 always). auto: the float path only where dequantising in registers was measured to
-    keep up with memory: AMD's AVX-512 cores (Zen 4/5: full-width conversions beside the FMAs). On
-    AVX2-only CPUs and on Intel's AVX-512 cores the float path's conversions make it compute-bound,
-    so int8 there (tools/bench_cpu_gemv.py q4_1-f32 against q4_1-bf16, one row: Zen 3 4.0 against
-    9.4 GB/s; Sapphire Rapids 8.4 against 17.7, and SmolLM2 Q4_1 decodes 1.6x faster at batch 1,
-    1.3x at 16: benchmarks/2026-12-03.md, session 14)."""
+    keep up with memory: AMD Zen 5 (family 26 and later: full-width 512-bit conversions beside the
+    FMAs; sessions 8-11). Everywhere else the float path's conversions make it compute-bound, so
+    int8 there: Zen 3 (AVX2) q4_1 one row 4.0 against 9.4 GB/s; Sapphire Rapids 8.4 against 17.7
+    (SmolLM2 Q4_1 batch 1 1.6x, batch 16 1.3x: benchmarks/2026-12-03.md, session 14); Zen 4 (family
+    25, AVX-512 on 256-bit units) the 1.2B model's Q4_K_M 1.6x at batch 1 and 2.5x at batch 16, its
+    Q8_0 1.5x and 2.3x (docs/benchmarks.md, session 26)."""
     if activations not in ACTIVATIONS:
         raise ValueError(f"cpu_quant_activations: {activations!r} is not one of {ACTIVATIONS}")
     if dtype not in (None, torch.float32):
@@ -255,10 +273,12 @@ def activations_choice(
         return activations == "float", f"{activations} activations (cpu_quant_activations={activations})"
     isa = torch.backends.cpu.get_cpu_capability() if isa is None else isa
     vendor = cpu_vendor() if vendor is None else vendor
-    if isa == "AVX512" and vendor == "AuthenticAMD":
-        return True, "float32 activations (auto: AMD AVX-512 here, dequantised in registers at memory speed)"
+    family = cpu_family() if family is None else family
+    if isa == "AVX512" and vendor == "AuthenticAMD" and family >= ZEN5_FAMILY:
+        return True, "float32 activations (auto: AMD Zen 5 AVX-512 here, dequantised in registers at memory speed)"
+    where = f"{isa} on {vendor or 'an unknown CPU'}" + (f" family {family}" if family else "")
     return False, (
-        f"int8 activations per block of 32, as llama.cpp (auto: {isa} on {vendor or 'an unknown CPU'}, "
+        f"int8 activations per block of 32, as llama.cpp (auto: {where}, "
         "where the float path is compute-bound; cpu_quant_activations=float keeps dequantise-then-"
         "matmul's products)"
     )
@@ -280,6 +300,15 @@ def cpuinfo_field(name: str) -> str:
 def cpu_vendor() -> str:
     """This CPU's vendor string (GenuineIntel, AuthenticAMD...) from /proc/cpuinfo; '' elsewhere."""
     return cpuinfo_field("vendor_id")
+
+
+def cpu_family() -> int:
+    """This CPU's /proc/cpuinfo `cpu family` (AMD: 25 Zen 3/4, 26 Zen 5); 0 where it says none."""
+    field = cpuinfo_field("cpu family")
+    return int(field) if field.isdigit() else 0
+
+
+ZEN5_FAMILY = 26  # AMD's first family whose AVX-512 units are 512 bits wide
 
 
 ACTIVATIONS = ("auto", "float", "int8")
