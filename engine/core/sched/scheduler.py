@@ -7,8 +7,9 @@ Pure CPU over ints and lists (no torch). Each step:
   2. then swapped-out and waiting sequences, most urgent first (priority, swapped before
      waiting at equal priority, then arrival order): swapped ones come back, waiting ones are
      admitted, their prompts chunked to fit the token budget; prefix-cache hits skip the
-     blocks already computed. With whole_prompts_first, 1. leaves waiting prompts that fit whole
-     room before a running prompt's next piece (engine/core/sched/step_budget.py).
+     blocks already computed. How much prefill the step takes, and which tokens it holds back
+     (a latency target, whole_prompts_first, CPU micro-steps and prompt waves), is the step's
+     prefill plan (engine/core/sched/prefill_plan.py).
 Before 1., a waiting or swapped sequence more urgent than some running ones may preempt
 them to make room (lower `priority` value = more urgent). A step that preempted admits only
 sequences strictly more urgent than everything it preempted (no thrash).
@@ -34,17 +35,10 @@ from engine.core.request_kinds import task_of
 from engine.core.sched.deltas import SeqDeltas
 from engine.core.sched.integrity import check_queues
 from engine.core.sched.preemption import Preemptor
+from engine.core.sched.prefill_plan import PrefillPlan
 from engine.core.sched.scheduler_config import SchedulerConfig
 from engine.core.sched.scheduler_metrics import SchedulerMetrics
 from engine.core.sched.scheduler_output import SchedulerOutput, scheduled_seq
-from engine.core.sched.step_budget import (
-    MicroSteps,
-    PrefillWave,
-    StepBudget,
-    chunk_cap,
-    num_decodes,
-    whole_prompts_reserve,
-)
 from engine.core.sched.step_update import StepResults
 
 if TYPE_CHECKING:
@@ -93,19 +87,10 @@ class Scheduler(SchedulerMetrics):
         self._unforked: dict[int, Sequence] = {}  # n > 1 requests not forked yet: they hold n seats
         self._spare = self.results.spare  # decode records of processed steps, for the next decode
         self._prefills = False  # this step emitted a record of more than one token
-        # The latency target's prefill allowance (None: no target; chunking is what enforces it).
-        self.step_budget = StepBudget.of(config)  # None: no latency target
-        self._prefill_left = 0  # prefill tokens this step may still take
-        self._held = 0  # of those, held back from running prompts for waiting ones (whole_prompts_first)
-        # One prompt's share of a step (chunked prefill): short prompts queued behind a long one start beside it.
-        self._chunk_cap = chunk_cap(config)
-        mb = config.micro_batch_tokens if config.enable_chunked_prefill and spec is None else 0
-        self.micro = MicroSteps(mb, config.max_num_batched_tokens) if mb else None  # (CPU: cpu_micro_batch_tokens)
-        self._hold = False  # this step holds the decodes (MicroSteps)
-        wave = config.prefill_wave_tokens if config.enable_chunked_prefill and spec is None else 0
-        # (CPU: cpu_prefill_wave_tokens; a wave no larger than a step holds nothing)
-        self.wave = PrefillWave(config.max_num_batched_tokens, wave) if wave > config.max_num_batched_tokens else None
-        self._hold_last = False  # this step holds its prompts' last tokens, not its decodes (PrefillWave)
+        # The step's prefill allowance, prompt shares and holds (engine/core/sched/prefill_plan.py).
+        self.plan = PrefillPlan(config, speculative=spec is not None)
+        self.step_budget = self.plan.step_budget  # the latency target's (None: no target)
+        self.micro, self.wave = self.plan.micro, self.plan.wave
 
     # ---- requests in and out ----
     def add_request(self, request: Request, held: bool = False) -> None:
@@ -259,35 +244,16 @@ class Scheduler(SchedulerMetrics):
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
-        self._prefill_left = budget if self.step_budget is None else self.step_budget.allowance(self.running)
         self.preemption.begin_step()
         self._prefills = False
         if self.swapper is not None:
             self.swapper.begin_step()
         queued = bool(self.waiting or self.swapped)
-        self._held, self._hold = 0, False
-        seats_left = self.config.max_num_seqs - self._seats_used()
-        if self.waiting and self.running and self.config.whole_prompts_first and self.config.enable_chunked_prefill:
-            self._held = whole_prompts_reserve(self.running, self.waiting, seats_left, self._prefill_left, self._seats)
-        if self.micro is not None:
-            self._hold, allowance = self.micro.plan(self.running, self.waiting, seats_left)
-            self._prefill_left = min(self._prefill_left, allowance)
-        self._hold_last = self._hold or (
-            self.wave is not None and self.wave.plan(self.running, self.waiting, seats_left)
-        )
+        self.plan.begin(self.running, self.waiting, self.config.max_num_seqs - self._seats_used(), self._seats)
         out = self._fill(out, budget, queued)
-        if self._hold and not out.seqs:  # (nothing could run held: run the decodes now)
-            assert self.micro is not None
-            self._hold = self._hold_last = False
-            self._prefill_left = min(self._prefill_left, max(self.micro.tokens - num_decodes(self.running), 0))
+        if not out.seqs and self.plan.lift(self.running):  # (a held step that ran nothing runs what it held)
             out = self._fill(out, budget, bool(self.waiting or self.swapped))
-        elif self._hold_last and not out.seqs:  # (only last tokens were left to run: run them)
-            self._hold_last = False
-            out = self._fill(out, budget, bool(self.waiting or self.swapped))
-        if self.micro is not None:
-            self.micro.ran(self._hold, out.num_prefill_tokens)
-        if self.wave is not None:
-            self.wave.ran(self._hold_last, out.num_prefill_tokens)  # (a MicroSteps hold counts too)
+        self.plan.ran(out.num_prefill_tokens)
         if self._prefills:
             # One-token sequences first: backends attend decodes and prefill chunks separately.
             out.seqs.sort(key=lambda s: s.num_tokens != 1)
@@ -325,8 +291,9 @@ class Scheduler(SchedulerMetrics):
         plain = self.spec is None  # no drafts to propose: a decode can take the fast path
         no_reserve = self.kv.reserved_blocks == 0
         delta = self.deltas.delta
-        hold = self._hold  # (MicroSteps: decodes and prompts' last tokens wait; pieces stop one short)
-        hold_last = self._hold_last  # (PrefillWave, and MicroSteps: prompts' last tokens wait)
+        plan = self.plan
+        hold = plan.hold  # (MicroSteps: decodes and prompts' last tokens wait; pieces stop one short)
+        hold_last = plan.hold_last  # (PrefillWave, and MicroSteps: prompts' last tokens wait)
         decodes = 0
         i = 0
         while i < len(running) and budget > 0:
@@ -370,15 +337,11 @@ class Scheduler(SchedulerMetrics):
                 continue
             if num_new > budget:
                 num_new = budget
-            if num_new > 1:  # a prefill piece: within the step's prefill allowance
-                room = min(self._prefill_left, budget)
-                if self._held:  # (whole_prompts_first: leave room for waiting prompts and later decodes)
-                    room -= self._held + num_decodes(running[i + 1 :])
-                if room <= 0:
+            if num_new > 1:  # a prefill piece: within the step's prefill plan
+                num_new = plan.piece(num_new, budget, len(tokens) - start, running, i + 1)
+                if not num_new:
                     i += 1
                     continue
-                num_new = min(num_new, room, self._chunk_cap, len(tokens) - start - 1 if hold_last else num_new)
-                self._prefill_left -= num_new
             drafts = self.spec.drafts(seq, budget) if num_new == 1 and self.spec is not None else []
             if drafts and self.kv.can_grow(seq, 1 + len(drafts)):
                 num_new = 1 + len(drafts)  # drafts only where blocks are free: they never preempt
@@ -408,7 +371,7 @@ class Scheduler(SchedulerMetrics):
             if seq.request.paused:
                 continue  # (preempted while its reader is behind: back when it reads)
             if seq.status is SeqStatus.SWAPPED:
-                if self._hold:
+                if self.plan.hold:
                     break  # (it comes back to decode: with the decodes)
                 left = self._try_swap_in(seq, out, budget)
             else:
@@ -423,15 +386,16 @@ class Scheduler(SchedulerMetrics):
         hit_tokens = 0
         if seq.num_computed_tokens == 0 and not seq.block_ids:
             hit_tokens = self._take_prefix_hits(seq)
-        remaining = seq.num_tokens - seq.num_computed_tokens - (1 if self._hold_last else 0)
+        plan = self.plan
+        remaining = seq.num_tokens - seq.num_computed_tokens - (1 if plan.hold_last else 0)
         if not self.config.enable_chunked_prefill and remaining > budget:
             if out.seqs:
                 self.kv.drop_prefix_hits(seq)
                 return None  # wait for a step with room for the whole prompt
             if remaining > self.config.max_num_batched_tokens:
                 raise AssertionError("unchunkable prompt beyond the token budget passed validation")
-        num_new = min(remaining, budget, self._prefill_left, self._chunk_cap)
-        if remaining == 0 and self._hold_last and budget > 0:
+        num_new = min(remaining, budget, plan.left, plan.chunk_cap)
+        if remaining == 0 and plan.hold_last and budget > 0:
             self.kv.drop_prefix_hits(seq)
             return budget  # (its last token waits for the release: the prompts behind it may start)
         if num_new <= 0 or not self.kv.can_admit(seq, num_new, bool(self.running)):
@@ -443,7 +407,7 @@ class Scheduler(SchedulerMetrics):
         self.waiting.remove(seq)
         self._insert_running(seq)
         self._emit(seq, num_new, out)
-        self._prefill_left -= num_new
+        plan.left -= num_new
         return budget - num_new
 
     def _take_prefix_hits(self, seq: Sequence) -> int:
