@@ -21,8 +21,6 @@ results engine/core/sched/step_update.py's.
 
 from __future__ import annotations
 
-import bisect
-import heapq
 import itertools
 import time
 from typing import TYPE_CHECKING
@@ -36,6 +34,7 @@ from engine.core.sched.deltas import SeqDeltas
 from engine.core.sched.integrity import check_queues
 from engine.core.sched.preemption import Preemptor
 from engine.core.sched.prefill_plan import PrefillPlan
+from engine.core.sched.queues import SeqQueues
 from engine.core.sched.scheduler_config import SchedulerConfig
 from engine.core.sched.scheduler_metrics import SchedulerMetrics
 from engine.core.sched.scheduler_output import SchedulerOutput, scheduled_seq
@@ -64,11 +63,13 @@ class Scheduler(SchedulerMetrics):
         self.spec = spec  # speculative decoding: drafts for decoding sequences, and their acceptance
         self.seqs_by_id: dict[int, Sequence] = {}  # every sequence of an unfinished request
         self.deltas = SeqDeltas()  # what the worker holds of each sequence (block table, tokens)
-        self.waiting: list[Sequence] = []
-        self.running: list[Sequence] = []  # kept in _priority_key order (most urgent first)
-        self.swapped: list[Sequence] = []
+        # The queues in their orders, and the running seats (engine/core/sched/queues.py).
+        self.queues = queues = SeqQueues()
+        self.waiting, self.running, self.swapped = queues.waiting, queues.running, queues.swapped
+        self._unforked = queues.unforked  # n > 1 requests not forked yet: they hold n seats
+        self._seats_used = queues.seats_used  # running seats taken (n per unforked request)
         self.preemption = Preemptor(
-            config.preemption_mode, self.kv, swapper, self.running, self.swapped, self._insert_waiting
+            config.preemption_mode, self.kv, swapper, self.running, self.swapped, queues.insert_waiting
         )
         self.results = StepResults(
             self.kv,
@@ -82,9 +83,6 @@ class Scheduler(SchedulerMetrics):
         )
         self.requests: dict[str, Request] = {}
         self._seq_ids = itertools.count()
-        self._arrival = itertools.count()
-        self._order: dict[int, int] = {}  # seq id -> admission order (FCFS tie-break)
-        self._unforked: dict[int, Sequence] = {}  # n > 1 requests not forked yet: they hold n seats
         self._spare = self.results.spare  # decode records of processed steps, for the next decode
         self._prefills = False  # this step emitted a record of more than one token
         # The step's prefill allowance, prompt shares and holds (engine/core/sched/prefill_plan.py).
@@ -108,7 +106,7 @@ class Scheduler(SchedulerMetrics):
         if params.n > 1:
             self._unforked[seq.seq_id] = seq
         if not held:
-            self._insert_waiting(seq)
+            self.queues.insert_waiting(seq)
 
     def release_held(self, request: Request) -> None:
         """Queue a request added with held=True (unless it finished meanwhile: aborted)."""
@@ -116,7 +114,7 @@ class Scheduler(SchedulerMetrics):
         if seq is None or self.requests.get(request.request_id) is not request:
             return  # (its add failed, or it finished and was handed out)
         if not seq.is_finished and seq not in self.waiting:
-            self._insert_waiting(seq)
+            self.queues.insert_waiting(seq)
 
     def _new_seq(self, request: Request, index: int, tokens: list[int]) -> Sequence:
         seq = Sequence(
@@ -126,7 +124,7 @@ class Scheduler(SchedulerMetrics):
             token_ids=tokens,
             num_prompt_tokens=len(request.prompt_token_ids),
         )
-        self._order[seq.seq_id] = next(self._arrival)
+        self.queues.arrived(seq)
         self.seqs_by_id[seq.seq_id] = seq
         return seq
 
@@ -179,7 +177,7 @@ class Scheduler(SchedulerMetrics):
         """Mark a sequence done and release everything it holds, at once."""
         if seq.is_finished:
             return
-        self._remove_from_queues(seq)
+        self.queues.remove(seq)
         if seq.num_pending:  # tokens of launched steps that will never be shown
             del seq.token_ids[len(seq.token_ids) - seq.num_pending :]
             seq.num_pending = 0
@@ -196,49 +194,13 @@ class Scheduler(SchedulerMetrics):
         if request is not None and request.is_finished:
             del self.requests[request_id]
             for seq in request.seqs:
-                self._order.pop(seq.seq_id, None)
+                self.queues.order.pop(seq.seq_id, None)
                 self.seqs_by_id.pop(seq.seq_id, None)
             return request
         return None
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running or self.swapped)
-
-    # ---- queues ----
-    def _priority_key(self, seq: Sequence) -> tuple[int, int]:
-        return (seq.request.priority, self._order[seq.seq_id])
-
-    def _insert_waiting(self, seq: Sequence) -> None:
-        seq.status = SeqStatus.WAITING
-        bisect.insort(self.waiting, seq, key=self._priority_key)
-
-    def _insert_running(self, seq: Sequence) -> None:
-        """Running stays sorted as it changes (the step does not sort it: admissions are rare)."""
-        seq.status = SeqStatus.RUNNING
-        bisect.insort(self.running, seq, key=self._priority_key)
-
-    def _admit_key(self, seq: Sequence) -> tuple[int, int, int]:
-        """Queue order for room: priority, swapped before waiting at equal priority, arrival."""
-        return (seq.request.priority, 0 if seq.status is SeqStatus.SWAPPED else 1, self._order[seq.seq_id])
-
-    def _queue(self):
-        """Swapped and waiting sequences in admission order (waiting is kept sorted already)."""
-        if not self.swapped:
-            return list(self.waiting)
-        return heapq.merge(sorted(self.swapped, key=self._admit_key), list(self.waiting), key=self._admit_key)
-
-    @staticmethod
-    def _seats(seq: Sequence) -> int:
-        """Running slots a sequence stands for: a request that will fork holds all n."""
-        return seq.request.params.n if not seq.request.forked else 1
-
-    def _seats_used(self) -> int:
-        # No pass over the running queue: only unforked n > 1 requests hold extra seats.
-        return len(self.running) + sum(
-            s.request.params.n - 1
-            for s in self._unforked.values()
-            if s.status is SeqStatus.RUNNING and not s.request.forked
-        )
 
     # ---- the step ----
     def schedule(self) -> SchedulerOutput:
@@ -249,7 +211,8 @@ class Scheduler(SchedulerMetrics):
         if self.swapper is not None:
             self.swapper.begin_step()
         queued = bool(self.waiting or self.swapped)
-        self.plan.begin(self.running, self.waiting, self.config.max_num_seqs - self._seats_used(), self._seats)
+        seats_left = self.config.max_num_seqs - self._seats_used()
+        self.plan.begin(self.running, self.waiting, seats_left, SeqQueues.seats)
         out = self._fill(out, budget, queued)
         if not out.seqs and self.plan.lift(self.running):  # (a held step that ran nothing runs what it held)
             out = self._fill(out, budget, bool(self.waiting or self.swapped))
@@ -266,9 +229,9 @@ class Scheduler(SchedulerMetrics):
     def _fill(self, out: SchedulerOutput, budget: int, queued: bool) -> SchedulerOutput:
         if queued and self.running:
             # 0. A more urgent waiting or swapped sequence may preempt less urgent running ones.
-            head = next(iter(self._queue()))
+            head = next(iter(self.queues.queue()))
             self.preemption.make_room_for_head(
-                head, budget, out, self._seats_used, self._seats, self.config.max_num_seqs
+                head, budget, out, self._seats_used, SeqQueues.seats, self.config.max_num_seqs
             )
         # 1. Running sequences, highest priority first; preempt from the back when short of blocks.
         budget = self._schedule_running(out, budget)
@@ -277,7 +240,7 @@ class Scheduler(SchedulerMetrics):
             budget = self._admit(out, budget)
             if not out.seqs and not self.running and self.swapped:
                 # Nothing can run: the GPU blocks that swapped sequences kept may be what is missing.
-                if self.preemption.demote_swapped(self._admit_key):
+                if self.preemption.demote_swapped(self.queues.admit_key):
                     budget = self._admit(out, budget)
         return out
 
@@ -363,10 +326,10 @@ class Scheduler(SchedulerMetrics):
 
     def _admit(self, out: SchedulerOutput, budget: int) -> int:
         floor = self.preemption.floor
-        for seq in self._queue():
+        for seq in self.queues.queue():
             if floor is not None and seq.request.priority >= floor:
                 break  # this step preempted something at least as urgent: don't take its room
-            if budget <= 0 or self._seats_used() + self._seats(seq) > self.config.max_num_seqs:
+            if budget <= 0 or self._seats_used() + SeqQueues.seats(seq) > self.config.max_num_seqs:
                 break
             if seq.request.paused:
                 continue  # (preempted while its reader is behind: back when it reads)
@@ -405,7 +368,7 @@ class Scheduler(SchedulerMetrics):
             self.pool.record_prefix_query(seq.num_prompt_tokens, hit_tokens)
         self.kv.grow(seq, num_new, out.blocks_to_copy)
         self.waiting.remove(seq)
-        self._insert_running(seq)
+        self.queues.insert_running(seq)
         self._emit(seq, num_new, out)
         plan.left -= num_new
         return budget - num_new
@@ -446,7 +409,7 @@ class Scheduler(SchedulerMetrics):
             return None
         out.blocks_to_swap_in.extend(self.swapper.swap_in(seq))
         self.swapped.remove(seq)
-        self._insert_running(seq)
+        self.queues.insert_running(seq)
         if num_new > 0:
             self.kv.grow(seq, num_new, out.blocks_to_copy)
             self._emit(seq, num_new, out)
@@ -471,15 +434,10 @@ class Scheduler(SchedulerMetrics):
         child.num_computed_tokens = parent.num_computed_tokens
         child.num_cached_tokens = parent.num_cached_tokens
         request.seqs.append(child)
-        self._insert_running(child)
+        self.queues.insert_running(child)
         return child
 
     # ---- bookkeeping ----
-    def _remove_from_queues(self, seq: Sequence) -> None:
-        for queue in (self.waiting, self.running, self.swapped):
-            if seq in queue:
-                queue.remove(seq)
-
     def check_integrity(self) -> None:
         """The pool's own invariants plus the queues' (engine/core/sched/integrity.py)."""
         check_queues(self.kv, self.swapper, self.running, self.waiting, self.swapped, self._spare)
