@@ -7,9 +7,10 @@ Pure CPU over ints and lists (no torch). Each step:
   2. then swapped-out and waiting sequences, most urgent first (priority, swapped before
      waiting at equal priority, then arrival order): swapped ones come back, waiting ones are
      admitted, their prompts chunked to fit the token budget; prefix-cache hits skip the
-     blocks already computed. How much prefill the step takes, and which tokens it holds back
-     (a latency target, whole_prompts_first, CPU micro-steps and prompt waves), is the step's
-     prefill plan (engine/core/sched/prefill_plan.py).
+     blocks already computed (engine/core/sched/admit.py).
+How much prefill the step takes, and which tokens it holds back (a latency target,
+whole_prompts_first, CPU micro-steps and prompt waves), is the step's prefill plan
+(engine/core/sched/prefill_plan.py); the queues' orders and seats are engine/core/sched/queues.py's.
 Before 1., a waiting or swapped sequence more urgent than some running ones may preempt
 them to make room (lower `priority` value = more urgent). A step that preempted admits only
 sequences strictly more urgent than everything it preempted (no thrash).
@@ -29,7 +30,7 @@ from engine.core.kv.allocator import KVAllocator
 from engine.core.kv.block_pool import BlockPool
 from engine.core.outputs import FinishReason, RequestUpdate, SamplerOutput
 from engine.core.request import Request, SeqStatus, Sequence
-from engine.core.request_kinds import task_of
+from engine.core.sched.admit import Admitter
 from engine.core.sched.deltas import SeqDeltas
 from engine.core.sched.integrity import check_queues
 from engine.core.sched.preemption import Preemptor
@@ -89,6 +90,8 @@ class Scheduler(SchedulerMetrics):
         self.plan = PrefillPlan(config, speculative=spec is not None)
         self.step_budget = self.plan.step_budget  # the latency target's (None: no target)
         self.micro, self.wave = self.plan.micro, self.plan.wave
+        # Swapped and waiting sequences in, most urgent first (engine/core/sched/admit.py).
+        self.admitter = Admitter(config, pool, self.kv, swapper, self.preemption, queues, self.plan, self._emit)
 
     # ---- requests in and out ----
     def add_request(self, request: Request, held: bool = False) -> None:
@@ -237,11 +240,11 @@ class Scheduler(SchedulerMetrics):
         budget = self._schedule_running(out, budget)
         if queued:
             # 2. Swapped and waiting sequences, most urgent first, while seats, budget and blocks last.
-            budget = self._admit(out, budget)
+            budget = self.admitter.admit(out, budget)
             if not out.seqs and not self.running and self.swapped:
                 # Nothing can run: the GPU blocks that swapped sequences kept may be what is missing.
                 if self.preemption.demote_swapped(self.queues.admit_key):
-                    budget = self._admit(out, budget)
+                    budget = self.admitter.admit(out, budget)
         return out
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
@@ -324,62 +327,6 @@ class Scheduler(SchedulerMetrics):
         out.num_decode_tokens += decodes
         return budget
 
-    def _admit(self, out: SchedulerOutput, budget: int) -> int:
-        floor = self.preemption.floor
-        for seq in self.queues.queue():
-            if floor is not None and seq.request.priority >= floor:
-                break  # this step preempted something at least as urgent: don't take its room
-            if budget <= 0 or self._seats_used() + SeqQueues.seats(seq) > self.config.max_num_seqs:
-                break
-            if seq.request.paused:
-                continue  # (preempted while its reader is behind: back when it reads)
-            if seq.status is SeqStatus.SWAPPED:
-                if self.plan.hold:
-                    break  # (it comes back to decode: with the decodes)
-                left = self._try_swap_in(seq, out, budget)
-            else:
-                left = self._try_admit(seq, out, budget)
-            if left is None:
-                break  # head of line: nothing less urgent jumps the queue
-            budget = left
-        return budget
-
-    def _try_admit(self, seq: Sequence, out: SchedulerOutput, budget: int) -> int | None:
-        """Admit one waiting sequence (its first chunk); the budget left, or None if it can't."""
-        hit_tokens = 0
-        if seq.num_computed_tokens == 0 and not seq.block_ids:
-            hit_tokens = self._take_prefix_hits(seq)
-        plan = self.plan
-        remaining = seq.num_tokens - seq.num_computed_tokens - (1 if plan.hold_last else 0)
-        if not self.config.enable_chunked_prefill and remaining > budget:
-            if out.seqs:
-                self.kv.drop_prefix_hits(seq)
-                return None  # wait for a step with room for the whole prompt
-            if remaining > self.config.max_num_batched_tokens:
-                raise AssertionError("unchunkable prompt beyond the token budget passed validation")
-        num_new = min(remaining, budget, plan.left, plan.chunk_cap)
-        if remaining == 0 and plan.hold_last and budget > 0:
-            self.kv.drop_prefix_hits(seq)
-            return budget  # (its last token waits for the release: the prompts behind it may start)
-        if num_new <= 0 or not self.kv.can_admit(seq, num_new, bool(self.running)):
-            self.kv.drop_prefix_hits(seq)
-            return None
-        if seq.num_output_tokens == 0 and seq.num_preemptions == 0:
-            self.pool.record_prefix_query(seq.num_prompt_tokens, hit_tokens)
-        self.kv.grow(seq, num_new, out.blocks_to_copy)
-        self.waiting.remove(seq)
-        self.queues.insert_running(seq)
-        self._emit(seq, num_new, out)
-        plan.left -= num_new
-        return budget - num_new
-
-    def _take_prefix_hits(self, seq: Sequence) -> int:
-        """Reuse cached full blocks where the request allows it; returns the prompt tokens found."""
-        request = seq.request
-        if not self.pool.enable_prefix_caching or not task_of(request).prefix_cacheable:
-            return 0  # (e.g. prompt logprobs need every prompt position computed)
-        return self.kv.take_prefix_hits(seq)
-
     def _emit(self, seq: Sequence, num_new: int, out: SchedulerOutput, drafts: list[int] | None = None) -> None:
         request = seq.request
         start = seq.num_computed_tokens
@@ -399,21 +346,6 @@ class Scheduler(SchedulerMetrics):
             out.num_prefill_tokens += num_new
         if request.first_scheduled_time is None:
             request.first_scheduled_time = time.monotonic()
-
-    # ---- swap in (preemption: engine/core/sched/preemption.py) ----
-    def _try_swap_in(self, seq: Sequence, out: SchedulerOutput, budget: int) -> int | None:
-        """Bring one swapped sequence back (and schedule its next tokens); None if it can't."""
-        assert self.swapper is not None
-        num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
-        if self.preemption.blocks_to_start(seq, budget) > self.kv.available_for(seq.request.priority):
-            return None
-        out.blocks_to_swap_in.extend(self.swapper.swap_in(seq))
-        self.swapped.remove(seq)
-        self.queues.insert_running(seq)
-        if num_new > 0:
-            self.kv.grow(seq, num_new, out.blocks_to_copy)
-            self._emit(seq, num_new, out)
-        return budget - num_new
 
     # ---- after the step (engine/core/sched/step_update.py) ----
     def launched(self, out: SchedulerOutput) -> None:
