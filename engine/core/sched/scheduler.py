@@ -7,8 +7,10 @@ Pure CPU over ints and lists (no torch). Each step:
   2. then swapped-out and waiting sequences, most urgent first (priority, swapped before
      waiting at equal priority, then arrival order): swapped ones come back, waiting ones are
      admitted, their prompts chunked to fit the token budget; prefix-cache hits skip the
-     blocks already computed. With whole_prompts_first, 1. leaves waiting prompts that fit whole
-     room before a running prompt's next piece (engine/core/sched/step_budget.py).
+     blocks already computed (engine/core/sched/admit.py).
+How much prefill the step takes, and which tokens it holds back (a latency target,
+whole_prompts_first, CPU micro-steps and prompt waves), is the step's prefill plan
+(engine/core/sched/prefill_plan.py); the queues' orders and seats are engine/core/sched/queues.py's.
 Before 1., a waiting or swapped sequence more urgent than some running ones may preempt
 them to make room (lower `priority` value = more urgent). A step that preempted admits only
 sequences strictly more urgent than everything it preempted (no thrash).
@@ -20,8 +22,6 @@ results engine/core/sched/step_update.py's.
 
 from __future__ import annotations
 
-import bisect
-import heapq
 import itertools
 import time
 from typing import TYPE_CHECKING
@@ -30,21 +30,15 @@ from engine.core.kv.allocator import KVAllocator
 from engine.core.kv.block_pool import BlockPool
 from engine.core.outputs import FinishReason, RequestUpdate, SamplerOutput
 from engine.core.request import Request, SeqStatus, Sequence
-from engine.core.request_kinds import task_of
+from engine.core.sched.admit import Admitter
 from engine.core.sched.deltas import SeqDeltas
 from engine.core.sched.integrity import check_queues
 from engine.core.sched.preemption import Preemptor
+from engine.core.sched.prefill_plan import PrefillPlan
+from engine.core.sched.queues import SeqQueues
 from engine.core.sched.scheduler_config import SchedulerConfig
 from engine.core.sched.scheduler_metrics import SchedulerMetrics
 from engine.core.sched.scheduler_output import SchedulerOutput, scheduled_seq
-from engine.core.sched.step_budget import (
-    MicroSteps,
-    PrefillWave,
-    StepBudget,
-    chunk_cap,
-    num_decodes,
-    whole_prompts_reserve,
-)
 from engine.core.sched.step_update import StepResults
 
 if TYPE_CHECKING:
@@ -70,11 +64,13 @@ class Scheduler(SchedulerMetrics):
         self.spec = spec  # speculative decoding: drafts for decoding sequences, and their acceptance
         self.seqs_by_id: dict[int, Sequence] = {}  # every sequence of an unfinished request
         self.deltas = SeqDeltas()  # what the worker holds of each sequence (block table, tokens)
-        self.waiting: list[Sequence] = []
-        self.running: list[Sequence] = []  # kept in _priority_key order (most urgent first)
-        self.swapped: list[Sequence] = []
+        # The queues in their orders, and the running seats (engine/core/sched/queues.py).
+        self.queues = queues = SeqQueues()
+        self.waiting, self.running, self.swapped = queues.waiting, queues.running, queues.swapped
+        self._unforked = queues.unforked  # n > 1 requests not forked yet: they hold n seats
+        self._seats_used = queues.seats_used  # running seats taken (n per unforked request)
         self.preemption = Preemptor(
-            config.preemption_mode, self.kv, swapper, self.running, self.swapped, self._insert_waiting
+            config.preemption_mode, self.kv, swapper, self.running, self.swapped, queues.insert_waiting
         )
         self.results = StepResults(
             self.kv,
@@ -88,24 +84,14 @@ class Scheduler(SchedulerMetrics):
         )
         self.requests: dict[str, Request] = {}
         self._seq_ids = itertools.count()
-        self._arrival = itertools.count()
-        self._order: dict[int, int] = {}  # seq id -> admission order (FCFS tie-break)
-        self._unforked: dict[int, Sequence] = {}  # n > 1 requests not forked yet: they hold n seats
         self._spare = self.results.spare  # decode records of processed steps, for the next decode
         self._prefills = False  # this step emitted a record of more than one token
-        # The latency target's prefill allowance (None: no target; chunking is what enforces it).
-        self.step_budget = StepBudget.of(config)  # None: no latency target
-        self._prefill_left = 0  # prefill tokens this step may still take
-        self._held = 0  # of those, held back from running prompts for waiting ones (whole_prompts_first)
-        # One prompt's share of a step (chunked prefill): short prompts queued behind a long one start beside it.
-        self._chunk_cap = chunk_cap(config)
-        mb = config.micro_batch_tokens if config.enable_chunked_prefill and spec is None else 0
-        self.micro = MicroSteps(mb, config.max_num_batched_tokens) if mb else None  # (CPU: cpu_micro_batch_tokens)
-        self._hold = False  # this step holds the decodes (MicroSteps)
-        wave = config.prefill_wave_tokens if config.enable_chunked_prefill and spec is None else 0
-        # (CPU: cpu_prefill_wave_tokens; a wave no larger than a step holds nothing)
-        self.wave = PrefillWave(config.max_num_batched_tokens, wave) if wave > config.max_num_batched_tokens else None
-        self._hold_last = False  # this step holds its prompts' last tokens, not its decodes (PrefillWave)
+        # The step's prefill allowance, prompt shares and holds (engine/core/sched/prefill_plan.py).
+        self.plan = PrefillPlan(config, speculative=spec is not None)
+        self.step_budget = self.plan.step_budget  # the latency target's (None: no target)
+        self.micro, self.wave = self.plan.micro, self.plan.wave
+        # Swapped and waiting sequences in, most urgent first (engine/core/sched/admit.py).
+        self.admitter = Admitter(config, pool, self.kv, swapper, self.preemption, queues, self.plan, self._emit)
 
     # ---- requests in and out ----
     def add_request(self, request: Request, held: bool = False) -> None:
@@ -123,7 +109,7 @@ class Scheduler(SchedulerMetrics):
         if params.n > 1:
             self._unforked[seq.seq_id] = seq
         if not held:
-            self._insert_waiting(seq)
+            self.queues.insert_waiting(seq)
 
     def release_held(self, request: Request) -> None:
         """Queue a request added with held=True (unless it finished meanwhile: aborted)."""
@@ -131,7 +117,7 @@ class Scheduler(SchedulerMetrics):
         if seq is None or self.requests.get(request.request_id) is not request:
             return  # (its add failed, or it finished and was handed out)
         if not seq.is_finished and seq not in self.waiting:
-            self._insert_waiting(seq)
+            self.queues.insert_waiting(seq)
 
     def _new_seq(self, request: Request, index: int, tokens: list[int]) -> Sequence:
         seq = Sequence(
@@ -141,7 +127,7 @@ class Scheduler(SchedulerMetrics):
             token_ids=tokens,
             num_prompt_tokens=len(request.prompt_token_ids),
         )
-        self._order[seq.seq_id] = next(self._arrival)
+        self.queues.arrived(seq)
         self.seqs_by_id[seq.seq_id] = seq
         return seq
 
@@ -194,7 +180,7 @@ class Scheduler(SchedulerMetrics):
         """Mark a sequence done and release everything it holds, at once."""
         if seq.is_finished:
             return
-        self._remove_from_queues(seq)
+        self.queues.remove(seq)
         if seq.num_pending:  # tokens of launched steps that will never be shown
             del seq.token_ids[len(seq.token_ids) - seq.num_pending :]
             seq.num_pending = 0
@@ -211,7 +197,7 @@ class Scheduler(SchedulerMetrics):
         if request is not None and request.is_finished:
             del self.requests[request_id]
             for seq in request.seqs:
-                self._order.pop(seq.seq_id, None)
+                self.queues.order.pop(seq.seq_id, None)
                 self.seqs_by_id.pop(seq.seq_id, None)
             return request
         return None
@@ -219,75 +205,21 @@ class Scheduler(SchedulerMetrics):
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running or self.swapped)
 
-    # ---- queues ----
-    def _priority_key(self, seq: Sequence) -> tuple[int, int]:
-        return (seq.request.priority, self._order[seq.seq_id])
-
-    def _insert_waiting(self, seq: Sequence) -> None:
-        seq.status = SeqStatus.WAITING
-        bisect.insort(self.waiting, seq, key=self._priority_key)
-
-    def _insert_running(self, seq: Sequence) -> None:
-        """Running stays sorted as it changes (the step does not sort it: admissions are rare)."""
-        seq.status = SeqStatus.RUNNING
-        bisect.insort(self.running, seq, key=self._priority_key)
-
-    def _admit_key(self, seq: Sequence) -> tuple[int, int, int]:
-        """Queue order for room: priority, swapped before waiting at equal priority, arrival."""
-        return (seq.request.priority, 0 if seq.status is SeqStatus.SWAPPED else 1, self._order[seq.seq_id])
-
-    def _queue(self):
-        """Swapped and waiting sequences in admission order (waiting is kept sorted already)."""
-        if not self.swapped:
-            return list(self.waiting)
-        return heapq.merge(sorted(self.swapped, key=self._admit_key), list(self.waiting), key=self._admit_key)
-
-    @staticmethod
-    def _seats(seq: Sequence) -> int:
-        """Running slots a sequence stands for: a request that will fork holds all n."""
-        return seq.request.params.n if not seq.request.forked else 1
-
-    def _seats_used(self) -> int:
-        # No pass over the running queue: only unforked n > 1 requests hold extra seats.
-        return len(self.running) + sum(
-            s.request.params.n - 1
-            for s in self._unforked.values()
-            if s.status is SeqStatus.RUNNING and not s.request.forked
-        )
-
     # ---- the step ----
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
-        self._prefill_left = budget if self.step_budget is None else self.step_budget.allowance(self.running)
         self.preemption.begin_step()
         self._prefills = False
         if self.swapper is not None:
             self.swapper.begin_step()
         queued = bool(self.waiting or self.swapped)
-        self._held, self._hold = 0, False
         seats_left = self.config.max_num_seqs - self._seats_used()
-        if self.waiting and self.running and self.config.whole_prompts_first and self.config.enable_chunked_prefill:
-            self._held = whole_prompts_reserve(self.running, self.waiting, seats_left, self._prefill_left, self._seats)
-        if self.micro is not None:
-            self._hold, allowance = self.micro.plan(self.running, self.waiting, seats_left)
-            self._prefill_left = min(self._prefill_left, allowance)
-        self._hold_last = self._hold or (
-            self.wave is not None and self.wave.plan(self.running, self.waiting, seats_left)
-        )
+        self.plan.begin(self.running, self.waiting, seats_left, SeqQueues.seats)
         out = self._fill(out, budget, queued)
-        if self._hold and not out.seqs:  # (nothing could run held: run the decodes now)
-            assert self.micro is not None
-            self._hold = self._hold_last = False
-            self._prefill_left = min(self._prefill_left, max(self.micro.tokens - num_decodes(self.running), 0))
+        if not out.seqs and self.plan.lift(self.running):  # (a held step that ran nothing runs what it held)
             out = self._fill(out, budget, bool(self.waiting or self.swapped))
-        elif self._hold_last and not out.seqs:  # (only last tokens were left to run: run them)
-            self._hold_last = False
-            out = self._fill(out, budget, bool(self.waiting or self.swapped))
-        if self.micro is not None:
-            self.micro.ran(self._hold, out.num_prefill_tokens)
-        if self.wave is not None:
-            self.wave.ran(self._hold_last, out.num_prefill_tokens)  # (a MicroSteps hold counts too)
+        self.plan.ran(out.num_prefill_tokens)
         if self._prefills:
             # One-token sequences first: backends attend decodes and prefill chunks separately.
             out.seqs.sort(key=lambda s: s.num_tokens != 1)
@@ -300,19 +232,19 @@ class Scheduler(SchedulerMetrics):
     def _fill(self, out: SchedulerOutput, budget: int, queued: bool) -> SchedulerOutput:
         if queued and self.running:
             # 0. A more urgent waiting or swapped sequence may preempt less urgent running ones.
-            head = next(iter(self._queue()))
+            head = next(iter(self.queues.queue()))
             self.preemption.make_room_for_head(
-                head, budget, out, self._seats_used, self._seats, self.config.max_num_seqs
+                head, budget, out, self._seats_used, SeqQueues.seats, self.config.max_num_seqs
             )
         # 1. Running sequences, highest priority first; preempt from the back when short of blocks.
         budget = self._schedule_running(out, budget)
         if queued:
             # 2. Swapped and waiting sequences, most urgent first, while seats, budget and blocks last.
-            budget = self._admit(out, budget)
+            budget = self.admitter.admit(out, budget)
             if not out.seqs and not self.running and self.swapped:
                 # Nothing can run: the GPU blocks that swapped sequences kept may be what is missing.
-                if self.preemption.demote_swapped(self._admit_key):
-                    budget = self._admit(out, budget)
+                if self.preemption.demote_swapped(self.queues.admit_key):
+                    budget = self.admitter.admit(out, budget)
         return out
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
@@ -325,8 +257,9 @@ class Scheduler(SchedulerMetrics):
         plain = self.spec is None  # no drafts to propose: a decode can take the fast path
         no_reserve = self.kv.reserved_blocks == 0
         delta = self.deltas.delta
-        hold = self._hold  # (MicroSteps: decodes and prompts' last tokens wait; pieces stop one short)
-        hold_last = self._hold_last  # (PrefillWave, and MicroSteps: prompts' last tokens wait)
+        plan = self.plan
+        hold = plan.hold  # (MicroSteps: decodes and prompts' last tokens wait; pieces stop one short)
+        hold_last = plan.hold_last  # (PrefillWave, and MicroSteps: prompts' last tokens wait)
         decodes = 0
         i = 0
         while i < len(running) and budget > 0:
@@ -370,15 +303,11 @@ class Scheduler(SchedulerMetrics):
                 continue
             if num_new > budget:
                 num_new = budget
-            if num_new > 1:  # a prefill piece: within the step's prefill allowance
-                room = min(self._prefill_left, budget)
-                if self._held:  # (whole_prompts_first: leave room for waiting prompts and later decodes)
-                    room -= self._held + num_decodes(running[i + 1 :])
-                if room <= 0:
+            if num_new > 1:  # a prefill piece: within the step's prefill plan
+                num_new = plan.piece(num_new, budget, len(tokens) - start, running, i + 1)
+                if not num_new:
                     i += 1
                     continue
-                num_new = min(num_new, room, self._chunk_cap, len(tokens) - start - 1 if hold_last else num_new)
-                self._prefill_left -= num_new
             drafts = self.spec.drafts(seq, budget) if num_new == 1 and self.spec is not None else []
             if drafts and self.kv.can_grow(seq, 1 + len(drafts)):
                 num_new = 1 + len(drafts)  # drafts only where blocks are free: they never preempt
@@ -397,61 +326,6 @@ class Scheduler(SchedulerMetrics):
             i += 1
         out.num_decode_tokens += decodes
         return budget
-
-    def _admit(self, out: SchedulerOutput, budget: int) -> int:
-        floor = self.preemption.floor
-        for seq in self._queue():
-            if floor is not None and seq.request.priority >= floor:
-                break  # this step preempted something at least as urgent: don't take its room
-            if budget <= 0 or self._seats_used() + self._seats(seq) > self.config.max_num_seqs:
-                break
-            if seq.request.paused:
-                continue  # (preempted while its reader is behind: back when it reads)
-            if seq.status is SeqStatus.SWAPPED:
-                if self._hold:
-                    break  # (it comes back to decode: with the decodes)
-                left = self._try_swap_in(seq, out, budget)
-            else:
-                left = self._try_admit(seq, out, budget)
-            if left is None:
-                break  # head of line: nothing less urgent jumps the queue
-            budget = left
-        return budget
-
-    def _try_admit(self, seq: Sequence, out: SchedulerOutput, budget: int) -> int | None:
-        """Admit one waiting sequence (its first chunk); the budget left, or None if it can't."""
-        hit_tokens = 0
-        if seq.num_computed_tokens == 0 and not seq.block_ids:
-            hit_tokens = self._take_prefix_hits(seq)
-        remaining = seq.num_tokens - seq.num_computed_tokens - (1 if self._hold_last else 0)
-        if not self.config.enable_chunked_prefill and remaining > budget:
-            if out.seqs:
-                self.kv.drop_prefix_hits(seq)
-                return None  # wait for a step with room for the whole prompt
-            if remaining > self.config.max_num_batched_tokens:
-                raise AssertionError("unchunkable prompt beyond the token budget passed validation")
-        num_new = min(remaining, budget, self._prefill_left, self._chunk_cap)
-        if remaining == 0 and self._hold_last and budget > 0:
-            self.kv.drop_prefix_hits(seq)
-            return budget  # (its last token waits for the release: the prompts behind it may start)
-        if num_new <= 0 or not self.kv.can_admit(seq, num_new, bool(self.running)):
-            self.kv.drop_prefix_hits(seq)
-            return None
-        if seq.num_output_tokens == 0 and seq.num_preemptions == 0:
-            self.pool.record_prefix_query(seq.num_prompt_tokens, hit_tokens)
-        self.kv.grow(seq, num_new, out.blocks_to_copy)
-        self.waiting.remove(seq)
-        self._insert_running(seq)
-        self._emit(seq, num_new, out)
-        self._prefill_left -= num_new
-        return budget - num_new
-
-    def _take_prefix_hits(self, seq: Sequence) -> int:
-        """Reuse cached full blocks where the request allows it; returns the prompt tokens found."""
-        request = seq.request
-        if not self.pool.enable_prefix_caching or not task_of(request).prefix_cacheable:
-            return 0  # (e.g. prompt logprobs need every prompt position computed)
-        return self.kv.take_prefix_hits(seq)
 
     def _emit(self, seq: Sequence, num_new: int, out: SchedulerOutput, drafts: list[int] | None = None) -> None:
         request = seq.request
@@ -473,21 +347,6 @@ class Scheduler(SchedulerMetrics):
         if request.first_scheduled_time is None:
             request.first_scheduled_time = time.monotonic()
 
-    # ---- swap in (preemption: engine/core/sched/preemption.py) ----
-    def _try_swap_in(self, seq: Sequence, out: SchedulerOutput, budget: int) -> int | None:
-        """Bring one swapped sequence back (and schedule its next tokens); None if it can't."""
-        assert self.swapper is not None
-        num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
-        if self.preemption.blocks_to_start(seq, budget) > self.kv.available_for(seq.request.priority):
-            return None
-        out.blocks_to_swap_in.extend(self.swapper.swap_in(seq))
-        self.swapped.remove(seq)
-        self._insert_running(seq)
-        if num_new > 0:
-            self.kv.grow(seq, num_new, out.blocks_to_copy)
-            self._emit(seq, num_new, out)
-        return budget - num_new
-
     # ---- after the step (engine/core/sched/step_update.py) ----
     def launched(self, out: SchedulerOutput) -> None:
         """The step is on the device: advance its sequences now (placeholders for sampled tokens)."""
@@ -507,15 +366,10 @@ class Scheduler(SchedulerMetrics):
         child.num_computed_tokens = parent.num_computed_tokens
         child.num_cached_tokens = parent.num_cached_tokens
         request.seqs.append(child)
-        self._insert_running(child)
+        self.queues.insert_running(child)
         return child
 
     # ---- bookkeeping ----
-    def _remove_from_queues(self, seq: Sequence) -> None:
-        for queue in (self.waiting, self.running, self.swapped):
-            if seq in queue:
-                queue.remove(seq)
-
     def check_integrity(self) -> None:
         """The pool's own invariants plus the queues' (engine/core/sched/integrity.py)."""
         check_queues(self.kv, self.swapper, self.running, self.waiting, self.swapped, self._spare)
