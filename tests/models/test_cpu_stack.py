@@ -237,9 +237,8 @@ def test_packed_gguf_stack_equals_layers(dtype):
     """SmolLM2's Q4_1 GGUF kept packed (float activations in float32, int8 ones in bfloat16): the
     stack runs up to the rows where prefill chunks go to the GEMM (63; int8: 127, or on VNNI kernels
     the MLP's row pieces, 256), here a 49-row step."""
-    from engine.layers.quant import cpu_packed
-
     from engine.config.settings_base import default_cache_dir
+    from engine.layers.quant import cpu_packed
     from tests.support.real_model import Unavailable, fetch_smollm2
 
     try:
