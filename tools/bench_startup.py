@@ -10,8 +10,10 @@ log line (imports, settings, the model's config), the tokenizer and the weights 
 to "engine ready" (KV, packing, huge pages, kernels, warm-up) and from there to health 200. CPU is
 the process's user + system seconds at that moment: on a busy machine it varies less than the
 wall time; the CPU columns give it at the first log line (read from /proc as the line arrives:
-the imports' share), for the weights phase (its log line's own CPU figure) and at health 200.
-Best (lowest-CPU) run of each tree, and each tree's median CPU over its runs.
+the imports' share), for the weights phase (its log line's own CPU figure), at "engine ready" (read
+as that line arrives) and at health 200.
+Best (lowest-CPU) run of each tree, and each tree's median CPU over its runs; then every column's
+median over each tree's runs.
 
 Each tree's Python files are byte-compiled first, as an install leaves them: a checkout run with
 PYTHONDONTWRITEBYTECODE set (as some shells and CI have it) would otherwise compile kiln's modules
@@ -61,6 +63,7 @@ def run_once(tree: Path, model: str, extra: list[str], timeout: float = 300.0) -
     proc = subprocess.Popen(cmd, cwd=tree, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     lines: list[tuple[float, str]] = []
     first_log_cpu: list[float | None] = []
+    engine_ready_cpu: list[float | None] = []
 
     def pump() -> None:
         assert proc.stdout is not None
@@ -68,6 +71,8 @@ def run_once(tree: Path, model: str, extra: list[str], timeout: float = 300.0) -
             lines.append((time.perf_counter() - t0, line.rstrip()))
             if not first_log_cpu and re.search(r" INFO engine\.", line):
                 first_log_cpu.append(process_cpu(proc.pid))
+            if not engine_ready_cpu and re.search(r"engine ready", line):
+                engine_ready_cpu.append(process_cpu(proc.pid))
 
     threading.Thread(target=pump, daemon=True).start()
     ready = cpu = None
@@ -110,6 +115,7 @@ def run_once(tree: Path, model: str, extra: list[str], timeout: float = 300.0) -
         "ready (wall)": ready,
         "first log (CPU)": (first_log_cpu or [None])[0] or float("nan"),
         "weights (CPU)": took(r"loading weights of", r"done in [0-9.]+s \(CPU ([0-9.]+)s"),
+        "engine ready (CPU)": (engine_ready_cpu or [None])[0] or float("nan"),
         "ready (CPU)": cpu or 0.0,
     }
 
@@ -128,6 +134,7 @@ def main(argv: list[str] | None = None) -> int:
             compileall.compile_dir(str(tree / package), quiet=1)
     best: dict[Path, dict[str, float]] = {}
     cpus: dict[Path, list[float]] = {tree: [] for tree in trees}
+    runs: dict[Path, list[dict[str, float]]] = {tree: [] for tree in trees}
     print(f"load before: {_load()}", flush=True)
     for r in range(args.runs):
         for tree in trees:  # (alternating: both see the same load)
@@ -135,6 +142,7 @@ def main(argv: list[str] | None = None) -> int:
             wall, cpu = got["ready (wall)"], got["ready (CPU)"]
             print(f"run {r + 1} {tree}: ready {wall:.2f}s wall, {cpu:.2f}s CPU (load {_load()})", flush=True)
             cpus[tree].append(cpu)
+            runs[tree].append(got)
             if tree not in best or got["ready (CPU)"] < best[tree]["ready (CPU)"]:
                 best[tree] = got
     names = list(next(iter(best.values())))
@@ -142,6 +150,10 @@ def main(argv: list[str] | None = None) -> int:
     for tree, got in best.items():
         median = statistics.median(cpus[tree])
         print(f"| {tree} | " + " | ".join(f"{got[n]:.2f}" for n in names) + f" | {median:.2f} |")
+    print("\nmedians over each tree's runs, column by column:\n| tree | " + " | ".join(names) + " |")
+    print("|" + " --- |" * (len(names) + 1))
+    for tree, got_all in runs.items():
+        print(f"| {tree} | " + " | ".join(f"{statistics.median(g[n] for g in got_all):.2f}" for n in names) + " |")
     if len(trees) > 1:
         base = statistics.median(cpus[trees[0]])
         ratios = ", ".join(f"{statistics.median(cpus[t]) / base:.2f}x" for t in trees[1:])

@@ -166,7 +166,7 @@ class EngineBuilder:
                 gguf_dequantize=settings.gguf_dequantize,
                 tp=self._model_tp(),
                 quant_activations=settings.cpu_quant_activations,
-                on_allocated=builder_cpu.advise_huge_pages if huge_pages else None,
+                on_allocated=builder_cpu.huge_page_advice() if huge_pages else None,
             )
             if self.device.type == "cpu" and has_packed_layers(self.model):
                 logger.info(

@@ -6,7 +6,7 @@ first request compiles and builds nothing. Each choice is logged with why."""
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -32,11 +32,13 @@ def step_token_budget(s: EngineSettings) -> int:
     return min(s.max_num_batched_tokens, CPU_STEP_TOKENS)
 
 
-def advise_huge_pages(tensors: list[torch.Tensor]) -> None:
-    """Before the weights are written: their pages fault in as huge pages (no collapse copy later)."""
-    from engine.worker.cpu_huge_pages import advise_huge_pages as advise
+def huge_page_advice() -> Callable[[list[torch.Tensor]], None]:
+    """The loader's on_allocated: before the weights are written, their pages are advised to fault
+    in as huge pages (no collapse copy later); one advice for the whole load (it keeps the
+    mappings it read)."""
+    from engine.worker.cpu_huge_pages import HugePageAdvice
 
-    advise(tensors)
+    return HugePageAdvice()
 
 
 def finish_weights(

