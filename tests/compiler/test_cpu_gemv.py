@@ -316,7 +316,7 @@ def test_packed_layer_every_row_count(float_acts, gemm_rows):
     cpu_packed.install(layer, runs, packed, None, float_acts)
     assert layer.weight is None and [r[2] for r in layer.gemv_runs] == [GGUF_FORMATS["Q4_K"], GGUF_FORMATS["Q6_K"]]
     torch.testing.assert_close(layer.quant.weight(layer, torch.float32), w, rtol=0, atol=1e-6 * w.abs().max())
-    assert layer.quant.gemm_rows == cpu_packed.GEMM_ROWS[float_acts]
+    assert layer.quant.gemm_rows == cpu_packed.default_gemm_rows(float_acts)
     if gemm_rows is not None:
         layer.quant.gemm_rows = gemm_rows
     gemm_from = layer.quant.gemm_rows

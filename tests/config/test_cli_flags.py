@@ -278,7 +278,7 @@ def test_global_log_level_reaches_serve(monkeypatch, caplog):
     import engine.entrypoints.openai.main
 
     seen = {}
-    monkeypatch.setattr(engine.entrypoints.openai.main, "serve", lambda e, s: seen.update(server=s) or 0)
+    monkeypatch.setattr(engine.entrypoints.openai.main, "serve", lambda e, s, **_: seen.update(server=s) or 0)
     assert main(["--log-level", "WARNING", "serve", "--port", "0"]) == 0
     assert seen["server"].log_level == "warning"
     assert logging.getLogger().level == logging.WARNING

@@ -21,7 +21,7 @@ def clean_env(tmp_path, monkeypatch):
 @pytest.fixture
 def fake_serve(monkeypatch):
     seen = {}
-    monkeypatch.setattr(engine.entrypoints.openai.main, "serve", lambda e, s: seen.update(engine=e, server=s) or 0)
+    monkeypatch.setattr(engine.entrypoints.openai.main, "serve", lambda e, s, **_: seen.update(engine=e, server=s) or 0)
     return seen
 
 

@@ -29,3 +29,6 @@ def test_serve_starts_without_full_collections_and_gets_the_thresholds_back(monk
         gc.unfreeze()
     assert seen["during"] == (before[0], before[1], cli.NO_FULL_COLLECTION)
     assert seen["handed"] == before and seen["after"] == before
+    # a serve that ends before ready (or raises) leaves the thresholds as they were
+    monkeypatch.setattr(server, "serve", lambda e, s, **_: 0)
+    assert cli._cmd_serve(args) == 0 and gc.get_threshold() == before

@@ -407,7 +407,7 @@ def test_data_parallel_size_serves_replicas_behind_a_router(monkeypatch):
     import engine.entrypoints.openai.main
 
     seen.clear()
-    monkeypatch.setattr(engine.entrypoints.openai.main, "serve", lambda e, s: seen.update(serve=s.port) or 0)
+    monkeypatch.setattr(engine.entrypoints.openai.main, "serve", lambda e, s, **_: seen.update(serve=s.port) or 0)
     assert main(["serve", "--data-parallel-size=1", "--port", "9001"]) == 0
     assert seen == {"serve": 9001}  # (one: a plain serve)
     assert replicas_argv(["--data-parallel-size=2", "m", "--port=1"], 2, "h", 5) == [
@@ -436,7 +436,7 @@ def test_kiln_serve_logs_no_effect_flags_once_at_start(monkeypatch, caplog):
     import engine.entrypoints.openai.main
     from engine.entrypoints.cli.main import main
 
-    monkeypatch.setattr(engine.entrypoints.openai.main, "serve", lambda e, s: 0)
+    monkeypatch.setattr(engine.entrypoints.openai.main, "serve", lambda e, s, **_: 0)
     argv = ["serve", "--port", "0", "--disable-custom-all-reduce", "-O3", "--compilation_config.mode=3", "-pp", "1"]
     with caplog.at_level(logging.WARNING, logger="engine.entrypoints.cli.flags"):
         assert main(argv) == 0

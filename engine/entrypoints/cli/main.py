@@ -126,9 +126,12 @@ NO_FULL_COLLECTION = 1 << 30
 def _cmd_serve(args: argparse.Namespace) -> int:
     thresholds = gc.get_threshold()
     gc.set_threshold(thresholds[0], thresholds[1], NO_FULL_COLLECTION)
-    from engine.entrypoints.openai.main import serve
+    try:
+        from engine.entrypoints.openai.main import serve
 
-    return serve(settings_from_args(args), settings_from_args(args, ServerSettings), gc_thresholds=thresholds)
+        return serve(settings_from_args(args), settings_from_args(args, ServerSettings), gc_thresholds=thresholds)
+    finally:  # (a serve that ended before ready, or raised, leaves no thresholds of start-up behind)
+        gc.set_threshold(*thresholds)
 
 
 def parse_serve_args(argv: list[str]) -> tuple:
