@@ -260,7 +260,8 @@ class EngineSettings(KilnSettingsBase):
         description="on the CPU, steps of at least this many rows run a quantised layer as a GEMM on its "
         "dequantised weight instead of the weight-streaming kernels; default: the crossover measured on this "
         "machine per kernel family and activation path (`kiln build-kernels --cpu` measures and caches it), "
-        "or 64 rows (float activations) / 128 (int8) where not measured",
+        "or where not measured 64 rows (float activations) / 128 (int8; never on VNNI kernels, which beat the GEMM "
+        "at every row count measured)",
     )
 
     # --- logging ---
